@@ -1,0 +1,60 @@
+"""Buffer stage: group samples by prompt, compute group-relative advantages, drop the groups
+that carry no signal, and assemble the training batch.
+
+Dropped and counted: groups with zero reward variance, samples older than
+`buffer.max_staleness` policy versions, and groups left smaller than 2 by either. Failed
+samples keep their reward of 0 and stay in their group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from moerl.config import BufferConfig
+from moerl.records import ScoredSample, TrainSample, read_records, write_records
+from moerl.components.buffer.advantage import group_advantages
+
+
+def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int) -> tuple[list[TrainSample], dict[str, float]]:
+    groups: dict[str, list[ScoredSample]] = defaultdict(list)
+    stale = 0
+    for s in scored:
+        if trainer_version - s.policy_version > cfg.max_staleness:
+            stale += 1
+            continue
+        groups[s.prompt_id].append(s)
+    batch: list[TrainSample] = []
+    dropped_zero_var = dropped_small = 0
+    for members in groups.values():
+        if len(members) < 2:
+            dropped_small += 1
+            continue
+        adv, zero_var = group_advantages([m.reward for m in members], cfg.advantage_eps, cfg.normalize_by_std)
+        if zero_var and cfg.drop_zero_variance_groups:
+            dropped_zero_var += 1
+            continue
+        batch.extend(
+            TrainSample(prompt_token_ids=m.prompt_token_ids, response_token_ids=m.response_token_ids,
+                        response_logprobs=m.response_logprobs, advantage=a, policy_version=m.policy_version)
+            for m, a in zip(members, adv)
+        )
+    n_groups = max(len(groups), 1)
+    return batch, {
+        "buffer/groups": float(len(groups)),
+        "buffer/dropped_zero_variance_groups": float(dropped_zero_var),
+        "buffer/dropped_zero_variance_fraction": dropped_zero_var / n_groups,
+        "buffer/dropped_small_groups": float(dropped_small),
+        "buffer/stale_samples": float(stale),
+        "buffer/batch_samples": float(len(batch)),
+        "buffer/staleness_max": float(max((trainer_version - s.policy_version for s in scored), default=0)),
+    }
+
+
+def run_buffer(cfg: BufferConfig, scored_path: str | Path, trainer_version: int, out_path: str | Path) -> dict[str, float]:
+    t0 = time.perf_counter()
+    batch, metrics = assemble(read_records(scored_path, ScoredSample), cfg, trainer_version)
+    write_records(out_path, batch)
+    metrics["timing/buffer_s"] = time.perf_counter() - t0
+    return metrics

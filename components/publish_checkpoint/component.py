@@ -1,0 +1,32 @@
+"""KFP components: publish the initial policy (version 0) and each new version."""
+
+from typing import NamedTuple
+
+from kfp.dsl import Artifact, Input, Output
+
+
+def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
+    """Build version 0 (the tiny model from its seed, or a copy of `model.path`), publish it to
+    the checkpoint store, and return its PolicyVersion as JSON. `state` is the trainer state
+    the first policy update starts from."""
+    from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
+    from moerl.config import config_from_json
+
+    cfg = config_from_json(config_json)
+    prepare_initial(cfg, state.path)
+    policy, _ = run_publish(cfg, run_id, state.path, 0)
+    return policy.model_dump_json()
+
+
+def publish_checkpoint(config_json: str, run_id: str, state: Input[Artifact], version: int) -> NamedTuple(
+        "Published", [("policy_json", str), ("metrics", dict)]):
+    """Publish the model in `state` as `version` (HF safetensors + config + tokenizer + a
+    manifest with every file's sha256). `latest` moves only after the manifest is verified.
+    Returns the PolicyVersion JSON and `weights/*` metrics."""
+    from collections import namedtuple
+
+    from moerl.components.publish_checkpoint.stage import run_publish
+    from moerl.config import config_from_json
+
+    policy, metrics = run_publish(config_from_json(config_json), run_id, state.path, version)
+    return namedtuple("Published", ["policy_json", "metrics"])(policy.model_dump_json(), metrics)

@@ -1,0 +1,49 @@
+"""Publish checkpoint stage: make policy version v durable in the checkpoint store.
+
+The store writes every file, then the manifest (size + sha256 of each file), reads the
+manifest back, and only then moves `latest` (see `moerl.store`). A failure anywhere leaves
+`latest` on the previous complete version.
+
+`prepare_initial` makes version 0: the user's `model.path`, or the tiny model built from its
+seed, laid out as a trainer state (`model/`) and published like any other version.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from moerl.checkpoints import run_store, version_uri
+from moerl.config import RunConfig
+from moerl.policy import build_tiny_model, check_checkpoint
+from moerl.provenance import git_sha
+from moerl.records import PolicyVersion
+from moerl.components.policy_update.trainer import MODEL_DIR
+
+
+def prepare_initial(cfg: RunConfig, state_dir: str | Path) -> Path:
+    """Lay out version 0 as a trainer state directory (no optimizer state yet)."""
+    model_dir = Path(state_dir) / MODEL_DIR
+    if cfg.model.path:
+        check_checkpoint(cfg.model.path)
+        shutil.copytree(cfg.model.path, model_dir, dirs_exist_ok=True)
+    else:
+        build_tiny_model(cfg.model.tiny, model_dir)
+    return model_dir
+
+
+def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int) -> tuple[PolicyVersion, dict[str, float]]:
+    t0 = time.perf_counter()
+    store = run_store(cfg.checkpoint, run_id)
+    src = Path(state_dir) / MODEL_DIR
+    manifest = store.publish(version, src, meta={"run_id": run_id, "git_sha": git_sha()})
+    elapsed = time.perf_counter() - t0
+    mb = sum(f.size for f in manifest.files) / 1e6
+    policy = PolicyVersion(version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256())
+    return policy, {
+        "timing/publish_checkpoint_s": elapsed,
+        "weights/publish_mb": mb,
+        "weights/publish_mb_per_s": mb / max(elapsed, 1e-9),
+        "weights/version": float(version),
+    }

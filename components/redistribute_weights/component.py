@@ -1,0 +1,18 @@
+"""KFP component: weight redistribution to the rollout engines."""
+
+from typing import NamedTuple
+
+
+def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> NamedTuple(
+        "Redistributed", [("policy_json", str), ("metrics", dict)]):
+    """Make the version in `policy_json` the one the next rollout serves: fetch it into the
+    node-local checkpoint cache, verify it against its manifest, and point `serving.json` at
+    it. Returns the PolicyVersion JSON and `timing/redistribute_weights_s`."""
+    from collections import namedtuple
+
+    from moerl.components.redistribute_weights.stage import run_redistribute
+    from moerl.config import config_from_json
+    from moerl.records import PolicyVersion
+
+    policy, metrics = run_redistribute(config_from_json(config_json), run_id, PolicyVersion.model_validate_json(policy_json))
+    return namedtuple("Redistributed", ["policy_json", "metrics"])(policy.model_dump_json(), metrics)

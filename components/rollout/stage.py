@@ -1,0 +1,61 @@
+"""Rollout stage: G samples per prompt from the policy version the engines serve.
+
+Steps: (1) pick this iteration's prompts from the dataset cursor; (2) make sure the policy
+version is in the local checkpoint cache (verified against its manifest); (3) start vLLM on
+it; (4) generate; (5) write one `Sample` per completion, each carrying the engine's token
+logprobs, finish reason and policy version.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from moerl.config import RunConfig
+from moerl.dataset import load_dataset
+from moerl.records import PolicyVersion, Sample, write_records
+from moerl.checkpoints import run_cache, run_store
+
+
+def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: int, out_path: str | Path) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from moerl.components.rollout.engine import RolloutEngine
+
+    t0 = time.perf_counter()
+    # 1. prompts
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    prompts = ds.batch(iteration, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
+    # 2. weights, from the verified local cache
+    model_dir = run_store(cfg.checkpoint, run_id).fetch(policy.version, run_cache(cfg.checkpoint, run_id))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = [tokenizer.encode(p.prompt) for p in prompts]
+    # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
+    engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed + iteration)
+    t_gen = time.perf_counter()
+    completions = engine.generate(prompt_ids, cfg.rollout.samples_per_prompt)
+    gen_s = time.perf_counter() - t_gen
+    engine.close()
+    # 5. records
+    samples = [
+        Sample(
+            prompt_id=p.id, task=p.task, prompt=p.prompt, answer=p.answer, sample_index=j,
+            prompt_token_ids=ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
+            response_text=c.text, finish_reason=c.finish_reason, policy_version=policy.version,
+        )
+        for p, ids, comps in zip(prompts, prompt_ids, completions)
+        for j, c in enumerate(comps)
+    ]
+    write_records(out_path, samples)
+    n_tokens = sum(len(s.response_token_ids) for s in samples)
+    return {
+        "timing/rollout_s": time.perf_counter() - t0,
+        "rollout/engine_load_s": engine.load_s,
+        "rollout/generate_s": gen_s,
+        "throughput/rollout_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+        "rollout/samples": float(len(samples)),
+        "response/length_mean": n_tokens / max(len(samples), 1),
+        "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1),
+        "data/bad_rows": float(ds.bad_rows),
+        "policy/version": float(policy.version),
+    }

@@ -1,0 +1,54 @@
+"""KFP components: the MLflow run (start, one log per iteration, finish)."""
+
+
+def start_run(config_json: str, run_id: str, git_sha: str) -> str:
+    """Create the MLflow run (params: the resolved config; tags: provenance), or, when
+    `run_id` is given (the CLI pre-creates it), add this image's provenance to it. Returns the
+    run id every other task uses."""
+    from moerl import provenance, tracking
+    from moerl.config import config_from_json
+
+    cfg = config_from_json(config_json)
+    uri = tracking.resolve_uri(cfg.tracking)
+    tags = provenance.collect(with_cuda=cfg.trainer.device == "cuda")
+    tags["moerl.git_sha"] = git_sha or tags["moerl.git_sha"]
+    if run_id:
+        tracking.set_tags(uri, run_id, {f"task.{k}": v for k, v in tags.items()})
+        return run_id
+    return tracking.start_run(cfg, uri, tags)
+
+
+def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, reward: dict, buffer: dict,
+                  policy_update: dict, publish: dict, redistribute: dict) -> dict:
+    """Log one iteration's metrics from every stage to MLflow under stable names, at
+    step=iteration, and print one progress line. Returns the merged metrics."""
+    from moerl import tracking
+    from moerl.config import config_from_json
+
+    cfg = config_from_json(config_json)
+    merged = {**rollout, **reward, **buffer, **policy_update, **publish, **redistribute}
+    stage_keys = [k for k in merged if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1]
+    merged["timing/iteration_s"] = sum(merged[k] for k in stage_keys)
+    tracking.log_metrics(tracking.resolve_uri(cfg.tracking), run_id, iteration, merged)
+    times = " ".join(f"{k[7:-2]}={merged[k]:.1f}s" for k in sorted(stage_keys))
+    print(f"[moerl] iteration {iteration + 1}/{cfg.pipeline.iterations} reward/mean={merged.get('reward/mean', 0):.3f} "
+          f"exact={merged.get('reward/exact_fraction', 0):.2f} loss={merged.get('train/loss', 0):+.4f} "
+          f"dropped_groups={int(merged.get('buffer/dropped_zero_variance_groups', 0))} | {times}", flush=True)
+    return merged
+
+
+def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
+    """Log the final checkpoint URI and the reward-curve plot, and close the MLflow run.
+    Returns the run id."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from moerl import tracking
+    from moerl.config import config_from_json
+
+    cfg = config_from_json(config_json)
+    final_uri = json.loads(policy_json)["uri"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tracking.finish_run(tracking.resolve_uri(cfg.tracking), run_id, final_uri, Path(tmp))
+    return run_id

@@ -1,0 +1,82 @@
+"""moerl's command line.
+
+    moerl run CONFIG            run the sync GRPO pipeline locally (kfp.local), tracked in MLflow
+    moerl compile CONFIG [-o]   write the pipeline as KFP IR YAML for the cluster
+    moerl config show CONFIG    print the resolved config, defaults included
+
+Errors that moerl raises on purpose (`MoerlError`) print one line and exit non-zero: 2 for a
+bad config, 1 otherwise. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+
+from moerl.config import load_config
+from moerl.errors import MoerlError
+
+DEFAULT_COMPILED = "pipelines/compiled/grpo.yaml"
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from moerl.runner import compile_pipeline
+
+    out = compile_pipeline(load_config(args.config), Path(args.output))
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from moerl.runner import run_local
+
+    summary = run_local(load_config(args.config), iterations=args.iterations)
+    return 0 if summary.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the sync GRPO pipeline locally with kfp.local")
+    run.add_argument("config")
+    run.add_argument("--iterations", type=int, default=None, help="override pipeline.iterations")
+    run.set_defaults(func=_cmd_run)
+
+    comp = sub.add_parser("compile", help="compile the pipeline to KFP IR YAML")
+    comp.add_argument("config")
+    comp.add_argument("-o", "--output", default=DEFAULT_COMPILED)
+    comp.set_defaults(func=_cmd_compile)
+
+    config = sub.add_parser("config", help="inspect a run config")
+    csub = config.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="print the resolved config with defaults")
+    show.add_argument("config")
+    show.set_defaults(func=_cmd_config_show)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except MoerlError as err:
+        print(f"moerl: error: {err}", file=sys.stderr)
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

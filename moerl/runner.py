@@ -1,0 +1,118 @@
+"""Run or compile the sync pipeline.
+
+`run_local` is what `moerl run` does, in numbered steps: (1) preflight checks, so a bad
+dataset, model path or store fails before any work; (2) make local paths absolute, since
+pipeline tasks run as separate processes; (3) create the MLflow run with provenance;
+(4) execute the pipeline with kfp.local's SubprocessRunner; (5) print where the run is.
+
+Limitations: kfp.local runs tasks one after another on this machine; it refuses container
+components, which is why every stage is a lightweight component.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moerl import provenance, tracking
+from moerl.config import RunConfig, config_to_json
+from moerl.dataset import load_dataset
+from moerl.errors import CheckpointError, MoerlError
+from moerl.policy import check_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    ok: bool
+    run_id: str
+    tracking_uri: str
+    final_reward: float | None
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Everything that can be checked before work starts; raises a MoerlError naming the field."""
+    load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    if cfg.model.path:
+        check_checkpoint(cfg.model.path)
+    from moerl.store import open_store
+
+    open_store(cfg.checkpoint).check_access()
+
+
+def absolutize(cfg: RunConfig) -> RunConfig:
+    """Make every local path absolute, so tasks in other processes and cwds agree."""
+    def ab(p: str) -> str:
+        return str(Path(p).expanduser().resolve())
+
+    ck = cfg.checkpoint
+    updates = {
+        "checkpoint": ck.model_copy(update={
+            "uri": ck.uri if ck.uri.startswith("s3://") else ab(ck.uri), "cache_dir": ab(ck.cache_dir)}),
+        "pipeline": cfg.pipeline.model_copy(update={
+            "pipeline_root": ab(cfg.pipeline.pipeline_root), "work_dir": ab(cfg.pipeline.work_dir)}),
+        "tracking": cfg.tracking.model_copy(update={"uri": tracking.resolve_uri(cfg.tracking)}),
+    }
+    if cfg.model.path:
+        updates["model"] = cfg.model.model_copy(update={"path": ab(cfg.model.path)})
+    if not cfg.task.dataset.startswith("builtin:"):
+        updates["task"] = cfg.task.model_copy(update={"dataset": ab(cfg.task.dataset)})
+    return cfg.model_copy(update=updates)
+
+
+def compile_pipeline(cfg: RunConfig, out: Path) -> Path:
+    from kfp import compiler
+
+    from moerl.pipelines.grpo import build_pipeline
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(build_pipeline(cfg, git_sha=provenance.git_sha()), str(out))
+    return out
+
+
+def run_local(cfg: RunConfig, iterations: int | None = None) -> RunSummary:
+    from kfp import local
+
+    from moerl.pipelines.grpo import build_pipeline
+
+    if iterations is not None:
+        cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"iterations": iterations})})
+    # 1. preflight
+    preflight(cfg)
+    # 2. absolute paths
+    cfg = absolutize(cfg)
+    uri = cfg.tracking.uri
+    assert uri is not None
+    # 3. the MLflow run
+    sha = provenance.git_sha()
+    tags = provenance.collect()
+    tags["moerl.mode"] = "sync-kfp-local"
+    run_id = tracking.start_run(cfg, uri, tags)
+    print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {uri}", flush=True)
+    # 4. the pipeline, on kfp.local
+    Path(cfg.pipeline.pipeline_root).mkdir(parents=True, exist_ok=True)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=cfg.pipeline.pipeline_root,
+               raise_on_error=True)
+    t0 = time.perf_counter()
+    ok = True
+    try:
+        build_pipeline(cfg, git_sha=sha)(config_json=config_to_json(cfg), run_id=run_id)
+    except (RuntimeError, MoerlError) as err:
+        ok = False
+        tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": str(err)[:4000]})
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).set_terminated(run_id, status="FAILED")
+        print(f"moerl: error: pipeline failed: {err}", flush=True)
+    # 5. where the run is
+    hist = tracking.metric_history(uri, run_id, "reward/mean")
+    final = sum(v for _, v in hist[-3:]) / len(hist[-3:]) if hist else None
+    print(f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; "
+          f"reward/mean {hist[0][1]:.3f} -> {final:.3f} (mean of last 3)" if hist else "[moerl] no iterations logged",
+          flush=True)
+    print(f"[moerl] MLflow run: {run_id}\n[moerl] view it:    mlflow ui --backend-store-uri {uri}", flush=True)
+    return RunSummary(ok=ok, run_id=run_id, tracking_uri=uri, final_reward=final)

@@ -1,0 +1,117 @@
+"""The one place metrics reach MLflow.
+
+Metric names are stable across modes and versions so runs compare: `reward/*`,
+`timing/<stage>_s`, `throughput/*`, `buffer/*`, `train/*`, `weights/*`, `response/*`.
+Params are the resolved config (dotted keys) with any credentials in URIs redacted; tags are
+the provenance from `moerl.provenance`.
+
+Limitations: mlflow is imported lazily (it costs seconds), so stages never import it; only
+the tracking component and the CLI do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from moerl.config import RunConfig, TrackingConfig, flatten
+
+log = logging.getLogger(__name__)
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact(value: str) -> str:
+    """Drop `user:password@` from any URI inside `value`."""
+    return _USERINFO.sub(r"\g<scheme>***@", value)
+
+
+def resolve_uri(cfg: TrackingConfig) -> str:
+    """tracking.uri, else $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db (absolute, so
+    pipeline tasks in other working directories write to the same store)."""
+    uri = cfg.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return f"sqlite:///{Path(uri.removeprefix('sqlite:///')).resolve()}"
+    return uri
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
+    """Create the run: params are the resolved config, tags the provenance. Returns run_id."""
+    from mlflow.entities import Param, RunTag
+
+    client = _client(uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.experiment)
+    all_tags = {k: redact(v) for k, v in tags.items()}
+    if cfg.tracking.run_name:
+        all_tags["mlflow.runName"] = cfg.tracking.run_name
+    run = client.create_run(exp_id, tags=all_tags)
+    params = [Param(k, redact(v)[:6000]) for k, v in flatten(cfg).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[i : i + 100])
+    client.log_batch(run.info.run_id, tags=[RunTag("moerl.status", "running")])
+    return run.info.run_id
+
+
+def log_metrics(uri: str, run_id: str, step: int, metrics: dict[str, float]) -> None:
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for k, v in sorted(metrics.items())]
+    for i in range(0, len(batch), 500):
+        _client(uri).log_batch(run_id, metrics=batch[i : i + 500])
+
+
+def set_tags(uri: str, run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    _client(uri).log_batch(run_id, tags=[RunTag(k, redact(v)) for k, v in tags.items()])
+
+
+def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, key))
+
+
+def plot_reward_curve(uri: str, run_id: str, out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in ("reward/mean", "reward/exact_fraction"):
+        hist = metric_history(uri, run_id, key)
+        if hist:
+            ax.plot([s for s, _ in hist], [v for _, v in hist], marker="o", label=key)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"moerl run {run_id[:8]}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def finish_run(uri: str, run_id: str, final_checkpoint_uri: str, work_dir: Path, status: str = "FINISHED") -> None:
+    """Log the final checkpoint URI and the reward curve, and close the run."""
+    client = _client(uri)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "final_checkpoint.txt").write_text(final_checkpoint_uri + "\n")
+    client.log_artifact(run_id, str(work_dir / "final_checkpoint.txt"))
+    client.log_artifact(run_id, str(plot_reward_curve(uri, run_id, work_dir / "reward_curve.png")))
+    set_tags(uri, run_id, {"moerl.final_checkpoint": final_checkpoint_uri, "moerl.status": status.lower()})
+    client.set_terminated(run_id, status=status)

@@ -1,0 +1,102 @@
+"""The sync GRPO pipeline: one task per stage per iteration, iterations unrolled at compile time.
+
+KFP v2 has no while loop; a Python `for` over `pipeline.iterations` is the documented
+pattern. Every stage is a lightweight component on `pipeline.base_image`; the run config
+travels as one JSON string parameter, validated again inside each task.
+
+    start_run -> init_policy (v0)
+    for i in 0..N-1:
+        rollout(v_i) -> reward -> buffer -> policy_update -> publish_checkpoint(v_i+1)
+          -> redistribute_weights(v_i+1) ;  log_iteration(i)
+    finish_run
+
+`moerl run` executes this same function with kfp.local's SubprocessRunner; `moerl compile`
+writes it as KFP IR YAML for the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kfp import dsl
+
+from moerl.config import RunConfig, config_to_json
+from moerl.components.buffer.component import buffer
+from moerl.components.policy_update.component import policy_update
+from moerl.components.publish_checkpoint.component import init_policy, publish_checkpoint
+from moerl.components.redistribute_weights.component import redistribute_weights
+from moerl.components.reward.component import reward
+from moerl.components.rollout.component import rollout
+from moerl.components.tracking.component import finish_run, log_iteration, start_run
+
+STAGE_FUNCS: dict[str, Callable[..., Any]] = {
+    f.__name__: f
+    for f in (start_run, init_policy, rollout, reward, buffer, policy_update, publish_checkpoint,
+              redistribute_weights, log_iteration, finish_run)
+}
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The stage functions as KFP components on one base image."""
+
+    start_run: Any
+    init_policy: Any
+    rollout: Any
+    reward: Any
+    buffer: Any
+    policy_update: Any
+    publish_checkpoint: Any
+    redistribute_weights: Any
+    log_iteration: Any
+    finish_run: Any
+
+
+def make_ops(base_image: str) -> Ops:
+    # install_kfp_package=False: the moerl image already carries kfp; it also cuts the
+    # per-task overhead in kfp.local from ~0.4 s to ~0.04 s (DESIGN.md).
+    return Ops(**{name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
+                  for name, f in STAGE_FUNCS.items()})
+
+
+def _task(t, name: str):
+    # RL stages are stochastic and side-effecting (MLflow, the store): never serve them from cache.
+    t.set_caching_options(False)
+    t.set_display_name(name)
+    return t
+
+
+def build_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
+    """The pipeline function for `cfg`, with `cfg.pipeline.iterations` unrolled."""
+    ops = make_ops(cfg.pipeline.base_image)
+    n_iter = cfg.pipeline.iterations
+
+    @dsl.pipeline(name=cfg.pipeline.name, description="moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, "
+                  "buffer, policy update, checkpoint publication, weight redistribution")
+    def grpo(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha) -> str:
+        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha), "start-run")
+        rid = start.output
+        init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
+        policy, state = init.outputs["Output"], init.outputs["state"]
+        for i in range(n_iter):
+            ro = _task(ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
+                       f"rollout-{i}")
+            rw = _task(ops.reward(config_json=config_json, samples=ro.outputs["samples"]), f"reward-{i}")
+            bf = _task(ops.buffer(config_json=config_json, scored=rw.outputs["scored"], trainer_version=i),
+                       f"buffer-{i}")
+            up = _task(ops.policy_update(config_json=config_json, batch=bf.outputs["batch"], state_in=state,
+                                         iteration=i), f"policy-update-{i}")
+            pub = _task(ops.publish_checkpoint(config_json=config_json, run_id=rid, state=up.outputs["state_out"],
+                                               version=i + 1), f"publish-checkpoint-v{i + 1}")
+            rd = _task(ops.redistribute_weights(config_json=config_json, run_id=rid,
+                                                policy_json=pub.outputs["policy_json"]), f"redistribute-weights-v{i + 1}")
+            _task(ops.log_iteration(config_json=config_json, run_id=rid, iteration=i, rollout=ro.outputs["Output"],
+                                    reward=rw.outputs["Output"], buffer=bf.outputs["Output"],
+                                    policy_update=up.outputs["Output"], publish=pub.outputs["metrics"],
+                                    redistribute=rd.outputs["metrics"]), f"log-iteration-{i}")
+            policy, state = rd.outputs["policy_json"], up.outputs["state_out"]
+        fin = _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run")
+        return fin.output
+
+    return grpo

@@ -1,0 +1,100 @@
+"""The run config: validation messages, exit codes, and `moerl config show`."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moerl.config import flatten, load_config, parse_config
+from moerl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ROOT / "configs" / "tiny-moe-grpo.yaml"
+
+
+def moerl(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "moerl.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_default_config_loads_and_matches_the_documented_values():
+    cfg = load_config(DEFAULT)
+    assert cfg.model.tiny.architecture == "qwen3_moe"
+    assert cfg.rollout.samples_per_prompt == 8
+    assert cfg.checkpoint.uri == "checkpoints"
+
+
+def test_unknown_key_names_the_key_and_the_allowed_keys():
+    with pytest.raises(ConfigError) as e:
+        parse_config({"trainer": {"learning_rat": 0.1}})
+    msg = str(e.value)
+    assert "trainer.learning_rat: unknown key" in msg
+    assert "learning_rate" in msg  # the allowed keys are listed
+
+
+def test_unknown_section_is_rejected():
+    with pytest.raises(ConfigError, match="rolout: unknown key; allowed keys: .*rollout"):
+        parse_config({"rolout": {}})
+
+
+def test_bad_literal_names_field_and_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        parse_config({"model": {"tiny": {"head_dim": 24}}})
+    assert "model.tiny.head_dim" in str(e.value)
+    assert "32" in str(e.value) and "24" in str(e.value)
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="experts_per_token"):
+        parse_config({"model": {"tiny": {"num_experts": 2, "experts_per_token": 4}}})
+    with pytest.raises(ConfigError, match="bfloat16"):
+        parse_config({"model": {"dtype": "bfloat16"}})
+    with pytest.raises(ConfigError, match="checkpoint.uri"):
+        parse_config({"checkpoint": {"uri": "gs://bucket/x"}})
+    with pytest.raises(ConfigError, match="credential"):
+        parse_config({"checkpoint": {"endpoint_url": "http://AKIA:secret@127.0.0.1:8333"}})
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("trainer:\n  learning_rate: -1\n", "trainer.learning_rate"),
+    ("rollout:\n  samples_per_prompt: 1\n", "rollout.samples_per_prompt"),
+    ("pipeline:\n  iterations: zero\n", "pipeline.iterations"),
+    ("bogus: 1\n", "bogus: unknown key"),
+    ("- a\n- b\n", "top level must be a mapping"),
+    ("trainer: [unclosed\n", "not valid YAML"),
+])
+def test_cli_exits_2_with_one_line_before_any_work(tmp_path, body, needle):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(body)
+    r = moerl("run", str(cfg), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+    # nothing started: no MLflow db, no checkpoints, no pipeline root
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    r = moerl("config", "show", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2
+    assert "config file not found" in r.stderr
+
+
+def test_config_show_prints_resolved_defaults(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("trainer:\n  learning_rate: 0.01\n")
+    r = moerl("config", "show", str(cfg))
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    assert shown["trainer"]["learning_rate"] == 0.01
+    assert shown["trainer"]["clip_eps_low"] == 0.2  # a default, printed
+    assert parse_config(shown) == parse_config({"trainer": {"learning_rate": 0.01}})
+
+
+def test_flatten_gives_dotted_params():
+    flat = flatten(parse_config({}))
+    assert flat["trainer.learning_rate"] == str(parse_config({}).trainer.learning_rate)
+    assert flat["model.path"] == ""
+    assert "model.tiny.num_experts" in flat
