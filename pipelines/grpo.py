@@ -14,10 +14,11 @@ travels as one JSON string parameter, validated again inside each task.
 writes it as KFP IR YAML for the cluster.
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+# No `from __future__ import annotations` here: KFP reads the pipeline signature's real types.
 
 from kfp import dsl
 
@@ -79,6 +80,7 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
         rid = start.output
         init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
         policy, state = init.outputs["Output"], init.outputs["state"]
+        logs = []
         for i in range(n_iter):
             ro = _task(ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
                        f"rollout-{i}")
@@ -91,12 +93,13 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
                                                version=i + 1), f"publish-checkpoint-v{i + 1}")
             rd = _task(ops.redistribute_weights(config_json=config_json, run_id=rid,
                                                 policy_json=pub.outputs["policy_json"]), f"redistribute-weights-v{i + 1}")
-            _task(ops.log_iteration(config_json=config_json, run_id=rid, iteration=i, rollout=ro.outputs["Output"],
+            logs.append(_task(ops.log_iteration(config_json=config_json, run_id=rid, iteration=i, rollout=ro.outputs["Output"],
                                     reward=rw.outputs["Output"], buffer=bf.outputs["Output"],
                                     policy_update=up.outputs["Output"], publish=pub.outputs["metrics"],
-                                    redistribute=rd.outputs["metrics"]), f"log-iteration-{i}")
+                                    redistribute=rd.outputs["metrics"]), f"log-iteration-{i}"))
             policy, state = rd.outputs["policy_json"], up.outputs["state_out"]
-        fin = _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run")
+        # after every log, so the reward curve it plots is complete
+        fin = _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run").after(*logs)
         return fin.output
 
     return grpo
