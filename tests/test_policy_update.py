@@ -1,0 +1,85 @@
+"""The GRPO trainer on a real tiny Qwen3-MoE: steps, skipped non-finite steps, state round trip."""
+
+import math
+
+import pytest
+import torch
+
+from moerl.config import parse_config
+from moerl.errors import TrainingError
+from moerl.policy import build_tiny_model
+from moerl.records import TrainSample, write_records
+from moerl.components.policy_update.trainer import (MODEL_DIR, Counters, _load_state, pack, run_policy_update,
+                                                    train_on_batch)
+
+CFG = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}})
+
+
+@pytest.fixture(scope="module")
+def state0(tmp_path_factory):
+    root = tmp_path_factory.mktemp("state0")
+    build_tiny_model(CFG.model.tiny, root / MODEL_DIR)
+    return root
+
+
+def _batch(n=8, bad=()):
+    out = []
+    for i in range(n):
+        lp = [float("nan")] * 3 if i in bad else [-3.0, -3.1, -2.9]
+        out.append(TrainSample(prompt_token_ids=[21, 22, 23, 5 + i % 10], response_token_ids=[5 + i % 10, 6, 1],
+                               response_logprobs=lp, advantage=1.0 if i % 2 else -1.0, policy_version=0))
+    return out
+
+
+def test_pack_aligns_targets_with_response_positions():
+    p = pack(_batch(2) + [TrainSample(prompt_token_ids=[21, 22], response_token_ids=[7], response_logprobs=[-1.5],
+                                      advantage=0.5, policy_version=0)], pad_id=0)
+    assert p.input_ids_NL.shape == (3, 7)
+    # sample 2: prompt of 2, one response token predicted at position 1
+    assert p.mask_NL1[2].tolist() == [0, 1, 0, 0, 0, 0]
+    assert p.targets_NL1[2, 1].item() == 7 and p.engine_logp_NL1[2, 1].item() == -1.5
+    # sample 0: prompt of 4, 3 response tokens predicted at positions 3, 4, 5
+    assert p.mask_NL1[0].tolist() == [0, 0, 0, 1, 1, 1]
+    assert p.targets_NL1[0, 3:].tolist() == [5, 6, 1]
+
+
+def test_steps_change_weights_and_report_metrics(state0):
+    model, opt, ctr = _load_state(state0, CFG)
+    before = [p.detach().clone() for p in model.parameters()]
+    m = train_on_batch(model, opt, ctr, _batch(), CFG, seed=0)
+    assert m["train/steps"] == 4 and m["train/skipped_steps"] == 0 and ctr.step == 4
+    assert all(math.isfinite(m[k]) for k in ("train/loss", "train/entropy", "train/grad_norm", "train/clip_fraction"))
+    assert m["train/entropy"] > 0
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert changed > len(before) // 2
+
+
+def test_non_finite_loss_skips_the_step_and_counts_it(state0):
+    model, opt, ctr = _load_state(state0, CFG)
+    m = train_on_batch(model, opt, ctr, _batch(bad={3}), CFG, seed=0)
+    assert m["train/skipped_steps"] == 1 and m["train/steps"] == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the bad step touched nothing
+    assert ctr.skipped_total == 1
+
+
+def test_consecutive_non_finite_steps_fail_the_run(state0):
+    model, opt, ctr = _load_state(state0, CFG)
+    with pytest.raises(TrainingError, match="3 optimizer steps in a row had a non-finite loss"):
+        train_on_batch(model, opt, ctr, _batch(bad=set(range(8))), CFG, seed=0)
+
+
+def test_state_round_trip_carries_optimizer_and_counters(state0, tmp_path):
+    write_records(tmp_path / "b.jsonl", _batch())
+    m = run_policy_update(CFG, tmp_path / "b.jsonl", state0, tmp_path / "s1", iteration=0)
+    assert m["train/steps"] == 4 and m["timing/policy_update_s"] > 0
+    assert (tmp_path / "s1" / MODEL_DIR / "model.safetensors").is_file()
+    assert (tmp_path / "s1" / MODEL_DIR / "tokenizer.json").is_file()
+    model, opt, ctr = _load_state(tmp_path / "s1", CFG)
+    assert ctr == Counters(step=4, version=1, consecutive_skipped=0, skipped_total=0)
+    assert len(opt.state_dict()["state"]) > 0  # Adam moments came back
+    # an empty batch still yields the next version, unchanged
+    write_records(tmp_path / "e.jsonl", [])
+    m = run_policy_update(CFG, tmp_path / "e.jsonl", tmp_path / "s1", tmp_path / "s2", iteration=1)
+    assert m["train/empty_batch"] == 1.0
+    assert (tmp_path / "s2" / MODEL_DIR / "model.safetensors").read_bytes() == \
+        (tmp_path / "s1" / MODEL_DIR / "model.safetensors").read_bytes()
