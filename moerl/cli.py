@@ -40,7 +40,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from moerl.runner import run_local
 
-    summary = run_local(load_config(args.config), iterations=args.iterations)
+    summary = run_local(load_config(args.config), iterations=args.iterations, verbose=args.verbose)
     return 0 if summary.ok else 1
 
 

