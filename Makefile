@@ -40,4 +40,4 @@ lock: $(STAMP)
 	@printf 'torchvision==0.28.0\ntorchaudio==2.11.1\ntorchcodec==0.17.0\n' >> constraints.txt
 
 clean:
-	rm -rf .moerl mlflow.db checkpoints
+	rm -rf .moerl mlflow.db mlruns checkpoints

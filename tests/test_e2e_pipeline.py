@@ -78,3 +78,43 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
     final = Path(client.download_artifacts(run.info.run_id, "final_checkpoint.txt", str(work))).read_text().strip()
     assert final.endswith("/versions/v000002")
     assert run.data.tags["moerl.final_checkpoint"] == final
+
+
+@pytest.mark.slow
+def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path):
+    """Every sample's verifier fails (a task with no verifier): the reward stage stops the run.
+    The MLflow run is marked FAILED, the command exits 1, and `latest` stays on version 0."""
+    from mlflow.tracking import MlflowClient
+
+    from moerl.config import CheckpointConfig
+    from moerl.store import open_store
+
+    rows = [{"id": f"p{i}", "task": "poetry", "prompt": f"copy {i}=", "answer": str(i)} for i in range(20)]
+    (tmp_path / "poetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "task": {"dataset": "poetry.jsonl", "prompts_per_iteration": 4},
+        "rollout": {"samples_per_prompt": 2, "max_new_tokens": 4},
+        "pipeline": {"iterations": 2},
+    }))
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "pipeline failed" in proc.stdout and "reward" in proc.stdout
+    (run_dir,) = (tmp_path / "checkpoints" / "runs").iterdir()
+    store = open_store(CheckpointConfig(uri=str(run_dir)))
+    assert store.versions() == [0] and store.latest() == 0
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("moerl").experiment_id])
+    assert run.info.status == "FAILED"
+    assert "samples failed verification" in (tmp_path / ".moerl" / "work" / f"{run.info.run_id}.log").read_text()
+
+
+def test_malformed_dataset_stops_before_any_work(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "task": "copy", "prompt": "copy 1=", "answer": "1"}\n' + "x\n" * 5)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"task": {"dataset": "bad.jsonl"}}))
+    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "task.dataset: 5 of 6 rows" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "checkpoints").exists()

@@ -16,19 +16,16 @@ from moerl.components.policy_update.trainer import pack, sequence_logprobs
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_model(parse_config({}).model.tiny, tmp_path_factory.mktemp("parity") / "model")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_engine_logprobs_match_trainer(tiny_dir, temperature):
+@pytest.mark.parametrize("architecture, temperature", [("qwen3_moe", 1.0), ("qwen3_moe", 0.7), ("mixtral", 1.0)])
+def test_engine_logprobs_match_trainer(tmp_path, architecture, temperature):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moerl.components.rollout.engine import RolloutEngine
 
-    cfg = parse_config({"rollout": {"temperature": temperature, "max_new_tokens": 8}})
+    cfg = parse_config({"rollout": {"temperature": temperature, "max_new_tokens": 8},
+                        "model": {"tiny": {"architecture": architecture}}})
+    tiny_dir = build_tiny_model(cfg.model.tiny, tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     prompts = [tok.encode(p) for p in ("copy 1234=", "rev 98=", "add 12+345=")]
     engine = RolloutEngine(tiny_dir, cfg.rollout, seed=1)

@@ -83,3 +83,27 @@ def test_state_round_trip_carries_optimizer_and_counters(state0, tmp_path):
     assert m["train/empty_batch"] == 1.0
     assert (tmp_path / "s2" / MODEL_DIR / "model.safetensors").read_bytes() == \
         (tmp_path / "s1" / MODEL_DIR / "model.safetensors").read_bytes()
+
+
+def test_model_path_takes_a_local_mixtral_checkpoint(tmp_path):
+    from moerl.components.publish_checkpoint.stage import prepare_initial
+
+    src = build_tiny_model(parse_config({"model": {"tiny": {"architecture": "mixtral"}}}).model.tiny, tmp_path / "mx")
+    cfg = parse_config({"model": {"path": str(src)}, "trainer": {"optimizer_steps_per_iteration": 2}})
+    prepare_initial(cfg, tmp_path / "s0")
+    assert (tmp_path / "s0" / MODEL_DIR / "config.json").read_text() == (src / "config.json").read_text()
+    write_records(tmp_path / "b.jsonl", _batch())
+    m = run_policy_update(cfg, tmp_path / "b.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0)
+    assert m["train/steps"] == 2
+    assert '"model_type": "mixtral"' in (tmp_path / "s1" / MODEL_DIR / "config.json").read_text()
+
+
+def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):
+    from moerl.errors import ConfigError
+    from moerl.policy import check_checkpoint
+
+    with pytest.raises(ConfigError, match=r"model.path: .* \(no config.json\)"):
+        check_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match="model_type 'llama' is not supported; allowed: qwen3_moe, mixtral"):
+        check_checkpoint(tmp_path)
