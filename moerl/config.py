@@ -144,6 +144,12 @@ class CheckpointConfig(_Section):
     cache_dir: str = ".moerl/cache"
     multipart_chunk_mb: int = Field(8, ge=5)
     max_concurrency: int = Field(8, ge=1, le=64)
+    # Retention after each publish: keep the newest `keep_last` versions plus every
+    # `keep_every`-th (0: none); never `latest`, version 0, or a version pinned by a live run.
+    keep_last: int = Field(3, ge=1)
+    keep_every: int = Field(0, ge=0)
+    # Retries with exponential backoff for S3 calls before a clear CheckpointError.
+    max_attempts: int = Field(5, ge=1, le=20)
 
     @field_validator("uri")
     @classmethod

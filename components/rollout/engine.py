@@ -83,6 +83,12 @@ class RolloutEngine:
             result.append(comps)
         return result
 
+    def swap_weights(self, model_dir: str | Path, bucket_mb: int = 512):
+        """Hot-swap to the checkpoint in `model_dir` (see redistribute_weights/hotswap.py)."""
+        from moerl.components.redistribute_weights.hotswap import hot_swap
+
+        return hot_swap(self.llm, model_dir, bucket_mb)
+
     def close(self) -> None:
         # Drop the engine so its memory and (if any) worker processes go with it.
         llm, self.llm = self.llm, None
