@@ -25,3 +25,12 @@ def run_cache(cfg: CheckpointConfig, run_id: str) -> Path:
 
 def version_uri(store: CheckpointStore, version: int) -> str:
     return f"{store.uri.rstrip('/')}/versions/v{version:06d}"
+
+
+# Rollout engines never need the trainer state published beside the weights.
+ENGINE_EXCLUDE = ("trainer/",)
+
+
+def fetch_for_engine(cfg: CheckpointConfig, run_id: str, version: int) -> Path:
+    """Version `version` in the node-local cache, verified, without the trainer state."""
+    return run_store(cfg, run_id).fetch(version, run_cache(cfg, run_id), exclude=ENGINE_EXCLUDE)

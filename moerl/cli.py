@@ -40,7 +40,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from moerl.runner import run_local
 
-    summary = run_local(load_config(args.config), iterations=args.iterations, verbose=args.verbose)
+    summary = run_local(load_config(args.config), iterations=args.iterations, verbose=args.verbose,
+                        resume=args.resume)
     return 0 if summary.ok else 1
 
 
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the sync GRPO pipeline locally with kfp.local")
     run.add_argument("config")
     run.add_argument("--iterations", type=int, default=None, help="override pipeline.iterations")
+    run.add_argument("--resume", metavar="RUN_ID", default=None,
+                     help="continue this run from its last published version (same MLflow run)")
     run.set_defaults(func=_cmd_run)
 
     comp = sub.add_parser("compile", help="compile the pipeline to KFP IR YAML")

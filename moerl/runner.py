@@ -102,7 +102,27 @@ def compile_pipeline(cfg: RunConfig, out: Path) -> Path:
     return out
 
 
-def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = False) -> RunSummary:
+def _resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
+    """The version run `run_id` continues from: its store's `latest`, which only ever points
+    at a complete, verified version. Reopens the MLflow run so metrics continue in it."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from moerl.checkpoints import run_store
+
+    try:
+        MlflowClient(uri).get_run(run_id)
+    except MlflowException:
+        raise MoerlError(f"--resume: no MLflow run {run_id!r} at {uri}; pass the run id `moerl run` printed") from None
+    latest = run_store(cfg.checkpoint, run_id).latest()
+    if latest is None:
+        raise CheckpointError(f"--resume: run {run_id} has no published version under {cfg.checkpoint.uri}/runs/{run_id}; "
+                              "check checkpoint.uri")
+    return latest
+
+
+def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = False,
+              resume: str | None = None) -> RunSummary:
     from kfp import local
 
     from moerl.pipelines.grpo import build_pipeline
@@ -115,12 +135,25 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
     cfg = absolutize(cfg)
     uri = cfg.tracking.uri
     assert uri is not None
-    # 3. the MLflow run
+    # 3. the MLflow run: a new one, or the resumed one continued
     sha = provenance.git_sha()
-    tags = provenance.collect()
-    tags["moerl.mode"] = "sync-kfp-local"
-    run_id = tracking.start_run(cfg, uri, tags)
-    print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {uri}", flush=True)
+    start = 0
+    if resume:
+        run_id, start = resume, _resume_point(cfg, uri, resume)
+        if start >= cfg.pipeline.iterations:
+            print(f"[moerl] run {run_id} already published version {start}: nothing to resume", flush=True)
+            return RunSummary(ok=True, run_id=run_id, tracking_uri=uri, final_reward=None)
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).update_run(run_id, status="RUNNING")
+        tracking.set_tags(uri, run_id, {"moerl.status": "running", f"moerl.resumed_at.{int(time.time())}": str(start),
+                                        "moerl.resume_git_sha": sha})
+        print(f"[moerl] resuming MLflow run {run_id} from version {start} at {uri}", flush=True)
+    else:
+        tags = provenance.collect()
+        tags["moerl.mode"] = "sync-kfp-local"
+        run_id = tracking.start_run(cfg, uri, tags)
+        print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {uri}", flush=True)
     # 4. the pipeline, on kfp.local
     Path(cfg.pipeline.pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=cfg.pipeline.pipeline_root,
@@ -133,7 +166,7 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
     try:
         with log_path.open("w") as lf, contextlib.redirect_stdout(_ConsoleFilter(lf, sys.stdout, verbose)), \
                 contextlib.redirect_stderr(_ConsoleFilter(lf, sys.stderr, verbose)):
-            build_pipeline(cfg, git_sha=sha)(config_json=config_to_json(cfg), run_id=run_id)
+            build_pipeline(cfg, git_sha=sha, start_iteration=start)(config_json=config_to_json(cfg), run_id=run_id)
     except (RuntimeError, MoerlError) as err:
         ok = False
         tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": str(err)[:4000]})

@@ -1,26 +1,33 @@
-"""Checkpoint store: publish, list and fetch policy versions in a local folder or in S3.
+"""Checkpoint store: publish, list, fetch, pin and prune policy versions in a folder or in S3.
 
 A policy version is a directory of files (an HF safetensors checkpoint). `publish` copies every
 file, writes `manifest.json` (path, size, sha256 of each file) last, reads it back, checks that
 every object is there with the right size, and only then moves the `latest` pointer. A version
-is complete when its manifest exists, so a crash mid-publish never looks like a version.
-`fetch` verifies every file against the manifest and leaves a marker, so a verified copy is
-reused. Layout under a local root or s3://bucket/prefix:
-    versions/v000001/<files>   versions/v000001/manifest.json   latest.json
+is complete when its manifest exists, so a crash mid-publish never looks like a version, and
+retention deletes a version's manifest before its files for the same reason. `fetch` verifies
+every file against the manifest and leaves a marker, so a verified copy is reused; a file lock
+per version lets processes on one node share a cache folder. Layout under a root or s3://b/prefix:
+    versions/v000001/<files>   versions/v000001/manifest.json   latest.json   pins/<holder>.json
+The S3 backend lives in `moerl.s3store` and is imported only for s3:// URIs (boto3 is heavy).
 
 Limitations:
-- One writer per store: nothing locks, so two publishers of one version can interleave.
-  Concurrent fetches into one dest_dir are not coordinated either.
+- One writer per store: nothing locks publishes, so two publishers of one version interleave.
 - Publish checks each stored object's size, not its checksum (re-reading every byte would
   double the cost); fetch checks checksums. A source file that changes while it is published
   gives a manifest that does not match it, and fetch then refuses that version.
-- A failed S3 publish leaves its objects under the version prefix, invisible without a
-  manifest; republishing the version overwrites them, nothing deletes them. Nothing
-  garbage-collects old versions or cached copies.
+- A failed publish leaves files under its version (S3) or a `.tmp-*` folder (local), invisible
+  without a manifest; republishing overwrites them, and retention removes them once `latest`
+  has passed them. An S3 multipart upload killed midway stays as an incomplete upload: give the
+  bucket a lifecycle rule (AbortIncompleteMultipartUpload).
+- A pin protects a version only from retention that starts after the pin is written; pin a
+  version before fetching it. A run that dies keeps its pins until they are unpinned by hand.
+- The fetch lock is `fcntl.flock`: it holds on one node's local disk, not across NFS clients.
+  Nothing prunes the fetch cache.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -38,13 +45,6 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-import boto3
-from boto3.exceptions import Boto3Error
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError
-from botocore.exceptions import NoCredentialsError
-
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 
@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 MANIFEST, LATEST = "manifest.json", "latest.json"
 MARKER = ".moerl-verified"  # written into a fetched copy once verified; holds the manifest's sha256
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_MISSING = {"404", "NoSuchKey", "NotFound"}
+_STAGE_DIR = re.compile(r"^(?:\.tmp-)?v(\d{6,})(?:-[0-9a-f]+)?$")  # a version dir or a local staging dir
+_HOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MiB = 1024 * 1024
 _R = TypeVar("_R")
 
@@ -107,10 +108,10 @@ class Manifest:
 
 
 class CheckpointStore(ABC):
-    """Publish/fetch logic for both stores; subclasses supply the object primitives.
+    """Publish/fetch/retention logic for both stores; subclasses supply the object primitives.
 
     A `stage` is a directory name under versions/: the final `v000001`, or a local temp dir.
-    Keys given to `_read_text`/`_write_text` are relative to the store root.
+    Keys given to `_read_text`/`_write_text`/`_list`/`_delete` are relative to the store root.
     """
 
     uri: str
@@ -129,7 +130,11 @@ class CheckpointStore(ABC):
     @abstractmethod
     def _write_text(self, key: str, text: str) -> None: ...  # replaces atomically
     @abstractmethod
-    def _version_dirs(self) -> list[str]: ...  # names under versions/ that hold a manifest
+    def _version_dirs(self) -> dict[str, bool]: ...  # every name under versions/ -> holds a manifest
+    @abstractmethod
+    def _list(self, prefix: str) -> list[str]: ...  # keys under prefix, recursively
+    @abstractmethod
+    def _delete(self, keys: list[str]) -> None: ...  # missing keys are fine
 
     def _begin(self, version: int) -> str:
         return version_dir(version)
@@ -140,14 +145,24 @@ class CheckpointStore(ABC):
     def _abort(self, stage: str) -> None:
         """Best-effort cleanup after a failed publish."""
 
-    def publish(self, version: int, src_dir: Path, meta: dict[str, str] | None = None) -> Manifest:
-        """Publish the files under `src_dir` as `version`, then point `latest` at it."""
+    def _delete_stage(self, stage: str) -> None:
+        self._delete(self._list(f"versions/{stage}/"))
+
+    def publish(self, version: int, src_dir: Path, meta: dict[str, str] | None = None,
+                retention: tuple[int, int] | None = None) -> Manifest:
+        """Publish the files under `src_dir` as `version`, then point `latest` at it.
+
+        `retention=(keep_last, keep_every)` prunes old versions afterwards (see
+        `apply_retention`); a failure there is logged as a warning, never raised.
+        """
         t0, src_dir, meta = time.monotonic(), Path(src_dir), dict(meta or {})
         # 1. Refuse anything that would rewrite history, before copying a byte.
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise CheckpointError(f"version must be an int >= 0, got {version!r}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
             raise CheckpointError("manifest meta must map str to str")
+        if retention is not None:
+            _check_retention(*retention)
         latest = self.latest()
         if version in self.versions():
             raise CheckpointError(f"version {version} already exists in {self.uri}; publish a new version")
@@ -172,6 +187,12 @@ class CheckpointStore(ABC):
         self._write_text(LATEST, json.dumps({"version": version, "manifest_sha256": manifest.sha256()}) + "\n")
         log.info("published version %d to %s: %d files, %.1f MiB in %.1f s", version, self.uri, len(files),
                  sum(e.size for e in entries) / _MiB, time.monotonic() - t0)
+        # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
+        if retention is not None:
+            try:
+                self.apply_retention(*retention)
+            except Exception as e:  # noqa: BLE001 (housekeeping must not undo a successful publish)
+                log.warning("retention after publishing version %d in %s failed: %s", version, self.uri, e)
         return manifest
 
     def latest(self) -> int | None:
@@ -181,9 +202,16 @@ class CheckpointStore(ABC):
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"malformed {LATEST} in {self.uri} ({e!r}); republish a version") from e
 
+    def require_lineage(self) -> int:
+        """The latest version; raises when nothing was ever published under this URI."""
+        latest = self.latest()
+        if latest is None:
+            raise CheckpointError(f"no published versions under {self.uri}; check checkpoint.uri")
+        return latest
+
     def versions(self) -> list[int]:
         """Complete versions (those with a manifest), ascending."""
-        return sorted(int(m.group(1)) for d in self._version_dirs() if (m := _VERSION_DIR.match(d)))
+        return _complete(self._version_dirs())
 
     def manifest(self, version: int) -> Manifest:
         text = self._read_text(f"versions/{version_dir(version)}/{MANIFEST}")
@@ -195,29 +223,91 @@ class CheckpointStore(ABC):
             raise CheckpointError(f"the manifest under {version_dir(version)} says version {m.version}")
         return m
 
-    def fetch(self, version: int, dest_dir: Path) -> Path:
-        """Download `version` into dest_dir/v{version:06d}, verified; reuse a verified copy."""
+    def fetch(self, version: int, dest_dir: Path, exclude: tuple[str, ...] = ()) -> Path:
+        """Download `version` into dest_dir/v{version:06d}, verified; reuse a verified copy.
+
+        `exclude`: path prefixes not to fetch (rollout engines skip `trainer/`, the optimizer
+        state). A full copy serves any request; a partial one only requests excluding as much.
+        Processes on one node may fetch into one dest_dir at once: a lock file per version makes
+        the second wait for the first and then reuse its copy.
+        """
         t0, manifest, dest_dir = time.monotonic(), self.manifest(version), Path(dest_dir)
+        wanted = [e for e in manifest.files if not e.path.startswith(tuple(exclude))] if exclude else list(manifest.files)
         final = dest_dir / version_dir(version)
-        if _is_verified(final, manifest):
-            log.info("version %d: reusing verified copy %s", version, final)
-            return final
-        tmp = dest_dir / f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
         try:
-            tmp.mkdir(parents=True)
-            self._map(lambda e: self._get_verified(version, e, tmp), manifest.files)
-            (tmp / MANIFEST).write_text(manifest.to_json())
-            (tmp / MARKER).write_text(manifest.sha256())
-            if not _is_verified(final, manifest):  # else another fetcher won the race
+            dest_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create cache folder {dest_dir}: {e}; fix checkpoint.cache_dir") from e
+        with _exclusive(dest_dir / f".{version_dir(version)}.lock"):
+            if _is_verified(final, manifest, tuple(exclude)):
+                log.info("version %d: reusing verified copy %s", version, final)
+                return final
+            tmp = dest_dir / f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
+            try:
+                tmp.mkdir()
+                self._map(lambda e: self._get_verified(version, e, tmp), wanted)
+                (tmp / MANIFEST).write_text(manifest.to_json())
+                (tmp / MARKER).write_text(manifest.sha256() + "".join(f"\nexclude={p}" for p in sorted(exclude)))
                 if final.exists():  # an unverified leftover
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-        except OSError as e:
-            raise CheckpointError(f"cannot write version {version} into {dest_dir}: {e}") from e
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            except OSError as e:
+                raise CheckpointError(f"cannot write version {version} into {dest_dir}: {e}") from e
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         log.info("fetched version %d from %s to %s in %.1f s", version, self.uri, final, time.monotonic() - t0)
         return final
+
+    def pin(self, version: int, holder: str) -> None:
+        """Protect `version` from retention on behalf of `holder` (one pin per holder: replaces it)."""
+        self.manifest(version)  # refuse to pin what does not exist
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self._write_text(_pin_key(holder), json.dumps({"version": version, "holder": holder, "pinned_at": now}) + "\n")
+
+    def unpin(self, version: int, holder: str) -> None:
+        """Drop `holder`'s pin if it still pins `version` (a newer pin of the holder stays)."""
+        key = _pin_key(holder)
+        text = self._read_text(key)
+        if text is not None and _pin_version(key, text) == version:
+            self._delete([key])
+
+    def pinned(self) -> set[int]:
+        """Every version some holder pins."""
+        keys = [k for k in self._list("pins/") if k.endswith(".json")]
+        return {_pin_version(k, text) for k in keys if (text := self._read_text(k)) is not None}
+
+    def apply_retention(self, keep_last: int, keep_every: int, pinned: Iterable[int] = frozenset()) -> list[int]:
+        """Delete old versions; return the deleted ones, ascending.
+
+        Kept: the newest `keep_last` complete versions, every multiple of `keep_every` (if > 0),
+        `latest`, version 0, `pinned` and every version pinned in the store. Each deletion removes
+        the manifest first, so a half-deleted version is never complete. Leftovers of failed
+        publishes and deletions at or below `latest` are removed too.
+        """
+        _check_retention(keep_last, keep_every)
+        dirs, latest = self._version_dirs(), self.latest()
+        versions = _complete(dirs)
+        keep = set(versions[-keep_last:]) | {0, *pinned, *self.pinned()}
+        keep |= {v for v in versions if keep_every > 0 and v % keep_every == 0}
+        keep |= set() if latest is None else {latest}
+        deleted, failed = [], []
+        for v in (v for v in versions if v not in keep):
+            try:
+                self._delete([f"versions/{version_dir(v)}/{MANIFEST}"])  # first: v is no longer complete
+                self._delete_stage(version_dir(v))
+                deleted.append(v)
+            except CheckpointError as e:
+                failed.append(f"version {v}: {e}")
+        for d in (d for d, complete in dirs.items() if _is_leftover(d, complete, latest)):
+            try:
+                self._delete_stage(d)
+            except CheckpointError as e:
+                failed.append(f"leftover {d}: {e}")
+        if deleted:
+            log.info("retention in %s deleted versions %s; kept %s", self.uri, deleted, sorted(keep & set(versions)))
+        if failed:
+            raise CheckpointError(f"retention in {self.uri} deleted {deleted} but failed on: {'; '.join(failed)}")
+        return deleted
 
     def _map(self, fn: Callable[[Any], _R], items: Iterable[Any]) -> list[_R]:
         ex = ThreadPoolExecutor(max_workers=self._workers)
@@ -254,6 +344,35 @@ class CheckpointStore(ABC):
                                   f"{e.sha256} ({e.size} bytes), got sha256 {sha} ({size} bytes); republish it")
 
 
+def _complete(dirs: dict[str, bool]) -> list[int]:
+    return sorted(int(m.group(1)) for d, complete in dirs.items() if complete and (m := _VERSION_DIR.match(d)))
+
+
+def _is_leftover(name: str, complete: bool, latest: int | None) -> bool:
+    """An incomplete version or a staging dir at or below `latest`: publish refuses those
+    numbers, so no publish can be writing there (one writer per store)."""
+    m = _STAGE_DIR.match(name)
+    return bool(m and latest is not None and int(m.group(1)) <= latest and not (complete and _VERSION_DIR.match(name)))
+
+
+def _check_retention(keep_last: int, keep_every: int) -> None:
+    if keep_last < 1 or keep_every < 0:
+        raise CheckpointError(f"retention needs keep_last >= 1 and keep_every >= 0, got {keep_last}, {keep_every}")
+
+
+def _pin_key(holder: str) -> str:
+    if not _HOLDER.match(holder):
+        raise CheckpointError(f"pin holder {holder!r} must be letters, digits, '.', '_' or '-' (at most 128)")
+    return f"pins/{holder}.json"
+
+
+def _pin_version(key: str, text: str) -> int:
+    try:
+        return int(json.loads(text)["version"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"malformed pin {key} ({e!r}); delete it or pin again") from e
+
+
 def _list_files(src: Path) -> list[str]:
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory; pass the checkpoint folder")
@@ -265,13 +384,35 @@ def _list_files(src: Path) -> list[str]:
     return files
 
 
-def _is_verified(final: Path, manifest: Manifest) -> bool:
-    """A marker holding this manifest's sha256, and every file present with the right size."""
+def _is_verified(final: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> bool:
+    """A marker holding this manifest's sha256 (and what the copy left out, a subset of what
+    may be left out now), and every wanted file present with the right size."""
     try:
-        return ((final / MARKER).read_text() == manifest.sha256()
-                and all((final / e.path).stat().st_size == e.size for e in manifest.files))
+        sha, *left_out = (final / MARKER).read_text().split("\n")
+        skipped = {x.removeprefix("exclude=") for x in left_out}
+        return (sha == manifest.sha256() and skipped <= set(exclude)
+                and all((final / e.path).stat().st_size == e.size for e in manifest.files
+                        if not (exclude and e.path.startswith(exclude))))
     except OSError:
         return False
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `lock_path`. The file stays: unlinking a lock file races."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot create lock file {lock_path}: {e}; fix checkpoint.cache_dir") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that holds %s", lock_path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _fsync(path: Path) -> None:
@@ -317,6 +458,14 @@ class LocalStore(CheckpointStore):
     def _abort(self, stage: str) -> None:
         shutil.rmtree(self._path(stage), ignore_errors=True)
 
+    def _delete_stage(self, stage: str) -> None:
+        try:
+            shutil.rmtree(self._path(stage))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise CheckpointError(f"cannot delete {self._path(stage)}: {e}") from e
+
     def _put(self, stage: str, rel: str, src: Path) -> None:
         dst = self._path(stage, rel)
         try:
@@ -346,6 +495,7 @@ class LocalStore(CheckpointStore):
         path = self.root / key
         tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(text)
             _fsync(tmp)
             os.replace(tmp, path)
@@ -353,116 +503,29 @@ class LocalStore(CheckpointStore):
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"cannot write {path}: {e}") from e
 
-    def _version_dirs(self) -> list[str]:
+    def _version_dirs(self) -> dict[str, bool]:
         d = self.root / "versions"
-        return [v.name for v in d.iterdir() if (v / MANIFEST).is_file()] if d.is_dir() else []
+        return {v.name: (v / MANIFEST).is_file() for v in d.iterdir() if v.is_dir()} if d.is_dir() else {}
 
+    def _list(self, prefix: str) -> list[str]:
+        d = self.root / prefix
+        return [p.relative_to(self.root).as_posix() for p in d.rglob("*") if p.is_file()] if d.is_dir() else []
 
-class S3Store(CheckpointStore):
-    """s3://bucket/prefix. Credentials come only from the standard AWS chain (env, profile, IRSA)."""
-
-    def __init__(self, cfg: CheckpointConfig) -> None:
-        self.uri = cfg.uri
-        self.bucket, _, prefix = cfg.uri.removeprefix("s3://").partition("/")
-        self.prefix = prefix.strip("/")
-        self.endpoint = cfg.endpoint_url or "the default AWS endpoint"
-        self._workers = min(4, cfg.max_concurrency)
-        # Small timeouts, 5 attempts: an unreachable endpoint fails within about 30 s, not minutes.
-        # Path-style addressing, because S3-compatible servers rarely serve bucket host names.
-        config = Config(region_name=cfg.region, connect_timeout=3, read_timeout=10,
-                        retries={"max_attempts": 5, "mode": "standard"},
-                        max_pool_connections=cfg.max_concurrency * self._workers,
-                        s3={"addressing_style": "path"} if cfg.endpoint_url else None)
-        self._s3 = boto3.session.Session().client("s3", endpoint_url=cfg.endpoint_url, config=config)
-        chunk = cfg.multipart_chunk_mb * _MiB
-        self._transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
-                                        max_concurrency=cfg.max_concurrency)
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    @contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
-        """Turn botocore failures into CheckpointErrors; their messages carry no credentials."""
+    def _delete(self, keys: list[str]) -> None:
         try:
-            yield
-        except (EndpointConnectionError, ConnectTimeoutError) as e:
-            raise CheckpointError(f"cannot reach S3 endpoint {self.endpoint} while {what}: {e}; "
-                                  "check checkpoint.endpoint_url and the network") from e
-        except NoCredentialsError as e:
-            raise CheckpointError(f"no AWS credentials while {what}; provide them through the standard "
-                                  "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, IRSA)") from e
-        except (ClientError, BotoCoreError, Boto3Error) as e:
-            raise CheckpointError(f"S3 error while {what} in {self.uri}: {e}") from e
-
-    def _or_none(self, what: str, call: Callable[[], _R]) -> _R | None:
-        """`call()`, or None when the object is missing (a missing bucket stays an error)."""
-        with self._errors(what):
-            try:
-                return call()
-            except ClientError as e:
-                if _code(e) in _MISSING:
-                    return None
-                raise
-
-    def check_access(self) -> None:
-        with self._errors(f"checking bucket {self.bucket!r}"):
-            try:
-                self._s3.head_bucket(Bucket=self.bucket)
-            except ClientError as e:
-                if _code(e) in _MISSING | {"NoSuchBucket"}:
-                    raise CheckpointError(f"bucket {self.bucket!r} does not exist at {self.endpoint}; "
-                                          "create it or fix checkpoint.uri") from e
-                if _code(e) in ("403", "AccessDenied", "Forbidden"):
-                    raise CheckpointError(f"access to bucket {self.bucket!r} at {self.endpoint} is denied; "
-                                          "check the AWS credentials (env, profile, IRSA)") from e
-                raise
-
-    def _abort(self, stage: str) -> None:
-        try:  # without its manifest the partial version stays invisible
-            self._s3.delete_object(Bucket=self.bucket, Key=self._key(f"versions/{stage}/{MANIFEST}"))
-        except (ClientError, BotoCoreError) as e:
-            log.warning("could not remove the manifest of failed publish %s: %s", stage, e)
-
-    def _put(self, stage: str, rel: str, src: Path) -> None:
-        key = self._key(f"versions/{stage}/{rel}")
-        with self._errors(f"uploading {rel}"):
-            self._s3.upload_file(str(src), self.bucket, key, Config=self._transfer)
-
-    def _get(self, stage: str, rel: str, dest: Path) -> None:
-        key = self._key(f"versions/{stage}/{rel}")
-        with self._errors(f"downloading {rel} of {stage}"):
-            self._s3.download_file(self.bucket, key, str(dest), Config=self._transfer)
-
-    def _size(self, stage: str, rel: str) -> int | None:
-        head = self._or_none(f"checking {rel}", lambda: self._s3.head_object(
-            Bucket=self.bucket, Key=self._key(f"versions/{stage}/{rel}")))
-        return None if head is None else int(head["ContentLength"])
-
-    def _read_text(self, key: str) -> str | None:
-        body = self._or_none(f"reading {key}", lambda: self._s3.get_object(
-            Bucket=self.bucket, Key=self._key(key))["Body"].read())
-        return None if body is None else body.decode()
-
-    def _write_text(self, key: str, text: str) -> None:
-        with self._errors(f"writing {key}"):  # one PUT replaces the object atomically
-            self._s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=text.encode())
-
-    def _version_dirs(self) -> list[str]:
-        root, names = self._key("versions/"), []
-        with self._errors("listing versions"):
-            for page in self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=root):
-                for obj in page.get("Contents", []):
-                    name, _, rest = obj["Key"][len(root):].partition("/")
-                    if rest == MANIFEST:
-                        names.append(name)
-        return names
-
-
-def _code(e: ClientError) -> str:
-    return str(e.response.get("Error", {}).get("Code", ""))
+            for key in keys:
+                (self.root / key).unlink(missing_ok=True)
+            for parent in {(self.root / key).parent for key in keys}:  # deletions must not be reordered
+                if parent.is_dir():
+                    _fsync(parent)
+        except OSError as e:
+            raise CheckpointError(f"cannot delete from {self.root}: {e}") from e
 
 
 def open_store(cfg: CheckpointConfig) -> CheckpointStore:
     """`s3://bucket/prefix` gives an S3Store; anything else is a local folder."""
-    return S3Store(cfg) if cfg.uri.startswith("s3://") else LocalStore(Path(cfg.uri))
+    if cfg.uri.startswith("s3://"):
+        from moerl.s3store import S3Store  # boto3 only for S3 users
+
+        return S3Store(cfg)
+    return LocalStore(Path(cfg.uri))

@@ -25,7 +25,7 @@ from kfp import dsl
 from moerl.config import RunConfig, config_to_json
 from moerl.components.buffer.component import buffer
 from moerl.components.policy_update.component import policy_update
-from moerl.components.publish_checkpoint.component import init_policy, publish_checkpoint
+from moerl.components.publish_checkpoint.component import init_policy, publish_checkpoint, resume_policy
 from moerl.components.redistribute_weights.component import redistribute_weights
 from moerl.components.reward.component import reward
 from moerl.components.rollout.component import rollout
@@ -33,7 +33,7 @@ from moerl.components.tracking.component import finish_run, log_iteration, start
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f
-    for f in (start_run, init_policy, rollout, reward, buffer, policy_update, publish_checkpoint,
+    for f in (start_run, init_policy, resume_policy, rollout, reward, buffer, policy_update, publish_checkpoint,
               redistribute_weights, log_iteration, finish_run)
 }
 
@@ -44,6 +44,7 @@ class Ops:
 
     start_run: Any
     init_policy: Any
+    resume_policy: Any
     rollout: Any
     reward: Any
     buffer: Any
@@ -68,20 +69,28 @@ def _task(t, name: str):
     return t
 
 
-def build_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
-    """The pipeline function for `cfg`, with `cfg.pipeline.iterations` unrolled."""
+def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: int = 0):
+    """The pipeline function for `cfg`, with iterations `start_iteration`..`pipeline.iterations`-1
+    unrolled. `start_iteration` > 0 resumes run `run_id` from its published version of that
+    number (weights, optimizer, counters); the data cursor and seeds follow the iteration."""
     ops = make_ops(cfg.pipeline.base_image)
     n_iter = cfg.pipeline.iterations
+    if not 0 <= start_iteration < n_iter:
+        raise ValueError(f"start_iteration must be in [0, {n_iter}), got {start_iteration}")
 
     @dsl.pipeline(name=cfg.pipeline.name, description="moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, "
                   "buffer, policy update, checkpoint publication, weight redistribution")
     def grpo(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha) -> str:
         start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha), "start-run")
         rid = start.output
-        init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
+        if start_iteration:
+            init = _task(ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),
+                         f"resume-policy-v{start_iteration}")
+        else:
+            init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
         policy, state = init.outputs["Output"], init.outputs["state"]
         logs = []
-        for i in range(n_iter):
+        for i in range(start_iteration, n_iter):
             ro = _task(ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
                        f"rollout-{i}")
             if logs:  # iterations log in order (progress reads top to bottom; MLflow steps arrive in order)

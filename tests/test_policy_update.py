@@ -9,7 +9,7 @@ from moerl.config import parse_config
 from moerl.errors import TrainingError
 from moerl.policy import build_tiny_model
 from moerl.records import TrainSample, write_records
-from moerl.components.policy_update.trainer import (MODEL_DIR, Counters, _load_state, pack, run_policy_update,
+from moerl.components.policy_update.trainer import (TRAINER_DIR, Counters, _load_state, pack, run_policy_update,
                                                     train_on_batch)
 
 CFG = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}})
@@ -18,7 +18,7 @@ CFG = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_ra
 @pytest.fixture(scope="module")
 def state0(tmp_path_factory):
     root = tmp_path_factory.mktemp("state0")
-    build_tiny_model(CFG.model.tiny, root / MODEL_DIR)
+    build_tiny_model(CFG.model.tiny, root)
     return root
 
 
@@ -72,8 +72,8 @@ def test_state_round_trip_carries_optimizer_and_counters(state0, tmp_path):
     write_records(tmp_path / "b.jsonl", _batch())
     m = run_policy_update(CFG, tmp_path / "b.jsonl", state0, tmp_path / "s1", iteration=0)
     assert m["train/steps"] == 4 and m["timing/policy_update_s"] > 0
-    assert (tmp_path / "s1" / MODEL_DIR / "model.safetensors").is_file()
-    assert (tmp_path / "s1" / MODEL_DIR / "tokenizer.json").is_file()
+    assert (tmp_path / "s1" / "model.safetensors").is_file()
+    assert (tmp_path / "s1" / "tokenizer.json").is_file()
     model, opt, ctr = _load_state(tmp_path / "s1", CFG)
     assert ctr == Counters(step=4, version=1, consecutive_skipped=0, skipped_total=0)
     assert len(opt.state_dict()["state"]) > 0  # Adam moments came back
@@ -81,8 +81,8 @@ def test_state_round_trip_carries_optimizer_and_counters(state0, tmp_path):
     write_records(tmp_path / "e.jsonl", [])
     m = run_policy_update(CFG, tmp_path / "e.jsonl", tmp_path / "s1", tmp_path / "s2", iteration=1)
     assert m["train/empty_batch"] == 1.0
-    assert (tmp_path / "s2" / MODEL_DIR / "model.safetensors").read_bytes() == \
-        (tmp_path / "s1" / MODEL_DIR / "model.safetensors").read_bytes()
+    assert (tmp_path / "s2" / "model.safetensors").read_bytes() == \
+        (tmp_path / "s1" / "model.safetensors").read_bytes()
 
 
 def test_model_path_takes_a_local_mixtral_checkpoint(tmp_path):
@@ -91,11 +91,11 @@ def test_model_path_takes_a_local_mixtral_checkpoint(tmp_path):
     src = build_tiny_model(parse_config({"model": {"tiny": {"architecture": "mixtral"}}}).model.tiny, tmp_path / "mx")
     cfg = parse_config({"model": {"path": str(src)}, "trainer": {"optimizer_steps_per_iteration": 2}})
     prepare_initial(cfg, tmp_path / "s0")
-    assert (tmp_path / "s0" / MODEL_DIR / "config.json").read_text() == (src / "config.json").read_text()
+    assert (tmp_path / "s0" / "config.json").read_text() == (src / "config.json").read_text()
     write_records(tmp_path / "b.jsonl", _batch())
     m = run_policy_update(cfg, tmp_path / "b.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0)
     assert m["train/steps"] == 2
-    assert '"model_type": "mixtral"' in (tmp_path / "s1" / MODEL_DIR / "config.json").read_text()
+    assert '"model_type": "mixtral"' in (tmp_path / "s1" / "config.json").read_text()
 
 
 def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):

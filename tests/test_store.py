@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -16,8 +18,8 @@ import pytest
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.store import (MANIFEST, CheckpointStore, FileEntry, LocalStore, Manifest, S3Store,
-                         open_store, sha256_file)
+from moerl.s3store import S3Store
+from moerl.store import MANIFEST, CheckpointStore, FileEntry, LocalStore, Manifest, open_store, sha256_file
 from tests.s3server import S3Server
 
 
@@ -258,3 +260,66 @@ def test_s3_server_binds_loopback_only(s3_server: S3Server) -> None:
                 listening.append(f[1])
     assert listening, "found no listening sockets of weed"
     assert all(a.startswith("0100007F:") for a in listening), listening  # 127.0.0.1, little-endian hex
+
+
+def test_local_store_never_imports_boto3(tmp_path: Path) -> None:
+    code = ("import sys; from pathlib import Path; from moerl.config import CheckpointConfig; "
+            "from moerl.store import open_store; s = open_store(CheckpointConfig(uri=sys.argv[1])); "
+            "s.publish(1, Path(sys.argv[2])); s.fetch(1, Path(sys.argv[3])); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), str(make_checkpoint(tmp_path / "src")),
+                          str(tmp_path / "cache")], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_pins(case: Case, tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "src")
+    case.store.publish(1, src)
+    case.store.publish(2, src)
+    assert case.store.pinned() == set()
+    case.store.pin(1, "engine-0")
+    case.store.pin(1, "engine-1")
+    assert case.store.pinned() == {1}
+    case.store.pin(2, "engine-0")  # one pin per holder: moving on replaces it
+    assert case.store.pinned() == {1, 2}
+    case.store.unpin(1, "engine-0")  # engine-0 no longer pins 1: nothing happens
+    assert case.store.pinned() == {1, 2}
+    case.store.unpin(1, "engine-1")
+    case.store.unpin(1, "never-pinned")
+    assert case.store.pinned() == {2}
+    with pytest.raises(CheckpointError, match="version 3 not found"):
+        case.store.pin(3, "engine-0")
+    with pytest.raises(CheckpointError, match="pin holder '../x' must be"):
+        case.store.pin(2, "../x")
+    assert case.store.pinned() == {2} and case.store.versions() == [1, 2]  # pins are not versions
+
+
+def test_require_lineage(case: Case, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=f"no published versions under {case.store.uri}; check checkpoint.uri"):
+        case.store.require_lineage()
+    case.store.publish(3, make_checkpoint(tmp_path / "src"))
+    assert case.store.require_lineage() == 3
+
+
+def test_retention_arguments_checked_before_publishing(case: Case, tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="keep_last >= 1"):
+        case.store.publish(1, make_checkpoint(tmp_path / "src"), retention=(0, 0))
+    assert case.store.latest() is None and case.store.versions() == []
+
+
+def test_fetch_can_leave_out_a_prefix_and_a_full_copy_serves_both(tmp_path):
+    from moerl.store import LocalStore
+
+    src = tmp_path / "src"
+    (src / "trainer").mkdir(parents=True)
+    (src / "model.safetensors").write_bytes(b"w" * 100)
+    (src / "trainer" / "optimizer.pt").write_bytes(b"o" * 300)
+    store = LocalStore(tmp_path / "store")
+    store.publish(1, src)
+    part = store.fetch(1, tmp_path / "cache", exclude=("trainer/",))
+    assert (part / "model.safetensors").is_file() and not (part / "trainer").exists()
+    full = store.fetch(1, tmp_path / "cache")  # the partial copy does not serve a full request
+    assert (full / "trainer" / "optimizer.pt").read_bytes() == b"o" * 300
+    (tmp_path / "store" / "versions" / "v000001" / "model.safetensors").write_bytes(b"x" * 100)
+    # the full verified copy is reused for the partial request: no re-download of the corrupted object
+    assert store.fetch(1, tmp_path / "cache", exclude=("trainer/",)) == full

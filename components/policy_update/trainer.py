@@ -1,8 +1,8 @@
 """Policy update stage: N optimizer steps of GRPO on one training batch.
 
-The trainer state travels between iterations as a directory: `model/` holds the HF
-checkpoint (what gets published and served) and `trainer/` the optimizer state and counters,
-which rollout engines never need.
+The trainer state travels between iterations, and is published, as one directory: the HF
+checkpoint at the top (what engines serve; vLLM reads only top-level files) and `trainer/`
+beside it (optimizer state and counters: what a resumed run needs and engines never fetch).
 
 Steps: (1) load model, optimizer and counters; (2) pack the batch into padded tensors;
 (3) recompute the start-of-iteration logprobs (pi_old) and the engine/trainer mismatch;
@@ -30,7 +30,6 @@ from moerl.records import TrainSample, read_records
 from moerl.components.policy_update.loss import grpo_token_loss, token_logprobs_and_entropy
 
 log = logging.getLogger(__name__)
-MODEL_DIR = "model"
 TRAINER_DIR = "trainer"
 
 
@@ -78,7 +77,7 @@ def sequence_logprobs(model, p: Packed, idx: torch.Tensor, temperature: float) -
 def _load_state(state_dir: Path, cfg: RunConfig):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(state_dir / MODEL_DIR, dtype=getattr(torch, cfg.model.dtype)).to(cfg.trainer.device)
+    model = AutoModelForCausalLM.from_pretrained(state_dir, dtype=getattr(torch, cfg.model.dtype)).to(cfg.trainer.device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
     counters = Counters()
     tdir = state_dir / TRAINER_DIR
@@ -90,12 +89,11 @@ def _load_state(state_dir: Path, cfg: RunConfig):
 
 
 def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path) -> None:
-    out_model = state_out / MODEL_DIR
-    out_model.mkdir(parents=True, exist_ok=True)
-    for f in (state_in / MODEL_DIR).iterdir():  # tokenizer and generation config come along unchanged
+    state_out.mkdir(parents=True, exist_ok=True)
+    for f in state_in.iterdir():  # tokenizer and generation config come along unchanged
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, out_model / f.name)
-    model.save_pretrained(out_model)
+            shutil.copy2(f, state_out / f.name)
+    model.save_pretrained(state_out)
     (state_out / TRAINER_DIR).mkdir(exist_ok=True)
     torch.save(opt.state_dict(), state_out / TRAINER_DIR / "optimizer.pt")
     (state_out / TRAINER_DIR / "state.json").write_text(json.dumps(asdict(counters)))

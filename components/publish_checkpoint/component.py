@@ -18,6 +18,16 @@ def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
     return policy.model_dump_json()
 
 
+def resume_policy(config_json: str, run_id: str, version: int, state: Output[Artifact]) -> str:
+    """Continue run `run_id` from its published `version`: fetch the weights and the trainer
+    state (optimizer, counters) from the checkpoint store, verified against the manifest,
+    into `state`, and return the version's PolicyVersion as JSON."""
+    from moerl.components.publish_checkpoint.stage import prepare_resume
+    from moerl.config import config_from_json
+
+    return prepare_resume(config_from_json(config_json), run_id, version, state.path).model_dump_json()
+
+
 def publish_checkpoint(config_json: str, run_id: str, state: Input[Artifact], version: int) -> NamedTuple(
         "Published", [("policy_json", str), ("metrics", dict)]):
     """Publish the model in `state` as `version` (HF safetensors + config + tokenizer + a

@@ -18,13 +18,14 @@ from moerl.checkpoints import run_store, version_uri
 from moerl.config import RunConfig
 from moerl.policy import build_tiny_model, check_checkpoint
 from moerl.provenance import git_sha
+from moerl.errors import CheckpointError
 from moerl.records import PolicyVersion
-from moerl.components.policy_update.trainer import MODEL_DIR
+from moerl.components.policy_update.trainer import TRAINER_DIR
 
 
 def prepare_initial(cfg: RunConfig, state_dir: str | Path) -> Path:
     """Lay out version 0 as a trainer state directory (no optimizer state yet)."""
-    model_dir = Path(state_dir) / MODEL_DIR
+    model_dir = Path(state_dir)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
         shutil.copytree(cfg.model.path, model_dir, dirs_exist_ok=True)
@@ -33,11 +34,30 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path) -> Path:
     return model_dir
 
 
+def prepare_resume(cfg: RunConfig, run_id: str, version: int, state_dir: str | Path) -> PolicyVersion:
+    """Lay out published `version` (weights + trainer/ state) as the trainer state a resumed
+    run continues from. The copy is verified against the manifest on the way."""
+    import tempfile
+
+    from moerl.store import MANIFEST, MARKER
+
+    store = run_store(cfg.checkpoint, run_id)
+    manifest = store.manifest(version)
+    if not any(f.path.startswith(f"{TRAINER_DIR}/") for f in manifest.files) and version > 0:
+        raise CheckpointError(f"version {version} in {store.uri} has no {TRAINER_DIR}/ state (optimizer, counters); "
+                              "it cannot be resumed from")
+    with tempfile.TemporaryDirectory() as tmp:
+        local = store.fetch(version, Path(tmp))
+        shutil.copytree(local, state_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST, MARKER))
+    return PolicyVersion(version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256())
+
+
 def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int) -> tuple[PolicyVersion, dict[str, float]]:
     t0 = time.perf_counter()
     store = run_store(cfg.checkpoint, run_id)
-    src = Path(state_dir) / MODEL_DIR
-    manifest = store.publish(version, src, meta={"run_id": run_id, "git_sha": git_sha()})
+    # the whole state: HF files for the engines, trainer/ for a resumed run
+    manifest = store.publish(version, Path(state_dir), meta={"run_id": run_id, "git_sha": git_sha()},
+                             retention=(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
     elapsed = time.perf_counter() - t0
     mb = sum(f.size for f in manifest.files) / 1e6
     policy = PolicyVersion(version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256())

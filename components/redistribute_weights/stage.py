@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
-from moerl.checkpoints import run_cache, run_store
+from moerl.checkpoints import fetch_for_engine, run_cache, run_store
 from moerl.config import RunConfig
 from moerl.errors import WeightSyncError
 from moerl.records import PolicyVersion
@@ -31,11 +32,13 @@ def run_redistribute(cfg: RunConfig, run_id: str, policy: PolicyVersion) -> tupl
             f"redistribute: manifest of version {policy.version} in {store.uri} has sha256 {manifest.sha256()}, "
             f"but the published one had {policy.manifest_sha256}; the store changed under the run")
     cache = run_cache(cfg.checkpoint, run_id)
-    local = store.fetch(policy.version, cache)
+    local = fetch_for_engine(cfg.checkpoint, run_id, policy.version)
     serving = cache / "serving.json"
     tmp = serving.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": policy.version, "path": str(local), "manifest_sha256": policy.manifest_sha256}))
     os.replace(tmp, serving)
+    # the served version is referenced by a live run: retention must not delete it
+    store.pin(policy.version, holder=f"serving-{socket.gethostname()}")
     return policy, {
         "timing/redistribute_weights_s": time.perf_counter() - t0,
         "weights/serving_version": float(policy.version),

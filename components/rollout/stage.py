@@ -14,7 +14,7 @@ from pathlib import Path
 from moerl.config import RunConfig
 from moerl.dataset import load_dataset
 from moerl.records import PolicyVersion, Sample, write_records
-from moerl.checkpoints import run_cache, run_store
+from moerl.checkpoints import fetch_for_engine
 
 
 def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: int, out_path: str | Path) -> dict[str, float]:
@@ -27,7 +27,7 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
     prompts = ds.batch(iteration, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
     # 2. weights, from the verified local cache
-    model_dir = run_store(cfg.checkpoint, run_id).fetch(policy.version, run_cache(cfg.checkpoint, run_id))
+    model_dir = fetch_for_engine(cfg.checkpoint, run_id, policy.version)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_ids = [tokenizer.encode(p.prompt) for p in prompts]
     # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations

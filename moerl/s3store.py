@@ -1,0 +1,160 @@
+"""The S3 backend of the checkpoint store (see `moerl.store` for the layout and the contract).
+
+Imported only by `open_store` for s3:// URIs, so local-only users never import boto3.
+Credentials come only from the standard AWS chain (env, profile, IRSA). Every S3 call is retried
+by botocore's "standard" mode: `checkpoint.max_attempts` attempts in all, with exponential
+backoff and jitter; after the last one the failure becomes a `CheckpointError` that says so.
+
+Limitations:
+- Path-style addressing whenever `endpoint_url` is set, because S3-compatible servers rarely
+  serve bucket host names; virtual-host style on AWS itself.
+- An object is replaced by one PUT, so `latest.json` and pins are atomic; deleting a version
+  is not (manifest first, then its objects, one batch at a time).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import boto3
+from boto3.exceptions import Boto3Error
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, ConnectTimeoutError,
+                                 EndpointConnectionError, NoCredentialsError, ReadTimeoutError)
+
+from moerl.config import CheckpointConfig
+from moerl.errors import CheckpointError
+from moerl.store import MANIFEST, CheckpointStore
+
+log = logging.getLogger(__name__)
+
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+_UNREACHABLE = (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError, ReadTimeoutError)
+_MiB = 1024 * 1024
+_R = TypeVar("_R")
+
+
+class S3Store(CheckpointStore):
+    """s3://bucket/prefix."""
+
+    def __init__(self, cfg: CheckpointConfig) -> None:
+        self.uri = cfg.uri
+        self.bucket, _, prefix = cfg.uri.removeprefix("s3://").partition("/")
+        self.prefix = prefix.strip("/")
+        self.endpoint = cfg.endpoint_url or "the default AWS endpoint"
+        self.max_attempts = cfg.max_attempts
+        self._workers = min(4, cfg.max_concurrency)
+        # Small timeouts and a bounded number of attempts: an unreachable endpoint fails in
+        # seconds, not minutes. `total_max_attempts` counts the first try (`max_attempts` would not).
+        config = Config(region_name=cfg.region, connect_timeout=3, read_timeout=10,
+                        retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
+                        max_pool_connections=cfg.max_concurrency * self._workers,
+                        s3={"addressing_style": "path"} if cfg.endpoint_url else None)
+        self._s3 = boto3.session.Session().client("s3", endpoint_url=cfg.endpoint_url, config=config)
+        chunk = cfg.multipart_chunk_mb * _MiB
+        # s3transfer retries a download whose body breaks off mid-stream on its own; same budget.
+        self._transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
+                                        max_concurrency=cfg.max_concurrency,
+                                        num_download_attempts=cfg.max_attempts)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """Turn botocore failures into CheckpointErrors; their messages carry no credentials."""
+        try:
+            yield
+        except _UNREACHABLE as e:
+            raise CheckpointError(f"cannot reach S3 endpoint {self.endpoint} after {self.max_attempts} attempts "
+                                  f"while {what}: {e}; check checkpoint.endpoint_url and the network") from e
+        except NoCredentialsError as e:
+            raise CheckpointError(f"no AWS credentials while {what}; provide them through the standard "
+                                  "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, IRSA)") from e
+        except (ClientError, BotoCoreError, Boto3Error) as e:
+            raise CheckpointError(f"S3 error while {what} in {self.uri}: {e}") from e
+
+    def _or_none(self, what: str, call: Callable[[], _R]) -> _R | None:
+        """`call()`, or None when the object is missing (a missing bucket stays an error)."""
+        with self._errors(what):
+            try:
+                return call()
+            except ClientError as e:
+                if _code(e) in _MISSING:
+                    return None
+                raise
+
+    def check_access(self) -> None:
+        with self._errors(f"checking bucket {self.bucket!r}"):
+            try:
+                self._s3.head_bucket(Bucket=self.bucket)
+            except ClientError as e:
+                if _code(e) in _MISSING | {"NoSuchBucket"}:
+                    raise CheckpointError(f"bucket {self.bucket!r} does not exist at {self.endpoint}; "
+                                          "create it or fix checkpoint.uri") from e
+                if _code(e) in ("403", "AccessDenied", "Forbidden"):
+                    raise CheckpointError(f"access to bucket {self.bucket!r} at {self.endpoint} is denied; "
+                                          "check the AWS credentials (env, profile, IRSA)") from e
+                raise
+
+    def _abort(self, stage: str) -> None:
+        try:  # without its manifest the partial version stays invisible
+            self._delete([f"versions/{stage}/{MANIFEST}"])
+        except CheckpointError as e:
+            log.warning("could not remove the manifest of failed publish %s: %s", stage, e)
+
+    def _put(self, stage: str, rel: str, src: Path) -> None:
+        key = self._key(f"versions/{stage}/{rel}")
+        with self._errors(f"uploading {rel}"):
+            self._s3.upload_file(str(src), self.bucket, key, Config=self._transfer)
+
+    def _get(self, stage: str, rel: str, dest: Path) -> None:
+        key = self._key(f"versions/{stage}/{rel}")
+        with self._errors(f"downloading {rel} of {stage}"):
+            self._s3.download_file(self.bucket, key, str(dest), Config=self._transfer)
+
+    def _size(self, stage: str, rel: str) -> int | None:
+        head = self._or_none(f"checking {rel}", lambda: self._s3.head_object(
+            Bucket=self.bucket, Key=self._key(f"versions/{stage}/{rel}")))
+        return None if head is None else int(head["ContentLength"])
+
+    def _read_text(self, key: str) -> str | None:
+        body = self._or_none(f"reading {key}", lambda: self._s3.get_object(
+            Bucket=self.bucket, Key=self._key(key))["Body"].read())
+        return None if body is None else body.decode()
+
+    def _write_text(self, key: str, text: str) -> None:
+        with self._errors(f"writing {key}"):  # one PUT replaces the object atomically
+            self._s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=text.encode())
+
+    def _list(self, prefix: str) -> list[str]:
+        root = self._key("")
+        with self._errors(f"listing {prefix}"):
+            pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
+            return [obj["Key"][len(root):] for page in pages for obj in page.get("Contents", [])]
+
+    def _version_dirs(self) -> dict[str, bool]:
+        dirs: dict[str, bool] = {}
+        for key in self._list("versions/"):
+            name, _, rest = key.removeprefix("versions/").partition("/")
+            dirs[name] = dirs.get(name, False) or rest == MANIFEST
+        return dirs
+
+    def _delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
+            with self._errors(f"deleting {len(batch)} objects"):
+                errors = self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                                                 ).get("Errors", [])
+            if errors:
+                raise CheckpointError(f"S3 refused to delete {len(errors)} objects in {self.uri}, first "
+                                      f"{errors[0].get('Key')}: {errors[0].get('Message')}")
+
+
+def _code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
