@@ -45,6 +45,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
+def _cmd_bench_weights(args: argparse.Namespace) -> int:
+    from moerl.components.redistribute_weights.bench import run_bench
+
+    rows = run_bench([s for s in args.sizes.split(",") if s], Path(args.out), repeats=args.repeats,
+                     endpoint_url=args.endpoint_url, bucket=args.bucket)
+    return 0 if all(r.parity_ok for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -61,6 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("config")
     comp.add_argument("-o", "--output", default=DEFAULT_COMPILED)
     comp.set_defaults(func=_cmd_compile)
+
+    bench = sub.add_parser("bench", help="benchmarks (side by side, ratios)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bw = bsub.add_parser("weights", help="publish / fetch / hot-swap / redistribution of a policy version")
+    bw.add_argument("--sizes", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
+    bw.add_argument("--repeats", type=int, default=3)
+    bw.add_argument("--out", default="bench/weights.json")
+    bw.add_argument("--endpoint-url", default=None, help="an S3 endpoint (default: start weed mini on 127.0.0.1)")
+    bw.add_argument("--bucket", default="moerl-bench")
+    bw.set_defaults(func=_cmd_bench_weights)
 
     config = sub.add_parser("config", help="inspect a run config")
     csub = config.add_subparsers(dest="config_command", required=True)

