@@ -118,3 +118,14 @@ def test_malformed_dataset_stops_before_any_work(tmp_path):
     assert proc.returncode == 1
     assert "task.dataset: 5 of 6 rows" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_missing_bucket_stops_before_training(tmp_path, s3_server):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"checkpoint": {
+        "uri": "s3://moerl-no-such-bucket/runs", "endpoint_url": s3_server.endpoint_url, "max_attempts": 2}}))
+    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)  # inherits the fixture's AWS_* env
+    assert proc.returncode == 1, proc.stderr
+    assert "bucket 'moerl-no-such-bucket' does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert s3_server.secret_key not in proc.stderr + proc.stdout
+    assert not (tmp_path / "mlflow.db").exists()  # no run was created
