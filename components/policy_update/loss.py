@@ -47,9 +47,12 @@ def grpo_token_loss(
     clip_eps_low: float,
     clip_eps_high: float,
     tis_cap: float,
+    n_tokens: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
+    """`n_tokens`: the normalizer; default the tokens in this minibatch. Expert-parallel ranks
+    pass the token count of the whole (global) minibatch, so their losses sum to the loss."""
     mask = mask_BT.to(logp_BT.dtype)
-    n_tokens = mask.sum().clamp_min(1.0)
+    n_tokens = mask.sum().clamp_min(1.0) if n_tokens is None else torch.tensor(float(max(n_tokens, 1.0)))
     adv_BT = adv_B[:, None].expand_as(logp_BT)
 
     ratio = torch.exp(logp_BT - old_logp_BT)

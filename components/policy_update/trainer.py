@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -83,6 +84,9 @@ def _load_state(state_dir: Path, cfg: RunConfig):
     tdir = state_dir / TRAINER_DIR
     if (tdir / "optimizer.pt").is_file():
         opt.load_state_dict(torch.load(tdir / "optimizer.pt", weights_only=True))
+    elif cfg.trainer.expert_parallel_size == 1 and any(tdir.glob("optimizer-ep*.pt")):
+        raise TrainingError(f"policy_update: {tdir} holds expert-parallel optimizer shards; resume with the "
+                            "trainer.expert_parallel_size they were written with")
     if (tdir / "state.json").is_file():
         counters = Counters(**json.loads((tdir / "state.json").read_text()))
     return model, opt, counters
@@ -95,7 +99,8 @@ def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path)
             shutil.copy2(f, state_out / f.name)
     model.save_pretrained(state_out)
     (state_out / TRAINER_DIR).mkdir(exist_ok=True)
-    torch.save(opt.state_dict(), state_out / TRAINER_DIR / "optimizer.pt")
+    if opt is not None:  # expert-parallel ranks save their own optimizer shards
+        torch.save(opt.state_dict(), state_out / TRAINER_DIR / "optimizer.pt")
     (state_out / TRAINER_DIR / "state.json").write_text(json.dumps(asdict(counters)))
 
 
@@ -154,8 +159,53 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
     return metrics
 
 
+def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | Path, state_out: str | Path,
+                        iteration: int) -> dict[str, float]:
+    """Start `trainer.expert_parallel_size` ranks of ep_train (gloo on CPU, NCCL on GPU) on this
+    machine, with torchrun or as local processes meeting through a file store (see
+    `trainer.launcher`), wait for all, and return rank 0's metrics."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    from moerl.config import config_to_json
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="moerl-ep-") as tmp:
+        (Path(tmp) / "config.json").write_text(config_to_json(cfg))
+        ws = cfg.trainer.expert_parallel_size
+        args = ["-m", "moerl.components.policy_update.ep_train",
+                "--config-json", f"{tmp}/config.json", "--batch", str(batch_path), "--state-in", str(state_in),
+                "--state-out", str(state_out), "--iteration", str(iteration), "--metrics-out", f"{tmp}/metrics.json"]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        if cfg.trainer.launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={ws}",
+                   "--master-addr=127.0.0.1", f"--master-port={port}", *args[1:]]
+            returncode = subprocess.run(cmd, env=env).returncode
+        else:
+            procs = [subprocess.Popen([sys.executable, *args], env={
+                **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ws), "LOCAL_WORLD_SIZE": str(ws),
+                "MOERL_INIT_METHOD": f"file://{tmp}/rendezvous"}) for r in range(ws)]
+            codes = [p.wait() for p in procs]
+            returncode = next((c for c in codes if c != 0), 0)
+        if returncode != 0:
+            raise TrainingError(f"policy_update: expert-parallel training (torchrun, {cfg.trainer.expert_parallel_size} "
+                                f"ranks, {cfg.trainer.ep_backend}) exited with {proc.returncode}; see the ranks' "
+                                "output above")
+        out = json.loads((Path(tmp) / "metrics.json").read_text())
+    if out["fallback_from"]:
+        log.warning("expert-parallel dispatcher fell back from %s to %s", out["fallback_from"], out["dispatcher"])
+    return out["metrics"]
+
+
 def run_policy_update(cfg: RunConfig, batch_path: str | Path, state_in: str | Path, state_out: str | Path,
                       iteration: int) -> dict[str, float]:
+    if cfg.trainer.expert_parallel_size > 1:
+        return run_expert_parallel(cfg, batch_path, state_in, state_out, iteration)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.trainer.seed + iteration)
     state_in, state_out = Path(state_in), Path(state_out)

@@ -54,6 +54,9 @@ class RolloutEngine:
             kwargs["max_model_len"] = cfg.max_model_len
         if cfg.engine_in_process:
             kwargs["distributed_executor_backend"] = "uni"
+        if cfg.enable_expert_parallel:  # GPU only (validated in config): vLLM EP + its all2all kernels
+            kwargs["enable_expert_parallel"] = True
+            kwargs["all2all_backend"] = cfg.all2all_backend
         self.llm = LLM(**kwargs)
         self.load_s = time.perf_counter() - t0
         log.info("vLLM engine loaded %s in %.1f s", model_dir, self.load_s)

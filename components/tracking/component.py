@@ -30,6 +30,9 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
     stage_keys = [k for k in merged if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1]
     merged["timing/iteration_s"] = sum(merged[k] for k in stage_keys)
     tracking.log_metrics(tracking.resolve_uri(cfg.tracking), run_id, iteration, merged)
+    if merged.get("moe/ep_fallback"):  # a slower path taken is recorded loudly, never silently
+        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id,
+                          {"moerl.ep_fallback": f"{cfg.trainer.ep_backend} unavailable -> all_to_all"})
     times = " ".join(f"{k[7:-2]}={merged[k]:.1f}s" for k in sorted(stage_keys))
     print(f"[moerl] iteration {iteration + 1}/{cfg.pipeline.iterations} reward/mean={merged.get('reward/mean', 0):.3f} "
           f"exact={merged.get('reward/exact_fraction', 0):.2f} loss={merged.get('train/loss', 0):+.4f} "

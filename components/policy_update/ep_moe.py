@@ -1,0 +1,113 @@
+"""The expert-parallel MoE block: replaces transformers' Qwen3-MoE / Mixtral sparse block in
+the trainer, with experts sharded over the EP group and tokens moved by a `Dispatcher`.
+
+Legend: B batch, S sequence, T = B*S tokens, H hidden, I expert intermediate, K top-k,
+E experts, L = E / ep local experts, R rows received (one per (token, local expert) pair).
+
+- The router stays as in the checkpoint (replicated on every rank).
+- Rank r owns experts [r*L, (r+1)*L): its slices of `gate_up_proj` [E, 2I, H] and
+  `down_proj` [E, H, I].
+- Routing weights are applied in `combine` (the dispatcher's contract).
+- The load-balancing aux loss (Switch Transformer form, E * sum_e f_e * P_e over this rank's
+  tokens) is computed only when `aux_loss_coef > 0`; the trainer adds it.
+- `tokens_per_expert_L` keeps the last forward's per-local-expert counts for logging.
+
+`gather_full_experts` rebuilds the full [E, ...] tensors on every rank, so saving still
+writes the standard HF checkpoint layout that vLLM loads unchanged.
+
+Limitations: the expert loop runs one GEMM pair per local expert (no grouped GEMM);
+Mixtral's router jitter noise is not applied (it is 0 in inference configs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+
+class EPMoEBlock(nn.Module):
+    def __init__(self, block: nn.Module, dispatcher, aux_loss_coef: float = 0.0):
+        super().__init__()
+        experts = block.experts
+        e, ep, r = dispatcher.num_experts, dispatcher.ep_size, dispatcher.ep_rank
+        if experts.gate_up_proj.shape[0] != e or e % ep:
+            raise ValueError(f"{e} experts cannot be sharded over {ep} ranks")
+        n_local = e // ep
+        lo = r * n_local
+        self.gate = block.gate  # the router, replicated
+        self.top_k = getattr(block.gate, "top_k", None)
+        self.gate_up_proj_LIH = nn.Parameter(experts.gate_up_proj.detach()[lo : lo + n_local].clone())
+        self.down_proj_LHI = nn.Parameter(experts.down_proj.detach()[lo : lo + n_local].clone())
+        self.act_fn = experts.act_fn
+        self.dispatcher = dispatcher
+        self.aux_loss_coef = aux_loss_coef
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert_L: torch.Tensor | None = None
+
+    def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden_BSH.shape
+        x_TH = hidden_BSH.reshape(-1, h)
+        router_logits_TE, w_TK, idx_TK = self.gate(x_TH)
+        recv_RH, counts_L, handle = self.dispatcher.dispatch(x_TH, idx_TK, w_TK.to(x_TH.dtype))
+        self.tokens_per_expert_L = counts_L.detach()
+        y_RH = self._experts(recv_RH, counts_L)
+        out_TH = self.dispatcher.combine(y_RH, handle)
+        if self.aux_loss_coef > 0:
+            self.aux_loss = self.aux_loss_coef * load_balancing_loss(router_logits_TE, idx_TK)
+        return out_TH.reshape(b, s, h)
+
+    def _experts(self, recv_RH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows_RH in enumerate(torch.split(recv_RH, counts_L.tolist())):
+            gate, up = F.linear(rows_RH, self.gate_up_proj_LIH[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj_LHI[e]))
+        return torch.cat(outs) if outs else recv_RH[:0]
+
+
+def load_balancing_loss(router_logits_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e * P_e: f_e the fraction of routed (token, k) slots that go to e, P_e the
+    mean router probability of e. 1.0 when perfectly balanced."""
+    e = router_logits_TE.shape[-1]
+    probs_TE = torch.softmax(router_logits_TE.float(), dim=-1)
+    valid = idx_TK >= 0
+    f_E = torch.bincount(idx_TK[valid], minlength=e).float() / valid.sum().clamp_min(1)
+    return e * (f_E * probs_TE.mean(0)).sum()
+
+
+def sparse_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, block) of every transformers MoE sparse block in `model`."""
+    found = []
+    for parent in model.modules():
+        child = getattr(parent, "mlp", None) or getattr(parent, "block_sparse_moe", None)
+        if child is not None and hasattr(child, "experts") and hasattr(child.experts, "gate_up_proj"):
+            found.append((parent, "mlp" if getattr(parent, "mlp", None) is child else "block_sparse_moe", child))
+    return found
+
+
+def parallelize_experts(model: nn.Module, dispatcher, aux_loss_coef: float = 0.0) -> list[EPMoEBlock]:
+    """Swap every sparse MoE block of `model` for an EPMoEBlock holding this rank's experts."""
+    blocks = []
+    for parent, attr, block in sparse_blocks(model):
+        ep_block = EPMoEBlock(block, dispatcher, aux_loss_coef)
+        setattr(parent, attr, ep_block)
+        blocks.append(ep_block)
+    if not blocks:
+        raise ValueError("no MoE sparse blocks (with fused `experts.gate_up_proj`) found to parallelize")
+    return blocks
+
+
+def gather_full_experts(ep_block: EPMoEBlock, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full [E, 2I, H] and [E, H, I] expert tensors, on every rank."""
+    ws = dist.get_world_size(group) if dist.is_initialized() else 1
+    parts = []
+    for local in (ep_block.gate_up_proj_LIH, ep_block.down_proj_LHI):
+        t = local.detach().contiguous()
+        if ws == 1:
+            parts.append(t)
+            continue
+        bufs = [torch.empty_like(t) for _ in range(ws)]
+        dist.all_gather(bufs, t, group=group)
+        parts.append(torch.cat(bufs))
+    return parts[0], parts[1]
