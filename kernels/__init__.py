@@ -1,5 +1,16 @@
-"""Expert-parallel dispatch/combine backends (local, all_to_all, hierarchical, deepep).
+"""Expert-parallel dispatch/combine backends behind one `Dispatcher` interface.
 
-Not built yet: the walking skeleton trains with the transformers MoE block in one process.
-See DESIGN.md, "Expert-parallel dispatch/combine".
+    from moerl.kernels import make_dispatcher
+    d = make_dispatcher("all_to_all", num_experts=E, group=ep_group)    # on every EP rank
+    recv_x_RH, tokens_per_local_expert_L, handle = d.dispatch(x_TH, topk_idx_TK, topk_weights_TK)
+    y_RH = run_local_experts(recv_x_RH, tokens_per_local_expert_L)        # rows grouped by local expert
+    out_TH = d.combine(y_RH, handle)                                      # routing weights applied here
+
+Backends: local (no communication), all_to_all (baseline), hierarchical (node-deduplicated),
+deepep (DeepEP V1 Buffer, GPU only). See DESIGN.md, "Expert-parallel dispatch/combine", and
+the module docstrings for each backend's limitations.
 """
+
+from moerl.kernels.dispatcher import BACKENDS, DispatchHandle, Dispatcher, make_dispatcher, routing_bytes
+
+__all__ = ["BACKENDS", "DispatchHandle", "Dispatcher", "make_dispatcher", "routing_bytes"]

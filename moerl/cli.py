@@ -1,8 +1,10 @@
 """moerl's command line.
 
-    moerl run CONFIG            run the sync GRPO pipeline locally (kfp.local), tracked in MLflow
+    moerl run CONFIG [--set k=v] run the sync GRPO pipeline locally (kfp.local), tracked in MLflow
+    moerl run CONFIG --resume RUN_ID   continue a run from its last published version
     moerl compile CONFIG [-o]   write the pipeline as KFP IR YAML for the cluster
     moerl config show CONFIG    print the resolved config, defaults included
+    moerl bench weights         publish / fetch / hot-swap / redistribution, side by side
 
 Errors that moerl raises on purpose (`MoerlError`) print one line and exit non-zero: 2 for a
 bad config, 1 otherwise. Anything else is a bug and keeps its traceback.
@@ -24,7 +26,7 @@ DEFAULT_COMPILED = "pipelines/compiled/grpo.yaml"
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.set)
     sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return 0
 
@@ -32,7 +34,7 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from moerl.runner import compile_pipeline
 
-    out = compile_pipeline(load_config(args.config), Path(args.output))
+    out = compile_pipeline(load_config(args.config, args.set), Path(args.output))
     print(f"wrote {out}")
     return 0
 
@@ -40,7 +42,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from moerl.runner import run_local
 
-    summary = run_local(load_config(args.config), iterations=args.iterations, verbose=args.verbose,
+    summary = run_local(load_config(args.config, args.set), iterations=args.iterations, verbose=args.verbose,
                         resume=args.resume)
     return 0 if summary.ok else 1
 
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the sync GRPO pipeline locally with kfp.local")
     run.add_argument("config")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value, e.g. --set trainer.expert_parallel_size=2 (repeatable)")
     run.add_argument("--iterations", type=int, default=None, help="override pipeline.iterations")
     run.add_argument("--resume", metavar="RUN_ID", default=None,
                      help="continue this run from its last published version (same MLflow run)")
@@ -67,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compile", help="compile the pipeline to KFP IR YAML")
     comp.add_argument("config")
+    comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     comp.add_argument("-o", "--output", default=DEFAULT_COMPILED)
     comp.set_defaults(func=_cmd_compile)
 
@@ -84,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     csub = config.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="print the resolved config with defaults")
     show.add_argument("config")
+    show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(func=_cmd_config_show)
     return p
 

@@ -277,8 +277,24 @@ def parse_config(data: dict[str, Any] | None) -> RunConfig:
         raise ConfigError(_format_error(err)) from None
 
 
-def load_config(path: str | os.PathLike[str]) -> RunConfig:
-    """Load and validate a YAML run config."""
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`section.key=value` overrides (value parsed as YAML) merged into a config mapping."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. trainer.learning_rate=0.001")
+        node = data
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:
+    """Load and validate a YAML run config, with optional `dotted.key=value` overrides."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
@@ -286,6 +302,8 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+    if overrides:
+        data = apply_overrides(data if isinstance(data, dict) else {}, overrides)
     return parse_config(data)
 
 

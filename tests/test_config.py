@@ -98,3 +98,16 @@ def test_flatten_gives_dotted_params():
     assert flat["trainer.learning_rate"] == str(parse_config({}).trainer.learning_rate)
     assert flat["model.path"] == ""
     assert "model.tiny.num_experts" in flat
+
+
+def test_set_overrides_are_validated_like_the_file(tmp_path):
+    r = moerl("config", "show", str(DEFAULT), "--set", "trainer.expert_parallel_size=2", "--set", "pipeline.iterations=3")
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    assert shown["trainer"]["expert_parallel_size"] == 2 and shown["pipeline"]["iterations"] == 3
+    r = moerl("config", "show", str(DEFAULT), "--set", "trainer.expert_paralel_size=2")
+    assert r.returncode == 2 and "trainer.expert_paralel_size: unknown key" in r.stderr
+    r = moerl("config", "show", str(DEFAULT), "--set", "nonsense")
+    assert r.returncode == 2 and "expected dotted.key=value" in r.stderr
+    r = moerl("config", "show", str(DEFAULT), "--set", "rollout.enable_expert_parallel=true")
+    assert r.returncode == 2 and "need device cuda" in r.stderr

@@ -1,0 +1,312 @@
+"""The `deepep` backend: DeepEP's V1 `deep_ep.Buffer` kernels behind the Dispatcher interface.
+
+Shape legend: T tokens, H hidden, K top-k, E experts, L local experts (E / W), W ranks,
+S rows DeepEP receives (one per (token, rank): DeepEP deduplicates per rank),
+R rows handed to the experts (one per (token, local expert)), M low-latency slots per expert.
+
+Modes (`deepep_options={"mode": ...}`):
+- "normal" (default; training and prefill): `get_dispatch_layout` then `dispatch`, which
+  returns one row per (token, rank) plus `recv_topk_idx` (local expert ids, -1 elsewhere) and
+  `recv_topk_weights` (0 elsewhere). We expand those rows to one per (token, local expert),
+  grouped by expert, as the interface requires. DeepEP's normal `combine` is an UNWEIGHTED
+  sum, so `combine` here multiplies each expert row by its routing weight and sums a token's
+  rows on this rank before handing DeepEP one row per (token, rank): the result is the
+  interface's weighted sum. Backward: dispatch's is `combine(grad, handle, topk_weights=grad_w)`,
+  combine's is `dispatch(grad, handle=handle)` (DeepEP's cached-handle mode).
+- "low_latency" (inference decoding): `low_latency_dispatch` / `low_latency_combine`, whose
+  combine is weighted. Inference-only here: it raises if asked to build a graph.
+
+Transport is configured by the environment, never silently here. Set it in the pod spec or
+pass `deepep_options={"env": {...}}` (each variable is logged; a conflicting value already in
+the environment is an error):
+- NVSHMEM_REMOTE_TRANSPORT=libfabric (plus NVSHMEM_LIBFABRIC_PROVIDER=efa) with AWS's patched
+  NVSHMEM on EFA; InfiniBand uses IBGDA by default;
+- NVSHMEM_IB_SL: the InfiniBand service level (traffic isolation, DeepEP's advice);
+- NCCL_GIN_TYPE=5 (EFA-GDA) matters only to DeepEP V2's ElasticBuffer, which this backend
+  does not use; listed so nobody sets it expecting an effect here.
+DeepEP's Buffer itself sets NVSHMEM_IB_ENABLE_IBGDA, NVSHMEM_QP_DEPTH, NVSHMEM_DISABLE_P2P,
+NVSHMEM_MAX_TEAMS, NVSHMEM_DISABLE_NVLS, NVSHMEM_CUMEM_GRANULARITY and NVSHMEM_DISABLE_MNNVL
+for internode and low-latency use. `transport_env` snapshots the NVSHMEM_/NCCL_/FI_ variables
+at Buffer creation so the caller can log them.
+
+Limitations:
+- Rows travel in bf16 (DeepEP's normal kernels take bf16 or an FP8 tuple; FP8 is not wired
+  in). Inputs of another dtype are cast for the wire and cast back.
+- The Buffer is sized lazily from the first `dispatch` (hidden size); one dispatcher serves
+  one hidden size and one mode.
+- `ranks_per_node` only classifies bytes; DeepEP finds its NVLink domain itself.
+- Low-latency: T <= num_max_dispatch_tokens_per_rank, DeepEP's fixed hidden sizes, top-k <= 11,
+  and compacting the per-expert slots reads the counts on the host (one sync).
+- Cannot run without a CUDA GPU and deep_ep; the CPU tests only check the guard and the
+  fallback. Not executed in CI: treat the first GPU run as its test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from torch import Tensor
+
+from moerl.errors import ConfigError
+from moerl.kernels.dispatcher import DispatchHandle, Dispatcher
+
+log = logging.getLogger(__name__)
+
+HELP = "deepep backend needs a CUDA GPU and the deep_ep package (the moerl kernel image); install it or use all_to_all"
+TRANSPORT_ENV_PREFIXES = ("NVSHMEM_", "NCCL_", "FI_")
+
+
+class DeepEPUnavailable(ConfigError):
+    """No CUDA device or no deep_ep: the only case make_dispatcher may fall back on."""
+
+
+class DeepEPOptions(BaseModel):
+    """`deepep_options`; unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["normal", "low_latency"] = "normal"
+    num_sms: int | None = Field(None, ge=2, description="Buffer.set_num_sms for normal kernels (DeepEP default 20)")
+    num_nvl_bytes: int | None = Field(None, ge=0, description="override the NVLink buffer size hint")
+    num_rdma_bytes: int | None = Field(None, ge=0, description="override the RDMA buffer size hint")
+    num_max_dispatch_tokens_per_rank: int = Field(128, ge=1, description="low-latency: max T on any rank")
+    allow_nvlink_for_low_latency_mode: bool = True
+    allow_mnnvl: bool = False
+    env: dict[str, str] = Field(default_factory=dict, description="transport env vars set before the Buffer")
+
+
+def import_deep_ep() -> Any:
+    """Return the deep_ep module, or raise DeepEPUnavailable saying what is missing."""
+    if not torch.cuda.is_available():
+        raise DeepEPUnavailable(f"{HELP} (no CUDA device visible to torch)")
+    try:
+        import deep_ep
+    except (ImportError, OSError, AssertionError) as exc:  # deep_ep asserts on its NCCL at import
+        raise DeepEPUnavailable(f"{HELP} (import deep_ep failed: {exc})") from exc
+    if not hasattr(deep_ep, "Buffer"):
+        raise DeepEPUnavailable(f"{HELP} (this deep_ep has no V1 Buffer)")
+    return deep_ep
+
+
+def deepep_available() -> tuple[bool, str]:
+    """(available, reason) without raising: for test skips and the benchmark."""
+    try:
+        import_deep_ep()
+    except DeepEPUnavailable as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def _kwargs_supported(fn: Any, **kwargs: Any) -> dict[str, Any]:
+    """Drop keyword arguments an older deep_ep.Buffer does not take (e.g. explicitly_destroy)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+class _NormalDispatch(torch.autograd.Function):
+    """(x_TH, w_TK) -> (recv_x_SH, recv_w_SK) through DeepEP; backward is DeepEP's combine."""
+
+    @staticmethod
+    def forward(ctx, buffer, box: dict, num_experts: int, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor):
+        layout = buffer.get_dispatch_layout(idx_TK, num_experts)
+        per_rank_W, per_rdma_rank, per_expert_E, in_rank_TW, _ = layout
+        recv_x_SH, recv_idx_SK, recv_w_SK, counts_list, dhandle, _ = buffer.dispatch(
+            x_TH.to(torch.bfloat16).contiguous(), num_tokens_per_rank=per_rank_W,
+            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank_TW,
+            num_tokens_per_expert=per_expert_E, topk_idx=idx_TK, topk_weights=w_TK.float().contiguous())
+        box.update(handle=dhandle, recv_idx_SK=recv_idx_SK, counts_list=counts_list,
+                   per_rdma_rank=per_rdma_rank, in_rank_TW=in_rank_TW)
+        ctx.buffer, ctx.dhandle, ctx.dtypes = buffer, dhandle, (x_TH.dtype, w_TK.dtype)
+        return recv_x_SH.to(x_TH.dtype), recv_w_SK.to(w_TK.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_x_SH: Tensor, grad_w_SK: Tensor):
+        # grad_w is zero on slots of other ranks' experts, so DeepEP's sum over ranks is exact.
+        grad_x_TH, grad_w_TK, _ = ctx.buffer.combine(
+            grad_x_SH.to(torch.bfloat16).contiguous(), ctx.dhandle, topk_weights=grad_w_SK.float().contiguous())
+        return None, None, None, grad_x_TH.to(ctx.dtypes[0]), None, grad_w_TK.to(ctx.dtypes[1])
+
+
+class _NormalCombine(torch.autograd.Function):
+    """partial_SH (one weighted row per (token, rank)) -> out_TH, DeepEP's unweighted sum."""
+
+    @staticmethod
+    def forward(ctx, buffer, dhandle, partial_SH: Tensor, out_dtype: torch.dtype):
+        out_TH, _, _ = buffer.combine(partial_SH.to(torch.bfloat16).contiguous(), dhandle)
+        ctx.buffer, ctx.dhandle, ctx.in_dtype = buffer, dhandle, partial_SH.dtype
+        return out_TH.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out_TH: Tensor):
+        grad_SH, *_ = ctx.buffer.dispatch(grad_out_TH.to(torch.bfloat16).contiguous(), handle=ctx.dhandle)
+        return None, None, grad_SH.to(ctx.in_dtype), None
+
+
+class DeepEPDispatcher(Dispatcher):
+    name = "deepep"
+
+    def __init__(self, num_experts: int, group: Any = None, ranks_per_node: int = 1, options: dict | None = None):
+        # Options first: a bad option is a config bug and must not turn into a silent fallback.
+        try:
+            self.options = DeepEPOptions(**(options or {}))
+        except ValidationError as exc:
+            raise ConfigError(f"invalid deepep_options: {exc}") from exc
+        self._deep_ep = import_deep_ep()  # raises DeepEPUnavailable, the one case that may fall back
+        if not dist.is_initialized():
+            raise ConfigError("deepep backend needs torch.distributed initialized with NCCL (run under torchrun "
+                              "and call init_process_group('nccl') before make_dispatcher)")
+        super().__init__(num_experts, group=group, ranks_per_node=ranks_per_node)
+        self.group = group if group is not None else dist.group.WORLD
+        self.mode = self.options.mode
+        self.transport_env: dict[str, str] = {}
+        self._buffer: Any = None
+        self._hidden: int | None = None
+        if self.options.num_sms is not None:
+            self._deep_ep.Buffer.set_num_sms(self.options.num_sms)
+
+    # ----------------------------------------------------------------- buffer
+
+    def _apply_env(self) -> None:
+        for key, value in self.options.env.items():
+            current = os.environ.get(key)
+            if current is not None and current != value:
+                raise ConfigError(f"deepep_options.env[{key!r}]={value!r} conflicts with the environment ({current!r}); "
+                                  f"set it in one place")
+            log.info("deepep: setting %s=%s (from deepep_options.env)", key, value)
+            os.environ[key] = value
+
+    def _get_buffer(self, hidden: int) -> Any:
+        if self._buffer is not None:
+            if hidden != self._hidden:
+                raise ConfigError(f"deepep dispatcher was sized for hidden {self._hidden}, got {hidden}; "
+                                  f"make one dispatcher per hidden size")
+            return self._buffer
+        self._apply_env()
+        Buffer, W, opts = self._deep_ep.Buffer, self.ep_size, self.options
+        if self.mode == "normal":
+            nvl, rdma, hidden_bytes = 0, 0, hidden * 2  # bf16 on the wire
+            try:
+                for cfg in (Buffer.get_dispatch_config(W), Buffer.get_combine_config(W)):
+                    nvl = max(nvl, cfg.get_nvl_buffer_size_hint(hidden_bytes, W))
+                    rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, W))
+            except AssertionError as exc:
+                raise ConfigError(f"DeepEP has no default config for {W} ranks: {exc}") from exc
+            kwargs = dict(low_latency_mode=False, allow_mnnvl=opts.allow_mnnvl, explicitly_destroy=True)
+            nvl = opts.num_nvl_bytes if opts.num_nvl_bytes is not None else nvl
+            rdma = opts.num_rdma_bytes if opts.num_rdma_bytes is not None else rdma
+        else:
+            nvl = 0
+            rdma = opts.num_rdma_bytes if opts.num_rdma_bytes is not None else Buffer.get_low_latency_rdma_size_hint(
+                opts.num_max_dispatch_tokens_per_rank, hidden, W, self.num_experts)
+            # DeepEP: the QP count must equal the number of local experts in low-latency mode.
+            kwargs = dict(low_latency_mode=True, num_qps_per_rank=self.num_local_experts,
+                          allow_nvlink_for_low_latency_mode=opts.allow_nvlink_for_low_latency_mode,
+                          allow_mnnvl=opts.allow_mnnvl, explicitly_destroy=True)
+        self._buffer = Buffer(self.group, nvl, rdma, **_kwargs_supported(Buffer.__init__, **kwargs))
+        self._hidden = hidden
+        self.transport_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(TRANSPORT_ENV_PREFIXES)}
+        log.info("deepep %s buffer: %d ranks, nvl %d B, rdma %d B, transport env %s",
+                 self.mode, W, nvl, rdma, self.transport_env)
+        return self._buffer
+
+    def close(self) -> None:
+        if self._buffer is not None and hasattr(self._buffer, "destroy"):
+            self._buffer.destroy()
+        self._buffer = None
+
+    # ----------------------------------------------------------------- dispatch / combine
+
+    def dispatch(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> tuple[Tensor, Tensor, DispatchHandle]:
+        self._check_inputs(x_TH, topk_idx_TK, topk_weights_TK)
+        idx_TK = topk_idx_TK.to(getattr(self._deep_ep, "topk_idx_t", torch.int64))
+        if self.mode == "low_latency":
+            return self._dispatch_low_latency(x_TH, idx_TK, topk_weights_TK)
+        buffer = self._get_buffer(x_TH.shape[1])
+        box: dict[str, Any] = {}
+        recv_x_SH, recv_w_SK = _NormalDispatch.apply(buffer, box, self.num_experts, x_TH, idx_TK, topk_weights_TK)
+        recv_idx_SK = box["recv_idx_SK"]
+        # Expand DeepEP's per-(token, rank) rows to per-(token, local expert), grouped by expert.
+        row_R, k_R = (recv_idx_SK >= 0).nonzero(as_tuple=True)
+        order = torch.argsort(recv_idx_SK[row_R, k_R], stable=True)
+        row_R, k_R = row_R[order], k_R[order]
+        counts_L = torch.tensor(box["counts_list"], dtype=torch.int64, device=x_TH.device)
+        handle = DispatchHandle(
+            num_tokens=x_TH.shape[0], hidden=x_TH.shape[1], wire_element_size=2, topk_idx_TK=topk_idx_TK,
+            tokens_per_local_expert_L=counts_L, recv_weights_R=recv_w_SK[row_R, k_R], sent_rows={},
+            extra={"mode": "normal", "deepep_handle": box["handle"], "row_R": row_R,
+                   "num_recv_rows": recv_x_SH.shape[0], "per_rdma_rank": box["per_rdma_rank"],
+                   "in_rank_TW": box["in_rank_TW"]},
+        )
+        return recv_x_SH.index_select(0, row_R), counts_L, handle
+
+    def combine(self, y_RH: Tensor, handle: DispatchHandle) -> Tensor:
+        """Weights are applied HERE, on the expert side: normal mode multiplies each row by its
+        routing weight and sums a token's rows per rank before DeepEP's unweighted combine;
+        low-latency mode passes the weights to DeepEP's weighted low_latency_combine."""
+        if handle.extra["mode"] == "low_latency":
+            return self._combine_low_latency(y_RH, handle)
+        z_RH = y_RH * handle.recv_weights_R.unsqueeze(1)  # fp32 when the weights are fp32
+        partial_SH = z_RH.new_zeros((handle.extra["num_recv_rows"], handle.hidden)).index_add(
+            0, handle.extra["row_R"], z_RH)
+        return _NormalCombine.apply(self._buffer, handle.extra["deepep_handle"], partial_SH, y_RH.dtype)
+
+    def _dispatch_low_latency(self, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor) -> tuple[Tensor, Tensor, DispatchHandle]:
+        if torch.is_grad_enabled() and (x_TH.requires_grad or w_TK.requires_grad):
+            raise ConfigError("deepep low_latency mode is inference-only in moerl (no backward); use "
+                              "deepep_options={'mode': 'normal'} for training, or run under torch.no_grad()")
+        M = self.options.num_max_dispatch_tokens_per_rank
+        if x_TH.shape[0] > M:
+            raise ConfigError(f"deepep low_latency: {x_TH.shape[0]} tokens > num_max_dispatch_tokens_per_rank ({M})")
+        buffer = self._get_buffer(x_TH.shape[1])
+        packed_LMH, count_L, ll_handle, _, _ = buffer.low_latency_dispatch(
+            x_TH.to(torch.bfloat16).contiguous(), idx_TK, M, self.num_experts, use_fp8=False,
+            async_finish=False, return_recv_hook=False)
+        counts_L = count_L.to(torch.int64)
+        valid_LM = torch.arange(packed_LMH.shape[1], device=x_TH.device).unsqueeze(0) < counts_L.unsqueeze(1)
+        # Boolean indexing copies out of DeepEP's buffer (only two LL results may be alive at once).
+        recv_x_RH = packed_LMH[valid_LM].to(x_TH.dtype)
+        handle = DispatchHandle(
+            num_tokens=x_TH.shape[0], hidden=x_TH.shape[1], wire_element_size=2, topk_idx_TK=idx_TK,
+            tokens_per_local_expert_L=counts_L, recv_weights_R=None, sent_rows={},
+            extra={"mode": "low_latency", "ll_handle": ll_handle, "valid_LM": valid_LM,
+                   "topk_weights_TK": w_TK.float().contiguous(), "slots": packed_LMH.shape[1]},
+        )
+        return recv_x_RH, counts_L, handle
+
+    def _combine_low_latency(self, y_RH: Tensor, handle: DispatchHandle) -> Tensor:
+        extra = handle.extra
+        packed_LMH = torch.zeros((self.num_local_experts, extra["slots"], handle.hidden), dtype=torch.bfloat16,
+                                 device=y_RH.device)
+        packed_LMH[extra["valid_LM"]] = y_RH.to(torch.bfloat16)
+        out_TH, _, _ = self._buffer.low_latency_combine(packed_LMH, handle.topk_idx_TK, extra["topk_weights_TK"],
+                                                        extra["ll_handle"], async_finish=False, return_recv_hook=False)
+        return out_TH.to(y_RH.dtype, copy=True)
+
+    # ----------------------------------------------------------------- bytes
+
+    def _sent_rows(self, handle: DispatchHandle) -> dict[str, int]:
+        """Normal mode: DeepEP sends one row per (token, rank) over NVLink intranode; internode
+        one per (token, node) over RDMA, then NVLink forwards on the landing rank (counted here
+        as the forwards this rank's tokens cause). Low-latency: one message per (token, expert)."""
+        idx = handle.topk_idx_TK.long()
+        if handle.extra["mode"] == "low_latency":
+            rank_TK = torch.where(idx >= 0, idx // self.num_local_experts, self.ep_rank)
+            my_node = self.ep_rank // self.ranks_per_node
+            remote = rank_TK != self.ep_rank
+            inter = remote & (rank_TK // self.ranks_per_node != my_node)
+            return {"inter_node": int(inter.sum()), "intra_node": int((remote & ~inter).sum())}
+        in_rank_TW = handle.extra["in_rank_TW"]
+        per_rdma = handle.extra["per_rdma_rank"]
+        if per_rdma is None:  # intranode: everything over NVLink
+            return {"inter_node": 0, "intra_node": int(in_rank_TW.sum() - in_rank_TW[:, self.ep_rank].sum())}
+        G = self.ep_size // per_rdma.numel()
+        my_rdma = self.ep_rank // G
+        not_landing = torch.arange(self.ep_size, device=in_rank_TW.device) % G != self.ep_rank % G
+        return {"inter_node": int(per_rdma.sum() - per_rdma[my_rdma]),
+                "intra_node": int(in_rank_TW[:, not_landing].sum())}

@@ -1,0 +1,169 @@
+"""Helpers for tests/test_kernels.py: routing scenarios, the contract checks, and the
+entry point a spawned gloo world runs.
+
+Shape legend: T tokens, H hidden, K top-k, E experts, L local experts, R received rows.
+
+Every rank rebuilds its own inputs from (scenario, rank) seeds, runs the dispatcher, and
+compares against `moerl.kernels.reference` computed on the same rank's tokens (the MoE math
+does not depend on where experts live). Each check returns numbers, not asserts, so one
+spawned world can run every backend and scenario and the parent test reports per case.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moerl.kernels import make_dispatcher
+from moerl.kernels.reference import reference_moe, reference_rows_for_expert, reference_tokens_per_expert
+
+H, K, E = 16, 3, 8
+SCENARIOS = ("uniform", "zipf_dropped_empty", "t0_on_rank1")
+_SEEDS = {"uniform": 0, "zipf_dropped_empty": 1, "t0_on_rank1": 2, "remote_node_repeat": 3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_inputs(scenario: str, rank: int, num_experts: int = E, topk: int = K, hidden: int = H,
+                device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_TH, topk_idx_TK, topk_weights_TK) of one rank for a scenario, deterministic."""
+    g = torch.Generator().manual_seed(1000 * _SEEDS[scenario] + rank)
+    T = 0 if (scenario == "t0_on_rank1" and rank == 1) else 12 + 3 * rank
+    if scenario == "zipf_dropped_empty":
+        # Zipf popularity over the first E-2 experts: the last two never receive a token
+        # (a whole rank at world 4), and ~15 % of the slots are dropped (-1).
+        p_E = torch.tensor([1.0 / (e + 1) ** 1.2 if e < num_experts - 2 else 0.0 for e in range(num_experts)])
+        idx_TK = torch.multinomial(p_E.expand(max(T, 1), -1), topk, replacement=False, generator=g)[:T]
+        idx_TK[torch.rand(T, topk, generator=g) < 0.15] = -1
+    elif scenario == "remote_node_repeat":
+        # world 4, 2 ranks/node, E 8 (L 2): every token picks 4 experts, all on the other node.
+        other_node_experts = torch.arange(4) + (4 if rank < 2 else 0)
+        idx_TK = torch.stack([other_node_experts[torch.randperm(4, generator=g)] for _ in range(T)]) if T else \
+            torch.zeros(0, 4, dtype=torch.int64)
+        topk = 4
+    else:
+        idx_TK = torch.stack([torch.randperm(num_experts, generator=g)[:topk] for _ in range(T)]) if T else \
+            torch.zeros(0, topk, dtype=torch.int64)
+    x_TH = torch.randn(T, hidden, generator=g)
+    w_TK = torch.rand(T, topk, generator=g) + 0.1
+    return x_TH.to(device), idx_TK.to(device), w_TK.to(device)
+
+
+def expert_fn(x: torch.Tensor, e: int | torch.Tensor) -> torch.Tensor:
+    """A different nonlinear function per global expert id."""
+    scale = 1.0 + (e.unsqueeze(1) if isinstance(e, torch.Tensor) else e) / E
+    return torch.tanh(x) * scale
+
+
+def check_contract(dispatcher: Any, scenario: str, rank: int, device: str = "cpu") -> dict[str, Any]:
+    """Run one scenario through a dispatcher; return the errors against the reference."""
+    x_TH, idx_TK, w_TK = make_inputs(scenario, rank, device=device)
+    x_TH.requires_grad_(True)
+    w_TK.requires_grad_(True)
+    L = dispatcher.num_local_experts
+    first = dispatcher.ep_rank * L
+
+    # identity experts: combine(dispatch(x)) == x * sum of non-dropped weights
+    recv_x_RH, counts_L, handle = dispatcher.dispatch(x_TH, idx_TK, w_TK)
+    out_id_TH = dispatcher.combine(recv_x_RH, handle)
+    want_id_TH = x_TH * (w_TK * (idx_TK >= 0)).sum(1, keepdim=True)
+    # the identity graph joins the loss below (times 0): its backward runs too, on every rank
+    zero = (out_id_TH * 0).sum()
+
+    # counts and row contents per local expert, against every rank's routing
+    world = dispatcher.ep_size
+    all_idx = torch.cat([make_inputs(scenario, r)[1] for r in range(world)])
+    want_counts_L = reference_tokens_per_expert(all_idx, dispatcher.num_experts)[first:first + L]
+    rows_err = 0.0
+    starts = [0] + torch.cumsum(counts_L, 0).tolist()
+    for e in range(L):
+        got = recv_x_RH[starts[e]:starts[e + 1]].detach().cpu().float()
+        want = torch.cat([reference_rows_for_expert(*make_inputs(scenario, r)[:2], first + e) for r in range(world)])
+        if got.shape != want.shape:
+            rows_err = float("inf")
+        elif got.numel():  # the order inside one expert's rows is not part of the contract
+            rows_err = max(rows_err, _max_err(got[got[:, 0].argsort()], want[want[:, 0].argsort()]))
+
+    # expert-wise function: output and gradients against autograd through the reference
+    expert_R = first + torch.repeat_interleave(torch.arange(L, device=device), counts_L.to(device))
+    out_TH = dispatcher.combine(expert_fn(recv_x_RH, expert_R), handle)
+    ref_TH = reference_moe(x_TH, idx_TK, w_TK, expert_fn)
+    G_TH = torch.randn(out_TH.shape, generator=torch.Generator().manual_seed(7 + rank)).to(device)
+    grads = torch.autograd.grad((out_TH * G_TH).sum() + zero, (x_TH, w_TK), allow_unused=True)
+    ref_grads = torch.autograd.grad((ref_TH * G_TH).sum(), (x_TH, w_TK), allow_unused=True)
+    # an unused input (T = 0) has no gradient: compare as zeros
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (x_TH, w_TK))]
+    ref_grads = [torch.zeros_like(t) if g is None else g for g, t in zip(ref_grads, (x_TH, w_TK))]
+    return {
+        "identity_err": _max_err(out_id_TH, want_id_TH),
+        "out_err": _max_err(out_TH, ref_TH),
+        "grad_x_err": _max_err(grads[0], ref_grads[0]),
+        "grad_w_err": _max_err(grads[1], ref_grads[1]),
+        "counts_ok": counts_L.tolist() == want_counts_L.tolist() and counts_L.dtype == torch.int64,
+        "rows_err": rows_err,
+        "num_tokens": int(x_TH.shape[0]),
+        "num_rows": int(recv_x_RH.shape[0]),
+        "bytes": dispatcher.bytes_moved(handle),
+    }
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return (a.detach().float() - b.detach().float()).abs().max().item() if a.numel() else 0.0
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def world_main(rank: int, world: int, port: int, configs: list[dict], out_dir: str, device: str = "cpu") -> None:
+    """Entry point of one spawned rank (gloo on CPU, NCCL with device="cuda"): run every
+    config x scenario and write this rank's results as JSON."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    results: dict[str, Any] = {}
+    try:
+        for cfg in configs:
+            records = _Records()
+            logging.getLogger("moerl.kernels").addHandler(records)
+            d = make_dispatcher(cfg["backend"], E, ranks_per_node=cfg.get("ranks_per_node", 1),
+                                allow_fallback=cfg.get("allow_fallback", False))
+            logging.getLogger("moerl.kernels").removeHandler(records)
+            meta = {"name": d.name, "fallback_from": d.fallback_from, "warnings": records.messages}
+            for scenario in cfg.get("scenarios", SCENARIOS):
+                results[f"{cfg['id']}|{scenario}"] = check_contract(d, scenario, rank, device) | meta
+            dist.barrier()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def run_world(world: int, configs: list[dict], out_dir: Path, device: str = "cpu") -> dict[str, list[dict]]:
+    """Spawn a world; return {case: [result of rank 0, rank 1, ...]}."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(world_main, args=(world, free_port(), configs, str(out_dir), device), nprocs=world, join=True)
+    per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    return {case: [pr[case] for pr in per_rank] for case in per_rank[0]}

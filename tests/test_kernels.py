@@ -1,0 +1,169 @@
+"""The dispatcher contract, run on every backend available here.
+
+One shared contract (tests/kernels_worker.check_contract) per (backend, world size, scenario):
+identity experts give x * sum of non-dropped weights; an expert-wise function matches the
+naive reference MoE; counts and rows per local expert match the routing; gradients w.r.t. x
+and topk_weights match autograd through the reference within 1e-5. Scenarios: uniform,
+Zipf-skewed with dropped slots (-1) and experts (a whole rank at world 4) that get nothing,
+and T = 0 on rank 1.
+
+Multi-rank worlds are spawned once per world size (module fixtures): gloo on loopback. The
+deepep backend is skipped with the reason unless CUDA, deep_ep and 2 GPUs are present; its
+import guard and the fallback to all_to_all are tested here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from moerl.errors import ConfigError
+from moerl.kernels import make_dispatcher
+from moerl.kernels.deepep import deepep_available
+from tests.kernels_worker import E, SCENARIOS, check_contract, run_world
+
+DEEPEP_OK, DEEPEP_REASON = deepep_available()
+
+WORLD2 = [
+    {"id": "all_to_all", "backend": "all_to_all"},
+    {"id": "hierarchical_rpn1", "backend": "hierarchical", "ranks_per_node": 1},
+    {"id": "hierarchical_rpn2", "backend": "hierarchical", "ranks_per_node": 2},
+    {"id": "deepep_fallback", "backend": "deepep", "allow_fallback": True, "scenarios": ["uniform"]},
+]
+WORLD4 = [
+    {"id": "all_to_all", "backend": "all_to_all", "ranks_per_node": 2,
+     "scenarios": [*SCENARIOS, "remote_node_repeat"]},
+    {"id": "hierarchical_rpn2", "backend": "hierarchical", "ranks_per_node": 2,
+     "scenarios": [*SCENARIOS, "remote_node_repeat"]},
+    {"id": "hierarchical_rpn1", "backend": "hierarchical", "ranks_per_node": 1},
+]
+# (world, config id): the contract cases; world 1 runs in this process without torch.distributed
+CASES = [(1, "local"), (1, "all_to_all"), (1, "hierarchical_rpn1"),
+         (2, "all_to_all"), (2, "hierarchical_rpn1"), (2, "hierarchical_rpn2"),
+         (4, "all_to_all"), (4, "hierarchical_rpn2"), (4, "hierarchical_rpn1"),
+         (2, "deepep")]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
+    """Spawn the 2- and 4-rank gloo worlds once; results keyed by 'config|scenario'."""
+    return {2: run_world(2, WORLD2, tmp_path_factory.mktemp("w2")),
+            4: run_world(4, WORLD4, tmp_path_factory.mktemp("w4"))}
+
+
+def _in_process(config_id: str, scenario: str) -> list[dict]:
+    backend = config_id.split("_rpn")[0]
+    return [check_contract(make_dispatcher(backend, E), scenario, rank=0)]
+
+
+def _assert_contract(per_rank: list[dict], tol: float, label: str) -> None:
+    for rank, r in enumerate(per_rank):
+        where = f"{label} rank {rank}"
+        assert r["counts_ok"], f"{where}: tokens_per_local_expert differs from the routing"
+        assert r["rows_err"] <= tol, f"{where}: received rows differ from the reference ({r['rows_err']})"
+        assert r["identity_err"] <= tol, f"{where}: combine(dispatch(x)) != x * sum(w) ({r['identity_err']})"
+        assert r["out_err"] <= tol, f"{where}: MoE output differs from the reference ({r['out_err']})"
+        assert r["grad_x_err"] <= tol, f"{where}: d/dx differs from the reference ({r['grad_x_err']})"
+        assert r["grad_w_err"] <= tol, f"{where}: d/dtopk_weights differs from the reference ({r['grad_w_err']})"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("world,config_id", CASES, ids=[f"{c}-w{w}" for w, c in CASES])
+def test_contract(worlds, world, config_id, scenario, tmp_path):
+    if config_id == "deepep":
+        if not DEEPEP_OK:
+            pytest.skip(DEEPEP_REASON)
+        if torch.cuda.device_count() < 2:
+            pytest.skip("the deepep contract needs 2 CUDA GPUs (an NCCL world of 2)")
+        per_rank = run_world(2, [{"id": "deepep", "backend": "deepep", "scenarios": [scenario]}], tmp_path,
+                             device="cuda")[f"deepep|{scenario}"]
+        _assert_contract(per_rank, tol=5e-2, label=f"deepep w2 {scenario}")  # bf16 on the wire
+        return
+    per_rank = _in_process(config_id, scenario) if world == 1 else worlds[world][f"{config_id}|{scenario}"]
+    assert len(per_rank) == world
+    _assert_contract(per_rank, TOL, f"{config_id} w{world} {scenario}")
+
+
+def test_edge_scenarios_exercise_what_they_claim(worlds):
+    """Guard the scenarios themselves: a rank with T = 0 and a rank that receives nothing."""
+    t0 = worlds[2]["all_to_all|t0_on_rank1"]
+    assert t0[1]["num_tokens"] == 0 and t0[1]["num_rows"] > 0  # sends nothing, still receives
+    zipf = worlds[4]["all_to_all|zipf_dropped_empty"]
+    assert zipf[3]["num_rows"] == 0  # rank 3 owns experts 6 and 7, which nobody picks
+    assert all(r["num_rows"] > 0 for r in zipf[:3])
+
+
+def test_bytes_are_counted_the_same_way_for_every_backend(worlds):
+    for world, a2a, hier in [(2, "all_to_all", "hierarchical_rpn1"), (4, "all_to_all", "hierarchical_rpn2")]:
+        for scenario in SCENARIOS:
+            for ra, rh in zip(worlds[world][f"{a2a}|{scenario}"], worlds[world][f"{hier}|{scenario}"]):
+                for key in ("per_expert", "per_rank_dedup", "per_node_dedup"):
+                    assert ra["bytes"][key] == rh["bytes"][key], (world, scenario, key)
+                # all_to_all sends one row per remote (token, expert) pair: exactly per_expert
+                assert ra["bytes"]["actual_sent"] == ra["bytes"]["per_expert"]
+
+
+def test_hierarchical_moves_fewer_inter_node_bytes(worlds):
+    """Every token picks 4 experts on the other node (2 per rank there): all_to_all sends 4
+    copies across nodes, hierarchical 1, then forwards 1 copy inside the destination node."""
+    a2a = worlds[4]["all_to_all|remote_node_repeat"]
+    hier = worlds[4]["hierarchical_rpn2|remote_node_repeat"]
+    _assert_contract(a2a, TOL, "all_to_all remote_node_repeat")
+    _assert_contract(hier, TOL, "hierarchical remote_node_repeat")
+    row_bytes = 16 * 4  # H * float32
+    for rank, (ra, rh) in enumerate(zip(a2a, hier)):
+        T = ra["num_tokens"]
+        assert ra["bytes"]["actual_sent_inter_node"] == 4 * T * row_bytes
+        assert rh["bytes"]["actual_sent_inter_node"] == T * row_bytes == rh["bytes"]["per_node_dedup"]
+    # hop 2 runs on the landing rank, so intra-node rows are forwards of the peer's tokens:
+    # compare the totals (one forward per token, to the landing rank's neighbour)
+    assert sum(r["bytes"]["actual_sent_intra_node"] for r in hier) == sum(r["num_tokens"] for r in hier) * row_bytes
+    total = {name: sum(r["bytes"]["actual_sent_inter_node"] for r in res) for name, res in [("a2a", a2a), ("hier", hier)]}
+    assert total["hier"] < total["a2a"]
+
+
+def test_deepep_without_fallback_is_a_clear_config_error():
+    if DEEPEP_OK:
+        pytest.skip("deep_ep and CUDA are present: the guard does not fire here")
+    with pytest.raises(ConfigError, match="deepep backend needs a CUDA GPU and the deep_ep package"):
+        make_dispatcher("deepep", E)
+
+
+def test_deepep_fallback_returns_all_to_all_with_a_warning(caplog, worlds):
+    if DEEPEP_OK:
+        pytest.skip("deep_ep and CUDA are present: no fallback happens")
+    with caplog.at_level(logging.WARNING, logger="moerl.kernels"):
+        d = make_dispatcher("deepep", E, allow_fallback=True)
+    assert d.name == "all_to_all" and d.fallback_from == "deepep"
+    assert "needs a CUDA GPU" in d.fallback_reason
+    assert any("falling back to all_to_all" in rec.getMessage() for rec in caplog.records)
+    # and in a real 2-rank world, where it must still honour the contract
+    per_rank = worlds[2]["deepep_fallback|uniform"]
+    assert all(r["name"] == "all_to_all" and r["fallback_from"] == "deepep" and r["warnings"] for r in per_rank)
+    _assert_contract(per_rank, TOL, "deepep fallback w2")
+
+
+def test_invalid_deepep_options_never_fall_back():
+    with pytest.raises(ConfigError, match="invalid deepep_options"):
+        make_dispatcher("deepep", E, allow_fallback=True, deepep_options={"mode": "turbo"})
+    with pytest.raises(ConfigError, match="invalid deepep_options"):
+        make_dispatcher("deepep", E, allow_fallback=True, deepep_options={"num_smss": 24})
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ConfigError, match="unknown dispatcher backend"):
+        make_dispatcher("nccl_ep", E)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="ranks_per_node"):
+        make_dispatcher("hierarchical", E, ranks_per_node=2)  # world 1 here
+
+
+def test_dispatch_rejects_bad_routing():
+    d = make_dispatcher("local", E)
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="topk_idx must be in"):
+        d.dispatch(x, torch.tensor([[0], [E], [1]]), torch.ones(3, 1))
+    with pytest.raises(ValueError, match="expected x"):
+        d.dispatch(x, torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1))
