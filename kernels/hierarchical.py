@@ -112,7 +112,7 @@ class HierarchicalDispatcher(PlanDispatcher):
         row_R, k_R = mine.nonzero(as_tuple=True)
         expert_R = local_expert_S2K[row_R, k_R]
         order = torch.argsort(expert_R, stable=True)
-        pass
+        row_R, k_R = row_R[order], k_R[order]
         counts_L = torch.bincount(expert_R, minlength=L)
 
         S1, S2 = idx_S1K.shape[0], idx_S2K.shape[0]

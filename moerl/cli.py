@@ -55,6 +55,16 @@ def _cmd_bench_weights(args: argparse.Namespace) -> int:
     return 0 if all(r.parity_ok for r in rows) else 1
 
 
+def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
+    from moerl.kernels.bench import run_bench_dispatch
+
+    run_bench_dispatch(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, skew=args.skew,
+                       world_sizes=tuple(int(w) for w in args.world_sizes.split(",")),
+                       ranks_per_node=args.ranks_per_node, warmup=args.warmup, repeats=args.repeats,
+                       out=Path(args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -84,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--endpoint-url", default=None, help="an S3 endpoint (default: start weed mini on 127.0.0.1)")
     bw.add_argument("--bucket", default="moerl-bench")
     bw.set_defaults(func=_cmd_bench_weights)
+    bd = bsub.add_parser("dispatch", help="expert-parallel dispatch/combine backends side by side (gloo here)")
+    bd.add_argument("--tokens", type=int, default=4096)
+    bd.add_argument("--hidden", type=int, default=1024)
+    bd.add_argument("--topk", type=int, default=8)
+    bd.add_argument("--experts", type=int, default=64)
+    bd.add_argument("--skew", choices=["uniform", "zipf"], default="uniform")
+    bd.add_argument("--world-sizes", default="2,4")
+    bd.add_argument("--ranks-per-node", type=int, default=2)
+    bd.add_argument("--warmup", type=int, default=5)
+    bd.add_argument("--repeats", type=int, default=20)
+    bd.add_argument("--out", default="bench/dispatch.json")
+    bd.set_defaults(func=_cmd_bench_dispatch)
 
     config = sub.add_parser("config", help="inspect a run config")
     csub = config.add_subparsers(dest="config_command", required=True)

@@ -5,7 +5,8 @@ manifest back, and only then moves `latest` (see `moerl.store`). A failure anywh
 `latest` on the previous complete version.
 
 `prepare_initial` makes version 0: the user's `model.path`, or the tiny model built from its
-seed, laid out as a trainer state (`model/`) and published like any other version.
+seed, laid out as a trainer state (HF files; no `trainer/` yet) and published like any other
+version. `prepare_resume` lays out a published version (weights + `trainer/`) to continue from.
 """
 
 from __future__ import annotations
