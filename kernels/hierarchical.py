@@ -69,15 +69,17 @@ class HierarchicalDispatcher(PlanDispatcher):
             self.intra_group, self.inter_group = self._make_groups(global_ranks(group))
 
     def _make_groups(self, members: list[int]) -> tuple[Any, Any]:
-        """Every rank creates every sub-group, in the same order (new_group is collective)."""
+        """Every member of the EP group creates every sub-group, in the same order.
+        use_local_synchronization: only the EP group's members take part, so several EP
+        groups (EP inside a larger data-parallel world) can each build their own."""
         G, N = self.ranks_per_node, self.num_nodes
         intra = inter = None
         for n in range(N):
-            g = dist.new_group([members[n * G + i] for i in range(G)])
+            g = dist.new_group([members[n * G + i] for i in range(G)], use_local_synchronization=True)
             if n == self.node:
                 intra = g
         for i in range(G):
-            g = dist.new_group([members[n * G + i] for n in range(N)])
+            g = dist.new_group([members[n * G + i] for n in range(N)], use_local_synchronization=True)
             if i == self.local_index:
                 inter = g
         return intra, inter

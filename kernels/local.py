@@ -6,7 +6,8 @@ pairs, R received rows (= P here).
 No communication. Useful single-process (tests, the walking skeleton) and as the reference
 point for the other backends' bookkeeping: the same plan machinery with the exchange removed.
 
-Limitations: ep_size is always 1; passing a group of more than one rank is an error.
+Limitations: ep_size is always 1 (also inside a larger torch.distributed world: every
+process holds every expert); passing a group of more than one rank is an error.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ class LocalDispatcher(PlanDispatcher):
     name = "local"
 
     def __init__(self, num_experts: int, group: Any = None):
-        super().__init__(num_experts, group=None)
-        if group is not None:
-            if group_size_rank(group)[0] != 1:
-                raise ConfigError("the local dispatcher has no communication: use group=None (world size 1), "
-                                  "or the all_to_all backend for expert parallelism")
+        if group is not None and group_size_rank(group)[0] != 1:
+            raise ConfigError("the local dispatcher has no communication: use group=None (every rank holds all "
+                              "experts), or the all_to_all backend for expert parallelism")
+        # ep_size 1 even inside a larger world: each process runs every expert on its own tokens.
+        super().__init__(num_experts, group=None, size_rank=(1, 0))
 
     def dispatch(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> tuple[Tensor, Tensor, PlanHandle]:
         self._check_inputs(x_TH, topk_idx_TK, topk_weights_TK)

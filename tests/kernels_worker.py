@@ -146,14 +146,20 @@ def world_main(rank: int, world: int, port: int, configs: list[dict], out_dir: s
     results: dict[str, Any] = {}
     try:
         for cfg in configs:
+            group = None
+            if "ep_size" in cfg:  # EP groups of consecutive ranks inside the world (as with DP x EP)
+                ep = cfg["ep_size"]
+                groups = [dist.new_group(list(range(first, first + ep))) for first in range(0, world, ep)]
+                group = groups[rank // ep]
             records = _Records()
             logging.getLogger("moerl.kernels").addHandler(records)
-            d = make_dispatcher(cfg["backend"], E, ranks_per_node=cfg.get("ranks_per_node", 1),
+            d = make_dispatcher(cfg["backend"], E, group=group, ranks_per_node=cfg.get("ranks_per_node", 1),
                                 allow_fallback=cfg.get("allow_fallback", False))
             logging.getLogger("moerl.kernels").removeHandler(records)
             meta = {"name": d.name, "fallback_from": d.fallback_from, "warnings": records.messages}
             for scenario in cfg.get("scenarios", SCENARIOS):
-                results[f"{cfg['id']}|{scenario}"] = check_contract(d, scenario, rank, device) | meta
+                # each EP group solves the same problem: inputs are keyed by the rank in the group
+                results[f"{cfg['id']}|{scenario}"] = check_contract(d, scenario, d.ep_rank, device) | meta
             dist.barrier()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -167,3 +173,78 @@ def run_world(world: int, configs: list[dict], out_dir: Path, device: str = "cpu
     mp.spawn(world_main, args=(world, free_port(), configs, str(out_dir), device), nprocs=world, join=True)
     per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     return {case: [pr[case] for pr in per_rank] for case in per_rank[0]}
+
+
+# --------------------------------------------------------------------------- a fake deep_ep
+
+
+class FakeDeepEPBuffer:
+    """A one-rank, CPU stand-in for deep_ep.Buffer's V1 semantics as documented: per-rank
+    deduplicated rows, local recv_topk_idx (-1 elsewhere) with zeroed weights, an UNWEIGHTED
+    combine that also sums topk_weights, cached-handle dispatch, and the low-latency pair
+    (per-expert slots, weighted combine). It exercises the deepep adapter's own logic only."""
+
+    num_sms = 20
+    created: list["FakeDeepEPBuffer"] = []
+
+    class _Config:
+        def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+            return hidden_bytes
+
+        def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+            return 0
+
+    def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False) -> None:
+        self.low_latency_mode, self.num_qps_per_rank = low_latency_mode, num_qps_per_rank
+        FakeDeepEPBuffer.created.append(self)
+
+    get_dispatch_config = get_combine_config = staticmethod(lambda num_ranks: FakeDeepEPBuffer._Config())
+    get_low_latency_rdma_size_hint = staticmethod(lambda *args: 1)
+    set_num_sms = staticmethod(lambda n: None)
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
+        in_rank_T1 = (topk_idx >= 0).any(1, keepdim=True)
+        per_expert = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts)
+        return in_rank_T1.sum(0), None, per_expert, in_rank_T1, None
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None, **kw):
+        assert x.dtype == torch.bfloat16
+        if handle is not None:
+            return x[handle[0]], None, None, None, None, None
+        src_S = is_token_in_rank[:, 0].nonzero().squeeze(1)
+        recv_idx_SK = topk_idx[src_S]
+        recv_w_SK = torch.where(recv_idx_SK >= 0, topk_weights[src_S], 0.0)
+        counts = torch.bincount(recv_idx_SK[recv_idx_SK >= 0], minlength=len(num_tokens_per_expert)).tolist()
+        return x[src_S], recv_idx_SK, recv_w_SK, counts, (src_S, x.shape[0]), None
+
+    def combine(self, x, handle, topk_weights=None, **kw):
+        assert x.dtype == torch.bfloat16
+        src_S, T = handle
+        out = x.new_zeros((T, x.shape[1])).index_add_(0, src_S, x)
+        w = None if topk_weights is None else topk_weights.new_zeros((T, topk_weights.shape[1])).index_add_(
+            0, src_S, topk_weights)
+        return out, w, None
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, **kw):
+        assert not use_fp8 and x.shape[0] <= num_max_dispatch_tokens_per_rank
+        packed = x.new_zeros((num_experts, num_max_dispatch_tokens_per_rank, x.shape[1]))
+        count = torch.zeros(num_experts, dtype=torch.int32)
+        where = {}
+        for t, k in (topk_idx >= 0).nonzero().tolist():
+            e = int(topk_idx[t, k])
+            packed[e, count[e]] = x[t]
+            where[(t, k)] = (e, int(count[e]))
+            count[e] += 1
+        return packed, count, where, None, None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, **kw):
+        out = torch.zeros(topk_idx.shape[0], x.shape[2])
+        for (t, k), (e, slot) in handle.items():
+            out[t] += topk_weights[t, k] * x[e, slot].float()
+        return out.to(torch.bfloat16), None, None
+
+    def destroy(self) -> None:
+        pass

@@ -31,6 +31,7 @@ WORLD2 = [
     {"id": "hierarchical_rpn1", "backend": "hierarchical", "ranks_per_node": 1},
     {"id": "hierarchical_rpn2", "backend": "hierarchical", "ranks_per_node": 2},
     {"id": "deepep_fallback", "backend": "deepep", "allow_fallback": True, "scenarios": ["uniform"]},
+    {"id": "local", "backend": "local", "scenarios": ["uniform"]},  # inside a world: still ep_size 1
 ]
 WORLD4 = [
     {"id": "all_to_all", "backend": "all_to_all", "ranks_per_node": 2,
@@ -38,11 +39,15 @@ WORLD4 = [
     {"id": "hierarchical_rpn2", "backend": "hierarchical", "ranks_per_node": 2,
      "scenarios": [*SCENARIOS, "remote_node_repeat"]},
     {"id": "hierarchical_rpn1", "backend": "hierarchical", "ranks_per_node": 1},
+    # two EP groups of 2 inside the 4-rank world: group ranks != world ranks
+    {"id": "all_to_all_ep2", "backend": "all_to_all", "ep_size": 2},
+    {"id": "hierarchical_ep2", "backend": "hierarchical", "ranks_per_node": 1, "ep_size": 2},
 ]
 # (world, config id): the contract cases; world 1 runs in this process without torch.distributed
 CASES = [(1, "local"), (1, "all_to_all"), (1, "hierarchical_rpn1"),
          (2, "all_to_all"), (2, "hierarchical_rpn1"), (2, "hierarchical_rpn2"),
          (4, "all_to_all"), (4, "hierarchical_rpn2"), (4, "hierarchical_rpn1"),
+         (4, "all_to_all_ep2"), (4, "hierarchical_ep2"),
          (2, "deepep")]
 TOL = 1e-5
 
@@ -85,6 +90,12 @@ def test_contract(worlds, world, config_id, scenario, tmp_path):
     per_rank = _in_process(config_id, scenario) if world == 1 else worlds[world][f"{config_id}|{scenario}"]
     assert len(per_rank) == world
     _assert_contract(per_rank, TOL, f"{config_id} w{world} {scenario}")
+
+
+def test_local_inside_a_world_keeps_every_expert(worlds):
+    per_rank = worlds[2]["local|uniform"]
+    _assert_contract(per_rank, TOL, "local w2")
+    assert all(r["bytes"]["actual_sent"] == 0 and r["bytes"]["per_expert"] == 0 for r in per_rank)
 
 
 def test_edge_scenarios_exercise_what_they_claim(worlds):
@@ -167,3 +178,46 @@ def test_dispatch_rejects_bad_routing():
         d.dispatch(x, torch.tensor([[0], [E], [1]]), torch.ones(3, 1))
     with pytest.raises(ValueError, match="expected x"):
         d.dispatch(x, torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1))
+
+
+@pytest.fixture
+def fake_deep_ep(monkeypatch):
+    """Route the deepep backend to a one-rank fake Buffer (the adapter's logic, not DeepEP's)."""
+    import types
+
+    import moerl.kernels.deepep as deepep_mod
+    from tests.kernels_worker import FakeDeepEPBuffer
+
+    fake = types.SimpleNamespace(Buffer=FakeDeepEPBuffer, topk_idx_t=torch.int64)
+    monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: fake)
+    fake_dist = types.SimpleNamespace(is_initialized=lambda: True, group=types.SimpleNamespace(WORLD=None))
+    monkeypatch.setattr(deepep_mod, "dist", fake_dist)
+    FakeDeepEPBuffer.created.clear()
+    return FakeDeepEPBuffer
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_deepep_adapter_against_a_fake_buffer(fake_deep_ep, scenario):
+    d = make_dispatcher("deepep", E)
+    per_rank = [check_contract(d, scenario, rank=0)]
+    _assert_contract(per_rank, tol=5e-2, label=f"deepep(fake) {scenario}")  # bf16 on the wire
+    assert per_rank[0]["identity_err"] > 0 or per_rank[0]["num_tokens"] == 0  # it really went through bf16
+    assert not fake_deep_ep.created[0].low_latency_mode
+
+
+def test_deepep_low_latency_adapter_against_a_fake_buffer(fake_deep_ep):
+    from moerl.kernels.reference import reference_moe
+    from tests.kernels_worker import expert_fn, make_inputs
+
+    d = make_dispatcher("deepep", E, deepep_options={"mode": "low_latency", "num_max_dispatch_tokens_per_rank": 16})
+    x, idx, w = make_inputs("zipf_dropped_empty", rank=0)
+    with pytest.raises(ConfigError, match="inference-only"):
+        d.dispatch(x.requires_grad_(True), idx, w)
+    with torch.no_grad():
+        recv_x, counts, handle = d.dispatch(x, idx, w)
+        out = d.combine(expert_fn(recv_x, torch.repeat_interleave(torch.arange(E), counts)), handle)
+    assert counts.tolist() == torch.bincount(idx[idx >= 0], minlength=E).tolist()
+    assert (out - reference_moe(x.detach(), idx, w, expert_fn)).abs().max() < 5e-2
+    assert fake_deep_ep.created[0].low_latency_mode and fake_deep_ep.created[0].num_qps_per_rank == E
+    with pytest.raises(ConfigError, match="num_max_dispatch_tokens_per_rank"), torch.no_grad():
+        d.dispatch(torch.randn(17, 16), torch.zeros(17, 3, dtype=torch.int64), torch.ones(17, 3))
