@@ -8,7 +8,8 @@ retention deletes a version's manifest before its files for the same reason. `fe
 every file against the manifest and leaves a marker, so a verified copy is reused; a file lock
 per version lets processes on one node share a cache folder. Layout under a root or s3://b/prefix:
     versions/v000001/<files>   versions/v000001/manifest.json   latest.json   pins/<holder>.json
-The S3 backend lives in `moerl.s3store` and is imported only for s3:// URIs (boto3 is heavy).
+The folder backend is `moerl.localstore`; the S3 backend lives in `moerl.s3store` and is
+imported only for s3:// URIs (boto3 is heavy).
 
 Limitations:
 - One writer per store: nothing locks publishes, so two publishers of one version interleave.
@@ -415,117 +416,22 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class LocalStore(CheckpointStore):
-    """A folder. A publish is staged in versions/.tmp-* and renamed into place once complete."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.uri = str(self.root)
-
-    def check_access(self) -> None:
-        try:
-            (self.root / "versions").mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint folder {self.root}: {e}; fix checkpoint.uri") from e
-        if not os.access(self.root / "versions", os.W_OK):
-            raise CheckpointError(f"checkpoint folder {self.root} is not writable; fix its permissions")
-
-    def _path(self, stage: str, rel: str = "") -> Path:
-        return self.root / "versions" / stage / rel
-
-    def _begin(self, version: int) -> str:
-        self.check_access()
-        stage = f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
-        self._path(stage).mkdir()
-        return stage
-
-    def _commit(self, stage: str, version: int) -> None:
-        final = self._path(version_dir(version))
-        if final.exists():  # it has no manifest, or publish would have refused: debris
-            log.warning("replacing incomplete version directory %s", final)
-            shutil.rmtree(final)
-        os.replace(self._path(stage), final)
-        _fsync(final.parent)
-
-    def _abort(self, stage: str) -> None:
-        shutil.rmtree(self._path(stage), ignore_errors=True)
-
-    def _delete_stage(self, stage: str) -> None:
-        try:
-            shutil.rmtree(self._path(stage))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise CheckpointError(f"cannot delete {self._path(stage)}: {e}") from e
-
-    def _put(self, stage: str, rel: str, src: Path) -> None:
-        dst = self._path(stage, rel)
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
-            _fsync(dst)  # the rename that publishes must not outrun the data
-        except OSError as e:
-            raise CheckpointError(f"cannot copy {src} into {self.root}: {e}") from e
-
-    def _get(self, stage: str, rel: str, dest: Path) -> None:
-        try:
-            shutil.copyfile(self._path(stage, rel), dest)
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{rel} of {stage} is missing from {self.root}; republish it") from e
-
-    def _size(self, stage: str, rel: str) -> int | None:
-        p = self._path(stage, rel)
-        return p.stat().st_size if p.is_file() else None
-
-    def _read_text(self, key: str) -> str | None:
-        try:
-            return (self.root / key).read_text()
-        except FileNotFoundError:
-            return None
-
-    def _write_text(self, key: str, text: str) -> None:
-        path = self.root / key
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(text)
-            _fsync(tmp)
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointError(f"cannot write {path}: {e}") from e
-
-    def _version_dirs(self) -> dict[str, bool]:
-        d = self.root / "versions"
-        return {v.name: (v / MANIFEST).is_file() for v in d.iterdir() if v.is_dir()} if d.is_dir() else {}
-
-    def _list(self, prefix: str) -> list[str]:
-        d = self.root / prefix
-        return [p.relative_to(self.root).as_posix() for p in d.rglob("*") if p.is_file()] if d.is_dir() else []
-
-    def _delete(self, keys: list[str]) -> None:
-        try:
-            for key in keys:
-                (self.root / key).unlink(missing_ok=True)
-            for parent in {(self.root / key).parent for key in keys}:  # deletions must not be reordered
-                if parent.is_dir():
-                    _fsync(parent)
-        except OSError as e:
-            raise CheckpointError(f"cannot delete from {self.root}: {e}") from e
-
-
 def open_store(cfg: CheckpointConfig) -> CheckpointStore:
     """`s3://bucket/prefix` gives an S3Store; anything else is a local folder."""
     if cfg.uri.startswith("s3://"):
         from moerl.s3store import S3Store  # boto3 only for S3 users
 
         return S3Store(cfg)
+    from moerl.localstore import LocalStore
+
     return LocalStore(Path(cfg.uri))
+
+
+def __getattr__(name: str) -> Any:
+    """`from moerl.store import LocalStore` keeps working; the module is imported lazily
+    because it subclasses CheckpointStore from this one."""
+    if name == "LocalStore":
+        from moerl.localstore import LocalStore
+
+        return LocalStore
+    raise AttributeError(f"module 'moerl.store' has no attribute {name!r}")
