@@ -9,7 +9,7 @@ from moerl.config import parse_config
 from moerl.errors import TrainingError
 from moerl.policy import build_tiny_model
 from moerl.records import TrainSample, write_records
-from moerl.components.policy_update.trainer import (TRAINER_DIR, Counters, _load_state, pack, run_policy_update,
+from moerl.components.policy_update.trainer import (Counters, _load_state, pack, run_policy_update,
                                                     train_on_batch)
 
 CFG = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}})
@@ -107,3 +107,9 @@ def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match="model_type 'llama' is not supported; allowed: qwen3_moe, mixtral"):
         check_checkpoint(tmp_path)
+
+
+def test_expert_parallel_ranks_that_fail_give_one_clear_error(state0, tmp_path):
+    cfg = parse_config({"trainer": {"expert_parallel_size": 2}})
+    with pytest.raises(TrainingError, match=r"expert-parallel training \(local, 2 ranks, all_to_all\) exited with"):
+        run_policy_update(cfg, tmp_path / "no-such-batch.jsonl", state0, tmp_path / "s1", iteration=0)

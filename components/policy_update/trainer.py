@@ -159,6 +159,23 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
     return metrics
 
 
+def _wait_all_or_kill(procs) -> int:
+    """Wait for every rank; if one fails, kill the others (they would block in a collective
+    forever) and return its exit code."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            return failed
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
 def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | Path, state_out: str | Path,
                         iteration: int) -> dict[str, float]:
     """Start `trainer.expert_parallel_size` ranks of ep_train (gloo on CPU, NCCL on GPU) on this
@@ -190,12 +207,10 @@ def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | 
             procs = [subprocess.Popen([sys.executable, *args], env={
                 **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ws), "LOCAL_WORLD_SIZE": str(ws),
                 "MOERL_INIT_METHOD": f"file://{tmp}/rendezvous"}) for r in range(ws)]
-            codes = [p.wait() for p in procs]
-            returncode = next((c for c in codes if c != 0), 0)
+            returncode = _wait_all_or_kill(procs)
         if returncode != 0:
-            raise TrainingError(f"policy_update: expert-parallel training (torchrun, {cfg.trainer.expert_parallel_size} "
-                                f"ranks, {cfg.trainer.ep_backend}) exited with {proc.returncode}; see the ranks' "
-                                "output above")
+            raise TrainingError(f"policy_update: expert-parallel training ({cfg.trainer.launcher}, {ws} ranks, "
+                                f"{cfg.trainer.ep_backend}) exited with {returncode}; see the ranks' output above")
         out = json.loads((Path(tmp) / "metrics.json").read_text())
     if out["fallback_from"]:
         log.warning("expert-parallel dispatcher fell back from %s to %s", out["fallback_from"], out["dispatcher"])
