@@ -78,6 +78,9 @@ class RolloutConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
     samples_per_prompt: int = Field(8, ge=2, description="G: samples per prompt (a GRPO group)")
     temperature: float = Field(1.0, gt=0.0, le=2.0)
+    # Only the untruncated distribution is supported: vLLM reports logprobs after top-k/top-p
+    # renormalisation, the trainer does not truncate, so any other value biases the PPO ratio
+    # and the importance weight (refused below).
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(16, ge=1)
@@ -97,6 +100,11 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
+        if self.top_p != 1.0 or self.top_k not in (-1, 0):
+            raise ValueError(f"top_p={self.top_p}, top_k={self.top_k}: only top_p 1.0 and top_k -1 (off) are "
+                             "supported; vLLM reports logprobs of the truncated, renormalised distribution while "
+                             "the trainer scores the full one, which would bias the PPO ratio and the importance "
+                             "weight. Use temperature to control sampling")
         if self.device == "cpu" and (self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"):
             raise ValueError("enable_expert_parallel / all2all_backend need device cuda (vLLM's expert parallelism "
                              "and DeepEP kernels are GPU-only); remove them for a CPU run")
@@ -124,6 +132,9 @@ class BufferConfig(_Section):
     advantage_eps: float = Field(1e-6, gt=0.0)
     # Samples more than this many policy versions behind the trainer are not trained on.
     max_staleness: int = Field(0, ge=0)
+    # The std in the advantage's denominator: `sample` (divide by G - 1, as verl's
+    # compute_grpo_outcome_advantage and TRL's GRPOTrainer do) or `population` (divide by G).
+    advantage_std: Literal["sample", "population"] = "sample"
 
 
 class TrainerConfig(_Section):
@@ -134,10 +145,18 @@ class TrainerConfig(_Section):
     optimizer_steps_per_iteration: int = Field(8, ge=1)
     clip_eps_low: float = Field(0.2, gt=0.0, lt=1.0)
     clip_eps_high: float = Field(0.28, gt=0.0)
+    # Dual-clip (verl's clip_ratio_c): for negative advantages the per-token loss is bounded by
+    # clip_ratio_c * |A|. verl's default is 3.0; null = off.
+    clip_ratio_c: float | None = Field(None, gt=1.0)
     # Truncated importance sampling: cap on exp(trainer_logp_old - engine_logp).
     tis_cap: float = Field(2.0, ge=1.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     max_consecutive_skipped_steps: int = Field(3, ge=1)
+    # Tokens (padded sequence positions) per forward/backward pass: each minibatch is split
+    # into micro-batches of at most this many tokens, with gradient accumulation, so the fp32
+    # full-vocabulary log-softmax never covers more than this many positions at once.
+    # 0 = the whole minibatch in one pass.
+    micro_batch_tokens: int = Field(8192, ge=0)
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
     # Expert parallelism in the trainer: experts sharded over this many ranks (torchrun inside
@@ -171,6 +190,12 @@ class CheckpointConfig(_Section):
     endpoint_url: str | None = None  # for S3-compatible stores; credentials come from the AWS chain
     region: str | None = None
     cache_dir: str = ".moerl/cache"
+    # The node-local fetch cache keeps the newest this-many versions of a run (and any version
+    # being served); older verified copies are deleted after each fetch.
+    cache_keep: int = Field(2, ge=1)
+    # A serving pin is a lease: the live holder renews it; one not renewed within this many
+    # seconds no longer protects its version from retention.
+    pin_ttl_s: float = Field(3600.0, gt=0.0)
     multipart_chunk_mb: int = Field(8, ge=5)
     max_concurrency: int = Field(8, ge=1, le=64)
     # Retention after each publish: keep the newest `keep_last` versions plus every
