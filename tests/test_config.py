@@ -111,3 +111,22 @@ def test_set_overrides_are_validated_like_the_file(tmp_path):
     assert r.returncode == 2 and "expected dotted.key=value" in r.stderr
     r = moerl("config", "show", str(DEFAULT), "--set", "rollout.enable_expert_parallel=true")
     assert r.returncode == 2 and "need device cuda" in r.stderr
+
+
+def test_infinite_values_are_refused():
+    from moerl.config import parse_config
+    from moerl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.tis_cap: Input should be a finite number"):
+        parse_config({"trainer": {"tis_cap": float("inf")}})
+    with pytest.raises(ConfigError, match="buffer.advantage_eps"):
+        parse_config({"buffer": {"advantage_eps": float("nan")}})
+
+
+def test_top_k_and_top_p_are_refused_with_the_reason():
+    from moerl.config import parse_config
+    from moerl.errors import ConfigError
+
+    for rollout in ({"top_p": 0.9}, {"top_k": 5}):
+        with pytest.raises(ConfigError, match="only top_p 1.0 and top_k -1 .* bias the PPO ratio"):
+            parse_config({"rollout": rollout})

@@ -131,7 +131,8 @@ def test_buffer_drops_zero_variance_groups_and_counts_them():
     batch, m = assemble(scored, BufferConfig(), trainer_version=0)
     assert m["buffer/groups"] == 3 and m["buffer/dropped_zero_variance_groups"] == 2
     assert len(batch) == 2
-    assert [round(s.advantage, 4) for s in batch] == [1.0, -1.0]
+    # mean 0.5, sample std sqrt(0.5) (buffer.advantage_std defaults to sample, as verl and TRL)
+    assert [round(s.advantage, 4) for s in batch] == [0.7071, -0.7071]
 
 
 def test_buffer_keeps_zero_variance_groups_when_asked():

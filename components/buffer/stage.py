@@ -3,7 +3,8 @@ that carry no signal, and assemble the training batch.
 
 Dropped and counted: groups with zero reward variance, samples older than
 `buffer.max_staleness` policy versions, and groups left smaller than 2 by either. Failed
-samples keep their reward of 0 and stay in their group.
+samples keep their reward of 0 and stay in their group. The advantage divides by the group's
+sample std (G - 1) unless `buffer.advantage_std` is `population` (see advantage.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
         if len(members) < 2:
             dropped_small += 1
             continue
-        adv, zero_var = group_advantages([m.reward for m in members], cfg.advantage_eps, cfg.normalize_by_std)
+        adv, zero_var = group_advantages([m.reward for m in members], cfg.advantage_eps, cfg.normalize_by_std,
+                                         std=cfg.advantage_std)
         if zero_var and cfg.drop_zero_variance_groups:
             dropped_zero_var += 1
             continue

@@ -8,10 +8,18 @@ Inputs per token (mask_BT marks real response tokens):
     engine_logp_BT log mu(a_t)              what the rollout engine reported (behavior policy)
     adv_B          group-relative advantage of each sequence
 
-    ratio_t = exp(logp - old_logp)
-    w_t     = min(exp(old_logp - engine_logp), tis_cap)            (no grad)
-    loss_t  = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
-    loss    = sum_t(loss_t * mask) / sum_t(mask)                    (token-level, DAPO)
+    ratio_t = exp(clamp(logp - old_logp, -20, 20))
+    w_t     = min(exp(clamp(old_logp - engine_logp, -20, 20)), tis_cap)      (no grad)
+    pg_t    = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+    pg_t    = min(pg_t, -A * clip_ratio_c)        only where A < 0, when clip_ratio_c is set
+    loss_t  = w_t * pg_t
+    loss    = sum_t(loss_t over real tokens) / sum_t(mask)                   (token-level, DAPO)
+
+This is, term for term, verl's `compute_policy_loss_vanilla` (clip-higher, dual-clip
+`clip_ratio_c`, log-ratio clamped to [-20, 20], the truncated IS weight multiplied in after
+clipping) with token-mean aggregation, and TRL's GRPOTrainer loss (`loss_type` dapo/bnpo,
+`vllm_importance_sampling_correction`) when clip_ratio_c is None; tests/test_grpo_math.py
+checks both on seeded random inputs.
 
 How this deviates from the GRPO paper: (1) no KL term to a reference model (the tiny run
 starts from random weights, so there is no reference worth staying near); (2) token-level
@@ -20,7 +28,17 @@ behavior policy is the engine, not the trainer: the PPO ratio is taken against t
 trainer's own start-of-iteration logprobs (the proximal policy), and the engine/trainer
 numeric mismatch is corrected by the truncated importance weight w_t (decoupled PPO /
 truncated IS as in verl's TIS). At the first step ratio = 1, so the gradient is exactly
-w_t * A * grad log pi: the importance-corrected policy gradient against the engine's samples.
+w_t * A * grad log pi: the importance-corrected policy gradient against the engine's samples;
+(5) optional dual-clip (Ye et al. 2020, verl's clip_ratio_c): for A < 0 a token's loss never
+exceeds clip_ratio_c * |A| * w_t, so one token whose ratio exploded cannot dominate the step.
+
+Padding: positions outside the mask are removed with a select (torch.where), not a multiply,
+so a non-finite logprob there (-inf * 0 = NaN) cannot reach the loss, its gradient or the
+stats. A NaN at a real token still makes the loss NaN, on purpose: the trainer skips that
+step and counts it.
+
+Limitations: the [-20, 20] clamp zeroes the gradient of a token whose log-ratio is beyond it
+(as in verl); such a token is far outside the clip range anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
+LOG_RATIO_BOUND = 20.0  # exp(20) ~ 4.9e8: finite in fp32, far outside any clip range
+
 
 @dataclass(frozen=True)
 class LossStats:
@@ -36,6 +56,14 @@ class LossStats:
     clip_fraction: float  # fraction of tokens where the clipped branch was taken
     tis_truncated_fraction: float  # fraction of tokens whose IS weight hit tis_cap
     mean_ratio: float
+    dual_clip_fraction: float = 0.0  # fraction of tokens (A < 0) held at the clip_ratio_c bound
+
+
+def _masked_exp(log_ratio_BT: torch.Tensor, real_BT: torch.Tensor) -> torch.Tensor:
+    """exp of the log-ratio at real tokens, 1 at padding. The select comes before the exp so
+    that neither the value nor the gradient of a padded position can be inf or NaN."""
+    safe = torch.where(real_BT, log_ratio_BT, torch.zeros_like(log_ratio_BT))
+    return torch.exp(safe.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def grpo_token_loss(
@@ -48,29 +76,43 @@ def grpo_token_loss(
     clip_eps_high: float,
     tis_cap: float,
     n_tokens: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """`n_tokens`: the normalizer; default the tokens in this minibatch. Expert-parallel ranks
-    pass the token count of the whole (global) minibatch, so their losses sum to the loss."""
-    mask = mask_BT.to(logp_BT.dtype)
-    n_tokens = mask.sum().clamp_min(1.0) if n_tokens is None else torch.tensor(float(max(n_tokens, 1.0)))
-    adv_BT = adv_B[:, None].expand_as(logp_BT)
+    pass the token count of the whole (global) minibatch, so their losses sum to the loss.
+    `clip_ratio_c`: the dual-clip bound for negative advantages (> 1); None = off."""
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
+    real = mask_BT.bool()
+    mask = real.to(logp_BT.dtype)
+    n_tokens = mask.sum().clamp_min(1.0) if n_tokens is None else \
+        torch.tensor(float(max(n_tokens, 1.0)), device=logp_BT.device)
+    adv_BT = adv_B[:, None].to(logp_BT.dtype).expand_as(logp_BT)
 
-    ratio = torch.exp(logp_BT - old_logp_BT)
-    unclipped = ratio * adv_BT
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv_BT
-    surrogate = torch.minimum(unclipped, clipped)
+    ratio = _masked_exp(logp_BT - old_logp_BT, real)
+    pg_unclipped = -adv_BT * ratio
+    pg_clipped = -adv_BT * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    dual = torch.zeros_like(real)
+    if clip_ratio_c is not None:
+        bound = -adv_BT * clip_ratio_c
+        negative = adv_BT < 0
+        dual = negative & (pg > bound) & real
+        pg = torch.where(negative, torch.minimum(pg, bound), pg)
 
-    raw_w = torch.exp(old_logp_BT - engine_logp_BT).detach()
+    raw_w = _masked_exp((old_logp_BT - engine_logp_BT).detach(), real)
     w = torch.clamp(raw_w, max=tis_cap)
-    loss = -(w * surrogate * mask).sum() / n_tokens
+    per_token = torch.where(real, w * pg, torch.zeros_like(pg))
+    loss = per_token.sum() / n_tokens
 
     with torch.no_grad():
-        took_clip = (clipped < unclipped) & mask.bool()
+        took_clip = (pg_clipped > pg_unclipped) & real
         stats = LossStats(
             loss=float(loss.detach()),
             clip_fraction=float(took_clip.sum() / n_tokens),
-            tis_truncated_fraction=float(((raw_w > tis_cap) & mask.bool()).sum() / n_tokens),
-            mean_ratio=float((ratio * mask).sum() / n_tokens),
+            tis_truncated_fraction=float(((raw_w > tis_cap) & real).sum() / n_tokens),
+            mean_ratio=float(torch.where(real, ratio, torch.zeros_like(ratio)).sum() / n_tokens),
+            dual_clip_fraction=float(dual.sum() / n_tokens),
         )
     return loss, stats
 

@@ -6,8 +6,13 @@ beside it (optimizer state and counters: what a resumed run needs and engines ne
 
 Steps: (1) load model, optimizer and counters; (2) pack the batch into padded tensors;
 (3) recompute the start-of-iteration logprobs (pi_old) and the engine/trainer mismatch;
-(4) N minibatch steps, skipping and counting any non-finite loss, and failing after
+(4) exactly min(N, `optimizer_steps_per_iteration`) minibatch steps, each in micro-batches of
+at most `trainer.micro_batch_tokens` positions with gradient accumulation (`steps.py`),
+skipping and counting any step whose loss or gradient is not finite, and failing after
 `max_consecutive_skipped_steps` in a row; (5) save the new state.
+
+Everything runs on `trainer.device`: the model is moved there, the batch is packed on the CPU
+and moved once, and every call into the model checks that its inputs live there.
 
 Legend: N = samples, L = packed sequence length, L1 = L - 1 (next-token positions).
 """
@@ -17,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -28,7 +32,11 @@ import torch
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
-from moerl.components.policy_update.loss import grpo_token_loss, token_logprobs_and_entropy
+from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, accumulate, count_skip, micro_parts,
+                                                  minibatches, model_device, policy_logprobs, rows_per_micro_batch,
+                                                  sequence_logprobs, step_is_finite)
+
+__all__ = ["Counters", "Packed", "TRAINER_DIR", "pack", "run_policy_update", "sequence_logprobs", "train_on_batch"]
 
 log = logging.getLogger(__name__)
 TRAINER_DIR = "trainer"
@@ -42,37 +50,24 @@ class Counters:
     skipped_total: int = 0
 
 
-@dataclass(frozen=True)
-class Packed:
-    input_ids_NL: torch.Tensor
-    attn_NL: torch.Tensor
-    targets_NL1: torch.Tensor
-    mask_NL1: torch.Tensor  # 1 where the target is a response token
-    engine_logp_NL1: torch.Tensor
-    adv_N: torch.Tensor
-
-
-def pack(batch: list[TrainSample], pad_id: int) -> Packed:
+def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cpu") -> Packed:
+    """Right-padded tensors of `batch`, built on the CPU and moved to `device` once."""
     seqs = [s.prompt_token_ids + s.response_token_ids for s in batch]
     n, length = len(seqs), max(len(x) for x in seqs)
-    ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, length), dtype=torch.long)
-    mask = torch.zeros((n, length - 1))
-    eng = torch.zeros((n, length - 1))
+    cpu = torch.device("cpu")
+    ids = torch.full((n, length), pad_id, dtype=torch.long, device=cpu)
+    attn = torch.zeros((n, length), dtype=torch.long, device=cpu)
+    mask = torch.zeros((n, length - 1), device=cpu)
+    eng = torch.zeros((n, length - 1), device=cpu)
     for i, (s, seq) in enumerate(zip(batch, seqs)):
-        ids[i, : len(seq)] = torch.tensor(seq)
+        ids[i, : len(seq)] = torch.tensor(seq, device=cpu)
         attn[i, : len(seq)] = 1
         p, r = len(s.prompt_token_ids), len(s.response_token_ids)
         # logits at position t predict token t+1: response token k sits at p+k, predicted at p+k-1
         mask[i, p - 1 : p - 1 + r] = 1
-        eng[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs)
-    adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
-    return Packed(ids, attn, ids[:, 1:].clone(), mask, eng, adv)
-
-
-def sequence_logprobs(model, p: Packed, idx: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = model(input_ids=p.input_ids_NL[idx], attention_mask=p.attn_NL[idx]).logits
-    return token_logprobs_and_entropy(logits[:, :-1], p.targets_NL1[idx], temperature)
+        eng[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs, device=cpu)
+    adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=cpu)
+    return Packed(*(t.to(device) for t in (ids, attn, ids[:, 1:].clone(), mask, eng, adv)))
 
 
 def _load_state(state_dir: Path, cfg: RunConfig):
@@ -83,7 +78,7 @@ def _load_state(state_dir: Path, cfg: RunConfig):
     counters = Counters()
     tdir = state_dir / TRAINER_DIR
     if (tdir / "optimizer.pt").is_file():
-        opt.load_state_dict(torch.load(tdir / "optimizer.pt", weights_only=True))
+        opt.load_state_dict(torch.load(tdir / "optimizer.pt", weights_only=True, map_location=cfg.trainer.device))
     elif cfg.trainer.expert_parallel_size == 1 and any(tdir.glob("optimizer-ep*.pt")):
         raise TrainingError(f"policy_update: {tdir} holds expert-parallel optimizer shards; resume with the "
                             "trainer.expert_parallel_size they were written with")
@@ -106,56 +101,44 @@ def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path)
 
 def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg: RunConfig, seed: int) -> dict[str, float]:
     tc, temperature = cfg.trainer, cfg.rollout.temperature
-    p = pack(batch, model.config.pad_token_id or 0)
+    device = model_device(model)
+    p = pack(batch, model.config.pad_token_id or 0, device)
     n = p.input_ids_NL.shape[0]
     # 3. pi_old and the engine/trainer mismatch, before any step
     model.eval()
-    with torch.no_grad():
-        old_logp, _ = sequence_logprobs(model, p, torch.arange(n), temperature)
-    tokens = p.mask_NL1.sum().clamp_min(1)
-    mismatch = float(((old_logp - p.engine_logp_NL1).abs() * p.mask_NL1).sum() / tokens)
-    # 4. N minibatch steps over a seeded permutation
+    old_logp = policy_logprobs(model, p, temperature, tc.micro_batch_tokens)
+    tokens = float(p.mask_NL1.sum())
+    diff = torch.where(p.mask_NL1.bool(), (old_logp - p.engine_logp_NL1).abs(), torch.zeros_like(old_logp))
+    mismatch = float(diff.sum()) / max(tokens, 1.0)
+    # 4. exactly min(steps, n) minibatch steps over a seeded permutation, in micro-batches
     model.train()
-    gen = torch.Generator().manual_seed(seed)
-    chunks = torch.randperm(n, generator=gen).chunk(min(tc.optimizer_steps_per_iteration, n))
-    sums = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0, "tis_truncated_fraction": 0.0}
+    aux = RouterAux(model, tc.aux_loss_coef) if tc.aux_loss_coef > 0 else None
+    sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
     done = skipped = 0
-    for idx in chunks:
-        logp, entropy = sequence_logprobs(model, p, idx, temperature)
-        loss, stats = grpo_token_loss(logp, old_logp[idx], p.engine_logp_NL1[idx], p.adv_N[idx], p.mask_NL1[idx],
-                                      tc.clip_eps_low, tc.clip_eps_high, tc.tis_cap)
-        if not math.isfinite(stats.loss):
-            skipped += 1
-            counters.consecutive_skipped += 1
-            counters.skipped_total += 1
+    try:
+        for idx in minibatches(n, tc.optimizer_steps_per_iteration, seed, world=1, device=device):
             opt.zero_grad(set_to_none=True)
-            log.warning("non-finite loss at step %d: skipped (%d in a row)", counters.step, counters.consecutive_skipped)
-            if counters.consecutive_skipped >= tc.max_consecutive_skipped_steps:
-                raise TrainingError(
-                    f"policy_update: {counters.consecutive_skipped} optimizer steps in a row had a non-finite loss "
-                    f"(trainer.max_consecutive_skipped_steps={tc.max_consecutive_skipped_steps}); lower "
-                    "trainer.learning_rate or check the batch for bad logprobs")
-            continue
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
-        opt.step()
-        counters.consecutive_skipped = 0
-        counters.step += 1
-        done += 1
-        m = p.mask_NL1[idx]
-        sums["loss"] += stats.loss
-        sums["clip_fraction"] += stats.clip_fraction
-        sums["tis_truncated_fraction"] += stats.tis_truncated_fraction
-        sums["entropy"] += float((entropy.detach() * m).sum() / m.sum().clamp_min(1))
-        sums["grad_norm"] += grad_norm
+            parts = micro_parts(idx, 0, 1, rows_per_micro_batch(p, tc.micro_batch_tokens, len(idx)))
+            stats = accumulate(model, p, parts, old_logp, cfg, float(p.mask_NL1[idx].sum()), len(idx), aux)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
+            if not step_is_finite(stats, grad_norm):  # NaN/inf loss or gradient: the weights stay untouched
+                opt.zero_grad(set_to_none=True)
+                skipped += 1
+                count_skip(counters, cfg, f"non-finite {'gradient' if math.isfinite(stats['loss']) else 'loss'}")
+                continue
+            opt.step()
+            counters.consecutive_skipped = 0
+            counters.step += 1
+            done += 1
+            for k, v in stats.items():
+                sums[k] += v
+            sums["grad_norm"] += grad_norm
+    finally:
+        if aux is not None:
+            aux.close()
     metrics = {f"train/{k}": v / max(done, 1) for k, v in sums.items()}
-    metrics.update({
-        "train/steps": float(done),
-        "train/skipped_steps": float(skipped),
-        "train/logprob_mismatch": mismatch,
-        "train/tokens": float(tokens),
-    })
+    metrics.update({"train/steps": float(done), "train/skipped_steps": float(skipped),
+                    "train/logprob_mismatch": mismatch, "train/tokens": tokens, "train/ep_size": 1.0})
     return metrics
 
 

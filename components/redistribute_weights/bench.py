@@ -55,6 +55,8 @@ class Row:
     parity_max_abs_dlogp: float
     parity_ok: bool
     redistribution_s: float
+    fresh_load_s: float  # a new engine loading the same version: what the hot swap replaces
+    swap_vs_fresh_load: float
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -150,6 +152,7 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
     finally:
         engine.close()
     fresh_engine = RolloutEngine(local, rollout)
+    fresh_load = fresh_engine.load_s
     try:
         fresh = _probe(fresh_engine)
     finally:
@@ -160,20 +163,23 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
                publish_mb_s=mb / t_pub, raw_upload_mb_s=mb / t_raw, publish_vs_raw=t_raw / t_pub,
                fetch_mb_s=mb / t_fetch, raw_download_mb_s=mb / t_dl,
                swap_s=stats.seconds, memcpy_bound_s=bound, swap_vs_bound=stats.seconds / bound,
-               parity_max_abs_dlogp=dlogp, parity_ok=dlogp <= 1e-4, redistribution_s=redistribution)
+               parity_max_abs_dlogp=dlogp, parity_ok=dlogp <= 1e-4, redistribution_s=redistribution,
+               fresh_load_s=fresh_load, swap_vs_fresh_load=stats.seconds / fresh_load)
 
 
 def format_table(rows: list[Row]) -> str:
     head = (f"{'size':>5} {'MB':>7} | {'publish':>8} {'raw up':>8} {'ratio':>6} | {'fetch':>8} {'raw dn':>8} | "
-            f"{'swap s':>7} {'bound s':>8} {'x bound':>7} {'parity':>8} | {'e2e s':>6}")
+            f"{'swap s':>7} {'bound s':>8} {'x bound':>7} {'parity':>8} | {'e2e s':>6} | {'fresh load s':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.size:>5} {r.mb:>7.1f} | {r.publish_mb_s:>6.1f}/s {r.raw_upload_mb_s:>6.1f}/s "
                      f"{r.publish_vs_raw:>6.2f} | {r.fetch_mb_s:>6.1f}/s {r.raw_download_mb_s:>6.1f}/s | "
                      f"{r.swap_s:>7.3f} {r.memcpy_bound_s:>8.4f} {r.swap_vs_bound:>7.1f} "
-                     f"{'ok' if r.parity_ok else 'FAIL':>4}{r.parity_max_abs_dlogp:>4.0e} | {r.redistribution_s:>6.2f}")
+                     f"{'ok' if r.parity_ok else 'FAIL':>4}{r.parity_max_abs_dlogp:>4.0e} | {r.redistribution_s:>6.2f} | "
+                     f"{r.fresh_load_s:>12.2f}")
     lines.append("MB/s columns: MB/s; ratio = publish throughput / raw boto3 upload_file throughput (same bytes, "
-                 "same server); x bound = swap time / (bytes / measured memcpy bandwidth)")
+                 "same server); x bound = swap time / (bytes / measured memcpy bandwidth); fresh load = a new vLLM "
+                 "engine loading the same version (what a hot swap avoids)")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ tensors over the RPC.
 3. finish: re-run the CPU MoE experts' prepack, which vLLM skips on a weight update
            (`UnquantizedFusedMoEMethod._setup_kernel` runs `fused_experts.process_weights_
            after_loading` only on the first load: on CPU the reloaded w13/w2 were left in
-           checkpoint layout inside prepacked storage, which is why DESIGN.md's first try
+           checkpoint layout inside prepacked storage, which is why a first try without it
            gave different tokens). Then the caller resets the prefix cache (stale KV).
 
 With step 3 a swapped engine is bit-identical to one freshly loaded from the same checkpoint

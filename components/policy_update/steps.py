@@ -1,0 +1,192 @@
+"""The optimizer-step machinery both trainers share (single process and expert parallel).
+
+One iteration's batch is cut into exactly `min(trainer.optimizer_steps_per_iteration, N/world)`
+minibatches over a seeded permutation (`minibatches`). Each minibatch is one optimizer step.
+Under expert parallelism rank r takes rows r, r+world, ... of it. A rank's share is cut into
+micro-batches of at most `trainer.micro_batch_tokens` padded positions (`micro_parts`); every
+rank runs the same number of micro-batches, because each forward and backward goes through
+the dispatcher's collectives. Gradients accumulate over the micro-batches (`accumulate`).
+
+Every loss term is normalized by the token count of the whole minibatch, on every rank, so the
+micro-batch losses and their statistics (clip fraction, entropy, ...) add up to the minibatch's
+values; summed over ranks they equal the single-process step. A step is skipped, on every rank,
+when any loss or the global gradient norm is not finite (`step_is_finite`).
+
+Legend: N = samples, L = packed sequence length, L1 = L - 1, M = rows in a micro-batch.
+
+Limitations: micro-batches are cut by rows of the packed (padded) batch, not re-packed by
+length, so a batch with one very long sample pays its length for every row; a single row
+longer than `micro_batch_tokens` is still one micro-batch (logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moerl.config import RunConfig
+from moerl.errors import TrainingError
+from moerl.components.policy_update.loss import grpo_token_loss, token_logprobs_and_entropy
+
+log = logging.getLogger(__name__)
+
+STAT_KEYS = ("loss", "clip_fraction", "tis_truncated_fraction", "dual_clip_fraction", "entropy", "aux_loss")
+
+
+@dataclass(frozen=True)
+class Packed:
+    input_ids_NL: torch.Tensor
+    attn_NL: torch.Tensor
+    targets_NL1: torch.Tensor
+    mask_NL1: torch.Tensor  # 1 where the target is a response token
+    engine_logp_NL1: torch.Tensor
+    adv_N: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids_NL.device
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def check_device(where: str, device: torch.device, **tensors: torch.Tensor) -> None:
+    """Every tensor handed to the model or to a collective must live on the model's device:
+    a CPU tensor reaching NCCL, or a CUDA model fed CPU ids, fails far from its cause."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise TrainingError(f"{where}: {name} is on {t.device}, but the model is on {device}; "
+                                "this is a moerl bug (a tensor created without device=)")
+
+
+def sequence_logprobs(model, p: Packed, idx_M: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs and entropies [M, L1] of rows `idx_M`, under the temperature-scaled policy."""
+    device = model_device(model)
+    check_device("sequence_logprobs", device, input_ids=p.input_ids_NL, rows=idx_M)
+    logits = model(input_ids=p.input_ids_NL[idx_M], attention_mask=p.attn_NL[idx_M]).logits
+    return token_logprobs_and_entropy(logits[:, :-1], p.targets_NL1[idx_M], temperature)
+
+
+def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) -> int:
+    length = p.input_ids_NL.shape[1]
+    if micro_batch_tokens == 0:
+        return max(total_rows, 1)
+    if length > micro_batch_tokens:
+        log.warning("one packed sequence (%d positions) is longer than trainer.micro_batch_tokens=%d; "
+                    "micro-batches of one row", length, micro_batch_tokens)
+    return max(1, micro_batch_tokens // length)
+
+
+def policy_logprobs(model, p: Packed, temperature: float, micro_batch_tokens: int) -> torch.Tensor:
+    """Logprobs [N, L1] of every row, in micro-batches, without grad (pi_old)."""
+    n = p.input_ids_NL.shape[0]
+    out = torch.zeros_like(p.engine_logp_NL1)
+    step = rows_per_micro_batch(p, micro_batch_tokens, n)
+    with torch.no_grad():
+        for idx in torch.arange(n, device=p.device).split(step):
+            out[idx] = sequence_logprobs(model, p, idx, temperature)[0]
+    return out
+
+
+def minibatches(n: int, steps: int, seed: int, world: int, device: torch.device) -> list[torch.Tensor]:
+    """Exactly min(steps, n // world) minibatches (sizes differ by at most one) over a seeded
+    permutation; `torch.chunk` would return fewer than asked for some n."""
+    k = min(steps, n // world)
+    if k < 1:
+        return []
+    perm = torch.randperm(n, generator=torch.Generator(device="cpu").manual_seed(seed), device="cpu")
+    return [c.to(device) for c in torch.tensor_split(perm, k)]
+
+
+def micro_parts(chunk: torch.Tensor, rank: int, world: int, rows_per: int) -> list[tuple[torch.Tensor, bool]]:
+    """This rank's rows of `chunk`, cut into as many micro-batches as the largest share needs.
+    A rank with fewer rows than that gets padding parts: (one of its rows, True) whose loss
+    is masked out, so that it still joins every collective."""
+    mine = chunk[rank::world]
+    largest = math.ceil(len(chunk) / world)
+    n_micro = math.ceil(largest / rows_per)
+    parts = []
+    for part in torch.tensor_split(mine, n_micro):
+        parts.append((part, False) if len(part) else (mine[:1], True))
+    return parts
+
+
+def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_logp_NL1: torch.Tensor,
+               cfg: RunConfig, n_tokens: float, n_rows: int,
+               aux_fn: Callable[[], torch.Tensor | None] | None = None) -> dict[str, float]:
+    """Forward and backward every micro-batch in `parts`; gradients accumulate in the model.
+
+    `n_tokens` / `n_rows`: response tokens / rows of the whole minibatch (every rank). The
+    router aux loss of a micro-batch (a mean over its tokens) is weighted by its share of rows.
+    Returns this rank's share of the minibatch statistics (they sum over ranks)."""
+    tc = cfg.trainer
+    sums = dict.fromkeys(STAT_KEYS, 0.0)
+    for idx, padding in parts:
+        mask = torch.zeros_like(p.mask_NL1[idx]) if padding else p.mask_NL1[idx]
+        logp, entropy = sequence_logprobs(model, p, idx, cfg.rollout.temperature)
+        loss, stats = grpo_token_loss(logp, old_logp_NL1[idx], p.engine_logp_NL1[idx], p.adv_N[idx], mask,
+                                      tc.clip_eps_low, tc.clip_eps_high, tc.tis_cap, n_tokens=n_tokens,
+                                      clip_ratio_c=tc.clip_ratio_c)
+        aux = aux_fn() if aux_fn is not None else None
+        if aux is not None:
+            aux = aux * (0.0 if padding else len(idx) / n_rows)
+            loss = loss + aux
+            sums["aux_loss"] += float(aux.detach())
+        loss.backward()
+        sums["loss"] += stats.loss
+        sums["clip_fraction"] += stats.clip_fraction
+        sums["tis_truncated_fraction"] += stats.tis_truncated_fraction
+        sums["dual_clip_fraction"] += stats.dual_clip_fraction
+        ent = torch.where(mask.bool(), entropy.detach(), torch.zeros_like(entropy))
+        sums["entropy"] += float(ent.sum()) / max(n_tokens, 1.0)
+    return sums
+
+
+def step_is_finite(stats: dict[str, float], grad_norm: float) -> bool:
+    return math.isfinite(grad_norm) and all(math.isfinite(v) for v in stats.values())
+
+
+def count_skip(counters, cfg: RunConfig, why: str) -> None:
+    """Count a skipped step; too many in a row fail the run (the weights are not moving)."""
+    counters.consecutive_skipped += 1
+    counters.skipped_total += 1
+    log.warning("%s at step %d: skipped (%d in a row)", why, counters.step, counters.consecutive_skipped)
+    limit = cfg.trainer.max_consecutive_skipped_steps
+    if counters.consecutive_skipped >= limit:
+        raise TrainingError(
+            f"policy_update: {counters.consecutive_skipped} optimizer steps in a row had a non-finite loss or gradient "
+            f"(trainer.max_consecutive_skipped_steps={limit}); lower trainer.learning_rate or check the batch "
+            "for bad logprobs")
+
+
+class RouterAux:
+    """The load-balancing aux loss of the single-process trainer: forward hooks on every MoE
+    router capture (router_logits, top-k ids) and `__call__` returns the same loss the expert-
+    parallel block computes (`ep_moe.load_balancing_loss`, summed over layers, times the coef)."""
+
+    def __init__(self, model, coef: float):
+        from moerl.components.policy_update.ep_moe import sparse_blocks
+
+        self.coef, self._seen = coef, []
+        self._handles = [block.gate.register_forward_hook(self._hook) for _, _, block in sparse_blocks(model)]
+        if not self._handles:
+            raise TrainingError("trainer.aux_loss_coef > 0 but the model has no MoE router to balance")
+
+    def _hook(self, module, args, output) -> None:
+        router_logits_TE, _, idx_TK = output
+        self._seen.append((router_logits_TE, idx_TK))
+
+    def __call__(self) -> torch.Tensor | None:
+        from moerl.components.policy_update.ep_moe import load_balancing_loss
+
+        seen, self._seen = self._seen, []
+        return self.coef * sum(load_balancing_loss(lg, ix) for lg, ix in seen) if seen else None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The prepared GPU check, for one machine with one or more CUDA GPUs and moerl installed
+# (the trainer image, or a venv with the CUDA torch and vllm wheels):
+#   bash tests/gpu/run.sh            # prints versions, runs tests/gpu, writes $OUT/gpu-check.txt
+# It checks the CUDA trainer against the CPU trainer, the expert-parallel worker over NCCL
+# (one rank), and a CUDA vLLM engine hot-swapped to a new version against a fresh load; then
+# the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1.
+# Written for a lent GPU; not yet run (no GPU was available to the session that wrote it).
+set -euo pipefail
+OUT=${OUT:-gpu-check}
+PYTHON=${PYTHON:-python}
+mkdir -p "$OUT"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+  "$PYTHON" -c "import vllm; print('vllm', vllm.__version__)" || echo "vllm: not importable"
+} | tee "$OUT/versions.txt"
+"$PYTHON" -m pytest tests/gpu -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu-check.txt"
+if [ "${GPU_BENCH:-0}" = 1 ]; then
+  OUT_DIR="$OUT" bash kernels/gpu_bench.sh --repeats 20 2>&1 | tee "$OUT/dispatch.txt"
+fi
