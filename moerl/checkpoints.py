@@ -2,15 +2,25 @@
 
 Each run publishes under `<checkpoint.uri>/runs/<run_id>/`, so two runs never race for the
 same version numbers or the same `latest` pointer, and the node-local cache is keyed the same
-way (`<cache_dir>/<run_id>/v000001`).
+way (`<cache_dir>/<run_id>/v000001`). The cache's `serving.json` names the version the
+engines serve; each fetch for an engine prunes the cache to the newest `checkpoint.cache_keep`
+versions, never dropping the one fetched or the one served.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from moerl.config import CheckpointConfig
+from moerl.errors import CheckpointError
+from moerl.fetchcache import prune_cache
 from moerl.store import CheckpointStore, open_store
+
+log = logging.getLogger(__name__)
+
+SERVING = "serving.json"
 
 
 def run_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore:
@@ -31,6 +41,25 @@ def version_uri(store: CheckpointStore, version: int) -> str:
 ENGINE_EXCLUDE = ("trainer/",)
 
 
+def served_version(cache: Path) -> int | None:
+    """The version `serving.json` in `cache` names; None when nothing is served yet."""
+    path = Path(cache) / SERVING
+    try:
+        return int(json.loads(path.read_text())["version"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot read {path} ({e!r}); delete it and redistribute the version") from e
+
+
 def fetch_for_engine(cfg: CheckpointConfig, run_id: str, version: int) -> Path:
-    """Version `version` in the node-local cache, verified, without the trainer state."""
-    return run_store(cfg, run_id).fetch(version, run_cache(cfg, run_id), exclude=ENGINE_EXCLUDE)
+    """Version `version` in the node-local cache, verified, without the trainer state; then
+    prune the cache. A failed prune is logged, never raised: the fetch succeeded."""
+    cache = run_cache(cfg, run_id)
+    path = run_store(cfg, run_id).fetch(version, cache, exclude=ENGINE_EXCLUDE)
+    try:
+        served = served_version(cache)
+        prune_cache(cache, cfg.cache_keep, protect={version} | ({served} if served is not None else set()))
+    except CheckpointError as e:
+        log.warning("could not prune the fetch cache %s: %s", cache, e)
+    return path

@@ -81,11 +81,11 @@ class RolloutConfig(_Section):
     device: Literal["cpu", "cuda"] = "cpu"
     samples_per_prompt: int = Field(8, ge=2, description="G: samples per prompt (a GRPO group)")
     temperature: float = Field(1.0, gt=0.0, le=2.0)
-    # Only the untruncated distribution is supported: vLLM reports logprobs after top-k/top-p
-    # renormalisation, the trainer does not truncate, so any other value biases the PPO ratio
-    # and the importance weight (refused below).
+    # top-k / top-p truncate the sampling distribution; vLLM reports logprobs of the truncated,
+    # renormalised distribution, and the trainer truncates the same way (loss.truncate_logits),
+    # so the PPO ratio and the importance weight compare like with like.
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1)  # -1 or 0: off
     max_new_tokens: int = Field(16, ge=1)
     seed: int = 0
     # On CPU this is the fraction of RAM vLLM reserves: 0.92 fails, 0.2 works (docs/architecture.md, "Verified on the build machines").
@@ -103,11 +103,6 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
-        if self.top_p != 1.0 or self.top_k not in (-1, 0):
-            raise ValueError(f"top_p={self.top_p}, top_k={self.top_k}: only top_p 1.0 and top_k -1 (off) are "
-                             "supported; vLLM reports logprobs of the truncated, renormalised distribution while "
-                             "the trainer scores the full one, which would bias the PPO ratio and the importance "
-                             "weight. Use temperature to control sampling")
         if self.device == "cpu" and (self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"):
             raise ValueError("enable_expert_parallel / all2all_backend need device cuda (vLLM's expert parallelism "
                              "and DeepEP kernels are GPU-only); remove them for a CPU run")

@@ -20,16 +20,21 @@ Limitations:
   without a manifest; republishing overwrites them, and retention removes them once `latest`
   has passed them. An S3 multipart upload killed midway stays as an incomplete upload: give the
   bucket a lifecycle rule (AbortIncompleteMultipartUpload).
-- A pin protects a version only from retention that starts after the pin is written; pin a
-  version before fetching it. A run that dies keeps its pins until they are unpinned by hand.
-- The fetch lock is `fcntl.flock`: it holds on one node's local disk, not across NFS clients.
-  Nothing prunes the fetch cache.
+- A publish killed after its manifest is stored but before `latest` moves leaves a complete
+  version above `latest`, which publish then refuses to overwrite; `recover` (run by
+  `--resume`) adopts it if it verifies, or deletes it. Nothing runs it outside a resume.
+- Pins are leases (`moerl.leases`): a pin protects its version while its holder renews it
+  within `checkpoint.pin_ttl_s`; a holder that dies stops renewing, and retention then deletes
+  its version and its pin file. Expiry compares UTC wall clocks on different machines, so the
+  TTL must dwarf their skew. A pin protects a version only from retention that starts after
+  the pin is written; pin a version before fetching it.
+- The fetch cache (`moerl.fetchcache`) keeps what `prune_cache` leaves: callers prune to the
+  newest `checkpoint.cache_keep` versions plus the ones fetched and served. Its lock is
+  `fcntl.flock`: it holds on one node's local disk, not across NFS clients.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -38,77 +43,31 @@ import shutil
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, TypeVar
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
+from moerl.fetchcache import MARKER, exclusive, is_verified, lock_path
+from moerl.leases import PinLeases
+from moerl.manifest import MANIFEST, FileEntry, Manifest, sha256_file, version_dir
+
+__all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "Manifest", "open_store", "sha256_file",
+           "version_dir"]
 
 log = logging.getLogger(__name__)
 
-MANIFEST, LATEST = "manifest.json", "latest.json"
-MARKER = ".moerl-verified"  # written into a fetched copy once verified; holds the manifest's sha256
+LATEST = "latest.json"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _STAGE_DIR = re.compile(r"^(?:\.tmp-)?v(\d{6,})(?:-[0-9a-f]+)?$")  # a version dir or a local staging dir
-_HOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _MiB = 1024 * 1024
 _R = TypeVar("_R")
 
 
-def version_dir(version: int) -> str:
-    return f"v{version:06d}"
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the version directory, '/'-separated
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    version: int
-    files: tuple[FileEntry, ...]
-    created_at: str  # UTC, ISO 8601
-    meta: dict[str, str] = field(default_factory=dict)  # small labels: git sha, run id, ...
-
-    def to_json(self) -> str:
-        files = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files]
-        body = {"version": self.version, "created_at": self.created_at,
-                "meta": dict(sorted(self.meta.items())), "files": files}
-        return json.dumps(body, indent=1) + "\n"
-
-    @staticmethod
-    def from_json(text: str) -> Manifest:
-        try:
-            d = json.loads(text)
-            files = tuple(FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in d["files"])
-            meta = {str(k): str(v) for k, v in d.get("meta", {}).items()}
-            m = Manifest(int(d["version"]), files, str(d["created_at"]), meta)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"malformed manifest ({e!r}); republish this version") from e
-        for f in m.files:  # a manifest must not make fetch write outside its folder
-            p = PurePosixPath(f.path)
-            if p.is_absolute() or ".." in p.parts or not p.parts or "\\" in f.path:
-                raise CheckpointError(f"manifest of version {m.version} has an unsafe path {f.path!r}")
-        return m
-
-    def sha256(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
-
-
-class CheckpointStore(ABC):
+class CheckpointStore(PinLeases, ABC):
     """Publish/fetch/retention logic for both stores; subclasses supply the object primitives.
 
     A `stage` is a directory name under versions/: the final `v000001`, or a local temp dir.
@@ -185,7 +144,7 @@ class CheckpointStore(ABC):
             self._abort(stage)
             raise
         # 5. Only now move the pointer.
-        self._write_text(LATEST, json.dumps({"version": version, "manifest_sha256": manifest.sha256()}) + "\n")
+        self._point_latest(manifest)
         log.info("published version %d to %s: %d files, %.1f MiB in %.1f s", version, self.uri, len(files),
                  sum(e.size for e in entries) / _MiB, time.monotonic() - t0)
         # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
@@ -239,8 +198,8 @@ class CheckpointStore(ABC):
             dest_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create cache folder {dest_dir}: {e}; fix checkpoint.cache_dir") from e
-        with _exclusive(dest_dir / f".{version_dir(version)}.lock"):
-            if _is_verified(final, manifest, tuple(exclude)):
+        with exclusive(lock_path(dest_dir, version)):
+            if is_verified(final, manifest, tuple(exclude)):
                 log.info("version %d: reusing verified copy %s", version, final)
                 return final
             tmp = dest_dir / f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
@@ -259,36 +218,18 @@ class CheckpointStore(ABC):
         log.info("fetched version %d from %s to %s in %.1f s", version, self.uri, final, time.monotonic() - t0)
         return final
 
-    def pin(self, version: int, holder: str) -> None:
-        """Protect `version` from retention on behalf of `holder` (one pin per holder: replaces it)."""
-        self.manifest(version)  # refuse to pin what does not exist
-        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        self._write_text(_pin_key(holder), json.dumps({"version": version, "holder": holder, "pinned_at": now}) + "\n")
-
-    def unpin(self, version: int, holder: str) -> None:
-        """Drop `holder`'s pin if it still pins `version` (a newer pin of the holder stays)."""
-        key = _pin_key(holder)
-        text = self._read_text(key)
-        if text is not None and _pin_version(key, text) == version:
-            self._delete([key])
-
-    def pinned(self) -> set[int]:
-        """Every version some holder pins."""
-        keys = [k for k in self._list("pins/") if k.endswith(".json")]
-        return {_pin_version(k, text) for k in keys if (text := self._read_text(k)) is not None}
-
     def apply_retention(self, keep_last: int, keep_every: int, pinned: Iterable[int] = frozenset()) -> list[int]:
         """Delete old versions; return the deleted ones, ascending.
 
         Kept: the newest `keep_last` complete versions, every multiple of `keep_every` (if > 0),
-        `latest`, version 0, `pinned` and every version pinned in the store. Each deletion removes
+        `latest`, version 0, `pinned` and every version a live lease pins. Each deletion removes
         the manifest first, so a half-deleted version is never complete. Leftovers of failed
-        publishes and deletions at or below `latest` are removed too.
+        publishes and deletions at or below `latest` are removed too, and so are expired pins.
         """
         _check_retention(keep_last, keep_every)
-        dirs, latest = self._version_dirs(), self.latest()
+        dirs, latest, now, leases = self._version_dirs(), self.latest(), self.clock(), self._leases()
         versions = _complete(dirs)
-        keep = set(versions[-keep_last:]) | {0, *pinned, *self.pinned()}
+        keep = set(versions[-keep_last:]) | {0, *pinned} | {lease.version for _, _, lease in leases if lease.live(now)}
         keep |= {v for v in versions if keep_every > 0 and v % keep_every == 0}
         keep |= set() if latest is None else {latest}
         deleted, failed = [], []
@@ -304,11 +245,55 @@ class CheckpointStore(ABC):
                 self._delete_stage(d)
             except CheckpointError as e:
                 failed.append(f"leftover {d}: {e}")
+        try:
+            if dropped := self._drop_expired(leases, now):
+                log.info("retention in %s removed expired pins %s", self.uri, dropped)
+        except CheckpointError as e:
+            failed.append(f"expired pins: {e}")
         if deleted:
             log.info("retention in %s deleted versions %s; kept %s", self.uri, deleted, sorted(keep & set(versions)))
         if failed:
             raise CheckpointError(f"retention in {self.uri} deleted {deleted} but failed on: {'; '.join(failed)}")
         return deleted
+
+    def recover(self) -> int | None:
+        """Repair what a writer killed mid-publish left above `latest`; return the new `latest`.
+
+        Call it only while nothing publishes (one writer per store): resume calls it before the
+        pipeline starts. The newest complete version above `latest` that verifies as publish
+        verifies before it moves `latest` (the manifest reads back as itself, every object is
+        there with its size) becomes `latest`. Every other version or staging folder above
+        `latest` (no manifest, a missing or short object) is deleted, manifest first. Checksums
+        are not re-read, as in publish: that would download the whole version, and fetch checks
+        every checksum before anything uses it.
+        """
+        latest, dirs = self.latest(), self._version_dirs()
+        good: dict[int, Manifest] = {}
+        above = sorted((int(m.group(1)), d) for d in dirs
+                       if (m := _STAGE_DIR.match(d)) and (latest is None or int(m.group(1)) > latest))
+        for v, d in above:
+            why = "a staging folder" if not _VERSION_DIR.match(d) else None if dirs[d] else "no manifest"
+            if why is None:
+                try:
+                    good[v] = self.manifest(v)
+                    self._verify_stored(d, good[v])
+                    continue
+                except CheckpointError as e:
+                    good.pop(v, None)
+                    why = str(e)
+            log.warning("recovery in %s: deleting %s, above latest %s: %s", self.uri, d, latest, why)
+            self._delete([f"versions/{d}/{MANIFEST}"])
+            self._delete_stage(d)
+        if not good:
+            return latest
+        v = max(good)
+        self._point_latest(good[v])
+        log.warning("recovery in %s: version %d was complete and verified but latest was %s (a publish died "
+                    "before moving it); latest is now %d", self.uri, v, latest, v)
+        return v
+
+    def _point_latest(self, manifest: Manifest) -> None:
+        self._write_text(LATEST, json.dumps({"version": manifest.version, "manifest_sha256": manifest.sha256()}) + "\n")
 
     def _map(self, fn: Callable[[Any], _R], items: Iterable[Any]) -> list[_R]:
         ex = ThreadPoolExecutor(max_workers=self._workers)
@@ -361,19 +346,6 @@ def _check_retention(keep_last: int, keep_every: int) -> None:
         raise CheckpointError(f"retention needs keep_last >= 1 and keep_every >= 0, got {keep_last}, {keep_every}")
 
 
-def _pin_key(holder: str) -> str:
-    if not _HOLDER.match(holder):
-        raise CheckpointError(f"pin holder {holder!r} must be letters, digits, '.', '_' or '-' (at most 128)")
-    return f"pins/{holder}.json"
-
-
-def _pin_version(key: str, text: str) -> int:
-    try:
-        return int(json.loads(text)["version"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"malformed pin {key} ({e!r}); delete it or pin again") from e
-
-
 def _list_files(src: Path) -> list[str]:
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory; pass the checkpoint folder")
@@ -385,46 +357,18 @@ def _list_files(src: Path) -> list[str]:
     return files
 
 
-def _is_verified(final: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> bool:
-    """A marker holding this manifest's sha256 (and what the copy left out, a subset of what
-    may be left out now), and every wanted file present with the right size."""
-    try:
-        sha, *left_out = (final / MARKER).read_text().split("\n")
-        skipped = {x.removeprefix("exclude=") for x in left_out}
-        return (sha == manifest.sha256() and skipped <= set(exclude)
-                and all((final / e.path).stat().st_size == e.size for e in manifest.files
-                        if not (exclude and e.path.startswith(exclude))))
-    except OSError:
-        return False
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `lock_path`. The file stays: unlinking a lock file races."""
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise CheckpointError(f"cannot create lock file {lock_path}: {e}; fix checkpoint.cache_dir") from e
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process that holds %s", lock_path)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def open_store(cfg: CheckpointConfig) -> CheckpointStore:
     """`s3://bucket/prefix` gives an S3Store; anything else is a local folder."""
     if cfg.uri.startswith("s3://"):
         from moerl.s3store import S3Store  # boto3 only for S3 users
 
-        return S3Store(cfg)
-    from moerl.localstore import LocalStore
+        store: CheckpointStore = S3Store(cfg)
+    else:
+        from moerl.localstore import LocalStore
 
-    return LocalStore(Path(cfg.uri))
+        store = LocalStore(Path(cfg.uri))
+    store.pin_ttl_s = cfg.pin_ttl_s
+    return store
 
 
 def __getattr__(name: str) -> Any:

@@ -4,8 +4,8 @@ KFP v2 has no while loop; a Python `for` over `pipeline.iterations` is the docum
 pattern. Every stage is a lightweight component on `pipeline.base_image`; the run config
 travels as one JSON string parameter, validated again inside each task.
 
-    start_run -> init_policy (v0)
-    for i in 0..N-1:
+    start_run -> init_policy (v0)   or, resuming from version s: resume_policy (v_s)
+    for i in s..N-1:
         rollout(v_i) -> reward -> buffer -> policy_update -> publish_checkpoint(v_i+1)
           -> redistribute_weights(v_i+1) ;  log_iteration(i)
     finish_run
@@ -57,7 +57,7 @@ class Ops:
 
 def make_ops(base_image: str) -> Ops:
     # install_kfp_package=False: the moerl image already carries kfp; it also cuts the
-    # per-task overhead in kfp.local from ~0.4 s to ~0.04 s (DESIGN.md).
+    # per-task overhead in kfp.local from ~0.4 s to ~0.04 s (docs/architecture.md).
     return Ops(**{name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
                   for name, f in STAGE_FUNCS.items()})
 
@@ -69,10 +69,11 @@ def _task(t, name: str):
     return t
 
 
-def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: int = 0):
+def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: int = 0, resume: bool = False):
     """The pipeline function for `cfg`, with iterations `start_iteration`..`pipeline.iterations`-1
-    unrolled. `start_iteration` > 0 resumes run `run_id` from its published version of that
-    number (weights, optimizer, counters); the data cursor and seeds follow the iteration."""
+    unrolled. `resume` (implied by `start_iteration` > 0) continues run `run_id` from its
+    published version `start_iteration`, version 0 included, instead of publishing version 0:
+    weights, optimizer, counters; the data cursor and seeds follow the iteration."""
     ops = make_ops(cfg.pipeline.base_image)
     n_iter = cfg.pipeline.iterations
     if not 0 <= start_iteration < n_iter:
@@ -83,7 +84,7 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: in
     def grpo(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha) -> str:
         start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha), "start-run")
         rid = start.output
-        if start_iteration:
+        if resume or start_iteration > 0:  # version 0 already exists when a run resumes from it
             init = _task(ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),
                          f"resume-policy-v{start_iteration}")
         else:

@@ -121,12 +121,3 @@ def test_infinite_values_are_refused():
         parse_config({"trainer": {"tis_cap": float("inf")}})
     with pytest.raises(ConfigError, match="buffer.advantage_eps"):
         parse_config({"buffer": {"advantage_eps": float("nan")}})
-
-
-def test_top_k_and_top_p_are_refused_with_the_reason():
-    from moerl.config import parse_config
-    from moerl.errors import ConfigError
-
-    for rollout in ({"top_p": 0.9}, {"top_k": 5}):
-        with pytest.raises(ConfigError, match="only top_p 1.0 and top_k -1 .* bias the PPO ratio"):
-            parse_config({"rollout": rollout})

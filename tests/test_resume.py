@@ -25,27 +25,36 @@ def _cfg(tmp_path, iterations):
     }))
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_from_last_complete_version(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    _cfg(tmp_path, iterations=3)
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+def _run_and_kill_once_published(tmp_path, env, version):
+    """Start `moerl run run.yaml`; SIGKILL its whole process tree (CLI + running task) as soon
+    as `latest` reaches `version`; return the run's store."""
     proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    # 1. kill the whole process tree (CLI + running task) once version 1 is published
     deadline = time.time() + 600
     store = None
     while time.time() < deadline:
         runs = tmp_path / "checkpoints" / "runs"
         if runs.is_dir() and any(runs.iterdir()):
             store = open_store(CheckpointConfig(uri=str(next(runs.iterdir()))))
-            if (store.latest() or 0) >= 1:
+            latest = store.latest()
+            if latest is not None and latest >= version:
                 break
         assert proc.poll() is None, proc.stdout.read()[-3000:]
-        time.sleep(0.5)
+        time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert store is not None, "the run published nothing before the deadline"
+    return store
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_from_last_complete_version(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    _cfg(tmp_path, iterations=3)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    # 1. kill the whole process tree (CLI + running task) once version 1 is published
+    store = _run_and_kill_once_published(tmp_path, env, version=1)
     killed_at = store.latest()
     assert killed_at in (1, 2) and store.versions() == list(range(killed_at + 1))
     run_id = store.uri.rstrip("/").rsplit("/", 1)[-1]
@@ -71,9 +80,45 @@ def test_killed_run_resumes_from_last_complete_version(tmp_path):
     assert r.returncode == 0 and "nothing to resume" in r.stdout
 
 
+def test_resume_from_version_0_starts_with_resume_policy(tmp_path):
+    """A resume from version 0 must not run init_policy (it would publish version 0 again)."""
+    from kfp import compiler
+
+    from moerl.config import parse_config
+    from moerl.pipelines.grpo import build_pipeline
+
+    cfg = parse_config({"pipeline": {"iterations": 2}})
+    names = {}
+    for resume in (False, True):
+        out = tmp_path / f"p{resume}.yaml"
+        compiler.Compiler().compile(build_pipeline(cfg, start_iteration=0, resume=resume), str(out))
+        names[resume] = {t["taskInfo"]["name"] for t in yaml.safe_load(out.read_text())["root"]["dag"]["tasks"].values()}
+    assert "init-policy-v0" in names[False] and "resume-policy-v0" not in names[False]
+    assert "resume-policy-v0" in names[True] and "init-policy-v0" not in names[True]
+    assert {"rollout-0", "publish-checkpoint-v1", "publish-checkpoint-v2"} <= names[True]
+
+
 def test_resume_of_an_unknown_run_fails_clearly(tmp_path):
     _cfg(tmp_path, iterations=2)
     r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", "nosuchrun"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
     assert "--resume: no MLflow run 'nosuchrun'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_run_killed_during_iteration_0_resumes_from_version_0(tmp_path):
+    """Killed once version 0 is published (during iteration 0): resume continues from version 0
+    through `resume_policy`, where it used to republish version 0 and fail ("already exists")."""
+    _cfg(tmp_path, iterations=1)  # one iteration is enough: the failure was at the resume's first task
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    store = _run_and_kill_once_published(tmp_path, env, version=0)
+    assert store.latest() == 0 and store.versions() == [0]
+    run_id = store.uri.rstrip("/").rsplit("/", 1)[-1]
+    r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resuming MLflow run {run_id} from version 0" in r.stdout
+    assert store.versions() == [0, 1] and store.latest() == 1
+    state = json.loads((store.fetch(1, tmp_path / "verify") / "trainer" / "state.json").read_text())
+    assert state["version"] == 1 and state["step"] == 2

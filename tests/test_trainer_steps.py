@@ -126,3 +126,11 @@ def test_no_tensor_is_created_on_the_default_device(state0):
     finally:
         torch.set_default_device(None)
     assert m["train/steps"] == 4 and all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_truncated_sampling_trains_with_finite_statistics(state0):
+    cfg = parse_config({"trainer": {"optimizer_steps_per_iteration": 2}, "rollout": {"top_k": 5, "top_p": 0.9}})
+    model, opt, ctr = _load_state(state0, cfg)
+    m = train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
+    assert m["train/steps"] == 2 and all(math.isfinite(v) for v in m.values())
+    assert m["train/entropy"] < math.log(5) + 1e-6  # at most 5 tokens are left at every position

@@ -117,11 +117,33 @@ def grpo_token_loss(
     return loss, stats
 
 
-def token_logprobs_and_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor,
-                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and the entropy at each position, from logits scaled by 1/temperature
-    (the engine reports logprobs of the temperature-scaled distribution)."""
-    logp_BLV = torch.log_softmax(logits_BLV.float() / temperature, dim=-1)
+def truncate_logits(x_BLV: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """The sampling distribution vLLM draws from and reports `processed_logprobs` of: top-k
+    first (keep every logit >= the k-th largest, so ties stay), then top-p on what is left
+    (drop the smallest tokens while their cumulative probability is <= 1 - top_p, always
+    keeping the largest). Dropped logits become -inf. top_k <= 0 and top_p == 1 are off."""
+    vocab = x_BLV.shape[-1]
+    if 0 < top_k < vocab:
+        kth_BL1 = x_BLV.topk(top_k, dim=-1).values[..., -1:]
+        x_BLV = x_BLV.masked_fill(x_BLV < kth_BL1, float("-inf"))
+    if top_p < 1.0:
+        sorted_BLV, order_BLV = x_BLV.sort(dim=-1, descending=False)
+        cum_BLV = sorted_BLV.softmax(dim=-1).cumsum(dim=-1)
+        drop_BLV = cum_BLV <= 1.0 - top_p
+        drop_BLV[..., -1] = False  # at least one token
+        x_BLV = x_BLV.scatter(-1, order_BLV, sorted_BLV.masked_fill(drop_BLV, float("-inf")))
+    return x_BLV
+
+
+def token_logprobs_and_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperature: float = 1.0,
+                               top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and the entropy at each position, under the distribution the engine
+    sampled from and reports logprobs of: logits scaled by 1/temperature, then truncated by
+    top-k/top-p and renormalised (`truncate_logits`). A target outside the truncated set
+    (possible only at a numerical tie with the engine) gets -inf, which the loss clamps."""
+    x_BLV = truncate_logits(logits_BLV.float() / temperature, top_k, top_p)
+    logp_BLV = torch.log_softmax(x_BLV, dim=-1)
     logp_BL = logp_BLV.gather(-1, targets_BL.unsqueeze(-1)).squeeze(-1)
-    entropy_BL = -(logp_BLV.exp() * logp_BLV).sum(-1)
+    p_BLV = logp_BLV.exp()
+    entropy_BL = -torch.where(p_BLV > 0, p_BLV * logp_BLV, torch.zeros_like(p_BLV)).sum(-1)
     return logp_BL, entropy_BL

@@ -34,7 +34,8 @@ from moerl.components.policy_update.loss import grpo_token_loss, token_logprobs_
 
 log = logging.getLogger(__name__)
 
-STAT_KEYS = ("loss", "clip_fraction", "tis_truncated_fraction", "dual_clip_fraction", "entropy", "aux_loss")
+STAT_KEYS = ("loss", "clip_fraction", "tis_truncated_fraction", "dual_clip_fraction", "entropy", "aux_loss",
+             "out_of_support_fraction")
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,20 @@ def check_device(where: str, device: torch.device, **tensors: torch.Tensor) -> N
                                 "this is a moerl bug (a tensor created without device=)")
 
 
-def sequence_logprobs(model, p: Packed, idx_M: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token logprobs and entropies [M, L1] of rows `idx_M`, under the temperature-scaled policy."""
+def sequence_logprobs(model, p: Packed, idx_M: torch.Tensor, temperature: float, top_k: int = -1,
+                      top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs and entropies [M, L1] of rows `idx_M`, under the policy as the engine
+    samples it (temperature, then top-k/top-p truncation)."""
     device = model_device(model)
     check_device("sequence_logprobs", device, input_ids=p.input_ids_NL, rows=idx_M)
     logits = model(input_ids=p.input_ids_NL[idx_M], attention_mask=p.attn_NL[idx_M]).logits
-    return token_logprobs_and_entropy(logits[:, :-1], p.targets_NL1[idx_M], temperature)
+    return token_logprobs_and_entropy(logits[:, :-1], p.targets_NL1[idx_M], temperature, top_k, top_p)
+
+
+def sampled_logprobs(model, p: Packed, idx_M: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs` with the rollout's sampling parameters."""
+    r = cfg.rollout
+    return sequence_logprobs(model, p, idx_M, r.temperature, r.top_k, r.top_p)
 
 
 def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) -> int:
@@ -82,14 +91,14 @@ def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) ->
     return max(1, micro_batch_tokens // length)
 
 
-def policy_logprobs(model, p: Packed, temperature: float, micro_batch_tokens: int) -> torch.Tensor:
+def policy_logprobs(model, p: Packed, cfg: RunConfig) -> torch.Tensor:
     """Logprobs [N, L1] of every row, in micro-batches, without grad (pi_old)."""
     n = p.input_ids_NL.shape[0]
     out = torch.zeros_like(p.engine_logp_NL1)
-    step = rows_per_micro_batch(p, micro_batch_tokens, n)
+    step = rows_per_micro_batch(p, cfg.trainer.micro_batch_tokens, n)
     with torch.no_grad():
         for idx in torch.arange(n, device=p.device).split(step):
-            out[idx] = sequence_logprobs(model, p, idx, temperature)[0]
+            out[idx] = sampled_logprobs(model, p, idx, cfg)[0]
     return out
 
 
@@ -128,7 +137,12 @@ def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_log
     sums = dict.fromkeys(STAT_KEYS, 0.0)
     for idx, padding in parts:
         mask = torch.zeros_like(p.mask_NL1[idx]) if padding else p.mask_NL1[idx]
-        logp, entropy = sequence_logprobs(model, p, idx, cfg.rollout.temperature)
+        # A token that top-k/top-p truncation gives probability 0 under pi_old (a stale sample,
+        # or a numerical tie with the engine) has no ratio and no gradient: leave it out, counted.
+        outside = mask.bool() & ~torch.isfinite(old_logp_NL1[idx])
+        mask = torch.where(outside, torch.zeros_like(mask), mask)
+        sums["out_of_support_fraction"] += float(outside.sum()) / max(n_tokens, 1.0)
+        logp, entropy = sampled_logprobs(model, p, idx, cfg)
         loss, stats = grpo_token_loss(logp, old_logp_NL1[idx], p.engine_logp_NL1[idx], p.adv_N[idx], mask,
                                       tc.clip_eps_low, tc.clip_eps_high, tc.tis_cap, n_tokens=n_tokens,
                                       clip_ratio_c=tc.clip_ratio_c)
@@ -145,6 +159,13 @@ def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_log
         ent = torch.where(mask.bool(), entropy.detach(), torch.zeros_like(entropy))
         sums["entropy"] += float(ent.sum()) / max(n_tokens, 1.0)
     return sums
+
+
+def logprob_mismatch_sum(old_logp_NL1: torch.Tensor, engine_logp_NL1: torch.Tensor, mask_NL1: torch.Tensor) -> float:
+    """Sum of |trainer - engine| logprob over response tokens inside the trainer's support."""
+    keep = mask_NL1.bool() & torch.isfinite(old_logp_NL1)
+    diff = torch.where(keep, (old_logp_NL1 - engine_logp_NL1).abs(), torch.zeros_like(old_logp_NL1))
+    return float(diff.sum())
 
 
 def step_is_finite(stats: dict[str, float], grad_norm: float) -> bool:

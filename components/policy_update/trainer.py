@@ -32,9 +32,10 @@ import torch
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
-from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, accumulate, count_skip, micro_parts,
-                                                  minibatches, model_device, policy_logprobs, rows_per_micro_batch,
-                                                  sequence_logprobs, step_is_finite)
+from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, accumulate, count_skip,
+                                                  logprob_mismatch_sum, micro_parts, minibatches, model_device,
+                                                  policy_logprobs, rows_per_micro_batch, sequence_logprobs,
+                                                  step_is_finite)
 
 __all__ = ["Counters", "Packed", "TRAINER_DIR", "pack", "run_policy_update", "sequence_logprobs", "train_on_batch"]
 
@@ -100,16 +101,15 @@ def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path)
 
 
 def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg: RunConfig, seed: int) -> dict[str, float]:
-    tc, temperature = cfg.trainer, cfg.rollout.temperature
+    tc = cfg.trainer
     device = model_device(model)
     p = pack(batch, model.config.pad_token_id or 0, device)
     n = p.input_ids_NL.shape[0]
     # 3. pi_old and the engine/trainer mismatch, before any step
     model.eval()
-    old_logp = policy_logprobs(model, p, temperature, tc.micro_batch_tokens)
+    old_logp = policy_logprobs(model, p, cfg)
     tokens = float(p.mask_NL1.sum())
-    diff = torch.where(p.mask_NL1.bool(), (old_logp - p.engine_logp_NL1).abs(), torch.zeros_like(old_logp))
-    mismatch = float(diff.sum()) / max(tokens, 1.0)
+    mismatch = logprob_mismatch_sum(old_logp, p.engine_logp_NL1, p.mask_NL1) / max(tokens, 1.0)
     # 4. exactly min(steps, n) minibatch steps over a seeded permutation, in micro-batches
     model.train()
     aux = RouterAux(model, tc.aux_loss_coef) if tc.aux_loss_coef > 0 else None

@@ -4,9 +4,17 @@ The store writes every file, then the manifest (size + sha256 of each file), rea
 manifest back, and only then moves `latest` (see `moerl.store`). A failure anywhere leaves
 `latest` on the previous complete version.
 
+`run_publish` first reads every tensor of the state's `*.safetensors`, one at a time, and
+refuses a NaN or an inf before any byte is uploaded: a diverged update never becomes a version.
+
 `prepare_initial` makes version 0: the user's `model.path`, or the tiny model built from its
 seed, laid out as a trainer state (HF files; no `trainer/` yet) and published like any other
-version. `prepare_resume` lays out a published version (weights + `trainer/`) to continue from.
+version. `prepare_resume` lays out a published version (weights + `trainer/`, none for
+version 0) to continue from.
+
+Limitations: the finiteness check reads every weight once more (from the page cache, since the
+trainer just wrote them); only floating-point tensors in `*.safetensors` files are checked, not
+the optimizer state under `trainer/`.
 """
 
 from __future__ import annotations
@@ -53,8 +61,33 @@ def prepare_resume(cfg: RunConfig, run_id: str, version: int, state_dir: str | P
     return PolicyVersion(version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256())
 
 
+def check_finite(state_dir: str | Path, version: int) -> None:
+    """Raise a CheckpointError naming the file and the tensor if any floating-point tensor in
+    the `*.safetensors` under `state_dir` holds a NaN or an inf. Streams tensor by tensor, so
+    memory stays at the largest tensor."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    state_dir = Path(state_dir)
+    for path in sorted(state_dir.rglob("*.safetensors")):
+        rel = path.relative_to(state_dir).as_posix()
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        bad = int(t.numel() - torch.isfinite(t).sum())
+                        raise CheckpointError(
+                            f"refusing to publish version {version}: {rel} tensor {name!r} holds {bad} non-finite "
+                            f"values (NaN/inf) of {t.numel()}; the update diverged, so nothing was uploaded and "
+                            "latest is unchanged (lower trainer.learning_rate, or resume from latest)")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"refusing to publish version {version}: cannot read {rel} ({e})") from e
+
+
 def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int) -> tuple[PolicyVersion, dict[str, float]]:
     t0 = time.perf_counter()
+    check_finite(state_dir, version)  # before a byte is uploaded: `latest` stays where it is
     store = run_store(cfg.checkpoint, run_id)
     # the whole state: HF files for the engines, trainer/ for a resumed run
     manifest = store.publish(version, Path(state_dir), meta={"run_id": run_id, "git_sha": git_sha()},

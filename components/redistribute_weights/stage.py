@@ -5,9 +5,15 @@ fetch version v from the store into the node-local checkpoint cache once, verify
 against the manifest, check the manifest is the one that was published, and point the cache's
 `serving.json` at it. The rollout task then loads from the verified cache without another
 download. The time from "published" to "servable" is recorded as `timing/redistribute_weights_s`.
+The fetch prunes the cache to the newest `checkpoint.cache_keep` versions (never the one
+fetched or the one still served), and the served version is pinned in the store with a lease
+of `checkpoint.pin_ttl_s` under `serving-<hostname>` before it is fetched.
 
 Limitations: the sync mode has no live engine to hot-swap; in-place weight reload into a
-running vLLM engine is the async mode's job (and needs its parity test, see DESIGN.md).
+running vLLM engine is the async mode's job (`hotswap.py`, with its parity test). Nothing here
+stays alive to renew the lease: a long-lived engine that serves the version must renew it
+(`CheckpointStore.renew`); otherwise it expires after the TTL, by which time the sync pipeline
+has moved on to newer versions that retention keeps anyway.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import os
 import socket
 import time
 
-from moerl.checkpoints import fetch_for_engine, run_cache, run_store
+from moerl.checkpoints import SERVING, fetch_for_engine, run_cache, run_store
 from moerl.config import RunConfig
 from moerl.errors import WeightSyncError
 from moerl.records import PolicyVersion
@@ -31,14 +37,16 @@ def run_redistribute(cfg: RunConfig, run_id: str, policy: PolicyVersion) -> tupl
         raise WeightSyncError(
             f"redistribute: manifest of version {policy.version} in {store.uri} has sha256 {manifest.sha256()}, "
             f"but the published one had {policy.manifest_sha256}; the store changed under the run")
+    # the served version is referenced by a live run: retention must not delete it while the
+    # lease lives (a pod's hostname is new each time, so a pin that never expired would leak).
+    # Pinned before the fetch, so retention cannot delete it midway.
+    store.pin(policy.version, holder=f"serving-{socket.gethostname()}", ttl_s=cfg.checkpoint.pin_ttl_s)
     cache = run_cache(cfg.checkpoint, run_id)
     local = fetch_for_engine(cfg.checkpoint, run_id, policy.version)
-    serving = cache / "serving.json"
+    serving = cache / SERVING
     tmp = serving.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": policy.version, "path": str(local), "manifest_sha256": policy.manifest_sha256}))
     os.replace(tmp, serving)
-    # the served version is referenced by a live run: retention must not delete it
-    store.pin(policy.version, holder=f"serving-{socket.gethostname()}")
     return policy, {
         "timing/redistribute_weights_s": time.perf_counter() - t0,
         "weights/serving_version": float(policy.version),

@@ -1,0 +1,124 @@
+"""The node-local fetch cache: verified copies of policy versions, their locks, and pruning.
+
+`CheckpointStore.fetch` downloads a version into `<cache>/v000001` under an exclusive lock
+file `<cache>/.v000001.lock` and writes a marker holding the manifest's sha256 last, so a copy
+with the right marker is complete and verified. `prune_cache` deletes old copies under the same
+lock, so it never pulls a copy from under a fetch of that version.
+
+Limitations:
+- The lock is `fcntl.flock`: it holds on one node's local disk, not across NFS clients.
+- Readers (engines loading weights) take no lock: pruning keeps the newest `keep` versions and
+  every version the caller protects (the one fetched, the one `serving.json` names); an engine
+  still loading an older copy than those loses it.
+- Lock files stay after their version is pruned (a few bytes each): unlinking a lock file
+  that another process may be waiting on lets two processes hold "the" lock at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from moerl.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from moerl.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+MARKER = ".moerl-verified"  # written into a fetched copy once verified; holds the manifest's sha256
+_COPY = re.compile(r"^v(\d{6,})$")
+_PARTIAL = re.compile(r"^\.tmp-v(\d{6,})-[0-9a-f]+$")  # the staging dir of a fetch (killed, if its lock is free)
+
+
+def lock_path(cache_dir: Path, version: int) -> Path:
+    return Path(cache_dir) / f".v{version:06d}.lock"
+
+
+def is_verified(final: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> bool:
+    """A marker holding this manifest's sha256 (and what the copy left out, a subset of what
+    may be left out now), and every wanted file present with the right size."""
+    try:
+        sha, *left_out = (final / MARKER).read_text().split("\n")
+        skipped = {x.removeprefix("exclude=") for x in left_out}
+        return (sha == manifest.sha256() and skipped <= set(exclude)
+                and all((final / e.path).stat().st_size == e.size for e in manifest.files
+                        if not (exclude and e.path.startswith(exclude))))
+    except OSError:
+        return False
+
+
+def _open_lock(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"cannot create lock file {path}: {e}; fix checkpoint.cache_dir") from e
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path`, waiting for it. The file stays (see Limitations)."""
+    fd = _open_lock(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that holds %s", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def try_exclusive(path: Path) -> Iterator[bool]:
+    """Like `exclusive`, without waiting: yields False (and holds nothing) when it is taken."""
+    fd = _open_lock(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list[int]:
+    """Delete cached copies except the newest `keep` versions and `protect`; return the pruned
+    versions, ascending. Leftovers of killed fetches go too. Each deletion holds the version's
+    fetch lock, taken without waiting: a version being fetched right now is left alone."""
+    if keep < 1:
+        raise CheckpointError(f"the fetch cache must keep at least 1 version, got {keep}; fix checkpoint.cache_keep")
+    cache_dir = Path(cache_dir)
+    if not cache_dir.is_dir():
+        return []
+    copies = {int(m.group(1)): p for p in cache_dir.iterdir() if p.is_dir() and (m := _COPY.match(p.name))}
+    spare = {*sorted(copies)[-keep:], *protect}
+    victims = [(v, p) for v, p in sorted(copies.items()) if v not in spare]
+    victims += [(int(m.group(1)), p) for p in cache_dir.iterdir() if p.is_dir() and (m := _PARTIAL.match(p.name))]
+    pruned = []
+    for v, path in victims:
+        with try_exclusive(lock_path(cache_dir, v)) as held:
+            if not held:
+                log.info("fetch cache: %s is being fetched; not pruning it now", path)
+                continue
+            try:
+                (path / MARKER).unlink(missing_ok=True)  # first: a half-deleted copy is never "verified"
+                shutil.rmtree(path)
+            except OSError as e:
+                raise CheckpointError(f"cannot prune {path} from the fetch cache: {e}") from e
+        if _COPY.match(path.name):
+            pruned.append(v)
+    if pruned:
+        log.info("fetch cache %s: pruned versions %s (keeps the newest %d and %s)",
+                 cache_dir, pruned, keep, sorted(set(protect)))
+    return pruned

@@ -1,0 +1,102 @@
+"""Pruning the node-local fetch cache: newest `cache_keep` versions, never the one fetched or
+served, and never a version another process is fetching (it holds that version's lock)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moerl.checkpoints import SERVING, fetch_for_engine, run_cache, run_store
+from moerl.config import CheckpointConfig
+from moerl.errors import CheckpointError
+from moerl.fetchcache import MARKER, lock_path, prune_cache
+from moerl.store import LocalStore
+from tests.test_store import make_checkpoint, tree
+from tests.test_store_faults import _wait_for
+
+
+def _cached(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir() if p.is_dir())
+
+
+@pytest.fixture
+def five(tmp_path: Path) -> tuple[LocalStore, Path]:
+    store, cache = LocalStore(tmp_path / "store"), tmp_path / "cache"
+    for v in range(1, 6):
+        store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
+        store.fetch(v, cache)
+    return store, cache
+
+
+def test_prune_keeps_the_newest_and_the_protected(five: tuple[LocalStore, Path], tmp_path: Path) -> None:
+    store, cache = five
+    (cache / ".tmp-v000003-0badcafe").mkdir()  # a fetch killed midway (its lock is free)
+    (cache / ".tmp-v000003-0badcafe" / "config.json").write_text("{")
+    assert prune_cache(cache, keep=2, protect={1}) == [2, 3]
+    assert _cached(cache) == ["v000001", "v000004", "v000005"]
+    assert (cache / ".v000002.lock").exists()  # lock files stay: unlinking one races
+    assert prune_cache(cache, keep=2, protect={1}) == []
+    again = store.fetch(2, cache)  # a pruned version is simply fetched again, verified
+    assert (again / MARKER).exists() and "config.json" in tree(again)
+    with pytest.raises(CheckpointError, match="keep at least 1 version, got 0; fix checkpoint.cache_keep"):
+        prune_cache(cache, keep=0)
+    assert prune_cache(tmp_path / "no-cache-yet", keep=1) == []
+
+
+_LOCKER = r"""
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+open(sys.argv[2], "w").close()
+sys.stdin.read()  # hold the lock until the parent closes stdin
+"""
+
+
+def test_prune_leaves_a_version_another_process_is_fetching(five: tuple[LocalStore, Path], tmp_path: Path) -> None:
+    _, cache = five
+    ready = tmp_path / "locked"
+    # another process holds version 2's fetch lock, as `fetch` does while it downloads
+    holder = subprocess.Popen([sys.executable, "-c", _LOCKER, str(lock_path(cache, 2)), str(ready)],
+                              stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(ready.exists, 30, "the other process to take the lock", holder)
+        assert prune_cache(cache, keep=2) == [1, 3]
+        assert _cached(cache) == ["v000002", "v000004", "v000005"]
+        assert (cache / "v000002" / MARKER).exists()  # untouched, still verified
+    finally:
+        holder.communicate("", timeout=10)
+    assert prune_cache(cache, keep=2) == [2]
+
+
+def test_fetch_for_engine_prunes_to_cache_keep_but_keeps_the_served_version(tmp_path: Path) -> None:
+    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=2)
+    store, cache = run_store(cfg, "r1"), run_cache(cfg, "r1")
+    for v in range(1, 5):
+        store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
+    fetch_for_engine(cfg, "r1", 1)
+    (cache / SERVING).write_text(json.dumps({"version": 1}))  # an engine serves version 1 ...
+    for v in (2, 3, 4):
+        fetch_for_engine(cfg, "r1", v)
+    assert _cached(cache) == ["v000001", "v000003", "v000004"]  # ... so it stays; 2 went
+    (cache / SERVING).write_text(json.dumps({"version": 4}))
+    fetch_for_engine(cfg, "r1", 1)  # fetching an old version again: it is never pruned
+    assert _cached(cache) == ["v000001", "v000003", "v000004"]
+    fetch_for_engine(cfg, "r1", 4)
+    assert _cached(cache) == ["v000003", "v000004"]
+
+
+def test_unreadable_serving_file_skips_pruning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1)
+    store, cache = run_store(cfg, "r1"), run_cache(cfg, "r1")
+    for v in (1, 2):
+        store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
+    fetch_for_engine(cfg, "r1", 1)
+    (cache / SERVING).write_text("{broken")
+    with caplog.at_level("WARNING", logger="moerl.checkpoints"):
+        assert fetch_for_engine(cfg, "r1", 2) == cache / "v000002"  # the fetch still succeeds
+    assert "could not prune the fetch cache" in caplog.text and "serving.json" in caplog.text
+    assert _cached(cache) == ["v000001", "v000002"]  # without knowing what is served, nothing goes
