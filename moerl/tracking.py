@@ -5,8 +5,15 @@ Metric names are stable across modes and versions so runs compare: `reward/*`,
 Params are the resolved config (dotted keys) with any credentials in URIs redacted; tags are
 the provenance from `moerl.provenance`.
 
+Credentials never travel in the config: before a config enters a pipeline (run or compile),
+`split_credentials` takes them out of `tracking.uri`. For an http(s) server they go to MLflow's
+own `MLFLOW_TRACKING_USERNAME` / `MLFLOW_TRACKING_PASSWORD`; a database URI that carries a
+password leaves the config whole and travels as `MLFLOW_TRACKING_URI`. kfp.local's tasks
+inherit these from the `moerl run` process; on the cluster they come from a Kubernetes Secret.
+
 Limitations: mlflow is imported lazily (it costs seconds), so stages never import it; only
-the tracking component and the CLI do.
+the tracking component and the CLI do. Other URIs in the config (`checkpoint.endpoint_url`)
+are only redacted where printed or stored in MLflow; S3 credentials come from the AWS chain.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from moerl.config import RunConfig, TrackingConfig, flatten
 
@@ -25,6 +33,27 @@ _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 def redact(value: str) -> str:
     """Drop `user:password@` from any URI inside `value`."""
     return _USERINFO.sub(r"\g<scheme>***@", value)
+
+
+def split_credentials(cfg: RunConfig) -> tuple[RunConfig, dict[str, str]]:
+    """`cfg` without credentials in `tracking.uri`, and the environment variables that carry
+    them instead (empty when there were none). Percent-escapes in the userinfo are decoded."""
+    uri = cfg.tracking.uri
+    parts = urlsplit(uri) if uri else None
+    if parts is None or "@" not in parts.netloc:
+        return cfg, {}
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    if parts.scheme in ("http", "https"):
+        clean = urlunsplit(parts._replace(netloc=hostport))
+        user, has_password, password = userinfo.partition(":")
+        env = {"MLFLOW_TRACKING_USERNAME": unquote(user)}
+        if has_password:
+            env["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+        if os.environ.get("MLFLOW_TRACKING_URI") == uri:  # it came from there: clean it too
+            env["MLFLOW_TRACKING_URI"] = clean
+    else:  # a database URI: its driver reads the password from the URI, so the whole URI moves
+        clean, env = None, {"MLFLOW_TRACKING_URI": uri}
+    return cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"uri": clean})}), env
 
 
 def resolve_uri(cfg: TrackingConfig) -> str:

