@@ -5,6 +5,7 @@
     moerl compile CONFIG [-o]   write the pipeline as KFP IR YAML for the cluster
     moerl config show CONFIG    print the resolved config, defaults included
     moerl bench weights         publish / fetch / hot-swap / redistribution, side by side
+    moerl bench ep-memory       peak RSS per expert-parallel rank at EP = 1, 2, 4, side by side
 
 Errors that moerl raises on purpose (`MoerlError`) print one line and exit non-zero: 2 for a
 bad config, 1 otherwise. Anything else is a bug and keeps its traceback.
@@ -26,8 +27,10 @@ DEFAULT_COMPILED = "pipelines/compiled/grpo.yaml"
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
+    from moerl.tracking import redact
+
     cfg = load_config(args.config, args.set)
-    sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    sys.stdout.write(redact(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)))
     return 0
 
 
@@ -62,6 +65,15 @@ def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
                        world_sizes=tuple(int(w) for w in args.world_sizes.split(",")),
                        ranks_per_node=args.ranks_per_node, warmup=args.warmup, repeats=args.repeats,
                        out=Path(args.out))
+    return 0
+
+
+def _cmd_bench_ep_memory(args: argparse.Namespace) -> int:
+    from moerl.components.policy_update.bench_memory import parse_world_sizes, run_bench_ep_memory
+
+    run_bench_ep_memory(parse_world_sizes(args.world_sizes), Path(args.out), num_layers=args.layers,
+                        num_experts=args.experts, hidden_size=args.hidden,
+                        moe_intermediate_size=args.moe_intermediate_size)
     return 0
 
 
@@ -106,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--repeats", type=int, default=20)
     bd.add_argument("--out", default="bench/dispatch.json")
     bd.set_defaults(func=_cmd_bench_dispatch)
+    bm = bsub.add_parser("ep-memory", help="peak RSS per expert-parallel rank at EP = 1, 2, 4 (load, step, save)")
+    bm.add_argument("--world-sizes", default="1,2,4")
+    bm.add_argument("--layers", type=int, default=None, help="default 4")
+    bm.add_argument("--experts", type=int, default=None, help="default 64")
+    bm.add_argument("--hidden", type=int, default=None, help="default 512")
+    bm.add_argument("--moe-intermediate-size", type=int, default=None, help="default 256")
+    bm.add_argument("--out", default="bench/ep_memory.json")
+    bm.set_defaults(func=_cmd_bench_ep_memory)
 
     config = sub.add_parser("config", help="inspect a run config")
     csub = config.add_subparsers(dest="config_command", required=True)
@@ -123,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except MoerlError as err:
-        print(f"moerl: error: {err}", file=sys.stderr)
+        from moerl.tracking import redact
+
+        print(f"moerl: error: {redact(str(err))}", file=sys.stderr)
         return err.exit_code
 
 

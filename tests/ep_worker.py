@@ -77,3 +77,45 @@ def ep_rank(rank, world, model_path, backend, out_dir):
                     "expert_weights": weights}, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _full_expert_tensors(num_experts):
+    """Live tensors anywhere in this process shaped like a whole layer of experts ([E, ...], 3-D)."""
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if torch.is_tensor(o) and not o.is_meta and o.dim() == 3
+               and o.shape[0] == num_experts)
+
+
+def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
+    """Load through the EP trainer's setup(), record what this rank holds, perturb the weights
+    (replicated ones identically on every rank), and save the HF checkpoint to out_dir/saved."""
+    import zlib
+    from pathlib import Path
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    try:
+        from moerl.config import parse_config
+        from moerl.components.policy_update import ep_checkpoint
+        from moerl.components.policy_update.ep_train import setup
+
+        cfg = parse_config({"trainer": {"expert_parallel_size": world}})
+        model, _, _, blocks, layout, _ = setup(cfg, Path(model_path))
+        loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+        record = {"loaded": loaded, "numel": sum(p.numel() for p in model.parameters()),
+                  "full_expert_tensors": _full_expert_tensors(blocks[0].num_experts),
+                  "first_expert": blocks[0].first_expert,
+                  "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+        expert_ids = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                seed = zlib.crc32(name.encode()) + (1000 * rank if id(p) in expert_ids else 0)
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        record["saved"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        kwargs = {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
+        ep_checkpoint.save_ep_checkpoint(model, blocks, layout, Path(model_path), Path(out_dir) / "saved", **kwargs)
+        torch.save(record, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

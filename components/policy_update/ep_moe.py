@@ -12,8 +12,13 @@ E experts, L = E / ep local experts, R rows received (one per (token, local expe
   tokens) is computed only when `aux_loss_coef > 0`; the trainer adds it.
 - `tokens_per_expert_L` keeps the last forward's per-local-expert counts for logging.
 
-`gather_full_experts` rebuilds the full [E, ...] tensors on every rank, so saving still
-writes the standard HF checkpoint layout that vLLM loads unchanged.
+Built from a block on the `meta` device (what `ep_checkpoint.load_ep_model` does), the block
+allocates nothing: its expert slices stay `meta` until the loader fills them with this rank's
+experts read from the checkpoint files, so no rank ever materializes all experts. Built from a
+real block (tests), it copies this rank's slice.
+
+`gather_full_experts` rebuilds the full [E, ...] tensors on every rank (tests); saving gathers
+one layer at a time to rank 0 instead (`ep_checkpoint.save_ep_checkpoint`).
 
 Limitations: the expert loop runs one GEMM pair per local expert (no grouped GEMM);
 Mixtral's router jitter noise is not applied (it is 0 in inference configs).
@@ -38,6 +43,8 @@ class EPMoEBlock(nn.Module):
         lo = r * n_local
         self.gate = block.gate  # the router, replicated
         self.top_k = getattr(block.gate, "top_k", None)
+        self.num_experts, self.first_expert = e, lo  # this rank owns experts [lo, lo + n_local)
+        # on `meta` the slices are shape-only placeholders: the loader replaces them
         self.gate_up_proj_LIH = nn.Parameter(experts.gate_up_proj.detach()[lo : lo + n_local].clone())
         self.down_proj_LHI = nn.Parameter(experts.down_proj.detach()[lo : lo + n_local].clone())
         self.act_fn = experts.act_fn

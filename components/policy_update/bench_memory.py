@@ -1,0 +1,172 @@
+"""Expert-parallel memory benchmark: peak RSS per rank at EP = 1, 2, 4, side by side.
+
+    moerl bench ep-memory [--world-sizes 1,2,4] [--layers 4] [--experts 64] [--hidden 512]
+
+Methodology: a Qwen3-MoE whose experts dominate its size (default 64 experts, hidden 512,
+expert intermediate 256, 4 layers: ~403 MB of float32 experts, ~16 MB of everything else) is
+built from a seed into a temporary directory (no hub) and saved by transformers. For each
+EP size, EP ranks are spawned (gloo over loopback, a file store, one thread per rank) and run
+the real trainer path: `ep_train.setup` (load), one `train_ep` optimizer step (AdamW: grads
+and both moments appear here), then `ep_train.save_ep` (rank 0 receives the experts layer by
+layer and writes the HF checkpoint). Each rank records its peak RSS (VmHWM from
+/proc/self/status: the `ru_maxrss` high-water mark without the spawning parent's peak, which
+Linux carries over fork + exec; each value includes the ones before it) after its imports
+(the base), after load, after the step and after the save, and the expert bytes its
+parameters actually hold. EP = 1 runs the same code with one rank.
+
+The expected expert bytes per rank are total expert bytes / EP; the "x EP1" columns divide
+each rank's RSS growth over its base by the EP = 1 rank's, which falls towards 1 / EP as the
+experts dominate (replicated weights, activations and the interpreter do not shard).
+
+Limitations: RSS on CPU only (on GPU the same split holds for device memory, which this does
+not measure); the peak after save is reached on rank 0, which also holds one shard of
+gathered experts; ranks share the machine's cores, so the load times in the JSON are only
+indicative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moerl.errors import ConfigError
+
+BENCH_MODEL = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
+               "num_experts": 64, "experts_per_token": 8, "moe_intermediate_size": 256,
+               "max_position_embeddings": 64, "seed": 0}
+
+
+def _peak_mb() -> float:
+    """This process's peak RSS in MiB. Linux carries `ru_maxrss` over fork + exec, so a rank
+    spawned by a big parent would report the parent's peak; VmHWM (the same high-water mark,
+    of this process's own memory map) does not. `ru_maxrss` where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _batch(n: int, vocab: int):
+    from moerl.records import TrainSample
+
+    g = torch.Generator().manual_seed(0)
+    return [TrainSample(prompt_token_ids=torch.randint(4, vocab, (24,), generator=g).tolist(),
+                        response_token_ids=torch.randint(4, vocab, (16,), generator=g).tolist(),
+                        response_logprobs=[-3.0] * 16, advantage=float((-1) ** i), policy_version=0)
+            for i in range(n)]
+
+
+def _rank(rank: int, world: int, model_dir: str, work: str, model: dict, out_file: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    from moerl.config import parse_config
+    from moerl.components.policy_update.ep_train import save_ep, setup, train_ep
+    # the model code is imported before the base is read: growth past it is weights and steps
+    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
+
+    base = _peak_mb()
+    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-{world}", rank=rank, world_size=world)
+    try:
+        cfg = parse_config({"model": {"tiny": model}, "trainer": {"expert_parallel_size": world,
+                                                                  "optimizer_steps_per_iteration": 1}})
+        t0 = time.perf_counter()
+        m, opt, counters, blocks, layout, _ = setup(cfg, Path(model_dir))
+        expert_ids = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
+        held = {True: 0.0, False: 0.0}
+        for p in m.parameters():
+            held[id(p) in expert_ids] += p.numel() * p.element_size() / 2**20
+        rec: dict[str, Any] = {"rank": rank, "world": world, "rss_base_mb": base, "rss_load_mb": _peak_mb(),
+                               "load_s": time.perf_counter() - t0, "experts_held": blocks[0].gate_up_proj_LIH.shape[0],
+                               "expert_mb_held": held[True], "replicated_mb_held": held[False]}
+        train_ep(m, opt, counters, blocks, _batch(8, m.config.vocab_size), cfg, seed=0)
+        rec["rss_step_mb"] = _peak_mb()
+        save_ep(m, opt, counters, blocks, layout, Path(model_dir), Path(work) / f"saved-ep{world}")
+        rec["rss_save_mb"] = _peak_mb()
+        records: list[Any] = [None] * world
+        dist.all_gather_object(records, rec)
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(records))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ratio_rows(records: list[dict], expert_mb_total: float) -> list[dict]:
+    ref = next(r for r in records if r["world"] == 1) if any(r["world"] == 1 for r in records) else None
+    for r in records:
+        r["expert_mb_expected"] = expert_mb_total / r["world"]
+        for phase in ("load", "step"):
+            grew = r[f"rss_{phase}_mb"] - r["rss_base_mb"]
+            r[f"{phase}_growth_mb"] = grew
+            if ref is not None:
+                r[f"{phase}_growth_x_ep1"] = grew / max(ref[f"rss_{phase}_mb"] - ref["rss_base_mb"], 1e-9)
+    return records
+
+
+def format_table(report: dict[str, Any]) -> str:
+    m = report["model"]
+    lines = [f"Qwen3-MoE E={m['num_experts']} H={m['hidden_size']} I={m['moe_intermediate_size']} "
+             f"layers={m['num_layers']} float32: experts {report['expert_mb_total']:.0f} MB, "
+             f"other {report['other_mb_total']:.0f} MB; peak RSS (VmHWM) per rank, MiB",
+             "EP | rank | experts | expert MB expected/held | base | load | step | save "
+             "| load-base (x EP1) | step-base (x EP1) | 1/EP"]
+    for r in report["results"]:
+        lines.append(" | ".join([
+            str(r["world"]), str(r["rank"]), str(r["experts_held"]),
+            f"{r['expert_mb_expected']:.0f}/{r['expert_mb_held']:.0f}",
+            *(f"{r[f'rss_{k}_mb']:.0f}" for k in ("base", "load", "step", "save")),
+            *(f"{r[f'{k}_growth_mb']:.0f} ({r.get(f'{k}_growth_x_ep1', float('nan')):.2f})" for k in ("load", "step")),
+            f"{1 / r['world']:.2f}"]))
+    return "\n".join(lines)
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """`--world-sizes 1,2,4` -> (1, 2, 4); anything else is a one-line ConfigError."""
+    try:
+        sizes = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"bench ep-memory --world-sizes: {text!r} is not allowed; give comma-separated "
+                          "positive integers, e.g. 1,2,4")
+    return sizes
+
+
+def run_bench_ep_memory(world_sizes: tuple[int, ...] = (1, 2, 4), out: Path | None = None,
+                        **model_overrides: int) -> dict[str, Any]:
+    """Spawn each EP size in turn on this machine; print the table, write JSON to `out`."""
+    import torch.multiprocessing as mp
+
+    from moerl.config import parse_config
+    from moerl.policy import build_tiny_model
+
+    model = {**BENCH_MODEL, **{k: v for k, v in model_overrides.items() if v is not None}}
+    for world in world_sizes:  # bad sizes fail here, in one line, before any rank starts
+        tiny = parse_config({"model": {"tiny": model}, "trainer": {"expert_parallel_size": world}}).model.tiny
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="moerl-ep-memory-") as work:
+        model_dir = build_tiny_model(tiny, Path(work) / "model")
+        for world in world_sizes:
+            out_file = str(Path(work) / f"ranks-{world}.json")
+            mp.spawn(_rank, args=(world, str(model_dir), work, model, out_file), nprocs=world, join=True)
+            results += json.loads(Path(out_file).read_text())
+    per_layer = tiny.num_experts * 3 * tiny.hidden_size * tiny.moe_intermediate_size * 4
+    expert_mb = per_layer * tiny.num_layers / 2**20
+    report = {"model": model, "expert_mb_total": expert_mb, "other_mb_total": results[0]["replicated_mb_held"],
+              "methodology": __doc__.split("Methodology: ")[1].split("Limitations:")[0].strip(),
+              "results": _ratio_rows(results, expert_mb)}
+    print(format_table(report))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,336 @@
+"""Load and save an expert-parallel policy without any rank holding every expert.
+
+Loading (`load_ep_model`): the model skeleton is built on the `meta` device (shapes only, no
+memory), its sparse MoE blocks are swapped for `EPMoEBlock`s that own experts [lo, hi), and
+only then are tensors allocated on `trainer.device`: the replicated (non-expert) weights, read
+whole, and this rank's experts, read one expert (or one row range of a fused tensor) at a time
+from the safetensors files. A rank's memory is the replicated weights plus E / ep of the
+experts.
+
+Checkpoint layouts read (what a Qwen3-MoE / Mixtral checkpoint holds on disk):
+- per expert, as transformers' `save_pretrained` writes them: Qwen3-MoE
+  `mlp.experts.{e}.{gate,up,down}_proj.weight`; Mixtral `block_sparse_moe.experts.{e}.w{1,3,2}.weight`
+  (w1 = gate, w3 = up, w2 = down) and `block_sparse_moe.gate.weight` for the router;
+- fused, as the in-memory model holds them: `mlp.experts.gate_up_proj` [E, 2I, H] and
+  `mlp.experts.down_proj` [E, H, I] (read with `get_slice(...)[lo:hi]`).
+Gate rows come first in `gate_up_proj`, matching transformers' own conversion.
+
+Saving (`save_ep_checkpoint`, a collective): rank 0 writes the standard HF checkpoint in the
+layout it was loaded from (same tensor names), so vLLM and `from_pretrained` load it
+unchanged. Tensors are grouped into shards of at most `max_shard_bytes` (a MoE layer is never
+split); for each shard the other ranks send rank 0 their experts one layer at a time
+(`dist.gather`), rank 0 writes the shard and frees it. Rank 0 therefore holds at most one
+shard of gathered experts (one layer when a layer exceeds the budget) on top of its own
+weights. One shard is written as `model.safetensors`; more as `model-0000i-of-0000n.safetensors`
+plus `model.safetensors.index.json`, the layout transformers writes for large models.
+
+Limitations: only Qwen3-MoE- and Mixtral-style sparse blocks (fused `gate_up_proj` in the
+model) are sharded; other modules load whole on every rank. Non-persistent buffers are rebuilt
+only for rotary embeddings (any other one stops the load with an error). A fused checkpoint
+tensor stored transposed (e.g. [E, H, 2I]) is refused, not converted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moerl.errors import CheckpointError
+from moerl.components.policy_update.ep_moe import EPMoEBlock, parallelize_experts
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Bounds what rank 0 holds while saving; small enough to matter, big enough that the tiny
+# policy stays one `model.safetensors` as `save_pretrained` writes it.
+DEFAULT_SHARD_BYTES = 256 * 2**20
+# (gate, up, down) checkpoint names of one expert, relative to `<block>.experts.{e}.`
+PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+@dataclass(frozen=True)
+class ExpertKeys:
+    """Where one MoE layer's experts live in the checkpoint: fused keys, or per-expert
+    templates with an `{e}` field."""
+
+    fused: bool
+    gate: str  # fused: the gate_up_proj key
+    up: str | None  # per expert only
+    down: str
+
+
+@dataclass
+class CheckpointLayout:
+    weight_map: dict[str, str]  # checkpoint key -> file name
+    names: dict[str, str]  # model state-dict name -> checkpoint key (everything but experts)
+    experts: list[ExpertKeys]  # one per EP block, in model order
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    index = path / INDEX_FILE
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"policy_update: {path} has no *.safetensors weights")
+    found: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            found.update({k: f.name for k in handle.keys()})
+    return found
+
+
+def _alt(name: str) -> list[str]:
+    """The names a model tensor may have on disk: as is, or Mixtral's `block_sparse_moe`."""
+    return [name, name.replace(".mlp.", ".block_sparse_moe.")]
+
+
+def _expert_keys(block_name: str, keys: dict[str, str]) -> ExpertKeys:
+    for prefix in _alt(block_name + "."):
+        if prefix + "experts.gate_up_proj" in keys:
+            return ExpertKeys(True, prefix + "experts.gate_up_proj", None, prefix + "experts.down_proj")
+        for gate, up, down in PER_EXPERT_NAMES:
+            t = prefix + "experts.{e}.%s.weight"
+            if t.format(e=0) % gate in keys:
+                return ExpertKeys(False, t % gate, t % up, t % down)
+    raise CheckpointError(f"policy_update: no experts for {block_name} in the checkpoint (looked for "
+                          f"{block_name}.experts.gate_up_proj and {block_name}.experts.<e>.gate_proj.weight or "
+                          "w1.weight)")
+
+
+def read_layout(path: Path, model: nn.Module, blocks: list[EPMoEBlock]) -> CheckpointLayout:
+    """Map every tensor of `model` (after the EP swap) to its checkpoint key(s)."""
+    keys = _weight_map(path)
+    expert_params = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
+    by_param = _names_by_tensor(model)
+    names: dict[str, str] = {}
+    for tensor_names, t in by_param.values():
+        if id(t) in expert_params:
+            continue
+        # tied weights (lm_head = embed_tokens) are one tensor: load it from whichever name is on disk
+        hit = next(((n, k) for n in tensor_names for k in _alt(n) if k in keys), None)
+        if hit is None:
+            raise CheckpointError(f"policy_update: {path} has no tensor for {tensor_names[0]}")
+        names[hit[0]] = hit[1]
+    block_names = {id(m): n for n, m in model.named_modules()}
+    experts = [_expert_keys(block_names[id(b)], keys) for b in blocks]
+    used = set(names.values())
+    for b, k in zip(blocks, experts):
+        used |= {k.gate, k.down} if k.fused else {t.format(e=e) for t in (k.gate, k.up, k.down)
+                                                  for e in range(b.num_experts)}
+    unused = sorted(set(keys) - used)
+    if unused:  # what from_pretrained calls unexpected keys: not in the model, so not saved either
+        log.warning("%s: %d tensors the model does not use are dropped: %s", path, len(unused), ", ".join(unused[:5]))
+    return CheckpointLayout(keys, names, experts)
+
+
+def _names_by_tensor(model: nn.Module) -> dict[int, tuple[list[str], torch.Tensor]]:
+    """Every parameter and persistent buffer, once, with all the names it has (ties)."""
+    out: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(t), ([], t))[0].append(name)
+    for mod_name, module in model.named_modules():
+        for leaf, b in module._buffers.items():
+            if b is not None and leaf not in module._non_persistent_buffers_set:
+                out.setdefault(id(b), ([], b))[0].append(f"{mod_name}.{leaf}" if mod_name else leaf)
+    return out
+
+
+class _Reader:
+    """Open safetensors files lazily; read whole tensors or row ranges on the CPU."""
+
+    def __init__(self, path: Path, weight_map: dict[str, str], stack: ExitStack):
+        self.path, self.weight_map, self.stack, self.open = path, weight_map, stack, {}
+
+    def _file(self, key: str):
+        from safetensors import safe_open
+
+        fname = self.weight_map.get(key)
+        if fname is None:
+            raise CheckpointError(f"policy_update: {self.path} has no tensor {key}")
+        if fname not in self.open:
+            self.open[fname] = self.stack.enter_context(safe_open(str(self.path / fname), framework="pt"))
+        return self.open[fname]
+
+    def get(self, key: str, shape: tuple[int, ...], lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Tensor `key` (rows [lo, hi) only, when given), checked against the full `shape`."""
+        sl = self._file(key).get_slice(key)
+        if tuple(sl.get_shape()) != tuple(shape):
+            raise CheckpointError(f"policy_update: {self.path / self.weight_map[key]}: {key} has shape "
+                                  f"{list(sl.get_shape())}, the model expects {list(shape)}")
+        return sl[:] if lo is None else sl[lo:hi]
+
+
+def _load_experts(block: EPMoEBlock, keys: ExpertKeys, reader: _Reader, dtype, device) -> None:
+    n_local, two_i, h = block.gate_up_proj_LIH.shape
+    lo, e, i = block.first_expert, block.num_experts, two_i // 2
+    if keys.fused:
+        gu = reader.get(keys.gate, (e, two_i, h), lo, lo + n_local).to(device, dtype)
+        dn = reader.get(keys.down, (e, h, i), lo, lo + n_local).to(device, dtype)
+    else:
+        gu = torch.empty((n_local, two_i, h), dtype=dtype, device=device)
+        dn = torch.empty((n_local, h, i), dtype=dtype, device=device)
+        for j in range(n_local):  # one expert at a time: only this rank's experts are ever read
+            gu[j, :i] = reader.get(keys.gate.format(e=lo + j), (i, h))
+            gu[j, i:] = reader.get(keys.up.format(e=lo + j), (i, h))
+            dn[j] = reader.get(keys.down.format(e=lo + j), (h, i))
+    block.gate_up_proj_LIH = nn.Parameter(gu)
+    block.down_proj_LHI = nn.Parameter(dn)
+
+
+def _assign(model: nn.Module, names: list[str], value: torch.Tensor, is_param: bool) -> None:
+    new = nn.Parameter(value) if is_param else value
+    for name in names:  # every tied name gets the same new tensor
+        mod_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(mod_name)
+        (module._parameters if is_param else module._buffers)[leaf] = new
+
+
+def _rebuild_rotary(model: nn.Module, device) -> None:
+    """Rotary `inv_freq` buffers are computed in __init__, not stored: build them again off meta."""
+    for name, module in list(model.named_modules()):
+        if "RotaryEmbedding" in type(module).__name__ and any(b.is_meta for b in module.buffers()):
+            model.set_submodule(name, type(module)(config=module.config).to(device))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"policy_update: cannot initialize {', '.join(left[:5])} for expert-parallel loading "
+                              "(only rotary-embedding buffers are rebuilt)")
+
+
+def load_ep_model(path: str | Path, dispatcher, dtype: torch.dtype, device: str, aux_loss_coef: float = 0.0):
+    """(model, ep_blocks, layout): the policy at `path` with this rank's experts only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        blocks = parallelize_experts(model, dispatcher, aux_loss_coef)  # meta: allocates nothing
+    layout = read_layout(path, model, blocks)
+    by_tensor = _names_by_tensor(model)
+    for block, keys in zip(blocks, layout.experts):
+        # files are memory-mapped and the pages read count in this rank's RSS until unmapped:
+        # reopening per layer keeps that to one layer's experts instead of the whole checkpoint
+        with ExitStack() as stack:
+            _load_experts(block, keys, _Reader(path, layout.weight_map, stack), dtype, device)
+    with ExitStack() as stack:
+        reader = _Reader(path, layout.weight_map, stack)
+        for tensor_names, t in by_tensor.values():
+            name = next((n for n in tensor_names if n in layout.names), None)
+            if name is None:
+                continue  # an expert slice, loaded above
+            value = reader.get(layout.names[name], tuple(t.shape)).to(device, t.dtype)
+            _assign(model, tensor_names, value, isinstance(t, nn.Parameter))
+    _rebuild_rotary(model, device)
+    return model, blocks, layout
+
+
+# ------------------------------------------------------------------------------------ save
+
+
+def gather_experts(block: EPMoEBlock, dst: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The full [E, 2I, H] and [E, H, I] expert tensors of one layer on rank `dst` (None elsewhere).
+    A collective: every rank calls it for the same block."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = []
+    for local in (block.gate_up_proj_LIH, block.down_proj_LHI):
+        t = local.detach().contiguous()
+        if world == 1:
+            out.append(t)
+            continue
+        full = torch.empty((block.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device) if rank == dst else None
+        # rank r's rows land in full[r*L:(r+1)*L] directly: no second copy for a torch.cat
+        dist.gather(t, list(full.chunk(world)) if full is not None else None, dst=dst)
+        out.append(full)
+    return (out[0], out[1]) if rank == dst else None
+
+
+def _expert_tensors(block: EPMoEBlock, keys: ExpertKeys) -> dict[str, torch.Tensor]:
+    full = gather_experts(block)
+    if full is None:
+        return {}
+    gu, dn = (t.to("cpu") for t in full)
+    if keys.fused:
+        return {keys.gate: gu.contiguous(), keys.down: dn.contiguous()}
+    i = gu.shape[1] // 2
+    out: dict[str, torch.Tensor] = {}
+    for e in range(gu.shape[0]):  # copies: safetensors refuses tensors that share storage
+        out[keys.gate.format(e=e)] = gu[e, :i].clone()
+        out[keys.up.format(e=e)] = gu[e, i:].clone()
+        out[keys.down.format(e=e)] = dn[e].clone()
+    return out
+
+
+def _plan_shards(by_name: dict[str, torch.Tensor], blocks, layout: CheckpointLayout, max_shard_bytes: int,
+                 ) -> list[list]:
+    """Greedy, in order: replicated tensors one by one, then whole MoE layers. The same plan on
+    every rank, so the gathers inside happen in the same order everywhere."""
+    items: list[tuple[int, object]] = [(by_name[n].numel() * by_name[n].element_size(), (n, k))
+                                       for n, k in layout.names.items()]
+    for b, keys in zip(blocks, layout.experts):
+        per_rank = sum(p.numel() * p.element_size() for p in (b.gate_up_proj_LIH, b.down_proj_LHI))
+        items.append((per_rank * b.num_experts // b.gate_up_proj_LIH.shape[0], (b, keys)))
+    shards: list[list] = [[]]
+    size = 0
+    for nbytes, item in items:
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return shards
+
+
+def _shard_tensors(by_name: dict[str, torch.Tensor], shard: list, rank: int) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for item in shard:
+        if isinstance(item[0], EPMoEBlock):
+            out.update(_expert_tensors(*item))
+        elif rank == 0:
+            out[item[1]] = by_name[item[0]].detach().to("cpu").contiguous()
+    return out
+
+
+def save_ep_checkpoint(model: nn.Module, blocks, layout: CheckpointLayout, state_in: Path, state_out: Path,
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Write the HF checkpoint (weights, config; tokenizer and other files copied from
+    `state_in`) into `state_out`. A collective; rank 0 writes. Returns the weight files."""
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    by_name = dict(model.state_dict(keep_vars=True))
+    shards = _plan_shards(by_name, blocks, layout, max_shard_bytes)
+    n = len(shards)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: dict[str, str] = {}
+    total = 0
+    if rank == 0:
+        state_out.mkdir(parents=True, exist_ok=True)
+    for fname, shard in zip(files, shards):
+        tensors = _shard_tensors(by_name, shard, rank)
+        if rank == 0:
+            save_file(tensors, str(state_out / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors  # before the next shard's gathers
+    if rank == 0:
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (state_out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        for f in state_in.iterdir():  # tokenizer and generation config come along unchanged
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_FILE:
+                shutil.copy2(f, state_out / f.name)
+        model.config.save_pretrained(state_out)
+    return files

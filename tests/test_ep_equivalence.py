@@ -1,0 +1,100 @@
+"""The real expert-parallel trainer (launcher, ranks, `train_ep`, optimizer shards, save) at
+EP = 2 against the single-process trainer on the same batch and seed: micro-batches, several
+optimizer steps, global-norm clipping that actually clips, and the same metrics."""
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moerl.config import parse_config
+from moerl.policy import build_tiny_model
+from moerl.records import TrainSample, write_records
+from moerl.components.policy_update.trainer import run_policy_update
+
+
+def _cfg(ep: int, **trainer):
+    return parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.003,
+                                     "max_grad_norm": 0.05, "micro_batch_tokens": 12, "expert_parallel_size": ep,
+                                     **trainer}})
+
+
+def _batch(n=16):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        plen, rlen = 3 + i % 3, 2 + i % 4
+        ids = torch.randint(5, 20, (plen + rlen,), generator=g).tolist()
+        out.append(TrainSample(prompt_token_ids=ids[:plen], response_token_ids=ids[plen:],
+                               response_logprobs=(-torch.rand(rlen, generator=g) * 3).tolist(),
+                               advantage=(1.0 + i / 8) * (-1) ** i, policy_version=0))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep-equiv")
+    build_tiny_model(_cfg(1).model.tiny, root / "s0")
+    write_records(root / "batch.jsonl", _batch())
+    out = {}
+    for ep in (1, 2):
+        m = run_policy_update(_cfg(ep), root / "batch.jsonl", root / "s0", root / f"ep{ep}", iteration=0)
+        out[ep] = (m, load_file(root / f"ep{ep}" / "model.safetensors"))
+    return root, out
+
+
+@pytest.mark.slow
+def test_ep2_trains_like_ep1(runs):
+    root, out = runs
+    (m1, w1), (m2, w2) = out[1], out[2]
+    w0 = load_file(root / "s0" / "model.safetensors")
+    # the same steps were taken, and clipping was active (the global norm exceeds max_grad_norm)
+    assert m1["train/steps"] == m2["train/steps"] == 4 and m2["train/skipped_steps"] == 0
+    assert m1["train/grad_norm"] > 0.05 and m2["train/grad_norm"] > 0.05
+    # every mode logs the same train/* names, with the same values
+    assert {k for k in m1 if k.startswith("train/")} == {k for k in m2 if k.startswith("train/")}
+    for k in ("train/loss", "train/clip_fraction", "train/tis_truncated_fraction", "train/entropy",
+              "train/grad_norm", "train/logprob_mismatch", "train/tokens", "train/aux_loss"):
+        assert m2[k] == pytest.approx(m1[k], rel=1e-3, abs=1e-6), (k, m1[k], m2[k])
+    # the same weights: the two trajectories differ by a tiny fraction of how far they moved
+    # (Adam turns float32 summation-order noise in near-zero gradients into lr-sized steps on
+    # a few elements, so the comparison is relative to the update, per tensor)
+    assert set(w1) == set(w2)
+    moved = 0
+    for name, a in w1.items():
+        delta = float((a - w0[name]).norm())
+        gap = float((w2[name] - a).norm())
+        assert gap <= 0.05 * delta + 1e-6, (name, gap, delta)
+        moved += delta > 0
+    assert moved > len(w1) // 2
+
+
+@pytest.mark.slow
+def test_ep2_writes_optimizer_shards_and_counts(runs):
+    root, out = runs
+    shards = sorted(p.name for p in (root / "ep2" / "trainer").glob("optimizer*.pt"))
+    assert shards == ["optimizer-ep0-of-2.pt", "optimizer-ep1-of-2.pt"]
+    m2 = out[2][0]
+    per_expert = [v for k, v in m2.items() if k.startswith("moe/tokens_expert_")]
+    assert len(per_expert) == 8 and sum(per_expert) > 0 and math.isfinite(m2["moe/expert_load_imbalance"])
+
+
+@pytest.mark.slow
+def test_ep_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs, tmp_path):
+    """A NaN in one expert gradient on rank 1 (finite loss everywhere) makes the global norm NaN:
+    every rank skips, nothing moves, and K such steps in a row fail the update. The old
+    `norm > max_norm` test was False for NaN and stepped."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests import ep_nonfinite_worker
+
+    root, _ = runs
+    mp.spawn(ep_nonfinite_worker.rank_main, args=(2, str(root / "s0"), str(root / "batch.jsonl"), str(tmp_path)),
+             nprocs=2, join=True)
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for o in outs:
+        assert "3 optimizer steps in a row had a non-finite loss or gradient" in o["error"]
+        assert o["unchanged"] and o["finite"] and o["skipped_total"] == 3 and o["step"] == 0
