@@ -43,9 +43,9 @@ from moerl.config import RunConfig, config_from_json
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
 from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
-from moerl.components.policy_update.steps import (STAT_KEYS, accumulate, check_device, count_skip, logprob_mismatch_sum,
-                                                  micro_parts,
-                                                  minibatches, model_device, rows_per_micro_batch, sampled_logprobs)
+from moerl.components.policy_update.steps import (STAT_KEYS, accumulate, check_device, finish_step,
+                                                  logprob_mismatch_sum, losses_are_finite, micro_parts, minibatches,
+                                                  model_device, rows_per_micro_batch, sampled_logprobs)
 from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
 
 log = logging.getLogger(__name__)
@@ -142,21 +142,14 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     for chunk, my_parts in zip(chunks, parts):
         opt.zero_grad(set_to_none=True)
         stats = accumulate(model, p, my_parts, old_logp, cfg, float(p.mask_NL1[chunk].sum()), len(chunk), aux_fn)
-        finite = torch.tensor([float(all(math.isfinite(v) for v in stats.values()))], device=device)
+        finite = torch.tensor([float(losses_are_finite(stats))], device=device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
         grad_norm = _sync_and_clip(model, ep_blocks, tc.max_grad_norm)
-        if finite.item() < 1 or not math.isfinite(grad_norm):
-            opt.zero_grad(set_to_none=True)
+        # the global norm is identical on every rank: each adds 1/world of it
+        if finish_step(opt, counters, cfg, stats, sums, grad_norm, finite.item() == 1, norm_share=1.0 / world):
+            done += 1
+        else:
             skipped += 1
-            count_skip(counters, cfg, f"non-finite {'gradient' if finite.item() == 1 else 'loss'}")
-            continue
-        opt.step()
-        counters.consecutive_skipped = 0
-        counters.step += 1
-        done += 1
-        for k, v in stats.items():
-            sums[k] += v
-        sums["grad_norm"] += grad_norm / world  # the global norm, identical on every rank
     totals = torch.tensor([*sums.values(), mismatch, float(p.mask_NL1[mine].sum())], dtype=torch.float64,
                           device=device)
     dist.all_reduce(totals)

@@ -168,8 +168,26 @@ def logprob_mismatch_sum(old_logp_NL1: torch.Tensor, engine_logp_NL1: torch.Tens
     return float(diff.sum())
 
 
-def step_is_finite(stats: dict[str, float], grad_norm: float) -> bool:
-    return math.isfinite(grad_norm) and all(math.isfinite(v) for v in stats.values())
+def losses_are_finite(stats: dict[str, float]) -> bool:
+    return all(math.isfinite(v) for v in stats.values())
+
+
+def finish_step(opt, counters, cfg: RunConfig, stats: dict[str, float], sums: dict[str, float], grad_norm: float,
+                losses_finite: bool, norm_share: float = 1.0) -> bool:
+    """Take the optimizer step and add this rank's statistics to `sums`, or, when any loss or
+    the (global) gradient norm is not finite, drop the gradients and count a skipped step.
+    `norm_share`: the fraction of the global norm this rank adds (ranks' shares sum to it)."""
+    if not losses_finite or not math.isfinite(grad_norm):
+        opt.zero_grad(set_to_none=True)
+        count_skip(counters, cfg, f"non-finite {'gradient' if losses_finite else 'loss'}")
+        return False
+    opt.step()
+    counters.consecutive_skipped = 0
+    counters.step += 1
+    for k, v in stats.items():
+        sums[k] += v
+    sums["grad_norm"] += grad_norm * norm_share
+    return True
 
 
 def count_skip(counters, cfg: RunConfig, why: str) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -32,10 +31,10 @@ import torch
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
-from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, accumulate, count_skip,
+from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, accumulate,
                                                   logprob_mismatch_sum, micro_parts, minibatches, model_device,
                                                   policy_logprobs, rows_per_micro_batch, sequence_logprobs,
-                                                  step_is_finite)
+                                                  losses_are_finite, finish_step)
 
 __all__ = ["Counters", "Packed", "TRAINER_DIR", "pack", "run_policy_update", "sequence_logprobs", "train_on_batch"]
 
@@ -121,18 +120,10 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
             parts = micro_parts(idx, 0, 1, rows_per_micro_batch(p, tc.micro_batch_tokens, len(idx)))
             stats = accumulate(model, p, parts, old_logp, cfg, float(p.mask_NL1[idx].sum()), len(idx), aux)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
-            if not step_is_finite(stats, grad_norm):  # NaN/inf loss or gradient: the weights stay untouched
-                opt.zero_grad(set_to_none=True)
+            if finish_step(opt, counters, cfg, stats, sums, grad_norm, losses_are_finite(stats)):
+                done += 1
+            else:  # NaN/inf loss or gradient: the weights stay untouched
                 skipped += 1
-                count_skip(counters, cfg, f"non-finite {'gradient' if math.isfinite(stats['loss']) else 'loss'}")
-                continue
-            opt.step()
-            counters.consecutive_skipped = 0
-            counters.step += 1
-            done += 1
-            for k, v in stats.items():
-                sums[k] += v
-            sums["grad_norm"] += grad_norm
     finally:
         if aux is not None:
             aux.close()
