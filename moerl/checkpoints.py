@@ -16,9 +16,23 @@ from pathlib import Path
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.fetchcache import prune_cache
-from moerl.store import CheckpointStore, open_store
+from moerl.localstore import LocalStore
+from moerl.store import CheckpointStore
 
 log = logging.getLogger(__name__)
+
+
+def open_store(cfg: CheckpointConfig) -> CheckpointStore:
+    """`s3://bucket/prefix` gives an S3Store; anything else is a local folder. The backends
+    are chosen here, not in `moerl.store`, so the contract never imports its backends."""
+    if cfg.uri.startswith("s3://"):
+        from moerl.s3store import S3Store  # boto3 only for S3 users
+
+        store: CheckpointStore = S3Store(cfg)
+    else:
+        store = LocalStore(Path(cfg.uri))
+    store.pin_ttl_s = cfg.pin_ttl_s
+    return store
 
 SERVING = "serving.json"
 

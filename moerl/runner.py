@@ -102,7 +102,7 @@ def preflight(cfg: RunConfig) -> None:
     load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
-    from moerl.store import open_store
+    from moerl.checkpoints import open_store
 
     open_store(cfg.checkpoint).check_access()
 

@@ -8,8 +8,9 @@ retention deletes a version's manifest before its files for the same reason. `fe
 every file against the manifest and leaves a marker, so a verified copy is reused; a file lock
 per version lets processes on one node share a cache folder. Layout under a root or s3://b/prefix:
     versions/v000001/<files>   versions/v000001/manifest.json   latest.json   pins/<holder>.json
-The folder backend is `moerl.localstore`; the S3 backend lives in `moerl.s3store` and is
-imported only for s3:// URIs (boto3 is heavy).
+This module is the contract; the folder backend is `moerl.localstore`, the S3 backend
+`moerl.s3store`, and `moerl.checkpoints.open_store` picks one (boto3 is imported only for
+s3:// URIs). The contract never imports its backends.
 
 Limitations:
 - One writer per store: nothing locks publishes, so two publishers of one version interleave.
@@ -49,13 +50,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.fetchcache import MARKER, exclusive, is_verified, lock_path
 from moerl.leases import PinLeases
 from moerl.manifest import MANIFEST, FileEntry, Manifest, sha256_file, version_dir
 
-__all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "Manifest", "open_store", "sha256_file",
+__all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "Manifest", "sha256_file",
            "version_dir"]
 
 log = logging.getLogger(__name__)
@@ -355,27 +355,3 @@ def _list_files(src: Path) -> list[str]:
     if reserved := {MANIFEST, MARKER} & set(files):
         raise CheckpointError(f"{src} contains {sorted(reserved)}, names the store reserves; remove them")
     return files
-
-
-def open_store(cfg: CheckpointConfig) -> CheckpointStore:
-    """`s3://bucket/prefix` gives an S3Store; anything else is a local folder."""
-    if cfg.uri.startswith("s3://"):
-        from moerl.s3store import S3Store  # boto3 only for S3 users
-
-        store: CheckpointStore = S3Store(cfg)
-    else:
-        from moerl.localstore import LocalStore
-
-        store = LocalStore(Path(cfg.uri))
-    store.pin_ttl_s = cfg.pin_ttl_s
-    return store
-
-
-def __getattr__(name: str) -> Any:
-    """`from moerl.store import LocalStore` keeps working; the module is imported lazily
-    because it subclasses CheckpointStore from this one."""
-    if name == "LocalStore":
-        from moerl.localstore import LocalStore
-
-        return LocalStore
-    raise AttributeError(f"module 'moerl.store' has no attribute {name!r}")

@@ -70,7 +70,7 @@ def test_the_tracking_password_is_nowhere(e2e_run, tmp_path):
 @pytest.mark.slow
 def test_new_versions_are_in_the_store_with_verified_manifests(e2e_run):
     from moerl.config import CheckpointConfig
-    from moerl.store import open_store
+    from moerl.checkpoints import open_store
 
     work, proc = e2e_run
     runs = list((work / "checkpoints" / "runs").iterdir())
@@ -116,7 +116,7 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
     from mlflow.tracking import MlflowClient
 
     from moerl.config import CheckpointConfig
-    from moerl.store import open_store
+    from moerl.checkpoints import open_store
 
     rows = [{"id": f"p{i}", "task": "poetry", "prompt": f"copy {i}=", "answer": str(i)} for i in range(20)]
     (tmp_path / "poetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

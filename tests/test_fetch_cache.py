@@ -14,7 +14,7 @@ from moerl.checkpoints import SERVING, fetch_for_engine, run_cache, run_store
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.fetchcache import MARKER, lock_path, prune_cache
-from moerl.store import LocalStore
+from moerl.localstore import LocalStore
 from tests.test_store import make_checkpoint, tree
 from tests.test_store_faults import _wait_for
 

@@ -70,7 +70,7 @@ def test_expired_lease_stops_protecting_its_version(case: Case, tmp_path: Path) 
 
 def test_store_default_ttl_comes_from_the_config(tmp_path: Path) -> None:
     from moerl.config import CheckpointConfig
-    from moerl.store import open_store
+    from moerl.checkpoints import open_store
 
     store = open_store(CheckpointConfig(uri=str(tmp_path / "s"), pin_ttl_s=30))
     store.clock = lambda: T0
@@ -84,7 +84,7 @@ _HOLDER = r"""
 import json, sys, time
 from pathlib import Path
 from moerl.config import CheckpointConfig
-from moerl.store import open_store
+from moerl.checkpoints import open_store
 a = json.loads(sys.argv[1])
 store = open_store(CheckpointConfig(**a["cfg"]))
 store.pin(a["version"], a["holder"], ttl_s=a["ttl_s"])

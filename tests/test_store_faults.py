@@ -22,7 +22,8 @@ import pytest
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.store import LocalStore, open_store
+from moerl.checkpoints import open_store
+from moerl.localstore import LocalStore
 from tests.s3server import S3Server
 from tests.test_store import Case, _s3_case, case, make_checkpoint, tree  # noqa: F401 (case: a fixture)
 
@@ -35,7 +36,7 @@ _CHILD = r"""
 import json, shutil, sys, time
 from pathlib import Path
 from moerl.config import CheckpointConfig
-from moerl.store import open_store
+from moerl.checkpoints import open_store
 a = json.loads(sys.argv[1])
 store = open_store(CheckpointConfig(**a["cfg"]))
 if a["op"] == "publish":

@@ -19,7 +19,7 @@ import pytest
 
 from moerl.config import CheckpointConfig, RunConfig
 from moerl.errors import CheckpointError
-from moerl.store import open_store
+from moerl.checkpoints import open_store
 from tests.s3server import S3Server
 from tests.test_store import make_checkpoint, tree
 
@@ -27,7 +27,7 @@ _CHILD = r"""
 import json, os, sys
 from pathlib import Path
 from moerl.config import CheckpointConfig
-from moerl.store import open_store
+from moerl.checkpoints import open_store
 a = json.loads(sys.argv[1])
 store, at = open_store(CheckpointConfig(**a["cfg"])), a["die"]
 cls = type(store)
