@@ -14,8 +14,9 @@ A lease is a pending entry of the group. A worker that dies keeps its entries pe
 delivery) any other worker reclaims them with `XAUTOCLAIM`, and the delivery count from
 `XPENDING` sends a unit that keeps failing to `dead`. Valkey has no XNACK, so a draining
 worker requeues the unfinished part of its unit as `XADD` of a new entry plus `XACK` of the
-old one, in one MULTI. Every hand-off between streams is likewise one MULTI (add the output,
-acknowledge the input, count), so a crash leaves either both or neither.
+old one, in one MULTI. Every other hand-off between streams is one Lua script (add the output,
+acknowledge the input, count), atomic like MULTI and idempotent: a client that lost its
+connection after the server ran it retries it, and the second run changes nothing.
 
 Ids: a unit has a run-unique `unit_id`; a group's id is `<unit_id>/<k>:<prompt_id>` (`k` its
 place in the unit, kept when the unit is requeued); a sample's id is `<run_id>/<group id>/<j>`.
@@ -56,6 +57,78 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
             "prompts_dead", "groups_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
             "engine_loads", "drains")
+
+
+# Hand-offs as Lua scripts: atomic like MULTI, and idempotent. A client whose connection
+# drops after the server ran a command retries it (valkey-py's Retry), so every script is
+# guarded: by the XACK of its input entry (1 only the first time) or a set/flag, and a second
+# execution changes nothing. KEYS/ARGV are documented at each call site.
+_ISSUE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'unit', ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'units_issued', 1)
+redis.call('HINCRBY', KEYS[3], 'prompts_issued', tonumber(ARGV[3]))
+return 1
+"""
+_PUBLISH_GROUP = """
+redis.call('HINCRBY', KEYS[3], 'generated', tonumber(ARGV[3]))
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+  redis.call('HINCRBY', KEYS[3], 'duplicates', tonumber(ARGV[3]))
+  return 0
+end
+redis.call('XADD', KEYS[2], '*', 'group', ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'groups_generated', 1)
+return 1
+"""
+_ACK_AND_COUNT = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], tonumber(ARGV[i + 1])) end
+return 1
+"""
+_PUBLISH_SCORED = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'group', ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'scored', tonumber(ARGV[4]))
+redis.call('HINCRBY', KEYS[3], 'score_failed', tonumber(ARGV[5]))
+return 1
+"""
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'unit', ARGV[3], 'deliveries', ARGV[4], 'by', ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'units_dead', 1)
+redis.call('HINCRBY', KEYS[3], 'prompts_dead', tonumber(ARGV[6]))
+return 1
+"""
+# KEYS: scored stream, consumed set, counters, registry. ARGV: group, version (or -1: no
+# registry bump), uri, sha, n_entries, entries..., n_groups, groups..., then name/delta pairs.
+# Guarded by the registry version for a commit, by each entry's XACK for a settle.
+_SETTLE = """
+local version = tonumber(ARGV[2])
+if version >= 0 then
+  local cur = redis.call('HGET', KEYS[4], 'version')
+  if cur and tonumber(cur) >= version then return 0 end
+end
+local i = 6
+local ne = tonumber(ARGV[5])
+local acked = 0
+for j = 1, ne do
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+  i = i + 1
+end
+if version < 0 and ne > 0 and acked == 0 then return 0 end
+local ng = tonumber(ARGV[i])
+i = i + 1
+for j = 1, ng do redis.call('SADD', KEYS[2], ARGV[i]); i = i + 1 end
+while i < #ARGV do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])); i = i + 2 end
+if version >= 0 then
+  redis.call('HSET', KEYS[4], 'version', version, 'uri', ARGV[3], 'manifest_sha256', ARGV[4], 'published_at', ARGV[#ARGV])
+end
+return 1
+"""
 
 
 class BusError(MoerlError):
@@ -147,6 +220,9 @@ class RunBus:
         self.prefix = f"moerl:{run_id}:"
         self.visibility_ms = int(visibility_timeout_s * 1000)
         self.max_attempts = max_attempts
+        reg = client.register_script
+        self._issue, self._publish_group, self._ack_and_count = reg(_ISSUE), reg(_PUBLISH_GROUP), reg(_ACK_AND_COUNT)
+        self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
 
     # -- keys and setup ---------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -180,10 +256,9 @@ class RunBus:
             return None
         return Registered(int(raw["version"]), raw["uri"], raw["manifest_sha256"])
 
-    def register(self, version: int, uri: str, manifest_sha256: str, pipe=None) -> None:
-        """Point the registry at a published, verified version (never backwards)."""
-        target = pipe if pipe is not None else self.r
-        target.hset(self.key("registry"), mapping={"version": version, "uri": uri, "manifest_sha256": manifest_sha256,
+    def register(self, version: int, uri: str, manifest_sha256: str) -> None:
+        """Point the registry at a published, verified version."""
+        self.r.hset(self.key("registry"), mapping={"version": version, "uri": uri, "manifest_sha256": manifest_sha256,
                                                     "published_at": time.time()})
 
     def set_done(self) -> None:
@@ -215,11 +290,8 @@ class RunBus:
         seq = self.r.incr(self.key("unit_seq"))
         unit_id = f"u{seq:07d}"
         unit = {"unit_id": unit_id, "prompts": [{"k": k, "prompt": p} for k, p in enumerate(prompts)]}
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.key(UNITS), {"unit": json.dumps(unit)})
-        pipe.hincrby(self.key("counters"), "units_issued", 1)
-        pipe.hincrby(self.key("counters"), "prompts_issued", len(prompts))
-        pipe.execute()
+        self._issue(keys=[self.key("units_issued"), self.key(UNITS), self.key("counters")],
+                    args=[unit_id, json.dumps(unit), len(prompts)])
         return unit_id
 
     def _deliveries(self, stream: str, entry_id: str) -> int:
@@ -257,13 +329,8 @@ class RunBus:
                 self.incr(units_reclaimed=1)
                 log.warning("%s reclaimed unit %s (delivery %d)", consumer, unit["unit_id"], deliveries)
             if deliveries > self.max_attempts:
-                pipe = self.r.pipeline(transaction=True)
-                pipe.xadd(self.key(DEAD), {"unit": fields["unit"], "deliveries": deliveries, "by": consumer})
-                pipe.xack(self.key(UNITS), GROUPS[UNITS], eid)
-                pipe.xdel(self.key(UNITS), eid)
-                pipe.hincrby(self.key("counters"), "units_dead", 1)
-                pipe.hincrby(self.key("counters"), "prompts_dead", len(unit["prompts"]))
-                pipe.execute()
+                self._dead_letter(keys=[self.key(UNITS), self.key(DEAD), self.key("counters")],
+                                  args=[GROUPS[UNITS], eid, fields["unit"], deliveries, consumer, len(unit["prompts"])])
                 log.error("unit %s dead-lettered after %d deliveries", unit["unit_id"], deliveries)
                 continue
             return Lease(eid, unit, deliveries)
@@ -273,11 +340,8 @@ class RunBus:
         self.r.xclaim(self.key(stream), GROUPS[stream], consumer, 0, [entry_id], justid=True)
 
     def ack_unit(self, lease: Lease) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.key(UNITS), GROUPS[UNITS], lease.entry_id)
-        pipe.xdel(self.key(UNITS), lease.entry_id)
-        pipe.hincrby(self.key("counters"), "units_done", 1)
-        pipe.execute()
+        self._ack_and_count(keys=[self.key(UNITS), self.key("counters")],
+                            args=[GROUPS[UNITS], lease.entry_id, "units_done", 1])
 
     def requeue_unit(self, lease: Lease, remaining_k: list[int]) -> None:
         """Put the unfinished prompts (`k` values) of a leased unit back on the queue, as one
@@ -299,29 +363,25 @@ class RunBus:
         flags = self.r.smismember(self.key("published"), group_ids)
         return {g for g, f in zip(group_ids, flags) if f}
 
-    def publish_group(self, group_id: str, samples: list[dict[str, Any]]) -> None:
-        """One finished GRPO group onto `generated`, marked published and counted, atomically."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.key(GENERATED), {"group": json.dumps({"group_id": group_id, "samples": samples})})
-        pipe.sadd(self.key("published"), group_id)
-        pipe.hincrby(self.key("counters"), "generated", len(samples))
-        pipe.hincrby(self.key("counters"), "groups_generated", 1)
-        pipe.execute()
+    def publish_group(self, group_id: str, samples: list[dict[str, Any]]) -> bool:
+        """One finished GRPO group onto `generated`, marked published and counted, atomically.
+        A group some other attempt already published is counted as generated and duplicate,
+        and not added again; returns whether it was added."""
+        return bool(self._publish_group(
+            keys=[self.key("published"), self.key(GENERATED), self.key("counters")],
+            args=[group_id, json.dumps({"group_id": group_id, "samples": samples}), len(samples)]))
 
     # -- scoring ------------------------------------------------------------------------
     def take_generated(self, consumer: str, count: int, block_ms: int = 500) -> list[tuple[str, dict[str, Any]]]:
         got = self._claim(GENERATED, consumer, count) or self._read(GENERATED, consumer, count, block_ms)
         return [(eid, json.loads(f["group"])) for eid, f in got]
 
-    def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int) -> None:
-        """A scored group onto `scored`, and its `generated` entry acknowledged, atomically."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.key(SCORED), {"group": json.dumps(group)})
-        pipe.xack(self.key(GENERATED), GROUPS[GENERATED], entry_id)
-        pipe.xdel(self.key(GENERATED), entry_id)
-        pipe.hincrby(self.key("counters"), "scored", len(group["samples"]))
-        pipe.hincrby(self.key("counters"), "score_failed", n_failed)
-        pipe.execute()
+    def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int) -> bool:
+        """A scored group onto `scored`, and its `generated` entry acknowledged, atomically
+        (nothing happens if that entry was already acknowledged)."""
+        return bool(self._publish_scored(
+            keys=[self.key(GENERATED), self.key(SCORED), self.key("counters")],
+            args=[GROUPS[GENERATED], entry_id, json.dumps(group), len(group["samples"]), n_failed]))
 
     # -- training -----------------------------------------------------------------------
     def take_scored(self, consumer: str, count: int, block_ms: int = 500,
@@ -336,30 +396,28 @@ class RunBus:
         flags = self.r.smismember(self.key("consumed"), group_ids)
         return {g for g, f in zip(group_ids, flags) if f}
 
-    def settle(self, entry_ids: list[str], group_ids: list[str], pipe=None, **counts: int) -> None:
-        """Dispose of scored entries for good: remember their group ids (so copies are
-        duplicates), acknowledge and delete them, and count, in one MULTI (or in `pipe`)."""
-        own = pipe is None
-        pipe = self.r.pipeline(transaction=True) if own else pipe
-        if group_ids:
-            pipe.sadd(self.key("consumed"), *group_ids)
-        if entry_ids:
-            pipe.xack(self.key(SCORED), GROUPS[SCORED], *entry_ids)
-            pipe.xdel(self.key(SCORED), *entry_ids)
+    def _settle_call(self, version: int, uri: str, sha: str, entry_ids: list[str], group_ids: list[str],
+                     counts: dict[str, int]) -> bool:
+        args: list[Any] = [GROUPS[SCORED], version, uri, sha, len(entry_ids), *entry_ids, len(group_ids), *group_ids]
         for k, v in counts.items():
             if v:
-                pipe.hincrby(self.key("counters"), k, v)
-        if own:
-            pipe.execute()
+                args += [k, int(v)]
+        args.append(time.time())
+        return bool(self._settle(keys=[self.key(SCORED), self.key("consumed"), self.key("counters"),
+                                       self.key("registry")], args=args))
+
+    def settle(self, entry_ids: list[str], group_ids: list[str], **counts: int) -> bool:
+        """Dispose of scored entries for good: remember their group ids (so copies are
+        duplicates), acknowledge and delete them, and count, atomically; nothing happens if
+        the entries were already acknowledged."""
+        return self._settle_call(-1, "", "", entry_ids, group_ids, counts)
 
     def commit_version(self, version: int, uri: str, manifest_sha256: str, entry_ids: list[str],
-                       group_ids: list[str], **counts: int) -> None:
+                       group_ids: list[str], **counts: int) -> bool:
         """After version `version` is published: its training groups are consumed, their
-        entries acknowledged, the counters moved and the registry bumped, in one MULTI."""
-        pipe = self.r.pipeline(transaction=True)
-        self.settle(entry_ids, group_ids, pipe=pipe, **counts)
-        self.register(version, uri, manifest_sha256, pipe=pipe)
-        pipe.execute()
+        entries acknowledged, the counters moved and the registry bumped, atomically; nothing
+        happens if the registry already holds `version` or later."""
+        return self._settle_call(version, uri, manifest_sha256, entry_ids, group_ids, counts)
 
     def backlog(self) -> int:
         """Scored groups waiting for the trainer: not yet delivered, or delivered and pending."""

@@ -171,3 +171,21 @@ def test_every_group_gets_exactly_one_disposition():
     assert classify("g", _scored(2, [0, 1]), 3, 1, seen=set()) == "used"
     assert classify("g", _scored(3, [0, 1], failed=True), 3, 1, seen=set()) == "failed"
     assert classify("g", _scored(3, [0.5, 0.5]), 3, 1, seen=set()) == "filtered"
+
+
+def test_a_retried_hand_off_changes_nothing_the_second_time(bus):
+    """A client that lost its connection after the server ran a hand-off runs it again
+    (valkey-py's Retry): the counters must not move twice."""
+    assert bus.publish_group("u1/0:p1", [{"x": 1}] * 4)
+    assert not bus.publish_group("u1/0:p1", [{"x": 1}] * 4)  # another attempt's copy
+    c = bus.counters()
+    assert (c["generated"], c["duplicates"], c["groups_generated"]) == (8, 4, 1)
+    [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
+    assert bus.publish_scored(eid, group, 0) and not bus.publish_scored(eid, group, 0)
+    assert bus.counters()["scored"] == 4 and bus.depth()[SCORED] == 1
+    [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
+    assert bus.commit_version(1, "u", "s", [sid], ["u1/0:p1"], trained=4)
+    assert not bus.commit_version(1, "u", "s", [sid], ["u1/0:p1"], trained=4)
+    assert bus.counters()["trained"] == 4
+    assert not bus.settle([sid], ["u1/0:p1"], stale_dropped=4)  # already acknowledged
+    assert bus.counters()["stale_dropped"] == 0

@@ -1,0 +1,259 @@
+"""Trainer (async mode): consume batches as they become ready, publish each version, bump the
+registry; issue work by admission from a thread beside it.
+
+Start: (1) `recover` the store and take its `latest` as the version to continue from (version
+0 is published by `init_policy` before any stage starts). If the registry is behind `latest`,
+the trainer died between publishing and committing: commit that version now from the group
+ids its manifest recorded, so those groups are never trained again. (2) Load weights,
+optimizer and counters once; they stay in memory for the whole run (the weights travel only
+through the store, to the engines).
+
+Per version v -> v+1: (3) gather B = `task.prompts_per_iteration` fresh groups from the scored
+stream (`components/buffer/worker.py` classifies each: duplicate, stale, failed, filtered or
+used; everything but used/filtered is settled at once); (4) the same `train_on_batch` as the
+sync trainer: PPO-clip against the trainer's own start-of-version logprobs, with the truncated
+importance weight against the engine's behaviour logprobs correcting for the versions the
+samples lag behind (decoupled PPO, see loss.py); (5) save and publish v+1 through the
+checkpoint store (the manifest records the groups); (6) in one MULTI: the groups consumed,
+their entries acknowledged, the counters moved, the registry at v+1; (7) log the version's
+metrics to MLflow under the sync mode's names, at step v. After `pipeline.versions` versions
+it sets `done`, and every stage drains and exits.
+
+Limitations: publication is synchronous (fine for small models; a large model should
+publish from a thread while the next batch trains). With expert parallelism the trainer state
+goes through files and `run_policy_update` each version, reloading the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from moerl import tracking
+from moerl.bus import RunBus, connect
+from moerl.checkpoints import run_store, version_uri
+from moerl.config import RunConfig, config_from_json
+from moerl.dataset import load_dataset
+from moerl.errors import CheckpointError, DataError
+from moerl.records import PolicyVersion, ScoredSample, write_records
+from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue, train_samples
+
+log = logging.getLogger(__name__)
+CONSUMER = "trainer"
+
+
+class Issuer(threading.Thread):
+    """Issues work units by admission and backpressure, every `period_s`, until stopped."""
+
+    def __init__(self, cfg: RunConfig, bus: RunBus, version_ref: list[int], period_s: float = 0.05):
+        super().__init__(name="moerl-issuer", daemon=True)
+        self.cfg, self.bus, self.version_ref, self.period_s = cfg, bus, version_ref, period_s
+        self.stop_event = threading.Event()
+        self.paused = False
+        self.error: BaseException | None = None
+        self.ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+
+    def step(self) -> int:
+        c = self.bus.counters()
+        settled = c["groups_used"] + c["groups_stale"] + c["groups_failed"] + c["prompts_dead"]
+        in_flight = c["prompts_issued"] - settled
+        n, self.paused = prompts_to_issue(
+            used=c["groups_used"], in_flight=in_flight, version=self.version_ref[0],
+            batch_prompts=self.cfg.task.prompts_per_iteration, versions=self.cfg.pipeline.versions,
+            max_staleness=self.cfg.buffer.max_staleness, backlog=self.bus.backlog(), paused=self.paused,
+            cfg=self.cfg.buffer)
+        issued = 0
+        while issued < n:
+            size = min(self.cfg.units.max_prompts, n - issued)
+            start = self.bus.cursor(size)
+            prompts = self.ds.window(start, size, self.cfg.task.shuffle_seed)
+            self.bus.issue_unit([p.model_dump() for p in prompts])
+            issued += size
+        return issued
+
+    def run(self) -> None:
+        try:
+            while not self.stop_event.is_set():
+                self.step()
+                self.stop_event.wait(self.period_s)
+        except BaseException as err:  # noqa: BLE001 - surfaced by the trainer loop
+            self.error = err
+
+
+def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int) -> None:
+    """Make the registry and the consumed set agree with the store's `latest`."""
+    reg = bus.registry()
+    if reg is not None and reg.version >= latest:
+        return
+    store = run_store(cfg.checkpoint, run_id)
+    manifest = store.manifest(latest)
+    groups = json.loads(manifest.meta.get("groups", "[]"))
+    entries = json.loads(manifest.meta.get("entries", "[]"))
+    counts = json.loads(manifest.meta.get("counts", "{}"))
+    if groups or counts:
+        log.warning("version %d was published but not committed (trainer died in between); committing its %d "
+                    "groups now", latest, len(groups))
+    bus.commit_version(latest, version_uri(store, latest), manifest.sha256(), entries, groups, **counts)
+
+
+def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool) -> tuple[Batch, dict[str, float]]:
+    """Block until B fresh groups are in; settle the rest as they come."""
+    B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
+    batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
+    t0 = time.perf_counter()
+    while batch.n_groups < B:
+        got = bus.take_scored(CONSUMER, B - batch.n_groups, block_ms=200, pending_first=first)
+        first = False
+        consumed = bus.consumed([g["group_id"] for _, g in got])
+        for eid, g in got:
+            gid = g["group_id"]
+            samples = [ScoredSample.model_validate(s) for s in g["samples"]]
+            d = classify(gid, samples, version, k, consumed | set(batch.group_ids))
+            n = len(samples)
+            if d == "duplicate":
+                bus.settle([eid], [], duplicates=n)
+                dropped["duplicates"] += n
+            elif d == "stale":
+                bus.settle([eid], [gid], stale_dropped=n, groups_stale=1)
+                dropped["stale_dropped"] += n
+            elif d == "failed":
+                bus.settle([eid], [gid], failed=n, groups_failed=1)
+                dropped["failed"] += n
+            else:
+                batch.entry_ids.append(eid)
+                batch.group_ids.append(gid)
+                batch.groups.append(samples)
+                if d == "used":
+                    batch.used.append(samples)
+    return batch, {"timing/buffer_wait_s": time.perf_counter() - t0,
+                   **{f"buffer/{k}_samples": float(v) for k, v in dropped.items()}}
+
+
+def _check_failures(bus: RunBus, cfg: RunConfig) -> None:
+    c = bus.counters()
+    if c["scored"] >= cfg.task.prompts_per_iteration * cfg.rollout.samples_per_prompt and \
+            c["score_failed"] / c["scored"] > cfg.reward.max_failed_fraction:
+        raise DataError(f"reward: {c['score_failed']} of {c['scored']} scored samples failed "
+                        f"(> reward.max_failed_fraction {cfg.reward.max_failed_fraction}); see the scorers' logs")
+
+
+def _train(cfg: RunConfig, model, opt, counters, samples, version: int, state_dir: Path, out_dir: Path) -> dict[str, float]:
+    from moerl.components.policy_update.trainer import _save_state, run_policy_update, train_on_batch
+
+    t0 = time.perf_counter()
+    if cfg.trainer.expert_parallel_size > 1:  # ranks load and save through files
+        batch_path = out_dir.parent / "batch.jsonl"
+        write_records(batch_path, samples)
+        metrics = run_policy_update(cfg, batch_path, state_dir, out_dir, version)
+    else:
+        torch.manual_seed(cfg.trainer.seed + version)
+        metrics = train_on_batch(model, opt, counters, samples, cfg, seed=cfg.trainer.seed + version) if samples \
+            else {"train/steps": 0.0, "train/skipped_steps": 0.0}
+        counters.version += 1
+        _save_state(model, opt, counters, state_dir, out_dir)
+    metrics["train/empty_batch"] = float(not samples)
+    metrics["timing/policy_update_s"] = time.perf_counter() - t0
+    return metrics
+
+
+def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
+    from moerl.components.policy_update.trainer import _load_state
+    from moerl.components.publish_checkpoint.stage import prepare_resume, run_publish
+
+    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+                 cfg.units.max_attempts)
+    bus.ensure_groups()
+    store = run_store(cfg.checkpoint, run_id)
+    latest = store.recover()
+    if latest is None:
+        raise CheckpointError(f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "
+                              "init_policy publishes version 0 first")
+    _reconcile(bus, cfg, run_id, latest)
+    uri = tracking.resolve_uri(cfg.tracking)
+    work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
+    state_dir = work / f"v{latest}"
+    policy = prepare_resume(cfg, run_id, latest, state_dir)
+    model = opt = counters = None
+    if cfg.trainer.expert_parallel_size == 1:
+        model, opt, counters = _load_state(state_dir, cfg)
+    version_ref = [latest]
+    issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id), version_ref)
+    issuer.start()
+    t_start, busy = time.perf_counter(), 0.0
+    try:
+        first = True
+        for version in range(latest, cfg.pipeline.versions):
+            t_v = time.perf_counter()
+            batch, metrics = _gather(bus, cfg, version, first)
+            first = False
+            if issuer.error is not None:
+                raise issuer.error
+            _check_failures(bus, cfg)
+            t_busy = time.perf_counter()
+            samples = train_samples(batch.used, cfg.buffer)
+            out_dir = work / f"v{version + 1}"
+            metrics.update(_train(cfg, model, opt, counters, samples, version, state_dir, out_dir))
+            n_used = sum(len(g) for g in batch.used)
+            n_filtered = sum(len(g) for g in batch.groups) - n_used
+            counts = {"trained": n_used, "filtered": n_filtered, "groups_used": batch.n_groups}
+            meta = {"groups": json.dumps(batch.group_ids), "entries": json.dumps(batch.entry_ids),
+                    "counts": json.dumps(counts)}
+            policy, pub = run_publish(cfg, run_id, out_dir, version + 1, meta=meta)
+            bus.commit_version(version + 1, policy.uri, policy.manifest_sha256, batch.entry_ids, batch.group_ids,
+                               **counts)
+            version_ref[0] = version + 1
+            busy += time.perf_counter() - t_busy
+            shutil.rmtree(state_dir, ignore_errors=True)
+            state_dir = out_dir
+            metrics.update(pub)
+            metrics.update(batch_metrics(batch, version))
+            metrics.update(_async_metrics(bus, t_start, busy))
+            metrics["timing/iteration_s"] = time.perf_counter() - t_v
+            metrics["policy/version"] = float(version)
+            tracking.log_metrics(uri, run_id, version, metrics)
+            bus.heartbeat(CONSUMER, busy_s=busy, wall_s=time.perf_counter() - t_start, version=float(version + 1),
+                          reward_mean=metrics["reward/mean"], loss=metrics.get("train/loss", 0.0))
+        bus.set_done()
+        return policy
+    finally:
+        issuer.stop_event.set()
+        issuer.join(timeout=5)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _async_metrics(bus: RunBus, t_start: float, busy: float) -> dict[str, float]:
+    """Counters, stream depths and per-stage busy fractions, as `async/*` metrics."""
+    c = bus.counters()
+    out = {f"async/{k}": float(v) for k, v in c.items()}
+    out.update({f"async/depth_{k}": float(v) for k, v in bus.depth().items()})
+    wall = time.perf_counter() - t_start
+    out["async/trainer_busy_fraction"] = busy / max(wall, 1e-9)
+    for name, st in bus.stats().items():
+        if name != CONSUMER and st.get("wall_s"):
+            out[f"async/busy_fraction/{name}"] = st.get("busy_s", 0.0) / st["wall_s"]
+    out["async/workers_alive"] = float(sum(n.startswith("rollout") for n in bus.alive()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-id", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    policy = run_trainer(config_from_json(Path(a.config).read_text()), a.run_id)
+    print(policy.model_dump_json(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Reward scorer (async mode): score generated groups as they arrive, and publish them scored.
+
+Loop: take up to `BATCH` groups from the `generated` stream (first any whose scorer went
+silent past the visibility timeout, then new ones), score each sample with the same `score`
+the sync stage uses, and publish every scored group while acknowledging its generated entry,
+in one MULTI (`RunBus.publish_scored`). Scorers scale independently of rollout: each is a
+consumer of the `reward` group.
+
+A verifier that raises marks its sample `reward_failed` (never a silent 0 that would bias
+the group's baseline); the trainer drops that whole group and counts its samples as
+`failed`. If scoring itself raises, every sample of the batch is marked failed the same way,
+with the error, and the scorer goes on.
+
+Exit 0 once the run is done and nothing is left to score; SIGTERM exits at once with
+`EXIT_DRAINED` (a group being scored stays pending and is reclaimed by another scorer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from moerl.bus import RunBus, connect
+from moerl.config import RewardConfig, RunConfig, config_from_json
+from moerl.records import Sample, ScoredSample
+from moerl.components.reward.stage import score
+
+log = logging.getLogger(__name__)
+
+BATCH = 16
+EXIT_DRAINED = 75
+
+
+def score_group(samples: list[dict], cfg: RewardConfig) -> tuple[list[dict], int]:
+    """Scored samples (dicts) and how many failed; a raising scorer fails them all."""
+    try:
+        scored = score([Sample.model_validate(s) for s in samples], cfg)
+    except Exception as err:  # noqa: BLE001 - counted as failed, never scored 0 silently
+        log.error("scoring raised: %s: %s", type(err).__name__, err)
+        scored = [ScoredSample(**s, reward=0.0, reward_failed=True, reward_error=f"{type(err).__name__}: {err}")
+                  for s in samples]
+    return [s.model_dump() for s in scored], sum(s.reward_failed for s in scored)
+
+
+def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
+    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+                 cfg.units.max_attempts)
+    bus.ensure_groups()
+    stop = {"asked": False}
+
+    def on_term(signum, frame) -> None:
+        stop["asked"] = True
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    t_start, busy = time.perf_counter(), 0.0
+    try:
+        while not stop["asked"]:
+            bus.heartbeat(scorer, busy_s=busy, wall_s=time.perf_counter() - t_start)
+            got = bus.take_generated(scorer, BATCH, block_ms=200)
+            if not got:
+                if bus.done():
+                    return 0
+                continue
+            t0 = time.perf_counter()
+            for entry_id, group in got:
+                scored, n_failed = score_group(group["samples"], cfg.reward)
+                bus.publish_scored(entry_id, {"group_id": group["group_id"], "samples": scored}, n_failed)
+            busy += time.perf_counter() - t0
+        return EXIT_DRAINED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--name", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s")
+    return run_reward_scorer(config_from_json(Path(a.config).read_text()), a.run_id, a.name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

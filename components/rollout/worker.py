@@ -1,0 +1,238 @@
+"""Rollout worker (async mode): one vLLM engine for the whole run, fed by leased work units.
+
+Loop: (1) stop if the run is done or a drain was asked; (2) move to the newest registered
+policy version, between units: fetch it into the verified node cache, hot-swap it into the
+live engine (`hotswap.py`, which also resets the prefix cache, so no KV computed with old
+weights is served), and pin it in the store under a renewed lease; (3) lease a unit (at most
+`units.max_prompts` prompts; a unit some dead worker left idle past the visibility timeout is
+reclaimed first); (4) submit one request per prompt (n = G, a seed per group, so a
+re-executed unit regenerates the same samples), skipping groups another attempt already
+published; (5) step the engine, publishing each group the moment its G samples finish, and
+refresh the lease while it runs; (6) acknowledge the unit.
+
+Why swap between units (not in flight): every token of a group then comes from one policy
+version, the engine's logprobs are exactly the behaviour policy's, and nothing needs the
+prefix re-submitted. The cost is that a unit finishes on the version it started with; units
+are small, and admission (`buffer.max_staleness`) bounds how old that can be.
+
+Spot: on SIGTERM the worker stops leasing, lets its active requests run for at most
+`rollout.grace_seconds`, publishes the groups that finished, requeues the unfinished prompts
+(XADD + XACK in one MULTI, `RunBus.requeue_unit`), and exits with `EXIT_DRAINED` (75), never
+0: KFP must retry the task so the worker slot comes back. Exit 0 means the run is done.
+
+Limitations: one engine per process (see engine.py). A SIGKILLed worker's unit waits out the
+visibility timeout before another worker takes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from moerl.bus import Lease, RunBus, connect
+from moerl.checkpoints import fetch_for_engine, run_store
+from moerl.config import RunConfig, config_from_json
+from moerl.records import Sample
+
+log = logging.getLogger(__name__)
+
+EXIT_DRAINED = 75  # EX_TEMPFAIL: drained after SIGTERM; the task must be retried
+
+
+def group_id(unit_id: str, k: int, prompt_id: str) -> str:
+    return f"{unit_id}/{k}:{prompt_id}"
+
+
+def group_seed(base: int, unit_id: str, k: int) -> int:
+    """A seed per group, the same for every attempt at it."""
+    return (base * 1_000_003 + int(unit_id.lstrip("u")) * 4099 + k) % (2**31 - 1)
+
+
+class _Drain:
+    """SIGTERM sets a deadline; the loop drains against it."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s, self.deadline = grace_s, None
+
+    def __call__(self, signum, frame) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s
+            log.warning("SIGTERM: draining for at most %.0f s", self.grace_s)
+
+    @property
+    def asked(self) -> bool:
+        return self.deadline is not None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+class RolloutWorker:
+    def __init__(self, cfg: RunConfig, run_id: str, name: str, bus: RunBus):
+        self.cfg, self.run_id, self.name, self.bus = cfg, run_id, name, bus
+        self.engine = None
+        self.tokenizer = None
+        self.version: int | None = None
+        self.busy_s = 0.0
+        self.t_start = time.perf_counter()
+        self.drain = _Drain(cfg.rollout.grace_seconds)
+        self.holder = f"rollout-{socket.gethostname()}-{name}"
+        self._last_renew = 0.0
+
+    # -- weights ------------------------------------------------------------------------
+    def _serve_latest(self) -> None:
+        reg = self.bus.registry()
+        if reg is None or reg.version == self.version:
+            return
+        store = run_store(self.cfg.checkpoint, self.run_id)
+        store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s)
+        t0 = time.perf_counter()
+        model_dir = fetch_for_engine(self.cfg.checkpoint, self.run_id, reg.version)
+        if self.engine is None:
+            from transformers import AutoTokenizer
+
+            from moerl.components.rollout.engine import RolloutEngine
+
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.engine = RolloutEngine(model_dir, self.cfg.rollout, dtype=self.cfg.model.dtype,
+                                        seed=self.cfg.rollout.seed)
+            self.bus.incr(engine_loads=1)
+            log.info("%s: engine loaded on version %d in %.1f s", self.name, reg.version, self.engine.load_s)
+        else:
+            stats = self.engine.swap_weights(model_dir)
+            self.bus.incr(swaps=1)
+            log.info("%s: hot-swapped to version %d in %.2f s (%d tensors)", self.name, reg.version, stats.seconds,
+                     stats.tensors)
+        if self.version is not None:
+            store.unpin(self.version, holder=self.holder)
+        self.version = reg.version
+        self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
+
+    def _renew(self) -> None:
+        now = time.monotonic()
+        if self.version is not None and now - self._last_renew > self.cfg.checkpoint.pin_ttl_s / 4:
+            run_store(self.cfg.checkpoint, self.run_id).renew(self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s)
+            self._last_renew = now
+
+    # -- one unit -------------------------------------------------------------------------
+    def _run_unit(self, lease: Lease) -> bool:
+        """Generate the unit's groups; True if the unit is complete (acknowledged), False if
+        a drain cut it short (its rest requeued)."""
+        unit_id = lease.unit["unit_id"]
+        entries = lease.unit["prompts"]
+        gids = {e["k"]: group_id(unit_id, e["k"], e["prompt"]["id"]) for e in entries}
+        done_already = self.bus.published(list(gids.values()))
+        todo = {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
+        G = self.cfg.rollout.samples_per_prompt
+        ids: dict[str, list[int]] = {}
+        for k, e in todo.items():
+            rid = f"{unit_id}-{k}-{lease.deliveries}"
+            ids[rid] = self.tokenizer.encode(e["prompt"]["prompt"])
+            self.engine.submit(rid, ids[rid], G, seed=group_seed(self.cfg.rollout.seed, unit_id, k))
+        by_rid = {f"{unit_id}-{k}-{lease.deliveries}": k for k in todo}
+        finished: set[int] = set()
+        last_touch = time.monotonic()
+        t0 = time.perf_counter()
+        try:
+            while self.engine.unfinished():
+                if self.drain.expired():
+                    break
+                for rid, comps in self.engine.step():
+                    k = by_rid[rid]
+                    self._publish(unit_id, todo[k], comps, ids[rid])
+                    finished.add(k)
+                if time.monotonic() - last_touch > self.bus.visibility_ms / 4000:
+                    self.bus.touch("units", self.name, lease.entry_id)
+                    last_touch = time.monotonic()
+        finally:
+            self.busy_s += time.perf_counter() - t0
+        remaining = [k for k in todo if k not in finished]
+        if remaining:  # a drain ran out of grace: requeue what did not finish
+            self.engine.abort([rid for rid, k in by_rid.items() if k in remaining])
+            self.bus.requeue_unit(lease, remaining)
+            log.warning("%s: requeued %d unfinished prompts of %s", self.name, len(remaining), unit_id)
+            return False
+        self.bus.ack_unit(lease)
+        return True
+
+    def _publish(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> None:
+        p, k = entry["prompt"], entry["k"]
+        gid = group_id(unit_id, k, p["id"])
+        samples = [
+            Sample(prompt_id=p["id"], task=p["task"], prompt=p["prompt"], answer=p["answer"], sample_index=j,
+                   prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
+                   response_text=c.text, finish_reason=c.finish_reason, policy_version=self.version,
+                   sample_id=f"{self.run_id}/{gid}/{j}").model_dump()
+            for j, c in enumerate(comps)
+        ]
+        self.bus.publish_group(gid, samples)
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self) -> int:
+        self.bus.ensure_groups()
+        while True:
+            self.bus.heartbeat(self.name, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start,
+                               version=float(self.version if self.version is not None else -1))
+            if self.bus.done():
+                return 0
+            if self.drain.asked:
+                self.bus.incr(drains=1)
+                return EXIT_DRAINED
+            self._serve_latest()
+            self._renew()
+            if self.engine is None:  # nothing registered yet
+                time.sleep(0.2)
+                continue
+            lease = self.bus.lease_unit(self.name, block_ms=200)
+            if lease is None:
+                continue
+            if not self._run_unit(lease):
+                self.bus.incr(drains=1)
+                return EXIT_DRAINED
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.version is not None:
+            try:
+                run_store(self.cfg.checkpoint, self.run_id).unpin(self.version, holder=self.holder)
+            except Exception as err:  # noqa: BLE001 - an unpin left behind expires with its lease
+                log.warning("%s: could not unpin version %s: %s", self.name, self.version, err)
+
+
+def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
+    """Serve rollout until the run is done (0) or a SIGTERM drain (EXIT_DRAINED)."""
+    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+                 cfg.units.max_attempts)
+    w = RolloutWorker(cfg, run_id, worker, bus)
+    previous = signal.signal(signal.SIGTERM, w.drain)
+    try:
+        return w.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        w.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m moerl.components.rollout.worker --config FILE --run-id R --name N` (the local
+    launcher's entrypoint; on KFP the component calls `run_rollout_worker`)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True, help="the resolved run config as JSON")
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--name", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s")
+    cfg = config_from_json(Path(a.config).read_text())
+    return run_rollout_worker(cfg, a.run_id, a.name)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    sys.exit(main())

