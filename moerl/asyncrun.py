@@ -227,11 +227,12 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None):
         tracking.finish_run(uri, run_id, final_uri, work)
     except (MoerlError, procs.Terminated, KeyboardInterrupt) as err:
         ok = False
-        tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": tracking.redact(str(err))[:4000]})
+        tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": (tracking.redact(str(err)) or type(err).__name__)[:4000]})
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).set_terminated(run_id, status="FAILED")
-        print(f"moerl: error: async run failed: {tracking.redact(str(err))}", file=sys.stderr, flush=True)
+        why = tracking.redact(str(err)) or type(err).__name__  # KeyboardInterrupt has no message
+        print(f"moerl: error: async run failed: {why}", file=sys.stderr, flush=True)
     finally:
         if run is not None:
             run.stop()

@@ -1,11 +1,16 @@
 """moerl's command line.
 
     moerl run CONFIG [--set k=v] run the sync GRPO pipeline locally (kfp.local), tracked in MLflow
+    moerl run --mode async CONFIG   the async mode: the same stage entrypoints as local
+                                processes, joined by an embedded Valkey
     moerl run CONFIG --resume RUN_ID   continue a run from its last published version
-    moerl compile CONFIG [-o]   write the pipeline as KFP IR YAML for the cluster
-    moerl config show CONFIG    print the resolved config, defaults included
+    moerl compile [--mode M] CONFIG [-o]   write the sync or async pipeline as KFP IR YAML
+    moerl config show [--mode M] CONFIG    print the resolved config, defaults included
     moerl bench weights         publish / fetch / hot-swap / redistribution, side by side
     moerl bench ep-memory       peak RSS per expert-parallel rank at EP = 1, 2, 4, side by side
+
+`--mode` (sync or async) selects the config file's `modes:` block and `pipeline.mode`; without
+it the file's `pipeline.mode` decides (default sync).
 
 Errors that moerl raises on purpose (`MoerlError`) print one line and exit non-zero: 2 for a
 bad config, 1 otherwise. Anything else is a bug and keeps its traceback.
@@ -23,13 +28,14 @@ import yaml
 from moerl.config import load_config
 from moerl.errors import MoerlError
 
-DEFAULT_COMPILED = "pipelines/compiled/grpo.yaml"
+DEFAULT_COMPILED = {"sync": "pipelines/compiled/grpo.yaml", "async": "pipelines/compiled/grpo_async.yaml"}
+MODE_CHOICES = ("sync", "async")
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
     from moerl.tracking import redact
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, mode=args.mode)
     sys.stdout.write(redact(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)))
     return 0
 
@@ -37,16 +43,24 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 def _cmd_compile(args: argparse.Namespace) -> int:
     from moerl.runner import compile_pipeline
 
-    out = compile_pipeline(load_config(args.config, args.set), Path(args.output))
+    cfg = load_config(args.config, args.set, mode=args.mode)
+    out = compile_pipeline(cfg, Path(args.output or DEFAULT_COMPILED[cfg.pipeline.mode]))
     print(f"wrote {out}")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from moerl.runner import run_local
+    cfg = load_config(args.config, args.set, mode=args.mode)
+    if cfg.pipeline.mode == "async":
+        from moerl.asyncrun import run_async
 
-    summary = run_local(load_config(args.config, args.set), iterations=args.iterations, verbose=args.verbose,
-                        resume=args.resume)
+        if args.iterations is not None:  # one policy update per sync iteration = one async version
+            cfg = load_config(args.config, [*args.set, f"pipeline.versions={args.iterations}"], mode=args.mode)
+        summary = run_async(cfg, verbose=args.verbose, resume=args.resume)
+    else:
+        from moerl.runner import run_local
+
+        summary = run_local(cfg, iterations=args.iterations, verbose=args.verbose, resume=args.resume)
     return 0 if summary.ok else 1
 
 
@@ -82,19 +96,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run the sync GRPO pipeline locally with kfp.local")
+    run = sub.add_parser("run", help="run GRPO locally: the sync pipeline with kfp.local, or the async mode")
     run.add_argument("config")
+    run.add_argument("--mode", choices=MODE_CHOICES, default=None,
+                     help="sync (kfp.local pipeline) or async (long-lived local processes, embedded Valkey); "
+                          "default: the config's pipeline.mode")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set trainer.expert_parallel_size=2 (repeatable)")
-    run.add_argument("--iterations", type=int, default=None, help="override pipeline.iterations")
+    run.add_argument("--iterations", type=int, default=None,
+                     help="override pipeline.iterations (sync) or pipeline.versions (async)")
     run.add_argument("--resume", metavar="RUN_ID", default=None,
                      help="continue this run from its last published version (same MLflow run)")
     run.set_defaults(func=_cmd_run)
 
-    comp = sub.add_parser("compile", help="compile the pipeline to KFP IR YAML")
+    comp = sub.add_parser("compile", help="compile the sync or async pipeline to KFP IR YAML")
     comp.add_argument("config")
+    comp.add_argument("--mode", choices=MODE_CHOICES, default=None,
+                      help="sync or async (needs valkey.url); default: the config's pipeline.mode")
     comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    comp.add_argument("-o", "--output", default=DEFAULT_COMPILED)
+    comp.add_argument("-o", "--output", default=None,
+                      help=f"default {DEFAULT_COMPILED['sync']} (sync) or {DEFAULT_COMPILED['async']} (async)")
     comp.set_defaults(func=_cmd_compile)
 
     bench = sub.add_parser("bench", help="benchmarks (side by side, ratios)")
@@ -131,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     csub = config.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="print the resolved config with defaults")
     show.add_argument("config")
+    show.add_argument("--mode", choices=MODE_CHOICES, default=None,
+                      help="resolve the config's modes: block for this mode")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(func=_cmd_config_show)
     return p

@@ -26,7 +26,7 @@ from pathlib import Path
 from moerl import provenance, tracking
 from moerl.config import RunConfig, config_to_json
 from moerl.dataset import load_dataset
-from moerl.errors import CheckpointError, MoerlError
+from moerl.errors import CheckpointError, ConfigError, MoerlError
 from moerl.policy import check_checkpoint
 
 log = logging.getLogger(__name__)
@@ -128,18 +128,32 @@ def absolutize(cfg: RunConfig) -> RunConfig:
 
 
 def compile_pipeline(cfg: RunConfig, out: Path) -> Path:
-    """Write the pipeline as KFP IR YAML. Credentials in `tracking.uri` are never written: they
-    are stripped, and stderr says which variables the cluster must provide instead."""
+    """Write the pipeline of `pipeline.mode` (sync: `pipelines/grpo.py`; async:
+    `pipelines/grpo_async.py`) as KFP IR YAML. Credentials in `tracking.uri` are never written:
+    they are stripped, and stderr says which variables the cluster must provide instead. The
+    async pipeline needs `valkey.url`: its tasks run on separate pods, and the embedded Valkey
+    that `moerl run --mode async` starts exists only on the machine that runs it."""
     from kfp import compiler
 
-    from moerl.pipelines.grpo import build_pipeline
-
+    if cfg.pipeline.mode == "async" and not cfg.valkey.url:
+        raise ConfigError("valkey.url: the async pipeline needs a Valkey its pods can reach; set it to "
+                          "redis://, rediss://, valkey:// or valkeys://host:port/db of a Valkey Service (password from "
+                          "$VALKEY_PASSWORD). Unset is allowed only for `moerl run --mode async`, which starts "
+                          "an embedded server on this machine")
     cfg, secret_env = tracking.split_credentials(cfg)
     if secret_env:
         print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
               f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
+    if cfg.pipeline.mode == "async":
+        from moerl.pipelines.grpo_async import build_async_pipeline
+
+        pipeline = build_async_pipeline(cfg, git_sha=provenance.git_sha())
+    else:
+        from moerl.pipelines.grpo import build_pipeline
+
+        pipeline = build_pipeline(cfg, git_sha=provenance.git_sha())
     out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(cfg, git_sha=provenance.git_sha()), str(out))
+    compiler.Compiler().compile(pipeline, str(out))
     return out
 
 

@@ -1,4 +1,4 @@
-"""KFP component: GRPO policy update."""
+"""KFP components: GRPO policy update (sync: one task per iteration; async: the long-lived trainer)."""
 
 from kfp.dsl import Artifact, Input, Output
 
@@ -16,3 +16,19 @@ def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Arti
     from moerl.config import config_from_json
 
     return run_policy_update(config_from_json(config_json), batch.path, state_in.path, state_out.path, iteration)
+
+
+def async_trainer(config_json: str, run_id: str) -> str:
+    """Async mode: the trainer, for the whole run.
+
+    Takes batches of complete, scored groups from the Valkey buffer as they become ready
+    (admission by staleness, `buffer.max_staleness`), runs the GRPO steps, publishes each new
+    version through the checkpoint store, then bumps the version registry the rollout workers
+    watch. After `pipeline.versions` versions it sets the run's done flag, so every worker and
+    scorer drains and exits. Killed and restarted (a KFP retry), it resumes from the last
+    published version. Returns the final PolicyVersion as JSON.
+    """
+    from moerl.components.policy_update.worker import run_trainer
+    from moerl.config import config_from_json
+
+    return run_trainer(config_from_json(config_json), run_id).model_dump_json()

@@ -1,4 +1,4 @@
-"""KFP component: reward scoring with rule verifiers."""
+"""KFP components: reward scoring with rule verifiers (sync: one task per iteration; async: long-lived scorers)."""
 
 from kfp.dsl import Artifact, Input, Output
 
@@ -14,3 +14,22 @@ def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact])
     from moerl.config import config_from_json
 
     return run_reward(config_from_json(config_json).reward, samples.path, scored.path)
+
+
+def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:
+    """Async mode: one long-lived reward scorer, `scorer-<scorer_index>`, for the whole run.
+
+    Consumes generated groups from Valkey, scores every sample with its task's verifier
+    (`reward.verifier`), and publishes the scored groups for the trainer. A verifier that
+    raises marks its sample failed, never a silent 0. Scorers scale apart from rollout
+    (`reward.scorers`). Returns when the run is done and nothing is left to score.
+
+    On SIGTERM the scorer stops and this task FAILS with its drain code, so that KFP's retry
+    replaces it (a group being scored is reclaimed by another scorer meanwhile).
+    """
+    from moerl.components.reward.worker import run_reward_scorer
+    from moerl.config import config_from_json
+
+    code = run_reward_scorer(config_from_json(config_json), run_id, f"scorer-{scorer_index}")
+    if code != 0:
+        raise SystemExit(code)

@@ -1,4 +1,4 @@
-"""KFP component: rollout generation with vLLM."""
+"""KFP components: rollout generation with vLLM (sync: one task per iteration; async: long-lived workers)."""
 
 from kfp.dsl import Artifact, Output
 
@@ -17,3 +17,23 @@ def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, sam
 
     return run_rollout(config_from_json(config_json), run_id, PolicyVersion.model_validate_json(policy_json),
                        iteration, samples.path)
+
+
+def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
+    """Async mode: one long-lived rollout worker, `rollout-<worker_index>`, for the whole run.
+
+    Loads one vLLM engine on the newest published version, leases work units from the Valkey
+    work queue, publishes every finished group at once, and moves to each new version with the
+    in-place hot swap. Returns when the trainer marks the run done.
+
+    On SIGTERM (a Spot interruption) the worker stops leasing, finishes its active requests
+    within `rollout.grace_seconds`, publishes them, requeues the rest, and this task FAILS with
+    the worker's drain code: KFP's retry then starts a replacement in the same slot. Exiting 0
+    would mark the slot done and lose it for the rest of the run.
+    """
+    from moerl.components.rollout.worker import run_rollout_worker
+    from moerl.config import config_from_json
+
+    code = run_rollout_worker(config_from_json(config_json), run_id, f"rollout-{worker_index}")
+    if code != 0:
+        raise SystemExit(code)

@@ -192,6 +192,8 @@ class RolloutWorker:
             lease = self.bus.lease_unit(self.name, block_ms=200)
             if lease is None:
                 continue
+            # a version registered while we waited for the lease: its units were issued for it
+            self._serve_latest()
             if not self._run_unit(lease):
                 self.bus.incr(drains=1)
                 return EXIT_DRAINED

@@ -1,0 +1,127 @@
+"""The async GRPO pipeline: long-lived stages that run concurrently in one KFP run, joined by Valkey.
+
+    start_run -> init_policy (v0)
+        -> concurrently, each for the whole run:
+             ParallelFor(rollout.workers, parallelism=rollout.workers): rollout_worker(i)
+             ParallelFor(reward.scorers, parallelism=reward.scorers):   reward_scorer(j)
+             async_trainer  (publishes v1..v_N, N = pipeline.versions, then sets the done flag)
+        -> finish_run (after the trainer)
+
+No data flows between the long-lived tasks through KFP: work units, generated and scored
+samples and the version registry live in the Valkey at `valkey.url` (run-prefixed keys), and
+weights in the checkpoint store. So the graph is the same for 3 versions or 100,000: its
+compiled size does not grow with `pipeline.versions` (unlike the sync pipeline, which unrolls
+every iteration). The run ends when every task exits: the trainer's done flag is what stops
+the workers and scorers.
+
+Why each setting:
+- `ParallelFor(..., parallelism=n)` over exactly n items: every worker slot runs at once (the
+  v2 backend honours `parallelism`, compiled to Argo's template parallelism). `parallelism`
+  equal to the fan-out keeps the graph correct if the item list ever grows past it.
+- Caching is off on every task: each one is stateful and side-effecting (Valkey, the store,
+  MLflow); a cache hit would skip a worker or replay a stale run id.
+- Rollout workers and scorers get `set_retry(pipeline.worker_retries, backoff '10s' constant,
+  backoff_max_duration = pipeline.retry_max_duration_s)`. A worker drained by SIGTERM (Spot)
+  exits non-zero on purpose so that the retry starts a replacement in its slot. Argo counts
+  `maxDuration` from the FIRST attempt's start, and KFP defaults it to 3600 s: with the default,
+  a worker preempted after the first hour would never be replaced.
+- The trainer gets `TRAINER_RETRIES` retries under the same deadline: a restarted trainer
+  resumes from the last published version.
+
+Credentials never enter the compiled spec: `valkey.url` cannot embed a password (the tasks
+read `$VALKEY_PASSWORD`), and `moerl compile` strips those of `tracking.uri` as for the sync
+pipeline. Give the tasks both from a Kubernetes Secret.
+
+Limitations:
+- kfp.local runs tasks one after another, so it cannot run this graph (a worker would wait
+  forever for a trainer that never starts). `moerl run --mode async` runs the same stage
+  entrypoints as local processes with an embedded Valkey instead (`moerl.asyncrun`).
+- Cluster-side settings are not set here: CPU/GPU requests, node selectors and tolerations
+  for Spot nodes, the pod's terminationGracePeriodSeconds (which must cover
+  `rollout.grace_seconds`), the Secrets (issue 9).
+- KFP's `set_retry` compiles to Argo's default retryPolicy (OnFailure). An evicted or deleted
+  pod is an Argo *Error*, retried only under OnError/Always (kubeflow/pipelines#4333); check
+  what the cluster's workflow-controller `templateDefaults.retryStrategy` merges in.
+- The backoff is constant (factor 1): KFP exposes no cap on a growing backoff, and with
+  doubling a slot's n-th retry would wait 10 * 2^(n-1) s, so within 7 days at most ~16 retries
+  could start, whatever `worker_retries` says. A Spot replacement waits for a node anyway.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# No `from __future__ import annotations` here: KFP reads the pipeline signature's real types.
+
+from kfp import dsl
+
+from moerl.components.policy_update.component import async_trainer
+from moerl.components.publish_checkpoint.component import init_policy
+from moerl.components.reward.component import reward_scorer
+from moerl.components.rollout.component import rollout_worker
+from moerl.components.tracking.component import finish_run, start_run
+from moerl.config import RunConfig, config_to_json
+
+STAGE_FUNCS: dict[str, Callable[..., Any]] = {
+    f.__name__: f for f in (start_run, init_policy, rollout_worker, reward_scorer, async_trainer, finish_run)
+}
+
+RETRY_BACKOFF = "10s"  # between attempts of one slot; a Spot replacement waits for a node anyway
+RETRY_BACKOFF_FACTOR = 1.0
+TRAINER_RETRIES = 3  # a crash loop in the trainer is a bug, not capacity: fail the run soon
+
+
+@dataclass(frozen=True)
+class AsyncOps:
+    """The async pipeline's stage functions as KFP components on one base image."""
+
+    start_run: Any
+    init_policy: Any
+    rollout_worker: Any
+    reward_scorer: Any
+    async_trainer: Any
+    finish_run: Any
+
+
+def make_async_ops(base_image: str) -> AsyncOps:
+    # install_kfp_package=False: the moerl image already carries kfp (as in pipelines/grpo.py).
+    return AsyncOps(**{name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
+                       for name, f in STAGE_FUNCS.items()})
+
+
+def _task(t, name: str):
+    t.set_caching_options(False)  # stateful, side-effecting: never served from cache
+    t.set_display_name(name)
+    return t
+
+
+def _retry(t, num_retries: int, cfg: RunConfig):
+    return t.set_retry(num_retries=num_retries, backoff_duration=RETRY_BACKOFF, backoff_factor=RETRY_BACKOFF_FACTOR,
+                       backoff_max_duration=f"{cfg.pipeline.retry_max_duration_s}s")
+
+
+def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
+    """The async pipeline function for `cfg`: one trainer, `rollout.workers` rollout workers and
+    `reward.scorers` reward scorers, all long-lived; its shape does not depend on
+    `pipeline.versions`. The stages reach Valkey at `valkey.url` (required on the cluster;
+    `moerl compile` checks it)."""
+    ops = make_async_ops(cfg.pipeline.base_image)
+    n_workers, n_scorers = cfg.rollout.workers, cfg.reward.scorers
+
+    @dsl.pipeline(name=cfg.pipeline.name, description="moerl async GRPO for MoE LLMs: long-lived rollout workers "
+                  "(vLLM, hot swap), reward scorers and trainer joined by a Valkey buffer and work queue")
+    def grpo_async(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha) -> str:
+        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha), "start-run")
+        rid = start.output
+        init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
+        with dsl.ParallelFor(list(range(n_workers)), parallelism=n_workers, name="rollout-workers") as i:
+            ro = _task(ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i), "rollout-worker")
+            _retry(ro.after(init), cfg.pipeline.worker_retries, cfg)
+        with dsl.ParallelFor(list(range(n_scorers)), parallelism=n_scorers, name="reward-scorers") as j:
+            sc = _task(ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j), "reward-scorer")
+            _retry(sc.after(init), cfg.pipeline.worker_retries, cfg)
+        tr = _task(ops.async_trainer(config_json=config_json, run_id=rid), "trainer")
+        _retry(tr.after(init), TRAINER_RETRIES, cfg)
+        fin = _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output), "finish-run")
+        return fin.output
+
+    return grpo_async

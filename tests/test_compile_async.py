@@ -1,0 +1,131 @@
+"""`moerl compile --mode async`: the async pipeline's IR (graph, retries, fan-out, size that does
+not grow with the number of versions), its `valkey.url` requirement, and the config's `modes:`
+overlay. Compile only: no engine, no Valkey."""
+
+import pytest
+import yaml
+from google.protobuf import json_format
+from kfp.pipeline_spec import pipeline_spec_pb2
+
+from moerl.cli import main
+from moerl.config import load_config, parse_config
+from moerl.errors import ConfigError
+from moerl.runner import compile_pipeline
+
+VALKEY = "redis://valkey.moerl.svc:6379/0"
+
+
+def _cfg(**pipeline):
+    return parse_config({"pipeline": {"mode": "async", **pipeline}, "valkey": {"url": VALKEY},
+                         "rollout": {"workers": 3}, "reward": {"scorers": 2}})
+
+
+def _spec(path) -> tuple[pipeline_spec_pb2.PipelineSpec, dict]:
+    spec_dict = yaml.safe_load(path.read_text())
+    spec = pipeline_spec_pb2.PipelineSpec()
+    json_format.ParseDict(spec_dict, spec)  # rejects unknown fields
+    return spec, spec_dict
+
+
+def _all_tasks(spec: pipeline_spec_pb2.PipelineSpec) -> dict[str, pipeline_spec_pb2.PipelineTaskSpec]:
+    """Every task of the root DAG and of the ParallelFor bodies, by task name."""
+    tasks = dict(spec.root.dag.tasks)
+    for comp in spec.components.values():
+        if comp.HasField("dag"):
+            tasks.update(comp.dag.tasks)
+    return tasks
+
+
+def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
+    spec, spec_dict = _spec(compile_pipeline(_cfg(), tmp_path / "a.yaml"))
+    root = spec.root.dag.tasks
+    assert {t.task_info.name for t in root.values()} == {
+        "start-run", "init-policy-v0", "rollout-workers", "reward-scorers", "trainer", "finish-run"}
+    by_name = {t.task_info.name: key for key, t in root.items()}
+    init = by_name["init-policy-v0"]
+    # the three long-lived stages start together once version 0 exists, not after each other
+    for stage in ("rollout-workers", "reward-scorers", "trainer"):
+        deps = set(root[by_name[stage]].dependent_tasks)
+        assert init in deps, stage
+        assert not deps & {by_name[s] for s in ("rollout-workers", "reward-scorers", "trainer")}, stage
+    assert set(root[by_name["finish-run"]].dependent_tasks) >= {by_name["trainer"]}
+    fin_policy = root[by_name["finish-run"]].inputs.parameters["policy_json"].task_output_parameter
+    assert fin_policy.producer_task == by_name["trainer"]
+    tasks = _all_tasks(spec)
+    assert all(not t.caching_options.enable_cache for t in tasks.values() if not t.HasField("parameter_iterator"))
+    inner = {t.task_info.name for t in tasks.values()} - {t.task_info.name for t in root.values()}
+    assert inner == {"rollout-worker", "reward-scorer"}
+    default = spec.root.input_definitions.parameters["config_json"].default_value.string_value
+    assert parse_config(yaml.safe_load(default)).pipeline.mode == "async"
+    assert {e["container"]["image"] for e in spec_dict["deploymentSpec"]["executors"].values()} == {"moerl-cpu:0.1.0"}
+
+
+def test_compiled_size_does_not_depend_on_versions(tmp_path):
+    small = compile_pipeline(_cfg(versions=3), tmp_path / "v3.yaml").read_text()
+    large = compile_pipeline(_cfg(versions=100000), tmp_path / "v100000.yaml").read_text()
+    # only the digits of `versions` in the embedded config default differ (twice: the header comment too)
+    assert 0 < len(large) - len(small) <= 2 * (len("100000") - len("3"))
+    assert small.replace('"versions":3,', '"versions":100000,') == large
+
+
+def test_rollout_workers_and_scorers_retry_far_past_kfps_one_hour_default(tmp_path):
+    cfg = _cfg(worker_retries=42, retry_max_duration_s=14 * 24 * 3600)
+    spec, _ = _spec(compile_pipeline(cfg, tmp_path / "a.yaml"))
+    tasks = {t.task_info.name: t for t in _all_tasks(spec).values()}
+    for name in ("rollout-worker", "reward-scorer"):
+        policy = tasks[name].retry_policy
+        assert policy.max_retry_count == 42, name
+        assert policy.backoff_max_duration.seconds == 14 * 24 * 3600 > 100 * 3600, name
+        assert policy.backoff_duration.seconds == 10 and policy.backoff_factor == 1.0, name
+    trainer = tasks["trainer"].retry_policy
+    assert 0 < trainer.max_retry_count < 42 and trainer.backoff_max_duration.seconds == 14 * 24 * 3600
+    # a task that must not repeat (it would publish version 0 again) has none
+    assert tasks["init-policy-v0"].retry_policy.max_retry_count == 0
+
+
+def test_parallel_for_runs_every_worker_slot_at_once(tmp_path):
+    cfg = parse_config({"pipeline": {"mode": "async"}, "valkey": {"url": VALKEY},
+                        "rollout": {"workers": 5}, "reward": {"scorers": 2}})
+    spec, _ = _spec(compile_pipeline(cfg, tmp_path / "a.yaml"))
+    loops = {t.task_info.name: t for t in spec.root.dag.tasks.values() if t.HasField("parameter_iterator")}
+    assert loops["rollout-workers"].iterator_policy.parallelism_limit == 5
+    assert yaml.safe_load(loops["rollout-workers"].parameter_iterator.items.raw) == [0, 1, 2, 3, 4]
+    assert loops["reward-scorers"].iterator_policy.parallelism_limit == 2
+    assert yaml.safe_load(loops["reward-scorers"].parameter_iterator.items.raw) == [0, 1]
+
+
+def test_cli_compile_async_without_valkey_url_is_a_config_error(tmp_path, capsys):
+    out = tmp_path / "a.yaml"
+    code = main(["compile", "--mode", "async", "configs/tiny-moe-grpo.yaml", "-o", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "valkey.url" in err and "moerl run --mode async" in err
+    assert not out.exists()
+    # with it, the same command writes the async pipeline
+    assert main(["compile", "--mode", "async", "configs/tiny-moe-grpo.yaml", "--set", f"valkey.url={VALKEY}",
+                 "-o", str(out)]) == 0
+    spec, _ = _spec(out)
+    assert "trainer" in {t.task_info.name for t in spec.root.dag.tasks.values()}
+
+
+def test_async_compile_never_writes_the_tracking_credentials(tmp_path, capsys):
+    uri = "http://alice:s3cr3t@127.0.0.1:5000/mlflow"
+    cfg = parse_config({"pipeline": {"mode": "async"}, "valkey": {"url": VALKEY}, "tracking": {"uri": uri}})
+    text = compile_pipeline(cfg, tmp_path / "a.yaml").read_text()
+    assert "http://127.0.0.1:5000/mlflow" in text and "alice" not in text and "s3cr3t" not in text
+    assert "MLFLOW_TRACKING_PASSWORD and MLFLOW_TRACKING_USERNAME from a Kubernetes Secret" in capsys.readouterr().err
+
+
+def test_modes_block_applies_to_its_mode_only(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer: {clip_eps_high: 3.0}\nmodes:\n  async:\n    trainer: {clip_eps_high: 0.28}\n")
+    assert load_config(path, mode="async").trainer.clip_eps_high == 0.28
+    assert load_config(path, mode="async").pipeline.mode == "async"
+    assert load_config(path, mode="sync").trainer.clip_eps_high == 3.0
+    assert load_config(path).trainer.clip_eps_high == 3.0  # the file's pipeline.mode, default sync
+    with pytest.raises(ConfigError, match="mode"):
+        load_config(path, mode="turbo")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("modes:\n  turbo:\n    trainer: {clip_eps_high: 0.28}\n")
+    with pytest.raises(ConfigError, match="modes"):
+        load_config(bad)
