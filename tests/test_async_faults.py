@@ -1,0 +1,176 @@
+"""Fault tests of the async mode: real processes (vLLM rollout workers, scorers, the trainer),
+a real Valkey, the checkpoint store and MLflow, each run bounded in time.
+
+In every case the run finishes all its versions and the counters balance:
+
+    trained + filtered + stale_dropped + failed == generated - duplicates
+
+(`filtered`: samples of groups with no reward variance, which GRPO drops; see moerl/bus.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from moerl import tracking
+from moerl.asyncrun import LocalAsyncRun, publish_initial, start_valkey
+from moerl.checkpoints import run_store
+from moerl.config import load_config
+from moerl.components.rollout.worker import EXIT_DRAINED
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240
+
+
+def _config(tmp: Path, *overrides: str):
+    base = [
+        f"checkpoint.uri={tmp / 'ckpt'}", f"checkpoint.cache_dir={tmp / 'cache'}",
+        f"pipeline.work_dir={tmp / 'work'}", f"pipeline.pipeline_root={tmp / 'root'}",
+        f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}",
+        "pipeline.versions=3", "task.prompts_per_iteration=8", "rollout.samples_per_prompt=4",
+        "trainer.optimizer_steps_per_iteration=2", "units.max_prompts=2", "units.visibility_timeout_s=4",
+        "buffer.max_staleness=1", "rollout.workers=1", "reward.scorers=1",
+        "rollout.gpu_memory_utilization=0.05",  # ~1.2 GiB of KV cache per worker is plenty here
+        "checkpoint.keep_last=20",  # keep every version, so the test can read each manifest
+    ]
+    return load_config(ROOT / "configs/tiny-moe-grpo.yaml", base + list(overrides), mode="async")
+
+
+class Harness:
+    """One async run as local processes, with a hook to inject a fault."""
+
+    def __init__(self, tmp: Path, *overrides: str):
+        self.cfg = _config(tmp, *overrides)
+        self.uri = tracking.resolve_uri(self.cfg.tracking)
+        self.run_id = tracking.start_run(self.cfg, self.uri, {"moerl.mode": "async-test"})
+        work = Path(self.cfg.pipeline.work_dir) / self.run_id
+        self.cfg, self.valkey = start_valkey(self.cfg, work)
+        publish_initial(self.cfg, self.run_id, work)
+        self.run = LocalAsyncRun(self.cfg, self.run_id, work, self.valkey)
+
+    def go(self, on_tick=None) -> dict[str, int]:
+        try:
+            self.run.start()
+            self.run.supervise(timeout_s=TIMEOUT_S, every_s=10, on_tick=on_tick)
+            return self.run.bus.counters()
+        except BaseException:
+            for name in self.run.children:
+                print(f"--- {name} ---\n{self.run.tail(name, 40)}")
+            raise
+        finally:
+            self.run.stop()
+            self.valkey.stop()
+
+    def holds_unit(self, name: str) -> bool:
+        info = self.run.bus.r.xpending(self.run.bus.key("units"), "rollout")
+        return any(c["name"] == name and int(c["pending"]) > 0 for c in info.get("consumers") or [])
+
+
+def _balanced(c: dict[str, int], cfg) -> None:
+    assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] == c["generated"] - c["duplicates"], c
+    used = cfg.pipeline.versions * cfg.task.prompts_per_iteration
+    assert c["groups_used"] == used  # every version took exactly B groups, none twice
+    assert c["trained"] + c["filtered"] == used * cfg.rollout.samples_per_prompt
+
+
+def _versions(h: Harness) -> list[int]:
+    return run_store(h.cfg.checkpoint, h.run_id).versions()
+
+
+def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_path):
+    # slow units (2 sequences at a time, long responses) so the signal lands mid-generation;
+    # a grace far shorter than a unit, so part of it must be requeued
+    h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
+                "units.max_prompts=4", "rollout.grace_seconds=0.3")
+    sent = []
+
+    def fault(run):
+        if not sent and run.bus.counters()["groups_generated"] >= 1 and h.holds_unit("rollout-0"):
+            run.signal("rollout-0", signal.SIGTERM)
+            sent.append(time.monotonic())
+
+    c = h.go(fault)
+    assert sent, "the worker never held a unit"
+    assert EXIT_DRAINED in h.run.children["rollout-0"].exits  # drained, non-zero: the slot is retried
+    assert c["drains"] >= 1 and c["units_requeued"] >= 1
+    assert _versions(h)[-1] == h.cfg.pipeline.versions
+    _balanced(c, h.cfg)
+
+
+def test_sigkill_of_a_worker_returns_its_unit_after_the_visibility_timeout(tmp_path):
+    h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
+                "units.max_prompts=4", "units.visibility_timeout_s=3")
+    sent = []
+
+    def fault(run):
+        if not sent and run.bus.counters()["groups_generated"] >= 1 and h.holds_unit("rollout-0"):
+            run.signal("rollout-0", signal.SIGKILL)
+            sent.append(True)
+
+    c = h.go(fault)
+    assert sent
+    assert -signal.SIGKILL in h.run.children["rollout-0"].exits
+    assert c["units_reclaimed"] >= 1
+    _balanced(c, h.cfg)
+
+
+def test_a_killed_trainer_resumes_from_the_last_version_without_training_anything_twice(tmp_path):
+    h = Harness(tmp_path, "pipeline.versions=4")
+    sent = []
+
+    def fault(run):
+        reg = run.bus.registry()
+        if not sent and reg is not None and reg.version >= 1:
+            run.signal("trainer", signal.SIGKILL)
+            sent.append(reg.version)
+
+    c = h.go(fault)
+    assert sent and h.run.children["trainer"].exits[0] == -signal.SIGKILL and h.run.children["trainer"].starts == 2
+    assert _versions(h) == list(range(h.cfg.pipeline.versions + 1))
+    store = run_store(h.cfg.checkpoint, h.run_id)
+    groups = [g for v in range(1, h.cfg.pipeline.versions + 1) for g in json.loads(store.manifest(v).meta["groups"])]
+    assert len(groups) == len(set(groups))  # no group in two versions
+    _balanced(c, h.cfg)
+
+
+def test_a_valkey_restart_mid_run_is_survived_by_every_stage(tmp_path):
+    h = Harness(tmp_path)
+    sent = []
+
+    def fault(run):
+        reg = run.bus.registry()
+        if not sent and reg is not None and reg.version >= 1:
+            h.valkey.kill()  # a crash: only the fsynced append-only file survives
+            time.sleep(1.0)
+            h.valkey.start()
+            sent.append(True)
+
+    c = h.go(fault)
+    assert sent
+    assert all(ch.exits == [0] for ch in h.run.children.values())  # no stage crashed, every one ended cleanly
+    assert _versions(h)[-1] == h.cfg.pipeline.versions
+    _balanced(c, h.cfg)
+
+
+def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_path):
+    # a third of the prompts name a task no verifier knows: the scorer raises on them
+    rows = []
+    for i in range(30):
+        task = "nosuchtask" if i % 3 == 0 else "copy"
+        rows.append({"id": f"r{i}", "task": task, "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)})
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    h = Harness(tmp_path, f"task.dataset={data}", "reward.max_failed_fraction=0.9")
+    c = h.go()
+    assert c["score_failed"] > 0 and c["failed"] >= c["score_failed"]
+    assert c["failed"] % h.cfg.rollout.samples_per_prompt == 0  # whole groups
+    _balanced(c, h.cfg)
+    # one reward/mean per version, at the step the sync pipeline logs its iteration
+    hist = tracking.metric_history(h.uri, h.run_id, "reward/mean")
+    assert [s for s, _ in hist] == list(range(h.cfg.pipeline.versions))
