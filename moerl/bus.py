@@ -420,11 +420,11 @@ class RunBus:
         return self._settle_call(version, uri, manifest_sha256, entry_ids, group_ids, counts)
 
     def backlog(self) -> int:
-        """Scored groups waiting for the trainer: not yet delivered, or delivered and pending."""
-        for g in self.r.xinfo_groups(self.key(SCORED)):
-            if g["name"] == GROUPS[SCORED]:
-                return int(g.get("lag") or 0) + int(g["pending"])
-        return 0
+        """Scored groups waiting for the trainer, not yet taken into a batch. Entries the
+        trainer holds (pending) are excluded: counting them could pause issuance for good
+        while the trainer waits for the rest of its batch."""
+        pending = int(self.r.xpending(self.key(SCORED), GROUPS[SCORED])["pending"])
+        return max(0, int(self.r.xlen(self.key(SCORED))) - pending)
 
     def depth(self) -> dict[str, int]:
         """Entries in each stream (live work: acknowledged entries are deleted)."""

@@ -83,8 +83,9 @@ def test_hand_offs_ack_the_input_and_count_in_one_step(bus):
     [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
     bus.publish_scored(eid, group, n_failed=1)
     assert bus.depth()[GENERATED] == 0  # acknowledged and deleted
+    assert bus.backlog() == 1  # waiting for the trainer
     [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
-    assert bus.backlog() == 1  # delivered, still pending
+    assert bus.backlog() == 0  # in the trainer's batch (pending): no longer waiting
     bus.commit_version(1, "s3://b/v1", "abc", [sid], ["u1/0:p1"], trained=4, groups_used=1)
     c = bus.counters()
     assert (c["generated"], c["scored"], c["score_failed"], c["trained"]) == (4, 4, 1, 4)
