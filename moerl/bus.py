@@ -55,7 +55,7 @@ PASSWORD_ENV = "VALKEY_PASSWORD"
 # buffer drops them too). `failed`: samples of groups in which any sample's scoring failed.
 COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "trained", "scored", "score_failed",
             "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
-            "prompts_dead", "groups_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
+            "prompts_dead", "groups_generated", "tokens_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
             "engine_loads", "drains")
 
 
@@ -78,6 +78,7 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
 end
 redis.call('XADD', KEYS[2], '*', 'group', ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'groups_generated', 1)
+redis.call('HINCRBY', KEYS[3], 'tokens_generated', tonumber(ARGV[4]))
 return 1
 """
 _ACK_AND_COUNT = """
@@ -146,7 +147,9 @@ def connect(url: str, reconnect_s: float = 60.0):
     client = valkey.Valkey.from_url(
         url, password=os.environ.get(PASSWORD_ENV) or None, decode_responses=True, socket_timeout=30,
         socket_connect_timeout=5, retry=retry,
-        retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError])
+        # OSError: a refused connect (the server restarting) surfaces as the builtin
+        # ConnectionRefusedError, which valkey-py's Retry would not otherwise retry
+        retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError])
     return client
 
 
@@ -369,7 +372,8 @@ class RunBus:
         and not added again; returns whether it was added."""
         return bool(self._publish_group(
             keys=[self.key("published"), self.key(GENERATED), self.key("counters")],
-            args=[group_id, json.dumps({"group_id": group_id, "samples": samples}), len(samples)]))
+            args=[group_id, json.dumps({"group_id": group_id, "samples": samples}), len(samples),
+                  sum(len(x.get("response_token_ids", ())) for x in samples)]))
 
     # -- scoring ------------------------------------------------------------------------
     def take_generated(self, consumer: str, count: int, block_ms: int = 500) -> list[tuple[str, dict[str, Any]]]:

@@ -30,6 +30,17 @@ log = logging.getLogger(__name__)
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 
 
+# Logged per iteration (sync) or per version (async) under these names, at step = the
+# version trained from, so runs of either mode compare side by side in MLflow.
+SHARED_METRICS = (
+    "reward/mean", "reward/std", "reward/exact_fraction", "reward/failed_samples", "response/length_mean",
+    "buffer/groups", "buffer/dropped_zero_variance_groups", "buffer/batch_samples", "buffer/staleness_max",
+    "train/loss", "train/clip_fraction", "train/entropy", "train/steps", "train/logprob_mismatch",
+    "timing/iteration_s", "timing/policy_update_s", "timing/publish_checkpoint_s",
+    "throughput/rollout_tokens_per_s", "policy/version", "weights/version",
+)
+
+
 def redact(value: str) -> str:
     """Drop `user:password@` from any URI inside `value`."""
     return _USERINFO.sub(r"\g<scheme>***@", value)

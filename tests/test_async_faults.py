@@ -171,6 +171,8 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
     assert c["score_failed"] > 0 and c["failed"] >= c["score_failed"]
     assert c["failed"] % h.cfg.rollout.samples_per_prompt == 0  # whole groups
     _balanced(c, h.cfg)
-    # one reward/mean per version, at the step the sync pipeline logs its iteration
-    hist = tracking.metric_history(h.uri, h.run_id, "reward/mean")
-    assert [s for s, _ in hist] == list(range(h.cfg.pipeline.versions))
+    # the sync pipeline's metric names, one point per version, at the step sync logs its iteration
+    for key in tracking.SHARED_METRICS:
+        assert [s for s, _ in tracking.metric_history(h.uri, h.run_id, key)] == list(range(h.cfg.pipeline.versions)), key
+    failed = [v for _, v in tracking.metric_history(h.uri, h.run_id, "reward/failed_samples")]
+    assert sum(failed) == c["failed"]

@@ -189,6 +189,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id), version_ref)
     issuer.start()
     t_start, busy = time.perf_counter(), 0.0
+    last_tokens, last_t = bus.counters()["tokens_generated"], t_start
     try:
         first = True
         for version in range(latest, cfg.pipeline.versions):
@@ -219,6 +220,10 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             metrics.update(_async_metrics(bus, t_start, busy))
             metrics["timing/iteration_s"] = time.perf_counter() - t_v
             metrics["policy/version"] = float(version)
+            metrics["reward/failed_samples"] = metrics["buffer/failed_samples"]
+            now, tokens = time.perf_counter(), int(metrics["async/tokens_generated"])
+            metrics["throughput/rollout_tokens_per_s"] = (tokens - last_tokens) / max(now - last_t, 1e-9)
+            last_tokens, last_t = tokens, now
             tracking.log_metrics(uri, run_id, version, metrics)
             bus.heartbeat(CONSUMER, busy_s=busy, wall_s=time.perf_counter() - t_start, version=float(version + 1),
                           reward_mean=metrics["reward/mean"], loss=metrics.get("train/loss", 0.0))
