@@ -372,7 +372,8 @@ class RunBus:
         and not added again; returns whether it was added."""
         return bool(self._publish_group(
             keys=[self.key("published"), self.key(GENERATED), self.key("counters")],
-            args=[group_id, json.dumps({"group_id": group_id, "samples": samples}), len(samples),
+            args=[group_id, json.dumps({"group_id": group_id, "t_generated": time.time(), "samples": samples}),
+                  len(samples),
                   sum(len(x.get("response_token_ids", ())) for x in samples)]))
 
     # -- scoring ------------------------------------------------------------------------

@@ -75,6 +75,7 @@ class Batch:
     group_ids: list[str] = field(default_factory=list)
     groups: list[list[ScoredSample]] = field(default_factory=list)  # used + filtered, in arrival order
     used: list[list[ScoredSample]] = field(default_factory=list)
+    waits_s: list[float] = field(default_factory=list)  # generated -> taken by the trainer, per group
 
     @property
     def n_groups(self) -> int:
@@ -115,4 +116,6 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, float]:
         "response/length_mean": n_tok / n,
         "rollout/samples": float(len(samples)),
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
+        "buffer/sample_wait_s_mean": sum(batch.waits_s) / max(len(batch.waits_s), 1),
+        "buffer/sample_wait_s_max": max(batch.waits_s, default=0.0),
     }

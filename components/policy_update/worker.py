@@ -132,6 +132,8 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool) -> tuple[Bat
                 batch.entry_ids.append(eid)
                 batch.group_ids.append(gid)
                 batch.groups.append(samples)
+                if "t_generated" in g:
+                    batch.waits_s.append(max(0.0, time.time() - float(g["t_generated"])))
                 if d == "used":
                     batch.used.append(samples)
     return batch, {"timing/buffer_wait_s": time.perf_counter() - t0,
@@ -189,7 +191,9 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id), version_ref)
     issuer.start()
     t_start, busy = time.perf_counter(), 0.0
-    last_tokens, last_t = bus.counters()["tokens_generated"], t_start
+    c0 = bus.counters()
+    last = {"t": t_start, "tokens": c0["tokens_generated"], "generated": c0["generated"],
+            "consumed": c0["trained"] + c0["filtered"]}
     try:
         first = True
         for version in range(latest, cfg.pipeline.versions):
@@ -221,9 +225,14 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             metrics["timing/iteration_s"] = time.perf_counter() - t_v
             metrics["policy/version"] = float(version)
             metrics["reward/failed_samples"] = metrics["buffer/failed_samples"]
-            now, tokens = time.perf_counter(), int(metrics["async/tokens_generated"])
-            metrics["throughput/rollout_tokens_per_s"] = (tokens - last_tokens) / max(now - last_t, 1e-9)
-            last_tokens, last_t = tokens, now
+            now = time.perf_counter()
+            cur = {"t": now, "tokens": metrics["async/tokens_generated"], "generated": metrics["async/generated"],
+                   "consumed": metrics["async/trained"] + metrics["async/filtered"]}
+            dt = max(now - last["t"], 1e-9)
+            metrics["throughput/rollout_tokens_per_s"] = (cur["tokens"] - last["tokens"]) / dt
+            metrics["async/producer_samples_per_s"] = (cur["generated"] - last["generated"]) / dt
+            metrics["async/consumer_samples_per_s"] = (cur["consumed"] - last["consumed"]) / dt
+            last = cur
             tracking.log_metrics(uri, run_id, version, metrics)
             bus.heartbeat(CONSUMER, busy_s=busy, wall_s=time.perf_counter() - t_start, version=float(version + 1),
                           reward_mean=metrics["reward/mean"], loss=metrics.get("train/loss", 0.0))

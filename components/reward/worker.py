@@ -68,7 +68,7 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
             t0 = time.perf_counter()
             for entry_id, group in got:
                 scored, n_failed = score_group(group["samples"], cfg.reward)
-                bus.publish_scored(entry_id, {"group_id": group["group_id"], "samples": scored}, n_failed)
+                bus.publish_scored(entry_id, {**group, "samples": scored}, n_failed)
             busy += time.perf_counter() - t0
         return EXIT_DRAINED
     finally:
