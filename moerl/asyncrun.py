@@ -132,7 +132,7 @@ class LocalAsyncRun:
         alive = [n for n in self.bus.alive() if n.startswith("rollout")]
         return (f"[moerl] {now - t0:5.0f}s version {reg.version if reg else '-'}/{self.cfg.pipeline.versions} "
                 f"reward/mean={st.get('reward_mean', float('nan')):.3f} buffer={self.bus.backlog()} groups "
-                f"generated={gen_rate:.0f}/s consumed={train_rate:.0f}/s workers alive={len(alive)}/"
+                f"samples/s generated={gen_rate:.0f} consumed={train_rate:.0f} workers alive={len(alive)}/"
                 f"{self.cfg.rollout.workers} stale={c['stale_dropped']} dup={c['duplicates']} failed={c['failed']}")
 
     def supervise(self, timeout_s: float | None = None, every_s: float = 5.0,

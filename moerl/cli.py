@@ -8,6 +8,7 @@
     moerl config show [--mode M] CONFIG    print the resolved config, defaults included
     moerl bench weights         publish / fetch / hot-swap / redistribution, side by side
     moerl bench ep-memory       peak RSS per expert-parallel rank at EP = 1, 2, 4, side by side
+    moerl bench modes CONFIG    sync vs async vs the one-process floor on the same workload
 
 `--mode` (sync or async) selects the config file's `modes:` block and `pipeline.mode`; without
 it the file's `pipeline.mode` decides (default sync).
@@ -91,6 +92,14 @@ def _cmd_bench_ep_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_modes(args: argparse.Namespace) -> int:
+    from moerl.bench.modes import parse_arms, run_bench_modes
+
+    report = run_bench_modes(args.config, args.set, iterations=args.iterations, out=args.out,
+                             arms=parse_arms(args.arms), work_dir=args.work_dir)
+    return 0 if report["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -147,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     bm.add_argument("--moe-intermediate-size", type=int, default=None, help="default 256")
     bm.add_argument("--out", default="bench/ep_memory.json")
     bm.set_defaults(func=_cmd_bench_ep_memory)
+    bmo = bsub.add_parser("modes", help="the same workload in sync, async and the one-process floor, side by side")
+    bmo.add_argument("config")
+    bmo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    bmo.add_argument("--iterations", type=int, default=10, help="versions per arm (sync iterations = async versions)")
+    bmo.add_argument("--arms", default="floor,sync,async")
+    bmo.add_argument("--out", default="bench/modes.json")
+    bmo.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
+    bmo.set_defaults(func=_cmd_bench_modes)
 
     config = sub.add_parser("config", help="inspect a run config")
     csub = config.add_subparsers(dest="config_command", required=True)

@@ -32,6 +32,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -174,11 +175,33 @@ class RolloutWorker:
         self.bus.publish_group(gid, samples)
 
     # -- the loop -------------------------------------------------------------------------
+    def _beat(self, stop: threading.Event) -> None:
+        """Liveness and stats every 2 s, from a thread: an engine load or a long unit must not
+        look like a dead worker."""
+        while not stop.wait(2.0):
+            try:
+                self.bus.heartbeat(self.name, ttl_s=10.0, busy_s=self.busy_s,
+                                   wall_s=time.perf_counter() - self.t_start,
+                                   version=float(self.version if self.version is not None else -1))
+            except Exception as err:  # noqa: BLE001 - liveness is advisory; the loop reports real failures
+                log.warning("%s: heartbeat failed: %s", self.name, err)
+
     def run(self) -> int:
         self.bus.ensure_groups()
+        stop = threading.Event()
+        beat = threading.Thread(target=self._beat, args=(stop,), name="moerl-heartbeat", daemon=True)
+        self.bus.heartbeat(self.name, ttl_s=10.0)
+        beat.start()
+        try:
+            return self._loop()
+        finally:
+            stop.set()
+            beat.join(timeout=5)
+            # the final stats, so busy/idle fractions cover the whole life of the worker
+            self.bus.heartbeat(self.name, ttl_s=1.0, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start)
+
+    def _loop(self) -> int:
         while True:
-            self.bus.heartbeat(self.name, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start,
-                               version=float(self.version if self.version is not None else -1))
             if self.bus.done():
                 return 0
             if self.drain.asked:

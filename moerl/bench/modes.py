@@ -1,0 +1,436 @@
+"""`moerl bench modes`: one workload run three ways, side by side: the floor, sync, async.
+
+The workload is the same in every arm: the dataset and its prompts per version
+(`task.prompts_per_iteration`, same shuffle seed), samples per prompt, response length,
+optimizer steps per version, the number of versions, the model. `check_same_workload`
+refuses a config whose `modes:` block changes any of these for one mode. Each arm runs in a
+fresh directory of its own (checkpoints, fetch cache, KFP root, work dir, sqlite MLflow and
+its artifacts), so nothing one arm leaves behind helps another.
+
+- floor: the stage functions in ONE process, with no pipeline, no tracking and no store.
+  Version 0 comes from `prepare_initial`, and one `RolloutEngine` serves the whole run. Per
+  version: prompts -> `engine.generate` -> `score` -> `assemble` -> `train_on_batch` on an
+  in-memory model and optimizer -> `_save_state` -> `engine.swap_weights`. This is the least
+  work any mode must do. It runs in a child process (`python -m moerl.bench.modes floor`),
+  because vLLM wants a `__main__` module.
+- sync: `run_local`, the KFP pipeline on kfp.local, which starts one engine per iteration.
+- async: `run_async`, long-lived local processes joined by an embedded Valkey.
+
+Each mode takes its settings from the config file's `modes:` block (`load_config(mode=...)`).
+The floor takes the sync mode's settings: it is on-policy, like sync.
+
+Read from each arm:
+- wall time, measured here around the whole arm. Every arm pays its own process starts and
+  imports, the floor included.
+- reward/mean of the first version, and the mean of the last 3.
+- engine loads.
+- the mean staleness of the samples it trained on.
+- per-stage busy fractions (time the stage worked / wall time), and idle = 1 - busy.
+
+Ratios are time multiples: sync/async (the async speedup), sync/floor, async/floor. Nothing is
+asserted about speed. On a shared 2-core machine the numbers are noisy; read the ratios.
+
+Limitations:
+- The busy fractions are not one measure across arms. Sync and the floor sum each stage's
+  time over all iterations, divided by the arm's wall time. Async reports each long-lived
+  process's own busy/wall ratio (the last `async/busy_fraction/*` the trainer logged), and
+  that process's wall starts when the process did.
+- Sync logs no staleness mean, only `buffer/staleness_max`; its mean is reported as 0 when
+  every iteration's maximum is 0, and as unknown otherwise.
+- The floor's one engine is seeded once, while the sync pipeline seeds each iteration's
+  engine anew. The samples therefore differ between the arms; the amount of work does not.
+- Every arm uses a local checkpoint store in its own directory, whatever `checkpoint.uri`
+  says. An S3 store's transfer time is not part of this comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from moerl import procs, provenance, tracking
+from moerl.bench import format_table, write_report
+from moerl.config import RunConfig, config_from_json, config_to_json, flatten, load_config
+from moerl.errors import ConfigError, MoerlError
+from moerl.userfiles import short_repr
+
+log = logging.getLogger(__name__)
+
+ARMS = ("floor", "sync", "async")
+ARM_MODE = {"floor": "sync", "sync": "sync", "async": "async"}  # whose `modes:` settings each arm takes
+# What makes two arms the same workload; any difference between the arms' configs is refused.
+WORKLOAD_KEYS = ("model", "task.dataset", "task.prompts_per_iteration", "task.shuffle_seed",
+                 "rollout.samples_per_prompt", "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p",
+                 "rollout.top_k", "trainer.optimizer_steps_per_iteration")
+RATIOS = {"sync_over_async": ("sync", "async"), "sync_over_floor": ("sync", "floor"),
+          "async_over_floor": ("async", "floor")}
+
+
+class ArmFailed(MoerlError):
+    """One arm of the bench did not finish; the report records why."""
+
+
+# -- configs ---------------------------------------------------------------------------------
+def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
+    """'floor,sync,async' (or a sequence) as a tuple of known arms, in the order given."""
+    arms = tuple(a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip())
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms or len(set(arms)) != len(arms):
+        raise ConfigError(f"bench modes: --arms must name each of {', '.join(ARMS)} at most once, comma-separated; "
+                          f"got {short_repr(','.join(arms))}")
+    return arms
+
+
+def arm_config(config: str | Path, overrides: Sequence[str], arm: str, iterations: int, arm_dir: Path) -> RunConfig:
+    """The config of `arm`: the file with `overrides`, the arm's mode, `iterations` versions,
+    and every path (store, cache, KFP root, work dir, MLflow) inside `arm_dir`."""
+    mode = ARM_MODE[arm]
+    length = f"pipeline.iterations={iterations}" if mode == "sync" else f"pipeline.versions={iterations}"
+    own = [f"checkpoint.uri={arm_dir / 'checkpoints'}", f"checkpoint.cache_dir={arm_dir / 'cache'}",
+           f"pipeline.pipeline_root={arm_dir / 'pipeline-root'}", f"pipeline.work_dir={arm_dir / 'work'}",
+           f"tracking.uri=sqlite:///{arm_dir / 'mlflow.db'}", length]
+    cfg = load_config(config, [*overrides, *own], mode=mode)
+    if cfg.pipeline.mode != mode:
+        raise ConfigError(f"bench modes: --set pipeline.mode={cfg.pipeline.mode} would run the {arm} arm in the "
+                          "wrong mode; leave pipeline.mode out: the bench runs every mode itself")
+    return cfg
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_same_workload(cfgs: dict[str, RunConfig]) -> None:
+    """Raise ConfigError naming the first workload key that differs between two arms."""
+    (first, base), *rest = cfgs.items()
+    for arm, cfg in rest:
+        for key in WORKLOAD_KEYS:
+            a, b = _get(base, key), _get(cfg, key)
+            if a != b:
+                raise ConfigError(f"bench modes: {key} differs between the {first} arm ({short_repr(a)}) and the "
+                                  f"{arm} arm ({short_repr(b)}); the arms must run the same workload, so set it "
+                                  "outside the config file's modes: block")
+
+
+def workload(cfg: RunConfig, iterations: int) -> dict[str, Any]:
+    return {"iterations": iterations, "dataset": cfg.task.dataset,
+            "prompts_per_iteration": cfg.task.prompts_per_iteration,
+            "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
+            "optimizer_steps_per_iteration": cfg.trainer.optimizer_steps_per_iteration,
+            "model": cfg.model.path or f"tiny {cfg.model.tiny.architecture} (seed {cfg.model.tiny.seed})"}
+
+
+# -- the floor -------------------------------------------------------------------------------
+def _floor_version(i: int, cfg: RunConfig, ds, tokenizer, engine, trainer, state: Path, work: Path,
+                   t: dict[str, float]) -> tuple[Path, float, float | None]:
+    """One version in the floor: generate, score, assemble, train, save, swap. Adds each
+    stage's seconds to `t`; returns the new state dir, the reward mean, and the staleness mean
+    of the trained samples (None when every group was dropped)."""
+    import torch
+
+    from moerl.components.buffer.stage import assemble
+    from moerl.components.policy_update.trainer import _save_state, train_on_batch
+    from moerl.components.reward.stage import reward_metrics, score
+    from moerl.records import Sample
+
+    model, opt, counters = trainer
+    s = time.perf_counter()
+    prompts = ds.batch(i, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
+    ids = [tokenizer.encode(p.prompt) for p in prompts]
+    completions = engine.generate(ids, cfg.rollout.samples_per_prompt)
+    samples = [Sample(prompt_id=p.id, task=p.task, prompt=p.prompt, answer=p.answer, sample_index=j,
+                      prompt_token_ids=pid, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
+                      response_text=c.text, finish_reason=c.finish_reason, policy_version=i)
+               for p, pid, comps in zip(prompts, ids, completions) for j, c in enumerate(comps)]
+    t["rollout"] += time.perf_counter() - s
+    s = time.perf_counter()
+    scored = score(samples, cfg.reward)
+    reward = reward_metrics(scored)["reward/mean"]
+    t["reward"] += time.perf_counter() - s
+    s = time.perf_counter()
+    batch, _ = assemble(scored, cfg.buffer, trainer_version=i)
+    t["buffer"] += time.perf_counter() - s
+    s = time.perf_counter()
+    torch.manual_seed(cfg.trainer.seed + i)
+    if batch:  # an empty batch (every group dropped) still makes the next version, unchanged
+        train_on_batch(model, opt, counters, batch, cfg, seed=cfg.trainer.seed + i)
+    counters.version += 1
+    t["policy_update"] += time.perf_counter() - s
+    s = time.perf_counter()
+    out = work / f"v{i + 1}"
+    _save_state(model, opt, counters, state, out)
+    t["save_state"] += time.perf_counter() - s
+    s = time.perf_counter()
+    engine.swap_weights(out)
+    t["swap"] += time.perf_counter() - s
+    shutil.rmtree(state, ignore_errors=True)
+    staleness = sum(i - x.policy_version for x in batch) / len(batch) if batch else None
+    return out, reward, staleness
+
+
+def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
+    """The floor arm (in the child process): `iterations` versions, one engine, a hot swap
+    after each update. Returns per-stage seconds, rewards and staleness per version."""
+    from transformers import AutoTokenizer
+
+    from moerl.components.policy_update.trainer import _load_state
+    from moerl.components.publish_checkpoint.stage import prepare_initial
+    from moerl.components.rollout.engine import RolloutEngine
+    from moerl.dataset import load_dataset
+
+    t0 = time.perf_counter()
+    t: dict[str, float] = defaultdict(float)
+    # 1. version 0, the trainer's model and optimizer in memory, one engine
+    state = prepare_initial(cfg, work / "v0")
+    trainer = _load_state(state, cfg)
+    tokenizer = AutoTokenizer.from_pretrained(state)
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    t["init_policy"] = time.perf_counter() - t0
+    engine = RolloutEngine(state, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    loads = 1
+    t["engine_load"] = engine.load_s
+    # 2. the versions
+    rewards, staleness = [], []
+    try:
+        for i in range(iterations):
+            state, reward, stale = _floor_version(i, cfg, ds, tokenizer, engine, trainer, state, work, t)
+            rewards.append(reward)
+            staleness.append(stale)
+            print(f"[moerl] floor version {i + 1}/{iterations} reward/mean={reward:.3f} | "
+                  + " ".join(f"{k}={v:.1f}s" for k, v in t.items()), flush=True)
+    finally:
+        engine.close()
+    return {"stage_s": dict(t), "rewards": rewards, "staleness": staleness, "engine_loads": loads,
+            "swaps": iterations, "inner_s": time.perf_counter() - t0}
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+def _floor_arm(cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]:
+    """Run the floor in a child process (dies with this one); its progress lines are echoed,
+    everything it prints goes to `floor.log` in the arm's directory."""
+    cfg_path, result, log_path = arm_dir / "config.json", arm_dir / "floor.json", arm_dir / "floor.log"
+    cfg_path.write_text(config_to_json(cfg))
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    args = ["floor", "--config", str(cfg_path), "--iterations", str(iterations), "--work", str(arm_dir / "work"),
+            "--out", str(result)]
+    with log_path.open("w") as log_file:
+        proc = procs.spawn("moerl.bench.modes", args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in proc.stdout:
+                log_file.write(line)
+                if line.startswith("[moerl]"):
+                    print(line, end="", flush=True)
+            code = proc.wait()
+        finally:
+            procs.kill_groups([proc])
+    if code != 0 or not result.is_file():
+        raise ArmFailed(f"floor arm exited {code}; last lines of its output:\n{_tail(log_path)}")
+    return json.loads(result.read_text())
+
+
+# -- reading the arms ------------------------------------------------------------------------
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def arm_result(wall_s: float, rewards: Sequence[float], engine_loads: int | None, staleness_mean: float | None,
+               busy: dict[str, float], **detail: Any) -> dict[str, Any]:
+    """One arm's row of the report."""
+    return {"ok": True, "wall_s": wall_s, "reward_first": rewards[0] if rewards else None,
+            "reward_last3": _mean(rewards[-3:]), "rewards": list(rewards), "engine_loads": engine_loads,
+            "staleness_mean": staleness_mean, "busy": busy, "idle": {k: 1.0 - v for k, v in busy.items()},
+            **detail}
+
+
+def _history(uri: str, run_id: str, key: str) -> list[float]:
+    return [v for _, v in tracking.metric_history(uri, run_id, key)]
+
+
+def _own_experiment(cfg: RunConfig, arm_dir: Path) -> str:
+    """Create the arm's MLflow experiment with its artifacts in `arm_dir` (not ./mlruns)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking.resolve_uri(cfg.tracking)
+    MlflowClient(uri).create_experiment(cfg.tracking.experiment, artifact_location=(arm_dir / "mlartifacts").as_uri())
+    return uri
+
+
+def _sync_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
+    from mlflow.tracking import MlflowClient
+
+    from moerl.runner import run_local
+
+    uri = _own_experiment(cfg, arm_dir)
+    t0 = time.perf_counter()
+    summary = run_local(cfg)
+    wall = time.perf_counter() - t0
+    if not summary.ok:
+        raise ArmFailed("sync arm: the pipeline failed; last lines of its log:\n"
+                        + _tail(Path(cfg.pipeline.work_dir) / f"{summary.run_id}.log"))
+    keys = MlflowClient(uri).get_run(summary.run_id).data.metrics
+    stages = sorted(k for k in keys if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1
+                    and k != "timing/iteration_s")
+    busy = {k[len("timing/"):-2]: sum(_history(uri, summary.run_id, k)) / wall for k in stages}
+    stale_max = _history(uri, summary.run_id, "buffer/staleness_max")
+    return arm_result(wall, _history(uri, summary.run_id, "reward/mean"),
+                      engine_loads=len(_history(uri, summary.run_id, "rollout/engine_load_s")),
+                      staleness_mean=0.0 if stale_max and max(stale_max) == 0 else None, busy=busy,
+                      run_id=summary.run_id)
+
+
+def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
+    from mlflow.tracking import MlflowClient
+
+    from moerl.asyncrun import run_async
+
+    uri = _own_experiment(cfg, arm_dir)
+    t0 = time.perf_counter()
+    summary = run_async(cfg)
+    wall = time.perf_counter() - t0
+    if not summary.ok:
+        raise ArmFailed("async arm: the run failed; last lines of the trainer's log:\n"
+                        + _tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log"))
+    last = MlflowClient(uri).get_run(summary.run_id).data.metrics
+    prefix = "async/busy_fraction/"
+    busy = {k[len(prefix):]: v for k, v in sorted(last.items()) if k.startswith(prefix)}
+    busy["trainer"] = last["async/trainer_busy_fraction"]
+    counters = {k: int(last[f"async/{k}"]) for k in ("generated", "trained", "filtered", "stale_dropped",
+                                                     "duplicates", "failed", "swaps") if f"async/{k}" in last}
+    return arm_result(wall, _history(uri, summary.run_id, "reward/mean"),
+                      engine_loads=int(last["async/engine_loads"]),
+                      staleness_mean=_mean(_history(uri, summary.run_id, "buffer/staleness_mean")), busy=busy,
+                      run_id=summary.run_id, counters=counters)
+
+
+def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]:
+    if arm == "floor":
+        t0 = time.perf_counter()
+        res = _floor_arm(cfg, iterations, arm_dir)
+        wall = time.perf_counter() - t0
+        busy = {k: v / wall for k, v in res["stage_s"].items()}
+        stale = [s for s in res["staleness"] if s is not None]  # None: nothing trained in that version
+        return arm_result(wall, res["rewards"], res["engine_loads"], _mean(stale), busy,
+                          swaps=res["swaps"], inner_s=res["inner_s"])
+    return _sync_arm(cfg, arm_dir) if arm == "sync" else _async_arm(cfg, arm_dir)
+
+
+# -- the report ------------------------------------------------------------------------------
+def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Wall-time multiples between the arms that finished; None where either did not run."""
+    def q(a: str, b: str) -> float | None:
+        ra, rb = arms.get(a), arms.get(b)
+        if not (ra and rb and ra.get("ok") and rb.get("ok")):
+            return None
+        return ra["wall_s"] / rb["wall_s"]
+
+    return {name: q(a, b) for name, (a, b) in RATIOS.items()}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    arms, floor = report["arms"], report["arms"].get("floor", {})
+    rows = []
+    for name, r in arms.items():
+        x_floor = r["wall_s"] / floor["wall_s"] if r.get("ok") and floor.get("ok") else None
+        rows.append([name, r["ok"], r.get("wall_s"), x_floor, r.get("reward_first"), r.get("reward_last3"),
+                     r.get("engine_loads"), r.get("staleness_mean")])
+    lines = [format_table(["arm", "ok", "wall s", "x floor", "reward first", "reward last3", "engine loads",
+                           "staleness"], rows), ""]
+    for name, r in arms.items():
+        if r.get("ok"):
+            lines.append(f"{name} busy (idle = 1 - busy): "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in r["busy"].items()))
+        else:
+            last = (r.get("error") or "").strip().splitlines()[-1:]  # an arm's own error ends its output
+            lines.append(f"{name} FAILED: {last[0] if last else 'unknown'}")
+    shown = {k: f"{v:.2f}x" if v is not None else "-" for k, v in report["ratios"].items()}
+    lines.append(f"sync/async (async speedup) {shown['sync_over_async']}; sync/floor {shown['sync_over_floor']}; "
+                 f"async/floor {shown['async_over_floor']}  (wall-time multiples)")
+    return "\n".join(lines)
+
+
+def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iterations: int = 10,
+                    out: str | Path = "bench/modes.json", arms: Sequence[str] = ARMS,
+                    work_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run `arms` on the same workload, one after another; write the report to `out` and
+    print its table. Returns the report; `report["ok"]` is False when any arm failed (the
+    others still run). `work_dir` keeps every arm's directory there; default: a temporary
+    directory, removed afterwards."""
+    arms = parse_arms(arms)
+    if iterations < 1:
+        raise ConfigError(f"bench modes: --iterations must be >= 1, got {iterations}")
+    with tempfile.TemporaryDirectory(prefix="moerl-bench-modes-") as tmp:
+        root = Path(work_dir) if work_dir is not None else Path(tmp)
+        # 1. every arm's config, each in its own fresh directory; the same workload or an error
+        dirs = {a: Path(tempfile.mkdtemp(prefix=f"{a}-", dir=_mkdir(root))) for a in arms}
+        cfgs = {a: arm_config(config, overrides, a, iterations, dirs[a]) for a in arms}
+        check_same_workload(cfgs)
+        # 2. the arms, one after another; a failed arm is recorded and the rest still run
+        results: dict[str, dict[str, Any]] = {}
+        for n, arm in enumerate(arms, 1):
+            print(f"[moerl] bench modes: arm {arm} ({n}/{len(arms)}), {iterations} versions, in {dirs[arm]}",
+                  flush=True)
+            try:
+                results[arm] = _run_arm(arm, cfgs[arm], iterations, dirs[arm])
+            except Exception as err:  # noqa: BLE001 - one arm's failure is reported; the others still run
+                if not isinstance(err, MoerlError):  # a bug: keep its traceback
+                    traceback.print_exc()
+                results[arm] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+    # 3. the report
+    first = cfgs[arms[0]]
+    report = {"bench": "modes", "config": str(config), "overrides": list(overrides), "arms_run": list(arms),
+              "workload": workload(first, iterations), "arms": results, "ratios": ratios(results),
+              "ok": all(r["ok"] for r in results.values()),
+              "configs": {a: {k: tracking.redact(v) for k, v in flatten(cfgs[a]).items()} for a in arms},
+              "versions": provenance.collect()}
+    write_report(Path(out), report)
+    print(format_report(report))
+    print(f"wrote {out}")
+    return report
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m moerl.bench.modes floor ...`: the floor arm, as `run_bench_modes` starts it."""
+    ap = argparse.ArgumentParser(prog="python -m moerl.bench.modes",
+                                 description="the floor arm of `moerl bench modes` (started by it)")
+    sub = ap.add_subparsers(dest="arm", required=True)
+    fl = sub.add_parser("floor")
+    fl.add_argument("--config", required=True, help="the resolved run config, as JSON")
+    fl.add_argument("--iterations", type=int, required=True)
+    fl.add_argument("--work", required=True)
+    fl.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s floor %(levelname)s %(message)s")
+    try:
+        res = run_floor(config_from_json(Path(a.config).read_text()), a.iterations, Path(a.work))
+    except MoerlError as err:
+        print(f"moerl: error: floor: {err}", flush=True)
+        return err.exit_code
+    Path(a.out).write_text(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
