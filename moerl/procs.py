@@ -36,6 +36,9 @@ import threading
 import time
 
 PARENT_ENV = "MOERL_PARENT_PID"
+# A comma-separated list of CPU ids the wrapped process is pinned to before it imports anything
+# (so every thread it, torch or vLLM starts inherits the set).
+CPUS_ENV = "MOERL_CPUS"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -125,6 +128,9 @@ def _main(argv: list[str]) -> None:
     parent = os.environ.pop(PARENT_ENV, None)
     die_with_parent(int(parent) if parent else None)
     os.environ[PARENT_ENV] = str(os.getpid())  # for children run through this wrapper in turn
+    cpus = os.environ.get(CPUS_ENV)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     sys.argv = argv
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 

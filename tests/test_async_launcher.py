@@ -1,0 +1,23 @@
+"""The local async launcher's pure parts: how it shares one machine's cores between stages."""
+
+from moerl.asyncrun import cpu_plan
+
+
+def test_the_trainer_and_the_engines_never_share_a_core():
+    plan = cpu_plan([0, 1], workers=1)
+    assert plan == {"trainer": [0], "rollout-0": [1]}
+    plan = cpu_plan(list(range(8)), workers=2)
+    assert plan["trainer"] == [0, 1, 2, 3]
+    assert plan["rollout-0"] == [4, 5] and plan["rollout-1"] == [6, 7]
+    for name, cores in plan.items():
+        if name != "trainer":
+            assert not set(cores) & set(plan["trainer"])
+
+
+def test_more_workers_than_rollout_cores_share_them_one_each():
+    plan = cpu_plan([0, 1, 2, 3], workers=3)
+    assert [plan[f"rollout-{i}"] for i in range(3)] == [[2], [3], [2]]
+
+
+def test_one_core_pins_nothing():
+    assert cpu_plan([0], workers=2) == {}
