@@ -95,6 +95,14 @@ def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int) -> None:
     if reg is not None and reg.version >= latest:
         return
     store = run_store(cfg.checkpoint, run_id)
+    if reg is None and latest > 0:
+        # a resumed run on a Valkey that never saw it (a new server, or its data lost): the
+        # versions up to `latest` used their groups already, so issuance must not redo them
+        log.warning("the registry is empty but version %d is published: resuming from it on a fresh Valkey", latest)
+        bus.incr(groups_used=latest * cfg.task.prompts_per_iteration,
+                 prompts_issued=latest * cfg.task.prompts_per_iteration)
+        bus.register(latest, version_uri(store, latest), store.manifest(latest).sha256())
+        return
     manifest = store.manifest(latest)
     groups = json.loads(manifest.meta.get("groups", "[]"))
     entries = json.loads(manifest.meta.get("entries", "[]"))
