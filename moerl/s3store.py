@@ -10,6 +10,9 @@ Limitations:
   serve bucket host names; virtual-host style on AWS itself.
 - An object is replaced by one PUT, so `latest.json` and pins are atomic; deleting a version
   is not (manifest first, then its objects, one batch at a time).
+- A fetched file is hashed in offset order on s3transfer's single I/O thread while its ranged
+  GETs run concurrently, so one file's fetch cannot go faster than one core's sha256 rate;
+  parts that arrive ahead of the hash wait in memory (s3transfer bounds how many).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedErr
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.store import MANIFEST, CheckpointStore
+from moerl.store import MANIFEST, CheckpointStore, HashingWriter
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +116,14 @@ class S3Store(CheckpointStore):
         with self._errors(f"uploading {rel}"):
             self._s3.upload_file(str(src), self.bucket, key, Config=self._transfer)
 
-    def _get(self, stage: str, rel: str, dest: Path) -> None:
+    def _get(self, stage: str, rel: str, dest: Path) -> str:
+        """Concurrent ranged GETs, written and hashed in offset order as they arrive (see
+        `HashingWriter`): the checksum costs no second read of the file."""
         key = self._key(f"versions/{stage}/{rel}")
-        with self._errors(f"downloading {rel} of {stage}"):
-            self._s3.download_file(self.bucket, key, str(dest), Config=self._transfer)
+        with self._errors(f"downloading {rel} of {stage}"), open(dest, "wb") as f:
+            out = HashingWriter(f)
+            self._s3.download_fileobj(self.bucket, key, out, Config=self._transfer)
+        return out.hexdigest()
 
     def _size(self, stage: str, rel: str) -> int | None:
         head = self._or_none(f"checking {rel}", lambda: self._s3.head_object(

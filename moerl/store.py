@@ -5,8 +5,10 @@ file, writes `manifest.json` (path, size, sha256 of each file) last, reads it ba
 every object is there with the right size, and only then moves the `latest` pointer. A version
 is complete when its manifest exists, so a crash mid-publish never looks like a version, and
 retention deletes a version's manifest before its files for the same reason. `fetch` verifies
-every file against the manifest and leaves a marker, so a verified copy is reused; a file lock
-per version lets processes on one node share a cache folder. Layout under a root or s3://b/prefix:
+every file against the manifest while it streams (sha256 updated chunk by chunk as the bytes
+arrive, no second read) into a staging folder, renames that folder into place only once every
+file matched, and leaves a marker, so a verified copy is reused; a file lock per version lets
+processes on one node share a cache folder. Layout under a root or s3://b/prefix:
     versions/v000001/<files>   versions/v000001/manifest.json   latest.json   pins/<holder>.json
 This module is the contract; the folder backend is `moerl.localstore`, the S3 backend
 `moerl.s3store`, and `moerl.checkpoints.open_store` picks one (boto3 is imported only for
@@ -36,6 +38,7 @@ Limitations:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -48,15 +51,15 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from moerl.errors import CheckpointError
 from moerl.fetchcache import MARKER, exclusive, is_verified, lock_path
 from moerl.leases import PinLeases
 from moerl.manifest import MANIFEST, FileEntry, Manifest, sha256_file, version_dir
 
-__all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "Manifest", "sha256_file",
-           "version_dir"]
+__all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "HashingWriter", "Manifest",
+           "copy_hashed", "sha256_file", "version_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,46 @@ LATEST = "latest.json"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _STAGE_DIR = re.compile(r"^(?:\.tmp-)?v(\d{6,})(?:-[0-9a-f]+)?$")  # a version dir or a local staging dir
 _MiB = 1024 * 1024
+_COPY_CHUNK = 8 * _MiB  # hashlib releases the GIL on buffers this large, so parallel copies overlap
 _R = TypeVar("_R")
+
+
+class HashingWriter:
+    """A write-only, non-seekable file that hashes every byte on its way to `f`.
+
+    Non-seekable on purpose: s3transfer then hands over a concurrent ranged download in offset
+    order (it buffers parts that arrive early), so the sha256 covers the bytes exactly as they
+    land in the file, with no second read. A retried part is deduplicated by s3transfer before
+    it reaches `write`.
+    """
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f, self._h, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._h.update(data)
+        n = self._f.write(data)
+        self.size += len(data)
+        return n if n is not None else len(data)
+
+    def seekable(self) -> bool:
+        return False
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def copy_hashed(src: Path, dest: Path) -> str:
+    """Copy `src` to `dest` in one read pass and return the sha256 of the bytes written."""
+    buf, h = bytearray(_COPY_CHUNK), hashlib.sha256()
+    view = memoryview(buf)
+    with open(src, "rb", buffering=0) as fi, open(dest, "wb", buffering=0) as fo:
+        while n := fi.readinto(buf):
+            h.update(view[:n])
+            done = 0
+            while done < n:  # a raw write may be short
+                done += fo.write(view[done:n])
+    return h.hexdigest()
 
 
 class CheckpointStore(PinLeases, ABC):
@@ -82,7 +124,7 @@ class CheckpointStore(PinLeases, ABC):
     @abstractmethod
     def _put(self, stage: str, rel: str, src: Path) -> None: ...
     @abstractmethod
-    def _get(self, stage: str, rel: str, dest: Path) -> None: ...
+    def _get(self, stage: str, rel: str, dest: Path) -> str: ...  # the sha256 of what it wrote, hashed as it streamed
     @abstractmethod
     def _size(self, stage: str, rel: str) -> int | None: ...  # None: missing
     @abstractmethod
@@ -321,10 +363,15 @@ class CheckpointStore(PinLeases, ABC):
                                       f"found {'nothing' if size is None else size}; retry the publish")
 
     def _get_verified(self, version: int, e: FileEntry, tmp: Path) -> None:
+        """Download one file into the staging folder, hashed as it streams; refuse a mismatch.
+
+        The bytes land only under `tmp`: fetch renames that folder to its final name after every
+        file passed, so a corrupt or short object never shows up at the final path.
+        """
         dest = tmp / e.path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        self._get(version_dir(version), e.path, dest)
-        size, sha = dest.stat().st_size, sha256_file(dest)
+        sha = self._get(version_dir(version), e.path, dest)
+        size = dest.stat().st_size
         if size != e.size or sha != e.sha256:
             raise CheckpointError(f"{e.path} of version {version} in {self.uri} is corrupt: expected sha256 "
                                   f"{e.sha256} ({e.size} bytes), got sha256 {sha} ({size} bytes); republish it")

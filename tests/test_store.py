@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from moerl.errors import CheckpointError
 from moerl.s3store import S3Store
 from moerl.checkpoints import open_store
 from moerl.localstore import LocalStore
-from moerl.store import MANIFEST, CheckpointStore, FileEntry, Manifest, sha256_file
+from moerl.store import MANIFEST, CheckpointStore, FileEntry, HashingWriter, Manifest, copy_hashed, sha256_file
 from tests.s3server import S3Server
 
 
@@ -156,6 +157,61 @@ def test_corrupt_object_refused_at_fetch(case: Case, tmp_path: Path, same_size: 
     assert "model.safetensors" in msg and entry.sha256 in msg and actual in msg
     assert not (tmp_path / "cache" / "v000001").exists()
     assert not list((tmp_path / "cache").glob(".tmp-*"))
+
+
+def test_streaming_fetch_refuses_a_corrupt_multipart_object_and_never_shows_it(case: Case, tmp_path: Path) -> None:
+    """One flipped byte deep inside a multipart-sized object (right size, wrong bytes): the sha256
+    computed while the parts stream in (concurrent ranged GETs on S3) does not match, so fetch
+    refuses the version, and a watcher polling the cache during the fetch never sees the final
+    path. Once the object is repaired, the same fetch succeeds."""
+    src = make_checkpoint(tmp_path / "src", big_mib=21)  # 5 parts of 5 MiB on S3
+    m = case.store.publish(1, src)
+    entry = next(f for f in m.files if f.path == "big.bin")
+    good = (src / "big.bin").read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2 + 12345] ^= 0xFF
+    case.put_raw("versions/v000001/big.bin", bytes(bad))
+    cache = tmp_path / "cache"
+    final = cache / "v000001"
+    seen: list[bool] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if final.exists():
+                seen.append(True)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(CheckpointError) as err:
+            case.store.fetch(1, cache)
+    finally:
+        stop.set()
+        watcher.join()
+    msg, actual = str(err.value), hashlib.sha256(bad).hexdigest()
+    assert "big.bin" in msg and f"expected sha256 {entry.sha256} ({entry.size} bytes)" in msg
+    assert f"got sha256 {actual} ({entry.size} bytes)" in msg  # the streamed hash is of the bytes as received
+    assert not seen and not final.exists() and not list(cache.glob(".tmp-*"))
+    case.put_raw("versions/v000001/big.bin", good)
+    assert tree(case.store.fetch(1, cache))["big.bin"] == good
+
+
+def test_hashing_writer_and_copy_hashed(tmp_path: Path) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    with open(tmp_path / "w", "wb") as f:
+        w = HashingWriter(f)
+        for i in range(0, len(data), 1 << 20):
+            assert w.write(data[i:i + (1 << 20)]) == len(data[i:i + (1 << 20)])
+        assert not w.seekable()  # so s3transfer writes a ranged download in offset order
+    assert w.hexdigest() == hashlib.sha256(data).hexdigest() and w.size == len(data)
+    assert (tmp_path / "w").read_bytes() == data
+    assert copy_hashed(tmp_path / "w", tmp_path / "c") == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "c").read_bytes() == data
+    (tmp_path / "empty").write_bytes(b"")
+    assert copy_hashed(tmp_path / "empty", tmp_path / "e") == hashlib.sha256(b"").hexdigest()
+    assert (tmp_path / "e").read_bytes() == b""
 
 
 def test_verified_copy_is_reused(case: Case, tmp_path: Path) -> None:

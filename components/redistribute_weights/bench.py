@@ -6,13 +6,16 @@ For each model size (the tiny default, and a ~0.5 B-parameter Qwen3-MoE):
   against a raw boto3 `upload_file` of the same files to the same S3 server;
 - fetch MB/s into the node cache (with sha256 verification) against raw `download_file`;
 - hot-swap latency into a live vLLM engine against the bound of bytes / memcpy bandwidth
-  measured here, and whether the swapped engine's logprobs equal a fresh load's;
+  measured here, where it goes (reading the files, vLLM's reload of the non-expert layers,
+  the CPU MoE prepack; see `hotswap.SwapStats`), and whether the swapped engine's logprobs
+  equal a fresh load's;
 - end-to-end redistribution: from "version published" until the engine serves it (fetch +
   verify + swap), for the one engine this machine runs.
 
 The S3 server is a real one: `weed mini` on loopback, started and stopped by the bench (or
 `--endpoint-url` for your own). Ratios are what to read; absolute numbers on a 2-core machine
-are noisy. Each transfer is repeated and the median kept.
+are noisy. Each transfer is repeated and the median kept; so is the swap (2 x repeats - 1
+swaps, alternating between the two versions and ending on the one the parity check reads).
 
 Limitations: one engine (in-process, CPU); "every engine" at scale is the max over nodes of
 the same fetch + swap, which this machine cannot show.
@@ -49,9 +52,14 @@ class Row:
     publish_vs_raw: float
     fetch_mb_s: float
     raw_download_mb_s: float
+    fetch_vs_raw: float
     swap_s: float
     memcpy_bound_s: float
     swap_vs_bound: float
+    swap_read_s: float  # the median swap's breakdown (hotswap.SwapStats)
+    swap_reload_s: float
+    swap_repack_s: float
+    swap_moe_layers_inplace: int
     parity_max_abs_dlogp: float
     parity_ok: bool
     redistribution_s: float
@@ -146,8 +154,10 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
         _probe(engine)
         t0 = time.perf_counter()  # "published" -> "served": fetch into a fresh cache, verify, swap
         local = stores[-1].fetch(1, work / name / "e2e-cache")
-        stats = engine.swap_weights(local)
+        swaps = [engine.swap_weights(local)]
         redistribution = time.perf_counter() - t0
+        for i in range(2 * repeats - 2):  # more swaps for the median: A, B, A, ..., ending on B
+            swaps.append(engine.swap_weights(a if i % 2 == 0 else local))
         swapped = _probe(engine)
     finally:
         engine.close()
@@ -158,28 +168,35 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
     finally:
         fresh_engine.close()
     dlogp = max(abs(x - y) for x, y in zip(swapped, fresh))
+    stats = sorted(swaps, key=lambda s: s.seconds)[len(swaps) // 2]
     bound = stats.bytes / (memcpy_gb_s(stats.bytes) * 1e9)
     return Row(size=name, params_m=round(params, 1), mb=round(mb, 1),
                publish_mb_s=mb / t_pub, raw_upload_mb_s=mb / t_raw, publish_vs_raw=t_raw / t_pub,
-               fetch_mb_s=mb / t_fetch, raw_download_mb_s=mb / t_dl,
+               fetch_mb_s=mb / t_fetch, raw_download_mb_s=mb / t_dl, fetch_vs_raw=t_dl / t_fetch,
                swap_s=stats.seconds, memcpy_bound_s=bound, swap_vs_bound=stats.seconds / bound,
+               swap_read_s=stats.read_s, swap_reload_s=stats.reload_s, swap_repack_s=stats.repack_s,
+               swap_moe_layers_inplace=stats.moe_layers_inplace,
                parity_max_abs_dlogp=dlogp, parity_ok=dlogp <= 1e-4, redistribution_s=redistribution,
                fresh_load_s=fresh_load, swap_vs_fresh_load=stats.seconds / fresh_load)
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'size':>5} {'MB':>7} | {'publish':>8} {'raw up':>8} {'ratio':>6} | {'fetch':>8} {'raw dn':>8} | "
-            f"{'swap s':>7} {'bound s':>8} {'x bound':>7} {'parity':>8} | {'e2e s':>6} | {'fresh load s':>12}")
+    head = (f"{'size':>5} {'MB':>7} | {'publish':>8} {'raw up':>8} {'ratio':>6} | {'fetch':>8} {'raw dn':>8} {'ratio':>6} | "
+            f"{'swap s':>7} {'bound s':>8} {'x bound':>7} {'read/reload/repack s':>20} {'parity':>8} | "
+            f"{'e2e s':>6} | {'fresh load s':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.size:>5} {r.mb:>7.1f} | {r.publish_mb_s:>6.1f}/s {r.raw_upload_mb_s:>6.1f}/s "
-                     f"{r.publish_vs_raw:>6.2f} | {r.fetch_mb_s:>6.1f}/s {r.raw_download_mb_s:>6.1f}/s | "
+                     f"{r.publish_vs_raw:>6.2f} | {r.fetch_mb_s:>6.1f}/s {r.raw_download_mb_s:>6.1f}/s {r.fetch_vs_raw:>6.2f} | "
                      f"{r.swap_s:>7.3f} {r.memcpy_bound_s:>8.4f} {r.swap_vs_bound:>7.1f} "
+                     f"{f'{r.swap_read_s:.2f}/{r.swap_reload_s:.2f}/{r.swap_repack_s:.2f}':>20} "
                      f"{'ok' if r.parity_ok else 'FAIL':>4}{r.parity_max_abs_dlogp:>4.0e} | {r.redistribution_s:>6.2f} | "
                      f"{r.fresh_load_s:>12.2f}")
-    lines.append("MB/s columns: MB/s; ratio = publish throughput / raw boto3 upload_file throughput (same bytes, "
-                 "same server); x bound = swap time / (bytes / measured memcpy bandwidth); fresh load = a new vLLM "
-                 "engine loading the same version (what a hot swap avoids)")
+    lines.append("MB/s columns: MB/s; ratio = publish (or fetch) throughput / raw boto3 upload_file (or "
+                 "download_file) throughput (same bytes, same server); x bound = swap time / (bytes / measured memcpy "
+                 "bandwidth); read/reload/repack = the median swap's time reading the files, in vLLM's reload of the "
+                 "rest, and in the CPU MoE prepack; fresh load = a new vLLM engine loading the same version (what a hot "
+                 "swap avoids)")
     return "\n".join(lines)
 
 
