@@ -60,6 +60,7 @@ from moerl.components.reward.component import reward_scorer
 from moerl.components.rollout.component import rollout_worker
 from moerl.components.tracking.component import finish_run, start_run
 from moerl.config import RunConfig, config_to_json
+from moerl.pipelines.grpo import _task  # caching off (stateful, side-effecting), display name
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f for f in (start_run, init_policy, rollout_worker, reward_scorer, async_trainer, finish_run)
@@ -87,11 +88,6 @@ def make_async_ops(base_image: str) -> AsyncOps:
     return AsyncOps(**{name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
                        for name, f in STAGE_FUNCS.items()})
 
-
-def _task(t, name: str):
-    t.set_caching_options(False)  # stateful, side-effecting: never served from cache
-    t.set_display_name(name)
-    return t
 
 
 def _retry(t, num_retries: int, cfg: RunConfig):
