@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from moerl import procs, provenance, tracking
+from moerl import procs, tracking
 from moerl.bus import EmbeddedValkey, RunBus, connect
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
@@ -213,7 +213,7 @@ def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
 
 
 def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None):
-    from moerl.runner import RunSummary, _report, absolutize, preflight
+    from moerl.runner import RunSummary, _report, _resume_point, absolutize, begin_run, preflight
 
     # 1. preflight, absolute paths, credentials into the environment
     preflight(cfg)
@@ -222,18 +222,9 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None):
     uri = tracking.resolve_uri(cfg.tracking)
     shown = tracking.redact(uri)
     # 2. MLflow run, Valkey
-    if resume:
-        run_id = resume
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(uri).update_run(run_id, status="RUNNING")
-        tracking.set_tags(uri, run_id, {"moerl.status": "running", f"moerl.resumed_at.{int(time.time())}": "async"})
-        print(f"[moerl] resuming async MLflow run {run_id} at {shown}", flush=True)
-    else:
-        tags = provenance.collect()
-        tags["moerl.mode"] = "async-local"
-        run_id = tracking.start_run(cfg, uri, tags)
-        print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}", flush=True)
+    if resume:  # a run id that MLflow does not know is refused before anything starts
+        _resume_point(cfg, uri, resume)
+    run_id = begin_run(cfg, uri, "async-local", resume=resume)
     work = Path(cfg.pipeline.work_dir) / run_id
     cfg, server = start_valkey(cfg, work)
     run = None

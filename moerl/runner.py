@@ -182,6 +182,27 @@ def _resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
     return latest
 
 
+def begin_run(cfg: RunConfig, uri: str, mode: str, resume: str | None = None, resumed_from: str = "") -> str:
+    """A new MLflow run with the provenance tags and `moerl.mode`, or run `resume` marked running
+    again (tagged with when, from where, and this checkout's git sha). Returns the run id."""
+    shown = tracking.redact(uri)
+    if resume:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(uri).update_run(resume, status="RUNNING")
+        tracking.set_tags(uri, resume, {"moerl.status": "running",
+                                        f"moerl.resumed_at.{int(time.time())}": resumed_from or mode,
+                                        "moerl.resume_git_sha": provenance.git_sha()})
+        print(f"[moerl] resuming MLflow run {resume}{f' from version {resumed_from}' if resumed_from else ''} "
+              f"({mode}) at {shown}", flush=True)
+        return resume
+    tags = provenance.collect()
+    tags["moerl.mode"] = mode
+    run_id = tracking.start_run(cfg, uri, tags)
+    print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}", flush=True)
+    return run_id
+
+
 def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = False,
               resume: str | None = None) -> RunSummary:
     from kfp import local
@@ -205,17 +226,9 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
         if start >= cfg.pipeline.iterations:
             print(f"[moerl] run {run_id} already published version {start}: nothing to resume", flush=True)
             return RunSummary(ok=True, run_id=run_id, tracking_uri=shown, final_reward=None)
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(uri).update_run(run_id, status="RUNNING")
-        tracking.set_tags(uri, run_id, {"moerl.status": "running", f"moerl.resumed_at.{int(time.time())}": str(start),
-                                        "moerl.resume_git_sha": sha})
-        print(f"[moerl] resuming MLflow run {run_id} from version {start} at {shown}", flush=True)
+        begin_run(cfg, uri, "sync-kfp-local", resume=run_id, resumed_from=str(start))
     else:
-        tags = provenance.collect()
-        tags["moerl.mode"] = "sync-kfp-local"
-        run_id = tracking.start_run(cfg, uri, tags)
-        print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}", flush=True)
+        run_id = begin_run(cfg, uri, "sync-kfp-local")
     # 4. the pipeline, on kfp.local
     Path(cfg.pipeline.pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=cfg.pipeline.pipeline_root,
