@@ -136,21 +136,67 @@ class BusError(MoerlError):
     """Valkey cannot be reached or holds something it should not."""
 
 
-def connect(url: str, reconnect_s: float = 60.0):
+class Retrying:
+    """A Valkey client whose every command is retried, with exponential backoff capped at 1 s,
+    while the server cannot be reached, for up to `reconnect_s`; then a `BusError`.
+
+    valkey-py's own `Retry` covers neither a connection that the server resets during its
+    handshake (a server still loading its append-only file) nor anything that fails while a
+    connection is taken from the pool, so the retry lives here, around whole commands. A
+    transaction is rebuilt and re-sent as a whole (`transaction`). A command the server ran
+    before the connection dropped may run twice: the hand-off scripts are guarded for that.
+    """
+
+    def __init__(self, client, reconnect_s: float):
+        self.raw, self.reconnect_s = client, reconnect_s
+
+    def call(self, fn):
+        import valkey
+
+        deadline, delay = time.monotonic() + self.reconnect_s, 0.05
+        while True:
+            try:
+                return fn()
+            except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError) as err:
+                if time.monotonic() >= deadline:
+                    raise BusError(f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
+                                   f"{type(err).__name__}: {err}") from err
+                log.warning("Valkey unreachable (%s); retrying in %.2f s", type(err).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.raw, name)
+        if not callable(attr) or name in ("pipeline", "scan_iter"):
+            return attr
+        return lambda *a, **kw: self.call(lambda: attr(*a, **kw))
+
+    def transaction(self, build) -> list[Any]:
+        """MULTI ... EXEC of the commands `build(pipe)` queues, re-built on every attempt."""
+        def run():
+            pipe = self.raw.pipeline(transaction=True)
+            build(pipe)
+            return pipe.execute()
+        return self.call(run)
+
+    def scan(self, match: str) -> list[str]:
+        return self.call(lambda: list(self.raw.scan_iter(match=match, count=200)))
+
+
+def connect(url: str, reconnect_s: float = 60.0) -> Retrying:
     """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
-    for about `reconnect_s`, then raises. The password, if any, comes from $VALKEY_PASSWORD."""
+    for about `reconnect_s`, then raises `BusError`. The password, if any, comes from
+    $VALKEY_PASSWORD."""
     import valkey
     from valkey.backoff import ExponentialBackoff
     from valkey.retry import Retry
 
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=max(3, int(reconnect_s) + 5))
     client = valkey.Valkey.from_url(
         url, password=os.environ.get(PASSWORD_ENV) or None, decode_responses=True, socket_timeout=30,
-        socket_connect_timeout=5, retry=retry,
-        # OSError: a refused connect (the server restarting) surfaces as the builtin
-        # ConnectionRefusedError, which valkey-py's Retry would not otherwise retry
+        socket_connect_timeout=5, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        # OSError: a refused connect surfaces as the builtin ConnectionRefusedError
         retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError])
-    return client
+    return Retrying(client, reconnect_s)
 
 
 class EmbeddedValkey:
@@ -223,7 +269,11 @@ class RunBus:
         self.prefix = f"moerl:{run_id}:"
         self.visibility_ms = int(visibility_timeout_s * 1000)
         self.max_attempts = max_attempts
-        reg = client.register_script
+        from valkey.commands.core import Script
+
+        def reg(text: str) -> Script:  # run through the retrying client
+            return Script(client, text)
+
         self._issue, self._publish_group, self._ack_and_count = reg(_ISSUE), reg(_PUBLISH_GROUP), reg(_ACK_AND_COUNT)
         self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
 
@@ -248,10 +298,10 @@ class RunBus:
         return {k: int(raw.get(k, 0)) for k in COUNTERS} | {k: int(v) for k, v in raw.items() if k not in COUNTERS}
 
     def incr(self, **deltas: int) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        for k, v in deltas.items():
-            pipe.hincrby(self.key("counters"), k, v)
-        pipe.execute()
+        def build(pipe) -> None:
+            for k, v in deltas.items():
+                pipe.hincrby(self.key("counters"), k, v)
+        self.r.transaction(build)
 
     def registry(self) -> Registered | None:
         raw = self.r.hgetall(self.key("registry"))
@@ -272,20 +322,18 @@ class RunBus:
 
     def heartbeat(self, name: str, ttl_s: float = 15.0, **stats: float) -> None:
         """Say `name` is alive (for `ttl_s`) and record its stats (busy seconds, ...)."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.key(f"alive:{name}"), "1", px=int(ttl_s * 1000))
+        self.r.set(self.key(f"alive:{name}"), "1", px=int(ttl_s * 1000))
         if stats:
-            pipe.hset(self.key(f"stats:{name}"), mapping={k: float(v) for k, v in stats.items()})
-        pipe.execute()
+            self.r.hset(self.key(f"stats:{name}"), mapping={k: float(v) for k, v in stats.items()})
 
     def alive(self) -> list[str]:
         n = len(self.key("alive:"))
-        return sorted(k[n:] for k in self.r.scan_iter(match=self.key("alive:*"), count=200))
+        return sorted(k[n:] for k in self.r.scan(self.key("alive:*")))
 
     def stats(self) -> dict[str, dict[str, float]]:
         n = len(self.key("stats:"))
         return {k[n:]: {f: float(v) for f, v in self.r.hgetall(k).items()}
-                for k in self.r.scan_iter(match=self.key("stats:*"), count=200)}
+                for k in self.r.scan(self.key("stats:*"))}
 
     # -- the work queue -----------------------------------------------------------------
     def issue_unit(self, prompts: list[dict[str, Any]]) -> str:
@@ -351,13 +399,13 @@ class RunBus:
         MULTI: XADD of the smaller unit (same unit id, same `k`s), XACK of the old entry."""
         unit = {"unit_id": lease.unit["unit_id"],
                 "prompts": [p for p in lease.unit["prompts"] if p["k"] in set(remaining_k)]}
-        pipe = self.r.pipeline(transaction=True)
-        if unit["prompts"]:
-            pipe.xadd(self.key(UNITS), {"unit": json.dumps(unit)})
-        pipe.xack(self.key(UNITS), GROUPS[UNITS], lease.entry_id)
-        pipe.xdel(self.key(UNITS), lease.entry_id)
-        pipe.hincrby(self.key("counters"), "units_requeued", 1)
-        pipe.execute()
+        def build(pipe) -> None:
+            if unit["prompts"]:
+                pipe.xadd(self.key(UNITS), {"unit": json.dumps(unit)})
+            pipe.xack(self.key(UNITS), GROUPS[UNITS], lease.entry_id)
+            pipe.xdel(self.key(UNITS), lease.entry_id)
+            pipe.hincrby(self.key("counters"), "units_requeued", 1)
+        self.r.transaction(build)
 
     def published(self, group_ids: list[str]) -> set[str]:
         """Which of `group_ids` some worker already published (a re-executed unit skips them)."""

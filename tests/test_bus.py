@@ -191,3 +191,16 @@ def test_a_retried_hand_off_changes_nothing_the_second_time(bus):
     assert bus.counters()["trained"] == 4
     assert not bus.settle([sid], ["u1/0:p1"], stale_dropped=4)  # already acknowledged
     assert bus.counters()["stale_dropped"] == 0
+
+
+def test_a_server_gone_for_longer_than_reconnect_s_is_a_clear_error(tmp_path):
+    from moerl.bus import BusError
+
+    v = EmbeddedValkey(tmp_path / "v").start()
+    bus = RunBus(connect(v.url, 1.0), "r")
+    bus.ensure_groups()
+    v.kill()
+    t0 = time.monotonic()
+    with pytest.raises(BusError, match=r"valkey\.reconnect_s"):
+        bus.registry()
+    assert time.monotonic() - t0 < 10  # gave up after about reconnect_s, not never
