@@ -4,7 +4,8 @@
     moerl run --mode async CONFIG   the async mode: the same stage entrypoints as local
                                 processes, joined by an embedded Valkey
     moerl run CONFIG --resume RUN_ID   continue a run from its last published version
-    moerl compile [--mode M] CONFIG [-o]   write the sync or async pipeline as KFP IR YAML
+    moerl compile [--mode M] [--target eks] CONFIG [-o]   write the sync or async pipeline as
+                                KFP IR YAML; --target eks: cluster-safe, with pod settings
     moerl config show [--mode M] CONFIG    print the resolved config, defaults included
     moerl bench weights         publish / fetch / hot-swap / redistribution, side by side
     moerl bench ep-memory       peak RSS per expert-parallel rank at EP = 1, 2, 4, side by side
@@ -45,7 +46,11 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from moerl.runner import compile_pipeline
 
     cfg = load_config(args.config, args.set, mode=args.mode)
-    out = compile_pipeline(cfg, Path(args.output or DEFAULT_COMPILED[cfg.pipeline.mode]))
+    default = DEFAULT_COMPILED[cfg.pipeline.mode]
+    if args.target != "local":
+        default = default.replace(".yaml", f"-{args.target}.yaml")
+    out = compile_pipeline(cfg, Path(args.output or default), target=args.target, resume=args.resume,
+                           start_iteration=args.start_iteration)
     print(f"wrote {out}")
     return 0
 
@@ -123,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--mode", choices=MODE_CHOICES, default=None,
                       help="sync or async (needs valkey.url); default: the config's pipeline.mode")
     comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    comp.add_argument("--target", choices=("local", "eks"), default="local",
+                      help="eks: refuse local paths and SQLite tracking, give every task its worker group's image, "
+                           "placement, resources, scratch, /dev/shm, Secrets and timeout (docs/eks.md)")
+    comp.add_argument("--resume", metavar="RUN_ID", default=None,
+                      help="sync: compile the continuation of this MLflow run (chained runs past the iteration cap)")
+    comp.add_argument("--start-iteration", type=int, default=0,
+                      help="with --resume: the published version the continuation starts from")
     comp.add_argument("-o", "--output", default=None,
                       help=f"default {DEFAULT_COMPILED['sync']} (sync) or {DEFAULT_COMPILED['async']} (async)")
     comp.set_defaults(func=_cmd_compile)

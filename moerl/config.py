@@ -62,6 +62,10 @@ class ModelConfig(_Section):
     path: str | None = None
     tiny: TinyMoeConfig = TinyMoeConfig()
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Scheduled retraining: `previous` starts version 0 from the final checkpoint of the newest
+    # FINISHED run in `tracking.experiment` (its `moerl.final_checkpoint` tag), fetched and
+    # verified through the checkpoint store; with no such run it starts like `none`.
+    warm_start: Literal["none", "previous"] = "none"
 
 
 class TaskConfig(_Section):
@@ -302,6 +306,93 @@ class PipelineConfig(_Section):
     work_dir: str = ".moerl/work"
 
 
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$"  # a Kubernetes resource quantity
+
+
+class Toleration(_Section):
+    """A pod toleration (core/v1 Toleration)."""
+
+    key: str = Field(..., min_length=1)
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class GroupConfig(_Section):
+    """One worker group of the cluster (the seed's four): the image its tasks run, the nodes
+    they land on, and what each task asks for."""
+
+    image: str | None = None  # default: pipeline.base_image
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    cpu: str = Field("1", pattern=_QUANTITY)  # request (Kubernetes quantity)
+    memory: str = Field("4Gi", pattern=_QUANTITY)  # request and limit
+    # A memory-backed /dev/shm (emptyDir medium Memory) of this size for tasks that run an
+    # engine or a trainer in the task; null: none.
+    shm: str | None = Field(None, pattern=_QUANTITY)
+    timeout_s: int = Field(6 * 3600, ge=60)  # the pod's activeDeadlineSeconds
+
+
+def _group(name: str, cpu: str, memory: str, shm: str | None = None, timeout_s: int = 6 * 3600) -> GroupConfig:
+    return GroupConfig(node_selector={"moerl.ai/group": name},
+                       tolerations=[Toleration(key="moerl.ai/group", value=name, effect="NoSchedule")],
+                       cpu=cpu, memory=memory, shm=shm, timeout_s=timeout_s)
+
+
+class GroupsConfig(_Section):
+    """trainer: GPU trainers, on-demand. rollout: GPU rollout workers, Spot. cpu: environments,
+    reward, run bookkeeping. buffer: memory-optimized nodes for the experience buffer and the
+    checkpoint cache (publish, redistribute)."""
+
+    trainer: GroupConfig = _group("trainer", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600)
+    rollout: GroupConfig = _group("rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600)
+    cpu: GroupConfig = _group("cpu", "2", "8Gi")
+    buffer: GroupConfig = _group("buffer", "4", "32Gi")
+
+
+class LaunchConfig(_Section):
+    """How the GPU stages (policy update, rollout) run on the cluster. `in_task`: inside the
+    KFP task's own pod (small runs without EFA). `kubernetes`: the task creates the workload
+    through the Kubernetes API (a Kubeflow Trainer TrainJob for the trainer, worker pods for
+    rollout) with GPUs, EFA devices and hugepages, watches it and deletes it on exit: KFP cannot
+    put those on one task (kubeflow/pipelines#10996)."""
+
+    mode: Literal["in_task", "kubernetes"] = "in_task"
+    namespace: str | None = None  # default: the namespace of the task's own pod
+    service_account: str | None = None  # for the launched pods (IRSA: S3 access)
+    trainer_runtime: str = "torch-distributed"  # a ClusterTrainingRuntime name
+    trainer_nodes: int = Field(1, ge=1, le=512)
+    rollout_nodes_per_worker: int = Field(1, ge=1, le=64)  # > 1: one engine across nodes (EP)
+    gpus_per_node: int = Field(8, ge=0, le=16)
+    efa_per_node: int = Field(16, ge=0, le=64)  # p5en.48xlarge: 16 EFA devices
+    hugepages_2mi: str | None = Field("5120Mi", pattern=_QUANTITY)
+    cpu_per_node: str = Field("96", pattern=_QUANTITY)
+    memory_per_node: str = Field("1024Gi", pattern=_QUANTITY)
+    poll_s: float = Field(10.0, gt=0.0)
+
+
+class ClusterConfig(_Section):
+    """`moerl compile --target eks`: what every task of the compiled pipeline gets."""
+
+    # An emptyDir in every task: its working directory, HOME, TMPDIR and checkpoint cache.
+    scratch_dir: str = "/scratch"
+    scratch_size: str = Field("200Gi", pattern=_QUANTITY)
+    groups: GroupsConfig = GroupsConfig()
+    # Kubernetes Secrets, given to the tasks as environment variables, never as parameters:
+    # MLflow's (keys MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD) and Valkey's
+    # (key VALKEY_PASSWORD). null: the tasks get none.
+    mlflow_secret: str | None = "moerl-mlflow"
+    valkey_secret: str | None = "moerl-valkey"
+    launch: LaunchConfig = LaunchConfig()
+
+    @field_validator("scratch_dir")
+    @classmethod
+    def _abs(cls, v: str) -> str:
+        if not v.startswith("/") or v.rstrip("/") in ("", "/tmp"):
+            raise ValueError(f"must be an absolute path of its own (an emptyDir mount), got {v!r}")
+        return v.rstrip("/")
+
+
 class RunConfig(_Section):
     """The whole run. Sections mirror the RL stages."""
 
@@ -316,6 +407,7 @@ class RunConfig(_Section):
     pipeline: PipelineConfig = PipelineConfig()
     units: UnitsConfig = UnitsConfig()
     valkey: ValkeyConfig = ValkeyConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":

@@ -127,31 +127,60 @@ def absolutize(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update=updates)
 
 
-def compile_pipeline(cfg: RunConfig, out: Path) -> Path:
+def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: str | None = None,
+                     start_iteration: int = 0) -> Path:
     """Write the pipeline of `pipeline.mode` (sync: `pipelines/grpo.py`; async:
-    `pipelines/grpo_async.py`) as KFP IR YAML. Credentials in `tracking.uri` are never written:
-    they are stripped, and stderr says which variables the cluster must provide instead. The
-    async pipeline needs `valkey.url`: its tasks run on separate pods, and the embedded Valkey
-    that `moerl run --mode async` starts exists only on the machine that runs it."""
+    `pipelines/grpo_async.py`) as KFP IR YAML.
+
+    `target` `eks` first refuses a config that is not cluster-safe (`pipelines/eks.py`:
+    local checkpoint, cache, model, dataset or tracking paths; async without `valkey.url`) and
+    adds every task's pod settings. A sync pipeline is capped at
+    `pipelines.grpo.MAX_COMPILED_ITERATIONS` iterations (its size grows with each); `resume`
+    and `start_iteration` compile the continuation of run `resume` from its published version
+    `start_iteration`, to chain runs past the cap.
+
+    Credentials in `tracking.uri` are never written: they are stripped, and stderr says which
+    variables the cluster must provide instead. The async pipeline needs `valkey.url`: its
+    tasks run on separate pods, and the embedded Valkey that `moerl run --mode async` starts
+    exists only on the machine that runs it."""
     from kfp import compiler
 
+    from moerl.pipelines.grpo import TARGETS, check_compiled_size
+
+    if target not in TARGETS:
+        raise ConfigError(f"--target: must be one of {', '.join(TARGETS)}, got {target!r}")
     if cfg.pipeline.mode == "async" and not cfg.valkey.url:
         raise ConfigError("valkey.url: the async pipeline needs a Valkey its pods can reach; set it to "
                           "redis://, rediss://, valkey:// or valkeys://host:port/db of a Valkey Service (password from "
                           "$VALKEY_PASSWORD). Unset is allowed only for `moerl run --mode async`, which starts "
                           "an embedded server on this machine")
+    if cfg.pipeline.mode == "async" and (resume or start_iteration):
+        raise ConfigError("--resume/--start-iteration: the async pipeline resumes by itself (a restarted trainer "
+                          "continues from the last published version); they apply to the sync pipeline only")
+    if cfg.pipeline.mode == "sync":
+        if start_iteration and not resume:
+            raise ConfigError("--start-iteration: needs --resume RUN_ID (the run whose published version it continues)")
+        if not 0 <= start_iteration < cfg.pipeline.iterations:
+            raise ConfigError(f"--start-iteration: must be in [0, pipeline.iterations = {cfg.pipeline.iterations}), "
+                              f"got {start_iteration}")
+        check_compiled_size(cfg, start_iteration)
     cfg, secret_env = tracking.split_credentials(cfg)
+    if target == "eks":
+        from moerl.pipelines.eks import check_cluster_safe
+
+        check_cluster_safe(cfg)
     if secret_env:
         print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
               f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
     if cfg.pipeline.mode == "async":
         from moerl.pipelines.grpo_async import build_async_pipeline
 
-        pipeline = build_async_pipeline(cfg, git_sha=provenance.git_sha())
+        pipeline = build_async_pipeline(cfg, git_sha=provenance.git_sha(), target=target)
     else:
         from moerl.pipelines.grpo import build_pipeline
 
-        pipeline = build_pipeline(cfg, git_sha=provenance.git_sha())
+        pipeline = build_pipeline(cfg, git_sha=provenance.git_sha(), start_iteration=start_iteration,
+                                  resume=bool(resume), target=target, run_id=resume or "")
     out.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(pipeline, str(out))
     return out

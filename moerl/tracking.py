@@ -155,3 +155,37 @@ def finish_run(uri: str, run_id: str, final_checkpoint_uri: str, work_dir: Path,
     client.log_artifact(run_id, str(plot_reward_curve(uri, run_id, work_dir / "reward_curve.png")))
     set_tags(uri, run_id, {"moerl.final_checkpoint": final_checkpoint_uri, "moerl.status": status.lower()})
     client.set_terminated(run_id, status=status)
+
+
+def reopen_run(uri: str, run_id: str) -> None:
+    """Mark a continued run RUNNING again (it was FINISHED or FAILED by the run before)."""
+    _client(uri).update_run(run_id, status="RUNNING")
+    set_tags(uri, run_id, {"moerl.status": "running"})
+
+
+def find_kfp_run(uri: str, experiment: str, kfp_run_id: str) -> str | None:
+    """The MLflow run that `start_run` tagged with this KFP run id, or None."""
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None or not kfp_run_id:
+        return None
+    escaped = kfp_run_id.replace("'", "")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`moerl.kfp_run_id` = '{escaped}'",
+                              max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def close_run(uri: str, experiment: str, run_id: str, kfp_run_id: str, succeeded: bool, error: str) -> str:
+    """What the pipeline's exit task does: a run that did not succeed and is still open is
+    marked FAILED, with `error` as its `moerl.error` tag. A finished run is left as it is.
+    Returns the run's status after this ("" when no MLflow run was ever started)."""
+    run_id = run_id or find_kfp_run(uri, experiment, kfp_run_id) or ""
+    if not run_id:
+        return ""
+    client = _client(uri)
+    status = client.get_run(run_id).info.status
+    if not succeeded and status not in ("FINISHED", "FAILED", "KILLED"):
+        set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": redact(error)[:4000]})
+        client.set_terminated(run_id, status="FAILED")
+        status = "FAILED"
+    return status

@@ -4,14 +4,23 @@ KFP v2 has no while loop; a Python `for` over `pipeline.iterations` is the docum
 pattern. Every stage is a lightweight component on `pipeline.base_image`; the run config
 travels as one JSON string parameter, validated again inside each task.
 
-    start_run -> init_policy (v0)   or, resuming from version s: resume_policy (v_s)
-    for i in s..N-1:
-        rollout(v_i) -> reward -> buffer -> policy_update -> publish_checkpoint(v_i+1)
-          -> redistribute_weights(v_i+1) ;  log_iteration(i)
-    finish_run
+    ExitHandler(close_run):           marks the MLflow run FAILED however the run fails
+        start_run -> init_policy (v0)   or, resuming from version s: resume_policy (v_s)
+        for i in s..N-1:
+            rollout(v_i) -> reward -> buffer -> policy_update -> publish_checkpoint(v_i+1)
+              -> redistribute_weights(v_i+1) ;  log_iteration(i)
+        finish_run
 
 `moerl run` executes this same function with kfp.local's SubprocessRunner; `moerl compile`
-writes it as KFP IR YAML for the cluster.
+writes it as KFP IR YAML for the cluster. `target="eks"` adds every task's pod settings
+(`pipelines/eks.py`).
+
+The compiled size grows by about 22 KB of YAML per unrolled iteration (32 KB with the EKS pod
+settings), and the cluster stores a run's whole workflow in one Kubernetes object (etcd's
+limit is 1.5 MiB, and Argo expands the IR further). So a compiled sync run is capped at
+`MAX_COMPILED_ITERATIONS` iterations: longer runs use the async pipeline, whose size does
+not depend on the number of versions, or chain runs (`moerl compile --resume RUN_ID
+--start-iteration N`). `moerl run` on kfp.local compiles nothing and has no cap.
 """
 
 
@@ -23,19 +32,27 @@ from typing import Any, Callable
 from kfp import dsl
 
 from moerl.config import RunConfig, config_to_json
+from moerl.errors import ConfigError
 from moerl.components.buffer.component import buffer
 from moerl.components.policy_update.component import policy_update
 from moerl.components.publish_checkpoint.component import init_policy, publish_checkpoint, resume_policy
 from moerl.components.redistribute_weights.component import redistribute_weights
 from moerl.components.reward.component import reward
 from moerl.components.rollout.component import rollout
-from moerl.components.tracking.component import finish_run, log_iteration, start_run
+from moerl.components.tracking.component import close_run, finish_run, log_iteration, start_run
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (start_run, init_policy, resume_policy, rollout, reward, buffer, policy_update, publish_checkpoint,
-              redistribute_weights, log_iteration, finish_run)
+              redistribute_weights, log_iteration, finish_run, close_run)
 }
+TARGETS = ("local", "eks")
+# Measured (kfp 2.17.3): each iteration adds about 22.6 KB of YAML, 31.8 KB on the EKS target;
+# 30 iterations on the EKS target are about 0.98 MB. tests/test_compile_eks.py checks the size
+# at the cap stays under COMPILED_SIZE_BUDGET, which leaves room under etcd's 1.5 MiB per
+# object for what the KFP backend adds when it turns the IR into an Argo Workflow.
+MAX_COMPILED_ITERATIONS = 30
+COMPILED_SIZE_BUDGET = 1_000_000  # bytes of compiled IR YAML
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,7 @@ class Ops:
     redistribute_weights: Any
     log_iteration: Any
     finish_run: Any
+    close_run: Any
 
 
 def make_ops(base_image: str) -> Ops:
@@ -62,27 +80,54 @@ def make_ops(base_image: str) -> Ops:
                   for name, f in STAGE_FUNCS.items()})
 
 
-def _task(t, name: str):
-    # RL stages are stochastic and side-effecting (MLflow, the store): never serve them from cache.
-    t.set_caching_options(False)
-    t.set_display_name(name)
-    return t
+def task_settings(cfg: RunConfig, target: str, async_mode: bool = False) -> Callable[[Any, str], Any]:
+    """`settle(task, display_name)`: what every task of a pipeline gets. Caching off (RL stages
+    are stochastic and side-effecting: MLflow, the store, Valkey; a cache hit would replay a
+    stale run), a display name, and on the EKS target its pod settings (`pipelines/eks.py`)."""
+    if target not in TARGETS:
+        raise ConfigError(f"--target: must be one of {', '.join(TARGETS)}, got {target!r}")
+
+    def settle(t, name: str):
+        t.set_caching_options(False)
+        t.set_display_name(name)
+        if target == "eks":
+            from moerl.pipelines.eks import place
+
+            place(t, cfg, t.component_spec.name.replace("-", "_"), async_mode=async_mode)
+        return t
+
+    return settle
 
 
-def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: int = 0, resume: bool = False):
+def check_compiled_size(cfg: RunConfig, start_iteration: int = 0) -> None:
+    """Refuse a sync pipeline too long to submit (see the module docstring)."""
+    n = cfg.pipeline.iterations - start_iteration
+    if n > MAX_COMPILED_ITERATIONS:
+        raise ConfigError(
+            f"pipeline.iterations: a compiled sync run unrolls every iteration (22-32 KB of YAML each) and is "
+            f"capped at {MAX_COMPILED_ITERATIONS} per run, got {n}. Use the async pipeline (--mode async; its size does "
+            f"not grow with pipeline.versions), or chain runs: compile {MAX_COMPILED_ITERATIONS} iterations, then "
+            f"`moerl compile --resume RUN_ID --start-iteration {start_iteration + MAX_COMPILED_ITERATIONS} "
+            f"--set pipeline.iterations=...` for the next {MAX_COMPILED_ITERATIONS}")
+
+
+def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: int = 0, resume: bool = False,
+                   target: str = "local", run_id: str = ""):
     """The pipeline function for `cfg`, with iterations `start_iteration`..`pipeline.iterations`-1
     unrolled. `resume` (implied by `start_iteration` > 0) continues run `run_id` from its
     published version `start_iteration`, version 0 included, instead of publishing version 0:
-    weights, optimizer, counters; the data cursor and seeds follow the iteration."""
+    weights, optimizer, counters; the data cursor and seeds follow the iteration. `target`
+    `eks` adds the pod settings; `run_id` is the default of the pipeline's run_id parameter
+    (an MLflow run to continue; empty: start_run creates one)."""
     ops = make_ops(cfg.pipeline.base_image)
+    _task = task_settings(cfg, target)
     n_iter = cfg.pipeline.iterations
     if not 0 <= start_iteration < n_iter:
         raise ValueError(f"start_iteration must be in [0, {n_iter}), got {start_iteration}")
 
-    @dsl.pipeline(name=cfg.pipeline.name, description="moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, "
-                  "buffer, policy update, checkpoint publication, weight redistribution")
-    def grpo(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha) -> str:
-        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha), "start-run")
+    def _body(config_json, run_id, git_sha):
+        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha,
+                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "start-run")
         rid = start.output
         if resume or start_iteration > 0:  # version 0 already exists when a run resumes from it
             init = _task(ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),
@@ -111,7 +156,15 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: in
                                     redistribute=rd.outputs["metrics"]), f"log-iteration-{i}"))
             policy, state = rd.outputs["policy_json"], up.outputs["state_out"]
         # after every log, so the reward curve it plots is complete
-        fin = _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run").after(*logs)
-        return fin.output
+        _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run").after(*logs)
+
+    @dsl.pipeline(name=cfg.pipeline.name, description="moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, "
+                  "buffer, policy update, checkpoint publication, weight redistribution")
+    def grpo(config_json: str = config_to_json(cfg), run_id: str = run_id, git_sha: str = git_sha):
+        # An exit task may not consume other tasks' outputs: it finds the MLflow run by the KFP run id.
+        close = _task(ops.close_run(config_json=config_json, run_id=run_id, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
+                      "close-run")
+        with dsl.ExitHandler(close, name="moerl-run"):
+            _body(config_json, run_id, git_sha)
 
     return grpo

@@ -1,6 +1,7 @@
 """The async GRPO pipeline: long-lived stages that run concurrently in one KFP run, joined by Valkey.
 
-    start_run -> init_policy (v0)
+    ExitHandler(close_run):           marks the MLflow run FAILED however the run fails
+      start_run -> init_policy (v0)
         -> concurrently, each for the whole run:
              ParallelFor(rollout.workers, parallelism=rollout.workers): rollout_worker(i)
              ParallelFor(reward.scorers, parallelism=reward.scorers):   reward_scorer(j)
@@ -36,9 +37,10 @@ Limitations:
 - kfp.local runs tasks one after another, so it cannot run this graph (a worker would wait
   forever for a trainer that never starts). `moerl run --mode async` runs the same stage
   entrypoints as local processes with an embedded Valkey instead (`moerl.asyncrun`).
-- Cluster-side settings are not set here: CPU/GPU requests, node selectors and tolerations
-  for Spot nodes, the pod's terminationGracePeriodSeconds (which must cover
-  `rollout.grace_seconds`), the Secrets (issue 9).
+- `target="eks"` adds every task's pod settings (`pipelines/eks.py`). KFP cannot set a
+  task pod's terminationGracePeriodSeconds (it must cover `rollout.grace_seconds`); the
+  default 30 s is what an in-task worker gets. With `cluster.launch.mode: kubernetes` the
+  workers run in launched pods whose grace period moerl sets (moerl/launch).
 - KFP's `set_retry` compiles to Argo's default retryPolicy (OnFailure). An evicted or deleted
   pod is an Argo *Error*, retried only under OnError/Always (kubeflow/pipelines#4333); check
   what the cluster's workflow-controller `templateDefaults.retryStrategy` merges in.
@@ -58,12 +60,13 @@ from moerl.components.policy_update.component import async_trainer
 from moerl.components.publish_checkpoint.component import init_policy
 from moerl.components.reward.component import reward_scorer
 from moerl.components.rollout.component import rollout_worker
-from moerl.components.tracking.component import finish_run, start_run
+from moerl.components.tracking.component import close_run, finish_run, start_run
 from moerl.config import RunConfig, config_to_json
-from moerl.pipelines.grpo import _task  # caching off (stateful, side-effecting), display name
+from moerl.pipelines.grpo import task_settings  # caching off, display name, EKS pod settings
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
-    f.__name__: f for f in (start_run, init_policy, rollout_worker, reward_scorer, async_trainer, finish_run)
+    f.__name__: f for f in (start_run, init_policy, rollout_worker, reward_scorer, async_trainer, finish_run,
+                            close_run)
 }
 
 RETRY_BACKOFF = "10s"  # between attempts of one slot; a Spot replacement waits for a node anyway
@@ -81,6 +84,7 @@ class AsyncOps:
     reward_scorer: Any
     async_trainer: Any
     finish_run: Any
+    close_run: Any
 
 
 def make_async_ops(base_image: str) -> AsyncOps:
@@ -95,18 +99,18 @@ def _retry(t, num_retries: int, cfg: RunConfig):
                        backoff_max_duration=f"{cfg.pipeline.retry_max_duration_s}s")
 
 
-def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
+def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str = "local"):
     """The async pipeline function for `cfg`: one trainer, `rollout.workers` rollout workers and
     `reward.scorers` reward scorers, all long-lived; its shape does not depend on
     `pipeline.versions`. The stages reach Valkey at `valkey.url` (required on the cluster;
-    `moerl compile` checks it)."""
+    `moerl compile` checks it). `target` `eks` adds the pod settings."""
     ops = make_async_ops(cfg.pipeline.base_image)
+    _task = task_settings(cfg, target, async_mode=True)
     n_workers, n_scorers = cfg.rollout.workers, cfg.reward.scorers
 
-    @dsl.pipeline(name=cfg.pipeline.name, description="moerl async GRPO for MoE LLMs: long-lived rollout workers "
-                  "(vLLM, hot swap), reward scorers and trainer joined by a Valkey buffer and work queue")
-    def grpo_async(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha) -> str:
-        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha), "start-run")
+    def _body(config_json, run_id, git_sha):
+        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha,
+                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "start-run")
         rid = start.output
         init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
         with dsl.ParallelFor(list(range(n_workers)), parallelism=n_workers, name="rollout-workers") as i:
@@ -117,7 +121,15 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown"):
             _retry(sc.after(init), cfg.pipeline.worker_retries, cfg)
         tr = _task(ops.async_trainer(config_json=config_json, run_id=rid), "trainer")
         _retry(tr.after(init), TRAINER_RETRIES, cfg)
-        fin = _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output), "finish-run")
-        return fin.output
+        _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output), "finish-run")
+
+    @dsl.pipeline(name=cfg.pipeline.name, description="moerl async GRPO for MoE LLMs: long-lived rollout workers "
+                  "(vLLM, hot swap), reward scorers and trainer joined by a Valkey buffer and work queue")
+    def grpo_async(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha):
+        # An exit task may not consume other tasks' outputs: it finds the MLflow run by the KFP run id.
+        close = _task(ops.close_run(config_json=config_json, run_id=run_id, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
+                      "close-run")
+        with dsl.ExitHandler(close, name="moerl-run"):
+            _body(config_json, run_id, git_sha)
 
     return grpo_async

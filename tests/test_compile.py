@@ -29,7 +29,12 @@ def test_compiled_spec_unrolls_iterations_and_uses_the_configured_image(tmp_path
     spec_dict = yaml.safe_load(out.read_text())
     spec = pipeline_spec_pb2.PipelineSpec()
     json_format.ParseDict(spec_dict, spec)  # rejects unknown fields
-    tasks = spec.root.dag.tasks
+    root = spec.root.dag.tasks
+    # the run inside an ExitHandler whose exit task closes the MLflow run however it ends
+    assert {t.task_info.name for t in root.values()} == {"close-run", "moerl-run"}
+    close = next(t for t in root.values() if t.task_info.name == "close-run")
+    assert close.trigger_policy.strategy == pipeline_spec_pb2.PipelineTaskSpec.TriggerPolicy.ALL_UPSTREAM_TASKS_COMPLETED
+    tasks = spec.components[next(t for t in root.values() if t.task_info.name == "moerl-run").component_ref.name].dag.tasks
     # start, init, finish + 7 tasks (6 stages + log) per iteration
     assert len(tasks) == 3 + 7 * 3
     for stage in ("rollout", "reward", "buffer", "policy-update", "publish-checkpoint", "redistribute-weights"):

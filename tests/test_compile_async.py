@@ -38,7 +38,9 @@ def _all_tasks(spec: pipeline_spec_pb2.PipelineSpec) -> dict[str, pipeline_spec_
 
 def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
     spec, spec_dict = _spec(compile_pipeline(_cfg(), tmp_path / "a.yaml"))
-    root = spec.root.dag.tasks
+    top = spec.root.dag.tasks
+    assert {t.task_info.name for t in top.values()} == {"close-run", "moerl-run"}  # the run in an ExitHandler
+    root = spec.components[next(t for t in top.values() if t.task_info.name == "moerl-run").component_ref.name].dag.tasks
     assert {t.task_info.name for t in root.values()} == {
         "start-run", "init-policy-v0", "rollout-workers", "reward-scorers", "trainer", "finish-run"}
     by_name = {t.task_info.name: key for key, t in root.items()}
@@ -53,7 +55,8 @@ def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
     assert fin_policy.producer_task == by_name["trainer"]
     tasks = _all_tasks(spec)
     assert all(not t.caching_options.enable_cache for t in tasks.values() if not t.HasField("parameter_iterator"))
-    inner = {t.task_info.name for t in tasks.values()} - {t.task_info.name for t in root.values()}
+    inner = {t.task_info.name for t in tasks.values()} - {t.task_info.name for t in root.values()} - {
+        t.task_info.name for t in top.values()}
     assert inner == {"rollout-worker", "reward-scorer"}
     default = spec.root.input_definitions.parameters["config_json"].default_value.string_value
     assert parse_config(yaml.safe_load(default)).pipeline.mode == "async"
@@ -87,7 +90,7 @@ def test_parallel_for_runs_every_worker_slot_at_once(tmp_path):
     cfg = parse_config({"pipeline": {"mode": "async"}, "valkey": {"url": VALKEY},
                         "rollout": {"workers": 5}, "reward": {"scorers": 2}})
     spec, _ = _spec(compile_pipeline(cfg, tmp_path / "a.yaml"))
-    loops = {t.task_info.name: t for t in spec.root.dag.tasks.values() if t.HasField("parameter_iterator")}
+    loops = {t.task_info.name: t for t in _all_tasks(spec).values() if t.HasField("parameter_iterator")}
     assert loops["rollout-workers"].iterator_policy.parallelism_limit == 5
     assert yaml.safe_load(loops["rollout-workers"].parameter_iterator.items.raw) == [0, 1, 2, 3, 4]
     assert loops["reward-scorers"].iterator_policy.parallelism_limit == 2
@@ -105,7 +108,7 @@ def test_cli_compile_async_without_valkey_url_is_a_config_error(tmp_path, capsys
     assert main(["compile", "--mode", "async", "configs/tiny-moe-grpo.yaml", "--set", f"valkey.url={VALKEY}",
                  "-o", str(out)]) == 0
     spec, _ = _spec(out)
-    assert "trainer" in {t.task_info.name for t in spec.root.dag.tasks.values()}
+    assert "trainer" in {t.task_info.name for t in _all_tasks(spec).values()}
 
 
 def test_async_compile_never_writes_the_tracking_credentials(tmp_path, capsys):

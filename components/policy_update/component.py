@@ -12,6 +12,9 @@ def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Arti
     counted; `trainer.max_consecutive_skipped_steps` in a row fail the run.
     Returns `train/*` metrics and `timing/policy_update_s`.
     """
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl.components.policy_update.trainer import run_policy_update
     from moerl.config import config_from_json
 
@@ -28,6 +31,9 @@ def async_trainer(config_json: str, run_id: str) -> str:
     scorer drains and exits. Killed and restarted (a KFP retry), it resumes from the last
     published version. Returns the final PolicyVersion as JSON.
     """
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl.components.policy_update.worker import run_trainer
     from moerl.config import config_from_json
 

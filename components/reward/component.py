@@ -10,6 +10,9 @@ def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact])
     `reward/failed_samples`; more than `reward.max_failed_fraction` failures stop the run.
     Writes ScoredSample records (JSONL) to `scored`; returns `reward/mean`, `reward/std`, ...
     """
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl.components.reward.stage import run_reward
     from moerl.config import config_from_json
 
@@ -27,6 +30,9 @@ def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:
     On SIGTERM the scorer stops and this task FAILS with its drain code, so that KFP's retry
     replaces it (a group being scored is reclaimed by another scorer meanwhile).
     """
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl.components.reward.worker import run_reward_scorer
     from moerl.config import config_from_json
 

@@ -11,6 +11,9 @@ def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, sam
     `samples` (JSONL): tokens, the engine's token logprobs, finish reason, policy version.
     Returns the stage's metrics (`timing/rollout_s`, `throughput/rollout_tokens_per_s`, ...).
     """
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl.components.rollout.stage import run_rollout
     from moerl.config import config_from_json
     from moerl.records import PolicyVersion
@@ -31,6 +34,9 @@ def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     the worker's drain code: KFP's retry then starts a replacement in the same slot. Exiting 0
     would mark the slot done and lose it for the rest of the run.
     """
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl.components.rollout.worker import run_rollout_worker
     from moerl.config import config_from_json
 

@@ -1,10 +1,16 @@
-"""KFP components: the MLflow run (start, one log per iteration, finish)."""
+"""KFP components: the MLflow run (start, one log per iteration, finish; close on any exit)."""
+
+from kfp import dsl
 
 
-def start_run(config_json: str, run_id: str, git_sha: str) -> str:
+def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str) -> str:
     """Create the MLflow run (params: the resolved config; tags: provenance), or, when
-    `run_id` is given (the CLI pre-creates it), add this image's provenance to it. Returns the
-    run id every other task uses."""
+    `run_id` is given (the CLI pre-creates it), add this image's provenance to it. Tags it with
+    `kfp_run_id` (the KFP run's id), by which `close_run` finds it. Returns the run id every
+    other task uses."""
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl import provenance, tracking
     from moerl.config import config_from_json
 
@@ -12,7 +18,9 @@ def start_run(config_json: str, run_id: str, git_sha: str) -> str:
     uri = tracking.resolve_uri(cfg.tracking)
     tags = provenance.collect(with_cuda=cfg.trainer.device == "cuda")
     tags["moerl.git_sha"] = git_sha or tags["moerl.git_sha"]
-    if run_id:
+    tags["moerl.kfp_run_id"] = kfp_run_id
+    if run_id:  # a run continued (--resume) is running again until finish_run or close_run ends it
+        tracking.reopen_run(uri, run_id)
         tracking.set_tags(uri, run_id, {f"task.{k}": v for k, v in tags.items()})
         return run_id
     return tracking.start_run(cfg, uri, tags)
@@ -22,6 +30,9 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
                   policy_update: dict, publish: dict, redistribute: dict) -> dict:
     """Log one iteration's metrics from every stage to MLflow under stable names, at
     step=iteration, and print one progress line. Returns the merged metrics."""
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl import tracking
     from moerl.config import config_from_json
 
@@ -43,6 +54,9 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
 def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     """Log the final checkpoint URI and the reward-curve plot, and close the MLflow run.
     Returns the run id."""
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     import json
     import tempfile
     from pathlib import Path
@@ -55,3 +69,21 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         tracking.finish_run(tracking.resolve_uri(cfg.tracking), run_id, final_uri, Path(tmp))
     return run_id
+
+
+def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.PipelineTaskFinalStatus) -> str:
+    """The pipeline's exit task (`dsl.ExitHandler`): runs however the run ends. If it did not
+    succeed, mark the MLflow run FAILED with the failing task's message, so no failed run stays
+    RUNNING forever. An exit task cannot consume another task's output, so the MLflow run is
+    `run_id` when the caller pre-created it, else the one `start_run` tagged with
+    `kfp_run_id`. Returns the MLflow run's final status ("" when no run was started)."""
+    from moerl.podenv import enter_pod
+
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    from moerl import tracking
+    from moerl.config import config_from_json
+
+    cfg = config_from_json(config_json)
+    return tracking.close_run(tracking.resolve_uri(cfg.tracking), cfg.tracking.experiment, run_id, kfp_run_id,
+                              succeeded=status.state == "SUCCEEDED",
+                              error=f"{status.pipeline_task_name}: {status.error_message or status.state}")

@@ -1,0 +1,127 @@
+"""The EKS target: what a pipeline must be to run on a real KFP on EKS, and what each task gets.
+
+`check_cluster_safe` refuses a config that only works on one machine. On the cluster every
+task is a pod with its own filesystem, so nothing may travel between tasks through a local
+path: checkpoints go to S3, tracking to an MLflow server, async samples to a Valkey service,
+and each task's cache lives in its own scratch volume (`moerl/podenv.py`).
+
+`place` gives one task, through kfp-kubernetes, the settings of its worker group
+(`cluster.groups`): the seed's four groups are GPU trainers (on-demand), GPU rollout workers
+(Spot), CPU nodes for reward and bookkeeping, and memory-optimized nodes for the buffer and the
+checkpoint cache. Every task gets:
+- its group's image, node selector and tolerations, CPU and memory requests (memory limit =
+  request: a task that outgrows it is OOM-killed where it ran, not the node's neighbours);
+- an emptyDir at `cluster.scratch_dir` (its cwd, HOME, TMPDIR, cache; `MOERL_SCRATCH`);
+- a memory-backed `/dev/shm` where it runs an engine or a trainer (Docker's 64 MiB default
+  breaks torch and vLLM; the maintainers' recommended fix, kubeflow/pipelines#9893);
+- MLflow credentials from the Kubernetes Secret `cluster.mlflow_secret` (and Valkey's from
+  `cluster.valkey_secret` in the async pipeline) as environment variables, never parameters;
+- `set_timeout` (the pod's activeDeadlineSeconds) from its group;
+- caching off (set for every task by the pipelines: every stage is stateful).
+
+With `cluster.launch.mode: kubernetes` the GPU stages' tasks only launch and watch their
+workloads (moerl.launch): they run on the CPU group without /dev/shm, and the workloads get the
+GPU group's placement with GPUs, EFA devices and hugepages.
+
+Limitations: the settings are checked offline (tests parse the compiled YAML into the KFP and
+kfp-kubernetes protos); no cluster has run them here. KFP cannot set ephemeral-storage requests
+(kubeflow/pipelines#11137), so the scratch emptyDir has a sizeLimit but no request.
+"""
+
+from __future__ import annotations
+
+from kfp import dsl, kubernetes
+
+from moerl.config import GroupConfig, RunConfig
+from moerl.errors import ConfigError
+
+# Which worker group runs each stage (the seed's four groups).
+STAGE_GROUP: dict[str, str] = {
+    "start_run": "cpu", "log_iteration": "cpu", "finish_run": "cpu", "close_run": "cpu",
+    "reward": "cpu", "reward_scorer": "cpu",
+    "buffer": "buffer", "init_policy": "buffer", "resume_policy": "buffer", "publish_checkpoint": "buffer",
+    "redistribute_weights": "buffer",
+    "rollout": "rollout", "rollout_worker": "rollout",
+    "policy_update": "trainer", "async_trainer": "trainer",
+}
+# Stages that run an engine or a trainer in their own pod (when not launched out-of-band).
+ENGINE_STAGES = frozenset({"rollout", "rollout_worker", "policy_update", "async_trainer"})
+GPU_STAGES = ENGINE_STAGES  # the ones `cluster.launch.mode: kubernetes` launches through the API
+MLFLOW_SECRET_KEYS = {"MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
+                      "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"}
+VALKEY_SECRET_KEYS = {"VALKEY_PASSWORD": "VALKEY_PASSWORD"}
+SHM_VOLUME, SCRATCH_VOLUME = "dshm", "scratch"
+
+
+def check_cluster_safe(cfg: RunConfig) -> None:
+    """Refuse, naming every offending key and what is allowed, a config whose tasks would pass
+    state through this machine's filesystem or track to a local file."""
+    problems: list[str] = []
+    ck, scratch = cfg.checkpoint, cfg.cluster.scratch_dir
+    if not ck.uri.startswith("s3://"):
+        problems.append(f"checkpoint.uri: {ck.uri!r} is a local path, which each pod sees empty; use s3://bucket/prefix")
+    if ck.cache_dir.startswith("/") and not (ck.cache_dir + "/").startswith(scratch + "/"):
+        problems.append(f"checkpoint.cache_dir: {ck.cache_dir!r} is outside the pod's scratch volume "
+                        f"(cluster.scratch_dir {scratch!r}); use a relative path (it resolves inside the scratch) "
+                        f"or one under {scratch}/")
+    if ck.cache_dir.startswith("~"):
+        problems.append(f"checkpoint.cache_dir: {ck.cache_dir!r} is under a home directory; use a relative path")
+    if cfg.model.path:
+        problems.append(f"model.path: {cfg.model.path!r} is a path on this machine; leave it unset (the tiny model "
+                        "from model.tiny) or use model.warm_start: previous to start from a published checkpoint")
+    if not cfg.task.dataset.startswith("builtin:"):
+        problems.append(f"task.dataset: {cfg.task.dataset!r} is a file on this machine; use a builtin: dataset "
+                        "shipped in the image")
+    uri = cfg.tracking.uri or ""
+    if not uri.startswith(("http://", "https://")):
+        problems.append(f"tracking.uri: {uri or 'unset (a SQLite file in the working directory)'!s} is not an MLflow "
+                        "server; set http(s)://host:port of the tracking server (credentials from the Secret "
+                        "cluster.mlflow_secret)")
+    if cfg.pipeline.mode == "async" and not cfg.valkey.url:
+        problems.append("valkey.url: the async pipeline needs a Valkey Service its pods can reach; set "
+                        "redis://host:6379/0 (password from the Secret cluster.valkey_secret)")
+    if problems:
+        raise ConfigError("not cluster-safe for --target eks: " + "; ".join(problems))
+
+
+def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:
+    """The worker group a stage's task runs on: its own, or the CPU group for a GPU stage whose
+    workload is launched through the Kubernetes API."""
+    name = STAGE_GROUP[stage]
+    if stage in GPU_STAGES and cfg.cluster.launch.mode == "kubernetes":
+        name = "cpu"
+    return name, getattr(cfg.cluster.groups, name)
+
+
+def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool = False) -> dsl.PipelineTask:
+    """Give `task` (running `stage`) its group's image, placement, resources, volumes, secrets
+    and timeout for the cluster (see the module docstring)."""
+    name, group = group_of(cfg, stage)
+    task.set_container_image(group.image or cfg.pipeline.base_image)
+    task.set_cpu_request(group.cpu)
+    task.set_memory_request(group.memory)
+    task.set_memory_limit(group.memory)
+    for key, value in sorted(group.node_selector.items()):
+        kubernetes.add_node_selector(task, label_key=key, label_value=value)
+    for tol in group.tolerations:
+        kubernetes.add_toleration(task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect)
+    kubernetes.add_pod_label(task, "app.kubernetes.io/part-of", "moerl")
+    kubernetes.add_pod_label(task, "moerl.ai/group", name)
+    kubernetes.add_pod_label(task, "moerl.ai/stage", stage.replace("_", "-"))
+    scratch = cfg.cluster.scratch_dir
+    kubernetes.empty_dir_mount(task, volume_name=SCRATCH_VOLUME, mount_path=scratch, size_limit=cfg.cluster.scratch_size)
+    task.set_env_variable("MOERL_SCRATCH", scratch)
+    if stage in ENGINE_STAGES and name != "cpu" and group.shm:
+        kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
+                                   size_limit=group.shm)
+    if cfg.cluster.mlflow_secret:
+        kubernetes.use_secret_as_env(task, secret_name=cfg.cluster.mlflow_secret, secret_key_to_env=MLFLOW_SECRET_KEYS,
+                                     optional=True)
+    if async_mode and cfg.cluster.valkey_secret:
+        kubernetes.use_secret_as_env(task, secret_name=cfg.cluster.valkey_secret, secret_key_to_env=VALKEY_SECRET_KEYS,
+                                     optional=True)
+    timeout = group.timeout_s
+    if stage in GPU_STAGES and name == "cpu":  # a launcher waits as long as its workload may run
+        timeout = getattr(cfg.cluster.groups, STAGE_GROUP[stage]).timeout_s
+    kubernetes.set_timeout(task, timeout)
+    return task
