@@ -300,6 +300,10 @@ class PipelineConfig(_Section):
     # many times, for this long from its first start. KFP's default of 3600 s ends all retries
     # after the first hour, so keep it far past the run's length.
     worker_retries: int = Field(100, ge=0)
+    # Sync pipeline on the cluster: retries of a task whose stage is a pure function of its
+    # inputs (rollout, reward, buffer, policy update, redistribution), e.g. after a Spot
+    # reclaim. Publication and the run's bookkeeping are never retried.
+    task_retries: int = Field(2, ge=0, le=20)
     retry_max_duration_s: int = Field(7 * 24 * 3600, ge=60)
     base_image: str = "moerl-cpu:0.1.0"
     pipeline_root: str = ".moerl/pipeline-root"
@@ -348,6 +352,20 @@ class GroupsConfig(_Section):
     rollout: GroupConfig = _group("rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600)
     cpu: GroupConfig = _group("cpu", "2", "8Gi")
     buffer: GroupConfig = _group("buffer", "4", "32Gi")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _over_defaults(cls, data: Any) -> Any:
+        """A group given in the config changes only the keys it names: `groups: {trainer:
+        {image: X}}` keeps the trainer group's node selector, tolerations and resources."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, given in data.items():
+            field = cls.model_fields.get(name)
+            if field is not None and isinstance(given, dict):
+                out[name] = {**field.default.model_dump(), **given}
+        return out
 
 
 class LaunchConfig(_Section):

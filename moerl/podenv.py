@@ -27,14 +27,14 @@ SANDBOX_ROOT_ENV = "MOERL_SANDBOX_ROOT"
 def enter_pod() -> Path | None:
     """Move this task into its scratch directory (see the module docstring); returns it, or
     None when the task runs outside a pod-shaped environment."""
-    if os.environ.get(SCRATCH_ENV):
-        scratch = Path(os.environ[SCRATCH_ENV])
-        scratch.mkdir(parents=True, exist_ok=True)
-    elif os.environ.get(SANDBOX_ROOT_ENV):
+    if os.environ.get(SANDBOX_ROOT_ENV):  # first: kfp.local also sets the compiled MOERL_SCRATCH
         root = Path(os.environ[SANDBOX_ROOT_ENV])
         root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix="task-", dir=root))
-        os.environ[SCRATCH_ENV] = str(scratch)  # processes this task starts share its scratch
+        os.environ[SCRATCH_ENV] = str(scratch)
+    elif os.environ.get(SCRATCH_ENV):
+        scratch = Path(os.environ[SCRATCH_ENV])
+        scratch.mkdir(parents=True, exist_ok=True)
     else:
         return None
     home, tmp = scratch / "home", scratch / "tmp"

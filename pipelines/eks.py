@@ -17,7 +17,9 @@ checkpoint cache. Every task gets:
 - MLflow credentials from the Kubernetes Secret `cluster.mlflow_secret` (and Valkey's from
   `cluster.valkey_secret` in the async pipeline) as environment variables, never parameters;
 - `set_timeout` (the pod's activeDeadlineSeconds) from its group;
-- caching off (set for every task by the pipelines: every stage is stateful).
+- caching off (set for every task by the pipelines: every stage is stateful);
+- in the sync pipeline, `pipeline.task_retries` retries for stages that are pure functions of
+  their inputs (a Spot reclaim of a rollout pod redoes the same work), never for publication.
 
 With `cluster.launch.mode: kubernetes` the GPU stages' tasks only launch and watch their
 workloads (moerl.launch): they run on the CPU group without /dev/shm, and the workloads get the
@@ -47,6 +49,10 @@ STAGE_GROUP: dict[str, str] = {
 # Stages that run an engine or a trainer in their own pod (when not launched out-of-band).
 ENGINE_STAGES = frozenset({"rollout", "rollout_worker", "policy_update", "async_trainer"})
 GPU_STAGES = ENGINE_STAGES  # the ones `cluster.launch.mode: kubernetes` launches through the API
+# Sync stages whose task is a pure function of its inputs (same seed, same artifacts): a retry
+# after a lost pod (Spot) redoes the same work. Not publish (it moves `latest`), not bookkeeping.
+RETRYABLE_STAGES = frozenset({"rollout", "reward", "buffer", "policy_update", "redistribute_weights"})
+RETRY_BACKOFF = "30s"
 MLFLOW_SECRET_KEYS = {"MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
                       "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"}
 VALKEY_SECRET_KEYS = {"VALKEY_PASSWORD": "VALKEY_PASSWORD"}
@@ -124,4 +130,7 @@ def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool =
     if stage in GPU_STAGES and name == "cpu":  # a launcher waits as long as its workload may run
         timeout = getattr(cfg.cluster.groups, STAGE_GROUP[stage]).timeout_s
     kubernetes.set_timeout(task, timeout)
+    if stage in RETRYABLE_STAGES and cfg.pipeline.task_retries:
+        task.set_retry(num_retries=cfg.pipeline.task_retries, backoff_duration=RETRY_BACKOFF, backoff_factor=2.0,
+                       backoff_max_duration=f"{timeout}s")
     return task

@@ -15,7 +15,7 @@ travels as one JSON string parameter, validated again inside each task.
 writes it as KFP IR YAML for the cluster. `target="eks"` adds every task's pod settings
 (`pipelines/eks.py`).
 
-The compiled size grows by about 22 KB of YAML per unrolled iteration (32 KB with the EKS pod
+The compiled size grows by about 22 KB of YAML per unrolled iteration (34 KB with the EKS pod
 settings), and the cluster stores a run's whole workflow in one Kubernetes object (etcd's
 limit is 1.5 MiB, and Argo expands the IR further). So a compiled sync run is capped at
 `MAX_COMPILED_ITERATIONS` iterations: longer runs use the async pipeline, whose size does
@@ -47,11 +47,11 @@ STAGE_FUNCS: dict[str, Callable[..., Any]] = {
               redistribute_weights, log_iteration, finish_run, close_run)
 }
 TARGETS = ("local", "eks")
-# Measured (kfp 2.17.3): each iteration adds about 22.6 KB of YAML, 31.8 KB on the EKS target;
-# 30 iterations on the EKS target are about 0.98 MB. tests/test_compile_eks.py checks the size
+# Measured (kfp 2.17.3): each iteration adds about 22.6 KB of YAML, 33.7 KB on the EKS target;
+# 28 iterations on the EKS target are about 0.97 MB. tests/test_compile_eks.py checks the size
 # at the cap stays under COMPILED_SIZE_BUDGET, which leaves room under etcd's 1.5 MiB per
 # object for what the KFP backend adds when it turns the IR into an Argo Workflow.
-MAX_COMPILED_ITERATIONS = 30
+MAX_COMPILED_ITERATIONS = 28
 COMPILED_SIZE_BUDGET = 1_000_000  # bytes of compiled IR YAML
 
 
@@ -104,7 +104,7 @@ def check_compiled_size(cfg: RunConfig, start_iteration: int = 0) -> None:
     n = cfg.pipeline.iterations - start_iteration
     if n > MAX_COMPILED_ITERATIONS:
         raise ConfigError(
-            f"pipeline.iterations: a compiled sync run unrolls every iteration (22-32 KB of YAML each) and is "
+            f"pipeline.iterations: a compiled sync run unrolls every iteration (22-34 KB of YAML each) and is "
             f"capped at {MAX_COMPILED_ITERATIONS} per run, got {n}. Use the async pipeline (--mode async; its size does "
             f"not grow with pipeline.versions), or chain runs: compile {MAX_COMPILED_ITERATIONS} iterations, then "
             f"`moerl compile --resume RUN_ID --start-iteration {start_iteration + MAX_COMPILED_ITERATIONS} "

@@ -1,0 +1,187 @@
+"""`moerl compile --target eks`: the cluster-safety refusals, and every task's pod settings, read
+back from the compiled YAML through the KFP `PipelineSpec` and the kfp-kubernetes
+`KubernetesExecutorConfig` protos (both reject unknown fields). Compile only: no cluster."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from google.protobuf import json_format
+from kfp.kubernetes import kubernetes_executor_config_pb2 as kpb
+from kfp.pipeline_spec import pipeline_spec_pb2
+
+from moerl.cli import main
+from moerl.config import parse_config
+from moerl.errors import ConfigError
+from moerl.pipelines.eks import ENGINE_STAGES, RETRYABLE_STAGES, STAGE_GROUP
+from moerl.pipelines.grpo_async import TRAINER_RETRIES
+from moerl.pipelines.grpo import COMPILED_SIZE_BUDGET, MAX_COMPILED_ITERATIONS
+from moerl.runner import compile_pipeline
+
+S3, MLFLOW, VALKEY = "s3://moerl-runs/team", "https://mlflow.moerl.svc:5000", "redis://valkey.moerl.svc:6379/0"
+IMAGES = {"trainer": "ecr.example/moerl-trainer:1", "rollout": "ecr.example/moerl-rollout:1",
+          "cpu": "ecr.example/moerl-cpu:1", "buffer": "ecr.example/moerl-cpu:1"}
+
+
+def _cfg(mode: str = "sync", **over) -> dict:
+    data = {"checkpoint": {"uri": S3}, "tracking": {"uri": MLFLOW}, "pipeline": {"mode": mode, "iterations": 2},
+            "cluster": {"groups": {g: {"image": img} for g, img in IMAGES.items()}}}
+    if mode == "async":
+        data["valkey"] = {"url": VALKEY}
+        data["rollout"] = {"workers": 2}
+    for section, values in over.items():
+        data.setdefault(section, {}).update(values)
+    return data
+
+
+def _compiled(tmp_path, data: dict) -> tuple[pipeline_spec_pb2.PipelineSpec, dict, dict[str, kpb.KubernetesExecutorConfig]]:
+    path = compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
+    pipeline_doc, platform_doc = yaml.safe_load_all(path.read_text())
+    spec = pipeline_spec_pb2.PipelineSpec()
+    json_format.ParseDict(pipeline_doc, spec)  # rejects unknown fields
+    k8s = {}
+    for name, cfg in platform_doc["platforms"]["kubernetes"]["deploymentSpec"]["executors"].items():
+        msg = kpb.KubernetesExecutorConfig()
+        json_format.ParseDict(cfg, msg)  # rejects unknown fields
+        k8s[name] = msg
+    return spec, pipeline_doc, k8s
+
+
+def _tasks(spec: pipeline_spec_pb2.PipelineSpec) -> dict[str, pipeline_spec_pb2.PipelineTaskSpec]:
+    tasks = dict(spec.root.dag.tasks)
+    for comp in spec.components.values():
+        if comp.HasField("dag"):
+            tasks.update(comp.dag.tasks)
+    return tasks
+
+
+def _executor(spec, task: pipeline_spec_pb2.PipelineTaskSpec) -> str:
+    return spec.components[task.component_ref.name].executor_label
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_and_timeout(tmp_path, mode):
+    data = _cfg(mode, tracking={"uri": MLFLOW.replace("https://", "https://alice:s3cr3t-pw@")})
+    cfg = parse_config(data)
+    spec, doc, k8s = _compiled(tmp_path, data)
+    containers = doc["deploymentSpec"]["executors"]
+    stages_seen = set()
+    for task in _tasks(spec).values():
+        if task.component_ref.name.startswith(("comp-exit-handler", "comp-for-loop")):
+            continue
+        stage = task.component_ref.name.removeprefix("comp-").replace("-", "_")
+        stage = stage.rstrip("_0123456789") if stage not in STAGE_GROUP else stage
+        stages_seen.add(stage)
+        group_name = STAGE_GROUP[stage]
+        group = getattr(cfg.cluster.groups, group_name)
+        label = _executor(spec, task)
+        c, kc = containers[label]["container"], k8s[label]
+        assert c["image"] == IMAGES[group_name], stage
+        assert c["resources"]["resourceCpuRequest"] == group.cpu, stage
+        assert c["resources"]["resourceMemoryRequest"] == c["resources"]["resourceMemoryLimit"] == group.memory
+        assert dict(kc.node_selector.labels) == {"moerl.ai/group": group_name}, stage
+        assert [(t.key, t.operator, t.value, t.effect) for t in kc.tolerations] == [
+            ("moerl.ai/group", "Equal", group_name, "NoSchedule")], stage
+        assert kc.active_deadline_seconds == group.timeout_s, stage
+        assert dict(kc.pod_metadata.labels)["moerl.ai/stage"] == stage.replace("_", "-")
+        mounts = {m.mount_path: m for m in kc.empty_dir_mounts}
+        assert mounts["/scratch"].size_limit == "200Gi" and {"name": "MOERL_SCRATCH", "value": "/scratch"} in c["env"]
+        if stage in ENGINE_STAGES:  # an engine or a trainer in the task: a memory-backed /dev/shm
+            assert mounts["/dev/shm"].medium == "Memory" and mounts["/dev/shm"].size_limit == group.shm, stage
+        else:
+            assert "/dev/shm" not in mounts, stage
+        secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in kc.secret_as_env}
+        assert secrets["moerl-mlflow"] == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+        assert ("moerl-valkey" in secrets) == (mode == "async"), stage
+        assert not task.caching_options.enable_cache
+        if mode == "async" and stage in ("rollout_worker", "reward_scorer"):
+            assert task.retry_policy.max_retry_count == cfg.pipeline.worker_retries
+            assert task.retry_policy.backoff_max_duration.seconds == cfg.pipeline.retry_max_duration_s
+        elif stage in RETRYABLE_STAGES:  # sync: pure functions of their inputs, redone after a lost pod
+            assert task.retry_policy.max_retry_count == cfg.pipeline.task_retries == 2, stage
+        else:  # must not repeat a publication or the run's bookkeeping
+            assert task.retry_policy.max_retry_count == (TRAINER_RETRIES if stage == "async_trainer" else 0), stage
+    expected = {"start_run", "close_run", "init_policy", "finish_run"} | (
+        {"rollout_worker", "reward_scorer", "async_trainer"} if mode == "async"
+        else {"rollout", "reward", "buffer", "policy_update", "publish_checkpoint", "redistribute_weights",
+              "log_iteration"})
+    assert stages_seen == expected
+    text = (tmp_path / "p.yaml").read_text()
+    assert "s3cr3t-pw" not in text and "alice" not in text and MLFLOW in text  # credentials come from the Secret
+
+
+def test_the_exit_handler_closes_the_run_however_it_ends(tmp_path):
+    spec, _, _ = _compiled(tmp_path, _cfg())
+    root = spec.root.dag.tasks
+    close = next(t for t in root.values() if t.task_info.name == "close-run")
+    assert close.trigger_policy.strategy == pipeline_spec_pb2.PipelineTaskSpec.TriggerPolicy.ALL_UPSTREAM_TASKS_COMPLETED
+    assert "status" in close.inputs.parameters  # the PipelineTaskFinalStatus of the run's body
+    assert close.inputs.parameters["kfp_run_id"].runtime_value.constant.string_value == "{{$.pipeline_job_uuid}}"
+
+
+def test_launched_gpu_stages_run_their_task_on_the_cpu_group(tmp_path):
+    data = _cfg(cluster={"launch": {"mode": "kubernetes"},
+                         "groups": {g: {"image": img} for g, img in IMAGES.items()}})
+    spec, doc, k8s = _compiled(tmp_path, data)
+    up = next(t for t in _tasks(spec).values() if t.task_info.name == "policy-update-0")
+    kc = k8s[_executor(spec, up)]
+    assert dict(kc.node_selector.labels) == {"moerl.ai/group": "cpu"}
+    assert "/dev/shm" not in {m.mount_path for m in kc.empty_dir_mounts}
+    # the launcher waits as long as the trainer group's workload may run
+    assert kc.active_deadline_seconds == parse_config(data).cluster.groups.trainer.timeout_s
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("checkpoint.uri", "checkpoints", "checkpoint.uri: 'checkpoints' is a local path"),
+    ("checkpoint.cache_dir", "/var/cache/moerl", "checkpoint.cache_dir: '/var/cache/moerl' is outside the pod's scratch"),
+    ("model.path", "/home/me/model", "model.path: '/home/me/model' is a path on this machine"),
+    ("task.dataset", "data/prompts.jsonl", "task.dataset: 'data/prompts.jsonl' is a file on this machine"),
+    ("tracking.uri", "sqlite:///mlflow.db", "tracking.uri: sqlite:///mlflow.db is not an MLflow server"),
+    ("tracking.uri", "file:///tmp/mlruns", "tracking.uri: file:///tmp/mlruns is not an MLflow server"),
+])
+def test_a_local_path_or_file_tracking_is_refused_naming_the_key(tmp_path, capsys, key, value, needle):
+    out = tmp_path / "p.yaml"
+    args = ["compile", "--target", "eks", "configs/tiny-moe-grpo.yaml", "-o", str(out),
+            "--set", f"checkpoint.uri={S3}", "--set", f"tracking.uri={MLFLOW}", "--set", f"{key}={value}"]
+    if key == "model.path":
+        (tmp_path / "model").mkdir()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_cache_inside_the_scratch_is_allowed_and_async_needs_valkey(tmp_path):
+    compile_pipeline(parse_config(_cfg(checkpoint={"uri": S3, "cache_dir": "/scratch/cache"})), tmp_path / "a.yaml",
+                     target="eks")
+    data = _cfg("async")
+    del data["valkey"]
+    with pytest.raises(ConfigError, match="valkey.url"):
+        compile_pipeline(parse_config(data), tmp_path / "b.yaml", target="eks")
+
+
+def test_sync_size_at_the_cap_fits_and_past_it_is_refused(tmp_path):
+    at_cap = compile_pipeline(parse_config(_cfg(pipeline={"iterations": MAX_COMPILED_ITERATIONS})),
+                              tmp_path / "cap.yaml", target="eks")
+    size = at_cap.stat().st_size
+    assert size < COMPILED_SIZE_BUDGET, size
+    with pytest.raises(ConfigError, match=r"capped at \d+ per run.*--mode async.*--resume RUN_ID"):
+        compile_pipeline(parse_config(_cfg(pipeline={"iterations": MAX_COMPILED_ITERATIONS + 1})), tmp_path / "x.yaml",
+                         target="eks")
+    # a chained continuation of the same length compiles: it resumes the run from its version
+    cont = compile_pipeline(parse_config(_cfg(pipeline={"iterations": 2 * MAX_COMPILED_ITERATIONS})),
+                            tmp_path / "cont.yaml", target="eks", resume="abc123",
+                            start_iteration=MAX_COMPILED_ITERATIONS)
+    spec = pipeline_spec_pb2.PipelineSpec()
+    json_format.ParseDict(next(yaml.safe_load_all(cont.read_text())), spec)
+    names = {t.task_info.name for t in _tasks(spec).values()}
+    assert f"resume-policy-v{MAX_COMPILED_ITERATIONS}" in names and "init-policy-v0" not in names
+    assert spec.root.input_definitions.parameters["run_id"].default_value.string_value == "abc123"
+
+
+def test_async_size_does_not_grow_with_versions_on_eks(tmp_path):
+    small = compile_pipeline(parse_config(_cfg("async", pipeline={"mode": "async", "versions": 3})),
+                             tmp_path / "a.yaml", target="eks").stat().st_size
+    large = compile_pipeline(parse_config(_cfg("async", pipeline={"mode": "async", "versions": 1_000_000})),
+                             tmp_path / "b.yaml", target="eks").stat().st_size
+    assert abs(large - small) <= 2 * len("1000000")
