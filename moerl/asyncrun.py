@@ -207,7 +207,7 @@ def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
 
     state = work / "init-state"
-    prepare_initial(cfg, state)
+    prepare_initial(cfg, state, run_id=run_id)
     run_publish(cfg, run_id, state, 0)
     shutil.rmtree(state, ignore_errors=True)
 

@@ -7,6 +7,9 @@
     moerl compile [--mode M] [--target eks] CONFIG [-o]   write the sync or async pipeline as
                                 KFP IR YAML; --target eks: cluster-safe, with pod settings
     moerl config show [--mode M] CONFIG    print the resolved config, defaults included
+    moerl schedule CONFIG --cron '0 0 3 * * *' --host URL   a KFP recurring run (warm-started);
+                                --argo-out FILE also writes an Argo CronWorkflow
+    moerl submit CONFIG --host URL   compile for EKS and start one KFP run
     moerl bench weights         publish / fetch / hot-swap / redistribution, side by side
     moerl bench ep-memory       peak RSS per expert-parallel rank at EP = 1, 2, 4, side by side
     moerl bench modes CONFIG    sync vs async vs the one-process floor on the same workload
@@ -29,6 +32,7 @@ import yaml
 
 from moerl.config import load_config
 from moerl.errors import MoerlError
+from moerl.schedule import add_parsers as add_schedule_parsers
 
 DEFAULT_COMPILED = {"sync": "pipelines/compiled/grpo.yaml", "async": "pipelines/compiled/grpo_async.yaml"}
 MODE_CHOICES = ("sync", "async")
@@ -185,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="resolve the config's modes: block for this mode")
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(func=_cmd_config_show)
+    add_schedule_parsers(sub)  # moerl schedule, moerl submit
     return p
 
 

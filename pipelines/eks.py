@@ -86,6 +86,15 @@ def check_cluster_safe(cfg: RunConfig) -> None:
     if cfg.pipeline.mode == "async" and not cfg.valkey.url:
         problems.append("valkey.url: the async pipeline needs a Valkey Service its pods can reach; set "
                         "redis://host:6379/0 (password from the Secret cluster.valkey_secret)")
+    if cfg.cluster.launch.mode == "kubernetes":
+        from moerl.launch.task import check_launchable
+
+        for stage in sorted(GPU_STAGES):
+            try:
+                check_launchable(cfg, stage)
+            except ConfigError as err:
+                if str(err) not in problems:
+                    problems.append(str(err))
     if problems:
         raise ConfigError("not cluster-safe for --target eks: " + "; ".join(problems))
 

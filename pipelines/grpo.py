@@ -145,7 +145,7 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: in
             bf = _task(ops.buffer(config_json=config_json, scored=rw.outputs["scored"], trainer_version=i),
                        f"buffer-{i}")
             up = _task(ops.policy_update(config_json=config_json, batch=bf.outputs["batch"], state_in=state,
-                                         iteration=i), f"policy-update-{i}")
+                                         iteration=i, run_id=rid), f"policy-update-{i}")
             pub = _task(ops.publish_checkpoint(config_json=config_json, run_id=rid, state=up.outputs["state_out"],
                                                version=i + 1), f"publish-checkpoint-v{i + 1}")
             rd = _task(ops.redistribute_weights(config_json=config_json, run_id=rid,

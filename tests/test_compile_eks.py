@@ -185,3 +185,10 @@ def test_async_size_does_not_grow_with_versions_on_eks(tmp_path):
     large = compile_pipeline(parse_config(_cfg("async", pipeline={"mode": "async", "versions": 1_000_000})),
                              tmp_path / "b.yaml", target="eks").stat().st_size
     assert abs(large - small) <= 2 * len("1000000")
+
+
+def test_a_workload_shape_moerl_cannot_run_yet_is_refused_at_compile(tmp_path):
+    data = _cfg(cluster={"launch": {"mode": "kubernetes", "trainer_nodes": 2}})
+    with pytest.raises(ConfigError, match="cluster.launch.trainer_nodes 2"):
+        compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
+    assert not (tmp_path / "p.yaml").exists()

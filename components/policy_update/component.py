@@ -4,21 +4,32 @@ from kfp.dsl import Artifact, Input, Output
 
 
 def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Artifact], iteration: int,
-                  state_out: Output[Artifact]) -> dict:
+                  state_out: Output[Artifact], run_id: str = "") -> dict:
     """Run `trainer.optimizer_steps_per_iteration` GRPO steps on `batch`.
 
     `state_in` / `state_out` are trainer-state directories: `model/` (HF checkpoint) and
     `trainer/` (optimizer state, counters). Non-finite losses skip their step and are
     counted; `trainer.max_consecutive_skipped_steps` in a row fail the run.
     Returns `train/*` metrics and `timing/policy_update_s`.
+
+    With `cluster.launch.mode: kubernetes` the steps run in a Kubeflow Trainer TrainJob that
+    this task launches, watches and deletes (docs/launch.md); `run_id` labels it.
     """
     from moerl.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
-    from moerl.components.policy_update.trainer import run_policy_update
     from moerl.config import config_from_json
 
-    return run_policy_update(config_from_json(config_json), batch.path, state_in.path, state_out.path, iteration)
+    cfg = config_from_json(config_json)
+    if cfg.cluster.launch.mode == "kubernetes":
+        from moerl.launch import run_remote
+
+        return run_remote(cfg, "policy_update", run_id, args={"iteration": iteration},
+                          inputs={"batch": batch.path, "state_in": state_in.path},
+                          outputs={"state_out": state_out.path})
+    from moerl.components.policy_update.trainer import run_policy_update
+
+    return run_policy_update(cfg, batch.path, state_in.path, state_out.path, iteration)
 
 
 def async_trainer(config_json: str, run_id: str) -> str:
@@ -34,7 +45,13 @@ def async_trainer(config_json: str, run_id: str) -> str:
     from moerl.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
-    from moerl.components.policy_update.worker import run_trainer
     from moerl.config import config_from_json
 
-    return run_trainer(config_from_json(config_json), run_id).model_dump_json()
+    cfg = config_from_json(config_json)
+    if cfg.cluster.launch.mode == "kubernetes":  # in a launched TrainJob (docs/launch.md)
+        from moerl.launch import run_remote
+
+        return run_remote(cfg, "async_trainer", run_id)
+    from moerl.components.policy_update.worker import run_trainer
+
+    return run_trainer(cfg, run_id).model_dump_json()

@@ -6,9 +6,11 @@ from kfp.dsl import Artifact, Input, Output
 
 
 def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
-    """Build version 0 (the tiny model from its seed, or a copy of `model.path`), publish it to
-    the checkpoint store, and return its PolicyVersion as JSON. `state` is the trainer state
-    the first policy update starts from."""
+    """Build version 0 (the tiny model from its seed, or a copy of `model.path`; with
+    `model.warm_start: previous`, the verified final checkpoint of the newest FINISHED run in
+    `tracking.experiment`, recorded in this run's `moerl.warm_start.*` tags), publish it to the
+    checkpoint store, and return its PolicyVersion as JSON. `state` is the trainer state the
+    first policy update starts from."""
     from moerl.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
@@ -16,7 +18,7 @@ def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
-    prepare_initial(cfg, state.path)
+    prepare_initial(cfg, state.path, run_id=run_id)
     policy, _ = run_publish(cfg, run_id, state.path, 0)
     return policy.model_dump_json()
 

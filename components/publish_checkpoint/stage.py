@@ -9,21 +9,34 @@ refuses a NaN or an inf before any byte is uploaded: a diverged update never bec
 
 `prepare_initial` makes version 0: the user's `model.path`, or the tiny model built from its
 seed, laid out as a trainer state (HF files; no `trainer/` yet) and published like any other
-version. `prepare_resume` lays out a published version (weights + `trainer/`, none for
-version 0) to continue from.
+version. With `model.warm_start: previous` (scheduled retraining, `moerl schedule`) version 0
+is instead the final checkpoint of the newest FINISHED MLflow run in `tracking.experiment`
+whose `moerl.final_checkpoint` lies in this config's checkpoint store: fetched through the
+store and verified against its manifest like a resume, without its `trainer/` state (a new
+run starts a new optimizer), and the run is tagged `moerl.warm_start.run_id` and
+`moerl.warm_start.checkpoint`. No such run: version 0 is built as with `none`, and a
+`[moerl]` line says so. A final checkpoint that is missing or fails verification is a
+CheckpointError, never a cold start. `prepare_resume` lays out a published version (weights +
+`trainer/`, none for version 0) to continue from.
 
 Limitations: the finiteness check reads every weight once more (from the page cache, since the
 trainer just wrote them); only floating-point tensors in `*.safetensors` files are checked, not
-the optimizer state under `trainer/`.
+the optimizer state under `trainer/`. A warm start takes the previous run's model as it is:
+its config.json wins over `model.tiny`/`model.path` (a changed architecture is not detected),
+and a run whose checkpoint is in another store (another `checkpoint.uri`) is passed over. The
+warm-start lookup imports mlflow (lazily, only with `previous`).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from moerl.checkpoints import run_store, version_uri
+from moerl import tracking
+from moerl.checkpoints import ENGINE_EXCLUDE, run_store, version_uri
 from moerl.config import RunConfig
 from moerl.policy import build_tiny_model, check_checkpoint
 from moerl.provenance import git_sha
@@ -32,9 +45,91 @@ from moerl.records import PolicyVersion
 from moerl.components.policy_update.trainer import TRAINER_DIR
 
 
-def prepare_initial(cfg: RunConfig, state_dir: str | Path) -> Path:
-    """Lay out version 0 as a trainer state directory (no optimizer state yet)."""
+FINAL_CHECKPOINT_TAG = "moerl.final_checkpoint"
+WARM_START_RUN_TAG, WARM_START_CHECKPOINT_TAG = "moerl.warm_start.run_id", "moerl.warm_start.checkpoint"
+_IN_STORE = re.compile(r"^runs/(?P<run_id>[^/]+)/versions/v(?P<version>\d{6,})$")
+
+
+@dataclass(frozen=True)
+class PreviousCheckpoint:
+    """The final checkpoint of an earlier run: its MLflow run, its URI, its version."""
+
+    run_id: str
+    uri: str
+    version: int
+
+
+def _store_root(cfg: RunConfig) -> str:
+    """checkpoint.uri as `run_store` spells it in version URIs (a local path normalized)."""
+    root = cfg.checkpoint.uri.rstrip("/")
+    return root if root.startswith("s3://") else str(Path(root))
+
+
+def find_previous_checkpoint(cfg: RunConfig, current_run_id: str) -> PreviousCheckpoint | None:
+    """The newest FINISHED run in `tracking.experiment` (by end time), other than
+    `current_run_id`, whose `moerl.final_checkpoint` is a version in this config's checkpoint
+    store; None when there is none."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking.resolve_uri(cfg.tracking))
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        return None
+    prefix, token = _store_root(cfg) + "/", None
+    while True:
+        runs = client.search_runs([exp.experiment_id], max_results=200, page_token=token,
+                                  filter_string=f"attributes.status = 'FINISHED' and tags.`{FINAL_CHECKPOINT_TAG}` LIKE '%'",
+                                  order_by=["attributes.end_time DESC", "attributes.start_time DESC"])
+        for run in runs:
+            uri = run.data.tags.get(FINAL_CHECKPOINT_TAG, "")
+            m = _IN_STORE.match(uri[len(prefix):]) if uri.startswith(prefix) else None
+            if m and run.info.run_id != current_run_id:
+                return PreviousCheckpoint(run.info.run_id, uri, int(m.group("version")))
+        token = runs.token
+        if not token:
+            return None
+
+
+def fetch_warm_start(cfg: RunConfig, prev: PreviousCheckpoint, model_dir: Path) -> Path:
+    """Lay out `prev`'s weights, config and tokenizer (not its `trainer/` state) in
+    `model_dir`, every file verified against the version's manifest on the way."""
+    import tempfile
+
+    from moerl.store import MANIFEST, MARKER
+
+    store = run_store(cfg.checkpoint, prev.run_id)
+    if version_uri(store, prev.version) != prev.uri:  # the tag and the store must name one version
+        raise CheckpointError(f"model.warm_start: run {prev.run_id}'s {FINAL_CHECKPOINT_TAG} {prev.uri!r} is not "
+                              f"{version_uri(store, prev.version)!r}")
+    try:
+        with tempfile.TemporaryDirectory(prefix="moerl-warm-") as tmp:
+            local = store.fetch(prev.version, Path(tmp), exclude=ENGINE_EXCLUDE)
+            if not (local / "config.json").is_file() or not any(local.glob("*.safetensors")):
+                raise CheckpointError("it holds no config.json and *.safetensors weights")
+            shutil.copytree(local, model_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST, MARKER))
+    except CheckpointError as e:
+        raise CheckpointError(f"model.warm_start=previous: the final checkpoint {prev.uri} of run {prev.run_id} "
+                              f"cannot be used: {e}. To start from another run, delete that run's "
+                              f"{FINAL_CHECKPOINT_TAG} tag in MLflow; to start fresh, set model.warm_start: none") from e
+    return model_dir
+
+
+def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = None) -> Path:
+    """Lay out version 0 as a trainer state directory (no optimizer state yet). `run_id`: the
+    current MLflow run (needed with `model.warm_start: previous`, which tags it)."""
     model_dir = Path(state_dir)
+    if cfg.model.warm_start == "previous":
+        if not run_id:
+            raise ValueError("prepare_initial: model.warm_start=previous needs run_id (the current MLflow run)")
+        prev = find_previous_checkpoint(cfg, run_id)
+        if prev is not None:
+            fetch_warm_start(cfg, prev, model_dir)
+            tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id,
+                              {WARM_START_RUN_TAG: prev.run_id, WARM_START_CHECKPOINT_TAG: prev.uri})
+            print(f"[moerl] warm start: version 0 is {prev.uri} (the final checkpoint of run {prev.run_id})", flush=True)
+            return model_dir
+        print(f"[moerl] warm start: no FINISHED run in experiment {cfg.tracking.experiment!r} has a final checkpoint "
+              f"under {_store_root(cfg)}; starting as model.warm_start: none", flush=True)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
         shutil.copytree(cfg.model.path, model_dir, dirs_exist_ok=True)

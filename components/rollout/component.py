@@ -14,12 +14,18 @@ def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, sam
     from moerl.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
-    from moerl.components.rollout.stage import run_rollout
     from moerl.config import config_from_json
+
+    cfg = config_from_json(config_json)
+    if cfg.cluster.launch.mode == "kubernetes":  # in a launched pod (docs/launch.md)
+        from moerl.launch import run_remote
+
+        return run_remote(cfg, "rollout", run_id, args={"policy_json": policy_json, "iteration": iteration},
+                          outputs={"samples": samples.path}, worker=f"it{iteration}")
+    from moerl.components.rollout.stage import run_rollout
     from moerl.records import PolicyVersion
 
-    return run_rollout(config_from_json(config_json), run_id, PolicyVersion.model_validate_json(policy_json),
-                       iteration, samples.path)
+    return run_rollout(cfg, run_id, PolicyVersion.model_validate_json(policy_json), iteration, samples.path)
 
 
 def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
@@ -37,9 +43,17 @@ def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     from moerl.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
-    from moerl.components.rollout.worker import run_rollout_worker
     from moerl.config import config_from_json
 
-    code = run_rollout_worker(config_from_json(config_json), run_id, f"rollout-{worker_index}")
+    cfg = config_from_json(config_json)
+    if cfg.cluster.launch.mode == "kubernetes":  # in a launched pod (docs/launch.md); same exit codes
+        from moerl.launch import run_remote
+
+        code = run_remote(cfg, "rollout_worker", run_id, args={"worker": f"rollout-{worker_index}"},
+                          worker=f"rollout-{worker_index}")
+    else:
+        from moerl.components.rollout.worker import run_rollout_worker
+
+        code = run_rollout_worker(cfg, run_id, f"rollout-{worker_index}")
     if code != 0:
         raise SystemExit(code)

@@ -94,12 +94,13 @@ def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
 
 def arm_config(config: str | Path, overrides: Sequence[str], arm: str, iterations: int, arm_dir: Path) -> RunConfig:
     """The config of `arm`: the file with `overrides`, the arm's mode, `iterations` versions,
-    and every path (store, cache, KFP root, work dir, MLflow) inside `arm_dir`."""
+    and every path (store, cache, KFP root, work dir, MLflow) inside `arm_dir`; no warm start."""
     mode = ARM_MODE[arm]
     length = f"pipeline.iterations={iterations}" if mode == "sync" else f"pipeline.versions={iterations}"
     own = [f"checkpoint.uri={arm_dir / 'checkpoints'}", f"checkpoint.cache_dir={arm_dir / 'cache'}",
            f"pipeline.pipeline_root={arm_dir / 'pipeline-root'}", f"pipeline.work_dir={arm_dir / 'work'}",
-           f"tracking.uri=sqlite:///{arm_dir / 'mlflow.db'}", length]
+           f"tracking.uri=sqlite:///{arm_dir / 'mlflow.db'}", length,
+           "model.warm_start=none"]  # every arm starts from the same version 0
     cfg = load_config(config, [*overrides, *own], mode=mode)
     if cfg.pipeline.mode != mode:
         raise ConfigError(f"bench modes: --set pipeline.mode={cfg.pipeline.mode} would run the {arm} arm in the "

@@ -1,0 +1,260 @@
+"""Kubernetes objects for the GPU stages, built from a `RunConfig` (pure: dicts in, dicts out).
+
+- `trainjob`: a Kubeflow Trainer v2 TrainJob (`trainer.kubeflow.org/v1alpha1`, Trainer >= v2.2
+  for `runtimePatches`) on the ClusterTrainingRuntime `cluster.launch.trainer_runtime`. The
+  trainer API carries image, command, env, node count and per-node resources (GPUs, EFA
+  devices, hugepages, cpu, memory); one runtime patch adds what that API does not: the trainer
+  group's node selector and tolerations, a memory-backed /dev/shm, the scratch emptyDir,
+  IPC_LOCK on container `node`, the service account and the pod labels.
+- `rollout_pod`: a core/v1 Pod for one rollout worker (restartPolicy Never: a failed worker is
+  retried by KFP, which relaunches it).
+- `rollout_group`: `cluster.launch.rollout_nodes_per_worker` > 1, one engine across several
+  nodes (expert parallelism over EFA), as a JobSet (`jobset.x-k8s.io/v1alpha2`): a `leader`
+  replicated job (node rank 0) and an Indexed `worker` job (ranks 1..N-1), headless-service DNS
+  between them, success when the leader succeeds, no JobSet-level restarts.
+
+Why a JobSet rather than a LeaderWorkerSet (the pattern vLLM documents for multi-node
+serving): an LWS is a serving primitive, a StatefulSet of groups whose pods restart forever and
+which never completes, whereas a rollout stage (sync) or worker (async) runs to an end and its
+task must learn how it ended. A JobSet has run-to-completion semantics with Completed/Failed
+conditions to watch, leaves retries to KFP (`failurePolicy.maxRestarts: 0`), and is already on
+every cluster that runs Kubeflow Trainer v2, which is built on it.
+
+Every object carries the labels `moerl.ai/run-id`, `moerl.ai/stage`, `moerl.ai/workload` (its
+own name, also on its pods) and `app.kubernetes.io/managed-by: moerl`. Names are RFC 1035 DNS
+labels short enough for the pod names the TrainJob and JobSet controllers derive from them.
+Launched containers get capability IPC_LOCK, as AWS's EFA manifests do: KFP >= 2.16 drops every
+capability of its own task containers, one reason these stages run outside KFP.
+
+Limitations: the objects pass the published schemas (tests/test_launch.py validates them
+against the Trainer v2.3.0 and JobSet v0.12.0 CRDs and Kubernetes' own schemas), but have not
+been applied to a real API server here: admission webhooks (Trainer's, JobSet's) and CEL rules
+beyond the name checks are not exercised. `trainer_nodes` > 1 and the JobSet build objects
+that run the same command on every node; moerl's trainer and rollout engine do not yet join
+across nodes, so `moerl.launch.task.run_remote` refuses those settings (see docs/launch.md).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from typing import Any
+
+from moerl.config import GroupConfig, RunConfig
+from moerl.podenv import SCRATCH_ENV
+
+TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
+JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+PATCH_MANAGER = "moerl.ai/launcher"
+TRAINER_CONTAINER = "node"  # the container (and replicated job) of Trainer's torch runtimes
+ROLLOUT_CONTAINER = "rollout"
+
+LABEL_RUN, LABEL_STAGE, LABEL_WORKLOAD = "moerl.ai/run-id", "moerl.ai/stage", "moerl.ai/workload"
+LABEL_MANAGED = "app.kubernetes.io/managed-by"
+# The rank of a pod in its multi-node group, for the stage code (0 = the leader).
+ENV_NODE_RANK, ENV_GROUP_SIZE, ENV_LEADER = "MOERL_NODE_RANK", "MOERL_GROUP_SIZE", "MOERL_LEADER_ADDRESS"
+
+# Beyond `rollout.grace_seconds` (the worker's drain), time for the publish and the exit.
+GRACE_MARGIN_S = 30
+_MAX_NAME = 63
+_SUFFIX_LEN = 5  # the random suffix of a generated name; also what the Job controller appends to pod names
+_ZERO = re.compile(r"^0+(\.0+)?[a-zA-Z]*$")
+
+
+def label_value(text: str) -> str:
+    """`text` as a valid label value: [A-Za-z0-9._-], alphanumeric at both ends, <= 63."""
+    v = re.sub(r"[^A-Za-z0-9._-]+", "-", text)[:_MAX_NAME]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", v)
+
+
+def _dns(text: str) -> str:
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]+", "-", text.lower())).strip("-")
+
+
+def workload_name(stage: str, run_id: str, extra: str = "", budget: int = _MAX_NAME, suffix: str | None = None) -> str:
+    """`moerl-<stage>[-<extra>]-<run id, first 8>-<random>`: an RFC 1035 label (starts with a
+    letter, [a-z0-9-], <= `budget` characters). The stage part is cut first, never the
+    run id or the random suffix that makes retries unique."""
+    suffix = suffix if suffix is not None else secrets.token_hex(3)[:_SUFFIX_LEN]
+    tail = "-".join(p for p in (_dns(extra), _dns(run_id)[:8], _dns(suffix)) if p)
+    room = budget - len("moerl-") - len(tail) - 1
+    if room < 1:
+        raise ValueError(f"no room for a name within {budget} characters (tail {tail!r})")
+    head = _dns(stage)[:room].strip("-") or "w"
+    return f"moerl-{head}-{tail}"
+
+
+def labels(run_id: str, stage: str, name: str) -> dict[str, str]:
+    """The stage label is spelled as on the KFP tasks (pipelines/eks.py): hyphens."""
+    return {LABEL_RUN: label_value(run_id), LABEL_STAGE: label_value(stage.replace("_", "-")), LABEL_WORKLOAD: name,
+            LABEL_MANAGED: "moerl"}
+
+
+def resources(cfg: RunConfig) -> dict[str, dict[str, str]]:
+    """requests = limits per node: GPUs, EFA devices, 2 MiB hugepages, cpu, memory. Zero or
+    unset ones are left out (a CPU-only test cluster, a node without EFA)."""
+    la = cfg.cluster.launch
+    wanted = {"nvidia.com/gpu": str(la.gpus_per_node), "vpc.amazonaws.com/efa": str(la.efa_per_node),
+              "hugepages-2Mi": la.hugepages_2mi, "cpu": la.cpu_per_node, "memory": la.memory_per_node}
+    amounts = {k: v for k, v in wanted.items() if v is not None and not _ZERO.match(v)}
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def image(cfg: RunConfig, group: GroupConfig) -> str:
+    return group.image or cfg.pipeline.base_image
+
+
+def _tolerations(group: GroupConfig) -> list[dict[str, Any]]:
+    return [t.model_dump(exclude_none=True) for t in group.tolerations]
+
+
+def _volumes(cfg: RunConfig, group: GroupConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The volumes (scratch emptyDir, memory-backed /dev/shm) and their mounts."""
+    cl = cfg.cluster
+    volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {"sizeLimit": cl.scratch_size}}]
+    mounts: list[dict[str, Any]] = [{"name": "scratch", "mountPath": cl.scratch_dir}]
+    if group.shm:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": group.shm}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _security() -> dict[str, Any]:
+    return {"capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def scratch_env(cfg: RunConfig) -> list[dict[str, Any]]:
+    """The scratch emptyDir as `moerl.podenv` expects it (MOERL_SCRATCH; HOME and TMPDIR under
+    it, which `enter_pod` creates): the image's own directories may be read-only."""
+    scratch = cfg.cluster.scratch_dir
+    return [{"name": SCRATCH_ENV, "value": scratch}, {"name": "HOME", "value": f"{scratch}/home"},
+            {"name": "TMPDIR", "value": f"{scratch}/tmp"}]
+
+
+def _owner(owner: dict[str, Any] | None) -> dict[str, Any]:
+    return {"ownerReferences": [owner]} if owner else {}
+
+
+def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: list[dict[str, Any]],
+             stage: str = "policy_update", owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A TrainJob running `command` on `cluster.launch.trainer_nodes` trainer nodes."""
+    la, group = cfg.cluster.launch, cfg.cluster.groups.trainer
+    meta = labels(run_id, stage, name)
+    volumes, mounts = _volumes(cfg, group)
+    pod_spec: dict[str, Any] = {
+        "nodeSelector": dict(group.node_selector),
+        "tolerations": _tolerations(group),
+        "volumes": volumes,
+        "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": mounts, "securityContext": _security()}],
+    }
+    if la.service_account:
+        pod_spec["serviceAccountName"] = la.service_account
+    patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
+        "metadata": {"labels": dict(meta)},
+        "spec": {"replicatedJobs": [{"name": TRAINER_CONTAINER, "template": {"spec": {"template": {
+            "metadata": {"labels": dict(meta)}, "spec": pod_spec}}}}]}}}}
+    return {
+        "apiVersion": "/".join(TRAINJOB_API[:2]), "kind": "TrainJob",
+        "metadata": {"name": name, "labels": meta, **_owner(owner)},
+        "spec": {
+            "runtimeRef": {"name": la.trainer_runtime, "apiGroup": TRAINJOB_API[0], "kind": "ClusterTrainingRuntime"},
+            "trainer": {"image": image(cfg, group), "command": list(command),
+                        "env": [*env, *scratch_env(cfg)], "numNodes": la.trainer_nodes,
+                        "resourcesPerNode": resources(cfg)},
+            "runtimePatches": [patch],
+            "activeDeadlineSeconds": group.timeout_s,
+        },
+    }
+
+
+def trainjob_name(stage: str, run_id: str, nodes: int, suffix: str | None = None) -> str:
+    """Room for the pod names the JobSet under a TrainJob derives: <name>-node-0-<n-1>-xxxxx."""
+    return workload_name(stage, run_id, budget=_MAX_NAME - len(f"-{TRAINER_CONTAINER}-0-{nodes - 1}-xxxxx"),
+                         suffix=suffix)
+
+
+def grace_seconds(cfg: RunConfig) -> int:
+    """The rollout pod's terminationGracePeriodSeconds: the worker's drain plus a margin."""
+    return int(math.ceil(cfg.rollout.grace_seconds)) + GRACE_MARGIN_S
+
+
+def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, Any]], restart: str) -> dict[str, Any]:
+    la, group = cfg.cluster.launch, cfg.cluster.groups.rollout
+    volumes, mounts = _volumes(cfg, group)
+    spec: dict[str, Any] = {
+        "restartPolicy": restart,
+        "nodeSelector": dict(group.node_selector),
+        "tolerations": _tolerations(group),
+        "terminationGracePeriodSeconds": grace_seconds(cfg),
+        "enableServiceLinks": False,  # no env variable per Service of the namespace
+        "volumes": volumes,
+        "containers": [{
+            "name": ROLLOUT_CONTAINER, "image": image(cfg, group), "command": list(command),
+            "workingDir": cfg.cluster.scratch_dir, "env": [*env, *scratch_env(cfg)],
+            "resources": resources(cfg), "volumeMounts": mounts, "securityContext": _security(),
+            # the stage's one-line error (moerl.launch.remote), else the log tail
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }],
+    }
+    if la.service_account:
+        spec["serviceAccountName"] = la.service_account
+    return spec
+
+
+def rollout_pod(cfg: RunConfig, run_id: str, worker: str, command: list[str], env: list[dict[str, Any]],
+                stage: str = "rollout_worker", name: str | None = None,
+                owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rollout worker `worker` (e.g. rollout-3) as a Pod."""
+    name = name or workload_name(stage, run_id, extra=worker)
+    spec = _rollout_pod_spec(cfg, command, env, "Never")
+    spec["activeDeadlineSeconds"] = cfg.cluster.groups.rollout.timeout_s
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": labels(run_id, stage, name), **_owner(owner)}, "spec": spec}
+
+
+def rollout_group_name(stage: str, run_id: str, worker: str, nodes: int, suffix: str | None = None) -> str:
+    """Room for <name>-worker-0-<n-2>-xxxxx, the longest pod name the JobSet derives."""
+    return workload_name(stage, run_id, extra=worker, suffix=suffix,
+                         budget=_MAX_NAME - len(f"-worker-0-{max(nodes - 2, 0)}-xxxxx"))
+
+
+def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], env: list[dict[str, Any]],
+                  stage: str = "rollout_worker", name: str | None = None,
+                  owner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rollout worker spanning `cluster.launch.rollout_nodes_per_worker` nodes, as a JobSet.
+
+    Every pod gets MOERL_NODE_RANK (leader 0, workers 1..N-1 from their completion index),
+    MOERL_GROUP_SIZE and MOERL_LEADER_ADDRESS (the leader pod's stable DNS name).
+    """
+    nodes = cfg.cluster.launch.rollout_nodes_per_worker
+    if nodes < 2:
+        raise ValueError("rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod")
+    name = name or rollout_group_name(stage, run_id, worker, nodes)
+    meta = labels(run_id, stage, name)
+    group_env = [*env, {"name": ENV_GROUP_SIZE, "value": str(nodes)},
+                 {"name": ENV_LEADER, "value": f"{name}-leader-0-0.{name}"}]
+
+    def job(role: str, count: int, rank_env: dict[str, Any]) -> dict[str, Any]:
+        spec = _rollout_pod_spec(cfg, command, [*group_env, rank_env], "Never")
+        job_spec: dict[str, Any] = {"parallelism": count, "completions": count, "backoffLimit": 0,
+                                    "activeDeadlineSeconds": cfg.cluster.groups.rollout.timeout_s,
+                                    "template": {"metadata": {"labels": dict(meta)}, "spec": spec}}
+        if role == "worker":
+            job_spec["completionMode"] = "Indexed"
+        return {"name": role, "replicas": 1, "template": {"metadata": {"labels": dict(meta)}, "spec": job_spec}}
+
+    # worker i (completion index i) is node rank i + 1: moerl.launch.remote adds the one
+    worker_rank = {"name": "MOERL_WORKER_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+    return {
+        "apiVersion": "/".join(JOBSET_API[:2]), "kind": "JobSet",
+        "metadata": {"name": name, "labels": meta, **_owner(owner)},
+        "spec": {
+            "replicatedJobs": [job("leader", 1, {"name": ENV_NODE_RANK, "value": "0"}),
+                               job("worker", nodes - 1, worker_rank)],
+            "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["leader"]},
+            "failurePolicy": {"maxRestarts": 0},  # KFP retries the task, which relaunches the group
+        },
+    }

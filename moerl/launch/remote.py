@@ -1,0 +1,164 @@
+"""Inside a launched pod: `python -m moerl.launch.remote <spec-uri>` runs one stage.
+
+The launching task (`moerl.launch.task.run_remote`) wrote `spec.json` and the inputs under
+an exchange prefix (`moerl.launch.exchange`). This entry point (1) reads the spec, (2)
+downloads the inputs into the scratch folder, (3) calls the SAME stage function the in-task
+path calls (`STAGES`: policy_update -> run_policy_update, rollout -> run_rollout,
+rollout_worker -> run_rollout_worker, async_trainer -> run_trainer), (4) uploads the outputs,
+then `result.json` with the stage's return value (JSON) last: its presence means the outputs
+are complete. A stage that raises writes its one-line error to the container's termination
+message (`/dev/termination-log`), which the launcher reports, and exits non-zero (a
+`MoerlError`'s exit code, else 1).
+
+S3 access uses the pod's own AWS credential chain (IRSA through the launched pods' service
+account); `--endpoint-url` and `--region` only say where the exchange is.
+
+Limitations: the registry is closed (a spec names a stage, never code). In a multi-node group
+only node rank 0 would upload; moerl's stages do not yet run across nodes, and the launcher
+refuses such settings before anything is launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from moerl.config import CheckpointConfig, RunConfig, config_from_json
+from moerl.errors import MoerlError
+from moerl.launch.exchange import RESULT, SPEC, Exchange
+from moerl.podenv import enter_pod
+
+log = logging.getLogger(__name__)
+
+TERMINATION_LOG = "/dev/termination-log"
+_TERMINATION_MAX = 4096  # what the kubelet keeps of a termination message
+
+
+class RemoteError(MoerlError):
+    """A launched pod could not run its spec (missing or malformed)."""
+
+
+# A stage: (cfg, run_id, scalar args, input paths, output paths) -> a JSON-serializable value.
+StageFn = Callable[[RunConfig, str, dict[str, Any], dict[str, Path], dict[str, Path]], Any]
+
+
+@dataclass(frozen=True)
+class Stage:
+    fn: StageFn
+    group: Literal["trainer", "rollout"]  # which cluster group (and workload kind) runs it
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+
+def _policy_update(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
+                   outputs: dict[str, Path]) -> Any:
+    from moerl.components.policy_update.trainer import run_policy_update
+
+    return run_policy_update(cfg, inputs["batch"], inputs["state_in"], outputs["state_out"], int(args["iteration"]))
+
+
+def _async_trainer(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
+                   outputs: dict[str, Path]) -> Any:
+    from moerl.components.policy_update.worker import run_trainer
+
+    return run_trainer(cfg, run_id).model_dump_json()
+
+
+def _rollout(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
+             outputs: dict[str, Path]) -> Any:
+    from moerl.components.rollout.stage import run_rollout
+    from moerl.records import PolicyVersion
+
+    policy = PolicyVersion.model_validate_json(args["policy_json"])
+    return run_rollout(cfg, run_id, policy, int(args["iteration"]), outputs["samples"])
+
+
+def _rollout_worker(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
+                    outputs: dict[str, Path]) -> Any:
+    from moerl.components.rollout.worker import run_rollout_worker
+
+    return run_rollout_worker(cfg, run_id, str(args["worker"]))
+
+
+STAGES: dict[str, Stage] = {
+    "policy_update": Stage(_policy_update, "trainer", inputs=("batch", "state_in"), outputs=("state_out",)),
+    "async_trainer": Stage(_async_trainer, "trainer"),
+    "rollout": Stage(_rollout, "rollout", outputs=("samples",)),
+    "rollout_worker": Stage(_rollout_worker, "rollout"),
+}
+
+
+def run_spec(spec_uri: str, endpoint_url: str | None = None, region: str | None = None,
+             workdir: Path | None = None) -> Any:
+    """Steps 1-4 of the module docstring; returns the stage's value."""
+    if not spec_uri.startswith("s3://") or not spec_uri.endswith(f"/{SPEC}"):
+        raise RemoteError(f"expected s3://.../{SPEC}, got {spec_uri!r}")
+    uri = spec_uri[: -len(SPEC) - 1]
+    # 1. the spec, read with the given endpoint; everything after with the run's S3 settings
+    spec = Exchange(CheckpointConfig(uri=uri, endpoint_url=endpoint_url, region=region), uri).read_json(SPEC)
+    if not isinstance(spec, dict):
+        raise RemoteError(f"{spec_uri} does not exist or is not a JSON object; was the task's exchange deleted?")
+    try:
+        stage = STAGES[spec["stage"]]
+        cfg = config_from_json(spec["config_json"])
+        run_id, args = str(spec["run_id"]), dict(spec["args"])
+        input_descs, output_names = dict(spec["inputs"]), list(spec["outputs"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RemoteError(f"{spec_uri} is not a valid spec ({type(e).__name__}: {e})") from e
+    ex = Exchange(cfg.checkpoint.model_copy(update={"endpoint_url": endpoint_url, "region": region}), uri)
+    local = Path(tempfile.mkdtemp(prefix="moerl-exchange-", dir=workdir))
+    # 2. inputs
+    inputs = {name: ex.get(f"inputs/{name}", desc, local / "inputs" / name) for name, desc in input_descs.items()}
+    outputs = {name: local / "outputs" / name for name in output_names}
+    (local / "outputs").mkdir(parents=True)
+    # 3. the stage
+    log.info("running stage %s of run %s", spec["stage"], run_id)
+    value = stage.fn(cfg, run_id, args, inputs, outputs)
+    # 4. outputs, then the result that says they are complete
+    result = {"value": value, "outputs": {name: ex.put(f"outputs/{name}", path) for name, path in outputs.items()}}
+    ex.write_json(RESULT, result)
+    return value
+
+
+def termination_message(text: str, path: str | None = None) -> bool:
+    """Write `text` to the container's termination log, which the kubelet creates in every
+    container (never created here: outside a pod there is none, and the log has the error)."""
+    try:
+        fd = os.open(path or TERMINATION_LOG, os.O_WRONLY | os.O_TRUNC)  # no O_CREAT
+    except OSError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text[-_TERMINATION_MAX:])
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moerl.launch.remote", description=__doc__.split("\n")[0])
+    ap.add_argument("spec_uri", help="s3://.../exchange/<key>/spec.json")
+    ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (checkpoint.endpoint_url)")
+    ap.add_argument("--region", default=None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    enter_pod()  # the scratch emptyDir: working directory, HOME, TMPDIR, the checkpoint cache
+    try:
+        run_spec(a.spec_uri, a.endpoint_url, a.region, Path.cwd())
+    except MoerlError as e:
+        log.error("%s", e)
+        termination_message(f"{type(e).__name__}: {e}")
+        return e.exit_code
+    except Exception as e:  # noqa: BLE001 (a bug: keep the traceback in the log, say it in the status)
+        log.exception("stage failed")
+        termination_message(f"{type(e).__name__}: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

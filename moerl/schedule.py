@@ -1,0 +1,353 @@
+"""Scheduled retraining: `moerl schedule` (a recurring run) and `moerl submit` (one run).
+
+Two schedulers, one cron expression:
+- a KFP recurring run (`kfp.Client.create_recurring_run`, backed by KFP's ScheduledWorkflow):
+  the pipeline is compiled for EKS once, here, and KFP starts it on the schedule with at most
+  one run at a time and no catch-up of missed ticks;
+- an Argo `CronWorkflow` (`--argo-out FILE`), for clusters that keep their schedules in Argo:
+  one step in the CPU group's image runs `moerl submit --wait` on the resolved config, so the
+  pipeline is compiled by the moerl in that image and `concurrencyPolicy: Forbid` covers the
+  whole KFP run (the step lasts as long as the run), not only its submission.
+
+Each scheduled run warm-starts: the config it runs gets `model.warm_start: previous`, so
+version 0 is the final checkpoint of the newest FINISHED run in `tracking.experiment`
+(`components/publish_checkpoint/stage.py`).
+
+Cron: the user gives one 6-field expression with leading seconds, as KFP takes it; the
+CronWorkflow gets the 5-field form (`moerl/cron.py`). A bad expression is a `ConfigError`
+naming the field, raised before anything is compiled or any client is made.
+
+Nothing secret: the KFP host's credentials come from the environment or the kube config
+(kfp.Client's own chain; in a pod, the projected service-account token); hosts are printed
+through `tracking.redact`, and the config written into a CronWorkflow has had its tracking
+credentials removed (`tracking.split_credentials`).
+
+Limitations: nothing here has run against a real KFP or Argo; the KFP calls are checked with an
+injected client and the CronWorkflow against Argo's published JSON schema (tests/data/argo).
+KFP recurring runs fire in the scheduledworkflow controller's time zone (its
+CRON_SCHEDULE_TIMEZONE, UTC unless set), so `--timezone` applies to the CronWorkflow only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moerl.config import RunConfig, load_config
+from moerl.cron import FORMAT, check_timezone, parse_cron
+from moerl.errors import ConfigError, MoerlError
+
+
+# ----------------------------------------------------------------------------------- KFP
+
+IN_CLUSTER_KFP = "http://ml-pipeline.kubeflow.svc.cluster.local:8888"
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def scheduled_config(cfg: RunConfig) -> RunConfig:
+    """The config every scheduled run runs: version 0 from the previous run's final checkpoint."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"warm_start": "previous"})})
+
+
+def _check_name(flag: str, name: str, max_len: int) -> str:
+    if not (_NAME.match(name) and len(name) <= max_len):
+        raise ConfigError(f"{flag}: {name!r} must be lowercase letters, digits and '-', start and end with a letter "
+                          f"or digit, at most {max_len} characters")
+    return name
+
+
+def _compile(cfg: RunConfig, out: Path) -> Path:
+    from moerl.runner import compile_pipeline
+
+    return compile_pipeline(cfg, out, target="eks")
+
+
+def _kfp_errors() -> tuple[type[BaseException], ...]:
+    import kfp_server_api
+    import urllib3
+
+    return kfp_server_api.ApiException, urllib3.exceptions.HTTPError, OSError, ValueError
+
+
+def _kfp_failure(host: str | None, what: str, err: BaseException) -> MoerlError:
+    from moerl.tracking import redact
+
+    status = getattr(err, "status", None)
+    # An ApiException's text carries the response headers and body; only its status goes out.
+    detail = f"HTTP {status} {getattr(err, 'reason', '')}".strip() if status else f"{type(err).__name__}: {err}"
+    return MoerlError(f"KFP at {redact(host or '$KF_PIPELINES_ENDPOINT')}: {what} failed ({redact(detail)}); check "
+                      "--host and that your kube config or token may use the KFP API")
+
+
+def _kfp_client(host: str | None, namespace: str | None) -> Any:
+    import kfp
+
+    try:
+        return kfp.Client(host=host, namespace=namespace or "kubeflow")
+    except _kfp_errors() as err:
+        raise _kfp_failure(host, "connecting", err) from None
+
+
+def _experiment_id(client: Any, name: str, namespace: str | None) -> str:
+    try:
+        exp = client.get_experiment(experiment_name=name, namespace=namespace)
+    except ValueError as err:
+        if not str(err).startswith("No experiment is found"):
+            raise
+        exp = client.create_experiment(name, namespace=namespace)
+    return exp.experiment_id
+
+
+def create_recurring_run(cfg: RunConfig, cron: str, *, host: str | None = None, experiment: str | None = None,
+                         job_name: str | None = None, namespace: str | None = None,
+                         service_account: str | None = None, timezone: str | None = None,
+                         client: Any = None) -> str:
+    """Create a KFP recurring run of `cfg`'s pipeline (compiled for EKS, warm-started) on the
+    6-field `cron`; return its id. At most one run at a time, missed ticks not caught up,
+    caching off. `client`: a kfp.Client-like object (default: kfp.Client(host, namespace))."""
+    # 1. everything that can be refused, before anything is compiled or any client made
+    schedule = parse_cron(cron)
+    if timezone is not None and check_timezone(timezone) != "UTC":
+        raise ConfigError(f"--timezone {timezone}: KFP recurring runs fire in the scheduledworkflow controller's time "
+                          "zone (its CRON_SCHEDULE_TIMEZONE); use --no-kfp --argo-out FILE for a zoned schedule")
+    name = _check_name("--name", job_name or f"{cfg.pipeline.name}-schedule", 63)
+    experiment = experiment or cfg.tracking.experiment
+    cfg = scheduled_config(cfg)
+    with tempfile.TemporaryDirectory(prefix="moerl-schedule-") as tmp:
+        # 2. the pipeline, compiled for the cluster
+        package = _compile(cfg, Path(tmp) / "pipeline.yaml")
+        # 3. the experiment, then the recurring run
+        try:
+            client = client if client is not None else _kfp_client(host, namespace)
+            exp_id = _experiment_id(client, experiment, namespace)
+            job = client.create_recurring_run(
+                experiment_id=exp_id, job_name=name,
+                description=f"moerl: {cfg.pipeline.name} ({cfg.pipeline.mode}) on '{schedule.kfp}', warm start from "
+                            "the previous run's final checkpoint",
+                cron_expression=schedule.kfp, max_concurrency=1, no_catchup=True, params={},
+                pipeline_package_path=str(package), enabled=True, enable_caching=False,
+                service_account=service_account)
+        except _kfp_errors() as err:
+            raise _kfp_failure(host, "creating the recurring run", err) from None
+    return job.recurring_run_id
+
+
+def submit(cfg: RunConfig, *, host: str | None = None, experiment: str | None = None, run_name: str | None = None,
+           namespace: str | None = None, service_account: str | None = None, wait_timeout_s: int | None = None,
+           client: Any = None) -> str:
+    """Compile `cfg`'s pipeline for EKS and start one KFP run; return its id. With
+    `wait_timeout_s`, wait for it to end and raise unless it succeeded."""
+    run_name = run_name or f"{cfg.pipeline.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    with tempfile.TemporaryDirectory(prefix="moerl-submit-") as tmp:
+        package = _compile(cfg, Path(tmp) / "pipeline.yaml")
+        try:
+            client = client if client is not None else _kfp_client(host, namespace)
+            run = client.create_run_from_pipeline_package(
+                str(package), arguments={}, run_name=run_name, experiment_name=experiment or cfg.tracking.experiment,
+                namespace=namespace, enable_caching=False, service_account=service_account)
+        except _kfp_errors() as err:
+            raise _kfp_failure(host, "creating the run", err) from None
+    print(f"[moerl] KFP run {run.run_id} ({run_name})", flush=True)
+    if wait_timeout_s is not None:
+        try:
+            state = str(client.wait_for_run_completion(run.run_id, wait_timeout_s).state or "")
+        except TimeoutError:
+            raise MoerlError(f"KFP run {run.run_id} did not end within {wait_timeout_s} s") from None
+        except _kfp_errors() as err:
+            raise _kfp_failure(host, f"waiting for run {run.run_id}", err) from None
+        print(f"[moerl] KFP run {run.run_id} ended: {state}", flush=True)
+        if state.lower() != "succeeded":
+            raise MoerlError(f"KFP run {run.run_id} ended {state or 'without a state'}; see it in the KFP UI")
+    return run.run_id
+
+
+# ---------------------------------------------------------------------------------- Argo
+
+CONFIG_PATH = "/moerl/schedule/run.yaml"
+KFP_TOKEN_DIR = "/var/run/secrets/kubeflow/pipelines"  # kfp.Client reads `token` here (multi-user KFP)
+
+
+def cron_workflow(cfg: RunConfig, cron: str, *, host: str = IN_CLUSTER_KFP, experiment: str | None = None,
+                  name: str | None = None, namespace: str | None = None, kfp_namespace: str | None = None,
+                  service_account: str | None = None, timezone: str = "UTC", starting_deadline_s: int = 3600,
+                  history_limit: int = 3, wait_timeout_s: int = 7 * 24 * 3600) -> dict[str, Any]:
+    """An Argo CronWorkflow (argoproj.io/v1alpha1) that starts `cfg`'s pipeline, warm-started,
+    through `moerl submit --wait` in the CPU group's image; a plain dict, ready for YAML.
+    `host`: the KFP API as the workflow's pod reaches it."""
+    from argo_workflows.api_client import ApiClient
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_cron_workflow import IoArgoprojWorkflowV1alpha1CronWorkflow
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_cron_workflow_spec import (
+        IoArgoprojWorkflowV1alpha1CronWorkflowSpec)
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_workflow_spec import IoArgoprojWorkflowV1alpha1WorkflowSpec
+    from argo_workflows.model.object_meta import ObjectMeta
+
+    from moerl.tracking import split_credentials
+
+    # 1. refuse what cannot be scheduled, before building anything
+    schedule = parse_cron(cron).argo()
+    check_timezone(timezone)
+    name = _check_name("--name", name or f"{cfg.pipeline.name}-schedule", 52)  # Argo suffixes a timestamp
+    if starting_deadline_s < 0 or history_limit < 0 or wait_timeout_s < 60:
+        raise ConfigError("starting deadline and history limit must be >= 0, the wait timeout >= 60 s")
+    # 2. the config the step submits: warm start on, credentials out
+    cfg, secret_env = split_credentials(scheduled_config(cfg))
+    if secret_env:
+        print(f"moerl: schedule: removed the credentials in tracking.uri from the CronWorkflow; the pipeline's tasks "
+              f"get {' and '.join(sorted(secret_env))} from the Secret cluster.mlflow_secret", file=sys.stderr)
+    labels = {"app.kubernetes.io/part-of": "moerl", "moerl.ai/pipeline": _label(cfg.pipeline.name)}
+    args = ["submit", CONFIG_PATH, "--host", host, "--experiment", experiment or cfg.tracking.experiment,
+            "--run-name", "{{workflow.name}}", "--wait-timeout-s", str(wait_timeout_s)]
+    if kfp_namespace:
+        args += ["--namespace", kfp_namespace]
+    if service_account:
+        args += ["--service-account", service_account]
+    # 3. the CronWorkflow
+    spec = IoArgoprojWorkflowV1alpha1WorkflowSpec(
+        entrypoint="submit", templates=[_submit_template(cfg, args)], volumes=[_kfp_token_volume()],
+        active_deadline_seconds=wait_timeout_s + 600,  # the wait, plus time to compile and submit
+        **({"service_account_name": service_account} if service_account else {}))
+    cw = IoArgoprojWorkflowV1alpha1CronWorkflow(
+        api_version="argoproj.io/v1alpha1", kind="CronWorkflow",
+        metadata=ObjectMeta(name=name, labels=labels, **({"namespace": namespace} if namespace else {})),
+        spec=IoArgoprojWorkflowV1alpha1CronWorkflowSpec(
+            schedules=[schedule], timezone=timezone, concurrency_policy="Forbid",
+            starting_deadline_seconds=starting_deadline_s, successful_jobs_history_limit=history_limit,
+            failed_jobs_history_limit=history_limit, workflow_metadata=ObjectMeta(labels=labels),
+            workflow_spec=spec))
+    out = ApiClient.sanitize_for_serialization(cw)
+    return {"apiVersion": out.pop("apiVersion"), "kind": out.pop("kind"), **out}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the embedded config) as literal blocks, readable in the file."""
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False)
+
+
+def _label(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", value)[:63].strip("-._") or "moerl"
+
+
+def _submit_template(cfg: RunConfig, args: list[str]) -> Any:
+    """The one step: `moerl submit --wait` in the CPU group's image, on the CPU group's nodes."""
+    from argo_workflows.model.capabilities import Capabilities
+    from argo_workflows.model.container import Container
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_artifact import IoArgoprojWorkflowV1alpha1Artifact
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_inputs import IoArgoprojWorkflowV1alpha1Inputs
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_raw_artifact import IoArgoprojWorkflowV1alpha1RawArtifact
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_template import IoArgoprojWorkflowV1alpha1Template
+    from argo_workflows.model.resource_requirements import ResourceRequirements
+    from argo_workflows.model.seccomp_profile import SeccompProfile
+    from argo_workflows.model.security_context import SecurityContext
+    from argo_workflows.model.toleration import Toleration
+    from argo_workflows.model.volume_mount import VolumeMount
+
+    group = cfg.cluster.groups.cpu
+    config_yaml = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    tolerations = [Toleration(**{k: v for k, v in t.model_dump().items() if v is not None}) for t in group.tolerations]
+    return IoArgoprojWorkflowV1alpha1Template(
+        name="submit",
+        inputs=IoArgoprojWorkflowV1alpha1Inputs(artifacts=[IoArgoprojWorkflowV1alpha1Artifact(
+            name="config", path=CONFIG_PATH, raw=IoArgoprojWorkflowV1alpha1RawArtifact(data=config_yaml))]),
+        container=Container(
+            image=group.image or cfg.pipeline.base_image, command=["moerl"], args=args,
+            resources=ResourceRequirements(requests={"cpu": group.cpu, "memory": group.memory},
+                                           limits={"memory": group.memory}),
+            volume_mounts=[VolumeMount(name="kfp-token", mount_path=KFP_TOKEN_DIR, read_only=True)],
+            security_context=SecurityContext(allow_privilege_escalation=False, capabilities=Capabilities(drop=["ALL"]),
+                                             seccomp_profile=SeccompProfile(type="RuntimeDefault"))),
+        node_selector=dict(group.node_selector), tolerations=tolerations)
+
+
+def _kfp_token_volume() -> Any:
+    """A projected service-account token for the KFP API (audience pipelines.kubeflow.org), at
+    the path kfp.Client reads by default; nothing secret is written into the manifest."""
+    from argo_workflows.model.projected_volume_source import ProjectedVolumeSource
+    from argo_workflows.model.service_account_token_projection import ServiceAccountTokenProjection
+    from argo_workflows.model.volume import Volume
+    from argo_workflows.model.volume_projection import VolumeProjection
+
+    return Volume(name="kfp-token", projected=ProjectedVolumeSource(sources=[VolumeProjection(
+        service_account_token=ServiceAccountTokenProjection(path="token", audience="pipelines.kubeflow.org",
+                                                            expiration_seconds=7200))]))
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from moerl.tracking import redact
+
+    parse_cron(args.cron)  # 1. refuse a bad schedule or flags before reading anything else
+    if args.timezone:
+        check_timezone(args.timezone)
+    if args.no_kfp and not args.argo_out:
+        raise ConfigError("--no-kfp: nothing to do without --argo-out FILE")
+    cfg = load_config(args.config, args.set, mode=args.mode)
+    if args.argo_out:  # 2. the CronWorkflow, validated in full before the KFP schedule exists
+        cw = cron_workflow(cfg, args.cron, host=args.argo_host, experiment=args.experiment, name=args.name,
+                           namespace=args.argo_namespace, kfp_namespace=args.namespace,
+                           service_account=args.service_account, timezone=args.timezone or "UTC")
+        Path(args.argo_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.argo_out).write_text(dump_yaml(cw))
+        print(f"wrote {args.argo_out} (kubectl apply -f it, or argo cron create)")
+    if not args.no_kfp:  # 3. the KFP recurring run
+        job_id = create_recurring_run(cfg, args.cron, host=args.host, experiment=args.experiment, job_name=args.name,
+                                      namespace=args.namespace, service_account=args.service_account,
+                                      timezone=args.timezone)
+        print(f"[moerl] KFP recurring run {job_id} on '{parse_cron(args.cron).kfp}' at "
+              f"{redact(args.host or '$KF_PIPELINES_ENDPOINT')}", flush=True)
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set, mode=args.mode)
+    submit(cfg, host=args.host, experiment=args.experiment, run_name=args.run_name, namespace=args.namespace,
+           service_account=args.service_account, wait_timeout_s=args.wait_timeout_s)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config")
+    p.add_argument("--mode", choices=("sync", "async"), default=None, help="default: the config's pipeline.mode")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--host", default=None, help="the KFP API, e.g. http://localhost:8080 through a port-forward "
+                                                "(default: $KF_PIPELINES_ENDPOINT); credentials from the kube config")
+    p.add_argument("--experiment", default=None, help="the KFP experiment (default: tracking.experiment)")
+    p.add_argument("--namespace", default=None, help="the KFP namespace (multi-user KFP)")
+    p.add_argument("--service-account", default=None, help="the Kubernetes service account the runs use")
+
+
+def add_parsers(sub: Any) -> None:
+    """Add `schedule` and `submit` to moerl's subcommands."""
+    sch = sub.add_parser("schedule", help="retrain on a cron schedule (KFP recurring run and/or Argo CronWorkflow), "
+                                          "each run warm-started from the previous run's final checkpoint")
+    _common(sch)
+    sch.add_argument("--cron", required=True,
+                     help=f"6 fields, {FORMAT} (KFP's format), e.g. '0 0 3 * * *' = 03:00 daily; or @daily etc.")
+    sch.add_argument("--name", default=None, help="the recurring run / CronWorkflow name (default: <pipeline.name>-schedule)")
+    sch.add_argument("--timezone", default=None, help="the CronWorkflow's IANA time zone (default UTC); KFP recurring "
+                                                      "runs use the controller's zone")
+    sch.add_argument("--argo-out", default=None, metavar="FILE", help="also write an Argo CronWorkflow to FILE")
+    sch.add_argument("--argo-host", default=IN_CLUSTER_KFP, help="the KFP API as the CronWorkflow's pod reaches it")
+    sch.add_argument("--argo-namespace", default=None, help="the CronWorkflow's namespace (default: kubectl's)")
+    sch.add_argument("--no-kfp", action="store_true", help="only write the CronWorkflow (needs --argo-out)")
+    sch.set_defaults(func=_cmd_schedule)
+
+    sbm = sub.add_parser("submit", help="compile for EKS and start one KFP run; print its id")
+    _common(sbm)
+    sbm.add_argument("--run-name", default=None, help="default: <pipeline.name>-<UTC time>")
+    sbm.add_argument("--wait-timeout-s", type=int, default=None, metavar="S",
+                     help="wait up to S seconds for the run to end; fail unless it succeeded")
+    sbm.set_defaults(func=_cmd_submit)

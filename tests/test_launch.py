@@ -1,0 +1,572 @@
+"""moerl.launch: the launched objects against their published schemas, the watch-and-cleanup
+logic on API responses replayed through the real kubernetes client, and the S3 exchange round
+trip with `python -m moerl.launch.remote` running a real stage in a subprocess (the "pod").
+
+No API server runs here: the schemas are Kubeflow Trainer v2.3.0's and JobSet v0.12.0's CRDs
+(tests/data/k8s, see NOTICE) and Kubernetes 1.37's (kubernetes-validate, strict), and the
+API responses are hand-written in the server's shapes (tests/data/k8s/api_responses.json).
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import urllib3
+import yaml
+from kubernetes import client as k8s
+
+from moerl.config import parse_config
+from moerl.errors import ConfigError
+from moerl.launch import objects
+from moerl.launch.exchange import Exchange
+from moerl.launch.task import launch_env, remote_command, run_remote
+from moerl.launch.watch import (PULL_BACKOFF_S, KubeApi, Launcher, LaunchError, LaunchInterrupted, State,
+                                WorkloadDeleted, WorkloadFailed, WorkloadTimeout, condition_state, own_pod_owner,
+                                resolve_namespace, workload)
+
+DATA = Path(__file__).parent / "data" / "k8s"
+K8S_VERSION = "1.37.0"
+RUN = "0a1b2c3d4e5f60718293a4b5c6d7e8f9"
+NS = "moerl-runs"
+TJ = "moerl-policy-update-0a1b2c3d-abcde"
+POD = "moerl-rollout-worker-rollout-0-0a1b2c3d-abcde"
+RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+RESPONSES = json.loads((DATA / "api_responses.json").read_text())
+
+
+def _cfg(**launch) -> object:
+    return parse_config({"checkpoint": {"uri": "s3://moerl-ckpt/prod"},
+                         "pipeline": {"base_image": "registry.example/moerl:1"},
+                         "cluster": {"launch": {"mode": "kubernetes", "service_account": "moerl-gpu", **launch}}})
+
+
+# ---- objects against their schemas ---------------------------------------------------------
+
+def _strict(node):
+    """additionalProperties: false on every object schema that lists its properties (the CRDs
+    leave it out; the API server prunes unknown fields silently, which would hide a typo)."""
+    if isinstance(node, dict):
+        if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
+                and not node.get("x-kubernetes-preserve-unknown-fields"):
+            node["additionalProperties"] = False
+        for v in node.values():
+            _strict(v)
+    elif isinstance(node, list):
+        for v in node:
+            _strict(v)
+    return node
+
+
+def _crd_schema(file: str, version: str) -> dict:
+    crd = yaml.safe_load(gzip.open(DATA / file))
+    (v,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return _strict(v["schema"]["openAPIV3Schema"])
+
+
+@pytest.fixture(scope="module")
+def trainjob_schema() -> dict:
+    return _crd_schema("trainer.kubeflow.org_trainjobs.v2.3.0.yaml.gz", "v1alpha1")
+
+
+@pytest.fixture(scope="module")
+def jobset_schema() -> dict:
+    return _crd_schema("jobset.x-k8s.io_jobsets.v0.12.0.yaml.gz", "v1alpha2")
+
+
+def _trainjob_cel(obj: dict) -> None:
+    """The TrainJob CRD's two CEL rules on the name (jsonschema does not run CEL)."""
+    name = obj["metadata"]["name"]
+    assert RFC1035.match(name) and len(name) <= 63, name
+
+
+def _pod_of(template: dict, name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **template.get("metadata", {})},
+            "spec": template["spec"]}
+
+
+def _env(container: list[dict] | dict) -> dict:
+    env = container if isinstance(container, list) else container["env"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in env}
+
+
+def test_trainjob_validates_against_the_trainer_v2_3_crd(trainjob_schema):
+    cfg = _cfg(trainer_nodes=2)
+    name = objects.trainjob_name("policy_update", RUN, nodes=2)
+    tj = objects.trainjob(cfg, RUN, name, ["python", "-m", "moerl.launch.remote", "s3://b/x/spec.json"],
+                          [{"name": "PYTHONUNBUFFERED", "value": "1"}])
+    jsonschema.Draft7Validator(trainjob_schema).validate(tj)
+    _trainjob_cel(tj)
+    # the controllers' derived names stay valid: <name>-node-<job>-<pod>-xxxxx
+    assert RFC1035.match(f"{name}-node-0-1-abcde") and len(f"{name}-node-0-1-abcde") <= 63
+    spec = tj["spec"]
+    assert spec["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
+                                  "kind": "ClusterTrainingRuntime"}
+    assert spec["trainer"]["numNodes"] == 2 and spec["trainer"]["image"] == "registry.example/moerl:1"
+    want = {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "16", "hugepages-2Mi": "5120Mi", "cpu": "96",
+            "memory": "1024Gi"}
+    assert spec["trainer"]["resourcesPerNode"] == {"requests": want, "limits": want}
+    assert _env(spec["trainer"]["env"])["HOME"] == "/scratch/home"
+    (patch,) = spec["runtimePatches"]
+    assert patch["manager"] == "moerl.ai/launcher"
+    (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = rjob["template"]["spec"]["template"]
+    assert rjob["name"] == "node" and pod["metadata"]["labels"]["moerl.ai/workload"] == name
+    ps = pod["spec"]
+    assert ps["nodeSelector"] == {"moerl.ai/group": "trainer"} and ps["serviceAccountName"] == "moerl-gpu"
+    assert ps["tolerations"] == [{"key": "moerl.ai/group", "operator": "Equal", "value": "trainer",
+                                  "effect": "NoSchedule"}]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in ps["volumes"]
+    (node,) = ps["containers"]
+    assert node["name"] == "node" and node["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in node["volumeMounts"]
+    assert tj["metadata"]["labels"] == {"moerl.ai/run-id": RUN, "moerl.ai/stage": "policy-update",
+                                        "moerl.ai/workload": name, "app.kubernetes.io/managed-by": "moerl"}
+
+
+def test_strict_crd_schema_catches_a_misspelled_field(trainjob_schema):
+    tj = objects.trainjob(_cfg(), RUN, TJ, ["true"], [])
+    bad = copy.deepcopy(tj)
+    bad["spec"]["trainer"]["numNode"] = bad["spec"]["trainer"].pop("numNodes")
+    with pytest.raises(jsonschema.ValidationError, match="numNode"):
+        jsonschema.Draft7Validator(trainjob_schema).validate(bad)
+    bad = copy.deepcopy(tj)  # a pod-spec field Trainer's PodSpecPatch does not allow
+    bad["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]["hostNetwork"] = True
+    with pytest.raises(jsonschema.ValidationError, match="hostNetwork"):
+        jsonschema.Draft7Validator(trainjob_schema).validate(bad)
+
+
+def test_zero_and_unset_resources_are_left_out(trainjob_schema):
+    cfg = _cfg(gpus_per_node=0, efa_per_node=0, hugepages_2mi=None)
+    tj = objects.trainjob(cfg, RUN, TJ, ["true"], [])
+    jsonschema.Draft7Validator(trainjob_schema).validate(tj)
+    assert tj["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"cpu": "96", "memory": "1024Gi"}
+    pod = objects.rollout_pod(cfg, RUN, "rollout-0", ["true"], [])
+    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "96", "memory": "1024Gi"}
+
+
+def test_names_are_dns_labels_whatever_the_run_id():
+    for run_id, stage, extra in [("Run_ID with spaces/and:colons", "policy_update", ""),
+                                 ("x" * 200, "rollout_worker", "rollout-1023"), ("", "async_trainer", "")]:
+        name = objects.workload_name(stage, run_id, extra=extra)
+        assert RFC1035.match(name) and len(name) <= 63, name
+        assert LABEL_VALUE.match(objects.label_value(run_id)) and len(objects.label_value(run_id)) <= 63
+    a, b = objects.workload_name("rollout", RUN), objects.workload_name("rollout", RUN)
+    assert a != b  # a KFP retry never collides with the attempt before it
+
+
+def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
+    cfg = _cfg()
+    env = launch_env(cfg, "rollout_worker", environ={"MLFLOW_TRACKING_URI": "http://mlflow:5000",
+                                                     "AWS_SECRET_ACCESS_KEY": "must-not-travel"})
+    pod = objects.rollout_pod(cfg, RUN, "rollout-3", remote_command(cfg, "s3://b/x/spec.json"), env,
+                              owner=own_pod_owner(NS, {"KFP_POD_NAME": "t", "KFP_POD_UID": "u", "KFP_NAMESPACE": NS}))
+    assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    spec, (c,) = pod["spec"], pod["spec"]["containers"]
+    assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "moerl-gpu"
+    assert spec["terminationGracePeriodSeconds"] >= cfg.rollout.grace_seconds + 10
+    assert spec["nodeSelector"] == {"moerl.ai/group": "rollout"}
+    assert c["workingDir"] == "/scratch" and c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    e = _env(c)
+    assert e["HOME"].startswith("/scratch/") and e["TMPDIR"].startswith("/scratch/")
+    assert e["MLFLOW_TRACKING_URI"] == "http://mlflow:5000" and "AWS_SECRET_ACCESS_KEY" not in e
+    assert e["VALKEY_PASSWORD"] == {"secretKeyRef": {"name": "moerl-valkey", "key": "VALKEY_PASSWORD",
+                                                     "optional": True}}
+    assert {"name": "scratch", "emptyDir": {"sizeLimit": "200Gi"}} in spec["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == "16"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "Pod"
+    assert "must-not-travel" not in json.dumps(pod)
+    bad = copy.deepcopy(pod)  # strict mode rejects what the server would drop
+    bad["spec"]["containers"][0]["workdir"] = "/scratch"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_multi_node_rollout_group_is_a_valid_jobset(jobset_schema):
+    cfg = _cfg(rollout_nodes_per_worker=4)
+    js = objects.rollout_group(cfg, RUN, "rollout-17", ["python", "-m", "moerl.launch.remote", "s3://b/s.json"], [])
+    jsonschema.Draft7Validator(jobset_schema).validate(js)
+    name = js["metadata"]["name"]
+    assert RFC1035.match(name) and len(f"{name}-worker-0-2-abcde") <= 63
+    leader, worker = js["spec"]["replicatedJobs"]
+    assert (leader["name"], worker["name"]) == ("leader", "worker")
+    assert worker["template"]["spec"]["completions"] == 3 and worker["template"]["spec"]["completionMode"] == "Indexed"
+    assert js["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["leader"]}
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    for rj in (leader, worker):  # their pod templates are valid Pods
+        pod = _pod_of(rj["template"]["spec"]["template"], name)
+        assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        e = _env(pod["spec"]["containers"][0])
+        assert e["MOERL_GROUP_SIZE"] == "4" and e["MOERL_LEADER_ADDRESS"] == f"{name}-leader-0-0.{name}"
+    assert _env(leader["template"]["spec"]["template"]["spec"]["containers"][0])["MOERL_NODE_RANK"] == "0"
+    with pytest.raises(ValueError):
+        objects.rollout_group(_cfg(), RUN, "rollout-0", ["true"], [])
+
+
+def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
+    with pytest.raises(ConfigError, match="s3:// checkpoint.uri"):
+        run_remote(parse_config({"cluster": {"launch": {"mode": "kubernetes"}}}), "policy_update", RUN)
+    with pytest.raises(ConfigError, match="cluster.launch.trainer_nodes 2"):
+        run_remote(_cfg(trainer_nodes=2), "policy_update", RUN)
+    with pytest.raises(ConfigError, match="rollout_nodes_per_worker 2"):
+        run_remote(_cfg(rollout_nodes_per_worker=2), "rollout_worker", RUN, worker="rollout-0")
+    with pytest.raises(LaunchError, match="needs the run id"):
+        run_remote(_cfg(), "policy_update", "")
+    with pytest.raises(ConfigError, match="no remote stage 'buffer'"):
+        run_remote(_cfg(), "buffer", RUN)
+
+
+def test_namespace_and_owner_reference(tmp_path):
+    assert resolve_namespace("given") == "given"
+    (tmp_path / "ns").write_text("kubeflow-user\n")
+    assert resolve_namespace(None, str(tmp_path / "ns")) == "kubeflow-user"
+    with pytest.raises(LaunchError, match="set cluster.launch.namespace"):
+        resolve_namespace(None, str(tmp_path / "missing"))
+    env = {"KFP_POD_NAME": "grpo-abc-123", "KFP_POD_UID": "uid-1", "KFP_NAMESPACE": NS}
+    assert own_pod_owner(NS, env)["uid"] == "uid-1"
+    assert own_pod_owner("elsewhere", env) is None  # owner references never cross namespaces
+
+
+# ---- watch and cleanup, on replayed API responses ------------------------------------------
+
+class Replay:
+    """Stands in for the urllib3 PoolManager under the real kubernetes client: answers each
+    request with the next scripted (method, path, status, response) and records it."""
+
+    def __init__(self, script: list[tuple[str, str, int, str]]) -> None:
+        self.script, self.calls = list(script), []
+
+    def request(self, method, url, fields=None, body=None, headers=None, preload_content=True, timeout=None, **kw):
+        parts = urlsplit(url)
+        query = {k: v[0] for k, v in parse_qs(parts.query).items()} | dict(fields or {})
+        self.calls.append((method, parts.path, query, json.loads(body) if body else None))
+        assert self.script, f"unexpected request {method} {parts.path}"
+        want_method, want_path, status, response = self.script.pop(0)
+        assert (method, parts.path) == (want_method, want_path), f"expected {want_method} {want_path}"
+        return urllib3.HTTPResponse(body=json.dumps(RESPONSES[response]).encode(), status=status,
+                                    reason={200: "OK", 201: "Created"}.get(status, "Error"),
+                                    headers={"Content-Type": "application/json"}, preload_content=True)
+
+    def deletes(self) -> list[tuple[str, dict]]:
+        return [(path, q) for m, path, q, _ in self.calls if m == "DELETE"]
+
+
+def _api(script) -> tuple[KubeApi, Replay]:
+    api_client = k8s.ApiClient(k8s.Configuration(host="https://k8s.test"))
+    replay = Replay(script)
+    api_client.rest_client.pool_manager = replay
+    return KubeApi.from_client(api_client), replay
+
+
+TJ_PATH = f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{NS}/trainjobs"
+POD_PATH = f"/api/v1/namespaces/{NS}/pods"
+
+
+def tj(method: str, response: str, status: int = 200) -> tuple[str, str, int, str]:
+    """A scripted call on the TrainJob: POST creates it, GET reads it, DELETE deletes it."""
+    return method, TJ_PATH if method == "POST" else f"{TJ_PATH}/{TJ}", status, response
+
+
+def pod(method: str, response: str, status: int = 200) -> tuple[str, str, int, str]:
+    return method, POD_PATH if method == "POST" else f"{POD_PATH}/{POD}", status, response
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t, self.sleeps = 0.0, []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.t += s
+
+
+def _trainjob_workload(api):
+    return workload(api, NS, objects.trainjob(_cfg(), RUN, TJ, ["true"], []))
+
+
+def _pod_workload(api):
+    return workload(api, NS, objects.rollout_pod(_cfg(), RUN, "rollout-0", ["true"], [], name=POD))
+
+
+def test_trainjob_success_is_watched_then_deleted_in_the_background():
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_created"),
+                        tj("GET", "trainjob_running"), tj("GET", "trainjob_complete"),
+                        tj("DELETE", "deleted_trainjob")])
+    clock = Clock()
+    launcher = Launcher(poll_s=7.0, timeout_s=3600, clock=clock, sleep=clock.sleep)
+    launcher.run([_trainjob_workload(api)])
+    assert clock.sleeps == [7.0, 7.0]
+    created = replay.calls[0][3]
+    assert created["kind"] == "TrainJob" and created["metadata"]["name"] == TJ
+    assert replay.deletes() == [(f"{TJ_PATH}/{TJ}", {"propagationPolicy": "Background"})]
+    launcher.cleanup()  # idempotent: nothing more is deleted
+    assert len(replay.deletes()) == 1 and not replay.script
+
+
+def test_failed_trainjob_names_the_reason_and_the_failed_pod():
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"),
+                        tj("GET", "trainjob_failed"), ("GET", POD_PATH, 200, "pods_of_failed_trainjob"),
+                        tj("DELETE", "deleted_trainjob")])
+    clock = Clock()
+    with pytest.raises(WorkloadFailed) as err:
+        Launcher(1.0, 3600, clock, clock.sleep).run([_trainjob_workload(api)])
+    msg = str(err.value)
+    assert TJ in msg and "FailedJobs" in msg and "non-finite loss" in msg and "exit code 1" in msg
+    assert replay.calls[3][2]["labelSelector"] == f"moerl.ai/workload={TJ}"
+    assert len(replay.deletes()) == 1
+
+
+def test_pod_failure_carries_the_container_reason():
+    api, replay = _api([pod("POST", "pod_created", 201), pod("GET", "pod_unschedulable"),
+                        pod("GET", "pod_running"), pod("GET", "pod_oomkilled"),
+                        pod("DELETE", "deleted_pod")])
+    clock = Clock()
+    with pytest.raises(WorkloadFailed, match=rf"Pod {NS}/{POD} failed: container rollout OOMKilled \(exit code 137\)"):
+        Launcher(1.0, 3600, clock, clock.sleep).run([_pod_workload(api)])
+    assert replay.deletes() == [(f"{POD_PATH}/{POD}", {"propagationPolicy": "Background"})]
+
+
+def test_pod_success_and_a_transient_api_error():
+    api, replay = _api([pod("POST", "pod_created", 201), pod("GET", "server_error", 500),
+                        pod("GET", "pod_running"), pod("GET", "pod_succeeded"),
+                        pod("DELETE", "deleted_pod")])
+    clock = Clock()
+    Launcher(1.0, 3600, clock, clock.sleep).run([_pod_workload(api)])
+    assert not replay.script
+
+
+def test_missing_secret_fails_at_once_and_image_pull_backoff_after_a_while():
+    api, _ = _api([pod("POST", "pod_created", 201), pod("GET", "pod_config_error"),
+                   pod("DELETE", "deleted_pod")])
+    clock = Clock()
+    with pytest.raises(WorkloadFailed, match='CreateContainerConfigError: secret "moerl-mlflow" not found'):
+        Launcher(1.0, 3600, clock, clock.sleep).run([_pod_workload(api)])
+    polls = int(PULL_BACKOFF_S / 60) + 1
+    api, replay = _api([pod("POST", "pod_created", 201)]
+                       + [pod("GET", "pod_image_pull_backoff")] * (polls + 1)
+                       + [pod("DELETE", "deleted_pod")])
+    clock = Clock()
+    with pytest.raises(WorkloadFailed, match="ImagePullBackOff"):
+        Launcher(60.0, 36000, clock, clock.sleep).run([_pod_workload(api)])
+    assert clock.t >= PULL_BACKOFF_S and len(replay.deletes()) == 1
+
+
+def test_jobset_conditions():
+    def js(*conds):
+        conditions = [{"type": t, "status": st, "reason": r, "message": m} for t, st, r, m in conds]
+        return {"status": {"conditions": conditions, "restarts": 0}}
+
+    assert condition_state(js(("StartupPolicyCompleted", "True", "x", "")), "Completed") == \
+        State(summary="StartupPolicyCompleted")
+    assert condition_state(js(("Completed", "True", "AllJobsCompleted", "jobset completed successfully")),
+                           "Completed").done
+    failed = condition_state(js(("Completed", "False", "", ""),
+                                ("Failed", "True", "FailedJobs", "jobset failed due to one or more job failures")),
+                             "Completed")
+    assert not failed.done and failed.failed == "FailedJobs: jobset failed due to one or more job failures"
+
+
+def test_workload_deleted_underneath_is_a_failure_and_cleanup_tolerates_it():
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"),
+                        tj("GET", "not_found_trainjob", 404),
+                        tj("DELETE", "not_found_trainjob", 404)])
+    clock = Clock()
+    launcher = Launcher(1.0, 3600, clock, clock.sleep)
+    with pytest.raises(WorkloadDeleted, match=rf"TrainJob {NS}/{TJ} was deleted while it ran"):
+        launcher.run([_trainjob_workload(api)])
+    launcher.cleanup()
+    assert len(replay.deletes()) == 1 and not replay.script
+
+
+def test_timeout_deletes_the_workload_and_says_where_it_was_stuck():
+    api, replay = _api([pod("POST", "pod_created", 201)]
+                       + [pod("GET", "pod_unschedulable")] * 4
+                       + [pod("DELETE", "deleted_pod")])
+    clock = Clock()
+    with pytest.raises(WorkloadTimeout, match="did not finish within 30 s .*Unschedulable: 0/4 nodes are available"):
+        Launcher(10.0, 30, clock, clock.sleep).run([_pod_workload(api)])
+    assert len(replay.deletes()) == 1 and not replay.script
+
+
+@pytest.mark.parametrize("when", ["sleeping", "reading"])
+def test_sigterm_to_the_task_deletes_what_it_launched(when):
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"),
+                        tj("DELETE", "deleted_trainjob")])
+    before = signal.getsignal(signal.SIGTERM)
+
+    def sigterm(*_a) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # a real signal, handled by the launcher
+
+    w = _trainjob_workload(api)
+    if when == "reading":  # arrives inside an API call, which must not count as an API error
+        read = w.read
+        w.read = lambda: (read(), sigterm())[0]
+    with pytest.raises(LaunchInterrupted, match=f"received SIGTERM while running TrainJob {NS}/{TJ}"):
+        Launcher(1.0, 3600, sleep=sigterm).run([w])
+    assert replay.deletes() == [(f"{TJ_PATH}/{TJ}", {"propagationPolicy": "Background"})]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+
+def test_a_create_that_fails_midway_deletes_what_was_created():
+    api, replay = _api([tj("POST", "trainjob_created", 201), pod("POST", "forbidden_pod_create", 403),
+                        tj("DELETE", "deleted_trainjob")])
+    with pytest.raises(LaunchError, match=r"creating Pod .* HTTP 403 .*cannot create resource \\?\"pods\\?\".*"
+                                          r"service account needs create/get/delete"):
+        Launcher(1.0, 3600).run([_trainjob_workload(api), _pod_workload(api)])
+    assert replay.deletes() == [(f"{TJ_PATH}/{TJ}", {"propagationPolicy": "Background"})]  # not the pod
+    assert not replay.script
+
+
+# ---- the S3 exchange and the launched pod, for real ----------------------------------------
+
+class Kubelet:
+    """A KubeApi double that runs what a created TrainJob or Pod asks for, as a local process:
+    its command (the image's `python` is this interpreter) with its plain env values; its AWS
+    credentials come from this process's standard chain, as IRSA gives them to a pod."""
+
+    def __init__(self) -> None:
+        self.core, self.custom, self.procs, self.bodies, self.deleted = self, self, {}, [], []
+
+    def _start(self, body: dict) -> None:
+        self.bodies.append(body)
+        spec = body["spec"]
+        c = spec["trainer"] if body["kind"] == "TrainJob" else spec["containers"][0]
+        env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k in ("PATH", "PYTHONPATH")}
+        env |= {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        cmd = [sys.executable if c["command"][0] == "python" else c["command"][0], *c["command"][1:]]
+        self.procs[body["metadata"]["name"]] = subprocess.Popen(cmd, env=env)
+
+    def _read(self, name: str, kind: str) -> object:
+        code = self.procs[name].poll()
+        if kind == "Pod":
+            phase = {None: "Running", 0: "Succeeded"}.get(code, "Failed")
+            obj = {"metadata": {"name": name}, "status": {"phase": phase}}
+        else:
+            cond = [] if code is None else [{"type": "Complete" if code == 0 else "Failed", "status": "True",
+                                              "reason": "x", "message": f"exit {code}"}]
+            obj = {"metadata": {"name": name}, "status": {"conditions": cond}}
+        return type("Resp", (), {"data": json.dumps(obj)})()
+
+    def create_namespaced_custom_object(self, g, v, ns, plural, body, **kw):
+        self._start(body)
+
+    def create_namespaced_pod(self, ns, body, **kw):
+        self._start(body)
+
+    def get_namespaced_custom_object(self, g, v, ns, plural, name, **kw):
+        return self._read(name, "TrainJob")
+
+    def read_namespaced_pod(self, name, ns, **kw):
+        return self._read(name, "Pod")
+
+    def list_namespaced_pod(self, ns, **kw):
+        return type("Resp", (), {"data": '{"items": []}'})()
+
+    def delete_namespaced_custom_object(self, g, v, ns, plural, name, **kw):
+        self.deleted.append(name)
+        self.procs[name].kill()
+        self.procs[name].wait()
+
+    def delete_namespaced_pod(self, name, ns, **kw):
+        self.delete_namespaced_custom_object(None, None, ns, None, name)
+
+
+def _batch(n: int = 8):
+    from moerl.records import TrainSample
+
+    return [TrainSample(prompt_token_ids=[21, 22, 23, 5 + i % 10], response_token_ids=[5 + i % 10, 6, 1],
+                        response_logprobs=[-3.0, -3.1, -2.9], advantage=1.0 if i % 2 else -1.0, policy_version=0)
+            for i in range(n)]
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_remote_policy_update_round_trip_matches_the_in_process_stage(s3_server, tmp_path, monkeypatch):
+    """run_remote stages the inputs to S3, the "pod" (`python -m moerl.launch.remote`, started
+    from the TrainJob's own command and env) runs run_policy_update, and the outputs that come
+    back are byte-identical to running the stage in this process."""
+    from moerl.components.policy_update.trainer import run_policy_update
+    from moerl.policy import build_tiny_model
+    from moerl.records import write_records
+
+    bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    cfg = parse_config({
+        "checkpoint": {"uri": f"s3://{bucket}/ckpt", "endpoint_url": s3_server.endpoint_url, "region": "us-east-1"},
+        "trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.01},
+        "cluster": {"scratch_dir": str(tmp_path / "scratch"), "launch": {"mode": "kubernetes", "namespace": NS,
+                                                                          "poll_s": 0.2}}})
+    state_in = build_tiny_model(cfg.model.tiny, tmp_path / "state_in")
+    write_records(tmp_path / "batch.jsonl", _batch())
+    monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
+    kubelet = Kubelet()
+    metrics = run_remote(cfg, "policy_update", RUN, args={"iteration": 3},
+                         inputs={"batch": tmp_path / "batch.jsonl", "state_in": state_in},
+                         outputs={"state_out": tmp_path / "remote_out"}, api=kubelet)
+    local = run_policy_update(cfg, tmp_path / "batch.jsonl", state_in, tmp_path / "local_out", 3)
+    assert {k: v for k, v in metrics.items() if not k.startswith("timing/")} == \
+           {k: v for k, v in local.items() if not k.startswith("timing/")}
+    assert metrics["train/steps"] == 2
+    remote_tree, local_tree = _tree(tmp_path / "remote_out"), _tree(tmp_path / "local_out")
+    assert remote_tree.keys() == local_tree.keys() and "model.safetensors" in remote_tree
+    assert remote_tree["model.safetensors"] == local_tree["model.safetensors"]
+    # the TrainJob ran in the scratch dir it was given, was deleted, and the exchange is gone
+    (body,) = kubelet.bodies
+    assert body["kind"] == "TrainJob" and kubelet.deleted == [body["metadata"]["name"]]
+    assert (tmp_path / "scratch" / "tmp").is_dir()
+    ex = Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{RUN}/exchange")
+    assert ex.keys() == []
+
+
+def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(s3_server, tmp_path, monkeypatch):
+    bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    cfg = parse_config({
+        "checkpoint": {"uri": f"s3://{bucket}/ckpt", "endpoint_url": s3_server.endpoint_url, "region": "us-east-1"},
+        "cluster": {"scratch_dir": str(tmp_path / "scratch"), "launch": {"mode": "kubernetes", "namespace": NS,
+                                                                          "poll_s": 0.2}}})
+    (tmp_path / "state_in").mkdir()  # not a model: the stage fails inside the "pod"
+    (tmp_path / "state_in" / "config.json").write_text("{}")
+    (tmp_path / "batch.jsonl").write_text("")
+    monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
+    kubelet = Kubelet()
+    with pytest.raises(WorkloadFailed, match="TrainJob .* failed: x: exit 1"):
+        run_remote(cfg, "policy_update", RUN, args={"iteration": 0},
+                   inputs={"batch": tmp_path / "batch.jsonl", "state_in": tmp_path / "state_in"},
+                   outputs={"state_out": tmp_path / "out"}, api=kubelet)
+    assert not (tmp_path / "out").exists()
+    assert Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{RUN}/exchange").keys() == []
+
+
+def test_a_failing_remote_run_says_why_in_the_termination_log(tmp_path, monkeypatch):
+    from moerl.launch import remote
+
+    log = tmp_path / "termination-log"
+    monkeypatch.setattr(remote, "TERMINATION_LOG", str(log))
+    monkeypatch.delenv("MOERL_SCRATCH", raising=False)
+    monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
+    assert remote.main(["gs://not-s3/spec.json"]) == 1  # nothing to write to: the kubelet makes the file
+    assert not log.exists()
+    log.write_text("")
+    assert remote.main(["gs://not-s3/spec.json"]) == 1
+    assert log.read_text() == "RemoteError: expected s3://.../spec.json, got 'gs://not-s3/spec.json'"

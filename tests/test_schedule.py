@@ -1,0 +1,397 @@
+"""Scheduled retraining: cron validation (moerl/cron.py), the KFP recurring run, `moerl submit`, and the Argo
+CronWorkflow checked against Argo's published JSON schema (tests/data/argo, see its NOTICE).
+
+There is no KFP server here: the KFP calls go to `FakeKfp`, a pure-logic stand-in that binds
+every call to the real `kfp.Client` method's signature (a wrong or missing argument fails as it
+would against kfp) and records it. The pipeline package it receives is the real compiled one.
+"""
+
+import argparse
+import copy
+import inspect
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import jsonschema
+import kfp
+import pytest
+import yaml
+
+from moerl import schedule
+from moerl.config import load_config, parse_config
+from moerl.cron import parse_cron
+from moerl.errors import ConfigError, MoerlError
+
+SCHEMA = json.loads((Path(__file__).parent / "data" / "argo" / "cronworkflow.schema.json").read_text())
+
+# ------------------------------------------------------------------------------------ cron
+
+
+@pytest.mark.parametrize("expr, kfp_form, argo_form", [
+    ("0 0 3 * * *", "0 0 3 * * *", "0 3 * * *"),
+    ("  0  0 3 * *   * ", "0 0 3 * * *", "0 3 * * *"),
+    ("0 */15 * * * *", "0 */15 * * * *", "*/15 * * * *"),
+    ("0 0 9 ? * 2-6", "0 0 9 ? * 2-6", "0 9 * * 2-6"),  # kfp.Client's docstring example
+    ("0 30 2 1,15 * ?", "0 30 2 1,15 * ?", "30 2 1,15 * *"),
+    ("0 0 0 * JAN-MAR,dec sun", "0 0 0 * JAN-MAR,dec sun", "0 0 * JAN-MAR,dec sun"),
+    ("0 5-59/10 8-18 1-31/2 2/3 MON-FRI", "0 5-59/10 8-18 1-31/2 2/3 MON-FRI", "5-59/10 8-18 1-31/2 2/3 MON-FRI"),
+    ("0 59 23 31 12 6", "0 59 23 31 12 6", "59 23 31 12 6"),
+    ("@daily", "0 0 0 * * *", "0 0 * * *"),
+    ("@Midnight", "0 0 0 * * *", "0 0 * * *"),
+    ("@hourly", "0 0 * * * *", "0 * * * *"),
+    ("@weekly", "0 0 0 * * 0", "0 0 * * 0"),
+    ("@monthly", "0 0 0 1 * *", "0 0 1 * *"),
+    ("@yearly", "0 0 0 1 1 *", "0 0 1 1 *"),
+])
+def test_good_cron(expr, kfp_form, argo_form):
+    cron = parse_cron(expr)
+    assert cron.kfp == kfp_form
+    assert cron.argo() == argo_form
+
+
+@pytest.mark.parametrize("expr, message", [
+    ("0 3 * * *", "expected 6 fields (second minute hour day-of-month month day-of-week), got 5 in '0 3 * * *'; "
+                  "KFP takes a leading seconds field, e.g. '0 0 3 * * *'"),
+    ("0 0 0 0 3 * * *", "expected 6 fields"),
+    ("", "got 0"),
+    ("60 * * * * *", "cron: field 1 (second) must be 0-59, got '60'"),
+    ("? * * * * *", "cron: field 1 (second): '?' is allowed only in day of month and day of week"),
+    ("0 60 * * * *", "cron: field 2 (minute) must be 0-59, got '60'"),
+    ("0 -5 * * * *", "cron: field 2 (minute) must be 0-59, got ''"),
+    ("0 5-1 * * * *", "cron: field 2 (minute): range '5-1' runs backwards (5 > 1)"),
+    ("0 1,,2 * * * *", "cron: field 2 (minute): empty item in list '1,,2'"),
+    ("0 */0 * * * *", "cron: field 2 (minute): step must be a positive integer, got '0' in '*/0'"),
+    ("0 0 25 * * *", "cron: field 3 (hour) must be 0-23, got '25'"),
+    ("0 0 ? * * *", "cron: field 3 (hour): '?' is allowed only"),
+    ("0 0 0 0 * *", "cron: field 4 (day of month) must be 1-31, got '0'"),
+    ("0 0 0 32 * *", "cron: field 4 (day of month) must be 1-31, got '32'"),
+    ("0 0 0 L * *", "cron: field 4 (day of month) must be 1-31, got 'L' (L, W and # are not supported)"),
+    ("0 0 0 15W * *", "(L, W and # are not supported)"),
+    ("0 0 0 * 13 *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got '13'"),
+    ("0 0 0 * 0 *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got '0'"),
+    ("0 0 0 * FOO *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got 'FOO'"),
+    ("0 0 0 * * 7", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got '7'"),
+    ("0 0 0 * * MON-FOO", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got 'FOO'"),
+    ("0 0 0 * * 1#2", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got '1#2' (L, W and # are not supported)"),
+    ("0 0 0 * * MON/x", "cron: field 6 (day of week): step must be a positive integer, got 'x'"),
+    ("0 0 0 * * FRI-MON", "runs backwards (5 > 1)"),
+    ("@every 1h", "cron: unknown descriptor '@every 1h'"),
+    ("@reboot", "unknown descriptor"),
+])
+def test_bad_cron_names_the_field(expr, message):
+    with pytest.raises(ConfigError) as err:
+        parse_cron(expr)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("expr", ["30 0 3 * * *", "*/10 * * * * *", "0,30 * * * * *", "5/10 * * * * *"])
+def test_argo_refuses_a_seconds_field_other_than_0(expr):
+    cron = parse_cron(expr)  # fine for KFP
+    assert cron.kfp == expr
+    with pytest.raises(ConfigError, match=r"cron: field 1 \(second\) is .*--argo-out needs a seconds field of 0"):
+        cron.argo()
+
+
+def test_quartz_hint_only_for_quartz_syntax():
+    with pytest.raises(ConfigError) as err:
+        parse_cron("0 0 0 * APRIL *")
+    assert str(err.value) == "cron: field 5 (month) must be 1-12 or JAN-DEC, got 'APRIL'"
+
+
+def test_step_without_range_runs_to_the_field_maximum():
+    assert parse_cron("5/20 * * * * *").seconds == {5, 25, 45}
+    assert parse_cron("00 * * * * *").argo() == "* * * * *"  # second 0 spelled 00
+
+
+# ------------------------------------------------------------------------------- KFP calls
+
+
+def _cfg(**extra):
+    data = {"checkpoint": {"uri": "s3://bucket/moerl"}, "tracking": {"uri": "http://mlflow.mlflow:5000"},
+            "pipeline": {"iterations": 2}}
+    for key, value in extra.items():
+        data.setdefault(key, {}).update(value)
+    return parse_config(data)
+
+
+class FakeKfp:
+    """Records each call after binding it to the real kfp.Client method's signature."""
+
+    def __init__(self, experiment_exists=False, final_state="SUCCEEDED", fail_with=None):
+        self.calls, self.packages = [], []
+        self.experiment_exists, self.final_state, self.fail_with = experiment_exists, final_state, fail_with
+
+    def _record(self, name, *args, **kwargs):
+        bound = inspect.signature(getattr(kfp.Client, name)).bind(self, *args, **kwargs)
+        self.calls.append((name, {k: v for k, v in bound.arguments.items() if k != "self"}))
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    def _keep_package(self, path):
+        self.packages.append(list(yaml.safe_load_all(Path(path).read_text())))
+
+    def get_experiment(self, *args, **kwargs):
+        self._record("get_experiment", *args, **kwargs)
+        if not self.experiment_exists:
+            raise ValueError("No experiment is found with name moerl.")
+        return SimpleNamespace(experiment_id="exp-1")
+
+    def create_experiment(self, *args, **kwargs):
+        self._record("create_experiment", *args, **kwargs)
+        return SimpleNamespace(experiment_id="exp-new")
+
+    def create_recurring_run(self, *args, **kwargs):
+        self._record("create_recurring_run", *args, **kwargs)
+        self._keep_package(self.calls[-1][1]["pipeline_package_path"])
+        return SimpleNamespace(recurring_run_id="rr-1")
+
+    def create_run_from_pipeline_package(self, *args, **kwargs):
+        self._record("create_run_from_pipeline_package", *args, **kwargs)
+        self._keep_package(self.calls[-1][1]["pipeline_file"])
+        return SimpleNamespace(run_id="run-1")
+
+    def wait_for_run_completion(self, *args, **kwargs):
+        self._record("wait_for_run_completion", *args, **kwargs)
+        return SimpleNamespace(state=self.final_state)
+
+
+def _config_of(package):
+    """The run config a compiled pipeline carries (the config_json parameter's default)."""
+    return parse_config(json.loads(package[0]["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"]))
+
+
+def test_recurring_run_gets_the_right_arguments():
+    fake = FakeKfp()
+    rid = schedule.create_recurring_run(_cfg(), "0 0 3 * * MON-FRI", experiment="nightly", service_account="runner",
+                                        client=fake)
+    assert rid == "rr-1"
+    names = [name for name, _ in fake.calls]
+    assert names == ["get_experiment", "create_experiment", "create_recurring_run"]
+    assert fake.calls[0][1] == {"experiment_name": "nightly", "namespace": None}
+    kw = fake.calls[2][1]
+    assert kw["experiment_id"] == "exp-new" and kw["job_name"] == "moerl-grpo-schedule"
+    assert kw["cron_expression"] == "0 0 3 * * MON-FRI"
+    assert kw["max_concurrency"] == 1 and kw["no_catchup"] is True and kw["enabled"] is True
+    assert kw["enable_caching"] is False and kw["service_account"] == "runner" and kw["params"] == {}
+    assert "interval_second" not in kw and "pipeline_id" not in kw
+    # the package: compiled for EKS (pod settings present), and every run of it warm-starts
+    (package,) = fake.packages
+    assert _config_of(package).model.warm_start == "previous"
+    assert any("kubernetes" in doc.get("platforms", {}) for doc in package[1:])
+
+
+def test_recurring_run_reuses_an_existing_experiment():
+    fake = FakeKfp(experiment_exists=True)
+    schedule.create_recurring_run(_cfg(), "@daily", client=fake)
+    assert [name for name, _ in fake.calls] == ["get_experiment", "create_recurring_run"]
+    assert fake.calls[0][1]["experiment_name"] == "moerl"  # default: tracking.experiment
+    assert fake.calls[1][1]["experiment_id"] == "exp-1" and fake.calls[1][1]["cron_expression"] == "0 0 0 * * *"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"cron": "0 0 25 * * *"}, "cron: field 3 (hour) must be 0-23, got '25'"),
+    ({"cron": "0 3 * * *"}, "expected 6 fields"),
+    ({"cron": "0 0 3 * * *", "timezone": "Europe/Berlin"}, "KFP recurring runs fire in the scheduledworkflow"),
+    ({"cron": "0 0 3 * * *", "timezone": "Mars/Olympus"}, "--timezone: 'Mars/Olympus' is not an IANA time zone"),
+    ({"cron": "0 0 3 * * *", "job_name": "Nightly_Run"}, "--name: 'Nightly_Run' must be lowercase"),
+])
+def test_refusal_comes_before_any_compile_or_client_call(kwargs, message, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(schedule, "_compile", lambda cfg, out: compiled.append(out))
+    fake = FakeKfp()
+    with pytest.raises(ConfigError) as err:
+        schedule.create_recurring_run(_cfg(), client=fake, **kwargs)
+    assert message in str(err.value)
+    assert fake.calls == [] and compiled == []
+
+
+def test_a_config_that_is_not_cluster_safe_is_refused_before_any_client_call():
+    fake = FakeKfp()
+    with pytest.raises(ConfigError, match="checkpoint.uri"):
+        schedule.create_recurring_run(parse_config({"tracking": {"uri": "http://mlflow:5000"}}), "@daily", client=fake)
+    assert fake.calls == []
+
+
+def test_kfp_errors_are_one_line_without_the_response_body():
+    import kfp_server_api
+
+    err = kfp_server_api.ApiException(status=403, reason="Forbidden")
+    err.body, err.headers = "token=hunter2", {"Set-Cookie": "session=hunter2"}
+    with pytest.raises(MoerlError) as caught:
+        schedule.create_recurring_run(_cfg(), "@daily", host="http://user:pw@kfp:8888", client=FakeKfp(fail_with=err))
+    text = str(caught.value)
+    assert "HTTP 403 Forbidden" in text and "creating the recurring run" in text
+    assert "hunter2" not in text and "pw@" not in text
+
+
+def test_an_unreachable_kfp_is_one_error_after_the_compile(tmp_path):
+    """The real kfp.Client (its constructor checks /healthz) against a port nothing listens on."""
+    import socket
+
+    with socket.socket() as s:  # a free port, closed again
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(MoerlError) as err:
+        schedule.create_recurring_run(_cfg(), "@daily", host=f"http://user:pw@127.0.0.1:{port}")
+    assert f"KFP at http://***@127.0.0.1:{port}: connecting failed" in str(err.value)
+    assert "pw@" not in str(err.value)
+
+
+def test_submit_creates_one_run_and_waits_for_it(capsys):
+    fake = FakeKfp()
+    cfg = _cfg()
+    assert schedule.submit(cfg, run_name="nightly-1", experiment="nightly", wait_timeout_s=600, client=fake) == "run-1"
+    (name, kw), (wait_name, wait_kw) = fake.calls
+    assert name == "create_run_from_pipeline_package" and wait_name == "wait_for_run_completion"
+    assert kw["run_name"] == "nightly-1" and kw["experiment_name"] == "nightly" and kw["enable_caching"] is False
+    assert kw["arguments"] == {}
+    assert wait_kw == {"run_id": "run-1", "timeout": 600}
+    assert _config_of(fake.packages[0]) == cfg  # submit runs the config as given (no warm start added)
+    out = capsys.readouterr().out
+    assert "[moerl] KFP run run-1 (nightly-1)" in out and "ended: SUCCEEDED" in out
+
+
+def test_submit_fails_when_the_run_does_not_succeed():
+    with pytest.raises(MoerlError, match="KFP run run-1 ended FAILED"):
+        schedule.submit(_cfg(), wait_timeout_s=600, client=FakeKfp(final_state="FAILED"))
+    fake = FakeKfp()
+    schedule.submit(_cfg(), client=fake)  # no wait: one call
+    assert [name for name, _ in fake.calls] == ["create_run_from_pipeline_package"]
+    assert fake.calls[0][1]["run_name"].startswith("moerl-grpo-")
+
+
+# ------------------------------------------------------------------------------ CronWorkflow
+
+
+def _strict(schema):
+    """The schema with unknown properties refused wherever it lists properties: Argo's schema
+    allows any extra key, so a misspelt or removed field (v4 dropped `schedule`) would pass."""
+    out = copy.deepcopy(schema)
+    for d in out["definitions"].values():
+        if "properties" in d and "additionalProperties" not in d:
+            d["additionalProperties"] = False
+    return out
+
+
+def _validate(doc):
+    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+    jsonschema.Draft202012Validator(_strict(SCHEMA)).validate(doc)
+
+
+def test_cron_workflow_validates_against_argo_schema():
+    cfg = _cfg(cluster={"groups": {"cpu": {"image": "registry/moerl-cpu:1.2.3", "cpu": "500m", "memory": "2Gi"}}},
+               tracking={"uri": "http://alice:s3cret@mlflow.mlflow:5000", "experiment": "nightly"})
+    cw = schedule.cron_workflow(cfg, "0 0 3 ? * MON-FRI", timezone="Europe/Berlin", namespace="ml",
+                                kfp_namespace="team-a", service_account="moerl-runner")
+    _validate(cw)
+    _validate(yaml.safe_load(schedule.dump_yaml(cw)))  # and as written to the file
+    assert cw["apiVersion"] == "argoproj.io/v1alpha1" and cw["kind"] == "CronWorkflow"
+    assert cw["metadata"] == {"name": "moerl-grpo-schedule", "namespace": "ml",
+                              "labels": {"app.kubernetes.io/part-of": "moerl", "moerl.ai/pipeline": "moerl-grpo"}}
+    spec = cw["spec"]
+    assert spec["schedules"] == ["0 3 * * MON-FRI"] and "schedule" not in spec
+    assert spec["concurrencyPolicy"] == "Forbid" and spec["timezone"] == "Europe/Berlin"
+    assert spec["startingDeadlineSeconds"] == 3600
+    assert spec["successfulJobsHistoryLimit"] == 3 and spec["failedJobsHistoryLimit"] == 3
+    wf = spec["workflowSpec"]
+    assert wf["serviceAccountName"] == "moerl-runner" and wf["activeDeadlineSeconds"] > 7 * 24 * 3600
+    (tmpl,) = wf["templates"]
+    assert wf["entrypoint"] == tmpl["name"]
+    c = tmpl["container"]
+    assert c["image"] == "registry/moerl-cpu:1.2.3" and c["command"] == ["moerl"]
+    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
+    assert tmpl["nodeSelector"] == {"moerl.ai/group": "cpu"}
+    assert tmpl["tolerations"] == [{"key": "moerl.ai/group", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}]
+    args = c["args"]
+    assert args[:2] == ["submit", schedule.CONFIG_PATH]
+    assert dict(zip(args[2::2], args[3::2])) == {
+        "--host": schedule.IN_CLUSTER_KFP, "--experiment": "nightly", "--run-name": "{{workflow.name}}",
+        "--wait-timeout-s": str(7 * 24 * 3600), "--namespace": "team-a", "--service-account": "moerl-runner"}
+    # the config the step submits: warm start on, no credentials, loadable by `moerl submit`
+    (artifact,) = tmpl["inputs"]["artifacts"]
+    assert artifact["path"] == schedule.CONFIG_PATH
+    assert "s3cret" not in json.dumps(cw) and "alice" not in json.dumps(cw)
+    embedded = parse_config(yaml.safe_load(artifact["raw"]["data"]))
+    assert embedded.model.warm_start == "previous" and embedded.tracking.uri == "http://mlflow.mlflow:5000"
+    assert embedded.cluster.groups.cpu.image == "registry/moerl-cpu:1.2.3"
+
+
+def test_the_schema_check_can_fail():
+    cw = schedule.cron_workflow(_cfg(), "@daily")
+    _validate(cw)
+    bad = copy.deepcopy(cw)
+    bad["spec"]["schedules"] = "0 0 * * *"  # not a list
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(SCHEMA).validate(bad)
+    old = copy.deepcopy(cw)
+    old["spec"]["schedule"] = old["spec"].pop("schedules")[0]  # the field Argo v4 removed
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(old)
+
+
+def test_cron_workflow_defaults_to_the_base_image_and_utc():
+    cw = schedule.cron_workflow(_cfg(pipeline={"base_image": "moerl-cpu:9.9.9"}), "0 30 1 * * *")
+    assert cw["spec"]["timezone"] == "UTC" and cw["spec"]["schedules"] == ["30 1 * * *"]
+    assert cw["spec"]["workflowSpec"]["templates"][0]["container"]["image"] == "moerl-cpu:9.9.9"
+    assert "serviceAccountName" not in cw["spec"]["workflowSpec"] and "namespace" not in cw["metadata"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"cron": "30 0 3 * * *"}, "cron: field 1 (second) is '30'"),
+    ({"cron": "0 0 3 * * *", "timezone": "Nowhere/Town"}, "not an IANA time zone"),
+    ({"cron": "0 0 3 * * *", "name": "x" * 53}, "at most 52 characters"),
+])
+def test_cron_workflow_refusals(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        schedule.cron_workflow(_cfg(), **kwargs)
+    assert message in str(err.value)
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="moerl")
+    schedule.add_parsers(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def test_cli_writes_only_the_cron_workflow_with_no_kfp(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(
+        {"checkpoint": {"uri": "s3://bucket/moerl"}, "tracking": {"uri": "http://mlflow:5000"}}))
+    out = tmp_path / "k8s" / "cron.yaml"
+    args = _parser().parse_args(["schedule", str(tmp_path / "run.yaml"), "--cron", "0 0 4 * * SUN", "--no-kfp",
+                                 "--argo-out", str(out), "--set", "pipeline.iterations=3", "--timezone", "Asia/Tokyo"])
+    assert args.func(args) == 0
+    cw = yaml.safe_load(out.read_text())
+    _validate(cw)
+    assert cw["spec"]["schedules"] == ["0 4 * * SUN"] and cw["spec"]["timezone"] == "Asia/Tokyo"
+    embedded = cw["spec"]["workflowSpec"]["templates"][0]["inputs"]["artifacts"][0]["raw"]["data"]
+    (tmp_path / "embedded.yaml").write_text(embedded)
+    cfg = load_config(tmp_path / "embedded.yaml")  # what `moerl submit` reads in the pod
+    assert cfg.pipeline.iterations == 3 and cfg.model.warm_start == "previous"
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["schedule", "missing.yaml", "--cron", "0 0 25 * * *", "--no-kfp", "--argo-out", "x.yaml"],
+     "cron: field 3 (hour) must be 0-23, got '25'"),  # the cron is checked before the file is read
+    (["schedule", "missing.yaml", "--cron", "@daily", "--no-kfp"], "--no-kfp: nothing to do without --argo-out"),
+    (["schedule", "missing.yaml", "--cron", "@daily", "--timezone", "Bad/Zone"], "not an IANA time zone"),
+])
+def test_cli_refusals(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = _parser().parse_args(argv)
+    with pytest.raises(ConfigError) as err:
+        args.func(args)
+    assert message in str(err.value)
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_cli_submit_parses_its_flags():
+    args = _parser().parse_args(["submit", "run.yaml", "--host", "http://kfp:8888", "--experiment", "e",
+                                 "--run-name", "r", "--wait-timeout-s", "60", "--namespace", "ns"])
+    assert (args.host, args.experiment, args.run_name, args.wait_timeout_s, args.namespace) == \
+        ("http://kfp:8888", "e", "r", 60, "ns")
+    assert args.func is schedule._cmd_submit
