@@ -44,6 +44,8 @@ from typing import Any
 from moerl.errors import MoerlError
 
 log = logging.getLogger(__name__)
+TRAINER_BEACON = "trainer-beacon"  # alive:<this> while the trainer process runs
+TRAINER_BEACON_TTL_S = 30.0
 
 UNITS, GENERATED, SCORED, DEAD = "units", "generated", "scored", "dead"
 GROUPS = {UNITS: "rollout", GENERATED: "reward", SCORED: "trainer"}
@@ -317,6 +319,21 @@ class RunBus:
     def set_done(self) -> None:
         self.r.set(self.key("done"), "1")
 
+    def set_failed(self, reason: str) -> None:
+        """Abandon the run: every stage stops, and a restarted trainer refuses to go on."""
+        self.r.set(self.key("failed"), reason[:2000], nx=True)
+
+    def failed(self) -> str | None:
+        return self.r.get(self.key("failed"))
+
+    def trainer_beacon(self, ttl_s: float = TRAINER_BEACON_TTL_S) -> None:
+        """The trainer process is alive (its issuer thread calls this every few seconds, even
+        while the trainer waits for samples or trains a long step)."""
+        self.r.set(self.key(f"alive:{TRAINER_BEACON}"), "1", px=int(ttl_s * 1000))
+
+    def trainer_alive(self) -> bool:
+        return self.r.exists(self.key(f"alive:{TRAINER_BEACON}")) == 1
+
     def done(self) -> bool:
         return self.r.exists(self.key("done")) == 1
 
@@ -486,3 +503,35 @@ class RunBus:
     def cursor(self, n: int) -> int:
         """Reserve the next `n` prompts of the dataset order; returns the first index."""
         return int(self.r.incrby(self.key("cursor"), n)) - n
+
+
+class TrainerWatch:
+    """How a rollout worker or a scorer tells a trainer that is gone for good from one that is
+    restarting. On the cluster a failed trainer task is retried (a new pod, maybe a new node);
+    once its retries are spent nothing else would ever set `done`, so the workers would lease
+    and retry for days, and the run's exit handler, which waits for every task, would never
+    mark it FAILED. So: no trainer beacon for `lost_after_s` (`pipeline.trainer_lost_s`) and
+    the run is abandoned (`RunBus.set_failed`); every stage sees that and stops, and the run
+    fails through the trainer's own failure. Checks Valkey at most every `every_s`."""
+
+    def __init__(self, bus: RunBus, lost_after_s: float, every_s: float = 1.0, clock=time.monotonic):
+        self.bus, self.lost_after_s, self.every_s, self.clock = bus, lost_after_s, every_s, clock
+        self.last_seen = self.last_check = clock()
+        self.reason: str | None = None
+
+    def abandoned(self) -> bool:
+        if self.reason is not None:
+            return True
+        now = self.clock()
+        if now - self.last_check < self.every_s:
+            return False
+        self.last_check = now
+        if self.bus.trainer_alive():
+            self.last_seen = now
+        elif now - self.last_seen > self.lost_after_s:
+            self.bus.set_failed(f"no trainer for {now - self.last_seen:.0f} s (pipeline.trainer_lost_s "
+                                f"{self.lost_after_s:g}): its task failed for good")
+        self.reason = self.bus.failed()
+        if self.reason:
+            log.error("the run was abandoned: %s; stopping", self.reason)
+        return self.reason is not None

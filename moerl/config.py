@@ -300,6 +300,10 @@ class PipelineConfig(_Section):
     # many times, for this long from its first start. KFP's default of 3600 s ends all retries
     # after the first hour, so keep it far past the run's length.
     worker_retries: int = Field(100, ge=0)
+    # Async: rollout workers and scorers abandon the run when the trainer has been gone this
+    # long (its task failed and its retries are spent), so the run ends FAILED instead of its
+    # workers retrying for days. Keep it above the time a trainer pod takes to be rescheduled.
+    trainer_lost_s: float = Field(3600.0, ge=30.0)
     # Sync pipeline on the cluster: retries of a task whose stage is a pure function of its
     # inputs (rollout, reward, buffer, policy update, redistribution), e.g. after a Spot
     # reclaim. Publication and the run's bookkeeping are never retried.
@@ -310,7 +314,13 @@ class PipelineConfig(_Section):
     work_dir: str = ".moerl/work"
 
 
-_QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|M|G|T)?$"  # a Kubernetes resource quantity
+# What KFP's set_cpu_request / set_memory_request accept (kfp/dsl/pipeline_task.py, 2.17.3).
+_CPU = r"^([0-9]*\.)?[0-9]+m?$"
+_MEMORY = r"^[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?$"
+# Paths KFP's own launcher mounts or writes in every task container; a scratch volume there
+# would shadow them (backend/src/v2/compiler/argocompiler, 2.17).
+_KFP_MOUNTS = ("/s3", "/minio", "/gcs", "/.local", "/.cache", "/.config", "/kfp-launcher", "/kfp", "/dev/shm",
+               "/var/run")
 
 
 class Toleration(_Section):
@@ -321,6 +331,13 @@ class Toleration(_Section):
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
+    @model_validator(mode="after")
+    def _exists_has_no_value(self) -> "Toleration":
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"value must be empty when operator is Exists (the API server refuses it), got "
+                             f"{self.value!r}")
+        return self
+
 
 class GroupConfig(_Section):
     """One worker group of the cluster (the seed's four): the image its tasks run, the nodes
@@ -329,18 +346,23 @@ class GroupConfig(_Section):
     image: str | None = None  # default: pipeline.base_image
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
-    cpu: str = Field("1", pattern=_QUANTITY)  # request (Kubernetes quantity)
-    memory: str = Field("4Gi", pattern=_QUANTITY)  # request and limit
+    cpu: str = Field("1", pattern=_CPU)  # request: 2, 0.5 or 500m
+    memory: str = Field("4Gi", pattern=_MEMORY)  # request and limit: an integer, e.g. 4Gi or 4096Mi
+    # GPUs (nvidia.com/gpu) for tasks that run an engine or a trainer in the task
+    # (`cluster.launch.mode: in_task`); launched workloads take `cluster.launch.gpus_per_node`.
+    gpus: int = Field(0, ge=0, le=16)
     # A memory-backed /dev/shm (emptyDir medium Memory) of this size for tasks that run an
     # engine or a trainer in the task; null: none.
-    shm: str | None = Field(None, pattern=_QUANTITY)
-    timeout_s: int = Field(6 * 3600, ge=60)  # the pod's activeDeadlineSeconds
+    shm: str | None = Field(None, pattern=_MEMORY)
+    # The pod's activeDeadlineSeconds; a launcher task stops watching 120 s before it.
+    timeout_s: int = Field(6 * 3600, ge=600)
 
 
-def _group(name: str, cpu: str, memory: str, shm: str | None = None, timeout_s: int = 6 * 3600) -> GroupConfig:
+def _group(name: str, cpu: str, memory: str, shm: str | None = None, timeout_s: int = 6 * 3600,
+           gpus: int = 0) -> GroupConfig:
     return GroupConfig(node_selector={"moerl.ai/group": name},
                        tolerations=[Toleration(key="moerl.ai/group", value=name, effect="NoSchedule")],
-                       cpu=cpu, memory=memory, shm=shm, timeout_s=timeout_s)
+                       cpu=cpu, memory=memory, shm=shm, timeout_s=timeout_s, gpus=gpus)
 
 
 class GroupsConfig(_Section):
@@ -348,8 +370,8 @@ class GroupsConfig(_Section):
     reward, run bookkeeping. buffer: memory-optimized nodes for the experience buffer and the
     checkpoint cache (publish, redistribute)."""
 
-    trainer: GroupConfig = _group("trainer", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600)
-    rollout: GroupConfig = _group("rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600)
+    trainer: GroupConfig = _group("trainer", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8)
+    rollout: GroupConfig = _group("rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8)
     cpu: GroupConfig = _group("cpu", "2", "8Gi")
     buffer: GroupConfig = _group("buffer", "4", "32Gi")
 
@@ -383,9 +405,9 @@ class LaunchConfig(_Section):
     rollout_nodes_per_worker: int = Field(1, ge=1, le=64)  # > 1: one engine across nodes (EP)
     gpus_per_node: int = Field(8, ge=0, le=16)
     efa_per_node: int = Field(16, ge=0, le=64)  # p5en.48xlarge: 16 EFA devices
-    hugepages_2mi: str | None = Field("5120Mi", pattern=_QUANTITY)
-    cpu_per_node: str = Field("96", pattern=_QUANTITY)
-    memory_per_node: str = Field("1024Gi", pattern=_QUANTITY)
+    hugepages_2mi: str | None = Field("5120Mi", pattern=_MEMORY)
+    cpu_per_node: str = Field("96", pattern=_CPU)
+    memory_per_node: str = Field("1024Gi", pattern=_MEMORY)
     poll_s: float = Field(10.0, gt=0.0)
 
 
@@ -394,7 +416,7 @@ class ClusterConfig(_Section):
 
     # An emptyDir in every task: its working directory, HOME, TMPDIR and checkpoint cache.
     scratch_dir: str = "/scratch"
-    scratch_size: str = Field("200Gi", pattern=_QUANTITY)
+    scratch_size: str = Field("200Gi", pattern=_MEMORY)
     groups: GroupsConfig = GroupsConfig()
     # Kubernetes Secrets, given to the tasks as environment variables, never as parameters:
     # MLflow's (keys MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD) and Valkey's
@@ -408,6 +430,10 @@ class ClusterConfig(_Section):
     def _abs(cls, v: str) -> str:
         if not v.startswith("/") or v.rstrip("/") in ("", "/tmp"):
             raise ValueError(f"must be an absolute path of its own (an emptyDir mount), got {v!r}")
+        clash = [m for m in _KFP_MOUNTS if (v.rstrip("/") + "/").startswith(m + "/") or (m + "/").startswith(v.rstrip("/") + "/")]
+        if clash:
+            raise ValueError(f"{v!r} would shadow or sit inside {clash[0]}, which KFP's launcher uses in every task; "
+                             "use a path of its own such as /scratch")
         return v.rstrip("/")
 
 

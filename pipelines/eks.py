@@ -12,8 +12,9 @@ checkpoint cache. Every task gets:
 - its group's image, node selector and tolerations, CPU and memory requests (memory limit =
   request: a task that outgrows it is OOM-killed where it ran, not the node's neighbours);
 - an emptyDir at `cluster.scratch_dir` (its cwd, HOME, TMPDIR, cache; `MOERL_SCRATCH`);
-- a memory-backed `/dev/shm` where it runs an engine or a trainer (Docker's 64 MiB default
-  breaks torch and vLLM; the maintainers' recommended fix, kubeflow/pipelines#9893);
+- where it runs an engine or a trainer: its group's GPUs (`nvidia.com/gpu`) and a
+  memory-backed `/dev/shm` (Docker's 64 MiB default breaks torch and vLLM; the maintainers'
+  recommended fix, kubeflow/pipelines#9893);
 - MLflow credentials from the Kubernetes Secret `cluster.mlflow_secret` (and Valkey's from
   `cluster.valkey_secret` in the async pipeline) as environment variables, never parameters;
 - `set_timeout` (the pod's activeDeadlineSeconds) from its group;
@@ -22,8 +23,13 @@ checkpoint cache. Every task gets:
   their inputs (a Spot reclaim of a rollout pod redoes the same work), never for publication.
 
 With `cluster.launch.mode: kubernetes` the GPU stages' tasks only launch and watch their
-workloads (moerl.launch): they run on the CPU group without /dev/shm, and the workloads get the
-GPU group's placement with GPUs, EFA devices and hugepages.
+workloads (moerl.launch): they run on the CPU group without GPUs or /dev/shm, know their own
+namespace and service account (`MOERL_POD_NAMESPACE`, `MOERL_SERVICE_ACCOUNT`, from the
+downward API) for the workloads' owner reference and account, and the workloads get the GPU
+group's placement with GPUs, EFA devices and hugepages.
+
+`check_cluster_safe` also refuses an image with no registry (it would be pulled from Docker
+Hub's library, where moerl's images are not) and a CUDA stage whose group has no GPUs.
 
 Limitations: the settings are checked offline (tests parse the compiled YAML into the KFP and
 kfp-kubernetes protos); no cluster has run them here. KFP cannot set ephemeral-storage requests
@@ -37,6 +43,7 @@ from kfp import dsl, kubernetes
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
 
+GROUPS = ("trainer", "rollout", "cpu", "buffer")
 # Which worker group runs each stage (the seed's four groups).
 STAGE_GROUP: dict[str, str] = {
     "start_run": "cpu", "log_iteration": "cpu", "finish_run": "cpu", "close_run": "cpu",
@@ -78,6 +85,19 @@ def check_cluster_safe(cfg: RunConfig) -> None:
     if not cfg.task.dataset.startswith("builtin:"):
         problems.append(f"task.dataset: {cfg.task.dataset!r} is a file on this machine; use a builtin: dataset "
                         "shipped in the image")
+    images = {}  # what each group's tasks would pull, under the key that sets it
+    for g in GROUPS:
+        own = getattr(cfg.cluster.groups, g).image
+        images[f"cluster.groups.{g}.image" if own else "pipeline.base_image"] = own or cfg.pipeline.base_image
+    for key, image in images.items():
+        if image and "/" not in image.split("@")[0]:
+            problems.append(f"{key}: {image!r} names no registry, so the cluster would pull docker.io/library/{image}; "
+                            "give the registry path of the image you pushed, e.g. 123456789012.dkr.ecr.us-west-2"
+                            f".amazonaws.com/{image}")
+    for device_key, group in (("trainer.device", "trainer"), ("rollout.device", "rollout")):
+        gpus = getattr(cfg.cluster.groups, group).gpus
+        if cfg.cluster.launch.mode == "in_task" and getattr(cfg, device_key.split(".")[0]).device == "cuda" and not gpus:
+            problems.append(f"cluster.groups.{group}.gpus: 0, but {device_key} is cuda; give the group's tasks GPUs")
     uri = cfg.tracking.uri or ""
     if not uri.startswith(("http://", "https://")):
         problems.append(f"tracking.uri: {uri or 'unset (a SQLite file in the working directory)'!s} is not an MLflow "
@@ -126,9 +146,15 @@ def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool =
     scratch = cfg.cluster.scratch_dir
     kubernetes.empty_dir_mount(task, volume_name=SCRATCH_VOLUME, mount_path=scratch, size_limit=cfg.cluster.scratch_size)
     task.set_env_variable("MOERL_SCRATCH", scratch)
-    if stage in ENGINE_STAGES and name != "cpu" and group.shm:
-        kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
-                                   size_limit=group.shm)
+    if stage in ENGINE_STAGES and name != "cpu":  # the engine or trainer runs in this task
+        if group.shm:
+            kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
+                                       size_limit=group.shm)
+        if group.gpus:
+            task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(group.gpus)
+    if stage in GPU_STAGES and name == "cpu":  # a launcher: its workload's namespace, owner and account
+        kubernetes.use_field_path_as_env(task, "MOERL_POD_NAMESPACE", "metadata.namespace")
+        kubernetes.use_field_path_as_env(task, "MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")
     if cfg.cluster.mlflow_secret:
         kubernetes.use_secret_as_env(task, secret_name=cfg.cluster.mlflow_secret, secret_key_to_env=MLFLOW_SECRET_KEYS,
                                      optional=True)

@@ -6,11 +6,17 @@ In every case the run finishes all its versions and the counters balance:
     trained + filtered + stale_dropped + failed == generated - duplicates
 
 (`filtered`: samples of groups with no reward variance, which GRPO drops; see moerl/bus.py).
+
+The SIGTERM test runs cluster-shaped, as the async pipeline runs on EKS: every process in its
+own empty directory (`MOERL_SANDBOX_ROOT`, moerl/podenv.py; a restarted worker gets a new one,
+like a new pod), sharing only real servers on 127.0.0.1: Valkey, S3 (`weed mini`) and an MLflow
+tracking server.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -19,6 +25,8 @@ import pytest
 
 from moerl import tracking
 from moerl.asyncrun import LocalAsyncRun, publish_initial, start_valkey
+from moerl.bus import EmbeddedValkey
+from moerl.podenv import SANDBOX_ROOT_ENV
 from moerl.checkpoints import run_store
 from moerl.config import load_config
 from moerl.components.rollout.worker import EXIT_DRAINED
@@ -45,17 +53,24 @@ def _config(tmp: Path, *overrides: str):
 class Harness:
     """One async run as local processes, with a hook to inject a fault."""
 
-    def __init__(self, tmp: Path, *overrides: str):
+    def __init__(self, tmp: Path, *overrides: str, sandboxes: Path | None = None):
         self.cfg = _config(tmp, *overrides)
         self.uri = tracking.resolve_uri(self.cfg.tracking)
         self.run_id = tracking.start_run(self.cfg, self.uri, {"moerl.mode": "async-test"})
         work = Path(self.cfg.pipeline.work_dir) / self.run_id
-        self.cfg, self.valkey = start_valkey(self.cfg, work)
+        if sandboxes is not None:  # cluster-shaped: a Valkey of its own, as a Service would be
+            self.valkey = EmbeddedValkey(tmp / "valkey-service", appendonly=True).start()
+            self.cfg = self.cfg.model_copy(update={"valkey": self.cfg.valkey.model_copy(update={"url": self.valkey.url})})
+        else:
+            self.cfg, self.valkey = start_valkey(self.cfg, work)
         publish_initial(self.cfg, self.run_id, work)
         self.run = LocalAsyncRun(self.cfg, self.run_id, work, self.valkey)
+        self.sandboxes = sandboxes
 
     def go(self, on_tick=None) -> dict[str, int]:
         try:
+            if self.sandboxes is not None:
+                os.environ[SANDBOX_ROOT_ENV] = str(self.sandboxes)
             self.run.start()
             self.run.supervise(timeout_s=TIMEOUT_S, every_s=10, on_tick=on_tick)
             return self.run.bus.counters()
@@ -64,6 +79,7 @@ class Harness:
                 print(f"--- {name} ---\n{self.run.tail(name, 40)}")
             raise
         finally:
+            os.environ.pop(SANDBOX_ROOT_ENV, None)
             self.run.stop()
             self.valkey.stop()
 
@@ -83,11 +99,36 @@ def _versions(h: Harness) -> list[int]:
     return run_store(h.cfg.checkpoint, h.run_id).versions()
 
 
-def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_path):
+def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_path, s3_server):
     # slow units (2 sequences at a time, long responses) so the signal lands mid-generation;
-    # a grace far shorter than a unit, so part of it must be requeued
-    h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
-                "units.max_prompts=4", "rollout.grace_seconds=0.3")
+    # a grace far shorter than a unit, so part of it must be requeued. Cluster-shaped: S3, an
+    # MLflow server, a Valkey server, every process sandboxed (see the module docstring).
+    import boto3
+
+    from tests.mlflow_server import mlflow_server
+
+    boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket="moerl-async")
+    with mlflow_server(tmp_path) as url:
+        h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
+                    "units.max_prompts=4", "rollout.grace_seconds=0.3", "checkpoint.uri=s3://moerl-async/runs",
+                    f"checkpoint.endpoint_url={s3_server.endpoint_url}", "checkpoint.region=us-east-1",
+                    "checkpoint.cache_dir=.moerl/cache", f"tracking.uri={url}",
+                    # headroom: vLLM counts what the MLflow server and S3 allocate meanwhile against it
+                    "rollout.gpu_memory_utilization=0.1", sandboxes=tmp_path / "sandboxes")
+        _sigterm_drain(h)
+        from mlflow.tracking import MlflowClient
+
+        assert MlflowClient(url).get_run(h.run_id).data.metrics  # the trainer logged to the server
+    # every process (trainer, scorer, two workers, the drained worker's replacement) ran in a
+    # fresh directory of its own; the rollout workers fetched versions into their own caches
+    boxes = list((tmp_path / "sandboxes").iterdir())
+    assert len(boxes) == sum(c.starts for c in h.run.children.values()) >= 5
+    assert len([b for b in boxes if (b / ".moerl" / "cache").is_dir()]) >= 3
+    assert not (tmp_path / "ckpt").exists()  # no local store: versions went to S3
+    assert not {p.name for p in (tmp_path / "sandboxes").rglob("*")} & {"mlflow.db", "mlruns", "ckpt"}
+
+
+def _sigterm_drain(h: Harness) -> None:
     sent = []
 
     def fault(run):

@@ -204,3 +204,25 @@ def test_a_server_gone_for_longer_than_reconnect_s_is_a_clear_error(tmp_path):
     with pytest.raises(BusError, match=r"valkey\.reconnect_s"):
         bus.registry()
     assert time.monotonic() - t0 < 10  # gave up after about reconnect_s, not never
+
+
+def test_a_trainer_gone_past_trainer_lost_s_abandons_the_run_and_a_restarting_one_does_not(bus):
+    from moerl.bus import TrainerWatch
+
+    now = [0.0]
+    watch = TrainerWatch(bus, lost_after_s=60, every_s=1, clock=lambda: now[0])
+    bus.trainer_beacon(ttl_s=5)
+    for t in (2, 30, 59):  # a beacon, then a restart gap shorter than trainer_lost_s
+        now[0] = t
+        assert not watch.abandoned()
+    assert not bus.failed()
+    time.sleep(5.2)  # the beacon's TTL runs out: the trainer is gone from here on
+    now[0] = 61  # under 60 s since it was last seen (at 59)
+    assert not watch.abandoned()
+    now[0] = 125
+    assert watch.abandoned() and "no trainer for 66 s" in bus.failed()
+    # every other stage sees it at once; the first reason stays
+    other = TrainerWatch(bus, lost_after_s=3600, every_s=0)
+    assert other.abandoned()
+    bus.set_failed("a later reason")
+    assert "no trainer" in bus.failed()

@@ -86,10 +86,12 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
         assert dict(kc.pod_metadata.labels)["moerl.ai/stage"] == stage.replace("_", "-")
         mounts = {m.mount_path: m for m in kc.empty_dir_mounts}
         assert mounts["/scratch"].size_limit == "200Gi" and {"name": "MOERL_SCRATCH", "value": "/scratch"} in c["env"]
-        if stage in ENGINE_STAGES:  # an engine or a trainer in the task: a memory-backed /dev/shm
+        if stage in ENGINE_STAGES:  # an engine or a trainer in the task: GPUs, a memory-backed /dev/shm
             assert mounts["/dev/shm"].medium == "Memory" and mounts["/dev/shm"].size_limit == group.shm, stage
+            acc = c["resources"]["accelerator"]
+            assert (acc["resourceType"], acc["resourceCount"]) == ("nvidia.com/gpu", "8"), stage
         else:
-            assert "/dev/shm" not in mounts, stage
+            assert "/dev/shm" not in mounts and "accelerator" not in c["resources"], stage
         secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in kc.secret_as_env}
         assert secrets["moerl-mlflow"] == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
         assert ("moerl-valkey" in secrets) == (mode == "async"), stage
@@ -127,6 +129,10 @@ def test_launched_gpu_stages_run_their_task_on_the_cpu_group(tmp_path):
     kc = k8s[_executor(spec, up)]
     assert dict(kc.node_selector.labels) == {"moerl.ai/group": "cpu"}
     assert "/dev/shm" not in {m.mount_path for m in kc.empty_dir_mounts}
+    assert "accelerator" not in doc["deploymentSpec"]["executors"][_executor(spec, up)]["container"]["resources"]
+    # it knows its namespace and service account (downward API): the workload's owner and account
+    assert {(f.name, f.field_path) for f in kc.field_path_as_env} == {
+        ("MOERL_POD_NAMESPACE", "metadata.namespace"), ("MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")}
     # the launcher waits as long as the trainer group's workload may run
     assert kc.active_deadline_seconds == parse_config(data).cluster.groups.trainer.timeout_s
 
@@ -192,3 +198,30 @@ def test_a_workload_shape_moerl_cannot_run_yet_is_refused_at_compile(tmp_path):
     with pytest.raises(ConfigError, match="cluster.launch.trainer_nodes 2"):
         compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
     assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"cluster": {"groups": {g: {"image": None} for g in IMAGES}}},
+     "pipeline.base_image: 'moerl-cpu:0.1.0' names no registry"),
+    ({"cluster": {"groups": {"trainer": {"image": "moerl-trainer:1"}}}},
+     "cluster.groups.trainer.image: 'moerl-trainer:1' names no registry"),
+    ({"cluster": {"groups": {**{g: {"image": i} for g, i in IMAGES.items()}, "trainer": {"image": IMAGES["trainer"],
+                                                                                          "gpus": 0}}},
+      "trainer": {"device": "cuda"}}, "cluster.groups.trainer.gpus: 0, but trainer.device is cuda"),
+])
+def test_images_without_a_registry_and_cuda_without_gpus_are_refused(tmp_path, over, needle):
+    with pytest.raises(ConfigError, match=needle):
+        compile_pipeline(parse_config(_cfg(**over)), tmp_path / "p.yaml", target="eks")
+
+
+@pytest.mark.parametrize("cluster,needle", [
+    ({"groups": {"cpu": {"memory": "1.5Gi"}}}, "cluster.groups.cpu.memory"),
+    ({"groups": {"cpu": {"cpu": "2G"}}}, "cluster.groups.cpu.cpu"),
+    ({"groups": {"cpu": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}}},
+     "value must be empty when operator is Exists"),
+    ({"scratch_dir": "/s3"}, "cluster.scratch_dir.*KFP's launcher"),
+    ({"groups": {"cpu": {"timeout_s": 60}}}, "cluster.groups.cpu.timeout_s"),
+])
+def test_cluster_values_the_api_server_or_kfp_would_refuse_fail_at_load(cluster, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_config({"cluster": cluster})

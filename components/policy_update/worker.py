@@ -46,9 +46,11 @@ from moerl.dataset import load_dataset
 from moerl.errors import CheckpointError, DataError
 from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue, train_samples
+from moerl.podenv import enter_pod
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"
+BEACON_EVERY_S = 5.0
 
 
 class Issuer(threading.Thread):
@@ -82,7 +84,11 @@ class Issuer(threading.Thread):
 
     def run(self) -> None:
         try:
+            beacon_at = 0.0
             while not self.stop_event.is_set():
+                if time.monotonic() - beacon_at > BEACON_EVERY_S:  # the workers' TrainerWatch reads it
+                    self.bus.trainer_beacon()
+                    beacon_at = time.monotonic()
                 self.step()
                 self.stop_event.wait(self.period_s)
         except BaseException as err:  # noqa: BLE001 - surfaced by the trainer loop
@@ -182,6 +188,10 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     bus.ensure_groups()
+    abandoned = bus.failed()
+    if abandoned:
+        raise DataError(f"trainer: run {run_id} was abandoned ({abandoned}); start a new run or resume it with a "
+                        "new pipeline run")
     store = run_store(cfg.checkpoint, run_id)
     latest = store.recover()
     if latest is None:
@@ -272,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
-    policy = run_trainer(config_from_json(Path(a.config).read_text()), a.run_id)
+    cfg = config_from_json(Path(a.config).read_text())
+    enter_pod()  # as the component does: the process's own scratch, when pod-shaped
+    policy = run_trainer(cfg, a.run_id)
     print(policy.model_dump_json(), flush=True)
     return 0
 

@@ -24,10 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-from moerl.bus import RunBus, connect
+from moerl.bus import RunBus, TrainerWatch, connect
 from moerl.config import RewardConfig, RunConfig, config_from_json
 from moerl.records import Sample, ScoredSample
 from moerl.components.reward.stage import score
+from moerl.podenv import enter_pod
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,13 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_term)
     t_start, busy = time.perf_counter(), 0.0
+    watch = TrainerWatch(bus, cfg.pipeline.trainer_lost_s)
     try:
         while not stop["asked"]:
             bus.heartbeat(scorer, busy_s=busy, wall_s=time.perf_counter() - t_start)
             got = bus.take_generated(scorer, BATCH, block_ms=200)
             if not got:
-                if bus.done():
+                if bus.done() or watch.abandoned():  # abandoned: the run fails through its trainer
                     return 0
                 continue
             t0 = time.perf_counter()
@@ -82,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s")
-    return run_reward_scorer(config_from_json(Path(a.config).read_text()), a.run_id, a.name)
+    cfg = config_from_json(Path(a.config).read_text())
+    enter_pod()  # as the component does: the process's own scratch, when pod-shaped
+    return run_reward_scorer(cfg, a.run_id, a.name)
 
 
 if __name__ == "__main__":

@@ -36,10 +36,11 @@ import threading
 import time
 from pathlib import Path
 
-from moerl.bus import Lease, RunBus, connect
+from moerl.bus import Lease, RunBus, TrainerWatch, connect
 from moerl.checkpoints import fetch_for_engine, run_store
 from moerl.config import RunConfig, config_from_json
 from moerl.records import Sample
+from moerl.podenv import enter_pod
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +202,9 @@ class RolloutWorker:
             self.bus.heartbeat(self.name, ttl_s=1.0, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start)
 
     def _loop(self) -> int:
+        watch = TrainerWatch(self.bus, self.cfg.pipeline.trainer_lost_s)
         while True:
-            if self.bus.done():
+            if self.bus.done() or watch.abandoned():  # abandoned: the run fails through its trainer
                 return 0
             if self.drain.asked:
                 self.bus.incr(drains=1)
@@ -255,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s")
     cfg = config_from_json(Path(a.config).read_text())
+    enter_pod()  # as the component does: the process's own scratch, when pod-shaped
     return run_rollout_worker(cfg, a.run_id, a.name)
 
 

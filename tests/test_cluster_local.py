@@ -1,0 +1,170 @@
+"""The local proof of cluster-safety: the EKS-target sync pipeline on kfp.local, every task in its
+own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/podenv.py),
+sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), an MLflow tracking server
+(`mlflow server`). It must complete and learn. A second run, warm-started from the first
+(`model.warm_start: previous`, as scheduled retraining does), fails in its first policy update:
+the stage is retried (`pipeline.task_retries`), then the exit handler marks the MLflow run
+FAILED, and `latest` stays on version 0.
+
+kfp.local ignores the kfp-kubernetes settings (node selectors, volumes, Secrets); those are
+checked on the compiled YAML in tests/test_compile_eks.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from moerl.config import parse_config
+from tests.mlflow_server import mlflow_server
+
+BUCKET = "moerl-cluster"
+ITERATIONS = 4
+PREFIX = "team-a"
+
+
+def _cluster_cfg(s3, url: str, **over):
+    # measured with the one-process floor (`moerl bench modes --arms floor --iterations 4`):
+    # reward/mean 0.034, 0.052, 0.101, 0.222 at these settings; 256 prompts stay under 0.09
+    data = {
+        "task": {"prompts_per_iteration": 512},
+        "rollout": {"samples_per_prompt": 8, "max_new_tokens": 6},
+        "trainer": {"optimizer_steps_per_iteration": 64, "learning_rate": 2e-3, "clip_eps_high": 3.0},
+        "checkpoint": {"uri": f"s3://{BUCKET}/{PREFIX}", "endpoint_url": s3.endpoint_url, "region": "us-east-1",
+                       "cache_dir": ".moerl/cache"},
+        "tracking": {"uri": url, "experiment": "cluster-local"},
+        # kfp.local runs every task in this venv; the image matters only on the cluster
+        "pipeline": {"iterations": ITERATIONS, "base_image": "registry.example/moerl-cpu:0.1.0"},
+    }
+    for section, values in over.items():
+        data.setdefault(section, {}).update(values)
+    return parse_config(data)
+
+
+def _run_sandboxed(cfg, root: Path) -> Exception | None:
+    """Run the EKS-target pipeline on kfp.local from an empty cwd, every task sandboxed under
+    root/sandboxes; returns the error kfp.local raised, if any."""
+    from kfp import local
+
+    from moerl.config import config_to_json
+    from moerl.pipelines.eks import check_cluster_safe
+    from moerl.pipelines.grpo import build_pipeline
+
+    check_cluster_safe(cfg)
+    pipeline = build_pipeline(cfg, git_sha="cluster-test", target="eks")
+    launch_dir = root / "launch"
+    launch_dir.mkdir()
+    old = Path.cwd()
+    os.environ["MOERL_SANDBOX_ROOT"] = str(root / "sandboxes")
+    try:
+        os.chdir(launch_dir)
+        local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp-artifacts"),
+                   raise_on_error=True)
+        pipeline(config_json=config_to_json(cfg), run_id="")
+        return None
+    except RuntimeError as err:
+        return err
+    finally:
+        os.chdir(old)
+        del os.environ["MOERL_SANDBOX_ROOT"]
+
+
+@pytest.fixture(scope="module")
+def cluster_run(s3_server, tmp_path_factory):
+    import boto3
+
+    root = tmp_path_factory.mktemp("cluster")
+    boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
+    with mlflow_server(root) as url:
+        ok_root, bad_root = root / "ok", root / "bad"
+        ok_root.mkdir()
+        bad_root.mkdir()
+        ok_err = _run_sandboxed(_cluster_cfg(s3_server, url), ok_root)
+        # warm-started from the run above; a trainer config for a GPU node run on this one: the
+        # first policy update fails (twice: one retry), after version 0 was published and one
+        # rollout, reward and buffer ran
+        bad_err = _run_sandboxed(_cluster_cfg(s3_server, url, trainer={"device": "cuda"}, model={"warm_start": "previous"},
+                                              task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}),
+                                 bad_root)
+        yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "s3": s3_server}
+
+
+def _runs(url: str):
+    """(client, the learning run, the failing run)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(url)
+    exp = client.get_experiment_by_name("cluster-local")
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+    assert len(runs) == 2
+    ok, bad = sorted(runs, key=lambda r: r.data.params["trainer.device"])  # cpu, cuda
+    return client, ok, bad
+
+
+def _store(cluster_run, run_id):
+    from moerl.checkpoints import run_store
+
+    return run_store(_cluster_cfg(cluster_run["s3"], cluster_run["url"]).checkpoint, run_id)
+
+
+@pytest.mark.slow
+def test_the_eks_pipeline_completes_and_learns_with_tasks_sharing_only_servers(cluster_run):
+    assert cluster_run["ok_err"] is None, str(cluster_run["ok_err"])[-3000:]
+    client, ok, _ = _runs(cluster_run["url"])
+    assert ok.info.status == "FINISHED"
+    assert ok.data.tags["moerl.kfp_run_id"]  # how the exit task finds the run
+    hist = sorted((m.step, m.value) for m in client.get_metric_history(ok.info.run_id, "reward/mean"))
+    assert [s for s, _ in hist] == list(range(ITERATIONS))
+    first, last = hist[0][1], max(v for _, v in hist[-2:])
+    assert last > first + 0.1, hist  # it learns
+    # the versions retention keeps are in S3 (0 and the newest checkpoint.keep_last), `latest`
+    # on the last one
+    store = _store(cluster_run, ok.info.run_id)
+    keep = _cluster_cfg(cluster_run["s3"], cluster_run["url"]).checkpoint.keep_last
+    assert store.versions() == [0, *range(ITERATIONS + 1 - keep, ITERATIONS + 1)] and store.latest() == ITERATIONS
+    assert ok.data.tags["moerl.final_checkpoint"].startswith(f"s3://{BUCKET}/{PREFIX}/")
+
+
+@pytest.mark.slow
+def test_every_task_ran_in_its_own_empty_sandbox(cluster_run):
+    root = cluster_run["root"] / "ok"
+    tasks = sorted((root / "sandboxes").iterdir())
+    # close, start, init, finish + 7 per iteration: one fresh directory each
+    assert len(tasks) == 4 + 7 * ITERATIONS
+    # nothing was written where the pipeline was launched, and no task kept a local store or a
+    # SQLite tracking file: checkpoints and tracking went to the servers
+    assert list((root / "launch").iterdir()) == []
+    names = {p.name for p in (root / "sandboxes").rglob("*")}
+    assert "mlflow.db" not in names and "checkpoints" not in names and "mlruns" not in names
+    # the rollout tasks fetched their version into their own scratch cache (each from S3, none
+    # from another task's cache)
+    cached = [t for t in tasks if (t / ".moerl" / "cache").is_dir()]
+    assert len(cached) >= ITERATIONS
+    homes = {t / "home" for t in tasks}
+    assert all(h.is_dir() for h in homes) and len(homes) == len(tasks)
+
+
+@pytest.mark.slow
+def test_a_failed_run_is_retried_then_marked_failed_by_the_exit_handler(cluster_run):
+    assert cluster_run["bad_err"] is not None
+    client, _, bad = _runs(cluster_run["url"])
+    assert bad.info.status == "FAILED"  # not left RUNNING
+    assert bad.data.tags["moerl.status"] == "failed"
+    assert "policy" in bad.data.tags["moerl.error"] or "exit-handler" in bad.data.tags["moerl.error"]
+    # published state untouched: version 0 only, `latest` on it
+    store = _store(cluster_run, bad.info.run_id)
+    assert store.versions() == [0] and store.latest() == 0
+    # close, start, init, rollout, reward, buffer, and policy_update twice (one retry)
+    assert len(list((cluster_run["root"] / "bad" / "sandboxes").iterdir())) == 6 + 2
+
+
+@pytest.mark.slow
+def test_the_second_run_warm_started_from_the_first_runs_final_checkpoint(cluster_run):
+    _, ok, bad = _runs(cluster_run["url"])
+    assert bad.data.tags["moerl.warm_start.run_id"] == ok.info.run_id
+    assert bad.data.tags["moerl.warm_start.checkpoint"] == ok.data.tags["moerl.final_checkpoint"]
+    final = {f.path: f.sha256 for f in _store(cluster_run, ok.info.run_id).manifest(ITERATIONS).files}
+    v0 = {f.path: f.sha256 for f in _store(cluster_run, bad.info.run_id).manifest(0).files}
+    assert v0["model.safetensors"] == final["model.safetensors"]
+    assert not any(p.startswith("trainer/") for p in v0)  # a new run starts a new optimizer
