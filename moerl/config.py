@@ -409,6 +409,10 @@ class LaunchConfig(_Section):
     cpu_per_node: str = Field("96", pattern=_CPU)
     memory_per_node: str = Field("1024Gi", pattern=_MEMORY)
     poll_s: float = Field(10.0, gt=0.0)
+    # A launched workload none of whose pods has left Pending by then (no GPU capacity,
+    # hugepages not pre-allocated, no EFA device plugin) fails with the scheduler's message.
+    # Raise it where GPU nodes scale up from zero slowly.
+    pending_timeout_s: float = Field(1800.0, ge=60.0)
 
 
 class ClusterConfig(_Section):

@@ -152,7 +152,9 @@ def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool =
                                        size_limit=group.shm)
         if group.gpus:
             task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(group.gpus)
-    if stage in GPU_STAGES and name == "cpu":  # a launcher: its workload's namespace, owner and account
+    launcher = stage in GPU_STAGES and name == "cpu"
+    if launcher or (stage == "close_run" and cfg.cluster.launch.mode == "kubernetes"):
+        # a launcher: its workload's namespace, owner and account; close_run: where to sweep
         kubernetes.use_field_path_as_env(task, "MOERL_POD_NAMESPACE", "metadata.namespace")
         kubernetes.use_field_path_as_env(task, "MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")
     if cfg.cluster.mlflow_secret:

@@ -133,6 +133,9 @@ def test_launched_gpu_stages_run_their_task_on_the_cpu_group(tmp_path):
     # it knows its namespace and service account (downward API): the workload's owner and account
     assert {(f.name, f.field_path) for f in kc.field_path_as_env} == {
         ("MOERL_POD_NAMESPACE", "metadata.namespace"), ("MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")}
+    # the exit task knows where to sweep what a dead launcher left behind
+    close = next(t for t in _tasks(spec).values() if t.task_info.name == "close-run")
+    assert "MOERL_POD_NAMESPACE" in {f.name for f in k8s[_executor(spec, close)].field_path_as_env}
     # the launcher waits as long as the trainer group's workload may run
     assert kc.active_deadline_seconds == parse_config(data).cluster.groups.trainer.timeout_s
 

@@ -32,10 +32,11 @@ from moerl.config import parse_config
 from moerl.errors import ConfigError
 from moerl.launch import objects
 from moerl.launch.exchange import Exchange
-from moerl.launch.task import launch_env, remote_command, run_remote
-from moerl.launch.watch import (PULL_BACKOFF_S, KubeApi, Launcher, LaunchError, LaunchInterrupted, State,
-                                WorkloadDeleted, WorkloadFailed, WorkloadTimeout, condition_state, own_pod_owner,
-                                resolve_namespace, workload)
+from moerl.launch.state import PULL_BACKOFF_S, State, condition_state
+from moerl.launch.task import build, launch_env, launch_service_account, remote_command, run_remote, sweep
+from moerl.launch.watch import (DELETE_BACKOFF_S, DELETE_TRIES, PENDING_TIMEOUT_S, KubeApi, Launcher, LaunchError,
+                                LaunchInterrupted, WorkloadDeleted, WorkloadFailed, WorkloadPending, WorkloadTimeout,
+                                own_pod_owner, resolve_namespace, workload)
 
 DATA = Path(__file__).parent / "data" / "k8s"
 K8S_VERSION = "1.37.0"
@@ -174,7 +175,8 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     env = launch_env(cfg, "rollout_worker", environ={"MLFLOW_TRACKING_URI": "http://mlflow:5000",
                                                      "AWS_SECRET_ACCESS_KEY": "must-not-travel"})
     pod = objects.rollout_pod(cfg, RUN, "rollout-3", remote_command(cfg, "s3://b/x/spec.json"), env,
-                              owner=own_pod_owner(NS, {"KFP_POD_NAME": "t", "KFP_POD_UID": "u", "KFP_NAMESPACE": NS}))
+                              owner=own_pod_owner(NS, {"KFP_POD_NAME": "t", "KFP_POD_UID": "u",
+                                                       "MOERL_POD_NAMESPACE": NS}))
     assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     spec, (c,) = pod["spec"], pod["spec"]["containers"]
     assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "moerl-gpu"
@@ -237,16 +239,25 @@ def test_namespace_and_owner_reference(tmp_path):
     assert resolve_namespace(None, str(tmp_path / "ns")) == "kubeflow-user"
     with pytest.raises(LaunchError, match="set cluster.launch.namespace"):
         resolve_namespace(None, str(tmp_path / "missing"))
-    env = {"KFP_POD_NAME": "grpo-abc-123", "KFP_POD_UID": "uid-1", "KFP_NAMESPACE": NS}
-    assert own_pod_owner(NS, env)["uid"] == "uid-1"
-    assert own_pod_owner("elsewhere", env) is None  # owner references never cross namespaces
+    # what KFP 2.17 sets in an executor container (no namespace), plus pipelines/eks.py's downward-API one
+    kfp_env = {"KFP_POD_NAME": "grpo-abc-123", "KFP_POD_UID": "uid-1"}
+    missing = str(tmp_path / "missing")
+    owner = own_pod_owner(NS, {**kfp_env, "MOERL_POD_NAMESPACE": NS}, sa_file=missing)
+    assert owner == {"apiVersion": "v1", "kind": "Pod", "name": "grpo-abc-123", "uid": "uid-1",
+                     "blockOwnerDeletion": False, "controller": False}
+    assert own_pod_owner("elsewhere", {**kfp_env, "MOERL_POD_NAMESPACE": NS}, sa_file=missing) is None  # never across
+    (tmp_path / "sa_ns").write_text(f"{NS}\n")  # no MOERL_POD_NAMESPACE: the service account's namespace file
+    assert own_pod_owner(NS, kfp_env, sa_file=str(tmp_path / "sa_ns"))["uid"] == "uid-1"
+    assert own_pod_owner(NS, kfp_env, sa_file=missing) is None  # namespace unknown: no owner reference
+    assert own_pod_owner(NS, {"MOERL_POD_NAMESPACE": NS}, sa_file=missing) is None  # not in a KFP task
 
 
 # ---- watch and cleanup, on replayed API responses ------------------------------------------
 
 class Replay:
     """Stands in for the urllib3 PoolManager under the real kubernetes client: answers each
-    request with the next scripted (method, path, status, response) and records it."""
+    request with the next scripted (method, path, status, response) and records it. A response
+    is a key of api_responses.json or, for lists built per test, the object itself."""
 
     def __init__(self, script: list[tuple[str, str, int, str]]) -> None:
         self.script, self.calls = list(script), []
@@ -258,7 +269,8 @@ class Replay:
         assert self.script, f"unexpected request {method} {parts.path}"
         want_method, want_path, status, response = self.script.pop(0)
         assert (method, parts.path) == (want_method, want_path), f"expected {want_method} {want_path}"
-        return urllib3.HTTPResponse(body=json.dumps(RESPONSES[response]).encode(), status=status,
+        response = RESPONSES[response] if isinstance(response, str) else response
+        return urllib3.HTTPResponse(body=json.dumps(response).encode(), status=status,
                                     reason={200: "OK", 201: "Created"}.get(status, "Error"),
                                     headers={"Content-Type": "application/json"}, preload_content=True)
 
@@ -286,6 +298,34 @@ def pod(method: str, response: str, status: int = 200) -> tuple[str, str, int, s
     return method, POD_PATH if method == "POST" else f"{POD_PATH}/{POD}", status, response
 
 
+def tj_pod(phase: str = "Running", waiting: tuple[str, str] | None = None, unschedulable: str | None = None,
+           name: str = f"{TJ}-node-0-0-x7k2p", owner: str = f"{TJ}-node-0") -> dict:
+    """A pod of the TrainJob, as the Job under its JobSet creates it (controller reference)."""
+    status: dict = {"phase": phase}
+    if waiting:
+        status["containerStatuses"] = [{"name": "node", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
+                                        "state": {"waiting": {"reason": waiting[0], "message": waiting[1]}}}]
+    if unschedulable:
+        status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": unschedulable}]
+    return {"metadata": {"name": name, "namespace": NS,
+                         "labels": {"moerl.ai/workload": TJ, "moerl.ai/run-id": RUN,
+                                    "app.kubernetes.io/managed-by": "moerl"},
+                         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": owner, "uid": "j-1",
+                                              "controller": True, "blockOwnerDeletion": True}]},
+            "spec": {"containers": [{"name": "node", "image": "x"}]}, "status": status}
+
+
+def pod_list(*items: dict) -> dict:
+    return {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": list(items)}
+
+
+def tj_pods(*items: dict) -> tuple[str, str, int, dict]:
+    """The LIST of the TrainJob's pods (by its moerl.ai/workload label) that each poll makes
+    while it has not ended."""
+    return "GET", POD_PATH, 200, pod_list(*items)
+
+
 class Clock:
     def __init__(self) -> None:
         self.t, self.sleeps = 0.0, []
@@ -307,8 +347,8 @@ def _pod_workload(api):
 
 
 def test_trainjob_success_is_watched_then_deleted_in_the_background():
-    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_created"),
-                        tj("GET", "trainjob_running"), tj("GET", "trainjob_complete"),
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_created"), tj_pods(),
+                        tj("GET", "trainjob_running"), tj_pods(tj_pod("Running")), tj("GET", "trainjob_complete"),
                         tj("DELETE", "deleted_trainjob")])
     clock = Clock()
     launcher = Launcher(poll_s=7.0, timeout_s=3600, clock=clock, sleep=clock.sleep)
@@ -322,7 +362,7 @@ def test_trainjob_success_is_watched_then_deleted_in_the_background():
 
 
 def test_failed_trainjob_names_the_reason_and_the_failed_pod():
-    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"),
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"), tj_pods(tj_pod()),
                         tj("GET", "trainjob_failed"), ("GET", POD_PATH, 200, "pods_of_failed_trainjob"),
                         tj("DELETE", "deleted_trainjob")])
     clock = Clock()
@@ -330,7 +370,7 @@ def test_failed_trainjob_names_the_reason_and_the_failed_pod():
         Launcher(1.0, 3600, clock, clock.sleep).run([_trainjob_workload(api)])
     msg = str(err.value)
     assert TJ in msg and "FailedJobs" in msg and "non-finite loss" in msg and "exit code 1" in msg
-    assert replay.calls[3][2]["labelSelector"] == f"moerl.ai/workload={TJ}"
+    assert replay.calls[2][2]["labelSelector"] == replay.calls[4][2]["labelSelector"] == f"moerl.ai/workload={TJ}"
     assert len(replay.deletes()) == 1
 
 
@@ -361,12 +401,12 @@ def test_missing_secret_fails_at_once_and_image_pull_backoff_after_a_while():
         Launcher(1.0, 3600, clock, clock.sleep).run([_pod_workload(api)])
     polls = int(PULL_BACKOFF_S / 60) + 1
     api, replay = _api([pod("POST", "pod_created", 201)]
-                       + [pod("GET", "pod_image_pull_backoff")] * (polls + 1)
+                       + [pod("GET", "pod_image_pull_backoff")] * polls
                        + [pod("DELETE", "deleted_pod")])
     clock = Clock()
     with pytest.raises(WorkloadFailed, match="ImagePullBackOff"):
         Launcher(60.0, 36000, clock, clock.sleep).run([_pod_workload(api)])
-    assert clock.t >= PULL_BACKOFF_S and len(replay.deletes()) == 1
+    assert clock.t >= PULL_BACKOFF_S and len(replay.deletes()) == 1 and not replay.script
 
 
 def test_jobset_conditions():
@@ -385,7 +425,7 @@ def test_jobset_conditions():
 
 
 def test_workload_deleted_underneath_is_a_failure_and_cleanup_tolerates_it():
-    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"),
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"), tj_pods(tj_pod()),
                         tj("GET", "not_found_trainjob", 404),
                         tj("DELETE", "not_found_trainjob", 404)])
     clock = Clock()
@@ -408,7 +448,8 @@ def test_timeout_deletes_the_workload_and_says_where_it_was_stuck():
 
 @pytest.mark.parametrize("when", ["sleeping", "reading"])
 def test_sigterm_to_the_task_deletes_what_it_launched(when):
-    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"),
+    listed = [tj_pods(tj_pod())] if when == "sleeping" else []  # "reading": the signal comes before the list
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"), *listed,
                         tj("DELETE", "deleted_trainjob")])
     before = signal.getsignal(signal.SIGTERM)
 
@@ -433,6 +474,168 @@ def test_a_create_that_fails_midway_deletes_what_was_created():
         Launcher(1.0, 3600).run([_trainjob_workload(api), _pod_workload(api)])
     assert replay.deletes() == [(f"{TJ_PATH}/{TJ}", {"propagationPolicy": "Background"})]  # not the pod
     assert not replay.script
+
+
+def test_a_failing_delete_is_retried_with_backoff_and_404_counts_as_done():
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_complete"),
+                        tj("DELETE", "server_error", 500), tj("DELETE", "server_error", 503),
+                        tj("DELETE", "not_found_trainjob", 404)])  # the 503 went through after all
+    clock = Clock()
+    launcher = Launcher(1.0, 3600, clock, clock.sleep)
+    launcher.run([_trainjob_workload(api)])
+    assert clock.sleeps == [DELETE_BACKOFF_S, 2 * DELETE_BACKOFF_S] and len(replay.deletes()) == 3
+    launcher.cleanup()  # done: nothing more
+    assert len(replay.deletes()) == 3 and not replay.script
+
+
+def test_a_delete_that_keeps_failing_gives_up_after_30_s_and_a_forbidden_one_at_once(caplog):
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_complete")]
+                       + [tj("DELETE", "server_error", 500)] * DELETE_TRIES)
+    clock = Clock()
+    Launcher(1.0, 3600, clock, clock.sleep).run([_trainjob_workload(api)])  # the stage's result is not lost
+    assert len(replay.deletes()) == DELETE_TRIES and 20 <= sum(clock.sleeps) <= 40 and not replay.script
+    assert f"could not delete TrainJob {NS}/{TJ}: HTTP 500" in caplog.text
+    api, replay = _api([pod("POST", "pod_created", 201), pod("GET", "pod_succeeded"),
+                        pod("DELETE", "forbidden_pod_create", 403)])
+    clock = Clock()
+    Launcher(1.0, 3600, clock, clock.sleep).run([_pod_workload(api)])
+    assert len(replay.deletes()) == 1 and clock.sleeps == [] and not replay.script  # 403 will not pass by waiting
+
+
+def test_trainjob_whose_pods_cannot_start_fails_without_waiting_for_a_condition():
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_created"),
+                        tj_pods(tj_pod("Pending", waiting=("ContainerCreating", ""))),
+                        tj("GET", "trainjob_created"),
+                        tj_pods(tj_pod("Pending", waiting=("CreateContainerConfigError",
+                                                           'secret "moerl-mlflow" not found'))),
+                        tj("DELETE", "deleted_trainjob")])
+    clock = Clock()
+    with pytest.raises(WorkloadFailed, match=rf"TrainJob {NS}/{TJ} failed: pod {TJ}-node-0-0-x7k2p: container node "
+                                             r'CreateContainerConfigError: secret "moerl-mlflow" not found'):
+        Launcher(5.0, 3600, clock, clock.sleep).run([_trainjob_workload(api)])
+    assert clock.t == 5.0 and len(replay.deletes()) == 1 and not replay.script
+
+
+def test_trainjob_image_pull_backoff_fails_after_the_backoff_time():
+    polls = int(PULL_BACKOFF_S / 100) + 1
+    backoff = tj_pod("Pending", waiting=("ImagePullBackOff", 'Back-off pulling image "registry.example/moerl:1"'))
+    api, replay = _api([tj("POST", "trainjob_created", 201)]
+                       + [tj("GET", "trainjob_created"), tj_pods(backoff)] * polls
+                       + [tj("DELETE", "deleted_trainjob")])
+    clock = Clock()
+    with pytest.raises(WorkloadFailed, match=r"ImagePullBackOff: Back-off pulling image .* for 600 s"):
+        Launcher(100.0, 36000, clock, clock.sleep).run([_trainjob_workload(api)])
+    assert clock.t == PULL_BACKOFF_S and not replay.script
+
+
+UNSCHEDULABLE = "0/4 nodes are available: 4 Insufficient vpc.amazonaws.com/efa."
+
+
+@pytest.mark.parametrize("pods", [[tj_pod("Pending", unschedulable=UNSCHEDULABLE)], []], ids=["unschedulable", "none"])
+def test_trainjob_with_no_pod_running_fails_after_the_pending_timeout(pods):
+    polls = 4  # at 0, 100, 200, 300 s: the 4th poll is past the pending timeout of 250 s
+    api, replay = _api([tj("POST", "trainjob_created", 201)]
+                       + [tj("GET", "trainjob_created"), tj_pods(*pods)] * polls
+                       + [tj("DELETE", "deleted_trainjob")])
+    clock = Clock()
+    with pytest.raises(WorkloadPending) as err:
+        Launcher(100.0, 36000, clock, clock.sleep, pending_timeout_s=250).run([_trainjob_workload(api)])
+    msg = str(err.value)
+    assert msg.startswith(f"TrainJob {NS}/{TJ} failed: pending for 300 s, no pod started running")
+    assert (f"Pending: Unschedulable: {UNSCHEDULABLE}" if pods else "no pods yet") in msg
+    assert isinstance(err.value, WorkloadFailed) and len(replay.deletes()) == 1 and not replay.script
+
+
+def test_a_pending_pod_fails_after_the_pending_timeout_but_a_started_one_does_not():
+    api, replay = _api([pod("POST", "pod_created", 201)] + [pod("GET", "pod_unschedulable")] * 3
+                       + [pod("DELETE", "deleted_pod")])
+    clock = Clock()
+    with pytest.raises(WorkloadPending, match=rf"Pod {NS}/{POD} failed: pending for 1800 s, .*Unschedulable: 0/4"):
+        Launcher(900.0, 36000, clock, clock.sleep).run([_pod_workload(api)])  # the default PENDING_TIMEOUT_S
+    assert clock.t == PENDING_TIMEOUT_S and not replay.script
+    api, replay = _api([pod("POST", "pod_created", 201), pod("GET", "pod_running"), pod("GET", "pod_running"),
+                        pod("GET", "pod_succeeded"), pod("DELETE", "deleted_pod")])
+    clock = Clock()
+    Launcher(900.0, 36000, clock, clock.sleep).run([_pod_workload(api)])  # running for longer than that: fine
+    assert clock.t == 2 * 900.0 and not replay.script
+
+
+def test_a_trainjob_that_started_is_not_failed_as_pending_when_its_pods_go_away():
+    api, replay = _api([tj("POST", "trainjob_created", 201), tj("GET", "trainjob_running"), tj_pods(tj_pod()),
+                        tj("GET", "trainjob_running"), tj_pods(),  # pods gone, condition not yet there
+                        tj("GET", "trainjob_complete"), tj("DELETE", "deleted_trainjob")])
+    clock = Clock()
+    Launcher(100.0, 36000, clock, clock.sleep, pending_timeout_s=50).run([_trainjob_workload(api)])
+    assert clock.t == 200.0 and not replay.script
+
+
+JS_PATH = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
+
+
+def _listed(kind: str, name: str, **meta) -> dict:
+    return {"apiVersion": "v1", "kind": kind, "metadata": {"name": name, "namespace": NS, **meta}}
+
+
+def test_sweep_deletes_what_the_launcher_left_of_a_run():
+    own_pod = _listed("Pod", POD, ownerReferences=[{"apiVersion": "v1", "kind": "Pod", "name": "grpo-task",
+                                                    "uid": "u-1", "controller": False}])
+    tj_list = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJobList", "metadata": {},
+               "items": [_listed("TrainJob", TJ)]}
+    # the JobSet API is not installed (404); the TrainJob's own pod goes with it, not by itself
+    api, replay = _api([("GET", TJ_PATH, 200, tj_list), tj("DELETE", "deleted_trainjob"),
+                        ("GET", JS_PATH, 404, "not_found_trainjob"),
+                        ("GET", POD_PATH, 200, pod_list(tj_pod(), own_pod)), pod("DELETE", "deleted_pod")])
+    assert sweep(RUN, NS, api=api, sleep=lambda s: None) == [f"TrainJob {NS}/{TJ}", f"Pod {NS}/{POD}"]
+    selectors = {q["labelSelector"] for m, _, q, _ in replay.calls if m == "GET"}
+    assert selectors == {f"moerl.ai/run-id={RUN},app.kubernetes.io/managed-by=moerl"}
+    assert [q for _, q in replay.deletes()] == [{"propagationPolicy": "Background"}] * 2 and not replay.script
+
+
+def test_sweep_keeps_going_and_then_says_what_it_could_not_delete():
+    tj_list = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJobList", "metadata": {},
+               "items": [_listed("TrainJob", TJ)]}
+    empty = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSetList", "metadata": {}, "items": []}
+    api, replay = _api([("GET", TJ_PATH, 200, tj_list), tj("DELETE", "forbidden_pod_create", 403),
+                        ("GET", JS_PATH, 200, empty),
+                        ("GET", POD_PATH, 200, pod_list(_listed("Pod", POD))), pod("DELETE", "not_found_pod", 404)])
+    with pytest.raises(LaunchError, match=rf"sweeping run {RUN} in {NS}: deleting TrainJob {NS}/{TJ}: HTTP 403"):
+        sweep(RUN, NS, api=api, sleep=lambda s: None)
+    assert len(replay.deletes()) == 2 and not replay.script  # the pod was tried (already gone: fine)
+    with pytest.raises(LaunchError, match="needs a run id"):
+        sweep("", NS, api=api)
+
+
+def test_launched_pods_get_the_tasks_service_account_when_none_is_configured(caplog):
+    cfg = _cfg(service_account=None)
+    task_env = {"MOERL_SERVICE_ACCOUNT": "moerl-pipeline-runner", "MOERL_POD_NAMESPACE": NS}
+    assert launch_service_account(_cfg(), NS, task_env) == "moerl-gpu"  # the config wins
+    assert launch_service_account(cfg, NS, task_env) == "moerl-pipeline-runner"
+    tj_body = build(cfg, "policy_update", RUN, TJ, ["true"], None, None, launch_service_account(cfg, NS, task_env))
+    (rjob,) = tj_body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert rjob["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "moerl-pipeline-runner"
+    pod_body = build(cfg, "rollout_worker", RUN, POD, ["true"], "rollout-0", None, "moerl-pipeline-runner")
+    assert pod_body["spec"]["serviceAccountName"] == "moerl-pipeline-runner"
+    # an account exists in one namespace: not the task's own for another one, and none at all is said aloud
+    assert launch_service_account(cfg, "elsewhere", task_env) is None
+    assert "the task's own (moerl-pipeline-runner) is in another namespace" in caplog.text
+    assert launch_service_account(cfg, NS, {}) is None and "MOERL_SERVICE_ACCOUNT is not set" in caplog.text
+    assert "serviceAccountName" not in build(cfg, "rollout_worker", RUN, POD, ["true"], "rollout-0", None)["spec"]
+
+
+@pytest.mark.parametrize("uri, passed", [
+    ("http://alice:s3cret@mlflow.mlflow:5000", "http://mlflow.mlflow:5000"),
+    ("https://alice@mlflow.example/path", "https://mlflow.example/path"),
+    ("postgresql://alice:s3cret@db.mlflow:5432/mlflow", None),  # useless without its password: left out
+    ("http://mlflow.mlflow:5000", "http://mlflow.mlflow:5000"),
+])
+def test_tracking_credentials_never_land_in_a_launched_object(uri, passed, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    for stage, worker in (("policy_update", None), ("rollout_worker", "rollout-0")):
+        body = build(_cfg(), stage, RUN, TJ, ["true"], worker, None)
+        text = json.dumps(body)
+        assert "s3cret" not in text and "alice" not in text
+        env = body["spec"]["trainer"]["env"] if stage == "policy_update" else body["spec"]["containers"][0]["env"]
+        assert _env(env).get("MLFLOW_TRACKING_URI") == passed
 
 
 # ---- the S3 exchange and the launched pod, for real ----------------------------------------
@@ -549,6 +752,9 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(s3_se
     (tmp_path / "state_in" / "config.json").write_text("{}")
     (tmp_path / "batch.jsonl").write_text("")
     monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
+    for k, v in {"KFP_POD_NAME": "grpo-task-1", "KFP_POD_UID": "uid-task-1", "MOERL_POD_NAMESPACE": NS,
+                 "MOERL_SERVICE_ACCOUNT": "task-sa", "MLFLOW_TRACKING_URI": "http://bob:hunter2@mlflow:5000"}.items():
+        monkeypatch.setenv(k, v)
     kubelet = Kubelet()
     with pytest.raises(WorkloadFailed, match="TrainJob .* failed: x: exit 1"):
         run_remote(cfg, "policy_update", RUN, args={"iteration": 0},
@@ -556,6 +762,13 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(s3_se
                    outputs={"state_out": tmp_path / "out"}, api=kubelet)
     assert not (tmp_path / "out").exists()
     assert Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{RUN}/exchange").keys() == []
+    # what the task's environment put into the TrainJob: its pod as owner, its account, no credentials
+    (body,) = kubelet.bodies
+    assert body["metadata"]["ownerReferences"][0] | {"name": "grpo-task-1", "uid": "uid-task-1"} == \
+        body["metadata"]["ownerReferences"][0]
+    patch = body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    assert patch["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "task-sa"
+    assert "hunter2" not in json.dumps(body)
 
 
 def test_a_failing_remote_run_says_why_in_the_termination_log(tmp_path, monkeypatch):

@@ -109,7 +109,7 @@ def test_step_without_range_runs_to_the_field_maximum():
 
 def _cfg(**extra):
     data = {"checkpoint": {"uri": "s3://bucket/moerl"}, "tracking": {"uri": "http://mlflow.mlflow:5000"},
-            "pipeline": {"iterations": 2}}
+            "pipeline": {"iterations": 2, "base_image": "registry.example/moerl-cpu:0.1.0"}}
     for key, value in extra.items():
         data.setdefault(key, {}).update(value)
     return parse_config(data)
@@ -219,23 +219,101 @@ def test_kfp_errors_are_one_line_without_the_response_body():
     err = kfp_server_api.ApiException(status=403, reason="Forbidden")
     err.body, err.headers = "token=hunter2", {"Set-Cookie": "session=hunter2"}
     with pytest.raises(MoerlError) as caught:
-        schedule.create_recurring_run(_cfg(), "@daily", host="http://user:pw@kfp:8888", client=FakeKfp(fail_with=err))
+        schedule.create_recurring_run(_cfg(), "@daily", host="http://kfp:8888", client=FakeKfp(fail_with=err))
     text = str(caught.value)
-    assert "HTTP 403 Forbidden" in text and "creating the recurring run" in text
-    assert "hunter2" not in text and "pw@" not in text
+    assert "HTTP 403 Forbidden" in text and "creating the recurring run" in text and "KFP at http://kfp:8888" in text
+    assert "hunter2" not in text
 
 
-def test_an_unreachable_kfp_is_one_error_after_the_compile(tmp_path):
-    """The real kfp.Client (its constructor checks /healthz) against a port nothing listens on."""
+def _free_port() -> int:
     import socket
 
     with socket.socket() as s:  # a free port, closed again
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_kfp_is_one_error_after_the_compile(monkeypatch):
+    """The real kfp.Client (its constructor checks /healthz) against a port nothing listens on."""
+    port = _free_port()
     with pytest.raises(MoerlError) as err:
-        schedule.create_recurring_run(_cfg(), "@daily", host=f"http://user:pw@127.0.0.1:{port}")
-    assert f"KFP at http://***@127.0.0.1:{port}: connecting failed" in str(err.value)
-    assert "pw@" not in str(err.value)
+        schedule.create_recurring_run(_cfg(), "@daily", host=f"http://127.0.0.1:{port}")
+    assert f"KFP at http://127.0.0.1:{port}: connecting failed" in str(err.value)
+    # an address from $KF_PIPELINES_ENDPOINT is not refused, but never printed with its password
+    monkeypatch.setenv("KF_PIPELINES_ENDPOINT", f"http://user:pw@127.0.0.1:{port}")
+    with pytest.raises(MoerlError) as err:
+        schedule.submit(_cfg())
+    assert "KFP at $KF_PIPELINES_ENDPOINT: connecting failed" in str(err.value) and "pw" not in str(err.value)
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: schedule.create_recurring_run(_cfg(), "@daily", host="http://alice:s3cret@kfp:8888", client=c),
+    lambda c: schedule.submit(_cfg(), host="alice:s3cret@kfp:8888", client=c),  # no scheme: kfp adds https://
+])
+def test_a_host_with_credentials_is_refused_before_any_compile_or_client_call(call, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(schedule, "_compile", lambda cfg, out: compiled.append(out))
+    fake = FakeKfp()
+    with pytest.raises(ConfigError, match="^--host: the KFP address must not carry user:password@") as err:
+        call(fake)
+    assert "s3cret" not in str(err.value) and fake.calls == [] and compiled == []
+    with pytest.raises(ConfigError, match="^--argo-host: "):
+        schedule.cron_workflow(_cfg(), "@daily", host="http://alice:s3cret@ml-pipeline.kubeflow:8888")
+
+
+class _KfpApi:
+    """A local HTTP server answering kfp.Client's /healthz, recording each request's
+    Authorization header (what a multi-user KFP's auth proxy would check)."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        seen = self.authorization = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append(self.headers.get("Authorization"))
+                body = b'{"multi_user": false}'
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_projected_kfp_token_is_sent_with_an_explicit_host(tmp_path, monkeypatch):
+    """With --host, kfp.Client alone never reads the service-account token; moerl passes it,
+    read from kfp's own token path (here redirected by kfp's KF_PIPELINES_SA_TOKEN_PATH)."""
+    import kfp.client
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no kfp context file of the developer's
+    monkeypatch.delenv("KF_PIPELINES_ENDPOINT", raising=False)
+    token = tmp_path / "token"
+    monkeypatch.setenv(kfp.client.KF_PIPELINES_SA_TOKEN_ENV, str(token))
+    api = _KfpApi()
+    try:
+        schedule._kfp_client(api.host, None)  # no token file: kfp.Client's chain as it is
+        assert api.authorization == [None]
+        token.write_text("projected-token-1")
+        client = schedule._kfp_client(api.host, None)
+        assert api.authorization[-1] == "Bearer projected-token-1"
+        token.write_text("projected-token-2")  # the kubelet rotates it: read again per request
+        client.get_kfp_healthz()
+        assert api.authorization[-1] == "Bearer projected-token-2"
+    finally:
+        api.close()
 
 
 def test_submit_creates_one_run_and_waits_for_it(capsys):
@@ -379,13 +457,17 @@ def test_cli_writes_only_the_cron_workflow_with_no_kfp(tmp_path, capsys):
      "cron: field 3 (hour) must be 0-23, got '25'"),  # the cron is checked before the file is read
     (["schedule", "missing.yaml", "--cron", "@daily", "--no-kfp"], "--no-kfp: nothing to do without --argo-out"),
     (["schedule", "missing.yaml", "--cron", "@daily", "--timezone", "Bad/Zone"], "not an IANA time zone"),
+    (["schedule", "missing.yaml", "--cron", "@daily", "--host", "http://u:pw@kfp:8080"], "--host: "),
+    (["schedule", "missing.yaml", "--cron", "@daily", "--no-kfp", "--argo-out", "x.yaml",
+      "--argo-host", "http://u:pw@ml-pipeline.kubeflow:8888"], "--argo-host: "),
+    (["submit", "missing.yaml", "--host", "https://u:pw@kfp.example"], "--host: "),
 ])
 def test_cli_refusals(argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = _parser().parse_args(argv)
     with pytest.raises(ConfigError) as err:
         args.func(args)
-    assert message in str(err.value)
+    assert message in str(err.value) and "pw" not in str(err.value)
     assert not (tmp_path / "x.yaml").exists()
 
 

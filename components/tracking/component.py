@@ -76,7 +76,9 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     succeed, mark the MLflow run FAILED with the failing task's message, so no failed run stays
     RUNNING forever. An exit task cannot consume another task's output, so the MLflow run is
     `run_id` when the caller pre-created it, else the one `start_run` tagged with
-    `kfp_run_id`. Returns the MLflow run's final status ("" when no run was started)."""
+    `kfp_run_id`. With `cluster.launch.mode: kubernetes` it first deletes any workload the run
+    launched and left behind (labelled with the run id). Returns the MLflow run's final status
+    ("" when no run was started)."""
     from moerl.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
@@ -84,6 +86,24 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
-    return tracking.close_run(tracking.resolve_uri(cfg.tracking), cfg.tracking.experiment, run_id, kfp_run_id,
-                              succeeded=status.state == "SUCCEEDED",
-                              error=f"{status.pipeline_task_name}: {status.error_message or status.state}")
+    uri = tracking.resolve_uri(cfg.tracking)
+    run_id = run_id or tracking.find_kfp_run(uri, cfg.tracking.experiment, kfp_run_id) or ""
+    sweep_error = None
+    if run_id and cfg.cluster.launch.mode == "kubernetes":
+        # the backstop for launched GPU workloads whose launcher died before deleting them
+        from moerl.launch.task import sweep
+        from moerl.errors import MoerlError
+
+        try:
+            swept = sweep(run_id, cfg.cluster.launch.namespace)
+            if swept:
+                print(f"[moerl] close_run: deleted launched workloads left behind: {', '.join(swept)}", flush=True)
+        except MoerlError as err:  # close the run first; then fail this task, so the leak shows in the UI
+            sweep_error = err
+    final = tracking.close_run(uri, cfg.tracking.experiment, run_id, kfp_run_id,
+                               succeeded=status.state == "SUCCEEDED" and sweep_error is None,
+                               error=f"{status.pipeline_task_name}: {status.error_message or status.state}"
+                               if sweep_error is None else f"close_run: {sweep_error}")
+    if sweep_error is not None:
+        raise sweep_error
+    return final

@@ -8,10 +8,11 @@ worker) with those resources, watches it, deletes it on every way out, and bring
 back. See docs/launch.md.
 
 - `objects`: the TrainJob / Pod / JobSet builders (pure).
+- `state`: how a workload is doing, read from its API objects (pure).
 - `watch`: create, poll and delete through the kubernetes client.
 - `exchange`: the S3 prefix between the task and its pod.
 - `remote`: the launched pod's entry point, `python -m moerl.launch.remote <spec-uri>`.
-- `task`: `run_remote`, the task side.
+- `task`: `run_remote`, the task side; `sweep`, what the pipeline's exit task deletes.
 """
 
 from __future__ import annotations

@@ -137,8 +137,10 @@ def _owner(owner: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: list[dict[str, Any]],
-             stage: str = "policy_update", owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A TrainJob running `command` on `cluster.launch.trainer_nodes` trainer nodes."""
+             stage: str = "policy_update", owner: dict[str, Any] | None = None,
+             service_account: str | None = None) -> dict[str, Any]:
+    """A TrainJob running `command` on `cluster.launch.trainer_nodes` trainer nodes.
+    `service_account`: its pods' (default `cluster.launch.service_account`; none: the namespace's)."""
     la, group = cfg.cluster.launch, cfg.cluster.groups.trainer
     meta = labels(run_id, stage, name)
     volumes, mounts = _volumes(cfg, group)
@@ -148,8 +150,8 @@ def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: li
         "volumes": volumes,
         "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": mounts, "securityContext": _security()}],
     }
-    if la.service_account:
-        pod_spec["serviceAccountName"] = la.service_account
+    if sa := service_account or la.service_account:
+        pod_spec["serviceAccountName"] = sa
     patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
         "metadata": {"labels": dict(meta)},
         "spec": {"replicatedJobs": [{"name": TRAINER_CONTAINER, "template": {"spec": {"template": {
@@ -179,7 +181,8 @@ def grace_seconds(cfg: RunConfig) -> int:
     return int(math.ceil(cfg.rollout.grace_seconds)) + GRACE_MARGIN_S
 
 
-def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, Any]], restart: str) -> dict[str, Any]:
+def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, Any]], restart: str,
+                      service_account: str | None) -> dict[str, Any]:
     la, group = cfg.cluster.launch, cfg.cluster.groups.rollout
     volumes, mounts = _volumes(cfg, group)
     spec: dict[str, Any] = {
@@ -197,17 +200,17 @@ def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, An
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
     }
-    if la.service_account:
-        spec["serviceAccountName"] = la.service_account
+    if sa := service_account or la.service_account:
+        spec["serviceAccountName"] = sa
     return spec
 
 
 def rollout_pod(cfg: RunConfig, run_id: str, worker: str, command: list[str], env: list[dict[str, Any]],
                 stage: str = "rollout_worker", name: str | None = None,
-                owner: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One rollout worker `worker` (e.g. rollout-3) as a Pod."""
+                owner: dict[str, Any] | None = None, service_account: str | None = None) -> dict[str, Any]:
+    """One rollout worker `worker` (e.g. rollout-3) as a Pod (`service_account` as in `trainjob`)."""
     name = name or workload_name(stage, run_id, extra=worker)
-    spec = _rollout_pod_spec(cfg, command, env, "Never")
+    spec = _rollout_pod_spec(cfg, command, env, "Never", service_account)
     spec["activeDeadlineSeconds"] = cfg.cluster.groups.rollout.timeout_s
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels(run_id, stage, name), **_owner(owner)}, "spec": spec}
@@ -221,7 +224,7 @@ def rollout_group_name(stage: str, run_id: str, worker: str, nodes: int, suffix:
 
 def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], env: list[dict[str, Any]],
                   stage: str = "rollout_worker", name: str | None = None,
-                  owner: dict[str, Any] | None = None) -> dict[str, Any]:
+                  owner: dict[str, Any] | None = None, service_account: str | None = None) -> dict[str, Any]:
     """One rollout worker spanning `cluster.launch.rollout_nodes_per_worker` nodes, as a JobSet.
 
     Every pod gets MOERL_NODE_RANK (leader 0, workers 1..N-1 from their completion index),
@@ -236,7 +239,7 @@ def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], 
                  {"name": ENV_LEADER, "value": f"{name}-leader-0-0.{name}"}]
 
     def job(role: str, count: int, rank_env: dict[str, Any]) -> dict[str, Any]:
-        spec = _rollout_pod_spec(cfg, command, [*group_env, rank_env], "Never")
+        spec = _rollout_pod_spec(cfg, command, [*group_env, rank_env], "Never", service_account)
         job_spec: dict[str, Any] = {"parallelism": count, "completions": count, "backoffLimit": 0,
                                     "activeDeadlineSeconds": cfg.cluster.groups.rollout.timeout_s,
                                     "template": {"metadata": {"labels": dict(meta)}, "spec": spec}}

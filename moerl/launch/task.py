@@ -10,9 +10,14 @@ return the stage's value; (6) delete the exchange prefix, whatever happened (a f
 inputs can be a whole trainer state, and a KFP retry uploads them again under a new key).
 
 What the launched pods get besides the stage: the non-secret environment the task itself was
-given for MLflow and AWS (`PASS_ENV`), the Secrets named in `cluster.mlflow_secret` and
-`cluster.valkey_secret` as secretKeyRef variables (never their values), and the service
-account `cluster.launch.service_account` (IRSA: their S3 access).
+given for MLflow and AWS (`PASS_ENV`; an MLFLOW_TRACKING_URI with credentials in it loses them,
+or is left out when it cannot do without them), the Secrets named in `cluster.mlflow_secret`
+and `cluster.valkey_secret` as secretKeyRef variables (never their values), and a service
+account (IRSA: their S3 access): `cluster.launch.service_account`, else the task's own
+($MOERL_SERVICE_ACCOUNT, set by pipelines/eks.py) when they share its namespace.
+
+`sweep(run_id)` deletes whatever a run's launcher tasks left behind (a task killed without its
+cleanup, in a namespace its owner reference cannot reach); the pipeline's exit task calls it.
 
 Limitations: needs an s3:// `checkpoint.uri` (the exchange). Refuses
 `cluster.launch.trainer_nodes` > 1 and `rollout_nodes_per_worker` > 1: the objects for them
@@ -22,23 +27,29 @@ do not yet join ranks across nodes, so every node would run the whole stage on i
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import CheckpointError, ConfigError
 from moerl.launch import objects
 from moerl.launch.exchange import RESULT, SPEC, Exchange, exchange_uri
 from moerl.launch.remote import STAGES
-from moerl.launch.watch import KubeApi, Launcher, LaunchError, connect, own_pod_owner, resolve_namespace, workload
+from moerl.launch.watch import (ENV_SERVICE_ACCOUNT, KINDS, PENDING_TIMEOUT_S, KubeApi, Launcher, LaunchError, connect,
+                                delete_retrying, own_namespace, own_pod_owner, resolve_namespace, short_error,
+                                workload)
 
 log = logging.getLogger(__name__)
 
 # Environment the task passes on to the pods it launches: where MLflow is, which AWS region.
-# Never credentials: the pods get those from their own service account (IRSA) and Secrets.
+# Never credentials (MLFLOW_TRACKING_URI goes through `tracking_uri_env`): the pods get those
+# from their own service account (IRSA) and Secrets.
 PASS_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION")
 ASYNC_STAGES = frozenset({"async_trainer", "rollout_worker"})  # the ones that talk to Valkey
 # The task's own deadline (set_timeout, the GPU group's timeout_s, pipelines/eks.py) counts from
@@ -74,12 +85,33 @@ def check_launchable(cfg: RunConfig, stage: str) -> None:
                           "engine runs on one node (no multi-node join yet); set 1")
 
 
+def tracking_uri_env(uri: str) -> str | None:
+    """$MLFLOW_TRACKING_URI as a launched pod may get it: without `user:password@` (an http(s)
+    server's credentials reach the pod from `cluster.mlflow_secret`); None for another scheme
+    that carries them (a database URI cannot work without its password, which never goes into
+    an object)."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    if parts.scheme in ("http", "https"):
+        return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return None
+
+
 def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The launched container's environment (see the module docstring); Secrets as the
     compiled tasks get them (pipelines/eks.py): optional, Valkey's only for the async stages."""
     environ = os.environ if environ is None else environ
     env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
-    env += [{"name": k, "value": environ[k]} for k in PASS_ENV if environ.get(k)]
+    for k in PASS_ENV:
+        value = environ.get(k)
+        if value and k == "MLFLOW_TRACKING_URI":
+            value = tracking_uri_env(value)
+            if value is None:
+                log.warning("not passing MLFLOW_TRACKING_URI to the launched pods: it carries credentials; "
+                            "they use tracking.uri from the config")
+        if value:
+            env.append({"name": k, "value": value})
     secrets = [(cfg.cluster.mlflow_secret, ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"))]
     if stage in ASYNC_STAGES:
         secrets.append((cfg.cluster.valkey_secret, ("VALKEY_PASSWORD",)))
@@ -88,6 +120,23 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
             env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k, "optional": True}}}
                     for k in keys]
     return env
+
+
+def launch_service_account(cfg: RunConfig, namespace: str, environ: dict[str, str] | None = None) -> str | None:
+    """The launched pods' service account: `cluster.launch.service_account`, else the task's
+    own ($MOERL_SERVICE_ACCOUNT) when they run in the task's namespace (an account exists in
+    one namespace only). Else None, with a warning: the namespace's `default` account usually
+    has no S3 access, so the stage would fail late, at its first S3 request."""
+    environ = os.environ if environ is None else environ
+    if cfg.cluster.launch.service_account:
+        return cfg.cluster.launch.service_account
+    own = environ.get(ENV_SERVICE_ACCOUNT)
+    if own and own_namespace(environ) == namespace:
+        return own
+    log.warning("the launched pods get namespace %s's default service account: cluster.launch.service_account is "
+                "unset and %s", namespace, f"the task's own ({own}) is in another namespace" if own else
+                f"${ENV_SERVICE_ACCOUNT} is not set; set cluster.launch.service_account to one with S3 access")
+    return None
 
 
 def remote_command(cfg: RunConfig, spec_uri: str) -> list[str]:
@@ -100,12 +149,14 @@ def remote_command(cfg: RunConfig, spec_uri: str) -> list[str]:
 
 
 def build(cfg: RunConfig, stage: str, run_id: str, name: str, command: list[str], worker: str | None,
-          owner: dict[str, Any] | None) -> dict[str, Any]:
+          owner: dict[str, Any] | None, service_account: str | None = None) -> dict[str, Any]:
     """The object that runs `stage`: a TrainJob for the trainer group, a Pod for rollout."""
     env = launch_env(cfg, stage)
     if STAGES[stage].group == "trainer":
-        return objects.trainjob(cfg, run_id, name, command, env, stage=stage, owner=owner)
-    return objects.rollout_pod(cfg, run_id, worker or "rollout", command, env, stage=stage, name=name, owner=owner)
+        return objects.trainjob(cfg, run_id, name, command, env, stage=stage, owner=owner,
+                                service_account=service_account)
+    return objects.rollout_pod(cfg, run_id, worker or "rollout", command, env, stage=stage, name=name, owner=owner,
+                               service_account=service_account)
 
 
 def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] | None = None,
@@ -138,10 +189,11 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
                              "inputs": descs, "outputs": sorted(outputs)})
         # 3-4. launch, watch, delete
         body = build(cfg, stage, run_id, name, remote_command(cfg, f"{ex.uri}/{SPEC}"), worker,
-                     own_pod_owner(namespace))
+                     own_pod_owner(namespace), launch_service_account(cfg, namespace))
         if launcher is None:  # the time left of the task's deadline, less the margin for cleanup
             left = group.timeout_s - CLEANUP_MARGIN_S - (time.monotonic() - t_start)
-            launcher = Launcher(la.poll_s, max(left, la.poll_s))
+            launcher = Launcher(la.poll_s, max(left, la.poll_s),
+                                pending_timeout_s=getattr(la, "pending_timeout_s", PENDING_TIMEOUT_S))
         launcher.run([workload(api or connect(), namespace, body)])
         # 5. outputs and value
         result = ex.read_json(RESULT)
@@ -159,3 +211,62 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
             log.info("deleted %d exchange objects under %s", ex.clear(), ex.uri)
         except CheckpointError as e:
             log.warning("could not delete the exchange %s: %s", ex.uri, e)
+
+
+# ----------------------------------------------------------------------- the exit task's sweep
+
+def _list(api: KubeApi, namespace: str, kind: str, selector: str) -> list[dict[str, Any]]:
+    if kind == "Pod":
+        resp = api.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+    else:
+        g, v, p = KINDS[kind].api_ref  # type: ignore[attr-defined]
+        resp = api.custom.list_namespaced_custom_object(g, v, namespace, p, label_selector=selector,
+                                                        _preload_content=False)
+    return json.loads(resp.data).get("items", [])
+
+
+def _controlled(obj: dict[str, Any]) -> bool:
+    """Made by a controller (a TrainJob's JobSet, a Job's pod): it goes when its owner goes,
+    and deleting it alone would only have the controller make it again."""
+    return any(o.get("controller") for o in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+def sweep(run_id: str, namespace: str | None = None, api: KubeApi | None = None,
+          sleep: Callable[[float], None] = time.sleep) -> list[str]:
+    """Delete every TrainJob, JobSet and Pod that moerl's launcher created for `run_id` in
+    `namespace` (default: the task's own), found by the labels `moerl.ai/run-id` and
+    `app.kubernetes.io/managed-by=moerl`; objects a controller made (the pods of a TrainJob)
+    go with their owner. Returns "<Kind> <namespace>/<name>" of each one deleted. Deletes are
+    retried as in the launcher's cleanup; an API that is not installed (404 on the list) has
+    nothing to sweep. Raises LaunchError, after trying everything, if something could not be
+    listed or deleted."""
+    if not objects.label_value(run_id):
+        raise LaunchError(f"sweep needs a run id (got {run_id!r}): an empty one would match nothing, or every run")
+    ns = resolve_namespace(namespace)
+    api = api or connect()
+    selector = f"{objects.LABEL_RUN}={objects.label_value(run_id)},{objects.LABEL_MANAGED}=moerl"
+    deleted: list[str] = []
+    problems: list[str] = []
+    for kind in ("TrainJob", "JobSet", "Pod"):  # owners first: their children go with them
+        try:
+            items = _list(api, ns, kind, selector)
+        except Exception as e:  # noqa: BLE001 (sweep the other kinds; reported at the end)
+            if getattr(e, "status", None) == 404:
+                continue  # the API is not installed: nothing of that kind to sweep
+            problems.append(f"listing {kind}s: {short_error(e)}")
+            continue
+        for item in items:
+            if _controlled(item):
+                continue
+            w = KINDS[kind](api, ns, item)
+            try:
+                if delete_retrying(w, sleep):
+                    deleted.append(str(w))
+                    log.info("swept %s", w)
+            except Exception as e:  # noqa: BLE001 (keep sweeping; reported at the end)
+                problems.append(f"deleting {w}: {short_error(e)}")
+    if problems:
+        raise LaunchError(f"sweeping run {run_id} in {ns}: " + "; ".join(problems)
+                          + (f" (deleted {', '.join(deleted)})" if deleted else ""))
+    return deleted
+

@@ -2,29 +2,26 @@
 
 `Launcher.run(workloads)`: (1) create each object; if one create fails, delete those already
 created and raise; (2) poll every `cluster.launch.poll_s` until all have succeeded, one has
-failed, one has disappeared (deleted under us: HTTP 404), or the timeout passes; (3) on every
-way out (success, failure, exception, or SIGTERM to the task, turned into an exception by
-`moerl.procs.sigterm_raises`) delete everything it created, propagationPolicy Background, each
-object once (a 404 on delete counts as deleted). Failures raise `LaunchError` subclasses whose
-message names the object and the reason.
-
-How "done" is read:
-- TrainJob: condition `Complete` or `Failed` (with its reason and message).
-- JobSet: condition `Completed` or `Failed`.
-- Pod: phase Succeeded / Failed, with the container's terminated reason, exit code and message
-  (the stage's one-line error, see `moerl.launch.remote`); a container stuck in
-  CreateContainerConfigError or InvalidImageName fails at once, in ImagePullBackOff after
-  `PULL_BACKOFF_S`.
-A failed TrainJob or JobSet is explained by its failed pods (found by `moerl.ai/workload`).
+failed, one has disappeared (deleted under us: HTTP 404), one has had no pod running for
+`pending_timeout_s` since it was created, or the timeout passes; (3) on every way out
+(success, failure, exception, or SIGTERM to the task, turned into an exception by
+`moerl.procs.sigterm_raises`) delete everything it created, propagationPolicy Background
+(`delete_retrying`: a 404 counts as deleted; no answer, 5xx, 409 and 429 are retried
+`DELETE_TRIES` times with backoff, about 30 s in all). Failures raise `LaunchError`
+subclasses whose message names the object and the reason. How "done", "failed" and "started"
+are read from the objects: `moerl.launch.state`.
 
 The API objects are injected (`KubeApi`): `connect()` builds them from the in-cluster service
 account or, outside a cluster, from kubeconfig; tests replay recorded API responses through the
 real client.
 
-Limitations: polling, not a watch stream (one GET per object per poll; fine for a handful of
-objects per task). Deletion is requested, not awaited: pods terminate in the background within
-their grace period. An owner reference to the task's own pod (`own_pod_owner`) lets the garbage
-collector remove what a SIGKILLed task could not; it needs the objects in the task's namespace.
+Limitations: polling, not a watch stream (one GET per object per poll, plus one pod LIST per
+TrainJob/JobSet that has not ended; fine for a handful of objects per task). Deletion is
+requested, not awaited: pods terminate in the background within their grace period. An owner
+reference to the task's own pod (`own_pod_owner`) lets the garbage collector remove what a
+SIGKILLed task could not; it needs the objects in the task's namespace. What even that misses
+(a workload in another namespace) is left to `moerl.launch.task.sweep`, run by the pipeline's
+exit task.
 """
 
 from __future__ import annotations
@@ -44,14 +41,19 @@ from kubernetes.client.exceptions import ApiException
 from moerl import procs
 from moerl.errors import MoerlError
 from moerl.launch.objects import JOBSET_API, LABEL_WORKLOAD, TRAINJOB_API
+from moerl.launch.state import State, condition_state, container_failure, pod_state, pods_state
 
 log = logging.getLogger(__name__)
 
 SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-PULL_BACKOFF_S = 600.0
-_FATAL_WAITING = {"CreateContainerConfigError", "InvalidImageName", "ErrImageNeverPull", "CreateContainerError"}
-_PULL_WAITING = {"ImagePullBackOff", "ErrImagePull"}
+# Set on a launcher task by pipelines/eks.py (downward API): KFP itself gives its executor
+# container only KFP_POD_NAME and KFP_POD_UID.
+ENV_POD_NAMESPACE, ENV_SERVICE_ACCOUNT = "MOERL_POD_NAMESPACE", "MOERL_SERVICE_ACCOUNT"
 MAX_API_ERRORS = 5  # consecutive failed polls (API server restarts, throttling) before giving up
+# A workload none of whose pods has left phase Pending this long after its creation fails
+# (unschedulable, stuck in ContainerCreating, or no pods at all).
+PENDING_TIMEOUT_S = 1800.0
+DELETE_TRIES, DELETE_BACKOFF_S = 5, 2.0  # waits of 2, 4, 8, 16 s between the tries: 30 s
 
 
 class LaunchError(MoerlError):
@@ -60,6 +62,10 @@ class LaunchError(MoerlError):
 
 class WorkloadFailed(LaunchError):
     """The workload ended in failure."""
+
+
+class WorkloadPending(WorkloadFailed):
+    """No pod of the workload started running within the pending timeout."""
 
 
 class WorkloadDeleted(LaunchError):
@@ -117,23 +123,29 @@ def resolve_namespace(configured: str | None, sa_file: str = SA_NAMESPACE) -> st
     return ns
 
 
-def own_pod_owner(namespace: str, env: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """An ownerReference to the KFP task's own pod (KFP sets KFP_POD_NAME/KFP_POD_UID/
-    KFP_NAMESPACE in executor containers), if the workload lives in the same namespace: owner
-    references never cross namespaces."""
+def own_namespace(env: dict[str, str] | None = None, sa_file: str = SA_NAMESPACE) -> str | None:
+    """The task pod's namespace: $MOERL_POD_NAMESPACE, else its service account's namespace
+    file (a pod's service account is always in the pod's namespace); None outside a pod."""
     env = os.environ if env is None else env
-    name, uid, ns = env.get("KFP_POD_NAME"), env.get("KFP_POD_UID"), env.get("KFP_NAMESPACE")
-    if not (name and uid and ns == namespace):
+    if env.get(ENV_POD_NAMESPACE):
+        return env[ENV_POD_NAMESPACE]
+    try:
+        return Path(sa_file).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def own_pod_owner(namespace: str, env: dict[str, str] | None = None,
+                  sa_file: str = SA_NAMESPACE) -> dict[str, Any] | None:
+    """An ownerReference to the KFP task's own pod (KFP_POD_NAME / KFP_POD_UID, which KFP sets
+    in every executor container), if the workload lives in that pod's namespace (`own_namespace`):
+    owner references never cross namespaces."""
+    env = os.environ if env is None else env
+    name, uid = env.get("KFP_POD_NAME"), env.get("KFP_POD_UID")
+    if not (name and uid and own_namespace(env, sa_file) == namespace):
         return None
     return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False,
             "controller": False}
-
-
-@dataclass(frozen=True)
-class State:
-    done: bool = False
-    failed: str | None = None  # the reason, when failed
-    summary: str = ""  # a short description of the current state, for logs and timeouts
 
 
 def _api_status(e: BaseException) -> int | None:
@@ -141,55 +153,10 @@ def _api_status(e: BaseException) -> int | None:
     return e.status if isinstance(e, ApiException) else None
 
 
-def _container_failure(pod: dict[str, Any]) -> str | None:
-    statuses = pod.get("status", {}).get("containerStatuses") or []
-    for cs in statuses:
-        term = (cs.get("state") or {}).get("terminated") or {}
-        if term and term.get("exitCode", 0) != 0:
-            msg = (term.get("message") or "").strip()
-            return (f"container {cs.get('name')} {term.get('reason', 'terminated')} (exit code "
-                    f"{term.get('exitCode')})" + (f": {msg[-1000:]}" if msg else ""))
-    return None
-
-
-def pod_state(pod: dict[str, Any], now: float, first_pull_error: dict[str, float]) -> State:
-    """Done/failed from a Pod object (camelCase dict). `first_pull_error` remembers since when
-    a container has failed to pull its image (keyed by pod name)."""
-    name, status = pod["metadata"]["name"], pod.get("status", {})
-    phase = status.get("phase", "Pending")
-    if phase == "Succeeded":
-        return State(done=True, summary=phase)
-    if phase == "Failed":
-        why = _container_failure(pod) or ": ".join(x for x in (status.get("reason"), status.get("message")) if x)
-        return State(failed=why or "phase Failed", summary=phase)
-    for cs in status.get("containerStatuses") or []:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        reason = waiting.get("reason")
-        detail = f"container {cs.get('name')} {reason}: {waiting.get('message', '')}".rstrip(": ")
-        if reason in _FATAL_WAITING:
-            return State(failed=detail, summary=phase)
-        if reason in _PULL_WAITING:
-            since = first_pull_error.setdefault(name, now)
-            if now - since >= PULL_BACKOFF_S:
-                return State(failed=f"{detail} for {now - since:.0f} s", summary=phase)
-            return State(summary=f"{phase}: {detail}")
-    first_pull_error.pop(name, None)
-    unscheduled = next((c for c in status.get("conditions") or []
-                        if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
-    if unscheduled:
-        return State(summary=f"{phase}: {unscheduled.get('reason')}: {unscheduled.get('message', '')}")
-    return State(summary=phase)
-
-
-def condition_state(obj: dict[str, Any], success: str) -> State:
-    """Done/failed from `status.conditions` (TrainJob: Complete/Failed; JobSet: Completed/Failed)."""
-    conds = {c.get("type"): c for c in obj.get("status", {}).get("conditions") or [] if c.get("status") == "True"}
-    if "Failed" in conds:
-        c = conds["Failed"]
-        return State(failed=f"{c.get('reason', 'Failed')}: {c.get('message', '')}".rstrip(": "), summary="Failed")
-    if success in conds:
-        return State(done=True, summary=success)
-    return State(summary=", ".join(sorted(conds)) or "no conditions yet")
+def _retryable(e: BaseException) -> bool:
+    """Worth another try: no answer, a server error, a conflict, throttling. Not 403 and the like."""
+    status = _api_status(e)
+    return status is None or status >= 500 or status in (409, 429)
 
 
 class Workload(ABC):
@@ -200,6 +167,7 @@ class Workload(ABC):
     def __init__(self, api: KubeApi, namespace: str, body: dict[str, Any]) -> None:
         self.api, self.namespace, self.body = api, namespace, body
         self.name: str = body["metadata"]["name"]
+        self._pull_errors: dict[str, float] = {}  # pod name -> when its image pull first failed
 
     def __str__(self) -> str:
         return f"{self.kind} {self.namespace}/{self.name}"
@@ -211,7 +179,7 @@ class Workload(ABC):
     @abstractmethod
     def _delete(self) -> None: ...
     @abstractmethod
-    def state(self, obj: dict[str, Any], now: float) -> State: ...
+    def poll(self, now: float) -> State: ...  # read it (and its pods); raises as `read`
 
     def delete(self) -> bool:
         """Delete in the background; False when it was already gone."""
@@ -223,25 +191,15 @@ class Workload(ABC):
             raise
         return True
 
-    def explain(self) -> str:
-        """Why a failed object failed, from its pods (TrainJob/JobSet); '' when unknown."""
-        try:
-            pods = self.api.core.list_namespaced_pod(self.namespace, label_selector=f"{LABEL_WORKLOAD}={self.name}",
-                                                     _preload_content=False)
-            items = json.loads(pods.data).get("items", [])
-        except Exception as e:  # noqa: BLE001 (an explanation is best effort; the failure is already known)
-            log.warning("could not list the pods of %s: %s", self, e)
-            return ""
-        found = [f"pod {p['metadata']['name']}: {why}" for p in items if (why := _container_failure(p))]
-        return "; ".join(found[:3])
+    def pods(self) -> list[dict[str, Any]]:
+        """The pods labelled with this workload's name (a TrainJob's or JobSet's)."""
+        resp = self.api.core.list_namespaced_pod(self.namespace, label_selector=f"{LABEL_WORKLOAD}={self.name}",
+                                                 _preload_content=False)
+        return json.loads(resp.data).get("items", [])
 
 
 class PodWorkload(Workload):
     kind = "Pod"
-
-    def __init__(self, api: KubeApi, namespace: str, body: dict[str, Any]) -> None:
-        super().__init__(api, namespace, body)
-        self._pull_errors: dict[str, float] = {}
 
     def create(self) -> None:
         self.api.core.create_namespaced_pod(self.namespace, self.body, _preload_content=False)
@@ -253,15 +211,13 @@ class PodWorkload(Workload):
         self.api.core.delete_namespaced_pod(self.name, self.namespace, propagation_policy="Background",
                                             _preload_content=False)
 
-    def state(self, obj: dict[str, Any], now: float) -> State:
-        return pod_state(obj, now, self._pull_errors)
-
-    def explain(self) -> str:
-        return ""  # the pod's own state already says it
+    def poll(self, now: float) -> State:
+        return pod_state(self.read(), now, self._pull_errors)
 
 
 class CustomWorkload(Workload):
-    """A namespaced custom resource whose conditions say how it ended."""
+    """A namespaced custom resource whose conditions say how it ended, and whose pods say
+    whether it can start."""
 
     api_ref: tuple[str, str, str]  # group, version, plural
     success: str
@@ -280,8 +236,25 @@ class CustomWorkload(Workload):
         self.api.custom.delete_namespaced_custom_object(g, v, self.namespace, p, self.name,
                                                         propagation_policy="Background", _preload_content=False)
 
-    def state(self, obj: dict[str, Any], now: float) -> State:
-        return condition_state(obj, self.success)
+    def poll(self, now: float) -> State:
+        cond = condition_state(self.read(), self.success)
+        if cond.failed:
+            detail = self._explain()
+            return State(failed=cond.failed + (f" ({detail})" if detail else ""), summary=cond.summary, started=True)
+        if cond.done:
+            return cond
+        pods = pods_state(self.pods(), now, self._pull_errors)
+        return State(failed=pods.failed, summary=f"{cond.summary}; {pods.summary}", started=pods.started)
+
+    def _explain(self) -> str:
+        """Why it failed, from its failed pods; '' when unknown."""
+        try:
+            items = self.pods()
+        except Exception as e:  # noqa: BLE001 (an explanation is best effort; the failure is already known)
+            log.warning("could not list the pods of %s: %s", self, e)
+            return ""
+        found = [f"pod {p['metadata']['name']}: {why}" for p in items if (why := container_failure(p))]
+        return "; ".join(found[:3])
 
 
 class TrainJobWorkload(CustomWorkload):
@@ -292,20 +265,43 @@ class JobSetWorkload(CustomWorkload):
     kind, api_ref, success = "JobSet", JOBSET_API, "Completed"
 
 
-_KINDS: dict[str, type[Workload]] = {"Pod": PodWorkload, "TrainJob": TrainJobWorkload, "JobSet": JobSetWorkload}
+KINDS: dict[str, type[Workload]] = {"Pod": PodWorkload, "TrainJob": TrainJobWorkload, "JobSet": JobSetWorkload}
 
 
 def workload(api: KubeApi, namespace: str, body: dict[str, Any]) -> Workload:
-    return _KINDS[body["kind"]](api, namespace, body)
+    return KINDS[body["kind"]](api, namespace, body)
+
+
+def delete_retrying(w: Workload, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """`w.delete()`, retried while the failure may pass (`_retryable`), `DELETE_TRIES` times
+    with doubling waits from `DELETE_BACKOFF_S`. True: deleted; False: already gone. Raises the
+    last error when it gives up."""
+    delay = DELETE_BACKOFF_S
+    for attempt in range(1, DELETE_TRIES + 1):
+        try:
+            return w.delete()
+        except procs.Terminated:
+            raise
+        except Exception as e:
+            if attempt == DELETE_TRIES or not _retryable(e):
+                raise
+            log.warning("deleting %s failed (%d/%d), retrying in %g s: %s", w, attempt, DELETE_TRIES, delay,
+                        short_error(e))
+        sleep(delay)
+        delay *= 2
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 class Launcher:
     """Creates, watches and deletes workloads; see the module docstring."""
 
     def __init__(self, poll_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, pending_timeout_s: float = PENDING_TIMEOUT_S) -> None:
         self.poll_s, self.timeout_s, self.clock, self.sleep = poll_s, timeout_s, clock, sleep
+        self.pending_timeout_s = pending_timeout_s
         self.created: list[Workload] = []
+        self._created_at: dict[int, float] = {}
+        self._started: set[int] = set()  # had a pod out of Pending once (its pods may go away later)
         self._deleted: set[int] = set()
 
     def run(self, workloads: list[Workload]) -> None:
@@ -334,23 +330,27 @@ class Launcher:
             hint = {403: f"; the task's service account needs create/get/delete on {w.kind}s in {w.namespace}",
                     404: f"; is the {w.kind} API installed on the cluster (Kubeflow Trainer v2 for TrainJob, "
                          "JobSet for JobSet) and the namespace there?"}.get(e.status, "")
-            raise LaunchError(f"creating {w} failed: {_short(e)}{hint}") from None
+            raise LaunchError(f"creating {w} failed: {short_error(e)}{hint}") from None
+        self._created_at[id(w)] = self.clock()
 
     def cleanup(self) -> None:
-        """Delete every created object not yet deleted. A SIGTERM meanwhile does not cut it
-        short (the delete is retried, later SIGTERMs are ignored); it is re-raised at the end."""
+        """Delete every created object not yet deleted (`delete_retrying`). A SIGTERM meanwhile
+        does not cut it short (the delete starts over, later SIGTERMs are ignored); it is
+        re-raised at the end."""
         interrupted: procs.Terminated | None = None
         for w in self.created:
             while id(w) not in self._deleted:
                 try:
-                    existed = w.delete()
-                    self._deleted.add(id(w))
-                    log.info("deleted %s" if existed else "%s was already gone", w)
+                    existed = delete_retrying(w, self.sleep)
                 except procs.Terminated as t:
                     interrupted = t
+                    continue
                 except Exception as e:  # noqa: BLE001 (keep deleting the others; the owner reference is the backstop)
-                    log.warning("could not delete %s: %s", w, e)
+                    log.warning("could not delete %s: %s; delete it by hand (kubectl delete %s -n %s %s)", w,
+                                short_error(e), w.kind.lower(), w.namespace, w.name)
                     break
+                self._deleted.add(id(w))
+                log.info("deleted %s" if existed else "%s was already gone", w)
         if interrupted is not None:
             raise interrupted
 
@@ -359,29 +359,33 @@ class Launcher:
         while pending:
             for w in list(pending):
                 try:
-                    obj = w.read()
+                    st = w.poll(self.clock())
                 except procs.Terminated:
                     raise
                 except Exception as e:
-                    status = _api_status(e)
-                    if status == 404:
+                    if _api_status(e) == 404:
                         raise WorkloadDeleted(f"{w} was deleted while it ran (last state: "
                                               f"{last.get(w.name, 'unknown')})") from None
                     errors += 1
                     if errors >= MAX_API_ERRORS:
-                        raise LaunchError(f"cannot read {w} ({MAX_API_ERRORS} tries in a row): {_short(e)}") from e
-                    log.warning("reading %s failed (%d/%d): %s", w, errors, MAX_API_ERRORS, _short(e))
+                        raise LaunchError(f"cannot read {w} ({MAX_API_ERRORS} tries in a row): {short_error(e)}") from e
+                    log.warning("reading %s failed (%d/%d): %s", w, errors, MAX_API_ERRORS, short_error(e))
                     continue
                 errors = 0
-                st = w.state(obj, self.clock())
                 if st.summary != last.get(w.name):
                     log.info("%s: %s", w, st.summary)
                 last[w.name] = st.summary
                 if st.failed:
-                    detail = w.explain()
-                    raise WorkloadFailed(f"{w} failed: {st.failed}" + (f" ({detail})" if detail else ""))
+                    raise WorkloadFailed(f"{w} failed: {st.failed}")
                 if st.done:
                     pending.remove(w)
+                    continue
+                if st.started:
+                    self._started.add(id(w))
+                waited = self.clock() - self._created_at.get(id(w), self.clock())
+                if id(w) not in self._started and waited >= self.pending_timeout_s:
+                    raise WorkloadPending(f"{w} failed: pending for {waited:.0f} s, no pod started running "
+                                          f"(last state: {st.summary}); deleted it")
             if not pending:
                 return
             if self.clock() >= deadline:
@@ -395,7 +399,7 @@ def _names(ws: list[Workload]) -> str:
     return ", ".join(str(w) for w in ws)
 
 
-def _short(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     """One line about a failed call: HTTP status, reason and the API server's message."""
     if isinstance(e, ApiException):
         try:
