@@ -441,6 +441,15 @@ class ClusterConfig(_Section):
         return v.rstrip("/")
 
 
+class RequireConfig(_Section):
+    """What the GPU stages (rollout, policy update) must find where they run; each stage checks
+    at its start and fails with what is missing, instead of taking a slower path silently."""
+
+    gpu: bool = False  # CUDA available to torch
+    deepep: bool = False  # `import deep_ep` works
+    efa: bool = False  # EFA devices visible and libfabric's efa provider present
+
+
 class RunConfig(_Section):
     """The whole run. Sections mirror the RL stages."""
 
@@ -456,6 +465,7 @@ class RunConfig(_Section):
     units: UnitsConfig = UnitsConfig()
     valkey: ValkeyConfig = ValkeyConfig()
     cluster: ClusterConfig = ClusterConfig()
+    require: RequireConfig = RequireConfig()
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":

@@ -32,3 +32,10 @@ class WeightSyncError(MoerlError):
 
 class TrainingError(MoerlError):
     """Training cannot go on (for example too many non-finite losses in a row)."""
+
+
+class RequirementError(MoerlError):
+    """A piece the config's `require:` block asks for (GPU, DeepEP, EFA) is missing where the
+    stage runs. Raised at the stage's start, before any work."""
+
+    exit_code = 2

@@ -3,6 +3,13 @@
 Versions are read from package metadata, so recording them does not import torch or vLLM.
 Absent parts are recorded as "absent", never skipped, so a missing DeepEP or NCCL shows up in
 MLflow instead of hiding.
+
+`runtime_probe` is what a GPU stage finds where it runs: torch, CUDA and NCCL, whether
+DeepEP imports, the NVSHMEM/libfabric/NCCL transport environment, the EFA devices visible
+(`/sys/class/infiniband`) and libfabric's efa provider (`fi_info -p efa`), plus the image's
+build-info (`/opt/moerl/build-info.json`, written when the image is built). `stage_start`
+records it on the MLflow run under `runtime.<stage>.*` and enforces the config's `require:`
+block: a required GPU, DeepEP or EFA that is missing fails the stage at once, naming it.
 """
 
 from __future__ import annotations
@@ -83,3 +90,113 @@ def collect(with_cuda: bool = False) -> dict[str, str]:
     tags["version.nccl"] = _nccl() if with_cuda else "not checked (cpu)"
     tags["version.libfabric"] = _libfabric()
     return tags
+
+
+BUILD_INFO = Path(os.environ.get("MOERL_BUILD_INFO", "/opt/moerl/build-info.json"))
+TRANSPORT_ENV = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_LIBFABRIC_PROVIDER", "NVSHMEM_NETDEVS_POLICY", "FI_PROVIDER",
+                 "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_USE_HUGE_PAGE", "NCCL_SOCKET_IFNAME", "NCCL_GIN_TYPE",
+                 "NVIDIA_GDRCOPY", "LD_PRELOAD")
+INFINIBAND = Path("/sys/class/infiniband")
+
+
+def build_info(path: Path | None = None) -> dict[str, str]:
+    """The image's build-info as flat `build.*` strings; `build.info: absent` outside an image."""
+    import json
+
+    path = path or BUILD_INFO
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"build.info": "absent"}
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, obj) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = str(obj)[:500]
+
+    walk("build", data)
+    return out
+
+
+def _deep_ep() -> str:
+    try:
+        import deep_ep  # noqa: F401 - the probe is whether it imports
+
+        return f"importable {_pkg('deep_ep') or _pkg('deep-ep') or ''}".strip()
+    except Exception as err:  # noqa: BLE001 - any import failure means "not usable here", recorded
+        return f"absent ({type(err).__name__}: {str(err)[:120]})"
+
+
+def _efa_devices(root: Path = INFINIBAND) -> list[str]:
+    try:
+        return sorted(p.name for p in root.iterdir())
+    except OSError:
+        return []
+
+
+def _efa_provider() -> str:
+    fi_info = shutil.which("fi_info")
+    if not fi_info:
+        return "absent (no fi_info)"
+    try:
+        r = subprocess.run([fi_info, "-p", "efa"], capture_output=True, text=True, timeout=20)
+        return "efa" if r.returncode == 0 and "provider: efa" in r.stdout else "absent"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def runtime_probe() -> dict[str, str]:
+    """What this process finds: `runtime.*` strings (see the module docstring). Imports torch."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    devices = _efa_devices()
+    probe = {
+        "runtime.torch": torch.__version__,
+        "runtime.torch_cuda": str(torch.version.cuda),
+        "runtime.cuda_available": str(cuda).lower(),
+        "runtime.gpus": str(torch.cuda.device_count() if cuda else 0),
+        "runtime.nccl": _nccl(),
+        "runtime.deep_ep": _deep_ep(),
+        "runtime.efa_devices": ",".join(devices) or "none",
+        "runtime.libfabric": _libfabric(),
+        "runtime.libfabric_efa_provider": _efa_provider(),
+    }
+    for name in TRANSPORT_ENV:
+        probe[f"runtime.env.{name}"] = os.environ.get(name, "unset")[:200]
+    return probe
+
+
+def missing_requirements(require, probe: dict[str, str]) -> list[str]:
+    """Each `require:` item the probe does not satisfy, as a message naming the key."""
+    missing = []
+    if require.gpu and probe["runtime.cuda_available"] != "true":
+        missing.append(f"require.gpu: CUDA is not available (torch {probe['runtime.torch']}, "
+                       f"built for CUDA {probe['runtime.torch_cuda']})")
+    if require.deepep and not probe["runtime.deep_ep"].startswith("importable"):
+        missing.append(f"require.deepep: DeepEP does not import: {probe['runtime.deep_ep']}")
+    if require.efa and (probe["runtime.efa_devices"] == "none" or probe["runtime.libfabric_efa_provider"] != "efa"):
+        missing.append(f"require.efa: EFA devices {probe['runtime.efa_devices']}, libfabric efa provider "
+                       f"{probe['runtime.libfabric_efa_provider']}; does the pod request vpc.amazonaws.com/efa?")
+    return missing
+
+
+def stage_start(cfg, stage: str, run_id: str = "") -> dict[str, str]:
+    """At a GPU stage's start: probe, record on the MLflow run (`runtime.<stage>.*`, and the
+    image's `build.*`), and raise RequirementError for what `require:` needs and is missing."""
+    from moerl.errors import RequirementError
+
+    probe = runtime_probe()
+    if run_id:
+        from moerl import tracking
+
+        tags = {f"runtime.{stage}.{k[len('runtime.'):]}": v for k, v in probe.items()}
+        tags.update({f"{k[:len('build')]}.{stage}{k[len('build'):]}": v for k, v in build_info().items()})
+        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, tags)
+    missing = missing_requirements(cfg.require, probe)
+    if missing:
+        raise RequirementError(f"{stage}: " + "; ".join(missing))
+    return probe

@@ -99,6 +99,12 @@ def _report(uri: str, shown: str, run_id: str, ok: bool, t0: float) -> float | N
 
 def preflight(cfg: RunConfig) -> None:
     """Everything that can be checked before work starts; raises a MoerlError naming the field."""
+    if cfg.require.gpu or cfg.require.deepep or cfg.require.efa:  # the stages run on this machine
+        from moerl.errors import RequirementError
+
+        missing = provenance.missing_requirements(cfg.require, provenance.runtime_probe())
+        if missing:
+            raise RequirementError("; ".join(missing))
     load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)

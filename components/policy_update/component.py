@@ -29,7 +29,7 @@ def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Arti
                           outputs={"state_out": state_out.path})
     from moerl.components.policy_update.trainer import run_policy_update
 
-    return run_policy_update(cfg, batch.path, state_in.path, state_out.path, iteration)
+    return run_policy_update(cfg, batch.path, state_in.path, state_out.path, iteration, run_id=run_id)
 
 
 def async_trainer(config_json: str, run_id: str) -> str:

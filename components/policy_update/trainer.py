@@ -134,7 +134,10 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
 
 
 def run_policy_update(cfg: RunConfig, batch_path: str | Path, state_in: str | Path, state_out: str | Path,
-                      iteration: int) -> dict[str, float]:
+                      iteration: int, run_id: str = "") -> dict[str, float]:
+    from moerl.provenance import stage_start
+
+    stage_start(cfg, "policy_update", run_id)  # records where it runs; enforces `require:`
     if cfg.trainer.expert_parallel_size > 1:
         from moerl.components.policy_update.launcher import run_expert_parallel
 

@@ -185,6 +185,9 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     from moerl.components.policy_update.trainer import _load_state
     from moerl.components.publish_checkpoint.stage import prepare_resume, run_publish
 
+    from moerl.provenance import stage_start
+
+    stage_start(cfg, CONSUMER, run_id)  # records where it runs; enforces `require:`
     bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     bus.ensure_groups()

@@ -21,7 +21,9 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
     from transformers import AutoTokenizer
 
     from moerl.components.rollout.engine import RolloutEngine
+    from moerl.provenance import stage_start
 
+    stage_start(cfg, "rollout", run_id)  # records where it runs; enforces `require:`
     t0 = time.perf_counter()
     # 1. prompts
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)

@@ -236,6 +236,9 @@ class RolloutWorker:
 
 def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
     """Serve rollout until the run is done (0) or a SIGTERM drain (EXIT_DRAINED)."""
+    from moerl.provenance import stage_start
+
+    stage_start(cfg, worker, run_id)  # records where it runs; enforces `require:`
     bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     w = RolloutWorker(cfg, run_id, worker, bus)

@@ -61,7 +61,8 @@ def _policy_update(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: di
                    outputs: dict[str, Path]) -> Any:
     from moerl.components.policy_update.trainer import run_policy_update
 
-    return run_policy_update(cfg, inputs["batch"], inputs["state_in"], outputs["state_out"], int(args["iteration"]))
+    return run_policy_update(cfg, inputs["batch"], inputs["state_in"], outputs["state_out"], int(args["iteration"]),
+                             run_id=run_id)
 
 
 def _async_trainer(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],

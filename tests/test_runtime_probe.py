@@ -1,0 +1,69 @@
+"""The runtime probe and the config's `require:` block: on this CPU machine the probe records
+what is absent (no CUDA, no DeepEP, no EFA) instead of skipping it, and a stage or a run that
+requires one of them fails at once, naming it, before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from moerl import provenance
+from moerl.config import RequireConfig, parse_config
+from moerl.errors import RequirementError
+
+PRESENT = {"runtime.torch": "2.11.0+cu130", "runtime.torch_cuda": "13.0", "runtime.cuda_available": "true",
+           "runtime.deep_ep": "importable 1.2.1", "runtime.efa_devices": "rdmap16s27,rdmap32s27",
+           "runtime.libfabric_efa_provider": "efa"}
+
+
+def test_the_probe_records_what_is_absent_here():
+    probe = provenance.runtime_probe()
+    assert probe["runtime.torch"].startswith("2.13.0")
+    assert probe["runtime.cuda_available"] == "false" and probe["runtime.gpus"] == "0"
+    assert probe["runtime.deep_ep"].startswith("absent (")  # not skipped: the reason is recorded
+    assert probe["runtime.efa_devices"] == ("none" if not provenance.INFINIBAND.exists() else probe["runtime.efa_devices"])
+    assert probe["runtime.env.NVSHMEM_REMOTE_TRANSPORT"] == os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "unset")
+
+
+@pytest.mark.parametrize("need,absent,needle", [
+    ("gpu", {"runtime.cuda_available": "false"}, "require.gpu: CUDA is not available"),
+    ("deepep", {"runtime.deep_ep": "absent (ModuleNotFoundError: No module named 'deep_ep')"},
+     "require.deepep: DeepEP does not import"),
+    ("efa", {"runtime.efa_devices": "none"}, "require.efa: EFA devices none"),
+    ("efa", {"runtime.libfabric_efa_provider": "absent"}, "libfabric efa provider absent"),
+])
+def test_each_requirement_fails_only_when_its_piece_is_missing(need, absent, needle):
+    require = RequireConfig(**{need: True})
+    assert provenance.missing_requirements(require, PRESENT) == []
+    (msg,) = provenance.missing_requirements(require, {**PRESENT, **absent})
+    assert needle in msg
+    assert provenance.missing_requirements(RequireConfig(), {**PRESENT, **absent}) == []  # not required: recorded only
+
+
+def test_build_info_is_flattened_and_absent_outside_an_image(tmp_path):
+    assert provenance.build_info(tmp_path / "none.json") == {"build.info": "absent"}
+    (tmp_path / "b.json").write_text(json.dumps({"moerl": {"git_sha": "abc"}, "components": {"nccl": "2.30.4"}}))
+    assert provenance.build_info(tmp_path / "b.json") == {"build.moerl.git_sha": "abc", "build.components.nccl": "2.30.4"}
+
+
+def test_a_stage_that_requires_a_gpu_fails_before_any_work():
+    from moerl.components.rollout.stage import run_rollout
+
+    cfg = parse_config({"require": {"gpu": True}})
+    with pytest.raises(RequirementError, match="rollout: require.gpu: CUDA is not available"):
+        run_rollout(cfg, "", None, 0, "/nonexistent/samples.jsonl")  # the policy is never touched
+
+
+def test_moerl_run_requiring_deepep_exits_2_before_any_work(tmp_path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"require": {"deepep": True}}))
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "require.deepep: DeepEP does not import" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "checkpoints").exists()
