@@ -17,10 +17,12 @@ Cron: the user gives one 6-field expression with leading seconds, as KFP takes i
 CronWorkflow gets the 5-field form (`moerl/cron.py`). A bad expression is a `ConfigError`
 naming the field, raised before anything is compiled or any client is made.
 
-Nothing secret: the KFP host's credentials come from the environment or the kube config
-(kfp.Client's own chain; in a pod, the projected service-account token); hosts are printed
-through `tracking.redact`, and the config written into a CronWorkflow has had its tracking
-credentials removed (`tracking.split_credentials`).
+Nothing secret: a `--host` / `--argo-host` with `user:password@` in it is refused. The KFP
+host's credentials come from the environment or the kube config (kfp.Client's own chain), and
+wherever the projected service-account token for KFP exists (a pod; kfp.Client's
+KF_PIPELINES_SA_TOKEN_PATH) it is used even with an explicit host, which kfp.Client alone
+would skip. Hosts are printed through `tracking.redact`, and the config written into a
+CronWorkflow has had its tracking credentials removed (`tracking.split_credentials`).
 
 Limitations: nothing here has run against a real KFP or Argo; the KFP calls are checked with an
 injected client and the CronWorkflow against Argo's published JSON schema (tests/data/argo).
@@ -31,12 +33,14 @@ CRON_SCHEDULE_TIMEZONE, UTC unless set), so `--timezone` applies to the CronWork
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -63,6 +67,14 @@ def _check_name(flag: str, name: str, max_len: int) -> str:
     return name
 
 
+def check_host(flag: str, host: str | None) -> None:
+    """Refuse a KFP address with credentials in it: it would be printed, stored in a
+    CronWorkflow, and sent nowhere useful (kfp.Client does not authenticate from it)."""
+    if host and "@" in urlsplit(host if "://" in host else f"//{host}").netloc:
+        raise ConfigError(f"{flag}: the KFP address must not carry user:password@ (got a URL with credentials); "
+                          "kfp.Client authenticates from the kube config or the service-account token")
+
+
 def _compile(cfg: RunConfig, out: Path) -> Path:
     from moerl.runner import compile_pipeline
 
@@ -86,11 +98,24 @@ def _kfp_failure(host: str | None, what: str, err: BaseException) -> MoerlError:
                       "--host and that your kube config or token may use the KFP API")
 
 
+def _kfp_token_credentials(host: str | None) -> Any:
+    """kfp.Client's projected-token credentials when there is a host (given or
+    $KF_PIPELINES_ENDPOINT) and the token file exists: with a host, kfp.Client's own chain
+    never reads it, so a pod's `moerl submit --host ...` would reach a multi-user KFP
+    unauthenticated. None otherwise (kfp.Client's chain as it is)."""
+    import kfp.client
+
+    token = os.environ.get(kfp.client.KF_PIPELINES_SA_TOKEN_ENV) or kfp.client.KF_PIPELINES_SA_TOKEN_PATH
+    if not (host or os.environ.get("KF_PIPELINES_ENDPOINT")) or not Path(token).is_file():
+        return None
+    return kfp.client.ServiceAccountTokenVolumeCredentials(path=None)  # the same env, then path
+
+
 def _kfp_client(host: str | None, namespace: str | None) -> Any:
     import kfp
 
     try:
-        return kfp.Client(host=host, namespace=namespace or "kubeflow")
+        return kfp.Client(host=host, namespace=namespace or "kubeflow", credentials=_kfp_token_credentials(host))
     except _kfp_errors() as err:
         raise _kfp_failure(host, "connecting", err) from None
 
@@ -113,6 +138,7 @@ def create_recurring_run(cfg: RunConfig, cron: str, *, host: str | None = None, 
     6-field `cron`; return its id. At most one run at a time, missed ticks not caught up,
     caching off. `client`: a kfp.Client-like object (default: kfp.Client(host, namespace))."""
     # 1. everything that can be refused, before anything is compiled or any client made
+    check_host("--host", host)
     schedule = parse_cron(cron)
     if timezone is not None and check_timezone(timezone) != "UTC":
         raise ConfigError(f"--timezone {timezone}: KFP recurring runs fire in the scheduledworkflow controller's time "
@@ -144,6 +170,7 @@ def submit(cfg: RunConfig, *, host: str | None = None, experiment: str | None = 
            client: Any = None) -> str:
     """Compile `cfg`'s pipeline for EKS and start one KFP run; return its id. With
     `wait_timeout_s`, wait for it to end and raise unless it succeeded."""
+    check_host("--host", host)
     run_name = run_name or f"{cfg.pipeline.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     with tempfile.TemporaryDirectory(prefix="moerl-submit-") as tmp:
         package = _compile(cfg, Path(tmp) / "pipeline.yaml")
@@ -191,6 +218,7 @@ def cron_workflow(cfg: RunConfig, cron: str, *, host: str = IN_CLUSTER_KFP, expe
     from moerl.tracking import split_credentials
 
     # 1. refuse what cannot be scheduled, before building anything
+    check_host("--argo-host", host)
     schedule = parse_cron(cron).argo()
     check_timezone(timezone)
     name = _check_name("--name", name or f"{cfg.pipeline.name}-schedule", 52)  # Argo suffixes a timestamp
@@ -290,6 +318,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     from moerl.tracking import redact
 
     parse_cron(args.cron)  # 1. refuse a bad schedule or flags before reading anything else
+    check_host("--host", args.host)
+    check_host("--argo-host", args.argo_host if args.argo_out else None)
     if args.timezone:
         check_timezone(args.timezone)
     if args.no_kfp and not args.argo_out:
@@ -312,6 +342,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
+    check_host("--host", args.host)
     cfg = load_config(args.config, args.set, mode=args.mode)
     submit(cfg, host=args.host, experiment=args.experiment, run_name=args.run_name, namespace=args.namespace,
            service_account=args.service_account, wait_timeout_s=args.wait_timeout_s)
