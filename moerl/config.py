@@ -102,7 +102,8 @@ class RolloutConfig(_Section):
     engine_in_process: bool = True
     # vLLM expert parallelism for MoE layers and its all2all backend (GPU images only).
     enable_expert_parallel: bool = False
-    all2all_backend: Literal["allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency"] = \
+    # deepep_v2: DeepEP v2 (ElasticBuffer over NCCL GIN / aws-ofi-nccl), vLLM >= 0.32
+    all2all_backend: Literal["allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2"] = \
         "allgather_reducescatter"
     # Async mode: long-lived rollout workers (one engine each for the whole run).
     workers: int = Field(1, ge=1, le=1024)

@@ -92,7 +92,6 @@ def collect(with_cuda: bool = False) -> dict[str, str]:
     return tags
 
 
-BUILD_INFO = Path(os.environ.get("MOERL_BUILD_INFO", "/opt/moerl/build-info.json"))
 TRANSPORT_ENV = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_LIBFABRIC_PROVIDER", "NVSHMEM_NETDEVS_POLICY", "FI_PROVIDER",
                  "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_USE_HUGE_PAGE", "NCCL_SOCKET_IFNAME", "NCCL_GIN_TYPE",
                  "NVIDIA_GDRCOPY", "LD_PRELOAD")
@@ -100,25 +99,15 @@ INFINIBAND = Path("/sys/class/infiniband")
 
 
 def build_info(path: Path | None = None) -> dict[str, str]:
-    """The image's build-info as flat `build.*` strings; `build.info: absent` outside an image."""
-    import json
+    """The image's build-info (`moerl.buildinfo`, written when the image is built) as flat
+    `build.*` tags; `build.info: absent` outside an image, `unreadable (...)` if corrupt."""
+    from moerl import buildinfo
+    from moerl.errors import DataError
 
-    path = path or BUILD_INFO
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {"build.info": "absent"}
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, obj) -> None:
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}", v)
-        else:
-            out[prefix] = str(obj)[:500]
-
-    walk("build", data)
-    return out
+        return buildinfo.to_tags(buildinfo.read(path))
+    except (DataError, KeyError, TypeError) as err:
+        return {"build.info": f"unreadable ({err})"[:500]}
 
 
 def _deep_ep() -> str:

