@@ -121,10 +121,11 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_p
 
         assert MlflowClient(url).get_run(h.run_id).data.metrics  # the trainer logged to the server
     # every process (trainer, scorer, two workers, the drained worker's replacement) ran in a
-    # fresh directory of its own; the rollout workers fetched versions into their own caches
+    # fresh directory of its own; both first rollout workers served, each from its own cache (the
+    # replacement may start after the last version, with nothing left to fetch)
     boxes = list((tmp_path / "sandboxes").iterdir())
     assert len(boxes) == sum(c.starts for c in h.run.children.values()) >= 5
-    assert len([b for b in boxes if (b / ".moerl" / "cache").is_dir()]) >= 3
+    assert len([b for b in boxes if (b / ".moerl" / "cache").is_dir()]) >= 2
     assert not (tmp_path / "ckpt").exists()  # no local store: versions went to S3
     assert not {p.name for p in (tmp_path / "sandboxes").rglob("*")} & {"mlflow.db", "mlruns", "ckpt"}
 
