@@ -1,44 +1,62 @@
-"""The `deepep` backend: DeepEP's V1 `deep_ep.Buffer` kernels behind the Dispatcher interface.
+"""The `deepep` backend: DeepEP's kernels behind the Dispatcher interface, through either of
+its two APIs (`deepep_options={"api": ...}`):
+
+- "v1": `deep_ep.Buffer` (DeepEP V1). Internode and low-latency traffic run on NVSHMEM; on AWS
+  EFA, AWS's patched NVSHMEM with `NVSHMEM_REMOTE_TRANSPORT=libfabric`.
+- "v2": `deep_ep.ElasticBuffer` (DeepEP v2, `deep_ep/buffers/elastic.py`). Traffic runs on
+  NCCL's GIN (GPU-initiated networking); on EFA through aws-ofi-nccl, with `NCCL_GIN_TYPE=5`
+  (EFA-GDA) where the EFA stack supports it, else GIN's CPU proxy (`NCCL_GIN_TYPE=2`). This
+  is the path the seed's gain came from. One dispatch/combine pair serves prefill, training
+  and decode (no separate low-latency kernels).
+- "auto" (default): `$DEEPEP_VARIANT` when set (the kernel image sets it to the variant it
+  was built with, images/deepep-efa/Dockerfile), else v2 when this deep_ep exports
+  ElasticBuffer, else v1. The choice is logged and reported by `describe()`. Asking for an
+  API this deep_ep lacks is a ConfigError, never a silent switch to the other one.
 
 Shape legend: T tokens, H hidden, K top-k, E experts, L local experts (E / W), W ranks,
 S rows DeepEP receives (one per (token, rank): DeepEP deduplicates per rank),
 R rows handed to the experts (one per (token, local expert)), M low-latency slots per expert.
 
 Modes (`deepep_options={"mode": ...}`):
-- "normal" (default; training and prefill): `get_dispatch_layout` then `dispatch`, which
-  returns one row per (token, rank) plus `recv_topk_idx` (local expert ids, -1 elsewhere) and
-  `recv_topk_weights` (0 elsewhere). We expand those rows to one per (token, local expert),
-  grouped by expert, as the interface requires. DeepEP's normal `combine` is an UNWEIGHTED
+- "normal" (default; training and prefill; the only mode of v2): dispatch returns one row
+  per (token, rank) plus `recv_topk_idx` (local expert ids, -1 elsewhere) and
+  `recv_topk_weights`. We expand those rows to one per (token, local expert), grouped by
+  expert, as the interface requires. DeepEP's combine (V1 normal and v2) is an UNWEIGHTED
   sum, so `combine` here multiplies each expert row by its routing weight and sums a token's
   rows on this rank before handing DeepEP one row per (token, rank): the result is the
   interface's weighted sum. Backward: dispatch's is `combine(grad, handle, topk_weights=grad_w)`,
-  combine's is `dispatch(grad, handle=handle)` (DeepEP's cached-handle mode).
-- "low_latency" (inference decoding): `low_latency_dispatch` / `low_latency_combine`, whose
-  combine is weighted. Inference-only here: it raises if asked to build a graph.
+  combine's is a dispatch with the cached handle (both APIs have that mode).
+- "low_latency" (V1 only; inference decoding): `low_latency_dispatch` / `low_latency_combine`,
+  whose combine is weighted. Inference-only here: it raises if asked to build a graph.
 
 Transport is configured by the environment, never silently here. Set it in the pod spec or
 pass `deepep_options={"env": {...}}` (each variable is logged; a conflicting value already in
 the environment is an error):
-- NVSHMEM_REMOTE_TRANSPORT=libfabric (plus NVSHMEM_LIBFABRIC_PROVIDER=efa) with AWS's patched
-  NVSHMEM on EFA; InfiniBand uses IBGDA by default;
-- NVSHMEM_IB_SL: the InfiniBand service level (traffic isolation, DeepEP's advice);
-- NCCL_GIN_TYPE=5 (EFA-GDA) matters only to DeepEP V2's ElasticBuffer, which this backend
-  does not use; listed so nobody sets it expecting an effect here.
-DeepEP's Buffer itself sets NVSHMEM_IB_ENABLE_IBGDA, NVSHMEM_QP_DEPTH, NVSHMEM_DISABLE_P2P,
+- V1: NVSHMEM_REMOTE_TRANSPORT=libfabric (plus NVSHMEM_LIBFABRIC_PROVIDER=efa) with AWS's
+  patched NVSHMEM on EFA; InfiniBand uses IBGDA by default. NVSHMEM_IB_SL: the InfiniBand
+  service level (traffic isolation, DeepEP's advice).
+- v2: NCCL_GIN_TYPE (5 = EFA-GDA, needs EFA installer >= 1.50, NCCL >= 2.31 and EFA driver
+  >= 3.3.0; 2 = CPU proxy), EP_REUSE_NCCL_COMM=0 on EFA (AWS's recipe), EP_OVERRIDE_RDMA_SL.
+DeepEP's V1 Buffer itself sets NVSHMEM_IB_ENABLE_IBGDA, NVSHMEM_QP_DEPTH, NVSHMEM_DISABLE_P2P,
 NVSHMEM_MAX_TEAMS, NVSHMEM_DISABLE_NVLS, NVSHMEM_CUMEM_GRANULARITY and NVSHMEM_DISABLE_MNNVL
-for internode and low-latency use. `transport_env` snapshots the NVSHMEM_/NCCL_/FI_ variables
-at Buffer creation so the caller can log them.
+for internode and low-latency use. `transport_env` snapshots the NVSHMEM_/NCCL_/FI_/EP_
+variables at buffer creation so the caller can log them.
 
 Limitations:
-- Rows travel in bf16 (DeepEP's normal kernels take bf16 or an FP8 tuple; FP8 is not wired
-  in). Inputs of another dtype are cast for the wire and cast back.
-- The Buffer is sized lazily from the first `dispatch` (hidden size); one dispatcher serves
-  one hidden size and one mode.
+- Rows travel in bf16 (both APIs take bf16 or an FP8 tuple; FP8 is not wired in). Inputs of
+  another dtype are cast for the wire and cast back.
+- The buffer is sized lazily from the first `dispatch` (hidden size; v2 also top-k); one
+  dispatcher serves one hidden size and one mode. v2 is sized for
+  `num_max_tokens_per_rank` tokens per rank; more on one dispatch is a ConfigError.
 - `ranks_per_node` only classifies bytes; DeepEP finds its NVLink domain itself.
-- Low-latency: T <= num_max_dispatch_tokens_per_rank, DeepEP's fixed hidden sizes, top-k <= 11,
+- V1 low-latency: T <= num_max_dispatch_tokens_per_rank, DeepEP's fixed hidden sizes, top-k <= 11,
   and compacting the per-expert slots reads the counts on the host (one sync).
-- Cannot run without a CUDA GPU and deep_ep; the CPU tests only check the guard and the
-  fallback. Not executed in CI: treat the first GPU run as its test.
+- v2 runs with DeepEP's defaults for SMs and QPs (chosen from the expert count and top-k) and
+  with `do_cpu_sync` (the host reads the receive counts: not CUDA-graph safe).
+- Cannot run without a CUDA GPU and deep_ep; the CPU tests check the guard, the fallback, the
+  API choice and this adapter's own logic against one-rank fakes of both buffers
+  (tests/kernels_worker.py). Neither API has been executed here: treat the first GPU run as
+  its test (`moerl bench dispatch --backends deepep`).
 """
 
 from __future__ import annotations
@@ -59,7 +77,9 @@ from moerl.kernels.dispatcher import DispatchHandle, Dispatcher
 log = logging.getLogger(__name__)
 
 HELP = "deepep backend needs a CUDA GPU and the deep_ep package (the moerl kernel image); install it or use all_to_all"
-TRANSPORT_ENV_PREFIXES = ("NVSHMEM_", "NCCL_", "FI_")
+TRANSPORT_ENV_PREFIXES = ("NVSHMEM_", "NCCL_", "FI_", "EP_")
+VARIANT_ENV = "DEEPEP_VARIANT"  # set by the kernel image: the API it was built for
+API_CLASS = {"v1": "Buffer", "v2": "ElasticBuffer"}
 
 
 class DeepEPUnavailable(ConfigError):
@@ -71,6 +91,7 @@ class DeepEPOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    api: Literal["auto", "v1", "v2"] = Field("auto", description="V1 Buffer, v2 ElasticBuffer, or auto (module doc)")
     mode: Literal["normal", "low_latency"] = "normal"
     num_sms: int | None = Field(None, ge=2, description="Buffer.set_num_sms for normal kernels (DeepEP default 20)")
     num_nvl_bytes: int | None = Field(None, ge=0, description="override the NVLink buffer size hint")
@@ -78,7 +99,9 @@ class DeepEPOptions(BaseModel):
     num_max_dispatch_tokens_per_rank: int = Field(128, ge=1, description="low-latency: max T on any rank")
     allow_nvlink_for_low_latency_mode: bool = True
     allow_mnnvl: bool = False
-    env: dict[str, str] = Field(default_factory=dict, description="transport env vars set before the Buffer")
+    num_max_tokens_per_rank: int = Field(4096, ge=1, description="v2: the most tokens one rank dispatches at once")
+    allow_hybrid_mode: bool = Field(True, description="v2: RDMA between nodes, then NVLink inside (DeepEP default)")
+    env: dict[str, str] = Field(default_factory=dict, description="transport env vars set before the buffer")
 
 
 def import_deep_ep() -> Any:
@@ -89,9 +112,30 @@ def import_deep_ep() -> Any:
         import deep_ep
     except (ImportError, OSError, AssertionError) as exc:  # deep_ep asserts on its NCCL at import
         raise DeepEPUnavailable(f"{HELP} (import deep_ep failed: {exc})") from exc
-    if not hasattr(deep_ep, "Buffer"):
-        raise DeepEPUnavailable(f"{HELP} (this deep_ep has no V1 Buffer)")
+    if not any(hasattr(deep_ep, c) for c in API_CLASS.values()):
+        raise DeepEPUnavailable(f"{HELP} (this deep_ep has neither Buffer nor ElasticBuffer)")
     return deep_ep
+
+
+def select_api(deep_ep: Any, requested: str) -> str:
+    """The DeepEP API to use (module doc: "auto"); ConfigError when this deep_ep lacks it."""
+    variant = os.environ.get(VARIANT_ENV, "")
+    if requested != "auto":
+        api, why = requested, "deepep_options.api"
+    elif variant:
+        if variant not in API_CLASS:
+            raise ConfigError(f"${VARIANT_ENV}={variant!r}: must be one of {', '.join(API_CLASS)} (the kernel image "
+                              f"sets it to the DeepEP API it was built with)")
+        api, why = variant, f"${VARIANT_ENV}"
+    else:
+        api, why = ("v2" if hasattr(deep_ep, "ElasticBuffer") else "v1"), "the newest API this deep_ep exports"
+    if not hasattr(deep_ep, API_CLASS[api]):
+        have = [a for a, c in API_CLASS.items() if hasattr(deep_ep, c)]
+        raise ConfigError(f"deepep: {why} asks for DeepEP {api} (deep_ep.{API_CLASS[api]}), which this deep_ep "
+                          f"{getattr(deep_ep, '__version__', '')} does not export; it has {', '.join(have) or 'neither'}. "
+                          f"Use the kernel image built with DEEPEP_VARIANT={api}, or set deepep_options.api")
+    log.info("deepep: using DeepEP %s (deep_ep.%s), chosen by %s", api, API_CLASS[api], why)
+    return api
 
 
 def deepep_available() -> tuple[bool, str]:
@@ -109,43 +153,99 @@ def _kwargs_supported(fn: Any, **kwargs: Any) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+class _V1Wire:
+    """DeepEP V1 normal mode: layout, then dispatch; combine; the cached-handle dispatch."""
+
+    def __init__(self, buffer: Any, num_experts: int):
+        self.buffer, self.num_experts = buffer, num_experts
+
+    def dispatch(self, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor) -> tuple[Tensor, Tensor, Tensor, list[int], Any, dict]:
+        per_rank_W, per_rdma_rank, per_expert_E, in_rank_TW, _ = self.buffer.get_dispatch_layout(idx_TK, self.num_experts)
+        recv_x_SH, recv_idx_SK, recv_w_SK, counts_list, dhandle, _ = self.buffer.dispatch(
+            x_TH, num_tokens_per_rank=per_rank_W, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank_TW, num_tokens_per_expert=per_expert_E, topk_idx=idx_TK, topk_weights=w_TK)
+        return recv_x_SH, recv_idx_SK, recv_w_SK, counts_list, dhandle, {"per_rdma_rank": per_rdma_rank,
+                                                                         "in_rank_TW": in_rank_TW}
+
+    def dispatch_backward(self, grad_x_SH: Tensor, grad_w_SK: Tensor, dhandle: Any) -> tuple[Tensor, Tensor]:
+        grad_x_TH, grad_w_TK, _ = self.buffer.combine(grad_x_SH, dhandle, topk_weights=grad_w_SK)
+        return grad_x_TH, grad_w_TK
+
+    def combine(self, partial_SH: Tensor, dhandle: Any) -> Tensor:
+        return self.buffer.combine(partial_SH, dhandle)[0]
+
+    def combine_backward(self, grad_out_TH: Tensor, dhandle: Any) -> Tensor:
+        return self.buffer.dispatch(grad_out_TH, handle=dhandle)[0]
+
+
+class _V2Wire:
+    """DeepEP v2 `ElasticBuffer`: one dispatch call (layout included), the same unweighted
+    combine, and the cached-handle dispatch. Rows past the received count are padding."""
+
+    def __init__(self, buffer: Any, num_experts: int):
+        self.buffer, self.num_experts = buffer, num_experts
+
+    def dispatch(self, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor) -> tuple[Tensor, Tensor, Tensor, list[int], Any, dict]:
+        recv_x_SH, recv_idx_SK, recv_w_SK, ehandle, _ = self.buffer.dispatch(
+            x_TH, topk_idx=idx_TK, topk_weights=w_TK, num_experts=self.num_experts)
+        num_recv = int(ehandle.psum_num_recv_tokens_per_scaleup_rank[-1]) \
+            if ehandle.psum_num_recv_tokens_per_scaleup_rank.numel() else 0
+        if num_recv < recv_idx_SK.shape[0]:  # padding rows: never expanded (their idx may be stale)
+            recv_idx_SK = recv_idx_SK.clone()
+            recv_idx_SK[num_recv:] = -1
+        return recv_x_SH, recv_idx_SK, recv_w_SK, list(ehandle.num_recv_tokens_per_expert_list), ehandle, {}
+
+    def dispatch_backward(self, grad_x_SH: Tensor, grad_w_SK: Tensor, ehandle: Any) -> tuple[Tensor, Tensor]:
+        grad_x_TH, grad_w_TK, _ = self.buffer.combine(grad_x_SH, ehandle, topk_weights=grad_w_SK)
+        return grad_x_TH, grad_w_TK
+
+    def combine(self, partial_SH: Tensor, ehandle: Any) -> Tensor:
+        return self.buffer.combine(partial_SH, ehandle)[0]
+
+    def combine_backward(self, grad_out_TH: Tensor, ehandle: Any) -> Tensor:
+        return self.buffer.dispatch(grad_out_TH, handle=ehandle)[0]
+
+
 class _NormalDispatch(torch.autograd.Function):
     """(x_TH, w_TK) -> (recv_x_SH, recv_w_SK) through DeepEP; backward is DeepEP's combine."""
 
     @staticmethod
-    def forward(ctx, buffer, box: dict, num_experts: int, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor):
-        layout = buffer.get_dispatch_layout(idx_TK, num_experts)
-        per_rank_W, per_rdma_rank, per_expert_E, in_rank_TW, _ = layout
-        recv_x_SH, recv_idx_SK, recv_w_SK, counts_list, dhandle, _ = buffer.dispatch(
-            x_TH.to(torch.bfloat16).contiguous(), num_tokens_per_rank=per_rank_W,
-            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank_TW,
-            num_tokens_per_expert=per_expert_E, topk_idx=idx_TK, topk_weights=w_TK.float().contiguous())
-        box.update(handle=dhandle, recv_idx_SK=recv_idx_SK, counts_list=counts_list,
-                   per_rdma_rank=per_rdma_rank, in_rank_TW=in_rank_TW)
-        ctx.buffer, ctx.dhandle, ctx.dtypes = buffer, dhandle, (x_TH.dtype, w_TK.dtype)
+    def forward(ctx, wire, box: dict, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor):
+        recv_x_SH, recv_idx_SK, recv_w_SK, counts_list, dhandle, extra = wire.dispatch(
+            x_TH.to(torch.bfloat16).contiguous(), idx_TK, w_TK.float().contiguous())
+        box.update(extra, handle=dhandle, recv_idx_SK=recv_idx_SK, counts_list=counts_list)
+        ctx.wire, ctx.dhandle, ctx.dtypes = wire, dhandle, (x_TH.dtype, w_TK.dtype)
         return recv_x_SH.to(x_TH.dtype), recv_w_SK.to(w_TK.dtype)
 
     @staticmethod
     def backward(ctx, grad_x_SH: Tensor, grad_w_SK: Tensor):
         # grad_w is zero on slots of other ranks' experts, so DeepEP's sum over ranks is exact.
-        grad_x_TH, grad_w_TK, _ = ctx.buffer.combine(
-            grad_x_SH.to(torch.bfloat16).contiguous(), ctx.dhandle, topk_weights=grad_w_SK.float().contiguous())
-        return None, None, None, grad_x_TH.to(ctx.dtypes[0]), None, grad_w_TK.to(ctx.dtypes[1])
+        grad_x_TH, grad_w_TK = ctx.wire.dispatch_backward(
+            grad_x_SH.to(torch.bfloat16).contiguous(), grad_w_SK.float().contiguous(), ctx.dhandle)
+        return None, None, grad_x_TH.to(ctx.dtypes[0]), None, grad_w_TK.to(ctx.dtypes[1])
 
 
 class _NormalCombine(torch.autograd.Function):
     """partial_SH (one weighted row per (token, rank)) -> out_TH, DeepEP's unweighted sum."""
 
     @staticmethod
-    def forward(ctx, buffer, dhandle, partial_SH: Tensor, out_dtype: torch.dtype):
-        out_TH, _, _ = buffer.combine(partial_SH.to(torch.bfloat16).contiguous(), dhandle)
-        ctx.buffer, ctx.dhandle, ctx.in_dtype = buffer, dhandle, partial_SH.dtype
+    def forward(ctx, wire, dhandle, partial_SH: Tensor, out_dtype: torch.dtype):
+        out_TH = wire.combine(partial_SH.to(torch.bfloat16).contiguous(), dhandle)
+        ctx.wire, ctx.dhandle, ctx.in_dtype = wire, dhandle, partial_SH.dtype
         return out_TH.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out_TH: Tensor):
-        grad_SH, *_ = ctx.buffer.dispatch(grad_out_TH.to(torch.bfloat16).contiguous(), handle=ctx.dhandle)
+        grad_SH = ctx.wire.combine_backward(grad_out_TH.to(torch.bfloat16).contiguous(), ctx.dhandle)
         return None, None, grad_SH.to(ctx.in_dtype), None
+
+
+def _in_rank(idx_TK: Tensor, num_local_experts: int, num_ranks: int) -> Tensor:
+    """[T, W] bool: token t has an expert on rank w (what V1's layout returns; v2 does not)."""
+    valid = idx_TK >= 0
+    rank_TK = torch.where(valid, idx_TK.long() // num_local_experts, num_ranks)
+    hit = torch.zeros(idx_TK.shape[0], num_ranks + 1, dtype=torch.bool, device=idx_TK.device)
+    return hit.scatter_(1, rank_TK, True)[:, :num_ranks]
 
 
 class DeepEPDispatcher(Dispatcher):
@@ -158,6 +258,10 @@ class DeepEPDispatcher(Dispatcher):
         except ValidationError as exc:
             raise ConfigError(f"invalid deepep_options: {exc}") from exc
         self._deep_ep = import_deep_ep()  # raises DeepEPUnavailable, the one case that may fall back
+        self.api = select_api(self._deep_ep, self.options.api)
+        if self.api == "v2" and self.options.mode == "low_latency":
+            raise ConfigError("deepep_options.mode low_latency is DeepEP V1's (low_latency_dispatch); v2's "
+                              "ElasticBuffer serves decode with the one dispatch/combine pair: use mode normal, or api v1")
         if not dist.is_initialized():
             raise ConfigError("deepep backend needs torch.distributed initialized with NCCL (run under torchrun "
                               "and call init_process_group('nccl') before make_dispatcher)")
@@ -166,9 +270,17 @@ class DeepEPDispatcher(Dispatcher):
         self.mode = self.options.mode
         self.transport_env: dict[str, str] = {}
         self._buffer: Any = None
+        self._wire: _V1Wire | _V2Wire | None = None
         self._hidden: int | None = None
         if self.options.num_sms is not None:
+            if self.api == "v2":
+                raise ConfigError("deepep_options.num_sms sets V1's Buffer.set_num_sms; v2 picks SMs per call "
+                                  "from the expert count and top-k: leave it unset with api v2")
             self._deep_ep.Buffer.set_num_sms(self.options.num_sms)
+
+    def describe(self) -> str:
+        """What ran, for provenance: e.g. `deepep v2 (ElasticBuffer) normal`."""
+        return f"deepep {self.api} ({API_CLASS[self.api]}) {self.mode}"
 
     # ----------------------------------------------------------------- buffer
 
@@ -181,13 +293,15 @@ class DeepEPDispatcher(Dispatcher):
             log.info("deepep: setting %s=%s (from deepep_options.env)", key, value)
             os.environ[key] = value
 
-    def _get_buffer(self, hidden: int) -> Any:
+    def _get_buffer(self, hidden: int, num_topk: int = 0) -> Any:
         if self._buffer is not None:
             if hidden != self._hidden:
                 raise ConfigError(f"deepep dispatcher was sized for hidden {self._hidden}, got {hidden}; "
                                   f"make one dispatcher per hidden size")
             return self._buffer
         self._apply_env()
+        if self.api == "v2":
+            return self._get_elastic_buffer(hidden, num_topk)
         Buffer, W, opts = self._deep_ep.Buffer, self.ep_size, self.options
         if self.mode == "normal":
             nvl, rdma, hidden_bytes = 0, 0, hidden * 2  # bf16 on the wire
@@ -209,16 +323,31 @@ class DeepEPDispatcher(Dispatcher):
                           allow_nvlink_for_low_latency_mode=opts.allow_nvlink_for_low_latency_mode,
                           allow_mnnvl=opts.allow_mnnvl, explicitly_destroy=True)
         self._buffer = Buffer(self.group, nvl, rdma, **_kwargs_supported(Buffer.__init__, **kwargs))
+        self._wire = _V1Wire(self._buffer, self.num_experts)
         self._hidden = hidden
         self.transport_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(TRANSPORT_ENV_PREFIXES)}
-        log.info("deepep %s buffer: %d ranks, nvl %d B, rdma %d B, transport env %s",
+        log.info("deepep V1 %s buffer: %d ranks, nvl %d B, rdma %d B, transport env %s",
                  self.mode, W, nvl, rdma, self.transport_env)
+        return self._buffer
+
+    def _get_elastic_buffer(self, hidden: int, num_topk: int) -> Any:
+        """v2: DeepEP sizes the ElasticBuffer from tokens per rank, hidden and top-k (bf16)."""
+        opts, ElasticBuffer = self.options, self._deep_ep.ElasticBuffer
+        kwargs = dict(num_max_tokens_per_rank=opts.num_max_tokens_per_rank, hidden=hidden, num_topk=num_topk,
+                      use_fp8_dispatch=False, allow_hybrid_mode=opts.allow_hybrid_mode, explicitly_destroy=True)
+        self._buffer = ElasticBuffer(self.group, **_kwargs_supported(ElasticBuffer.__init__, **kwargs))
+        self._wire = _V2Wire(self._buffer, self.num_experts)
+        self._hidden = hidden
+        self.transport_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(TRANSPORT_ENV_PREFIXES)}
+        log.info("deepep v2 ElasticBuffer: %d ranks, %d tokens/rank, hidden %d, top-%d, %s B, transport env %s",
+                 self.ep_size, opts.num_max_tokens_per_rank, hidden, num_topk,
+                 getattr(self._buffer, "num_bytes", "?"), self.transport_env)
         return self._buffer
 
     def close(self) -> None:
         if self._buffer is not None and hasattr(self._buffer, "destroy"):
             self._buffer.destroy()
-        self._buffer = None
+        self._buffer = self._wire = None
 
     # ----------------------------------------------------------------- dispatch / combine
 
@@ -227,9 +356,12 @@ class DeepEPDispatcher(Dispatcher):
         idx_TK = topk_idx_TK.to(getattr(self._deep_ep, "topk_idx_t", torch.int64))
         if self.mode == "low_latency":
             return self._dispatch_low_latency(x_TH, idx_TK, topk_weights_TK)
-        buffer = self._get_buffer(x_TH.shape[1])
+        if self.api == "v2" and x_TH.shape[0] > self.options.num_max_tokens_per_rank:
+            raise ConfigError(f"deepep v2: {x_TH.shape[0]} tokens on one dispatch > deepep_options."
+                              f"num_max_tokens_per_rank ({self.options.num_max_tokens_per_rank}), the ElasticBuffer's size")
+        self._get_buffer(x_TH.shape[1], topk_idx_TK.shape[1])
         box: dict[str, Any] = {}
-        recv_x_SH, recv_w_SK = _NormalDispatch.apply(buffer, box, self.num_experts, x_TH, idx_TK, topk_weights_TK)
+        recv_x_SH, recv_w_SK = _NormalDispatch.apply(self._wire, box, x_TH, idx_TK, topk_weights_TK)
         recv_idx_SK = box["recv_idx_SK"]
         # Expand DeepEP's per-(token, rank) rows to per-(token, local expert), grouped by expert.
         row_R, k_R = (recv_idx_SK >= 0).nonzero(as_tuple=True)
@@ -240,8 +372,8 @@ class DeepEPDispatcher(Dispatcher):
             num_tokens=x_TH.shape[0], hidden=x_TH.shape[1], wire_element_size=2, topk_idx_TK=topk_idx_TK,
             tokens_per_local_expert_L=counts_L, recv_weights_R=recv_w_SK[row_R, k_R], sent_rows={},
             extra={"mode": "normal", "deepep_handle": box["handle"], "row_R": row_R,
-                   "num_recv_rows": recv_x_SH.shape[0], "per_rdma_rank": box["per_rdma_rank"],
-                   "in_rank_TW": box["in_rank_TW"]},
+                   "num_recv_rows": recv_x_SH.shape[0], "per_rdma_rank": box.get("per_rdma_rank"),
+                   "in_rank_TW": box.get("in_rank_TW")},
         )
         return recv_x_SH.index_select(0, row_R), counts_L, handle
 
@@ -254,7 +386,7 @@ class DeepEPDispatcher(Dispatcher):
         z_RH = y_RH * handle.recv_weights_R.unsqueeze(1)  # fp32 when the weights are fp32
         partial_SH = z_RH.new_zeros((handle.extra["num_recv_rows"], handle.hidden)).index_add(
             0, handle.extra["row_R"], z_RH)
-        return _NormalCombine.apply(self._buffer, handle.extra["deepep_handle"], partial_SH, y_RH.dtype)
+        return _NormalCombine.apply(self._wire, handle.extra["deepep_handle"], partial_SH, y_RH.dtype)
 
     def _dispatch_low_latency(self, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor) -> tuple[Tensor, Tensor, DispatchHandle]:
         if torch.is_grad_enabled() and (x_TH.requires_grad or w_TK.requires_grad):
@@ -303,6 +435,15 @@ class DeepEPDispatcher(Dispatcher):
             return {"inter_node": int(inter.sum()), "intra_node": int((remote & ~inter).sum())}
         in_rank_TW = handle.extra["in_rank_TW"]
         per_rdma = handle.extra["per_rdma_rank"]
+        if in_rank_TW is None:  # v2 reports no layout: derive it; nodes are ranks_per_node groups
+            in_rank_TW = _in_rank(idx, self.num_local_experts, self.ep_size)
+            G = self.ranks_per_node
+            if G < self.ep_size and self.options.allow_hybrid_mode:  # once per node, forwarded over NVLink
+                per_rdma = in_rank_TW.view(in_rank_TW.shape[0], -1, G).any(2).sum(0)
+            elif G < self.ep_size:  # without hybrid mode every remote rank is reached over RDMA directly
+                same_node = torch.arange(self.ep_size, device=idx.device) // G == self.ep_rank // G
+                return {"inter_node": int(in_rank_TW[:, ~same_node].sum()),
+                        "intra_node": int(in_rank_TW[:, same_node].sum() - in_rank_TW[:, self.ep_rank].sum())}
         if per_rdma is None:  # intranode: everything over NVLink
             return {"inter_node": 0, "intra_node": int(in_rank_TW.sum() - in_rank_TW[:, self.ep_rank].sum())}
         G = self.ep_size // per_rdma.numel()

@@ -221,6 +221,9 @@ class TrainerConfig(_Section):
     ranks_per_node: int = Field(1, ge=1)  # for `hierarchical` (nodes are rank groups)
     # Only with this does a missing DeepEP fall back to all_to_all (recorded as an MLflow tag).
     allow_fallback: bool = False
+    # ep_backend deepep: DeepEP's API (`api`: auto | v1 | v2, where v2 is the ElasticBuffer on
+    # NCCL GIN) and its buffer options; the keys are kernels/deepep.py's DeepEPOptions.
+    deepep_options: dict[str, Any] = Field(default_factory=dict)
     aux_loss_coef: float = Field(0.0, ge=0.0)  # load-balancing loss; 0 = off
     # How the EP ranks start. `local`: rank processes on this machine meeting through a file
     # store (the only listener is gloo/NCCL on loopback). `torchrun`: torch's launcher, as on the
@@ -235,6 +238,18 @@ class TrainerConfig(_Section):
         if self.ep_backend == "deepep" and self.device == "cpu" and not self.allow_fallback:
             raise ValueError("ep_backend deepep needs device cuda (DeepEP is a GPU kernel); use all_to_all or "
                              "hierarchical on CPU, or set allow_fallback: true")
+        if self.deepep_options:
+            from pydantic import ValidationError as _Invalid
+
+            from moerl.kernels.deepep import DeepEPOptions
+
+            try:
+                DeepEPOptions(**self.deepep_options)
+            except _Invalid as exc:
+                bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                raise ValueError(f"deepep_options: {bad}") from None
+            if self.ep_backend != "deepep":
+                raise ValueError(f"deepep_options is for ep_backend deepep; ep_backend is {self.ep_backend}")
         if self.ep_backend == "hierarchical" and self.expert_parallel_size % self.ranks_per_node:
             raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be a multiple of "
                              f"ranks_per_node ({self.ranks_per_node})")

@@ -248,3 +248,65 @@ class FakeDeepEPBuffer:
 
     def destroy(self) -> None:
         pass
+
+
+class FakeElasticBuffer:
+    """A one-rank, CPU stand-in for deep_ep.ElasticBuffer's (DeepEP v2) documented semantics in
+    non-expand mode: dispatch returns one row per (token, rank) with local recv_topk_idx (-1
+    elsewhere), an EPHandle with the received count and per-expert counts, and PADDING rows
+    past the received count (garbage rows and indices, as a real buffer may leave them);
+    combine is an UNWEIGHTED sum of the valid rows (and sums topk_weights); a dispatch with a
+    cached handle reuses the layout. It exercises the deepep adapter's own logic only."""
+
+    created: list["FakeElasticBuffer"] = []
+    PAD = 3
+
+    def __init__(self, group: Any, num_bytes: int | None = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0, use_fp8_dispatch: bool = False,
+                 deterministic: bool = False, allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3, num_allocated_qps: int = 0,
+                 num_cpu_timeout_secs: int = 300, num_gpu_timeout_secs: int = 100,
+                 explicitly_destroy: bool = False) -> None:
+        self.num_max_tokens_per_rank, self.hidden, self.num_topk = num_max_tokens_per_rank, hidden, num_topk
+        self.use_fp8_dispatch, self.explicitly_destroy, self.destroyed = use_fp8_dispatch, explicitly_destroy, False
+        self.num_bytes = 2 << 20
+        FakeElasticBuffer.created.append(self)
+
+    def _pad(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows, torch.full((self.PAD, *rows.shape[1:]), 7, dtype=rows.dtype)])
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
+                 num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0, previous_event=None,
+                 previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
+                 handle=None, do_handle_copy=True, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
+                 use_tma_aligned_col_major_sf=False):
+        import types
+
+        assert x.dtype == torch.bfloat16 and not do_expand and x.shape[1] == self.hidden
+        assert x.shape[0] <= self.num_max_tokens_per_rank
+        if handle is not None:
+            assert topk_idx is None
+            return self._pad(x[handle.src_S]), None, None, handle, None
+        assert num_experts is not None and topk_idx.shape[1] == self.num_topk and topk_weights.dtype == torch.float32
+        src_S = (topk_idx >= 0).any(1).nonzero().squeeze(1)
+        recv_idx_SK = topk_idx[src_S]
+        recv_w_SK = torch.where(recv_idx_SK >= 0, topk_weights[src_S], 0.0)
+        counts = torch.bincount(recv_idx_SK[recv_idx_SK >= 0], minlength=num_experts).tolist()
+        handle = types.SimpleNamespace(src_S=src_S, num_tokens=x.shape[0], num_experts=num_experts,
+                                       psum_num_recv_tokens_per_scaleup_rank=torch.tensor([len(src_S)]),
+                                       num_recv_tokens_per_expert_list=counts)
+        idx_pad = torch.zeros((self.PAD, recv_idx_SK.shape[1]), dtype=recv_idx_SK.dtype)  # stale: expert 0
+        return (self._pad(x[src_S]), torch.cat([recv_idx_SK, idx_pad]), self._pad(recv_w_SK), handle, None)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None,
+                previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False):
+        assert x.dtype == torch.bfloat16 and x.shape[0] == len(handle.src_S) + self.PAD
+        n = len(handle.src_S)
+        out = x.new_zeros((handle.num_tokens, x.shape[1])).index_add_(0, handle.src_S, x[:n])
+        w = None if topk_weights is None else topk_weights.new_zeros(
+            (handle.num_tokens, topk_weights.shape[1])).index_add_(0, handle.src_S, topk_weights[:n])
+        return out, w, None
+
+    def destroy(self) -> None:
+        assert self.explicitly_destroy
+        self.destroyed = True

@@ -74,7 +74,10 @@ def test_floor_and_async_arms_on_one_workload(tmp_path):
     # the floor: one engine for the whole run, one hot swap per version, on-policy
     assert floor["engine_loads"] == 1 and floor["swaps"] == 2 and floor["staleness_mean"] == 0.0
     assert asy["engine_loads"] == 1  # one rollout worker, one engine for every version
-    assert asy["counters"]["swaps"] >= 1 and asy["staleness_mean"] is not None and asy["staleness_mean"] >= 0
+    # with max_staleness 1 the worker may make both versions' samples from version 0 and never
+    # swap; it never swaps more than once per version, and nothing trained is staler than allowed
+    assert 0 <= asy["counters"]["swaps"] <= 2
+    assert asy["staleness_mean"] is not None and 0 <= asy["staleness_mean"] <= 1
     for r in (floor, asy):
         assert len(r["rewards"]) == 2 and 0.0 <= r["reward_last3"] <= 1.0
         assert r["wall_s"] > 0 and r["busy"] and all(0.0 <= v <= 1.0 for v in r["busy"].values())

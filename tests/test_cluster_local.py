@@ -1,7 +1,7 @@
 """The local proof of cluster-safety: the EKS-target sync pipeline on kfp.local, every task in its
 own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/podenv.py),
 sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), an MLflow tracking server
-(`mlflow server`). It must complete and learn. A second run, warm-started from the first
+(`mlflow server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn. A second run, warm-started from the first
 (`model.warm_start: previous`, as scheduled retraining does), fails in its first policy update:
 the stage is retried (`pipeline.task_retries`), then the exit handler marks the MLflow run
 FAILED, and `latest` stays on version 0.
@@ -18,6 +18,7 @@ import pytest
 
 from moerl.config import parse_config
 from tests.mlflow_server import mlflow_server
+from tests.sandbox import sandboxed
 
 BUCKET = "moerl-cluster"
 ITERATIONS = 4
@@ -56,18 +57,17 @@ def _run_sandboxed(cfg, root: Path) -> Exception | None:
     launch_dir = root / "launch"
     launch_dir.mkdir()
     old = Path.cwd()
-    os.environ["MOERL_SANDBOX_ROOT"] = str(root / "sandboxes")
     try:
-        os.chdir(launch_dir)
-        local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp-artifacts"),
-                   raise_on_error=True)
-        pipeline(config_json=config_to_json(cfg), run_id="")
+        with sandboxed(root / "sandboxes"):
+            os.chdir(launch_dir)
+            local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp-artifacts"),
+                       raise_on_error=True)
+            pipeline(config_json=config_to_json(cfg), run_id="")
         return None
     except RuntimeError as err:
         return err
     finally:
         os.chdir(old)
-        del os.environ["MOERL_SANDBOX_ROOT"]
 
 
 @pytest.fixture(scope="module")

@@ -177,8 +177,9 @@ def test_sync_size_at_the_cap_fits_and_past_it_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"capped at \d+ per run.*--mode async.*--resume RUN_ID"):
         compile_pipeline(parse_config(_cfg(pipeline={"iterations": MAX_COMPILED_ITERATIONS + 1})), tmp_path / "x.yaml",
                          target="eks")
-    # a chained continuation of the same length compiles: it resumes the run from its version
-    cont = compile_pipeline(parse_config(_cfg(pipeline={"iterations": 2 * MAX_COMPILED_ITERATIONS})),
+    # a chained continuation past the cap compiles: it resumes the run from its version (two
+    # iterations are enough to show it; each compiled iteration costs seconds under pytest)
+    cont = compile_pipeline(parse_config(_cfg(pipeline={"iterations": MAX_COMPILED_ITERATIONS + 2})),
                             tmp_path / "cont.yaml", target="eks", resume="abc123",
                             start_iteration=MAX_COMPILED_ITERATIONS)
     spec = pipeline_spec_pb2.PipelineSpec()
@@ -228,3 +229,26 @@ def test_images_without_a_registry_and_cuda_without_gpus_are_refused(tmp_path, o
 def test_cluster_values_the_api_server_or_kfp_would_refuse_fail_at_load(cluster, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_config({"cluster": cluster})
+
+
+def test_the_cheap_setter_check_still_refuses_a_task_without_a_container_and_is_undone():
+    """pipelines/grpo.py cheap_setter_checks: kfp's own check, without inspect.stack()."""
+    from types import SimpleNamespace
+
+    from kfp.dsl import pipeline_task
+
+    from moerl.pipelines.grpo import cheap_setter_checks
+
+    original = pipeline_task.PipelineTask.__dict__["_ensure_container_spec_exists"]
+    no_container = SimpleNamespace(container_spec=None)
+    with cheap_setter_checks():
+        check = pipeline_task.PipelineTask._ensure_container_spec_exists
+        assert check is not original
+
+        def set_cpu_request(task):
+            check(task)
+
+        with pytest.raises(ValueError, match="set_cpu_request can only be used on single-step components"):
+            set_cpu_request(no_container)
+        check(SimpleNamespace(container_spec=object()))  # a container: nothing to say
+    assert pipeline_task.PipelineTask.__dict__["_ensure_container_spec_exists"] is original

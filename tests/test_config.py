@@ -121,3 +121,18 @@ def test_infinite_values_are_refused():
         parse_config({"trainer": {"tis_cap": float("inf")}})
     with pytest.raises(ConfigError, match="buffer.advantage_eps"):
         parse_config({"buffer": {"advantage_eps": float("nan")}})
+
+
+def test_deepep_options_are_checked_at_load():
+    from moerl.config import parse_config
+    from moerl.errors import ConfigError
+
+    gpu = {"ep_backend": "deepep", "device": "cuda"}
+    cfg = parse_config({"trainer": gpu | {"deepep_options": {"api": "v2", "num_max_tokens_per_rank": 8192}}})
+    assert cfg.trainer.deepep_options == {"api": "v2", "num_max_tokens_per_rank": 8192}
+    with pytest.raises(ConfigError, match=r"deepep_options: api: Input should be 'auto', 'v1' or 'v2'"):
+        parse_config({"trainer": gpu | {"deepep_options": {"api": "v3"}}})
+    with pytest.raises(ConfigError, match="deepep_options: num_max_token_per_rank: Extra inputs are not permitted"):
+        parse_config({"trainer": gpu | {"deepep_options": {"num_max_token_per_rank": 1}}})
+    with pytest.raises(ConfigError, match="deepep_options is for ep_backend deepep; ep_backend is all_to_all"):
+        parse_config({"trainer": {"deepep_options": {"api": "v2"}}})

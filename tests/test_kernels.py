@@ -190,10 +190,86 @@ def fake_deep_ep(monkeypatch):
 
     fake = types.SimpleNamespace(Buffer=FakeDeepEPBuffer, topk_idx_t=torch.int64)
     monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: fake)
+    monkeypatch.delenv("DEEPEP_VARIANT", raising=False)
     fake_dist = types.SimpleNamespace(is_initialized=lambda: True, group=types.SimpleNamespace(WORLD=None))
     monkeypatch.setattr(deepep_mod, "dist", fake_dist)
     FakeDeepEPBuffer.created.clear()
     return FakeDeepEPBuffer
+
+
+@pytest.fixture
+def fake_deep_ep_v2(monkeypatch):
+    """A deep_ep that exports both APIs, as DeepEP 2.x does: V1 Buffer and v2 ElasticBuffer fakes."""
+    import types
+
+    import moerl.kernels.deepep as deepep_mod
+    from tests.kernels_worker import FakeDeepEPBuffer, FakeElasticBuffer
+
+    fake = types.SimpleNamespace(Buffer=FakeDeepEPBuffer, ElasticBuffer=FakeElasticBuffer, topk_idx_t=torch.int64,
+                                 __version__="2.1.0")
+    monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: fake)
+    fake_dist = types.SimpleNamespace(is_initialized=lambda: True, group=types.SimpleNamespace(WORLD=None))
+    monkeypatch.setattr(deepep_mod, "dist", fake_dist)
+    monkeypatch.delenv("DEEPEP_VARIANT", raising=False)
+    FakeDeepEPBuffer.created.clear()
+    FakeElasticBuffer.created.clear()
+    return fake
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_deepep_v2_adapter_against_a_fake_elastic_buffer(fake_deep_ep_v2, scenario):
+    d = make_dispatcher("deepep", E, deepep_options={"num_max_tokens_per_rank": 64})
+    assert d.api == "v2" and d.describe() == "deepep v2 (ElasticBuffer) normal"  # auto: the newest API
+    per_rank = [check_contract(d, scenario, rank=0)]
+    _assert_contract(per_rank, tol=5e-2, label=f"deepep v2(fake) {scenario}")  # padding rows never leak in
+    (buf,) = fake_deep_ep_v2.ElasticBuffer.created
+    assert (buf.hidden, buf.num_topk, buf.num_max_tokens_per_rank, buf.use_fp8_dispatch) == (16, 3, 64, False)
+    assert not fake_deep_ep_v2.Buffer.created
+    d.close()
+    assert buf.destroyed
+
+
+def test_deepep_api_choice_is_explicit_and_never_silent(fake_deep_ep_v2, monkeypatch):
+    import types
+
+    import moerl.kernels.deepep as deepep_mod
+
+    assert make_dispatcher("deepep", E, deepep_options={"api": "v1"}).api == "v1"
+    monkeypatch.setenv("DEEPEP_VARIANT", "v1")  # the kernel image says what it was built for
+    assert make_dispatcher("deepep", E).api == "v1"
+    monkeypatch.setenv("DEEPEP_VARIANT", "v3")
+    with pytest.raises(ConfigError, match=r"\$DEEPEP_VARIANT='v3': must be one of v1, v2"):
+        make_dispatcher("deepep", E)
+    monkeypatch.delenv("DEEPEP_VARIANT")
+    # a V1-only deep_ep asked for v2 is a config error, not a fallback to V1 (nor to all_to_all)
+    v1_only = types.SimpleNamespace(Buffer=fake_deep_ep_v2.Buffer, topk_idx_t=torch.int64, __version__="1.2.1")
+    monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: v1_only)
+    with pytest.raises(ConfigError, match=r"asks for DeepEP v2 \(deep_ep.ElasticBuffer\).*it has v1"):
+        make_dispatcher("deepep", E, allow_fallback=True, deepep_options={"api": "v2"})
+    assert make_dispatcher("deepep", E).api == "v1"  # auto on a V1-only deep_ep
+
+
+def test_deepep_v2_refuses_what_only_v1_has_and_oversized_dispatches(fake_deep_ep_v2):
+    with pytest.raises(ConfigError, match="low_latency is DeepEP V1's"):
+        make_dispatcher("deepep", E, deepep_options={"api": "v2", "mode": "low_latency"})
+    with pytest.raises(ConfigError, match="num_sms sets V1's"):
+        make_dispatcher("deepep", E, deepep_options={"api": "v2", "num_sms": 24})
+    d = make_dispatcher("deepep", E, deepep_options={"num_max_tokens_per_rank": 4})
+    with pytest.raises(ConfigError, match=r"5 tokens on one dispatch > deepep_options.num_max_tokens_per_rank \(4\)"):
+        d.dispatch(torch.randn(5, 16), torch.zeros(5, 3, dtype=torch.int64), torch.ones(5, 3))
+
+
+def test_in_rank_layout_matches_the_routing_bytes_formula():
+    from moerl.kernels.deepep import _in_rank
+    from moerl.kernels.dispatcher import routing_bytes
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(-1, 16, (50, 4), generator=g)
+    for rank in range(4):
+        in_rank = _in_rank(idx, 4, 4)
+        assert in_rank.shape == (50, 4)
+        want = routing_bytes(idx, 4, rank, 4, 1, row_bytes=1)["per_rank_dedup"]
+        assert int(in_rank.sum() - in_rank[:, rank].sum()) == want
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -700,6 +700,15 @@ def _batch(n: int = 8):
             for i in range(n)]
 
 
+def _tracked(cfg, tmp_path: Path):
+    """cfg with a real MLflow store in tmp_path, and a run in it: the pod's stage records its
+    runtime probe on that run at start (moerl/provenance.py stage_start)."""
+    from moerl import tracking
+
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"})})
+    return cfg, tracking.start_run(cfg, tracking.resolve_uri(cfg.tracking), {"moerl.mode": "launch-test"})
+
+
 def _tree(d: Path) -> dict[str, bytes]:
     return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
@@ -719,11 +728,12 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(s3_server,
         "trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.01},
         "cluster": {"scratch_dir": str(tmp_path / "scratch"), "launch": {"mode": "kubernetes", "namespace": NS,
                                                                           "poll_s": 0.2}}})
+    cfg, run_id = _tracked(cfg, tmp_path)
     state_in = build_tiny_model(cfg.model.tiny, tmp_path / "state_in")
     write_records(tmp_path / "batch.jsonl", _batch())
     monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
     kubelet = Kubelet()
-    metrics = run_remote(cfg, "policy_update", RUN, args={"iteration": 3},
+    metrics = run_remote(cfg, "policy_update", run_id, args={"iteration": 3},
                          inputs={"batch": tmp_path / "batch.jsonl", "state_in": state_in},
                          outputs={"state_out": tmp_path / "remote_out"}, api=kubelet)
     local = run_policy_update(cfg, tmp_path / "batch.jsonl", state_in, tmp_path / "local_out", 3)
@@ -737,8 +747,13 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(s3_server,
     (body,) = kubelet.bodies
     assert body["kind"] == "TrainJob" and kubelet.deleted == [body["metadata"]["name"]]
     assert (tmp_path / "scratch" / "tmp").is_dir()
-    ex = Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{RUN}/exchange")
+    ex = Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{run_id}/exchange")
     assert ex.keys() == []
+    # the stage inside the "pod" recorded where it ran on the run
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run_id).data.tags
+    assert tags["runtime.policy_update.torch"] and "runtime.policy_update.cuda_available" in tags
 
 
 def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(s3_server, tmp_path, monkeypatch):
@@ -751,17 +766,18 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(s3_se
     (tmp_path / "state_in").mkdir()  # not a model: the stage fails inside the "pod"
     (tmp_path / "state_in" / "config.json").write_text("{}")
     (tmp_path / "batch.jsonl").write_text("")
+    cfg, run_id = _tracked(cfg, tmp_path)  # $MLFLOW_TRACKING_URI below only checks what reaches the pod
     monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
     for k, v in {"KFP_POD_NAME": "grpo-task-1", "KFP_POD_UID": "uid-task-1", "MOERL_POD_NAMESPACE": NS,
                  "MOERL_SERVICE_ACCOUNT": "task-sa", "MLFLOW_TRACKING_URI": "http://bob:hunter2@mlflow:5000"}.items():
         monkeypatch.setenv(k, v)
     kubelet = Kubelet()
     with pytest.raises(WorkloadFailed, match="TrainJob .* failed: x: exit 1"):
-        run_remote(cfg, "policy_update", RUN, args={"iteration": 0},
+        run_remote(cfg, "policy_update", run_id, args={"iteration": 0},
                    inputs={"batch": tmp_path / "batch.jsonl", "state_in": tmp_path / "state_in"},
                    outputs={"state_out": tmp_path / "out"}, api=kubelet)
     assert not (tmp_path / "out").exists()
-    assert Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{RUN}/exchange").keys() == []
+    assert Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{run_id}/exchange").keys() == []
     # what the task's environment put into the TrainJob: its pod as owner, its account, no credentials
     (body,) = kubelet.bodies
     assert body["metadata"]["ownerReferences"][0] | {"name": "grpo-task-1", "uid": "uid-task-1"} == \

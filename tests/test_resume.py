@@ -51,12 +51,13 @@ def _run_and_kill_once_published(tmp_path, env, version):
 def test_killed_run_resumes_from_last_complete_version(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    _cfg(tmp_path, iterations=3)
+    _cfg(tmp_path, iterations=2)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    # 1. kill the whole process tree (CLI + running task) once version 1 is published
+    # 1. kill the whole process tree (CLI + running task) once version 1 is published (an
+    # iteration before the last one: polled every 0.2 s, against tens of seconds per iteration)
     store = _run_and_kill_once_published(tmp_path, env, version=1)
     killed_at = store.latest()
-    assert killed_at in (1, 2) and store.versions() == list(range(killed_at + 1))
+    assert killed_at == 1 and store.versions() == [0, 1]
     run_id = store.uri.rstrip("/").rsplit("/", 1)[-1]
 
     # 2. resume: same MLflow run, continues from `latest`
@@ -64,15 +65,15 @@ def test_killed_run_resumes_from_last_complete_version(tmp_path):
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resuming MLflow run {run_id} from version {killed_at}" in r.stdout
-    assert store.versions() == [0, 1, 2, 3] and store.latest() == 3  # each version once
+    assert store.versions() == [0, 1, 2] and store.latest() == 2  # each version once
     # 3. the trainer state continued: counters count every optimizer step of every iteration
-    state = json.loads((store.fetch(3, tmp_path / "verify") / "trainer" / "state.json").read_text())
-    assert state["version"] == 3 and state["step"] == 3 * 2
+    state = json.loads((store.fetch(2, tmp_path / "verify") / "trainer" / "state.json").read_text())
+    assert state["version"] == 2 and state["step"] == 2 * 2
     # 4. one MLflow run, finished, with every iteration's metrics
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
-    assert {m.step for m in client.get_metric_history(run_id, "reward/mean")} >= {killed_at, 2}
+    assert {1} <= {m.step for m in client.get_metric_history(run_id, "reward/mean")} <= {0, 1}
     assert any(k.startswith("moerl.resumed_at.") for k in run.data.tags)
     # 5. resuming a finished run does nothing
     r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id], cwd=tmp_path,
@@ -92,7 +93,9 @@ def test_resume_from_version_0_starts_with_resume_policy(tmp_path):
     for resume in (False, True):
         out = tmp_path / f"p{resume}.yaml"
         compiler.Compiler().compile(build_pipeline(cfg, start_iteration=0, resume=resume), str(out))
-        names[resume] = {t["taskInfo"]["name"] for t in yaml.safe_load(out.read_text())["root"]["dag"]["tasks"].values()}
+        spec = yaml.safe_load(out.read_text())  # the run's tasks sit in the exit handler's sub-DAG
+        dags = [spec["root"]] + [c for c in spec["components"].values() if "dag" in c]
+        names[resume] = {t["taskInfo"]["name"] for d in dags for t in d["dag"]["tasks"].values()}
     assert "init-policy-v0" in names[False] and "resume-policy-v0" not in names[False]
     assert "resume-policy-v0" in names[True] and "init-policy-v0" not in names[True]
     assert {"rollout-0", "publish-checkpoint-v1", "publish-checkpoint-v2"} <= names[True]

@@ -66,7 +66,8 @@ def setup(cfg: RunConfig, state_in: Path):
     rank, world = dist.get_rank(), dist.get_world_size()
     dispatcher = make_dispatcher(cfg.trainer.ep_backend, num_experts=_num_experts(AutoConfig.from_pretrained(state_in)),
                                  group=dist.group.WORLD, ranks_per_node=cfg.trainer.ranks_per_node,
-                                 allow_fallback=cfg.trainer.allow_fallback)
+                                 allow_fallback=cfg.trainer.allow_fallback,
+                                 deepep_options=cfg.trainer.deepep_options or None)
     model, ep_blocks, layout = load_ep_model(state_in, dispatcher, getattr(torch, cfg.model.dtype), cfg.trainer.device,
                                              cfg.trainer.aux_loss_coef)
     state = state_in / TRAINER_DIR / "state.json"
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics["timing/policy_update_s"] = time.perf_counter() - t0
             fallback = getattr(dispatcher, "fallback_from", None)
             metrics["moe/ep_fallback"] = float(fallback is not None)
-            Path(a.metrics_out).write_text(json.dumps({"metrics": metrics, "dispatcher": dispatcher.name,
+            described = dispatcher.describe() if hasattr(dispatcher, "describe") else dispatcher.name
+            Path(a.metrics_out).write_text(json.dumps({"metrics": metrics, "dispatcher": described,
                                                        "fallback_from": fallback}))
     finally:
         dist.destroy_process_group()

@@ -122,4 +122,6 @@ def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | 
         out = json.loads((tmp / "metrics.json").read_text())
     if out["fallback_from"]:
         log.warning("expert-parallel dispatcher fell back from %s to %s", out["fallback_from"], out["dispatcher"])
+    else:
+        log.info("expert-parallel dispatcher: %s", out["dispatcher"])
     return out["metrics"]

@@ -222,7 +222,9 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)  # the stores find credentials through the standard AWS chain
             try:
-                client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+                # a session of its own: boto3's default session keeps the first credentials it
+                # resolved, which may be another server's (the stores do the same, moerl/s3store.py)
+                client = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
                 try:
                     client.create_bucket(Bucket=bucket)
                 except client.exceptions.BucketAlreadyOwnedByYou:

@@ -1,0 +1,35 @@
+"""Cluster-shaped test runs: every task or process in a fresh directory of its own
+(`MOERL_SANDBOX_ROOT`, moerl/podenv.py), sharing only real servers.
+
+One thing is shared on purpose: torch inductor's compile cache. vLLM's CPU backend builds a
+precompiled header of the torch headers (~150 MB, ~40 s on 2 cores) in it, and a fresh TMPDIR
+would rebuild it in every rollout task. It holds compiler output keyed by source hash, never run
+data (checkpoints, records, tracking), so sharing it proves nothing away; on a cluster an image can
+bake it in. Everything else a task writes stays in its own sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from moerl.podenv import SANDBOX_ROOT_ENV
+
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@contextmanager
+def sandboxed(root: Path) -> Iterator[None]:
+    """Processes started inside get a sandbox each under `root`, and this process's compile cache."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    old = {k: os.environ.get(k) for k in (SANDBOX_ROOT_ENV, COMPILE_CACHE_ENV)}
+    os.environ[COMPILE_CACHE_ENV] = cache_dir()  # resolved before TMPDIR moves anywhere
+    os.environ[SANDBOX_ROOT_ENV] = str(root)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
