@@ -416,7 +416,12 @@ class LaunchConfig(_Section):
     mode: Literal["in_task", "kubernetes"] = "in_task"
     namespace: str | None = None  # default: the namespace of the task's own pod
     service_account: str | None = None  # for the launched pods (IRSA: S3 access)
-    trainer_runtime: str = "torch-distributed"  # a ClusterTrainingRuntime name
+    # A ClusterTrainingRuntime name. moerl's (manifests/install/trainer-runtimes) gives the
+    # trainer pods the priority class `moerl-trainer`, which a TrainJob cannot set itself.
+    trainer_runtime: str = "moerl-torch-distributed"
+    # The launched rollout worker pods' PriorityClass (manifests/base/priorityclasses.yaml: below
+    # the trainer's, so a full cluster preempts Spot rollout before training). null: none.
+    rollout_priority_class: str | None = "moerl-rollout"
     trainer_nodes: int = Field(1, ge=1, le=512)
     rollout_nodes_per_worker: int = Field(1, ge=1, le=64)  # > 1: one engine across nodes (EP)
     gpus_per_node: int = Field(8, ge=0, le=16)

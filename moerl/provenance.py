@@ -94,7 +94,7 @@ def collect(with_cuda: bool = False) -> dict[str, str]:
 
 TRANSPORT_ENV = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_LIBFABRIC_PROVIDER", "NVSHMEM_NETDEVS_POLICY", "FI_PROVIDER",
                  "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_USE_HUGE_PAGE", "NCCL_SOCKET_IFNAME", "NCCL_GIN_TYPE",
-                 "NVIDIA_GDRCOPY", "LD_PRELOAD")
+                 "NVIDIA_GDRCOPY", "LD_PRELOAD", "DEEPEP_VARIANT", "EP_REUSE_NCCL_COMM", "OFI_NCCL_GIN_GDAKI")
 INFINIBAND = Path("/sys/class/infiniband")
 
 
@@ -173,9 +173,12 @@ def missing_requirements(require, probe: dict[str, str]) -> list[str]:
     return missing
 
 
-def stage_start(cfg, stage: str, run_id: str = "") -> dict[str, str]:
-    """At a GPU stage's start: probe, record on the MLflow run (`runtime.<stage>.*`, and the
-    image's `build.*`), and raise RequirementError for what `require:` needs and is missing."""
+def stage_start(cfg, stage: str, run_id: str = "", enforce: bool = True) -> dict[str, str]:
+    """At every component's start: probe, record on the MLflow run (`runtime.<stage>.*`, and the
+    image's `build.<stage>.*`), and, with `enforce` (the GPU stages: rollout, policy update),
+    raise RequirementError for what `require:` needs and is missing. The CPU-group stages
+    (reward, buffer, publication, redistribution, tracking) record without enforcing: their
+    pods have no GPU by design."""
     from moerl.errors import RequirementError
 
     probe = runtime_probe()
@@ -185,7 +188,7 @@ def stage_start(cfg, stage: str, run_id: str = "") -> dict[str, str]:
         tags = {f"runtime.{stage}.{k[len('runtime.'):]}": v for k, v in probe.items()}
         tags.update({f"{k[:len('build')]}.{stage}{k[len('build'):]}": v for k, v in build_info().items()})
         tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, tags)
-    missing = missing_requirements(cfg.require, probe)
+    missing = missing_requirements(cfg.require, probe) if enforce else []
     if missing:
         raise RequirementError(f"{stage}: " + "; ".join(missing))
     return probe

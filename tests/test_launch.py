@@ -114,7 +114,7 @@ def test_trainjob_validates_against_the_trainer_v2_3_crd(trainjob_schema):
     # the controllers' derived names stay valid: <name>-node-<job>-<pod>-xxxxx
     assert RFC1035.match(f"{name}-node-0-1-abcde") and len(f"{name}-node-0-1-abcde") <= 63
     spec = tj["spec"]
-    assert spec["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
+    assert spec["runtimeRef"] == {"name": "moerl-torch-distributed", "apiGroup": "trainer.kubeflow.org",
                                   "kind": "ClusterTrainingRuntime"}
     assert spec["trainer"]["numNodes"] == 2 and spec["trainer"]["image"] == "registry.example/moerl:1"
     want = {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "16", "hugepages-2Mi": "5120Mi", "cpu": "96",
@@ -182,6 +182,9 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "moerl-gpu"
     assert spec["terminationGracePeriodSeconds"] >= cfg.rollout.grace_seconds + 10
     assert spec["nodeSelector"] == {"moerl.ai/group": "rollout"}
+    assert spec["priorityClassName"] == "moerl-rollout"  # below the trainer's (tests/test_manifests.py)
+    assert "priorityClassName" not in objects.rollout_pod(_cfg(rollout_priority_class=None), RUN, "rollout-3", ["true"],
+                                                          [])["spec"]
     assert c["workingDir"] == "/scratch" and c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     e = _env(c)
     assert e["HOME"].startswith("/scratch/") and e["TMPDIR"].startswith("/scratch/")
@@ -213,6 +216,7 @@ def test_multi_node_rollout_group_is_a_valid_jobset(jobset_schema):
     for rj in (leader, worker):  # their pod templates are valid Pods
         pod = _pod_of(rj["template"]["spec"]["template"], name)
         assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        assert pod["spec"]["priorityClassName"] == "moerl-rollout"
         e = _env(pod["spec"]["containers"][0])
         assert e["MOERL_GROUP_SIZE"] == "4" and e["MOERL_LEADER_ADDRESS"] == f"{name}-leader-0-0.{name}"
     assert _env(leader["template"]["spec"]["template"]["spec"]["containers"][0])["MOERL_NODE_RANK"] == "0"

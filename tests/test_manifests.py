@@ -339,5 +339,33 @@ def test_install_references_are_pinned():
             "trainer-runtimes": "?ref=v2.3.0"}
     for name, ref in want.items():
         k = yaml.safe_load((MANIFESTS / "install" / name / "kustomization.yaml").read_text())
-        assert k["resources"] and all(r.startswith("https://github.com/kubeflow/") and r.endswith(ref)
-                                      for r in k["resources"]), name
+        remote = [r for r in k["resources"] if "://" in r]
+        assert remote and all(r.startswith("https://github.com/kubeflow/") and r.endswith(ref) for r in remote), name
+        local = [r for r in k["resources"] if "://" not in r]  # moerl's own, next to the kustomization
+        assert all((MANIFESTS / "install" / name / r).is_file() for r in local), name
+
+
+def test_the_trainer_runtime_carries_the_trainer_priority_and_validates():
+    """TrainJob runtimePatches cannot set priorityClassName (Trainer v2.3's PodSpecPatch has no
+    such field): moerl's ClusterTrainingRuntime does, and it is the config's default runtime."""
+    from moerl.config import parse_config
+    from moerl.launch.objects import TRAINER_CONTAINER, TRAINJOB_API
+
+    path = MANIFESTS / "install" / "trainer-runtimes" / "moerl-torch-distributed.yaml"
+    rt = yaml.safe_load(path.read_text())
+    assert "moerl-torch-distributed.yaml" in yaml.safe_load(path.with_name("kustomization.yaml").read_text())["resources"]
+    crd = yaml.safe_load(gzip.decompress((ROOT / "tests" / "data" / "k8s" /
+                                          "trainer.kubeflow.org_clustertrainingruntimes.v2.3.0.yaml.gz").read_bytes()))
+    assert crd["spec"]["scope"] == "Cluster" and (rt["apiVersion"], rt["kind"]) == (
+        f"{TRAINJOB_API[0]}/{TRAINJOB_API[1]}", crd["spec"]["names"]["kind"])
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == TRAINJOB_API[1]]
+    jsonschema.Draft7Validator(_closed(copy.deepcopy(version["schema"]["openAPIV3Schema"]))).validate(
+        {k: v for k, v in rt.items() if k != "metadata"})
+    assert rt["metadata"]["name"] == parse_config({}).cluster.launch.trainer_runtime
+    (job,) = rt["spec"]["template"]["spec"]["replicatedJobs"]
+    pod = job["template"]["spec"]["template"]["spec"]
+    assert job["name"] == TRAINER_CONTAINER and [c["name"] for c in pod["containers"]] == [TRAINER_CONTAINER]
+    classes = {o["metadata"]["name"]: o["value"] for o in yaml.safe_load_all(
+        (MANIFESTS / "base" / "priorityclasses.yaml").read_text()) if o and o["kind"] == "PriorityClass"}
+    rollout = parse_config({}).cluster.launch.rollout_priority_class
+    assert classes[pod["priorityClassName"]] > classes[rollout]  # the trainer preempts Spot rollout, not the reverse

@@ -72,3 +72,21 @@ def test_moerl_run_requiring_deepep_exits_2_before_any_work(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "require.deepep: DeepEP does not import" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_cpu_group_stages_record_the_probe_but_do_not_enforce_gpu_requirements(tmp_path):
+    """`require:` is about the GPU stages; a reward or buffer pod has no GPU by design. It still
+    records its build-info and runtime on the run."""
+    from mlflow.tracking import MlflowClient
+
+    from moerl import tracking
+
+    cfg = parse_config({"require": {"gpu": True}, "tracking": {"uri": f"sqlite:///{tmp_path / 'm.db'}"}})
+    run_id = tracking.start_run(cfg, tracking.resolve_uri(cfg.tracking), {})
+    probe = provenance.stage_start(cfg, "reward", run_id, enforce=False)
+    assert probe["runtime.cuda_available"] == "false"
+    tags = MlflowClient(tracking.resolve_uri(cfg.tracking)).get_run(run_id).data.tags
+    assert tags["runtime.reward.cuda_available"] == "false" and tags["build.reward.info"] == "absent"
+    assert tags["runtime.reward.torch"] == probe["runtime.torch"]
+    with pytest.raises(RequirementError, match="policy_update: require.gpu"):
+        provenance.stage_start(cfg, "policy_update", run_id)

@@ -17,7 +17,10 @@ def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
     from moerl.config import config_from_json
 
+    from moerl.provenance import stage_start
+
     cfg = config_from_json(config_json)
+    stage_start(cfg, "init_policy", run_id, enforce=False)  # build-info and runtime probe on the run
     prepare_initial(cfg, state.path, run_id=run_id)
     policy, _ = run_publish(cfg, run_id, state.path, 0)
     return policy.model_dump_json()
@@ -33,7 +36,11 @@ def resume_policy(config_json: str, run_id: str, version: int, state: Output[Art
     from moerl.components.publish_checkpoint.stage import prepare_resume
     from moerl.config import config_from_json
 
-    return prepare_resume(config_from_json(config_json), run_id, version, state.path).model_dump_json()
+    from moerl.provenance import stage_start
+
+    cfg = config_from_json(config_json)
+    stage_start(cfg, "resume_policy", run_id, enforce=False)  # build-info and runtime probe on the run
+    return prepare_resume(cfg, run_id, version, state.path).model_dump_json()
 
 
 def publish_checkpoint(config_json: str, run_id: str, state: Input[Artifact], version: int) -> NamedTuple(
@@ -49,5 +56,9 @@ def publish_checkpoint(config_json: str, run_id: str, state: Input[Artifact], ve
     from moerl.components.publish_checkpoint.stage import run_publish
     from moerl.config import config_from_json
 
-    policy, metrics = run_publish(config_from_json(config_json), run_id, state.path, version)
+    from moerl.provenance import stage_start
+
+    cfg = config_from_json(config_json)
+    stage_start(cfg, "publish_checkpoint", run_id, enforce=False)  # build-info and runtime probe on the run
+    policy, metrics = run_publish(cfg, run_id, state.path, version)
     return namedtuple("Published", ["policy_json", "metrics"])(policy.model_dump_json(), metrics)

@@ -17,5 +17,9 @@ def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> Nam
     from moerl.config import config_from_json
     from moerl.records import PolicyVersion
 
-    policy, metrics = run_redistribute(config_from_json(config_json), run_id, PolicyVersion.model_validate_json(policy_json))
+    from moerl.provenance import stage_start
+
+    cfg = config_from_json(config_json)
+    stage_start(cfg, "redistribute_weights", run_id, enforce=False)  # build-info and runtime probe on the run
+    policy, metrics = run_redistribute(cfg, run_id, PolicyVersion.model_validate_json(policy_json))
     return namedtuple("Redistributed", ["policy_json", "metrics"])(policy.model_dump_json(), metrics)

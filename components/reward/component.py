@@ -3,20 +3,24 @@
 from kfp.dsl import Artifact, Input, Output
 
 
-def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact]) -> dict:
+def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact], run_id: str = "") -> dict:
     """Score every sample with its task's verifier (`reward.verifier`).
 
     A verifier that raises marks its sample failed (reward 0) and is counted in
     `reward/failed_samples`; more than `reward.max_failed_fraction` failures stop the run.
     Writes ScoredSample records (JSONL) to `scored`; returns `reward/mean`, `reward/std`, ...
+    `run_id`: the MLflow run this task records its image and runtime on.
     """
     from moerl.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
     from moerl.components.reward.stage import run_reward
     from moerl.config import config_from_json
+    from moerl.provenance import stage_start
 
-    return run_reward(config_from_json(config_json).reward, samples.path, scored.path)
+    cfg = config_from_json(config_json)
+    stage_start(cfg, "reward", run_id, enforce=False)  # build-info and runtime probe on the run
+    return run_reward(cfg.reward, samples.path, scored.path)
 
 
 def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:

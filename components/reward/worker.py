@@ -48,6 +48,9 @@ def score_group(samples: list[dict], cfg: RewardConfig) -> tuple[list[dict], int
 
 
 def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
+    from moerl.provenance import stage_start
+
+    stage_start(cfg, scorer, run_id, enforce=False)  # build-info and runtime probe on the run (a CPU group pod)
     bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     bus.ensure_groups()

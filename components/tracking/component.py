@@ -22,8 +22,10 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str) -> s
     if run_id:  # a run continued (--resume) is running again until finish_run or close_run ends it
         tracking.reopen_run(uri, run_id)
         tracking.set_tags(uri, run_id, {f"task.{k}": v for k, v in tags.items()})
-        return run_id
-    return tracking.start_run(cfg, uri, tags)
+    else:
+        run_id = tracking.start_run(cfg, uri, tags)
+    provenance.stage_start(cfg, "start_run", run_id, enforce=False)  # build-info and runtime probe on the run
+    return run_id
 
 
 def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, reward: dict, buffer: dict,
@@ -36,7 +38,10 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
     from moerl import tracking
     from moerl.config import config_from_json
 
+    from moerl.provenance import stage_start
+
     cfg = config_from_json(config_json)
+    stage_start(cfg, "log_iteration", run_id, enforce=False)  # build-info and runtime probe on the run
     merged = {**rollout, **reward, **buffer, **policy_update, **publish, **redistribute}
     stage_keys = [k for k in merged if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1]
     merged["timing/iteration_s"] = sum(merged[k] for k in stage_keys)
@@ -64,7 +69,10 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     from moerl import tracking
     from moerl.config import config_from_json
 
+    from moerl.provenance import stage_start
+
     cfg = config_from_json(config_json)
+    stage_start(cfg, "finish_run", run_id, enforce=False)  # build-info and runtime probe on the run
     final_uri = json.loads(policy_json)["uri"]
     with tempfile.TemporaryDirectory() as tmp:
         tracking.finish_run(tracking.resolve_uri(cfg.tracking), run_id, final_uri, Path(tmp))
@@ -88,6 +96,10 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     cfg = config_from_json(config_json)
     uri = tracking.resolve_uri(cfg.tracking)
     run_id = run_id or tracking.find_kfp_run(uri, cfg.tracking.experiment, kfp_run_id) or ""
+    if run_id:
+        from moerl.provenance import stage_start
+
+        stage_start(cfg, "close_run", run_id, enforce=False)  # build-info and runtime probe on the run
     sweep_error = None
     if run_id and cfg.cluster.launch.mode == "kubernetes":
         # the backstop for launched GPU workloads whose launcher died before deleting them

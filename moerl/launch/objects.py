@@ -202,6 +202,8 @@ def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, An
     }
     if sa := service_account or la.service_account:
         spec["serviceAccountName"] = sa
+    if la.rollout_priority_class:
+        spec["priorityClassName"] = la.rollout_priority_class
     return spec
 
 
