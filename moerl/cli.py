@@ -34,7 +34,8 @@ from moerl.config import load_config
 from moerl.errors import MoerlError
 from moerl.schedule import add_parsers as add_schedule_parsers
 
-DEFAULT_COMPILED = {"sync": "pipelines/compiled/grpo.yaml", "async": "pipelines/compiled/grpo_async.yaml"}
+DEFAULT_COMPILED = {"sync": "pipelines/compiled/grpo.yaml", "async": "pipelines/compiled/grpo_async.yaml",
+                    "reward_model": "pipelines/compiled/reward_model.yaml"}
 MODE_CHOICES = ("sync", "async")
 
 
@@ -50,7 +51,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from moerl.runner import compile_pipeline
 
     cfg = load_config(args.config, args.set, mode=args.mode)
-    default = DEFAULT_COMPILED[cfg.pipeline.mode]
+    default = DEFAULT_COMPILED["reward_model" if cfg.pipeline.kind == "reward_model" else cfg.pipeline.mode]
     if args.target != "local":
         default = default.replace(".yaml", f"-{args.target}.yaml")
     out = compile_pipeline(cfg, Path(args.output or default), target=args.target, resume=args.resume,
@@ -61,7 +62,12 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set, mode=args.mode)
-    if cfg.pipeline.mode == "async":
+    if cfg.pipeline.kind == "reward_model" and cfg.pipeline.mode == "async":
+        from moerl.errors import ConfigError
+
+        raise ConfigError("pipeline.mode: a reward-model run (pipeline.kind reward_model) is one pipeline on "
+                          "kfp.local; use sync (its default)")
+    if cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo":
         from moerl.asyncrun import run_async
 
         if args.iterations is not None:  # one policy update per sync iteration = one async version

@@ -125,14 +125,64 @@ class RolloutConfig(_Section):
         return self
 
 
-class RewardConfig(_Section):
-    """Rule verifiers. `verifier: auto` picks the verifier named by each row's `task`."""
+_REGISTERED = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}/(latest|[1-9][0-9]{0,8})$"
 
+
+class RewardModelRef(_Section):
+    """The reward model the reward stage scores with: a version of a model registered in
+    MLflow's model registry by `pipeline.kind: reward_model` (components/reward_model)."""
+
+    registered: str = Field(pattern=_REGISTERED)  # "<name>/<version>" or "<name>/latest"
+    max_batch: int = Field(64, ge=1, le=65536)  # samples per forward pass
+    device: Literal["cpu", "cuda"] = "cpu"
+    # sigmoid: σ(score) in (0, 1), comparable with the verifiers' [0, 1]; zscore: standardized
+    # over the samples scored together; none: the raw score.
+    normalize: Literal["none", "sigmoid", "zscore"] = "sigmoid"
+
+
+class RewardConfig(_Section):
+    """How samples are scored. `kind: rules`: rule verifiers (`verifier: auto` picks the one
+    named by each row's `task`). `model`: a reward model (`model`). `mixed`: rules_weight *
+    verifier + model_weight * normalized model score."""
+
+    kind: Literal["rules", "model", "mixed"] = "rules"
     verifier: Literal["auto", "positional", "exact"] = "auto"
-    # A run whose verifiers fail on more than this fraction of samples in one iteration stops.
+    model: RewardModelRef | None = None
+    rules_weight: float = Field(0.5, ge=0.0)
+    model_weight: float = Field(0.5, ge=0.0)
+    # A run whose verifiers (or reward model) fail on more than this fraction of samples in one
+    # iteration stops.
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)
     # Async mode: reward scorer processes, scaled independently of rollout.
     scorers: int = Field(1, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _kind(self) -> "RewardConfig":
+        if self.kind != "rules" and self.model is None:
+            raise ValueError(f"kind {self.kind} needs reward.model.registered: <name>/<version|latest> (a reward "
+                             f"model trained by `pipeline.kind: reward_model`)")
+        if self.kind == "mixed" and self.rules_weight + self.model_weight <= 0:
+            raise ValueError("kind mixed needs rules_weight + model_weight > 0")
+        return self
+
+
+class RewardModelTrainConfig(_Section):
+    """`pipeline.kind: reward_model`: train a reward model on preference pairs with a
+    Bradley-Terry loss (pipelines/reward_model.py). The backbone is `model` (the tiny MoE, or
+    `model.path`) with a one-logit sequence-classification head."""
+
+    data: str = "builtin:prefs-digits"  # JSONL or Parquet of {id, prompt, chosen, rejected}
+    eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)  # held out for pairwise accuracy
+    split_seed: int = 0
+    epochs: int = Field(3, ge=1, le=1000)
+    batch_size: int = Field(32, ge=1, le=65536)  # pairs per optimizer step
+    learning_rate: float = Field(2e-3, gt=0.0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    max_grad_norm: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    seed: int = 0
+    registry_name: str = Field("moerl-reward-model", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    # The publish gate: a model below this held-out accuracy fails the run and is not published.
+    min_accuracy: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class BufferConfig(_Section):
@@ -309,6 +359,8 @@ class PipelineConfig(_Section):
     with them."""
 
     name: str = "moerl-grpo"
+    # grpo: the RL loop. reward_model: train, evaluate, publish and register a reward model.
+    kind: Literal["grpo", "reward_model"] = "grpo"
     mode: Literal["sync", "async"] = "sync"
     iterations: int = Field(12, ge=1, le=500)
     versions: int = Field(12, ge=1, le=1_000_000)
@@ -478,6 +530,7 @@ class RunConfig(_Section):
     task: TaskConfig = TaskConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
+    reward_model: RewardModelTrainConfig = RewardModelTrainConfig()
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

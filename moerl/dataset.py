@@ -81,21 +81,23 @@ class Dataset:
         return [self.rows[order[(start + j) % len(order)]] for j in range(size)]
 
 
-def resolve_path(spec: str) -> Path:
+def resolve_path(spec: str, field: str = "task.dataset", rows: str = "{id, task, prompt, answer}") -> Path:
+    """`builtin:<name>` (a file shipped in moerl/data) or a path to a user's regular file; a
+    DataError naming `field` otherwise."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         known = sorted(x.name.removesuffix(".jsonl") for x in resources.files("moerl.data").iterdir()
                        if x.name.endswith(".jsonl"))
         # Only the names listed: "builtin:../x" must not reach outside the package.
         if name not in known:
-            raise DataError(f"task.dataset: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}")
+            raise DataError(f"{field}: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}")
         return Path(str(resources.files("moerl.data").joinpath(f"{name}.jsonl")))
     p = Path(spec).expanduser()
     what = kind_problem(p)
     if what == "does not exist":
-        raise DataError(f"task.dataset: file not found: {p}")
+        raise DataError(f"{field}: file not found: {p}")
     if what:
-        raise DataError(f"task.dataset: {p} {what}; expected a JSONL file of {{id, task, prompt, answer}} rows")
+        raise DataError(f"{field}: {p} {what}; expected a JSONL file of {rows} rows")
     return p
 
 

@@ -29,6 +29,16 @@ class Prompt(_Record):
     answer: str
 
 
+class PreferencePair(_Record):
+    """One preference row (issue: RLHF): for `prompt`, the response `chosen` is preferred to
+    `rejected`."""
+
+    id: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    chosen: str
+    rejected: str
+
+
 class Sample(_Record):
     """One generated response, as the engine produced it."""
 

@@ -97,6 +97,21 @@ def _report(uri: str, shown: str, run_id: str, ok: bool, t0: float) -> float | N
     return final
 
 
+def _report_reward_model(uri: str, shown: str, run_id: str, ok: bool, t0: float) -> "RunSummary":
+    """How a reward-model run went: held-out accuracy and the registered version."""
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(uri).get_run(run_id)
+    acc = run.data.metrics.get("rm/eval_accuracy")
+    registered = run.data.tags.get("reward_model.registered", "nothing registered")
+    print(f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; held-out pairwise accuracy "
+          f"{'-' if acc is None else f'{acc:.3f}'}; {registered}", flush=True)
+    view = f"open {shown} (the MLflow server)" if shown.startswith(("http://", "https://")) \
+        else f"mlflow ui --backend-store-uri {shown}"
+    print(f"[moerl] MLflow run: {run_id}\n[moerl] view it:    {view}", flush=True)
+    return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=acc)
+
+
 def preflight(cfg: RunConfig) -> None:
     """Everything that can be checked before work starts; raises a MoerlError naming the field."""
     if cfg.require.gpu or cfg.require.deepep or cfg.require.efa:  # the stages run on this machine
@@ -105,7 +120,17 @@ def preflight(cfg: RunConfig) -> None:
         missing = provenance.missing_requirements(cfg.require, provenance.runtime_probe())
         if missing:
             raise RequirementError("; ".join(missing))
-    load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    if cfg.pipeline.kind == "reward_model":
+        from moerl.preferences import load_preferences
+
+        load_preferences(cfg.reward_model.data, cfg.task.max_bad_fraction)
+    else:
+        load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":  # the reward model must exist and verify
+        from moerl.components.reward_model import registry
+
+        rm = registry.resolve(tracking.resolve_uri(cfg.tracking), cfg.reward.model)
+        registry.fetch(cfg.checkpoint, rm)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
     from moerl.checkpoints import open_store
@@ -130,6 +155,8 @@ def absolutize(cfg: RunConfig) -> RunConfig:
         updates["model"] = cfg.model.model_copy(update={"path": ab(cfg.model.path)})
     if not cfg.task.dataset.startswith("builtin:"):
         updates["task"] = cfg.task.model_copy(update={"dataset": ab(cfg.task.dataset)})
+    if not cfg.reward_model.data.startswith("builtin:"):
+        updates["reward_model"] = cfg.reward_model.model_copy(update={"data": ab(cfg.reward_model.data)})
     return cfg.model_copy(update=updates)
 
 
@@ -155,6 +182,8 @@ def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: s
 
     if target not in TARGETS:
         raise ConfigError(f"--target: must be one of {', '.join(TARGETS)}, got {target!r}")
+    if cfg.pipeline.kind == "reward_model":
+        return _compile_reward_model(cfg, out, target, resume, start_iteration)
     if cfg.pipeline.mode == "async" and not cfg.valkey.url:
         raise ConfigError("valkey.url: the async pipeline needs a Valkey its pods can reach; set it to "
                           "redis://, rediss://, valkey:// or valkeys://host:port/db of a Valkey Service (password from "
@@ -189,6 +218,31 @@ def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: s
                                   resume=bool(resume), target=target, run_id=resume or "")
     out.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(pipeline, str(out))
+    return out
+
+
+def _compile_reward_model(cfg: RunConfig, out: Path, target: str, resume: str | None, start_iteration: int) -> Path:
+    """`pipeline.kind: reward_model`: pipelines/reward_model.py, with the GRPO pipelines'
+    credential stripping and cluster-safety checks."""
+    from kfp import compiler
+
+    from moerl.pipelines.grpo import TARGETS
+    from moerl.pipelines.reward_model import build_reward_model_pipeline
+
+    if target not in TARGETS:
+        raise ConfigError(f"--target: must be one of {', '.join(TARGETS)}, got {target!r}")
+    if resume or start_iteration:
+        raise ConfigError("--resume/--start-iteration: a reward-model run has no iterations to continue; run it again")
+    cfg, secret_env = tracking.split_credentials(cfg)
+    if target == "eks":
+        from moerl.pipelines.eks import check_cluster_safe
+
+        check_cluster_safe(cfg)
+    if secret_env:
+        print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
+              f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(build_reward_model_pipeline(cfg, git_sha=provenance.git_sha(), target=target), str(out))
     return out
 
 
@@ -244,6 +298,8 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
 
     from moerl.pipelines.grpo import build_pipeline
 
+    if cfg.pipeline.kind == "reward_model" and resume:
+        raise ConfigError("--resume: a reward-model run has no iterations to continue; run it again")
     if iterations is not None:
         cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"iterations": iterations})})
     # 1. preflight
@@ -263,7 +319,7 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
             return RunSummary(ok=True, run_id=run_id, tracking_uri=shown, final_reward=None)
         begin_run(cfg, uri, "sync-kfp-local", resume=run_id, resumed_from=str(start))
     else:
-        run_id = begin_run(cfg, uri, "sync-kfp-local")
+        run_id = begin_run(cfg, uri, "reward-model-kfp-local" if cfg.pipeline.kind == "reward_model" else "sync-kfp-local")
     # 4. the pipeline, on kfp.local
     Path(cfg.pipeline.pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=cfg.pipeline.pipeline_root,
@@ -275,7 +331,13 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
     ok = True
     try:
         with log_path.open("w") as lf, _filtered_output(lf, verbose):
-            build_pipeline(cfg, git_sha=sha, start_iteration=start, resume=bool(resume))(config_json=config_to_json(cfg), run_id=run_id)
+            if cfg.pipeline.kind == "reward_model":
+                from moerl.pipelines.reward_model import build_reward_model_pipeline
+
+                pipeline = build_reward_model_pipeline(cfg, git_sha=sha)
+            else:
+                pipeline = build_pipeline(cfg, git_sha=sha, start_iteration=start, resume=bool(resume))
+            pipeline(config_json=config_to_json(cfg), run_id=run_id)
     except (RuntimeError, MoerlError) as err:
         ok = False
         tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": str(err)[:4000]})
@@ -284,5 +346,7 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
         MlflowClient(uri).set_terminated(run_id, status="FAILED")
         print(f"moerl: error: pipeline failed: {tracking.redact(str(err))} (full output: {log_path})", flush=True)
     # 5. where the run is
+    if cfg.pipeline.kind == "reward_model":
+        return _report_reward_model(uri, shown, run_id, ok, t0)
     final = _report(uri, shown, run_id, ok, t0)
     return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)

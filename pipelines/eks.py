@@ -52,6 +52,9 @@ STAGE_GROUP: dict[str, str] = {
     "redistribute_weights": "buffer",
     "rollout": "rollout", "rollout_worker": "rollout",
     "policy_update": "trainer", "async_trainer": "trainer",
+    # the reward-model pipeline (pipelines/reward_model.py)
+    "prepare_preferences": "cpu", "train_reward_model": "trainer", "evaluate_reward_model": "trainer",
+    "publish_reward_model": "buffer",
 }
 # Stages that run an engine or a trainer in their own pod (when not launched out-of-band).
 ENGINE_STAGES = frozenset({"rollout", "rollout_worker", "policy_update", "async_trainer"})

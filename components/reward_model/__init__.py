@@ -1,0 +1,1 @@
+"""Reward-model training (RLHF): Bradley-Terry on preference pairs, evaluation, publication, registration."""

@@ -1,0 +1,108 @@
+"""Where a reward model lives, and how a GRPO run finds it.
+
+A reward-model run publishes its model as version 1 of its own lineage in the checkpoint
+store (`<checkpoint.uri>/runs/<run_id>/versions/v000001`: safetensors, config, tokenizer and a
+manifest with every file's sha256), then registers that version URI in MLflow's model
+registry under `reward_model.registry_name`, with tags naming the store, the store version,
+the manifest's sha256 and the held-out accuracy.
+
+A GRPO run names it `reward.model.registered: <name>/<version|latest>`. `resolve` reads the
+registry (failing before any work when the name or version does not exist); `fetch` brings
+the version into the node-local cache through the store's verified fetch, exactly as a policy
+version is fetched (every file checked against the manifest; a cached copy is reused only if
+it verifies); the scoring stage then checks the manifest hash against the registry's.
+`lineage_tags` is what the GRPO run records: URI, version, manifest hash, registry version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moerl.config import CheckpointConfig, RewardModelRef
+from moerl.errors import CheckpointError, ConfigError
+
+TAG_STORE = "moerl.store_uri"
+TAG_STORE_VERSION = "moerl.store_version"
+TAG_MANIFEST = "moerl.manifest_sha256"
+TAG_ACCURACY = "moerl.eval_accuracy"
+
+
+@dataclass(frozen=True)
+class RegisteredRewardModel:
+    name: str
+    registry_version: str
+    source: str  # the version URI in the checkpoint store
+    store_uri: str  # the lineage it was published in: <checkpoint.uri>/runs/<rm run id>
+    store_version: int
+    manifest_sha256: str
+    rm_run_id: str
+    eval_accuracy: str
+
+    def lineage_tags(self) -> dict[str, str]:
+        return {"reward_model.registered": f"{self.name}/{self.registry_version}",
+                "reward_model.uri": self.source, "reward_model.version": str(self.store_version),
+                "reward_model.manifest_sha256": self.manifest_sha256, "reward_model.run_id": self.rm_run_id,
+                "reward_model.eval_accuracy": self.eval_accuracy}
+
+
+def register(tracking_uri: str, name: str, source: str, rm_run_id: str, store_uri: str, store_version: int,
+             manifest_sha256: str, accuracy: float) -> str:
+    """Register `source` as a new version of `name`; returns the registry version."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    try:
+        client.create_registered_model(name, description="moerl reward model (Bradley-Terry on preference pairs)")
+    except MlflowException as err:
+        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
+            raise
+    mv = client.create_model_version(name, source=source, run_id=rm_run_id, tags={
+        TAG_STORE: store_uri, TAG_STORE_VERSION: str(store_version), TAG_MANIFEST: manifest_sha256,
+        TAG_ACCURACY: f"{accuracy:.4f}"})
+    return str(mv.version)
+
+
+def resolve(tracking_uri: str, ref: RewardModelRef) -> RegisteredRewardModel:
+    """The registered version `ref.registered` names; ConfigError naming the key if there is none."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    name, version = ref.registered.split("/")
+    client = MlflowClient(tracking_uri)
+    try:
+        if version == "latest":
+            found = client.search_model_versions(f"name='{name}'", order_by=["version_number DESC"], max_results=1)
+            if not found:
+                raise ConfigError(f"reward.model.registered: no registered model {name!r} at {tracking_uri}; train "
+                                  f"one with `moerl run configs/tiny-rm.yaml` (reward_model.registry_name)")
+            mv = found[0]
+        else:
+            mv = client.get_model_version(name, version)
+    except MlflowException as err:
+        raise ConfigError(f"reward.model.registered: {ref.registered} is not in the model registry at "
+                          f"{tracking_uri} ({str(err).splitlines()[0][:200]})") from None
+    tags = mv.tags or {}
+    missing = [t for t in (TAG_STORE, TAG_STORE_VERSION, TAG_MANIFEST) if t not in tags]
+    if missing:
+        raise ConfigError(f"reward.model.registered: {name}/{mv.version} was not registered by moerl "
+                          f"(no {', '.join(missing)} tag); register reward models with `pipeline.kind: reward_model`")
+    return RegisteredRewardModel(name=name, registry_version=str(mv.version), source=mv.source,
+                                 store_uri=tags[TAG_STORE], store_version=int(tags[TAG_STORE_VERSION]),
+                                 manifest_sha256=tags[TAG_MANIFEST], rm_run_id=mv.run_id or "",
+                                 eval_accuracy=tags.get(TAG_ACCURACY, ""))
+
+
+def fetch(ckpt: CheckpointConfig, rm: RegisteredRewardModel) -> Path:
+    """The registered version in the node-local cache (`<cache_dir>/reward-models/<rm run>`),
+    verified file by file against its manifest, whose hash must be the registered one."""
+    from moerl.checkpoints import open_store
+
+    store = open_store(ckpt.model_copy(update={"uri": rm.store_uri}))
+    manifest = store.manifest(rm.store_version)
+    if manifest.sha256() != rm.manifest_sha256:
+        raise CheckpointError(f"reward model {rm.name}/{rm.registry_version}: the manifest in {rm.source} has sha256 "
+                              f"{manifest.sha256()}, the registry recorded {rm.manifest_sha256}: the published "
+                              f"version changed after it was registered")
+    return store.fetch(rm.store_version, Path(ckpt.cache_dir) / "reward-models" / (rm.rm_run_id or rm.name))

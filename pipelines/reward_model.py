@@ -1,0 +1,81 @@
+"""The reward-model pipeline (`pipeline.kind: reward_model`): RLHF's first half.
+
+    start-run -> prepare-preferences -> train-reward-model -> evaluate-reward-model
+              -> publish-reward-model -> finish-run          (close-run: the exit handler)
+
+- prepare-preferences validates `reward_model.data` (JSONL or Parquet pairs; malformed rows
+  skipped and counted with the prompt dataset's threshold) and splits it, seeded;
+- train-reward-model trains the `model` backbone with a one-logit head on the Bradley-Terry
+  loss;
+- evaluate-reward-model measures pairwise accuracy on the held-out split and fails the run
+  below `reward_model.min_accuracy`, before anything is published;
+- publish-reward-model publishes the model to the checkpoint store with a manifest (version
+  1 of the run's lineage) and registers it in MLflow's model registry
+  (`reward_model.registry_name`), where a GRPO run finds it (`reward.model.registered`).
+
+It runs on kfp.local (`moerl run configs/tiny-rm.yaml`) and compiles for EKS like the GRPO
+pipelines (`moerl compile --target eks`): the same task settings (caching off, EKS pod
+settings by stage group, the exit handler that marks a failed run FAILED in MLflow).
+"""
+
+# No `from __future__ import annotations` here: KFP reads the pipeline signature's real types.
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kfp import dsl
+
+from moerl.components.reward_model.component import (evaluate_reward_model, prepare_preferences,
+                                                     publish_reward_model, train_reward_model)
+from moerl.components.tracking.component import close_run, finish_run, start_run
+from moerl.config import RunConfig, config_to_json
+from moerl.pipelines.grpo import task_settings  # caching off, display name, EKS pod settings
+
+STAGE_FUNCS: dict[str, Callable[..., Any]] = {
+    f.__name__: f for f in (start_run, prepare_preferences, train_reward_model, evaluate_reward_model,
+                            publish_reward_model, finish_run, close_run)
+}
+
+
+@dataclass(frozen=True)
+class RewardModelOps:
+    start_run: Any
+    prepare_preferences: Any
+    train_reward_model: Any
+    evaluate_reward_model: Any
+    publish_reward_model: Any
+    finish_run: Any
+    close_run: Any
+
+
+def make_rm_ops(base_image: str) -> RewardModelOps:
+    return RewardModelOps(**{name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
+                             for name, f in STAGE_FUNCS.items()})
+
+
+def build_reward_model_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str = "local", run_id: str = ""):
+    ops = make_rm_ops(cfg.pipeline.base_image)
+    _task = task_settings(cfg, target)
+
+    def _body(config_json, run_id, git_sha):
+        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha,
+                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "start-run")
+        rid = start.output
+        data = _task(ops.prepare_preferences(config_json=config_json, run_id=rid), "prepare-preferences")
+        fit = _task(ops.train_reward_model(config_json=config_json, run_id=rid, train=data.outputs["train"]),
+                    "train-reward-model")
+        ev = _task(ops.evaluate_reward_model(config_json=config_json, run_id=rid, model=fit.outputs["model"],
+                                             held_out=data.outputs["held_out"]), "evaluate-reward-model")
+        pub = _task(ops.publish_reward_model(config_json=config_json, run_id=rid, model=fit.outputs["model"],
+                                             eval_metrics=ev.output), "publish-reward-model")
+        _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=pub.output), "finish-run")
+
+    @dsl.pipeline(name=cfg.pipeline.name, description="moerl reward model: Bradley-Terry on preference pairs, "
+                  "held-out pairwise accuracy, publication to the checkpoint store, MLflow model registry")
+    def reward_model(config_json: str = config_to_json(cfg), run_id: str = run_id, git_sha: str = git_sha):
+        close = _task(ops.close_run(config_json=config_json, run_id=run_id, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
+                      "close-run")
+        with dsl.ExitHandler(close, name="moerl-run"):
+            _body(config_json, run_id, git_sha)
+
+    return reward_model
