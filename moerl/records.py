@@ -65,6 +65,8 @@ class ScoredSample(Sample):
     reward: float
     reward_failed: bool = False
     reward_error: str | None = None
+    model_score: float | None = None  # the reward model's raw score (reward.kind model or mixed)
+    rule_score: float | None = None  # the verifier's (reward.kind rules or mixed)
 
 
 class TrainSample(_Record):

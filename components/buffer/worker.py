@@ -103,7 +103,9 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, float]:
     mean = sum(rewards) / n
     stal = [version - s.policy_version for s in samples]
     n_tok = sum(len(s.response_token_ids) for s in samples)
-    return {
+    model = [s.model_score for s in samples if getattr(s, "model_score", None) is not None]
+    extra = {"reward/model_score_mean": sum(model) / len(model)} if model else {}
+    return extra | {
         "reward/mean": mean,
         "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
         "reward/exact_fraction": sum(r >= 1.0 for r in rewards) / n,

@@ -4,10 +4,11 @@ from kfp.dsl import Artifact, Input, Output
 
 
 def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact], run_id: str = "") -> dict:
-    """Score every sample with its task's verifier (`reward.verifier`).
+    """Score every sample (`reward.kind`: its task's verifier, the registered reward model in
+    batches, or both mixed; components/reward/stage.py).
 
-    A verifier that raises marks its sample failed (reward 0) and is counted in
-    `reward/failed_samples`; more than `reward.max_failed_fraction` failures stop the run.
+    A verifier, or a reward-model batch, that raises marks its samples failed and counts them
+    in `reward/failed_samples`; more than `reward.max_failed_fraction` failures stop the run.
     Writes ScoredSample records (JSONL) to `scored`; returns `reward/mean`, `reward/std`, ...
     `run_id`: the MLflow run this task records its image and runtime on.
     """
@@ -18,9 +19,12 @@ def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact],
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
 
+    from moerl.components.reward.stage import load_model_scorer
+
     cfg = config_from_json(config_json)
-    stage_start(cfg, "reward", run_id, enforce=False)  # build-info and runtime probe on the run
-    return run_reward(cfg.reward, samples.path, scored.path)
+    on_gpu = cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda"
+    stage_start(cfg, "reward", run_id, enforce=on_gpu)  # build-info and runtime probe on the run
+    return run_reward(cfg.reward, samples.path, scored.path, load_model_scorer(cfg, run_id))
 
 
 def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:

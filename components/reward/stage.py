@@ -1,9 +1,22 @@
-"""Reward stage: score every sample with its rule verifier.
+"""Reward stage: score every sample with its rule verifier, a reward model, or both.
 
-A verifier that raises marks its sample failed (reward 0, `reward_failed`, the error text)
-and is counted; it never crashes the stage. If more than `reward.max_failed_fraction` of the
-samples fail, the stage raises `DataError`: that many failures mean a broken verifier or
-dataset, and training on it would be noise.
+`reward.kind`:
+- `rules`: the task's verifier. A verifier that raises marks its sample failed (reward 0,
+  `reward_failed`, the error text) and is counted; it never crashes the stage.
+- `model`: a reward model from MLflow's model registry (`reward.model.registered`), fetched
+  through the verified cache like a policy (components/reward_model/registry.py), scoring
+  `prompt + response` in batches of `reward.model.max_batch` on `reward.model.device`.
+  Scores are normalized (`reward.model.normalize`: sigmoid, zscore over the samples scored
+  together, or none). A batch whose forward pass raises marks each of its samples failed,
+  with the error, and is counted: never scored 0.
+- `mixed`: rules_weight * verifier + model_weight * normalized model score; a sample fails
+  if either part fails.
+
+If more than `reward.max_failed_fraction` of the samples fail, the stage raises `DataError`:
+that many failures mean a broken verifier, model or dataset, and training on it would be
+noise. Reward-model inference time is its own metric (`timing/reward_model_s`), and the raw
+model scores are logged (`reward/model_score_mean`), so a run shows its reward-model score
+rising.
 """
 
 from __future__ import annotations
@@ -12,23 +25,94 @@ import math
 import time
 from pathlib import Path
 
-from moerl.config import RewardConfig
+from moerl.config import RewardConfig, RunConfig
 from moerl.errors import DataError
 from moerl.records import Sample, ScoredSample, read_records, write_records
 from moerl.components.reward.verifiers import verifier_for
 
 
-def score(samples: list[Sample], cfg: RewardConfig) -> list[ScoredSample]:
+class ModelScorer:
+    """A loaded reward model and how to use it (`reward.model`); `seconds` accumulates its
+    inference time. `info` is the registry entry it came from (lineage)."""
+
+    def __init__(self, cfg: RunConfig, info=None, model=None):
+        from moerl import tracking
+        from moerl.components.reward_model import registry
+        from moerl.components.reward_model.model import RewardModel
+
+        self.ref = cfg.reward.model
+        self.seconds = 0.0
+        if model is not None:  # already loaded (tests, benchmarks)
+            self.info, self.model = info, model
+            return
+        self.info = info or registry.resolve(tracking.resolve_uri(cfg.tracking), self.ref)
+        self.model = RewardModel(registry.fetch(cfg.checkpoint, self.info), self.ref.device)
+
+    def raw_scores(self, samples: list[Sample]) -> list[float | str]:
+        """One raw score per sample, or the error text of the batch that failed."""
+        out: list[float | str] = []
+        t0 = time.perf_counter()
+        for i in range(0, len(samples), self.ref.max_batch):
+            batch = samples[i:i + self.ref.max_batch]
+            try:
+                got = self.model.score([s.prompt + s.response_text for s in batch], len(batch))
+                bad = next((v for v in got if not math.isfinite(v)), None)
+                if bad is not None:
+                    raise ValueError(f"reward model returned {bad}")
+                out.extend(got)
+            except Exception as err:  # noqa: BLE001 - the batch is failed and counted, never scored 0
+                out.extend([f"reward model: {type(err).__name__}: {err}"] * len(batch))
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def normalize(raw: list[float], how: str) -> list[float]:
+    if how == "sigmoid":
+        return [1.0 / (1.0 + math.exp(-min(max(v, -60.0), 60.0))) for v in raw]
+    if how == "zscore" and raw:
+        mean = sum(raw) / len(raw)
+        std = math.sqrt(sum((v - mean) ** 2 for v in raw) / len(raw))
+        return [(v - mean) / std if std > 1e-8 else 0.0 for v in raw]
+    return list(raw)
+
+
+def _rule(s: Sample, cfg: RewardConfig) -> float:
+    r = float(verifier_for(cfg.verifier, s.task)(s.response_text, s.answer))
+    if not math.isfinite(r):
+        raise ValueError(f"verifier returned {r}")
+    return r
+
+
+def score(samples: list[Sample], cfg: RewardConfig, model: ModelScorer | None = None) -> list[ScoredSample]:
+    if cfg.kind != "rules" and model is None:
+        raise ValueError(f"reward.kind {cfg.kind} needs a loaded reward model")
+    rules: list[float | str] = []
+    if cfg.kind in ("rules", "mixed"):
+        for s in samples:
+            try:
+                rules.append(_rule(s, cfg))
+            except Exception as err:  # noqa: BLE001 - any verifier failure is counted, never fatal
+                rules.append(f"{type(err).__name__}: {err}")
+    raw = model.raw_scores(samples) if model is not None and cfg.kind != "rules" else []
+    ok_raw = [v for v in raw if isinstance(v, float)]
+    normed = iter(normalize(ok_raw, cfg.model.normalize)) if raw else iter(())
     out = []
-    for s in samples:
-        try:
-            r = float(verifier_for(cfg.verifier, s.task)(s.response_text, s.answer))
-            if not math.isfinite(r):
-                raise ValueError(f"verifier returned {r}")
-            out.append(ScoredSample(**s.model_dump(), reward=r))
-        except Exception as err:  # noqa: BLE001 - any verifier failure is counted, never fatal
-            out.append(ScoredSample(**s.model_dump(), reward=0.0, reward_failed=True,
-                                    reward_error=f"{type(err).__name__}: {err}"))
+    for i, s in enumerate(samples):
+        rule = rules[i] if rules else None
+        m_raw = raw[i] if raw else None
+        m = next(normed) if isinstance(m_raw, float) else None
+        error = next((e for e in (rule, m_raw) if isinstance(e, str)), None)
+        if error is not None:
+            out.append(ScoredSample(**s.model_dump(), reward=0.0, reward_failed=True, reward_error=error,
+                                    model_score=m_raw if isinstance(m_raw, float) else None))
+            continue
+        if cfg.kind == "rules":
+            r = rule
+        elif cfg.kind == "model":
+            r = m
+        else:
+            r = cfg.rules_weight * rule + cfg.model_weight * m
+        out.append(ScoredSample(**s.model_dump(), reward=r, model_score=m_raw, rule_score=rule))
     return out
 
 
@@ -36,18 +120,51 @@ def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
     n = max(len(scored), 1)
     rewards = [s.reward for s in scored]
     mean = sum(rewards) / n
-    return {
+    metrics = {
         "reward/mean": mean,
         "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
         "reward/exact_fraction": sum(r >= 1.0 for r in rewards) / n,
         "reward/failed_samples": float(sum(s.reward_failed for s in scored)),
     }
+    model = [s.model_score for s in scored if s.model_score is not None]
+    model_failed = sum((s.reward_error or "").startswith("reward model:") for s in scored)
+    if model or model_failed:
+        metrics["reward/model_failed_samples"] = float(model_failed)
+    if model:
+        metrics["reward/model_score_mean"] = sum(model) / len(model)
+    rules = [s.rule_score for s in scored if s.rule_score is not None]
+    if rules and model:  # mixed: each part on its own
+        metrics["reward/rules_mean"] = sum(rules) / len(rules)
+    return metrics
 
 
-def run_reward(cfg: RewardConfig, samples_path: str | Path, out_path: str | Path) -> dict[str, float]:
+def load_model_scorer(cfg: RunConfig, run_id: str = "") -> ModelScorer | None:
+    """The reward model `reward.kind` model or mixed needs (None for rules), resolved in the
+    registry and fetched verified; its lineage (registry version, URI, store version, manifest
+    hash, the reward-model run) is recorded on the MLflow run `run_id`."""
+    if cfg.reward.kind == "rules":
+        return None
+    from moerl import tracking
+
+    scorer = ModelScorer(cfg)
+    if run_id:
+        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, scorer.info.lineage_tags())
+    return scorer
+
+
+def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path: str | Path,
+               model: ModelScorer | None = None) -> dict[str, float]:
+    """Score `samples_path` into `out_path`. Given the whole RunConfig, a reward model
+    (`reward.kind` model or mixed) is resolved, fetched and loaded here."""
+    if isinstance(cfg, RunConfig):
+        if cfg.reward.kind != "rules" and model is None:
+            model = ModelScorer(cfg)
+        cfg = cfg.reward
     t0 = time.perf_counter()
-    scored = score(read_records(samples_path, Sample), cfg)
+    scored = score(read_records(samples_path, Sample), cfg, model)
     metrics = reward_metrics(scored)
+    if model is not None:
+        metrics["timing/reward_model_s"] = model.seconds
     failed = metrics["reward/failed_samples"]
     if scored and failed / len(scored) > cfg.max_failed_fraction:
         first = next(s.reward_error for s in scored if s.reward_failed)

@@ -27,7 +27,7 @@ from pathlib import Path
 from moerl.bus import RunBus, TrainerWatch, connect
 from moerl.config import RewardConfig, RunConfig, config_from_json
 from moerl.records import Sample, ScoredSample
-from moerl.components.reward.stage import score
+from moerl.components.reward.stage import ModelScorer, load_model_scorer, score
 from moerl.podenv import enter_pod
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,10 @@ BATCH = 16
 EXIT_DRAINED = 75
 
 
-def score_group(samples: list[dict], cfg: RewardConfig) -> tuple[list[dict], int]:
+def score_group(samples: list[dict], cfg: RewardConfig, model: ModelScorer | None = None) -> tuple[list[dict], int]:
     """Scored samples (dicts) and how many failed; a raising scorer fails them all."""
     try:
-        scored = score([Sample.model_validate(s) for s in samples], cfg)
+        scored = score([Sample.model_validate(s) for s in samples], cfg, model)
     except Exception as err:  # noqa: BLE001 - counted as failed, never scored 0 silently
         log.error("scoring raised: %s: %s", type(err).__name__, err)
         scored = [ScoredSample(**s, reward=0.0, reward_failed=True, reward_error=f"{type(err).__name__}: {err}")
@@ -50,7 +50,9 @@ def score_group(samples: list[dict], cfg: RewardConfig) -> tuple[list[dict], int
 def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
     from moerl.provenance import stage_start
 
-    stage_start(cfg, scorer, run_id, enforce=False)  # build-info and runtime probe on the run (a CPU group pod)
+    on_gpu = cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda"
+    stage_start(cfg, scorer, run_id, enforce=on_gpu)  # build-info and runtime probe on the run
+    model = load_model_scorer(cfg, run_id)  # loaded once for the scorer's life (reward.kind model or mixed)
     bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     bus.ensure_groups()
@@ -72,7 +74,7 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
                 continue
             t0 = time.perf_counter()
             for entry_id, group in got:
-                scored, n_failed = score_group(group["samples"], cfg.reward)
+                scored, n_failed = score_group(group["samples"], cfg.reward, model)
                 bus.publish_scored(entry_id, {**group, "samples": scored}, n_failed)
             busy += time.perf_counter() - t0
         return EXIT_DRAINED
