@@ -435,13 +435,15 @@ def _group(name: str, cpu: str, memory: str, shm: str | None = None, timeout_s: 
 
 class GroupsConfig(_Section):
     """trainer: GPU trainers, on-demand. rollout: GPU rollout workers, Spot. cpu: environments,
-    reward, run bookkeeping. buffer: memory-optimized nodes for the experience buffer and the
-    checkpoint cache (publish, redistribute)."""
+    rule rewards, run bookkeeping. buffer: memory-optimized nodes for the experience buffer and
+    the checkpoint cache (publish, redistribute). reward: reward-model inference (the reward
+    stage and scorers when `reward.kind` is model or mixed), a small GPU each."""
 
     trainer: GroupConfig = _group("trainer", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8)
     rollout: GroupConfig = _group("rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8)
     cpu: GroupConfig = _group("cpu", "2", "8Gi")
     buffer: GroupConfig = _group("buffer", "4", "32Gi")
+    reward: GroupConfig = _group("reward", "8", "32Gi", shm="8Gi", gpus=1)
 
     @model_validator(mode="before")
     @classmethod

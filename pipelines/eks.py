@@ -59,6 +59,10 @@ STAGE_GROUP: dict[str, str] = {
 # Stages that run an engine or a trainer in their own pod (when not launched out-of-band).
 ENGINE_STAGES = frozenset({"rollout", "rollout_worker", "policy_update", "async_trainer"})
 GPU_STAGES = ENGINE_STAGES  # the ones `cluster.launch.mode: kubernetes` launches through the API
+# Stages that score with a reward model when `reward.kind` is model or mixed (the reward group).
+REWARD_MODEL_STAGES = frozenset({"reward", "reward_scorer"})
+# The reward-model pipeline's stages that run the model (on the trainer group).
+MODEL_STAGES = frozenset({"train_reward_model", "evaluate_reward_model"})
 # Sync stages whose task is a pure function of its inputs (same seed, same artifacts): a retry
 # after a lost pod (Spot) redoes the same work. Not publish (it moves `latest`), not bookkeeping.
 RETRYABLE_STAGES = frozenset({"rollout", "reward", "buffer", "policy_update", "redistribute_weights"})
@@ -128,6 +132,8 @@ def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:
     name = STAGE_GROUP[stage]
     if stage in GPU_STAGES and cfg.cluster.launch.mode == "kubernetes":
         name = "cpu"
+    if stage in REWARD_MODEL_STAGES and cfg.reward.kind != "rules":  # reward-model inference: its own group
+        name = "reward"
     return name, getattr(cfg.cluster.groups, name)
 
 
@@ -149,7 +155,8 @@ def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool =
     scratch = cfg.cluster.scratch_dir
     kubernetes.empty_dir_mount(task, volume_name=SCRATCH_VOLUME, mount_path=scratch, size_limit=cfg.cluster.scratch_size)
     task.set_env_variable("MOERL_SCRATCH", scratch)
-    if stage in ENGINE_STAGES and name != "cpu":  # the engine or trainer runs in this task
+    if (stage in ENGINE_STAGES and name != "cpu") or name == "reward" or stage in MODEL_STAGES:
+        # the engine, trainer or reward model runs in this task
         if group.shm:
             kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
                                        size_limit=group.shm)

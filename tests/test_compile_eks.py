@@ -252,3 +252,38 @@ def test_the_cheap_setter_check_still_refuses_a_task_without_a_container_and_is_
             set_cpu_request(no_container)
         check(SimpleNamespace(container_spec=object()))  # a container: nothing to say
     assert pipeline_task.PipelineTask.__dict__["_ensure_container_spec_exists"] is original
+
+
+def _placement(spec, doc, k8s, stage_prefix: str) -> tuple[str, str | None, dict]:
+    """(group label, GPU count or None, env) of the first task whose component is `stage_prefix`."""
+    for task in _tasks(spec).values():
+        if task.component_ref.name.removeprefix("comp-").startswith(stage_prefix):
+            label = _executor(spec, task)
+            c = doc["deploymentSpec"]["executors"][label]["container"]
+            acc = c["resources"].get("accelerator")
+            return dict(k8s[label].node_selector.labels)["moerl.ai/group"], acc and acc["resourceCount"], c
+    raise AssertionError(f"no task {stage_prefix}")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_reward_model_scoring_runs_on_its_own_gpu_group(tmp_path, mode):
+    rm = {"kind": "mixed", "model": {"registered": "moerl-tiny-rm/3", "device": "cuda"}}
+    stage = "reward-scorer" if mode == "async" else "reward"
+    spec, doc, k8s = _compiled(tmp_path, _cfg(mode, reward=rm))
+    assert _placement(spec, doc, k8s, stage)[:2] == ("reward", "1")
+    spec, doc, k8s = _compiled(tmp_path, _cfg(mode))  # rules: the CPU group, no GPU
+    assert _placement(spec, doc, k8s, stage)[:2] == ("cpu", None)
+
+
+def test_the_reward_model_pipeline_compiles_for_eks(tmp_path):
+    data = _cfg(pipeline={"kind": "reward_model", "name": "moerl-reward-model"})
+    spec, doc, k8s = _compiled(tmp_path, data)
+    names = {t.task_info.name for t in _tasks(spec).values()}
+    assert {"start-run", "prepare-preferences", "train-reward-model", "evaluate-reward-model", "publish-reward-model",
+            "finish-run", "close-run"} <= names
+    assert _placement(spec, doc, k8s, "prepare-preferences")[:2] == ("cpu", None)
+    assert _placement(spec, doc, k8s, "train-reward-model")[:2] == ("trainer", "8")
+    assert _placement(spec, doc, k8s, "publish-reward-model")[:2] == ("buffer", None)
+    with pytest.raises(ConfigError, match="checkpoint.uri"):  # the same cluster-safety checks as GRPO
+        compile_pipeline(parse_config({**data, "checkpoint": {"uri": "checkpoints"}}), tmp_path / "x.yaml",
+                         target="eks")

@@ -36,7 +36,7 @@ MANIFESTS = ROOT / "manifests"
 SCHEMAS = Path(__file__).resolve().parent / "data" / "schemas"
 K8S_VERSION = "1.37.0"
 OVERLAYS = sorted(p.parent.name for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
-GROUP_NAMES = ("trainer", "rollout", "cpu", "buffer")
+GROUP_NAMES = ("trainer", "rollout", "cpu", "buffer", "reward")
 CRDS = {  # (apiVersion, kind) -> vendored CRD
     ("karpenter.sh/v1", "NodePool"): "karpenter.sh_nodepools.v1.14.1.yaml.gz",
     ("karpenter.k8s.aws/v1", "EC2NodeClass"): "karpenter.k8s.aws_ec2nodeclasses.v1.14.1.yaml.gz",
@@ -211,6 +211,7 @@ def test_eksctl_node_groups_carry_exactly_the_pipelines_labels_and_taints():
         assert len(ng["availabilityZones"]) == 1  # eksctl: EFA needs one AZ
     assert all(t.startswith("c") for t in worker["cpu"]["instanceTypes"])  # compute-optimized
     assert all(t.startswith(("r", "x")) for t in worker["buffer"]["instanceTypes"])  # memory-optimized
+    assert all(t.startswith(("g", "p")) for t in worker["reward"]["instanceTypes"])  # a GPU for the reward model
 
 
 def test_karpenter_node_pools_carry_exactly_the_pipelines_labels_and_taints(built):
