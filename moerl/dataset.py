@@ -118,17 +118,22 @@ def _lines(f: BinaryIO) -> Iterator[tuple[int, bytes | None]]:
         yield lineno, None
 
 
-def _parse_row(raw: bytes | None) -> Prompt:
-    """One dataset row, or FileProblem saying why the line is malformed."""
+def json_line(raw: bytes | None) -> object:
+    """One line of a JSONL file (from `_lines`) decoded, or FileProblem saying why not."""
     if raw is None:
         raise FileProblem(f"longer than {MAX_LINE_BYTES // (1 << 20)} MiB")
     text = decode_text(raw, single_line=True)
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as err:
         raise FileProblem(f"not JSON ({err.msg} at column {err.colno})") from None
     except RecursionError:
         raise FileProblem("JSON nested too deeply") from None
+
+
+def _parse_row(raw: bytes | None) -> Prompt:
+    """One dataset row, or FileProblem saying why the line is malformed."""
+    obj = json_line(raw)
     try:
         row = Prompt.model_validate(obj)
     except ValidationError as err:

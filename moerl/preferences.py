@@ -21,7 +21,6 @@ checks it on the shipped file). Regenerate it with `python -m moerl.preferences`
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +28,10 @@ from typing import Iterator
 
 from pydantic import ValidationError
 
-from moerl.dataset import MAX_LINE_BYTES, _lines, load_dataset, resolve_path
+from moerl.dataset import _lines, json_line, load_dataset, resolve_path
 from moerl.errors import DataError
 from moerl.records import PreferencePair, Prompt
-from moerl.userfiles import FileProblem, decode_text, one_line
+from moerl.userfiles import FileProblem, one_line
 
 FIELDS = ("id", "prompt", "chosen", "rejected")
 ROWS = "{" + ", ".join(FIELDS) + "}"
@@ -68,26 +67,13 @@ def _validate(obj: object) -> PreferencePair:
     return _check(row)
 
 
-def _parse_line(raw: bytes | None) -> PreferencePair:
-    if raw is None:
-        raise FileProblem(f"longer than {MAX_LINE_BYTES // (1 << 20)} MiB")
-    text = decode_text(raw, single_line=True)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise FileProblem(f"not JSON ({err.msg} at column {err.colno})") from None
-    except RecursionError:
-        raise FileProblem("JSON nested too deeply") from None
-    return _validate(obj)
-
-
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, PreferencePair | FileProblem]]:
     with path.open("rb") as f:
         for lineno, raw in _lines(f):
             if raw is not None and not raw.strip():
                 continue
             try:
-                yield f"line {lineno}", _parse_line(raw)
+                yield f"line {lineno}", _validate(json_line(raw))
             except FileProblem as problem:
                 yield f"line {lineno}", problem
 

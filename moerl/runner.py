@@ -199,14 +199,7 @@ def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: s
             raise ConfigError(f"--start-iteration: must be in [0, pipeline.iterations = {cfg.pipeline.iterations}), "
                               f"got {start_iteration}")
         check_compiled_size(cfg, start_iteration)
-    cfg, secret_env = tracking.split_credentials(cfg)
-    if target == "eks":
-        from moerl.pipelines.eks import check_cluster_safe
-
-        check_cluster_safe(cfg)
-    if secret_env:
-        print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
-              f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
+    cfg = _for_target(cfg, target)
     if cfg.pipeline.mode == "async":
         from moerl.pipelines.grpo_async import build_async_pipeline
 
@@ -221,6 +214,20 @@ def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: s
     return out
 
 
+def _for_target(cfg: RunConfig, target: str) -> RunConfig:
+    """What every compiled pipeline goes through: credentials out of tracking.uri (stderr says
+    which variables the cluster must provide), and on `eks` the cluster-safety checks."""
+    cfg, secret_env = tracking.split_credentials(cfg)
+    if target == "eks":
+        from moerl.pipelines.eks import check_cluster_safe
+
+        check_cluster_safe(cfg)
+    if secret_env:
+        print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
+              f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
+    return cfg
+
+
 def _compile_reward_model(cfg: RunConfig, out: Path, target: str, resume: str | None, start_iteration: int) -> Path:
     """`pipeline.kind: reward_model`: pipelines/reward_model.py, with the GRPO pipelines'
     credential stripping and cluster-safety checks."""
@@ -233,14 +240,7 @@ def _compile_reward_model(cfg: RunConfig, out: Path, target: str, resume: str | 
         raise ConfigError(f"--target: must be one of {', '.join(TARGETS)}, got {target!r}")
     if resume or start_iteration:
         raise ConfigError("--resume/--start-iteration: a reward-model run has no iterations to continue; run it again")
-    cfg, secret_env = tracking.split_credentials(cfg)
-    if target == "eks":
-        from moerl.pipelines.eks import check_cluster_safe
-
-        check_cluster_safe(cfg)
-    if secret_env:
-        print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
-              f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
+    cfg = _for_target(cfg, target)
     out.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(build_reward_model_pipeline(cfg, git_sha=provenance.git_sha(), target=target), str(out))
     return out

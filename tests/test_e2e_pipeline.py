@@ -16,28 +16,47 @@ import yaml
 
 from tests.mlflow_server import mlflow_server
 
+ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("rollout", "reward", "buffer", "policy_update", "publish_checkpoint", "redistribute_weights")
 PASSWORD = "pw-3e9c1a7f-e2e"
 
 
 @pytest.fixture(scope="module")
 def e2e_run(tmp_path_factory):
+    """RLHF end to end on one MLflow server: the reward-model pipeline as shipped
+    (configs/tiny-rm.yaml), then the GRPO run scored `mixed` with the model it registered."""
     work = tmp_path_factory.mktemp("e2e")
     (work / "run.yaml").write_text(yaml.safe_dump({
         "task": {"prompts_per_iteration": 8},
         "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
+        "reward": {"kind": "mixed", "model": {"registered": "moerl-tiny-rm/latest", "max_batch": 16}},
         "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2},
         "tracking": {"experiment": "e2e", "uri": "http://moerl:" + PASSWORD + "@127.0.0.1:PORT"},
         "pipeline": {"iterations": 2},
     }))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     with mlflow_server(work) as url:  # its store is work/mlflow.db, which the tests below read directly
+        rm = subprocess.run([sys.executable, "-m", "moerl.cli", "run", str(ROOT / "configs" / "tiny-rm.yaml"),
+                             "--set", f"tracking.uri={url}"], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=900)
+        (work / "rm.log").write_text(rm.stdout + rm.stderr)
         (work / "run.yaml").write_text((work / "run.yaml").read_text().replace("127.0.0.1:PORT", url[7:]))
         proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=work, env=env,
                               capture_output=True, text=True, timeout=900)
     (work / "out.log").write_text(proc.stdout + proc.stderr)
-    proc.server_url = url
+    proc.server_url, proc.rm = url, rm
     return work, proc
+
+
+def _grpo_run_dir(work):
+    """The GRPO run's lineage in the store (the reward-model run has its own beside it)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    assert sorted(p.name for p in (work / "checkpoints" / "runs").iterdir()) == sorted(
+        [run.info.run_id, client.search_runs([client.get_experiment_by_name("moerl-tiny-rm").experiment_id])[0].info.run_id])
+    return work / "checkpoints" / "runs" / run.info.run_id
 
 
 @pytest.mark.slow
@@ -56,7 +75,7 @@ def test_the_tracking_password_is_nowhere(e2e_run, tmp_path):
 
     work, proc = e2e_run
     assert PASSWORD not in proc.stdout + proc.stderr
-    written = [p for p in work.rglob("*") if p.is_file() and p.name not in ("run.yaml", "out.log")]
+    written = [p for p in work.rglob("*") if p.is_file() and p.name not in ("run.yaml", "out.log", "rm.log")]
     assert any(p.suffix == ".log" and p.parent.name == "work" for p in written)  # the pipeline log is among them
     assert [p for p in written if PASSWORD.encode() in p.read_bytes()] == []
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
@@ -76,9 +95,7 @@ def test_new_versions_are_in_the_store_with_verified_manifests(e2e_run):
     from moerl.checkpoints import open_store
 
     work, proc = e2e_run
-    runs = list((work / "checkpoints" / "runs").iterdir())
-    assert len(runs) == 1
-    store = open_store(CheckpointConfig(uri=str(runs[0])))
+    store = open_store(CheckpointConfig(uri=str(_grpo_run_dir(work))))
     assert store.versions() == [0, 1, 2] and store.latest() == 2
     local = store.fetch(2, work / "verify")
     files = {f.path for f in store.manifest(2).files}
@@ -182,6 +199,36 @@ def test_the_expert_parallel_trainer_ran_and_its_checkpoint_served_the_next_roll
     ep = client.get_metric_history(run.info.run_id, "train/ep_size")
     assert sorted(m.step for m in ep) == [0, 1] and all(m.value == 2 for m in ep)
     assert client.get_metric_history(run.info.run_id, "moe/expert_load_imbalance")
-    (run_dir,) = (work / "checkpoints" / "runs").iterdir()
+    run_dir = _grpo_run_dir(work)
     shards = sorted(p.name for p in (run_dir / "versions" / "v000002" / "trainer").iterdir())
     assert shards == ["optimizer-ep0-of-2.pt", "optimizer-ep1-of-2.pt", "state.json"]
+
+
+@pytest.mark.slow
+def test_the_shipped_reward_model_reaches_its_accuracy_and_the_grpo_run_leads_back_to_it(e2e_run):
+    """configs/tiny-rm.yaml as shipped: held-out pairwise accuracy >= 0.9 (its publish gate),
+    published with a manifest and registered; the GRPO run scored `mixed` with it and its tags
+    name that registry version, URI, manifest hash and run."""
+    from mlflow.tracking import MlflowClient
+
+    from moerl.checkpoints import open_store
+    from moerl.config import CheckpointConfig
+
+    work, proc = e2e_run
+    assert proc.rm.returncode == 0, proc.rm.stdout[-3000:] + proc.rm.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
+    (rm_run,) = client.search_runs([client.get_experiment_by_name("moerl-tiny-rm").experiment_id])
+    assert rm_run.info.status == "FINISHED" and rm_run.data.metrics["rm/eval_accuracy"] >= 0.9
+    assert rm_run.data.metrics["rm/eval_pairs"] == 500 and rm_run.data.metrics["rm/data_bad_rows"] == 0
+    (mv,) = client.search_model_versions("name='moerl-tiny-rm'")
+    store = open_store(CheckpointConfig(uri=mv.tags["moerl.store_uri"]))
+    assert store.latest() == 1 and store.manifest(1).sha256() == mv.tags["moerl.manifest_sha256"]
+    assert mv.source == rm_run.data.tags["reward_model.uri"] and mv.run_id == rm_run.info.run_id
+    (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
+    tags = run.data.tags
+    assert tags["reward_model.registered"] == f"moerl-tiny-rm/{mv.version}" and tags["reward_model.uri"] == mv.source
+    assert tags["reward_model.manifest_sha256"] == mv.tags["moerl.manifest_sha256"]
+    assert tags["reward_model.run_id"] == rm_run.info.run_id and tags["reward_model.version"] == "1"
+    for key in ("reward/model_score_mean", "reward/rules_mean", "timing/reward_model_s"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1], key
+    assert run.data.params["reward.kind"] == "mixed"
