@@ -383,6 +383,9 @@ def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iteration
         dirs = {a: Path(tempfile.mkdtemp(prefix=f"{a}-", dir=_mkdir(root))) for a in arms}
         cfgs = {a: arm_config(config, overrides, a, iterations, dirs[a]) for a in arms}
         check_same_workload(cfgs)
+        if any(c.reward.kind != "rules" for c in cfgs.values()):
+            raise ConfigError("bench modes: reward.kind must be rules (the arms run in fresh stores, where no reward "
+                              "model is registered); compare reward-model runs with `moerl run`")
         # 2. the arms, one after another; a failed arm is recorded and the rest still run
         results: dict[str, dict[str, Any]] = {}
         for n, arm in enumerate(arms, 1):
