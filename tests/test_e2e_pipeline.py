@@ -229,6 +229,6 @@ def test_the_shipped_reward_model_reaches_its_accuracy_and_the_grpo_run_leads_ba
     assert tags["reward_model.registered"] == f"moerl-tiny-rm/{mv.version}" and tags["reward_model.uri"] == mv.source
     assert tags["reward_model.manifest_sha256"] == mv.tags["moerl.manifest_sha256"]
     assert tags["reward_model.run_id"] == rm_run.info.run_id and tags["reward_model.version"] == "1"
-    for key in ("reward/model_score_mean", "reward/rules_mean", "timing/reward_model_s"):
+    for key in ("reward/model_score_mean", "reward/rules_mean", "timing/reward/model_inference_s"):
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1], key
     assert run.data.params["reward.kind"] == "mixed"

@@ -91,7 +91,7 @@ def test_a_failing_batch_marks_its_samples_failed_and_counts_them(tiny_rm):
     with pytest.raises(DataError, match=r"2 of 4 samples failed .*reward model: ValueError"):
         run_reward(tight, tmp, tiny_rm.parent / "scored.jsonl", scorer)
     metrics = run_reward(cfg.reward, tmp, tiny_rm.parent / "scored.jsonl", scorer)
-    assert metrics["timing/reward_model_s"] > 0 and len(read_records(tiny_rm.parent / "scored.jsonl", ScoredSample)) == 4
+    assert metrics["timing/reward/model_inference_s"] > 0 and len(read_records(tiny_rm.parent / "scored.jsonl", ScoredSample)) == 4
 
 
 def test_kind_model_scores_with_the_normalized_model_score_only(tiny_rm):

@@ -14,7 +14,8 @@
 
 If more than `reward.max_failed_fraction` of the samples fail, the stage raises `DataError`:
 that many failures mean a broken verifier, model or dataset, and training on it would be
-noise. Reward-model inference time is its own metric (`timing/reward_model_s`), and the raw
+noise. Reward-model inference time is its own metric (`timing/reward/model_inference_s`, inside
+`timing/reward_s`, so not summed again into the iteration time), and the raw
 model scores are logged (`reward/model_score_mean`), so a run shows its reward-model score
 rising.
 """
@@ -164,7 +165,7 @@ def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path
     scored = score(read_records(samples_path, Sample), cfg, model)
     metrics = reward_metrics(scored)
     if model is not None:
-        metrics["timing/reward_model_s"] = model.seconds
+        metrics["timing/reward/model_inference_s"] = model.seconds
     failed = metrics["reward/failed_samples"]
     if scored and failed / len(scored) > cfg.max_failed_fraction:
         first = next(s.reward_error for s in scored if s.reward_failed)
