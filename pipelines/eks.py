@@ -43,8 +43,8 @@ from kfp import dsl, kubernetes
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
 
-GROUPS = ("trainer", "rollout", "cpu", "buffer")
-# Which worker group runs each stage (the seed's four groups).
+GROUPS = ("trainer", "rollout", "cpu", "buffer", "reward")
+# Which worker group runs each stage (the seed's four groups; `reward` is chosen in group_of).
 STAGE_GROUP: dict[str, str] = {
     "start_run": "cpu", "log_iteration": "cpu", "finish_run": "cpu", "close_run": "cpu",
     "reward": "cpu", "reward_scorer": "cpu",
@@ -92,8 +92,15 @@ def check_cluster_safe(cfg: RunConfig) -> None:
     if not cfg.task.dataset.startswith("builtin:"):
         problems.append(f"task.dataset: {cfg.task.dataset!r} is a file on this machine; use a builtin: dataset "
                         "shipped in the image")
+    if cfg.pipeline.kind == "reward_model" and not cfg.reward_model.data.startswith("builtin:"):
+        problems.append(f"reward_model.data: {cfg.reward_model.data!r} is a file on this machine; use a builtin: "
+                        "preference set shipped in the image")
+    if cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda" and not cfg.cluster.groups.reward.gpus:
+        problems.append("cluster.groups.reward.gpus: 0, but reward.model.device is cuda; give the reward group GPUs")
     images = {}  # what each group's tasks would pull, under the key that sets it
     for g in GROUPS:
+        if g == "reward" and cfg.reward.kind == "rules":  # no task runs on it
+            continue
         own = getattr(cfg.cluster.groups, g).image
         images[f"cluster.groups.{g}.image" if own else "pipeline.base_image"] = own or cfg.pipeline.base_image
     for key, image in images.items():

@@ -20,7 +20,7 @@ from moerl.runner import compile_pipeline
 
 S3, MLFLOW, VALKEY = "s3://moerl-runs/team", "https://mlflow.moerl.svc:5000", "redis://valkey.moerl.svc:6379/0"
 IMAGES = {"trainer": "ecr.example/moerl-trainer:1", "rollout": "ecr.example/moerl-rollout:1",
-          "cpu": "ecr.example/moerl-cpu:1", "buffer": "ecr.example/moerl-cpu:1"}
+          "cpu": "ecr.example/moerl-cpu:1", "buffer": "ecr.example/moerl-cpu:1", "reward": "ecr.example/moerl-trainer:1"}
 
 
 def _cfg(mode: str = "sync", **over) -> dict:
@@ -287,3 +287,10 @@ def test_the_reward_model_pipeline_compiles_for_eks(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.uri"):  # the same cluster-safety checks as GRPO
         compile_pipeline(parse_config({**data, "checkpoint": {"uri": "checkpoints"}}), tmp_path / "x.yaml",
                          target="eks")
+    with pytest.raises(ConfigError, match="reward_model.data: '/home/me/prefs.jsonl' is a file on this machine"):
+        compile_pipeline(parse_config({**data, "reward_model": {"data": "/home/me/prefs.jsonl"}}), tmp_path / "x.yaml",
+                         target="eks")
+    gpu_less = _cfg(reward={"kind": "model", "model": {"registered": "rm/1", "device": "cuda"}})
+    gpu_less["cluster"]["groups"]["reward"] = {"image": IMAGES["reward"], "gpus": 0}
+    with pytest.raises(ConfigError, match="cluster.groups.reward.gpus: 0, but reward.model.device is cuda"):
+        compile_pipeline(parse_config(gpu_less), tmp_path / "x.yaml", target="eks")
