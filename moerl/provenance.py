@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -121,19 +122,43 @@ def _efa_provider() -> str:
         return "unknown"
 
 
-def runtime_probe() -> dict[str, str]:
-    """What this process finds: `runtime.*` strings (see the module docstring). Imports torch."""
-    import torch
+def _light_torch() -> dict[str, str]:
+    """What a stage that does not use torch can say without importing it (about 2 s per task):
+    the installed build from package metadata, its CUDA from the build's local version
+    (+cu130 -> 13.0, +cpu -> None), and whether a GPU is usable from the NVIDIA driver's device
+    nodes (a CUDA build and /dev/nvidiactl)."""
+    version = _pkg("torch") or "absent"
+    local = version.partition("+")[2]
+    cuda_build = f"{local[2:-1]}.{local[-1]}" if local.startswith("cu") and local[2:].isdigit() else "None"
+    gpus = sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*")) if cuda_build != "None" \
+        and Path("/dev/nvidiactl").exists() else []
+    deep_ep = _pkg("deep_ep") or _pkg("deep-ep")
+    return {"runtime.torch": version, "runtime.torch_cuda": cuda_build,
+            "runtime.cuda_available": str(bool(gpus)).lower(), "runtime.gpus": str(len(gpus)),
+            "runtime.nccl": "not probed (a stage without torch)",
+            "runtime.deep_ep": f"installed {deep_ep} (not imported: a stage without torch)" if deep_ep
+            else "absent (not installed)"}
 
-    cuda = torch.cuda.is_available()
+
+def runtime_probe(light: bool = False) -> dict[str, str]:
+    """What this process finds: `runtime.*` strings (see the module docstring). Imports torch,
+    unless `light` (`_light_torch`)."""
     devices = _efa_devices()
-    probe = {
-        "runtime.torch": torch.__version__,
-        "runtime.torch_cuda": str(torch.version.cuda),
-        "runtime.cuda_available": str(cuda).lower(),
-        "runtime.gpus": str(torch.cuda.device_count() if cuda else 0),
-        "runtime.nccl": _nccl(),
-        "runtime.deep_ep": _deep_ep(),
+    if light:
+        probe = _light_torch()
+    else:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        probe = {
+            "runtime.torch": torch.__version__,
+            "runtime.torch_cuda": str(torch.version.cuda),
+            "runtime.cuda_available": str(cuda).lower(),
+            "runtime.gpus": str(torch.cuda.device_count() if cuda else 0),
+            "runtime.nccl": _nccl(),
+            "runtime.deep_ep": _deep_ep(),
+        }
+    probe |= {
         "runtime.efa_devices": ",".join(devices) or "none",
         "runtime.libfabric": _libfabric(),
         "runtime.libfabric_efa_provider": _efa_provider(),
@@ -165,7 +190,8 @@ def stage_start(cfg, stage: str, run_id: str = "", enforce: bool = True) -> dict
     pods have no GPU by design."""
     from moerl.errors import RequirementError
 
-    probe = runtime_probe()
+    # a CPU-group stage that has not loaded torch itself is probed without importing it
+    probe = runtime_probe(light=not enforce and "torch" not in sys.modules)
     if run_id:
         from moerl import tracking
 

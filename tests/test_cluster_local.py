@@ -2,9 +2,10 @@
 own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/podenv.py),
 sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), an MLflow tracking server
 (`mlflow server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn. A second run, warm-started from the first
-(`model.warm_start: previous`, as scheduled retraining does), fails in its first policy update:
-the stage is retried (`pipeline.task_retries`), then the exit handler marks the MLflow run
-FAILED, and `latest` stays on version 0.
+(`model.warm_start: previous`, as scheduled retraining does), requires a GPU its rollout node
+does not have (`require.gpu`): the rollout fails at its start, is retried
+(`pipeline.task_retries`), then the exit handler marks the MLflow run FAILED, and `latest`
+stays on version 0.
 
 kfp.local ignores the kfp-kubernetes settings (node selectors, volumes, Secrets); those are
 checked on the compiled YAML in tests/test_compile_eks.py."""
@@ -81,10 +82,9 @@ def cluster_run(s3_server, tmp_path_factory):
         ok_root.mkdir()
         bad_root.mkdir()
         ok_err = _run_sandboxed(_cluster_cfg(s3_server, url), ok_root)
-        # warm-started from the run above; a trainer config for a GPU node run on this one: the
-        # first policy update fails (twice: one retry), after version 0 was published and one
-        # rollout, reward and buffer ran
-        bad_err = _run_sandboxed(_cluster_cfg(s3_server, url, trainer={"device": "cuda"}, model={"warm_start": "previous"},
+        # warm-started from the run above, requiring a GPU this node lacks: the first rollout
+        # fails at its start (twice: one retry), after version 0 was published
+        bad_err = _run_sandboxed(_cluster_cfg(s3_server, url, require={"gpu": True}, model={"warm_start": "previous"},
                                               task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}),
                                  bad_root)
         yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "s3": s3_server}
@@ -98,7 +98,7 @@ def _runs(url: str):
     exp = client.get_experiment_by_name("cluster-local")
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
     assert len(runs) == 2
-    ok, bad = sorted(runs, key=lambda r: r.data.params["trainer.device"])  # cpu, cuda
+    ok, bad = sorted(runs, key=lambda r: r.data.params["require.gpu"])  # False, True
     return client, ok, bad
 
 
@@ -151,12 +151,13 @@ def test_a_failed_run_is_retried_then_marked_failed_by_the_exit_handler(cluster_
     client, _, bad = _runs(cluster_run["url"])
     assert bad.info.status == "FAILED"  # not left RUNNING
     assert bad.data.tags["moerl.status"] == "failed"
-    assert "policy" in bad.data.tags["moerl.error"] or "exit-handler" in bad.data.tags["moerl.error"]
+    assert "rollout" in bad.data.tags["moerl.error"] or "exit-handler" in bad.data.tags["moerl.error"]
+    assert bad.data.tags["runtime.rollout.cuda_available"] == "false"  # what the failing stage found, recorded
     # published state untouched: version 0 only, `latest` on it
     store = _store(cluster_run, bad.info.run_id)
     assert store.versions() == [0] and store.latest() == 0
-    # close, start, init, rollout, reward, buffer, and policy_update twice (one retry)
-    assert len(list((cluster_run["root"] / "bad" / "sandboxes").iterdir())) == 6 + 2
+    # close, start, init, and the rollout twice (one retry)
+    assert len(list((cluster_run["root"] / "bad" / "sandboxes").iterdir())) == 3 + 2
 
 
 @pytest.mark.slow

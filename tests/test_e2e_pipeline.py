@@ -223,10 +223,14 @@ def test_the_shipped_reward_model_reaches_its_accuracy_and_the_grpo_run_leads_ba
     (mv,) = client.search_model_versions("name='moerl-tiny-rm'")
     store = open_store(CheckpointConfig(uri=mv.tags["moerl.store_uri"]))
     assert store.latest() == 1 and store.manifest(1).sha256() == mv.tags["moerl.manifest_sha256"]
-    assert mv.source == rm_run.data.tags["reward_model.uri"] and mv.run_id == rm_run.info.run_id
+    # a local store: the registry's source is the run's artifact holding the manifest (an MLflow
+    # server accepts no other local path); the store version is found through the tags
+    assert mv.source == f"runs:/{rm_run.info.run_id}/reward_model" and mv.run_id == rm_run.info.run_id
+    assert rm_run.data.tags["reward_model.uri"] == f"{mv.tags['moerl.store_uri']}/versions/v000001"
     (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
     tags = run.data.tags
-    assert tags["reward_model.registered"] == f"moerl-tiny-rm/{mv.version}" and tags["reward_model.uri"] == mv.source
+    assert tags["reward_model.registered"] == f"moerl-tiny-rm/{mv.version}"
+    assert tags["reward_model.uri"] == rm_run.data.tags["reward_model.uri"]
     assert tags["reward_model.manifest_sha256"] == mv.tags["moerl.manifest_sha256"]
     assert tags["reward_model.run_id"] == rm_run.info.run_id and tags["reward_model.version"] == "1"
     for key in ("reward/model_score_mean", "reward/rules_mean", "timing/reward/model_inference_s"):

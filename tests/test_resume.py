@@ -25,10 +25,10 @@ def _cfg(tmp_path, iterations):
     }))
 
 
-def _run_and_kill_once_published(tmp_path, env, version):
-    """Start `moerl run run.yaml`; SIGKILL its whole process tree (CLI + running task) as soon
-    as `latest` reaches `version`; return the run's store."""
-    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
+def _run_and_kill_once_published(tmp_path, env, version, *args):
+    """Start `moerl run run.yaml [args]`; SIGKILL its whole process tree (CLI + running task) as
+    soon as `latest` reaches `version`; return the run's store and what the CLI printed."""
+    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "run", "run.yaml", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 600
     store = None
@@ -42,40 +42,46 @@ def _run_and_kill_once_published(tmp_path, env, version):
         assert proc.poll() is None, proc.stdout.read()[-3000:]
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    out = proc.communicate()[0]
     assert store is not None, "the run published nothing before the deadline"
-    return store
+    return store, out
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_from_last_complete_version(tmp_path):
+def test_a_run_killed_twice_resumes_each_time_from_its_last_complete_version(tmp_path):
+    """Killed once version 0 is published (during iteration 0), resumed through `resume_policy`
+    (it used to republish version 0 and fail "already exists"); that resume killed once version 1
+    is published, resumed again from version 1 with the trainer state (optimizer, counters) it
+    had; then done, and a resume of the finished run does nothing."""
     from mlflow.tracking import MlflowClient
 
     _cfg(tmp_path, iterations=2)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    # 1. kill the whole process tree (CLI + running task) once version 1 is published (an
-    # iteration before the last one: polled every 0.2 s, against tens of seconds per iteration)
-    store = _run_and_kill_once_published(tmp_path, env, version=1)
-    killed_at = store.latest()
-    assert killed_at == 1 and store.versions() == [0, 1]
+    # 1. kill the whole process tree (CLI + running task) once version 0 is published
+    store, _ = _run_and_kill_once_published(tmp_path, env, 0)
+    assert store.latest() == 0 and store.versions() == [0]
     run_id = store.uri.rstrip("/").rsplit("/", 1)[-1]
-
-    # 2. resume: same MLflow run, continues from `latest`
+    # 2. resume from version 0, killed again once version 1 is published (polled every 0.2 s,
+    # against tens of seconds per iteration)
+    store, out = _run_and_kill_once_published(tmp_path, env, 1, "--resume", run_id)
+    assert f"resuming MLflow run {run_id} from version 0" in out
+    assert store.latest() == 1 and store.versions() == [0, 1]
+    # 3. resume from version 1 to the end: same MLflow run, each version once
     r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"resuming MLflow run {run_id} from version {killed_at}" in r.stdout
-    assert store.versions() == [0, 1, 2] and store.latest() == 2  # each version once
-    # 3. the trainer state continued: counters count every optimizer step of every iteration
+    assert f"resuming MLflow run {run_id} from version 1" in r.stdout
+    assert store.versions() == [0, 1, 2] and store.latest() == 2
+    # 4. the trainer state continued across the second kill: every optimizer step counted
     state = json.loads((store.fetch(2, tmp_path / "verify") / "trainer" / "state.json").read_text())
     assert state["version"] == 2 and state["step"] == 2 * 2
-    # 4. one MLflow run, finished, with every iteration's metrics
+    # 5. one MLflow run, finished, with the iterations' metrics
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert {1} <= {m.step for m in client.get_metric_history(run_id, "reward/mean")} <= {0, 1}
-    assert any(k.startswith("moerl.resumed_at.") for k in run.data.tags)
-    # 5. resuming a finished run does nothing
+    assert len([k for k in run.data.tags if k.startswith("moerl.resumed_at.")]) == 2  # one per resume that ran
+    # 6. resuming a finished run does nothing
     r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "nothing to resume" in r.stdout
@@ -107,21 +113,3 @@ def test_resume_of_an_unknown_run_fails_clearly(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1
     assert "--resume: no MLflow run 'nosuchrun'" in r.stderr and "Traceback" not in r.stderr
-
-
-@pytest.mark.slow
-def test_run_killed_during_iteration_0_resumes_from_version_0(tmp_path):
-    """Killed once version 0 is published (during iteration 0): resume continues from version 0
-    through `resume_policy`, where it used to republish version 0 and fail ("already exists")."""
-    _cfg(tmp_path, iterations=1)  # one iteration is enough: the failure was at the resume's first task
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    store = _run_and_kill_once_published(tmp_path, env, version=0)
-    assert store.latest() == 0 and store.versions() == [0]
-    run_id = store.uri.rstrip("/").rsplit("/", 1)[-1]
-    r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"resuming MLflow run {run_id} from version 0" in r.stdout
-    assert store.versions() == [0, 1] and store.latest() == 1
-    state = json.loads((store.fetch(1, tmp_path / "verify") / "trainer" / "state.json").read_text())
-    assert state["version"] == 1 and state["step"] == 2

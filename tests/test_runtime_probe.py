@@ -90,3 +90,18 @@ def test_cpu_group_stages_record_the_probe_but_do_not_enforce_gpu_requirements(t
     assert tags["runtime.reward.torch"] == probe["runtime.torch"]
     with pytest.raises(RequirementError, match="policy_update: require.gpu"):
         provenance.stage_start(cfg, "policy_update", run_id)
+
+
+def test_the_light_probe_reads_the_build_without_importing_torch(monkeypatch):
+    """CPU-group stages that do not load torch are probed from package metadata and the
+    NVIDIA device nodes (moerl/provenance.py `_light_torch`)."""
+    full, light = provenance.runtime_probe(), provenance.runtime_probe(light=True)
+    assert light["runtime.torch"] == full["runtime.torch"] and light["runtime.torch_cuda"] == full["runtime.torch_cuda"]
+    assert light["runtime.cuda_available"] == full["runtime.cuda_available"] == "false"
+    assert {k: v for k, v in light.items() if k.startswith("runtime.env.")} == \
+           {k: v for k, v in full.items() if k.startswith("runtime.env.")}
+    versions = {"torch": "2.11.0+cu130", "deep_ep": "2.1.0"}
+    monkeypatch.setattr(provenance, "_pkg", versions.get)
+    gpu_build = provenance._light_torch()
+    assert gpu_build["runtime.torch_cuda"] == "13.0" and gpu_build["runtime.deep_ep"].startswith("installed 2.1.0")
+    assert gpu_build["runtime.cuda_available"] == str(provenance.Path("/dev/nvidiactl").exists()).lower()

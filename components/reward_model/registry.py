@@ -2,9 +2,12 @@
 
 A reward-model run publishes its model as version 1 of its own lineage in the checkpoint
 store (`<checkpoint.uri>/runs/<run_id>/versions/v000001`: safetensors, config, tokenizer and a
-manifest with every file's sha256), then registers that version URI in MLflow's model
-registry under `reward_model.registry_name`, with tags naming the store, the store version,
-the manifest's sha256 and the held-out accuracy.
+manifest with every file's sha256), then registers it in MLflow's model registry under
+`reward_model.registry_name`, with tags naming the store, the store version, the manifest's
+sha256 and the held-out accuracy. The registry's `source` is the version's URI for an S3
+store; for a local store it is `runs:/<run_id>/reward_model`, where the manifest is logged as an
+artifact (an MLflow server accepts a local path as a source only inside the run's artifacts).
+Either way moerl finds the files through the tags, not the source.
 
 A GRPO run names it `reward.model.registered: <name>/<version|latest>`. `resolve` reads the
 registry (failing before any work when the name or version does not exist); `fetch` brings
@@ -32,23 +35,28 @@ TAG_ACCURACY = "moerl.eval_accuracy"
 class RegisteredRewardModel:
     name: str
     registry_version: str
-    source: str  # the version URI in the checkpoint store
+    source: str  # the registry's source (see the module docstring)
     store_uri: str  # the lineage it was published in: <checkpoint.uri>/runs/<rm run id>
     store_version: int
     manifest_sha256: str
     rm_run_id: str
     eval_accuracy: str
 
+    @property
+    def uri(self) -> str:
+        """The version's URI in the checkpoint store."""
+        return f"{self.store_uri.rstrip('/')}/versions/v{self.store_version:06d}"
+
     def lineage_tags(self) -> dict[str, str]:
         return {"reward_model.registered": f"{self.name}/{self.registry_version}",
-                "reward_model.uri": self.source, "reward_model.version": str(self.store_version),
+                "reward_model.uri": self.uri, "reward_model.version": str(self.store_version),
                 "reward_model.manifest_sha256": self.manifest_sha256, "reward_model.run_id": self.rm_run_id,
                 "reward_model.eval_accuracy": self.eval_accuracy}
 
 
-def register(tracking_uri: str, name: str, source: str, rm_run_id: str, store_uri: str, store_version: int,
-             manifest_sha256: str, accuracy: float) -> str:
-    """Register `source` as a new version of `name`; returns the registry version."""
+def register(tracking_uri: str, name: str, version_uri: str, rm_run_id: str, store_uri: str, store_version: int,
+             manifest_json: str, manifest_sha256: str, accuracy: float) -> str:
+    """Register the published version as a new version of `name`; returns the registry version."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -58,6 +66,10 @@ def register(tracking_uri: str, name: str, source: str, rm_run_id: str, store_ur
     except MlflowException as err:
         if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
             raise
+    source = version_uri
+    if "://" not in version_uri:  # a local store (see the module docstring)
+        client.log_text(rm_run_id, manifest_json, "reward_model/manifest.json")
+        source = f"runs:/{rm_run_id}/reward_model"
     mv = client.create_model_version(name, source=source, run_id=rm_run_id, tags={
         TAG_STORE: store_uri, TAG_STORE_VERSION: str(store_version), TAG_MANIFEST: manifest_sha256,
         TAG_ACCURACY: f"{accuracy:.4f}"})
@@ -102,7 +114,7 @@ def fetch(ckpt: CheckpointConfig, rm: RegisteredRewardModel) -> Path:
     store = open_store(ckpt.model_copy(update={"uri": rm.store_uri}))
     manifest = store.manifest(rm.store_version)
     if manifest.sha256() != rm.manifest_sha256:
-        raise CheckpointError(f"reward model {rm.name}/{rm.registry_version}: the manifest in {rm.source} has sha256 "
+        raise CheckpointError(f"reward model {rm.name}/{rm.registry_version}: the manifest in {rm.uri} has sha256 "
                               f"{manifest.sha256()}, the registry recorded {rm.manifest_sha256}: the published "
                               f"version changed after it was registered")
     return store.fetch(rm.store_version, Path(ckpt.cache_dir) / "reward-models" / (rm.rm_run_id or rm.name))

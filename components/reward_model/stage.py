@@ -82,7 +82,8 @@ def publish(cfg: RunConfig, run_id: str, model_path: str | Path, eval_metrics: d
         "eval_pairs": str(int(eval_metrics.get("rm/eval_pairs", 0)))})
     source = version_uri(store, PUBLISHED_VERSION)
     name = cfg.reward_model.registry_name
-    registered = register(uri, name, source, run_id, store.uri, PUBLISHED_VERSION, manifest.sha256(), accuracy)
+    registered = register(uri, name, source, run_id, store.uri, PUBLISHED_VERSION, manifest.to_json(),
+                          manifest.sha256(), accuracy)
     out = {"registered": f"{name}/{registered}", "uri": source, "manifest_sha256": manifest.sha256(),
            "version": str(PUBLISHED_VERSION)}
     tracking.set_tags(uri, run_id, {f"reward_model.{k}": v for k, v in out.items()})
