@@ -178,12 +178,9 @@ class _V1Wire:
         return self.buffer.dispatch(grad_out_TH, handle=dhandle)[0]
 
 
-class _V2Wire:
-    """DeepEP v2 `ElasticBuffer`: one dispatch call (layout included), the same unweighted
-    combine, and the cached-handle dispatch. Rows past the received count are padding."""
-
-    def __init__(self, buffer: Any, num_experts: int):
-        self.buffer, self.num_experts = buffer, num_experts
+class _V2Wire(_V1Wire):
+    """DeepEP v2 `ElasticBuffer`: one dispatch call (layout included); combine and the
+    cached-handle dispatch as in V1. Rows past the received count are padding."""
 
     def dispatch(self, x_TH: Tensor, idx_TK: Tensor, w_TK: Tensor) -> tuple[Tensor, Tensor, Tensor, list[int], Any, dict]:
         recv_x_SH, recv_idx_SK, recv_w_SK, ehandle, _ = self.buffer.dispatch(
@@ -194,16 +191,6 @@ class _V2Wire:
             recv_idx_SK = recv_idx_SK.clone()
             recv_idx_SK[num_recv:] = -1
         return recv_x_SH, recv_idx_SK, recv_w_SK, list(ehandle.num_recv_tokens_per_expert_list), ehandle, {}
-
-    def dispatch_backward(self, grad_x_SH: Tensor, grad_w_SK: Tensor, ehandle: Any) -> tuple[Tensor, Tensor]:
-        grad_x_TH, grad_w_TK, _ = self.buffer.combine(grad_x_SH, ehandle, topk_weights=grad_w_SK)
-        return grad_x_TH, grad_w_TK
-
-    def combine(self, partial_SH: Tensor, ehandle: Any) -> Tensor:
-        return self.buffer.combine(partial_SH, ehandle)[0]
-
-    def combine_backward(self, grad_out_TH: Tensor, ehandle: Any) -> Tensor:
-        return self.buffer.dispatch(grad_out_TH, handle=ehandle)[0]
 
 
 class _NormalDispatch(torch.autograd.Function):

@@ -31,7 +31,7 @@ from typing import BinaryIO, Iterator
 from pydantic import ValidationError
 
 from moerl.errors import DataError
-from moerl.records import Prompt
+from moerl.records import Prompt, R
 from moerl.userfiles import FileProblem, decode_text, kind_problem, one_line
 
 TASKS = ("copy", "reverse", "add")
@@ -131,15 +131,19 @@ def json_line(raw: bytes | None) -> object:
         raise FileProblem("JSON nested too deeply") from None
 
 
-def _parse_row(raw: bytes | None) -> Prompt:
-    """One dataset row, or FileProblem saying why the line is malformed."""
-    obj = json_line(raw)
+def validate_row(cls: type[R], obj: object, rows: str) -> R:
+    """`obj` as a `cls` record, or FileProblem naming the first bad field and the schema."""
     try:
-        row = Prompt.model_validate(obj)
+        return cls.model_validate(obj)
     except ValidationError as err:
         e = err.errors(include_url=False)[0]
         where = ".".join(str(x) for x in e["loc"]) or "row"
-        raise FileProblem(one_line(f"{where}: {e['msg']}; a row is {{id, task, prompt, answer}}")) from None
+        raise FileProblem(one_line(f"{where}: {e['msg']}; a row is {rows}")) from None
+
+
+def _parse_row(raw: bytes | None) -> Prompt:
+    """One dataset row, or FileProblem saying why the line is malformed."""
+    row = validate_row(Prompt, json_line(raw), "{id, task, prompt, answer}")
     if any("\x00" in v for v in (row.id, row.task, row.prompt, row.answer)):
         raise FileProblem("a field holds a NUL character (\\u0000)")
     return row

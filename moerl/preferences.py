@@ -26,9 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from pydantic import ValidationError
-
-from moerl.dataset import _lines, json_line, load_dataset, resolve_path
+from moerl.dataset import _lines, json_line, load_dataset, resolve_path, validate_row
 from moerl.errors import DataError
 from moerl.records import PreferencePair, Prompt
 from moerl.userfiles import FileProblem, one_line
@@ -58,13 +56,7 @@ def _check(row: PreferencePair) -> PreferencePair:
 
 
 def _validate(obj: object) -> PreferencePair:
-    try:
-        row = PreferencePair.model_validate(obj)
-    except ValidationError as err:
-        e = err.errors(include_url=False)[0]
-        where = ".".join(str(x) for x in e["loc"]) or "row"
-        raise FileProblem(one_line(f"{where}: {e['msg']}; a row is {ROWS}")) from None
-    return _check(row)
+    return _check(validate_row(PreferencePair, obj, ROWS))
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, PreferencePair | FileProblem]]:

@@ -62,7 +62,7 @@ from moerl.components.reward.component import reward_scorer
 from moerl.components.rollout.component import rollout_worker
 from moerl.components.tracking.component import close_run, finish_run, start_run
 from moerl.config import RunConfig, config_to_json
-from moerl.pipelines.grpo import task_settings  # caching off, display name, EKS pod settings
+from moerl.pipelines.grpo import components, task_settings  # caching off, display name, EKS pod settings
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f for f in (start_run, init_policy, rollout_worker, reward_scorer, async_trainer, finish_run,
@@ -88,9 +88,7 @@ class AsyncOps:
 
 
 def make_async_ops(base_image: str) -> AsyncOps:
-    # install_kfp_package=False: the moerl image already carries kfp (as in pipelines/grpo.py).
-    return AsyncOps(**{name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
-                       for name, f in STAGE_FUNCS.items()})
+    return AsyncOps(**components(STAGE_FUNCS, base_image))
 
 
 

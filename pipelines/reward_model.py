@@ -29,7 +29,7 @@ from moerl.components.reward_model.component import (evaluate_reward_model, prep
                                                      publish_reward_model, train_reward_model)
 from moerl.components.tracking.component import close_run, finish_run, start_run
 from moerl.config import RunConfig, config_to_json
-from moerl.pipelines.grpo import task_settings  # caching off, display name, EKS pod settings
+from moerl.pipelines.grpo import components, task_settings  # caching off, display name, EKS pod settings
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f for f in (start_run, prepare_preferences, train_reward_model, evaluate_reward_model,
@@ -49,8 +49,7 @@ class RewardModelOps:
 
 
 def make_rm_ops(base_image: str) -> RewardModelOps:
-    return RewardModelOps(**{name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
-                             for name, f in STAGE_FUNCS.items()})
+    return RewardModelOps(**components(STAGE_FUNCS, base_image))
 
 
 def build_reward_model_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str = "local", run_id: str = ""):
