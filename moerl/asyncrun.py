@@ -22,6 +22,7 @@ Each process logs to `<pipeline.work_dir>/<run_id>/logs/<name>.log`.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from moerl.errors import MoerlError
 MODULES = {"trainer": "moerl.components.policy_update.worker", "rollout": "moerl.components.rollout.worker",
            "scorer": "moerl.components.reward.worker"}
 TRAINER_RETRIES = 2
+log = logging.getLogger(__name__)
 
 
 def cpu_plan(cpus: list[int], workers: int) -> dict[str, list[int]]:
@@ -212,7 +214,11 @@ def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
     shutil.rmtree(state, ignore_errors=True)
 
 
-def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None):
+def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
+              on_tick: Callable[[LocalAsyncRun], None] | None = None, stats: dict | None = None):
+    """Run the async mode locally. `on_tick` is called with the LocalAsyncRun about every 0.2 s
+    (benchmarks inject faults through it); `stats`, when given, receives the bus counters, the
+    restarts and each child's exit codes once the run ends."""
     from moerl.runner import RunSummary, _report, _resume_point, absolutize, begin_run, preflight
 
     # 1. preflight, absolute paths, credentials into the environment
@@ -241,7 +247,7 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None):
         run = LocalAsyncRun(cfg, run_id, work, server)
         run.start()
         with procs.sigterm_raises():
-            run.supervise()
+            run.supervise(on_tick=on_tick)
         policy = run_store(cfg.checkpoint, run_id)
         final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
         tracking.finish_run(uri, run_id, final_uri, work)
@@ -255,6 +261,12 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None):
         print(f"moerl: error: async run failed: {why}", file=sys.stderr, flush=True)
     finally:
         if run is not None:
+            if stats is not None:
+                try:
+                    stats.update(counters=run.bus.counters(), restarts=run.restarts,
+                                 exits={c.name: list(c.exits) for c in run.children.values()})
+                except Exception as err:  # noqa: BLE001 - the caller sees stats missing, the run's outcome stands
+                    log.warning("could not read the run's counters: %s", err)
             run.stop()
         if server is not None:
             server.stop()

@@ -10,9 +10,9 @@
     moerl schedule CONFIG --cron '0 0 3 * * *' --host URL   a KFP recurring run (warm-started);
                                 --argo-out FILE also writes an Argo CronWorkflow
     moerl submit CONFIG --host URL   compile for EKS and start one KFP run
-    moerl bench weights         publish / fetch / hot-swap / redistribution, side by side
-    moerl bench ep-memory       peak RSS per expert-parallel rank at EP = 1, 2, 4, side by side
-    moerl bench modes CONFIG    sync vs async vs the one-process floor on the same workload
+    moerl bench suite|scaling|failures|modes|project|weights|dispatch|ep-memory
+                                benchmarks, each side by side (moerl/bench/cli.py lists them all)
+    moerl compare RUN_ID...     MLflow runs side by side: differing params, deltas vs noise, plots
 
 `--mode` (sync or async) selects the config file's `modes:` block and `pipeline.mode`; without
 it the file's `pipeline.mode` decides (default sync).
@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from moerl.bench.cli import add_bench_parsers
 from moerl.config import load_config
 from moerl.errors import MoerlError
 from moerl.schedule import add_parsers as add_schedule_parsers
@@ -80,41 +81,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
-def _cmd_bench_weights(args: argparse.Namespace) -> int:
-    from moerl.components.redistribute_weights.bench import run_bench
-
-    rows = run_bench([s for s in args.sizes.split(",") if s], Path(args.out), repeats=args.repeats,
-                     endpoint_url=args.endpoint_url, bucket=args.bucket)
-    return 0 if all(r.parity_ok for r in rows) else 1
-
-
-def _cmd_bench_dispatch(args: argparse.Namespace) -> int:
-    from moerl.kernels.bench import run_bench_dispatch
-
-    run_bench_dispatch(tokens=args.tokens, hidden=args.hidden, topk=args.topk, experts=args.experts, skew=args.skew,
-                       world_sizes=tuple(int(w) for w in args.world_sizes.split(",")),
-                       ranks_per_node=args.ranks_per_node, warmup=args.warmup, repeats=args.repeats,
-                       out=Path(args.out))
-    return 0
-
-
-def _cmd_bench_ep_memory(args: argparse.Namespace) -> int:
-    from moerl.components.policy_update.bench_memory import parse_world_sizes, run_bench_ep_memory
-
-    run_bench_ep_memory(parse_world_sizes(args.world_sizes), Path(args.out), num_layers=args.layers,
-                        num_experts=args.experts, hidden_size=args.hidden,
-                        moe_intermediate_size=args.moe_intermediate_size)
-    return 0
-
-
-def _cmd_bench_modes(args: argparse.Namespace) -> int:
-    from moerl.bench.modes import parse_arms, run_bench_modes
-
-    report = run_bench_modes(args.config, args.set, iterations=args.iterations, out=args.out,
-                             arms=parse_arms(args.arms), work_dir=args.work_dir)
-    return 0 if report["ok"] else 1
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -149,43 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"default {DEFAULT_COMPILED['sync']} (sync) or {DEFAULT_COMPILED['async']} (async)")
     comp.set_defaults(func=_cmd_compile)
 
-    bench = sub.add_parser("bench", help="benchmarks (side by side, ratios)")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    bw = bsub.add_parser("weights", help="publish / fetch / hot-swap / redistribution of a policy version")
-    bw.add_argument("--sizes", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
-    bw.add_argument("--repeats", type=int, default=3)
-    bw.add_argument("--out", default="bench/weights.json")
-    bw.add_argument("--endpoint-url", default=None, help="an S3 endpoint (default: start weed mini on 127.0.0.1)")
-    bw.add_argument("--bucket", default="moerl-bench")
-    bw.set_defaults(func=_cmd_bench_weights)
-    bd = bsub.add_parser("dispatch", help="expert-parallel dispatch/combine backends side by side (gloo here)")
-    bd.add_argument("--tokens", type=int, default=4096)
-    bd.add_argument("--hidden", type=int, default=1024)
-    bd.add_argument("--topk", type=int, default=8)
-    bd.add_argument("--experts", type=int, default=64)
-    bd.add_argument("--skew", choices=["uniform", "zipf"], default="uniform")
-    bd.add_argument("--world-sizes", default="2,4")
-    bd.add_argument("--ranks-per-node", type=int, default=2)
-    bd.add_argument("--warmup", type=int, default=5)
-    bd.add_argument("--repeats", type=int, default=20)
-    bd.add_argument("--out", default="bench/dispatch.json")
-    bd.set_defaults(func=_cmd_bench_dispatch)
-    bm = bsub.add_parser("ep-memory", help="peak RSS per expert-parallel rank at EP = 1, 2, 4 (load, step, save)")
-    bm.add_argument("--world-sizes", default="1,2,4")
-    bm.add_argument("--layers", type=int, default=None, help="default 4")
-    bm.add_argument("--experts", type=int, default=None, help="default 64")
-    bm.add_argument("--hidden", type=int, default=None, help="default 512")
-    bm.add_argument("--moe-intermediate-size", type=int, default=None, help="default 256")
-    bm.add_argument("--out", default="bench/ep_memory.json")
-    bm.set_defaults(func=_cmd_bench_ep_memory)
-    bmo = bsub.add_parser("modes", help="the same workload in sync, async and the one-process floor, side by side")
-    bmo.add_argument("config")
-    bmo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    bmo.add_argument("--iterations", type=int, default=10, help="versions per arm (sync iterations = async versions)")
-    bmo.add_argument("--arms", default="floor,sync,async")
-    bmo.add_argument("--out", default="bench/modes.json")
-    bmo.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
-    bmo.set_defaults(func=_cmd_bench_modes)
+    add_bench_parsers(sub)  # moerl bench ..., moerl compare (moerl/bench/cli.py)
 
     config = sub.add_parser("config", help="inspect a run config")
     csub = config.add_subparsers(dest="config_command", required=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -86,7 +87,7 @@ def _client(uri: str):
 
 def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
     """Create the run: params are the resolved config, tags the provenance. Returns run_id."""
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import RunTag
 
     client = _client(uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -95,11 +96,18 @@ def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
     if cfg.tracking.run_name:
         all_tags["mlflow.runName"] = cfg.tracking.run_name
     run = client.create_run(exp_id, tags=all_tags)
-    params = [Param(k, redact(v)[:6000]) for k, v in flatten(cfg).items()]
-    for i in range(0, len(params), 100):
-        client.log_batch(run.info.run_id, params=params[i : i + 100])
+    log_params(client, run.info.run_id, flatten(cfg))
     client.log_batch(run.info.run_id, tags=[RunTag("moerl.status", "running")])
     return run.info.run_id
+
+
+def log_params(client, run_id: str, params: dict[str, Any]) -> None:
+    """Log `params` (values redacted, cut to MLflow's 6000 characters) in batches of 100."""
+    from mlflow.entities import Param
+
+    items = [Param(k, redact(str(v))[:6000]) for k, v in params.items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[i : i + 100])
 
 
 def log_metrics(uri: str, run_id: str, step: int, metrics: dict[str, float]) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
-    from moerl.components.policy_update.bench_memory import run_bench_ep_memory
+    from moerl.bench.ep_memory import run_bench_ep_memory
 
     out = tmp_path / "bench" / "ep_memory.json"
     run_bench_ep_memory((1, 2), out, num_layers=2, num_experts=16, hidden_size=256, moe_intermediate_size=256)

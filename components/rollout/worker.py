@@ -83,6 +83,7 @@ class RolloutWorker:
         self.version: int | None = None
         self.busy_s = 0.0
         self.t_start = time.perf_counter()
+        self.started_unix = time.time()  # in the stats: tells this process from a predecessor of the same name
         self.drain = _Drain(cfg.rollout.grace_seconds)
         self.holder = f"rollout-{socket.gethostname()}-{name}"
         self._last_renew = 0.0
@@ -182,7 +183,7 @@ class RolloutWorker:
         while not stop.wait(2.0):
             try:
                 self.bus.heartbeat(self.name, ttl_s=10.0, busy_s=self.busy_s,
-                                   wall_s=time.perf_counter() - self.t_start,
+                                   wall_s=time.perf_counter() - self.t_start, started_unix=self.started_unix,
                                    version=float(self.version if self.version is not None else -1))
             except Exception as err:  # noqa: BLE001 - liveness is advisory; the loop reports real failures
                 log.warning("%s: heartbeat failed: %s", self.name, err)

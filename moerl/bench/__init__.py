@@ -1,10 +1,15 @@
-"""Benchmark reports: one JSON file per benchmark and a plain-text table on stdout.
+"""Every benchmark, in one home: `moerl bench ...` (moerl/bench/cli.py lists them) and
+`moerl compare`, with one report format.
 
-Every `moerl bench ...` command prints a table to read and writes the same numbers, with the
-versions it ran on, as JSON to `--out`. The helpers here keep that shape in one place.
-
-Limitations: the benches that predate this package (`moerl bench weights`, `dispatch`,
-`ep-memory`) keep their own writers; new benches should use these.
+Every report is a JSON object with the same envelope (`envelope`):
+    bench     which benchmark ("suite", "scaling", "failures", "modes", "project", "weights",
+              "dispatch", "ep-memory", "compare")
+    schema    the report format's version (1)
+    ok        whether every check the benchmark makes held (the command exits non-zero if not)
+    versions  what it ran on: moerl version and git sha, torch, vLLM, NCCL, DeepEP, libfabric
+and the benchmark's own fields. Each command also prints a plain-text table; the workload
+benchmarks add PNG plots and a Markdown summary. docs/benchmarks.md describes each one and
+holds reports measured here.
 """
 
 from __future__ import annotations
@@ -12,6 +17,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Sequence
+
+
+SCHEMA = 1
+
+
+def envelope(bench: str, ok: bool, **fields: Any) -> dict[str, Any]:
+    """A report: the common envelope (bench, schema, ok, versions) around `fields`."""
+    from moerl import provenance
+
+    return {"bench": bench, "schema": SCHEMA, "ok": ok, **fields, "versions": provenance.collect()}
 
 
 def write_report(out: Path, report: dict[str, Any]) -> Path:

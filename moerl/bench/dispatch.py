@@ -17,7 +17,7 @@ only (no autograd graph), 20 repeats by default instead of 50, and on CPU the "n
 gloo over loopback on a shared, small core count, so absolute numbers say nothing about
 GPUs; the byte counts and the relative ordering are what carry over.
 
-CPU:     python -m moerl.kernels.bench --out bench_dispatch.json
+CPU:     python -m moerl.bench.dispatch --out bench_dispatch.json
 GPU:     kernels/gpu_bench.sh (torchrun, NCCL, and deepep where installed)
 """
 
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moerl.bench import envelope, write_report
 from moerl.kernels.dispatcher import make_dispatcher
 
 ZIPF_EXPONENT = 1.0
@@ -152,7 +153,7 @@ def _spawned_world(rank: int, world: int, port: int, cfg: dict, backends: list[s
 def run_bench_dispatch(tokens: int = 4096, hidden: int = 1024, topk: int = 8, experts: int = 64,
                        skew: str = "uniform", world_sizes: tuple[int, ...] = (2, 4), ranks_per_node: int = 2,
                        warmup: int = 5, repeats: int = 20, out: Path | None = None, dtype: str = "bfloat16",
-                       threads_per_rank: int = 1) -> dict[str, Any]:
+                       threads_per_rank: int = 1, echo: bool = True) -> dict[str, Any]:
     """Benchmark on CPU: local at world 1 (in this process), then all_to_all and
     hierarchical in spawned gloo worlds. Prints a table; writes JSON to `out` if given."""
     import tempfile
@@ -175,12 +176,14 @@ def run_bench_dispatch(tokens: int = 4096, hidden: int = 1024, topk: int = 8, ex
             mp.spawn(_spawned_world, args=(world, _free_port(), wcfg, ["all_to_all", "hierarchical", "deepep"],
                                            out_file), nprocs=world, join=True)
             results += json.loads(Path(out_file).read_text())
-    report = {"config": cfg | {"ranks_per_node": ranks_per_node, "world_sizes": list(world_sizes),
-                               "device": "cpu", "transport": "gloo over loopback"},
-              "methodology": __doc__.split("Methodology")[1].split("CPU:")[0].strip(), "results": results}
-    print(format_table(report))
+    report = envelope("dispatch", True, config=cfg | {"ranks_per_node": ranks_per_node,
+                                                       "world_sizes": list(world_sizes), "device": "cpu",
+                                                       "transport": "gloo over loopback"},
+                      methodology=__doc__.split("Methodology")[1].split("CPU:")[0].strip(), results=results)
+    if echo:
+        print(format_table(report))
     if out is not None:
-        Path(out).write_text(json.dumps(report, indent=2))
+        write_report(Path(out), report)
     return report
 
 
@@ -222,11 +225,11 @@ def _torchrun_main(args: argparse.Namespace) -> None:
            "dtype": args.dtype, "deepep_options": {"mode": args.deepep_mode}}
     results = [bench_backend(b, cfg, device) for b in ("all_to_all", "hierarchical", "deepep")]
     if dist.get_rank() == 0:
-        report = {"config": cfg | {"device": device, "world": dist.get_world_size(),
-                                   "transport": dist.get_backend()}, "results": results}
+        report = envelope("dispatch", True, config=cfg | {"device": device, "world": dist.get_world_size(),
+                                                           "transport": dist.get_backend()}, results=results)
         print(format_table(report))
         if args.out:
-            Path(args.out).write_text(json.dumps(report, indent=2))
+            write_report(Path(args.out), report)
     dist.destroy_process_group()
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moerl.bench import envelope, write_report
 from moerl.errors import ConfigError
 
 BENCH_MODEL = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
@@ -162,11 +163,12 @@ def run_bench_ep_memory(world_sizes: tuple[int, ...] = (1, 2, 4), out: Path | No
             results += json.loads(Path(out_file).read_text())
     per_layer = tiny.num_experts * 3 * tiny.hidden_size * tiny.moe_intermediate_size * 4
     expert_mb = per_layer * tiny.num_layers / 2**20
-    report = {"model": model, "expert_mb_total": expert_mb, "other_mb_total": results[0]["replicated_mb_held"],
-              "methodology": __doc__.split("Methodology: ")[1].split("Limitations:")[0].strip(),
-              "results": _ratio_rows(results, expert_mb)}
+    report = envelope("ep-memory", True, model=model, expert_mb_total=expert_mb,
+                      other_mb_total=results[0]["replicated_mb_held"],
+                      methodology=__doc__.split("Methodology: ")[1].split("Limitations:")[0].strip(),
+                      results=_ratio_rows(results, expert_mb))
     print(format_table(report))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
+        write_report(out, report)
     return report

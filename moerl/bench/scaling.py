@@ -1,0 +1,140 @@
+"""`moerl bench scaling CONFIG`: the same workload at several sizes, async mode.
+
+The workload definition is held fixed (the config's model, dataset, prompts per version,
+samples per prompt, response length, optimizer steps, versions; `modes.check_same_workload`
+refuses any difference). What varies is the resources: locally, the number of rollout workers
+(`--workers 1,2,4`) and reward scorers (`--scorers 1`); each point is a full `run_async` in a
+fresh directory of its own.
+
+Per point it reads, from the run's counters and MLflow:
+- generation throughput: samples generated / the run's wall seconds, and output tokens / s;
+- the trainer's consumption (policy versions / hour);
+- staleness of the trained samples (more workers run further ahead of the trainer).
+Relative to the smallest point (the first of `--workers`, and of `--scorers`):
+    speedup     = throughput(point) / throughput(smallest)
+    efficiency  = speedup / (workers(point) / workers(smallest))   (per-worker efficiency)
+
+On this machine every worker shares the same 2 cores (moerl.asyncrun.cpu_plan), so more
+workers cannot add compute: the efficiency here measures the orchestration's overhead, not
+scaling. On EKS the same command's sizes are node counts; see README "Benchmarks on EKS".
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+from moerl import provenance, tracking
+from moerl.bench import format_table, write_report
+from moerl.bench.modes import ArmFailed, _own_experiment, _tail, arm_config, check_same_workload, workload
+from moerl.config import RunConfig
+from moerl.errors import ConfigError, MoerlError
+
+
+def parse_sizes(text: str, what: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 1 for n in sizes) or len(set(sizes)) != len(sizes):
+        raise ConfigError(f"bench scaling: --{what} must be distinct integers >= 1, comma-separated; got {text!r}")
+    return sizes
+
+
+def async_point(cfg: RunConfig, point_dir: Path, on_tick=None) -> dict[str, Any]:
+    """One async run of `cfg`: wall time, the bus counters, and the MLflow figures."""
+    from mlflow.tracking import MlflowClient
+
+    from moerl.asyncrun import run_async
+
+    uri = _own_experiment(cfg, point_dir)
+    stats: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    summary = run_async(cfg, on_tick=on_tick, stats=stats)
+    wall = time.perf_counter() - t0
+    if not summary.ok:
+        raise ArmFailed("the async run failed; last lines of the trainer's log:\n"
+                        + _tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log"))
+    last = MlflowClient(uri).get_run(summary.run_id).data.metrics
+    c = stats.get("counters") or {}
+    hist = [v for _, v in tracking.metric_history(uri, summary.run_id, "buffer/staleness_mean")]
+    rewards = [v for _, v in tracking.metric_history(uri, summary.run_id, "reward/mean")]
+    return {"ok": True, "run_id": summary.run_id, "wall_s": wall, "counters": c, "restarts": stats.get("restarts"),
+            "exits": stats.get("exits"), "samples_per_s": c.get("generated", 0) / wall,
+            "tokens_per_s": c.get("tokens_generated", 0) / wall,
+            "versions_per_hour": 3600 * cfg.pipeline.versions / wall,
+            "staleness_mean": sum(hist) / len(hist) if hist else None,
+            "reward_last3": sum(rewards[-3:]) / len(rewards[-3:]) if rewards else None,
+            "trainer_busy_fraction": last.get("async/trainer_busy_fraction")}
+
+
+def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers: Sequence[int] = (1, 2, 4),
+                      scorers: Sequence[int] = (1,), versions: int = 4, out_dir: str | Path = "bench/scaling",
+                      work_dir: str | Path | None = None) -> dict[str, Any]:
+    from moerl.bench import plots
+    from moerl.bench.progress import progress
+
+    if versions < 1:
+        raise ConfigError(f"bench scaling: --versions must be >= 1, got {versions}")
+    points = [(w, s) for s in scorers for w in workers]
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory(prefix="moerl-bench-scaling-") as tmp:
+        root = Path(work_dir) if work_dir is not None else Path(tmp)
+        dirs = {p: Path(tempfile.mkdtemp(prefix=f"w{p[0]}-s{p[1]}-", dir=_mkdir(root))) for p in points}
+        cfgs = {p: arm_config(config, [*overrides, f"rollout.workers={p[0]}", f"reward.scorers={p[1]}"], "async",
+                              versions, dirs[p]) for p in points}
+        check_same_workload({f"workers={w},scorers={s}": c for (w, s), c in cfgs.items()})
+        results: dict[tuple[int, int], dict[str, Any]] = {}
+        with progress(len(points), "bench scaling", unit="run") as bar:
+            for p in points:
+                try:
+                    results[p] = async_point(cfgs[p], dirs[p])
+                except Exception as err:  # noqa: BLE001 - a failed point is reported; the others still run
+                    if not isinstance(err, MoerlError):
+                        traceback.print_exc()
+                    results[p] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+                bar.advance(1, f"workers={p[0]} scorers={p[1]}")
+    rows = []
+    for s in scorers:
+        base = results[(workers[0], s)]
+        for w in workers:
+            r = results[(w, s)]
+            ok = r["ok"] and base["ok"]
+            speedup = r["samples_per_s"] / base["samples_per_s"] if ok and base["samples_per_s"] > 0 else None
+            rows.append({"workers": w, "scorers": s, **r, "speedup": speedup,
+                         "efficiency": speedup / (w / workers[0]) if speedup is not None else None})
+    first = next(iter(cfgs.values()))
+    report = {"bench": "scaling", "schema": 1, "config": str(config), "overrides": list(overrides),
+              "workload": workload(first, versions), "workers": list(workers), "scorers": list(scorers),
+              "points": rows, "ok": all(r["ok"] for r in rows), "cores": len(_affinity()),
+              "versions": provenance.collect()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report["plots"] = [plots.lines({f"scorers={s}": [(r["workers"], r["samples_per_s"]) for r in rows
+                                                     if r["scorers"] == s and r["ok"]] for s in scorers},
+                                   out_dir, "scaling.png", "rollout workers", "samples generated / s",
+                                   "aggregate throughput"),
+                       plots.lines({f"scorers={s}": [(r["workers"], r["efficiency"]) for r in rows
+                                                     if r["scorers"] == s and r["efficiency"] is not None]
+                                    for s in scorers}, out_dir, "efficiency.png", "rollout workers",
+                                   "per-worker efficiency", "efficiency relative to the smallest size")]
+    write_report(out_dir / "report.json", report)
+    print(format_table(["workers", "scorers", "ok", "wall s", "samples/s", "tokens/s", "speedup", "efficiency",
+                        "staleness"],
+                       [[r["workers"], r["scorers"], r["ok"], r.get("wall_s"), r.get("samples_per_s"),
+                         r.get("tokens_per_s"), r["speedup"], r["efficiency"], r.get("staleness_mean")] for r in rows]))
+    print(f"wrote {out_dir / 'report.json'} and {len(report['plots'])} plots")
+    return report
+
+
+def _affinity() -> list[int]:
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
