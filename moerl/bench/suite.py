@@ -225,7 +225,7 @@ def _repeat(cfg: RunConfig, iterations: int, rdir: Path, bar, env_extra: dict[st
             for line in proc.stdout:
                 log_file.write(line)
                 if line.startswith(PROGRESS_PREFIX):
-                    bar.advance(1, line[len(PROGRESS_PREFIX):].strip().split(" ", 1)[-1][:60])
+                    bar.advance(1, f"repeat {rdir.name.rsplit('-', 1)[-1]}, " + line[len(PROGRESS_PREFIX):].split()[1])
             code = proc.wait()
         finally:
             procs.kill_groups([proc])
