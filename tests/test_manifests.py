@@ -243,6 +243,34 @@ def test_services_and_efa_plugin_land_on_the_groups_they_tolerate(built):
         assert not any(_tolerates(efa, t) for t in groups[g][1]), g
 
 
+def test_the_bench_suite_job_runs_on_one_trainer_gpu_with_a_config_moerl_accepts(built, tmp_path):
+    from moerl.bench.cli import add_bench_parsers
+    from moerl.config import load_config
+
+    objs = built["prod-bench"]
+    specs = dict(_pod_specs(objs))
+    spec = specs[("Job", "moerl", "moerl-bench-suite")]
+    selector, taints = _groups()["trainer"]
+    assert spec["nodeSelector"] == selector and all(_tolerates(spec["tolerations"], t) for t in taints)
+    (c,) = spec["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and spec["serviceAccountName"] == "moerl-worker"
+    # the command parses as `moerl bench suite`, and the ConfigMap's workload loads
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_bench_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(c["command"][1:])
+    assert args.bench_command == "suite" and args.store == "config" and args.repeats >= 3
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("moerl-bench-suite")]
+    cfg_file = tmp_path / "suite.yaml"
+    cfg_file.write_text(cm["data"]["suite.yaml"])
+    cfg = load_config(cfg_file, [])
+    assert cfg.checkpoint.uri.startswith("s3://") and cfg.rollout.device == "cuda"
+    vol = {v["name"]: v for v in spec["volumes"]}["config"]
+    assert vol["configMap"]["name"] == cm["metadata"]["name"]  # kustomize's hashed name reaches the pod
+    assert "moerl-bench-suite" not in {k[2] for k in dict(_pod_specs(built["prod"]))}  # only in prod-bench
+
+
 # --- security ---------------------------------------------------------------------------------
 
 

@@ -112,8 +112,9 @@ def add_bench_parsers(sub) -> None:
     _workload_args(su, "bench/suite")
     su.add_argument("--repeats", type=int, default=3, help="independent repeats (>= 3 for a useful interval)")
     su.add_argument("--iterations", type=int, default=3, help="policy versions per repeat")
-    su.add_argument("--store", choices=("s3", "local"), default="s3",
-                    help="s3: weed mini on 127.0.0.1, started and stopped here (default); local: a directory")
+    su.add_argument("--store", choices=("s3", "local", "config"), default="s3",
+                    help="s3: weed mini on 127.0.0.1, started and stopped here (default); local: a directory; "
+                         "config: the config's checkpoint store (the run bucket on EKS)")
     su.add_argument("--no-dispatch", action="store_true", help="skip the dispatcher comparison at the model's shape")
     su.add_argument("--no-mlflow", action="store_true", help="do not log the report to MLflow")
     su.set_defaults(func=_suite)

@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 STAGES = ("rollout", "reward", "buffer", "policy_update", "publication", "redistribution")
 PROGRESS_PREFIX = "[moerl-suite] version"
+STORES = ("s3", "local", "config")
 
 
 class RepeatFailed(MoerlError):
@@ -177,7 +178,16 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     finally:
         engine.close()
     return {"versions": versions, "requests": requests, "loop_s": time.perf_counter() - loop_t0,
-            "engine_load_s": engine.load_s, "params": _param_counts(model)}
+            "engine_load_s": engine.load_s, "params": _param_counts(model), "shape": _shape(model)}
+
+
+def _shape(model) -> dict[str, Any]:
+    """The policy's MoE dimensions, from its own config (the tiny one or `model.path`'s)."""
+    c = model.config
+    return {"architecture": c.model_type, "hidden_size": c.hidden_size, "num_layers": c.num_hidden_layers,
+            "num_experts": getattr(c, "num_experts", None) or getattr(c, "num_local_experts"),
+            "experts_per_token": c.num_experts_per_tok,
+            "moe_intermediate_size": getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size")}
 
 
 def _param_counts(model) -> dict[str, int]:
@@ -194,14 +204,16 @@ def _param_counts(model) -> dict[str, int]:
 
 
 # -- the parent: repeats, aggregation, report ----------------------------------------------------
-def suite_config(config: str | Path, overrides: Sequence[str], repeat_dir: Path, store_uri: str | None,
-                 endpoint_url: str | None) -> RunConfig:
-    """The config of one repeat: the file with `overrides`, its store either `store_uri` (S3)
-    or a local directory in `repeat_dir`, its fetch cache in `repeat_dir`."""
-    store = [f"checkpoint.uri={store_uri}", f"checkpoint.endpoint_url={endpoint_url}"] if store_uri else \
-        [f"checkpoint.uri={repeat_dir / 'checkpoints'}"]
-    cfg = load_config(config, [*overrides, *store, f"checkpoint.cache_dir={repeat_dir / 'cache'}",
-                               "model.warm_start=none"], mode="sync")
+def suite_config(config: str | Path, overrides: Sequence[str], repeat_dir: Path, store: str,
+                 store_uri: str | None = None, endpoint_url: str | None = None) -> RunConfig:
+    """The config of one repeat: the file with `overrides` and its store: `s3` (`store_uri` at
+    `endpoint_url`), `local` (a directory in `repeat_dir`) or `config` (the config's own
+    checkpoint store and cache, e.g. the run bucket on EKS; each repeat is its own run id)."""
+    own = {"s3": [f"checkpoint.uri={store_uri}", f"checkpoint.endpoint_url={endpoint_url}"],
+           "local": [f"checkpoint.uri={repeat_dir / 'checkpoints'}"], "config": []}[store]
+    if store != "config":
+        own.append(f"checkpoint.cache_dir={repeat_dir / 'cache'}")
+    cfg = load_config(config, [*overrides, *own, "model.warm_start=none"], mode="sync")
     if cfg.reward.kind != "rules":
         raise ConfigError("bench suite: reward.kind must be rules (each repeat starts from a fresh store, where no "
                           f"reward model is registered); got {cfg.reward.kind}")
@@ -308,14 +320,11 @@ def _network(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def disclosure(cfg: RunConfig, repeats: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
-    tiny = cfg.model.tiny
     prompt_lens = [x for r in repeats for v in r["versions"] for x in v["prompt_lens"]]
     resp_lens = [x for r in repeats for v in r["versions"] for x in v["response_lens"]]
     return {
-        "model": {"path": cfg.model.path, "architecture": tiny.architecture, "hidden_size": tiny.hidden_size,
-                  "num_layers": tiny.num_layers, "num_experts": tiny.num_experts,
-                  "experts_per_token": tiny.experts_per_token, "moe_intermediate_size": tiny.moe_intermediate_size,
-                  "dtype": cfg.model.dtype, "params": repeats[0]["params"] if repeats else None},
+        "model": {"path": cfg.model.path or f"tiny (seed {cfg.model.tiny.seed})", **repeats[0]["shape"],
+                  "dtype": cfg.model.dtype, "params": repeats[0]["params"]},
         "batch": {"prompts_per_version": cfg.task.prompts_per_iteration,
                   "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
                   "optimizer_steps_per_version": cfg.trainer.optimizer_steps_per_iteration,
@@ -366,8 +375,8 @@ def run_suite(config: str | Path, overrides: Sequence[str] = (), repeats: int = 
 
     if repeats < 1 or iterations < 1:
         raise ConfigError(f"bench suite: --repeats and --iterations must be >= 1, got {repeats} and {iterations}")
-    if store not in ("s3", "local"):
-        raise ConfigError(f"bench suite: --store must be s3 or local, got {store!r}")
+    if store not in STORES:
+        raise ConfigError(f"bench suite: --store must be one of {', '.join(STORES)}, got {store!r}")
     out_dir = Path(out_dir)
     load_config(config, list(overrides), mode="sync")  # a bad config fails here, before any work
     accel = _accelerators()
@@ -380,7 +389,8 @@ def run_suite(config: str | Path, overrides: Sequence[str] = (), repeats: int = 
             for n in range(repeats):
                 rdir = root / f"repeat-{n}"
                 rdir.mkdir(parents=True, exist_ok=True)
-                cfg = suite_config(config, overrides, rdir, f"{store_uri}/r{n}" if store_uri else None, endpoint)
+                cfg = suite_config(config, overrides, rdir, store, f"{store_uri}/r{n}" if store_uri else None,
+                                   endpoint)
                 results.append(_repeat(cfg, iterations, rdir, bar, env_extra))
         dispatchers = _dispatch(cfg, results) if dispatch else {"skipped": "--no-dispatch"}
     report = {"bench": "suite", "schema": 1, "config": str(config), "overrides": list(overrides),
@@ -407,7 +417,7 @@ def _store(kind: str, root: Path):
 
     @contextmanager
     def cm():
-        if kind == "local":
+        if kind != "s3":
             yield None, None, {}
             return
         import boto3
@@ -429,15 +439,15 @@ def _dispatch(cfg: RunConfig, repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """The dispatch benchmark at this model's shape and the mean training tokens per version."""
     from moerl.bench.dispatch import run_bench_dispatch
 
-    tiny = cfg.model.tiny
+    shape = repeats[0]["shape"]
+    k, layers = shape["experts_per_token"], shape["num_layers"]
     versions = [v for r in repeats for v in r["versions"]]
-    tokens = max(16, int(sum(v["expert_tokens"]["train"] for v in versions) / len(versions) / tiny.experts_per_token
-                         / tiny.num_layers))
-    rep = run_bench_dispatch(tokens=tokens, hidden=tiny.hidden_size, topk=tiny.experts_per_token,
-                             experts=tiny.num_experts, world_sizes=(2,), ranks_per_node=1, warmup=2, repeats=10,
-                             dtype=cfg.model.dtype, echo=False)
-    return {"shape": {"tokens_per_rank": tokens, "hidden": tiny.hidden_size, "topk": tiny.experts_per_token,
-                      "experts": tiny.num_experts, "world": 2, "transport": "gloo over loopback"},
+    tokens = max(16, int(sum(v["expert_tokens"]["train"] for v in versions) / len(versions) / k / layers))
+    rep = run_bench_dispatch(tokens=tokens, hidden=shape["hidden_size"], topk=k, experts=shape["num_experts"],
+                             world_sizes=(2,), ranks_per_node=1, warmup=2, repeats=10, dtype=cfg.model.dtype,
+                             echo=False)
+    return {"shape": {"tokens_per_rank": tokens, "hidden": shape["hidden_size"], "topk": k,
+                      "experts": shape["num_experts"], "world": 2, "transport": "gloo over loopback"},
             "results": rep["results"]}
 
 
