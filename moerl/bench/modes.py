@@ -61,6 +61,7 @@ from typing import Any, Sequence
 
 from moerl import procs, provenance, tracking
 from moerl.bench import format_table, write_report
+from moerl.bench.progress import progress
 from moerl.config import RunConfig, config_from_json, config_to_json, flatten, load_config
 from moerl.errors import ConfigError, MoerlError
 from moerl.userfiles import short_repr
@@ -388,18 +389,20 @@ def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iteration
                               "model is registered); compare reward-model runs with `moerl run`")
         # 2. the arms, one after another; a failed arm is recorded and the rest still run
         results: dict[str, dict[str, Any]] = {}
-        for n, arm in enumerate(arms, 1):
-            print(f"[moerl] bench modes: arm {arm} ({n}/{len(arms)}), {iterations} versions, in {dirs[arm]}",
-                  flush=True)
-            try:
-                results[arm] = _run_arm(arm, cfgs[arm], iterations, dirs[arm])
-            except Exception as err:  # noqa: BLE001 - one arm's failure is reported; the others still run
-                if not isinstance(err, MoerlError):  # a bug: keep its traceback
-                    traceback.print_exc()
-                results[arm] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+        with progress(len(arms), "bench modes", unit="arm") as bar:
+            for n, arm in enumerate(arms, 1):
+                print(f"[moerl] bench modes: arm {arm} ({n}/{len(arms)}), {iterations} versions, in {dirs[arm]}",
+                      flush=True)
+                try:
+                    results[arm] = _run_arm(arm, cfgs[arm], iterations, dirs[arm])
+                except Exception as err:  # noqa: BLE001 - one arm's failure is reported; the others still run
+                    if not isinstance(err, MoerlError):  # a bug: keep its traceback
+                        traceback.print_exc()
+                    results[arm] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+                bar.advance(1, f"{arm} {'done' if results[arm]['ok'] else 'FAILED'}")
     # 3. the report
     first = cfgs[arms[0]]
-    report = {"bench": "modes", "config": str(config), "overrides": list(overrides), "arms_run": list(arms),
+    report = {"bench": "modes", "schema": 1, "config": str(config), "overrides": list(overrides), "arms_run": list(arms),
               "workload": workload(first, iterations), "arms": results, "ratios": ratios(results),
               "ok": all(r["ok"] for r in results.values()),
               "configs": {a: {k: tracking.redact(v) for k, v in flatten(cfgs[a]).items()} for a in arms},

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moerl.bench import envelope, write_report
+from moerl.bench.progress import progress
 from moerl.config import CheckpointConfig, TinyMoeConfig, parse_config
 
 SIZES: dict[str, TinyMoeConfig] = {
@@ -229,9 +230,11 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
                 except client.exceptions.BucketAlreadyOwnedByYou:
                     pass
                 ck = CheckpointConfig(uri=f"s3://{bucket}", endpoint_url=endpoint)
-                for s in sizes:
-                    rows.append(bench_size(s, SIZES[s], ck, client, bucket, work, repeats))
-                    print(format_table(rows[-1:]).splitlines()[-2], flush=True)
+                with progress(len(sizes), "bench weights", unit="size") as bar:
+                    for s in sizes:
+                        rows.append(bench_size(s, SIZES[s], ck, client, bucket, work, repeats))
+                        print(format_table(rows[-1:]).splitlines()[-2], flush=True)
+                        bar.advance(1, s)
             finally:
                 for k, v in old.items():
                     os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
