@@ -4,15 +4,11 @@ counters. Speed is read, never asserted."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from tests.workloads import CONFIG, SMALL
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
-SMALL = ["task.prompts_per_iteration=8", "rollout.samples_per_prompt=4", "trainer.optimizer_steps_per_iteration=2",
-         "rollout.gpu_memory_utilization=0.12"]
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
-
 import pytest
 
 from moerl.bench.stats import t975
 
+from tests.workloads import CONFIG, SMALL
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
-SMALL = ["task.prompts_per_iteration=8", "rollout.samples_per_prompt=4", "trainer.optimizer_steps_per_iteration=2",
-         "rollout.gpu_memory_utilization=0.12"]
 
 
 def _cis(x, found: list) -> list:

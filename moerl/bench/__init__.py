@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 SCHEMA = 1
@@ -55,3 +55,33 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in text]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def child_main(argv: list[str] | None, module: str, command: str, what: str,
+               fn: Callable[[Any, int, Path], dict[str, Any]]) -> int:
+    """The entry point of a benchmark's child process (`python -m <module> <command> --config
+    C --iterations N --work W --out O`; vLLM wants a `__main__` module of its own): run
+    `fn(config, iterations, work)` and write its result as JSON to O. A MoerlError prints one
+    line and sets the exit code."""
+    import argparse
+    import logging
+
+    from moerl.config import config_from_json
+    from moerl.errors import MoerlError
+
+    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=f"{what} (started by the benchmark)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(command)
+    p.add_argument("--config", required=True, help="the resolved run config, as JSON")
+    p.add_argument("--iterations", type=int, required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {command} %(levelname)s %(message)s")
+    try:
+        res = fn(config_from_json(Path(a.config).read_text()), a.iterations, Path(a.work))
+    except MoerlError as err:
+        print(f"moerl: error: {what}: {err}", flush=True)
+        return err.exit_code
+    Path(a.out).write_text(json.dumps(res))
+    return 0

@@ -45,7 +45,6 @@ Limitations:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -60,9 +59,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from moerl import procs, provenance, tracking
-from moerl.bench import format_table, write_report
+from moerl.bench import child_main, format_table, write_report
 from moerl.bench.progress import progress
-from moerl.config import RunConfig, config_from_json, config_to_json, flatten, load_config
+from moerl.config import RunConfig, config_to_json, flatten, load_config
 from moerl.errors import ConfigError, MoerlError
 from moerl.userfiles import short_repr
 
@@ -420,23 +419,7 @@ def _mkdir(p: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m moerl.bench.modes floor ...`: the floor arm, as `run_bench_modes` starts it."""
-    ap = argparse.ArgumentParser(prog="python -m moerl.bench.modes",
-                                 description="the floor arm of `moerl bench modes` (started by it)")
-    sub = ap.add_subparsers(dest="arm", required=True)
-    fl = sub.add_parser("floor")
-    fl.add_argument("--config", required=True, help="the resolved run config, as JSON")
-    fl.add_argument("--iterations", type=int, required=True)
-    fl.add_argument("--work", required=True)
-    fl.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s floor %(levelname)s %(message)s")
-    try:
-        res = run_floor(config_from_json(Path(a.config).read_text()), a.iterations, Path(a.work))
-    except MoerlError as err:
-        print(f"moerl: error: floor: {err}", flush=True)
-        return err.exit_code
-    Path(a.out).write_text(json.dumps(res))
-    return 0
+    return child_main(argv, "moerl.bench.modes", "floor", "the floor arm of `moerl bench modes`", run_floor)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ noisy and say nothing about GPUs, read the spread and the ratios. reward.kind mu
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -64,9 +63,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from moerl import procs, provenance, tracking
-from moerl.bench import format_table, write_report
+from moerl.bench import child_main, format_table, write_report
 from moerl.bench.stats import distribution, summarize
-from moerl.config import RunConfig, config_from_json, config_to_json, flatten, load_config
+from moerl.config import RunConfig, config_to_json, flatten, load_config
 from moerl.errors import ConfigError, MoerlError
 
 log = logging.getLogger(__name__)
@@ -558,22 +557,7 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m moerl.bench.suite repeat ...`: one repeat, as `run_suite` starts it."""
-    ap = argparse.ArgumentParser(prog="python -m moerl.bench.suite", description="one repeat of `moerl bench suite`")
-    sub = ap.add_subparsers(dest="what", required=True)
-    rp = sub.add_parser("repeat")
-    rp.add_argument("--config", required=True)
-    rp.add_argument("--iterations", type=int, required=True)
-    rp.add_argument("--work", required=True)
-    rp.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s suite %(levelname)s %(message)s")
-    try:
-        res = run_repeat(config_from_json(Path(a.config).read_text()), a.iterations, Path(a.work))
-    except MoerlError as err:
-        print(f"moerl: error: suite repeat: {err}", flush=True)
-        return err.exit_code
-    Path(a.out).write_text(json.dumps(res))
-    return 0
+    return child_main(argv, "moerl.bench.suite", "repeat", "one repeat of `moerl bench suite`", run_repeat)
 
 
 if __name__ == "__main__":
