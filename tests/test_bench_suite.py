@@ -120,3 +120,18 @@ def test_suite_writes_plots_summary_and_an_mlflow_run_without_secrets(suite):
     assert {"bench/report.json", "bench/summary.md", "bench/latency.png"} <= arts
     text = json.dumps(run.data.params) + (out / "report.json").read_text()
     assert "AWS_SECRET" not in text and "secret_key" not in text
+
+
+def test_the_projection_takes_its_environment_time_from_the_suite(suite, tmp_path):
+    from moerl.cli import main
+
+    rep, out, _ = suite
+    assert main(["bench", "project", "--calibrate-suite", str(out / "report.json"), "--out-dir", str(tmp_path)]) == 0
+    proj = json.loads((tmp_path / "report.json").read_text())
+    used = proj["calibration"]["suite"]
+    st = rep["results"]["stages"]
+    ratio = st["reward"]["per_repeat_mean"]["mean"] / st["rollout"]["per_repeat_mean"]["mean"]
+    assert used["measured_env_over_generation"] == pytest.approx(ratio)
+    assert proj["inputs"]["env_s"] == pytest.approx(used["env_s"]) and used["env_s"] > 0
+    assert proj["inputs"]["imbalance"] == 1.0  # measured on a tiny model: reported, not applied
+    assert proj["gain"]["trajectories"] < proj["gain"]["output_tokens"]  # environment time dilutes the gain

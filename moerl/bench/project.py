@@ -44,8 +44,8 @@ sequence) to generate plus env_s in the environment/verifier and reward model, u
 Calibration from this machine: the routing byte formula is checked against
 `kernels.dispatcher.routing_bytes` on a uniform routing of the same shape (the same counting
 the dispatch benchmark reports); a `moerl bench suite` report, when given, sets env_s from the
-measured ratio of verifier + reward time to generation time, and imb from the measured rollout
-expert imbalance.
+measured ratio of verifier + reward time to generation time (its expert imbalance is reported,
+not applied: a tiny seeded model's routing does not transfer to a trained model).
 
 Limitations: no overlap of communication and compute (DeepEP's hooks and two-batch overlap
 hide some of it: the projection is then an upper bound on the communication share); attention
@@ -280,20 +280,23 @@ def calibrate_bytes(experts: int, topk: int, nodes: int, gpus_per_node: int, tok
 
 
 def calibrate_from_suite(inp: Inputs, suite_report: Path, base_step_s: float) -> tuple[Inputs, dict[str, Any]]:
-    """Set env_s and imbalance from a `moerl bench suite` report measured here: env_s keeps the
-    measured (verifier + reward) / generation time ratio against the projected generation time."""
+    """Set env_s from a `moerl bench suite` report measured here: the measured (verifier +
+    reward model) / generation time ratio, applied to the projected generation time. The
+    measured expert imbalance is reported, not applied: a tiny seeded model's routing says
+    nothing about a trained model's (pass --imbalance for that)."""
     import json
 
     rep = json.loads(Path(suite_report).read_text())
     stages = rep["results"]["stages"]
-    gen = stages["rollout"]["mean"]
-    env = stages["reward"]["mean"] + stages.get("reward_model", {}).get("mean", 0.0)
+    gen = stages["rollout"]["per_repeat_mean"]["mean"]
+    env = stages["reward"]["per_repeat_mean"]["mean"]
+    if stages.get("reward_model", {}).get("n"):
+        env += stages["reward_model"]["per_repeat_mean"]["mean"]
     ratio = env / gen if gen > 0 else 0.0
-    imb = rep["results"]["imbalance"]["rollout"]["max_over_mean"]["mean"]
     env_s = ratio * inp.response_len * base_step_s
-    used = {"suite_report": str(suite_report), "measured_env_over_generation": ratio,
-            "measured_rollout_imbalance": imb, "env_s": env_s}
-    return replace(inp, env_s=env_s, imbalance=max(1.0, imb)), used
+    used = {"suite_report": str(suite_report), "measured_env_over_generation": ratio, "env_s": env_s,
+            "measured_rollout_imbalance_not_applied": rep["results"]["imbalance"]["rollout"]["max_over_mean"]["mean"]}
+    return replace(inp, env_s=env_s), used
 
 
 # -- the command --------------------------------------------------------------------------------
