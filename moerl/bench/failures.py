@@ -14,9 +14,11 @@ Reported:
 - policy-iteration time (wall / versions) of both runs and their ratio;
 - finished samples lost: generated - duplicates - (trained + filtered + stale + failed), from
   the bus's counters. A finished sample is one published to the buffer; it must be 0;
-- samples regenerated: duplicates (finished twice, dropped by id) and the extra generation
-  of the faulted run over the fault-free one (work lost mid-generation and redone, plus any
-  over-production difference between the runs), with the units requeued and reclaimed;
+- samples regenerated: duplicates (finished twice, dropped by id); the units requeued (a
+  drain's unfinished prompts) and reclaimed (a killed worker's lease), whose unfinished samples
+  another worker generates again: at most (requeued + reclaimed) x units.max_prompts x
+  rollout.samples_per_prompt; and the extra generation of the faulted run over the fault-free
+  one (a finished sample is counted once, when published, so this is over-production only);
 - recovery time per fault: from the signal until the worker's replacement is generating
   again (its heartbeat shows a process started after the fault with busy time > 0). The
   heartbeat (with the process's start time) comes every 2 s, so this is accurate to about 2 s.
@@ -142,6 +144,8 @@ def run_bench_failures(config: str | Path, overrides: Sequence[str] = (), versio
             "samples_duplicated": c_fa.get("duplicates", 0),
             "samples_generated_extra": c_fa.get("generated", 0) - c_ff.get("generated", 0),
             "units_requeued": c_fa.get("units_requeued", 0), "units_reclaimed": c_fa.get("units_reclaimed", 0),
+            "samples_regenerated_at_most": (c_fa.get("units_requeued", 0) + c_fa.get("units_reclaimed", 0))
+            * cfgs["faulted"].units.max_prompts * cfgs["faulted"].rollout.samples_per_prompt,
             "drains": c_fa.get("drains", 0), "restarts": fa.get("restarts"),
             "recovery_s": [f["recovered_after_s"] for f in faults],
         }

@@ -7,11 +7,14 @@ refuses any difference). What varies is the resources: locally, the number of ro
 fresh directory of its own.
 
 Per point it reads, from the run's counters and MLflow:
-- generation throughput: samples generated / the run's wall seconds, and output tokens / s;
+- generation throughput: samples generated / the run's wall seconds (engine starts included),
+  and the steady rate: the mean of the trainer's per-version `async/producer_samples_per_s`
+  after the first version (whose window holds the engines' start); output tokens / s;
 - the trainer's consumption (policy versions / hour);
 - staleness of the trained samples (more workers run further ahead of the trainer).
 Relative to the smallest point (the first of `--workers`, and of `--scorers`):
-    speedup     = throughput(point) / throughput(smallest)
+    speedup     = steady rate(point) / steady rate(smallest)   (the wall rate where a run
+                  logged fewer than 2 versions' rates; `speedup_basis` says which)
     efficiency  = speedup / (workers(point) / workers(smallest))   (per-worker efficiency)
 
 On this machine every worker shares the same 2 cores (moerl.asyncrun.cpu_plan), so more
@@ -62,8 +65,11 @@ def async_point(cfg: RunConfig, point_dir: Path, on_tick=None) -> dict[str, Any]
     c = stats.get("counters") or {}
     hist = [v for _, v in tracking.metric_history(uri, summary.run_id, "buffer/staleness_mean")]
     rewards = [v for _, v in tracking.metric_history(uri, summary.run_id, "reward/mean")]
+    rates = [v for _, v in tracking.metric_history(uri, summary.run_id, "async/producer_samples_per_s")]
+    steady = rates[1:] or rates  # the first version's window includes the engines' start
     return {"ok": True, "run_id": summary.run_id, "wall_s": wall, "counters": c, "restarts": stats.get("restarts"),
             "exits": stats.get("exits"), "samples_per_s": c.get("generated", 0) / wall,
+            "steady_samples_per_s": sum(steady) / len(steady) if steady else None,
             "tokens_per_s": c.get("tokens_generated", 0) / wall,
             "versions_per_hour": 3600 * cfg.pipeline.versions / wall,
             "staleness_mean": sum(hist) / len(hist) if hist else None,
@@ -103,8 +109,10 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
         for w in workers:
             r = results[(w, s)]
             ok = r["ok"] and base["ok"]
-            speedup = r["samples_per_s"] / base["samples_per_s"] if ok and base["samples_per_s"] > 0 else None
-            rows.append({"workers": w, "scorers": s, **r, "speedup": speedup,
+            key = "steady_samples_per_s" if ok and r["steady_samples_per_s"] and base["steady_samples_per_s"] \
+                else "samples_per_s"
+            speedup = r[key] / base[key] if ok and base[key] else None
+            rows.append({"workers": w, "scorers": s, **r, "speedup": speedup, "speedup_basis": key if ok else None,
                          "efficiency": speedup / (w / workers[0]) if speedup is not None else None})
     first = next(iter(cfgs.values()))
     report = {"bench": "scaling", "schema": 1, "config": str(config), "overrides": list(overrides),
@@ -112,8 +120,8 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
               "points": rows, "ok": all(r["ok"] for r in rows), "cores": len(_affinity()),
               "versions": provenance.collect()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    report["plots"] = [plots.lines({f"scorers={s}": [(r["workers"], r["samples_per_s"]) for r in rows
-                                                     if r["scorers"] == s and r["ok"]] for s in scorers},
+    report["plots"] = [plots.lines({f"scorers={s}": [(r["workers"], r["steady_samples_per_s"] or r["samples_per_s"])
+                                                     for r in rows if r["scorers"] == s and r["ok"]] for s in scorers},
                                    out_dir, "scaling.png", "rollout workers", "samples generated / s",
                                    "aggregate throughput"),
                        plots.lines({f"scorers={s}": [(r["workers"], r["efficiency"]) for r in rows
@@ -121,10 +129,11 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
                                     for s in scorers}, out_dir, "efficiency.png", "rollout workers",
                                    "per-worker efficiency", "efficiency relative to the smallest size")]
     write_report(out_dir / "report.json", report)
-    print(format_table(["workers", "scorers", "ok", "wall s", "samples/s", "tokens/s", "speedup", "efficiency",
-                        "staleness"],
+    print(format_table(["workers", "scorers", "ok", "wall s", "samples/s (wall)", "samples/s (steady)", "tokens/s",
+                        "speedup", "efficiency", "staleness"],
                        [[r["workers"], r["scorers"], r["ok"], r.get("wall_s"), r.get("samples_per_s"),
-                         r.get("tokens_per_s"), r["speedup"], r["efficiency"], r.get("staleness_mean")] for r in rows]))
+                         r.get("steady_samples_per_s"), r.get("tokens_per_s"), r["speedup"], r["efficiency"],
+                         r.get("staleness_mean")] for r in rows]))
     print(f"wrote {out_dir / 'report.json'} and {len(report['plots'])} plots")
     return report
 
