@@ -85,13 +85,18 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def experiment_id(client, name: str) -> str:
+    """The id of MLflow experiment `name`, created if it does not exist."""
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp else client.create_experiment(name)
+
+
 def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
     """Create the run: params are the resolved config, tags the provenance. Returns run_id."""
     from mlflow.entities import RunTag
 
     client = _client(uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.experiment)
+    exp_id = experiment_id(client, cfg.tracking.experiment)
     all_tags = {k: redact(v) for k, v in tags.items()}
     if cfg.tracking.run_name:
         all_tags["mlflow.runName"] = cfg.tracking.run_name

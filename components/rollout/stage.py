@@ -17,6 +17,15 @@ from moerl.records import PolicyVersion, Sample, write_records
 from moerl.checkpoints import fetch_for_engine
 
 
+def to_samples(prompts, prompt_ids: list[list[int]], completions, version: int) -> list[Sample]:
+    """One Sample per completion: prompt i's completions (`RolloutEngine.generate` order) with
+    its token ids, sample index j within the group, made by policy `version`."""
+    return [Sample(prompt_id=p.id, task=p.task, prompt=p.prompt, answer=p.answer, sample_index=j,
+                   prompt_token_ids=ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
+                   response_text=c.text, finish_reason=c.finish_reason, policy_version=version)
+            for p, ids, comps in zip(prompts, prompt_ids, completions) for j, c in enumerate(comps)]
+
+
 def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: int, out_path: str | Path) -> dict[str, float]:
     from transformers import AutoTokenizer
 
@@ -39,15 +48,7 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
     gen_s = time.perf_counter() - t_gen
     engine.close()
     # 5. records
-    samples = [
-        Sample(
-            prompt_id=p.id, task=p.task, prompt=p.prompt, answer=p.answer, sample_index=j,
-            prompt_token_ids=ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-            response_text=c.text, finish_reason=c.finish_reason, policy_version=policy.version,
-        )
-        for p, ids, comps in zip(prompts, prompt_ids, completions)
-        for j, c in enumerate(comps)
-    ]
+    samples = to_samples(prompts, prompt_ids, completions, policy.version)
     write_records(out_path, samples)
     n_tokens = sum(len(s.response_token_ids) for s in samples)
     return {

@@ -85,3 +85,39 @@ def child_main(argv: list[str] | None, module: str, command: str, what: str,
         return err.exit_code
     Path(a.out).write_text(json.dumps(res))
     return 0
+
+
+def run_child(module: str, command: str, cfg: Any, iterations: int, work: Path, name: str,
+              env_extra: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None
+              ) -> tuple[int, Path, Path]:
+    """Start `python -m <module> <command>` (see `child_main`) on `cfg` in `work` and wait for
+    it; it dies with this process. Everything it prints goes to `<work>/<name>.log`, each line
+    also to `on_line`. Returns (exit code, the result JSON's path, the log's path)."""
+    import os
+    import subprocess
+
+    from moerl import procs
+    from moerl.config import config_to_json
+
+    cfg_path, result, log_path = work / f"{name}.config.json", work / f"{name}.json", work / f"{name}.log"
+    cfg_path.write_text(config_to_json(cfg))
+    env = {**os.environ, **(env_extra or {}), "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    args = [command, "--config", str(cfg_path), "--iterations", str(iterations), "--work", str(work / "work"),
+            "--out", str(result)]
+    with log_path.open("w") as log_file:
+        proc = procs.spawn(module, args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in proc.stdout:
+                log_file.write(line)
+                if on_line is not None:
+                    on_line(line)
+            code = proc.wait()
+        finally:
+            procs.kill_groups([proc])
+    return code, result, log_path
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last `lines` lines of a log file ('' when it does not exist)."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""

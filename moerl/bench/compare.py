@@ -169,9 +169,7 @@ def run_compare(run_ids: Sequence[str], tracking_uri: str | None = None, out_dir
     write_report(out_dir / "report.json", rep)
     print(text)
     if log_run:
-        exp = client.get_experiment_by_name("moerl-compare")
-        exp_id = exp.experiment_id if exp else client.create_experiment("moerl-compare")
-        run = client.create_run(exp_id, tags={"moerl.compare": ",".join(run_ids), "mlflow.runName": "compare"})
+        run = client.create_run(tracking.experiment_id(client, "moerl-compare"), tags={"moerl.compare": ",".join(run_ids), "mlflow.runName": "compare"})
         tracking.log_params(client, run.info.run_id, {f"run.{i}": rid for i, rid in enumerate(run_ids)})
         for m in rep["metrics"]:
             if m["delta_pct"] is not None:

@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,10 +56,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from moerl import procs, provenance, tracking
-from moerl.bench import child_main, format_table, write_report
+from moerl import provenance, tracking
+from moerl.bench import child_main, format_table, log_tail, run_child, write_report
 from moerl.bench.progress import progress
-from moerl.config import RunConfig, config_to_json, flatten, load_config
+from moerl.config import RunConfig, flatten, load_config
 from moerl.errors import ConfigError, MoerlError
 from moerl.userfiles import short_repr
 
@@ -146,17 +144,14 @@ def _floor_version(i: int, cfg: RunConfig, ds, tokenizer, engine, trainer, state
     from moerl.components.buffer.stage import assemble
     from moerl.components.policy_update.trainer import _save_state, train_on_batch
     from moerl.components.reward.stage import reward_metrics, score
-    from moerl.records import Sample
+    from moerl.components.rollout.stage import to_samples
 
     model, opt, counters = trainer
     s = time.perf_counter()
     prompts = ds.batch(i, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
     ids = [tokenizer.encode(p.prompt) for p in prompts]
     completions = engine.generate(ids, cfg.rollout.samples_per_prompt)
-    samples = [Sample(prompt_id=p.id, task=p.task, prompt=p.prompt, answer=p.answer, sample_index=j,
-                      prompt_token_ids=pid, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                      response_text=c.text, finish_reason=c.finish_reason, policy_version=i)
-               for p, pid, comps in zip(prompts, ids, completions) for j, c in enumerate(comps)]
+    samples = to_samples(prompts, ids, completions, i)
     t["rollout"] += time.perf_counter() - s
     s = time.perf_counter()
     scored = score(samples, cfg.reward)
@@ -219,31 +214,16 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
             "swaps": iterations, "inner_s": time.perf_counter() - t0}
 
 
-def _tail(path: Path, lines: int = 25) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
-
-
 def _floor_arm(cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]:
     """Run the floor in a child process (dies with this one); its progress lines are echoed,
     everything it prints goes to `floor.log` in the arm's directory."""
-    cfg_path, result, log_path = arm_dir / "config.json", arm_dir / "floor.json", arm_dir / "floor.log"
-    cfg_path.write_text(config_to_json(cfg))
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-           "TOKENIZERS_PARALLELISM": "false"}
-    args = ["floor", "--config", str(cfg_path), "--iterations", str(iterations), "--work", str(arm_dir / "work"),
-            "--out", str(result)]
-    with log_path.open("w") as log_file:
-        proc = procs.spawn("moerl.bench.modes", args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            for line in proc.stdout:
-                log_file.write(line)
-                if line.startswith("[moerl]"):
-                    print(line, end="", flush=True)
-            code = proc.wait()
-        finally:
-            procs.kill_groups([proc])
+    def echo(line: str) -> None:
+        if line.startswith("[moerl]"):
+            print(line, end="", flush=True)
+
+    code, result, log_path = run_child("moerl.bench.modes", "floor", cfg, iterations, arm_dir, "floor", on_line=echo)
     if code != 0 or not result.is_file():
-        raise ArmFailed(f"floor arm exited {code}; last lines of its output:\n{_tail(log_path)}")
+        raise ArmFailed(f"floor arm exited {code}; last lines of its output:\n{log_tail(log_path)}")
     return json.loads(result.read_text())
 
 
@@ -285,7 +265,7 @@ def _sync_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     if not summary.ok:
         raise ArmFailed("sync arm: the pipeline failed; last lines of its log:\n"
-                        + _tail(Path(cfg.pipeline.work_dir) / f"{summary.run_id}.log"))
+                        + log_tail(Path(cfg.pipeline.work_dir) / f"{summary.run_id}.log"))
     keys = MlflowClient(uri).get_run(summary.run_id).data.metrics
     stages = sorted(k for k in keys if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1
                     and k != "timing/iteration_s")
@@ -308,7 +288,7 @@ def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     if not summary.ok:
         raise ArmFailed("async arm: the run failed; last lines of the trainer's log:\n"
-                        + _tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log"))
+                        + log_tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log"))
     last = MlflowClient(uri).get_run(summary.run_id).data.metrics
     prefix = "async/busy_fraction/"
     busy = {k[len(prefix):]: v for k, v in sorted(last.items()) if k.startswith(prefix)}

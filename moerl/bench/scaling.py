@@ -24,6 +24,7 @@ scaling. On EKS the same command's sizes are node counts; see README "Benchmarks
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 import traceback
@@ -32,7 +33,8 @@ from typing import Any, Sequence
 
 from moerl import provenance, tracking
 from moerl.bench import format_table, write_report
-from moerl.bench.modes import ArmFailed, _own_experiment, _tail, arm_config, check_same_workload, workload
+from moerl.bench import log_tail
+from moerl.bench.modes import ArmFailed, _own_experiment, arm_config, check_same_workload, workload
 from moerl.config import RunConfig
 from moerl.errors import ConfigError, MoerlError
 
@@ -60,7 +62,7 @@ def async_point(cfg: RunConfig, point_dir: Path, on_tick=None) -> dict[str, Any]
     wall = time.perf_counter() - t0
     if not summary.ok:
         raise ArmFailed("the async run failed; last lines of the trainer's log:\n"
-                        + _tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log"))
+                        + log_tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log"))
     last = MlflowClient(uri).get_run(summary.run_id).data.metrics
     c = stats.get("counters") or {}
     hist = [v for _, v in tracking.metric_history(uri, summary.run_id, "buffer/staleness_mean")]
@@ -89,7 +91,8 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
     out_dir = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="moerl-bench-scaling-") as tmp:
         root = Path(work_dir) if work_dir is not None else Path(tmp)
-        dirs = {p: Path(tempfile.mkdtemp(prefix=f"w{p[0]}-s{p[1]}-", dir=_mkdir(root))) for p in points}
+        root.mkdir(parents=True, exist_ok=True)
+        dirs = {p: Path(tempfile.mkdtemp(prefix=f"w{p[0]}-s{p[1]}-", dir=root)) for p in points}
         cfgs = {p: arm_config(config, [*overrides, f"rollout.workers={p[0]}", f"reward.scorers={p[1]}"], "async",
                               versions, dirs[p]) for p in points}
         check_same_workload({f"workers={w},scorers={s}": c for (w, s), c in cfgs.items()})
@@ -117,7 +120,7 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
     first = next(iter(cfgs.values()))
     report = {"bench": "scaling", "schema": 1, "config": str(config), "overrides": list(overrides),
               "workload": workload(first, versions), "workers": list(workers), "scorers": list(scorers),
-              "points": rows, "ok": all(r["ok"] for r in rows), "cores": len(_affinity()),
+              "points": rows, "ok": all(r["ok"] for r in rows), "cores": len(os.sched_getaffinity(0)),
               "versions": provenance.collect()}
     out_dir.mkdir(parents=True, exist_ok=True)
     report["plots"] = [plots.lines({f"scorers={s}": [(r["workers"], r["steady_samples_per_s"] or r["samples_per_s"])
@@ -137,13 +140,3 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
     print(f"wrote {out_dir / 'report.json'} and {len(report['plots'])} plots")
     return report
 
-
-def _affinity() -> list[int]:
-    import os
-
-    return sorted(os.sched_getaffinity(0))
-
-
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p

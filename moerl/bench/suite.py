@@ -54,18 +54,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
-from moerl import procs, provenance, tracking
-from moerl.bench import child_main, format_table, write_report
+from moerl import provenance, tracking
+from moerl.bench import child_main, format_table, log_tail, run_child, write_report
 from moerl.bench.stats import distribution, summarize
-from moerl.config import RunConfig, config_to_json, flatten, load_config
+from moerl.config import RunConfig, flatten, load_config
 from moerl.errors import ConfigError, MoerlError
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.components.rollout.engine import RolloutEngine
     from moerl.dataset import load_dataset
-    from moerl.records import Sample
+    from moerl.components.rollout.stage import to_samples
 
     run_id = f"suite-{uuid.uuid4().hex[:12]}"
     state = prepare_initial(cfg, work / "v0")
@@ -118,10 +118,7 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
             prompts = ds.batch(i, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
             ids = [tokenizer.encode(p.prompt) for p in prompts]
             completions, timings = engine.generate_measured(ids, cfg.rollout.samples_per_prompt)
-            samples = [Sample(prompt_id=p.id, task=p.task, prompt=p.prompt, answer=p.answer, sample_index=j,
-                              prompt_token_ids=pid, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                              response_text=c.text, finish_reason=c.finish_reason, policy_version=i)
-                       for p, pid, comps in zip(prompts, ids, completions) for j, c in enumerate(comps)]
+            samples = to_samples(prompts, ids, completions, i)
             t["rollout"] = time.perf_counter() - s
             counted = [len(c.token_ids) for comps in completions for c in comps]
             v.update(prompts=len(prompts), trajectories=len(samples), output_tokens=sum(counted),
@@ -223,26 +220,15 @@ def suite_config(config: str | Path, overrides: Sequence[str], repeat_dir: Path,
 
 
 def _repeat(cfg: RunConfig, iterations: int, rdir: Path, bar, env_extra: dict[str, str]) -> dict[str, Any]:
-    cfg_path, result, log_path = rdir / "config.json", rdir / "repeat.json", rdir / "repeat.log"
-    cfg_path.write_text(config_to_json(cfg))
-    env = {**os.environ, **env_extra, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-           "TOKENIZERS_PARALLELISM": "false"}
-    args = ["repeat", "--config", str(cfg_path), "--iterations", str(iterations), "--work", str(rdir / "work"),
-            "--out", str(result)]
+    def progress_line(line: str) -> None:
+        if line.startswith(PROGRESS_PREFIX):
+            bar.advance(1, f"repeat {rdir.name.rsplit('-', 1)[-1]}, " + line[len(PROGRESS_PREFIX):].split()[1])
+
     t0 = time.perf_counter()
-    with log_path.open("w") as log_file:
-        proc = procs.spawn("moerl.bench.suite", args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            for line in proc.stdout:
-                log_file.write(line)
-                if line.startswith(PROGRESS_PREFIX):
-                    bar.advance(1, f"repeat {rdir.name.rsplit('-', 1)[-1]}, " + line[len(PROGRESS_PREFIX):].split()[1])
-            code = proc.wait()
-        finally:
-            procs.kill_groups([proc])
+    code, result, log_path = run_child("moerl.bench.suite", "repeat", cfg, iterations, rdir, "repeat", env_extra,
+                                       progress_line)
     if code != 0 or not result.is_file():
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
-        raise RepeatFailed(f"bench suite: a repeat exited {code}; last lines of its output:\n{tail}")
+        raise RepeatFailed(f"bench suite: a repeat exited {code}; last lines of its output:\n{log_tail(log_path)}")
     res = json.loads(result.read_text())
     res["wall_s"] = time.perf_counter() - t0
     return res
@@ -411,27 +397,24 @@ def run_suite(config: str | Path, overrides: Sequence[str] = (), repeats: int = 
     return report
 
 
-def _store(kind: str, root: Path):
-    from contextlib import contextmanager
+@contextmanager
+def _store(kind: str, root: Path) -> Iterator[tuple[str | None, str | None, dict[str, str]]]:
+    """(store URI, endpoint, credentials env) of the repeats' store: for `s3`, weed mini under
+    `root` with a bucket, stopped on exit; otherwise nothing to start."""
+    if kind != "s3":
+        yield None, None, {}
+        return
+    import boto3
 
-    @contextmanager
-    def cm():
-        if kind != "s3":
-            yield None, None, {}
-            return
-        import boto3
+    from moerl.s3local import local_s3_server
 
-        from moerl.s3local import local_s3_server
-
-        with local_s3_server(root / "s3") as server:
-            env = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
-                   "AWS_DEFAULT_REGION": "us-east-1"}
-            boto3.session.Session(aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
-                                  region_name="us-east-1").client("s3", endpoint_url=server.endpoint_url
-                                                                  ).create_bucket(Bucket="moerl-bench")
-            yield "s3://moerl-bench/suite", server.endpoint_url, env
-
-    return cm()
+    with local_s3_server(root / "s3") as server:
+        env = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        boto3.session.Session(aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
+                              region_name="us-east-1").client("s3", endpoint_url=server.endpoint_url
+                                                              ).create_bucket(Bucket="moerl-bench")
+        yield "s3://moerl-bench/suite", server.endpoint_url, env
 
 
 def _dispatch(cfg: RunConfig, repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -506,7 +489,6 @@ def write_outputs(report: dict[str, Any], out_dir: Path, requests: Sequence[dict
     from moerl.bench import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_report(out_dir / "report.json", report)
     (out_dir / "summary.md").write_text(format_summary(report))
     report["plots"] = plots.suite_plots(report, out_dir, requests)
     write_report(out_dir / "report.json", report)
@@ -524,9 +506,7 @@ def log_to_mlflow(report: dict[str, Any], out_dir: Path, cfg: RunConfig) -> str:
 
     uri = tracking.resolve_uri(cfg.tracking)
     client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("moerl-bench")
-    exp_id = exp.experiment_id if exp else client.create_experiment("moerl-bench")
-    run = client.create_run(exp_id, tags={"moerl.bench": report["bench"], "mlflow.runName": f"bench-{report['bench']}"})
+    run = client.create_run(tracking.experiment_id(client, "moerl-bench"), tags={"moerl.bench": report["bench"], "mlflow.runName": f"bench-{report['bench']}"})
     rid = run.info.run_id
     params = {f"disclosure.{k}": v for k, v in _flat(report["disclosure"]).items()}
     params.update({f"config.{k}": v for k, v in report["config_resolved"].items()})
