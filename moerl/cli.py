@@ -33,7 +33,7 @@ import yaml
 from moerl.bench.cli import add_bench_parsers
 from moerl.config import load_config
 from moerl.errors import MoerlError
-from moerl.schedule import add_parsers as add_schedule_parsers
+from moerl.orchestrate.schedule import add_parsers as add_schedule_parsers
 
 DEFAULT_COMPILED = {"sync": "pipelines/compiled/grpo.yaml", "async": "pipelines/compiled/grpo_async.yaml",
                     "reward_model": "pipelines/compiled/reward_model.yaml"}
@@ -49,7 +49,7 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from moerl.runner import compile_pipeline
+    from moerl.orchestrate.compile import compile_pipeline
 
     cfg = load_config(args.config, args.set, mode=args.mode)
     default = DEFAULT_COMPILED["reward_model" if cfg.pipeline.kind == "reward_model" else cfg.pipeline.mode]
@@ -69,13 +69,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError("pipeline.mode: a reward-model run (pipeline.kind reward_model) is one pipeline on "
                           "kfp.local; use sync (its default)")
     if cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo":
-        from moerl.asyncrun import run_async
+        from moerl.orchestrate.async_run import run_async
 
         if args.iterations is not None:  # one policy update per sync iteration = one async version
             cfg = load_config(args.config, [*args.set, f"pipeline.versions={args.iterations}"], mode=args.mode)
         summary = run_async(cfg, verbose=args.verbose, resume=args.resume)
     else:
-        from moerl.runner import run_local
+        from moerl.orchestrate.sync_run import run_local
 
         summary = run_local(cfg, iterations=args.iterations, verbose=args.verbose, resume=args.resume)
     return 0 if summary.ok else 1

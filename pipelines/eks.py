@@ -3,7 +3,7 @@
 `check_cluster_safe` refuses a config that only works on one machine. On the cluster every
 task is a pod with its own filesystem, so nothing may travel between tasks through a local
 path: checkpoints go to S3, tracking to an MLflow server, async samples to a Valkey service,
-and each task's cache lives in its own scratch volume (`moerl/podenv.py`).
+and each task's cache lives in its own scratch volume (`moerl/launch/podenv.py`).
 
 `place` gives one task, through kfp-kubernetes, the settings of its worker group
 (`cluster.groups`): the seed's four groups are GPU trainers (on-demand), GPU rollout workers

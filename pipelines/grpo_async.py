@@ -36,7 +36,7 @@ pipeline. Give the tasks both from a Kubernetes Secret.
 Limitations:
 - kfp.local runs tasks one after another, so it cannot run this graph (a worker would wait
   forever for a trainer that never starts). `moerl run --mode async` runs the same stage
-  entrypoints as local processes with an embedded Valkey instead (`moerl.asyncrun`).
+  entrypoints as local processes with an embedded Valkey instead (`moerl.orchestrate.async_run`).
 - `target="eks"` adds every task's pod settings (`pipelines/eks.py`). KFP cannot set a
   task pod's terminationGracePeriodSeconds (it must cover `rollout.grace_seconds`); the
   default 30 s is what an in-task worker gets. With `cluster.launch.mode: kubernetes` the

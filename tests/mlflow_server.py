@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moerl import procs
+from moerl.launch import procs
 
 
 def _free_port() -> int:

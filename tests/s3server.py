@@ -1,4 +1,4 @@
-"""The session fixture for a real S3 server (weed mini on loopback, see moerl/s3local.py).
+"""The session fixture for a real S3 server (weed mini on loopback, see moerl/store/s3server.py).
 
 The stores under test find its credentials through the standard AWS chain (env variables set
 only while the fixture is active), and nothing else: config and credential files point nowhere
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from moerl.s3local import S3Server, local_s3_server, weed_executable  # noqa: F401 (S3Server re-exported)
+from moerl.store.s3server import S3Server, local_s3_server, weed_executable  # noqa: F401 (S3Server re-exported)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Cluster-shaped test runs: every task or process in a fresh directory of its own
-(`MOERL_SANDBOX_ROOT`, moerl/podenv.py), sharing only real servers.
+(`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py), sharing only real servers.
 
 One thing is shared on purpose: torch inductor's compile cache. vLLM's CPU backend builds a
 precompiled header of the torch headers (~150 MB, ~40 s on 2 cores) in it, and a fresh TMPDIR
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from moerl.podenv import SANDBOX_ROOT_ENV
+from moerl.launch.podenv import SANDBOX_ROOT_ENV
 
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 

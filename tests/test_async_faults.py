@@ -8,7 +8,7 @@ In every case the run finishes all its versions and the counters balance:
 (`filtered`: samples of groups with no reward variance, which GRPO drops; see moerl/bus.py).
 
 The SIGTERM test runs cluster-shaped, as the async pipeline runs on EKS: every process in its
-own empty directory (`MOERL_SANDBOX_ROOT`, moerl/podenv.py; a restarted worker gets a new one,
+own empty directory (`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py; a restarted worker gets a new one,
 like a new pod), sharing only real servers on 127.0.0.1: Valkey, S3 (`weed mini`) and an MLflow
 tracking server (and torch's compile cache, see tests/sandbox.py).
 """
@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from moerl import tracking
-from moerl.asyncrun import LocalAsyncRun, publish_initial, start_valkey
 from moerl.bus import EmbeddedValkey
-from moerl.checkpoints import run_store
-from moerl.config import load_config
 from moerl.components.rollout.worker import EXIT_DRAINED
+from moerl.config import load_config
+from moerl.orchestrate.async_run import LocalAsyncRun, publish_initial, start_valkey
+from moerl.store.runs import run_store
 from tests.sandbox import sandboxed
 
 pytestmark = pytest.mark.slow

@@ -175,7 +175,7 @@ def test_expert_loads_count_every_real_token_k_times_and_ignore_padding(tmp_path
 
     from moerl.bench.imbalance import expert_loads, imbalance
     from moerl.config import parse_config
-    from moerl.policy import build_tiny_model
+    from moerl.models.tiny import build_tiny_model
 
     cfg = parse_config({})
     build_tiny_model(cfg.model.tiny, tmp_path)

@@ -1,5 +1,5 @@
 """The local proof of cluster-safety: the EKS-target sync pipeline on kfp.local, every task in its
-own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/podenv.py),
+own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py),
 sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), an MLflow tracking server
 (`mlflow server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn. A second run, warm-started from the first
 (`model.warm_start: previous`, as scheduled retraining does), requires a GPU its rollout node
@@ -103,7 +103,7 @@ def _runs(url: str):
 
 
 def _store(cluster_run, run_id):
-    from moerl.checkpoints import run_store
+    from moerl.store.runs import run_store
 
     return run_store(_cluster_cfg(cluster_run["s3"], cluster_run["url"]).checkpoint, run_id)
 

@@ -8,7 +8,7 @@ from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
 from moerl.config import parse_config
-from moerl.runner import compile_pipeline
+from moerl.orchestrate.compile import compile_pipeline
 
 
 def test_cli_compile_writes_yaml_that_kfp_loads(tmp_path):

@@ -10,7 +10,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from moerl.cli import main
 from moerl.config import load_config, parse_config
 from moerl.errors import ConfigError
-from moerl.runner import compile_pipeline
+from moerl.orchestrate.compile import compile_pipeline
 
 VALKEY = "redis://valkey.moerl.svc:6379/0"
 

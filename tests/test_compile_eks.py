@@ -13,10 +13,10 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from moerl.cli import main
 from moerl.config import parse_config
 from moerl.errors import ConfigError
+from moerl.orchestrate.compile import compile_pipeline
 from moerl.pipelines.eks import ENGINE_STAGES, RETRYABLE_STAGES, STAGE_GROUP
-from moerl.pipelines.grpo_async import TRAINER_RETRIES
 from moerl.pipelines.grpo import COMPILED_SIZE_BUDGET, MAX_COMPILED_ITERATIONS
-from moerl.runner import compile_pipeline
+from moerl.pipelines.grpo_async import TRAINER_RETRIES
 
 S3, MLFLOW, VALKEY = "s3://moerl-runs/team", "https://mlflow.moerl.svc:5000", "redis://valkey.moerl.svc:6379/0"
 IMAGES = {"trainer": "ecr.example/moerl-trainer:1", "rollout": "ecr.example/moerl-rollout:1",

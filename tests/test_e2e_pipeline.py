@@ -92,7 +92,7 @@ def test_the_tracking_password_is_nowhere(e2e_run, tmp_path):
 @pytest.mark.slow
 def test_new_versions_are_in_the_store_with_verified_manifests(e2e_run):
     from moerl.config import CheckpointConfig
-    from moerl.checkpoints import open_store
+    from moerl.store.runs import open_store
 
     work, proc = e2e_run
     store = open_store(CheckpointConfig(uri=str(_grpo_run_dir(work))))
@@ -142,7 +142,7 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
     from mlflow.tracking import MlflowClient
 
     from moerl.config import CheckpointConfig
-    from moerl.checkpoints import open_store
+    from moerl.store.runs import open_store
 
     rows = [{"id": f"p{i}", "task": "poetry", "prompt": f"copy {i}=", "answer": str(i)} for i in range(20)]
     (tmp_path / "poetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -211,8 +211,8 @@ def test_the_shipped_reward_model_reaches_its_accuracy_and_the_grpo_run_leads_ba
     name that registry version, URI, manifest hash and run."""
     from mlflow.tracking import MlflowClient
 
-    from moerl.checkpoints import open_store
     from moerl.config import CheckpointConfig
+    from moerl.store.runs import open_store
 
     work, proc = e2e_run
     assert proc.rm.returncode == 0, proc.rm.stdout[-3000:] + proc.rm.stderr[-3000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from moerl.config import parse_config
-from moerl.policy import build_tiny_model
+from moerl.models.tiny import build_tiny_model
 
 # Token ids inside the tiny tokenizer's vocabulary; prompt + max_new_tokens stays under the
 # tiny model's 64 positions.

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from moerl.config import parse_config
-from moerl.policy import build_tiny_model
+from moerl.models.tiny import build_tiny_model
 from tests import ep_worker
 
 
@@ -125,9 +125,9 @@ def _copy_without(src, dst, drop=None, reshape=None):
                                                             r"the model expects \[128, 64\]"),
 ])
 def test_bad_checkpoint_is_a_one_line_checkpoint_error(checkpoints, tmp_path, drop, reshape, message):
+    from moerl.components.policy_update.ep_checkpoint import load_ep_model
     from moerl.errors import CheckpointError
     from moerl.kernels import make_dispatcher
-    from moerl.components.policy_update.ep_checkpoint import load_ep_model
 
     bad = _copy_without(checkpoints["qwen3_moe"], tmp_path / "bad", drop, reshape)
     with pytest.raises(CheckpointError, match=message):

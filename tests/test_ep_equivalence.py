@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moerl.config import parse_config
-from moerl.policy import build_tiny_model
-from moerl.records import TrainSample, write_records
 from moerl.components.policy_update.trainer import run_policy_update
+from moerl.config import parse_config
+from moerl.models.tiny import build_tiny_model
+from moerl.records import TrainSample, write_records
 
 
 def _cfg(ep: int, **trainer):

@@ -2,7 +2,7 @@
 
 Each mistake must end as one `moerl: error: ...` line on stderr, no traceback, a non-zero exit,
 and no work started. Config and --set go through the real CLI (`moerl config show`, a
-subprocess); dataset and model.path through `moerl.runner.preflight`, and twice through
+subprocess); dataset and model.path through `moerl.orchestrate.prepare.preflight`, and twice through
 `moerl run` to show that preflight fails before an MLflow run (or anything else) is created.
 """
 
@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from moerl.config import parse_config
-from moerl.dataset import MAX_LINE_BYTES, load_dataset
 from moerl.errors import ConfigError, DataError
-from moerl.runner import preflight
+from moerl.orchestrate.prepare import preflight
+from moerl.tasks.dataset import MAX_LINE_BYTES, load_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "configs" / "tiny-moe-grpo.yaml"
@@ -229,7 +229,7 @@ def test_hostile_model_path_fails_preflight_naming_the_field(tmp_path, name):
 
 
 def test_a_real_checkpoint_layout_passes_the_model_path_check(tmp_path):
-    from moerl.policy import check_checkpoint
+    from moerl.models.policy import check_checkpoint
 
     assert check_checkpoint(_checkpoint(tmp_path / "ok")) == "qwen3_moe"
 

@@ -13,7 +13,7 @@ import torch
 
 from moerl.config import parse_config
 from moerl.errors import WeightSyncError
-from moerl.policy import build_tiny_model
+from moerl.models.tiny import build_tiny_model
 
 TOL = 1e-4
 PROBE = [20, 22, 23, 26, 14, 5, 6, 7, 8, 16]  # "copy 1234=" in the tiny tokenizer

@@ -722,7 +722,7 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(s3_server,
     from the TrainJob's own command and env) runs run_policy_update, and the outputs that come
     back are byte-identical to running the stage in this process."""
     from moerl.components.policy_update.trainer import run_policy_update
-    from moerl.policy import build_tiny_model
+    from moerl.models.tiny import build_tiny_model
     from moerl.records import write_records
 
     bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"

@@ -8,10 +8,10 @@ Tolerance: max |engine - trainer| <= 1e-4 per token, in float32 (measured here: 
 import pytest
 import torch
 
-from moerl.config import parse_config
-from moerl.policy import build_tiny_model
-from moerl.records import TrainSample
 from moerl.components.policy_update.trainer import pack, sequence_logprobs
+from moerl.config import parse_config
+from moerl.models.tiny import build_tiny_model
+from moerl.records import TrainSample
 
 TOL = 1e-4
 

@@ -7,7 +7,7 @@ import torch
 
 from moerl.config import parse_config
 from moerl.errors import TrainingError
-from moerl.policy import build_tiny_model
+from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
 from moerl.components.policy_update.trainer import (Counters, _load_state, pack, run_policy_update,
                                                     train_on_batch)
@@ -100,7 +100,7 @@ def test_model_path_takes_a_local_mixtral_checkpoint(tmp_path):
 
 def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):
     from moerl.errors import ConfigError
-    from moerl.policy import check_checkpoint
+    from moerl.models.policy import check_checkpoint
 
     with pytest.raises(ConfigError, match=r"model.path: .* \(no config.json\)"):
         check_checkpoint(tmp_path)

@@ -12,12 +12,12 @@ import time
 import pytest
 
 from moerl.config import parse_config
-from moerl.policy import build_tiny_model
+from moerl.models.tiny import build_tiny_model
 
 TASK = """
 import json, sys
-from moerl.config import parse_config
 from moerl.components.policy_update.trainer import run_policy_update
+from moerl.config import parse_config
 a = json.loads(sys.argv[1])
 run_policy_update(parse_config(a["cfg"]), a["batch"], a["state_in"], a["state_out"], 0)
 """
@@ -121,7 +121,7 @@ def test_torchrun_picks_its_own_port_and_wraps_its_workers():
     args = torchrun_args(2, ["--iteration", "0"])
     assert "--standalone" in args and "--local-addr=127.0.0.1" in args
     assert not any(a.startswith(("--master-port", "--master_port", "--rdzv")) for a in args)
-    assert args[args.index("--module") + 1:] == ["moerl.procs", "moerl.components.policy_update.ep_train",
+    assert args[args.index("--module") + 1:] == ["moerl.launch.procs", "moerl.components.policy_update.ep_train",
                                                  "--iteration", "0"]
 
 
@@ -129,10 +129,10 @@ def test_wrapped_child_whose_parent_is_already_gone_exits_at_once():
     """The parent can die between fork and arming the death signal; the wrapper sees a parent
     other than the one named in MOERL_PARENT_PID and exits instead of running the module."""
     env = {**os.environ, "MOERL_PARENT_PID": "1"}
-    proc = subprocess.run([sys.executable, "-m", "moerl.procs", "this_module_would_fail_to_import"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "moerl.launch.procs", "this_module_would_fail_to_import"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "No module named" not in proc.stderr
     env["MOERL_PARENT_PID"] = str(os.getpid())
-    proc = subprocess.run([sys.executable, "-m", "moerl.procs", "json.tool", "--help"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "moerl.launch.procs", "json.tool", "--help"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "usage:" in proc.stdout

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moerl.checkpoints import run_store
 from moerl.components.publish_checkpoint.stage import run_publish
 from moerl.config import RunConfig
 from moerl.errors import CheckpointError
+from moerl.store.runs import run_store
 
 
 def _state(d: Path, bad: float | None = None) -> Path:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from moerl.config import CheckpointConfig
-from moerl.checkpoints import open_store
+from moerl.store.runs import open_store
 
 
 def _cfg(tmp_path, iterations):

@@ -116,12 +116,12 @@ def test_kind_model_scores_with_the_normalized_model_score_only(tiny_rm):
 # ---- preference data ---------------------------------------------------------------------------
 
 def test_the_shipped_preference_set_is_what_the_generator_makes_and_the_verifier_agrees():
-    from moerl.components.reward.verifiers import verifier_for
-    from moerl.preferences import builtin_pairs, load_preferences, split
+    from moerl.tasks.preferences import builtin_pairs, load_preferences, split
+    from moerl.tasks.verifiers import verifier_for
 
     shipped = load_preferences("builtin:prefs-digits", 0.0)
     assert shipped.bad_rows == 0 and shipped.rows == builtin_pairs()
-    answers = {r.prompt: r.answer for r in __import__("moerl.dataset", fromlist=["x"]).load_dataset(
+    answers = {r.prompt: r.answer for r in __import__("moerl.tasks.dataset", fromlist=["x"]).load_dataset(
         "builtin:digits-copy", 0.0).rows}
     for p in shipped.rows:
         v = verifier_for("auto", "copy")
@@ -132,7 +132,7 @@ def test_the_shipped_preference_set_is_what_the_generator_makes_and_the_verifier
 
 
 def test_malformed_preference_rows_are_skipped_and_counted(tmp_path):
-    from moerl.preferences import load_preferences
+    from moerl.tasks.preferences import load_preferences
 
     good = [{"id": f"p{i}", "prompt": "copy 12=", "chosen": "12", "rejected": "1"} for i in range(20)]
     lines = [json.dumps(r) for r in good] + [
@@ -173,7 +173,7 @@ def test_publish_registers_and_a_grpo_run_records_the_lineage(tiny_rm, tmp_path)
     from moerl.components.reward.stage import load_model_scorer
     from moerl.components.reward_model import registry
     from moerl.components.reward_model.stage import publish
-    from moerl.checkpoints import run_store
+    from moerl.store.runs import run_store
 
     common = {"checkpoint": {"uri": str(tmp_path / "ckpt"), "cache_dir": str(tmp_path / "cache")},
               "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}}

@@ -75,7 +75,7 @@ def test_the_credentials_reach_the_server_as_basic_auth(monkeypatch):
 
 
 def test_compile_never_writes_the_credentials(tmp_path, capsys):
-    from moerl.runner import compile_pipeline
+    from moerl.orchestrate.compile import compile_pipeline
 
     out = compile_pipeline(parse_config({"tracking": {"uri": URI}}), tmp_path / "grpo.yaml")
     text = out.read_text()

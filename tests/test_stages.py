@@ -4,13 +4,14 @@ import json
 
 import pytest
 
+from moerl.components.buffer.stage import assemble, run_buffer
+from moerl.tasks import verifiers
+from moerl.components.reward.stage import run_reward, score
 from moerl.config import BufferConfig, RewardConfig
-from moerl.dataset import generate, load_dataset, make_prompt
 from moerl.errors import DataError
 from moerl.records import Prompt, Sample, ScoredSample, TrainSample, read_records, write_records
-from moerl.components.buffer.stage import assemble, run_buffer
-from moerl.components.reward import verifiers
-from moerl.components.reward.stage import run_reward, score
+from moerl.tasks.dataset import load_dataset
+from moerl.tasks.digits import generate, make_prompt
 
 
 def _sample(pid="p0", idx=0, text="123", answer="123", task="copy", version=0):

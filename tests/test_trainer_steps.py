@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from moerl.config import parse_config
-from moerl.errors import TrainingError
-from moerl.policy import build_tiny_model
-from moerl.records import TrainSample
 from moerl.components.policy_update.ep_moe import load_balancing_loss, sparse_blocks
 from moerl.components.policy_update.steps import minibatches
 from moerl.components.policy_update.trainer import _load_state, train_on_batch
+from moerl.config import parse_config
+from moerl.errors import TrainingError
+from moerl.models.tiny import build_tiny_model
+from moerl.records import TrainSample
 
 
 def _cfg(**trainer):

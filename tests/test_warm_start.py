@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from moerl import tracking
-from moerl.checkpoints import run_store, version_uri
 from moerl.config import parse_config
 from moerl.errors import CheckpointError
+from moerl.store.runs import run_store, version_uri
 
 PREV_SEED, COLD_SEED = 7, 0
 
@@ -28,7 +28,7 @@ def _hashes(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """One MLflow database and one checkpoint folder for the module; each test its own experiment."""
-    from moerl.policy import build_tiny_model
+    from moerl.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("warm")
     cfg = parse_config({"model": {"tiny": {"seed": PREV_SEED}}})

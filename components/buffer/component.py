@@ -11,9 +11,9 @@ def buffer(config_json: str, scored: Input[Artifact], trainer_version: int, batc
     versions behind `trainer_version`. Writes TrainSample records (JSONL) to `batch`;
     returns `buffer/*` metrics. `run_id`: the MLflow run this task records its image and runtime on.
     """
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.buffer.stage import run_buffer
     from moerl.config import config_from_json
     from moerl.provenance import stage_start

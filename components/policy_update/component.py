@@ -15,9 +15,9 @@ def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Arti
     With `cluster.launch.mode: kubernetes` the steps run in a Kubeflow Trainer TrainJob that
     this task launches, watches and deletes (docs/launch.md); `run_id` labels it.
     """
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
@@ -42,9 +42,9 @@ def async_trainer(config_json: str, run_id: str) -> str:
     scorer drains and exits. Killed and restarted (a KFP retry), it resumes from the last
     published version. Returns the final PolicyVersion as JSON.
     """
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)

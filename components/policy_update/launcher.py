@@ -5,7 +5,7 @@
 torchrun or as local processes meeting through a file store (`trainer.launcher`), waits for
 all of them, and returns rank 0's metrics.
 
-No rank outlives the task (`moerl.procs`): every rank, and torchrun itself, runs in its own
+No rank outlives the task (`moerl.launch.procs`): every rank, and torchrun itself, runs in its own
 process group and dies with the thread that started it. If one rank fails, the others are
 killed (they would block in a collective forever); on any other way out (an exception,
 SIGTERM, the rank timeout) every group is killed before the error propagates.
@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from moerl import procs
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import TrainingError
+from moerl.launch import procs
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,9 @@ def _rank_args(cfg_path: Path, batch_path, state_in, state_out, iteration: int, 
 
 def torchrun_args(world_size: int, rank_args: list[str]) -> list[str]:
     """torchrun's arguments: a standalone rendezvous on a port the store picks itself, and
-    each worker run through the `moerl.procs` wrapper so it dies with torchrun."""
+    each worker run through the `moerl.launch.procs` wrapper so it dies with torchrun."""
     return ["--standalone", "--nnodes=1", f"--nproc-per-node={world_size}", "--local-addr=127.0.0.1",
-            "--module", "moerl.procs", EP_MODULE, *rank_args]
+            "--module", "moerl.launch.procs", EP_MODULE, *rank_args]
 
 
 def _start(cfg: RunConfig, tmp: Path, rank_args: list[str]) -> tuple[list[subprocess.Popen], float]:

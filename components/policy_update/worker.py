@@ -40,13 +40,13 @@ import torch
 
 from moerl import tracking
 from moerl.bus import RunBus, connect
-from moerl.checkpoints import run_store, version_uri
-from moerl.config import RunConfig, config_from_json
-from moerl.dataset import load_dataset
-from moerl.errors import CheckpointError, DataError
-from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue, train_samples
-from moerl.podenv import enter_pod
+from moerl.config import RunConfig, config_from_json
+from moerl.errors import CheckpointError, DataError
+from moerl.launch.podenv import enter_pod
+from moerl.records import PolicyVersion, ScoredSample, write_records
+from moerl.store.runs import run_store, version_uri
+from moerl.tasks.dataset import load_dataset
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"

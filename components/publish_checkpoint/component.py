@@ -11,9 +11,9 @@ def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
     `tracking.experiment`, recorded in this run's `moerl.warm_start.*` tags), publish it to the
     checkpoint store, and return its PolicyVersion as JSON. `state` is the trainer state the
     first policy update starts from."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
     from moerl.config import config_from_json
 
@@ -30,9 +30,9 @@ def resume_policy(config_json: str, run_id: str, version: int, state: Output[Art
     """Continue run `run_id` from its published `version`: fetch the weights and the trainer
     state (optimizer, counters) from the checkpoint store, verified against the manifest,
     into `state`, and return the version's PolicyVersion as JSON."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.publish_checkpoint.stage import prepare_resume
     from moerl.config import config_from_json
 
@@ -48,9 +48,9 @@ def publish_checkpoint(config_json: str, run_id: str, state: Input[Artifact], ve
     """Publish the model in `state` as `version` (HF safetensors + config + tokenizer + a
     manifest with every file's sha256). `latest` moves only after the manifest is verified.
     Returns the PolicyVersion JSON and `weights/*` metrics."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from collections import namedtuple
 
     from moerl.components.publish_checkpoint.stage import run_publish

@@ -1,7 +1,7 @@
 """Publish checkpoint stage: make policy version v durable in the checkpoint store.
 
 The store writes every file, then the manifest (size + sha256 of each file), reads the
-manifest back, and only then moves `latest` (see `moerl.store`). A failure anywhere leaves
+manifest back, and only then moves `latest` (see `moerl.store.base`). A failure anywhere leaves
 `latest` on the previous complete version.
 
 `run_publish` first reads every tensor of the state's `*.safetensors`, one at a time, and
@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moerl import tracking
-from moerl.checkpoints import ENGINE_EXCLUDE, run_store, version_uri
-from moerl.config import RunConfig
-from moerl.policy import build_tiny_model, check_checkpoint
-from moerl.provenance import git_sha
-from moerl.errors import CheckpointError
-from moerl.records import PolicyVersion
 from moerl.components.policy_update.trainer import TRAINER_DIR
+from moerl.config import RunConfig
+from moerl.errors import CheckpointError
+from moerl.models.policy import check_checkpoint
+from moerl.models.tiny import build_tiny_model
+from moerl.provenance import git_sha
+from moerl.records import PolicyVersion
+from moerl.store.runs import ENGINE_EXCLUDE, run_store, version_uri
 
 
 FINAL_CHECKPOINT_TAG = "moerl.final_checkpoint"
@@ -95,7 +96,7 @@ def fetch_warm_start(cfg: RunConfig, prev: PreviousCheckpoint, model_dir: Path) 
     `model_dir`, every file verified against the version's manifest on the way."""
     import tempfile
 
-    from moerl.store import MANIFEST, MARKER
+    from moerl.store.base import MANIFEST, MARKER
 
     store = run_store(cfg.checkpoint, prev.run_id)
     if version_uri(store, prev.version) != prev.uri:  # the tag and the store must name one version
@@ -143,7 +144,7 @@ def prepare_resume(cfg: RunConfig, run_id: str, version: int, state_dir: str | P
     run continues from. The copy is verified against the manifest on the way."""
     import tempfile
 
-    from moerl.store import MANIFEST, MARKER
+    from moerl.store.base import MANIFEST, MARKER
 
     store = run_store(cfg.checkpoint, run_id)
     manifest = store.manifest(version)

@@ -8,9 +8,9 @@ def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> Nam
     """Make the version in `policy_json` the one the next rollout serves: fetch it into the
     node-local checkpoint cache, verify it against its manifest, and point `serving.json` at
     it. Returns the PolicyVersion JSON and `timing/redistribute_weights_s`."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from collections import namedtuple
 
     from moerl.components.redistribute_weights.stage import run_redistribute

@@ -23,10 +23,10 @@ import os
 import socket
 import time
 
-from moerl.checkpoints import SERVING, fetch_for_engine, run_cache, run_store
 from moerl.config import RunConfig
 from moerl.errors import WeightSyncError
 from moerl.records import PolicyVersion
+from moerl.store.runs import SERVING, fetch_for_engine, run_cache, run_store
 
 
 def run_redistribute(cfg: RunConfig, run_id: str, policy: PolicyVersion) -> tuple[PolicyVersion, dict[str, float]]:

@@ -12,9 +12,9 @@ def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact],
     Writes ScoredSample records (JSONL) to `scored`; returns `reward/mean`, `reward/std`, ...
     `run_id`: the MLflow run this task records its image and runtime on.
     """
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward.stage import run_reward
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -38,9 +38,9 @@ def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:
     On SIGTERM the scorer stops and this task FAILS with its drain code, so that KFP's retry
     replaces it (a group being scored is reclaimed by another scorer meanwhile).
     """
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward.worker import run_reward_scorer
     from moerl.config import config_from_json
 

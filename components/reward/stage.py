@@ -29,7 +29,7 @@ from pathlib import Path
 from moerl.config import RewardConfig, RunConfig
 from moerl.errors import DataError
 from moerl.records import Sample, ScoredSample, read_records, write_records
-from moerl.components.reward.verifiers import verifier_for
+from moerl.tasks.verifiers import verifier_for
 
 
 class ModelScorer:

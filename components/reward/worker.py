@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from moerl.bus import RunBus, TrainerWatch, connect
-from moerl.config import RewardConfig, RunConfig, config_from_json
-from moerl.records import Sample, ScoredSample
 from moerl.components.reward.stage import ModelScorer, load_model_scorer, score
-from moerl.podenv import enter_pod
+from moerl.config import RewardConfig, RunConfig, config_from_json
+from moerl.launch.podenv import enter_pod
+from moerl.records import Sample, ScoredSample
 
 log = logging.getLogger(__name__)
 

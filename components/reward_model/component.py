@@ -8,9 +8,9 @@ from kfp.dsl import Artifact, Input, Output
 def prepare_preferences(config_json: str, run_id: str, train: Output[Artifact], held_out: Output[Artifact]) -> dict:
     """Validate `reward_model.data` (malformed rows skipped and counted; more than
     `task.max_bad_fraction` fails the run) and write the seeded train / held-out split."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import prepare_data
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -23,9 +23,9 @@ def prepare_preferences(config_json: str, run_id: str, train: Output[Artifact], 
 def train_reward_model(config_json: str, run_id: str, train: Input[Artifact], model: Output[Artifact]) -> dict:
     """Train a fresh reward model (the `model` backbone with a one-logit head) on `train` with
     the Bradley-Terry loss; `model` is the HF directory."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import train as run_train
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -38,9 +38,9 @@ def train_reward_model(config_json: str, run_id: str, train: Input[Artifact], mo
 def evaluate_reward_model(config_json: str, run_id: str, model: Input[Artifact], held_out: Input[Artifact]) -> dict:
     """Pairwise accuracy on the held-out split; below `reward_model.min_accuracy` the run fails
     before anything is published."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import evaluate
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -53,9 +53,9 @@ def evaluate_reward_model(config_json: str, run_id: str, model: Input[Artifact],
 def publish_reward_model(config_json: str, run_id: str, model: Input[Artifact], eval_metrics: dict) -> str:
     """Publish the model to the checkpoint store with a manifest, register it in MLflow's
     model registry, and return the published version as a PolicyVersion JSON (for finish_run)."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import policy_json, publish
     from moerl.config import config_from_json
     from moerl.provenance import stage_start

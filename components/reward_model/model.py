@@ -40,7 +40,8 @@ def build_reward_model(cfg: ModelConfig, out_dir: str | Path) -> Path:
     sequence-classification head, or `cfg.path`'s backbone with a new head."""
     from transformers import AutoModelForSequenceClassification
 
-    from moerl.policy import build_tokenizer, check_checkpoint, tiny_hf_config
+    from moerl.models.policy import check_checkpoint
+    from moerl.models.tiny import build_tokenizer, tiny_hf_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

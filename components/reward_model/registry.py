@@ -109,7 +109,7 @@ def resolve(tracking_uri: str, ref: RewardModelRef) -> RegisteredRewardModel:
 def fetch(ckpt: CheckpointConfig, rm: RegisteredRewardModel) -> Path:
     """The registered version in the node-local cache (`<cache_dir>/reward-models/<rm run>`),
     verified file by file against its manifest, whose hash must be the registered one."""
-    from moerl.checkpoints import open_store
+    from moerl.store.runs import open_store
 
     store = open_store(ckpt.model_copy(update={"uri": rm.store_uri}))
     manifest = store.manifest(rm.store_version)

@@ -28,7 +28,7 @@ def _log(cfg: RunConfig, run_id: str, metrics: dict[str, float]) -> None:
 def prepare_data(cfg: RunConfig, train_out: str | Path, eval_out: str | Path, run_id: str = "") -> dict[str, float]:
     """Load `reward_model.data` (malformed rows skipped and counted, `task.max_bad_fraction`)
     and write the seeded train / held-out split."""
-    from moerl.preferences import load_preferences, split
+    from moerl.tasks.preferences import load_preferences, split
 
     rm = cfg.reward_model
     data = load_preferences(rm.data, cfg.task.max_bad_fraction)
@@ -71,8 +71,8 @@ def evaluate(cfg: RunConfig, model_path: str | Path, eval_path: str | Path, run_
 def publish(cfg: RunConfig, run_id: str, model_path: str | Path, eval_metrics: dict[str, float]) -> dict[str, str]:
     """Publish the model as version 1 of this run's lineage (`latest` moves only once the
     manifest is verified), register it, and tag the run. Returns {registered, uri, ...}."""
-    from moerl.checkpoints import run_store, version_uri
     from moerl.components.reward_model.registry import register
+    from moerl.store.runs import run_store, version_uri
 
     uri = tracking.resolve_uri(cfg.tracking)
     store = run_store(cfg.checkpoint, run_id)

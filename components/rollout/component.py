@@ -11,9 +11,9 @@ def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, sam
     `samples` (JSONL): tokens, the engine's token logprobs, finish reason, policy version.
     Returns the stage's metrics (`timing/rollout_s`, `throughput/rollout_tokens_per_s`, ...).
     """
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
@@ -40,9 +40,9 @@ def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     the worker's drain code: KFP's retry then starts a replacement in the same slot. Exiting 0
     would mark the slot done and lose it for the rest of the run.
     """
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)

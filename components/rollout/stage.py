@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from moerl.config import RunConfig
-from moerl.dataset import load_dataset
 from moerl.records import PolicyVersion, Sample, write_records
-from moerl.checkpoints import fetch_for_engine
+from moerl.store.runs import fetch_for_engine
+from moerl.tasks.dataset import load_dataset
 
 
 def to_samples(prompts, prompt_ids: list[list[int]], completions, version: int) -> list[Sample]:

@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 from moerl.bus import Lease, RunBus, TrainerWatch, connect
-from moerl.checkpoints import fetch_for_engine, run_store
 from moerl.config import RunConfig, config_from_json
+from moerl.launch.podenv import enter_pod
 from moerl.records import Sample
-from moerl.podenv import enter_pod
+from moerl.store.runs import fetch_for_engine, run_store
 
 log = logging.getLogger(__name__)
 

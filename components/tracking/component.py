@@ -8,9 +8,9 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str) -> s
     `run_id` is given (the CLI pre-creates it), add this image's provenance to it. Tags it with
     `kfp_run_id` (the KFP run's id), by which `close_run` finds it. Returns the run id every
     other task uses."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl import provenance, tracking
     from moerl.config import config_from_json
 
@@ -32,9 +32,9 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
                   policy_update: dict, publish: dict, redistribute: dict) -> dict:
     """Log one iteration's metrics from every stage to MLflow under stable names, at
     step=iteration, and print one progress line. Returns the merged metrics."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl import tracking
     from moerl.config import config_from_json
 
@@ -59,9 +59,9 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
 def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     """Log the final checkpoint URI and the reward-curve plot, and close the MLflow run.
     Returns the run id."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     import json
     import tempfile
     from pathlib import Path
@@ -87,9 +87,9 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     `kfp_run_id`. With `cluster.launch.mode: kubernetes` it first deletes any workload the run
     launched and left behind (labelled with the run id). Returns the MLflow run's final status
     ("" when no run was started)."""
-    from moerl.podenv import enter_pod
+    from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/podenv.py)
+    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl import tracking
     from moerl.config import config_from_json
 
@@ -103,8 +103,8 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     sweep_error = None
     if run_id and cfg.cluster.launch.mode == "kubernetes":
         # the backstop for launched GPU workloads whose launcher died before deleting them
-        from moerl.launch.task import sweep
         from moerl.errors import MoerlError
+        from moerl.launch.task import sweep
 
         try:
             swept = sweep(run_id, cfg.cluster.launch.namespace)

@@ -96,8 +96,8 @@ def run_child(module: str, command: str, cfg: Any, iterations: int, work: Path, 
     import os
     import subprocess
 
-    from moerl import procs
     from moerl.config import config_to_json
+    from moerl.launch import procs
 
     cfg_path, result, log_path = work / f"{name}.config.json", work / f"{name}.json", work / f"{name}.log"
     cfg_path.write_text(config_to_json(cfg))

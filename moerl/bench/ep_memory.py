@@ -71,8 +71,8 @@ def _batch(n: int, vocab: int):
 def _rank(rank: int, world: int, model_dir: str, work: str, model: dict, out_file: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    from moerl.config import parse_config
     from moerl.components.policy_update.ep_train import save_ep, setup, train_ep
+    from moerl.config import parse_config
     # the model code is imported before the base is read: growth past it is weights and steps
     from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
 
@@ -149,7 +149,7 @@ def run_bench_ep_memory(world_sizes: tuple[int, ...] = (1, 2, 4), out: Path | No
     import torch.multiprocessing as mp
 
     from moerl.config import parse_config
-    from moerl.policy import build_tiny_model
+    from moerl.models.tiny import build_tiny_model
 
     model = {**BENCH_MODEL, **{k: v for k, v in model_overrides.items() if v is not None}}
     for world in world_sizes:  # bad sizes fail here, in one line, before any rank starts

@@ -186,7 +186,7 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     from moerl.components.policy_update.trainer import _load_state
     from moerl.components.publish_checkpoint.stage import prepare_initial
     from moerl.components.rollout.engine import RolloutEngine
-    from moerl.dataset import load_dataset
+    from moerl.tasks.dataset import load_dataset
 
     t0 = time.perf_counter()
     t: dict[str, float] = defaultdict(float)
@@ -257,7 +257,7 @@ def _own_experiment(cfg: RunConfig, arm_dir: Path) -> str:
 def _sync_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
-    from moerl.runner import run_local
+    from moerl.orchestrate.sync_run import run_local
 
     uri = _own_experiment(cfg, arm_dir)
     t0 = time.perf_counter()
@@ -280,7 +280,7 @@ def _sync_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
 def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
-    from moerl.asyncrun import run_async
+    from moerl.orchestrate.async_run import run_async
 
     uri = _own_experiment(cfg, arm_dir)
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ Relative to the smallest point (the first of `--workers`, and of `--scorers`):
                   logged fewer than 2 versions' rates; `speedup_basis` says which)
     efficiency  = speedup / (workers(point) / workers(smallest))   (per-worker efficiency)
 
-On this machine every worker shares the same 2 cores (moerl.asyncrun.cpu_plan), so more
+On this machine every worker shares the same 2 cores (moerl.orchestrate.async_run.cpu_plan), so more
 workers cannot add compute: the efficiency here measures the orchestration's overhead, not
 scaling. On EKS the same command's sizes are node counts; see README "Benchmarks on EKS".
 """
@@ -53,7 +53,7 @@ def async_point(cfg: RunConfig, point_dir: Path, on_tick=None) -> dict[str, Any]
     """One async run of `cfg`: wall time, the bus counters, and the MLflow figures."""
     from mlflow.tracking import MlflowClient
 
-    from moerl.asyncrun import run_async
+    from moerl.orchestrate.async_run import run_async
 
     uri = _own_experiment(cfg, point_dir)
     stats: dict[str, Any] = {}

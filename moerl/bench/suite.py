@@ -89,14 +89,14 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
 
     from moerl.bench import netio
     from moerl.bench.imbalance import expert_loads, imbalance
-    from moerl.checkpoints import fetch_for_engine
     from moerl.components.buffer.stage import assemble
     from moerl.components.policy_update.trainer import _load_state, _save_state, train_on_batch
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.components.rollout.engine import RolloutEngine
-    from moerl.dataset import load_dataset
     from moerl.components.rollout.stage import to_samples
+    from moerl.store.runs import fetch_for_engine
+    from moerl.tasks.dataset import load_dataset
 
     run_id = f"suite-{uuid.uuid4().hex[:12]}"
     state = prepare_initial(cfg, work / "v0")
@@ -406,7 +406,7 @@ def _store(kind: str, root: Path) -> Iterator[tuple[str | None, str | None, dict
         return
     import boto3
 
-    from moerl.s3local import local_s3_server
+    from moerl.store.s3server import local_s3_server
 
     with local_s3_server(root / "s3") as server:
         env = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key,

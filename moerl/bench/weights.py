@@ -108,8 +108,8 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
     import boto3.s3.transfer as s3t
 
     from moerl.components.rollout.engine import RolloutEngine
-    from moerl.policy import build_tiny_model
-    from moerl.s3store import S3Store
+    from moerl.models.tiny import build_tiny_model
+    from moerl.store.s3 import S3Store
 
     # 1. two versions of the model: A is served first, B is the one being redistributed
     a = build_tiny_model(tiny, work / name / "a")
@@ -207,7 +207,7 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
 
     import boto3
 
-    from moerl.s3local import local_s3_server
+    from moerl.store.s3server import local_s3_server
 
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
@@ -223,7 +223,7 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
             os.environ.update(env)  # the stores find credentials through the standard AWS chain
             try:
                 # a session of its own: boto3's default session keeps the first credentials it
-                # resolved, which may be another server's (the stores do the same, moerl/s3store.py)
+                # resolved, which may be another server's (the stores do the same, moerl/store/s3.py)
                 client = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
                 try:
                     client.create_bucket(Bucket=bucket)

@@ -1,4 +1,8 @@
-"""GPU stages launched through the Kubernetes API (`cluster.launch.mode: kubernetes`).
+"""How a stage's processes start and live: the pod's scratch, child processes, and GPU stages
+launched through the Kubernetes API (`cluster.launch.mode: kubernetes`).
+
+- `podenv`: what every pipeline task does first (`enter_pod`: its scratch as cwd, HOME, TMPDIR).
+- `procs`: child processes that die with their parent, in process groups a launcher can kill.
 
 KFP cannot put GPUs, EFA devices and hugepages on one task (kubeflow/pipelines#10996) and, from
 2.16, drops every container capability. So in this mode the policy-update and rollout

@@ -9,7 +9,7 @@ task uploads its inputs under a run-scoped prefix of the checkpoint store,
         result.json            written by the pod last: the stage's return value, the outputs
 and the launched pod (`moerl.launch.remote`) downloads them, runs the stage, uploads its
 outputs and the result. The task downloads those into its own output paths, then deletes the
-prefix. The S3 client is the checkpoint store's (`moerl.s3store.S3Store`: the AWS credential
+prefix. The S3 client is the checkpoint store's (`moerl.store.s3.S3Store`: the AWS credential
 chain only, bounded retries, errors as `CheckpointError`).
 
 Limitations: a file input is one object, a directory one object per file (no archive), so
@@ -26,7 +26,7 @@ from typing import Any
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.s3store import S3Store
+from moerl.store.s3 import S3Store
 
 SPEC, RESULT = "spec.json", "result.json"
 

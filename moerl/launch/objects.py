@@ -42,7 +42,7 @@ import secrets
 from typing import Any
 
 from moerl.config import GroupConfig, RunConfig
-from moerl.podenv import SCRATCH_ENV
+from moerl.launch.podenv import SCRATCH_ENV
 
 TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
 JOBSET_API = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
@@ -125,7 +125,7 @@ def _security() -> dict[str, Any]:
 
 
 def scratch_env(cfg: RunConfig) -> list[dict[str, Any]]:
-    """The scratch emptyDir as `moerl.podenv` expects it (MOERL_SCRATCH; HOME and TMPDIR under
+    """The scratch emptyDir as `moerl.launch.podenv` expects it (MOERL_SCRATCH; HOME and TMPDIR under
     it, which `enter_pod` creates): the image's own directories may be read-only."""
     scratch = cfg.cluster.scratch_dir
     return [{"name": SCRATCH_ENV, "value": scratch}, {"name": "HOME", "value": f"{scratch}/home"},

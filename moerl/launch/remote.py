@@ -33,7 +33,7 @@ from typing import Any, Literal
 from moerl.config import CheckpointConfig, RunConfig, config_from_json
 from moerl.errors import MoerlError
 from moerl.launch.exchange import RESULT, SPEC, Exchange
-from moerl.podenv import enter_pod
+from moerl.launch.podenv import enter_pod
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ created and raise; (2) poll every `cluster.launch.poll_s` until all have succeed
 failed, one has disappeared (deleted under us: HTTP 404), one has had no pod running for
 `pending_timeout_s` since it was created, or the timeout passes; (3) on every way out
 (success, failure, exception, or SIGTERM to the task, turned into an exception by
-`moerl.procs.sigterm_raises`) delete everything it created, propagationPolicy Background
+`moerl.launch.procs.sigterm_raises`) delete everything it created, propagationPolicy Background
 (`delete_retrying`: a 404 counts as deleted; no answer, 5xx, 409 and 429 are retried
 `DELETE_TRIES` times with backoff, about 30 s in all). Failures raise `LaunchError`
 subclasses whose message names the object and the reason. How "done", "failed" and "started"
@@ -38,8 +38,8 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from moerl import procs
 from moerl.errors import MoerlError
+from moerl.launch import procs
 from moerl.launch.objects import JOBSET_API, LABEL_WORKLOAD, TRAINJOB_API
 from moerl.launch.state import State, condition_state, container_failure, pod_state, pods_state
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from moerl.config import parse_config
-from moerl.policy import build_tiny_model
+from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
 
 pytestmark = [pytest.mark.gpu,

@@ -2,9 +2,9 @@
 
 A preference dataset is a JSONL file, or a Parquet file, of `PreferencePair` rows
 {id, prompt, chosen, rejected}: for `prompt`, the response `chosen` is preferred to
-`rejected`. `builtin:prefs-digits` names the set shipped in `moerl/data/`.
+`rejected`. `builtin:prefs-digits` names the set shipped in `moerl/tasks/data/`.
 
-Loading follows the prompt dataset's policy (moerl/dataset.py) and threshold: a malformed row
+Loading follows the prompt dataset's policy (moerl/tasks/dataset.py) and threshold: a malformed row
 is skipped and counted, and more than `max_bad_fraction` of them fail the load with a
 `DataError` naming the field, the file and the first bad row. A malformed row is a line that
 is not one JSON object of the schema (bad UTF-8, a NUL byte, a line over 1 MiB, a missing or
@@ -15,8 +15,8 @@ The shipped set (`synthesize`) is built from the prompts of a shipped task datas
 pair, two candidate responses are drawn from a mixture (the answer itself, the answer with
 digits replaced, cut short or run on, random digits); the pair is kept only when the task's
 rule verifier scores them at least `margin` apart, and the higher-scored one is `chosen`. So
-the verifier ranks every chosen response above its rejected one (tests/test_preferences.py
-checks it on the shipped file). Regenerate it with `python -m moerl.preferences`.
+the verifier ranks every chosen response above its rejected one (tests/test_reward_model.py
+checks it on the shipped file). Regenerate it with `python -m moerl.tasks.preferences`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from moerl.dataset import _lines, json_line, load_dataset, resolve_path, validate_row
 from moerl.errors import DataError
 from moerl.records import PreferencePair, Prompt
+from moerl.tasks.dataset import _lines, json_line, load_dataset, resolve_path, validate_row
 from moerl.userfiles import FileProblem, one_line
 
 FIELDS = ("id", "prompt", "chosen", "rejected")
@@ -150,7 +150,7 @@ def synthesize(prompts: list[Prompt], n: int, seed: int, margin: float = BUILTIN
                max_len: int = 6) -> list[PreferencePair]:
     """`n` pairs whose chosen response the prompt's verifier scores at least `margin` above
     the rejected one (see the module docstring)."""
-    from moerl.components.reward.verifiers import verifier_for
+    from moerl.tasks.verifiers import verifier_for
 
     rng = random.Random(seed)
     out: list[PreferencePair] = []
@@ -167,7 +167,7 @@ def synthesize(prompts: list[Prompt], n: int, seed: int, margin: float = BUILTIN
 
 
 def builtin_pairs() -> list[PreferencePair]:
-    """The shipped set, as `python -m moerl.preferences` writes it."""
+    """The shipped set, as `python -m moerl.tasks.preferences` writes it."""
     return synthesize(load_dataset(BUILTIN_SOURCE, 0.0).rows, BUILTIN_PAIRS, BUILTIN_SEED)
 
 

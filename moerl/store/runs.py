@@ -15,18 +15,18 @@ from pathlib import Path
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.fetchcache import prune_cache
-from moerl.localstore import LocalStore
-from moerl.store import CheckpointStore
+from moerl.store.base import CheckpointStore
+from moerl.store.folder import LocalStore
+from moerl.store.nodecache import prune_cache
 
 log = logging.getLogger(__name__)
 
 
 def open_store(cfg: CheckpointConfig) -> CheckpointStore:
     """`s3://bucket/prefix` gives an S3Store; anything else is a local folder. The backends
-    are chosen here, not in `moerl.store`, so the contract never imports its backends."""
+    are chosen here, not in `moerl.store.base`, so the contract never imports its backends."""
     if cfg.uri.startswith("s3://"):
-        from moerl.s3store import S3Store  # boto3 only for S3 users
+        from moerl.store.s3 import S3Store  # boto3 only for S3 users
 
         store: CheckpointStore = S3Store(cfg)
     else:

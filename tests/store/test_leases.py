@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from moerl.errors import CheckpointError
-from moerl.leases import Lease, new_lease, parse_lease
-from moerl.store import CheckpointStore
-from tests.test_store import Case, case, make_checkpoint  # noqa: F401 (case: a fixture)
-from tests.test_store_faults import _wait_for
+from moerl.store.base import CheckpointStore
+from moerl.store.leases import Lease, new_lease, parse_lease
+from tests.store.test_store import Case, case, make_checkpoint  # noqa: F401 (case: a fixture)
+from tests.store.test_store_faults import _wait_for
 
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 
@@ -70,7 +70,7 @@ def test_expired_lease_stops_protecting_its_version(case: Case, tmp_path: Path) 
 
 def test_store_default_ttl_comes_from_the_config(tmp_path: Path) -> None:
     from moerl.config import CheckpointConfig
-    from moerl.checkpoints import open_store
+    from moerl.store.runs import open_store
 
     store = open_store(CheckpointConfig(uri=str(tmp_path / "s"), pin_ttl_s=30))
     store.clock = lambda: T0
@@ -84,7 +84,7 @@ _HOLDER = r"""
 import json, sys, time
 from pathlib import Path
 from moerl.config import CheckpointConfig
-from moerl.checkpoints import open_store
+from moerl.store.runs import open_store
 a = json.loads(sys.argv[1])
 store = open_store(CheckpointConfig(**a["cfg"]))
 store.pin(a["version"], a["holder"], ttl_s=a["ttl_s"])
@@ -112,7 +112,7 @@ def test_dead_holder_loses_its_version_live_holders_keep_theirs(case: Case, tmp_
             args = {"cfg": _cfg_of(store), "version": v, "holder": holder, "ttl_s": ttl,
                     "ready": str(tmp_path / holder)}
             procs[holder] = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(args)], text=True,
-                                             stderr=subprocess.PIPE, cwd=Path(__file__).parent.parent)
+                                             stderr=subprocess.PIPE, cwd=Path(__file__).parents[2])
         for holder, p in procs.items():
             _wait_for(lambda h=holder: (tmp_path / h).exists(), 60, f"{holder} to pin", p)
         procs["engine-b"].send_signal(signal.SIGKILL)

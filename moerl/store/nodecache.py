@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from moerl.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from moerl.manifest import Manifest
+    from moerl.store.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ version 0 is the final checkpoint of the newest FINISHED run in `tracking.experi
 (`components/publish_checkpoint/stage.py`).
 
 Cron: the user gives one 6-field expression with leading seconds, as KFP takes it; the
-CronWorkflow gets the 5-field form (`moerl/cron.py`). A bad expression is a `ConfigError`
+CronWorkflow gets the 5-field form (`moerl/orchestrate/cron.py`). A bad expression is a `ConfigError`
 naming the field, raised before anything is compiled or any client is made.
 
 Nothing secret: a `--host` / `--argo-host` with `user:password@` in it is refused. The KFP
@@ -45,8 +45,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from moerl.config import RunConfig, load_config
-from moerl.cron import FORMAT, check_timezone, parse_cron
 from moerl.errors import ConfigError, MoerlError
+from moerl.orchestrate.cron import FORMAT, check_timezone, parse_cron
 
 
 # ----------------------------------------------------------------------------------- KFP
@@ -76,7 +76,7 @@ def check_host(flag: str, host: str | None) -> None:
 
 
 def _compile(cfg: RunConfig, out: Path) -> Path:
-    from moerl.runner import compile_pipeline
+    from moerl.orchestrate.compile import compile_pipeline
 
     return compile_pipeline(cfg, out, target="eks")
 

@@ -1,12 +1,8 @@
 """The policy: a transformers MoE causal LM (Qwen3-MoE by default, or Mixtral-style).
 
-The embedded default is a tiny model built from a seed and saved in HF format, with a
-character-level tokenizer over the task alphabet, so no hub download is ever needed. A user's
-`model.path` is any local HF-format Qwen3-MoE or Mixtral-style checkpoint with its tokenizer;
-both go through the same `load_policy`.
-
-Limitations: the tiny tokenizer knows only the characters of the shipped tasks; other
-characters map to `<unk>`.
+The embedded default is the tiny model of `moerl.models.tiny`. A user's `model.path` is any
+local HF-format Qwen3-MoE or Mixtral-style checkpoint with its tokenizer, checked here before any
+work starts (`check_checkpoint`); both go through the same `load_policy`.
 """
 
 from __future__ import annotations
@@ -15,95 +11,16 @@ import json
 import logging
 from pathlib import Path
 
-from moerl.config import ModelConfig, TinyMoeConfig
+from moerl.config import ModelConfig
 from moerl.errors import ConfigError
+from moerl.models.tiny import build_tiny_model
 from moerl.userfiles import FileProblem, decode_text, read_bytes_capped, short_repr
 
 log = logging.getLogger(__name__)
 
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
-# Only the characters of the shipped tasks: every extra token is one more wrong choice for a
-# random-init policy, and a small vocabulary is what lets the tiny run learn in minutes.
-ALPHABET = list("0123456789 +=-") + list("acdeoprvy")
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json")
-
-
-def tiny_vocab() -> list[str]:
-    # The model's vocab_size equals the tokenizer's, so every id the engine samples decodes.
-    return SPECIALS + ALPHABET
-
-
-def build_tokenizer():
-    """A character-level fast tokenizer: one token per character, decoded without spaces."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(tiny_vocab())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def tiny_hf_config(t: TinyMoeConfig, vocab_size: int, pad_id: int, eos_id: int, bos_id: int):
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=t.hidden_size,
-        num_hidden_layers=t.num_layers,
-        num_attention_heads=t.num_heads,
-        num_key_value_heads=t.num_kv_heads,
-        head_dim=t.head_dim,
-        max_position_embeddings=t.max_position_embeddings,
-        tie_word_embeddings=False,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=bos_id,
-        num_experts_per_tok=t.experts_per_token,
-        output_router_logits=False,
-    )
-    if t.architecture == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig(
-            intermediate_size=t.moe_intermediate_size * 2,
-            moe_intermediate_size=t.moe_intermediate_size,
-            num_experts=t.num_experts,
-            decoder_sparse_step=1,
-            norm_topk_prob=True,
-            **common,
-        )
-    from transformers import MixtralConfig
-
-    return MixtralConfig(intermediate_size=t.moe_intermediate_size, num_local_experts=t.num_experts, **common)
-
-
-def build_tiny_model(t: TinyMoeConfig, out_dir: str | Path) -> Path:
-    """Initialize the tiny MoE from `t.seed` and save model + tokenizer in HF format."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    cfg = tiny_hf_config(t, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
-    torch.manual_seed(t.seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
-    )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    log.info("built tiny %s (%d params) at %s", t.architecture, sum(p.numel() for p in model.parameters()), out)
-    return out
 
 
 # A HF config.json is a few KiB; a safetensors header a few MiB at most for a large model.

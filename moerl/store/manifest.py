@@ -1,6 +1,6 @@
 """The manifest of a policy version: every file's path, size and sha256, as canonical JSON.
 
-A version is complete once its manifest is stored (see `moerl.store`); the manifest's own
+A version is complete once its manifest is stored (see `moerl.store.base`); the manifest's own
 sha256 identifies the version's exact bytes (`latest.json`, fetched copies and `PolicyVersion`
 records carry it).
 """

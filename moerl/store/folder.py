@@ -1,4 +1,4 @@
-"""The folder backend of the checkpoint store (see `moerl.store` for the contract).
+"""The folder backend of the checkpoint store (see `moerl.store.base` for the contract).
 
 A publish is staged in `versions/.tmp-*` and renamed into place once complete; every copied
 file, the rename and the `latest.json` swap are fsynced, so a crash leaves either the previous
@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 from moerl.errors import CheckpointError
-from moerl.store import MANIFEST, CheckpointStore, copy_hashed, version_dir
+from moerl.store.base import MANIFEST, CheckpointStore, copy_hashed, version_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Fault tests for moerl.store against a real S3 server (weed mini) and a local folder.
+"""Fault tests for moerl.store.base against a real S3 server (weed mini) and a local folder.
 
 Killed uploads, unreachable or vanishing endpoints, truncated objects, wrong bucket or prefix,
 retention with pins, and two processes fetching into one cache. Nothing here mocks S3; where a
@@ -22,10 +22,10 @@ import pytest
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.checkpoints import open_store
-from moerl.localstore import LocalStore
+from moerl.store.folder import LocalStore
+from moerl.store.runs import open_store
 from tests.s3server import S3Server
-from tests.test_store import Case, _s3_case, case, make_checkpoint, tree  # noqa: F401 (case: a fixture)
+from tests.store.test_store import Case, _s3_case, case, make_checkpoint, tree  # noqa: F401 (case: a fixture)
 
 # A child process that publishes or fetches with its own store.
 # - publish, with copy_delay_s: local copies go 1 MiB at a time with a pause after each, so that the
@@ -36,7 +36,7 @@ _CHILD = r"""
 import json, shutil, sys, time
 from pathlib import Path
 from moerl.config import CheckpointConfig
-from moerl.checkpoints import open_store
+from moerl.store.runs import open_store
 a = json.loads(sys.argv[1])
 store = open_store(CheckpointConfig(**a["cfg"]))
 if a["op"] == "publish":
@@ -67,7 +67,7 @@ else:
 
 def _child(args: dict) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
 
 
 def _wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[str] | None = None) -> None:  # noqa: ANN001
@@ -312,7 +312,7 @@ def test_retention_failure_never_fails_publish(case: Case, tmp_path: Path,  # no
     store, src = case.store, make_checkpoint(tmp_path / "src")
     store.publish(1, src)
     case.put_raw("pins/broken.json", b"not json")  # an unreadable pin: retention must not guess
-    with caplog.at_level("WARNING", logger="moerl.store"):
+    with caplog.at_level("WARNING", logger="moerl.store.base"):
         store.publish(2, src, retention=(1, 0))
     assert store.latest() == 2 and store.versions() == [1, 2]
     assert "retention after publishing version 2" in caplog.text and "malformed pin pins/broken.json" in caplog.text

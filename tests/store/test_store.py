@@ -1,4 +1,4 @@
-"""Contract tests for moerl.store, run against a local folder and a real S3 server (weed mini)."""
+"""Contract tests for moerl.store.base, run against a local folder and a real S3 server (weed mini)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import pytest
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.s3store import S3Store
-from moerl.checkpoints import open_store
-from moerl.localstore import LocalStore
-from moerl.store import MANIFEST, CheckpointStore, FileEntry, HashingWriter, Manifest, copy_hashed, sha256_file
+from moerl.store.base import MANIFEST, CheckpointStore, FileEntry, HashingWriter, Manifest, copy_hashed, sha256_file
+from moerl.store.folder import LocalStore
+from moerl.store.runs import open_store
+from moerl.store.s3 import S3Store
 from tests.s3server import S3Server
 
 
@@ -322,7 +322,7 @@ def test_s3_server_binds_loopback_only(s3_server: S3Server) -> None:
 
 def test_local_store_never_imports_boto3(tmp_path: Path) -> None:
     code = ("import sys; from pathlib import Path; from moerl.config import CheckpointConfig; "
-            "from moerl.checkpoints import open_store; s = open_store(CheckpointConfig(uri=sys.argv[1])); "
+            "from moerl.store.runs import open_store; s = open_store(CheckpointConfig(uri=sys.argv[1])); "
             "s.publish(1, Path(sys.argv[2])); s.fetch(1, Path(sys.argv[3])); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), str(make_checkpoint(tmp_path / "src")),
@@ -366,7 +366,7 @@ def test_retention_arguments_checked_before_publishing(case: Case, tmp_path: Pat
 
 
 def test_fetch_can_leave_out_a_prefix_and_a_full_copy_serves_both(tmp_path):
-    from moerl.localstore import LocalStore
+    from moerl.store.folder import LocalStore
 
     src = tmp_path / "src"
     (src / "trainer").mkdir(parents=True)

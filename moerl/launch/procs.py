@@ -9,7 +9,7 @@ someone finds it by hand. Two mechanisms prevent that, one for each way a launch
   beforehand to be SIGKILLed when its parent goes (`die_with_parent`, Linux's
   `prctl(PR_SET_PDEATHSIG)`).
 
-`spawn` does both: it starts `python -m moerl.procs MODULE ARGS...`, which arms the death
+`spawn` does both: it starts `python -m moerl.launch.procs MODULE ARGS...`, which arms the death
 signal, checks the parent is still the one that started it (it could have died before the
 signal was armed), then runs MODULE as `__main__` in the same process. A wrapped process
 passes its own pid on (`MOERL_PARENT_PID`), so wrapped grandchildren (torchrun's workers)
@@ -59,7 +59,7 @@ def die_with_parent(parent_pid: int | None = None) -> None:
 def spawn(module: str, args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
     """Start `python -m module *args` in a new process group, dying with the calling thread.
     `popen` goes to subprocess.Popen (stdout=..., for example)."""
-    return subprocess.Popen([sys.executable, "-m", "moerl.procs", module, *args],
+    return subprocess.Popen([sys.executable, "-m", "moerl.launch.procs", module, *args],
                             env={**env, PARENT_ENV: str(os.getpid())}, process_group=0, **popen)
 
 
@@ -124,7 +124,7 @@ def sigterm_raises():
 
 def _main(argv: list[str]) -> None:
     if not argv:
-        sys.exit("usage: python -m moerl.procs MODULE [ARGS...]")
+        sys.exit("usage: python -m moerl.launch.procs MODULE [ARGS...]")
     parent = os.environ.pop(PARENT_ENV, None)
     die_with_parent(int(parent) if parent else None)
     os.environ[PARENT_ENV] = str(os.getpid())  # for children run through this wrapper in turn

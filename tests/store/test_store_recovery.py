@@ -19,15 +19,15 @@ import pytest
 
 from moerl.config import CheckpointConfig, RunConfig
 from moerl.errors import CheckpointError
-from moerl.checkpoints import open_store
+from moerl.store.runs import open_store
 from tests.s3server import S3Server
-from tests.test_store import make_checkpoint, tree
+from tests.store.test_store import make_checkpoint, tree
 
 _CHILD = r"""
 import json, os, sys
 from pathlib import Path
 from moerl.config import CheckpointConfig
-from moerl.checkpoints import open_store
+from moerl.store.runs import open_store
 a = json.loads(sys.argv[1])
 store, at = open_store(CheckpointConfig(**a["cfg"])), a["die"]
 cls = type(store)
@@ -57,7 +57,7 @@ store.publish(a["version"], Path(a["src"]))
 def _publish_and_die(cfg: CheckpointConfig, version: int, src: Path, die: str) -> None:
     args = {"cfg": cfg.model_dump(), "version": version, "src": str(src), "die": die}
     r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)], capture_output=True, text=True,
-                       cwd=Path(__file__).parent.parent, timeout=120)
+                       cwd=Path(__file__).parents[2], timeout=120)
     assert r.returncode == 137, f"the child did not die at {die!r}: rc {r.returncode}, {r.stderr[-2000:]}"
 
 
@@ -85,7 +85,7 @@ def test_version_committed_before_latest_moved_is_adopted(cfg: CheckpointConfig,
     assert store.latest() == 1 and store.versions() == [1, 2]  # the crash window: complete above latest
     with pytest.raises(CheckpointError, match="version 2 already exists"):  # what resume used to hit
         store.publish(2, v2)
-    with caplog.at_level("WARNING", logger="moerl.store"):
+    with caplog.at_level("WARNING", logger="moerl.store.base"):
         assert store.recover() == 2
     assert "version 2 was complete and verified but latest was 1" in caplog.text
     assert store.latest() == 2 and store.versions() == [1, 2]
@@ -125,7 +125,7 @@ def test_complete_but_unverifiable_version_above_latest_is_deleted(cfg: Checkpoi
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     store, v2 = _killed_at(cfg, tmp_path, "committed")
     store._delete(["versions/v000002/config.json"])  # an object the manifest lists is gone
-    with caplog.at_level("WARNING", logger="moerl.store"):
+    with caplog.at_level("WARNING", logger="moerl.store.base"):
         assert store.recover() == 1
     assert "deleting v000002, above latest 1: config.json of version 2" in caplog.text
     assert store.versions() == [1] and store._list("versions/v000002/") == []
@@ -146,8 +146,8 @@ def test_resume_point_adopts_the_version_a_killed_publish_left(tmp_path: Path,
     """`moerl run --resume` continues from the recovered version, not the stale `latest`."""
     from mlflow.tracking import MlflowClient
 
-    from moerl.checkpoints import run_store
-    from moerl.runner import _resume_point
+    from moerl.orchestrate.prepare import resume_point
+    from moerl.store.runs import run_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
@@ -158,6 +158,6 @@ def test_resume_point_adopts_the_version_a_killed_publish_left(tmp_path: Path,
     _publish_and_die(run_cfg.checkpoint.model_copy(update={"uri": store.uri}), 1,
                      make_checkpoint(tmp_path / "v1", seed=1), "committed")
     assert store.latest() == 0
-    assert _resume_point(run_cfg, uri, run_id) == 1
+    assert resume_point(run_cfg, uri, run_id) == 1
     assert "version 1 was published but `latest` still said 0; adopted it" in capsys.readouterr().out
     assert store.latest() == 1

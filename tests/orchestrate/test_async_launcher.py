@@ -1,6 +1,6 @@
 """The local async launcher's pure parts: how it shares one machine's cores between stages."""
 
-from moerl.asyncrun import cpu_plan
+from moerl.orchestrate.async_run import cpu_plan
 
 
 def test_the_trainer_and_the_engines_never_share_a_core():

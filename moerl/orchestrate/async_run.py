@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from moerl import procs, tracking
+from moerl import tracking
 from moerl.bus import EmbeddedValkey, RunBus, connect
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
+from moerl.launch import procs
 
 MODULES = {"trainer": "moerl.components.policy_update.worker", "rollout": "moerl.components.rollout.worker",
            "scorer": "moerl.components.reward.worker"}
@@ -219,7 +220,8 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
     """Run the async mode locally. `on_tick` is called with the LocalAsyncRun about every 0.2 s
     (benchmarks inject faults through it); `stats`, when given, receives the bus counters, the
     restarts and each child's exit codes once the run ends."""
-    from moerl.runner import RunSummary, _report, _resume_point, absolutize, begin_run, preflight
+    from moerl.orchestrate.prepare import absolutize, begin_run, preflight, resume_point
+    from moerl.orchestrate.sync_run import RunSummary, report
 
     # 1. preflight, absolute paths, credentials into the environment
     preflight(cfg)
@@ -229,7 +231,7 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
     shown = tracking.redact(uri)
     # 2. MLflow run, Valkey
     if resume:  # a run id that MLflow does not know is refused before anything starts
-        _resume_point(cfg, uri, resume)
+        resume_point(cfg, uri, resume)
     run_id = begin_run(cfg, uri, "async-local", resume=resume)
     work = Path(cfg.pipeline.work_dir) / run_id
     cfg, server = start_valkey(cfg, work)
@@ -239,7 +241,7 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
     try:
         print(f"[moerl] async: Valkey at {tracking.redact(cfg.valkey.url)}; logs in {work / 'logs'}", flush=True)
         # 3. version 0
-        from moerl.checkpoints import run_store
+        from moerl.store.runs import run_store
 
         if run_store(cfg.checkpoint, run_id).latest() is None:
             publish_initial(cfg, run_id, work)
@@ -270,6 +272,6 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
             run.stop()
         if server is not None:
             server.stop()
-    final = _report(uri, shown, run_id, ok, t0)
+    final = report(uri, shown, run_id, ok, t0)
     return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from moerl.checkpoints import SERVING, fetch_for_engine, run_cache, run_store
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.fetchcache import MARKER, lock_path, prune_cache
-from moerl.localstore import LocalStore
-from tests.test_store import make_checkpoint, tree
-from tests.test_store_faults import _wait_for
+from moerl.store.folder import LocalStore
+from moerl.store.nodecache import MARKER, lock_path, prune_cache
+from moerl.store.runs import SERVING, fetch_for_engine, run_cache, run_store
+from tests.store.test_store import make_checkpoint, tree
+from tests.store.test_store_faults import _wait_for
 
 
 def _cached(cache: Path) -> list[str]:
@@ -96,7 +96,7 @@ def test_unreadable_serving_file_skips_pruning(tmp_path: Path, caplog: pytest.Lo
         store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
     fetch_for_engine(cfg, "r1", 1)
     (cache / SERVING).write_text("{broken")
-    with caplog.at_level("WARNING", logger="moerl.checkpoints"):
+    with caplog.at_level("WARNING", logger="moerl.store.runs"):
         assert fetch_for_engine(cfg, "r1", 2) == cache / "v000002"  # the fetch still succeeds
     assert "could not prune the fetch cache" in caplog.text and "serving.json" in caplog.text
     assert _cached(cache) == ["v000001", "v000002"]  # without knowing what is served, nothing goes

@@ -1,4 +1,4 @@
-"""Scheduled retraining: cron validation (moerl/cron.py), the KFP recurring run, `moerl submit`, and the Argo
+"""Scheduled retraining: cron validation (moerl/orchestrate/cron.py), the KFP recurring run, `moerl submit`, and the Argo
 CronWorkflow checked against Argo's published JSON schema (tests/data/argo, see its NOTICE).
 
 There is no KFP server here: the KFP calls go to `FakeKfp`, a pure-logic stand-in that binds
@@ -18,12 +18,12 @@ import kfp
 import pytest
 import yaml
 
-from moerl import schedule
 from moerl.config import load_config, parse_config
-from moerl.cron import parse_cron
 from moerl.errors import ConfigError, MoerlError
+from moerl.orchestrate import schedule
+from moerl.orchestrate.cron import parse_cron
 
-SCHEMA = json.loads((Path(__file__).parent / "data" / "argo" / "cronworkflow.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).parents[1] / "data" / "argo" / "cronworkflow.schema.json").read_text())
 
 # ------------------------------------------------------------------------------------ cron
 

@@ -82,7 +82,7 @@ def _seconds(iso: str) -> float:
 
 
 class PinLeases:
-    """The pin API of `moerl.store.CheckpointStore`, which supplies the object primitives."""
+    """The pin API of `moerl.store.base.CheckpointStore`, which supplies the object primitives."""
 
     uri: str
     pin_ttl_s: float = 3600.0  # open_store sets checkpoint.pin_ttl_s

@@ -1,13 +1,7 @@
-"""Verifiable synthetic tasks and dataset loading.
+"""Prompt datasets: loading and validating a user's file or a shipped one.
 
-The shipped tasks are digit problems whose answers a rule can check with partial credit:
-
-- `copy`:    "copy 48213=" -> "48213"
-- `reverse`: "rev 48213="  -> "31284"
-- `add`:     "add 12+345=" -> "357"
-
-A dataset is a JSONL file of `Prompt` rows ({id, task, prompt, answer}). `builtin:<name>`
-names a file shipped in `moerl/data/`; any other value is a path to a user's file in the
+The shipped tasks are the digit problems of `moerl.tasks.digits`. A dataset is a JSONL file of `Prompt` rows ({id, task, prompt, answer}). `builtin:<name>`
+names a file shipped in `moerl/tasks/data/`; any other value is a path to a user's file in the
 same schema. Malformed rows are skipped and counted; more than `max_bad_fraction` of them
 fails the load with a `DataError` that names the file and the first bad line.
 
@@ -34,35 +28,6 @@ from moerl.errors import DataError
 from moerl.records import Prompt, R
 from moerl.userfiles import FileProblem, decode_text, kind_problem, one_line
 
-TASKS = ("copy", "reverse", "add")
-
-
-def make_prompt(task: str, rng: random.Random, digits: tuple[int, int]) -> tuple[str, str]:
-    """One (prompt, answer) pair of `task` with operands of `digits` (min, max) digits."""
-    n = rng.randint(*digits)
-    if task == "copy":
-        s = "".join(rng.choice("0123456789") for _ in range(n))
-        return f"copy {s}=", s
-    if task == "reverse":
-        s = "".join(rng.choice("0123456789") for _ in range(n))
-        return f"rev {s}=", s[::-1]
-    if task == "add":
-        a, b = rng.randrange(10 ** (n - 1), 10**n), rng.randrange(10 ** (n - 1), 10**n)
-        return f"add {a}+{b}=", str(a + b)
-    raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
-
-
-def generate(tasks: list[str], n: int, seed: int, digits: tuple[int, int] = (4, 6)) -> list[Prompt]:
-    """`n` prompts drawn round-robin from `tasks`, deterministic in `seed`."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        task = tasks[i % len(tasks)]
-        prompt, answer = make_prompt(task, rng, digits)
-        rows.append(Prompt(id=f"{task}-{seed}-{i:06d}", task=task, prompt=prompt, answer=answer))
-    return rows
-
-
 @dataclass(frozen=True)
 class Dataset:
     rows: list[Prompt]
@@ -86,12 +51,12 @@ def resolve_path(spec: str, field: str = "task.dataset", rows: str = "{id, task,
     DataError naming `field` otherwise."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
-        known = sorted(x.name.removesuffix(".jsonl") for x in resources.files("moerl.data").iterdir()
+        known = sorted(x.name.removesuffix(".jsonl") for x in resources.files("moerl.tasks.data").iterdir()
                        if x.name.endswith(".jsonl"))
         # Only the names listed: "builtin:../x" must not reach outside the package.
         if name not in known:
             raise DataError(f"{field}: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}")
-        return Path(str(resources.files("moerl.data").joinpath(f"{name}.jsonl")))
+        return Path(str(resources.files("moerl.tasks.data").joinpath(f"{name}.jsonl")))
     p = Path(spec).expanduser()
     what = kind_problem(p)
     if what == "does not exist":

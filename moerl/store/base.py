@@ -10,8 +10,8 @@ arrive, no second read) into a staging folder, renames that folder into place on
 file matched, and leaves a marker, so a verified copy is reused; a file lock per version lets
 processes on one node share a cache folder. Layout under a root or s3://b/prefix:
     versions/v000001/<files>   versions/v000001/manifest.json   latest.json   pins/<holder>.json
-This module is the contract; the folder backend is `moerl.localstore`, the S3 backend
-`moerl.s3store`, and `moerl.checkpoints.open_store` picks one (boto3 is imported only for
+This module is the contract; the folder backend is `moerl.store.folder`, the S3 backend
+`moerl.store.s3`, and `moerl.store.runs.open_store` picks one (boto3 is imported only for
 s3:// URIs). The contract never imports its backends.
 
 Limitations:
@@ -26,12 +26,12 @@ Limitations:
 - A publish killed after its manifest is stored but before `latest` moves leaves a complete
   version above `latest`, which publish then refuses to overwrite; `recover` (run by
   `--resume`) adopts it if it verifies, or deletes it. Nothing runs it outside a resume.
-- Pins are leases (`moerl.leases`): a pin protects its version while its holder renews it
+- Pins are leases (`moerl.store.leases`): a pin protects its version while its holder renews it
   within `checkpoint.pin_ttl_s`; a holder that dies stops renewing, and retention then deletes
   its version and its pin file. Expiry compares UTC wall clocks on different machines, so the
   TTL must dwarf their skew. A pin protects a version only from retention that starts after
   the pin is written; pin a version before fetching it.
-- The fetch cache (`moerl.fetchcache`) keeps what `prune_cache` leaves: callers prune to the
+- The fetch cache (`moerl.store.nodecache`) keeps what `prune_cache` leaves: callers prune to the
   newest `checkpoint.cache_keep` versions plus the ones fetched and served. Its lock is
   `fcntl.flock`: it holds on one node's local disk, not across NFS clients.
 """
@@ -54,9 +54,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from moerl.errors import CheckpointError
-from moerl.fetchcache import MARKER, exclusive, is_verified, lock_path
-from moerl.leases import PinLeases
-from moerl.manifest import MANIFEST, FileEntry, Manifest, sha256_file, version_dir
+from moerl.store.leases import PinLeases
+from moerl.store.manifest import MANIFEST, FileEntry, Manifest, sha256_file, version_dir
+from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path
 
 __all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "HashingWriter", "Manifest",
            "copy_hashed", "sha256_file", "version_dir"]

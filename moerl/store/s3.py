@@ -1,4 +1,4 @@
-"""The S3 backend of the checkpoint store (see `moerl.store` for the layout and the contract).
+"""The S3 backend of the checkpoint store (see `moerl.store.base` for the layout and the contract).
 
 Imported only by `open_store` for s3:// URIs, so local-only users never import boto3.
 Credentials come only from the standard AWS chain (env, profile, IRSA). Every S3 call is retried
@@ -32,7 +32,7 @@ from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedErr
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.store import MANIFEST, CheckpointStore, HashingWriter
+from moerl.store.base import MANIFEST, CheckpointStore, HashingWriter
 
 log = logging.getLogger(__name__)
 
