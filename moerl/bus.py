@@ -7,7 +7,8 @@ groups carry the work (facts and pitfalls: docs/async.md):
     units      (group `rollout`)  work units: a few prompts each, leased by rollout workers
     generated  (group `reward`)   finished GRPO groups (G samples of one prompt), to be scored
     scored     (group `trainer`)  scored groups, consumed by the trainer
-    dead                          units delivered more than `units.max_attempts` times
+    dead                          entries of any stream delivered more than `units.max_attempts`
+                                  times, malformed, or over MAX_ENTRY_BYTES (with the reason)
 
 A lease is a pending entry of the group. A worker that dies keeps its entries pending; after
 `units.visibility_timeout_s` without a touch (`XCLAIM ... JUSTID`, which does not count as a
@@ -52,13 +53,13 @@ GROUPS = {UNITS: "rollout", GENERATED: "reward", SCORED: "trainer"}
 PASSWORD_ENV = "VALKEY_PASSWORD"
 
 # Counter names (samples unless said otherwise). The identity the fault tests check:
-#   trained + filtered + stale_dropped + failed == generated - duplicates
+#   trained + filtered + stale_dropped + failed + samples_dead == generated - duplicates
 # `filtered`: samples of groups whose rewards were all equal (no GRPO signal; the sync
 # buffer drops them too). `failed`: samples of groups in which any sample's scoring failed.
 COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "trained", "scored", "score_failed",
             "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
             "prompts_dead", "groups_generated", "tokens_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
-            "engine_loads", "drains")
+            "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts")
 
 
 # Hand-offs as Lua scripts: atomic like MULTI, and idempotent. A client whose connection
@@ -97,18 +98,27 @@ redis.call('HINCRBY', KEYS[3], 'scored', tonumber(ARGV[4]))
 redis.call('HINCRBY', KEYS[3], 'score_failed', tonumber(ARGV[5]))
 return 1
 """
+# KEYS: the entry's stream, dead stream, counters. ARGV: group, entry id, payload (cut to
+# DEAD_PAYLOAD_BYTES), deliveries, consumer, stream name, reason, then name/delta pairs.
 _DEAD_LETTER = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'unit', ARGV[3], 'deliveries', ARGV[4], 'by', ARGV[5])
-redis.call('HINCRBY', KEYS[3], 'units_dead', 1)
-redis.call('HINCRBY', KEYS[3], 'prompts_dead', tonumber(ARGV[6]))
+redis.call('XADD', KEYS[2], '*', 'stream', ARGV[6], 'entry', ARGV[2], 'payload', ARGV[3], 'deliveries', ARGV[4],
+           'by', ARGV[5], 'reason', ARGV[7])
+for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])) end
 return 1
 """
-# KEYS: scored stream, consumed set, counters, registry. ARGV: group, version (or -1: no
-# registry bump), uri, sha, n_entries, entries..., n_groups, groups..., then name/delta pairs.
-# Guarded by the registry version for a commit, by each entry's XACK for a settle.
+# An entry larger than this is refused (dead-lettered) before it is parsed: a GRPO group of 16
+# samples with 32 k response tokens each (ids and logprobs as JSON) is about 15 MB.
+MAX_ENTRY_BYTES = 64 << 20
+DEAD_PAYLOAD_BYTES = 4096  # what the dead-letter stream keeps of a refused payload
+# KEYS: scored stream, consumed set, counters, registry, trainer epoch. ARGV: group, version
+# (or -1: no registry bump), uri, sha, n_entries, entries..., n_groups, groups..., then
+# name/delta pairs, then the caller's epoch, then the time. Fenced first: a trainer whose epoch
+# is not the current one changes nothing (-1). Then guarded by the registry version for a
+# commit, by each entry's XACK for a settle.
 _SETTLE = """
+if redis.call('GET', KEYS[5]) ~= ARGV[#ARGV - 1] then return -1 end
 local version = tonumber(ARGV[2])
 if version >= 0 then
   local cur = redis.call('HGET', KEYS[4], 'version')
@@ -126,7 +136,7 @@ if version < 0 and ne > 0 and acked == 0 then return 0 end
 local ng = tonumber(ARGV[i])
 i = i + 1
 for j = 1, ng do redis.call('SADD', KEYS[2], ARGV[i]); i = i + 1 end
-while i < #ARGV do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])); i = i + 2 end
+while i < #ARGV - 1 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])); i = i + 2 end
 if version >= 0 then
   redis.call('HSET', KEYS[4], 'version', version, 'uri', ARGV[3], 'manifest_sha256', ARGV[4], 'published_at', ARGV[#ARGV])
 end
@@ -134,8 +144,24 @@ return 1
 """
 
 
+# KEYS: stream. ARGV: group, consumer, entry id, min idle 0. A lease refresh that only its
+# holder can make: XCLAIM with min-idle 0 would take the entry from whoever holds it now (a
+# worker that reclaimed it while this one was busy), so the owner is checked first, atomically.
+_TOUCH = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+"""
+
+
 class BusError(MoerlError):
     """Valkey cannot be reached or holds something it should not."""
+
+
+class FencedError(MoerlError):
+    """This trainer is no longer the run's trainer: a newer one claimed the run (a retried task,
+    a second launch). It must stop without committing anything."""
 
 
 class Retrying:
@@ -278,6 +304,7 @@ class RunBus:
 
         self._issue, self._publish_group, self._ack_and_count = reg(_ISSUE), reg(_PUBLISH_GROUP), reg(_ACK_AND_COUNT)
         self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
+        self._touch = reg(_TOUCH)
 
     # -- keys and setup ---------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -384,7 +411,8 @@ class RunBus:
 
     def lease_unit(self, consumer: str, block_ms: int = 500) -> Lease | None:
         """A unit for `consumer`: a reclaimed one whose holder went silent, else a new one.
-        A unit past `max_attempts` deliveries goes to the dead-letter stream instead."""
+        A unit past `max_attempts` deliveries, or one that is not a unit (malformed, oversized),
+        goes to the dead-letter stream instead, counted."""
         while True:
             claimed = self._claim(UNITS, consumer, 1)
             got = claimed or self._read(UNITS, consumer, 1, block_ms)
@@ -392,20 +420,47 @@ class RunBus:
                 return None
             eid, fields = got[0]
             deliveries = self._deliveries(UNITS, eid)
-            unit = json.loads(fields["unit"])
             if claimed:
                 self.incr(units_reclaimed=1)
-                log.warning("%s reclaimed unit %s (delivery %d)", consumer, unit["unit_id"], deliveries)
-            if deliveries > self.max_attempts:
-                self._dead_letter(keys=[self.key(UNITS), self.key(DEAD), self.key("counters")],
-                                  args=[GROUPS[UNITS], eid, fields["unit"], deliveries, consumer, len(unit["prompts"])])
-                log.error("unit %s dead-lettered after %d deliveries", unit["unit_id"], deliveries)
-                continue
-            return Lease(eid, unit, deliveries)
+                log.warning("%s reclaimed unit entry %s (delivery %d)", consumer, eid, deliveries)
+            unit = self._admit(UNITS, consumer, eid, fields, deliveries, _parse_unit)
+            if unit is not None:
+                return Lease(eid, unit, deliveries)
 
-    def touch(self, stream: str, consumer: str, entry_id: str) -> None:
-        """Refresh a lease: reset its idle time without counting a delivery (XCLAIM JUSTID)."""
-        self.r.xclaim(self.key(stream), GROUPS[stream], consumer, 0, [entry_id], justid=True)
+    def _admit(self, stream: str, consumer: str, eid: str, fields: dict[str, str], deliveries: int, parse):
+        """The entry's payload parsed by `parse`, or None once it is dead-lettered: delivered
+        more than `max_attempts` times (a poison entry that kills or hangs whoever takes it),
+        over MAX_ENTRY_BYTES, or not what the stream carries (parse raises). Checked in that
+        order, so an entry that crashes its parser never reaches it more than once."""
+        field = "unit" if stream == UNITS else "group"
+        raw = fields.get(field)
+        obj, reason = None, None
+        if raw is None:
+            reason = f"no {field!r} field"
+        elif len(raw) > MAX_ENTRY_BYTES:
+            reason = f"{len(raw)} bytes > {MAX_ENTRY_BYTES}"
+        elif deliveries > self.max_attempts:
+            reason = f"delivered {deliveries} times > units.max_attempts {self.max_attempts}"
+            obj = _countable(raw, field)
+        else:
+            try:
+                return parse(raw)
+            except Exception as err:  # noqa: BLE001 - any parse failure makes it a malformed entry
+                reason = f"malformed: {type(err).__name__}: {err}"[:500]
+                obj = _countable(raw, field)
+        counts = _dead_counts(stream, obj)
+        args: list[Any] = [GROUPS[stream], eid, (raw or "")[:DEAD_PAYLOAD_BYTES], deliveries, consumer, stream, reason]
+        for k, v in counts.items():
+            args += [k, v]
+        if self._dead_letter(keys=[self.key(stream), self.key(DEAD), self.key("counters")], args=args):
+            log.error("%s entry %s dead-lettered by %s: %s", stream, eid, consumer, reason)
+        return None
+
+    def touch(self, stream: str, consumer: str, entry_id: str) -> bool:
+        """Refresh a lease: reset its idle time without counting a delivery (XCLAIM JUSTID), if
+        `consumer` still holds it. False: the lease was lost (another consumer reclaimed it, or
+        it was acknowledged); the caller stops working on it."""
+        return bool(self._touch(keys=[self.key(stream)], args=[GROUPS[stream], consumer, entry_id]))
 
     def ack_unit(self, lease: Lease) -> None:
         self._ack_and_count(keys=[self.key(UNITS), self.key("counters")],
@@ -442,9 +497,24 @@ class RunBus:
                   sum(len(x.get("response_token_ids", ())) for x in samples)]))
 
     # -- scoring ------------------------------------------------------------------------
-    def take_generated(self, consumer: str, count: int, block_ms: int = 500) -> list[tuple[str, dict[str, Any]]]:
-        got = self._claim(GENERATED, consumer, count) or self._read(GENERATED, consumer, count, block_ms)
-        return [(eid, json.loads(f["group"])) for eid, f in got]
+    def _take(self, stream: str, consumer: str, got: list[tuple[str, dict[str, str]]], claimed: bool,
+              validate) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        for eid, fields in got:
+            deliveries = self._deliveries(stream, eid) if claimed else 1
+            group = self._admit(stream, consumer, eid, fields, deliveries, lambda raw: _parse_group(raw, validate))
+            if group is not None:
+                out.append((eid, group))
+        return out
+
+    def take_generated(self, consumer: str, count: int, block_ms: int = 500,
+                       validate=None) -> list[tuple[str, dict[str, Any]]]:
+        """Generated groups for a scorer: reclaimed ones first (idle past the visibility
+        timeout), else new ones. `validate(group)` raises on a group the caller cannot use;
+        such a group, and one delivered more than `max_attempts` times, is dead-lettered."""
+        claimed = self._claim(GENERATED, consumer, count)
+        got = claimed or self._read(GENERATED, consumer, count, block_ms)
+        return self._take(GENERATED, consumer, got, bool(claimed), validate)
 
     def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int) -> bool:
         """A scored group onto `scored`, and its `generated` entry acknowledged, atomically
@@ -455,10 +525,13 @@ class RunBus:
 
     # -- training -----------------------------------------------------------------------
     def take_scored(self, consumer: str, count: int, block_ms: int = 500,
-                    pending_first: bool = False) -> list[tuple[str, dict[str, Any]]]:
+                    pending_first: bool = False, validate=None) -> list[tuple[str, dict[str, Any]]]:
+        """Scored groups for the trainer (its own pending ones first after a restart); a
+        malformed one is dead-lettered, as in `take_generated`."""
         got = self.own_pending(SCORED, consumer, count) if pending_first else []
+        pending = bool(got)
         got = got or self._read(SCORED, consumer, count, block_ms)
-        return [(eid, json.loads(f["group"])) for eid, f in got]
+        return self._take(SCORED, consumer, got, pending, validate)
 
     def consumed(self, group_ids: list[str]) -> set[str]:
         if not group_ids:
@@ -466,28 +539,51 @@ class RunBus:
         flags = self.r.smismember(self.key("consumed"), group_ids)
         return {g for g, f in zip(group_ids, flags) if f}
 
-    def _settle_call(self, version: int, uri: str, sha: str, entry_ids: list[str], group_ids: list[str],
+    def claim_trainer(self, holder: str) -> int:
+        """Make the caller the run's one trainer: a new epoch (fencing token), returned. Every
+        settle and commit carries it, and the server refuses those of an older epoch, so a
+        trainer that a newer one replaced (a KFP retry while the first TrainJob still runs, a
+        launcher killed before its cleanup) can no longer move the registry or the counters."""
+        epoch = int(self.r.incr(self.key("trainer_epoch")))
+        self.r.hset(self.key("trainer"), mapping={"epoch": epoch, "holder": holder, "since": time.time()})
+        log.info("trainer epoch %d claimed by %s", epoch, holder)
+        return epoch
+
+    def check_epoch(self, epoch: int) -> None:
+        """Raise `FencedError` if a newer trainer claimed the run since `epoch`."""
+        cur = self.r.get(self.key("trainer_epoch"))
+        if cur is None or int(cur) != epoch:
+            holder = self.r.hget(self.key("trainer"), "holder") or "?"
+            raise FencedError(f"trainer: epoch {epoch} was superseded by epoch {cur} ({holder}); another trainer "
+                              "runs this run, so this one stops without publishing or committing")
+
+    def _settle_call(self, epoch: int, version: int, uri: str, sha: str, entry_ids: list[str], group_ids: list[str],
                      counts: dict[str, int]) -> bool:
         args: list[Any] = [GROUPS[SCORED], version, uri, sha, len(entry_ids), *entry_ids, len(group_ids), *group_ids]
         for k, v in counts.items():
             if v:
                 args += [k, int(v)]
-        args.append(time.time())
-        return bool(self._settle(keys=[self.key(SCORED), self.key("consumed"), self.key("counters"),
-                                       self.key("registry")], args=args))
+        args += [str(epoch), time.time()]
+        done = int(self._settle(keys=[self.key(SCORED), self.key("consumed"), self.key("counters"),
+                                      self.key("registry"), self.key("trainer_epoch")], args=args))
+        if done < 0:
+            self.check_epoch(epoch)  # raises, naming the newer epoch
+            raise FencedError(f"trainer: epoch {epoch} was refused by Valkey")
+        return bool(done)
 
-    def settle(self, entry_ids: list[str], group_ids: list[str], **counts: int) -> bool:
+    def settle(self, epoch: int, entry_ids: list[str], group_ids: list[str], **counts: int) -> bool:
         """Dispose of scored entries for good: remember their group ids (so copies are
         duplicates), acknowledge and delete them, and count, atomically; nothing happens if
-        the entries were already acknowledged."""
-        return self._settle_call(-1, "", "", entry_ids, group_ids, counts)
+        the entries were already acknowledged. `FencedError` if `epoch` is not current."""
+        return self._settle_call(epoch, -1, "", "", entry_ids, group_ids, counts)
 
-    def commit_version(self, version: int, uri: str, manifest_sha256: str, entry_ids: list[str],
+    def commit_version(self, epoch: int, version: int, uri: str, manifest_sha256: str, entry_ids: list[str],
                        group_ids: list[str], **counts: int) -> bool:
         """After version `version` is published: its training groups are consumed, their
-        entries acknowledged, the counters moved and the registry bumped, atomically; nothing
-        happens if the registry already holds `version` or later."""
-        return self._settle_call(version, uri, manifest_sha256, entry_ids, group_ids, counts)
+        entries acknowledged, the counters moved and the registry bumped, atomically. Returns
+        False (nothing happens) if the registry already holds `version` or later;
+        `FencedError` if `epoch` is not the current trainer epoch."""
+        return self._settle_call(epoch, version, uri, manifest_sha256, entry_ids, group_ids, counts)
 
     def backlog(self) -> int:
         """Scored groups waiting for the trainer, not yet taken into a batch. Entries the
@@ -503,6 +599,48 @@ class RunBus:
     def cursor(self, n: int) -> int:
         """Reserve the next `n` prompts of the dataset order; returns the first index."""
         return int(self.r.incrby(self.key("cursor"), n)) - n
+
+
+def _parse_unit(raw: str) -> dict[str, Any]:
+    unit = json.loads(raw)
+    if not (isinstance(unit, dict) and isinstance(unit.get("unit_id"), str) and isinstance(unit.get("prompts"), list)
+            and unit["prompts"] and all(isinstance(p, dict) and isinstance(p.get("k"), int)
+                                        and isinstance(p.get("prompt"), dict) for p in unit["prompts"])):
+        raise ValueError("not a unit {unit_id: str, prompts: [{k: int, prompt: {...}}, ...]}")
+    return unit
+
+
+def _parse_group(raw: str, validate) -> dict[str, Any]:
+    group = json.loads(raw)
+    if not (isinstance(group, dict) and isinstance(group.get("group_id"), str)
+            and isinstance(group.get("samples"), list) and group["samples"]):
+        raise ValueError("not a group {group_id: str, samples: [...]}")
+    if validate is not None:
+        validate(group)
+    return group
+
+
+def _countable(raw: str, field: str) -> dict[str, Any] | None:
+    """A dead entry's payload, if it decodes far enough to be counted (its prompts or samples)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    key = "prompts" if field == "unit" else "samples"
+    return obj if isinstance(obj, dict) and isinstance(obj.get(key), list) else None
+
+
+def _dead_counts(stream: str, obj: dict[str, Any] | None) -> dict[str, int]:
+    """What a dead-lettered entry takes out of the run, for the counters: a unit its prompts
+    (when it could be read), a group one prompt and its samples. The trainer's issuance counts
+    dead prompts as settled, and the balance counts dead samples."""
+    if stream == UNITS:
+        n = len(obj["prompts"]) if obj else 0
+        return {"entries_dead": 1, "units_dead": 1, "prompts_dead": n}
+    # a group entry is one prompt by construction; its samples are known when it decodes (an
+    # oversized one is never parsed: its samples are missing from the balance, its entry is in `dead`)
+    n = len(obj["samples"]) if obj else 0
+    return {"entries_dead": 1, "groups_dead": 1, "prompts_dead": 1, "samples_dead": n}
 
 
 class TrainerWatch:

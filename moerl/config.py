@@ -155,6 +155,10 @@ class RewardConfig(_Section):
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)
     # Async mode: reward scorer processes, scaled independently of rollout.
     scorers: int = Field(1, ge=1, le=1024)
+    # Async mode: the most one GRPO group's scoring may take. A group past it is marked failed
+    # (`reward_error` says timeout), counted (`score_timeouts`), and its scorer restarts, since
+    # the hung verifier cannot be stopped inside the process (`components/reward/worker.py`).
+    timeout_s: float = Field(60.0, gt=0.0, le=86400.0)
 
     @model_validator(mode="after")
     def _kind(self) -> "RewardConfig":
@@ -227,8 +231,10 @@ class ValkeyConfig(_Section):
     url: str | None = None  # redis://host:6379/0; the password comes from $VALKEY_PASSWORD
     # Embedded server: append-only file, fsync every write, so a restart loses no ack.
     appendonly: bool = True
-    # Clients retry a lost connection with exponential backoff for this long, then fail.
-    reconnect_s: float = Field(60.0, gt=0.0)
+    # Clients retry a lost connection with exponential backoff for this long, then fail. Sized
+    # for a Valkey pod rescheduled on EKS with its volume (EBS detach and attach take minutes)
+    # or an ElastiCache failover; a stage gives up only after this.
+    reconnect_s: float = Field(600.0, gt=0.0)
 
     @field_validator("url")
     @classmethod
@@ -503,6 +509,14 @@ class ClusterConfig(_Section):
     mlflow_secret: str | None = "moerl-mlflow"
     valkey_secret: str | None = "moerl-valkey"
     launch: LaunchConfig = LaunchConfig()
+    # Async mode: the deadline of every task and launched workload (the trainer, rollout workers
+    # and scorers live as long as the run), in place of the groups' per-task `timeout_s`, which
+    # bound one sync iteration's task. 14 days: a long MoE RL run, with room for Spot restarts.
+    async_timeout_s: int = Field(14 * 24 * 3600, ge=3600)
+
+    def timeout_s(self, group: "GroupConfig", mode: str) -> int:
+        """A task's (or a launched workload's) deadline in a pipeline of `mode`."""
+        return self.async_timeout_s if mode == "async" else group.timeout_s
 
     @field_validator("scratch_dir")
     @classmethod

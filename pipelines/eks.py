@@ -180,9 +180,9 @@ def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool =
     if async_mode and cfg.cluster.valkey_secret:
         kubernetes.use_secret_as_env(task, secret_name=cfg.cluster.valkey_secret, secret_key_to_env=VALKEY_SECRET_KEYS,
                                      optional=True)
-    timeout = group.timeout_s
+    timeout = cfg.cluster.timeout_s(group, cfg.pipeline.mode)
     if stage in GPU_STAGES and name == "cpu":  # a launcher waits as long as its workload may run
-        timeout = getattr(cfg.cluster.groups, STAGE_GROUP[stage]).timeout_s
+        timeout = cfg.cluster.timeout_s(getattr(cfg.cluster.groups, STAGE_GROUP[stage]), cfg.pipeline.mode)
     kubernetes.set_timeout(task, timeout)
     if stage in RETRYABLE_STAGES and cfg.pipeline.task_retries:
         task.set_retry(num_retries=cfg.pipeline.task_retries, backoff_duration=RETRY_BACKOFF, backoff_factor=2.0,

@@ -3,7 +3,7 @@ a real Valkey, the checkpoint store and MLflow, each run bounded in time.
 
 In every case the run finishes all its versions and the counters balance:
 
-    trained + filtered + stale_dropped + failed == generated - duplicates
+    trained + filtered + stale_dropped + failed + samples_dead == generated - duplicates
 
 (`filtered`: samples of groups with no reward variance, which GRPO drops; see moerl/bus.py).
 
@@ -90,7 +90,8 @@ class Harness:
 
 
 def _balanced(c: dict[str, int], cfg) -> None:
-    assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] == c["generated"] - c["duplicates"], c
+    assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"] == \
+        c["generated"] - c["duplicates"], c
     used = cfg.pipeline.versions * cfg.task.prompts_per_iteration
     assert c["groups_used"] == used  # every version took exactly B groups, none twice
     assert c["trained"] + c["filtered"] == used * cfg.rollout.samples_per_prompt

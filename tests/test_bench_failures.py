@@ -32,6 +32,9 @@ def test_failures_lose_no_finished_sample_and_report_the_iteration_time(failures
     assert {f["worker"] for f in rep["faults"]} == {"rollout-0", "rollout-1"}
     s = rep["summary"]
     assert s["finished_samples_lost"] == 0 and s["finished_samples_lost_fault_free"] == 0
+    c_ff = rep["runs"]["fault_free"]["counters"]  # every unit executed exactly once without faults
+    assert c_ff["duplicates"] == 0 and c_ff["units_reclaimed"] == 0 and c_ff["leases_lost"] == 0, c_ff
+    assert s["samples_duplicated_fault_free"] == 0 and s["units_reclaimed_fault_free"] == 0
     assert s["iteration_time_ratio"] == pytest.approx(rep["runs"]["faulted"]["wall_s"] / rep["runs"]["fault_free"]["wall_s"])
     assert s["iteration_s_faulted"] == pytest.approx(rep["runs"]["faulted"]["wall_s"] / 8)
     assert s["restarts"] >= 1  # the killed worker came back, as KFP's retry would bring it

@@ -33,7 +33,8 @@ def test_scaling_reports_throughput_and_efficiency_relative_to_the_smallest_size
     for p in pts.values():
         c = p["counters"]
         assert p["samples_per_s"] == pytest.approx(c["generated"] / p["wall_s"])
-        assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] == c["generated"] - c["duplicates"]
+        assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"] == \
+            c["generated"] - c["duplicates"]
     assert pts[2]["counters"]["engine_loads"] >= 2  # two workers, each its own engine
     for name in rep["plots"]:
         assert (out / name).stat().st_size > 1000

@@ -87,7 +87,8 @@ def test_hand_offs_ack_the_input_and_count_in_one_step(bus):
     assert bus.backlog() == 1  # waiting for the trainer
     [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
     assert bus.backlog() == 0  # in the trainer's batch (pending): no longer waiting
-    bus.commit_version(1, "s3://b/v1", "abc", [sid], ["u1/0:p1"], trained=4, groups_used=1)
+    epoch = bus.claim_trainer("t")
+    bus.commit_version(epoch, 1, "s3://b/v1", "abc", [sid], ["u1/0:p1"], trained=4, groups_used=1)
     c = bus.counters()
     assert (c["generated"], c["scored"], c["score_failed"], c["trained"]) == (4, 4, 1, 4)
     assert bus.backlog() == 0 and bus.depth()[SCORED] == 0
@@ -186,10 +187,11 @@ def test_a_retried_hand_off_changes_nothing_the_second_time(bus):
     assert bus.publish_scored(eid, group, 0) and not bus.publish_scored(eid, group, 0)
     assert bus.counters()["scored"] == 4 and bus.depth()[SCORED] == 1
     [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
-    assert bus.commit_version(1, "u", "s", [sid], ["u1/0:p1"], trained=4)
-    assert not bus.commit_version(1, "u", "s", [sid], ["u1/0:p1"], trained=4)
+    epoch = bus.claim_trainer("t")
+    assert bus.commit_version(epoch, 1, "u", "s", [sid], ["u1/0:p1"], trained=4)
+    assert not bus.commit_version(epoch, 1, "u", "s", [sid], ["u1/0:p1"], trained=4)
     assert bus.counters()["trained"] == 4
-    assert not bus.settle([sid], ["u1/0:p1"], stale_dropped=4)  # already acknowledged
+    assert not bus.settle(epoch, [sid], ["u1/0:p1"], stale_dropped=4)  # already acknowledged
     assert bus.counters()["stale_dropped"] == 0
 
 
@@ -226,3 +228,109 @@ def test_a_trainer_gone_past_trainer_lost_s_abandons_the_run_and_a_restarting_on
     assert other.abandoned()
     bus.set_failed("a later reason")
     assert "no trainer" in bus.failed()
+
+
+def test_a_superseded_trainer_can_neither_settle_nor_commit(bus):
+    """Two trainers of one run (a KFP retry while the first TrainJob still runs): the newer
+    epoch fences the older one off inside the server, so the registry, the consumed set and the
+    counters only ever move for the current trainer."""
+    from moerl.bus import FencedError
+
+    for i in range(2):
+        bus.publish_group(f"u1/{i}:p{i}", [{"x": 1}] * 4)
+        [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
+        bus.publish_scored(eid, group, 0)
+    old = bus.claim_trainer("old")
+    [(sid1, g1), (sid2, g2)] = bus.take_scored("trainer", 10, block_ms=50)
+    new = bus.claim_trainer("new")
+    assert new == old + 1
+    with pytest.raises(FencedError, match=f"epoch {old} was superseded by epoch {new}"):
+        bus.commit_version(old, 1, "u", "s", [sid1], [g1["group_id"]], trained=4)
+    with pytest.raises(FencedError):
+        bus.settle(old, [sid2], [g2["group_id"]], stale_dropped=4)
+    with pytest.raises(FencedError):
+        bus.check_epoch(old)
+    c = bus.counters()
+    assert bus.registry() is None and c["trained"] == 0 and c["stale_dropped"] == 0
+    assert bus.consumed([g1["group_id"], g2["group_id"]]) == set()
+    bus.check_epoch(new)  # the current trainer goes on
+    assert bus.commit_version(new, 1, "u", "s", [sid1], [g1["group_id"]], trained=4)
+    assert bus.registry().version == 1 and bus.counters()["trained"] == 4
+
+
+def test_a_lease_refresh_never_takes_a_unit_back_from_the_worker_that_reclaimed_it(bus):
+    """The old holder of a unit (busy in a long weight swap) must not steal it back with its
+    refresh, and learns that it lost it."""
+    bus.issue_unit([_prompt(1)])
+    mine = bus.lease_unit("w1", block_ms=50)
+    assert bus.touch(UNITS, "w1", mine.entry_id)
+    time.sleep(0.35)  # w1 silent past the visibility timeout
+    theirs = bus.lease_unit("w2", block_ms=50)
+    assert theirs is not None and theirs.entry_id == mine.entry_id
+    assert not bus.touch(UNITS, "w1", mine.entry_id)  # lost: refused, nothing changed
+    [row] = bus.r.xpending_range(bus.key(UNITS), "rollout", min=mine.entry_id, max=mine.entry_id, count=1)
+    assert row["consumer"] == "w2" and int(row["times_delivered"]) == 2
+    assert bus.touch(UNITS, "w2", theirs.entry_id)
+    bus.ack_unit(theirs)
+    assert not bus.touch(UNITS, "w2", theirs.entry_id)  # acknowledged: nothing left to hold
+
+
+@pytest.mark.parametrize("payload", ["{not json", '{"unit_id": 7}', '["a list"]', "\x00" * 16],
+                         ids=["not-json", "wrong-shape", "a-list", "nul-bytes"])
+def test_a_malformed_unit_is_dead_lettered_at_its_first_delivery_and_never_crashes_the_worker(bus, payload):
+    bus.r.xadd(bus.key(UNITS), {"unit": payload})
+    bus.issue_unit([_prompt(1)])  # a good unit behind it still flows
+    lease = bus.lease_unit("w1", block_ms=50)
+    assert lease is not None and lease.unit["prompts"][0]["prompt"]["id"] == "p1"
+    [(_, dead)] = bus.r.xrange(bus.key(DEAD))
+    assert dead["stream"] == UNITS and dead["reason"].startswith("malformed") and dead["deliveries"] == "1"
+    c = bus.counters()
+    assert (c["entries_dead"], c["units_dead"], c["prompts_dead"]) == (1, 1, 0)
+    assert bus.depth()[UNITS] == 1  # only the good unit, leased
+
+
+def test_an_oversized_entry_is_refused_before_it_is_parsed(bus, monkeypatch):
+    import moerl.bus
+
+    monkeypatch.setattr(moerl.bus, "MAX_ENTRY_BYTES", 1000)
+    bus.publish_group("u1/0:p1", [{"pad": "x" * 2000}])
+    assert bus.take_generated("s1", 10, block_ms=50) == []
+    [(_, dead)] = bus.r.xrange(bus.key(DEAD))
+    assert dead["stream"] == GENERATED and "> 1000" in dead["reason"] and len(dead["payload"]) <= 4096
+    c = bus.counters()  # never parsed: its prompt is settled, its samples unknown
+    assert (c["entries_dead"], c["groups_dead"], c["samples_dead"], c["prompts_dead"]) == (1, 1, 0, 1)
+
+
+def test_malformed_generated_and_scored_groups_are_dead_lettered_with_their_reason(bus):
+    def must_have_x(group):
+        for s in group["samples"]:
+            if "x" not in s:
+                raise ValueError("sample without x")
+
+    bus.r.xadd(bus.key(GENERATED), {"group": '{"group_id": "g", "samples": "nope"}'})
+    bus.publish_group("u1/0:p1", [{"y": 1}] * 2)  # decodes, but the caller's validation refuses it
+    bus.publish_group("u1/1:p2", [{"x": 1}] * 2)
+    got = bus.take_generated("s1", 10, block_ms=50, validate=must_have_x)
+    assert [g["group_id"] for _, g in got] == ["u1/1:p2"]
+    reasons = [d["reason"] for _, d in bus.r.xrange(bus.key(DEAD))]
+    assert len(reasons) == 2 and "not a group" in reasons[0] and "sample without x" in reasons[1]
+    bus.r.xadd(bus.key(SCORED), {"group": "]["})
+    assert bus.take_scored("trainer", 10, block_ms=50) == []
+    dead = [d for _, d in bus.r.xrange(bus.key(DEAD))]
+    assert dead[-1]["stream"] == SCORED and bus.counters()["entries_dead"] == 3
+    assert bus.depth()[SCORED] == 0 and bus.depth()[GENERATED] == 1  # only the good group, pending
+
+
+def test_a_generated_group_that_keeps_killing_its_scorers_is_dead_lettered(bus):
+    """A poison group (its scorer crashes or hangs every time) is reclaimed after the visibility
+    timeout; past `max_attempts` deliveries it goes to `dead` instead of to a third scorer."""
+    bus.publish_group("u1/0:p1", [{"x": 1}] * 3)
+    assert len(bus.take_generated("s1", 10, block_ms=50)) == 1  # delivery 1: s1 dies
+    time.sleep(0.35)
+    assert len(bus.take_generated("s2", 10, block_ms=50)) == 1  # delivery 2 (max_attempts): s2 dies
+    time.sleep(0.35)
+    assert bus.take_generated("s3", 10, block_ms=50) == []  # delivery 3: dead-lettered
+    [(_, dead)] = bus.r.xrange(bus.key(DEAD))
+    assert dead["stream"] == GENERATED and dead["deliveries"] == "3" and dead["by"] == "s3"
+    c = bus.counters()
+    assert (c["groups_dead"], c["samples_dead"], c["prompts_dead"]) == (1, 3, 1)

@@ -82,7 +82,9 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
         assert dict(kc.node_selector.labels) == {"moerl.ai/group": group_name}, stage
         assert [(t.key, t.operator, t.value, t.effect) for t in kc.tolerations] == [
             ("moerl.ai/group", "Equal", group_name, "NoSchedule")], stage
-        assert kc.active_deadline_seconds == group.timeout_s, stage
+        # async: every task lives as long as the run (cluster.async_timeout_s, 14 days by default)
+        want = cfg.cluster.async_timeout_s if mode == "async" else group.timeout_s
+        assert kc.active_deadline_seconds == want == cfg.cluster.timeout_s(group, mode), stage
         assert dict(kc.pod_metadata.labels)["moerl.ai/stage"] == stage.replace("_", "-")
         mounts = {m.mount_path: m for m in kc.empty_dir_mounts}
         assert mounts["/scratch"].size_limit == "200Gi" and {"name": "MOERL_SCRATCH", "value": "/scratch"} in c["env"]

@@ -1,6 +1,7 @@
 """Each stage function on tiny inputs (no KFP, no engine): dataset, reward, buffer."""
 
 import json
+import time
 
 import pytest
 
@@ -163,3 +164,38 @@ def test_malformed_record_file_names_file_and_line(tmp_path):
     f.write_text(_sample().model_dump_json() + "\n" + '{"prompt_id": 1}\n')
     with pytest.raises(DataError, match=r"s.jsonl:2: not a valid Sample record"):
         read_records(f, Sample)
+
+
+def test_a_verifier_that_never_returns_is_cut_off_at_reward_timeout_s(monkeypatch):
+    """The async scorer's deadline: a hung verifier (sleep, or a busy loop) fails its group with a
+    timeout error instead of stalling the run; the caller is told to restart."""
+    import threading
+
+    from moerl.components.reward.worker import score_with_deadline
+    from moerl.config import RewardConfig
+
+    release = threading.Event()
+
+    def hangs(response: str, answer: str) -> float:
+        release.wait(30)  # a verifier stuck on I/O
+        return 1.0
+
+    def spins(response: str, answer: str) -> float:
+        while not release.is_set():  # a verifier stuck in a loop
+            pass
+        return 1.0
+
+    samples = [_sample("p0", 0, "12", "12").model_dump(), _sample("p0", 1, "13", "12").model_dump()]
+    cfg = RewardConfig(verifier="exact", timeout_s=0.5)
+    try:
+        for bad in (hangs, spins):
+            monkeypatch.setitem(verifiers.VERIFIERS, "exact", bad)
+            t0 = time.monotonic()
+            scored, n_failed, timed_out = score_with_deadline(samples, cfg)
+            assert time.monotonic() - t0 < 5 and timed_out and n_failed == 2
+            assert all(s["reward_failed"] and "reward.timeout_s 0.5" in s["reward_error"] for s in scored)
+    finally:
+        release.set()
+    monkeypatch.setitem(verifiers.VERIFIERS, "exact", lambda r, a: 1.0 if r.strip() == a else 0.0)
+    scored, n_failed, timed_out = score_with_deadline(samples, cfg)
+    assert not timed_out and n_failed == 0 and [s["reward"] for s in scored] == [1.0, 0.0]

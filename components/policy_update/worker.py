@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -56,15 +58,16 @@ BEACON_EVERY_S = 5.0
 class Issuer(threading.Thread):
     """Issues work units by admission and backpressure, every `period_s`, until stopped."""
 
-    def __init__(self, cfg: RunConfig, bus: RunBus, version_ref: list[int], period_s: float = 0.05):
+    def __init__(self, cfg: RunConfig, bus: RunBus, version_ref: list[int], epoch: int, period_s: float = 0.05):
         super().__init__(name="moerl-issuer", daemon=True)
-        self.cfg, self.bus, self.version_ref, self.period_s = cfg, bus, version_ref, period_s
+        self.cfg, self.bus, self.version_ref, self.epoch, self.period_s = cfg, bus, version_ref, epoch, period_s
         self.stop_event = threading.Event()
         self.paused = False
         self.error: BaseException | None = None
         self.ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
 
     def step(self) -> int:
+        self.bus.check_epoch(self.epoch)  # a superseded trainer issues nothing more
         c = self.bus.counters()
         settled = c["groups_used"] + c["groups_stale"] + c["groups_failed"] + c["prompts_dead"]
         in_flight = c["prompts_issued"] - settled
@@ -95,7 +98,7 @@ class Issuer(threading.Thread):
             self.error = err
 
 
-def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int) -> None:
+def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int, epoch: int) -> None:
     """Make the registry and the consumed set agree with the store's `latest`."""
     reg = bus.registry()
     if reg is not None and reg.version >= latest:
@@ -116,31 +119,54 @@ def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int) -> None:
     if groups or counts:
         log.warning("version %d was published but not committed (trainer died in between); committing its %d "
                     "groups now", latest, len(groups))
-    bus.commit_version(latest, version_uri(store, latest), manifest.sha256(), entries, groups, **counts)
+    bus.commit_version(epoch, latest, version_uri(store, latest), manifest.sha256(), entries, groups, **counts)
 
 
-def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool) -> tuple[Batch, dict[str, float]]:
+def _scored_samples(group: dict) -> None:
+    """Parse a scored group's samples in place; a group that does not parse is dead-lettered by
+    the bus instead of crashing the trainer at every restart."""
+    group["samples"] = [ScoredSample.model_validate(s) for s in group["samples"]]
+
+
+def _alive(bus: RunBus, issuer: "Issuer", epoch: int) -> None:
+    """Raise instead of waiting on: the issuer thread died (nothing would be issued again, and
+    the workers would take the missing beacon for a dead trainer), the run was abandoned, or a
+    newer trainer took the run over."""
+    if issuer.error is not None:
+        raise issuer.error
+    if not issuer.is_alive():
+        raise DataError("trainer: the issuer thread stopped; see the log above")
+    reason = bus.failed()
+    if reason:
+        raise DataError(f"trainer: run abandoned ({reason})")
+    bus.check_epoch(epoch)
+
+
+def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
+            issuer: "Issuer") -> tuple[Batch, dict[str, float]]:
     """Block until B fresh groups are in; settle the rest as they come."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
     batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
     t0 = time.perf_counter()
     while batch.n_groups < B:
-        got = bus.take_scored(CONSUMER, B - batch.n_groups, block_ms=200, pending_first=first)
+        _alive(bus, issuer, epoch)
+        got = bus.take_scored(CONSUMER, B - batch.n_groups, block_ms=200, pending_first=first,
+                              validate=_scored_samples)
         first = False
         consumed = bus.consumed([g["group_id"] for _, g in got])
         for eid, g in got:
             gid = g["group_id"]
-            samples = [ScoredSample.model_validate(s) for s in g["samples"]]
+            samples = g["samples"]
             d = classify(gid, samples, version, k, consumed | set(batch.group_ids))
             n = len(samples)
             if d == "duplicate":
-                bus.settle([eid], [], duplicates=n)
+                bus.settle(epoch, [eid], [], duplicates=n)
                 dropped["duplicates"] += n
             elif d == "stale":
-                bus.settle([eid], [gid], stale_dropped=n, groups_stale=1)
+                bus.settle(epoch, [eid], [gid], stale_dropped=n, groups_stale=1)
                 dropped["stale_dropped"] += n
             elif d == "failed":
-                bus.settle([eid], [gid], failed=n, groups_failed=1)
+                bus.settle(epoch, [eid], [gid], failed=n, groups_failed=1)
                 dropped["failed"] += n
             else:
                 batch.entry_ids.append(eid)
@@ -195,12 +221,14 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     if abandoned:
         raise DataError(f"trainer: run {run_id} was abandoned ({abandoned}); start a new run or resume it with a "
                         "new pipeline run")
+    # the run's one trainer from here on: any older trainer still running is fenced off
+    epoch = bus.claim_trainer(f"{socket.gethostname()}/{os.getpid()}")
     store = run_store(cfg.checkpoint, run_id)
     latest = store.recover()
     if latest is None:
         raise CheckpointError(f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "
                               "init_policy publishes version 0 first")
-    _reconcile(bus, cfg, run_id, latest)
+    _reconcile(bus, cfg, run_id, latest, epoch)
     uri = tracking.resolve_uri(cfg.tracking)
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
     state_dir = work / f"v{latest}"
@@ -209,7 +237,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     if cfg.trainer.expert_parallel_size == 1:
         model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
-    issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id), version_ref)
+    issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id), version_ref, epoch)
     issuer.start()
     t_start, busy = time.perf_counter(), 0.0
     c0 = bus.counters()
@@ -219,10 +247,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
         first = True
         for version in range(latest, cfg.pipeline.versions):
             t_v = time.perf_counter()
-            batch, metrics = _gather(bus, cfg, version, first)
+            batch, metrics = _gather(bus, cfg, version, first, epoch, issuer)
             first = False
-            if issuer.error is not None:
-                raise issuer.error
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()
             samples = train_samples(batch.used, cfg.buffer)
@@ -233,9 +259,14 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             counts = {"trained": n_used, "filtered": n_filtered, "groups_used": batch.n_groups}
             meta = {"groups": json.dumps(batch.group_ids), "entries": json.dumps(batch.entry_ids),
                     "counts": json.dumps(counts)}
-            policy, pub = run_publish(cfg, run_id, out_dir, version + 1, meta=meta)
-            bus.commit_version(version + 1, policy.uri, policy.manifest_sha256, batch.entry_ids, batch.group_ids,
-                               **counts)
+            bus.check_epoch(epoch)  # a superseded trainer must not publish (the store refuses a second v+1 too)
+            policy, pub = run_publish(cfg, run_id, out_dir, version + 1, meta=meta, exclusive=True)
+            if not bus.commit_version(epoch, version + 1, policy.uri, policy.manifest_sha256, batch.entry_ids,
+                                      batch.group_ids, **counts):
+                reg = bus.registry()
+                raise CheckpointError(f"trainer: the commit of version {version + 1} was refused: the registry "
+                                      f"already holds version {reg.version if reg else '?'}, so another trainer "
+                                      "committed it; stopping")
             version_ref[0] = version + 1
             busy += time.perf_counter() - t_busy
             shutil.rmtree(state_dir, ignore_errors=True)

@@ -182,14 +182,15 @@ def check_finite(state_dir: str | Path, version: int) -> None:
 
 
 def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int,
-                meta: dict[str, str] | None = None) -> tuple[PolicyVersion, dict[str, float]]:
-    """`meta`: extra manifest labels (the async trainer records the groups a version trained on)."""
+                meta: dict[str, str] | None = None, exclusive: bool = False) -> tuple[PolicyVersion, dict[str, float]]:
+    """`meta`: extra manifest labels (the async trainer records the groups a version trained on).
+    `exclusive`: claim the version create-only (see `CheckpointStore.publish`)."""
     t0 = time.perf_counter()
     check_finite(state_dir, version)  # before a byte is uploaded: `latest` stays where it is
     store = run_store(cfg.checkpoint, run_id)
     # the whole state: HF files for the engines, trainer/ for a resumed run
     manifest = store.publish(version, Path(state_dir), meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()},
-                             retention=(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
+                             retention=(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every), exclusive=exclusive)
     elapsed = time.perf_counter() - t0
     mb = sum(f.size for f in manifest.files) / 1e6
     policy = PolicyVersion(version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256())

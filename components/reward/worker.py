@@ -11,6 +11,12 @@ the group's baseline); the trainer drops that whole group and counts its samples
 `failed`. If scoring itself raises, every sample of the batch is marked failed the same way,
 with the error, and the scorer goes on.
 
+Bounds: one group's scoring may take `reward.timeout_s`; past it the group is published with
+every sample failed (a timeout error, counted in `score_timeouts`) and the scorer exits with
+`EXIT_DRAINED` so it restarts without the stuck thread. The rest of a batch keeps its leases
+while the batch is scored. A group that kills or hangs every scorer that takes it, or that is
+malformed, is dead-lettered by the bus (`units.max_attempts`), never retried forever.
+
 Exit 0 once the run is done and nothing is left to score; SIGTERM exits at once with
 `EXIT_DRAINED` (a group being scored stays pending and is reclaimed by another scorer).
 """
@@ -21,10 +27,11 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
-from moerl.bus import RunBus, TrainerWatch, connect
+from moerl.bus import GENERATED, RunBus, TrainerWatch, connect
 from moerl.components.reward.stage import ModelScorer, load_model_scorer, score
 from moerl.config import RewardConfig, RunConfig, config_from_json
 from moerl.launch.podenv import enter_pod
@@ -47,6 +54,34 @@ def score_group(samples: list[dict], cfg: RewardConfig, model: ModelScorer | Non
     return [s.model_dump() for s in scored], sum(s.reward_failed for s in scored)
 
 
+def score_with_deadline(samples: list[dict], cfg: RewardConfig,
+                        model: ModelScorer | None = None) -> tuple[list[dict], int, bool]:
+    """`score_group` in a daemon thread, waited for at most `cfg.timeout_s`. Past it, every
+    sample is failed with a timeout error and the third value is True: the thread cannot be
+    stopped (a verifier that sleeps or loops forever), so the caller must end the process.
+
+    Limitations: a verifier that allocates without bound is not stopped by a deadline; the
+    sandboxed execution pool of `moerl.tasks` (a child process per call, with resource limits)
+    is where that belongs."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(score_group(samples, cfg, model)), name="moerl-score",
+                         daemon=True)
+    t.start()
+    t.join(cfg.timeout_s)
+    if box:
+        scored, n_failed = box[0]
+        return scored, n_failed, False
+    err = f"timeout: scoring took longer than reward.timeout_s {cfg.timeout_s:g} s"
+    return [ScoredSample(**s, reward=0.0, reward_failed=True, reward_error=err).model_dump() for s in samples], \
+        len(samples), True
+
+
+def _samples(group: dict) -> None:
+    """Raise unless every sample of a generated group parses (the bus dead-letters it then)."""
+    for s in group["samples"]:
+        Sample.model_validate(s)
+
+
 def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
     from moerl.provenance import stage_start
 
@@ -67,15 +102,25 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
     try:
         while not stop["asked"]:
             bus.heartbeat(scorer, busy_s=busy, wall_s=time.perf_counter() - t_start)
-            got = bus.take_generated(scorer, BATCH, block_ms=200)
+            got = bus.take_generated(scorer, BATCH, block_ms=200, validate=_samples)
             if not got:
                 if bus.done() or watch.abandoned():  # abandoned: the run fails through its trainer
                     return 0
                 continue
             t0 = time.perf_counter()
-            for entry_id, group in got:
-                scored, n_failed = score_group(group["samples"], cfg.reward, model)
+            touched = time.monotonic()
+            for i, (entry_id, group) in enumerate(got):
+                scored, n_failed, timed_out = score_with_deadline(group["samples"], cfg.reward, model)
                 bus.publish_scored(entry_id, {**group, "samples": scored}, n_failed)
+                if timed_out:  # its thread still runs: restart clean; the rest of the batch is reclaimed
+                    bus.incr(score_timeouts=len(scored))
+                    log.error("%s: scoring group %s took longer than reward.timeout_s %g s; marked failed, "
+                              "restarting", scorer, group["group_id"], cfg.reward.timeout_s)
+                    return EXIT_DRAINED
+                if time.monotonic() - touched > bus.visibility_ms / 4000:  # the rest of the batch stays ours
+                    for eid, _ in got[i + 1:]:
+                        bus.touch(GENERATED, scorer, eid)
+                    touched = time.monotonic()
             busy += time.perf_counter() - t0
         return EXIT_DRAINED
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moerl.config import RunConfig
 from moerl.records import PolicyVersion, Sample, write_records
-from moerl.store.runs import fetch_for_engine
+from moerl.store.runs import engine_copy
 from moerl.tasks.dataset import load_dataset
 
 
@@ -38,11 +38,11 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
     prompts = ds.batch(iteration, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
     # 2. weights, from the verified local cache
-    model_dir = fetch_for_engine(cfg.checkpoint, run_id, policy.version)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt_ids = [tokenizer.encode(p.prompt) for p in prompts]
-    # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
-    engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed + iteration)
+    with engine_copy(cfg.checkpoint, run_id, policy.version) as model_dir:  # held while it loads
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompt_ids = [tokenizer.encode(p.prompt) for p in prompts]
+        # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
+        engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed + iteration)
     t_gen = time.perf_counter()
     completions = engine.generate(prompt_ids, cfg.rollout.samples_per_prompt)
     gen_s = time.perf_counter() - t_gen

@@ -7,8 +7,12 @@ weights is served), and pin it in the store under a renewed lease; (3) lease a u
 `units.max_prompts` prompts; a unit some dead worker left idle past the visibility timeout is
 reclaimed first); (4) submit one request per prompt (n = G, a seed per group, so a
 re-executed unit regenerates the same samples), skipping groups another attempt already
-published; (5) step the engine, publishing each group the moment its G samples finish, and
-refresh the lease while it runs; (6) acknowledge the unit.
+published; (5) step the engine, publishing each group the moment its G samples finish; (6) acknowledge
+the unit. From the moment a unit is leased, the heartbeat thread refreshes its lease (at a
+quarter of `units.visibility_timeout_s`), through a weight swap as much as through generation,
+and only while this worker still holds it (`RunBus.touch`); a worker that finds its lease taken
+by another stops generating that unit. Versions only move forward: a registry that reads
+behind the served version (Valkey lost writes) is logged and ignored.
 
 Why swap between units (not in flight): every token of a group then comes from one policy
 version, the engine's logprobs are exactly the behaviour policy's, and nothing needs the
@@ -40,7 +44,7 @@ from moerl.bus import Lease, RunBus, TrainerWatch, connect
 from moerl.config import RunConfig, config_from_json
 from moerl.launch.podenv import enter_pod
 from moerl.records import Sample
-from moerl.store.runs import fetch_for_engine, run_store
+from moerl.store.runs import engine_copy, run_store
 
 log = logging.getLogger(__name__)
 
@@ -87,31 +91,42 @@ class RolloutWorker:
         self.drain = _Drain(cfg.rollout.grace_seconds)
         self.holder = f"rollout-{socket.gethostname()}-{name}"
         self._last_renew = 0.0
+        # the leases this worker holds, refreshed by the heartbeat thread (`_beat`) whatever the
+        # loop does (an engine load, a fetch and swap of a large version); one it lost is marked
+        self._held: dict[str, bool] = {}  # entry id -> still ours
+        self._held_lock = threading.Lock()
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self) -> None:
         reg = self.bus.registry()
         if reg is None or reg.version == self.version:
             return
+        if self.version is not None and reg.version < self.version:
+            # only forward: a registry behind what this engine serves lost writes (a Valkey
+            # failover); the trainer re-commits from the store, and the registry catches up
+            log.warning("%s: the registry says version %d but this engine serves %d; staying on %d",
+                        self.name, reg.version, self.version, self.version)
+            return
         store = run_store(self.cfg.checkpoint, self.run_id)
         store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s)
         t0 = time.perf_counter()
-        model_dir = fetch_for_engine(self.cfg.checkpoint, self.run_id, reg.version)
-        if self.engine is None:
-            from transformers import AutoTokenizer
+        # held while it loads: no neighbour on this node prunes the copy from under the engine
+        with engine_copy(self.cfg.checkpoint, self.run_id, reg.version) as model_dir:
+            if self.engine is None:
+                from transformers import AutoTokenizer
 
-            from moerl.components.rollout.engine import RolloutEngine
+                from moerl.components.rollout.engine import RolloutEngine
 
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.engine = RolloutEngine(model_dir, self.cfg.rollout, dtype=self.cfg.model.dtype,
-                                        seed=self.cfg.rollout.seed)
-            self.bus.incr(engine_loads=1)
-            log.info("%s: engine loaded on version %d in %.1f s", self.name, reg.version, self.engine.load_s)
-        else:
-            stats = self.engine.swap_weights(model_dir)
-            self.bus.incr(swaps=1)
-            log.info("%s: hot-swapped to version %d in %.2f s (%d tensors)", self.name, reg.version, stats.seconds,
-                     stats.tensors)
+                self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+                self.engine = RolloutEngine(model_dir, self.cfg.rollout, dtype=self.cfg.model.dtype,
+                                            seed=self.cfg.rollout.seed)
+                self.bus.incr(engine_loads=1)
+                log.info("%s: engine loaded on version %d in %.1f s", self.name, reg.version, self.engine.load_s)
+            else:
+                stats = self.engine.swap_weights(model_dir)
+                self.bus.incr(swaps=1)
+                log.info("%s: hot-swapped to version %d in %.2f s (%d tensors)", self.name, reg.version,
+                         stats.seconds, stats.tensors)
         if self.version is not None:
             store.unpin(self.version, holder=self.holder)
         self.version = reg.version
@@ -140,22 +155,25 @@ class RolloutWorker:
             self.engine.submit(rid, ids[rid], G, seed=group_seed(self.cfg.rollout.seed, unit_id, k))
         by_rid = {f"{unit_id}-{k}-{lease.deliveries}": k for k in todo}
         finished: set[int] = set()
-        last_touch = time.monotonic()
         t0 = time.perf_counter()
         try:
             while self.engine.unfinished():
-                if self.drain.expired():
+                if self.drain.expired() or not self._still_held(lease):
                     break
                 for rid, comps in self.engine.step():
                     k = by_rid[rid]
                     self._publish(unit_id, todo[k], comps, ids[rid])
                     finished.add(k)
-                if time.monotonic() - last_touch > self.bus.visibility_ms / 4000:
-                    self.bus.touch("units", self.name, lease.entry_id)
-                    last_touch = time.monotonic()
         finally:
             self.busy_s += time.perf_counter() - t0
         remaining = [k for k in todo if k not in finished]
+        if remaining and not self._still_held(lease):
+            # another worker reclaimed the unit: it regenerates what is missing; ours is dropped
+            self.engine.abort([rid for rid, k in by_rid.items() if k in remaining])
+            self.bus.incr(leases_lost=1)
+            log.warning("%s: lost the lease of %s; dropped its %d unfinished prompts", self.name, unit_id,
+                        len(remaining))
+            return True
         if remaining:  # a drain ran out of grace: requeue what did not finish
             self.engine.abort([rid for rid, k in by_rid.items() if k in remaining])
             self.bus.requeue_unit(lease, remaining)
@@ -176,15 +194,44 @@ class RolloutWorker:
         ]
         self.bus.publish_group(gid, samples)
 
+    # -- leases -------------------------------------------------------------------------
+    def _hold(self, lease: Lease) -> None:
+        with self._held_lock:
+            self._held[lease.entry_id] = True
+
+    def _release(self, lease: Lease) -> None:
+        with self._held_lock:
+            self._held.pop(lease.entry_id, None)
+
+    def _still_held(self, lease: Lease) -> bool:
+        with self._held_lock:
+            return self._held.get(lease.entry_id, False)
+
+    def _refresh_leases(self) -> None:
+        """Touch every held lease (only while it is still ours: `RunBus.touch`)."""
+        with self._held_lock:
+            ids = [e for e, ours in self._held.items() if ours]
+        for eid in ids:
+            if not self.bus.touch("units", self.name, eid):
+                with self._held_lock:
+                    if eid in self._held:
+                        self._held[eid] = False
+
     # -- the loop -------------------------------------------------------------------------
     def _beat(self, stop: threading.Event) -> None:
-        """Liveness and stats every 2 s, from a thread: an engine load or a long unit must not
-        look like a dead worker."""
-        while not stop.wait(2.0):
+        """Liveness, stats and lease refresh, from a thread: an engine load, a weight swap or a
+        long unit must neither look like a dead worker nor let a held lease lapse. Leases are
+        refreshed at a quarter of the visibility timeout (at most every 2 s)."""
+        every = min(2.0, self.bus.visibility_ms / 4000)
+        beat_at = 0.0
+        while not stop.wait(every):
             try:
-                self.bus.heartbeat(self.name, ttl_s=10.0, busy_s=self.busy_s,
-                                   wall_s=time.perf_counter() - self.t_start, started_unix=self.started_unix,
-                                   version=float(self.version if self.version is not None else -1))
+                self._refresh_leases()
+                if time.monotonic() - beat_at >= 2.0:
+                    self.bus.heartbeat(self.name, ttl_s=10.0, busy_s=self.busy_s,
+                                       wall_s=time.perf_counter() - self.t_start, started_unix=self.started_unix,
+                                       version=float(self.version if self.version is not None else -1))
+                    beat_at = time.monotonic()
             except Exception as err:  # noqa: BLE001 - liveness is advisory; the loop reports real failures
                 log.warning("%s: heartbeat failed: %s", self.name, err)
 
@@ -218,11 +265,15 @@ class RolloutWorker:
             lease = self.bus.lease_unit(self.name, block_ms=200)
             if lease is None:
                 continue
-            # a version registered while we waited for the lease: its units were issued for it
-            self._serve_latest()
-            if not self._run_unit(lease):
-                self.bus.incr(drains=1)
-                return EXIT_DRAINED
+            self._hold(lease)  # refreshed from now on by the heartbeat thread, through the swap below
+            try:
+                # a version registered while we waited for the lease: its units were issued for it
+                self._serve_latest()
+                if not self._run_unit(lease):
+                    self.bus.incr(drains=1)
+                    return EXIT_DRAINED
+            finally:
+                self._release(lease)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -12,7 +12,7 @@ Two async runs of the same workload, each in a fresh directory:
 
 Reported:
 - policy-iteration time (wall / versions) of both runs and their ratio;
-- finished samples lost: generated - duplicates - (trained + filtered + stale + failed), from
+- finished samples lost: generated - duplicates - (trained + filtered + stale + failed + dead), from
   the bus's counters. A finished sample is one published to the buffer; it must be 0;
 - samples regenerated: duplicates (finished twice, dropped by id); the units requeued (a
   drain's unfinished prompts) and reclaimed (a killed worker's lease), whose unfinished samples
@@ -95,8 +95,10 @@ class FaultInjector:
 
 
 def lost_samples(c: dict[str, int]) -> int:
-    """Finished samples that were never accounted for (must be 0)."""
-    used = c.get("trained", 0) + c.get("filtered", 0) + c.get("stale_dropped", 0) + c.get("failed", 0)
+    """Finished samples that were never accounted for (must be 0); dead-lettered ones are
+    accounted for (`samples_dead`, each with its reason in the dead-letter stream)."""
+    used = c.get("trained", 0) + c.get("filtered", 0) + c.get("stale_dropped", 0) + c.get("failed", 0) \
+        + c.get("samples_dead", 0)
     return c.get("generated", 0) - c.get("duplicates", 0) - used
 
 
@@ -142,6 +144,9 @@ def run_bench_failures(config: str | Path, overrides: Sequence[str] = (), versio
             "iteration_time_ratio": fa["wall_s"] / ff["wall_s"],
             "finished_samples_lost": lost_samples(c_fa), "finished_samples_lost_fault_free": lost_samples(c_ff),
             "samples_duplicated": c_fa.get("duplicates", 0),
+            # a fault-free run executes every unit once: nothing reclaimed, nothing finished twice
+            "samples_duplicated_fault_free": c_ff.get("duplicates", 0),
+            "units_reclaimed_fault_free": c_ff.get("units_reclaimed", 0),
             "samples_generated_extra": c_fa.get("generated", 0) - c_ff.get("generated", 0),
             "units_requeued": c_fa.get("units_requeued", 0), "units_reclaimed": c_fa.get("units_reclaimed", 0),
             "samples_regenerated_at_most": (c_fa.get("units_requeued", 0) + c_fa.get("units_reclaimed", 0))
@@ -155,7 +160,8 @@ def run_bench_failures(config: str | Path, overrides: Sequence[str] = (), versio
                             "visibility_timeout_s": cfgs["faulted"].units.visibility_timeout_s,
                             "grace_seconds": cfgs["faulted"].rollout.grace_seconds},
               "faults": faults, "runs": results, "summary": summary,
-              "ok": bool(summary) and summary["finished_samples_lost"] == 0 and len(faults) > 0,
+              "ok": bool(summary) and summary["finished_samples_lost"] == 0 and len(faults) > 0
+              and summary["samples_duplicated_fault_free"] == 0 and summary["units_reclaimed_fault_free"] == 0,
               "versions": provenance.collect()}
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_ = []

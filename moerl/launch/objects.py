@@ -165,7 +165,7 @@ def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: li
                         "env": [*env, *scratch_env(cfg)], "numNodes": la.trainer_nodes,
                         "resourcesPerNode": resources(cfg)},
             "runtimePatches": [patch],
-            "activeDeadlineSeconds": group.timeout_s,
+            "activeDeadlineSeconds": cfg.cluster.timeout_s(group, cfg.pipeline.mode),
         },
     }
 
@@ -213,7 +213,7 @@ def rollout_pod(cfg: RunConfig, run_id: str, worker: str, command: list[str], en
     """One rollout worker `worker` (e.g. rollout-3) as a Pod (`service_account` as in `trainjob`)."""
     name = name or workload_name(stage, run_id, extra=worker)
     spec = _rollout_pod_spec(cfg, command, env, "Never", service_account)
-    spec["activeDeadlineSeconds"] = cfg.cluster.groups.rollout.timeout_s
+    spec["activeDeadlineSeconds"] = cfg.cluster.timeout_s(cfg.cluster.groups.rollout, cfg.pipeline.mode)
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels(run_id, stage, name), **_owner(owner)}, "spec": spec}
 
@@ -243,7 +243,8 @@ def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], 
     def job(role: str, count: int, rank_env: dict[str, Any]) -> dict[str, Any]:
         spec = _rollout_pod_spec(cfg, command, [*group_env, rank_env], "Never", service_account)
         job_spec: dict[str, Any] = {"parallelism": count, "completions": count, "backoffLimit": 0,
-                                    "activeDeadlineSeconds": cfg.cluster.groups.rollout.timeout_s,
+                                    "activeDeadlineSeconds": cfg.cluster.timeout_s(cfg.cluster.groups.rollout,
+                                                                                   cfg.pipeline.mode),
                                     "template": {"metadata": {"labels": dict(meta)}, "spec": spec}}
         if role == "worker":
             job_spec["completionMode"] = "Indexed"

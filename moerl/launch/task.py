@@ -191,7 +191,7 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
         body = build(cfg, stage, run_id, name, remote_command(cfg, f"{ex.uri}/{SPEC}"), worker,
                      own_pod_owner(namespace), launch_service_account(cfg, namespace))
         if launcher is None:  # the time left of the task's deadline, less the margin for cleanup
-            left = group.timeout_s - CLEANUP_MARGIN_S - (time.monotonic() - t_start)
+            left = cfg.cluster.timeout_s(group, cfg.pipeline.mode) - CLEANUP_MARGIN_S - (time.monotonic() - t_start)
             launcher = Launcher(la.poll_s, max(left, la.poll_s),
                                 pending_timeout_s=getattr(la, "pending_timeout_s", PENDING_TIMEOUT_S))
         launcher.run([workload(api or connect(), namespace, body)])

@@ -138,7 +138,9 @@ class CheckpointStore(PinLeases, ABC):
     @abstractmethod
     def _delete(self, keys: list[str]) -> None: ...  # missing keys are fine
 
-    def _begin(self, version: int) -> str:
+    def _begin(self, version: int, exclusive: bool = False) -> str:
+        """Where the version's files go. `exclusive`: claim the version create-only first, so a
+        second publisher of it fails before writing anything (S3: a conditional write)."""
         return version_dir(version)
 
     def _commit(self, stage: str, version: int) -> None:
@@ -151,8 +153,15 @@ class CheckpointStore(PinLeases, ABC):
         self._delete(self._list(f"versions/{stage}/"))
 
     def publish(self, version: int, src_dir: Path, meta: dict[str, str] | None = None,
-                retention: tuple[int, int] | None = None) -> Manifest:
+                retention: tuple[int, int] | None = None, exclusive: bool = False) -> Manifest:
         """Publish the files under `src_dir` as `version`, then point `latest` at it.
+
+        `exclusive=True` (the async trainer, which may race a second trainer of its run): the
+        version is claimed create-only before any file is written, so two publishers of one
+        version never mix their files under one manifest. A claim left by a killed publish is
+        removed by `recover`, which the trainer runs at start. Without it (the sync pipeline,
+        whose DAG has one publisher at a time and whose retries re-publish a killed version),
+        a version directory without a manifest is overwritten.
 
         `retention=(keep_last, keep_every)` prunes old versions afterwards (see
         `apply_retention`); a failure there is logged as a warning, never raised.
@@ -171,7 +180,7 @@ class CheckpointStore(PinLeases, ABC):
         if latest is not None and version <= latest:
             raise CheckpointError(f"version {version} is not greater than latest version {latest} in {self.uri}")
         files = _list_files(src_dir)
-        stage = self._begin(version)
+        stage = self._begin(version, exclusive)
         try:
             # 2. Copy every file, hashing each one just before it is copied.
             entries = self._map(lambda rel: self._put_hashed(stage, rel, src_dir / rel), files)

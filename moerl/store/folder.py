@@ -49,18 +49,27 @@ class LocalStore(CheckpointStore):
     def _path(self, stage: str, rel: str = "") -> Path:
         return self.root / "versions" / stage / rel
 
-    def _begin(self, version: int) -> str:
+    def _begin(self, version: int, exclusive: bool = False) -> str:  # the rename in _commit is create-only
         self.check_access()
         stage = f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
         self._path(stage).mkdir()
         return stage
 
     def _commit(self, stage: str, version: int) -> None:
+        """Rename the staged version into place, create-only: a version another publisher put
+        there since publish checked (two trainers of one run) is never replaced."""
         final = self._path(version_dir(version))
-        if final.exists():  # it has no manifest, or publish would have refused: debris
+        if (final / MANIFEST).exists():
+            raise CheckpointError(f"version {version} was published by another writer in {self.uri} while this "
+                                  "publish ran; a run has one trainer at a time, so this one stops")
+        if final.exists():  # no manifest: debris of a killed publish
             log.warning("replacing incomplete version directory %s", final)
             shutil.rmtree(final)
-        os.replace(self._path(stage), final)
+        try:
+            os.rename(self._path(stage), final)  # fails if another publisher's version appeared meanwhile
+        except OSError as e:
+            raise CheckpointError(f"version {version} appeared in {self.uri} while this publish ran ({e}); "
+                                  "another writer published it") from e
         _fsync(final.parent)
 
     def _abort(self, stage: str) -> None:

@@ -78,6 +78,19 @@ def exclusive(path: Path) -> Iterator[None]:
 
 
 @contextmanager
+def shared(path: Path) -> Iterator[None]:
+    """Hold a shared flock on `path` (a reader loading a copy), waiting for a running fetch of
+    that version. Pruning takes the same lock exclusively without waiting, so a copy that some
+    engine on this node is loading is never deleted under it."""
+    fd = _open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
 def try_exclusive(path: Path) -> Iterator[bool]:
     """Like `exclusive`, without waiting: yields False (and holds nothing) when it is taken."""
     fd = _open_lock(path)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import CheckpointStore
 from moerl.store.folder import LocalStore
-from moerl.store.nodecache import prune_cache
+from moerl.store.nodecache import MARKER, lock_path, prune_cache, shared
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,25 @@ def served_version(cache: Path) -> int | None:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"cannot read {path} ({e!r}); delete it and redistribute the version") from e
+
+
+@contextmanager
+def engine_copy(cfg: CheckpointConfig, run_id: str, version: int, attempts: int = 3) -> Iterator[Path]:
+    """Version `version` in the node cache (`fetch_for_engine`), held while the caller loads
+    it: a shared lock on the copy, which the pruning of any other process on this node respects.
+    A copy pruned between the fetch and the lock (a neighbour's fetch pruned it) is fetched
+    again; what is yielded is always a verified local directory with a config.json, never a
+    path that a loader could take for a hub id."""
+    cache = run_cache(cfg, run_id)
+    for _ in range(attempts):
+        path = fetch_for_engine(cfg, run_id, version)
+        with shared(lock_path(cache, version)):
+            if (path / MARKER).is_file() and (path / "config.json").is_file():
+                yield path
+                return
+        log.warning("version %d: the cached copy %s went away before it was loaded; fetching it again", version, path)
+    raise CheckpointError(f"version {version}: the cached copy in {cache} was pruned {attempts} times before it could "
+                          "be loaded; raise checkpoint.cache_keep")
 
 
 def fetch_for_engine(cfg: CheckpointConfig, run_id: str, version: int) -> Path:

@@ -33,10 +33,14 @@ from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedErr
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import MANIFEST, CheckpointStore, HashingWriter
+from moerl.store.manifest import version_dir
 
 log = logging.getLogger(__name__)
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
+# A conditional write lost: the object exists (412), or was written concurrently (409).
+_TAKEN = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+CLAIM = ".claim"  # versions/vNNNNNN/.claim: written create-only before any file of the version
 _UNREACHABLE = (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError, ReadTimeoutError)
 _MiB = 1024 * 1024
 _R = TypeVar("_R")
@@ -105,9 +109,29 @@ class S3Store(CheckpointStore):
                                           "check the AWS credentials (env, profile, IRSA)") from e
                 raise
 
+    def _begin(self, version: int, exclusive: bool = False) -> str:
+        """Claim the version create-only (`If-None-Match: *`, S3's conditional write) before
+        writing any of its files: of two publishers of one version (two trainers of one run),
+        the second fails here and never overwrites the first one's objects, so the manifest
+        that `latest` points at always describes the bytes under it. A claim left by a killed
+        publish goes with its incomplete version (`recover`)."""
+        stage = version_dir(version)
+        if not exclusive:
+            return stage
+        key = self._key(f"versions/{stage}/{CLAIM}")
+        with self._errors(f"claiming version {version}"):
+            try:
+                self._s3.put_object(Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
+            except ClientError as e:
+                if _code(e) in _TAKEN:
+                    raise CheckpointError(f"version {version} is already claimed in {self.uri} by another "
+                                          "publisher (a second trainer of this run?); this one stops") from e
+                raise
+        return stage
+
     def _abort(self, stage: str) -> None:
-        try:  # without its manifest the partial version stays invisible
-            self._delete([f"versions/{stage}/{MANIFEST}"])
+        try:  # without its manifest the partial version stays invisible; its claim is ours to drop
+            self._delete([f"versions/{stage}/{MANIFEST}", f"versions/{stage}/{CLAIM}"])
         except CheckpointError as e:
             log.warning("could not remove the manifest of failed publish %s: %s", stage, e)
 

@@ -4,6 +4,7 @@ served, and never a version another process is fetching (it holds that version's
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.folder import LocalStore
 from moerl.store.nodecache import MARKER, lock_path, prune_cache
-from moerl.store.runs import SERVING, fetch_for_engine, run_cache, run_store
+from moerl.store.runs import SERVING, engine_copy, fetch_for_engine, run_cache, run_store
 from tests.store.test_store import make_checkpoint, tree
 from tests.store.test_store_faults import _wait_for
 
@@ -100,3 +101,37 @@ def test_unreadable_serving_file_skips_pruning(tmp_path: Path, caplog: pytest.Lo
         assert fetch_for_engine(cfg, "r1", 2) == cache / "v000002"  # the fetch still succeeds
     assert "could not prune the fetch cache" in caplog.text and "serving.json" in caplog.text
     assert _cached(cache) == ["v000001", "v000002"]  # without knowing what is served, nothing goes
+
+
+def test_a_copy_being_loaded_is_never_pruned_by_a_neighbour(tmp_path: Path) -> None:
+    """Two engines on one node: one loads version 1 while the other's fetch of version 2 prunes
+    the cache (cache_keep 1). The held copy survives; once released, it can go."""
+    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1)
+    store, cache = run_store(cfg, "r1"), run_cache(cfg, "r1")
+    for v in (1, 2):
+        store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
+    with engine_copy(cfg, "r1", 1) as loading:
+        fetch_for_engine(cfg, "r1", 2)  # the neighbour: fetch, then prune to 1 copy
+        assert _cached(cache) == ["v000001", "v000002"]  # v1 is held: skipped, not deleted
+        assert tree(loading)["config.json"] == (tmp_path / "src1" / "config.json").read_bytes()
+    fetch_for_engine(cfg, "r1", 2)
+    assert _cached(cache) == ["v000002"]
+
+
+def test_a_copy_pruned_before_it_is_held_is_fetched_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moerl.store.runs as runs
+
+    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1)
+    run_store(cfg, "r1").publish(1, make_checkpoint(tmp_path / "src1", seed=1))
+    real, calls = runs.fetch_for_engine, []
+
+    def fetch_then_lose_it(*a):
+        path = real(*a)
+        calls.append(path)
+        if len(calls) == 1:  # a neighbour pruned it between our fetch and our lock
+            shutil.rmtree(path)
+        return path
+
+    monkeypatch.setattr(runs, "fetch_for_engine", fetch_then_lose_it)
+    with runs.engine_copy(cfg, "r1", 1) as path:
+        assert len(calls) == 2 and (path / "config.json").is_file()

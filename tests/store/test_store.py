@@ -381,3 +381,33 @@ def test_fetch_can_leave_out_a_prefix_and_a_full_copy_serves_both(tmp_path):
     (tmp_path / "store" / "versions" / "v000001" / "model.safetensors").write_bytes(b"x" * 100)
     # the full verified copy is reused for the partial request: no re-download of the corrupted object
     assert store.fetch(1, tmp_path / "cache", exclude=("trainer/",)) == full
+
+
+def test_two_publishers_of_one_version_never_mix_their_files(case: Case, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trainers of one run publish version 1 at once: B starts after A's checks passed and
+    while A uploads. Exactly one wins, the other fails with a clear error, and `latest` points
+    at a manifest that matches every byte under it (S3: A's create-only claim stops B before it
+    writes; folder: B's rename lands first and A's create-only rename is refused)."""
+    a, b = make_checkpoint(tmp_path / "a", seed=1), make_checkpoint(tmp_path / "b", seed=2)
+    store, put, fired, errors = case.store, case.store._put, threading.Lock(), []
+
+    def racing_put(stage: str, rel: str, src: Path) -> None:
+        if fired.acquire(blocking=False):  # once, in the middle of A's uploads
+            try:
+                store.publish(1, b, exclusive=True)
+            except CheckpointError as e:
+                errors.append(("b", str(e)))
+        put(stage, rel, src)
+
+    monkeypatch.setattr(store, "_put", racing_put)
+    try:
+        store.publish(1, a, exclusive=True)
+    except CheckpointError as e:
+        errors.append(("a", str(e)))
+    monkeypatch.setattr(store, "_put", put)
+    assert len(errors) == 1 and "another" in errors[0][1], errors
+    winner = b if errors[0][0] == "a" else a
+    assert store.latest() == 1 and store.versions() == [1]
+    got = store.fetch(1, tmp_path / "cache")  # verifies every file against the manifest
+    assert {k: v for k, v in tree(got).items() if k not in (MANIFEST, ".moerl-verified")} == tree(winner)
