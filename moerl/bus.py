@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,38 @@ if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
 return 1
 """
+
+
+_INCR = """
+for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], tonumber(ARGV[i + 1])) end
+return 1
+"""
+# KEYS: units stream, counters. ARGV: group, old entry id, the smaller unit's JSON or ''.
+_REQUEUE = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+if ARGV[3] ~= '' then redis.call('XADD', KEYS[1], '*', 'unit', ARGV[3]) end
+redis.call('HINCRBY', KEYS[2], 'units_requeued', 1)
+return 1
+"""
+# Every hand-off runs once per call whatever the network does: a client whose connection
+# dropped after the server ran a script (the reply was lost) sends it again with the same
+# operation key (the last KEYS entry, a fresh id per call), and the second run returns the
+# first one's result without touching anything. The key expires after OP_TTL_S, far past any
+# retry (`valkey.reconnect_s` is at most that). So a resend never adds a second unit, never
+# counts a group twice and never drifts a counter.
+OP_TTL_S = 3600
+_ONCE = """
+local prev = redis.call('GET', KEYS[#KEYS])
+if prev then return tonumber(prev) end
+local function handoff()
+%s
+end
+local r = handoff()
+redis.call('SET', KEYS[#KEYS], r, 'EX', %d)
+return r
+"""
+MAX_READ_ENTRIES = 32  # entries per stream read: a reply of at most 32 * MAX_ENTRY_BYTES
 
 
 class BusError(MoerlError):
@@ -299,12 +332,14 @@ class RunBus:
         self.max_attempts = max_attempts
         from valkey.commands.core import Script
 
-        def reg(text: str) -> Script:  # run through the retrying client
-            return Script(client, text)
+        def reg(text: str):  # run through the retrying client, once per call (see _ONCE)
+            script = Script(client, _ONCE % (text, OP_TTL_S))
+            return lambda keys, args: script(keys=[*keys, self.key(f"op:{uuid.uuid4().hex}")], args=args)
 
         self._issue, self._publish_group, self._ack_and_count = reg(_ISSUE), reg(_PUBLISH_GROUP), reg(_ACK_AND_COUNT)
         self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
-        self._touch = reg(_TOUCH)
+        self._incr, self._requeue = reg(_INCR), reg(_REQUEUE)
+        self._touch = Script(client, _TOUCH)  # idempotent by itself
 
     # -- keys and setup ---------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -327,10 +362,10 @@ class RunBus:
         return {k: int(raw.get(k, 0)) for k in COUNTERS} | {k: int(v) for k, v in raw.items() if k not in COUNTERS}
 
     def incr(self, **deltas: int) -> None:
-        def build(pipe) -> None:
-            for k, v in deltas.items():
-                pipe.hincrby(self.key("counters"), k, v)
-        self.r.transaction(build)
+        args: list[Any] = []
+        for k, v in deltas.items():
+            args += [k, int(v)]
+        self._incr(keys=[self.key("counters")], args=args)
 
     def registry(self) -> Registered | None:
         raw = self.r.hgetall(self.key("registry"))
@@ -394,19 +429,22 @@ class RunBus:
         return int(rows[0]["times_delivered"]) if rows else 1
 
     def _claim(self, stream: str, consumer: str, count: int) -> list[tuple[str, dict[str, str]]]:
-        """Entries of `stream` idle past the visibility timeout, now leased to `consumer`."""
-        reply = self.r.xautoclaim(self.key(stream), GROUPS[stream], consumer, self.visibility_ms,
-                                  start_id="0-0", count=count)
-        return [(eid, fields) for eid, fields in reply[1] if fields]
+        """Entries of `stream` idle past the visibility timeout, now leased to `consumer`: the
+        pending list is scanned page by page from XAUTOCLAIM's returned cursor, so an idle entry
+        behind a page of busy ones is found too."""
+        count, start, out = min(count, MAX_READ_ENTRIES), "0-0", []
+        for _ in range(1000):  # pages of `count`; bounded however long the pending list is
+            reply = self.r.xautoclaim(self.key(stream), GROUPS[stream], consumer, self.visibility_ms,
+                                      start_id=start, count=count - len(out))
+            out += [(eid, fields) for eid, fields in reply[1] if fields]
+            start = reply[0]
+            if start == "0-0" or len(out) >= count:
+                break
+        return out
 
     def _read(self, stream: str, consumer: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str]]]:
-        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): ">"}, count=count,
-                                  block=block_ms or None)
-        return [(eid, fields) for _, entries in (reply or []) for eid, fields in entries if fields]
-
-    def own_pending(self, stream: str, consumer: str, count: int = 1000) -> list[tuple[str, dict[str, str]]]:
-        """Entries already leased to `consumer` (a restarted process re-reads its own first)."""
-        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): "0"}, count=count)
+        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): ">"},
+                                  count=min(count, MAX_READ_ENTRIES), block=block_ms or None)
         return [(eid, fields) for _, entries in (reply or []) for eid, fields in entries if fields]
 
     def lease_unit(self, consumer: str, block_ms: int = 500) -> Lease | None:
@@ -449,6 +487,10 @@ class RunBus:
                 reason = f"malformed: {type(err).__name__}: {err}"[:500]
                 obj = _countable(raw, field)
         counts = _dead_counts(stream, obj)
+        if stream == UNITS and obj:  # prompts whose group some attempt already published are not dead
+            done = self.published([group_id(obj["unit_id"], p["k"], p["prompt"].get("id", ""))
+                                   for p in obj["prompts"] if isinstance(p, dict) and isinstance(p.get("prompt"), dict)])
+            counts["prompts_dead"] -= len(done)
         args: list[Any] = [GROUPS[stream], eid, (raw or "")[:DEAD_PAYLOAD_BYTES], deliveries, consumer, stream, reason]
         for k, v in counts.items():
             args += [k, v]
@@ -467,17 +509,13 @@ class RunBus:
                             args=[GROUPS[UNITS], lease.entry_id, "units_done", 1])
 
     def requeue_unit(self, lease: Lease, remaining_k: list[int]) -> None:
-        """Put the unfinished prompts (`k` values) of a leased unit back on the queue, as one
-        MULTI: XADD of the smaller unit (same unit id, same `k`s), XACK of the old entry."""
+        """Put the unfinished prompts (`k` values) of a leased unit back on the queue, in one
+        script: XACK of the old entry (nothing else happens if it was already acknowledged), XADD
+        of the smaller unit (same unit id, same `k`s)."""
         unit = {"unit_id": lease.unit["unit_id"],
                 "prompts": [p for p in lease.unit["prompts"] if p["k"] in set(remaining_k)]}
-        def build(pipe) -> None:
-            if unit["prompts"]:
-                pipe.xadd(self.key(UNITS), {"unit": json.dumps(unit)})
-            pipe.xack(self.key(UNITS), GROUPS[UNITS], lease.entry_id)
-            pipe.xdel(self.key(UNITS), lease.entry_id)
-            pipe.hincrby(self.key("counters"), "units_requeued", 1)
-        self.r.transaction(build)
+        self._requeue(keys=[self.key(UNITS), self.key("counters")],
+                      args=[GROUPS[UNITS], lease.entry_id, json.dumps(unit) if unit["prompts"] else ""])
 
     def published(self, group_ids: list[str]) -> set[str]:
         """Which of `group_ids` some worker already published (a re-executed unit skips them)."""
@@ -525,13 +563,22 @@ class RunBus:
 
     # -- training -----------------------------------------------------------------------
     def take_scored(self, consumer: str, count: int, block_ms: int = 500,
-                    pending_first: bool = False, validate=None) -> list[tuple[str, dict[str, Any]]]:
-        """Scored groups for the trainer (its own pending ones first after a restart); a
-        malformed one is dead-lettered, as in `take_generated`."""
-        got = self.own_pending(SCORED, consumer, count) if pending_first else []
-        pending = bool(got)
-        got = got or self._read(SCORED, consumer, count, block_ms)
-        return self._take(SCORED, consumer, got, pending, validate)
+                    validate=None) -> list[tuple[str, dict[str, Any]]]:
+        """New scored groups for the trainer; a malformed one is dead-lettered, as in
+        `take_generated`."""
+        return self._take(SCORED, consumer, self._read(SCORED, consumer, count, block_ms), False, validate)
+
+    def take_pending(self, stream: str, consumer: str, after: str,
+                     validate=None) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+        """One page of the entries already leased to `consumer` with ids after `after` (a
+        restarted trainer re-reads what its predecessor held), and the id to continue after
+        (None: no more). Read in pages, so a long pending list never comes back in one reply.
+        No delivery cap here: each restart re-delivers, and a restart must not condemn good work."""
+        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): after}, count=MAX_READ_ENTRIES)
+        raw = [(eid, fields) for _, entries in (reply or []) for eid, fields in entries]
+        if not raw:
+            return [], None
+        return self._take(stream, consumer, [(e, f) for e, f in raw if f], False, validate), raw[-1][0]
 
     def consumed(self, group_ids: list[str]) -> set[str]:
         if not group_ids:
@@ -599,6 +646,11 @@ class RunBus:
     def cursor(self, n: int) -> int:
         """Reserve the next `n` prompts of the dataset order; returns the first index."""
         return int(self.r.incrby(self.key("cursor"), n)) - n
+
+
+def group_id(unit_id: str, k: int, prompt_id: str) -> str:
+    """A GRPO group's id: the `k`-th prompt of unit `unit_id` (see the module docstring)."""
+    return f"{unit_id}/{k}:{prompt_id}"
 
 
 def _parse_unit(raw: str) -> dict[str, Any]:

@@ -334,3 +334,63 @@ def test_a_generated_group_that_keeps_killing_its_scorers_is_dead_lettered(bus):
     assert dead["stream"] == GENERATED and dead["deliveries"] == "3" and dead["by"] == "s3"
     c = bus.counters()
     assert (c["groups_dead"], c["samples_dead"], c["prompts_dead"]) == (1, 3, 1)
+
+
+@pytest.fixture
+def lost_replies(monkeypatch):
+    """Cut the connection after the server ran a command and before its reply reached the
+    client: `lost_replies["n"] = k` loses the next k replies. The client (a real valkey-py
+    client against the real server) reconnects and sends the command again, as it would after a
+    network blip or a proxy reset."""
+    import valkey
+    from valkey.connection import Connection
+
+    real, state = Connection.read_response, {"n": 0, "lost": 0}
+
+    def read_response(self, *a, **kw):
+        reply = real(self, *a, **kw)
+        if state["n"] > 0:
+            state["n"] -= 1
+            state["lost"] += 1
+            self.disconnect()
+            raise valkey.exceptions.ConnectionError("reply lost in transit (test)")
+        return reply
+
+    monkeypatch.setattr(Connection, "read_response", read_response)
+    return state
+
+
+def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
+    """Each hand-off is sent twice (the first reply lost): no second unit, no duplicate group,
+    no counter moved twice, and the caller gets the first run's answer."""
+    def once(fn):
+        lost_replies["n"] = 1
+        out = fn()
+        assert lost_replies["lost"] >= 1 and lost_replies["n"] == 0
+        lost_replies["lost"] = 0
+        return out
+
+    once(lambda: bus.issue_unit([_prompt(1), _prompt(2)]))
+    assert bus.depth()[UNITS] == 1 and bus.counters()["units_issued"] == 1
+    lease = bus.lease_unit("w1", block_ms=50)
+    once(lambda: bus.requeue_unit(lease, [1]))
+    c = bus.counters()
+    assert bus.depth()[UNITS] == 1 and c["units_requeued"] == 1  # one smaller unit, not two
+    again = bus.lease_unit("w1", block_ms=50)
+    assert [p["k"] for p in again.unit["prompts"]] == [1]
+    assert once(lambda: bus.publish_group("u0000001/1:p2", [{"x": 1}] * 4))  # the first run's answer: added
+    once(lambda: bus.ack_unit(again))
+    c = bus.counters()
+    assert (c["generated"], c["duplicates"], c["groups_generated"], c["units_done"]) == (4, 0, 1, 1)
+    [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
+    assert once(lambda: bus.publish_scored(eid, group, 1))
+    assert bus.depth()[SCORED] == 1 and bus.counters()["scored"] == 4
+    epoch = bus.claim_trainer("t")
+    [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
+    assert once(lambda: bus.commit_version(epoch, 1, "u", "s", [sid], [group["group_id"]], trained=4, groups_used=1))
+    once(lambda: bus.incr(swaps=1))
+    c = bus.counters()
+    assert (c["trained"], c["groups_used"], c["swaps"]) == (4, 1, 1) and bus.registry().version == 1
+    bus.r.xadd(bus.key(UNITS), {"unit": "{broken"})
+    assert once(lambda: bus.lease_unit("w1", block_ms=50)) is None
+    assert bus.counters()["entries_dead"] == 1 and bus.depth()[DEAD] == 1  # dead-lettered once

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from moerl import tracking
-from moerl.bus import RunBus, connect
+from moerl.bus import SCORED, RunBus, connect
 from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue, train_samples
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError, DataError
@@ -148,11 +148,13 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
     batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
     t0 = time.perf_counter()
+    after = "0" if first else None  # a restarted trainer first takes back what it held, page by page
     while batch.n_groups < B:
         _alive(bus, issuer, epoch)
-        got = bus.take_scored(CONSUMER, B - batch.n_groups, block_ms=200, pending_first=first,
-                              validate=_scored_samples)
-        first = False
+        if after is not None:
+            got, after = bus.take_pending(SCORED, CONSUMER, after, validate=_scored_samples)
+        else:
+            got = bus.take_scored(CONSUMER, B - batch.n_groups, block_ms=200, validate=_scored_samples)
         consumed = bus.consumed([g["group_id"] for _, g in got])
         for eid, g in got:
             gid = g["group_id"]

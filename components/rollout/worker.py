@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from moerl.bus import Lease, RunBus, TrainerWatch, connect
+from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.config import RunConfig, config_from_json
 from moerl.launch.podenv import enter_pod
 from moerl.records import Sample
@@ -49,10 +49,6 @@ from moerl.store.runs import engine_copy, run_store
 log = logging.getLogger(__name__)
 
 EXIT_DRAINED = 75  # EX_TEMPFAIL: drained after SIGTERM; the task must be retried
-
-
-def group_id(unit_id: str, k: int, prompt_id: str) -> str:
-    return f"{unit_id}/{k}:{prompt_id}"
 
 
 def group_seed(base: int, unit_id: str, k: int) -> int:
