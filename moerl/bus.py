@@ -68,7 +68,6 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
 # guarded: by the XACK of its input entry (1 only the first time) or a set/flag, and a second
 # execution changes nothing. KEYS/ARGV are documented at each call site.
 _ISSUE = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 0 then return 0 end
 redis.call('XADD', KEYS[2], '*', 'unit', ARGV[2])
 redis.call('HINCRBY', KEYS[3], 'units_issued', 1)
 redis.call('HINCRBY', KEYS[3], 'prompts_issued', tonumber(ARGV[3]))
@@ -324,8 +323,9 @@ class RunBus:
     """One run's keys on one Valkey client."""
 
     def __init__(self, client, run_id: str, visibility_timeout_s: float = 120.0, max_attempts: int = 3):
-        if not run_id or any(c in run_id for c in " :{}"):
-            raise BusError(f"run id {run_id!r} cannot prefix Valkey keys")
+        # glob characters would make one run's SCAN match another run's keys
+        if not run_id or any(c in run_id for c in " :{}*?[]\\"):
+            raise BusError(f"run id {run_id!r} cannot prefix Valkey keys (no spaces, ':', braces or glob characters)")
         self.r, self.run_id = client, run_id
         self.prefix = f"moerl:{run_id}:"
         self.visibility_ms = int(visibility_timeout_s * 1000)
@@ -381,6 +381,15 @@ class RunBus:
     def set_done(self) -> None:
         self.r.set(self.key("done"), "1")
 
+    def expire_run(self, ttl_s: float) -> int:
+        """Let every key of this run expire `ttl_s` from now (a finished run: its stages have
+        `ttl_s` to see `done` and drain), so a shared Valkey does not keep every run it served.
+        Returns how many keys were set to expire."""
+        keys = self.r.scan(self.key("*"))
+        for k in keys:
+            self.r.expire(k, max(1, int(ttl_s)))
+        return len(keys)
+
     def set_failed(self, reason: str) -> None:
         """Abandon the run: every stage stops, and a restarted trainer refuses to go on."""
         self.r.set(self.key("failed"), reason[:2000], nx=True)
@@ -420,7 +429,7 @@ class RunBus:
         seq = self.r.incr(self.key("unit_seq"))
         unit_id = f"u{seq:07d}"
         unit = {"unit_id": unit_id, "prompts": [{"k": k, "prompt": p} for k, p in enumerate(prompts)]}
-        self._issue(keys=[self.key("units_issued"), self.key(UNITS), self.key("counters")],
+        self._issue(keys=[self.key("unit_seq"), self.key(UNITS), self.key("counters")],
                     args=[unit_id, json.dumps(unit), len(prompts)])
         return unit_id
 
@@ -642,6 +651,25 @@ class RunBus:
     def depth(self) -> dict[str, int]:
         """Entries in each stream (live work: acknowledged entries are deleted)."""
         return {s: int(self.r.xlen(self.key(s))) for s in (UNITS, GENERATED, SCORED, DEAD)}
+
+    def positions(self) -> dict[str, int]:
+        """Where the run is in the dataset order (`cursor`) and in unit ids (`unit_seq`): the
+        trainer records both in every version's manifest, so a run resumed on a new Valkey
+        neither starts the data again from index 0 nor reuses a unit id (`restore_positions`)."""
+        cur, seq = self.r.mget([self.key("cursor"), self.key("unit_seq")])
+        return {"cursor": int(cur or 0), "unit_seq": int(seq or 0)}
+
+    def restore_positions(self, cursor: int, unit_seq: int) -> None:
+        """Move `cursor` and `unit_seq` forward to at least these values (never back)."""
+        for name, value in (("cursor", cursor), ("unit_seq", unit_seq)):
+            self.r.eval("local c = tonumber(redis.call('GET', KEYS[1]) or '0') "
+                        "if tonumber(ARGV[1]) > c then redis.call('SET', KEYS[1], ARGV[1]) end return 1",
+                        1, self.key(name), int(value))
+
+    def reopen(self) -> None:
+        """A run resumed on purpose (`moerl run --resume`): clear `done` and `failed`, so its
+        stages run again instead of exiting at once."""
+        self.r.delete(self.key("done"), self.key("failed"))
 
     def cursor(self, n: int) -> int:
         """Reserve the next `n` prompts of the dataset order; returns the first index."""

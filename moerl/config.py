@@ -235,6 +235,9 @@ class ValkeyConfig(_Section):
     # for a Valkey pod rescheduled on EKS with its volume (EBS detach and attach take minutes)
     # or an ElastiCache failover; a stage gives up only after this.
     reconnect_s: float = Field(600.0, gt=0.0)
+    # A finished run's keys (streams, sets, counters, registry) expire this long after `done`,
+    # so a shared server does not keep every run it ever served; read the counters before.
+    finished_ttl_s: float = Field(86400.0, ge=60.0)
 
     @field_validator("url")
     @classmethod

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from moerl.bus import DEAD, GENERATED, SCORED, UNITS, EmbeddedValkey, RunBus, connect
+from moerl.bus import DEAD, GENERATED, SCORED, UNITS, BusError, EmbeddedValkey, RunBus, connect
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample
 from moerl.components.buffer.worker import classify, prompts_to_issue
@@ -394,3 +394,41 @@ def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
     bus.r.xadd(bus.key(UNITS), {"unit": "{broken"})
     assert once(lambda: bus.lease_unit("w1", block_ms=50)) is None
     assert bus.counters()["entries_dead"] == 1 and bus.depth()[DEAD] == 1  # dead-lettered once
+
+
+def test_a_run_resumed_on_a_new_valkey_continues_its_data_and_unit_ids(server, tmp_path):
+    """The trainer records `cursor` and `unit_seq` in each manifest; on a Valkey that lost the
+    run (a new server), the positions come back from it: no unit id reused, no prompt from 0."""
+    old = RunBus(connect(server.url, 5), "resumed-run")
+    old.ensure_groups()
+    for _ in range(3):
+        old.issue_unit([_prompt(1)])
+    old.cursor(40)
+    recorded = old.positions()
+    assert recorded == {"cursor": 40, "unit_seq": 3}
+    with EmbeddedValkey(tmp_path / "fresh") as fresh:
+        new = RunBus(connect(fresh.url, 5), "resumed-run")
+        new.ensure_groups()
+        new.restore_positions(**recorded)
+        new.restore_positions(cursor=10, unit_seq=1)  # never moves back
+        assert new.issue_unit([_prompt(2)]) == "u0000004" and new.cursor(8) == 40
+        new.set_done()
+        new.set_failed("no trainer")
+        new.reopen()  # `moerl run --resume`: the stages must run again
+        assert not new.done() and new.failed() is None
+
+
+def test_a_finished_run_expires_and_glob_characters_cannot_reach_other_runs(server):
+    for bad in ("run*", "run?", "run[1]", "a\\b"):
+        with pytest.raises(BusError, match="glob"):
+            RunBus(connect(server.url, 5), bad)
+    done, other = RunBus(connect(server.url, 5), "finished-run"), RunBus(connect(server.url, 5), "finished-run2")
+    for b in (done, other):
+        b.ensure_groups()
+        b.issue_unit([_prompt(1)])
+        b.publish_group("u1/0:p1", [{"x": 1}])
+    done.set_done()
+    n = done.expire_run(60)
+    assert n >= 5 and all(0 < done.r.ttl(k) <= 60 for k in done.r.scan(done.key("*")))
+    # the other run is untouched (its operation keys expire on their own)
+    assert all(other.r.ttl(k) == -1 for k in other.r.scan(other.key("*")) if ":op:" not in k)

@@ -110,7 +110,11 @@ def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int, epoch: int
         log.warning("the registry is empty but version %d is published: resuming from it on a fresh Valkey", latest)
         bus.incr(groups_used=latest * cfg.task.prompts_per_iteration,
                  prompts_issued=latest * cfg.task.prompts_per_iteration)
-        bus.register(latest, version_uri(store, latest), store.manifest(latest).sha256())
+        manifest = store.manifest(latest)
+        # the data and the unit ids continue where the run was, never from 0 (ids would collide
+        # with trained groups, and the first prompts would be trained again)
+        bus.restore_positions(int(manifest.meta.get("cursor", 0)), int(manifest.meta.get("unit_seq", 0)))
+        bus.register(latest, version_uri(store, latest), manifest.sha256())
         return
     manifest = store.manifest(latest)
     groups = json.loads(manifest.meta.get("groups", "[]"))
@@ -260,7 +264,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             n_filtered = sum(len(g) for g in batch.groups) - n_used
             counts = {"trained": n_used, "filtered": n_filtered, "groups_used": batch.n_groups}
             meta = {"groups": json.dumps(batch.group_ids), "entries": json.dumps(batch.entry_ids),
-                    "counts": json.dumps(counts)}
+                    "counts": json.dumps(counts), **{k: str(v) for k, v in bus.positions().items()}}
             bus.check_epoch(epoch)  # a superseded trainer must not publish (the store refuses a second v+1 too)
             policy, pub = run_publish(cfg, run_id, out_dir, version + 1, meta=meta, exclusive=True)
             if not bus.commit_version(epoch, version + 1, policy.uri, policy.manifest_sha256, batch.entry_ids,
@@ -291,6 +295,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             bus.heartbeat(CONSUMER, busy_s=busy, wall_s=time.perf_counter() - t_start, version=float(version + 1),
                           reward_mean=metrics["reward/mean"], loss=metrics.get("train/loss", 0.0))
         bus.set_done()
+        bus.expire_run(cfg.valkey.finished_ttl_s)  # bounded state: a shared Valkey forgets finished runs
         return policy
     finally:
         issuer.stop_event.set()

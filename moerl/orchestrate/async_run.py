@@ -245,7 +245,11 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
 
         if run_store(cfg.checkpoint, run_id).latest() is None:
             publish_initial(cfg, run_id, work)
-        # 4-6. stages
+        # 4-6. stages (a resumed run's `done` and `failed` cleared first: its stages must run)
+        if resume:
+            from moerl.bus import RunBus, connect
+
+            RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id).reopen()
         run = LocalAsyncRun(cfg, run_id, work, server)
         run.start()
         with procs.sigterm_raises():
