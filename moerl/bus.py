@@ -60,7 +60,7 @@ PASSWORD_ENV = "VALKEY_PASSWORD"
 COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "trained", "scored", "score_failed",
             "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
             "prompts_dead", "groups_generated", "tokens_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
-            "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts")
+            "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts", "commits_not_durable")
 
 
 # Hand-offs as Lua scripts: atomic like MULTI, and idempotent. A client whose connection
@@ -651,6 +651,18 @@ class RunBus:
     def depth(self) -> dict[str, int]:
         """Entries in each stream (live work: acknowledged entries are deleted)."""
         return {s: int(self.r.xlen(self.key(s))) for s in (UNITS, GENERATED, SCORED, DEAD)}
+
+    def wait_durable(self, replicas: int = 0, timeout_s: float = 10.0) -> tuple[int, int]:
+        """WAITAOF 1 `replicas`: block until this connection's writes are fsynced to the server's
+        append-only file (and to `replicas` replicas'), at most `timeout_s`. Returns (local,
+        replicas) as acknowledged. `BusError` when the server keeps no append-only file."""
+        import valkey
+
+        try:
+            local, reps = self.r.execute_command("WAITAOF", 1, replicas, max(1, int(timeout_s * 1000)))
+        except valkey.exceptions.ResponseError as err:
+            raise BusError(f"Valkey cannot make a write durable: {err}") from err
+        return int(local), int(reps)
 
     def positions(self) -> dict[str, int]:
         """Where the run is in the dataset order (`cursor`) and in unit ids (`unit_seq`): the

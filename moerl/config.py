@@ -238,6 +238,13 @@ class ValkeyConfig(_Section):
     # A finished run's keys (streams, sets, counters, registry) expire this long after `done`,
     # so a shared server does not keep every run it ever served; read the counters before.
     finished_ttl_s: float = Field(86400.0, ge=60.0)
+    # Each version's commit waits (WAITAOF) until the server has it in its append-only file and
+    # on this many replicas, so a crash or a failover cannot take a commit back once the trainer
+    # moved on. A server without an append-only file fails the trainer at start unless
+    # `require_durable` is false (then every commit is recorded as not durable, loudly).
+    wait_aof_replicas: int = Field(0, ge=0, le=16)
+    wait_aof_timeout_s: float = Field(10.0, gt=0.0)
+    require_durable: bool = True
 
     @field_validator("url")
     @classmethod

@@ -432,3 +432,19 @@ def test_a_finished_run_expires_and_glob_characters_cannot_reach_other_runs(serv
     assert n >= 5 and all(0 < done.r.ttl(k) <= 60 for k in done.r.scan(done.key("*")))
     # the other run is untouched (its operation keys expire on their own)
     assert all(other.r.ttl(k) == -1 for k in other.r.scan(other.key("*")) if ":op:" not in k)
+
+
+def test_commits_wait_for_the_append_only_file_and_a_server_without_one_is_refused(server, tmp_path):
+    from moerl.components.policy_update.worker import _check_durable
+    from moerl.config import RunConfig
+    from moerl.errors import ConfigError
+
+    bus = RunBus(connect(server.url, 5), "durable-run")
+    bus.incr(trained=1)
+    assert bus.wait_durable(0, 2.0) == (1, 0)  # fsynced locally; no replica asked for
+    with EmbeddedValkey(tmp_path / "volatile", appendonly=False) as volatile:
+        lossy = RunBus(connect(volatile.url, 5), "durable-run")
+        with pytest.raises(BusError, match="appendonly is disabled"):
+            lossy.wait_durable(0, 2.0)
+        with pytest.raises(ConfigError, match="valkey.require_durable: false"):
+            _check_durable(lossy, RunConfig(), "durable-run")

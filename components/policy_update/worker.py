@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 
 from moerl import tracking
-from moerl.bus import SCORED, RunBus, connect
+from moerl.bus import SCORED, BusError, RunBus, connect
 from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue, train_samples
 from moerl.config import RunConfig, config_from_json
-from moerl.errors import CheckpointError, DataError
+from moerl.errors import CheckpointError, ConfigError, DataError
 from moerl.launch.podenv import enter_pod
 from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.store.runs import run_store, version_uri
@@ -124,6 +124,23 @@ def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int, epoch: int
         log.warning("version %d was published but not committed (trainer died in between); committing its %d "
                     "groups now", latest, len(groups))
     bus.commit_version(epoch, latest, version_uri(store, latest), manifest.sha256(), entries, groups, **counts)
+
+
+def _check_durable(bus: RunBus, cfg: RunConfig, run_id: str) -> bool:
+    """Whether commits can be made durable (WAITAOF). A server without an append-only file
+    can lose acknowledged commits (a restart, a failover): refused unless
+    `valkey.require_durable` is false, and then recorded on the run, loudly."""
+    try:
+        bus.wait_durable(0, cfg.valkey.wait_aof_timeout_s)
+        return True
+    except BusError as err:
+        if cfg.valkey.require_durable:
+            raise ConfigError(f"valkey: {err}; a restart or failover could take back committed versions and train "
+                              "their samples again. Turn on appendonly (appendfsync always or everysec), or set "
+                              "valkey.require_durable: false to run without that guarantee") from err
+        log.warning("Valkey is not durable (%s): commits may be lost on a restart; recorded on the run", err)
+        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, {"moerl.valkey_durable": "false"})
+        return False
 
 
 def _scored_samples(group: dict) -> None:
@@ -234,6 +251,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     if latest is None:
         raise CheckpointError(f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "
                               "init_policy publishes version 0 first")
+    durable = _check_durable(bus, cfg, run_id)
     _reconcile(bus, cfg, run_id, latest, epoch)
     uri = tracking.resolve_uri(cfg.tracking)
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
@@ -273,6 +291,13 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
                 raise CheckpointError(f"trainer: the commit of version {version + 1} was refused: the registry "
                                       f"already holds version {reg.version if reg else '?'}, so another trainer "
                                       "committed it; stopping")
+            if durable:  # the commit survives a crash or failover of Valkey before anyone acts on it
+                local, reps = bus.wait_durable(cfg.valkey.wait_aof_replicas, cfg.valkey.wait_aof_timeout_s)
+                if local < 1 or reps < cfg.valkey.wait_aof_replicas:
+                    bus.incr(commits_not_durable=1)
+                    log.warning("the commit of version %d is not yet durable after %.0f s (fsynced locally: %d, "
+                                "replicas: %d of %d)", version + 1, cfg.valkey.wait_aof_timeout_s, local, reps,
+                                cfg.valkey.wait_aof_replicas)
             version_ref[0] = version + 1
             busy += time.perf_counter() - t_busy
             shutil.rmtree(state_dir, ignore_errors=True)
