@@ -485,7 +485,9 @@ class LaunchConfig(_Section):
 
     mode: Literal["in_task", "kubernetes"] = "in_task"
     namespace: str | None = None  # default: the namespace of the task's own pod
-    service_account: str | None = None  # for the launched pods (IRSA: S3 access)
+    # The launched pods' service account (IRSA: S3 only; manifests/base/serviceaccounts.yaml),
+    # never the launching task's own, whose Role may create pods. null: the namespace's default.
+    service_account: str | None = "moerl-worker"
     # A ClusterTrainingRuntime name. moerl's (manifests/install/trainer-runtimes) gives the
     # trainer pods the priority class `moerl-trainer`, which a TrainJob cannot set itself.
     trainer_runtime: str = "moerl-torch-distributed"

@@ -132,7 +132,10 @@ def test_trainjob_validates_against_the_trainer_v2_3_crd(trainjob_schema):
                                   "effect": "NoSchedule"}]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in ps["volumes"]
     (node,) = ps["containers"]
-    assert node["name"] == "node" and node["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    # least privilege: non-root, no escalation, every capability dropped but IPC_LOCK (EFA), read-only root
+    assert node["name"] == "node" and node["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                                                      "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+    assert ps["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in node["volumeMounts"]
     assert tj["metadata"]["labels"] == {"moerl.ai/run-id": RUN, "moerl.ai/stage": "policy-update",
                                         "moerl.ai/workload": name, "app.kubernetes.io/managed-by": "moerl"}
@@ -185,7 +188,10 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     assert spec["priorityClassName"] == "moerl-rollout"  # below the trainer's (tests/test_manifests.py)
     assert "priorityClassName" not in objects.rollout_pod(_cfg(rollout_priority_class=None), RUN, "rollout-3", ["true"],
                                                           [])["spec"]
-    assert c["workingDir"] == "/scratch" and c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert c["workingDir"] == "/scratch" and c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                                                      "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+    assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert spec["automountServiceAccountToken"] is False  # a stage never calls the Kubernetes API
     e = _env(c)
     assert e["HOME"].startswith("/scratch/") and e["TMPDIR"].startswith("/scratch/")
     assert e["MLFLOW_TRACKING_URI"] == "http://mlflow:5000" and "AWS_SECRET_ACCESS_KEY" not in e
@@ -609,20 +615,20 @@ def test_sweep_keeps_going_and_then_says_what_it_could_not_delete():
         sweep("", NS, api=api)
 
 
-def test_launched_pods_get_the_tasks_service_account_when_none_is_configured(caplog):
-    cfg = _cfg(service_account=None)
+def test_launched_pods_never_get_the_tasks_own_service_account(caplog):
+    """The task's account may create pods (its Role); a launched stage gets moerl-worker (S3 only,
+    no API token) by default, and never falls back to the task's."""
     task_env = {"MOERL_SERVICE_ACCOUNT": "moerl-pipeline-runner", "MOERL_POD_NAMESPACE": NS}
+    from moerl.config import LaunchConfig
+
+    assert LaunchConfig().service_account == "moerl-worker"
     assert launch_service_account(_cfg(), NS, task_env) == "moerl-gpu"  # the config wins
-    assert launch_service_account(cfg, NS, task_env) == "moerl-pipeline-runner"
+    cfg = _cfg(service_account=None)
+    assert launch_service_account(cfg, NS, task_env) is None  # not the task's own
+    assert "unset; set it to one with S3 access (moerl-worker)" in caplog.text
     tj_body = build(cfg, "policy_update", RUN, TJ, ["true"], None, None, launch_service_account(cfg, NS, task_env))
     (rjob,) = tj_body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-    assert rjob["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "moerl-pipeline-runner"
-    pod_body = build(cfg, "rollout_worker", RUN, POD, ["true"], "rollout-0", None, "moerl-pipeline-runner")
-    assert pod_body["spec"]["serviceAccountName"] == "moerl-pipeline-runner"
-    # an account exists in one namespace: not the task's own for another one, and none at all is said aloud
-    assert launch_service_account(cfg, "elsewhere", task_env) is None
-    assert "the task's own (moerl-pipeline-runner) is in another namespace" in caplog.text
-    assert launch_service_account(cfg, NS, {}) is None and "MOERL_SERVICE_ACCOUNT is not set" in caplog.text
+    assert "serviceAccountName" not in rjob["template"]["spec"]["template"]["spec"]
     assert "serviceAccountName" not in build(cfg, "rollout_worker", RUN, POD, ["true"], "rollout-0", None)["spec"]
 
 
@@ -787,7 +793,7 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(s3_se
     assert body["metadata"]["ownerReferences"][0] | {"name": "grpo-task-1", "uid": "uid-task-1"} == \
         body["metadata"]["ownerReferences"][0]
     patch = body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
-    assert patch["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "task-sa"
+    assert patch["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "moerl-worker"  # never task-sa
     assert "hunter2" not in json.dumps(body)
 
 

@@ -120,8 +120,19 @@ def _volumes(cfg: RunConfig, group: GroupConfig) -> tuple[list[dict[str, Any]], 
     return volumes, mounts
 
 
+# The launched GPU pods get the least privilege their stage needs: a non-root user (the images'
+# numeric USER 1000, which the kubelet can check), no privilege escalation, every Linux
+# capability dropped but IPC_LOCK (EFA pins the memory it registers with the NIC), the runtime's
+# default seccomp profile, a read-only root filesystem (a stage writes only to the scratch
+# emptyDir, HOME and TMPDIR under it, and /dev/shm), and no Kubernetes API token: a stage never
+# calls the API, only its launcher does.
 def _security() -> dict[str, Any]:
-    return {"capabilities": {"add": ["IPC_LOCK"]}}
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def scratch_env(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -149,6 +160,9 @@ def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: li
         "tolerations": _tolerations(group),
         "volumes": volumes,
         "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": mounts, "securityContext": _security()}],
+        # no automountServiceAccountToken here: a runtime patch cannot set it (Trainer v2.3's
+        # schema); the service account itself (moerl-worker) has automountServiceAccountToken false
+        "securityContext": _pod_security(),
     }
     if sa := service_account or la.service_account:
         pod_spec["serviceAccountName"] = sa
@@ -191,6 +205,8 @@ def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, An
         "tolerations": _tolerations(group),
         "terminationGracePeriodSeconds": grace_seconds(cfg),
         "enableServiceLinks": False,  # no env variable per Service of the namespace
+        "securityContext": _pod_security(),
+        "automountServiceAccountToken": False,
         "volumes": volumes,
         "containers": [{
             "name": ROLLOUT_CONTAINER, "image": image(cfg, group), "command": list(command),

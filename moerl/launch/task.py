@@ -123,19 +123,15 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
 
 
 def launch_service_account(cfg: RunConfig, namespace: str, environ: dict[str, str] | None = None) -> str | None:
-    """The launched pods' service account: `cluster.launch.service_account`, else the task's
-    own ($MOERL_SERVICE_ACCOUNT) when they run in the task's namespace (an account exists in
-    one namespace only). Else None, with a warning: the namespace's `default` account usually
-    has no S3 access, so the stage would fail late, at its first S3 request."""
-    environ = os.environ if environ is None else environ
+    """The launched pods' service account: `cluster.launch.service_account` (`moerl-worker` by
+    default: S3 only, no API token). Never the task's own: that account's Role may create pods,
+    and a launched stage has no business with the Kubernetes API. Unset: None, with a warning:
+    the namespace's `default` account usually has no S3 access, so the stage would fail late,
+    at its first S3 request."""
     if cfg.cluster.launch.service_account:
         return cfg.cluster.launch.service_account
-    own = environ.get(ENV_SERVICE_ACCOUNT)
-    if own and own_namespace(environ) == namespace:
-        return own
     log.warning("the launched pods get namespace %s's default service account: cluster.launch.service_account is "
-                "unset and %s", namespace, f"the task's own ({own}) is in another namespace" if own else
-                f"${ENV_SERVICE_ACCOUNT} is not set; set cluster.launch.service_account to one with S3 access")
+                "unset; set it to one with S3 access (moerl-worker)", namespace)
     return None
 
 
