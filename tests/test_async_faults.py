@@ -49,6 +49,7 @@ def _config(tmp: Path, *overrides: str):
         # machine whose node 0 has 14 GiB), 0.12 leaves ~0.85 GiB per worker, plenty here
         "rollout.gpu_memory_utilization=0.12",
         "checkpoint.keep_last=20",  # keep every version, so the test can read each manifest
+        "valkey.reconnect_s=60",  # a process left behind by a failing test gives up within a minute
     ]
     return load_config(ROOT / "configs/tiny-moe-grpo.yaml", base + list(overrides), mode="async")
 
@@ -218,3 +219,41 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
         assert [s for s, _ in tracking.metric_history(h.uri, h.run_id, key)] == list(range(h.cfg.pipeline.versions)), key
     failed = [v for _, v in tracking.metric_history(h.uri, h.run_id, "reward/failed_samples")]
     assert sum(failed) == c["failed"]
+
+
+def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_trained_twice(tmp_path):
+    """A KFP retry starts a trainer while the first one still runs: the newer one claims the run
+    (a new epoch), the older one stops at its next commit or settle with a clear error, the
+    supervised slot restarts (as KFP's retry would) and fences the intruder off in turn. Every
+    version is published once, `latest` and every manifest match the bytes stored, and no group
+    is trained twice."""
+    h = Harness(tmp_path, "pipeline.versions=4")
+    intruder = []
+
+    def fault(run):
+        # as soon as the first trainer took the run (it registers version 0): the second one
+        # starts while every version is still to train
+        if not intruder and run.bus.registry() is not None:
+            intruder.append(run._spawn("trainer-2", "trainer"))  # not supervised: a stale TrainJob
+
+    try:
+        c = h.go(fault)
+        assert intruder
+        code = intruder[0].wait(timeout=60)
+    finally:
+        for p in intruder:
+            p.kill()
+    logs = h.run.tail("trainer", 400) + "\n" + (h.run.logs / "trainer-2.log").read_text(errors="replace")
+    assert "superseded" in logs or "another trainer" in logs or "another writer" in logs or "already claimed" in logs
+    assert code != 0  # the intruder did not finish the run: it stopped, fenced
+    assert h.run.children["trainer"].starts >= 2  # the supervised trainer was fenced once and came back
+    store = run_store(h.cfg.checkpoint, h.run_id)
+    assert store.versions() == list(range(h.cfg.pipeline.versions + 1)) and store.latest() == h.cfg.pipeline.versions
+    for v in range(1, h.cfg.pipeline.versions + 1):
+        store.fetch(v, tmp_path / "verify")  # every object matches its manifest's sha256
+    groups = [g for v in range(1, h.cfg.pipeline.versions + 1) for g in json.loads(store.manifest(v).meta["groups"])]
+    assert len(groups) == len(set(groups)) == h.cfg.pipeline.versions * h.cfg.task.prompts_per_iteration
+    assert c["groups_used"] == len(groups)
+    # two issuers ran for a while: some extra groups may be left unconsumed, never counted twice
+    assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"] <= \
+        c["generated"] - c["duplicates"]

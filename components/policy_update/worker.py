@@ -44,7 +44,7 @@ from moerl import tracking
 from moerl.bus import SCORED, BusError, RunBus, connect
 from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue, train_samples
 from moerl.config import RunConfig, config_from_json
-from moerl.errors import CheckpointError, ConfigError, DataError
+from moerl.errors import CheckpointError, ConfigError, DataError, MoerlError
 from moerl.launch.podenv import enter_pod
 from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.store.runs import run_store, version_uri
@@ -350,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     cfg = config_from_json(Path(a.config).read_text())
     enter_pod()  # as the component does: the process's own scratch, when pod-shaped
-    policy = run_trainer(cfg, a.run_id)
+    try:
+        policy = run_trainer(cfg, a.run_id)
+    except MoerlError as err:  # one line, no traceback: fenced off, abandoned, a bad commit
+        log.error("%s", err)
+        return err.exit_code
     print(policy.model_dump_json(), flush=True)
     return 0
 
