@@ -322,8 +322,16 @@ def test_valkey_is_persistent_reachable_only_by_moerl_pods_and_protected_from_dr
     objs = built["prod"]
     sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "moerl-valkey")
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
-    args = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["args"])
-    assert "--appendonly yes" in args and "--appendfsync always" in args and "$VALKEY_PASSWORD" in args
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    args = " ".join(c["args"])
+    assert "--appendonly yes" in args and "--appendfsync always" in args
+    assert "--maxmemory-policy noeviction" in args  # a full server refuses writes, never evicts work
+    # the password: a file from the Secret, into a config file; never on the command line or in env
+    assert "requirepass" not in args.split("auth.conf")[-1] and "$VALKEY_PASSWORD" not in args
+    assert "VALKEY_PASSWORD" not in json.dumps(c.get("env", []))
+    vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert vols["secret"]["secret"]["secretName"] == "moerl-valkey" and vols["secret"]["secret"]["defaultMode"] == 0o400
+    assert vols["run"]["emptyDir"]["medium"] == "Memory"
     pod_labels = sts["spec"]["template"]["metadata"]["labels"]
     (pol,) = [o for o in objs if o["kind"] == "NetworkPolicy"
               and all(pod_labels.get(k) == v for k, v in o["spec"]["podSelector"]["matchLabels"].items())]
