@@ -488,6 +488,10 @@ class LaunchConfig(_Section):
     # The launched pods' service account (IRSA: S3 only; manifests/base/serviceaccounts.yaml),
     # never the launching task's own, whose Role may create pods. null: the namespace's default.
     service_account: str | None = "moerl-worker"
+    # The launched rollout pods' account: it may read versions and write only its pins and its
+    # exchange outputs (manifests/iam/moerl-s3-rollout.json), never a version or `latest`.
+    # null: `service_account`.
+    rollout_service_account: str | None = "moerl-rollout"
     # A ClusterTrainingRuntime name. moerl's (manifests/install/trainer-runtimes) gives the
     # trainer pods the priority class `moerl-trainer`, which a TrainJob cannot set itself.
     trainer_runtime: str = "moerl-torch-distributed"

@@ -182,7 +182,8 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
                                                        "MOERL_POD_NAMESPACE": NS}))
     assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
     spec, (c,) = pod["spec"], pod["spec"]["containers"]
-    assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "moerl-gpu"
+    # rollout pods get the rollout account (S3 read, pins and exchange writes), not the trainer's
+    assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "moerl-rollout"
     assert spec["terminationGracePeriodSeconds"] >= cfg.rollout.grace_seconds + 10
     assert spec["nodeSelector"] == {"moerl.ai/group": "rollout"}
     assert spec["priorityClassName"] == "moerl-rollout"  # below the trainer's (tests/test_manifests.py)
@@ -618,15 +619,15 @@ def test_sweep_keeps_going_and_then_says_what_it_could_not_delete():
 def test_launched_pods_never_get_the_tasks_own_service_account(caplog):
     """The task's account may create pods (its Role); a launched stage gets moerl-worker (S3 only,
     no API token) by default, and never falls back to the task's."""
-    task_env = {"MOERL_SERVICE_ACCOUNT": "moerl-pipeline-runner", "MOERL_POD_NAMESPACE": NS}
     from moerl.config import LaunchConfig
 
     assert LaunchConfig().service_account == "moerl-worker"
-    assert launch_service_account(_cfg(), NS, task_env) == "moerl-gpu"  # the config wins
-    cfg = _cfg(service_account=None)
-    assert launch_service_account(cfg, NS, task_env) is None  # not the task's own
+    assert launch_service_account(_cfg(), NS) == "moerl-gpu"  # the config wins
+    assert launch_service_account(_cfg(), NS, "rollout_worker") == "moerl-rollout"  # read-mostly S3 role
+    cfg = _cfg(service_account=None, rollout_service_account=None)
+    assert launch_service_account(cfg, NS) is None  # not the task's own
     assert "unset; set it to one with S3 access (moerl-worker)" in caplog.text
-    tj_body = build(cfg, "policy_update", RUN, TJ, ["true"], None, None, launch_service_account(cfg, NS, task_env))
+    tj_body = build(cfg, "policy_update", RUN, TJ, ["true"], None, None, launch_service_account(cfg, NS))
     (rjob,) = tj_body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     assert "serviceAccountName" not in rjob["template"]["spec"]["template"]["spec"]
     assert "serviceAccountName" not in build(cfg, "rollout_worker", RUN, POD, ["true"], "rollout-0", None)["spec"]

@@ -307,7 +307,7 @@ def test_rbac_lets_the_pipeline_launch_only_its_workloads(built):
         accounts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceAccount"}
         (subject,) = binding["subjects"]
         assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts
-        for sa in ("moerl-pipeline", "moerl-worker", "moerl-mlflow"):  # IRSA
+        for sa in ("moerl-pipeline", "moerl-worker", "moerl-rollout", "moerl-mlflow"):  # IRSA
             arn = accounts[sa]["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
             assert arn.startswith("arn:aws:iam::") and arn.endswith(f"-{sa.removeprefix('moerl-')}"), arn
 
@@ -356,19 +356,56 @@ def test_no_credential_value_in_the_manifests(built):
                         assert "valueFrom" in e and "value" not in e, (key, e["name"])
 
 
-def test_iam_policy_is_scoped_to_the_run_bucket_and_prefix():
-    policy = json.loads((MANIFESTS / "iam" / "moerl-s3-policy.json").read_text())
+def _allowed(policy: dict, action: str, arn: str) -> bool:
+    """Whether an Allow statement of `policy` grants `action` on `arn` (IAM's `*` matches any
+    characters, `/` included, as fnmatch's does)."""
+    import fnmatch
+
     for st in policy["Statement"]:
-        assert st["Effect"] == "Allow"
         actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
-        assert all(a.startswith("s3:") and "*" not in a for a in actions), actions
         resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
-        if actions == ["s3:ListBucket"]:
-            assert resources == ["arn:aws:s3:::RUN_BUCKET"]
-            assert st["Condition"]["StringLike"]["s3:prefix"] == ["RUN_PREFIX", "RUN_PREFIX/*"]
-        else:
-            assert resources == ["arn:aws:s3:::RUN_BUCKET/RUN_PREFIX/*"], resources
-            assert not {"s3:PutBucketPolicy", "s3:DeleteBucket"} & set(actions)
+        if st["Effect"] == "Allow" and action in actions and any(fnmatch.fnmatchcase(arn, r) for r in resources):
+            return True
+    return False
+
+
+def test_iam_policies_give_each_account_only_what_its_pods_do():
+    """Writers (the pipeline's tasks, the trainer) publish versions and move `latest`; rollout
+    pods read versions and write only their pins and their exchange outputs, so a compromised
+    Spot worker cannot overwrite a version or `latest.json`; MLflow touches only its artifacts."""
+    iam = MANIFESTS / "iam"
+    writer, rollout, mlflow = (json.loads((iam / f"moerl-s3-{n}.json").read_text()) for n in ("writer", "rollout", "mlflow"))
+    for policy, prefix in ((writer, "RUN_PREFIX"), (rollout, "RUN_PREFIX"), (mlflow, "MLFLOW_PREFIX")):
+        for st in policy["Statement"]:
+            assert st["Effect"] == "Allow"
+            actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+            assert all(a.startswith("s3:") and "*" not in a for a in actions), actions
+            assert not {"s3:PutBucketPolicy", "s3:DeleteBucket", "s3:PutBucketAcl"} & set(actions)
+            resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+            if actions == ["s3:ListBucket"]:
+                assert resources == ["arn:aws:s3:::RUN_BUCKET"]
+                assert st["Condition"]["StringLike"]["s3:prefix"] == [prefix, f"{prefix}/*"]
+            else:
+                assert all(r.startswith(f"arn:aws:s3:::RUN_BUCKET/{prefix}/") for r in resources), resources
+    run = "arn:aws:s3:::RUN_BUCKET/RUN_PREFIX/runs/r1"
+    for key in ("latest.json", "versions/v000001/model.safetensors", "versions/v000001/manifest.json"):
+        assert _allowed(writer, "s3:PutObject", f"{run}/{key}") and _allowed(rollout, "s3:GetObject", f"{run}/{key}")
+        assert not _allowed(rollout, "s3:PutObject", f"{run}/{key}") and not _allowed(rollout, "s3:DeleteObject",
+                                                                                      f"{run}/{key}")
+    for key in ("pins/rollout-host-3.json", "exchange/abc/outputs/result.json"):
+        assert _allowed(rollout, "s3:PutObject", f"{run}/{key}")
+    assert not _allowed(mlflow, "s3:GetObject", f"{run}/latest.json")
+    # the bucket: TLS only, SSE-KMS by default, incomplete multipart uploads aborted
+    (tls,) = json.loads((iam / "moerl-bucket-policy.json").read_text())["Statement"]
+    assert tls["Effect"] == "Deny" and tls["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+    (enc,) = json.loads((iam / "moerl-bucket-encryption.json").read_text())["Rules"]
+    assert enc["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "aws:kms"
+    (rule,) = json.loads((iam / "moerl-bucket-lifecycle.json").read_text())["Rules"]
+    assert rule["Status"] == "Enabled" and rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1
+    # the rollout account is the one launched rollout pods get (moerl.config LaunchConfig)
+    from moerl.config import LaunchConfig
+
+    assert (LaunchConfig().service_account, LaunchConfig().rollout_service_account) == ("moerl-worker", "moerl-rollout")
 
 
 def test_install_references_are_pinned():

@@ -216,7 +216,7 @@ def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, An
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
     }
-    if sa := service_account or la.service_account:
+    if sa := service_account or la.rollout_service_account or la.service_account:
         spec["serviceAccountName"] = sa
     if la.rollout_priority_class:
         spec["priorityClassName"] = la.rollout_priority_class

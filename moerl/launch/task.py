@@ -41,9 +41,8 @@ from moerl.errors import CheckpointError, ConfigError
 from moerl.launch import objects
 from moerl.launch.exchange import RESULT, SPEC, Exchange, exchange_uri
 from moerl.launch.remote import STAGES
-from moerl.launch.watch import (ENV_SERVICE_ACCOUNT, KINDS, PENDING_TIMEOUT_S, KubeApi, Launcher, LaunchError, connect,
-                                delete_retrying, own_namespace, own_pod_owner, resolve_namespace, short_error,
-                                workload)
+from moerl.launch.watch import (KINDS, PENDING_TIMEOUT_S, KubeApi, Launcher, LaunchError, connect, delete_retrying,
+                                own_pod_owner, resolve_namespace, short_error, workload)
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +121,18 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
     return env
 
 
-def launch_service_account(cfg: RunConfig, namespace: str, environ: dict[str, str] | None = None) -> str | None:
+def launch_service_account(cfg: RunConfig, namespace: str, stage: str = "policy_update") -> str | None:
     """The launched pods' service account: `cluster.launch.service_account` (`moerl-worker` by
     default: S3 only, no API token). Never the task's own: that account's Role may create pods,
     and a launched stage has no business with the Kubernetes API. Unset: None, with a warning:
     the namespace's `default` account usually has no S3 access, so the stage would fail late,
-    at its first S3 request."""
-    if cfg.cluster.launch.service_account:
-        return cfg.cluster.launch.service_account
+    at its first S3 request. Rollout stages get `cluster.launch.rollout_service_account` when set
+    (`moerl-rollout`: S3 read, and writes to pins and the exchange only)."""
+    la = cfg.cluster.launch
+    if stage.startswith("rollout") and la.rollout_service_account:
+        return la.rollout_service_account
+    if la.service_account:
+        return la.service_account
     log.warning("the launched pods get namespace %s's default service account: cluster.launch.service_account is "
                 "unset; set it to one with S3 access (moerl-worker)", namespace)
     return None
@@ -185,7 +188,7 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
                              "inputs": descs, "outputs": sorted(outputs)})
         # 3-4. launch, watch, delete
         body = build(cfg, stage, run_id, name, remote_command(cfg, f"{ex.uri}/{SPEC}"), worker,
-                     own_pod_owner(namespace), launch_service_account(cfg, namespace))
+                     own_pod_owner(namespace), launch_service_account(cfg, namespace, stage))
         if launcher is None:  # the time left of the task's deadline, less the margin for cleanup
             left = cfg.cluster.timeout_s(group, cfg.pipeline.mode) - CLEANUP_MARGIN_S - (time.monotonic() - t_start)
             launcher = Launcher(la.poll_s, max(left, la.poll_s),
