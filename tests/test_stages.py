@@ -190,9 +190,11 @@ def test_a_verifier_that_never_returns_is_cut_off_at_reward_timeout_s(monkeypatc
     try:
         for bad in (hangs, spins):
             monkeypatch.setitem(verifiers.VERIFIERS, "exact", bad)
-            t0 = time.monotonic()
-            scored, n_failed, timed_out = score_with_deadline(samples, cfg)
+            t0, beats = time.monotonic(), []
+            scored, n_failed, timed_out = score_with_deadline(samples, cfg, keepalive=lambda: beats.append(1),
+                                                              every_s=0.1)
             assert time.monotonic() - t0 < 5 and timed_out and n_failed == 2
+            assert len(beats) >= 3  # the leases were refreshed while it waited
             assert all(s["reward_failed"] and "reward.timeout_s 0.5" in s["reward_error"] for s in scored)
     finally:
         release.set()

@@ -54,11 +54,12 @@ def score_group(samples: list[dict], cfg: RewardConfig, model: ModelScorer | Non
     return [s.model_dump() for s in scored], sum(s.reward_failed for s in scored)
 
 
-def score_with_deadline(samples: list[dict], cfg: RewardConfig,
-                        model: ModelScorer | None = None) -> tuple[list[dict], int, bool]:
+def score_with_deadline(samples: list[dict], cfg: RewardConfig, model: ModelScorer | None = None,
+                        keepalive=None, every_s: float = 1.0) -> tuple[list[dict], int, bool]:
     """`score_group` in a daemon thread, waited for at most `cfg.timeout_s`. Past it, every
     sample is failed with a timeout error and the third value is True: the thread cannot be
     stopped (a verifier that sleeps or loops forever), so the caller must end the process.
+    `keepalive()` is called every `every_s` while it waits (the scorer refreshes its leases).
 
     Limitations: a verifier that allocates without bound is not stopped by a deadline; the
     sandboxed execution pool of `moerl.tasks` (a child process per call, with resource limits)
@@ -67,7 +68,11 @@ def score_with_deadline(samples: list[dict], cfg: RewardConfig,
     t = threading.Thread(target=lambda: box.append(score_group(samples, cfg, model)), name="moerl-score",
                          daemon=True)
     t.start()
-    t.join(cfg.timeout_s)
+    deadline = time.monotonic() + cfg.timeout_s
+    while t.is_alive() and (left := deadline - time.monotonic()) > 0:
+        t.join(min(left, every_s))
+        if keepalive is not None and t.is_alive():
+            keepalive()
     if box:
         scored, n_failed = box[0]
         return scored, n_failed, False
@@ -109,8 +114,15 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
                 continue
             t0 = time.perf_counter()
             touched = time.monotonic()
+            every = bus.visibility_ms / 4000
+
+            def keepalive(rest) -> None:  # a long scoring keeps this group's lease and the batch's
+                for eid, _ in rest:
+                    bus.touch(GENERATED, scorer, eid)
+
             for i, (entry_id, group) in enumerate(got):
-                scored, n_failed, timed_out = score_with_deadline(group["samples"], cfg.reward, model)
+                scored, n_failed, timed_out = score_with_deadline(group["samples"], cfg.reward, model,
+                                                                  keepalive=lambda: keepalive(got[i:]), every_s=every)
                 bus.publish_scored(entry_id, {**group, "samples": scored}, n_failed)
                 if timed_out:  # its thread still runs: restart clean; the rest of the batch is reclaimed
                     bus.incr(score_timeouts=len(scored))
