@@ -443,3 +443,50 @@ def test_the_trainer_runtime_carries_the_trainer_priority_and_validates():
         (MANIFESTS / "base" / "priorityclasses.yaml").read_text()) if o and o["kind"] == "PriorityClass"}
     rollout = parse_config({}).cluster.launch.rollout_priority_class
     assert classes[pod["priorityClassName"]] > classes[rollout]  # the trainer preempts Spot rollout, not the reverse
+
+
+def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones(built):
+    """The ValidatingAdmissionPolicy's CEL, evaluated (cel-python) on the pods moerl.launch builds,
+    on a privileged variant, and on pods the pipeline's account or someone else creates. The
+    namespace enforces PSA `privileged` (IPC_LOCK is in no other level) and warns at `restricted`."""
+    import celpy
+    from celpy import celtypes
+
+    from moerl.config import parse_config
+    from moerl.launch import objects
+
+    (ns,) = [o for o in built["prod"] if o["kind"] == "Namespace" and o["metadata"]["name"] == "moerl"]
+    labels = ns["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/warn"] == labels["pod-security.kubernetes.io/audit"] == "restricted"
+    (pol,) = [o for o in built["prod"] if o["kind"] == "ValidatingAdmissionPolicy"]
+    (binding,) = [o for o in built["prod"] if o["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"]["policyName"] == pol["metadata"]["name"] and binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "moerl"}
+    spec, env = pol["spec"], celpy.Environment()
+
+    def ev(expr, act):
+        return env.program(env.compile(expr)).evaluate(act)
+
+    def refused(pod, user="system:serviceaccount:kubeflow:argo"):
+        act = {"object": celpy.json_to_cel(pod), "request": celpy.json_to_cel({"userInfo": {"username": user}})}
+        if not all(ev(m["expression"], act) for m in spec["matchConditions"]):
+            return None  # not this policy's business
+        act["variables"] = celtypes.MapType({celtypes.StringType(v["name"]): ev(v["expression"], act)
+                                             for v in spec["variables"]})
+        return [v["message"] for v in spec["validations"] if not ev(v["expression"], act)]
+
+    cfg = parse_config({"cluster": {"launch": {"mode": "kubernetes"}}})
+    pod = objects.rollout_pod(cfg, "run1", "rollout-0", ["python"], [])
+    tj = objects.trainjob(cfg, "run1", "tj", ["python"], [])
+    (rjob,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    tj_pod = {"metadata": rjob["template"]["spec"]["template"]["metadata"], "spec": rjob["template"]["spec"]["template"]["spec"]}
+    assert refused(pod) == [] and refused(tj_pod) == []  # moerl's own pods pass
+    evil = copy.deepcopy(pod)
+    c = evil["spec"]["containers"][0]
+    c["securityContext"] |= {"privileged": True, "capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]}}
+    evil["spec"] |= {"hostNetwork": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
+    assert len(refused(evil)) == 4
+    bare = {"metadata": {"labels": {}}, "spec": {"containers": [{"name": "x", "image": "x"}]}}
+    assert len(refused(bare, "system:serviceaccount:moerl:moerl-pipeline")) == 4  # the account that may create pods
+    assert refused(bare) is None  # KFP's own task pods (created by Argo) are not matched
