@@ -55,7 +55,7 @@ class Sample(_Record):
     finish_reason: str
     policy_version: int
     # Async mode: `<run_id>/<unit_id>/<k>:<prompt_id>/<sample_index>`, the same whichever worker
-    # (re)generates it, so duplicates are dropped by id (moerl/bus.py).
+    # (re)generates it, so duplicates are dropped by id (moerl/bus/run.py).
     sample_id: str = ""
 
 

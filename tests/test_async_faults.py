@@ -5,7 +5,7 @@ In every case the run finishes all its versions and the counters balance:
 
     trained + filtered + stale_dropped + failed + samples_dead == generated - duplicates
 
-(`filtered`: samples of groups with no reward variance, which GRPO drops; see moerl/bus.py).
+(`filtered`: samples of groups with no reward variance, which GRPO drops; see moerl/bus/run.py).
 
 The SIGTERM test runs cluster-shaped, as the async pipeline runs on EKS: every process in its
 own empty directory (`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py; a restarted worker gets a new one,

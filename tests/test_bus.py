@@ -290,9 +290,9 @@ def test_a_malformed_unit_is_dead_lettered_at_its_first_delivery_and_never_crash
 
 
 def test_an_oversized_entry_is_refused_before_it_is_parsed(bus, monkeypatch):
-    import moerl.bus
+    import moerl.bus.run
 
-    monkeypatch.setattr(moerl.bus, "MAX_ENTRY_BYTES", 1000)
+    monkeypatch.setattr(moerl.bus.run, "MAX_ENTRY_BYTES", 1000)
     bus.publish_group("u1/0:p1", [{"pad": "x" * 2000}])
     assert bus.take_generated("s1", 10, block_ms=50) == []
     [(_, dead)] = bus.r.xrange(bus.key(DEAD))

@@ -56,7 +56,7 @@ from typing import Any, BinaryIO, TypeVar
 from moerl.errors import CheckpointError
 from moerl.store.leases import PinLeases
 from moerl.store.manifest import MANIFEST, FileEntry, Manifest, sha256_file, version_dir
-from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path
+from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, shared
 
 __all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "HashingWriter", "Manifest",
            "copy_hashed", "sha256_file", "version_dir"]
@@ -249,6 +249,10 @@ class CheckpointStore(PinLeases, ABC):
             dest_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create cache folder {dest_dir}: {e}; fix checkpoint.cache_dir") from e
+        with shared(lock_path(dest_dir, version)):  # fast path: readers of a verified copy never wait on each other
+            if is_verified(final, manifest, tuple(exclude)):
+                log.info("version %d: reusing verified copy %s", version, final)
+                return final
         with exclusive(lock_path(dest_dir, version)):
             if is_verified(final, manifest, tuple(exclude)):
                 log.info("version %d: reusing verified copy %s", version, final)

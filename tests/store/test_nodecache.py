@@ -135,3 +135,21 @@ def test_a_copy_pruned_before_it_is_held_is_fetched_again(tmp_path: Path, monkey
     monkeypatch.setattr(runs, "fetch_for_engine", fetch_then_lose_it)
     with runs.engine_copy(cfg, "r1", 1) as path:
         assert len(calls) == 2 and (path / "config.json").is_file()
+
+
+def test_engines_on_one_node_load_a_verified_copy_at_once(tmp_path: Path) -> None:
+    """One engine holds its copy while it loads (minutes for a large model); another engine of
+    the same node that asks for the same verified version gets it at once, not after that load."""
+    import threading
+    import time
+
+    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=2)
+    run_store(cfg, "r1").publish(1, make_checkpoint(tmp_path / "src1", seed=1))
+    fetch_for_engine(cfg, "r1", 1)
+    got: list[float] = []
+    with engine_copy(cfg, "r1", 1):  # the first engine is loading
+        t = threading.Thread(target=lambda: (time.monotonic(), fetch_for_engine(cfg, "r1", 1), got.append(1)))
+        t0 = time.monotonic()
+        t.start()
+        t.join(5)
+        assert got and time.monotonic() - t0 < 5  # not blocked by the first engine's hold

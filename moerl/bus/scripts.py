@@ -1,0 +1,128 @@
+"""The bus's hand-offs as Lua scripts, and the limits they enforce (see moerl/bus/run.py).
+
+Each script runs atomically on the server. Wrapped in `_ONCE` with a fresh operation key per
+call, it runs once per call whatever the network does (module `run`, `RunBus.__init__`).
+"""
+
+# Hand-offs as Lua scripts: atomic like MULTI, and idempotent. A client whose connection
+# drops after the server ran a command retries it (valkey-py's Retry), so every script is
+# guarded: by the XACK of its input entry (1 only the first time) or a set/flag, and a second
+# execution changes nothing. KEYS/ARGV are documented at each call site.
+_ISSUE = """
+redis.call('XADD', KEYS[2], '*', 'unit', ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'units_issued', 1)
+redis.call('HINCRBY', KEYS[3], 'prompts_issued', tonumber(ARGV[3]))
+return 1
+"""
+_PUBLISH_GROUP = """
+redis.call('HINCRBY', KEYS[3], 'generated', tonumber(ARGV[3]))
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+  redis.call('HINCRBY', KEYS[3], 'duplicates', tonumber(ARGV[3]))
+  return 0
+end
+redis.call('XADD', KEYS[2], '*', 'group', ARGV[2])
+redis.call('HINCRBY', KEYS[3], 'groups_generated', 1)
+redis.call('HINCRBY', KEYS[3], 'tokens_generated', tonumber(ARGV[4]))
+return 1
+"""
+_ACK_AND_COUNT = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], tonumber(ARGV[i + 1])) end
+return 1
+"""
+_PUBLISH_SCORED = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'group', ARGV[3])
+redis.call('HINCRBY', KEYS[3], 'scored', tonumber(ARGV[4]))
+redis.call('HINCRBY', KEYS[3], 'score_failed', tonumber(ARGV[5]))
+return 1
+"""
+# KEYS: the entry's stream, dead stream, counters. ARGV: group, entry id, payload (cut to
+# DEAD_PAYLOAD_BYTES), deliveries, consumer, stream name, reason, then name/delta pairs.
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'stream', ARGV[6], 'entry', ARGV[2], 'payload', ARGV[3], 'deliveries', ARGV[4],
+           'by', ARGV[5], 'reason', ARGV[7])
+for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])) end
+return 1
+"""
+# An entry larger than this is refused (dead-lettered) before it is parsed: a GRPO group of 16
+# samples with 32 k response tokens each (ids and logprobs as JSON) is about 15 MB.
+MAX_ENTRY_BYTES = 64 << 20
+DEAD_PAYLOAD_BYTES = 4096  # what the dead-letter stream keeps of a refused payload
+# KEYS: scored stream, consumed set, counters, registry, trainer epoch. ARGV: group, version
+# (or -1: no registry bump), uri, sha, n_entries, entries..., n_groups, groups..., then
+# name/delta pairs, then the caller's epoch, then the time. Fenced first: a trainer whose epoch
+# is not the current one changes nothing (-1). Then guarded by the registry version for a
+# commit, by each entry's XACK for a settle.
+_SETTLE = """
+if redis.call('GET', KEYS[5]) ~= ARGV[#ARGV - 1] then return -1 end
+local version = tonumber(ARGV[2])
+if version >= 0 then
+  local cur = redis.call('HGET', KEYS[4], 'version')
+  if cur and tonumber(cur) >= version then return 0 end
+end
+local i = 6
+local ne = tonumber(ARGV[5])
+local acked = 0
+for j = 1, ne do
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+  i = i + 1
+end
+if version < 0 and ne > 0 and acked == 0 then return 0 end
+local ng = tonumber(ARGV[i])
+i = i + 1
+for j = 1, ng do redis.call('SADD', KEYS[2], ARGV[i]); i = i + 1 end
+while i < #ARGV - 1 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])); i = i + 2 end
+if version >= 0 then
+  redis.call('HSET', KEYS[4], 'version', version, 'uri', ARGV[3], 'manifest_sha256', ARGV[4], 'published_at', ARGV[#ARGV])
+end
+return 1
+"""
+
+
+# KEYS: stream. ARGV: group, consumer, entry id, min idle 0. A lease refresh that only its
+# holder can make: XCLAIM with min-idle 0 would take the entry from whoever holds it now (a
+# worker that reclaimed it while this one was busy), so the owner is checked first, atomically.
+_TOUCH = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+"""
+
+
+_INCR = """
+for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], tonumber(ARGV[i + 1])) end
+return 1
+"""
+# KEYS: units stream, counters. ARGV: group, old entry id, the smaller unit's JSON or ''.
+_REQUEUE = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+if ARGV[3] ~= '' then redis.call('XADD', KEYS[1], '*', 'unit', ARGV[3]) end
+redis.call('HINCRBY', KEYS[2], 'units_requeued', 1)
+return 1
+"""
+# Every hand-off runs once per call whatever the network does: a client whose connection
+# dropped after the server ran a script (the reply was lost) sends it again with the same
+# operation key (the last KEYS entry, a fresh id per call), and the second run returns the
+# first one's result without touching anything. The key expires after OP_TTL_S, far past any
+# retry (`valkey.reconnect_s` is at most that). So a resend never adds a second unit, never
+# counts a group twice and never drifts a counter.
+OP_TTL_S = 3600
+_ONCE = """
+local prev = redis.call('GET', KEYS[#KEYS])
+if prev then return tonumber(prev) end
+local function handoff()
+%s
+end
+local r = handoff()
+redis.call('SET', KEYS[#KEYS], r, 'EX', %d)
+return r
+"""
+MAX_READ_ENTRIES = 32  # entries per stream read: a reply of at most 32 * MAX_ENTRY_BYTES
