@@ -1,7 +1,9 @@
 """Trainer (async mode): consume batches as they become ready, publish each version, bump the
 registry; issue work by admission from a thread beside it.
 
-Start: (1) `recover` the store and take its `latest` as the version to continue from (version
+Start: (0) claim the run (`RunBus.claim_trainer`: a new epoch fences off any older trainer,
+whose settles and commits Valkey then refuses) and check that commits can be made durable
+(WAITAOF); (1) `recover` the store and take its `latest` as the version to continue from (version
 0 is published by `init_policy` before any stage starts). If the registry is behind `latest`,
 the trainer died between publishing and committing: commit that version now from the group
 ids its manifest recorded, so those groups are never trained again. (2) Load weights,
@@ -14,10 +16,12 @@ used; everything but used/filtered is settled at once); (4) the same `train_on_b
 sync trainer: PPO-clip against the trainer's own start-of-version logprobs, with the truncated
 importance weight against the engine's behaviour logprobs correcting for the versions the
 samples lag behind (decoupled PPO, see loss.py); (5) save and publish v+1 through the
-checkpoint store (the manifest records the groups); (6) in one MULTI: the groups consumed,
-their entries acknowledged, the counters moved, the registry at v+1; (7) log the version's
-metrics to MLflow under the sync mode's names, at step v. After `pipeline.versions` versions
-it sets `done`, and every stage drains and exits.
+checkpoint store, claimed create-only (the manifest records the groups, the dataset cursor and
+the unit sequence); (6) in one script, refused if this trainer's epoch is no longer current: the
+groups consumed, their entries acknowledged, the counters moved, the registry at v+1, then
+wait until Valkey has it on disk; (7) log the version's metrics to MLflow under the sync mode's
+names, at step v. After `pipeline.versions` versions it sets `done`, lets the run's keys expire
+(`valkey.finished_ttl_s`), and every stage drains and exits.
 
 Limitations: publication is synchronous (fine for small models; a large model should
 publish from a thread while the next batch trains). With expert parallelism the trainer state

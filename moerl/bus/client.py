@@ -7,7 +7,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from moerl.errors import MoerlError
 
@@ -31,8 +30,8 @@ class Retrying:
     valkey-py's own `Retry` covers neither a connection that the server resets during its
     handshake (a server still loading its append-only file) nor anything that fails while a
     connection is taken from the pool, so the retry lives here, around whole commands. A
-    transaction is rebuilt and re-sent as a whole (`transaction`). A command the server ran
-    before the connection dropped may run twice: the hand-off scripts are guarded for that.
+    command the server ran before the connection dropped may be sent twice: every hand-off is a
+    script that runs once per call (moerl/bus/scripts.py, `_ONCE`).
     """
 
     def __init__(self, client, reconnect_s: float):
@@ -58,14 +57,6 @@ class Retrying:
         if not callable(attr) or name in ("pipeline", "scan_iter"):
             return attr
         return lambda *a, **kw: self.call(lambda: attr(*a, **kw))
-
-    def transaction(self, build) -> list[Any]:
-        """MULTI ... EXEC of the commands `build(pipe)` queues, re-built on every attempt."""
-        def run():
-            pipe = self.raw.pipeline(transaction=True)
-            build(pipe)
-            return pipe.execute()
-        return self.call(run)
 
     def scan(self, match: str) -> list[str]:
         return self.call(lambda: list(self.raw.scan_iter(match=match, count=200)))

@@ -63,31 +63,31 @@ def _open_lock(path: Path) -> int:
 
 
 @contextmanager
-def exclusive(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on `path`, waiting for it. The file stays (see Limitations)."""
+def _held(path: Path, op: int) -> Iterator[None]:
+    """Hold flock `op` (LOCK_EX or LOCK_SH) on `path`, waiting for it, and say so when it waits.
+    The file stays (see Limitations)."""
     fd = _open_lock(path)
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("waiting for another process that holds %s", path)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, op)
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
-@contextmanager
-def shared(path: Path) -> Iterator[None]:
+def exclusive(path: Path):
+    """Hold an exclusive flock on `path` (a fetch or a prune of that version), waiting for it."""
+    return _held(path, fcntl.LOCK_EX)
+
+
+def shared(path: Path):
     """Hold a shared flock on `path` (a reader loading a copy), waiting for a running fetch of
     that version. Pruning takes the same lock exclusively without waiting, so a copy that some
     engine on this node is loading is never deleted under it."""
-    fd = _open_lock(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)
+    return _held(path, fcntl.LOCK_SH)
 
 
 @contextmanager
