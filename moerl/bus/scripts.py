@@ -37,6 +37,7 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 redis.call('XADD', KEYS[2], '*', 'group', ARGV[3])
 redis.call('HINCRBY', KEYS[3], 'scored', tonumber(ARGV[4]))
 redis.call('HINCRBY', KEYS[3], 'score_failed', tonumber(ARGV[5]))
+for i = 6, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])) end
 return 1
 """
 # KEYS: the entry's stream, dead stream, counters. ARGV: group, entry id, payload (cut to

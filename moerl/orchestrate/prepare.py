@@ -15,6 +15,7 @@ from moerl.config import RunConfig
 from moerl.errors import CheckpointError, MoerlError
 from moerl.models.policy import check_checkpoint
 from moerl.tasks.dataset import load_dataset
+from moerl.tasks.verifiers import is_import_path
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -31,6 +32,14 @@ def preflight(cfg: RunConfig) -> None:
         load_preferences(cfg.reward_model.data, cfg.task.max_bad_fraction)
     else:
         load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model" and is_import_path(cfg.reward.verifier):
+        from moerl.errors import ConfigError
+        from moerl.tasks.sandbox import check_target
+
+        why = check_target(cfg.reward.verifier, 2)  # imported in the sandbox, never in this process
+        if why:
+            raise ConfigError(f"reward.verifier: {cfg.reward.verifier} cannot be used: {why} (allowed: auto, "
+                              "positional, exact, or package.module:function taking (response, answer))")
     if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":  # the reward model must exist and verify
         from moerl.components.reward_model import registry
 

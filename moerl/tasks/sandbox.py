@@ -1,0 +1,368 @@
+"""The sandboxed execution pool: verifiers (and, later, environments) run in child processes
+with a wall-clock limit per call, a memory limit, no credentials and a scratch directory of
+their own, so that a verifier that hangs, spins, allocates without bound or crashes costs one
+sample, never the stage or the run.
+
+A call names its target by import path (`package.module:function`) and passes JSON arguments;
+the child imports the target (once), calls it and answers with JSON. Each child:
+
+- runs `python -m moerl.tasks.sandbox` with an environment built from an allow-list
+  (`PATH`, locale, `PYTHONPATH`; `HOME` and `TMPDIR` point at its own empty scratch
+  directory): the pod's AWS, MLflow and Valkey settings, and every other variable, are not
+  passed on;
+- caps its address space at `memory_mb` (`RLIMIT_AS`, so an allocation past it raises
+  `MemoryError` inside the verifier), writes no core files, opens at most 256 files, and
+  writes files of at most 64 MiB;
+- talks to the pool over a private copy of its stdin/stdout: file descriptors 0 and 1 are
+  /dev/null and stderr, so a verifier that prints cannot corrupt the protocol;
+- exits when its parent goes (a watchdog thread compares `getppid()`; the kernel's death
+  signal would fire when the *thread* that started it ends, and the async scorer restarts
+  children from a short-lived scoring thread).
+
+The pool (`SandboxPool`) keeps `workers` children and hands each one call at a time. A call
+still running after `timeout_s` gets its child SIGKILLed and replaced, and comes back as an
+`Outcome` of kind `timeout`; one that raised `MemoryError` (its child is replaced too, its heap
+may be unusable) as `memory`; a child that died (a segfault, the kernel's OOM killer) as
+`crashed`; any other exception as `error`, with its type and message. Outcomes come back in
+call order.
+
+Limitations, stated: the children run as the pod's own user, in its network namespace and with
+its filesystem, so a verifier can still read a file it knows the path of (the IRSA token file,
+for example) or open a connection. On EKS the reward stage runs on the CPU worker group with the
+least-privilege account `moerl-worker`; running children under another uid or in their own
+namespaces needs privileges the pod does not have (docs/async.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# Variables a child keeps from the parent's environment; everything else is dropped.
+ENV_ALLOW = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMROOT")
+MAX_REPLY_BYTES = 1 << 20  # one call's JSON answer
+START_TIMEOUT_S = 60.0  # a child's interpreter start, on a loaded 2-core machine
+_NOFILE = 256
+_FSIZE = 64 << 20
+
+Kind = Literal["ok", "error", "timeout", "memory", "crashed"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one call may use: `timeout_s` of wall-clock time, `memory_mb` of address space."""
+
+    timeout_s: float = 10.0
+    memory_mb: int = 2048
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: Kind
+    value: Any = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+
+class SandboxError(RuntimeError):
+    """The pool itself cannot work (a child that does not start)."""
+
+
+def child_env(scratch: str) -> dict[str, str]:
+    """The environment a child gets: the allow-list, the parent's import path (what this
+    process can import, the child can: an installed package, or a module on PYTHONPATH), its scratch
+    directory as HOME and TMPDIR, and one thread per numeric library."""
+    env = {k: os.environ[k] for k in ENV_ALLOW if k in os.environ}
+    env.update({
+        "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),  # '' is the caller's cwd
+        "HOME": scratch, "TMPDIR": scratch,
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+class _Child:
+    """One sandboxed process and its half-read reply."""
+
+    def __init__(self, limits: Limits):
+        self.scratch = tempfile.mkdtemp(prefix="moerl-sandbox-")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moerl.tasks.sandbox", str(limits.memory_mb), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(self.scratch), cwd=self.scratch,
+            close_fds=True)
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+        self.buf = b""
+        self.call: int | None = None  # index of the call it is running
+        self.deadline = 0.0
+
+    def send(self, msg: dict) -> None:
+        self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> list[bytes] | None:
+        """Complete lines read so far; None at end of file (the child died)."""
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return []
+        if not chunk:
+            return None
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        if len(self.buf) > MAX_REPLY_BYTES:
+            raise ValueError(f"reply over {MAX_REPLY_BYTES} bytes")
+        return lines
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def died(self) -> str:
+        code = self.proc.wait()
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+class SandboxPool:
+    """`workers` sandboxed children; `run(calls)` runs [(target, args), ...] on them."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.children: list[_Child] = []
+        self.started = 0  # children started over the pool's life (replacements included)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for c in self.children:
+            c.kill()
+        self.children = []
+
+    def _start(self) -> _Child:
+        c = _Child(self.limits)
+        self.started += 1
+        deadline = time.monotonic() + START_TIMEOUT_S
+        sel = selectors.DefaultSelector()
+        sel.register(c.fd, selectors.EVENT_READ)
+        try:
+            while time.monotonic() < deadline:
+                sel.select(max(0.0, deadline - time.monotonic()))
+                lines = c.read()
+                if lines is None:
+                    raise SandboxError(f"sandboxed verifier process exited at start ({c.died()})")
+                if lines:
+                    if json.loads(lines[0]).get("ready"):
+                        return c
+                    raise SandboxError(f"sandboxed verifier process sent {lines[0][:200]!r} at start")
+            raise SandboxError(f"sandboxed verifier process did not start within {START_TIMEOUT_S:g} s")
+        except BaseException:
+            c.kill()
+            raise
+        finally:
+            sel.close()
+
+    def _replace(self, c: _Child) -> None:
+        c.kill()
+        self.children.remove(c)
+
+    def run(self, calls: list[tuple[str, list]]) -> list[Outcome]:
+        """One Outcome per call, in order. Thread-safe (calls from two threads take turns)."""
+        with self._lock:
+            return self._run(calls)
+
+    def _run(self, calls: list[tuple[str, list]]) -> list[Outcome]:
+        out: list[Outcome | None] = [None] * len(calls)
+        todo = list(range(len(calls)))[::-1]
+        busy: dict[int, _Child] = {}  # fd -> child running a call
+        n = max(1, min(self.limits.workers, len(calls)))
+        sel = selectors.DefaultSelector()
+        try:
+            while todo or busy:
+                while todo and len(busy) < n:  # hand each idle child (or a new one) a call
+                    idle = [c for c in self.children if c.call is None]
+                    c = idle[0] if idle else self._start()
+                    if not idle:
+                        self.children.append(c)
+                    i = todo.pop()
+                    target, args = calls[i]
+                    c.call, c.deadline = i, time.monotonic() + self.limits.timeout_s
+                    try:
+                        c.send({"id": i, "target": target, "args": args})
+                    except (BrokenPipeError, OSError):
+                        out[i] = Outcome("crashed", error=f"crashed: the sandboxed process died ({c.died()})")
+                        c.call = None
+                        self._replace(c)
+                        continue
+                    busy[c.fd] = c
+                    sel.register(c.fd, selectors.EVENT_READ)
+                if not busy:
+                    continue
+                wait = max(0.0, min(c.deadline for c in busy.values()) - time.monotonic())
+                for key, _ in sel.select(wait):
+                    c = busy[key.fd]
+                    try:
+                        lines = c.read()
+                    except ValueError as err:
+                        lines, big = None, str(err)
+                    else:
+                        big = ""
+                    if lines is None:
+                        why = f"its reply was {big}" if big else f"the sandboxed process died ({c.died()})"
+                        out[c.call] = Outcome("crashed", error=f"crashed: {why}")
+                    elif lines:
+                        out[c.call] = _outcome(lines[0])
+                    else:
+                        continue
+                    sel.unregister(c.fd)
+                    del busy[c.fd]
+                    if lines is None or out[c.call].kind == "memory":
+                        self._replace(c)
+                    c.call = None
+                now = time.monotonic()
+                for fd, c in list(busy.items()):
+                    if now >= c.deadline:
+                        out[c.call] = Outcome("timeout", error=f"timeout: the call took longer than "
+                                                               f"{self.limits.timeout_s:g} s and was killed")
+                        sel.unregister(fd)
+                        del busy[fd]
+                        c.call = None
+                        self._replace(c)
+        finally:
+            sel.close()
+            for c in busy.values():  # interrupted (KeyboardInterrupt): nothing half-done is kept
+                c.call = None
+                self._replace(c)
+        return out  # type: ignore[return-value]
+
+
+def _outcome(line: bytes) -> Outcome:
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return Outcome("crashed", error=f"crashed: unreadable reply {line[:200]!r}")
+    if "ok" in msg:
+        return Outcome("ok", value=msg["ok"])
+    kind = "memory" if msg.get("memory") else "error"
+    prefix = "memory: " if kind == "memory" else ""
+    return Outcome(kind, error=prefix + str(msg.get("err", "unknown error"))[:2000])
+
+
+# ---------------------------------------------------------------------------- the child side
+
+
+def _limit(memory_mb: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_NOFILE, _NOFILE))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE, _FSIZE))
+    cap = memory_mb << 20
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def _watch_parent(parent: int) -> None:
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=loop, name="moerl-sandbox-watchdog", daemon=True).start()
+
+
+def resolve(target: str):
+    """`package.module:function` (dots allowed after the colon) to the callable it names."""
+    import importlib
+
+    mod_name, sep, qual = target.partition(":")
+    if not sep or not mod_name or not qual:
+        raise ValueError(f"{target!r} is not an import path of the form package.module:function")
+    obj = importlib.import_module(mod_name)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"{target} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def check_callable(target: str, n_args: int) -> bool:
+    """Run inside the sandbox before any work: `target` imports, and takes `n_args` positional
+    arguments (raises, naming the problem, if not)."""
+    import inspect
+
+    fn = resolve(target)
+    try:
+        inspect.signature(fn).bind(*([""] * n_args))
+    except TypeError as err:
+        raise TypeError(f"{target} cannot be called with {n_args} positional arguments: {err}") from None
+    except ValueError:  # no signature to read (a builtin): the first real call will tell
+        pass
+    return True
+
+
+def check_target(target: str, n_args: int, limits: Limits | None = None) -> str:
+    """"" if `target` can be called with `n_args` arguments in the sandbox, else the reason."""
+    with SandboxPool(limits or Limits(timeout_s=60.0)) as pool:
+        got = pool.run([(f"{__name__}:check_callable", [target, n_args])])[0]
+    return "" if got.ok else got.error
+
+
+def _serve(memory_mb: int, parent: int) -> None:
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)  # a verifier's print goes to stderr, never into the protocol
+    sys.stdin, sys.stdout = open(os.devnull), sys.stderr
+    _watch_parent(parent)
+    _limit(memory_mb)
+    cache: dict[str, Any] = {}
+
+    def reply(msg: dict) -> None:
+        proto_out.write(json.dumps(msg, allow_nan=False).encode() + b"\n")
+        proto_out.flush()
+
+    reply({"ready": os.getpid()})
+    for line in proto_in:
+        req = json.loads(line)
+        try:
+            fn = cache.get(req["target"]) or cache.setdefault(req["target"], resolve(req["target"]))
+            value = fn(*req["args"])
+            json.dumps(value, allow_nan=False)  # a reply the pool can read, or an error here
+            reply({"id": req["id"], "ok": value})
+        except MemoryError:
+            reply({"id": req["id"], "err": f"MemoryError: over the sandbox's {memory_mb} MiB", "memory": True})
+            os._exit(3)  # the heap may be unusable: the pool starts a fresh child
+        except BaseException as err:  # noqa: BLE001 - reported for this call, the child goes on
+            reply({"id": req["id"], "err": f"{type(err).__name__}: {err}"})
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]))
