@@ -5,6 +5,7 @@ buffer's pure admission and disposal rules."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 import time
 
 import pytest
@@ -448,3 +449,71 @@ def test_commits_wait_for_the_append_only_file_and_a_server_without_one_is_refus
             lossy.wait_durable(0, 2.0)
         with pytest.raises(ConfigError, match="valkey.require_durable: false"):
             _check_durable(lossy, RunConfig(), "durable-run")
+
+
+def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_trained_twice(tmp_path):
+    """Valkey with `appendfsync everysec` loses what it had not fsynced on a power loss, and a
+    failover can land on a replica that lagged: the registry falls back to v while the store
+    holds v+1. A restarted trainer commits v+1 again from the groups and entries its manifest
+    recorded, so those groups are never trained again and v+1 is never published twice. And a
+    commit that waited for WAITAOF survives a crash of that same everysec server."""
+    import json
+    import shutil
+
+    from moerl.components.policy_update.worker import _reconcile
+    from moerl.config import load_config
+    from moerl.store.runs import run_store, version_uri
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs/tiny-moe-grpo.yaml",
+                      [f"checkpoint.uri={tmp_path / 'ck'}", "task.prompts_per_iteration=2"], mode="async")
+    run = "lossy-run"
+    v = EmbeddedValkey(tmp_path / "v", appendfsync="everysec").start()
+    try:
+        bus = RunBus(connect(v.url, 20), run)
+        bus.ensure_groups()
+        epoch = bus.claim_trainer("trainer-1")
+        store = run_store(cfg.checkpoint, run)
+        src = tmp_path / "weights"
+        src.mkdir()
+        (src / "w.bin").write_bytes(b"\0" * 64)
+        store.publish(0, src)
+        bus.register(0, version_uri(store, 0), store.manifest(0).sha256())
+        for i in range(2):
+            bus.publish_group(f"u1/{i}:p{i}", [{"x": 1}] * 4)
+            [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
+            bus.publish_scored(eid, group, 0)
+        batch = bus.take_scored("trainer", 10, block_ms=50)
+        entries, groups = [e for e, _ in batch], [g["group_id"] for _, g in batch]
+        assert bus.wait_durable(0, 5.0)[0] >= 1
+        before = tmp_path / "before-commit"  # what a lagging replica, or the disk after a power loss, holds
+        shutil.copytree(v.data_dir, before)
+        # version 1 trained on the batch: published (the manifest records its groups), committed
+        (src / "w.bin").write_bytes(b"\1" * 64)
+        meta = {"groups": json.dumps(groups), "entries": json.dumps(entries), "counts": json.dumps({"trained": 8})}
+        store.publish(1, src, meta=meta, exclusive=True)
+        assert bus.commit_version(epoch, 1, version_uri(store, 1), store.manifest(1).sha256(), entries, groups,
+                                  trained=8)
+        assert bus.wait_durable(0, 5.0)[0] >= 1  # everysec: WAITAOF waits for the next fsync
+        v.kill()  # a crash right after the commit
+        v.start()
+        assert bus.registry().version == 1 and bus.counters()["trained"] == 8  # the waited-for commit survived
+        v.kill()
+        shutil.rmtree(v.data_dir)
+        shutil.copytree(before, v.data_dir)  # now lose the commit: the registry is back at version 0
+        v.start()
+        assert bus.registry().version == 0 and bus.consumed(groups) == set()
+        assert int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 2  # the batch would be trained again
+        epoch2 = bus.claim_trainer("trainer-2")  # the restarted trainer
+        latest = store.recover()
+        assert latest == 1
+        _reconcile(bus, cfg, run, latest, epoch2)
+        assert bus.registry().version == 1 and bus.registry().manifest_sha256 == store.manifest(1).sha256()
+        assert bus.consumed(groups) == set(groups) and bus.counters()["trained"] == 8
+        assert int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 0
+        assert bus.take_scored("trainer", 10, block_ms=50) == []  # nothing of version 1's batch comes back
+        _reconcile(bus, cfg, run, latest, epoch2)  # a second restart changes nothing
+        assert bus.counters()["trained"] == 8 and store.versions() == [0, 1]
+        for g in groups:  # a copy of a trained group that reaches the bus again is a duplicate
+            assert not bus.publish_group(g, [{"x": 1}] * 4)
+    finally:
+        v.stop()

