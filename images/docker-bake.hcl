@@ -20,6 +20,16 @@ variable "MOERL_GIT_SHA" {
   default = "unknown"
 }
 
+# Required by the kernel images: the sha256 of the EFA installer tarball each one downloads
+# (images/deepep-efa/Dockerfile says how to get it); the v1 target uses installer 1.48.0.
+variable "EFA_INSTALLER_SHA256" {
+  default = ""
+}
+
+variable "EFA_INSTALLER_V1_SHA256" {
+  default = ""
+}
+
 variable "PLATFORM" {
   default = "linux/amd64"
 }
@@ -61,7 +71,8 @@ target "deepep-efa" {
   inherits   = ["_common"]
   dockerfile = "images/deepep-efa/Dockerfile"
   args = {
-    DEEPEP_VARIANT = "v2"
+    DEEPEP_VARIANT       = "v2"
+    EFA_INSTALLER_SHA256 = "${EFA_INSTALLER_SHA256}"
   }
   tags = [tag("moerl-deepep-efa")]
 }
@@ -74,6 +85,7 @@ target "deepep-efa-v1" {
   args = {
     DEEPEP_VARIANT        = "v1"
     EFA_INSTALLER_VERSION = "1.48.0"
+    EFA_INSTALLER_SHA256  = "${EFA_INSTALLER_V1_SHA256}"
     NCCL_VERSION          = "v2.30.4-1"
   }
   tags = [tag("moerl-deepep-efa-v1")]

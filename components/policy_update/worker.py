@@ -241,7 +241,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     from moerl.provenance import stage_start
 
     stage_start(cfg, CONSUMER, run_id)  # records where it runs; enforces `require:`
-    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     bus.ensure_groups()
     abandoned = bus.failed()
@@ -265,7 +265,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     if cfg.trainer.expert_parallel_size == 1:
         model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
-    issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id), version_ref, epoch)
+    issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id), version_ref, epoch)
     issuer.start()
     t_start, busy = time.perf_counter(), 0.0
     c0 = bus.counters()

@@ -99,7 +99,7 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
     on_gpu = cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda"
     stage_start(cfg, scorer, run_id, enforce=on_gpu)  # build-info and runtime probe on the run
     model = load_model_scorer(cfg, run_id)  # loaded once for the scorer's life (reward.kind model or mixed)
-    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     bus.ensure_groups()
     stop = {"asked": False}

@@ -287,7 +287,7 @@ def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
     from moerl.provenance import stage_start
 
     stage_start(cfg, worker, run_id)  # records where it runs; enforces `require:`
-    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id, cfg.units.visibility_timeout_s,
                  cfg.units.max_attempts)
     w = RolloutWorker(cfg, run_id, worker, bus)
     previous = signal.signal(signal.SIGTERM, w.drain)

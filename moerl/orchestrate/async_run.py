@@ -33,6 +33,7 @@ from typing import Callable
 
 from moerl import tracking
 from moerl.bus import EmbeddedValkey, RunBus, connect
+from moerl.bus.client import PASSWORD_ENV
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
 from moerl.launch import procs
@@ -87,7 +88,9 @@ class LocalAsyncRun:
         self.children: dict[str, Child] = {}
         self.config_path = work / "config.json"
         self.config_path.write_text(config_to_json(cfg))
-        self.bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id, cfg.units.visibility_timeout_s,
+        self.password = valkey.password if valkey is not None else None  # the embedded server's stage user
+        self.bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username, self.password), run_id,
+                          cfg.units.visibility_timeout_s,
                           cfg.units.max_attempts)
         self.bus.ensure_groups()
         self.restarts = 0
@@ -100,6 +103,8 @@ class LocalAsyncRun:
             args += ["--name", name]
         env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                "TOKENIZERS_PARALLELISM": "false"}
+        if self.password:
+            env[PASSWORD_ENV] = self.password
         cpus = self.cpus.get(name)
         if cpus:
             ids = ",".join(map(str, cpus))
@@ -196,11 +201,17 @@ class LocalAsyncRun:
         procs.kill_groups([c.proc for c in self.children.values()], grace_s=2.0)
 
 
-def start_valkey(cfg: RunConfig, work: Path) -> tuple[RunConfig, EmbeddedValkey | None]:
+def start_valkey(cfg: RunConfig, work: Path, run_id: str | None = None) -> tuple[RunConfig, EmbeddedValkey | None]:
+    """The embedded server when `valkey.url` is unset, with an ACL user of its own for the
+    stages (`valkey.username`, on `run_id`'s keys only; its password `server.password`, which
+    LocalAsyncRun gives to the stages it starts), so every local run uses exactly the
+    permissions a cluster's stages get."""
     if cfg.valkey.url:
         return cfg, None
-    server = EmbeddedValkey(work / "valkey", appendonly=cfg.valkey.appendonly).start()
-    return cfg.model_copy(update={"valkey": cfg.valkey.model_copy(update={"url": server.url})}), server
+    server = EmbeddedValkey(work / "valkey", appendonly=cfg.valkey.appendonly, stage_user="moerl-stage",
+                            run_id=run_id).start()
+    return cfg.model_copy(update={"valkey": cfg.valkey.model_copy(
+        update={"url": server.url, "username": server.stage_user})}), server
 
 
 def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
@@ -234,7 +245,7 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
         resume_point(cfg, uri, resume)
     run_id = begin_run(cfg, uri, "async-local", resume=resume)
     work = Path(cfg.pipeline.work_dir) / run_id
-    cfg, server = start_valkey(cfg, work)
+    cfg, server = start_valkey(cfg, work, run_id)
     run = None
     t0 = time.perf_counter()
     ok = True
@@ -249,7 +260,8 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
         if resume:
             from moerl.bus import RunBus, connect
 
-            RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s), run_id).reopen()
+            RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username,
+                           server.password if server is not None else None), run_id).reopen()
         run = LocalAsyncRun(cfg, run_id, work, server)
         run.start()
         with procs.sigterm_raises():
