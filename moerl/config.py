@@ -317,6 +317,11 @@ class TrainerConfig(_Section):
     # Expert parallelism in the trainer: experts sharded over this many ranks (torchrun inside
     # the policy_update task; gloo on CPU, NCCL on GPU). 1 = the plain transformers MoE block.
     expert_parallel_size: int = Field(1, ge=1, le=64)
+    # FSDP2 shard degree on top of expert parallelism: the trainer's ranks form the mesh
+    # (data_parallel_shard, expert_parallel_size); dense weights, gradients and Adam state are
+    # sharded over all of them, each layer's experts split over ep and sharded over dp.
+    # world = data_parallel_shard x expert_parallel_size ranks; 1 x 1 = the single process.
+    data_parallel_shard: int = Field(1, ge=1, le=1024)
     ep_backend: Literal["all_to_all", "hierarchical", "deepep"] = "all_to_all"
     ranks_per_node: int = Field(1, ge=1)  # for `hierarchical` (nodes are rank groups)
     # Only with this does a missing DeepEP fall back to all_to_all (recorded as an MLflow tag).
@@ -332,6 +337,11 @@ class TrainerConfig(_Section):
     # The policy_update task kills every rank and fails if they have not finished by then: a
     # hung collective must not hold the cluster's GPUs forever.
     rank_timeout_s: float = Field(4 * 3600.0, gt=0.0)
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: the mesh data_parallel_shard x expert_parallel_size."""
+        return self.data_parallel_shard * self.expert_parallel_size
 
     @model_validator(mode="after")
     def _ep(self) -> "TrainerConfig":
@@ -350,6 +360,8 @@ class TrainerConfig(_Section):
                 raise ValueError(f"deepep_options: {bad}") from None
             if self.ep_backend != "deepep":
                 raise ValueError(f"deepep_options is for ep_backend deepep; ep_backend is {self.ep_backend}")
+        if self.world_size > 1 and self.ep_backend == "deepep" and self.expert_parallel_size == 1:
+            raise ValueError("ep_backend deepep needs expert_parallel_size > 1 (no tokens move with one EP rank)")
         if self.ep_backend == "hierarchical" and self.expert_parallel_size % self.ranks_per_node:
             raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be a multiple of "
                              f"ranks_per_node ({self.ranks_per_node})")

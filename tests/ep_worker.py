@@ -99,10 +99,10 @@ def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
     try:
         from moerl.config import parse_config
         from moerl.components.policy_update import ep_checkpoint
-        from moerl.components.policy_update.ep_train import setup
+        from moerl.components.policy_update.ep_train import apply_fsdp, setup
 
         cfg = parse_config({"trainer": {"expert_parallel_size": world}})
-        model, _, _, blocks, layout, _ = setup(cfg, Path(model_path))
+        model, _, _, blocks, layout, _, mesh = setup(cfg, Path(model_path), shard=False)  # what the loader holds
         loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
         record = {"loaded": loaded, "numel": sum(p.numel() for p in model.parameters()),
                   "full_expert_tensors": _full_expert_tensors(blocks[0].num_experts),
@@ -115,7 +115,10 @@ def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
                 p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
         record["saved"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         kwargs = {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
-        ep_checkpoint.save_ep_checkpoint(model, blocks, layout, Path(model_path), Path(out_dir) / "saved", **kwargs)
+        apply_fsdp(model, blocks, mesh)  # saved as the trainer saves: from FSDP's shards
+        record["sharded_numel"] = sum(p.to_local().numel() for p in model.parameters())
+        ep_checkpoint.save_ep_checkpoint(model, blocks, layout, Path(model_path), Path(out_dir) / "saved",
+                                         ep_group=mesh.get_group("ep"), **kwargs)
         torch.save(record, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

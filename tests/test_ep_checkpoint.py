@@ -76,13 +76,16 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp
         # no whole layer of experts anywhere in the rank (the old loader kept full copies alive)
         assert out["full_expert_tensors"] == 0
         assert out["numel"] == sum(p.numel() for p in replicated.values()) + expert_numel // world
+        # sharded by FSDP (dp 1 x ep world): the dense weights split over the ranks as well
+        dense = sum(p.numel() for p in replicated.values())
+        assert out["sharded_numel"] <= dense / world * 1.1 + expert_numel // world
         assert out["first_expert"] == r * n_local
         for name, p in replicated.items():
             assert torch.equal(out["loaded"][name], p.detach()), name
         lo = r * n_local
         for i, m in enumerate(layers):
             for mine, full in (("gate_up_proj_LIH", m.gate_up_proj), ("down_proj_LHI", m.down_proj)):
-                assert torch.equal(out["loaded"][f"model.layers.{i}.mlp.{mine}"], full.detach()[lo: lo + n_local])
+                assert torch.equal(out["loaded"][f"model.layers.{i}.mlp.experts.{mine}"], full.detach()[lo: lo + n_local])
         for name, b in ref.named_buffers():  # rotary inv_freq, rebuilt off the meta device
             assert torch.equal(out["buffers"][name], b), name
 
@@ -93,7 +96,7 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp
         assert torch.equal(got[name].detach(), ranks[0]["saved"][name]), name
     for i in range(len(layers)):
         for mine, full in (("gate_up_proj_LIH", "gate_up_proj"), ("down_proj_LHI", "down_proj")):
-            gathered = torch.cat([out["saved"][f"model.layers.{i}.mlp.{mine}"] for out in ranks])
+            gathered = torch.cat([out["saved"][f"model.layers.{i}.mlp.experts.{mine}"] for out in ranks])
             assert torch.equal(got[f"model.layers.{i}.mlp.experts.{full}"].detach(), gathered)
     assert _keys(saved_dir) == _keys(src)  # same tensor names as the checkpoint it came from
     weight_files = sorted(f.name for f in saved_dir.glob("*.safetensors"))

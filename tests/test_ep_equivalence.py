@@ -73,8 +73,9 @@ def test_ep2_trains_like_ep1(runs):
 @pytest.mark.slow
 def test_ep2_writes_optimizer_shards_and_counts(runs):
     root, out = runs
-    shards = sorted(p.name for p in (root / "ep2" / "trainer").glob("optimizer*.pt"))
-    assert shards == ["optimizer-ep0-of-2.pt", "optimizer-ep1-of-2.pt"]
+    dcp_dir = root / "ep2" / "trainer" / "optimizer"  # a Distributed Checkpoint: one file per rank
+    assert (dcp_dir / ".metadata").is_file() and len(list(dcp_dir.glob("*.distcp"))) == 2
+    assert not list((root / "ep2" / "trainer").glob("optimizer*.pt"))
     m2 = out[2][0]
     per_expert = [v for k, v in m2.items() if k.startswith("moe/tokens_expert_")]
     assert len(per_expert) == 8 and sum(per_expert) > 0 and math.isfinite(m2["moe/expert_load_imbalance"])

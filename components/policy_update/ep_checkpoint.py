@@ -173,7 +173,7 @@ class _Reader:
 
 
 def _load_experts(block: EPMoEBlock, keys: ExpertKeys, reader: _Reader, dtype, device) -> None:
-    n_local, two_i, h = block.gate_up_proj_LIH.shape
+    n_local, two_i, h = block.gate_up_proj_LIH.shape  # on meta still: shapes only
     lo, e, i = block.first_expert, block.num_experts, two_i // 2
     if keys.fused:
         gu = reader.get(keys.gate, (e, two_i, h), lo, lo + n_local).to(device, dtype)
@@ -185,8 +185,8 @@ def _load_experts(block: EPMoEBlock, keys: ExpertKeys, reader: _Reader, dtype, d
             gu[j, :i] = reader.get(keys.gate.format(e=lo + j), (i, h))
             gu[j, i:] = reader.get(keys.up.format(e=lo + j), (i, h))
             dn[j] = reader.get(keys.down.format(e=lo + j), (h, i))
-    block.gate_up_proj_LIH = nn.Parameter(gu)
-    block.down_proj_LHI = nn.Parameter(dn)
+    block.experts.gate_up_proj_LIH = nn.Parameter(gu)
+    block.experts.down_proj_LHI = nn.Parameter(dn)
 
 
 def _assign(model: nn.Module, names: list[str], value: torch.Tensor, is_param: bool) -> None:
@@ -239,27 +239,33 @@ def load_ep_model(path: str | Path, dispatcher, dtype: torch.dtype, device: str,
 # ------------------------------------------------------------------------------------ save
 
 
-def gather_experts(block: EPMoEBlock, dst: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The full [E, 2I, H] and [E, H, I] expert tensors of one layer on rank `dst` (None elsewhere).
-    A collective: every rank calls it for the same block."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective over its mesh); a plain tensor as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def gather_experts(block: EPMoEBlock, group=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The full [E, 2I, H] and [E, H, I] expert tensors of one layer on rank 0 of the EP
+    `group` (None elsewhere). A collective: every rank calls it for the same block. Under FSDP
+    each EP rank first gathers its experts from its dp peers."""
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
     out = []
     for local in (block.gate_up_proj_LIH, block.down_proj_LHI):
-        t = local.detach().contiguous()
+        t = _whole(local.detach()).contiguous()
         if world == 1:
             out.append(t)
             continue
-        full = torch.empty((block.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device) if rank == dst else None
+        full = torch.empty((block.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device) if rank == 0 else None
         # rank r's rows land in full[r*L:(r+1)*L] directly: no second copy for a torch.cat
-        dist.gather(t, list(full.chunk(world)) if full is not None else None, dst=dst)
+        dist.gather(t, list(full.chunk(world)) if full is not None else None, group=group, group_dst=0)
         out.append(full)
-    return (out[0], out[1]) if rank == dst else None
+    return (out[0], out[1]) if rank == 0 else None
 
 
-def _expert_tensors(block: EPMoEBlock, keys: ExpertKeys) -> dict[str, torch.Tensor]:
-    full = gather_experts(block)
-    if full is None:
+def _expert_tensors(block: EPMoEBlock, keys: ExpertKeys, group=None) -> dict[str, torch.Tensor]:
+    full = gather_experts(block, group)
+    if full is None or (dist.is_initialized() and dist.get_rank() != 0):
         return {}
     gu, dn = (t.to("cpu") for t in full)
     if keys.fused:
@@ -293,20 +299,24 @@ def _plan_shards(by_name: dict[str, torch.Tensor], blocks, layout: CheckpointLay
     return shards
 
 
-def _shard_tensors(by_name: dict[str, torch.Tensor], shard: list, rank: int) -> dict[str, torch.Tensor]:
+def _shard_tensors(by_name: dict[str, torch.Tensor], shard: list, rank: int, group=None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for item in shard:
         if isinstance(item[0], EPMoEBlock):
-            out.update(_expert_tensors(*item))
-        elif rank == 0:
-            out[item[1]] = by_name[item[0]].detach().to("cpu").contiguous()
+            out.update(_expert_tensors(*item, group=group))
+            continue
+        whole = _whole(by_name[item[0]].detach())  # every rank takes part in the gather of a shard
+        if rank == 0:
+            out[item[1]] = whole.to("cpu").contiguous()
+        del whole
     return out
 
 
 def save_ep_checkpoint(model: nn.Module, blocks, layout: CheckpointLayout, state_in: Path, state_out: Path,
-                       max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, ep_group=None) -> list[str]:
     """Write the HF checkpoint (weights, config; tokenizer and other files copied from
-    `state_in`) into `state_out`. A collective; rank 0 writes. Returns the weight files."""
+    `state_in`) into `state_out`. A collective over every rank (`ep_group`: the EP group the
+    experts are split over, default all ranks); rank 0 writes. Returns the weight files."""
     from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -319,7 +329,7 @@ def save_ep_checkpoint(model: nn.Module, blocks, layout: CheckpointLayout, state
     if rank == 0:
         state_out.mkdir(parents=True, exist_ok=True)
     for fname, shard in zip(files, shards):
-        tensors = _shard_tensors(by_name, shard, rank)
+        tensors = _shard_tensors(by_name, shard, rank, ep_group)
         if rank == 0:
             save_file(tensors, str(state_out / fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in tensors})

@@ -32,6 +32,24 @@ from torch import nn
 from torch.nn import functional as F
 
 
+class LocalExperts(nn.Module):
+    """This rank's experts, a module of their own so that FSDP shards them on the data-parallel
+    dimension of the mesh apart from the dense weights (`ep_train.apply_fsdp`)."""
+
+    def __init__(self, gate_up_proj_LIH: torch.Tensor, down_proj_LHI: torch.Tensor, act_fn):
+        super().__init__()
+        self.gate_up_proj_LIH = nn.Parameter(gate_up_proj_LIH)
+        self.down_proj_LHI = nn.Parameter(down_proj_LHI)
+        self.act_fn = act_fn
+
+    def forward(self, recv_RH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows_RH in enumerate(torch.split(recv_RH, counts_L.tolist())):
+            gate, up = F.linear(rows_RH, self.gate_up_proj_LIH[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj_LHI[e]))
+        return torch.cat(outs) if outs else recv_RH[:0]
+
+
 class EPMoEBlock(nn.Module):
     def __init__(self, block: nn.Module, dispatcher, aux_loss_coef: float = 0.0):
         super().__init__()
@@ -45,9 +63,8 @@ class EPMoEBlock(nn.Module):
         self.top_k = getattr(block.gate, "top_k", None)
         self.num_experts, self.first_expert = e, lo  # this rank owns experts [lo, lo + n_local)
         # on `meta` the slices are shape-only placeholders: the loader replaces them
-        self.gate_up_proj_LIH = nn.Parameter(experts.gate_up_proj.detach()[lo : lo + n_local].clone())
-        self.down_proj_LHI = nn.Parameter(experts.down_proj.detach()[lo : lo + n_local].clone())
-        self.act_fn = experts.act_fn
+        self.experts = LocalExperts(experts.gate_up_proj.detach()[lo : lo + n_local].clone(),
+                                    experts.down_proj.detach()[lo : lo + n_local].clone(), experts.act_fn)
         self.dispatcher = dispatcher
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss: torch.Tensor | None = None
@@ -59,18 +76,23 @@ class EPMoEBlock(nn.Module):
         router_logits_TE, w_TK, idx_TK = self.gate(x_TH)
         recv_RH, counts_L, handle = self.dispatcher.dispatch(x_TH, idx_TK, w_TK.to(x_TH.dtype))
         self.tokens_per_expert_L = counts_L.detach()
-        y_RH = self._experts(recv_RH, counts_L)
+        y_RH = self.experts(recv_RH, counts_L)
         out_TH = self.dispatcher.combine(y_RH, handle)
         if self.aux_loss_coef > 0:
             self.aux_loss = self.aux_loss_coef * load_balancing_loss(router_logits_TE, idx_TK)
         return out_TH.reshape(b, s, h)
 
-    def _experts(self, recv_RH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for e, rows_RH in enumerate(torch.split(recv_RH, counts_L.tolist())):
-            gate, up = F.linear(rows_RH, self.gate_up_proj_LIH[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj_LHI[e]))
-        return torch.cat(outs) if outs else recv_RH[:0]
+    @property
+    def gate_up_proj_LIH(self) -> nn.Parameter:
+        return self.experts.gate_up_proj_LIH
+
+    @property
+    def down_proj_LHI(self) -> nn.Parameter:
+        return self.experts.down_proj_LHI
+
+    @property
+    def n_local(self) -> int:
+        return self.num_experts // self.dispatcher.ep_size
 
 
 def load_balancing_loss(router_logits_TE: torch.Tensor, idx_TK: torch.Tensor) -> torch.Tensor:
@@ -110,7 +132,7 @@ def gather_full_experts(ep_block: EPMoEBlock, group=None) -> tuple[torch.Tensor,
     ws = dist.get_world_size(group) if dist.is_initialized() else 1
     parts = []
     for local in (ep_block.gate_up_proj_LIH, ep_block.down_proj_LHI):
-        t = local.detach().contiguous()
+        t = local.detach().contiguous()  # plain tensors: tests call this without FSDP
         if ws == 1:
             parts.append(t)
             continue

@@ -51,35 +51,148 @@ from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
 log = logging.getLogger(__name__)
 
 
-def optimizer_file(rank: int, world: int) -> str:
-    return f"optimizer-ep{rank}-of-{world}.pt"
+def build_mesh(cfg: RunConfig):
+    """The trainer's device mesh over every rank: (dp, ep) = (`trainer.data_parallel_shard`,
+    `trainer.expert_parallel_size`), ranks laid out ep-fastest so that an EP group is
+    consecutive ranks (one node's GPUs on the cluster). The
+    same ranks as one dimension, the one the dense weights are sharded on (`flat_mesh`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp, ep = cfg.trainer.data_parallel_shard, cfg.trainer.expert_parallel_size
+    world = dist.get_world_size()
+    if dp * ep != world:
+        raise TrainingError(f"policy_update: {world} ranks cannot form the mesh trainer.data_parallel_shard ({dp}) "
+                            f"x trainer.expert_parallel_size ({ep})")
+    return init_device_mesh("cuda" if cfg.trainer.device == "cuda" else "cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
 
 
-def setup(cfg: RunConfig, state_in: Path):
-    """(model, opt, counters, ep_blocks, layout, dispatcher) on this rank. The model holds the
-    replicated weights and only this rank's experts, read from the checkpoint files
-    (`ep_checkpoint.load_ep_model`); `layout` says where each tensor came from, for saving."""
+def flat_mesh(mesh):
+    """Every rank of the (dp, ep) mesh as one dimension (made once, then reused)."""
+    return mesh["dp", "ep"]._flatten("dp_ep")
+
+
+def apply_fsdp(model, ep_blocks, mesh) -> list:
+    """FSDP2 on the mesh, torchtitan's MoE layout: each MoE layer's local experts sharded on
+    the `dp` dimension (the ranks that hold the same experts), every decoder layer's dense
+    weights and then the rest (embeddings, final norm, lm_head) on all ranks (`flat`).
+    Gradients are summed, never averaged: every rank's loss is already divided by the global
+    token count (gloo has no pre-multiplied sum, so the division is ours). Returns the FSDP
+    modules, innermost first."""
+    from torch.distributed.fsdp import fully_shard
+
+    flat = flat_mesh(mesh)
+    units = [fully_shard(b.experts, mesh=mesh["dp"]) for b in ep_blocks]
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TrainingError(f"policy_update: {type(model).__name__} has no model.layers to shard")
+    units += [fully_shard(layer, mesh=flat) for layer in layers]
+    units.append(fully_shard(model, mesh=flat))
+    for u in units:
+        u.set_force_sum_reduction_for_comms(True)
+        u.set_gradient_divide_factor(1.0)
+    return units
+
+
+def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
+    """(model, opt, counters, ep_blocks, layout, dispatcher, mesh) on this rank. The model
+    holds the dense weights and only this rank's experts, read from the checkpoint files
+    (`ep_checkpoint.load_ep_model`), then sharded by FSDP2 on the mesh (`apply_fsdp`; with
+    `shard` False it stays unsharded, for tests of the loader); `layout` says where each tensor
+    came from, for saving. The optimizer state comes from `trainer/optimizer/` (a Distributed
+    Checkpoint, resharded onto this mesh whatever mesh wrote it)."""
     from transformers import AutoConfig
 
     from moerl.kernels import make_dispatcher
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = build_mesh(cfg)
     dispatcher = make_dispatcher(cfg.trainer.ep_backend, num_experts=_num_experts(AutoConfig.from_pretrained(state_in)),
-                                 group=dist.group.WORLD, ranks_per_node=cfg.trainer.ranks_per_node,
+                                 group=mesh.get_group("ep"), ranks_per_node=cfg.trainer.ranks_per_node,
                                  allow_fallback=cfg.trainer.allow_fallback,
                                  deepep_options=cfg.trainer.deepep_options or None)
     model, ep_blocks, layout = load_ep_model(state_in, dispatcher, getattr(torch, cfg.model.dtype), cfg.trainer.device,
                                              cfg.trainer.aux_loss_coef)
-    state = state_in / TRAINER_DIR / "state.json"
-    counters = Counters(**json.loads(state.read_text())) if state.is_file() else Counters()
+    if shard:
+        apply_fsdp(model, ep_blocks, mesh)
+    tdir = state_in / TRAINER_DIR
+    counters = Counters(**json.loads((tdir / "state.json").read_text())) if (tdir / "state.json").is_file() else Counters()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
-    shard = state_in / TRAINER_DIR / optimizer_file(rank, world)
-    if shard.is_file():
-        opt.load_state_dict(torch.load(shard, weights_only=True, map_location=cfg.trainer.device))
-    elif any((state_in / TRAINER_DIR).glob("optimizer*.pt")):
-        raise TrainingError(f"policy_update: {state_in / TRAINER_DIR} holds optimizer state for another layout than "
-                            f"expert_parallel_size={world}; resume with the expert_parallel_size it was written with")
-    return model, opt, counters, ep_blocks, layout, dispatcher
+    if (tdir / OPTIMIZER_DCP).is_dir():
+        if not shard:
+            raise TrainingError("policy_update: the sharded optimizer state needs the FSDP model")
+        load_optimizer(model, opt, ep_blocks, mesh, tdir / OPTIMIZER_DCP)
+    elif any(tdir.glob("optimizer*.pt")):
+        raise TrainingError(f"policy_update: {tdir} holds the single-process trainer's optimizer state, which cannot be "
+                            "resharded onto a mesh; continue with trainer.expert_parallel_size 1 and "
+                            "trainer.data_parallel_shard 1")
+    return model, opt, counters, ep_blocks, layout, dispatcher, mesh
+
+
+# ---------------------------------------------------------------------------- optimizer state
+OPTIMIZER_DCP = "optimizer"  # trainer/optimizer/: a Distributed Checkpoint
+
+
+def _expert_mesh(mesh):
+    """The same ranks as (ep, dp): the layout of one layer's experts, [E, ...] split into E / ep
+    blocks over ep, each block split over dp as FSDP splits it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(mesh.device_type, mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "dp"))
+
+
+def _global_experts(local: torch.Tensor, full_shape: tuple[int, ...], emesh):
+    """An expert tensor's local shard as part of its layer's whole [E, ...] tensor, so that its
+    checkpoint is the same whatever the mesh (Distributed Checkpoint reshards it)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(local, emesh, (Shard(0), Shard(0)), run_check=False, shape=torch.Size(full_shape),
+                              stride=torch.empty(full_shape, device="meta").stride())
+
+
+def _expert_states(model, ep_blocks) -> dict[str, tuple[int, ...]]:
+    """Optimizer-state FQN of each expert parameter -> the full [E, ...] shape of its layer."""
+    owner = {id(p): b for b in ep_blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
+    return {name: (owner[id(p)].num_experts, *p.shape[1:]) for name, p in model.named_parameters() if id(p) in owner}
+
+
+def _to_global(osd: dict, experts: dict[str, tuple[int, ...]], emesh) -> None:
+    for fqn, shape in experts.items():
+        for k, v in list(osd["state"].get(fqn, {}).items()):
+            if torch.is_tensor(v) and v.dim() > 0:
+                osd["state"][fqn][k] = _global_experts(_local(v), shape, emesh)
+
+
+def save_optimizer(model, opt, ep_blocks, mesh, out: Path) -> None:
+    """Adam's state through Distributed Checkpoint: dense entries as FSDP's shards, expert
+    entries as parts of their whole layer (`_global_experts`). A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt)
+    _to_global(osd, _expert_states(model, ep_blocks), _expert_mesh(mesh))
+    dcp.save({"optim": osd}, checkpoint_id=str(out))
+
+
+def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
+    """The inverse of `save_optimizer`, onto this rank's shards of this mesh. A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    osd = get_optimizer_state_dict(model, opt)  # initialized by a zero step: the template to load into
+    experts = _expert_states(model, ep_blocks)
+    fsdp_form = {fqn: {k: v for k, v in osd["state"].get(fqn, {}).items() if isinstance(v, DTensor)}
+                 for fqn in experts}
+    _to_global(osd, experts, _expert_mesh(mesh))
+    try:
+        dcp.load({"optim": osd}, checkpoint_id=str(src))
+    except Exception as err:  # noqa: BLE001 - a missing or mismatched entry: one line naming it
+        raise TrainingError(f"policy_update: cannot load the optimizer state in {src}: {type(err).__name__}: "
+                            f"{str(err)[:500]}") from None
+    for fqn, entries in fsdp_form.items():
+        for k, like in entries.items():
+            osd["state"][fqn][k] = DTensor.from_local(_local(osd["state"][fqn][k]), like.device_mesh, like.placements,
+                                                      run_check=False, shape=like.shape, stride=like.stride())
+    set_optimizer_state_dict(model, opt, osd)
 
 
 def _num_experts(c) -> int:
@@ -91,24 +204,38 @@ def _expert_param_ids(ep_blocks) -> set[int]:
     return {id(p) for b in ep_blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _sync_and_clip(model, ep_blocks, max_norm: float) -> float:
-    """All-reduce (sum) replicated grads; clip by the global norm over replicated + sharded.
-    The norm is the same on every rank, so a non-finite one (returned as is, nothing scaled)
-    makes every rank skip the step together."""
+    """Clip by the global norm over every gradient. Under FSDP each gradient element lives on
+    exactly one rank (dense shards over all ranks, expert shards over the dp ranks of their EP
+    group), so one sum of squares over all ranks is the global norm. Without FSDP (tests of
+    the dispatcher alone) the replicated gradients are all-reduced here first. The norm is the
+    same on every rank, so a non-finite one (returned as is, nothing scaled) makes every rank
+    skip the step together."""
     device = model_device(model)
-    expert_ids = _expert_param_ids(ep_blocks)
-    replicated = [p for p in model.parameters() if p.grad is not None and id(p) not in expert_ids]
-    experts = [p for p in model.parameters() if p.grad is not None and id(p) in expert_ids]
-    for p in replicated:
-        check_device("all_reduce", device, grad=p.grad)
-        dist.all_reduce(p.grad)
-    sq_rep = sum(float(p.grad.double().pow(2).sum()) for p in replicated)
-    sq_exp = torch.tensor(sum(float(p.grad.double().pow(2).sum()) for p in experts), dtype=torch.float64,
+    params = [p for p in model.parameters() if p.grad is not None]
+    if any(hasattr(p.grad, "to_local") for p in params):
+        sq = torch.tensor(sum(float(_local(p.grad).double().pow(2).sum()) for p in params), dtype=torch.float64,
                           device=device)
-    dist.all_reduce(sq_exp)
-    norm = math.sqrt(sq_rep + float(sq_exp))  # nan stays nan; `norm > max_norm` alone is False for nan
-    if math.isfinite(norm) and norm > max_norm:
-        for p in replicated + experts:
+        dist.all_reduce(sq)
+        norm = math.sqrt(float(sq))
+    else:
+        expert_ids = _expert_param_ids(ep_blocks)
+        replicated = [p for p in params if id(p) not in expert_ids]
+        for p in replicated:
+            check_device("all_reduce", device, grad=p.grad)
+            dist.all_reduce(p.grad)
+        sq_rep = sum(float(p.grad.double().pow(2).sum()) for p in replicated)
+        sq = torch.tensor(sum(float(p.grad.double().pow(2).sum()) for p in params if id(p) in expert_ids),
+                          dtype=torch.float64, device=device)
+        dist.all_reduce(sq)
+        norm = math.sqrt(sq_rep + float(sq))
+    if math.isfinite(norm) and norm > max_norm:  # nan stays nan; `norm > max_norm` alone is False for nan
+        for p in params:
             p.grad.mul_(max_norm / (norm + 1e-6))
     return norm
 
@@ -156,27 +283,31 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     dist.all_reduce(totals)
     named = dict(zip(sums, totals.tolist()))
     mismatch_sum, tokens = totals[-2].item(), totals[-1].item()
-    counts = torch.stack([b.tokens_per_expert_L.float() for b in ep_blocks if b.tokens_per_expert_L is not None])
-    gathered = [torch.zeros_like(counts) for _ in range(world)]
-    dist.all_gather(gathered, counts)
-    per_expert = torch.cat(gathered, dim=1).sum(0)  # [E] over layers, last step
+    # tokens per expert over layers, last step: each rank fills its experts' slots with what
+    # it received; summed over all ranks (its dp peers hold the same experts, other tokens)
+    per_expert = torch.zeros(ep_blocks[0].num_experts, dtype=torch.float64, device=device)
+    for b in ep_blocks:
+        if b.tokens_per_expert_L is not None:
+            per_expert[b.first_expert:b.first_expert + b.n_local] += b.tokens_per_expert_L.to(per_expert)
+    dist.all_reduce(per_expert)
     return {
         **{f"train/{k}": v / max(done, 1) for k, v in named.items()},
         "train/steps": float(done), "train/skipped_steps": float(skipped), "train/tokens": tokens,
-        "train/logprob_mismatch": mismatch_sum / max(tokens, 1.0), "train/ep_size": float(world),
+        "train/logprob_mismatch": mismatch_sum / max(tokens, 1.0),
+        "train/ep_size": float(cfg.trainer.expert_parallel_size), "train/dp_shard": float(cfg.trainer.data_parallel_shard),
         "moe/expert_load_imbalance": float(per_expert.max() / per_expert.mean().clamp_min(1e-9)),
         **{f"moe/tokens_expert_{e}": float(c) for e, c in enumerate(per_expert.tolist())},
     }
 
 
-def save_ep(model, opt, counters: Counters, ep_blocks, layout, state_in: Path, state_out: Path) -> None:
-    """Every rank saves its optimizer shard; rank 0 writes the standard HF checkpoint, receiving
-    the experts one layer at a time (a collective: every rank takes part) and the counters."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def save_ep(model, opt, counters: Counters, ep_blocks, layout, mesh, state_in: Path, state_out: Path) -> None:
+    """The optimizer state through Distributed Checkpoint (every rank writes its shards); the
+    standard HF checkpoint from rank 0, which receives each tensor whole, one at a time (dense
+    ones all-gathered over the mesh, experts one layer at a time); and the counters."""
     (state_out / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
-    torch.save(opt.state_dict(), state_out / TRAINER_DIR / optimizer_file(rank, world))
-    save_ep_checkpoint(model, ep_blocks, layout, state_in, state_out)
-    if rank == 0:
+    save_optimizer(model, opt, ep_blocks, mesh, state_out / TRAINER_DIR / OPTIMIZER_DCP)
+    save_ep_checkpoint(model, ep_blocks, layout, state_in, state_out, ep_group=mesh.get_group("ep"))
+    if dist.get_rank() == 0:
         (state_out / TRAINER_DIR / "state.json").write_text(json.dumps(asdict(counters)))
     dist.barrier()
 
@@ -202,13 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         torch.manual_seed(cfg.trainer.seed + a.iteration)
-        model, opt, counters, ep_blocks, layout, dispatcher = setup(cfg, Path(a.state_in))
+        model, opt, counters, ep_blocks, layout, dispatcher, mesh = setup(cfg, Path(a.state_in))
         batch = read_records(a.batch, TrainSample)
         metrics = train_ep(model, opt, counters, ep_blocks, batch, cfg, seed=cfg.trainer.seed + a.iteration) \
             if len(batch) >= dist.get_world_size() else {"train/steps": 0.0, "train/skipped_steps": 0.0}
         metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
         counters.version += 1
-        save_ep(model, opt, counters, ep_blocks, layout, Path(a.state_in), Path(a.state_out))
+        save_ep(model, opt, counters, ep_blocks, layout, mesh, Path(a.state_in), Path(a.state_out))
         if dist.get_rank() == 0:
             metrics["timing/policy_update_s"] = time.perf_counter() - t0
             fallback = getattr(dispatcher, "fallback_from", None)

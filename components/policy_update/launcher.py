@@ -78,7 +78,7 @@ def torchrun_args(world_size: int, rank_args: list[str]) -> list[str]:
 
 def _start(cfg: RunConfig, tmp: Path, rank_args: list[str]) -> tuple[list[subprocess.Popen], float]:
     """Start the ranks (or torchrun); returns them and the grace to give them on a kill."""
-    ws = cfg.trainer.expert_parallel_size
+    ws = cfg.trainer.world_size
     env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if cfg.trainer.launcher == "torchrun":
@@ -103,8 +103,9 @@ def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | 
     they run past `rank_timeout_s` (default `trainer.rank_timeout_s`: generous, since a real
     MoE update of many steps can take an hour, but a hung rank is caught the same day)."""
     timeout_s = rank_timeout_s or cfg.trainer.rank_timeout_s
-    what = f"expert-parallel training ({cfg.trainer.launcher}, {cfg.trainer.expert_parallel_size} ranks, " \
-           f"{cfg.trainer.ep_backend})"
+    tc = cfg.trainer
+    what = f"sharded training ({tc.launcher}, {tc.world_size} ranks: mesh dp {tc.data_parallel_shard} x ep " \
+           f"{tc.expert_parallel_size}, {tc.ep_backend})"
     with tempfile.TemporaryDirectory(prefix="moerl-ep-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "config.json").write_text(config_to_json(cfg))

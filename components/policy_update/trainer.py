@@ -79,9 +79,10 @@ def _load_state(state_dir: Path, cfg: RunConfig):
     tdir = state_dir / TRAINER_DIR
     if (tdir / "optimizer.pt").is_file():
         opt.load_state_dict(torch.load(tdir / "optimizer.pt", weights_only=True, map_location=cfg.trainer.device))
-    elif cfg.trainer.expert_parallel_size == 1 and any(tdir.glob("optimizer-ep*.pt")):
-        raise TrainingError(f"policy_update: {tdir} holds expert-parallel optimizer shards; resume with the "
-                            "trainer.expert_parallel_size they were written with")
+    elif (tdir / "optimizer").is_dir() or any(tdir.glob("optimizer-ep*.pt")):
+        raise TrainingError(f"policy_update: {tdir} holds the optimizer state of a sharded trainer (a mesh of "
+                            "ranks); continue on a mesh (trainer.data_parallel_shard x trainer.expert_parallel_size "
+                            "> 1), any shape: its Distributed Checkpoint reshards")
     if (tdir / "state.json").is_file():
         counters = Counters(**json.loads((tdir / "state.json").read_text()))
     return model, opt, counters
@@ -129,7 +130,8 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
             aux.close()
     metrics = {f"train/{k}": v / max(done, 1) for k, v in sums.items()}
     metrics.update({"train/steps": float(done), "train/skipped_steps": float(skipped),
-                    "train/logprob_mismatch": mismatch, "train/tokens": tokens, "train/ep_size": 1.0})
+                    "train/logprob_mismatch": mismatch, "train/tokens": tokens, "train/ep_size": 1.0,
+                    "train/dp_shard": 1.0})
     return metrics
 
 
@@ -138,7 +140,7 @@ def run_policy_update(cfg: RunConfig, batch_path: str | Path, state_in: str | Pa
     from moerl.provenance import stage_start
 
     stage_start(cfg, "policy_update", run_id)  # records where it runs; enforces `require:`
-    if cfg.trainer.expert_parallel_size > 1:
+    if cfg.trainer.world_size > 1:  # the mesh: FSDP2 + expert parallelism over ranks
         from moerl.components.policy_update.launcher import run_expert_parallel
 
         return run_expert_parallel(cfg, batch_path, state_in, state_out, iteration)

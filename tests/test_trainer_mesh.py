@@ -1,0 +1,90 @@
+"""The trainer on a 2-D mesh (data_parallel_shard x expert_parallel_size) with FSDP2: at
+(1, 4), (2, 2) and (4, 1) on four gloo ranks, one step's loss and every gradient equal the
+single-process model's, each rank holds a 1/world share of the weights, gradients and Adam
+state, and a version saved at (2, 2) resumes at (1, 4) with its optimizer state resharded."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from moerl.components.policy_update.trainer import run_policy_update
+from moerl.config import parse_config
+from moerl.models.tiny import build_tiny_model
+from moerl.records import write_records
+from tests import ep_worker, mesh_worker
+from tests.test_ep_equivalence import _batch
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5  # float32, a different summation order
+MESHES = [(1, 4), (2, 2), (4, 1)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(parse_config({}).model.tiny, tmp_path_factory.mktemp("mesh") / "model")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    model = ep_worker.tiny_model(tiny)
+    packed = ep_worker.batch_tensors()
+    n = packed.input_ids_NL.shape[0]
+    loss = ep_worker.step_loss_and_grads(model, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum()))
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    total = sum(p.numel() for p in model.parameters()) * 4  # float32
+    return loss.detach(), grads, total
+
+
+@pytest.mark.parametrize("dp, ep", MESHES)
+def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_its_share(tiny, reference, tmp_path,
+                                                                                        dp, ep):
+    ref_loss, ref_grads, total_bytes = reference
+    world = dp * ep
+    mp.spawn(mesh_worker.mesh_rank, args=(world, dp, ep, str(tiny), str(tmp_path)), nprocs=world, join=True)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    assert abs(outs[0]["loss"].item() - ref_loss.item()) <= TOL
+    for o in outs:
+        assert set(o["grads"]) == set(ref_grads)
+        for name, g in o["grads"].items():
+            scale = max(1.0, float(ref_grads[name].abs().max()))
+            assert (g - ref_grads[name]).abs().max() <= TOL * scale, name
+    # dense weights are sharded over every rank, experts over dp within their EP group
+    placed = outs[0]["placements"]
+    assert all("dp_ep" in v for k, v in placed.items() if "experts" not in k)
+    assert all("('dp',)" in v for k, v in placed.items() if "experts" in k)
+    # weights + gradients + Adam's two moments, all float32: 4 copies of the model over world ranks
+    share = 4 * total_bytes / world
+    for o in outs:
+        assert o["held_bytes"] <= 1.1 * share, (o["held_bytes"], share)
+    assert sum(o["held_bytes"] for o in outs) >= 4 * total_bytes  # nothing missing
+
+
+def _cfg(dp: int, ep: int):
+    return parse_config({"trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003,
+                                     "micro_batch_tokens": 24, "expert_parallel_size": ep, "data_parallel_shard": dp}})
+
+
+def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path):
+    """The second iteration from a (2, 2) version gives the same weights at (1, 4) as at (2, 2):
+    Adam's moments were resharded onto the other mesh, not lost (a fresh optimizer moves the
+    weights differently, checked as the control)."""
+    build_tiny_model(_cfg(1, 1).model.tiny, tmp_path / "s0")
+    write_records(tmp_path / "batch.jsonl", _batch())
+    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0)
+    assert (tmp_path / "s1" / "trainer" / "optimizer" / ".metadata").is_file()
+    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "same", iteration=1)
+    run_policy_update(_cfg(1, 4), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "other", iteration=1)
+    fresh = tmp_path / "s1-fresh"  # the same weights without the optimizer state
+    import shutil
+
+    shutil.copytree(tmp_path / "s1", fresh, ignore=shutil.ignore_patterns("optimizer"))
+    run_policy_update(_cfg(1, 4), tmp_path / "batch.jsonl", fresh, tmp_path / "control", iteration=1)
+    w1 = load_file(tmp_path / "s1" / "model.safetensors")
+    same, other, control = (load_file(tmp_path / d / "model.safetensors") for d in ("same", "other", "control"))
+    far = 0
+    for name, a in same.items():
+        moved = float((a - w1[name]).norm())
+        assert float((other[name] - a).norm()) <= 0.05 * moved + 1e-6, name
+        far += float((control[name] - a).norm()) > 0.2 * moved + 1e-6
+    assert far > len(same) // 4  # without the moments the step is a different one
