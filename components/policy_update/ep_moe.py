@@ -20,8 +20,11 @@ real block (tests), it copies this rank's slice.
 `gather_full_experts` rebuilds the full [E, ...] tensors on every rank (tests); saving gathers
 one layer at a time to rank 0 instead (`ep_checkpoint.save_ep_checkpoint`).
 
-Limitations: the expert loop runs one GEMM pair per local expert (no grouped GEMM);
-Mixtral's router jitter noise is not applied (it is 0 in inference configs).
+The experts run as two grouped GEMMs over all local experts (`F.grouped_mm`; the per-expert
+loop survives as `experts_loop`, the reference the tests compare against).
+
+Limitations: Mixtral's router jitter noise is not applied (it is 0 in inference configs);
+on CUDA, `F.grouped_mm` wants bf16 (`trainer.mixed_precision: bf16`).
 """
 
 from __future__ import annotations
@@ -43,11 +46,30 @@ class LocalExperts(nn.Module):
         self.act_fn = act_fn
 
     def forward(self, recv_RH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for e, rows_RH in enumerate(torch.split(recv_RH, counts_L.tolist())):
-            gate, up = F.linear(rows_RH, self.gate_up_proj_LIH[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj_LHI[e]))
-        return torch.cat(outs) if outs else recv_RH[:0]
+        """Rows grouped by local expert (`counts_L` rows each) through their experts: two
+        grouped GEMMs (`F.grouped_mm`), no loop over experts and no host sync."""
+        offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
+        gate_up_RI2 = _grads_contiguous(F.grouped_mm(recv_RH, self.gate_up_proj_LIH.transpose(-2, -1), offs=offs_L))
+        gate, up = gate_up_RI2.chunk(2, dim=-1)
+        return _grads_contiguous(F.grouped_mm(self.act_fn(gate) * up, self.down_proj_LHI.transpose(-2, -1), offs=offs_L))
+
+
+def _grads_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """grouped_mm's backward refuses an expanded (stride 0) incoming gradient, which a plain
+    `.sum()` produces: hand it a contiguous one."""
+    if t.requires_grad:
+        # (an empty expanded tensor counts as contiguous: build a fresh one then)
+        t.register_hook(lambda g: g.contiguous() if g.numel() else torch.zeros(g.shape, dtype=g.dtype, device=g.device))
+    return t
+
+
+def experts_loop(experts: LocalExperts, recv_RH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+    """The per-expert loop `LocalExperts.forward` replaces, kept as the reference for tests."""
+    outs = []
+    for e, rows_RH in enumerate(torch.split(recv_RH, counts_L.tolist())):
+        gate, up = F.linear(rows_RH, experts.gate_up_proj_LIH[e]).chunk(2, dim=-1)
+        outs.append(F.linear(experts.act_fn(gate) * up, experts.down_proj_LHI[e]))
+    return torch.cat(outs) if outs else recv_RH[:0]
 
 
 class EPMoEBlock(nn.Module):

@@ -71,22 +71,31 @@ def flat_mesh(mesh):
     return mesh["dp", "ep"]._flatten("dp_ep")
 
 
-def apply_fsdp(model, ep_blocks, mesh) -> list:
+def apply_fsdp(model, ep_blocks, mesh, mixed_precision: str = "off", activation_checkpointing: bool = False) -> list:
     """FSDP2 on the mesh, torchtitan's MoE layout: each MoE layer's local experts sharded on
     the `dp` dimension (the ranks that hold the same experts), every decoder layer's dense
     weights and then the rest (embeddings, final norm, lm_head) on all ranks (`flat`).
     Gradients are summed, never averaged: every rank's loss is already divided by the global
     token count (gloo has no pre-multiplied sum, so the division is ours). Returns the FSDP
-    modules, innermost first."""
-    from torch.distributed.fsdp import fully_shard
+    modules, innermost first.
 
+    `mixed_precision` bf16: parameters are all-gathered and computed in bf16 while the sharded
+    master weights (what Adam updates) stay float32 and gradients are reduced in float32.
+    `activation_checkpointing`: each decoder layer recomputes its activations in the backward
+    (transformers' own non-reentrant checkpointing, so parameter names do not change)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if mixed_precision == "bf16" else MixedPrecisionPolicy()
     flat = flat_mesh(mesh)
-    units = [fully_shard(b.experts, mesh=mesh["dp"]) for b in ep_blocks]
+    units = [fully_shard(b.experts, mesh=mesh["dp"], mp_policy=mp) for b in ep_blocks]
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise TrainingError(f"policy_update: {type(model).__name__} has no model.layers to shard")
-    units += [fully_shard(layer, mesh=flat) for layer in layers]
-    units.append(fully_shard(model, mesh=flat))
+    units += [fully_shard(layer, mesh=flat, mp_policy=mp) for layer in layers]
+    units.append(fully_shard(model, mesh=flat, mp_policy=mp))
     for u in units:
         u.set_force_sum_reduction_for_comms(True)
         u.set_gradient_divide_factor(1.0)
@@ -112,7 +121,7 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
     model, ep_blocks, layout = load_ep_model(state_in, dispatcher, getattr(torch, cfg.model.dtype), cfg.trainer.device,
                                              cfg.trainer.aux_loss_coef)
     if shard:
-        apply_fsdp(model, ep_blocks, mesh)
+        apply_fsdp(model, ep_blocks, mesh, cfg.trainer.mixed_precision, cfg.trainer.activation_checkpointing)
     tdir = state_in / TRAINER_DIR
     counters = Counters(**json.loads((tdir / "state.json").read_text())) if (tdir / "state.json").is_file() else Counters()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)

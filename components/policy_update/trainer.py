@@ -74,6 +74,8 @@ def _load_state(state_dir: Path, cfg: RunConfig):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(state_dir, dtype=getattr(torch, cfg.model.dtype)).to(cfg.trainer.device)
+    if cfg.trainer.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
     counters = Counters()
     tdir = state_dir / TRAINER_DIR
@@ -140,7 +142,7 @@ def run_policy_update(cfg: RunConfig, batch_path: str | Path, state_in: str | Pa
     from moerl.provenance import stage_start
 
     stage_start(cfg, "policy_update", run_id)  # records where it runs; enforces `require:`
-    if cfg.trainer.world_size > 1:  # the mesh: FSDP2 + expert parallelism over ranks
+    if cfg.trainer.on_mesh:  # the mesh: FSDP2 + expert parallelism over ranks (or one, for bf16 mixed precision)
         from moerl.components.policy_update.launcher import run_expert_parallel
 
         return run_expert_parallel(cfg, batch_path, state_in, state_out, iteration)

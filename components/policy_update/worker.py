@@ -219,7 +219,7 @@ def _train(cfg: RunConfig, model, opt, counters, samples, version: int, state_di
     from moerl.components.policy_update.trainer import _save_state, run_policy_update, train_on_batch
 
     t0 = time.perf_counter()
-    if cfg.trainer.world_size > 1:  # ranks load and save through files
+    if cfg.trainer.on_mesh:  # ranks load and save through files
         batch_path = out_dir.parent / "batch.jsonl"
         write_records(batch_path, samples)
         metrics = run_policy_update(cfg, batch_path, state_dir, out_dir, version)
@@ -262,7 +262,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     state_dir = work / f"v{latest}"
     policy = prepare_resume(cfg, run_id, latest, state_dir)
     model = opt = counters = None
-    if cfg.trainer.world_size == 1:
+    if not cfg.trainer.on_mesh:
         model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
     issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id), version_ref, epoch)

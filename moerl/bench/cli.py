@@ -8,7 +8,7 @@
     moerl bench project          the seed's scale on paper: dispatch share and rollout gain
     moerl bench weights          publish / fetch / hot swap / redistribution, side by side
     moerl bench dispatch         expert-parallel dispatch/combine backends side by side
-    moerl bench ep-memory        peak RSS per expert-parallel rank at EP = 1, 2, 4
+    moerl bench ep-memory        per-rank state (vs 1/world) and peak RSS at meshes dp x ep
     moerl compare RUN_ID...      MLflow runs side by side: params that differ, metrics with
                                  deltas and confidence intervals, plots
 
@@ -82,10 +82,11 @@ def _dispatch(a: argparse.Namespace) -> int:
 
 
 def _ep_memory(a: argparse.Namespace) -> int:
-    from moerl.bench.ep_memory import parse_world_sizes, run_bench_ep_memory
+    from moerl.bench.ep_memory import parse_meshes, parse_world_sizes, run_bench_ep_memory
 
-    run_bench_ep_memory(parse_world_sizes(a.world_sizes), Path(a.out), num_layers=a.layers, num_experts=a.experts,
-                        hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate_size)
+    run_bench_ep_memory(parse_world_sizes(a.world_sizes), Path(a.out),
+                        meshes=parse_meshes(a.meshes) if a.meshes else None, num_layers=a.layers,
+                        num_experts=a.experts, hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate_size)
     return 0
 
 
@@ -171,8 +172,9 @@ def add_bench_parsers(sub) -> None:
     bd.add_argument("--out", default="bench/dispatch.json")
     bd.set_defaults(func=_dispatch)
 
-    bm = bsub.add_parser("ep-memory", help="peak RSS per expert-parallel rank at EP = 1, 2, 4 (load, step, save)")
-    bm.add_argument("--world-sizes", default="1,2,4")
+    bm = bsub.add_parser("ep-memory", help="per-rank state bytes (vs 1/world) and peak RSS at several trainer meshes")
+    bm.add_argument("--world-sizes", default="1,2,4", help="meshes 1xW (expert parallel only)")
+    bm.add_argument("--meshes", default=None, help="DPxEP meshes, e.g. 1x4,2x2,4x1 (overrides --world-sizes)")
     bm.add_argument("--layers", type=int, default=None, help="default 4")
     bm.add_argument("--experts", type=int, default=None, help="default 64")
     bm.add_argument("--hidden", type=int, default=None, help="default 512")

@@ -1,22 +1,29 @@
-"""Expert-parallel memory benchmark: peak RSS per rank at EP = 1, 2, 4, side by side.
+"""Trainer memory benchmark: what each rank holds, and its peak RSS, at several meshes side by side.
 
-    moerl bench ep-memory [--world-sizes 1,2,4] [--layers 4] [--experts 64] [--hidden 512]
+    moerl bench ep-memory [--world-sizes 1,2,4 | --meshes 1x4,2x2,4x1] [--layers 4] [--experts 64] [--hidden 512]
+
+A mesh is DPxEP: `trainer.data_parallel_shard` x `trainer.expert_parallel_size` ranks;
+`--world-sizes W,...` means the meshes 1xW.
 
 Methodology: a Qwen3-MoE whose experts dominate its size (default 64 experts, hidden 512,
 expert intermediate 256, 4 layers: ~403 MB of float32 experts, ~16 MB of everything else) is
 built from a seed into a temporary directory (no hub) and saved by transformers. For each
-EP size, EP ranks are spawned (gloo over loopback, a file store, one thread per rank) and run
-the real trainer path: `ep_train.setup` (load), one `train_ep` optimizer step (AdamW: grads
-and both moments appear here), then `ep_train.save_ep` (rank 0 receives the experts layer by
-layer and writes the HF checkpoint). Each rank records its peak RSS (VmHWM from
+EP mesh, dp x ep ranks are spawned (gloo over loopback, a file store, one thread per rank) and run
+the real trainer path: `ep_train.setup` (load, then FSDP2 on the mesh), one `train_ep`
+optimizer step (AdamW: grads and both moments appear here), then `ep_train.save_ep` (the
+optimizer state through Distributed Checkpoint; rank 0 receives each tensor whole, one at a
+time, and writes the HF checkpoint). Each rank counts the bytes it holds after the step
+(its shards of the weights, gradients and both Adam moments) against the model's total x 4 /
+(dp x ep): the sharding's ratio, 1.0 when nothing is replicated (padding of uneven shards
+adds a little). Each rank records its peak RSS (VmHWM from
 /proc/self/status: the `ru_maxrss` high-water mark without the spawning parent's peak, which
 Linux carries over fork + exec; each value includes the ones before it) after its imports
 (the base), after load, after the step and after the save, and the expert bytes its
 parameters actually hold. EP = 1 runs the same code with one rank.
 
-The expected expert bytes per rank are total expert bytes / EP; the "x EP1" columns divide
-each rank's RSS growth over its base by the EP = 1 rank's, which falls towards 1 / EP as the
-experts dominate (replicated weights, activations and the interpreter do not shard).
+The expected expert bytes per rank are total expert bytes / (dp x ep); the "x EP1" columns
+divide each rank's RSS growth over its base by the one-rank run's, which falls towards
+1 / (dp x ep) as sharded state dominates (activations and the interpreter do not shard).
 
 Limitations: RSS on CPU only (on GPU the same split holds for device memory, which this does
 not measure); the peak after save is reached on rank 0, which also holds one shard of
@@ -68,7 +75,12 @@ def _batch(n: int, vocab: int):
             for i in range(n)]
 
 
-def _rank(rank: int, world: int, model_dir: str, work: str, model: dict, out_file: str) -> None:
+def _local_mb(t) -> float:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size() / 2**20
+
+
+def _rank(rank: int, world: int, dp: int, model_dir: str, work: str, model: dict, out_file: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     from moerl.components.policy_update.ep_train import save_ep, setup, train_ep
@@ -77,22 +89,32 @@ def _rank(rank: int, world: int, model_dir: str, work: str, model: dict, out_fil
     from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
 
     base = _peak_mb()
-    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-{world}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-{dp}x{world // dp}", rank=rank, world_size=world)
     try:
-        cfg = parse_config({"model": {"tiny": model}, "trainer": {"expert_parallel_size": world,
-                                                                  "optimizer_steps_per_iteration": 1}})
+        cfg = parse_config({"model": {"tiny": model}, "trainer": {
+            "expert_parallel_size": world // dp, "data_parallel_shard": dp, "optimizer_steps_per_iteration": 1}})
         t0 = time.perf_counter()
-        m, opt, counters, blocks, layout, _ = setup(cfg, Path(model_dir))
+        m, opt, counters, blocks, layout, _, mesh = setup(cfg, Path(model_dir))
         expert_ids = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
         held = {True: 0.0, False: 0.0}
+        total = 0.0  # the whole model's bytes (a DTensor's numel is the whole tensor's)
         for p in m.parameters():
-            held[id(p) in expert_ids] += p.numel() * p.element_size() / 2**20
-        rec: dict[str, Any] = {"rank": rank, "world": world, "rss_base_mb": base, "rss_load_mb": _peak_mb(),
-                               "load_s": time.perf_counter() - t0, "experts_held": blocks[0].gate_up_proj_LIH.shape[0],
-                               "expert_mb_held": held[True], "replicated_mb_held": held[False]}
+            held[id(p) in expert_ids] += _local_mb(p)
+            total += p.numel() * p.element_size() / 2**20 if id(p) not in expert_ids else 0.0
+        total += sum(b.num_experts * 3 * b.gate_up_proj_LIH.shape[2] * b.down_proj_LHI.shape[2] * 4 / 2**20
+                     for b in blocks)  # float32 experts of every layer
+        rec: dict[str, Any] = {"rank": rank, "world": world, "dp": dp, "ep": world // dp, "rss_base_mb": base,
+                               "rss_load_mb": _peak_mb(), "load_s": time.perf_counter() - t0,
+                               "experts_held": int(blocks[0].gate_up_proj_LIH.to_local().shape[0]),
+                               "expert_mb_held": held[True], "replicated_mb_held": held[False], "model_mb": total}
         train_ep(m, opt, counters, blocks, _batch(8, m.config.vocab_size), cfg, seed=0)
         rec["rss_step_mb"] = _peak_mb()
-        save_ep(m, opt, counters, blocks, layout, Path(model_dir), Path(work) / f"saved-ep{world}")
+        state = sum(_local_mb(p) + (_local_mb(p.grad) if p.grad is not None else 0.0) for p in m.parameters())
+        state += sum(_local_mb(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
+        rec["state_mb_held"] = state  # weights + grads + both Adam moments, this rank's shards
+        rec["state_mb_expected"] = 4 * total / world
+        rec["state_ratio"] = state / rec["state_mb_expected"]
+        save_ep(m, opt, counters, blocks, layout, mesh, Path(model_dir), Path(work) / f"saved-{dp}x{world // dp}")
         rec["rss_save_mb"] = _peak_mb()
         records: list[Any] = [None] * world
         dist.all_gather_object(records, rec)
@@ -103,7 +125,7 @@ def _rank(rank: int, world: int, model_dir: str, work: str, model: dict, out_fil
 
 
 def _ratio_rows(records: list[dict], expert_mb_total: float) -> list[dict]:
-    ref = next(r for r in records if r["world"] == 1) if any(r["world"] == 1 for r in records) else None
+    ref = next((r for r in records if r["world"] == 1), None)
     for r in records:
         r["expert_mb_expected"] = expert_mb_total / r["world"]
         for phase in ("load", "step"):
@@ -119,12 +141,13 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"Qwen3-MoE E={m['num_experts']} H={m['hidden_size']} I={m['moe_intermediate_size']} "
              f"layers={m['num_layers']} float32: experts {report['expert_mb_total']:.0f} MB, "
              f"other {report['other_mb_total']:.0f} MB; peak RSS (VmHWM) per rank, MiB",
-             "EP | rank | experts | expert MB expected/held | base | load | step | save "
-             "| load-base (x EP1) | step-base (x EP1) | 1/EP"]
+             "dp x ep | rank | experts | expert MB expected/held | state MB expected/held (ratio) | base | load "
+             "| step | save | load-base (x 1 rank) | step-base (x 1 rank) | 1/world"]
     for r in report["results"]:
         lines.append(" | ".join([
-            str(r["world"]), str(r["rank"]), str(r["experts_held"]),
+            f"{r['dp']}x{r['ep']}", str(r["rank"]), str(r["experts_held"]),
             f"{r['expert_mb_expected']:.0f}/{r['expert_mb_held']:.0f}",
+            f"{r['state_mb_expected']:.0f}/{r['state_mb_held']:.0f} ({r['state_ratio']:.2f})",
             *(f"{r[f'rss_{k}_mb']:.0f}" for k in ("base", "load", "step", "save")),
             *(f"{r[f'{k}_growth_mb']:.0f} ({r.get(f'{k}_growth_x_ep1', float('nan')):.2f})" for k in ("load", "step")),
             f"{1 / r['world']:.2f}"]))
@@ -143,28 +166,43 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def parse_meshes(text: str) -> tuple[tuple[int, int], ...]:
+    """`--meshes 1x4,2x2` -> ((1, 4), (2, 2)) as (dp, ep); anything else is a one-line ConfigError."""
+    try:
+        meshes = tuple((int(a), int(b)) for a, b in (m.lower().split("x") for m in text.split(",")))
+    except ValueError:
+        meshes = ()
+    if not meshes or min(min(m) for m in meshes) < 1:
+        raise ConfigError(f"bench ep-memory --meshes: {text!r} is not allowed; give comma-separated DPxEP pairs of "
+                          "positive integers, e.g. 1x4,2x2,4x1")
+    return meshes
+
+
 def run_bench_ep_memory(world_sizes: tuple[int, ...] = (1, 2, 4), out: Path | None = None,
-                        **model_overrides: int) -> dict[str, Any]:
-    """Spawn each EP size in turn on this machine; print the table, write JSON to `out`."""
+                        meshes: tuple[tuple[int, int], ...] | None = None, **model_overrides: int) -> dict[str, Any]:
+    """Spawn each mesh (dp, ep) in turn on this machine (`meshes`, else 1 x each of
+    `world_sizes`); print the table, write JSON to `out`."""
     import torch.multiprocessing as mp
 
     from moerl.config import parse_config
     from moerl.models.tiny import build_tiny_model
 
     model = {**BENCH_MODEL, **{k: v for k, v in model_overrides.items() if v is not None}}
-    for world in world_sizes:  # bad sizes fail here, in one line, before any rank starts
-        tiny = parse_config({"model": {"tiny": model}, "trainer": {"expert_parallel_size": world}}).model.tiny
+    meshes = meshes or tuple((1, w) for w in world_sizes)
+    for dp, ep in meshes:  # bad sizes fail here, in one line, before any rank starts
+        tiny = parse_config({"model": {"tiny": model}, "trainer": {"expert_parallel_size": ep,
+                                                                  "data_parallel_shard": dp}}).model.tiny
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="moerl-ep-memory-") as work:
         model_dir = build_tiny_model(tiny, Path(work) / "model")
-        for world in world_sizes:
-            out_file = str(Path(work) / f"ranks-{world}.json")
-            mp.spawn(_rank, args=(world, str(model_dir), work, model, out_file), nprocs=world, join=True)
+        for dp, ep in meshes:
+            out_file = str(Path(work) / f"ranks-{dp}x{ep}.json")
+            mp.spawn(_rank, args=(dp * ep, dp, str(model_dir), work, model, out_file), nprocs=dp * ep, join=True)
             results += json.loads(Path(out_file).read_text())
     per_layer = tiny.num_experts * 3 * tiny.hidden_size * tiny.moe_intermediate_size * 4
     expert_mb = per_layer * tiny.num_layers / 2**20
     report = envelope("ep-memory", True, model=model, expert_mb_total=expert_mb,
-                      other_mb_total=results[0]["replicated_mb_held"],
+                      other_mb_total=results[0]["model_mb"] - expert_mb,
                       methodology=__doc__.split("Methodology: ")[1].split("Limitations:")[0].strip(),
                       results=_ratio_rows(results, expert_mb))
     print(format_table(report))

@@ -115,6 +115,10 @@ def begin_run(cfg: RunConfig, uri: str, mode: str, resume: str | None = None, re
         return resume
     tags = provenance.collect()
     tags["moerl.mode"] = mode
+    tc = cfg.trainer  # how the policy trains: its mesh and precision, in words
+    tags["moerl.trainer.mesh"] = f"dp {tc.data_parallel_shard} x ep {tc.expert_parallel_size}" \
+        + (" (FSDP2)" if tc.on_mesh else " (one process)")
+    tags["moerl.trainer.precision"] = tc.precision_policy(cfg.model.dtype)
     run_id = tracking.start_run(cfg, uri, tags)
     print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}", flush=True)
     return run_id
