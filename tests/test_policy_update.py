@@ -111,5 +111,5 @@ def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):
 
 def test_expert_parallel_ranks_that_fail_give_one_clear_error(state0, tmp_path):
     cfg = parse_config({"trainer": {"expert_parallel_size": 2}})
-    with pytest.raises(TrainingError, match=r"expert-parallel training \(local, 2 ranks, all_to_all\) exited with"):
+    with pytest.raises(TrainingError, match=r"sharded training \(local, 2 ranks: mesh dp 1 x ep 2, all_to_all\) exited with"):
         run_policy_update(cfg, tmp_path / "no-such-batch.jsonl", state0, tmp_path / "s1", iteration=0)

@@ -96,7 +96,7 @@ def test_sigterm_kills_every_rank_and_fails_the_task(blocked_task):
     task.send_signal(signal.SIGTERM)
     _, err = task.communicate(timeout=30)
     assert task.returncode != 0
-    assert "received SIGTERM; killed every rank of expert-parallel training (local, 2 ranks" in err
+    assert "received SIGTERM; killed every rank of sharded training (local, 2 ranks" in err
     assert not _mentioning(marker, task.pid)  # gone before the task exited, not merely later
 
 
@@ -108,7 +108,7 @@ def test_ranks_past_the_timeout_are_killed_with_a_clear_error(state0, tmp_path):
     os.mkfifo(tmp_path / "batch.jsonl")
     cfg = parse_config({"trainer": {"expert_parallel_size": 2}})
     t0 = time.monotonic()
-    with pytest.raises(TrainingError, match=r"\(local, 2 ranks, all_to_all\) did not finish within 4 s "
+    with pytest.raises(TrainingError, match=r"\(local, 2 ranks: mesh dp 1 x ep 2, all_to_all\) did not finish within 4 s "
                                             r"\(the rank timeout\); killed every rank"):
         run_expert_parallel(cfg, tmp_path / "batch.jsonl", state0, tmp_path / "s1", 0, rank_timeout_s=4)
     assert time.monotonic() - t0 < 30
