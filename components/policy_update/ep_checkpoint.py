@@ -130,8 +130,9 @@ def read_layout(path: Path, model: nn.Module, blocks: list[EPMoEBlock]) -> Check
         used |= {k.gate, k.down} if k.fused else {t.format(e=e) for t in (k.gate, k.up, k.down)
                                                   for e in range(b.num_experts)}
     unused = sorted(set(keys) - used)
-    if unused:  # what from_pretrained calls unexpected keys: not in the model, so not saved either
-        log.warning("%s: %d tensors the model does not use are dropped: %s", path, len(unused), ", ".join(unused[:5]))
+    if unused:  # from_pretrained's unexpected keys: never trained, never saved; a weight is never dropped silently
+        raise CheckpointError(f"policy_update: {path} holds {len(unused)} tensors the expert-parallel model has no "
+                              f"place for ({', '.join(unused[:5])}); the next version would lose them")
     return CheckpointLayout(keys, names, experts)
 
 

@@ -81,6 +81,12 @@ class EPMoEBlock(nn.Module):
             raise ValueError(f"{e} experts cannot be sharded over {ep} ranks")
         n_local = e // ep
         lo = r * n_local
+        kept = ("gate", "experts")
+        dropped = sorted({n.split(".")[0] for n, _ in block.named_parameters() if n.split(".")[0] not in kept})
+        if dropped:  # a shared expert (Qwen2-MoE, DeepSeek-V3) or another part this block would lose
+            raise ValueError(f"the MoE block {type(block).__name__} holds {', '.join(dropped)} besides its router and "
+                             "experts; the expert-parallel block would drop them, so this model family cannot train "
+                             "on the mesh yet")
         self.gate = block.gate  # the router, replicated
         self.top_k = getattr(block.gate, "top_k", None)
         self.num_experts, self.first_expert = e, lo  # this rank owns experts [lo, lo + n_local)
