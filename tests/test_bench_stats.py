@@ -160,7 +160,8 @@ def test_bench_project_command_writes_report_summary_and_plots(tmp_path, capsys)
     assert rep["inputs"]["model"] == "deepseek-v3" and rep["ep"] == 32
     for name in rep["plots"]:
         assert (out / name).stat().st_size > 1000
-    assert "t_comm" in (out / "summary.md").read_text()
+    assert "t_comm" in (out / "summary.md").read_text() and "micro_batch_tokens_max" in (out / "summary.md").read_text()
+    assert [r["model"] for r in rep["memory_fit"]["rows"]] == ["Qwen3-30B-A3B", "Qwen3-235B-A22B", "DeepSeek-V3"]
     assert "gain of deepep over nccl-a2a" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:  # argparse: the allowed models are named
         main(["bench", "project", "--model", "nope", "--out-dir", str(out)])
@@ -248,3 +249,23 @@ def test_compare_refuses_unknown_runs_and_a_single_run(tmp_path):
                  "--tracking-uri", uri, "--out-dir", str(tmp_path / "c")]) == 2
     assert main(["compare", "0123456789abcdef0123456789abcdef", "--tracking-uri", uri,
                  "--out-dir", str(tmp_path / "c")]) == 2
+
+
+def test_memory_fit_at_the_seeds_scale_reproduces_the_published_arithmetic():
+    """Static memory per GPU with FSDP2 + EP over 128 H200 (fp32 master, grads and Adam: 16 bytes
+    per parameter) and with the dense part replicated at EP 8, as docs/benchmarks.md states it;
+    activation checkpointing is what lets the largest models take a useful micro-batch."""
+    from moerl.bench.memfit import FitInputs, choose_ep, fit
+
+    on, off = FitInputs(), FitInputs(activation_checkpointing=False)
+    expected = {"qwen3-30b-a3b": (3.81, 82.1), "qwen3-235b-a22b": (29.4, 581), "deepseek-v3": (83.9, 1581)}
+    for name, (static, replicated) in expected.items():
+        row = fit(MODELS[name], on)
+        assert row["mesh"] == {"dp": 16, "ep": 8} and row["gpus"] == 128
+        assert row["static_gb"] == pytest.approx(static, rel=0.01)
+        assert row["static_gb_replicated_dense"] == pytest.approx(replicated, rel=0.01)
+        assert row["fits_static"] and row["micro_batch_tokens_max"] > fit(MODELS[name], off)["micro_batch_tokens_max"]
+    assert not fit(MODELS["deepseek-v3"], off)["fits_at_micro_batch_tokens"]  # 8192 tokens without checkpointing
+    assert fit(MODELS["deepseek-v3"], on)["fits_at_micro_batch_tokens"]
+    assert not fit(MODELS["deepseek-v3"], FitInputs(nodes=2))["fits_static"]  # 16 GPUs cannot hold it
+    assert choose_ep(128, 8) == 8 and choose_ep(6, 8) == 6 and choose_ep(7, 4) == 1

@@ -323,6 +323,9 @@ def add_project_args(p) -> None:
     p.add_argument("--claimed-gain", type=float, default=d.claimed_gain)
     p.add_argument("--calibrate-suite", default=None, metavar="REPORT",
                    help="a `moerl bench suite` report.json: env time and imbalance from its measurements")
+    p.add_argument("--trainer-nodes", type=int, default=16, help="memory fit: trainer nodes (GPUs per node as above)")
+    p.add_argument("--hbm-gb", type=float, default=141.0, help="memory fit: GB per GPU (H200: 141)")
+    p.add_argument("--no-activation-checkpointing", action="store_true", help="memory fit without it")
     p.add_argument("--out-dir", default="bench/project")
 
 
@@ -360,10 +363,28 @@ def format_projection(rep: dict[str, Any]) -> str:
                                                         for r in rep["sweep_decode_batch"]),
              "trajectory gain by env time / generation time: " + ", ".join(
                  f"{r['env_over_generation']:g}: {r['gain_trajectories']:+.1%}" for r in rep["sweep_env"])]
+    if "memory_fit" in rep:
+        from moerl.bench.memfit import FitInputs, format_fit
+
+        lines += ["", format_fit(rep["memory_fit"]["rows"], FitInputs(**rep["memory_fit"]["inputs"]))]
     c = rep["calibration"]
     lines.append(f"calibration: routing bytes measured / predicted = {c['bytes']['ratio_per_node_dedup']:.3f} "
                  f"(per node), {c['bytes']['ratio_per_expert']:.3f} (per expert)")
     return "\n".join(lines)
+
+
+def memory_fit(a) -> dict[str, Any]:
+    """The memory-fit table (moerl/bench/memfit.py) of every model at the trainer's mesh."""
+    from dataclasses import asdict as _asdict
+
+    from moerl.bench.memfit import FitInputs, fit_table
+    from moerl.bench.memfit import formulas as fit_formulas
+
+    if a.trainer_nodes < 1 or a.hbm_gb <= 0:
+        raise ConfigError("bench project: --trainer-nodes must be >= 1 and --hbm-gb > 0")
+    inp = FitInputs(nodes=a.trainer_nodes, gpus_per_node=a.gpus_per_node, hbm_gb=a.hbm_gb,
+                    activation_checkpointing=not a.no_activation_checkpointing)
+    return {"inputs": _asdict(inp), "formulas": fit_formulas(), "rows": fit_table(MODELS.values(), inp)}
 
 
 def run_project(a, out_dir: Path) -> dict[str, Any]:
@@ -380,6 +401,7 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
         inp, calibration["suite"] = calibrate_from_suite(inp, Path(a.calibrate_suite), base)
     rep = project(inp)
     rep.update(bench="project", schema=1, calibration=calibration, versions=provenance.collect())
+    rep["memory_fit"] = memory_fit(a)
     ratios = (calibration["bytes"]["ratio_per_node_dedup"], calibration["bytes"]["ratio_per_expert"])
     rep["ok"] = all(0.95 <= r <= 1.05 for r in ratios)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,7 +417,8 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
                     "the gain shrinks when the environment dominates")]
     text = format_projection(rep)
     (out_dir / "summary.md").write_text("# moerl bench project\n\n```\n" + text + "\n```\n\nFormulas:\n\n```\n"
-                                        + "\n".join(rep["formulas"]) + "\n```\n")
+                                        + "\n".join(rep["formulas"]) + "\n```\n\nMemory fit:\n\n```\n"
+                                        + "\n".join(rep["memory_fit"]["formulas"]) + "\n```\n")
     write_report(out_dir / "report.json", rep)
     print(text)
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'summary.md'} and {len(rep['plots'])} plots")
