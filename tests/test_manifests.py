@@ -490,3 +490,32 @@ def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones
     bare = {"metadata": {"labels": {}}, "spec": {"containers": [{"name": "x", "image": "x"}]}}
     assert len(refused(bare, "system:serviceaccount:moerl:moerl-pipeline")) == 4  # the account that may create pods
     assert refused(bare) is None  # KFP's own task pods (created by Argo) are not matched
+
+
+def test_third_party_images_are_pinned_by_digest_through_the_image_digests_component(tmp_path):
+    """scripts/pin_images.py: the prod overlay includes the image-digests component; with pins
+    written (digests made up here: the registries are out of reach, the kustomize build is
+    real), every third-party image of prod, prod-bench and prod-karpenter renders as
+    name@sha256:..., and `--check` passes; on the committed tree it names what is not pinned."""
+    import hashlib
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import pin_images
+    finally:
+        sys.path.pop(0)
+    copy_root = tmp_path / "manifests"
+    shutil.copytree(MANIFESTS, copy_root)
+    refs = pin_images.third_party(pin_images.images(pin_images.build(copy_root / "overlays" / "prod")))
+    assert len(refs) >= 4 and not any("moerl-" in r for r in refs)
+    pins = {r: "sha256:" + hashlib.sha256(r.encode()).hexdigest() for r in refs}
+    (copy_root / "components" / "image-digests" / "kustomization.yaml").write_text(pin_images.component(pins))
+    for overlay in ("prod", "prod-bench", "prod-karpenter"):
+        docs = pin_images.build(copy_root / "overlays" / overlay)
+        assert pin_images.unpinned(docs) == [], overlay
+        rendered = pin_images.third_party(pin_images.images(docs))
+        assert sorted(r.split("@")[1] for r in rendered) == sorted(pins.values())
+    assert pin_images.main(["--check", "--overlay", str(MANIFESTS / "overlays" / "prod")]) == 1  # not pinned yet
+    with pytest.raises(ValueError, match="not a sha256 digest"):
+        pin_images.component({"valkey/valkey:9.1.2": "latest"})

@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
         counters.version += 1
         save_ep(model, opt, counters, ep_blocks, layout, mesh, Path(a.state_in), Path(a.state_out))
+        if cfg.trainer.device == "cuda":  # what this rank's GPU held at its peak (rank 0's is reported)
+            metrics["train/cuda_max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         if dist.get_rank() == 0:
             metrics["timing/policy_update_s"] = time.perf_counter() - t0
             fallback = getattr(dispatcher, "fallback_from", None)

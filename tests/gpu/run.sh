@@ -2,8 +2,10 @@
 # The prepared GPU check, for one machine with one or more CUDA GPUs and moerl installed
 # (the trainer image, or a venv with the CUDA torch and vllm wheels):
 #   bash tests/gpu/run.sh            # prints versions, runs tests/gpu, writes $OUT/gpu-check.txt
-# It checks the CUDA trainer against the CPU trainer, the expert-parallel worker over NCCL
-# (one rank), and a CUDA vLLM engine hot-swapped to a new version against a fresh load; then
+# It checks the CUDA trainer against the CPU trainer, the sharded (FSDP2 + EP) worker over NCCL
+# (one rank; and with bf16 mixed precision and activation checkpointing: its peak memory
+# against the static formula, tokens/s), and a CUDA vLLM engine hot-swapped to a new version
+# against a fresh load; then
 # the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1.
 # Written for a lent GPU; not yet run (no GPU was available to the session that wrote it).
 set -euo pipefail
