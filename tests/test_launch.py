@@ -238,6 +238,11 @@ def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
         run_remote(_cfg(trainer_nodes=2), "policy_update", RUN)
     with pytest.raises(ConfigError, match="rollout_nodes_per_worker 2"):
         run_remote(_cfg(rollout_nodes_per_worker=2), "rollout_worker", RUN, worker="rollout-0")
+    big_mesh = parse_config({"checkpoint": {"uri": "s3://moerl-ckpt/prod"}, "pipeline": {"base_image": "r/moerl:1"},
+                             "trainer": {"device": "cuda", "expert_parallel_size": 8, "data_parallel_shard": 2},
+                             "cluster": {"launch": {"mode": "kubernetes", "service_account": "moerl-gpu"}}})
+    with pytest.raises(ConfigError, match=r"trainer mesh: .* = 16 ranks, but .* = 8 GPUs"):
+        run_remote(big_mesh, "policy_update", RUN)
     with pytest.raises(LaunchError, match="needs the run id"):
         run_remote(_cfg(), "policy_update", "")
     with pytest.raises(ConfigError, match="no remote stage 'buffer'"):

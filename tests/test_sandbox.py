@@ -141,3 +141,15 @@ def test_a_group_deadline_below_what_its_samples_may_take_is_refused():
     with pytest.raises(ConfigError, match=r"reward.timeout_s \(30 s\) is below .* 40 s"):
         load_config(CONFIG, ["reward.timeout_s=30", "reward.sandbox.sample_timeout_s=5"])
     load_config(CONFIG, ["reward.timeout_s=30", "reward.sandbox.sample_timeout_s=5", "reward.sandbox.workers=2"])
+
+
+def test_a_user_model_whose_experts_do_not_split_over_ep_is_refused_before_any_work(tmp_path):
+    from moerl.config import parse_config
+    from moerl.models.tiny import build_tiny_model
+    from moerl.orchestrate.prepare import preflight
+
+    model = build_tiny_model(parse_config({"model": {"tiny": {"num_experts": 6}}}).model.tiny, tmp_path / "m")
+    cfg = load_config(CONFIG, [f"checkpoint.uri={tmp_path / 'ck'}", f"model.path={model}",
+                               "trainer.expert_parallel_size=4"])
+    with pytest.raises(ConfigError, match=r"trainer.expert_parallel_size: 4 does not divide the 6 experts"):
+        preflight(cfg)

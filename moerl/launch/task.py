@@ -79,6 +79,11 @@ def check_launchable(cfg: RunConfig, stage: str) -> None:
     if STAGES[stage].group == "trainer" and la.trainer_nodes > 1:
         raise ConfigError(f"cluster.launch.trainer_nodes {la.trainer_nodes}: moerl's trainer runs on one node "
                           "(its expert-parallel ranks do not join across nodes yet); set 1")
+    world = cfg.trainer.world_size
+    if STAGES[stage].group == "trainer" and cfg.trainer.device == "cuda" and world > la.gpus_per_node * la.trainer_nodes:
+        raise ConfigError(f"trainer mesh: trainer.data_parallel_shard x trainer.expert_parallel_size = {world} ranks, "
+                          f"but the trainer gets cluster.launch.gpus_per_node x trainer_nodes = "
+                          f"{la.gpus_per_node * la.trainer_nodes} GPUs; one rank per GPU")
     if STAGES[stage].group == "rollout" and la.rollout_nodes_per_worker > 1:
         raise ConfigError(f"cluster.launch.rollout_nodes_per_worker {la.rollout_nodes_per_worker}: moerl's rollout "
                           "engine runs on one node (no multi-node join yet); set 1")

@@ -47,9 +47,24 @@ def preflight(cfg: RunConfig) -> None:
         registry.fetch(cfg.checkpoint, rm)
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
+        _check_mesh(cfg)
     from moerl.store.runs import open_store
 
     open_store(cfg.checkpoint).check_access()
+
+
+def _check_mesh(cfg: RunConfig) -> None:
+    """A user's model on the trainer's mesh: its experts must split evenly over ep."""
+    import json
+
+    from moerl.errors import ConfigError
+
+    ep = cfg.trainer.expert_parallel_size
+    hf = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if ep > 1 and isinstance(experts, int) and experts % ep:
+        raise ConfigError(f"trainer.expert_parallel_size: {ep} does not divide the {experts} experts of model.path "
+                          f"{cfg.model.path}; allowed: a divisor of {experts}")
 
 
 def absolutize(cfg: RunConfig) -> RunConfig:
