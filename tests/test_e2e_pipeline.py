@@ -188,8 +188,9 @@ def test_missing_bucket_stops_before_training(tmp_path, s3_server):
 
 @pytest.mark.slow
 def test_the_expert_parallel_trainer_ran_and_its_checkpoint_served_the_next_rollout(e2e_run):
-    """The policy_update task ran 2 EP ranks; the checkpoint they saved is the standard HF
-    layout, which the next iteration's vLLM loaded (iteration 2 ran on version 1)."""
+    """The policy_update task ran 2 EP ranks on the FSDP2 mesh (1, 2); the checkpoint they saved
+    is the standard HF layout, which the next iteration's vLLM loaded (iteration 2 ran on
+    version 1), and the optimizer state a Distributed Checkpoint published with it."""
     from mlflow.tracking import MlflowClient
 
     work, proc = e2e_run
@@ -200,8 +201,12 @@ def test_the_expert_parallel_trainer_ran_and_its_checkpoint_served_the_next_roll
     assert sorted(m.step for m in ep) == [0, 1] and all(m.value == 2 for m in ep)
     assert client.get_metric_history(run.info.run_id, "moe/expert_load_imbalance")
     run_dir = _grpo_run_dir(work)
-    shards = sorted(p.name for p in (run_dir / "versions" / "v000002" / "trainer").iterdir())
-    assert shards == ["optimizer-ep0-of-2.pt", "optimizer-ep1-of-2.pt", "state.json"]
+    trainer = run_dir / "versions" / "v000002" / "trainer"
+    assert sorted(p.name for p in trainer.iterdir()) == ["optimizer", "state.json"]
+    # the sharded optimizer state, a Distributed Checkpoint: one file per rank and its metadata, published
+    assert sorted(p.name for p in (trainer / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert run.data.tags["moerl.trainer.mesh"] == "dp 1 x ep 2 (FSDP2)"
+    assert run.data.tags["moerl.trainer.precision"].startswith("float32 throughout")
 
 
 @pytest.mark.slow
