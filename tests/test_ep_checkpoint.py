@@ -51,14 +51,19 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     tiny = parse_config({}).model.tiny
     qwen = build_tiny_model(tiny, root / "qwen3_moe")
+    from tests.test_trainer_mesh import _family
+
     return {"qwen3_moe": qwen, "mixtral": build_tiny_model(tiny.model_copy(update={"architecture": "mixtral"}),
                                                            root / "mixtral"),
-            "qwen3_moe_fused": _fused_copy(qwen, root / "qwen3_moe_fused")}
+            "qwen3_moe_fused": _fused_copy(qwen, root / "qwen3_moe_fused"),
+            # shared experts kept and saved under their own names; DeepSeek-V3's dense first layer
+            "qwen2_moe": _family("qwen2_moe", root / "qwen2_moe"), "deepseek_v3": _family("deepseek_v3", root / "dsv3")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, arch, shard_bytes", [(2, "qwen3_moe", None), (4, "mixtral", 200_000),
-                                                      (2, "qwen3_moe_fused", 200_000)])
+                                                      (2, "qwen3_moe_fused", 200_000), (2, "qwen2_moe", None),
+                                                      (2, "deepseek_v3", 20_000)])
 def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp_path, world, arch, shard_bytes):
     from transformers import AutoModelForCausalLM
 
@@ -66,7 +71,8 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp
     mp.spawn(ep_worker.ep_load_save_rank, args=(world, str(src), str(tmp_path), shard_bytes), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    layers = [m for n, m in ref.named_modules() if n.endswith("mlp.experts")]
+    named_layers = [(n, m) for n, m in ref.named_modules() if n.endswith("mlp.experts")]
+    layers = [m for _, m in named_layers]
     n_experts = layers[0].gate_up_proj.shape[0]
     n_local = n_experts // world
     expert_numel = sum(p.numel() for m in layers for p in m.parameters())
@@ -83,9 +89,9 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp
         for name, p in replicated.items():
             assert torch.equal(out["loaded"][name], p.detach()), name
         lo = r * n_local
-        for i, m in enumerate(layers):
+        for layer, m in named_layers:
             for mine, full in (("gate_up_proj_LIH", m.gate_up_proj), ("down_proj_LHI", m.down_proj)):
-                assert torch.equal(out["loaded"][f"model.layers.{i}.mlp.experts.{mine}"], full.detach()[lo: lo + n_local])
+                assert torch.equal(out["loaded"][f"{layer}.{mine}"], full.detach()[lo: lo + n_local])
         for name, b in ref.named_buffers():  # rotary inv_freq, rebuilt off the meta device
             assert torch.equal(out["buffers"][name], b), name
 
@@ -94,10 +100,10 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp
     got = dict(saved.named_parameters())
     for name in replicated:
         assert torch.equal(got[name].detach(), ranks[0]["saved"][name]), name
-    for i in range(len(layers)):
+    for layer, _ in named_layers:
         for mine, full in (("gate_up_proj_LIH", "gate_up_proj"), ("down_proj_LHI", "down_proj")):
-            gathered = torch.cat([out["saved"][f"model.layers.{i}.mlp.experts.{mine}"] for out in ranks])
-            assert torch.equal(got[f"model.layers.{i}.mlp.experts.{full}"].detach(), gathered)
+            gathered = torch.cat([out["saved"][f"{layer}.{mine}"] for out in ranks])
+            assert torch.equal(got[f"{layer}.{full}"].detach(), gathered)
     assert _keys(saved_dir) == _keys(src)  # same tensor names as the checkpoint it came from
     weight_files = sorted(f.name for f in saved_dir.glob("*.safetensors"))
     if shard_bytes is None:

@@ -78,18 +78,19 @@ def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward(counts):
         assert a.shape == b.shape and (a.numel() == 0 or (a - b).abs().max() <= 1e-5)
 
 
-def test_a_moe_block_with_a_shared_expert_is_refused_not_dropped():
-    """Qwen2-MoE's sparse block holds a shared expert beside its router and experts: the
-    expert-parallel block would silently lose it, so it refuses, naming it."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+def test_a_moe_block_with_a_part_it_cannot_place_is_refused_not_dropped():
+    """A sparse block holding anything besides its router, experts and shared experts would lose
+    it in the expert-parallel block: refused, naming it."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from moerl.components.policy_update.ep_moe import parallelize_experts
     from moerl.kernels import make_dispatcher
 
-    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                         shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2)
     with torch.device("meta"):
-        model = Qwen2MoeForCausalLM(cfg)
-    with pytest.raises(ValueError, match=r"holds shared_expert, shared_expert_gate besides its router and experts"):
+        model = Qwen3MoeForCausalLM(cfg)
+        model.model.layers[0].mlp.expert_bias_proj = torch.nn.Linear(32, 4)  # a part no family has
+    with pytest.raises(ValueError, match=r"holds expert_bias_proj besides its router, experts and shared experts"):
         parallelize_experts(model, make_dispatcher("local", num_experts=4))

@@ -108,3 +108,46 @@ def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path
         assert float((other[name] - a).norm()) <= 0.05 * moved + 1e-6, name
         far += float((control[name] - a).norm()) > 0.2 * moved + 1e-6
     assert far > len(same) // 4  # without the moments the step is a different one
+
+
+def _family(arch: str, path):
+    """A tiny checkpoint of a family with shared experts: Qwen2-MoE (one shared expert behind a
+    sigmoid gate, softmax router) or DeepSeek-V3 (shared experts, sigmoid router with the bias
+    correction, grouped top-k, MLA attention, a first dense layer)."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2MoeConfig
+
+    common = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    if arch == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48)
+    else:
+        cfg = DeepseekV3Config(**common, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+                               topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-0.05, 0.05, b.numel()))  # a bias that changes the choice
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(tmp_path, arch):
+    """At (2, 2) the loss and every gradient, shared experts and the router included, equal
+    the transformers model's: no weight dropped, the family's router used as it is."""
+    path = _family(arch, tmp_path / arch)
+    ref = ep_worker.tiny_model(path)
+    packed = ep_worker.batch_tensors()
+    n = packed.input_ids_NL.shape[0]
+    ref_loss = ep_worker.step_loss_and_grads(ref, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum()))
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    assert any("shared_expert" in name for name in ref_grads)
+    mp.spawn(mesh_worker.mesh_rank, args=(4, 2, 2, str(path), str(tmp_path)), nprocs=4, join=True)
+    out = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert abs(out["loss"].item() - ref_loss.item()) <= TOL
+    assert set(out["grads"]) == set(ref_grads)
+    for name, g in out["grads"].items():
+        assert (g - ref_grads[name]).abs().max() <= TOL * max(1.0, float(ref_grads[name].abs().max())), name

@@ -1,10 +1,13 @@
-"""The expert-parallel MoE block: replaces transformers' Qwen3-MoE / Mixtral sparse block in
-the trainer, with experts sharded over the EP group and tokens moved by a `Dispatcher`.
+"""The expert-parallel MoE block: replaces transformers' sparse MoE block in the trainer
+(Qwen3-MoE, Mixtral, OLMoE; Qwen2-MoE and DeepSeek-V3 with their shared experts), with the
+routed experts sharded over the EP group and tokens moved by a `Dispatcher`.
 
 Legend: B batch, S sequence, T = B*S tokens, H hidden, I expert intermediate, K top-k,
 E experts, L = E / ep local experts, R rows received (one per (token, local expert) pair).
 
-- The router stays as in the checkpoint (replicated on every rank).
+- The router stays as in the checkpoint, whatever its kind (softmax top-k; DeepSeek-V3's
+  sigmoid scores with the bias correction and grouped top-k): the block only dispatches what
+  it returns. Shared experts run on this rank's tokens and are added after the combine.
 - Rank r owns experts [r*L, (r+1)*L): its slices of `gate_up_proj` [E, 2I, H] and
   `down_proj` [E, H, I].
 - Routing weights are applied in `combine` (the dispatcher's contract).
@@ -33,6 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+
+
+# What a sparse MoE block may hold: the router, the routed experts, and shared experts (with
+# Qwen2-MoE's sigmoid gate); anything else is refused.
+KEPT = ("gate", "experts", "shared_experts", "shared_expert", "shared_expert_gate")
 
 
 class LocalExperts(nn.Module):
@@ -81,12 +89,19 @@ class EPMoEBlock(nn.Module):
             raise ValueError(f"{e} experts cannot be sharded over {ep} ranks")
         n_local = e // ep
         lo = r * n_local
-        kept = ("gate", "experts")
-        dropped = sorted({n.split(".")[0] for n, _ in block.named_parameters() if n.split(".")[0] not in kept})
-        if dropped:  # a shared expert (Qwen2-MoE, DeepSeek-V3) or another part this block would lose
-            raise ValueError(f"the MoE block {type(block).__name__} holds {', '.join(dropped)} besides its router and "
-                             "experts; the expert-parallel block would drop them, so this model family cannot train "
-                             "on the mesh yet")
+        dropped = sorted({n.split(".")[0] for n, _ in block.named_parameters() if n.split(".")[0] not in KEPT})
+        if dropped:  # a part this block would lose: refused, never dropped
+            raise ValueError(f"the MoE block {type(block).__name__} holds {', '.join(dropped)} besides its router, "
+                             "experts and shared experts; the expert-parallel block would drop them, so this model "
+                             "family cannot train on the mesh yet")
+        # shared experts run on every token of this rank, dense (FSDP shards them with the layer):
+        # DeepSeek-V3's `shared_experts` as they are, Qwen2-MoE's `shared_expert` scaled by the
+        # sigmoid of `shared_expert_gate`
+        # (kept under the family's own names, so checkpoint keys and parameter names stay the same)
+        self._shared = next((n for n in ("shared_experts", "shared_expert") if getattr(block, n, None) is not None), None)
+        self._shared_gate = "shared_expert_gate" if getattr(block, "shared_expert_gate", None) is not None else None
+        for n in filter(None, (self._shared, self._shared_gate)):
+            self.add_module(n, getattr(block, n))
         self.gate = block.gate  # the router, replicated
         self.top_k = getattr(block.gate, "top_k", None)
         self.num_experts, self.first_expert = e, lo  # this rank owns experts [lo, lo + n_local)
@@ -106,6 +121,11 @@ class EPMoEBlock(nn.Module):
         self.tokens_per_expert_L = counts_L.detach()
         y_RH = self.experts(recv_RH, counts_L)
         out_TH = self.dispatcher.combine(y_RH, handle)
+        if self._shared is not None:
+            shared_TH = getattr(self, self._shared)(x_TH)
+            if self._shared_gate is not None:
+                shared_TH = torch.sigmoid(getattr(self, self._shared_gate)(x_TH)) * shared_TH
+            out_TH = out_TH + shared_TH
         if self.aux_loss_coef > 0:
             self.aux_loss = self.aux_loss_coef * load_balancing_loss(router_logits_TE, idx_TK)
         return out_TH.reshape(b, s, h)
