@@ -312,6 +312,11 @@ class TrainerConfig(_Section):
     # full-vocabulary log-softmax never covers more than this many positions at once.
     # 0 = the whole minibatch in one pass.
     micro_batch_tokens: int = Field(8192, ge=0)
+    # The token logprob is computed in chunks of at most this many positions: no more than that
+    # many rows of the float32 vocabulary projection exist at once, in the forward and the
+    # backward (each chunk is recomputed there). At 151,936 entries that is 1.2 MB per position
+    # otherwise. 0 = the whole micro-batch at once.
+    logprob_chunk_tokens: int = Field(0, ge=0)
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
     # Expert parallelism in the trainer: experts sharded over this many ranks (torchrun inside

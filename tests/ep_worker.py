@@ -27,13 +27,13 @@ def batch_tensors(n=8):
     return pack(batch, pad_id=0)
 
 
-def step_loss_and_grads(model, packed, idx, n_tokens):
+def step_loss_and_grads(model, packed, idx, n_tokens, chunk_tokens=0):
     from moerl.components.policy_update.loss import grpo_token_loss
     from moerl.components.policy_update.trainer import sequence_logprobs
 
     with torch.no_grad():
-        old, _ = sequence_logprobs(model, packed, idx, 1.0)
-    logp, _ = sequence_logprobs(model, packed, idx, 1.0)
+        old, _ = sequence_logprobs(model, packed, idx, 1.0, chunk_tokens=chunk_tokens)
+    logp, _ = sequence_logprobs(model, packed, idx, 1.0, chunk_tokens=chunk_tokens)
     loss, _ = grpo_token_loss(logp, old - 0.05, packed.engine_logp_NL1[idx], packed.adv_N[idx], packed.mask_NL1[idx],
                               0.2, 0.28, 2.0, n_tokens=n_tokens)
     loss.backward()

@@ -38,7 +38,8 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
         mine = torch.arange(n)[rank::world]
         calls = []  # forwards of the first decoder layer: once more in the backward when recomputed
         model.model.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
-        loss = ep_worker.step_loss_and_grads(model, packed, mine, n_tokens=float(packed.mask_NL1.sum()))
+        loss = ep_worker.step_loss_and_grads(model, packed, mine, n_tokens=float(packed.mask_NL1.sum()),
+                                             chunk_tokens=cfg.trainer.logprob_chunk_tokens)
         total = loss.detach().clone()
         dist.all_reduce(total)
         experts = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}

@@ -61,9 +61,11 @@ def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_i
 
 
 @pytest.mark.parametrize("trainer, tol", [({"activation_checkpointing": True}, TOL),
-                                          ({"mixed_precision": "bf16"}, 3e-2)])
+                                          ({"mixed_precision": "bf16"}, 3e-2),
+                                          ({"logprob_chunk_tokens": 7, "activation_checkpointing": True}, TOL)])
 def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(tiny, reference, tmp_path, trainer, tol):
-    """Recomputed activations give the same gradients; bf16 compute gives gradients within
+    """Recomputed activations, and the logprob in chunks of 7 positions (recomputed in the
+    backward under FSDP's gathered head), give the same gradients; bf16 compute gives gradients within
     bf16's precision of float32 ones, while the master weights and Adam state stay float32."""
     ref_loss, ref_grads, _ = reference
     mp.spawn(mesh_worker.mesh_rank, args=(4, 2, 2, str(tiny), str(tmp_path), trainer), nprocs=4, join=True)

@@ -134,3 +134,33 @@ def test_truncated_sampling_trains_with_finite_statistics(state0):
     m = train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
     assert m["train/steps"] == 2 and all(math.isfinite(v) for v in m.values())
     assert m["train/entropy"] < math.log(5) + 1e-6  # at most 5 tokens are left at every position
+
+
+@pytest.mark.parametrize("rollout", [{}, {"top_k": 5, "top_p": 0.9, "temperature": 0.7}])
+def test_the_chunked_logprob_equals_the_whole_projection_and_bounds_the_logits(state0, rollout):
+    """trainer.logprob_chunk_tokens: the same metrics and gradients as the whole-vocabulary
+    projection (truncated sampling included), while no logits tensor larger than the chunk is
+    ever made, in the forward or the backward."""
+    from moerl.components.policy_update import steps
+
+    runs, widest = {}, {}
+    for chunk in (0, 5):
+        cfg = parse_config({"rollout": rollout, "trainer": {"optimizer_steps_per_iteration": 1, "learning_rate": 0.01,
+                                                            "logprob_chunk_tokens": chunk}})
+        model, opt, ctr = _load_state(state0, cfg)
+        vocab = model.config.vocab_size
+        seen = []
+        head = model.get_output_embeddings()
+        head.register_forward_hook(lambda m, a, out: seen.append(out.numel() // vocab))
+        metrics = train_on_batch(model, opt, ctr, _batch(), cfg, seed=3)
+        assert metrics["train/steps"] == 1 and metrics["train/skipped_steps"] == 0, (chunk, metrics)
+        runs[chunk] = (metrics, {n: p.grad.clone() for n, p in model.named_parameters()})
+        widest[chunk] = max(seen)
+        assert model.get_output_embeddings() is head  # the head is back after every call
+    (m0, g0), (m1, g1) = runs[0], runs[5]
+    for k in ("train/loss", "train/entropy", "train/clip_fraction", "train/logprob_mismatch"):
+        assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7), k
+    for name, g in g0.items():
+        assert torch.allclose(g1[name], g, rtol=1e-4, atol=1e-7), name
+    assert widest[5] <= 5 < widest[0]  # positions projected at once
+    assert isinstance(steps.ChunkedLogprobHead, type)

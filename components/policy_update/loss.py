@@ -145,5 +145,7 @@ def token_logprobs_and_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tenso
     logp_BLV = torch.log_softmax(x_BLV, dim=-1)
     logp_BL = logp_BLV.gather(-1, targets_BL.unsqueeze(-1)).squeeze(-1)
     p_BLV = logp_BLV.exp()
-    entropy_BL = -torch.where(p_BLV > 0, p_BLV * logp_BLV, torch.zeros_like(p_BLV)).sum(-1)
+    # -sum p log p over the support: log p is zeroed where p is 0 (a truncated token) before the
+    # product, so a backward through the entropy (the chunked logprob's) never sees 0 * -inf
+    entropy_BL = -(p_BLV * logp_BLV.masked_fill(p_BLV == 0, 0.0)).sum(-1)
     return logp_BL, entropy_BL

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -66,19 +67,66 @@ def check_device(where: str, device: torch.device, **tensors: torch.Tensor) -> N
 
 
 def sequence_logprobs(model, p: Packed, idx_M: torch.Tensor, temperature: float, top_k: int = -1,
-                      top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      top_p: float = 1.0, chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token logprobs and entropies [M, L1] of rows `idx_M`, under the policy as the engine
-    samples it (temperature, then top-k/top-p truncation)."""
+    samples it (temperature, then top-k/top-p truncation). With `chunk_tokens` > 0 the
+    vocabulary projection is never made for more than that many positions at once, in the
+    forward or the backward (`ChunkedLogprobHead`)."""
     device = model_device(model)
     check_device("sequence_logprobs", device, input_ids=p.input_ids_NL, rows=idx_M)
+    targets = p.targets_NL1[idx_M]
+    if chunk_tokens > 0:
+        with ChunkedLogprobHead.installed(model, chunk_tokens, targets, temperature, top_k, top_p):
+            out = model(input_ids=p.input_ids_NL[idx_M], attention_mask=p.attn_NL[idx_M]).logits
+        return out[..., 0], out[..., 1]
     logits = model(input_ids=p.input_ids_NL[idx_M], attention_mask=p.attn_NL[idx_M]).logits
-    return token_logprobs_and_entropy(logits[:, :-1], p.targets_NL1[idx_M], temperature, top_k, top_p)
+    return token_logprobs_and_entropy(logits[:, :-1], targets, temperature, top_k, top_p)
+
+
+class ChunkedLogprobHead(torch.nn.Module):
+    """Stands in for the model's `lm_head` while the trainer scores the sampled tokens: the
+    hidden states of at most `chunk` positions at a time go through the real head, and only
+    each position's logprob and entropy leave the chunk, which runs under non-reentrant
+    activation checkpointing, so its float32 [chunk, vocabulary] logits are freed at once and
+    made again, one chunk at a time, in the backward. Returns [M, L1, 2] (logprob, entropy)
+    where the model would return logits; installed inside the model's own forward, so FSDP has
+    the head's weight gathered. `installed` swaps it in for one call and back."""
+
+    def __init__(self, head: torch.nn.Module, chunk: int, targets_ML1: torch.Tensor, temperature: float,
+                 top_k: int, top_p: float):
+        super().__init__()
+        self.head, self.chunk, self.targets = head, chunk, targets_ML1
+        self.sampling = (temperature, top_k, top_p)
+
+    def _piece(self, h_CH: torch.Tensor, t_C: torch.Tensor) -> torch.Tensor:
+        logp, ent = token_logprobs_and_entropy(self.head(h_CH).unsqueeze(0), t_C.unsqueeze(0), *self.sampling)
+        return torch.stack([logp[0], ent[0]], dim=-1)
+
+    def forward(self, h_BLH: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = h_BLH[:, :-1]
+        m, l1, hid = h.shape
+        flat_TH, flat_T = h.reshape(-1, hid), self.targets.reshape(-1)
+        pieces = [checkpoint(self._piece, flat_TH[i:i + self.chunk], flat_T[i:i + self.chunk], use_reentrant=False)
+                  for i in range(0, flat_TH.shape[0], self.chunk)]
+        return torch.cat(pieces).reshape(m, l1, 2)
+
+    @staticmethod
+    @contextmanager
+    def installed(model, chunk: int, targets_ML1, temperature: float, top_k: int, top_p: float):
+        head = model.get_output_embeddings()
+        model.set_output_embeddings(ChunkedLogprobHead(head, chunk, targets_ML1, temperature, top_k, top_p))
+        try:
+            yield
+        finally:
+            model.set_output_embeddings(head)
 
 
 def sampled_logprobs(model, p: Packed, idx_M: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logprobs` with the rollout's sampling parameters."""
     r = cfg.rollout
-    return sequence_logprobs(model, p, idx_M, r.temperature, r.top_k, r.top_p)
+    return sequence_logprobs(model, p, idx_M, r.temperature, r.top_k, r.top_p, cfg.trainer.logprob_chunk_tokens)
 
 
 def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) -> int:

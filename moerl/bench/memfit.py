@@ -22,8 +22,10 @@ Activations per token (bf16):
                                                  (2 h) and the expert's gate, up, act (3 I)
     no checkpointing:   act = L * per_layer
     with checkpointing: act = L * 2 h + per_layer   each layer's input kept, one layer recomputed
-    logits = 4 * V * 2  (float32 logits and log-softmax) per token, or per chunk token with a
-                        chunked logprob (not built yet: counted over the whole micro-batch)
+    logits = 4 * V * 2  (float32 logits and log-softmax) per token of the micro-batch; with the
+                        chunked logprob (trainer.logprob_chunk_tokens = C) only C positions'
+                        exist at once: logits per token 0, and C * 4 * V * 3 (logits, log-softmax,
+                        their gradient) added to the transient
 Fit:
     free = HBM * usable - static - transient
     micro_batch_tokens_max = free / (act + logits)   (0 when the static part alone does not fit)
@@ -51,6 +53,7 @@ class FitInputs:
     usable: float = 0.9  # what the allocator can hand out after the CUDA context and NCCL buffers
     activation_checkpointing: bool = True
     micro_batch_tokens: int = 8192  # trainer.micro_batch_tokens, the default
+    logprob_chunk_tokens: int = 1024  # trainer.logprob_chunk_tokens; 0 = the whole micro-batch at once
 
 
 def choose_ep(experts: int, gpus_per_node: int) -> int:
@@ -71,7 +74,11 @@ def fit(shape, inp: FitInputs) -> dict[str, Any]:
     per_layer = 2 * (8 * shape.hidden + shape.topk * (2 * shape.hidden + 3 * width))
     act = (shape.moe_layers * 2 * shape.hidden + per_layer) if inp.activation_checkpointing \
         else shape.moe_layers * per_layer
-    logits = 4 * VOCAB.get(shape.name, 151936) * 2
+    vocab = VOCAB.get(shape.name, 151936)
+    logits = 4 * vocab * 2
+    if inp.logprob_chunk_tokens > 0:
+        transient += inp.logprob_chunk_tokens * 4 * vocab * 3
+        logits = 0
     free = inp.hbm_gb * gb * inp.usable - static - transient
     max_tokens = max(0, int(free // (act + logits)))
     at_default = static + transient + inp.micro_batch_tokens * (act + logits)
@@ -99,7 +106,8 @@ def format_fit(rows: list[dict[str, Any]], inp: FitInputs) -> str:
     from moerl.bench import format_table
 
     head = (f"memory fit per GPU: {inp.nodes} x {inp.gpus_per_node} GPUs of {inp.hbm_gb:g} GB "
-            f"({inp.usable:.0%} usable), activation checkpointing {'on' if inp.activation_checkpointing else 'off'}")
+            f"({inp.usable:.0%} usable), activation checkpointing {'on' if inp.activation_checkpointing else 'off'}, "
+            f"logprob chunks {inp.logprob_chunk_tokens or 'off'}")
     table = format_table(
         ["model", "mesh dp x ep", "static GB", "transient GB", "act+logits KB/token", "max micro-batch tokens",
          f"GB at {inp.micro_batch_tokens} tokens", "static GB, dense replicated"],

@@ -326,6 +326,7 @@ def add_project_args(p) -> None:
     p.add_argument("--trainer-nodes", type=int, default=16, help="memory fit: trainer nodes (GPUs per node as above)")
     p.add_argument("--hbm-gb", type=float, default=141.0, help="memory fit: GB per GPU (H200: 141)")
     p.add_argument("--no-activation-checkpointing", action="store_true", help="memory fit without it")
+    p.add_argument("--logprob-chunk-tokens", type=int, default=1024, help="memory fit: 0 = the whole micro-batch")
     p.add_argument("--out-dir", default="bench/project")
 
 
@@ -383,7 +384,8 @@ def memory_fit(a) -> dict[str, Any]:
     if a.trainer_nodes < 1 or a.hbm_gb <= 0:
         raise ConfigError("bench project: --trainer-nodes must be >= 1 and --hbm-gb > 0")
     inp = FitInputs(nodes=a.trainer_nodes, gpus_per_node=a.gpus_per_node, hbm_gb=a.hbm_gb,
-                    activation_checkpointing=not a.no_activation_checkpointing)
+                    activation_checkpointing=not a.no_activation_checkpointing,
+                    logprob_chunk_tokens=max(0, a.logprob_chunk_tokens))
     return {"inputs": _asdict(inp), "formulas": fit_formulas(), "rows": fit_table(MODELS.values(), inp)}
 
 
