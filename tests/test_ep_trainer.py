@@ -94,3 +94,20 @@ def test_a_moe_block_with_a_part_it_cannot_place_is_refused_not_dropped():
         model.model.layers[0].mlp.expert_bias_proj = torch.nn.Linear(32, 4)  # a part no family has
     with pytest.raises(ValueError, match=r"holds expert_bias_proj besides its router, experts and shared experts"):
         parallelize_experts(model, make_dispatcher("local", num_experts=4))
+
+
+def test_the_softmax_aux_loss_is_refused_for_a_sigmoid_router():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from moerl.components.policy_update.ep_moe import parallelize_experts
+    from moerl.kernels import make_dispatcher
+
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                           num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=8,
+                           q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    with pytest.raises(ValueError, match="trainer.aux_loss_coef > 0: .* sigmoid router"):
+        parallelize_experts(model, make_dispatcher("local", num_experts=4), aux_loss_coef=0.01)
+    assert parallelize_experts(model, make_dispatcher("local", num_experts=4))  # without it: fine
