@@ -14,6 +14,7 @@ LONGEST_FIRST = (
     "test_async_faults.py",  # ~340 s: SIGTERM/SIGKILL/trainer-kill/Valkey-restart runs
     "test_e2e_pipeline.py",  # ~225 s: reward model + GRPO end to end, a failing stage
     "test_resume.py",  # ~165 s: a run killed twice and resumed
+    "test_trainer_mesh.py",  # ~150 s: four-rank FSDP2 meshes, families, a resume across meshes
     "test_bench_failures.py",  # ~165 s: a fault-free and a faulted async run
     "test_bench_scaling.py",  # ~90 s: async runs at 1 and 2 rollout workers
     "test_bench_suite.py",  # ~65 s: 2 repeats x 2 versions, the dispatch comparison
