@@ -116,12 +116,15 @@ def _family(arch: str, path):
     """A tiny checkpoint of a family with shared experts: Qwen2-MoE (one shared expert behind a
     sigmoid gate, softmax router) or DeepSeek-V3 (shared experts, sigmoid router with the bias
     correction, grouped top-k, MLA attention, a first dense layer)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2MoeConfig
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, OlmoeConfig, Qwen2MoeConfig
 
     common = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     if arch == "qwen2_moe":
         cfg = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48)
+    elif arch == "olmoe":  # no shared expert; q/k norms over the whole projection
+        cfg = OlmoeConfig(**{k: v for k, v in common.items() if k != "moe_intermediate_size"}, num_experts=8,
+                          num_experts_per_tok=2)
     else:
         cfg = DeepseekV3Config(**common, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
                                topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
@@ -136,17 +139,18 @@ def _family(arch: str, path):
     return path
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "olmoe"])
 def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(tmp_path, arch):
     """At (2, 2) the loss and every gradient, shared experts and the router included, equal
-    the transformers model's: no weight dropped, the family's router used as it is."""
+    the transformers model's: no weight dropped, the family's router used as it is (OLMoE:
+    the plain top-k family, for contrast)."""
     path = _family(arch, tmp_path / arch)
     ref = ep_worker.tiny_model(path)
     packed = ep_worker.batch_tensors()
     n = packed.input_ids_NL.shape[0]
     ref_loss = ep_worker.step_loss_and_grads(ref, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum()))
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
-    assert any("shared_expert" in name for name in ref_grads)
+    assert any("shared_expert" in name for name in ref_grads) == (arch != "olmoe")
     mp.spawn(mesh_worker.mesh_rank, args=(4, 2, 2, str(path), str(tmp_path)), nprocs=4, join=True)
     out = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert abs(out["loss"].item() - ref_loss.item()) <= TOL
