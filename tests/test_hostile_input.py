@@ -208,7 +208,7 @@ MODEL_PATHS = {
     "config-a-list": (lambda d: _checkpoint(d, b"[]"), "must hold a JSON object, got list"),
     "config-huge": (lambda d: _checkpoint(d, b" " * (2 << 20)), "is larger than 1 MiB"),
     "wrong-architecture": (lambda d: _checkpoint(d, b'{"model_type": "llama"}'),
-                           "model_type 'llama' is not supported; allowed: qwen3_moe, mixtral"),
+                           "model_type 'llama' is not supported; allowed: qwen3_moe, mixtral, qwen2_moe, olmoe"),
     "model-type-a-list": (lambda d: _checkpoint(d, b'{"model_type": ["qwen3_moe"]}'), "is not supported"),
     "no-weights": (lambda d: _checkpoint(d, weights=False), "has no *.safetensors weights"),
     "garbage-weights": (_garbage_weights, "is not a safetensors file"),

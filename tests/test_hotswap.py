@@ -40,10 +40,10 @@ def probe(engine):
     return list(out.outputs[0].token_ids), gen, prompt
 
 
-@pytest.fixture(scope="module")
-def versions(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "olmoe"])
+def versions(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("hotswap")
-    tiny = parse_config({}).model.tiny
+    tiny = parse_config({"model": {"tiny": {"architecture": request.param}}}).model.tiny
     return build_tiny_model(tiny, root / "a"), build_tiny_model(tiny.model_copy(update={"seed": 1}), root / "b")
 
 

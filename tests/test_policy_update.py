@@ -105,7 +105,7 @@ def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"model.path: .* \(no config.json\)"):
         check_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ConfigError, match="model_type 'llama' is not supported; allowed: qwen3_moe, mixtral"):
+    with pytest.raises(ConfigError, match="model_type 'llama' is not supported; allowed: qwen3_moe, mixtral, qwen2_moe, olmoe"):
         check_checkpoint(tmp_path)
 
 

