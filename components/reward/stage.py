@@ -185,7 +185,7 @@ def load_model_scorer(cfg: RunConfig, run_id: str = "") -> ModelScorer | None:
 
 
 def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path: str | Path,
-               model: ModelScorer | None = None, pool: SandboxPool | None = None) -> dict[str, float]:
+               model: ModelScorer | None = None) -> dict[str, float]:
     """Score `samples_path` into `out_path`. Given the whole RunConfig, a reward model
     (`reward.kind` model or mixed) is resolved, fetched and loaded here."""
     if isinstance(cfg, RunConfig):
@@ -193,7 +193,7 @@ def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path
             model = ModelScorer(cfg)
         cfg = cfg.reward
     t0 = time.perf_counter()
-    scored = score(read_records(samples_path, Sample), cfg, model, pool)
+    scored = score(read_records(samples_path, Sample), cfg, model)
     metrics = reward_metrics(scored)
     if model is not None:
         metrics["timing/reward/model_inference_s"] = model.seconds

