@@ -321,6 +321,13 @@ def save_ep(model, opt, counters: Counters, ep_blocks, layout, mesh, state_in: P
     dist.barrier()
 
 
+def _synced_clock(cfg: RunConfig) -> float:
+    """perf_counter once the GPU's queued work is done (CUDA kernels run asynchronously)."""
+    if cfg.trainer.device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     for name in ("--config-json", "--batch", "--state-in", "--state-out", "--metrics-out"):
@@ -344,11 +351,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(cfg.trainer.seed + a.iteration)
         model, opt, counters, ep_blocks, layout, dispatcher, mesh = setup(cfg, Path(a.state_in))
         batch = read_records(a.batch, TrainSample)
+        t_load = _synced_clock(cfg)
         metrics = train_ep(model, opt, counters, ep_blocks, batch, cfg, seed=cfg.trainer.seed + a.iteration) \
             if len(batch) >= dist.get_world_size() else {"train/steps": 0.0, "train/skipped_steps": 0.0}
         metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
+        t_steps = _synced_clock(cfg)
         counters.version += 1
         save_ep(model, opt, counters, ep_blocks, layout, mesh, Path(a.state_in), Path(a.state_out))
+        # where the update's time went: loading (and sharding), the steps (pi_old included), saving
+        metrics.update({"timing/trainer_load_s": t_load - t0, "timing/trainer_steps_s": t_steps - t_load,
+                        "timing/trainer_save_s": _synced_clock(cfg) - t_steps})
         if cfg.trainer.device == "cuda":  # what this rank's GPU held at its peak (rank 0's is reported)
             metrics["train/cuda_max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         if dist.get_rank() == 0:

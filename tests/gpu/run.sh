@@ -17,7 +17,7 @@ mkdir -p "$OUT"
   "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
   "$PYTHON" -c "import vllm; print('vllm', vllm.__version__)" || echo "vllm: not importable"
 } | tee "$OUT/versions.txt"
-"$PYTHON" -m pytest tests/gpu -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu-check.txt"
+"$PYTHON" -m pytest tests/gpu -v -s -rs -p no:cacheprovider --noconftest 2>&1 | tee "$OUT/gpu-check.txt"
 if [ "${GPU_BENCH:-0}" = 1 ]; then
   OUT_DIR="$OUT" bash kernels/gpu_bench.sh --repeats 20 2>&1 | tee "$OUT/dispatch.txt"
 fi

@@ -1,0 +1,172 @@
+"""The trainer's GPU numbers, on one GPU: the grouped expert GEMMs against the per-expert loop
+(equal in bf16, and how much faster), and the FSDP2 + EP step of a ~1 B-parameter Qwen3-MoE
+over NCCL with bf16 mixed precision: tokens/s/GPU, MFU, and `max_memory_allocated` against
+the static formula of `moerl bench project` (16 bytes per parameter) plus the activations the
+same formula predicts. Run by `tests/gpu/run.sh`; skipped without CUDA.
+
+The model is random-init from a config (no hub download), with the embedded tokenizer's
+27-token vocabulary, so the head costs nothing and the numbers are the decoder's.
+
+Limitations: one GPU, so EP = 1 (the dispatcher moves no tokens) and FSDP shards over one
+rank: the all-to-all and DeepEP comparison needs several GPUs (`kernels/gpu_bench.sh`). MFU is
+model FLOPs (8 x active parameters x tokens: the pi_old forward, then forward and backward;
+attention scores and recomputation not counted) over the H200's dense bf16 peak, 989 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from moerl.config import TinyMoeConfig, parse_config
+from moerl.models.tiny import build_tiny_model
+from moerl.records import TrainSample, write_records
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu/run.sh)")]
+
+H200_BF16_PEAK = 989e12
+# ~1 B parameters, ~0.15 B active: 12 layers, 64 experts of width 512, top-8
+SCALE_MODEL = dict(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4, head_dim=64, num_experts=64,
+                   experts_per_token=8, moe_intermediate_size=512, max_position_embeddings=4096)
+
+
+def grouped_vs_loop(device: str, local_experts: int = 32, hidden: int = 2048, width: int = 768, rows: int = 16384,
+                    repeats: int = 10) -> dict[str, float]:
+    """Forward and backward of one rank's experts on `rows` routed rows, grouped GEMM and loop:
+    the largest relative difference of outputs and gradients, and the time of each."""
+    import torch.nn.functional as F
+
+    from moerl.components.policy_update.ep_moe import LocalExperts, experts_loop
+
+    g = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    w1 = (torch.randn(local_experts, 2 * width, hidden, generator=g) * hidden ** -0.5).to(device, dt)
+    w2 = (torch.randn(local_experts, hidden, width, generator=g) * width ** -0.5).to(device, dt)
+    experts = LocalExperts(w1, w2, F.silu)
+    share = torch.distributions.Dirichlet(torch.ones(local_experts)).sample()
+    counts = torch.floor(share * rows).long()
+    counts[0] += rows - int(counts.sum())
+    x = torch.randn(rows, hidden, generator=g).to(device, dt)
+    dy = torch.randn(rows, hidden, generator=g).to(device, dt)
+    counts = counts.to(device)
+
+    def run(fn):
+        experts.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_()
+        y = fn(xi)
+        y.backward(dy)
+        return y.detach().float(), xi.grad.float(), experts.gate_up_proj_LIH.grad.float()
+
+    def clocked(fn) -> float:
+        for _ in range(2):
+            run(fn)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            run(fn)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / repeats
+
+    grouped = run(lambda xi: experts(xi, counts))
+    loop = run(lambda xi: experts_loop(experts, xi, counts))
+    rel = max(float((a - b).norm() / b.norm()) for a, b in zip(grouped, loop))
+    t_grouped = clocked(lambda xi: experts(xi, counts))
+    t_loop = clocked(lambda xi: experts_loop(experts, xi, counts))
+    flops = 3 * 2 * rows * hidden * 3 * width  # forward + backward of the three expert GEMMs
+    return {"rel_diff": rel, "grouped_s": t_grouped, "loop_s": t_loop,
+            "grouped_tflops": flops / t_grouped / 1e12, "loop_tflops": flops / t_loop / 1e12}
+
+
+def scale_batch(n: int, prompt: int, response: int, seed: int = 0) -> list[TrainSample]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(4, 27, (prompt + response,), generator=g).tolist()
+        out.append(TrainSample(prompt_token_ids=ids[:prompt], response_token_ids=ids[prompt:],
+                               response_logprobs=[-3.0] * response, advantage=(-1.0) ** i, policy_version=0))
+    return out
+
+
+def active_params(t: TinyMoeConfig, vocab: int = 27) -> int:
+    """Parameters one token goes through: attention, norms, the router, k experts, embedding row, head."""
+    h, hd = t.hidden_size, t.head_dim
+    attn = h * hd * (t.num_heads * 2 + t.num_kv_heads * 2)
+    experts = t.experts_per_token * 3 * h * t.moe_intermediate_size
+    return t.num_layers * (attn + experts + h * t.num_experts) + 2 * vocab * h
+
+
+def prepare(root, model: dict, samples: int, prompt: int, response: int):
+    """The random-init model (TinyMoeConfig fields) and a batch of `samples` sequences."""
+    build_tiny_model(TinyMoeConfig(**model), root / "s0")
+    write_records(root / "batch.jsonl", scale_batch(samples, prompt, response))
+    return root
+
+
+def fsdp_step(root, out, device: str, model: dict, samples: int, prompt: int, response: int,
+              **trainer) -> dict[str, float]:
+    """One policy update of the mesh trainer on `prepare`'s model and batch, written to `out`;
+    its metrics plus tokens/s/GPU, MFU and the memory formula's numbers."""
+    from safetensors.torch import load_file
+
+    from moerl.components.policy_update.launcher import run_expert_parallel
+
+    t = TinyMoeConfig(**model)
+    state = root / "s0"
+    cfg = parse_config({"model": {"tiny": model},
+                        "trainer": {"device": device, "launcher": "torchrun", "mixed_precision": "bf16",
+                                    "optimizer_steps_per_iteration": 2, "learning_rate": 1e-5, **trainer}})
+    m = run_expert_parallel(cfg, root / "batch.jsonl", state, out, iteration=0)
+    params = sum(x.numel() for x in load_file(state / "model.safetensors").values())
+    tokens = samples * (prompt + response)
+    act = active_params(t)
+    steps_s = m["timing/trainer_steps_s"]
+    # the memory formula of moerl/bench/memfit.py at one GPU: static 16 B/param; activations
+    # per token of one micro-batch, bf16, with checkpointing L*2h + one layer's
+    h, k, width, L = t.hidden_size, t.experts_per_token, t.moe_intermediate_size, t.num_layers
+    per_layer = 2 * (8 * h + k * (2 * h + 3 * width))
+    act_per_token = (L * 2 * h + per_layer) if cfg.trainer.activation_checkpointing else L * per_layer
+    micro = cfg.trainer.micro_batch_tokens or tokens
+    return {**m, "params": params, "active_params": act, "tokens": tokens,
+            "tokens_per_s_per_gpu": tokens * 1 / steps_s,  # every token: pi_old forward + one forward/backward
+            "mfu": 8 * act * tokens / steps_s / H200_BF16_PEAK,
+            "static_gb": params * 16 / 1e9, "activation_gb": micro * act_per_token / 1e9}
+
+
+def test_grouped_gemm_equals_the_loop_and_is_faster_in_bf16():
+    r = grouped_vs_loop("cuda")
+    print(f"\ngrouped expert GEMM, 32 local experts, 16384 rows, h 2048, I 768, bf16, fwd+bwd: "
+          f"grouped {r['grouped_s'] * 1e3:.2f} ms ({r['grouped_tflops']:.0f} TFLOP/s), loop {r['loop_s'] * 1e3:.2f} ms "
+          f"({r['loop_tflops']:.0f} TFLOP/s): x{r['loop_s'] / r['grouped_s']:.2f}; max rel diff {r['rel_diff']:.2e}")
+    assert r["rel_diff"] < 2e-2  # bf16: different accumulation order only
+    assert r["grouped_s"] < r["loop_s"]
+
+
+SHAPE = (int(os.environ.get("MOERL_GPU_SAMPLES", 64)), 128, 896)  # samples, prompt, response tokens
+
+
+@pytest.fixture(scope="module")
+def scale_state(tmp_path_factory):
+    return prepare(tmp_path_factory.mktemp("scale"), SCALE_MODEL, *SHAPE)
+
+
+@pytest.mark.parametrize("ac", [False, True], ids=["no-ac", "ac"])
+def test_fsdp2_ep_step_tokens_per_gpu_mfu_and_memory(scale_state, tmp_path, ac):
+    samples, prompt, response = SHAPE
+    r = fsdp_step(scale_state, tmp_path / "out", "cuda", SCALE_MODEL, samples, prompt, response,
+                  activation_checkpointing=ac, micro_batch_tokens=16384)
+    print(f"\nfsdp2+ep bf16 one H200, {r['params'] / 1e9:.2f} B params ({r['active_params'] / 1e9:.3f} B active), "
+          f"{samples} x {prompt + response} tokens, 2 steps, activation checkpointing {ac}: "
+          f"{r['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {100 * r['mfu']:.1f} %, "
+          f"peak {r['train/cuda_max_memory_gb']:.2f} GB vs static {r['static_gb']:.2f} + activations "
+          f"{r['activation_gb']:.2f} GB (formula); load {r['timing/trainer_load_s']:.1f} s, steps "
+          f"{r['timing/trainer_steps_s']:.1f} s, save {r['timing/trainer_save_s']:.1f} s")
+    assert r["train/steps"] == 2 and r["train/skipped_steps"] == 0
+    # the formula's static part is a floor; the peak stays within static + activations + a
+    # one-layer allowance (gathered bf16 weights, the chunk of logits), x1.5 for the allocator
+    assert r["static_gb"] <= r["train/cuda_max_memory_gb"] <= 1.5 * (r["static_gb"] + r["activation_gb"]) + 1.0
