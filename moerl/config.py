@@ -572,7 +572,10 @@ class LaunchConfig(_Section):
     # The launched rollout worker pods' PriorityClass (manifests/base/priorityclasses.yaml: below
     # the trainer's, so a full cluster preempts Spot rollout before training). null: none.
     rollout_priority_class: str | None = "moerl-rollout"
-    trainer_nodes: int = Field(1, ge=1, le=512)
+    # Nodes of the trainer's TrainJob (numNodes). null: from the mesh, trainer.data_parallel_shard x
+    # trainer.expert_parallel_size ranks at gpus_per_node per node (one node on CPU). The ranks
+    # must split evenly over the nodes; sync mode only (the async trainer runs on one node).
+    trainer_nodes: int | None = Field(None, ge=1, le=512)
     rollout_nodes_per_worker: int = Field(1, ge=1, le=64)  # > 1: one engine across nodes (EP)
     gpus_per_node: int = Field(8, ge=0, le=16)
     efa_per_node: int = Field(16, ge=0, le=64)  # p5en.48xlarge: 16 EFA devices

@@ -203,8 +203,11 @@ def test_async_size_does_not_grow_with_versions_on_eks(tmp_path):
 
 
 def test_a_workload_shape_moerl_cannot_run_yet_is_refused_at_compile(tmp_path):
-    data = _cfg(cluster={"launch": {"mode": "kubernetes", "trainer_nodes": 2}})
-    with pytest.raises(ConfigError, match="cluster.launch.trainer_nodes 2"):
+    data = _cfg(cluster={"launch": {"mode": "kubernetes", "trainer_nodes": 2}})  # 1 rank cannot span 2 nodes
+    with pytest.raises(ConfigError, match="1 ranks do not split evenly over 2 nodes"):
+        compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
+    data = _cfg(cluster={"launch": {"mode": "kubernetes", "rollout_nodes_per_worker": 2}})
+    with pytest.raises(ConfigError, match="cluster.launch.rollout_nodes_per_worker 2"):
         compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
     assert not (tmp_path / "p.yaml").exists()
 

@@ -234,15 +234,27 @@ def test_multi_node_rollout_group_is_a_valid_jobset(jobset_schema):
 def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
     with pytest.raises(ConfigError, match="s3:// checkpoint.uri"):
         run_remote(parse_config({"cluster": {"launch": {"mode": "kubernetes"}}}), "policy_update", RUN)
-    with pytest.raises(ConfigError, match="cluster.launch.trainer_nodes 2"):
+    with pytest.raises(ConfigError, match="1 ranks do not split evenly over 2 nodes"):
         run_remote(_cfg(trainer_nodes=2), "policy_update", RUN)
+    two_nodes = _cfg(trainer_nodes=2)
+    two_nodes = two_nodes.model_copy(update={"trainer": two_nodes.trainer.model_copy(
+        update={"expert_parallel_size": 2, "data_parallel_shard": 2})})
+    with pytest.raises(ConfigError, match="trainer.launcher 'local' starts ranks on one machine"):
+        run_remote(two_nodes, "policy_update", RUN)
+    with pytest.raises(ConfigError, match="pipeline.mode async runs its trainer on one node"):
+        run_remote(two_nodes, "async_trainer", RUN)
     with pytest.raises(ConfigError, match="rollout_nodes_per_worker 2"):
         run_remote(_cfg(rollout_nodes_per_worker=2), "rollout_worker", RUN, worker="rollout-0")
     big_mesh = parse_config({"checkpoint": {"uri": "s3://moerl-ckpt/prod"}, "pipeline": {"base_image": "r/moerl:1"},
                              "trainer": {"device": "cuda", "expert_parallel_size": 8, "data_parallel_shard": 2},
-                             "cluster": {"launch": {"mode": "kubernetes", "service_account": "moerl-gpu"}}})
-    with pytest.raises(ConfigError, match=r"trainer mesh: .* = 16 ranks, but .* = 8 GPUs"):
+                             "cluster": {"launch": {"mode": "kubernetes", "service_account": "moerl-gpu",
+                                                    "trainer_nodes": 1}}})
+    with pytest.raises(ConfigError, match=r"trainer mesh: .* = 16 ranks, but .* = 8 x 1 = 8 GPUs"):
         run_remote(big_mesh, "policy_update", RUN)
+    uneven = big_mesh.model_copy(update={"cluster": big_mesh.cluster.model_copy(update={
+        "launch": big_mesh.cluster.launch.model_copy(update={"trainer_nodes": 3})})})
+    with pytest.raises(ConfigError, match="16 ranks do not split evenly over 3 nodes"):
+        run_remote(uneven, "policy_update", RUN)
     with pytest.raises(LaunchError, match="needs the run id"):
         run_remote(_cfg(), "policy_update", "")
     with pytest.raises(ConfigError, match="no remote stage 'buffer'"):
@@ -657,9 +669,12 @@ def test_tracking_credentials_never_land_in_a_launched_object(uri, passed, monke
 # ---- the S3 exchange and the launched pod, for real ----------------------------------------
 
 class Kubelet:
-    """A KubeApi double that runs what a created TrainJob or Pod asks for, as a local process:
+    """A KubeApi double that runs what a created TrainJob or Pod asks for, as local processes:
     its command (the image's `python` is this interpreter) with its plain env values; its AWS
-    credentials come from this process's standard chain, as IRSA gives them to a pod."""
+    credentials come from this process's standard chain, as IRSA gives them to a pod. A TrainJob
+    of `numNodes` N runs N processes, as Trainer's torch plugin runs N pods: each gets
+    PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR (here 127.0.0.1) and PET_MASTER_PORT, and a
+    scratch folder of its own (a pod's emptyDir); the job completes when every node exits 0."""
 
     def __init__(self) -> None:
         self.core, self.custom, self.procs, self.bodies, self.deleted = self, self, {}, [], []
@@ -671,10 +686,27 @@ class Kubelet:
         env = {k: v for k, v in os.environ.items() if k.startswith("AWS_") or k in ("PATH", "PYTHONPATH")}
         env |= {e["name"]: e["value"] for e in c["env"] if "value" in e}
         cmd = [sys.executable if c["command"][0] == "python" else c["command"][0], *c["command"][1:]]
-        self.procs[body["metadata"]["name"]] = subprocess.Popen(cmd, env=env)
+        nodes = c.get("numNodes", 1)
+        if nodes == 1:
+            self.procs[body["metadata"]["name"]] = [subprocess.Popen(cmd, env=env)]
+            return
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        procs = []
+        for k in range(nodes):
+            scratch = f"{env['MOERL_SCRATCH']}/node-{k}"
+            procs.append(subprocess.Popen(cmd, env={**env, "PET_NNODES": str(nodes), "PET_NODE_RANK": str(k),
+                                                    "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
+                                                    "MOERL_SCRATCH": scratch, "HOME": f"{scratch}/home",
+                                                    "TMPDIR": f"{scratch}/tmp"}))
+        self.procs[body["metadata"]["name"]] = procs
 
     def _read(self, name: str, kind: str) -> object:
-        code = self.procs[name].poll()
+        codes = [p.poll() for p in self.procs[name]]
+        code = next((c for c in codes if c not in (None, 0)), None if None in codes else 0)
         if kind == "Pod":
             phase = {None: "Running", 0: "Succeeded"}.get(code, "Failed")
             obj = {"metadata": {"name": name}, "status": {"phase": phase}}
@@ -701,8 +733,9 @@ class Kubelet:
 
     def delete_namespaced_custom_object(self, g, v, ns, plural, name, **kw):
         self.deleted.append(name)
-        self.procs[name].kill()
-        self.procs[name].wait()
+        for p in self.procs[name]:
+            p.kill()
+            p.wait()
 
     def delete_namespaced_pod(self, name, ns, **kw):
         self.delete_namespaced_custom_object(None, None, ns, None, name)
@@ -772,6 +805,84 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(s3_server,
     assert tags["runtime.policy_update.torch"] and "runtime.policy_update.cuda_available" in tags
 
 
+def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(s3_server, tmp_path, monkeypatch):
+    """The mesh (2, 2) as a TrainJob of two nodes: each "pod" (its own scratch folder, sharing only
+    the S3 server) downloads the inputs, starts two ranks with torchrun, and the four meet in a
+    static rendezvous at node 0 (Trainer's PET_* variables); node 0 uploads the weights and its
+    ranks' optimizer shards, node 1 its own. The merged output equals the same mesh on one
+    machine (weights byte for byte, metrics), and resumes at mesh (1, 4) on one node."""
+    from safetensors.torch import load_file
+
+    from moerl.components.policy_update.trainer import run_policy_update
+    from moerl.models.tiny import build_tiny_model
+    from moerl.records import write_records
+
+    bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    cfg = parse_config({
+        "checkpoint": {"uri": f"s3://{bucket}/ckpt", "endpoint_url": s3_server.endpoint_url, "region": "us-east-1"},
+        "trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.01, "launcher": "torchrun",
+                    "expert_parallel_size": 2, "data_parallel_shard": 2},
+        "cluster": {"scratch_dir": str(tmp_path / "scratch"),
+                    "launch": {"mode": "kubernetes", "namespace": NS, "poll_s": 0.2, "trainer_nodes": 2}}})
+    cfg, run_id = _tracked(cfg, tmp_path)
+    state_in = build_tiny_model(cfg.model.tiny, tmp_path / "state_in")
+    write_records(tmp_path / "batch.jsonl", _batch())
+    monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
+    kubelet = Kubelet()
+    metrics = run_remote(cfg, "policy_update", run_id, args={"iteration": 1},
+                         inputs={"batch": tmp_path / "batch.jsonl", "state_in": state_in},
+                         outputs={"state_out": tmp_path / "two_nodes"}, api=kubelet)
+    (body,) = kubelet.bodies
+    assert body["spec"]["trainer"]["numNodes"] == 2 and len(kubelet.procs[body["metadata"]["name"]]) == 2
+    # each node ran in its own scratch; node 1 held only its ranks' shards
+    assert (tmp_path / "scratch" / "node-0").is_dir() and (tmp_path / "scratch" / "node-1").is_dir()
+    two = _tree(tmp_path / "two_nodes")
+    shards = sorted(k for k in two if k.endswith(".distcp"))
+    assert len(shards) == 4 and "trainer/optimizer/.metadata" in two and "trainer/state.json" in two
+    local = run_policy_update(cfg, tmp_path / "batch.jsonl", state_in, tmp_path / "one_node", 1)
+    one = _tree(tmp_path / "one_node")
+    assert two.keys() == one.keys()
+    assert two["model.safetensors"] == one["model.safetensors"]
+    assert {k: v for k, v in metrics.items() if not k.startswith("timing/")} == \
+           {k: v for k, v in local.items() if not k.startswith("timing/")}
+    assert Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{run_id}/exchange").keys() == []
+    # what two nodes wrote resumes on another mesh, on one node
+    other = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"data_parallel_shard": 1,
+                                                                            "expert_parallel_size": 4})})
+    resumed = run_policy_update(other, tmp_path / "batch.jsonl", tmp_path / "two_nodes", tmp_path / "resumed", 2)
+    assert resumed["train/steps"] == 2
+    w1, w2 = load_file(tmp_path / "two_nodes" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert any(not (w1[k] == w2[k]).all() for k in w1)
+
+
+def test_node_parts_merge_and_refuse_what_would_be_lost():
+    from moerl.launch.task import merge_outputs
+
+    r0 = {"outputs": {"s": {"kind": "dir", "files": ["model.safetensors", "o/__0_0.distcp", "o/.metadata"]}}, "nodes": 2}
+    r1 = {"outputs": {"s": {"kind": "dir", "files": ["o/__1_0.distcp"]}}}
+    assert merge_outputs("s", [r0, r1], "TrainJob t")["files"] == sorted([*r0["outputs"]["s"]["files"], "o/__1_0.distcp"])
+    with pytest.raises(LaunchError, match="nodes 0 and 1 both wrote o/.metadata"):
+        merge_outputs("s", [r0, {"outputs": {"s": {"kind": "dir", "files": ["o/.metadata"]}}}], "TrainJob t")
+    with pytest.raises(LaunchError, match="did not produce output 's'"):
+        merge_outputs("s", [{"outputs": {}}, r1], "TrainJob t")
+
+
+def test_node_group_from_trainers_variables():
+    from moerl.launch.nodes import node_group
+
+    assert node_group({}) is None and node_group({"PET_NNODES": "1"}) is None
+    g = node_group({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "moerl-x-node-0-0.moerl-x",
+                    "PET_MASTER_PORT": "29400"})
+    assert (g.rank, g.size, g.leader, g.loopback) == (1, 2, False, False)
+    for env, needle in (({"PET_NNODES": "2", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "a", "PET_MASTER_PORT": "1"},
+                         "PET_NODE_RANK=2 is outside 0..1"),
+                        ({"PET_NNODES": "two"}, "PET_NNODES='two'"),
+                        ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_PORT": "1"}, "needs node 0's address")):
+        with pytest.raises(ConfigError, match=needle):
+            node_group(env)
+
+
 def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(s3_server, tmp_path, monkeypatch):
     bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
     s3_server.client().create_bucket(Bucket=bucket)
@@ -815,3 +926,18 @@ def test_a_failing_remote_run_says_why_in_the_termination_log(tmp_path, monkeypa
     log.write_text("")
     assert remote.main(["gs://not-s3/spec.json"]) == 1
     assert log.read_text() == "RemoteError: expected s3://.../spec.json, got 'gs://not-s3/spec.json'"
+
+
+def test_trainjob_nodes_follow_the_mesh():
+    """numNodes is the mesh's ranks at gpus_per_node per node (the seed's 16 x 8 H200 for a
+    (16, 8) mesh); an explicit cluster.launch.trainer_nodes wins; a CPU trainer is one node."""
+    def cfg(device, dp, ep, **launch):
+        return parse_config({"trainer": {"device": device, "data_parallel_shard": dp, "expert_parallel_size": ep},
+                             "cluster": {"launch": launch}})
+
+    assert objects.trainer_nodes(cfg("cuda", 16, 8)) == 16
+    assert objects.trainer_nodes(cfg("cuda", 1, 8)) == 1 and objects.trainer_nodes(cfg("cuda", 1, 4)) == 1
+    assert objects.trainer_nodes(cfg("cuda", 4, 8, gpus_per_node=4)) == 8
+    assert objects.trainer_nodes(cfg("cpu", 2, 2)) == 1 and objects.trainer_nodes(cfg("cpu", 2, 2, trainer_nodes=2)) == 2
+    tj = objects.trainjob(cfg("cuda", 16, 8), RUN, "moerl-policy-update-x", ["true"], [])
+    assert tj["spec"]["trainer"]["numNodes"] == 16

@@ -1,9 +1,11 @@
-"""Start the expert-parallel ranks of the policy update and wait for them.
+"""Start the ranks of the policy update's mesh and wait for them.
 
-`run_expert_parallel` starts `trainer.expert_parallel_size` ranks of
-`moerl.components.policy_update.ep_train` (gloo on CPU, NCCL on GPU) on this machine, with
-torchrun or as local processes meeting through a file store (`trainer.launcher`), waits for
-all of them, and returns rank 0's metrics.
+`run_expert_parallel` starts the mesh's `trainer.data_parallel_shard` x
+`trainer.expert_parallel_size` ranks of `moerl.components.policy_update.ep_train` (gloo on CPU,
+NCCL on GPU) on this machine, with torchrun or as local processes meeting through a file store
+(`trainer.launcher`), waits for all of them, and returns rank 0's metrics. In a TrainJob of
+several nodes (`moerl.launch.nodes`), each node's torchrun starts that node's share of the
+ranks and they meet at node 0; only node 0 returns metrics (rank 0 is there).
 
 No rank outlives the task (`moerl.launch.procs`): every rank, and torchrun itself, runs in its own
 process group and dies with the thread that started it. If one rank fails, the others are
@@ -32,6 +34,7 @@ from pathlib import Path
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import TrainingError
 from moerl.launch import procs
+from moerl.launch.nodes import NodeGroup, node_group
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +72,33 @@ def _rank_args(cfg_path: Path, batch_path, state_in, state_out, iteration: int, 
             "--state-out", str(state_out), "--iteration", str(iteration), "--metrics-out", str(metrics_path)]
 
 
-def torchrun_args(world_size: int, rank_args: list[str]) -> list[str]:
-    """torchrun's arguments: a standalone rendezvous on a port the store picks itself, and
-    each worker run through the `moerl.launch.procs` wrapper so it dies with torchrun."""
-    return ["--standalone", "--nnodes=1", f"--nproc-per-node={world_size}", "--local-addr=127.0.0.1",
-            "--module", "moerl.launch.procs", EP_MODULE, *rank_args]
+def torchrun_args(world_size: int, rank_args: list[str], nodes: NodeGroup | None = None) -> list[str]:
+    """torchrun's arguments, each worker run through the `moerl.launch.procs` wrapper so it dies
+    with torchrun. One node: a standalone rendezvous on a port the store picks itself. Several
+    (`nodes`, from Trainer's PET_* variables): this node's share of the ranks, meeting the
+    others in a static rendezvous at node 0's address (node 0's torchrun hosts the store)."""
+    if nodes is None:
+        head = ["--standalone", "--nnodes=1", f"--nproc-per-node={world_size}", "--local-addr=127.0.0.1"]
+    else:
+        if world_size % nodes.size:
+            raise TrainingError(f"policy_update: {world_size} ranks do not split evenly over {nodes.size} nodes")
+        head = [f"--nnodes={nodes.size}", f"--node-rank={nodes.rank}", f"--nproc-per-node={world_size // nodes.size}",
+                f"--master-addr={nodes.master_addr}", f"--master-port={nodes.master_port}"]
+    return [*head, "--module", "moerl.launch.procs", EP_MODULE, *rank_args]
 
 
-def _start(cfg: RunConfig, tmp: Path, rank_args: list[str]) -> tuple[list[subprocess.Popen], float]:
+def _start(cfg: RunConfig, tmp: Path, rank_args: list[str],
+           nodes: NodeGroup | None = None) -> tuple[list[subprocess.Popen], float]:
     """Start the ranks (or torchrun); returns them and the grace to give them on a kill."""
     ws = cfg.trainer.world_size
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if nodes is None or nodes.loopback:  # gloo binds loopback, unless the ranks span real nodes
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    if nodes is not None:
+        if cfg.trainer.launcher != "torchrun":
+            raise TrainingError(f"policy_update: the trainer runs on {nodes.size} nodes, which only trainer.launcher "
+                                f"torchrun can join (got {cfg.trainer.launcher!r})")
+        return [procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args, nodes), env)], TORCHRUN_GRACE_S
     if cfg.trainer.launcher == "torchrun":
         return [procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args), env)], TORCHRUN_GRACE_S
     ranks = []
@@ -104,15 +122,17 @@ def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | 
     MoE update of many steps can take an hour, but a hung rank is caught the same day)."""
     timeout_s = rank_timeout_s or cfg.trainer.rank_timeout_s
     tc = cfg.trainer
+    nodes = node_group()
+    where = f", node {nodes.rank} of {nodes.size}" if nodes else ""
     what = f"sharded training ({tc.launcher}, {tc.world_size} ranks: mesh dp {tc.data_parallel_shard} x ep " \
-           f"{tc.expert_parallel_size}, {tc.ep_backend})"
+           f"{tc.expert_parallel_size}, {tc.ep_backend}{where})"
     with tempfile.TemporaryDirectory(prefix="moerl-ep-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "config.json").write_text(config_to_json(cfg))
         rank_args = _rank_args(tmp / "config.json", batch_path, state_in, state_out, iteration, tmp / "metrics.json")
         try:
             with procs.sigterm_raises():
-                ranks, grace_s = _start(cfg, tmp, rank_args)
+                ranks, grace_s = _start(cfg, tmp, rank_args, nodes)
                 returncode = _wait_all_or_kill(ranks, timeout_s, grace_s)
         except RankTimeout as err:
             raise RankTimeout(f"policy_update: {what} {err}") from None
@@ -120,6 +140,9 @@ def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | 
             raise TrainingError(f"policy_update: received SIGTERM; killed every rank of {what}") from None
         if returncode != 0:
             raise TrainingError(f"policy_update: {what} exited with {returncode}; see the ranks' output above")
+        if nodes is not None and not nodes.leader:  # rank 0, which reports, is on node 0
+            log.info("%s: this node's ranks finished", what)
+            return {}
         out = json.loads((tmp / "metrics.json").read_text())
     if out["fallback_from"]:
         log.warning("expert-parallel dispatcher fell back from %s to %s", out["fallback_from"], out["dispatcher"])

@@ -7,6 +7,7 @@ task uploads its inputs under a run-scoped prefix of the checkpoint store,
         inputs/<name>[/<rel>]  one object for a file input, one per file for a directory
         outputs/<name>[/<rel>] written by the pod
         result.json            written by the pod last: the stage's return value, the outputs
+        result-node-<k>.json   a multi-node trainer's node k > 0: the files its ranks wrote
 and the launched pod (`moerl.launch.remote`) downloads them, runs the stage, uploads its
 outputs and the result. The task downloads those into its own output paths, then deletes the
 prefix. The S3 client is the checkpoint store's (`moerl.store.s3.S3Store`: the AWS credential
@@ -29,6 +30,11 @@ from moerl.errors import CheckpointError
 from moerl.store.s3 import S3Store
 
 SPEC, RESULT = "spec.json", "result.json"
+
+
+def node_result(node_rank: int) -> str:
+    """The result of node `node_rank` > 0 of a multi-node workload (node 0 writes RESULT)."""
+    return f"result-node-{node_rank}.json"
 
 
 class _ExchangeStore(S3Store):

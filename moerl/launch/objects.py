@@ -29,9 +29,11 @@ capability of its own task containers, one reason these stages run outside KFP.
 Limitations: the objects pass the published schemas (tests/test_launch.py validates them
 against the Trainer v2.3.0 and JobSet v0.12.0 CRDs and Kubernetes' own schemas), but have not
 been applied to a real API server here: admission webhooks (Trainer's, JobSet's) and CEL rules
-beyond the name checks are not exercised. `trainer_nodes` > 1 and the JobSet build objects
-that run the same command on every node; moerl's trainer and rollout engine do not yet join
-across nodes, so `moerl.launch.task.run_remote` refuses those settings (see docs/launch.md).
+beyond the name checks are not exercised. A TrainJob of several nodes runs the same command on
+each; Trainer's torch plugin gives each its rendezvous (`moerl.launch.nodes`). The JobSet
+builds objects that run the same command on every node, but moerl's rollout engine does not
+yet join across nodes, so `moerl.launch.task.run_remote` refuses that setting (see
+docs/launch.md).
 """
 
 from __future__ import annotations
@@ -147,10 +149,21 @@ def _owner(owner: dict[str, Any] | None) -> dict[str, Any]:
     return {"ownerReferences": [owner]} if owner else {}
 
 
+def trainer_nodes(cfg: RunConfig) -> int:
+    """The trainer's node count: `cluster.launch.trainer_nodes`, or from the mesh: its ranks at
+    `gpus_per_node` per node on GPUs (ceil), one node on CPU."""
+    la = cfg.cluster.launch
+    if la.trainer_nodes is not None:
+        return la.trainer_nodes
+    if cfg.trainer.device == "cuda" and la.gpus_per_node > 0:
+        return max(1, math.ceil(cfg.trainer.world_size / la.gpus_per_node))
+    return 1
+
+
 def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: list[dict[str, Any]],
              stage: str = "policy_update", owner: dict[str, Any] | None = None,
              service_account: str | None = None) -> dict[str, Any]:
-    """A TrainJob running `command` on `cluster.launch.trainer_nodes` trainer nodes.
+    """A TrainJob running `command` on `trainer_nodes(cfg)` trainer nodes.
     `service_account`: its pods' (default `cluster.launch.service_account`; none: the namespace's)."""
     la, group = cfg.cluster.launch, cfg.cluster.groups.trainer
     meta = labels(run_id, stage, name)
@@ -176,7 +189,7 @@ def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: li
         "spec": {
             "runtimeRef": {"name": la.trainer_runtime, "apiGroup": TRAINJOB_API[0], "kind": "ClusterTrainingRuntime"},
             "trainer": {"image": image(cfg, group), "command": list(command),
-                        "env": [*env, *scratch_env(cfg)], "numNodes": la.trainer_nodes,
+                        "env": [*env, *scratch_env(cfg)], "numNodes": trainer_nodes(cfg),
                         "resourcesPerNode": resources(cfg)},
             "runtimePatches": [patch],
             "activeDeadlineSeconds": cfg.cluster.timeout_s(group, cfg.pipeline.mode),

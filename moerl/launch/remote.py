@@ -13,9 +13,13 @@ message (`/dev/termination-log`), which the launcher reports, and exits non-zero
 S3 access uses the pod's own AWS credential chain (IRSA through the launched pods' service
 account); `--endpoint-url` and `--region` only say where the exchange is.
 
-Limitations: the registry is closed (a spec names a stage, never code). In a multi-node group
-only node rank 0 would upload; moerl's stages do not yet run across nodes, and the launcher
-refuses such settings before anything is launched.
+In a multi-node trainer (`moerl.launch.nodes`: Trainer's PET_* variables) every node runs
+steps 1-4 with its own scratch and its share of the ranks; node 0 writes `result.json` (with
+the node count), every other node k uploads only what its ranks wrote (their Distributed
+Checkpoint shards: file names never collide across ranks) and `result-node-<k>.json` listing
+it. The launching task merges them (`moerl.launch.task.merge_outputs`).
+
+Limitations: the registry is closed (a spec names a stage, never code).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from typing import Any, Literal
 
 from moerl.config import CheckpointConfig, RunConfig, config_from_json
 from moerl.errors import MoerlError
-from moerl.launch.exchange import RESULT, SPEC, Exchange
+from moerl.launch.exchange import RESULT, SPEC, Exchange, node_result
+from moerl.launch.nodes import node_group
 from moerl.launch.podenv import enter_pod
 
 log = logging.getLogger(__name__)
@@ -122,9 +127,13 @@ def run_spec(spec_uri: str, endpoint_url: str | None = None, region: str | None 
     # 3. the stage
     log.info("running stage %s of run %s", spec["stage"], run_id)
     value = stage.fn(cfg, run_id, args, inputs, outputs)
-    # 4. outputs, then the result that says they are complete
+    # 4. outputs, then the result that says they are complete (node 0's, or this node's part)
     result = {"value": value, "outputs": {name: ex.put(f"outputs/{name}", path) for name, path in outputs.items()}}
-    ex.write_json(RESULT, result)
+    group = node_group()
+    if group is None or group.leader:
+        ex.write_json(RESULT, {**result, "nodes": group.size if group else 1})
+    else:
+        ex.write_json(node_result(group.rank), {"outputs": result["outputs"]})
     return value
 
 

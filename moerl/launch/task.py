@@ -19,10 +19,18 @@ account (IRSA: their S3 access): `cluster.launch.service_account`, else the task
 `sweep(run_id)` deletes whatever a run's launcher tasks left behind (a task killed without its
 cleanup, in a namespace its owner reference cannot reach); the pipeline's exit task calls it.
 
+A trainer of several nodes (`objects.trainer_nodes`: from the mesh, or
+`cluster.launch.trainer_nodes`) is one TrainJob; each node uploads the files its ranks wrote
+(Distributed Checkpoint shards) beside node 0's, and says which in its own node result
+(`moerl.launch.remote`). Step 5 merges them: a node's part missing, or two nodes writing the
+same file, fails the task.
+
 Limitations: needs an s3:// `checkpoint.uri` (the exchange). Refuses
-`cluster.launch.trainer_nodes` > 1 and `rollout_nodes_per_worker` > 1: the objects for them
-exist (`objects.trainjob`, `objects.rollout_group`), but moerl's trainer and rollout engine
-do not yet join ranks across nodes, so every node would run the whole stage on its own.
+`rollout_nodes_per_worker` > 1 (the JobSet exists, `objects.rollout_group`, but moerl's rollout
+engine does not join ranks across nodes) and an async trainer on several nodes. Every trainer
+node downloads the whole input state (weights and every optimizer shard), and the task
+downloads the whole output: fine to tens of GB, not for DeepSeek-V3's 8 TB of Adam state,
+which needs the Distributed Checkpoint read and written in S3 by the ranks themselves.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from urllib.parse import urlsplit, urlunsplit
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import CheckpointError, ConfigError
 from moerl.launch import objects
-from moerl.launch.exchange import RESULT, SPEC, Exchange, exchange_uri
+from moerl.launch.exchange import RESULT, SPEC, Exchange, exchange_uri, node_result
 from moerl.launch.remote import STAGES
 from moerl.launch.watch import (KINDS, PENDING_TIMEOUT_S, KubeApi, Launcher, LaunchError, connect, delete_retrying,
                                 own_pod_owner, resolve_namespace, short_error, workload)
@@ -74,19 +82,35 @@ def check(cfg: RunConfig, stage: str, run_id: str) -> None:
 
 
 def check_launchable(cfg: RunConfig, stage: str) -> None:
-    """What `moerl compile --target eks` refuses too: a workload shape moerl cannot run yet."""
+    """What `moerl compile --target eks` refuses too: a workload shape moerl cannot run."""
     la = cfg.cluster.launch
-    if STAGES[stage].group == "trainer" and la.trainer_nodes > 1:
-        raise ConfigError(f"cluster.launch.trainer_nodes {la.trainer_nodes}: moerl's trainer runs on one node "
-                          "(its expert-parallel ranks do not join across nodes yet); set 1")
-    world = cfg.trainer.world_size
-    if STAGES[stage].group == "trainer" and cfg.trainer.device == "cuda" and world > la.gpus_per_node * la.trainer_nodes:
-        raise ConfigError(f"trainer mesh: trainer.data_parallel_shard x trainer.expert_parallel_size = {world} ranks, "
-                          f"but the trainer gets cluster.launch.gpus_per_node x trainer_nodes = "
-                          f"{la.gpus_per_node * la.trainer_nodes} GPUs; one rank per GPU")
+    if STAGES[stage].group == "trainer":
+        _check_trainer_nodes(cfg, stage)
     if STAGES[stage].group == "rollout" and la.rollout_nodes_per_worker > 1:
         raise ConfigError(f"cluster.launch.rollout_nodes_per_worker {la.rollout_nodes_per_worker}: moerl's rollout "
                           "engine runs on one node (no multi-node join yet); set 1")
+
+
+def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
+    """The trainer's ranks over its nodes: an equal share on each, at most one rank per GPU;
+    across nodes only through torchrun, and only for the sync policy update."""
+    la, world = cfg.cluster.launch, cfg.trainer.world_size
+    nodes = objects.trainer_nodes(cfg)
+    mesh = (f"trainer.data_parallel_shard x trainer.expert_parallel_size = {cfg.trainer.data_parallel_shard} x "
+            f"{cfg.trainer.expert_parallel_size} = {world} ranks")
+    if world % nodes:
+        raise ConfigError(f"trainer mesh: {mesh} do not split evenly over {nodes} nodes "
+                          "(cluster.launch.trainer_nodes); every node runs the same number of ranks")
+    if cfg.trainer.device == "cuda" and world // nodes > la.gpus_per_node:
+        raise ConfigError(f"trainer mesh: {mesh}, but the trainer gets cluster.launch.gpus_per_node x trainer_nodes "
+                          f"= {la.gpus_per_node} x {nodes} = {la.gpus_per_node * nodes} GPUs; one rank per GPU")
+    if nodes > 1 and stage == "async_trainer":
+        raise ConfigError(f"trainer on {nodes} nodes: pipeline.mode async runs its trainer on one node (it starts "
+                          "the mesh's ranks itself each version); use a mesh of at most cluster.launch.gpus_per_node "
+                          "ranks, or pipeline.mode sync")
+    if nodes > 1 and cfg.trainer.launcher != "torchrun":
+        raise ConfigError(f"trainer on {nodes} nodes: trainer.launcher {cfg.trainer.launcher!r} starts ranks on one "
+                          "machine only; set trainer.launcher torchrun (it joins the nodes' ranks)")
 
 
 def tracking_uri_env(uri: str) -> str | None:
@@ -179,7 +203,7 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
     la, spec_group = cfg.cluster.launch, STAGES[stage].group
     namespace = resolve_namespace(la.namespace)
     if spec_group == "trainer":
-        name = objects.trainjob_name(stage, run_id, la.trainer_nodes)
+        name = objects.trainjob_name(stage, run_id, objects.trainer_nodes(cfg))
     else:
         name = objects.workload_name(stage, run_id, extra=worker or "")
     group = cfg.cluster.groups.trainer if spec_group == "trainer" else cfg.cluster.groups.rollout
@@ -203,10 +227,9 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
         result = ex.read_json(RESULT)
         if not isinstance(result, dict):
             raise LaunchError(f"{body['kind']} {name} succeeded but wrote no {RESULT} under {ex.uri}")
+        parts = _node_parts(ex, result, f"{body['kind']} {name}")
         for n, path in outputs.items():
-            desc = result.get("outputs", {}).get(n, {"kind": "missing"})
-            if desc.get("kind") == "missing":
-                raise LaunchError(f"{stage}: the launched {body['kind']} {name} did not produce output {n!r}")
+            desc = merge_outputs(n, [result, *parts], f"{body['kind']} {name}")
             ex.get(f"outputs/{n}", desc, Path(path))
         return result.get("value")
     finally:
@@ -215,6 +238,37 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
             log.info("deleted %d exchange objects under %s", ex.clear(), ex.uri)
         except CheckpointError as e:
             log.warning("could not delete the exchange %s: %s", ex.uri, e)
+
+
+def _node_parts(ex: Exchange, result: dict[str, Any], what: str) -> list[dict[str, Any]]:
+    """The results of nodes 1..N-1 of a multi-node workload (node 0's `result` says N)."""
+    nodes = int(result.get("nodes", 1))
+    parts = []
+    for k in range(1, nodes):
+        part = ex.read_json(node_result(k))
+        if not isinstance(part, dict):
+            raise LaunchError(f"{what} succeeded but node {k} of {nodes} wrote no {node_result(k)} under {ex.uri}")
+        parts.append(part)
+    return parts
+
+
+def merge_outputs(name: str, results: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    """Output `name` as one description: node 0's, with the other nodes' files added to a
+    directory. A file that two nodes wrote is refused (one would have overwritten the other)."""
+    desc = results[0].get("outputs", {}).get(name, {"kind": "missing"})
+    if desc.get("kind") == "missing":
+        raise LaunchError(f"the launched {what} did not produce output {name!r}")
+    if len(results) == 1:
+        return desc
+    if desc.get("kind") != "dir":
+        raise LaunchError(f"output {name!r} of the multi-node {what} is a {desc.get('kind')}; only directories merge")
+    owner = {rel: 0 for rel in desc["files"]}
+    for k, part in enumerate(results[1:], start=1):
+        for rel in part.get("outputs", {}).get(name, {}).get("files", []):
+            if rel in owner:
+                raise LaunchError(f"output {name!r} of {what}: nodes {owner[rel]} and {k} both wrote {rel}")
+            owner[rel] = k
+    return {"kind": "dir", "files": sorted(owner)}
 
 
 # ----------------------------------------------------------------------- the exit task's sweep
