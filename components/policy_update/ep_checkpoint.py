@@ -1,11 +1,13 @@
 """Load and save an expert-parallel policy without any rank holding every expert.
 
 Loading (`load_ep_model`): the model skeleton is built on the `meta` device (shapes only, no
-memory), its sparse MoE blocks are swapped for `EPMoEBlock`s that own experts [lo, hi), and
-only then are tensors allocated on `trainer.device`: the replicated (non-expert) weights, read
-whole, and this rank's experts, read one expert (or one row range of a fused tensor) at a time
-from the safetensors files. A rank's memory is the replicated weights plus E / ep of the
-experts.
+memory), its sparse MoE blocks are swapped for `EPMoEBlock`s that own experts [lo, hi). On the
+mesh (`shard=`) FSDP2 shards it while still on `meta`, and each rank then reads only its own
+rows of every tensor (`_load_shards`): its 1 / world of the dense weights and its dp share of
+its EP rank's experts, so the load peak falls with the mesh like the state does. Unsharded,
+tensors are allocated on `trainer.device`: the non-expert weights read whole, and this rank's
+experts read one expert (or one row range of a fused tensor) at a time from the safetensors
+files.
 
 Checkpoint layouts read (what a Qwen3-MoE / Mixtral checkpoint holds on disk):
 - per expert, as transformers' `save_pretrained` writes them: Qwen3-MoE
@@ -209,8 +211,14 @@ def _rebuild_rotary(model: nn.Module, device) -> None:
                               "(only rotary-embedding buffers are rebuilt)")
 
 
-def load_ep_model(path: str | Path, dispatcher, dtype: torch.dtype, device: str, aux_loss_coef: float = 0.0):
-    """(model, ep_blocks, layout): the policy at `path` with this rank's experts only."""
+def load_ep_model(path: str | Path, dispatcher, dtype: torch.dtype, device: str, aux_loss_coef: float = 0.0,
+                  shard=None):
+    """(model, ep_blocks, layout): the policy at `path` with this rank's experts only.
+
+    `shard(model, blocks)`: shard the model while it is still on `meta` (FSDP2's
+    `fully_shard`, `ep_train.apply_fsdp`), then read from the files only the rows of each
+    tensor this rank holds (`_load_shards`): no rank ever holds a weight whole. Without it,
+    the dense weights are read whole and this rank's experts are read (the unsharded model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -219,6 +227,10 @@ def load_ep_model(path: str | Path, dispatcher, dtype: torch.dtype, device: str,
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         blocks = parallelize_experts(model, dispatcher, aux_loss_coef)  # meta: allocates nothing
     layout = read_layout(path, model, blocks)
+    if shard is not None:
+        shard(model, blocks)
+        _load_shards(model, blocks, layout, path, device)
+        return model, blocks, layout
     by_tensor = _names_by_tensor(model)
     for block, keys in zip(blocks, layout.experts):
         # files are memory-mapped and the pages read count in this rank's RSS until unmapped:
@@ -235,6 +247,78 @@ def load_ep_model(path: str | Path, dispatcher, dtype: torch.dtype, device: str,
             _assign(model, tensor_names, value, isinstance(t, nn.Parameter))
     _rebuild_rotary(model, device)
     return model, blocks, layout
+
+
+def _rows(param: torch.Tensor) -> tuple[int, int]:
+    """The rows [lo, hi) of dim 0 that this rank holds of a (possibly FSDP-sharded) parameter."""
+    if not hasattr(param, "to_local"):
+        return 0, param.shape[0] if param.dim() else 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(getattr(p, "dim", 0) != 0 for p in param.placements if p.is_shard()):
+        raise CheckpointError(f"policy_update: a parameter sharded on a dimension other than 0 ({param.placements})")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return (offset[0], offset[0] + shape[0]) if param.dim() else (0, 0)
+
+
+def _fill(param: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        local.copy_(value.reshape(local.shape))
+
+
+def _load_shards(model: nn.Module, blocks, layout: CheckpointLayout, path: Path, device: str) -> None:
+    """Materialize a model sharded on `meta` (`load_ep_model(shard=...)`): each parameter's local
+    rows read from the files (an expert tensor's rows offset by the block's first expert),
+    persistent buffers read whole (they are not sharded), rotary buffers rebuilt."""
+    model.to_empty(device=device)
+    experts = {id(b.gate_up_proj_LIH): (b, k, "gate") for b, k in zip(blocks, layout.experts)}
+    experts |= {id(b.down_proj_LHI): (b, k, "down") for b, k in zip(blocks, layout.experts)}
+    done: set[int] = set()
+    with ExitStack() as stack:
+        reader, unit = None, None
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            if id(t) in done:
+                continue
+            if name.split(".")[:3] != unit:  # files reopened per layer: mapped pages count in RSS until unmapped
+                stack.close()
+                reader, unit = _Reader(path, layout.weight_map, stack), name.split(".")[:3]
+            if id(t) in experts:
+                block, keys, which = experts[id(t)]
+                lo, hi = _rows(t)
+                _fill(t, _read_experts(block, keys, which, reader, block.first_expert + lo, block.first_expert + hi))
+            elif name in layout.names:
+                lo, hi = _rows(t)
+                full = tuple(t.shape)
+                _fill(t, reader.get(layout.names[name], full, *((lo, hi) if t.dim() else (None, None))))
+            else:
+                continue  # a non-persistent buffer (rotary), or a tied name loaded under another
+            done.add(id(t))
+    _rebuild_rotary_in_place(model, device)
+
+
+def _read_experts(block: EPMoEBlock, keys: ExpertKeys, which: str, reader: _Reader, lo: int, hi: int) -> torch.Tensor:
+    """Experts [lo, hi) of one layer's gate_up ([n, 2I, H]) or down ([n, H, I]) tensor."""
+    _, two_i, h = block.gate_up_proj_LIH.shape
+    e, i = block.num_experts, two_i // 2
+    if keys.fused:
+        key, shape = (keys.gate, (e, two_i, h)) if which == "gate" else (keys.down, (e, h, i))
+        return reader.get(key, shape, lo, hi)
+    if which == "down":
+        return torch.stack([reader.get(keys.down.format(e=j), (h, i)) for j in range(lo, hi)]) if hi > lo \
+            else torch.empty((0, h, i))
+    return torch.stack([torch.cat([reader.get(keys.gate.format(e=j), (i, h)), reader.get(keys.up.format(e=j), (i, h))])
+                        for j in range(lo, hi)]) if hi > lo else torch.empty((0, two_i, h))
+
+
+def _rebuild_rotary_in_place(model: nn.Module, device) -> None:
+    """Rotary buffers after `to_empty`: computed again and copied in (the module stays, FSDP's)."""
+    for module in model.modules():
+        if "RotaryEmbedding" in type(module).__name__:
+            fresh = type(module)(config=module.config).to(device)
+            for leaf, b in fresh._buffers.items():
+                if b is not None:
+                    module._buffers[leaf] = b
 
 
 # ------------------------------------------------------------------------------------ save

@@ -103,10 +103,11 @@ def apply_fsdp(model, ep_blocks, mesh, mixed_precision: str = "off", activation_
 
 
 def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
-    """(model, opt, counters, ep_blocks, layout, dispatcher, mesh) on this rank. The model
-    holds the dense weights and only this rank's experts, read from the checkpoint files
-    (`ep_checkpoint.load_ep_model`), then sharded by FSDP2 on the mesh (`apply_fsdp`; with
-    `shard` False it stays unsharded, for tests of the loader); `layout` says where each tensor
+    """(model, opt, counters, ep_blocks, layout, dispatcher, mesh) on this rank. The model is
+    sharded by FSDP2 on the mesh while on `meta` (`apply_fsdp`), and each rank reads only its
+    rows of each tensor from the checkpoint files (`ep_checkpoint.load_ep_model`); with `shard`
+    False it holds the dense weights whole and this rank's experts, unsharded (tests of the
+    loader); `layout` says where each tensor
     came from, for saving. The optimizer state comes from `trainer/optimizer/` (a Distributed
     Checkpoint, resharded onto this mesh whatever mesh wrote it)."""
     from transformers import AutoConfig
@@ -118,10 +119,11 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
                                  group=mesh.get_group("ep"), ranks_per_node=cfg.trainer.ranks_per_node,
                                  allow_fallback=cfg.trainer.allow_fallback,
                                  deepep_options=cfg.trainer.deepep_options or None)
-    model, ep_blocks, layout = load_ep_model(state_in, dispatcher, getattr(torch, cfg.model.dtype), cfg.trainer.device,
-                                             cfg.trainer.aux_loss_coef)
-    if shard:
-        apply_fsdp(model, ep_blocks, mesh, cfg.trainer.mixed_precision, cfg.trainer.activation_checkpointing)
+    tc = cfg.trainer
+    fsdp = (lambda m, blocks: apply_fsdp(m, blocks, mesh, tc.mixed_precision, tc.activation_checkpointing)) \
+        if shard else None  # sharded on meta, then each rank reads only its rows
+    model, ep_blocks, layout = load_ep_model(state_in, dispatcher, getattr(torch, cfg.model.dtype), tc.device,
+                                             tc.aux_loss_coef, shard=fsdp)
     tdir = state_in / TRAINER_DIR
     counters = Counters(**json.loads((tdir / "state.json").read_text())) if (tdir / "state.json").is_file() else Counters()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
