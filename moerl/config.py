@@ -347,6 +347,11 @@ class TrainerConfig(_Section):
     # NCCL GIN) and its buffer options; the keys are kernels/deepep.py's DeepEPOptions.
     deepep_options: dict[str, Any] = Field(default_factory=dict)
     aux_loss_coef: float = Field(0.0, ge=0.0)  # load-balancing loss; 0 = off
+    # DeepSeek-V3's auxiliary-loss-free balancing for its sigmoid router: after each optimizer
+    # step every expert's e_score_correction_bias moves by this much towards the mean load
+    # (Megatron's moe_router_bias_update_rate; DeepSeek-V3 pre-trained with 0.001). 0 = the
+    # bias stays as loaded. Only for routers with that bias.
+    router_bias_update_rate: float = Field(0.0, ge=0.0, le=0.1)
     # How the EP ranks start. `local`: rank processes on this machine meeting through a file
     # store (the only listener is gloo/NCCL on loopback). `torchrun`: torch's launcher, as on the
     # cluster; its TCPStore listens on every interface of the node.

@@ -285,3 +285,12 @@ def test_an_olmoe_checkpoint_that_vllm_would_serve_differently_is_refused(tmp_pa
     (path / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": True}))
     with pytest.raises(ConfigError, match="norm_topk_prob true is served by vLLM without the renormalisation"):
         check_checkpoint(path)
+
+
+def test_router_bias_balancing_on_a_family_without_the_bias_is_refused_before_any_work(tmp_path):
+    from moerl.orchestrate.prepare import preflight
+
+    cfg = load_config(ROOT / "configs" / "tiny-moe-grpo.yaml",
+                      [f"checkpoint.uri={tmp_path / 'ck'}", "trainer.router_bias_update_rate=0.001"])
+    with pytest.raises(ConfigError, match=r"trainer.router_bias_update_rate 0.001: the qwen3_moe router has no bias"):
+        preflight(cfg)

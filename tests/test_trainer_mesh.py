@@ -157,3 +157,25 @@ def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(t
     assert set(out["grads"]) == set(ref_grads)
     for name, g in out["grads"].items():
         assert (g - ref_grads[name]).abs().max() <= TOL * max(1.0, float(ref_grads[name].abs().max())), name
+
+
+def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_path):
+    """trainer.router_bias_update_rate on DeepSeek-V3 (sigmoid router with bias correction): two
+    steps move every expert's bias by a whole number of rates, against its load, and the mesh
+    (2, 2), whose ranks each route their own tokens, moves it as the single process does: the
+    loads are summed over the ranks before the sign is taken."""
+    path = _family("deepseek_v3", tmp_path / "dsv3")
+    write_records(tmp_path / "batch.jsonl", _batch())
+    key = next(k for k in load_file(path / "model.safetensors") if k.endswith("e_score_correction_bias"))
+    b0 = load_file(path / "model.safetensors")[key]
+    out = {}
+    for name, (dp, ep) in (("single", (1, 1)), ("mesh", (2, 2))):
+        cfg = _cfg(dp, ep)
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"router_bias_update_rate": 0.01})})
+        m = run_policy_update(cfg, tmp_path / "batch.jsonl", path, tmp_path / name, iteration=0)
+        assert m["train/steps"] == 2 and m["moe/router_max_load_ratio"] >= 1.0
+        out[name] = load_file(tmp_path / name / "model.safetensors")[key]
+    steps = (out["single"] - b0) / 0.01
+    assert torch.allclose(steps, steps.round(), atol=1e-4), (steps - steps.round()).abs().max()
+    assert steps.round().abs().max() <= 2 and steps.abs().sum() > 0
+    assert torch.equal(out["mesh"], out["single"])

@@ -112,7 +112,8 @@ class EPMoEBlock(nn.Module):
         if aux_loss_coef > 0 and hasattr(block.gate, "e_score_correction_bias"):
             raise ValueError("trainer.aux_loss_coef > 0: moerl's load-balancing loss is the softmax-router form, and "
                              f"{type(block.gate).__name__} is a sigmoid router balanced by its bias correction; set "
-                             "trainer.aux_loss_coef 0 for this family")
+                             "trainer.aux_loss_coef 0 for this family (trainer.router_bias_update_rate moves that "
+                             "bias towards balance)")
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert_L: torch.Tensor | None = None

@@ -43,7 +43,7 @@ from moerl.config import RunConfig, config_from_json
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
 from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
-from moerl.components.policy_update.steps import (STAT_KEYS, accumulate, check_device, finish_step,
+from moerl.components.policy_update.steps import (STAT_KEYS, RouterBias, accumulate, check_device, finish_step,
                                                   logprob_mismatch_sum, losses_are_finite, micro_parts, minibatches,
                                                   model_device, rows_per_micro_batch, sampled_logprobs)
 from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
@@ -278,17 +278,27 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     aux_fn = (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None)) if tc.aux_loss_coef > 0 else None
     sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)  # this rank's shares of every step's statistics
     done = skipped = 0
-    for chunk, my_parts in zip(chunks, parts):
-        opt.zero_grad(set_to_none=True)
-        stats = accumulate(model, p, my_parts, old_logp, cfg, float(p.mask_NL1[chunk].sum()), len(chunk), aux_fn)
-        finite = torch.tensor([float(losses_are_finite(stats))], device=device)
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
-        grad_norm = _sync_and_clip(model, ep_blocks, tc.max_grad_norm)
-        # the global norm is identical on every rank: each adds 1/world of it
-        if finish_step(opt, counters, cfg, stats, sums, grad_norm, finite.item() == 1, norm_share=1.0 / world):
-            done += 1
-        else:
-            skipped += 1
+    bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
+    balance: dict[str, float] = {}
+    try:
+        for chunk, my_parts in zip(chunks, parts):
+            opt.zero_grad(set_to_none=True)
+            stats = accumulate(model, p, my_parts, old_logp, cfg, float(p.mask_NL1[chunk].sum()), len(chunk), aux_fn)
+            finite = torch.tensor([float(losses_are_finite(stats))], device=device)
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
+            grad_norm = _sync_and_clip(model, ep_blocks, tc.max_grad_norm)
+            # the global norm is identical on every rank: each adds 1/world of it
+            if finish_step(opt, counters, cfg, stats, sums, grad_norm, finite.item() == 1, norm_share=1.0 / world):
+                done += 1
+                # every rank's copy of the bias moves the same way: loads summed over all ranks
+                balance = bias.step(sum_over_ranks=True) if bias is not None else balance
+            else:
+                skipped += 1
+                if bias is not None:
+                    bias.reset()
+    finally:
+        if bias is not None:
+            bias.close()
     totals = torch.tensor([*sums.values(), mismatch, float(p.mask_NL1[mine].sum())], dtype=torch.float64,
                           device=device)
     dist.all_reduce(totals)
@@ -306,6 +316,7 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
         "train/steps": float(done), "train/skipped_steps": float(skipped), "train/tokens": tokens,
         "train/logprob_mismatch": mismatch_sum / max(tokens, 1.0),
         "train/ep_size": float(cfg.trainer.expert_parallel_size), "train/dp_shard": float(cfg.trainer.data_parallel_shard),
+        **balance,
         "moe/expert_load_imbalance": float(per_expert.max() / per_expert.mean().clamp_min(1e-9)),
         **{f"moe/tokens_expert_{e}": float(c) for e, c in enumerate(per_expert.tolist())},
     }

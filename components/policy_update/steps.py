@@ -277,3 +277,61 @@ class RouterAux:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class RouterBias:
+    """DeepSeek-V3's auxiliary-loss-free load balancing (arXiv 2412.19437, section 2.1.2): a
+    sigmoid router chooses experts by score + `e_score_correction_bias`, and after every
+    optimizer step each expert's bias moves by `rate` towards balance: down if the expert
+    received more than the mean load over the step's tokens, up if less
+    (b_i += rate * sign(mean - load_i)). The bias only steers the choice; the gate weights use
+    the unbiased scores, so no gradient flows through it.
+
+    Forward hooks on every bias-corrected router count the experts chosen in training forwards
+    (the pi_old pass runs in eval mode and is not counted; activation checkpointing's recompute
+    counts every token twice, which the sign ignores). `step(group)` sums the counts over the
+    ranks (each rank routes its own tokens) so that every rank moves its copy of the bias the
+    same way. Deviation: DeepSeek-V3 updates once per batch of its pre-training; moerl does it
+    once per optimizer step, the same cadence as Megatron's `moe_router_bias_update_rate`."""
+
+    def __init__(self, model, rate: float):
+        routers = list({id(m.gate): m.gate for m in model.modules()
+                        if hasattr(getattr(m, "gate", None), "e_score_correction_bias")}.values())
+        if not routers:
+            raise TrainingError(f"trainer.router_bias_update_rate {rate}: {type(model).__name__} has no router with a "
+                                "bias correction (DeepSeek-V3's e_score_correction_bias); balance it with "
+                                "trainer.aux_loss_coef, or set the rate to 0")
+        self.rate, self.routers = rate, routers
+        bias = routers[0].e_score_correction_bias
+        self.load_RE = torch.zeros(len(routers), bias.numel(), dtype=torch.float64, device=bias.device)
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def _hook(self, i: int):
+        def count(module, args, output) -> None:
+            if module.training:
+                idx = output[2].detach().reshape(-1)
+                self.load_RE[i] += torch.bincount(idx, minlength=self.load_RE.shape[1]).to(self.load_RE)
+        return count
+
+    def step(self, sum_over_ranks: bool = False) -> dict[str, float]:
+        """Move every bias one step towards balance; returns the step's load statistics."""
+        import torch.distributed as dist
+
+        load = self.load_RE
+        if sum_over_ranks:
+            dist.all_reduce(load)
+        mean = load.mean(dim=1, keepdim=True)
+        with torch.no_grad():
+            for r, row, m in zip(self.routers, load, mean):
+                r.e_score_correction_bias.add_((self.rate * torch.sign(m - row)).to(r.e_score_correction_bias))
+        ratio = float((load.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).mean())
+        self.load_RE.zero_()
+        return {"moe/router_max_load_ratio": ratio}
+
+    def reset(self) -> None:
+        """A skipped step: its counts are dropped with its gradients."""
+        self.load_RE.zero_()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()

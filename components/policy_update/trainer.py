@@ -31,7 +31,7 @@ import torch
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
-from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, accumulate,
+from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, RouterBias, accumulate,
                                                   logprob_mismatch_sum, micro_parts, minibatches, model_device,
                                                   policy_logprobs, rows_per_micro_batch, sequence_logprobs,
                                                   losses_are_finite, finish_step)
@@ -115,8 +115,10 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
     # 4. exactly min(steps, n) minibatch steps over a seeded permutation, in micro-batches
     model.train()
     aux = RouterAux(model, tc.aux_loss_coef) if tc.aux_loss_coef > 0 else None
+    bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
     sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
     done = skipped = 0
+    balance: dict[str, float] = {}
     try:
         for idx in minibatches(n, tc.optimizer_steps_per_iteration, seed, world=1, device=device):
             opt.zero_grad(set_to_none=True)
@@ -125,12 +127,16 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
             if finish_step(opt, counters, cfg, stats, sums, grad_norm, losses_are_finite(stats)):
                 done += 1
+                balance = bias.step() if bias is not None else balance
             else:  # NaN/inf loss or gradient: the weights stay untouched
                 skipped += 1
+                if bias is not None:
+                    bias.reset()
     finally:
-        if aux is not None:
-            aux.close()
-    metrics = {f"train/{k}": v / max(done, 1) for k, v in sums.items()}
+        for hooks in (aux, bias):
+            if hooks is not None:
+                hooks.close()
+    metrics = {f"train/{k}": v / max(done, 1) for k, v in sums.items()} | balance
     metrics.update({"train/steps": float(done), "train/skipped_steps": float(skipped),
                     "train/logprob_mismatch": mismatch, "train/tokens": tokens, "train/ep_size": 1.0,
                     "train/dp_shard": 1.0})

