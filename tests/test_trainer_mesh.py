@@ -112,6 +112,31 @@ def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path
     assert far > len(same) // 4  # without the moments the step is a different one
 
 
+def test_a_single_process_version_continues_on_the_mesh_with_its_adam_state(tmp_path):
+    """A run that trained one iteration in one process (optimizer.pt) continues at (2, 2): the
+    step equals the single process's second iteration (Adam's moments sliced onto the mesh's
+    shards, experts offset by their EP rank), where a fresh optimizer does not."""
+    import shutil
+
+    build_tiny_model(_cfg(1, 1).model.tiny, tmp_path / "s0")
+    write_records(tmp_path / "batch.jsonl", _batch())
+    run_policy_update(_cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0)
+    assert (tmp_path / "s1" / "trainer" / "optimizer.pt").is_file()
+    run_policy_update(_cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "single", iteration=1)
+    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "mesh", iteration=1)
+    assert (tmp_path / "mesh" / "trainer" / "optimizer" / ".metadata").is_file()  # the mesh's own form from here
+    shutil.copytree(tmp_path / "s1", tmp_path / "s1-fresh", ignore=shutil.ignore_patterns("optimizer.pt"))
+    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1-fresh", tmp_path / "control", iteration=1)
+    w1 = load_file(tmp_path / "s1" / "model.safetensors")
+    single, mesh, control = (load_file(tmp_path / d / "model.safetensors") for d in ("single", "mesh", "control"))
+    far = 0
+    for name, a in single.items():
+        moved = float((a - w1[name]).norm())
+        assert float((mesh[name] - a).norm()) <= 0.05 * moved + 1e-6, name
+        far += float((control[name] - a).norm()) > 0.2 * moved + 1e-6
+    assert far > len(single) // 4
+
+
 def _family(arch: str, path):
     """A tiny checkpoint of a family with shared experts: Qwen2-MoE (one shared expert behind a
     sigmoid gate, softmax router) or DeepSeek-V3 (shared experts, sigmoid router with the bias

@@ -1,28 +1,31 @@
-"""Expert-parallel GRPO policy update: the torchrun worker the policy_update task launches
-when `trainer.expert_parallel_size` > 1.
+"""The policy update on the trainer's mesh: the worker the policy_update task launches when
+the mesh has more than one rank (or `trainer.mixed_precision: bf16`).
 
-    torchrun --nnodes 1 --nproc-per-node EP --master-addr 127.0.0.1 --master-port P \\
-        -m moerl.components.policy_update.ep_train --config-json ... --batch ... \\
-        --state-in ... --state-out ... --iteration I --metrics-out M
+    torchrun --nnodes N --node-rank K --nproc-per-node G --master-addr A --master-port P \
+        -m moerl.launch.procs moerl.components.policy_update.ep_train --config-json ... \
+        --batch ... --state-in ... --state-out ... --iteration I --metrics-out M
 
-(or, with `trainer.launcher: local`, EP plain processes with RANK/WORLD_SIZE set and a file
-store for the rendezvous).
+(`launcher.py` builds that: `--standalone` on one node; or, with `trainer.launcher: local`,
+plain processes with RANK/WORLD_SIZE set and a file store for the rendezvous).
 
-Every rank reads the whole batch and the same seeded permutation; each minibatch is split
-round-robin over ranks. Every rank holds the replicated weights (attention, router, norms,
-embeddings) and its shard of the experts; tokens reach their experts through the dispatcher.
-Losses are normalized by the token count of the whole minibatch, so the ranks' losses sum to
-the EP = 1 loss, and replicated gradients are summed across ranks (all-reduce): one step with
-EP = 2 gives the same loss and gradients as EP = 1 (tests/test_ep_trainer.py).
+The ranks form a (dp, ep) DeviceMesh, ep fastest (an EP group is one node's GPUs). Every rank
+reads the whole batch and the same seeded permutation; each minibatch is split round-robin
+over ranks. FSDP2 shards every decoder layer and the rest over all ranks, and each layer's
+local experts over dp; tokens reach their experts through the dispatcher on the ep group.
+Losses are normalized by the token count of the whole minibatch and gradients are summed, so
+one step at any mesh equals the single process's (tests/test_trainer_mesh.py).
 
-Steps: (1) process group and dispatcher; (2) build the model on `meta`, swap in EP MoE blocks,
-and read only the replicated weights and this rank's experts from the files
-(`ep_checkpoint.py`); (3) pi_old for this rank's samples; (4) N steps (non-finite losses
-skipped on all ranks together); (5) rank 0 receives the experts one layer at a time and writes
-the standard HF checkpoint; every rank saves its optimizer shard.
+Steps: (1) process group, mesh and dispatcher; (2) build the model on `meta`, swap in EP MoE
+blocks, shard it with FSDP2, and read only this rank's rows of every tensor from the files
+(`ep_checkpoint.py`); Adam's state from the Distributed Checkpoint, or from the single
+process's `optimizer.pt`, resharded onto this mesh (`ep_optimizer.py`); (3) pi_old for this
+rank's samples; (4) N steps (non-finite losses skipped on all ranks together; DeepSeek-V3's
+router bias moved after each, `steps.RouterBias`); (5) the optimizer state through
+Distributed Checkpoint (every rank writes its shard), and the standard HF checkpoint from
+rank 0, which receives each tensor whole, one at a time.
 
-Limitations: resuming with a different expert_parallel_size than the optimizer shards were
-written with fails (the Adam state of sharded experts does not reshard yet).
+Limitations: ranks are started per policy update (each update loads and saves through
+files); the async trainer therefore runs on one node.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from moerl.config import RunConfig, config_from_json
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
 from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
+from moerl.components.policy_update.ep_optimizer import (OPTIMIZER_DCP, load_optimizer, load_unsharded_optimizer,
+                                                         local as _local, save_optimizer)
 from moerl.components.policy_update.steps import (STAT_KEYS, RouterBias, accumulate, check_device, finish_step,
                                                   logprob_mismatch_sum, losses_are_finite, micro_parts, minibatches,
                                                   model_device, rows_per_micro_batch, sampled_logprobs)
@@ -131,79 +136,11 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
         if not shard:
             raise TrainingError("policy_update: the sharded optimizer state needs the FSDP model")
         load_optimizer(model, opt, ep_blocks, mesh, tdir / OPTIMIZER_DCP)
-    elif any(tdir.glob("optimizer*.pt")):
-        raise TrainingError(f"policy_update: {tdir} holds the single-process trainer's optimizer state, which cannot be "
-                            "resharded onto a mesh; continue with trainer.expert_parallel_size 1 and "
-                            "trainer.data_parallel_shard 1")
+    elif (tdir / "optimizer.pt").is_file():  # the single-process trainer's: resharded onto this mesh
+        if not shard:
+            raise TrainingError("policy_update: the optimizer state needs the FSDP model")
+        load_unsharded_optimizer(model, opt, ep_blocks, tdir / "optimizer.pt", state_in)
     return model, opt, counters, ep_blocks, layout, dispatcher, mesh
-
-
-# ---------------------------------------------------------------------------- optimizer state
-OPTIMIZER_DCP = "optimizer"  # trainer/optimizer/: a Distributed Checkpoint
-
-
-def _expert_mesh(mesh):
-    """The same ranks as (ep, dp): the layout of one layer's experts, [E, ...] split into E / ep
-    blocks over ep, each block split over dp as FSDP splits it."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh(mesh.device_type, mesh.mesh.t().contiguous(), mesh_dim_names=("ep", "dp"))
-
-
-def _global_experts(local: torch.Tensor, full_shape: tuple[int, ...], emesh):
-    """An expert tensor's local shard as part of its layer's whole [E, ...] tensor, so that its
-    checkpoint is the same whatever the mesh (Distributed Checkpoint reshards it)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    return DTensor.from_local(local, emesh, (Shard(0), Shard(0)), run_check=False, shape=torch.Size(full_shape),
-                              stride=torch.empty(full_shape, device="meta").stride())
-
-
-def _expert_states(model, ep_blocks) -> dict[str, tuple[int, ...]]:
-    """Optimizer-state FQN of each expert parameter -> the full [E, ...] shape of its layer."""
-    owner = {id(p): b for b in ep_blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
-    return {name: (owner[id(p)].num_experts, *p.shape[1:]) for name, p in model.named_parameters() if id(p) in owner}
-
-
-def _to_global(osd: dict, experts: dict[str, tuple[int, ...]], emesh) -> None:
-    for fqn, shape in experts.items():
-        for k, v in list(osd["state"].get(fqn, {}).items()):
-            if torch.is_tensor(v) and v.dim() > 0:
-                osd["state"][fqn][k] = _global_experts(_local(v), shape, emesh)
-
-
-def save_optimizer(model, opt, ep_blocks, mesh, out: Path) -> None:
-    """Adam's state through Distributed Checkpoint: dense entries as FSDP's shards, expert
-    entries as parts of their whole layer (`_global_experts`). A collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(model, opt)
-    _to_global(osd, _expert_states(model, ep_blocks), _expert_mesh(mesh))
-    dcp.save({"optim": osd}, checkpoint_id=str(out))
-
-
-def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
-    """The inverse of `save_optimizer`, onto this rank's shards of this mesh. A collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    from torch.distributed.tensor import DTensor
-
-    osd = get_optimizer_state_dict(model, opt)  # initialized by a zero step: the template to load into
-    experts = _expert_states(model, ep_blocks)
-    fsdp_form = {fqn: {k: v for k, v in osd["state"].get(fqn, {}).items() if isinstance(v, DTensor)}
-                 for fqn in experts}
-    _to_global(osd, experts, _expert_mesh(mesh))
-    try:
-        dcp.load({"optim": osd}, checkpoint_id=str(src))
-    except Exception as err:  # noqa: BLE001 - a missing or mismatched entry: one line naming it
-        raise TrainingError(f"policy_update: cannot load the optimizer state in {src}: {type(err).__name__}: "
-                            f"{str(err)[:500]}") from None
-    for fqn, entries in fsdp_form.items():
-        for k, like in entries.items():
-            osd["state"][fqn][k] = DTensor.from_local(_local(osd["state"][fqn][k]), like.device_mesh, like.placements,
-                                                      run_check=False, shape=like.shape, stride=like.stride())
-    set_optimizer_state_dict(model, opt, osd)
 
 
 def _num_experts(c) -> int:
@@ -213,11 +150,6 @@ def _num_experts(c) -> int:
 
 def _expert_param_ids(ep_blocks) -> set[int]:
     return {id(p) for b in ep_blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a plain tensor as is)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _sync_and_clip(model, ep_blocks, max_norm: float) -> float:
