@@ -51,7 +51,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     tiny = parse_config({}).model.tiny
     qwen = build_tiny_model(tiny, root / "qwen3_moe")
-    from tests.test_trainer_mesh import _family
+    from tests.families import family as _family
 
     return {"qwen3_moe": qwen, "mixtral": build_tiny_model(tiny.model_copy(update={"architecture": "mixtral"}),
                                                            root / "mixtral"),

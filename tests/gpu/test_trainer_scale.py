@@ -120,7 +120,7 @@ def fsdp_step(root, out, device: str, model: dict, samples: int, prompt: int, re
     state = root / "s0"
     cfg = parse_config({"model": {"tiny": model},
                         "trainer": {"device": device, "launcher": "torchrun", "mixed_precision": "bf16",
-                                    "optimizer_steps_per_iteration": 2, "learning_rate": 1e-5, **trainer}})
+                                    "learning_rate": 1e-5, **{"optimizer_steps_per_iteration": 2, **trainer}}})
     m = run_expert_parallel(cfg, root / "batch.jsonl", state, out, iteration=0)
     params = sum(x.numel() for x in load_file(state / "model.safetensors").values())
     tokens = samples * (prompt + response)
@@ -147,7 +147,8 @@ def test_grouped_gemm_equals_the_loop_and_is_faster_in_bf16():
     assert r["grouped_s"] < r["loop_s"]
 
 
-SHAPE = (int(os.environ.get("MOERL_GPU_SAMPLES", 64)), 128, 896)  # samples, prompt, response tokens
+SHAPE = (int(os.environ.get("MOERL_GPU_SAMPLES", 192)), 128, 896)  # samples, prompt, response tokens
+STEPS = 6  # optimizer steps: 32 sequences (32k tokens) each, past the first step's warm-up
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +160,83 @@ def scale_state(tmp_path_factory):
 def test_fsdp2_ep_step_tokens_per_gpu_mfu_and_memory(scale_state, tmp_path, ac):
     samples, prompt, response = SHAPE
     r = fsdp_step(scale_state, tmp_path / "out", "cuda", SCALE_MODEL, samples, prompt, response,
-                  activation_checkpointing=ac, micro_batch_tokens=16384)
+                  activation_checkpointing=ac, micro_batch_tokens=16384, optimizer_steps_per_iteration=STEPS)
     print(f"\nfsdp2+ep bf16 one H200, {r['params'] / 1e9:.2f} B params ({r['active_params'] / 1e9:.3f} B active), "
-          f"{samples} x {prompt + response} tokens, 2 steps, activation checkpointing {ac}: "
+          f"{samples} x {prompt + response} tokens, {STEPS} steps, activation checkpointing {ac}: "
           f"{r['tokens_per_s_per_gpu']:.0f} tokens/s/GPU, MFU {100 * r['mfu']:.1f} %, "
           f"peak {r['train/cuda_max_memory_gb']:.2f} GB vs static {r['static_gb']:.2f} + activations "
           f"{r['activation_gb']:.2f} GB (formula); load {r['timing/trainer_load_s']:.1f} s, steps "
           f"{r['timing/trainer_steps_s']:.1f} s, save {r['timing/trainer_save_s']:.1f} s")
-    assert r["train/steps"] == 2 and r["train/skipped_steps"] == 0
+    assert r["train/steps"] == STEPS and r["train/skipped_steps"] == 0
     # the formula's static part is a floor; the peak stays within static + activations + a
     # one-layer allowance (gathered bf16 weights, the chunk of logits), x1.5 for the allocator
     assert r["static_gb"] <= r["train/cuda_max_memory_gb"] <= 1.5 * (r["static_gb"] + r["activation_gb"]) + 1.0
+
+
+def _batch_file(root, n=16, vocab=64):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        ids = torch.randint(5, min(vocab, 60), (9,), generator=g).tolist()
+        out.append(TrainSample(prompt_token_ids=ids[:5], response_token_ids=ids[5:], response_logprobs=[-3.0] * 4,
+                               advantage=(1.0 + i / 8) * (-1) ** i, policy_version=0))
+    write_records(root / "batch.jsonl", out)
+    return root / "batch.jsonl"
+
+
+def test_deepseek_v3_on_nccl_bf16_with_its_router_bias(tmp_path):
+    """DeepSeek-V3 (MLA, shared experts, sigmoid router with grouped top-k) on the mesh over NCCL
+    with bf16 mixed precision: the loss is the float32 CPU trainer's within bf16 precision, and
+    trainer.router_bias_update_rate moves the bias by whole rates as on the CPU."""
+    from safetensors.torch import load_file
+
+    from moerl.components.policy_update.trainer import run_policy_update
+    from tests.families import family
+
+    path = family("deepseek_v3", tmp_path / "dsv3")
+    batch = _batch_file(tmp_path)
+    key = next(k for k in load_file(path / "model.safetensors") if k.endswith("e_score_correction_bias"))
+    out = {}
+    for dev, extra in (("cpu", {}), ("cuda", {"launcher": "torchrun", "mixed_precision": "bf16"})):
+        cfg = parse_config({"trainer": {"device": dev, "optimizer_steps_per_iteration": 2, "learning_rate": 1e-3,
+                                        "router_bias_update_rate": 0.01, **extra}})
+        m = run_policy_update(cfg, batch, path, tmp_path / dev, iteration=0)
+        out[dev] = (m, load_file(tmp_path / dev / "model.safetensors")[key])
+    (mc, bc), (mg, bg) = out["cpu"], out["cuda"]
+    b0 = load_file(path / "model.safetensors")[key]
+    print(f"\ndeepseek-v3 tiny: loss cpu fp32 {mc['train/loss']:.5f}, cuda bf16 {mg['train/loss']:.5f}; bias steps cpu "
+          f"{((bc - b0) / 0.01).round().tolist()}, cuda {((bg - b0) / 0.01).round().tolist()}")
+    assert mg["train/steps"] == 2 and mg["train/loss"] == pytest.approx(mc["train/loss"], rel=5e-2, abs=1e-3)
+    steps = (bg - b0) / 0.01
+    assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().sum() > 0
+
+
+def test_a_single_process_version_continues_on_the_cuda_mesh(tmp_path):
+    """optimizer.pt from the single-process trainer, resharded onto the mesh over NCCL (one GPU:
+    the mesh path needs bf16 there): the step follows the single process's next one much more
+    closely than a step with a fresh optimizer does (median over tensors, relative to the step)."""
+    import shutil
+    import statistics
+
+    from safetensors.torch import load_file
+
+    from moerl.components.policy_update.trainer import run_policy_update
+
+    build_tiny_model(parse_config({}).model.tiny, tmp_path / "s0")
+    batch = _batch_file(tmp_path, vocab=27)
+    single = parse_config({"trainer": {"device": "cuda", "optimizer_steps_per_iteration": 2, "learning_rate": 1e-3}})
+    mesh = parse_config({"trainer": {"device": "cuda", "optimizer_steps_per_iteration": 2, "learning_rate": 1e-3,
+                                     "launcher": "torchrun", "mixed_precision": "bf16"}})
+    run_policy_update(single, batch, tmp_path / "s0", tmp_path / "s1", iteration=0)
+    run_policy_update(single, batch, tmp_path / "s1", tmp_path / "one", iteration=1)
+    run_policy_update(mesh, batch, tmp_path / "s1", tmp_path / "mesh", iteration=1)
+    shutil.copytree(tmp_path / "s1", tmp_path / "fresh", ignore=shutil.ignore_patterns("optimizer.pt"))
+    run_policy_update(mesh, batch, tmp_path / "fresh", tmp_path / "control", iteration=1)
+    w1, a, b, c = (load_file(tmp_path / d / "model.safetensors") for d in ("s1", "one", "mesh", "control"))
+
+    def off(x):
+        return statistics.median(float((x[k] - a[k]).norm()) / (float((a[k] - w1[k]).norm()) + 1e-9) for k in a)
+
+    print(f"\noptimizer.pt -> cuda mesh (bf16 compute): median tensor off the single process's step by "
+          f"{100 * off(b):.1f} % of it; with a fresh optimizer {100 * off(c):.1f} %")
+    assert off(b) < 0.5 * off(c)
