@@ -762,13 +762,28 @@ def _tree(d: Path) -> dict[str, bytes]:
     return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def _remote_update(cfg, tmp_path: Path, monkeypatch, iteration: int, out: str):
+    """The tiny model and a batch as the task's artifacts, and run_remote's policy update of
+    them through the test kubelet into `tmp_path / out`: (cfg, run_id, state_in, kubelet, metrics)."""
+    from moerl.models.tiny import build_tiny_model
+    from moerl.records import write_records
+
+    cfg, run_id = _tracked(cfg, tmp_path)
+    state_in = build_tiny_model(cfg.model.tiny, tmp_path / "state_in")
+    write_records(tmp_path / "batch.jsonl", _batch())
+    monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
+    kubelet = Kubelet()
+    metrics = run_remote(cfg, "policy_update", run_id, args={"iteration": iteration},
+                         inputs={"batch": tmp_path / "batch.jsonl", "state_in": state_in},
+                         outputs={"state_out": tmp_path / out}, api=kubelet)
+    return cfg, run_id, state_in, kubelet, metrics
+
+
 def test_remote_policy_update_round_trip_matches_the_in_process_stage(s3_server, tmp_path, monkeypatch):
     """run_remote stages the inputs to S3, the "pod" (`python -m moerl.launch.remote`, started
     from the TrainJob's own command and env) runs run_policy_update, and the outputs that come
     back are byte-identical to running the stage in this process."""
     from moerl.components.policy_update.trainer import run_policy_update
-    from moerl.models.tiny import build_tiny_model
-    from moerl.records import write_records
 
     bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
     s3_server.client().create_bucket(Bucket=bucket)
@@ -777,14 +792,7 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(s3_server,
         "trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.01},
         "cluster": {"scratch_dir": str(tmp_path / "scratch"), "launch": {"mode": "kubernetes", "namespace": NS,
                                                                           "poll_s": 0.2}}})
-    cfg, run_id = _tracked(cfg, tmp_path)
-    state_in = build_tiny_model(cfg.model.tiny, tmp_path / "state_in")
-    write_records(tmp_path / "batch.jsonl", _batch())
-    monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
-    kubelet = Kubelet()
-    metrics = run_remote(cfg, "policy_update", run_id, args={"iteration": 3},
-                         inputs={"batch": tmp_path / "batch.jsonl", "state_in": state_in},
-                         outputs={"state_out": tmp_path / "remote_out"}, api=kubelet)
+    cfg, run_id, state_in, kubelet, metrics = _remote_update(cfg, tmp_path, monkeypatch, 3, "remote_out")
     local = run_policy_update(cfg, tmp_path / "batch.jsonl", state_in, tmp_path / "local_out", 3)
     assert {k: v for k, v in metrics.items() if not k.startswith("timing/")} == \
            {k: v for k, v in local.items() if not k.startswith("timing/")}
@@ -814,8 +822,6 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(s3_s
     from safetensors.torch import load_file
 
     from moerl.components.policy_update.trainer import run_policy_update
-    from moerl.models.tiny import build_tiny_model
-    from moerl.records import write_records
 
     bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
     s3_server.client().create_bucket(Bucket=bucket)
@@ -825,14 +831,7 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(s3_s
                     "expert_parallel_size": 2, "data_parallel_shard": 2},
         "cluster": {"scratch_dir": str(tmp_path / "scratch"),
                     "launch": {"mode": "kubernetes", "namespace": NS, "poll_s": 0.2, "trainer_nodes": 2}}})
-    cfg, run_id = _tracked(cfg, tmp_path)
-    state_in = build_tiny_model(cfg.model.tiny, tmp_path / "state_in")
-    write_records(tmp_path / "batch.jsonl", _batch())
-    monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
-    kubelet = Kubelet()
-    metrics = run_remote(cfg, "policy_update", run_id, args={"iteration": 1},
-                         inputs={"batch": tmp_path / "batch.jsonl", "state_in": state_in},
-                         outputs={"state_out": tmp_path / "two_nodes"}, api=kubelet)
+    cfg, run_id, state_in, kubelet, metrics = _remote_update(cfg, tmp_path, monkeypatch, 1, "two_nodes")
     (body,) = kubelet.bodies
     assert body["spec"]["trainer"]["numNodes"] == 2 and len(kubelet.procs[body["metadata"]["name"]]) == 2
     # each node ran in its own scratch; node 1 held only its ranks' shards
