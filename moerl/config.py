@@ -98,6 +98,15 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)  # -1 or 0: off
     max_new_tokens: int = Field(16, ge=1)
+    # Prompt + response tokens of one sample at most: each response is cut to what is left
+    # (null: max_new_tokens alone bounds it).
+    max_total_tokens: int | None = Field(None, ge=2)
+    # Strings that end a response (the text stops before them; the tokens up to and including
+    # the one that completed the string are kept, as the engine sampled them).
+    stop: list[str] = Field(default_factory=list)
+    # auto: the tokenizer's chat template for rows that give `messages`; true: for every row;
+    # false: never (moerl/tasks/prompting.py).
+    chat_template: Literal["auto"] | bool = "auto"
     seed: int = 0
     # On CPU this is the fraction of RAM vLLM reserves: 0.92 fails, 0.2 works (docs/architecture.md, "Verified on the build machines").
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=0.95)
@@ -161,6 +170,15 @@ class SandboxConfig(_Section):
 _VERIFIER_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 
+def _check_verifier(v: str, shipped: tuple[str, ...]) -> str:
+    import re
+
+    if v in shipped or re.match(_VERIFIER_PATH, v):
+        return v
+    raise ValueError(f"{short_repr(v)} is neither a shipped verifier ({', '.join(shipped)}) nor an import path of the "
+                     "form package.module:function")
+
+
 class RewardConfig(_Section):
     """How samples are scored. `kind: rules`: rule verifiers (`verifier: auto` picks the one
     named by each row's `task`). `model`: a reward model (`model`). `mixed`: rules_weight *
@@ -168,9 +186,14 @@ class RewardConfig(_Section):
 
     kind: Literal["rules", "model", "mixed"] = "rules"
     # A shipped verifier (`auto` picks each row's task default, `positional`, `exact`), or your
-    # own by import path, `package.module:function`, called as fn(response, answer) -> float in
-    # the sandbox (checked importable in the sandbox before any work starts).
+    # own by import path, `package.module:function`, called in the sandbox as
+    # fn(response, answer, meta) -> float (or fn(response, answer); plain or async), where meta
+    # is the dataset row's `meta` mapping. Checked before any work starts: imported and called
+    # on one row of each task in the sandbox.
     verifier: str = "auto"
+    # Per task (a dataset row's `task`): the verifier for its rows, the same forms as `verifier`;
+    # wins over `verifier`. The digit tasks register theirs the same way (copy, reverse, add).
+    verifiers: dict[str, str] = Field(default_factory=dict)
     sandbox: SandboxConfig = SandboxConfig()
     model: RewardModelRef | None = None
     rules_weight: float = Field(0.5, ge=0.0)
@@ -190,12 +213,19 @@ class RewardConfig(_Section):
     @field_validator("verifier")
     @classmethod
     def _verifier(cls, v: str) -> str:
-        import re
+        return _check_verifier(v, ("auto", "positional", "exact"))
 
-        if v in ("auto", "positional", "exact") or re.match(_VERIFIER_PATH, v):
-            return v
-        raise ValueError(f"{short_repr(v)} is neither a shipped verifier (auto, positional, exact) nor an import "
-                         f"path of the form package.module:function")
+    @field_validator("verifiers")
+    @classmethod
+    def _verifiers(cls, v: dict[str, str]) -> dict[str, str]:
+        for task, name in v.items():
+            if not task.strip():
+                raise ValueError("a task name is empty")
+            try:
+                _check_verifier(name, ("positional", "exact"))
+            except ValueError as err:
+                raise ValueError(f"{task}: {err}") from None
+        return v
 
     @model_validator(mode="after")
     def _kind(self) -> "RewardConfig":

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, TypeVar
+from typing import Any, Iterable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moerl.errors import DataError
 
@@ -20,13 +20,57 @@ class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_META_BYTES = 16 << 10  # a row's `meta` as JSON: test cases, puzzle state; not a payload store
+
+
+class Message(_Record):
+    """One chat message of a prompt given as `messages`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
 class Prompt(_Record):
-    """One dataset row: a prompt with its reference answer."""
+    """One dataset row: a prompt with its reference answer, and optional `meta` (any JSON
+    object of at most 16 KiB: test cases, a generator's seed, puzzle state) that reaches the
+    verifier with every sample of the row. The prompt is text (`prompt`) or chat `messages`
+    (rendered with the tokenizer's chat template, `moerl/tasks/prompting.py`); one of them."""
 
     id: str = Field(min_length=1)
     task: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
+    prompt: str = ""
+    messages: list[Message] | None = None
     answer: str
+    meta: dict[str, Any] | None = None
+
+    @field_validator("meta")
+    @classmethod
+    def _meta(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _check_meta(v)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "Prompt":
+        if bool(self.prompt) == bool(self.messages):
+            raise ValueError("a row gives its prompt as `prompt` (text) or as `messages` (chat), exactly one of them")
+        return self
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as text: `prompt`, or the messages' contents one per line (for records and
+        reward models; the engine gets the chat template's tokens)."""
+        return self.prompt or "\n".join(m.content for m in self.messages or [])
+
+
+def _check_meta(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    if v is None:
+        return v
+    try:
+        size = len(json.dumps(v, allow_nan=False).encode())
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"not JSON-safe ({err})") from None
+    if size > MAX_META_BYTES:
+        raise ValueError(f"{size} bytes as JSON; at most {MAX_META_BYTES}")
+    return v
 
 
 class PreferencePair(_Record):
@@ -54,6 +98,7 @@ class Sample(_Record):
     response_text: str
     finish_reason: str
     policy_version: int
+    meta: dict[str, Any] | None = None  # the dataset row's, for its verifier
     # Async mode: `<run_id>/<unit_id>/<k>:<prompt_id>/<sample_index>`, the same whichever worker
     # (re)generates it, so duplicates are dropped by id (moerl/bus/run.py).
     sample_id: str = ""

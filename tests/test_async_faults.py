@@ -208,7 +208,8 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
     hostile = ["1111", "2222", "3333", "4444"]  # tests/hostile_verifiers.py: by_answer
     rows = []
     for i in range(30):
-        answer = hostile[(i // 3) % 4] if i % 3 == 0 else str(1000 + i)
+        # (the first row of the task is a benign one: preflight calls the verifier on it)
+        answer = hostile[(i // 3) % 4] if i % 3 == 1 else str(1000 + i)
         rows.append({"id": f"r{i}", "task": "copy", "prompt": f"copy {answer}=", "answer": answer})
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -153,3 +153,25 @@ def test_misuse_is_refused_and_generate_still_works(engine, tmp_path):
     out = engine.generate([PROMPTS[0], PROMPTS[1]], 3)
     assert [len(g) for g in out] == [3, 3]
     assert all(len(c.logprobs) == len(c.token_ids) > 0 for g in out for c in g)
+
+
+@pytest.mark.slow
+def test_stop_strings_and_the_total_token_cap_bound_each_response(engine):
+    """rollout.stop ends a response at a stop string (kept out of the text, its tokens kept with
+    their logprobs); rollout.max_total_tokens cuts each response to what the prompt leaves."""
+    base = engine.cfg
+    try:
+        engine.cfg = base.model_copy(update={"max_total_tokens": 8, "max_new_tokens": 16})
+        outs = engine.generate(PROMPTS[:4], N)  # prompts of 4..7 tokens: 4..1 left
+        for ids, comps in zip(PROMPTS[:4], outs):
+            assert all(len(c.token_ids) <= 8 - len(ids) for c in comps)
+        with pytest.raises(Exception, match="leaves no room under rollout.max_total_tokens 8"):
+            engine.generate(PROMPTS[4:], N)  # 8 tokens or more: nothing left
+        engine.cfg = base.model_copy(update={"stop": ["5"], "max_new_tokens": 16, "temperature": 1.0})
+        comps = [c for group in engine.generate(PROMPTS[:4], 16) for c in group]
+        stopped = [c for c in comps if c.finish_reason == "stop" and "5" not in c.text]
+        assert all("5" not in c.text for c in comps)
+        assert all(len(c.token_ids) == len(c.logprobs) for c in comps)
+        assert stopped, "no response hit the stop string: the check has no teeth"
+    finally:
+        engine.cfg = base

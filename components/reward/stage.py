@@ -34,6 +34,8 @@ from moerl.errors import DataError
 from moerl.records import Sample, ScoredSample, read_records, write_records
 from moerl.tasks.sandbox import Limits, SandboxPool
 from moerl.tasks.verifiers import verifier_target
+
+CALL_VERIFIER = "moerl.tasks.verifiers:call_verifier"
 from moerl.userfiles import short_repr
 
 
@@ -95,10 +97,11 @@ def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> 
     out: list[float | str | None] = [None] * len(samples)
     calls, where = [], []
     for i, s in enumerate(samples):
-        try:
-            calls.append((verifier_target(cfg.verifier, s.task), [s.response_text, s.answer]))
+        try:  # each call runs `call_verifier` in a sandboxed child, never the verifier here
+            target = verifier_target(cfg.verifier, s.task, cfg.verifiers)
+            calls.append((CALL_VERIFIER, [target, s.response_text, s.answer, s.meta]))
             where.append(i)
-        except KeyError as err:  # no verifier for the row's task
+        except KeyError as err:  # no verifier for the row's task (preflight refuses that first)
             out[i] = f"KeyError: {err}"
     for i, o in zip(where, pool.run(calls)):
         if not o.ok:

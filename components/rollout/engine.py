@@ -142,20 +142,27 @@ class RolloutEngine:
         self.load_s = time.perf_counter() - t0
         log.info("vLLM engine loaded %s in %.1f s", model_dir, self.load_s)
 
-    def sampling_params(self, n: int, seed: int | None = None):
+    def sampling_params(self, n: int, seed: int | None = None, prompt_len: int = 0):
+        """`rollout`'s sampling settings; the response budget left by `rollout.max_total_tokens`
+        for a prompt of `prompt_len` tokens; the stop strings."""
         from vllm import SamplingParams
+
+        from moerl.tasks.prompting import max_new_tokens_for
 
         c = self.cfg
         return SamplingParams(n=n, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                              max_tokens=c.max_new_tokens, logprobs=0, seed=seed)
+                              max_tokens=max_new_tokens_for(c, prompt_len), logprobs=0, seed=seed,
+                              stop=list(c.stop) or None)
 
     def generate(self, prompts_token_ids: list[list[int]], n: int) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order."""
         from vllm.inputs import TokensPrompt
 
         self._require_idle("generate")
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids],
-                                 self.sampling_params(n), use_tqdm=False)
+        params = [self.sampling_params(n, prompt_len=len(ids)) for ids in prompts_token_ids] \
+            if self.cfg.max_total_tokens is not None else self.sampling_params(n)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids], params,
+                                 use_tqdm=False)
         return [[_completion(o) for o in out.outputs] for out in outs]
 
     def generate_measured(self, prompts_token_ids: list[list[int]], n: int
@@ -197,7 +204,7 @@ class RolloutEngine:
                                      "use a new id per submission (or abort it first)")
         if n < 1:
             raise EngineRequestError(f"n must be >= 1 samples per request, got {n}")
-        params = self.sampling_params(n, None if seed is None else vllm_seed(seed))
+        params = self.sampling_params(n, None if seed is None else vllm_seed(seed), prompt_len=len(prompt_token_ids))
         params.output_kind = RequestOutputKind.FINAL_ONLY  # n children come back as one output
         # Render as LLM.generate does (vLLM 0.32 deprecates raw prompts in add_request).
         prompt = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(prompt_token_ids)))

@@ -15,14 +15,15 @@ from moerl.config import RunConfig
 from moerl.records import PolicyVersion, Sample, write_records
 from moerl.store.runs import engine_copy
 from moerl.tasks.dataset import load_dataset
+from moerl.tasks.prompting import encode_prompt
 
 
 def to_samples(prompts, prompt_ids: list[list[int]], completions, version: int) -> list[Sample]:
     """One Sample per completion: prompt i's completions (`RolloutEngine.generate` order) with
     its token ids, sample index j within the group, made by policy `version`."""
-    return [Sample(prompt_id=p.id, task=p.task, prompt=p.prompt, answer=p.answer, sample_index=j,
+    return [Sample(prompt_id=p.id, task=p.task, prompt=p.prompt_text, answer=p.answer, sample_index=j,
                    prompt_token_ids=ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                   response_text=c.text, finish_reason=c.finish_reason, policy_version=version)
+                   response_text=c.text, finish_reason=c.finish_reason, policy_version=version, meta=p.meta)
             for p, ids, comps in zip(prompts, prompt_ids, completions) for j, c in enumerate(comps)]
 
 
@@ -40,7 +41,7 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
     # 2. weights, from the verified local cache
     with engine_copy(cfg.checkpoint, run_id, policy.version) as model_dir:  # held while it loads
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompt_ids = [tokenizer.encode(p.prompt) for p in prompts]
+        prompt_ids = [encode_prompt(tokenizer, cfg.rollout, p) for p in prompts]  # text, or chat template
         # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
         engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed + iteration)
     t_gen = time.perf_counter()

@@ -43,7 +43,8 @@ from pathlib import Path
 from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.config import RunConfig, config_from_json
 from moerl.launch.podenv import enter_pod
-from moerl.records import Sample
+from moerl.records import Prompt, Sample
+from moerl.tasks.prompting import encode_prompt
 from moerl.store.runs import engine_copy, run_store
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class RolloutWorker:
         ids: dict[str, list[int]] = {}
         for k, e in todo.items():
             rid = f"{unit_id}-{k}-{lease.deliveries}"
-            ids[rid] = self.tokenizer.encode(e["prompt"]["prompt"])
+            ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])  # text, or chat template
             self.engine.submit(rid, ids[rid], G, seed=group_seed(self.cfg.rollout.seed, unit_id, k))
         by_rid = {f"{unit_id}-{k}-{lease.deliveries}": k for k in todo}
         finished: set[int] = set()
@@ -182,10 +183,11 @@ class RolloutWorker:
         p, k = entry["prompt"], entry["k"]
         gid = group_id(unit_id, k, p["id"])
         samples = [
-            Sample(prompt_id=p["id"], task=p["task"], prompt=p["prompt"], answer=p["answer"], sample_index=j,
+            Sample(prompt_id=p["id"], task=p["task"], prompt=Prompt.model_validate(p).prompt_text, answer=p["answer"],
+                   sample_index=j,
                    prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
                    response_text=c.text, finish_reason=c.finish_reason, policy_version=self.version,
-                   sample_id=f"{self.run_id}/{gid}/{j}").model_dump()
+                   sample_id=f"{self.run_id}/{gid}/{j}", meta=p.get("meta")).model_dump()
             for j, c in enumerate(comps)
         ]
         self.bus.publish_group(gid, samples)

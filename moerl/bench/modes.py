@@ -145,11 +145,12 @@ def _floor_version(i: int, cfg: RunConfig, ds, tokenizer, engine, trainer, state
     from moerl.components.policy_update.trainer import _save_state, train_on_batch
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.components.rollout.stage import to_samples
+    from moerl.tasks.prompting import encode_prompt
 
     model, opt, counters = trainer
     s = time.perf_counter()
     prompts = ds.batch(i, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
-    ids = [tokenizer.encode(p.prompt) for p in prompts]
+    ids = [encode_prompt(tokenizer, cfg.rollout, p) for p in prompts]
     completions = engine.generate(ids, cfg.rollout.samples_per_prompt)
     samples = to_samples(prompts, ids, completions, i)
     t["rollout"] += time.perf_counter() - s

@@ -95,6 +95,7 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.components.rollout.engine import RolloutEngine
     from moerl.components.rollout.stage import to_samples
+    from moerl.tasks.prompting import encode_prompt
     from moerl.store.runs import fetch_for_engine
     from moerl.tasks.dataset import load_dataset
 
@@ -116,7 +117,7 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
             # rollout
             s = time.perf_counter()
             prompts = ds.batch(i, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
-            ids = [tokenizer.encode(p.prompt) for p in prompts]
+            ids = [encode_prompt(tokenizer, cfg.rollout, p) for p in prompts]
             completions, timings = engine.generate_measured(ids, cfg.rollout.samples_per_prompt)
             samples = to_samples(prompts, ids, completions, i)
             t["rollout"] = time.perf_counter() - s

@@ -15,7 +15,6 @@ from moerl.config import RunConfig
 from moerl.errors import CheckpointError, MoerlError
 from moerl.models.policy import check_checkpoint
 from moerl.tasks.dataset import load_dataset
-from moerl.tasks.verifiers import is_import_path
 
 
 # Families whose router chooses experts by score + a bias that `trainer.router_bias_update_rate`
@@ -36,15 +35,10 @@ def preflight(cfg: RunConfig) -> None:
 
         load_preferences(cfg.reward_model.data, cfg.task.max_bad_fraction)
     else:
-        load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
-    if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model" and is_import_path(cfg.reward.verifier):
-        from moerl.errors import ConfigError
-        from moerl.tasks.sandbox import check_target
-
-        why = check_target(cfg.reward.verifier, 2)  # imported in the sandbox, never in this process
-        if why:
-            raise ConfigError(f"reward.verifier: {cfg.reward.verifier} cannot be used: {why} (allowed: auto, "
-                              "positional, exact, or package.module:function taking (response, answer))")
+        ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+        check_prompts(cfg, ds.rows)
+        if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model":
+            check_verifiers(cfg, ds.rows)
     if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":  # the reward model must exist and verify
         from moerl.components.reward_model import registry
 
@@ -71,6 +65,68 @@ def preflight(cfg: RunConfig) -> None:
     from moerl.store.runs import open_store
 
     open_store(cfg.checkpoint).check_access()
+
+
+def check_prompts(cfg: RunConfig, rows) -> None:
+    """Rows that give chat `messages` need the policy's tokenizer to have a chat template (the
+    embedded tiny tokenizer has none; a `model.path` checkpoint's is read from its
+    tokenizer_config.json), unless `rollout.chat_template` is false, which refuses them."""
+    import json
+
+    from moerl.tasks.prompting import uses_template
+
+    chat = next((r for r in rows if r.messages), None)
+    if chat is None and cfg.rollout.chat_template is not True:
+        return
+    template = None
+    if cfg.model.path:
+        tc = Path(cfg.model.path).expanduser() / "tokenizer_config.json"
+        if tc.is_file():
+            template = json.loads(tc.read_text()).get("chat_template")
+        if (Path(cfg.model.path).expanduser() / "chat_template.jinja").is_file():
+            template = template or "chat_template.jinja"
+
+    class _Tok:  # what uses_template reads of a tokenizer
+        chat_template = template
+
+    uses_template(_Tok(), cfg.rollout, chat or rows[0])
+
+
+def check_verifiers(cfg: RunConfig, rows) -> None:
+    """Every task in the dataset has a verifier, and each verifier, called in the sandbox on one
+    row of each task it scores (the row's own answer as the response), returns a finite number:
+    a bad import path, a wrong signature or a verifier that raises stops the run here, naming
+    the key, before any work."""
+    import math
+
+    from moerl.errors import ConfigError
+    from moerl.tasks.sandbox import Limits, SandboxPool
+    from moerl.tasks.verifiers import verifier_key, verifier_target
+
+    rc = cfg.reward
+    first = {}
+    for row in rows:
+        first.setdefault(row.task, row)
+    calls, keys = [], []
+    for task, row in sorted(first.items()):
+        try:
+            target = verifier_target(rc.verifier, task, rc.verifiers)
+        except KeyError as err:
+            raise ConfigError(str(err).strip("\"'")) from None
+        calls.append(("moerl.tasks.verifiers:call_verifier", [target, row.answer, row.answer, row.meta]))
+        keys.append((verifier_key(rc.verifier, task, rc.verifiers), target, task, row.id))
+    limits = Limits(timeout_s=max(rc.sandbox.sample_timeout_s, 30.0), memory_mb=rc.sandbox.memory_mb)
+    with SandboxPool(limits) as pool:
+        outcomes = pool.run(calls)
+    for (key, target, task, row_id), o in zip(keys, outcomes):
+        bad = o.error if not o.ok else None
+        if bad is None and (isinstance(o.value, bool) or not isinstance(o.value, (int, float))
+                            or not math.isfinite(o.value)):
+            bad = f"returned {o.value!r}, not a finite number"
+        if bad:
+            raise ConfigError(f"{key}: {target} cannot score task {task!r} (called in the sandbox on row {row_id!r} "
+                              f"with its own answer): {bad}; a verifier is package.module:function taking "
+                              "(response, answer, meta) or (response, answer) and returning a number")
 
 
 def _check_mesh(cfg: RunConfig) -> None:

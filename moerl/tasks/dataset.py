@@ -109,7 +109,7 @@ def validate_row(cls: type[R], obj: object, rows: str) -> R:
 def _parse_row(raw: bytes | None) -> Prompt:
     """One dataset row, or FileProblem saying why the line is malformed."""
     row = validate_row(Prompt, json_line(raw), "{id, task, prompt, answer}")
-    if any("\x00" in v for v in (row.id, row.task, row.prompt, row.answer)):
+    if any("\x00" in v for v in (row.id, row.task, row.prompt, row.answer, *(m.content for m in row.messages or []))):
         raise FileProblem("a field holds a NUL character (\\u0000)")
     return row
 

@@ -5,16 +5,24 @@
   runs on past the answer loses credit. Exactly the answer scores 1.
 - `exact`: 1 if the stripped response equals the answer, else 0.
 
-`verifier_for(name, task)` resolves `auto` through each task's default; `verifier_target`
-gives the import path the sandboxed pool (`moerl.tasks.sandbox`) calls: a shipped verifier's
-name, or a user's own `package.module:function` (called as `fn(response, answer) -> float`).
+The interface a user's verifier implements: `fn(response, answer, meta) -> float`, or
+`fn(response, answer)` for one that needs no row metadata; plain or `async def`. `meta` is the
+dataset row's optional `meta` mapping (None when the row has none).
+
+Which verifier scores a row: `reward.verifiers[task]`, else `reward.verifier` when it is not
+`auto`, else the task's shipped default (`TASK_DEFAULTS`: the digit tasks register theirs the
+same way a user's task does). `verifier_target` gives the import path; the sandboxed pool
+(`moerl.tasks.sandbox`) runs `call_verifier` with it, so no verifier ever runs in the stage's
+own process.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from collections.abc import Mapping
+from typing import Any, Callable
 
-Verifier = Callable[[str, str], float]
+Verifier = Callable[..., float]
 
 
 def positional(response: str, answer: str) -> float:
@@ -37,22 +45,73 @@ def is_import_path(name: str) -> bool:
     return ":" in name
 
 
-def verifier_name(name: str, task: str) -> str:
-    """`name` with `auto` resolved by the row's task (KeyError if the task has no default)."""
+def verifier_name(name: str, task: str, per_task: Mapping[str, str] | None = None) -> str:
+    """The verifier for a row of `task`: `per_task[task]`, else `name` unless `auto`, else the
+    task's default (KeyError naming the keys to set if there is none)."""
+    if per_task and task in per_task:
+        return per_task[task]
     if name == "auto":
         if task not in TASK_DEFAULTS:
-            raise KeyError(f"task {task!r} has no default verifier; known tasks: {', '.join(TASK_DEFAULTS)}; "
-                           "set reward.verifier explicitly")
+            raise KeyError(f"task {task!r} has no verifier: set reward.verifiers.{task} (or reward.verifier) to "
+                           f"package.module:function; tasks with a shipped one: {', '.join(TASK_DEFAULTS)}")
         return TASK_DEFAULTS[task]
     return name
 
 
-def verifier_target(name: str, task: str) -> str:
+def verifier_target(name: str, task: str, per_task: Mapping[str, str] | None = None) -> str:
     """The import path of the verifier for a row: a shipped one's, or the user's own."""
-    name = verifier_name(name, task)
+    name = verifier_name(name, task, per_task)
     return name if is_import_path(name) else f"{__name__}:{name}"
+
+
+def verifier_key(name: str, task: str, per_task: Mapping[str, str] | None = None) -> str:
+    """The config key that chose the verifier for `task` (for error messages)."""
+    if per_task and task in per_task:
+        return f"reward.verifiers.{task}"
+    return "reward.verifier"
 
 
 def verifier_for(name: str, task: str) -> Verifier:
     """The shipped verifier for a row, in this process (preference-pair building, tests)."""
     return VERIFIERS[verifier_name(name, task)]
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved(target: str) -> tuple[Callable[..., Any], bool]:
+    """The verifier `target` names and whether it takes `meta` (a third positional argument)."""
+    import inspect
+
+    from moerl.tasks.sandbox import resolve
+
+    fn = resolve(target)
+    try:
+        sig = inspect.signature(fn)
+    except ValueError:  # no signature to read (a builtin): called with (response, answer)
+        return fn, False
+    try:
+        sig.bind("", "", None)
+        return fn, True
+    except TypeError:
+        pass
+    try:
+        sig.bind("", "")
+    except TypeError as err:
+        raise TypeError(f"{target} takes neither (response, answer, meta) nor (response, answer): {err}") from None
+    return fn, False
+
+
+def call_verifier(target: str, response: str, answer: str, meta: dict | None = None) -> Any:
+    """Run inside the sandbox: the verifier `target` on one sample; an `async def` verifier is
+    run to completion in a fresh event loop."""
+    import asyncio
+    import inspect
+
+    fn, takes_meta = _resolved(target)
+    value = fn(response, answer, meta) if takes_meta else fn(response, answer)
+    if inspect.isawaitable(value):
+        value = asyncio.run(_awaited(value))
+    return value
+
+
+async def _awaited(value):
+    return await value

@@ -1,0 +1,74 @@
+"""How a row becomes the engine's token ids (moerl/tasks/prompting.py): text as it is, chat
+messages through the tokenizer's template, and every mismatch refused naming the key."""
+
+import pytest
+
+from moerl.config import parse_config
+from moerl.errors import ConfigError
+from moerl.models.tiny import build_tokenizer
+from moerl.records import Prompt
+from moerl.tasks.prompting import encode_prompt, max_new_tokens_for
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}={% endfor %}{% if add_generation_prompt %} {% endif %}"
+
+
+def _rollout(**kw):
+    return parse_config({"rollout": kw}).rollout
+
+
+def _chat_tokenizer():
+    tok = build_tokenizer()
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def test_text_rows_encode_as_they_are_and_messages_through_the_template():
+    text = Prompt(id="t", task="copy", prompt="copy 12=", answer="12")
+    chat = Prompt.model_validate({"id": "c", "task": "copy", "answer": "12",
+                                  "messages": [{"role": "user", "content": "copy 12"}]})
+    plain, tok = build_tokenizer(), _chat_tokenizer()
+    assert encode_prompt(plain, _rollout(), text) == plain.encode("copy 12=")
+    assert encode_prompt(tok, _rollout(), text) == plain.encode("copy 12=")  # auto: text stays text
+    assert encode_prompt(tok, _rollout(), chat) == plain.encode("copy 12= ")  # the template, with the turn to continue
+    assert encode_prompt(tok, _rollout(chat_template=True), text) == plain.encode("copy 12== ")
+    assert encode_prompt(tok, _rollout(), chat.model_dump()) == encode_prompt(tok, _rollout(), chat)  # an async unit's dict
+    assert chat.prompt_text == "copy 12"
+
+
+def test_what_cannot_be_encoded_faithfully_is_refused_naming_the_key():
+    chat = Prompt.model_validate({"id": "c", "task": "copy", "answer": "12",
+                                  "messages": [{"role": "user", "content": "copy 12"}]})
+    with pytest.raises(ConfigError, match="the policy's tokenizer has no chat template"):
+        encode_prompt(build_tokenizer(), _rollout(), chat)
+    with pytest.raises(ConfigError, match="rollout.chat_template false, but dataset rows give chat messages"):
+        encode_prompt(_chat_tokenizer(), _rollout(chat_template=False), chat)
+    with pytest.raises(ConfigError, match="rollout.chat_template true, but the policy's tokenizer has no chat"):
+        encode_prompt(build_tokenizer(), _rollout(chat_template=True),
+                      Prompt(id="t", task="copy", prompt="copy 1=", answer="1"))
+    for row in ({"id": "x", "task": "copy", "answer": "1"},  # neither
+                {"id": "x", "task": "copy", "answer": "1", "prompt": "p", "messages": [{"role": "user", "content": "p"}]},
+                {"id": "x", "task": "copy", "answer": "1", "messages": [{"role": "robot", "content": "p"}]}):
+        with pytest.raises(ValueError):
+            Prompt.model_validate(row)
+
+
+def test_the_total_token_cap_leaves_each_response_what_the_prompt_did_not_take():
+    assert max_new_tokens_for(_rollout(max_new_tokens=16), 100) == 16
+    assert max_new_tokens_for(_rollout(max_new_tokens=16, max_total_tokens=20), 10) == 10
+    assert max_new_tokens_for(_rollout(max_new_tokens=4, max_total_tokens=20), 10) == 4
+    with pytest.raises(Exception, match="leaves no room under rollout.max_total_tokens 20"):
+        max_new_tokens_for(_rollout(max_total_tokens=20), 20)
+
+
+def test_chat_rows_for_a_tokenizer_without_a_template_are_refused_before_any_work(tmp_path):
+    import json
+
+    from moerl.config import load_config
+    from moerl.orchestrate.prepare import preflight
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"id": "c", "task": "copy", "answer": "12",
+                                "messages": [{"role": "user", "content": "copy 12="}]}) + "\n")
+    cfg = load_config("configs/tiny-moe-grpo.yaml", [f"checkpoint.uri={tmp_path / 'ck'}", f"task.dataset={data}"])
+    with pytest.raises(ConfigError, match="dataset rows give chat messages, but the policy's tokenizer has no chat"):
+        preflight(cfg)
