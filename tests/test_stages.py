@@ -97,7 +97,7 @@ def test_raising_verifier_marks_sample_failed_and_is_counted():
 
 def test_unknown_task_under_auto_fails_the_sample_not_the_stage():
     scored = score([_sample(task="poetry")], RewardConfig())
-    assert scored[0].reward_failed and "no default verifier" in scored[0].reward_error
+    assert scored[0].reward_failed and "has no verifier: set reward.verifiers.poetry" in scored[0].reward_error
 
 
 def test_reward_stage_fails_when_too_many_samples_fail(tmp_path):
