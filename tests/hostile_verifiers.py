@@ -83,3 +83,11 @@ def by_answer(response: str, answer: str) -> float:
     from moerl.tasks.verifiers import positional
 
     return positional(response, answer)
+
+
+def only_gold(response: str, answer: str) -> float:
+    """Scores the reference answer (so it passes preflight, which calls it on a row's own
+    answer) and raises on any other response: a verifier that breaks on real model output."""
+    if response.strip() == answer:
+        return 1.0
+    raise ValueError(f"cannot parse {response!r}")

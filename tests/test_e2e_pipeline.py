@@ -137,21 +137,26 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
 
 @pytest.mark.slow
 def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path):
-    """Every sample's verifier fails (a task with no verifier): the reward stage stops the run.
-    The MLflow run is marked FAILED, the command exits 1, and `latest` stays on version 0."""
+    """Nearly every sample's verifier fails (one that scores the reference answer, so it passes
+    preflight, and raises on anything else): the reward stage stops the run. The MLflow run is
+    marked FAILED, the command exits 1, and `latest` stays on version 0."""
     from mlflow.tracking import MlflowClient
 
     from moerl.config import CheckpointConfig
     from moerl.store.runs import open_store
 
-    rows = [{"id": f"p{i}", "task": "poetry", "prompt": f"copy {i}=", "answer": str(i)} for i in range(20)]
-    (tmp_path / "poetry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [{"id": f"p{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)}
+            for i in range(20)]
+    (tmp_path / "copy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "task": {"dataset": "poetry.jsonl", "prompts_per_iteration": 4},
+        "task": {"dataset": "copy.jsonl", "prompts_per_iteration": 4},
         "rollout": {"samples_per_prompt": 2, "max_new_tokens": 4},
+        "reward": {"verifier": "tests.hostile_verifiers:only_gold"},
         "pipeline": {"iterations": 2},
     }))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))  # tests.hostile_verifiers
     proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1, proc.stdout[-2000:]
