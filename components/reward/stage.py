@@ -33,10 +33,7 @@ from moerl.config import RewardConfig, RunConfig
 from moerl.errors import DataError
 from moerl.records import Sample, ScoredSample, read_records, write_records
 from moerl.tasks.sandbox import Limits, SandboxPool
-from moerl.tasks.verifiers import verifier_target
-
-CALL_VERIFIER = "moerl.tasks.verifiers:call_verifier"
-from moerl.userfiles import short_repr
+from moerl.tasks.verifiers import CALL_VERIFIER, as_score, verifier_target
 
 
 class ModelScorer:
@@ -104,12 +101,7 @@ def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> 
         except KeyError as err:  # no verifier for the row's task (preflight refuses that first)
             out[i] = f"KeyError: {err}"
     for i, o in zip(where, pool.run(calls)):
-        if not o.ok:
-            out[i] = o.error
-        elif isinstance(o.value, bool) or not isinstance(o.value, (int, float)) or not math.isfinite(o.value):
-            out[i] = f"ValueError: verifier returned {short_repr(o.value)}, not a finite number"
-        else:
-            out[i] = float(o.value)
+        out[i] = as_score(o.ok, o.value, o.error)
     return out  # type: ignore[return-value]
 
 

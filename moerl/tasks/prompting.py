@@ -35,9 +35,9 @@ def _text(row: Any) -> str:
     return row.get("prompt", "") if isinstance(row, dict) else row.prompt
 
 
-def uses_template(tokenizer, cfg: RolloutConfig, row: Any) -> bool:
-    """Whether `row` goes through the tokenizer's chat template (see the module docstring)."""
-    has = bool(getattr(tokenizer, "chat_template", None))
+def uses_template(has: bool, cfg: RolloutConfig, row: Any) -> bool:
+    """Whether `row` goes through the tokenizer's chat template, given whether the tokenizer
+    `has` one (see the module docstring)."""
     msgs = _messages(row)
     if cfg.chat_template is False:
         if msgs:
@@ -55,7 +55,7 @@ def uses_template(tokenizer, cfg: RolloutConfig, row: Any) -> bool:
 
 def encode_prompt(tokenizer, cfg: RolloutConfig, row: Any) -> list[int]:
     """The token ids of `row`'s prompt (a `Prompt`, or its dict form in an async unit)."""
-    if not uses_template(tokenizer, cfg, row):
+    if not uses_template(bool(getattr(tokenizer, "chat_template", None)), cfg, row):
         return list(tokenizer.encode(_text(row)))
     msgs = _messages(row) or [{"role": "user", "content": _text(row)}]
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)

@@ -22,6 +22,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from moerl.userfiles import short_repr
+
 Verifier = Callable[..., float]
 
 
@@ -74,6 +76,22 @@ def verifier_key(name: str, task: str, per_task: Mapping[str, str] | None = None
 def verifier_for(name: str, task: str) -> Verifier:
     """The shipped verifier for a row, in this process (preference-pair building, tests)."""
     return VERIFIERS[verifier_name(name, task)]
+
+
+# What the pool runs for every verifier call (the verifier's own path is its first argument).
+CALL_VERIFIER = f"{__name__}:call_verifier"
+
+
+def as_score(ok: bool, value: Any, error: str) -> float | str:
+    """A sandboxed call's outcome as a score, or the error text that fails its sample: the
+    call's own error, or a value that is not a finite number."""
+    import math
+
+    if not ok:
+        return error
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"ValueError: verifier returned {short_repr(value)}, not a finite number"
+    return float(value)
 
 
 @functools.lru_cache(maxsize=256)
