@@ -75,14 +75,53 @@ class ModelConfig(_Section):
     warm_start: Literal["none", "previous"] = "none"
 
 
+class SandboxConfig(_Section):
+    """The sandboxed execution pool verifiers (`reward.sandbox`) and environments
+    (`task.sandbox`) run in (`moerl/tasks/sandbox.py`): child processes with no credentials,
+    each call cut off after `sample_timeout_s` and its address space capped at `memory_mb`. A
+    sample whose verifier or environment is cut off is failed and counted
+    (`reward/timeout_samples`, `reward/memory_samples`, `env/timeout_episodes`), never scored 0."""
+
+    workers: int = Field(1, ge=1, le=256)  # children per scoring process; samples run in parallel
+    sample_timeout_s: float = Field(5.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+    memory_mb: int = Field(2048, ge=128, le=1 << 20)
+
+
 class TaskConfig(_Section):
-    """The verifiable task: a JSONL dataset of {id, task, prompt, answer} rows."""
+    """The verifiable task: a JSONL dataset of {id, task, prompt | messages, answer, meta?} rows,
+    single-turn, or multi-turn with an environment (`moerl/tasks/environments.py`)."""
 
     # "builtin:<name>" is a dataset shipped in moerl/data; anything else is a file path.
     dataset: str = "builtin:digits-copy"
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
     prompts_per_iteration: int = Field(64, ge=1)
     shuffle_seed: int = 0
+    # A multi-turn environment for every row, `package.module:Factory` (reset(row) -> observation,
+    # step(text) -> (observation, reward, done)), run in the sandboxed pool; null: single-turn.
+    environment: str | None = None
+    # Per task (a row's `task`): its environment, the same form; wins over `environment`.
+    environments: dict[str, str] = Field(default_factory=dict)
+    # Model turns per episode at most (each turn at most rollout.max_new_tokens tokens; the
+    # whole episode at most rollout.max_total_tokens when set).
+    max_turns: int = Field(4, ge=1, le=256)
+    # The sandboxed pool environment calls run in: sample_timeout_s is the limit of one
+    # reset or step call; an episode whose call is cut off ends failed and is counted.
+    sandbox: SandboxConfig = SandboxConfig()
+
+    @field_validator("environment")
+    @classmethod
+    def _environment(cls, v: str | None) -> str | None:
+        return v if v is None else _check_import_path(v)
+
+    @field_validator("environments")
+    @classmethod
+    def _environments(cls, v: dict[str, str]) -> dict[str, str]:
+        for task, path in v.items():
+            try:
+                _check_import_path(path)
+            except ValueError as err:
+                raise ValueError(f"{task}: {err}") from None
+        return v
 
 
 class RolloutConfig(_Section):
@@ -156,18 +195,15 @@ class RewardModelRef(_Section):
     normalize: Literal["none", "sigmoid", "zscore"] = "sigmoid"
 
 
-class SandboxConfig(_Section):
-    """The sandboxed execution pool verifiers run in (`moerl/tasks/sandbox.py`): child
-    processes with no credentials, each call cut off after `sample_timeout_s` and its address
-    space capped at `memory_mb`. A sample whose verifier is cut off is failed and counted
-    (`reward/timeout_samples`, `reward/memory_samples`), never scored 0."""
-
-    workers: int = Field(1, ge=1, le=256)  # children per scoring process; samples run in parallel
-    sample_timeout_s: float = Field(5.0, gt=0.0, le=3600.0, allow_inf_nan=False)
-    memory_mb: int = Field(2048, ge=128, le=1 << 20)
-
-
 _VERIFIER_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+def _check_import_path(v: str) -> str:
+    import re
+
+    if isinstance(v, str) and re.match(_VERIFIER_PATH, v):
+        return v
+    raise ValueError(f"{short_repr(v)} is not an import path of the form package.module:Factory")
 
 
 def _check_verifier(v: str, shipped: tuple[str, ...]) -> str:

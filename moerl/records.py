@@ -102,6 +102,29 @@ class Sample(_Record):
     # Async mode: `<run_id>/<unit_id>/<k>:<prompt_id>/<sample_index>`, the same whichever worker
     # (re)generates it, so duplicates are dropped by id (moerl/bus/run.py).
     sample_id: str = ""
+    # Multi-turn episodes (an environment, moerl/tasks/environments.py): the response tokens are
+    # the model's turns and the environment's observations in order, exactly as the engine saw
+    # them; `response_mask` is 1 for the model's tokens and 0 for the environment's (None: all
+    # the model's). An environment token's logprob is 0.0 and never used.
+    response_mask: list[int] | None = None
+    turns: int = Field(1, ge=1)  # model turns
+    final_response: str | None = None  # the model's last message (None: response_text)
+    env_reward: float | None = None  # the sum of the rewards the environment's steps returned
+    env_error: str | None = None  # an environment call that failed: the episode is failed, never scored
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "Sample":
+        n = len(self.response_token_ids)
+        if len(self.response_logprobs) != n:
+            raise ValueError(f"{len(self.response_logprobs)} response_logprobs for {n} response tokens")
+        if self.response_mask is not None and (len(self.response_mask) != n or set(self.response_mask) - {0, 1}):
+            raise ValueError(f"response_mask must hold one 0 or 1 per response token ({n})")
+        return self
+
+    @property
+    def answer_text(self) -> str:
+        """What a verifier scores: the model's last message."""
+        return self.response_text if self.final_response is None else self.final_response
 
 
 class ScoredSample(Sample):
@@ -122,6 +145,7 @@ class TrainSample(_Record):
     response_logprobs: list[float]
     advantage: float
     policy_version: int
+    response_mask: list[int] | None = None  # 0: an environment's token, never in the loss (None: all 1)
 
 
 class PolicyVersion(_Record):

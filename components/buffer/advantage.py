@@ -53,3 +53,13 @@ def group_advantages(rewards_G: list[float], eps: float = 1e-6, normalize_by_std
     else:
         adv = [r - mean for r in rewards_G]
     return adv, zero_variance
+
+
+def train_sample(s, advantage: float):
+    """What the trainer needs of scored sample `s` (tokens, the engine's logprobs, the mask of
+    the model's own tokens in a multi-turn episode) with its advantage."""
+    from moerl.records import TrainSample
+
+    return TrainSample(prompt_token_ids=s.prompt_token_ids, response_token_ids=s.response_token_ids,
+                       response_logprobs=s.response_logprobs, advantage=advantage, policy_version=s.policy_version,
+                       response_mask=s.response_mask)

@@ -2,8 +2,10 @@
 that carry no signal, and assemble the training batch.
 
 Dropped and counted: groups with zero reward variance, samples older than
-`buffer.max_staleness` policy versions, and groups left smaller than 2 by either. Failed
-samples keep their reward of 0 and stay in their group. The advantage divides by the group's
+`buffer.max_staleness` policy versions, groups left smaller than 2 by either, and groups with a
+failed sample (a verifier or an environment that failed, timed out or ran out of memory): a
+failure is never trained on as a reward of 0, and the rest of its group would get a biased
+baseline, so the group goes, as in async mode (`worker.classify`). The advantage divides by the group's
 sample std (G - 1) unless `buffer.advantage_std` is `population` (see advantage.py).
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample, TrainSample, read_records, write_records
-from moerl.components.buffer.advantage import group_advantages
+from moerl.components.buffer.advantage import group_advantages, train_sample
 
 
 def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int) -> tuple[list[TrainSample], dict[str, float]]:
@@ -27,27 +29,27 @@ def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
             continue
         groups[s.prompt_id].append(s)
     batch: list[TrainSample] = []
-    dropped_zero_var = dropped_small = 0
+    dropped_zero_var = dropped_small = dropped_failed = 0
     for members in groups.values():
         if len(members) < 2:
             dropped_small += 1
+            continue
+        if any(m.reward_failed for m in members):
+            dropped_failed += 1
             continue
         adv, zero_var = group_advantages([m.reward for m in members], cfg.advantage_eps, cfg.normalize_by_std,
                                          std=cfg.advantage_std)
         if zero_var and cfg.drop_zero_variance_groups:
             dropped_zero_var += 1
             continue
-        batch.extend(
-            TrainSample(prompt_token_ids=m.prompt_token_ids, response_token_ids=m.response_token_ids,
-                        response_logprobs=m.response_logprobs, advantage=a, policy_version=m.policy_version)
-            for m, a in zip(members, adv)
-        )
+        batch.extend(train_sample(m, a) for m, a in zip(members, adv))
     n_groups = max(len(groups), 1)
     return batch, {
         "buffer/groups": float(len(groups)),
         "buffer/dropped_zero_variance_groups": float(dropped_zero_var),
         "buffer/dropped_zero_variance_fraction": dropped_zero_var / n_groups,
         "buffer/dropped_small_groups": float(dropped_small),
+        "buffer/dropped_failed_groups": float(dropped_failed),
         "buffer/stale_samples": float(stale),
         "buffer/batch_samples": float(len(batch)),
         "buffer/staleness_max": float(max((trainer_version - s.policy_version for s in scored), default=0)),

@@ -35,7 +35,7 @@ from typing import Literal
 
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample, TrainSample
-from moerl.components.buffer.advantage import group_advantages
+from moerl.components.buffer.advantage import group_advantages, train_sample
 
 Disposition = Literal["duplicate", "stale", "failed", "filtered", "used"]
 
@@ -87,9 +87,7 @@ def train_samples(groups: list[list[ScoredSample]], cfg: BufferConfig) -> list[T
     for members in groups:
         adv, _ = group_advantages([m.reward for m in members], cfg.advantage_eps, cfg.normalize_by_std,
                                   std=cfg.advantage_std)
-        out.extend(TrainSample(prompt_token_ids=m.prompt_token_ids, response_token_ids=m.response_token_ids,
-                               response_logprobs=m.response_logprobs, advantage=a, policy_version=m.policy_version)
-                   for m, a in zip(members, adv))
+        out.extend(train_sample(m, a) for m, a in zip(members, adv))
     return out
 
 

@@ -64,7 +64,8 @@ def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cp
         attn[i, : len(seq)] = 1
         p, r = len(s.prompt_token_ids), len(s.response_token_ids)
         # logits at position t predict token t+1: response token k sits at p+k, predicted at p+k-1
-        mask[i, p - 1 : p - 1 + r] = 1
+        # an environment's tokens (multi-turn) are context, never targets: mask 0
+        mask[i, p - 1 : p - 1 + r] = 1 if s.response_mask is None else torch.tensor(s.response_mask, device=cpu)
         eng[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs, device=cpu)
     adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=cpu)
     return Packed(*(t.to(device) for t in (ids, attn, ids[:, 1:].clone(), mask, eng, adv)))

@@ -90,13 +90,22 @@ def open_pool(cfg: RewardConfig) -> SandboxPool:
 def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> list[float | str]:
     """Each sample's verifier score, run in the sandbox, or the error text that failed it:
     a verifier that raised, returned something that is not a finite number, ran past
-    `sandbox.sample_timeout_s` ("timeout: ...") or past `sandbox.memory_mb` ("memory: ...")."""
+    `sandbox.sample_timeout_s` ("timeout: ...") or past `sandbox.memory_mb` ("memory: ...").
+    A multi-turn episode whose environment gave rewards has their sum; one whose environment
+    failed is failed ("environment: ..."); otherwise the verifier scores the model's last
+    message."""
     out: list[float | str | None] = [None] * len(samples)
     calls, where = [], []
     for i, s in enumerate(samples):
+        if s.env_error is not None:  # the episode's environment failed: the sample is failed, not scored
+            out[i] = f"environment: {s.env_error}"
+            continue
+        if s.env_reward is not None:  # a multi-turn episode scored by its environment's steps
+            out[i] = s.env_reward
+            continue
         try:  # each call runs `call_verifier` in a sandboxed child, never the verifier here
             target = verifier_target(cfg.verifier, s.task, cfg.verifiers)
-            calls.append((CALL_VERIFIER, [target, s.response_text, s.answer, s.meta]))
+            calls.append((CALL_VERIFIER, [target, s.answer_text, s.answer, s.meta]))
             where.append(i)
         except KeyError as err:  # no verifier for the row's task (preflight refuses that first)
             out[i] = f"KeyError: {err}"

@@ -142,25 +142,32 @@ class RolloutEngine:
         self.load_s = time.perf_counter() - t0
         log.info("vLLM engine loaded %s in %.1f s", model_dir, self.load_s)
 
-    def sampling_params(self, n: int, seed: int | None = None, prompt_len: int = 0):
+    def sampling_params(self, n: int, seed: int | None = None, prompt_len: int = 0, max_tokens: int | None = None):
         """`rollout`'s sampling settings; the response budget left by `rollout.max_total_tokens`
-        for a prompt of `prompt_len` tokens; the stop strings."""
+        for a prompt of `prompt_len` tokens (or `max_tokens`, a multi-turn episode's turn
+        budget); the stop strings."""
         from vllm import SamplingParams
 
         from moerl.tasks.prompting import max_new_tokens_for
 
         c = self.cfg
         return SamplingParams(n=n, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                              max_tokens=max_new_tokens_for(c, prompt_len), logprobs=0, seed=seed,
+                              max_tokens=max_tokens or max_new_tokens_for(c, prompt_len), logprobs=0, seed=seed,
                               stop=list(c.stop) or None)
 
-    def generate(self, prompts_token_ids: list[list[int]], n: int) -> list[list[Completion]]:
-        """n completions for each prompt, in prompt order."""
+    def generate(self, prompts_token_ids: list[list[int]], n: int,
+                 max_tokens: list[int] | None = None) -> list[list[Completion]]:
+        """n completions for each prompt, in prompt order; `max_tokens[i]`: prompt i's response
+        budget (multi-turn episodes), else `rollout`'s."""
         from vllm.inputs import TokensPrompt
 
         self._require_idle("generate")
-        params = [self.sampling_params(n, prompt_len=len(ids)) for ids in prompts_token_ids] \
-            if self.cfg.max_total_tokens is not None else self.sampling_params(n)
+        if max_tokens is not None:
+            params = [self.sampling_params(n, max_tokens=m) for m in max_tokens]
+        elif self.cfg.max_total_tokens is not None:
+            params = [self.sampling_params(n, prompt_len=len(ids)) for ids in prompts_token_ids]
+        else:
+            params = self.sampling_params(n)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids], params,
                                  use_tqdm=False)
         return [[_completion(o) for o in out.outputs] for out in outs]
@@ -190,11 +197,13 @@ class RolloutEngine:
         return [comps[i * n:(i + 1) * n] for i in range(len(prompts_token_ids))], timings
 
     # -- streaming (async rollout workers) ---------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], n: int, seed: int | None = None) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], n: int, seed: int | None = None,
+               max_tokens: int | None = None) -> None:
         """Queue n samples of one prompt as ONE request (a GRPO group); `step` returns it whole.
 
         `seed` makes the group reproducible (see the module docstring); None draws from the
         engine's global generator. `request_id` must not be in flight on this engine.
+        `max_tokens`: the response budget (a multi-turn episode's turn), else `rollout`'s.
         """
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -204,7 +213,8 @@ class RolloutEngine:
                                      "use a new id per submission (or abort it first)")
         if n < 1:
             raise EngineRequestError(f"n must be >= 1 samples per request, got {n}")
-        params = self.sampling_params(n, None if seed is None else vllm_seed(seed), prompt_len=len(prompt_token_ids))
+        params = self.sampling_params(n, None if seed is None else vllm_seed(seed), prompt_len=len(prompt_token_ids),
+                                      max_tokens=max_tokens)
         params.output_kind = RequestOutputKind.FINAL_ONLY  # n children come back as one output
         # Render as LLM.generate does (vLLM 0.32 deprecates raw prompts in add_request).
         prompt = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(prompt_token_ids)))
@@ -235,6 +245,10 @@ class RolloutEngine:
             self.llm.llm_engine.abort_request(ids)  # external ids: vLLM aborts every child sample
             for r in ids:
                 del self._inflight[r]
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request."""
+        self.abort(list(self._inflight))
 
     def unfinished(self) -> int:
         """Requests submitted and not yet returned by `step` or aborted."""

@@ -2,8 +2,10 @@
 
 Steps: (1) pick this iteration's prompts from the dataset cursor; (2) make sure the policy
 version is in the local checkpoint cache (verified against its manifest); (3) start vLLM on
-it; (4) generate; (5) write one `Sample` per completion, each carrying the engine's token
-logprobs, finish reason and policy version.
+it; (4) generate, or, with an environment (`task.environment`), run multi-turn episodes token
+in and token out (`episodes.py`, environments in the sandboxed pool); (5) write one `Sample`
+per completion or episode, each carrying the engine's token logprobs, finish reason and policy
+version.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from moerl.config import RunConfig
 from moerl.records import PolicyVersion, Sample, write_records
 from moerl.store.runs import engine_copy
 from moerl.tasks.dataset import load_dataset
-from moerl.tasks.prompting import encode_prompt
+from moerl.tasks.prompting import encode_prompt, uses_template
+from moerl.components.rollout.episodes import EpisodeDriver, env_pool, run_episodes, uses_environments
 
 
 def to_samples(prompts, prompt_ids: list[list[int]], completions, version: int) -> list[Sample]:
@@ -45,14 +48,26 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
         # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
         engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed + iteration)
     t_gen = time.perf_counter()
-    completions = engine.generate(prompt_ids, cfg.rollout.samples_per_prompt)
-    gen_s = time.perf_counter() - t_gen
+    extra: dict[str, float] = {}
+    if uses_environments(cfg):  # multi-turn: one request per episode per turn, environments in the sandbox
+        with env_pool(cfg) as pool:
+            driver = EpisodeDriver(cfg, tokenizer, pool)
+            has = bool(getattr(tokenizer, "chat_template", None))
+            eps = [driver.episode(f"i{iteration}-{i}-{j}", p.model_dump(), ids, j, uses_template(has, cfg.rollout, p))
+                   for i, (p, ids) in enumerate(zip(prompts, prompt_ids))
+                   for j in range(cfg.rollout.samples_per_prompt)]
+            gen_s = run_episodes(engine, driver, eps)
+            extra = driver.metrics(eps, time.perf_counter() - t_gen)
+        samples = [e.sample(policy.version) for e in eps]
+    else:
+        completions = engine.generate(prompt_ids, cfg.rollout.samples_per_prompt)
+        gen_s = time.perf_counter() - t_gen
+        samples = to_samples(prompts, prompt_ids, completions, policy.version)
     engine.close()
     # 5. records
-    samples = to_samples(prompts, prompt_ids, completions, policy.version)
     write_records(out_path, samples)
     n_tokens = sum(len(s.response_token_ids) for s in samples)
-    return {
+    return extra | {
         "timing/rollout_s": time.perf_counter() - t0,
         "rollout/engine_load_s": engine.load_s,
         "rollout/generate_s": gen_s,

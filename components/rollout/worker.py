@@ -44,7 +44,7 @@ from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.config import RunConfig, config_from_json
 from moerl.launch.podenv import enter_pod
 from moerl.records import Prompt, Sample
-from moerl.tasks.prompting import encode_prompt
+from moerl.tasks.prompting import encode_prompt, uses_template
 from moerl.store.runs import engine_copy, run_store
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,10 @@ class RolloutWorker:
         # loop does (an engine load, a fetch and swap of a large version); one it lost is marked
         self._held: dict[str, bool] = {}  # entry id -> still ours
         self._held_lock = threading.Lock()
+        from moerl.components.rollout.episodes import uses_environments
+
+        self.multi_turn = uses_environments(cfg)
+        self._env_pool = None  # the sandboxed pool environments run in (multi-turn tasks)
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self) -> None:
@@ -139,6 +143,8 @@ class RolloutWorker:
     def _run_unit(self, lease: Lease) -> bool:
         """Generate the unit's groups; True if the unit is complete (acknowledged), False if
         a drain cut it short (its rest requeued)."""
+        if self.multi_turn:
+            return self._run_episodes(lease)
         unit_id = lease.unit["unit_id"]
         entries = lease.unit["prompts"]
         gids = {e["k"]: group_id(unit_id, e["k"], e["prompt"]["id"]) for e in entries}
@@ -163,34 +169,106 @@ class RolloutWorker:
                     finished.add(k)
         finally:
             self.busy_s += time.perf_counter() - t0
-        remaining = [k for k in todo if k not in finished]
+        return self._end_unit(lease, [k for k in todo if k not in finished])
+
+    def _end_unit(self, lease: Lease, remaining: list[int]) -> bool:
+        """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
+        requeue them (a drain); every request still in flight is aborted."""
+        unit_id = lease.unit["unit_id"]
+        if remaining:
+            self.engine.abort_all()
         if remaining and not self._still_held(lease):
             # another worker reclaimed the unit: it regenerates what is missing; ours is dropped
-            self.engine.abort([rid for rid, k in by_rid.items() if k in remaining])
             self.bus.incr(leases_lost=1)
             log.warning("%s: lost the lease of %s; dropped its %d unfinished prompts", self.name, unit_id,
                         len(remaining))
             return True
         if remaining:  # a drain ran out of grace: requeue what did not finish
-            self.engine.abort([rid for rid, k in by_rid.items() if k in remaining])
             self.bus.requeue_unit(lease, remaining)
             log.warning("%s: requeued %d unfinished prompts of %s", self.name, len(remaining), unit_id)
             return False
         self.bus.ack_unit(lease)
         return True
 
+    def _run_episodes(self, lease: Lease) -> bool:
+        """`_run_unit` for multi-turn tasks (`task.environment`): G episodes per prompt, each
+        turn its own seeded request, submitted the moment the episode's previous turn and
+        environment step end; a group is published when its G episodes have ended, so a long
+        episode holds back only its own group. Environment calls run in the worker's sandboxed
+        pool, between engine steps (the engine waits for them: `env/*` in the stats)."""
+        from moerl.components.rollout.episodes import EpisodeDriver, env_pool
+
+        unit_id = lease.unit["unit_id"]
+        entries = lease.unit["prompts"]
+        gids = {e["k"]: group_id(unit_id, e["k"], e["prompt"]["id"]) for e in entries}
+        done_already = self.bus.published(list(gids.values()))
+        todo = {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
+        G = self.cfg.rollout.samples_per_prompt
+        if self._env_pool is None:
+            self._env_pool = env_pool(self.cfg)
+        driver = EpisodeDriver(self.cfg, self.tokenizer, self._env_pool)
+        has = bool(getattr(self.tokenizer, "chat_template", None))
+        groups: dict[int, list] = {}
+        for k, e in todo.items():
+            ids = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])
+            templated = uses_template(has, self.cfg.rollout, e["prompt"])
+            groups[k] = [driver.episode(f"{unit_id}-{k}-{j}-{lease.deliveries}", e["prompt"], ids, j, templated)
+                         for j in range(G)]
+        eps = [ep for g in groups.values() for ep in g]
+        where = {ep.key: k for k, g in groups.items() for ep in g}
+        rids: dict[str, object] = {}
+        finished: set[int] = set()
+        t0 = time.perf_counter()
+
+        def submit(ep) -> None:
+            k = where[ep.key]
+            rid = f"{ep.key}-t{ep.turns}"
+            seed = group_seed(self.cfg.rollout.seed, unit_id, k) * 1031 + ep.sample_index * 67 + ep.turns
+            self.engine.submit(rid, ep.context, 1, seed=seed, max_tokens=driver.budget(ep))
+            rids[rid] = ep
+
+        def publish_done(ks) -> None:
+            for k in ks:
+                if k not in finished and all(ep.done for ep in groups[k]):
+                    driver.finish(groups[k])
+                    self._publish_samples(unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]])
+                    finished.add(k)
+
+        try:
+            driver.begin(eps)
+            for ep in eps:
+                if not ep.done:
+                    submit(ep)
+            publish_done(list(groups))
+            while self.engine.unfinished():
+                if self.drain.expired() or not self._still_held(lease):
+                    break
+                turns = [(rids.pop(rid), comps[0]) for rid, comps in self.engine.step()]
+                if not turns:
+                    continue
+                for ep in driver.advance(turns):
+                    submit(ep)
+                publish_done({where[ep.key] for ep, _ in turns})
+        finally:
+            self.busy_s += time.perf_counter() - t0
+            driver.finish(eps)  # what a drain or a lost lease left open
+            self.bus.incr(env_calls=driver.calls, env_timeouts=driver.timeouts, env_errors=driver.errors,
+                          env_ms=int(driver.env_s * 1000))
+        return self._end_unit(lease, [k for k in todo if k not in finished])
+
     def _publish(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> None:
-        p, k = entry["prompt"], entry["k"]
-        gid = group_id(unit_id, k, p["id"])
-        samples = [
+        p = entry["prompt"]
+        self._publish_samples(unit_id, entry, [
             Sample(prompt_id=p["id"], task=p["task"], prompt=Prompt.model_validate(p).prompt_text, answer=p["answer"],
                    sample_index=j,
                    prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                   response_text=c.text, finish_reason=c.finish_reason, policy_version=self.version,
-                   sample_id=f"{self.run_id}/{gid}/{j}", meta=p.get("meta")).model_dump()
-            for j, c in enumerate(comps)
-        ]
-        self.bus.publish_group(gid, samples)
+                   response_text=c.text, finish_reason=c.finish_reason, policy_version=self.version, meta=p.get("meta"))
+            for j, c in enumerate(comps)])
+
+    def _publish_samples(self, unit_id: str, entry: dict, samples: list[Sample]) -> None:
+        gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
+        self.bus.publish_group(gid, [s.model_copy(update={"sample_id": f"{self.run_id}/{gid}/{s.sample_index}"})
+                                     .model_dump() for s in samples])
 
     # -- leases -------------------------------------------------------------------------
     def _hold(self, lease: Lease) -> None:
@@ -274,6 +352,9 @@ class RolloutWorker:
                 self._release(lease)
 
     def close(self) -> None:
+        if self._env_pool is not None:
+            self._env_pool.close()
+            self._env_pool = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -64,7 +64,9 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
             "prompts_dead", "groups_generated", "tokens_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
             "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts",
-            "commits_not_durable", "sample_timeouts", "sample_memory")
+            "commits_not_durable", "sample_timeouts", "sample_memory",
+            # multi-turn: environment calls (reset, step, close), those cut off or failed, and their wall ms
+            "env_calls", "env_timeouts", "env_errors", "env_ms")
 
 
 @dataclass(frozen=True)

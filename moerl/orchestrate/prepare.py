@@ -37,6 +37,8 @@ def preflight(cfg: RunConfig) -> None:
     else:
         ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
         check_prompts(cfg, ds.rows)
+        if cfg.pipeline.kind == "grpo":
+            check_environments(cfg, ds.rows)
         if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model":
             check_verifiers(cfg, ds.rows)
     if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":  # the reward model must exist and verify
@@ -94,6 +96,7 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
     the key, before any work."""
     from moerl.errors import ConfigError
     from moerl.tasks.sandbox import Limits, SandboxPool
+    from moerl.tasks.environments import environment_for
     from moerl.tasks.verifiers import CALL_VERIFIER, as_score, verifier_key, verifier_target
 
     rc = cfg.reward
@@ -105,6 +108,8 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
         try:
             target = verifier_target(rc.verifier, task, rc.verifiers)
         except KeyError as err:
+            if environment_for(task, cfg.task.environment, cfg.task.environments):
+                continue  # its environment rewards its episodes (one that gives none fails its sample)
             raise ConfigError(str(err).strip("\"'")) from None
         calls.append((CALL_VERIFIER, [target, row.answer, row.answer, row.meta]))
         keys.append((verifier_key(rc.verifier, task, rc.verifiers), target, task, row.id))
@@ -117,6 +122,43 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
             raise ConfigError(f"{key}: {target} cannot score task {task!r} (called in the sandbox on row {row_id!r} "
                               f"with its own answer): {bad}; a verifier is package.module:function taking "
                               "(response, answer, meta) or (response, answer) and returning a number")
+
+
+def check_environments(cfg: RunConfig, rows) -> None:
+    """Each environment, made in the sandbox for one row of each task it serves, resets on the
+    row and steps on the row's answer as the model's message, returning what the interface
+    says (`moerl/tasks/environments.py`): a bad import path, a factory that fails, a missing
+    method or a wrong return stops the run here, naming the key, before any work."""
+    from moerl.errors import ConfigError
+    from moerl.tasks.environments import CLOSE, RESET, STEP, environment_for, environment_key
+    from moerl.tasks.sandbox import Limits, SandboxPool
+
+    tc = cfg.task
+    if not (tc.environment or tc.environments):
+        return
+    unknown = sorted(set(tc.environments) - {r.task for r in rows})
+    if unknown:
+        raise ConfigError(f"task.environments: no dataset row has task {unknown[0]!r}; the dataset's tasks: "
+                          f"{', '.join(sorted({r.task for r in rows}))}")
+    first = {}
+    for row in rows:
+        first.setdefault(row.task, row)
+    limits = Limits(timeout_s=max(tc.sandbox.sample_timeout_s, 30.0), memory_mb=tc.sandbox.memory_mb)
+    with SandboxPool(limits) as pool:
+        for task, row in sorted(first.items()):
+            env = environment_for(task, tc.environment, tc.environments)
+            if env is None:
+                continue
+            key = f"preflight-{task}"
+            got = pool.run([(RESET, [env, key, row.model_dump()]), (STEP, [key, row.answer])], keys=[key, key])
+            pool.run([(CLOSE, [[key]])], keys=[key])
+            pool.release([key])
+            bad = next((f"{what}: {o.error}" for what, o in zip(("reset", "step"), got) if not o.ok), None)
+            if bad:
+                raise ConfigError(f"{environment_key(task, tc.environments)}: {env} cannot run task {task!r} (made "
+                                  f"in the sandbox, reset on row {row.id!r} and stepped with its answer): {bad}; an "
+                                  "environment is package.module:Factory whose instances have reset(row) -> str | None "
+                                  "and step(text) -> (observation, reward, done)")
 
 
 def _check_mesh(cfg: RunConfig) -> None:

@@ -26,6 +26,13 @@ may be unusable) as `memory`; a child that died (a segfault, the kernel's OOM ki
 `crashed`; any other exception as `error`, with its type and message. Outcomes come back in
 call order.
 
+Stateful calls (environments, `moerl/tasks/environments.py`): a call may carry a key (an
+episode's id). The first keyed call binds the key to the child that runs it, and every later
+call with that key goes to the same child, in the order given (the environment object lives in
+that child's memory). A child that is killed or dies takes its keys' state with it: a later call
+with such a key runs on another child and fails there, naming the lost key. `release(keys)`
+unbinds keys whose state the caller has closed.
+
 Limitations, stated: the children run as the pod's own user, in its network namespace and with
 its filesystem, so a verifier can still read a file it knows the path of (the IRSA token file,
 for example) or open a connection. On EKS the reward stage runs on the CPU worker group with the
@@ -109,6 +116,7 @@ class _Child:
         os.set_blocking(self.fd, False)
         self.buf = b""
         self.call: int | None = None  # index of the call it is running
+        self.keys: set[str] = set()  # the keyed (stateful) calls bound to this child
         self.deadline = 0.0
 
     def send(self, msg: dict) -> None:
@@ -152,6 +160,7 @@ class SandboxPool:
         self.limits = limits
         self.children: list[_Child] = []
         self.started = 0  # children started over the pool's life (replacements included)
+        self.owner: dict[str, _Child] = {}  # key -> the child that holds its state
         self._lock = threading.Lock()
 
     def __enter__(self) -> "SandboxPool":
@@ -191,26 +200,76 @@ class SandboxPool:
     def _replace(self, c: _Child) -> None:
         c.kill()
         self.children.remove(c)
+        for k in c.keys:  # its state is gone: a later call with the key fails on another child
+            self.owner.pop(k, None)
 
-    def run(self, calls: list[tuple[str, list]]) -> list[Outcome]:
-        """One Outcome per call, in order. Thread-safe (calls from two threads take turns)."""
+    def release(self, keys) -> None:
+        """Forget the bindings of `keys` (their state was closed in the child)."""
         with self._lock:
-            return self._run(calls)
+            for k in keys:
+                c = self.owner.pop(k, None)
+                if c is not None:
+                    c.keys.discard(k)
 
-    def _run(self, calls: list[tuple[str, list]]) -> list[Outcome]:
+    def run(self, calls: list[tuple[str, list]], keys: list[str | None] | None = None) -> list[Outcome]:
+        """One Outcome per call, in order. `keys[i]`: call i's key (None: any child; see the
+        module docstring). Thread-safe (calls from two threads take turns)."""
+        if keys is not None and len(keys) != len(calls):
+            raise ValueError(f"{len(keys)} keys for {len(calls)} calls")
+        with self._lock:
+            return self._run(calls, keys or [None] * len(calls))
+
+    def _next(self, todo: list[int], keys: list[str | None], n_busy: int, n: int) -> tuple[int, _Child] | None:
+        """The first waiting call that can start now and its child (an idle one, the key's
+        owner, or a new one while fewer than `workers` run), removed from `todo`; None if none."""
+        ahead: set[str] = set()  # keys with an earlier call still waiting: order within a key holds
+        idle = [c for c in self.children if c.call is None]
+        for pos, i in enumerate(todo):
+            key = keys[i]
+            if key is not None and key in ahead:
+                continue
+            owner = self.owner.get(key) if key is not None else None
+            if owner is not None:
+                if owner.call is not None:
+                    ahead.add(key)
+                    continue
+                c = owner
+            elif key is not None and len(self.children) >= self.limits.workers:
+                # a new episode goes to the child holding the fewest (their later calls must go
+                # there too), waiting for it if it is busy
+                c = min(self.children, key=lambda ch: (len(ch.keys), ch.call is not None))
+                if c.call is not None:
+                    ahead.add(key)
+                    continue
+            elif idle and key is None:
+                c = idle[0]
+            elif len(self.children) < self.limits.workers and n_busy < n:
+                c = self._start()
+                self.children.append(c)
+            else:
+                if key is not None:
+                    ahead.add(key)
+                continue
+            if key is not None and owner is None:
+                self.owner[key] = c
+                c.keys.add(key)
+            del todo[pos]
+            return i, c
+        return None
+
+    def _run(self, calls: list[tuple[str, list]], keys: list[str | None]) -> list[Outcome]:
         out: list[Outcome | None] = [None] * len(calls)
-        todo = list(range(len(calls)))[::-1]
+        todo = list(range(len(calls)))
         busy: dict[int, _Child] = {}  # fd -> child running a call
         n = max(1, min(self.limits.workers, len(calls)))
         sel = selectors.DefaultSelector()
         try:
             while todo or busy:
                 while todo and len(busy) < n:  # hand each idle child (or a new one) a call
-                    idle = [c for c in self.children if c.call is None]
-                    c = idle[0] if idle else self._start()
-                    if not idle:
-                        self.children.append(c)
-                    i = todo.pop()
+                    got = self._next(todo, keys, len(busy), n)
+                    if got is None:
+                        break
+                    i, c = got
                     target, args = calls[i]
                     c.call, c.deadline = i, time.monotonic() + self.limits.timeout_s
                     try:

@@ -1,0 +1,79 @@
+"""Environments as a user might get them wrong, by import path
+(`tests.hostile_environments:NAME`), run in the sandboxed pool."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class Counter:
+    """Counts its steps, in its own memory: the observation is the step number and the pid of
+    the process that holds it; done after three steps, reward 1 at the end."""
+
+    def reset(self, row: dict) -> str:
+        self.n = 0
+        return f"<{row['id']}>"
+
+    show_pid = True
+
+    def step(self, text: str):
+        self.n += 1
+        obs = f"{self.n}@{os.getpid()}" if self.show_pid else f"{self.n}:{text}"
+        return obs, (1.0 if self.n == 3 else None), self.n == 3
+
+
+class HangsOnSlow(Counter):
+    """Hangs in its step number `meta["slow"]` (1: the first), when the row's meta says so."""
+
+    def reset(self, row: dict) -> str:
+        self.slow = int((row.get("meta") or {}).get("slow") or 0)
+        return super().reset(row)
+
+    def step(self, text: str):
+        if self.slow == self.n + 1:
+            time.sleep(3600)
+        return super().step(text)
+
+
+class SteadyHangsOnSlow(HangsOnSlow):
+    """Deterministic in its row and the messages (no pid): an episode can be replayed."""
+
+    show_pid = False
+
+
+class RaisesOnReset:
+    def reset(self, row: dict):
+        raise RuntimeError("no such puzzle")
+
+    def step(self, text: str):
+        return None, 0.0, True
+
+
+class NoStep:
+    def reset(self, row: dict):
+        return None
+
+
+class BadStep:
+    def reset(self, row: dict):
+        return None
+
+    def step(self, text: str):
+        return "obs", 1.0  # two values, not three
+
+
+class StringReward(BadStep):
+    def step(self, text: str):
+        return None, "1", True
+
+
+class ReadsSecrets(Counter):
+    """Replies with every credential-looking variable it can see."""
+
+    def step(self, text: str):
+        seen = sorted(k for k in os.environ if k.startswith(("AWS", "MLFLOW", "VALKEY", "MOERL")))
+        return ",".join(seen) or "none", 0.0, True
+
+
+NOT_A_FACTORY = 42
