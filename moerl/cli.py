@@ -126,7 +126,48 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(func=_cmd_config_show)
     add_schedule_parsers(sub)  # moerl schedule, moerl submit
+
+    tasks = sub.add_parser("tasks", help="make datasets of real tasks offline (the moerl[tasks] extra)")
+    tsub = tasks.add_subparsers(dest="tasks_command", required=True)
+    make = tsub.add_parser("make", help="write a JSONL dataset of generated tasks")
+    make.add_argument("source", choices=("reasoning-gym",))
+    make.add_argument("--names", required=True,
+                      help="comma-separated reasoning-gym generators (e.g. gsm_symbolic,basic_arithmetic); "
+                           "`--names list` prints them")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--size", type=int, default=100, help="items per generator")
+    make.add_argument("--math", action="store_true",
+                      help="task `math` (scored by math-verify) instead of `reasoning_gym` (the generator's scorer)")
+    make.add_argument("--config", default="{}",
+                      help='per-generator settings as JSON, e.g. \'{"basic_arithmetic": {"max_terms": 3}}\'')
+    make.add_argument("-o", "--output", required=True, help="the JSONL file to write")
+    make.set_defaults(func=_cmd_tasks_make)
     return p
+
+
+def _cmd_tasks_make(args) -> int:
+    import json
+
+    from moerl.errors import ConfigError
+    from moerl.tasks.offline import generator_names, make_reasoning_gym
+
+    if args.names == "list":
+        print("\n".join(generator_names()))
+        return 0
+    try:
+        config = json.loads(args.config)
+    except ValueError as err:
+        raise ConfigError(f"--config: not JSON ({err}); allowed: an object of generator name -> settings") from None
+    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+        raise ConfigError("--config: allowed: a JSON object of generator name -> settings object")
+    names = [n.strip() for n in args.names.split(",") if n.strip()]
+    rows = make_reasoning_gym(names, args.seed, args.size, math=args.math, config=config)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(r.model_dump_json(exclude_none=True) + "\n" for r in rows))
+    print(f"[moerl] wrote {len(rows)} rows ({', '.join(names)}, seed {args.seed}) to {out}; task "
+          f"{'math' if args.math else 'reasoning_gym'}, scored by its shipped verifier", flush=True)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

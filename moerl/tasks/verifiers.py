@@ -40,7 +40,10 @@ def exact(response: str, answer: str) -> float:
 
 
 VERIFIERS: dict[str, Verifier] = {"positional": positional, "exact": exact}
-TASK_DEFAULTS: dict[str, str] = {"copy": "positional", "reverse": "positional", "add": "positional"}
+TASK_DEFAULTS: dict[str, str] = {"copy": "positional", "reverse": "positional", "add": "positional",
+                                 # the `moerl[tasks]` extra's (moerl/tasks/offline.py), by import path
+                                 "reasoning_gym": "moerl.tasks.offline:score_reasoning_gym",
+                                 "math": "moerl.tasks.offline:score_math"}
 
 
 def is_import_path(name: str) -> bool:
