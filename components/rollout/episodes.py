@@ -57,6 +57,7 @@ class Episode:
     error: str | None = None
     reset: bool = False  # the environment holds state for this episode
     observed: list[str | None] = field(default_factory=list)  # reset's observation, then each step's
+    ended_s: float | None = None  # when it ended, seconds after `run_episodes` began (the tail)
 
     @property
     def context(self) -> list[int]:
@@ -276,15 +277,23 @@ class EpisodeDriver:
 def run_episodes(engine, driver: EpisodeDriver, eps: list[Episode]) -> float:
     """Drive `eps` to their end with the engine's batch `generate`, one turn at a time over
     every live episode (the sync stage). Returns the seconds spent generating."""
-    gen_s = 0.0
+    gen_s, start = 0.0, time.perf_counter()
+
+    def ended(batch) -> None:
+        for e in batch:
+            if e.done and e.ended_s is None:
+                e.ended_s = time.perf_counter() - start
+
     driver.begin(eps)
+    ended(eps)
     live = [e for e in eps if not e.done]
     try:
         while live:
             t0 = time.perf_counter()
             comps = engine.generate([e.context for e in live], 1, max_tokens=[driver.budget(e) for e in live])
             gen_s += time.perf_counter() - t0
-            live = driver.advance([(e, c[0]) for e, c in zip(live, comps)])
+            batch, live = live, driver.advance([(e, c[0]) for e, c in zip(live, comps)])
+            ended(batch)
     finally:
         driver.finish(eps)
     return gen_s

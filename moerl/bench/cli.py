@@ -9,6 +9,8 @@
     moerl bench weights          publish / fetch / hot swap / redistribution, side by side
     moerl bench dispatch         expert-parallel dispatch/combine backends side by side
     moerl bench ep-memory        per-rank state (vs 1/world) and peak RSS at meshes dp x ep
+    moerl bench tasks            verifier / environment calls: in-process, sandboxed pool,
+                                 Valkey; environments' share of a multi-turn rollout
     moerl compare RUN_ID...      MLflow runs side by side: params that differ, metrics with
                                  deltas and confidence intervals, plots
 
@@ -88,6 +90,13 @@ def _ep_memory(a: argparse.Namespace) -> int:
                         meshes=parse_meshes(a.meshes) if a.meshes else None, num_layers=a.layers,
                         num_experts=a.experts, hidden_size=a.hidden, moe_intermediate_size=a.moe_intermediate_size)
     return 0
+
+
+def _tasks(a: argparse.Namespace) -> int:
+    from moerl.bench.tasks import run_bench_tasks
+
+    rep = run_bench_tasks(a.calls, a.engine, a.prompts, Path(a.out))
+    return 0 if rep["ok"] else 1
 
 
 def _compare(a: argparse.Namespace) -> int:
@@ -181,6 +190,14 @@ def add_bench_parsers(sub) -> None:
     bm.add_argument("--moe-intermediate-size", type=int, default=None, help="default 256")
     bm.add_argument("--out", default="bench/ep_memory.json")
     bm.set_defaults(func=_ep_memory)
+
+    bt = bsub.add_parser("tasks", help="verifier / environment calls in-process vs the sandboxed pool vs Valkey, "
+                                       "and the environments' share of a multi-turn rollout")
+    bt.add_argument("--calls", type=int, default=300, help="calls per latency row")
+    bt.add_argument("--engine", action="store_true", help="also the calculator task's episodes on the tiny engine")
+    bt.add_argument("--prompts", type=int, default=64, help="prompts of the multi-turn rollout (x G episodes)")
+    bt.add_argument("--out", default="bench/tasks.json")
+    bt.set_defaults(func=_tasks)
 
     co = sub.add_parser("compare", help="MLflow runs side by side: differing params, metric deltas vs noise, plots")
     co.add_argument("run_ids", nargs="+", metavar="RUN_ID")
