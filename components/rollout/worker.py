@@ -38,6 +38,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
@@ -195,7 +196,8 @@ class RolloutWorker:
         turn its own seeded request, submitted the moment the episode's previous turn and
         environment step end; a group is published when its G episodes have ended, so a long
         episode holds back only its own group. Environment calls run in the worker's sandboxed
-        pool, between engine steps (the engine waits for them: `env/*` in the stats)."""
+        pool from a thread beside the engine loop, so the engine generates other episodes while
+        they run (`env_*` counters)."""
         from moerl.components.rollout.episodes import EpisodeDriver, env_pool
 
         unit_id = lease.unit["unit_id"]
@@ -227,29 +229,45 @@ class RolloutWorker:
             self.engine.submit(rid, ep.context, 1, seed=seed, max_tokens=driver.budget(ep))
             rids[rid] = ep
 
+        in_env: set[str] = set()  # episodes whose environment step runs now (off the engine loop)
+        envs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerl-env")
+
         def publish_done(ks) -> None:
             for k in ks:
-                if k not in finished and all(ep.done for ep in groups[k]):
-                    driver.finish(groups[k])
+                if k not in finished and all(ep.done and ep.key not in in_env for ep in groups[k]):
+                    envs.submit(driver.finish, list(groups[k]))  # close their environments, off the loop
                     self._publish_samples(unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]])
                     finished.add(k)
 
+        # Environment steps run on one thread beside the engine loop, so the engine keeps
+        # generating the unit's other episodes while an environment works (a slow tool holds back
+        # its own episode, not the engine); the pool is thread-safe, the driver only touched there.
+        pending: list[tuple[Future, list]] = []
         try:
             driver.begin(eps)
             for ep in eps:
                 if not ep.done:
                     submit(ep)
             publish_done(list(groups))
-            while self.engine.unfinished():
+            while self.engine.unfinished() or pending:
                 if self.drain.expired() or not self._still_held(lease):
                     break
-                turns = [(rids.pop(rid), comps[0]) for rid, comps in self.engine.step()]
-                if not turns:
-                    continue
-                for ep in driver.advance(turns):
-                    submit(ep)
-                publish_done({where[ep.key] for ep, _ in turns})
+                if self.engine.unfinished():
+                    turns = [(rids.pop(rid), comps[0]) for rid, comps in self.engine.step()]
+                    if turns:
+                        in_env.update(ep.key for ep, _ in turns)
+                        pending.append((envs.submit(driver.advance, turns), turns))
+                else:  # nothing to generate: wait for an environment
+                    wait([f for f, _ in pending], return_when=FIRST_COMPLETED)
+                for item in [x for x in pending if x[0].done()]:
+                    pending.remove(item)
+                    f, turns = item
+                    in_env.difference_update(ep.key for ep, _ in turns)
+                    for ep in f.result():
+                        submit(ep)
+                    publish_done({where[ep.key] for ep, _ in turns})
         finally:
+            envs.shutdown(wait=True)  # each call is bounded by task.sandbox.sample_timeout_s
             self.busy_s += time.perf_counter() - t0
             driver.finish(eps)  # what a drain or a lost lease left open
             self.bus.incr(env_calls=driver.calls, env_timeouts=driver.timeouts, env_errors=driver.errors,
