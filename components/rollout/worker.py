@@ -146,11 +146,7 @@ class RolloutWorker:
         a drain cut it short (its rest requeued)."""
         if self.multi_turn:
             return self._run_episodes(lease)
-        unit_id = lease.unit["unit_id"]
-        entries = lease.unit["prompts"]
-        gids = {e["k"]: group_id(unit_id, e["k"], e["prompt"]["id"]) for e in entries}
-        done_already = self.bus.published(list(gids.values()))
-        todo = {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
+        unit_id, todo = self._todo(lease)
         G = self.cfg.rollout.samples_per_prompt
         ids: dict[str, list[int]] = {}
         for k, e in todo.items():
@@ -171,6 +167,14 @@ class RolloutWorker:
         finally:
             self.busy_s += time.perf_counter() - t0
         return self._end_unit(lease, [k for k in todo if k not in finished])
+
+    def _todo(self, lease: Lease) -> tuple[str, dict[int, dict]]:
+        """The unit's id and its entries by k, less the groups another attempt already published."""
+        unit_id = lease.unit["unit_id"]
+        entries = lease.unit["prompts"]
+        gids = {e["k"]: group_id(unit_id, e["k"], e["prompt"]["id"]) for e in entries}
+        done_already = self.bus.published(list(gids.values()))
+        return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
     def _end_unit(self, lease: Lease, remaining: list[int]) -> bool:
         """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
@@ -200,11 +204,7 @@ class RolloutWorker:
         they run (`env_*` counters)."""
         from moerl.components.rollout.episodes import EpisodeDriver, env_pool
 
-        unit_id = lease.unit["unit_id"]
-        entries = lease.unit["prompts"]
-        gids = {e["k"]: group_id(unit_id, e["k"], e["prompt"]["id"]) for e in entries}
-        done_already = self.bus.published(list(gids.values()))
-        todo = {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
+        unit_id, todo = self._todo(lease)
         G = self.cfg.rollout.samples_per_prompt
         if self._env_pool is None:
             self._env_pool = env_pool(self.cfg)

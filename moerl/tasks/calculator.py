@@ -50,7 +50,7 @@ class Calculator:
         return None, 0.5 * positional(text, self.answer), True  # the answer
 
 
-def generate(n: int, seed: int, digits: tuple[int, int] = (2, 2)) -> list[Prompt]:
+def generate(n: int, seed: int, digits: tuple[int, int] = (1, 1)) -> list[Prompt]:
     """`n` calc rows, operands of `digits` (min, max) digits, deterministic in `seed`."""
     rng = random.Random(seed)
     rows = []
