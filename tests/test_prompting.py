@@ -72,3 +72,33 @@ def test_chat_rows_for_a_tokenizer_without_a_template_are_refused_before_any_wor
     cfg = load_config("configs/tiny-moe-grpo.yaml", [f"checkpoint.uri={tmp_path / 'ck'}", f"task.dataset={data}"])
     with pytest.raises(ConfigError, match="dataset rows give chat messages, but the policy's tokenizer has no chat"):
         preflight(cfg)
+
+
+def test_a_chat_episode_appends_exactly_what_the_template_renders_for_the_whole_conversation():
+    """Token in, token out with a chat template: the prompt, the model's turn and the
+    environment's observation (a `tool` message and the next assistant prompt) are the tokens
+    the template gives the whole conversation, whether the model closed its turn (end-of-turn
+    token) or ran out of tokens (the driver closes it, masked 0)."""
+    from moerl.components.rollout.engine import Completion
+    from moerl.components.rollout.episodes import EpisodeDriver
+
+    tok = build_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ {'user': 'p', 'assistant': 'a', 'tool': 'r', 'system': 'y'}"
+                         "[m['role']] }} {{ m['content'] }}<eos>{% endfor %}{% if add_generation_prompt %}a {% endif %}")
+    cfg = parse_config({"task": {"environment": "tests.hostile_environments:Counter"}})
+    row = Prompt.model_validate({"id": "c", "task": "copy", "answer": "12",
+                                 "messages": [{"role": "user", "content": "copy 12"}]})
+    ids = encode_prompt(tok, cfg.rollout, row)
+    assert ids == tok.encode("p copy 12<eos>a ", add_special_tokens=False)
+    d = EpisodeDriver(cfg, tok, pool=None)
+    for closed in (True, False):
+        ep = d.episode("k", row.model_dump(), ids, 0, templated=True)
+        model = tok.encode("12", add_special_tokens=False) + ([tok.eos_token_id] if closed else [])
+        ep.tokens += model
+        ep.mask += [1] * len(model)
+        obs_ids, _ = d.observation(ep, "3")
+        whole = tok.apply_chat_template([{"role": "user", "content": "copy 12"}, {"role": "assistant", "content": "12"},
+                                         {"role": "tool", "content": "3"}], add_generation_prompt=True, tokenize=True)
+        whole = list(whole["input_ids"] if hasattr(whole, "keys") else whole)
+        assert ids + model + obs_ids == whole, closed
+        assert obs_ids[0] == (tok.encode("r", add_special_tokens=False)[0] if closed else tok.eos_token_id)
