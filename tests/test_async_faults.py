@@ -249,6 +249,9 @@ def test_a_users_environment_and_verifier_by_import_path_run_multi_turn_in_async
     guess_episodes = c["generated"] // 2  # half the rows are guess rows: one episode per sample
     assert c["env_calls"] >= 3 * guess_episodes * 0.5 and c["env_timeouts"] == 0 and c["env_errors"] == 0, c
     assert c["score_failed"] == 0 and c["env_ms"] > 0
+    # the tail: each unit's last episode against its median one (GuessNumber runs 1-3 turns)
+    tail = [v for _, v in tracking.metric_history(h.uri, h.run_id, "async/unit_tail_ratio/rollout-0")]
+    assert tail and all(v >= 1.0 for v in tail), tail
 
 
 def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_trained_twice(tmp_path):

@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -97,6 +98,7 @@ class RolloutWorker:
 
         self.multi_turn = uses_environments(cfg)
         self._env_pool = None  # the sandboxed pool environments run in (multi-turn tasks)
+        self._tail = [0, 0.0, 0.0]  # multi-turn units; sums of their last and median episode ends (s)
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self) -> None:
@@ -265,6 +267,9 @@ class RolloutWorker:
                     in_env.difference_update(ep.key for ep, _ in turns)
                     for ep in f.result():
                         submit(ep)
+                    for ep, _ in turns:
+                        if ep.done and ep.ended_s is None:
+                            ep.ended_s = time.perf_counter() - t0
                     publish_done({where[ep.key] for ep, _ in turns})
         finally:
             envs.shutdown(wait=True)  # each call is bounded by task.sandbox.sample_timeout_s
@@ -272,6 +277,11 @@ class RolloutWorker:
             driver.finish(eps)  # what a drain or a lost lease left open
             self.bus.incr(env_calls=driver.calls, env_timeouts=driver.timeouts, env_errors=driver.errors,
                           env_ms=int(driver.env_s * 1000))
+        ends = sorted(ep.ended_s if ep.ended_s is not None else 0.0 for ep in eps)
+        if ends and len(finished) == len(todo):  # the tail: the unit's last episode against its median one
+            self._tail = [self._tail[0] + 1, self._tail[1] + ends[-1], self._tail[2] + statistics.median(ends)]
+            self.bus.heartbeat(self.name, ttl_s=10.0, unit_tail_last_s=self._tail[1] / self._tail[0],
+                               unit_tail_median_s=self._tail[2] / self._tail[0])
         return self._end_unit(lease, [k for k in todo if k not in finished])
 
     def _publish(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> None:
