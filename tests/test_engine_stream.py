@@ -180,7 +180,7 @@ def test_stop_strings_and_the_total_token_cap_bound_each_response(engine):
 
 @pytest.mark.slow
 def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
-    """The shipped calculator task on the real engine: every turn continues exactly the
+    """The shipped lookup task on the real engine: every turn continues exactly the
     episode's token ids so far (token in, token out: the trained ids are the generated ones,
     never a re-tokenized transcript); observations carry mask 0; and the trainer's logprobs of
     the model's tokens match the engine's as closely as in a single turn."""
@@ -192,10 +192,10 @@ def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
     from moerl.components.rollout.episodes import EpisodeDriver, env_pool, run_episodes
     from moerl.config import load_config
     from moerl.records import TrainSample
-    from moerl.tasks.calculator import Calculator, generate
+    from moerl.tasks.tools import Lookup, generate
     from moerl.tasks.prompting import encode_prompt
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-moe-calc.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-moe-lookup.yaml")
     tok = AutoTokenizer.from_pretrained(engine.model_dir)
     rows = generate(6, seed=11)
     seen: list[list[int]] = []  # what the engine was asked to continue, turn by turn
@@ -221,8 +221,8 @@ def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
     for s in samples:
         full = s.prompt_token_ids + s.response_token_ids
         assert [c for c in seen if full[:len(c)] == c], "a turn continued something else than the episode's ids"
-        # the observation is the calculator's reply to the model's own call, in its own tokens
-        env = Calculator()
+        # the observation is the store's reply to the model's own query, in its own tokens
+        env = Lookup()
         env.reset(next(r for r in rows if r.id == s.prompt_id).model_dump())
         call_len = s.response_mask.index(0)
         obs = env.step(tok.decode(s.response_token_ids[:call_len], skip_special_tokens=True))[0]

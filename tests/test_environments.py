@@ -2,7 +2,7 @@
 one child and routes its calls there; a hung step is cut off and loses only its episode;
 preflight makes and steps each environment on one row, so a bad import path, a factory that
 fails, a missing method or a wrong return stops the run before any work, naming the key; the
-shipped calculator's rewards; the mask that keeps environment tokens out of the loss."""
+shipped tool environments (lookup, calculator); the mask that keeps environment tokens out of the loss."""
 
 from __future__ import annotations
 
@@ -70,24 +70,41 @@ def test_an_environment_sees_no_credentials(monkeypatch):
     assert got[1].value[0] == "none", got
 
 
-def test_the_calculator_replies_with_what_the_call_computes_and_rewards_both_halves():
-    from moerl.tasks.calculator import Calculator, generate
+def test_the_lookup_store_answers_the_models_query_and_rewards_both_halves():
+    from moerl.tasks.tools import Lookup, generate
 
     row = generate(1, seed=5)[0].model_dump()
-    a, b = row["meta"]["a"], row["meta"]["b"]
+    key, value = row["meta"]["key"], row["meta"]["value"]
+    env = Lookup()
+    assert env.reset(row) is None and row["prompt"] == f"do {key}=" and row["answer"] == value
+    assert env.step(key) == (f" {value}=", 0.5, False)
+    assert env.step(value) == (None, 0.5, True)
+    env.reset(row)
+    wrong = key[:-1] + str((int(key[-1]) + 1) % 10)
+    obs, r1, _ = env.step(wrong)  # an unknown key: no value to copy, the answer cannot be right
+    assert obs == " err=" and r1 == 0.5 * 2 / 3
+    assert env.step("err")[1] < 0.5
+    with pytest.raises(ValueError, match="a lookup row's meta holds the strings key and value"):
+        Lookup().reset({"id": "x", "meta": {"key": 1}})
+
+
+@pytest.mark.parametrize("text, reply, reward", [
+    ("Each box holds <calc>12*(3+4)</calc> apples", "<result>84</result>", None),
+    ("<calc>7/2</calc>", "<result>3.5</result>", None),
+    ("<calc>2**999</calc>", "<result>error: ValueError</result>", None),
+    ("<calc>__import__('os').system('id')</calc>", "<result>error: ValueError</result>", None),
+    ("<calc>1/0</calc>", "<result>error: ZeroDivisionError</result>", None),
+    ("So they ate 1,234 in all.", None, 1.0),
+    ("The answer is 1233.", None, 0.0),
+    ("no idea", None, 0.0),
+])
+def test_the_calculator_runs_calls_without_eval_and_scores_the_final_answer(text, reply, reward):
+    from moerl.tasks.tools import Calculator
+
     env = Calculator()
-    assert env.reset(row) is None
-    obs, r1, done = env.step(f"{a}+{b}")
-    assert obs == f" {a + b}=" and r1 == 0.5 and not done
-    _, r2, done = env.step(str(a + b))
-    assert r2 == 0.5 and done and str(a + b) == row["answer"]
-    env.reset(row)
-    obs, r1, _ = env.step(f"{a}+{b + 1}")  # a wrong call gets the wrong sum: the answer depends on the reply
-    assert obs == f" {a + b + 1}=" and 0 < r1 < 0.5
-    assert env.step("12x")[0] is None and Calculator().reset(row) is None
-    assert Calculator().step.__self__ is not None
-    env.reset(row)
-    assert env.step("call it")[0] == " err="
+    env.reset({"id": "g", "answer": "1234"})
+    obs, got, done = env.step(text)
+    assert (obs, got, done) == (reply, reward, reply is None)
 
 
 def _dataset(tmp_path, rows) -> Path:

@@ -194,7 +194,7 @@ def add_bench_parsers(sub) -> None:
     bt = bsub.add_parser("tasks", help="verifier / environment calls in-process vs the sandboxed pool vs Valkey, "
                                        "and the environments' share of a multi-turn rollout")
     bt.add_argument("--calls", type=int, default=300, help="calls per latency row")
-    bt.add_argument("--engine", action="store_true", help="also the calculator task's episodes on the tiny engine")
+    bt.add_argument("--engine", action="store_true", help="also the lookup task's episodes on the tiny engine")
     bt.add_argument("--prompts", type=int, default=64, help="prompts of the multi-turn rollout (x G episodes)")
     bt.add_argument("--out", default="bench/tasks.json")
     bt.set_defaults(func=_tasks)

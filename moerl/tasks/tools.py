@@ -1,0 +1,141 @@
+"""The shipped tool environments (`task.environment`, docs/tasks.md).
+
+`Calculator`: arithmetic for word problems. Each model message is either a tool call, a
+`<calc>EXPRESSION</calc>` anywhere in it, which the environment evaluates (numbers, + - * /,
+parentheses, ** with a small exponent; never `eval`) and answers with
+`<result>VALUE</result>` as the next observation; or, with no call, the final answer, scored 1
+if it holds the row's answer as its last number (numeric equality), else 0, which ends the
+episode. For GSM8K-style rows: `moerl tasks make reasoning-gym --names gsm_symbolic`, with
+`task.environment: moerl.tasks.tools:Calculator`.
+
+`Lookup`: the shipped multi-turn task the tiny model learns (`configs/tiny-moe-lookup.yaml`,
+`builtin:digits-lookup`). A key-value store the model must query:
+
+    prompt       "do 482="        the key (row meta: {"key": "482", "value": "9350"})
+    turn 1       "482"            the model queries the store with the key
+    observation  " 9350="         the environment replies with the key's value (" err=" if unknown)
+    turn 2       "9350"           the model answers with the value; the episode ends
+
+The value is drawn at random per row and appears nowhere but in the environment's reply, so
+the right answer depends on what the environment replied. The reward is two halves with
+positional partial credit (as the digit verifiers give): the query against the key, the answer
+against the value; an untrained policy scores about 0.05, one that queries and copies the reply
+scores 1. Why not the calculator for the tiny model: measured, its constant characters (the
+`+` of every call, the leading 1 of two-digit sums) give partial credit to constant outputs, and
+the tiny policy collapsed onto `X++` / `11` at reward 0.4 (docs/tasks.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+
+from moerl.records import Prompt
+from moerl.tasks.verifiers import positional
+
+# ---------------------------------------------------------------------------- the calculator
+
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+MAX_EXPRESSION = 200  # characters
+MAX_EXPONENT = 64
+
+
+def evaluate(expression: str) -> float:
+    """An arithmetic expression's value; ValueError for anything else."""
+    if len(expression) > MAX_EXPRESSION:
+        raise ValueError(f"expression over {MAX_EXPRESSION} characters")
+    tree = ast.parse(expression.replace("^", "**"), mode="eval")
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+                raise ValueError(f"exponent over {MAX_EXPONENT}")
+            return _OPS[type(node.op)](left, right)
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:80]}")
+
+    return ev(tree)
+
+
+def _show(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        if "/" in text:
+            a, b = text.split("/")
+            return float(a) / float(b)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+class Calculator:
+    """A calculator tool for arithmetic word problems (see the module docstring)."""
+
+    def reset(self, row: dict) -> None:
+        self.answer = _as_number(str(row.get("answer", "")).replace(",", "").strip())
+        if self.answer is None:
+            raise ValueError(f"row {row.get('id')!r}: the calculator task needs a numeric answer, got "
+                             f"{row.get('answer')!r}")
+        return None
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        call = _CALL.search(text)
+        if call is not None:
+            try:
+                return f"<result>{_show(evaluate(call.group(1)))}</result>", None, False
+            except (ValueError, SyntaxError, ZeroDivisionError, OverflowError, TypeError) as err:
+                return f"<result>error: {type(err).__name__}</result>", None, False
+        numbers = _NUMBER.findall(text.replace(",", ""))
+        got = _as_number(numbers[-1]) if numbers else None
+        return None, float(got is not None and abs(got - self.answer) <= 1e-6 * max(1.0, abs(self.answer))), True
+
+
+# ---------------------------------------------------------------------------- the lookup task
+
+TASK = "lookup"
+
+
+class Lookup:
+    """A key-value store the model queries, then answers from (see the module docstring)."""
+
+    def reset(self, row: dict) -> None:
+        meta = row.get("meta") or {}
+        key, value = meta.get("key"), meta.get("value")
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ValueError(f"row {row.get('id')!r}: a lookup row's meta holds the strings key and value, got {meta!r}")
+        self.key, self.value = key, value
+        self.turn = 0
+        return None  # the prompt says it all
+
+    def step(self, text: str) -> tuple[str | None, float | None, bool]:
+        self.turn += 1
+        if self.turn == 1:  # the query
+            reply = self.value if text.strip() == self.key else "err"
+            return f" {reply}=", 0.5 * positional(text, self.key), False
+        return None, 0.5 * positional(text, self.value), True  # the answer
+
+
+def generate(n: int, seed: int, key_digits: int = 3, value_digits: int = 3) -> list[Prompt]:
+    """`n` lookup rows with random keys and values, deterministic in `seed`."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        key = "".join(rng.choice("0123456789") for _ in range(key_digits))
+        value = "".join(rng.choice("0123456789") for _ in range(value_digits))
+        rows.append(Prompt(id=f"{TASK}-{seed}-{i:06d}", task=TASK, prompt=f"do {key}=", answer=value,
+                           meta={"key": key, "value": value}))
+    return rows
