@@ -8,11 +8,19 @@
 - `verifiers`: rule verifiers (positional, exact), each task's default, the verifier a row's
   task gets (`reward.verifiers`, `reward.verifier`), and `call_verifier`, which runs one in the
   sandbox with `(response, answer, meta)` or `(response, answer)`, plain or async.
-- `sandbox`: the sandboxed execution pool every verifier call runs in (child processes with no
-  credentials, a time and a memory limit per call).
+- `environments`: the multi-turn interface (`reset(row)`, `step(text)`, by import path in
+  `task.environment(s)`) and the functions the pool runs for it; the episode loop that drives
+  the engine is `moerl/components/rollout/episodes.py`.
+- `sandbox`: the sandboxed execution pool every verifier and environment call runs in (child
+  processes with no credentials, a time and a memory limit per call; keyed calls keep an
+  episode in one child).
+- `tools`: the shipped tool environments: `Calculator` (word problems) and `Lookup` (the
+  multi-turn task the tiny model learns, `builtin:digits-lookup`).
+- `offline`: real tasks with no download (the `moerl[tasks]` extra): reasoning-gym datasets
+  (`moerl tasks make`) and the `reasoning_gym` and `math` (math-verify) verifiers.
 - `preferences`: preference pairs for reward-model training, and the shipped set.
-- `data/`: the shipped files (`builtin:digits-copy`, `builtin:digits-mix`, `builtin:prefs-digits`).
+- `data/`: the shipped files (`builtin:digits-copy`, `builtin:digits-mix`,
+  `builtin:digits-lookup`, `builtin:prefs-digits`).
 
-A user's tasks and environments (plug-ins beyond a verifier function) go here too; the
-shipped verifiers are called through the same pool a user's are.
+How to bring a task: docs/tasks.md.
 """

@@ -12,8 +12,8 @@ With the template, the generation prompt is added (the assistant turn the model 
 `max_new_tokens_for` caps a sample's response so that prompt + response stays within
 `rollout.max_total_tokens` (when set).
 
-Limitations: one turn: the model's reply ends the episode (multi-turn environments are not
-built yet).
+Multi-turn episodes append their environments' observations as tokens after these ids
+(`moerl/components/rollout/episodes.py`), never re-encoding the conversation.
 """
 
 from __future__ import annotations
