@@ -219,3 +219,27 @@ def test_episodes_that_lose_their_process_to_a_hung_neighbour_are_replayed_if_de
             assert s.response_logprobs == [-1.0 if m else 0.0 for m in s.response_mask]
             assert s.final_response == "2" and s.response_text == f"<r{e.key[1:]}>01:012:12"
     assert d.replays == (len(neighbours) if neighbours else 0)
+
+
+def test_the_reward_stage_uses_the_environments_reward_fails_a_failed_episode_and_scores_the_last_message():
+    from moerl.components.reward.stage import reward_metrics, score
+    from moerl.config import RewardConfig
+    from moerl.records import Sample
+
+    def ep(i, **kw):
+        return Sample(prompt_id="p", task="copy", prompt="copy 12=", answer="12", sample_index=i,
+                      prompt_token_ids=[1], response_token_ids=[2, 3, 4], response_logprobs=[-1.0, 0.0, -1.0],
+                      response_text="x 9=12", finish_reason="stop", policy_version=0, response_mask=[1, 0, 1],
+                      turns=2, **kw)
+
+    out = score([ep(0, env_reward=0.25, final_response="12"),  # the environment's reward wins
+                 ep(1, final_response="12"),  # no reward from it: the verifier scores the last message
+                 ep(2, final_response="13"),
+                 ep(3, env_error="tests.hostile_environments:HangsOnSlow.step: timeout: killed", final_response="12")],
+                RewardConfig())
+    assert [s.reward for s in out[:3]] == [0.25, 1.0, 0.5] and not any(s.reward_failed for s in out[:3])
+    assert out[3].reward_failed and out[3].reward_error.startswith("environment: ")
+    m = reward_metrics(out)
+    assert (m["reward/failed_samples"], m["reward/env_failed_samples"], m["reward/error_samples"]) == (1, 1, 0)
+    with pytest.raises(ValueError, match="response_mask must hold one 0 or 1 per response token"):
+        Sample.model_validate(ep(4).model_dump() | {"response_mask": [1, 0]})

@@ -110,6 +110,7 @@ def test_the_reward_stage_fails_and_counts_cut_off_samples_and_scores_the_rest(t
     assert out[0].reward_error.startswith("timeout:") and out[2].reward_error.startswith("memory:")
     assert [s.reward for s in out[3:]] == [1.0, pytest.approx(2 / 3)]
     assert (m["reward/timeout_samples"], m["reward/memory_samples"], m["reward/failed_samples"]) == (2, 1, 3)
+    assert m["reward/error_samples"] == 0 and m["reward/env_failed_samples"] == 0
 
 
 def test_a_verifier_that_returns_no_number_or_raises_fails_its_sample():

@@ -161,9 +161,14 @@ def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
         # verifiers cut off by the sandbox: past sandbox.sample_timeout_s, past sandbox.memory_mb
         "reward/timeout_samples": float(sum((s.reward_error or "").startswith("timeout:") for s in scored)),
         "reward/memory_samples": float(sum((s.reward_error or "").startswith("memory:") for s in scored)),
+        # an environment that failed its episode (env/* in the rollout's metrics says how)
+        "reward/env_failed_samples": float(sum((s.reward_error or "").startswith("environment:") for s in scored)),
     }
     model = [s.model_score for s in scored if s.model_score is not None]
     model_failed = sum((s.reward_error or "").startswith("reward model:") for s in scored)
+    # the rest of the failures: a verifier that raised, returned no number, or crashed
+    metrics["reward/error_samples"] = metrics["reward/failed_samples"] - metrics["reward/timeout_samples"] - \
+        metrics["reward/memory_samples"] - metrics["reward/env_failed_samples"] - model_failed
     if model or model_failed:
         metrics["reward/model_failed_samples"] = float(model_failed)
     if model:
