@@ -103,8 +103,9 @@ def _versions(h: Harness) -> list[int]:
 
 
 def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_path, s3_server):
-    # slow units (2 sequences at a time, long responses) so the signal lands mid-generation;
-    # a grace far shorter than a unit, so part of it must be requeued. Cluster-shaped: S3, an
+    # slow units (2 sequences at a time, long responses, 8 groups) so the signal lands
+    # mid-generation; a grace far shorter than a group, so part of the unit must be requeued (with
+    # 4 groups and 0.3 s, a loaded machine twice saw the unit finish inside the grace). Cluster-shaped: S3, an
     # MLflow server, a Valkey server, every process sandboxed (see the module docstring).
     import boto3
 
@@ -113,7 +114,7 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_p
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket="moerl-async")
     with mlflow_server(tmp_path) as url:
         h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
-                    "units.max_prompts=4", "rollout.grace_seconds=0.3", "checkpoint.uri=s3://moerl-async/runs",
+                    "units.max_prompts=8", "rollout.grace_seconds=0.05", "checkpoint.uri=s3://moerl-async/runs",
                     f"checkpoint.endpoint_url={s3_server.endpoint_url}", "checkpoint.region=us-east-1",
                     "checkpoint.cache_dir=.moerl/cache", f"tracking.uri={url}", sandboxes=tmp_path / "sandboxes")
         _sigterm_drain(h)
