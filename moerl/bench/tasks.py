@@ -197,7 +197,7 @@ def bench_rollout(prompts: int, work: Path) -> dict[str, Any]:
     ends = sorted(e.ended_s for e in eps if e.ended_s is not None)
     return {"episodes": len(eps), "turns_mean": sum(e.turns for e in eps) / len(eps), "rollout_s": total,
             "generate_s": gen_s, "env_s": d.env_s, "env_share": d.env_s / total,
-            "engine_idle_waiting_on_env_s": d.env_s, "env_calls": d.calls,
+            "env_calls": d.calls,
             "single_turn_generate_s": single_s,
             "tail_last_episode_s": ends[-1], "tail_median_episode_s": statistics.median(ends),
             "tail_last_vs_median": ends[-1] / statistics.median(ends)}
