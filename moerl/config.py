@@ -470,6 +470,48 @@ class TrainerConfig(_Section):
         return self
 
 
+class CacheTierConfig(_Section):
+    """The checkpoint cache tier: an S3 endpoint on the memory-optimized (`buffer`) nodes that
+    makes a version servable before the durable store has it (docs/weights.md).
+
+    `uri` unset: no cache tier, versions go straight to `checkpoint.uri`. `endpoint_url:
+    embedded`: a local run (`moerl run`) starts its own server (`weed mini` on 127.0.0.1) for the
+    run and stops it after. Credentials: `<credentials_env>_ACCESS_KEY_ID` and
+    `<credentials_env>_SECRET_ACCESS_KEY` from the environment (on EKS from the Secret
+    `moerl-ckpt-cache`); when unset, the standard AWS chain."""
+
+    uri: str | None = None
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+    # Versions the cache tier keeps (plus `latest`); older ones are read from S3.
+    keep_last: int = Field(2, ge=1)
+    credentials_env: str = Field("MOERL_CACHE_TIER", pattern=r"^[A-Z][A-Z0-9_]*$")
+    # S3 attempts before the reader falls back to the durable store: the cache tier is a
+    # shortcut, so a dead one must cost seconds, not minutes.
+    max_attempts: int = Field(2, ge=1, le=10)
+
+    @field_validator("uri")
+    @classmethod
+    def _s3_only(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("s3://") or len(v.rstrip("/")) <= len("s3://")):
+            raise ValueError(f"must be s3://bucket/prefix on the cache server, got {v!r}")
+        return v
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        if v and v != "embedded" and "@" in v.split("://", 1)[-1].split("/", 1)[0]:
+            raise ValueError("must not embed credentials; set them in the environment (credentials_env)")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_endpoint(self) -> "CacheTierConfig":
+        if self.uri is not None and not self.endpoint_url:
+            raise ValueError("checkpoint.cache_tier.endpoint_url is required with a cache tier uri "
+                             "(the cache server's URL, or 'embedded' for a local run)")
+        return self
+
+
 class CheckpointConfig(_Section):
     """Where policy versions are published: a local folder or `s3://bucket/prefix`."""
 
@@ -491,6 +533,18 @@ class CheckpointConfig(_Section):
     keep_every: int = Field(0, ge=0)
     # Retries with exponential backoff for S3 calls before a clear CheckpointError.
     max_attempts: int = Field(5, ge=1, le=20)
+    # The cache tier in front of `uri` (none by default; docs/weights.md).
+    cache_tier: CacheTierConfig = CacheTierConfig()
+    # Async trainer: versions handed to the publisher and not yet durable. The trainer trains
+    # the next version meanwhile and waits (the stall, `weights/trainer_stall_s`) only when this
+    # many are in flight.
+    max_unpublished: int = Field(1, ge=1, le=8)
+    # Every file's sha256 per chunk of this many MiB goes into the manifest, so a copy can be
+    # assembled chunk by chunk from peers and each chunk checked (`checkpoint.fanout`).
+    chunk_mb: int = Field(64, ge=1, le=4096)
+    # Rollout engines of one run fetch a new version from each other (chunks of verified
+    # copies, coordinated through Valkey) before the cache tier and S3. Async mode only.
+    fanout: bool = False
 
     @field_validator("uri")
     @classmethod

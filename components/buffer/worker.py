@@ -58,7 +58,9 @@ def classify(group_id: str, samples: list[ScoredSample], version: int, max_stale
              seen: set[str]) -> Disposition:
     if group_id in seen:
         return "duplicate"
-    if any(version - s.policy_version > max_staleness for s in samples):
+    # a sample from above the trainer's version came from a version that was lost (servable,
+    # then gone with both copies before it was durable; see policy_update/worker.py)
+    if any(version - s.policy_version > max_staleness or s.policy_version > version for s in samples):
         return "stale"
     if any(s.reward_failed for s in samples):
         return "failed"

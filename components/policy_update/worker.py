@@ -17,15 +17,27 @@ sync trainer: PPO-clip against the trainer's own start-of-version logprobs, with
 importance weight against the engine's behaviour logprobs correcting for the versions the
 samples lag behind (decoupled PPO, see loss.py); (5) save and publish v+1 through the
 checkpoint store, claimed create-only (the manifest records the groups, the dataset cursor and
-the unit sequence); (6) in one script, refused if this trainer's epoch is no longer current: the
-groups consumed, their entries acknowledged, the counters moved, the registry at v+1, then
-wait until Valkey has it on disk; (7) log the version's metrics to MLflow under the sync mode's
-names, at step v. After `pipeline.versions` versions it sets `done`, lets the run's keys expire
-(`valkey.finished_ttl_s`), and every stage drains and exits.
+the unit sequence) and trains v+2 at once: publication runs on the publisher's thread
+(`components/publish_checkpoint/publisher.py`), first to the cache tier, where the version
+becomes servable (the bus's servable pointer, which the rollout engines follow), then to the
+durable store; the trainer waits only when `checkpoint.max_unpublished` versions are still not
+durable (`weights/trainer_stall_s`); (6) once v+1 is durable, in one script, refused if this
+trainer's epoch is no longer current: the groups consumed, their entries acknowledged, the
+counters moved, the registry at v+1, then wait until Valkey has it on disk; (7) log the
+version's metrics to MLflow under the sync mode's names, at step v (its publication's metrics
+when it is durable, at the same step). After `pipeline.versions` versions it waits for the last
+publication, sets `done`, lets the run's keys expire (`valkey.finished_ttl_s`), and every stage
+drains and exits.
 
-Limitations: publication is synchronous (fine for small models; a large model should
-publish from a thread while the next batch trains). With expert parallelism the trainer state
-goes through files and `run_policy_update` each version, reloading the model.
+A restarted trainer repairs both tiers first (`Tiers.recover`: a version servable but not
+durable is promoted) and points the servable pointer at its durable `latest` under its own
+epoch, so engines that served a version lost with both copies move back to it.
+
+Limitations: with expert parallelism the trainer state goes through files and
+`run_policy_update` each version, reloading the model. Samples generated from a lost version
+(servable, then lost with both copies before it was durable) carry its number; the trainer
+drops them while its own version is below that number, but not once it has published that
+number again (their behaviour logprobs still correct them, as for any stale sample).
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from moerl.errors import CheckpointError, ConfigError, DataError, MoerlError
 from moerl.launch.podenv import enter_pod
 from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.store.runs import run_store, version_uri
+from moerl.store.tiers import run_tiers
 from moerl.tasks.dataset import load_dataset
 
 log = logging.getLogger(__name__)
@@ -168,8 +181,9 @@ def _alive(bus: RunBus, issuer: "Issuer", epoch: int) -> None:
 
 
 def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
-            issuer: "Issuer") -> tuple[Batch, dict[str, float]]:
-    """Block until B fresh groups are in; settle the rest as they come."""
+            issuer: "Issuer", held: frozenset[str] = frozenset()) -> tuple[Batch, dict[str, float]]:
+    """Block until B fresh groups are in; settle the rest as they come. `held`: groups of
+    versions still being published (trained, not yet committed as consumed)."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
     batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
     t0 = time.perf_counter()
@@ -184,7 +198,7 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
         for eid, g in got:
             gid = g["group_id"]
             samples = g["samples"]
-            d = classify(gid, samples, version, k, consumed | set(batch.group_ids))
+            d = classify(gid, samples, version, k, consumed | held | set(batch.group_ids))
             n = len(samples)
             if d == "duplicate":
                 bus.settle(epoch, [eid], [], duplicates=n)
@@ -236,7 +250,8 @@ def _train(cfg: RunConfig, model, opt, counters, samples, version: int, state_di
 
 def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     from moerl.components.policy_update.trainer import _load_state
-    from moerl.components.publish_checkpoint.stage import prepare_resume, run_publish
+    from moerl.components.publish_checkpoint.publisher import Job, Publisher
+    from moerl.components.publish_checkpoint.stage import prepare_resume
 
     from moerl.provenance import stage_start
 
@@ -250,13 +265,15 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
                         "new pipeline run")
     # the run's one trainer from here on: any older trainer still running is fenced off
     epoch = bus.claim_trainer(f"{socket.gethostname()}/{os.getpid()}")
-    store = run_store(cfg.checkpoint, run_id)
-    latest = store.recover()
+    tiers = run_tiers(cfg.checkpoint, run_id)
+    latest = tiers.recover()  # a version servable but not durable is promoted, the cache tier rebuilt
     if latest is None:
         raise CheckpointError(f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "
                               "init_policy publishes version 0 first")
     durable = _check_durable(bus, cfg, run_id)
     _reconcile(bus, cfg, run_id, latest, epoch)
+    # engines serve what this trainer continues from (a lost servable version is rolled back)
+    bus.set_servable(epoch, latest, version_uri(tiers.durable, latest), tiers.durable.manifest(latest).sha256())
     uri = tracking.resolve_uri(cfg.tracking)
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
     state_dir = work / f"v{latest}"
@@ -265,6 +282,37 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     if not cfg.trainer.on_mesh:
         model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
+    pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)
+
+    def servable(p: PolicyVersion) -> None:
+        pbus.set_servable(epoch, p.version, p.uri, p.manifest_sha256)
+
+    def commit(job: Job) -> None:
+        ctx, p = job.context, job.policy
+        if not pbus.commit_version(epoch, job.version, p.uri, p.manifest_sha256, ctx["entries"], ctx["groups"],
+                                   **ctx["counts"]):
+            reg = pbus.registry()
+            raise CheckpointError(f"trainer: the commit of version {job.version} was refused: the registry "
+                                  f"already holds version {reg.version if reg else '?'}, so another trainer "
+                                  "committed it; stopping")
+        if durable:  # the commit survives a crash or failover of Valkey before anyone acts on it
+            local, reps = pbus.wait_durable(cfg.valkey.wait_aof_replicas, cfg.valkey.wait_aof_timeout_s)
+            if local < 1 or reps < cfg.valkey.wait_aof_replicas:
+                pbus.incr(commits_not_durable=1)
+                log.warning("the commit of version %d is not yet durable after %.0f s (fsynced locally: %d, "
+                            "replicas: %d of %d)", job.version, cfg.valkey.wait_aof_timeout_s, local, reps,
+                            cfg.valkey.wait_aof_replicas)
+
+    publisher = Publisher(cfg, run_id, on_servable=servable, on_durable=commit)
+
+    def published() -> None:
+        """Log each durable version's publication metrics at its iteration's step; drop its
+        folder unless it is the state the trainer continues from."""
+        for job in publisher.take_finished():
+            tracking.log_metrics(uri, run_id, job.version - 1, job.metrics)
+            if job.src != state_dir:
+                shutil.rmtree(job.src, ignore_errors=True)
+
     issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id), version_ref, epoch)
     issuer.start()
     t_start, busy = time.perf_counter(), 0.0
@@ -275,7 +323,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
         first = True
         for version in range(latest, cfg.pipeline.versions):
             t_v = time.perf_counter()
-            batch, metrics = _gather(bus, cfg, version, first, epoch, issuer)
+            held = frozenset(g for job in publisher.in_flight() for g in job.context["groups"])
+            batch, metrics = _gather(bus, cfg, version, first, epoch, issuer, held)
             first = False
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()
@@ -288,25 +337,14 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             meta = {"groups": json.dumps(batch.group_ids), "entries": json.dumps(batch.entry_ids),
                     "counts": json.dumps(counts), **{k: str(v) for k, v in bus.positions().items()}}
             bus.check_epoch(epoch)  # a superseded trainer must not publish (the store refuses a second v+1 too)
-            policy, pub = run_publish(cfg, run_id, out_dir, version + 1, meta=meta, exclusive=True)
-            if not bus.commit_version(epoch, version + 1, policy.uri, policy.manifest_sha256, batch.entry_ids,
-                                      batch.group_ids, **counts):
-                reg = bus.registry()
-                raise CheckpointError(f"trainer: the commit of version {version + 1} was refused: the registry "
-                                      f"already holds version {reg.version if reg else '?'}, so another trainer "
-                                      "committed it; stopping")
-            if durable:  # the commit survives a crash or failover of Valkey before anyone acts on it
-                local, reps = bus.wait_durable(cfg.valkey.wait_aof_replicas, cfg.valkey.wait_aof_timeout_s)
-                if local < 1 or reps < cfg.valkey.wait_aof_replicas:
-                    bus.incr(commits_not_durable=1)
-                    log.warning("the commit of version %d is not yet durable after %.0f s (fsynced locally: %d, "
-                                "replicas: %d of %d)", version + 1, cfg.valkey.wait_aof_timeout_s, local, reps,
-                                cfg.valkey.wait_aof_replicas)
+            # off the critical path: the publisher makes it servable, then durable, then commits
+            metrics["weights/trainer_stall_s"] = publisher.submit(
+                version + 1, out_dir, meta, context={"entries": batch.entry_ids, "groups": batch.group_ids,
+                                                     "counts": counts})
             version_ref[0] = version + 1
             busy += time.perf_counter() - t_busy
-            shutil.rmtree(state_dir, ignore_errors=True)
             state_dir = out_dir
-            metrics.update(pub)
+            published()
             metrics.update(batch_metrics(batch, version))
             metrics.update(_async_metrics(bus, t_start, busy))
             metrics["timing/iteration_s"] = time.perf_counter() - t_v
@@ -323,10 +361,14 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             tracking.log_metrics(uri, run_id, version, metrics)
             bus.heartbeat(CONSUMER, busy_s=busy, wall_s=time.perf_counter() - t_start, version=float(version + 1),
                           reward_mean=metrics["reward/mean"], loss=metrics.get("train/loss", 0.0))
+        publisher.drain()  # the last version durable and committed before the run is done
+        published()
+        policy = pbus.registry()
         bus.set_done()
         bus.expire_run(cfg.valkey.finished_ttl_s)  # bounded state: a shared Valkey forgets finished runs
-        return policy
+        return PolicyVersion(version=policy.version, uri=policy.uri, manifest_sha256=policy.manifest_sha256)
     finally:
+        publisher.close()
         issuer.stop_event.set()
         issuer.join(timeout=5)
         shutil.rmtree(work, ignore_errors=True)

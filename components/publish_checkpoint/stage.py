@@ -43,7 +43,9 @@ from moerl.models.policy import check_checkpoint
 from moerl.models.tiny import build_tiny_model
 from moerl.provenance import git_sha
 from moerl.records import PolicyVersion
+from moerl.store.manifest import Manifest
 from moerl.store.runs import ENGINE_EXCLUDE, run_store, version_uri
+from moerl.store.tiers import run_tiers
 
 
 FINAL_CHECKPOINT_TAG = "moerl.final_checkpoint"
@@ -186,17 +188,39 @@ def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int
     """`meta`: extra manifest labels (the async trainer records the groups a version trained on).
     `exclusive`: claim the version create-only (see `CheckpointStore.publish`)."""
     t0 = time.perf_counter()
+    servable, policy, metrics = publish_servable(cfg, run_id, state_dir, version, meta, exclusive)
+    metrics.update(publish_durable(cfg, run_id, state_dir, servable, exclusive, started=t0))
+    metrics["timing/publish_checkpoint_s"] = metrics["weights/published_to_durable_s"]  # both tiers
+    metrics["weights/publish_mb_per_s"] = metrics["weights/publish_mb"] / max(metrics["timing/publish_checkpoint_s"], 1e-9)
+    return policy, metrics
+
+
+def publish_servable(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int,
+                     meta: dict[str, str] | None = None, exclusive: bool = False
+                     ) -> tuple[Manifest, PolicyVersion, dict[str, float]]:
+    """The first copy of `version`: refused if not finite, then published to the cache tier
+    (or, without one, straight to the durable store). The PolicyVersion names the durable URI
+    the version has (or will have) and the manifest both tiers share."""
+    t0 = time.perf_counter()
     check_finite(state_dir, version)  # before a byte is uploaded: `latest` stays where it is
-    store = run_store(cfg.checkpoint, run_id)
+    tiers = run_tiers(cfg.checkpoint, run_id)
     # the whole state: HF files for the engines, trainer/ for a resumed run
-    manifest = store.publish(version, Path(state_dir), meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()},
-                             retention=(cfg.checkpoint.keep_last, cfg.checkpoint.keep_every), exclusive=exclusive)
+    manifest = tiers.publish_servable(version, Path(state_dir), exclusive=exclusive,
+                                      meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()})
     elapsed = time.perf_counter() - t0
+    policy = PolicyVersion(version=version, uri=version_uri(tiers.durable, version), manifest_sha256=manifest.sha256())
+    return manifest, policy, {"weights/published_to_servable_s": elapsed, "weights/version": float(version),
+                              "weights/cache_tier": float(tiers.cache is not None)}
+
+
+def publish_durable(cfg: RunConfig, run_id: str, state_dir: str | Path, manifest: Manifest,
+                    exclusive: bool = False, started: float | None = None) -> dict[str, float]:
+    """The durable copy under the servable copy's manifest; `latest` moves to it. `started`:
+    when the version was handed over (perf_counter), for published -> durable."""
+    t0 = time.perf_counter()
+    run_tiers(cfg.checkpoint, run_id).publish_durable(manifest, Path(state_dir), exclusive=exclusive)
+    done = time.perf_counter()
     mb = sum(f.size for f in manifest.files) / 1e6
-    policy = PolicyVersion(version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256())
-    return policy, {
-        "timing/publish_checkpoint_s": elapsed,
-        "weights/publish_mb": mb,
-        "weights/publish_mb_per_s": mb / max(elapsed, 1e-9),
-        "weights/version": float(version),
-    }
+    return {"timing/publish_checkpoint_s": done - t0, "weights/publish_mb": mb,
+            "weights/publish_mb_per_s": mb / max(done - t0, 1e-9),
+            "weights/published_to_durable_s": done - (started if started is not None else t0)}

@@ -84,6 +84,9 @@ class RolloutWorker:
         self.engine = None
         self.tokenizer = None
         self.version: int | None = None
+        self.sha: str | None = None  # the served version's manifest sha256
+        self.epoch = 0  # the newest trainer epoch whose servable pointer this worker followed
+        self._fanout = None  # moerl.store.fanout.Swarm, with checkpoint.fanout
         self.busy_s = 0.0
         self.t_start = time.perf_counter()
         self.started_unix = time.time()  # in the stats: tells this process from a predecessor of the same name
@@ -102,20 +105,26 @@ class RolloutWorker:
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self) -> None:
-        reg = self.bus.registry()
-        if reg is None or reg.version == self.version:
+        """Serve the version the bus's servable pointer names (the registry without one): fetched
+        from the nearest tier that holds its manifest (`moerl.store.tiers`), swapped in."""
+        reg = self.bus.servable()
+        if reg is None or (reg.version == self.version and reg.manifest_sha256 == self.sha):
             return
-        if self.version is not None and reg.version < self.version:
-            # only forward: a registry behind what this engine serves lost writes (a Valkey
-            # failover); the trainer re-commits from the store, and the registry catches up
-            log.warning("%s: the registry says version %d but this engine serves %d; staying on %d",
+        if self.version is not None and reg.version < self.version and reg.epoch <= self.epoch:
+            # only forward: a pointer behind what this engine serves lost writes (a Valkey
+            # failover); the trainer re-commits from the store, and the pointer catches up. A
+            # newer trainer epoch may move it back: the version above was lost (rolled back).
+            log.warning("%s: the bus says version %d but this engine serves %d; staying on %d",
                         self.name, reg.version, self.version, self.version)
             return
         store = run_store(self.cfg.checkpoint, self.run_id)
         store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s)
         t0 = time.perf_counter()
+        sources: list[str] = []
         # held while it loads: no neighbour on this node prunes the copy from under the engine
-        with engine_copy(self.cfg.checkpoint, self.run_id, reg.version) as model_dir:
+        with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
+                         swarm=self._swarm(), sources=sources) as model_dir:
+            t_fetched = time.perf_counter()
             if self.engine is None:
                 from transformers import AutoTokenizer
 
@@ -131,10 +140,22 @@ class RolloutWorker:
                 self.bus.incr(swaps=1)
                 log.info("%s: hot-swapped to version %d in %.2f s (%d tensors)", self.name, reg.version,
                          stats.seconds, stats.tensors)
-        if self.version is not None:
+        # where the weights came from, counted: a cache tier that fell back to S3 shows here
+        self.bus.incr(**{f"weights_from_{s}": 1 for s in sources})
+        if self.version is not None and self.version != reg.version:
             store.unpin(self.version, holder=self.holder)
-        self.version = reg.version
-        self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
+        self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
+        self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0, last_fetch_s=t_fetched - t0)
+
+    def _swarm(self):
+        """The fan-out between this run's engines (`checkpoint.fanout`), started on first use."""
+        if not self.cfg.checkpoint.fanout:
+            return None
+        if self._fanout is None:
+            from moerl.store.fanout import Swarm
+
+            self._fanout = Swarm.start(self.bus, self.name, self.cfg.checkpoint)
+        return self._fanout
 
     def _renew(self) -> None:
         now = time.monotonic()
@@ -380,6 +401,9 @@ class RolloutWorker:
                 self._release(lease)
 
     def close(self) -> None:
+        if self._fanout is not None:
+            self._fanout.stop()
+            self._fanout = None
         if self._env_pool is not None:
             self._env_pool.close()
             self._env_pool = None

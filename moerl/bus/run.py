@@ -46,7 +46,7 @@ from typing import Any
 
 from moerl.bus.client import BusError, FencedError
 from moerl.bus.scripts import (_ACK_AND_COUNT, _DEAD_LETTER, _INCR, _ISSUE, _ONCE, _PUBLISH_GROUP, _PUBLISH_SCORED,
-                               _REQUEUE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES, MAX_READ_ENTRIES,
+                               _REQUEUE, _SET_SERVABLE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES, MAX_READ_ENTRIES,
                                OP_TTL_S)
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,11 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts",
             "commits_not_durable", "sample_timeouts", "sample_memory",
             # multi-turn: environment calls (reset, step, close), those cut off or failed, and their wall ms
-            "env_calls", "env_timeouts", "env_errors", "env_ms")
+            "env_calls", "env_timeouts", "env_errors", "env_ms",
+            # weights: where each engine fetch read a version from (moerl.store.tiers), and the
+            # fan-out's chunks by source and its refused (corrupt) chunks
+            "weights_from_node", "weights_from_peers", "weights_from_cache", "weights_from_durable",
+            "fanout_chunks_peer", "fanout_chunks_tier", "fanout_chunks_refused")
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class Registered:
     version: int
     uri: str
     manifest_sha256: str
+    epoch: int = 0  # the trainer epoch that set a servable pointer (0: the registry)
 
 
 class RunBus:
@@ -104,6 +109,7 @@ class RunBus:
         self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
         self._incr, self._requeue = reg(_INCR), reg(_REQUEUE)
         self._touch = Script(client, _TOUCH)  # idempotent by itself
+        self._set_servable = Script(client, _SET_SERVABLE)  # idempotent by itself
 
     # -- keys and setup ---------------------------------------------------------------
     def key(self, name: str) -> str:
@@ -141,6 +147,23 @@ class RunBus:
         """Point the registry at a published, verified version."""
         self.r.hset(self.key("registry"), mapping={"version": version, "uri": uri, "manifest_sha256": manifest_sha256,
                                                     "published_at": time.time()})
+
+    def set_servable(self, epoch: int, version: int, uri: str, manifest_sha256: str) -> None:
+        """Point the rollout engines at `version`, verified in the cache tier (servable) and
+        perhaps not yet durable; `FencedError` if `epoch` is not the current trainer's. A new
+        trainer sets it back to its durable `latest` when a version above was lost."""
+        done = int(self._set_servable(keys=[self.key("servable"), self.key("trainer_epoch")],
+                                      args=[version, uri, manifest_sha256, time.time(), str(epoch)]))
+        if done < 0:
+            self.check_epoch(epoch)
+            raise FencedError(f"trainer: epoch {epoch} was refused by Valkey")
+
+    def servable(self) -> Registered | None:
+        """The version engines should serve: the servable pointer, else the registry."""
+        raw = self.r.hgetall(self.key("servable"))
+        if not raw:
+            return self.registry()
+        return Registered(int(raw["version"]), raw["uri"], raw["manifest_sha256"], int(raw["epoch"]))
 
     def set_done(self) -> None:
         self.r.set(self.key("done"), "1")

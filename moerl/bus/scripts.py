@@ -97,6 +97,17 @@ return 1
 """
 
 
+# KEYS: servable hash, trainer epoch. ARGV: version, uri, manifest sha256, unix time, epoch.
+# Set only by the current trainer epoch (-1 otherwise): a fenced-off trainer's publisher can
+# never point the engines at its versions.
+_SET_SERVABLE = """
+if redis.call('GET', KEYS[2]) ~= ARGV[5] then return -1 end
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'uri', ARGV[2], 'manifest_sha256', ARGV[3], 'at', ARGV[4],
+           'epoch', ARGV[5])
+return 1
+"""
+
+
 _INCR = """
 for i = 1, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], tonumber(ARGV[i + 1])) end
 return 1

@@ -55,7 +55,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from moerl.errors import CheckpointError
 from moerl.store.leases import PinLeases
-from moerl.store.manifest import MANIFEST, FileEntry, Manifest, sha256_file, version_dir
+from moerl.store.manifest import MANIFEST, FileEntry, Manifest, hash_file, sha256_file, version_dir
 from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, shared
 
 __all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "HashingWriter", "Manifest",
@@ -126,6 +126,8 @@ class CheckpointStore(PinLeases, ABC):
     @abstractmethod
     def _get(self, stage: str, rel: str, dest: Path) -> str: ...  # the sha256 of what it wrote, hashed as it streamed
     @abstractmethod
+    def _get_range(self, stage: str, rel: str, start: int, length: int) -> bytes: ...  # one chunk, unverified
+    @abstractmethod
     def _size(self, stage: str, rel: str) -> int | None: ...  # None: missing
     @abstractmethod
     def _read_text(self, key: str) -> str | None: ...  # None: missing
@@ -153,8 +155,15 @@ class CheckpointStore(PinLeases, ABC):
         self._delete(self._list(f"versions/{stage}/"))
 
     def publish(self, version: int, src_dir: Path, meta: dict[str, str] | None = None,
-                retention: tuple[int, int] | None = None, exclusive: bool = False) -> Manifest:
+                retention: tuple[int, int] | None = None, exclusive: bool = False, chunk_size: int = 0,
+                manifest: Manifest | None = None) -> Manifest:
         """Publish the files under `src_dir` as `version`, then point `latest` at it.
+
+        `chunk_size`: also record each file's sha256 per chunk of that many bytes (fan-out).
+        `manifest`: publish under this exact manifest, already computed from the same files
+        (the second tier of one version: the cache tier and the durable store then hold the
+        same manifest, so one sha256 names the version in both); the files are not hashed
+        again, and each must have the size it lists.
 
         `exclusive=True` (the async trainer, which may race a second trainer of its run): the
         version is claimed create-only before any file is written, so two publishers of one
@@ -180,12 +189,17 @@ class CheckpointStore(PinLeases, ABC):
         if latest is not None and version <= latest:
             raise CheckpointError(f"version {version} is not greater than latest version {latest} in {self.uri}")
         files = _list_files(src_dir)
+        if manifest is not None:
+            _check_same_files(manifest, version, src_dir, files)
         stage = self._begin(version, exclusive)
         try:
-            # 2. Copy every file, hashing each one just before it is copied.
-            entries = self._map(lambda rel: self._put_hashed(stage, rel, src_dir / rel), files)
-            created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            manifest = Manifest(version, tuple(entries), created, meta)
+            # 2. Copy every file, hashing each one just before it is copied (unless given).
+            if manifest is None:
+                entries = self._map(lambda rel: self._put_hashed(stage, rel, src_dir / rel, chunk_size), files)
+                created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                manifest = Manifest(version, tuple(entries), created, meta, chunk_size)
+            else:
+                self._map(lambda rel: self._put(stage, rel, src_dir / rel), files)
             # 3. The manifest goes last: its presence is what makes a version complete.
             self._write_text(f"versions/{stage}/{MANIFEST}", manifest.to_json())
             # 4. Read it back and check that every object is there with the right size.
@@ -197,7 +211,7 @@ class CheckpointStore(PinLeases, ABC):
         # 5. Only now move the pointer.
         self._point_latest(manifest)
         log.info("published version %d to %s: %d files, %.1f MiB in %.1f s", version, self.uri, len(files),
-                 sum(e.size for e in entries) / _MiB, time.monotonic() - t0)
+                 sum(e.size for e in manifest.files) / _MiB, time.monotonic() - t0)
         # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
         if retention is not None:
             try:
@@ -234,15 +248,19 @@ class CheckpointStore(PinLeases, ABC):
             raise CheckpointError(f"the manifest under {version_dir(version)} says version {m.version}")
         return m
 
-    def fetch(self, version: int, dest_dir: Path, exclude: tuple[str, ...] = ()) -> Path:
+    def fetch(self, version: int, dest_dir: Path, exclude: tuple[str, ...] = (), expect_sha256: str | None = None) -> Path:
         """Download `version` into dest_dir/v{version:06d}, verified; reuse a verified copy.
 
         `exclude`: path prefixes not to fetch (rollout engines skip `trainer/`, the optimizer
         state). A full copy serves any request; a partial one only requests excluding as much.
         Processes on one node may fetch into one dest_dir at once: a lock file per version makes
-        the second wait for the first and then reuse its copy.
+        the second wait for the first and then reuse its copy. `expect_sha256`: refuse a version
+        whose manifest is not this one (another tier's copy, a store changed under the run).
         """
         t0, manifest, dest_dir = time.monotonic(), self.manifest(version), Path(dest_dir)
+        if expect_sha256 is not None and manifest.sha256() != expect_sha256:
+            raise CheckpointError(f"version {version} in {self.uri} has manifest sha256 {manifest.sha256()}, not the "
+                                  f"expected {expect_sha256}")
         wanted = [e for e in manifest.files if not e.path.startswith(tuple(exclude))] if exclude else list(manifest.files)
         final = dest_dir / version_dir(version)
         try:
@@ -272,6 +290,11 @@ class CheckpointStore(PinLeases, ABC):
                 shutil.rmtree(tmp, ignore_errors=True)
         log.info("fetched version %d from %s to %s in %.1f s", version, self.uri, final, time.monotonic() - t0)
         return final
+
+    def read_chunk(self, version: int, rel: str, start: int, length: int) -> bytes:
+        """`length` bytes of a version's file from `start` (a fan-out chunk; the caller checks
+        it against the manifest's chunk hash)."""
+        return self._get_range(version_dir(version), rel, start, length)
 
     def apply_retention(self, keep_last: int, keep_every: int, pinned: Iterable[int] = frozenset()) -> list[int]:
         """Delete old versions; return the deleted ones, ascending.
@@ -357,9 +380,9 @@ class CheckpointStore(PinLeases, ABC):
         finally:  # after the first failure, start no more copies
             ex.shutdown(wait=True, cancel_futures=True)
 
-    def _put_hashed(self, stage: str, rel: str, src: Path) -> FileEntry:
+    def _put_hashed(self, stage: str, rel: str, src: Path, chunk_size: int = 0) -> FileEntry:
         try:
-            entry = FileEntry(rel, src.stat().st_size, sha256_file(src))
+            entry = FileEntry(rel, *hash_file(src, chunk_size))
         except OSError as e:
             raise CheckpointError(f"cannot read {src}: {e}; is the checkpoint folder complete?") from e
         self._put(stage, rel, src)
@@ -404,6 +427,20 @@ def _is_leftover(name: str, complete: bool, latest: int | None) -> bool:
 def _check_retention(keep_last: int, keep_every: int) -> None:
     if keep_last < 1 or keep_every < 0:
         raise CheckpointError(f"retention needs keep_last >= 1 and keep_every >= 0, got {keep_last}, {keep_every}")
+
+
+def _check_same_files(manifest: Manifest, version: int, src: Path, files: list[str]) -> None:
+    """A given manifest must describe exactly the files about to be published."""
+    if manifest.version != version:
+        raise CheckpointError(f"publish: the given manifest is version {manifest.version}, not {version}")
+    listed = {e.path: e.size for e in manifest.files}
+    if set(files) != set(listed):
+        raise CheckpointError(f"publish of version {version}: {src} holds {sorted(set(files) ^ set(listed))[:5]} "
+                              "that its manifest does not list, or lacks them")
+    for rel in files:
+        if (src / rel).stat().st_size != listed[rel]:
+            raise CheckpointError(f"publish of version {version}: {rel} is {(src / rel).stat().st_size} bytes, "
+                                  f"its manifest says {listed[rel]}; the folder changed since it was hashed")
 
 
 def _list_files(src: Path) -> list[str]:

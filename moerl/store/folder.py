@@ -100,6 +100,14 @@ class LocalStore(CheckpointStore):
                 raise CheckpointError(f"{rel} of {stage} is missing from {self.root}; republish it") from e
             raise
 
+    def _get_range(self, stage: str, rel: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(stage, rel), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {rel} of {stage} in {self.root}: {e}") from e
+
     def _size(self, stage: str, rel: str) -> int | None:
         p = self._path(stage, rel)
         return p.stat().st_size if p.is_file() else None

@@ -2,7 +2,10 @@
 
 A version is complete once its manifest is stored (see `moerl.store.base`); the manifest's own
 sha256 identifies the version's exact bytes (`latest.json`, fetched copies and `PolicyVersion`
-records carry it).
+records carry it). With `chunk_size` set, each file also lists the sha256 of every
+`chunk_size` bytes, so a copy assembled from several sources (peers, the cache tier, S3) is
+checked chunk by chunk as it arrives (`moerl.store.fanout`); manifests without chunks (older
+versions) keep their exact JSON and sha256.
 """
 
 from __future__ import annotations
@@ -27,11 +30,34 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def hash_file(path: str | os.PathLike[str], chunk_size: int = 0) -> tuple[int, str, tuple[str, ...]]:
+    """Size, sha256 and (with `chunk_size`) the sha256 of each chunk, in one read pass."""
+    if not chunk_size:
+        return os.stat(path).st_size, sha256_file(path), ()
+    whole, chunks, size = hashlib.sha256(), [], 0
+    buf = bytearray(min(chunk_size, 8 * 2**20))
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        part, filled = hashlib.sha256(), 0
+        while n := f.readinto(view[:min(len(buf), chunk_size - filled)]):
+            whole.update(view[:n])
+            part.update(view[:n])
+            filled += n
+            size += n
+            if filled == chunk_size:
+                chunks.append(part.hexdigest())
+                part, filled = hashlib.sha256(), 0
+        if filled or not chunks:
+            chunks.append(part.hexdigest())
+    return size, whole.hexdigest(), tuple(chunks)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the version directory, '/'-separated
     size: int
     sha256: str
+    chunks: tuple[str, ...] = ()  # sha256 of each `Manifest.chunk_size` bytes; () without chunks
 
 
 @dataclass(frozen=True)
@@ -40,27 +66,37 @@ class Manifest:
     files: tuple[FileEntry, ...]
     created_at: str  # UTC, ISO 8601
     meta: dict[str, str] = field(default_factory=dict)  # small labels: git sha, run id, ...
+    chunk_size: int = 0  # bytes per chunk hash; 0: files are hashed whole only
 
     def to_json(self) -> str:
-        files = [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files]
+        files = [{"path": f.path, "size": f.size, "sha256": f.sha256, **({"chunks": list(f.chunks)} if f.chunks else {})}
+                 for f in self.files]
         body = {"version": self.version, "created_at": self.created_at,
-                "meta": dict(sorted(self.meta.items())), "files": files}
+                "meta": dict(sorted(self.meta.items())), **({"chunk_size": self.chunk_size} if self.chunk_size else {}),
+                "files": files}
         return json.dumps(body, indent=1) + "\n"
 
     @staticmethod
     def from_json(text: str) -> Manifest:
         try:
             d = json.loads(text)
-            files = tuple(FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in d["files"])
+            files = tuple(FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"]),
+                                    tuple(str(c) for c in f.get("chunks", ()))) for f in d["files"])
             meta = {str(k): str(v) for k, v in d.get("meta", {}).items()}
-            m = Manifest(int(d["version"]), files, str(d["created_at"]), meta)
+            m = Manifest(int(d["version"]), files, str(d["created_at"]), meta, int(d.get("chunk_size", 0)))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed manifest ({e!r}); republish this version") from e
+        if m.chunk_size < 0 or any(f.chunks and len(f.chunks) != m.n_chunks(f) for f in m.files):
+            raise CheckpointError(f"manifest of version {m.version} lists chunks that do not cover its files "
+                                  f"(chunk_size {m.chunk_size}); republish this version")
         for f in m.files:  # a manifest must not make fetch write outside its folder
             p = PurePosixPath(f.path)
             if p.is_absolute() or ".." in p.parts or not p.parts or "\\" in f.path:
                 raise CheckpointError(f"manifest of version {m.version} has an unsafe path {f.path!r}")
         return m
+
+    def n_chunks(self, f: FileEntry) -> int:
+        return max(1, -(-f.size // self.chunk_size)) if self.chunk_size else 1
 
     def sha256(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()

@@ -69,15 +69,19 @@ def served_version(cache: Path) -> int | None:
 
 
 @contextmanager
-def engine_copy(cfg: CheckpointConfig, run_id: str, version: int, attempts: int = 3) -> Iterator[Path]:
+def engine_copy(cfg: CheckpointConfig, run_id: str, version: int, attempts: int = 3, expect_sha256: str | None = None,
+                swarm=None, sources: list[str] | None = None) -> Iterator[Path]:
     """Version `version` in the node cache (`fetch_for_engine`), held while the caller loads
     it: a shared lock on the copy, which the pruning of any other process on this node respects.
     A copy pruned between the fetch and the lock (a neighbour's fetch pruned it) is fetched
     again; what is yielded is always a verified local directory with a config.json, never a
-    path that a loader could take for a hub id."""
+    path that a loader could take for a hub id. `sources` receives where each fetch read from
+    (node, peers, cache, durable: `moerl.store.tiers`)."""
     cache = run_cache(cfg, run_id)
     for _ in range(attempts):
-        path = fetch_for_engine(cfg, run_id, version)
+        path, source = fetch_nearest(cfg, run_id, version, expect_sha256, swarm)
+        if sources is not None:
+            sources.append(source)
         with shared(lock_path(cache, version)):
             if (path / MARKER).is_file() and (path / "config.json").is_file():
                 yield path
@@ -87,14 +91,22 @@ def engine_copy(cfg: CheckpointConfig, run_id: str, version: int, attempts: int 
                           "be loaded; raise checkpoint.cache_keep")
 
 
-def fetch_for_engine(cfg: CheckpointConfig, run_id: str, version: int) -> Path:
-    """Version `version` in the node-local cache, verified, without the trainer state; then
-    prune the cache. A failed prune is logged, never raised: the fetch succeeded."""
+def fetch_for_engine(cfg: CheckpointConfig, run_id: str, version: int, expect_sha256: str | None = None) -> Path:
+    return fetch_nearest(cfg, run_id, version, expect_sha256)[0]
+
+
+def fetch_nearest(cfg: CheckpointConfig, run_id: str, version: int, expect_sha256: str | None = None,
+                  swarm=None) -> tuple[Path, str]:
+    """Version `version` in the node-local cache, verified, without the trainer state, from the
+    nearest tier that has it (`moerl.store.tiers`); then prune the cache. A failed prune is
+    logged, never raised: the fetch succeeded."""
+    from moerl.store.tiers import run_tiers
+
     cache = run_cache(cfg, run_id)
-    path = run_store(cfg, run_id).fetch(version, cache, exclude=ENGINE_EXCLUDE)
+    path, source = run_tiers(cfg, run_id).fetch(version, cache, ENGINE_EXCLUDE, expect_sha256, swarm)
     try:
         served = served_version(cache)
         prune_cache(cache, cfg.cache_keep, protect={version} | ({served} if served is not None else set()))
     except CheckpointError as e:
         log.warning("could not prune the fetch cache %s: %s", cache, e)
-    return path
+    return path, source

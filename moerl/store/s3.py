@@ -49,7 +49,9 @@ _R = TypeVar("_R")
 class S3Store(CheckpointStore):
     """s3://bucket/prefix."""
 
-    def __init__(self, cfg: CheckpointConfig) -> None:
+    def __init__(self, cfg: CheckpointConfig, credentials: tuple[str, str] | None = None) -> None:
+        """`credentials`: an access key and secret for this store only (the cache tier's server
+        has identities of its own); None: the standard AWS chain."""
         self.uri = cfg.uri
         self.bucket, _, prefix = cfg.uri.removeprefix("s3://").partition("/")
         self.prefix = prefix.strip("/")
@@ -62,7 +64,8 @@ class S3Store(CheckpointStore):
                         retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
                         max_pool_connections=cfg.max_concurrency * self._workers,
                         s3={"addressing_style": "path"} if cfg.endpoint_url else None)
-        self._s3 = boto3.session.Session().client("s3", endpoint_url=cfg.endpoint_url, config=config)
+        keys = {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]} if credentials else {}
+        self._s3 = boto3.session.Session(**keys).client("s3", endpoint_url=cfg.endpoint_url, config=config)
         chunk = cfg.multipart_chunk_mb * _MiB
         # s3transfer retries a download whose body breaks off mid-stream on its own; same budget.
         self._transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
@@ -148,6 +151,12 @@ class S3Store(CheckpointStore):
             out = HashingWriter(f)
             self._s3.download_fileobj(self.bucket, key, out, Config=self._transfer)
         return out.hexdigest()
+
+    def _get_range(self, stage: str, rel: str, start: int, length: int) -> bytes:
+        key = self._key(f"versions/{stage}/{rel}")
+        with self._errors(f"reading bytes {start}-{start + length - 1} of {rel} of {stage}"):
+            return self._s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")[
+                "Body"].read()
 
     def _size(self, stage: str, rel: str) -> int | None:
         head = self._or_none(f"checking {rel}", lambda: self._s3.head_object(

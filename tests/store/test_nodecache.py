@@ -123,16 +123,16 @@ def test_a_copy_pruned_before_it_is_held_is_fetched_again(tmp_path: Path, monkey
 
     cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1)
     run_store(cfg, "r1").publish(1, make_checkpoint(tmp_path / "src1", seed=1))
-    real, calls = runs.fetch_for_engine, []
+    real, calls = runs.fetch_nearest, []
 
     def fetch_then_lose_it(*a):
-        path = real(*a)
+        path, source = real(*a)
         calls.append(path)
         if len(calls) == 1:  # a neighbour pruned it between our fetch and our lock
             shutil.rmtree(path)
-        return path
+        return path, source
 
-    monkeypatch.setattr(runs, "fetch_for_engine", fetch_then_lose_it)
+    monkeypatch.setattr(runs, "fetch_nearest", fetch_then_lose_it)
     with runs.engine_copy(cfg, "r1", 1) as path:
         assert len(calls) == 2 and (path / "config.json").is_file()
 

@@ -1,0 +1,132 @@
+"""Publication off the trainer's critical path (async mode).
+
+The trainer saves version v+1 to a folder and hands it to the `Publisher`, then trains v+2 at
+once. The publisher's thread takes versions in order, and for each:
+
+1. refuses it if a weight is not finite (`check_finite`), before a byte is uploaded;
+2. publishes it to the cache tier (without one: to the durable store) under a manifest with
+   chunk hashes; the version is now **servable**: `on_servable` points the rollout engines at
+   it (the bus's servable pointer);
+3. publishes the same files durably under the same manifest, and `latest` moves; the version
+   is now **durable**: `on_durable` commits it (its groups consumed, the registry at v+1).
+
+Back-pressure: `submit` waits while `checkpoint.max_unpublished` versions are handed over and
+not yet durable; that wait is the trainer's stall (`weights/trainer_stall_s`), ~0 whenever a
+version publishes faster than the next one trains. A failure (a NaN, S3 down after its
+retries, a commit refused) stops the thread; the trainer raises it at its next `submit` or at
+`drain`, and nothing after the failed version is published. A publisher killed anywhere leaves
+both tiers on complete versions (each tier's `latest` moves after its manifest); the next
+trainer's `Tiers.recover` promotes a version that was servable but not durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moerl.config import RunConfig
+from moerl.records import PolicyVersion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    version: int
+    src: Path
+    meta: dict[str, str]
+    handed: float  # perf_counter when the trainer handed it over
+    context: dict = field(default_factory=dict)  # the caller's (what on_durable commits)
+    policy: PolicyVersion | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Publisher:
+    def __init__(self, cfg: RunConfig, run_id: str, on_servable: Callable[[PolicyVersion], None],
+                 on_durable: Callable[[Job], None], exclusive: bool = True) -> None:
+        self.cfg, self.run_id, self.exclusive = cfg, run_id, exclusive
+        self.on_servable, self.on_durable = on_servable, on_durable
+        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._in_flight: list[Job] = []
+        self._finished: list[Job] = []
+        self._lock = threading.Condition()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="moerl-publisher", daemon=True)
+        self._thread.start()
+
+    # -- the trainer's side ---------------------------------------------------------------
+    def submit(self, version: int, src: Path, meta: dict[str, str], context: dict | None = None) -> float:
+        """Hand `version` (the files under `src`, left in place until it is durable) over;
+        returns the seconds waited for a free slot (the stall)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            while True:
+                self._raise()
+                if len(self._in_flight) < self.cfg.checkpoint.max_unpublished:
+                    break
+                self._lock.wait(0.2)
+            job = Job(version, Path(src), dict(meta), time.perf_counter(), dict(context or {}))
+            self._in_flight.append(job)
+        self._q.put(job)
+        return time.perf_counter() - t0
+
+    def in_flight(self) -> list[Job]:
+        with self._lock:
+            return list(self._in_flight)
+
+    def take_finished(self) -> list[Job]:
+        """Versions made durable since the last call, in order."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until every version handed over is durable; raise the publisher's failure."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while self._in_flight:
+                self._raise()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"publisher: {len(self._in_flight)} versions still unpublished")
+                self._lock.wait(0.2)
+            self._raise()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    # -- the thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        from moerl.components.publish_checkpoint.stage import publish_durable, publish_servable
+
+        while (job := self._q.get()) is not None:
+            try:
+                manifest, policy, metrics = publish_servable(self.cfg, self.run_id, job.src, job.version, job.meta,
+                                                             self.exclusive)
+                metrics["weights/published_to_servable_s"] = time.perf_counter() - job.handed
+                self.on_servable(policy)
+                metrics.update(publish_durable(self.cfg, self.run_id, job.src, manifest, self.exclusive,
+                                               started=job.handed))
+                job.policy, job.metrics = policy, metrics
+                self.on_durable(job)
+            except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
+                log.error("publisher: version %d failed: %s", job.version, err)
+                with self._lock:
+                    self.error = err
+                    self._lock.notify_all()
+                return
+            with self._lock:
+                self._in_flight.remove(job)
+                self._finished.append(job)
+                self._lock.notify_all()
+            log.info("version %d durable (servable after %.2f s, durable after %.2f s)", job.version,
+                     metrics["weights/published_to_servable_s"], metrics["weights/published_to_durable_s"])

@@ -1,0 +1,205 @@
+"""The tiers a policy version lives in: the node cache, the cache tier, the durable store.
+
+- **Durable** (`checkpoint.uri`, S3 on a cluster): every version, its `latest` pointer, pins and
+  retention, as before. A run resumes from here and nowhere else.
+- **Cache tier** (`checkpoint.cache_tier`, an S3 endpoint on the memory-optimized `buffer`
+  nodes: SeaweedFS, manifests/base/ckpt-cache.yaml; `weed mini` locally): the newest
+  `cache_tier.keep_last` versions, published first, so a version is *servable* as soon as its
+  copy there is verified, while the durable copy is still being written.
+- **Node cache** (`checkpoint.cache_dir`): verified copies on the engine's own disk.
+
+Both remote tiers hold one version under one manifest (the durable copy is published with the
+cache tier's manifest, `CheckpointStore.publish(manifest=...)`), so one sha256 names the
+version wherever it is read. A reader takes the nearest verified copy: the node cache (its
+manifest and marker, no server call), then peers (`moerl.store.fanout`, when given), then the
+cache tier, then the durable store. A cache tier that is down, slow, missing the version or
+serving a corrupt file costs `cache_tier.max_attempts` attempts and a warning, and the read goes
+on from S3; the source of every fetch is returned so callers count it (never a silent
+fallback).
+
+Recovery (`recover`, run by the trainer at start): a version complete in the cache tier but not
+in the durable store (the publisher died between the two) is promoted: read back from the cache
+tier, verified, and published durably under the same manifest, so nothing trained is lost. A
+cache tier that lost its data is rebuilt with the durable `latest`. A cache tier that cannot be
+reached is logged and left alone: the run goes on from S3.
+
+Limitations: the cache tier holds whole versions, the trainer's `trainer/` state included (so a
+version it holds can be promoted); at the seed's scale that is the optimizer state too, which
+the memory nodes must have room for (docs/weights.md). Its retention keeps the newest
+`keep_last` versions and version 0, without looking at pins: an engine whose version was pruned
+from under its fetch falls back to S3.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from moerl.config import CheckpointConfig
+from moerl.errors import CheckpointError
+from moerl.store.base import CheckpointStore
+from moerl.store.manifest import MANIFEST, Manifest, version_dir
+from moerl.store.nodecache import MARKER, is_verified, lock_path, shared
+
+if TYPE_CHECKING:
+    from moerl.store.fanout import Swarm
+
+log = logging.getLogger(__name__)
+
+Source = Literal["node", "peers", "cache", "durable"]
+
+
+def cache_tier_credentials(cfg: CheckpointConfig) -> tuple[str, str] | None:
+    """The cache tier's keys from `<credentials_env>_ACCESS_KEY_ID` / `_SECRET_ACCESS_KEY`;
+    None (the standard AWS chain) when neither is set."""
+    env = cfg.cache_tier.credentials_env
+    key, secret = os.environ.get(f"{env}_ACCESS_KEY_ID"), os.environ.get(f"{env}_SECRET_ACCESS_KEY")
+    if bool(key) != bool(secret):
+        raise CheckpointError(f"checkpoint.cache_tier: only one of {env}_ACCESS_KEY_ID and {env}_SECRET_ACCESS_KEY "
+                              "is set; set both (the cache server's identity) or neither (the AWS chain)")
+    return (key, secret) if key and secret else None
+
+
+def cache_tier_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore | None:
+    """The run's lineage in the cache tier; None without one."""
+    ct = cfg.cache_tier
+    if ct.uri is None:
+        return None
+    if ct.endpoint_url == "embedded":
+        raise CheckpointError("checkpoint.cache_tier.endpoint_url is 'embedded', but no cache server was started for "
+                              "this process: `moerl run` starts one; elsewhere give the cache server's URL")
+    from moerl.store.s3 import S3Store  # boto3 only with a cache tier
+
+    sub = cfg.model_copy(update={"uri": f"{ct.uri.rstrip('/')}/runs/{run_id}", "endpoint_url": ct.endpoint_url,
+                                 "region": ct.region, "max_attempts": ct.max_attempts})
+    store = S3Store(sub, credentials=cache_tier_credentials(cfg))
+    store.pin_ttl_s = cfg.pin_ttl_s
+    return store
+
+
+@dataclass
+class Tiers:
+    """One run's durable store and (optionally) its cache tier."""
+
+    durable: CheckpointStore
+    cache: CheckpointStore | None
+    chunk_size: int
+    retention: tuple[int, int]  # the durable store's (keep_last, keep_every)
+    cache_keep: int
+
+    # -- writing --------------------------------------------------------------------------
+    def publish_servable(self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False) -> Manifest:
+        """The first copy: the cache tier's (servable), or the durable store's without one."""
+        if self.cache is None:
+            return self.durable.publish(version, src, meta, retention=self.retention, exclusive=exclusive,
+                                        chunk_size=self.chunk_size)
+        return self.cache.publish(version, src, meta, retention=(self.cache_keep, 0), exclusive=exclusive,
+                                  chunk_size=self.chunk_size)
+
+    def publish_durable(self, manifest: Manifest, src: Path, exclusive: bool = False) -> Manifest:
+        """The durable copy under the same manifest (a no-op without a cache tier: the first
+        copy was the durable one)."""
+        if self.cache is None:
+            return manifest
+        return self.durable.publish(manifest.version, src, retention=self.retention, exclusive=exclusive,
+                                    manifest=manifest)
+
+    def publish(self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False) -> Manifest:
+        return self.publish_durable(self.publish_servable(version, src, meta, exclusive), src, exclusive)
+
+    # -- reading --------------------------------------------------------------------------
+    def fetch(self, version: int, dest: Path, exclude: tuple[str, ...] = (), expect_sha256: str | None = None,
+              swarm: Swarm | None = None) -> tuple[Path, Source]:
+        """The nearest verified copy of `version` in `dest`, and where it came from.
+
+        `expect_sha256`: the manifest the caller was told to serve (the registry's); a tier
+        holding another manifest under that number is skipped, never served."""
+        if expect_sha256 is not None:
+            hit = node_copy(dest, version, expect_sha256, exclude)
+            if hit is not None:
+                return hit, "node"
+        if swarm is not None:
+            try:
+                return swarm.fetch(self, version, dest, exclude, expect_sha256), "peers"
+            except CheckpointError as e:
+                log.warning("version %d: fan-out failed (%s); reading it from the cache tier / S3", version, e)
+        path, source = self._fetch_tiers(version, dest, exclude, expect_sha256)
+        if swarm is not None:  # others may pull it from this node now
+            swarm.offer(version, path, Manifest.from_json((path / MANIFEST).read_text()), exclude)
+        return path, source
+
+    def _fetch_tiers(self, version: int, dest: Path, exclude: tuple[str, ...], expect_sha256: str | None
+                     ) -> tuple[Path, Source]:
+        if self.cache is not None:
+            try:
+                return self.cache.fetch(version, dest, exclude, expect_sha256=expect_sha256), "cache"
+            except CheckpointError as e:
+                log.warning("version %d: the cache tier %s cannot serve it (%s); falling back to the durable store %s",
+                            version, self.cache.uri, e, self.durable.uri)
+        return self.durable.fetch(version, dest, exclude, expect_sha256=expect_sha256), "durable"
+
+    def manifest(self, version: int) -> Manifest:
+        """The version's manifest from the nearest remote tier that has it."""
+        if self.cache is not None:
+            try:
+                return self.cache.manifest(version)
+            except CheckpointError as e:
+                log.warning("version %d: no manifest from the cache tier (%s); reading the durable one", version, e)
+        return self.durable.manifest(version)
+
+    # -- recovery -------------------------------------------------------------------------
+    def recover(self) -> int | None:
+        """Repair both tiers after a publisher died; return the durable `latest` (see the
+        module docstring)."""
+        latest = self.durable.recover()
+        if self.cache is None:
+            return latest
+        try:
+            self.cache.recover()
+            for v in [v for v in self.cache.versions() if latest is None or v > latest]:
+                self._copy(self.cache, self.durable, v, retention=self.retention)
+                log.warning("recovery: version %d was servable in the cache tier but not durable (the publisher "
+                            "died between the two); promoted it to %s", v, self.durable.uri)
+                latest = v
+            if latest is not None and latest not in self.cache.versions():
+                self._copy(self.durable, self.cache, latest, retention=(self.cache_keep, 0))
+                log.warning("recovery: the cache tier lacked version %d (latest); rebuilt it from %s", latest,
+                            self.durable.uri)
+        except CheckpointError as e:
+            log.warning("recovery: the cache tier %s is unusable (%s); the run goes on from the durable store",
+                        self.cache.uri, e)
+        return latest
+
+    @staticmethod
+    def _copy(src: CheckpointStore, dst: CheckpointStore, version: int, retention: tuple[int, int]) -> None:
+        manifest = src.manifest(version)
+        with tempfile.TemporaryDirectory(prefix="moerl-tier-") as tmp:
+            local = src.fetch(version, Path(tmp))  # every file verified
+            for extra in (MANIFEST, MARKER):
+                (local / extra).unlink(missing_ok=True)
+            dst.publish(version, local, retention=retention, manifest=manifest)
+
+
+def node_copy(dest: Path, version: int, expect_sha256: str, exclude: tuple[str, ...] = ()) -> Path | None:
+    """A verified copy of exactly that manifest already in the node cache, read without any
+    server: its own manifest.json hashes to `expect_sha256` and its marker says so."""
+    final = Path(dest) / version_dir(version)
+    try:
+        with shared(lock_path(Path(dest), version)):
+            m = Manifest.from_json((final / MANIFEST).read_text())
+            if m.sha256() == expect_sha256 and is_verified(final, m, exclude):
+                return final
+    except (OSError, CheckpointError):
+        pass
+    return None
+
+
+def run_tiers(cfg: CheckpointConfig, run_id: str) -> Tiers:
+    from moerl.store.runs import run_store
+
+    return Tiers(run_store(cfg, run_id), cache_tier_store(cfg, run_id), cfg.chunk_mb * 2**20,
+                 (cfg.keep_last, cfg.keep_every), cfg.cache_tier.keep_last)

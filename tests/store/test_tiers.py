@@ -1,0 +1,186 @@
+"""The weight tiers on real servers: a cache tier and a durable store on S3 (`weed mini`), the node
+cache, the publisher off the trainer's path, and the fan-out between engines through a real
+Valkey. Fault tests: a publisher killed mid-copy, a cache server that is down or serves a corrupt
+file, a peer that serves a corrupt chunk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from moerl.config import CheckpointConfig
+from moerl.errors import CheckpointError
+from moerl.store.manifest import Manifest
+from moerl.store.tiers import Tiers, node_copy, run_tiers
+from tests.store.test_store import make_checkpoint, tree
+
+CHUNK = 4096
+
+
+@pytest.fixture(scope="module")
+def buckets(s3_server):
+    client = s3_server.client()
+    for b in ("tier-cache", "tier-durable"):
+        try:
+            client.create_bucket(Bucket=b)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+    return s3_server
+
+
+def _cfg(s3, tmp: Path, cache_endpoint: str | None = None, **over) -> CheckpointConfig:
+    return CheckpointConfig(uri=f"s3://tier-durable/{tmp.name}", endpoint_url=s3.endpoint_url, region="us-east-1",
+                            cache_dir=str(tmp / "node"), chunk_mb=1,
+                            cache_tier={"uri": f"s3://tier-cache/{tmp.name}",
+                                        "endpoint_url": cache_endpoint or s3.endpoint_url}, **over)
+
+
+def _small_chunks(tiers: Tiers) -> Tiers:
+    tiers.chunk_size = CHUNK  # several chunks per file in these small checkpoints
+    return tiers
+
+
+def test_a_version_is_servable_in_the_cache_tier_before_it_is_durable(buckets, tmp_path: Path) -> None:
+    tiers = _small_chunks(run_tiers(_cfg(buckets, tmp_path), "r1"))
+    src = make_checkpoint(tmp_path / "src", seed=1, big_mib=0)
+    (src / "model.safetensors").write_bytes(os.urandom(3 * CHUNK + 5))
+    m = tiers.publish_servable(1, src, {"note": "x"})
+    assert tiers.cache.latest() == 1 and tiers.durable.latest() is None  # servable, not yet durable
+    assert m.chunk_size == CHUNK and len(next(f for f in m.files if f.path == "model.safetensors").chunks) == 4
+    # an engine reads it from the cache tier, verified, while S3 does not have it yet
+    path, source = tiers.fetch(1, tmp_path / "node", expect_sha256=m.sha256())
+    assert source == "cache" and tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
+    tiers.publish_durable(m, src)
+    assert tiers.durable.latest() == 1 and tiers.durable.manifest(1).sha256() == m.sha256()  # one manifest, both tiers
+    # the node cache is read without any server
+    assert tiers.fetch(1, tmp_path / "node", expect_sha256=m.sha256()) == (path, "node")
+    assert node_copy(tmp_path / "node", 1, "0" * 64) is None  # another manifest under that number is not served
+
+
+def test_a_cache_tier_that_is_down_or_corrupt_falls_back_to_s3(buckets, tmp_path: Path) -> None:
+    tiers = _small_chunks(run_tiers(_cfg(buckets, tmp_path), "r1"))
+    src = make_checkpoint(tmp_path / "src", seed=2)
+    m = tiers.publish(1, src, {})
+    # a corrupt object in the cache tier: refused by its checksum, read from S3
+    buckets.client().put_object(Bucket="tier-cache", Key=f"{tmp_path.name}/runs/r1/versions/v000001/model.safetensors",
+                                Body=b"\0" * 4097)
+    path, source = tiers.fetch(1, tmp_path / "a", expect_sha256=m.sha256())
+    assert source == "durable" and tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
+    # a cache server that is gone: a few seconds of attempts, then S3
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    down = run_tiers(_cfg(buckets, tmp_path, cache_endpoint=dead), "r1")
+    t0 = time.monotonic()
+    path, source = down.fetch(1, tmp_path / "b", expect_sha256=m.sha256())
+    assert source == "durable" and time.monotonic() - t0 < 30
+    with pytest.raises(CheckpointError, match="not the expected"):  # a manifest nobody published is never served
+        tiers.fetch(1, tmp_path / "c", expect_sha256="f" * 64)
+
+
+def test_recovery_promotes_a_servable_version_and_rebuilds_an_empty_cache_tier(buckets, tmp_path: Path) -> None:
+    tiers = run_tiers(_cfg(buckets, tmp_path), "r1")
+    tiers.publish(0, make_checkpoint(tmp_path / "s0", seed=0), {})
+    src = make_checkpoint(tmp_path / "s1", seed=1)
+    m1 = tiers.publish_servable(1, src, {"groups": "[\"g1\"]"})  # the publisher died here
+    assert tiers.durable.latest() == 0
+    assert tiers.recover() == 1  # promoted: nothing trained is lost
+    assert tiers.durable.manifest(1).sha256() == m1.sha256() and tiers.durable.manifest(1).meta["groups"] == "[\"g1\"]"
+    path = tiers.durable.fetch(1, tmp_path / "check")  # every file verified
+    assert tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
+    # the cache server lost its data: rebuilt with the durable latest
+    other = run_tiers(_cfg(buckets, tmp_path / "fresh").model_copy(update={"uri": tiers.durable.uri.rsplit("/runs/", 1)[0]}),
+                      "r1")
+    assert other.cache.latest() is None
+    assert other.recover() == 1 and other.cache.latest() == 1 and other.cache.manifest(1).sha256() == m1.sha256()
+
+
+_KILLED_PUBLISHER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from moerl.config import CheckpointConfig
+    from moerl.store.tiers import run_tiers
+    cfg = CheckpointConfig.model_validate_json(sys.argv[1])
+    tiers = run_tiers(cfg, "r1")
+    src = Path(sys.argv[2])
+    for v in range(1, 100):
+        (src / "big.bin").write_bytes(os.urandom(12 * 2**20 + v))
+        tiers.publish(v, src, {})
+        print(v, flush=True)
+""")
+
+
+def test_a_publisher_killed_mid_copy_leaves_both_tiers_on_complete_versions(buckets, tmp_path: Path) -> None:
+    cfg = _cfg(buckets, tmp_path)
+    tiers = run_tiers(cfg, "r1")
+    tiers.publish(0, make_checkpoint(tmp_path / "s0"), {})
+    src = make_checkpoint(tmp_path / "src", seed=3)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for kill_after in (0.8, 1.7, 2.9):
+        proc = subprocess.Popen([sys.executable, "-c", _KILLED_PUBLISHER, cfg.model_dump_json(), str(src)],
+                                env=env, stdout=subprocess.PIPE, text=True)
+        time.sleep(kill_after)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for store in (tiers.durable, tiers.cache):  # each tier's latest: complete, every byte verified
+            latest = store.latest()
+            store.fetch(latest, tmp_path / f"verify-{kill_after}-{store.uri.split('/')[2]}")
+        latest = tiers.recover()
+        assert latest is not None and latest >= tiers.cache.latest()
+        assert tiers.durable.manifest(latest).sha256() == tiers.cache.manifest(latest).sha256()
+        src_next = latest + 1
+        # the next publisher continues after whatever recovery left
+        (src / "big.bin").write_bytes(os.urandom(1000))
+        tiers.publish(src_next, src, {})
+        assert tiers.durable.latest() == tiers.cache.latest() == src_next
+
+
+@pytest.fixture(scope="module")
+def valkey(tmp_path_factory):
+    from moerl.bus import EmbeddedValkey
+
+    with EmbeddedValkey(tmp_path_factory.mktemp("valkey")) as v:
+        yield v
+
+
+def test_fanout_peers_serve_each_other_and_refuse_a_corrupt_chunk(buckets, valkey, tmp_path: Path) -> None:
+    from moerl.bus import RunBus, connect
+    from moerl.store.fanout import Swarm
+
+    cfg = _cfg(buckets, tmp_path, fanout=True)
+    tiers = _small_chunks(run_tiers(cfg, "r1"))
+    src = make_checkpoint(tmp_path / "src", seed=4)
+    (src / "model.safetensors").write_bytes(os.urandom(40 * CHUNK + 17))
+    m = tiers.publish(1, src, {})
+    bus = RunBus(connect(valkey.url, 5.0), f"fan-{tmp_path.name}")
+    swarms = [Swarm(bus, f"rollout-{i}", cfg) for i in range(3)]
+    for s in swarms:
+        s.serve()
+    try:
+        # the first node has nobody to ask: every chunk from the tiers
+        a, source = tiers.fetch(1, tmp_path / "n0", expect_sha256=m.sha256(), swarm=swarms[0])
+        n_chunks = sum(len(f.chunks) for f in m.files)
+        assert source == "peers" and swarms[0].counts["tier"] == n_chunks > 40
+        # the second: every chunk from the first (peers before the tiers)
+        b, _ = tiers.fetch(1, tmp_path / "n1", expect_sha256=m.sha256(), swarm=swarms[1])
+        assert swarms[1].counts == {"peer": n_chunks, "tier": 0, "refused": 0}
+        # a peer that serves a corrupt chunk: refused by its hash, fetched from another source
+        real = swarms[0].read_held
+        swarms[0].read_held = lambda v, i: b"\0" * CHUNK if i == 5 else real(v, i)
+        swarms[1].read_held = lambda v, i: None  # and one that has gone away
+        c, _ = tiers.fetch(1, tmp_path / "n2", expect_sha256=m.sha256(), swarm=swarms[2])
+        assert swarms[2].counts["refused"] == 1 and swarms[2].counts["tier"] >= 1  # chunk 5, then the tiers
+        for path in (a, b, c):
+            assert tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
+            assert Manifest.from_json((path / "manifest.json").read_text()).sha256() == m.sha256()
+        assert int(bus.counters().get("fanout_chunks_refused", 0)) == swarms[2].counts["refused"]
+    finally:
+        for s in swarms:
+            s.stop()
