@@ -42,6 +42,7 @@ from kfp import dsl, kubernetes
 
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
+from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_secret_env
 
 GROUPS = ("trainer", "rollout", "cpu", "buffer", "reward")
 # Which worker group runs each stage (the seed's four groups; `reward` is chosen in group_of).
@@ -117,6 +118,12 @@ def check_cluster_safe(cfg: RunConfig) -> None:
         problems.append(f"tracking.uri: {uri or 'unset (a SQLite file in the working directory)'!s} is not an MLflow "
                         "server; set http(s)://host:port of the tracking server (credentials from the Secret "
                         "cluster.mlflow_secret)")
+    if ck.cache_tier.endpoint_url == "embedded":
+        problems.append("checkpoint.cache_tier.endpoint_url: 'embedded' starts a server on this machine; give the "
+                        "cache server's Service URL (manifests/base/ckpt-cache.yaml: http://moerl-ckpt-cache.moerl"
+                        ".svc:8333)")
+    if ck.fanout and cfg.pipeline.mode != "async":
+        problems.append("checkpoint.fanout: only the async pipeline's long-lived rollout workers fan out; set it false")
     if cfg.pipeline.mode == "async" and not cfg.valkey.url:
         problems.append("valkey.url: the async pipeline needs a Valkey Service its pods can reach; set "
                         "redis://host:6379/0 (password from the Secret cluster.valkey_secret)")
@@ -183,6 +190,14 @@ def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool =
     if async_mode and cfg.cluster.valkey_secret:
         kubernetes.use_secret_as_env(task, secret_name=cfg.cluster.valkey_secret, secret_key_to_env=VALKEY_SECRET_KEYS,
                                      optional=True)
+    cache_env = cache_tier_secret_env(cfg.checkpoint, stage)
+    if cache_env:  # the cache server's writer or reader identity, by what the stage does
+        kubernetes.use_secret_as_env(task, secret_name=CACHE_TIER_SECRET,
+                                     secret_key_to_env={key: env for env, key in cache_env.items()})
+    if cfg.checkpoint.fanout and stage == "rollout_worker" and not launcher:
+        # peers reach this worker's chunk server at the pod's address (NetworkPolicy: rollout pods only)
+        task.set_env_variable("MOERL_FANOUT_BIND", "0.0.0.0")
+        kubernetes.use_field_path_as_env(task, "MOERL_FANOUT_ADVERTISE", "status.podIP")
     timeout = cfg.cluster.timeout_s(group, cfg.pipeline.mode)
     if stage in GPU_STAGES and name == "cpu":  # a launcher waits as long as its workload may run
         timeout = cfg.cluster.timeout_s(getattr(cfg.cluster.groups, STAGE_GROUP[stage]), cfg.pipeline.mode)

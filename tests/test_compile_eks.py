@@ -302,3 +302,41 @@ def test_the_reward_model_pipeline_compiles_for_eks(tmp_path):
     gpu_less["cluster"]["groups"]["reward"] = {"image": IMAGES["reward"], "gpus": 0}
     with pytest.raises(ConfigError, match="cluster.groups.reward.gpus: 0, but reward.model.device is cuda"):
         compile_pipeline(parse_config(gpu_less), tmp_path / "x.yaml", target="eks")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_identity(tmp_path, mode):
+    """checkpoint.cache_tier on EKS: the stages that publish get the cache server's writer keys,
+    the ones that read weights its reader keys (Read, List: manifests/base/ckpt-cache.yaml), the
+    rest none; with checkpoint.fanout the async rollout workers advertise their pod IP."""
+    ck = {"uri": S3, "cache_tier": {"uri": "s3://moerl-cache/ckpt",
+                                    "endpoint_url": "http://moerl-ckpt-cache.moerl.svc:8333"}}
+    if mode == "async":
+        ck["fanout"] = True
+    spec, _, k8s = _compiled(tmp_path, _cfg(mode, checkpoint=ck))
+    seen = {}
+    for name, task in _tasks(spec).items():
+        kc = k8s.get(_executor(spec, task))
+        if kc is None:
+            continue
+        stage = dict(kc.pod_metadata.labels)["moerl.ai/stage"].replace("-", "_")
+        keys = {k.env_var: k.secret_key for s in kc.secret_as_env if s.secret_name == "moerl-ckpt-cache"
+                for k in s.key_to_env}
+        seen[stage] = keys
+        fields = {f.name: f.field_path for f in kc.field_path_as_env}
+        assert (fields.get("MOERL_FANOUT_ADVERTISE") == "status.podIP") == (stage == "rollout_worker"), stage
+    writer = {"MOERL_CACHE_TIER_ACCESS_KEY_ID": "WRITER_ACCESS_KEY_ID",
+              "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": "WRITER_SECRET_ACCESS_KEY"}
+    reader = {k: v.replace("WRITER", "READER") for k, v in writer.items()}
+    want = ({"init_policy": writer, "async_trainer": writer, "rollout_worker": reader} if mode == "async" else
+            {"init_policy": writer, "publish_checkpoint": writer, "rollout": reader, "redistribute_weights": reader})
+    assert {s: k for s, k in seen.items() if k} == want
+    assert all(not k for s, k in seen.items() if s not in want)  # reward, buffer, bookkeeping: no keys
+
+
+def test_an_embedded_cache_tier_or_a_sync_fanout_is_not_cluster_safe(tmp_path):
+    from moerl.errors import ConfigError
+
+    ck = {"uri": S3, "cache_tier": {"uri": "s3://c/p", "endpoint_url": "embedded"}, "fanout": True}
+    with pytest.raises(ConfigError, match=r"checkpoint.cache_tier.endpoint_url: 'embedded'.*checkpoint.fanout"):
+        _compiled(tmp_path, _cfg("sync", checkpoint=ck))

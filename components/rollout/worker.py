@@ -118,7 +118,8 @@ class RolloutWorker:
                         self.name, reg.version, self.version, self.version)
             return
         store = run_store(self.cfg.checkpoint, self.run_id)
-        store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s)
+        # servable may be ahead of durable: the pin then holds the version from when it lands
+        store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s, published=False)
         t0 = time.perf_counter()
         sources: list[str] = []
         # held while it loads: no neighbour on this node prunes the copy from under the engine

@@ -147,6 +147,13 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
         if secret:
             env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k, "optional": True}}}
                     for k in keys]
+    from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_secret_env
+
+    env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": CACHE_TIER_SECRET, "key": key}}}
+            for name, key in cache_tier_secret_env(cfg.checkpoint, stage).items()]
+    if cfg.checkpoint.fanout and stage == "rollout_worker":
+        env += [{"name": "MOERL_FANOUT_BIND", "value": "0.0.0.0"},
+                {"name": "MOERL_FANOUT_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     return env
 
 

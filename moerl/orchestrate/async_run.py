@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from moerl.bus.client import PASSWORD_ENV
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
 from moerl.launch import procs
+from moerl.store.s3server import embedded_cache_tier
 
 MODULES = {"trainer": "moerl.components.policy_update.worker", "rollout": "moerl.components.rollout.worker",
            "scorer": "moerl.components.reward.worker"}
@@ -249,7 +251,9 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
     run = None
     t0 = time.perf_counter()
     ok = True
+    servers = ExitStack()  # the embedded cache tier, when the config asks for one
     try:
+        cfg = servers.enter_context(embedded_cache_tier(cfg, work / "ckpt-cache"))
         print(f"[moerl] async: Valkey at {tracking.redact(cfg.valkey.url)}; logs in {work / 'logs'}", flush=True)
         # 3. version 0
         from moerl.store.runs import run_store
@@ -286,6 +290,7 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
                 except Exception as err:  # noqa: BLE001 - the caller sees stats missing, the run's outcome stands
                     log.warning("could not read the run's counters: %s", err)
             run.stop()
+        servers.close()
         if server is not None:
             server.stop()
     final = report(uri, shown, run_id, ok, t0)

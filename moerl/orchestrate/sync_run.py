@@ -27,6 +27,7 @@ from moerl import provenance, tracking
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import ConfigError, MoerlError
 from moerl.orchestrate.prepare import absolutize, begin_run, preflight, resume_point
+from moerl.store.s3server import embedded_cache_tier
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
     t0 = time.perf_counter()
     ok = True
     try:
-        with log_path.open("w") as lf, _filtered_output(lf, verbose):
+        with log_path.open("w") as lf, _filtered_output(lf, verbose), \
+                embedded_cache_tier(cfg, Path(cfg.pipeline.work_dir) / run_id / "ckpt-cache") as cfg:
             if cfg.pipeline.kind == "reward_model":
                 from moerl.pipelines.reward_model import build_reward_model_pipeline
 

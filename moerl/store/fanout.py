@@ -185,8 +185,9 @@ class Swarm:
         return out
 
     def fetch(self, tiers: Tiers, version: int, dest: Path, exclude: tuple[str, ...] = (),
-              expect_sha256: str | None = None) -> Path:
-        """`version` in `dest`, assembled from peers and tiers, every chunk verified."""
+              expect_sha256: str | None = None) -> tuple[Path, int]:
+        """`version` in `dest`, assembled from peers and tiers, every chunk verified; and how
+        many of its chunks came from peers."""
         manifest = tiers.manifest(version)
         if expect_sha256 is not None and manifest.sha256() != expect_sha256:
             raise CheckpointError(f"version {version}: the tiers hold manifest {manifest.sha256()}, not {expect_sha256}")
@@ -194,11 +195,12 @@ class Swarm:
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         final = dest / version_dir(version)
+        before = self.counts["peer"]
         with exclusive(lock_path(dest, version)):
             if not is_verified(final, manifest, exclude):
                 self._assemble(tiers, version, manifest, plan, dest, final, exclude)
         self.offer(version, final, manifest, exclude)
-        return final
+        return final, self.counts["peer"] - before
 
     def _assemble(self, tiers: Tiers, version: int, manifest: Manifest, plan: list[tuple[str, int, int, str]],
                   dest: Path, final: Path, exclude: tuple[str, ...]) -> None:

@@ -95,12 +95,15 @@ class PinLeases:
         def _list(self, prefix: str) -> list[str]: ...
         def _delete(self, keys: list[str]) -> None: ...
 
-    def pin(self, version: int, holder: str, ttl_s: float | None = None) -> None:
+    def pin(self, version: int, holder: str, ttl_s: float | None = None, published: bool = True) -> None:
         """Lease `version` to `holder` for `ttl_s` seconds (default `pin_ttl_s`): retention keeps
-        it while the lease lives. One pin per holder: a new pin replaces the holder's old one."""
+        it while the lease lives. One pin per holder: a new pin replaces the holder's old one.
+        `published=False`: the version may not be here yet (servable from the cache tier, its
+        durable copy still being written); the pin then protects it from the moment it lands."""
         key = pin_key(holder)
         lease = new_lease(version, holder, self.clock(), self.pin_ttl_s if ttl_s is None else ttl_s)
-        self.manifest(version)  # refuse to pin what does not exist
+        if published:
+            self.manifest(version)  # refuse to pin what does not exist
         self._write_text(key, lease.to_json())
 
     def renew(self, holder: str, ttl_s: float | None = None) -> int:

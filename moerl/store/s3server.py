@@ -150,3 +150,31 @@ def local_s3_server(root: Path) -> Iterator[S3Server]:
         for port in server.ports:  # gRPC sockets weed leaves in /tmp if it had to be killed
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 sock.unlink(missing_ok=True)
+
+
+@contextmanager
+def embedded_cache_tier(cfg, root: Path) -> Iterator:
+    """`checkpoint.cache_tier.endpoint_url: embedded` in a local run: a `weed mini` of its own on
+    127.0.0.1 as the cache tier (its bucket created), its fresh keys in this process's
+    environment under `cache_tier.credentials_env` (the stages it starts inherit them) for as
+    long as the run lasts; yields the config pointing at it. Any other config is yielded as is."""
+    ct = cfg.checkpoint.cache_tier
+    if ct.uri is None or ct.endpoint_url != "embedded":
+        yield cfg
+        return
+    with local_s3_server(Path(root)) as server:
+        server.client().create_bucket(Bucket=ct.uri.removeprefix("s3://").split("/")[0])
+        env = {f"{ct.credentials_env}_ACCESS_KEY_ID": server.access_key,
+               f"{ct.credentials_env}_SECRET_ACCESS_KEY": server.secret_key}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        print(f"[moerl] checkpoint cache tier: weed mini at {server.endpoint_url} ({ct.uri})", flush=True)
+        try:
+            yield cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={
+                "cache_tier": ct.model_copy(update={"endpoint_url": server.endpoint_url})})})
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

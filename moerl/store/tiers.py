@@ -53,6 +53,26 @@ log = logging.getLogger(__name__)
 Source = Literal["node", "peers", "cache", "durable"]
 
 
+# On a cluster the cache server's two identities come from one Secret (manifests/base/
+# ckpt-cache.yaml): the stages that publish get the writer's keys, the ones that only read
+# (engines, redistribution) the reader's, as `<credentials_env>_ACCESS_KEY_ID/_SECRET_ACCESS_KEY`.
+CACHE_TIER_SECRET = "moerl-ckpt-cache"
+WRITER_STAGES = frozenset({"init_policy", "resume_policy", "publish_checkpoint", "async_trainer"})
+READER_STAGES = frozenset({"rollout", "rollout_worker", "redistribute_weights"})
+
+
+def cache_tier_secret_env(cfg: CheckpointConfig, stage: str) -> dict[str, str]:
+    """Environment variable -> key of the Secret `CACHE_TIER_SECRET`, for `stage`'s pod; empty
+    without a cache tier or for a stage that never touches it."""
+    if cfg.cache_tier.uri is None:
+        return {}
+    role = "WRITER" if stage in WRITER_STAGES else "READER" if stage in READER_STAGES else None
+    if role is None:
+        return {}
+    env = cfg.cache_tier.credentials_env
+    return {f"{env}_ACCESS_KEY_ID": f"{role}_ACCESS_KEY_ID", f"{env}_SECRET_ACCESS_KEY": f"{role}_SECRET_ACCESS_KEY"}
+
+
 def cache_tier_credentials(cfg: CheckpointConfig) -> tuple[str, str] | None:
     """The cache tier's keys from `<credentials_env>_ACCESS_KEY_ID` / `_SECRET_ACCESS_KEY`;
     None (the standard AWS chain) when neither is set."""
@@ -124,7 +144,8 @@ class Tiers:
                 return hit, "node"
         if swarm is not None:
             try:
-                return swarm.fetch(self, version, dest, exclude, expect_sha256), "peers"
+                path, from_peers = swarm.fetch(self, version, dest, exclude, expect_sha256)
+                return path, "peers" if from_peers else "cache" if self.cache is not None else "durable"
             except CheckpointError as e:
                 log.warning("version %d: fan-out failed (%s); reading it from the cache tier / S3", version, e)
         path, source = self._fetch_tiers(version, dest, exclude, expect_sha256)

@@ -167,9 +167,10 @@ def test_fanout_peers_serve_each_other_and_refuse_a_corrupt_chunk(buckets, valke
         # the first node has nobody to ask: every chunk from the tiers
         a, source = tiers.fetch(1, tmp_path / "n0", expect_sha256=m.sha256(), swarm=swarms[0])
         n_chunks = sum(len(f.chunks) for f in m.files)
-        assert source == "peers" and swarms[0].counts["tier"] == n_chunks > 40
+        assert source == "cache" and swarms[0].counts["tier"] == n_chunks > 40
         # the second: every chunk from the first (peers before the tiers)
-        b, _ = tiers.fetch(1, tmp_path / "n1", expect_sha256=m.sha256(), swarm=swarms[1])
+        b, source = tiers.fetch(1, tmp_path / "n1", expect_sha256=m.sha256(), swarm=swarms[1])
+        assert source == "peers"
         assert swarms[1].counts == {"peer": n_chunks, "tier": 0, "refused": 0}
         # a peer that serves a corrupt chunk: refused by its hash, fetched from another source
         real = swarms[0].read_held
