@@ -29,6 +29,8 @@ from moerl.components.rollout.worker import EXIT_DRAINED
 from moerl.config import load_config
 from moerl.orchestrate.async_run import LocalAsyncRun, publish_initial, start_valkey
 from moerl.store.runs import run_store
+from moerl.store.s3server import S3Process
+from moerl.store.tiers import run_tiers
 from tests.sandbox import sandboxed
 
 pytestmark = pytest.mark.slow
@@ -102,25 +104,55 @@ def _versions(h: Harness) -> list[int]:
     return run_store(h.cfg.checkpoint, h.run_id).versions()
 
 
-def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_path, s3_server):
+def _cache_server(tmp_path: Path, monkeypatch) -> S3Process:
+    """A second S3 server as the checkpoint cache tier (the buffer group's SeaweedFS on EKS), with
+    identities of its own, given to the stages as the Secret would: in the environment."""
+    cache = S3Process(tmp_path / "cache-server")
+    server = cache.start()
+    server.client().create_bucket(Bucket="moerl-cache")
+    monkeypatch.setenv("MOERL_CACHE_TIER_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", server.secret_key)
+    return cache
+
+
+def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_path, s3_server, monkeypatch):
     # slow units (2 sequences at a time, long responses, 8 groups) so the signal lands
     # mid-generation; a grace far shorter than a group, so part of the unit must be requeued (with
     # 4 groups and 0.3 s, a loaded machine twice saw the unit finish inside the grace). Cluster-shaped: S3, an
-    # MLflow server, a Valkey server, every process sandboxed (see the module docstring).
+    # MLflow server, a Valkey server, the checkpoint cache tier (a second S3 server), every process
+    # sandboxed (see the module docstring); the two workers fan new versions out to each other.
     import boto3
 
     from tests.mlflow_server import mlflow_server
 
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket="moerl-async")
-    with mlflow_server(tmp_path) as url:
-        h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
-                    "units.max_prompts=8", "rollout.grace_seconds=0.05", "checkpoint.uri=s3://moerl-async/runs",
-                    f"checkpoint.endpoint_url={s3_server.endpoint_url}", "checkpoint.region=us-east-1",
-                    "checkpoint.cache_dir=.moerl/cache", f"tracking.uri={url}", sandboxes=tmp_path / "sandboxes")
-        _sigterm_drain(h)
-        from mlflow.tracking import MlflowClient
+    cache = _cache_server(tmp_path, monkeypatch)
+    try:
+        with mlflow_server(tmp_path) as url:
+            h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
+                        "units.max_prompts=8", "rollout.grace_seconds=0.05", "checkpoint.uri=s3://moerl-async/runs",
+                        f"checkpoint.endpoint_url={s3_server.endpoint_url}", "checkpoint.region=us-east-1",
+                        "checkpoint.cache_dir=.moerl/cache", f"tracking.uri={url}",
+                        "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
+                        f"checkpoint.cache_tier.endpoint_url={cache.server.endpoint_url}", "checkpoint.fanout=true",
+                        "checkpoint.chunk_mb=1", sandboxes=tmp_path / "sandboxes")
+            c = _sigterm_drain(h)
+            from mlflow.tracking import MlflowClient
 
-        assert MlflowClient(url).get_run(h.run_id).data.metrics  # the trainer logged to the server
+            metrics = MlflowClient(url).get_run(h.run_id).data.metrics
+            assert metrics  # the trainer logged to the server
+            # versions were servable from the cache tier before S3 had them, and every engine fetch
+            # came from the cache tier or a peer: S3 was never read for weights
+            assert metrics["weights/cache_tier"] == 1.0 and metrics["weights/cache_tier_failed"] == 0.0
+            assert metrics["weights/published_to_servable_s"] <= metrics["weights/published_to_durable_s"]
+            assert c["weights_from_durable"] == 0 and c["weights_from_cache"] + c["weights_from_peers"] >= 3
+            assert c["fanout_chunks_peer"] >= 1 and c["fanout_chunks_refused"] == 0
+            tiers = run_tiers(h.cfg.checkpoint, h.run_id)
+            v = h.cfg.pipeline.versions
+            assert tiers.cache.latest() == tiers.durable.latest() == v
+            assert tiers.cache.manifest(v).sha256() == tiers.durable.manifest(v).sha256()
+    finally:
+        cache.stop()
     # every process (trainer, scorer, two workers, and the drained worker's replacement if the run
     # was not done by the time it was due) ran in a fresh directory of its own; both first rollout
     # workers served, each from its own cache
@@ -145,6 +177,38 @@ def _sigterm_drain(h: Harness) -> None:
     assert c["drains"] >= 1 and c["units_requeued"] >= 1
     assert _versions(h)[-1] == h.cfg.pipeline.versions
     _balanced(c, h.cfg)
+    return c
+
+
+def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the_run_completes(tmp_path,
+                                                                                               monkeypatch):
+    cache = _cache_server(tmp_path, monkeypatch)
+    try:
+        h = Harness(tmp_path, "pipeline.versions=5", "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
+                    f"checkpoint.cache_tier.endpoint_url={cache.server.endpoint_url}")
+        state: dict[str, int] = {}
+
+        def fault(run):
+            reg = run.bus.registry()
+            if reg is None:
+                return
+            if "killed" not in state and reg.version >= 1:
+                cache.kill()
+                state["killed"] = reg.version
+            elif "killed" in state and "restarted" not in state and reg.version >= state["killed"] + 2:
+                cache.start()
+                state["restarted"] = reg.version
+
+        c = h.go(fault)
+        assert state.keys() == {"killed", "restarted"}
+        assert _versions(h)[-1] == h.cfg.pipeline.versions  # every version durable
+        _balanced(c, h.cfg)
+        # while it was down the engines read S3 and the publisher went to S3 first, both counted
+        assert c["weights_from_durable"] >= 1 and c["weights_from_cache"] >= 1
+        failed = [v for _, v in sorted(tracking.metric_history(h.uri, h.run_id, "weights/cache_tier_failed"))]
+        assert 1.0 in failed and failed[-1] == 0.0  # down for a while, then back in use
+    finally:
+        cache.stop()
 
 
 def test_sigkill_of_a_worker_returns_its_unit_after_the_visibility_timeout(tmp_path):

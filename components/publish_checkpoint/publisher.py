@@ -115,7 +115,7 @@ class Publisher:
                 metrics["weights/published_to_servable_s"] = time.perf_counter() - job.handed
                 self.on_servable(policy)
                 metrics.update(publish_durable(self.cfg, self.run_id, job.src, manifest, self.exclusive,
-                                               started=job.handed))
+                                               started=job.handed, already=not metrics["weights/cache_tier"]))
                 job.policy, job.metrics = policy, metrics
                 self.on_durable(job)
             except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it

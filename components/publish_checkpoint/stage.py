@@ -189,7 +189,8 @@ def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int
     `exclusive`: claim the version create-only (see `CheckpointStore.publish`)."""
     t0 = time.perf_counter()
     servable, policy, metrics = publish_servable(cfg, run_id, state_dir, version, meta, exclusive)
-    metrics.update(publish_durable(cfg, run_id, state_dir, servable, exclusive, started=t0))
+    metrics.update(publish_durable(cfg, run_id, state_dir, servable, exclusive, started=t0,
+                                   already=not metrics["weights/cache_tier"]))
     metrics["timing/publish_checkpoint_s"] = metrics["weights/published_to_durable_s"]  # both tiers
     metrics["weights/publish_mb_per_s"] = metrics["weights/publish_mb"] / max(metrics["timing/publish_checkpoint_s"], 1e-9)
     return policy, metrics
@@ -209,16 +210,24 @@ def publish_servable(cfg: RunConfig, run_id: str, state_dir: str | Path, version
                                       meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()})
     elapsed = time.perf_counter() - t0
     policy = PolicyVersion(version=version, uri=version_uri(tiers.durable, version), manifest_sha256=manifest.sha256())
+    cache_ok = tiers.cache is not None and tiers.cache_failed is None
+    if tiers.cache is not None and not cache_ok:
+        print(f"[moerl] version {version}: the checkpoint cache tier failed ({tiers.cache_failed}); published to "
+              "the durable store first", flush=True)
     return manifest, policy, {"weights/published_to_servable_s": elapsed, "weights/version": float(version),
-                              "weights/cache_tier": float(tiers.cache is not None)}
+                              "weights/cache_tier": float(cache_ok),
+                              "weights/cache_tier_failed": float(tiers.cache is not None and not cache_ok)}
 
 
 def publish_durable(cfg: RunConfig, run_id: str, state_dir: str | Path, manifest: Manifest,
-                    exclusive: bool = False, started: float | None = None) -> dict[str, float]:
+                    exclusive: bool = False, started: float | None = None, already: bool = False
+                    ) -> dict[str, float]:
     """The durable copy under the servable copy's manifest; `latest` moves to it. `started`:
-    when the version was handed over (perf_counter), for published -> durable."""
+    when the version was handed over (perf_counter), for published -> durable. `already`: the
+    servable copy was the durable one (no cache tier, or it failed)."""
     t0 = time.perf_counter()
-    run_tiers(cfg.checkpoint, run_id).publish_durable(manifest, Path(state_dir), exclusive=exclusive)
+    if not already:
+        run_tiers(cfg.checkpoint, run_id).publish_durable(manifest, Path(state_dir), exclusive=exclusive)
     done = time.perf_counter()
     mb = sum(f.size for f in manifest.files) / 1e6
     return {"timing/publish_checkpoint_s": done - t0, "weights/publish_mb": mb,

