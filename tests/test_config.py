@@ -136,3 +136,22 @@ def test_deepep_options_are_checked_at_load():
         parse_config({"trainer": gpu | {"deepep_options": {"num_max_token_per_rank": 1}}})
     with pytest.raises(ConfigError, match="deepep_options is for ep_backend deepep; ep_backend is all_to_all"):
         parse_config({"trainer": {"deepep_options": {"api": "v2"}}})
+
+
+@pytest.mark.parametrize("cache_tier, needle", [
+    ({"uri": "/local/dir", "endpoint_url": "http://x:8333"}, "must be s3://bucket/prefix on the cache server"),
+    ({"uri": "s3://", "endpoint_url": "http://x:8333"}, "must be s3://bucket/prefix"),
+    ({"uri": "s3://c/p"}, "checkpoint.cache_tier.endpoint_url is required"),
+    ({"uri": "s3://c/p", "endpoint_url": "http://key:secret@x:8333"}, "must not embed credentials"),
+    ({"uri": "s3://c/p", "endpoint_url": "http://x", "credentials_env": "lower"}, "credentials_env"),
+    ({"uri": "s3://c/p", "endpoint_url": "http://x", "keep_last": 0}, "keep_last"),
+])
+def test_a_bad_cache_tier_is_refused_naming_the_field(cache_tier, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        parse_config({"checkpoint": {"cache_tier": cache_tier}})
+
+
+def test_the_cache_tier_is_off_by_default_and_embedded_is_allowed_locally():
+    assert parse_config({}).checkpoint.cache_tier.uri is None and not parse_config({}).checkpoint.fanout
+    ct = parse_config({"checkpoint": {"cache_tier": {"uri": "s3://c/p", "endpoint_url": "embedded"}}}).checkpoint
+    assert ct.cache_tier.endpoint_url == "embedded" and ct.max_unpublished == 1 and ct.chunk_mb == 64

@@ -237,7 +237,7 @@ def test_a_real_checkpoint_layout_passes_the_model_path_check(tmp_path):
 
 # ---- `moerl run`: preflight fails before an MLflow run (or anything) exists --------------------
 
-@pytest.mark.parametrize("case", ["dataset", "model-path"])
+@pytest.mark.parametrize("case", ["dataset", "model-path", "cache-tier"])
 def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
     work = tmp_path / "work"
     work.mkdir()
@@ -245,6 +245,14 @@ def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
         bad = tmp_path / "d.jsonl"
         bad.write_bytes(_good(2) + b"\xff\n")
         section, needle = f"task:\n  dataset: {bad}\n", f"{bad} are malformed"
+    elif case == "cache-tier":  # nobody listens there: every read would go to S3 for the whole run
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        section = f"checkpoint:\n  cache_tier:\n    uri: s3://moerl-cache/p\n    endpoint_url: {dead}\n"
+        needle = "checkpoint.cache_tier (s3://moerl-cache/p at http://127.0.0.1:"
     else:
         bad = _checkpoint(tmp_path / "ckpt", b"{not json")
         section, needle = f"model:\n  path: {bad}\n", "model.path: "
@@ -252,7 +260,7 @@ def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "c.yaml"], capture_output=True, text=True,
                        cwd=work, timeout=300, env=env)
-    assert r.returncode == (1 if case == "dataset" else 2)  # DataError / ConfigError
+    assert r.returncode == (1 if case == "dataset" else 2), r.stderr  # DataError / ConfigError
     assert_one_error_line(r, needle)
     assert "MLflow run" not in r.stdout
     # no mlflow.db, no checkpoints/, no .moerl/: nothing was started

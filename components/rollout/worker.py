@@ -1,9 +1,12 @@
 """Rollout worker (async mode): one vLLM engine for the whole run, fed by leased work units.
 
-Loop: (1) stop if the run is done or a drain was asked; (2) move to the newest registered
-policy version, between units: fetch it into the verified node cache, hot-swap it into the
+Loop: (1) stop if the run is done or a drain was asked; (2) move to the version the bus's
+servable pointer names (verified in the cache tier, perhaps not yet durable; the registry
+without one), between units: pin it in the store under a renewed lease, fetch it into the
+verified node cache from the nearest tier (node cache, peers with `checkpoint.fanout`, the
+cache tier, S3; `moerl.store.tiers`, counted as `weights_from_*`), and hot-swap it into the
 live engine (`hotswap.py`, which also resets the prefix cache, so no KV computed with old
-weights is served), and pin it in the store under a renewed lease; (3) lease a unit (at most
+weights is served); (3) lease a unit (at most
 `units.max_prompts` prompts; a unit some dead worker left idle past the visibility timeout is
 reclaimed first); (4) submit one request per prompt (n = G, a seed per group, so a
 re-executed unit regenerates the same samples), skipping groups another attempt already

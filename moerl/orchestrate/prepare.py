@@ -66,7 +66,26 @@ def preflight(cfg: RunConfig) -> None:
                           "and balance with trainer.aux_loss_coef")
     from moerl.store.runs import open_store
 
+    _check_cache_tier(cfg)  # first: the durable check creates a local store's folder
     open_store(cfg.checkpoint).check_access()
+
+
+def _check_cache_tier(cfg: RunConfig) -> None:
+    """A cache tier that is configured but unusable (no bucket, refused keys, nobody listening)
+    would send every read to S3 for the whole run: refused before work starts, naming the key.
+    An `embedded` one is started by the run itself, after this check."""
+    ct = cfg.checkpoint.cache_tier
+    if ct.uri is None or ct.endpoint_url == "embedded":
+        return
+    from moerl.errors import CheckpointError, ConfigError
+    from moerl.store.tiers import cache_tier_store
+
+    try:
+        cache_tier_store(cfg.checkpoint, "preflight").check_access()
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.cache_tier ({ct.uri} at {ct.endpoint_url}) is not usable: {e}; fix "
+                          "checkpoint.cache_tier.uri / endpoint_url and its keys "
+                          f"({ct.credentials_env}_ACCESS_KEY_ID / _SECRET_ACCESS_KEY), or unset cache_tier.uri") from e
 
 
 def check_prompts(cfg: RunConfig, rows) -> None:
