@@ -1,7 +1,8 @@
 """The local proof of cluster-safety: the EKS-target sync pipeline on kfp.local, every task in its
 own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py),
-sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), an MLflow tracking server
-(`mlflow server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn. A second run, warm-started from the first
+sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), the checkpoint cache tier (a
+second `weed mini`, as the buffer group's SeaweedFS), an MLflow tracking server (`mlflow
+server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn. A second run, warm-started from the first
 (`model.warm_start: previous`, as scheduled retraining does), requires a GPU its rollout node
 does not have (`require.gpu`): the rollout fails at its start, is retried
 (`pipeline.task_retries`), then the exit handler marks the MLflow run FAILED, and `latest`
@@ -75,19 +76,35 @@ def _run_sandboxed(cfg, root: Path) -> Exception | None:
 def cluster_run(s3_server, tmp_path_factory):
     import boto3
 
+    from moerl.store.s3server import S3Process
+
     root = tmp_path_factory.mktemp("cluster")
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
+    # the checkpoint cache tier: a second S3 server (the buffer group's SeaweedFS), its keys in
+    # the tasks' environment as the Secret gives them on EKS
+    cache = S3Process(root / "cache-server")
+    cache_server = cache.start()
+    cache_server.client().create_bucket(Bucket="moerl-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MOERL_CACHE_TIER_ACCESS_KEY_ID", cache_server.access_key)
+    mp.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", cache_server.secret_key)
+    cache_tier = {"cache_tier": {"uri": "s3://moerl-cache/ckpt", "endpoint_url": cache_server.endpoint_url}}
     with mlflow_server(root) as url:
         ok_root, bad_root = root / "ok", root / "bad"
         ok_root.mkdir()
         bad_root.mkdir()
-        ok_err = _run_sandboxed(_cluster_cfg(s3_server, url), ok_root)
+        try:
+            ok_err = _run_sandboxed(_cluster_cfg(s3_server, url, checkpoint=cache_tier), ok_root)
+        finally:
+            mp.undo()
+            cache.stop()
         # warm-started from the run above, requiring a GPU this node lacks: the first rollout
         # fails at its start (twice: one retry), after version 0 was published
         bad_err = _run_sandboxed(_cluster_cfg(s3_server, url, require={"gpu": True}, model={"warm_start": "previous"},
                                               task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}),
                                  bad_root)
-        yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "s3": s3_server}
+        yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "s3": s3_server,
+               "cache": cache}
 
 
 def _runs(url: str):
@@ -124,6 +141,12 @@ def test_the_eks_pipeline_completes_and_learns_with_tasks_sharing_only_servers(c
     keep = _cluster_cfg(cluster_run["s3"], cluster_run["url"]).checkpoint.keep_last
     assert store.versions() == [0, *range(ITERATIONS + 1 - keep, ITERATIONS + 1)] and store.latest() == ITERATIONS
     assert ok.data.tags["moerl.final_checkpoint"].startswith(f"s3://{BUCKET}/{PREFIX}/")
+    # every version went through the cache tier first (servable, then durable under the same
+    # manifest), and every redistribution read it from there, none from S3
+    for key in ("weights/cache_tier", "weights/fetched_from_cache"):
+        assert [v for _, v in sorted((m.step, m.value) for m in client.get_metric_history(ok.info.run_id, key))] \
+            == [1.0] * ITERATIONS, key
+    assert all(m.value == 0.0 for m in client.get_metric_history(ok.info.run_id, "weights/fetched_from_durable"))
 
 
 @pytest.mark.slow

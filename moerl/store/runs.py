@@ -4,7 +4,8 @@ Each run publishes under `<checkpoint.uri>/runs/<run_id>/`, so two runs never ra
 same version numbers or the same `latest` pointer, and the node-local cache is keyed the same
 way (`<cache_dir>/<run_id>/v000001`). The cache's `serving.json` names the version the
 engines serve; each fetch for an engine prunes the cache to the newest `checkpoint.cache_keep`
-versions, never dropping the one fetched or the one served.
+versions, never dropping the one fetched or the one served. The lineage's stores and tiers
+(`run_store`, `run_tiers`, `open_store`) live in `moerl.store.tiers` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,31 +19,15 @@ from pathlib import Path
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import CheckpointStore
-from moerl.store.folder import LocalStore
 from moerl.store.nodecache import MARKER, lock_path, prune_cache, shared
+from moerl.store.tiers import open_store, run_store, run_tiers
+
+__all__ = ["ENGINE_EXCLUDE", "SERVING", "engine_copy", "fetch_for_engine", "fetch_nearest", "open_store", "run_cache",
+           "run_store", "run_tiers", "served_version", "version_uri"]
 
 log = logging.getLogger(__name__)
 
-
-def open_store(cfg: CheckpointConfig) -> CheckpointStore:
-    """`s3://bucket/prefix` gives an S3Store; anything else is a local folder. The backends
-    are chosen here, not in `moerl.store.base`, so the contract never imports its backends."""
-    if cfg.uri.startswith("s3://"):
-        from moerl.store.s3 import S3Store  # boto3 only for S3 users
-
-        store: CheckpointStore = S3Store(cfg)
-    else:
-        store = LocalStore(Path(cfg.uri))
-    store.pin_ttl_s = cfg.pin_ttl_s
-    return store
-
 SERVING = "serving.json"
-
-
-def run_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore:
-    if not run_id or "/" in run_id:
-        raise ValueError(f"run_id must be a non-empty name without '/', got {run_id!r}")
-    return open_store(cfg.model_copy(update={"uri": f"{cfg.uri.rstrip('/')}/runs/{run_id}"}))
 
 
 def run_cache(cfg: CheckpointConfig, run_id: str) -> Path:
@@ -100,8 +85,6 @@ def fetch_nearest(cfg: CheckpointConfig, run_id: str, version: int, expect_sha25
     """Version `version` in the node-local cache, verified, without the trainer state, from the
     nearest tier that has it (`moerl.store.tiers`); then prune the cache. A failed prune is
     logged, never raised: the fetch succeeded."""
-    from moerl.store.tiers import run_tiers
-
     cache = run_cache(cfg, run_id)
     path, source = run_tiers(cfg, run_id).fetch(version, cache, ENGINE_EXCLUDE, expect_sha256, swarm)
     try:

@@ -37,20 +37,27 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import CheckpointStore
+from moerl.store.folder import LocalStore
 from moerl.store.manifest import MANIFEST, Manifest, version_dir
 from moerl.store.nodecache import MARKER, is_verified, lock_path, shared
-
-if TYPE_CHECKING:
-    from moerl.store.fanout import Swarm
 
 log = logging.getLogger(__name__)
 
 Source = Literal["node", "peers", "cache", "durable"]
+
+
+class Swarm(Protocol):
+    """What `Tiers.fetch` asks of a fan-out (`moerl.store.fanout.Swarm`)."""
+
+    def fetch(self, tiers: Tiers, version: int, dest: Path, exclude: tuple[str, ...],
+              expect_sha256: str | None) -> tuple[Path, int]: ...  # the copy, chunks from peers
+
+    def offer(self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> None: ...
 
 
 # On a cluster the cache server's two identities come from one Secret (manifests/base/
@@ -228,8 +235,26 @@ def node_copy(dest: Path, version: int, expect_sha256: str, exclude: tuple[str, 
     return None
 
 
-def run_tiers(cfg: CheckpointConfig, run_id: str) -> Tiers:
-    from moerl.store.runs import run_store
+def open_store(cfg: CheckpointConfig) -> CheckpointStore:
+    """`s3://bucket/prefix` gives an S3Store; anything else is a local folder. The backends
+    are chosen here, not in `moerl.store.base`, so the contract never imports its backends."""
+    if cfg.uri.startswith("s3://"):
+        from moerl.store.s3 import S3Store  # boto3 only for S3 users
 
+        store: CheckpointStore = S3Store(cfg)
+    else:
+        store = LocalStore(Path(cfg.uri))
+    store.pin_ttl_s = cfg.pin_ttl_s
+    return store
+
+
+def run_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore:
+    """The run's lineage in the durable store: `<checkpoint.uri>/runs/<run_id>`."""
+    if not run_id or "/" in run_id:
+        raise ValueError(f"run_id must be a non-empty name without '/', got {run_id!r}")
+    return open_store(cfg.model_copy(update={"uri": f"{cfg.uri.rstrip('/')}/runs/{run_id}"}))
+
+
+def run_tiers(cfg: CheckpointConfig, run_id: str) -> Tiers:
     return Tiers(run_store(cfg, run_id), cache_tier_store(cfg, run_id), cfg.chunk_mb * 2**20,
                  (cfg.keep_last, cfg.keep_every), cfg.cache_tier.keep_last)
