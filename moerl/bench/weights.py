@@ -245,8 +245,13 @@ def _trainer_loop(cfg, run_id: str, sources: list[Path], work: Path, versions: i
             out = work / f"{run_id}-v{v}"
             shutil.copytree(sources[v % len(sources)], out)
             stalls.append(pub.submit(v, out, {}))
+            for job in pub.take_finished():  # as the trainer does: a durable version's folder goes
+                shutil.rmtree(job.src, ignore_errors=True)
         pub.drain()
-        return stalls, pub.take_finished()
+        jobs = pub.take_finished()
+        for job in jobs:
+            shutil.rmtree(job.src, ignore_errors=True)
+        return stalls, jobs
     finally:
         pub.close()
 
@@ -255,6 +260,7 @@ def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Pa
     """`readers` processes fetch `version` at once (moerl/bench/fanreader.py); the wall time
     until the last one has it, and where their chunks came from."""
     import json
+    import shutil
     import subprocess
     import sys
 
@@ -269,12 +275,18 @@ def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Pa
                "--bus-run", tag, "--version", str(version), "--name", f"r{i}", "--cache", str(d / f"node{i}"),
                "--valkey", valkey_url, "--start", str(start), "--stop", str(stop)] + (["--fanout"] if fanout else [])
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    def line(p: subprocess.Popen) -> str:
+        text = p.stdout.readline()
+        if not text:
+            raise RuntimeError(f"a fan-out reader exited with {p.wait()} (its stderr is above)")
+        return text
+
     try:
         for p in procs:
-            assert p.stdout.readline().strip() == "ready", "a fan-out reader failed to start"
+            assert line(p).strip() == "ready", "a fan-out reader failed to start"
         t0 = time.perf_counter()
         start.touch()
-        results = [json.loads(p.stdout.readline()) for p in procs]
+        results = [json.loads(line(p)) for p in procs]
         wall = time.perf_counter() - t0
     finally:
         stop.touch()
@@ -283,12 +295,14 @@ def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Pa
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(d, ignore_errors=True)  # N copies of the model: the disk is not endless
     return {"seconds": wall, "peer_chunks": sum(r["chunks"].get("peer", 0) for r in results),
             "tier_chunks": sum(r["chunks"].get("tier", 0) for r in results)}
 
 
 def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_client, work: Path, repeats: int,
                 swap_s: float, valkey_url: str, readers: tuple[int, ...] = (1, 2, 4)) -> TierRow:
+    import shutil
     import statistics as st
 
     from moerl.components.publish_checkpoint.stage import run_publish
@@ -300,7 +314,7 @@ def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_clie
     root = work / f"tiers-{name}"
     sources = [build_tiny_model(tiny.model_copy(update={"seed": tiny.seed + k}), root / f"m{k}") for k in (0, 1)]
     mb = sum(p.stat().st_size for p in sources[0].rglob("*") if p.is_file()) / 1e6
-    cfg = RunConfig(checkpoint=ck)
+    cfg = RunConfig(checkpoint=ck.model_copy(update={"keep_last": 1}))  # the disk holds a few copies only
     # 1. before: publication inside the loop (to both tiers), what the trainer waited per version
     sync = []
     for i in range(repeats):
@@ -331,6 +345,8 @@ def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_clie
             dest.parent.mkdir(parents=True, exist_ok=True)
             cache_client.download_file(bucket, f"{prefix}/runs/{name}-pub/versions/v{v:06d}/{k}", str(dest))
         raws.append(time.perf_counter() - t0)
+        shutil.rmtree(root / f"cf{i}", ignore_errors=True)
+        shutil.rmtree(root / f"raw{i}", ignore_errors=True)
     fetch_s, raw_s = st.median(fetches), st.median(raws)
     # 4. fan-out: N readers at once, from each other and the tier, against the tier alone
     fan: dict[str, dict[str, float]] = {}
