@@ -42,7 +42,8 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
     prompts = ds.batch(iteration, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
     # 2. weights, from the verified local cache
-    with engine_copy(cfg.checkpoint, run_id, policy.version) as model_dir:  # held while it loads
+    with engine_copy(cfg.checkpoint, run_id, policy.version,  # held while it loads; exactly the published manifest
+                     expect_sha256=policy.manifest_sha256) as model_dir:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompt_ids = [encode_prompt(tokenizer, cfg.rollout, p) for p in prompts]  # text, or chat template
         # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations

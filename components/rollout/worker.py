@@ -47,6 +47,7 @@ from pathlib import Path
 
 from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.config import RunConfig, config_from_json
+from moerl.errors import CheckpointError
 from moerl.launch.podenv import enter_pod
 from moerl.records import Prompt, Sample
 from moerl.tasks.prompting import encode_prompt, uses_template
@@ -125,6 +126,24 @@ class RolloutWorker:
         store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s, published=False)
         t0 = time.perf_counter()
         sources: list[str] = []
+        try:
+            self._load(reg, sources, t0)
+        except CheckpointError as err:
+            # no tier can serve it right now (the cache tier died while the version was servable
+            # and not yet durable; S3 unreachable): keep serving what this engine has, try again
+            # at the next unit; an engine that has nothing yet waits the same way
+            self.bus.incr(weights_fetch_failed=1)
+            log.warning("%s: cannot fetch version %d yet (%s); %s", self.name, reg.version, err,
+                        f"serving version {self.version} meanwhile" if self.version is not None else "waiting")
+            time.sleep(1.0)
+            return
+        if self.version is not None and self.version != reg.version:
+            store.unpin(self.version, holder=self.holder)
+        self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
+        self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
+
+    def _load(self, reg, sources: list[str], t0: float) -> None:
+        """Fetch `reg`'s version into the node cache and load it: a new engine, or a hot swap."""
         # held while it loads: no neighbour on this node prunes the copy from under the engine
         with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
                          swarm=self._swarm(), sources=sources) as model_dir:
@@ -146,10 +165,7 @@ class RolloutWorker:
                          stats.seconds, stats.tensors)
         # where the weights came from, counted: a cache tier that fell back to S3 shows here
         self.bus.incr(**{f"weights_from_{s}": 1 for s in sources})
-        if self.version is not None and self.version != reg.version:
-            store.unpin(self.version, holder=self.holder)
-        self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
-        self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0, last_fetch_s=t_fetched - t0)
+        self.bus.heartbeat(self.name, last_fetch_s=t_fetched - t0)
 
     def _swarm(self):
         """The fan-out between this run's engines (`checkpoint.fanout`), started on first use."""

@@ -297,7 +297,7 @@ def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Pa
                 p.kill()
         shutil.rmtree(d, ignore_errors=True)  # N copies of the model: the disk is not endless
     return {"seconds": wall, "peer_chunks": sum(r["chunks"].get("peer", 0) for r in results),
-            "tier_chunks": sum(r["chunks"].get("tier", 0) for r in results)}
+            "tier_chunks": sum(r["chunks"].get("cache", 0) + r["chunks"].get("durable", 0) for r in results)}
 
 
 def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_client, work: Path, repeats: int,

@@ -70,7 +70,8 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             # weights: where each engine fetch read a version from (moerl.store.tiers), and the
             # fan-out's chunks by source and its refused (corrupt) chunks
             "weights_from_node", "weights_from_peers", "weights_from_cache", "weights_from_durable",
-            "fanout_chunks_peer", "fanout_chunks_tier", "fanout_chunks_refused")
+            "fanout_chunks_peer", "fanout_chunks_cache", "fanout_chunks_durable", "fanout_chunks_refused",
+            "weights_fetch_failed")
 
 
 @dataclass(frozen=True)

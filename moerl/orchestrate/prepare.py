@@ -223,15 +223,21 @@ def resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from moerl.store.runs import run_store
+    from moerl.store.tiers import run_tiers
 
     try:
         MlflowClient(uri).get_run(run_id)
     except MlflowException:
         raise MoerlError(f"--resume: no MLflow run {run_id!r} at {uri}; pass the run id `moerl run` printed") from None
-    store = run_store(cfg.checkpoint, run_id)
-    before = store.latest()
-    latest = store.recover()  # nothing publishes now: the run is dead or this is its only writer
+    ck = cfg.checkpoint
+    if ck.cache_tier.endpoint_url == "embedded":  # a fresh server each session: nothing there to repair
+        ck = ck.model_copy(update={"cache_tier": ck.cache_tier.model_copy(update={"uri": None, "endpoint_url": None})})
+    tiers = run_tiers(ck, run_id)
+    before = tiers.durable.latest()
+    # nothing publishes now: the run is dead or this is its only writer. Across tiers: a version
+    # complete in the cache tier above the durable `latest` (publication died between the two)
+    # is promoted, so the cache tier never keeps a version under a number the run trains again
+    latest = tiers.recover()
     if latest != before:
         print(f"[moerl] --resume: version {latest} was published but `latest` still said "
               f"{'nothing' if before is None else before}; adopted it", flush=True)

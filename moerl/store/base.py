@@ -294,6 +294,8 @@ class CheckpointStore(PinLeases, ABC):
     def read_chunk(self, version: int, rel: str, start: int, length: int) -> bytes:
         """`length` bytes of a version's file from `start` (a fan-out chunk; the caller checks
         it against the manifest's chunk hash)."""
+        if length <= 0:  # an empty file's one chunk: no request (`bytes=0--1` is not a range)
+            return b""
         return self._get_range(version_dir(version), rel, start, length)
 
     def apply_retention(self, keep_last: int, keep_every: int, pinned: Iterable[int] = frozenset()) -> list[int]:

@@ -4,20 +4,25 @@ One cache server feeding every rollout node is the next bottleneck (32 nodes x 4
 version of Qwen3-235B-A22B). With `checkpoint.fanout`, each rollout worker runs a `Swarm`:
 
 - it serves the chunks it holds, verified, over HTTP (uvicorn + one Starlette route:
-  `GET /chunk/{version}/{index}`), on `MOERL_FANOUT_BIND` (127.0.0.1 by default; the pod's
-  address on EKS, where a NetworkPolicy admits only the run's rollout pods), and announces
-  itself in Valkey (`fanout:peers`, with its URL) and each chunk it holds
-  (`fanout:have:<version>:<peer>`, a set of chunk indices);
+  `GET /chunk/{version}/{manifest sha256}/{index}`), on `MOERL_FANOUT_BIND` (127.0.0.1 by
+  default; the pod's address on EKS, where a NetworkPolicy admits only the run's rollout pods),
+  and announces itself in Valkey (`fanout:peers`, with its URL, and `fanout:alive:<peer>`, a
+  key it refreshes every few seconds: a peer killed without a goodbye drops out within
+  `ALIVE_TTL_S`) and each chunk it holds (`fanout:have:<version>:<sha>:<peer>`, a set of chunk
+  indices; the manifest's sha256 in the key, so a version number trained again after a
+  rollback never mixes with the lost one's chunks);
 - to fetch a version it takes the manifest from the cache tier (or S3), then every chunk in a
   rotated order (peer k of n starts at chunk k*K/n, so at first the peers pull disjoint parts
   from the tier), each from a peer that announced it when there is one, else from the cache
   tier, else from S3 (ranged reads). Every chunk is checked against the manifest's chunk
   sha256 before it is written or announced: a corrupt chunk from a peer is refused
   (`fanout_chunks_refused`) and fetched from the next source. The copy is renamed into the
-  node cache, with its manifest and marker, only when every chunk has passed.
+  node cache, with its manifest and marker, only when every chunk has passed; a failed fetch
+  withdraws what it announced.
 
-Peers come and go (Spot): a peer that does not answer is skipped for the rest of that fetch,
-and a chunk nobody else holds comes from the tiers, so the fan-out needs no fixed group.
+Peers come and go (Spot): a peer that does not answer (connect timeout 2 s) is skipped for the
+rest of that fetch, one that answers 404 (it pruned that version) only for that chunk, and a
+chunk nobody else holds comes from the tiers, so the fan-out needs no fixed group.
 Time to serve one version of S bytes to N nodes, each with link bandwidth b, from a cache tier
 of bandwidth B: about max(S/b, S/B) + N*c/b for chunk size c (the tier sends each chunk about
 once, every node receives S and sends about S), against N*S/B through the cache tier alone
@@ -25,7 +30,8 @@ once, every node receives S and sends about S), against N*S/B through the cache 
 
 Limitations: a chunk is fetched once per node even when two nodes race for it at the start
 (at most one chunk each); the peers' announcements are not retracted when their node cache
-prunes a version (a peer that no longer has it answers 404 and the next source is tried).
+prunes a version (a peer that no longer has it answers 404 and the next source is tried); a
+peer keeps serving every version it assembled in this process while its files exist.
 """
 
 from __future__ import annotations
@@ -56,7 +62,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HAVE_TTL_S = 24 * 3600
-_TIMEOUT_S = 30.0
+ALIVE_TTL_S = 15.0
+_TIMEOUT_S = (2.0, 30.0)  # connect, read
+_UNREACHABLE = object()  # a peer that did not answer (vs one that answered "not here": None)
 
 
 @dataclass
@@ -90,9 +98,10 @@ class Swarm:
     def __init__(self, bus: RunBus, name: str, cfg: CheckpointConfig, bind: str = "127.0.0.1",
                  advertise: str | None = None, workers: int = 4) -> None:
         self.bus, self.name, self.cfg, self.workers = bus, name, cfg, workers
-        self.copies: dict[int, _Copy] = {}
+        self.copies: dict[tuple[int, str], _Copy] = {}  # (version, manifest sha256) -> what it holds
         self._lock = threading.Lock()
-        self.counts = {"peer": 0, "tier": 0, "refused": 0}
+        self.counts = {"peer": 0, "cache": 0, "durable": 0, "refused": 0}
+        self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((bind, 0))
@@ -118,11 +127,11 @@ class Swarm:
         from starlette.routing import Route
 
         def chunk(request):  # noqa: ANN001, ANN202
-            v, i = int(request.path_params["version"]), int(request.path_params["index"])
-            data = self.read_held(v, i)
+            p = request.path_params
+            data = self.read_held(int(p["version"]), str(p["sha"]), int(p["index"]))
             return Response(status_code=404) if data is None else Response(data, media_type="application/octet-stream")
 
-        app = Starlette(routes=[Route("/chunk/{version:int}/{index:int}", chunk)])
+        app = Starlette(routes=[Route("/chunk/{version:int}/{sha:str}/{index:int}", chunk)])
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
         self._sock.listen(64)
@@ -133,11 +142,23 @@ class Swarm:
         while not self._server.started and time.monotonic() < deadline:
             time.sleep(0.02)
         self.bus.r.hset(self.bus.key("fanout:peers"), self.name, self.url)
+        self._alive()
+        threading.Thread(target=self._keep_alive, name="moerl-fanout-alive", daemon=True).start()
         log.info("fan-out: %s serves chunks at %s", self.name, self.url)
 
-    def read_held(self, version: int, index: int) -> bytes | None:
+    def _alive(self) -> None:
+        self.bus.r.set(self.bus.key(f"fanout:alive:{self.name}"), self.url, px=int(ALIVE_TTL_S * 1000))
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(ALIVE_TTL_S / 3):
+            try:
+                self._alive()
+            except Exception as err:  # noqa: BLE001 - Valkey away for a moment: peers skip us meanwhile
+                log.warning("fan-out: could not refresh %s: %s", self.name, err)
+
+    def read_held(self, version: int, sha: str, index: int) -> bytes | None:
         with self._lock:
-            copy = self.copies.get(version)
+            copy = self.copies.get((version, sha))
             if copy is None or index not in copy.held:
                 return None
             path, start, length = copy.chunks[index]
@@ -154,18 +175,25 @@ class Swarm:
         if not manifest.chunk_size:
             return
         plan = chunk_plan(manifest, exclude)
+        sha = manifest.sha256()
         with self._lock:
-            self.copies[version] = _Copy(Path(path), manifest, [(p, s, n) for p, s, n, _ in plan], set(range(len(plan))))
-        self._announce(version, list(range(len(plan))))
+            self.copies[(version, sha)] = _Copy(Path(path), manifest, [(p, s, n) for p, s, n, _ in plan],
+                                                set(range(len(plan))))
+        self._announce(version, sha, list(range(len(plan))))
 
-    def _announce(self, version: int, indices: list[int]) -> None:
-        key = self.bus.key(f"fanout:have:{version}:{self.name}")
+    def _have_key(self, version: int, sha: str, peer: str) -> str:
+        return self.bus.key(f"fanout:have:{version}:{sha}:{peer}")
+
+    def _announce(self, version: int, sha: str, indices: list[int]) -> None:
+        key = self._have_key(version, sha, self.name)
         self.bus.r.sadd(key, *indices)
         self.bus.r.expire(key, HAVE_TTL_S)
 
     def stop(self) -> None:
+        self._stop.set()
         try:
             self.bus.r.hdel(self.bus.key("fanout:peers"), self.name)
+            self.bus.r.delete(self.bus.key(f"fanout:alive:{self.name}"))
         except Exception as err:  # noqa: BLE001 - its announcements expire anyway
             log.warning("fan-out: could not withdraw %s: %s", self.name, err)
         if self._server is not None:
@@ -175,19 +203,26 @@ class Swarm:
         self._sock.close()
 
     # -- fetching -------------------------------------------------------------------------
-    def _holders(self, version: int, peers: dict[str, str], bad: set[str]) -> dict[int, list[str]]:
+    def _holders(self, version: int, sha: str, peers: dict[str, str], bad: set[str]) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
         for peer in peers:
             if peer == self.name or peer in bad:
                 continue
-            for i in self.bus.r.smembers(self.bus.key(f"fanout:have:{version}:{peer}")):
+            for i in self.bus.r.smembers(self._have_key(version, sha, peer)):
                 out.setdefault(int(i), []).append(peer)
         return out
 
+    def _present_peers(self) -> dict[str, str]:
+        """Peers whose liveness key is fresh (a SIGKILLed one drops out within ALIVE_TTL_S)."""
+        peers = self.bus.r.hgetall(self.bus.key("fanout:peers"))
+        names = [p for p in peers if p != self.name]
+        alive = self.bus.r.mget([self.bus.key(f"fanout:alive:{p}") for p in names]) if names else []
+        return {p: peers[p] for p, a in zip(names, alive) if a}
+
     def fetch(self, tiers: Tiers, version: int, dest: Path, exclude: tuple[str, ...] = (),
-              expect_sha256: str | None = None) -> tuple[Path, int]:
+              expect_sha256: str | None = None) -> tuple[Path, dict[str, int]]:
         """`version` in `dest`, assembled from peers and tiers, every chunk verified; and how
-        many of its chunks came from peers."""
+        many of its chunks came from each source (none: a verified copy was already here)."""
         manifest = tiers.manifest(version)
         if expect_sha256 is not None and manifest.sha256() != expect_sha256:
             raise CheckpointError(f"version {version}: the tiers hold manifest {manifest.sha256()}, not {expect_sha256}")
@@ -195,12 +230,12 @@ class Swarm:
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         final = dest / version_dir(version)
-        before = self.counts["peer"]
+        before = dict(self.counts)
         with exclusive(lock_path(dest, version)):
             if not is_verified(final, manifest, exclude):
                 self._assemble(tiers, version, manifest, plan, dest, final, exclude)
         self.offer(version, final, manifest, exclude)
-        return final, self.counts["peer"] - before
+        return final, {k: self.counts[k] - before[k] for k in ("peer", "cache", "durable")}
 
     def _assemble(self, tiers: Tiers, version: int, manifest: Manifest, plan: list[tuple[str, int, int, str]],
                   dest: Path, final: Path, exclude: tuple[str, ...]) -> None:
@@ -213,31 +248,34 @@ class Swarm:
                     (tmp / e.path).parent.mkdir(parents=True, exist_ok=True)
                     with open(tmp / e.path, "wb") as f:
                         f.truncate(e.size)
+            sha = manifest.sha256()
             with self._lock:  # serve what passed as it arrives: later peers pull from us mid-fetch
-                self.copies[version] = _Copy(tmp, manifest, [(p, s, n) for p, s, n, _ in plan])
-            peers = {k: v for k, v in self.bus.r.hgetall(self.bus.key("fanout:peers")).items()}
+                self.copies[(version, sha)] = _Copy(tmp, manifest, [(p, s, n) for p, s, n, _ in plan])
+            peers = self._present_peers()
             names = sorted(set(peers) | {self.name})
             k, n = names.index(self.name), len(names)
             order = [(k * len(plan) // n + j) % len(plan) for j in range(len(plan))]
             bad: set[str] = set()
             dead_tiers: set[str] = set()  # a tier that failed is not asked again in this fetch
-            state = {"holders": self._holders(version, peers, bad), "at": time.monotonic()}
+            state = {"holders": self._holders(version, sha, peers, bad), "at": time.monotonic()}
 
             def one(i: int) -> None:
-                path, start, length, sha = plan[i]
+                path, start, length, chunk_sha = plan[i]
                 # who holds what: refreshed twice a second, and before any chunk nobody held at the
                 # last look goes to the tiers (a peer may have just fetched it)
                 age = time.monotonic() - state["at"]
                 if age > 0.5 or (i not in state["holders"] and age > 0.02):
-                    state["holders"], state["at"] = self._holders(version, peers, bad), time.monotonic()
+                    state["holders"], state["at"] = self._holders(version, sha, peers, bad), time.monotonic()
                 data = None
                 holders = [p for p in state["holders"].get(i, []) if p not in bad]
                 random.shuffle(holders)
                 for peer in holders:
-                    got = self._from_peer(peers[peer], version, i)
-                    if got is None:
-                        bad.add(peer)  # gone (Spot) or pruned: not asked again in this fetch
-                    elif hashlib.sha256(got).hexdigest() != sha:
+                    got = self._from_peer(peers[peer], version, sha, i)
+                    if got is _UNREACHABLE:
+                        bad.add(peer)  # gone (Spot): not asked again in this fetch
+                    elif got is None:
+                        continue  # it pruned this version: the next holder, or the tiers
+                    elif hashlib.sha256(got).hexdigest() != chunk_sha:
                         self._count("refused")
                         log.warning("fan-out: chunk %d of version %d from %s is corrupt; refused", i, version, peer)
                         bad.add(peer)
@@ -246,16 +284,16 @@ class Swarm:
                         self._count("peer")
                         break
                 if data is None:
-                    data = self._from_tiers(tiers, version, path, start, length, sha, dead_tiers)
-                    self._count("tier")
+                    data, source = self._from_tiers(tiers, version, path, start, length, chunk_sha, dead_tiers)
+                    self._count(source)
                 fd = os.open(tmp / path, os.O_WRONLY)
                 try:
                     os.pwrite(fd, data, start)
                 finally:
                     os.close(fd)
                 with self._lock:
-                    self.copies[version].held.add(i)
-                self._announce(version, [i])
+                    self.copies[(version, sha)].held.add(i)
+                self._announce(version, sha, [i])
 
             ex = ThreadPoolExecutor(max_workers=self.workers)
             try:
@@ -268,10 +306,14 @@ class Swarm:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                self.copies[version].root = final
+                self.copies[(version, sha)].root = final
         except BaseException:
             with self._lock:
-                self.copies.pop(version, None)
+                self.copies.pop((version, manifest.sha256()), None)
+            try:  # what it announced is gone with the staging folder
+                self.bus.r.delete(self._have_key(version, manifest.sha256(), self.name))
+            except Exception as err:  # noqa: BLE001 - peers then get 404s and go elsewhere
+                log.warning("fan-out: could not withdraw version %d: %s", version, err)
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         log.info("fan-out: version %d assembled in %.2f s (%s)", version, time.monotonic() - t0, self.counts)
@@ -279,20 +321,21 @@ class Swarm:
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
-        self.bus.incr(**{f"fanout_chunks_{'peer' if what == 'peer' else 'tier' if what == 'tier' else 'refused'}": 1})
+        self.bus.incr(**{f"fanout_chunks_{what}": 1})
 
-    def _from_peer(self, url: str, version: int, index: int) -> bytes | None:
+    def _from_peer(self, url: str, version: int, sha: str, index: int):  # noqa: ANN202
+        """The chunk's bytes; None: the peer does not hold it (404); _UNREACHABLE: no answer."""
         import requests
 
         try:
-            r = self._http.get(f"{url}/chunk/{version}/{index}", timeout=_TIMEOUT_S)
+            r = self._http.get(f"{url}/chunk/{version}/{sha}/{index}", timeout=_TIMEOUT_S)
         except requests.RequestException:
-            return None
-        return r.content if r.status_code == 200 else None
+            return _UNREACHABLE
+        return r.content if r.status_code == 200 else None if r.status_code == 404 else _UNREACHABLE
 
     @staticmethod
     def _from_tiers(tiers: Tiers, version: int, path: str, start: int, length: int, sha: str,
-                    dead: set[str]) -> bytes:
+                    dead: set[str]) -> tuple[bytes, str]:
         errors = []
         stores = [s for s in (tiers.cache, tiers.durable) if s is not None]
         for store in [s for s in stores if s.uri not in dead] or stores:
@@ -306,6 +349,6 @@ class Swarm:
                                 version, tiers.durable.uri)
                 continue
             if hashlib.sha256(data).hexdigest() == sha:
-                return data
+                return data, "cache" if store is tiers.cache else "durable"
             errors.append(f"{store.uri}: a corrupt chunk")
         raise CheckpointError(f"chunk {path}@{start} of version {version}: no source serves it intact ({'; '.join(errors)})")

@@ -86,7 +86,7 @@ class Manifest:
             m = Manifest(int(d["version"]), files, str(d["created_at"]), meta, int(d.get("chunk_size", 0)))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed manifest ({e!r}); republish this version") from e
-        if m.chunk_size < 0 or any(f.chunks and len(f.chunks) != m.n_chunks(f) for f in m.files):
+        if m.chunk_size < 0 or any(len(f.chunks) != (m.n_chunks(f) if m.chunk_size else 0) for f in m.files):
             raise CheckpointError(f"manifest of version {m.version} lists chunks that do not cover its files "
                                   f"(chunk_size {m.chunk_size}); republish this version")
         for f in m.files:  # a manifest must not make fetch write outside its folder

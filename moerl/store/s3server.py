@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -114,8 +115,10 @@ def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | N
     `ports`: these and no others (a restart on the same address), in `root` itself."""
     log_tail, fixed = "", ports
     for attempt in range(1 if fixed else 3):
-        data = root if fixed else root / f"weed{attempt}"
-        data.mkdir(exist_ok=bool(fixed))
+        # a restart on fixed ports reuses its folder; otherwise a new one (a resumed local run
+        # starts its embedded server again under the same root)
+        data = root if fixed else Path(tempfile.mkdtemp(prefix=f"weed{attempt}-", dir=root))
+        data.mkdir(exist_ok=True)
         ports = fixed or dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
         log = open(data / "weed.log", "wb")  # a file, not a pipe: a full pipe would block weed
         proc = subprocess.Popen(_command(weed, data, ports), stdout=log, stderr=subprocess.STDOUT,

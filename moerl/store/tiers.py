@@ -11,7 +11,8 @@
 Both remote tiers hold one version under one manifest (the durable copy is published with the
 cache tier's manifest, `CheckpointStore.publish(manifest=...)`), so one sha256 names the
 version wherever it is read. A reader takes the nearest verified copy: the node cache (its
-manifest and marker, no server call), then peers (`moerl.store.fanout`, when given), then the
+manifest and marker, no server call, when the caller names the manifest it expects; every
+engine and redistribution does), then peers (`moerl.store.fanout`, when given), then the
 cache tier, then the durable store. A cache tier that is down, slow, missing the version or
 serving a corrupt file costs `cache_tier.max_attempts` attempts and a warning, and the read goes
 on from S3; the source of every fetch is returned so callers count it (never a silent
@@ -55,7 +56,7 @@ class Swarm(Protocol):
     """What `Tiers.fetch` asks of a fan-out (`moerl.store.fanout.Swarm`)."""
 
     def fetch(self, tiers: Tiers, version: int, dest: Path, exclude: tuple[str, ...],
-              expect_sha256: str | None) -> tuple[Path, int]: ...  # the copy, chunks from peers
+              expect_sha256: str | None) -> tuple[Path, dict[str, int]]: ...  # the copy; chunks by source
 
     def offer(self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> None: ...
 
@@ -125,6 +126,7 @@ class Tiers:
         cache tier that fails (down, full) is logged and counted by the caller
         (`cache_tier_failed`), and the version goes to the durable store first instead: it is
         servable once durable, later but never lost."""
+        self.cache_failed = None
         if self.cache is not None:
             try:
                 return self.cache.publish(version, src, meta, retention=(self.cache_keep, 0), exclusive=exclusive,
@@ -160,13 +162,21 @@ class Tiers:
                 return hit, "node"
         if swarm is not None:
             try:
-                path, from_peers = swarm.fetch(self, version, dest, exclude, expect_sha256)
-                return path, "peers" if from_peers else "cache" if self.cache is not None else "durable"
-            except CheckpointError as e:
-                log.warning("version %d: fan-out failed (%s); reading it from the cache tier / S3", version, e)
+                path, chunks = swarm.fetch(self, version, dest, exclude, expect_sha256)
+                # where the bytes came from: any peer chunk makes it "peers"; any chunk from S3
+                # (the cache tier failed mid-fetch) makes it "durable"; none at all: a node copy
+                source: Source = ("peers" if chunks.get("peer") else "durable" if chunks.get("durable")
+                                  else "cache" if chunks.get("cache") else "node")
+                return path, source
+            except Exception as e:  # noqa: BLE001 - a broken fan-out (Valkey, a peer, the disk) costs only its speed-up
+                log.warning("version %d: fan-out failed (%s: %s); reading it from the cache tier / S3", version,
+                            type(e).__name__, e)
         path, source = self._fetch_tiers(version, dest, exclude, expect_sha256)
-        if swarm is not None:  # others may pull it from this node now
-            swarm.offer(version, path, Manifest.from_json((path / MANIFEST).read_text()), exclude)
+        if swarm is not None:  # others may pull it from this node now (best effort)
+            try:
+                swarm.offer(version, path, Manifest.from_json((path / MANIFEST).read_text()), exclude)
+            except Exception as e:  # noqa: BLE001 - the copy is fetched and verified; only sharing it failed
+                log.warning("version %d: could not offer it to the fan-out: %s", version, e)
         return path, source
 
     def _fetch_tiers(self, version: int, dest: Path, exclude: tuple[str, ...], expect_sha256: str | None
@@ -189,36 +199,68 @@ class Tiers:
         return self.durable.manifest(version)
 
     # -- recovery -------------------------------------------------------------------------
-    def recover(self) -> int | None:
+    def recover(self, scratch: Path | None = None) -> int | None:
         """Repair both tiers after a publisher died; return the durable `latest` (see the
-        module docstring)."""
+        module docstring). `scratch`: where versions are staged on their way between tiers
+        (whole versions, `trainer/` included: give a folder with room, not /tmp).
+
+        Only the cache tier's own failures are forgiven (the run goes on from S3); a failure
+        to write the durable store, or of the local disk, is raised: a promotion that cannot
+        complete must stop the run rather than drop a trained version."""
         latest = self.durable.recover()
         if self.cache is None:
             return latest
         try:
             self.cache.recover()
-            for v in [v for v in self.cache.versions() if latest is None or v > latest]:
-                self._copy(self.cache, self.durable, v, retention=self.retention)
-                log.warning("recovery: version %d was servable in the cache tier but not durable (the publisher "
-                            "died between the two); promoted it to %s", v, self.durable.uri)
-                latest = v
-            if latest is not None and latest not in self.cache.versions():
-                self._copy(self.durable, self.cache, latest, retention=(self.cache_keep, 0))
-                log.warning("recovery: the cache tier lacked version %d (latest); rebuilt it from %s", latest,
-                            self.durable.uri)
+            above = [v for v in self.cache.versions() if latest is None or v > latest]
         except CheckpointError as e:
             log.warning("recovery: the cache tier %s is unusable (%s); the run goes on from the durable store",
+                        self.cache.uri, e)
+            return latest
+        for v in above:
+            with self._staged(scratch) as tmp:
+                try:
+                    manifest, local = self.cache.manifest(v), self.cache.fetch(v, tmp)  # every file verified
+                except CheckpointError as e:
+                    if not _cache_side(e):
+                        raise
+                    log.warning("recovery: version %d in the cache tier cannot be read back (%s); the run goes on "
+                                "from version %s of the durable store", v, e, latest)
+                    break
+                self._publish_copy(local, self.durable, manifest, self.retention)
+            log.warning("recovery: version %d was servable in the cache tier but not durable (the publisher died "
+                        "between the two); promoted it to %s", v, self.durable.uri)
+            latest = v
+        try:
+            if latest is not None and latest not in self.cache.versions():
+                with self._staged(scratch) as tmp:
+                    manifest = self.durable.manifest(latest)
+                    self._publish_copy(self.durable.fetch(latest, tmp), self.cache, manifest, (self.cache_keep, 0))
+                log.warning("recovery: the cache tier lacked version %d (latest); rebuilt it from %s", latest,
+                            self.durable.uri)
+        except CheckpointError as e:  # the cache tier only: the durable side was read, not written
+            log.warning("recovery: could not rebuild the cache tier %s (%s); engines read S3 until it works",
                         self.cache.uri, e)
         return latest
 
     @staticmethod
-    def _copy(src: CheckpointStore, dst: CheckpointStore, version: int, retention: tuple[int, int]) -> None:
-        manifest = src.manifest(version)
-        with tempfile.TemporaryDirectory(prefix="moerl-tier-") as tmp:
-            local = src.fetch(version, Path(tmp))  # every file verified
-            for extra in (MANIFEST, MARKER):
-                (local / extra).unlink(missing_ok=True)
-            dst.publish(version, local, retention=retention, manifest=manifest)
+    def _staged(scratch: Path | None):
+        if scratch is not None:
+            Path(scratch).mkdir(parents=True, exist_ok=True)
+        return tempfile.TemporaryDirectory(prefix="moerl-tier-", dir=scratch)
+
+    @staticmethod
+    def _publish_copy(local: Path, dst: CheckpointStore, manifest: Manifest, retention: tuple[int, int]) -> None:
+        for extra in (MANIFEST, MARKER):
+            (local / extra).unlink(missing_ok=True)
+        dst.publish(manifest.version, local, retention=retention, manifest=manifest)
+
+
+def _cache_side(err: CheckpointError) -> bool:
+    """Whether a fetch from the cache tier failed on the cache tier's side (its server, its
+    objects), not on this machine's disk (`fetch` says "cannot write" / "cannot create")."""
+    text = str(err)
+    return not text.startswith(("cannot write version", "cannot create cache folder"))
 
 
 def node_copy(dest: Path, version: int, expect_sha256: str, exclude: tuple[str, ...] = ()) -> Path | None:

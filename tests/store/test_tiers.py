@@ -167,21 +167,35 @@ def test_fanout_peers_serve_each_other_and_refuse_a_corrupt_chunk(buckets, valke
         # the first node has nobody to ask: every chunk from the tiers
         a, source = tiers.fetch(1, tmp_path / "n0", expect_sha256=m.sha256(), swarm=swarms[0])
         n_chunks = sum(len(f.chunks) for f in m.files)
-        assert source == "cache" and swarms[0].counts["tier"] == n_chunks > 40
+        assert source == "cache" and swarms[0].counts["cache"] == n_chunks > 40 and swarms[0].counts["durable"] == 0
         # the second: every chunk from the first (peers before the tiers)
         b, source = tiers.fetch(1, tmp_path / "n1", expect_sha256=m.sha256(), swarm=swarms[1])
         assert source == "peers"
-        assert swarms[1].counts == {"peer": n_chunks, "tier": 0, "refused": 0}
+        assert swarms[1].counts == {"peer": n_chunks, "cache": 0, "durable": 0, "refused": 0}
         # a peer that serves a corrupt chunk: refused by its hash, fetched from another source
         real = swarms[0].read_held
-        swarms[0].read_held = lambda v, i: b"\0" * CHUNK if i == 5 else real(v, i)
-        swarms[1].read_held = lambda v, i: None  # and one that has gone away
+        swarms[0].read_held = lambda v, sha, i: b"\0" * CHUNK if i == 5 else real(v, sha, i)
+        swarms[1].stop()  # and one that has gone away without a word (its liveness key expires)
+        bus.r.hset(bus.key("fanout:peers"), "rollout-1", swarms[1].url)
+        bus.r.set(bus.key("fanout:alive:rollout-1"), swarms[1].url)
         c, _ = tiers.fetch(1, tmp_path / "n2", expect_sha256=m.sha256(), swarm=swarms[2])
-        assert swarms[2].counts["refused"] == 1 and swarms[2].counts["tier"] >= 1  # chunk 5, then the tiers
+        assert swarms[2].counts["refused"] == 1 and swarms[2].counts["cache"] >= 1  # chunk 5, then the tiers
         for path in (a, b, c):
             assert tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
             assert Manifest.from_json((path / "manifest.json").read_text()).sha256() == m.sha256()
         assert int(bus.counters().get("fanout_chunks_refused", 0)) == swarms[2].counts["refused"]
+        # a peer whose liveness key lapsed (killed without a goodbye) is not asked at all
+        bus.r.hset(bus.key("fanout:peers"), "ghost", "http://127.0.0.1:9")
+        assert "ghost" not in swarms[0]._present_peers() and "rollout-2" in swarms[0]._present_peers()
     finally:
         for s in swarms:
             s.stop()
+
+
+def test_an_embedded_cache_server_starts_again_under_the_same_folder(tmp_path: Path) -> None:
+    """A resumed local run starts its embedded cache tier again under the run's folder."""
+    from moerl.store.s3server import local_s3_server
+
+    for _ in range(2):
+        with local_s3_server(tmp_path / "ckpt-cache") as server:
+            server.client().create_bucket(Bucket="moerl-cache")
