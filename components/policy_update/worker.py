@@ -289,6 +289,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
 
     def commit(job: Job) -> None:
         ctx, p = job.context, job.policy
+        if job.metrics.get("weights/cache_tier_failed"):  # published to S3 first: counted where operators look
+            pbus.incr(cache_tier_failed=1)
         if not pbus.commit_version(epoch, job.version, p.uri, p.manifest_sha256, ctx["entries"], ctx["groups"],
                                    **ctx["counts"]):
             reg = pbus.registry()

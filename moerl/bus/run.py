@@ -71,7 +71,7 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             # fan-out's chunks by source and its refused (corrupt) chunks
             "weights_from_node", "weights_from_peers", "weights_from_cache", "weights_from_durable",
             "fanout_chunks_peer", "fanout_chunks_cache", "fanout_chunks_durable", "fanout_chunks_refused",
-            "weights_fetch_failed")
+            "weights_fetch_failed", "cache_tier_failed")
 
 
 @dataclass(frozen=True)
