@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,6 +84,15 @@ def _command(weed: str, data: Path, ports: dict[str, int]) -> list[str]:
     return cmd
 
 
+def _new_dir(root: Path, name: str) -> Path:
+    """`root/name`, or `root/name.1`, `.2`, ... : the first that does not exist yet."""
+    path, k = root / name, 0
+    while path.exists():
+        k += 1
+        path = root / f"{name}.{k}"
+    return path
+
+
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -116,8 +124,9 @@ def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | N
     log_tail, fixed = "", ports
     for attempt in range(1 if fixed else 3):
         # a restart on fixed ports reuses its folder; otherwise a new one (a resumed local run
-        # starts its embedded server again under the same root)
-        data = root if fixed else Path(tempfile.mkdtemp(prefix=f"weed{attempt}-", dir=root))
+        # starts its embedded server again under the same root). Short names: weed's unix
+        # sockets live in it, and a socket path may not exceed 107 bytes
+        data = root if fixed else _new_dir(root, f"weed{attempt}")
         data.mkdir(exist_ok=True)
         ports = fixed or dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
         log = open(data / "weed.log", "wb")  # a file, not a pipe: a full pipe would block weed

@@ -192,10 +192,11 @@ def test_fanout_peers_serve_each_other_and_refuse_a_corrupt_chunk(buckets, valke
             s.stop()
 
 
-def test_an_embedded_cache_server_starts_again_under_the_same_folder(tmp_path: Path) -> None:
-    """A resumed local run starts its embedded cache tier again under the run's folder."""
+def test_embedded_restart(tmp_path: Path) -> None:
+    """A resumed local run starts its embedded cache tier again under the run's folder (a short
+    test name: weed's unix sockets live under tmp_path, and their paths are limited)."""
     from moerl.store.s3server import local_s3_server
 
     for _ in range(2):
-        with local_s3_server(tmp_path / "ckpt-cache") as server:
+        with local_s3_server(tmp_path / "c") as server:
             server.client().create_bucket(Bucket="moerl-cache")
