@@ -201,8 +201,14 @@ def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the
                 state["killed"] = reg.version
             elif "killed" in state and "restarted" not in state and (
                     run.bus.counters()["cache_tier_failed"] >= 1 or reg.version >= state["killed"] + 4):
-                # down until a version had to be published to S3 first
-                cache.start()
+                # down until a version had to be published to S3 first. The trainer is paused
+                # while the server comes back (seconds on a loaded machine), so versions remain
+                # to be published to it afterwards
+                run.signal("trainer", signal.SIGSTOP)
+                try:
+                    cache.start()
+                finally:
+                    run.signal("trainer", signal.SIGCONT)
                 state["restarted"] = reg.version
 
         c = h.go(fault)
