@@ -160,6 +160,11 @@ class RolloutConfig(_Section):
     # deepep_v2: DeepEP v2 (ElasticBuffer over NCCL GIN / aws-ofi-nccl), vLLM >= 0.32
     all2all_backend: Literal["allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2"] = \
         "allgather_reducescatter"
+    # Record the experts the engine routed every token to ([tokens, MoE layers, top-k] ids,
+    # carried in the samples): what trainer.router_replay R3 replays and the moe/routing_*
+    # metrics compare. GPU: vLLM's enable_return_routed_experts; CPU: the router's capture hook
+    # in the in-process engine (components/rollout/routes.py).
+    return_routed_experts: bool = False
     # Async mode: long-lived rollout workers (one engine each for the whole run).
     workers: int = Field(1, ge=1, le=1024)
     # On SIGTERM (a Spot interruption drained by Karpenter/NTH) a worker finishes its active
@@ -428,6 +433,32 @@ class TrainerConfig(_Section):
     # The policy_update task kills every rank and fails if they have not finished by then: a
     # hung collective must not hold the cluster's GPUs forever.
     rank_timeout_s: float = Field(4 * 3600.0, gt=0.0)
+    # -- MoE training-inference mismatch (docs/mismatch.md) --------------------------------------
+    # `ppo`: the token ratio. `gspo`: Qwen's GSPO, the sequence's geometric-mean ratio (verl's
+    # loss_mode gspo, TRL's importance_sampling_level sequence) with its own clip range.
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    gspo_clip_eps_low: float = Field(3e-4, gt=0.0, lt=1.0)  # GSPO's paper and verl: 3e-4 / 4e-4
+    gspo_clip_eps_high: float = Field(4e-4, gt=0.0)
+    # token-mean (DAPO; moerl's ppo default) or seq-mean-token-mean (GSPO's); null = the loss's own
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] | None = None
+    # The importance weight pi_old / mu against the engine (TRL's vllm_importance_sampling_mode):
+    # truncated or masked above `tis_cap`, per token or per sequence.
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    # Mask modes: also mask ratios below this (IcePop's lower bound; null: only the upper tail).
+    tis_mask_low: float | None = Field(None, gt=0.0, lt=1.0)
+    # Geometric sequence rejection (verl's rollout_rs: geometric): a sequence whose
+    # geometric-mean ratio exp(mean_t log(pi_old / mu)) is above `rollout_rs_threshold` or below
+    # `rollout_rs_threshold_lower` (null: 1 / threshold) leaves the loss. off = keep every sequence.
+    rollout_rs: Literal["off", "geometric"] = "off"
+    rollout_rs_threshold: float = Field(1.01, gt=1.0)
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0.0, lt=1.0)
+    # Routing replay (verl's router_replay.mode; slime's --use-routing-replay / --use-rollout-
+    # routing-replay): `R2` forces the trainer's own pi_old routes in the update's forwards, `R3`
+    # the rollout engine's (needs rollout.return_routed_experts). Gate weights are recomputed
+    # from the trainer's router logits, so the router still learns.
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"
+    # rollout_corr/extreme_*: tokens whose pi_old / mu is outside [1/tau, tau] (the R3 paper's 2)
+    extreme_ratio_tau: float = Field(2.0, gt=1.0)
 
     @property
     def world_size(self) -> int:
@@ -438,6 +469,24 @@ class TrainerConfig(_Section):
     def on_mesh(self) -> bool:
         """Whether the update runs as ranks on a DeviceMesh (FSDP2), not in this process."""
         return self.world_size > 1 or self.mixed_precision != "off"
+
+    @property
+    def agg_mode(self) -> str:
+        """The loss aggregation: `loss_agg_mode`, else the policy loss's own."""
+        return self.loss_agg_mode or ("seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean")
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the policy loss in use."""
+        if self.policy_loss == "gspo":
+            return self.gspo_clip_eps_low, self.gspo_clip_eps_high
+        return self.clip_eps_low, self.clip_eps_high
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """(lower, upper) of the geometric sequence rejection."""
+        t = self.rollout_rs_threshold
+        return (self.rollout_rs_threshold_lower or 1.0 / t), t
 
     def precision_policy(self, model_dtype: str) -> str:
         """The precision policy in words, for the run's tags."""
@@ -464,6 +513,12 @@ class TrainerConfig(_Section):
                 raise ValueError(f"deepep_options is for ep_backend deepep; ep_backend is {self.ep_backend}")
         if self.world_size > 1 and self.ep_backend == "deepep" and self.expert_parallel_size == 1:
             raise ValueError("ep_backend deepep needs expert_parallel_size > 1 (no tokens move with one EP rank)")
+        if self.policy_loss == "gspo" and self.clip_ratio_c is not None:
+            raise ValueError("clip_ratio_c (dual clip) is a token-level PPO bound; policy_loss gspo clips the "
+                             "sequence ratio with gspo_clip_eps_low/high: set clip_ratio_c null")
+        if self.tis_mask_low is not None and not self.tis_mode.endswith("mask"):
+            raise ValueError(f"tis_mask_low masks the lower tail in tis_mode token_mask or sequence_mask; "
+                             f"tis_mode is {self.tis_mode}")
         if self.ep_backend == "hierarchical" and self.expert_parallel_size % self.ranks_per_node:
             raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be a multiple of "
                              f"ranks_per_node ({self.ranks_per_node})")
@@ -789,6 +844,9 @@ class RunConfig(_Section):
         if self.trainer.mixed_precision == "bf16" and self.model.dtype != "float32":
             raise ValueError(f"trainer.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
                              f"not {self.model.dtype}")
+        if self.trainer.router_replay == "R3" and not self.rollout.return_routed_experts:
+            raise ValueError("trainer.router_replay R3 replays the rollout engine's routes: set "
+                             "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)")
         sb, g = self.reward.sandbox, self.rollout.samples_per_prompt
         worst = -(-g // sb.workers) * sb.sample_timeout_s  # a group whose every verifier call runs to its limit
         if self.reward.timeout_s < worst:

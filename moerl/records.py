@@ -83,6 +83,71 @@ class PreferencePair(_Record):
     rejected: str
 
 
+ROUTE_DTYPES = {"uint8": 1, "uint16": 2}
+
+
+class RoutedExperts(_Record):
+    """The experts a rollout engine routed every token of one sample to: ids [tokens, MoE
+    layers, top-k] (tokens = prompt + response; the last response token is never fed to the
+    engine, so its row is empty), little-endian `uint8` (at most 255 experts) or `uint16`,
+    base64. An empty slot holds the dtype's largest value (`NO_ROUTE`): replay routes such a
+    token live. About layers x top-k bytes a token: 752 for Qwen3-235B-A22B (94 x 8)."""
+
+    dtype: Literal["uint8", "uint16"]
+    shape: tuple[int, int, int]
+    data: str
+
+    @model_validator(mode="after")
+    def _size(self) -> "RoutedExperts":
+        import base64
+        import binascii
+
+        if self.shape[0] < 0 or self.shape[1] < 1 or self.shape[2] < 1:
+            raise ValueError(f"shape {list(self.shape)}: tokens must be >= 0, layers and top-k >= 1")
+        try:
+            n = len(base64.b64decode(self.data, validate=True))
+        except binascii.Error:
+            raise ValueError("data is not base64") from None
+        want = self.shape[0] * self.shape[1] * self.shape[2] * ROUTE_DTYPES[self.dtype]
+        if n != want:
+            raise ValueError(f"data holds {n} bytes; shape {list(self.shape)} of {self.dtype} needs {want}")
+        return self
+
+    @property
+    def no_route(self) -> int:
+        return (1 << (8 * ROUTE_DTYPES[self.dtype])) - 1
+
+    def ids(self):
+        """int64 numpy array [tokens, layers, k], -1 where no route was recorded."""
+        import base64
+
+        import numpy as np
+
+        a = np.frombuffer(base64.b64decode(self.data), dtype="<u1" if self.dtype == "uint8" else "<u2")
+        a = a.reshape(self.shape).astype(np.int64)
+        a[a == self.no_route] = -1
+        return a
+
+    @classmethod
+    def from_ids(cls, ids, num_experts: int) -> "RoutedExperts":
+        """From an integer array [tokens, layers, k] with -1 (or any negative) where none."""
+        import base64
+
+        import numpy as np
+
+        a = np.asarray(ids, dtype=np.int64)
+        if a.ndim != 3:
+            raise ValueError(f"routed experts must be [tokens, layers, k], got shape {list(a.shape)}")
+        dtype = "uint8" if num_experts < 255 else "uint16"
+        if num_experts >= 65535:
+            raise ValueError(f"{num_experts} experts do not fit uint16 route ids")
+        if a.size and a.max() >= num_experts:
+            raise ValueError(f"route id {int(a.max())} >= {num_experts} experts")
+        none = (1 << (8 * ROUTE_DTYPES[dtype])) - 1
+        packed = np.where(a < 0, none, a).astype("<u1" if dtype == "uint8" else "<u2")
+        return cls(dtype=dtype, shape=tuple(a.shape), data=base64.b64encode(packed.tobytes()).decode())
+
+
 class Sample(_Record):
     """One generated response, as the engine produced it."""
 
@@ -111,6 +176,8 @@ class Sample(_Record):
     final_response: str | None = None  # the model's last message (None: response_text)
     env_reward: float | None = None  # the sum of the rewards the environment's steps returned
     env_error: str | None = None  # an environment call that failed: the episode is failed, never scored
+    # The engine's routes (rollout.return_routed_experts): [prompt + response tokens, layers, k]
+    routed_experts: RoutedExperts | None = None
 
     @model_validator(mode="after")
     def _lengths(self) -> "Sample":
@@ -119,6 +186,7 @@ class Sample(_Record):
             raise ValueError(f"{len(self.response_logprobs)} response_logprobs for {n} response tokens")
         if self.response_mask is not None and (len(self.response_mask) != n or set(self.response_mask) - {0, 1}):
             raise ValueError(f"response_mask must hold one 0 or 1 per response token ({n})")
+        _check_routes(self)
         return self
 
     @property
@@ -146,6 +214,19 @@ class TrainSample(_Record):
     advantage: float
     policy_version: int
     response_mask: list[int] | None = None  # 0: an environment's token, never in the loss (None: all 1)
+    routed_experts: RoutedExperts | None = None  # the engine's routes (trainer.router_replay R3)
+
+    @model_validator(mode="after")
+    def _routes(self) -> "TrainSample":
+        _check_routes(self)
+        return self
+
+
+def _check_routes(s) -> None:
+    r = s.routed_experts
+    if r is not None and r.shape[0] != len(s.prompt_token_ids) + len(s.response_token_ids):
+        raise ValueError(f"routed_experts covers {r.shape[0]} tokens; the sample has "
+                         f"{len(s.prompt_token_ids) + len(s.response_token_ids)} (prompt + response)")
 
 
 class PolicyVersion(_Record):

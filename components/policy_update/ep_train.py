@@ -48,9 +48,10 @@ from moerl.records import TrainSample, read_records
 from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
 from moerl.components.policy_update.ep_optimizer import (OPTIMIZER_DCP, load_optimizer, load_unsharded_optimizer,
                                                          local as _local, save_optimizer)
-from moerl.components.policy_update.steps import (STAT_KEYS, RouterBias, accumulate, check_device, finish_step,
+from moerl.components.policy_update.steps import (STAT_KEYS, RouterBias, Routing, accumulate, check_device, finish_step,
                                                   logprob_mismatch_sum, losses_are_finite, micro_parts, minibatches,
-                                                  model_device, rows_per_micro_batch, sampled_logprobs)
+                                                  model_device, prepare_correction, rows_per_micro_batch,
+                                                  sampled_logprobs)
 from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
 
 log = logging.getLogger(__name__)
@@ -200,22 +201,32 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     # forward goes through the dispatcher's collectives)
     model.eval()
     old_logp = torch.zeros_like(p.engine_logp_NL1)
-    with torch.no_grad():
-        for idx, _ in (part for ps in parts for part in ps):
-            old_logp[idx] = sampled_logprobs(model, p, idx, cfg)[0]
-    mine = torch.cat([c[rank::world] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long, device=device)
-    mismatch = logprob_mismatch_sum(old_logp[mine], p.engine_logp_NL1[mine], p.mask_NL1[mine])
-    # 4. steps
-    model.train()
-    aux_fn = (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None)) if tc.aux_loss_coef > 0 else None
-    sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)  # this rank's shares of every step's statistics
-    done = skipped = 0
-    bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
-    balance: dict[str, float] = {}
+    # every rank builds the same hooks (the same routers), so collectives stay in step
+    routing = Routing(model, p, tc.router_replay) if Routing.needed(p, tc.router_replay) else None
+    bias = None
     try:
+        with torch.no_grad():
+            for idx, padding in (part for ps in parts for part in ps):
+                with Routing.old_pass(routing, p, idx, counted=not padding):
+                    old_logp[idx] = sampled_logprobs(model, p, idx, cfg)[0]
+        mine = torch.cat([c[rank::world] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long, device=device)
+        mismatch = logprob_mismatch_sum(old_logp[mine], p.engine_logp_NL1[mine], p.mask_NL1[mine])
+        tokens_before = float(p.mask_NL1[mine].sum())
+        # the engine/trainer mismatch over every rank's rows; rejection applied alike on every rank
+        p, corr = prepare_correction(p, old_logp, cfg, counters.version, rows=mine, distributed=True)
+        if routing is not None:
+            corr.update(routing.metrics(distributed=True))
+        # 4. steps
+        model.train()
+        aux_fn = (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None)) if tc.aux_loss_coef > 0 else None
+        sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)  # this rank's shares of every step's statistics
+        done = skipped = 0
+        bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
+        balance: dict[str, float] = {}
         for chunk, my_parts in zip(chunks, parts):
             opt.zero_grad(set_to_none=True)
-            stats = accumulate(model, p, my_parts, old_logp, cfg, float(p.mask_NL1[chunk].sum()), len(chunk), aux_fn)
+            stats = accumulate(model, p, my_parts, old_logp, cfg, float(p.mask_NL1[chunk].sum()), len(chunk), aux_fn,
+                               n_seqs=float((p.mask_NL1[chunk].sum(-1) > 0).sum()), routing=routing)
             finite = torch.tensor([float(losses_are_finite(stats))], device=device)
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
             grad_norm = _sync_and_clip(model, ep_blocks, tc.max_grad_norm)
@@ -229,10 +240,10 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
                 if bias is not None:
                     bias.reset()
     finally:
-        if bias is not None:
-            bias.close()
-    totals = torch.tensor([*sums.values(), mismatch, float(p.mask_NL1[mine].sum())], dtype=torch.float64,
-                          device=device)
+        for hooks in (bias, routing):
+            if hooks is not None:
+                hooks.close()
+    totals = torch.tensor([*sums.values(), mismatch, tokens_before], dtype=torch.float64, device=device)
     dist.all_reduce(totals)
     named = dict(zip(sums, totals.tolist()))
     mismatch_sum, tokens = totals[-2].item(), totals[-1].item()
@@ -248,7 +259,7 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
         "train/steps": float(done), "train/skipped_steps": float(skipped), "train/tokens": tokens,
         "train/logprob_mismatch": mismatch_sum / max(tokens, 1.0),
         "train/ep_size": float(cfg.trainer.expert_parallel_size), "train/dp_shard": float(cfg.trainer.data_parallel_shard),
-        **balance,
+        **balance, **corr,
         "moe/expert_load_imbalance": float(per_expert.max() / per_expert.mean().clamp_min(1e-9)),
         **{f"moe/tokens_expert_{e}": float(c) for e, c in enumerate(per_expert.tolist())},
     }

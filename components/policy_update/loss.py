@@ -66,6 +66,134 @@ def _masked_exp(log_ratio_BT: torch.Tensor, real_BT: torch.Tensor) -> torch.Tens
     return torch.exp(safe.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+GSPO_LOG_RATIO_MAX = 10.0  # verl's clamp of the sequence log-ratio (compute_policy_loss_gspo)
+
+
+@dataclass(frozen=True)
+class ISWeights:
+    """Rollout-correction weights of one batch (no grad) and what they did."""
+
+    w_BT: torch.Tensor  # the weight of every token (1 at padding)
+    hit_BT: torch.Tensor  # real tokens whose weight was truncated or masked
+    truncated_fraction: float  # real tokens whose weight hit the cap (truncate modes)
+    masked_fraction: float  # real tokens whose weight was set to 0 (mask modes)
+
+
+def importance_weights(old_logp_BT: torch.Tensor, engine_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                       mode: str = "token_truncate", cap: float = 2.0, lower: float | None = None) -> ISWeights:
+    """The importance weight pi_old / mu of every token, as TRL's `vllm_importance_sampling_mode`
+    names them (verl: `rollout_is: token | sequence`):
+
+        token_truncate      w_t = min(rho_t, cap)                 rho_t = exp(old_t - engine_t)
+        token_mask          w_t = rho_t, or 0 where rho_t > cap (or < lower)
+        sequence_truncate   w_t = min(rho_seq, cap)               rho_seq = exp(sum_t (old_t - engine_t))
+        sequence_mask       w_t = rho_seq, or 0 where rho_seq > cap (or < lower)
+
+    `lower` (mask modes only; None = no lower bound) also masks the lower tail, as IcePop does
+    with [alpha, beta]. Log-ratios are clamped to [-20, 20] before the exp (finite in fp32)."""
+    if mode not in IS_MODES:
+        raise ValueError(f"tis_mode must be one of {', '.join(IS_MODES)}; got {mode!r}")
+    real = mask_BT.bool()
+    log_r = torch.where(real, (old_logp_BT - engine_logp_BT).detach(), torch.zeros_like(old_logp_BT))
+    if mode.startswith("sequence"):
+        log_r = log_r.sum(-1, keepdim=True).expand_as(log_r)
+    rho = torch.exp(log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    n = real.sum().clamp_min(1)
+    if mode.endswith("truncate"):
+        w = torch.clamp(rho, max=cap)
+        hit = (rho > cap) & real
+        truncated, masked = float(hit.sum() / n), 0.0
+    else:
+        drop = rho > cap
+        if lower is not None:
+            drop = drop | (rho < lower)
+        w = torch.where(drop, torch.zeros_like(rho), rho)
+        hit = drop & real
+        truncated, masked = 0.0, float(hit.sum() / n)
+    return ISWeights(torch.where(real, w, torch.ones_like(w)), hit, truncated, masked)
+
+
+def policy_loss(
+    logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor,
+    is_w_BT: torch.Tensor,
+    adv_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    kind: str = "ppo",
+    agg: str = "token-mean",
+    n_tokens: float | None = None,
+    n_seqs: float | None = None,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """The clipped policy loss, times the rollout-correction weights `is_w_BT` (no grad).
+
+    kind `ppo`: the token ratio r_t = exp(logp_t - old_t) (module docstring).
+    kind `gspo` (Qwen's GSPO, arXiv 2507.18071, in its token form as verl's
+    `compute_policy_loss_gspo`): every token of sequence i takes the ratio
+        s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)],   s_i = exp(mean_t(logp_t - old_t))
+    (the log clamped above at 10), so the value and the clip are the sequence's geometric-mean
+    ratio and the gradient is the sequence's mean token gradient; clip ranges are the caller's
+    (GSPO's are about 3e-4 / 4e-4).
+
+    agg `token-mean`: sum over real tokens / `n_tokens` (default: this batch's tokens).
+    agg `seq-mean-token-mean`: each sequence's token mean, summed / `n_seqs` (default: this
+    batch's sequences with a real token). Callers that cut a minibatch into micro-batches pass
+    the minibatch's counts, so the pieces add up to the minibatch's loss."""
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
+    if kind not in ("ppo", "gspo"):
+        raise ValueError(f"policy_loss must be ppo or gspo; got {kind!r}")
+    if agg not in ("token-mean", "seq-mean-token-mean"):
+        raise ValueError(f"loss_agg_mode must be token-mean or seq-mean-token-mean; got {agg!r}")
+    real = mask_BT.bool()
+    mask = real.to(logp_BT.dtype)
+    n_tokens = mask.sum().clamp_min(1.0) if n_tokens is None else \
+        torch.tensor(float(max(n_tokens, 1.0)), device=logp_BT.device)
+    adv_BT = adv_B[:, None].to(logp_BT.dtype).expand_as(logp_BT)
+
+    if kind == "ppo":
+        ratio = _masked_exp(logp_BT - old_logp_BT, real)
+    else:
+        safe_lp = torch.where(real, logp_BT, torch.zeros_like(logp_BT))
+        safe_old = torch.where(real, old_logp_BT, torch.zeros_like(old_logp_BT))
+        seq_len_B1 = mask.sum(-1, keepdim=True).clamp_min(1.0)
+        seq_log_B1 = ((safe_lp - safe_old) * mask).sum(-1, keepdim=True) / seq_len_B1
+        log_s = safe_lp - safe_lp.detach() + seq_log_B1.detach()
+        ratio = torch.where(real, torch.exp(log_s.clamp(max=GSPO_LOG_RATIO_MAX)), torch.ones_like(log_s))
+    pg_unclipped = -adv_BT * ratio
+    pg_clipped = -adv_BT * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    dual = torch.zeros_like(real)
+    if clip_ratio_c is not None:
+        bound = -adv_BT * clip_ratio_c
+        negative = adv_BT < 0
+        dual = negative & (pg > bound) & real
+        pg = torch.where(negative, torch.minimum(pg, bound), pg)
+
+    per_token = torch.where(real, is_w_BT.detach().to(pg.dtype) * pg, torch.zeros_like(pg))
+    if agg == "token-mean":
+        loss = per_token.sum() / n_tokens
+    else:
+        has = mask.sum(-1) > 0
+        n_seqs = has.sum().clamp_min(1).to(pg.dtype) if n_seqs is None else \
+            torch.tensor(float(max(n_seqs, 1.0)), device=logp_BT.device, dtype=pg.dtype)
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1.0)).sum() / n_seqs
+
+    with torch.no_grad():
+        took_clip = (pg_clipped > pg_unclipped) & real
+        stats = LossStats(
+            loss=float(loss.detach()),
+            clip_fraction=float(took_clip.sum() / n_tokens),
+            tis_truncated_fraction=0.0,
+            mean_ratio=float(torch.where(real, ratio, torch.zeros_like(ratio)).sum() / n_tokens),
+            dual_clip_fraction=float(dual.sum() / n_tokens),
+        )
+    return loss, stats
+
+
 def grpo_token_loss(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
@@ -78,43 +206,17 @@ def grpo_token_loss(
     n_tokens: float | None = None,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """`n_tokens`: the normalizer; default the tokens in this minibatch. Expert-parallel ranks
+    """PPO with token-level truncated IS and token-mean aggregation (the default `policy_loss`).
+    `n_tokens`: the normalizer; default the tokens in this minibatch. Expert-parallel ranks
     pass the token count of the whole (global) minibatch, so their losses sum to the loss.
     `clip_ratio_c`: the dual-clip bound for negative advantages (> 1); None = off."""
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
+    w = importance_weights(old_logp_BT, engine_logp_BT, mask_BT, "token_truncate", tis_cap)
+    loss, stats = policy_loss(logp_BT, old_logp_BT, w.w_BT, adv_B, mask_BT, clip_eps_low, clip_eps_high,
+                              n_tokens=n_tokens, clip_ratio_c=clip_ratio_c)
     real = mask_BT.bool()
-    mask = real.to(logp_BT.dtype)
-    n_tokens = mask.sum().clamp_min(1.0) if n_tokens is None else \
-        torch.tensor(float(max(n_tokens, 1.0)), device=logp_BT.device)
-    adv_BT = adv_B[:, None].to(logp_BT.dtype).expand_as(logp_BT)
-
-    ratio = _masked_exp(logp_BT - old_logp_BT, real)
-    pg_unclipped = -adv_BT * ratio
-    pg_clipped = -adv_BT * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    dual = torch.zeros_like(real)
-    if clip_ratio_c is not None:
-        bound = -adv_BT * clip_ratio_c
-        negative = adv_BT < 0
-        dual = negative & (pg > bound) & real
-        pg = torch.where(negative, torch.minimum(pg, bound), pg)
-
-    raw_w = _masked_exp((old_logp_BT - engine_logp_BT).detach(), real)
-    w = torch.clamp(raw_w, max=tis_cap)
-    per_token = torch.where(real, w * pg, torch.zeros_like(pg))
-    loss = per_token.sum() / n_tokens
-
-    with torch.no_grad():
-        took_clip = (pg_clipped > pg_unclipped) & real
-        stats = LossStats(
-            loss=float(loss.detach()),
-            clip_fraction=float(took_clip.sum() / n_tokens),
-            tis_truncated_fraction=float(((raw_w > tis_cap) & real).sum() / n_tokens),
-            mean_ratio=float(torch.where(real, ratio, torch.zeros_like(ratio)).sum() / n_tokens),
-            dual_clip_fraction=float(dual.sum() / n_tokens),
-        )
-    return loss, stats
+    denom = float(max(n_tokens, 1.0)) if n_tokens is not None else float(real.sum().clamp_min(1))
+    truncated = w.truncated_fraction * float(real.sum().clamp_min(1)) / denom
+    return loss, LossStats(stats.loss, stats.clip_fraction, truncated, stats.mean_ratio, stats.dual_clip_fraction)
 
 
 def truncate_logits(x_BLV: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:

@@ -24,14 +24,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
-from moerl.components.policy_update.loss import grpo_token_loss, token_logprobs_and_entropy
+from moerl.components.policy_update.loss import importance_weights, policy_loss, token_logprobs_and_entropy
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ class Packed:
     mask_NL1: torch.Tensor  # 1 where the target is a response token
     engine_logp_NL1: torch.Tensor
     adv_N: torch.Tensor
+    version_N: torch.Tensor | None = None  # each sample's policy version
+    routes_NLYK: torch.Tensor | None = None  # the engine's routes (int32, -1: none); None: no sample has any
+    is_weight_NL1: torch.Tensor | None = None  # rollout-correction weights (`prepare_correction`)
+    is_hit_NL1: torch.Tensor | None = None  # tokens whose weight was truncated or masked
 
     @property
     def device(self) -> torch.device:
@@ -139,15 +143,104 @@ def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) ->
     return max(1, micro_batch_tokens // length)
 
 
-def policy_logprobs(model, p: Packed, cfg: RunConfig) -> torch.Tensor:
+def policy_logprobs(model, p: Packed, cfg: RunConfig, routing: "Routing | None" = None) -> torch.Tensor:
     """Logprobs [N, L1] of every row, in micro-batches, without grad (pi_old)."""
     n = p.input_ids_NL.shape[0]
     out = torch.zeros_like(p.engine_logp_NL1)
     step = rows_per_micro_batch(p, cfg.trainer.micro_batch_tokens, n)
     with torch.no_grad():
         for idx in torch.arange(n, device=p.device).split(step):
-            out[idx] = sampled_logprobs(model, p, idx, cfg)[0]
+            with Routing.old_pass(routing, p, idx):
+                out[idx] = sampled_logprobs(model, p, idx, cfg)[0]
     return out
+
+
+class Routing:
+    """The trainer's routers during one batch (`replay.py`): forced routes per `trainer.
+    router_replay`, live routes recorded in the pi_old pass (R2's routes; the agreement with
+    the engine's, whenever the samples carry them)."""
+
+    def __init__(self, model, p: Packed, mode: str):
+        from moerl.components.policy_update.replay import Agreement, RouterReplay
+
+        if mode == "R3" and p.routes_NLYK is None:
+            log.warning("trainer.router_replay R3: no sample of this batch carries the engine's routes; "
+                        "every token routes live (moe/replay_forced_fraction = 0)")
+        self.mode, self.p = mode, p
+        self.replay = RouterReplay(model)
+        if p.routes_NLYK is not None and p.routes_NLYK.shape[2:] != (self.replay.layers, self.replay.top_k):
+            self.replay.close()
+            raise TrainingError(f"the samples' routed_experts hold {p.routes_NLYK.shape[2]} layers x top-"
+                                f"{p.routes_NLYK.shape[3]}; the model has {self.replay.layers} MoE layers x top-"
+                                f"{self.replay.top_k} (routes recorded from another model?)")
+        self.r2_NLYK: torch.Tensor | None = None
+        if mode == "R2":
+            n, length = p.input_ids_NL.shape
+            self.r2_NLYK = torch.full((n, length, self.replay.layers, self.replay.top_k), -1, dtype=torch.int32,
+                                      device=p.device)
+        self.agreement = Agreement(self.replay.layers, p.device)
+
+    @staticmethod
+    def needed(p: Packed, mode: str) -> bool:
+        return mode != "disabled" or p.routes_NLYK is not None
+
+    def _flat(self, routes_NLYK: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+        return None if routes_NLYK is None else routes_NLYK[idx].reshape(-1, *routes_NLYK.shape[2:])
+
+    @staticmethod
+    @contextmanager
+    def old_pass(routing: "Routing | None", p: Packed, idx: torch.Tensor, counted: bool = True):
+        """pi_old's forward of rows `idx`: R3 forces the engine's routes; the live ones are kept.
+        `counted` False: a padding micro-batch (expert parallel), run but not measured."""
+        if routing is None:
+            yield
+            return
+        r = routing.replay
+        r.force(routing._flat(p.routes_NLYK, idx) if routing.mode == "R3" else None)
+        r.record(counted)
+        try:
+            yield
+            if counted:
+                m, length = p.input_ids_NL[idx].shape
+                live = r.live()
+                if routing.r2_NLYK is not None:
+                    routing.r2_NLYK[idx] = live.reshape(m, length, *live.shape[1:]).to(torch.int32)
+                if p.routes_NLYK is not None:
+                    routing.agreement.add(live, routing._flat(p.routes_NLYK, idx), p.attn_NL[idx].reshape(-1).bool())
+        finally:
+            r.force(None)
+            r.record(False)
+
+    @contextmanager
+    def train_pass(self, idx: torch.Tensor):
+        """An optimizer step's forward and backward of rows `idx`: R2 / R3 force their routes."""
+        routes = self.r2_NLYK if self.mode == "R2" else self.p.routes_NLYK if self.mode == "R3" else None
+        self.replay.force(self._flat(routes, idx))
+        try:
+            yield
+        finally:
+            self.replay.force(None)
+
+    def metrics(self, distributed: bool = False) -> dict[str, float]:
+        from moerl.components.policy_update.replay import Agreement
+
+        flat = torch.cat([self.agreement.flat(), torch.tensor(
+            [float(self.replay.replaced), float(self.replay.forced_slots)], dtype=torch.float64, device=self.p.device)])
+        if distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(flat)
+        replaced, forced = float(flat[-2]), float(flat[-1])
+        out = Agreement.metrics(flat[:-2], self.replay.layers)
+        out["moe/router_replay"] = {"disabled": 0.0, "R2": 2.0, "R3": 3.0}[self.mode]
+        if self.mode == "R3":
+            slots = float(self.p.attn_NL.sum()) * self.replay.layers
+            out["moe/replay_forced_fraction"] = forced / max(slots, 1.0)  # every row is counted on one rank
+            out["moe/replay_replaced_fraction"] = replaced / max(forced, 1.0)
+        return out
+
+    def close(self) -> None:
+        self.replay.close()
 
 
 def minibatches(n: int, steps: int, seed: int, world: int, device: torch.device) -> list[torch.Tensor]:
@@ -175,7 +268,8 @@ def micro_parts(chunk: torch.Tensor, rank: int, world: int, rows_per: int) -> li
 
 def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_logp_NL1: torch.Tensor,
                cfg: RunConfig, n_tokens: float, n_rows: int,
-               aux_fn: Callable[[], torch.Tensor | None] | None = None) -> dict[str, float]:
+               aux_fn: Callable[[], torch.Tensor | None] | None = None, n_seqs: float | None = None,
+               routing: Routing | None = None) -> dict[str, float]:
     """Forward and backward every micro-batch in `parts`; gradients accumulate in the model.
 
     `n_tokens` / `n_rows`: response tokens / rows of the whole minibatch (every rank). The
@@ -190,19 +284,25 @@ def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_log
         outside = mask.bool() & ~torch.isfinite(old_logp_NL1[idx])
         mask = torch.where(outside, torch.zeros_like(mask), mask)
         sums["out_of_support_fraction"] += float(outside.sum()) / max(n_tokens, 1.0)
-        logp, entropy = sampled_logprobs(model, p, idx, cfg)
-        loss, stats = grpo_token_loss(logp, old_logp_NL1[idx], p.engine_logp_NL1[idx], p.adv_N[idx], mask,
-                                      tc.clip_eps_low, tc.clip_eps_high, tc.tis_cap, n_tokens=n_tokens,
-                                      clip_ratio_c=tc.clip_ratio_c)
-        aux = aux_fn() if aux_fn is not None else None
-        if aux is not None:
-            aux = aux * (0.0 if padding else len(idx) / n_rows)
-            loss = loss + aux
-            sums["aux_loss"] += float(aux.detach())
-        loss.backward()
+        if p.is_weight_NL1 is not None:
+            w, hit = p.is_weight_NL1[idx], p.is_hit_NL1[idx]
+        else:
+            iw = importance_weights(old_logp_NL1[idx], p.engine_logp_NL1[idx], mask, "token_truncate", tc.tis_cap)
+            w, hit = iw.w_BT, iw.hit_BT
+        with routing.train_pass(idx) if routing is not None else nullcontext():
+            logp, entropy = sampled_logprobs(model, p, idx, cfg)
+            loss, stats = policy_loss(logp, old_logp_NL1[idx], w, p.adv_N[idx], mask, *tc.clip_range,
+                                      kind=tc.policy_loss, agg=tc.agg_mode, n_tokens=n_tokens,
+                                      n_seqs=n_rows if n_seqs is None else n_seqs, clip_ratio_c=tc.clip_ratio_c)
+            aux = aux_fn() if aux_fn is not None else None
+            if aux is not None:
+                aux = aux * (0.0 if padding else len(idx) / n_rows)
+                loss = loss + aux
+                sums["aux_loss"] += float(aux.detach())
+            loss.backward()
         sums["loss"] += stats.loss
         sums["clip_fraction"] += stats.clip_fraction
-        sums["tis_truncated_fraction"] += stats.tis_truncated_fraction
+        sums["tis_truncated_fraction"] += float((hit & mask.bool()).sum()) / max(n_tokens, 1.0)
         sums["dual_clip_fraction"] += stats.dual_clip_fraction
         ent = torch.where(mask.bool(), entropy.detach(), torch.zeros_like(entropy))
         sums["entropy"] += float(ent.sum()) / max(n_tokens, 1.0)
@@ -335,3 +435,43 @@ class RouterBias:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def prepare_correction(p: Packed, old_logp_NL1: torch.Tensor, cfg: RunConfig, trainer_version: int,
+                       rows: torch.Tensor | None = None, distributed: bool = False) -> tuple[Packed, dict[str, float]]:
+    """After pi_old, before any step: the `rollout_corr/*` metrics of this batch, the geometric
+    sequence rejection (removed from the mask, so from every normalizer) and the importance
+    weights of `trainer.tis_mode`. `rows`: the rows whose pi_old this rank computed (expert
+    parallel: its share; the others are not valid here); `distributed`: sum over the ranks,
+    which every rank then applies alike."""
+    from dataclasses import replace
+
+    from moerl.components.policy_update.correction import correction_sums, finish, geometric_rejection
+
+    tc = cfg.trainer
+    n = p.input_ids_NL.shape[0]
+    rows = torch.arange(n, device=p.device) if rows is None else rows
+    version = p.version_N if p.version_N is not None else torch.full((n,), trainer_version, device=p.device)
+    own = (version == trainer_version)
+    c = correction_sums(old_logp_NL1[rows], p.engine_logp_NL1[rows], p.mask_NL1[rows], own[rows],
+                        tc.extreme_ratio_tau)
+    if distributed:
+        c = c.all_reduce()
+    metrics = finish(c)
+    mask = p.mask_NL1
+    if tc.rollout_rs == "geometric":
+        lower, upper = tc.rs_bounds
+        drop = torch.zeros(n, dtype=torch.float64, device=p.device)
+        drop[rows] = geometric_rejection(old_logp_NL1[rows], p.engine_logp_NL1[rows], mask[rows], upper, lower).double()
+        tokens = torch.stack([(mask.sum(-1).double() * drop)[rows].sum(), mask[rows].double().sum()])
+        if distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(drop)
+            dist.all_reduce(tokens)
+        mask = torch.where(drop[:, None] > 0, torch.zeros_like(mask), mask)
+        metrics["rollout_corr/rs_masked_fraction"] = float(tokens[0] / tokens[1].clamp_min(1.0))
+        metrics["rollout_corr/rs_masked_sequences"] = float(drop.sum())
+    usable = mask.bool() & torch.isfinite(old_logp_NL1)
+    iw = importance_weights(old_logp_NL1, p.engine_logp_NL1, usable, tc.tis_mode, tc.tis_cap, tc.tis_mask_low)
+    return replace(p, mask_NL1=mask, is_weight_NL1=iw.w_BT, is_hit_NL1=iw.hit_BT), metrics

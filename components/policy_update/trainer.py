@@ -31,10 +31,10 @@ import torch
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
-from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, RouterBias, accumulate,
+from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, RouterBias, Routing, accumulate,
                                                   logprob_mismatch_sum, micro_parts, minibatches, model_device,
                                                   policy_logprobs, rows_per_micro_batch, sequence_logprobs,
-                                                  losses_are_finite, finish_step)
+                                                  losses_are_finite, finish_step, prepare_correction)
 
 __all__ = ["Counters", "Packed", "TRAINER_DIR", "pack", "run_policy_update", "sequence_logprobs", "train_on_batch"]
 
@@ -68,7 +68,20 @@ def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cp
         mask[i, p - 1 : p - 1 + r] = 1 if s.response_mask is None else torch.tensor(s.response_mask, device=cpu)
         eng[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs, device=cpu)
     adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=cpu)
-    return Packed(*(t.to(device) for t in (ids, attn, ids[:, 1:].clone(), mask, eng, adv)))
+    version = torch.tensor([s.policy_version for s in batch], dtype=torch.long, device=cpu)
+    routes = None
+    if any(s.routed_experts is not None for s in batch):  # the engine's routes, -1 where none
+        shapes = {s.routed_experts.shape[1:] for s in batch if s.routed_experts is not None}
+        if len(shapes) > 1:
+            raise TrainingError(f"the batch's routed_experts disagree on [layers, top-k]: {sorted(shapes)}")
+        (layers, k), = shapes
+        routes = torch.full((n, length, layers, k), -1, dtype=torch.int32, device=cpu)
+        for i, s in enumerate(batch):
+            if s.routed_experts is not None:
+                r = torch.from_numpy(s.routed_experts.ids())
+                routes[i, : r.shape[0]] = r.to(torch.int32)
+    return Packed(*(t.to(device) for t in (ids, attn, ids[:, 1:].clone(), mask, eng, adv, version)),
+                  routes_NLYK=None if routes is None else routes.to(device))
 
 
 def _load_state(state_dir: Path, cfg: RunConfig):
@@ -110,21 +123,26 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
     n = p.input_ids_NL.shape[0]
     # 3. pi_old and the engine/trainer mismatch, before any step
     model.eval()
-    old_logp = policy_logprobs(model, p, cfg)
-    tokens = float(p.mask_NL1.sum())
-    mismatch = logprob_mismatch_sum(old_logp, p.engine_logp_NL1, p.mask_NL1) / max(tokens, 1.0)
-    # 4. exactly min(steps, n) minibatch steps over a seeded permutation, in micro-batches
-    model.train()
-    aux = RouterAux(model, tc.aux_loss_coef) if tc.aux_loss_coef > 0 else None
-    bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
-    sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
-    done = skipped = 0
-    balance: dict[str, float] = {}
+    routing = Routing(model, p, tc.router_replay) if Routing.needed(p, tc.router_replay) else None
+    aux = bias = None
     try:
+        old_logp = policy_logprobs(model, p, cfg, routing)
+        tokens = float(p.mask_NL1.sum())
+        mismatch = logprob_mismatch_sum(old_logp, p.engine_logp_NL1, p.mask_NL1) / max(tokens, 1.0)
+        # the engine/trainer mismatch, rejection and importance weights (correction.py)
+        p, corr = prepare_correction(p, old_logp, cfg, counters.version)
+        # 4. exactly min(steps, n) minibatch steps over a seeded permutation, in micro-batches
+        model.train()
+        aux = RouterAux(model, tc.aux_loss_coef) if tc.aux_loss_coef > 0 else None
+        bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
+        sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
+        done = skipped = 0
+        balance: dict[str, float] = {}
         for idx in minibatches(n, tc.optimizer_steps_per_iteration, seed, world=1, device=device):
             opt.zero_grad(set_to_none=True)
             parts = micro_parts(idx, 0, 1, rows_per_micro_batch(p, tc.micro_batch_tokens, len(idx)))
-            stats = accumulate(model, p, parts, old_logp, cfg, float(p.mask_NL1[idx].sum()), len(idx), aux)
+            stats = accumulate(model, p, parts, old_logp, cfg, float(p.mask_NL1[idx].sum()), len(idx), aux,
+                               n_seqs=float((p.mask_NL1[idx].sum(-1) > 0).sum()), routing=routing)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
             if finish_step(opt, counters, cfg, stats, sums, grad_norm, losses_are_finite(stats)):
                 done += 1
@@ -133,11 +151,13 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
                 skipped += 1
                 if bias is not None:
                     bias.reset()
+        if routing is not None:
+            corr.update(routing.metrics())
     finally:
-        for hooks in (aux, bias):
+        for hooks in (aux, bias, routing):
             if hooks is not None:
                 hooks.close()
-    metrics = {f"train/{k}": v / max(done, 1) for k, v in sums.items()} | balance
+    metrics = {f"train/{k}": v / max(done, 1) for k, v in sums.items()} | balance | corr
     metrics.update({"train/steps": float(done), "train/skipped_steps": float(skipped),
                     "train/logprob_mismatch": mismatch, "train/tokens": tokens, "train/ep_size": 1.0,
                     "train/dp_shard": 1.0})
