@@ -99,3 +99,65 @@ def test_ep_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs, tmp_path
     for o in outs:
         assert "3 optimizer steps in a row had a non-finite loss or gradient" in o["error"]
         assert o["unchanged"] and o["finite"] and o["skipped_total"] == 3 and o["step"] == 0
+
+
+def _routed_batch(root):
+    """`_batch` with routes recorded from a router-perturbed copy of s0 (the "engine"), some
+    samples stale (policy version -1), so replay, agreement and the own/stale split all matter."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from moerl.components.policy_update.replay import RouterReplay, routers
+    from moerl.records import RoutedExperts
+
+    engine = AutoModelForCausalLM.from_pretrained(root / "s0", dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for gate in routers(engine):
+            gate.weight.add_(torch.randn(gate.weight.shape, generator=g) * 0.3 * gate.weight.std())
+    out = []
+    for i, s in enumerate(_batch()):
+        ids = s.prompt_token_ids + s.response_token_ids
+        replay = RouterReplay(engine)
+        try:
+            replay.record(True)
+            with torch.no_grad():
+                engine(input_ids=torch.tensor([ids]))
+            r = replay.live().numpy().copy()
+        finally:
+            replay.close()
+        r[-1] = -1
+        out.append(s.model_copy(update={"routed_experts": RoutedExperts.from_ids(r, 8),
+                                        "policy_version": -1 if i % 4 == 0 else 0}))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    {"router_replay": "R3"},
+    {"router_replay": "R2", "policy_loss": "gspo", "tis_mode": "sequence_mask", "tis_cap": 3.0,
+     "rollout_rs": "geometric", "rollout_rs_threshold": 1.5},
+])
+def test_ep2_replays_routes_and_measures_the_mismatch_like_ep1(tmp_path, variant):
+    """R3 (the engine's routes) and R2 + GSPO + masked sequence IS + geometric rejection: the
+    expert-parallel block replays through the same router hooks, and the metrics reduced over
+    the ranks equal the single process's."""
+    build_tiny_model(_cfg(1).model.tiny, tmp_path / "s0")
+    write_records(tmp_path / "batch.jsonl", _routed_batch(tmp_path))
+    out = {}
+    for ep in (1, 2):
+        cfg = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.003, "max_grad_norm": 0.05,
+                                        "micro_batch_tokens": 12, "expert_parallel_size": ep, **variant},
+                            "rollout": {"return_routed_experts": True}})
+        out[ep] = run_policy_update(cfg, tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / f"ep{ep}", iteration=0)
+    m1, m2 = out[1], out[2]
+    assert m1["moe/routing_agreement"] < 1.0 and m1["rollout_corr/stale/tokens"] > 0
+    keys = [k for k in m1 if k.startswith(("rollout_corr/", "moe/routing", "moe/replay", "train/loss",
+                                           "train/clip_fraction", "train/tis_truncated_fraction"))]
+    assert "rollout_corr/own/k3_kl" in keys and "moe/routing_agreement/layer_1" in keys
+    if variant["router_replay"] == "R3":
+        assert m1["moe/replay_replaced_fraction"] > 0
+    else:
+        assert m1["rollout_corr/rs_masked_sequences"] >= 0
+    for k in keys:
+        assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-7), (k, m1[k], m2[k])
