@@ -177,6 +177,9 @@ class RolloutConfig(_Section):
         if self.device == "cpu" and (self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"):
             raise ValueError("enable_expert_parallel / all2all_backend need device cuda (vLLM's expert parallelism "
                              "and DeepEP kernels are GPU-only); remove them for a CPU run")
+        if self.return_routed_experts and self.device == "cpu" and not (self.engine_in_process and self.enforce_eager):
+            raise ValueError("return_routed_experts on CPU captures the routes inside the engine's process and "
+                             "forward: it needs engine_in_process true and enforce_eager true")
         if self.device == "cpu" and self.gpu_memory_utilization > 0.5:
             raise ValueError(
                 "gpu_memory_utilization is the RAM fraction vLLM reserves on CPU; use <= 0.5 "
@@ -312,13 +315,38 @@ class BufferConfig(_Section):
     # at `high_watermark` and resumes below `low_watermark`.
     high_watermark: int = Field(256, ge=1)
     low_watermark: int = Field(128, ge=0)
+    # Dynamic sampling (DAPO's filter_groups): every version trains on exactly this many groups
+    # whose rewards vary. Async: the trainer keeps taking scored groups (and the issuer keeps
+    # generating) until it has them. Sync: the batch keeps the first this many of the
+    # iteration's task.prompts_per_iteration groups (generate more prompts than this to leave
+    # room). The optimizer steps are per this batch: a batch short of it takes proportionally
+    # fewer steps of the same size. null = a version takes task.prompts_per_iteration groups,
+    # filtered ones included, and trains on whatever signal they hold.
+    min_signal_groups: int | None = Field(None, ge=1)
+    # Async: groups one version may consume looking for them (DAPO's max_num_gen_batches); past
+    # it the version trains on what it has, warned and counted (buffer/signal_shortfall_groups).
+    # null = 8 x min_signal_groups.
+    max_gather_groups: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _watermarks(self) -> "BufferConfig":
         if self.low_watermark >= self.high_watermark:
             raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
                              f"({self.high_watermark})")
+        if self.min_signal_groups is not None and not self.drop_zero_variance_groups:
+            raise ValueError("min_signal_groups counts the groups left after dropping those without reward variance; "
+                             "it needs drop_zero_variance_groups: true")
+        if self.max_gather_groups is not None and (self.min_signal_groups is None
+                                                   or self.max_gather_groups < self.min_signal_groups):
+            raise ValueError("max_gather_groups bounds dynamic sampling: set min_signal_groups, and "
+                             "max_gather_groups >= min_signal_groups")
         return self
+
+    @property
+    def gather_limit(self) -> int | None:
+        if self.min_signal_groups is None:
+            return None
+        return self.max_gather_groups or 8 * self.min_signal_groups
 
 
 class UnitsConfig(_Section):
@@ -844,6 +872,11 @@ class RunConfig(_Section):
         if self.trainer.mixed_precision == "bf16" and self.model.dtype != "float32":
             raise ValueError(f"trainer.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
                              f"not {self.model.dtype}")
+        if (self.buffer.min_signal_groups or 0) > self.task.prompts_per_iteration:
+            raise ValueError(f"buffer.min_signal_groups ({self.buffer.min_signal_groups}) is more than "
+                             f"task.prompts_per_iteration ({self.task.prompts_per_iteration}) groups: a sync "
+                             "iteration could never fill its batch; raise prompts_per_iteration (the generation "
+                             "batch) above it")
         if self.trainer.router_replay == "R3" and not self.rollout.return_routed_experts:
             raise ValueError("trainer.router_replay R3 replays the rollout engine's routes: set "
                              "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)")

@@ -29,7 +29,7 @@ def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
             continue
         groups[s.prompt_id].append(s)
     batch: list[TrainSample] = []
-    dropped_zero_var = dropped_small = dropped_failed = 0
+    dropped_zero_var = dropped_small = dropped_failed = signal = surplus = 0
     for members in groups.values():
         if len(members) < 2:
             dropped_small += 1
@@ -42,9 +42,16 @@ def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
         if zero_var and cfg.drop_zero_variance_groups:
             dropped_zero_var += 1
             continue
+        if cfg.min_signal_groups is not None and signal >= cfg.min_signal_groups:
+            surplus += 1  # dynamic sampling: the batch holds exactly min_signal_groups groups
+            continue
+        signal += 1
         batch.extend(train_sample(m, a) for m, a in zip(members, adv))
     n_groups = max(len(groups), 1)
-    return batch, {
+    dynamic = {} if cfg.min_signal_groups is None else {
+        "buffer/signal_groups": float(signal), "buffer/surplus_signal_groups": float(surplus),
+        "buffer/signal_shortfall_groups": float(max(0, cfg.min_signal_groups - signal))}
+    return batch, dynamic | {
         "buffer/groups": float(len(groups)),
         "buffer/dropped_zero_variance_groups": float(dropped_zero_var),
         "buffer/dropped_zero_variance_fraction": dropped_zero_var / n_groups,

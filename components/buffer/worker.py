@@ -30,6 +30,8 @@ visibility timeout can still arrive stale, and is dropped, not trained.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,16 +43,33 @@ Disposition = Literal["duplicate", "stale", "failed", "filtered", "used"]
 
 
 def prompts_to_issue(*, used: int, in_flight: int, version: int, batch_prompts: int, versions: int,
-                     max_staleness: int, backlog: int, paused: bool, cfg: BufferConfig) -> tuple[int, bool]:
-    """How many prompts to issue now, and whether issuance is paused (backpressure)."""
+                     max_staleness: int, backlog: int, paused: bool, cfg: BufferConfig,
+                     signal_used: int = 0, gathered: tuple[int, int] = (0, 0)) -> tuple[int, bool]:
+    """How many prompts to issue now, and whether issuance is paused (backpressure).
+
+    Without dynamic sampling a version consumes `batch_prompts` groups: admit up to
+    `max_staleness` + 1 versions ahead of the trainer. With it (`cfg.min_signal_groups` = S) a
+    version consumes S groups *with signal* and however many filtered ones come with them, so
+    the same bound is counted in signal groups and scaled by the share of consumed groups that
+    had signal so far (at least 5 %: a saturated policy must not make issuance explode):
+    `signal_used` = committed signal groups; `gathered` = (groups, signal groups) the trainer
+    holds for its current version, consumed but not committed (no longer waiting generation)."""
     if paused and backlog < cfg.low_watermark:
         paused = False
     elif not paused and backlog >= cfg.high_watermark:
         paused = True
     if paused:
         return 0, paused
-    need = versions * batch_prompts - used - in_flight
-    admit = (max_staleness + version + 1) * batch_prompts - used - in_flight
+    if cfg.min_signal_groups is None:
+        need = versions * batch_prompts - used - in_flight
+        admit = (max_staleness + version + 1) * batch_prompts - used - in_flight
+        return max(0, min(need, admit)), paused
+    s = cfg.min_signal_groups
+    rate = max(signal_used / used, 0.05) if used >= s else 1.0
+    have = signal_used + gathered[1]
+    waiting = max(0, in_flight - gathered[0])  # issued, neither committed nor taken by the trainer
+    need = math.ceil((versions * s - have) / rate) - waiting
+    admit = math.ceil(((max_staleness + version + 1) * s - have) / rate) - waiting
     return max(0, min(need, admit)), paused
 
 

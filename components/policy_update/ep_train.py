@@ -50,7 +50,7 @@ from moerl.components.policy_update.ep_optimizer import (OPTIMIZER_DCP, load_opt
                                                          local as _local, save_optimizer)
 from moerl.components.policy_update.steps import (STAT_KEYS, RouterBias, Routing, accumulate, check_device, finish_step,
                                                   logprob_mismatch_sum, losses_are_finite, micro_parts, minibatches,
-                                                  model_device, prepare_correction, rows_per_micro_batch,
+                                                  model_device, optimizer_steps, prepare_correction, rows_per_micro_batch,
                                                   sampled_logprobs)
 from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
 
@@ -194,7 +194,7 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     device = model_device(model)
     p = pack(batch, model.config.pad_token_id or 0, device)
     n = p.input_ids_NL.shape[0]
-    chunks = minibatches(n, tc.optimizer_steps_per_iteration, seed, world, device)
+    chunks = minibatches(n, optimizer_steps(cfg, n), seed, world, device)
     rows_per = rows_per_micro_batch(p, tc.micro_batch_tokens, math.ceil(max(map(len, chunks), default=1) / world))
     parts = [micro_parts(c, rank, world, rows_per) for c in chunks]
     # 3. pi_old for this rank's rows, before any step (same micro-batches on every rank: the

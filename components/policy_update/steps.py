@@ -243,6 +243,17 @@ class Routing:
         self.replay.close()
 
 
+def optimizer_steps(cfg: RunConfig, n: int) -> int:
+    """Optimizer steps for a batch of `n` samples: `trainer.optimizer_steps_per_iteration`; with
+    dynamic sampling (`buffer.min_signal_groups`) that many for a full batch of min_signal_groups
+    x G samples and proportionally fewer (at least one) for a batch short of it, so every step
+    has the same size whatever the batch."""
+    steps, full = cfg.trainer.optimizer_steps_per_iteration, cfg.buffer.min_signal_groups
+    if full is None or n <= 0:
+        return steps
+    return max(1, min(steps, round(steps * n / (full * cfg.rollout.samples_per_prompt))))
+
+
 def minibatches(n: int, steps: int, seed: int, world: int, device: torch.device) -> list[torch.Tensor]:
     """Exactly min(steps, n // world) minibatches (sizes differ by at most one) over a seeded
     permutation; `torch.chunk` would return fewer than asked for some n."""

@@ -34,7 +34,8 @@ from moerl.records import TrainSample, read_records
 from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, RouterBias, Routing, accumulate,
                                                   logprob_mismatch_sum, micro_parts, minibatches, model_device,
                                                   policy_logprobs, rows_per_micro_batch, sequence_logprobs,
-                                                  losses_are_finite, finish_step, prepare_correction)
+                                                  losses_are_finite, finish_step, optimizer_steps,
+                                                  prepare_correction)
 
 __all__ = ["Counters", "Packed", "TRAINER_DIR", "pack", "run_policy_update", "sequence_logprobs", "train_on_batch"]
 
@@ -138,7 +139,7 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
         sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
         done = skipped = 0
         balance: dict[str, float] = {}
-        for idx in minibatches(n, tc.optimizer_steps_per_iteration, seed, world=1, device=device):
+        for idx in minibatches(n, optimizer_steps(cfg, n), seed, world=1, device=device):
             opt.zero_grad(set_to_none=True)
             parts = micro_parts(idx, 0, 1, rows_per_micro_batch(p, tc.micro_batch_tokens, len(idx)))
             stats = accumulate(model, p, parts, old_logp, cfg, float(p.mask_NL1[idx].sum()), len(idx), aux,

@@ -80,6 +80,7 @@ class Issuer(threading.Thread):
         self.cfg, self.bus, self.version_ref, self.epoch, self.period_s = cfg, bus, version_ref, epoch, period_s
         self.stop_event = threading.Event()
         self.paused = False
+        self.gathered = (0, 0)  # (groups, signal groups) the trainer holds for its current version
         self.error: BaseException | None = None
         self.ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
 
@@ -92,7 +93,8 @@ class Issuer(threading.Thread):
             used=c["groups_used"], in_flight=in_flight, version=self.version_ref[0],
             batch_prompts=self.cfg.task.prompts_per_iteration, versions=self.cfg.pipeline.versions,
             max_staleness=self.cfg.buffer.max_staleness, backlog=self.bus.backlog(), paused=self.paused,
-            cfg=self.cfg.buffer)
+            cfg=self.cfg.buffer, signal_used=c["trained"] // self.cfg.rollout.samples_per_prompt,
+            gathered=self.gathered)
         issued = 0
         while issued < n:
             size = min(self.cfg.units.max_prompts, n - issued)
@@ -185,15 +187,24 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
     """Block until B fresh groups are in; settle the rest as they come. `held`: groups of
     versions still being published (trained, not yet committed as consumed)."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
+    S, limit = cfg.buffer.min_signal_groups, cfg.buffer.gather_limit
     batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
     t0 = time.perf_counter()
     after = "0" if first else None  # a restarted trainer first takes back what it held, page by page
-    while batch.n_groups < B:
+
+    def wanted() -> int:
+        """Groups still to take: B in all, or (dynamic sampling) S with signal, within the limit."""
+        if S is None:
+            return B - batch.n_groups
+        return min(S - len(batch.used), limit - batch.n_groups)
+
+    issuer.gathered = (0, 0)
+    while wanted() > 0:
         _alive(bus, issuer, epoch)
         if after is not None:
             got, after = bus.take_pending(SCORED, CONSUMER, after, validate=_scored_samples)
         else:
-            got = bus.take_scored(CONSUMER, B - batch.n_groups, block_ms=200, validate=_scored_samples)
+            got = bus.take_scored(CONSUMER, wanted(), block_ms=200, validate=_scored_samples)
         consumed = bus.consumed([g["group_id"] for _, g in got])
         for eid, g in got:
             gid = g["group_id"]
@@ -217,7 +228,16 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
                     batch.waits_s.append(max(0.0, time.time() - float(g["t_generated"])))
                 if d == "used":
                     batch.used.append(samples)
-    return batch, {"timing/buffer_wait_s": time.perf_counter() - t0,
+        issuer.gathered = (batch.n_groups, len(batch.used))
+    extra: dict[str, float] = {}
+    if S is not None:
+        short = max(0, S - len(batch.used))
+        if short:
+            log.warning("version %d: %d groups consumed, only %d with reward variance (buffer.min_signal_groups %d, "
+                        "buffer.max_gather_groups %d); training on those", version, batch.n_groups,
+                        len(batch.used), S, limit)
+        extra = {"buffer/signal_groups": float(len(batch.used)), "buffer/signal_shortfall_groups": float(short)}
+    return batch, {"timing/buffer_wait_s": time.perf_counter() - t0, **extra,
                    **{f"buffer/{k}_samples": float(v) for k, v in dropped.items()}}
 
 

@@ -39,9 +39,13 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moerl.config import RolloutConfig
 from moerl.errors import MoerlError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str
+    # rollout.return_routed_experts: [prompt + response, MoE layers, top-k] ids, -1 where none
+    routes: "np.ndarray | None" = None
 
 
 def vllm_seed(seed: int) -> int:
@@ -74,13 +80,13 @@ def vllm_seed(seed: int) -> int:
     return (z ^ (z >> 31)) >> 2
 
 
-def _completion(o) -> Completion:
+def _completion(o, routes=None) -> Completion:
     """A vLLM `CompletionOutput` as a Completion, with one processed logprob per token."""
     ids = list(o.token_ids)
     lps = [float(step[tok].logprob) for step, tok in zip(o.logprobs or [], ids)]
     if len(lps) != len(ids):
         raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(ids)} tokens")
-    return Completion(ids, lps, o.text, str(o.finish_reason))
+    return Completion(ids, lps, o.text, str(o.finish_reason), routes)
 
 
 @dataclass(frozen=True)
@@ -155,10 +161,31 @@ class RolloutEngine:
         if cfg.enable_expert_parallel:  # GPU only (validated in config): vLLM EP + its all2all kernels
             kwargs["enable_expert_parallel"] = True
             kwargs["all2all_backend"] = cfg.all2all_backend
+        if cfg.return_routed_experts:
+            if cfg.device == "cuda":
+                kwargs["enable_return_routed_experts"] = True  # vLLM's own (model runner V2)
+            else:  # live capture (routes.py): a cached prompt block would never be run, so no routes
+                kwargs["enable_prefix_caching"] = False
         self.llm = LLM(**kwargs)
         self._inflight: dict[str, int] = {}  # streamed request id -> n, until finished or aborted
+        self._prompt_len: dict[str, int] = {}
+        self.capture = None
+        self.moe_layers: list[int] = []
+        if cfg.return_routed_experts:
+            from moerl.components.rollout.routes import RouteCapture, moe_layer_ids
+
+            self.moe_layers = moe_layer_ids(self.llm.llm_engine.model_config.hf_config)
+            self.num_experts = int(self.llm.llm_engine.model_config.get_num_experts())
+            if cfg.device == "cpu":
+                self.capture = RouteCapture(self.llm)
         self.load_s = time.perf_counter() - t0
         log.info("vLLM engine loaded %s in %.1f s", model_dir, self.load_s)
+
+    def routed_experts(self, c: Completion):
+        """A completion's routes as a sample's compact record (None without them)."""
+        from moerl.records import RoutedExperts
+
+        return None if c.routes is None else RoutedExperts.from_ids(c.routes, self.num_experts)
 
     def sampling_params(self, n: int, seed: int | None = None, prompt_len: int = 0, max_tokens: int | None = None):
         """`rollout`'s sampling settings; the response budget left by `rollout.max_total_tokens`
@@ -188,7 +215,22 @@ class RolloutEngine:
             params = self.sampling_params(n)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids], params,
                                  use_tqdm=False)
-        return [[_completion(o) for o in out.outputs] for out in outs]
+        return [[_completion(o, self._routes(out.request_id, o, len(ids))) for o in out.outputs]
+                for out, ids in zip(outs, prompts_token_ids)]
+
+    def _routes(self, request_id: str, o, prompt_len: int):
+        """The routes of sample `o` of request `request_id` (None unless return_routed_experts)."""
+        if not self.cfg.return_routed_experts:
+            return None
+        from moerl.components.rollout.routes import from_output
+
+        if self.capture is not None:
+            return self.capture.take(request_id, o.index, prompt_len + len(o.token_ids))
+        routes = from_output(o, prompt_len, self.moe_layers)
+        if routes is None:
+            raise RuntimeError("rollout.return_routed_experts: vLLM returned no routed_experts (its model runner V2 "
+                               "and an MoE model are needed)")
+        return routes
 
     def generate_measured(self, prompts_token_ids: list[list[int]], n: int
                           ) -> tuple[list[list[Completion]], list[RequestTiming]]:
@@ -211,6 +253,8 @@ class RolloutEngine:
                                          first_token_ts=m.first_token_ts, last_token_ts=m.last_token_ts,
                                          generation_tokens=m.num_generation_tokens,
                                          prompt_tokens=len(out.prompt_token_ids or [])))
+        if self.capture is not None:  # not kept: the measured path reports timings only
+            self.capture.forget([out.request_id for out in outs])
         comps = [_completion(out.outputs[0]) for out in outs]
         return [comps[i * n:(i + 1) * n] for i in range(len(prompts_token_ids))], timings
 
@@ -238,6 +282,7 @@ class RolloutEngine:
         prompt = self.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(prompt_token_ids)))
         self.llm.llm_engine.add_request(request_id, prompt, params)
         self._inflight[request_id] = n
+        self._prompt_len[request_id] = len(prompt_token_ids)
 
     def step(self) -> list[tuple[str, list[Completion]]]:
         """Run one engine step; the requests that finished in it, each with its n completions in
@@ -249,7 +294,8 @@ class RolloutEngine:
             if not out.finished or out.request_id not in self._inflight:
                 continue  # FINAL_ONLY emits only finished outputs; unknown ids were aborted
             n = self._inflight.pop(out.request_id)
-            comps = [_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)]
+            plen = self._prompt_len.pop(out.request_id)
+            comps = [_completion(o, self._routes(out.request_id, o, plen)) for o in sorted(out.outputs, key=lambda o: o.index)]
             if len(comps) != n:
                 raise RuntimeError(f"request {out.request_id} finished with {len(comps)} of {n} samples")
             finished.append((out.request_id, comps))
@@ -263,6 +309,9 @@ class RolloutEngine:
             self.llm.llm_engine.abort_request(ids)  # external ids: vLLM aborts every child sample
             for r in ids:
                 del self._inflight[r]
+                self._prompt_len.pop(r, None)
+            if self.capture is not None:
+                self.capture.forget(ids)
 
     def abort_all(self) -> None:
         """Drop every unfinished request."""
@@ -294,5 +343,8 @@ class RolloutEngine:
 
     def close(self) -> None:
         # Drop the engine so its memory and (if any) worker processes go with it.
+        if self.capture is not None:
+            self.capture.close()
+            self.capture = None
         llm, self.llm = self.llm, None
         del llm

@@ -21,12 +21,14 @@ from moerl.tasks.prompting import encode_prompt, uses_template
 from moerl.components.rollout.episodes import EpisodeDriver, env_pool, run_episodes, uses_environments
 
 
-def to_samples(prompts, prompt_ids: list[list[int]], completions, version: int) -> list[Sample]:
+def to_samples(prompts, prompt_ids: list[list[int]], completions, version: int, engine=None) -> list[Sample]:
     """One Sample per completion: prompt i's completions (`RolloutEngine.generate` order) with
-    its token ids, sample index j within the group, made by policy `version`."""
+    its token ids, sample index j within the group, made by policy `version`; with the
+    engine's routes when it recorded them (`rollout.return_routed_experts`)."""
     return [Sample(prompt_id=p.id, task=p.task, prompt=p.prompt_text, answer=p.answer, sample_index=j,
                    prompt_token_ids=ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                   response_text=c.text, finish_reason=c.finish_reason, policy_version=version, meta=p.meta)
+                   response_text=c.text, finish_reason=c.finish_reason, policy_version=version, meta=p.meta,
+                   routed_experts=engine.routed_experts(c) if engine is not None else None)
             for p, ids, comps in zip(prompts, prompt_ids, completions) for j, c in enumerate(comps)]
 
 
@@ -63,7 +65,9 @@ def run_rollout(cfg: RunConfig, run_id: str, policy: PolicyVersion, iteration: i
     else:
         completions = engine.generate(prompt_ids, cfg.rollout.samples_per_prompt)
         gen_s = time.perf_counter() - t_gen
-        samples = to_samples(prompts, prompt_ids, completions, policy.version)
+        samples = to_samples(prompts, prompt_ids, completions, policy.version, engine)
+    if engine.capture is not None:  # positions before the last that the capture missed (expected 0)
+        extra["rollout/routes_missing_fraction"] = engine.capture.missing_slots / max(engine.capture.slots, 1)
     engine.close()
     # 5. records
     write_records(out_path, samples)

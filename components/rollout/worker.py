@@ -331,7 +331,8 @@ class RolloutWorker:
             Sample(prompt_id=p["id"], task=p["task"], prompt=Prompt.model_validate(p).prompt_text, answer=p["answer"],
                    sample_index=j,
                    prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                   response_text=c.text, finish_reason=c.finish_reason, policy_version=self.version, meta=p.get("meta"))
+                   response_text=c.text, finish_reason=c.finish_reason, policy_version=self.version, meta=p.get("meta"),
+                   routed_experts=self.engine.routed_experts(c))
             for j, c in enumerate(comps)])
 
     def _publish_samples(self, unit_id: str, entry: dict, samples: list[Sample]) -> None:
