@@ -51,7 +51,7 @@ def prompts_to_issue(*, used: int, in_flight: int, version: int, batch_prompts: 
     `max_staleness` + 1 versions ahead of the trainer. With it (`cfg.min_signal_groups` = S) a
     version consumes S groups *with signal* and however many filtered ones come with them, so
     the same bound is counted in signal groups and scaled by the share of consumed groups that
-    had signal so far (at least 5 %: a saturated policy must not make issuance explode):
+    had signal so far (at least 5 %), and no more than `cfg.gather_limit` groups a version:
     `signal_used` = committed signal groups; `gathered` = (groups, signal groups) the trainer
     holds for its current version, consumed but not committed (no longer waiting generation)."""
     if paused and backlog < cfg.low_watermark:
@@ -70,7 +70,9 @@ def prompts_to_issue(*, used: int, in_flight: int, version: int, batch_prompts: 
     waiting = max(0, in_flight - gathered[0])  # issued, neither committed nor taken by the trainer
     need = math.ceil((versions * s - have) / rate) - waiting
     admit = math.ceil(((max_staleness + version + 1) * s - have) / rate) - waiting
-    return max(0, min(need, admit)), paused
+    # and no version consumes more than the gather limit, signal or not
+    bound = (max_staleness + version + 1) * cfg.gather_limit - used - in_flight
+    return max(0, min(need, admit, bound)), paused
 
 
 def classify(group_id: str, samples: list[ScoredSample], version: int, max_staleness: int,
