@@ -59,6 +59,15 @@ def _modes(a: argparse.Namespace) -> int:
     return 0 if rep["ok"] else 1
 
 
+def _mismatch(a: argparse.Namespace) -> int:
+    from moerl.bench.mismatch import run_bench_mismatch
+
+    rep = run_bench_mismatch(a.config, a.set, versions=a.versions, router_noise=a.router_noise,
+                             arms=[x.strip() for x in a.arms.split(",") if x.strip()], dynamic=not a.no_dynamic,
+                             min_signal_groups=a.min_signal_groups, out=a.out, work_dir=a.work_dir)
+    return 0 if rep["ok"] else 1
+
+
 def _project(a: argparse.Namespace) -> int:
     from moerl.bench.project import run_project
 
@@ -152,6 +161,21 @@ def add_bench_parsers(sub) -> None:
     mo.add_argument("--out", default="bench/modes.json")
     mo.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
     mo.set_defaults(func=_modes)
+
+    mm = bsub.add_parser("mismatch", help="MoE training-inference mismatch: routing replay under an induced router "
+                                          "mismatch, and dynamic sampling, side by side")
+    mm.add_argument("config")
+    mm.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    mm.add_argument("--versions", type=int, default=24, help="versions per arm")
+    mm.add_argument("--router-noise", type=float, default=0.1,
+                    help="the engine's routers are perturbed by this x each router weight's std (0 = none)")
+    mm.add_argument("--arms", default="disabled,R3", help="replay arms: disabled, R3, R2, gspo")
+    mm.add_argument("--no-dynamic", action="store_true", help="skip the dynamic-sampling arms (two async runs)")
+    mm.add_argument("--min-signal-groups", type=int, default=None,
+                    help="the dynamic arm's buffer.min_signal_groups (default: task.prompts_per_iteration)")
+    mm.add_argument("--out", default="bench/mismatch.json")
+    mm.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
+    mm.set_defaults(func=_mismatch)
 
     from moerl.bench.project import add_project_args
 
