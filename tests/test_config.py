@@ -155,3 +155,26 @@ def test_the_cache_tier_is_off_by_default_and_embedded_is_allowed_locally():
     assert parse_config({}).checkpoint.cache_tier.uri is None and not parse_config({}).checkpoint.fanout
     ct = parse_config({"checkpoint": {"cache_tier": {"uri": "s3://c/p", "endpoint_url": "embedded"}}}).checkpoint
     assert ct.cache_tier.endpoint_url == "embedded" and ct.max_unpublished == 1 and ct.chunk_mb == 64
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"trainer": {"policy_loss": "gspo", "clip_ratio_c": 3.0}}, "clip_ratio_c .dual clip. is a token-level PPO bound"),
+    ({"trainer": {"tis_mask_low": 0.5}}, "tis_mask_low masks the lower tail in tis_mode token_mask or sequence_mask"),
+    ({"trainer": {"tis_mode": "tokens"}}, "trainer.tis_mode: .*token_truncate"),
+    ({"trainer": {"router_replay": "R4"}}, "trainer.router_replay: .*R3"),
+    ({"trainer": {"rollout_rs_threshold": 1.0}}, "trainer.rollout_rs_threshold"),
+    ({"rollout": {"return_routed_experts": True, "engine_in_process": False}},
+     "return_routed_experts on CPU .* needs engine_in_process true and enforce_eager true"),
+    ({"rollout": {"return_routed_experts": True, "enforce_eager": False}}, "enforce_eager true"),
+])
+def test_mismatch_keys_refuse_bad_values_naming_the_key(data, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(data)
+
+
+def test_mismatch_keys_defaults_and_derived_values():
+    t = parse_config({}).trainer
+    assert (t.policy_loss, t.tis_mode, t.router_replay, t.rollout_rs) == ("ppo", "token_truncate", "disabled", "off")
+    assert t.agg_mode == "token-mean" and t.clip_range == (0.2, 0.28)
+    g = parse_config({"trainer": {"policy_loss": "gspo", "rollout_rs_threshold": 2.0}}).trainer
+    assert g.agg_mode == "seq-mean-token-mean" and g.clip_range == (3e-4, 4e-4) and g.rs_bounds == (0.5, 2.0)

@@ -69,6 +69,10 @@ _WEIGHTS: dict[str, Callable] = {
 }
 
 
+# The HF model types whose routers `_WEIGHTS` knows (preflight refuses replay for others)
+REPLAY_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
+
+
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every MoE router of `model`, in layer order. A router moerl cannot replay is refused."""
     found, unknown = [], set()

@@ -64,6 +64,15 @@ def preflight(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.router_bias_update_rate {cfg.trainer.router_bias_update_rate}: the {model_type} "
                           "router has no bias correction to move (DeepSeek-V3's e_score_correction_bias); set it to 0, "
                           "and balance with trainer.aux_loss_coef")
+    if cfg.pipeline.kind == "grpo" and (cfg.trainer.router_replay != "disabled" or cfg.rollout.return_routed_experts):
+        from moerl.components.policy_update.replay import REPLAY_MODEL_TYPES
+        from moerl.errors import ConfigError
+
+        if model_type not in REPLAY_MODEL_TYPES:
+            key = "trainer.router_replay" if cfg.trainer.router_replay != "disabled" else "rollout.return_routed_experts"
+            raise ConfigError(f"{key}: routing replay and routed-expert capture know the routers of "
+                              f"{', '.join(REPLAY_MODEL_TYPES)}; model.path is a {model_type!r}: set "
+                              "trainer.router_replay disabled and rollout.return_routed_experts false")
     from moerl.store.runs import open_store
 
     _check_cache_tier(cfg)  # first: the durable check creates a local store's folder

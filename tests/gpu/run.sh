@@ -5,7 +5,8 @@
 # It checks the CUDA trainer against the CPU trainer, the sharded (FSDP2 + EP) worker over NCCL
 # (one rank; and with bf16 mixed precision and activation checkpointing: its peak memory
 # against the static formula, tokens/s), and a CUDA vLLM engine hot-swapped to a new version
-# against a fresh load; then
+# against a fresh load, and its routed experts (enable_return_routed_experts) against the
+# trainer's routers; then
 # the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1.
 # Written for a lent GPU; not yet run (no GPU was available to the session that wrote it).
 set -euo pipefail

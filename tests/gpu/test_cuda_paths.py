@@ -122,3 +122,47 @@ def test_cuda_vllm_hot_swap_equals_fresh_load(setup, tmp_path):
         fresh_engine.close()
     assert swapped[0] == fresh[0]
     assert max(abs(x - y) for x, y in zip(swapped[1], fresh[1])) <= 1e-3
+
+
+def test_cuda_vllm_returns_routed_experts_that_agree_with_the_trainer(setup, monkeypatch):
+    """vLLM's own `enable_return_routed_experts` (model runner V2, CUDA): the routes moerl puts in
+    its samples have the shape R3 needs and agree with the trainer's routers on the same
+    checkpoint (fp32); printed for the report."""
+    vllm = pytest.importorskip("vllm")
+    if "cpu" in getattr(vllm, "__version__", ""):
+        pytest.skip("needs the CUDA vllm wheel")
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from moerl.components.policy_update.replay import RouterReplay
+    from moerl.components.rollout.engine import RolloutEngine
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # routed experts come from model runner V2
+    rollout = parse_config({"rollout": {"device": "cuda", "engine_in_process": False, "gpu_memory_utilization": 0.3,
+                                        "return_routed_experts": True, "max_new_tokens": 8}}).rollout
+    prompts = [[20, 22, 23, 26, 14, 5, 6, 7], [9, 10, 11]]
+    engine = RolloutEngine(setup / "s0", rollout)
+    try:
+        comps = engine.generate(prompts, n=2)
+    finally:
+        engine.close()
+    model = AutoModelForCausalLM.from_pretrained(setup / "s0", dtype=torch.float32).eval()
+    same = total = 0
+    for p, cs in zip(prompts, comps):
+        for c in cs:
+            ids = p + c.token_ids
+            assert c.routes is not None and c.routes.shape[0] == len(ids) and c.routes.shape[2] == 2
+            replay = RouterReplay(model)
+            try:
+                replay.record(True)
+                with torch.no_grad():
+                    model(input_ids=torch.tensor([ids]))
+                live = replay.live().numpy()
+            finally:
+                replay.close()
+            have = (c.routes[:-1] >= 0).all(-1)
+            eq = (np.sort(c.routes[:-1], -1) == np.sort(live[:-1], -1)).all(-1)
+            same += int((eq & have).sum())
+            total += int(have.sum())
+    print(f"\nvLLM CUDA routed experts vs the trainer's routers (fp32): {same}/{total} slots agree")
+    assert total > 0 and same / total >= 0.95
