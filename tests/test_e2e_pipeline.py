@@ -36,10 +36,11 @@ def e2e_run(tmp_path_factory):
     (work / "run.yaml").write_text(yaml.safe_dump({
         "task": {"prompts_per_iteration": 8, "dataset": "tasks.jsonl", "max_turns": 3,
                  "environments": {"guess": "my_tasks.guess:GuessNumber"}},
-        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
+        # the engine's routes travel with the samples through every task, and R3 replays them
+        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6, "return_routed_experts": True},
         "reward": {"kind": "mixed", "model": {"registered": "moerl-tiny-rm/latest", "max_batch": 16},
                    "verifiers": {"copy": "my_tasks:copy_async"}},
-        "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2},
+        "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2, "router_replay": "R3"},
         "tracking": {"experiment": "e2e", "uri": "http://moerl:" + PASSWORD + "@127.0.0.1:PORT"},
         "pipeline": {"iterations": 2},
     }))
@@ -228,6 +229,12 @@ def test_the_expert_parallel_trainer_ran_and_its_checkpoint_served_the_next_roll
     assert sorted(p.name for p in trainer.iterdir()) == ["optimizer", "state.json"]
     # the sharded optimizer state, a Distributed Checkpoint: one file per rank and its metadata, published
     assert sorted(p.name for p in (trainer / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # the copy rows' samples carried the engine's routes (the episodes none): R3 replayed them on
+    # the mesh, and the engine and the trainer routed alike (same weights, float32)
+    forced = client.get_metric_history(run.info.run_id, "moe/replay_forced_fraction")
+    assert len(forced) == 2 and all(0.1 < m.value < 1.0 for m in forced)
+    assert all(m.value > 0.9 for m in client.get_metric_history(run.info.run_id, "moe/routing_agreement"))
+    assert all(m.value >= 0 for m in client.get_metric_history(run.info.run_id, "rollout_corr/k3_kl"))
     assert run.data.tags["moerl.trainer.mesh"] == "dp 1 x ep 2 (FSDP2)"
     assert run.data.tags["moerl.trainer.precision"].startswith("float32 throughout")
 

@@ -37,6 +37,12 @@ so a non-finite logprob there (-inf * 0 = NaN) cannot reach the loss, its gradie
 stats. A NaN at a real token still makes the loss NaN, on purpose: the trainer skips that
 step and counts it.
 
+Variants (docs/mismatch.md): `policy_loss` also computes GSPO's sequence ratio (kind `gspo`)
+and the `seq-mean-token-mean` aggregation, and takes the importance weights from
+`importance_weights` in any of TRL's four modes (token or sequence, truncated or masked);
+`grpo_token_loss` is the default combination above. The trainer computes the weights once per
+batch, after pi_old (`steps.prepare_correction`).
+
 Limitations: the [-20, 20] clamp zeroes the gradient of a token whose log-ratio is beyond it
 (as in verl); such a token is far outside the clip range anyway.
 """

@@ -5,7 +5,9 @@ checkpoint at the top (what engines serve; vLLM reads only top-level files) and 
 beside it (optimizer state and counters: what a resumed run needs and engines never fetch).
 
 Steps: (1) load model, optimizer and counters; (2) pack the batch into padded tensors;
-(3) recompute the start-of-iteration logprobs (pi_old) and the engine/trainer mismatch;
+(3) recompute the start-of-iteration logprobs (pi_old) and the engine/trainer mismatch
+(`rollout_corr/*`, the routing agreement, the rejection and importance weights: correction.py,
+replay.py; routes forced per `trainer.router_replay`);
 (4) exactly min(N, `optimizer_steps_per_iteration`) minibatch steps, each in micro-batches of
 at most `trainer.micro_batch_tokens` positions with gradient accumulation (`steps.py`),
 skipping and counting any step whose loss or gradient is not finite, and failing after
