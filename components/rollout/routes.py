@@ -90,6 +90,7 @@ class RouteCapture:
         self.llm = llm
         self._routes: dict[str, np.ndarray] = {}  # internal id -> [positions, Y, K] int16, -1 = none
         self._owner: dict[str, tuple[str, int]] = {}  # internal id -> (external id, sample index)
+        self._by_owner: dict[tuple[str, int], str] = {}  # the reverse
         self._buf: np.ndarray | None = None
         self._rows = 0
         self.layers = self.top_k = 0
@@ -138,7 +139,9 @@ class RouteCapture:
                 s, e = int(qsl[i]), int(qsl[i + 1])
                 if rid not in self._owner:
                     st = states.get(rid)
-                    self._owner[rid] = (st.external_req_id, int(st.request_index)) if st is not None else (rid, 0)
+                    owner = (st.external_req_id, int(st.request_index)) if st is not None else (rid, 0)
+                    self._owner[rid] = owner
+                    self._by_owner[owner] = rid
                 if e == s:
                     continue
                 pos = positions[s:e]
@@ -170,7 +173,7 @@ class RouteCapture:
     # -- in the caller -------------------------------------------------------------------
     def take(self, external_id: str, index: int, length: int) -> np.ndarray:
         """Sample `index` of request `external_id`: [length, Y, K] int64, -1 where not run."""
-        rid = next((r for r, owner in self._owner.items() if owner == (external_id, index)), None)
+        rid = self._by_owner.pop((external_id, index), None)
         a = self._routes.pop(rid, None) if rid is not None else None
         self._owner.pop(rid, None)
         out = complete_rows(a.astype(np.int64) if a is not None else
@@ -183,10 +186,11 @@ class RouteCapture:
     def forget(self, external_ids) -> None:
         drop = set(external_ids)
         for rid in [r for r, (ext, _) in self._owner.items() if ext in drop]:
-            self._owner.pop(rid, None)
+            self._by_owner.pop(self._owner.pop(rid), None)
             self._routes.pop(rid, None)
 
     def close(self) -> None:
         self.llm.collective_rpc(self._uninstall)
         self._routes.clear()
         self._owner.clear()
+        self._by_owner.clear()
