@@ -129,8 +129,9 @@ class RoutedExperts(_Record):
         return a
 
     @classmethod
-    def from_ids(cls, ids, num_experts: int) -> "RoutedExperts":
-        """From an integer array [tokens, layers, k] with -1 (or any negative) where none."""
+    def from_ids(cls, ids, num_experts: int | None = None) -> "RoutedExperts":
+        """From an integer array [tokens, layers, k] with -1 (or any negative) where none;
+        `num_experts` None: sized by the largest id."""
         import base64
 
         import numpy as np
@@ -138,6 +139,8 @@ class RoutedExperts(_Record):
         a = np.asarray(ids, dtype=np.int64)
         if a.ndim != 3:
             raise ValueError(f"routed experts must be [tokens, layers, k], got shape {list(a.shape)}")
+        if num_experts is None:
+            num_experts = int(a.max()) + 1 if a.size else 1
         dtype = "uint8" if num_experts < 255 else "uint16"
         if num_experts >= 65535:
             raise ValueError(f"{num_experts} experts do not fit uint16 route ids")

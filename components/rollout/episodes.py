@@ -58,6 +58,9 @@ class Episode:
     reset: bool = False  # the environment holds state for this episode
     observed: list[str | None] = field(default_factory=list)  # reset's observation, then each step's
     ended_s: float | None = None  # when it ended, seconds after `run_episodes` began (the tail)
+    # the engine's routes of the last turn's request (rollout.return_routed_experts): its prompt
+    # is the whole episode so far, so they cover every token before that turn's last one
+    routes: Any = None
 
     @property
     def context(self) -> list[int]:
@@ -73,7 +76,17 @@ class Episode:
                       policy_version=version, meta=r.get("meta"), sample_id=sample_id,
                       response_mask=self.mask if multi else None, turns=max(self.turns, 1),
                       final_response=(self.texts[-1] if self.texts else "") if multi else None,
-                      env_reward=sum(self.rewards) if self.rewards else None, env_error=self.error)
+                      env_reward=sum(self.rewards) if self.rewards else None, env_error=self.error,
+                      routed_experts=self._routed())
+
+    def _routed(self):
+        if self.routes is None:
+            return None
+        from moerl.components.rollout.routes import complete_rows
+        from moerl.records import RoutedExperts
+
+        # an observation appended after the last turn has no route yet: -1, routed live (masked out of the loss)
+        return RoutedExperts.from_ids(complete_rows(self.routes, len(self.prompt_ids) + len(self.tokens)))
 
 
 def env_pool(cfg: RunConfig) -> SandboxPool:
@@ -146,6 +159,7 @@ class EpisodeDriver:
         for ep, c in turns:
             ep.tokens += c.token_ids
             ep.logprobs += c.logprobs
+            ep.routes = getattr(c, "routes", None)
             ep.mask += [1] * len(c.token_ids)
             ep.texts.append(c.text)
             ep.pieces.append(c.text)
