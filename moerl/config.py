@@ -62,6 +62,10 @@ class TinyMoeConfig(_Section):
         return self
 
 
+WARM_START_PATTERN = (r"^(none|previous|registry:[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+                      r"(@[A-Za-z0-9_-]{1,64}|/[0-9]{1,9}))$")
+
+
 class ModelConfig(_Section):
     """The policy. `path` is a local HF-format Qwen3-MoE or Mixtral-style checkpoint; unset
     means build the embedded tiny model from `tiny`."""
@@ -72,7 +76,9 @@ class ModelConfig(_Section):
     # Scheduled retraining: `previous` starts version 0 from the final checkpoint of the newest
     # FINISHED run in `tracking.experiment` (its `moerl.final_checkpoint` tag), fetched and
     # verified through the checkpoint store; with no such run it starts like `none`.
-    warm_start: Literal["none", "previous"] = "none"
+    # `registry:<name>@<alias>` (or `registry:<name>/<version>`): from a policy version registered
+    # in MLflow's model registry (tracking.registry_name); a missing one is refused at preflight.
+    warm_start: str = Field("none", pattern=WARM_START_PATTERN)
 
 
 class SandboxConfig(_Section):
@@ -652,6 +658,11 @@ class TrackingConfig(_Section):
     uri: str | None = None
     experiment: str = "moerl"
     run_name: str | None = None
+    # A GRPO run registers its final verified version as a new version of this registered model
+    # in MLflow's model registry (tags: store URI, manifest sha256, final reward, config hash,
+    # run id); `moerl schedule` then warm-starts from `registry:<name>@champion`. null = no
+    # registration (scheduled runs start from the previous run's final checkpoint).
+    registry_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class PipelineConfig(_Section):

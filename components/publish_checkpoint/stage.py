@@ -121,6 +121,8 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
     """Lay out version 0 as a trainer state directory (no optimizer state yet). `run_id`: the
     current MLflow run (needed with `model.warm_start: previous`, which tags it)."""
     model_dir = Path(state_dir)
+    if cfg.model.warm_start.startswith("registry:"):
+        return _warm_start_from_registry(cfg, model_dir, run_id)
     if cfg.model.warm_start == "previous":
         if not run_id:
             raise ValueError("prepare_initial: model.warm_start=previous needs run_id (the current MLflow run)")
@@ -138,6 +140,30 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
         shutil.copytree(cfg.model.path, model_dir, dirs_exist_ok=True)
     else:
         build_tiny_model(cfg.model.tiny, model_dir)
+    return model_dir
+
+
+def _warm_start_from_registry(cfg: RunConfig, model_dir: Path, run_id: str | None) -> Path:
+    """Version 0 from the registered policy version `model.warm_start` names (registry.py): its
+    manifest must still be the registered one, and every file is verified on the way."""
+    from moerl.components.publish_checkpoint.registry import resolve_policy
+
+    reg = resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
+    if reg.store_root.rstrip("/") != _store_root(cfg):
+        raise CheckpointError(f"model.warm_start: {cfg.model.warm_start} is {reg.version_uri}, outside this config's "
+                              f"checkpoint store {_store_root(cfg)}; set checkpoint.uri to {reg.store_root}")
+    found = run_store(cfg.checkpoint, reg.store_run_id).manifest(reg.store_version).sha256()
+    if found != reg.manifest_sha256:
+        raise CheckpointError(f"model.warm_start: {cfg.model.warm_start} ({reg.name}/{reg.registry_version}) was "
+                              f"registered with manifest {reg.manifest_sha256}, but {reg.version_uri} now holds "
+                              f"{found}: the published version changed after it was registered")
+    fetch_warm_start(cfg, PreviousCheckpoint(reg.store_run_id, reg.version_uri, reg.store_version), model_dir)
+    if run_id:
+        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id,
+                          {WARM_START_RUN_TAG: reg.store_run_id, WARM_START_CHECKPOINT_TAG: reg.version_uri,
+                           "moerl.warm_start.registered": f"{reg.name}/{reg.registry_version}"})
+    print(f"[moerl] warm start: version 0 is {reg.version_uri} ({cfg.model.warm_start} = "
+          f"{reg.name}/{reg.registry_version})", flush=True)
     return model_dir
 
 

@@ -74,6 +74,9 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     cfg = config_from_json(config_json)
     stage_start(cfg, "finish_run", run_id, enforce=False)  # build-info and runtime probe on the run
     final_uri = json.loads(policy_json)["uri"]
+    from moerl.components.publish_checkpoint.registry import register_final
+
+    register_final(cfg, run_id, final_uri)  # tracking.registry_name: the policy in MLflow's model registry
     with tempfile.TemporaryDirectory() as tmp:
         tracking.finish_run(tracking.resolve_uri(cfg.tracking), run_id, final_uri, Path(tmp))
     return run_id

@@ -272,6 +272,9 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
             run.supervise(on_tick=on_tick)
         policy = run_store(cfg.checkpoint, run_id)
         final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
+        from moerl.components.publish_checkpoint.registry import register_final
+
+        register_final(cfg, run_id, final_uri)  # tracking.registry_name: the policy in MLflow's model registry
         tracking.finish_run(uri, run_id, final_uri, work)
     except (MoerlError, procs.Terminated, KeyboardInterrupt) as err:
         ok = False

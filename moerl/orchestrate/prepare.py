@@ -46,6 +46,10 @@ def preflight(cfg: RunConfig) -> None:
 
         rm = registry.resolve(tracking.resolve_uri(cfg.tracking), cfg.reward.model)
         registry.fetch(cfg.checkpoint, rm)
+    if cfg.model.warm_start.startswith("registry:"):  # the registered version must exist, before any work
+        from moerl.components.publish_checkpoint.registry import resolve_policy
+
+        resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
     model_type = cfg.model.tiny.architecture
     if cfg.model.path:
         model_type = check_checkpoint(cfg.model.path)

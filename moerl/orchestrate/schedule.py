@@ -56,8 +56,14 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
 def scheduled_config(cfg: RunConfig) -> RunConfig:
-    """The config every scheduled run runs: version 0 from the previous run's final checkpoint."""
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"warm_start": "previous"})})
+    """The config every scheduled run runs: version 0 from the registered policy version an
+    operator promoted (`registry:<tracking.registry_name>@champion`) when the config registers
+    its policies, else from the previous run's final checkpoint; a warm start the config names
+    itself (`registry:...`) is kept."""
+    if cfg.model.warm_start.startswith("registry:"):
+        return cfg
+    warm = f"registry:{cfg.tracking.registry_name}@champion" if cfg.tracking.registry_name else "previous"
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"warm_start": warm})})
 
 
 def _check_name(flag: str, name: str, max_len: int) -> str:

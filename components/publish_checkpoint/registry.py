@@ -1,0 +1,138 @@
+"""The trained policy in MLflow's model registry, and warm starts from a registered version.
+
+At the end of a GRPO run whose config names `tracking.registry_name`, the run's final verified
+version is registered as a new version of that registered model (`register_policy`), tagged
+with what finds and checks it without MLflow's artifact store: the version's URI in the
+checkpoint store (`moerl.version_uri`), its manifest's sha256, the run's final reward, the hash
+of the resolved config, the run id. The registry's `source` is the version URI for an S3 store;
+for a local store it is `runs:/<run_id>/policy`, where the manifest is logged (an MLflow server
+accepts a local path as a source only inside the run's artifacts), as the reward model does.
+
+`model.warm_start: registry:<name>@<alias>` (or `registry:<name>/<version>`) starts version 0
+from a registered version: `resolve_policy` reads the registry (a missing name, alias or version
+is a ConfigError naming `model.warm_start`, raised at preflight before any work), and
+`publish_checkpoint.stage.prepare_initial` fetches that version through the checkpoint store,
+verified file by file, after checking that its manifest is still the registered one. `moerl
+schedule` uses `@champion` when `tracking.registry_name` is set, so promoting a version in the
+MLflow UI (setting its `champion` alias) is how an operator chooses what retraining starts from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from moerl.errors import ConfigError
+
+TAG_VERSION_URI = "moerl.version_uri"
+TAG_MANIFEST = "moerl.manifest_sha256"
+TAG_REWARD = "moerl.final_reward"
+TAG_CONFIG_HASH = "moerl.config_hash"
+TAG_RUN = "moerl.run_id"
+REF = re.compile(r"^registry:(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})(?:@(?P<alias>[A-Za-z0-9_-]{1,64})"
+                 r"|/(?P<version>[0-9]{1,9}))$")  # what moerl.config.WARM_START_PATTERN admits
+_IN_STORE = re.compile(r"^(?P<root>.+)/runs/(?P<run_id>[^/]+)/versions/v(?P<version>\d{6,})$")
+
+
+def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
+    """(name, alias, version) of `registry:<name>@<alias>` or `registry:<name>/<version>`."""
+    m = REF.match(ref)
+    if not m:
+        raise ConfigError(f"model.warm_start: {ref!r} is not none, previous, registry:<name>@<alias> or "
+                          "registry:<name>/<version>")
+    return m.group("name"), m.group("alias"), m.group("version")
+
+
+@dataclass(frozen=True)
+class RegisteredPolicy:
+    name: str
+    registry_version: str
+    version_uri: str  # <checkpoint root>/runs/<run id>/versions/vNNNNNN
+    manifest_sha256: str
+    run_id: str
+
+    @property
+    def store_root(self) -> str:
+        return _IN_STORE.match(self.version_uri).group("root")
+
+    @property
+    def store_run_id(self) -> str:
+        return _IN_STORE.match(self.version_uri).group("run_id")
+
+    @property
+    def store_version(self) -> int:
+        return int(_IN_STORE.match(self.version_uri).group("version"))
+
+
+def config_hash(config_json: str) -> str:
+    return hashlib.sha256(config_json.encode()).hexdigest()
+
+
+def register_final(cfg, run_id: str, final_uri: str) -> str | None:
+    """At the end of a GRPO run with `tracking.registry_name`: register its final version (whose
+    manifest is read back from the store). Returns the registry version, None when not asked."""
+    from moerl import tracking
+    from moerl.config import config_to_json
+    from moerl.store.runs import run_store
+
+    if cfg.pipeline.kind != "grpo" or not cfg.tracking.registry_name:
+        return None
+    m = _IN_STORE.match(final_uri)
+    if not m:
+        raise ConfigError(f"tracking.registry_name: the final checkpoint {final_uri!r} is not a version in a store")
+    manifest = run_store(cfg.checkpoint, m.group("run_id")).manifest(int(m.group("version")))
+    version = register_policy(tracking.resolve_uri(cfg.tracking), cfg.tracking.registry_name, run_id, final_uri,
+                              manifest.to_json(), manifest.sha256(), config_to_json(cfg))
+    print(f"[moerl] registered the final version {final_uri} as {cfg.tracking.registry_name}/{version} in MLflow's "
+          "model registry", flush=True)
+    return version
+
+
+def register_policy(tracking_uri: str, name: str, run_id: str, version_uri: str, manifest_json: str,
+                    manifest_sha256: str, config_json: str) -> str:
+    """Register the run's final version as a new version of `name`; returns the registry version."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if not _IN_STORE.match(version_uri):
+        raise ConfigError(f"tracking.registry_name: {version_uri!r} is not a version in a checkpoint store")
+    client = MlflowClient(tracking_uri)
+    try:
+        client.create_registered_model(name, description="moerl policy (GRPO on an MoE model)")
+    except MlflowException as err:
+        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
+            raise
+    source = version_uri
+    if "://" not in version_uri:  # a local store (see the module docstring)
+        client.log_text(run_id, manifest_json, "policy/manifest.json")
+        source = f"runs:/{run_id}/policy"
+    reward = client.get_run(run_id).data.metrics.get("reward/mean")
+    mv = client.create_model_version(name, source=source, run_id=run_id, tags={
+        TAG_VERSION_URI: version_uri, TAG_MANIFEST: manifest_sha256, TAG_CONFIG_HASH: config_hash(config_json),
+        TAG_RUN: run_id, TAG_REWARD: "" if reward is None else f"{reward:.6f}"})
+    client.set_tag(run_id, "moerl.registered_policy", f"{name}/{mv.version}")
+    return str(mv.version)
+
+
+def resolve_policy(tracking_uri: str, ref: str) -> RegisteredPolicy:
+    """The registered version `ref` names; ConfigError naming `model.warm_start` if none."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    name, alias, version = parse_ref(ref)
+    client = MlflowClient(tracking_uri)
+    try:
+        mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+    except MlflowException as err:
+        hint = (f"set the alias on a version in the MLflow UI (Models > {name} > a version > Aliases: {alias})"
+                if alias else "name an existing version")
+        raise ConfigError(f"model.warm_start: {ref} is not in the model registry at {tracking_uri} "
+                          f"({str(err).splitlines()[0][:200]}); {hint}") from None
+    tags = mv.tags or {}
+    missing = [t for t in (TAG_VERSION_URI, TAG_MANIFEST) if t not in tags]
+    if missing or not _IN_STORE.match(tags.get(TAG_VERSION_URI, "")):
+        raise ConfigError(f"model.warm_start: {name}/{mv.version} was not registered by moerl (no usable "
+                          f"{', '.join(missing) or TAG_VERSION_URI} tag); register policies with tracking.registry_name")
+    return RegisteredPolicy(name=name, registry_version=str(mv.version), version_uri=tags[TAG_VERSION_URI],
+                            manifest_sha256=tags[TAG_MANIFEST], run_id=tags.get(TAG_RUN, mv.run_id or ""))
