@@ -134,3 +134,19 @@ def test_scheduled_runs_start_from_the_champion_when_the_config_registers():
     assert scheduled_config(reg).model.warm_start == "registry:moerl-policy@champion"
     named = parse_config({"tracking": {"registry_name": "p"}, "model": {"warm_start": "registry:p/3"}})
     assert scheduled_config(named).model.warm_start == "registry:p/3"
+
+
+def test_the_runs_dataset_is_an_mlflow_dataset_input(env, registered):
+    import hashlib
+
+    from mlflow.tracking import MlflowClient
+
+    from moerl.tasks.dataset import resolve_path
+
+    _, run_id, _, _ = registered
+    (inp,) = MlflowClient(env["uri"]).get_run(run_id).inputs.dataset_inputs
+    data = resolve_path("builtin:digits-copy").read_bytes()
+    assert inp.dataset.name == "digits-copy" and inp.dataset.source_type == "moerl-builtin"
+    assert inp.dataset.digest == hashlib.sha256(data).hexdigest()[:16]
+    assert '"rows": %d' % data.count(b"\n") in inp.dataset.profile
+    assert [(t.key, t.value) for t in inp.tags] == [("mlflow.data.context", "training")]
