@@ -2,8 +2,9 @@
 own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py),
 sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), the checkpoint cache tier (a
 second `weed mini`, as the buffer group's SeaweedFS), an MLflow tracking server (`mlflow
-server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn. A second run, warm-started from the first
-(`model.warm_start: previous`, as scheduled retraining does), requires a GPU its rollout node
+server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn, and
+registers its final version in the MLflow server's model registry. A second run, warm-started
+from that version once it is made champion (as scheduled retraining does), requires a GPU its rollout node
 does not have (`require.gpu`): the rollout fails at its start, is retried
 (`pipeline.task_retries`), then the exit handler marks the MLflow run FAILED, and `latest`
 stays on version 0.
@@ -23,6 +24,7 @@ from tests.mlflow_server import mlflow_server
 from tests.sandbox import sandboxed
 
 BUCKET = "moerl-cluster"
+REGISTRY = {"registry_name": "moerl-policy"}
 ITERATIONS = 4
 PREFIX = "team-a"
 
@@ -93,16 +95,23 @@ def cluster_run(s3_server, tmp_path_factory):
         ok_root, bad_root = root / "ok", root / "bad"
         ok_root.mkdir()
         bad_root.mkdir()
-        try:
-            ok_err = _run_sandboxed(_cluster_cfg(s3_server, url, checkpoint=cache_tier), ok_root)
+        try:  # it registers its final version in the MLflow server's model registry
+            ok_err = _run_sandboxed(_cluster_cfg(s3_server, url, checkpoint=cache_tier, tracking=REGISTRY), ok_root)
         finally:
             mp.undo()
             cache.stop()
-        # warm-started from the run above, requiring a GPU this node lacks: the first rollout
+        # an operator promotes that version to champion; a scheduled run of the config starts from
+        # it (`registry:moerl-policy@champion`), requiring a GPU this node lacks: the first rollout
         # fails at its start (twice: one retry), after version 0 was published
-        bad_err = _run_sandboxed(_cluster_cfg(s3_server, url, require={"gpu": True}, model={"warm_start": "previous"},
-                                              task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}),
-                                 bad_root)
+        from mlflow.tracking import MlflowClient
+
+        from moerl.orchestrate.schedule import scheduled_config
+
+        if ok_err is None:
+            MlflowClient(url).set_registered_model_alias("moerl-policy", "champion", "1")
+        bad_cfg = scheduled_config(_cluster_cfg(s3_server, url, require={"gpu": True}, tracking=REGISTRY,
+                                                task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}))
+        bad_err = _run_sandboxed(bad_cfg, bad_root)
         yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "s3": s3_server,
                "cache": cache}
 
@@ -185,7 +194,18 @@ def test_a_failed_run_is_retried_then_marked_failed_by_the_exit_handler(cluster_
 
 @pytest.mark.slow
 def test_the_second_run_warm_started_from_the_first_runs_final_checkpoint(cluster_run):
-    _, ok, bad = _runs(cluster_run["url"])
+    """Through the model registry: the first run registered its final version (an S3 store: the
+    registry's source is the version's URI), an operator made it champion, and the scheduled run
+    started from `registry:moerl-policy@champion`."""
+    client, ok, bad = _runs(cluster_run["url"])
+    assert bad.data.params["model.warm_start"] == "registry:moerl-policy@champion"
+    assert ok.data.tags["moerl.registered_policy"] == "moerl-policy/1"
+    mv = client.get_model_version_by_alias("moerl-policy", "champion")
+    assert mv.source == ok.data.tags["moerl.final_checkpoint"] == mv.tags["moerl.version_uri"]
+    assert mv.tags["moerl.manifest_sha256"] == _store(cluster_run, ok.info.run_id).manifest(ITERATIONS).sha256()
+    assert float(mv.tags["moerl.final_reward"]) == pytest.approx(ok.data.metrics["reward/mean"], abs=1e-6)
+    assert bad.data.tags["moerl.warm_start.registered"] == "moerl-policy/1"
+    assert [i.dataset.name for i in ok.inputs.dataset_inputs] == ["digits-copy"]
     assert bad.data.tags["moerl.warm_start.run_id"] == ok.info.run_id
     assert bad.data.tags["moerl.warm_start.checkpoint"] == ok.data.tags["moerl.final_checkpoint"]
     final = {f.path: f.sha256 for f in _store(cluster_run, ok.info.run_id).manifest(ITERATIONS).files}
