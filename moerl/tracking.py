@@ -114,7 +114,7 @@ def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
     import hashlib
     import json
 
-    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.entities import Dataset, DatasetInput, InputTag, RunTag
 
     from moerl.tasks.dataset import resolve_path
 
@@ -130,6 +130,27 @@ def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
     except Exception as err:  # noqa: BLE001 - provenance: recorded on the run, loudly, not fatal
         print(f"[moerl] WARNING: the dataset {spec!r} was not logged as an MLflow dataset input: {err}", flush=True)
         client.log_batch(run_id, tags=[RunTag("moerl.dataset_input_error", redact(str(err))[:4000])])
+
+
+def register_model_version(uri: str, name: str, description: str, run_id: str, version_uri: str,
+                           manifest_json: str, artifact_dir: str, tags: dict[str, str]) -> str:
+    """A new version of registered model `name` (created if new) for a version published in the
+    checkpoint store; returns the registry version. The source is the version's URI for an S3
+    store; for a local store it is `runs:/<run_id>/<artifact_dir>`, where the manifest is logged
+    (an MLflow server accepts a local path as a source only inside the run's artifacts)."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(uri)
+    try:
+        client.create_registered_model(name, description=description)
+    except MlflowException as err:
+        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
+            raise
+    source = version_uri
+    if "://" not in version_uri:  # a local store
+        client.log_text(run_id, manifest_json, f"{artifact_dir}/manifest.json")
+        source = f"runs:/{run_id}/{artifact_dir}"
+    return str(client.create_model_version(name, source=source, run_id=run_id, tags=tags).version)
 
 
 def log_params(client, run_id: str, params: dict[str, Any]) -> None:

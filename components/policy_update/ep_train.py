@@ -202,7 +202,7 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     model.eval()
     old_logp = torch.zeros_like(p.engine_logp_NL1)
     # every rank builds the same hooks (the same routers), so collectives stay in step
-    routing = Routing(model, p, tc.router_replay) if Routing.needed(p, tc.router_replay) else None
+    routing = Routing.for_batch(model, p, tc.router_replay)
     bias = None
     try:
         with torch.no_grad():

@@ -47,7 +47,7 @@ class Packed:
     mask_NL1: torch.Tensor  # 1 where the target is a response token
     engine_logp_NL1: torch.Tensor
     adv_N: torch.Tensor
-    version_N: torch.Tensor | None = None  # each sample's policy version
+    version_N: torch.Tensor | None = None  # each sample's policy version (`trainer.pack` sets it)
     routes_NLYK: torch.Tensor | None = None  # the engine's routes (int32, -1: none); None: no sample has any
     is_weight_NL1: torch.Tensor | None = None  # rollout-correction weights (`prepare_correction`)
     is_hit_NL1: torch.Tensor | None = None  # tokens whose weight was truncated or masked
@@ -180,9 +180,10 @@ class Routing:
                                       device=p.device)
         self.agreement = Agreement(self.replay.layers, p.device)
 
-    @staticmethod
-    def needed(p: Packed, mode: str) -> bool:
-        return mode != "disabled" or p.routes_NLYK is not None
+    @classmethod
+    def for_batch(cls, model, p: Packed, mode: str) -> "Routing | None":
+        """The routing hooks this batch needs: with replay, or when its samples carry routes."""
+        return cls(model, p, mode) if mode != "disabled" or p.routes_NLYK is not None else None
 
     def _flat(self, routes_NLYK: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
         return None if routes_NLYK is None else routes_NLYK[idx].reshape(-1, *routes_NLYK.shape[2:])
@@ -295,11 +296,10 @@ def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_log
         outside = mask.bool() & ~torch.isfinite(old_logp_NL1[idx])
         mask = torch.where(outside, torch.zeros_like(mask), mask)
         sums["out_of_support_fraction"] += float(outside.sum()) / max(n_tokens, 1.0)
-        if p.is_weight_NL1 is not None:
-            w, hit = p.is_weight_NL1[idx], p.is_hit_NL1[idx]
-        else:
-            iw = importance_weights(old_logp_NL1[idx], p.engine_logp_NL1[idx], mask, "token_truncate", tc.tis_cap)
-            w, hit = iw.w_BT, iw.hit_BT
+        if p.is_weight_NL1 is None:
+            raise TrainingError("accumulate: the batch has no importance weights (a moerl bug: call "
+                                "prepare_correction after pi_old)")
+        w, hit = p.is_weight_NL1[idx], p.is_hit_NL1[idx]
         with routing.train_pass(idx) if routing is not None else nullcontext():
             logp, entropy = sampled_logprobs(model, p, idx, cfg)
             loss, stats = policy_loss(logp, old_logp_NL1[idx], w, p.adv_N[idx], mask, *tc.clip_range,
@@ -462,8 +462,7 @@ def prepare_correction(p: Packed, old_logp_NL1: torch.Tensor, cfg: RunConfig, tr
     tc = cfg.trainer
     n = p.input_ids_NL.shape[0]
     rows = torch.arange(n, device=p.device) if rows is None else rows
-    version = p.version_N if p.version_N is not None else torch.full((n,), trainer_version, device=p.device)
-    own = (version == trainer_version)
+    own = p.version_N == trainer_version
     c = correction_sums(old_logp_NL1[rows], p.engine_logp_NL1[rows], p.mask_NL1[rows], own[rows],
                         tc.extreme_ratio_tau)
     if distributed:

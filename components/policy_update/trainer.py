@@ -126,7 +126,7 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
     n = p.input_ids_NL.shape[0]
     # 3. pi_old and the engine/trainer mismatch, before any step
     model.eval()
-    routing = Routing(model, p, tc.router_replay) if Routing.needed(p, tc.router_replay) else None
+    routing = Routing.for_batch(model, p, tc.router_replay)
     aux = bias = None
     try:
         old_logp = policy_logprobs(model, p, cfg, routing)

@@ -92,27 +92,17 @@ def register_final(cfg, run_id: str, final_uri: str) -> str | None:
 def register_policy(tracking_uri: str, name: str, run_id: str, version_uri: str, manifest_json: str,
                     manifest_sha256: str, config_json: str) -> str:
     """Register the run's final version as a new version of `name`; returns the registry version."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from moerl import tracking
 
     if not _IN_STORE.match(version_uri):
         raise ConfigError(f"tracking.registry_name: {version_uri!r} is not a version in a checkpoint store")
-    client = MlflowClient(tracking_uri)
-    try:
-        client.create_registered_model(name, description="moerl policy (GRPO on an MoE model)")
-    except MlflowException as err:
-        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
-            raise
-    source = version_uri
-    if "://" not in version_uri:  # a local store (see the module docstring)
-        client.log_text(run_id, manifest_json, "policy/manifest.json")
-        source = f"runs:/{run_id}/policy"
-    reward = client.get_run(run_id).data.metrics.get("reward/mean")
-    mv = client.create_model_version(name, source=source, run_id=run_id, tags={
-        TAG_VERSION_URI: version_uri, TAG_MANIFEST: manifest_sha256, TAG_CONFIG_HASH: config_hash(config_json),
-        TAG_RUN: run_id, TAG_REWARD: "" if reward is None else f"{reward:.6f}"})
-    client.set_tag(run_id, "moerl.registered_policy", f"{name}/{mv.version}")
-    return str(mv.version)
+    reward = tracking._client(tracking_uri).get_run(run_id).data.metrics.get("reward/mean")
+    version = tracking.register_model_version(
+        tracking_uri, name, "moerl policy (GRPO on an MoE model)", run_id, version_uri, manifest_json, "policy",
+        {TAG_VERSION_URI: version_uri, TAG_MANIFEST: manifest_sha256, TAG_CONFIG_HASH: config_hash(config_json),
+         TAG_RUN: run_id, TAG_REWARD: "" if reward is None else f"{reward:.6f}"})
+    tracking.set_tags(tracking_uri, run_id, {"moerl.registered_policy": f"{name}/{version}"})
+    return version
 
 
 def resolve_policy(tracking_uri: str, ref: str) -> RegisteredPolicy:

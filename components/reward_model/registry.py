@@ -57,23 +57,12 @@ class RegisteredRewardModel:
 def register(tracking_uri: str, name: str, version_uri: str, rm_run_id: str, store_uri: str, store_version: int,
              manifest_json: str, manifest_sha256: str, accuracy: float) -> str:
     """Register the published version as a new version of `name`; returns the registry version."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    from moerl import tracking
 
-    client = MlflowClient(tracking_uri)
-    try:
-        client.create_registered_model(name, description="moerl reward model (Bradley-Terry on preference pairs)")
-    except MlflowException as err:
-        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
-            raise
-    source = version_uri
-    if "://" not in version_uri:  # a local store (see the module docstring)
-        client.log_text(rm_run_id, manifest_json, "reward_model/manifest.json")
-        source = f"runs:/{rm_run_id}/reward_model"
-    mv = client.create_model_version(name, source=source, run_id=rm_run_id, tags={
-        TAG_STORE: store_uri, TAG_STORE_VERSION: str(store_version), TAG_MANIFEST: manifest_sha256,
-        TAG_ACCURACY: f"{accuracy:.4f}"})
-    return str(mv.version)
+    return tracking.register_model_version(
+        tracking_uri, name, "moerl reward model (Bradley-Terry on preference pairs)", rm_run_id, version_uri,
+        manifest_json, "reward_model", {TAG_STORE: store_uri, TAG_STORE_VERSION: str(store_version),
+                                        TAG_MANIFEST: manifest_sha256, TAG_ACCURACY: f"{accuracy:.4f}"})
 
 
 def resolve(tracking_uri: str, ref: RewardModelRef) -> RegisteredRewardModel:

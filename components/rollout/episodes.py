@@ -159,7 +159,7 @@ class EpisodeDriver:
         for ep, c in turns:
             ep.tokens += c.token_ids
             ep.logprobs += c.logprobs
-            ep.routes = getattr(c, "routes", None)
+            ep.routes = c.routes
             ep.mask += [1] * len(c.token_ids)
             ep.texts.append(c.text)
             ep.pieces.append(c.text)

