@@ -164,6 +164,23 @@ class S3Process:
         self.proc, self.server = _start(self.weed, self.root, self.env, dict(self.ports))
         return self.server
 
+    def wait_writable(self, bucket: str, timeout_s: float = 60.0) -> None:
+        """Until `bucket` takes a write: a restarted weed lists buckets (ready) seconds before its
+        volume server has re-registered and takes writes."""
+        assert self.server is not None, "start() first"
+        client = self.server.client()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.put_object(Bucket=bucket, Key=".moerl-write-probe", Body=b"1")
+                client.delete_object(Bucket=bucket, Key=".moerl-write-probe")
+                return
+            except (BotoCoreError, ClientError) as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"weed mini at {self.server.endpoint_url} takes no write to {bucket} "
+                                       f"after {timeout_s:.0f} s: {e}") from e
+                time.sleep(0.25)
+
     def kill(self) -> None:
         """SIGKILL, as a lost node does it."""
         if self.proc is not None and self.proc.poll() is None:
