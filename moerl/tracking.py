@@ -107,6 +107,20 @@ def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
     return run.info.run_id
 
 
+def record_refusal(cfg: RunConfig, uri: str, run_id: str, tags: dict[str, str], message: str) -> str:
+    """A run refused before any work (a bad run parameter): the error on the MLflow run, which
+    is created from `cfg` (the compiled config) when `run_id` is empty, and marked FAILED.
+    Best effort: an unreachable tracking server costs only this record, never the message."""
+    try:
+        run_id = run_id or start_run(cfg, uri, tags)
+        set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": redact(message)[:4000]})
+        _client(uri).set_terminated(run_id, status="FAILED")
+    except Exception as err:  # noqa: BLE001 - the refusal itself is printed by the caller and fails the task
+        print(f"[moerl] could not record the refusal on the MLflow run: {type(err).__name__}: {redact(str(err))}",
+              flush=True)
+    return run_id
+
+
 def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
     """The run's data as an MLflow dataset input (the UI's Datasets column and run page): its
     spec as the source, the sha256 of the file as the digest, its line count as the profile. A

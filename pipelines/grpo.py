@@ -24,6 +24,7 @@ not depend on the number of versions, or chain runs (`moerl compile --resume RUN
 """
 
 
+import inspect
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,12 +51,13 @@ STAGE_FUNCS: dict[str, Callable[..., Any]] = {
               redistribute_weights, log_iteration, finish_run, close_run)
 }
 TARGETS = ("local", "eks")
-# Measured (kfp 2.17.3): each iteration adds about 25.7 KB of YAML, 36.0 KB on the EKS target;
-# 26 iterations on the EKS target are about 0.96 MB. tests/test_compile_eks.py checks the size
+# Measured (kfp 2.17.3): each iteration adds about 26.6 KB of YAML, 36.9 KB on the EKS target
+# (every task reads the run's merged config from start_run's output); 26 iterations on the EKS
+# target are about 1.00 MB. tests/test_compile_eks.py checks the size
 # at the cap stays under COMPILED_SIZE_BUDGET, which leaves room under etcd's 1.5 MiB per
 # object for what the KFP backend adds when it turns the IR into an Argo Workflow.
 MAX_COMPILED_ITERATIONS = 26
-COMPILED_SIZE_BUDGET = 1_000_000  # bytes of compiled IR YAML
+COMPILED_SIZE_BUDGET = 1_050_000  # bytes of compiled IR YAML
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,53 @@ def components(funcs: dict[str, Callable[..., Any]], base_image: str) -> dict[st
     install_kfp_package=False: the moerl image already carries kfp; it also cuts the per-task
     overhead in kfp.local from ~0.4 s to ~0.04 s (docs/architecture.md)."""
     return {name: dsl.component(func=f, base_image=base_image, install_kfp_package=False) for name, f in funcs.items()}
+
+
+FIXED_INPUTS = {
+    "config_json": "The compiled run config as JSON: the base that the fields below and overrides change for this run.",
+    "run_id": "An MLflow run to continue (a resumed run); empty: the first task creates one.",
+    "git_sha": "The moerl commit the pipeline was compiled from (provenance).",
+}
+
+
+def run_form(cfg: RunConfig, name: str, description: str, fixed: dict[str, str], body: Callable[[dict], None]):
+    """The KFP pipeline function for `cfg` whose inputs are the run form: `fixed` (name ->
+    default) and the typed run parameters of `pipelines/params.py` with the config's values as
+    defaults and a description each. `body` gets every input's channel by name."""
+    from moerl.pipelines import params
+
+    sig = params.signature(cfg, [inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
+                                                   default=v) for k, v in fixed.items()])
+
+    def pipeline_func(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        body(dict(bound.arguments))
+
+    pipeline_func.__signature__ = sig
+    pipeline_func.__name__ = pipeline_func.__qualname__ = name.replace("-", "_")
+    pipeline_func.__doc__ = params.docstring(description, {k: FIXED_INPUTS[k] for k in fixed}, cfg)
+    return dsl.pipeline(name=name, description=description)(pipeline_func)
+
+
+def start_task(ops: Any, settle: Callable[[Any, str], Any], cfg: RunConfig, inputs: dict, target: str):
+    """The run's first task: merges and validates the run form (components/tracking)."""
+    from moerl.pipelines.params import params_for
+
+    form = {p.name: inputs[p.name] for p in params_for(cfg)}
+    return settle(ops.start_run(config_json=inputs["config_json"], run_id=inputs["run_id"], git_sha=inputs["git_sha"],
+                                kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, target=target,
+                                overrides=inputs["overrides"], **form), "start-run")
+
+
+def with_exit_handler(ops: Any, settle: Callable[[Any, str], Any], inputs: dict, body: Callable[[], None]) -> None:
+    """`body` inside an ExitHandler whose exit task marks the MLflow run FAILED however the run
+    fails. An exit task may not consume other tasks' outputs: it reads the compiled config and
+    finds the MLflow run by the KFP run id."""
+    close = settle(ops.close_run(config_json=inputs["config_json"], run_id=inputs["run_id"],
+                                 kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "close-run")
+    with dsl.ExitHandler(close, name="moerl-run"):
+        body()
 
 
 def make_ops(base_image: str) -> Ops:
@@ -158,10 +207,9 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: in
     if not 0 <= start_iteration < n_iter:
         raise ValueError(f"start_iteration must be in [0, {n_iter}), got {start_iteration}")
 
-    def _body(config_json, run_id, git_sha):
-        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha,
-                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "start-run")
-        rid = start.output
+    def _body(inputs: dict) -> None:
+        start = start_task(ops, _task, cfg, inputs, target)
+        rid, config_json = start.outputs["run_id"], start.outputs["config_json"]  # the run's merged config
         if resume or start_iteration > 0:  # version 0 already exists when a run resumes from it
             init = _task(ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),
                          f"resume-policy-v{start_iteration}")
@@ -191,13 +239,7 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: in
         # after every log, so the reward curve it plots is complete
         _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run").after(*logs)
 
-    @dsl.pipeline(name=cfg.pipeline.name, description="moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, "
-                  "buffer, policy update, checkpoint publication, weight redistribution")
-    def grpo(config_json: str = config_to_json(cfg), run_id: str = run_id, git_sha: str = git_sha):
-        # An exit task may not consume other tasks' outputs: it finds the MLflow run by the KFP run id.
-        close = _task(ops.close_run(config_json=config_json, run_id=run_id, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
-                      "close-run")
-        with dsl.ExitHandler(close, name="moerl-run"):
-            _body(config_json, run_id, git_sha)
-
-    return grpo
+    return run_form(cfg, cfg.pipeline.name, "moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, buffer, policy "
+                    "update, checkpoint publication, weight redistribution",
+                    {"config_json": config_to_json(cfg), "run_id": run_id, "git_sha": git_sha},
+                    lambda inputs: with_exit_handler(ops, _task, inputs, lambda: _body(inputs)))

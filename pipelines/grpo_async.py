@@ -3,8 +3,8 @@
     ExitHandler(close_run):           marks the MLflow run FAILED however the run fails
       start_run -> init_policy (v0)
         -> concurrently, each for the whole run:
-             ParallelFor(rollout.workers, parallelism=rollout.workers): rollout_worker(i)
-             ParallelFor(reward.scorers, parallelism=reward.scorers):   reward_scorer(j)
+             ParallelFor(start_run's worker_slots): rollout_worker(i)   (rollout.workers)
+             ParallelFor(start_run's scorer_slots): reward_scorer(j)    (reward.scorers)
              async_trainer  (publishes v1..v_N, N = pipeline.versions, then sets the done flag)
         -> finish_run (after the trainer)
 
@@ -16,9 +16,11 @@ every iteration). The run ends when every task exits: the trainer's done flag is
 the workers and scorers.
 
 Why each setting:
-- `ParallelFor(..., parallelism=n)` over exactly n items: every worker slot runs at once (the
-  v2 backend honours `parallelism`, compiled to Argo's template parallelism). `parallelism`
-  equal to the fan-out keeps the graph correct if the item list ever grows past it.
+- `ParallelFor` over `start_run`'s `worker_slots` / `scorer_slots` (one item per worker or
+  scorer of the run's merged config), with no parallelism limit: the counts are run
+  parameters (`rollout_workers`, `reward_scorers` on the run form), and every slot runs at
+  once, since a long-lived worker that waited for another to finish would wait for the run's
+  end. (With a limit, Argo's template parallelism, slots past it would start only then.)
 - Caching is off on every task: each one is stateful and side-effecting (Valkey, the store,
   MLflow); a cache hit would skip a worker or replay a stale run id.
 - Rollout workers and scorers get `set_retry(pipeline.worker_retries, backoff '10s' constant,
@@ -62,7 +64,8 @@ from moerl.components.reward.component import reward_scorer
 from moerl.components.rollout.component import rollout_worker
 from moerl.components.tracking.component import close_run, finish_run, start_run
 from moerl.config import RunConfig, config_to_json
-from moerl.pipelines.grpo import components, task_settings  # caching off, display name, EKS pod settings
+from moerl.pipelines.grpo import (components, run_form, start_task, task_settings,  # caching off, display name, EKS pods
+                                  with_exit_handler)
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f for f in (start_run, init_policy, rollout_worker, reward_scorer, async_trainer, finish_run,
@@ -104,30 +107,24 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str =
     `moerl compile` checks it). `target` `eks` adds the pod settings."""
     ops = make_async_ops(cfg.pipeline.base_image)
     _task = task_settings(cfg, target, async_mode=True)
-    n_workers, n_scorers = cfg.rollout.workers, cfg.reward.scorers
 
-    def _body(config_json, run_id, git_sha):
-        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha,
-                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "start-run")
-        rid = start.output
+    def _body(inputs: dict) -> None:
+        start = start_task(ops, _task, cfg, inputs, target)
+        rid, config_json = start.outputs["run_id"], start.outputs["config_json"]  # the run's merged config
         init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
-        with dsl.ParallelFor(list(range(n_workers)), parallelism=n_workers, name="rollout-workers") as i:
+        # one slot per worker / scorer of the merged config (the run form's rollout_workers and
+        # reward_scorers): no parallelism limit, so every slot runs at once
+        with dsl.ParallelFor(start.outputs["worker_slots"], name="rollout-workers") as i:
             ro = _task(ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i), "rollout-worker")
             _retry(ro.after(init), cfg.pipeline.worker_retries, cfg)
-        with dsl.ParallelFor(list(range(n_scorers)), parallelism=n_scorers, name="reward-scorers") as j:
+        with dsl.ParallelFor(start.outputs["scorer_slots"], name="reward-scorers") as j:
             sc = _task(ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j), "reward-scorer")
             _retry(sc.after(init), cfg.pipeline.worker_retries, cfg)
         tr = _task(ops.async_trainer(config_json=config_json, run_id=rid), "trainer")
         _retry(tr.after(init), TRAINER_RETRIES, cfg)
         _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output), "finish-run")
 
-    @dsl.pipeline(name=cfg.pipeline.name, description="moerl async GRPO for MoE LLMs: long-lived rollout workers "
-                  "(vLLM, hot swap), reward scorers and trainer joined by a Valkey buffer and work queue")
-    def grpo_async(config_json: str = config_to_json(cfg), run_id: str = "", git_sha: str = git_sha):
-        # An exit task may not consume other tasks' outputs: it finds the MLflow run by the KFP run id.
-        close = _task(ops.close_run(config_json=config_json, run_id=run_id, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
-                      "close-run")
-        with dsl.ExitHandler(close, name="moerl-run"):
-            _body(config_json, run_id, git_sha)
-
-    return grpo_async
+    return run_form(cfg, cfg.pipeline.name, "moerl async GRPO for MoE LLMs: long-lived rollout workers (vLLM, hot "
+                    "swap), reward scorers and trainer joined by a Valkey buffer and work queue",
+                    {"config_json": config_to_json(cfg), "run_id": "", "git_sha": git_sha},
+                    lambda inputs: with_exit_handler(ops, _task, inputs, lambda: _body(inputs)))

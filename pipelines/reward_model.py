@@ -23,13 +23,12 @@ settings by stage group, the exit handler that marks a failed run FAILED in MLfl
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kfp import dsl
-
 from moerl.components.reward_model.component import (evaluate_reward_model, prepare_preferences,
                                                      publish_reward_model, train_reward_model)
 from moerl.components.tracking.component import close_run, finish_run, start_run
 from moerl.config import RunConfig, config_to_json
-from moerl.pipelines.grpo import components, task_settings  # caching off, display name, EKS pod settings
+from moerl.pipelines.grpo import (components, run_form, start_task, task_settings,  # caching off, display name, EKS pods
+                                  with_exit_handler)
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f for f in (start_run, prepare_preferences, train_reward_model, evaluate_reward_model,
@@ -56,10 +55,9 @@ def build_reward_model_pipeline(cfg: RunConfig, git_sha: str = "unknown", target
     ops = make_rm_ops(cfg.pipeline.base_image)
     _task = task_settings(cfg, target)
 
-    def _body(config_json, run_id, git_sha):
-        start = _task(ops.start_run(config_json=config_json, run_id=run_id, git_sha=git_sha,
-                                    kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "start-run")
-        rid = start.output
+    def _body(inputs: dict) -> None:
+        start = start_task(ops, _task, cfg, inputs, target)
+        rid, config_json = start.outputs["run_id"], start.outputs["config_json"]  # the run's merged config
         data = _task(ops.prepare_preferences(config_json=config_json, run_id=rid), "prepare-preferences")
         fit = _task(ops.train_reward_model(config_json=config_json, run_id=rid, train=data.outputs["train"]),
                     "train-reward-model")
@@ -69,12 +67,7 @@ def build_reward_model_pipeline(cfg: RunConfig, git_sha: str = "unknown", target
                                              eval_metrics=ev.output), "publish-reward-model")
         _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=pub.output), "finish-run")
 
-    @dsl.pipeline(name=cfg.pipeline.name, description="moerl reward model: Bradley-Terry on preference pairs, "
-                  "held-out pairwise accuracy, publication to the checkpoint store, MLflow model registry")
-    def reward_model(config_json: str = config_to_json(cfg), run_id: str = run_id, git_sha: str = git_sha):
-        close = _task(ops.close_run(config_json=config_json, run_id=run_id, kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER),
-                      "close-run")
-        with dsl.ExitHandler(close, name="moerl-run"):
-            _body(config_json, run_id, git_sha)
-
-    return reward_model
+    return run_form(cfg, cfg.pipeline.name, "moerl reward model: Bradley-Terry on preference pairs, held-out "
+                    "pairwise accuracy, publication to the checkpoint store, MLflow model registry",
+                    {"config_json": config_to_json(cfg), "run_id": run_id, "git_sha": git_sha},
+                    lambda inputs: with_exit_handler(ops, _task, inputs, lambda: _body(inputs)))

@@ -7,13 +7,15 @@ registers its final version in the MLflow server's model registry. A second run,
 from that version once it is made champion (as scheduled retraining does), requires a GPU its rollout node
 does not have (`require.gpu`): the rollout fails at its start, is retried
 (`pipeline.task_retries`), then the exit handler marks the MLflow run FAILED, and `latest`
-stays on version 0.
+stays on version 0. The learning run's typed run parameters and overrides (the KFP run form)
+set what makes it learn; a third run, whose form has a bad value, is refused by its first task.
 
 kfp.local ignores the kfp-kubernetes settings (node selectors, volumes, Secrets); those are
 checked on the compiled YAML in tests/test_compile_eks.py."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -27,6 +29,8 @@ BUCKET = "moerl-cluster"
 REGISTRY = {"registry_name": "moerl-policy"}
 ITERATIONS = 4
 PREFIX = "team-a"
+# the learning run's run form (pipelines/params.py): a typed field, an override, the run's name
+OK_PARAMS = {"learning_rate": 2e-3, "overrides": ["trainer.clip_eps_high=3.0"], "run_name": "cluster-ok"}
 
 
 def _cluster_cfg(s3, url: str, **over):
@@ -47,9 +51,9 @@ def _cluster_cfg(s3, url: str, **over):
     return parse_config(data)
 
 
-def _run_sandboxed(cfg, root: Path) -> Exception | None:
+def _run_sandboxed(cfg, root: Path, **params) -> Exception | None:
     """Run the EKS-target pipeline on kfp.local from an empty cwd, every task sandboxed under
-    root/sandboxes; returns the error kfp.local raised, if any."""
+    root/sandboxes, with the run form's `params`; returns the error kfp.local raised, if any."""
     from kfp import local
 
     from moerl.config import config_to_json
@@ -66,7 +70,7 @@ def _run_sandboxed(cfg, root: Path) -> Exception | None:
             os.chdir(launch_dir)
             local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp-artifacts"),
                        raise_on_error=True)
-            pipeline(config_json=config_to_json(cfg), run_id="")
+            pipeline(config_json=config_to_json(cfg), run_id="", **params)
         return None
     except RuntimeError as err:
         return err
@@ -95,8 +99,11 @@ def cluster_run(s3_server, tmp_path_factory):
         ok_root, bad_root = root / "ok", root / "bad"
         ok_root.mkdir()
         bad_root.mkdir()
-        try:  # it registers its final version in the MLflow server's model registry
-            ok_err = _run_sandboxed(_cluster_cfg(s3_server, url, checkpoint=cache_tier, tracking=REGISTRY), ok_root)
+        try:  # it registers its final version in the MLflow server's model registry. Compiled with
+            # settings that do not learn in 4 iterations; its run form sets the ones that do
+            ok_cfg = _cluster_cfg(s3_server, url, checkpoint=cache_tier, tracking=REGISTRY,
+                                  trainer={"learning_rate": 1e-4, "clip_eps_high": 0.28})
+            ok_err = _run_sandboxed(ok_cfg, ok_root, **OK_PARAMS)
         finally:
             mp.undo()
             cache.stop()
@@ -112,8 +119,14 @@ def cluster_run(s3_server, tmp_path_factory):
         bad_cfg = scheduled_config(_cluster_cfg(s3_server, url, require={"gpu": True}, tracking=REGISTRY,
                                                 task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}))
         bad_err = _run_sandboxed(bad_cfg, bad_root)
-        yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "s3": s3_server,
-               "cache": cache}
+        # a run form with a bad value: refused by the first task (its own experiment, so the
+        # runs above stay two)
+        refused_root = root / "refused"
+        refused_root.mkdir()
+        refused_err = _run_sandboxed(_cluster_cfg(s3_server, url, tracking={"experiment": "cluster-local-refused"}),
+                                     refused_root, learning_rate=-1.0)
+        yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "refused_err": refused_err,
+               "s3": s3_server, "cache": cache}
 
 
 def _runs(url: str):
@@ -212,3 +225,31 @@ def test_the_second_run_warm_started_from_the_first_runs_final_checkpoint(cluste
     v0 = {f.path: f.sha256 for f in _store(cluster_run, bad.info.run_id).manifest(0).files}
     assert v0["model.safetensors"] == final["model.safetensors"]
     assert not any(p.startswith("trainer/") for p in v0)  # a new run starts a new optimizer
+
+
+@pytest.mark.slow
+def test_the_run_forms_parameters_and_overrides_are_what_the_run_ran(cluster_run):
+    _, ok, _ = _runs(cluster_run["url"])
+    params = ok.data.params
+    assert params["trainer.learning_rate"] == "0.002" and params["trainer.clip_eps_high"] == "3.0"
+    assert ok.info.run_name == "cluster-ok"
+    changed = json.loads(ok.data.tags["moerl.run_parameters"])
+    assert changed == {"trainer.learning_rate": "0.002", "trainer.clip_eps_high": "3.0",
+                       "tracking.run_name": "cluster-ok"}
+
+
+@pytest.mark.slow
+def test_a_bad_run_parameter_fails_the_first_task_naming_the_key_and_publishes_nothing(cluster_run):
+    from mlflow.tracking import MlflowClient
+
+    err = cluster_run["refused_err"]
+    assert err is not None and "start-run" in str(err)
+    client = MlflowClient(cluster_run["url"])
+    exp = client.get_experiment_by_name("cluster-local-refused")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["moerl.error"].startswith("run parameters: trainer.learning_rate")
+    assert "\n" not in run.data.tags["moerl.error"]  # one line, as the CLI prints it
+    assert _store(cluster_run, run.info.run_id).versions() == []  # nothing published
+    # close and start only: no stage ran
+    assert len(list((cluster_run["root"] / "refused" / "sandboxes").iterdir())) == 2

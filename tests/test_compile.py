@@ -20,7 +20,9 @@ def test_cli_compile_writes_yaml_that_kfp_loads(tmp_path):
 
     loaded = components.load_component_from_file(str(out))
     assert loaded.name == "moerl-grpo"
-    assert set(loaded.component_spec.inputs) == {"config_json", "run_id", "git_sha"}
+    # the compiled config, the run id and provenance, then the run form (tests/test_run_params.py)
+    assert {"config_json", "run_id", "git_sha", "learning_rate", "dataset", "overrides"} <= set(loaded.component_spec.inputs)
+    assert "versions" not in loaded.component_spec.inputs  # the sync pipeline unrolls its iterations
 
 
 def test_compiled_spec_unrolls_iterations_and_uses_the_configured_image(tmp_path):

@@ -66,9 +66,14 @@ def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
 def test_compiled_size_does_not_depend_on_versions(tmp_path):
     small = compile_pipeline(_cfg(versions=3), tmp_path / "v3.yaml").read_text()
     large = compile_pipeline(_cfg(versions=100000), tmp_path / "v100000.yaml").read_text()
-    # only the digits of `versions` in the embedded config default differ (twice: the header comment too)
-    assert 0 < len(large) - len(small) <= 2 * (len("100000") - len("3"))
-    assert small.replace('"versions":3,', '"versions":100000,') == large
+    # only the digits of `versions` differ: in the embedded config default and as the run form's
+    # `versions` default (each twice: the header comment too)
+    assert 0 < len(large) - len(small) <= 4 * (len("100000") - len("3"))
+    assert small.replace('"versions":3,', '"versions":100000,').replace("versions: int [Default: 3.0]",
+                                                                          "versions: int [Default: 100000.0]"
+                                                                          ).replace("versions:\n        defaultValue: 3.0",
+                                                                                    "versions:\n        defaultValue: 100000.0"
+                                                                                    ) == large
 
 
 def test_rollout_workers_and_scorers_retry_far_past_kfps_one_hour_default(tmp_path):
@@ -91,10 +96,16 @@ def test_parallel_for_runs_every_worker_slot_at_once(tmp_path):
                         "rollout": {"workers": 5}, "reward": {"scorers": 2}})
     spec, _ = _spec(compile_pipeline(cfg, tmp_path / "a.yaml"))
     loops = {t.task_info.name: t for t in _all_tasks(spec).values() if t.HasField("parameter_iterator")}
-    assert loops["rollout-workers"].iterator_policy.parallelism_limit == 5
-    assert yaml.safe_load(loops["rollout-workers"].parameter_iterator.items.raw) == [0, 1, 2, 3, 4]
-    assert loops["reward-scorers"].iterator_policy.parallelism_limit == 2
-    assert yaml.safe_load(loops["reward-scorers"].parameter_iterator.items.raw) == [0, 1]
+    # the slots come from start_run (the run's merged config: the run form's rollout_workers and
+    # reward_scorers), with no parallelism limit, so none waits for another to end
+    for name, output in (("rollout-workers", "worker_slots"), ("reward-scorers", "scorer_slots")):
+        loop = loops[name]
+        assert loop.iterator_policy.parallelism_limit == 0, name
+        source = loop.inputs.parameters[loop.parameter_iterator.items.input_parameter].task_output_parameter
+        assert source.output_parameter_key == output and source.producer_task == "start-run", name
+    form = spec.root.input_definitions.parameters
+    assert form["rollout_workers"].default_value.number_value == 5
+    assert form["reward_scorers"].default_value.number_value == 2
 
 
 def test_cli_compile_async_without_valkey_url_is_a_config_error(tmp_path, capsys):

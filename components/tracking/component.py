@@ -1,31 +1,75 @@
 """KFP components: the MLflow run (start, one log per iteration, finish; close on any exit)."""
 
+from typing import NamedTuple
+
 from kfp import dsl
 
 
-def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str) -> str:
-    """Create the MLflow run (params: the resolved config; tags: provenance), or, when
-    `run_id` is given (the CLI pre-creates it), add this image's provenance to it. Tags it with
-    `kfp_run_id` (the KFP run's id), by which `close_run` finds it. Returns the run id every
-    other task uses."""
+def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, target: str = "local",
+              model: str = None, warm_start: str = None, dataset: str = None, versions: int = None,
+              epochs: int = None, learning_rate: float = None, prompts_per_iteration: int = None,
+              samples_per_prompt: int = None, rollout_workers: int = None, reward_scorers: int = None,
+              reward_kind: str = None, reward_model: str = None, run_name: str = None, overrides: list = None
+              ) -> NamedTuple("Outputs", run_id=str, config_json=str, worker_slots=list, scorer_slots=list):
+    """The run's first task. Merges the run form's typed parameters and `overrides` into the
+    compiled config and validates the result as `moerl run` does (`pipelines/params.py`; a
+    field left None keeps the config's value, one not on this pipeline's form is refused); a bad value
+    fails here, before any work, with one line naming the key, also written to the MLflow run.
+    Then creates the MLflow run (params: the merged config; tags: provenance and
+    `moerl.run_parameters`, what the parameters changed), or, when `run_id` is given (the CLI
+    pre-creates it, a resumed run continues it), adds this image's provenance to it. Tags it
+    with `kfp_run_id`, by which `close_run` finds it.
+
+    Returns:
+        run_id: the MLflow run every other task logs to.
+        config_json: the merged config every other task runs.
+        worker_slots: one item per rollout worker (the async pipeline's fan-out).
+        scorer_slots: one item per reward scorer (the async pipeline's fan-out).
+    """
     from moerl.launch.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
-    from moerl import provenance, tracking
-    from moerl.config import config_from_json
+    import json
+    import sys
+    from collections import namedtuple
 
-    cfg = config_from_json(config_json)
-    uri = tracking.resolve_uri(cfg.tracking)
-    tags = provenance.collect(with_cuda=cfg.trainer.device == "cuda")
+    from moerl import provenance, tracking
+    from moerl.config import config_from_json, config_to_json
+    from moerl.errors import MoerlError
+    from moerl.pipelines.params import changed, merge
+
+    base = config_from_json(config_json)
+    uri = tracking.resolve_uri(base.tracking)
+    tags = provenance.collect(with_cuda=base.trainer.device == "cuda")
     tags["moerl.git_sha"] = git_sha or tags["moerl.git_sha"]
     tags["moerl.kfp_run_id"] = kfp_run_id
+    given = {"model": model, "warm_start": warm_start, "dataset": dataset, "versions": versions, "epochs": epochs,
+             "learning_rate": learning_rate, "prompts_per_iteration": prompts_per_iteration,
+             "samples_per_prompt": samples_per_prompt, "rollout_workers": rollout_workers,
+             "reward_scorers": reward_scorers, "reward_kind": reward_kind, "reward_model": reward_model,
+             "run_name": run_name}
+    try:
+        cfg = merge(base, {k: v for k, v in given.items() if v is not None}, list(overrides or []), target)
+        from moerl.orchestrate.prepare import preflight
+
+        preflight(cfg, here=False)  # this pod is not where the GPU stages run: no requirement probe
+    except MoerlError as err:
+        message = tracking.redact(str(err))
+        print(f"moerl: error: {message}", file=sys.stderr, flush=True)
+        tracking.record_refusal(base, uri, run_id, tags, message)
+        raise SystemExit(err.exit_code) from None
+    diff = changed(base, cfg)
     if run_id:  # a run continued (--resume) is running again until finish_run or close_run ends it
         tracking.reopen_run(uri, run_id)
         tracking.set_tags(uri, run_id, {f"task.{k}": v for k, v in tags.items()})
     else:
         run_id = tracking.start_run(cfg, uri, tags)
+    if diff:
+        tracking.set_tags(uri, run_id, {"moerl.run_parameters": json.dumps(diff, sort_keys=True)[:4000]})
+        print(f"[moerl] run parameters changed {', '.join(f'{k}={v}' for k, v in sorted(diff.items()))}", flush=True)
     provenance.stage_start(cfg, "start_run", run_id, enforce=False)  # build-info and runtime probe on the run
-    return run_id
+    outputs = namedtuple("Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots"])
+    return outputs(run_id, config_to_json(cfg), list(range(cfg.rollout.workers)), list(range(cfg.reward.scorers)))
 
 
 def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, reward: dict, buffer: dict,

@@ -22,9 +22,11 @@ from moerl.tasks.dataset import load_dataset
 BIAS_CORRECTED_ROUTERS = ("deepseek_v3",)
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Everything that can be checked before work starts; raises a MoerlError naming the field."""
-    if cfg.require.gpu or cfg.require.deepep or cfg.require.efa:  # the stages run on this machine
+def preflight(cfg: RunConfig, here: bool = True) -> None:
+    """Everything that can be checked before work starts; raises a MoerlError naming the field.
+    `here`: the stages run on this machine, so `require:` is probed here too (the pipeline's
+    first task runs on a CPU pod and leaves that to each stage's own start)."""
+    if here and (cfg.require.gpu or cfg.require.deepep or cfg.require.efa):
         from moerl.errors import RequirementError
 
         missing = provenance.missing_requirements(cfg.require, provenance.runtime_probe())
