@@ -38,11 +38,14 @@ kfp-kubernetes protos); no cluster has run them here. KFP cannot set ephemeral-s
 
 from __future__ import annotations
 
-from kfp import dsl, kubernetes
+from typing import TYPE_CHECKING
 
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
 from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_secret_env
+
+if TYPE_CHECKING:  # kfp only where a pipeline is built: the first task's run-form check imports
+    from kfp import dsl  # check_cluster_safe inside a task, whose kfp runtime lacks kfp.kubernetes
 
 GROUPS = ("trainer", "rollout", "cpu", "buffer", "reward")
 # Which worker group runs each stage (the seed's four groups; `reward` is chosen in group_of).
@@ -154,9 +157,11 @@ def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:
     return name, getattr(cfg.cluster.groups, name)
 
 
-def place(task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool = False) -> dsl.PipelineTask:
+def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool = False) -> "dsl.PipelineTask":
     """Give `task` (running `stage`) its group's image, placement, resources, volumes, secrets
     and timeout for the cluster (see the module docstring)."""
+    from kfp import kubernetes
+
     name, group = group_of(cfg, stage)
     task.set_container_image(group.image or cfg.pipeline.base_image)
     task.set_cpu_request(group.cpu)

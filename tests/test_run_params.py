@@ -138,7 +138,7 @@ def test_start_run_refuses_a_bad_form_before_any_work_and_records_it(tmp_path, c
     cfg = parse_config({"tracking": {"uri": uri, "experiment": "form"}, "checkpoint": {"uri": str(tmp_path / "ck")}})
     with pytest.raises(SystemExit) as info:
         start_run(config_json=config_to_json(cfg), run_id="", git_sha="abc", kfp_run_id="kfp-1",
-                              learning_rate=2.0, overrides=[])
+                  **(defaults(cfg) | {"learning_rate": 2.0}), overrides=[])
     assert info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moerl:")]
     assert err == ["moerl: error: run parameters: invalid config: trainer.learning_rate: Input should be less than or "
@@ -151,7 +151,8 @@ def test_start_run_refuses_a_bad_form_before_any_work_and_records_it(tmp_path, c
 
     # a good one: the merged config is the task's output, the changes tagged on the run
     out = start_run(config_json=config_to_json(cfg), run_id="", git_sha="abc", kfp_run_id="kfp-2",
-                                learning_rate=1e-3, samples_per_prompt=4, overrides=["rollout.temperature=0.5"])
+                    **(defaults(cfg) | {"learning_rate": 1e-3, "samples_per_prompt": 4}),
+                    overrides=["rollout.temperature=0.5"])
     merged = parse_config(json.loads(out.config_json))
     assert merged.trainer.learning_rate == 1e-3 and merged.rollout.temperature == 0.5
     assert out.worker_slots == list(range(merged.rollout.workers))

@@ -6,14 +6,15 @@ from kfp import dsl
 
 
 def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, target: str = "local",
-              model: str = None, warm_start: str = None, dataset: str = None, versions: int = None,
-              epochs: int = None, learning_rate: float = None, prompts_per_iteration: int = None,
-              samples_per_prompt: int = None, rollout_workers: int = None, reward_scorers: int = None,
-              reward_kind: str = None, reward_model: str = None, run_name: str = None, overrides: list = None
+              model: str = None, warm_start: str = None, dataset: str = None, versions: int = 0, epochs: int = 0,
+              learning_rate: float = 0.0, prompts_per_iteration: int = 0, samples_per_prompt: int = 0,
+              rollout_workers: int = 0, reward_scorers: int = 0, reward_kind: str = None, reward_model: str = None,
+              run_name: str = None, overrides: list = None
               ) -> NamedTuple("Outputs", run_id=str, config_json=str, worker_slots=list, scorer_slots=list):
     """The run's first task. Merges the run form's typed parameters and `overrides` into the
-    compiled config and validates the result as `moerl run` does (`pipelines/params.py`; a
-    field left None keeps the config's value, one not on this pipeline's form is refused); a bad value
+    compiled config and validates the result as `moerl run` does (`pipelines/params.py`: the
+    fields on this pipeline's form, which the pipeline always passes; the others are not read.
+    Numbers default to 0, not None, because kfp.local casts every integer input); a bad value
     fails here, before any work, with one line naming the key, also written to the MLflow run.
     Then creates the MLflow run (params: the merged config; tags: provenance and
     `moerl.run_parameters`, what the parameters changed), or, when `run_id` is given (the CLI
@@ -36,7 +37,7 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
     from moerl import provenance, tracking
     from moerl.config import config_from_json, config_to_json
     from moerl.errors import MoerlError
-    from moerl.pipelines.params import changed, merge
+    from moerl.pipelines.params import changed, merge, params_for
 
     base = config_from_json(config_json)
     uri = tracking.resolve_uri(base.tracking)
@@ -49,7 +50,8 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
              "reward_scorers": reward_scorers, "reward_kind": reward_kind, "reward_model": reward_model,
              "run_name": run_name}
     try:
-        cfg = merge(base, {k: v for k, v in given.items() if v is not None}, list(overrides or []), target)
+        cfg = merge(base, {p.name: given[p.name] for p in params_for(base) if given[p.name] is not None},
+                    list(overrides or []), target)
         from moerl.orchestrate.prepare import preflight
 
         preflight(cfg, here=False)  # this pod is not where the GPU stages run: no requirement probe

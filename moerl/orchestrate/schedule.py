@@ -139,7 +139,7 @@ def _experiment_id(client: Any, name: str, namespace: str | None) -> str:
 def create_recurring_run(cfg: RunConfig, cron: str, *, host: str | None = None, experiment: str | None = None,
                          job_name: str | None = None, namespace: str | None = None,
                          service_account: str | None = None, timezone: str | None = None,
-                         client: Any = None) -> str:
+                         config_name: str | None = None, client: Any = None) -> str:
     """Create a KFP recurring run of `cfg`'s pipeline (compiled for EKS, warm-started) on the
     6-field `cron`; return its id. At most one run at a time, missed ticks not caught up,
     caching off. `client`: a kfp.Client-like object (default: kfp.Client(host, namespace))."""
@@ -153,41 +153,141 @@ def create_recurring_run(cfg: RunConfig, cron: str, *, host: str | None = None, 
     experiment = experiment or cfg.tracking.experiment
     cfg = scheduled_config(cfg)
     with tempfile.TemporaryDirectory(prefix="moerl-schedule-") as tmp:
-        # 2. the pipeline, compiled for the cluster
+        # 2. the pipeline, compiled for the cluster, uploaded as a named version (or reused)
         package = _compile(cfg, Path(tmp) / "pipeline.yaml")
-        # 3. the experiment, then the recurring run
+        version = pipeline_version_name(config_name or cfg.pipeline.name, package)
+        # 3. the experiment, then the recurring run of that version
         try:
             client = client if client is not None else _kfp_client(host, namespace)
+            pipeline_id, version_id, _ = ensure_pipeline_version(
+                client, package, cfg.pipeline.name, version, namespace,
+                description=f"moerl {cfg.pipeline.kind} ({cfg.pipeline.mode})")
             exp_id = _experiment_id(client, experiment, namespace)
             job = client.create_recurring_run(
                 experiment_id=exp_id, job_name=name,
                 description=f"moerl: {cfg.pipeline.name} ({cfg.pipeline.mode}) on '{schedule.kfp}', warm start from "
                             "the previous run's final checkpoint",
                 cron_expression=schedule.kfp, max_concurrency=1, no_catchup=True, params={},
-                pipeline_package_path=str(package), enabled=True, enable_caching=False,
+                pipeline_id=pipeline_id, version_id=version_id, enabled=True, enable_caching=False,
                 service_account=service_account)
         except _kfp_errors() as err:
             raise _kfp_failure(host, "creating the recurring run", err) from None
     return job.recurring_run_id
 
 
+def pipeline_version_name(config_name: str, package: Path) -> str:
+    """`<config name>-<git sha>-<spec hash>`: the KFP pipeline version a compiled spec is
+    uploaded as. The sha256 of the spec (which carries the config and the git sha as its
+    defaults) makes an unchanged pipeline the same version, so it is reused, and any change a
+    new one; KFP limits a version's name to 128 characters."""
+    import hashlib
+
+    from moerl import provenance
+
+    digest = hashlib.sha256(package.read_bytes()).hexdigest()[:12]
+    sha = provenance.git_sha()
+    sha = sha[:12] + ("-dirty" if sha.endswith("-dirty") else "")
+    stem = re.sub(r"[^a-z0-9-]+", "-", config_name.lower()).strip("-")[:80] or "moerl"
+    return f"{stem}-{sha}-{digest}"
+
+
+def _filter_by_name(name: str) -> str:
+    import json
+
+    return json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
+
+
+def ensure_pipeline_version(client: Any, package: Path, pipeline_name: str, version_name: str,
+                            namespace: str | None = None, description: str = "") -> tuple[str, str, bool]:
+    """The KFP pipeline `pipeline_name` (uploaded when missing) and its version
+    `version_name` (uploaded when missing, reused when there): (pipeline id, version id,
+    reused)."""
+    pipeline_id = client.get_pipeline_id(pipeline_name)
+    if pipeline_id is None:
+        pipeline_id = client.upload_pipeline(str(package), pipeline_name=pipeline_name, description=description,
+                                             namespace=namespace).pipeline_id
+    found = client.list_pipeline_versions(pipeline_id, page_size=1, filter=_filter_by_name(version_name))
+    versions = getattr(found, "pipeline_versions", None) or []
+    if versions:
+        return pipeline_id, versions[0].pipeline_version_id, True
+    version = client.upload_pipeline_version(str(package), pipeline_version_name=version_name,
+                                             pipeline_id=pipeline_id, description=description)
+    return pipeline_id, version.pipeline_version_id, False
+
+
+def run_form_values(cfg: RunConfig, params: list[str]) -> dict[str, Any]:
+    """`NAME=VALUE` strings as run-form values, typed by the pipeline's form (pipelines/params.py);
+    a name not on the form or a value of the wrong type is a ConfigError naming it."""
+    from moerl.pipelines.params import params_for
+
+    form = {p.name: p for p in params_for(cfg)}
+    out: dict[str, Any] = {}
+    for item in params:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in form:
+            raise ConfigError(f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(form))} (for "
+                              "any other key use --override KEY=VALUE)")
+        p = form[name]
+        if p.type is str:
+            out[name] = raw
+            continue
+        try:
+            out[name] = p.type(raw.strip())
+        except ValueError:
+            raise ConfigError(f"--param {name}: expected {p.type.__name__}, got {raw!r}") from None
+    return out
+
+
+def ui_link(host: str | None, run_id: str) -> str:
+    """The KFP UI's page of a run: $KF_PIPELINES_UI_ENDPOINT, else the API host (the UI and
+    the API share the address behind KFP's frontend)."""
+    from moerl.tracking import redact
+
+    base = os.environ.get("KF_PIPELINES_UI_ENDPOINT") or host or os.environ.get("KF_PIPELINES_ENDPOINT")
+    if not base:
+        return f"(run {run_id}; set --host or KF_PIPELINES_UI_ENDPOINT to print its UI link)"
+    base = base if "://" in base else f"http://{base}"
+    return f"{redact(base.rstrip('/'))}/#/runs/details/{run_id}"
+
+
 def submit(cfg: RunConfig, *, host: str | None = None, experiment: str | None = None, run_name: str | None = None,
            namespace: str | None = None, service_account: str | None = None, wait_timeout_s: int | None = None,
+           params: dict[str, Any] | None = None, overrides: list[str] | None = None, config_name: str | None = None,
            client: Any = None) -> str:
-    """Compile `cfg`'s pipeline for EKS and start one KFP run; return its id. With
-    `wait_timeout_s`, wait for it to end and raise unless it succeeded."""
+    """Start one KFP run of `cfg`'s pipeline, compiled for EKS and uploaded as a named pipeline
+    version (`pipeline_version_name`; reused when unchanged), with the run form's `params`
+    and `overrides` (validated here first, as the run's first task will); return its id.
+    Prints the run's UI link and how to find its MLflow run. With `wait_timeout_s`, wait for
+    it to end and raise unless it succeeded."""
+    from moerl.pipelines.params import merge
+    from moerl.tracking import redact, split_credentials
+
     check_host("--host", host)
     run_name = run_name or f"{cfg.pipeline.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    form = dict(params or {})
+    if "run_name" not in form and not cfg.tracking.run_name:
+        form["run_name"] = run_name  # the MLflow run is named like the KFP run
+    overrides = list(overrides or [])
+    merge(split_credentials(cfg)[0], form, overrides, target="eks")  # refused here, before anything is uploaded
     with tempfile.TemporaryDirectory(prefix="moerl-submit-") as tmp:
         package = _compile(cfg, Path(tmp) / "pipeline.yaml")
+        version = pipeline_version_name(config_name or cfg.pipeline.name, package)
         try:
             client = client if client is not None else _kfp_client(host, namespace)
-            run = client.create_run_from_pipeline_package(
-                str(package), arguments={}, run_name=run_name, experiment_name=experiment or cfg.tracking.experiment,
-                namespace=namespace, enable_caching=False, service_account=service_account)
+            pipeline_id, version_id, reused = ensure_pipeline_version(
+                client, package, cfg.pipeline.name, version, namespace,
+                description=f"moerl {cfg.pipeline.kind} ({cfg.pipeline.mode})")
+            exp_id = _experiment_id(client, experiment or cfg.tracking.experiment, namespace)
+            run = client.run_pipeline(experiment_id=exp_id, job_name=run_name, params={**form, "overrides": overrides},
+                                      pipeline_id=pipeline_id, version_id=version_id, enable_caching=False,
+                                      service_account=service_account)
         except _kfp_errors() as err:
             raise _kfp_failure(host, "creating the run", err) from None
-    print(f"[moerl] KFP run {run.run_id} ({run_name})", flush=True)
+    print(f"[moerl] pipeline {cfg.pipeline.name} version {version} ({'reused' if reused else 'uploaded'})", flush=True)
+    print(f"[moerl] KFP run {run.run_id} ({run_name}): {ui_link(host, run.run_id)}", flush=True)
+    print(f"[moerl] MLflow: experiment {cfg.tracking.experiment!r} at {redact(cfg.tracking.uri or '(unset)')}, the run "
+          f"tagged moerl.kfp_run_id={run.run_id}", flush=True)
     if wait_timeout_s is not None:
         try:
             state = str(client.wait_for_run_completion(run.run_id, wait_timeout_s).state or "")
@@ -210,7 +310,8 @@ KFP_TOKEN_DIR = "/var/run/secrets/kubeflow/pipelines"  # kfp.Client reads `token
 def cron_workflow(cfg: RunConfig, cron: str, *, host: str = IN_CLUSTER_KFP, experiment: str | None = None,
                   name: str | None = None, namespace: str | None = None, kfp_namespace: str | None = None,
                   service_account: str | None = None, timezone: str = "UTC", starting_deadline_s: int = 3600,
-                  history_limit: int = 3, wait_timeout_s: int = 7 * 24 * 3600) -> dict[str, Any]:
+                  history_limit: int = 3, wait_timeout_s: int = 7 * 24 * 3600,
+                  config_name: str | None = None) -> dict[str, Any]:
     """An Argo CronWorkflow (argoproj.io/v1alpha1) that starts `cfg`'s pipeline, warm-started,
     through `moerl submit --wait` in the CPU group's image; a plain dict, ready for YAML.
     `host`: the KFP API as the workflow's pod reaches it."""
@@ -237,7 +338,8 @@ def cron_workflow(cfg: RunConfig, cron: str, *, host: str = IN_CLUSTER_KFP, expe
               f"get {' and '.join(sorted(secret_env))} from the Secret cluster.mlflow_secret", file=sys.stderr)
     labels = {"app.kubernetes.io/part-of": "moerl", "moerl.ai/pipeline": _label(cfg.pipeline.name)}
     args = ["submit", CONFIG_PATH, "--host", host, "--experiment", experiment or cfg.tracking.experiment,
-            "--run-name", "{{workflow.name}}", "--wait-timeout-s", str(wait_timeout_s)]
+            "--run-name", "{{workflow.name}}", "--wait-timeout-s", str(wait_timeout_s),
+            "--config-name", config_name or cfg.pipeline.name]
     if kfp_namespace:
         args += ["--namespace", kfp_namespace]
     if service_account:
@@ -334,24 +436,30 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     if args.argo_out:  # 2. the CronWorkflow, validated in full before the KFP schedule exists
         cw = cron_workflow(cfg, args.cron, host=args.argo_host, experiment=args.experiment, name=args.name,
                            namespace=args.argo_namespace, kfp_namespace=args.namespace,
-                           service_account=args.service_account, timezone=args.timezone or "UTC")
+                           service_account=args.service_account, timezone=args.timezone or "UTC",
+                           config_name=_config_name(args))
         Path(args.argo_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.argo_out).write_text(dump_yaml(cw))
         print(f"wrote {args.argo_out} (kubectl apply -f it, or argo cron create)")
     if not args.no_kfp:  # 3. the KFP recurring run
         job_id = create_recurring_run(cfg, args.cron, host=args.host, experiment=args.experiment, job_name=args.name,
                                       namespace=args.namespace, service_account=args.service_account,
-                                      timezone=args.timezone)
+                                      timezone=args.timezone, config_name=_config_name(args))
         print(f"[moerl] KFP recurring run {job_id} on '{parse_cron(args.cron).kfp}' at "
               f"{redact(args.host or '$KF_PIPELINES_ENDPOINT')}", flush=True)
     return 0
+
+
+def _config_name(args: argparse.Namespace) -> str:
+    return args.config_name or Path(args.config).stem
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     check_host("--host", args.host)
     cfg = load_config(args.config, args.set, mode=args.mode)
     submit(cfg, host=args.host, experiment=args.experiment, run_name=args.run_name, namespace=args.namespace,
-           service_account=args.service_account, wait_timeout_s=args.wait_timeout_s)
+           service_account=args.service_account, wait_timeout_s=args.wait_timeout_s,
+           params=run_form_values(cfg, args.param), overrides=args.override, config_name=_config_name(args))
     return 0
 
 
@@ -364,6 +472,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experiment", default=None, help="the KFP experiment (default: tracking.experiment)")
     p.add_argument("--namespace", default=None, help="the KFP namespace (multi-user KFP)")
     p.add_argument("--service-account", default=None, help="the Kubernetes service account the runs use")
+    p.add_argument("--config-name", default=None, help="names the uploaded pipeline version "
+                                                       "(<config-name>-<git sha>-<spec hash>; default: the file's stem)")
 
 
 def add_parsers(sub: Any) -> None:
@@ -385,6 +495,11 @@ def add_parsers(sub: Any) -> None:
     sbm = sub.add_parser("submit", help="compile for EKS and start one KFP run; print its id")
     _common(sbm)
     sbm.add_argument("--run-name", default=None, help="default: <pipeline.name>-<UTC time>")
+    sbm.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                     help="a run-form field for this run (model, dataset, learning_rate, ...: `moerl submit` prints "
+                          "them when NAME is wrong); the compiled config stays the base")
+    sbm.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                     help="any other config key for this run (the run form's overrides list)")
     sbm.add_argument("--wait-timeout-s", type=int, default=None, metavar="S",
                      help="wait up to S seconds for the run to end; fail unless it succeeded")
     sbm.set_defaults(func=_cmd_submit)

@@ -10,6 +10,7 @@ import argparse
 import copy
 import inspect
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,6 +122,42 @@ class FakeKfp:
     def __init__(self, experiment_exists=False, final_state="SUCCEEDED", fail_with=None):
         self.calls, self.packages = [], []
         self.experiment_exists, self.final_state, self.fail_with = experiment_exists, final_state, fail_with
+        self.pipelines: dict[str, str] = {}  # name -> id
+        self.versions: dict[str, list[tuple[str, str]]] = {}  # pipeline id -> [(version name, id)]
+
+    # the pipeline registry, as the KFP API keeps it: pipelines by name, versions by name
+    def get_pipeline_id(self, *args, **kwargs):
+        self._record("get_pipeline_id", *args, **kwargs)
+        return self.pipelines.get(self.calls[-1][1]["name"])
+
+    def upload_pipeline(self, *args, **kwargs):
+        self._record("upload_pipeline", *args, **kwargs)
+        kw = self.calls[-1][1]
+        self._keep_package(kw["pipeline_package_path"])
+        pid = self.pipelines[kw["pipeline_name"]] = f"p-{len(self.pipelines) + 1}"
+        self.versions[pid] = [(kw["pipeline_name"], f"{pid}-v0")]  # KFP's default first version
+        return SimpleNamespace(pipeline_id=pid)
+
+    def list_pipeline_versions(self, *args, **kwargs):
+        self._record("list_pipeline_versions", *args, **kwargs)
+        kw = self.calls[-1][1]
+        (pred,) = json.loads(kw["filter"])["predicates"]
+        assert pred["operation"] == "EQUALS" and pred["key"] == "display_name"
+        hits = [SimpleNamespace(pipeline_version_id=vid, display_name=name)
+                for name, vid in self.versions.get(kw["pipeline_id"], []) if name == pred["stringValue"]]
+        return SimpleNamespace(pipeline_versions=hits or None)
+
+    def upload_pipeline_version(self, *args, **kwargs):
+        self._record("upload_pipeline_version", *args, **kwargs)
+        kw = self.calls[-1][1]
+        self._keep_package(kw["pipeline_package_path"])
+        vid = f"{kw['pipeline_id']}-v{len(self.versions[kw['pipeline_id']])}"
+        self.versions[kw["pipeline_id"]].append((kw["pipeline_version_name"], vid))
+        return SimpleNamespace(pipeline_version_id=vid)
+
+    def run_pipeline(self, *args, **kwargs):
+        self._record("run_pipeline", *args, **kwargs)
+        return SimpleNamespace(run_id=f"run-{sum(1 for n, _ in self.calls if n == 'run_pipeline')}")
 
     def _record(self, name, *args, **kwargs):
         bound = inspect.signature(getattr(kfp.Client, name)).bind(self, *args, **kwargs)
@@ -143,13 +180,7 @@ class FakeKfp:
 
     def create_recurring_run(self, *args, **kwargs):
         self._record("create_recurring_run", *args, **kwargs)
-        self._keep_package(self.calls[-1][1]["pipeline_package_path"])
         return SimpleNamespace(recurring_run_id="rr-1")
-
-    def create_run_from_pipeline_package(self, *args, **kwargs):
-        self._record("create_run_from_pipeline_package", *args, **kwargs)
-        self._keep_package(self.calls[-1][1]["pipeline_file"])
-        return SimpleNamespace(run_id="run-1")
 
     def wait_for_run_completion(self, *args, **kwargs):
         self._record("wait_for_run_completion", *args, **kwargs)
@@ -161,22 +192,31 @@ def _config_of(package):
     return parse_config(json.loads(package[0]["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"]))
 
 
+def _calls(fake, *names):
+    return [kw for name, kw in fake.calls if name in names]
+
+
 def test_recurring_run_gets_the_right_arguments():
     fake = FakeKfp()
     rid = schedule.create_recurring_run(_cfg(), "0 0 3 * * MON-FRI", experiment="nightly", service_account="runner",
-                                        client=fake)
+                                        config_name="tiny-moe-grpo", client=fake)
     assert rid == "rr-1"
     names = [name for name, _ in fake.calls]
-    assert names == ["get_experiment", "create_experiment", "create_recurring_run"]
-    assert fake.calls[0][1] == {"experiment_name": "nightly", "namespace": None}
-    kw = fake.calls[2][1]
+    assert names == ["get_pipeline_id", "upload_pipeline", "list_pipeline_versions", "upload_pipeline_version",
+                     "get_experiment", "create_experiment", "create_recurring_run"]
+    assert _calls(fake, "get_experiment")[0] == {"experiment_name": "nightly", "namespace": None}
+    (kw,) = _calls(fake, "create_recurring_run")
     assert kw["experiment_id"] == "exp-new" and kw["job_name"] == "moerl-grpo-schedule"
     assert kw["cron_expression"] == "0 0 3 * * MON-FRI"
     assert kw["max_concurrency"] == 1 and kw["no_catchup"] is True and kw["enabled"] is True
     assert kw["enable_caching"] is False and kw["service_account"] == "runner" and kw["params"] == {}
-    assert "interval_second" not in kw and "pipeline_id" not in kw
+    assert "interval_second" not in kw and "pipeline_package_path" not in kw
+    # the schedule runs the named version it uploaded
+    (version,) = _calls(fake, "upload_pipeline_version")
+    assert version["pipeline_version_name"].startswith("tiny-moe-grpo-")
+    assert (kw["pipeline_id"], kw["version_id"]) == ("p-1", "p-1-v1")
     # the package: compiled for EKS (pod settings present), and every run of it warm-starts
-    (package,) = fake.packages
+    package = fake.packages[-1]
     assert _config_of(package).model.warm_start == "previous"
     assert any("kubernetes" in doc.get("platforms", {}) for doc in package[1:])
 
@@ -184,9 +224,10 @@ def test_recurring_run_gets_the_right_arguments():
 def test_recurring_run_reuses_an_existing_experiment():
     fake = FakeKfp(experiment_exists=True)
     schedule.create_recurring_run(_cfg(), "@daily", client=fake)
-    assert [name for name, _ in fake.calls] == ["get_experiment", "create_recurring_run"]
-    assert fake.calls[0][1]["experiment_name"] == "moerl"  # default: tracking.experiment
-    assert fake.calls[1][1]["experiment_id"] == "exp-1" and fake.calls[1][1]["cron_expression"] == "0 0 0 * * *"
+    assert [name for name, _ in fake.calls if "experiment" in name] == ["get_experiment"]
+    assert _calls(fake, "get_experiment")[0]["experiment_name"] == "moerl"  # default: tracking.experiment
+    (kw,) = _calls(fake, "create_recurring_run")
+    assert kw["experiment_id"] == "exp-1" and kw["cron_expression"] == "0 0 0 * * *"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -316,27 +357,84 @@ def test_the_projected_kfp_token_is_sent_with_an_explicit_host(tmp_path, monkeyp
         api.close()
 
 
-def test_submit_creates_one_run_and_waits_for_it(capsys):
+def test_submit_uploads_a_named_version_starts_one_run_and_waits_for_it(capsys, monkeypatch):
+    monkeypatch.delenv("KF_PIPELINES_UI_ENDPOINT", raising=False)
     fake = FakeKfp()
     cfg = _cfg()
-    assert schedule.submit(cfg, run_name="nightly-1", experiment="nightly", wait_timeout_s=600, client=fake) == "run-1"
-    (name, kw), (wait_name, wait_kw) = fake.calls
-    assert name == "create_run_from_pipeline_package" and wait_name == "wait_for_run_completion"
-    assert kw["run_name"] == "nightly-1" and kw["experiment_name"] == "nightly" and kw["enable_caching"] is False
-    assert kw["arguments"] == {}
-    assert wait_kw == {"run_id": "run-1", "timeout": 600}
-    assert _config_of(fake.packages[0]) == cfg  # submit runs the config as given (no warm start added)
+    assert schedule.submit(cfg, host="http://kfp.example:8080", run_name="nightly-1", experiment="nightly",
+                           wait_timeout_s=600, config_name="tiny-moe-grpo", client=fake) == "run-1"
+    assert [name for name, _ in fake.calls] == ["get_pipeline_id", "upload_pipeline", "list_pipeline_versions",
+                                                "upload_pipeline_version", "get_experiment", "create_experiment",
+                                                "run_pipeline", "wait_for_run_completion"]
+    (up,) = _calls(fake, "upload_pipeline")
+    assert up["pipeline_name"] == "moerl-grpo"
+    (version,) = _calls(fake, "upload_pipeline_version")
+    name = version["pipeline_version_name"]
+    assert re.fullmatch(r"tiny-moe-grpo-[0-9a-f]{7,12}(-dirty)?-[0-9a-f]{12}|tiny-moe-grpo-unknown-[0-9a-f]{12}", name)
+    (run,) = _calls(fake, "run_pipeline")
+    assert run["job_name"] == "nightly-1" and run["enable_caching"] is False
+    assert (run["pipeline_id"], run["version_id"]) == ("p-1", "p-1-v1") and "pipeline_package_path" not in run
+    # the MLflow run is named like the KFP run; no other field changes
+    assert run["params"] == {"run_name": "nightly-1", "overrides": []}
+    assert _calls(fake, "wait_for_run_completion") == [{"run_id": "run-1", "timeout": 600}]
+    assert _config_of(fake.packages[-1]) == cfg  # submit runs the config as given (no warm start added)
     out = capsys.readouterr().out
-    assert "[moerl] KFP run run-1 (nightly-1)" in out and "ended: SUCCEEDED" in out
+    assert f"version {name} (uploaded)" in out
+    assert "[moerl] KFP run run-1 (nightly-1): http://kfp.example:8080/#/runs/details/run-1" in out
+    assert "moerl.kfp_run_id=run-1" in out and "ended: SUCCEEDED" in out
+
+
+def test_submit_reuses_an_unchanged_version_and_a_changed_config_is_a_new_one(capsys):
+    fake = FakeKfp()
+    schedule.submit(_cfg(), config_name="tiny", client=fake)
+    schedule.submit(_cfg(), config_name="tiny", client=fake, params={"learning_rate": 1e-3},
+                    overrides=["rollout.temperature=0.7"])
+    # the second submission found the version by name: nothing uploaded again
+    assert len(_calls(fake, "upload_pipeline")) == 1 and len(_calls(fake, "upload_pipeline_version")) == 1
+    first, second = _calls(fake, "run_pipeline")
+    assert first["version_id"] == second["version_id"] == "p-1-v1"
+    assert second["params"]["learning_rate"] == 1e-3 and second["params"]["overrides"] == ["rollout.temperature=0.7"]
+    assert "(reused)" in capsys.readouterr().out
+    schedule.submit(_cfg(trainer={"learning_rate": 5e-4}), config_name="tiny", client=fake)
+    versions = _calls(fake, "upload_pipeline_version")
+    assert len(versions) == 2 and versions[0]["pipeline_version_name"] != versions[1]["pipeline_version_name"]
+    assert _calls(fake, "run_pipeline")[-1]["version_id"] == "p-1-v2"
+
+
+@pytest.mark.parametrize("params,overrides,message", [
+    ({"learning_rate": -1.0}, [], "trainer.learning_rate"),
+    ({}, ["pipeline.iterations=5"], "pipeline.iterations cannot change per run"),
+    ({"dataset": "/home/me/prompts.jsonl"}, [], "task.dataset"),  # not cluster-safe
+])
+def test_submit_refuses_a_bad_run_form_before_any_client_call(params, overrides, message, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(schedule, "_compile", lambda cfg, out: compiled.append(out))
+    fake = FakeKfp()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        schedule.submit(_cfg(), params=params, overrides=overrides, client=fake)
+    assert fake.calls == [] and compiled == []
+
+
+def test_param_flags_are_typed_by_the_run_form():
+    cfg = _cfg()
+    assert schedule.run_form_values(cfg, ["learning_rate=1e-3", "samples_per_prompt=4", "run_name=123",
+                                          "dataset=builtin:digits-add"]) == {
+        "learning_rate": 1e-3, "samples_per_prompt": 4, "run_name": "123", "dataset": "builtin:digits-add"}
+    with pytest.raises(ConfigError, match="--param samples_per_prompt: expected int, got 'four'"):
+        schedule.run_form_values(cfg, ["samples_per_prompt=four"])
+    with pytest.raises(ConfigError, match="NAME one of .*learning_rate.*--override KEY=VALUE"):
+        schedule.run_form_values(cfg, ["trainer.clip_eps_high=0.3"])
+    with pytest.raises(ConfigError, match="NAME one of"):
+        schedule.run_form_values(cfg, ["versions=3"])  # async only
 
 
 def test_submit_fails_when_the_run_does_not_succeed():
     with pytest.raises(MoerlError, match="KFP run run-1 ended FAILED"):
         schedule.submit(_cfg(), wait_timeout_s=600, client=FakeKfp(final_state="FAILED"))
     fake = FakeKfp()
-    schedule.submit(_cfg(), client=fake)  # no wait: one call
-    assert [name for name, _ in fake.calls] == ["create_run_from_pipeline_package"]
-    assert fake.calls[0][1]["run_name"].startswith("moerl-grpo-")
+    schedule.submit(_cfg(), client=fake)  # no wait
+    assert "wait_for_run_completion" not in [name for name, _ in fake.calls]
+    assert _calls(fake, "run_pipeline")[0]["job_name"].startswith("moerl-grpo-")
 
 
 # ------------------------------------------------------------------------------ CronWorkflow
@@ -385,7 +483,8 @@ def test_cron_workflow_validates_against_argo_schema():
     assert args[:2] == ["submit", schedule.CONFIG_PATH]
     assert dict(zip(args[2::2], args[3::2])) == {
         "--host": schedule.IN_CLUSTER_KFP, "--experiment": "nightly", "--run-name": "{{workflow.name}}",
-        "--wait-timeout-s": str(7 * 24 * 3600), "--namespace": "team-a", "--service-account": "moerl-runner"}
+        "--wait-timeout-s": str(7 * 24 * 3600), "--namespace": "team-a", "--service-account": "moerl-runner",
+        "--config-name": "moerl-grpo"}  # each scheduled run reuses the pipeline version while nothing changed
     # the config the step submits: warm start on, no credentials, loadable by `moerl submit`
     (artifact,) = tmpl["inputs"]["artifacts"]
     assert artifact["path"] == schedule.CONFIG_PATH
@@ -473,7 +572,10 @@ def test_cli_refusals(argv, message, tmp_path, monkeypatch):
 
 def test_cli_submit_parses_its_flags():
     args = _parser().parse_args(["submit", "run.yaml", "--host", "http://kfp:8888", "--experiment", "e",
-                                 "--run-name", "r", "--wait-timeout-s", "60", "--namespace", "ns"])
+                                 "--run-name", "r", "--wait-timeout-s", "60", "--namespace", "ns",
+                                 "--param", "learning_rate=1e-3", "--override", "rollout.temperature=0.7"])
     assert (args.host, args.experiment, args.run_name, args.wait_timeout_s, args.namespace) == \
         ("http://kfp:8888", "e", "r", 60, "ns")
+    assert args.param == ["learning_rate=1e-3"] and args.override == ["rollout.temperature=0.7"]
+    assert schedule._config_name(args) == "run"
     assert args.func is schedule._cmd_submit
