@@ -248,7 +248,7 @@ def test_a_bad_run_parameter_fails_the_first_task_naming_the_key_and_publishes_n
     exp = client.get_experiment_by_name("cluster-local-refused")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
-    assert run.data.tags["moerl.error"].startswith("run parameters: trainer.learning_rate")
+    assert run.data.tags["moerl.error"].startswith("run parameters: invalid config: trainer.learning_rate: ")
     assert "\n" not in run.data.tags["moerl.error"]  # one line, as the CLI prints it
     assert _store(cluster_run, run.info.run_id).versions() == []  # nothing published
     # close and start only: no stage ran

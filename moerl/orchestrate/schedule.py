@@ -9,6 +9,12 @@ Two schedulers, one cron expression:
   pipeline is compiled by the moerl in that image and `concurrencyPolicy: Forbid` covers the
   whole KFP run (the step lasts as long as the run), not only its submission.
 
+Both upload the compiled pipeline as a named KFP pipeline version, `<config name>-<git
+sha>-<sha256 of the spec>` (`pipeline_version_name`), and run that version: an unchanged
+build reuses it, so the UI lists one version per distinct build and every run names the one it
+ran. `moerl submit --param NAME=VALUE --override KEY=VALUE` fills the run form
+(`pipelines/params.py`), checked here exactly as the run's first task will check it.
+
 Each scheduled run warm-starts: the config it runs gets `model.warm_start: previous`, so
 version 0 is the final checkpoint of the newest FINISHED run in `tracking.experiment`
 (`components/publish_checkpoint/stage.py`).
