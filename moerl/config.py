@@ -173,6 +173,12 @@ class RolloutConfig(_Section):
     return_routed_experts: bool = False
     # Async mode: long-lived rollout workers (one engine each for the whole run).
     workers: int = Field(1, ge=1, le=1024)
+    # Async mode, single-turn tasks: leased units a worker generates at once. The worker leases
+    # another unit whenever the engine holds fewer than 2 x max_num_seqs unfinished sequences (a
+    # running batch and a waiting one), so the next unit's prefill is queued before this one ends
+    # and a unit's tail overlaps the next unit instead of leaving the engine half empty
+    # (components/rollout/worker.py). 1: one unit at a time, drained before the next.
+    units_in_flight: int = Field(2, ge=1, le=64)
     # On SIGTERM (a Spot interruption drained by Karpenter/NTH) a worker finishes its active
     # requests for at most this long, publishes them and requeues the rest. The notice is
     # 120 s and the pod's terminationGracePeriodSeconds must cover it: keep it under 90 s.

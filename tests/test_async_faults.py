@@ -264,10 +264,13 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
     groups = [g for v in range(1, h.cfg.pipeline.versions + 1) for g in json.loads(store.manifest(v).meta["groups"])]
     assert len(groups) == len(set(groups))  # no group in two versions
     _balanced(c, h.cfg)
+    # 2-prompt units, rollout.units_in_flight 2: the worker took a second unit while one was
+    # generating (the valkey-restart test below runs with 1 and none overlap)
+    assert c["units_overlapped"] >= 1
 
 
 def test_a_valkey_restart_mid_run_is_survived_by_every_stage(tmp_path):
-    h = Harness(tmp_path)
+    h = Harness(tmp_path, "rollout.units_in_flight=1")
     sent = []
 
     def fault(run):
@@ -283,6 +286,7 @@ def test_a_valkey_restart_mid_run_is_survived_by_every_stage(tmp_path):
     assert all(ch.exits == [0] for ch in h.run.children.values())  # no stage crashed, every one ended cleanly
     assert _versions(h)[-1] == h.cfg.pipeline.versions
     _balanced(c, h.cfg)
+    assert c["units_overlapped"] == 0  # one unit at a time
 
 
 def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_path):

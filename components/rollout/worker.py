@@ -1,26 +1,32 @@
 """Rollout worker (async mode): one vLLM engine for the whole run, fed by leased work units.
 
-Loop: (1) stop if the run is done or a drain was asked; (2) move to the version the bus's
-servable pointer names (verified in the cache tier, perhaps not yet durable; the registry
-without one), between units: pin it in the store under a renewed lease, fetch it into the
-verified node cache from the nearest tier (node cache, peers with `checkpoint.fanout`, the
-cache tier, S3; `moerl.store.tiers`, counted as `weights_from_*`), and hot-swap it into the
-live engine (`hotswap.py`, which also resets the prefix cache, so no KV computed with old
-weights is served); (3) lease a unit (at most
-`units.max_prompts` prompts; a unit some dead worker left idle past the visibility timeout is
-reclaimed first); (4) submit one request per prompt (n = G, a seed per group, so a
-re-executed unit regenerates the same samples), skipping groups another attempt already
-published; (5) step the engine, publishing each group the moment its G samples finish; (6) acknowledge
-the unit. From the moment a unit is leased, the heartbeat thread refreshes its lease (at a
-quarter of `units.visibility_timeout_s`), through a weight swap as much as through generation,
-and only while this worker still holds it (`RunBus.touch`); a worker that finds its lease taken
-by another stops generating that unit. Versions only move forward: a registry that reads
-behind the served version (Valkey lost writes) is logged and ignored.
+Loop, single-turn tasks (`_stream`): while the engine is idle, (1) stop if the run is done or a
+drain was asked, and (2) move to the version the bus's servable pointer names (verified in the
+cache tier, perhaps not yet durable; the registry without one): pin it in the store under a
+renewed lease, fetch it into the verified node cache from the nearest tier (node cache, peers
+with `checkpoint.fanout`, the cache tier, S3; `moerl.store.tiers`, counted as `weights_from_*`),
+and hot-swap it into the live engine (`hotswap.py`, which also resets the prefix cache, so no
+KV computed with old weights is served). Then (3) lease units (at most `units.max_prompts`
+prompts each; a unit some dead worker left idle past the visibility timeout is reclaimed
+first), up to `rollout.units_in_flight` at once, another whenever the engine holds fewer than
+twice `rollout.max_num_seqs` unfinished sequences (a running batch and a waiting one); (4) submit one request per prompt (n = G, a seed
+per group, so a re-executed unit regenerates the same samples), skipping groups another
+attempt already published; (5) step the engine, publishing each group the moment its G samples
+finish and acknowledging each unit the moment its last group is. When a newer version is
+servable the worker stops leasing until its units are done, then swaps. Multi-turn units
+(`_run_episodes`) run one at a time. From the moment a unit is leased, the heartbeat thread
+refreshes its lease (at a quarter of `units.visibility_timeout_s`), through a weight swap as
+much as through generation, and only while this worker still holds it (`RunBus.touch`); a
+worker that finds a lease taken by another stops generating that unit. Versions only move
+forward: a registry that reads behind the served version (Valkey lost writes) is logged and
+ignored. The time from the worker's start to its first generated group is logged and reported
+(`first_sample_s` in its stats).
 
 Why swap between units (not in flight): every token of a group then comes from one policy
 version, the engine's logprobs are exactly the behaviour policy's, and nothing needs the
-prefix re-submitted. The cost is that a unit finishes on the version it started with; units
-are small, and admission (`buffer.max_staleness`) bounds how old that can be.
+prefix re-submitted. The cost is that a unit finishes on the version it started with, and
+that the engine drains once per version (not once per unit: units overlap between swaps);
+admission (`buffer.max_staleness`) bounds how old a sample can be.
 
 Spot: on SIGTERM the worker stops leasing, lets its active requests run for at most
 `rollout.grace_seconds`, publishes the groups that finished, requeues the unfinished prompts
@@ -43,6 +49,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
@@ -82,6 +89,21 @@ class _Drain:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
 
+@dataclass
+class _InFlight:
+    """A leased single-turn unit whose groups the engine is generating."""
+
+    lease: Lease
+    unit_id: str
+    todo: dict[int, dict]  # k -> entry, less the groups an earlier attempt published
+    ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> prompt token ids
+    by_rid: dict[str, int] = field(default_factory=dict)  # request id -> k
+    finished: set[int] = field(default_factory=set)
+
+    def remaining(self) -> list[int]:
+        return [k for k in self.todo if k not in self.finished]
+
+
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, run_id: str, name: str, bus: RunBus):
         self.cfg, self.run_id, self.name, self.bus = cfg, run_id, name, bus
@@ -106,6 +128,7 @@ class RolloutWorker:
         self.multi_turn = uses_environments(cfg)
         self._env_pool = None  # the sandboxed pool environments run in (multi-turn tasks)
         self._tail = [0, 0.0, 0.0]  # multi-turn units; sums of their last and median episode ends (s)
+        self._first_sample_s: float | None = None  # start -> the first group generated (fast start)
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self) -> None:
@@ -183,33 +206,103 @@ class RolloutWorker:
             run_store(self.cfg.checkpoint, self.run_id).renew(self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s)
             self._last_renew = now
 
-    # -- one unit -------------------------------------------------------------------------
-    def _run_unit(self, lease: Lease) -> bool:
-        """Generate the unit's groups; True if the unit is complete (acknowledged), False if
-        a drain cut it short (its rest requeued)."""
-        if self.multi_turn:
-            return self._run_episodes(lease)
+    # -- single-turn units, several in flight ---------------------------------------------
+    def _start_unit(self, lease: Lease) -> "_InFlight":
+        """Submit the unit's groups (one request of n = G per prompt, seeded per group), less the
+        ones another attempt already published."""
         unit_id, todo = self._todo(lease)
         G = self.cfg.rollout.samples_per_prompt
-        ids: dict[str, list[int]] = {}
+        u = _InFlight(lease, unit_id, todo)
         for k, e in todo.items():
             rid = f"{unit_id}-{k}-{lease.deliveries}"
-            ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])  # text, or chat template
-            self.engine.submit(rid, ids[rid], G, seed=group_seed(self.cfg.rollout.seed, unit_id, k))
-        by_rid = {f"{unit_id}-{k}-{lease.deliveries}": k for k in todo}
-        finished: set[int] = set()
-        t0 = time.perf_counter()
-        try:
-            while self.engine.unfinished():
-                if self.drain.expired() or not self._still_held(lease):
-                    break
+            u.ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])  # text, or chat template
+            u.by_rid[rid] = k
+            self.engine.submit(rid, u.ids[rid], G, seed=group_seed(self.cfg.rollout.seed, unit_id, k))
+        return u
+
+    def _stream(self, watch: "TrainerWatch") -> int:
+        """The single-turn loop: up to `rollout.units_in_flight` leased units generate at once.
+        Another unit is leased whenever the engine holds fewer than twice `rollout.max_num_seqs`
+        unfinished sequences (a running batch and a waiting one), so the next unit's prefill is
+        queued when this one's sequences end and one unit's tail runs beside the next one's
+        prefill: the engine's batch stays full; each group is published the moment its G samples finish,
+        each unit acknowledged the moment its last group is. Versions change between units: when
+        a newer version is servable the worker stops leasing, lets the units in flight finish
+        (on the version they started with), swaps, and resumes. Returns the exit code."""
+        units: dict[str, _InFlight] = {}  # entry id -> unit
+        rid_unit: dict[str, str] = {}  # request id -> entry id
+        G, cap, room = self.cfg.rollout.samples_per_prompt, self.cfg.rollout.units_in_flight, self.cfg.rollout.max_num_seqs
+        newer, newer_at, lease_at = False, 0.0, 0.0
+        while True:
+            if not units:  # the engine is idle: the run may end, a drain ends here, the version moves
+                if self.bus.done() or watch.abandoned():  # abandoned: the run fails through its trainer
+                    return 0
+                if self.drain.asked:
+                    self.bus.incr(drains=1)
+                    return EXIT_DRAINED
+                self._serve_latest()
+                newer = False
+                if self.engine is None:  # nothing registered yet
+                    self._renew()
+                    time.sleep(0.2)
+                    continue
+            self._renew()
+            now = time.monotonic()
+            if units and now - newer_at > 0.5:  # a newer version waits: finish these units, then swap
+                newer_at = now
+                reg = self.bus.servable()
+                newer = reg is not None and reg.version > (self.version if self.version is not None else -1)
+            # room: a full running batch plus a full batch waiting, so the engine's scheduler has the
+            # next unit's prefill queued when this one's sequences end (they often end together)
+            if (not self.drain.asked and not newer and len(units) < cap and self.engine.unfinished() * G < 2 * room
+                    and (not units or now - lease_at > 0.1)):  # beside generation: a read at most every 0.1 s
+                lease_at = now
+                lease = self.bus.lease_unit(self.name, block_ms=0 if units else 200)
+                if lease is not None:
+                    self._hold(lease)  # refreshed from now on by the heartbeat thread
+                    if not units:  # a version registered while we waited: its units were issued for it
+                        self._serve_latest()
+                    if units:
+                        self.bus.incr(units_overlapped=1)
+                    u = self._start_unit(lease)
+                    units[lease.entry_id] = u
+                    rid_unit.update((rid, lease.entry_id) for rid in u.by_rid)
+                    if not u.todo:  # every group was published by an earlier attempt
+                        self._finish_unit(units, rid_unit, u, [])
+            if not units:
+                continue
+            t0 = time.perf_counter()
+            try:
                 for rid, comps in self.engine.step():
-                    k = by_rid[rid]
-                    self._publish(unit_id, todo[k], comps, ids[rid])
-                    finished.add(k)
+                    u = units[rid_unit.pop(rid)]
+                    k = u.by_rid[rid]
+                    self._publish(u.unit_id, u.todo[k], comps, u.ids[rid])
+                    u.finished.add(k)
+                    if self._first_sample_s is None:
+                        self._first_sample_s = time.perf_counter() - self.t_start
+                        log.info("%s: first group generated %.1f s after start", self.name, self._first_sample_s)
+                        self.bus.heartbeat(self.name, ttl_s=10.0, first_sample_s=self._first_sample_s)
+                    if len(u.finished) == len(u.todo):
+                        self._finish_unit(units, rid_unit, u, [])
+            finally:
+                self.busy_s += time.perf_counter() - t0
+            for u in list(units.values()):  # a lease another worker took: drop its unfinished groups
+                if not self._still_held(u.lease):
+                    self._finish_unit(units, rid_unit, u, u.remaining())
+            if self.drain.expired():  # the grace ran out: requeue what did not finish
+                for u in list(units.values()):
+                    self._finish_unit(units, rid_unit, u, u.remaining())
+                self.bus.incr(drains=1)
+                return EXIT_DRAINED
+
+    def _finish_unit(self, units: dict, rid_unit: dict, u: "_InFlight", remaining: list[int]) -> None:
+        units.pop(u.lease.entry_id, None)
+        for rid in u.by_rid:
+            rid_unit.pop(rid, None)
+        try:
+            self._end_unit(u.lease, remaining, [rid for rid, k in u.by_rid.items() if k in remaining])
         finally:
-            self.busy_s += time.perf_counter() - t0
-        return self._end_unit(lease, [k for k in todo if k not in finished])
+            self._release(u.lease)
 
     def _todo(self, lease: Lease) -> tuple[str, dict[int, dict]]:
         """The unit's id and its entries by k, less the groups another attempt already published."""
@@ -219,12 +312,13 @@ class RolloutWorker:
         done_already = self.bus.published(list(gids.values()))
         return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
-    def _end_unit(self, lease: Lease, remaining: list[int]) -> bool:
+    def _end_unit(self, lease: Lease, remaining: list[int], rids: list[str] | None = None) -> bool:
         """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
-        requeue them (a drain); every request still in flight is aborted."""
+        requeue them (a drain); its requests still in flight (`rids`; None: every request) are
+        aborted."""
         unit_id = lease.unit["unit_id"]
         if remaining:
-            self.engine.abort_all()
+            self.engine.abort(rids) if rids is not None else self.engine.abort_all()
         if remaining and not self._still_held(lease):
             # another worker reclaimed the unit: it regenerates what is missing; ours is dropped
             self.bus.incr(leases_lost=1)
@@ -397,6 +491,9 @@ class RolloutWorker:
 
     def _loop(self) -> int:
         watch = TrainerWatch(self.bus, self.cfg.pipeline.trainer_lost_s)
+        if not self.multi_turn:
+            return self._stream(watch)
+        # multi-turn: one unit at a time (its episodes already keep the engine busy between turns)
         while True:
             if self.bus.done() or watch.abandoned():  # abandoned: the run fails through its trainer
                 return 0
@@ -415,7 +512,7 @@ class RolloutWorker:
             try:
                 # a version registered while we waited for the lease: its units were issued for it
                 self._serve_latest()
-                if not self._run_unit(lease):
+                if not self._run_episodes(lease):
                     self.bus.incr(drains=1)
                     return EXIT_DRAINED
             finally:

@@ -5,6 +5,8 @@
     moerl bench scaling CONFIG   the same workload at 1, 2, 4 rollout workers (and scorers)
     moerl bench failures CONFIG  policy-iteration time under SIGTERM / SIGKILL faults
     moerl bench modes CONFIG     sync vs async vs the one-process floor on the same workload
+    moerl bench rollout CONFIG   the async rollout worker's tokens/s against a bare engine on
+                                 the same prompts, at 1, 2, ... units in flight
     moerl bench project          the seed's scale on paper: dispatch share and rollout gain
     moerl bench weights          publish / fetch / hot swap / redistribution, side by side
     moerl bench dispatch         expert-parallel dispatch/combine backends side by side
@@ -56,6 +58,13 @@ def _modes(a: argparse.Namespace) -> int:
 
     rep = run_bench_modes(a.config, a.set, iterations=a.iterations, out=a.out, arms=parse_arms(a.arms),
                           work_dir=a.work_dir)
+    return 0 if rep["ok"] else 1
+
+
+def _rollout(a: argparse.Namespace) -> int:
+    from moerl.bench.rollout import run_bench_rollout
+
+    rep = run_bench_rollout(a.config, a.set, units=a.units, in_flight=a.in_flight, out=a.out)
     return 0 if rep["ok"] else 1
 
 
@@ -161,6 +170,15 @@ def add_bench_parsers(sub) -> None:
     mo.add_argument("--out", default="bench/modes.json")
     mo.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
     mo.set_defaults(func=_modes)
+
+    ro = bsub.add_parser("rollout", help="the async rollout worker's output tokens/s against a bare vLLM engine on "
+                                         "the same prompts, side by side")
+    ro.add_argument("config")
+    ro.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ro.add_argument("--units", type=int, default=4, help="units of units.max_prompts prompts (async settings)")
+    ro.add_argument("--in-flight", default="1,2", help="the worker arms' rollout.units_in_flight, comma-separated")
+    ro.add_argument("--out", default="bench/rollout.json")
+    ro.set_defaults(func=_rollout)
 
     mm = bsub.add_parser("mismatch", help="MoE training-inference mismatch: routing replay under an induced router "
                                           "mismatch, and dynamic sampling, side by side")

@@ -71,7 +71,9 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             # fan-out's chunks by source and its refused (corrupt) chunks
             "weights_from_node", "weights_from_peers", "weights_from_cache", "weights_from_durable",
             "fanout_chunks_peer", "fanout_chunks_cache", "fanout_chunks_durable", "fanout_chunks_refused",
-            "weights_fetch_failed", "cache_tier_failed")
+            "weights_fetch_failed", "cache_tier_failed",
+            # rollout: units leased while another was still generating on the same engine
+            "units_overlapped")
 
 
 @dataclass(frozen=True)

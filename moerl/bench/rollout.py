@@ -1,0 +1,212 @@
+"""`moerl bench rollout`: the async rollout worker's output tokens/s against a bare vLLM engine
+generating the same prompts, side by side in one run.
+
+The workload: `--units` units of `units.max_prompts` prompts each, the first prompts of the
+task's dataset in the async mode's seeded order, G = `rollout.samples_per_prompt` samples
+each, the config's sampling settings (async mode). Every arm is a child process of its own on
+the same cores, with a fresh engine:
+
+- bare: one `RolloutEngine`, `generate` on every prompt at once (one call, n = G): what the
+  engine does on this batch with nothing around it.
+- worker-k: the real rollout worker (`components/rollout/worker.py`, `RolloutWorker`) with
+  `rollout.units_in_flight` = k, on an embedded Valkey with version 0 published to a local
+  store, as the async mode runs it. Once its engine is loaded the units are issued at once,
+  and the arm is timed from the issue to the last group published (what a trainer waits on):
+  leasing, per-unit submission, streaming, publication and acknowledgement included.
+
+Read: output tokens/s per arm (response tokens the arm generated / its generation wall time),
+each worker arm's ratio to bare (the issue's aim: >= 0.9), the worker's busy fraction (time
+in engine steps / the timed window), units that overlapped, and the engine load time. Nothing
+is asserted about speed; on a shared 2-core machine read the ratios.
+
+Limitations: the tiny model's responses are short (the digit tasks stop at a few tokens), so
+this is the short-response regime, where per-unit overhead and the unit tail weigh most; a
+long-tail workload (responses of widely varying length) needs a model that stops on its own
+and is not measured here. No weight swap happens inside the timed window (one version): the
+per-version drain is what `moerl bench modes` sees.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from moerl.bench import child_main, envelope, format_table, log_tail, run_child, write_report
+from moerl.config import RunConfig, load_config
+from moerl.errors import ConfigError
+
+RUN_ID = "bench-rollout"
+
+
+def _prompts(cfg: RunConfig, n_units: int) -> list[list]:
+    """The units' prompts: the first n_units * units.max_prompts of the seeded order."""
+    from moerl.tasks.dataset import load_dataset
+
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    size = cfg.units.max_prompts
+    return [ds.window(u * size, size, cfg.task.shuffle_seed) for u in range(n_units)]
+
+
+def _localized(cfg: RunConfig, work: Path) -> RunConfig:
+    work.mkdir(parents=True, exist_ok=True)
+    return cfg.model_copy(update={
+        "checkpoint": cfg.checkpoint.model_copy(update={"uri": str(work / "ckpt"), "cache_dir": str(work / "cache")}),
+        "pipeline": cfg.pipeline.model_copy(update={"work_dir": str(work / "work")}),
+        "valkey": cfg.valkey.model_copy(update={"url": None})})
+
+
+def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
+    """One engine, every prompt in one `generate` call."""
+    from transformers import AutoTokenizer
+
+    from moerl.components.publish_checkpoint.stage import prepare_initial
+    from moerl.components.rollout.engine import RolloutEngine
+    from moerl.tasks.prompting import encode_prompt
+
+    cfg = _localized(cfg, work)
+    model_dir = work / "v0"
+    prepare_initial(cfg, model_dir, run_id=RUN_ID)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in _prompts(cfg, n_units) for p in unit]
+    engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    try:
+        t0 = time.perf_counter()
+        groups = engine.generate(ids, cfg.rollout.samples_per_prompt)
+        wall = time.perf_counter() - t0
+    finally:
+        engine.close()
+    tokens = sum(len(c.token_ids) for g in groups for c in g)
+    return {"tokens": tokens, "groups": len(groups), "wall_s": wall, "load_s": engine.load_s, "busy_fraction": 1.0}
+
+
+def _worker(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
+    """The real rollout worker on an embedded Valkey; units issued once its engine is loaded."""
+    from moerl.bus import RunBus, connect
+    from moerl.components.rollout.worker import RolloutWorker
+    from moerl.orchestrate.async_run import publish_initial, start_valkey
+    from moerl.store.runs import run_store, version_uri
+
+    cfg = _localized(cfg, work)
+    cfg, server = start_valkey(cfg, work, RUN_ID)
+    try:
+        publish_initial(cfg, RUN_ID, work)
+        bus = RunBus(connect(cfg.valkey.url, 30.0, cfg.valkey.username, server.password), RUN_ID,
+                     cfg.units.visibility_timeout_s, cfg.units.max_attempts)
+        bus.ensure_groups()
+        store = run_store(cfg.checkpoint, RUN_ID)
+        bus.register(0, version_uri(store, 0), store.manifest(0).sha256())
+        bus.trainer_beacon(ttl_s=3600)  # no trainer here: the worker must not abandon the run
+        worker = RolloutWorker(cfg, RUN_ID, "rollout-0", bus)
+        units = _prompts(cfg, n_units)
+        target = sum(len(u) for u in units)
+        timed: dict[str, float] = {}
+        failed: list[BaseException] = []
+
+        def feed() -> None:
+            try:
+                while worker.engine is None or worker.version is None:
+                    time.sleep(0.05)
+                busy0 = worker.busy_s
+                timed["t0"] = time.perf_counter()
+                for u in units:
+                    bus.issue_unit([p.model_dump() for p in u])
+                while bus.counters()["groups_generated"] < target:
+                    time.sleep(0.02)
+                timed["t1"] = time.perf_counter()
+                timed["busy"] = worker.busy_s - busy0
+            except BaseException as err:  # noqa: BLE001 - reported by the arm
+                failed.append(err)
+            finally:
+                bus.set_done()
+
+        feeder = threading.Thread(target=feed, name="bench-feed", daemon=True)
+        feeder.start()
+        try:
+            code = worker.run()
+        finally:
+            load_s = worker.engine.load_s if worker.engine is not None else None
+            worker.close()
+        feeder.join(timeout=30)
+        if failed:
+            raise failed[0]
+        if code != 0 or "t1" not in timed:
+            raise RuntimeError(f"the rollout worker ended with {code} before every group was generated")
+        c = bus.counters()
+        wall = timed["t1"] - timed["t0"]
+        return {"tokens": c["tokens_generated"], "groups": c["groups_generated"], "wall_s": wall, "load_s": load_s,
+                "busy_fraction": timed["busy"] / wall, "units_overlapped": c["units_overlapped"],
+                "units_in_flight": cfg.rollout.units_in_flight}
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def parse_in_flight(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        ks = ()
+    if not ks or any(k < 1 or k > 64 for k in ks) or len(set(ks)) != len(ks):
+        raise ConfigError(f"bench rollout: --in-flight must list distinct unit counts in 1..64, comma-separated; "
+                          f"got {text!r}")
+    return ks
+
+
+def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int = 4, in_flight: str = "1,2",
+                      out: str | Path = "bench/rollout.json", echo=print) -> dict[str, Any]:
+    if not 1 <= units <= 1024:
+        raise ConfigError(f"bench rollout: --units must be in 1..1024, got {units}")
+    ks = parse_in_flight(in_flight)
+    cfg = load_config(config, list(overrides), mode="async")
+    arms: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="moerl-bench-rollout-") as tmp:
+        plan = [("bare", "bare", cfg)] + [
+            (f"worker-{k}", "worker", cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
+                update={"units_in_flight": k})})) for k in ks]
+        for name, command, arm_cfg in plan:
+            work = Path(tmp) / name
+            work.mkdir()
+            echo(f"[bench rollout] {name} ...")
+            code, result, log = run_child("moerl.bench.rollout", command, arm_cfg, units, work, name)
+            if code != 0 or not result.exists():
+                arms[name] = {"ok": False, "error": log_tail(log)}
+                continue
+            r = json.loads(result.read_text())
+            r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
+            arms[name] = {"ok": True, **r}
+    bare = arms.get("bare", {}).get("tokens_per_s")
+    for name, r in arms.items():
+        if name != "bare" and r.get("ok") and bare:
+            r["ratio_to_bare"] = r["tokens_per_s"] / bare
+    workload = {"units": units, "prompts_per_unit": cfg.units.max_prompts, "samples_per_prompt":
+                cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
+                "max_num_seqs": cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset}
+    report = envelope("rollout", all(r.get("ok") for r in arms.values()), workload=workload, arms=arms)
+    write_report(Path(out), report)
+    echo(format_report(report))
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    rows = [(name, r.get("ok"), r.get("tokens"), r.get("wall_s"), r.get("tokens_per_s"), r.get("ratio_to_bare"),
+             r.get("busy_fraction"), r.get("units_overlapped"), r.get("load_s")) for name, r in report["arms"].items()]
+    w = report["workload"]
+    head = (f"rollout: {w['units']} units x {w['prompts_per_unit']} prompts x G={w['samples_per_prompt']}, "
+            f"max_new_tokens {w['max_new_tokens']}, max_num_seqs {w['max_num_seqs']}")
+    return head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "busy", "overlapped",
+                                       "load s"], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    fn = _bare if argv and argv[0] == "bare" else _worker
+    return child_main(argv, "moerl.bench.rollout", argv[0] if argv else "worker", "bench rollout arm", fn)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
