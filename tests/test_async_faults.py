@@ -267,6 +267,9 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
     # 2-prompt units, rollout.units_in_flight 2: the worker took a second unit while one was
     # generating (the valkey-restart test below runs with 1 and none overlap)
     assert c["units_overlapped"] >= 1
+    # the worker's time from its start to its first generated group, on the run
+    first = tracking.metric_history(h.uri, h.run_id, "async/first_sample_s/rollout-0")
+    assert first and 0 < first[-1][1] < TIMEOUT_S
 
 
 def test_a_valkey_restart_mid_run_is_survived_by_every_stage(tmp_path):

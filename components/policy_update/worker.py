@@ -406,6 +406,8 @@ def _async_metrics(bus: RunBus, t_start: float, busy: float) -> dict[str, float]
     for name, st in bus.stats().items():
         if name != CONSUMER and st.get("wall_s"):
             out[f"async/busy_fraction/{name}"] = st.get("busy_s", 0.0) / st["wall_s"]
+        if st.get("first_sample_s"):  # a rollout worker's start -> its first generated group (fast start)
+            out[f"async/first_sample_s/{name}"] = st["first_sample_s"]
         if st.get("unit_tail_median_s"):  # multi-turn: a unit's last episode against its median one
             out[f"async/unit_tail_ratio/{name}"] = st["unit_tail_last_s"] / st["unit_tail_median_s"]
     out["async/workers_alive"] = float(sum(n.startswith("rollout") for n in bus.alive()))
