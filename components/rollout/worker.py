@@ -235,11 +235,9 @@ class RolloutWorker:
         newer, newer_at, lease_at = False, 0.0, 0.0
         while True:
             if not units:  # the engine is idle: the run may end, a drain ends here, the version moves
-                if self.bus.done() or watch.abandoned():  # abandoned: the run fails through its trainer
-                    return 0
-                if self.drain.asked:
-                    self.bus.incr(drains=1)
-                    return EXIT_DRAINED
+                code = self._exit_code(watch)
+                if code is not None:
+                    return code
                 self._serve_latest()
                 newer = False
                 if self.engine is None:  # nothing registered yet
@@ -489,17 +487,25 @@ class RolloutWorker:
             # the final stats, so busy/idle fractions cover the whole life of the worker
             self.bus.heartbeat(self.name, ttl_s=1.0, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start)
 
+    def _exit_code(self, watch: TrainerWatch) -> int | None:
+        """Between units: 0 when the run is done (or abandoned: it fails through its trainer),
+        EXIT_DRAINED when a drain was asked, else None (go on)."""
+        if self.bus.done() or watch.abandoned():
+            return 0
+        if self.drain.asked:
+            self.bus.incr(drains=1)
+            return EXIT_DRAINED
+        return None
+
     def _loop(self) -> int:
         watch = TrainerWatch(self.bus, self.cfg.pipeline.trainer_lost_s)
         if not self.multi_turn:
             return self._stream(watch)
         # multi-turn: one unit at a time (its episodes already keep the engine busy between turns)
         while True:
-            if self.bus.done() or watch.abandoned():  # abandoned: the run fails through its trainer
-                return 0
-            if self.drain.asked:
-                self.bus.incr(drains=1)
-                return EXIT_DRAINED
+            code = self._exit_code(watch)
+            if code is not None:
+                return code
             self._serve_latest()
             self._renew()
             if self.engine is None:  # nothing registered yet

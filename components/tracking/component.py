@@ -27,6 +27,7 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
         worker_slots: one item per rollout worker (the async pipeline's fan-out).
         scorer_slots: one item per reward scorer (the async pipeline's fan-out).
     """
+    given = dict(locals())  # the run form's fields by name (and the inputs above)
     from moerl.launch.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
@@ -44,11 +45,6 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
     tags = provenance.collect(with_cuda=base.trainer.device == "cuda")
     tags["moerl.git_sha"] = git_sha or tags["moerl.git_sha"]
     tags["moerl.kfp_run_id"] = kfp_run_id
-    given = {"model": model, "warm_start": warm_start, "dataset": dataset, "versions": versions, "epochs": epochs,
-             "learning_rate": learning_rate, "prompts_per_iteration": prompts_per_iteration,
-             "samples_per_prompt": samples_per_prompt, "rollout_workers": rollout_workers,
-             "reward_scorers": reward_scorers, "reward_kind": reward_kind, "reward_model": reward_model,
-             "run_name": run_name}
     try:
         cfg = merge(base, {p.name: given[p.name] for p in params_for(base) if given[p.name] is not None},
                     list(overrides or []), target)
