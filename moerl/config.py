@@ -179,6 +179,25 @@ class RolloutConfig(_Section):
     # and a unit's tail overlaps the next unit instead of leaving the engine half empty
     # (components/rollout/worker.py). 1: one unit at a time, drained before the next.
     units_in_flight: int = Field(2, ge=1, le=64)
+    # Async mode: how a worker moves to a newer policy version (docs/rollout.md, "Weight updates").
+    # between_units: stop leasing, let the units in flight finish on the version they started
+    #   with, swap, resume. Every token of a group comes from one version; the engine drains once
+    #   per version, so the longest response's tail idles it (long-tail responses pay most).
+    # in_flight: swap between two engine steps with sequences running (as PipelineRL and AReaL
+    #   do): nothing drains, new units are leased throughout. A response's tokens may then come
+    #   from several versions (Sample.token_versions records which); each token's behaviour
+    #   logprob is the engine's when it was sampled, so the importance correction stays per
+    #   token, and admission (buffer.max_staleness) takes the oldest token's version.
+    #   Single-turn tasks only (a multi-turn episode swaps between units).
+    weight_update: Literal["between_units", "in_flight"] = "between_units"
+    # in_flight only: the KV cache of the sequences running at a swap. recompute: each is
+    #   preempted and re-prefilled (prompt + tokens so far) with the new weights, so every token
+    #   after the swap is sampled from exactly the new policy given its prefix; costs one prefill
+    #   of the running batch per version. keep: their KV, computed by the older weights, stays
+    #   (PipelineRL's choice): no extra work, but tokens after the swap attend to stale KV;
+    #   requests submitted after the swap never reuse KV cached before it (a per-version cache
+    #   salt).
+    inflight_kv: Literal["recompute", "keep"] = "recompute"
     # On SIGTERM (a Spot interruption drained by Karpenter/NTH) a worker finishes its active
     # requests for at most this long, publishes them and requeues the rest. The notice is
     # 120 s and the pod's terminationGracePeriodSeconds must cover it: keep it under 90 s.
@@ -894,6 +913,10 @@ class RunConfig(_Section):
                              f"task.prompts_per_iteration ({self.task.prompts_per_iteration}) groups: a sync "
                              "iteration could never fill its batch; raise prompts_per_iteration (the generation "
                              "batch) above it")
+        if self.rollout.weight_update == "in_flight" and (self.task.environment or self.task.environments):
+            raise ValueError("rollout.weight_update in_flight is for single-turn tasks; this task has an environment "
+                             "(task.environment / task.environments), whose episodes swap between units: use "
+                             "between_units")
         if self.trainer.router_replay == "R3" and not self.rollout.return_routed_experts:
             raise ValueError("trainer.router_replay R3 replays the rollout engine's routes: set "
                              "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)")

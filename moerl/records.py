@@ -181,6 +181,10 @@ class Sample(_Record):
     env_error: str | None = None  # an environment call that failed: the episode is failed, never scored
     # The engine's routes (rollout.return_routed_experts): [prompt + response tokens, layers, k]
     routed_experts: RoutedExperts | None = None
+    # rollout.weight_update in_flight: the policy versions that sampled the response's tokens, as
+    # runs [[first token index, version], ...] (the first at 0; indices and versions increasing);
+    # None: every token from `policy_version`, which is always the first (oldest) run's version.
+    token_versions: list[tuple[int, int]] | None = None
 
     @model_validator(mode="after")
     def _lengths(self) -> "Sample":
@@ -190,6 +194,7 @@ class Sample(_Record):
         if self.response_mask is not None and (len(self.response_mask) != n or set(self.response_mask) - {0, 1}):
             raise ValueError(f"response_mask must hold one 0 or 1 per response token ({n})")
         _check_routes(self)
+        _check_versions(self)
         return self
 
     @property
@@ -218,11 +223,44 @@ class TrainSample(_Record):
     policy_version: int
     response_mask: list[int] | None = None  # 0: an environment's token, never in the loss (None: all 1)
     routed_experts: RoutedExperts | None = None  # the engine's routes (trainer.router_replay R3)
+    token_versions: list[tuple[int, int]] | None = None  # as Sample's (in-flight weight updates)
 
     @model_validator(mode="after")
     def _routes(self) -> "TrainSample":
         _check_routes(self)
+        _check_versions(self)
         return self
+
+
+def _check_versions(s) -> None:
+    runs = s.token_versions
+    if runs is None:
+        return
+    n = len(s.response_token_ids)
+    if not runs or runs[0] != (0, s.policy_version):
+        raise ValueError(f"token_versions must start with [0, policy_version] ([0, {s.policy_version}]), got "
+                         f"{runs[:1]}")
+    for (a, va), (b, vb) in zip(runs, runs[1:]):
+        if not (a < b < n and va < vb):
+            raise ValueError(f"token_versions runs must start at increasing token indices below {n} with increasing "
+                             f"versions; got [{a}, {va}] then [{b}, {vb}]")
+
+
+def newest_version(s) -> int:
+    """The newest policy version that sampled a token of `s` (its `policy_version` unless an
+    in-flight weight update fell inside the response)."""
+    return s.token_versions[-1][1] if s.token_versions else s.policy_version
+
+
+def token_versions(s) -> list[int]:
+    """The policy version of each response token of sample `s` (Sample or TrainSample)."""
+    runs = s.token_versions or [(0, s.policy_version)]
+    n = len(s.response_token_ids)
+    out: list[int] = []
+    for i, (start, v) in enumerate(runs):
+        end = runs[i + 1][0] if i + 1 < len(runs) else n
+        out.extend([v] * (end - start))
+    return out
 
 
 def _check_routes(s) -> None:

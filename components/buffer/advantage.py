@@ -62,4 +62,5 @@ def train_sample(s, advantage: float):
 
     return TrainSample(prompt_token_ids=s.prompt_token_ids, response_token_ids=s.response_token_ids,
                        response_logprobs=s.response_logprobs, advantage=advantage, policy_version=s.policy_version,
-                       response_mask=s.response_mask, routed_experts=s.routed_experts)
+                       response_mask=s.response_mask, routed_experts=s.routed_experts,
+                       token_versions=s.token_versions)

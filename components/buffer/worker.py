@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moerl.config import BufferConfig
-from moerl.records import ScoredSample, TrainSample
+from moerl.records import ScoredSample, TrainSample, newest_version, token_versions
 from moerl.components.buffer.advantage import group_advantages, train_sample
 
 Disposition = Literal["duplicate", "stale", "failed", "filtered", "used"]
@@ -81,7 +81,9 @@ def classify(group_id: str, samples: list[ScoredSample], version: int, max_stale
         return "duplicate"
     # a sample from above the trainer's version came from a version that was lost (servable,
     # then gone with both copies before it was durable; see policy_update/worker.py)
-    if any(version - s.policy_version > max_staleness or s.policy_version > version for s in samples):
+    # in-flight weight updates: a response's oldest token decides its staleness, its newest
+    # whether it came from a lost version
+    if any(version - s.policy_version > max_staleness or newest_version(s) > version for s in samples):
         return "stale"
     if any(s.reward_failed for s in samples):
         return "failed"
@@ -124,6 +126,9 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, float]:
     mean = sum(rewards) / n
     stal = [version - s.policy_version for s in samples]
     n_tok = sum(len(s.response_token_ids) for s in samples)
+    # in-flight weight updates (rollout.weight_update in_flight): staleness per generated token,
+    # and the samples whose tokens came from more than one version
+    tok_stal = sum(version - v for s in samples for v in token_versions(s))
     model = [s.model_score for s in samples if getattr(s, "model_score", None) is not None]
     extra = {"reward/model_score_mean": sum(model) / len(model)} if model else {}
     return extra | {
@@ -136,6 +141,8 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, float]:
         "buffer/batch_samples": float(sum(len(g) for g in batch.used)),
         "buffer/staleness_mean": sum(stal) / n,
         "buffer/staleness_max": float(max(stal, default=0)),
+        "buffer/token_staleness_mean": tok_stal / max(n_tok, 1),
+        "rollout/mixed_version_fraction": sum(s.token_versions is not None for s in samples) / n,
         "response/length_mean": n_tok / n,
         "rollout/samples": float(len(samples)),
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,

@@ -73,9 +73,11 @@ class CorrectionSums:
 
 
 def correction_sums(old_logp_NL1: torch.Tensor, engine_logp_NL1: torch.Tensor, mask_NL1: torch.Tensor,
-                    own_N: torch.Tensor, tau: float = TAU) -> CorrectionSums:
-    """The sums behind every `rollout_corr/*` metric of these rows. Tokens outside pi_old's
-    support (a -inf logprob: top-k/top-p truncation) are left out, as in the loss."""
+                    own: torch.Tensor, tau: float = TAU) -> CorrectionSums:
+    """The sums behind every `rollout_corr/*` metric of these rows. `own`: the tokens ([N, L-1])
+    or samples ([N]) the trainer's own version sampled (the "own" split; the rest are "stale").
+    Tokens outside pi_old's support (a -inf logprob: top-k/top-p truncation) are left out, as
+    in the loss."""
     real = mask_NL1.bool() & torch.isfinite(old_logp_NL1) & torch.isfinite(engine_logp_NL1)
     zero = torch.zeros_like(old_logp_NL1, dtype=torch.float64)
     r = torch.where(real, (old_logp_NL1.double() - engine_logp_NL1.double()), zero)
@@ -83,9 +85,9 @@ def correction_sums(old_logp_NL1: torch.Tensor, engine_logp_NL1: torch.Tensor, m
     rho = torch.where(real, r.exp(), zero)
     out = CorrectionSums()
     device = old_logp_NL1.device
-    for split, rows in (("all", torch.ones_like(own_N, dtype=torch.bool)), ("own", own_N.bool()),
-                        ("stale", ~own_N.bool())):
-        m = real & rows[:, None]
+    own_NL1 = (own if own.dim() == 2 else own[:, None].expand_as(real)).bool()
+    for split, sel in (("all", torch.ones_like(own_NL1)), ("own", own_NL1), ("stale", ~own_NL1)):
+        m = real & sel
         mf = m.double()
         has = m.any(-1)
         seq_log = torch.where(has, (r * mf).sum(-1), torch.zeros_like(has, dtype=torch.float64))

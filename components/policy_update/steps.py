@@ -47,7 +47,8 @@ class Packed:
     mask_NL1: torch.Tensor  # 1 where the target is a response token
     engine_logp_NL1: torch.Tensor
     adv_N: torch.Tensor
-    version_N: torch.Tensor | None = None  # each sample's policy version (`trainer.pack` sets it)
+    # the policy version that sampled each target token (-1 outside responses; `trainer.pack` sets it)
+    version_NL1: torch.Tensor | None = None
     routes_NLYK: torch.Tensor | None = None  # the engine's routes (int32, -1: none); None: no sample has any
     is_weight_NL1: torch.Tensor | None = None  # rollout-correction weights (`prepare_correction`)
     is_hit_NL1: torch.Tensor | None = None  # tokens whose weight was truncated or masked
@@ -462,7 +463,7 @@ def prepare_correction(p: Packed, old_logp_NL1: torch.Tensor, cfg: RunConfig, tr
     tc = cfg.trainer
     n = p.input_ids_NL.shape[0]
     rows = torch.arange(n, device=p.device) if rows is None else rows
-    own = p.version_N == trainer_version
+    own = p.version_NL1 == trainer_version  # tokens the trainer's own version sampled (in-flight updates: per token)
     c = correction_sums(old_logp_NL1[rows], p.engine_logp_NL1[rows], p.mask_NL1[rows], own[rows],
                         tc.extreme_ratio_tau)
     if distributed:

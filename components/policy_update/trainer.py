@@ -32,7 +32,7 @@ import torch
 
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
-from moerl.records import TrainSample, read_records
+from moerl.records import TrainSample, read_records, token_versions
 from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, RouterBias, Routing, accumulate,
                                                   logprob_mismatch_sum, micro_parts, minibatches, model_device,
                                                   policy_logprobs, rows_per_micro_batch, sequence_logprobs,
@@ -62,6 +62,7 @@ def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cp
     attn = torch.zeros((n, length), dtype=torch.long, device=cpu)
     mask = torch.zeros((n, length - 1), device=cpu)
     eng = torch.zeros((n, length - 1), device=cpu)
+    version = torch.full((n, length - 1), -1, dtype=torch.long, device=cpu)
     for i, (s, seq) in enumerate(zip(batch, seqs)):
         ids[i, : len(seq)] = torch.tensor(seq, device=cpu)
         attn[i, : len(seq)] = 1
@@ -70,8 +71,8 @@ def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cp
         # an environment's tokens (multi-turn) are context, never targets: mask 0
         mask[i, p - 1 : p - 1 + r] = 1 if s.response_mask is None else torch.tensor(s.response_mask, device=cpu)
         eng[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs, device=cpu)
+        version[i, p - 1 : p - 1 + r] = torch.tensor(token_versions(s), dtype=torch.long, device=cpu)
     adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=cpu)
-    version = torch.tensor([s.policy_version for s in batch], dtype=torch.long, device=cpu)
     routes = None
     if any(s.routed_experts is not None for s in batch):  # the engine's routes, -1 where none
         shapes = {s.routed_experts.shape[1:] for s in batch if s.routed_experts is not None}

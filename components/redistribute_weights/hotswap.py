@@ -345,11 +345,13 @@ def swap_in_worker(worker, model_dir: str, bucket_bytes: int, inplace: bool = Tr
             "seconds": time.perf_counter() - t0}
 
 
-def hot_swap(llm, model_dir: str | Path, bucket_mb: int = 512, inplace: bool = True) -> SwapStats:
+def hot_swap(llm, model_dir: str | Path, bucket_mb: int = 512, inplace: bool = True,
+             reset_cache: bool = True) -> SwapStats:
     """Swap the weights of a live `vllm.LLM` for those in `model_dir` (a verified cache dir).
 
     `inplace=False` forces the fallback for every MoE layer (vLLM's reload, then the re-pack):
-    slower, kept as the reference the in-place path is tested against.
+    slower, kept as the reference the in-place path is tested against. `reset_cache=False`
+    leaves the prefix cache to the caller (an in-flight swap: `RolloutEngine.swap_weights`).
     """
     from moerl.errors import WeightSyncError
 
@@ -358,7 +360,8 @@ def hot_swap(llm, model_dir: str | Path, bucket_mb: int = 512, inplace: bool = T
         results = llm.collective_rpc(swap_in_worker, args=(str(model_dir), bucket_mb * 2**20, inplace))
     except Exception as err:  # noqa: BLE001 - whatever the worker raised, the caller gets one typed error
         raise WeightSyncError(f"hot swap to {model_dir} failed: {type(err).__name__}: {err}") from err
-    llm.reset_prefix_cache()  # cached prompts' KV came from the old weights
+    if reset_cache:
+        llm.reset_prefix_cache()  # cached prompts' KV came from the old weights
     r = results[0]
     return SwapStats(seconds=time.perf_counter() - t0, bytes=r["bytes"], tensors=r["tensors"], buckets=r["buckets"],
                      moe_layers_repacked=r["moe_layers_repacked"], read_s=r["read_s"], reload_s=r["reload_s"],

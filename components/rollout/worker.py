@@ -13,7 +13,9 @@ twice `rollout.max_num_seqs` unfinished sequences (a running batch and a waiting
 per group, so a re-executed unit regenerates the same samples), skipping groups another
 attempt already published; (5) step the engine, publishing each group the moment its G samples
 finish and acknowledging each unit the moment its last group is. When a newer version is
-servable the worker stops leasing until its units are done, then swaps. Multi-turn units
+servable (checked every 0.5 s beside generation), `rollout.weight_update` decides: between_units,
+the worker stops leasing until its units are done, then swaps; in_flight, it fetches and swaps
+between two engine steps with the sequences running, and goes on leasing. Multi-turn units
 (`_run_episodes`) run one at a time. From the moment a unit is leased, the heartbeat thread
 refreshes its lease (at a quarter of `units.visibility_timeout_s`), through a weight swap as
 much as through generation, and only while this worker still holds it (`RunBus.touch`); a
@@ -22,11 +24,17 @@ forward: a registry that reads behind the served version (Valkey lost writes) is
 ignored. The time from the worker's start to its first generated group is logged and reported
 (`first_sample_s` in its stats).
 
-Why swap between units (not in flight): every token of a group then comes from one policy
-version, the engine's logprobs are exactly the behaviour policy's, and nothing needs the
-prefix re-submitted. The cost is that a unit finishes on the version it started with, and
-that the engine drains once per version (not once per unit: units overlap between swaps);
-admission (`buffer.max_staleness`) bounds how old a sample can be.
+Between units or in flight (`rollout.weight_update`, docs/rollout.md): between units, every
+token of a group comes from one policy version and the engine's logprobs are exactly that
+version's; the cost is that a unit finishes on the version it started with, and that the
+engine drains once per version (not once per unit: units overlap between swaps), so its
+longest response idles it. In flight, nothing drains; each response records the version of
+every token (`Sample.token_versions`, from the engine's per-sample token counts at the swap),
+its logprobs are the engine's at each token's sampling, and `rollout.inflight_kv` says whether
+the running sequences are re-prefilled with the new weights (recompute) or keep the older KV
+(keep). Either way admission (`buffer.max_staleness`) takes a response's oldest token. The
+fetch of an in-flight version runs in the loop (the engine waits for it: a node-cache or
+cache-tier read); only forward moves happen in flight, a rollback waits for an idle engine.
 
 Spot: on SIGTERM the worker stops leasing, lets its active requests run for at most
 `rollout.grace_seconds`, publishes the groups that finished, requeues the unfinished prompts
@@ -131,12 +139,16 @@ class RolloutWorker:
         self._first_sample_s: float | None = None  # start -> the first group generated (fast start)
 
     # -- weights ------------------------------------------------------------------------
-    def _serve_latest(self) -> None:
+    def _serve_latest(self, in_flight: bool = False) -> None:
         """Serve the version the bus's servable pointer names (the registry without one): fetched
-        from the nearest tier that holds its manifest (`moerl.store.tiers`), swapped in."""
+        from the nearest tier that holds its manifest (`moerl.store.tiers`), swapped in.
+        `in_flight` (rollout.weight_update in_flight, sequences running): only a newer version,
+        swapped between two engine steps; a failed fetch does not wait (generation goes on)."""
         reg = self.bus.servable()
         if reg is None or (reg.version == self.version and reg.manifest_sha256 == self.sha):
             return
+        if in_flight and (self.version is None or reg.version <= self.version):
+            return  # a rollback (a newer trainer epoch) waits for an idle engine
         if self.version is not None and reg.version < self.version and reg.epoch <= self.epoch:
             # only forward: a pointer behind what this engine serves lost writes (a Valkey
             # failover); the trainer re-commits from the store, and the pointer catches up. A
@@ -150,7 +162,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         sources: list[str] = []
         try:
-            self._load(reg, sources, t0)
+            self._load(reg, sources, t0, in_flight)
         except CheckpointError as err:
             # no tier can serve it right now (the cache tier died while the version was servable
             # and not yet durable; S3 unreachable): keep serving what this engine has, try again
@@ -158,15 +170,17 @@ class RolloutWorker:
             self.bus.incr(weights_fetch_failed=1)
             log.warning("%s: cannot fetch version %d yet (%s); %s", self.name, reg.version, err,
                         f"serving version {self.version} meanwhile" if self.version is not None else "waiting")
-            time.sleep(1.0)
+            if not in_flight:
+                time.sleep(1.0)
             return
         if self.version is not None and self.version != reg.version:
             store.unpin(self.version, holder=self.holder)
         self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
 
-    def _load(self, reg, sources: list[str], t0: float) -> None:
-        """Fetch `reg`'s version into the node cache and load it: a new engine, or a hot swap."""
+    def _load(self, reg, sources: list[str], t0: float, in_flight: bool = False) -> None:
+        """Fetch `reg`'s version into the node cache and load it: a new engine, or a hot swap
+        (`in_flight`: with sequences running, `rollout.inflight_kv` says what they keep)."""
         # held while it loads: no neighbour on this node prunes the copy from under the engine
         with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
                          swarm=self._swarm(), sources=sources) as model_dir:
@@ -179,13 +193,17 @@ class RolloutWorker:
                 self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
                 self.engine = RolloutEngine(model_dir, self.cfg.rollout, dtype=self.cfg.model.dtype,
                                             seed=self.cfg.rollout.seed)
+                self.engine.version = reg.version
                 self.bus.incr(engine_loads=1)
                 log.info("%s: engine loaded on version %d in %.1f s", self.name, reg.version, self.engine.load_s)
             else:
-                stats = self.engine.swap_weights(model_dir)
-                self.bus.incr(swaps=1)
-                log.info("%s: hot-swapped to version %d in %.2f s (%d tensors)", self.name, reg.version,
-                         stats.seconds, stats.tensors)
+                running = self.engine.unfinished() if in_flight else 0
+                stats = self.engine.swap_weights(model_dir, version=reg.version, in_flight=running > 0,
+                                                 kv=self.cfg.rollout.inflight_kv)
+                self.bus.incr(swaps=1, **({"swaps_in_flight": 1} if running else {}))
+                log.info("%s: hot-swapped to version %d in %.2f s (%d tensors%s)", self.name, reg.version,
+                         stats.seconds, stats.tensors,
+                         f"; in flight, {running} groups running, KV {self.cfg.rollout.inflight_kv}" if running else "")
         # where the weights came from, counted: a cache tier that fell back to S3 shows here
         self.bus.incr(**{f"weights_from_{s}": 1 for s in sources})
         self.bus.heartbeat(self.name, last_fetch_s=t_fetched - t0)
@@ -232,6 +250,7 @@ class RolloutWorker:
         units: dict[str, _InFlight] = {}  # entry id -> unit
         rid_unit: dict[str, str] = {}  # request id -> entry id
         G, cap, room = self.cfg.rollout.samples_per_prompt, self.cfg.rollout.units_in_flight, self.cfg.rollout.max_num_seqs
+        in_flight = self.cfg.rollout.weight_update == "in_flight"
         newer, newer_at, lease_at = False, 0.0, 0.0
         while True:
             if not units:  # the engine is idle: the run may end, a drain ends here, the version moves
@@ -246,10 +265,13 @@ class RolloutWorker:
                     continue
             self._renew()
             now = time.monotonic()
-            if units and now - newer_at > 0.5:  # a newer version waits: finish these units, then swap
+            if units and now - newer_at > 0.5:  # a newer version: swap now (in flight), or finish these units first
                 newer_at = now
                 reg = self.bus.servable()
                 newer = reg is not None and reg.version > (self.version if self.version is not None else -1)
+                if newer and in_flight:
+                    self._serve_latest(in_flight=True)
+                    newer = False
             # room: a full running batch plus a full batch waiting, so the engine's scheduler has the
             # next unit's prefill queued when this one's sequences end (they often end together)
             if (not self.drain.asked and not newer and len(units) < cap and self.engine.unfinished() * G < 2 * room
@@ -419,12 +441,16 @@ class RolloutWorker:
 
     def _publish(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> None:
         p = entry["prompt"]
+        mixed = sum(c.token_versions is not None for c in comps)
+        if mixed:  # an in-flight weight update fell inside these responses
+            self.bus.incr(samples_mixed_version=mixed)
         self._publish_samples(unit_id, entry, [
             Sample(prompt_id=p["id"], task=p["task"], prompt=Prompt.model_validate(p).prompt_text, answer=p["answer"],
                    sample_index=j,
                    prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                   response_text=c.text, finish_reason=c.finish_reason, policy_version=self.version, meta=p.get("meta"),
-                   routed_experts=self.engine.routed_experts(c))
+                   response_text=c.text, finish_reason=c.finish_reason,
+                   policy_version=self.version if c.version is None else c.version, token_versions=c.token_versions,
+                   meta=p.get("meta"), routed_experts=self.engine.routed_experts(c))
             for j, c in enumerate(comps)])
 
     def _publish_samples(self, unit_id: str, entry: dict, samples: list[Sample]) -> None:

@@ -64,7 +64,8 @@ def _modes(a: argparse.Namespace) -> int:
 def _rollout(a: argparse.Namespace) -> int:
     from moerl.bench.rollout import run_bench_rollout
 
-    rep = run_bench_rollout(a.config, a.set, units=a.units, in_flight=a.in_flight, out=a.out)
+    rep = run_bench_rollout(a.config, a.set, units=a.units, in_flight=a.in_flight, out=a.out, workload=a.workload,
+                            updates=a.updates, swap_every=a.swap_every)
     return 0 if rep["ok"] else 1
 
 
@@ -177,6 +178,12 @@ def add_bench_parsers(sub) -> None:
     ro.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ro.add_argument("--units", type=int, default=4, help="units of units.max_prompts prompts (async settings)")
     ro.add_argument("--in-flight", default="1,2", help="the worker arms' rollout.units_in_flight, comma-separated")
+    ro.add_argument("--workload", default="digits", help="digits (the config's task) or long-tail (responses of "
+                    "widely varying length, up to 384 tokens)")
+    ro.add_argument("--updates", default="between_units", help="the worker arms' rollout.weight_update values, "
+                    "comma-separated: between_units, in_flight")
+    ro.add_argument("--swap-every", type=float, default=0.0, help="publish a new version every this many seconds "
+                    "while a worker arm runs (0: one version)")
     ro.add_argument("--out", default="bench/rollout.json")
     ro.set_defaults(func=_rollout)
 

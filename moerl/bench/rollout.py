@@ -19,16 +19,31 @@ each worker arm's ratio to bare (the issue's aim: >= 0.9), the worker's busy fra
 in engine steps / the timed window), units that overlapped, and the engine load time. Nothing
 is asserted about speed; on a shared 2-core machine read the ratios.
 
-Limitations: the tiny model's responses are short (the digit tasks stop at a few tokens), so
-this is the short-response regime, where per-unit overhead and the unit tail weigh most; a
-long-tail workload (responses of widely varying length) needs a model that stops on its own
-and is not measured here. No weight swap happens inside the timed window (one version): the
-per-version drain is what `moerl bench modes` sees.
+Two workloads (`--workload`):
+- digits: the config's task as it is (the embedded default: 6-token responses), the
+  short-response regime, where per-unit overhead and the unit tail weigh most.
+- long-tail: responses whose lengths vary widely. The tiny model is built with 512 positions
+  and `rollout.max_new_tokens` 384, and, at its random initial weights, ends a response on its
+  end-of-sequence token with a small probability per token, so lengths are roughly geometric:
+  most responses are short, a few run to hundreds of tokens (the bare arm reports the
+  percentiles). The unit's longest response is what a between-units swap waits for.
+
+Weight updates (`--swap-every S`, `--updates`): while the worker arm runs, a publisher thread
+publishes a new version every S seconds (version 0's weights again, under a new number: the
+swap does the same work), as a trainer would. `--updates between_units,in_flight` runs every
+units-in-flight count once per `rollout.weight_update` (arms `worker-K` and
+`worker-K-inflight`); `rollout.inflight_kv` comes from the config (`--set`). Without swaps the
+window holds one version.
+
+Limitations: speed on a shared 2-core machine; read the ratios. The long-tail lengths come
+from an untrained model's end-of-sequence rate, not from a task; the versions the publisher
+thread writes hold identical weights, so the tokens do not change at a swap, only the work.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -41,6 +56,11 @@ from moerl.config import RunConfig, load_config
 from moerl.errors import ConfigError
 
 RUN_ID = "bench-rollout"
+SWAP_ENV = "MOERL_BENCH_SWAP_EVERY"  # the worker arm's --swap-every, to its child process
+WORKLOADS = ("digits", "long-tail")
+UPDATES = ("between_units", "in_flight")
+# the long-tail workload: room for long responses, ended by the random model's EOS rate
+LONG_TAIL = ("model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=384")
 
 
 def _prompts(cfg: RunConfig, n_units: int) -> list[list]:
@@ -80,12 +100,33 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         wall = time.perf_counter() - t0
     finally:
         engine.close()
-    tokens = sum(len(c.token_ids) for g in groups for c in g)
-    return {"tokens": tokens, "groups": len(groups), "wall_s": wall, "load_s": engine.load_s, "busy_fraction": 1.0}
+    lengths = sorted(len(c.token_ids) for g in groups for c in g)
+    pick = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
+    return {"tokens": sum(lengths), "groups": len(groups), "wall_s": wall, "load_s": engine.load_s,
+            "busy_fraction": 1.0, "length_p50": pick(0.5), "length_p90": pick(0.9), "length_p99": pick(0.99),
+            "length_max": lengths[-1]}
 
 
-def _worker(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
-    """The real rollout worker on an embedded Valkey; units issued once its engine is loaded."""
+def _publisher(cfg: RunConfig, bus, work: Path, every_s: float, stop: threading.Event, failed: list) -> None:
+    """A new version every `every_s` seconds (version 0's weights under the next number), as a
+    trainer publishes them: durable, then registered."""
+    from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
+
+    try:
+        state = work / "publisher-state"
+        prepare_initial(cfg, state, run_id=RUN_ID)
+        v = 0
+        while not stop.wait(every_s):
+            v += 1
+            policy, _ = run_publish(cfg, RUN_ID, state, v)
+            bus.register(v, policy.uri, policy.manifest_sha256)
+    except BaseException as err:  # noqa: BLE001 - reported by the arm
+        failed.append(err)
+
+
+def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -> dict[str, Any]:
+    """The real rollout worker on an embedded Valkey; units issued once its engine is loaded;
+    `swap_every` > 0: a new version published every that many seconds while it runs."""
     from moerl.bus import RunBus, connect
     from moerl.components.rollout.worker import RolloutWorker
     from moerl.orchestrate.async_run import publish_initial, start_valkey
@@ -106,6 +147,7 @@ def _worker(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         target = sum(len(u) for u in units)
         timed: dict[str, float] = {}
         failed: list[BaseException] = []
+        stop = threading.Event()
 
         def feed() -> None:
             try:
@@ -115,13 +157,17 @@ def _worker(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
                 timed["t0"] = time.perf_counter()
                 for u in units:
                     bus.issue_unit([p.model_dump() for p in u])
-                while bus.counters()["groups_generated"] < target:
+                if swap_every > 0:
+                    threading.Thread(target=_publisher, args=(cfg, bus, work, swap_every, stop, failed),
+                                     name="bench-publish", daemon=True).start()
+                while bus.counters()["groups_generated"] < target and not failed:
                     time.sleep(0.02)
                 timed["t1"] = time.perf_counter()
                 timed["busy"] = worker.busy_s - busy0
             except BaseException as err:  # noqa: BLE001 - reported by the arm
                 failed.append(err)
             finally:
+                stop.set()
                 bus.set_done()
 
         feeder = threading.Thread(target=feed, name="bench-feed", daemon=True)
@@ -140,7 +186,9 @@ def _worker(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         wall = timed["t1"] - timed["t0"]
         return {"tokens": c["tokens_generated"], "groups": c["groups_generated"], "wall_s": wall, "load_s": load_s,
                 "busy_fraction": timed["busy"] / wall, "units_overlapped": c["units_overlapped"],
-                "units_in_flight": cfg.rollout.units_in_flight}
+                "units_in_flight": cfg.rollout.units_in_flight, "weight_update": cfg.rollout.weight_update,
+                "swaps": c.get("swaps", 0), "swaps_in_flight": c.get("swaps_in_flight", 0),
+                "samples_mixed_version": c.get("samples_mixed_version", 0)}
     finally:
         if server is not None:
             server.stop()
@@ -157,22 +205,38 @@ def parse_in_flight(text: str) -> tuple[int, ...]:
     return ks
 
 
+def parse_updates(text: str) -> tuple[str, ...]:
+    ups = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not ups or set(ups) - set(UPDATES) or len(set(ups)) != len(ups):
+        raise ConfigError(f"bench rollout: --updates must list distinct rollout.weight_update values of "
+                          f"{', '.join(UPDATES)}, comma-separated; got {text!r}")
+    return ups
+
+
 def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int = 4, in_flight: str = "1,2",
-                      out: str | Path = "bench/rollout.json", echo=print) -> dict[str, Any]:
+                      out: str | Path = "bench/rollout.json", echo=print, workload: str = "digits",
+                      updates: str = "between_units", swap_every: float = 0.0) -> dict[str, Any]:
     if not 1 <= units <= 1024:
         raise ConfigError(f"bench rollout: --units must be in 1..1024, got {units}")
-    ks = parse_in_flight(in_flight)
-    cfg = load_config(config, list(overrides), mode="async")
+    if workload not in WORKLOADS:
+        raise ConfigError(f"bench rollout: --workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if not 0 <= swap_every <= 3600:
+        raise ConfigError(f"bench rollout: --swap-every must be 0 (no swaps) or seconds up to 3600, got {swap_every}")
+    ks, ups = parse_in_flight(in_flight), parse_updates(updates)
+    base = list(LONG_TAIL) if workload == "long-tail" else []
+    cfg = load_config(config, base + list(overrides), mode="async")
     arms: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="moerl-bench-rollout-") as tmp:
         plan = [("bare", "bare", cfg)] + [
-            (f"worker-{k}", "worker", cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-                update={"units_in_flight": k})})) for k in ks]
+            (f"worker-{k}" + ("-inflight" if u == "in_flight" else ""), "worker",
+             cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"units_in_flight": k, "weight_update": u})}))
+            for k in ks for u in ups]
         for name, command, arm_cfg in plan:
             work = Path(tmp) / name
             work.mkdir()
             echo(f"[bench rollout] {name} ...")
-            code, result, log = run_child("moerl.bench.rollout", command, arm_cfg, units, work, name)
+            code, result, log = run_child("moerl.bench.rollout", command, arm_cfg, units, work, name,
+                                          env_extra={SWAP_ENV: repr(float(swap_every))})
             if code != 0 or not result.exists():
                 arms[name] = {"ok": False, "error": log_tail(log)}
                 continue
@@ -183,9 +247,11 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
     for name, r in arms.items():
         if name != "bare" and r.get("ok") and bare:
             r["ratio_to_bare"] = r["tokens_per_s"] / bare
-    workload = {"units": units, "prompts_per_unit": cfg.units.max_prompts, "samples_per_prompt":
-                cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
-                "max_num_seqs": cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset}
+    workload = {"workload": workload, "units": units, "prompts_per_unit": cfg.units.max_prompts,
+                "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
+                "max_num_seqs": cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset, "swap_every_s": swap_every,
+                "inflight_kv": cfg.rollout.inflight_kv,
+                **{k: arms.get("bare", {}).get(k) for k in ("length_p50", "length_p90", "length_p99", "length_max")}}
     report = envelope("rollout", all(r.get("ok") for r in arms.values()), workload=workload, arms=arms)
     write_report(Path(out), report)
     echo(format_report(report))
@@ -194,17 +260,22 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
 
 def format_report(report: dict[str, Any]) -> str:
     rows = [(name, r.get("ok"), r.get("tokens"), r.get("wall_s"), r.get("tokens_per_s"), r.get("ratio_to_bare"),
-             r.get("busy_fraction"), r.get("units_overlapped"), r.get("load_s")) for name, r in report["arms"].items()]
+             r.get("busy_fraction"), r.get("units_overlapped"), r.get("swaps"), r.get("swaps_in_flight"),
+             r.get("load_s")) for name, r in report["arms"].items()]
     w = report["workload"]
-    head = (f"rollout: {w['units']} units x {w['prompts_per_unit']} prompts x G={w['samples_per_prompt']}, "
-            f"max_new_tokens {w['max_new_tokens']}, max_num_seqs {w['max_num_seqs']}")
+    head = (f"rollout ({w.get('workload', 'digits')}): {w['units']} units x {w['prompts_per_unit']} prompts x "
+            f"G={w['samples_per_prompt']}, max_new_tokens {w['max_new_tokens']}, max_num_seqs {w['max_num_seqs']}, "
+            f"response length p50/p90/max {w.get('length_p50')}/{w.get('length_p90')}/{w.get('length_max')}"
+            + (f", a version every {w['swap_every_s']:g} s (in-flight KV {w.get('inflight_kv')})"
+               if w.get("swap_every_s") else ""))
     return head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "busy", "overlapped",
-                                       "load s"], rows)
+                                       "swaps", "in flight", "load s"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    fn = _bare if argv and argv[0] == "bare" else _worker
+    swap_every = float(os.environ.get(SWAP_ENV, "0"))
+    fn = _bare if argv and argv[0] == "bare" else (lambda cfg, n, work: _worker(cfg, n, work, swap_every))
     return child_main(argv, "moerl.bench.rollout", argv[0] if argv else "worker", "bench rollout arm", fn)
 
 
