@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.rollout import parse_in_flight, run_bench_rollout
+from moerl.bench.rollout import parse_in_flight, parse_updates, run_bench_rollout
 from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,21 +22,46 @@ def test_in_flight_arms_are_checked():
             parse_in_flight(bad)
 
 
+def test_workload_and_update_arms_are_checked(tmp_path):
+    assert parse_updates("between_units, in_flight") == ("between_units", "in_flight")
+    for bad in ("", "inflight", "in_flight,in_flight"):
+        with pytest.raises(ConfigError, match="--updates must list distinct rollout.weight_update values"):
+            parse_updates(bad)
+    with pytest.raises(ConfigError, match="--workload must be one of digits, long-tail"):
+        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], workload="long", out=tmp_path / "r.json")
+    with pytest.raises(ConfigError, match="--swap-every"):
+        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], swap_every=-1, out=tmp_path / "r.json")
+
+
 @pytest.mark.slow
-def test_the_worker_and_the_bare_engine_generate_the_same_workload(tmp_path):
+def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(tmp_path):
+    """The long-tail workload with a version every 0.2 s: the between-units worker drains for
+    each version it takes, the in-flight one never does and its responses cross versions."""
     out = tmp_path / "rollout.json"
-    rep = run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml",
-                            ["units.max_prompts=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8"],
-                            units=3, in_flight="2", out=out, echo=lambda s: None)
+    rep = run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", ["units.max_prompts=4", "rollout.samples_per_prompt=4"],
+                            units=3, in_flight="2", out=out, echo=lambda s: None, workload="long-tail",
+                            updates="between_units,in_flight", swap_every=0.2)
     assert rep["ok"], rep["arms"]
     assert json.loads(out.read_text())["bench"] == "rollout"
-    bare, worker = rep["arms"]["bare"], rep["arms"]["worker-2"]
-    # every prompt of the 3 units, G samples each, in both arms (a group's tokens: 4 x at most 8)
-    assert bare["groups"] == worker["groups"] == 12
-    for arm in (bare, worker):
-        assert 12 * 4 <= arm["tokens"] <= 12 * 4 * 8
+    w = rep["workload"]
+    assert w["workload"] == "long-tail" and w["max_new_tokens"] == 384
+    assert 1 <= w["length_p50"] <= w["length_p90"] <= w["length_max"] <= 384
+    bare, between, inflight = (rep["arms"][k] for k in ("bare", "worker-2", "worker-2-inflight"))
+    # every prompt of the 3 units, G samples each, in every arm (a group's tokens: 4 x at most 384)
+    assert bare["groups"] == between["groups"] == inflight["groups"] == 12
+    for arm in (bare, between, inflight):
+        assert 12 * 4 <= arm["tokens"] <= 12 * 4 * 384
         assert arm["tokens_per_s"] == pytest.approx(arm["tokens"] / arm["wall_s"])
-    assert worker["ratio_to_bare"] == pytest.approx(worker["tokens_per_s"] / bare["tokens_per_s"])
-    assert 0 < worker["busy_fraction"] <= 1.0 + 1e-6
-    # 3 units issued at once, 2 allowed in flight: the second was leased while the first generated
-    assert worker["units_overlapped"] >= 1 and worker["units_in_flight"] == 2
+    for arm in (between, inflight):
+        assert arm["ratio_to_bare"] == pytest.approx(arm["tokens_per_s"] / bare["tokens_per_s"])
+        assert 0 < arm["busy_fraction"] <= 1.0 + 1e-6
+        assert arm["units_overlapped"] >= 1 and arm["units_in_flight"] == 2  # 3 units issued, 2 in flight
+        assert arm["swaps"] >= 1
+    assert between["weight_update"] == "between_units" and inflight["weight_update"] == "in_flight"
+    # between units: every swap waited for the units' tails, and no response crossed versions
+    assert between["swaps_in_flight"] == 0 and between["samples_mixed_version"] == 0
+    assert between["drain_steps"] >= 1 and between["drain_s"] > 0
+    assert 0 < between["drain_mean_batch"] <= 2 * 256
+    # in flight: swapped with sequences running, never drained, and some responses hold two versions
+    assert inflight["swaps_in_flight"] >= 1 and inflight["samples_mixed_version"] >= 1
+    assert inflight["drain_steps"] == 0 and inflight["drain_s"] == 0

@@ -361,6 +361,11 @@ class RolloutEngine:
         """Requests submitted and not yet returned by `step` or aborted."""
         return len(self._inflight)
 
+    def unfinished_sequences(self) -> int:
+        """Samples still generating or waiting (a request of n samples counts each unfinished
+        one; the ones that ended wait in their request for the others)."""
+        return len(self.llm.llm_engine.output_processor.request_states)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt's KV (after a weight change). Needs no request in flight."""
         self._require_idle("reset_prefix_cache")

@@ -137,6 +137,9 @@ class RolloutWorker:
         self._env_pool = None  # the sandboxed pool environments run in (multi-turn tasks)
         self._tail = [0, 0.0, 0.0]  # multi-turn units; sums of their last and median episode ends (s)
         self._first_sample_s: float | None = None  # start -> the first group generated (fast start)
+        # between-units drains for a newer version: seconds, engine steps, and the sum over those
+        # steps of the sequences the engine held (their mean batch)
+        self._drains = [0.0, 0, 0]
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
@@ -249,14 +252,21 @@ class RolloutWorker:
         (on the version they started with), swaps, and resumes. Returns the exit code."""
         units: dict[str, _InFlight] = {}  # entry id -> unit
         rid_unit: dict[str, str] = {}  # request id -> entry id
-        G, cap, room = self.cfg.rollout.samples_per_prompt, self.cfg.rollout.units_in_flight, self.cfg.rollout.max_num_seqs
+        cap, room = self.cfg.rollout.units_in_flight, self.cfg.rollout.max_num_seqs
         in_flight = self.cfg.rollout.weight_update == "in_flight"
         newer, newer_at, lease_at = False, 0.0, 0.0
+        drain_t0, drain_steps, drain_seqs = None, 0, 0  # a between-units drain for a newer version
         while True:
             if not units:  # the engine is idle: the run may end, a drain ends here, the version moves
                 code = self._exit_code(watch)
                 if code is not None:
                     return code
+                if drain_t0 is not None:  # what waiting for the units' tails cost (docs/rollout.md)
+                    self._drains = [self._drains[0] + time.perf_counter() - drain_t0, self._drains[1] + drain_steps,
+                                    self._drains[2] + drain_seqs]
+                    self.bus.heartbeat(self.name, ttl_s=10.0, version_drain_s=self._drains[0],
+                                       version_drain_steps=self._drains[1], version_drain_seqs=self._drains[2])
+                    drain_t0, drain_steps, drain_seqs = None, 0, 0
                 self._serve_latest()
                 newer = False
                 if self.engine is None:  # nothing registered yet
@@ -272,9 +282,11 @@ class RolloutWorker:
                 if newer and in_flight:
                     self._serve_latest(in_flight=True)
                     newer = False
+                elif newer and drain_t0 is None:
+                    drain_t0 = time.perf_counter()
             # room: a full running batch plus a full batch waiting, so the engine's scheduler has the
             # next unit's prefill queued when this one's sequences end (they often end together)
-            if (not self.drain.asked and not newer and len(units) < cap and self.engine.unfinished() * G < 2 * room
+            if (not self.drain.asked and not newer and len(units) < cap and self.engine.unfinished_sequences() < 2 * room
                     and (not units or now - lease_at > 0.1)):  # beside generation: a read at most every 0.1 s
                 lease_at = now
                 lease = self.bus.lease_unit(self.name, block_ms=0 if units else 200)
@@ -291,6 +303,9 @@ class RolloutWorker:
                         self._finish_unit(units, rid_unit, u, [])
             if not units:
                 continue
+            if drain_t0 is not None:
+                drain_steps += 1
+                drain_seqs += self.engine.unfinished_sequences()
             t0 = time.perf_counter()
             try:
                 for rid, comps in self.engine.step():

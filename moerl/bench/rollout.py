@@ -28,9 +28,11 @@ Two workloads (`--workload`):
   most responses are short, a few run to hundreds of tokens (the bare arm reports the
   percentiles). The unit's longest response is what a between-units swap waits for.
 
-Weight updates (`--swap-every S`, `--updates`): while the worker arm runs, a publisher thread
-publishes a new version every S seconds (version 0's weights again, under a new number: the
-swap does the same work), as a trainer would. `--updates between_units,in_flight` runs every
+Weight updates (`--swap-every S`, `--updates`): before the worker arm's window, 40 versions
+are published (version 0's weights again, each under a new number: a swap does the same
+work); during it, one is registered every S seconds, as a trainer's commit does (publishing
+inside the window would compete with the engine for the GIL and the cores, which a trainer
+on its own nodes does not). `--updates between_units,in_flight` runs every
 units-in-flight count once per `rollout.weight_update` (arms `worker-K` and
 `worker-K-inflight`); `rollout.inflight_kv` comes from the config (`--set`). Without swaps the
 window holds one version.
@@ -57,6 +59,7 @@ from moerl.errors import ConfigError
 
 RUN_ID = "bench-rollout"
 SWAP_ENV = "MOERL_BENCH_SWAP_EVERY"  # the worker arm's --swap-every, to its child process
+SWAP_VERSIONS = 40  # versions published before a swapping arm's window (its swaps stop after these)
 WORKLOADS = ("digits", "long-tail")
 UPDATES = ("between_units", "in_flight")
 # the long-tail workload: room for long responses, ended by the random model's EOS rate
@@ -107,21 +110,29 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
             "length_max": lengths[-1]}
 
 
-def _publisher(cfg: RunConfig, bus, work: Path, every_s: float, stop: threading.Event, failed: list) -> None:
-    """A new version every `every_s` seconds (version 0's weights under the next number), as a
-    trainer publishes them: durable, then registered."""
+def _prepublish(cfg: RunConfig, work: Path, count: int) -> list[tuple[int, str, str]]:
+    """Versions 1..count (version 0's weights under each number), published durably before the
+    timed window, as (version, uri, manifest sha256): the window then only registers them, as a
+    trainer's commit does, and no publishing work competes with the engine in this process."""
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
 
-    try:
-        state = work / "publisher-state"
-        prepare_initial(cfg, state, run_id=RUN_ID)
-        v = 0
-        while not stop.wait(every_s):
-            v += 1
-            policy, _ = run_publish(cfg, RUN_ID, state, v)
-            bus.register(v, policy.uri, policy.manifest_sha256)
-    except BaseException as err:  # noqa: BLE001 - reported by the arm
-        failed.append(err)
+    state = work / "publisher-state"
+    prepare_initial(cfg, state, run_id=RUN_ID)
+    # every version stays until the window registers it (retention would prune the early ones)
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"keep_last": count + 1})})
+    out = []
+    for v in range(1, count + 1):
+        policy, _ = run_publish(cfg, RUN_ID, state, v)
+        out.append((v, policy.uri, policy.manifest_sha256))
+    return out
+
+
+def _releaser(bus, versions: list[tuple[int, str, str]], every_s: float, stop: threading.Event) -> None:
+    """Register the next version every `every_s` seconds until stopped or out of versions."""
+    for v, uri, sha in versions:
+        if stop.wait(every_s):
+            return
+        bus.register(v, uri, sha)
 
 
 def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -> dict[str, Any]:
@@ -142,6 +153,7 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
         store = run_store(cfg.checkpoint, RUN_ID)
         bus.register(0, version_uri(store, 0), store.manifest(0).sha256())
         bus.trainer_beacon(ttl_s=3600)  # no trainer here: the worker must not abandon the run
+        versions = _prepublish(cfg, work, SWAP_VERSIONS) if swap_every > 0 else []
         worker = RolloutWorker(cfg, RUN_ID, "rollout-0", bus)
         units = _prompts(cfg, n_units)
         target = sum(len(u) for u in units)
@@ -158,8 +170,8 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 for u in units:
                     bus.issue_unit([p.model_dump() for p in u])
                 if swap_every > 0:
-                    threading.Thread(target=_publisher, args=(cfg, bus, work, swap_every, stop, failed),
-                                     name="bench-publish", daemon=True).start()
+                    threading.Thread(target=_releaser, args=(bus, versions, swap_every, stop),
+                                     name="bench-release", daemon=True).start()
                 while bus.counters()["groups_generated"] < target and not failed:
                     time.sleep(0.02)
                 timed["t1"] = time.perf_counter()
@@ -188,10 +200,21 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 "busy_fraction": timed["busy"] / wall, "units_overlapped": c["units_overlapped"],
                 "units_in_flight": cfg.rollout.units_in_flight, "weight_update": cfg.rollout.weight_update,
                 "swaps": c.get("swaps", 0), "swaps_in_flight": c.get("swaps_in_flight", 0),
-                "samples_mixed_version": c.get("samples_mixed_version", 0)}
+                "samples_mixed_version": c.get("samples_mixed_version", 0),
+                **_drain_stats(bus.stats().get("rollout-0", {}), cfg.rollout.max_num_seqs)}
     finally:
         if server is not None:
             server.stop()
+
+
+def _drain_stats(st: dict[str, float], max_num_seqs: int) -> dict[str, Any]:
+    """The worker's between-units drains: seconds, engine steps, their mean batch, and the share of
+    those steps' batch slots left empty (on a GPU, where a decode step costs about the same at
+    any batch up to max_num_seqs, the share of the drain's engine time that was wasted)."""
+    steps = st.get("version_drain_steps", 0.0)
+    mean = st.get("version_drain_seqs", 0.0) / steps if steps else None
+    return {"last_swap_s": st.get("last_swap_s"), "drain_s": st.get("version_drain_s", 0.0), "drain_steps": int(steps),
+            "drain_mean_batch": mean, "drain_empty_slots": None if mean is None else 1 - min(mean / max_num_seqs, 1.0)}
 
 
 def parse_in_flight(text: str) -> tuple[int, ...]:
@@ -261,7 +284,8 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
 def format_report(report: dict[str, Any]) -> str:
     rows = [(name, r.get("ok"), r.get("tokens"), r.get("wall_s"), r.get("tokens_per_s"), r.get("ratio_to_bare"),
              r.get("busy_fraction"), r.get("units_overlapped"), r.get("swaps"), r.get("swaps_in_flight"),
-             r.get("load_s")) for name, r in report["arms"].items()]
+             r.get("drain_s"), r.get("drain_steps"), r.get("drain_mean_batch"), r.get("load_s"))
+            for name, r in report["arms"].items()]
     w = report["workload"]
     head = (f"rollout ({w.get('workload', 'digits')}): {w['units']} units x {w['prompts_per_unit']} prompts x "
             f"G={w['samples_per_prompt']}, max_new_tokens {w['max_new_tokens']}, max_num_seqs {w['max_num_seqs']}, "
@@ -269,7 +293,8 @@ def format_report(report: dict[str, Any]) -> str:
             + (f", a version every {w['swap_every_s']:g} s (in-flight KV {w.get('inflight_kv')})"
                if w.get("swap_every_s") else ""))
     return head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "busy", "overlapped",
-                                       "swaps", "in flight", "load s"], rows)
+                                       "swaps", "in flight", "drain s", "drain steps", "drain batch", "load s"],
+                                      rows)
 
 
 def main(argv: list[str] | None = None) -> int:
