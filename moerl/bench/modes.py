@@ -201,18 +201,19 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     loads = 1
     t["engine_load"] = engine.load_s
     # 2. the versions
-    rewards, staleness = [], []
+    rewards, staleness, version_s = [], [], []
     try:
         for i in range(iterations):
             state, reward, stale = _floor_version(i, cfg, ds, tokenizer, engine, trainer, state, work, t)
             rewards.append(reward)
             staleness.append(stale)
+            version_s.append(time.perf_counter() - t0)
             print(f"[moerl] floor version {i + 1}/{iterations} reward/mean={reward:.3f} | "
                   + " ".join(f"{k}={v:.1f}s" for k, v in t.items()), flush=True)
     finally:
         engine.close()
     return {"stage_s": dict(t), "rewards": rewards, "staleness": staleness, "engine_loads": loads,
-            "swaps": iterations, "inner_s": time.perf_counter() - t0}
+            "swaps": iterations, "inner_s": time.perf_counter() - t0, "version_s": version_s}
 
 
 def _floor_arm(cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]:
@@ -233,10 +234,19 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def time_to_reward(rewards: Sequence[float], reward_s: Sequence[float] | None, target: float) -> float | None:
+    """Seconds from the arm's start to the first version whose reward/mean reached `target`."""
+    if not reward_s:
+        return None
+    return next((s for r, s in zip(rewards, reward_s) if r >= target), None)
+
+
 def arm_result(wall_s: float, rewards: Sequence[float], engine_loads: int | None, staleness_mean: float | None,
-               busy: dict[str, float], **detail: Any) -> dict[str, Any]:
-    """One arm's row of the report."""
-    return {"ok": True, "wall_s": wall_s, "reward_first": rewards[0] if rewards else None,
+               busy: dict[str, float], reward_s: Sequence[float] | None = None, **detail: Any) -> dict[str, Any]:
+    """One arm's row of the report. `reward_s`: when each reward value was known, in seconds
+    from the arm's start."""
+    return {"ok": True, "wall_s": wall_s, "reward_s": list(reward_s) if reward_s else None,
+            "reward_first": rewards[0] if rewards else None,
             "reward_last3": _mean(rewards[-3:]), "rewards": list(rewards), "engine_loads": engine_loads,
             "staleness_mean": staleness_mean, "busy": busy, "idle": {k: 1.0 - v for k, v in busy.items()},
             **detail}
@@ -244,6 +254,11 @@ def arm_result(wall_s: float, rewards: Sequence[float], engine_loads: int | None
 
 def _history(uri: str, run_id: str, key: str) -> list[float]:
     return [v for _, v in tracking.metric_history(uri, run_id, key)]
+
+
+def _reward_s(uri: str, run_id: str, t0_unix: float) -> list[float]:
+    """When each version's reward/mean was logged, in seconds from the arm's start."""
+    return [t - t0_unix for t in tracking.metric_times(uri, run_id, "reward/mean")]
 
 
 def _own_experiment(cfg: RunConfig, arm_dir: Path) -> str:
@@ -261,7 +276,7 @@ def _sync_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     from moerl.orchestrate.sync_run import run_local
 
     uri = _own_experiment(cfg, arm_dir)
-    t0 = time.perf_counter()
+    t0, t0_unix = time.perf_counter(), time.time()
     summary = run_local(cfg)
     wall = time.perf_counter() - t0
     if not summary.ok:
@@ -275,7 +290,7 @@ def _sync_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     return arm_result(wall, _history(uri, summary.run_id, "reward/mean"),
                       engine_loads=len(_history(uri, summary.run_id, "rollout/engine_load_s")),
                       staleness_mean=0.0 if stale_max and max(stale_max) == 0 else None, busy=busy,
-                      run_id=summary.run_id)
+                      reward_s=_reward_s(uri, summary.run_id, t0_unix), run_id=summary.run_id)
 
 
 def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
@@ -284,7 +299,7 @@ def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     from moerl.orchestrate.async_run import run_async
 
     uri = _own_experiment(cfg, arm_dir)
-    t0 = time.perf_counter()
+    t0, t0_unix = time.perf_counter(), time.time()
     summary = run_async(cfg)
     wall = time.perf_counter() - t0
     if not summary.ok:
@@ -299,7 +314,7 @@ def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     return arm_result(wall, _history(uri, summary.run_id, "reward/mean"),
                       engine_loads=int(last["async/engine_loads"]),
                       staleness_mean=_mean(_history(uri, summary.run_id, "buffer/staleness_mean")), busy=busy,
-                      run_id=summary.run_id, counters=counters)
+                      reward_s=_reward_s(uri, summary.run_id, t0_unix), run_id=summary.run_id, counters=counters)
 
 
 def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]:
@@ -309,8 +324,10 @@ def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[s
         wall = time.perf_counter() - t0
         busy = {k: v / wall for k, v in res["stage_s"].items()}
         stale = [s for s in res["staleness"] if s is not None]  # None: nothing trained in that version
+        start = wall - res["inner_s"]  # the child's start-up (imports) before its clock began
         return arm_result(wall, res["rewards"], res["engine_loads"], _mean(stale), busy,
-                          swaps=res["swaps"], inner_s=res["inner_s"])
+                          reward_s=[start + s for s in res.get("version_s", [])], swaps=res["swaps"],
+                          inner_s=res["inner_s"])
     return _sync_arm(cfg, arm_dir) if arm == "sync" else _async_arm(cfg, arm_dir)
 
 
@@ -328,13 +345,15 @@ def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 
 def format_report(report: dict[str, Any]) -> str:
     arms, floor = report["arms"], report["arms"].get("floor", {})
+    target = report.get("reward_target", 0.8)
     rows = []
     for name, r in arms.items():
         x_floor = r["wall_s"] / floor["wall_s"] if r.get("ok") and floor.get("ok") else None
-        rows.append([name, r["ok"], r.get("wall_s"), x_floor, r.get("reward_first"), r.get("reward_last3"),
-                     r.get("engine_loads"), r.get("staleness_mean")])
-    lines = [format_table(["arm", "ok", "wall s", "x floor", "reward first", "reward last3", "engine loads",
-                           "staleness"], rows), ""]
+        t, tf = r.get("time_to_reward"), floor.get("time_to_reward")
+        rows.append([name, r["ok"], r.get("wall_s"), x_floor, r.get("reward_first"), r.get("reward_last3"), t,
+                     t / tf if t is not None and tf else None, r.get("engine_loads"), r.get("staleness_mean")])
+    lines = [format_table(["arm", "ok", "wall s", "x floor", "reward first", "reward last3", f"s to {target:g}",
+                           "x floor", "engine loads", "staleness"], rows), ""]
     for name, r in arms.items():
         if r.get("ok"):
             lines.append(f"{name} busy (idle = 1 - busy): "
@@ -350,7 +369,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iterations: int = 10,
                     out: str | Path = "bench/modes.json", arms: Sequence[str] = ARMS,
-                    work_dir: str | Path | None = None) -> dict[str, Any]:
+                    work_dir: str | Path | None = None, reward_target: float = 0.8) -> dict[str, Any]:
     """Run `arms` on the same workload, one after another; write the report to `out` and
     print its table. Returns the report; `report["ok"]` is False when any arm failed (the
     others still run). `work_dir` keeps every arm's directory there; default: a temporary
@@ -358,6 +377,8 @@ def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iteration
     arms = parse_arms(arms)
     if iterations < 1:
         raise ConfigError(f"bench modes: --iterations must be >= 1, got {iterations}")
+    if not 0.0 < reward_target <= 1.0:
+        raise ConfigError(f"bench modes: --reward-target must be in (0, 1], got {reward_target}")
     with tempfile.TemporaryDirectory(prefix="moerl-bench-modes-") as tmp:
         root = Path(work_dir) if work_dir is not None else Path(tmp)
         # 1. every arm's config, each in its own fresh directory; the same workload or an error
@@ -379,11 +400,15 @@ def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iteration
                     if not isinstance(err, MoerlError):  # a bug: keep its traceback
                         traceback.print_exc()
                     results[arm] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+                if results[arm]["ok"]:
+                    results[arm]["time_to_reward"] = time_to_reward(results[arm]["rewards"], results[arm]["reward_s"],
+                                                                    reward_target)
                 bar.advance(1, f"{arm} {'done' if results[arm]['ok'] else 'FAILED'}")
     # 3. the report
     first = cfgs[arms[0]]
     report = {"bench": "modes", "schema": 1, "config": str(config), "overrides": list(overrides), "arms_run": list(arms),
               "workload": workload(first, iterations), "arms": results, "ratios": ratios(results),
+              "reward_target": reward_target,
               "ok": all(r["ok"] for r in results.values()),
               "configs": {a: {k: tracking.redact(v) for k, v in flatten(cfgs[a]).items()} for a in arms},
               "versions": provenance.collect()}
