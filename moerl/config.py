@@ -179,7 +179,7 @@ class RolloutConfig(_Section):
     # and a unit's tail overlaps the next unit instead of leaving the engine half empty
     # (components/rollout/worker.py). 1: one unit at a time, drained before the next.
     units_in_flight: int = Field(2, ge=1, le=64)
-    # Async mode: how a worker moves to a newer policy version (docs/rollout.md, "Weight updates").
+    # Async mode: how a worker moves to a newer policy version (docs/async.md, "Weight updates").
     # between_units: stop leasing, let the units in flight finish on the version they started
     #   with, swap, resume. Every token of a group comes from one version; the engine drains once
     #   per version, so the longest response's tail idles it (long-tail responses pay most).
@@ -198,6 +198,13 @@ class RolloutConfig(_Section):
     #   requests submitted after the swap never reuse KV cached before it (a per-version cache
     #   salt).
     inflight_kv: Literal["recompute", "keep"] = "recompute"
+    # Async mode: start the engine before any version is servable, on dummy weights built from
+    # the model's config and tokenizer (no weights read), then hot-swap version 0 in when the
+    # trainer registers it: the engine's start (imports, memory profiling and KV allocation,
+    # warm-up; on GPU, graph capture) overlaps the trainer's start. A model whose files this
+    # worker cannot read falls back to waiting for version 0, with a warning and the counter
+    # engine_early_start_failed. false: wait for version 0 and load it.
+    early_engine: bool = True
     # On SIGTERM (a Spot interruption drained by Karpenter/NTH) a worker finishes its active
     # requests for at most this long, publishes them and requeues the rest. The notice is
     # 120 s and the pod's terminationGracePeriodSeconds must cover it: keep it under 90 s.

@@ -115,3 +115,42 @@ def test_layout_that_cannot_be_reloaded_in_place_is_refused_before_touching_weig
         assert probe(engine) == before  # still serving A, untouched
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_an_engine_started_on_dummy_weights_then_given_a_version_equals_a_fresh_load(versions, fresh_b, tmp_path):
+    """rollout.early_engine: the engine starts from the model's skeleton (config and tokenizer,
+    no weights read) before any version exists; the version hot-swapped in then serves exactly
+    as a fresh load of it does."""
+    from moerl.components.publish_checkpoint.stage import model_skeleton
+    from moerl.components.rollout.engine import RolloutEngine
+
+    a, b = versions
+    if json.loads((b / "config.json").read_text())["model_type"] != "qwen3_moe":
+        pytest.skip("one architecture is enough: the swap itself is covered for all four above")
+    ref_sums, (ref_tokens, ref_gen, ref_prompt) = fresh_b
+    cfg = parse_config({"model": {"path": str(b)}})
+    skel = model_skeleton(cfg, tmp_path / "skeleton")
+    assert (skel / "config.json").is_file() and (skel / "tokenizer.json").is_file()
+    assert not list(skel.glob("*.safetensors"))  # no weights: the engine must not need them
+    engine = RolloutEngine(skel, cfg.rollout, dummy=True)
+    try:
+        (dummy_sums,) = engine.llm.collective_rpc(checksums)
+        engine.swap_weights(b, version=0)
+        (sums,) = engine.llm.collective_rpc(checksums)
+        tokens, gen, prompt = probe(engine)
+    finally:
+        engine.close()
+    assert dummy_sums != ref_sums and engine.version == 0
+    assert sums == ref_sums and tokens == ref_tokens
+    assert max(abs(x - y) for x, y in zip(gen, ref_gen)) <= TOL
+    assert max(abs(x - y) for x, y in zip(prompt, ref_prompt)) <= TOL
+
+
+def test_a_skeleton_of_an_unreadable_model_path_is_a_checkpoint_error(tmp_path):
+    from moerl.components.publish_checkpoint.stage import model_skeleton
+    from moerl.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="has no config.json readable here"):
+        model_skeleton(parse_config({"model": {"path": str(tmp_path / "absent")}}), tmp_path / "skeleton")
+    assert not (tmp_path / "skeleton").exists()

@@ -29,6 +29,7 @@ warm-start lookup imports mlflow (lazily, only with `previous`).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -141,6 +142,36 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
     else:
         build_tiny_model(cfg.model.tiny, model_dir)
     return model_dir
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
+    """The model's files without its weights (config, tokenizer, generation config): what an
+    engine started on dummy weights needs (`rollout.early_engine`). Every warm start keeps the
+    model's architecture, so the skeleton comes from `model.path` or the tiny model's config
+    whatever version 0 will be. Raises CheckpointError when `model.path` cannot be read here."""
+    dest = Path(dest)
+    if dest.joinpath("config.json").is_file():
+        return dest
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if cfg.model.path:
+        src = Path(cfg.model.path)
+        if not src.joinpath("config.json").is_file():
+            raise CheckpointError(f"model.path {src} has no config.json readable here")
+        tmp.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+                shutil.copy2(f, tmp / f.name)
+    else:
+        build_tiny_model(cfg.model.tiny, tmp)  # a few MB; the engine ignores its weights
+    if dest.exists():  # a neighbour on this node made it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+    return dest
 
 
 def _warm_start_from_registry(cfg: RunConfig, model_dir: Path, run_id: str | None) -> Path:

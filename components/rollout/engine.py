@@ -155,8 +155,10 @@ class RolloutEngine:
     """vLLM `LLM` over a local HF checkpoint directory."""
 
     def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int | None = None,
-                 log_stats: bool = False):
-        """`log_stats`: keep vLLM's per-request timestamps (for `generate_measured`)."""
+                 log_stats: bool = False, dummy: bool = False):
+        """`log_stats`: keep vLLM's per-request timestamps (for `generate_measured`). `dummy`:
+        random weights of the model's shape (vLLM's load_format dummy; `model_dir` needs only
+        its config and tokenizer): an engine to hot-swap the first real version into."""
         if cfg.engine_in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -175,6 +177,8 @@ class RolloutEngine:
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
+        if dummy:
+            kwargs["load_format"] = "dummy"
         if cfg.engine_in_process:
             kwargs["distributed_executor_backend"] = "uni"
         if cfg.device == "cpu":

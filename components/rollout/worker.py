@@ -24,7 +24,7 @@ forward: a registry that reads behind the served version (Valkey lost writes) is
 ignored. The time from the worker's start to its first generated group is logged and reported
 (`first_sample_s` in its stats).
 
-Between units or in flight (`rollout.weight_update`, docs/rollout.md): between units, every
+Between units or in flight (`rollout.weight_update`, docs/async.md): between units, every
 token of a group comes from one policy version and the engine's logprobs are exactly that
 version's; the cost is that a unit finishes on the version it started with, and that the
 engine drains once per version (not once per unit: units overlap between swaps), so its
@@ -140,6 +140,7 @@ class RolloutWorker:
         # between-units drains for a newer version: seconds, engine steps, and the sum over those
         # steps of the sequences the engine held (their mean batch)
         self._drains = [0.0, 0, 0]
+        self._early_tried = False  # rollout.early_engine: tried once
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
@@ -148,6 +149,8 @@ class RolloutWorker:
         `in_flight` (rollout.weight_update in_flight, sequences running): only a newer version,
         swapped between two engine steps; a failed fetch does not wait (generation goes on)."""
         reg = self.bus.servable()
+        if reg is None and self.engine is None and self.cfg.rollout.early_engine and not self._early_tried:
+            self._early_engine()
         if reg is None or (reg.version == self.version and reg.manifest_sha256 == self.sha):
             return
         if in_flight and (self.version is None or reg.version <= self.version):
@@ -181,6 +184,29 @@ class RolloutWorker:
         self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
 
+    def _early_engine(self) -> None:
+        """`rollout.early_engine`: an engine on dummy weights from the model's skeleton, started
+        while no version is servable; version 0 is hot-swapped in when registered."""
+        from transformers import AutoTokenizer
+
+        from moerl.components.publish_checkpoint.stage import model_skeleton
+        from moerl.components.rollout.engine import RolloutEngine
+
+        self._early_tried = True
+        try:
+            skel = model_skeleton(self.cfg, Path(self.cfg.checkpoint.cache_dir) / self.run_id / "skeleton")
+        except (OSError, CheckpointError) as err:
+            self.bus.incr(engine_early_start_failed=1)
+            log.warning("%s: rollout.early_engine: cannot lay out the model's config here (%s); waiting for "
+                        "version 0 and loading it instead", self.name, err)
+            return
+        self.tokenizer = AutoTokenizer.from_pretrained(skel)
+        self.engine = RolloutEngine(skel, self.cfg.rollout, dtype=self.cfg.model.dtype, seed=self.cfg.rollout.seed,
+                                    dummy=True)
+        self.bus.incr(engine_loads=1, engine_early_starts=1)
+        log.info("%s: engine started on dummy weights in %.1f s, before any version is servable", self.name,
+                 self.engine.load_s)
+
     def _load(self, reg, sources: list[str], t0: float, in_flight: bool = False) -> None:
         """Fetch `reg`'s version into the node cache and load it: a new engine, or a hot swap
         (`in_flight`: with sequences running, `rollout.inflight_kv` says what they keep)."""
@@ -201,9 +227,13 @@ class RolloutWorker:
                 log.info("%s: engine loaded on version %d in %.1f s", self.name, reg.version, self.engine.load_s)
             else:
                 running = self.engine.unfinished() if in_flight else 0
+                first = self.version is None  # the first version into an early engine: its load, not a swap
                 stats = self.engine.swap_weights(model_dir, version=reg.version, in_flight=running > 0,
                                                  kv=self.cfg.rollout.inflight_kv)
-                self.bus.incr(swaps=1, **({"swaps_in_flight": 1} if running else {}))
+                if first:
+                    self.bus.heartbeat(self.name, ttl_s=10.0, early_engine_swap_in_s=stats.seconds)
+                else:
+                    self.bus.incr(swaps=1, **({"swaps_in_flight": 1} if running else {}))
                 log.info("%s: hot-swapped to version %d in %.2f s (%d tensors%s)", self.name, reg.version,
                          stats.seconds, stats.tensors,
                          f"; in flight, {running} groups running, KV {self.cfg.rollout.inflight_kv}" if running else "")
@@ -261,7 +291,7 @@ class RolloutWorker:
                 code = self._exit_code(watch)
                 if code is not None:
                     return code
-                if drain_t0 is not None:  # what waiting for the units' tails cost (docs/rollout.md)
+                if drain_t0 is not None:  # what waiting for the units' tails cost (docs/async.md)
                     self._drains = [self._drains[0] + time.perf_counter() - drain_t0, self._drains[1] + drain_steps,
                                     self._drains[2] + drain_seqs]
                     self.bus.heartbeat(self.name, ttl_s=10.0, version_drain_s=self._drains[0],
@@ -269,7 +299,7 @@ class RolloutWorker:
                     drain_t0, drain_steps, drain_seqs = None, 0, 0
                 self._serve_latest()
                 newer = False
-                if self.engine is None:  # nothing registered yet
+                if self.version is None:  # nothing registered yet (an early engine waits on dummy weights)
                     self._renew()
                     time.sleep(0.2)
                     continue
@@ -549,7 +579,7 @@ class RolloutWorker:
                 return code
             self._serve_latest()
             self._renew()
-            if self.engine is None:  # nothing registered yet
+            if self.version is None:  # nothing registered yet (an early engine waits on dummy weights)
                 time.sleep(0.2)
                 continue
             lease = self.bus.lease_unit(self.name, block_ms=200)

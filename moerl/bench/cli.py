@@ -40,7 +40,7 @@ def _scaling(a: argparse.Namespace) -> int:
 
     rep = run_bench_scaling(a.config, a.set, workers=parse_sizes(a.workers, "workers"),
                             scorers=parse_sizes(a.scorers, "scorers"), versions=a.versions, out_dir=a.out_dir,
-                            work_dir=a.work_dir, reward_target=a.reward_target)
+                            work_dir=a.work_dir, reward_target=a.reward_target, floor_settings=a.floor_settings)
     return 0 if rep["ok"] else 1
 
 
@@ -49,7 +49,7 @@ def _failures(a: argparse.Namespace) -> int:
 
     rep = run_bench_failures(a.config, a.set, versions=a.versions, kinds=parse_kinds(a.kinds),
                              faults_per_minute=a.faults_per_minute, max_faults=a.max_faults, out_dir=a.out_dir,
-                             work_dir=a.work_dir, reward_target=a.reward_target)
+                             work_dir=a.work_dir, reward_target=a.reward_target, floor_settings=a.floor_settings)
     return 0 if rep["ok"] else 1
 
 
@@ -57,7 +57,7 @@ def _modes(a: argparse.Namespace) -> int:
     from moerl.bench.modes import parse_arms, run_bench_modes
 
     rep = run_bench_modes(a.config, a.set, iterations=a.iterations, out=a.out, arms=parse_arms(a.arms),
-                          work_dir=a.work_dir, reward_target=a.reward_target)
+                          work_dir=a.work_dir, reward_target=a.reward_target, floor_settings=a.floor_settings)
     return 0 if rep["ok"] else 1
 
 
@@ -172,6 +172,8 @@ def add_bench_parsers(sub) -> None:
     mo.add_argument("--work-dir", default=None, help="keep each arm's files here (default: a temp dir, deleted)")
     mo.add_argument("--reward-target", type=float, default=0.8, help="report each arm's seconds to the first version "
                     "whose reward/mean reaches this")
+    mo.add_argument("--floor-settings", default="sync", choices=("sync", "async"), help="whose modes: settings the "
+                    "floor trains with (async: the same as the async arm's, a like-for-like time to the target)")
     mo.set_defaults(func=_modes)
 
     ro = bsub.add_parser("rollout", help="the async rollout worker's output tokens/s against a bare vLLM engine on "

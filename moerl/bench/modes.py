@@ -17,7 +17,10 @@ its artifacts), so nothing one arm leaves behind helps another.
 - async: `run_async`, long-lived local processes joined by an embedded Valkey.
 
 Each mode takes its settings from the config file's `modes:` block (`load_config(mode=...)`).
-The floor takes the sync mode's settings: it is on-policy, like sync.
+The floor takes the sync mode's settings (it is on-policy, like sync), or with
+`--floor-settings async` the async mode's: then the floor and the async arm train with the same
+learning rate and clipping, and the difference in their time to `--reward-target` is what the
+pipeline costs (or gains) on top of the work (the floor stays on-policy either way).
 
 Read from each arm:
 - wall time, measured here around the whole arm. Every arm pays its own process starts and
@@ -90,10 +93,13 @@ def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
     return arms
 
 
-def arm_config(config: str | Path, overrides: Sequence[str], arm: str, iterations: int, arm_dir: Path) -> RunConfig:
+def arm_config(config: str | Path, overrides: Sequence[str], arm: str, iterations: int, arm_dir: Path,
+               floor_settings: str = "sync") -> RunConfig:
     """The config of `arm`: the file with `overrides`, the arm's mode, `iterations` versions,
-    and every path (store, cache, KFP root, work dir, MLflow) inside `arm_dir`; no warm start."""
-    mode = ARM_MODE[arm]
+    and every path (store, cache, KFP root, work dir, MLflow) inside `arm_dir`; no warm start.
+    `floor_settings`: whose `modes:` block the floor takes (sync, or async: then the floor and
+    the async arm train with the same settings, and their difference is the pipeline's)."""
+    mode = floor_settings if arm == "floor" else ARM_MODE[arm]
     length = f"pipeline.iterations={iterations}" if mode == "sync" else f"pipeline.versions={iterations}"
     own = [f"checkpoint.uri={arm_dir / 'checkpoints'}", f"checkpoint.cache_dir={arm_dir / 'cache'}",
            f"pipeline.pipeline_root={arm_dir / 'pipeline-root'}", f"pipeline.work_dir={arm_dir / 'work'}",
@@ -369,7 +375,8 @@ def format_report(report: dict[str, Any]) -> str:
 
 def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iterations: int = 10,
                     out: str | Path = "bench/modes.json", arms: Sequence[str] = ARMS,
-                    work_dir: str | Path | None = None, reward_target: float = 0.8) -> dict[str, Any]:
+                    work_dir: str | Path | None = None, reward_target: float = 0.8,
+                    floor_settings: str = "sync") -> dict[str, Any]:
     """Run `arms` on the same workload, one after another; write the report to `out` and
     print its table. Returns the report; `report["ok"]` is False when any arm failed (the
     others still run). `work_dir` keeps every arm's directory there; default: a temporary
@@ -377,13 +384,15 @@ def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iteration
     arms = parse_arms(arms)
     if iterations < 1:
         raise ConfigError(f"bench modes: --iterations must be >= 1, got {iterations}")
+    if floor_settings not in ("sync", "async"):
+        raise ConfigError(f"bench modes: --floor-settings must be sync or async, got {floor_settings!r}")
     if not 0.0 < reward_target <= 1.0:
         raise ConfigError(f"bench modes: --reward-target must be in (0, 1], got {reward_target}")
     with tempfile.TemporaryDirectory(prefix="moerl-bench-modes-") as tmp:
         root = Path(work_dir) if work_dir is not None else Path(tmp)
         # 1. every arm's config, each in its own fresh directory; the same workload or an error
         dirs = {a: Path(tempfile.mkdtemp(prefix=f"{a}-", dir=_mkdir(root))) for a in arms}
-        cfgs = {a: arm_config(config, overrides, a, iterations, dirs[a]) for a in arms}
+        cfgs = {a: arm_config(config, overrides, a, iterations, dirs[a], floor_settings) for a in arms}
         check_same_workload(cfgs)
         if any(c.reward.kind != "rules" for c in cfgs.values()):
             raise ConfigError("bench modes: reward.kind must be rules (the arms run in fresh stores, where no reward "
@@ -408,7 +417,7 @@ def run_bench_modes(config: str | Path, overrides: Sequence[str] = (), iteration
     first = cfgs[arms[0]]
     report = {"bench": "modes", "schema": 1, "config": str(config), "overrides": list(overrides), "arms_run": list(arms),
               "workload": workload(first, iterations), "arms": results, "ratios": ratios(results),
-              "reward_target": reward_target,
+              "reward_target": reward_target, "floor_settings": floor_settings,
               "ok": all(r["ok"] for r in results.values()),
               "configs": {a: {k: tracking.redact(v) for k, v in flatten(cfgs[a]).items()} for a in arms},
               "versions": provenance.collect()}
