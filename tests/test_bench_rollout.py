@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.rollout import parse_in_flight, parse_updates, run_bench_rollout
+from moerl.bench.rollout import parse_in_flight, parse_seqs, parse_updates, run_bench_rollout
 from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +20,13 @@ def test_in_flight_arms_are_checked():
     for bad in ("", "0", "1,1", "x", "65"):
         with pytest.raises(ConfigError, match="--in-flight must list distinct unit counts"):
             parse_in_flight(bad)
+
+
+def test_a_max_num_seqs_sweep_is_checked():
+    assert parse_seqs("64, 256") == (64, 256)
+    for bad in ("", "0", "64,64", "x"):
+        with pytest.raises(ConfigError, match="--max-num-seqs must list distinct sequence counts"):
+            parse_seqs(bad)
 
 
 def test_workload_and_update_arms_are_checked(tmp_path):

@@ -14,7 +14,7 @@ from moerl.bus import DEAD, GENERATED, SCORED, UNITS, BusError, EmbeddedValkey, 
 from moerl.bus.client import PASSWORD_ENV, STAGE_ACL
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample
-from moerl.components.buffer.worker import classify, prompts_to_issue
+from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue
 
 
 def _prompt(i: int) -> dict:
@@ -180,6 +180,19 @@ def test_every_group_gets_exactly_one_disposition():
     assert classify("g", _scored(2, [0, 1]), 3, 1, seen=set()) == "used"
     assert classify("g", _scored(3, [0, 1], failed=True), 3, 1, seen=set()) == "failed"
     assert classify("g", _scored(3, [0.5, 0.5]), 3, 1, seen=set()) == "filtered"
+
+
+def test_a_response_that_crossed_versions_is_admitted_by_its_oldest_token_and_refused_by_a_lost_one():
+    def crossed(start: int, later: int) -> list[ScoredSample]:  # in-flight update after the first token
+        return [s.model_copy(update={"response_token_ids": [2, 3], "response_logprobs": [-0.1, -0.2],
+                                     "token_versions": [(0, start), (1, later)]}) for s in _scored(start, [0, 1])]
+
+    assert classify("g", crossed(2, 3), 3, 1, seen=set()) == "used"  # oldest token 1 version behind
+    assert classify("g", crossed(1, 3), 3, 1, seen=set()) == "stale"  # oldest token 2 behind, newest current
+    assert classify("g", crossed(3, 4), 3, 1, seen=set()) == "stale"  # a token from a version the trainer lost
+    m = batch_metrics(Batch(groups=[crossed(2, 3)], used=[crossed(2, 3)]), 3)
+    assert m["buffer/staleness_mean"] == 1.0 and m["buffer/token_staleness_mean"] == 0.5
+    assert m["rollout/mixed_version_fraction"] == 1.0
 
 
 def test_a_retried_hand_off_changes_nothing_the_second_time(bus):

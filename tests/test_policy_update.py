@@ -43,6 +43,18 @@ def test_pack_aligns_targets_with_response_positions():
     assert p.targets_NL1[0, 3:].tolist() == [5, 6, 1]
 
 
+def test_pack_and_the_correction_split_take_each_tokens_version():
+    from moerl.components.policy_update.steps import prepare_correction
+
+    crossed = TrainSample(prompt_token_ids=[21, 22], response_token_ids=[5, 6, 1], response_logprobs=[-3.0] * 3,
+                          advantage=1.0, policy_version=3, token_versions=[(0, 3), (2, 4)])
+    p = pack([crossed, _batch(1)[0].model_copy(update={"policy_version": 4})], pad_id=0)
+    assert p.version_NL1[0].tolist() == [-1, 3, 3, 4, -1, -1] and p.version_NL1[1].tolist() == [-1, -1, -1, 4, 4, 4]
+    _, m = prepare_correction(p, p.engine_logp_NL1.clone(), CFG, trainer_version=4)
+    # the trainer's own version sampled one token of the first response and all three of the second
+    assert m["rollout_corr/own/tokens"] == 4 and m["rollout_corr/stale/tokens"] == 2
+
+
 def test_steps_change_weights_and_report_metrics(state0):
     model, opt, ctr = _load_state(state0, CFG)
     before = [p.detach().clone() for p in model.parameters()]

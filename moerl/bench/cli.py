@@ -65,7 +65,7 @@ def _rollout(a: argparse.Namespace) -> int:
     from moerl.bench.rollout import run_bench_rollout
 
     rep = run_bench_rollout(a.config, a.set, units=a.units, in_flight=a.in_flight, out=a.out, workload=a.workload,
-                            updates=a.updates, swap_every=a.swap_every)
+                            updates=a.updates, swap_every=a.swap_every, max_num_seqs=a.max_num_seqs)
     return 0 if rep["ok"] else 1
 
 
@@ -186,6 +186,8 @@ def add_bench_parsers(sub) -> None:
                     "widely varying length, up to 384 tokens)")
     ro.add_argument("--updates", default="between_units", help="the worker arms' rollout.weight_update values, "
                     "comma-separated: between_units, in_flight")
+    ro.add_argument("--max-num-seqs", default=None, help="a sweep of rollout.max_num_seqs, comma-separated: every "
+                    "arm at each value (default: the config's)")
     ro.add_argument("--swap-every", type=float, default=0.0, help="publish a new version every this many seconds "
                     "while a worker arm runs (0: one version)")
     ro.add_argument("--out", default="bench/rollout.json")

@@ -228,6 +228,21 @@ def parse_in_flight(text: str) -> tuple[int, ...]:
     return ks
 
 
+def _with(cfg: RunConfig, **rollout: Any) -> RunConfig:
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=rollout)})
+
+
+def parse_seqs(text: str) -> tuple[int, ...]:
+    try:
+        seqs = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        seqs = ()
+    if not seqs or any(k < 1 or k > 65536 for k in seqs) or len(set(seqs)) != len(seqs):
+        raise ConfigError(f"bench rollout: --max-num-seqs must list distinct sequence counts in 1..65536, "
+                          f"comma-separated; got {text!r}")
+    return seqs
+
+
 def parse_updates(text: str) -> tuple[str, ...]:
     ups = tuple(x.strip() for x in text.split(",") if x.strip())
     if not ups or set(ups) - set(UPDATES) or len(set(ups)) != len(ups):
@@ -238,7 +253,10 @@ def parse_updates(text: str) -> tuple[str, ...]:
 
 def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int = 4, in_flight: str = "1,2",
                       out: str | Path = "bench/rollout.json", echo=print, workload: str = "digits",
-                      updates: str = "between_units", swap_every: float = 0.0) -> dict[str, Any]:
+                      updates: str = "between_units", swap_every: float = 0.0,
+                      max_num_seqs: str | None = None) -> dict[str, Any]:
+    """`max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
+    named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's."""
     if not 1 <= units <= 1024:
         raise ConfigError(f"bench rollout: --units must be in 1..1024, got {units}")
     if workload not in WORKLOADS:
@@ -246,14 +264,18 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
     if not 0 <= swap_every <= 3600:
         raise ConfigError(f"bench rollout: --swap-every must be 0 (no swaps) or seconds up to 3600, got {swap_every}")
     ks, ups = parse_in_flight(in_flight), parse_updates(updates)
+    sweep = parse_seqs(max_num_seqs) if max_num_seqs else ()
     base = list(LONG_TAIL) if workload == "long-tail" else []
     cfg = load_config(config, base + list(overrides), mode="async")
+    sweep = sweep or (cfg.rollout.max_num_seqs,)
     arms: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="moerl-bench-rollout-") as tmp:
-        plan = [("bare", "bare", cfg)] + [
-            (f"worker-{k}" + ("-inflight" if u == "in_flight" else ""), "worker",
-             cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"units_in_flight": k, "weight_update": u})}))
-            for k in ks for u in ups]
+        plan = []
+        for seqs in sweep:
+            at = f"@{seqs}" if len(sweep) > 1 else ""
+            plan += [(f"bare{at}", "bare", _with(cfg, max_num_seqs=seqs))] + [
+                (f"worker-{k}" + ("-inflight" if u == "in_flight" else "") + at, "worker",
+                 _with(cfg, max_num_seqs=seqs, units_in_flight=k, weight_update=u)) for k in ks for u in ups]
         for name, command, arm_cfg in plan:
             work = Path(tmp) / name
             work.mkdir()
@@ -266,15 +288,18 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
             r = json.loads(result.read_text())
             r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
             arms[name] = {"ok": True, **r}
-    bare = arms.get("bare", {}).get("tokens_per_s")
-    for name, r in arms.items():
-        if name != "bare" and r.get("ok") and bare:
+    for name, r in arms.items():  # against the bare engine at the same max_num_seqs
+        at = name[name.index("@"):] if "@" in name else ""
+        bare = arms.get(f"bare{at}", {}).get("tokens_per_s")
+        if not name.startswith("bare") and r.get("ok") and bare:
             r["ratio_to_bare"] = r["tokens_per_s"] / bare
+        r["max_num_seqs"] = int(at[1:]) if at else cfg.rollout.max_num_seqs
     workload = {"workload": workload, "units": units, "prompts_per_unit": cfg.units.max_prompts,
                 "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
-                "max_num_seqs": cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset, "swap_every_s": swap_every,
-                "inflight_kv": cfg.rollout.inflight_kv,
-                **{k: arms.get("bare", {}).get(k) for k in ("length_p50", "length_p90", "length_p99", "length_max")}}
+                "max_num_seqs": list(sweep) if len(sweep) > 1 else cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset,
+                "swap_every_s": swap_every, "inflight_kv": cfg.rollout.inflight_kv,
+                **{k: arms.get("bare" + (f"@{sweep[0]}" if len(sweep) > 1 else ""), {}).get(k)
+                   for k in ("length_p50", "length_p90", "length_p99", "length_max")}}
     report = envelope("rollout", all(r.get("ok") for r in arms.values()), workload=workload, arms=arms)
     write_report(Path(out), report)
     echo(format_report(report))
