@@ -924,6 +924,10 @@ class RunConfig(_Section):
             raise ValueError("rollout.weight_update in_flight is for single-turn tasks; this task has an environment "
                              "(task.environment / task.environments), whose episodes swap between units: use "
                              "between_units")
+        if self.rollout.weight_update == "in_flight" and self.rollout.return_routed_experts:
+            raise ValueError("rollout.weight_update in_flight with rollout.return_routed_experts: a response's routes "
+                             "would come from the forward passes of two versions (and a recompute re-routes the "
+                             "prefix), which routing replay cannot reproduce; use between_units")
         if self.trainer.router_replay == "R3" and not self.rollout.return_routed_experts:
             raise ValueError("trainer.router_replay R3 replays the rollout engine's routes: set "
                              "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)")

@@ -55,6 +55,12 @@ def test_cross_field_checks():
         parse_config({"checkpoint": {"uri": "gs://bucket/x"}})
     with pytest.raises(ConfigError, match="credential"):
         parse_config({"checkpoint": {"endpoint_url": "http://AKIA:secret@127.0.0.1:8333"}})
+    with pytest.raises(ConfigError, match="rollout.weight_update in_flight is for single-turn tasks"):
+        parse_config({"rollout": {"weight_update": "in_flight"}, "task": {"environment": "moerl.tasks.envs:Guess"}})
+    with pytest.raises(ConfigError, match="in_flight with rollout.return_routed_experts"):
+        parse_config({"rollout": {"weight_update": "in_flight", "return_routed_experts": True}})
+    with pytest.raises(ConfigError, match="rollout.inflight_kv"):
+        parse_config({"rollout": {"inflight_kv": "drop"}})
 
 
 @pytest.mark.parametrize("body, needle", [
