@@ -3,8 +3,9 @@
 One engine serves two tiny MoE checkpoints, A (version 0) and B (version 1, another seed).
 Seeded groups start on A; after a few engine steps the engine swaps to B with them running.
 What is checked, per sample:
-- the runs (`Completion.token_versions`) put the boundary exactly where the sample was when
-  the swap happened (the tokens counted between two steps), and the first token's version is A's;
+- the runs (`Completion.token_versions`, from vLLM's weight-version labels) put the boundary
+  exactly where the sample was when the swap happened (its tokens counted between two steps),
+  and the first token's version is A's;
 - the tokens before the boundary are the ones an A-only run of the same seeded group samples;
 - with `kv="recompute"` every token after the boundary has the logprob B gives it for its
   prefix (B scoring the whole sequence, prompt logprobs, float32: equal within 1e-4), which is
@@ -27,13 +28,22 @@ N, STEPS_BEFORE, MAX_NEW = 4, 5, 24
 TOL = 1e-4
 
 
-def test_version_runs_from_marks():
-    marks = [(3, {}), (4, {0: 2, 1: 0}), (5, {0: 6})]
-    assert version_runs(marks, 0, 10) == [(0, 3), (2, 4), (6, 5)]
-    assert version_runs(marks, 1, 10) == [(0, 4)]  # nothing sampled before the first swap: starts at 4
-    assert version_runs(marks, 2, 10) == [(0, 3)]  # finished before the swaps (absent from the counts)
-    assert version_runs(marks, 0, 2) == [(0, 3)]  # the swap fell after its last token
-    assert version_runs([(3, {})], 0, 5) == [(0, 3)]
+def test_version_runs_from_vllms_spans():
+    from vllm.outputs import WeightVersionSpan as S
+
+    assert version_runs([S("3", 0, 2), S("4", 2, 6), S("5", 6, 10)]) == [(0, 3), (2, 4), (6, 5)]
+    assert version_runs([S("3", 0, 0), S("4", 0, 5)]) == [(0, 4)]  # nothing sampled under 3
+    assert version_runs([S("3", 0, 2), S("3", 2, 5)]) == [(0, 3)]  # one version, relabelled
+    assert version_runs([S("default", 0, 5)]) is None and version_runs(None) is None  # an untagged engine
+
+
+def _progress(engine) -> dict[str, dict[int, int]]:
+    """Tokens each unfinished sample of each streamed request has so far (vLLM's output
+    processor, in process: exact between two steps)."""
+    op = engine.llm.llm_engine.output_processor
+    return {rid: {op.request_states[c].request_index: op.request_states[c].detokenizer.num_output_tokens()
+                  for c in op.external_req_ids.get(rid, ()) if c in op.request_states}
+            for rid in engine._inflight}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +91,7 @@ def _swap_mid_run(engine, a, b, kv):
         engine.submit(f"{kv}-{i}", p, N, seed=100 + i)
     for _ in range(STEPS_BEFORE):
         assert engine.step() == []  # nothing finishes this early (MAX_NEW tokens, no stop)
-    at = engine.progress()
+    at = _progress(engine)
     engine.swap_weights(b, version=1, in_flight=True, kv=kv)
     assert engine.version == 1
     return at, _drain(engine)

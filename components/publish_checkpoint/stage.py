@@ -145,6 +145,7 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SKELETON_DONE = ".moerl-skeleton-complete"
 
 
 def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
@@ -152,25 +153,31 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
     engine started on dummy weights needs (`rollout.early_engine`). Every warm start keeps the
     model's architecture, so the skeleton comes from `model.path` or the tiny model's config
     whatever version 0 will be. Raises CheckpointError when `model.path` cannot be read here."""
+    import tempfile
+
     dest = Path(dest)
-    if dest.joinpath("config.json").is_file():
+    if dest.joinpath(SKELETON_DONE).is_file():
         return dest
-    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if cfg.model.path:
-        src = Path(cfg.model.path)
-        if not src.joinpath("config.json").is_file():
-            raise CheckpointError(f"model.path {src} has no config.json readable here")
-        tmp.mkdir(parents=True)
-        for f in src.iterdir():
-            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
-                shutil.copy2(f, tmp / f.name)
-    else:
-        build_tiny_model(cfg.model.tiny, tmp)  # a few MB; the engine ignores its weights
-    if dest.exists():  # a neighbour on this node made it meanwhile
+    if cfg.model.path and not Path(cfg.model.path).joinpath("config.json").is_file():
+        raise CheckpointError(f"model.path {cfg.model.path} has no config.json readable here")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))  # unique per writer on the node
+    try:
+        if cfg.model.path:
+            for f in Path(cfg.model.path).iterdir():
+                if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+                    shutil.copy2(f, tmp / f.name)
+        else:
+            build_tiny_model(cfg.model.tiny, tmp)  # a few MB; the engine ignores its weights
+        (tmp / SKELETON_DONE).write_text("")  # last: a skeleton without it is incomplete
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # a neighbour on this node finished first (a non-empty dest), or left a partial one
+            if not dest.joinpath(SKELETON_DONE).is_file():
+                shutil.rmtree(dest, ignore_errors=True)
+                os.replace(tmp, dest)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
     return dest
 
 

@@ -138,7 +138,7 @@ class RolloutWorker:
         self._tail = [0, 0.0, 0.0]  # multi-turn units; sums of their last and median episode ends (s)
         self._first_sample_s: float | None = None  # start -> the first group generated (fast start)
         # between-units drains for a newer version: seconds, engine steps, and the sum over those
-        # steps of the sequences the engine held (their mean batch)
+        # steps of the engine's running batch (sequences held, at most max_num_seqs: their mean batch)
         self._drains = [0.0, 0, 0]
         self._early_tried = False  # rollout.early_engine: tried once
 
@@ -200,9 +200,16 @@ class RolloutWorker:
             log.warning("%s: rollout.early_engine: cannot lay out the model's config here (%s); waiting for "
                         "version 0 and loading it instead", self.name, err)
             return
-        self.tokenizer = AutoTokenizer.from_pretrained(skel)
-        self.engine = RolloutEngine(skel, self.cfg.rollout, dtype=self.cfg.model.dtype, seed=self.cfg.rollout.seed,
-                                    dummy=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(skel)
+            engine = RolloutEngine(skel, self.cfg.rollout, dtype=self.cfg.model.dtype, seed=self.cfg.rollout.seed,
+                                   dummy=True)
+        except Exception as err:  # noqa: BLE001 - whatever vLLM raised: the normal start still works
+            self.bus.incr(engine_early_start_failed=1)
+            log.warning("%s: rollout.early_engine: the engine did not start on dummy weights (%s: %s); waiting for "
+                        "version 0 and loading it instead", self.name, type(err).__name__, err)
+            return
+        self.tokenizer, self.engine = tokenizer, engine
         self.bus.incr(engine_loads=1, engine_early_starts=1)
         log.info("%s: engine started on dummy weights in %.1f s, before any version is servable", self.name,
                  self.engine.load_s)
@@ -335,7 +342,7 @@ class RolloutWorker:
                 continue
             if drain_t0 is not None:
                 drain_steps += 1
-                drain_seqs += self.engine.unfinished_sequences()
+                drain_seqs += min(self.engine.unfinished_sequences(), room)  # the running batch (the rest waits)
             t0 = time.perf_counter()
             try:
                 for rid, comps in self.engine.step():

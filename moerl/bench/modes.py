@@ -207,13 +207,13 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     loads = 1
     t["engine_load"] = engine.load_s
     # 2. the versions
-    rewards, staleness, version_s = [], [], []
+    rewards, staleness, version_s = [], [], []  # version_s: when each version was done (Unix seconds)
     try:
         for i in range(iterations):
             state, reward, stale = _floor_version(i, cfg, ds, tokenizer, engine, trainer, state, work, t)
             rewards.append(reward)
             staleness.append(stale)
-            version_s.append(time.perf_counter() - t0)
+            version_s.append(time.time())  # Unix time: the parent measures from its own start
             print(f"[moerl] floor version {i + 1}/{iterations} reward/mean={reward:.3f} | "
                   + " ".join(f"{k}={v:.1f}s" for k, v in t.items()), flush=True)
     finally:
@@ -325,14 +325,13 @@ def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
 
 def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]:
     if arm == "floor":
-        t0 = time.perf_counter()
+        t0, t0_unix = time.perf_counter(), time.time()
         res = _floor_arm(cfg, iterations, arm_dir)
         wall = time.perf_counter() - t0
         busy = {k: v / wall for k, v in res["stage_s"].items()}
         stale = [s for s in res["staleness"] if s is not None]  # None: nothing trained in that version
-        start = wall - res["inner_s"]  # the child's start-up (imports) before its clock began
         return arm_result(wall, res["rewards"], res["engine_loads"], _mean(stale), busy,
-                          reward_s=[start + s for s in res.get("version_s", [])], swaps=res["swaps"],
+                          reward_s=[u - t0_unix for u in res.get("version_s", [])], swaps=res["swaps"],
                           inner_s=res["inner_s"])
     return _sync_arm(cfg, arm_dir) if arm == "sync" else _async_arm(cfg, arm_dir)
 
