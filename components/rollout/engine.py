@@ -26,10 +26,12 @@ kernels may reduce differently per batch size, which this does not cover.
 Limitations: one engine per process. With `engine_in_process` (the CPU default) vLLM's
 engine core runs inside the caller (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), which is
 set in the environment before the engine is built and therefore applies to the whole process.
-`generate`, `swap_weights` and `reset_prefix_cache` refuse to run while streamed requests are
-in flight (`generate` would consume their outputs; a swap or a cache reset under running
-requests would mix weights or fail). Unseeded requests draw from the engine's global generator
-and are not reproducible. Not thread-safe: one caller drives the engine.
+`generate` and `reset_prefix_cache` refuse to run while streamed requests are in flight
+(`generate` would consume their outputs; a cache reset under running requests would fail), and
+so does `swap_weights` unless asked for an in-flight swap (`in_flight=True`: the running
+requests go on with the new weights, and vLLM's weight-version labels record which version
+sampled each token; docs/async.md, "Weight updates"). Unseeded requests draw from the engine's
+global generator and are not reproducible. Not thread-safe: one caller drives the engine.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ longest response idles it. In flight, nothing drains; each response records the 
 every token (`Sample.token_versions`, from the engine's per-sample token counts at the swap),
 its logprobs are the engine's at each token's sampling, and `rollout.inflight_kv` says whether
 the running sequences are re-prefilled with the new weights (recompute) or keep the older KV
-(keep). Either way admission (`buffer.max_staleness`) takes a response's oldest token. The
-fetch of an in-flight version runs in the loop (the engine waits for it: a node-cache or
-cache-tier read); only forward moves happen in flight, a rollback waits for an idle engine.
+(keep). Either way admission (`buffer.max_staleness`) takes a response's oldest token. In flight,
+the version is fetched into the node cache on a thread beside generation first, and swapped
+at the first check after that fetch ends; only forward moves happen in flight, a rollback
+waits for an idle engine.
 
 Spot: on SIGTERM the worker stops leasing, lets its active requests run for at most
 `rollout.grace_seconds`, publishes the groups that finished, requeues the unfinished prompts
@@ -141,6 +142,10 @@ class RolloutWorker:
         # steps of the engine's running batch (sequences held, at most max_num_seqs: their mean batch)
         self._drains = [0.0, 0, 0]
         self._early_tried = False  # rollout.early_engine: tried once
+        # in_flight: the next version's fetch, on a thread beside generation ((version, sha), thread),
+        # and where each prefetched version came from (counted when it is swapped in)
+        self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
+        self._prefetched: dict[int, list[str]] = {}
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
@@ -183,6 +188,34 @@ class RolloutWorker:
             store.unpin(self.version, holder=self.holder)
         self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
+
+    def _fetched_beside(self, reg) -> bool:
+        """`rollout.weight_update` in_flight: fetch `reg`'s version into the verified node cache on
+        a thread while the engine generates; True once that fetch has ended (the swap then reads
+        the node cache; a fetch that failed is retried, and reported, by the swap's own)."""
+        key = (reg.version, reg.manifest_sha256)
+        if self._prefetch is not None and self._prefetch[0] == key:
+            if self._prefetch[1].is_alive():
+                return False
+            self._prefetch = None
+            return True
+        t = threading.Thread(target=self._prefetch_run, args=(reg,), name="moerl-prefetch", daemon=True)
+        self._prefetch = (key, t)
+        t.start()
+        return False
+
+    def _prefetch_run(self, reg) -> None:
+        try:
+            store = run_store(self.cfg.checkpoint, self.run_id)
+            store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s, published=False)
+            sources: list[str] = []
+            with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
+                             swarm=self._swarm(), sources=sources):
+                pass
+            self._prefetched[reg.version] = sources
+        except Exception as err:  # noqa: BLE001 - the swap's own fetch retries and reports it
+            log.warning("%s: fetching version %d beside generation failed (%s); the swap fetches it again",
+                        self.name, reg.version, err)
 
     def _early_engine(self) -> None:
         """`rollout.early_engine`: an engine on dummy weights from the model's skeleton, started
@@ -244,7 +277,9 @@ class RolloutWorker:
                 log.info("%s: hot-swapped to version %d in %.2f s (%d tensors%s)", self.name, reg.version,
                          stats.seconds, stats.tensors,
                          f"; in flight, {running} groups running, KV {self.cfg.rollout.inflight_kv}" if running else "")
-        # where the weights came from, counted: a cache tier that fell back to S3 shows here
+        # where the weights came from, counted: a cache tier that fell back to S3 shows here (a
+        # version fetched beside generation counts that fetch, not the node-cache read after it)
+        sources = self._prefetched.pop(reg.version, None) or sources
         self.bus.incr(**{f"weights_from_{s}": 1 for s in sources})
         self.bus.heartbeat(self.name, last_fetch_s=t_fetched - t0)
 
@@ -317,7 +352,8 @@ class RolloutWorker:
                 reg = self.bus.servable()
                 newer = reg is not None and reg.version > (self.version if self.version is not None else -1)
                 if newer and in_flight:
-                    self._serve_latest(in_flight=True)
+                    if self._fetched_beside(reg):  # the fetch ran on a thread while the engine generated
+                        self._serve_latest(in_flight=True)
                     newer = False
                 elif newer and drain_t0 is None:
                     drain_t0 = time.perf_counter()
