@@ -62,13 +62,16 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
     for arm in (between, inflight):
         assert arm["ratio_to_bare"] == pytest.approx(arm["tokens_per_s"] / bare["tokens_per_s"])
         assert 0 < arm["busy_fraction"] <= 1.0 + 1e-6
-        assert arm["units_overlapped"] >= 1 and arm["units_in_flight"] == 2  # 3 units issued, 2 in flight
-        assert arm["swaps"] >= 1
+        assert arm["units_in_flight"] == 2 and arm["swaps"] >= 1
     assert between["weight_update"] == "between_units" and inflight["weight_update"] == "in_flight"
     # between units: every swap waited for the units' tails, and no response crossed versions
     assert between["swaps_in_flight"] == 0 and between["samples_mixed_version"] == 0
     assert between["drain_steps"] >= 1 and between["drain_s"] > 0
     assert 0 < between["drain_mean_batch"] <= 2 * 256
-    # in flight: swapped with sequences running, never drained, and some responses hold two versions
+    # in flight: swapped with sequences running, never drained, and some responses hold two versions;
+    # it kept leasing meanwhile (3 units issued, 2 in flight: one leased beside another). The
+    # between-units worker stops leasing whenever a newer version waits, so with a version every
+    # 0.2 s it may never overlap two units
     assert inflight["swaps_in_flight"] >= 1 and inflight["samples_mixed_version"] >= 1
+    assert inflight["units_overlapped"] >= 1
     assert inflight["drain_steps"] == 0 and inflight["drain_s"] == 0

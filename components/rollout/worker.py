@@ -212,7 +212,8 @@ class RolloutWorker:
             with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
                              swarm=self._swarm(), sources=sources):
                 pass
-            self._prefetched[reg.version] = sources
+            if self.version is None or reg.version > self.version:  # not already swapped in by the loop
+                self._prefetched[reg.version] = sources
         except Exception as err:  # noqa: BLE001 - the swap's own fetch retries and reports it
             log.warning("%s: fetching version %d beside generation failed (%s); the swap fetches it again",
                         self.name, reg.version, err)
@@ -347,7 +348,8 @@ class RolloutWorker:
                     continue
             self._renew()
             now = time.monotonic()
-            if units and now - newer_at > 0.5:  # a newer version: swap now (in flight), or finish these units first
+            fetched = self._prefetch is not None and not self._prefetch[1].is_alive()  # swap it at once
+            if units and (now - newer_at > 0.5 or fetched):  # a newer version: swap in flight, or finish these units
                 newer_at = now
                 reg = self.bus.servable()
                 newer = reg is not None and reg.version > (self.version if self.version is not None else -1)
