@@ -217,15 +217,19 @@ def _drain_stats(st: dict[str, float], max_num_seqs: int) -> dict[str, Any]:
             "drain_mean_batch": mean, "drain_empty_slots": None if mean is None else 1 - min(mean / max_num_seqs, 1.0)}
 
 
-def parse_in_flight(text: str) -> tuple[int, ...]:
+def _distinct_ints(text: str, flag: str, what: str, hi: int) -> tuple[int, ...]:
+    """A comma-separated list of distinct integers in 1..hi, or ConfigError naming the flag."""
     try:
-        ks = tuple(int(x) for x in text.split(",") if x.strip())
+        xs = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        ks = ()
-    if not ks or any(k < 1 or k > 64 for k in ks) or len(set(ks)) != len(ks):
-        raise ConfigError(f"bench rollout: --in-flight must list distinct unit counts in 1..64, comma-separated; "
-                          f"got {text!r}")
-    return ks
+        xs = ()
+    if not xs or any(k < 1 or k > hi for k in xs) or len(set(xs)) != len(xs):
+        raise ConfigError(f"bench rollout: {flag} must list distinct {what} in 1..{hi}, comma-separated; got {text!r}")
+    return xs
+
+
+def parse_in_flight(text: str) -> tuple[int, ...]:
+    return _distinct_ints(text, "--in-flight", "unit counts", 64)
 
 
 def _with(cfg: RunConfig, **rollout: Any) -> RunConfig:
@@ -233,14 +237,7 @@ def _with(cfg: RunConfig, **rollout: Any) -> RunConfig:
 
 
 def parse_seqs(text: str) -> tuple[int, ...]:
-    try:
-        seqs = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        seqs = ()
-    if not seqs or any(k < 1 or k > 65536 for k in seqs) or len(set(seqs)) != len(seqs):
-        raise ConfigError(f"bench rollout: --max-num-seqs must list distinct sequence counts in 1..65536, "
-                          f"comma-separated; got {text!r}")
-    return seqs
+    return _distinct_ints(text, "--max-num-seqs", "sequence counts", 65536)
 
 
 def parse_updates(text: str) -> tuple[str, ...]:
