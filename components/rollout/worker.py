@@ -29,7 +29,7 @@ token of a group comes from one policy version and the engine's logprobs are exa
 version's; the cost is that a unit finishes on the version it started with, and that the
 engine drains once per version (not once per unit: units overlap between swaps), so its
 longest response idles it. In flight, nothing drains; each response records the version of
-every token (`Sample.token_versions`, from the engine's per-sample token counts at the swap),
+every token (`Sample.token_versions`, from vLLM's weight-version labels, set at each swap),
 its logprobs are the engine's at each token's sampling, and `rollout.inflight_kv` says whether
 the running sequences are re-prefilled with the new weights (recompute) or keep the older KV
 (keep). Either way admission (`buffer.max_staleness`) takes a response's oldest token. In flight,
@@ -167,9 +167,7 @@ class RolloutWorker:
             log.warning("%s: the bus says version %d but this engine serves %d; staying on %d",
                         self.name, reg.version, self.version, self.version)
             return
-        store = run_store(self.cfg.checkpoint, self.run_id)
-        # servable may be ahead of durable: the pin then holds the version from when it lands
-        store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s, published=False)
+        store = self._pin(reg.version)
         t0 = time.perf_counter()
         sources: list[str] = []
         try:
@@ -189,6 +187,13 @@ class RolloutWorker:
         self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
 
+    def _pin(self, version: int):
+        """Pin `version` in the run's store for this worker (renewed by `_renew`); the store.
+        Servable may be ahead of durable: the pin then holds the version from when it lands."""
+        store = run_store(self.cfg.checkpoint, self.run_id)
+        store.pin(version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s, published=False)
+        return store
+
     def _fetched_beside(self, reg) -> bool:
         """`rollout.weight_update` in_flight: fetch `reg`'s version into the verified node cache on
         a thread while the engine generates; True once that fetch has ended (the swap then reads
@@ -206,8 +211,7 @@ class RolloutWorker:
 
     def _prefetch_run(self, reg) -> None:
         try:
-            store = run_store(self.cfg.checkpoint, self.run_id)
-            store.pin(reg.version, holder=self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s, published=False)
+            self._pin(reg.version)
             sources: list[str] = []
             with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
                              swarm=self._swarm(), sources=sources):
@@ -218,13 +222,23 @@ class RolloutWorker:
             log.warning("%s: fetching version %d beside generation failed (%s); the swap fetches it again",
                         self.name, reg.version, err)
 
+    def _new_engine(self, model_dir: Path, dummy: bool = False) -> None:
+        """This worker's engine and tokenizer from `model_dir` (`dummy`: its config only, random
+        weights; see `_early_engine`), counted in engine_loads."""
+        from transformers import AutoTokenizer
+
+        from moerl.components.rollout.engine import RolloutEngine
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        engine = RolloutEngine(model_dir, self.cfg.rollout, dtype=self.cfg.model.dtype, seed=self.cfg.rollout.seed,
+                               dummy=dummy)
+        self.tokenizer, self.engine = tokenizer, engine
+        self.bus.incr(engine_loads=1)
+
     def _early_engine(self) -> None:
         """`rollout.early_engine`: an engine on dummy weights from the model's skeleton, started
         while no version is servable; version 0 is hot-swapped in when registered."""
-        from transformers import AutoTokenizer
-
         from moerl.components.publish_checkpoint.stage import model_skeleton
-        from moerl.components.rollout.engine import RolloutEngine
 
         self._early_tried = True
         try:
@@ -235,16 +249,13 @@ class RolloutWorker:
                         "version 0 and loading it instead", self.name, err)
             return
         try:
-            tokenizer = AutoTokenizer.from_pretrained(skel)
-            engine = RolloutEngine(skel, self.cfg.rollout, dtype=self.cfg.model.dtype, seed=self.cfg.rollout.seed,
-                                   dummy=True)
+            self._new_engine(skel, dummy=True)
         except Exception as err:  # noqa: BLE001 - whatever vLLM raised: the normal start still works
             self.bus.incr(engine_early_start_failed=1)
             log.warning("%s: rollout.early_engine: the engine did not start on dummy weights (%s: %s); waiting for "
                         "version 0 and loading it instead", self.name, type(err).__name__, err)
             return
-        self.tokenizer, self.engine = tokenizer, engine
-        self.bus.incr(engine_loads=1, engine_early_starts=1)
+        self.bus.incr(engine_early_starts=1)
         log.info("%s: engine started on dummy weights in %.1f s, before any version is servable", self.name,
                  self.engine.load_s)
 
@@ -256,15 +267,8 @@ class RolloutWorker:
                          swarm=self._swarm(), sources=sources) as model_dir:
             t_fetched = time.perf_counter()
             if self.engine is None:
-                from transformers import AutoTokenizer
-
-                from moerl.components.rollout.engine import RolloutEngine
-
-                self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-                self.engine = RolloutEngine(model_dir, self.cfg.rollout, dtype=self.cfg.model.dtype,
-                                            seed=self.cfg.rollout.seed)
+                self._new_engine(model_dir)
                 self.engine.version = reg.version
-                self.bus.incr(engine_loads=1)
                 log.info("%s: engine loaded on version %d in %.1f s", self.name, reg.version, self.engine.load_s)
             else:
                 running = self.engine.unfinished() if in_flight else 0

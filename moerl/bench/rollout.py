@@ -137,7 +137,8 @@ def _releaser(bus, versions: list[tuple[int, str, str]], every_s: float, stop: t
 
 def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -> dict[str, Any]:
     """The real rollout worker on an embedded Valkey; units issued once its engine is loaded;
-    `swap_every` > 0: a new version published every that many seconds while it runs."""
+    `swap_every` > 0: a new version (published before the window) registered every that many
+    seconds while it runs."""
     from moerl.bus import RunBus, connect
     from moerl.components.rollout.worker import RolloutWorker
     from moerl.orchestrate.async_run import publish_initial, start_valkey
@@ -267,12 +268,13 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
     sweep = sweep or (cfg.rollout.max_num_seqs,)
     arms: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="moerl-bench-rollout-") as tmp:
-        plan = []
+        plan, bare_of = [], {}  # bare_of: each arm's bare engine (the same max_num_seqs)
         for seqs in sweep:
             at = f"@{seqs}" if len(sweep) > 1 else ""
             plan += [(f"bare{at}", "bare", _with(cfg, max_num_seqs=seqs))] + [
                 (f"worker-{k}" + ("-inflight" if u == "in_flight" else "") + at, "worker",
                  _with(cfg, max_num_seqs=seqs, units_in_flight=k, weight_update=u)) for k in ks for u in ups]
+            bare_of.update((name, f"bare{at}") for name, _, _ in plan[-1 - len(ks) * len(ups):])
         for name, command, arm_cfg in plan:
             work = Path(tmp) / name
             work.mkdir()
@@ -285,12 +287,12 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
             r = json.loads(result.read_text())
             r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
             arms[name] = {"ok": True, **r}
-    for name, r in arms.items():  # against the bare engine at the same max_num_seqs
-        at = name[name.index("@"):] if "@" in name else ""
-        bare = arms.get(f"bare{at}", {}).get("tokens_per_s")
-        if not name.startswith("bare") and r.get("ok") and bare:
+    for name, command, arm_cfg in plan:  # each worker against the bare engine at its max_num_seqs
+        r = arms[name]
+        bare = arms[bare_of[name]].get("tokens_per_s")
+        if command == "worker" and r.get("ok") and bare:
             r["ratio_to_bare"] = r["tokens_per_s"] / bare
-        r["max_num_seqs"] = int(at[1:]) if at else cfg.rollout.max_num_seqs
+        r["max_num_seqs"] = arm_cfg.rollout.max_num_seqs
     workload = {"workload": workload, "units": units, "prompts_per_unit": cfg.units.max_prompts,
                 "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
                 "max_num_seqs": list(sweep) if len(sweep) > 1 else cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset,
