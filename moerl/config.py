@@ -155,6 +155,13 @@ class RolloutConfig(_Section):
     seed: int = 0
     # On CPU this is the fraction of RAM vLLM reserves: 0.92 fails, 0.2 works (docs/architecture.md, "Verified on the build machines").
     gpu_memory_utilization: float = Field(0.2, gt=0.0, le=0.95)
+    # The KV cache's size in GiB (vLLM's kv_cache_memory_bytes; gpu_memory_utilization then no
+    # longer sizes it). null: vLLM sizes it from gpu_memory_utilization, on CPU that fraction of
+    # RAM less what the process already holds. On CPU vLLM zeroes the whole cache at engine
+    # start, about 1.1 s per GiB on one core (measured: 4.7 GiB took 5.4 s of a 12.9 s start),
+    # so size it to the work: max_num_seqs x 2 x max_model_len x the model's KV bytes per token
+    # (2 x layers x KV heads x head dim x dtype bytes; the engine logs the tokens it holds).
+    kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0)
     enforce_eager: bool = True
     max_num_seqs: int = Field(256, ge=1)
     max_model_len: int | None = Field(None, ge=16)

