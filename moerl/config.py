@@ -721,7 +721,8 @@ class PipelineConfig(_Section):
     worker_retries: int = Field(100, ge=0)
     # Async: rollout workers and scorers abandon the run when the trainer has been gone this
     # long (its task failed and its retries are spent), so the run ends FAILED instead of its
-    # workers retrying for days. Keep it above the time a trainer pod takes to be rescheduled.
+    # workers retrying for days. Keep it above the time a trainer pod takes to be rescheduled,
+    # and above init_policy's (the workers start beside it).
     trainer_lost_s: float = Field(3600.0, ge=30.0)
     # Sync pipeline on the cluster: retries of a task whose stage is a pure function of its
     # inputs (rollout, reward, buffer, policy update, redistribution), e.g. after a Spot

@@ -1,11 +1,11 @@
 """The async GRPO pipeline: long-lived stages that run concurrently in one KFP run, joined by Valkey.
 
     ExitHandler(close_run):           marks the MLflow run FAILED however the run fails
-      start_run -> init_policy (v0)
-        -> concurrently, each for the whole run:
+      start_run -> concurrently, each for the whole run:
              ParallelFor(start_run's worker_slots): rollout_worker(i)   (rollout.workers)
              ParallelFor(start_run's scorer_slots): reward_scorer(j)    (reward.scorers)
-             async_trainer  (publishes v1..v_N, N = pipeline.versions, then sets the done flag)
+             init_policy (v0) -> async_trainer  (publishes v1..v_N, N = pipeline.versions,
+                                                 then sets the done flag)
         -> finish_run (after the trainer)
 
 No data flows between the long-lived tasks through KFP: work units, generated and scored
@@ -30,6 +30,11 @@ Why each setting:
   a worker preempted after the first hour would never be replaced.
 - The trainer gets `TRAINER_RETRIES` retries under the same deadline: a restarted trainer
   resumes from the last published version.
+- Rollout workers and scorers start beside `init_policy`, not after it (issue 24, fast start):
+  the worker's pod start, image pull and engine start on dummy weights (`rollout.early_engine`)
+  overlap version 0's publication, and it hot-swaps version 0 in when the trainer registers
+  it. A failing `init_policy` marks the run failed on the bus (`stages_beside`), so they stop
+  at once; were that mark lost, they stop after `pipeline.trainer_lost_s` without a trainer.
 
 Credentials never enter the compiled spec: `valkey.url` cannot embed a password (the tasks
 read `$VALKEY_PASSWORD`), and `moerl compile` strips those of `tracking.uri` as for the sync
@@ -111,15 +116,17 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str =
     def _body(inputs: dict) -> None:
         start = start_task(ops, _task, cfg, inputs, target)
         rid, config_json = start.outputs["run_id"], start.outputs["config_json"]  # the run's merged config
-        init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
+        init = _task(ops.init_policy(config_json=config_json, run_id=rid, stages_beside=True), "init-policy-v0")
         # one slot per worker / scorer of the merged config (the run form's rollout_workers and
-        # reward_scorers): no parallelism limit, so every slot runs at once
+        # reward_scorers): no parallelism limit, so every slot runs at once. They start beside
+        # init_policy, not after it: a worker's pod scheduling, image pull and engine start
+        # (rollout.early_engine: on dummy weights) overlap version 0's publication
         with dsl.ParallelFor(start.outputs["worker_slots"], name="rollout-workers") as i:
             ro = _task(ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i), "rollout-worker")
-            _retry(ro.after(init), cfg.pipeline.worker_retries, cfg)
+            _retry(ro, cfg.pipeline.worker_retries, cfg)
         with dsl.ParallelFor(start.outputs["scorer_slots"], name="reward-scorers") as j:
             sc = _task(ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j), "reward-scorer")
-            _retry(sc.after(init), cfg.pipeline.worker_retries, cfg)
+            _retry(sc, cfg.pipeline.worker_retries, cfg)
         tr = _task(ops.async_trainer(config_json=config_json, run_id=rid), "trainer")
         _retry(tr.after(init), TRAINER_RETRIES, cfg)
         _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output), "finish-run")

@@ -573,3 +573,41 @@ def test_a_stage_user_reaches_its_own_run_only_and_cannot_change_the_server(tmp_
     assert "requirepass" not in script and "VALKEY_ADMIN_PASSWORD" in script
     mounted = sts["spec"]["template"]["spec"]["volumes"][0]["secret"]["items"]
     assert {i["key"] for i in mounted} == {"VALKEY_PASSWORD", "VALKEY_ADMIN_PASSWORD"}
+
+
+def test_a_failing_init_policy_stops_the_stages_that_started_beside_it(server, tmp_path, monkeypatch):
+    """The async pipeline starts its rollout workers and scorers beside init_policy (their
+    engines start on dummy weights): when init_policy fails, the run is marked failed on the
+    bus, which every stage's TrainerWatch reads at its next check, instead of waiting
+    pipeline.trainer_lost_s for a trainer that will never start. The task still fails."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from moerl.bus import TrainerWatch, abandon_run
+    from moerl.components.publish_checkpoint.component import init_policy
+    from moerl.config import config_to_json, parse_config
+
+    monkeypatch.setenv(PASSWORD_ENV, server.password)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = parse_config({"model": {"path": str(tmp_path / "no-such-model")},
+                        "checkpoint": {"uri": str(tmp_path / "ckpt")}, "tracking": {"uri": uri},
+                        "valkey": {"url": server.url, "username": server.stage_user},
+                        "pipeline": {"mode": "async"}})
+    client = MlflowClient(uri)
+    exp = client.create_experiment("init")
+    runs = [client.create_run(exp).info.run_id for _ in range(2)]
+    bus, other = (RunBus(connect(server.url, 5, server.stage_user), r) for r in runs)
+    stages = TrainerWatch(bus, lost_after_s=3600, every_s=0)
+    assert not stages.abandoned()
+    state = SimpleNamespace(path=str(tmp_path / "state"))
+    with pytest.raises(Exception, match="no-such-model"):
+        init_policy(config_to_json(cfg), bus.run_id, state, stages_beside=True)
+    assert bus.failed().startswith("init_policy failed: ") and "no-such-model" in bus.failed()
+    assert stages.abandoned()
+    # the sync pipeline's init_policy (stages_beside false) leaves the bus alone
+    with pytest.raises(Exception, match="no-such-model"):
+        init_policy(config_to_json(cfg), other.run_id, state)
+    assert other.failed() is None
+    # an unreachable bus is a warning, not a second failure that would hide the first
+    assert abandon_run("redis://127.0.0.1:1", None, "r1", "why", reconnect_s=0.5) is False

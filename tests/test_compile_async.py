@@ -45,11 +45,15 @@ def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
         "start-run", "init-policy-v0", "rollout-workers", "reward-scorers", "trainer", "finish-run"}
     by_name = {t.task_info.name: key for key, t in root.items()}
     init = by_name["init-policy-v0"]
-    # the three long-lived stages start together once version 0 exists, not after each other
+    # the three long-lived stages do not wait for each other; the workers and scorers start
+    # beside version 0's publication (their engines start on dummy weights), the trainer after it
     for stage in ("rollout-workers", "reward-scorers", "trainer"):
         deps = set(root[by_name[stage]].dependent_tasks)
-        assert init in deps, stage
+        assert (init in deps) == (stage == "trainer"), stage
+        assert by_name["start-run"] in deps or stage == "trainer", stage
         assert not deps & {by_name[s] for s in ("rollout-workers", "reward-scorers", "trainer")}, stage
+    # a failing init_policy stops the stages that started beside it (it marks the run failed)
+    assert root[init].inputs.parameters["stages_beside"].runtime_value.constant.bool_value is True
     assert set(root[by_name["finish-run"]].dependent_tasks) >= {by_name["trainer"]}
     fin_policy = root[by_name["finish-run"]].inputs.parameters["policy_json"].task_output_parameter
     assert fin_policy.producer_task == by_name["trainer"]

@@ -5,12 +5,14 @@ from typing import NamedTuple
 from kfp.dsl import Artifact, Input, Output
 
 
-def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
+def init_policy(config_json: str, run_id: str, state: Output[Artifact], stages_beside: bool = False) -> str:
     """Build version 0 (the tiny model from its seed, or a copy of `model.path`; with
     `model.warm_start: previous`, the verified final checkpoint of the newest FINISHED run in
     `tracking.experiment`, recorded in this run's `moerl.warm_start.*` tags), publish it to the
     checkpoint store, and return its PolicyVersion as JSON. `state` is the trainer state the
-    first policy update starts from."""
+    first policy update starts from. `stages_beside` (the async pipeline, whose rollout
+    workers and scorers start beside this task): a failure also marks the run failed on its
+    Valkey bus, so they stop at once."""
     from moerl.launch.podenv import enter_pod
 
     enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
@@ -20,9 +22,17 @@ def init_policy(config_json: str, run_id: str, state: Output[Artifact]) -> str:
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
-    stage_start(cfg, "init_policy", run_id, enforce=False)  # build-info and runtime probe on the run
-    prepare_initial(cfg, state.path, run_id=run_id)
-    policy, _ = run_publish(cfg, run_id, state.path, 0)
+    try:
+        stage_start(cfg, "init_policy", run_id, enforce=False)  # build-info and runtime probe on the run
+        prepare_initial(cfg, state.path, run_id=run_id)
+        policy, _ = run_publish(cfg, run_id, state.path, 0)
+    except BaseException as err:
+        if stages_beside and cfg.valkey.url:
+            from moerl.bus import abandon_run
+
+            abandon_run(cfg.valkey.url, cfg.valkey.username, run_id,
+                        f"init_policy failed: {type(err).__name__}: {err}"[:2000])
+        raise
     return policy.model_dump_json()
 
 

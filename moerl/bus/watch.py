@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from moerl.bus.client import connect
 from moerl.bus.run import RunBus
 
 log = logging.getLogger(__name__)
@@ -40,3 +41,17 @@ class TrainerWatch:
         if self.reason:
             log.error("the run was abandoned: %s; stopping", self.reason)
         return self.reason is not None
+
+
+def abandon_run(url: str, username: str | None, run_id: str, reason: str, reconnect_s: float = 10.0) -> bool:
+    """Mark run `run_id` failed on its bus (`RunBus.set_failed`), best effort: what a task that
+    the long-lived stages started beside, and that failed before the trainer could start
+    (init_policy), does so that they stop within a second instead of waiting
+    `pipeline.trainer_lost_s` for a trainer that will never come. True when it was set."""
+    try:
+        RunBus(connect(url, reconnect_s, username), run_id).set_failed(reason)
+        return True
+    except Exception as err:  # noqa: BLE001 - the task's own failure is what matters; the stages time out
+        log.warning("could not mark run %s failed on its bus (%s): its stages stop after pipeline.trainer_lost_s",
+                    run_id, err)
+        return False

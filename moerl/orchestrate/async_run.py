@@ -117,14 +117,20 @@ class LocalAsyncRun:
         finally:
             log.close()
 
-    def start(self) -> None:
-        self.children["trainer"] = Child("trainer", "trainer", self._spawn("trainer", "trainer"))
-        for i in range(self.cfg.reward.scorers):
-            n = f"scorer-{i}"
-            self.children[n] = Child(n, "scorer", self._spawn(n, "scorer"))
+    def start_stages(self) -> None:
+        """The rollout workers and scorers: they need no version to start (a worker starts its
+        engine on dummy weights, `rollout.early_engine`), so they start before version 0 is
+        published, as on the cluster (pipelines/grpo_async.py)."""
         for i in range(self.cfg.rollout.workers):
             n = f"rollout-{i}"
             self.children[n] = Child(n, "rollout", self._spawn(n, "rollout"))
+        for i in range(self.cfg.reward.scorers):
+            n = f"scorer-{i}"
+            self.children[n] = Child(n, "scorer", self._spawn(n, "scorer"))
+
+    def start_trainer(self) -> None:
+        """The trainer, once version 0 is published."""
+        self.children["trainer"] = Child("trainer", "trainer", self._spawn("trainer", "trainer"))
 
     def signal(self, name: str, sig: int) -> None:
         """Send `sig` to child `name` (fault tests; SIGTERM is what a Spot drain sends)."""
@@ -255,19 +261,21 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
     try:
         cfg = servers.enter_context(embedded_cache_tier(cfg, work / "ckpt-cache"))
         print(f"[moerl] async: Valkey at {tracking.redact(cfg.valkey.url)}; logs in {work / 'logs'}", flush=True)
-        # 3. version 0
-        from moerl.store.runs import run_store
-
-        if run_store(cfg.checkpoint, run_id).latest() is None:
-            publish_initial(cfg, run_id, work)
-        # 4-6. stages (a resumed run's `done` and `failed` cleared first: its stages must run)
+        # 3. the rollout workers and scorers (a resumed run's `done` and `failed` cleared first:
+        # its stages must run); their start overlaps version 0's publication
         if resume:
             from moerl.bus import RunBus, connect
 
             RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username,
                            server.password if server is not None else None), run_id).reopen()
         run = LocalAsyncRun(cfg, run_id, work, server)
-        run.start()
+        run.start_stages()
+        # 4. version 0, then the trainer
+        from moerl.store.runs import run_store
+
+        if run_store(cfg.checkpoint, run_id).latest() is None:
+            publish_initial(cfg, run_id, work)
+        run.start_trainer()
         with procs.sigterm_raises():
             run.supervise(on_tick=on_tick)
         policy = run_store(cfg.checkpoint, run_id)
