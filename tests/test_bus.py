@@ -611,3 +611,36 @@ def test_a_failing_init_policy_stops_the_stages_that_started_beside_it(server, t
     assert other.failed() is None
     # an unreachable bus is a warning, not a second failure that would hide the first
     assert abandon_run("redis://127.0.0.1:1", None, "r1", "why", reconnect_s=0.5) is False
+
+
+def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failure(bus):
+    """Publication off the generation loop (components/rollout/worker.py, _Outbox): writes are
+    made in the order handed over, `flush` waits for them, and after a failed write nothing
+    later is made (an acknowledgement must never land without its unit's groups), the failure
+    raised on the loop."""
+    from moerl.components.rollout.worker import _Outbox
+
+    out = _Outbox("t")
+    made: list[str] = []
+    for i in range(20):
+        out.put(lambda i=i: (bus.publish_group(f"u1/{i}:p{i}", [{"x": i}]), made.append(f"g{i}")))
+    out.put(lambda: made.append("ack"))
+    out.flush()
+    assert made == [f"g{i}" for i in range(20)] + ["ack"]
+    assert bus.counters()["groups_generated"] == 20
+
+    def broken() -> None:
+        raise BusError("Valkey unreachable for 60 s (valkey.reconnect_s)")
+
+    out.put(broken)
+    out.put(lambda: made.append("ack after a lost group"))
+    with pytest.raises(BusError, match="reconnect_s"):
+        out.flush()
+    assert made[-1] == "ack" and bus.counters()["groups_generated"] == 20
+    with pytest.raises(BusError):  # every later hand-over raises too
+        out.put(lambda: made.append("more"))
+    out.close()
+    closed = _Outbox("t2")
+    closed.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.put(lambda: None)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
 import socket
 import statistics
@@ -60,6 +61,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.config import RunConfig, config_from_json
@@ -113,6 +115,58 @@ class _InFlight:
         return [k for k in self.todo if k not in self.finished]
 
 
+class _Outbox:
+    """The worker's writes of finished work to the bus (each group's publication, then its
+    unit's acknowledgement), made in order on a thread of their own: the generation loop hands
+    them over and steps the engine on instead of waiting for a Valkey round trip per group
+    (issue 24: publication off the generation loop). A write that fails (the bus unreachable
+    past `valkey.reconnect_s`) stops every later one, since an acknowledgement must never land
+    without its unit's groups, and is raised on the loop at its next hand-over or `flush`."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"moerl-outbox-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            if isinstance(fn, threading.Event):  # a flush's barrier: everything before it is done
+                fn.set()
+            elif self.error is None:
+                try:
+                    fn()
+                except BaseException as err:  # noqa: BLE001 - raised on the generation loop
+                    self.error = err
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, fn: Callable[[], Any]) -> None:
+        self.check()
+        if not self._thread.is_alive():
+            raise RuntimeError("the worker's outbox is closed: nothing more can be written")
+        self._q.put(fn)
+
+    def flush(self) -> None:
+        """Wait until every write handed over so far is made; raise the first that failed."""
+        if self._thread.is_alive():
+            done = threading.Event()
+            self._q.put(done)
+            done.wait()
+        self.check()
+
+    def close(self) -> None:
+        """Make what is queued, then stop the thread (errors stay in `error`)."""
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, run_id: str, name: str, bus: RunBus):
         self.cfg, self.run_id, self.name, self.bus = cfg, run_id, name, bus
@@ -146,6 +200,7 @@ class RolloutWorker:
         # and where each prefetched version came from (counted when it is swapped in)
         self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
         self._prefetched: dict[int, list[str]] = {}
+        self._outbox = _Outbox(name)  # group publications and unit acknowledgements, in order
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
@@ -413,6 +468,9 @@ class RolloutWorker:
         units.pop(u.lease.entry_id, None)
         for rid in u.by_rid:
             rid_unit.pop(rid, None)
+        if not remaining:  # the acknowledgement follows the unit's groups on the outbox, then the release
+            self._end_unit(u.lease, [], defer=True)
+            return
         try:
             self._end_unit(u.lease, remaining, [rid for rid, k in u.by_rid.items() if k in remaining])
         finally:
@@ -426,11 +484,23 @@ class RolloutWorker:
         done_already = self.bus.published(list(gids.values()))
         return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
-    def _end_unit(self, lease: Lease, remaining: list[int], rids: list[str] | None = None) -> bool:
+    def _end_unit(self, lease: Lease, remaining: list[int], rids: list[str] | None = None, defer: bool = False) -> bool:
         """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
         requeue them (a drain); its requests still in flight (`rids`; None: every request) are
-        aborted."""
+        aborted. Its groups' publications are made first (the outbox is flushed); `defer` (a
+        unit with nothing remaining): the acknowledgement and the lease's release go on the
+        outbox after them instead, and the loop goes on at once."""
         unit_id = lease.unit["unit_id"]
+        if defer:
+            def ack() -> None:
+                try:
+                    self.bus.ack_unit(lease)
+                finally:
+                    self._release(lease)
+
+            self._outbox.put(ack)
+            return True
+        self._outbox.flush()
         if remaining:
             self.engine.abort(rids) if rids is not None else self.engine.abort_all()
         if remaining and not self._still_held(lease):
@@ -549,8 +619,9 @@ class RolloutWorker:
 
     def _publish_samples(self, unit_id: str, entry: dict, samples: list[Sample]) -> None:
         gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
-        self.bus.publish_group(gid, [s.model_copy(update={"sample_id": f"{self.run_id}/{gid}/{s.sample_index}"})
-                                     .model_dump() for s in samples])
+        dumped = [s.model_copy(update={"sample_id": f"{self.run_id}/{gid}/{s.sample_index}"}).model_dump()
+                  for s in samples]
+        self._outbox.put(lambda: self.bus.publish_group(gid, dumped))
 
     # -- leases -------------------------------------------------------------------------
     def _hold(self, lease: Lease) -> None:
@@ -600,8 +671,11 @@ class RolloutWorker:
         self.bus.heartbeat(self.name, ttl_s=10.0)
         beat.start()
         try:
-            return self._loop()
+            code = self._loop()
+            self._outbox.flush()  # every group and acknowledgement handed over is on the bus
+            return code
         finally:
+            self._outbox.close()  # after a failure too: what was handed over is still written
             stop.set()
             beat.join(timeout=5)
             # the final stats, so busy/idle fractions cover the whole life of the worker
@@ -645,6 +719,7 @@ class RolloutWorker:
                 self._release(lease)
 
     def close(self) -> None:
+        self._outbox.close()
         if self._fanout is not None:
             self._fanout.stop()
             self._fanout = None

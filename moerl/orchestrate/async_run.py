@@ -117,6 +117,11 @@ class LocalAsyncRun:
         finally:
             log.close()
 
+    def start(self) -> None:
+        """Every stage at once (version 0 already published)."""
+        self.start_stages()
+        self.start_trainer()
+
     def start_stages(self) -> None:
         """The rollout workers and scorers: they need no version to start (a worker starts its
         engine on dummy weights, `rollout.early_engine`), so they start before version 0 is
