@@ -38,6 +38,8 @@ def test_workload_and_update_arms_are_checked(tmp_path):
         run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], workload="long", out=tmp_path / "r.json")
     with pytest.raises(ConfigError, match="--swap-every"):
         run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], swap_every=-1, out=tmp_path / "r.json")
+    with pytest.raises(ConfigError, match="--warmup-units must be in 0..64"):
+        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], warmup_units=-1, out=tmp_path / "r.json")
 
 
 @pytest.mark.slow
@@ -46,18 +48,21 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
     each version it takes, the in-flight one never does and its responses cross versions."""
     out = tmp_path / "rollout.json"
     rep = run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", ["units.max_prompts=4", "rollout.samples_per_prompt=4"],
-                            units=3, in_flight="2", out=out, echo=lambda s: None, workload="long-tail",
+                            units=12, in_flight="2", out=out, echo=lambda s: None, workload="long-tail",
                             updates="between_units,in_flight", swap_every=0.2)
     assert rep["ok"], rep["arms"]
     assert json.loads(out.read_text())["bench"] == "rollout"
     w = rep["workload"]
     assert w["workload"] == "long-tail" and w["max_new_tokens"] == 384
+    # every arm generated 2 other units first, untimed (a fresh engine's first batches are slow)
+    assert w["warmup_units"] == 2 and all(a["warmup_units"] == 2 for a in rep["arms"].values())
     assert 1 <= w["length_p50"] <= w["length_p90"] <= w["length_max"] <= 384
     bare, between, inflight = (rep["arms"][k] for k in ("bare", "worker-2", "worker-2-inflight"))
-    # every prompt of the 3 units, G samples each, in every arm (a group's tokens: 4 x at most 384)
-    assert bare["groups"] == between["groups"] == inflight["groups"] == 12
+    # every prompt of the 12 timed units, G samples each, in every arm, the warm-up's not counted
+    # (a group's tokens: 4 x at most 384)
+    assert bare["groups"] == between["groups"] == inflight["groups"] == 48
     for arm in (bare, between, inflight):
-        assert 12 * 4 <= arm["tokens"] <= 12 * 4 * 384
+        assert 48 * 4 <= arm["tokens"] <= 48 * 4 * 384
         assert arm["tokens_per_s"] == pytest.approx(arm["tokens"] / arm["wall_s"])
     for arm in (between, inflight):
         assert arm["ratio_to_bare"] == pytest.approx(arm["tokens_per_s"] / bare["tokens_per_s"])
@@ -69,7 +74,7 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
     assert between["drain_steps"] >= 1 and between["drain_s"] > 0
     assert 0 < between["drain_mean_batch"] <= 2 * 256
     # in flight: swapped with sequences running, never drained, and some responses hold two versions;
-    # it kept leasing meanwhile (3 units issued, 2 in flight: one leased beside another). The
+    # it kept leasing meanwhile (12 units issued, 2 in flight: one leased beside another). The
     # between-units worker stops leasing whenever a newer version waits, so with a version every
     # 0.2 s it may never overlap two units
     assert inflight["swaps_in_flight"] >= 1 and inflight["samples_mixed_version"] >= 1

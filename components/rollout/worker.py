@@ -386,7 +386,7 @@ class RolloutWorker:
         rid_unit: dict[str, str] = {}  # request id -> entry id
         cap, room = self.cfg.rollout.units_in_flight, self.cfg.rollout.max_num_seqs
         in_flight = self.cfg.rollout.weight_update == "in_flight"
-        newer, newer_at, lease_at = False, 0.0, 0.0
+        newer, newer_at, empty_at = False, 0.0, 0.0
         drain_t0, drain_steps, drain_seqs = None, 0, 0  # a between-units drain for a newer version
         while True:
             if not units:  # the engine is idle: the run may end, a drain ends here, the version moves
@@ -421,10 +421,11 @@ class RolloutWorker:
             # room: a full running batch plus a full batch waiting, so the engine's scheduler has the
             # next unit's prefill queued when this one's sequences end (they often end together)
             if (not self.drain.asked and not newer and len(units) < cap and self.engine.unfinished_sequences() < 2 * room
-                    and (not units or now - lease_at > 0.1)):  # beside generation: a read at most every 0.1 s
-                lease_at = now
+                    and (not units or now - empty_at > 0.1)):  # beside generation, an empty queue is read every 0.1 s
                 lease = self.bus.lease_unit(self.name, block_ms=0 if units else 200)
-                if lease is not None:
+                if lease is None:
+                    empty_at = now
+                else:
                     self._hold(lease)  # refreshed from now on by the heartbeat thread
                     if not units:  # a version registered while we waited: its units were issued for it
                         self._serve_latest()

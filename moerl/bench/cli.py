@@ -65,7 +65,8 @@ def _rollout(a: argparse.Namespace) -> int:
     from moerl.bench.rollout import run_bench_rollout
 
     rep = run_bench_rollout(a.config, a.set, units=a.units, in_flight=a.in_flight, out=a.out, workload=a.workload,
-                            updates=a.updates, swap_every=a.swap_every, max_num_seqs=a.max_num_seqs)
+                            updates=a.updates, swap_every=a.swap_every, max_num_seqs=a.max_num_seqs,
+                            warmup_units=a.warmup_units)
     return 0 if rep["ok"] else 1
 
 
@@ -190,6 +191,8 @@ def add_bench_parsers(sub) -> None:
                     "arm at each value (default: the config's)")
     ro.add_argument("--swap-every", type=float, default=0.0, help="publish a new version every this many seconds "
                     "while a worker arm runs (0: one version)")
+    ro.add_argument("--warmup-units", type=int, default=2, help="units every arm generates before its timed "
+                    "window, other prompts than the timed ones (0: time cold engines)")
     ro.add_argument("--out", default="bench/rollout.json")
     ro.set_defaults(func=_rollout)
 

@@ -60,6 +60,11 @@ from moerl.errors import ConfigError
 RUN_ID = "bench-rollout"
 SWAP_ENV = "MOERL_BENCH_SWAP_EVERY"  # the worker arm's --swap-every, to its child process
 SWAP_VERSIONS = 40  # versions published before a swapping arm's window (its swaps stop after these)
+WARMUP_ENV = "MOERL_BENCH_WARMUP_UNITS"  # --warmup-units, to each arm's child process
+# Units generated before every arm's window, other prompts than the timed ones: a fresh engine's
+# first batches pay one-time costs (measured on the embedded default: the first generate of 12
+# units took 3.4 s, the same call again 1.25 s), which a long-lived worker pays once per run.
+WARMUP_UNITS = 2
 WORKLOADS = ("digits", "long-tail")
 UPDATES = ("between_units", "in_flight")
 # the long-tail workload: room for long responses, ended by the random model's EOS rate
@@ -84,8 +89,12 @@ def _localized(cfg: RunConfig, work: Path) -> RunConfig:
         "valkey": cfg.valkey.model_copy(update={"url": None})})
 
 
+def _warm_units() -> int:
+    return int(os.environ.get(WARMUP_ENV, str(WARMUP_UNITS)))
+
+
 def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
-    """One engine, every prompt in one `generate` call."""
+    """One engine, every prompt in one `generate` call, after the warm-up units' own call."""
     from transformers import AutoTokenizer
 
     from moerl.components.publish_checkpoint.stage import prepare_initial
@@ -96,9 +105,14 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
     model_dir = work / "v0"
     prepare_initial(cfg, model_dir, run_id=RUN_ID)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in _prompts(cfg, n_units) for p in unit]
+    warm = _warm_units()
+    units = _prompts(cfg, n_units + warm)
+    ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[:n_units] for p in unit]
+    warm_ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[n_units:] for p in unit]
     engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
     try:
+        if warm_ids:  # the engine's first batches pay one-time costs (kernels for new shapes): not timed
+            engine.generate(warm_ids, cfg.rollout.samples_per_prompt)
         t0 = time.perf_counter()
         groups = engine.generate(ids, cfg.rollout.samples_per_prompt)
         wall = time.perf_counter() - t0
@@ -106,7 +120,7 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         engine.close()
     lengths = sorted(len(c.token_ids) for g in groups for c in g)
     pick = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
-    return {"tokens": sum(lengths), "groups": len(groups), "wall_s": wall, "load_s": engine.load_s,
+    return {"tokens": sum(lengths), "groups": len(groups), "wall_s": wall, "load_s": engine.load_s, "warmup_units": warm,
             "busy_fraction": 1.0, "length_p50": pick(0.5), "length_p90": pick(0.9), "length_p99": pick(0.99),
             "length_max": lengths[-1]}
 
@@ -157,8 +171,11 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
         bus.trainer_beacon(ttl_s=3600)  # no trainer here: the worker must not abandon the run
         versions = _prepublish(cfg, work, SWAP_VERSIONS) if swap_every > 0 else []
         worker = RolloutWorker(cfg, RUN_ID, "rollout-0", bus)
-        units = _prompts(cfg, n_units)
-        target = sum(len(u) for u in units)
+        warm = _warm_units()
+        every = _prompts(cfg, n_units + warm)
+        units, warm_units = every[:n_units], every[n_units:]
+        warm_groups = sum(len(u) for u in warm_units)
+        target = warm_groups + sum(len(u) for u in units)
         timed: dict[str, float] = {}
         failed: list[BaseException] = []
         stop = threading.Event()
@@ -167,7 +184,12 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
             try:
                 while worker.engine is None or worker.version is None:
                     time.sleep(0.05)
+                for u in warm_units:  # through the whole worker, before the window (see _bare)
+                    bus.issue_unit([p.model_dump() for p in u])
+                while bus.counters()["groups_generated"] < warm_groups and not failed:
+                    time.sleep(0.02)
                 busy0 = worker.busy_s
+                timed.update(start={k: bus.counters()[k] for k in ("tokens_generated", "units_overlapped")})
                 timed["t0"] = time.perf_counter()
                 for u in units:
                     bus.issue_unit([p.model_dump() for p in u])
@@ -198,8 +220,10 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
             raise RuntimeError(f"the rollout worker ended with {code} before every group was generated")
         c = bus.counters()
         wall = timed["t1"] - timed["t0"]
-        return {"tokens": c["tokens_generated"], "groups": c["groups_generated"], "wall_s": wall, "load_s": load_s,
-                "busy_fraction": timed["busy"] / wall, "units_overlapped": c["units_overlapped"],
+        start = timed["start"]
+        return {"tokens": c["tokens_generated"] - start["tokens_generated"], "groups": c["groups_generated"] - warm_groups,
+                "wall_s": wall, "load_s": load_s, "warmup_units": warm,
+                "busy_fraction": timed["busy"] / wall, "units_overlapped": c["units_overlapped"] - start["units_overlapped"],
                 "units_in_flight": cfg.rollout.units_in_flight, "weight_update": cfg.rollout.weight_update,
                 "swaps": c.get("swaps", 0), "swaps_in_flight": c.get("swaps_in_flight", 0),
                 "samples_mixed_version": c.get("samples_mixed_version", 0),
@@ -253,11 +277,14 @@ def parse_updates(text: str) -> tuple[str, ...]:
 def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int = 4, in_flight: str = "1,2",
                       out: str | Path = "bench/rollout.json", echo=print, workload: str = "digits",
                       updates: str = "between_units", swap_every: float = 0.0,
-                      max_num_seqs: str | None = None) -> dict[str, Any]:
+                      max_num_seqs: str | None = None, warmup_units: int = WARMUP_UNITS) -> dict[str, Any]:
     """`max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
-    named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's."""
+    named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's.
+    `warmup_units`: units every arm generates before its window (0: time cold engines)."""
     if not 1 <= units <= 1024:
         raise ConfigError(f"bench rollout: --units must be in 1..1024, got {units}")
+    if not 0 <= warmup_units <= 64:
+        raise ConfigError(f"bench rollout: --warmup-units must be in 0..64, got {warmup_units}")
     if workload not in WORKLOADS:
         raise ConfigError(f"bench rollout: --workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     if not 0 <= swap_every <= 3600:
@@ -281,7 +308,8 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
             work.mkdir()
             echo(f"[bench rollout] {name} ...")
             code, result, log = run_child("moerl.bench.rollout", command, arm_cfg, units, work, name,
-                                          env_extra={SWAP_ENV: repr(float(swap_every))})
+                                          env_extra={SWAP_ENV: repr(float(swap_every)),
+                                                     WARMUP_ENV: str(warmup_units)})
             if code != 0 or not result.exists():
                 arms[name] = {"ok": False, "error": log_tail(log)}
                 continue
@@ -297,7 +325,7 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
     workload = {"workload": workload, "units": units, "prompts_per_unit": cfg.units.max_prompts,
                 "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
                 "max_num_seqs": list(sweep) if len(sweep) > 1 else cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset,
-                "swap_every_s": swap_every, "inflight_kv": cfg.rollout.inflight_kv,
+                "swap_every_s": swap_every, "inflight_kv": cfg.rollout.inflight_kv, "warmup_units": warmup_units,
                 **{k: arms.get("bare" + (f"@{sweep[0]}" if len(sweep) > 1 else ""), {}).get(k)
                    for k in ("length_p50", "length_p90", "length_p99", "length_max")}}
     report = envelope("rollout", all(r.get("ok") for r in arms.values()), workload=workload, arms=arms)
