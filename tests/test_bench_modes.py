@@ -96,6 +96,12 @@ def test_floor_and_async_arms_on_one_workload(tmp_path):
     for r in (floor, asy):
         assert len(r["reward_s"]) == 2 and 0 < r["reward_s"][0] <= r["reward_s"][1] <= r["wall_s"] + 1.0
         assert r["time_to_reward"] == time_to_reward(r["rewards"], r["reward_s"], 0.8)
+        # the start: the first trained version is the first reward, after an engine's load
+        st = r["start"]
+        assert st["first_version_s"] == r["reward_s"][0] and 0 < st["engine_load_s"] < st["first_version_s"]
+    # the async worker's first group came after its engine's load, before the first version trained
+    assert asy["start"]["engine_load_s"] < asy["start"]["first_sample_s"] < asy["start"]["first_version_s"]
+    assert floor["start"]["first_sample_s"] is None and "async start: first trained version at" in format_report(report)
 
 
 def test_time_to_reward_is_the_first_version_at_the_target():

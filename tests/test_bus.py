@@ -644,3 +644,4 @@ def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failu
     closed.close()
     with pytest.raises(RuntimeError, match="closed"):
         closed.put(lambda: None)
+

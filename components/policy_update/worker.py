@@ -408,6 +408,8 @@ def _async_metrics(bus: RunBus, t_start: float, busy: float) -> dict[str, float]
             out[f"async/busy_fraction/{name}"] = st.get("busy_s", 0.0) / st["wall_s"]
         if st.get("first_sample_s"):  # a rollout worker's start -> its first generated group (fast start)
             out[f"async/first_sample_s/{name}"] = st["first_sample_s"]
+        if st.get("engine_load_s"):  # its last engine's load (the early engine's, on dummy weights)
+            out[f"async/engine_load_s/{name}"] = st["engine_load_s"]
         if st.get("unit_tail_median_s"):  # multi-turn: a unit's last episode against its median one
             out[f"async/unit_tail_ratio/{name}"] = st["unit_tail_last_s"] / st["unit_tail_median_s"]
     out["async/workers_alive"] = float(sum(n.startswith("rollout") for n in bus.alive()))

@@ -11,7 +11,7 @@ prompts each; a unit some dead worker left idle past the visibility timeout is r
 first), up to `rollout.units_in_flight` at once, another whenever the engine holds fewer than
 twice `rollout.max_num_seqs` unfinished sequences (a running batch and a waiting one); (4) submit one request per prompt (n = G, a seed
 per group, so a re-executed unit regenerates the same samples), skipping groups another
-attempt already published; (5) step the engine, publishing each group the moment its G samples
+attempt already published; (5) step the engine, handing each group to the outbox thread the moment its G samples
 finish and acknowledging each unit the moment its last group is. When a newer version is
 servable (checked every 0.5 s beside generation), `rollout.weight_update` decides: between_units,
 the worker stops leasing until its units are done, then swaps; in_flight, it fetches and swaps
@@ -289,6 +289,7 @@ class RolloutWorker:
                                dummy=dummy)
         self.tokenizer, self.engine = tokenizer, engine
         self.bus.incr(engine_loads=1)
+        self.bus.heartbeat(self.name, ttl_s=10.0, engine_load_s=engine.load_s)  # the start, measured (bench modes)
 
     def _early_engine(self) -> None:
         """`rollout.early_engine`: an engine on dummy weights from the model's skeleton, started

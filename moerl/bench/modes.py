@@ -317,10 +317,15 @@ def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
     busy["trainer"] = last["async/trainer_busy_fraction"]
     counters = {k: int(last[f"async/{k}"]) for k in ("generated", "trained", "filtered", "stale_dropped",
                                                      "duplicates", "failed", "swaps") if f"async/{k}" in last}
+    reward_s = _reward_s(uri, summary.run_id, t0_unix)
+    workers = lambda key: [v for k, v in last.items() if k.startswith(key)]  # noqa: E731
+    start = {"first_version_s": reward_s[0] if reward_s else None,
+             "engine_load_s": max(workers("async/engine_load_s/"), default=None),
+             "first_sample_s": min(workers("async/first_sample_s/"), default=None)}
     return arm_result(wall, _history(uri, summary.run_id, "reward/mean"),
                       engine_loads=int(last["async/engine_loads"]),
                       staleness_mean=_mean(_history(uri, summary.run_id, "buffer/staleness_mean")), busy=busy,
-                      reward_s=_reward_s(uri, summary.run_id, t0_unix), run_id=summary.run_id, counters=counters)
+                      reward_s=reward_s, run_id=summary.run_id, counters=counters, start=start)
 
 
 def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]:
@@ -330,9 +335,11 @@ def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[s
         wall = time.perf_counter() - t0
         busy = {k: v / wall for k, v in res["stage_s"].items()}
         stale = [s for s in res["staleness"] if s is not None]  # None: nothing trained in that version
+        reward_s = [u - t0_unix for u in res.get("version_s", [])]
+        start = {"first_version_s": reward_s[0] if reward_s else None,
+                 "engine_load_s": res["stage_s"].get("engine_load"), "first_sample_s": None}
         return arm_result(wall, res["rewards"], res["engine_loads"], _mean(stale), busy,
-                          reward_s=[u - t0_unix for u in res.get("version_s", [])], swaps=res["swaps"],
-                          inner_s=res["inner_s"])
+                          reward_s=reward_s, swaps=res["swaps"], inner_s=res["inner_s"], start=start)
     return _sync_arm(cfg, arm_dir) if arm == "sync" else _async_arm(cfg, arm_dir)
 
 
@@ -366,6 +373,14 @@ def format_report(report: dict[str, Any]) -> str:
         else:
             last = (r.get("error") or "").strip().splitlines()[-1:]  # an arm's own error ends its output
             lines.append(f"{name} FAILED: {last[0] if last else 'unknown'}")
+    for name, r in arms.items():  # the start: the first trained version against an engine's load
+        st = r.get("start") or {}
+        if r.get("ok") and st.get("first_version_s") is not None:
+            f = lambda v: f"{v:.1f} s" if v is not None else "-"  # noqa: E731
+            lines.append(f"{name} start: first trained version at {f(st['first_version_s'])}, engine load "
+                         f"{f(st.get('engine_load_s'))}"
+                         + (f", a worker's first group {f(st['first_sample_s'])} after its start"
+                            if st.get("first_sample_s") is not None else ""))
     shown = {k: f"{v:.2f}x" if v is not None else "-" for k, v in report["ratios"].items()}
     lines.append(f"sync/async (async speedup) {shown['sync_over_async']}; sync/floor {shown['sync_over_floor']}; "
                  f"async/floor {shown['async_over_floor']}  (wall-time multiples)")
