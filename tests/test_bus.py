@@ -633,10 +633,13 @@ def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failu
         raise BusError("Valkey unreachable for 60 s (valkey.reconnect_s)")
 
     out.put(broken)
-    out.put(lambda: made.append("ack after a lost group"))
+    out.put(lambda: made.append("ack after a lost group"), always=lambda: made.append("lease released"))
     with pytest.raises(BusError, match="reconnect_s"):
         out.flush()
-    assert made[-1] == "ack" and bus.counters()["groups_generated"] == 20
+    # the acknowledgement was skipped, its lease released all the same (no lease held forever)
+    assert made[-2:] == ["ack", "lease released"] and bus.counters()["groups_generated"] == 20
+    with pytest.raises(BusError):  # what the loop calls at every pass, idle or not
+        out.check()
     with pytest.raises(BusError):  # every later hand-over raises too
         out.put(lambda: made.append("more"))
     out.close()
@@ -644,4 +647,20 @@ def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failu
     closed.close()
     with pytest.raises(RuntimeError, match="closed"):
         closed.put(lambda: None)
+    # bounded: a hand-over waits while the bus is slow, rather than queueing without end
+    gate = threading.Event()
+    slow = _Outbox("t3", maxsize=2)
+    slow.put(gate.wait)  # taken by the thread, which waits on the gate
+    time.sleep(0.1)
+    slow.put(lambda: None)
+    slow.put(lambda: None)
+    third = threading.Thread(target=slow.put, args=(lambda: made.append("third"),))
+    third.start()
+    third.join(timeout=0.3)
+    assert third.is_alive()  # blocked: two writes wait already
+    gate.set()
+    third.join(timeout=5)
+    slow.flush()
+    assert made[-1] == "third"
+    slow.close()
 

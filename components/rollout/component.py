@@ -31,9 +31,10 @@ def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, sam
 def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     """Async mode: one long-lived rollout worker, `rollout-<worker_index>`, for the whole run.
 
-    Loads one vLLM engine on the newest published version, leases work units from the Valkey
-    work queue, publishes every finished group at once, and moves to each new version with the
-    in-place hot swap. Returns when the trainer marks the run done.
+    Starts one vLLM engine (on dummy weights before version 0 exists, `rollout.early_engine`:
+    this task starts beside init_policy), leases work units from the Valkey work queue,
+    publishes every finished group at once, and moves to each new version with the in-place
+    hot swap. Returns when the trainer marks the run done, or the run is abandoned.
 
     On SIGTERM (a Spot interruption) the worker stops leasing, finishes its active requests
     within `rollout.grace_seconds`, publishes them, requeues the rest, and this task FAILS with

@@ -154,7 +154,8 @@ def _uses_mla(model_dir: str | Path) -> bool:
     """Whether the checkpoint's attention is multi-head latent attention (DeepSeek-V2/V3)."""
     import json
 
-    return json.loads((Path(model_dir) / "config.json").read_text()).get("kv_lora_rank") is not None
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    return any((c or {}).get("kv_lora_rank") is not None for c in (hf, hf.get("text_config")))
 
 
 def kv_capacity(llm) -> int | None:

@@ -123,34 +123,44 @@ class _Outbox:
     past `valkey.reconnect_s`) stops every later one, since an acknowledgement must never land
     without its unit's groups, and is raised on the loop at its next hand-over or `flush`."""
 
-    def __init__(self, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, name: str, maxsize: int = 0):
+        # maxsize: writes handed over and not yet made, at most (0: unbounded); a full outbox
+        # blocks the hand-over, so a slow bus slows generation instead of queueing without end
+        self._q: queue.Queue = queue.Queue(maxsize)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"moerl-outbox-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
-            fn = self._q.get()
-            if fn is None:
+            item = self._q.get()
+            if item is None:
                 return
-            if isinstance(fn, threading.Event):  # a flush's barrier: everything before it is done
-                fn.set()
-            elif self.error is None:
-                try:
+            if isinstance(item, threading.Event):  # a flush's barrier: everything before it is done
+                item.set()
+                continue
+            fn, always = item
+            try:
+                if self.error is None:
                     fn()
-                except BaseException as err:  # noqa: BLE001 - raised on the generation loop
-                    self.error = err
+            except BaseException as err:  # noqa: BLE001 - raised on the generation loop
+                self.error = err
+                log.error("the outbox's write failed; nothing later is written: %s: %s", type(err).__name__, err)
+            finally:
+                if always is not None:  # a lease's release: the heartbeat must stop refreshing it
+                    always()
 
     def check(self) -> None:
+        """Raise the first write that failed (the loop calls this at every pass)."""
         if self.error is not None:
             raise self.error
 
-    def put(self, fn: Callable[[], Any]) -> None:
+    def put(self, fn: Callable[[], Any], always: Callable[[], Any] | None = None) -> None:
+        """Hand `fn` over; `always` runs after it whether it ran, failed or was skipped."""
         self.check()
         if not self._thread.is_alive():
             raise RuntimeError("the worker's outbox is closed: nothing more can be written")
-        self._q.put(fn)
+        self._q.put((fn, always))
 
     def flush(self) -> None:
         """Wait until every write handed over so far is made; raise the first that failed."""
@@ -200,7 +210,9 @@ class RolloutWorker:
         # and where each prefetched version came from (counted when it is swapped in)
         self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
         self._prefetched: dict[int, list[str]] = {}
-        self._outbox = _Outbox(name)  # group publications and unit acknowledgements, in order
+        # group publications and unit acknowledgements, in order; at most the groups of twice the
+        # units in flight wait (and their acknowledgements)
+        self._outbox = _Outbox(name, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1))
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
@@ -390,6 +402,7 @@ class RolloutWorker:
         newer, newer_at, empty_at = False, 0.0, 0.0
         drain_t0, drain_steps, drain_seqs = None, 0, 0  # a between-units drain for a newer version
         while True:
+            self._outbox.check()  # a failed write ends the worker here, idle or not (its retry takes over)
             if not units:  # the engine is idle: the run may end, a drain ends here, the version moves
                 code = self._exit_code(watch)
                 if code is not None:
@@ -493,14 +506,8 @@ class RolloutWorker:
         unit with nothing remaining): the acknowledgement and the lease's release go on the
         outbox after them instead, and the loop goes on at once."""
         unit_id = lease.unit["unit_id"]
-        if defer:
-            def ack() -> None:
-                try:
-                    self.bus.ack_unit(lease)
-                finally:
-                    self._release(lease)
-
-            self._outbox.put(ack)
+        if defer:  # released after the acknowledgement, or when a failed write before it skips it
+            self._outbox.put(lambda: self.bus.ack_unit(lease), always=lambda: self._release(lease))
             return True
         self._outbox.flush()
         if remaining:
@@ -699,6 +706,7 @@ class RolloutWorker:
             return self._stream(watch)
         # multi-turn: one unit at a time (its episodes already keep the engine busy between turns)
         while True:
+            self._outbox.check()
             code = self._exit_code(watch)
             if code is not None:
                 return code
@@ -722,6 +730,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._outbox.close()
+        if self._outbox.error is not None:  # raised on the loop already, unless the loop failed first
+            log.error("%s: the outbox's writes stopped at: %s", self.name, self._outbox.error)
         if self._fanout is not None:
             self._fanout.stop()
             self._fanout = None

@@ -274,14 +274,14 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
             RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username,
                            server.password if server is not None else None), run_id).reopen()
         run = LocalAsyncRun(cfg, run_id, work, server)
-        run.start_stages()
-        # 4. version 0, then the trainer
         from moerl.store.runs import run_store
 
-        if run_store(cfg.checkpoint, run_id).latest() is None:
-            publish_initial(cfg, run_id, work)
-        run.start_trainer()
-        with procs.sigterm_raises():
+        with procs.sigterm_raises():  # from the first child on: a SIGTERM marks the run failed
+            run.start_stages()
+            # 4. version 0, then the trainer
+            if run_store(cfg.checkpoint, run_id).latest() is None:
+                publish_initial(cfg, run_id, work)
+            run.start_trainer()
             run.supervise(on_tick=on_tick)
         policy = run_store(cfg.checkpoint, run_id)
         final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
