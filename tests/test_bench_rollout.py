@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.rollout import parse_in_flight, parse_seqs, parse_updates, run_bench_rollout
+from moerl.bench.rollout import _combine, parse_in_flight, parse_seqs, parse_updates, run_bench_rollout
 from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,22 @@ def test_workload_and_update_arms_are_checked(tmp_path):
         run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], swap_every=-1, out=tmp_path / "r.json")
     with pytest.raises(ConfigError, match="--warmup-units must be in 0..64"):
         run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], warmup_units=-1, out=tmp_path / "r.json")
+    with pytest.raises(ConfigError, match="--repeats must be in 1..20"):
+        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], repeats=0, out=tmp_path / "r.json")
+
+
+def test_rounds_combine_into_the_median_round_and_the_median_of_the_rounds_ratios():
+    """`--repeats`: an arm reports its round of median tokens/s; a worker's ratio is the median
+    of each round's ratio to that round's bare engine, not a ratio of medians."""
+    rounds = [{"ok": True, "tokens_per_s": t, "wall_s": w} for t, w in ((90.0, 1.0), (70.0, 2.0), (80.0, 3.0))]
+    worker = _combine(rounds, [100.0, 100.0, 80.0])
+    assert (worker["tokens_per_s"], worker["wall_s"], worker["rounds"]) == (80.0, 3.0, 3)
+    assert worker["tokens_per_s_rounds"] == [90.0, 70.0, 80.0]
+    assert worker["ratio_rounds"] == pytest.approx([0.9, 0.7, 1.0]) and worker["ratio_to_bare"] == pytest.approx(0.9)
+    assert "ratio_to_bare" not in _combine(rounds, None)  # a bare arm
+    assert _combine(rounds[:2], [100.0, 100.0])["tokens_per_s"] == 70.0  # even: the lower middle round
+    failed = _combine(rounds[:1] + [{"ok": False, "error": "engine died"}], [100.0, None])
+    assert failed["ok"] is False and failed["error"] == "engine died" and failed["rounds"] == 2
 
 
 @pytest.mark.slow
@@ -66,6 +82,9 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
         assert arm["tokens_per_s"] == pytest.approx(arm["tokens"] / arm["wall_s"])
     for arm in (between, inflight):
         assert arm["ratio_to_bare"] == pytest.approx(arm["tokens_per_s"] / bare["tokens_per_s"])
+        # the window's 48 groups and (nearly all of) its 12 acknowledgements, fewer round trips than writes
+        # when any step finished two groups (the warm-up's last acknowledgement may fall in the window)
+        assert 48 <= arm["bus_writes"] <= 48 + 12 + 1 and 1 <= arm["bus_round_trips"] <= arm["bus_writes"]
         assert 0 < arm["busy_fraction"] <= 1.0 + 1e-6
         assert arm["units_in_flight"] == 2 and arm["swaps"] >= 1
     assert between["weight_update"] == "between_units" and inflight["weight_update"] == "in_flight"

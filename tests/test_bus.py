@@ -664,3 +664,68 @@ def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failu
     assert made[-1] == "third"
     slow.close()
 
+
+
+def test_batched_writes_run_in_order_and_once_each_through_a_lost_reply_and_a_forgotten_script(bus, server,
+                                                                                               lost_replies):
+    """`RunBus.write_many` (the rollout worker's outbox): a unit's groups and its acknowledgement
+    in one round trip, in order; a batch whose reply was lost is sent again and every write in
+    it still runs once; a server that forgot the scripts gets them again."""
+    bus.issue_unit([_prompt(1), _prompt(2), _prompt(3)])
+    lease = bus.lease_unit("w1", block_ms=50)
+    uid = lease.unit["unit_id"]
+    writes = [bus.group_write(f"{uid}/{k}:p{k + 1}", [{"x": k}] * 2) for k in range(3)]
+    lost_replies["n"] = 1
+    assert bus.write_many(writes + [bus.ack_write(lease)]) == [1, 1, 1, 1]
+    assert lost_replies["lost"] == 1
+    c = bus.counters()
+    assert (c["generated"], c["duplicates"], c["groups_generated"], c["units_done"]) == (6, 0, 3, 1)
+    got = bus.take_generated("s1", 10, block_ms=50)
+    assert [g["group_id"] for _, g in got] == [f"{uid}/{k}:p{k + 1}" for k in range(3)]  # in order
+    assert bus.write_many(writes) == [1, 1, 1]  # sent again as they are: their first answers, nothing added
+    assert bus.counters()["groups_generated"] == 3
+    import valkey
+
+    valkey.Valkey.from_url(server.url).script_flush()  # as after a restart (as the admin: stages may not)
+    assert bus.write_many([bus.group_write(f"{uid}/9:p9", [{"x": 9}])]) == [1]
+    assert bus.counters()["groups_generated"] == 4 and bus.write_many([]) == []
+
+
+def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_they_were_written(bus):
+    """The worker hands over the groups one engine step finished together (one round trip) and
+    then the unit's acknowledgement, which starts a round trip of its own: a group refused by
+    the server (an error reply) is never followed by its unit's acknowledgement, so the unit
+    stays leased and another attempt generates it."""
+    import valkey
+    from valkey.commands.core import Script
+
+    from moerl.bus import BusWrite
+    from moerl.components.rollout.worker import _Outbox
+
+    bus.issue_unit([_prompt(1), _prompt(2)])
+    bus.issue_unit([_prompt(3), _prompt(4)])
+    first, second = bus.lease_unit("w1", block_ms=50), bus.lease_unit("w1", block_ms=50)
+    out = _Outbox("b", bus)
+    released: list[str] = []
+    u1 = first.unit["unit_id"]
+    out.put([bus.group_write(f"{u1}/0:p1", [{"x": 1}]), bus.group_write(f"{u1}/1:p2", [{"x": 2}])])
+    out.put(bus.ack_write(first), always=lambda: released.append(first.entry_id))
+    out.flush()
+    assert (out.writes, out.round_trips) == (3, 2) and released == [first.entry_id]
+    assert bus.counters()["units_done"] == 1
+
+    u2 = second.unit["unit_id"]
+    refused = BusWrite(Script(bus.r, "return redis.error_reply('refused (test)')"), (bus.key("probe"),), (), 0)
+    out.put([bus.group_write(f"{u2}/0:p3", [{"x": 3}]), refused])
+    out.put(bus.ack_write(second), always=lambda: released.append(second.entry_id))
+    with pytest.raises(valkey.exceptions.ResponseError, match="refused"):
+        out.flush()
+    c = bus.counters()
+    assert c["groups_generated"] == 3 and c["units_done"] == 1  # the group before it landed; no acknowledgement
+    assert bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 1  # still leased: its retry regenerates it
+    assert released[-1] == second.entry_id  # the lease's release ran all the same
+    out.close()
+    with pytest.raises(RuntimeError, match="no bus"):
+        _Outbox("c").put(bus.ack_write(second))
+    with pytest.raises(TypeError, match="bus writes only"):
+        _Outbox("d", bus).put([lambda: None])

@@ -49,6 +49,7 @@ visibility timeout before another worker takes it.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import queue
@@ -63,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from moerl.bus import Lease, RunBus, TrainerWatch, connect, group_id
+from moerl.bus import BusWrite, Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError
 from moerl.launch.podenv import enter_pod
@@ -119,34 +120,75 @@ class _Outbox:
     """The worker's writes of finished work to the bus (each group's publication, then its
     unit's acknowledgement), made in order on a thread of their own: the generation loop hands
     them over and steps the engine on instead of waiting for a Valkey round trip per group
-    (issue 24: publication off the generation loop). A write that fails (the bus unreachable
-    past `valkey.reconnect_s`) stops every later one, since an acknowledgement must never land
-    without its unit's groups, and is raised on the loop at its next hand-over or `flush`."""
+    (issue 24: publication off the generation loop).
 
-    def __init__(self, name: str, maxsize: int = 0):
+    Writes the thread finds waiting together go in one round trip (`RunBus.write_many`: at most
+    `BATCH_WRITES` writes or about `BATCH_BYTES`): on a bus that fsyncs every write (the
+    deployed Valkey: `appendfsync always`), a round trip per group costs a disk sync per group,
+    and a batch shares one. An acknowledgement (`BusWrite.after_prior`) starts a new round
+    trip, so it is sent only once its groups were written. A write that fails (an error reply,
+    or the bus unreachable past `valkey.reconnect_s`) stops every later one, since an
+    acknowledgement must never land without its unit's groups, and is raised on the loop at
+    its next hand-over, `check` or `flush`. Anything else handed over (a callable) runs alone,
+    in its place."""
+
+    BATCH_WRITES = 64
+    BATCH_BYTES = 4 << 20
+
+    def __init__(self, name: str, bus: RunBus | None = None, maxsize: int = 0):
         # maxsize: writes handed over and not yet made, at most (0: unbounded); a full outbox
         # blocks the hand-over, so a slow bus slows generation instead of queueing without end
+        self._bus = bus
         self._q: queue.Queue = queue.Queue(maxsize)
         self.error: BaseException | None = None
+        self.writes, self.round_trips = 0, 0  # bus writes made, and the round trips that made them
         self._thread = threading.Thread(target=self._run, name=f"moerl-outbox-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        waiting: collections.deque = collections.deque()
         while True:
-            item = self._q.get()
+            if not waiting:
+                waiting.append(self._q.get())
+            while len(waiting) < self.BATCH_WRITES:  # whatever else waits, taken in one go
+                try:
+                    waiting.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            item = waiting.popleft()
             if item is None:
                 return
             if isinstance(item, threading.Event):  # a flush's barrier: everything before it is done
                 item.set()
                 continue
-            fn, always = item
-            try:
-                if self.error is None:
-                    fn()
-            except BaseException as err:  # noqa: BLE001 - raised on the generation loop
-                self.error = err
-                log.error("the outbox's write failed; nothing later is written: %s: %s", type(err).__name__, err)
-            finally:
+            if isinstance(item[0], list):  # writes handed over together: each in its place, `always` after the last
+                ops, always = item
+                if ops:
+                    waiting.extendleft(reversed([(w, None) for w in ops[:-1]] + [(ops[-1], always)]))
+                elif always is not None:
+                    always()
+                continue
+            if not isinstance(item[0], BusWrite):
+                self._make([item], item[0])
+                continue
+            batch, size = [item], item[0].size
+            while (waiting and isinstance(waiting[0], tuple) and isinstance(waiting[0][0], BusWrite)
+                   and not waiting[0][0].after_prior and len(batch) < self.BATCH_WRITES and size < self.BATCH_BYTES):
+                batch.append(waiting.popleft())
+                size += batch[-1][0].size
+            self._make(batch, lambda: self._bus.write_many([w for w, _ in batch]))
+
+    def _make(self, items: list, send: Callable[[], Any]) -> None:
+        try:
+            if self.error is None:
+                send()
+                if isinstance(items[0][0], BusWrite):
+                    self.writes, self.round_trips = self.writes + len(items), self.round_trips + 1
+        except BaseException as err:  # noqa: BLE001 - raised on the generation loop
+            self.error = err
+            log.error("the outbox's write failed; nothing later is written: %s: %s", type(err).__name__, err)
+        finally:
+            for _, always in items:
                 if always is not None:  # a lease's release: the heartbeat must stop refreshing it
                     always()
 
@@ -155,12 +197,19 @@ class _Outbox:
         if self.error is not None:
             raise self.error
 
-    def put(self, fn: Callable[[], Any], always: Callable[[], Any] | None = None) -> None:
-        """Hand `fn` over; `always` runs after it whether it ran, failed or was skipped."""
+    def put(self, op: "BusWrite | list[BusWrite] | Callable[[], Any]", always: Callable[[], Any] | None = None) -> None:
+        """Hand over a bus write (batched with its neighbours), several in order (one hand-over,
+        so the thread finds them together: what one engine step finished), or a callable (run
+        alone); `always` runs after it (after the last of several) whether it ran, failed or
+        was skipped."""
         self.check()
+        if isinstance(op, list) and not all(isinstance(w, BusWrite) for w in op):
+            raise TypeError("a list handed to the outbox holds bus writes only")
+        if (isinstance(op, BusWrite) or isinstance(op, list)) and self._bus is None:
+            raise RuntimeError("this outbox has no bus to send writes on")
         if not self._thread.is_alive():
             raise RuntimeError("the worker's outbox is closed: nothing more can be written")
-        self._q.put((fn, always))
+        self._q.put((op, always))
 
     def flush(self) -> None:
         """Wait until every write handed over so far is made; raise the first that failed."""
@@ -212,7 +261,12 @@ class RolloutWorker:
         self._prefetched: dict[int, list[str]] = {}
         # group publications and unit acknowledgements, in order; at most the groups of twice the
         # units in flight wait (and their acknowledgements)
-        self._outbox = _Outbox(name, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1))
+        self._outbox = _Outbox(name, bus, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1))
+
+    @property
+    def bus_writes(self) -> tuple[int, int]:
+        """(group publications and acknowledgements written, the round trips that wrote them)."""
+        return self._outbox.writes, self._outbox.round_trips
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
@@ -456,19 +510,22 @@ class RolloutWorker:
                 drain_steps += 1
                 drain_seqs += min(self.engine.unfinished_sequences(), room)  # the running batch (the rest waits)
             t0 = time.perf_counter()
+            writes: list[BusWrite] = []  # the groups this step finished, handed over together
             try:
                 for rid, comps in self.engine.step():
                     u = units[rid_unit.pop(rid)]
                     k = u.by_rid[rid]
-                    self._publish(u.unit_id, u.todo[k], comps, u.ids[rid])
+                    writes.append(self._group_write(u.unit_id, u.todo[k], comps, u.ids[rid]))
                     u.finished.add(k)
                     if self._first_sample_s is None:
                         self._first_sample_s = time.perf_counter() - self.t_start
                         log.info("%s: first group generated %.1f s after start", self.name, self._first_sample_s)
                         self.bus.heartbeat(self.name, ttl_s=10.0, first_sample_s=self._first_sample_s)
-                    if len(u.finished) == len(u.todo):
+                    if len(u.finished) == len(u.todo):  # its groups first, then its acknowledgement
+                        writes = self._hand_over(writes)
                         self._finish_unit(units, rid_unit, u, [])
             finally:
+                self._hand_over(writes)
                 self.busy_s += time.perf_counter() - t0
             for u in list(units.values()):  # a lease another worker took: drop its unfinished groups
                 if not self._still_held(u.lease):
@@ -507,7 +564,7 @@ class RolloutWorker:
         outbox after them instead, and the loop goes on at once."""
         unit_id = lease.unit["unit_id"]
         if defer:  # released after the acknowledgement, or when a failed write before it skips it
-            self._outbox.put(lambda: self.bus.ack_unit(lease), always=lambda: self._release(lease))
+            self._outbox.put(self.bus.ack_write(lease), always=lambda: self._release(lease))
             return True
         self._outbox.flush()
         if remaining:
@@ -566,7 +623,7 @@ class RolloutWorker:
             for k in ks:
                 if k not in finished and all(ep.done and ep.key not in in_env for ep in groups[k]):
                     envs.submit(driver.finish, list(groups[k]))  # close their environments, off the loop
-                    self._publish_samples(unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]])
+                    self._outbox.put(self._samples_write(unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]]))
                     finished.add(k)
 
         # Environment steps run on one thread beside the engine loop, so the engine keeps
@@ -612,12 +669,19 @@ class RolloutWorker:
                                unit_tail_median_s=self._tail[2] / self._tail[0])
         return self._end_unit(lease, [k for k in todo if k not in finished])
 
-    def _publish(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> None:
+    def _hand_over(self, writes: list[BusWrite]) -> list[BusWrite]:
+        """Give `writes` to the outbox in one hand-over (sent in one round trip); a new list."""
+        if writes:
+            self._outbox.put(writes)
+        return []
+
+    def _group_write(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> BusWrite:
+        """A finished single-turn group as a bus write (`RunBus.group_write`)."""
         p = entry["prompt"]
         mixed = sum(c.token_versions is not None for c in comps)
         if mixed:  # an in-flight weight update fell inside these responses
             self.bus.incr(samples_mixed_version=mixed)
-        self._publish_samples(unit_id, entry, [
+        return self._samples_write(unit_id, entry, [
             Sample(prompt_id=p["id"], task=p["task"], prompt=Prompt.model_validate(p).prompt_text, answer=p["answer"],
                    sample_index=j,
                    prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
@@ -626,11 +690,11 @@ class RolloutWorker:
                    meta=p.get("meta"), routed_experts=self.engine.routed_experts(c))
             for j, c in enumerate(comps)])
 
-    def _publish_samples(self, unit_id: str, entry: dict, samples: list[Sample]) -> None:
+    def _samples_write(self, unit_id: str, entry: dict, samples: list[Sample]) -> BusWrite:
         gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
         dumped = [s.model_copy(update={"sample_id": f"{self.run_id}/{gid}/{s.sample_index}"}).model_dump()
                   for s in samples]
-        self._outbox.put(lambda: self.bus.publish_group(gid, dumped))
+        return self.bus.group_write(gid, dumped)
 
     # -- leases -------------------------------------------------------------------------
     def _hold(self, lease: Lease) -> None:
@@ -668,7 +732,8 @@ class RolloutWorker:
                 if time.monotonic() - beat_at >= 2.0:
                     self.bus.heartbeat(self.name, ttl_s=10.0, busy_s=self.busy_s,
                                        wall_s=time.perf_counter() - self.t_start, started_unix=self.started_unix,
-                                       version=float(self.version if self.version is not None else -1))
+                                       version=float(self.version if self.version is not None else -1),
+                                       bus_writes=self._outbox.writes, bus_round_trips=self._outbox.round_trips)
                     beat_at = time.monotonic()
             except Exception as err:  # noqa: BLE001 - liveness is advisory; the loop reports real failures
                 log.warning("%s: heartbeat failed: %s", self.name, err)
@@ -688,7 +753,8 @@ class RolloutWorker:
             stop.set()
             beat.join(timeout=5)
             # the final stats, so busy/idle fractions cover the whole life of the worker
-            self.bus.heartbeat(self.name, ttl_s=1.0, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start)
+            self.bus.heartbeat(self.name, ttl_s=1.0, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start,
+                               bus_writes=self._outbox.writes, bus_round_trips=self._outbox.round_trips)
 
     def _exit_code(self, watch: TrainerWatch) -> int | None:
         """Between units: 0 when the run is done (or abandoned: it fails through its trainer),

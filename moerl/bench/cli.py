@@ -66,7 +66,7 @@ def _rollout(a: argparse.Namespace) -> int:
 
     rep = run_bench_rollout(a.config, a.set, units=a.units, in_flight=a.in_flight, out=a.out, workload=a.workload,
                             updates=a.updates, swap_every=a.swap_every, max_num_seqs=a.max_num_seqs,
-                            warmup_units=a.warmup_units)
+                            warmup_units=a.warmup_units, repeats=a.repeats)
     return 0 if rep["ok"] else 1
 
 
@@ -193,6 +193,8 @@ def add_bench_parsers(sub) -> None:
                     "while a worker arm runs (0: one version)")
     ro.add_argument("--warmup-units", type=int, default=2, help="units every arm generates before its timed "
                     "window, other prompts than the timed ones (0: time cold engines)")
+    ro.add_argument("--repeats", type=int, default=1, help="rounds of every arm, interleaved (bare, workers, bare, "
+                    "...); each worker's ratio is the median of its rounds' ratios to the same round's bare engine")
     ro.add_argument("--out", default="bench/rollout.json")
     ro.set_defaults(func=_rollout)
 

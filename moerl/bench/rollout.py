@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -65,6 +66,7 @@ WARMUP_ENV = "MOERL_BENCH_WARMUP_UNITS"  # --warmup-units, to each arm's child p
 # first batches pay one-time costs (measured on the embedded default: the first generate of 12
 # units took 3.4 s, the same call again 1.25 s), which a long-lived worker pays once per run.
 WARMUP_UNITS = 2
+POLL_S = 0.25  # the worker arm's poll for its last group (the window's end is read from the bus, not the poll)
 WORKLOADS = ("digits", "long-tail")
 UPDATES = ("between_units", "in_flight")
 # the long-tail workload: room for long responses, ended by the random model's EOS rate
@@ -154,7 +156,7 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
     """The real rollout worker on an embedded Valkey; units issued once its engine is loaded;
     `swap_every` > 0: a new version (published before the window) registered every that many
     seconds while it runs."""
-    from moerl.bus import RunBus, connect
+    from moerl.bus import GENERATED, RunBus, connect
     from moerl.components.rollout.worker import RolloutWorker
     from moerl.orchestrate.async_run import publish_initial, start_valkey
     from moerl.store.runs import run_store, version_uri
@@ -188,19 +190,22 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                     bus.issue_unit([p.model_dump() for p in u])
                 while bus.counters()["groups_generated"] < warm_groups and not failed:
                     time.sleep(0.02)
-                busy0 = worker.busy_s
+                busy0, writes0 = worker.busy_s, worker.bus_writes
                 counters = bus.counters()  # the warm-up's share, subtracted at the end
                 timed.update(start={k: counters[k] for k in ("tokens_generated", "units_overlapped")})
-                timed["t0"] = time.perf_counter()
+                timed["t0"] = time.time()
                 for u in units:
                     bus.issue_unit([p.model_dump() for p in u])
                 if swap_every > 0:
                     threading.Thread(target=_releaser, args=(bus, versions, swap_every, stop),
                                      name="bench-release", daemon=True).start()
+                # polled rarely (each poll is a round trip and a thread on the worker's cores); the
+                # window ends when the server added the last group (its stream entry's time, 1 ms)
                 while bus.counters()["groups_generated"] < target and not failed:
-                    time.sleep(0.02)
-                timed["t1"] = time.perf_counter()
+                    time.sleep(POLL_S)
                 timed["busy"] = worker.busy_s - busy0
+                timed["writes"] = [now - then for now, then in zip(worker.bus_writes, writes0)]
+                timed["t1"] = bus.last_added_ms(GENERATED) / 1000
             except BaseException as err:  # noqa: BLE001 - reported by the arm
                 failed.append(err)
             finally:
@@ -228,6 +233,8 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 "units_in_flight": cfg.rollout.units_in_flight, "weight_update": cfg.rollout.weight_update,
                 "swaps": c.get("swaps", 0), "swaps_in_flight": c.get("swaps_in_flight", 0),
                 "samples_mixed_version": c.get("samples_mixed_version", 0),
+                # the outbox's batching: publications and acknowledgements per Valkey round trip
+                "bus_writes": timed["writes"][0], "bus_round_trips": timed["writes"][1],
                 **_drain_stats(bus.stats().get("rollout-0", {}), cfg.rollout.max_num_seqs)}
     finally:
         if server is not None:
@@ -278,12 +285,16 @@ def parse_updates(text: str) -> tuple[str, ...]:
 def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int = 4, in_flight: str = "1,2",
                       out: str | Path = "bench/rollout.json", echo=print, workload: str = "digits",
                       updates: str = "between_units", swap_every: float = 0.0,
-                      max_num_seqs: str | None = None, warmup_units: int = WARMUP_UNITS) -> dict[str, Any]:
+                      max_num_seqs: str | None = None, warmup_units: int = WARMUP_UNITS,
+                      repeats: int = 1) -> dict[str, Any]:
     """`max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
     named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's.
-    `warmup_units`: units every arm generates before its window (0: time cold engines)."""
+    `warmup_units`: units every arm generates before its window (0: time cold engines).
+    `repeats`: rounds of every arm, interleaved; an arm reports its median round (`_combine`)."""
     if not 1 <= units <= 1024:
         raise ConfigError(f"bench rollout: --units must be in 1..1024, got {units}")
+    if not 1 <= repeats <= 20:
+        raise ConfigError(f"bench rollout: --repeats must be in 1..20, got {repeats}")
     if not 0 <= warmup_units <= 64:
         raise ConfigError(f"bench rollout: --warmup-units must be in 0..64, got {warmup_units}")
     if workload not in WORKLOADS:
@@ -295,7 +306,7 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
     base = list(LONG_TAIL) if workload == "long-tail" else []
     cfg = load_config(config, base + list(overrides), mode="async")
     sweep = sweep or (cfg.rollout.max_num_seqs,)
-    arms: dict[str, dict[str, Any]] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {}  # each arm's result in every round
     with tempfile.TemporaryDirectory(prefix="moerl-bench-rollout-") as tmp:
         plan, bare_of = [], {}  # bare_of: each arm's bare engine (the same max_num_seqs)
         for seqs in sweep:
@@ -304,29 +315,30 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
                 (f"worker-{k}" + ("-inflight" if u == "in_flight" else "") + at, "worker",
                  _with(cfg, max_num_seqs=seqs, units_in_flight=k, weight_update=u)) for k in ks for u in ups]
             bare_of.update((name, f"bare{at}") for name, _, _ in plan[-1 - len(ks) * len(ups):])
-        for name, command, arm_cfg in plan:
-            work = Path(tmp) / name
-            work.mkdir()
-            echo(f"[bench rollout] {name} ...")
-            code, result, log = run_child("moerl.bench.rollout", command, arm_cfg, units, work, name,
-                                          env_extra={SWAP_ENV: repr(float(swap_every)),
-                                                     WARMUP_ENV: str(warmup_units)})
-            if code != 0 or not result.exists():
-                arms[name] = {"ok": False, "error": log_tail(log)}
-                continue
-            r = json.loads(result.read_text())
-            r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
-            arms[name] = {"ok": True, **r}
-    for name, command, arm_cfg in plan:  # each worker against the bare engine at its max_num_seqs
-        r = arms[name]
-        bare = arms[bare_of[name]].get("tokens_per_s")
-        if command == "worker" and r.get("ok") and bare:
-            r["ratio_to_bare"] = r["tokens_per_s"] / bare
-        r["max_num_seqs"] = arm_cfg.rollout.max_num_seqs
+        for rnd in range(repeats):  # interleaved: a slow stretch of the machine hits every arm of a round
+            for name, command, arm_cfg in plan:
+                work = Path(tmp) / f"{name}.{rnd}"
+                work.mkdir()
+                echo(f"[bench rollout] {name}" + (f" (round {rnd + 1} of {repeats})" if repeats > 1 else "") + " ...")
+                code, result, log = run_child("moerl.bench.rollout", command, arm_cfg, units, work, name,
+                                              env_extra={SWAP_ENV: repr(float(swap_every)),
+                                                         WARMUP_ENV: str(warmup_units)})
+                if code != 0 or not result.exists():
+                    rounds.setdefault(name, []).append({"ok": False, "error": log_tail(log)})
+                    continue
+                r = json.loads(result.read_text())
+                r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
+                rounds.setdefault(name, []).append({"ok": True, **r})
+    arms = {name: _combine(rounds[name], [rounds[bare_of[name]][i].get("tokens_per_s") for i in range(repeats)]
+                           if command == "worker" else None)
+            for name, command, _ in plan}
+    for name, _, arm_cfg in plan:
+        arms[name]["max_num_seqs"] = arm_cfg.rollout.max_num_seqs
     workload = {"workload": workload, "units": units, "prompts_per_unit": cfg.units.max_prompts,
                 "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
                 "max_num_seqs": list(sweep) if len(sweep) > 1 else cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset,
                 "swap_every_s": swap_every, "inflight_kv": cfg.rollout.inflight_kv, "warmup_units": warmup_units,
+                "repeats": repeats,
                 **{k: arms.get("bare" + (f"@{sweep[0]}" if len(sweep) > 1 else ""), {}).get(k)
                    for k in ("length_p50", "length_p90", "length_p99", "length_max")}}
     report = envelope("rollout", all(r.get("ok") for r in arms.values()), workload=workload, arms=arms)
@@ -335,20 +347,40 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
     return report
 
 
+def _combine(results: list[dict[str, Any]], bare_tps: list[float | None] | None) -> dict[str, Any]:
+    """One arm's rounds as one result: the round of median tokens/s, with every round's tokens/s;
+    a worker arm (`bare_tps`: the same rounds' bare engine) also gets each round's ratio to bare
+    and `ratio_to_bare`, their median (what one noisy round cannot say: the spread is there)."""
+    if not all(r.get("ok") for r in results):
+        bad = next(r for r in results if not r.get("ok"))
+        return {**bad, "rounds": len(results)}
+    tps = [r["tokens_per_s"] for r in results]
+    mid = results[sorted(range(len(tps)), key=lambda i: tps[i])[(len(tps) - 1) // 2]]
+    out = {**mid, "rounds": len(results), "tokens_per_s_rounds": tps}
+    if bare_tps is not None and all(bare_tps):
+        ratios = [t / b for t, b in zip(tps, bare_tps)]
+        out["ratio_rounds"] = ratios
+        out["ratio_to_bare"] = statistics.median(ratios)
+    return out
+
+
 def format_report(report: dict[str, Any]) -> str:
+    spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}" if xs and len(xs) > 1 else None  # noqa: E731
     rows = [(name, r.get("ok"), r.get("tokens"), r.get("wall_s"), r.get("tokens_per_s"), r.get("ratio_to_bare"),
-             r.get("busy_fraction"), r.get("units_overlapped"), r.get("swaps"), r.get("swaps_in_flight"),
-             r.get("drain_s"), r.get("drain_steps"), r.get("drain_mean_batch"), r.get("load_s"))
+             spread(r.get("ratio_rounds")), r.get("busy_fraction"), r.get("units_overlapped"), r.get("swaps"),
+             r.get("swaps_in_flight"), r.get("drain_s"), r.get("drain_steps"), r.get("drain_mean_batch"), r.get("load_s"))
             for name, r in report["arms"].items()]
     w = report["workload"]
     head = (f"rollout ({w.get('workload', 'digits')}): {w['units']} units x {w['prompts_per_unit']} prompts x "
             f"G={w['samples_per_prompt']}, max_new_tokens {w['max_new_tokens']}, max_num_seqs {w['max_num_seqs']}, "
             f"response length p50/p90/max {w.get('length_p50')}/{w.get('length_p90')}/{w.get('length_max')}"
             + (f", a version every {w['swap_every_s']:g} s (in-flight KV {w.get('inflight_kv')})"
-               if w.get("swap_every_s") else ""))
-    return head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "busy", "overlapped",
-                                       "swaps", "in flight", "drain s", "drain steps", "drain batch", "load s"],
-                                      rows)
+               if w.get("swap_every_s") else "")
+            + (f"; {w['repeats']} interleaved rounds: each arm's median round, x bare the median of the rounds' "
+               "ratios" if w.get("repeats", 1) > 1 else ""))
+    return head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "rounds", "busy",
+                                       "overlapped", "swaps", "in flight", "drain s", "drain steps", "drain batch",
+                                       "load s"], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

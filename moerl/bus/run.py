@@ -84,6 +84,21 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class BusWrite:
+    """One hand-off script ready to send (`RunBus.group_write`, `RunBus.ack_write`): its keys,
+    operation key last (so it runs once however often it is sent), and arguments. `size`: the
+    bytes of its arguments. `after_prior`: sent only once every write handed over before it has
+    succeeded (an acknowledgement follows its unit's groups), so `RunBus.write_many` callers
+    start a new round trip at it."""
+
+    script: Any  # valkey.commands.core.Script
+    keys: tuple[str, ...]
+    args: tuple[Any, ...]
+    size: int
+    after_prior: bool = False
+
+
+@dataclass(frozen=True)
 class Registered:
     version: int
     uri: str
@@ -108,7 +123,10 @@ class RunBus:
             script = Script(client, _ONCE % (text, OP_TTL_S))
             return lambda keys, args: script(keys=[*keys, self.key(f"op:{uuid.uuid4().hex}")], args=args)
 
-        self._issue, self._publish_group, self._ack_and_count = reg(_ISSUE), reg(_PUBLISH_GROUP), reg(_ACK_AND_COUNT)
+        self._issue = reg(_ISSUE)
+        # hand-offs sent as writes, alone or batched (`write_many`), once per write the same way
+        self._publish_group_script = Script(client, _ONCE % (_PUBLISH_GROUP, OP_TTL_S))
+        self._ack_script = Script(client, _ONCE % (_ACK_AND_COUNT, OP_TTL_S))
         self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
         self._incr, self._requeue = reg(_INCR), reg(_REQUEUE)
         self._touch = Script(client, _TOUCH)  # idempotent by itself
@@ -304,8 +322,7 @@ class RunBus:
         return bool(self._touch(keys=[self.key(stream)], args=[GROUPS[stream], consumer, entry_id]))
 
     def ack_unit(self, lease: Lease) -> None:
-        self._ack_and_count(keys=[self.key(UNITS), self.key("counters")],
-                            args=[GROUPS[UNITS], lease.entry_id, "units_done", 1])
+        self.write_many([self.ack_write(lease)])
 
     def requeue_unit(self, lease: Lease, remaining_k: list[int]) -> None:
         """Put the unfinished prompts (`k` values) of a leased unit back on the queue, in one
@@ -327,11 +344,57 @@ class RunBus:
         """One finished GRPO group onto `generated`, marked published and counted, atomically.
         A group some other attempt already published is counted as generated and duplicate,
         and not added again; returns whether it was added."""
-        return bool(self._publish_group(
-            keys=[self.key("published"), self.key(GENERATED), self.key("counters")],
-            args=[group_id, json.dumps({"group_id": group_id, "t_generated": time.time(), "samples": samples}),
-                  len(samples),
-                  sum(len(x.get("response_token_ids", ())) for x in samples)]))
+        return bool(self.write_many([self.group_write(group_id, samples)])[0])
+
+    # -- batched writes ------------------------------------------------------------------
+    def _write(self, script, keys: list[str], args: list[Any], after_prior: bool = False) -> BusWrite:
+        args_t = tuple(args)
+        return BusWrite(script, (*keys, self.key(f"op:{uuid.uuid4().hex}")), args_t,
+                        sum(len(a) if isinstance(a, str) else 8 for a in args_t), after_prior)
+
+    def group_write(self, group_id: str, samples: list[dict[str, Any]]) -> BusWrite:
+        """`publish_group` as a write to send later, batched with others (`write_many`)."""
+        payload = json.dumps({"group_id": group_id, "t_generated": time.time(), "samples": samples})
+        return self._write(self._publish_group_script,
+                           [self.key("published"), self.key(GENERATED), self.key("counters")],
+                           [group_id, payload, len(samples), sum(len(x.get("response_token_ids", ())) for x in samples)])
+
+    def ack_write(self, lease: Lease) -> BusWrite:
+        """`ack_unit` as a write to send later; `after_prior`: only once the writes before it
+        (its unit's groups) succeeded."""
+        return self._write(self._ack_script, [self.key(UNITS), self.key("counters")],
+                           [GROUPS[UNITS], lease.entry_id, "units_done", 1], after_prior=True)
+
+    def write_many(self, writes: list[BusWrite]) -> list[Any]:
+        """Send `writes` in one round trip (a pipeline, in order) and return each one's result.
+
+        Not a transaction: each write is one atomic script, and the server runs them in order,
+        so a write whose predecessors failed with an error reply still runs. A caller that must
+        not send a write unless the earlier ones succeeded (`BusWrite.after_prior`) sends it in
+        a later call. A lost connection resends the whole batch (retried like every command,
+        for `valkey.reconnect_s`): every write carries its own operation key, so one the server
+        already ran returns its first result and changes nothing. The first error reply is
+        raised after the batch ran."""
+        import valkey
+
+        if not writes:
+            return []
+
+        def send() -> list[Any]:
+            pipe = self.r.raw.pipeline(transaction=False)
+            for w in writes:
+                pipe.evalsha(w.script.sha, len(w.keys), *w.keys, *w.args)
+            return pipe.execute()
+
+        def send_loaded() -> list[Any]:
+            try:
+                return send()
+            except valkey.exceptions.NoScriptError:  # a restarted server forgot them: load, send again
+                for script in {id(w.script): w.script for w in writes}.values():
+                    script.sha = self.r.raw.script_load(script.script)
+                return send()
+
+        return self.r.call(send_loaded)
 
     # -- scoring ------------------------------------------------------------------------
     def _take(self, stream: str, consumer: str, got: list[tuple[str, dict[str, str]]], claimed: bool,
@@ -446,6 +509,13 @@ class RunBus:
     def depth(self) -> dict[str, int]:
         """Entries in each stream (live work: acknowledged entries are deleted)."""
         return {s: int(self.r.xlen(self.key(s))) for s in (UNITS, GENERATED, SCORED, DEAD)}
+
+    def last_added_ms(self, stream: str) -> int | None:
+        """When the newest entry ever added to `stream` was added, in the server's clock (Unix
+        ms, from its entry id; deleted entries count), or None before the first."""
+        last = self.r.xinfo_stream(self.key(stream)).get("last-generated-id", "0-0")
+        ms = int(str(last).split("-")[0])
+        return ms or None
 
     def wait_durable(self, replicas: int = 0, timeout_s: float = 10.0) -> tuple[int, int]:
         """WAITAOF 1 `replicas`: block until this connection's writes are fsynced to the server's
