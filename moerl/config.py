@@ -186,6 +186,15 @@ class RolloutConfig(_Section):
     # and a unit's tail overlaps the next unit instead of leaving the engine half empty
     # (components/rollout/worker.py). 1: one unit at a time, drained before the next.
     units_in_flight: int = Field(2, ge=1, le=64)
+    # Async mode: a seed per GRPO group (and per multi-turn turn), derived from `seed`, the unit
+    # and the prompt's place in it, so a unit re-executed after a lost worker regenerates the
+    # same samples on the same weights. Off by default: vLLM gives every seeded request its own
+    # generator and then draws each one's noise one request at a time, and on a GPU it leaves
+    # FlashInfer's top-k/top-p sampler for the PyTorch one (vLLM 0.32,
+    # v1/sample/ops/topk_topp_sampler.py); measured 4-7 % of the tiny model's throughput on CPU
+    # (docs/benchmarks.md). Off, every request draws from the engine's generator, seeded by
+    # `seed` when the engine starts: a run is still seeded, a unit re-executed is not the same.
+    seed_groups: bool = False
     # Async mode: how a worker moves to a newer policy version (docs/async.md, "Weight updates").
     # between_units: stop leasing, let the units in flight finish on the version they started
     #   with, swap, resume. Every token of a group comes from one version; the engine drains once

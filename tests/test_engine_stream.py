@@ -260,3 +260,23 @@ def test_more_seeded_contexts_than_one_step_prefills_do_not_crash_the_engine(eng
         engine.submit(f"many{i}", [20 + i % 5] * 18, 1, seed=i)
     got = drain(engine, max_steps=5000)
     assert len(got) == 300 and all(len(c) == 1 for _, c in got)
+
+
+def test_a_worker_seeds_its_groups_only_when_asked():
+    """`rollout.seed_groups`: on, group k of a unit always gets the same seed (a re-executed
+    unit regenerates its samples, test_seeded_groups_are_reproducible), different for every
+    group; off (the default), the worker leaves sampling to the engine's generator (vLLM's
+    per-request generators cost throughput, docs/benchmarks.md)."""
+    from moerl.components.rollout.worker import RolloutWorker
+
+    off = RolloutWorker(parse_config({}), "r1", "w0", bus=None)
+    on = RolloutWorker(parse_config({"rollout": {"seed_groups": True, "seed": 3}}), "r1", "w1", bus=None)
+    try:
+        assert parse_config({}).rollout.seed_groups is False
+        assert off._seed("u0000007", 2) is None
+        seeds = [on._seed("u0000007", k) for k in range(4)]
+        assert seeds == [on._seed("u0000007", k) for k in range(4)] and len(set(seeds)) == 4
+        assert on._seed("u0000008", 0) not in seeds
+    finally:
+        off._outbox.close()
+        on._outbox.close()

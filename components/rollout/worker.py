@@ -9,10 +9,11 @@ and hot-swap it into the live engine (`hotswap.py`, which also resets the prefix
 KV computed with old weights is served). Then (3) lease units (at most `units.max_prompts`
 prompts each; a unit some dead worker left idle past the visibility timeout is reclaimed
 first), up to `rollout.units_in_flight` at once, another whenever the engine holds fewer than
-twice `rollout.max_num_seqs` unfinished sequences (a running batch and a waiting one); (4) submit one request per prompt (n = G, a seed
-per group, so a re-executed unit regenerates the same samples), skipping groups another
-attempt already published; (5) step the engine, handing each group to the outbox thread the moment its G samples
-finish and acknowledging each unit the moment its last group is. When a newer version is
+twice `rollout.max_num_seqs` unfinished sequences (a running batch and a waiting one); (4)
+submit one request per prompt (n = G; with `rollout.seed_groups` a seed per group, so a
+re-executed unit regenerates the same samples), skipping groups another attempt already
+published; (5) step the engine, handing the groups each step finished to the outbox thread
+together (one Valkey round trip) and acknowledging each unit once its last group is. When a newer version is
 servable (checked every 0.5 s beside generation), `rollout.weight_update` decides: between_units,
 the worker stops leasing until its units are done, then swaps; in_flight, it fetches and swaps
 between two engine steps with the sequences running, and goes on leasing. Multi-turn units
@@ -437,8 +438,12 @@ class RolloutWorker:
             rid = f"{unit_id}-{k}-{lease.deliveries}"
             u.ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])  # text, or chat template
             u.by_rid[rid] = k
-            self.engine.submit(rid, u.ids[rid], G, seed=group_seed(self.cfg.rollout.seed, unit_id, k))
+            self.engine.submit(rid, u.ids[rid], G, seed=self._seed(unit_id, k))
         return u
+
+    def _seed(self, unit_id: str, k: int) -> int | None:
+        """Group k's seed with `rollout.seed_groups`, else None (the engine's generator)."""
+        return group_seed(self.cfg.rollout.seed, unit_id, k) if self.cfg.rollout.seed_groups else None
 
     def _stream(self, watch: "TrainerWatch") -> int:
         """The single-turn loop: up to `rollout.units_in_flight` leased units generate at once.
@@ -612,7 +617,8 @@ class RolloutWorker:
         def submit(ep) -> None:
             k = where[ep.key]
             rid = f"{ep.key}-t{ep.turns}"
-            seed = group_seed(self.cfg.rollout.seed, unit_id, k) * 1031 + ep.sample_index * 67 + ep.turns
+            seed = self._seed(unit_id, k)
+            seed = None if seed is None else seed * 1031 + ep.sample_index * 67 + ep.turns
             self.engine.submit(rid, ep.context, 1, seed=seed, max_tokens=driver.budget(ep))
             rids[rid] = ep
 
@@ -676,18 +682,21 @@ class RolloutWorker:
         return []
 
     def _group_write(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> BusWrite:
-        """A finished single-turn group as a bus write (`RunBus.group_write`)."""
+        """A finished single-turn group as a bus write (`RunBus.group_write`): each sample
+        validated once, with its id (the prompt's text read once per group)."""
         p = entry["prompt"]
         mixed = sum(c.token_versions is not None for c in comps)
         if mixed:  # an in-flight weight update fell inside these responses
             self.bus.incr(samples_mixed_version=mixed)
-        return self._samples_write(unit_id, entry, [
-            Sample(prompt_id=p["id"], task=p["task"], prompt=Prompt.model_validate(p).prompt_text, answer=p["answer"],
-                   sample_index=j,
+        gid = group_id(unit_id, entry["k"], p["id"])
+        text = Prompt.model_validate(p).prompt_text
+        return self.bus.group_write(gid, [
+            Sample(prompt_id=p["id"], task=p["task"], prompt=text, answer=p["answer"], sample_index=j,
+                   sample_id=f"{self.run_id}/{gid}/{j}",
                    prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
                    response_text=c.text, finish_reason=c.finish_reason,
                    policy_version=self.version if c.version is None else c.version, token_versions=c.token_versions,
-                   meta=p.get("meta"), routed_experts=self.engine.routed_experts(c))
+                   meta=p.get("meta"), routed_experts=self.engine.routed_experts(c)).model_dump()
             for j, c in enumerate(comps)])
 
     def _samples_write(self, unit_id: str, entry: dict, samples: list[Sample]) -> BusWrite:
