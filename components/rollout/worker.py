@@ -83,6 +83,20 @@ def group_seed(base: int, unit_id: str, k: int) -> int:
     return (base * 1_000_003 + int(unit_id.lstrip("u")) * 4099 + k) % (2**31 - 1)
 
 
+def group_samples(run_id: str, gid: str, prompt: dict, prompt_ids: list[int], comps, version: int | None,
+                  routes: Callable[[Any], Any] = lambda c: None) -> list[dict]:
+    """A finished group's samples as the bus carries them: each validated once (`Sample`), with
+    its id, the prompt's text read once; `version` for completions that carry none, `routes(c)`
+    a completion's routed experts (RolloutEngine.routed_experts)."""
+    text = Prompt.model_validate(prompt).prompt_text
+    return [Sample(prompt_id=prompt["id"], task=prompt["task"], prompt=text, answer=prompt["answer"], sample_index=j,
+                   sample_id=f"{run_id}/{gid}/{j}", prompt_token_ids=prompt_ids, response_token_ids=c.token_ids,
+                   response_logprobs=c.logprobs, response_text=c.text, finish_reason=c.finish_reason,
+                   policy_version=version if c.version is None else c.version, token_versions=c.token_versions,
+                   meta=prompt.get("meta"), routed_experts=routes(c)).model_dump()
+            for j, c in enumerate(comps)]
+
+
 class _Drain:
     """SIGTERM sets a deadline; the loop drains against it."""
 
@@ -682,22 +696,13 @@ class RolloutWorker:
         return []
 
     def _group_write(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> BusWrite:
-        """A finished single-turn group as a bus write (`RunBus.group_write`): each sample
-        validated once, with its id (the prompt's text read once per group)."""
-        p = entry["prompt"]
+        """A finished single-turn group as a bus write (`RunBus.group_write`)."""
         mixed = sum(c.token_versions is not None for c in comps)
         if mixed:  # an in-flight weight update fell inside these responses
             self.bus.incr(samples_mixed_version=mixed)
-        gid = group_id(unit_id, entry["k"], p["id"])
-        text = Prompt.model_validate(p).prompt_text
-        return self.bus.group_write(gid, [
-            Sample(prompt_id=p["id"], task=p["task"], prompt=text, answer=p["answer"], sample_index=j,
-                   sample_id=f"{self.run_id}/{gid}/{j}",
-                   prompt_token_ids=prompt_ids, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                   response_text=c.text, finish_reason=c.finish_reason,
-                   policy_version=self.version if c.version is None else c.version, token_versions=c.token_versions,
-                   meta=p.get("meta"), routed_experts=self.engine.routed_experts(c)).model_dump()
-            for j, c in enumerate(comps)])
+        gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
+        return self.bus.group_write(gid, group_samples(self.run_id, gid, entry["prompt"], prompt_ids, comps,
+                                                       self.version, self.engine.routed_experts))
 
     def _samples_write(self, unit_id: str, entry: dict, samples: list[Sample]) -> BusWrite:
         gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])

@@ -66,7 +66,7 @@ def _rollout(a: argparse.Namespace) -> int:
 
     rep = run_bench_rollout(a.config, a.set, units=a.units, in_flight=a.in_flight, out=a.out, workload=a.workload,
                             updates=a.updates, swap_every=a.swap_every, max_num_seqs=a.max_num_seqs,
-                            warmup_units=a.warmup_units, repeats=a.repeats)
+                            warmup_units=a.warmup_units, repeats=a.repeats, breakdown=a.breakdown)
     return 0 if rep["ok"] else 1
 
 
@@ -195,6 +195,9 @@ def add_bench_parsers(sub) -> None:
                     "window, other prompts than the timed ones (0: time cold engines)")
     ro.add_argument("--repeats", type=int, default=1, help="rounds of every arm, interleaved (bare, workers, bare, "
                     "...); each worker's ratio is the median of its rounds' ratios to the same round's bare engine")
+    ro.add_argument("--breakdown", action="store_true", help="also where the worker's time goes: one engine "
+                    "driven by generate, the worker's submit/step loop, with seeds, with samples, with the bus, "
+                    "interleaved (windows of --units units)")
     ro.add_argument("--out", default="bench/rollout.json")
     ro.set_defaults(func=_rollout)
 

@@ -127,6 +127,113 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
             "length_max": lengths[-1]}
 
 
+BREAKDOWN = ("generate", "loop", "loop+seeds", "loop+samples", "loop+samples+bus")
+BREAKDOWN_ROUNDS = 3
+
+
+def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
+    """Where the worker's time goes, on ONE engine in one process: the same engine generates
+    `n_units` fresh units per window, driven each of these ways in turn, round after round
+    (interleaved, so the machine's slow stretches hit every way alike):
+
+    - generate: one `generate` call (the prompts encoded inside the window, as the worker does);
+    - loop: the worker's driving, `submit` per prompt (n = G) and `step`, the next unit
+      submitted whenever fewer than twice max_num_seqs sequences are unfinished;
+    - loop+seeds: the same with a seed per group (`rollout.seed_groups`);
+    - loop+samples: the loop, each finished group made into its samples (`group_samples`);
+    - loop+samples+bus: and each step's groups written to a real Valkey through the worker's
+      outbox (`RunBus.group_write`, `_Outbox`, pipelined), flushed before the window ends.
+
+    Each way's tokens/s and its median ratio to `generate` over the rounds; what the worker adds
+    beyond the last (leasing, acknowledgements, heartbeats, version checks) is the gap between
+    it and the worker arms."""
+    from transformers import AutoTokenizer
+
+    from moerl.bus import RunBus, connect, group_id
+    from moerl.components.publish_checkpoint.stage import prepare_initial
+    from moerl.components.rollout.engine import RolloutEngine
+    from moerl.components.rollout.worker import _Outbox, group_samples, group_seed
+    from moerl.orchestrate.async_run import start_valkey
+    from moerl.tasks.prompting import encode_prompt
+
+    cfg = _localized(cfg, work)
+    cfg, server = start_valkey(cfg, work, RUN_ID)
+    outbox = None
+    try:
+        bus = RunBus(connect(cfg.valkey.url, 30.0, cfg.valkey.username, server.password), RUN_ID)
+        bus.ensure_groups()
+        outbox = _Outbox("bench", bus)
+        model_dir = work / "v0"
+        prepare_initial(cfg, model_dir, run_id=RUN_ID)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        G, room = cfg.rollout.samples_per_prompt, cfg.rollout.max_num_seqs
+        warm = _warm_units()
+        units = _prompts(cfg, (warm + n_units * len(BREAKDOWN) * BREAKDOWN_ROUNDS))
+        engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+        taken = [0]
+
+        def take(n: int) -> list[list]:
+            got = units[taken[0]:taken[0] + n]
+            taken[0] += n
+            return got
+
+        def generate(window: list[list]) -> int:
+            ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for u in window for p in u]
+            return sum(len(c.token_ids) for g in engine.generate(ids, G) for c in g)
+
+        def loop(window: list[list], seeds: bool = False, samples: bool = False, publish: bool = False) -> int:
+            tokens, pending, prompts = 0, list(enumerate(window)), {}
+            while pending or engine.unfinished():
+                if pending and engine.unfinished_sequences() < 2 * room:
+                    i, unit = pending.pop(0)
+                    for k, p in enumerate(unit):
+                        rid, d = f"w{taken[0]}-{i}-{k}", p.model_dump()
+                        prompts[rid] = (d, encode_prompt(tok, cfg.rollout, d), group_id(f"u{i}", k, d["id"]))
+                        engine.submit(rid, prompts[rid][1], G, seed=group_seed(cfg.rollout.seed, f"u{i}", k)
+                                      if seeds else None)
+                writes = []
+                for rid, comps in engine.step():
+                    tokens += sum(len(c.token_ids) for c in comps)
+                    if samples:
+                        d, ids, gid = prompts.pop(rid)
+                        dumped = group_samples(RUN_ID, gid, d, ids, comps, 0)
+                        if publish:
+                            writes.append(bus.group_write(gid, dumped))
+                if writes:
+                    outbox.put(writes)
+            if publish:
+                outbox.flush()
+            return tokens
+
+        ways = {"generate": generate, "loop": loop, "loop+seeds": lambda w: loop(w, seeds=True),
+                "loop+samples": lambda w: loop(w, samples=True),
+                "loop+samples+bus": lambda w: loop(w, samples=True, publish=True)}
+        try:
+            if warm:
+                generate(take(warm))
+            tps: dict[str, list[float]] = {k: [] for k in BREAKDOWN}
+            for _ in range(BREAKDOWN_ROUNDS):
+                for name in BREAKDOWN:
+                    window = take(n_units)
+                    t0 = time.perf_counter()
+                    n = ways[name](window)
+                    tps[name].append(n / (time.perf_counter() - t0))
+        finally:
+            engine.close()
+        out = {}
+        for name in BREAKDOWN:
+            ratios = [t / g for t, g in zip(tps[name], tps["generate"])]
+            out[name] = {"tokens_per_s": statistics.median(tps[name]), "tokens_per_s_rounds": tps[name],
+                         "ratio_rounds": ratios, "ratio_to_generate": statistics.median(ratios)}
+        return {"ways": out, "rounds": BREAKDOWN_ROUNDS, "units_per_window": n_units, "warmup_units": warm,
+                "load_s": engine.load_s, "bus_writes": outbox.writes, "bus_round_trips": outbox.round_trips}
+    finally:
+        if outbox is not None:
+            outbox.close()
+        if server is not None:
+            server.stop()
+
+
 def _prepublish(cfg: RunConfig, work: Path, count: int) -> list[tuple[int, str, str]]:
     """Versions 1..count (version 0's weights under each number), published durably before the
     timed window, as (version, uri, manifest sha256): the window then only registers them, as a
@@ -286,11 +393,13 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
                       out: str | Path = "bench/rollout.json", echo=print, workload: str = "digits",
                       updates: str = "between_units", swap_every: float = 0.0,
                       max_num_seqs: str | None = None, warmup_units: int = WARMUP_UNITS,
-                      repeats: int = 1) -> dict[str, Any]:
+                      repeats: int = 1, breakdown: bool = False) -> dict[str, Any]:
     """`max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
     named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's.
     `warmup_units`: units every arm generates before its window (0: time cold engines).
-    `repeats`: rounds of every arm, interleaved; an arm reports its median round (`_combine`)."""
+    `repeats`: rounds of every arm, interleaved; an arm reports its median round (`_combine`).
+    `breakdown`: also the `_breakdown` child (where the worker's time goes, one engine, windows
+    of `units` units), reported under `breakdown`."""
     if not 1 <= units <= 1024:
         raise ConfigError(f"bench rollout: --units must be in 1..1024, got {units}")
     if not 1 <= repeats <= 20:
@@ -329,6 +438,15 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
                 r = json.loads(result.read_text())
                 r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
                 rounds.setdefault(name, []).append({"ok": True, **r})
+        split = None
+        if breakdown:
+            work = Path(tmp) / "breakdown"
+            work.mkdir()
+            echo("[bench rollout] breakdown (one engine, every way in turn) ...")
+            code, result, log = run_child("moerl.bench.rollout", "breakdown", cfg, units, work, "breakdown",
+                                          env_extra={WARMUP_ENV: str(warmup_units)})
+            split = ({"ok": True, **json.loads(result.read_text())} if code == 0 and result.exists()
+                     else {"ok": False, "error": log_tail(log)})
     arms = {name: _combine(rounds[name], [rounds[bare_of[name]][i].get("tokens_per_s") for i in range(repeats)]
                            if command == "worker" else None)
             for name, command, _ in plan}
@@ -341,7 +459,8 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
                 "repeats": repeats,
                 **{k: arms.get("bare" + (f"@{sweep[0]}" if len(sweep) > 1 else ""), {}).get(k)
                    for k in ("length_p50", "length_p90", "length_p99", "length_max")}}
-    report = envelope("rollout", all(r.get("ok") for r in arms.values()), workload=workload, arms=arms)
+    ok = all(r.get("ok") for r in arms.values()) and (split is None or split["ok"])
+    report = envelope("rollout", ok, workload=workload, arms=arms, **({"breakdown": split} if split else {}))
     write_report(Path(out), report)
     echo(format_report(report))
     return report
@@ -378,15 +497,26 @@ def format_report(report: dict[str, Any]) -> str:
                if w.get("swap_every_s") else "")
             + (f"; {w['repeats']} interleaved rounds: each arm's median round, x bare the median of the rounds' "
                "ratios" if w.get("repeats", 1) > 1 else ""))
-    return head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "rounds", "busy",
+    text = head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "rounds", "busy",
                                        "overlapped", "swaps", "in flight", "drain s", "drain steps", "drain batch",
                                        "load s"], rows)
+    b = report.get("breakdown")
+    if b and b.get("ok"):
+        text += (f"\nbreakdown: one engine, windows of {b['units_per_window']} units, {b['rounds']} interleaved rounds; "
+                 "each way adds to the loop above it (loop+seeds only adds seeds)\n"
+                 + format_table(["way", "tokens/s", "x generate", "rounds"],
+                                [(k, w["tokens_per_s"], w["ratio_to_generate"], spread(w["ratio_rounds"]))
+                                 for k, w in b["ways"].items()]))
+    elif b:
+        text += f"\nbreakdown failed: {b.get('error')}"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     swap_every = float(os.environ.get(SWAP_ENV, "0"))
-    fn = _bare if argv and argv[0] == "bare" else (lambda cfg, n, work: _worker(cfg, n, work, swap_every))
+    fn = {"bare": _bare, "breakdown": _breakdown}.get(argv[0] if argv else "",
+                                                     lambda cfg, n, work: _worker(cfg, n, work, swap_every))
     return child_main(argv, "moerl.bench.rollout", argv[0] if argv else "worker", "bench rollout arm", fn)
 
 

@@ -44,12 +44,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from moerl.bus.client import BusError, FencedError
 from moerl.bus.scripts import (_ACK_AND_COUNT, _DEAD_LETTER, _INCR, _ISSUE, _ONCE, _PUBLISH_GROUP, _PUBLISH_SCORED,
                                _REQUEUE, _SET_SERVABLE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES, MAX_READ_ENTRIES,
                                OP_TTL_S)
 
 log = logging.getLogger(__name__)
+_JSON = msgspec.json.Encoder()
 TRAINER_BEACON = "trainer-beacon"  # alive:<this> while the trainer process runs
 TRAINER_BEACON_TTL_S = 30.0
 
@@ -350,11 +353,13 @@ class RunBus:
     def _write(self, script, keys: list[str], args: list[Any], after_prior: bool = False) -> BusWrite:
         args_t = tuple(args)
         return BusWrite(script, (*keys, self.key(f"op:{uuid.uuid4().hex}")), args_t,
-                        sum(len(a) if isinstance(a, str) else 8 for a in args_t), after_prior)
+                        sum(len(a) if isinstance(a, (str, bytes)) else 8 for a in args_t), after_prior)
 
     def group_write(self, group_id: str, samples: list[dict[str, Any]]) -> BusWrite:
         """`publish_group` as a write to send later, batched with others (`write_many`)."""
-        payload = json.dumps({"group_id": group_id, "t_generated": time.time(), "samples": samples})
+        # msgspec: the same JSON (compact), 11x faster than json.dumps on a tiny model's group, on
+        # the generation loop's thread (0.055 -> 0.005 ms; docs/benchmarks.md)
+        payload = _JSON.encode({"group_id": group_id, "t_generated": time.time(), "samples": samples})
         return self._write(self._publish_group_script,
                            [self.key("published"), self.key(GENERATED), self.key("counters")],
                            [group_id, payload, len(samples), sum(len(x.get("response_token_ids", ())) for x in samples)])
