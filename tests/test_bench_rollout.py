@@ -99,3 +99,30 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
     assert inflight["swaps_in_flight"] >= 1 and inflight["samples_mixed_version"] >= 1
     assert inflight["units_overlapped"] >= 1
     assert inflight["drain_steps"] == 0 and inflight["drain_s"] == 0
+
+
+@pytest.mark.slow
+def test_interleaved_rounds_and_the_breakdown_report_what_they_measured(tmp_path):
+    """`--repeats 2 --breakdown` on a small digits workload: every arm ran twice, each worker's
+    ratio is the median of its rounds' ratios to the same round's bare engine, and the breakdown
+    drove one engine every way, each window the same number of groups, its bus way through the
+    worker's real outbox to a real Valkey."""
+    rep = run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", ["units.max_prompts=4", "rollout.samples_per_prompt=4"],
+                            units=2, in_flight="1", out=tmp_path / "r.json", echo=lambda s: None, repeats=2,
+                            breakdown=True)
+    assert rep["ok"], (rep["arms"], rep.get("breakdown"))
+    bare, worker = rep["arms"]["bare"], rep["arms"]["worker-1"]
+    assert rep["workload"]["repeats"] == 2 and bare["rounds"] == worker["rounds"] == 2
+    assert len(bare["tokens_per_s_rounds"]) == len(worker["ratio_rounds"]) == 2
+    assert worker["ratio_rounds"] == pytest.approx([w / b for w, b in zip(worker["tokens_per_s_rounds"],
+                                                                          bare["tokens_per_s_rounds"])])
+    assert min(worker["ratio_rounds"]) <= worker["ratio_to_bare"] <= max(worker["ratio_rounds"])
+    assert worker["groups"] == 8 and worker["bus_writes"] >= 8  # 2 units x 4 prompts, and their acknowledgements
+    split = rep["breakdown"]
+    assert split["ok"] and split["rounds"] == 3 and split["units_per_window"] == 2
+    assert list(split["ways"]) == ["generate", "loop", "loop+seeds", "loop+samples", "loop+samples+bus"]
+    assert split["ways"]["generate"]["ratio_to_generate"] == 1.0
+    for way in split["ways"].values():
+        assert way["tokens_per_s"] > 0 and len(way["ratio_rounds"]) == 3
+    assert split["bus_writes"] == 3 * 8  # the bus way's groups, every round, all written
+    assert 1 <= split["bus_round_trips"] <= split["bus_writes"]
