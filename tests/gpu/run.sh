@@ -10,7 +10,8 @@
 # the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1; and, when
 # GPU_ROLLOUT=1, `moerl bench rollout` on the GPU: the long-tail workload with a version every
 # second (between-units drains against in-flight updates, where a decode step costs about the
-# same at any batch) and a rollout.max_num_seqs sweep (the GPU profile's default, issue 24).
+# same at any batch, with `--breakdown`: where the worker's time goes on a GPU engine) and a
+# rollout.max_num_seqs sweep (the GPU profile's default, issue 24).
 # Written for a lent GPU; not yet run (no GPU was available to the session that wrote it).
 set -euo pipefail
 OUT=${OUT:-gpu-check}
@@ -29,7 +30,7 @@ if [ "${GPU_ROLLOUT:-0}" = 1 ]; then
   GPU_SET=(--set rollout.device=cuda --set model.dtype=bfloat16 --set rollout.engine_in_process=false
            --set rollout.gpu_memory_utilization=0.8)
   "$PYTHON" -m moerl.cli bench rollout configs/tiny-moe-grpo.yaml "${GPU_SET[@]}" --workload long-tail --units 16 \
-    --in-flight 4 --updates between_units,in_flight --swap-every 1 --out "$OUT/rollout-long-tail.json" \
+    --in-flight 4 --updates between_units,in_flight --swap-every 1 --breakdown --out "$OUT/rollout-long-tail.json" \
     2>&1 | tee "$OUT/rollout-long-tail.txt"
   "$PYTHON" -m moerl.cli bench rollout configs/tiny-moe-grpo.yaml "${GPU_SET[@]}" --workload long-tail --units 16 \
     --in-flight 4 --max-num-seqs 64,256,1024 --out "$OUT/rollout-max-num-seqs.json" 2>&1 | tee "$OUT/rollout-max-num-seqs.txt"
