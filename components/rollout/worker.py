@@ -274,8 +274,8 @@ class RolloutWorker:
         # and where each prefetched version came from (counted when it is swapped in)
         self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
         self._prefetched: dict[int, list[str]] = {}
-        # group publications and unit acknowledgements, in order; at most the groups of twice the
-        # units in flight wait (and their acknowledgements)
+        # group publications and unit acknowledgements, in order; at most as many hand-overs wait
+        # (a step's groups, an acknowledgement) as twice the units in flight have groups and acks
         self._outbox = _Outbox(name, bus, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1))
 
     @property
