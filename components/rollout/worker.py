@@ -220,7 +220,7 @@ class _Outbox:
         self.check()
         if isinstance(op, list) and not all(isinstance(w, BusWrite) for w in op):
             raise TypeError("a list handed to the outbox holds bus writes only")
-        if (isinstance(op, BusWrite) or isinstance(op, list)) and self._bus is None:
+        if isinstance(op, (BusWrite, list)) and self._bus is None:
             raise RuntimeError("this outbox has no bus to send writes on")
         if not self._thread.is_alive():
             raise RuntimeError("the worker's outbox is closed: nothing more can be written")

@@ -168,7 +168,7 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         tok = AutoTokenizer.from_pretrained(model_dir)
         G, room = cfg.rollout.samples_per_prompt, cfg.rollout.max_num_seqs
         warm = _warm_units()
-        units = _prompts(cfg, (warm + n_units * len(BREAKDOWN) * BREAKDOWN_ROUNDS))
+        units = _prompts(cfg, warm + n_units * len(BREAKDOWN) * BREAKDOWN_ROUNDS)
         engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
         taken = [0]
 
@@ -505,8 +505,8 @@ def format_report(report: dict[str, Any]) -> str:
         text += (f"\nbreakdown: one engine, windows of {b['units_per_window']} units, {b['rounds']} interleaved rounds; "
                  "each way adds to the loop above it (loop+seeds only adds seeds)\n"
                  + format_table(["way", "tokens/s", "x generate", "rounds"],
-                                [(k, w["tokens_per_s"], w["ratio_to_generate"], spread(w["ratio_rounds"]))
-                                 for k, w in b["ways"].items()]))
+                                [(k, way["tokens_per_s"], way["ratio_to_generate"], spread(way["ratio_rounds"]))
+                                 for k, way in b["ways"].items()]))
     elif b:
         text += f"\nbreakdown failed: {b.get('error')}"
     return text
