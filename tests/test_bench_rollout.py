@@ -82,9 +82,9 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
         assert arm["tokens_per_s"] == pytest.approx(arm["tokens"] / arm["wall_s"])
     for arm in (between, inflight):
         assert arm["ratio_to_bare"] == pytest.approx(arm["tokens_per_s"] / bare["tokens_per_s"])
-        # the window's 48 groups and (nearly all of) its 12 acknowledgements, fewer round trips than writes
-        # when any step finished two groups (the warm-up's last acknowledgement may fall in the window)
-        assert 48 <= arm["bus_writes"] <= 48 + 12 + 1 and 1 <= arm["bus_round_trips"] <= arm["bus_writes"]
+        # the window's 48 groups and those of its 12 acknowledgements that went on the outbox (a unit
+        # that ends at a swap is acknowledged on the loop), none of the warm-up's (counted first)
+        assert 48 <= arm["bus_writes"] <= 48 + 12 and 1 <= arm["bus_round_trips"] <= arm["bus_writes"]
         assert 0 < arm["busy_fraction"] <= 1.0 + 1e-6
         assert arm["units_in_flight"] == 2 and arm["swaps"] >= 1
     assert between["weight_update"] == "between_units" and inflight["weight_update"] == "in_flight"
@@ -117,7 +117,7 @@ def test_interleaved_rounds_and_the_breakdown_report_what_they_measured(tmp_path
     assert worker["ratio_rounds"] == pytest.approx([w / b for w, b in zip(worker["tokens_per_s_rounds"],
                                                                           bare["tokens_per_s_rounds"])])
     assert min(worker["ratio_rounds"]) <= worker["ratio_to_bare"] <= max(worker["ratio_rounds"])
-    assert worker["groups"] == 8 and worker["bus_writes"] >= 8  # 2 units x 4 prompts, and their acknowledgements
+    assert worker["groups"] == 8 and 8 <= worker["bus_writes"] <= 8 + 2  # 2 units x 4 prompts, and their acknowledgements
     split = rep["breakdown"]
     assert split["ok"] and split["rounds"] == 3 and split["units_per_window"] == 2
     assert list(split["ways"]) == ["generate", "loop", "loop+seeds", "loop+samples", "loop+samples+bus"]

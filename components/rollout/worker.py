@@ -283,6 +283,13 @@ class RolloutWorker:
         """(group publications and acknowledgements written, the round trips that wrote them)."""
         return self._outbox.writes, self._outbox.round_trips
 
+    def settled_bus_writes(self) -> tuple[int, int]:
+        """`bus_writes` once every write handed over so far is made (a barrier on the outbox's
+        queue; safe from another thread). The server applies a write before the outbox counts
+        it, so a count read as soon as the bus shows a write may still miss it."""
+        self._outbox.flush()
+        return self.bus_writes
+
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
         """Serve the version the bus's servable pointer names (the registry without one): fetched

@@ -259,6 +259,15 @@ def _releaser(bus, versions: list[tuple[int, str, str]], every_s: float, stop: t
         bus.register(v, uri, sha)
 
 
+def _wait_units_done(bus, n: int, failed: list[BaseException], timeout_s: float = 120.0) -> None:
+    """Until the bus counts `n` units acknowledged (or the arm failed)."""
+    deadline = time.monotonic() + timeout_s
+    while bus.counters()["units_done"] < n and not failed:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the rollout worker acknowledged fewer than {n} units in {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
 def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -> dict[str, Any]:
     """The real rollout worker on an embedded Valkey; units issued once its engine is loaded;
     `swap_every` > 0: a new version (published before the window) registered every that many
@@ -297,7 +306,11 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                     bus.issue_unit([p.model_dump() for p in u])
                 while bus.counters()["groups_generated"] < warm_groups and not failed:
                     time.sleep(0.02)
-                busy0, writes0 = worker.busy_s, worker.bus_writes
+                busy0 = worker.busy_s
+                # the warm-up's writes (its acknowledgements come after its last groups) all
+                # counted before the window opens, so the window's count is exactly its own
+                _wait_units_done(bus, warm, failed)
+                writes0 = worker.settled_bus_writes()
                 counters = bus.counters()  # the warm-up's share, subtracted at the end
                 timed.update(start={k: counters[k] for k in ("tokens_generated", "units_overlapped")})
                 timed["t0"] = time.time()
@@ -311,8 +324,9 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 while bus.counters()["groups_generated"] < target and not failed:
                     time.sleep(POLL_S)
                 timed["busy"] = worker.busy_s - busy0
-                timed["writes"] = [now - then for now, then in zip(worker.bus_writes, writes0)]
                 timed["t1"] = bus.last_added_ms(GENERATED) / 1000
+                _wait_units_done(bus, warm + n_units, failed)  # after the window: its last acknowledgements
+                timed["writes"] = [now - then for now, then in zip(worker.settled_bus_writes(), writes0)]
             except BaseException as err:  # noqa: BLE001 - reported by the arm
                 failed.append(err)
             finally:
