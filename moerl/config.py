@@ -408,7 +408,7 @@ class UnitsConfig(_Section):
 
     max_prompts: int = Field(8, ge=1, le=4096)
     # A leased unit whose worker has not acknowledged it for this long is reclaimed
-    # (XAUTOCLAIM) by another worker: set it above the longest unit's generation time.
+    # (XPENDING IDLE, XCLAIM) by another worker: set it above the longest unit's generation time.
     visibility_timeout_s: float = Field(120.0, gt=0.0)
     # Deliveries of one unit before it goes to the dead-letter stream.
     max_attempts: int = Field(3, ge=1, le=100)

@@ -57,6 +57,35 @@ def test_a_leased_unit_is_invisible_until_its_holder_goes_silent(bus):
     assert bus.counters()["units_reclaimed"] == 1
 
 
+def test_an_idle_unit_behind_busy_ones_is_reclaimed_in_one_round_trip(bus, server):
+    """The idle entry is the last of 40 pending ones, the 39 before it refreshed by their
+    holder: the server finds it (`XPENDING ... IDLE`) in one call, and `XCLAIM` takes it with
+    its delivery count. Idle units are looked for at most every `claim_every_s` per worker."""
+    import valkey
+
+    admin = valkey.Valkey.from_url(server.url)  # the admin: stages may not read the server's stats
+
+    def calls(cmd: str) -> int:
+        return int(admin.info("commandstats").get(f"cmdstat_{cmd}", {}).get("calls", 0))
+
+    for i in range(40):
+        bus.issue_unit([_prompt(i)])
+    held = [bus.lease_unit("w1", block_ms=50) for _ in range(40)]
+    time.sleep(0.35)  # all 40 idle past the visibility timeout; the first 39 refreshed
+    for lease in held[:39]:
+        assert bus.touch(UNITS, "w1", lease.entry_id)
+    before = {c: calls(c) for c in ("xpending", "xclaim", "xautoclaim")}
+    got = bus.lease_unit("w2", block_ms=0)
+    assert got is not None and got.entry_id == held[-1].entry_id and got.deliveries == 2
+    assert {c: calls(c) - n for c, n in before.items()} == {"xpending": 1, "xclaim": 1, "xautoclaim": 0}
+    assert bus.claim_every_s == pytest.approx(0.075)  # a quarter of the 0.3 s visibility timeout
+    before = calls("xpending")
+    assert bus.lease_unit("w2", block_ms=0) is None  # nothing new, and no second look for idle ones yet
+    assert calls("xpending") == before
+    time.sleep(0.1)
+    assert bus.lease_unit("w2", block_ms=0) is None and calls("xpending") == before + 1
+
+
 def test_a_unit_past_max_attempts_goes_to_the_dead_letter_stream(bus):
     bus.issue_unit([_prompt(1)])
     assert bus.lease_unit("w1", block_ms=50).deliveries == 1
@@ -124,6 +153,7 @@ def test_a_restarted_server_keeps_every_acknowledged_write(tmp_path):
         back.start()
         assert bus.registry().version == 3  # the same client retries until it reconnects
         assert v.url == port
+        assert bus.publish_group(f"{lease.unit['unit_id']}/0:p1", [{"x": 1}])
         bus.ack_unit(lease)  # the lease survived the restart
         assert bus.counters()["units_done"] == 1 and bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 0
         back.join()  # start() finishes before the server is stopped
@@ -290,6 +320,7 @@ def test_a_lease_refresh_never_takes_a_unit_back_from_the_worker_that_reclaimed_
     [row] = bus.r.xpending_range(bus.key(UNITS), "rollout", min=mine.entry_id, max=mine.entry_id, count=1)
     assert row["consumer"] == "w2" and int(row["times_delivered"]) == 2
     assert bus.touch(UNITS, "w2", theirs.entry_id)
+    assert bus.publish_group(f"{theirs.unit['unit_id']}/0:p1", [{"x": 1}])
     bus.ack_unit(theirs)
     assert not bus.touch(UNITS, "w2", theirs.entry_id)  # acknowledged: nothing left to hold
 
@@ -397,7 +428,8 @@ def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
     assert bus.depth()[UNITS] == 1 and c["units_requeued"] == 1  # one smaller unit, not two
     again = bus.lease_unit("w1", block_ms=50)
     assert [p["k"] for p in again.unit["prompts"]] == [1]
-    assert once(lambda: bus.publish_group("u0000001/1:p2", [{"x": 1}] * 4))  # the first run's answer: added
+    uid = again.unit["unit_id"]  # the unit keeps its id when requeued
+    assert once(lambda: bus.publish_group(f"{uid}/1:p2", [{"x": 1}] * 4))  # the first run's answer: added
     once(lambda: bus.ack_unit(again))
     c = bus.counters()
     assert (c["generated"], c["duplicates"], c["groups_generated"], c["units_done"]) == (4, 0, 1, 1)
@@ -691,11 +723,36 @@ def test_batched_writes_run_in_order_and_once_each_through_a_lost_reply_and_a_fo
     assert bus.counters()["groups_generated"] == 4 and bus.write_many([]) == []
 
 
+def test_a_unit_is_acknowledged_only_once_every_one_of_its_groups_is_published(bus):
+    """The server checks the acknowledgement against the published set: a unit one of whose
+    groups is missing stays leased (an error reply names the group; nothing changes), however
+    the acknowledgement was sent, alone or batched behind its groups."""
+    import valkey
+
+    bus.issue_unit([_prompt(1), _prompt(2)])
+    lease = bus.lease_unit("w1", block_ms=50)
+    uid = lease.unit["unit_id"]
+    done0 = bus.counters()["units_done"]
+    with pytest.raises(valkey.exceptions.ResponseError, match=f"{uid}/1:p2 is not published"):
+        bus.write_many([bus.group_write(f"{uid}/0:p1", [{"x": 1}]), bus.ack_write(lease)])
+    with pytest.raises(valkey.exceptions.ResponseError, match="not published"):
+        bus.ack_unit(lease)
+    assert bus.counters()["units_done"] == done0
+    [row] = bus.r.xpending_range(bus.key(UNITS), "rollout", min=lease.entry_id, max=lease.entry_id, count=1)
+    assert row["consumer"] == "w1"  # still leased: its retry generates the missing group
+    with pytest.raises(ValueError, match="unknown counters"):
+        bus.ack_write(lease, not_a_counter=1)
+    assert bus.write_many([bus.group_write(f"{uid}/1:p2", [{"x": 2}]), bus.ack_write(lease, units_overlapped=1)]) == [1, 1]
+    c = bus.counters()
+    assert c["units_done"] == done0 + 1 and c["units_overlapped"] >= 1
+    assert not bus.r.xpending_range(bus.key(UNITS), "rollout", min=lease.entry_id, max=lease.entry_id, count=1)
+
+
 def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_they_were_written(bus):
-    """The worker hands over the groups one engine step finished together (one round trip) and
-    then the unit's acknowledgement, which starts a round trip of its own: a group refused by
-    the server (an error reply) is never followed by its unit's acknowledgement, so the unit
-    stays leased and another attempt generates it."""
+    """The worker hands over the groups one engine step finished together, and the unit's
+    acknowledgement after them: one round trip. A group refused by the server (an error reply)
+    does not stop the pipeline's later writes, but the server refuses the acknowledgement of a
+    unit whose group is missing, so the unit stays leased and another attempt generates it."""
     import valkey
     from valkey.commands.core import Script
 
@@ -711,15 +768,16 @@ def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_th
     out.put([bus.group_write(f"{u1}/0:p1", [{"x": 1}]), bus.group_write(f"{u1}/1:p2", [{"x": 2}])])
     out.put(bus.ack_write(first), always=lambda: released.append(first.entry_id))
     out.flush()
-    assert (out.writes, out.round_trips) == (3, 2) and released == [first.entry_id]
+    assert (out.writes, out.round_trips) == (3, 1) and released == [first.entry_id]
     assert bus.counters()["units_done"] == 1
 
     u2 = second.unit["unit_id"]
     refused = BusWrite(Script(bus.r, "return redis.error_reply('refused (test)')"), (bus.key("probe"),), (), 0)
-    out.put([bus.group_write(f"{u2}/0:p3", [{"x": 3}]), refused])
+    out.put([bus.group_write(f"{u2}/0:p3", [{"x": 3}]), refused])  # in place of p4's group
     out.put(bus.ack_write(second), always=lambda: released.append(second.entry_id))
     with pytest.raises(valkey.exceptions.ResponseError, match="refused"):
         out.flush()
+    assert (out.writes, out.round_trips) == (3, 1)  # the failed batch is not counted
     c = bus.counters()
     assert c["groups_generated"] == 3 and c["units_done"] == 1  # the group before it landed; no acknowledgement
     assert bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 1  # still leased: its retry regenerates it

@@ -126,6 +126,7 @@ class _InFlight:
     ids: dict[str, list[int]] = field(default_factory=dict)  # request id -> prompt token ids
     by_rid: dict[str, int] = field(default_factory=dict)  # request id -> k
     finished: set[int] = field(default_factory=set)
+    overlapped: bool = False  # leased while another unit was generating (counted with its end)
 
     def remaining(self) -> list[int]:
         return [k for k in self.todo if k not in self.finished]
@@ -140,11 +141,11 @@ class _Outbox:
     Writes the thread finds waiting together go in one round trip (`RunBus.write_many`: at most
     `BATCH_WRITES` writes or about `BATCH_BYTES`): on a bus that fsyncs every write (the
     deployed Valkey: `appendfsync always`), a round trip per group costs a disk sync per group,
-    and a batch shares one. An acknowledgement (`BusWrite.after_prior`) starts a new round
-    trip, so it is sent only once its groups were written. A write that fails (an error reply,
-    or the bus unreachable past `valkey.reconnect_s`) stops every later one, since an
-    acknowledgement must never land without its unit's groups, and is raised on the loop at
-    its next hand-over, `check` or `flush`. Anything else handed over (a callable) runs alone,
+    and a batch shares one. A unit's acknowledgement rides in the same round trip as its last
+    groups: the server refuses it unless every group of the unit is published
+    (`RunBus.ack_write`). A write that fails (an error reply, or the bus unreachable past
+    `valkey.reconnect_s`) stops every later one, and is raised on the loop at its next
+    hand-over, `check` or `flush`. Anything else handed over (a callable) runs alone,
     in its place."""
 
     BATCH_WRITES = 64
@@ -188,7 +189,7 @@ class _Outbox:
                 continue
             batch, size = [item], item[0].size
             while (waiting and isinstance(waiting[0], tuple) and isinstance(waiting[0][0], BusWrite)
-                   and not waiting[0][0].after_prior and len(batch) < self.BATCH_WRITES and size < self.BATCH_BYTES):
+                   and len(batch) < self.BATCH_WRITES and size < self.BATCH_BYTES):
                 batch.append(waiting.popleft())
                 size += batch[-1][0].size
             self._make(batch, lambda: self._bus.write_many([w for w, _ in batch]))
@@ -523,9 +524,8 @@ class RolloutWorker:
                     self._hold(lease)  # refreshed from now on by the heartbeat thread
                     if not units:  # a version registered while we waited: its units were issued for it
                         self._serve_latest()
-                    if units:
-                        self.bus.incr(units_overlapped=1)
                     u = self._start_unit(lease)
+                    u.overlapped = bool(units)
                     units[lease.entry_id] = u
                     rid_unit.update((rid, lease.entry_id) for rid in u.by_rid)
                     if not u.todo:  # every group was published by an earlier attempt
@@ -567,8 +567,10 @@ class RolloutWorker:
         for rid in u.by_rid:
             rid_unit.pop(rid, None)
         if not remaining:  # the acknowledgement follows the unit's groups on the outbox, then the release
-            self._end_unit(u.lease, [], defer=True)
+            self._end_unit(u.lease, [], defer=True, units_overlapped=int(u.overlapped))
             return
+        if u.overlapped:
+            self.bus.incr(units_overlapped=1)
         try:
             self._end_unit(u.lease, remaining, [rid for rid, k in u.by_rid.items() if k in remaining])
         finally:
@@ -582,15 +584,17 @@ class RolloutWorker:
         done_already = self.bus.published(list(gids.values()))
         return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
-    def _end_unit(self, lease: Lease, remaining: list[int], rids: list[str] | None = None, defer: bool = False) -> bool:
+    def _end_unit(self, lease: Lease, remaining: list[int], rids: list[str] | None = None, defer: bool = False,
+                  **counts: int) -> bool:
         """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
         requeue them (a drain); its requests still in flight (`rids`; None: every request) are
         aborted. Its groups' publications are made first (the outbox is flushed); `defer` (a
         unit with nothing remaining): the acknowledgement and the lease's release go on the
-        outbox after them instead, and the loop goes on at once."""
+        outbox after them instead, and the loop goes on at once; `counts` go to the counters
+        with the acknowledgement."""
         unit_id = lease.unit["unit_id"]
         if defer:  # released after the acknowledgement, or when a failed write before it skips it
-            self._outbox.put(self.bus.ack_write(lease), always=lambda: self._release(lease))
+            self._outbox.put(self.bus.ack_write(lease, **counts), always=lambda: self._release(lease))
             return True
         self._outbox.flush()
         if remaining:
@@ -605,7 +609,7 @@ class RolloutWorker:
             self.bus.requeue_unit(lease, remaining)
             log.warning("%s: requeued %d unfinished prompts of %s", self.name, len(remaining), unit_id)
             return False
-        self.bus.ack_unit(lease)
+        self.bus.ack_unit(lease, **counts)
         return True
 
     def _run_episodes(self, lease: Lease) -> bool:

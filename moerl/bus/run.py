@@ -12,8 +12,10 @@ groups carry the work (facts and pitfalls: docs/async.md):
 
 A lease is a pending entry of the group. A worker that dies keeps its entries pending; after
 `units.visibility_timeout_s` without a touch (an owner-checked `XCLAIM ... JUSTID`, which does
-not count as a delivery) any other worker reclaims them with `XAUTOCLAIM`, and the delivery
-count from `XPENDING` sends an entry that keeps failing to `dead`; an entry is parsed only after
+not count as a delivery) any other worker reclaims them (`XPENDING ... IDLE`, which finds the
+idle entries on the server in one round trip however long the pending list, then `XCLAIM`,
+which takes only those still idle), and the delivery count sends an entry that keeps failing
+to `dead`; an entry is parsed only after
 that check, and one that does not parse goes to `dead` too. Valkey has no XNACK, so a draining
 worker requeues the unfinished part of its unit as `XADD` of a new entry plus `XACK` of the old
 one. Every hand-off between streams is one Lua script (add the output, acknowledge the input,
@@ -90,15 +92,12 @@ class Lease:
 class BusWrite:
     """One hand-off script ready to send (`RunBus.group_write`, `RunBus.ack_write`): its keys,
     operation key last (so it runs once however often it is sent), and arguments. `size`: the
-    bytes of its arguments. `after_prior`: sent only once every write handed over before it has
-    succeeded (an acknowledgement follows its unit's groups), so `RunBus.write_many` callers
-    start a new round trip at it."""
+    bytes of its arguments."""
 
     script: Any  # valkey.commands.core.Script
     keys: tuple[str, ...]
     args: tuple[Any, ...]
     size: int
-    after_prior: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +119,9 @@ class RunBus:
         self.prefix = f"moerl:{run_id}:"
         self.visibility_ms = int(visibility_timeout_s * 1000)
         self.max_attempts = max_attempts
+        # how often `lease_unit` looks for idle units to reclaim, and when each consumer last did
+        self.claim_every_s = min(1.0, visibility_timeout_s / 4)
+        self._claimed_at: dict[str, float] = {}
         from valkey.commands.core import Script
 
         def reg(text: str):  # run through the retrying client, once per call (see _ONCE)
@@ -244,40 +246,42 @@ class RunBus:
                     args=[unit_id, json.dumps(unit), len(prompts)])
         return unit_id
 
-    def _deliveries(self, stream: str, entry_id: str) -> int:
-        rows = self.r.xpending_range(self.key(stream), GROUPS[stream], min=entry_id, max=entry_id, count=1)
-        return int(rows[0]["times_delivered"]) if rows else 1
+    def _claim(self, stream: str, consumer: str, count: int) -> list[tuple[str, dict[str, str], int]]:
+        """Up to `count` entries of `stream` idle past the visibility timeout, now leased to
+        `consumer`, each with its delivery count (this one included). The server finds them
+        (`XPENDING ... IDLE`: one round trip however long the pending list is, an idle entry
+        behind any number of busy ones included) and `XCLAIM` takes only those still idle, so
+        two consumers never both take one; entries deleted meanwhile are dropped."""
+        rows = self.r.xpending_range(self.key(stream), GROUPS[stream], min="-", max="+",
+                                     count=min(count, MAX_READ_ENTRIES), idle=self.visibility_ms)
+        if not rows:
+            return []
+        times = {r["message_id"]: int(r["times_delivered"]) + 1 for r in rows}
+        got = self.r.xclaim(self.key(stream), GROUPS[stream], consumer, self.visibility_ms, list(times))
+        return [(eid, fields, times[eid]) for eid, fields in got if fields and eid in times]
 
-    def _claim(self, stream: str, consumer: str, count: int) -> list[tuple[str, dict[str, str]]]:
-        """Entries of `stream` idle past the visibility timeout, now leased to `consumer`: the
-        pending list is scanned page by page from XAUTOCLAIM's returned cursor, so an idle entry
-        behind a page of busy ones is found too."""
-        count, start, out = min(count, MAX_READ_ENTRIES), "0-0", []
-        for _ in range(1000):  # pages of `count`; bounded however long the pending list is
-            reply = self.r.xautoclaim(self.key(stream), GROUPS[stream], consumer, self.visibility_ms,
-                                      start_id=start, count=count - len(out))
-            out += [(eid, fields) for eid, fields in reply[1] if fields]
-            start = reply[0]
-            if start == "0-0" or len(out) >= count:
-                break
-        return out
-
-    def _read(self, stream: str, consumer: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+    def _read(self, stream: str, consumer: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str], int]]:
+        """New entries (`>`: never delivered to the group, so this is their first delivery)."""
         reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): ">"},
                                   count=min(count, MAX_READ_ENTRIES), block=block_ms or None)
-        return [(eid, fields) for _, entries in (reply or []) for eid, fields in entries if fields]
+        return [(eid, fields, 1) for _, entries in (reply or []) for eid, fields in entries if fields]
 
     def lease_unit(self, consumer: str, block_ms: int = 500) -> Lease | None:
         """A unit for `consumer`: a reclaimed one whose holder went silent, else a new one.
         A unit past `max_attempts` deliveries, or one that is not a unit (malformed, oversized),
-        goes to the dead-letter stream instead, counted."""
+        goes to the dead-letter stream instead, counted. Idle units are looked for at most every
+        `claim_every_s` per consumer (a quarter of the visibility timeout, at most 1 s), so a
+        lease is usually one round trip: a unit waits at most that much past its timeout."""
         while True:
-            claimed = self._claim(UNITS, consumer, 1)
+            now = time.monotonic()
+            claimed = []
+            if now - self._claimed_at.get(consumer, -1e9) >= self.claim_every_s:
+                self._claimed_at[consumer] = now
+                claimed = self._claim(UNITS, consumer, 1)
             got = claimed or self._read(UNITS, consumer, 1, block_ms)
             if not got:
                 return None
-            eid, fields = got[0]
-            deliveries = self._deliveries(UNITS, eid)
+            eid, fields, deliveries = got[0]
             if claimed:
                 self.incr(units_reclaimed=1)
                 log.warning("%s reclaimed unit entry %s (delivery %d)", consumer, eid, deliveries)
@@ -324,8 +328,9 @@ class RunBus:
         it was acknowledged); the caller stops working on it."""
         return bool(self._touch(keys=[self.key(stream)], args=[GROUPS[stream], consumer, entry_id]))
 
-    def ack_unit(self, lease: Lease) -> None:
-        self.write_many([self.ack_write(lease)])
+    def ack_unit(self, lease: Lease, **counts: int) -> None:
+        """Acknowledge a leased unit whose groups are all published (`ack_write`)."""
+        self.write_many([self.ack_write(lease, **counts)])
 
     def requeue_unit(self, lease: Lease, remaining_k: list[int]) -> None:
         """Put the unfinished prompts (`k` values) of a leased unit back on the queue, in one
@@ -350,10 +355,10 @@ class RunBus:
         return bool(self.write_many([self.group_write(group_id, samples)])[0])
 
     # -- batched writes ------------------------------------------------------------------
-    def _write(self, script, keys: list[str], args: list[Any], after_prior: bool = False) -> BusWrite:
+    def _write(self, script, keys: list[str], args: list[Any]) -> BusWrite:
         args_t = tuple(args)
         return BusWrite(script, (*keys, self.key(f"op:{uuid.uuid4().hex}")), args_t,
-                        sum(len(a) if isinstance(a, (str, bytes)) else 8 for a in args_t), after_prior)
+                        sum(len(a) if isinstance(a, (str, bytes)) else 8 for a in args_t))
 
     def group_write(self, group_id: str, samples: list[dict[str, Any]]) -> BusWrite:
         """`publish_group` as a write to send later, batched with others (`write_many`)."""
@@ -364,19 +369,24 @@ class RunBus:
                            [self.key("published"), self.key(GENERATED), self.key("counters")],
                            [group_id, payload, len(samples), sum(len(x.get("response_token_ids", ())) for x in samples)])
 
-    def ack_write(self, lease: Lease) -> BusWrite:
-        """`ack_unit` as a write to send later; `after_prior`: only once the writes before it
-        (its unit's groups) succeeded."""
-        return self._write(self._ack_script, [self.key(UNITS), self.key("counters")],
-                           [GROUPS[UNITS], lease.entry_id, "units_done", 1], after_prior=True)
+    def ack_write(self, lease: Lease, **counts: int) -> BusWrite:
+        """`ack_unit` as a write to send later, batched behind its unit's groups if need be: the
+        server refuses it (an error reply; nothing changes) unless every group of the unit is
+        published, so it never lands without them. `counts` go to the counters with it."""
+        unknown = set(counts) - set(COUNTERS)
+        if unknown:
+            raise ValueError(f"unknown counters {sorted(unknown)}")
+        gids = [group_id(lease.unit["unit_id"], p["k"], p["prompt"]["id"]) for p in lease.unit["prompts"]]
+        pairs = [x for k, v in {"units_done": 1, **counts}.items() if v for x in (k, int(v))]
+        return self._write(self._ack_script, [self.key(UNITS), self.key("counters"), self.key("published")],
+                           [GROUPS[UNITS], lease.entry_id, len(gids), *gids, *pairs])
 
     def write_many(self, writes: list[BusWrite]) -> list[Any]:
         """Send `writes` in one round trip (a pipeline, in order) and return each one's result.
 
         Not a transaction: each write is one atomic script, and the server runs them in order,
-        so a write whose predecessors failed with an error reply still runs. A caller that must
-        not send a write unless the earlier ones succeeded (`BusWrite.after_prior`) sends it in
-        a later call. A lost connection resends the whole batch (retried like every command,
+        so a write whose predecessors failed with an error reply still runs (an acknowledgement
+        checks its groups on the server for that reason: `ack_write`). A lost connection resends the whole batch (retried like every command,
         for `valkey.reconnect_s`): every write carries its own operation key, so one the server
         already ran returns its first result and changes nothing. The first error reply is
         raised after the batch ran."""
@@ -402,11 +412,10 @@ class RunBus:
         return self.r.call(send_loaded)
 
     # -- scoring ------------------------------------------------------------------------
-    def _take(self, stream: str, consumer: str, got: list[tuple[str, dict[str, str]]], claimed: bool,
+    def _take(self, stream: str, consumer: str, got: list[tuple[str, dict[str, str], int]],
               validate) -> list[tuple[str, dict[str, Any]]]:
         out = []
-        for eid, fields in got:
-            deliveries = self._deliveries(stream, eid) if claimed else 1
+        for eid, fields, deliveries in got:
             group = self._admit(stream, consumer, eid, fields, deliveries, lambda raw: _parse_group(raw, validate))
             if group is not None:
                 out.append((eid, group))
@@ -419,7 +428,7 @@ class RunBus:
         such a group, and one delivered more than `max_attempts` times, is dead-lettered."""
         claimed = self._claim(GENERATED, consumer, count)
         got = claimed or self._read(GENERATED, consumer, count, block_ms)
-        return self._take(GENERATED, consumer, got, bool(claimed), validate)
+        return self._take(GENERATED, consumer, got, validate)
 
     def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int, **counts: int) -> bool:
         """A scored group onto `scored`, and its `generated` entry acknowledged, atomically
@@ -438,7 +447,7 @@ class RunBus:
                     validate=None) -> list[tuple[str, dict[str, Any]]]:
         """New scored groups for the trainer; a malformed one is dead-lettered, as in
         `take_generated`."""
-        return self._take(SCORED, consumer, self._read(SCORED, consumer, count, block_ms), False, validate)
+        return self._take(SCORED, consumer, self._read(SCORED, consumer, count, block_ms), validate)
 
     def take_pending(self, stream: str, consumer: str, after: str,
                      validate=None) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
@@ -450,7 +459,7 @@ class RunBus:
         raw = [(eid, fields) for _, entries in (reply or []) for eid, fields in entries]
         if not raw:
             return [], None
-        return self._take(stream, consumer, [(e, f) for e, f in raw if f], False, validate), raw[-1][0]
+        return self._take(stream, consumer, [(e, f, 1) for e, f in raw if f], validate), raw[-1][0]
 
     def consumed(self, group_ids: list[str]) -> set[str]:
         if not group_ids:

@@ -25,10 +25,22 @@ redis.call('HINCRBY', KEYS[3], 'groups_generated', 1)
 redis.call('HINCRBY', KEYS[3], 'tokens_generated', tonumber(ARGV[4]))
 return 1
 """
+# A unit's acknowledgement. KEYS: units stream, counters, published set. ARGV: group, entry id,
+# n, the unit's n group ids, then name/delta pairs. Refused with an error reply, changing
+# nothing, unless every one of the unit's groups is published: an acknowledgement never lands
+# without its groups, however it was sent (batched behind them in one pipeline, in particular,
+# where a group refused with an error reply does not stop the writes after it).
 _ACK_AND_COUNT = """
+local n = tonumber(ARGV[3])
+for i = 4, 3 + n do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then
+    error({err = 'MOERL_UNPUBLISHED unit entry ' .. ARGV[2] .. ' not acknowledged: its group ' .. ARGV[i] ..
+                 ' is not published'})
+  end
+end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-for i = 3, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], tonumber(ARGV[i + 1])) end
+for i = 4 + n, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], tonumber(ARGV[i + 1])) end
 return 1
 """
 _PUBLISH_SCORED = """
