@@ -13,6 +13,8 @@
     moerl bench ep-memory        per-rank state (vs 1/world) and peak RSS at meshes dp x ep
     moerl bench tasks            verifier / environment calls: in-process, sandboxed pool,
                                  Valkey; environments' share of a multi-turn rollout
+    moerl bench lease            a worker's lease as the pending list grows: Valkey commands
+                                 and wall time, against the XAUTOCLAIM paging it replaced
     moerl compare RUN_ID...      MLflow runs side by side: params that differ, metrics with
                                  deltas and confidence intervals, plots
 
@@ -116,6 +118,18 @@ def _tasks(a: argparse.Namespace) -> int:
     from moerl.bench.tasks import run_bench_tasks
 
     rep = run_bench_tasks(a.calls, a.engine, a.prompts, Path(a.out))
+    return 0 if rep["ok"] else 1
+
+
+def _lease(a: argparse.Namespace) -> int:
+    from moerl.bench.lease import run_bench_lease
+    from moerl.errors import ConfigError
+
+    try:
+        pending = [int(x) for x in a.pending.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--pending must be comma-separated integers, got {a.pending!r}") from None
+    rep = run_bench_lease(pending, a.leases, Path(a.out))
     return 0 if rep["ok"] else 1
 
 
@@ -263,6 +277,13 @@ def add_bench_parsers(sub) -> None:
     bt.add_argument("--prompts", type=int, default=64, help="prompts of the multi-turn rollout (x G episodes)")
     bt.add_argument("--out", default="bench/tasks.json")
     bt.set_defaults(func=_tasks)
+
+    le = bsub.add_parser("lease", help="a rollout worker's lease as the pending list grows: the bus's way against "
+                                       "XAUTOCLAIM paging (Valkey commands and wall time per lease)")
+    le.add_argument("--pending", default="0,256,1024,4096", help="pending-list lengths (units other workers hold)")
+    le.add_argument("--leases", type=int, default=50, help="leases timed at each length, each way")
+    le.add_argument("--out", default="bench/lease.json")
+    le.set_defaults(func=_lease)
 
     co = sub.add_parser("compare", help="MLflow runs side by side: differing params, metric deltas vs noise, plots")
     co.add_argument("run_ids", nargs="+", metavar="RUN_ID")

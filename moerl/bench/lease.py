@@ -1,0 +1,124 @@
+"""`moerl bench lease`: what leasing a unit costs a rollout worker as the run's pending list
+grows, the bus's way against the way it used before, side by side on one embedded Valkey
+(append-only file fsynced on every write, as deployed).
+
+At the seed's scale a thousand units or more are leased at once (32 rollout nodes, several
+engines each, `rollout.units_in_flight` units per engine), and every lease looks for units
+whose worker went silent. The two ways, each on its own run's keys with the same pending list
+(`--pending` units leased by other workers and still busy) and the same new units to lease:
+
+- `xautoclaim` (how `RunBus.lease_unit` worked before): `XAUTOCLAIM` from the start of the
+  pending list, page by page (the server examines ten entries per page when it may claim one),
+  then `XREADGROUP`, then an `XPENDING` for the new entry's delivery count: kept here only as
+  the baseline;
+- `bus` (`RunBus.lease_unit`): `XPENDING ... IDLE`, which finds idle entries on the server in
+  one call, at most every `claim_every_s` per worker (else not at all), then `XREADGROUP`,
+  whose entries are first deliveries.
+
+Each row: Valkey commands per lease (the server's own count), the median and p90 wall time of
+a lease, and the ratio of the baseline's median to the bus's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from moerl.bench import envelope, format_table, write_report
+
+VISIBILITY_S = 120.0  # the default `units.visibility_timeout_s`: nothing pending goes idle here
+
+
+def _prompt(i: int) -> dict[str, Any]:
+    return {"id": f"p{i}", "task": "copy", "prompt": f"copy {i}", "answer": str(i)}
+
+
+def _commands(admin) -> int:
+    """The server's count of commands processed (this INFO call included)."""
+    return int(admin.info("stats")["total_commands_processed"])
+
+
+def _lease_by_xautoclaim(bus, consumer: str) -> Any:
+    """The previous `lease_unit`: XAUTOCLAIM pages from the start of the pending list, then a new
+    entry, then its delivery count from XPENDING."""
+    from moerl.bus import UNITS
+    from moerl.bus.run import GROUPS
+
+    key, group, start = bus.key(UNITS), GROUPS[UNITS], "0-0"
+    for _ in range(100_000):
+        reply = bus.r.xautoclaim(key, group, consumer, bus.visibility_ms, start_id=start, count=1)
+        if any(fields for _, fields in reply[1]):
+            return reply[1][0][0]
+        start = reply[0]
+        if start == "0-0":
+            break
+    got = bus.r.xreadgroup(group, consumer, {key: ">"}, count=1, block=None)
+    eid = got[0][1][0][0] if got else None
+    if eid is not None:
+        bus.r.xpending_range(key, group, min=eid, max=eid, count=1)
+    return eid
+
+
+def _arm(admin, bus, leases: int, way: str) -> dict[str, Any]:
+    for i in range(leases):
+        bus.issue_unit([_prompt(i)])
+    walls, leased = [], 0
+    c0 = _commands(admin)
+    for _ in range(leases):
+        t0 = time.perf_counter()
+        got = _lease_by_xautoclaim(bus, "w-new") if way == "xautoclaim" else bus.lease_unit("w-new", block_ms=0)
+        walls.append(time.perf_counter() - t0)
+        leased += got is not None
+    commands = _commands(admin) - c0 - 1  # less the second INFO
+    walls.sort()
+    return {"way": way, "leases": leased, "commands_per_lease": commands / leases,
+            "median_ms": statistics.median(walls) * 1000, "p90_ms": walls[min(len(walls) - 1, int(0.9 * len(walls)))] * 1000}
+
+
+def run_bench_lease(pending: Sequence[int], leases: int, out: Path, echo=print) -> dict[str, Any]:
+    """Both ways at each pending-list length; the report (also written to `out`)."""
+    import valkey
+
+    from moerl.bus import EmbeddedValkey, RunBus, connect
+
+    from moerl.errors import ConfigError
+
+    if leases < 1:
+        raise ConfigError(f"--leases: {leases}; allowed: an integer >= 1")
+    if not pending or any(n < 0 for n in pending):
+        raise ConfigError(f"--pending: {list(pending)}; allowed: one or more lengths >= 0")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moerl-bench-lease-") as tmp:
+        server = EmbeddedValkey(Path(tmp) / "valkey").start()
+        try:
+            admin = valkey.Valkey.from_url(server.url)  # the loopback admin reads the server's counts
+            for n in pending:
+                row: dict[str, Any] = {"pending": n}
+                for way in ("xautoclaim", "bus"):
+                    bus = RunBus(connect(server.url, 30.0), f"bench-lease-{way}-{n}", visibility_timeout_s=VISIBILITY_S)
+                    bus.ensure_groups()
+                    for i in range(n):  # leased by other workers, busy: never idle within the window
+                        bus.issue_unit([_prompt(i)])
+                    for i in range(n):
+                        bus.lease_unit(f"w-{i % 64}", block_ms=0)
+                    row[way] = _arm(admin, bus, leases, way)
+                    if row[way]["leases"] != leases:
+                        raise RuntimeError(f"bench lease: the {way} way leased {row[way]['leases']} of {leases} units")
+                row["median_ratio"] = row["xautoclaim"]["median_ms"] / row["bus"]["median_ms"]
+                rows.append(row)
+                echo(f"[bench lease] pending {n}: {row['xautoclaim']['commands_per_lease']:.1f} -> "
+                     f"{row['bus']['commands_per_lease']:.1f} commands per lease")
+        finally:
+            server.stop()
+    report = envelope("lease", True, leases=leases, visibility_timeout_s=VISIBILITY_S, rows=rows)
+    write_report(out, report)
+    echo(format_table(
+        ["pending", "xautoclaim: cmds/lease", "median ms", "p90 ms", "bus: cmds/lease", "median ms", "p90 ms",
+         "x faster"],
+        [[r["pending"], r["xautoclaim"]["commands_per_lease"], r["xautoclaim"]["median_ms"], r["xautoclaim"]["p90_ms"],
+          r["bus"]["commands_per_lease"], r["bus"]["median_ms"], r["bus"]["p90_ms"], r["median_ratio"]] for r in rows]))
+    echo(f"report: {out}")
+    return report
