@@ -765,16 +765,17 @@ def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_th
     out = _Outbox("b", bus)
     released: list[str] = []
     u1 = first.unit["unit_id"]
-    out.put([bus.group_write(f"{u1}/0:p1", [{"x": 1}]), bus.group_write(f"{u1}/1:p2", [{"x": 2}])])
-    out.put(bus.ack_write(first), always=lambda: released.append(first.entry_id))
+    # as the worker does: the step's groups and the acknowledgement of the unit they complete
+    out.put([bus.group_write(f"{u1}/0:p1", [{"x": 1}]), bus.group_write(f"{u1}/1:p2", [{"x": 2}]),
+             bus.ack_write(first)], always=lambda: released.append(first.entry_id))
     out.flush()
     assert (out.writes, out.round_trips) == (3, 1) and released == [first.entry_id]
     assert bus.counters()["units_done"] == 1
 
     u2 = second.unit["unit_id"]
     refused = BusWrite(Script(bus.r, "return redis.error_reply('refused (test)')"), (bus.key("probe"),), (), 0)
-    out.put([bus.group_write(f"{u2}/0:p3", [{"x": 3}]), refused])  # in place of p4's group
-    out.put(bus.ack_write(second), always=lambda: released.append(second.entry_id))
+    out.put([bus.group_write(f"{u2}/0:p3", [{"x": 3}]), refused,  # in place of p4's group
+             bus.ack_write(second)], always=lambda: released.append(second.entry_id))
     with pytest.raises(valkey.exceptions.ResponseError, match="refused"):
         out.flush()
     assert (out.writes, out.round_trips) == (3, 1)  # the failed batch is not counted

@@ -63,7 +63,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from moerl.bus import BusWrite, Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.config import RunConfig, config_from_json
@@ -547,9 +547,9 @@ class RolloutWorker:
                         self._first_sample_s = time.perf_counter() - self.t_start
                         log.info("%s: first group generated %.1f s after start", self.name, self._first_sample_s)
                         self.bus.heartbeat(self.name, ttl_s=10.0, first_sample_s=self._first_sample_s)
-                    if len(u.finished) == len(u.todo):  # its groups first, then its acknowledgement
-                        writes = self._hand_over(writes)
-                        self._finish_unit(units, rid_unit, u, [])
+                    if len(u.finished) == len(u.todo):  # its last groups and its acknowledgement, one hand-over
+                        self._finish_unit(units, rid_unit, u, [], before=writes)
+                        writes = []
             finally:
                 self._hand_over(writes)
                 self.busy_s += time.perf_counter() - t0
@@ -562,13 +562,17 @@ class RolloutWorker:
                 self.bus.incr(drains=1)
                 return EXIT_DRAINED
 
-    def _finish_unit(self, units: dict, rid_unit: dict, u: "_InFlight", remaining: list[int]) -> None:
+    def _finish_unit(self, units: dict, rid_unit: dict, u: "_InFlight", remaining: list[int],
+                     before: Sequence[BusWrite] = ()) -> None:
+        """Drop the unit from the loop's books and end it (`_end_unit`); `before`: the step's
+        writes still to hand over (its last groups among them), sent ahead of its acknowledgement."""
         units.pop(u.lease.entry_id, None)
         for rid in u.by_rid:
             rid_unit.pop(rid, None)
         if not remaining:  # the acknowledgement follows the unit's groups on the outbox, then the release
-            self._end_unit(u.lease, [], defer=True, units_overlapped=int(u.overlapped))
+            self._end_unit(u.lease, [], defer=True, before=before, units_overlapped=int(u.overlapped))
             return
+        self._hand_over(list(before))
         if u.overlapped:
             self.bus.incr(units_overlapped=1)
         try:
@@ -585,16 +589,17 @@ class RolloutWorker:
         return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
     def _end_unit(self, lease: Lease, remaining: list[int], rids: list[str] | None = None, defer: bool = False,
-                  **counts: int) -> bool:
+                  before: Sequence[BusWrite] = (), **counts: int) -> bool:
         """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
         requeue them (a drain); its requests still in flight (`rids`; None: every request) are
         aborted. Its groups' publications are made first (the outbox is flushed); `defer` (a
         unit with nothing remaining): the acknowledgement and the lease's release go on the
-        outbox after them instead, and the loop goes on at once; `counts` go to the counters
-        with the acknowledgement."""
+        outbox after them instead, handed over together with `before` (the unit's last groups,
+        so the outbox sends them and the acknowledgement in one round trip), and the loop goes
+        on at once; `counts` go to the counters with the acknowledgement."""
         unit_id = lease.unit["unit_id"]
         if defer:  # released after the acknowledgement, or when a failed write before it skips it
-            self._outbox.put(self.bus.ack_write(lease, **counts), always=lambda: self._release(lease))
+            self._outbox.put([*before, self.bus.ack_write(lease, **counts)], always=lambda: self._release(lease))
             return True
         self._outbox.flush()
         if remaining:
