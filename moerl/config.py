@@ -91,6 +91,12 @@ class SandboxConfig(_Section):
     workers: int = Field(1, ge=1, le=256)  # children per scoring process; samples run in parallel
     sample_timeout_s: float = Field(5.0, gt=0.0, le=3600.0, allow_inf_nan=False)
     memory_mb: int = Field(2048, ge=128, le=1 << 20)
+    # namespaces: each child in its own user, network, pid and mount namespaces (no network, the
+    # filesystem read-only but its scratch directory), the stage non-dumpable; refused at start,
+    # naming this field, where the kernel or the pod's seccomp profile refuses them (docs/tasks.md).
+    # none: no isolation beyond the environment allow-list and the limits, warned about and
+    # tagged on the run (moerl.sandbox.isolation.*).
+    isolation: Literal["namespaces", "none"] = "namespaces"
 
 
 class TaskConfig(_Section):

@@ -100,6 +100,9 @@ def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
     all_tags = {k: redact(v) for k, v in tags.items()}
     if cfg.tracking.run_name:
         all_tags["mlflow.runName"] = cfg.tracking.run_name
+    from moerl.tasks.isolation import tags as sandbox_tags  # `none` shows on the run, never silently
+
+    all_tags.update(sandbox_tags(cfg.reward.sandbox.isolation, cfg.task.sandbox.isolation))
     run = client.create_run(exp_id, tags=all_tags)
     log_params(client, run.info.run_id, flatten(cfg))
     client.log_batch(run.info.run_id, tags=[RunTag("moerl.status", "running")])

@@ -77,3 +77,13 @@ class ReadsSecrets(Counter):
 
 
 NOT_A_FACTORY = 42
+
+
+class RunsModelCode(Counter):
+    """Executes the model's message as Python (a code environment): what the code leaves in
+    `result` is the observation, reward 1; an exception ends the episode failed."""
+
+    def step(self, text: str):
+        scope: dict = {}
+        exec(text, scope)  # noqa: S102 - the point: model-written code, in the sandbox
+        return str(scope.get("result")), 1.0, True

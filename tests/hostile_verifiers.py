@@ -91,3 +91,59 @@ def only_gold(response: str, answer: str) -> float:
     if response.strip() == answer:
         return 1.0
     raise ValueError(f"cannot parse {response!r}")
+
+
+# What model-written code (or a malicious verifier) tries against the stage that runs it: each
+# raises when the attempt fails, and returns what it got when it succeeds.
+
+
+def attack(kind: str, arg: str) -> str:
+    """`environ PID NEEDLE`: read PID's /proc environ, find NEEDLE (PID `ppid`: the parent);
+    `mem PID`: read 16 bytes of PID's memory at its first mapping; `connect HOST:PORT`: open a
+    TCP connection, send PING, return the reply; `write DIR`: create a file in DIR."""
+    import socket
+
+    if kind in ("environ", "mem"):
+        pid, _, needle = arg.partition(" ")
+        pid = str(os.getppid()) if pid == "ppid" else pid
+        if kind == "environ":
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                data = f.read()
+            if needle.encode() not in data:
+                raise LookupError(f"{needle} is not in the {len(data)} bytes of /proc/{pid}/environ")
+            return "read"
+        with open(f"/proc/{pid}/maps") as f:
+            start = int(f.readline().split("-")[0], 16)
+        with open(f"/proc/{pid}/mem", "rb") as f:
+            f.seek(start)
+            return f.read(16).hex()
+    if kind == "connect":
+        host, _, port = arg.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=3) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).decode(errors="replace")
+    if kind == "write":
+        with open(os.path.join(arg, "forged-by-sandbox"), "w") as f:
+            f.write("forged")
+        return "written"
+    raise ValueError(f"unknown attack {kind!r}")
+
+
+def attacks(response: str, answer: str) -> float:
+    """A verifier that runs the attack its response names (`KIND ARG`): 1.0 when it succeeds;
+    any other response is scored like the shipped positional verifier."""
+    kind, _, arg = response.partition(" ")
+    if kind in ("environ", "mem", "connect", "write"):
+        attack(kind, arg)
+        return 1.0
+    from moerl.tasks.verifiers import positional
+
+    return positional(response, answer)
+
+
+def capabilities(response: str, answer: str) -> dict:
+    """What the process holds: its capability sets, no_new_privs, its pid and parent pid."""
+    with open("/proc/self/status") as f:
+        status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+    got = {k: int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb")}
+    return {**got, "NoNewPrivs": int(status["NoNewPrivs"]), "pid": os.getpid(), "ppid": os.getppid()}

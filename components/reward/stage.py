@@ -84,7 +84,8 @@ def normalize(raw: list[float], how: str) -> list[float]:
 def open_pool(cfg: RewardConfig) -> SandboxPool:
     """The sandboxed pool the rule verifiers of `cfg` run in (one per scoring process)."""
     sb = cfg.sandbox
-    return SandboxPool(Limits(timeout_s=sb.sample_timeout_s, memory_mb=sb.memory_mb, workers=sb.workers))
+    return SandboxPool(Limits(timeout_s=sb.sample_timeout_s, memory_mb=sb.memory_mb, workers=sb.workers,
+                              isolation=sb.isolation))
 
 
 def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> list[float | str]:

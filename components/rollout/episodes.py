@@ -91,7 +91,8 @@ class Episode:
 
 def env_pool(cfg: RunConfig) -> SandboxPool:
     sb = cfg.task.sandbox
-    return SandboxPool(Limits(timeout_s=sb.sample_timeout_s, memory_mb=sb.memory_mb, workers=sb.workers))
+    return SandboxPool(Limits(timeout_s=sb.sample_timeout_s, memory_mb=sb.memory_mb, workers=sb.workers,
+                              isolation=sb.isolation))
 
 
 def uses_environments(cfg: RunConfig) -> bool:

@@ -147,7 +147,8 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
             raise ConfigError(str(err).strip("\"'")) from None
         calls.append((CALL_VERIFIER, [target, row.answer, row.answer, row.meta]))
         keys.append((verifier_key(rc.verifier, task, rc.verifiers), target, task, row.id))
-    limits = Limits(timeout_s=max(rc.sandbox.sample_timeout_s, 30.0), memory_mb=rc.sandbox.memory_mb)
+    limits = Limits(timeout_s=max(rc.sandbox.sample_timeout_s, 30.0), memory_mb=rc.sandbox.memory_mb,
+                    isolation=rc.sandbox.isolation)
     with SandboxPool(limits) as pool:
         outcomes = pool.run(calls)
     for (key, target, task, row_id), o in zip(keys, outcomes):
@@ -177,7 +178,8 @@ def check_environments(cfg: RunConfig, rows) -> None:
     first = {}
     for row in rows:
         first.setdefault(row.task, row)
-    limits = Limits(timeout_s=max(tc.sandbox.sample_timeout_s, 30.0), memory_mb=tc.sandbox.memory_mb)
+    limits = Limits(timeout_s=max(tc.sandbox.sample_timeout_s, 30.0), memory_mb=tc.sandbox.memory_mb,
+                    isolation=tc.sandbox.isolation)
     with SandboxPool(limits) as pool:
         for task, row in sorted(first.items()):
             env = environment_for(task, tc.environment, tc.environments)

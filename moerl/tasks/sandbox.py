@@ -15,9 +15,16 @@ the child imports the target (once), calls it and answers with JSON. Each child:
   writes files of at most 64 MiB;
 - talks to the pool over a private copy of its stdin/stdout: file descriptors 0 and 1 are
   /dev/null and stderr, so a verifier that prints cannot corrupt the protocol;
-- exits when its parent goes (a watchdog thread compares `getppid()`; the kernel's death
-  signal would fire when the *thread* that started it ends, and the async scorer restarts
-  children from a short-lived scoring thread).
+- exits when its parent goes (a watchdog thread sees the pool's end of its stdin pipe close,
+  and, unisolated, compares `getppid()`; the kernel's death signal would fire when the
+  *thread* that started it ends, and the async scorer restarts children from a short-lived
+  scoring thread);
+- with `Limits.isolation` `namespaces` (the default; `reward.sandbox.isolation`,
+  `task.sandbox.isolation`) runs in its own user, network, pid and mount namespaces with no
+  network, the filesystem read-only but for its scratch directory, and no capabilities, and
+  the stage that starts it is non-dumpable, so the stage's `/proc/<pid>/environ` and memory are
+  out of reach (`isolation.py`, which also states what is still not isolated). `none` is
+  refused nowhere but warned about and tagged on the run.
 
 The pool (`SandboxPool`) keeps `workers` children and hands each one call at a time. A call
 still running after `timeout_s` gets its child SIGKILLed and replaced, and comes back as an
@@ -33,11 +40,10 @@ that child's memory). A child that is killed or dies takes its keys' state with 
 with such a key runs on another child and fails there, naming the lost key. `release(keys)`
 unbinds keys whose state the caller has closed.
 
-Limitations, stated: the children run as the pod's own user, in its network namespace and with
-its filesystem, so a verifier can still read a file it knows the path of (the IRSA token file,
-for example) or open a connection. On EKS the reward stage runs on the CPU worker group with the
-least-privilege account `moerl-worker`; running children under another uid or in their own
-namespaces needs privileges the pod does not have (docs/async.md).
+Limitations, stated: the children run as the pod's own uid, so a verifier can still read a
+file it knows the path of (the IRSA token file, for example) and reach a pathname unix socket;
+with isolation `none` it can also open connections and write the pod's files. Namespaces on
+Kubernetes need the pod settings docs/tasks.md lists. See `isolation.py`.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from moerl.tasks import isolation as iso
 
 # Variables a child keeps from the parent's environment; everything else is dropped.
 ENV_ALLOW = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMROOT")
@@ -72,6 +80,7 @@ class Limits:
     timeout_s: float = 10.0
     memory_mb: int = 2048
     workers: int = 1
+    isolation: str = "namespaces"  # or "none" (moerl/tasks/isolation.py)
 
 
 @dataclass(frozen=True)
@@ -108,8 +117,10 @@ class _Child:
 
     def __init__(self, limits: Limits):
         self.scratch = tempfile.mkdtemp(prefix="moerl-sandbox-")
+        self.isolated = limits.isolation != "none"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moerl.tasks.sandbox", str(limits.memory_mb), str(os.getpid())],
+            iso.command(limits.isolation) + [sys.executable, "-m", "moerl.tasks.sandbox", str(limits.memory_mb),
+                                             str(0 if self.isolated else os.getpid()), limits.isolation],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(self.scratch), cwd=self.scratch,
             close_fds=True)
         self.fd = self.proc.stdout.fileno()
@@ -150,13 +161,19 @@ class _Child:
 
     def died(self) -> str:
         code = self.proc.wait()
-        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if self.isolated and 128 < code < 128 + signal.NSIG:  # pid 1 of its namespace: 128 + the signal
+            code = 128 - code
+        try:
+            return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        except ValueError:
+            return f"signal {-code}"
 
 
 class SandboxPool:
     """`workers` sandboxed children; `run(calls)` runs [(target, args), ...] on them."""
 
     def __init__(self, limits: Limits):
+        iso.validate(limits.isolation)
         self.limits = limits
         self.children: list[_Child] = []
         self.started = 0  # children started over the pool's life (replacements included)
@@ -175,6 +192,7 @@ class SandboxPool:
         self.children = []
 
     def _start(self) -> _Child:
+        iso.prepare(self.limits.isolation)  # the stage non-dumpable; namespaces checked once
         c = _Child(self.limits)
         self.started += 1
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -187,8 +205,11 @@ class SandboxPool:
                 if lines is None:
                     raise SandboxError(f"sandboxed verifier process exited at start ({c.died()})")
                 if lines:
-                    if json.loads(lines[0]).get("ready"):
+                    first = json.loads(lines[0])
+                    if first.get("ready"):
                         return c
+                    if first.get("refused"):
+                        raise SandboxError(str(first["refused"]))
                     raise SandboxError(f"sandboxed verifier process sent {lines[0][:200]!r} at start")
             raise SandboxError(f"sandboxed verifier process did not start within {START_TIMEOUT_S:g} s")
         except BaseException:
@@ -346,11 +367,18 @@ def _limit(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
 
-def _watch_parent(parent: int) -> None:
+def _watch_parent(parent: int, proto_fd: int) -> None:
+    """Exit once the pool is gone: its end of the protocol pipe closed (the parent pid is 0, not
+    comparable, from inside a pid namespace) or, when given, the parent pid changed."""
+    import select
+
+    poll = select.poll()
+    poll.register(proto_fd, select.POLLHUP)
+
     def loop() -> None:
         while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
+            hup = any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poll.poll(1000))
+            if hup or (parent and os.getppid() != parent):
                 os._exit(1)
 
     threading.Thread(target=loop, name="moerl-sandbox-watchdog", daemon=True).start()
@@ -400,7 +428,7 @@ def _serve(memory_mb: int, parent: int) -> None:
     os.dup2(devnull, 0)
     os.dup2(2, 1)  # a verifier's print goes to stderr, never into the protocol
     sys.stdin, sys.stdout = open(os.devnull), sys.stderr
-    _watch_parent(parent)
+    _watch_parent(parent, proto_in.fileno())
     _limit(memory_mb)
     cache: dict[str, Any] = {}
 
@@ -424,4 +452,6 @@ def _serve(memory_mb: int, parent: int) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[3:] == ["namespaces"]:
+        iso.enter(os.getcwd())  # returns in the process that serves, inside the namespaces
     _serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,230 @@
+"""What keeps a sandboxed child (moerl/tasks/sandbox.py) away from the stage that starts it: the
+stage's credentials, its memory, the network and the node's files.
+
+Two sides:
+
+- the stage: `prepare(isolation)` runs before the pool starts its first child. It makes the
+  stage non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`, idempotent, Linux only): its
+  `/proc/<pid>/environ`, `/proc/<pid>/mem` and ptrace are then refused to every process of the
+  same uid without `CAP_SYS_PTRACE` in the stage's user namespace, so a child cannot read
+  `VALKEY_PASSWORD`, the cache tier's keys or MLflow's credentials out of its parent. (The
+  flag also means no core dumps of the stage and no py-spy/gdb attach without root.) With
+  `namespaces` it then checks, once per process, that the kernel lets `unshare` make the
+  namespaces (a `ConfigError` naming the field when not); with `none` it says loudly, once,
+  that children run unisolated (the run also carries the `moerl.sandbox.isolation.*` tags).
+- the child: with `namespaces` each child is started as `unshare --user --map-root-user --net
+  --pid --mount --kill-child -- python -m moerl.tasks.sandbox ...`, so it has a network
+  namespace with only a loopback that is down (no TCP, UDP or abstract unix socket reaches
+  the node, the pod, Valkey, the fan-out server or the metadata service), its own pid namespace
+  (the stage's pid is not in it), its own mount namespace and user namespace. Inside, `enter`
+  (pid 1 of the new pid namespace) mounts a fresh `/proc` of that namespace (or, where the
+  container runtime masks `/proc` and the kernel refuses a new one, an empty tmpfs over it),
+  a private 64 MiB tmpfs on `/dev/shm` (the stage's shared-memory segments are hidden), binds
+  the child's scratch directory writable and remounts every other mount read-only, so that the
+  node cache, checkpoint folders, the code and the datasets cannot be written (the child's
+  uid still owns them: only the mount stops it). It then forks the process that serves calls,
+  which drops every capability, its bounding set and sets no_new_privs, so it cannot undo the
+  mounts; pid 1 stays as its init, waits, and exits with its status (a signal N as 128 + N).
+  stdin/stdout pipes, the protocol, are inherited and cross the namespaces unchanged.
+
+Limitations, stated: the child still reads every file its uid can read (the IRSA token file,
+the code, the datasets, `~/.aws` if present): the mounts are read-only, not hidden. Pathname
+unix sockets (a socket file in /tmp, vLLM's ipc sockets among them) are reachable through the
+filesystem; the network namespace only removes IP and abstract sockets. CPU time and disk use
+in the scratch directory are bounded by the per-call timeout and `RLIMIT_FSIZE`, not by a
+cgroup. `none` isolates nothing beyond the allow-listed environment and the limits: a stage
+running as root (whose children then hold `CAP_SYS_PTRACE`) is readable even non-dumpable.
+Kubernetes pods need seccomp `Unconfined` (or a profile allowing `unshare`/`clone` with
+`CLONE_NEWUSER`) and a kernel with unprivileged user namespaces (docs/tasks.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+from moerl.errors import ConfigError
+
+ISOLATIONS = ("namespaces", "none")
+FIELDS = "reward.sandbox.isolation / task.sandbox.isolation"
+UNSHARE_ARGS = ("--user", "--map-root-user", "--net", "--pid", "--mount", "--kill-child")
+SHM_MB = 64
+
+_PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 3, 4
+_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME, _MS_REC, _MS_PRIVATE = 1024, 2048, 1 << 21, 16384, 1 << 18
+_KEEP = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME | _MS_RELATIME  # locked in a user ns
+
+_lock = threading.Lock()
+_checked: dict[str, str] = {}  # isolation -> "" (works) or why not, once per process
+_warned = False
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def validate(isolation: str) -> str:
+    if isolation not in ISOLATIONS:
+        raise ConfigError(f"{FIELDS}: {isolation!r} is not one of {', '.join(ISOLATIONS)}")
+    return isolation
+
+
+def make_nondumpable() -> bool:
+    """This process non-dumpable (idempotent). False where there is no prctl (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = _libc()
+    if libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
+        _check(libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE, 0)")
+    return True
+
+
+def dumpable() -> bool:
+    return bool(_libc().prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0))
+
+
+def command(isolation: str) -> list[str]:
+    """The prefix a child's command line starts with."""
+    if isolation == "none":
+        return []
+    return [shutil.which("unshare") or "unshare", *UNSHARE_ARGS, "--"]
+
+
+def prepare(isolation: str) -> None:
+    """Before a pool starts children: the stage non-dumpable; the isolation checked (or, for
+    `none`, announced), once per process."""
+    global _warned
+    validate(isolation)
+    make_nondumpable()
+    with _lock:
+        if isolation == "none":
+            if not _warned:
+                _warned = True
+                print(f"[moerl] WARNING: {FIELDS} is none: sandboxed verifiers and environments run in the "
+                      "stage's network, pid and mount namespaces (they can open connections and write the "
+                      "stage's files); the run is tagged moerl.sandbox.isolation.*=none", file=sys.stderr, flush=True)
+            return
+        if isolation not in _checked:
+            _checked[isolation] = _probe()
+        why = _checked[isolation]
+    if why:
+        raise ConfigError(f"{FIELDS}: namespaces cannot be made here ({why}); give the pod what docs/tasks.md "
+                          "lists (seccomp Unconfined or a profile allowing unshare, a kernel with unprivileged "
+                          "user namespaces), or set the field to none (no isolation, recorded on the run)")
+
+
+def _probe() -> str:
+    if not sys.platform.startswith("linux"):
+        return f"namespaces need Linux, this is {sys.platform}"
+    if shutil.which("unshare") is None:
+        return "no unshare on PATH (util-linux)"
+    try:
+        got = subprocess.run(command("namespaces") + ["true"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"unshare did not run: {err}"
+    return "" if got.returncode == 0 else f"unshare exited {got.returncode}: {got.stderr.strip()[:300]}"
+
+
+def tags(reward: str, task: str) -> dict[str, str]:
+    """The provenance tags a run carries for its sandboxes."""
+    return {"moerl.sandbox.isolation.reward": reward, "moerl.sandbox.isolation.task": task}
+
+
+# ---------------------------------------------------------------------------- the child side
+
+
+def _mount(libc, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = (lambda s: None if s is None else s.encode())
+    _check(libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+
+def _mountpoints() -> list[str]:
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            out.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]))  # \040: a space
+    return out
+
+
+def _mounts(libc, scratch: str) -> None:
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+    try:
+        _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    except OSError:  # a masked /proc (a container runtime's default): hide the stage's instead
+        _mount(libc, "tmpfs", "/proc", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "size=4k")
+    if os.path.isdir("/dev/shm"):
+        _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SHM_MB}m,mode=1777")
+    _mount(libc, scratch, scratch, None, _MS_BIND)
+    keep = {os.path.realpath(scratch), "/dev/shm"}
+    for mp in _mountpoints():
+        if mp in keep:
+            continue
+        try:
+            flags = os.statvfs(mp).f_flag & _KEEP
+            _mount(libc, None, mp, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
+        except OSError as err:  # a mount point hidden under another mount is out of reach anyway
+            if err.errno not in (2, 13, 22):  # ENOENT, EACCES, EINVAL
+                raise
+    probe = os.path.join(os.path.dirname(os.path.realpath(scratch)), f".moerl-ro-{os.getpid()}")
+    try:
+        with open(probe, "w"):
+            pass
+    except OSError:
+        return
+    os.unlink(probe)
+    raise OSError(f"{probe} is still writable after the read-only remount")
+
+
+def _drop_caps(libc) -> None:
+    for cap in range(64):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the last capability this kernel knows
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2: all zero
+    _check(libc.capset(header, data), "capset")
+
+
+def enter(scratch: str) -> None:
+    """Run first in a child started under `command("namespaces")` (pid 1 of its namespace):
+    the mounts, then a fork. Returns in the forked process (capabilities dropped), which serves
+    calls; pid 1 waits for it and exits with its status."""
+    libc = _libc()
+    make_nondumpable()
+    try:
+        _mounts(libc, scratch)
+    except OSError as err:
+        sys.stdout.write(json.dumps({"refused": f"{FIELDS}: namespaces: the sandbox could not set up its "
+                                                f"mounts: {err}"}) + "\n")
+        sys.stdout.flush()
+        os._exit(2)
+    os.chdir(scratch)  # the bind mount, not the read-only directory under it
+    pid = os.fork()
+    if pid == 0:
+        _drop_caps(libc)
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):  # the pool reads end of file when the server goes, not when pid 1 does
+        os.dup2(null, fd)
+    while True:
+        try:
+            got, status = os.waitpid(-1, 0)  # pid 1 reaps every orphan of the namespace
+        except ChildProcessError:
+            os._exit(1)
+        if got == pid:
+            os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))

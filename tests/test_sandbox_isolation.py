@@ -1,0 +1,216 @@
+"""Sandboxed code against the stage that runs it (issue 35, item 3; moerl/tasks/isolation.py):
+a hostile verifier and model-written code in a hostile environment try to read the stage's
+environment and memory out of /proc, connect to a listening TCP server and to a real Valkey on
+127.0.0.1, and write into a directory standing for the node cache. Every process is real: a
+stage process (with a secret in its environment from exec, as a pod's would be) runs the reward
+stage's `score` and the rollout's `EpisodeDriver` on their own pools. With isolation `none`
+the same attacks succeed (so each assertion could fail); with `namespaces` each one fails,
+its sample or episode is failed and counted, and the next call works."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from moerl.bus.client import EmbeddedValkey
+from moerl.tasks import isolation
+from moerl.tasks.sandbox import Limits, SandboxPool
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "VALKEY_PASSWORD=hunter2-not-for-sandboxes"
+ATTACKS = ("environ {stage} " + SECRET, "mem {stage}", "environ ppid " + SECRET, "environ {victim} VICTIM=stolen",
+           "connect 127.0.0.1:{listener}", "connect 127.0.0.1:{valkey}", "write {cache}")
+
+STAGE = textwrap.dedent("""
+    import json, os, sys
+    from moerl.errors import MoerlError
+    from moerl.tasks import isolation
+    iso, spec = sys.argv[1], json.loads(sys.argv[2])
+    attacks = [a.format(stage=os.getpid(), **spec) for a in spec["attacks"]]
+    out = {"dumpable_before": isolation.dumpable()}
+    from moerl.components.reward.stage import reward_metrics, score
+    from moerl.config import RewardConfig
+    from moerl.records import Sample
+    def sample(i, text):
+        return Sample(prompt_id="p0", task="copy", prompt="copy 456=", answer="456", sample_index=i,
+                      prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.5],
+                      response_text=text, finish_reason="stop", policy_version=0)
+    cfg = RewardConfig(verifier="tests.hostile_verifiers:attacks", max_failed_fraction=1.0,
+                       sandbox={"sample_timeout_s": 20.0, "workers": 1, "isolation": iso})
+    try:
+        scored = score([sample(i, t) for i, t in enumerate(attacks + ["456"])], cfg)
+    except MoerlError as err:
+        print(json.dumps({"refused": f"{type(err).__name__}: {err}"}))
+        sys.exit(0)
+    out["verifier"] = [[s.reward, s.reward_error] for s in scored]
+    out["reward_metrics"] = reward_metrics(scored)
+    out["dumpable_after"] = isolation.dumpable()
+    if spec.get("environments"):
+        from moerl.components.rollout.engine import Completion
+        from moerl.components.rollout.episodes import EpisodeDriver, env_pool
+        from moerl.config import load_config
+        from moerl.models.tiny import build_tokenizer
+        run = load_config(os.path.join("configs", "tiny-moe-grpo.yaml"),
+                          ["task.environment=tests.hostile_environments:RunsModelCode",
+                           f"task.sandbox.isolation={iso}", "task.sandbox.sample_timeout_s=20"])
+        codes = [f"from tests.hostile_verifiers import attack; result = attack({a.split(' ', 1)[0]!r}, "
+                 f"{a.split(' ', 1)[1]!r})" for a in attacks] + ["result = 6 * 7"]
+        with env_pool(run) as pool:
+            d = EpisodeDriver(run, build_tokenizer(), pool)
+            eps = [d.episode(f"e{i}", {"id": f"r{i}", "task": "copy", "prompt": "q", "answer": "a", "meta": None},
+                             [7, 8], 0, False) for i in range(len(codes))]
+            d.begin(eps)
+            d.advance([(e, Completion([5], [-1.0], code, "stop")) for e, code in zip(eps, codes)])
+            d.finish(eps)
+            out["episodes"] = [[e.error, e.sample(0).env_reward] for e in eps]
+            out["env_metrics"] = d.metrics(eps, 1.0)
+    print(json.dumps(out))
+""")
+
+
+class Listener:
+    """A TCP server on 127.0.0.1 that answers +PONG and counts the connections it accepted."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted = self.sock.getsockname()[1], 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"+PONG\r\n")
+
+    def close(self):
+        self.sock.close()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """What the attacks aim at: a listener, a real Valkey (default user, no password: the
+    loopback admin), a dumpable process with a secret in its environment, and a cache dir."""
+    listener = Listener()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                              env={"PATH": os.environ["PATH"], "VICTIM": "stolen"})
+    try:
+        with EmbeddedValkey(tmp_path_factory.mktemp("valkey"), appendonly=False) as valkey:
+            yield {"listener": listener, "valkey": valkey, "victim": victim.pid}
+    finally:
+        victim.kill()
+        victim.wait()
+        listener.close()
+
+
+def _stage(isolation_: str, spec: dict, wrap: list[str] | None = None) -> dict:
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "LANG": "C.UTF-8", SECRET.split("=")[0]: SECRET.split("=")[1]}
+    got = subprocess.run([*(wrap or []), sys.executable, "-c", STAGE, isolation_, json.dumps(spec)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-3000:]
+    return {**json.loads(got.stdout.strip().splitlines()[-1]), "stderr": got.stderr}
+
+
+def _spec(targets, cache: Path, environments: bool = True) -> dict:
+    return {"attacks": list(ATTACKS), "listener": targets["listener"].port, "victim": targets["victim"],
+            "valkey": targets["valkey"].url.rsplit(":", 1)[1].split("/")[0], "cache": str(cache),
+            "environments": environments}
+
+
+def test_without_isolation_every_attack_but_the_non_dumpable_stage_succeeds(targets, tmp_path):
+    """The control: the attacks work, so the isolated run below could fail."""
+    before = targets["listener"].accepted
+    out = _stage("none", _spec(targets, tmp_path))
+    assert "WARNING: reward.sandbox.isolation / task.sandbox.isolation is none" in out["stderr"]
+    assert out["dumpable_before"] is True and out["dumpable_after"] is False
+    stolen = [r == 1.0 and not err for r, err in out["verifier"]]
+    # a root stage's unisolated children hold CAP_SYS_PTRACE: non-dumpable is no protection there
+    assert stolen[:3] == [os.geteuid() == 0] * 3, out["verifier"]
+    assert stolen[3:] == [True] * 5, out["verifier"]  # the victim, both sockets, the cache dir; the benign sample
+    env_stolen = [reward == 1.0 and not err for err, reward in out["episodes"]]  # model-written code in an environment
+    assert env_stolen == stolen, out["episodes"]
+    assert targets["listener"].accepted == before + 2
+    assert (tmp_path / "forged-by-sandbox").read_text() == "forged"
+
+
+def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_on(targets, tmp_path):
+    cache = tmp_path / "node-cache"
+    cache.mkdir()
+    before = targets["listener"].accepted
+    out = _stage("namespaces", _spec(targets, cache))
+    assert out["dumpable_before"] is True and out["dumpable_after"] is False
+    n = len(ATTACKS)
+    failed = out["verifier"][:n]
+    assert all(r == 0.0 and err for r, err in failed), failed
+    errs = [err for _, err in failed]
+    assert errs[0].startswith("FileNotFoundError") and errs[1].startswith("FileNotFoundError")  # no such pid here
+    assert errs[2].startswith("PermissionError")  # the parent it has is pid 1 of its namespace, non-dumpable
+    assert errs[3].startswith("FileNotFoundError")  # the dumpable victim is outside its pid namespace
+    assert all(e.startswith("OSError: [Errno 101] Network is unreachable") for e in errs[4:6]), errs
+    assert errs[6].startswith("OSError: [Errno 30] Read-only file system"), errs
+    assert out["verifier"][n] == [1.0, None]  # the run goes on: the next sample is scored
+    m = out["reward_metrics"]
+    assert (m["reward/failed_samples"], m["reward/error_samples"], m["reward/timeout_samples"]) == (n, n, 0), m
+    eps = out["episodes"]
+    assert all(err and "RunsModelCode.step" in err and reward is None for err, reward in eps[:n]), eps
+    assert [e.split(": ")[1] for e, _ in eps[:n]] == [e.split(":")[0] for e in errs], eps
+    assert eps[n] == [None, 1.0]
+    assert out["env_metrics"]["env/error_episodes"] == n and out["env_metrics"]["env/timeout_episodes"] == 0
+    assert targets["listener"].accepted == before and not list(cache.iterdir())
+
+
+def test_a_kernel_that_refuses_user_namespaces_stops_the_stage_naming_the_field(targets, tmp_path):
+    """A real refusal: the stage runs in a user namespace whose user.max_user_namespaces is 0
+    (what a locked-down node sysctl does); `none` there runs, warned."""
+    wrap = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+            'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh"]
+    out = _stage("namespaces", _spec(targets, tmp_path, environments=False), wrap)
+    assert out["refused"].startswith("ConfigError: reward.sandbox.isolation / task.sandbox.isolation: namespaces "
+                                     "cannot be made here (unshare exited 1: unshare: unshare failed"), out
+    assert "set the field to none" in out["refused"]
+    out = _stage("none", {**_spec(targets, tmp_path, environments=False), "attacks": []}, wrap)
+    assert out["verifier"] == [[1.0, None]] and "is none" in out["stderr"]
+
+
+def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabilities(tmp_path):
+    from moerl.tasks.environments import RESET, STEP
+
+    with SandboxPool(Limits(timeout_s=2.0, memory_mb=512, workers=2)) as pool:
+        assert pool.limits.isolation == "namespaces"
+        got = pool.run([("tests.hostile_verifiers:sleeps", ["", ""]), ("tests.hostile_verifiers:allocates", ["", ""]),
+                        ("tests.hostile_verifiers:capabilities", ["", ""])])
+        assert [o.kind for o in got] == ["timeout", "memory", "ok"], got
+        caps = got[2].value
+        assert caps["CapEff"] == caps["CapPrm"] == caps["CapBnd"] == 0 and caps["NoNewPrivs"] == 1, caps
+        assert caps["pid"] == 2 and caps["ppid"] == 1 and caps["CapAmb"] == 0, caps
+        cmd = Path(f"/proc/{pool.children[0].proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert Path(cmd[0].decode()).name == "unshare" and b"--net" in cmd and b"--user" in cmd, cmd
+        keys = ["k", "k", "k"]
+        steps = pool.run([(RESET, ["tests.hostile_environments:Counter", "k", {"id": "r", "task": "t", "prompt": "q",
+                                                                              "answer": "a", "meta": None}]),
+                          (STEP, ["k", "x"]), (STEP, ["k", "x"])], keys=keys)
+        assert [s.value[0].split("@")[0] for s in steps[1:]] == ["1", "2"], steps
+
+
+def test_a_bad_isolation_is_refused_naming_the_field():
+    from moerl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"reward.sandbox.isolation / task.sandbox.isolation: 'bwrap' is not one "
+                                          r"of namespaces, none"):
+        SandboxPool(Limits(isolation="bwrap"))
+    assert isolation.tags("none", "namespaces") == {"moerl.sandbox.isolation.reward": "none",
+                                                    "moerl.sandbox.isolation.task": "namespaces"}
