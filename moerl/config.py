@@ -655,6 +655,9 @@ class CacheTierConfig(_Section):
         return self
 
 
+MAX_CHUNK_MB = 256  # checkpoint.chunk_mb's ceiling
+
+
 class CheckpointConfig(_Section):
     """Where policy versions are published: a local folder or `s3://bucket/prefix`."""
 
@@ -683,8 +686,10 @@ class CheckpointConfig(_Section):
     # many are in flight.
     max_unpublished: int = Field(1, ge=1, le=8)
     # Every file's sha256 per chunk of this many MiB goes into the manifest, so a copy can be
-    # assembled chunk by chunk from peers and each chunk checked (`checkpoint.fanout`).
-    chunk_mb: int = Field(64, ge=1, le=4096)
+    # assembled chunk by chunk from peers and each chunk checked (`checkpoint.fanout`). At most
+    # MAX_CHUNK_MB: a fan-out fetch holds one chunk per thread in memory and must get it within
+    # a deadline (moerl/store/fanout_http.py).
+    chunk_mb: int = 64
     # Rollout engines of one run fetch a new version from each other (chunks of verified
     # copies, coordinated through Valkey) before the cache tier and S3. Async mode only.
     fanout: bool = False
@@ -696,6 +701,13 @@ class CheckpointConfig(_Section):
             raise ValueError(f"must be a local path or s3://bucket/prefix, got {v!r}")
         if v.startswith("s3://") and len(v) <= len("s3://"):
             raise ValueError("s3:// URI needs a bucket: s3://bucket/prefix")
+        return v
+
+    @field_validator("chunk_mb")
+    @classmethod
+    def _chunk_mb(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHUNK_MB:
+            raise ValueError(f"allowed: 1 to {MAX_CHUNK_MB} (MiB), got {v}")
         return v
 
     @field_validator("endpoint_url")

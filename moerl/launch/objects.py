@@ -21,8 +21,10 @@ conditions to watch, leaves retries to KFP (`failurePolicy.maxRestarts: 0`), and
 every cluster that runs Kubeflow Trainer v2, which is built on it.
 
 Every object carries the labels `moerl.ai/run-id`, `moerl.ai/stage`, `moerl.ai/workload` (its
-own name, also on its pods) and `app.kubernetes.io/managed-by: moerl`. Names are RFC 1035 DNS
-labels short enough for the pod names the TrainJob and JobSet controllers derive from them.
+own name, also on its pods) and `app.kubernetes.io/managed-by: moerl`; rollout Pods and JobSets
+(and their pods) also `moerl.ai/group: rollout`, which the fan-out's NetworkPolicy selects. Names
+are RFC 1035 DNS labels short enough for the pod names the TrainJob and JobSet controllers
+derive from them.
 Launched containers get capability IPC_LOCK, as AWS's EFA manifests do: KFP >= 2.16 drops every
 capability of its own task containers, one reason these stages run outside KFP.
 
@@ -54,6 +56,10 @@ ROLLOUT_CONTAINER = "rollout"
 
 LABEL_RUN, LABEL_STAGE, LABEL_WORKLOAD = "moerl.ai/run-id", "moerl.ai/stage", "moerl.ai/workload"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
+# The worker group, as the compiled tasks carry it (pipelines/eks.py): the fan-out's
+# NetworkPolicy (manifests/base/ckpt-cache.yaml) admits rollout pods to rollout pods by it, so a
+# launched rollout pod without it could neither reach its peers' chunk servers nor be reached.
+LABEL_GROUP = "moerl.ai/group"
 # The rank of a pod in its multi-node group, for the stage code (0 = the leader).
 ENV_NODE_RANK, ENV_GROUP_SIZE, ENV_LEADER = "MOERL_NODE_RANK", "MOERL_GROUP_SIZE", "MOERL_LEADER_ADDRESS"
 
@@ -243,8 +249,9 @@ def rollout_pod(cfg: RunConfig, run_id: str, worker: str, command: list[str], en
     name = name or workload_name(stage, run_id, extra=worker)
     spec = _rollout_pod_spec(cfg, command, env, "Never", service_account)
     spec["activeDeadlineSeconds"] = cfg.cluster.timeout_s(cfg.cluster.groups.rollout, cfg.pipeline.mode)
+    meta = {**labels(run_id, stage, name), LABEL_GROUP: "rollout"}
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": labels(run_id, stage, name), **_owner(owner)}, "spec": spec}
+            "metadata": {"name": name, "labels": meta, **_owner(owner)}, "spec": spec}
 
 
 def rollout_group_name(stage: str, run_id: str, worker: str, nodes: int, suffix: str | None = None) -> str:
@@ -265,7 +272,7 @@ def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], 
     if nodes < 2:
         raise ValueError("rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod")
     name = name or rollout_group_name(stage, run_id, worker, nodes)
-    meta = labels(run_id, stage, name)
+    meta = {**labels(run_id, stage, name), LABEL_GROUP: "rollout"}
     group_env = [*env, {"name": ENV_GROUP_SIZE, "value": str(nodes)},
                  {"name": ENV_LEADER, "value": f"{name}-leader-0-0.{name}"}]
 

@@ -3,35 +3,45 @@
 One cache server feeding every rollout node is the next bottleneck (32 nodes x 470 GB per
 version of Qwen3-235B-A22B). With `checkpoint.fanout`, each rollout worker runs a `Swarm`:
 
-- it serves the chunks it holds, verified, over HTTP (uvicorn + one Starlette route:
-  `GET /chunk/{version}/{manifest sha256}/{index}`), on `MOERL_FANOUT_BIND` (127.0.0.1 by
-  default; the pod's address on EKS, where a NetworkPolicy admits only the run's rollout pods),
-  and announces itself in Valkey (`fanout:peers`, with its URL, and `fanout:alive:<peer>`, a
-  key it refreshes every few seconds: a peer killed without a goodbye drops out within
-  `ALIVE_TTL_S`) and each chunk it holds (`fanout:have:<version>:<sha>:<peer>`, a set of chunk
-  indices; the manifest's sha256 in the key, so a version number trained again after a
-  rollback never mixes with the lost one's chunks);
+- it serves the chunks it holds, verified, over HTTP (uvicorn and `moerl.store.fanout_http`:
+  `GET /chunk/{version}/{manifest sha256}/{index}`, only with the run's bearer token, a few
+  chunks at a time, streamed from the file), on `MOERL_FANOUT_BIND` (127.0.0.1 by default; the
+  pod's address on EKS, where a NetworkPolicy admits only rollout pods, and the token only the
+  run's), and announces itself in Valkey (`fanout:peers`, with its URL, and
+  `fanout:alive:<peer>`, a key it refreshes every few seconds: a peer killed without a goodbye
+  drops out within `ALIVE_TTL_S`) and what it holds of each version: one bitmap of chunk
+  indices per (version, manifest sha256, peer), written in batches (`moerl.store.fanout_book`;
+  the sha in the key, so a version number trained again after a rollback never mixes with the
+  lost one's chunks);
 - to fetch a version it takes the manifest from the cache tier (or S3), then every chunk in a
   rotated order (peer k of n starts at chunk k*K/n, so at first the peers pull disjoint parts
-  from the tier), each from a peer that announced it when there is one, else from the cache
-  tier, else from S3 (ranged reads). Every chunk is checked against the manifest's chunk
-  sha256 before it is written or announced: a corrupt chunk from a peer is refused
-  (`fanout_chunks_refused`) and fetched from the next source. The copy is renamed into the
-  node cache, with its manifest and marker, only when every chunk has passed; a failed fetch
-  withdraws what it announced.
+  from the tier), each from a peer whose bitmap has it when there is one (the peers' bitmaps
+  are read in one round trip, at most twice a second), else from the cache tier, else from S3
+  (ranged reads). A peer's answer is read with a length check and a deadline (`fanout_http`):
+  more bytes than the chunk, or too slow, and it is refused (`fanout_chunks_refused`,
+  `fanout_chunks_slow`) and not asked again in this fetch. Every chunk is checked against the
+  manifest's chunk sha256 before it is written or announced: a corrupt chunk from a peer is
+  refused (`fanout_chunks_refused`) and fetched from the next source. The copy is renamed into
+  the node cache, with its manifest and marker, only after every chunk has passed and the last
+  announcements are flushed; a failed fetch withdraws what it announced.
 
 Peers come and go (Spot): a peer that does not answer (connect timeout 2 s) is skipped for the
-rest of that fetch, one that answers 404 (it pruned that version) only for that chunk, and a
-chunk nobody else holds comes from the tiers, so the fan-out needs no fixed group.
+rest of that fetch, one that answers 404 (it pruned that version) or 503 (busy) only for that
+chunk, and a chunk nobody else holds comes from the tiers, so the fan-out needs no fixed group.
 Time to serve one version of S bytes to N nodes, each with link bandwidth b, from a cache tier
 of bandwidth B: about max(S/b, S/B) + N*c/b for chunk size c (the tier sends each chunk about
 once, every node receives S and sends about S), against N*S/B through the cache tier alone
-(`moerl bench weights` measures both; `moerl bench project` states both at the seed's scale).
+(`moerl bench weights` measures both; `moerl bench project` states both at the seed's scale;
+`moerl bench fanout` the Valkey load of the bookkeeping at 32 workers).
 
 Limitations: a chunk is fetched once per node even when two nodes race for it at the start
-(at most one chunk each); the peers' announcements are not retracted when their node cache
-prunes a version (a peer that no longer has it answers 404 and the next source is tried); a
-peer keeps serving every version it assembled in this process while its files exist.
+(at most one chunk each), and a chunk a peer got in the last half second is not yet seen by
+the others (bitmaps are read at most every 0.5 s): such chunks come from the tiers; the peers'
+announcements are not retracted when their node cache prunes a version (a peer that no longer
+has it answers 404 and the next source is tried); a peer keeps serving every version it
+assembled in this process while its files exist. The token keeps other runs and anything
+outside the run's Valkey keys away from the chunks, but it is one secret for the whole run,
+shared by its workers through Valkey: whoever can read the run's keys can read its chunks.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from typing import TYPE_CHECKING
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
+from moerl.store import fanout_http as fh
+from moerl.store.fanout_book import FLUSH_S, Book, Holders, run_token
 from moerl.store.manifest import MANIFEST, Manifest, version_dir
 from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path
 
@@ -61,10 +73,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HAVE_TTL_S = 24 * 3600
 ALIVE_TTL_S = 15.0
-_TIMEOUT_S = (2.0, 30.0)  # connect, read
-_UNREACHABLE = object()  # a peer that did not answer (vs one that answered "not here": None)
+MAX_SERVING = 8  # chunks one peer sends at once; more requests get 503 and go elsewhere
 
 
 @dataclass
@@ -96,11 +106,16 @@ class Swarm:
     """One rollout worker's side of the fan-out: a chunk server and a fetcher."""
 
     def __init__(self, bus: RunBus, name: str, cfg: CheckpointConfig, bind: str = "127.0.0.1",
-                 advertise: str | None = None, workers: int = 4) -> None:
+                 advertise: str | None = None, workers: int = 4, max_serving: int = MAX_SERVING,
+                 limits: fh.Limits | None = None) -> None:
         self.bus, self.name, self.cfg, self.workers = bus, name, cfg, workers
+        self.limits = limits or fh.Limits()
         self.copies: dict[tuple[int, str], _Copy] = {}  # (version, manifest sha256) -> what it holds
         self._lock = threading.Lock()
-        self.counts = {"peer": 0, "cache": 0, "durable": 0, "refused": 0}
+        self.counts = {"peer": 0, "cache": 0, "durable": 0, "refused": 0, "slow": 0}
+        self.book = Book(bus, name)
+        self.token = run_token(bus)  # never logged, never in a URL
+        self.app = fh.ChunkApp(self.token, self.locate, max_serving)
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -122,17 +137,11 @@ class Swarm:
     # -- serving --------------------------------------------------------------------------
     def serve(self) -> None:
         import uvicorn
-        from starlette.applications import Starlette
-        from starlette.responses import Response
-        from starlette.routing import Route
 
-        def chunk(request):  # noqa: ANN001, ANN202
-            p = request.path_params
-            data = self.read_held(int(p["version"]), str(p["sha"]), int(p["index"]))
-            return Response(status_code=404) if data is None else Response(data, media_type="application/octet-stream")
-
-        app = Starlette(routes=[Route("/chunk/{version:int}/{sha:str}/{index:int}", chunk)])
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        # limit_concurrency: connections and requests together, past which uvicorn answers 503
+        # itself (the peers' pooled keep-alive connections stay well below it)
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                limit_concurrency=256)
         self._server = uvicorn.Server(config)
         self._sock.listen(64)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
@@ -144,6 +153,7 @@ class Swarm:
         self.bus.r.hset(self.bus.key("fanout:peers"), self.name, self.url)
         self._alive()
         threading.Thread(target=self._keep_alive, name="moerl-fanout-alive", daemon=True).start()
+        threading.Thread(target=self._flusher, name="moerl-fanout-flush", daemon=True).start()
         log.info("fan-out: %s serves chunks at %s", self.name, self.url)
 
     def _alive(self) -> None:
@@ -156,19 +166,23 @@ class Swarm:
             except Exception as err:  # noqa: BLE001 - Valkey away for a moment: peers skip us meanwhile
                 log.warning("fan-out: could not refresh %s: %s", self.name, err)
 
-    def read_held(self, version: int, sha: str, index: int) -> bytes | None:
+    def _flusher(self) -> None:
+        """Announcements and counters reach Valkey within FLUSH_S even while every fetch thread
+        waits on a slow source (the fetch path flushes too, as chunks pass)."""
+        while not self._stop.wait(FLUSH_S):
+            try:
+                self.book.flush_if_due()
+            except Exception as err:  # noqa: BLE001 - kept for the next flush
+                log.warning("fan-out: could not flush %s's announcements: %s", self.name, err)
+
+    def locate(self, version: int, sha: str, index: int) -> tuple[Path, int, int] | None:
+        """Where a chunk this peer holds, verified, lies: (file, start, length); else None."""
         with self._lock:
             copy = self.copies.get((version, sha))
             if copy is None or index not in copy.held:
                 return None
             path, start, length = copy.chunks[index]
-            root = copy.root
-        try:
-            with open(root / path, "rb") as f:
-                f.seek(start)
-                return f.read(length)
-        except OSError:  # pruned or renamed meanwhile
-            return None
+            return copy.root / path, start, length
 
     def offer(self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> None:
         """Serve a verified copy this node got some other way (the cache tier, S3)."""
@@ -179,19 +193,13 @@ class Swarm:
         with self._lock:
             self.copies[(version, sha)] = _Copy(Path(path), manifest, [(p, s, n) for p, s, n, _ in plan],
                                                 set(range(len(plan))))
-        self._announce(version, sha, list(range(len(plan))))
-
-    def _have_key(self, version: int, sha: str, peer: str) -> str:
-        return self.bus.key(f"fanout:have:{version}:{sha}:{peer}")
-
-    def _announce(self, version: int, sha: str, indices: list[int]) -> None:
-        key = self._have_key(version, sha, self.name)
-        self.bus.r.sadd(key, *indices)
-        self.bus.r.expire(key, HAVE_TTL_S)
+        self.book.announce(version, sha, range(len(plan)))
+        self.book.flush()
 
     def stop(self) -> None:
         self._stop.set()
         try:
+            self.book.flush()
             self.bus.r.hdel(self.bus.key("fanout:peers"), self.name)
             self.bus.r.delete(self.bus.key(f"fanout:alive:{self.name}"))
         except Exception as err:  # noqa: BLE001 - its announcements expire anyway
@@ -201,17 +209,9 @@ class Swarm:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._sock.close()
+        self._http.close()
 
     # -- fetching -------------------------------------------------------------------------
-    def _holders(self, version: int, sha: str, peers: dict[str, str], bad: set[str]) -> dict[int, list[str]]:
-        out: dict[int, list[str]] = {}
-        for peer in peers:
-            if peer == self.name or peer in bad:
-                continue
-            for i in self.bus.r.smembers(self._have_key(version, sha, peer)):
-                out.setdefault(int(i), []).append(peer)
-        return out
-
     def _present_peers(self) -> dict[str, str]:
         """Peers whose liveness key is fresh (a SIGKILLed one drops out within ALIVE_TTL_S)."""
         peers = self.bus.r.hgetall(self.bus.key("fanout:peers"))
@@ -242,47 +242,25 @@ class Swarm:
         t0 = time.monotonic()
         tmp = dest / f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        sha = manifest.sha256()
         try:
             for e in manifest.files:
                 if not (exclude and e.path.startswith(exclude)):
                     (tmp / e.path).parent.mkdir(parents=True, exist_ok=True)
                     with open(tmp / e.path, "wb") as f:
                         f.truncate(e.size)
-            sha = manifest.sha256()
             with self._lock:  # serve what passed as it arrives: later peers pull from us mid-fetch
                 self.copies[(version, sha)] = _Copy(tmp, manifest, [(p, s, n) for p, s, n, _ in plan])
             peers = self._present_peers()
             names = sorted(set(peers) | {self.name})
             k, n = names.index(self.name), len(names)
             order = [(k * len(plan) // n + j) % len(plan) for j in range(len(plan))]
-            bad: set[str] = set()
+            holders = Holders(self.book, version, sha, sorted(peers))
             dead_tiers: set[str] = set()  # a tier that failed is not asked again in this fetch
-            state = {"holders": self._holders(version, sha, peers, bad), "at": time.monotonic()}
 
             def one(i: int) -> None:
                 path, start, length, chunk_sha = plan[i]
-                # who holds what: refreshed twice a second, and before any chunk nobody held at the
-                # last look goes to the tiers (a peer may have just fetched it)
-                age = time.monotonic() - state["at"]
-                if age > 0.5 or (i not in state["holders"] and age > 0.02):
-                    state["holders"], state["at"] = self._holders(version, sha, peers, bad), time.monotonic()
-                data = None
-                holders = [p for p in state["holders"].get(i, []) if p not in bad]
-                random.shuffle(holders)
-                for peer in holders:
-                    got = self._from_peer(peers[peer], version, sha, i)
-                    if got is _UNREACHABLE:
-                        bad.add(peer)  # gone (Spot): not asked again in this fetch
-                    elif got is None:
-                        continue  # it pruned this version: the next holder, or the tiers
-                    elif hashlib.sha256(got).hexdigest() != chunk_sha:
-                        self._count("refused")
-                        log.warning("fan-out: chunk %d of version %d from %s is corrupt; refused", i, version, peer)
-                        bad.add(peer)
-                    else:
-                        data = got
-                        self._count("peer")
-                        break
+                data = self._from_peers(peers, holders, version, sha, i, length, chunk_sha)
                 if data is None:
                     data, source = self._from_tiers(tiers, version, path, start, length, chunk_sha, dead_tiers)
                     self._count(source)
@@ -293,15 +271,17 @@ class Swarm:
                     os.close(fd)
                 with self._lock:
                     self.copies[(version, sha)].held.add(i)
-                self._announce(version, sha, [i])
+                self.book.announce(version, sha, [i])
+                self.book.flush_if_due()
 
             ex = ThreadPoolExecutor(max_workers=self.workers)
             try:
                 list(ex.map(one, order))
             finally:
                 ex.shutdown(wait=True, cancel_futures=True)
+            self.book.flush()  # every chunk announced and counted before the copy is declared whole
             (tmp / MANIFEST).write_text(manifest.to_json())
-            (tmp / MARKER).write_text(manifest.sha256() + "".join(f"\nexclude={p}" for p in sorted(exclude)))
+            (tmp / MARKER).write_text(sha + "".join(f"\nexclude={p}" for p in sorted(exclude)))
             with self._lock:
                 if final.exists():
                     shutil.rmtree(final)
@@ -309,29 +289,43 @@ class Swarm:
                 self.copies[(version, sha)].root = final
         except BaseException:
             with self._lock:
-                self.copies.pop((version, manifest.sha256()), None)
+                self.copies.pop((version, sha), None)
             try:  # what it announced is gone with the staging folder
-                self.bus.r.delete(self._have_key(version, manifest.sha256(), self.name))
+                self.book.withdraw(version, sha)
             except Exception as err:  # noqa: BLE001 - peers then get 404s and go elsewhere
                 log.warning("fan-out: could not withdraw version %d: %s", version, err)
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        log.info("fan-out: version %d assembled in %.2f s (%s)", version, time.monotonic() - t0, self.counts)
+        log.info("fan-out: version %d assembled in %.2f s (%s; %d looks at the peers)", version,
+                 time.monotonic() - t0, self.counts, holders.refreshes)
+
+    def _from_peers(self, peers: dict[str, str], holders: Holders, version: int, sha: str, i: int, length: int,
+                    chunk_sha: str) -> bytes | None:
+        """Chunk `i` from a peer that holds it, checked; None: no peer could give it intact."""
+        candidates = holders.of(i)
+        random.shuffle(candidates)
+        for peer in candidates:
+            if peer in holders.bad:  # another thread dropped it meanwhile
+                continue
+            status, got = fh.fetch_chunk(self._http, peers[peer], self.token, version, sha, i, length, self.limits)
+            if status == fh.OK:
+                if hashlib.sha256(got).hexdigest() == chunk_sha:
+                    self._count("peer")
+                    return got
+                status = "corrupt"
+            if status in (fh.ABSENT, fh.BUSY):
+                continue  # pruned that version, or saturated: the next holder, or the tiers
+            holders.bad.add(peer)  # not asked again in this fetch
+            if status == fh.UNREACHABLE:
+                continue  # gone (Spot)
+            self._count("slow" if status == fh.SLOW else "refused")
+            log.warning("fan-out: chunk %d of version %d from %s refused (%s)", i, version, peer, status)
+        return None
 
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
-        self.bus.incr(**{f"fanout_chunks_{what}": 1})
-
-    def _from_peer(self, url: str, version: int, sha: str, index: int):  # noqa: ANN202
-        """The chunk's bytes; None: the peer does not hold it (404); _UNREACHABLE: no answer."""
-        import requests
-
-        try:
-            r = self._http.get(f"{url}/chunk/{version}/{sha}/{index}", timeout=_TIMEOUT_S)
-        except requests.RequestException:
-            return _UNREACHABLE
-        return r.content if r.status_code == 200 else None if r.status_code == 404 else _UNREACHABLE
+        self.book.count(what)
 
     @staticmethod
     def _from_tiers(tiers: Tiers, version: int, path: str, start: int, length: int, sha: str,

@@ -1,7 +1,6 @@
 """The weight tiers on real servers: a cache tier and a durable store on S3 (`weed mini`), the node
-cache, the publisher off the trainer's path, and the fan-out between engines through a real
-Valkey. Fault tests: a publisher killed mid-copy, a cache server that is down or serves a corrupt
-file, a peer that serves a corrupt chunk."""
+cache and the publisher off the trainer's path. Fault tests: a publisher killed mid-copy, a cache
+server that is down or serves a corrupt file. The fan-out between engines: tests/store/test_fanout.py."""
 
 from __future__ import annotations
 
@@ -140,56 +139,6 @@ def test_a_publisher_killed_mid_copy_leaves_both_tiers_on_complete_versions(buck
         (src / "big.bin").write_bytes(os.urandom(1000))
         tiers.publish(src_next, src, {})
         assert tiers.durable.latest() == tiers.cache.latest() == src_next
-
-
-@pytest.fixture(scope="module")
-def valkey(tmp_path_factory):
-    from moerl.bus import EmbeddedValkey
-
-    with EmbeddedValkey(tmp_path_factory.mktemp("valkey")) as v:
-        yield v
-
-
-def test_fanout_peers_serve_each_other_and_refuse_a_corrupt_chunk(buckets, valkey, tmp_path: Path) -> None:
-    from moerl.bus import RunBus, connect
-    from moerl.store.fanout import Swarm
-
-    cfg = _cfg(buckets, tmp_path, fanout=True)
-    tiers = _small_chunks(run_tiers(cfg, "r1"))
-    src = make_checkpoint(tmp_path / "src", seed=4)
-    (src / "model.safetensors").write_bytes(os.urandom(40 * CHUNK + 17))
-    m = tiers.publish(1, src, {})
-    bus = RunBus(connect(valkey.url, 5.0), f"fan-{tmp_path.name}")
-    swarms = [Swarm(bus, f"rollout-{i}", cfg) for i in range(3)]
-    for s in swarms:
-        s.serve()
-    try:
-        # the first node has nobody to ask: every chunk from the tiers
-        a, source = tiers.fetch(1, tmp_path / "n0", expect_sha256=m.sha256(), swarm=swarms[0])
-        n_chunks = sum(len(f.chunks) for f in m.files)
-        assert source == "cache" and swarms[0].counts["cache"] == n_chunks > 40 and swarms[0].counts["durable"] == 0
-        # the second: every chunk from the first (peers before the tiers)
-        b, source = tiers.fetch(1, tmp_path / "n1", expect_sha256=m.sha256(), swarm=swarms[1])
-        assert source == "peers"
-        assert swarms[1].counts == {"peer": n_chunks, "cache": 0, "durable": 0, "refused": 0}
-        # a peer that serves a corrupt chunk: refused by its hash, fetched from another source
-        real = swarms[0].read_held
-        swarms[0].read_held = lambda v, sha, i: b"\0" * CHUNK if i == 5 else real(v, sha, i)
-        swarms[1].stop()  # and one that has gone away without a word (its liveness key expires)
-        bus.r.hset(bus.key("fanout:peers"), "rollout-1", swarms[1].url)
-        bus.r.set(bus.key("fanout:alive:rollout-1"), swarms[1].url)
-        c, _ = tiers.fetch(1, tmp_path / "n2", expect_sha256=m.sha256(), swarm=swarms[2])
-        assert swarms[2].counts["refused"] == 1 and swarms[2].counts["cache"] >= 1  # chunk 5, then the tiers
-        for path in (a, b, c):
-            assert tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
-            assert Manifest.from_json((path / "manifest.json").read_text()).sha256() == m.sha256()
-        assert int(bus.counters().get("fanout_chunks_refused", 0)) == swarms[2].counts["refused"]
-        # a peer whose liveness key lapsed (killed without a goodbye) is not asked at all
-        bus.r.hset(bus.key("fanout:peers"), "ghost", "http://127.0.0.1:9")
-        assert "ghost" not in swarms[0]._present_peers() and "rollout-2" in swarms[0]._present_peers()
-    finally:
-        for s in swarms:
-            s.stop()
 
 
 def test_embedded_restart(tmp_path: Path) -> None:
