@@ -16,7 +16,9 @@ checkpoint cache. Every task gets:
   memory-backed `/dev/shm` (Docker's 64 MiB default breaks torch and vLLM; the maintainers'
   recommended fix, kubeflow/pipelines#9893);
 - MLflow credentials from the Kubernetes Secret `cluster.mlflow_secret` (and Valkey's from
-  `cluster.valkey_secret` in the async pipeline) as environment variables, never parameters;
+  `cluster.valkey_secret` in the async pipeline) as environment variables, never parameters,
+  and the cache server's writer or reader keys by what the stage does: exactly what
+  `moerl.launch.podsecrets.pod_secret_env` says, which the local cluster test's tasks get too;
 - `set_timeout` (the pod's activeDeadlineSeconds) from its group;
 - caching off (set for every task by the pipelines: every stage is stateful);
 - in the sync pipeline, `pipeline.task_retries` retries for stages that are pure functions of
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
-from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_secret_env
+from moerl.launch.podsecrets import pod_secret_env
 
 if TYPE_CHECKING:  # kfp only where a pipeline is built: the first task's run-form check imports
     from kfp import dsl  # check_cluster_safe inside a task, whose kfp runtime lacks kfp.kubernetes
@@ -71,9 +73,6 @@ MODEL_STAGES = frozenset({"train_reward_model", "evaluate_reward_model"})
 # after a lost pod (Spot) redoes the same work. Not publish (it moves `latest`), not bookkeeping.
 RETRYABLE_STAGES = frozenset({"rollout", "reward", "buffer", "policy_update", "redistribute_weights"})
 RETRY_BACKOFF = "30s"
-MLFLOW_SECRET_KEYS = {"MLFLOW_TRACKING_USERNAME": "MLFLOW_TRACKING_USERNAME",
-                      "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD"}
-VALKEY_SECRET_KEYS = {"VALKEY_PASSWORD": "VALKEY_PASSWORD"}
 SHM_VOLUME, SCRATCH_VOLUME = "dshm", "scratch"
 
 
@@ -189,16 +188,13 @@ def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool
         # a launcher: its workload's namespace, owner and account; close_run: where to sweep
         kubernetes.use_field_path_as_env(task, "MOERL_POD_NAMESPACE", "metadata.namespace")
         kubernetes.use_field_path_as_env(task, "MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")
-    if cfg.cluster.mlflow_secret:
-        kubernetes.use_secret_as_env(task, secret_name=cfg.cluster.mlflow_secret, secret_key_to_env=MLFLOW_SECRET_KEYS,
-                                     optional=True)
-    if async_mode and cfg.cluster.valkey_secret:
-        kubernetes.use_secret_as_env(task, secret_name=cfg.cluster.valkey_secret, secret_key_to_env=VALKEY_SECRET_KEYS,
-                                     optional=True)
-    cache_env = cache_tier_secret_env(cfg.checkpoint, stage)
-    if cache_env:  # the cache server's writer or reader identity, by what the stage does
-        kubernetes.use_secret_as_env(task, secret_name=CACHE_TIER_SECRET,
-                                     secret_key_to_env={key: env for env, key in cache_env.items()})
+    # the stage's credentials, one mount per Secret: the single mapping the launcher and the
+    # local cluster test's sandbox also read, so what a pod gets here is what was tested
+    mounts: dict[tuple[str, bool], dict[str, str]] = {}
+    for env, ref in pod_secret_env(cfg, stage, async_mode).items():
+        mounts.setdefault((ref.secret, ref.optional), {})[ref.key] = env
+    for (secret, optional), key_to_env in mounts.items():
+        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=key_to_env, optional=optional)
     if cfg.checkpoint.fanout and stage == "rollout_worker" and not launcher:
         # peers reach this worker's chunk server at the pod's address (NetworkPolicy: rollout pods only)
         task.set_env_variable("MOERL_FANOUT_BIND", "0.0.0.0")

@@ -34,8 +34,8 @@ def _cfg(mode: str = "sync", **over) -> dict:
     return data
 
 
-def _compiled(tmp_path, data: dict) -> tuple[pipeline_spec_pb2.PipelineSpec, dict, dict[str, kpb.KubernetesExecutorConfig]]:
-    path = compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
+def _compiled(tmp_path, data: dict, **kw) -> tuple[pipeline_spec_pb2.PipelineSpec, dict, dict[str, kpb.KubernetesExecutorConfig]]:
+    path = compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks", **kw)
     pipeline_doc, platform_doc = yaml.safe_load_all(path.read_text())
     spec = pipeline_spec_pb2.PipelineSpec()
     json_format.ParseDict(pipeline_doc, spec)  # rejects unknown fields
@@ -309,8 +309,8 @@ def test_the_reward_model_pipeline_compiles_for_eks(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_identity(tmp_path, mode):
     """checkpoint.cache_tier on EKS: the stages that publish get the cache server's writer keys,
-    the ones that read weights its reader keys (Read, List: manifests/base/ckpt-cache.yaml), the
-    rest none; with checkpoint.fanout the async rollout workers advertise their pod IP."""
+    the ones that read weights or check the bucket its reader keys (Read, List:
+    manifests/base/ckpt-cache.yaml), the rest none; with checkpoint.fanout the async rollout workers advertise their pod IP."""
     ck = {"uri": S3, "cache_tier": {"uri": "s3://moerl-cache/ckpt",
                                     "endpoint_url": "http://moerl-ckpt-cache.moerl.svc:8333"}}
     if mode == "async":
@@ -330,8 +330,10 @@ def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_ident
     writer = {"MOERL_CACHE_TIER_ACCESS_KEY_ID": "WRITER_ACCESS_KEY_ID",
               "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": "WRITER_SECRET_ACCESS_KEY"}
     reader = {k: v.replace("WRITER", "READER") for k, v in writer.items()}
-    want = ({"init_policy": writer, "async_trainer": writer, "rollout_worker": reader} if mode == "async" else
-            {"init_policy": writer, "publish_checkpoint": writer, "rollout": reader, "redistribute_weights": reader})
+    # start_run reads: its preflight checks the bucket (HeadBucket: the reader's Read, List allow it)
+    want = ({"start_run": reader, "init_policy": writer, "async_trainer": writer, "rollout_worker": reader}
+            if mode == "async" else {"start_run": reader, "init_policy": writer, "publish_checkpoint": writer,
+                                     "rollout": reader, "redistribute_weights": reader})
     assert {s: k for s, k in seen.items() if k} == want
     assert all(not k for s, k in seen.items() if s not in want)  # reward, buffer, bookkeeping: no keys
 
@@ -342,3 +344,49 @@ def test_an_embedded_cache_tier_or_a_sync_fanout_is_not_cluster_safe(tmp_path):
     ck = {"uri": S3, "cache_tier": {"uri": "s3://c/p", "endpoint_url": "embedded"}, "fanout": True}
     with pytest.raises(ConfigError, match=r"checkpoint.cache_tier.endpoint_url: 'embedded'.*checkpoint.fanout"):
         _compiled(tmp_path, _cfg("sync", checkpoint=ck))
+
+
+def _mounted(kc: kpb.KubernetesExecutorConfig) -> dict:
+    """What a compiled task's pod gets from Secrets: env var -> SecretRef."""
+    from moerl.launch.podsecrets import SecretRef
+
+    return {k.env_var: SecretRef(s.secret_name, k.secret_key, s.optional) for s in kc.secret_as_env for k in s.key_to_env}
+
+
+def test_every_stages_pod_mounts_exactly_the_secrets_pod_secret_env_gives_it(tmp_path):
+    """The one mapping the local cluster test's sandbox hands its tasks (moerl.launch.podsecrets)
+    is what every compiled task of every pipeline mounts, and what a launched workload gets; the
+    first task gets the cache server's reader keys, never the writer's."""
+    from moerl.launch.podsecrets import SecretRef, pod_secret_env
+    from moerl.launch.task import ASYNC_STAGES, launch_env
+    from moerl.pipelines.eks import GPU_STAGES
+
+    ck = {"uri": S3, "cache_tier": {"uri": "s3://moerl-cache/ckpt",
+                                    "endpoint_url": "http://moerl-ckpt-cache.moerl.svc:8333"}}
+    launched = {"launch": {"mode": "kubernetes"}, "groups": {g: {"image": img} for g, img in IMAGES.items()}}
+    cases = [("sync", _cfg("sync", checkpoint=ck), False, {}), ("async", _cfg("async", checkpoint=ck), True, {}),
+             ("resumed", _cfg("sync", checkpoint=ck), False, {"resume": "run-1", "start_iteration": 1}),
+             ("reward-model", _cfg(pipeline={"kind": "reward_model", "name": "moerl-rm"}, checkpoint=ck), False, {}),
+             ("launched", _cfg("sync", checkpoint=ck, cluster=launched), False, {})]
+    seen: set[str] = set()
+    for name, data, async_mode, kw in cases:
+        cfg = parse_config(data)
+        (tmp_path / name).mkdir()
+        spec, _, k8s = _compiled(tmp_path / name, data, **kw)
+        for task in _tasks(spec).values():
+            kc = k8s.get(_executor(spec, task))
+            if kc is None:  # the exit handler's and loops' groups: no pod
+                continue
+            stage = dict(kc.pod_metadata.labels)["moerl.ai/stage"].replace("-", "_")
+            seen.add(stage)
+            assert _mounted(kc) == pod_secret_env(cfg, stage, async_mode), (name, stage)
+            if stage == "start_run":
+                assert {ref.key for ref in _mounted(kc).values() if ref.secret == "moerl-ckpt-cache"} == {
+                    "READER_ACCESS_KEY_ID", "READER_SECRET_ACCESS_KEY"}, name
+        if name == "launched":  # the pods a launcher task starts: the same mapping
+            for stage in GPU_STAGES:
+                refs = {e["name"]: SecretRef(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"],
+                                             e["valueFrom"]["secretKeyRef"].get("optional", False))
+                        for e in launch_env(cfg, stage, environ={}) if "secretKeyRef" in e.get("valueFrom", {})}
+                assert refs == pod_secret_env(cfg, stage, stage in ASYNC_STAGES), stage
+    assert seen == set(STAGE_GROUP)  # every stage was compiled and checked

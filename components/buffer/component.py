@@ -13,7 +13,7 @@ def buffer(config_json: str, scored: Input[Artifact], trainer_version: int, batc
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("buffer", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.buffer.stage import run_buffer
     from moerl.config import config_from_json
     from moerl.provenance import stage_start

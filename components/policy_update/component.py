@@ -17,7 +17,7 @@ def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Arti
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("policy_update", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
@@ -44,7 +44,7 @@ def async_trainer(config_json: str, run_id: str) -> str:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("async_trainer", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)

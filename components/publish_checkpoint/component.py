@@ -15,7 +15,7 @@ def init_policy(config_json: str, run_id: str, state: Output[Artifact], stages_b
     Valkey bus, so they stop at once."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("init_policy", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
     from moerl.config import config_from_json
 
@@ -42,7 +42,7 @@ def resume_policy(config_json: str, run_id: str, version: int, state: Output[Art
     into `state`, and return the version's PolicyVersion as JSON."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("resume_policy", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.publish_checkpoint.stage import prepare_resume
     from moerl.config import config_from_json
 
@@ -60,7 +60,7 @@ def publish_checkpoint(config_json: str, run_id: str, state: Input[Artifact], ve
     Returns the PolicyVersion JSON and `weights/*` metrics."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("publish_checkpoint", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from collections import namedtuple
 
     from moerl.components.publish_checkpoint.stage import run_publish

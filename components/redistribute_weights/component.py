@@ -10,7 +10,7 @@ def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> Nam
     it. Returns the PolicyVersion JSON and `timing/redistribute_weights_s`."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("redistribute_weights", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from collections import namedtuple
 
     from moerl.components.redistribute_weights.stage import run_redistribute

@@ -14,7 +14,7 @@ def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact],
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("reward", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward.stage import run_reward
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -40,7 +40,7 @@ def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("reward_scorer", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward.worker import run_reward_scorer
     from moerl.config import config_from_json
 

@@ -10,7 +10,7 @@ def prepare_preferences(config_json: str, run_id: str, train: Output[Artifact], 
     `task.max_bad_fraction` fails the run) and write the seeded train / held-out split."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("prepare_preferences", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import prepare_data
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -25,7 +25,7 @@ def train_reward_model(config_json: str, run_id: str, train: Input[Artifact], mo
     the Bradley-Terry loss; `model` is the HF directory."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("train_reward_model", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import train as run_train
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -40,7 +40,7 @@ def evaluate_reward_model(config_json: str, run_id: str, model: Input[Artifact],
     before anything is published."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("evaluate_reward_model", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import evaluate
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -55,7 +55,7 @@ def publish_reward_model(config_json: str, run_id: str, model: Input[Artifact], 
     model registry, and return the published version as a PolicyVersion JSON (for finish_run)."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("publish_reward_model", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward_model.stage import policy_json, publish
     from moerl.config import config_from_json
     from moerl.provenance import stage_start

@@ -13,7 +13,7 @@ def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, sam
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("rollout", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
@@ -43,7 +43,7 @@ def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("rollout_worker", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)

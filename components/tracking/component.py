@@ -30,7 +30,7 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
     given = dict(locals())  # the run form's fields by name (and the inputs above)
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("start_run", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     import json
     import sys
     from collections import namedtuple
@@ -76,7 +76,7 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
     step=iteration, and print one progress line. Returns the merged metrics."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("log_iteration", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl import tracking
     from moerl.config import config_from_json
 
@@ -103,7 +103,7 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     Returns the run id."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("finish_run", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     import json
     import tempfile
     from pathlib import Path
@@ -134,7 +134,7 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     ("" when no run was started)."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod()  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("close_run", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl import tracking
     from moerl.config import config_from_json
 

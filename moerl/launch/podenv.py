@@ -9,9 +9,12 @@ so do the caches libraries keep under HOME.
 
 The local proof of cluster-safety (`tests/test_cluster_local.py`) sets `MOERL_SANDBOX_ROOT`
 instead: every task then enters a fresh, empty directory of its own under that root, so a task
-that relied on a file another task left behind would fail here as it would on the cluster.
+that relied on a file another task left behind would fail here as it would on the cluster. With
+`MOERL_SANDBOX_SECRETS` too (the cluster's Secrets, as a file), the task also gets only the
+credentials its stage's pod would get, and none of the test process's (`moerl.launch.podsecrets`):
+so every component names its stage when it calls `enter_pod`.
 
-Neither variable set (`moerl run`): nothing changes.
+None of these set (`moerl run`): nothing changes; on a pod only `MOERL_SCRATCH` is set.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ SCRATCH_ENV = "MOERL_SCRATCH"
 SANDBOX_ROOT_ENV = "MOERL_SANDBOX_ROOT"
 
 
-def enter_pod() -> Path | None:
+def enter_pod(stage: str | None = None, config_json: str | None = None) -> Path | None:
     """Move this task into its scratch directory (see the module docstring); returns it, or
-    None when the task runs outside a pod-shaped environment."""
+    None when the task runs outside a pod-shaped environment. `stage` (the component's name, as
+    `pipelines/eks.py` `place` names it) and `config_json` are read only in a sandbox given the
+    cluster's Secrets, to give the task its pod's credentials and no others."""
+    from moerl.launch.podsecrets import apply_sandbox_secrets
+
+    apply_sandbox_secrets(stage, config_json)  # first: nothing may run with the test's credentials
     if os.environ.get(SANDBOX_ROOT_ENV):  # first: kfp.local also sets the compiled MOERL_SCRATCH
         root = Path(os.environ[SANDBOX_ROOT_ENV])
         root.mkdir(parents=True, exist_ok=True)

@@ -140,17 +140,13 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
                             "they use tracking.uri from the config")
         if value:
             env.append({"name": k, "value": value})
-    secrets = [(cfg.cluster.mlflow_secret, ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"))]
-    if stage in ASYNC_STAGES:
-        secrets.append((cfg.cluster.valkey_secret, ("VALKEY_PASSWORD",)))
-    for secret, keys in secrets:
-        if secret:
-            env += [{"name": k, "valueFrom": {"secretKeyRef": {"name": secret, "key": k, "optional": True}}}
-                    for k in keys]
-    from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_secret_env
+    from moerl.launch.podsecrets import pod_secret_env  # the one mapping `place` mounts too
 
-    env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": CACHE_TIER_SECRET, "key": key}}}
-            for name, key in cache_tier_secret_env(cfg.checkpoint, stage).items()]
+    for name, ref in pod_secret_env(cfg, stage, async_mode=stage in ASYNC_STAGES).items():
+        key_ref: dict[str, Any] = {"name": ref.secret, "key": ref.key}
+        if ref.optional:
+            key_ref["optional"] = True
+        env.append({"name": name, "valueFrom": {"secretKeyRef": key_ref}})
     if cfg.checkpoint.fanout and stage == "rollout_worker":
         env += [{"name": "MOERL_FANOUT_BIND", "value": "0.0.0.0"},
                 {"name": "MOERL_FANOUT_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]

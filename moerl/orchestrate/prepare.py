@@ -7,6 +7,7 @@ running again), and `resume_point`, the version a resumed run continues from.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -93,14 +94,28 @@ def _check_cache_tier(cfg: RunConfig) -> None:
     if ct.uri is None or ct.endpoint_url == "embedded":
         return
     from moerl.errors import CheckpointError, ConfigError
-    from moerl.store.tiers import cache_tier_store
+    from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_store
 
+    # The check is real wherever it runs (the pipeline's start_run gets the cache server's reader
+    # keys: moerl.store.tiers READER_STAGES). Held keys are not required: a cache tier on AWS S3
+    # is reached through the AWS chain (IRSA), as the config allows. But a task without keys that
+    # is refused was most likely never given them, so the error says so rather than "denied".
+    names = (f"{ct.credentials_env}_ACCESS_KEY_ID", f"{ct.credentials_env}_SECRET_ACCESS_KEY")
+    keys, held = " / ".join(names), any(os.environ.get(n) for n in names)
     try:
         cache_tier_store(cfg.checkpoint, "preflight").check_access()
     except CheckpointError as e:
+        if not held:
+            raise ConfigError(
+                f"checkpoint.cache_tier ({ct.uri} at {ct.endpoint_url}) is not usable: {e}. This process holds no "
+                f"cache-tier keys ({keys} unset), so it used the AWS chain (on EKS: the pod's IRSA role, which the "
+                f"cache server does not know). Set both variables to the cache server's reader keys; on EKS they come "
+                f"from the Secret {CACHE_TIER_SECRET!r} (keys READER_ACCESS_KEY_ID / READER_SECRET_ACCESS_KEY, "
+                "docs/deploy.md), mounted into each stage's pod by moerl.launch.podsecrets.pod_secret_env; or unset "
+                "checkpoint.cache_tier.uri") from e
         raise ConfigError(f"checkpoint.cache_tier ({ct.uri} at {ct.endpoint_url}) is not usable: {e}; fix "
-                          "checkpoint.cache_tier.uri / endpoint_url and its keys "
-                          f"({ct.credentials_env}_ACCESS_KEY_ID / _SECRET_ACCESS_KEY), or unset cache_tier.uri") from e
+                          f"checkpoint.cache_tier.uri / endpoint_url and its keys ({keys}), or unset "
+                          "cache_tier.uri") from e
 
 
 def check_prompts(cfg: RunConfig, rows) -> None:

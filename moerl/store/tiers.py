@@ -64,9 +64,13 @@ class Swarm(Protocol):
 # On a cluster the cache server's two identities come from one Secret (manifests/base/
 # ckpt-cache.yaml): the stages that publish get the writer's keys, the ones that only read
 # (engines, redistribution) the reader's, as `<credentials_env>_ACCESS_KEY_ID/_SECRET_ACCESS_KEY`.
+# `start_run` reads too: its preflight checks the bucket (HeadBucket, which the reader's Read and
+# List allow). A stage left out of both gets no keys, so boto3 falls back to the pod's IRSA role,
+# which the cache server refuses (403): every stage that touches the cache tier must be here.
+# `moerl.launch.podsecrets.pod_secret_env` is where `place`, the launcher and the test sandbox read it.
 CACHE_TIER_SECRET = "moerl-ckpt-cache"
 WRITER_STAGES = frozenset({"init_policy", "resume_policy", "publish_checkpoint", "async_trainer"})
-READER_STAGES = frozenset({"rollout", "rollout_worker", "redistribute_weights"})
+READER_STAGES = frozenset({"start_run", "rollout", "rollout_worker", "redistribute_weights"})
 
 
 def cache_tier_secret_env(cfg: CheckpointConfig, stage: str) -> dict[str, str]:
