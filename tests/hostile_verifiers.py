@@ -122,6 +122,10 @@ def attack(kind: str, arg: str) -> str:
         with socket.create_connection((host, int(port)), timeout=3) as s:
             s.sendall(b"PING\r\n")
             return s.recv(64).decode(errors="replace")
+    if kind == "proc":  # not an attack: what the sandbox says /proc is ("proc", "hidden")
+        if os.environ.get("SANDBOX_PROC") != arg or (arg == "hidden") == os.path.exists("/proc/self"):
+            raise LookupError(f"/proc is {os.environ.get('SANDBOX_PROC')}: {os.listdir('/proc')[:5]}")
+        return arg
     if kind == "write":
         with open(os.path.join(arg, "forged-by-sandbox"), "w") as f:
             f.write("forged")
@@ -133,7 +137,7 @@ def attacks(response: str, answer: str) -> float:
     """A verifier that runs the attack its response names (`KIND ARG`): 1.0 when it succeeds;
     any other response is scored like the shipped positional verifier."""
     kind, _, arg = response.partition(" ")
-    if kind in ("environ", "mem", "connect", "write"):
+    if kind in ("environ", "mem", "connect", "write", "proc"):
         attack(kind, arg)
         return 1.0
     from moerl.tasks.verifiers import positional
@@ -146,4 +150,5 @@ def capabilities(response: str, answer: str) -> dict:
     with open("/proc/self/status") as f:
         status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
     got = {k: int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb")}
-    return {**got, "NoNewPrivs": int(status["NoNewPrivs"]), "pid": os.getpid(), "ppid": os.getppid()}
+    return {**got, "NoNewPrivs": int(status["NoNewPrivs"]), "pid": os.getpid(), "ppid": os.getppid(),
+            "proc": os.environ.get("SANDBOX_PROC")}

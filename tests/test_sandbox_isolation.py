@@ -186,17 +186,34 @@ def test_a_kernel_that_refuses_user_namespaces_stops_the_stage_naming_the_field(
     assert out["verifier"] == [[1.0, None]] and "is none" in out["stderr"]
 
 
+def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack_still_fails(targets, tmp_path):
+    """A container runtime's default masks parts of /proc (Docker, containerd): the kernel then
+    refuses a new proc mount in a user namespace. Made real here: the stage runs where /proc/sys
+    is overmounted, as there; the sandbox hides /proc instead, and the attacks fail as before."""
+    wrap = ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c",
+            'mount -t tmpfs masked /proc/sys && exec "$@"', "sh"]
+    before = targets["listener"].accepted
+    spec = _spec(targets, tmp_path, environments=False)
+    out = _stage("namespaces", {**spec, "attacks": [*spec["attacks"], "proc hidden"]}, wrap)
+    n = len(ATTACKS)
+    errs = [err for _, err in out["verifier"][:n]]
+    assert all(e.startswith("FileNotFoundError") for e in errs[:4]), errs  # no /proc of anyone
+    assert all("Network is unreachable" in e for e in errs[4:6]) and "Read-only file system" in errs[6], errs
+    assert out["verifier"][n:] == [[1.0, None], [1.0, None]], out["verifier"]  # /proc hidden; the run goes on
+    assert targets["listener"].accepted == before and not list(tmp_path.iterdir())
+
+
 def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabilities(tmp_path):
     from moerl.tasks.environments import RESET, STEP
 
-    with SandboxPool(Limits(timeout_s=2.0, memory_mb=512, workers=2)) as pool:
+    with SandboxPool(Limits(timeout_s=5.0, memory_mb=512, workers=2)) as pool:
         assert pool.limits.isolation == "namespaces"
         got = pool.run([("tests.hostile_verifiers:sleeps", ["", ""]), ("tests.hostile_verifiers:allocates", ["", ""]),
                         ("tests.hostile_verifiers:capabilities", ["", ""])])
         assert [o.kind for o in got] == ["timeout", "memory", "ok"], got
         caps = got[2].value
         assert caps["CapEff"] == caps["CapPrm"] == caps["CapBnd"] == 0 and caps["NoNewPrivs"] == 1, caps
-        assert caps["pid"] == 2 and caps["ppid"] == 1 and caps["CapAmb"] == 0, caps
+        assert caps["pid"] == 2 and caps["ppid"] == 1 and caps["CapAmb"] == 0 and caps["proc"] == "proc", caps
         cmd = Path(f"/proc/{pool.children[0].proc.pid}/cmdline").read_bytes().split(b"\0")
         assert Path(cmd[0].decode()).name == "unshare" and b"--net" in cmd and b"--user" in cmd, cmd
         keys = ["k", "k", "k"]

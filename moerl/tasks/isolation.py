@@ -13,7 +13,7 @@ Two sides:
   namespaces (a `ConfigError` naming the field when not); with `none` it says loudly, once,
   that children run unisolated (the run also carries the `moerl.sandbox.isolation.*` tags).
 - the child: with `namespaces` each child is started as `unshare --user --map-root-user --net
-  --pid --mount --kill-child -- python -m moerl.tasks.sandbox ...`, so it has a network
+  --pid --mount --kill-child -- python -m moerl.tasks.sandbox_child ...`, so it has a network
   namespace with only a loopback that is down (no TCP, UDP or abstract unix socket reaches
   the node, the pod, Valkey, the fan-out server or the metadata service), its own pid namespace
   (the stage's pid is not in it), its own mount namespace and user namespace. Inside, `enter`
@@ -160,17 +160,21 @@ def _mountpoints() -> list[str]:
     return out
 
 
-def _mounts(libc, scratch: str) -> None:
+def _mounts(libc, scratch: str) -> str:
+    """The mounts; returns what /proc is: "proc" (this namespace's) or "hidden"."""
+    mountpoints = _mountpoints()  # read before /proc may be hidden
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+    proc = "proc"
     try:
         _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     except OSError:  # a masked /proc (a container runtime's default): hide the stage's instead
         _mount(libc, "tmpfs", "/proc", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "size=4k")
+        proc = "hidden"
     if os.path.isdir("/dev/shm"):
         _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SHM_MB}m,mode=1777")
     _mount(libc, scratch, scratch, None, _MS_BIND)
     keep = {os.path.realpath(scratch), "/dev/shm"}
-    for mp in _mountpoints():
+    for mp in mountpoints:
         if mp in keep:
             continue
         try:
@@ -184,7 +188,7 @@ def _mounts(libc, scratch: str) -> None:
         with open(probe, "w"):
             pass
     except OSError:
-        return
+        return proc
     os.unlink(probe)
     raise OSError(f"{probe} is still writable after the read-only remount")
 
@@ -207,7 +211,7 @@ def enter(scratch: str) -> None:
     libc = _libc()
     make_nondumpable()
     try:
-        _mounts(libc, scratch)
+        os.environ["SANDBOX_PROC"] = _mounts(libc, scratch)  # what /proc is, for the curious
     except OSError as err:
         sys.stdout.write(json.dumps({"refused": f"{FIELDS}: namespaces: the sandbox could not set up its "
                                                 f"mounts: {err}"}) + "\n")

@@ -6,7 +6,7 @@ sample, never the stage or the run.
 A call names its target by import path (`package.module:function`) and passes JSON arguments;
 the child imports the target (once), calls it and answers with JSON. Each child:
 
-- runs `python -m moerl.tasks.sandbox` with an environment built from an allow-list
+- runs `python -m moerl.tasks.sandbox_child` with an environment built from an allow-list
   (`PATH`, locale, `PYTHONPATH`; `HOME` and `TMPDIR` point at its own empty scratch
   directory): the pod's AWS, MLflow and Valkey settings, and every other variable, are not
   passed on;
@@ -67,8 +67,6 @@ from moerl.tasks import isolation as iso
 ENV_ALLOW = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "SYSTEMROOT")
 MAX_REPLY_BYTES = 1 << 20  # one call's JSON answer
 START_TIMEOUT_S = 60.0  # a child's interpreter start, on a loaded 2-core machine
-_NOFILE = 256
-_FSIZE = 64 << 20
 
 Kind = Literal["ok", "error", "timeout", "memory", "crashed"]
 
@@ -119,7 +117,7 @@ class _Child:
         self.scratch = tempfile.mkdtemp(prefix="moerl-sandbox-")
         self.isolated = limits.isolation != "none"
         self.proc = subprocess.Popen(
-            iso.command(limits.isolation) + [sys.executable, "-m", "moerl.tasks.sandbox", str(limits.memory_mb),
+            iso.command(limits.isolation) + [sys.executable, "-m", "moerl.tasks.sandbox_child", str(limits.memory_mb),
                                              str(0 if self.isolated else os.getpid()), limits.isolation],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(self.scratch), cwd=self.scratch,
             close_fds=True)
@@ -354,34 +352,7 @@ def _outcome(line: bytes) -> Outcome:
     return Outcome(kind, error=prefix + str(msg.get("err", "unknown error"))[:2000])
 
 
-# ---------------------------------------------------------------------------- the child side
-
-
-def _limit(memory_mb: int) -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (_NOFILE, _NOFILE))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE, _FSIZE))
-    cap = memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-
-def _watch_parent(parent: int, proto_fd: int) -> None:
-    """Exit once the pool is gone: its end of the protocol pipe closed (the parent pid is 0, not
-    comparable, from inside a pid namespace) or, when given, the parent pid changed."""
-    import select
-
-    poll = select.poll()
-    poll.register(proto_fd, select.POLLHUP)
-
-    def loop() -> None:
-        while True:
-            hup = any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poll.poll(1000))
-            if hup or (parent and os.getppid() != parent):
-                os._exit(1)
-
-    threading.Thread(target=loop, name="moerl-sandbox-watchdog", daemon=True).start()
+# ------------------------------------------- called in the child (sandbox_child.py serves calls)
 
 
 def resolve(target: str):
@@ -419,39 +390,3 @@ def check_target(target: str, n_args: int, limits: Limits | None = None) -> str:
     with SandboxPool(limits or Limits(timeout_s=60.0)) as pool:
         got = pool.run([(f"{__name__}:check_callable", [target, n_args])])[0]
     return "" if got.ok else got.error
-
-
-def _serve(memory_mb: int, parent: int) -> None:
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(2, 1)  # a verifier's print goes to stderr, never into the protocol
-    sys.stdin, sys.stdout = open(os.devnull), sys.stderr
-    _watch_parent(parent, proto_in.fileno())
-    _limit(memory_mb)
-    cache: dict[str, Any] = {}
-
-    def reply(msg: dict) -> None:
-        proto_out.write(json.dumps(msg, allow_nan=False).encode() + b"\n")
-        proto_out.flush()
-
-    reply({"ready": os.getpid()})
-    for line in proto_in:
-        req = json.loads(line)
-        try:
-            fn = cache.get(req["target"]) or cache.setdefault(req["target"], resolve(req["target"]))
-            value = fn(*req["args"])
-            json.dumps(value, allow_nan=False)  # a reply the pool can read, or an error here
-            reply({"id": req["id"], "ok": value})
-        except MemoryError:
-            reply({"id": req["id"], "err": f"MemoryError: over the sandbox's {memory_mb} MiB", "memory": True})
-            os._exit(3)  # the heap may be unusable: the pool starts a fresh child
-        except BaseException as err:  # noqa: BLE001 - reported for this call, the child goes on
-            reply({"id": req["id"], "err": f"{type(err).__name__}: {err}"})
-
-
-if __name__ == "__main__":
-    if sys.argv[3:] == ["namespaces"]:
-        iso.enter(os.getcwd())  # returns in the process that serves, inside the namespaces
-    _serve(int(sys.argv[1]), int(sys.argv[2]))
