@@ -751,6 +751,14 @@ class PipelineConfig(_Section):
     # workers retrying for days. Keep it above the time a trainer pod takes to be rescheduled,
     # and above init_policy's (the workers start beside it).
     trainer_lost_s: float = Field(3600.0, ge=30.0)
+    # Async: the progress watchdog. The trainer fails (one line naming what it waited on: groups
+    # in hand, prompts issued and unsettled, the backlog, rollout workers alive) when, while it
+    # gathers a version, no counter of the run moves (nothing issued, generated, scored or
+    # settled) for this long; the task's retry then acts (a restarted trainer re-reads what it
+    # held). `moerl run` fails the same way when no counter moves and no version is committed.
+    # Keep it above the longest quiet spell of a healthy run: a version's update plus its
+    # publication when admission waits on it (minutes at the seed's scale; see docs/async.md).
+    stall_timeout_s: float = Field(1800.0, ge=10.0)
     # Sync pipeline on the cluster: retries of a task whose stage is a pure function of its
     # inputs (rollout, reward, buffer, policy update, redistribution), e.g. after a Spot
     # reclaim. Publication and the run's bookkeeping are never retried.

@@ -96,6 +96,16 @@ def _balanced(c: dict[str, int], cfg) -> None:
     assert c["trained"] + c["filtered"] == used * cfg.rollout.samples_per_prompt
 
 
+def _mlflow_balanced(h: Harness) -> None:
+    """The run's last `async/*` values in MLflow balance too: logged after the last commit."""
+    from mlflow.tracking import MlflowClient
+
+    m = MlflowClient(h.uri).get_run(h.run_id).data.metrics
+    assert m["async/trained"] + m["async/filtered"] + m["async/stale_dropped"] + m["async/failed"] + \
+        m["async/samples_dead"] == m["async/generated"] - m["async/duplicates"], m
+    assert m["async/groups_used"] == h.cfg.pipeline.versions * h.cfg.task.prompts_per_iteration
+
+
 def _versions(h: Harness) -> list[int]:
     return run_store(h.cfg.checkpoint, h.run_id).versions()
 
@@ -244,22 +254,37 @@ def test_sigkill_of_a_worker_returns_its_unit_after_the_visibility_timeout(tmp_p
 
 
 def test_a_killed_trainer_resumes_from_the_last_version_without_training_anything_twice(tmp_path):
+    """Killed while it holds more than one version's groups (one publishing, the next being
+    gathered), as an S3 outage during a publication leaves it: its successor takes all of them
+    back, B per version. Before, it took one page into its first version and left the rest
+    pending for good, and the run hung once the last prompts were out (issue 35)."""
     h = Harness(tmp_path, "pipeline.versions=4")
     sent = []
+    B = h.cfg.task.prompts_per_iteration
 
     def fault(run):
         reg = run.bus.registry()
-        if not sent and reg is not None and reg.version >= 1:
-            run.signal("trainer", signal.SIGKILL)
-            sent.append(reg.version)
+        if sent or reg is None or reg.version < 1:
+            return
+        if run.bus.pending_count("scored", "trainer") + run.bus.backlog() <= B:
+            return  # not yet more than one version's groups scored
+        # frozen, then more groups delivered to it than one version takes (what it was gathering
+        # for the next version, or a reply it never saw: the same entries in its pending list),
+        # then killed
+        run.signal("trainer", signal.SIGSTOP)
+        run.bus.r.xreadgroup("trainer", "trainer", {run.bus.key("scored"): ">"}, count=B)
+        sent.append(run.bus.pending_count("scored", "trainer"))
+        run.signal("trainer", signal.SIGKILL)
 
     c = h.go(fault)
-    assert sent and h.run.children["trainer"].exits[0] == -signal.SIGKILL and h.run.children["trainer"].starts == 2
+    assert sent and sent[0] > B  # the kill landed while it held more than one version
+    assert h.run.children["trainer"].exits[0] == -signal.SIGKILL and h.run.children["trainer"].starts == 2
     assert _versions(h) == list(range(h.cfg.pipeline.versions + 1))
     store = run_store(h.cfg.checkpoint, h.run_id)
     groups = [g for v in range(1, h.cfg.pipeline.versions + 1) for g in json.loads(store.manifest(v).meta["groups"])]
     assert len(groups) == len(set(groups))  # no group in two versions
     _balanced(c, h.cfg)
+    _mlflow_balanced(h)
     # 2-prompt units, rollout.units_in_flight 2: the worker took a second unit while one was
     # generating (the valkey-restart test below runs with 1 and none overlap)
     assert c["units_overlapped"] >= 1

@@ -182,15 +182,64 @@ def _alive(bus: RunBus, issuer: "Issuer", epoch: int) -> None:
     bus.check_epoch(epoch)
 
 
-def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
-            issuer: "Issuer", held: frozenset[str] = frozenset()) -> tuple[Batch, dict[str, float]]:
-    """Block until B fresh groups are in; settle the rest as they come. `held`: groups of
-    versions still being published (trained, not yet committed as consumed)."""
+class Inbox:
+    """Where the trainer's groups come from, across versions: first the entries already
+    delivered to its consumer and not in its hands (its pending list: what a killed
+    predecessor held, or what a reply lost to a dropped connection delivered unseen), then new
+    ones. Never more than asked, so a version takes exactly its B groups and the rest stays
+    pending for the next one.
+
+    Why it lives across versions: a trainer killed during a publication held two versions'
+    groups (the one publishing and the one it was gathering), and a restarted trainer that read
+    its pending list only inside its first gather, stopping when that version was full, left
+    the rest pending for good: never trained, never settled, so admission counted them in
+    flight for ever and issued nothing once the run's last prompts were out (the issue-35 hang
+    after an S3 outage). Now every gather, and every loop of it, compares the pending count
+    with what the trainer holds (one XPENDING summary): entries pending and not held are
+    re-read from the start of the list."""
+
+    def __init__(self, bus: RunBus) -> None:
+        self.bus = bus
+        self.after: str | None = "0"  # a new trainer first takes back what its predecessor held
+        self.rescans = 0
+
+    def check(self, in_hand: set[str]) -> None:
+        """Rescan the pending list when it holds entries the trainer does not (a lost reply)."""
+        if self.after is None and self.bus.pending_count(SCORED, CONSUMER) > len(in_hand):
+            self.after, self.rescans = "0", self.rescans + 1
+            log.warning("the trainer's pending list holds entries it does not (a lost reply, or a predecessor's); "
+                        "reading them back")
+
+    def take(self, n: int, in_hand: set[str]) -> list[tuple[str, dict]]:
+        if self.after is not None:
+            got, self.after = self.bus.take_pending(SCORED, CONSUMER, self.after, validate=_scored_samples,
+                                                    count=n, skip=in_hand)
+            if got or self.after is not None:
+                return got
+        return self.bus.take_scored(CONSUMER, n, block_ms=200, validate=_scored_samples)
+
+
+def _stalled(bus: RunBus, cfg: RunConfig, version: int, have: int, want: int, quiet_s: float) -> DataError:
+    """The watchdog's one line: what the trainer waited on, and what the run looked like."""
+    c = bus.counters()
+    settled = c["groups_used"] + c["groups_stale"] + c["groups_failed"] + c["prompts_dead"]
+    workers = sum(n.startswith("rollout") for n in bus.alive())
+    return DataError(
+        f"trainer: no progress for {quiet_s:.0f} s (pipeline.stall_timeout_s) while gathering version {version + 1}: "
+        f"waited on scored groups, holding {have} of {want}; prompts issued {c['prompts_issued']}, unsettled "
+        f"{c['prompts_issued'] - settled}, backlog {bus.backlog()} groups, generated {c['generated']}, scored "
+        f"{c['scored']}, rollout workers alive {workers}/{cfg.rollout.workers}")
+
+
+def _gather(bus: RunBus, cfg: RunConfig, version: int, inbox: Inbox, epoch: int, issuer: "Issuer",
+            held: frozenset[str] = frozenset(),
+            held_entries: frozenset[str] = frozenset()) -> tuple[Batch, dict[str, float]]:
+    """Block until B fresh groups are in; settle the rest as they come. `held`, `held_entries`:
+    the groups and entries of versions still being published (trained, not yet committed)."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
     S, limit = cfg.buffer.min_signal_groups, cfg.buffer.gather_limit
     batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
     t0 = time.perf_counter()
-    after = "0" if first else None  # a restarted trainer first takes back what it held, page by page
 
     def wanted() -> int:
         """Groups still to take: B in all, or (dynamic sampling) S with signal, within the limit."""
@@ -198,13 +247,26 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
             return B - batch.n_groups
         return min(S - len(batch.used), limit - batch.n_groups)
 
+    def pulse() -> tuple[int, ...]:  # what moves when the run makes progress
+        c = bus.counters()
+        return (c["prompts_issued"], c["generated"], c["scored"], c["groups_used"], c["groups_stale"],
+                c["groups_failed"], c["prompts_dead"], c["samples_dead"], batch.n_groups)
+
     issuer.gathered = (0, 0)
+    last_pulse, moved_at = pulse(), time.monotonic()
     while wanted() > 0:
         _alive(bus, issuer, epoch)
-        if after is not None:
-            got, after = bus.take_pending(SCORED, CONSUMER, after, validate=_scored_samples)
-        else:
-            got = bus.take_scored(CONSUMER, wanted(), block_ms=200, validate=_scored_samples)
+        in_hand = set(held_entries) | set(batch.entry_ids)
+        inbox.check(in_hand)
+        got = inbox.take(wanted(), in_hand)
+        if not got:
+            now_pulse = pulse()
+            if now_pulse != last_pulse:
+                last_pulse, moved_at = now_pulse, time.monotonic()
+            elif time.monotonic() - moved_at > cfg.pipeline.stall_timeout_s:
+                raise _stalled(bus, cfg, version, batch.n_groups, B if S is None else S, time.monotonic() - moved_at)
+            continue
+        moved_at = time.monotonic()
         consumed = bus.consumed([g["group_id"] for _, g in got])
         for eid, g in got:
             gid = g["group_id"]
@@ -237,8 +299,8 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, first: bool, epoch: int,
                         "buffer.max_gather_groups %d); training on those", version, batch.n_groups,
                         len(batch.used), S, limit)
         extra = {"buffer/signal_groups": float(len(batch.used)), "buffer/signal_shortfall_groups": float(short)}
-    return batch, {"timing/buffer_wait_s": time.perf_counter() - t0, **extra,
-                   **{f"buffer/{k}_samples": float(v) for k, v in dropped.items()}}
+    return batch, {"timing/buffer_wait_s": time.perf_counter() - t0, "buffer/pending_rescans": float(inbox.rescans),
+                   **extra, **{f"buffer/{k}_samples": float(v) for k, v in dropped.items()}}
 
 
 def _check_failures(bus: RunBus, cfg: RunConfig) -> None:
@@ -342,12 +404,13 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     last = {"t": t_start, "tokens": c0["tokens_generated"], "generated": c0["generated"],
             "consumed": c0["trained"] + c0["filtered"]}
     try:
-        first = True
+        inbox = Inbox(bus)
         for version in range(latest, cfg.pipeline.versions):
             t_v = time.perf_counter()
-            held = frozenset(g for job in publisher.in_flight() for g in job.context["groups"])
-            batch, metrics = _gather(bus, cfg, version, first, epoch, issuer, held)
-            first = False
+            jobs = publisher.in_flight()
+            held = frozenset(g for job in jobs for g in job.context["groups"])
+            held_entries = frozenset(e for job in jobs for e in job.context["entries"])
+            batch, metrics = _gather(bus, cfg, version, inbox, epoch, issuer, held, held_entries)
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()
             samples = train_samples(batch.used, cfg.buffer)
@@ -385,6 +448,11 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
                           reward_mean=metrics["reward/mean"], loss=metrics.get("train/loss", 0.0))
         publisher.drain()  # the last version durable and committed before the run is done
         published()
+        # the run's final counters, after the last commit moved them: the values logged with the
+        # last version were read before its groups were committed, one version short of the
+        # balance (generated - duplicates = trained + filtered + stale_dropped + failed +
+        # samples_dead). Same step, later timestamp: MLflow's latest value is this one.
+        tracking.log_metrics(uri, run_id, cfg.pipeline.versions - 1, _async_metrics(bus, t_start, busy))
         policy = pbus.registry()
         bus.set_done()
         bus.expire_run(cfg.valkey.finished_ttl_s)  # bounded state: a shared Valkey forgets finished runs

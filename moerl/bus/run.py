@@ -449,17 +449,27 @@ class RunBus:
         `take_generated`."""
         return self._take(SCORED, consumer, self._read(SCORED, consumer, count, block_ms), validate)
 
-    def take_pending(self, stream: str, consumer: str, after: str,
-                     validate=None) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
-        """One page of the entries already leased to `consumer` with ids after `after` (a
-        restarted trainer re-reads what its predecessor held), and the id to continue after
-        (None: no more). Read in pages, so a long pending list never comes back in one reply.
-        No delivery cap here: each restart re-delivers, and a restart must not condemn good work."""
-        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): after}, count=MAX_READ_ENTRIES)
+    def take_pending(self, stream: str, consumer: str, after: str, validate=None, count: int = MAX_READ_ENTRIES,
+                     skip: frozenset[str] | set[str] = frozenset()) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+        """At most `count` of the entries already leased to `consumer` with ids after `after`
+        (what a restarted trainer's predecessor held, or what a lost reply delivered unseen), and
+        the id to continue after (None: no more). Read in pages, so a long pending list never
+        comes back in one reply; entries in `skip` (the caller holds them already) are passed
+        over without being parsed. No delivery cap here: each restart re-delivers, and a restart
+        must not condemn good work."""
+        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): after},
+                                  count=max(1, min(count, MAX_READ_ENTRIES)))
         raw = [(eid, fields) for _, entries in (reply or []) for eid, fields in entries]
         if not raw:
             return [], None
-        return self._take(stream, consumer, [(e, f, 1) for e, f in raw if f], validate), raw[-1][0]
+        fresh = [(e, f, 1) for e, f in raw if f and e not in skip]
+        return self._take(stream, consumer, fresh, validate), raw[-1][0]
+
+    def pending_count(self, stream: str, consumer: str) -> int:
+        """How many entries of `stream` are delivered to `consumer` and not acknowledged (one
+        XPENDING summary: O(consumers) on the server, whatever the list's length)."""
+        info = self.r.xpending(self.key(stream), GROUPS[stream])
+        return sum(int(c["pending"]) for c in info.get("consumers") or [] if c["name"] == consumer)
 
     def consumed(self, group_ids: list[str]) -> set[str]:
         if not group_ids:

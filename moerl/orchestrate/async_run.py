@@ -191,9 +191,20 @@ class LocalAsyncRun:
         last: dict = {}
         next_print = t0 + every_s
         done_at = None
+        pulse, moved_at = None, t0
         while True:
             if self.poll() == "done":
                 return
+            # the watchdog: a run whose counters, registry and restarts all stand still fails,
+            # naming what it waited on. Twice the trainer's own bound, so the trainer's watchdog
+            # and its retries act first (a restart counts as movement).
+            now_pulse = (tuple(sorted(self.bus.counters().items())), self.bus.registry(), self.restarts)
+            if now_pulse != pulse:
+                pulse, moved_at = now_pulse, time.perf_counter()
+            elif time.perf_counter() - moved_at > 2 * self.cfg.pipeline.stall_timeout_s and not self.bus.done():
+                raise MoerlError(f"async run made no progress for {time.perf_counter() - moved_at:.0f} s (2 x "
+                                 f"pipeline.stall_timeout_s): {self.progress(t0, last)}; trainer log:\n"
+                                 f"{self.tail('trainer', 10)}")
             if on_tick is not None:
                 on_tick(self)
             now = time.perf_counter()
@@ -212,6 +223,17 @@ class LocalAsyncRun:
 
     def stop(self) -> None:
         procs.kill_groups([c.proc for c in self.children.values()], grace_s=2.0)
+
+
+def balance_line(c: dict[str, int]) -> tuple[bool, str]:
+    """The run's sample balance (README, "Reliability"), as one line: every generated sample,
+    less duplicates, is trained, filtered, dropped as stale, failed or dead-lettered."""
+    out = c["generated"] - c["duplicates"]
+    parts = ("trained", "filtered", "stale_dropped", "failed", "samples_dead")
+    into = sum(c[k] for k in parts)
+    ok = out == into
+    return ok, (f"[moerl] balance {'ok' if ok else f'BROKEN by {out - into}'}: generated {c['generated']} - "
+                f"duplicates {c['duplicates']} = {out}; " + " + ".join(f"{k} {c[k]}" for k in parts) + f" = {into}")
 
 
 def start_valkey(cfg: RunConfig, work: Path, run_id: str | None = None) -> tuple[RunConfig, EmbeddedValkey | None]:
@@ -283,6 +305,10 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
                 publish_initial(cfg, run_id, work)
             run.start_trainer()
             run.supervise(on_tick=on_tick)
+        balanced, line = balance_line(run.bus.counters())
+        print(line, flush=True)
+        if not balanced:
+            tracking.set_tags(uri, run_id, {"moerl.balance": line.removeprefix("[moerl] ")})
         policy = run_store(cfg.checkpoint, run_id)
         final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
         from moerl.components.publish_checkpoint.registry import register_final

@@ -1,0 +1,136 @@
+"""The async trainer's gather (components/policy_update/worker.py: `_gather`, `Inbox`) on a real
+Valkey, as the stages' ACL user: what a killed trainer held and what a lost reply delivered are
+taken back, a version takes exactly its B groups, and a run that stops moving fails naming what
+it waited on instead of hanging."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from moerl.bus import SCORED, EmbeddedValkey, RunBus, connect
+from moerl.bus.client import PASSWORD_ENV
+from moerl.components.policy_update.worker import CONSUMER, Inbox, Issuer, _gather
+from moerl.config import load_config
+from moerl.errors import DataError
+from moerl.orchestrate.async_run import balance_line
+from moerl.records import ScoredSample
+
+ROOT = Path(__file__).resolve().parents[1]
+B = 4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with EmbeddedValkey(tmp_path_factory.mktemp("valkey"), stage_user="stage") as v:
+        yield v
+
+
+@pytest.fixture
+def bus(server, request, monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, server.password)
+    b = RunBus(connect(server.url, 5, server.stage_user), request.node.name, visibility_timeout_s=30)
+    b.ensure_groups()
+    return b
+
+
+def _cfg(**pipeline):
+    cfg = load_config(ROOT / "configs/tiny-moe-grpo.yaml",
+                      [f"task.prompts_per_iteration={B}", "rollout.samples_per_prompt=2", "buffer.max_staleness=4",
+                       "pipeline.versions=4"], mode="async")
+    # unvalidated on purpose: stall_timeout_s is at least 10 s in a config; 1 s keeps the test short
+    return cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update=pipeline)}) if pipeline else cfg
+
+
+def _score(bus: RunBus, n: int, start: int = 0) -> list[str]:
+    """`n` scored groups of version 0 with reward variance (each one a trainer would use)."""
+    ids = []
+    for i in range(start, start + n):
+        samples = [ScoredSample(prompt_id=f"p{i}", task="copy", prompt="x", answer="1", sample_index=j,
+                                prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.1],
+                                response_text="1", finish_reason="stop", policy_version=0,
+                                reward=float(j)).model_dump() for j in range(2)]
+        bus.publish_group(f"u{i:04d}/0:p{i}", samples)
+        [(eid, group)] = bus.take_generated("scorer", 1, block_ms=50)
+        bus.publish_scored(eid, group, 0)
+        ids.append(f"u{i:04d}/0:p{i}")
+    return ids
+
+
+def _issuer(cfg, bus, epoch):
+    issuer = Issuer(cfg, bus, [0], epoch, period_s=3600)  # one admission pass, then it sleeps
+    issuer.start()
+    return issuer
+
+
+def test_a_restarted_trainer_takes_back_both_versions_its_predecessor_held_b_groups_each(bus):
+    """The S3-outage hang: a trainer killed during a publication held two versions' groups (the
+    one publishing, the one it gathered). Its successor must take back all of them, exactly B
+    per version, before anything new; the old gather took one whole page into its first version
+    (2B groups) and left the rest pending for good, so admission never issued the last prompts."""
+    cfg = _cfg()
+    gids = _score(bus, 2 * B)
+    dead = bus.take_scored(CONSUMER, 2 * B, block_ms=50)  # the killed trainer's hands
+    assert len(dead) == 2 * B
+    new = _score(bus, B, start=100)  # generated meanwhile, never delivered
+    epoch = bus.claim_trainer("successor")
+    issuer = _issuer(cfg, bus, epoch)
+    try:
+        inbox = Inbox(bus)
+        first, _ = _gather(bus, cfg, 0, inbox, epoch, issuer)
+        assert first.group_ids == gids[:B]  # exactly B, the predecessor's first version
+        held = frozenset(first.group_ids)
+        second, _ = _gather(bus, cfg, 1, inbox, epoch, issuer, held, frozenset(first.entry_ids))
+        assert second.group_ids == gids[B:]  # then the rest it held, not the new ones
+        third, _ = _gather(bus, cfg, 2, inbox, epoch, issuer, held | set(second.group_ids),
+                           frozenset(first.entry_ids + second.entry_ids))
+        assert third.group_ids == new
+        assert bus.pending_count(SCORED, CONSUMER) == 3 * B  # all held, none stranded
+    finally:
+        issuer.stop_event.set()
+
+
+def test_groups_a_lost_reply_delivered_unseen_are_taken_back_at_the_next_gather(bus, server):
+    """A lost XREADGROUP reply: the server delivered the entries (they are pending for the
+    trainer), the trainer never saw them. The next look at the pending list finds more pending
+    than the trainer holds and reads them back; before, they stayed pending for the run's life."""
+    cfg = _cfg()
+    gids = _score(bus, B)
+    raw = connect(server.url, 5, server.stage_user)
+    raw.xreadgroup("trainer", CONSUMER, {bus.key(SCORED): ">"}, count=B)  # the reply that was lost
+    epoch = bus.claim_trainer("t")
+    issuer = _issuer(cfg, bus, epoch)
+    try:
+        inbox = Inbox(bus)
+        inbox.after = None  # mid-run: the trainer believes its pending list is all in hand
+        batch, metrics = _gather(bus, cfg, 0, inbox, epoch, issuer)
+        assert batch.group_ids == gids
+        assert metrics["buffer/pending_rescans"] == 1.0
+    finally:
+        issuer.stop_event.set()
+
+
+def test_a_gather_that_sees_no_progress_fails_naming_what_it_waited_on(bus):
+    cfg = _cfg(stall_timeout_s=1.0)
+    _score(bus, 1)
+    epoch = bus.claim_trainer("t")
+    issuer = _issuer(cfg, bus, epoch)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DataError, match=r"no progress for \d+ s \(pipeline.stall_timeout_s\) while gathering "
+                                            r"version 1: waited on scored groups, holding 1 of 4; prompts issued \d+"):
+            _gather(bus, cfg, 0, Inbox(bus), epoch, issuer)
+        assert time.monotonic() - t0 < 10  # bounded by the watchdog, not by anything else
+    finally:
+        issuer.stop_event.set()
+
+
+def test_the_balance_line_names_the_gap():
+    c = {"generated": 100, "duplicates": 4, "trained": 60, "filtered": 20, "stale_dropped": 8, "failed": 4,
+         "samples_dead": 4}
+    assert balance_line(c) == (True, "[moerl] balance ok: generated 100 - duplicates 4 = 96; trained 60 + filtered "
+                                     "20 + stale_dropped 8 + failed 4 + samples_dead 4 = 96")
+    ok, line = balance_line({**c, "trained": 56})
+    assert not ok and "BROKEN by 4" in line
