@@ -7,9 +7,14 @@ import os
 import time
 
 
+# Which process holds an environment: made once per process. Not the pid: a sandboxed child in
+# its own pid namespace (isolation `namespaces`) is pid 2 in every one of them.
+PROCESS = os.urandom(6).hex()
+
+
 class Counter:
-    """Counts its steps, in its own memory: the observation is the step number and the pid of
-    the process that holds it; done after three steps, reward 1 at the end."""
+    """Counts its steps, in its own memory: the observation is the step number and an id of
+    the process that holds it (PROCESS); done after three steps, reward 1 at the end."""
 
     def reset(self, row: dict) -> str:
         self.n = 0
@@ -19,7 +24,7 @@ class Counter:
 
     def step(self, text: str):
         self.n += 1
-        obs = f"{self.n}@{os.getpid()}" if self.show_pid else f"{self.n}:{text}"
+        obs = f"{self.n}@{PROCESS}" if self.show_pid else f"{self.n}:{text}"
         return obs, (1.0 if self.n == 3 else None), self.n == 3
 
 
