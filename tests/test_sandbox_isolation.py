@@ -231,3 +231,19 @@ def test_a_bad_isolation_is_refused_naming_the_field():
         SandboxPool(Limits(isolation="bwrap"))
     assert isolation.tags("none", "namespaces") == {"moerl.sandbox.isolation.reward": "none",
                                                     "moerl.sandbox.isolation.task": "namespaces"}
+
+
+def test_a_run_carries_its_sandboxes_isolation_as_tags_and_params(tmp_path):
+    """`none` is never silent: the MLflow run says it (tags and the resolved config's params)."""
+    from mlflow.tracking import MlflowClient
+
+    from moerl import tracking
+    from moerl.config import parse_config
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = parse_config({"tracking": {"uri": uri, "experiment": "iso"}, "checkpoint": {"uri": str(tmp_path / "ck")},
+                        "task": {"sandbox": {"isolation": "none"}}})
+    run = MlflowClient(uri).get_run(tracking.start_run(cfg, uri, {}))
+    assert run.data.tags["moerl.sandbox.isolation.task"] == "none"
+    assert run.data.tags["moerl.sandbox.isolation.reward"] == "namespaces"
+    assert run.data.params["task.sandbox.isolation"] == "none"
