@@ -15,6 +15,8 @@
                                  Valkey; environments' share of a multi-turn rollout
     moerl bench lease            a worker's lease as the pending list grows: Valkey commands
                                  and wall time, against the XAUTOCLAIM paging it replaced
+    moerl bench fanout           the fan-out's bookkeeping for one version at 32 workers:
+                                 Valkey commands and CPU, against the per-chunk sets it replaced
     moerl compare RUN_ID...      MLflow runs side by side: params that differ, metrics with
                                  deltas and confidence intervals, plots
 
@@ -130,6 +132,14 @@ def _lease(a: argparse.Namespace) -> int:
     except ValueError:
         raise ConfigError(f"--pending must be comma-separated integers, got {a.pending!r}") from None
     rep = run_bench_lease(pending, a.leases, Path(a.out))
+    return 0 if rep["ok"] else 1
+
+
+def _fanout(a: argparse.Namespace) -> int:
+    from moerl.bench.fanout import run_bench_fanout
+
+    rep = run_bench_fanout(Path(a.out), peers=a.peers, chunks=a.chunks, version_s=a.version_s, windows=a.windows,
+                           window_s=a.window_s, seed=a.seed)
     return 0 if rep["ok"] else 1
 
 
@@ -284,6 +294,17 @@ def add_bench_parsers(sub) -> None:
     le.add_argument("--leases", type=int, default=50, help="leases timed at each length, each way")
     le.add_argument("--out", default="bench/lease.json")
     le.set_defaults(func=_lease)
+
+    fo = bsub.add_parser("fanout", help="the fan-out's bookkeeping for one version (simulated peers, a real Valkey): "
+                                        "Valkey commands and CPU, now against the per-chunk sets it replaced")
+    fo.add_argument("--peers", type=int, default=32, help="rollout workers fetching the version")
+    fo.add_argument("--chunks", type=int, default=7000, help="chunks per version (Qwen3-235B at 64 MiB: ~7,000)")
+    fo.add_argument("--version-s", type=float, default=75.0, help="virtual seconds one version's fetch takes")
+    fo.add_argument("--windows", type=int, default=4, help="measured windows spread over the version (0: all of it)")
+    fo.add_argument("--window-s", type=float, default=1.0, help="virtual seconds per measured window")
+    fo.add_argument("--seed", type=int, default=0)
+    fo.add_argument("--out", default="bench/fanout.json")
+    fo.set_defaults(func=_fanout)
 
     co = sub.add_parser("compare", help="MLflow runs side by side: differing params, metric deltas vs noise, plots")
     co.add_argument("run_ids", nargs="+", metavar="RUN_ID")
