@@ -13,7 +13,8 @@
   the engine is `moerl/components/rollout/episodes.py`.
 - `sandbox`: the sandboxed execution pool every verifier and environment call runs in (child
   processes with no credentials, a time and a memory limit per call; keyed calls keep an
-  episode in one child).
+  episode in one child); `sandbox_child` is the process side, `isolation` the namespaces each
+  child runs in (no network, read-only files, no capabilities) and the non-dumpable stage.
 - `tools`: the shipped tool environments: `Calculator` (word problems) and `Lookup` (the
   multi-turn task the tiny model learns, `builtin:digits-lookup`).
 - `offline`: real tasks with no download (the `moerl[tasks]` extra): reasoning-gym datasets
