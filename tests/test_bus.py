@@ -792,3 +792,76 @@ def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_th
         _Outbox("c").put(bus.ack_write(second))
     with pytest.raises(TypeError, match="bus writes only"):
         _Outbox("d", bus).put([lambda: None])
+
+
+# -- leases across an outage (issue 35, item 8) -------------------------------------------
+def test_an_idle_lease_of_a_live_holder_is_not_claimed_and_the_holders_own_is_a_touch(bus):
+    """A holder whose liveness key is fresh keeps its idle lease (an outage delayed its
+    refresh); the holder leasing again touches what it still holds instead of claiming it back
+    (which started a second attempt beside the first and crashed the worker on the old one's
+    request ids)."""
+    bus.issue_unit([_prompt(1)])
+    lease = bus.lease_unit("w1", block_ms=50)
+    bus.heartbeat("w1", ttl_s=10)
+    time.sleep(0.4)  # idle past the 0.3 s visibility timeout
+    assert bus.lease_unit("w2", block_ms=50) is None  # w1 is alive: not taken
+    [before] = bus.r.xpending_range(bus.key(UNITS), "rollout", min="-", max="+", count=5)
+    assert before["time_since_delivered"] >= 400
+    assert bus.lease_unit("w1", block_ms=0, held=[lease.entry_id]) is None  # its own: touched
+    [row] = bus.r.xpending_range(bus.key(UNITS), "rollout", min="-", max="+", count=5)
+    assert row["consumer"] == "w1" and row["times_delivered"] == 1  # not a second delivery
+    assert row["time_since_delivered"] < before["time_since_delivered"]  # its idle time was reset
+    bus.r.delete(bus.key("alive:w1"))  # w1 goes silent for real
+    time.sleep(0.4)
+    again = bus.lease_unit("w2", block_ms=50)
+    assert again is not None and again.entry_id == lease.entry_id and again.deliveries == 2
+
+
+def test_an_outage_longer_than_the_visibility_timeout_reclaims_nothing_until_holders_refresh(tmp_path):
+    """Valkey down for longer than the visibility timeout: on its return every lease looks idle.
+    A client that met the outage claims nothing for one visibility timeout, and touches what it
+    holds first; a holder that stays silent past that loses its unit as before."""
+    v = EmbeddedValkey(tmp_path / "v").start()
+    try:
+        holder, other = (RunBus(connect(v.url, 20), "r", visibility_timeout_s=0.5) for _ in range(2))
+        holder.ensure_groups()
+        holder.issue_unit([_prompt(1)])
+        holder.issue_unit([_prompt(2)])
+        mine = holder.lease_unit("w1", block_ms=50)
+        theirs = other.lease_unit("w2", block_ms=50)
+        v.kill()
+        back = threading.Timer(1.5, v.start)  # 1.5 s down: three visibility timeouts
+        back.start()
+        # both workers poll through the outage (each one's loop leases every 0.2 s at most)
+        got: dict[str, object] = {}
+        polls = [threading.Thread(target=lambda b=b, n=n, e=e: got.__setitem__(n, b.lease_unit(n, 0, held=[e])))
+                 for b, n, e in ((other, "w2", theirs.entry_id), (holder, "w1", mine.entry_id))]
+        for t in polls:
+            t.start()
+        for t in polls:
+            t.join(timeout=30)
+        back.join()
+        assert got == {"w1": None, "w2": None}  # each met the outage: no claim, its own touched
+        rows = {r["message_id"]: r for r in holder.r.xpending_range(holder.key(UNITS), "rollout", min="-", max="+",
+                                                                     count=5)}
+        assert rows[mine.entry_id]["consumer"] == "w1" and rows[mine.entry_id]["times_delivered"] == 1
+        assert rows[theirs.entry_id]["consumer"] == "w2" and rows[theirs.entry_id]["times_delivered"] == 1
+        time.sleep(0.6)  # w1 goes silent past the hold and its timeout: w2 takes it over
+        got = other.lease_unit("w2", block_ms=0, held=[theirs.entry_id])
+        assert got is not None and got.entry_id == mine.entry_id and got.deliveries == 2
+    finally:
+        v.stop()
+
+
+def test_the_servable_pointer_moves_by_version_sha_and_epoch_not_the_number():
+    from moerl.bus.run import Registered
+    from moerl.components.rollout.worker import pointer_moved
+
+    assert pointer_moved(Registered(3, "u", "a", 1), 3, "a", 1) is None
+    assert pointer_moved(Registered(4, "u", "b", 1), 3, "a", 1) == "forward"
+    assert pointer_moved(Registered(0, "u", "z", 0), None, None, 0) == "forward"
+    # a newer trainer rolled back to 2, or published 3 again with other weights: lost weights
+    assert pointer_moved(Registered(2, "u", "c", 2), 3, "a", 1) == "back"
+    assert pointer_moved(Registered(3, "u", "d", 2), 3, "a", 1) == "back"
+    # behind, with no newer epoch: lost writes on the bus (a failover), the engine stays
+    assert pointer_moved(Registered(2, "u", "c", 1), 3, "a", 1) is None

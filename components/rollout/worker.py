@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from moerl.bus import BusWrite, Lease, RunBus, TrainerWatch, connect, group_id
+from moerl.bus.run import Registered
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError
 from moerl.launch.podenv import enter_pod
@@ -240,6 +241,21 @@ class _Outbox:
         if self._thread.is_alive():
             self._q.put(None)
             self._thread.join()
+
+
+def pointer_moved(reg: Registered | None, version: int | None, sha: str | None, epoch: int) -> str | None:
+    """How the servable pointer `reg` moved from what an engine serves ((version, sha), followed
+    up to trainer `epoch`): `forward` (a newer number), `back` (a newer trainer epoch rolled it
+    back, or published the same number again with other weights: what the engine serves is
+    lost, so its units in flight finish and it moves at once), or None (the same (version, sha),
+    or a pointer behind the engine that no newer epoch set: lost writes, the engine stays).
+    (version, sha) and the epoch decide, never the number alone: a busy worker that compared
+    numbers kept serving lost weights after a rollback."""
+    if reg is None or (reg.version == version and reg.manifest_sha256 == sha):
+        return None
+    if version is None or reg.version > version:
+        return "forward"
+    return "back" if reg.epoch > epoch else None
 
 
 class RolloutWorker:
@@ -457,7 +473,9 @@ class RolloutWorker:
         G = self.cfg.rollout.samples_per_prompt
         u = _InFlight(lease, unit_id, todo)
         for k, e in todo.items():
-            rid = f"{unit_id}-{k}-{lease.deliveries}"
+            # the entry id too: a requeued unit (same unit id, a new entry, deliveries from 1) leased
+            # here while the original attempt still runs must not give the engine a duplicate id
+            rid = f"{unit_id}-{k}-{lease.entry_id}-{lease.deliveries}"
             u.ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])  # text, or chat template
             u.by_rid[rid] = k
             self.engine.submit(rid, u.ids[rid], G, seed=self._seed(unit_id, k))
@@ -506,8 +524,9 @@ class RolloutWorker:
             if units and (now - newer_at > 0.5 or fetched):  # a newer version: swap in flight, or finish these units
                 newer_at = now
                 reg = self.bus.servable()
-                newer = reg is not None and reg.version > (self.version if self.version is not None else -1)
-                if newer and in_flight:
+                moved = pointer_moved(reg, self.version, self.sha, self.epoch)
+                newer = moved is not None
+                if moved == "forward" and in_flight:
                     if self._fetched_beside(reg):  # the fetch ran on a thread while the engine generated
                         self._serve_latest(in_flight=True)
                     newer = False
@@ -517,7 +536,7 @@ class RolloutWorker:
             # next unit's prefill queued when this one's sequences end (they often end together)
             if (not self.drain.asked and not newer and len(units) < cap and self.engine.unfinished_sequences() < 2 * room
                     and (not units or now - empty_at > 0.1)):  # beside generation, an empty queue is read every 0.1 s
-                lease = self.bus.lease_unit(self.name, block_ms=0 if units else 200)
+                lease = self.bus.lease_unit(self.name, block_ms=0 if units else 200, held=self._held_ids())
                 if lease is None:
                     empty_at = now
                 else:
@@ -735,6 +754,10 @@ class RolloutWorker:
         with self._held_lock:
             self._held.pop(lease.entry_id, None)
 
+    def _held_ids(self) -> list[str]:
+        with self._held_lock:
+            return list(self._held)
+
     def _still_held(self, lease: Lease) -> bool:
         with self._held_lock:
             return self._held.get(lease.entry_id, False)
@@ -811,7 +834,7 @@ class RolloutWorker:
             if self.version is None:  # nothing registered yet (an early engine waits on dummy weights)
                 time.sleep(0.2)
                 continue
-            lease = self.bus.lease_unit(self.name, block_ms=200)
+            lease = self.bus.lease_unit(self.name, block_ms=200, held=self._held_ids())
             if lease is None:
                 continue
             self._hold(lease)  # refreshed from now on by the heartbeat thread, through the swap below

@@ -49,6 +49,9 @@ class Retrying:
 
     def __init__(self, client, reconnect_s: float):
         self.raw, self.reconnect_s = client, reconnect_s
+        # commands that met an unreachable server: callers compare it to see an outage went by
+        # (leases may have looked idle meanwhile, replies may have been lost)
+        self.outages = 0
 
     def call(self, fn):
         import valkey
@@ -64,6 +67,7 @@ class Retrying:
                 if time.monotonic() >= deadline:
                     raise BusError(f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
                                    f"{type(err).__name__}: {err}") from err
+                self.outages += 1
                 log.warning("Valkey unreachable (%s); retrying in %.2f s", type(err).__name__, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)

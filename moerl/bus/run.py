@@ -43,6 +43,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,8 @@ class RunBus:
         # how often `lease_unit` looks for idle units to reclaim, and when each consumer last did
         self.claim_every_s = min(1.0, visibility_timeout_s / 4)
         self._claimed_at: dict[str, float] = {}
+        # the client's outage count last seen by `lease_unit`, and when claims may resume after one
+        self._outages_seen, self._claims_after = getattr(client, "outages", 0), 0.0
         from valkey.commands.core import Script
 
         def reg(text: str):  # run through the retrying client, once per call (see _ONCE)
@@ -246,16 +249,33 @@ class RunBus:
                     args=[unit_id, json.dumps(unit), len(prompts)])
         return unit_id
 
-    def _claim(self, stream: str, consumer: str, count: int) -> list[tuple[str, dict[str, str], int]]:
+    def _claim(self, stream: str, consumer: str, count: int,
+               held: Collection[str] = ()) -> list[tuple[str, dict[str, str], int]]:
         """Up to `count` entries of `stream` idle past the visibility timeout, now leased to
         `consumer`, each with its delivery count (this one included). The server finds them
         (`XPENDING ... IDLE`: one round trip however long the pending list is, an idle entry
         behind any number of busy ones included) and `XCLAIM` takes only those still idle, so
-        two consumers never both take one; entries deleted meanwhile are dropped."""
+        two consumers never both take one; entries deleted meanwhile are dropped.
+
+        Not claimed: entries the caller itself still works on (`held`: an idle entry of its own
+        is touched, a claim would start a second attempt beside the first), and entries whose
+        holder's liveness key is fresh (a live holder whose refresh an outage delayed). An
+        entry the caller's name holds but the caller does not (a restarted process) is claimed."""
+        if self._after_outage(consumer, held, stream) or time.monotonic() < self._claims_after:
+            return []
         rows = self.r.xpending_range(self.key(stream), GROUPS[stream], min="-", max="+",
-                                     count=min(count, MAX_READ_ENTRIES), idle=self.visibility_ms)
+                                     count=min(count + len(held), MAX_READ_ENTRIES), idle=self.visibility_ms)
         if not rows:
             return []
+        for r in rows:
+            if r["consumer"] == consumer and r["message_id"] in held:
+                self.touch(stream, consumer, r["message_id"])
+        others = sorted({r["consumer"] for r in rows if r["consumer"] != consumer})
+        alive = dict(zip(others, self.r.mget([self.key(f"alive:{c}") for c in others]))) if others else {}
+        rows = [r for r in rows if not (r["consumer"] == consumer and r["message_id"] in held)
+                and not alive.get(r["consumer"])][:count]
+        if not rows or self._after_outage(consumer, held, stream):
+            return []  # none, or the server was away while we looked: every lease looks idle
         times = {r["message_id"]: int(r["times_delivered"]) + 1 for r in rows}
         got = self.r.xclaim(self.key(stream), GROUPS[stream], consumer, self.visibility_ms, list(times))
         return [(eid, fields, times[eid]) for eid, fields in got if fields and eid in times]
@@ -266,19 +286,26 @@ class RunBus:
                                   count=min(count, MAX_READ_ENTRIES), block=block_ms or None)
         return [(eid, fields, 1) for _, entries in (reply or []) for eid, fields in entries if fields]
 
-    def lease_unit(self, consumer: str, block_ms: int = 500) -> Lease | None:
+    def lease_unit(self, consumer: str, block_ms: int = 500, held: Collection[str] = ()) -> Lease | None:
         """A unit for `consumer`: a reclaimed one whose holder went silent, else a new one.
         A unit past `max_attempts` deliveries, or one that is not a unit (malformed, oversized),
         goes to the dead-letter stream instead, counted. Idle units are looked for at most every
         `claim_every_s` per consumer (a quarter of the visibility timeout, at most 1 s), so a
-        lease is usually one round trip: a unit waits at most that much past its timeout."""
+        lease is usually one round trip: a unit waits at most that much past its timeout.
+
+        `held`: the entries the caller works on. After an outage of the server (the client met
+        it unreachable) these are touched first, and nothing is claimed for one visibility
+        timeout: every lease looked idle meanwhile, and each live holder needs that long to
+        refresh its own before anyone may take them."""
         while True:
+            self._after_outage(consumer, held)
             now = time.monotonic()
             claimed = []
-            if now - self._claimed_at.get(consumer, -1e9) >= self.claim_every_s:
+            if now - self._claimed_at.get(consumer, -1e9) >= self.claim_every_s and now >= self._claims_after:
                 self._claimed_at[consumer] = now
-                claimed = self._claim(UNITS, consumer, 1)
+                claimed = self._claim(UNITS, consumer, 1, held)
             got = claimed or self._read(UNITS, consumer, 1, block_ms)
+            self._after_outage(consumer, held)  # one met during this call: the hold starts now
             if not got:
                 return None
             eid, fields, deliveries = got[0]
@@ -288,6 +315,20 @@ class RunBus:
             unit = self._admit(UNITS, consumer, eid, fields, deliveries, _parse_unit)
             if unit is not None:
                 return Lease(eid, unit, deliveries)
+
+    def _after_outage(self, consumer: str, held: Collection[str], stream: str = UNITS) -> bool:
+        """If the client met the server unreachable since the last look: touch `held`, and
+        claim nothing for one visibility timeout from now. Whether it had."""
+        outages = getattr(self.r, "outages", 0)
+        if outages == self._outages_seen:
+            return False
+        self._outages_seen = outages
+        self._claims_after = time.monotonic() + self.visibility_ms / 1000
+        for eid in held:
+            self.touch(stream, consumer, eid)
+        log.warning("%s: Valkey was unreachable; held leases refreshed, no claims for %.1f s", consumer,
+                    self.visibility_ms / 1000)
+        return True
 
     def _admit(self, stream: str, consumer: str, eid: str, fields: dict[str, str], deliveries: int, parse):
         """The entry's payload parsed by `parse`, or None once it is dead-lettered: delivered
