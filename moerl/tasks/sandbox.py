@@ -21,10 +21,11 @@ the child imports the target (once), calls it and answers with JSON. Each child:
   scoring thread);
 - with `Limits.isolation` `namespaces` (the default; `reward.sandbox.isolation`,
   `task.sandbox.isolation`) runs in its own user, network, pid and mount namespaces with no
-  network, the filesystem read-only but for its scratch directory, and no capabilities, and
-  the stage that starts it is non-dumpable, so the stage's `/proc/<pid>/environ` and memory are
-  out of reach (`isolation.py`, which also states what is still not isolated). `none` is
-  refused nowhere but warned about and tagged on the run.
+  network, the filesystem read-only but for its scratch directory, and no capabilities
+  (`isolation.py`, which also states what is still not isolated); `none` (no namespaces) is
+  warned about and tagged on the run. Whatever the isolation, the stage makes itself
+  non-dumpable before its first child starts, so its `/proc/<pid>/environ` and memory are
+  out of reach of processes of its uid without `CAP_SYS_PTRACE`.
 
 The pool (`SandboxPool`) keeps `workers` children and hands each one call at a time. A call
 still running after `timeout_s` gets its child SIGKILLed and replaced, and comes back as an
