@@ -153,11 +153,14 @@ def test_the_chunk_server_admits_only_the_runs_token(buckets, valkey, tmp_path: 
 
 
 class _Hostile(http.server.BaseHTTPRequestHandler):
-    """A peer that answers every chunk request badly: `flood` sends the chunk and then 8 MiB more
-    with no Content-Length; `trickle` promises the right length and sends a byte every 0.2 s."""
+    """A peer that answers every chunk request badly: `flood` sends 256 MiB with no
+    Content-Length (far more than any socket buffer holds, so it can finish only if the fetcher
+    reads it all); `trickle` promises the right length and sends a byte every 0.2 s. Each
+    request records whether the fetcher hung up on it."""
 
     mode = "flood"
     requests_seen: list[str] = []
+    hung_up: list[bool] = []
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         type(self).requests_seen.append(self.path)
@@ -165,8 +168,9 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
         try:
             if self.mode == "flood":
                 self.end_headers()
-                for _ in range(128):
-                    self.wfile.write(os.urandom(1 << 16))
+                block = os.urandom(1 << 16)
+                for _ in range(4096):
+                    self.wfile.write(block)
             else:
                 self.send_header("Content-Length", str(CHUNK))
                 self.end_headers()
@@ -174,8 +178,9 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
                     self.wfile.write(b"x")
                     self.wfile.flush()
                     time.sleep(0.2)
-        except OSError:
-            pass  # the fetcher hung up: what it should do
+            type(self).hung_up.append(False)
+        except OSError:  # the fetcher hung up: what it should do
+            type(self).hung_up.append(True)
 
     def log_message(self, *args) -> None:  # noqa: ANN002
         pass
@@ -186,7 +191,7 @@ def test_a_hostile_peer_is_cut_off_and_the_chunk_comes_from_the_next_source(buck
                                                                             mode: str) -> None:
     cfg, tiers, src, m = _published(buckets, tmp_path, n_chunks=12)
     bus = _bus(valkey, f"hostile-{mode}-{tmp_path.name}")
-    handler = type("Handler", (_Hostile,), {"mode": mode, "requests_seen": []})
+    handler = type("Handler", (_Hostile,), {"mode": mode, "requests_seen": [], "hung_up": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -211,6 +216,10 @@ def test_a_hostile_peer_is_cut_off_and_the_chunk_comes_from_the_next_source(buck
         assert swarm.counts["cache"] == n and swarm.counts["peer"] == 0
         assert int(bus.counters().get(f"fanout_chunks_{what}", 0)) == swarm.counts[what]
         assert took < 10  # the trickle would take 4096 x 0.2 s = 14 min per chunk
+        deadline = time.monotonic() + 10  # the handlers notice the hang-up at their next write
+        while len(handler.hung_up) < len(handler.requests_seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handler.hung_up == [True] * len(handler.requests_seen)  # never read to the end
     finally:
         swarm.stop()
         server.shutdown()
@@ -238,6 +247,34 @@ def test_a_saturated_chunk_server_answers_503_and_is_asked_again(buckets, valkey
     finally:
         for s in (busy, other):
             s.stop()
+
+
+def test_a_failed_fetch_withdraws_what_it_announced(buckets, valkey, tmp_path: Path) -> None:
+    from moerl.errors import CheckpointError
+
+    cfg, tiers, src, m = _published(buckets, tmp_path, n_chunks=300)
+    plan = chunk_plan(m)
+    bad = max(i for i, c in enumerate(plan) if c[0] == "model.safetensors")  # after >= 256 good ones
+    assert bad >= 290
+    _, start, length, _ = plan[bad]
+    body = bytearray((src / "model.safetensors").read_bytes())
+    body[start:start + length] = bytes(x ^ 0xFF for x in body[start:start + length])
+    for bucket in ("fan-cache", "fan-durable"):  # no source serves that chunk intact
+        buckets.client().put_object(Bucket=bucket, Key=f"{tmp_path.name}/runs/r1/versions/v000001/model.safetensors",
+                                    Body=bytes(body))
+    bus = _bus(valkey, f"withdraw-{tmp_path.name}")
+    swarm = Swarm(bus, "rollout-0", cfg)
+    swarm.serve()
+    try:
+        with pytest.raises(CheckpointError, match="no source serves it intact"):  # (Tiers.fetch would go on
+            swarm.fetch(tiers, 1, tmp_path / "n0", expect_sha256=m.sha256())  # to whole files)
+        assert swarm.book.flushes >= 1  # its bitmap had been announced (256 chunks force a flush) ...
+        assert not bus.r.exists(swarm.book.key(1, m.sha256(), "rollout-0"))  # ... and is withdrawn
+        assert (1, m.sha256()) not in swarm.copies and swarm.locate(1, m.sha256(), 0) is None
+        assert not list((tmp_path / "n0").glob(".tmp-*"))
+    finally:
+        swarm.stop()
+    assert not bus.r.exists(swarm.book.key(1, m.sha256(), "rollout-0"))  # stop's last flush did not revive it
 
 
 def test_announcements_are_batched_and_a_look_is_one_round_trip(valkey, tmp_path: Path) -> None:
