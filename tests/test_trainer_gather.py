@@ -31,7 +31,8 @@ def server(tmp_path_factory):
 @pytest.fixture
 def bus(server, request, monkeypatch):
     monkeypatch.setenv(PASSWORD_ENV, server.password)
-    b = RunBus(connect(server.url, 5, server.stage_user), request.node.name, visibility_timeout_s=30)
+    name = request.node.name.replace("[", "-").replace("]", "")
+    b = RunBus(connect(server.url, 5, server.stage_user), name, visibility_timeout_s=30)
     b.ensure_groups()
     return b
 
@@ -134,3 +135,33 @@ def test_the_balance_line_names_the_gap():
                                      "20 + stale_dropped 8 + failed 4 + samples_dead 4 = 96")
     ok, line = balance_line({**c, "trained": 56})
     assert not ok and "BROKEN by 4" in line
+
+
+@pytest.mark.parametrize("bad", [{"t_generated": "soon"}, {"t_generated": float("nan")}, {"t_generated": 1e12},
+                                 {"mixed": True}])
+def test_a_forged_scored_entry_is_dead_lettered_and_the_gather_goes_on(bus, bad):
+    """Anything that can write the scored stream (a compromised stage) is not trusted: an entry
+    whose fields the trainer reads are wrong goes to the dead-letter stream, counted; before, a
+    bad `t_generated` crashed the trainer at every restart."""
+    import json
+
+    from moerl.bus import DEAD
+
+    cfg = _cfg()
+    samples = [ScoredSample(prompt_id=f"q{j}" if bad.get("mixed") else "q", task="copy", prompt="x", answer="1",
+                            sample_index=j, prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.1],
+                            response_text="1", finish_reason="stop", policy_version=0,
+                            reward=float(j)).model_dump() for j in range(2)]
+    group = {"group_id": "u9999/0:q", "samples": samples, "t_generated": 1.0}
+    group.update({k: v for k, v in bad.items() if k == "t_generated"})
+    bus.r.xadd(bus.key(SCORED), {"group": json.dumps(group)})  # first in line; NaN goes out as JSON's NaN
+    good = _score(bus, B)
+    epoch = bus.claim_trainer("t")
+    issuer = _issuer(cfg, bus, epoch)
+    try:
+        batch, _ = _gather(bus, cfg, 0, Inbox(bus), epoch, issuer)
+    finally:
+        issuer.stop_event.set()
+    assert batch.group_ids == good  # the forged one is not in the batch; the run went on
+    [(_, dead)] = bus.r.xrange(bus.key(DEAD))
+    assert dead["stream"] == SCORED and dead["reason"].startswith("malformed")

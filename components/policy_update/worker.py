@@ -163,9 +163,21 @@ def _check_durable(bus: RunBus, cfg: RunConfig, run_id: str) -> bool:
 
 
 def _scored_samples(group: dict) -> None:
-    """Parse a scored group's samples in place; a group that does not parse is dead-lettered by
-    the bus instead of crashing the trainer at every restart."""
-    group["samples"] = [ScoredSample.model_validate(s) for s in group["samples"]]
+    """Parse a scored group in place: every field the trainer reads is checked here, so a group
+    that does not parse (a bug, or a forged entry) is dead-lettered by the bus instead of
+    crashing the trainer at every restart: its samples are ScoredSamples of one prompt, its
+    `t_generated` (if any) a finite time no later than now (plus clock skew)."""
+    import math
+
+    samples = [ScoredSample.model_validate(s) for s in group["samples"]]
+    if len({s.prompt_id for s in samples}) != 1:
+        raise ValueError("a group's samples answer one prompt; these answer several")
+    if "t_generated" in group:
+        t = group["t_generated"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or \
+                not 0 < t < time.time() + 3600:
+            raise ValueError(f"t_generated must be a unix time, got {str(t)[:40]!r}")
+    group["samples"] = samples
 
 
 def _alive(bus: RunBus, issuer: "Issuer", epoch: int) -> None:
