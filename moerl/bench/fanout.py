@@ -155,7 +155,8 @@ def _schedule(peers: int, chunks: int, version_s: float, rng: random.Random) -> 
     return events
 
 
-def _arm(way: str, admin, bus, peers: int, events, windows: list[tuple[float, float]], seed: int) -> dict[str, Any]:  # noqa: ANN001
+def _arm(way: str, admin, bus, peers: int, events, windows: list[tuple[float, float]],  # noqa: ANN001
+         seed: int) -> dict[str, Any]:
     names = [f"rollout-{k:02d}" for k in range(peers)]
     now = [0.0]
     arm = (_Before if way == "before" else _After)(bus, names, lambda: now[0])

@@ -55,7 +55,7 @@ class ChunkApp:
         self._expected = f"Bearer {token}".encode()
         self.locate, self.max_serving = locate, max_serving
         self.serving = 0  # chunks being sent now (one event loop: no lock needed)
-        self.refused_busy = 0
+        self.refused_busy = self.refused_auth = 0
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
@@ -66,8 +66,10 @@ class ChunkApp:
             return await _reply(send, 404)
         auth = dict(scope["headers"]).get(b"authorization")
         if not auth:
+            self.refused_auth += 1
             return await _reply(send, 401, [(b"www-authenticate", b"Bearer")])
         if not hmac.compare_digest(auth, self._expected):
+            self.refused_auth += 1
             return await _reply(send, 403)
         if self.serving >= self.max_serving:
             self.refused_busy += 1
@@ -102,7 +104,8 @@ class ChunkApp:
 
 
 # What a fetch from one peer came to (besides the bytes).
-OK, ABSENT, BUSY, UNREACHABLE, OVERSIZE, SHORT, SLOW = "ok", "absent", "busy", "unreachable", "oversize", "short", "slow"
+OK, ABSENT, BUSY, UNREACHABLE = "ok", "absent", "busy", "unreachable"
+OVERSIZE, SHORT, SLOW = "oversize", "short", "slow"
 
 
 def fetch_chunk(http, url: str, token: str, version: int, sha: str, index: int, length: int,  # noqa: ANN001

@@ -139,10 +139,13 @@ def test_the_chunk_server_admits_only_the_runs_token(buckets, valkey, tmp_path: 
         # another run's worker told about this one cannot fetch from it: every chunk from its tiers
         other.bus.r.hset(other.bus.key("fanout:peers"), "intruder-target", mine.url)
         other.bus.r.set(other.bus.key("fanout:alive:intruder-target"), mine.url)
-        Book(other.bus, "intruder-target").announce(1, m.sha256(), range(len(chunk_plan(m))))
-        Book(other.bus, "intruder-target").flush()
+        claims = Book(other.bus, "intruder-target")
+        claims.announce(1, m.sha256(), range(len(chunk_plan(m))))
+        claims.flush()
+        refused = mine.app.refused_auth
         _, counts = other.fetch(tiers, 1, tmp_path / "n-other", expect_sha256=m.sha256())
         assert counts["peer"] == 0 and counts["cache"] == len(chunk_plan(m))
+        assert 1 <= mine.app.refused_auth - refused <= other.workers  # it asked, was refused, stopped asking
         # the token is in the run's Valkey keys only: not in a URL, the peer list or a log line
         published = bus.r.hgetall(bus.key("fanout:peers"))
         assert all(mine.token not in u for u in [mine.url, *published.values()])
