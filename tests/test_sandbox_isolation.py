@@ -247,3 +247,66 @@ def test_a_run_carries_its_sandboxes_isolation_as_tags_and_params(tmp_path):
     assert run.data.tags["moerl.sandbox.isolation.task"] == "none"
     assert run.data.tags["moerl.sandbox.isolation.reward"] == "namespaces"
     assert run.data.params["task.sandbox.isolation"] == "none"
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parents[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p} - found
+        found |= kids
+        todo.extend(kids)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_every_process_of_an_isolated_child_goes_when_its_stage_is_killed(tmp_path):
+    """unshare, pid 1 of the namespace and the process running a hung call: the last sees the
+    stage's end of its pipe close (its parent pid says nothing inside a pid namespace)."""
+    import signal
+    import time
+
+    script = tmp_path / "stage.py"
+    script.write_text(textwrap.dedent("""
+        import threading, time
+        from moerl.tasks.sandbox import SandboxPool, Limits
+        pool = SandboxPool(Limits(timeout_s=600))
+        threading.Thread(target=lambda: pool.run([("tests.hostile_verifiers:sleeps", ["", ""])]), daemon=True).start()
+        while not pool.children: time.sleep(0.05)
+        print(pool.children[0].proc.pid, flush=True)
+        time.sleep(600)
+    """))
+    stage = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    procs: set[int] = set()
+    try:
+        unshare = int(stage.stdout.readline())
+        deadline = time.monotonic() + 30
+        while len(procs := {unshare} | _descendants(unshare)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(procs) == 3, procs  # unshare, pid 1 of the namespace, the process serving calls
+        os.kill(stage.pid, signal.SIGKILL)
+        stage.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in procs if _alive(p)]
+    finally:
+        stage.kill()
+        stage.wait()
+        for p in procs:  # what this test started, should the assertion have failed
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
