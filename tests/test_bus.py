@@ -4,6 +4,8 @@ buffer's pure admission and disposal rules."""
 
 from __future__ import annotations
 
+import json
+
 import threading
 from pathlib import Path
 import time
@@ -344,15 +346,43 @@ def test_a_malformed_unit_is_dead_lettered_at_its_first_delivery_and_never_crash
 
 
 def test_an_oversized_entry_is_refused_before_it_is_parsed(bus, monkeypatch):
+    """One that a writer forged past the producer's check: refused by its consumer unparsed."""
     import moerl.bus.run
 
     monkeypatch.setattr(moerl.bus.run, "MAX_ENTRY_BYTES", 1000)
-    bus.publish_group("u1/0:p1", [{"pad": "x" * 2000}])
+    bus.r.xadd(bus.key(GENERATED), {"group": json.dumps({"group_id": "u1/0:p1", "samples": [{"pad": "x" * 2000}]})})
     assert bus.take_generated("s1", 10, block_ms=50) == []
     [(_, dead)] = bus.r.xrange(bus.key(DEAD))
     assert dead["stream"] == GENERATED and "> 1000" in dead["reason"] and len(dead["payload"]) <= 4096
     c = bus.counters()  # never parsed: its prompt is settled, its samples unknown
     assert (c["entries_dead"], c["groups_dead"], c["samples_dead"], c["prompts_dead"]) == (1, 1, 0, 1)
+
+
+def test_an_oversized_group_is_refused_by_its_producer_and_its_unit_still_acknowledged(bus, monkeypatch):
+    """Refused before it reaches the stream (no consumer holds it in memory to refuse it), counted
+    generated and dead with its samples, so the balance holds; its unit can be acknowledged."""
+    import moerl.bus.run
+
+    monkeypatch.setattr(moerl.bus.run, "MAX_ENTRY_BYTES", 1000)
+    bus.issue_unit([_prompt(1)])
+    lease = bus.lease_unit("w1", block_ms=50)
+    gid = f"{lease.unit['unit_id']}/0:p1"
+    assert bus.publish_group(gid, [{"pad": "x" * 2000}] * 3)
+    assert bus.depth()[GENERATED] == 0
+    [(_, dead)] = bus.r.xrange(bus.key(DEAD))
+    assert dead["by"] == "producer" and "> 1000 (refused by its producer)" in dead["reason"]
+    c = bus.counters()
+    assert (c["generated"], c["samples_dead"], c["groups_dead"], c["prompts_dead"]) == (3, 3, 1, 1)
+    assert not bus.publish_group(gid, [{"pad": "x" * 2000}] * 3)  # a second attempt: a duplicate
+    bus.ack_unit(lease)  # its group counts as published
+    assert bus.counters()["units_done"] == 1
+
+
+def test_the_server_refuses_an_argument_larger_than_an_entry_may_be(server):
+    from moerl.bus.scripts import PROTO_MAX_BULK_LEN
+
+    raw = connect(server.url, 5)  # the admin: even it cannot store one
+    assert int(raw.config_get("proto-max-bulk-len")["proto-max-bulk-len"]) == PROTO_MAX_BULK_LEN
 
 
 def test_malformed_generated_and_scored_groups_are_dead_lettered_with_their_reason(bus):

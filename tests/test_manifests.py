@@ -327,6 +327,9 @@ def test_valkey_is_persistent_reachable_only_by_moerl_pods_and_protected_from_dr
     args = " ".join(c["args"])
     assert "--appendonly yes" in args and "--appendfsync always" in args
     assert "--maxmemory-policy noeviction" in args  # a full server refuses writes, never evicts work
+    from moerl.bus.scripts import PROTO_MAX_BULK_LEN  # no argument larger than an entry may be
+
+    assert f"--proto-max-bulk-len {PROTO_MAX_BULK_LEN}" in args
     # the password: a file from the Secret, into a config file; never on the command line or in env
     assert "requirepass" not in args.split("auth.conf")[-1] and "$VALKEY_PASSWORD" not in args
     assert "VALKEY_PASSWORD" not in json.dumps(c.get("env", []))

@@ -10,6 +10,7 @@ import secrets
 import time
 from pathlib import Path
 
+from moerl.bus.scripts import PROTO_MAX_BULK_LEN
 from moerl.errors import MoerlError
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ class EmbeddedValkey:
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = {"appendonly": "yes", "appendfsync": self.appendfsync} if self.appendonly else {"appendonly": "no", "save": ""}
+        # no argument larger than an entry may be (moerl/bus/scripts.py): not even a writer that
+        # skips the producer's check can store an entry a consumer would have to refuse
+        conf["proto-max-bulk-len"] = str(PROTO_MAX_BULK_LEN)
         if self.stage_user:  # an ACL file, so a restarted server knows the user again
             acl = self.data_dir / "users.acl"
             digest = hashlib.sha256(self.password.encode()).hexdigest()

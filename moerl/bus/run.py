@@ -51,7 +51,8 @@ import msgspec
 
 from moerl.bus.client import BusError, FencedError
 from moerl.bus.scripts import (_ACK_AND_COUNT, _DEAD_LETTER, _INCR, _ISSUE, _ONCE, _PUBLISH_GROUP, _PUBLISH_SCORED,
-                               _REQUEUE, _SET_SERVABLE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES, MAX_READ_ENTRIES,
+                               _REFUSE_GROUP, _REQUEUE, _SET_SERVABLE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES,
+                               MAX_READ_ENTRIES, READ_BUDGET_BYTES,
                                OP_TTL_S)
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class RunBus:
         # hand-offs sent as writes, alone or batched (`write_many`), once per write the same way
         self._publish_group_script = Script(client, _ONCE % (_PUBLISH_GROUP, OP_TTL_S))
         self._ack_script = Script(client, _ONCE % (_ACK_AND_COUNT, OP_TTL_S))
+        self._refuse_group_script = Script(client, _ONCE % (_REFUSE_GROUP, OP_TTL_S))
         self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
         self._incr, self._requeue = reg(_INCR), reg(_REQUEUE)
         self._touch = Script(client, _TOUCH)  # idempotent by itself
@@ -264,7 +266,7 @@ class RunBus:
         if self._after_outage(consumer, held, stream) or time.monotonic() < self._claims_after:
             return []
         rows = self.r.xpending_range(self.key(stream), GROUPS[stream], min="-", max="+",
-                                     count=min(count + len(held), MAX_READ_ENTRIES), idle=self.visibility_ms)
+                                     count=_read_count(stream, count + len(held)), idle=self.visibility_ms)
         if not rows:
             return []
         for r in rows:
@@ -283,7 +285,7 @@ class RunBus:
     def _read(self, stream: str, consumer: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str], int]]:
         """New entries (`>`: never delivered to the group, so this is their first delivery)."""
         reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): ">"},
-                                  count=min(count, MAX_READ_ENTRIES), block=block_ms or None)
+                                  count=_read_count(stream, count), block=block_ms or None)
         return [(eid, fields, 1) for _, entries in (reply or []) for eid, fields in entries if fields]
 
     def lease_unit(self, consumer: str, block_ms: int = 500, held: Collection[str] = ()) -> Lease | None:
@@ -406,6 +408,12 @@ class RunBus:
         # msgspec: the same JSON (compact), 11x faster than json.dumps on a tiny model's group, on
         # the generation loop's thread (0.055 -> 0.005 ms; docs/benchmarks.md)
         payload = _JSON.encode({"group_id": group_id, "t_generated": time.time(), "samples": samples})
+        if len(payload) > MAX_ENTRY_BYTES:  # refused here, not by every consumer after reading it whole
+            log.error("group %s: %d bytes > %d; dead-lettered by its producer", group_id, len(payload), MAX_ENTRY_BYTES)
+            return self._write(self._refuse_group_script,
+                               [self.key("published"), self.key(GENERATED), self.key("counters"), self.key(DEAD)],
+                               [group_id, payload[:DEAD_PAYLOAD_BYTES].decode(errors="replace"), len(samples),
+                                len(payload), MAX_ENTRY_BYTES])
         return self._write(self._publish_group_script,
                            [self.key("published"), self.key(GENERATED), self.key("counters")],
                            [group_id, payload, len(samples), sum(len(x.get("response_token_ids", ())) for x in samples)])
@@ -499,7 +507,7 @@ class RunBus:
         over without being parsed. No delivery cap here: each restart re-delivers, and a restart
         must not condemn good work."""
         reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): after},
-                                  count=max(1, min(count, MAX_READ_ENTRIES)))
+                                  count=_read_count(stream, count))
         raw = [(eid, fields) for _, entries in (reply or []) for eid, fields in entries]
         if not raw:
             return [], None
@@ -616,6 +624,13 @@ class RunBus:
     def cursor(self, n: int) -> int:
         """Reserve the next `n` prompts of the dataset order; returns the first index."""
         return int(self.r.incrby(self.key("cursor"), n)) - n
+
+
+def _read_count(stream: str, wanted: int) -> int:
+    """Entries one read may bring back: at most MAX_READ_ENTRIES units, and as many groups as
+    fit READ_BUDGET_BYTES at MAX_ENTRY_BYTES each (a consumer's memory bounded by design)."""
+    cap = MAX_READ_ENTRIES if stream == UNITS else max(1, READ_BUDGET_BYTES // MAX_ENTRY_BYTES)
+    return max(1, min(wanted, cap))
 
 
 def group_id(unit_id: str, k: int, prompt_id: str) -> str:

@@ -25,6 +25,23 @@ redis.call('HINCRBY', KEYS[3], 'groups_generated', 1)
 redis.call('HINCRBY', KEYS[3], 'tokens_generated', tonumber(ARGV[4]))
 return 1
 """
+# A group too large for the bus, refused by its producer (KEYS as _PUBLISH_GROUP, then the
+# dead stream. ARGV: group id, the payload's head, n samples, its size, the cap). It counts as
+# generated and, at once, dead (its samples and its prompt), and is marked published so its
+# unit can be acknowledged: the balance holds and admission sees its prompt settled, and no
+# consumer ever reads an entry it would have to refuse after holding it in memory.
+_REFUSE_GROUP = """
+redis.call('HINCRBY', KEYS[3], 'generated', tonumber(ARGV[3]))
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+  redis.call('HINCRBY', KEYS[3], 'duplicates', tonumber(ARGV[3]))
+  return 0
+end
+redis.call('XADD', KEYS[4], '*', 'stream', 'generated', 'entry', ARGV[1], 'payload', ARGV[2], 'deliveries', 0,
+           'by', 'producer', 'reason', ARGV[4] .. ' bytes > ' .. ARGV[5] .. ' (refused by its producer)')
+for _, k in ipairs({'entries_dead', 'groups_dead', 'prompts_dead'}) do redis.call('HINCRBY', KEYS[3], k, 1) end
+redis.call('HINCRBY', KEYS[3], 'samples_dead', tonumber(ARGV[3]))
+return 1
+"""
 # A unit's acknowledgement. KEYS: units stream, counters, published set. ARGV: group, entry id,
 # n, the unit's n group ids, then name/delta pairs. Refused with an error reply, changing
 # nothing, unless every one of the unit's groups is published: an acknowledgement never lands
@@ -149,4 +166,11 @@ local r = handoff()
 redis.call('SET', KEYS[#KEYS], r, 'EX', %d)
 return r
 """
-MAX_READ_ENTRIES = 32  # entries per stream read: a reply of at most 32 * MAX_ENTRY_BYTES
+MAX_READ_ENTRIES = 32  # entries per stream read of small entries (units)
+# What one read of a stream of groups may bring back at most: its count is bounded so that
+# count * MAX_ENTRY_BYTES stays under this (8 entries of 64 MiB), so a consumer's memory is
+# bounded whatever sizes the producers wrote. The server caps any one argument near the entry
+# cap (`proto-max-bulk-len`, moerl/bus/client.py and manifests/base/valkey.yaml), so even a
+# writer that skips the producer's check cannot store a larger entry.
+READ_BUDGET_BYTES = 512 << 20
+PROTO_MAX_BULK_LEN = MAX_ENTRY_BYTES + (4 << 20)  # an entry and its envelope
