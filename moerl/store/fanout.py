@@ -115,7 +115,7 @@ class Swarm:
         self.counts = {"peer": 0, "cache": 0, "durable": 0, "refused": 0, "slow": 0}
         self.book = Book(bus, name)
         self.token = run_token(bus)  # never logged, never in a URL
-        self.app = fh.ChunkApp(self.token, self.locate, max_serving)
+        self.app = fh.ChunkApp(self.token, self.locate, max_serving, self.limits)
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -6,7 +6,8 @@ Server (`ChunkApp`, a bare ASGI app under uvicorn): `GET /chunk/{version}/{sha}/
 token, 403 with another (compared in constant time), 404 for a chunk this peer does not hold,
 503 when `max_serving` chunks are already being sent (the fetcher then asks its next source).
 A chunk is streamed from its file in `PIECE` reads with its Content-Length, so a request holds
-one piece in memory, not the chunk (uvicorn pauses the writes while a reader is slow).
+one piece in memory, not the chunk (uvicorn pauses the writes while a reader is slow); a
+reader that hangs up or does not take the chunk within its deadline frees its slot.
 
 Fetch (`fetch_chunk`): the body is read one socket read at a time and refused as soon as it
 passes the chunk's length (or its Content-Length says so), or when the chunk's deadline
@@ -51,11 +52,11 @@ class ChunkApp:
     chunk this peer holds, verified, or None."""
 
     def __init__(self, token: str, locate: Callable[[int, str, int], tuple[Path, int, int] | None],
-                 max_serving: int = 8) -> None:
+                 max_serving: int = 8, limits: Limits = Limits()) -> None:
         self._expected = f"Bearer {token}".encode()
-        self.locate, self.max_serving = locate, max_serving
+        self.locate, self.max_serving, self.limits = locate, max_serving, limits
         self.serving = 0  # chunks being sent now (one event loop: no lock needed)
-        self.refused_busy = self.refused_auth = 0
+        self.refused_busy = self.refused_auth = self.stalled = 0
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
@@ -75,12 +76,21 @@ class ChunkApp:
             self.refused_busy += 1
             return await _reply(send, 503, [(b"retry-after", b"1")])
         self.serving += 1
+        gone = asyncio.Event()  # the fetcher hung up (its deadline): stop reading the file for it
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await self._send_chunk(send, int(parts[1]), parts[2], int(parts[3]))
+            await self._send_chunk(send, gone, int(parts[1]), parts[2], int(parts[3]))
         finally:
+            watcher.cancel()
             self.serving -= 1
 
-    async def _send_chunk(self, send, version: int, sha: str, index: int) -> None:  # noqa: ANN001
+    async def _send_chunk(self, send, gone: asyncio.Event, version: int, sha: str, index: int) -> None:  # noqa: ANN001
         where = self.locate(version, sha, index)
         try:
             f = open(where[0], "rb") if where is not None else None  # noqa: SIM115 - closed below
@@ -95,12 +105,18 @@ class ChunkApp:
                                     (b"content-length", str(length).encode())]})
             f.seek(start)
             left = length
-            while left > 0:
-                piece = await asyncio.to_thread(f.read, min(PIECE, left))
-                if not piece:  # the file shrank: end short; the fetcher refuses a short chunk
-                    return
-                left -= len(piece)
-                await send({"type": "http.response.body", "body": piece, "more_body": left > 0})
+            try:
+                # a reader that stops reading blocks the sends (uvicorn's flow control) for good:
+                # the chunk gets the fetcher's own deadline, then the connection is dropped
+                async with asyncio.timeout(self.limits.deadline_s(length)):
+                    while left > 0 and not gone.is_set():
+                        piece = await asyncio.to_thread(f.read, min(PIECE, left))
+                        if not piece:  # the file shrank: end short; the fetcher refuses a short chunk
+                            return
+                        left -= len(piece)
+                        await send({"type": "http.response.body", "body": piece, "more_body": left > 0})
+            except TimeoutError:
+                self.stalled += 1
 
 
 # What a fetch from one peer came to (besides the bytes).

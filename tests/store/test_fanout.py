@@ -252,6 +252,63 @@ def test_a_saturated_chunk_server_answers_503_and_is_asked_again(buckets, valkey
             s.stop()
 
 
+def test_a_reader_that_hangs_up_or_stops_reading_frees_its_serving_slot(valkey, tmp_path: Path) -> None:
+    import socket
+
+    from moerl.store.manifest import FileEntry, hash_file
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    big = copy / "model.bin"
+    with open(big, "wb") as f:  # one 64 MiB chunk: far more than the sockets between us buffer
+        f.truncate(64 << 20)
+    size, whole, chunks = hash_file(big, 64 << 20)
+    m = Manifest(7, (FileEntry("model.bin", size, whole, chunks),), "2026-12-06T00:00:00Z", {}, 64 << 20)
+    bus = _bus(valkey, f"slot-{tmp_path.name}")
+    swarm = Swarm(bus, "rollout-0", _cfg_local(tmp_path), max_serving=1,
+                  limits=fh.Limits(min_rate_bps=1e12, slack_s=30.0, read_s=0.5))
+    swarm.serve()
+    swarm.offer(7, copy, m)
+    host, port = swarm.url.removeprefix("http://").split(":")
+    request = (f"GET /chunk/7/{m.sha256()}/0 HTTP/1.1\r\nHost: x\r\n"
+               f"Authorization: Bearer {swarm.token}\r\n\r\n").encode()
+
+    def reader() -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        s.sendall(request)
+        assert s.recv(1024).startswith(b"HTTP/1.1 200")
+        return s
+
+    def until(cond, timeout: float = 5.0) -> bool:  # noqa: ANN001
+        deadline = time.monotonic() + timeout
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return cond()
+
+    try:
+        s = reader()  # takes the only slot ...
+        assert until(lambda: swarm.app.serving == 1)
+        s.close()  # ... and hangs up mid-chunk: the slot is free long before the 30 s deadline
+        assert until(lambda: swarm.app.serving == 0, 3.0) and swarm.app.stalled == 0
+        swarm.app.limits = fh.Limits(min_rate_bps=1e12, slack_s=1.0)
+        s = reader()  # takes it and stops reading: the server gives up at the chunk's deadline
+        try:
+            assert until(lambda: swarm.app.serving == 0, 5.0) and swarm.app.stalled == 1
+        finally:
+            s.close()
+        r = requests.get(f"{swarm.url}/chunk/7/{m.sha256()}/0", headers={"Authorization": f"Bearer {swarm.token}"},
+                         timeout=30)
+        assert r.status_code == 200 and len(r.content) == 64 << 20 and swarm.app.refused_busy == 0
+    finally:
+        swarm.stop()
+
+
+def _cfg_local(tmp: Path) -> CheckpointConfig:
+    return CheckpointConfig(uri=str(tmp / "durable"), cache_dir=str(tmp / "node"), chunk_mb=64, fanout=True)
+
+
 def test_a_failed_fetch_withdraws_what_it_announced(buckets, valkey, tmp_path: Path) -> None:
     from moerl.errors import CheckpointError
 
