@@ -1,8 +1,14 @@
 """The local proof of cluster-safety: the EKS-target sync pipeline on kfp.local, every task in its
 own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py),
 sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), the checkpoint cache tier (a
-second `weed mini`, as the buffer group's SeaweedFS), an MLflow tracking server (`mlflow
-server`), and torch's compile cache (why: tests/sandbox.py). It must complete and learn, and
+second `weed mini`, as the buffer group's SeaweedFS, with its writer and Read/List reader
+identities), an MLflow tracking server (`mlflow server`), and torch's compile cache (why:
+tests/sandbox.py). Every task holds only the credentials its pod gets on EKS: the cluster's
+Secrets are a file (`MOERL_SANDBOX_SECRETS`), and each task, entering its pod, drops every
+credential it inherited and takes its own stage's keys from it (`moerl.launch.podsecrets`); the
+durable S3 keys stand in for the service account's IRSA role, which every pod has. (With the
+keys in this process's environment instead, every task held the writer's keys, and a first task
+that got none on EKS passed here: issue 35.) It must complete and learn, and
 registers its final version in the MLflow server's model registry. A second run, warm-started
 from that version once it is made champion (as scheduled retraining does), requires a GPU its rollout node
 does not have (`require.gpu`): the rollout fails at its start, is retried
@@ -11,7 +17,8 @@ stays on version 0. The learning run's typed run parameters and overrides (the K
 set what makes it learn; a third run, whose form has a bad value, is refused by its first task.
 
 kfp.local ignores the kfp-kubernetes settings (node selectors, volumes, Secrets); those are
-checked on the compiled YAML in tests/test_compile_eks.py."""
+checked on the compiled YAML in tests/test_compile_eks.py, which also checks that the Secrets
+each task mounts are the ones the sandbox gives it here."""
 
 from __future__ import annotations
 
@@ -51,9 +58,10 @@ def _cluster_cfg(s3, url: str, **over):
     return parse_config(data)
 
 
-def _run_sandboxed(cfg, root: Path, **params) -> Exception | None:
+def _run_sandboxed(cfg, root: Path, secrets: Path, **params) -> Exception | None:
     """Run the EKS-target pipeline on kfp.local from an empty cwd, every task sandboxed under
-    root/sandboxes, with the run form's `params`; returns the error kfp.local raised, if any."""
+    root/sandboxes with only its pod's credentials from `secrets`, with the run form's `params`;
+    returns the error kfp.local raised, if any."""
     from kfp import local
 
     from moerl.config import config_to_json
@@ -66,7 +74,7 @@ def _run_sandboxed(cfg, root: Path, **params) -> Exception | None:
     launch_dir.mkdir()
     old = Path.cwd()
     try:
-        with sandboxed(root / "sandboxes"):
+        with sandboxed(root / "sandboxes", secrets):
             os.chdir(launch_dir)
             local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp-artifacts"),
                        raise_on_error=True)
@@ -82,18 +90,25 @@ def _run_sandboxed(cfg, root: Path, **params) -> Exception | None:
 def cluster_run(s3_server, tmp_path_factory):
     import boto3
 
+    from moerl.launch.podsecrets import write_sandbox_secrets
     from moerl.store.s3server import S3Process
 
     root = tmp_path_factory.mktemp("cluster")
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
-    # the checkpoint cache tier: a second S3 server (the buffer group's SeaweedFS), its keys in
-    # the tasks' environment as the Secret gives them on EKS
-    cache = S3Process(root / "cache-server")
+    # the checkpoint cache tier: a second S3 server (the buffer group's SeaweedFS) with the
+    # cluster's two identities; their keys reach only the tasks whose pods mount them
+    cache = S3Process(root / "cache-server", reader=True)
     cache_server = cache.start()
     cache_server.client().create_bucket(Bucket="moerl-cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MOERL_CACHE_TIER_ACCESS_KEY_ID", cache_server.access_key)
-    mp.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", cache_server.secret_key)
+    reader_id, reader_secret = cache_server.reader
+    secrets = write_sandbox_secrets(root / "cluster-secrets.json", {
+        "moerl-ckpt-cache": {"WRITER_ACCESS_KEY_ID": cache_server.access_key,
+                             "WRITER_SECRET_ACCESS_KEY": cache_server.secret_key,
+                             "READER_ACCESS_KEY_ID": reader_id, "READER_SECRET_ACCESS_KEY": reader_secret},
+        # cluster.mlflow_secret: `mlflow server` ignores basic auth, so these only have to arrive
+        "moerl-mlflow": {"MLFLOW_TRACKING_USERNAME": "moerl", "MLFLOW_TRACKING_PASSWORD": "cluster-local"}},
+        # IRSA's stand-in: every pod's service account reaches the durable S3 (its keys here)
+        service_account_env={k: v for k, v in os.environ.items() if k.startswith("AWS_")})
     cache_tier = {"cache_tier": {"uri": "s3://moerl-cache/ckpt", "endpoint_url": cache_server.endpoint_url}}
     with mlflow_server(root) as url:
         ok_root, bad_root = root / "ok", root / "bad"
@@ -103,9 +118,8 @@ def cluster_run(s3_server, tmp_path_factory):
             # settings that do not learn in 4 iterations; its run form sets the ones that do
             ok_cfg = _cluster_cfg(s3_server, url, checkpoint=cache_tier, tracking=REGISTRY,
                                   trainer={"learning_rate": 1e-4, "clip_eps_high": 0.28})
-            ok_err = _run_sandboxed(ok_cfg, ok_root, **OK_PARAMS)
+            ok_err = _run_sandboxed(ok_cfg, ok_root, secrets, **OK_PARAMS)
         finally:
-            mp.undo()
             cache.stop()
         # an operator promotes that version to champion; a scheduled run of the config starts from
         # it (`registry:moerl-policy@champion`), requiring a GPU this node lacks: the first rollout
@@ -118,13 +132,13 @@ def cluster_run(s3_server, tmp_path_factory):
             MlflowClient(url).set_registered_model_alias("moerl-policy", "champion", "1")
         bad_cfg = scheduled_config(_cluster_cfg(s3_server, url, require={"gpu": True}, tracking=REGISTRY,
                                                 task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}))
-        bad_err = _run_sandboxed(bad_cfg, bad_root)
+        bad_err = _run_sandboxed(bad_cfg, bad_root, secrets)
         # a run form with a bad value: refused by the first task (its own experiment, so the
         # runs above stay two)
         refused_root = root / "refused"
         refused_root.mkdir()
         refused_err = _run_sandboxed(_cluster_cfg(s3_server, url, tracking={"experiment": "cluster-local-refused"}),
-                                     refused_root, learning_rate=-1.0)
+                                     refused_root, secrets, learning_rate=-1.0)
         yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "refused_err": refused_err,
                "s3": s3_server, "cache": cache}
 
