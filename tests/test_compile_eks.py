@@ -34,7 +34,8 @@ def _cfg(mode: str = "sync", **over) -> dict:
     return data
 
 
-def _compiled(tmp_path, data: dict, **kw) -> tuple[pipeline_spec_pb2.PipelineSpec, dict, dict[str, kpb.KubernetesExecutorConfig]]:
+def _compiled(tmp_path, data: dict,
+              **kw) -> tuple[pipeline_spec_pb2.PipelineSpec, dict, dict[str, kpb.KubernetesExecutorConfig]]:
     path = compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks", **kw)
     pipeline_doc, platform_doc = yaml.safe_load_all(path.read_text())
     spec = pipeline_spec_pb2.PipelineSpec()
@@ -385,8 +386,8 @@ def test_every_stages_pod_mounts_exactly_the_secrets_pod_secret_env_gives_it(tmp
                     "READER_ACCESS_KEY_ID", "READER_SECRET_ACCESS_KEY"}, name
         if name == "launched":  # the pods a launcher task starts: the same mapping
             for stage in GPU_STAGES:
-                refs = {e["name"]: SecretRef(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"],
-                                             e["valueFrom"]["secretKeyRef"].get("optional", False))
-                        for e in launch_env(cfg, stage, environ={}) if "secretKeyRef" in e.get("valueFrom", {})}
+                refs = {e["name"]: SecretRef(ref["name"], ref["key"], ref.get("optional", False))
+                        for e in launch_env(cfg, stage, environ={})
+                        if (ref := e.get("valueFrom", {}).get("secretKeyRef")) is not None}
                 assert refs == pod_secret_env(cfg, stage, stage in ASYNC_STAGES), stage
     assert seen == set(STAGE_GROUP)  # every stage was compiled and checked

@@ -177,8 +177,8 @@ def test_the_first_task_passes_its_cache_tier_preflight_with_its_pods_reader_key
         keyless = task("log_iteration")
         assert not any(k.startswith("MOERL_CACHE_TIER_") for k in keyless["env"])
         assert "access to bucket 'moerl-cache'" in keyless["preflight"] and "is denied" in keyless["preflight"]
-        for needle in ("holds no cache-tier keys", "MOERL_CACHE_TIER_ACCESS_KEY_ID / MOERL_CACHE_TIER_SECRET_ACCESS_KEY",
-                       "Secret 'moerl-ckpt-cache'", "READER_ACCESS_KEY_ID"):
+        for needle in ("holds no cache-tier keys", "Secret 'moerl-ckpt-cache'", "READER_ACCESS_KEY_ID",
+                       "MOERL_CACHE_TIER_ACCESS_KEY_ID / MOERL_CACHE_TIER_SECRET_ACCESS_KEY"):
             assert needle in keyless["preflight"], needle
     finally:
         cache.stop()
