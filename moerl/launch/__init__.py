@@ -2,6 +2,8 @@
 launched through the Kubernetes API (`cluster.launch.mode: kubernetes`).
 
 - `podenv`: what every pipeline task does first (`enter_pod`: its scratch as cwd, HOME, TMPDIR).
+- `podsecrets`: which Secret keys each stage's pod gets (`pod_secret_env`), for `place`, the
+  launched workloads and the local cluster test's sandbox.
 - `procs`: child processes that die with their parent, in process groups a launcher can kill.
 
 KFP cannot put GPUs, EFA devices and hugepages on one task (kubeflow/pipelines#10996) and, from
