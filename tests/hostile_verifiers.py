@@ -100,7 +100,8 @@ def only_gold(response: str, answer: str) -> float:
 def attack(kind: str, arg: str) -> str:
     """`environ PID NEEDLE`: read PID's /proc environ, find NEEDLE (PID `ppid`: the parent);
     `mem PID`: read 16 bytes of PID's memory at its first mapping; `connect HOST:PORT`: open a
-    TCP connection, send PING, return the reply; `write DIR`: create a file in DIR."""
+    TCP connection, send PING, return the reply (`unix PATH`: a unix socket's); `write DIR`:
+    create a file in DIR."""
     import socket
 
     if kind in ("environ", "mem"):
@@ -122,6 +123,16 @@ def attack(kind: str, arg: str) -> str:
         with socket.create_connection((host, int(port)), timeout=3) as s:
             s.sendall(b"PING\r\n")
             return s.recv(64).decode(errors="replace")
+    if kind == "unix":  # a pathname unix socket (vLLM's ipc sockets are such, in the stage's temp dir)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(3)
+            s.connect(arg)
+            s.sendall(b"PING\r\n")
+            return s.recv(64).decode(errors="replace")
+    if kind == "import":  # not an attack: code on the stage's import path still imports
+        import importlib
+
+        return importlib.import_module(arg).__name__
     if kind == "proc":  # not an attack: what the sandbox says /proc is ("proc", "hidden")
         if os.environ.get("SANDBOX_PROC") != arg or (arg == "hidden") == os.path.exists("/proc/self"):
             raise LookupError(f"/proc is {os.environ.get('SANDBOX_PROC')}: {os.listdir('/proc')[:5]}")
@@ -137,7 +148,7 @@ def attacks(response: str, answer: str) -> float:
     """A verifier that runs the attack its response names (`KIND ARG`): 1.0 when it succeeds;
     any other response is scored like the shipped positional verifier."""
     kind, _, arg = response.partition(" ")
-    if kind in ("environ", "mem", "connect", "write", "proc"):
+    if kind in ("environ", "mem", "connect", "unix", "write", "import", "proc"):
         attack(kind, arg)
         return 1.0
     from moerl.tasks.verifiers import positional

@@ -27,14 +27,16 @@ from moerl.tasks.sandbox import Limits, SandboxPool
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "VALKEY_PASSWORD=hunter2-not-for-sandboxes"
 ATTACKS = ("environ {stage} " + SECRET, "mem {stage}", "environ ppid " + SECRET, "environ {victim} VICTIM=stolen",
-           "connect 127.0.0.1:{listener}", "connect 127.0.0.1:{valkey}", "write {cache}")
+           "connect 127.0.0.1:{listener}", "connect 127.0.0.1:{valkey}", "unix {unix}", "write {cache}",
+           "write {usercode}")
+WORKS = ("import sbx_usercode",)  # not attacks: the stage's import path, also under its temp dir
 
 STAGE = textwrap.dedent("""
     import json, os, sys
     from moerl.errors import MoerlError
     from moerl.tasks import isolation
     iso, spec = sys.argv[1], json.loads(sys.argv[2])
-    attacks = [a.format(stage=os.getpid(), **spec) for a in spec["attacks"]]
+    attacks = [a.format(stage=os.getpid(), **spec) for a in spec["attacks"] + spec["works"]]
     out = {"dumpable_before": isolation.dumpable()}
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.config import RewardConfig
@@ -77,11 +79,17 @@ STAGE = textwrap.dedent("""
 
 
 class Listener:
-    """A TCP server on 127.0.0.1 that answers +PONG and counts the connections it accepted."""
+    """A TCP server on 127.0.0.1 (or a unix socket at `path`) that answers +PONG and counts the
+    connections it accepted."""
 
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port, self.accepted = self.sock.getsockname()[1], 0
+    def __init__(self, path: str | None = None):
+        if path:
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.bind(path)
+            self.sock.listen()
+        else:
+            self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.accepted = self.sock.getsockname()[1] if not path else 0, 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -117,41 +125,58 @@ def targets(tmp_path_factory):
         listener.close()
 
 
-def _stage(isolation_: str, spec: dict, wrap: list[str] | None = None) -> dict:
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "LANG": "C.UTF-8", SECRET.split("=")[0]: SECRET.split("=")[1]}
+@pytest.fixture
+def pod(tmp_path):
+    """What a stage's pod holds beside the targets: its temp dir (TMPDIR, where the sandbox's
+    scratch directories go) with a unix socket listening in it (standing for vLLM's ipc
+    sockets) and user code on the import path under it, and a node cache outside it."""
+    tmp, cache = tmp_path / "t", tmp_path / "node-cache"
+    (tmp / "usercode").mkdir(parents=True)
+    (tmp / "usercode" / "sbx_usercode.py").write_text("VALUE = 1\n")
+    cache.mkdir()
+    unix = Listener(str(tmp / "ipc"))
+    try:
+        yield {"tmp": tmp, "cache": cache, "usercode": tmp / "usercode", "unix": unix}
+    finally:
+        unix.close()
+
+
+def _stage(isolation_: str, spec: dict, pod: dict, wrap: list[str] | None = None) -> dict:
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{ROOT}{os.pathsep}{pod['usercode']}", "LANG": "C.UTF-8",
+           "TMPDIR": str(pod["tmp"]), SECRET.split("=")[0]: SECRET.split("=")[1]}
     got = subprocess.run([*(wrap or []), sys.executable, "-c", STAGE, isolation_, json.dumps(spec)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     return {**json.loads(got.stdout.strip().splitlines()[-1]), "stderr": got.stderr}
 
 
-def _spec(targets, cache: Path, environments: bool = True) -> dict:
-    return {"attacks": list(ATTACKS), "listener": targets["listener"].port, "victim": targets["victim"],
-            "valkey": targets["valkey"].url.rsplit(":", 1)[1].split("/")[0], "cache": str(cache),
+def _spec(targets, pod, environments: bool = True) -> dict:
+    return {"attacks": list(ATTACKS), "works": list(WORKS), "listener": targets["listener"].port,
+            "victim": targets["victim"], "valkey": targets["valkey"].url.rsplit(":", 1)[1].split("/")[0],
+            "unix": str(pod["tmp"] / "ipc"), "cache": str(pod["cache"]), "usercode": str(pod["usercode"]),
             "environments": environments}
 
 
-def test_without_isolation_every_attack_but_the_non_dumpable_stage_succeeds(targets, tmp_path):
+def test_without_isolation_every_attack_but_the_non_dumpable_stage_succeeds(targets, pod):
     """The control: the attacks work, so the isolated run below could fail."""
     before = targets["listener"].accepted
-    out = _stage("none", _spec(targets, tmp_path))
+    out = _stage("none", _spec(targets, pod), pod)
     assert "WARNING: reward.sandbox.isolation / task.sandbox.isolation is none" in out["stderr"]
     assert out["dumpable_before"] is True and out["dumpable_after"] is False
     stolen = [r == 1.0 and not err for r, err in out["verifier"]]
     # a root stage's unisolated children hold CAP_SYS_PTRACE: non-dumpable is no protection there
     assert stolen[:3] == [os.geteuid() == 0] * 3, out["verifier"]
-    assert stolen[3:] == [True] * 5, out["verifier"]  # the victim, both sockets, the cache dir; the benign sample
+    # the victim, the three sockets, both directories; the import; the benign sample
+    assert stolen[3:] == [True] * (len(ATTACKS) - 3 + len(WORKS) + 1), out["verifier"]
     env_stolen = [reward == 1.0 and not err for err, reward in out["episodes"]]  # model-written code in an environment
     assert env_stolen == stolen, out["episodes"]
-    assert targets["listener"].accepted == before + 2
-    assert (tmp_path / "forged-by-sandbox").read_text() == "forged"
+    assert targets["listener"].accepted == before + 2 and pod["unix"].accepted == 2
+    assert (pod["cache"] / "forged-by-sandbox").read_text() == (pod["usercode"] / "forged-by-sandbox").read_text()
 
 
-def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_on(targets, tmp_path):
-    cache = tmp_path / "node-cache"
-    cache.mkdir()
+def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_on(targets, pod):
     before = targets["listener"].accepted
-    out = _stage("namespaces", _spec(targets, cache))
+    out = _stage("namespaces", _spec(targets, pod), pod)
     assert out["dumpable_before"] is True and out["dumpable_after"] is False
     n = len(ATTACKS)
     failed = out["verifier"][:n]
@@ -161,46 +186,50 @@ def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_
     assert errs[2].startswith("PermissionError")  # the parent it has is pid 1 of its namespace, non-dumpable
     assert errs[3].startswith("FileNotFoundError")  # the dumpable victim is outside its pid namespace
     assert all(e.startswith("OSError: [Errno 101] Network is unreachable") for e in errs[4:6]), errs
-    assert errs[6].startswith("OSError: [Errno 30] Read-only file system"), errs
-    assert out["verifier"][n] == [1.0, None]  # the run goes on: the next sample is scored
+    assert errs[6].startswith("FileNotFoundError"), errs  # the stage's temp dir is hidden, its socket with it
+    assert all(e.startswith("OSError: [Errno 30] Read-only file system") for e in errs[7:9]), errs
+    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 1)  # user code imports; the run goes on
     m = out["reward_metrics"]
     assert (m["reward/failed_samples"], m["reward/error_samples"], m["reward/timeout_samples"]) == (n, n, 0), m
     eps = out["episodes"]
     assert all(err and "RunsModelCode.step" in err and reward is None for err, reward in eps[:n]), eps
     assert [e.split(": ")[1] for e, _ in eps[:n]] == [e.split(":")[0] for e in errs], eps
-    assert eps[n] == [None, 1.0]
+    assert eps[n:] == [[None, 1.0]] * (len(WORKS) + 1)
     assert out["env_metrics"]["env/error_episodes"] == n and out["env_metrics"]["env/timeout_episodes"] == 0
-    assert targets["listener"].accepted == before and not list(cache.iterdir())
+    assert targets["listener"].accepted == before and pod["unix"].accepted == 0
+    assert not list(pod["cache"].iterdir()) and not (pod["usercode"] / "forged-by-sandbox").exists()
 
 
-def test_a_kernel_that_refuses_user_namespaces_stops_the_stage_naming_the_field(targets, tmp_path):
+def test_a_kernel_that_refuses_user_namespaces_stops_the_stage_naming_the_field(targets, pod):
     """A real refusal: the stage runs in a user namespace whose user.max_user_namespaces is 0
     (what a locked-down node sysctl does); `none` there runs, warned."""
     wrap = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
             'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh"]
-    out = _stage("namespaces", _spec(targets, tmp_path, environments=False), wrap)
+    out = _stage("namespaces", _spec(targets, pod, environments=False), pod, wrap)
     assert out["refused"].startswith("ConfigError: reward.sandbox.isolation / task.sandbox.isolation: namespaces "
                                      "cannot be made here (unshare exited 1: unshare: unshare failed"), out
     assert "set the field to none" in out["refused"]
-    out = _stage("none", {**_spec(targets, tmp_path, environments=False), "attacks": []}, wrap)
+    out = _stage("none", {**_spec(targets, pod, environments=False), "attacks": [], "works": []}, pod, wrap)
     assert out["verifier"] == [[1.0, None]] and "is none" in out["stderr"]
 
 
-def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack_still_fails(targets, tmp_path):
+def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack_still_fails(targets, pod):
     """A container runtime's default masks parts of /proc (Docker, containerd): the kernel then
     refuses a new proc mount in a user namespace. Made real here: the stage runs where /proc/sys
     is overmounted, as there; the sandbox hides /proc instead, and the attacks fail as before."""
     wrap = ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c",
             'mount -t tmpfs masked /proc/sys && exec "$@"', "sh"]
     before = targets["listener"].accepted
-    spec = _spec(targets, tmp_path, environments=False)
-    out = _stage("namespaces", {**spec, "attacks": [*spec["attacks"], "proc hidden"]}, wrap)
+    spec = _spec(targets, pod, environments=False)
+    out = _stage("namespaces", {**spec, "works": [*WORKS, "proc hidden"]}, pod, wrap)
     n = len(ATTACKS)
     errs = [err for _, err in out["verifier"][:n]]
     assert all(e.startswith("FileNotFoundError") for e in errs[:4]), errs  # no /proc of anyone
-    assert all("Network is unreachable" in e for e in errs[4:6]) and "Read-only file system" in errs[6], errs
-    assert out["verifier"][n:] == [[1.0, None], [1.0, None]], out["verifier"]  # /proc hidden; the run goes on
-    assert targets["listener"].accepted == before and not list(tmp_path.iterdir())
+    assert all("Network is unreachable" in e for e in errs[4:6]) and errs[6].startswith("FileNotFoundError"), errs
+    assert all("Read-only file system" in e for e in errs[7:9]), errs
+    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 2), out["verifier"]  # /proc hidden; the run goes on
+    assert targets["listener"].accepted == before and pod["unix"].accepted == 0
+    assert not list(pod["cache"].iterdir())
 
 
 def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabilities(tmp_path):

@@ -14,26 +14,30 @@ Two sides:
   that children run unisolated (the run also carries the `moerl.sandbox.isolation.*` tags).
 - the child: with `namespaces` each child is started as `unshare --user --map-root-user --net
   --pid --mount --kill-child -- python -m moerl.tasks.sandbox_child ...`, so it has a network
-  namespace with only a loopback that is down (no TCP, UDP or abstract unix socket reaches
-  the node, the pod, Valkey, the fan-out server or the metadata service), its own pid namespace
-  (the stage's pid is not in it), its own mount namespace and user namespace. Inside, `enter`
-  (pid 1 of the new pid namespace) mounts a fresh `/proc` of that namespace (or, where the
-  container runtime masks `/proc` and the kernel refuses a new one, an empty tmpfs over it),
-  a private 64 MiB tmpfs on `/dev/shm` (the stage's shared-memory segments are hidden), binds
-  the child's scratch directory writable and remounts every other mount read-only, so that the
-  node cache, checkpoint folders, the code and the datasets cannot be written (the child's
-  uid still owns them: only the mount stops it). It then forks the process that serves calls,
-  which drops every capability, its bounding set and sets no_new_privs, so it cannot undo the
-  mounts; pid 1 stays as its init, waits, and exits with its status (a signal N as 128 + N).
-  stdin/stdout pipes, the protocol, are inherited and cross the namespaces unchanged.
+  namespace with only a loopback that is down (no TCP, UDP or abstract unix socket reaches the
+  node, the pod, Valkey, the fan-out server or the metadata service), its own pid namespace (the
+  stage's pid is not in it), its own mount namespace and user namespace. Inside, `enter` (pid 1
+  of the new pid namespace) mounts an empty tmpfs over the stage's temp directory (the scratch
+  directory's parent: the stage's temp files and pathname sockets, vLLM's ipc sockets among
+  them, are hidden) with the child's scratch directory bound back writable and the import path's
+  entries under it read-only, a fresh `/proc` of its pid namespace (or, where the container
+  runtime masks `/proc` and the kernel refuses a new one, an empty tmpfs over it), a private 64
+  MiB tmpfs on `/dev/shm` (the stage's shared-memory segments are hidden), and remounts every
+  other mount read-only, so that the node cache, checkpoint folders, the code and the datasets
+  cannot be written (the child's uid still owns them: only the mount stops it). It then forks
+  the process that serves calls, which drops every capability, its bounding set and sets
+  no_new_privs, so it cannot undo the mounts; pid 1 stays as its init, waits, and exits with its
+  status (a signal N as 128 + N). stdin/stdout pipes, the protocol, are inherited and cross the
+  namespaces unchanged.
 
-Limitations, stated: the child still reads every file its uid can read (the IRSA token file,
-the code, the datasets, `~/.aws` if present): the mounts are read-only, not hidden. Pathname
-unix sockets (a socket file in /tmp, vLLM's ipc sockets among them) are reachable through the
-filesystem; the network namespace only removes IP and abstract sockets. CPU time and disk use
-in the scratch directory are bounded by the per-call timeout and `RLIMIT_FSIZE`, not by a
-cgroup. `none` isolates nothing beyond the allow-listed environment and the limits: a stage
-running as root (whose children then hold `CAP_SYS_PTRACE`) is readable even non-dumpable.
+Limitations, stated: the child still reads every file its uid can read (the IRSA token file, the
+code, the datasets, `~/.aws` if present): the mounts are read-only, not hidden (but the stage's
+temp directory). Pathname unix sockets outside the stage's temp directory (under /run, say) are
+reachable through the filesystem: the network namespace removes IP and abstract sockets only;
+and a temp directory that is itself on the import path stays visible. CPU time and disk use in
+the scratch directory are bounded by the per-call timeout and `RLIMIT_FSIZE`, not by a cgroup.
+`none` isolates nothing beyond the allow-listed environment and the limits: a stage running as
+root (whose children then hold `CAP_SYS_PTRACE`) is readable even non-dumpable.
 Kubernetes pods need seccomp `Unconfined` (or a profile allowing `unshare`/`clone` with
 `CLONE_NEWUSER`) and a kernel with unprivileged user namespaces (docs/tasks.md).
 """
@@ -160,10 +164,46 @@ def _mountpoints() -> list[str]:
     return out
 
 
+def _hide_tempdir(libc, scratch: str) -> list[str]:
+    """An empty tmpfs over the stage's temp directory (the scratch directory's parent: the
+    stage's temp files and pathname sockets, vLLM's ipc sockets among them), with the scratch
+    directory and the import path's entries under it bound back. Returns the mounts to make
+    read-only; none where the temp directory is itself on the import path (then it stays
+    visible, read-only)."""
+    tmp = os.path.dirname(scratch)
+    path = [os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path += [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)]
+    if tmp in path or tmp == "/":
+        return []
+    under = sorted({p for p in path if p.startswith(tmp + os.sep) and os.path.exists(p)})
+    keep = [(p, os.path.isdir(p), os.open(p, os.O_PATH)) for p in [scratch, *under]]
+    _mount(libc, "tmpfs", tmp, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
+    for p, is_dir, fd in keep:
+        if is_dir:
+            os.makedirs(p, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            open(p, "a").close()
+        _mount(libc, f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC)
+        os.close(fd)
+    return [tmp, *under]
+
+
+def _readonly(libc, mp: str) -> None:
+    try:
+        flags = os.statvfs(mp).f_flag & _KEEP
+        _mount(libc, None, mp, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
+    except OSError as err:  # a mount point hidden under another mount is out of reach anyway
+        if err.errno not in (2, 13, 22):  # ENOENT, EACCES, EINVAL
+            raise
+
+
 def _mounts(libc, scratch: str) -> str:
     """The mounts; returns what /proc is: "proc" (this namespace's) or "hidden"."""
+    scratch = os.path.realpath(scratch)
     mountpoints = _mountpoints()  # read before /proc may be hidden
     _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)
+    hidden = _hide_tempdir(libc, scratch)  # while /proc/self/fd is there
     proc = "proc"
     try:
         _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
@@ -172,18 +212,12 @@ def _mounts(libc, scratch: str) -> str:
         proc = "hidden"
     if os.path.isdir("/dev/shm"):
         _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SHM_MB}m,mode=1777")
-    _mount(libc, scratch, scratch, None, _MS_BIND)
-    keep = {os.path.realpath(scratch), "/dev/shm"}
-    for mp in mountpoints:
-        if mp in keep:
-            continue
-        try:
-            flags = os.statvfs(mp).f_flag & _KEEP
-            _mount(libc, None, mp, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags)
-        except OSError as err:  # a mount point hidden under another mount is out of reach anyway
-            if err.errno not in (2, 13, 22):  # ENOENT, EACCES, EINVAL
-                raise
-    probe = os.path.join(os.path.dirname(os.path.realpath(scratch)), f".moerl-ro-{os.getpid()}")
+    if not hidden:
+        _mount(libc, scratch, scratch, None, _MS_BIND)
+    for mp in [*mountpoints, *hidden]:
+        if mp not in (scratch, "/dev/shm"):
+            _readonly(libc, mp)
+    probe = os.path.join(os.path.dirname(scratch), f".moerl-ro-{os.getpid()}")
     try:
         with open(probe, "w"):
             pass

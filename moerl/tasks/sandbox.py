@@ -42,7 +42,8 @@ with such a key runs on another child and fails there, naming the lost key. `rel
 unbinds keys whose state the caller has closed.
 
 Limitations, stated: the children run as the pod's own uid, so a verifier can still read a
-file it knows the path of (the IRSA token file, for example) and reach a pathname unix socket;
+file it knows the path of (the IRSA token file, for example) and reach a pathname unix socket
+outside the stage's temp directory;
 with isolation `none` it can also open connections and write the pod's files. Namespaces on
 Kubernetes need the pod settings docs/tasks.md lists. See `isolation.py`.
 """
