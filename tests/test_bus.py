@@ -231,23 +231,74 @@ def test_a_response_that_crossed_versions_is_admitted_by_its_oldest_token_and_re
     assert m["rollout/mixed_version_fraction"] == 1.0
 
 
-def test_a_retried_hand_off_changes_nothing_the_second_time(bus):
-    """A client that lost its connection after the server ran a hand-off runs it again
-    (valkey-py's Retry): the counters must not move twice."""
-    assert bus.publish_group("u1/0:p1", [{"x": 1}] * 4)
-    assert not bus.publish_group("u1/0:p1", [{"x": 1}] * 4)  # another attempt's copy
+def test_a_retried_hand_off_changes_nothing_the_second_time(bus, monkeypatch):
+    """A client that lost its connection after the server ran a hand-off sends the very same
+    command again, operation key included (`write_many` resends its BusWrites; valkey-py's
+    Retry resends a script call as it was): the second run answers what the first did and
+    changes nothing. The same hand-off under a fresh key (what the retry would be without its
+    operation key) does change the bus, so each check below can fail."""
+    from valkey.commands.core import Script
+
+    from moerl.bus import GENERATED
+
+    sent, real = [], Script.__call__
+
+    def record(self, keys=None, args=None, client=None):
+        sent.append((self, list(keys or ()), list(args or ())))
+        return real(self, keys=keys, args=args, client=client)
+
+    monkeypatch.setattr(Script, "__call__", record)
+
+    def resend(fresh: bool = False):
+        """The last scripted hand-off sent again as the client sent it (or under a fresh key)."""
+        script, keys, args = sent[-1]
+        return real(script, keys=[*keys[:-1], bus.key(f"op:fresh-{len(sent)}")] if fresh else keys, args=args)
+
+    # a unit: issued once however often its XADD is resent; a fresh key adds a second one
+    bus.issue_unit([_prompt(1)])
+    before = bus.counters()
+    assert resend() == 1 and bus.counters() == before and bus.depth()[UNITS] == 1
+    assert resend(fresh=True) == 1 and bus.depth()[UNITS] == 2  # the fresh key: a second unit
+    assert bus.counters()["units_issued"] == before["units_issued"] + 1
+    bus.r.xtrim(bus.key(UNITS), maxlen=1, approximate=False)  # back to the first unit
+
+    # a group: the same BusWrite again answers "added" and adds nothing; another attempt's
+    # copy (a fresh key) is counted as generated and duplicate
+    lease = bus.lease_unit("w1", block_ms=50)
+    gid = f"{lease.unit['unit_id']}/0:p1"
+    w = bus.group_write(gid, [{"x": 1}] * 4)
+    assert bus.write_many([w]) == [1]
+    before = bus.counters()
+    assert bus.write_many([w]) == [1] and bus.counters() == before and bus.depth()[GENERATED] == 1
+    assert bus.write_many([bus.group_write(gid, [{"x": 1}] * 4)]) == [0]
     c = bus.counters()
     assert (c["generated"], c["duplicates"], c["groups_generated"]) == (8, 4, 1)
+
+    # the unit's acknowledgement: the same write answers 1 again and counts nothing twice; a
+    # fresh one finds the entry acknowledged (0)
+    ack = bus.ack_write(lease, units_overlapped=1)
+    assert bus.write_many([ack]) == [1]
+    before = bus.counters()
+    assert bus.write_many([ack]) == [1] and bus.counters() == before
+    assert (before["units_done"], before["units_overlapped"]) == (1, 1)
+    assert bus.write_many([bus.ack_write(lease, units_overlapped=1)]) == [0] and bus.counters() == before
+
+    # scoring, a commit and a counter, each resent as it was sent
     [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
-    assert bus.publish_scored(eid, group, 0) and not bus.publish_scored(eid, group, 0)
-    assert bus.counters()["scored"] == 4 and bus.depth()[SCORED] == 1
+    assert bus.publish_scored(eid, group, 0)
+    before = bus.counters()
+    assert resend() == 1 and bus.counters() == before and bus.depth()[SCORED] == 1
     [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
     epoch = bus.claim_trainer("t")
-    assert bus.commit_version(epoch, 1, "u", "s", [sid], ["u1/0:p1"], trained=4)
-    assert not bus.commit_version(epoch, 1, "u", "s", [sid], ["u1/0:p1"], trained=4)
-    assert bus.counters()["trained"] == 4
-    assert not bus.settle(epoch, [sid], ["u1/0:p1"], stale_dropped=4)  # already acknowledged
+    assert bus.commit_version(epoch, 1, "u", "s", [sid], [gid], trained=4, groups_used=1)
+    before = bus.counters()
+    assert resend() == 1 and bus.counters() == before and bus.registry().version == 1
+    assert (before["trained"], before["groups_used"]) == (4, 1)
+    assert not bus.settle(epoch, [sid], [gid], stale_dropped=4)  # already acknowledged
     assert bus.counters()["stale_dropped"] == 0
+    bus.incr(swaps=1)
+    assert resend() == 1 and bus.counters()["swaps"] == 1
+    assert resend(fresh=True) == 1 and bus.counters()["swaps"] == 2  # a fresh key counts it again
 
 
 def test_a_server_gone_for_longer_than_reconnect_s_is_a_clear_error(tmp_path):
