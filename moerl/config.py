@@ -632,6 +632,10 @@ class CacheTierConfig(_Section):
     # S3 attempts before the reader falls back to the durable store: the cache tier is a
     # shortcut, so a dead one must cost seconds, not minutes.
     max_attempts: int = Field(2, ge=1, le=10)
+    # GiB the cache server holds (its memory-backed volume, manifests/base/ckpt-cache.yaml and the
+    # overlays' patches): a version that does not fit keep_last + 1 times is published to the
+    # durable store first (moerl.store.tiers.check_tier_fits). Keep it equal to the server's volume.
+    capacity_gb: float = Field(48.0, gt=0.0)
 
     @field_validator("uri")
     @classmethod
@@ -679,6 +683,10 @@ class CheckpointConfig(_Section):
     keep_every: int = Field(0, ge=0)
     # Retries with exponential backoff for S3 calls before a clear CheckpointError.
     max_attempts: int = Field(5, ge=1, le=20)
+    # A publisher's claim on a version (moerl.store.fence) lapses after this many seconds; a newer
+    # trainer removes an older epoch's claim at once, an expired one of any epoch. Must outlast
+    # the longest publish of one version and dwarf the machines' clock skew.
+    claim_ttl_s: float = Field(3600.0, gt=0.0)
     # The cache tier in front of `uri` (none by default; docs/weights.md).
     cache_tier: CacheTierConfig = CacheTierConfig()
     # Async trainer: versions handed to the publisher and not yet durable. The trainer trains

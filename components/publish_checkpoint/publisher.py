@@ -16,7 +16,11 @@ version publishes faster than the next one trains. A failure (a NaN, S3 down aft
 retries, a commit refused) stops the thread; the trainer raises it at its next `submit` or at
 `drain`, and nothing after the failed version is published. A publisher killed anywhere leaves
 both tiers on complete versions (each tier's `latest` moves after its manifest); the next
-trainer's `Tiers.recover` promotes a version that was servable but not durable.
+trainer's `Tiers.recover` promotes the version the servable pointer names if it was servable but
+not durable. With the trainer's `epoch`, every write is fenced (`moerl.store.fence`): once a newer
+trainer recovered the tiers, this publisher's next file, manifest or `latest` move is refused.
+A version larger than the cache tier holds (`check_tier_fits`, `checkpoint.cache_tier.
+capacity_gb`) is published to the durable store first and counted, as a failed cache tier is.
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ class Job:
 
 class Publisher:
     def __init__(self, cfg: RunConfig, run_id: str, on_servable: Callable[[PolicyVersion], None],
-                 on_durable: Callable[[Job], None], exclusive: bool = True) -> None:
-        self.cfg, self.run_id, self.exclusive = cfg, run_id, exclusive
+                 on_durable: Callable[[Job], None], exclusive: bool = True, epoch: int | None = None) -> None:
+        """`epoch`: the trainer's (`RunBus.claim_trainer`): every tier write and `latest` move is
+        fenced by it, so a replaced trainer's publisher is refused (`moerl.store.fence`)."""
+        self.cfg, self.run_id, self.exclusive, self.epoch = cfg, run_id, exclusive, epoch
         self.on_servable, self.on_durable = on_servable, on_durable
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._in_flight: list[Job] = []
@@ -111,11 +117,12 @@ class Publisher:
         while (job := self._q.get()) is not None:
             try:
                 manifest, policy, metrics = publish_servable(self.cfg, self.run_id, job.src, job.version, job.meta,
-                                                             self.exclusive)
+                                                             self.exclusive, self.epoch)
                 metrics["weights/published_to_servable_s"] = time.perf_counter() - job.handed
                 self.on_servable(policy)
                 metrics.update(publish_durable(self.cfg, self.run_id, job.src, manifest, self.exclusive,
-                                               started=job.handed, already=not metrics["weights/cache_tier"]))
+                                               started=job.handed, already=not metrics["weights/cache_tier"],
+                                               epoch=self.epoch))
                 job.policy, job.metrics = policy, metrics
                 self.on_durable(job)
             except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it

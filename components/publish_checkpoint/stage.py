@@ -261,14 +261,16 @@ def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int
 
 
 def publish_servable(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int,
-                     meta: dict[str, str] | None = None, exclusive: bool = False
+                     meta: dict[str, str] | None = None, exclusive: bool = False, epoch: int | None = None
                      ) -> tuple[Manifest, PolicyVersion, dict[str, float]]:
     """The first copy of `version`: refused if not finite, then published to the cache tier
     (or, without one, straight to the durable store). The PolicyVersion names the durable URI
-    the version has (or will have) and the manifest both tiers share."""
+    the version has (or will have) and the manifest both tiers share. `epoch`: the trainer's,
+    which fences the writes (`moerl.store.fence`). A version larger than the cache tier can hold
+    (`check_tier_fits`) goes to the durable store first, counted (`weights/cache_tier_too_small`)."""
     t0 = time.perf_counter()
     check_finite(state_dir, version)  # before a byte is uploaded: `latest` stays where it is
-    tiers = run_tiers(cfg.checkpoint, run_id)
+    tiers = run_tiers(cfg.checkpoint, run_id, epoch)
     # the whole state: HF files for the engines, trainer/ for a resumed run
     manifest = tiers.publish_servable(version, Path(state_dir), exclusive=exclusive,
                                       meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()})
@@ -280,18 +282,19 @@ def publish_servable(cfg: RunConfig, run_id: str, state_dir: str | Path, version
               "the durable store first", flush=True)
     return manifest, policy, {"weights/published_to_servable_s": elapsed, "weights/version": float(version),
                               "weights/cache_tier": float(cache_ok),
-                              "weights/cache_tier_failed": float(tiers.cache is not None and not cache_ok)}
+                              "weights/cache_tier_failed": float(tiers.cache is not None and not cache_ok),
+                              "weights/cache_tier_too_small": float(tiers.cache_too_small)}
 
 
 def publish_durable(cfg: RunConfig, run_id: str, state_dir: str | Path, manifest: Manifest,
-                    exclusive: bool = False, started: float | None = None, already: bool = False
-                    ) -> dict[str, float]:
+                    exclusive: bool = False, started: float | None = None, already: bool = False,
+                    epoch: int | None = None) -> dict[str, float]:
     """The durable copy under the servable copy's manifest; `latest` moves to it. `started`:
     when the version was handed over (perf_counter), for published -> durable. `already`: the
     servable copy was the durable one (no cache tier, or it failed)."""
     t0 = time.perf_counter()
     if not already:
-        run_tiers(cfg.checkpoint, run_id).publish_durable(manifest, Path(state_dir), exclusive=exclusive)
+        run_tiers(cfg.checkpoint, run_id, epoch).publish_durable(manifest, Path(state_dir), exclusive=exclusive)
     done = time.perf_counter()
     mb = sum(f.size for f in manifest.files) / 1e6
     return {"timing/publish_checkpoint_s": done - t0, "weights/publish_mb": mb,

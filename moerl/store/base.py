@@ -14,18 +14,30 @@ This module is the contract; the folder backend is `moerl.store.folder`, the S3 
 `moerl.store.s3`, and `moerl.store.runs.open_store` picks one (boto3 is imported only for
 s3:// URIs). The contract never imports its backends.
 
+Writers are fenced by the trainer's epoch (`moerl.store.fence`): with `exclusive=True` a
+version is claimed create-only (owner, epoch, expiry) before any file is written, a writer older
+than the claim is refused, and `latest.json` records the epoch that moved it, moved only by a
+compare-and-set that an older epoch cannot pass. Before `latest` moves, every stored object is
+checked against the manifest: by its sha256 where the backend reports one (`_stored`), else by
+its size.
+
 Limitations:
-- One writer per store: nothing locks publishes, so two publishers of one version interleave.
-- Publish checks each stored object's size, not its checksum (re-reading every byte would
-  double the cost); fetch checks checksums. A source file that changes while it is published
-  gives a manifest that does not match it, and fetch then refuses that version.
-- A failed publish leaves files under its version (S3) or a `.tmp-*` folder (local), invisible
-  without a manifest; republishing overwrites them, and retention removes them once `latest`
-  has passed them. An S3 multipart upload killed midway stays as an incomplete upload: give the
-  bucket a lifecycle rule (AbortIncompleteMultipartUpload).
+- Writers without an epoch (the sync pipeline, benchmarks) are not fenced: one such writer per
+  store at a time, as before; two of them publishing one version non-exclusively interleave.
+- Where the backend reports no hash for an object (a folder: its publish is staged privately and
+  renamed create-only, so no other writer's bytes can be under it; S3: an object uploaded
+  without a SHA-256 checksum, or in parts that are not the manifest's chunks), publish checks
+  its size only; fetch checks every checksum. A source file that changes while it is published
+  gives a manifest that does not match it, and publish (by hash) or fetch then refuses it.
+- A failed publish deletes what it wrote (manifest first, its claim last) unless a newer writer
+  took the version over; a publish killed outright leaves files under its version (S3) or a
+  `.tmp-*` folder (local), invisible without a manifest, which `recover` or retention removes.
+  An S3 multipart upload killed midway stays as an incomplete upload: give the bucket a
+  lifecycle rule (AbortIncompleteMultipartUpload).
 - A publish killed after its manifest is stored but before `latest` moves leaves a complete
   version above `latest`, which publish then refuses to overwrite; `recover` (run by
-  `--resume`) adopts it if it verifies, or deletes it. Nothing runs it outside a resume.
+  `--resume` and by the async trainer at start) adopts it if it verifies and the caller names it
+  (or, for a caller without an epoch, if it is the newest), or deletes it.
 - Pins are leases (`moerl.store.leases`): a pin protects its version while its holder renews it
   within `checkpoint.pin_ttl_s`; a holder that dies stops renewing, and retention then deletes
   its version and its pin file. Expiry compares UTC wall clocks on different machines, so the
@@ -54,6 +66,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from moerl.errors import CheckpointError
+from moerl.store.fence import CLAIM, Claim, new_owner, older, refused
 from moerl.store.leases import PinLeases
 from moerl.store.manifest import MANIFEST, FileEntry, Manifest, hash_file, sha256_file, version_dir
 from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, shared
@@ -118,6 +131,11 @@ class CheckpointStore(PinLeases, ABC):
 
     uri: str
     _workers: int = 1  # files copied at once
+    _claims: bool = False  # the backend can write create-only objects (S3); a folder stages privately
+    claim_ttl_s: float = 3600.0  # checkpoint.claim_ttl_s: a claim older than this may be removed
+    hash_checked: int = 0  # objects the last verification checked by hash, not only by size
+    _part_size: int = 0  # the publish under way: its manifest's chunk size (S3 uploads parts this size)
+    keep_version_zero: bool = True  # retention keeps version 0 (a cache tier need not: the durable store has it)
 
     @abstractmethod
     def check_access(self) -> None: ...
@@ -140,9 +158,22 @@ class CheckpointStore(PinLeases, ABC):
     @abstractmethod
     def _delete(self, keys: list[str]) -> None: ...  # missing keys are fine
 
+    def _read_tagged(self, key: str) -> tuple[str | None, str | None]:
+        """The object's text and a tag that changes whenever it is rewritten (S3: its ETag)."""
+        raise NotImplementedError
+
+    def _write_if(self, key: str, text: str, tag: str | None) -> bool:
+        """Write only if the object still has `tag` (None: only if it does not exist); False if
+        another writer changed it first."""
+        raise NotImplementedError
+
+    def _stored(self, stage: str, e: FileEntry, chunk_size: int) -> tuple[int | None, bool | None]:
+        """A stored object's size (None: missing) and whether its bytes hash to the manifest's
+        (None: the backend reports no hash for it, so only the size can be checked)."""
+        return self._size(stage, e.path), None
+
     def _begin(self, version: int, exclusive: bool = False) -> str:
-        """Where the version's files go. `exclusive`: claim the version create-only first, so a
-        second publisher of it fails before writing anything (S3: a conditional write)."""
+        """Where the version's files go (a claim, when asked for, is taken by `publish`)."""
         return version_dir(version)
 
     def _commit(self, stage: str, version: int) -> None:
@@ -156,7 +187,7 @@ class CheckpointStore(PinLeases, ABC):
 
     def publish(self, version: int, src_dir: Path, meta: dict[str, str] | None = None,
                 retention: tuple[int, int] | None = None, exclusive: bool = False, chunk_size: int = 0,
-                manifest: Manifest | None = None) -> Manifest:
+                manifest: Manifest | None = None, epoch: int | None = None, owner: str | None = None) -> Manifest:
         """Publish the files under `src_dir` as `version`, then point `latest` at it.
 
         `chunk_size`: also record each file's sha256 per chunk of that many bytes (fan-out).
@@ -171,6 +202,10 @@ class CheckpointStore(PinLeases, ABC):
         removed by `recover`, which the trainer runs at start. Without it (the sync pipeline,
         whose DAG has one publisher at a time and whose retries re-publish a killed version),
         a version directory without a manifest is overwritten.
+
+        `epoch`: the trainer's epoch (`moerl.store.fence`): the claim carries it, a writer older
+        than an existing claim or than the epoch `latest` records is refused, and `latest` records
+        it. `owner`: who writes (default: host, pid and a random token).
 
         `retention=(keep_last, keep_every)` prunes old versions afterwards (see
         `apply_retention`); a failure there is logged as a warning, never raised.
@@ -191,25 +226,49 @@ class CheckpointStore(PinLeases, ABC):
         files = _list_files(src_dir)
         if manifest is not None:
             _check_same_files(manifest, version, src_dir, files)
+        self._check_epoch(epoch, f"publish of version {version}")  # a replaced writer copies no byte
+        owner = owner or new_owner()
+        # the claim, before any file: a writer older than the version's claim is refused here
+        claim = self._claim(version, epoch, owner) if exclusive and self._claims else None
+        # upload parts the size of the manifest's chunks, so a multipart object's checksum can be
+        # checked against the chunk hashes (S3's composite SHA-256; see `_stored`)
+        self._part_size = manifest.chunk_size if manifest is not None else chunk_size
         stage = self._begin(version, exclusive)
+
+        def put(rel: str) -> FileEntry | None:
+            if claim is not None:  # fenced since? stop within one file
+                self._check_claim(version, claim)
+            if manifest is None:
+                return self._put_hashed(stage, rel, src_dir / rel, chunk_size)
+            self._put(stage, rel, src_dir / rel)
+            return None
+
         try:
             # 2. Copy every file, hashing each one just before it is copied (unless given).
+            entries = self._map(put, files)
             if manifest is None:
-                entries = self._map(lambda rel: self._put_hashed(stage, rel, src_dir / rel, chunk_size), files)
                 created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-                manifest = Manifest(version, tuple(entries), created, meta, chunk_size)
+                manifest = Manifest(version, tuple(e for e in entries if e is not None), created, meta, chunk_size)
+            # 3. The manifest goes last: its presence is what makes a version complete. Under a
+            # claim it is written create-only: of two writers of one version, one manifest.
+            key = f"versions/{stage}/{MANIFEST}"
+            if claim is not None:
+                self._check_claim(version, claim)
+                if not self._write_if(key, manifest.to_json(), None):
+                    raise CheckpointError(f"version {version} in {self.uri}: another writer's manifest appeared "
+                                          "while this publish ran; this one stops")
             else:
-                self._map(lambda rel: self._put(stage, rel, src_dir / rel), files)
-            # 3. The manifest goes last: its presence is what makes a version complete.
-            self._write_text(f"versions/{stage}/{MANIFEST}", manifest.to_json())
-            # 4. Read it back and check that every object is there with the right size.
+                self._write_text(key, manifest.to_json())
+            # 4. Read it back and check every object against it (by hash where the backend has one).
             self._verify_stored(stage, manifest)
+            if claim is not None:
+                self._check_claim(version, claim)
             self._commit(stage, version)
+            # 5. Only now move the pointer: a compare-and-set that an older epoch cannot pass.
+            self._point_latest(manifest, epoch)
         except BaseException:
-            self._abort(stage)
+            self._cleanup_failed(stage, version, claim)
             raise
-        # 5. Only now move the pointer.
-        self._point_latest(manifest)
         log.info("published version %d to %s: %d files, %.1f MiB in %.1f s", version, self.uri, len(files),
                  sum(e.size for e in manifest.files) / _MiB, time.monotonic() - t0)
         # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
@@ -221,10 +280,23 @@ class CheckpointStore(PinLeases, ABC):
         return manifest
 
     def latest(self) -> int | None:
-        text = self._read_text(LATEST)
+        return self._latest_doc(self._read_text(LATEST))["version"]
+
+    def latest_epoch(self) -> int | None:
+        """The trainer epoch that last moved or fenced `latest` (None: no fenced writer yet)."""
+        return self._latest_doc(self._read_text(LATEST))["epoch"]
+
+    def _latest_doc(self, text: str | None) -> dict[str, Any]:
+        """`latest.json` as {version, manifest_sha256, epoch}; `version` is None when nothing was
+        published or only a fence was written (a new trainer's epoch before its first version)."""
+        if text is None:
+            return {"version": None, "manifest_sha256": None, "epoch": None}
         try:
-            return None if text is None else int(json.loads(text)["version"])
-        except (ValueError, KeyError, TypeError) as e:
+            d = json.loads(text)
+            return {"version": None if d["version"] is None else int(d["version"]),
+                    "manifest_sha256": d.get("manifest_sha256"),
+                    "epoch": None if d.get("epoch") is None else int(d["epoch"])}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed {LATEST} in {self.uri} ({e!r}); republish a version") from e
 
     def require_lineage(self) -> int:
@@ -302,14 +374,15 @@ class CheckpointStore(PinLeases, ABC):
         """Delete old versions; return the deleted ones, ascending.
 
         Kept: the newest `keep_last` complete versions, every multiple of `keep_every` (if > 0),
-        `latest`, version 0, `pinned` and every version a live lease pins. Each deletion removes
+        `latest`, version 0 (unless `keep_version_zero` is off), `pinned` and every version a live lease pins. Each deletion removes
         the manifest first, so a half-deleted version is never complete. Leftovers of failed
         publishes and deletions at or below `latest` are removed too, and so are expired pins.
         """
         _check_retention(keep_last, keep_every)
         dirs, latest, now, leases = self._version_dirs(), self.latest(), self.clock(), self._leases()
         versions = _complete(dirs)
-        keep = set(versions[-keep_last:]) | {0, *pinned} | {lease.version for _, _, lease in leases if lease.live(now)}
+        keep = set(versions[-keep_last:]) | {*pinned} | {lease.version for _, _, lease in leases if lease.live(now)}
+        keep |= {0} if self.keep_version_zero else set()
         keep |= {v for v in versions if keep_every > 0 and v % keep_every == 0}
         keep |= set() if latest is None else {latest}
         deleted, failed = [], []
@@ -336,30 +409,43 @@ class CheckpointStore(PinLeases, ABC):
             raise CheckpointError(f"retention in {self.uri} deleted {deleted} but failed on: {'; '.join(failed)}")
         return deleted
 
-    def recover(self) -> int | None:
+    def recover(self, epoch: int | None = None, servable: tuple[int, str] | None = None,
+                owner: str | None = None) -> int | None:
         """Repair what a writer killed mid-publish left above `latest`; return the new `latest`.
 
-        Call it only while nothing publishes (one writer per store): resume calls it before the
-        pipeline starts. The newest complete version above `latest` that verifies as publish
-        verifies before it moves `latest` (the manifest reads back as itself, every object is
-        there with its size) becomes `latest`. Every other version or staging folder above
-        `latest` (no manifest, a missing or short object) is deleted, manifest first. Checksums
-        are not re-read, as in publish: that would download the whole version, and fetch checks
-        every checksum before anything uses it.
+        `epoch` (a new trainer's): first recorded in `latest` (`fence`), so every older writer is
+        refused from then on (and this one is, if a newer epoch is recorded already). A version
+        or staging folder above `latest` under a live claim of the same or a newer epoch (not
+        `owner`'s) is left alone: its writer is alive and not replaced. Every other one is
+        adopted or deleted: a complete version that verifies as publish verifies (the manifest
+        reads back, every object matches it by hash or size) becomes `latest` if it is the
+        version `servable` names (version, manifest sha256) or, for a caller without an epoch or
+        a servable pointer (`--resume`, one writer at a time), if it is the newest; the rest are
+        deleted, manifest first, claim last.
         """
-        latest, dirs = self.latest(), self._version_dirs()
+        if epoch is not None:
+            self.fence(epoch)
+        latest, dirs, now = self.latest(), self._version_dirs(), self.clock()
         good: dict[int, Manifest] = {}
         above = sorted((int(m.group(1)), d) for d in dirs
                        if (m := _STAGE_DIR.match(d)) and (latest is None or int(m.group(1)) > latest))
         for v, d in above:
+            claim = self.read_claim(v) if _VERSION_DIR.match(d) and self._claims else None
+            if claim is not None and claim.owner != owner and not claim.removable_by(epoch, now):
+                log.warning("recovery in %s: leaving %s alone: a live claim of epoch %s (%s) holds it", self.uri, d,
+                            claim.epoch, claim.owner)
+                continue
             why = "a staging folder" if not _VERSION_DIR.match(d) else None if dirs[d] else "no manifest"
             if why is None:
                 try:
-                    good[v] = self.manifest(v)
-                    self._verify_stored(d, good[v])
+                    m = self.manifest(v)
+                    named = servable is not None and servable == (v, m.sha256())
+                    if not named and (servable is not None or epoch is not None):
+                        raise CheckpointError(f"not the servable version {servable}")
+                    self._verify_stored(d, m)
+                    good[v] = m
                     continue
                 except CheckpointError as e:
-                    good.pop(v, None)
                     why = str(e)
             log.warning("recovery in %s: deleting %s, above latest %s: %s", self.uri, d, latest, why)
             self._delete([f"versions/{d}/{MANIFEST}"])
@@ -367,13 +453,108 @@ class CheckpointStore(PinLeases, ABC):
         if not good:
             return latest
         v = max(good)
-        self._point_latest(good[v])
+        self._point_latest(good[v], epoch)
         log.warning("recovery in %s: version %d was complete and verified but latest was %s (a publish died "
                     "before moving it); latest is now %d", self.uri, v, latest, v)
         return v
 
-    def _point_latest(self, manifest: Manifest) -> None:
-        self._write_text(LATEST, json.dumps({"version": manifest.version, "manifest_sha256": manifest.sha256()}) + "\n")
+    def _point_latest(self, manifest: Manifest | None, epoch: int | None, back: bool = False) -> None:
+        """Move `latest` to `manifest` (None: keep its version, a fence; None with `back`: name no
+        version, for a cache tier whose versions above the durable `latest` were dropped) as
+        writer `epoch`: a compare-and-set on `latest.json`, refused if a newer epoch moved it or,
+        unless `back`, if it already names a newer version. The recorded epoch only grows; a
+        writer without an epoch keeps the recorded one."""
+        for _ in range(20):
+            text, tag = self._read_tagged(LATEST)
+            cur = self._latest_doc(text)
+            if older(epoch, cur["epoch"]):
+                raise refused("moving latest" if manifest else "fencing latest", self.uri, epoch, cur["epoch"])
+            if manifest is None:
+                doc = {**cur, "epoch": max(e for e in (epoch, cur["epoch"], 0) if e is not None)}
+                if back:
+                    doc |= {"version": None, "manifest_sha256": None}
+            else:
+                if not back and cur["version"] is not None and cur["version"] > manifest.version:
+                    raise CheckpointError(f"latest in {self.uri} already names version {cur['version']}, newer than "
+                                          f"{manifest.version}; another writer moved it")
+                doc = {"version": manifest.version, "manifest_sha256": manifest.sha256(),
+                       "epoch": cur["epoch"] if epoch is None else epoch}
+            new = json.dumps(doc) + "\n"
+            if new == text or self._write_if(LATEST, new, tag):  # equal: our own write whose reply was lost
+                return
+        raise CheckpointError(f"latest in {self.uri} kept changing under 20 compare-and-set attempts; "
+                              "more than one writer is moving it")
+
+    def fence(self, epoch: int) -> None:
+        """Record `epoch` in `latest.json` (its version unchanged): every writer of an older
+        epoch is refused from now on. Raises if a newer epoch is recorded already."""
+        self._point_latest(None, epoch)
+
+    def _check_epoch(self, epoch: int | None, what: str) -> None:
+        if epoch is not None and older(epoch, recorded := self.latest_epoch()):
+            raise refused(what, self.uri, epoch, recorded)
+
+    def _claim_key(self, version: int) -> str:
+        return f"versions/{version_dir(version)}/{CLAIM}"
+
+    def read_claim(self, version: int) -> Claim | None:
+        text = self._read_text(self._claim_key(version))
+        return None if text is None else Claim.from_json(text)
+
+    def _claim(self, version: int, epoch: int | None, owner: str) -> Claim:
+        """Claim `version` create-only. A claim there already: ours (a retried PUT whose reply was
+        lost) is kept; one this writer may remove (expired, or of an older epoch) is replaced,
+        together with whatever its writer left; any other refuses this writer."""
+        mine = Claim(owner, epoch, self.clock() + self.claim_ttl_s)
+        key = self._claim_key(version)
+        for _ in range(3):
+            if self._write_if(key, mine.to_json(), None):
+                return mine
+            theirs = self.read_claim(version)
+            if theirs is None:
+                continue  # removed meanwhile: try again
+            if theirs.owner == owner:
+                return theirs
+            if older(epoch, theirs.epoch):
+                raise refused(f"claiming version {version}", self.uri, epoch, theirs.epoch, theirs.owner)
+            if not theirs.removable_by(epoch, self.clock()):
+                raise CheckpointError(f"version {version} is already claimed in {self.uri} by another publisher of "
+                                      f"epoch {theirs.epoch} ({theirs.owner}), live until {theirs.expires_at:.0f} "
+                                      "(a second trainer of this run?); this one stops")
+            if version in self.versions():
+                raise CheckpointError(f"version {version} already exists in {self.uri}; publish a new version")
+            log.warning("version %d in %s: replacing the claim of epoch %s (%s, %s) left by a replaced or dead "
+                        "writer, with what it wrote", version, self.uri, theirs.epoch, theirs.owner,
+                        "expired" if not theirs.live(self.clock()) else "older epoch")
+            self._delete([f"versions/{version_dir(version)}/{MANIFEST}"])
+            self._delete([k for k in self._list(f"versions/{version_dir(version)}/") if not k.endswith(f"/{CLAIM}")])
+            self._delete([key])
+        raise CheckpointError(f"could not claim version {version} in {self.uri}: its claim kept changing")
+
+    def _check_claim(self, version: int, claim: Claim) -> None:
+        """Raise if this writer no longer holds `version`'s claim (a newer writer removed it)."""
+        cur = self.read_claim(version)
+        if cur is None or cur.owner != claim.owner:
+            theirs = None if cur is None else cur.epoch
+            if cur is not None and older(claim.epoch, theirs):
+                raise refused(f"publish of version {version}", self.uri, claim.epoch, theirs, cur.owner)
+            raise CheckpointError(f"publish of version {version} in {self.uri}: this writer's claim (epoch "
+                                  f"{claim.epoch}) was removed{'' if cur is None else f' and taken by epoch {theirs}'}"
+                                  " (a newer trainer recovered the store); this one stops")
+
+    def _cleanup_failed(self, stage: str, version: int, claim: Claim | None) -> None:
+        """Delete what a failed publish wrote (its manifest first), unless a newer writer holds
+        the version now: then those objects may be the newer writer's."""
+        try:
+            if claim is not None:
+                cur = self.read_claim(version)
+                if cur is None or cur.owner != claim.owner:
+                    log.warning("version %d in %s: this publish failed after another writer took the version "
+                                "over; leaving its objects alone", version, self.uri)
+                    return
+            self._abort(stage)
+        except CheckpointError as e:  # the store itself failed: recovery or retention removes them later
+            log.warning("could not remove what the failed publish of version %d left in %s: %s", version, self.uri, e)
 
     def _map(self, fn: Callable[[Any], _R], items: Iterable[Any]) -> list[_R]:
         ex = ThreadPoolExecutor(max_workers=self._workers)
@@ -391,14 +572,22 @@ class CheckpointStore(PinLeases, ABC):
         return entry
 
     def _verify_stored(self, stage: str, manifest: Manifest) -> None:
+        """The manifest reads back as itself and every object matches it: by its hash where the
+        backend reports one (an object another writer replaced has other bytes, usually of the
+        same size), else by its size. `hash_checked` counts the objects checked by hash."""
         v = manifest.version
         if self._read_text(f"versions/{stage}/{MANIFEST}") != manifest.to_json():
             raise CheckpointError(f"the manifest of version {v} did not read back as written in {self.uri}; retry")
-        sizes = self._map(lambda e: self._size(stage, e.path), manifest.files)
-        for e, size in zip(manifest.files, sizes):
+        stored = self._map(lambda e: self._stored(stage, e, manifest.chunk_size), manifest.files)
+        for e, (size, same) in zip(manifest.files, stored):
             if size != e.size:
                 raise CheckpointError(f"{e.path} of version {v} in {self.uri}: expected {e.size} bytes, "
                                       f"found {'nothing' if size is None else size}; retry the publish")
+            if same is False:
+                raise CheckpointError(f"{e.path} of version {v} in {self.uri} does not hash to its manifest's sha256 "
+                                      f"{e.sha256}: another writer replaced it, or the source file changed while it "
+                                      "was published; retry the publish")
+        self.hash_checked = sum(1 for _, same in stored if same)
 
     def _get_verified(self, version: int, e: FileEntry, tmp: Path) -> None:
         """Download one file into the staging folder, hashed as it streams; refuse a mismatch.

@@ -11,6 +11,8 @@ Limitations:
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -129,6 +131,25 @@ class LocalStore(CheckpointStore):
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"cannot write {path}: {e}") from e
+
+    def _read_tagged(self, key: str) -> tuple[str | None, str | None]:
+        text = self._read_text(key)
+        return text, None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+    def _write_if(self, key: str, text: str, tag: str | None) -> bool:
+        """Compare-and-set under a lock file beside the store's objects (`fcntl.flock`: writers on
+        one machine, as a folder store has)."""
+        lock = self.root / ".moerl-write.lock"
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            with open(lock, "a") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                if self._read_tagged(key)[1] != tag:
+                    return False
+                self._write_text(key, text)
+                return True
+        except OSError as e:
+            raise CheckpointError(f"cannot write {self.root / key}: {e}") from e
 
     def _version_dirs(self) -> dict[str, bool]:
         d = self.root / "versions"

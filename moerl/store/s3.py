@@ -17,6 +17,8 @@ Limitations:
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +34,8 @@ from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedErr
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.store.base import MANIFEST, CheckpointStore, HashingWriter
+from moerl.store.base import MANIFEST, CheckpointStore, FileEntry, HashingWriter
+from moerl.store.fence import CLAIM
 from moerl.store.manifest import version_dir
 
 log = logging.getLogger(__name__)
@@ -40,14 +43,16 @@ log = logging.getLogger(__name__)
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 # A conditional write lost: the object exists (412), or was written concurrently (409).
 _TAKEN = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
-CLAIM = ".claim"  # versions/vNNNNNN/.claim: written create-only before any file of the version
 _UNREACHABLE = (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError, ReadTimeoutError)
 _MiB = 1024 * 1024
+_MIN_PART = 5 * _MiB  # S3's smallest part (but the last)
 _R = TypeVar("_R")
 
 
 class S3Store(CheckpointStore):
     """s3://bucket/prefix."""
+
+    _claims = True  # conditional writes: claims, the manifest and `latest` are create-only / compare-and-set
 
     def __init__(self, cfg: CheckpointConfig, credentials: tuple[str, str] | None = None) -> None:
         """`credentials`: an access key and secret for this store only (the cache tier's server
@@ -112,36 +117,91 @@ class S3Store(CheckpointStore):
                                           "check the AWS credentials (env, profile, IRSA)") from e
                 raise
 
-    def _begin(self, version: int, exclusive: bool = False) -> str:
-        """Claim the version create-only (`If-None-Match: *`, S3's conditional write) before
-        writing any of its files: of two publishers of one version (two trainers of one run),
-        the second fails here and never overwrites the first one's objects, so the manifest
-        that `latest` points at always describes the bytes under it. A claim left by a killed
-        publish goes with its incomplete version (`recover`)."""
-        stage = version_dir(version)
-        if not exclusive:
-            return stage
-        key = self._key(f"versions/{stage}/{CLAIM}")
-        with self._errors(f"claiming version {version}"):
+    def ensure_bucket(self) -> bool:
+        """Create the bucket if it is missing; True if it was created. For the cache tier, whose
+        server keeps its data in memory: after a restart nothing else recreates it (the writer
+        identity may: manifests/base/ckpt-cache.yaml gives it Admin on the server)."""
+        with self._errors(f"checking bucket {self.bucket!r}"):
             try:
-                self._s3.put_object(Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
+                self._s3.head_bucket(Bucket=self.bucket)
+                return False
             except ClientError as e:
-                if _code(e) in _TAKEN:
-                    raise CheckpointError(f"version {version} is already claimed in {self.uri} by another "
-                                          "publisher (a second trainer of this run?); this one stops") from e
+                if _code(e) not in _MISSING | {"NoSuchBucket"}:
+                    raise
+        with self._errors(f"creating bucket {self.bucket!r}"):
+            try:
+                region = self._s3.meta.region_name
+                conf = {} if region in (None, "us-east-1") else {
+                    "CreateBucketConfiguration": {"LocationConstraint": region}}
+                self._s3.create_bucket(Bucket=self.bucket, **conf)
+            except ClientError as e:
+                if _code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another writer was first
+                    raise
+                return False
+        log.warning("bucket %r was missing at %s (a restarted cache server?); created it", self.bucket, self.endpoint)
+        return True
+
+    def _read_tagged(self, key: str) -> tuple[str | None, str | None]:
+        def get() -> tuple[str, str]:
+            r = self._s3.get_object(Bucket=self.bucket, Key=self._key(key))
+            return r["Body"].read().decode(), r["ETag"]
+
+        got = self._or_none(f"reading {key}", get)
+        return (None, None) if got is None else got
+
+    def _write_if(self, key: str, text: str, tag: str | None) -> bool:
+        """A conditional PUT (S3 conditional writes; weed mini 4.48 enforces both, measured):
+        `If-Match` the ETag read, or `If-None-Match: *` to create only."""
+        cond = {"IfMatch": tag} if tag is not None else {"IfNoneMatch": "*"}
+        with self._errors(f"writing {key}"):
+            try:
+                self._s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=text.encode(), **cond)
+                return True
+            except ClientError as e:
+                if _code(e) in _TAKEN | _MISSING:  # changed, created, or (If-Match) deleted meanwhile
+                    return False
                 raise
-        return stage
 
     def _abort(self, stage: str) -> None:
-        try:  # without its manifest the partial version stays invisible; its claim is ours to drop
-            self._delete([f"versions/{stage}/{MANIFEST}", f"versions/{stage}/{CLAIM}"])
-        except CheckpointError as e:
-            log.warning("could not remove the manifest of failed publish %s: %s", stage, e)
+        """Delete a failed publish's objects: its manifest first (the version is never complete
+        without it), then its files, its claim last (until then no one else writes there)."""
+        keys = self._list(f"versions/{stage}/")
+        self._delete([k for k in keys if k.endswith(f"/{MANIFEST}")])
+        self._delete([k for k in keys if not k.endswith((f"/{MANIFEST}", f"/{CLAIM}"))])
+        self._delete([k for k in keys if k.endswith(f"/{CLAIM}")])
+
+    def _stored(self, stage: str, e: FileEntry, chunk_size: int) -> tuple[int | None, bool | None]:
+        """HEAD with the object's SHA-256 checksum (`ChecksumMode=ENABLED`). An object uploaded in
+        one part reports the sha256 of its bytes; one uploaded in parts reports the sha256 of its
+        parts' sha256s ("...-N"), which the manifest's chunk hashes give when the parts were its
+        chunks (`_put` uploads them so). Anything else (no checksum, other parts): size only."""
+        head = self._or_none(f"checking {e.path}", lambda: self._s3.head_object(
+            Bucket=self.bucket, Key=self._key(f"versions/{stage}/{e.path}"), ChecksumMode="ENABLED"))
+        if head is None:
+            return None, None
+        size, got = int(head["ContentLength"]), head.get("ChecksumSHA256")
+        if not got:
+            return size, None
+        digest, _, parts = got.partition("-")
+        if not parts:
+            return size, base64.b64decode(digest).hex() == e.sha256
+        if int(parts) != len(e.chunks) or not e.chunks:
+            return size, None
+        composite = hashlib.sha256(b"".join(bytes.fromhex(c) for c in e.chunks)).digest()
+        return size, base64.b64decode(digest) == composite
 
     def _put(self, stage: str, rel: str, src: Path) -> None:
+        """Upload with a SHA-256 checksum (the server refuses bytes that do not match it, and
+        reports it back for `_stored`), in parts of the manifest's chunk size when that is a valid
+        part size (S3: 5 MiB at least), so a multipart object's checksum is checkable."""
         key = self._key(f"versions/{stage}/{rel}")
+        config = self._transfer
+        if self._part_size >= _MIN_PART:
+            config = TransferConfig(multipart_threshold=self._part_size, multipart_chunksize=self._part_size,
+                                    max_concurrency=self._transfer.max_request_concurrency,
+                                    num_download_attempts=self._transfer.num_download_attempts)
         with self._errors(f"uploading {rel}"):
-            self._s3.upload_file(str(src), self.bucket, key, Config=self._transfer)
+            self._s3.upload_file(str(src), self.bucket, key, Config=config, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
 
     def _get(self, stage: str, rel: str, dest: Path) -> str:
         """Concurrent ranged GETs, written and hashed in offset order as they arrive (see

@@ -36,13 +36,14 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import CheckpointStore
+from moerl.store.fence import new_owner
 from moerl.store.folder import LocalStore
 from moerl.store.manifest import MANIFEST, Manifest, version_dir
 from moerl.store.nodecache import MARKER, is_verified, lock_path, shared
@@ -109,8 +110,42 @@ def cache_tier_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore | No
     sub = cfg.model_copy(update={"uri": f"{ct.uri.rstrip('/')}/runs/{run_id}", "endpoint_url": ct.endpoint_url,
                                  "region": ct.region, "max_attempts": ct.max_attempts})
     store = S3Store(sub, credentials=cache_tier_credentials(cfg))
-    store.pin_ttl_s = cfg.pin_ttl_s
+    store.pin_ttl_s, store.claim_ttl_s = cfg.pin_ttl_s, cfg.claim_ttl_s
+    store.keep_version_zero = False  # room for `keep_last` versions only (check_tier_fits); S3 has version 0
     return store
+
+
+_GiB = 2**30
+
+
+def check_tier_fits(cfg: CheckpointConfig, version_bytes: int) -> None:
+    """Refuse (CheckpointError) a version the cache tier has no room for: it holds
+    `cache_tier.keep_last` versions and, while a new one is written, that one too (retention runs
+    after the new version is complete), so `(keep_last + 1) x version_bytes` must fit in
+    `cache_tier.capacity_gb` (GiB: the server's memory-backed volume, manifests/base/ckpt-cache.yaml).
+    The publisher then publishes the version to the durable store first (counted)."""
+    ct = cfg.cache_tier
+    need, cap = (ct.keep_last + 1) * version_bytes, ct.capacity_gb * _GiB
+    if need > cap:
+        raise CheckpointError(
+            f"checkpoint.cache_tier.capacity_gb is {ct.capacity_gb:g} GiB, but a version is "
+            f"{version_bytes / _GiB:.1f} GiB and the cache tier holds keep_last + 1 = {ct.keep_last + 1} of them "
+            f"while one is written ({need / _GiB:.1f} GiB): raise the cache server's volume (the overlays' "
+            "ckpt-cache patch) and capacity_gb with it, or lower checkpoint.cache_tier.keep_last; until then "
+            "versions go to the durable store first")
+
+
+def drop_cache_run(cfg: CheckpointConfig, run_id: str) -> int:
+    """Delete a finished run's prefix from the cache tier (its versions, pointer, claims, pins);
+    the durable store is not touched. Returns how many objects went; 0 without a cache tier."""
+    store = cache_tier_store(cfg, run_id)
+    if store is None:
+        return 0
+    keys = store._list("")
+    store._delete([k for k in keys if k.endswith("/manifest.json")])  # first: no half-deleted version is complete
+    store._delete([k for k in keys if not k.endswith("/manifest.json")])
+    log.info("deleted run %s's %d objects from the cache tier %s", run_id, len(keys), store.uri)
+    return len(keys)
 
 
 @dataclass
@@ -123,6 +158,10 @@ class Tiers:
     retention: tuple[int, int]  # the durable store's (keep_last, keep_every)
     cache_keep: int
     cache_failed: str | None = None  # why the last servable publish skipped the cache tier
+    config: CheckpointConfig | None = None  # for check_tier_fits (the cache tier's capacity)
+    epoch: int | None = None  # the trainer's epoch: every write is fenced by it (moerl.store.fence)
+    owner: str = field(default_factory=new_owner)
+    cache_too_small: bool = False  # the last servable publish skipped the cache tier for want of room
 
     # -- writing --------------------------------------------------------------------------
     def publish_servable(self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False) -> Manifest:
@@ -130,17 +169,26 @@ class Tiers:
         cache tier that fails (down, full) is logged and counted by the caller
         (`cache_tier_failed`), and the version goes to the durable store first instead: it is
         servable once durable, later but never lost."""
-        self.cache_failed = None
+        self.cache_failed, self.cache_too_small = None, False
         if self.cache is not None:
             try:
+                if self.config is not None:  # before a byte is written: a tier that cannot hold it is skipped
+                    try:
+                        check_tier_fits(self.config, sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file()))
+                    except CheckpointError:
+                        self.cache_too_small = True
+                        raise
+                ensure = getattr(self.cache, "ensure_bucket", None)
+                if ensure is not None:  # a restarted cache server lost its bucket (memory-backed)
+                    ensure()
                 return self.cache.publish(version, src, meta, retention=(self.cache_keep, 0), exclusive=exclusive,
-                                          chunk_size=self.chunk_size)
+                                          chunk_size=self.chunk_size, epoch=self.epoch, owner=self.owner)
             except CheckpointError as e:
                 self.cache_failed = str(e)
                 log.warning("version %d: the cache tier %s failed (%s); publishing it to the durable store %s "
                             "first (servable once durable)", version, self.cache.uri, e, self.durable.uri)
         return self.durable.publish(version, src, meta, retention=self.retention, exclusive=exclusive,
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, epoch=self.epoch, owner=self.owner)
 
     def publish_durable(self, manifest: Manifest, src: Path, exclusive: bool = False) -> Manifest:
         """The durable copy under the same manifest; nothing to do when the first copy was the
@@ -148,7 +196,7 @@ class Tiers:
         if self.cache is None or self.cache_failed is not None:
             return manifest
         return self.durable.publish(manifest.version, src, retention=self.retention, exclusive=exclusive,
-                                    manifest=manifest)
+                                    manifest=manifest, epoch=self.epoch, owner=self.owner)
 
     def publish(self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False) -> Manifest:
         return self.publish_durable(self.publish_servable(version, src, meta, exclusive), src, exclusive)
@@ -203,49 +251,91 @@ class Tiers:
         return self.durable.manifest(version)
 
     # -- recovery -------------------------------------------------------------------------
-    def recover(self, scratch: Path | None = None) -> int | None:
+    def recover(self, scratch: Path | None = None, servable: tuple[int, str] | None = None) -> int | None:
         """Repair both tiers after a publisher died; return the durable `latest` (see the
         module docstring). `scratch`: where versions are staged on their way between tiers
         (whole versions, `trainer/` included: give a folder with room, not /tmp).
 
+        `servable`: the (version, manifest sha256) the bus's servable pointer names. Only that
+        version is promoted from the cache tier (or adopted in the durable store): a complete
+        version nobody made servable (a replaced trainer's, one whose pointer move was refused)
+        never enters the lineage. Without it nothing is promoted, and cache-tier versions above
+        the durable `latest` are deleted (the run trains those numbers again). With `epoch` set,
+        both tiers record it first (`CheckpointStore.fence`): a replaced trainer's publisher is
+        refused from then on, and claims it holds are removed; a live claim of this or a newer
+        epoch is left alone.
+
         Only the cache tier's own failures are forgiven (the run goes on from S3); a failure
         to write the durable store, or of the local disk, is raised: a promotion that cannot
         complete must stop the run rather than drop a trained version."""
-        latest = self.durable.recover()
+        latest = self.durable.recover(self.epoch, servable, self.owner)
         if self.cache is None:
             return latest
         try:
-            self.cache.recover()
+            ensure = getattr(self.cache, "ensure_bucket", None)
+            if ensure is not None:  # a restarted cache server: its bucket is gone with its memory
+                ensure()
+            self.cache.recover(self.epoch, servable, self.owner)
             above = [v for v in self.cache.versions() if latest is None or v > latest]
         except CheckpointError as e:
             log.warning("recovery: the cache tier %s is unusable (%s); the run goes on from the durable store",
                         self.cache.uri, e)
             return latest
         for v in above:
+            try:
+                manifest = self.cache.manifest(v)
+            except CheckpointError as e:
+                log.warning("recovery: version %d in the cache tier has no readable manifest (%s)", v, e)
+                continue
+            claim = self.cache.read_claim(v)
+            if claim is not None and claim.owner != self.owner and not claim.removable_by(self.epoch,
+                                                                                          self.cache.clock()):
+                log.warning("recovery: version %d in the cache tier is held by a live claim of epoch %s (%s); left "
+                            "alone", v, claim.epoch, claim.owner)
+                continue
+            if servable != (v, manifest.sha256()):
+                log.warning("recovery: version %d in the cache tier (manifest %s) is not the servable version %s; "
+                            "deleting it (the run trains that number again)", v, manifest.sha256()[:12], servable)
+                self._drop_cache_version(v)
+                continue
             with self._staged(scratch) as tmp:
                 try:
-                    manifest, local = self.cache.manifest(v), self.cache.fetch(v, tmp)  # every file verified
+                    local = self.cache.fetch(v, tmp, expect_sha256=servable[1])  # every file verified
                 except CheckpointError as e:
                     if not _cache_side(e):
                         raise
                     log.warning("recovery: version %d in the cache tier cannot be read back (%s); the run goes on "
                                 "from version %s of the durable store", v, e, latest)
                     break
-                self._publish_copy(local, self.durable, manifest, self.retention)
+                self._publish_copy(local, self.durable, manifest, self.retention, self.epoch, self.owner)
             log.warning("recovery: version %d was servable in the cache tier but not durable (the publisher died "
                         "between the two); promoted it to %s", v, self.durable.uri)
             latest = v
         try:
-            if latest is not None and latest not in self.cache.versions():
+            cache_latest = self.cache.latest()
+            if latest is not None and latest in self.cache.versions():
+                if cache_latest is not None and cache_latest > latest:  # the versions above it were dropped
+                    self.cache._point_latest(self.cache.manifest(latest), self.epoch, back=True)
+            elif latest is not None:
+                if cache_latest is not None and cache_latest > latest:  # the versions above it were dropped
+                    self.cache._point_latest(None, self.epoch, back=True)  # so the rebuild's publish is not refused
                 with self._staged(scratch) as tmp:
                     manifest = self.durable.manifest(latest)
-                    self._publish_copy(self.durable.fetch(latest, tmp), self.cache, manifest, (self.cache_keep, 0))
+                    self._publish_copy(self.durable.fetch(latest, tmp), self.cache, manifest, (self.cache_keep, 0),
+                                       self.epoch, self.owner)
                 log.warning("recovery: the cache tier lacked version %d (latest); rebuilt it from %s", latest,
                             self.durable.uri)
         except CheckpointError as e:  # the cache tier only: the durable side was read, not written
             log.warning("recovery: could not rebuild the cache tier %s (%s); engines read S3 until it works",
                         self.cache.uri, e)
         return latest
+
+    def _drop_cache_version(self, v: int) -> None:
+        try:
+            self.cache._delete([f"versions/{version_dir(v)}/{MANIFEST}"])  # first: no longer complete
+            self.cache._delete_stage(version_dir(v))
+        except CheckpointError as e:
+            log.warning("recovery: could not delete version %d from the cache tier (%s)", v, e)
 
     @staticmethod
     def _staged(scratch: Path | None):
@@ -254,10 +344,11 @@ class Tiers:
         return tempfile.TemporaryDirectory(prefix="moerl-tier-", dir=scratch)
 
     @staticmethod
-    def _publish_copy(local: Path, dst: CheckpointStore, manifest: Manifest, retention: tuple[int, int]) -> None:
+    def _publish_copy(local: Path, dst: CheckpointStore, manifest: Manifest, retention: tuple[int, int],
+                      epoch: int | None = None, owner: str | None = None) -> None:
         for extra in (MANIFEST, MARKER):
             (local / extra).unlink(missing_ok=True)
-        dst.publish(manifest.version, local, retention=retention, manifest=manifest)
+        dst.publish(manifest.version, local, retention=retention, manifest=manifest, epoch=epoch, owner=owner)
 
 
 def _cache_side(err: CheckpointError) -> bool:
@@ -290,7 +381,7 @@ def open_store(cfg: CheckpointConfig) -> CheckpointStore:
         store: CheckpointStore = S3Store(cfg)
     else:
         store = LocalStore(Path(cfg.uri))
-    store.pin_ttl_s = cfg.pin_ttl_s
+    store.pin_ttl_s, store.claim_ttl_s = cfg.pin_ttl_s, cfg.claim_ttl_s
     return store
 
 
@@ -301,6 +392,8 @@ def run_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore:
     return open_store(cfg.model_copy(update={"uri": f"{cfg.uri.rstrip('/')}/runs/{run_id}"}))
 
 
-def run_tiers(cfg: CheckpointConfig, run_id: str) -> Tiers:
+def run_tiers(cfg: CheckpointConfig, run_id: str, epoch: int | None = None) -> Tiers:
+    """`epoch`: the trainer's (`RunBus.claim_trainer`), which fences every write of these tiers;
+    None for a writer outside the async trainer (the sync pipeline, `--resume`, benchmarks)."""
     return Tiers(run_store(cfg, run_id), cache_tier_store(cfg, run_id), cfg.chunk_mb * 2**20,
-                 (cfg.keep_last, cfg.keep_every), cfg.cache_tier.keep_last)
+                 (cfg.keep_last, cfg.keep_every), cfg.cache_tier.keep_last, config=cfg, epoch=epoch)

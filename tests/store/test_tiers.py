@@ -90,7 +90,7 @@ def test_recovery_promotes_a_servable_version_and_rebuilds_an_empty_cache_tier(b
     src = make_checkpoint(tmp_path / "s1", seed=1)
     m1 = tiers.publish_servable(1, src, {"groups": "[\"g1\"]"})  # the publisher died here
     assert tiers.durable.latest() == 0
-    assert tiers.recover() == 1  # promoted: nothing trained is lost
+    assert tiers.recover(servable=(1, m1.sha256())) == 1  # promoted: nothing trained is lost
     assert tiers.durable.manifest(1).sha256() == m1.sha256() and tiers.durable.manifest(1).meta["groups"] == "[\"g1\"]"
     path = tiers.durable.fetch(1, tmp_path / "check")  # every file verified
     assert tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
@@ -99,6 +99,31 @@ def test_recovery_promotes_a_servable_version_and_rebuilds_an_empty_cache_tier(b
                       "r1")
     assert other.cache.latest() is None
     assert other.recover() == 1 and other.cache.latest() == 1 and other.cache.manifest(1).sha256() == m1.sha256()
+    assert other.cache.read_claim(1) is None  # a rebuild without an epoch claims nothing
+
+
+def test_recovery_promotes_only_the_version_the_servable_pointer_names(buckets, tmp_path: Path) -> None:
+    """A complete cache-tier version above the durable `latest` that the servable pointer does not
+    name (another manifest under that number, or no pointer at all) never enters the durable
+    lineage: it is deleted and the cache tier's `latest` goes back to the durable one."""
+    tiers = run_tiers(_cfg(buckets, tmp_path), "r1", epoch=1)
+    tiers.publish(0, make_checkpoint(tmp_path / "s0", seed=0), {}, exclusive=True)
+    m1 = tiers.publish_servable(1, make_checkpoint(tmp_path / "s1", seed=1), {}, exclusive=True)
+    m2 = tiers.publish_servable(2, make_checkpoint(tmp_path / "s2", seed=2), {}, exclusive=True)
+    assert tiers.cache.latest() == 2 and tiers.durable.latest() == 0
+    # the pointer names version 1 with another manifest (a republished number): nothing is promoted
+    again = run_tiers(_cfg(buckets, tmp_path), "r1", epoch=2)
+    assert again.recover(servable=(1, "0" * 64)) == 0
+    assert again.durable.versions() == [0] and again.cache.versions() == [0] and again.cache.latest() == 0
+    assert again.cache.latest_epoch() == again.durable.latest_epoch() == 2  # both tiers fenced by the new epoch
+    # the same, rebuilt; now the pointer names version 1 exactly: only it is promoted, not 2 above it
+    m1 = again.publish_servable(1, tmp_path / "s1", {}, exclusive=True)
+    again.publish_servable(2, tmp_path / "s2", {}, exclusive=True)
+    third = run_tiers(_cfg(buckets, tmp_path), "r1", epoch=3)
+    assert third.recover(servable=(1, m1.sha256())) == 1
+    assert third.durable.versions() == [0, 1] and third.durable.manifest(1).sha256() == m1.sha256()
+    assert 2 not in third.cache.versions() and third.cache.latest() == 1
+    assert m2.sha256() != m1.sha256()
 
 
 _KILLED_PUBLISHER = textwrap.dedent("""
