@@ -474,23 +474,30 @@ def test_a_generated_group_that_keeps_killing_its_scorers_is_dead_lettered(bus):
 @pytest.fixture
 def lost_replies(monkeypatch):
     """Cut the connection after the server ran a command and before its reply reached the
-    client: `lost_replies["n"] = k` loses the next k replies. The client (a real valkey-py
-    client against the real server) reconnects and sends the command again, as it would after a
-    network blip or a proxy reset."""
+    client: `lost_replies["n"] = k` loses the next k replies; with `lost_replies["only"] =
+    "XREADGROUP"`, the next k replies to that command only (others pass). The client (a real
+    valkey-py client against the real server) reconnects and sends the command again, as it
+    would after a network blip or a proxy reset."""
     import valkey
     from valkey.connection import Connection
 
-    real, state = Connection.read_response, {"n": 0, "lost": 0}
+    real, state = Connection.read_response, {"n": 0, "lost": 0, "only": None}
+    real_send = Connection.send_command
+
+    def send_command(self, *args, **kw):
+        self.moerl_last_command = str(args[0]).upper() if args else None
+        return real_send(self, *args, **kw)
 
     def read_response(self, *a, **kw):
         reply = real(self, *a, **kw)
-        if state["n"] > 0:
+        if state["n"] > 0 and state["only"] in (None, getattr(self, "moerl_last_command", None)):
             state["n"] -= 1
             state["lost"] += 1
             self.disconnect()
             raise valkey.exceptions.ConnectionError("reply lost in transit (test)")
         return reply
 
+    monkeypatch.setattr(Connection, "send_command", send_command)
     monkeypatch.setattr(Connection, "read_response", read_response)
     return state
 
@@ -530,6 +537,53 @@ def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
     bus.r.xadd(bus.key(UNITS), {"unit": "{broken"})
     assert once(lambda: bus.lease_unit("w1", block_ms=50)) is None
     assert bus.counters()["entries_dead"] == 1 and bus.depth()[DEAD] == 1  # dead-lettered once
+
+
+def test_a_lost_xreadgroup_reply_strands_nothing(bus, lost_replies):
+    """The server ran an XREADGROUP (the entries are now pending to the reader) and its reply
+    never reached the client, whose retried read finds nothing new: the entries were delivered
+    unseen. A unit so delivered is reclaimed once its visibility timeout passes; scored groups
+    so delivered are read back by the trainer's `Inbox` (components/policy_update/worker.py)
+    when XPENDING shows more pending than it holds."""
+    from moerl.components.policy_update.worker import CONSUMER, Inbox
+    from moerl.records import ScoredSample
+
+    uid = bus.issue_unit([_prompt(1)])
+    lost_replies["only"], lost_replies["n"] = "XREADGROUP", 1
+    assert bus.lease_unit("w1", block_ms=50) is None  # the retried read: nothing new
+    assert (lost_replies["lost"], lost_replies["n"]) == (1, 0)  # the loss landed on the XREADGROUP
+    [row] = bus.r.xpending_range(bus.key(UNITS), "rollout", min="-", max="+", count=10)
+    assert (row["consumer"], row["times_delivered"]) == ("w1", 1)  # delivered, unseen by w1
+    deadline, lease = time.monotonic() + 30, None
+    while lease is None and time.monotonic() < deadline:  # idle past the visibility timeout (0.3 s)
+        lease = bus.lease_unit("w2", block_ms=50)
+    assert lease is not None and lease.unit["unit_id"] == uid and lease.deliveries == 2
+    assert bus.counters()["units_reclaimed"] == 1
+
+    gids = []
+    for i in range(3):  # three scored groups with reward variance, as the trainer takes them
+        samples = [ScoredSample(prompt_id=f"p{i}", task="copy", prompt="x", answer="1", sample_index=j,
+                                prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.1],
+                                response_text="1", finish_reason="stop", policy_version=0,
+                                reward=float(j)).model_dump() for j in range(2)]
+        gids.append(f"u9{i:03d}/0:p{i}")
+        assert bus.publish_group(gids[-1], samples)
+        [(eid, group)] = bus.take_generated("s1", 1, block_ms=50)
+        assert bus.publish_scored(eid, group, 0)
+    inbox = Inbox(bus)
+    inbox.after = None  # mid-run: the trainer believes it holds its whole pending list
+    lost_replies["n"] = 1
+    assert inbox.take(3, set()) == []  # its XREADGROUP delivered all three; the reply was lost
+    assert (lost_replies["lost"], lost_replies["n"]) == (2, 0)
+    assert bus.pending_count(SCORED, CONSUMER) == 3
+    got: list = []
+    for _ in range(10):  # as `_gather` loops: check the pending list, then take
+        in_hand = {eid for eid, _ in got}
+        inbox.check(in_hand)
+        got += inbox.take(3 - len(got), in_hand)
+        if len(got) == 3:
+            break
+    assert [g["group_id"] for _, g in got] == gids and inbox.rescans == 1
 
 
 def test_a_run_resumed_on_a_new_valkey_continues_its_data_and_unit_ids(server, tmp_path):
