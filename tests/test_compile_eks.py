@@ -332,9 +332,11 @@ def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_ident
               "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": "WRITER_SECRET_ACCESS_KEY"}
     reader = {k: v.replace("WRITER", "READER") for k, v in writer.items()}
     # start_run reads: its preflight checks the bucket (HeadBucket: the reader's Read, List allow it)
-    want = ({"start_run": reader, "init_policy": writer, "async_trainer": writer, "rollout_worker": reader}
+    # finish_run writes: it deletes the finished run's prefix from the cache tier (drop_cache_run)
+    want = ({"start_run": reader, "init_policy": writer, "async_trainer": writer, "rollout_worker": reader,
+             "finish_run": writer}
             if mode == "async" else {"start_run": reader, "init_policy": writer, "publish_checkpoint": writer,
-                                     "rollout": reader, "redistribute_weights": reader})
+                                     "rollout": reader, "redistribute_weights": reader, "finish_run": writer})
     assert {s: k for s, k in seen.items() if k} == want
     assert all(not k for s, k in seen.items() if s not in want)  # reward, buffer, bookkeeping: no keys
 

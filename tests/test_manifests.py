@@ -551,3 +551,31 @@ def test_third_party_images_are_pinned_by_digest_through_the_image_digests_compo
     assert pin_images.main(["--check", "--overlay", str(MANIFESTS / "overlays" / "prod")]) == 1  # not pinned yet
     with pytest.raises(ValueError, match="not a sha256 digest"):
         pin_images.component({"valkey/valkey:9.1.2": "latest"})
+
+
+def test_the_cache_tiers_volume_matches_capacity_gb_and_prod_holds_the_seeds_versions(built):
+    """The base's memory-backed volume is `checkpoint.cache_tier.capacity_gb`'s default, which the
+    publisher's preflight (moerl.store.tiers.check_tier_fits) compares with; prod raises it to
+    hold keep_last + 1 versions of Qwen3-235B-A22B's bf16 weights, and the pod's memory to more."""
+    from moerl.config import CacheTierConfig, CheckpointConfig
+    from moerl.errors import CheckpointError
+    from moerl.store.tiers import check_tier_fits
+
+    def gib(q: str) -> int:
+        assert q.endswith("Gi"), q
+        return int(q[:-2])
+
+    def cache(objs):
+        sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "moerl-ckpt-cache")
+        spec = sts["spec"]["template"]["spec"]
+        vol = next(v for v in spec["volumes"] if v["name"] == "data")["emptyDir"]
+        assert vol["medium"] == "Memory"
+        return gib(vol["sizeLimit"]), gib(spec["containers"][0]["resources"]["limits"]["memory"])
+
+    assert cache(built["dev"])[0] == CacheTierConfig().capacity_gb == 48
+    size, memory = cache(built["prod"])
+    assert memory > size
+    seed = CheckpointConfig(cache_tier={"uri": "s3://c/p", "endpoint_url": "http://c:8333", "capacity_gb": size})
+    check_tier_fits(seed, 470 * 10**9)  # 235e9 bf16 parameters, keep_last 2 + 1: fits
+    with pytest.raises(CheckpointError, match="checkpoint.cache_tier.capacity_gb is 1320 GiB"):
+        check_tier_fits(seed, 480 * 10**9)

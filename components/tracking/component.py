@@ -99,7 +99,8 @@ def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, 
 
 
 def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
-    """Log the final checkpoint URI and the reward-curve plot, and close the MLflow run.
+    """Log the final checkpoint URI and the reward-curve plot, close the MLflow run, and delete
+    the run's prefix from the checkpoint cache tier (the durable store keeps every version).
     Returns the run id."""
     from moerl.launch.podenv import enter_pod
 
@@ -121,6 +122,16 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     register_final(cfg, run_id, final_uri)  # tracking.registry_name: the policy in MLflow's model registry
     with tempfile.TemporaryDirectory() as tmp:
         tracking.finish_run(tracking.resolve_uri(cfg.tracking), run_id, final_uri, Path(tmp))
+    # the cache tier is memory: a finished run's versions there serve no one (the durable store
+    # keeps them). Housekeeping: a failure is printed, never fails a finished run.
+    from moerl.errors import CheckpointError
+    from moerl.store.tiers import drop_cache_run
+
+    try:
+        if dropped := drop_cache_run(cfg.checkpoint, run_id):
+            print(f"[moerl] finish_run: deleted the run's {dropped} objects from the checkpoint cache tier", flush=True)
+    except CheckpointError as e:
+        print(f"[moerl] finish_run: could not delete the run's prefix from the checkpoint cache tier: {e}", flush=True)
     return run_id
 
 

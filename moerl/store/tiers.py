@@ -66,11 +66,12 @@ class Swarm(Protocol):
 # ckpt-cache.yaml): the stages that publish get the writer's keys, the ones that only read
 # (engines, redistribution) the reader's, as `<credentials_env>_ACCESS_KEY_ID/_SECRET_ACCESS_KEY`.
 # `start_run` reads too: its preflight checks the bucket (HeadBucket, which the reader's Read and
-# List allow). A stage left out of both gets no keys, so boto3 falls back to the pod's IRSA role,
+# List allow). `finish_run` writes: it deletes the finished run's prefix (`drop_cache_run`). The
+# writer creates the bucket when a restarted server lost it (`S3Store.ensure_bucket`: its Admin). A stage left out of both gets no keys, so boto3 falls back to the pod's IRSA role,
 # which the cache server refuses (403): every stage that touches the cache tier must be here.
 # `moerl.launch.podsecrets.pod_secret_env` is where `place`, the launcher and the test sandbox read it.
 CACHE_TIER_SECRET = "moerl-ckpt-cache"
-WRITER_STAGES = frozenset({"init_policy", "resume_policy", "publish_checkpoint", "async_trainer"})
+WRITER_STAGES = frozenset({"init_policy", "resume_policy", "publish_checkpoint", "async_trainer", "finish_run"})
 READER_STAGES = frozenset({"start_run", "rollout", "rollout_worker", "redistribute_weights"})
 
 
@@ -129,8 +130,8 @@ def check_tier_fits(cfg: CheckpointConfig, version_bytes: int) -> None:
     if need > cap:
         raise CheckpointError(
             f"checkpoint.cache_tier.capacity_gb is {ct.capacity_gb:g} GiB, but a version is "
-            f"{version_bytes / _GiB:.1f} GiB and the cache tier holds keep_last + 1 = {ct.keep_last + 1} of them "
-            f"while one is written ({need / _GiB:.1f} GiB): raise the cache server's volume (the overlays' "
+            f"{version_bytes / _GiB:.3g} GiB ({version_bytes} bytes) and the cache tier holds keep_last + 1 = "
+            f"{ct.keep_last + 1} of them while one is written ({need / _GiB:.3g} GiB): raise the cache server's volume (the overlays' "
             "ckpt-cache patch) and capacity_gb with it, or lower checkpoint.cache_tier.keep_last; until then "
             "versions go to the durable store first")
 
