@@ -18,17 +18,27 @@ serving a corrupt file costs `cache_tier.max_attempts` attempts and a warning, a
 on from S3; the source of every fetch is returned so callers count it (never a silent
 fallback).
 
-Recovery (`recover`, run by the trainer at start): a version complete in the cache tier but not
-in the durable store (the publisher died between the two) is promoted: read back from the cache
-tier, verified, and published durably under the same manifest, so nothing trained is lost. A
-cache tier that lost its data is rebuilt with the durable `latest`. A cache tier that cannot be
-reached is logged and left alone: the run goes on from S3.
+Recovery (`recover`, run by the trainer at start): the trainer's epoch is recorded in both
+tiers first (every write of an older trainer is refused from then on, `moerl.store.fence`); the
+version the servable pointer names, if complete in the cache tier but not in the durable store
+(the publisher died between the two), is promoted: read back from the cache tier, verified, and
+published durably under the same manifest, so nothing trained is lost. Other cache-tier versions
+above the durable `latest` are deleted (a version nobody made servable never enters the
+lineage; its number is trained again). A cache tier that lost its data (a restarted server: its
+volume is memory) gets its bucket back from the writer (`S3Store.ensure_bucket`, also before
+every publication to it) and is rebuilt with the durable `latest`. A cache tier that cannot be
+reached is logged and left alone: the run goes on from S3. A version larger than the tier can
+hold (`check_tier_fits`) is published to S3 first; a finished run's prefix is deleted
+(`drop_cache_run`, by `finish_run`).
 
 Limitations: the cache tier holds whole versions, the trainer's `trainer/` state included (so a
-version it holds can be promoted); at the seed's scale that is the optimizer state too, which
-the memory nodes must have room for (docs/weights.md). Its retention keeps the newest
-`keep_last` versions and version 0, without looking at pins: an engine whose version was pruned
-from under its fetch falls back to S3.
+version it holds can be promoted); at the seed's scale that is the optimizer state too, which no
+buffer node holds, so `check_tier_fits` sends every such version to S3 first until the tier is
+weights-only (docs/weights.md). Its retention keeps the newest `keep_last` versions (not version
+0), without looking at pins: an engine whose version was pruned from under its fetch falls back
+to S3. With `checkpoint.max_unpublished` > 1 several versions can be servable and not durable;
+only the one the pointer names is promoted, the ones below it are trained again. Without a
+servable pointer (`--resume`) nothing is promoted across tiers.
 """
 
 from __future__ import annotations
