@@ -818,22 +818,53 @@ def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failu
     closed.close()
     with pytest.raises(RuntimeError, match="closed"):
         closed.put(lambda: None)
-    # bounded: a hand-over waits while the bus is slow, rather than queueing without end
-    gate = threading.Event()
-    slow = _Outbox("t3", maxsize=2)
-    slow.put(gate.wait)  # taken by the thread, which waits on the gate
-    time.sleep(0.1)
-    slow.put(lambda: None)
-    slow.put(lambda: None)
-    third = threading.Thread(target=slow.put, args=(lambda: made.append("third"),))
-    third.start()
-    third.join(timeout=0.3)
-    assert third.is_alive()  # blocked: two writes wait already
-    gate.set()
-    third.join(timeout=5)
-    slow.flush()
-    assert made[-1] == "third"
-    slow.close()
+
+
+def test_the_outbox_stays_bounded_while_the_bus_takes_no_writes_and_sends_everything_after(bus, server):
+    """The server takes no writes (`CLIENT PAUSE ... WRITE` from an admin connection: what a
+    server stuck on its disk or a failover looks like to a worker): the outbox's round trip
+    waits on it, hand-overs fill the outbox to its bound and the next one blocks, so a slow bus
+    slows generation instead of queueing without end. Nothing goes out meanwhile; once the
+    server takes writes again, every write goes out, once each and in order."""
+    import valkey
+
+    from moerl.components.rollout.worker import _Outbox
+
+    admin = valkey.Valkey.from_url(server.url, decode_responses=True)
+    gids = [f"u1/{i}:p{i}" for i in range(7)]
+    out = _Outbox("bounded", bus, maxsize=2)
+    out.put(bus.group_write(gids[0], [{"x": 0}]))  # the scripts loaded, the connection made
+    out.flush()
+    handed: list[int] = []
+
+    def generate() -> None:  # the generation loop, handing over a group at a time
+        for i in range(2, len(gids)):
+            out.put(bus.group_write(gids[i], [{"x": i}]))
+            handed.append(i)
+
+    admin.client_pause(60_000, all=False)  # WRITE: reads go on, writes wait
+    loop = threading.Thread(target=generate, daemon=True)
+    try:
+        out.put(bus.group_write(gids[1], [{"x": 1}]))
+        deadline = time.monotonic() + 30
+        while out._q.qsize() and time.monotonic() < deadline:  # the thread took it: its round trip waits
+            time.sleep(0.01)
+        assert out._q.qsize() == 0
+        loop.start()
+        while len(handed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.join(timeout=1.0)
+        assert loop.is_alive() and handed == [2, 3] and out._q.qsize() == 2  # full: the third hand-over waits
+        assert bus.counters()["groups_generated"] == 1 and out.writes == 1  # nothing went out meanwhile
+        assert out.error is None
+    finally:
+        admin.client_unpause()
+    loop.join(timeout=30)
+    assert not loop.is_alive() and handed == list(range(2, len(gids)))
+    out.flush()
+    assert out.writes == len(gids) and bus.counters()["groups_generated"] == len(gids)
+    assert [g["group_id"] for _, g in bus.take_generated("s1", 10, block_ms=50)] == gids  # in order, once each
+    out.close()
 
 
 
@@ -1000,3 +1031,46 @@ def test_the_servable_pointer_moves_by_version_sha_and_epoch_not_the_number():
     assert pointer_moved(Registered(3, "u", "d", 2), 3, "a", 1) == "back"
     # behind, with no newer epoch: lost writes on the bus (a failover), the engine stays
     assert pointer_moved(Registered(2, "u", "c", 1), 3, "a", 1) is None
+
+
+# -- bounded state (issue 35, item 15) ------------------------------------------------------
+def test_an_acknowledged_units_groups_leave_the_published_set(bus):
+    bus.issue_unit([_prompt(1), _prompt(2)])
+    lease = bus.lease_unit("w1", block_ms=50)
+    gids = [f"{lease.unit['unit_id']}/{k}:p{k + 1}" for k in range(2)]
+    for g in gids:
+        bus.publish_group(g, [{"x": 1}])
+    assert bus.published(gids) == set(gids)  # a re-execution would skip them
+    bus.ack_unit(lease)
+    assert bus.published(gids) == set() and bus.r.scard(bus.key("published")) == 0
+    bus.ack_unit(lease)  # a second acknowledgement (another holder's) is a no-op, not an error
+    assert bus.counters()["units_done"] == 1
+
+
+def test_the_consumed_set_lives_in_hourly_buckets_that_expire(bus):
+    from moerl.bus.scripts import CONSUMED_BUCKET_S, CONSUMED_TTL_S
+
+    bus.publish_group("u1/0:p1", [{"x": 1}])
+    [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
+    bus.publish_scored(eid, group, 0)
+    epoch = bus.claim_trainer("t")
+    [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
+    bus.settle(epoch, [sid], ["u1/0:p1"], stale_dropped=1, groups_stale=1)
+    [key] = bus.r.scan(bus.key("consumed:*"))
+    assert 0 < bus.r.ttl(key) <= CONSUMED_TTL_S
+    hour = int(time.time() // CONSUMED_BUCKET_S)
+    bus.r.sadd(bus.key(f"consumed:{hour - 3}"), "u-3h")  # settled three hours ago: still a duplicate
+    bus.r.sadd(bus.key(f"consumed:{hour - 9}"), "u-9h")  # a bucket that would have expired
+    assert bus.consumed(["u1/0:p1", "u-3h", "u-9h", "never"]) == {"u1/0:p1", "u-3h"}
+
+
+def test_the_dead_letter_stream_keeps_its_newest_entries_and_the_counters_all(bus, monkeypatch):
+    import moerl.bus.run
+    from moerl.bus.scripts import DEAD_MAXLEN
+
+    monkeypatch.setattr(moerl.bus.run, "MAX_ENTRY_BYTES", 1)  # every group is refused by its producer
+    n = DEAD_MAXLEN + 1500
+    for start in range(0, n, 1000):
+        bus.write_many([bus.group_write(f"u{i}/0:p", [{"x": 1}]) for i in range(start, min(n, start + 1000))])
+    assert bus.counters()["groups_dead"] == n
+    assert DEAD_MAXLEN <= bus.r.xlen(bus.key(DEAD)) < n  # trimmed (approximately: whole nodes)
