@@ -208,7 +208,9 @@ def test_a_trainer_refuses_wait_aof_replicas_0_on_a_server_with_replicas(tmp_pat
 
     with EmbeddedValkey(tmp_path / "primary") as primary:
         port = primary.url.rsplit(":", 1)[1].split("/")[0]
-        replica = ValkeyServer(host="127.0.0.1", data_dir=tmp_path / "replica", persist=True,
+        from moerl.bus.client import _free_port
+
+        replica = ValkeyServer(port=_free_port(), host="127.0.0.1", data_dir=tmp_path / "replica", persist=True,
                                config={"replicaof": f"127.0.0.1 {port}", "appendonly": "yes"})
         replica.start(timeout=30)
         try:

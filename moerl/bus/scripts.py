@@ -36,7 +36,7 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
   redis.call('HINCRBY', KEYS[3], 'duplicates', tonumber(ARGV[3]))
   return 0
 end
-redis.call('XADD', KEYS[4], '*', 'stream', 'generated', 'entry', ARGV[1], 'payload', ARGV[2], 'deliveries', 0,
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', DEAD_MAXLEN, '*', 'stream', 'generated', 'entry', ARGV[1], 'payload', ARGV[2], 'deliveries', 0,
            'by', 'producer', 'reason', ARGV[4] .. ' bytes > ' .. ARGV[5] .. ' (refused by its producer)')
 for _, k in ipairs({'entries_dead', 'groups_dead', 'prompts_dead'}) do redis.call('HINCRBY', KEYS[3], k, 1) end
 redis.call('HINCRBY', KEYS[3], 'samples_dead', tonumber(ARGV[3]))
@@ -49,6 +49,9 @@ return 1
 # where a group refused with an error reply does not stop the writes after it).
 _ACK_AND_COUNT = """
 local n = tonumber(ARGV[3])
+-- already acknowledged (by this call's first run, or by whoever reclaimed the unit): nothing to
+-- do, and its groups may have left `published` with that acknowledgement
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
 for i = 4, 3 + n do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then
     error({err = 'MOERL_UNPUBLISHED unit entry ' .. ARGV[2] .. ' not acknowledged: its group ' .. ARGV[i] ..
@@ -57,6 +60,10 @@ for i = 4, 3 + n do
 end
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
+-- bounded state: an acknowledged unit is never executed again, so its groups need no longer be
+-- remembered as published (a late copy from a holder that lost the lease is a duplicate the
+-- trainer drops by its consumed set)
+for i = 4, 3 + n do redis.call('SREM', KEYS[3], ARGV[i]) end
 for i = 4 + n, #ARGV, 2 do redis.call('HINCRBY', KEYS[2], ARGV[i], tonumber(ARGV[i + 1])) end
 return 1
 """
@@ -74,7 +81,7 @@ return 1
 _DEAD_LETTER = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'stream', ARGV[6], 'entry', ARGV[2], 'payload', ARGV[3], 'deliveries', ARGV[4],
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', DEAD_MAXLEN, '*', 'stream', ARGV[6], 'entry', ARGV[2], 'payload', ARGV[3], 'deliveries', ARGV[4],
            'by', ARGV[5], 'reason', ARGV[7])
 for i = 8, #ARGV, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])) end
 return 1
@@ -107,6 +114,7 @@ if version < 0 and ne > 0 and acked == 0 then return 0 end
 local ng = tonumber(ARGV[i])
 i = i + 1
 for j = 1, ng do redis.call('SADD', KEYS[2], ARGV[i]); i = i + 1 end
+if ng > 0 then redis.call('EXPIRE', KEYS[2], CONSUMED_TTL_S) end
 while i < #ARGV - 1 do redis.call('HINCRBY', KEYS[3], ARGV[i], tonumber(ARGV[i + 1])); i = i + 2 end
 if version >= 0 then
   redis.call('HSET', KEYS[4], 'version', version, 'uri', ARGV[3], 'manifest_sha256', ARGV[4], 'published_at', ARGV[#ARGV])
@@ -166,6 +174,16 @@ local r = handoff()
 redis.call('SET', KEYS[#KEYS], r, 'EX', %d)
 return r
 """
+# Bounded state. The dead-letter stream keeps its newest DEAD_MAXLEN entries (the counters keep
+# every one). The consumed set is kept in hourly buckets, each forgotten CONSUMED_TTL_S after its
+# last write: it only has to catch a copy of a group settled in the last hours (a late publish by
+# a holder that lost its lease; a re-delivery after a failover is replayed from the registry).
+DEAD_MAXLEN = 10_000
+CONSUMED_BUCKET_S = 3600
+CONSUMED_TTL_S = 7 * CONSUMED_BUCKET_S
+for _name in ("_SETTLE", "_DEAD_LETTER", "_REFUSE_GROUP"):
+    globals()[_name] = globals()[_name].replace("CONSUMED_TTL_S", str(CONSUMED_TTL_S)).replace(
+        "DEAD_MAXLEN", str(DEAD_MAXLEN))
 MAX_READ_ENTRIES = 32  # entries per stream read of small entries (units)
 # What one read of a stream of groups may bring back at most: its count is bounded so that
 # count * MAX_ENTRY_BYTES stays under this (8 entries of 64 MiB), so a consumer's memory is
