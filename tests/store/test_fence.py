@@ -168,3 +168,22 @@ def test_recover_leaves_a_live_claim_of_the_same_or_a_newer_epoch_alone(s3_serve
     assert other.recover(epoch=5) == 1 and other.read_claim(2) == claim  # live: left alone
     other.clock = lambda: claim.expires_at + 1
     assert other.recover(epoch=5) == 1 and other._list("versions/v000002/") == []
+
+
+def test_a_folder_stores_latest_is_fenced_by_epoch_too(tmp_path: Path) -> None:
+    """The folder backend stages each publish privately (no claims needed), but its `latest` is
+    the same compare-and-set, under a lock file: an older epoch cannot move it."""
+    from moerl.store.folder import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    src = make_checkpoint(tmp_path / "src", seed=1)
+    store.publish(1, src, epoch=1, exclusive=True)
+    assert store.recover(epoch=2) == 1 and store.latest_epoch() == 2  # a new trainer's fence
+    with pytest.raises(CheckpointError, match=r"epoch 1 is older than epoch 2"):
+        store.publish(2, src, epoch=1, exclusive=True)
+    with pytest.raises(CheckpointError, match=r"epoch 1 is older than epoch 2"):
+        store.recover(epoch=1)
+    assert store.latest() == 1 and store.versions() == [1]
+    store.publish(2, src, epoch=2, exclusive=True)
+    store.publish(3, src)  # a writer without an epoch (the sync pipeline) is not fenced, keeps the epoch
+    assert store.latest() == 3 and store.latest_epoch() == 2
