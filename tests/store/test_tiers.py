@@ -134,23 +134,72 @@ _KILLED_PUBLISHER = textwrap.dedent("""
     cfg = CheckpointConfig.model_validate_json(sys.argv[1])
     tiers = run_tiers(cfg, "r1")
     src = Path(sys.argv[2])
-    for v in range(1, 100):
+    hold = int(sys.argv[3]) if len(sys.argv) > 3 else None  # stop this version's durable copy midway
+    durable_put, holding = tiers.durable._put, [False]
+
+    def put(stage, rel, path):
+        durable_put(stage, rel, path)
+        if holding[0]:  # one file of it is in the durable store: say so, and wait for the kill
+            print("holding", hold, flush=True)
+            time.sleep(600)
+
+    tiers.durable._put = put
+    first = max(tiers.durable.latest() or 0, tiers.cache.latest() or 0) + 1  # after what recovery left
+    for v in range(first, first + 100):
         (src / "big.bin").write_bytes(os.urandom(12 * 2**20 + v))
+        holding[0] = v == hold
         tiers.publish(v, src, {})
         print(v, flush=True)
 """)
 
 
 def test_a_publisher_killed_mid_copy_leaves_both_tiers_on_complete_versions(buckets, tmp_path: Path) -> None:
+    from moerl.store.base import MANIFEST
+
     cfg = _cfg(buckets, tmp_path)
     tiers = run_tiers(cfg, "r1")
     tiers.publish(0, make_checkpoint(tmp_path / "s0"), {})
     src = make_checkpoint(tmp_path / "src", seed=3)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    # 1. killed between the tiers, by construction: version 2's copy to the durable store
+    # stops after its first file; at that moment the tiers are checked, then the kill lands
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_PUBLISHER, cfg.model_dump_json(), str(src), "2"],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        said: list[str] = []
+        for line in iter(proc.stdout.readline, ""):  # until it holds (or exits: then the check fails)
+            said.append(line.strip())
+            if said[-1].startswith("holding"):
+                break
+        assert said == ["1", "holding 2"], said
+        # the moment of the kill: servable (complete in the cache tier), not durable
+        assert tiers.cache.latest() == 2 and tiers.durable.latest() == 1 and 2 not in tiers.durable.versions()
+        servable = (2, tiers.cache.manifest(2).sha256())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL  # it died holding the copy, not of an error of its own
+    # after it: the cache tier holds version 2 whole (every byte verified against its manifest);
+    # the durable store holds part of it and no manifest, its latest still version 1, complete
+    tiers.cache.fetch(2, tmp_path / "verify-between-cache", expect_sha256=servable[1])
+    prefix = f"{tmp_path.name}/runs/r1/versions/v000002/"
+    keys = [o["Key"] for o in buckets.client().list_objects_v2(Bucket="tier-durable", Prefix=prefix).get("Contents", [])]
+    assert keys and not any(k.endswith(MANIFEST) for k in keys), keys
+    assert tiers.durable.latest() == 1 and 2 not in tiers.durable.versions()
+    tiers.durable.fetch(1, tmp_path / "verify-between-durable")
+    # the next trainer, told by the servable pointer that version 2 was served, promotes it
+    assert tiers.recover(servable=servable) == 2
+    assert tiers.durable.latest() == tiers.cache.latest() == 2 and tiers.durable.manifest(2).sha256() == servable[1]
+    tiers.durable.fetch(2, tmp_path / "verify-promoted")
+
+    # 2. killed wherever the clock says (mid-copy to either tier, or between): both tiers are
+    # on complete versions, and the next publisher goes on from what recovery left
     for kill_after in (0.8, 1.7, 2.9):
         proc = subprocess.Popen([sys.executable, "-c", _KILLED_PUBLISHER, cfg.model_dump_json(), str(src)],
                                 env=env, stdout=subprocess.PIPE, text=True)
         time.sleep(kill_after)
+        assert proc.poll() is None  # still publishing when killed (not stopped by an error)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         for store in (tiers.durable, tiers.cache):  # each tier's latest: complete, every byte verified
