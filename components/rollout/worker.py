@@ -345,6 +345,8 @@ class RolloutWorker:
         if self.version is not None and self.version != reg.version:
             store.unpin(self.version, holder=self.holder)
         self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
+        # bounded: a prefetch of a version this engine went past (or rolled back over) is never swapped in
+        self._prefetched = {v: s for v, s in self._prefetched.items() if v > reg.version}
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
 
     def _pin(self, version: int):

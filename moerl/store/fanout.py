@@ -184,8 +184,25 @@ class Swarm:
             path, start, length = copy.chunks[index]
             return copy.root / path, start, length
 
+    def forget_pruned(self) -> list[tuple[int, str]]:
+        """Stop serving (and withdraw the announcements of) every whole copy whose folder the
+        node cache pruned: bounded state, and peers stop asking for what is gone. Copies still
+        being assembled stay. Returns what was forgotten."""
+        with self._lock:
+            gone = [key for key, c in self.copies.items()
+                    if len(c.held) == len(c.chunks) and not (c.root / MANIFEST).exists()]
+            for key in gone:
+                self.copies.pop(key)
+        for version, sha in gone:
+            try:
+                self.book.withdraw(version, sha)
+            except Exception as err:  # noqa: BLE001 - its bitmap expires anyway; peers get 404s meanwhile
+                log.warning("fan-out: could not withdraw pruned version %d: %s", version, err)
+        return gone
+
     def offer(self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> None:
         """Serve a verified copy this node got some other way (the cache tier, S3)."""
+        self.forget_pruned()
         if not manifest.chunk_size:
             return
         plan = chunk_plan(manifest, exclude)

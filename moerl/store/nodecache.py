@@ -10,8 +10,11 @@ Limitations:
 - Readers (engines loading weights) take no lock: pruning keeps the newest `keep` versions and
   every version the caller protects (the one fetched, the one `serving.json` names); an engine
   still loading an older copy than those loses it.
-- Lock files stay after their version is pruned (a few bytes each): unlinking a lock file
-  that another process may be waiting on lets two processes hold "the" lock at once.
+- A pruned version's lock file is unlinked by the pruner while it holds the lock. A process
+  that was waiting on that file then holds a lock on an unlinked inode, which nobody else can
+  take: so every holder checks, once it has the lock, that the path still names the file it
+  locked, and starts over on the new file when it does not (bounded state: one lock file per
+  version per node would otherwise grow for the node's life).
 """
 
 from __future__ import annotations
@@ -62,17 +65,31 @@ def _open_lock(path: Path) -> int:
         raise CheckpointError(f"cannot create lock file {path}: {e}; fix checkpoint.cache_dir") from e
 
 
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (a pruner may have unlinked it)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 @contextmanager
 def _held(path: Path, op: int) -> Iterator[None]:
     """Hold flock `op` (LOCK_EX or LOCK_SH) on `path`, waiting for it, and say so when it waits.
-    The file stays (see Limitations)."""
-    fd = _open_lock(path)
-    try:
+    A lock on a file that was unlinked meanwhile is no lock: taken again on the new file."""
+    while True:
+        fd = _open_lock(path)
         try:
             fcntl.flock(fd, op | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("waiting for another process that holds %s", path)
             fcntl.flock(fd, op)
+        if _still_named(fd, path):
+            break
+        os.close(fd)
+    try:
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -93,13 +110,18 @@ def shared(path: Path):
 @contextmanager
 def try_exclusive(path: Path) -> Iterator[bool]:
     """Like `exclusive`, without waiting: yields False (and holds nothing) when it is taken."""
-    fd = _open_lock(path)
-    try:
+    while True:
+        fd = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             yield False
             return
+        if _still_named(fd, path):
+            break
+        os.close(fd)
+    try:
         yield True
     finally:
         os.close(fd)
@@ -127,6 +149,8 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
             try:
                 (path / MARKER).unlink(missing_ok=True)  # first: a half-deleted copy is never "verified"
                 shutil.rmtree(path)
+                if _COPY.match(path.name):  # held: a waiter re-checks the path once it has the lock
+                    lock_path(cache_dir, v).unlink(missing_ok=True)
             except OSError as e:
                 raise CheckpointError(f"cannot prune {path} from the fetch cache: {e}") from e
         if _COPY.match(path.name):

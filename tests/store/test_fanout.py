@@ -409,3 +409,27 @@ def test_launched_rollout_pods_match_the_fanout_network_policy() -> None:
     tpod = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
         "template"]["spec"]["template"]["metadata"]["labels"]
     assert not selects.items() <= tpod.items()
+
+
+def test_a_copy_the_node_cache_pruned_is_forgotten_and_withdrawn(buckets, valkey, tmp_path: Path) -> None:
+    """Bounded state: a peer forgets (and stops announcing) a version its node cache pruned,
+    at its next offer; before, `Swarm.copies` kept every version of the run."""
+    import shutil
+
+    from moerl.store.nodecache import prune_cache
+
+    cfg, tiers, _, m = _published(buckets, tmp_path)
+    bus = _bus(valkey, f"fan-{tmp_path.name}")
+    swarm = Swarm(bus, "rollout-0", cfg)
+    swarm.serve()
+    try:
+        final, _ = tiers.fetch(1, tmp_path / "n0", expect_sha256=m.sha256(), swarm=swarm)
+        key = swarm.book.key(1, m.sha256(), "rollout-0")
+        assert (1, m.sha256()) in swarm.copies and bus.r.exists(key)
+        shutil.copytree(final, tmp_path / "n0" / "v000002")  # a newer copy, so version 1 is pruned
+        assert prune_cache(tmp_path / "n0", keep=1) == [1]
+        assert swarm.forget_pruned() == [(1, m.sha256())]
+        assert swarm.copies == {} and not bus.r.exists(key)
+        assert swarm.locate(1, m.sha256(), 0) is None
+    finally:
+        swarm.stop()

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def test_prune_keeps_the_newest_and_the_protected(five: tuple[LocalStore, Path],
     (cache / ".tmp-v000003-0badcafe" / "config.json").write_text("{")
     assert prune_cache(cache, keep=2, protect={1}) == [2, 3]
     assert _cached(cache) == ["v000001", "v000004", "v000005"]
-    assert (cache / ".v000002.lock").exists()  # lock files stay: unlinking one races
+    assert not (cache / ".v000002.lock").exists()  # bounded: a pruned version's lock file goes
+    assert (cache / ".v000004.lock").exists()
     assert prune_cache(cache, keep=2, protect={1}) == []
     again = store.fetch(2, cache)  # a pruned version is simply fetched again, verified
     assert (again / MARKER).exists() and "config.json" in tree(again)
@@ -153,3 +155,34 @@ def test_engines_on_one_node_load_a_verified_copy_at_once(tmp_path: Path) -> Non
         t.start()
         t.join(5)
         assert got and time.monotonic() - t0 < 5  # not blocked by the first engine's hold
+
+
+def test_a_waiter_on_a_lock_file_the_pruner_unlinked_locks_the_new_file_never_the_old(tmp_path: Path) -> None:
+    """The pruner unlinks a pruned version's lock file while it holds it. A process that was
+    waiting on that file must not go on holding a lock on the unlinked inode (nobody else could
+    see it, so two processes would hold "the" lock); it takes the lock on the file the path
+    names now, and waits for whoever holds that one."""
+    import fcntl
+    import os
+    import threading
+
+    from moerl.store.nodecache import exclusive
+
+    path = tmp_path / ".v000007.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the pruner holds it
+    got = threading.Event()
+
+    def waiter() -> None:
+        with exclusive(path):
+            got.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)  # the waiter blocks on the old file
+    path.unlink()  # pruned, under the lock
+    with exclusive(path):  # a new fetch of that version locks the new file
+        os.close(fd)  # the pruner lets go of the old one: the waiter wakes on a dead inode
+        assert not got.wait(0.5)  # and must not count itself the holder
+    assert got.wait(10)  # once the new file is free, it holds it
+    t.join(timeout=10)
