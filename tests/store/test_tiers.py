@@ -184,7 +184,8 @@ def test_a_publisher_killed_mid_copy_leaves_both_tiers_on_complete_versions(buck
     # the durable store holds part of it and no manifest, its latest still version 1, complete
     tiers.cache.fetch(2, tmp_path / "verify-between-cache", expect_sha256=servable[1])
     prefix = f"{tmp_path.name}/runs/r1/versions/v000002/"
-    keys = [o["Key"] for o in buckets.client().list_objects_v2(Bucket="tier-durable", Prefix=prefix).get("Contents", [])]
+    listed = buckets.client().list_objects_v2(Bucket="tier-durable", Prefix=prefix)
+    keys = [o["Key"] for o in listed.get("Contents", [])]
     assert keys and not any(k.endswith(MANIFEST) for k in keys), keys
     assert tiers.durable.latest() == 1 and 2 not in tiers.durable.versions()
     tiers.durable.fetch(1, tmp_path / "verify-between-durable")
