@@ -382,8 +382,11 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
                         "new pipeline run")
     # the run's one trainer from here on: any older trainer still running is fenced off
     epoch = bus.claim_trainer(f"{socket.gethostname()}/{os.getpid()}")
-    tiers = run_tiers(cfg.checkpoint, run_id)
-    latest = tiers.recover()  # a version servable but not durable is promoted, the cache tier rebuilt
+    tiers = run_tiers(cfg.checkpoint, run_id, epoch)  # every tier write and `latest` move fenced by the epoch
+    # a version servable but not durable is promoted, if it is the one the servable pointer names
+    # (a complete cache-tier copy that no pointer names is another writer's, and is dropped)
+    ptr = bus.servable()
+    latest = tiers.recover(servable=None if ptr is None else (ptr.version, ptr.manifest_sha256))
     if latest is None:
         raise CheckpointError(f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "
                               "init_policy publishes version 0 first")
@@ -425,7 +428,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
                             "replicas: %d of %d)", job.version, cfg.valkey.wait_aof_timeout_s, local, reps,
                             cfg.valkey.wait_aof_replicas)
 
-    publisher = Publisher(cfg, run_id, on_servable=servable, on_durable=commit)
+    publisher = Publisher(cfg, run_id, on_servable=servable, on_durable=commit, epoch=epoch)
 
     def published() -> None:
         """Log each durable version's publication metrics at its iteration's step; drop its
