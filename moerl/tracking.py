@@ -11,6 +11,13 @@ own `MLFLOW_TRACKING_USERNAME` / `MLFLOW_TRACKING_PASSWORD`; a database URI that
 password leaves the config whole and travels as `MLFLOW_TRACKING_URI`. kfp.local's tasks
 inherit these from the `moerl run` process; on the cluster they come from a Kubernetes Secret.
 
+In a pod the credentials are files (`MLFLOW_TRACKING_USERNAME_FILE` / `_PASSWORD_FILE`, from the
+Secret `cluster.mlflow_secret`: moerl.launch.podsecrets), never variables, which every child would
+inherit. MLflow reads only the variables (or `~/.mlflow/credentials`, another file in the pod's
+scratch that children could read), so `use_credential_files` reads the files once and hands them
+to MLflow in this process only: as a request-auth provider (MLflow's plugin interface,
+`RequestAuthProvider`, selected by `MLFLOW_TRACKING_AUTH`, a name, not a secret).
+
 Limitations: mlflow is imported lazily (it costs seconds), so stages never import it; only
 the tracking component and the CLI do. Other URIs in the config (`checkpoint.endpoint_url`)
 are only redacted where printed or stored in MLflow; S3 credentials come from the AWS chain.
@@ -79,8 +86,51 @@ def resolve_uri(cfg: TrackingConfig) -> str:
     return uri
 
 
+FILE_AUTH = "moerl-credential-files"  # MLFLOW_TRACKING_AUTH's value: the provider below
+_file_auth: tuple[str, str] | None = None
+
+
+def use_credential_files() -> bool:
+    """Give this process's MLflow requests the basic-auth credentials of the files named by
+    `MLFLOW_TRACKING_USERNAME_FILE` / `MLFLOW_TRACKING_PASSWORD_FILE` (checked and read once:
+    `moerl.secrets.read_secret`), in memory only. Cheap and idempotent; False (nothing done, and
+    no mlflow import) without both files: a server without auth, or credentials as variables,
+    which MLflow reads itself."""
+    global _file_auth
+    from moerl.secrets import file_var, read_secret
+
+    names = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+    if _file_auth is not None:
+        return True
+    if not all(os.environ.get(file_var(n)) for n in names):
+        return False
+    user, password = (read_secret(n) for n in names)
+    if not (user and password):  # the Secret's optional keys are absent: no auth
+        return False
+    from mlflow.tracking.request_auth.abstract_request_auth_provider import RequestAuthProvider
+    from mlflow.tracking.request_auth.registry import _request_auth_provider_registry
+
+    class FileCredentials(RequestAuthProvider):
+        def get_name(self) -> str:
+            return FILE_AUTH
+
+        def get_auth(self):
+            import requests.auth
+
+            return requests.auth.HTTPBasicAuth(*_file_auth)
+
+    _file_auth = (user, password)
+    # the registry MLflow's entry-point plugins are added to; registering here needs no installed
+    # distribution, so it works in a source checkout and in kfp.local's tasks alike
+    _request_auth_provider_registry.register(FileCredentials)
+    os.environ["MLFLOW_TRACKING_AUTH"] = FILE_AUTH
+    return True
+
+
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
+
+    use_credential_files()
 
     return MlflowClient(tracking_uri=uri)
 

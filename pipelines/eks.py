@@ -15,10 +15,13 @@ checkpoint cache. Every task gets:
 - where it runs an engine or a trainer: its group's GPUs (`nvidia.com/gpu`) and a
   memory-backed `/dev/shm` (Docker's 64 MiB default breaks torch and vLLM; the maintainers'
   recommended fix, kubeflow/pipelines#9893);
-- MLflow credentials from the Kubernetes Secret `cluster.mlflow_secret` (and Valkey's from
-  `cluster.valkey_secret` in the async pipeline) as environment variables, never parameters,
-  and the cache server's writer or reader keys by what the stage does: exactly what
-  `moerl.launch.podsecrets.pod_secret_env` says, which the local cluster test's tasks get too;
+- its credentials as files of Secret volumes under /var/run/secrets/moerl/<secret>/, with only
+  their paths in the environment (`<VAR>_FILE`), never parameters: MLflow's from the Secret
+  `cluster.mlflow_secret`, the cache server's writer or reader keys by what the stage does, and
+  in the async pipeline the run's own Valkey user (start_run's output `valkey_secret` names its
+  Secret; start_run and close_run alone get the admin password that makes and deletes it):
+  exactly what `moerl.launch.podsecrets.pod_secret_env` says, which the local cluster test's
+  tasks get too;
 - `set_timeout` (the pod's activeDeadlineSeconds) from its group;
 - caching off (set for every task by the pipelines: every stage is stateful);
 - in the sync pipeline, `pipeline.task_retries` retries for stages that are pure functions of
@@ -40,11 +43,13 @@ kfp-kubernetes protos); no cluster has run them here. KFP cannot set ephemeral-s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
-from moerl.launch.podsecrets import pod_secret_env
+from moerl.launch.podsecrets import (RUN_SECRET, VALKEY_ADMIN_STAGES, SecretRef, pod_secret_files,
+                                     pod_secret_mounts)
+from moerl.secrets import SECRETS_ROOT
 
 if TYPE_CHECKING:  # kfp only where a pipeline is built: the first task's run-form check imports
     from kfp import dsl  # check_cluster_safe inside a task, whose kfp runtime lacks kfp.kubernetes
@@ -156,9 +161,11 @@ def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:
     return name, getattr(cfg.cluster.groups, name)
 
 
-def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool = False) -> "dsl.PipelineTask":
+def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool = False,
+          run_secret: Any = None) -> "dsl.PipelineTask":
     """Give `task` (running `stage`) its group's image, placement, resources, volumes, secrets
-    and timeout for the cluster (see the module docstring)."""
+    and timeout for the cluster (see the module docstring). `run_secret`: the name of the run's
+    own Secret (start_run's `valkey_secret` output), for the async stages that log in to Valkey."""
     from kfp import kubernetes
 
     name, group = group_of(cfg, stage)
@@ -184,17 +191,28 @@ def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool
         if group.gpus:
             task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(group.gpus)
     launcher = stage in GPU_STAGES and name == "cpu"
-    if launcher or (stage == "close_run" and cfg.cluster.launch.mode == "kubernetes"):
-        # a launcher: its workload's namespace, owner and account; close_run: where to sweep
+    run_user = async_mode and stage in VALKEY_ADMIN_STAGES and cfg.valkey.url is not None
+    if launcher or (stage == "close_run" and cfg.cluster.launch.mode == "kubernetes") or run_user:
+        # a launcher: its workload's namespace, owner and account; close_run: where to sweep;
+        # start_run and close_run (async): where they create and delete the run's own Secret
         kubernetes.use_field_path_as_env(task, "MOERL_POD_NAMESPACE", "metadata.namespace")
         kubernetes.use_field_path_as_env(task, "MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")
-    # the stage's credentials, one mount per Secret: the single mapping the launcher and the
-    # local cluster test's sandbox also read, so what a pod gets here is what was tested
-    mounts: dict[tuple[str, bool], dict[str, str]] = {}
-    for env, ref in pod_secret_env(cfg, stage, async_mode).items():
-        mounts.setdefault((ref.secret, ref.optional), {})[ref.key] = env
-    for (secret, optional), key_to_env in mounts.items():
-        kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=key_to_env, optional=optional)
+    # the stage's credentials as files, one volume per Secret, and only their paths in the
+    # environment (moerl.secrets): the single mapping the launcher and the local cluster test's
+    # sandbox also read, so what a pod gets here is what was tested. kfp-kubernetes 2.17 mounts
+    # the whole Secret with Kubernetes' default mode (no items, no defaultMode), so every Secret
+    # here holds only what each stage that mounts it may read (moerl/launch/podsecrets.py)
+    for secret, (optional, _keys) in pod_secret_mounts(cfg, stage, async_mode).items():
+        if secret == RUN_SECRET:  # the run's own Secret: its name is start_run's output
+            if run_secret is None:
+                raise ValueError(f"place({stage}): this stage logs in to Valkey as the run's own user; pass "
+                                 "run_secret=start_run's valkey_secret output")
+            secret_name, mount = run_secret, SecretRef(RUN_SECRET, "").path().rsplit("/", 1)[0]
+        else:
+            secret_name, mount = secret, f"{SECRETS_ROOT}/{secret}"
+        kubernetes.use_secret_as_volume(task, secret_name=secret_name, mount_path=mount, optional=optional)
+    for var, path in pod_secret_files(cfg, stage, async_mode).items():
+        task.set_env_variable(var, path)
     if cfg.checkpoint.fanout and stage == "rollout_worker" and not launcher:
         # peers reach this worker's chunk server at the pod's address (NetworkPolicy: rollout pods only)
         task.set_env_variable("MOERL_FANOUT_BIND", "0.0.0.0")

@@ -143,14 +143,15 @@ def task_settings(cfg: RunConfig, target: str, async_mode: bool = False) -> Call
     if target not in TARGETS:
         raise ConfigError(f"--target: must be one of {', '.join(TARGETS)}, got {target!r}")
 
-    def settle(t, name: str):
+    def settle(t, name: str, run_secret: Any = None):
+        # run_secret: the async stages' run Secret name (start_run's `valkey_secret`), for `place`
         with cheap_setter_checks():
             t.set_caching_options(False)
             t.set_display_name(name)
             if target == "eks":
                 from moerl.pipelines.eks import place
 
-                place(t, cfg, t.component_spec.name.replace("-", "_"), async_mode=async_mode)
+                place(t, cfg, t.component_spec.name.replace("-", "_"), async_mode=async_mode, run_secret=run_secret)
         return t
 
     return settle

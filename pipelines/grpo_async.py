@@ -36,9 +36,10 @@ Why each setting:
   it. A failing `init_policy` marks the run failed on the bus (`stages_beside`), so they stop
   at once; were that mark lost, they stop after `pipeline.trainer_lost_s` without a trainer.
 
-Credentials never enter the compiled spec: `valkey.url` cannot embed a password (the tasks
-read `$VALKEY_PASSWORD`), and `moerl compile` strips those of `tracking.uri` as for the sync
-pipeline. Give the tasks both from a Kubernetes Secret.
+Credentials never enter the compiled spec: `valkey.url` cannot embed a password, and `moerl
+compile` strips those of `tracking.uri` as for the sync pipeline. On EKS the tasks read them from
+Secret files; the stages log in to Valkey as the run's own user, whose Secret start_run makes
+and names in its output `valkey_secret`, and close_run deletes (moerl/launch/runsecret.py).
 
 Limitations:
 - kfp.local runs tasks one after another, so it cannot run this graph (a worker would wait
@@ -116,20 +117,24 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str =
     def _body(inputs: dict) -> None:
         start = start_task(ops, _task, cfg, inputs, target)
         rid, config_json = start.outputs["run_id"], start.outputs["config_json"]  # the run's merged config
-        init = _task(ops.init_policy(config_json=config_json, run_id=rid, stages_beside=True), "init-policy-v0")
+        # the run's own Valkey identity (EKS): each task mounts the Secret start_run made, by name
+        secret = start.outputs["valkey_secret"]
+        init = _task(ops.init_policy(config_json=config_json, run_id=rid, stages_beside=True), "init-policy-v0",
+                     run_secret=secret)
         # one slot per worker / scorer of the merged config (the run form's rollout_workers and
         # reward_scorers): no parallelism limit, so every slot runs at once. They start beside
         # init_policy, not after it: a worker's pod scheduling, image pull and engine start
         # (rollout.early_engine: on dummy weights) overlap version 0's publication
         with dsl.ParallelFor(start.outputs["worker_slots"], name="rollout-workers") as i:
-            ro = _task(ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i), "rollout-worker")
+            ro = _task(ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i), "rollout-worker", run_secret=secret)
             _retry(ro, cfg.pipeline.worker_retries, cfg)
         with dsl.ParallelFor(start.outputs["scorer_slots"], name="reward-scorers") as j:
-            sc = _task(ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j), "reward-scorer")
+            sc = _task(ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j), "reward-scorer", run_secret=secret)
             _retry(sc, cfg.pipeline.worker_retries, cfg)
-        tr = _task(ops.async_trainer(config_json=config_json, run_id=rid), "trainer")
+        tr = _task(ops.async_trainer(config_json=config_json, run_id=rid), "trainer", run_secret=secret)
         _retry(tr.after(init), TRAINER_RETRIES, cfg)
-        _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output), "finish-run")
+        _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output), "finish-run",
+              run_secret=secret)
 
     return run_form(cfg, cfg.pipeline.name, "moerl async GRPO for MoE LLMs: long-lived rollout workers (vLLM, hot "
                     "swap), reward scorers and trainer joined by a Valkey buffer and work queue",

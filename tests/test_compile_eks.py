@@ -13,6 +13,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 from moerl.cli import main
 from moerl.config import parse_config
 from moerl.errors import ConfigError
+from moerl.launch.podsecrets import RUN_SECRET
 from moerl.orchestrate.compile import compile_pipeline
 from moerl.pipelines.eks import ENGINE_STAGES, RETRYABLE_STAGES, STAGE_GROUP
 from moerl.pipelines.grpo import COMPILED_SIZE_BUDGET, MAX_COMPILED_ITERATIONS
@@ -95,9 +96,18 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
             assert (acc["resourceType"], acc["resourceCount"]) == ("nvidia.com/gpu", "8"), stage
         else:
             assert "/dev/shm" not in mounts and "accelerator" not in c["resources"], stage
-        secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in kc.secret_as_env}
+        # credentials: files of Secret volumes, only their paths in the environment (no secretKeyRef)
+        assert not kc.secret_as_env and "MLFLOW_TRACKING_PASSWORD" not in {e["name"] for e in c.get("env", [])}
+        secrets = {}
+        for ref in _mounted(kc, c).values():
+            secrets.setdefault(ref.secret, set()).add(ref.key)
         assert secrets["moerl-mlflow"] == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
-        assert ("moerl-valkey" in secrets) == (mode == "async"), stage
+        # async: the stages log in as the run's own Valkey user (its Secret, named by start_run);
+        # only start_run and close_run hold the admin password that makes and deletes it
+        admin = stage in ("start_run", "close_run")
+        assert ("moerl-valkey" in secrets) == (mode == "async" and admin), stage
+        assert secrets.get("moerl-valkey", {"VALKEY_ADMIN_PASSWORD"}) == {"VALKEY_ADMIN_PASSWORD"}, stage
+        assert (RUN_SECRET in secrets) == (mode == "async" and not admin), stage
         assert not task.caching_options.enable_cache
         if mode == "async" and stage in ("rollout_worker", "reward_scorer"):
             assert task.retry_policy.max_retry_count == cfg.pipeline.worker_retries
@@ -316,15 +326,17 @@ def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_ident
                                     "endpoint_url": "http://moerl-ckpt-cache.moerl.svc:8333"}}
     if mode == "async":
         ck["fanout"] = True
-    spec, _, k8s = _compiled(tmp_path, _cfg(mode, checkpoint=ck))
+    spec, doc, k8s = _compiled(tmp_path, _cfg(mode, checkpoint=ck))
     seen = {}
     for name, task in _tasks(spec).items():
         kc = k8s.get(_executor(spec, task))
         if kc is None:
             continue
         stage = dict(kc.pod_metadata.labels)["moerl.ai/stage"].replace("-", "_")
-        keys = {k.env_var: k.secret_key for s in kc.secret_as_env if s.secret_name == "moerl-ckpt-cache"
-                for k in s.key_to_env}
+        mounted = _mounted(kc, doc["deploymentSpec"]["executors"][_executor(spec, task)]["container"])
+        # one Secret per identity: a whole Secret is mounted, so a reader's holds no writer's key
+        keys = {var: ref.key for var, ref in mounted.items() if ref.secret.startswith("moerl-ckpt-cache")
+                and ref.secret == f"moerl-ckpt-cache-{ref.key.split('_')[0].lower()}"}
         seen[stage] = keys
         fields = {f.name: f.field_path for f in kc.field_path_as_env}
         assert (fields.get("MOERL_FANOUT_ADVERTISE") == "status.podIP") == (stage == "rollout_worker"), stage
@@ -349,11 +361,34 @@ def test_an_embedded_cache_tier_or_a_sync_fanout_is_not_cluster_safe(tmp_path):
         _compiled(tmp_path, _cfg("sync", checkpoint=ck))
 
 
-def _mounted(kc: kpb.KubernetesExecutorConfig) -> dict:
-    """What a compiled task's pod gets from Secrets: env var -> SecretRef."""
+def _mounted(kc: kpb.KubernetesExecutorConfig, container: dict) -> dict:
+    """What a compiled task's pod gets from Secrets: credential variable -> SecretRef, read back
+    from its Secret volumes and the `<VAR>_FILE` paths in its environment. The run's own Secret,
+    whose name is start_run's output `valkey_secret` (or a loop's copy of it), reads as RUN_SECRET."""
     from moerl.launch.podsecrets import SecretRef
 
-    return {k.env_var: SecretRef(s.secret_name, k.secret_key, s.optional) for s in kc.secret_as_env for k in s.key_to_env}
+    volumes = {}
+    for v in kc.secret_as_volume:
+        p = v.secret_name_parameter
+        if p.HasField("task_output_parameter"):
+            assert (p.task_output_parameter.producer_task, p.task_output_parameter.output_parameter_key) == (
+                "start-run", "valkey_secret")
+            name = RUN_SECRET
+        elif p.component_input_parameter:
+            assert p.component_input_parameter == "pipelinechannel--start-run-valkey_secret"
+            name = RUN_SECRET
+        else:
+            name = p.runtime_value.constant.string_value
+            assert v.secret_name == name and v.mount_path == f"/var/run/secrets/moerl/{name}"
+        volumes[v.mount_path] = (name, v.optional)
+    files = {}
+    for e in container.get("env", []):
+        if e["name"].endswith("_FILE"):
+            mount, key = e["value"].rsplit("/", 1)
+            name, optional = volumes[mount]
+            files[e["name"].removesuffix("_FILE")] = SecretRef(name, key, optional)
+    assert {ref.path().rsplit("/", 1)[0] for ref in files.values()} == set(volumes)  # none mounted for nothing
+    return files
 
 
 def test_every_stages_pod_mounts_exactly_the_secrets_pod_secret_env_gives_it(tmp_path):
@@ -375,21 +410,23 @@ def test_every_stages_pod_mounts_exactly_the_secrets_pod_secret_env_gives_it(tmp
     for name, data, async_mode, kw in cases:
         cfg = parse_config(data)
         (tmp_path / name).mkdir()
-        spec, _, k8s = _compiled(tmp_path / name, data, **kw)
+        spec, doc, k8s = _compiled(tmp_path / name, data, **kw)
         for task in _tasks(spec).values():
             kc = k8s.get(_executor(spec, task))
             if kc is None:  # the exit handler's and loops' groups: no pod
                 continue
             stage = dict(kc.pod_metadata.labels)["moerl.ai/stage"].replace("-", "_")
             seen.add(stage)
-            assert _mounted(kc) == pod_secret_env(cfg, stage, async_mode), (name, stage)
+            mounted = _mounted(kc, doc["deploymentSpec"]["executors"][_executor(spec, task)]["container"])
+            assert mounted == pod_secret_env(cfg, stage, async_mode), (name, stage)
             if stage == "start_run":
-                assert {ref.key for ref in _mounted(kc).values() if ref.secret == "moerl-ckpt-cache"} == {
+                assert {ref.key for ref in mounted.values() if ref.secret.startswith("moerl-ckpt-cache")} == {
                     "READER_ACCESS_KEY_ID", "READER_SECRET_ACCESS_KEY"}, name
-        if name == "launched":  # the pods a launcher task starts: the same mapping
+        if name == "launched":  # the pods a launcher task starts: the same mapping, as files
             for stage in GPU_STAGES:
-                refs = {e["name"]: SecretRef(ref["name"], ref["key"], ref.get("optional", False))
-                        for e in launch_env(cfg, stage, environ={})
-                        if (ref := e.get("valueFrom", {}).get("secretKeyRef")) is not None}
-                assert refs == pod_secret_env(cfg, stage, stage in ASYNC_STAGES), stage
+                env = launch_env(cfg, stage, environ={})
+                assert not [e for e in env if "secretKeyRef" in e.get("valueFrom", {})], stage
+                files = {e["name"]: e["value"] for e in env if e["name"].endswith("_FILE")}
+                want = pod_secret_env(cfg, stage, stage in ASYNC_STAGES)
+                assert files == {f"{var}_FILE": ref.path() for var, ref in want.items()}, stage
     assert seen == set(STAGE_GROUP)  # every stage was compiled and checked

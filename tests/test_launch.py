@@ -135,7 +135,9 @@ def test_trainjob_validates_against_the_trainer_v2_3_crd(trainjob_schema):
     # least privilege: non-root, no escalation, every capability dropped but IPC_LOCK (EFA), read-only root
     assert node["name"] == "node" and node["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                                                       "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
-    assert ps["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    # fsGroup: the stage's user reads its Secret files (0400 root-owned, 0440 for the group)
+    assert ps["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
+                                     "fsGroup": 1000}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in node["volumeMounts"]
     assert tj["metadata"]["labels"] == {"moerl.ai/run-id": RUN, "moerl.ai/stage": "policy-update",
                                         "moerl.ai/workload": name, "app.kubernetes.io/managed-by": "moerl"}
@@ -174,7 +176,8 @@ def test_names_are_dns_labels_whatever_the_run_id():
 
 
 def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
-    cfg = _cfg()
+    cfg = _cfg()  # an async run's worker: it logs in to Valkey as the run's own user
+    cfg = cfg.model_copy(update={"valkey": cfg.valkey.model_copy(update={"url": "redis://moerl-valkey:6379/0"})})
     env = launch_env(cfg, "rollout_worker", environ={"MLFLOW_TRACKING_URI": "http://mlflow:5000",
                                                      "AWS_SECRET_ACCESS_KEY": "must-not-travel"})
     pod = objects.rollout_pod(cfg, RUN, "rollout-3", remote_command(cfg, "s3://b/x/spec.json"), env,
@@ -191,13 +194,27 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
                                                           [])["spec"]
     assert c["workingDir"] == "/scratch" and c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
                                                       "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
-    assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"},
+                                       "fsGroup": 1000}
     assert spec["automountServiceAccountToken"] is False  # a stage never calls the Kubernetes API
     e = _env(c)
     assert e["HOME"].startswith("/scratch/") and e["TMPDIR"].startswith("/scratch/")
     assert e["MLFLOW_TRACKING_URI"] == "http://mlflow:5000" and "AWS_SECRET_ACCESS_KEY" not in e
-    assert e["VALKEY_PASSWORD"] == {"secretKeyRef": {"name": "moerl-valkey", "key": "VALKEY_PASSWORD",
-                                                     "optional": True}}
+    # credentials as files of Secret volumes (0400, only the stage's keys), never values or secretKeyRefs
+    assert not [v for v in c["env"] if "secretKeyRef" in v.get("valueFrom", {})]
+    assert e["VALKEY_PASSWORD_FILE"] == "/var/run/secrets/moerl/moerl-run/VALKEY_PASSWORD"
+    assert e["VALKEY_USERNAME_FILE"] == "/var/run/secrets/moerl/moerl-run/VALKEY_USERNAME"
+    vols = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    run = next(v["secret"] for v in vols.values() if v.get("secret", {}).get("secretName") == f"moerl-run-{RUN}")
+    assert run == {"secretName": f"moerl-run-{RUN}", "defaultMode": 0o400,
+                   "items": [{"key": "VALKEY_USERNAME", "path": "VALKEY_USERNAME"},
+                             {"key": "VALKEY_PASSWORD", "path": "VALKEY_PASSWORD"}]}  # required: no optional
+    mlflow = next(v["secret"] for v in vols.values() if v.get("secret", {}).get("secretName") == "moerl-mlflow")
+    assert mlflow["optional"] is True and mlflow["defaultMode"] == 0o400
+    assert mounts["/var/run/secrets/moerl/moerl-run"]["readOnly"] is True
+    assert mounts["/var/run/secrets/moerl/moerl-mlflow"]["readOnly"] is True
+    assert "moerl-valkey" not in json.dumps(spec)  # the admin's Secret: start_run and close_run only
     assert {"name": "scratch", "emptyDir": {"sizeLimit": "200Gi"}} in spec["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == "16"

@@ -301,8 +301,9 @@ def test_rbac_lets_the_pipeline_launch_only_its_workloads(built):
         rules = {(g, r): sorted(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
                  for r in rule["resources"]}
         crud = sorted(["create", "get", "list", "watch", "delete"])
+        # secrets: an async run's own Valkey Secret, made and deleted; never read (no get, list, watch)
         assert rules == {("trainer.kubeflow.org", "trainjobs"): crud, ("jobset.x-k8s.io", "jobsets"): crud,
-                         ("", "pods"): crud, ("", "pods/log"): ["get"]}
+                         ("", "pods"): crud, ("", "pods/log"): ["get"], ("", "secrets"): ["create", "delete", "update"]}
         (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
         accounts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceAccount"}
@@ -366,7 +367,12 @@ def test_the_checkpoint_cache_tier_is_seaweedfs_with_a_reader_and_a_writer_reach
     assert {i["name"]: sorted(i["actions"]) for i in identities} == {
         "writer": ["Admin", "List", "Read", "Tagging", "Write"], "reader": ["List", "Read"]}
     vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
-    assert vols["run"]["emptyDir"]["medium"] == "Memory" and vols["secret"]["secret"]["defaultMode"] == 0o400
+    assert vols["run"]["emptyDir"]["medium"] == "Memory" and vols["secret"]["projected"]["defaultMode"] == 0o400
+    # one Secret per identity (a KFP task mounts a whole Secret: moerl.launch.podsecrets)
+    sources = {src["secret"]["name"]: {i["key"] for i in src["secret"]["items"]}
+               for src in vols["secret"]["projected"]["sources"]}
+    assert sources == {"moerl-ckpt-cache-writer": {"WRITER_ACCESS_KEY_ID", "WRITER_SECRET_ACCESS_KEY"},
+                       "moerl-ckpt-cache-reader": {"READER_ACCESS_KEY_ID", "READER_SECRET_ACCESS_KEY"}}
     labels = sts["spec"]["template"]["metadata"]["labels"]
     (pol,) = [o for o in objs if o["kind"] == "NetworkPolicy"
               and all(labels.get(k) == v for k, v in o["spec"]["podSelector"]["matchLabels"].items())]

@@ -106,3 +106,97 @@ def test_an_error_naming_the_server_leaves_the_password_out(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "no MLflow run '0123abcd' at http://127.0.0.1:9/mlflow" in proc.stderr
     assert "w0rd" not in proc.stdout + proc.stderr and "alice" not in proc.stdout + proc.stderr
+
+
+# ---- credentials as files (issue 35): moerl.secrets.read_secret -----------------------------
+
+def test_read_secret_prefers_the_file_and_refuses_one_others_may_read(tmp_path):
+    from moerl.secrets import SecretFileError, read_secret, write_secret_file
+
+    path = write_secret_file(tmp_path / "moerl-valkey" / "VALKEY_PASSWORD", "from-file\n")
+    assert (path.stat().st_mode & 0o777) == 0o400 and (path.parent.stat().st_mode & 0o777) == 0o700
+    env = {"VALKEY_PASSWORD_FILE": str(path), "VALKEY_PASSWORD": "from-env"}
+    assert read_secret("VALKEY_PASSWORD", env) == "from-file"  # the file wins; one newline dropped
+    assert read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD": "from-env"}) == "from-env"  # local runs
+    assert read_secret("VALKEY_PASSWORD", {}) is None
+    # an optional Secret the cluster lacks: Kubernetes mounts its volume empty
+    assert read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD_FILE": str(tmp_path / "absent")}) is None
+    path.chmod(0o644)
+    with pytest.raises(SecretFileError, match=rf"\$VALKEY_PASSWORD_FILE={path}: mode -rw-r--r-- lets other users "
+                                              rf"read or write a credential this user owns; chmod 400 {path}"):
+        read_secret("VALKEY_PASSWORD", env)
+    path.chmod(0o600)  # owner-only is fine
+    assert read_secret("VALKEY_PASSWORD", env) == "from-file"
+    with pytest.raises(SecretFileError, match="not a regular file"):
+        read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD_FILE": str(tmp_path)})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the file another owner, as the kubelet does")
+def test_a_secret_volumes_file_is_read_when_only_its_owner_may_change_it(tmp_path):
+    """A Secret volume's files are the kubelet's (root), and a non-root stage reads them through
+    its fsGroup (0440) or, where KFP mounts them, Kubernetes' default 0644: accepted; a file
+    someone else could rewrite is not."""
+    from moerl.secrets import SecretFileError, read_secret
+
+    path = tmp_path / "key"
+    path.write_text("v")
+    os.chown(path, 65534, 65534)  # not this process's user
+    env = {"K_FILE": str(path)}
+    for mode in (0o440, 0o644):
+        path.chmod(mode)
+        assert read_secret("K", env) == "v"
+    path.chmod(0o666)
+    with pytest.raises(SecretFileError, match=r"lets users other than its owner \(uid 65534\) change the credential"):
+        read_secret("K", env)
+
+
+MLFLOW_FROM_FILES = r"""
+import json, os, sys
+from moerl import tracking
+client = tracking._client(sys.argv[1])
+print(json.dumps({"id": client.get_experiment_by_name("e").experiment_id,
+                  "environ": open("/proc/self/environ", "rb").read().decode(errors="replace"),
+                  "env": dict(os.environ)}))
+"""
+
+
+def test_mlflow_credentials_from_files_reach_the_server_and_never_the_environment(tmp_path):
+    """In a pod MLflow's basic-auth user and password are files (the Secret cluster.mlflow_secret);
+    moerl reads them once and hands them to MLflow's requests in memory, never as variables."""
+    from moerl.secrets import write_secret_file
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # experiments/get-by-name
+            seen.append(self.headers.get("Authorization"))
+            body = json.dumps({"experiment": {"experiment_id": "1", "name": "e", "artifact_location": "/tmp/a",
+                                              "lifecycle_stage": "active"}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    secret = tmp_path / "moerl-mlflow"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
+    env |= {"MLFLOW_TRACKING_USERNAME_FILE": str(write_secret_file(secret / "MLFLOW_TRACKING_USERNAME", "alice")),
+            "MLFLOW_TRACKING_PASSWORD_FILE": str(write_secret_file(secret / "MLFLOW_TRACKING_PASSWORD", SECRET))}
+    try:
+        done = subprocess.run([sys.executable, "-c", MLFLOW_FROM_FILES, f"http://127.0.0.1:{server.server_address[1]}"],
+                              env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["id"] == "1"
+    assert seen and all(h == "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode() for h in seen)
+    # neither the process's environment (what its children inherit) nor /proc/<pid>/environ holds them
+    assert SECRET not in json.dumps(out["env"]) and SECRET not in out["environ"]
+    assert "MLFLOW_TRACKING_PASSWORD" not in out["env"]

@@ -10,7 +10,8 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
               learning_rate: float = 0.0, prompts_per_iteration: int = 0, samples_per_prompt: int = 0,
               rollout_workers: int = 0, reward_scorers: int = 0, reward_kind: str = None, reward_model: str = None,
               run_name: str = None, overrides: list = None
-              ) -> NamedTuple("Outputs", run_id=str, config_json=str, worker_slots=list, scorer_slots=list):
+              ) -> NamedTuple("Outputs", run_id=str, config_json=str, worker_slots=list, scorer_slots=list,
+                   valkey_secret=str):
     """The run's first task. Merges the run form's typed parameters and `overrides` into the
     compiled config and validates the result as `moerl run` does (`pipelines/params.py`: the
     fields on this pipeline's form, which the pipeline always passes; the others are not read.
@@ -26,6 +27,9 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
         config_json: the merged config every other task runs.
         worker_slots: one item per rollout worker (the async pipeline's fan-out).
         scorer_slots: one item per reward scorer (the async pipeline's fan-out).
+        valkey_secret: the async pipeline on EKS: the name of the Kubernetes Secret holding the
+            run's own Valkey user, which this task made (moerl/launch/runsecret.py) and the
+            run's tasks mount; "" otherwise. A name only: the password never is a parameter.
     """
     given = dict(locals())  # the run form's fields by name (and the inputs above)
     from moerl.launch.podenv import enter_pod
@@ -66,8 +70,13 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
         tracking.set_tags(uri, run_id, {"moerl.run_parameters": json.dumps(diff, sort_keys=True)[:4000]})
         print(f"[moerl] run parameters changed {', '.join(f'{k}={v}' for k, v in sorted(diff.items()))}", flush=True)
     provenance.stage_start(cfg, "start_run", run_id, enforce=False)  # build-info and runtime probe on the run
-    outputs = namedtuple("Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots"])
-    return outputs(run_id, config_to_json(cfg), list(range(cfg.rollout.workers)), list(range(cfg.reward.scorers)))
+    from moerl.launch.runsecret import open_run_identity, uses_run_identity
+
+    # last: the user is made once the run surely starts (close_run deletes it however it ends)
+    valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
+    outputs = namedtuple("Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"])
+    return outputs(run_id, config_to_json(cfg), list(range(cfg.rollout.workers)), list(range(cfg.reward.scorers)),
+                   valkey_secret)
 
 
 def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, reward: dict, buffer: dict,
@@ -141,7 +150,8 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     RUNNING forever. An exit task cannot consume another task's output, so the MLflow run is
     `run_id` when the caller pre-created it, else the one `start_run` tagged with
     `kfp_run_id`. With `cluster.launch.mode: kubernetes` it first deletes any workload the run
-    launched and left behind (labelled with the run id). Returns the MLflow run's final status
+    launched and left behind (labelled with the run id). On EKS the async run's own Valkey user
+    and its Secret go too (`moerl.launch.runsecret`). Returns the MLflow run's final status
     ("" when no run was started)."""
     from moerl.launch.podenv import enter_pod
 
@@ -168,6 +178,16 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
                 print(f"[moerl] close_run: deleted launched workloads left behind: {', '.join(swept)}", flush=True)
         except MoerlError as err:  # close the run first; then fail this task, so the leak shows in the UI
             sweep_error = err
+    from moerl.launch.runsecret import close_run_identity, holds_admin
+
+    if run_id and holds_admin() and cfg.pipeline.mode == "async" and cfg.valkey.url:
+        # the async run's own Valkey user and its Secret (start_run made them): gone with the run
+        from moerl.errors import MoerlError
+
+        try:
+            print(f"[moerl] close_run: deleted {', '.join(close_run_identity(cfg, run_id)) or 'nothing'}", flush=True)
+        except MoerlError as err:
+            sweep_error = sweep_error or err
     final = tracking.close_run(uri, cfg.tracking.experiment, run_id, kfp_run_id,
                                succeeded=status.state == "SUCCEEDED" and sweep_error is None,
                                error=f"{status.pipeline_task_name}: {status.error_message or status.state}"

@@ -117,15 +117,20 @@ def _tolerations(group: GroupConfig) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in group.tolerations]
 
 
-def _volumes(cfg: RunConfig, group: GroupConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The volumes (scratch emptyDir, memory-backed /dev/shm) and their mounts."""
+def _volumes(cfg: RunConfig, group: GroupConfig, stage: str,
+             run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The volumes (scratch emptyDir, memory-backed /dev/shm, the stage's Secrets as files) and
+    their mounts."""
+    from moerl.launch.podsecrets import launched_secret_volumes
+
     cl = cfg.cluster
     volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {"sizeLimit": cl.scratch_size}}]
     mounts: list[dict[str, Any]] = [{"name": "scratch", "mountPath": cl.scratch_dir}]
     if group.shm:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": group.shm}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    return volumes, mounts
+    secret_volumes, secret_mounts = launched_secret_volumes(cfg, stage, run_id)
+    return volumes + secret_volumes, mounts + secret_mounts
 
 
 # The launched GPU pods get the least privilege their stage needs: a non-root user (the images'
@@ -139,8 +144,13 @@ def _security() -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
 
 
+# fsGroup: the group the kubelet gives the pod's volumes; a Secret volume's root-owned 0400
+# files become 0440 for it, so the non-root stage can read its credentials and others cannot
+POD_FS_GROUP = 1000
+
+
 def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}, "fsGroup": POD_FS_GROUP}
 
 
 def scratch_env(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -173,7 +183,7 @@ def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: li
     `service_account`: its pods' (default `cluster.launch.service_account`; none: the namespace's)."""
     la, group = cfg.cluster.launch, cfg.cluster.groups.trainer
     meta = labels(run_id, stage, name)
-    volumes, mounts = _volumes(cfg, group)
+    volumes, mounts = _volumes(cfg, group, stage, run_id)
     pod_spec: dict[str, Any] = {
         "nodeSelector": dict(group.node_selector),
         "tolerations": _tolerations(group),
@@ -215,9 +225,9 @@ def grace_seconds(cfg: RunConfig) -> int:
 
 
 def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, Any]], restart: str,
-                      service_account: str | None) -> dict[str, Any]:
+                      service_account: str | None, stage: str, run_id: str) -> dict[str, Any]:
     la, group = cfg.cluster.launch, cfg.cluster.groups.rollout
-    volumes, mounts = _volumes(cfg, group)
+    volumes, mounts = _volumes(cfg, group, stage, run_id)
     spec: dict[str, Any] = {
         "restartPolicy": restart,
         "nodeSelector": dict(group.node_selector),
@@ -247,7 +257,7 @@ def rollout_pod(cfg: RunConfig, run_id: str, worker: str, command: list[str], en
                 owner: dict[str, Any] | None = None, service_account: str | None = None) -> dict[str, Any]:
     """One rollout worker `worker` (e.g. rollout-3) as a Pod (`service_account` as in `trainjob`)."""
     name = name or workload_name(stage, run_id, extra=worker)
-    spec = _rollout_pod_spec(cfg, command, env, "Never", service_account)
+    spec = _rollout_pod_spec(cfg, command, env, "Never", service_account, stage, run_id)
     spec["activeDeadlineSeconds"] = cfg.cluster.timeout_s(cfg.cluster.groups.rollout, cfg.pipeline.mode)
     meta = {**labels(run_id, stage, name), LABEL_GROUP: "rollout"}
     return {"apiVersion": "v1", "kind": "Pod",
@@ -277,7 +287,7 @@ def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], 
                  {"name": ENV_LEADER, "value": f"{name}-leader-0-0.{name}"}]
 
     def job(role: str, count: int, rank_env: dict[str, Any]) -> dict[str, Any]:
-        spec = _rollout_pod_spec(cfg, command, [*group_env, rank_env], "Never", service_account)
+        spec = _rollout_pod_spec(cfg, command, [*group_env, rank_env], "Never", service_account, stage, run_id)
         job_spec: dict[str, Any] = {"parallelism": count, "completions": count, "backoffLimit": 0,
                                     "activeDeadlineSeconds": cfg.cluster.timeout_s(cfg.cluster.groups.rollout,
                                                                                    cfg.pipeline.mode),

@@ -34,17 +34,20 @@ def enter_pod(stage: str | None = None, config_json: str | None = None) -> Path 
     cluster's Secrets, to give the task its pod's credentials and no others."""
     from moerl.launch.podsecrets import apply_sandbox_secrets
 
-    apply_sandbox_secrets(stage, config_json)  # first: nothing may run with the test's credentials
+    scratch: Path | None = None
     if os.environ.get(SANDBOX_ROOT_ENV):  # first: kfp.local also sets the compiled MOERL_SCRATCH
         root = Path(os.environ[SANDBOX_ROOT_ENV])
         root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix="task-", dir=root))
-        os.environ[SCRATCH_ENV] = str(scratch)
     elif os.environ.get(SCRATCH_ENV):
         scratch = Path(os.environ[SCRATCH_ENV])
         scratch.mkdir(parents=True, exist_ok=True)
-    else:
+    # before anything else runs: nothing may run with the test's credentials. The pod's Secret
+    # files land in its own sandbox (0400, as a pod's Secret volumes hold them)
+    apply_sandbox_secrets(stage, config_json, scratch / "secrets" if scratch is not None else None)
+    if scratch is None:
         return None
+    os.environ[SCRATCH_ENV] = str(scratch)
     home, tmp = scratch / "home", scratch / "tmp"
     home.mkdir(exist_ok=True)
     tmp.mkdir(exist_ok=True)

@@ -1,22 +1,38 @@
-"""Which Kubernetes Secret keys reach a stage's pod, as which environment variables: one mapping,
-read by everything that needs it.
+"""Which Kubernetes Secret keys reach a stage's pod, as which files: one mapping, read by
+everything that needs it.
 
-- `pipelines/eks.py` `place` mounts exactly these into each compiled task
-  (`kubernetes.use_secret_as_env`), and `moerl.launch.task.launch_env` into the pods a launcher
-  task starts (`cluster.launch.mode: kubernetes`).
-- `moerl.launch.podenv.enter_pod` gives a cluster-shaped local task exactly these, and nothing
-  else, when a test names the cluster's Secrets in `MOERL_SANDBOX_SECRETS` (`sandbox_secret_env`):
-  a stage that reads a credential its pod would not get then fails on this machine as it would on
-  EKS, instead of borrowing whatever the test process held. (That is how `start_run` came to have
-  no cache-tier keys on EKS while the local cluster test passed: issue 35.)
+Every credential reaches a pod as a file of a Secret volume, `SECRETS_ROOT/<secret>/<key>`, and
+its environment holds only the path, `<VAR>_FILE` (`moerl.secrets.read_secret` reads it once):
+an environment is readable through `/proc/<pid>/environ` and inherited by every child a stage
+starts, a file is neither (issue 35).
 
-The Secrets: `cluster.mlflow_secret` (MLflow's basic-auth user and password, every task,
-optional: a server without auth needs none), `cluster.valkey_secret` (the async pipeline's
-Valkey password, optional likewise), and `moerl-ckpt-cache` (the cache server's writer or reader
-keys, by what the stage does: `moerl.store.tiers.cache_tier_secret_env`; required, so a
-missing key stops the pod before it runs rather than sending it to IRSA, which the cache server
-refuses). S3 itself is not a Secret: every pod reaches the durable store through its service
-account's IAM role (IRSA), which the harness stands in for with `service_account_env`.
+- `pipelines/eks.py` `place` mounts exactly these Secrets into each compiled task
+  (`kubernetes.use_secret_as_volume`) and sets the `<VAR>_FILE` paths; `moerl.launch.objects`
+  does the same in the pods a launcher task starts (`cluster.launch.mode: kubernetes`), there
+  with only the keys the stage uses (`items`) and `defaultMode` 0400.
+- `moerl.launch.podenv.enter_pod` gives a cluster-shaped local task exactly these files, and
+  nothing else, when a test names the cluster's Secrets in `MOERL_SANDBOX_SECRETS`
+  (`sandbox_secret_env`): a stage that reads a credential its pod would not get then fails on
+  this machine as it would on EKS, instead of borrowing whatever the test process held. (That is
+  how `start_run` came to have no cache-tier keys on EKS while the local cluster test passed.)
+
+A KFP task mounts a whole Secret (kfp-kubernetes 2.17's `use_secret_as_volume` has no `items`),
+so every Secret a compiled task mounts must hold only what each stage that mounts it may read:
+- `cluster.mlflow_secret`: MLflow's basic-auth user and password, every task, optional (a
+  server without auth needs none);
+- the cache tier's writer and reader keys are two Secrets, `moerl-ckpt-cache-writer` and
+  `moerl-ckpt-cache-reader` (keys `WRITER_*` / `READER_*`, as the cache server reads them),
+  given by what the stage does (`moerl.store.tiers.cache_tier_secret_env`), required: a missing
+  key stops the pod before it runs rather than sending it to IRSA, which the cache server refuses;
+- the async pipeline's Valkey: each run's stages log in as the run's own ACL user
+  (`moerl.bus.client.create_run_user`: `moerl:<run>:*` only), from the run's own Secret
+  `moerl-run-<run_id>` (keys VALKEY_USERNAME, VALKEY_PASSWORD), which `start_run` creates and
+  `close_run` deletes, with the admin password of `cluster.valkey_secret` (key
+  VALKEY_ADMIN_PASSWORD), which those two tasks alone mount. Its name is known only at run time:
+  `SecretRef.secret` is then `RUN_SECRET`, which `run_secret_name` fills in (the compiled tasks
+  mount start_run's output `valkey_secret`, the launcher the name from its run id).
+S3 itself is not a Secret: every pod reaches the durable store through its service account's
+IAM role (IRSA), which the harness stands in for with `service_account_env`.
 """
 
 from __future__ import annotations
@@ -30,13 +46,37 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from moerl.config import RunConfig
 
+from moerl.secrets import FILE_SUFFIX, SECRETS_ROOT, file_var, write_secret_file
+
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-VALKEY_SECRET_KEYS = ("VALKEY_PASSWORD",)
+VALKEY_SECRET_KEYS = ("VALKEY_USERNAME", "VALKEY_PASSWORD")  # in the run's own Secret
+VALKEY_ADMIN_KEY = "VALKEY_ADMIN_PASSWORD"  # in cluster.valkey_secret: start_run and close_run only
+# The stages that make and delete the run's Valkey user and Secret (the admin password, and the
+# Kubernetes API: their pods know their namespace, pipelines/eks.py).
+VALKEY_ADMIN_STAGES = frozenset({"start_run", "close_run"})
+# A run's own Secret (its Valkey user), named when the run starts: `run_secret_name(run_id)`.
+RUN_SECRET = "moerl-run-{run_id}"
 SANDBOX_SECRETS_ENV = "MOERL_SANDBOX_SECRETS"
 # Stripped from a sandboxed task's environment whatever the config says, besides every variable a
-# mapping can set: what a test process may hold that no pod is given (its own S3, MLflow, Valkey
-# and cache-tier credentials). AWS_* comes back only as `service_account_env` (IRSA's stand-in).
-SECRET_ENV_PREFIXES = ("AWS_", "MLFLOW_TRACKING_", "VALKEY_PASSWORD", "MOERL_CACHE_TIER_")
+# mapping can set and its `_FILE`: what a test process may hold that no pod is given (its own S3,
+# MLflow, Valkey and cache-tier credentials). AWS_* comes back only as `service_account_env`.
+SECRET_ENV_PREFIXES = ("AWS_", "MLFLOW_TRACKING_", "VALKEY_PASSWORD", "VALKEY_USERNAME", "VALKEY_ADMIN_",
+                       "MOERL_CACHE_TIER_")
+
+
+def run_secret_name(run_id: str) -> str:
+    """The Kubernetes Secret of run `run_id`'s Valkey user (a valid Secret and volume name for
+    MLflow's 32-hex run ids: 42 characters)."""
+    return RUN_SECRET.format(run_id=run_id)
+
+
+def cache_tier_secret(key: str) -> str:
+    """The Secret that holds cache-tier key `key`: one per identity (`WRITER_*` ->
+    moerl-ckpt-cache-writer), because a KFP task mounts a whole Secret, and a reader's pod
+    (rollout: where model-written code runs) must not find the writer's keys beside its own."""
+    from moerl.store.tiers import CACHE_TIER_SECRET
+
+    return f"{CACHE_TIER_SECRET}-{key.split('_', 1)[0].lower()}"
 
 
 class SecretRef(NamedTuple):
@@ -47,33 +87,89 @@ class SecretRef(NamedTuple):
     key: str
     optional: bool = False
 
+    def path(self, run_id: str | None = None) -> str:
+        """Where the pod finds this key: `SECRETS_ROOT/<secret>/<key>`. A run's own Secret is
+        mounted under its template's stable name (`moerl-run`), whatever the run."""
+        secret = "moerl-run" if self.secret == RUN_SECRET else self.secret
+        return f"{SECRETS_ROOT}/{secret}/{self.key}"
+
 
 def pod_secret_env(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, SecretRef]:
-    """Environment variable -> its Secret and key, for `stage`'s pod in the sync (`async_mode`
-    False) or async pipeline; in a stable order (MLflow, Valkey, the cache tier)."""
-    from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_secret_env
+    """Credential variable -> its Secret and key, for `stage`'s pod in the sync (`async_mode`
+    False) or async pipeline; in a stable order (MLflow, Valkey, the cache tier). The pod gets
+    each as the file `ref.path()`, named by `<variable>_FILE` (`pod_secret_files`)."""
+    from moerl.store.tiers import cache_tier_secret_env
 
     env: dict[str, SecretRef] = {}
     if cfg.cluster.mlflow_secret:
         env |= {k: SecretRef(cfg.cluster.mlflow_secret, k, optional=True) for k in MLFLOW_SECRET_KEYS}
-    if async_mode and cfg.cluster.valkey_secret:
-        env |= {k: SecretRef(cfg.cluster.valkey_secret, k, optional=True) for k in VALKEY_SECRET_KEYS}
-    env |= {var: SecretRef(CACHE_TIER_SECRET, key) for var, key in cache_tier_secret_env(cfg.checkpoint, stage).items()}
+    if async_mode and cfg.valkey.url:
+        if stage in VALKEY_ADMIN_STAGES:
+            if cfg.cluster.valkey_secret:
+                env[VALKEY_ADMIN_KEY] = SecretRef(cfg.cluster.valkey_secret, VALKEY_ADMIN_KEY)
+        else:  # the run's own user; required: a stage that cannot log in has nothing to do
+            env |= {k: SecretRef(RUN_SECRET, k) for k in VALKEY_SECRET_KEYS}
+    env |= {var: SecretRef(cache_tier_secret(key), key)
+            for var, key in cache_tier_secret_env(cfg.checkpoint, stage).items()}
     return env
+
+
+def pod_secret_files(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, str]:
+    """`<variable>_FILE` -> the file's path, the environment `stage`'s pod gets instead of the
+    credentials themselves."""
+    return {file_var(var): ref.path() for var, ref in pod_secret_env(cfg, stage, async_mode).items()}
+
+
+def pod_secret_mounts(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, tuple[bool, list[str]]]:
+    """Secret -> (optional, its keys `stage` reads), one volume each, mounted at
+    `SECRETS_ROOT/<secret>` (`SecretRef.path`); `RUN_SECRET` stands for the run's own Secret."""
+    mounts: dict[str, tuple[bool, list[str]]] = {}
+    for ref in pod_secret_env(cfg, stage, async_mode).values():
+        mounts.setdefault(ref.secret, (ref.optional, []))[1].append(ref.key)
+    return mounts
+
+
+# The launched stages that talk to Valkey (the async pipeline's GPU stages); the others are sync.
+LAUNCHED_ASYNC_STAGES = frozenset({"async_trainer", "rollout_worker"})
+# A launched pod's Secret files: readable by their owner (the kubelet's root) and, through the
+# pod's fsGroup (moerl.launch.objects), by the stage's user; never by others.
+LAUNCHED_SECRET_MODE = 0o400
+
+
+def launched_secret_volumes(cfg: RunConfig, stage: str, run_id: str) -> tuple[list[dict], list[dict]]:
+    """The Secret volumes and their mounts of a pod that runs `stage` of run `run_id`, launched
+    through the Kubernetes API: the same files as the compiled task's (`pod_secret_files`), but
+    only the keys the stage reads (`items`), read-only, `defaultMode` 0400. The kubelet writes
+    them root-owned and ORs the pod's fsGroup in as 0440, which is how a non-root stage reads
+    them (a 0400 root-owned file it could not)."""
+    volumes, mounts = [], []
+    for i, (secret, (optional, keys)) in enumerate(pod_secret_mounts(cfg, stage, stage in LAUNCHED_ASYNC_STAGES).items()):
+        name = run_secret_name(run_id) if secret == RUN_SECRET else secret
+        mount = SecretRef(secret, "").path().rsplit("/", 1)[0]
+        source: dict = {"secretName": name, "defaultMode": LAUNCHED_SECRET_MODE,
+                        "items": [{"key": k, "path": k} for k in keys]}
+        if optional:
+            source["optional"] = True
+        volumes.append({"name": f"moerl-secret-{i}", "secret": source})
+        mounts.append({"name": f"moerl-secret-{i}", "mountPath": mount, "readOnly": True})
+    return volumes, mounts
 
 
 def secret_bearing(name: str, cfg: RunConfig) -> bool:
     """Whether variable `name` may carry a credential: one a mapping can set for any stage of
     `cfg` (the cache tier's `credentials_env` may be renamed), or one of `SECRET_ENV_PREFIXES`."""
     ct = cfg.checkpoint.cache_tier.credentials_env
+    name = name.removesuffix(FILE_SUFFIX)  # the path of a credential the test process holds as a file
     return (name.startswith(SECRET_ENV_PREFIXES) or name in MLFLOW_SECRET_KEYS or name in VALKEY_SECRET_KEYS
-            or name in (f"{ct}_ACCESS_KEY_ID", f"{ct}_SECRET_ACCESS_KEY"))
+            or name == VALKEY_ADMIN_KEY or name in (f"{ct}_ACCESS_KEY_ID", f"{ct}_SECRET_ACCESS_KEY"))
 
 
 def sandbox_secret_env(path: Path, cfg: RunConfig, stage: str, async_mode: bool,
-                       environ: dict[str, str]) -> dict[str, str]:
+                       environ: dict[str, str], files_dir: Path) -> dict[str, str]:
     """The environment a sandboxed task of `stage` runs with: `environ` without any
-    secret-bearing variable, plus what its pod would get from the cluster's Secrets in `path`.
+    secret-bearing variable, plus what its pod would get from the cluster's Secrets in `path`:
+    each credential as a file written 0400 under `files_dir` (`<secret>/<key>`, as a pod's Secret
+    volumes lay them out), named by `<VAR>_FILE`; never the value itself.
 
     `path` (written by the test harness, mode 0600): JSON `{"secrets": {secret: {key: value}},
     "service_account_env": {VAR: value}}`; the latter is what every task pod gets from the
@@ -96,13 +192,15 @@ def sandbox_secret_env(path: Path, cfg: RunConfig, stage: str, async_mode: bool,
             raise RuntimeError(f"stage {stage}: its pod needs key {ref.key!r} of the Secret {ref.secret!r} for {var}, "
                                f"which {path} does not hold; the pod would not start (CreateContainerConfigError): "
                                "create the key (docs/deploy.md)")
-        env[var] = value
+        pod_path = Path(ref.path())
+        env[file_var(var)] = str(write_secret_file(files_dir / pod_path.parent.name / pod_path.name, value))
     return env
 
 
-def apply_sandbox_secrets(stage: str | None, config_json: str | None) -> None:
+def apply_sandbox_secrets(stage: str | None, config_json: str | None, files_dir: Path | None = None) -> None:
     """In a task sandboxed with `MOERL_SANDBOX_SECRETS`: replace this process's environment with
-    `sandbox_secret_env`'s, and drop the variable (a pod knows none of the cluster's other
+    `sandbox_secret_env`'s (its pod's credentials as files under `files_dir`, default a fresh
+    temporary directory), and drop the variable (a pod knows none of the cluster's other
     Secrets, and neither may the processes this task starts). Nothing without the variable."""
     path = os.environ.get(SANDBOX_SECRETS_ENV)
     if not path:
@@ -116,7 +214,11 @@ def apply_sandbox_secrets(stage: str | None, config_json: str | None) -> None:
     cfg = config_from_json(config_json)
     # the pipeline `place` compiled it into: the async one for pipeline.mode async (GRPO only)
     async_mode = cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo"
-    new = sandbox_secret_env(Path(path), cfg, stage, async_mode, dict(os.environ))
+    if files_dir is None:
+        import tempfile
+
+        files_dir = Path(tempfile.mkdtemp(prefix="moerl-secrets-"))
+    new = sandbox_secret_env(Path(path), cfg, stage, async_mode, dict(os.environ), files_dir)
     new.pop(SANDBOX_SECRETS_ENV, None)
     for k in [k for k in os.environ if k not in new]:
         del os.environ[k]

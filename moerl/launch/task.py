@@ -11,8 +11,9 @@ inputs can be a whole trainer state, and a KFP retry uploads them again under a 
 
 What the launched pods get besides the stage: the non-secret environment the task itself was
 given for MLflow and AWS (`PASS_ENV`; an MLFLOW_TRACKING_URI with credentials in it loses them,
-or is left out when it cannot do without them), the Secrets named in `cluster.mlflow_secret`
-and `cluster.valkey_secret` as secretKeyRef variables (never their values), and a service
+or is left out when it cannot do without them), their credentials as files of Secret volumes
+(`moerl.launch.podsecrets.launched_secret_volumes`: mode 0400, only the stage's keys; the async
+stages' Valkey user is the run's own, `moerl-run-<run_id>`), never as values, and a service
 account (IRSA: their S3 access): `cluster.launch.service_account`, else the task's own
 ($MOERL_SERVICE_ACCOUNT, set by pipelines/eks.py) when they share its namespace.
 
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 # Never credentials (MLFLOW_TRACKING_URI goes through `tracking_uri_env`): the pods get those
 # from their own service account (IRSA) and Secrets.
 PASS_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION")
-ASYNC_STAGES = frozenset({"async_trainer", "rollout_worker"})  # the ones that talk to Valkey
+from moerl.launch.podsecrets import LAUNCHED_ASYNC_STAGES as ASYNC_STAGES  # the ones that talk to Valkey
 # The task's own deadline (set_timeout, the GPU group's timeout_s, pipelines/eks.py) counts from
 # its start; the watch gives up this long before it, so the launcher reports a timeout and
 # deletes its workload itself rather than being killed.
@@ -140,13 +141,11 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
                             "they use tracking.uri from the config")
         if value:
             env.append({"name": k, "value": value})
-    from moerl.launch.podsecrets import pod_secret_env  # the one mapping `place` mounts too
+    from moerl.launch.podsecrets import pod_secret_files  # the one mapping `place` mounts too
 
-    for name, ref in pod_secret_env(cfg, stage, async_mode=stage in ASYNC_STAGES).items():
-        key_ref: dict[str, Any] = {"name": ref.secret, "key": ref.key}
-        if ref.optional:
-            key_ref["optional"] = True
-        env.append({"name": name, "valueFrom": {"secretKeyRef": key_ref}})
+    # the credentials' files (moerl.launch.objects mounts the Secret volumes), never their values
+    for name, path in pod_secret_files(cfg, stage, async_mode=stage in ASYNC_STAGES).items():
+        env.append({"name": name, "value": path})
     if cfg.checkpoint.fanout and stage == "rollout_worker":
         env += [{"name": "MOERL_FANOUT_BIND", "value": "0.0.0.0"},
                 {"name": "MOERL_FANOUT_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]

@@ -94,6 +94,7 @@ def _check_cache_tier(cfg: RunConfig) -> None:
     if ct.uri is None or ct.endpoint_url == "embedded":
         return
     from moerl.errors import CheckpointError, ConfigError
+    from moerl.secrets import read_secret
     from moerl.store.tiers import CACHE_TIER_SECRET, cache_tier_store
 
     # The check is real wherever it runs (the pipeline's start_run gets the cache server's reader
@@ -101,7 +102,7 @@ def _check_cache_tier(cfg: RunConfig) -> None:
     # is reached through the AWS chain (IRSA), as the config allows. But a task without keys that
     # is refused was most likely never given them, so the error says so rather than "denied".
     names = (f"{ct.credentials_env}_ACCESS_KEY_ID", f"{ct.credentials_env}_SECRET_ACCESS_KEY")
-    keys, held = " / ".join(names), any(os.environ.get(n) for n in names)
+    keys, held = " / ".join(names), any(read_secret(n) for n in names)  # a pod holds them as files
     try:
         cache_tier_store(cfg.checkpoint, "preflight").check_access()
     except CheckpointError as e:
@@ -110,7 +111,7 @@ def _check_cache_tier(cfg: RunConfig) -> None:
                 f"checkpoint.cache_tier ({ct.uri} at {ct.endpoint_url}) is not usable: {e}. This process holds no "
                 f"cache-tier keys ({keys} unset), so it used the AWS chain (on EKS: the pod's IRSA role, which the "
                 f"cache server does not know). Set both variables to the cache server's reader keys; on EKS they come "
-                f"from the Secret {CACHE_TIER_SECRET!r} (keys READER_ACCESS_KEY_ID / READER_SECRET_ACCESS_KEY, "
+                f"from the Secret {CACHE_TIER_SECRET + '-reader'!r} (keys READER_ACCESS_KEY_ID / READER_SECRET_ACCESS_KEY, "
                 "docs/deploy.md), mounted into each stage's pod by moerl.launch.podsecrets.pod_secret_env; or unset "
                 "checkpoint.cache_tier.uri") from e
         raise ConfigError(f"checkpoint.cache_tier ({ct.uri} at {ct.endpoint_url}) is not usable: {e}; fix "

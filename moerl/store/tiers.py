@@ -98,10 +98,13 @@ def cache_tier_secret_env(cfg: CheckpointConfig, stage: str) -> dict[str, str]:
 
 
 def cache_tier_credentials(cfg: CheckpointConfig) -> tuple[str, str] | None:
-    """The cache tier's keys from `<credentials_env>_ACCESS_KEY_ID` / `_SECRET_ACCESS_KEY`;
+    """The cache tier's keys from `<credentials_env>_ACCESS_KEY_ID` / `_SECRET_ACCESS_KEY`, each
+    from its file (`..._FILE`: a pod's Secret volume) or the variable (`moerl.secrets.read_secret`);
     None (the standard AWS chain) when neither is set."""
+    from moerl.secrets import read_secret
+
     env = cfg.cache_tier.credentials_env
-    key, secret = os.environ.get(f"{env}_ACCESS_KEY_ID"), os.environ.get(f"{env}_SECRET_ACCESS_KEY")
+    key, secret = read_secret(f"{env}_ACCESS_KEY_ID"), read_secret(f"{env}_SECRET_ACCESS_KEY")
     if bool(key) != bool(secret):
         raise CheckpointError(f"checkpoint.cache_tier: only one of {env}_ACCESS_KEY_ID and {env}_SECRET_ACCESS_KEY "
                               "is set; set both (the cache server's identity) or neither (the AWS chain)")

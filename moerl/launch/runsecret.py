@@ -1,0 +1,144 @@
+"""A run's own Valkey identity on EKS: made when the run starts, deleted when it ends (issue 35).
+
+The stages of an async run log in to the shared Valkey as the run's own ACL user,
+`moerl-run-<run_id>`, limited to the run's keys (`moerl:<run_id>:*`) and the commands the bus
+sends (`moerl.bus.client.STAGE_ACL`): a stage (or model-written code that got hold of its
+password) cannot read or forge another run's streams. The password must reach the run's pods
+without passing through a KFP parameter (the UI shows every parameter), so:
+
+- `open_run_identity` (the pipeline's first task, `start_run`) connects as the server's admin
+  (`VALKEY_ADMIN_PASSWORD`, from `cluster.valkey_secret`, mounted by start_run and close_run
+  only), creates the user with a random password, and writes the user and password into the
+  Kubernetes Secret `moerl-run-<run_id>` in the task's namespace (and in
+  `cluster.launch.namespace`, where launched pods run, if another). start_run returns only the
+  Secret's *name* (`valkey_secret`), which the other tasks mount as a volume
+  (`kfp.kubernetes.use_secret_as_volume` takes a task output as the name: KFP's driver resolves
+  it when it builds the pod); the launcher names it from the run id.
+- `close_run_identity` (the exit task, `close_run`, however the run ended) deletes the user
+  (Valkey closes its connections) and the Secret(s).
+
+Needs: the pipeline's service account may create, update and delete Secrets in the namespace
+(Role `moerl-launcher`, manifests/base/rbac.yaml; no get or list: a task cannot read another
+Secret through the API); the server keeps users in an ACL file (manifests/base/valkey.yaml), so a
+restarted Valkey still knows a live run's user.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from typing import Any
+
+from moerl.bus.client import ADMIN_PASSWORD_ENV, connect, create_run_user, delete_run_user, run_user
+from moerl.config import RunConfig
+from moerl.errors import ConfigError, MoerlError
+from moerl.launch.podsecrets import run_secret_name
+from moerl.launch.watch import KubeApi, own_namespace, short_error
+from moerl.secrets import read_secret
+
+log = logging.getLogger(__name__)
+
+
+def _admin(cfg: RunConfig):
+    password = read_secret(ADMIN_PASSWORD_ENV)
+    if not password:
+        raise ConfigError(f"the run's own Valkey user needs the server's admin password: ${ADMIN_PASSWORD_ENV}_FILE "
+                          f"(key {ADMIN_PASSWORD_ENV} of the Secret cluster.valkey_secret, "
+                          f"{cfg.cluster.valkey_secret!r}) is not set or empty; create the key (docs/deploy.md)")
+    # the server's default user is its admin (manifests/base/valkey.yaml)
+    return connect(cfg.valkey.url, cfg.valkey.reconnect_s, username="default", password=password)
+
+
+def run_secret_body(run_id: str, user: str, password: str) -> dict[str, Any]:
+    """The run's Secret: the keys `moerl.launch.podsecrets` mounts (VALKEY_USERNAME,
+    VALKEY_PASSWORD), labelled with the run so an operator can find one a failed close left."""
+    data = {"VALKEY_USERNAME": user, "VALKEY_PASSWORD": password}
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": run_secret_name(run_id),
+                         "labels": {"app.kubernetes.io/part-of": "moerl", "app.kubernetes.io/managed-by": "moerl",
+                                    "moerl.ai/run-id": run_id[:63]}},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+
+def namespaces(cfg: RunConfig) -> list[str]:
+    """Where the run's pods run: the task's own namespace, and `cluster.launch.namespace` for
+    launched pods when it is another (a Secret is mounted only in its own namespace)."""
+    own = own_namespace()
+    if not own:
+        raise ConfigError("cannot tell this task's namespace ($MOERL_POD_NAMESPACE, set by pipelines/eks.py, and the "
+                          "service account's namespace file are both missing): the run's Secret goes there")
+    found = [own]
+    la = cfg.cluster.launch
+    if la.mode == "kubernetes" and la.namespace and la.namespace != own:
+        found.append(la.namespace)
+    return found
+
+
+def _api() -> KubeApi:
+    from moerl.launch.watch import connect as kube_connect
+
+    return kube_connect()
+
+
+def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -> str:
+    """Create run `run_id`'s Valkey user and its Secret (replaced if a retried first task made
+    one); returns the Secret's name, which the run's tasks mount."""
+    from kubernetes.client.exceptions import ApiException
+
+    user, password = create_run_user(_admin(cfg), run_id)
+    api = api or _api()
+    body = run_secret_body(run_id, user, password)
+    name = body["metadata"]["name"]
+    for ns in namespaces(cfg):
+        try:
+            api.core.create_namespaced_secret(ns, body)
+        except ApiException as err:
+            if err.status != 409:
+                raise MoerlError(f"creating the run's Secret {ns}/{name}: {short_error(err)}; the pipeline's service "
+                                 "account needs create on secrets (Role moerl-launcher, manifests/base/rbac.yaml)") from err
+            api.core.replace_namespaced_secret(name, ns, body)  # a retried start_run: the new password
+    log.info("run %s: Valkey user %s, Secret %s", run_id, user, name)
+    return name
+
+
+def close_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -> list[str]:
+    """Delete run `run_id`'s Valkey user and Secret(s), whichever exist; returns what was
+    deleted. Raises MoerlError, after trying both, if either could not be deleted."""
+    from kubernetes.client.exceptions import ApiException
+
+    done: list[str] = []
+    problems: list[str] = []
+    try:
+        if delete_run_user(_admin(cfg), run_id):
+            done.append(f"Valkey user {run_user(run_id)}")
+    except MoerlError as err:
+        problems.append(f"deleting Valkey user {run_user(run_id)}: {err}")
+    name = run_secret_name(run_id)
+    try:
+        api = api or _api()
+        for ns in namespaces(cfg):
+            try:
+                api.core.delete_namespaced_secret(name, ns)
+                done.append(f"Secret {ns}/{name}")
+            except ApiException as err:
+                if err.status != 404:
+                    problems.append(f"deleting Secret {ns}/{name}: {short_error(err)}")
+    except MoerlError as err:
+        problems.append(f"deleting Secret {name}: {err}")
+    if problems:
+        raise MoerlError(f"closing run {run_id}'s Valkey identity: " + "; ".join(problems)
+                         + (f" (deleted {', '.join(done)})" if done else ""))
+    return done
+
+
+def uses_run_identity(cfg: RunConfig, target: str) -> bool:
+    """Whether a run of `cfg` compiled for `target` has its own Valkey user: the async pipeline
+    on EKS (locally, `moerl run --mode async` makes one in its embedded server)."""
+    return target == "eks" and cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo" and cfg.valkey.url is not None
+
+
+def holds_admin() -> bool:
+    """Whether this task's pod was given the admin password's file (the EKS exit task's sign
+    that the run made an identity to delete; `moerl.launch.podsecrets.VALKEY_ADMIN_STAGES`)."""
+    return bool(os.environ.get(ADMIN_PASSWORD_ENV + "_FILE"))
