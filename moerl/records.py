@@ -185,6 +185,11 @@ class Sample(_Record):
     # runs [[first token index, version], ...] (the first at 0; indices and versions increasing);
     # None: every token from `policy_version`, which is always the first (oldest) run's version.
     token_versions: list[tuple[int, int]] | None = None
+    # Async mode: the manifest sha256 of each policy version that sampled its tokens, as the
+    # engine served it. A version number alone is ambiguous: after a rollback the trainer
+    # publishes that number again with other weights, and the trainer drops a sample whose
+    # (version, sha) is not one it published (components/buffer/worker.py `classify`).
+    policy_shas: dict[int, str] | None = None
 
     @model_validator(mode="after")
     def _lengths(self) -> "Sample":

@@ -1074,3 +1074,33 @@ def test_the_dead_letter_stream_keeps_its_newest_entries_and_the_counters_all(bu
         bus.write_many([bus.group_write(f"u{i}/0:p", [{"x": 1}]) for i in range(start, min(n, start + 1000))])
     assert bus.counters()["groups_dead"] == n
     assert DEAD_MAXLEN <= bus.r.xlen(bus.key(DEAD)) < n  # trimmed (approximately: whole nodes)
+
+
+def test_a_sample_from_weights_lost_under_a_republished_number_is_stale():
+    """After a rollback the trainer publishes version 3 again with other weights: a sample an
+    engine generated under the lost version 3 carries that version's sha and is dropped, while
+    one from the version 3 the trainer published is used (issue 35, item 12)."""
+    lost, ours = _scored(3, [0, 1]), _scored(3, [0, 1])
+    for s in lost:
+        s.policy_shas = {3: "lost-sha"}
+    for s in ours:
+        s.policy_shas = {3: "our-sha"}
+    known = {2: "sha-2", 3: "our-sha"}
+    assert classify("g", lost, 3, 1, seen=set()) == "used"  # by the number alone it looked on-policy
+    assert classify("g", lost, 3, 1, seen=set(), known=known) == "stale"
+    assert classify("g", ours, 3, 1, seen=set(), known=known) == "used"
+    assert classify("g", _scored(3, [0, 1]), 3, 1, seen=set(), known=known) == "used"  # no sha: by number
+
+
+def test_an_engines_samples_carry_the_sha_of_every_version_that_sampled_them():
+    from types import SimpleNamespace
+
+    from moerl.components.rollout.worker import group_samples
+
+    prompt = {"id": "p", "task": "copy", "prompt": "x", "answer": "1"}
+    comps = [SimpleNamespace(token_ids=[5, 6], logprobs=[-0.1, -0.2], text="ab", finish_reason="stop", version=None,
+                             token_versions=None),
+             SimpleNamespace(token_ids=[5, 6], logprobs=[-0.1, -0.2], text="ab", finish_reason="stop", version=2,
+                             token_versions=[(0, 2), (1, 3)])]
+    a, b = group_samples("run", "u1/0:p", prompt, [1], comps, 3, shas={2: "s2", 3: "s3"})
+    assert a["policy_shas"] == {3: "s3"} and b["policy_shas"] == {2: "s2", 3: "s3"}

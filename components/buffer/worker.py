@@ -31,7 +31,7 @@ visibility timeout can still arrive stale, and is dropped, not trained.
 from __future__ import annotations
 
 import math
-
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -76,9 +76,14 @@ def prompts_to_issue(*, used: int, in_flight: int, version: int, batch_prompts: 
 
 
 def classify(group_id: str, samples: list[ScoredSample], version: int, max_staleness: int,
-             seen: set[str]) -> Disposition:
+             seen: set[str], known: Mapping[int, str] | None = None) -> Disposition:
+    """`known`: the manifest sha256 of each version the trainer published or continues from; a
+    sample whose engine served another sha under one of those numbers came from lost weights (a
+    version rolled back and published again under its number) and is stale, whatever its number."""
     if group_id in seen:
         return "duplicate"
+    if known and any(known.get(v, sha) != sha for s in samples for v, sha in (s.policy_shas or {}).items()):
+        return "stale"
     # a sample from above the trainer's version came from a version that was lost (servable,
     # then gone with both copies before it was durable; see policy_update/worker.py)
     # in-flight weight updates: a response's oldest token decides its staleness, its newest

@@ -35,9 +35,11 @@ epoch, so engines that served a version lost with both copies move back to it.
 
 Limitations: with expert parallelism the trainer state goes through files and
 `run_policy_update` each version, reloading the model. Samples generated from a lost version
-(servable, then lost with both copies before it was durable) carry its number; the trainer
-drops them while its own version is below that number, but not once it has published that
-number again (their behaviour logprobs still correct them, as for any stale sample).
+(servable, then lost with both copies before it was durable) carry its number and the manifest
+sha256 their engine served (`Sample.policy_shas`): the trainer drops them while its own version
+is below that number, and after it has published that number again, because the sha differs.
+A sample from an engine that knew no sha for its version (a worker older than this check) is
+judged by its number only.
 """
 
 from __future__ import annotations
@@ -267,8 +269,8 @@ def _stalled(bus: RunBus, cfg: RunConfig, version: int, have: int, want: int, qu
 
 
 def _gather(bus: RunBus, cfg: RunConfig, version: int, inbox: Inbox, epoch: int, issuer: "Issuer",
-            held: frozenset[str] = frozenset(),
-            held_entries: frozenset[str] = frozenset()) -> tuple[Batch, dict[str, float]]:
+            held: frozenset[str] = frozenset(), held_entries: frozenset[str] = frozenset(),
+            known: dict[int, str] | None = None) -> tuple[Batch, dict[str, float]]:
     """Block until B fresh groups are in; settle the rest as they come. `held`, `held_entries`:
     the groups and entries of versions still being published (trained, not yet committed)."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
@@ -306,7 +308,7 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, inbox: Inbox, epoch: int,
         for eid, g in got:
             gid = g["group_id"]
             samples = g["samples"]
-            d = classify(gid, samples, version, k, consumed | held | set(batch.group_ids))
+            d = classify(gid, samples, version, k, consumed | held | set(batch.group_ids), known)
             n = len(samples)
             if d == "duplicate":
                 bus.settle(epoch, [eid], [], duplicates=n)
@@ -404,7 +406,17 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     version_ref = [latest]
     pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)
 
+    # what each recent version number means (its manifest sha256): a sample an engine generated
+    # under the same number with other weights (a version lost, then published again) is stale
+    known: dict[int, str] = {}
+    for v in range(max(0, latest - cfg.buffer.max_staleness), latest + 1):
+        try:
+            known[v] = tiers.durable.manifest(v).sha256()
+        except CheckpointError:  # pruned by retention: samples that old are stale by number anyway
+            pass
+
     def servable(p: PolicyVersion) -> None:
+        known[p.version] = p.manifest_sha256  # before any engine can serve it
         pbus.set_servable(epoch, p.version, p.uri, p.manifest_sha256)
 
     committed = [latest]  # the last version this trainer committed (the publisher's thread moves it)
@@ -452,7 +464,9 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             held = frozenset(g for job in jobs for g in job.context["groups"])
             held_entries = frozenset(e for job in jobs for e in job.context["entries"])
             _recommit(bus, cfg, run_id, committed[0], epoch)
-            batch, metrics = _gather(bus, cfg, version, inbox, epoch, issuer, held, held_entries)
+            for v in [v for v in known if v < version - cfg.buffer.max_staleness]:  # bounded
+                known.pop(v, None)
+            batch, metrics = _gather(bus, cfg, version, inbox, epoch, issuer, held, held_entries, dict(known))
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()
             samples = train_samples(batch.used, cfg.buffer)

@@ -84,18 +84,30 @@ def group_seed(base: int, unit_id: str, k: int) -> int:
     return (base * 1_000_003 + int(unit_id.lstrip("u")) * 4099 + k) % (2**31 - 1)
 
 
+def served_shas(shas: dict[int, str], versions: Sequence[int]) -> dict[int, str] | None:
+    """The manifest sha256 an engine served for each of `versions` (those it knows)."""
+    out = {v: shas[v] for v in versions if v in shas}
+    return out or None
+
+
 def group_samples(run_id: str, gid: str, prompt: dict, prompt_ids: list[int], comps, version: int | None,
-                  routes: Callable[[Any], Any] = lambda c: None) -> list[dict]:
+                  routes: Callable[[Any], Any] = lambda c: None, shas: dict[int, str] | None = None) -> list[dict]:
     """A finished group's samples as the bus carries them: each validated once (`Sample`), with
     its id, the prompt's text read once; `version` for completions that carry none, `routes(c)`
-    a completion's routed experts (RolloutEngine.routed_experts)."""
+    a completion's routed experts (RolloutEngine.routed_experts), `shas` the manifest sha256 of
+    each version the engine served (`Sample.policy_shas`)."""
     text = Prompt.model_validate(prompt).prompt_text
-    return [Sample(prompt_id=prompt["id"], task=prompt["task"], prompt=text, answer=prompt["answer"], sample_index=j,
-                   sample_id=f"{run_id}/{gid}/{j}", prompt_token_ids=prompt_ids, response_token_ids=c.token_ids,
-                   response_logprobs=c.logprobs, response_text=c.text, finish_reason=c.finish_reason,
-                   policy_version=version if c.version is None else c.version, token_versions=c.token_versions,
-                   meta=prompt.get("meta"), routed_experts=routes(c)).model_dump()
-            for j, c in enumerate(comps)]
+    out = []
+    for j, c in enumerate(comps):
+        v = version if c.version is None else c.version
+        used = [x for _, x in c.token_versions] if c.token_versions else [v]
+        out.append(Sample(prompt_id=prompt["id"], task=prompt["task"], prompt=text, answer=prompt["answer"],
+                          sample_index=j, sample_id=f"{run_id}/{gid}/{j}", prompt_token_ids=prompt_ids,
+                          response_token_ids=c.token_ids, response_logprobs=c.logprobs, response_text=c.text,
+                          finish_reason=c.finish_reason, policy_version=v, token_versions=c.token_versions,
+                          meta=prompt.get("meta"), routed_experts=routes(c),
+                          policy_shas=served_shas(shas or {}, used)).model_dump())
+    return out
 
 
 class _Drain:
@@ -291,6 +303,7 @@ class RolloutWorker:
         # and where each prefetched version came from (counted when it is swapped in)
         self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
         self._prefetched: dict[int, list[str]] = {}
+        self._shas: dict[int, str] = {}  # version -> the manifest sha256 this engine served under it
         # group publications and unit acknowledgements, in order; at most as many hand-overs wait
         # (a step's groups, an acknowledgement) as twice the units in flight have groups and acks
         self._outbox = _Outbox(name, bus, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1))
@@ -345,6 +358,10 @@ class RolloutWorker:
         if self.version is not None and self.version != reg.version:
             store.unpin(self.version, holder=self.holder)
         self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
+        # what each version number meant on this engine, for the samples' policy_shas (the last
+        # few: a sample spans at most the versions of one unit's generation)
+        self._shas = {v: h for v, h in self._shas.items() if reg.version - 16 < v < reg.version}
+        self._shas[reg.version] = reg.manifest_sha256
         # bounded: a prefetch of a version this engine went past (or rolled back over) is never swapped in
         self._prefetched = {v: s for v, s in self._prefetched.items() if v > reg.version}
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
@@ -739,11 +756,12 @@ class RolloutWorker:
             self.bus.incr(samples_mixed_version=mixed)
         gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
         return self.bus.group_write(gid, group_samples(self.run_id, gid, entry["prompt"], prompt_ids, comps,
-                                                       self.version, self.engine.routed_experts))
+                                                       self.version, self.engine.routed_experts, self._shas))
 
     def _samples_write(self, unit_id: str, entry: dict, samples: list[Sample]) -> BusWrite:
         gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
-        dumped = [s.model_copy(update={"sample_id": f"{self.run_id}/{gid}/{s.sample_index}"}).model_dump()
+        dumped = [s.model_copy(update={"sample_id": f"{self.run_id}/{gid}/{s.sample_index}",
+                                       "policy_shas": served_shas(self._shas, [s.policy_version])}).model_dump()
                   for s in samples]
         return self.bus.group_write(gid, dumped)
 

@@ -17,6 +17,8 @@
                                  and wall time, against the XAUTOCLAIM paging it replaced
     moerl bench fanout           the fan-out's bookkeeping for one version at 32 workers:
                                  Valkey commands and CPU, against the per-chunk sets it replaced
+    moerl bench state            Valkey's and each stage's memory over a long async run:
+                                 whether the run's state stays bounded (growth per version)
     moerl compare RUN_ID...      MLflow runs side by side: params that differ, metrics with
                                  deltas and confidence intervals, plots
 
@@ -140,6 +142,13 @@ def _fanout(a: argparse.Namespace) -> int:
 
     rep = run_bench_fanout(Path(a.out), peers=a.peers, chunks=a.chunks, version_s=a.version_s, windows=a.windows,
                            window_s=a.window_s, seed=a.seed)
+    return 0 if rep["ok"] else 1
+
+
+def _state(a: argparse.Namespace) -> int:
+    from moerl.bench.state import run_bench_state
+
+    rep = run_bench_state(a.versions, Path(a.out), tuple(a.set or ()))
     return 0 if rep["ok"] else 1
 
 
@@ -306,6 +315,11 @@ def add_bench_parsers(sub) -> None:
     fo.add_argument("--out", default="bench/fanout.json")
     fo.set_defaults(func=_fanout)
 
+    st = bsub.add_parser("state", help="Valkey's and each stage's memory over a long async run (bounded state)")
+    st.add_argument("--versions", type=int, default=200, help="versions of the tiny model to run")
+    st.add_argument("--set", action="append", metavar="KEY=VALUE", help="a config override (repeatable)")
+    st.add_argument("--out", default="bench/state.json")
+    st.set_defaults(func=_state)
     co = sub.add_parser("compare", help="MLflow runs side by side: differing params, metric deltas vs noise, plots")
     co.add_argument("run_ids", nargs="+", metavar="RUN_ID")
     co.add_argument("--tracking-uri", default=None, help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
