@@ -912,8 +912,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s")
-    cfg = config_from_json(Path(a.config).read_text())
-    enter_pod()  # as the component does: the process's own scratch, when pod-shaped
+    text = Path(a.config).read_text()
+    cfg = config_from_json(text)
+    # as the component does: the process's own scratch when pod-shaped, and in a sandbox given
+    # the cluster's Secrets, its pod's credentials and no others
+    enter_pod("rollout_worker", text)
     return run_rollout_worker(cfg, a.run_id, a.name)
 
 
