@@ -17,8 +17,8 @@ A Secret volume's files that its group or others may *read* are accepted: a non-
 can read a root-owned file only through its group (`fsGroup`, which the kubelet ORs into the mode
 as 0440) or its others bits, and KFP 2.17's driver mounts Secrets with Kubernetes' default mode
 0644 (kfp-kubernetes' `SecretAsVolume` has no mode field). What keeps a sandboxed child from
-such a file is the sandbox's mount namespace, which hides `SECRETS_ROOT`
-(`moerl.tasks.isolation`), not its mode.
+such a file is the sandbox's mount namespace, which hides `SECRETS_ROOT` and the directory of
+every credential file the stage holds (`secret_dirs`, `moerl.tasks.isolation`), not its mode.
 """
 
 from __future__ import annotations
@@ -83,6 +83,26 @@ def read_secret(name: str, environ: dict[str, str] | os._Environ | None = None) 
         value = value[:-1] if value.endswith("\n") else value
         return value or None
     return environ.get(name) or None
+
+
+# Variables whose file is a credential (by the name it stands for): what `secret_dirs` hides
+_CREDENTIAL_WORDS = ("PASSWORD", "USERNAME", "ACCESS_KEY", "SECRET", "TOKEN")
+
+
+def secret_dirs(environ: dict[str, str] | os._Environ | None = None) -> list[str]:
+    """The directories of this process's credential files, which a sandboxed child must not
+    see (moerl.tasks.isolation mounts an empty tmpfs over each): `SECRETS_ROOT` (a pod's Secret
+    volumes) and the directory of every `<credential>_FILE` this process holds (the
+    cluster-shaped test's sandbox, a local run's own files)."""
+    environ = os.environ if environ is None else environ
+    dirs = {SECRETS_ROOT}
+    for var, path in environ.items():
+        name = var.removesuffix(FILE_SUFFIX)
+        if var.endswith(FILE_SUFFIX) and path and any(w in name for w in _CREDENTIAL_WORDS):
+            parent = os.path.dirname(os.path.realpath(path))
+            if parent not in ("", "/"):
+                dirs.add(parent)
+    return sorted(dirs)
 
 
 def write_secret_file(path: Path, value: str) -> Path:

@@ -5,7 +5,8 @@ second `weed mini`, as the buffer group's SeaweedFS, with its writer and Read/Li
 identities), an MLflow tracking server (`mlflow server`), and torch's compile cache (why:
 tests/sandbox.py). Every task holds only the credentials its pod gets on EKS: the cluster's
 Secrets are a file (`MOERL_SANDBOX_SECRETS`), and each task, entering its pod, drops every
-credential it inherited and takes its own stage's keys from it (`moerl.launch.podsecrets`); the
+credential it inherited and takes its own stage's keys from it, as 0400 files in its own sandbox
+(`moerl.launch.podsecrets`: never as variables, as on EKS, where they are Secret volumes); the
 durable S3 keys stand in for the service account's IRSA role, which every pod has. (With the
 keys in this process's environment instead, every task held the writer's keys, and a first task
 that got none on EKS passed here: issue 35.) It must complete and learn, and
@@ -102,9 +103,10 @@ def cluster_run(s3_server, tmp_path_factory):
     cache_server.client().create_bucket(Bucket="moerl-cache")
     reader_id, reader_secret = cache_server.reader
     secrets = write_sandbox_secrets(root / "cluster-secrets.json", {
-        "moerl-ckpt-cache": {"WRITER_ACCESS_KEY_ID": cache_server.access_key,
-                             "WRITER_SECRET_ACCESS_KEY": cache_server.secret_key,
-                             "READER_ACCESS_KEY_ID": reader_id, "READER_SECRET_ACCESS_KEY": reader_secret},
+        # one Secret per identity, as the cluster holds them (a task mounts a whole Secret)
+        "moerl-ckpt-cache-writer": {"WRITER_ACCESS_KEY_ID": cache_server.access_key,
+                                    "WRITER_SECRET_ACCESS_KEY": cache_server.secret_key},
+        "moerl-ckpt-cache-reader": {"READER_ACCESS_KEY_ID": reader_id, "READER_SECRET_ACCESS_KEY": reader_secret},
         # cluster.mlflow_secret: `mlflow server` ignores basic auth, so these only have to arrive
         "moerl-mlflow": {"MLFLOW_TRACKING_USERNAME": "moerl", "MLFLOW_TRACKING_PASSWORD": "cluster-local"}},
         # IRSA's stand-in: every pod's service account reaches the durable S3 (its keys here)

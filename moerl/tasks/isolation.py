@@ -30,9 +30,13 @@ Two sides:
   status (a signal N as 128 + N). stdin/stdout pipes, the protocol, are inherited and cross the
   namespaces unchanged.
 
-Limitations, stated: the child still reads every file its uid can read (the IRSA token file, the
-code, the datasets, `~/.aws` if present): the mounts are read-only, not hidden (but the stage's
-temp directory). Pathname unix sockets outside the stage's temp directory (under /run, say) are
+The stage's credential files (a pod's Secret volumes under /var/run/secrets/moerl, and the
+directory of every `<credential>_FILE` it holds: `moerl.secrets.secret_dirs`) are hidden under an
+empty read-only tmpfs, so a child reads none of them whatever their mode.
+
+Limitations, stated: the child still reads every other file its uid can read (the IRSA token
+file, the code, the datasets, `~/.aws` if present): the mounts are read-only, not hidden (but the
+stage's temp directory and its credential files). Pathname unix sockets outside the stage's temp directory (under /run, say) are
 reachable through the filesystem: the network namespace removes IP and abstract sockets only;
 and a temp directory that is itself on the import path stays visible. CPU time and disk use in
 the scratch directory are bounded by the per-call timeout and `RLIMIT_FSIZE`, not by a cgroup.
@@ -56,6 +60,10 @@ import threading
 from moerl.errors import ConfigError
 
 ISOLATIONS = ("namespaces", "none")
+# Directories (os.pathsep-separated) an isolated child hides under an empty read-only tmpfs: the
+# stage's credential files (moerl.secrets.secret_dirs; the pod's Secret volumes among them), set
+# by the pool in the child's environment. A path, never a credential.
+HIDE_ENV = "MOERL_SANDBOX_HIDE"
 FIELDS = "reward.sandbox.isolation / task.sandbox.isolation"
 UNSHARE_ARGS = ("--user", "--map-root-user", "--net", "--pid", "--mount", "--kill-child")
 SHM_MB = 64
@@ -212,6 +220,11 @@ def _mounts(libc, scratch: str) -> str:
         proc = "hidden"
     if os.path.isdir("/dev/shm"):
         _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SHM_MB}m,mode=1777")
+    for d in os.environ.get(HIDE_ENV, "").split(os.pathsep):
+        # the stage's credential files: hidden, not merely read-only (the child's uid may read them),
+        # unless hiding would take the child's own scratch or its import path with it
+        if d and os.path.isdir(d) and not (scratch + os.sep).startswith(d.rstrip(os.sep) + os.sep):
+            _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "size=4k,mode=0555")
     if not hidden:
         _mount(libc, scratch, scratch, None, _MS_BIND)
     for mp in [*mountpoints, *hidden]:

@@ -103,7 +103,12 @@ def child_env(scratch: str) -> dict[str, str]:
     process can import, the child can: an installed package, or a module on PYTHONPATH), its scratch
     directory as HOME and TMPDIR, and one thread per numeric library."""
     env = {k: os.environ[k] for k in ENV_ALLOW if k in os.environ}
+    from moerl.secrets import secret_dirs
+    from moerl.tasks.isolation import HIDE_ENV
+
     env.update({
+        # the stage's credential files' directories: an isolated child mounts them away
+        HIDE_ENV: os.pathsep.join(secret_dirs()),
         "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),  # '' is the caller's cwd
         "HOME": scratch, "TMPDIR": scratch,
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
