@@ -105,6 +105,10 @@ class Listener:
                 conn.sendall(b"+PONG\r\n")
 
     def close(self):
+        try:  # wakes the accept() blocked in the thread (close alone does not, on Linux)
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.sock.close()
         self.thread.join(5)
 
