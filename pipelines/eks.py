@@ -137,6 +137,10 @@ def check_cluster_safe(cfg: RunConfig) -> None:
     if cfg.pipeline.mode == "async" and cfg.valkey.url and not cfg.valkey.username:
         problems.append("valkey.username: unset, so every stage would log in as the server's default (admin) user; "
                         "set moerl, the least-privilege ACL user manifests/base/valkey.yaml defines")
+    if cfg.pipeline.mode == "async" and cfg.valkey.url and not cfg.cluster.valkey_secret:
+        problems.append("cluster.valkey_secret: null, but the async pipeline's first task makes the run's own Valkey "
+                        "user with the admin password it holds (key VALKEY_ADMIN_PASSWORD); set it to moerl-valkey "
+                        "(docs/deploy.md)")
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch.task import check_launchable
 

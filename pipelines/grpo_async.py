@@ -126,10 +126,12 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str =
         # init_policy, not after it: a worker's pod scheduling, image pull and engine start
         # (rollout.early_engine: on dummy weights) overlap version 0's publication
         with dsl.ParallelFor(start.outputs["worker_slots"], name="rollout-workers") as i:
-            ro = _task(ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i), "rollout-worker", run_secret=secret)
+            ro = _task(ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i), "rollout-worker",
+                       run_secret=secret)
             _retry(ro, cfg.pipeline.worker_retries, cfg)
         with dsl.ParallelFor(start.outputs["scorer_slots"], name="reward-scorers") as j:
-            sc = _task(ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j), "reward-scorer", run_secret=secret)
+            sc = _task(ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j), "reward-scorer",
+                       run_secret=secret)
             _retry(sc, cfg.pipeline.worker_retries, cfg)
         tr = _task(ops.async_trainer(config_json=config_json, run_id=rid), "trainer", run_secret=secret)
         _retry(tr.after(init), TRAINER_RETRIES, cfg)

@@ -430,3 +430,14 @@ def test_every_stages_pod_mounts_exactly_the_secrets_pod_secret_env_gives_it(tmp
                 want = pod_secret_env(cfg, stage, stage in ASYNC_STAGES)
                 assert files == {f"{var}_FILE": ref.path() for var, ref in want.items()}, stage
     assert seen == set(STAGE_GROUP)  # every stage was compiled and checked
+
+
+def test_an_async_pipeline_without_the_valkey_admins_secret_is_refused(tmp_path):
+    """Its first task makes the run's own Valkey user with the admin password of
+    cluster.valkey_secret: without the Secret the run could not start, so compile says so."""
+    data = _cfg("async")
+    data["cluster"]["valkey_secret"] = None
+    with pytest.raises(ConfigError, match=r"cluster.valkey_secret: null, but the async pipeline's first task makes "
+                                          r"the run's own Valkey user"):
+        _compiled(tmp_path, data)
+    _compiled(tmp_path, {**_cfg("sync"), "cluster": {**_cfg("sync")["cluster"], "valkey_secret": None}})  # sync: fine

@@ -198,7 +198,8 @@ def test_the_first_task_passes_its_cache_tier_preflight_with_its_pods_reader_key
         assert "AccessDenied" in first["write"]  # the reader's keys, not the writer's
         assert "MOERL_SANDBOX_SECRETS" not in first["env"]  # the children of a task never see the file
         # its keys as 0400 files in its own sandbox, never in its environment
-        assert "MOERL_CACHE_TIER_ACCESS_KEY_ID_FILE" in first["env"] and "MOERL_CACHE_TIER_ACCESS_KEY_ID" not in first["env"]
+        assert "MOERL_CACHE_TIER_ACCESS_KEY_ID_FILE" in first["env"]
+        assert "MOERL_CACHE_TIER_ACCESS_KEY_ID" not in first["env"]
         publisher = task("publish_checkpoint")
         assert publisher["preflight"] == "ok" and publisher["write"] == "ok"
         # a stage whose pod gets no keys falls back to the AWS chain (the durable store's identity,

@@ -95,8 +95,9 @@ def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -
             api.core.create_namespaced_secret(ns, body)
         except ApiException as err:
             if err.status != 409:
-                raise MoerlError(f"creating the run's Secret {ns}/{name}: {short_error(err)}; the pipeline's service "
-                                 "account needs create on secrets (Role moerl-launcher, manifests/base/rbac.yaml)") from err
+                raise MoerlError(f"creating the run's Secret {ns}/{name}: {short_error(err)}; the pipeline's "
+                                 "service account needs create on secrets (Role moerl-launcher, "
+                                 "manifests/base/rbac.yaml)") from err
             api.core.replace_namespaced_secret(name, ns, body)  # a retried start_run: the new password
     log.info("run %s: Valkey user %s, Secret %s", run_id, user, name)
     return name
@@ -135,7 +136,8 @@ def close_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) 
 def uses_run_identity(cfg: RunConfig, target: str) -> bool:
     """Whether a run of `cfg` compiled for `target` has its own Valkey user: the async pipeline
     on EKS (locally, `moerl run --mode async` makes one in its embedded server)."""
-    return target == "eks" and cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo" and cfg.valkey.url is not None
+    return (target == "eks" and cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo"
+            and cfg.valkey.url is not None)
 
 
 def holds_admin() -> bool:

@@ -36,7 +36,8 @@ empty read-only tmpfs, so a child reads none of them whatever their mode.
 
 Limitations, stated: the child still reads every other file its uid can read (the IRSA token
 file, the code, the datasets, `~/.aws` if present): the mounts are read-only, not hidden (but the
-stage's temp directory and its credential files). Pathname unix sockets outside the stage's temp directory (under /run, say) are
+stage's temp directory and its credential files). Pathname unix sockets outside the stage's temp
+directory (under /run, say) are
 reachable through the filesystem: the network namespace removes IP and abstract sockets only;
 and a temp directory that is itself on the import path stays visible. CPU time and disk use in
 the scratch directory are bounded by the per-call timeout and `RLIMIT_FSIZE`, not by a cgroup.
