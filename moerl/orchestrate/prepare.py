@@ -7,6 +7,7 @@ running again), and `resume_point`, the version a resumed run continues from.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from moerl.config import RunConfig
 from moerl.errors import CheckpointError, MoerlError
 from moerl.models.policy import check_checkpoint
 from moerl.tasks.dataset import load_dataset
+
+log = logging.getLogger(__name__)
 
 
 # Families whose router chooses experts by score + a bias that `trainer.router_bias_update_rate`
@@ -104,7 +107,11 @@ def _check_cache_tier(cfg: RunConfig) -> None:
     names = (f"{ct.credentials_env}_ACCESS_KEY_ID", f"{ct.credentials_env}_SECRET_ACCESS_KEY")
     keys, held = " / ".join(names), any(read_secret(n) for n in names)  # a pod holds them as files
     try:
-        cache_tier_store(cfg.checkpoint, "preflight").check_access()
+        # a fresh or restarted cache server holds no bucket (it keeps them in memory): the
+        # writer creates it at its first publication, and this task (the reader) cannot
+        if not cache_tier_store(cfg.checkpoint, "preflight").check_access(missing_ok=True):
+            log.warning("checkpoint.cache_tier: bucket of %s does not exist yet at %s; the first publication "
+                        "creates it (the writer's identity may)", ct.uri, ct.endpoint_url)
     except CheckpointError as e:
         if not held:
             raise ConfigError(

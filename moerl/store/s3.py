@@ -111,12 +111,19 @@ class S3Store(CheckpointStore):
                     return None
                 raise
 
-    def check_access(self) -> None:
+    def check_access(self, missing_ok: bool = False) -> bool:
+        """Whether the bucket exists, raising when it cannot be reached or the keys are refused.
+        `missing_ok`: a missing bucket is not an error (False), for a cache server that keeps
+        its buckets in memory and whose writer creates the bucket at its first publication: the
+        server answered, and it answers a missing bucket only after it accepted the keys."""
         with self._errors(f"checking bucket {self.bucket!r}"):
             try:
                 self._s3.head_bucket(Bucket=self.bucket)
+                return True
             except ClientError as e:
                 if _code(e) in _MISSING | {"NoSuchBucket"}:
+                    if missing_ok:
+                        return False
                     raise CheckpointError(f"bucket {self.bucket!r} does not exist at {self.endpoint}; "
                                           "create it or fix checkpoint.uri") from e
                 if _code(e) in ("403", "AccessDenied", "Forbidden"):

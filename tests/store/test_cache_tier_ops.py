@@ -159,3 +159,28 @@ def test_a_finished_runs_cache_prefix_is_deleted_and_its_durable_copy_kept(s3_se
     assert done.durable.versions() == [0, 1] and done.durable.latest() == 1
     done.durable.fetch(1, tmp_path / "check")  # the durable copy verifies, every byte
     assert drop_cache_run(cfg, "done") == 0  # nothing left; a second close is harmless
+
+
+def test_the_first_tasks_preflight_accepts_a_cache_server_with_no_bucket_yet(
+        s3_server, durable: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A fresh or restarted cache server holds no bucket (it keeps them in memory), and
+    `start_run` holds only the reader's keys, which may not create one: its preflight passes,
+    saying the first publication creates it. Refused keys are still refused."""
+    from moerl.errors import ConfigError
+    from moerl.orchestrate.prepare import _check_cache_tier
+
+    cache = S3Process(tmp_path_factory.mktemp("ct"), reader=True)
+    server = cache.start()
+    try:
+        cfg = parse_config({"checkpoint": _cfg(s3_server, durable, server.endpoint_url, "moerl-cache").model_dump()})
+        monkeypatch.setenv("MOERL_CACHE_TIER_ACCESS_KEY_ID", server.reader[0])
+        monkeypatch.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", server.reader[1])
+        with caplog.at_level("WARNING"):
+            _check_cache_tier(cfg)
+        assert "does not exist yet" in caplog.text and "the first publication creates it" in caplog.text
+        monkeypatch.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(ConfigError, match="is not usable"):
+            _check_cache_tier(cfg)
+    finally:
+        cache.stop()
