@@ -70,10 +70,11 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
         tracking.set_tags(uri, run_id, {"moerl.run_parameters": json.dumps(diff, sort_keys=True)[:4000]})
         print(f"[moerl] run parameters changed {', '.join(f'{k}={v}' for k, v in sorted(diff.items()))}", flush=True)
     provenance.stage_start(cfg, "start_run", run_id, enforce=False)  # build-info and runtime probe on the run
-    from moerl.launch.runsecret import open_run_identity, uses_run_identity
+    valkey_secret = ""
+    if cfg.pipeline.mode == "async":  # last: once the run surely starts (close_run deletes it however it ends)
+        from moerl.launch.runsecret import open_run_identity, uses_run_identity
 
-    # last: the user is made once the run surely starts (close_run deletes it however it ends)
-    valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
+        valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
     outputs = namedtuple("Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"])
     return outputs(run_id, config_to_json(cfg), list(range(cfg.rollout.workers)), list(range(cfg.reward.scorers)),
                    valkey_secret)
@@ -178,11 +179,12 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
                 print(f"[moerl] close_run: deleted launched workloads left behind: {', '.join(swept)}", flush=True)
         except MoerlError as err:  # close the run first; then fail this task, so the leak shows in the UI
             sweep_error = err
-    from moerl.launch.runsecret import close_run_identity, holds_admin
+    from moerl.launch.runsecret import holds_admin  # a cheap import: no kubernetes client
 
-    if run_id and holds_admin() and cfg.pipeline.mode == "async" and cfg.valkey.url:
+    if run_id and cfg.pipeline.mode == "async" and cfg.valkey.url and holds_admin():
         # the async run's own Valkey user and its Secret (start_run made them): gone with the run
         from moerl.errors import MoerlError
+        from moerl.launch.runsecret import close_run_identity
 
         try:
             print(f"[moerl] close_run: deleted {', '.join(close_run_identity(cfg, run_id)) or 'nothing'}", flush=True)

@@ -28,14 +28,16 @@ from __future__ import annotations
 import base64
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moerl.bus.client import ADMIN_PASSWORD_ENV, connect, create_run_user, delete_run_user, run_user
 from moerl.config import RunConfig
 from moerl.errors import ConfigError, MoerlError
 from moerl.launch.podsecrets import run_secret_name
-from moerl.launch.watch import KubeApi, own_namespace, short_error
 from moerl.secrets import read_secret
+
+if TYPE_CHECKING:  # the kubernetes client only where a Secret is made or deleted
+    from moerl.launch.watch import KubeApi
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ def run_secret_body(run_id: str, user: str, password: str) -> dict[str, Any]:
 def namespaces(cfg: RunConfig) -> list[str]:
     """Where the run's pods run: the task's own namespace, and `cluster.launch.namespace` for
     launched pods when it is another (a Secret is mounted only in its own namespace)."""
+    from moerl.launch.watch import own_namespace
+
     own = own_namespace()
     if not own:
         raise ConfigError("cannot tell this task's namespace ($MOERL_POD_NAMESPACE, set by pipelines/eks.py, and the "
@@ -86,6 +90,8 @@ def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -
     one); returns the Secret's name, which the run's tasks mount."""
     from kubernetes.client.exceptions import ApiException
 
+    from moerl.launch.watch import short_error
+
     user, password = create_run_user(_admin(cfg), run_id)
     api = api or _api()
     body = run_secret_body(run_id, user, password)
@@ -107,6 +113,8 @@ def close_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) 
     """Delete run `run_id`'s Valkey user and Secret(s), whichever exist; returns what was
     deleted. Raises MoerlError, after trying both, if either could not be deleted."""
     from kubernetes.client.exceptions import ApiException
+
+    from moerl.launch.watch import short_error
 
     done: list[str] = []
     problems: list[str] = []
