@@ -141,6 +141,16 @@ def check_cluster_safe(cfg: RunConfig) -> None:
         problems.append("cluster.valkey_secret: null, but the async pipeline's first task makes the run's own Valkey "
                         "user with the admin password it holds (key VALKEY_ADMIN_PASSWORD); set it to moerl-valkey "
                         "(docs/deploy.md)")
+    if (cfg.cluster.launch.mode == "kubernetes" and (cfg.task.environment or cfg.task.environments)
+            and cfg.task.sandbox.isolation == "namespaces"):
+        # launched rollout pods run environments in their sandboxed pool, and run under seccomp
+        # RuntimeDefault (moerl/launch/objects.py; manifests/base/launched-pods-policy.yaml admits
+        # nothing else), which refuses the namespaces without CAP_SYS_ADMIN: every worker would
+        # fail at its first episode, after the run started
+        problems.append("task.sandbox.isolation: namespaces, but launched rollout pods (cluster.launch.mode "
+                        "kubernetes) run under seccomp RuntimeDefault, which refuses unprivileged user namespaces; "
+                        "set task.sandbox.isolation: none (recorded on the run), or give the launched pods a Localhost "
+                        "seccomp profile that allows unshare/clone/mount in namespaces (docs/tasks.md, section 4)")
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch.task import check_launchable
 

@@ -225,6 +225,19 @@ def test_a_workload_shape_moerl_cannot_run_yet_is_refused_at_compile(tmp_path):
     assert not (tmp_path / "p.yaml").exists()
 
 
+def test_environments_in_launched_rollout_pods_need_a_sandbox_their_seccomp_profile_allows(tmp_path):
+    """Launched pods run under seccomp RuntimeDefault, which refuses the user namespaces the
+    default sandbox isolation makes: refused at compile, naming the field, not at the first
+    episode of every worker; with isolation none (recorded on the run) it compiles."""
+    env = {"environment": "moerl.tasks.tools:Lookup"}
+    data = _cfg(cluster={"launch": {"mode": "kubernetes"}}, task=env)
+    with pytest.raises(ConfigError, match=r"task.sandbox.isolation: namespaces, but launched rollout pods"):
+        compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
+    ok = _cfg(cluster={"launch": {"mode": "kubernetes"}}, task={**env, "sandbox": {"isolation": "none"}})
+    assert compile_pipeline(parse_config(ok), tmp_path / "p.yaml", target="eks").exists()
+    assert compile_pipeline(parse_config(_cfg(task=env)), tmp_path / "q.yaml", target="eks").exists()  # in_task
+
+
 @pytest.mark.parametrize("over,needle", [
     ({"cluster": {"groups": {g: {"image": None} for g in IMAGES}}},
      "pipeline.base_image: 'moerl-cpu:0.1.0' names no registry"),
