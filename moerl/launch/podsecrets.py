@@ -87,7 +87,7 @@ class SecretRef(NamedTuple):
     key: str
     optional: bool = False
 
-    def path(self, run_id: str | None = None) -> str:
+    def path(self) -> str:
         """Where the pod finds this key: `SECRETS_ROOT/<secret>/<key>`. A run's own Secret is
         mounted under its template's stable name (`moerl-run`), whatever the run."""
         secret = "moerl-run" if self.secret == RUN_SECRET else self.secret
