@@ -143,8 +143,8 @@ def launched_secret_volumes(cfg: RunConfig, stage: str, run_id: str) -> tuple[li
     them root-owned and ORs the pod's fsGroup in as 0440, which is how a non-root stage reads
     them (a 0400 root-owned file it could not)."""
     volumes, mounts = [], []
-    mounts = pod_secret_mounts(cfg, stage, stage in LAUNCHED_ASYNC_STAGES)
-    for i, (secret, (optional, keys)) in enumerate(mounts.items()):
+    wanted = pod_secret_mounts(cfg, stage, stage in LAUNCHED_ASYNC_STAGES)
+    for i, (secret, (optional, keys)) in enumerate(wanted.items()):
         name = run_secret_name(run_id) if secret == RUN_SECRET else secret
         mount = SecretRef(secret, "").path().rsplit("/", 1)[0]
         source: dict = {"secretName": name, "defaultMode": LAUNCHED_SECRET_MODE,
