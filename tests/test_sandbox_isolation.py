@@ -343,3 +343,22 @@ def test_every_process_of_an_isolated_child_goes_when_its_stage_is_killed(tmp_pa
         for p in procs:  # what this test started, should the assertion have failed
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_a_checkout_and_venv_under_the_stages_temp_dir_stay_importable(tmp_path):
+    """The child hides the stage's temp directory. A checkout with its venv under it (a CI
+    clone in /tmp; moerl installed editable, mapped by a finder, not on sys.path) must stay
+    importable: `moerl run` failed its preflight there, every environment refused with
+    "No module named 'moerl.tasks.environments'". Here the stage's TMPDIR is the checkout's
+    parent, and nothing is on PYTHONPATH."""
+    if ROOT.parent == Path("/"):
+        pytest.skip("the checkout's parent is /: no temp directory can hold it")
+    code = ("import json; from moerl.tasks.sandbox import Limits, SandboxPool\n"
+            "with SandboxPool(Limits(workers=1, isolation='namespaces')) as pool:\n"
+            "    [o] = pool.run([('moerl.tasks.tools:evaluate', ['2+3'])])\n"
+            "print(json.dumps([o.kind, o.value, o.error]))")
+    env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "TMPDIR": str(ROOT.parent)}
+    got = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert json.loads(got.stdout.strip().splitlines()[-1]) == ["ok", 5.0, ""]

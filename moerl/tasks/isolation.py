@@ -182,6 +182,12 @@ def _hide_tempdir(libc, scratch: str) -> list[str]:
     tmp = os.path.dirname(scratch)
     path = [os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path += [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)]
+    # and whatever this interpreter imports from: sys.path, and the folders of the packages it
+    # has loaded (an editable install maps moerl's packages to the checkout through a finder, not
+    # sys.path: a checkout and its venv under /tmp, as a CI clone may be, would vanish otherwise)
+    path += [os.path.realpath(p) for p in sys.path if p]
+    path += [os.path.realpath(p) for m in list(sys.modules.values())
+             for p in (getattr(m, "__path__", None) or []) if isinstance(p, str)]
     if tmp in path or tmp == "/":
         return []
     under = sorted({p for p in path if p.startswith(tmp + os.sep) and os.path.exists(p)})
