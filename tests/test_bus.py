@@ -17,26 +17,16 @@ from moerl.bus.client import PASSWORD_ENV, STAGE_ACL
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample
 from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue
+from tests.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
 
 
 def _prompt(i: int) -> dict:
     return {"id": f"p{i}", "task": "copy", "prompt": f"copy {i}", "answer": str(i)}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    # the stages' ACL user (STAGE_ACL on moerl:*): every test that uses `bus` runs as it
-    with EmbeddedValkey(tmp_path_factory.mktemp("valkey"), stage_user="stage") as v:
-        yield v
-
-
 @pytest.fixture
 def bus(server, request, monkeypatch):
-    monkeypatch.setenv(PASSWORD_ENV, server.password)
-    b = RunBus(connect(server.url, 5, server.stage_user), request.node.name.replace("[", "-").replace("]", ""),
-               visibility_timeout_s=0.3, max_attempts=2)
-    b.ensure_groups()
-    return b
+    return stage_bus(server, request, monkeypatch, visibility_timeout_s=0.3, max_attempts=2)
 
 
 def test_server_listens_on_loopback_only(server):

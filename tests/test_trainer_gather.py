@@ -11,30 +11,20 @@ from pathlib import Path
 import pytest
 
 from moerl.bus import SCORED, EmbeddedValkey, RunBus, connect
-from moerl.bus.client import PASSWORD_ENV
 from moerl.components.policy_update.worker import CONSUMER, Inbox, Issuer, _gather
 from moerl.config import load_config
 from moerl.errors import DataError
 from moerl.orchestrate.async_run import balance_line
 from moerl.records import ScoredSample
+from tests.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 B = 4
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with EmbeddedValkey(tmp_path_factory.mktemp("valkey"), stage_user="stage") as v:
-        yield v
-
-
 @pytest.fixture
 def bus(server, request, monkeypatch):
-    monkeypatch.setenv(PASSWORD_ENV, server.password)
-    name = request.node.name.replace("[", "-").replace("]", "")
-    b = RunBus(connect(server.url, 5, server.stage_user), name, visibility_timeout_s=30)
-    b.ensure_groups()
-    return b
+    return stage_bus(server, request, monkeypatch, visibility_timeout_s=30)
 
 
 def _cfg(**pipeline):
