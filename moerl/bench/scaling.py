@@ -19,7 +19,7 @@ Relative to the smallest point (the first of `--workers`, and of `--scorers`):
 
 On this machine every worker shares the same 2 cores (moerl.orchestrate.async_run.cpu_plan), so more
 workers cannot add compute: the efficiency here measures the orchestration's overhead, not
-scaling. On EKS the same command's sizes are node counts; see README "Benchmarks on EKS".
+scaling. On EKS the same command's sizes are node counts; see docs/benchmarks.md "Benchmarks on EKS, at several sizes".
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ class LocalAsyncRun:
 
 
 def balance_line(c: dict[str, int]) -> tuple[bool, str]:
-    """The run's sample balance (README, "Reliability"), as one line: every generated sample,
+    """The run's sample balance (docs/reliability.md), as one line: every generated sample,
     less duplicates, is trained, filtered, dropped as stale, failed or dead-lettered."""
     out = c["generated"] - c["duplicates"]
     parts = ("trained", "filtered", "stale_dropped", "failed", "samples_dead")
