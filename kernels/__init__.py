@@ -11,6 +11,12 @@ deepep (DeepEP V1 Buffer, GPU only). See docs/architecture.md, "Expert paralleli
 the module docstrings for each backend's limitations.
 """
 
-from moerl.kernels.dispatcher import BACKENDS, DispatchHandle, Dispatcher, make_dispatcher, routing_bytes
+from moerl.kernels.dispatcher import (
+    BACKENDS,
+    Dispatcher,
+    DispatchHandle,
+    make_dispatcher,
+    routing_bytes,
+)
 
 __all__ = ["BACKENDS", "DispatchHandle", "Dispatcher", "make_dispatcher", "routing_bytes"]

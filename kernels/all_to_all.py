@@ -46,7 +46,9 @@ class AllToAllDispatcher(PlanDispatcher):
         # ranks_per_node only classifies the bytes this backend sends (inter- vs intra-node).
         super().__init__(num_experts, group=group, ranks_per_node=ranks_per_node)
 
-    def dispatch(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> tuple[Tensor, Tensor, PlanHandle]:
+    def dispatch(
+        self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor
+    ) -> tuple[Tensor, Tensor, PlanHandle]:
         self._check_inputs(x_TH, topk_idx_TK, topk_weights_TK)
         T, K = topk_idx_TK.shape
         W, L = self.ep_size, self.num_local_experts
@@ -61,17 +63,29 @@ class AllToAllDispatcher(PlanDispatcher):
         # 5. received rows arrive [src][local expert]; a stable sort by local expert gives
         #    [local expert][src], i.e. grouped by expert in ascending order.
         expert_of_row_R = torch.repeat_interleave(
-            torch.arange(L, device=x_TH.device).repeat(W), recv_counts_WL.reshape(-1))
+            torch.arange(L, device=x_TH.device).repeat(W), recv_counts_WL.reshape(-1)
+        )
         by_expert_R = torch.argsort(expert_of_row_R, stable=True)
         exchange = Exchange(self.group, send_splits, recv_splits)
         plan_x = (Gather(token_P, T), exchange, Gather(by_expert_R, len(by_expert_R)))
         plan_w = (PickK(token_P, k_P, T, K), exchange, Gather(by_expert_R, len(by_expert_R)))
         # 4. happens in _finish (the differentiable part).
-        return self._finish(x_TH, topk_idx_TK, topk_weights_TK, plan_x, plan_w, recv_counts_WL.sum(0),
-                            sent_rows=self._count_sent_rows(send_splits))
+        return self._finish(
+            x_TH,
+            topk_idx_TK,
+            topk_weights_TK,
+            plan_x,
+            plan_w,
+            recv_counts_WL.sum(0),
+            sent_rows=self._count_sent_rows(send_splits),
+        )
 
     def _count_sent_rows(self, send_splits: tuple[int, ...]) -> dict[str, int]:
         my_node = self.ep_rank // self.ranks_per_node
         inter = sum(n for r, n in enumerate(send_splits) if r // self.ranks_per_node != my_node)
-        intra = sum(n for r, n in enumerate(send_splits) if r // self.ranks_per_node == my_node and r != self.ep_rank)
+        intra = sum(
+            n
+            for r, n in enumerate(send_splits)
+            if r // self.ranks_per_node == my_node and r != self.ep_rank
+        )
         return {"inter_node": inter, "intra_node": intra}

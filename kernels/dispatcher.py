@@ -75,7 +75,9 @@ class DispatchHandle:
     wire_element_size: int  # bytes per element on the wire (bf16 for deepep)
     topk_idx_TK: Tensor  # kept for bytes_moved; not copied
     tokens_per_local_expert_L: Tensor
-    recv_weights_R: Tensor | None  # None where the backend applies weights itself (deepep low-latency)
+    recv_weights_R: (
+        Tensor | None
+    )  # None where the backend applies weights itself (deepep low-latency)
     sent_rows: dict[str, int]  # rows this rank put on the wire in dispatch, by link class
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific metadata
 
@@ -84,8 +86,8 @@ class DispatchHandle:
 class PlanHandle(DispatchHandle):
     """A handle of the plan-based backends: the row plans for x and for the weights."""
 
-    plan_x: tuple["Stage", ...] = ()
-    plan_w: tuple["Stage", ...] = ()
+    plan_x: tuple[Stage, ...] = ()
+    plan_w: tuple[Stage, ...] = ()
 
 
 # --------------------------------------------------------------------------- plan stages
@@ -148,13 +150,19 @@ class Exchange(Stage):
         return exchange_rows(t, self.group, self.out_splits, self.in_splits)
 
 
-def exchange_rows(t: Tensor, group: Any, in_splits: tuple[int, ...], out_splits: tuple[int, ...]) -> Tensor:
+def exchange_rows(
+    t: Tensor, group: Any, in_splits: tuple[int, ...], out_splits: tuple[int, ...]
+) -> Tensor:
     """all_to_all_single along dim 0; a group of one is a no-op (no collective)."""
     if len(in_splits) == 1:
         return t
     out = t.new_empty((sum(out_splits), *t.shape[1:]))
     dist.all_to_all_single(
-        out, t.contiguous(), output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=group
+        out,
+        t.contiguous(),
+        output_split_sizes=list(out_splits),
+        input_split_sizes=list(in_splits),
+        group=group,
     )
     return out
 
@@ -192,8 +200,12 @@ class _PlanDispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_RH: Tensor, grad_w_R: Tensor):
         plan_x, plan_w = ctx.plans
-        grad_x = run_plan_transposed(plan_x, grad_x_RH.contiguous()) if ctx.needs_input_grad[2] else None
-        grad_w = run_plan_transposed(plan_w, grad_w_R.contiguous()) if ctx.needs_input_grad[3] else None
+        grad_x = (
+            run_plan_transposed(plan_x, grad_x_RH.contiguous()) if ctx.needs_input_grad[2] else None
+        )
+        grad_w = (
+            run_plan_transposed(plan_w, grad_w_R.contiguous()) if ctx.needs_input_grad[3] else None
+        )
         return None, None, grad_x, grad_w
 
 
@@ -213,8 +225,14 @@ class _PlanCombine(torch.autograd.Function):
 # --------------------------------------------------------------------------- bytes
 
 
-def routing_bytes(topk_idx_TK: Tensor, num_local_experts: int, ep_rank: int, ep_size: int, ranks_per_node: int,
-                  row_bytes: int) -> dict[str, int]:
+def routing_bytes(
+    topk_idx_TK: Tensor,
+    num_local_experts: int,
+    ep_rank: int,
+    ep_size: int,
+    ranks_per_node: int,
+    row_bytes: int,
+) -> dict[str, int]:
     """Bytes the routing implies for this rank's tokens, the same formula for every backend.
 
     per_expert: non-dropped (token, expert) pairs whose expert is on another rank.
@@ -235,8 +253,11 @@ def routing_bytes(topk_idx_TK: Tensor, num_local_experts: int, ep_rank: int, ep_
     hit_TN.scatter_(1, node_TK, True)
     my_node = ep_rank // ranks_per_node
     per_node = int(hit_TN[:, :num_nodes].sum()) - int(hit_TN[:, my_node].sum())
-    return {"per_expert": per_expert * row_bytes, "per_rank_dedup": per_rank * row_bytes,
-            "per_node_dedup": per_node * row_bytes}
+    return {
+        "per_expert": per_expert * row_bytes,
+        "per_rank_dedup": per_rank * row_bytes,
+        "per_node_dedup": per_node * row_bytes,
+    }
 
 
 # --------------------------------------------------------------------------- interface
@@ -249,21 +270,32 @@ class Dispatcher(ABC):
     fallback_from: str | None = None  # set when make_dispatcher fell back to this backend
     fallback_reason: str | None = None
 
-    def __init__(self, num_experts: int, group: Any = None, ranks_per_node: int = 1,
-                 size_rank: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        group: Any = None,
+        ranks_per_node: int = 1,
+        size_rank: tuple[int, int] | None = None,
+    ):
         self.group = group
         self.ep_size, self.ep_rank = size_rank if size_rank is not None else group_size_rank(group)
         if num_experts < 1 or num_experts % self.ep_size:
-            raise ConfigError(f"num_experts ({num_experts}) must be a positive multiple of the EP group size "
-                              f"({self.ep_size}): experts are sharded contiguously across ranks")
+            raise ConfigError(
+                f"num_experts ({num_experts}) must be a positive multiple of the EP group size "
+                f"({self.ep_size}): experts are sharded contiguously across ranks"
+            )
         if ranks_per_node < 1 or self.ep_size % ranks_per_node:
-            raise ConfigError(f"ranks_per_node ({ranks_per_node}) must divide the EP group size ({self.ep_size})")
+            raise ConfigError(
+                f"ranks_per_node ({ranks_per_node}) must divide the EP group size ({self.ep_size})"
+            )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
         self.ranks_per_node = ranks_per_node
 
     @abstractmethod
-    def dispatch(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> tuple[Tensor, Tensor, DispatchHandle]:
+    def dispatch(
+        self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor
+    ) -> tuple[Tensor, Tensor, DispatchHandle]:
         """Returns (recv_x_RH, tokens_per_local_expert_L (int64), handle). recv_x_RH has one row
         per (token, expert) pair routed to this rank's experts, grouped by local expert in
         ascending order. topk_idx == -1 means dropped (never sent)."""
@@ -289,12 +321,20 @@ class Dispatcher(ABC):
         (indices, weights, counts) is not counted, as in DeepEP's bandwidth accounting.
         """
         row_bytes = handle.hidden * handle.wire_element_size
-        out = routing_bytes(handle.topk_idx_TK, self.num_local_experts, self.ep_rank, self.ep_size,
-                            self.ranks_per_node, row_bytes)
+        out = routing_bytes(
+            handle.topk_idx_TK,
+            self.num_local_experts,
+            self.ep_rank,
+            self.ep_size,
+            self.ranks_per_node,
+            row_bytes,
+        )
         sent_rows = self._sent_rows(handle)
         inter = sent_rows.get("inter_node", 0) * row_bytes
         intra = sent_rows.get("intra_node", 0) * row_bytes
-        out.update(actual_sent=inter + intra, actual_sent_inter_node=inter, actual_sent_intra_node=intra)
+        out.update(
+            actual_sent=inter + intra, actual_sent_inter_node=inter, actual_sent_intra_node=intra
+        )
         return out
 
     def _sent_rows(self, handle: DispatchHandle) -> dict[str, int]:
@@ -305,26 +345,49 @@ class Dispatcher(ABC):
         """Release backend resources (DeepEP buffers). A no-op for the CPU backends."""
 
     def _check_inputs(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> None:
-        if x_TH.dim() != 2 or topk_idx_TK.dim() != 2 or topk_idx_TK.shape != topk_weights_TK.shape \
-                or topk_idx_TK.shape[0] != x_TH.shape[0]:
-            raise ValueError(f"expected x [T,H], topk_idx [T,K], topk_weights [T,K]; got {tuple(x_TH.shape)}, "
-                             f"{tuple(topk_idx_TK.shape)}, {tuple(topk_weights_TK.shape)}")
-        if topk_idx_TK.numel() and (int(topk_idx_TK.max()) >= self.num_experts or int(topk_idx_TK.min()) < -1):
-            raise ValueError(f"topk_idx must be in [-1, {self.num_experts}); got [{int(topk_idx_TK.min())}, "
-                             f"{int(topk_idx_TK.max())}]")
+        if (
+            x_TH.dim() != 2
+            or topk_idx_TK.dim() != 2
+            or topk_idx_TK.shape != topk_weights_TK.shape
+            or topk_idx_TK.shape[0] != x_TH.shape[0]
+        ):
+            raise ValueError(
+                f"expected x [T,H], topk_idx [T,K], topk_weights [T,K]; got {tuple(x_TH.shape)}, "
+                f"{tuple(topk_idx_TK.shape)}, {tuple(topk_weights_TK.shape)}"
+            )
+        if topk_idx_TK.numel() and (
+            int(topk_idx_TK.max()) >= self.num_experts or int(topk_idx_TK.min()) < -1
+        ):
+            raise ValueError(
+                f"topk_idx must be in [-1, {self.num_experts}); got [{int(topk_idx_TK.min())}, "
+                f"{int(topk_idx_TK.max())}]"
+            )
 
 
 class PlanDispatcher(Dispatcher):
     """A backend whose dispatch is a plan of Gather/PickK/Exchange stages."""
 
-    def _finish(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor, plan_x: tuple[Stage, ...],
-                plan_w: tuple[Stage, ...], tokens_per_local_expert_L: Tensor, sent_rows: dict[str, int],
-                ) -> tuple[Tensor, Tensor, PlanHandle]:
+    def _finish(
+        self,
+        x_TH: Tensor,
+        topk_idx_TK: Tensor,
+        topk_weights_TK: Tensor,
+        plan_x: tuple[Stage, ...],
+        plan_w: tuple[Stage, ...],
+        tokens_per_local_expert_L: Tensor,
+        sent_rows: dict[str, int],
+    ) -> tuple[Tensor, Tensor, PlanHandle]:
         recv_x_RH, recv_w_R = _PlanDispatch.apply(plan_x, plan_w, x_TH, topk_weights_TK)
         handle = PlanHandle(
-            num_tokens=x_TH.shape[0], hidden=x_TH.shape[1], wire_element_size=x_TH.element_size(),
-            topk_idx_TK=topk_idx_TK, tokens_per_local_expert_L=tokens_per_local_expert_L,
-            recv_weights_R=recv_w_R, sent_rows=sent_rows, plan_x=plan_x, plan_w=plan_w,
+            num_tokens=x_TH.shape[0],
+            hidden=x_TH.shape[1],
+            wire_element_size=x_TH.element_size(),
+            topk_idx_TK=topk_idx_TK,
+            tokens_per_local_expert_L=tokens_per_local_expert_L,
+            recv_weights_R=recv_w_R,
+            sent_rows=sent_rows,
+            plan_x=plan_x,
+            plan_w=plan_w,
         )
         return recv_x_RH, tokens_per_local_expert_L, handle
 
@@ -361,8 +424,14 @@ def global_ranks(group: Any) -> list[int]:
 # --------------------------------------------------------------------------- factory
 
 
-def make_dispatcher(backend: Backend, num_experts: int, group: Any = None, ranks_per_node: int = 1,
-                    allow_fallback: bool = False, deepep_options: dict | None = None) -> Dispatcher:
+def make_dispatcher(
+    backend: Backend,
+    num_experts: int,
+    group: Any = None,
+    ranks_per_node: int = 1,
+    allow_fallback: bool = False,
+    deepep_options: dict | None = None,
+) -> Dispatcher:
     """Build a dispatcher. Call it on every rank of `group` (the hierarchical backend creates
     sub-groups, a collective). `group=None` means the default process group, or a group of
     one when torch.distributed is not initialized.
@@ -386,8 +455,12 @@ def make_dispatcher(backend: Backend, num_experts: int, group: Any = None, ranks
         from moerl.kernels.deepep import DeepEPDispatcher, DeepEPUnavailable
 
         try:
-            return DeepEPDispatcher(num_experts, group=group, ranks_per_node=ranks_per_node, options=deepep_options)
-        except DeepEPUnavailable as exc:  # only a missing GPU/package falls back; bad options still raise
+            return DeepEPDispatcher(
+                num_experts, group=group, ranks_per_node=ranks_per_node, options=deepep_options
+            )
+        except (
+            DeepEPUnavailable
+        ) as exc:  # only a missing GPU/package falls back; bad options still raise
             if not allow_fallback:
                 raise
             log.warning("deepep dispatcher unavailable, falling back to all_to_all: %s", exc)

@@ -75,16 +75,22 @@ class HierarchicalDispatcher(PlanDispatcher):
         G, N = self.ranks_per_node, self.num_nodes
         intra = inter = None
         for n in range(N):
-            g = dist.new_group([members[n * G + i] for i in range(G)], use_local_synchronization=True)
+            g = dist.new_group(
+                [members[n * G + i] for i in range(G)], use_local_synchronization=True
+            )
             if n == self.node:
                 intra = g
         for i in range(G):
-            g = dist.new_group([members[n * G + i] for n in range(N)], use_local_synchronization=True)
+            g = dist.new_group(
+                [members[n * G + i] for n in range(N)], use_local_synchronization=True
+            )
             if i == self.local_index:
                 inter = g
         return intra, inter
 
-    def dispatch(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> tuple[Tensor, Tensor, PlanHandle]:
+    def dispatch(
+        self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor
+    ) -> tuple[Tensor, Tensor, PlanHandle]:
         self._check_inputs(x_TH, topk_idx_TK, topk_weights_TK)
         T, K = topk_idx_TK.shape
         G, N, L = self.ranks_per_node, self.num_nodes, self.num_local_experts
@@ -121,6 +127,8 @@ class HierarchicalDispatcher(PlanDispatcher):
         shared = (Gather(token_S1, T), hop1, Gather(row_S2, S1), hop2)
         plan_x = shared + (Gather(row_R, S2),)
         plan_w = shared + (PickK(row_R, k_R, S2, K),)
-        sent_rows = {"inter_node": int(send1.sum() - send1[self.node]),
-                     "intra_node": int(send2.sum() - send2[self.local_index])}
+        sent_rows = {
+            "inter_node": int(send1.sum() - send1[self.node]),
+            "intra_node": int(send2.sum() - send2[self.local_index]),
+        }
         return self._finish(x_TH, topk_idx_TK, topk_weights_TK, plan_x, plan_w, counts_L, sent_rows)

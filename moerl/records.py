@@ -8,8 +8,9 @@ number instead of a KeyError three stages later.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -49,9 +50,11 @@ class Prompt(_Record):
         return _check_meta(v)
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "Prompt":
+    def _one_prompt(self) -> Prompt:
         if bool(self.prompt) == bool(self.messages):
-            raise ValueError("a row gives its prompt as `prompt` (text) or as `messages` (chat), exactly one of them")
+            raise ValueError(
+                "a row gives its prompt as `prompt` (text) or as `messages` (chat), exactly one of them"
+            )
         return self
 
     @property
@@ -98,19 +101,23 @@ class RoutedExperts(_Record):
     data: str
 
     @model_validator(mode="after")
-    def _size(self) -> "RoutedExperts":
+    def _size(self) -> RoutedExperts:
         import base64
         import binascii
 
         if self.shape[0] < 0 or self.shape[1] < 1 or self.shape[2] < 1:
-            raise ValueError(f"shape {list(self.shape)}: tokens must be >= 0, layers and top-k >= 1")
+            raise ValueError(
+                f"shape {list(self.shape)}: tokens must be >= 0, layers and top-k >= 1"
+            )
         try:
             n = len(base64.b64decode(self.data, validate=True))
         except binascii.Error:
             raise ValueError("data is not base64") from None
         want = self.shape[0] * self.shape[1] * self.shape[2] * ROUTE_DTYPES[self.dtype]
         if n != want:
-            raise ValueError(f"data holds {n} bytes; shape {list(self.shape)} of {self.dtype} needs {want}")
+            raise ValueError(
+                f"data holds {n} bytes; shape {list(self.shape)} of {self.dtype} needs {want}"
+            )
         return self
 
     @property
@@ -123,13 +130,15 @@ class RoutedExperts(_Record):
 
         import numpy as np
 
-        a = np.frombuffer(base64.b64decode(self.data), dtype="<u1" if self.dtype == "uint8" else "<u2")
+        a = np.frombuffer(
+            base64.b64decode(self.data), dtype="<u1" if self.dtype == "uint8" else "<u2"
+        )
         a = a.reshape(self.shape).astype(np.int64)
         a[a == self.no_route] = -1
         return a
 
     @classmethod
-    def from_ids(cls, ids, num_experts: int | None = None) -> "RoutedExperts":
+    def from_ids(cls, ids, num_experts: int | None = None) -> RoutedExperts:
         """From an integer array [tokens, layers, k] with -1 (or any negative) where none;
         `num_experts` None: sized by the largest id."""
         import base64
@@ -138,7 +147,9 @@ class RoutedExperts(_Record):
 
         a = np.asarray(ids, dtype=np.int64)
         if a.ndim != 3:
-            raise ValueError(f"routed experts must be [tokens, layers, k], got shape {list(a.shape)}")
+            raise ValueError(
+                f"routed experts must be [tokens, layers, k], got shape {list(a.shape)}"
+            )
         if num_experts is None:
             num_experts = int(a.max()) + 1 if a.size else 1
         dtype = "uint8" if num_experts < 255 else "uint16"
@@ -148,7 +159,9 @@ class RoutedExperts(_Record):
             raise ValueError(f"route id {int(a.max())} >= {num_experts} experts")
         none = (1 << (8 * ROUTE_DTYPES[dtype])) - 1
         packed = np.where(a < 0, none, a).astype("<u1" if dtype == "uint8" else "<u2")
-        return cls(dtype=dtype, shape=tuple(a.shape), data=base64.b64encode(packed.tobytes()).decode())
+        return cls(
+            dtype=dtype, shape=tuple(a.shape), data=base64.b64encode(packed.tobytes()).decode()
+        )
 
 
 class Sample(_Record):
@@ -178,7 +191,9 @@ class Sample(_Record):
     turns: int = Field(1, ge=1)  # model turns
     final_response: str | None = None  # the model's last message (None: response_text)
     env_reward: float | None = None  # the sum of the rewards the environment's steps returned
-    env_error: str | None = None  # an environment call that failed: the episode is failed, never scored
+    env_error: str | None = (
+        None  # an environment call that failed: the episode is failed, never scored
+    )
     # The engine's routes (rollout.return_routed_experts): [prompt + response tokens, layers, k]
     routed_experts: RoutedExperts | None = None
     # rollout.weight_update in_flight: the policy versions that sampled the response's tokens, as
@@ -192,11 +207,15 @@ class Sample(_Record):
     policy_shas: dict[int, str] | None = None
 
     @model_validator(mode="after")
-    def _lengths(self) -> "Sample":
+    def _lengths(self) -> Sample:
         n = len(self.response_token_ids)
         if len(self.response_logprobs) != n:
-            raise ValueError(f"{len(self.response_logprobs)} response_logprobs for {n} response tokens")
-        if self.response_mask is not None and (len(self.response_mask) != n or set(self.response_mask) - {0, 1}):
+            raise ValueError(
+                f"{len(self.response_logprobs)} response_logprobs for {n} response tokens"
+            )
+        if self.response_mask is not None and (
+            len(self.response_mask) != n or set(self.response_mask) - {0, 1}
+        ):
             raise ValueError(f"response_mask must hold one 0 or 1 per response token ({n})")
         _check_routes(self)
         _check_versions(self)
@@ -226,12 +245,14 @@ class TrainSample(_Record):
     response_logprobs: list[float]
     advantage: float
     policy_version: int
-    response_mask: list[int] | None = None  # 0: an environment's token, never in the loss (None: all 1)
+    response_mask: list[int] | None = (
+        None  # 0: an environment's token, never in the loss (None: all 1)
+    )
     routed_experts: RoutedExperts | None = None  # the engine's routes (trainer.router_replay R3)
     token_versions: list[tuple[int, int]] | None = None  # as Sample's (in-flight weight updates)
 
     @model_validator(mode="after")
-    def _routes(self) -> "TrainSample":
+    def _routes(self) -> TrainSample:
         _check_routes(self)
         _check_versions(self)
         return self
@@ -243,12 +264,16 @@ def _check_versions(s) -> None:
         return
     n = len(s.response_token_ids)
     if not runs or runs[0] != (0, s.policy_version):
-        raise ValueError(f"token_versions must start with [0, policy_version] ([0, {s.policy_version}]), got "
-                         f"{runs[:1]}")
+        raise ValueError(
+            f"token_versions must start with [0, policy_version] ([0, {s.policy_version}]), got "
+            f"{runs[:1]}"
+        )
     for (a, va), (b, vb) in zip(runs, runs[1:]):
         if not (a < b < n and va < vb):
-            raise ValueError(f"token_versions runs must start at increasing token indices below {n} with increasing "
-                             f"versions; got [{a}, {va}] then [{b}, {vb}]")
+            raise ValueError(
+                f"token_versions runs must start at increasing token indices below {n} with increasing "
+                f"versions; got [{a}, {va}] then [{b}, {vb}]"
+            )
 
 
 def newest_version(s) -> int:
@@ -271,8 +296,10 @@ def token_versions(s) -> list[int]:
 def _check_routes(s) -> None:
     r = s.routed_experts
     if r is not None and r.shape[0] != len(s.prompt_token_ids) + len(s.response_token_ids):
-        raise ValueError(f"routed_experts covers {r.shape[0]} tokens; the sample has "
-                         f"{len(s.prompt_token_ids) + len(s.response_token_ids)} (prompt + response)")
+        raise ValueError(
+            f"routed_experts covers {r.shape[0]} tokens; the sample has "
+            f"{len(s.prompt_token_ids) + len(s.response_token_ids)} (prompt + response)"
+        )
 
 
 class PolicyVersion(_Record):

@@ -52,17 +52,25 @@ def check_secret_file(path: str | Path, var: str = "the file") -> Path:
     try:
         st = path.stat()
     except OSError as err:
-        raise SecretFileError(f"${var}={path}: cannot read the credential file ({err.strerror}); mount the Secret "
-                              f"there or unset {var}") from None
+        raise SecretFileError(
+            f"${var}={path}: cannot read the credential file ({err.strerror}); mount the Secret "
+            f"there or unset {var}"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
-        raise SecretFileError(f"${var}={path}: not a regular file; point {var} at the Secret's key file")
+        raise SecretFileError(
+            f"${var}={path}: not a regular file; point {var} at the Secret's key file"
+        )
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid == os.geteuid() and mode & 0o077:
-        raise SecretFileError(f"${var}={path}: mode {stat.filemode(st.st_mode)} lets other users read or write a "
-                              f"credential this user owns; chmod 400 {path}")
+        raise SecretFileError(
+            f"${var}={path}: mode {stat.filemode(st.st_mode)} lets other users read or write a "
+            f"credential this user owns; chmod 400 {path}"
+        )
     if st.st_uid != os.geteuid() and mode & 0o022:
-        raise SecretFileError(f"${var}={path}: mode {stat.filemode(st.st_mode)} lets users other than its owner "
-                              f"(uid {st.st_uid}) change the credential; mount it read-only (a Secret volume)")
+        raise SecretFileError(
+            f"${var}={path}: mode {stat.filemode(st.st_mode)} lets users other than its owner "
+            f"(uid {st.st_uid}) change the credential; mount it read-only (a Secret volume)"
+        )
     return path
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from moerl.config import RunConfig, TrackingConfig, flatten
@@ -41,11 +41,26 @@ _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
 # Logged per iteration (sync) or per version (async) under these names, at step = the
 # version trained from, so runs of either mode compare side by side in MLflow.
 SHARED_METRICS = (
-    "reward/mean", "reward/std", "reward/exact_fraction", "reward/failed_samples", "response/length_mean",
-    "buffer/groups", "buffer/dropped_zero_variance_groups", "buffer/batch_samples", "buffer/staleness_max",
-    "train/loss", "train/clip_fraction", "train/entropy", "train/steps", "train/logprob_mismatch",
-    "timing/iteration_s", "timing/policy_update_s", "timing/publish_checkpoint_s",
-    "throughput/rollout_tokens_per_s", "policy/version", "weights/version",
+    "reward/mean",
+    "reward/std",
+    "reward/exact_fraction",
+    "reward/failed_samples",
+    "response/length_mean",
+    "buffer/groups",
+    "buffer/dropped_zero_variance_groups",
+    "buffer/batch_samples",
+    "buffer/staleness_max",
+    "train/loss",
+    "train/clip_fraction",
+    "train/entropy",
+    "train/steps",
+    "train/logprob_mismatch",
+    "timing/iteration_s",
+    "timing/policy_update_s",
+    "timing/publish_checkpoint_s",
+    "throughput/rollout_tokens_per_s",
+    "policy/version",
+    "weights/version",
 )
 
 
@@ -150,7 +165,9 @@ def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
     all_tags = {k: redact(v) for k, v in tags.items()}
     if cfg.tracking.run_name:
         all_tags["mlflow.runName"] = cfg.tracking.run_name
-    from moerl.tasks.isolation import tags as sandbox_tags  # `none` shows on the run, never silently
+    from moerl.tasks.isolation import (
+        tags as sandbox_tags,  # `none` shows on the run, never silently
+    )
 
     all_tags.update(sandbox_tags(cfg.reward.sandbox.isolation, cfg.task.sandbox.isolation))
     run = client.create_run(exp_id, tags=all_tags)
@@ -160,7 +177,9 @@ def start_run(cfg: RunConfig, uri: str, tags: dict[str, str]) -> str:
     return run.info.run_id
 
 
-def record_refusal(cfg: RunConfig, uri: str, run_id: str, tags: dict[str, str], message: str) -> str:
+def record_refusal(
+    cfg: RunConfig, uri: str, run_id: str, tags: dict[str, str], message: str
+) -> str:
     """A run refused before any work (a bad run parameter): the error on the MLflow run, which
     is created from `cfg` (the compiled config) when `run_id` is empty, and marked FAILED.
     Best effort: an unreachable tracking server costs only this record, never the message."""
@@ -169,8 +188,10 @@ def record_refusal(cfg: RunConfig, uri: str, run_id: str, tags: dict[str, str], 
         set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": redact(message)[:4000]})
         _client(uri).set_terminated(run_id, status="FAILED")
     except Exception as err:  # noqa: BLE001 - the refusal itself is printed by the caller and fails the task
-        print(f"[moerl] could not record the refusal on the MLflow run: {type(err).__name__}: {redact(str(err))}",
-              flush=True)
+        print(
+            f"[moerl] could not record the refusal on the MLflow run: {type(err).__name__}: {redact(str(err))}",
+            flush=True,
+        )
     return run_id
 
 
@@ -187,20 +208,40 @@ def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
 
     spec = cfg.reward_model.data if cfg.pipeline.kind == "reward_model" else cfg.task.dataset
     try:
-        path = resolve_path(spec, "reward_model.data" if cfg.pipeline.kind == "reward_model" else "task.dataset")
+        path = resolve_path(
+            spec, "reward_model.data" if cfg.pipeline.kind == "reward_model" else "task.dataset"
+        )
         data = path.read_bytes()
-        ds = Dataset(name=spec.removeprefix("builtin:") if spec.startswith("builtin:") else path.name,
-                     digest=hashlib.sha256(data).hexdigest()[:16], source_type="local" if not spec.startswith(
-                         "builtin:") else "moerl-builtin", source=json.dumps({"uri": redact(spec)}),
-                     profile=json.dumps({"rows": data.count(b"\n"), "bytes": len(data)}))
-        client.log_inputs(run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", "training")])])
+        ds = Dataset(
+            name=spec.removeprefix("builtin:") if spec.startswith("builtin:") else path.name,
+            digest=hashlib.sha256(data).hexdigest()[:16],
+            source_type="local" if not spec.startswith("builtin:") else "moerl-builtin",
+            source=json.dumps({"uri": redact(spec)}),
+            profile=json.dumps({"rows": data.count(b"\n"), "bytes": len(data)}),
+        )
+        client.log_inputs(
+            run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", "training")])]
+        )
     except Exception as err:  # noqa: BLE001 - provenance: recorded on the run, loudly, not fatal
-        print(f"[moerl] WARNING: the dataset {spec!r} was not logged as an MLflow dataset input: {err}", flush=True)
-        client.log_batch(run_id, tags=[RunTag("moerl.dataset_input_error", redact(str(err))[:4000])])
+        print(
+            f"[moerl] WARNING: the dataset {spec!r} was not logged as an MLflow dataset input: {err}",
+            flush=True,
+        )
+        client.log_batch(
+            run_id, tags=[RunTag("moerl.dataset_input_error", redact(str(err))[:4000])]
+        )
 
 
-def register_model_version(uri: str, name: str, description: str, run_id: str, version_uri: str,
-                           manifest_json: str, artifact_dir: str, tags: dict[str, str]) -> str:
+def register_model_version(
+    uri: str,
+    name: str,
+    description: str,
+    run_id: str,
+    version_uri: str,
+    manifest_json: str,
+    artifact_dir: str,
+    tags: dict[str, str],
+) -> str:
     """A new version of registered model `name` (created if new) for a version published in the
     checkpoint store; returns the registry version. The source is the version's URI for an S3
     store; for a local store it is `runs:/<run_id>/<artifact_dir>`, where the manifest is logged
@@ -252,7 +293,12 @@ def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
 
 def metric_times(uri: str, run_id: str, key: str) -> list[float]:
     """When each value of `key` was logged (Unix seconds), in step order."""
-    return [t / 1000.0 for _, t in sorted((m.step, m.timestamp) for m in _client(uri).get_metric_history(run_id, key))]
+    return [
+        t / 1000.0
+        for _, t in sorted(
+            (m.step, m.timestamp) for m in _client(uri).get_metric_history(run_id, key)
+        )
+    ]
 
 
 def plot_reward_curve(uri: str, run_id: str, out_png: Path) -> Path:
@@ -278,14 +324,20 @@ def plot_reward_curve(uri: str, run_id: str, out_png: Path) -> Path:
     return out_png
 
 
-def finish_run(uri: str, run_id: str, final_checkpoint_uri: str, work_dir: Path, status: str = "FINISHED") -> None:
+def finish_run(
+    uri: str, run_id: str, final_checkpoint_uri: str, work_dir: Path, status: str = "FINISHED"
+) -> None:
     """Log the final checkpoint URI and the reward curve, and close the run."""
     client = _client(uri)
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "final_checkpoint.txt").write_text(final_checkpoint_uri + "\n")
     client.log_artifact(run_id, str(work_dir / "final_checkpoint.txt"))
     client.log_artifact(run_id, str(plot_reward_curve(uri, run_id, work_dir / "reward_curve.png")))
-    set_tags(uri, run_id, {"moerl.final_checkpoint": final_checkpoint_uri, "moerl.status": status.lower()})
+    set_tags(
+        uri,
+        run_id,
+        {"moerl.final_checkpoint": final_checkpoint_uri, "moerl.status": status.lower()},
+    )
     client.set_terminated(run_id, status=status)
 
 
@@ -302,12 +354,15 @@ def find_kfp_run(uri: str, experiment: str, kfp_run_id: str) -> str | None:
     if exp is None or not kfp_run_id:
         return None
     escaped = kfp_run_id.replace("'", "")
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`moerl.kfp_run_id` = '{escaped}'",
-                              max_results=1)
+    runs = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`moerl.kfp_run_id` = '{escaped}'", max_results=1
+    )
     return runs[0].info.run_id if runs else None
 
 
-def close_run(uri: str, experiment: str, run_id: str, kfp_run_id: str, succeeded: bool, error: str) -> str:
+def close_run(
+    uri: str, experiment: str, run_id: str, kfp_run_id: str, succeeded: bool, error: str
+) -> str:
     """What the pipeline's exit task does: a run that did not succeed and is still open is
     marked FAILED, with `error` as its `moerl.error` tag. A finished run is left as it is.
     Returns the run's status after this ("" when no MLflow run was ever started)."""

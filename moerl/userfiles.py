@@ -58,7 +58,9 @@ def decode_text(raw: bytes, single_line: bool = False) -> str:
     if nul != -1 and (bad == -1 or nul < bad):  # NUL is valid UTF-8: report whichever comes first
         raise FileProblem(f"has a NUL byte at {location(raw, nul, single_line)}; expected text")
     if bad != -1:
-        raise FileProblem(f"is not UTF-8 text: byte 0x{raw[bad]:02x} at {location(raw, bad, single_line)}")
+        raise FileProblem(
+            f"is not UTF-8 text: byte 0x{raw[bad]:02x} at {location(raw, bad, single_line)}"
+        )
     return text.removeprefix("\ufeff")
 
 

@@ -47,8 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
-from moerl.launch.podsecrets import (RUN_SECRET, VALKEY_ADMIN_STAGES, SecretRef, pod_secret_files,
-                                     pod_secret_mounts)
+from moerl.launch.podsecrets import (
+    RUN_SECRET,
+    VALKEY_ADMIN_STAGES,
+    SecretRef,
+    pod_secret_files,
+    pod_secret_mounts,
+)
 from moerl.secrets import SECRETS_ROOT
 
 if TYPE_CHECKING:  # kfp only where a pipeline is built: the first task's run-form check imports
@@ -57,14 +62,25 @@ if TYPE_CHECKING:  # kfp only where a pipeline is built: the first task's run-fo
 GROUPS = ("trainer", "rollout", "cpu", "buffer", "reward")
 # Which worker group runs each stage (the seed's four groups; `reward` is chosen in group_of).
 STAGE_GROUP: dict[str, str] = {
-    "start_run": "cpu", "log_iteration": "cpu", "finish_run": "cpu", "close_run": "cpu",
-    "reward": "cpu", "reward_scorer": "cpu",
-    "buffer": "buffer", "init_policy": "buffer", "resume_policy": "buffer", "publish_checkpoint": "buffer",
+    "start_run": "cpu",
+    "log_iteration": "cpu",
+    "finish_run": "cpu",
+    "close_run": "cpu",
+    "reward": "cpu",
+    "reward_scorer": "cpu",
+    "buffer": "buffer",
+    "init_policy": "buffer",
+    "resume_policy": "buffer",
+    "publish_checkpoint": "buffer",
     "redistribute_weights": "buffer",
-    "rollout": "rollout", "rollout_worker": "rollout",
-    "policy_update": "trainer", "async_trainer": "trainer",
+    "rollout": "rollout",
+    "rollout_worker": "rollout",
+    "policy_update": "trainer",
+    "async_trainer": "trainer",
     # the reward-model pipeline (pipelines/reward_model.py)
-    "prepare_preferences": "cpu", "train_reward_model": "trainer", "evaluate_reward_model": "trainer",
+    "prepare_preferences": "cpu",
+    "train_reward_model": "trainer",
+    "evaluate_reward_model": "trainer",
     "publish_reward_model": "buffer",
 }
 # Stages that run an engine or a trainer in their own pod (when not launched out-of-band).
@@ -76,7 +92,9 @@ REWARD_MODEL_STAGES = frozenset({"reward", "reward_scorer"})
 MODEL_STAGES = frozenset({"train_reward_model", "evaluate_reward_model"})
 # Sync stages whose task is a pure function of its inputs (same seed, same artifacts): a retry
 # after a lost pod (Spot) redoes the same work. Not publish (it moves `latest`), not bookkeeping.
-RETRYABLE_STAGES = frozenset({"rollout", "reward", "buffer", "policy_update", "redistribute_weights"})
+RETRYABLE_STAGES = frozenset(
+    {"rollout", "reward", "buffer", "policy_update", "redistribute_weights"}
+)
 RETRY_BACKOFF = "30s"
 SHM_VOLUME, SCRATCH_VOLUME = "dshm", "scratch"
 
@@ -87,70 +105,115 @@ def check_cluster_safe(cfg: RunConfig) -> None:
     problems: list[str] = []
     ck, scratch = cfg.checkpoint, cfg.cluster.scratch_dir
     if not ck.uri.startswith("s3://"):
-        problems.append(f"checkpoint.uri: {ck.uri!r} is a local path, which each pod sees empty; use s3://bucket/prefix")
+        problems.append(
+            f"checkpoint.uri: {ck.uri!r} is a local path, which each pod sees empty; use s3://bucket/prefix"
+        )
     if ck.cache_dir.startswith("/") and not (ck.cache_dir + "/").startswith(scratch + "/"):
-        problems.append(f"checkpoint.cache_dir: {ck.cache_dir!r} is outside the pod's scratch volume "
-                        f"(cluster.scratch_dir {scratch!r}); use a relative path (it resolves inside the scratch) "
-                        f"or one under {scratch}/")
+        problems.append(
+            f"checkpoint.cache_dir: {ck.cache_dir!r} is outside the pod's scratch volume "
+            f"(cluster.scratch_dir {scratch!r}); use a relative path (it resolves inside the scratch) "
+            f"or one under {scratch}/"
+        )
     if ck.cache_dir.startswith("~"):
-        problems.append(f"checkpoint.cache_dir: {ck.cache_dir!r} is under a home directory; use a relative path")
+        problems.append(
+            f"checkpoint.cache_dir: {ck.cache_dir!r} is under a home directory; use a relative path"
+        )
     if cfg.model.path:
-        problems.append(f"model.path: {cfg.model.path!r} is a path on this machine; leave it unset (the tiny model "
-                        "from model.tiny) or use model.warm_start: previous to start from a published checkpoint")
+        problems.append(
+            f"model.path: {cfg.model.path!r} is a path on this machine; leave it unset (the tiny model "
+            "from model.tiny) or use model.warm_start: previous to start from a published checkpoint"
+        )
     if not cfg.task.dataset.startswith("builtin:"):
-        problems.append(f"task.dataset: {cfg.task.dataset!r} is a file on this machine; use a builtin: dataset "
-                        "shipped in the image")
+        problems.append(
+            f"task.dataset: {cfg.task.dataset!r} is a file on this machine; use a builtin: dataset "
+            "shipped in the image"
+        )
     if cfg.pipeline.kind == "reward_model" and not cfg.reward_model.data.startswith("builtin:"):
-        problems.append(f"reward_model.data: {cfg.reward_model.data!r} is a file on this machine; use a builtin: "
-                        "preference set shipped in the image")
-    if cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda" and not cfg.cluster.groups.reward.gpus:
-        problems.append("cluster.groups.reward.gpus: 0, but reward.model.device is cuda; give the reward group GPUs")
+        problems.append(
+            f"reward_model.data: {cfg.reward_model.data!r} is a file on this machine; use a builtin: "
+            "preference set shipped in the image"
+        )
+    if (
+        cfg.reward.kind != "rules"
+        and cfg.reward.model.device == "cuda"
+        and not cfg.cluster.groups.reward.gpus
+    ):
+        problems.append(
+            "cluster.groups.reward.gpus: 0, but reward.model.device is cuda; give the reward group GPUs"
+        )
     images = {}  # what each group's tasks would pull, under the key that sets it
     for g in GROUPS:
         if g == "reward" and cfg.reward.kind == "rules":  # no task runs on it
             continue
         own = getattr(cfg.cluster.groups, g).image
-        images[f"cluster.groups.{g}.image" if own else "pipeline.base_image"] = own or cfg.pipeline.base_image
+        images[f"cluster.groups.{g}.image" if own else "pipeline.base_image"] = (
+            own or cfg.pipeline.base_image
+        )
     for key, image in images.items():
         if image and "/" not in image.split("@")[0]:
-            problems.append(f"{key}: {image!r} names no registry, so the cluster would pull docker.io/library/{image}; "
-                            "give the registry path of the image you pushed, e.g. 123456789012.dkr.ecr.us-west-2"
-                            f".amazonaws.com/{image}")
+            problems.append(
+                f"{key}: {image!r} names no registry, so the cluster would pull docker.io/library/{image}; "
+                "give the registry path of the image you pushed, e.g. 123456789012.dkr.ecr.us-west-2"
+                f".amazonaws.com/{image}"
+            )
     for device_key, group in (("trainer.device", "trainer"), ("rollout.device", "rollout")):
         gpus = getattr(cfg.cluster.groups, group).gpus
-        if cfg.cluster.launch.mode == "in_task" and getattr(cfg, device_key.split(".")[0]).device == "cuda" and not gpus:
-            problems.append(f"cluster.groups.{group}.gpus: 0, but {device_key} is cuda; give the group's tasks GPUs")
+        if (
+            cfg.cluster.launch.mode == "in_task"
+            and getattr(cfg, device_key.split(".")[0]).device == "cuda"
+            and not gpus
+        ):
+            problems.append(
+                f"cluster.groups.{group}.gpus: 0, but {device_key} is cuda; give the group's tasks GPUs"
+            )
     uri = cfg.tracking.uri or ""
     if not uri.startswith(("http://", "https://")):
-        problems.append(f"tracking.uri: {uri or 'unset (a SQLite file in the working directory)'!s} is not an MLflow "
-                        "server; set http(s)://host:port of the tracking server (credentials from the Secret "
-                        "cluster.mlflow_secret)")
+        problems.append(
+            f"tracking.uri: {uri or 'unset (a SQLite file in the working directory)'!s} is not an MLflow "
+            "server; set http(s)://host:port of the tracking server (credentials from the Secret "
+            "cluster.mlflow_secret)"
+        )
     if ck.cache_tier.endpoint_url == "embedded":
-        problems.append("checkpoint.cache_tier.endpoint_url: 'embedded' starts a server on this machine; give the "
-                        "cache server's Service URL (manifests/base/ckpt-cache.yaml: http://moerl-ckpt-cache.moerl"
-                        ".svc:8333)")
+        problems.append(
+            "checkpoint.cache_tier.endpoint_url: 'embedded' starts a server on this machine; give the "
+            "cache server's Service URL (manifests/base/ckpt-cache.yaml: http://moerl-ckpt-cache.moerl"
+            ".svc:8333)"
+        )
     if ck.fanout and cfg.pipeline.mode != "async":
-        problems.append("checkpoint.fanout: only the async pipeline's long-lived rollout workers fan out; set it false")
+        problems.append(
+            "checkpoint.fanout: only the async pipeline's long-lived rollout workers fan out; set it false"
+        )
     if cfg.pipeline.mode == "async" and not cfg.valkey.url:
-        problems.append("valkey.url: the async pipeline needs a Valkey Service its pods can reach; set "
-                        "redis://host:6379/0 (password from the Secret cluster.valkey_secret)")
+        problems.append(
+            "valkey.url: the async pipeline needs a Valkey Service its pods can reach; set "
+            "redis://host:6379/0 (password from the Secret cluster.valkey_secret)"
+        )
     if cfg.pipeline.mode == "async" and cfg.valkey.url and not cfg.valkey.username:
-        problems.append("valkey.username: unset, so every stage would log in as the server's default (admin) user; "
-                        "set moerl, the least-privilege ACL user manifests/base/valkey.yaml defines")
+        problems.append(
+            "valkey.username: unset, so every stage would log in as the server's default (admin) user; "
+            "set moerl, the least-privilege ACL user manifests/base/valkey.yaml defines"
+        )
     if cfg.pipeline.mode == "async" and cfg.valkey.url and not cfg.cluster.valkey_secret:
-        problems.append("cluster.valkey_secret: null, but the async pipeline's first task makes the run's own Valkey "
-                        "user with the admin password it holds (key VALKEY_ADMIN_PASSWORD); set it to moerl-valkey "
-                        "(docs/deploy.md)")
-    if (cfg.cluster.launch.mode == "kubernetes" and (cfg.task.environment or cfg.task.environments)
-            and cfg.task.sandbox.isolation == "namespaces"):
+        problems.append(
+            "cluster.valkey_secret: null, but the async pipeline's first task makes the run's own Valkey "
+            "user with the admin password it holds (key VALKEY_ADMIN_PASSWORD); set it to moerl-valkey "
+            "(docs/deploy.md)"
+        )
+    if (
+        cfg.cluster.launch.mode == "kubernetes"
+        and (cfg.task.environment or cfg.task.environments)
+        and cfg.task.sandbox.isolation == "namespaces"
+    ):
         # launched rollout pods run environments in their sandboxed pool, and run under seccomp
         # RuntimeDefault (moerl/launch/objects.py; manifests/base/launched-pods-policy.yaml admits
         # nothing else), which refuses the namespaces without CAP_SYS_ADMIN: every worker would
         # fail at its first episode, after the run started
-        problems.append("task.sandbox.isolation: namespaces, but launched rollout pods (cluster.launch.mode "
-                        "kubernetes) run under seccomp RuntimeDefault, which refuses unprivileged user namespaces; "
-                        "set task.sandbox.isolation: none (recorded on the run), or give the launched pods a Localhost "
-                        "seccomp profile that allows unshare/clone/mount in namespaces (docs/tasks.md, section 4)")
+        problems.append(
+            "task.sandbox.isolation: namespaces, but launched rollout pods (cluster.launch.mode "
+            "kubernetes) run under seccomp RuntimeDefault, which refuses unprivileged user namespaces; "
+            "set task.sandbox.isolation: none (recorded on the run), or give the launched pods a Localhost "
+            "seccomp profile that allows unshare/clone/mount in namespaces (docs/tasks.md, section 4)"
+        )
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch.task import check_launchable
 
@@ -170,13 +233,20 @@ def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:
     name = STAGE_GROUP[stage]
     if stage in GPU_STAGES and cfg.cluster.launch.mode == "kubernetes":
         name = "cpu"
-    if stage in REWARD_MODEL_STAGES and cfg.reward.kind != "rules":  # reward-model inference: its own group
+    if (
+        stage in REWARD_MODEL_STAGES and cfg.reward.kind != "rules"
+    ):  # reward-model inference: its own group
         name = "reward"
     return name, getattr(cfg.cluster.groups, name)
 
 
-def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool = False,
-          run_secret: Any = None) -> "dsl.PipelineTask":
+def place(
+    task: dsl.PipelineTask,
+    cfg: RunConfig,
+    stage: str,
+    async_mode: bool = False,
+    run_secret: Any = None,
+) -> dsl.PipelineTask:
     """Give `task` (running `stage`) its group's image, placement, resources, volumes, secrets
     and timeout for the cluster (see the module docstring). `run_secret`: the name of the run's
     own Secret (start_run's `valkey_secret` output), for the async stages that log in to Valkey."""
@@ -190,18 +260,27 @@ def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool
     for key, value in sorted(group.node_selector.items()):
         kubernetes.add_node_selector(task, label_key=key, label_value=value)
     for tol in group.tolerations:
-        kubernetes.add_toleration(task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect)
+        kubernetes.add_toleration(
+            task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect
+        )
     kubernetes.add_pod_label(task, "app.kubernetes.io/part-of", "moerl")
     kubernetes.add_pod_label(task, "moerl.ai/group", name)
     kubernetes.add_pod_label(task, "moerl.ai/stage", stage.replace("_", "-"))
     scratch = cfg.cluster.scratch_dir
-    kubernetes.empty_dir_mount(task, volume_name=SCRATCH_VOLUME, mount_path=scratch, size_limit=cfg.cluster.scratch_size)
+    kubernetes.empty_dir_mount(
+        task, volume_name=SCRATCH_VOLUME, mount_path=scratch, size_limit=cfg.cluster.scratch_size
+    )
     task.set_env_variable("MOERL_SCRATCH", scratch)
     if (stage in ENGINE_STAGES and name != "cpu") or name == "reward" or stage in MODEL_STAGES:
         # the engine, trainer or reward model runs in this task
         if group.shm:
-            kubernetes.empty_dir_mount(task, volume_name=SHM_VOLUME, mount_path="/dev/shm", medium="Memory",
-                                       size_limit=group.shm)
+            kubernetes.empty_dir_mount(
+                task,
+                volume_name=SHM_VOLUME,
+                mount_path="/dev/shm",
+                medium="Memory",
+                size_limit=group.shm,
+            )
         if group.gpus:
             task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(group.gpus)
     launcher = stage in GPU_STAGES and name == "cpu"
@@ -219,12 +298,16 @@ def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool
     for secret, (optional, _keys) in pod_secret_mounts(cfg, stage, async_mode).items():
         if secret == RUN_SECRET:  # the run's own Secret: its name is start_run's output
             if run_secret is None:
-                raise ValueError(f"place({stage}): this stage logs in to Valkey as the run's own user; pass "
-                                 "run_secret=start_run's valkey_secret output")
+                raise ValueError(
+                    f"place({stage}): this stage logs in to Valkey as the run's own user; pass "
+                    "run_secret=start_run's valkey_secret output"
+                )
             secret_name, mount = run_secret, SecretRef(RUN_SECRET, "").path().rsplit("/", 1)[0]
         else:
             secret_name, mount = secret, f"{SECRETS_ROOT}/{secret}"
-        kubernetes.use_secret_as_volume(task, secret_name=secret_name, mount_path=mount, optional=optional)
+        kubernetes.use_secret_as_volume(
+            task, secret_name=secret_name, mount_path=mount, optional=optional
+        )
     for var, path in pod_secret_files(cfg, stage, async_mode).items():
         task.set_env_variable(var, path)
     if cfg.checkpoint.fanout and stage == "rollout_worker" and not launcher:
@@ -233,9 +316,15 @@ def place(task: "dsl.PipelineTask", cfg: RunConfig, stage: str, async_mode: bool
         kubernetes.use_field_path_as_env(task, "MOERL_FANOUT_ADVERTISE", "status.podIP")
     timeout = cfg.cluster.timeout_s(group, cfg.pipeline.mode)
     if stage in GPU_STAGES and name == "cpu":  # a launcher waits as long as its workload may run
-        timeout = cfg.cluster.timeout_s(getattr(cfg.cluster.groups, STAGE_GROUP[stage]), cfg.pipeline.mode)
+        timeout = cfg.cluster.timeout_s(
+            getattr(cfg.cluster.groups, STAGE_GROUP[stage]), cfg.pipeline.mode
+        )
     kubernetes.set_timeout(task, timeout)
     if stage in RETRYABLE_STAGES and cfg.pipeline.task_retries:
-        task.set_retry(num_retries=cfg.pipeline.task_retries, backoff_duration=RETRY_BACKOFF, backoff_factor=2.0,
-                       backoff_max_duration=f"{timeout}s")
+        task.set_retry(
+            num_retries=cfg.pipeline.task_retries,
+            backoff_duration=RETRY_BACKOFF,
+            backoff_factor=2.0,
+            backoff_max_duration=f"{timeout}s",
+        )
     return task

@@ -23,32 +23,46 @@ not depend on the number of versions, or chain runs (`moerl compile --resume RUN
 --start-iteration N`). `moerl run` on kfp.local compiles nothing and has no cap.
 """
 
-
 import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # No `from __future__ import annotations` here: KFP reads the pipeline signature's real types.
-
 from kfp import dsl
 
-from moerl.config import RunConfig, config_to_json
-from moerl.errors import ConfigError
 from moerl.components.buffer.component import buffer
 from moerl.components.policy_update.component import policy_update
-from moerl.components.publish_checkpoint.component import init_policy, publish_checkpoint, resume_policy
+from moerl.components.publish_checkpoint.component import (
+    init_policy,
+    publish_checkpoint,
+    resume_policy,
+)
 from moerl.components.redistribute_weights.component import redistribute_weights
 from moerl.components.reward.component import reward
 from moerl.components.rollout.component import rollout
 from moerl.components.tracking.component import close_run, finish_run, log_iteration, start_run
+from moerl.config import RunConfig, config_to_json
+from moerl.errors import ConfigError
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f
-    for f in (start_run, init_policy, resume_policy, rollout, reward, buffer, policy_update, publish_checkpoint,
-              redistribute_weights, log_iteration, finish_run, close_run)
+    for f in (
+        start_run,
+        init_policy,
+        resume_policy,
+        rollout,
+        reward,
+        buffer,
+        policy_update,
+        publish_checkpoint,
+        redistribute_weights,
+        log_iteration,
+        finish_run,
+        close_run,
+    )
 }
 TARGETS = ("local", "eks")
 # Measured (kfp 2.17.3): each iteration adds about 26.6 KB of YAML, 36.9 KB on the EKS target
@@ -82,7 +96,10 @@ def components(funcs: dict[str, Callable[..., Any]], base_image: str) -> dict[st
     """Each stage function as a KFP component on `base_image`, by name (every pipeline's ops).
     install_kfp_package=False: the moerl image already carries kfp; it also cuts the per-task
     overhead in kfp.local from ~0.4 s to ~0.04 s (docs/architecture.md)."""
-    return {name: dsl.component(func=f, base_image=base_image, install_kfp_package=False) for name, f in funcs.items()}
+    return {
+        name: dsl.component(func=f, base_image=base_image, install_kfp_package=False)
+        for name, f in funcs.items()
+    }
 
 
 FIXED_INPUTS = {
@@ -92,14 +109,21 @@ FIXED_INPUTS = {
 }
 
 
-def run_form(cfg: RunConfig, name: str, description: str, fixed: dict[str, str], body: Callable[[dict], None]):
+def run_form(
+    cfg: RunConfig, name: str, description: str, fixed: dict[str, str], body: Callable[[dict], None]
+):
     """The KFP pipeline function for `cfg` whose inputs are the run form: `fixed` (name ->
     default) and the typed run parameters of `pipelines/params.py` with the config's values as
     defaults and a description each. `body` gets every input's channel by name."""
     from moerl.pipelines import params
 
-    sig = params.signature(cfg, [inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
-                                                   default=v) for k, v in fixed.items()])
+    sig = params.signature(
+        cfg,
+        [
+            inspect.Parameter(k, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str, default=v)
+            for k, v in fixed.items()
+        ],
+    )
 
     def pipeline_func(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
@@ -112,22 +136,41 @@ def run_form(cfg: RunConfig, name: str, description: str, fixed: dict[str, str],
     return dsl.pipeline(name=name, description=description)(pipeline_func)
 
 
-def start_task(ops: Any, settle: Callable[[Any, str], Any], cfg: RunConfig, inputs: dict, target: str):
+def start_task(
+    ops: Any, settle: Callable[[Any, str], Any], cfg: RunConfig, inputs: dict, target: str
+):
     """The run's first task: merges and validates the run form (components/tracking)."""
     from moerl.pipelines.params import params_for
 
     form = {p.name: inputs[p.name] for p in params_for(cfg)}
-    return settle(ops.start_run(config_json=inputs["config_json"], run_id=inputs["run_id"], git_sha=inputs["git_sha"],
-                                kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, target=target,
-                                overrides=inputs["overrides"], **form), "start-run")
+    return settle(
+        ops.start_run(
+            config_json=inputs["config_json"],
+            run_id=inputs["run_id"],
+            git_sha=inputs["git_sha"],
+            kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+            target=target,
+            overrides=inputs["overrides"],
+            **form,
+        ),
+        "start-run",
+    )
 
 
-def with_exit_handler(ops: Any, settle: Callable[[Any, str], Any], inputs: dict, body: Callable[[], None]) -> None:
+def with_exit_handler(
+    ops: Any, settle: Callable[[Any, str], Any], inputs: dict, body: Callable[[], None]
+) -> None:
     """`body` inside an ExitHandler whose exit task marks the MLflow run FAILED however the run
     fails. An exit task may not consume other tasks' outputs: it reads the compiled config and
     finds the MLflow run by the KFP run id."""
-    close = settle(ops.close_run(config_json=inputs["config_json"], run_id=inputs["run_id"],
-                                 kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER), "close-run")
+    close = settle(
+        ops.close_run(
+            config_json=inputs["config_json"],
+            run_id=inputs["run_id"],
+            kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        ),
+        "close-run",
+    )
     with dsl.ExitHandler(close, name="moerl-run"):
         body()
 
@@ -136,7 +179,9 @@ def make_ops(base_image: str) -> Ops:
     return Ops(**components(STAGE_FUNCS, base_image))
 
 
-def task_settings(cfg: RunConfig, target: str, async_mode: bool = False) -> Callable[[Any, str], Any]:
+def task_settings(
+    cfg: RunConfig, target: str, async_mode: bool = False
+) -> Callable[[Any, str], Any]:
     """`settle(task, display_name)`: what every task of a pipeline gets. Caching off (RL stages
     are stochastic and side-effecting: MLflow, the store, Valkey; a cache hit would replay a
     stale run), a display name, and on the EKS target its pod settings (`pipelines/eks.py`)."""
@@ -151,7 +196,13 @@ def task_settings(cfg: RunConfig, target: str, async_mode: bool = False) -> Call
             if target == "eks":
                 from moerl.pipelines.eks import place
 
-                place(t, cfg, t.component_spec.name.replace("-", "_"), async_mode=async_mode, run_secret=run_secret)
+                place(
+                    t,
+                    cfg,
+                    t.component_spec.name.replace("-", "_"),
+                    async_mode=async_mode,
+                    run_secret=run_secret,
+                )
         return t
 
     return settle
@@ -172,8 +223,10 @@ def cheap_setter_checks() -> Iterator[None]:
 
     def ensure(self) -> None:
         if self.container_spec is None:
-            raise ValueError(f"{sys._getframe(1).f_code.co_name} can only be used on single-step components, not "
-                             f"pipelines used as components, or special components like importers.")
+            raise ValueError(
+                f"{sys._getframe(1).f_code.co_name} can only be used on single-step components, not "
+                f"pipelines used as components, or special components like importers."
+            )
 
     cls._ensure_container_spec_exists = ensure
     try:
@@ -191,11 +244,18 @@ def check_compiled_size(cfg: RunConfig, start_iteration: int = 0) -> None:
             f"capped at {MAX_COMPILED_ITERATIONS} per run, got {n}. Use the async pipeline (--mode async; its size does "
             f"not grow with pipeline.versions), or chain runs: compile {MAX_COMPILED_ITERATIONS} iterations, then "
             f"`moerl compile --resume RUN_ID --start-iteration {start_iteration + MAX_COMPILED_ITERATIONS} "
-            f"--set pipeline.iterations=...` for the next {MAX_COMPILED_ITERATIONS}")
+            f"--set pipeline.iterations=...` for the next {MAX_COMPILED_ITERATIONS}"
+        )
 
 
-def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: int = 0, resume: bool = False,
-                   target: str = "local", run_id: str = ""):
+def build_pipeline(
+    cfg: RunConfig,
+    git_sha: str = "unknown",
+    start_iteration: int = 0,
+    resume: bool = False,
+    target: str = "local",
+    run_id: str = "",
+):
     """The pipeline function for `cfg`, with iterations `start_iteration`..`pipeline.iterations`-1
     unrolled. `resume` (implied by `start_iteration` > 0) continues run `run_id` from its
     published version `start_iteration`, version 0 included, instead of publishing version 0:
@@ -210,37 +270,91 @@ def build_pipeline(cfg: RunConfig, git_sha: str = "unknown", start_iteration: in
 
     def _body(inputs: dict) -> None:
         start = start_task(ops, _task, cfg, inputs, target)
-        rid, config_json = start.outputs["run_id"], start.outputs["config_json"]  # the run's merged config
+        rid, config_json = (
+            start.outputs["run_id"],
+            start.outputs["config_json"],
+        )  # the run's merged config
         if resume or start_iteration > 0:  # version 0 already exists when a run resumes from it
-            init = _task(ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),
-                         f"resume-policy-v{start_iteration}")
+            init = _task(
+                ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),
+                f"resume-policy-v{start_iteration}",
+            )
         else:
             init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
         policy, state = init.outputs["Output"], init.outputs["state"]
         logs = []
         for i in range(start_iteration, n_iter):
-            ro = _task(ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
-                       f"rollout-{i}")
+            ro = _task(
+                ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
+                f"rollout-{i}",
+            )
             if logs:  # iterations log in order (progress reads top to bottom; MLflow steps arrive in order)
                 ro.after(logs[-1])
-            rw = _task(ops.reward(config_json=config_json, samples=ro.outputs["samples"], run_id=rid), f"reward-{i}")
-            bf = _task(ops.buffer(config_json=config_json, scored=rw.outputs["scored"], trainer_version=i, run_id=rid),
-                       f"buffer-{i}")
-            up = _task(ops.policy_update(config_json=config_json, batch=bf.outputs["batch"], state_in=state,
-                                         iteration=i, run_id=rid), f"policy-update-{i}")
-            pub = _task(ops.publish_checkpoint(config_json=config_json, run_id=rid, state=up.outputs["state_out"],
-                                               version=i + 1), f"publish-checkpoint-v{i + 1}")
-            rd = _task(ops.redistribute_weights(config_json=config_json, run_id=rid,
-                                                policy_json=pub.outputs["policy_json"]), f"redistribute-weights-v{i + 1}")
-            logs.append(_task(ops.log_iteration(config_json=config_json, run_id=rid, iteration=i, rollout=ro.outputs["Output"],
-                                    reward=rw.outputs["Output"], buffer=bf.outputs["Output"],
-                                    policy_update=up.outputs["Output"], publish=pub.outputs["metrics"],
-                                    redistribute=rd.outputs["metrics"]), f"log-iteration-{i}"))
+            rw = _task(
+                ops.reward(config_json=config_json, samples=ro.outputs["samples"], run_id=rid),
+                f"reward-{i}",
+            )
+            bf = _task(
+                ops.buffer(
+                    config_json=config_json,
+                    scored=rw.outputs["scored"],
+                    trainer_version=i,
+                    run_id=rid,
+                ),
+                f"buffer-{i}",
+            )
+            up = _task(
+                ops.policy_update(
+                    config_json=config_json,
+                    batch=bf.outputs["batch"],
+                    state_in=state,
+                    iteration=i,
+                    run_id=rid,
+                ),
+                f"policy-update-{i}",
+            )
+            pub = _task(
+                ops.publish_checkpoint(
+                    config_json=config_json,
+                    run_id=rid,
+                    state=up.outputs["state_out"],
+                    version=i + 1,
+                ),
+                f"publish-checkpoint-v{i + 1}",
+            )
+            rd = _task(
+                ops.redistribute_weights(
+                    config_json=config_json, run_id=rid, policy_json=pub.outputs["policy_json"]
+                ),
+                f"redistribute-weights-v{i + 1}",
+            )
+            logs.append(
+                _task(
+                    ops.log_iteration(
+                        config_json=config_json,
+                        run_id=rid,
+                        iteration=i,
+                        rollout=ro.outputs["Output"],
+                        reward=rw.outputs["Output"],
+                        buffer=bf.outputs["Output"],
+                        policy_update=up.outputs["Output"],
+                        publish=pub.outputs["metrics"],
+                        redistribute=rd.outputs["metrics"],
+                    ),
+                    f"log-iteration-{i}",
+                )
+            )
             policy, state = rd.outputs["policy_json"], up.outputs["state_out"]
         # after every log, so the reward curve it plots is complete
-        _task(ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run").after(*logs)
+        _task(
+            ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run"
+        ).after(*logs)
 
-    return run_form(cfg, cfg.pipeline.name, "moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, buffer, policy "
-                    "update, checkpoint publication, weight redistribution",
-                    {"config_json": config_to_json(cfg), "run_id": run_id, "git_sha": git_sha},
-                    lambda inputs: with_exit_handler(ops, _task, inputs, lambda: _body(inputs)))
+    return run_form(
+        cfg,
+        cfg.pipeline.name,
+        "moerl sync GRPO for MoE LLMs: rollout (vLLM), reward, buffer, policy "
+        "update, checkpoint publication, weight redistribution",
+        {"config_json": config_to_json(cfg), "run_id": run_id, "git_sha": git_sha},
+        lambda inputs: with_exit_handler(ops, _task, inputs, lambda: _body(inputs)),
+    )

@@ -52,51 +52,127 @@ class RunParam:
 
 
 PARAMS: tuple[RunParam, ...] = (
-    RunParam("model", str, "model.path", "model.path",
-             "The policy to train: an HF-format Qwen3-MoE / Mixtral / DeepSeek-V3 checkpoint directory (model.path). "
-             "Empty: the embedded tiny MoE built from model.tiny. To start from a registered policy, use warm_start.",
-             optional=True),
-    RunParam("warm_start", str, "model.warm_start", None,
-             "Where version 0's weights come from (model.warm_start): none, previous (the newest finished run's final "
-             "checkpoint), registry:<name>@<alias> or registry:<name>/<version> (MLflow's model registry, e.g. "
-             "registry:moerl-policy@champion)."),
-    RunParam("dataset", str, "task.dataset", "reward_model.data",
-             "The prompts (task.dataset; for a reward model: the preference pairs, reward_model.data): builtin:<name> "
-             "or a JSONL/Parquet file the pods can read."),
-    RunParam("versions", int, "pipeline.versions", None,
-             "Policy versions the async trainer publishes before the run ends (pipeline.versions).", async_only=True),
-    RunParam("epochs", int, None, "reward_model.epochs", "Passes over the preference pairs (reward_model.epochs)."),
-    RunParam("learning_rate", float, "trainer.learning_rate", "reward_model.learning_rate",
-             "AdamW learning rate (trainer.learning_rate; reward model: reward_model.learning_rate)."),
-    RunParam("prompts_per_iteration", int, "task.prompts_per_iteration", None,
-             "Prompts (GRPO groups) per policy version (task.prompts_per_iteration)."),
-    RunParam("samples_per_prompt", int, "rollout.samples_per_prompt", None,
-             "Responses generated per prompt, the GRPO group size (rollout.samples_per_prompt)."),
-    RunParam("rollout_workers", int, "rollout.workers", None,
-             "Long-lived rollout workers (vLLM engines), each its own pod (rollout.workers).", async_only=True),
-    RunParam("reward_scorers", int, "reward.scorers", None,
-             "Reward scorer processes, each its own pod (reward.scorers).", async_only=True),
-    RunParam("reward_kind", str, "reward.kind", None,
-             "How samples are scored (reward.kind): rules (verifiers), model (a registered reward model) or mixed. "
-             "model and mixed may replace each other per run; rules versus a reward model is compiled (the reward "
-             "stage's pod group)."),
-    RunParam("reward_model", str, "reward.model.registered", None,
-             "The registered reward model for reward_kind model or mixed (reward.model.registered): <name>/<version> "
-             "or <name>/latest. Empty: none.", optional=True),
-    RunParam("run_name", str, "tracking.run_name", "tracking.run_name",
-             "The MLflow run's name (tracking.run_name). Empty: MLflow names it.", optional=True),
+    RunParam(
+        "model",
+        str,
+        "model.path",
+        "model.path",
+        "The policy to train: an HF-format Qwen3-MoE / Mixtral / DeepSeek-V3 checkpoint directory (model.path). "
+        "Empty: the embedded tiny MoE built from model.tiny. To start from a registered policy, use warm_start.",
+        optional=True,
+    ),
+    RunParam(
+        "warm_start",
+        str,
+        "model.warm_start",
+        None,
+        "Where version 0's weights come from (model.warm_start): none, previous (the newest finished run's final "
+        "checkpoint), registry:<name>@<alias> or registry:<name>/<version> (MLflow's model registry, e.g. "
+        "registry:moerl-policy@champion).",
+    ),
+    RunParam(
+        "dataset",
+        str,
+        "task.dataset",
+        "reward_model.data",
+        "The prompts (task.dataset; for a reward model: the preference pairs, reward_model.data): builtin:<name> "
+        "or a JSONL/Parquet file the pods can read.",
+    ),
+    RunParam(
+        "versions",
+        int,
+        "pipeline.versions",
+        None,
+        "Policy versions the async trainer publishes before the run ends (pipeline.versions).",
+        async_only=True,
+    ),
+    RunParam(
+        "epochs",
+        int,
+        None,
+        "reward_model.epochs",
+        "Passes over the preference pairs (reward_model.epochs).",
+    ),
+    RunParam(
+        "learning_rate",
+        float,
+        "trainer.learning_rate",
+        "reward_model.learning_rate",
+        "AdamW learning rate (trainer.learning_rate; reward model: reward_model.learning_rate).",
+    ),
+    RunParam(
+        "prompts_per_iteration",
+        int,
+        "task.prompts_per_iteration",
+        None,
+        "Prompts (GRPO groups) per policy version (task.prompts_per_iteration).",
+    ),
+    RunParam(
+        "samples_per_prompt",
+        int,
+        "rollout.samples_per_prompt",
+        None,
+        "Responses generated per prompt, the GRPO group size (rollout.samples_per_prompt).",
+    ),
+    RunParam(
+        "rollout_workers",
+        int,
+        "rollout.workers",
+        None,
+        "Long-lived rollout workers (vLLM engines), each its own pod (rollout.workers).",
+        async_only=True,
+    ),
+    RunParam(
+        "reward_scorers",
+        int,
+        "reward.scorers",
+        None,
+        "Reward scorer processes, each its own pod (reward.scorers).",
+        async_only=True,
+    ),
+    RunParam(
+        "reward_kind",
+        str,
+        "reward.kind",
+        None,
+        "How samples are scored (reward.kind): rules (verifiers), model (a registered reward model) or mixed. "
+        "model and mixed may replace each other per run; rules versus a reward model is compiled (the reward "
+        "stage's pod group).",
+    ),
+    RunParam(
+        "reward_model",
+        str,
+        "reward.model.registered",
+        None,
+        "The registered reward model for reward_kind model or mixed (reward.model.registered): <name>/<version> "
+        "or <name>/latest. Empty: none.",
+        optional=True,
+    ),
+    RunParam(
+        "run_name",
+        str,
+        "tracking.run_name",
+        "tracking.run_name",
+        "The MLflow run's name (tracking.run_name). Empty: MLflow names it.",
+        optional=True,
+    ),
 )
 
-OVERRIDES_DESCRIPTION = ("Any other config key for this run, as a list of dotted.key=value strings (the value is YAML), "
-                         "e.g. [\"trainer.clip_eps_high=0.3\", \"rollout.temperature=0.9\"]; applied after the fields "
-                         "above.")
+OVERRIDES_DESCRIPTION = (
+    "Any other config key for this run, as a list of dotted.key=value strings (the value is YAML), "
+    'e.g. ["trainer.clip_eps_high=0.3", "rollout.temperature=0.9"]; applied after the fields '
+    "above."
+)
 
 
 def params_for(cfg: RunConfig) -> tuple[RunParam, ...]:
     """The fields on `cfg`'s run form (its pipeline kind and mode)."""
     kind = cfg.pipeline.kind
-    return tuple(p for p in PARAMS if p.key(kind) is not None
-                 and not (p.async_only and cfg.pipeline.mode != "async"))
+    return tuple(
+        p
+        for p in PARAMS
+        if p.key(kind) is not None and not (p.async_only and cfg.pipeline.mode != "async")
+    )
 
 
 def _get(data: dict[str, Any], key: str) -> Any:
@@ -122,9 +198,15 @@ def signature(cfg: RunConfig, fixed: list[inspect.Parameter]) -> inspect.Signatu
     """The pipeline function's signature: `fixed` (config_json, run_id, git_sha), then each
     field typed with the config's value as its default, then `overrides: list = []`."""
     dflt = defaults(cfg)
-    typed = [inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=p.type, default=dflt[p.name])
-             for p in params_for(cfg)]
-    over = inspect.Parameter("overrides", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=list, default=[])
+    typed = [
+        inspect.Parameter(
+            p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=p.type, default=dflt[p.name]
+        )
+        for p in params_for(cfg)
+    ]
+    over = inspect.Parameter(
+        "overrides", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=list, default=[]
+    )
     return inspect.Signature(fixed + typed + [over])
 
 
@@ -142,10 +224,26 @@ def docstring(summary: str, fixed: dict[str, str], cfg: RunConfig) -> str:
 # --------------------------------------------------------------------------- merging
 
 # What the compiled graph and its pods were built from (see the module docstring).
-_COMPILED_KEYS = ("pipeline.kind", "pipeline.mode", "pipeline.name", "pipeline.base_image", "pipeline.worker_retries",
-                  "pipeline.task_retries", "pipeline.retry_max_duration_s", "pipeline.pipeline_root", "cluster",
-                  "tracking.uri", "tracking.experiment", "valkey.url", "valkey.username", "trainer.device",
-                  "rollout.device", "trainer.expert_parallel_size", "trainer.data_parallel_shard", "checkpoint.fanout")
+_COMPILED_KEYS = (
+    "pipeline.kind",
+    "pipeline.mode",
+    "pipeline.name",
+    "pipeline.base_image",
+    "pipeline.worker_retries",
+    "pipeline.task_retries",
+    "pipeline.retry_max_duration_s",
+    "pipeline.pipeline_root",
+    "cluster",
+    "tracking.uri",
+    "tracking.experiment",
+    "valkey.url",
+    "valkey.username",
+    "trainer.device",
+    "rollout.device",
+    "trainer.expert_parallel_size",
+    "trainer.data_parallel_shard",
+    "checkpoint.fanout",
+)
 
 
 def compiled_shape(cfg: RunConfig) -> dict[str, str]:
@@ -153,13 +251,18 @@ def compiled_shape(cfg: RunConfig) -> dict[str, str]:
     on; a run's merged config must keep them."""
     from moerl.config import flatten
 
-    shape = {k: v for k, v in flatten(cfg).items()
-             if any(k == p or k.startswith(p + ".") for p in _COMPILED_KEYS)}
+    shape = {
+        k: v
+        for k, v in flatten(cfg).items()
+        if any(k == p or k.startswith(p + ".") for p in _COMPILED_KEYS)
+    }
     if cfg.pipeline.mode == "sync" and cfg.pipeline.kind == GRPO:
         shape["pipeline.iterations"] = str(cfg.pipeline.iterations)  # unrolled at compile time
     # the reward stage's pod group: the CPU group for rules, the reward group with a model
     shape["reward.kind"] = "rules" if cfg.reward.kind == "rules" else "model or mixed"
-    shape["reward.model.device"] = cfg.reward.model.device if cfg.reward.model else "(no reward model)"
+    shape["reward.model.device"] = (
+        cfg.reward.model.device if cfg.reward.model else "(no reward model)"
+    )
     return shape
 
 
@@ -175,7 +278,9 @@ def _why(key: str) -> str:
     return "the pods' placement and resources are compiled from it"
 
 
-def merge(base: RunConfig, values: dict[str, Any], overrides: list[str], target: str = "local") -> RunConfig:
+def merge(
+    base: RunConfig, values: dict[str, Any], overrides: list[str], target: str = "local"
+) -> RunConfig:
     """The run's config: `base` with the run-form `values` (by parameter name) and then the
     `overrides` applied, validated. Raises a one-line ConfigError naming the parameter or key."""
     kind = base.pipeline.kind
@@ -184,21 +289,32 @@ def merge(base: RunConfig, values: dict[str, Any], overrides: list[str], target:
     for name, value in values.items():
         p = known.get(name)
         if p is None:
-            raise ConfigError(f"run parameter {name!r}: not a parameter of this pipeline; its parameters are "
-                              f"{', '.join(sorted(known))} and overrides")
+            raise ConfigError(
+                f"run parameter {name!r}: not a parameter of this pipeline; its parameters are "
+                f"{', '.join(sorted(known))} and overrides"
+            )
         key = p.key(kind)
         assert key is not None
-        if isinstance(value, bool) or not isinstance(value, (p.type, int) if p.type is float else p.type):
-            raise ConfigError(f"run parameter {name} ({key}): expected {p.type.__name__}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(
+            value, (p.type, int) if p.type is float else p.type
+        ):
+            raise ConfigError(
+                f"run parameter {name} ({key}): expected {p.type.__name__}, got {value!r}"
+            )
         if p.optional and value == "":
             value = None
         if key == "reward.model.registered":
-            data["reward"]["model"] = None if value is None else {**(data["reward"].get("model") or {}),
-                                                                  "registered": value}
+            data["reward"]["model"] = (
+                None
+                if value is None
+                else {**(data["reward"].get("model") or {}), "registered": value}
+            )
             continue
         _set(data, key, value)
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise ConfigError(f"run parameter overrides: expected a list of dotted.key=value strings, got {overrides!r}")
+        raise ConfigError(
+            f"run parameter overrides: expected a list of dotted.key=value strings, got {overrides!r}"
+        )
     try:
         data = apply_overrides(data, list(overrides))
     except ConfigError as err:
@@ -210,9 +326,11 @@ def merge(base: RunConfig, values: dict[str, Any], overrides: list[str], target:
     was, now = compiled_shape(base), compiled_shape(cfg)
     for key in sorted(was.keys() | now.keys()):
         if was.get(key) != now.get(key):
-            raise ConfigError(f"run parameters: {key} cannot change per run ({_why(key)}): the pipeline was compiled "
-                              f"with {was[key]!r}, the run asks for {now[key]!r}; compile again with "
-                              f"`moerl compile --set {key}=...`")
+            raise ConfigError(
+                f"run parameters: {key} cannot change per run ({_why(key)}): the pipeline was compiled "
+                f"with {was[key]!r}, the run asks for {now[key]!r}; compile again with "
+                f"`moerl compile --set {key}=...`"
+            )
     if target == "eks":
         from moerl.pipelines.eks import check_cluster_safe
 

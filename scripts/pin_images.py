@@ -49,7 +49,9 @@ def kubectl() -> str:
 
 
 def build(overlay: Path = OVERLAY) -> list[dict]:
-    out = subprocess.run([kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120
+    )
     if out.returncode != 0:
         raise SystemExit(f"pin_images: kubectl kustomize {overlay} failed: {out.stderr.strip()}")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -59,7 +61,9 @@ def _pod_specs(doc: dict):
     spec = doc.get("spec") or {}
     if doc.get("kind") == "Pod":
         yield spec
-    template = (spec.get("template") or spec.get("jobTemplate", {}).get("spec", {}).get("template") or {})
+    template = (
+        spec.get("template") or spec.get("jobTemplate", {}).get("spec", {}).get("template") or {}
+    )
     if template.get("spec"):
         yield template["spec"]
 
@@ -92,15 +96,22 @@ def split(ref: str) -> tuple[str, str | None]:
 
 
 def resolve(ref: str, resolver: str = "crane") -> str:
-    cmd = ["crane", "digest", ref] if resolver == "crane" else \
-        ["skopeo", "inspect", "--format", "{{.Digest}}", f"docker://{ref}"]
+    cmd = (
+        ["crane", "digest", ref]
+        if resolver == "crane"
+        else ["skopeo", "inspect", "--format", "{{.Digest}}", f"docker://{ref}"]
+    )
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
-        raise SystemExit(f"pin_images: {cmd[0]} is not installed; install it or pass --resolver") from None
+        raise SystemExit(
+            f"pin_images: {cmd[0]} is not installed; install it or pass --resolver"
+        ) from None
     digest = out.stdout.strip()
     if out.returncode != 0 or not DIGEST.match(digest):
-        raise SystemExit(f"pin_images: cannot resolve {ref} with {cmd[0]}: {(out.stderr or digest).strip()[:300]}")
+        raise SystemExit(
+            f"pin_images: cannot resolve {ref} with {cmd[0]}: {(out.stderr or digest).strip()[:300]}"
+        )
     return digest
 
 
@@ -112,13 +123,19 @@ def component(pins: dict[str, str]) -> str:
             raise ValueError(f"{ref}: {digest!r} is not a sha256 digest")
         name, _ = split(ref)
         entries.append({"name": name, "digest": digest})
-    body = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component", "images": entries}
+    body = {
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+        "kind": "Component",
+        "images": entries,
+    }
     return HEADER + yaml.safe_dump(body, sort_keys=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="only report the images not pinned (exit 1 if any)")
+    ap.add_argument(
+        "--check", action="store_true", help="only report the images not pinned (exit 1 if any)"
+    )
     ap.add_argument("--resolver", choices=("crane", "skopeo"), default="crane")
     ap.add_argument("--overlay", type=Path, default=OVERLAY)
     ap.add_argument("--component", type=Path, default=COMPONENT)
@@ -130,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"not pinned by digest: {ref}")
         print(f"{len(left)} of {len(third_party(images(docs)))} third-party images not pinned")
         return 1 if left else 0
-    pins = {ref: resolve(ref, a.resolver) for ref in third_party(images(docs)) if "@sha256:" not in ref}
+    pins = {
+        ref: resolve(ref, a.resolver) for ref in third_party(images(docs)) if "@sha256:" not in ref
+    }
     a.component.write_text(component(pins))
     print(f"pinned {len(pins)} images in {a.component}")
     return 0

@@ -15,12 +15,16 @@ import shlex
 import subprocess
 import sys
 
-FLAGS = {"find-links": "--find-links", "index-url": "--index-url", "extra-index-url": "--extra-index-url"}
+FLAGS = {
+    "find-links": "--find-links",
+    "index-url": "--index-url",
+    "extra-index-url": "--extra-index-url",
+}
 
 
 def _exists(value: str) -> bool:
     if value.startswith("file://"):
-        return os.path.exists(value[len("file://"):])
+        return os.path.exists(value[len("file://") :])
     if "://" in value:
         return True
     return os.path.exists(value)
@@ -47,8 +51,9 @@ def sources(config_list: str) -> list[str]:
 
 
 def main() -> int:
-    listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                             check=False).stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
+    ).stdout
     print(" ".join(shlex.quote(x) for x in sources(listing)))
     return 0
 

@@ -13,17 +13,23 @@ def tiny_model(path):
 
 
 def batch_tensors(n=8):
-    from moerl.records import TrainSample
     from moerl.components.policy_update.trainer import pack
+    from moerl.records import TrainSample
 
     g = torch.Generator().manual_seed(0)
     batch = []
     for i in range(n):
         prompt = torch.randint(4, 27, (6,), generator=g).tolist()
         resp = torch.randint(4, 27, (4,), generator=g).tolist()
-        batch.append(TrainSample(prompt_token_ids=prompt, response_token_ids=resp,
-                                 response_logprobs=[-3.0 - 0.1 * j for j in range(4)],
-                                 advantage=float((-1) ** i) * (1 + i / 10), policy_version=0))
+        batch.append(
+            TrainSample(
+                prompt_token_ids=prompt,
+                response_token_ids=resp,
+                response_logprobs=[-3.0 - 0.1 * j for j in range(4)],
+                advantage=float((-1) ** i) * (1 + i / 10),
+                policy_version=0,
+            )
+        )
     return pack(batch, pad_id=0)
 
 
@@ -34,8 +40,17 @@ def step_loss_and_grads(model, packed, idx, n_tokens, chunk_tokens=0):
     with torch.no_grad():
         old, _ = sequence_logprobs(model, packed, idx, 1.0, chunk_tokens=chunk_tokens)
     logp, _ = sequence_logprobs(model, packed, idx, 1.0, chunk_tokens=chunk_tokens)
-    loss, _ = grpo_token_loss(logp, old - 0.05, packed.engine_logp_NL1[idx], packed.adv_N[idx], packed.mask_NL1[idx],
-                              0.2, 0.28, 2.0, n_tokens=n_tokens)
+    loss, _ = grpo_token_loss(
+        logp,
+        old - 0.05,
+        packed.engine_logp_NL1[idx],
+        packed.adv_N[idx],
+        packed.mask_NL1[idx],
+        0.2,
+        0.28,
+        2.0,
+        n_tokens=n_tokens,
+    )
     loss.backward()
     return loss
 
@@ -43,28 +58,39 @@ def step_loss_and_grads(model, packed, idx, n_tokens, chunk_tokens=0):
 def ep_rank(rank, world, model_path, backend, out_dir):
     # a file store for the rendezvous: no TCP listener; gloo itself stays on loopback
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world
+    )
     try:
-        from moerl.kernels import make_dispatcher
         from moerl.components.policy_update.ep_moe import gather_full_experts, parallelize_experts
         from moerl.components.policy_update.ep_train import _sync_and_clip
+        from moerl.kernels import make_dispatcher
 
         model = tiny_model(model_path)
         packed = batch_tensors()
         n = packed.input_ids_NL.shape[0]
-        disp = make_dispatcher(backend, num_experts=model.config.num_experts, group=dist.group.WORLD,
-                               ranks_per_node=2 if world == 4 else 1)
+        disp = make_dispatcher(
+            backend,
+            num_experts=model.config.num_experts,
+            group=dist.group.WORLD,
+            ranks_per_node=2 if world == 4 else 1,
+        )
         blocks = parallelize_experts(model, disp)
         mine = torch.arange(n)[rank::world]
         # forward: logits of this rank's samples vs the single-process model (checked by the caller)
         with torch.no_grad():
-            logits = model(input_ids=packed.input_ids_NL[mine], attention_mask=packed.attn_NL[mine]).logits
+            logits = model(
+                input_ids=packed.input_ids_NL[mine], attention_mask=packed.attn_NL[mine]
+            ).logits
         loss = step_loss_and_grads(model, packed, mine, n_tokens=float(packed.mask_NL1.sum()))
         total = loss.detach().clone()
         dist.all_reduce(total)
         _sync_and_clip(model, blocks, max_norm=1e9)  # all-reduce replicated grads, no clipping
-        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()
-                 if p.grad is not None and "proj_L" not in name}
+        grads = {
+            name: p.grad.detach().clone()
+            for name, p in model.named_parameters()
+            if p.grad is not None and "proj_L" not in name
+        }
         full_grads = []
         for b in blocks:
             gu = [torch.zeros_like(b.gate_up_proj_LIH.grad) for _ in range(world)]
@@ -73,8 +99,17 @@ def ep_rank(rank, world, model_path, backend, out_dir):
             dist.all_gather(dn, b.down_proj_LHI.grad)
             full_grads.append((torch.cat(gu), torch.cat(dn)))
         weights = [gather_full_experts(b) for b in blocks]
-        torch.save({"loss": total, "grads": grads, "expert_grads": full_grads, "logits": logits, "mine": mine,
-                    "expert_weights": weights}, f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {
+                "loss": total,
+                "grads": grads,
+                "expert_grads": full_grads,
+                "logits": logits,
+                "mine": mine,
+                "expert_weights": weights,
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -84,8 +119,11 @@ def _full_expert_tensors(num_experts):
     import gc
 
     gc.collect()
-    return sum(1 for o in gc.get_objects() if torch.is_tensor(o) and not o.is_meta and o.dim() == 3
-               and o.shape[0] == num_experts)
+    return sum(
+        1
+        for o in gc.get_objects()
+        if torch.is_tensor(o) and not o.is_meta and o.dim() == 3 and o.shape[0] == num_experts
+    )
 
 
 def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
@@ -95,19 +133,26 @@ def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
     from pathlib import Path
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world
+    )
     try:
-        from moerl.config import parse_config
         from moerl.components.policy_update import ep_checkpoint
         from moerl.components.policy_update.ep_train import apply_fsdp, setup
+        from moerl.config import parse_config
 
         cfg = parse_config({"trainer": {"expert_parallel_size": world}})
-        model, _, _, blocks, layout, _, mesh = setup(cfg, Path(model_path), shard=False)  # what the loader holds
+        model, _, _, blocks, layout, _, mesh = setup(
+            cfg, Path(model_path), shard=False
+        )  # what the loader holds
         loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
-        record = {"loaded": loaded, "numel": sum(p.numel() for p in model.parameters()),
-                  "full_expert_tensors": _full_expert_tensors(blocks[0].num_experts),
-                  "first_expert": blocks[0].first_expert,
-                  "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+        record = {
+            "loaded": loaded,
+            "numel": sum(p.numel() for p in model.parameters()),
+            "full_expert_tensors": _full_expert_tensors(blocks[0].num_experts),
+            "first_expert": blocks[0].first_expert,
+            "buffers": {n: b.clone() for n, b in model.named_buffers()},
+        }
         expert_ids = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -117,8 +162,15 @@ def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
         kwargs = {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
         apply_fsdp(model, blocks, mesh)  # saved as the trainer saves: from FSDP's shards
         record["sharded_numel"] = sum(p.to_local().numel() for p in model.parameters())
-        ep_checkpoint.save_ep_checkpoint(model, blocks, layout, Path(model_path), Path(out_dir) / "saved",
-                                         ep_group=mesh.get_group("ep"), **kwargs)
+        ep_checkpoint.save_ep_checkpoint(
+            model,
+            blocks,
+            layout,
+            Path(model_path),
+            Path(out_dir) / "saved",
+            ep_group=mesh.get_group("ep"),
+            **kwargs,
+        )
         torch.save(record, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -10,17 +10,41 @@ def family(arch: str, path):
     correction, grouped top-k, MLA attention, a first dense layer)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config, OlmoeConfig, Qwen2MoeConfig
 
-    common = dict(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    common = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     if arch == "qwen2_moe":
-        cfg = Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48)
+        cfg = Qwen2MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48
+        )
     elif arch == "olmoe":  # no shared expert; q/k norms over the whole projection
-        cfg = OlmoeConfig(**{k: v for k, v in common.items() if k != "moe_intermediate_size"}, num_experts=8,
-                          num_experts_per_tok=2)
+        cfg = OlmoeConfig(
+            **{k: v for k, v in common.items() if k != "moe_intermediate_size"},
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
     else:
-        cfg = DeepseekV3Config(**common, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
-                               topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
-                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+        cfg = DeepseekV3Config(
+            **common,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import time
 
-
 # Which process holds an environment: made once per process. Not the pid: a sandboxed child in
 # its own pid namespace (isolation `namespaces`) is pid 2 in every one of them.
 PROCESS = os.urandom(6).hex()

@@ -24,7 +24,9 @@ def allocates(response: str, answer: str) -> float:  # memory without bound
         hoard.append(bytearray(64 << 20))
 
 
-def dies(response: str, answer: str) -> float:  # a crash in native code, as far as the pool can tell
+def dies(
+    response: str, answer: str
+) -> float:  # a crash in native code, as far as the pool can tell
     os.kill(os.getpid(), 9)
     return 0.0
 
@@ -111,7 +113,9 @@ def attack(kind: str, arg: str) -> str:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 data = f.read()
             if needle.encode() not in data:
-                raise LookupError(f"{needle} is not in the {len(data)} bytes of /proc/{pid}/environ")
+                raise LookupError(
+                    f"{needle} is not in the {len(data)} bytes of /proc/{pid}/environ"
+                )
             return "read"
         with open(f"/proc/{pid}/maps") as f:
             start = int(f.readline().split("-")[0], 16)
@@ -123,7 +127,9 @@ def attack(kind: str, arg: str) -> str:
         with socket.create_connection((host, int(port)), timeout=3) as s:
             s.sendall(b"PING\r\n")
             return s.recv(64).decode(errors="replace")
-    if kind == "unix":  # a pathname unix socket (vLLM's ipc sockets are such, in the stage's temp dir)
+    if (
+        kind == "unix"
+    ):  # a pathname unix socket (vLLM's ipc sockets are such, in the stage's temp dir)
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(3)
             s.connect(arg)
@@ -134,8 +140,12 @@ def attack(kind: str, arg: str) -> str:
 
         return importlib.import_module(arg).__name__
     if kind == "proc":  # not an attack: what the sandbox says /proc is ("proc", "hidden")
-        if os.environ.get("SANDBOX_PROC") != arg or (arg == "hidden") == os.path.exists("/proc/self"):
-            raise LookupError(f"/proc is {os.environ.get('SANDBOX_PROC')}: {os.listdir('/proc')[:5]}")
+        if os.environ.get("SANDBOX_PROC") != arg or (arg == "hidden") == os.path.exists(
+            "/proc/self"
+        ):
+            raise LookupError(
+                f"/proc is {os.environ.get('SANDBOX_PROC')}: {os.listdir('/proc')[:5]}"
+            )
         return arg
     if kind == "write":
         with open(os.path.join(arg, "forged-by-sandbox"), "w") as f:
@@ -161,5 +171,10 @@ def capabilities(response: str, answer: str) -> dict:
     with open("/proc/self/status") as f:
         status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
     got = {k: int(status[k], 16) for k in ("CapEff", "CapPrm", "CapBnd", "CapInh", "CapAmb")}
-    return {**got, "NoNewPrivs": int(status["NoNewPrivs"]), "pid": os.getpid(), "ppid": os.getppid(),
-            "proc": os.environ.get("SANDBOX_PROC")}
+    return {
+        **got,
+        "NoNewPrivs": int(status["NoNewPrivs"]),
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "proc": os.environ.get("SANDBOX_PROC"),
+    }

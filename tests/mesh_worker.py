@@ -24,13 +24,17 @@ def _local_bytes(t) -> int:
 
 def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world
+    )
     try:
-        from moerl.config import parse_config
         from moerl.components.policy_update.ep_train import setup
+        from moerl.config import parse_config
         from tests import ep_worker
 
-        cfg = parse_config({"trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp, **(trainer or {})}})
+        cfg = parse_config(
+            {"trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp, **(trainer or {})}}
+        )
         model, opt, _, blocks, _, _, mesh = setup(cfg, Path(model_path))
         ep_group = mesh.get_group("ep")
         packed = ep_worker.batch_tensors()
@@ -38,8 +42,13 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
         mine = torch.arange(n)[rank::world]
         calls = []  # forwards of the first decoder layer: once more in the backward when recomputed
         model.model.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
-        loss = ep_worker.step_loss_and_grads(model, packed, mine, n_tokens=float(packed.mask_NL1.sum()),
-                                             chunk_tokens=cfg.trainer.logprob_chunk_tokens)
+        loss = ep_worker.step_loss_and_grads(
+            model,
+            packed,
+            mine,
+            n_tokens=float(packed.mask_NL1.sum()),
+            chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+        )
         total = loss.detach().clone()
         dist.all_reduce(total)
         experts = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
@@ -47,14 +56,33 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
         for name, p in model.named_parameters():
             g = _whole_expert(p.grad, ep_group) if id(p) in experts else p.grad.full_tensor()
             grads[name.replace("_LIH", "").replace("_LHI", "")] = g
-            placements[name] = str(p.grad.placements) + " on " + str(p.grad.device_mesh.mesh_dim_names)
+            placements[name] = (
+                str(p.grad.placements) + " on " + str(p.grad.device_mesh.mesh_dim_names)
+            )
         opt.step()  # Adam's state exists from here on
         held = sum(_local_bytes(p) + _local_bytes(p.grad) for p in model.parameters())
-        held += sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
-        dtypes = {str(p.dtype) for p in model.parameters()} | {str(v.dtype) for st in opt.state.values()
-                                                              for v in st.values() if torch.is_tensor(v) and v.dim()}
-        torch.save({"loss": total, "grads": grads, "held_bytes": held, "placements": placements, "dtypes": dtypes,
-                    "layer_forwards": len(calls)},
-                   f"{out_dir}/rank{rank}.pt")
+        held += sum(
+            _local_bytes(v)
+            for st in opt.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.dim()
+        )
+        dtypes = {str(p.dtype) for p in model.parameters()} | {
+            str(v.dtype)
+            for st in opt.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.dim()
+        }
+        torch.save(
+            {
+                "loss": total,
+                "grads": grads,
+                "held_bytes": held,
+                "placements": placements,
+                "dtypes": dtypes,
+                "layer_forwards": len(calls),
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()

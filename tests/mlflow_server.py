@@ -35,10 +35,25 @@ def mlflow_server(root: Path, attempts: int = 3) -> Iterator[str]:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         with (root / "server.log").open("ab") as log:
-            proc = procs.spawn("mlflow", ["server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                                          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                                          "--default-artifact-root", str(root / "artifacts")], env,
-                                 stdout=log, stderr=log)
+            proc = procs.spawn(
+                "mlflow",
+                [
+                    "server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--workers",
+                    "1",
+                    "--backend-store-uri",
+                    f"sqlite:///{root / 'mlflow.db'}",
+                    "--default-artifact-root",
+                    str(root / "artifacts"),
+                ],
+                env,
+                stdout=log,
+                stderr=log,
+            )
         try:
             if _wait_healthy(url, proc, 180):
                 yield url

@@ -40,12 +40,20 @@ TIMEOUT_S = 240
 
 def _config(tmp: Path, *overrides: str):
     base = [
-        f"checkpoint.uri={tmp / 'ckpt'}", f"checkpoint.cache_dir={tmp / 'cache'}",
-        f"pipeline.work_dir={tmp / 'work'}", f"pipeline.pipeline_root={tmp / 'root'}",
+        f"checkpoint.uri={tmp / 'ckpt'}",
+        f"checkpoint.cache_dir={tmp / 'cache'}",
+        f"pipeline.work_dir={tmp / 'work'}",
+        f"pipeline.pipeline_root={tmp / 'root'}",
         f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}",
-        "pipeline.versions=3", "task.prompts_per_iteration=8", "rollout.samples_per_prompt=4",
-        "trainer.optimizer_steps_per_iteration=2", "units.max_prompts=2", "units.visibility_timeout_s=4",
-        "buffer.max_staleness=1", "rollout.workers=1", "reward.scorers=1",
+        "pipeline.versions=3",
+        "task.prompts_per_iteration=8",
+        "rollout.samples_per_prompt=4",
+        "trainer.optimizer_steps_per_iteration=2",
+        "units.max_prompts=2",
+        "units.visibility_timeout_s=4",
+        "buffer.max_staleness=1",
+        "rollout.workers=1",
+        "reward.scorers=1",
         "checkpoint.keep_last=20",  # keep every version, so the test can read each manifest
         "valkey.reconnect_s=60",  # a process left behind by a failing test gives up within a minute
     ]
@@ -62,7 +70,9 @@ class Harness:
         work = Path(self.cfg.pipeline.work_dir) / self.run_id
         if sandboxes is not None:  # cluster-shaped: a Valkey of its own, as a Service would be
             self.valkey = EmbeddedValkey(tmp / "valkey-service", appendonly=True).start()
-            self.cfg = self.cfg.model_copy(update={"valkey": self.cfg.valkey.model_copy(update={"url": self.valkey.url})})
+            self.cfg = self.cfg.model_copy(
+                update={"valkey": self.cfg.valkey.model_copy(update={"url": self.valkey.url})}
+            )
         else:
             self.cfg, self.valkey = start_valkey(self.cfg, work, self.run_id)
         publish_initial(self.cfg, self.run_id, work)
@@ -89,8 +99,10 @@ class Harness:
 
 
 def _balanced(c: dict[str, int], cfg) -> None:
-    assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"] == \
-        c["generated"] - c["duplicates"], c
+    assert (
+        c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"]
+        == c["generated"] - c["duplicates"]
+    ), c
     used = cfg.pipeline.versions * cfg.task.prompts_per_iteration
     assert c["groups_used"] == used  # every version took exactly B groups, none twice
     assert c["trained"] + c["filtered"] == used * cfg.rollout.samples_per_prompt
@@ -101,8 +113,14 @@ def _mlflow_balanced(h: Harness) -> None:
     from mlflow.tracking import MlflowClient
 
     m = MlflowClient(h.uri).get_run(h.run_id).data.metrics
-    assert m["async/trained"] + m["async/filtered"] + m["async/stale_dropped"] + m["async/failed"] + \
-        m["async/samples_dead"] == m["async/generated"] - m["async/duplicates"], m
+    assert (
+        m["async/trained"]
+        + m["async/filtered"]
+        + m["async/stale_dropped"]
+        + m["async/failed"]
+        + m["async/samples_dead"]
+        == m["async/generated"] - m["async/duplicates"]
+    ), m
     assert m["async/groups_used"] == h.cfg.pipeline.versions * h.cfg.task.prompts_per_iteration
 
 
@@ -121,7 +139,9 @@ def _cache_server(tmp_path: Path, monkeypatch) -> S3Process:
     return cache
 
 
-def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_path, s3_server, monkeypatch):
+def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(
+    tmp_path, s3_server, monkeypatch
+):
     # slow units (2 sequences at a time, long responses, 8 groups) so the signal lands
     # mid-generation; a grace far shorter than a group, so part of the unit must be requeued (with
     # 4 groups and 0.3 s, a loaded machine twice saw the unit finish inside the grace). Cluster-shaped: S3, an
@@ -135,13 +155,24 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_p
     cache = _cache_server(tmp_path, monkeypatch)
     try:
         with mlflow_server(tmp_path) as url:
-            h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
-                        "units.max_prompts=8", "rollout.grace_seconds=0.05", "checkpoint.uri=s3://moerl-async/runs",
-                        f"checkpoint.endpoint_url={s3_server.endpoint_url}", "checkpoint.region=us-east-1",
-                        "checkpoint.cache_dir=.moerl/cache", f"tracking.uri={url}",
-                        "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
-                        f"checkpoint.cache_tier.endpoint_url={cache.server.endpoint_url}", "checkpoint.fanout=true",
-                        "checkpoint.chunk_mb=1", sandboxes=tmp_path / "sandboxes")
+            h = Harness(
+                tmp_path,
+                "rollout.workers=2",
+                "rollout.max_num_seqs=2",
+                "rollout.max_new_tokens=24",
+                "units.max_prompts=8",
+                "rollout.grace_seconds=0.05",
+                "checkpoint.uri=s3://moerl-async/runs",
+                f"checkpoint.endpoint_url={s3_server.endpoint_url}",
+                "checkpoint.region=us-east-1",
+                "checkpoint.cache_dir=.moerl/cache",
+                f"tracking.uri={url}",
+                "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
+                f"checkpoint.cache_tier.endpoint_url={cache.server.endpoint_url}",
+                "checkpoint.fanout=true",
+                "checkpoint.chunk_mb=1",
+                sandboxes=tmp_path / "sandboxes",
+            )
             c = _sigterm_drain(h)
             from mlflow.tracking import MlflowClient
 
@@ -152,16 +183,25 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_p
             # had it is checked against the tiers themselves in tests/test_publish_tiers.py. Every
             # engine fetch came from the cache tier or a peer: S3 was never read for weights
             n = h.cfg.pipeline.versions
-            assert tracking.metric_history(url, h.run_id, "weights/version") == [(s, s + 1.0) for s in range(n)]
+            assert tracking.metric_history(url, h.run_id, "weights/version") == [
+                (s, s + 1.0) for s in range(n)
+            ]
             for key, want in (("weights/cache_tier", 1.0), ("weights/cache_tier_failed", 0.0)):
-                assert tracking.metric_history(url, h.run_id, key) == [(s, want) for s in range(n)], key
+                assert tracking.metric_history(url, h.run_id, key) == [
+                    (s, want) for s in range(n)
+                ], key
             for key in ("weights/published_to_servable_s", "weights/published_to_durable_s"):
-                assert [s for s, x in tracking.metric_history(url, h.run_id, key) if x > 0] == list(range(n)), key
+                assert [s for s, x in tracking.metric_history(url, h.run_id, key) if x > 0] == list(
+                    range(n)
+                ), key
             assert c["weights_from_durable"] == 0
             assert c["weights_from_cache"] + c["weights_from_peers"] + c["weights_from_node"] >= 3
             # every fetch went through the fan-out (whether a peer had a chunk first is timing;
             # tests/store/test_tiers.py checks peer serving and refusal chunk by chunk)
-            assert c["fanout_chunks_cache"] + c["fanout_chunks_peer"] >= 3 and c["fanout_chunks_refused"] == 0
+            assert (
+                c["fanout_chunks_cache"] + c["fanout_chunks_peer"] >= 3
+                and c["fanout_chunks_refused"] == 0
+            )
             assert c["fanout_chunks_durable"] == 0
             tiers = run_tiers(h.cfg.checkpoint, h.run_id)
             v = h.cfg.pipeline.versions
@@ -176,7 +216,11 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(tmp_p
     assert len(boxes) == sum(c.starts for c in h.run.children.values()) >= 4
     assert len([b for b in boxes if (b / ".moerl" / "cache").is_dir()]) >= 2
     assert not (tmp_path / "ckpt").exists()  # no local store: versions went to S3
-    assert not {p.name for p in (tmp_path / "sandboxes").rglob("*")} & {"mlflow.db", "mlruns", "ckpt"}
+    assert not {p.name for p in (tmp_path / "sandboxes").rglob("*")} & {
+        "mlflow.db",
+        "mlruns",
+        "ckpt",
+    }
 
 
 def _sigterm_drain(h: Harness) -> None:
@@ -189,19 +233,26 @@ def _sigterm_drain(h: Harness) -> None:
 
     c = h.go(fault)
     assert sent, "the worker never held a unit"
-    assert EXIT_DRAINED in h.run.children["rollout-0"].exits  # drained, non-zero: the slot is retried
+    assert (
+        EXIT_DRAINED in h.run.children["rollout-0"].exits
+    )  # drained, non-zero: the slot is retried
     assert c["drains"] >= 1 and c["units_requeued"] >= 1
     assert _versions(h)[-1] == h.cfg.pipeline.versions
     _balanced(c, h.cfg)
     return c
 
 
-def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the_run_completes(tmp_path,
-                                                                                               monkeypatch):
+def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the_run_completes(
+    tmp_path, monkeypatch
+):
     cache = _cache_server(tmp_path, monkeypatch)
     try:
-        h = Harness(tmp_path, "pipeline.versions=8", "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
-                    f"checkpoint.cache_tier.endpoint_url={cache.server.endpoint_url}")
+        h = Harness(
+            tmp_path,
+            "pipeline.versions=8",
+            "checkpoint.cache_tier.uri=s3://moerl-cache/ckpt",
+            f"checkpoint.cache_tier.endpoint_url={cache.server.endpoint_url}",
+        )
         state: dict[str, int] = {}
 
         def fault(run):
@@ -214,8 +265,14 @@ def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the
             if "killed" not in state and cur.version >= 1:
                 cache.kill()
                 state["killed"] = cur.version
-            elif "killed" in state and "restarted" not in state and (
-                    run.bus.counters()["cache_tier_failed"] >= 1 or cur.version >= state["killed"] + 2):
+            elif (
+                "killed" in state
+                and "restarted" not in state
+                and (
+                    run.bus.counters()["cache_tier_failed"] >= 1
+                    or cur.version >= state["killed"] + 2
+                )
+            ):
                 # down until a version begun after the kill was published to S3 first; the
                 # trainer is paused while the server comes back (seconds on a loaded machine),
                 # so versions remain to be published to it afterwards
@@ -235,8 +292,13 @@ def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the
         # while it was down the publisher went to S3 first, counted per version and on the bus;
         # after the restart the cache tier is used again (an engine that met the outage read S3
         # or kept its version: tests/store/test_tiers.py covers the reader's fallback itself)
-        by_version = {step + 1: v for step, v in tracking.metric_history(h.uri, h.run_id, "weights/cache_tier_failed")}
-        assert sorted(by_version) == list(range(1, h.cfg.pipeline.versions + 1))  # every version says where it went
+        by_version = {
+            step + 1: v
+            for step, v in tracking.metric_history(h.uri, h.run_id, "weights/cache_tier_failed")
+        }
+        assert sorted(by_version) == list(
+            range(1, h.cfg.pipeline.versions + 1)
+        )  # every version says where it went
         assert c["cache_tier_failed"] == sum(by_version.values()) >= 1
         # every version begun after the restart (the trainer was stopped while the server came
         # back) went to the cache tier first; there are such versions
@@ -251,8 +313,14 @@ def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the
 
 
 def test_sigkill_of_a_worker_returns_its_unit_after_the_visibility_timeout(tmp_path):
-    h = Harness(tmp_path, "rollout.workers=2", "rollout.max_num_seqs=2", "rollout.max_new_tokens=24",
-                "units.max_prompts=4", "units.visibility_timeout_s=3")
+    h = Harness(
+        tmp_path,
+        "rollout.workers=2",
+        "rollout.max_num_seqs=2",
+        "rollout.max_new_tokens=24",
+        "units.max_prompts=4",
+        "units.visibility_timeout_s=3",
+    )
     sent = []
 
     def fault(run):
@@ -292,10 +360,17 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
 
     c = h.go(fault)
     assert sent and sent[0] > B  # the kill landed while it held more than one version
-    assert h.run.children["trainer"].exits[0] == -signal.SIGKILL and h.run.children["trainer"].starts == 2
+    assert (
+        h.run.children["trainer"].exits[0] == -signal.SIGKILL
+        and h.run.children["trainer"].starts == 2
+    )
     assert _versions(h) == list(range(h.cfg.pipeline.versions + 1))
     store = run_store(h.cfg.checkpoint, h.run_id)
-    groups = [g for v in range(1, h.cfg.pipeline.versions + 1) for g in json.loads(store.manifest(v).meta["groups"])]
+    groups = [
+        g
+        for v in range(1, h.cfg.pipeline.versions + 1)
+        for g in json.loads(store.manifest(v).meta["groups"])
+    ]
     assert len(groups) == len(set(groups))  # no group in two versions
     _balanced(c, h.cfg)
     _mlflow_balanced(h)
@@ -319,7 +394,9 @@ def test_a_valkey_outage_longer_than_the_visibility_timeout_is_survived_by_every
 
     def fault(run):
         reg = run.bus.registry()
-        if not sent and reg is not None and h.holds_unit("rollout-0"):  # any unit held, from version 0 on
+        if (
+            not sent and reg is not None and h.holds_unit("rollout-0")
+        ):  # any unit held, from version 0 on
             h.valkey.kill()  # a crash: only the fsynced append-only file survives
             time.sleep(outage_s)
             h.valkey.start()
@@ -327,7 +404,9 @@ def test_a_valkey_outage_longer_than_the_visibility_timeout_is_survived_by_every
 
     c = h.go(fault)
     assert sent
-    assert all(ch.exits == [0] for ch in h.run.children.values())  # no stage crashed, every one ended cleanly
+    assert all(
+        ch.exits == [0] for ch in h.run.children.values()
+    )  # no stage crashed, every one ended cleanly
     assert _versions(h)[-1] == h.cfg.pipeline.versions
     _balanced(c, h.cfg)
     assert c["units_reclaimed"] == 0  # the held unit stayed with its live holder
@@ -345,51 +424,86 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
         rows.append({"id": f"r{i}", "task": "copy", "prompt": f"copy {answer}=", "answer": answer})
     data = tmp_path / "mixed.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    h = Harness(tmp_path, f"task.dataset={data}", "reward.max_failed_fraction=0.9",
-                "reward.verifier=tests.hostile_verifiers:by_answer", "reward.sandbox.sample_timeout_s=1",
-                "reward.sandbox.memory_mb=512", "reward.sandbox.workers=2")
+    h = Harness(
+        tmp_path,
+        f"task.dataset={data}",
+        "reward.max_failed_fraction=0.9",
+        "reward.verifier=tests.hostile_verifiers:by_answer",
+        "reward.sandbox.sample_timeout_s=1",
+        "reward.sandbox.memory_mb=512",
+        "reward.sandbox.workers=2",
+    )
     c = h.go()
     # every sample whose scoring failed was dropped, never trained: counted failed, or stale when
     # its group reached the trainer after the versions it could serve (classify checks staleness
     # first; which happens depends on timing)
-    assert c["score_failed"] > 0 and c["failed"] > 0 and c["failed"] + c["stale_dropped"] >= c["score_failed"], c
+    assert (
+        c["score_failed"] > 0
+        and c["failed"] > 0
+        and c["failed"] + c["stale_dropped"] >= c["score_failed"]
+    ), c
     assert c["sample_timeouts"] > 0 and c["sample_memory"] > 0  # sleeps and spins; allocates
     assert c["score_failed"] > c["sample_timeouts"] + c["sample_memory"]  # and the ones that raised
     assert c["failed"] % h.cfg.rollout.samples_per_prompt == 0  # whole groups
-    assert c["score_timeouts"] == 0 and h.run.children["scorer-0"].starts == 1  # no group deadline, no restart
+    assert (
+        c["score_timeouts"] == 0 and h.run.children["scorer-0"].starts == 1
+    )  # no group deadline, no restart
     _balanced(c, h.cfg)
     # the sync pipeline's metric names, one point per version, at the step sync logs its iteration
     for key in tracking.SHARED_METRICS:
-        assert [s for s, _ in tracking.metric_history(h.uri, h.run_id, key)] == list(range(h.cfg.pipeline.versions)), key
+        assert [s for s, _ in tracking.metric_history(h.uri, h.run_id, key)] == list(
+            range(h.cfg.pipeline.versions)
+        ), key
     failed = [v for _, v in tracking.metric_history(h.uri, h.run_id, "reward/failed_samples")]
     assert sum(failed) == c["failed"]
 
 
-def test_a_users_environment_and_verifier_by_import_path_run_multi_turn_in_async_mode(tmp_path, monkeypatch):
+def test_a_users_environment_and_verifier_by_import_path_run_multi_turn_in_async_mode(
+    tmp_path, monkeypatch
+):
     """examples/my_tasks on PYTHONPATH, as README runs it: `guess` rows are multi-turn episodes
     of its GuessNumber environment (async `step`, in the rollout worker's sandboxed pool), `copy`
     rows are scored by its async verifier; the run completes and the counters balance."""
     examples = str(ROOT / "examples")
     monkeypatch.setenv("PYTHONPATH", examples)
-    rows = [json.loads(line) for line in (ROOT / "examples" / "my_tasks" / "guess.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (ROOT / "examples" / "my_tasks" / "guess.jsonl").read_text().splitlines()
+    ]
     for i in range(len(rows)):
-        rows.insert(2 * i, {"id": f"c{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)})
+        rows.insert(
+            2 * i,
+            {"id": f"c{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)},
+        )
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    h = Harness(tmp_path, f"task.dataset={data}", 'reward.verifiers={"copy": "my_tasks:copy_async"}',
-                'task.environments={"guess": "my_tasks.guess:GuessNumber"}', "task.max_turns=3",
-                "rollout.max_new_tokens=4")
+    h = Harness(
+        tmp_path,
+        f"task.dataset={data}",
+        'reward.verifiers={"copy": "my_tasks:copy_async"}',
+        'task.environments={"guess": "my_tasks.guess:GuessNumber"}',
+        "task.max_turns=3",
+        "rollout.max_new_tokens=4",
+    )
     c = h.go()
     _balanced(c, h.cfg)
     guess_episodes = c["generated"] // 2  # half the rows are guess rows: one episode per sample
-    assert c["env_calls"] >= 3 * guess_episodes * 0.5 and c["env_timeouts"] == 0 and c["env_errors"] == 0, c
+    assert (
+        c["env_calls"] >= 3 * guess_episodes * 0.5
+        and c["env_timeouts"] == 0
+        and c["env_errors"] == 0
+    ), c
     assert c["score_failed"] == 0 and c["env_ms"] > 0
     # the tail: each unit's last episode against its median one (GuessNumber runs 1-3 turns)
-    tail = [v for _, v in tracking.metric_history(h.uri, h.run_id, "async/unit_tail_ratio/rollout-0")]
+    tail = [
+        v for _, v in tracking.metric_history(h.uri, h.run_id, "async/unit_tail_ratio/rollout-0")
+    ]
     assert tail and all(v >= 1.0 for v in tail), tail
 
 
-def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_trained_twice(tmp_path):
+def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_trained_twice(
+    tmp_path,
+):
     """A KFP retry starts a trainer while the first one still runs: the newer one claims the run
     (a new epoch), the older one stops at its next commit or settle with a clear error, the
     supervised slot restarts (as KFP's retry would) and fences the intruder off in turn. Every
@@ -411,17 +525,41 @@ def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_
     finally:
         for p in intruder:
             p.kill()
-    logs = h.run.tail("trainer", 400) + "\n" + (h.run.logs / "trainer-2.log").read_text(errors="replace")
-    assert "superseded" in logs or "another trainer" in logs or "another writer" in logs or "already claimed" in logs
+    logs = (
+        h.run.tail("trainer", 400)
+        + "\n"
+        + (h.run.logs / "trainer-2.log").read_text(errors="replace")
+    )
+    assert (
+        "superseded" in logs
+        or "another trainer" in logs
+        or "another writer" in logs
+        or "already claimed" in logs
+    )
     assert code != 0  # the intruder did not finish the run: it stopped, fenced
-    assert h.run.children["trainer"].starts >= 2  # the supervised trainer was fenced once and came back
+    assert (
+        h.run.children["trainer"].starts >= 2
+    )  # the supervised trainer was fenced once and came back
     store = run_store(h.cfg.checkpoint, h.run_id)
-    assert store.versions() == list(range(h.cfg.pipeline.versions + 1)) and store.latest() == h.cfg.pipeline.versions
+    assert (
+        store.versions() == list(range(h.cfg.pipeline.versions + 1))
+        and store.latest() == h.cfg.pipeline.versions
+    )
     for v in range(1, h.cfg.pipeline.versions + 1):
         store.fetch(v, tmp_path / "verify")  # every object matches its manifest's sha256
-    groups = [g for v in range(1, h.cfg.pipeline.versions + 1) for g in json.loads(store.manifest(v).meta["groups"])]
-    assert len(groups) == len(set(groups)) == h.cfg.pipeline.versions * h.cfg.task.prompts_per_iteration
+    groups = [
+        g
+        for v in range(1, h.cfg.pipeline.versions + 1)
+        for g in json.loads(store.manifest(v).meta["groups"])
+    ]
+    assert (
+        len(groups)
+        == len(set(groups))
+        == h.cfg.pipeline.versions * h.cfg.task.prompts_per_iteration
+    )
     assert c["groups_used"] == len(groups)
     # two issuers ran for a while: some extra groups may be left unconsumed, never counted twice
-    assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"] <= \
-        c["generated"] - c["duplicates"]
+    assert (
+        c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"]
+        <= c["generated"] - c["duplicates"]
+    )

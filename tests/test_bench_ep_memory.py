@@ -11,11 +11,15 @@ def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
     from moerl.bench.ep_memory import run_bench_ep_memory
 
     out = tmp_path / "bench" / "ep_memory.json"
-    run_bench_ep_memory((1, 2), out, num_layers=2, num_experts=16, hidden_size=256, moe_intermediate_size=256)
+    run_bench_ep_memory(
+        (1, 2), out, num_layers=2, num_experts=16, hidden_size=256, moe_intermediate_size=256
+    )
     data = json.loads(out.read_text())
     rows = {(r["world"], r["rank"]): r for r in data["results"]}
     assert sorted(rows) == [(1, 0), (2, 0), (2, 1)]
-    for r in rows.values():  # weights, grads and Adam moments: 1/world of 4x the model each, nothing replicated
+    for r in (
+        rows.values()
+    ):  # weights, grads and Adam moments: 1/world of 4x the model each, nothing replicated
         assert 0.99 <= r["state_ratio"] <= 1.1, r
     assert data["expert_mb_total"] == pytest.approx(2 * 16 * 3 * 256 * 256 * 4 / 2**20)
     for (world, _), r in rows.items():
@@ -34,8 +38,14 @@ def test_bench_ep_memory_at_a_2x2_mesh_holds_a_quarter_per_rank(tmp_path):
     from moerl.bench.ep_memory import run_bench_ep_memory
 
     out = tmp_path / "mesh.json"
-    run_bench_ep_memory(out=out, meshes=((2, 2),), num_layers=1, num_experts=8, hidden_size=128,
-                        moe_intermediate_size=64)
+    run_bench_ep_memory(
+        out=out,
+        meshes=((2, 2),),
+        num_layers=1,
+        num_experts=8,
+        hidden_size=128,
+        moe_intermediate_size=64,
+    )
     rows = json.loads(out.read_text())["results"]
     assert sorted((r["dp"], r["ep"], r["rank"]) for r in rows) == [(2, 2, r) for r in range(4)]
     for r in rows:
@@ -55,12 +65,16 @@ def test_bad_meshes_fail_before_any_rank_starts(meshes, tmp_path, capsys):
 def test_bad_world_sizes_fail_before_any_rank_starts(sizes, tmp_path, capsys):
     from moerl.cli import main
 
-    assert main(["bench", "ep-memory", "--world-sizes", sizes, "--out", str(tmp_path / "x.json")]) == 2
+    assert (
+        main(["bench", "ep-memory", "--world-sizes", sizes, "--out", str(tmp_path / "x.json")]) == 2
+    )
     assert "--world-sizes" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
 
 
 def test_world_size_that_does_not_divide_the_experts_is_refused(tmp_path, capsys):
     from moerl.cli import main
 
-    assert main(["bench", "ep-memory", "--world-sizes", "1,3", "--out", str(tmp_path / "x.json")]) == 2
+    assert (
+        main(["bench", "ep-memory", "--world-sizes", "1,3", "--out", str(tmp_path / "x.json")]) == 2
+    )
     assert "expert_parallel_size (3)" in capsys.readouterr().err

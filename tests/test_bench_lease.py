@@ -36,7 +36,21 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path):
         run_bench_lease([0], 0, tmp_path / "x.json")
     with pytest.raises(ConfigError, match="--pending"):
         run_bench_lease([-1], 5, tmp_path / "x.json")
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "bench", "lease", "--pending", "a,b",
-                           "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moerl.cli",
+            "bench",
+            "lease",
+            "--pending",
+            "a,b",
+            "--out",
+            str(tmp_path / "x.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--pending" in proc.stderr
     assert not (tmp_path / "x.json").exists()

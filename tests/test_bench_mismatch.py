@@ -14,7 +14,11 @@ from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
-SMALL = ["task.prompts_per_iteration=16", "rollout.samples_per_prompt=4", "trainer.optimizer_steps_per_iteration=2"]
+SMALL = [
+    "task.prompts_per_iteration=16",
+    "rollout.samples_per_prompt=4",
+    "trainer.optimizer_steps_per_iteration=2",
+]
 
 
 def test_bad_arguments_are_refused_before_any_arm(tmp_path):
@@ -44,8 +48,16 @@ def test_the_perturbed_copy_changes_only_the_routers(tmp_path):
 @pytest.mark.slow
 def test_bench_mismatch_runs_both_sections(tmp_path):
     out = tmp_path / "mismatch.json"
-    rep = run_bench_mismatch(CONFIG, SMALL, versions=2, router_noise=0.2, arms=["disabled", "R3"], out=out,
-                             min_signal_groups=8, work_dir=tmp_path / "work")
+    rep = run_bench_mismatch(
+        CONFIG,
+        SMALL,
+        versions=2,
+        router_noise=0.2,
+        arms=["disabled", "R3"],
+        out=out,
+        min_signal_groups=8,
+        work_dir=tmp_path / "work",
+    )
     assert json.loads(out.read_text())["bench"] == "mismatch" and rep["ok"], format_report(rep)
     off, r3 = rep["replay"]["disabled"]["summary"], rep["replay"]["R3"]["summary"]
     assert len(rep["replay"]["disabled"]["versions"]) == 2

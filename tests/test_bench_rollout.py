@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.rollout import _combine, parse_in_flight, parse_seqs, parse_updates, run_bench_rollout
+from moerl.bench.rollout import (
+    _combine,
+    parse_in_flight,
+    parse_seqs,
+    parse_updates,
+    run_bench_rollout,
+)
 from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,28 +38,45 @@ def test_a_max_num_seqs_sweep_is_checked():
 def test_workload_and_update_arms_are_checked(tmp_path):
     assert parse_updates("between_units, in_flight") == ("between_units", "in_flight")
     for bad in ("", "inflight", "in_flight,in_flight"):
-        with pytest.raises(ConfigError, match="--updates must list distinct rollout.weight_update values"):
+        with pytest.raises(
+            ConfigError, match="--updates must list distinct rollout.weight_update values"
+        ):
             parse_updates(bad)
     with pytest.raises(ConfigError, match="--workload must be one of digits, long-tail"):
-        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], workload="long", out=tmp_path / "r.json")
+        run_bench_rollout(
+            ROOT / "configs/tiny-moe-grpo.yaml", [], workload="long", out=tmp_path / "r.json"
+        )
     with pytest.raises(ConfigError, match="--swap-every"):
-        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], swap_every=-1, out=tmp_path / "r.json")
+        run_bench_rollout(
+            ROOT / "configs/tiny-moe-grpo.yaml", [], swap_every=-1, out=tmp_path / "r.json"
+        )
     with pytest.raises(ConfigError, match="--warmup-units must be in 0..64"):
-        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], warmup_units=-1, out=tmp_path / "r.json")
+        run_bench_rollout(
+            ROOT / "configs/tiny-moe-grpo.yaml", [], warmup_units=-1, out=tmp_path / "r.json"
+        )
     with pytest.raises(ConfigError, match="--repeats must be in 1..20"):
-        run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", [], repeats=0, out=tmp_path / "r.json")
+        run_bench_rollout(
+            ROOT / "configs/tiny-moe-grpo.yaml", [], repeats=0, out=tmp_path / "r.json"
+        )
 
 
 def test_rounds_combine_into_the_median_round_and_the_median_of_the_rounds_ratios():
     """`--repeats`: an arm reports its round of median tokens/s; a worker's ratio is the median
     of each round's ratio to that round's bare engine, not a ratio of medians."""
-    rounds = [{"ok": True, "tokens_per_s": t, "wall_s": w} for t, w in ((90.0, 1.0), (70.0, 2.0), (80.0, 3.0))]
+    rounds = [
+        {"ok": True, "tokens_per_s": t, "wall_s": w}
+        for t, w in ((90.0, 1.0), (70.0, 2.0), (80.0, 3.0))
+    ]
     worker = _combine(rounds, [100.0, 100.0, 80.0])
     assert (worker["tokens_per_s"], worker["wall_s"], worker["rounds"]) == (80.0, 3.0, 3)
     assert worker["tokens_per_s_rounds"] == [90.0, 70.0, 80.0]
-    assert worker["ratio_rounds"] == pytest.approx([0.9, 0.7, 1.0]) and worker["ratio_to_bare"] == pytest.approx(0.9)
+    assert worker["ratio_rounds"] == pytest.approx([0.9, 0.7, 1.0]) and worker[
+        "ratio_to_bare"
+    ] == pytest.approx(0.9)
     assert "ratio_to_bare" not in _combine(rounds, None)  # a bare arm
-    assert _combine(rounds[:2], [100.0, 100.0])["tokens_per_s"] == 70.0  # even: the lower middle round
+    assert (
+        _combine(rounds[:2], [100.0, 100.0])["tokens_per_s"] == 70.0
+    )  # even: the lower middle round
     failed = _combine(rounds[:1] + [{"ok": False, "error": "engine died"}], [100.0, None])
     assert failed["ok"] is False and failed["error"] == "engine died" and failed["rounds"] == 2
 
@@ -63,9 +86,17 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
     """The long-tail workload with a version every 0.2 s: the between-units worker drains for
     each version it takes, the in-flight one never does and its responses cross versions."""
     out = tmp_path / "rollout.json"
-    rep = run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", ["units.max_prompts=4", "rollout.samples_per_prompt=4"],
-                            units=12, in_flight="2", out=out, echo=lambda s: None, workload="long-tail",
-                            updates="between_units,in_flight", swap_every=0.2)
+    rep = run_bench_rollout(
+        ROOT / "configs/tiny-moe-grpo.yaml",
+        ["units.max_prompts=4", "rollout.samples_per_prompt=4"],
+        units=12,
+        in_flight="2",
+        out=out,
+        echo=lambda s: None,
+        workload="long-tail",
+        updates="between_units,in_flight",
+        swap_every=0.2,
+    )
     assert rep["ok"], rep["arms"]
     assert json.loads(out.read_text())["bench"] == "rollout"
     w = rep["workload"]
@@ -84,7 +115,9 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
         assert arm["ratio_to_bare"] == pytest.approx(arm["tokens_per_s"] / bare["tokens_per_s"])
         # the window's 48 groups and those of its 12 acknowledgements that went on the outbox (a unit
         # that ends at a swap is acknowledged on the loop), none of the warm-up's (counted first)
-        assert 48 <= arm["bus_writes"] <= 48 + 12 and 1 <= arm["bus_round_trips"] <= arm["bus_writes"]
+        assert (
+            48 <= arm["bus_writes"] <= 48 + 12 and 1 <= arm["bus_round_trips"] <= arm["bus_writes"]
+        )
         assert 0 < arm["busy_fraction"] <= 1.0 + 1e-6
         assert arm["units_in_flight"] == 2 and arm["swaps"] >= 1
     assert between["weight_update"] == "between_units" and inflight["weight_update"] == "in_flight"
@@ -107,20 +140,36 @@ def test_interleaved_rounds_and_the_breakdown_report_what_they_measured(tmp_path
     ratio is the median of its rounds' ratios to the same round's bare engine, and the breakdown
     drove one engine every way, each window the same number of groups, its bus way through the
     worker's real outbox to a real Valkey."""
-    rep = run_bench_rollout(ROOT / "configs/tiny-moe-grpo.yaml", ["units.max_prompts=4", "rollout.samples_per_prompt=4"],
-                            units=2, in_flight="1", out=tmp_path / "r.json", echo=lambda s: None, repeats=2,
-                            breakdown=True)
+    rep = run_bench_rollout(
+        ROOT / "configs/tiny-moe-grpo.yaml",
+        ["units.max_prompts=4", "rollout.samples_per_prompt=4"],
+        units=2,
+        in_flight="1",
+        out=tmp_path / "r.json",
+        echo=lambda s: None,
+        repeats=2,
+        breakdown=True,
+    )
     assert rep["ok"], (rep["arms"], rep.get("breakdown"))
     bare, worker = rep["arms"]["bare"], rep["arms"]["worker-1"]
     assert rep["workload"]["repeats"] == 2 and bare["rounds"] == worker["rounds"] == 2
     assert len(bare["tokens_per_s_rounds"]) == len(worker["ratio_rounds"]) == 2
-    assert worker["ratio_rounds"] == pytest.approx([w / b for w, b in zip(worker["tokens_per_s_rounds"],
-                                                                          bare["tokens_per_s_rounds"])])
+    assert worker["ratio_rounds"] == pytest.approx(
+        [w / b for w, b in zip(worker["tokens_per_s_rounds"], bare["tokens_per_s_rounds"])]
+    )
     assert min(worker["ratio_rounds"]) <= worker["ratio_to_bare"] <= max(worker["ratio_rounds"])
-    assert worker["groups"] == 8 and 8 <= worker["bus_writes"] <= 8 + 2  # 2 units x 4 prompts, and their acknowledgements
+    assert (
+        worker["groups"] == 8 and 8 <= worker["bus_writes"] <= 8 + 2
+    )  # 2 units x 4 prompts, and their acknowledgements
     split = rep["breakdown"]
     assert split["ok"] and split["rounds"] == 3 and split["units_per_window"] == 2
-    assert list(split["ways"]) == ["generate", "loop", "loop+seeds", "loop+samples", "loop+samples+bus"]
+    assert list(split["ways"]) == [
+        "generate",
+        "loop",
+        "loop+seeds",
+        "loop+samples",
+        "loop+samples+bus",
+    ]
     assert split["ways"]["generate"]["ratio_to_generate"] == 1.0
     for way in split["ways"].values():
         assert way["tokens_per_s"] > 0 and len(way["ratio_rounds"]) == 3

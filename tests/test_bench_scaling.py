@@ -16,8 +16,15 @@ def scaling(tmp_path_factory):
     from moerl.bench.scaling import run_bench_scaling
 
     tmp = tmp_path_factory.mktemp("scaling")
-    return run_bench_scaling(CONFIG, SMALL, workers=(1, 2), scorers=(1,), versions=2, out_dir=tmp / "out",
-                             work_dir=tmp / "work"), tmp / "out"
+    return run_bench_scaling(
+        CONFIG,
+        SMALL,
+        workers=(1, 2),
+        scorers=(1,),
+        versions=2,
+        out_dir=tmp / "out",
+        work_dir=tmp / "work",
+    ), tmp / "out"
 
 
 def test_scaling_reports_throughput_and_efficiency_relative_to_the_smallest_size(scaling):
@@ -33,8 +40,10 @@ def test_scaling_reports_throughput_and_efficiency_relative_to_the_smallest_size
     for p in pts.values():
         c = p["counters"]
         assert p["samples_per_s"] == pytest.approx(c["generated"] / p["wall_s"])
-        assert c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"] == \
-            c["generated"] - c["duplicates"]
+        assert (
+            c["trained"] + c["filtered"] + c["stale_dropped"] + c["failed"] + c["samples_dead"]
+            == c["generated"] - c["duplicates"]
+        )
     assert pts[2]["counters"]["engine_loads"] >= 2  # two workers, each its own engine
     for name in rep["plots"]:
         assert (out / name).stat().st_size > 1000

@@ -15,9 +15,20 @@ def test_the_slope_is_the_least_squares_growth_per_version():
 
 
 def test_series_split_by_kind_and_stage():
-    rows = [{"version": v, "valkey_dataset_kb": 100.0 + v, "keys": 12, "op_keys": 40 * v, "published": 0, "dead": 0,
-             "cache_lock_files": 2, "cache_copies": 2, "rss_mb": {"trainer": 700.0 + v, "gone": None}}
-            for v in range(4)]
+    rows = [
+        {
+            "version": v,
+            "valkey_dataset_kb": 100.0 + v,
+            "keys": 12,
+            "op_keys": 40 * v,
+            "published": 0,
+            "dead": 0,
+            "cache_lock_files": 2,
+            "cache_copies": 2,
+            "rss_mb": {"trainer": 700.0 + v, "gone": None},
+        }
+        for v in range(4)
+    ]
     s = _series(rows)
     assert s["rss_mb/trainer"] == [(v, 700.0 + v) for v in range(4)] and "rss_mb/gone" not in s
     assert _slope(s["op_keys"]) == pytest.approx(40.0) and _slope(s["keys"]) == 0.0

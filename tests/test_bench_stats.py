@@ -9,7 +9,14 @@ import statistics
 import pytest
 
 from moerl.bench import netio
-from moerl.bench.project import (MODELS, Inputs, calibrate_bytes, formulas, project, remote_node_fraction)
+from moerl.bench.project import (
+    MODELS,
+    Inputs,
+    calibrate_bytes,
+    formulas,
+    project,
+    remote_node_fraction,
+)
 from moerl.bench.stats import distribution, noise_exceeded, percentile, summarize, t975
 from moerl.errors import ConfigError
 
@@ -26,7 +33,14 @@ def test_summary_matches_the_textbook_t_interval():
 
 
 def test_one_value_has_no_spread_and_bad_values_are_refused():
-    assert summarize([3.0]) == {"n": 1, "mean": 3.0, "std": 0.0, "ci95": [3.0, 3.0], "min": 3.0, "max": 3.0}
+    assert summarize([3.0]) == {
+        "n": 1,
+        "mean": 3.0,
+        "std": 0.0,
+        "ci95": [3.0, 3.0],
+        "min": 3.0,
+        "max": 3.0,
+    }
     with pytest.raises(ValueError, match="at least one"):
         summarize([])
     with pytest.raises(ValueError, match="finite"):
@@ -130,7 +144,9 @@ def test_projection_is_consistent_and_shows_where_the_gain_shrinks():
         assert 0 < side["train"]["comm_share"] < 1
     assert fast["decode"]["comm_s"] < base["decode"]["comm_s"]  # node dedup + lower latency
     gains = [r["gain_trajectories"] for r in rep["sweep_env"]]
-    assert gains == sorted(gains, reverse=True) and gains[0] > gains[-1] > 0  # environment time dilutes the gain
+    assert (
+        gains == sorted(gains, reverse=True) and gains[0] > gains[-1] > 0
+    )  # environment time dilutes the gain
     assert rep["gain"]["claim_holds"] == (rep["gain"]["trajectories"] >= 0.40)
     assert any("t_comm" in line for line in formulas()) and rep["formulas"] == formulas()
     # a single node has no inter-node traffic: both dispatchers differ only by latency
@@ -152,7 +168,10 @@ def test_bench_project_command_writes_report_summary_and_plots(tmp_path, capsys)
     from moerl.cli import main
 
     out = tmp_path / "proj"
-    assert main(["bench", "project", "--model", "deepseek-v3", "--nodes", "4", "--out-dir", str(out)]) == 0
+    assert (
+        main(["bench", "project", "--model", "deepseek-v3", "--nodes", "4", "--out-dir", str(out)])
+        == 0
+    )
     import json
 
     rep = json.loads((out / "report.json").read_text())
@@ -160,13 +179,22 @@ def test_bench_project_command_writes_report_summary_and_plots(tmp_path, capsys)
     assert rep["inputs"]["model"] == "deepseek-v3" and rep["ep"] == 32
     for name in rep["plots"]:
         assert (out / name).stat().st_size > 1000
-    assert "t_comm" in (out / "summary.md").read_text() and "micro_batch_tokens_max" in (out / "summary.md").read_text()
-    assert [r["model"] for r in rep["memory_fit"]["rows"]] == ["Qwen3-30B-A3B", "Qwen3-235B-A22B", "DeepSeek-V3"]
+    assert (
+        "t_comm" in (out / "summary.md").read_text()
+        and "micro_batch_tokens_max" in (out / "summary.md").read_text()
+    )
+    assert [r["model"] for r in rep["memory_fit"]["rows"]] == [
+        "Qwen3-30B-A3B",
+        "Qwen3-235B-A22B",
+        "DeepSeek-V3",
+    ]
     assert "gain of deepep over nccl-a2a" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:  # argparse: the allowed models are named
         main(["bench", "project", "--model", "nope", "--out-dir", str(out)])
     assert exc.value.code == 2 and "qwen3-30b-a3b" in capsys.readouterr().err
-    assert main(["bench", "project", "--nodes", "3", "--out-dir", str(out)]) == 2  # 128 experts over 24 GPUs
+    assert (
+        main(["bench", "project", "--nodes", "3", "--out-dir", str(out)]) == 2
+    )  # 128 experts over 24 GPUs
 
 
 # -- expert loads -------------------------------------------------------------------------------
@@ -186,15 +214,21 @@ def test_expert_loads_count_every_real_token_k_times_and_ignore_padding(tmp_path
     k = cfg.model.tiny.experts_per_token
     assert counts.shape == (cfg.model.tiny.num_layers, cfg.model.tiny.num_experts)
     assert (counts.sum(dim=1) == 10 * k).all()  # 10 real tokens, k experts each, every layer
-    again = expert_loads(model, [seqs[0] + [0, 0, 0], seqs[1], seqs[2]], pad_id=0)  # trailing pads are tokens too
+    again = expert_loads(
+        model, [seqs[0] + [0, 0, 0], seqs[1], seqs[2]], pad_id=0
+    )  # trailing pads are tokens too
     assert (again.sum(dim=1) == 13 * k).all()
     ratios = imbalance(counts)
     assert all(r >= 1.0 for r in ratios)
-    assert imbalance(torch.tensor([[2, 2, 2, 2]])) == [1.0] and imbalance(torch.tensor([[4, 0, 0, 0]])) == [4.0]
+    assert imbalance(torch.tensor([[2, 2, 2, 2]])) == [1.0] and imbalance(
+        torch.tensor([[4, 0, 0, 0]])
+    ) == [4.0]
 
 
 # -- compare ------------------------------------------------------------------------------------
-def _training_run(client, exp_id: str, lr: str, rewards: list[float], iteration_s: list[float]) -> str:
+def _training_run(
+    client, exp_id: str, lr: str, rewards: list[float], iteration_s: list[float]
+) -> str:
     run = client.create_run(exp_id)
     rid = run.info.run_id
     client.log_param(rid, "trainer.learning_rate", lr)
@@ -217,17 +251,24 @@ def test_compare_reports_differing_params_deltas_noise_and_plots(tmp_path, capsy
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     exp = client.create_experiment("moerl", artifact_location=(tmp_path / "art").as_uri())
-    a = _training_run(client, exp, "1e-3", [0.1, 0.2, 0.3, 0.40, 0.42, 0.41], [10.0, 10.2, 9.9, 10.1, 10.0, 9.8])
-    b = _training_run(client, exp, "2e-3", [0.1, 0.3, 0.5, 0.70, 0.72, 0.71], [10.1, 9.9, 10.0, 10.2, 9.9, 10.0])
+    a = _training_run(
+        client, exp, "1e-3", [0.1, 0.2, 0.3, 0.40, 0.42, 0.41], [10.0, 10.2, 9.9, 10.1, 10.0, 9.8]
+    )
+    b = _training_run(
+        client, exp, "2e-3", [0.1, 0.3, 0.5, 0.70, 0.72, 0.71], [10.1, 9.9, 10.0, 10.2, 9.9, 10.0]
+    )
     rep = run_compare([a, b], tracking_uri=uri, out_dir=tmp_path / "cmp")
     assert rep["differing_params"] == {"trainer.learning_rate": ["1e-3", "2e-3"]}
     rows = {(m["metric"], m["run"]): m for m in rep["metrics"]}
     reward_b = rows[("reward/mean", b)]
-    assert reward_b["mean"] == pytest.approx(0.71) and reward_b["delta"] == pytest.approx(0.71 - 0.41)
+    assert reward_b["mean"] == pytest.approx(0.71) and reward_b["delta"] == pytest.approx(
+        0.71 - 0.41
+    )
     assert reward_b["exceeds_noise"] is True  # last-3 intervals far apart
     assert rows[("timing/iteration_s", b)]["exceeds_noise"] is False  # same speed within noise
     assert rows[("rollout/samples_per_s", a)]["mean"] == pytest.approx(
-        statistics.mean([64 / t for t in [10.0, 10.2, 9.9, 10.1, 10.0, 9.8]]))
+        statistics.mean([64 / t for t in [10.0, 10.2, 9.9, 10.1, 10.0, 9.8]])
+    )
     for m in rep["metrics"]:
         assert m["ci95"][0] <= m["mean"] <= m["ci95"][1]
     for name in rep["plots"]:
@@ -245,10 +286,33 @@ def test_compare_refuses_unknown_runs_and_a_single_run(tmp_path):
     from moerl.cli import main
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert main(["compare", "0123456789abcdef0123456789abcdef", "fedcba9876543210fedcba9876543210",
-                 "--tracking-uri", uri, "--out-dir", str(tmp_path / "c")]) == 2
-    assert main(["compare", "0123456789abcdef0123456789abcdef", "--tracking-uri", uri,
-                 "--out-dir", str(tmp_path / "c")]) == 2
+    assert (
+        main(
+            [
+                "compare",
+                "0123456789abcdef0123456789abcdef",
+                "fedcba9876543210fedcba9876543210",
+                "--tracking-uri",
+                uri,
+                "--out-dir",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "compare",
+                "0123456789abcdef0123456789abcdef",
+                "--tracking-uri",
+                uri,
+                "--out-dir",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
 
 
 def test_memory_fit_at_the_seeds_scale_reproduces_the_published_arithmetic():
@@ -258,16 +322,27 @@ def test_memory_fit_at_the_seeds_scale_reproduces_the_published_arithmetic():
     from moerl.bench.memfit import FitInputs, choose_ep, fit
 
     on, off = FitInputs(), FitInputs(activation_checkpointing=False)
-    expected = {"qwen3-30b-a3b": (3.81, 82.1), "qwen3-235b-a22b": (29.4, 581), "deepseek-v3": (83.9, 1581)}
+    expected = {
+        "qwen3-30b-a3b": (3.81, 82.1),
+        "qwen3-235b-a22b": (29.4, 581),
+        "deepseek-v3": (83.9, 1581),
+    }
     for name, (static, replicated) in expected.items():
         row = fit(MODELS[name], on)
         assert row["mesh"] == {"dp": 16, "ep": 8} and row["gpus"] == 128
         assert row["static_gb"] == pytest.approx(static, rel=0.01)
         assert row["static_gb_replicated_dense"] == pytest.approx(replicated, rel=0.01)
-        assert row["fits_static"] and row["micro_batch_tokens_max"] > fit(MODELS[name], off)["micro_batch_tokens_max"]
-    assert not fit(MODELS["deepseek-v3"], off)["fits_at_micro_batch_tokens"]  # 8192 tokens without checkpointing
+        assert (
+            row["fits_static"]
+            and row["micro_batch_tokens_max"] > fit(MODELS[name], off)["micro_batch_tokens_max"]
+        )
+    assert not fit(MODELS["deepseek-v3"], off)[
+        "fits_at_micro_batch_tokens"
+    ]  # 8192 tokens without checkpointing
     assert fit(MODELS["deepseek-v3"], on)["fits_at_micro_batch_tokens"]
-    assert not fit(MODELS["deepseek-v3"], FitInputs(nodes=2))["fits_static"]  # 16 GPUs cannot hold it
+    assert not fit(MODELS["deepseek-v3"], FitInputs(nodes=2))[
+        "fits_static"
+    ]  # 16 GPUs cannot hold it
     assert choose_ep(128, 8) == 8 and choose_ep(6, 8) == 6 and choose_ep(7, 4) == 1
 
 
@@ -284,7 +359,9 @@ def test_serving_a_version_to_the_fleet_follows_its_formulas():
     assert r["cache_tier_s"] == pytest.approx(32 * S / 6.25e9)
     assert r["fanout_s"] == pytest.approx(S / 6.25e9 + 32 * 64 * 2**20 / 12.5e9)
     more = serve_times("Qwen3-235B-A22B", 235e9, FleetInputs(cache_nodes=2))
-    assert more["fanout_s"] == pytest.approx(S / 12.5e9 + 32 * 64 * 2**20 / 12.5e9)  # now the node links bind
+    assert more["fanout_s"] == pytest.approx(
+        S / 12.5e9 + 32 * 64 * 2**20 / 12.5e9
+    )  # now the node links bind
     assert r["fanout_vs_s3"] > 4 and more["fanout_vs_s3"] > 8
     # one node: every path is one copy over its link
     one = serve_times("x", 1e9, FleetInputs(rollout_nodes=1))

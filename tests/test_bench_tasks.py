@@ -7,9 +7,16 @@ from moerl.bench.tasks import bench_calls
 def test_the_call_paths_are_measured_side_by_side():
     rep = bench_calls(30)
     rows = {r["path"]: r for r in rep["latency"]}
-    assert set(rows) == {"verifier in-process", "env step in-process", "verifier pool", "env step pool",
-                         "verifier valkey"}
+    assert set(rows) == {
+        "verifier in-process",
+        "env step in-process",
+        "verifier pool",
+        "env step pool",
+        "verifier valkey",
+    }
     # a process boundary costs more than a call; each row is measured, not assumed
     assert rows["verifier pool"]["p50_vs_in_process"] > 1 and rows["verifier valkey"]["p50_ms"] > 0
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 and r["calls"] == 30 for r in rows.values())
-    assert [t["workers"] for t in rep["throughput"]] == [1, 2] and all(t["calls_per_s"] > 0 for t in rep["throughput"])
+    assert [t["workers"] for t in rep["throughput"]] == [1, 2] and all(
+        t["calls_per_s"] > 0 for t in rep["throughput"]
+    )

@@ -5,18 +5,17 @@ buffer's pure admission and disposal rules."""
 from __future__ import annotations
 
 import json
-
 import threading
-from pathlib import Path
 import time
+from pathlib import Path
 
 import pytest
 
 from moerl.bus import DEAD, GENERATED, SCORED, UNITS, BusError, EmbeddedValkey, RunBus, connect
 from moerl.bus.client import PASSWORD_ENV, STAGE_ACL
+from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample
-from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue
 from tests.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
 
 
@@ -72,10 +71,16 @@ def test_an_idle_unit_behind_busy_ones_is_reclaimed_in_one_round_trip(bus, serve
     before = {c: calls(c) for c in ("xpending", "xclaim", "xautoclaim")}
     got = slow.lease_unit("w2", block_ms=0)
     assert got is not None and got.entry_id == held[-1].entry_id and got.deliveries == 2
-    assert {c: calls(c) - n for c, n in before.items()} == {"xpending": 1, "xclaim": 1, "xautoclaim": 0}
+    assert {c: calls(c) - n for c, n in before.items()} == {
+        "xpending": 1,
+        "xclaim": 1,
+        "xautoclaim": 0,
+    }
     slow.claim_every_s = 60.0
     before = calls("xpending")
-    assert slow.lease_unit("w2", block_ms=0) is None  # nothing new, and no second look for idle ones yet
+    assert (
+        slow.lease_unit("w2", block_ms=0) is None
+    )  # nothing new, and no second look for idle ones yet
     assert calls("xpending") == before
     slow.claim_every_s = 0.0
     slow.lease_unit("w2", block_ms=0)
@@ -151,7 +156,10 @@ def test_a_restarted_server_keeps_every_acknowledged_write(tmp_path):
         assert v.url == port
         assert bus.publish_group(f"{lease.unit['unit_id']}/0:p1", [{"x": 1}])
         bus.ack_unit(lease)  # the lease survived the restart
-        assert bus.counters()["units_done"] == 1 and bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 0
+        assert (
+            bus.counters()["units_done"] == 1
+            and bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 0
+        )
         back.join()  # start() finishes before the server is stopped
     finally:
         v.stop()
@@ -170,8 +178,17 @@ CFG = BufferConfig(high_watermark=8, low_watermark=4)
 
 
 def _issue(**kw):
-    base = dict(used=0, in_flight=0, version=0, batch_prompts=4, versions=10, max_staleness=1, backlog=0,
-                paused=False, cfg=CFG)
+    base = dict(
+        used=0,
+        in_flight=0,
+        version=0,
+        batch_prompts=4,
+        versions=10,
+        max_staleness=1,
+        backlog=0,
+        paused=False,
+        cfg=CFG,
+    )
     return prompts_to_issue(**{**base, **kw})
 
 
@@ -194,10 +211,24 @@ def test_backpressure_has_hysteresis():
 
 
 def _scored(version: int, rewards: list[float], failed: bool = False) -> list[ScoredSample]:
-    return [ScoredSample(prompt_id="p", task="copy", prompt="x", answer="1", sample_index=j, prompt_token_ids=[1],
-                         response_token_ids=[2], response_logprobs=[-0.1], response_text="1", finish_reason="stop",
-                         policy_version=version, reward=r, reward_failed=failed and j == 0)
-            for j, r in enumerate(rewards)]
+    return [
+        ScoredSample(
+            prompt_id="p",
+            task="copy",
+            prompt="x",
+            answer="1",
+            sample_index=j,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-0.1],
+            response_text="1",
+            finish_reason="stop",
+            policy_version=version,
+            reward=r,
+            reward_failed=failed and j == 0,
+        )
+        for j, r in enumerate(rewards)
+    ]
 
 
 def test_every_group_gets_exactly_one_disposition():
@@ -209,13 +240,27 @@ def test_every_group_gets_exactly_one_disposition():
 
 
 def test_a_response_that_crossed_versions_is_admitted_by_its_oldest_token_and_refused_by_a_lost_one():
-    def crossed(start: int, later: int) -> list[ScoredSample]:  # in-flight update after the first token
-        return [s.model_copy(update={"response_token_ids": [2, 3], "response_logprobs": [-0.1, -0.2],
-                                     "token_versions": [(0, start), (1, later)]}) for s in _scored(start, [0, 1])]
+    def crossed(
+        start: int, later: int
+    ) -> list[ScoredSample]:  # in-flight update after the first token
+        return [
+            s.model_copy(
+                update={
+                    "response_token_ids": [2, 3],
+                    "response_logprobs": [-0.1, -0.2],
+                    "token_versions": [(0, start), (1, later)],
+                }
+            )
+            for s in _scored(start, [0, 1])
+        ]
 
     assert classify("g", crossed(2, 3), 3, 1, seen=set()) == "used"  # oldest token 1 version behind
-    assert classify("g", crossed(1, 3), 3, 1, seen=set()) == "stale"  # oldest token 2 behind, newest current
-    assert classify("g", crossed(3, 4), 3, 1, seen=set()) == "stale"  # a token from a version the trainer lost
+    assert (
+        classify("g", crossed(1, 3), 3, 1, seen=set()) == "stale"
+    )  # oldest token 2 behind, newest current
+    assert (
+        classify("g", crossed(3, 4), 3, 1, seen=set()) == "stale"
+    )  # a token from a version the trainer lost
     m = batch_metrics(Batch(groups=[crossed(2, 3)], used=[crossed(2, 3)]), 3)
     assert m["buffer/staleness_mean"] == 1.0 and m["buffer/token_staleness_mean"] == 0.5
     assert m["rollout/mixed_version_fraction"] == 1.0
@@ -242,7 +287,11 @@ def test_a_retried_hand_off_changes_nothing_the_second_time(bus, monkeypatch):
     def resend(fresh: bool = False):
         """The last scripted hand-off sent again as the client sent it (or under a fresh key)."""
         script, keys, args = sent[-1]
-        return real(script, keys=[*keys[:-1], bus.key(f"op:fresh-{len(sent)}")] if fresh else keys, args=args)
+        return real(
+            script,
+            keys=[*keys[:-1], bus.key(f"op:fresh-{len(sent)}")] if fresh else keys,
+            args=args,
+        )
 
     # a unit: issued once however often its XADD is resent; a fresh key adds a second one
     bus.issue_unit([_prompt(1)])
@@ -271,7 +320,10 @@ def test_a_retried_hand_off_changes_nothing_the_second_time(bus, monkeypatch):
     before = bus.counters()
     assert bus.write_many([ack]) == [1] and bus.counters() == before
     assert (before["units_done"], before["units_overlapped"]) == (1, 1)
-    assert bus.write_many([bus.ack_write(lease, units_overlapped=1)]) == [0] and bus.counters() == before
+    assert (
+        bus.write_many([bus.ack_write(lease, units_overlapped=1)]) == [0]
+        and bus.counters() == before
+    )
 
     # scoring, a commit and a counter, each resent as it was sent
     [(eid, group)] = bus.take_generated("s1", 10, block_ms=50)
@@ -364,7 +416,9 @@ def test_a_lease_refresh_never_takes_a_unit_back_from_the_worker_that_reclaimed_
     theirs = bus.lease_unit("w2", block_ms=50)
     assert theirs is not None and theirs.entry_id == mine.entry_id
     assert not bus.touch(UNITS, "w1", mine.entry_id)  # lost: refused, nothing changed
-    [row] = bus.r.xpending_range(bus.key(UNITS), "rollout", min=mine.entry_id, max=mine.entry_id, count=1)
+    [row] = bus.r.xpending_range(
+        bus.key(UNITS), "rollout", min=mine.entry_id, max=mine.entry_id, count=1
+    )
     assert row["consumer"] == "w2" and int(row["times_delivered"]) == 2
     assert bus.touch(UNITS, "w2", theirs.entry_id)
     assert bus.publish_group(f"{theirs.unit['unit_id']}/0:p1", [{"x": 1}])
@@ -372,15 +426,24 @@ def test_a_lease_refresh_never_takes_a_unit_back_from_the_worker_that_reclaimed_
     assert not bus.touch(UNITS, "w2", theirs.entry_id)  # acknowledged: nothing left to hold
 
 
-@pytest.mark.parametrize("payload", ["{not json", '{"unit_id": 7}', '["a list"]', "\x00" * 16],
-                         ids=["not-json", "wrong-shape", "a-list", "nul-bytes"])
-def test_a_malformed_unit_is_dead_lettered_at_its_first_delivery_and_never_crashes_the_worker(bus, payload):
+@pytest.mark.parametrize(
+    "payload",
+    ["{not json", '{"unit_id": 7}', '["a list"]', "\x00" * 16],
+    ids=["not-json", "wrong-shape", "a-list", "nul-bytes"],
+)
+def test_a_malformed_unit_is_dead_lettered_at_its_first_delivery_and_never_crashes_the_worker(
+    bus, payload
+):
     bus.r.xadd(bus.key(UNITS), {"unit": payload})
     bus.issue_unit([_prompt(1)])  # a good unit behind it still flows
     lease = bus.lease_unit("w1", block_ms=50)
     assert lease is not None and lease.unit["prompts"][0]["prompt"]["id"] == "p1"
     [(_, dead)] = bus.r.xrange(bus.key(DEAD))
-    assert dead["stream"] == UNITS and dead["reason"].startswith("malformed") and dead["deliveries"] == "1"
+    assert (
+        dead["stream"] == UNITS
+        and dead["reason"].startswith("malformed")
+        and dead["deliveries"] == "1"
+    )
     c = bus.counters()
     assert (c["entries_dead"], c["units_dead"], c["prompts_dead"]) == (1, 1, 0)
     assert bus.depth()[UNITS] == 1  # only the good unit, leased
@@ -391,15 +454,27 @@ def test_an_oversized_entry_is_refused_before_it_is_parsed(bus, monkeypatch):
     import moerl.bus.run
 
     monkeypatch.setattr(moerl.bus.run, "MAX_ENTRY_BYTES", 1000)
-    bus.r.xadd(bus.key(GENERATED), {"group": json.dumps({"group_id": "u1/0:p1", "samples": [{"pad": "x" * 2000}]})})
+    bus.r.xadd(
+        bus.key(GENERATED),
+        {"group": json.dumps({"group_id": "u1/0:p1", "samples": [{"pad": "x" * 2000}]})},
+    )
     assert bus.take_generated("s1", 10, block_ms=50) == []
     [(_, dead)] = bus.r.xrange(bus.key(DEAD))
-    assert dead["stream"] == GENERATED and "> 1000" in dead["reason"] and len(dead["payload"]) <= 4096
+    assert (
+        dead["stream"] == GENERATED and "> 1000" in dead["reason"] and len(dead["payload"]) <= 4096
+    )
     c = bus.counters()  # never parsed: its prompt is settled, its samples unknown
-    assert (c["entries_dead"], c["groups_dead"], c["samples_dead"], c["prompts_dead"]) == (1, 1, 0, 1)
+    assert (c["entries_dead"], c["groups_dead"], c["samples_dead"], c["prompts_dead"]) == (
+        1,
+        1,
+        0,
+        1,
+    )
 
 
-def test_an_oversized_group_is_refused_by_its_producer_and_its_unit_still_acknowledged(bus, monkeypatch):
+def test_an_oversized_group_is_refused_by_its_producer_and_its_unit_still_acknowledged(
+    bus, monkeypatch
+):
     """Refused before it reaches the stream (no consumer holds it in memory to refuse it), counted
     generated and dead with its samples, so the balance holds; its unit can be acknowledged."""
     import moerl.bus.run
@@ -495,6 +570,7 @@ def lost_replies(monkeypatch):
 def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
     """Each hand-off is sent twice (the first reply lost): no second unit, no duplicate group,
     no counter moved twice, and the caller gets the first run's answer."""
+
     def once(fn):
         lost_replies["n"] = 1
         out = fn()
@@ -511,7 +587,9 @@ def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
     again = bus.lease_unit("w1", block_ms=50)
     assert [p["k"] for p in again.unit["prompts"]] == [1]
     uid = again.unit["unit_id"]  # the unit keeps its id when requeued
-    assert once(lambda: bus.publish_group(f"{uid}/1:p2", [{"x": 1}] * 4))  # the first run's answer: added
+    assert once(
+        lambda: bus.publish_group(f"{uid}/1:p2", [{"x": 1}] * 4)
+    )  # the first run's answer: added
     once(lambda: bus.ack_unit(again))
     c = bus.counters()
     assert (c["generated"], c["duplicates"], c["groups_generated"], c["units_done"]) == (4, 0, 1, 1)
@@ -520,7 +598,11 @@ def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
     assert bus.depth()[SCORED] == 1 and bus.counters()["scored"] == 4
     epoch = bus.claim_trainer("t")
     [(sid, _)] = bus.take_scored("trainer", 10, block_ms=50)
-    assert once(lambda: bus.commit_version(epoch, 1, "u", "s", [sid], [group["group_id"]], trained=4, groups_used=1))
+    assert once(
+        lambda: bus.commit_version(
+            epoch, 1, "u", "s", [sid], [group["group_id"]], trained=4, groups_used=1
+        )
+    )
     once(lambda: bus.incr(swaps=1))
     c = bus.counters()
     assert (c["trained"], c["groups_used"], c["swaps"]) == (4, 1, 1) and bus.registry().version == 1
@@ -552,10 +634,23 @@ def test_a_lost_xreadgroup_reply_strands_nothing(bus, lost_replies):
 
     gids = []
     for i in range(3):  # three scored groups with reward variance, as the trainer takes them
-        samples = [ScoredSample(prompt_id=f"p{i}", task="copy", prompt="x", answer="1", sample_index=j,
-                                prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.1],
-                                response_text="1", finish_reason="stop", policy_version=0,
-                                reward=float(j)).model_dump() for j in range(2)]
+        samples = [
+            ScoredSample(
+                prompt_id=f"p{i}",
+                task="copy",
+                prompt="x",
+                answer="1",
+                sample_index=j,
+                prompt_token_ids=[1],
+                response_token_ids=[2],
+                response_logprobs=[-0.1],
+                response_text="1",
+                finish_reason="stop",
+                policy_version=0,
+                reward=float(j),
+            ).model_dump()
+            for j in range(2)
+        ]
         gids.append(f"u9{i:03d}/0:p{i}")
         assert bus.publish_group(gids[-1], samples)
         [(eid, group)] = bus.take_generated("s1", 1, block_ms=50)
@@ -602,7 +697,10 @@ def test_a_finished_run_expires_and_glob_characters_cannot_reach_other_runs(serv
     for bad in ("run*", "run?", "run[1]", "a\\b"):
         with pytest.raises(BusError, match="glob"):
             RunBus(connect(server.url, 5), bad)
-    done, other = RunBus(connect(server.url, 5), "finished-run"), RunBus(connect(server.url, 5), "finished-run2")
+    done, other = (
+        RunBus(connect(server.url, 5), "finished-run"),
+        RunBus(connect(server.url, 5), "finished-run2"),
+    )
     for b in (done, other):
         b.ensure_groups()
         b.issue_unit([_prompt(1)])
@@ -614,7 +712,9 @@ def test_a_finished_run_expires_and_glob_characters_cannot_reach_other_runs(serv
     assert all(other.r.ttl(k) == -1 for k in other.r.scan(other.key("*")) if ":op:" not in k)
 
 
-def test_commits_wait_for_the_append_only_file_and_a_server_without_one_is_refused(server, tmp_path):
+def test_commits_wait_for_the_append_only_file_and_a_server_without_one_is_refused(
+    server, tmp_path
+):
     from moerl.components.policy_update.worker import _check_durable
     from moerl.config import RunConfig
     from moerl.errors import ConfigError
@@ -630,7 +730,9 @@ def test_commits_wait_for_the_append_only_file_and_a_server_without_one_is_refus
             _check_durable(lossy, RunConfig(), "durable-run")
 
 
-def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_trained_twice(tmp_path):
+def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_trained_twice(
+    tmp_path,
+):
     """Valkey with `appendfsync everysec` loses what it had not fsynced on a power loss, and a
     failover can land on a replica that lagged: the registry falls back to v while the store
     holds v+1. A restarted trainer commits v+1 again from the groups and entries its manifest
@@ -643,8 +745,11 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
     from moerl.config import load_config
     from moerl.store.runs import run_store, version_uri
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs/tiny-moe-grpo.yaml",
-                      [f"checkpoint.uri={tmp_path / 'ck'}", "task.prompts_per_iteration=2"], mode="async")
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "configs/tiny-moe-grpo.yaml",
+        [f"checkpoint.uri={tmp_path / 'ck'}", "task.prompts_per_iteration=2"],
+        mode="async",
+    )
     run = "lossy-run"
     v = EmbeddedValkey(tmp_path / "v", appendfsync="everysec").start()
     try:
@@ -664,32 +769,50 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
         batch = bus.take_scored("trainer", 10, block_ms=50)
         entries, groups = [e for e, _ in batch], [g["group_id"] for _, g in batch]
         assert bus.wait_durable(0, 5.0)[0] >= 1
-        before = tmp_path / "before-commit"  # what a lagging replica, or the disk after a power loss, holds
+        before = (
+            tmp_path / "before-commit"
+        )  # what a lagging replica, or the disk after a power loss, holds
         shutil.copytree(v.data_dir, before)
         # version 1 trained on the batch: published (the manifest records its groups), committed
         (src / "w.bin").write_bytes(b"\1" * 64)
-        meta = {"groups": json.dumps(groups), "entries": json.dumps(entries), "counts": json.dumps({"trained": 8})}
+        meta = {
+            "groups": json.dumps(groups),
+            "entries": json.dumps(entries),
+            "counts": json.dumps({"trained": 8}),
+        }
         store.publish(1, src, meta=meta, exclusive=True)
-        assert bus.commit_version(epoch, 1, version_uri(store, 1), store.manifest(1).sha256(), entries, groups,
-                                  trained=8)
+        assert bus.commit_version(
+            epoch, 1, version_uri(store, 1), store.manifest(1).sha256(), entries, groups, trained=8
+        )
         assert bus.wait_durable(0, 5.0)[0] >= 1  # everysec: WAITAOF waits for the next fsync
         v.kill()  # a crash right after the commit
         v.start()
-        assert bus.registry().version == 1 and bus.counters()["trained"] == 8  # the waited-for commit survived
+        assert (
+            bus.registry().version == 1 and bus.counters()["trained"] == 8
+        )  # the waited-for commit survived
         v.kill()
         shutil.rmtree(v.data_dir)
-        shutil.copytree(before, v.data_dir)  # now lose the commit: the registry is back at version 0
+        shutil.copytree(
+            before, v.data_dir
+        )  # now lose the commit: the registry is back at version 0
         v.start()
         assert bus.registry().version == 0 and bus.consumed(groups) == set()
-        assert int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 2  # the batch would be trained again
+        assert (
+            int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 2
+        )  # the batch would be trained again
         epoch2 = bus.claim_trainer("trainer-2")  # the restarted trainer
         latest = store.recover()
         assert latest == 1
         _reconcile(bus, cfg, run, latest, epoch2)
-        assert bus.registry().version == 1 and bus.registry().manifest_sha256 == store.manifest(1).sha256()
+        assert (
+            bus.registry().version == 1
+            and bus.registry().manifest_sha256 == store.manifest(1).sha256()
+        )
         assert bus.consumed(groups) == set(groups) and bus.counters()["trained"] == 8
         assert int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 0
-        assert bus.take_scored("trainer", 10, block_ms=50) == []  # nothing of version 1's batch comes back
+        assert (
+            bus.take_scored("trainer", 10, block_ms=50) == []
+        )  # nothing of version 1's batch comes back
         _reconcile(bus, cfg, run, latest, epoch2)  # a second restart changes nothing
         assert bus.counters()["trained"] == 8 and store.versions() == [0, 1]
         for g in groups:  # a copy of a trained group that reaches the bus again is a duplicate
@@ -711,23 +834,39 @@ def test_a_stage_user_reaches_its_own_run_only_and_cannot_change_the_server(tmp_
         mine.incr(trained=1)
         assert mine.wait_durable(0, 2.0)[0] >= 1  # WAITAOF is allowed
         raw = mine.r.raw
-        for cmd in (("FLUSHALL",), ("CONFIG", "SET", "appendonly", "no"), ("KEYS", "*"), ("INFO",),
-                    ("SHUTDOWN", "NOSAVE"), ("ACL", "SETUSER", "x", "on"), ("SCRIPT", "FLUSH"), ("FUNCTION", "FLUSH"),
-                    ("CLIENT", "KILL", "ID", "1"), ("SET", "moerl:run-b:registry", "x"), ("GET", "other")):
+        for cmd in (
+            ("FLUSHALL",),
+            ("CONFIG", "SET", "appendonly", "no"),
+            ("KEYS", "*"),
+            ("INFO",),
+            ("SHUTDOWN", "NOSAVE"),
+            ("ACL", "SETUSER", "x", "on"),
+            ("SCRIPT", "FLUSH"),
+            ("FUNCTION", "FLUSH"),
+            ("CLIENT", "KILL", "ID", "1"),
+            ("SET", "moerl:run-b:registry", "x"),
+            ("GET", "other"),
+        ):
             with pytest.raises(valkey.exceptions.NoPermissionError):
                 raw.execute_command(*cmd)
         with pytest.raises(valkey.exceptions.NoPermissionError):
             RunBus(connect(v.url, 5, "moerl-stage"), "run-b").incr(trained=1)
         monkeypatch.setenv(PASSWORD_ENV, "wrong")
         t0 = time.monotonic()
-        with pytest.raises(BusError, match=r"refused the login.*valkey.username.*\$VALKEY_PASSWORD"):
+        with pytest.raises(
+            BusError, match=r"refused the login.*valkey.username.*\$VALKEY_PASSWORD"
+        ):
             connect(v.url, 600, "moerl-stage").ping()
         assert time.monotonic() - t0 < 5  # a wrong password is not retried for valkey.reconnect_s
         v.restart()
         monkeypatch.setenv(PASSWORD_ENV, v.password)
         assert RunBus(connect(v.url, 20, "moerl-stage"), "run-a").counters()["trained"] == 1
     # the cluster's server gives user moerl the same rules, on every moerl run's keys
-    docs = list(yaml.safe_load_all((Path(__file__).resolve().parents[1] / "manifests/base/valkey.yaml").read_text()))
+    docs = list(
+        yaml.safe_load_all(
+            (Path(__file__).resolve().parents[1] / "manifests/base/valkey.yaml").read_text()
+        )
+    )
     sts = next(d for d in docs if d["kind"] == "StatefulSet")
     script = sts["spec"]["template"]["spec"]["containers"][0]["args"][0]
     assert f"user moerl on >%s ~moerl:* {' '.join(STAGE_ACL)}\\n" in script
@@ -736,7 +875,9 @@ def test_a_stage_user_reaches_its_own_run_only_and_cannot_change_the_server(tmp_
     assert {i["key"] for i in mounted} == {"VALKEY_PASSWORD", "VALKEY_ADMIN_PASSWORD"}
 
 
-def test_a_failing_init_policy_stops_the_stages_that_started_beside_it(server, tmp_path, monkeypatch):
+def test_a_failing_init_policy_stops_the_stages_that_started_beside_it(
+    server, tmp_path, monkeypatch
+):
     """The async pipeline starts its rollout workers and scorers beside init_policy (their
     engines start on dummy weights): when init_policy fails, the run is marked failed on the
     bus, which every stage's TrainerWatch reads at its next check, instead of waiting
@@ -751,10 +892,15 @@ def test_a_failing_init_policy_stops_the_stages_that_started_beside_it(server, t
 
     monkeypatch.setenv(PASSWORD_ENV, server.password)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = parse_config({"model": {"path": str(tmp_path / "no-such-model")},
-                        "checkpoint": {"uri": str(tmp_path / "ckpt")}, "tracking": {"uri": uri},
-                        "valkey": {"url": server.url, "username": server.stage_user},
-                        "pipeline": {"mode": "async"}})
+    cfg = parse_config(
+        {
+            "model": {"path": str(tmp_path / "no-such-model")},
+            "checkpoint": {"uri": str(tmp_path / "ckpt")},
+            "tracking": {"uri": uri},
+            "valkey": {"url": server.url, "username": server.stage_user},
+            "pipeline": {"mode": "async"},
+        }
+    )
     client = MlflowClient(uri)
     exp = client.create_experiment("init")
     runs = [client.create_run(exp).info.run_id for _ in range(2)]
@@ -794,7 +940,9 @@ def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failu
         raise BusError("Valkey unreachable for 60 s (valkey.reconnect_s)")
 
     out.put(broken)
-    out.put(lambda: made.append("ack after a lost group"), always=lambda: made.append("lease released"))
+    out.put(
+        lambda: made.append("ack after a lost group"), always=lambda: made.append("lease released")
+    )
     with pytest.raises(BusError, match="reconnect_s"):
         out.flush()
     # the acknowledgement was skipped, its lease released all the same (no lease held forever)
@@ -810,7 +958,9 @@ def test_the_rollout_workers_outbox_writes_in_order_and_stops_at_the_first_failu
         closed.put(lambda: None)
 
 
-def test_the_outbox_stays_bounded_while_the_bus_takes_no_writes_and_sends_everything_after(bus, server):
+def test_the_outbox_stays_bounded_while_the_bus_takes_no_writes_and_sends_everything_after(
+    bus, server
+):
     """The server takes no writes (`CLIENT PAUSE ... WRITE` from an admin connection: what a
     server stuck on its disk or a failover looks like to a worker): the outbox's round trip
     waits on it, hand-overs fill the outbox to its bound and the next one blocks, so a slow bus
@@ -837,15 +987,21 @@ def test_the_outbox_stays_bounded_while_the_bus_takes_no_writes_and_sends_everyt
     try:
         out.put(bus.group_write(gids[1], [{"x": 1}]))
         deadline = time.monotonic() + 30
-        while out._q.qsize() and time.monotonic() < deadline:  # the thread took it: its round trip waits
+        while (
+            out._q.qsize() and time.monotonic() < deadline
+        ):  # the thread took it: its round trip waits
             time.sleep(0.01)
         assert out._q.qsize() == 0
         loop.start()
         while len(handed) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         loop.join(timeout=1.0)
-        assert loop.is_alive() and handed == [2, 3] and out._q.qsize() == 2  # full: the third hand-over waits
-        assert bus.counters()["groups_generated"] == 1 and out.writes == 1  # nothing went out meanwhile
+        assert (
+            loop.is_alive() and handed == [2, 3] and out._q.qsize() == 2
+        )  # full: the third hand-over waits
+        assert (
+            bus.counters()["groups_generated"] == 1 and out.writes == 1
+        )  # nothing went out meanwhile
         assert out.error is None
     finally:
         admin.client_unpause()
@@ -853,13 +1009,15 @@ def test_the_outbox_stays_bounded_while_the_bus_takes_no_writes_and_sends_everyt
     assert not loop.is_alive() and handed == list(range(2, len(gids)))
     out.flush()
     assert out.writes == len(gids) and bus.counters()["groups_generated"] == len(gids)
-    assert [g["group_id"] for _, g in bus.take_generated("s1", 10, block_ms=50)] == gids  # in order, once each
+    assert [
+        g["group_id"] for _, g in bus.take_generated("s1", 10, block_ms=50)
+    ] == gids  # in order, once each
     out.close()
 
 
-
-def test_batched_writes_run_in_order_and_once_each_through_a_lost_reply_and_a_forgotten_script(bus, server,
-                                                                                               lost_replies):
+def test_batched_writes_run_in_order_and_once_each_through_a_lost_reply_and_a_forgotten_script(
+    bus, server, lost_replies
+):
     """`RunBus.write_many` (the rollout worker's outbox): a unit's groups and its acknowledgement
     in one round trip, in order; a batch whose reply was lost is sent again and every write in
     it still runs once; a server that forgot the scripts gets them again."""
@@ -874,11 +1032,17 @@ def test_batched_writes_run_in_order_and_once_each_through_a_lost_reply_and_a_fo
     assert (c["generated"], c["duplicates"], c["groups_generated"], c["units_done"]) == (6, 0, 3, 1)
     got = bus.take_generated("s1", 10, block_ms=50)
     assert [g["group_id"] for _, g in got] == [f"{uid}/{k}:p{k + 1}" for k in range(3)]  # in order
-    assert bus.write_many(writes) == [1, 1, 1]  # sent again as they are: their first answers, nothing added
+    assert bus.write_many(writes) == [
+        1,
+        1,
+        1,
+    ]  # sent again as they are: their first answers, nothing added
     assert bus.counters()["groups_generated"] == 3
     import valkey
 
-    valkey.Valkey.from_url(server.url).script_flush()  # as after a restart (as the admin: stages may not)
+    valkey.Valkey.from_url(
+        server.url
+    ).script_flush()  # as after a restart (as the admin: stages may not)
     assert bus.write_many([bus.group_write(f"{uid}/9:p9", [{"x": 9}])]) == [1]
     assert bus.counters()["groups_generated"] == 4 and bus.write_many([]) == []
 
@@ -898,17 +1062,25 @@ def test_a_unit_is_acknowledged_only_once_every_one_of_its_groups_is_published(b
     with pytest.raises(valkey.exceptions.ResponseError, match="not published"):
         bus.ack_unit(lease)
     assert bus.counters()["units_done"] == done0
-    [row] = bus.r.xpending_range(bus.key(UNITS), "rollout", min=lease.entry_id, max=lease.entry_id, count=1)
+    [row] = bus.r.xpending_range(
+        bus.key(UNITS), "rollout", min=lease.entry_id, max=lease.entry_id, count=1
+    )
     assert row["consumer"] == "w1"  # still leased: its retry generates the missing group
     with pytest.raises(ValueError, match="unknown counters"):
         bus.ack_write(lease, not_a_counter=1)
-    assert bus.write_many([bus.group_write(f"{uid}/1:p2", [{"x": 2}]), bus.ack_write(lease, units_overlapped=1)]) == [1, 1]
+    assert bus.write_many(
+        [bus.group_write(f"{uid}/1:p2", [{"x": 2}]), bus.ack_write(lease, units_overlapped=1)]
+    ) == [1, 1]
     c = bus.counters()
     assert c["units_done"] == done0 + 1 and c["units_overlapped"] >= 1
-    assert not bus.r.xpending_range(bus.key(UNITS), "rollout", min=lease.entry_id, max=lease.entry_id, count=1)
+    assert not bus.r.xpending_range(
+        bus.key(UNITS), "rollout", min=lease.entry_id, max=lease.entry_id, count=1
+    )
 
 
-def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_they_were_written(bus):
+def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_they_were_written(
+    bus,
+):
     """The worker hands over the groups one engine step finished together, and the unit's
     acknowledgement after them: one round trip. A group refused by the server (an error reply)
     does not stop the pipeline's later writes, but the server refuses the acknowledgement of a
@@ -926,22 +1098,40 @@ def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_th
     released: list[str] = []
     u1 = first.unit["unit_id"]
     # as the worker does: the step's groups and the acknowledgement of the unit they complete
-    out.put([bus.group_write(f"{u1}/0:p1", [{"x": 1}]), bus.group_write(f"{u1}/1:p2", [{"x": 2}]),
-             bus.ack_write(first)], always=lambda: released.append(first.entry_id))
+    out.put(
+        [
+            bus.group_write(f"{u1}/0:p1", [{"x": 1}]),
+            bus.group_write(f"{u1}/1:p2", [{"x": 2}]),
+            bus.ack_write(first),
+        ],
+        always=lambda: released.append(first.entry_id),
+    )
     out.flush()
     assert (out.writes, out.round_trips) == (3, 1) and released == [first.entry_id]
     assert bus.counters()["units_done"] == 1
 
     u2 = second.unit["unit_id"]
-    refused = BusWrite(Script(bus.r, "return redis.error_reply('refused (test)')"), (bus.key("probe"),), (), 0)
-    out.put([bus.group_write(f"{u2}/0:p3", [{"x": 3}]), refused,  # in place of p4's group
-             bus.ack_write(second)], always=lambda: released.append(second.entry_id))
+    refused = BusWrite(
+        Script(bus.r, "return redis.error_reply('refused (test)')"), (bus.key("probe"),), (), 0
+    )
+    out.put(
+        [
+            bus.group_write(f"{u2}/0:p3", [{"x": 3}]),
+            refused,  # in place of p4's group
+            bus.ack_write(second),
+        ],
+        always=lambda: released.append(second.entry_id),
+    )
     with pytest.raises(valkey.exceptions.ResponseError, match="refused"):
         out.flush()
     assert (out.writes, out.round_trips) == (3, 1)  # the failed batch is not counted
     c = bus.counters()
-    assert c["groups_generated"] == 3 and c["units_done"] == 1  # the group before it landed; no acknowledgement
-    assert bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 1  # still leased: its retry regenerates it
+    assert (
+        c["groups_generated"] == 3 and c["units_done"] == 1
+    )  # the group before it landed; no acknowledgement
+    assert (
+        bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 1
+    )  # still leased: its retry regenerates it
     assert released[-1] == second.entry_id  # the lease's release ran all the same
     out.close()
     with pytest.raises(RuntimeError, match="no bus"):
@@ -973,13 +1163,17 @@ def test_an_idle_lease_of_a_live_holder_is_not_claimed_and_the_holders_own_is_a_
     assert again is not None and again.entry_id == lease.entry_id and again.deliveries == 2
 
 
-def test_an_outage_longer_than_the_visibility_timeout_reclaims_nothing_until_holders_refresh(tmp_path):
+def test_an_outage_longer_than_the_visibility_timeout_reclaims_nothing_until_holders_refresh(
+    tmp_path,
+):
     """Valkey down for longer than the visibility timeout: on its return every lease looks idle.
     A client that met the outage claims nothing for one visibility timeout, and touches what it
     holds first; a holder that stays silent past that loses its unit as before."""
     v = EmbeddedValkey(tmp_path / "v").start()
     try:
-        holder, other = (RunBus(connect(v.url, 20), "r", visibility_timeout_s=0.5) for _ in range(2))
+        holder, other = (
+            RunBus(connect(v.url, 20), "r", visibility_timeout_s=0.5) for _ in range(2)
+        )
         holder.ensure_groups()
         holder.issue_unit([_prompt(1)])
         holder.issue_unit([_prompt(2)])
@@ -990,18 +1184,31 @@ def test_an_outage_longer_than_the_visibility_timeout_reclaims_nothing_until_hol
         back.start()
         # both workers poll through the outage (each one's loop leases every 0.2 s at most)
         got: dict[str, object] = {}
-        polls = [threading.Thread(target=lambda b=b, n=n, e=e: got.__setitem__(n, b.lease_unit(n, 0, held=[e])))
-                 for b, n, e in ((other, "w2", theirs.entry_id), (holder, "w1", mine.entry_id))]
+        polls = [
+            threading.Thread(
+                target=lambda b=b, n=n, e=e: got.__setitem__(n, b.lease_unit(n, 0, held=[e]))
+            )
+            for b, n, e in ((other, "w2", theirs.entry_id), (holder, "w1", mine.entry_id))
+        ]
         for t in polls:
             t.start()
         for t in polls:
             t.join(timeout=30)
         back.join()
         assert got == {"w1": None, "w2": None}  # each met the outage: no claim, its own touched
-        rows = {r["message_id"]: r for r in holder.r.xpending_range(holder.key(UNITS), "rollout", min="-", max="+",
-                                                                     count=5)}
-        assert rows[mine.entry_id]["consumer"] == "w1" and rows[mine.entry_id]["times_delivered"] == 1
-        assert rows[theirs.entry_id]["consumer"] == "w2" and rows[theirs.entry_id]["times_delivered"] == 1
+        rows = {
+            r["message_id"]: r
+            for r in holder.r.xpending_range(
+                holder.key(UNITS), "rollout", min="-", max="+", count=5
+            )
+        }
+        assert (
+            rows[mine.entry_id]["consumer"] == "w1" and rows[mine.entry_id]["times_delivered"] == 1
+        )
+        assert (
+            rows[theirs.entry_id]["consumer"] == "w2"
+            and rows[theirs.entry_id]["times_delivered"] == 1
+        )
         time.sleep(0.6)  # w1 goes silent past the hold and its timeout: w2 takes it over
         got = other.lease_unit("w2", block_ms=0, held=[theirs.entry_id])
         assert got is not None and got.entry_id == mine.entry_id and got.deliveries == 2
@@ -1049,7 +1256,9 @@ def test_the_consumed_set_lives_in_hourly_buckets_that_expire(bus):
     [key] = bus.r.scan(bus.key("consumed:*"))
     assert 0 < bus.r.ttl(key) <= CONSUMED_TTL_S
     hour = int(time.time() // CONSUMED_BUCKET_S)
-    bus.r.sadd(bus.key(f"consumed:{hour - 3}"), "u-3h")  # settled three hours ago: still a duplicate
+    bus.r.sadd(
+        bus.key(f"consumed:{hour - 3}"), "u-3h"
+    )  # settled three hours ago: still a duplicate
     bus.r.sadd(bus.key(f"consumed:{hour - 9}"), "u-9h")  # a bucket that would have expired
     assert bus.consumed(["u1/0:p1", "u-3h", "u-9h", "never"]) == {"u1/0:p1", "u-3h"}
 
@@ -1058,10 +1267,14 @@ def test_the_dead_letter_stream_keeps_its_newest_entries_and_the_counters_all(bu
     import moerl.bus.run
     from moerl.bus.scripts import DEAD_MAXLEN
 
-    monkeypatch.setattr(moerl.bus.run, "MAX_ENTRY_BYTES", 1)  # every group is refused by its producer
+    monkeypatch.setattr(
+        moerl.bus.run, "MAX_ENTRY_BYTES", 1
+    )  # every group is refused by its producer
     n = DEAD_MAXLEN + 1500
     for start in range(0, n, 1000):
-        bus.write_many([bus.group_write(f"u{i}/0:p", [{"x": 1}]) for i in range(start, min(n, start + 1000))])
+        bus.write_many(
+            [bus.group_write(f"u{i}/0:p", [{"x": 1}]) for i in range(start, min(n, start + 1000))]
+        )
     assert bus.counters()["groups_dead"] == n
     assert DEAD_MAXLEN <= bus.r.xlen(bus.key(DEAD)) < n  # trimmed (approximately: whole nodes)
 
@@ -1076,10 +1289,14 @@ def test_a_sample_from_weights_lost_under_a_republished_number_is_stale():
     for s in ours:
         s.policy_shas = {3: "our-sha"}
     known = {2: "sha-2", 3: "our-sha"}
-    assert classify("g", lost, 3, 1, seen=set()) == "used"  # by the number alone it looked on-policy
+    assert (
+        classify("g", lost, 3, 1, seen=set()) == "used"
+    )  # by the number alone it looked on-policy
     assert classify("g", lost, 3, 1, seen=set(), known=known) == "stale"
     assert classify("g", ours, 3, 1, seen=set(), known=known) == "used"
-    assert classify("g", _scored(3, [0, 1]), 3, 1, seen=set(), known=known) == "used"  # no sha: by number
+    assert (
+        classify("g", _scored(3, [0, 1]), 3, 1, seen=set(), known=known) == "used"
+    )  # no sha: by number
 
 
 def test_an_engines_samples_carry_the_sha_of_every_version_that_sampled_them():
@@ -1088,9 +1305,23 @@ def test_an_engines_samples_carry_the_sha_of_every_version_that_sampled_them():
     from moerl.components.rollout.worker import group_samples
 
     prompt = {"id": "p", "task": "copy", "prompt": "x", "answer": "1"}
-    comps = [SimpleNamespace(token_ids=[5, 6], logprobs=[-0.1, -0.2], text="ab", finish_reason="stop", version=None,
-                             token_versions=None),
-             SimpleNamespace(token_ids=[5, 6], logprobs=[-0.1, -0.2], text="ab", finish_reason="stop", version=2,
-                             token_versions=[(0, 2), (1, 3)])]
+    comps = [
+        SimpleNamespace(
+            token_ids=[5, 6],
+            logprobs=[-0.1, -0.2],
+            text="ab",
+            finish_reason="stop",
+            version=None,
+            token_versions=None,
+        ),
+        SimpleNamespace(
+            token_ids=[5, 6],
+            logprobs=[-0.1, -0.2],
+            text="ab",
+            finish_reason="stop",
+            version=2,
+            token_versions=[(0, 2), (1, 3)],
+        ),
+    ]
     a, b = group_samples("run", "u1/0:p", prompt, [1], comps, 3, shas={2: "s2", 3: "s3"})
     assert a["policy_shas"] == {3: "s3"} and b["policy_shas"] == {2: "s2", 3: "s3"}

@@ -38,7 +38,11 @@ REGISTRY = {"registry_name": "moerl-policy"}
 ITERATIONS = 4
 PREFIX = "team-a"
 # the learning run's run form (pipelines/params.py): a typed field, an override, the run's name
-OK_PARAMS = {"learning_rate": 2e-3, "overrides": ["trainer.clip_eps_high=3.0"], "run_name": "cluster-ok"}
+OK_PARAMS = {
+    "learning_rate": 2e-3,
+    "overrides": ["trainer.clip_eps_high=3.0"],
+    "run_name": "cluster-ok",
+}
 
 
 def _cluster_cfg(s3, url: str, **over):
@@ -47,9 +51,17 @@ def _cluster_cfg(s3, url: str, **over):
     data = {
         "task": {"prompts_per_iteration": 512},
         "rollout": {"samples_per_prompt": 8, "max_new_tokens": 6},
-        "trainer": {"optimizer_steps_per_iteration": 64, "learning_rate": 2e-3, "clip_eps_high": 3.0},
-        "checkpoint": {"uri": f"s3://{BUCKET}/{PREFIX}", "endpoint_url": s3.endpoint_url, "region": "us-east-1",
-                       "cache_dir": ".moerl/cache"},
+        "trainer": {
+            "optimizer_steps_per_iteration": 64,
+            "learning_rate": 2e-3,
+            "clip_eps_high": 3.0,
+        },
+        "checkpoint": {
+            "uri": f"s3://{BUCKET}/{PREFIX}",
+            "endpoint_url": s3.endpoint_url,
+            "region": "us-east-1",
+            "cache_dir": ".moerl/cache",
+        },
         "tracking": {"uri": url, "experiment": "cluster-local"},
         # kfp.local runs every task in this venv; the image matters only on the cluster
         "pipeline": {"iterations": ITERATIONS, "base_image": "registry.example/moerl-cpu:0.1.0"},
@@ -77,8 +89,11 @@ def _run_sandboxed(cfg, root: Path, secrets: Path, **params) -> Exception | None
     try:
         with sandboxed(root / "sandboxes", secrets):
             os.chdir(launch_dir)
-            local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root / "kfp-artifacts"),
-                       raise_on_error=True)
+            local.init(
+                runner=local.SubprocessRunner(use_venv=False),
+                pipeline_root=str(root / "kfp-artifacts"),
+                raise_on_error=True,
+            )
             pipeline(config_json=config_to_json(cfg), run_id="", **params)
         return None
     except RuntimeError as err:
@@ -102,24 +117,43 @@ def cluster_run(s3_server, tmp_path_factory):
     cache_server = cache.start()
     cache_server.client().create_bucket(Bucket="moerl-cache")
     reader_id, reader_secret = cache_server.reader
-    secrets = write_sandbox_secrets(root / "cluster-secrets.json", {
-        # one Secret per identity, as the cluster holds them (a task mounts a whole Secret)
-        "moerl-ckpt-cache-writer": {"WRITER_ACCESS_KEY_ID": cache_server.access_key,
-                                    "WRITER_SECRET_ACCESS_KEY": cache_server.secret_key},
-        "moerl-ckpt-cache-reader": {"READER_ACCESS_KEY_ID": reader_id, "READER_SECRET_ACCESS_KEY": reader_secret},
-        # cluster.mlflow_secret: `mlflow server` ignores basic auth, so these only have to arrive
-        "moerl-mlflow": {"MLFLOW_TRACKING_USERNAME": "moerl", "MLFLOW_TRACKING_PASSWORD": "cluster-local"}},
+    secrets = write_sandbox_secrets(
+        root / "cluster-secrets.json",
+        {
+            # one Secret per identity, as the cluster holds them (a task mounts a whole Secret)
+            "moerl-ckpt-cache-writer": {
+                "WRITER_ACCESS_KEY_ID": cache_server.access_key,
+                "WRITER_SECRET_ACCESS_KEY": cache_server.secret_key,
+            },
+            "moerl-ckpt-cache-reader": {
+                "READER_ACCESS_KEY_ID": reader_id,
+                "READER_SECRET_ACCESS_KEY": reader_secret,
+            },
+            # cluster.mlflow_secret: `mlflow server` ignores basic auth, so these only have to arrive
+            "moerl-mlflow": {
+                "MLFLOW_TRACKING_USERNAME": "moerl",
+                "MLFLOW_TRACKING_PASSWORD": "cluster-local",
+            },
+        },
         # IRSA's stand-in: every pod's service account reaches the durable S3 (its keys here)
-        service_account_env={k: v for k, v in os.environ.items() if k.startswith("AWS_")})
-    cache_tier = {"cache_tier": {"uri": "s3://moerl-cache/ckpt", "endpoint_url": cache_server.endpoint_url}}
+        service_account_env={k: v for k, v in os.environ.items() if k.startswith("AWS_")},
+    )
+    cache_tier = {
+        "cache_tier": {"uri": "s3://moerl-cache/ckpt", "endpoint_url": cache_server.endpoint_url}
+    }
     with mlflow_server(root) as url:
         ok_root, bad_root = root / "ok", root / "bad"
         ok_root.mkdir()
         bad_root.mkdir()
         try:  # it registers its final version in the MLflow server's model registry. Compiled with
             # settings that do not learn in 4 iterations; its run form sets the ones that do
-            ok_cfg = _cluster_cfg(s3_server, url, checkpoint=cache_tier, tracking=REGISTRY,
-                                  trainer={"learning_rate": 1e-4, "clip_eps_high": 0.28})
+            ok_cfg = _cluster_cfg(
+                s3_server,
+                url,
+                checkpoint=cache_tier,
+                tracking=REGISTRY,
+                trainer={"learning_rate": 1e-4, "clip_eps_high": 0.28},
+            )
             ok_err = _run_sandboxed(ok_cfg, ok_root, secrets, **OK_PARAMS)
         finally:
             cache.stop()
@@ -132,17 +166,36 @@ def cluster_run(s3_server, tmp_path_factory):
 
         if ok_err is None:
             MlflowClient(url).set_registered_model_alias("moerl-policy", "champion", "1")
-        bad_cfg = scheduled_config(_cluster_cfg(s3_server, url, require={"gpu": True}, tracking=REGISTRY,
-                                                task={"prompts_per_iteration": 8}, pipeline={"task_retries": 1}))
+        bad_cfg = scheduled_config(
+            _cluster_cfg(
+                s3_server,
+                url,
+                require={"gpu": True},
+                tracking=REGISTRY,
+                task={"prompts_per_iteration": 8},
+                pipeline={"task_retries": 1},
+            )
+        )
         bad_err = _run_sandboxed(bad_cfg, bad_root, secrets)
         # a run form with a bad value: refused by the first task (its own experiment, so the
         # runs above stay two)
         refused_root = root / "refused"
         refused_root.mkdir()
-        refused_err = _run_sandboxed(_cluster_cfg(s3_server, url, tracking={"experiment": "cluster-local-refused"}),
-                                     refused_root, secrets, learning_rate=-1.0)
-        yield {"root": root, "url": url, "ok_err": ok_err, "bad_err": bad_err, "refused_err": refused_err,
-               "s3": s3_server, "cache": cache}
+        refused_err = _run_sandboxed(
+            _cluster_cfg(s3_server, url, tracking={"experiment": "cluster-local-refused"}),
+            refused_root,
+            secrets,
+            learning_rate=-1.0,
+        )
+        yield {
+            "root": root,
+            "url": url,
+            "ok_err": ok_err,
+            "bad_err": bad_err,
+            "refused_err": refused_err,
+            "s3": s3_server,
+            "cache": cache,
+        }
 
 
 def _runs(url: str):
@@ -169,7 +222,9 @@ def test_the_eks_pipeline_completes_and_learns_with_tasks_sharing_only_servers(c
     client, ok, _ = _runs(cluster_run["url"])
     assert ok.info.status == "FINISHED"
     assert ok.data.tags["moerl.kfp_run_id"]  # how the exit task finds the run
-    hist = sorted((m.step, m.value) for m in client.get_metric_history(ok.info.run_id, "reward/mean"))
+    hist = sorted(
+        (m.step, m.value) for m in client.get_metric_history(ok.info.run_id, "reward/mean")
+    )
     assert [s for s, _ in hist] == list(range(ITERATIONS))
     first, last = hist[0][1], max(v for _, v in hist[-2:])
     assert last > first + 0.1, hist  # it learns
@@ -177,14 +232,24 @@ def test_the_eks_pipeline_completes_and_learns_with_tasks_sharing_only_servers(c
     # on the last one
     store = _store(cluster_run, ok.info.run_id)
     keep = _cluster_cfg(cluster_run["s3"], cluster_run["url"]).checkpoint.keep_last
-    assert store.versions() == [0, *range(ITERATIONS + 1 - keep, ITERATIONS + 1)] and store.latest() == ITERATIONS
+    assert (
+        store.versions() == [0, *range(ITERATIONS + 1 - keep, ITERATIONS + 1)]
+        and store.latest() == ITERATIONS
+    )
     assert ok.data.tags["moerl.final_checkpoint"].startswith(f"s3://{BUCKET}/{PREFIX}/")
     # every version went through the cache tier first (servable, then durable under the same
     # manifest), and every redistribution read it from there, none from S3
     for key in ("weights/cache_tier", "weights/fetched_from_cache"):
-        assert [v for _, v in sorted((m.step, m.value) for m in client.get_metric_history(ok.info.run_id, key))] \
-            == [1.0] * ITERATIONS, key
-    assert all(m.value == 0.0 for m in client.get_metric_history(ok.info.run_id, "weights/fetched_from_durable"))
+        assert [
+            v
+            for _, v in sorted(
+                (m.step, m.value) for m in client.get_metric_history(ok.info.run_id, key)
+            )
+        ] == [1.0] * ITERATIONS, key
+    assert all(
+        m.value == 0.0
+        for m in client.get_metric_history(ok.info.run_id, "weights/fetched_from_durable")
+    )
 
 
 @pytest.mark.slow
@@ -212,8 +277,12 @@ def test_a_failed_run_is_retried_then_marked_failed_by_the_exit_handler(cluster_
     client, _, bad = _runs(cluster_run["url"])
     assert bad.info.status == "FAILED"  # not left RUNNING
     assert bad.data.tags["moerl.status"] == "failed"
-    assert "rollout" in bad.data.tags["moerl.error"] or "exit-handler" in bad.data.tags["moerl.error"]
-    assert bad.data.tags["runtime.rollout.cuda_available"] == "false"  # what the failing stage found, recorded
+    assert (
+        "rollout" in bad.data.tags["moerl.error"] or "exit-handler" in bad.data.tags["moerl.error"]
+    )
+    assert (
+        bad.data.tags["runtime.rollout.cuda_available"] == "false"
+    )  # what the failing stage found, recorded
     # published state untouched: version 0 only, `latest` on it
     store = _store(cluster_run, bad.info.run_id)
     assert store.versions() == [0] and store.latest() == 0
@@ -231,13 +300,20 @@ def test_the_second_run_warm_started_from_the_first_runs_final_checkpoint(cluste
     assert ok.data.tags["moerl.registered_policy"] == "moerl-policy/1"
     mv = client.get_model_version_by_alias("moerl-policy", "champion")
     assert mv.source == ok.data.tags["moerl.final_checkpoint"] == mv.tags["moerl.version_uri"]
-    assert mv.tags["moerl.manifest_sha256"] == _store(cluster_run, ok.info.run_id).manifest(ITERATIONS).sha256()
-    assert float(mv.tags["moerl.final_reward"]) == pytest.approx(ok.data.metrics["reward/mean"], abs=1e-6)
+    assert (
+        mv.tags["moerl.manifest_sha256"]
+        == _store(cluster_run, ok.info.run_id).manifest(ITERATIONS).sha256()
+    )
+    assert float(mv.tags["moerl.final_reward"]) == pytest.approx(
+        ok.data.metrics["reward/mean"], abs=1e-6
+    )
     assert bad.data.tags["moerl.warm_start.registered"] == "moerl-policy/1"
     assert [i.dataset.name for i in ok.inputs.dataset_inputs] == ["digits-copy"]
     assert bad.data.tags["moerl.warm_start.run_id"] == ok.info.run_id
     assert bad.data.tags["moerl.warm_start.checkpoint"] == ok.data.tags["moerl.final_checkpoint"]
-    final = {f.path: f.sha256 for f in _store(cluster_run, ok.info.run_id).manifest(ITERATIONS).files}
+    final = {
+        f.path: f.sha256 for f in _store(cluster_run, ok.info.run_id).manifest(ITERATIONS).files
+    }
     v0 = {f.path: f.sha256 for f in _store(cluster_run, bad.info.run_id).manifest(0).files}
     assert v0["model.safetensors"] == final["model.safetensors"]
     assert not any(p.startswith("trainer/") for p in v0)  # a new run starts a new optimizer
@@ -250,8 +326,11 @@ def test_the_run_forms_parameters_and_overrides_are_what_the_run_ran(cluster_run
     assert params["trainer.learning_rate"] == "0.002" and params["trainer.clip_eps_high"] == "3.0"
     assert ok.info.run_name == "cluster-ok"
     changed = json.loads(ok.data.tags["moerl.run_parameters"])
-    assert changed == {"trainer.learning_rate": "0.002", "trainer.clip_eps_high": "3.0",
-                       "tracking.run_name": "cluster-ok"}
+    assert changed == {
+        "trainer.learning_rate": "0.002",
+        "trainer.clip_eps_high": "3.0",
+        "tracking.run_name": "cluster-ok",
+    }
 
 
 @pytest.mark.slow
@@ -264,7 +343,9 @@ def test_a_bad_run_parameter_fails_the_first_task_naming_the_key_and_publishes_n
     exp = client.get_experiment_by_name("cluster-local-refused")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
-    assert run.data.tags["moerl.error"].startswith("run parameters: invalid config: trainer.learning_rate: ")
+    assert run.data.tags["moerl.error"].startswith(
+        "run parameters: invalid config: trainer.learning_rate: "
+    )
     assert "\n" not in run.data.tags["moerl.error"]  # one line, as the CLI prints it
     assert _store(cluster_run, run.info.run_id).versions() == []  # nothing published
     # close and start only: no stage ran

@@ -13,20 +13,38 @@ from moerl.orchestrate.compile import compile_pipeline
 
 def test_cli_compile_writes_yaml_that_kfp_loads(tmp_path):
     out = tmp_path / "grpo.yaml"
-    r = subprocess.run([sys.executable, "-m", "moerl.cli", "compile", "configs/tiny-moe-grpo.yaml", "-o", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moerl.cli",
+            "compile",
+            "configs/tiny-moe-grpo.yaml",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     from kfp import components
 
     loaded = components.load_component_from_file(str(out))
     assert loaded.name == "moerl-grpo"
     # the compiled config, the run id and provenance, then the run form (tests/test_run_params.py)
-    assert {"config_json", "run_id", "git_sha", "learning_rate", "dataset", "overrides"} <= set(loaded.component_spec.inputs)
-    assert "versions" not in loaded.component_spec.inputs  # the sync pipeline unrolls its iterations
+    assert {"config_json", "run_id", "git_sha", "learning_rate", "dataset", "overrides"} <= set(
+        loaded.component_spec.inputs
+    )
+    assert (
+        "versions" not in loaded.component_spec.inputs
+    )  # the sync pipeline unrolls its iterations
 
 
 def test_compiled_spec_unrolls_iterations_and_uses_the_configured_image(tmp_path):
-    cfg = parse_config({"pipeline": {"iterations": 3, "base_image": "registry.example/moerl-cpu:9.9"}})
+    cfg = parse_config(
+        {"pipeline": {"iterations": 3, "base_image": "registry.example/moerl-cpu:9.9"}}
+    )
     out = compile_pipeline(cfg, tmp_path / "p.yaml")
     spec_dict = yaml.safe_load(out.read_text())
     spec = pipeline_spec_pb2.PipelineSpec()
@@ -35,13 +53,32 @@ def test_compiled_spec_unrolls_iterations_and_uses_the_configured_image(tmp_path
     # the run inside an ExitHandler whose exit task closes the MLflow run however it ends
     assert {t.task_info.name for t in root.values()} == {"close-run", "moerl-run"}
     close = next(t for t in root.values() if t.task_info.name == "close-run")
-    assert close.trigger_policy.strategy == pipeline_spec_pb2.PipelineTaskSpec.TriggerPolicy.ALL_UPSTREAM_TASKS_COMPLETED
-    tasks = spec.components[next(t for t in root.values() if t.task_info.name == "moerl-run").component_ref.name].dag.tasks
+    assert (
+        close.trigger_policy.strategy
+        == pipeline_spec_pb2.PipelineTaskSpec.TriggerPolicy.ALL_UPSTREAM_TASKS_COMPLETED
+    )
+    tasks = spec.components[
+        next(t for t in root.values() if t.task_info.name == "moerl-run").component_ref.name
+    ].dag.tasks
     # start, init, finish + 7 tasks (6 stages + log) per iteration
     assert len(tasks) == 3 + 7 * 3
-    for stage in ("rollout", "reward", "buffer", "policy-update", "publish-checkpoint", "redistribute-weights"):
-        assert sum(1 for t in tasks.values() if t.component_ref.name == f"comp-{stage.replace('_', '-')}"
-                   or t.component_ref.name.startswith(f"comp-{stage}")) == 3, stage
+    for stage in (
+        "rollout",
+        "reward",
+        "buffer",
+        "policy-update",
+        "publish-checkpoint",
+        "redistribute-weights",
+    ):
+        assert (
+            sum(
+                1
+                for t in tasks.values()
+                if t.component_ref.name == f"comp-{stage.replace('_', '-')}"
+                or t.component_ref.name.startswith(f"comp-{stage}")
+            )
+            == 3
+        ), stage
     images = {e["container"]["image"] for e in spec_dict["deploymentSpec"]["executors"].values()}
     assert images == {"registry.example/moerl-cpu:9.9"}
     assert all(not t.caching_options.enable_cache for t in tasks.values())

@@ -16,8 +16,14 @@ VALKEY = "redis://valkey.moerl.svc:6379/0"
 
 
 def _cfg(**pipeline):
-    return parse_config({"pipeline": {"mode": "async", **pipeline}, "valkey": {"url": VALKEY},
-                         "rollout": {"workers": 3}, "reward": {"scorers": 2}})
+    return parse_config(
+        {
+            "pipeline": {"mode": "async", **pipeline},
+            "valkey": {"url": VALKEY},
+            "rollout": {"workers": 3},
+            "reward": {"scorers": 2},
+        }
+    )
 
 
 def _spec(path) -> tuple[pipeline_spec_pb2.PipelineSpec, dict]:
@@ -27,7 +33,9 @@ def _spec(path) -> tuple[pipeline_spec_pb2.PipelineSpec, dict]:
     return spec, spec_dict
 
 
-def _all_tasks(spec: pipeline_spec_pb2.PipelineSpec) -> dict[str, pipeline_spec_pb2.PipelineTaskSpec]:
+def _all_tasks(
+    spec: pipeline_spec_pb2.PipelineSpec,
+) -> dict[str, pipeline_spec_pb2.PipelineTaskSpec]:
     """Every task of the root DAG and of the ParallelFor bodies, by task name."""
     tasks = dict(spec.root.dag.tasks)
     for comp in spec.components.values():
@@ -39,10 +47,21 @@ def _all_tasks(spec: pipeline_spec_pb2.PipelineSpec) -> dict[str, pipeline_spec_
 def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
     spec, spec_dict = _spec(compile_pipeline(_cfg(), tmp_path / "a.yaml"))
     top = spec.root.dag.tasks
-    assert {t.task_info.name for t in top.values()} == {"close-run", "moerl-run"}  # the run in an ExitHandler
-    root = spec.components[next(t for t in top.values() if t.task_info.name == "moerl-run").component_ref.name].dag.tasks
+    assert {t.task_info.name for t in top.values()} == {
+        "close-run",
+        "moerl-run",
+    }  # the run in an ExitHandler
+    root = spec.components[
+        next(t for t in top.values() if t.task_info.name == "moerl-run").component_ref.name
+    ].dag.tasks
     assert {t.task_info.name for t in root.values()} == {
-        "start-run", "init-policy-v0", "rollout-workers", "reward-scorers", "trainer", "finish-run"}
+        "start-run",
+        "init-policy-v0",
+        "rollout-workers",
+        "reward-scorers",
+        "trainer",
+        "finish-run",
+    }
     by_name = {t.task_info.name: key for key, t in root.items()}
     init = by_name["init-policy-v0"]
     # the three long-lived stages do not wait for each other; the workers and scorers start
@@ -51,20 +70,31 @@ def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
         deps = set(root[by_name[stage]].dependent_tasks)
         assert (init in deps) == (stage == "trainer"), stage
         assert by_name["start-run"] in deps or stage == "trainer", stage
-        assert not deps & {by_name[s] for s in ("rollout-workers", "reward-scorers", "trainer")}, stage
+        assert not deps & {by_name[s] for s in ("rollout-workers", "reward-scorers", "trainer")}, (
+            stage
+        )
     # a failing init_policy stops the stages that started beside it (it marks the run failed)
     assert root[init].inputs.parameters["stages_beside"].runtime_value.constant.bool_value is True
     assert set(root[by_name["finish-run"]].dependent_tasks) >= {by_name["trainer"]}
     fin_policy = root[by_name["finish-run"]].inputs.parameters["policy_json"].task_output_parameter
     assert fin_policy.producer_task == by_name["trainer"]
     tasks = _all_tasks(spec)
-    assert all(not t.caching_options.enable_cache for t in tasks.values() if not t.HasField("parameter_iterator"))
-    inner = {t.task_info.name for t in tasks.values()} - {t.task_info.name for t in root.values()} - {
-        t.task_info.name for t in top.values()}
+    assert all(
+        not t.caching_options.enable_cache
+        for t in tasks.values()
+        if not t.HasField("parameter_iterator")
+    )
+    inner = (
+        {t.task_info.name for t in tasks.values()}
+        - {t.task_info.name for t in root.values()}
+        - {t.task_info.name for t in top.values()}
+    )
     assert inner == {"rollout-worker", "reward-scorer"}
     default = spec.root.input_definitions.parameters["config_json"].default_value.string_value
     assert parse_config(yaml.safe_load(default)).pipeline.mode == "async"
-    assert {e["container"]["image"] for e in spec_dict["deploymentSpec"]["executors"].values()} == {"moerl-cpu:0.1.0"}
+    assert {e["container"]["image"] for e in spec_dict["deploymentSpec"]["executors"].values()} == {
+        "moerl-cpu:0.1.0"
+    }
 
 
 def test_compiled_size_does_not_depend_on_versions(tmp_path):
@@ -73,11 +103,14 @@ def test_compiled_size_does_not_depend_on_versions(tmp_path):
     # only the digits of `versions` differ: in the embedded config default and as the run form's
     # `versions` default (each twice: the header comment too)
     assert 0 < len(large) - len(small) <= 4 * (len("100000") - len("3"))
-    assert small.replace('"versions":3,', '"versions":100000,').replace("versions: int [Default: 3.0]",
-                                                                          "versions: int [Default: 100000.0]"
-                                                                          ).replace("versions:\n        defaultValue: 3.0",
-                                                                                    "versions:\n        defaultValue: 100000.0"
-                                                                                    ) == large
+    assert (
+        small.replace('"versions":3,', '"versions":100000,')
+        .replace("versions: int [Default: 3.0]", "versions: int [Default: 100000.0]")
+        .replace(
+            "versions:\n        defaultValue: 3.0", "versions:\n        defaultValue: 100000.0"
+        )
+        == large
+    )
 
 
 def test_rollout_workers_and_scorers_retry_far_past_kfps_one_hour_default(tmp_path):
@@ -90,22 +123,34 @@ def test_rollout_workers_and_scorers_retry_far_past_kfps_one_hour_default(tmp_pa
         assert policy.backoff_max_duration.seconds == 14 * 24 * 3600 > 100 * 3600, name
         assert policy.backoff_duration.seconds == 10 and policy.backoff_factor == 1.0, name
     trainer = tasks["trainer"].retry_policy
-    assert 0 < trainer.max_retry_count < 42 and trainer.backoff_max_duration.seconds == 14 * 24 * 3600
+    assert (
+        0 < trainer.max_retry_count < 42 and trainer.backoff_max_duration.seconds == 14 * 24 * 3600
+    )
     # a task that must not repeat (it would publish version 0 again) has none
     assert tasks["init-policy-v0"].retry_policy.max_retry_count == 0
 
 
 def test_parallel_for_runs_every_worker_slot_at_once(tmp_path):
-    cfg = parse_config({"pipeline": {"mode": "async"}, "valkey": {"url": VALKEY},
-                        "rollout": {"workers": 5}, "reward": {"scorers": 2}})
+    cfg = parse_config(
+        {
+            "pipeline": {"mode": "async"},
+            "valkey": {"url": VALKEY},
+            "rollout": {"workers": 5},
+            "reward": {"scorers": 2},
+        }
+    )
     spec, _ = _spec(compile_pipeline(cfg, tmp_path / "a.yaml"))
-    loops = {t.task_info.name: t for t in _all_tasks(spec).values() if t.HasField("parameter_iterator")}
+    loops = {
+        t.task_info.name: t for t in _all_tasks(spec).values() if t.HasField("parameter_iterator")
+    }
     # the slots come from start_run (the run's merged config: the run form's rollout_workers and
     # reward_scorers), with no parallelism limit, so none waits for another to end
     for name, output in (("rollout-workers", "worker_slots"), ("reward-scorers", "scorer_slots")):
         loop = loops[name]
         assert loop.iterator_policy.parallelism_limit == 0, name
-        source = loop.inputs.parameters[loop.parameter_iterator.items.input_parameter].task_output_parameter
+        source = loop.inputs.parameters[
+            loop.parameter_iterator.items.input_parameter
+        ].task_output_parameter
         assert source.output_parameter_key == output and source.producer_task == "start-run", name
     form = spec.root.input_definitions.parameters
     assert form["rollout_workers"].default_value.number_value == 5
@@ -120,23 +165,43 @@ def test_cli_compile_async_without_valkey_url_is_a_config_error(tmp_path, capsys
     assert "valkey.url" in err and "moerl run --mode async" in err
     assert not out.exists()
     # with it, the same command writes the async pipeline
-    assert main(["compile", "--mode", "async", "configs/tiny-moe-grpo.yaml", "--set", f"valkey.url={VALKEY}",
-                 "-o", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compile",
+                "--mode",
+                "async",
+                "configs/tiny-moe-grpo.yaml",
+                "--set",
+                f"valkey.url={VALKEY}",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     spec, _ = _spec(out)
     assert "trainer" in {t.task_info.name for t in _all_tasks(spec).values()}
 
 
 def test_async_compile_never_writes_the_tracking_credentials(tmp_path, capsys):
     uri = "http://alice:s3cr3t@127.0.0.1:5000/mlflow"
-    cfg = parse_config({"pipeline": {"mode": "async"}, "valkey": {"url": VALKEY}, "tracking": {"uri": uri}})
+    cfg = parse_config(
+        {"pipeline": {"mode": "async"}, "valkey": {"url": VALKEY}, "tracking": {"uri": uri}}
+    )
     text = compile_pipeline(cfg, tmp_path / "a.yaml").read_text()
     assert "http://127.0.0.1:5000/mlflow" in text and "alice" not in text and "s3cr3t" not in text
-    assert "MLFLOW_TRACKING_PASSWORD and MLFLOW_TRACKING_USERNAME from a Kubernetes Secret" in capsys.readouterr().err
+    assert (
+        "MLFLOW_TRACKING_PASSWORD and MLFLOW_TRACKING_USERNAME from a Kubernetes Secret"
+        in capsys.readouterr().err
+    )
 
 
 def test_modes_block_applies_to_its_mode_only(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("trainer: {clip_eps_high: 3.0}\nmodes:\n  async:\n    trainer: {clip_eps_high: 0.28}\n")
+    path.write_text(
+        "trainer: {clip_eps_high: 3.0}\nmodes:\n  async:\n    trainer: {clip_eps_high: 0.28}\n"
+    )
     assert load_config(path, mode="async").trainer.clip_eps_high == 0.28
     assert load_config(path, mode="async").pipeline.mode == "async"
     assert load_config(path, mode="sync").trainer.clip_eps_high == 3.0

@@ -15,8 +15,13 @@ DEFAULT = ROOT / "configs" / "tiny-moe-grpo.yaml"
 
 
 def moerl(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "moerl.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moerl.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+    )
 
 
 def test_default_config_loads_and_matches_the_documented_values():
@@ -55,22 +60,32 @@ def test_cross_field_checks():
         parse_config({"checkpoint": {"uri": "gs://bucket/x"}})
     with pytest.raises(ConfigError, match="credential"):
         parse_config({"checkpoint": {"endpoint_url": "http://AKIA:secret@127.0.0.1:8333"}})
-    with pytest.raises(ConfigError, match="rollout.weight_update in_flight is for single-turn tasks"):
-        parse_config({"rollout": {"weight_update": "in_flight"}, "task": {"environment": "moerl.tasks.envs:Guess"}})
+    with pytest.raises(
+        ConfigError, match="rollout.weight_update in_flight is for single-turn tasks"
+    ):
+        parse_config(
+            {
+                "rollout": {"weight_update": "in_flight"},
+                "task": {"environment": "moerl.tasks.envs:Guess"},
+            }
+        )
     with pytest.raises(ConfigError, match="in_flight with rollout.return_routed_experts"):
         parse_config({"rollout": {"weight_update": "in_flight", "return_routed_experts": True}})
     with pytest.raises(ConfigError, match="rollout.inflight_kv"):
         parse_config({"rollout": {"inflight_kv": "drop"}})
 
 
-@pytest.mark.parametrize("body, needle", [
-    ("trainer:\n  learning_rate: -1\n", "trainer.learning_rate"),
-    ("rollout:\n  samples_per_prompt: 1\n", "rollout.samples_per_prompt"),
-    ("pipeline:\n  iterations: zero\n", "pipeline.iterations"),
-    ("bogus: 1\n", "bogus: unknown key"),
-    ("- a\n- b\n", "top level must be a mapping"),
-    ("trainer: [unclosed\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("trainer:\n  learning_rate: -1\n", "trainer.learning_rate"),
+        ("rollout:\n  samples_per_prompt: 1\n", "rollout.samples_per_prompt"),
+        ("pipeline:\n  iterations: zero\n", "pipeline.iterations"),
+        ("bogus: 1\n", "bogus: unknown key"),
+        ("- a\n- b\n", "top level must be a mapping"),
+        ("trainer: [unclosed\n", "not valid YAML"),
+    ],
+)
 def test_cli_exits_2_with_one_line_before_any_work(tmp_path, body, needle):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(body)
@@ -107,7 +122,15 @@ def test_flatten_gives_dotted_params():
 
 
 def test_set_overrides_are_validated_like_the_file(tmp_path):
-    r = moerl("config", "show", str(DEFAULT), "--set", "trainer.expert_parallel_size=2", "--set", "pipeline.iterations=3")
+    r = moerl(
+        "config",
+        "show",
+        str(DEFAULT),
+        "--set",
+        "trainer.expert_parallel_size=2",
+        "--set",
+        "pipeline.iterations=3",
+    )
     assert r.returncode == 0, r.stderr
     shown = yaml.safe_load(r.stdout)
     assert shown["trainer"]["expert_parallel_size"] == 2 and shown["pipeline"]["iterations"] == 3
@@ -134,45 +157,86 @@ def test_deepep_options_are_checked_at_load():
     from moerl.errors import ConfigError
 
     gpu = {"ep_backend": "deepep", "device": "cuda"}
-    cfg = parse_config({"trainer": gpu | {"deepep_options": {"api": "v2", "num_max_tokens_per_rank": 8192}}})
+    cfg = parse_config(
+        {"trainer": gpu | {"deepep_options": {"api": "v2", "num_max_tokens_per_rank": 8192}}}
+    )
     assert cfg.trainer.deepep_options == {"api": "v2", "num_max_tokens_per_rank": 8192}
-    with pytest.raises(ConfigError, match=r"deepep_options: api: Input should be 'auto', 'v1' or 'v2'"):
+    with pytest.raises(
+        ConfigError, match=r"deepep_options: api: Input should be 'auto', 'v1' or 'v2'"
+    ):
         parse_config({"trainer": gpu | {"deepep_options": {"api": "v3"}}})
-    with pytest.raises(ConfigError, match="deepep_options: num_max_token_per_rank: Extra inputs are not permitted"):
+    with pytest.raises(
+        ConfigError, match="deepep_options: num_max_token_per_rank: Extra inputs are not permitted"
+    ):
         parse_config({"trainer": gpu | {"deepep_options": {"num_max_token_per_rank": 1}}})
-    with pytest.raises(ConfigError, match="deepep_options is for ep_backend deepep; ep_backend is all_to_all"):
+    with pytest.raises(
+        ConfigError, match="deepep_options is for ep_backend deepep; ep_backend is all_to_all"
+    ):
         parse_config({"trainer": {"deepep_options": {"api": "v2"}}})
 
 
-@pytest.mark.parametrize("cache_tier, needle", [
-    ({"uri": "/local/dir", "endpoint_url": "http://x:8333"}, "must be s3://bucket/prefix on the cache server"),
-    ({"uri": "s3://", "endpoint_url": "http://x:8333"}, "must be s3://bucket/prefix"),
-    ({"uri": "s3://c/p"}, "checkpoint.cache_tier.endpoint_url is required"),
-    ({"uri": "s3://c/p", "endpoint_url": "http://key:secret@x:8333"}, "must not embed credentials"),
-    ({"uri": "s3://c/p", "endpoint_url": "http://x", "credentials_env": "lower"}, "credentials_env"),
-    ({"uri": "s3://c/p", "endpoint_url": "http://x", "keep_last": 0}, "keep_last"),
-])
+@pytest.mark.parametrize(
+    "cache_tier, needle",
+    [
+        (
+            {"uri": "/local/dir", "endpoint_url": "http://x:8333"},
+            "must be s3://bucket/prefix on the cache server",
+        ),
+        ({"uri": "s3://", "endpoint_url": "http://x:8333"}, "must be s3://bucket/prefix"),
+        ({"uri": "s3://c/p"}, "checkpoint.cache_tier.endpoint_url is required"),
+        (
+            {"uri": "s3://c/p", "endpoint_url": "http://key:secret@x:8333"},
+            "must not embed credentials",
+        ),
+        (
+            {"uri": "s3://c/p", "endpoint_url": "http://x", "credentials_env": "lower"},
+            "credentials_env",
+        ),
+        ({"uri": "s3://c/p", "endpoint_url": "http://x", "keep_last": 0}, "keep_last"),
+    ],
+)
 def test_a_bad_cache_tier_is_refused_naming_the_field(cache_tier, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         parse_config({"checkpoint": {"cache_tier": cache_tier}})
 
 
 def test_the_cache_tier_is_off_by_default_and_embedded_is_allowed_locally():
-    assert parse_config({}).checkpoint.cache_tier.uri is None and not parse_config({}).checkpoint.fanout
-    ct = parse_config({"checkpoint": {"cache_tier": {"uri": "s3://c/p", "endpoint_url": "embedded"}}}).checkpoint
-    assert ct.cache_tier.endpoint_url == "embedded" and ct.max_unpublished == 1 and ct.chunk_mb == 64
+    assert (
+        parse_config({}).checkpoint.cache_tier.uri is None
+        and not parse_config({}).checkpoint.fanout
+    )
+    ct = parse_config(
+        {"checkpoint": {"cache_tier": {"uri": "s3://c/p", "endpoint_url": "embedded"}}}
+    ).checkpoint
+    assert (
+        ct.cache_tier.endpoint_url == "embedded" and ct.max_unpublished == 1 and ct.chunk_mb == 64
+    )
 
 
-@pytest.mark.parametrize("data,match", [
-    ({"trainer": {"policy_loss": "gspo", "clip_ratio_c": 3.0}}, "clip_ratio_c .dual clip. is a token-level PPO bound"),
-    ({"trainer": {"tis_mask_low": 0.5}}, "tis_mask_low masks the lower tail in tis_mode token_mask or sequence_mask"),
-    ({"trainer": {"tis_mode": "tokens"}}, "trainer.tis_mode: .*token_truncate"),
-    ({"trainer": {"router_replay": "R4"}}, "trainer.router_replay: .*R3"),
-    ({"trainer": {"rollout_rs_threshold": 1.0}}, "trainer.rollout_rs_threshold"),
-    ({"rollout": {"return_routed_experts": True, "engine_in_process": False}},
-     "return_routed_experts on CPU .* needs engine_in_process true and enforce_eager true"),
-    ({"rollout": {"return_routed_experts": True, "enforce_eager": False}}, "enforce_eager true"),
-])
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        (
+            {"trainer": {"policy_loss": "gspo", "clip_ratio_c": 3.0}},
+            "clip_ratio_c .dual clip. is a token-level PPO bound",
+        ),
+        (
+            {"trainer": {"tis_mask_low": 0.5}},
+            "tis_mask_low masks the lower tail in tis_mode token_mask or sequence_mask",
+        ),
+        ({"trainer": {"tis_mode": "tokens"}}, "trainer.tis_mode: .*token_truncate"),
+        ({"trainer": {"router_replay": "R4"}}, "trainer.router_replay: .*R3"),
+        ({"trainer": {"rollout_rs_threshold": 1.0}}, "trainer.rollout_rs_threshold"),
+        (
+            {"rollout": {"return_routed_experts": True, "engine_in_process": False}},
+            "return_routed_experts on CPU .* needs engine_in_process true and enforce_eager true",
+        ),
+        (
+            {"rollout": {"return_routed_experts": True, "enforce_eager": False}},
+            "enforce_eager true",
+        ),
+    ],
+)
 def test_mismatch_keys_refuse_bad_values_naming_the_key(data, match):
     with pytest.raises(ConfigError, match=match):
         parse_config(data)
@@ -180,7 +244,16 @@ def test_mismatch_keys_refuse_bad_values_naming_the_key(data, match):
 
 def test_mismatch_keys_defaults_and_derived_values():
     t = parse_config({}).trainer
-    assert (t.policy_loss, t.tis_mode, t.router_replay, t.rollout_rs) == ("ppo", "token_truncate", "disabled", "off")
+    assert (t.policy_loss, t.tis_mode, t.router_replay, t.rollout_rs) == (
+        "ppo",
+        "token_truncate",
+        "disabled",
+        "off",
+    )
     assert t.agg_mode == "token-mean" and t.clip_range == (0.2, 0.28)
     g = parse_config({"trainer": {"policy_loss": "gspo", "rollout_rs_threshold": 2.0}}).trainer
-    assert g.agg_mode == "seq-mean-token-mean" and g.clip_range == (3e-4, 4e-4) and g.rs_bounds == (0.5, 2.0)
+    assert (
+        g.agg_mode == "seq-mean-token-mean"
+        and g.clip_range == (3e-4, 4e-4)
+        and g.rs_bounds == (0.5, 2.0)
+    )

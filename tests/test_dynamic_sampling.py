@@ -15,18 +15,39 @@ from moerl.records import ScoredSample
 
 
 def _scored(prompt: str, rewards: list[float]) -> list[ScoredSample]:
-    return [ScoredSample(prompt_id=prompt, task="copy", prompt="p", answer="1", sample_index=j, prompt_token_ids=[1],
-                         response_token_ids=[2], response_logprobs=[-1.0], response_text="x", finish_reason="stop",
-                         policy_version=0, reward=r) for j, r in enumerate(rewards)]
+    return [
+        ScoredSample(
+            prompt_id=prompt,
+            task="copy",
+            prompt="p",
+            answer="1",
+            sample_index=j,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-1.0],
+            response_text="x",
+            finish_reason="stop",
+            policy_version=0,
+            reward=r,
+        )
+        for j, r in enumerate(rewards)
+    ]
 
 
 def test_the_sync_buffer_keeps_exactly_min_signal_groups_in_prompt_order():
-    scored = (_scored("a", [1, 1]) + _scored("b", [0, 1]) + _scored("c", [0, 0]) + _scored("d", [1, 0])
-              + _scored("e", [0.5, 1]))
+    scored = (
+        _scored("a", [1, 1])
+        + _scored("b", [0, 1])
+        + _scored("c", [0, 0])
+        + _scored("d", [1, 0])
+        + _scored("e", [0.5, 1])
+    )
     batch, m = assemble(scored, BufferConfig(min_signal_groups=2), trainer_version=0)
     assert len(batch) == 4  # b and d, two samples each
     assert m["buffer/signal_groups"] == 2 and m["buffer/surplus_signal_groups"] == 1
-    assert m["buffer/signal_shortfall_groups"] == 0 and m["buffer/dropped_zero_variance_groups"] == 2
+    assert (
+        m["buffer/signal_shortfall_groups"] == 0 and m["buffer/dropped_zero_variance_groups"] == 2
+    )
     short, m = assemble(scored, BufferConfig(min_signal_groups=5), trainer_version=0)
     assert len(short) == 6 and m["buffer/signal_shortfall_groups"] == 2
     plain, m = assemble(scored, BufferConfig(), trainer_version=0)
@@ -34,21 +55,39 @@ def test_the_sync_buffer_keeps_exactly_min_signal_groups_in_prompt_order():
 
 
 def test_steps_have_one_size_whatever_the_batch():
-    cfg = parse_config({"buffer": {"min_signal_groups": 4}, "task": {"prompts_per_iteration": 8},
-                        "rollout": {"samples_per_prompt": 8}, "trainer": {"optimizer_steps_per_iteration": 8}})
+    cfg = parse_config(
+        {
+            "buffer": {"min_signal_groups": 4},
+            "task": {"prompts_per_iteration": 8},
+            "rollout": {"samples_per_prompt": 8},
+            "trainer": {"optimizer_steps_per_iteration": 8},
+        }
+    )
     assert optimizer_steps(cfg, 32) == 8  # a full batch: 4 groups x 8
     assert optimizer_steps(cfg, 16) == 4  # half a batch: half the steps, each of the same size
     assert optimizer_steps(cfg, 3) == 1  # at least one
     assert optimizer_steps(cfg, 64) == 8  # never more than configured
-    assert optimizer_steps(parse_config({}), 3) == parse_config({}).trainer.optimizer_steps_per_iteration
+    assert (
+        optimizer_steps(parse_config({}), 3)
+        == parse_config({}).trainer.optimizer_steps_per_iteration
+    )
 
 
 CFG = BufferConfig(min_signal_groups=4, high_watermark=1000, low_watermark=10)
 
 
 def _issue(**kw):
-    base = dict(used=0, in_flight=0, version=0, batch_prompts=8, versions=10, max_staleness=0, backlog=0,
-                paused=False, cfg=CFG)
+    base = dict(
+        used=0,
+        in_flight=0,
+        version=0,
+        batch_prompts=8,
+        versions=10,
+        max_staleness=0,
+        backlog=0,
+        paused=False,
+        cfg=CFG,
+    )
     return prompts_to_issue(**{**base, **kw})[0]
 
 
@@ -65,7 +104,9 @@ def test_issuance_counts_signal_groups_and_scales_by_the_signal_rate():
     # group, and never more than the gather limit (8 x 4 groups) a version
     assert _issue(used=20, signal_used=0, version=0) == 12
     assert _issue(used=20, signal_used=1, version=0, max_staleness=3) == 108  # 4 x 32 - 20
-    assert _issue(used=20, signal_used=4, version=0, max_staleness=3) == 60  # (4 x 4 - 4) / 0.2 signal
+    assert (
+        _issue(used=20, signal_used=4, version=0, max_staleness=3) == 60
+    )  # (4 x 4 - 4) / 0.2 signal
     # never more than the run still needs
     assert _issue(used=80, signal_used=40, version=10, versions=10) == 0
 
@@ -73,7 +114,9 @@ def test_issuance_counts_signal_groups_and_scales_by_the_signal_rate():
 def test_bad_dynamic_sampling_configs_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match="min_signal_groups.*drop_zero_variance_groups"):
         parse_config({"buffer": {"min_signal_groups": 2, "drop_zero_variance_groups": False}})
-    with pytest.raises(ConfigError, match="buffer.min_signal_groups .9. is more than task.prompts_per_iteration"):
+    with pytest.raises(
+        ConfigError, match="buffer.min_signal_groups .9. is more than task.prompts_per_iteration"
+    ):
         parse_config({"buffer": {"min_signal_groups": 9}, "task": {"prompts_per_iteration": 8}})
     with pytest.raises(ConfigError, match="max_gather_groups"):
         parse_config({"buffer": {"max_gather_groups": 4}})

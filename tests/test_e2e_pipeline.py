@@ -18,7 +18,14 @@ import yaml
 from tests.mlflow_server import mlflow_server
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("rollout", "reward", "buffer", "policy_update", "publish_checkpoint", "redistribute_weights")
+STAGES = (
+    "rollout",
+    "reward",
+    "buffer",
+    "policy_update",
+    "publish_checkpoint",
+    "redistribute_weights",
+)
 PASSWORD = "pw-3e9c1a7f-e2e"
 
 
@@ -30,29 +37,89 @@ def e2e_run(tmp_path_factory):
     # a user's tasks by import path (examples/my_tasks on PYTHONPATH, as README runs it): `copy`
     # rows scored by its async verifier, `guess` rows as multi-turn episodes of its environment
     guess = (ROOT / "examples" / "my_tasks" / "guess.jsonl").read_text().splitlines()
-    rows = [line for i, g in enumerate(guess) for line in (
-        json.dumps({"id": f"c{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)}), g)]
+    rows = [
+        line
+        for i, g in enumerate(guess)
+        for line in (
+            json.dumps(
+                {
+                    "id": f"c{i}",
+                    "task": "copy",
+                    "prompt": f"copy {1000 + i}=",
+                    "answer": str(1000 + i),
+                }
+            ),
+            g,
+        )
+    ]
     (work / "tasks.jsonl").write_text("\n".join(rows) + "\n")
-    (work / "run.yaml").write_text(yaml.safe_dump({
-        "task": {"prompts_per_iteration": 8, "dataset": "tasks.jsonl", "max_turns": 3,
-                 "environments": {"guess": "my_tasks.guess:GuessNumber"}},
-        # the engine's routes travel with the samples through every task, and R3 replays them
-        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6, "return_routed_experts": True},
-        "reward": {"kind": "mixed", "model": {"registered": "moerl-tiny-rm/latest", "max_batch": 16},
-                   "verifiers": {"copy": "my_tasks:copy_async"}},
-        "trainer": {"optimizer_steps_per_iteration": 2, "expert_parallel_size": 2, "router_replay": "R3"},
-        "tracking": {"experiment": "e2e", "uri": "http://moerl:" + PASSWORD + "@127.0.0.1:PORT"},
-        "pipeline": {"iterations": 2},
-    }))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {"PYTHONPATH": str(ROOT / "examples")}
-    with mlflow_server(work) as url:  # its store is work/mlflow.db, which the tests below read directly
-        rm = subprocess.run([sys.executable, "-m", "moerl.cli", "run", str(ROOT / "configs" / "tiny-rm.yaml"),
-                             "--set", f"tracking.uri={url}"], cwd=work, env=env, capture_output=True, text=True,
-                            timeout=900)
+    (work / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": {
+                    "prompts_per_iteration": 8,
+                    "dataset": "tasks.jsonl",
+                    "max_turns": 3,
+                    "environments": {"guess": "my_tasks.guess:GuessNumber"},
+                },
+                # the engine's routes travel with the samples through every task, and R3 replays them
+                "rollout": {
+                    "samples_per_prompt": 4,
+                    "max_new_tokens": 6,
+                    "return_routed_experts": True,
+                },
+                "reward": {
+                    "kind": "mixed",
+                    "model": {"registered": "moerl-tiny-rm/latest", "max_batch": 16},
+                    "verifiers": {"copy": "my_tasks:copy_async"},
+                },
+                "trainer": {
+                    "optimizer_steps_per_iteration": 2,
+                    "expert_parallel_size": 2,
+                    "router_replay": "R3",
+                },
+                "tracking": {
+                    "experiment": "e2e",
+                    "uri": "http://moerl:" + PASSWORD + "@127.0.0.1:PORT",
+                },
+                "pipeline": {"iterations": 2},
+            }
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")} | {
+        "PYTHONPATH": str(ROOT / "examples")
+    }
+    with mlflow_server(
+        work
+    ) as url:  # its store is work/mlflow.db, which the tests below read directly
+        rm = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moerl.cli",
+                "run",
+                str(ROOT / "configs" / "tiny-rm.yaml"),
+                "--set",
+                f"tracking.uri={url}",
+            ],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         (work / "rm.log").write_text(rm.stdout + rm.stderr)
-        (work / "run.yaml").write_text((work / "run.yaml").read_text().replace("127.0.0.1:PORT", url[7:]))
-        proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=900)
+        (work / "run.yaml").write_text(
+            (work / "run.yaml").read_text().replace("127.0.0.1:PORT", url[7:])
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "moerl.cli", "run", "run.yaml"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     (work / "out.log").write_text(proc.stdout + proc.stderr)
     proc.server_url, proc.rm = url, rm
     return work, proc
@@ -65,7 +132,13 @@ def _grpo_run_dir(work):
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
     assert sorted(p.name for p in (work / "checkpoints" / "runs").iterdir()) == sorted(
-        [run.info.run_id, client.search_runs([client.get_experiment_by_name("moerl-tiny-rm").experiment_id])[0].info.run_id])
+        [
+            run.info.run_id,
+            client.search_runs([client.get_experiment_by_name("moerl-tiny-rm").experiment_id])[
+                0
+            ].info.run_id,
+        ]
+    )
     return work / "checkpoints" / "runs" / run.info.run_id
 
 
@@ -73,7 +146,10 @@ def _grpo_run_dir(work):
 def test_pipeline_runs_and_prints_where_the_run_is(e2e_run):
     work, proc = e2e_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"at {proc.server_url}\n" in proc.stdout and f"view it:    open {proc.server_url} " in proc.stdout
+    assert (
+        f"at {proc.server_url}\n" in proc.stdout
+        and f"view it:    open {proc.server_url} " in proc.stdout
+    )
     assert "iteration 2/2 reward/mean=" in proc.stdout
 
 
@@ -85,18 +161,42 @@ def test_the_tracking_password_is_nowhere(e2e_run, tmp_path):
 
     work, proc = e2e_run
     assert PASSWORD not in proc.stdout + proc.stderr
-    written = [p for p in work.rglob("*") if p.is_file() and p.name not in ("run.yaml", "out.log", "rm.log")]
-    assert any(p.suffix == ".log" and p.parent.name == "work" for p in written)  # the pipeline log is among them
+    written = [
+        p
+        for p in work.rglob("*")
+        if p.is_file() and p.name not in ("run.yaml", "out.log", "rm.log")
+    ]
+    assert any(
+        p.suffix == ".log" and p.parent.name == "work" for p in written
+    )  # the pipeline log is among them
     assert [p for p in written if PASSWORD.encode() in p.read_bytes()] == []
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
     assert run.data.params["tracking.uri"] == proc.server_url
     assert not [k for k, v in {**run.data.params, **run.data.tags}.items() if PASSWORD in v]
-    comp = subprocess.run([sys.executable, "-m", "moerl.cli", "compile", str(work / "run.yaml"), "-o",
-                           str(tmp_path / "grpo.yaml")], capture_output=True, text=True, timeout=300)
+    comp = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moerl.cli",
+            "compile",
+            str(work / "run.yaml"),
+            "-o",
+            str(tmp_path / "grpo.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert comp.returncode == 0, comp.stderr
-    assert "removed the credentials in tracking.uri" in comp.stderr and PASSWORD not in comp.stdout + comp.stderr
-    assert PASSWORD not in (tmp_path / "grpo.yaml").read_text() and proc.server_url in (tmp_path / "grpo.yaml").read_text()
+    assert (
+        "removed the credentials in tracking.uri" in comp.stderr
+        and PASSWORD not in comp.stdout + comp.stderr
+    )
+    assert (
+        PASSWORD not in (tmp_path / "grpo.yaml").read_text()
+        and proc.server_url in (tmp_path / "grpo.yaml").read_text()
+    )
 
 
 @pytest.mark.slow
@@ -111,7 +211,8 @@ def test_new_versions_are_in_the_store_with_verified_manifests(e2e_run):
     files = {f.path for f in store.manifest(2).files}
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
     assert (local / "model.safetensors").read_bytes() != store.fetch(0, work / "verify").joinpath(
-        "model.safetensors").read_bytes()  # training changed the weights
+        "model.safetensors"
+    ).read_bytes()  # training changed the weights
 
 
 @pytest.mark.slow
@@ -126,8 +227,19 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
     assert run.data.params["trainer.optimizer_steps_per_iteration"] == "2"
     assert run.data.tags["moerl.git_sha"] and run.data.tags["version.torch"].startswith("2.13.0")
     # every component recorded its image's build-info and its runtime probe at start
-    for stage in ("start_run", "init_policy", "rollout", "reward", "buffer", "policy_update", "publish_checkpoint",
-                  "redistribute_weights", "log_iteration", "finish_run", "close_run"):
+    for stage in (
+        "start_run",
+        "init_policy",
+        "rollout",
+        "reward",
+        "buffer",
+        "policy_update",
+        "publish_checkpoint",
+        "redistribute_weights",
+        "log_iteration",
+        "finish_run",
+        "close_run",
+    ):
         assert run.data.tags[f"runtime.{stage}.torch"].startswith("2.13.0"), stage
         assert run.data.tags[f"runtime.{stage}.cuda_available"] == "false", stage
         assert run.data.tags[f"build.{stage}.info"] == "absent", stage  # no image here
@@ -143,13 +255,24 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
 
     ds = load_dataset(str(work / "tasks.jsonl"), 0.0)
     guess = [sum(p.task == "guess" for p in ds.batch(i, 8, 0)) for i in range(2)]
-    episodes = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "env/episodes"))
-    assert episodes == [(0, 4.0 * guess[0]), (1, 4.0 * guess[1])] and sum(guess) > 0, (episodes, guess)
-    assert all(m.value == 0 for m in client.get_metric_history(run.info.run_id, "env/error_episodes"))
+    episodes = sorted(
+        (m.step, m.value) for m in client.get_metric_history(run.info.run_id, "env/episodes")
+    )
+    assert episodes == [(0, 4.0 * guess[0]), (1, 4.0 * guess[1])] and sum(guess) > 0, (
+        episodes,
+        guess,
+    )
+    assert all(
+        m.value == 0 for m in client.get_metric_history(run.info.run_id, "env/error_episodes")
+    )
     assert all(m.value >= 1 for m in client.get_metric_history(run.info.run_id, "env/turns_mean"))
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"reward_curve.png", "final_checkpoint.txt"} <= arts
-    final = Path(client.download_artifacts(run.info.run_id, "final_checkpoint.txt", str(work))).read_text().strip()
+    final = (
+        Path(client.download_artifacts(run.info.run_id, "final_checkpoint.txt", str(work)))
+        .read_text()
+        .strip()
+    )
     assert final.endswith("/versions/v000002")
     assert run.data.tags["moerl.final_checkpoint"] == final
 
@@ -164,20 +287,33 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
     from moerl.config import CheckpointConfig
     from moerl.store.runs import open_store
 
-    rows = [{"id": f"p{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)}
-            for i in range(20)]
+    rows = [
+        {"id": f"p{i}", "task": "copy", "prompt": f"copy {1000 + i}=", "answer": str(1000 + i)}
+        for i in range(20)
+    ]
     (tmp_path / "copy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "task": {"dataset": "copy.jsonl", "prompts_per_iteration": 4},
-        "rollout": {"samples_per_prompt": 2, "max_new_tokens": 4},
-        "reward": {"verifier": "tests.hostile_verifiers:only_gold"},
-        "pipeline": {"iterations": 2},
-    }))
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": {"dataset": "copy.jsonl", "prompts_per_iteration": 4},
+                "rollout": {"samples_per_prompt": 2, "max_new_tokens": 4},
+                "reward": {"verifier": "tests.hostile_verifiers:only_gold"},
+                "pipeline": {"iterations": 2},
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                      env.get("PYTHONPATH")]))  # tests.hostile_verifiers
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")])
+    )  # tests.hostile_verifiers
+    proc = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "pipeline failed" in proc.stdout and "reward" in proc.stdout
     (run_dir,) = (tmp_path / "checkpoints" / "runs").iterdir()
@@ -186,26 +322,53 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("moerl").experiment_id])
     assert run.info.status == "FAILED"
-    assert "samples failed verification" in (tmp_path / ".moerl" / "work" / f"{run.info.run_id}.log").read_text()
+    assert (
+        "samples failed verification"
+        in (tmp_path / ".moerl" / "work" / f"{run.info.run_id}.log").read_text()
+    )
 
 
 def test_malformed_dataset_stops_before_any_work(tmp_path):
-    (tmp_path / "bad.jsonl").write_text('{"id": "a", "task": "copy", "prompt": "copy 1=", "answer": "1"}\n' + "x\n" * 5)
+    (tmp_path / "bad.jsonl").write_text(
+        '{"id": "a", "task": "copy", "prompt": "copy 1=", "answer": "1"}\n' + "x\n" * 5
+    )
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"task": {"dataset": "bad.jsonl"}}))
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert "task.dataset: 5 of 6 rows" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "checkpoints").exists()
 
 
 def test_missing_bucket_stops_before_training(tmp_path, s3_server):
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"checkpoint": {
-        "uri": "s3://moerl-no-such-bucket/runs", "endpoint_url": s3_server.endpoint_url, "max_attempts": 2}}))
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)  # inherits the fixture's AWS_* env
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "checkpoint": {
+                    "uri": "s3://moerl-no-such-bucket/runs",
+                    "endpoint_url": s3_server.endpoint_url,
+                    "max_attempts": 2,
+                }
+            }
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # inherits the fixture's AWS_* env
     assert proc.returncode == 1, proc.stderr
-    assert "bucket 'moerl-no-such-bucket' does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        "bucket 'moerl-no-such-bucket' does not exist" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     assert s3_server.secret_key not in proc.stderr + proc.stdout
     assert not (tmp_path / "mlflow.db").exists()  # no run was created
 
@@ -228,15 +391,23 @@ def test_the_expert_parallel_trainer_ran_and_its_checkpoint_served_the_next_roll
     trainer = run_dir / "versions" / "v000002" / "trainer"
     assert sorted(p.name for p in trainer.iterdir()) == ["optimizer", "state.json"]
     # the sharded optimizer state, a Distributed Checkpoint: one file per rank and its metadata, published
-    assert sorted(p.name for p in (trainer / "optimizer").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (trainer / "optimizer").iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     # every sample (the multi-turn episodes too: their last turn's request covers the episode)
     # carried the engine's routes through the tasks; R3 replayed them on the mesh (all positions
     # but each sample's last token and a trailing observation), and the engine and the trainer
     # routed alike (same weights, float32)
     forced = client.get_metric_history(run.info.run_id, "moe/replay_forced_fraction")
     assert len(forced) == 2 and all(0.5 < m.value < 1.0 for m in forced), [m.value for m in forced]
-    assert all(m.value > 0.9 for m in client.get_metric_history(run.info.run_id, "moe/routing_agreement"))
-    assert all(m.value >= 0 for m in client.get_metric_history(run.info.run_id, "rollout_corr/k3_kl"))
+    assert all(
+        m.value > 0.9 for m in client.get_metric_history(run.info.run_id, "moe/routing_agreement")
+    )
+    assert all(
+        m.value >= 0 for m in client.get_metric_history(run.info.run_id, "rollout_corr/k3_kl")
+    )
     assert run.data.tags["moerl.trainer.mesh"] == "dp 1 x ep 2 (FSDP2)"
     assert run.data.tags["moerl.trainer.precision"].startswith("float32 throughout")
 
@@ -256,13 +427,17 @@ def test_the_shipped_reward_model_reaches_its_accuracy_and_the_grpo_run_leads_ba
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     (rm_run,) = client.search_runs([client.get_experiment_by_name("moerl-tiny-rm").experiment_id])
     assert rm_run.info.status == "FINISHED" and rm_run.data.metrics["rm/eval_accuracy"] >= 0.9
-    assert rm_run.data.metrics["rm/eval_pairs"] == 500 and rm_run.data.metrics["rm/data_bad_rows"] == 0
+    assert (
+        rm_run.data.metrics["rm/eval_pairs"] == 500 and rm_run.data.metrics["rm/data_bad_rows"] == 0
+    )
     (mv,) = client.search_model_versions("name='moerl-tiny-rm'")
     store = open_store(CheckpointConfig(uri=mv.tags["moerl.store_uri"]))
     assert store.latest() == 1 and store.manifest(1).sha256() == mv.tags["moerl.manifest_sha256"]
     # a local store: the registry's source is the run's artifact holding the manifest (an MLflow
     # server accepts no other local path); the store version is found through the tags
-    assert mv.source == f"runs:/{rm_run.info.run_id}/reward_model" and mv.run_id == rm_run.info.run_id
+    assert (
+        mv.source == f"runs:/{rm_run.info.run_id}/reward_model" and mv.run_id == rm_run.info.run_id
+    )
     assert rm_run.data.tags["reward_model.uri"] == f"{mv.tags['moerl.store_uri']}/versions/v000001"
     (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
     tags = run.data.tags
@@ -271,5 +446,7 @@ def test_the_shipped_reward_model_reaches_its_accuracy_and_the_grpo_run_leads_ba
     assert tags["reward_model.manifest_sha256"] == mv.tags["moerl.manifest_sha256"]
     assert tags["reward_model.run_id"] == rm_run.info.run_id and tags["reward_model.version"] == "1"
     for key in ("reward/model_score_mean", "reward/rules_mean", "timing/reward/model_inference_s"):
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1], key
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [0, 1], (
+            key
+        )
     assert run.data.params["reward.kind"] == "mixed"

@@ -44,7 +44,9 @@ def drain(engine, max_steps: int = 1000) -> list[tuple[str, list]]:
     raise AssertionError(f"{engine.unfinished()} requests still unfinished after {max_steps} steps")
 
 
-def run(engine, reqs: list[tuple[str, list[int], int | None]], n: int = N) -> dict[str, list[list[int]]]:
+def run(
+    engine, reqs: list[tuple[str, list[int], int | None]], n: int = N
+) -> dict[str, list[list[int]]]:
     for rid, ids, seed in reqs:
         engine.submit(rid, ids, n, seed=seed)
     got = drain(engine)
@@ -68,7 +70,9 @@ def test_every_group_comes_back_once_and_whole(engine):
             assert len(c.logprobs) == len(c.token_ids)
             assert all(lp <= 0.0 for lp in c.logprobs)
             assert c.finish_reason in ("stop", "length")
-            if len(c.token_ids) < max_new:  # at max_new it is "length", or "stop" if the last was EOS
+            if (
+                len(c.token_ids) < max_new
+            ):  # at max_new it is "length", or "stop" if the last was EOS
                 assert c.finish_reason == "stop"
             if c.finish_reason == "length":
                 assert len(c.token_ids) == max_new
@@ -92,11 +96,15 @@ def test_seeded_groups_are_reproducible(engine):
     for rid, p, s in base:
         engine.submit("d" + rid[1:], p, N, seed=s)
     got += drain(engine)
-    assert sorted(r for r, _ in got) == sorted([f"x{i}" for i in range(len(PROMPTS))] + ["d0", "d1", "d2"])
+    assert sorted(r for r, _ in got) == sorted(
+        [f"x{i}" for i in range(len(PROMPTS))] + ["d0", "d1", "d2"]
+    )
     mixed = {rid: [c.token_ids for c in comps] for rid, comps in got}
     for i in range(3):
         a = first[f"a{i}"]
-        assert len({tuple(t) for t in a}) > 1  # the samples of a group differ: the seed is per sample
+        assert (
+            len({tuple(t) for t in a}) > 1
+        )  # the samples of a group differ: the seed is per sample
         assert again[f"b{i}"] == a
         assert cold[f"c{i}"] == a
         assert mixed[f"d{i}"] == a
@@ -122,7 +130,7 @@ def test_aborted_groups_never_come_back(engine):
     early = [rid for rid, _ in engine.step()]  # prefill + first token: nothing should be done yet
     live = [r for r in ids if r not in early]
     assert len(live) >= 4
-    dropped, kept = live[: len(live) // 2], live[len(live) // 2:]
+    dropped, kept = live[: len(live) // 2], live[len(live) // 2 :]
     engine.abort(dropped + ["never-submitted"])
     assert engine.unfinished() == len(kept)
     engine.abort(dropped)  # aborting twice is harmless
@@ -168,7 +176,9 @@ def test_stop_strings_and_the_total_token_cap_bound_each_response(engine):
             assert all(len(c.token_ids) <= 8 - len(ids) for c in comps)
         with pytest.raises(Exception, match="leaves no room under rollout.max_total_tokens 8"):
             engine.generate(PROMPTS[4:], N)  # 8 tokens or more: nothing left
-        engine.cfg = base.model_copy(update={"stop": ["5"], "max_new_tokens": 16, "temperature": 1.0})
+        engine.cfg = base.model_copy(
+            update={"stop": ["5"], "max_new_tokens": 16, "temperature": 1.0}
+        )
         comps = [c for group in engine.generate(PROMPTS[:4], 16) for c in group]
         stopped = [c for c in comps if c.finish_reason == "stop" and "5" not in c.text]
         assert all("5" not in c.text for c in comps)
@@ -192,8 +202,8 @@ def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
     from moerl.components.rollout.episodes import EpisodeDriver, env_pool, run_episodes
     from moerl.config import load_config
     from moerl.records import TrainSample
-    from moerl.tasks.tools import Lookup, generate
     from moerl.tasks.prompting import encode_prompt
+    from moerl.tasks.tools import Lookup, generate
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-moe-lookup.yaml")
     tok = AutoTokenizer.from_pretrained(engine.model_dir)
@@ -210,26 +220,34 @@ def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
     try:
         with env_pool(cfg) as pool:
             d = EpisodeDriver(cfg, tok, pool)
-            eps = [d.episode(f"m{i}-{j}", r.model_dump(), encode_prompt(tok, cfg.rollout, r), j, False)
-                   for i, r in enumerate(rows) for j in range(4)]
+            eps = [
+                d.episode(f"m{i}-{j}", r.model_dump(), encode_prompt(tok, cfg.rollout, r), j, False)
+                for i, r in enumerate(rows)
+                for j in range(4)
+            ]
             run_episodes(Recording(), d, eps)
         single = engine.generate([e.prompt_ids for e in eps[::4]], 4)
     finally:
         engine.cfg = base
     samples = [e.sample(0) for e in eps]
-    assert all(s.turns == 2 and s.env_error is None for s in samples), [s.env_error for s in samples]
+    assert all(s.turns == 2 and s.env_error is None for s in samples), [
+        s.env_error for s in samples
+    ]
     for s in samples:
         full = s.prompt_token_ids + s.response_token_ids
-        assert [c for c in seen if full[:len(c)] == c], "a turn continued something else than the episode's ids"
+        assert [c for c in seen if full[: len(c)] == c], (
+            "a turn continued something else than the episode's ids"
+        )
         # the observation is the store's reply to the model's own query, in its own tokens
         env = Lookup()
         env.reset(next(r for r in rows if r.id == s.prompt_id).model_dump())
         call_len = s.response_mask.index(0)
         obs = env.step(tok.decode(s.response_token_ids[:call_len], skip_special_tokens=True))[0]
         obs_ids = tok.encode(obs, add_special_tokens=False)
-        assert s.response_token_ids[call_len:call_len + len(obs_ids)] == obs_ids
-        assert s.response_mask == [1] * call_len + [0] * len(obs_ids) + [1] * (len(full) - len(s.prompt_token_ids)
-                                                                              - call_len - len(obs_ids))
+        assert s.response_token_ids[call_len : call_len + len(obs_ids)] == obs_ids
+        assert s.response_mask == [1] * call_len + [0] * len(obs_ids) + [1] * (
+            len(full) - len(s.prompt_token_ids) - call_len - len(obs_ids)
+        )
     # all prefixes the engine saw: the prompt (turn 1), then prompt + call + observation (turn 2)
     assert len(seen) == 2 * len(eps)
 
@@ -238,16 +256,38 @@ def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
     def mismatch(batch: list[TrainSample]) -> float:
         p = pack(batch, 0)
         with torch.no_grad():
-            logp, _ = sequence_logprobs(model, p, torch.arange(len(batch)), temperature=cfg.rollout.temperature)
+            logp, _ = sequence_logprobs(
+                model, p, torch.arange(len(batch)), temperature=cfg.rollout.temperature
+            )
         m = p.mask_NL1.bool()
         return float((logp[m] - p.engine_logp_NL1[m]).abs().max())
 
-    multi = mismatch([TrainSample(prompt_token_ids=s.prompt_token_ids, response_token_ids=s.response_token_ids,
-                                  response_logprobs=s.response_logprobs, advantage=0.0, policy_version=0,
-                                  response_mask=s.response_mask) for s in samples])
-    one = mismatch([TrainSample(prompt_token_ids=e.prompt_ids, response_token_ids=c.token_ids,
-                                response_logprobs=c.logprobs, advantage=0.0, policy_version=0)
-                    for e, group in zip(eps[::4], single) for c in group])
+    multi = mismatch(
+        [
+            TrainSample(
+                prompt_token_ids=s.prompt_token_ids,
+                response_token_ids=s.response_token_ids,
+                response_logprobs=s.response_logprobs,
+                advantage=0.0,
+                policy_version=0,
+                response_mask=s.response_mask,
+            )
+            for s in samples
+        ]
+    )
+    one = mismatch(
+        [
+            TrainSample(
+                prompt_token_ids=e.prompt_ids,
+                response_token_ids=c.token_ids,
+                response_logprobs=c.logprobs,
+                advantage=0.0,
+                policy_version=0,
+            )
+            for e, group in zip(eps[::4], single)
+            for c in group
+        ]
+    )
     assert multi <= max(2 * one, 1e-4), (multi, one)
 
 
@@ -270,7 +310,9 @@ def test_a_worker_seeds_its_groups_only_when_asked():
     from moerl.components.rollout.worker import RolloutWorker
 
     off = RolloutWorker(parse_config({}), "r1", "w0", bus=None)
-    on = RolloutWorker(parse_config({"rollout": {"seed_groups": True, "seed": 3}}), "r1", "w1", bus=None)
+    on = RolloutWorker(
+        parse_config({"rollout": {"seed_groups": True, "seed": 3}}), "r1", "w1", bus=None
+    )
     try:
         assert parse_config({}).rollout.seed_groups is False
         assert off._seed("u0000007", 2) is None

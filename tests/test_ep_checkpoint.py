@@ -41,8 +41,11 @@ def _fused_copy(src, dst):
     for f in src.iterdir():
         if not f.name.endswith(".safetensors"):
             shutil.copy2(f, dst / f.name)
-    save_file({k: v.contiguous() for k, v in ep_worker.tiny_model(src).state_dict().items()},
-              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in ep_worker.tiny_model(src).state_dict().items()},
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return dst
 
 
@@ -53,22 +56,41 @@ def checkpoints(tmp_path_factory):
     qwen = build_tiny_model(tiny, root / "qwen3_moe")
     from tests.families import family as _family
 
-    return {"qwen3_moe": qwen, "mixtral": build_tiny_model(tiny.model_copy(update={"architecture": "mixtral"}),
-                                                           root / "mixtral"),
-            "qwen3_moe_fused": _fused_copy(qwen, root / "qwen3_moe_fused"),
-            # shared experts kept and saved under their own names; DeepSeek-V3's dense first layer
-            "qwen2_moe": _family("qwen2_moe", root / "qwen2_moe"), "deepseek_v3": _family("deepseek_v3", root / "dsv3")}
+    return {
+        "qwen3_moe": qwen,
+        "mixtral": build_tiny_model(
+            tiny.model_copy(update={"architecture": "mixtral"}), root / "mixtral"
+        ),
+        "qwen3_moe_fused": _fused_copy(qwen, root / "qwen3_moe_fused"),
+        # shared experts kept and saved under their own names; DeepSeek-V3's dense first layer
+        "qwen2_moe": _family("qwen2_moe", root / "qwen2_moe"),
+        "deepseek_v3": _family("deepseek_v3", root / "dsv3"),
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, arch, shard_bytes", [(2, "qwen3_moe", None), (4, "mixtral", 200_000),
-                                                      (2, "qwen3_moe_fused", 200_000), (2, "qwen2_moe", None),
-                                                      (2, "deepseek_v3", 20_000)])
-def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp_path, world, arch, shard_bytes):
+@pytest.mark.parametrize(
+    "world, arch, shard_bytes",
+    [
+        (2, "qwen3_moe", None),
+        (4, "mixtral", 200_000),
+        (2, "qwen3_moe_fused", 200_000),
+        (2, "qwen2_moe", None),
+        (2, "deepseek_v3", 20_000),
+    ],
+)
+def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(
+    checkpoints, tmp_path, world, arch, shard_bytes
+):
     from transformers import AutoModelForCausalLM
 
     src = checkpoints[arch]
-    mp.spawn(ep_worker.ep_load_save_rank, args=(world, str(src), str(tmp_path), shard_bytes), nprocs=world, join=True)
+    mp.spawn(
+        ep_worker.ep_load_save_rank,
+        args=(world, str(src), str(tmp_path), shard_bytes),
+        nprocs=world,
+        join=True,
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     named_layers = [(n, m) for n, m in ref.named_modules() if n.endswith("mlp.experts")]
@@ -90,8 +112,13 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp
             assert torch.equal(out["loaded"][name], p.detach()), name
         lo = r * n_local
         for layer, m in named_layers:
-            for mine, full in (("gate_up_proj_LIH", m.gate_up_proj), ("down_proj_LHI", m.down_proj)):
-                assert torch.equal(out["loaded"][f"{layer}.{mine}"], full.detach()[lo: lo + n_local])
+            for mine, full in (
+                ("gate_up_proj_LIH", m.gate_up_proj),
+                ("down_proj_LHI", m.down_proj),
+            ):
+                assert torch.equal(
+                    out["loaded"][f"{layer}.{mine}"], full.detach()[lo : lo + n_local]
+                )
         for name, b in ref.named_buffers():  # rotary inv_freq, rebuilt off the meta device
             assert torch.equal(out["buffers"][name], b), name
 
@@ -109,8 +136,13 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(checkpoints, tmp
     if shard_bytes is None:
         assert weight_files == ["model.safetensors"]
     else:  # a small budget: one file per MoE layer at least, and the index transformers reads
-        assert len(weight_files) >= len(layers) + 1 and (saved_dir / "model.safetensors.index.json").is_file()
-    assert {f.name for f in src.iterdir()} - {"model.safetensors"} <= {f.name for f in saved_dir.iterdir()}
+        assert (
+            len(weight_files) >= len(layers) + 1
+            and (saved_dir / "model.safetensors.index.json").is_file()
+        )
+    assert {f.name for f in src.iterdir()} - {"model.safetensors"} <= {
+        f.name for f in saved_dir.iterdir()
+    }
 
 
 def _copy_without(src, dst, drop=None, reshape=None):
@@ -127,13 +159,30 @@ def _copy_without(src, dst, drop=None, reshape=None):
     return dst
 
 
-@pytest.mark.parametrize("drop, reshape, message", [
-    ("model.layers.1.mlp.experts.7.up_proj.weight", None, r"has no tensor model\.layers\.1\.mlp\.experts\.7\.up_proj"),
-    ("model.layers.0.self_attn.q_proj.weight", None, r"has no tensor for model\.layers\.0\.self_attn\.q_proj\.weight"),
-    (None, "model.layers.0.mlp.experts.2.down_proj.weight", r"experts\.2\.down_proj\.weight has shape \[127, 64\], "
-                                                            r"the model expects \[128, 64\]"),
-])
-def test_bad_checkpoint_is_a_one_line_checkpoint_error(checkpoints, tmp_path, drop, reshape, message):
+@pytest.mark.parametrize(
+    "drop, reshape, message",
+    [
+        (
+            "model.layers.1.mlp.experts.7.up_proj.weight",
+            None,
+            r"has no tensor model\.layers\.1\.mlp\.experts\.7\.up_proj",
+        ),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            None,
+            r"has no tensor for model\.layers\.0\.self_attn\.q_proj\.weight",
+        ),
+        (
+            None,
+            "model.layers.0.mlp.experts.2.down_proj.weight",
+            r"experts\.2\.down_proj\.weight has shape \[127, 64\], "
+            r"the model expects \[128, 64\]",
+        ),
+    ],
+)
+def test_bad_checkpoint_is_a_one_line_checkpoint_error(
+    checkpoints, tmp_path, drop, reshape, message
+):
     from moerl.components.policy_update.ep_checkpoint import load_ep_model
     from moerl.errors import CheckpointError
     from moerl.kernels import make_dispatcher

@@ -15,9 +15,18 @@ from moerl.records import TrainSample, write_records
 
 
 def _cfg(ep: int, **trainer):
-    return parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.003,
-                                     "max_grad_norm": 0.05, "micro_batch_tokens": 12, "expert_parallel_size": ep,
-                                     **trainer}})
+    return parse_config(
+        {
+            "trainer": {
+                "optimizer_steps_per_iteration": 4,
+                "learning_rate": 0.003,
+                "max_grad_norm": 0.05,
+                "micro_batch_tokens": 12,
+                "expert_parallel_size": ep,
+                **trainer,
+            }
+        }
+    )
 
 
 def _batch(n=16):
@@ -26,9 +35,15 @@ def _batch(n=16):
     for i in range(n):
         plen, rlen = 3 + i % 3, 2 + i % 4
         ids = torch.randint(5, 20, (plen + rlen,), generator=g).tolist()
-        out.append(TrainSample(prompt_token_ids=ids[:plen], response_token_ids=ids[plen:],
-                               response_logprobs=(-torch.rand(rlen, generator=g) * 3).tolist(),
-                               advantage=(1.0 + i / 8) * (-1) ** i, policy_version=0))
+        out.append(
+            TrainSample(
+                prompt_token_ids=ids[:plen],
+                response_token_ids=ids[plen:],
+                response_logprobs=(-torch.rand(rlen, generator=g) * 3).tolist(),
+                advantage=(1.0 + i / 8) * (-1) ** i,
+                policy_version=0,
+            )
+        )
     return out
 
 
@@ -39,7 +54,9 @@ def runs(tmp_path_factory):
     write_records(root / "batch.jsonl", _batch())
     out = {}
     for ep in (1, 2):
-        m = run_policy_update(_cfg(ep), root / "batch.jsonl", root / "s0", root / f"ep{ep}", iteration=0)
+        m = run_policy_update(
+            _cfg(ep), root / "batch.jsonl", root / "s0", root / f"ep{ep}", iteration=0
+        )
         out[ep] = (m, load_file(root / f"ep{ep}" / "model.safetensors"))
     return root, out
 
@@ -54,8 +71,16 @@ def test_ep2_trains_like_ep1(runs):
     assert m1["train/grad_norm"] > 0.05 and m2["train/grad_norm"] > 0.05
     # every mode logs the same train/* names, with the same values
     assert {k for k in m1 if k.startswith("train/")} == {k for k in m2 if k.startswith("train/")}
-    for k in ("train/loss", "train/clip_fraction", "train/tis_truncated_fraction", "train/entropy",
-              "train/grad_norm", "train/logprob_mismatch", "train/tokens", "train/aux_loss"):
+    for k in (
+        "train/loss",
+        "train/clip_fraction",
+        "train/tis_truncated_fraction",
+        "train/entropy",
+        "train/grad_norm",
+        "train/logprob_mismatch",
+        "train/tokens",
+        "train/aux_loss",
+    ):
         assert m2[k] == pytest.approx(m1[k], rel=1e-3, abs=1e-6), (k, m1[k], m2[k])
     # the same weights: the two trajectories differ by a tiny fraction of how far they moved
     # (Adam turns float32 summation-order noise in near-zero gradients into lr-sized steps on
@@ -78,7 +103,11 @@ def test_ep2_writes_optimizer_shards_and_counts(runs):
     assert not list((root / "ep2" / "trainer").glob("optimizer*.pt"))
     m2 = out[2][0]
     per_expert = [v for k, v in m2.items() if k.startswith("moe/tokens_expert_")]
-    assert len(per_expert) == 8 and sum(per_expert) > 0 and math.isfinite(m2["moe/expert_load_imbalance"])
+    assert (
+        len(per_expert) == 8
+        and sum(per_expert) > 0
+        and math.isfinite(m2["moe/expert_load_imbalance"])
+    )
 
 
 @pytest.mark.slow
@@ -93,8 +122,12 @@ def test_ep_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs, tmp_path
     from tests import ep_nonfinite_worker
 
     root, _ = runs
-    mp.spawn(ep_nonfinite_worker.rank_main, args=(2, str(root / "s0"), str(root / "batch.jsonl"), str(tmp_path)),
-             nprocs=2, join=True)
+    mp.spawn(
+        ep_nonfinite_worker.rank_main,
+        args=(2, str(root / "s0"), str(root / "batch.jsonl"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
     outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for o in outs:
         assert "3 optimizer steps in a row had a non-finite loss or gradient" in o["error"]
@@ -104,7 +137,6 @@ def test_ep_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs, tmp_path
 def _routed_batch(root):
     """`_batch` with routes recorded from a router-perturbed copy of s0 (the "engine"), some
     samples stale (policy version -1), so replay, agreement and the own/stale split all matter."""
-    import numpy as np
     from transformers import AutoModelForCausalLM
 
     from moerl.components.policy_update.replay import RouterReplay, routers
@@ -127,17 +159,32 @@ def _routed_batch(root):
         finally:
             replay.close()
         r[-1] = -1
-        out.append(s.model_copy(update={"routed_experts": RoutedExperts.from_ids(r, 8),
-                                        "policy_version": -1 if i % 4 == 0 else 0}))
+        out.append(
+            s.model_copy(
+                update={
+                    "routed_experts": RoutedExperts.from_ids(r, 8),
+                    "policy_version": -1 if i % 4 == 0 else 0,
+                }
+            )
+        )
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [
-    {"router_replay": "R3"},
-    {"router_replay": "R2", "policy_loss": "gspo", "tis_mode": "sequence_mask", "tis_cap": 3.0,
-     "rollout_rs": "geometric", "rollout_rs_threshold": 1.5},
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"router_replay": "R3"},
+        {
+            "router_replay": "R2",
+            "policy_loss": "gspo",
+            "tis_mode": "sequence_mask",
+            "tis_cap": 3.0,
+            "rollout_rs": "geometric",
+            "rollout_rs_threshold": 1.5,
+        },
+    ],
+)
 def test_ep2_replays_routes_and_measures_the_mismatch_like_ep1(tmp_path, variant):
     """R3 (the engine's routes) and R2 + GSPO + masked sequence IS + geometric rejection: the
     expert-parallel block replays through the same router hooks, and the metrics reduced over
@@ -146,14 +193,38 @@ def test_ep2_replays_routes_and_measures_the_mismatch_like_ep1(tmp_path, variant
     write_records(tmp_path / "batch.jsonl", _routed_batch(tmp_path))
     out = {}
     for ep in (1, 2):
-        cfg = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.003, "max_grad_norm": 0.05,
-                                        "micro_batch_tokens": 12, "expert_parallel_size": ep, **variant},
-                            "rollout": {"return_routed_experts": True}})
-        out[ep] = run_policy_update(cfg, tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / f"ep{ep}", iteration=0)
+        cfg = parse_config(
+            {
+                "trainer": {
+                    "optimizer_steps_per_iteration": 4,
+                    "learning_rate": 0.003,
+                    "max_grad_norm": 0.05,
+                    "micro_batch_tokens": 12,
+                    "expert_parallel_size": ep,
+                    **variant,
+                },
+                "rollout": {"return_routed_experts": True},
+            }
+        )
+        out[ep] = run_policy_update(
+            cfg, tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / f"ep{ep}", iteration=0
+        )
     m1, m2 = out[1], out[2]
     assert m1["moe/routing_agreement"] < 1.0 and m1["rollout_corr/stale/tokens"] > 0
-    keys = [k for k in m1 if k.startswith(("rollout_corr/", "moe/routing", "moe/replay", "train/loss",
-                                           "train/clip_fraction", "train/tis_truncated_fraction"))]
+    keys = [
+        k
+        for k in m1
+        if k.startswith(
+            (
+                "rollout_corr/",
+                "moe/routing",
+                "moe/replay",
+                "train/loss",
+                "train/clip_fraction",
+                "train/tis_truncated_fraction",
+            )
+        )
+    ]
     assert "rollout_corr/own/k3_kl" in keys and "moe/routing_agreement/layer_1" in keys
     if variant["router_replay"] == "R3":
         assert m1["moe/replay_replaced_fraction"] > 0

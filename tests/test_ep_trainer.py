@@ -24,7 +24,9 @@ def reference(tiny):
     n = packed.input_ids_NL.shape[0]
     with torch.no_grad():
         logits = model(input_ids=packed.input_ids_NL, attention_mask=packed.attn_NL).logits
-    loss = ep_worker.step_loss_and_grads(model, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum()))
+    loss = ep_worker.step_loss_and_grads(
+        model, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum())
+    )
     return model, logits, loss.detach()
 
 
@@ -32,7 +34,9 @@ def reference(tiny):
 @pytest.mark.parametrize("world, backend", [(2, "all_to_all"), (4, "hierarchical")])
 def test_ep_step_equals_single_process(tiny, reference, tmp_path, world, backend):
     ref_model, ref_logits, ref_loss = reference
-    mp.spawn(ep_worker.ep_rank, args=(world, str(tiny), backend, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(
+        ep_worker.ep_rank, args=(world, str(tiny), backend, str(tmp_path)), nprocs=world, join=True
+    )
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     # forward
     for o in outs:
@@ -47,10 +51,14 @@ def test_ep_step_equals_single_process(tiny, reference, tmp_path, world, backend
     assert len(outs[0]["grads"]) == len([n for n in ref if "experts" not in n])
     # expert gradients, gathered from their shards, and the gathered weights are the checkpoint's
     layers = [m for n, m in ref_model.named_modules() if n.endswith("mlp.experts")]
-    for (g_gu, g_dn), (w_gu, w_dn), experts in zip(outs[0]["expert_grads"], outs[0]["expert_weights"], layers):
+    for (g_gu, g_dn), (w_gu, w_dn), experts in zip(
+        outs[0]["expert_grads"], outs[0]["expert_weights"], layers
+    ):
         assert (g_gu - experts.gate_up_proj.grad).abs().max() <= TOL
         assert (g_dn - experts.down_proj.grad).abs().max() <= TOL
-        assert torch.equal(w_gu, experts.gate_up_proj.detach()) and torch.equal(w_dn, experts.down_proj.detach())
+        assert torch.equal(w_gu, experts.gate_up_proj.detach()) and torch.equal(
+            w_dn, experts.down_proj.detach()
+        )
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 0, 0], [10, 0, 0, 0], [1, 1, 1, 1]])
@@ -67,8 +75,11 @@ def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward(counts):
     got = []
     for fn in (lambda m, x: m(x, counts_L), lambda m, x: experts_loop(m, x, counts_L)):
         torch.manual_seed(0)
-        m = LocalExperts(torch.randn(n_local, 2 * i, h, generator=torch.Generator().manual_seed(1)),
-                         torch.randn(n_local, h, i, generator=torch.Generator().manual_seed(2)), F.silu)
+        m = LocalExperts(
+            torch.randn(n_local, 2 * i, h, generator=torch.Generator().manual_seed(1)),
+            torch.randn(n_local, h, i, generator=torch.Generator().manual_seed(2)),
+            F.silu,
+        )
         xx = x.clone().requires_grad_()
         y = fn(m, xx)
         y.backward(grad_out, retain_graph=True)
@@ -86,13 +97,24 @@ def test_a_moe_block_with_a_part_it_cannot_place_is_refused_not_dropped():
     from moerl.components.policy_update.ep_moe import parallelize_experts
     from moerl.kernels import make_dispatcher
 
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         num_experts=4, num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(cfg)
         model.model.layers[0].mlp.expert_bias_proj = torch.nn.Linear(32, 4)  # a part no family has
-    with pytest.raises(ValueError, match=r"holds expert_bias_proj besides its router, experts and shared experts"):
+    with pytest.raises(
+        ValueError, match=r"holds expert_bias_proj besides its router, experts and shared experts"
+    ):
         parallelize_experts(model, make_dispatcher("local", num_experts=4))
 
 
@@ -102,10 +124,25 @@ def test_the_softmax_aux_loss_is_refused_for_a_sigmoid_router():
     from moerl.components.policy_update.ep_moe import parallelize_experts
     from moerl.kernels import make_dispatcher
 
-    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
-                           num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=8,
-                           q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    cfg = DeepseekV3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        kv_lora_rank=8,
+        q_lora_rank=8,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+    )
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
     with pytest.raises(ValueError, match="trainer.aux_loss_coef > 0: .* sigmoid router"):

@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from moerl.components.buffer.advantage import group_advantages
-from moerl.components.policy_update.loss import LossStats, grpo_token_loss, token_logprobs_and_entropy
+from moerl.components.policy_update.loss import (
+    LossStats,
+    grpo_token_loss,
+    token_logprobs_and_entropy,
+)
 
 
 def test_advantage_divides_by_the_sample_std_by_default():
@@ -23,7 +27,9 @@ def test_advantage_divides_by_the_sample_std_by_default():
     # mean 0.5; sample std sqrt((4 * 0.25) / 3) = sqrt(1/3)  (population would be 0.5)
     sd = math.sqrt(1 / 3)
     assert not zero
-    assert adv == pytest.approx([0.5 / (sd + 1e-6), -0.5 / (sd + 1e-6), -0.5 / (sd + 1e-6), 0.5 / (sd + 1e-6)])
+    assert adv == pytest.approx(
+        [0.5 / (sd + 1e-6), -0.5 / (sd + 1e-6), -0.5 / (sd + 1e-6), 0.5 / (sd + 1e-6)]
+    )
 
 
 def test_advantage_population_std_on_request():
@@ -62,7 +68,9 @@ def _trl_grpo_advantages(rewards: list[float]) -> list[float]:
     """TRL GRPOTrainer, scale_rewards="group": (r - group mean) / (group .std(dim) + 1e-4),
     with the group viewed as one row of (-1, num_generations)."""
     r = torch.tensor(rewards, dtype=torch.float64).view(1, -1)
-    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).flatten().tolist()
+    return (
+        ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).flatten().tolist()
+    )
 
 
 def _random_groups(n: int, seed: int) -> list[list[float]]:
@@ -94,13 +102,26 @@ def test_buffer_stage_applies_the_configured_std():
     from moerl.records import ScoredSample
 
     def sample(i: int, reward: float) -> ScoredSample:
-        return ScoredSample(prompt_id="p", task="copy", prompt="copy 1=", answer="1", sample_index=i,
-                            prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.1],
-                            response_text="1", finish_reason="stop", policy_version=0, reward=reward)
+        return ScoredSample(
+            prompt_id="p",
+            task="copy",
+            prompt="copy 1=",
+            answer="1",
+            sample_index=i,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-0.1],
+            response_text="1",
+            finish_reason="stop",
+            policy_version=0,
+            reward=reward,
+        )
 
     scored = [sample(i, r) for i, r in enumerate([1.0, 0.0, 0.0, 0.0])]
     default, _ = assemble(scored, BufferConfig(), trainer_version=0)
-    assert [s.advantage for s in default] == pytest.approx(_verl_grpo_advantages([1.0, 0.0, 0.0, 0.0]))
+    assert [s.advantage for s in default] == pytest.approx(
+        _verl_grpo_advantages([1.0, 0.0, 0.0, 0.0])
+    )
     pop, _ = assemble(scored, BufferConfig(advantage_std="population"), trainer_version=0)
     # mean 0.25, population std sqrt(0.1875)
     assert pop[0].advantage == pytest.approx(0.75 / (math.sqrt(0.1875) + 1e-6))
@@ -119,8 +140,17 @@ def test_zero_variance_group_is_flagged():
 def _loss(logp, old, eng, adv, mask, lo=0.2, hi=0.28, cap=2.0, c=None):
     logp = torch.tensor(logp, requires_grad=True)
     extra = {} if c is None else {"clip_ratio_c": c}
-    loss, stats = grpo_token_loss(logp, torch.tensor(old), torch.tensor(eng), torch.tensor(adv), torch.tensor(mask),
-                                  lo, hi, cap, **extra)
+    loss, stats = grpo_token_loss(
+        logp,
+        torch.tensor(old),
+        torch.tensor(eng),
+        torch.tensor(adv),
+        torch.tensor(mask),
+        lo,
+        hi,
+        cap,
+        **extra,
+    )
     loss.backward()
     return loss.item(), logp.grad, stats
 
@@ -207,7 +237,12 @@ def test_dual_clip_bounds_a_negative_advantage_token_at_clip_ratio_c():
 
 
 def test_loss_stats_keep_a_default_for_the_new_field():
-    assert LossStats(loss=0.0, clip_fraction=0.0, tis_truncated_fraction=0.0, mean_ratio=1.0).dual_clip_fraction == 0.0
+    assert (
+        LossStats(
+            loss=0.0, clip_fraction=0.0, tis_truncated_fraction=0.0, mean_ratio=1.0
+        ).dual_clip_fraction
+        == 0.0
+    )
 
 
 def test_non_finite_logprobs_at_padding_do_not_reach_the_loss():
@@ -220,8 +255,16 @@ def test_non_finite_logprobs_at_padding_do_not_reach_the_loss():
     loss, grad, stats = _loss(logp, old, eng, [1.0, -1.0], [[1.0, 1.0], [1.0, 0.0]])
     assert loss == pytest.approx(-(1 + 1 - 1) / 3)
     assert grad.flatten().tolist() == pytest.approx([-1 / 3, -1 / 3, 1 / 3, 0.0])
-    assert all(math.isfinite(v) for v in (stats.loss, stats.clip_fraction, stats.mean_ratio,
-                                          stats.tis_truncated_fraction, stats.dual_clip_fraction))
+    assert all(
+        math.isfinite(v)
+        for v in (
+            stats.loss,
+            stats.clip_fraction,
+            stats.mean_ratio,
+            stats.tis_truncated_fraction,
+            stats.dual_clip_fraction,
+        )
+    )
     assert stats.mean_ratio == pytest.approx(1.0)
 
 
@@ -256,8 +299,11 @@ def _verl_loss(old, logp, adv_BT, mask, rollout, lo, hi, c, cap):
     def masked_mean(x):
         return (x * mask).sum() / mask.sum()
 
-    return masked_mean(pg), masked_mean(torch.gt(pg2, pg1).float()), \
-        masked_mean(torch.gt(clip1, pg3).float() * (adv_BT < 0).float())
+    return (
+        masked_mean(pg),
+        masked_mean(torch.gt(pg2, pg1).float()),
+        masked_mean(torch.gt(clip1, pg3).float() * (adv_BT < 0).float()),
+    )
 
 
 def _trl_loss(old, logp, adv_BT, mask, sampling, lo, hi, cap):
@@ -289,8 +335,17 @@ def _ours_on_garbage_padding(old, logp, engine, adv, mask, c, lo=0.2, hi=0.28, c
     pad = mask == 0
     lp = logp.clone().masked_fill(pad, float("nan")).requires_grad_(True)
     extra = {} if c is None else {"clip_ratio_c": c}
-    loss, stats = grpo_token_loss(lp, old.masked_fill(pad, -float("inf")), engine.masked_fill(pad, float("inf")),
-                                  adv, mask, lo, hi, cap, **extra)
+    loss, stats = grpo_token_loss(
+        lp,
+        old.masked_fill(pad, -float("inf")),
+        engine.masked_fill(pad, float("inf")),
+        adv,
+        mask,
+        lo,
+        hi,
+        cap,
+        **extra,
+    )
     loss.backward()
     return loss, lp.grad, stats
 
@@ -300,8 +355,9 @@ def test_loss_matches_verl_on_random_inputs(seed):
     old, logp, engine, adv, mask = _random_batch(seed)
     ours, our_grad, stats = _ours_on_garbage_padding(old, logp, engine, adv, mask, c=3.0)
     ref_lp = logp.clone().requires_grad_(True)
-    ref, clipfrac, clipfrac_lower = _verl_loss(old, ref_lp, adv[:, None].expand_as(logp), mask, engine,
-                                               0.2, 0.28, 3.0, 2.0)
+    ref, clipfrac, clipfrac_lower = _verl_loss(
+        old, ref_lp, adv[:, None].expand_as(logp), mask, engine, 0.2, 0.28, 3.0, 2.0
+    )
     ref.backward()
     assert clipfrac_lower > 0 and 0 < clipfrac < 1  # the inputs exercise the dual clip and PPO clip
     assert ours.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
@@ -309,7 +365,8 @@ def test_loss_matches_verl_on_random_inputs(seed):
     assert stats.clip_fraction == pytest.approx(clipfrac.item())
     assert stats.dual_clip_fraction == pytest.approx(clipfrac_lower.item())
     assert stats.tis_truncated_fraction == pytest.approx(
-        (((torch.exp(old - engine) > 2.0).double() * mask).sum() / mask.sum()).item())
+        (((torch.exp(old - engine) > 2.0).double() * mask).sum() / mask.sum()).item()
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

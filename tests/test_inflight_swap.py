@@ -34,23 +34,32 @@ def test_version_runs_from_vllms_spans():
     assert version_runs([S("3", 0, 2), S("4", 2, 6), S("5", 6, 10)]) == [(0, 3), (2, 4), (6, 5)]
     assert version_runs([S("3", 0, 0), S("4", 0, 5)]) == [(0, 4)]  # nothing sampled under 3
     assert version_runs([S("3", 0, 2), S("3", 2, 5)]) == [(0, 3)]  # one version, relabelled
-    assert version_runs([S("default", 0, 5)]) is None and version_runs(None) is None  # an untagged engine
+    assert (
+        version_runs([S("default", 0, 5)]) is None and version_runs(None) is None
+    )  # an untagged engine
 
 
 def _progress(engine) -> dict[str, dict[int, int]]:
     """Tokens each unfinished sample of each streamed request has so far (vLLM's output
     processor, in process: exact between two steps)."""
     op = engine.llm.llm_engine.output_processor
-    return {rid: {op.request_states[c].request_index: op.request_states[c].detokenizer.num_output_tokens()
-                  for c in op.external_req_ids.get(rid, ()) if c in op.request_states}
-            for rid in engine._inflight}
+    return {
+        rid: {
+            op.request_states[c].request_index: op.request_states[c].detokenizer.num_output_tokens()
+            for c in op.external_req_ids.get(rid, ())
+            if c in op.request_states
+        }
+        for rid in engine._inflight
+    }
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     from moerl.components.rollout.engine import RolloutEngine
 
-    cfg = parse_config({"rollout": {"max_new_tokens": MAX_NEW}, "model": {"tiny": {"max_position_embeddings": 64}}})
+    cfg = parse_config(
+        {"rollout": {"max_new_tokens": MAX_NEW}, "model": {"tiny": {"max_position_embeddings": 64}}}
+    )
     root = Path(tmp_path_factory.mktemp("inflight"))
     a = build_tiny_model(cfg.model.tiny, root / "a")
     b = build_tiny_model(cfg.model.tiny.model_copy(update={"seed": 1}), root / "b")
@@ -81,7 +90,9 @@ def _scored(engine, prompt, tokens) -> list[float]:
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
-    (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=prompt + tokens)], sp, use_tqdm=False)
+    (out,) = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt + tokens)], sp, use_tqdm=False
+    )
     return [out.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(tokens)]
 
 
@@ -112,7 +123,9 @@ def test_an_in_flight_swap_records_each_tokens_version_and_continues_on_the_new_
     for i, p in enumerate(PROMPTS):
         for j, c in enumerate(got[f"{kv}-{i}"]):
             k = at[f"{kv}-{i}"].get(j)
-            if k is None or k == len(c.token_ids):  # it had ended (a stop token) before the swap: all A's
+            if k is None or k == len(
+                c.token_ids
+            ):  # it had ended (a stop token) before the swap: all A's
                 assert c.version == 0 and c.token_versions is None
                 assert c.token_ids == ref[f"{kv}-ref-{i}"][j].token_ids
                 ended += 1
@@ -125,7 +138,9 @@ def test_an_in_flight_swap_records_each_tokens_version_and_continues_on_the_new_
             after = [abs(x - y) for x, y in zip(c.logprobs[k:], b_lp[k:])]
             worst_after = max(worst_after, max(after))
             if kv == "recompute":
-                assert max(after) < TOL, f"sample {i}/{j}: a token after the swap is not B's ({max(after):.2e})"
+                assert max(after) < TOL, (
+                    f"sample {i}/{j}: a token after the swap is not B's ({max(after):.2e})"
+                )
     assert swapped >= len(PROMPTS) * N // 2, (swapped, ended)  # most samples ran across the swap
     if kv == "keep":  # the prefix's KV is A's: the later tokens are not exactly B's
         assert worst_after > 1e-3

@@ -22,7 +22,7 @@ import torch
 from moerl.errors import ConfigError
 from moerl.kernels import make_dispatcher
 from moerl.kernels.deepep import deepep_available
-from tests.kernels_worker import E, SCENARIOS, check_contract, run_world
+from tests.kernels_worker import SCENARIOS, E, check_contract, run_world
 
 DEEPEP_OK, DEEPEP_REASON = deepep_available()
 
@@ -30,33 +30,61 @@ WORLD2 = [
     {"id": "all_to_all", "backend": "all_to_all"},
     {"id": "hierarchical_rpn1", "backend": "hierarchical", "ranks_per_node": 1},
     {"id": "hierarchical_rpn2", "backend": "hierarchical", "ranks_per_node": 2},
-    {"id": "deepep_fallback", "backend": "deepep", "allow_fallback": True, "scenarios": ["uniform"]},
-    {"id": "local", "backend": "local", "scenarios": ["uniform"]},  # inside a world: still ep_size 1
+    {
+        "id": "deepep_fallback",
+        "backend": "deepep",
+        "allow_fallback": True,
+        "scenarios": ["uniform"],
+    },
+    {
+        "id": "local",
+        "backend": "local",
+        "scenarios": ["uniform"],
+    },  # inside a world: still ep_size 1
 ]
 WORLD4 = [
-    {"id": "all_to_all", "backend": "all_to_all", "ranks_per_node": 2,
-     "scenarios": [*SCENARIOS, "remote_node_repeat"]},
-    {"id": "hierarchical_rpn2", "backend": "hierarchical", "ranks_per_node": 2,
-     "scenarios": [*SCENARIOS, "remote_node_repeat"]},
+    {
+        "id": "all_to_all",
+        "backend": "all_to_all",
+        "ranks_per_node": 2,
+        "scenarios": [*SCENARIOS, "remote_node_repeat"],
+    },
+    {
+        "id": "hierarchical_rpn2",
+        "backend": "hierarchical",
+        "ranks_per_node": 2,
+        "scenarios": [*SCENARIOS, "remote_node_repeat"],
+    },
     {"id": "hierarchical_rpn1", "backend": "hierarchical", "ranks_per_node": 1},
     # two EP groups of 2 inside the 4-rank world: group ranks != world ranks
     {"id": "all_to_all_ep2", "backend": "all_to_all", "ep_size": 2},
     {"id": "hierarchical_ep2", "backend": "hierarchical", "ranks_per_node": 1, "ep_size": 2},
 ]
 # (world, config id): the contract cases; world 1 runs in this process without torch.distributed
-CASES = [(1, "local"), (1, "all_to_all"), (1, "hierarchical_rpn1"),
-         (2, "all_to_all"), (2, "hierarchical_rpn1"), (2, "hierarchical_rpn2"),
-         (4, "all_to_all"), (4, "hierarchical_rpn2"), (4, "hierarchical_rpn1"),
-         (4, "all_to_all_ep2"), (4, "hierarchical_ep2"),
-         (2, "deepep")]
+CASES = [
+    (1, "local"),
+    (1, "all_to_all"),
+    (1, "hierarchical_rpn1"),
+    (2, "all_to_all"),
+    (2, "hierarchical_rpn1"),
+    (2, "hierarchical_rpn2"),
+    (4, "all_to_all"),
+    (4, "hierarchical_rpn2"),
+    (4, "hierarchical_rpn1"),
+    (4, "all_to_all_ep2"),
+    (4, "hierarchical_ep2"),
+    (2, "deepep"),
+]
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory) -> dict[int, dict[str, list[dict]]]:
     """Spawn the 2- and 4-rank gloo worlds once; results keyed by 'config|scenario'."""
-    return {2: run_world(2, WORLD2, tmp_path_factory.mktemp("w2")),
-            4: run_world(4, WORLD4, tmp_path_factory.mktemp("w4"))}
+    return {
+        2: run_world(2, WORLD2, tmp_path_factory.mktemp("w2")),
+        4: run_world(4, WORLD4, tmp_path_factory.mktemp("w4")),
+    }
 
 
 def _in_process(config_id: str, scenario: str) -> list[dict]:
@@ -68,11 +96,21 @@ def _assert_contract(per_rank: list[dict], tol: float, label: str) -> None:
     for rank, r in enumerate(per_rank):
         where = f"{label} rank {rank}"
         assert r["counts_ok"], f"{where}: tokens_per_local_expert differs from the routing"
-        assert r["rows_err"] <= tol, f"{where}: received rows differ from the reference ({r['rows_err']})"
-        assert r["identity_err"] <= tol, f"{where}: combine(dispatch(x)) != x * sum(w) ({r['identity_err']})"
-        assert r["out_err"] <= tol, f"{where}: MoE output differs from the reference ({r['out_err']})"
-        assert r["grad_x_err"] <= tol, f"{where}: d/dx differs from the reference ({r['grad_x_err']})"
-        assert r["grad_w_err"] <= tol, f"{where}: d/dtopk_weights differs from the reference ({r['grad_w_err']})"
+        assert r["rows_err"] <= tol, (
+            f"{where}: received rows differ from the reference ({r['rows_err']})"
+        )
+        assert r["identity_err"] <= tol, (
+            f"{where}: combine(dispatch(x)) != x * sum(w) ({r['identity_err']})"
+        )
+        assert r["out_err"] <= tol, (
+            f"{where}: MoE output differs from the reference ({r['out_err']})"
+        )
+        assert r["grad_x_err"] <= tol, (
+            f"{where}: d/dx differs from the reference ({r['grad_x_err']})"
+        )
+        assert r["grad_w_err"] <= tol, (
+            f"{where}: d/dtopk_weights differs from the reference ({r['grad_w_err']})"
+        )
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -83,11 +121,17 @@ def test_contract(worlds, world, config_id, scenario, tmp_path):
             pytest.skip(DEEPEP_REASON)
         if torch.cuda.device_count() < 2:
             pytest.skip("the deepep contract needs 2 CUDA GPUs (an NCCL world of 2)")
-        per_rank = run_world(2, [{"id": "deepep", "backend": "deepep", "scenarios": [scenario]}], tmp_path,
-                             device="cuda")[f"deepep|{scenario}"]
+        per_rank = run_world(
+            2,
+            [{"id": "deepep", "backend": "deepep", "scenarios": [scenario]}],
+            tmp_path,
+            device="cuda",
+        )[f"deepep|{scenario}"]
         _assert_contract(per_rank, tol=5e-2, label=f"deepep w2 {scenario}")  # bf16 on the wire
         return
-    per_rank = _in_process(config_id, scenario) if world == 1 else worlds[world][f"{config_id}|{scenario}"]
+    per_rank = (
+        _in_process(config_id, scenario) if world == 1 else worlds[world][f"{config_id}|{scenario}"]
+    )
     assert len(per_rank) == world
     _assert_contract(per_rank, TOL, f"{config_id} w{world} {scenario}")
 
@@ -108,9 +152,14 @@ def test_edge_scenarios_exercise_what_they_claim(worlds):
 
 
 def test_bytes_are_counted_the_same_way_for_every_backend(worlds):
-    for world, a2a, hier in [(2, "all_to_all", "hierarchical_rpn1"), (4, "all_to_all", "hierarchical_rpn2")]:
+    for world, a2a, hier in [
+        (2, "all_to_all", "hierarchical_rpn1"),
+        (4, "all_to_all", "hierarchical_rpn2"),
+    ]:
         for scenario in SCENARIOS:
-            for ra, rh in zip(worlds[world][f"{a2a}|{scenario}"], worlds[world][f"{hier}|{scenario}"]):
+            for ra, rh in zip(
+                worlds[world][f"{a2a}|{scenario}"], worlds[world][f"{hier}|{scenario}"]
+            ):
                 for key in ("per_expert", "per_rank_dedup", "per_node_dedup"):
                     assert ra["bytes"][key] == rh["bytes"][key], (world, scenario, key)
                 # all_to_all sends one row per remote (token, expert) pair: exactly per_expert
@@ -128,18 +177,28 @@ def test_hierarchical_moves_fewer_inter_node_bytes(worlds):
     for rank, (ra, rh) in enumerate(zip(a2a, hier)):
         T = ra["num_tokens"]
         assert ra["bytes"]["actual_sent_inter_node"] == 4 * T * row_bytes
-        assert rh["bytes"]["actual_sent_inter_node"] == T * row_bytes == rh["bytes"]["per_node_dedup"]
+        assert (
+            rh["bytes"]["actual_sent_inter_node"] == T * row_bytes == rh["bytes"]["per_node_dedup"]
+        )
     # hop 2 runs on the landing rank, so intra-node rows are forwards of the peer's tokens:
     # compare the totals (one forward per token, to the landing rank's neighbour)
-    assert sum(r["bytes"]["actual_sent_intra_node"] for r in hier) == sum(r["num_tokens"] for r in hier) * row_bytes
-    total = {name: sum(r["bytes"]["actual_sent_inter_node"] for r in res) for name, res in [("a2a", a2a), ("hier", hier)]}
+    assert (
+        sum(r["bytes"]["actual_sent_intra_node"] for r in hier)
+        == sum(r["num_tokens"] for r in hier) * row_bytes
+    )
+    total = {
+        name: sum(r["bytes"]["actual_sent_inter_node"] for r in res)
+        for name, res in [("a2a", a2a), ("hier", hier)]
+    }
     assert total["hier"] < total["a2a"]
 
 
 def test_deepep_without_fallback_is_a_clear_config_error():
     if DEEPEP_OK:
         pytest.skip("deep_ep and CUDA are present: the guard does not fire here")
-    with pytest.raises(ConfigError, match="deepep backend needs a CUDA GPU and the deep_ep package"):
+    with pytest.raises(
+        ConfigError, match="deepep backend needs a CUDA GPU and the deep_ep package"
+    ):
         make_dispatcher("deepep", E)
 
 
@@ -153,7 +212,10 @@ def test_deepep_fallback_returns_all_to_all_with_a_warning(caplog, worlds):
     assert any("falling back to all_to_all" in rec.getMessage() for rec in caplog.records)
     # and in a real 2-rank world, where it must still honour the contract
     per_rank = worlds[2]["deepep_fallback|uniform"]
-    assert all(r["name"] == "all_to_all" and r["fallback_from"] == "deepep" and r["warnings"] for r in per_rank)
+    assert all(
+        r["name"] == "all_to_all" and r["fallback_from"] == "deepep" and r["warnings"]
+        for r in per_rank
+    )
     _assert_contract(per_rank, TOL, "deepep fallback w2")
 
 
@@ -191,7 +253,9 @@ def fake_deep_ep(monkeypatch):
     fake = types.SimpleNamespace(Buffer=FakeDeepEPBuffer, topk_idx_t=torch.int64)
     monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: fake)
     monkeypatch.delenv("DEEPEP_VARIANT", raising=False)
-    fake_dist = types.SimpleNamespace(is_initialized=lambda: True, group=types.SimpleNamespace(WORLD=None))
+    fake_dist = types.SimpleNamespace(
+        is_initialized=lambda: True, group=types.SimpleNamespace(WORLD=None)
+    )
     monkeypatch.setattr(deepep_mod, "dist", fake_dist)
     FakeDeepEPBuffer.created.clear()
     return FakeDeepEPBuffer
@@ -205,10 +269,16 @@ def fake_deep_ep_v2(monkeypatch):
     import moerl.kernels.deepep as deepep_mod
     from tests.kernels_worker import FakeDeepEPBuffer, FakeElasticBuffer
 
-    fake = types.SimpleNamespace(Buffer=FakeDeepEPBuffer, ElasticBuffer=FakeElasticBuffer, topk_idx_t=torch.int64,
-                                 __version__="2.1.0")
+    fake = types.SimpleNamespace(
+        Buffer=FakeDeepEPBuffer,
+        ElasticBuffer=FakeElasticBuffer,
+        topk_idx_t=torch.int64,
+        __version__="2.1.0",
+    )
     monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: fake)
-    fake_dist = types.SimpleNamespace(is_initialized=lambda: True, group=types.SimpleNamespace(WORLD=None))
+    fake_dist = types.SimpleNamespace(
+        is_initialized=lambda: True, group=types.SimpleNamespace(WORLD=None)
+    )
     monkeypatch.setattr(deepep_mod, "dist", fake_dist)
     monkeypatch.delenv("DEEPEP_VARIANT", raising=False)
     FakeDeepEPBuffer.created.clear()
@@ -219,11 +289,20 @@ def fake_deep_ep_v2(monkeypatch):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_deepep_v2_adapter_against_a_fake_elastic_buffer(fake_deep_ep_v2, scenario):
     d = make_dispatcher("deepep", E, deepep_options={"num_max_tokens_per_rank": 64})
-    assert d.api == "v2" and d.describe() == "deepep v2 (ElasticBuffer) normal"  # auto: the newest API
+    assert (
+        d.api == "v2" and d.describe() == "deepep v2 (ElasticBuffer) normal"
+    )  # auto: the newest API
     per_rank = [check_contract(d, scenario, rank=0)]
-    _assert_contract(per_rank, tol=5e-2, label=f"deepep v2(fake) {scenario}")  # padding rows never leak in
+    _assert_contract(
+        per_rank, tol=5e-2, label=f"deepep v2(fake) {scenario}"
+    )  # padding rows never leak in
     (buf,) = fake_deep_ep_v2.ElasticBuffer.created
-    assert (buf.hidden, buf.num_topk, buf.num_max_tokens_per_rank, buf.use_fp8_dispatch) == (16, 3, 64, False)
+    assert (buf.hidden, buf.num_topk, buf.num_max_tokens_per_rank, buf.use_fp8_dispatch) == (
+        16,
+        3,
+        64,
+        False,
+    )
     assert not fake_deep_ep_v2.Buffer.created
     d.close()
     assert buf.destroyed
@@ -242,9 +321,13 @@ def test_deepep_api_choice_is_explicit_and_never_silent(fake_deep_ep_v2, monkeyp
         make_dispatcher("deepep", E)
     monkeypatch.delenv("DEEPEP_VARIANT")
     # a V1-only deep_ep asked for v2 is a config error, not a fallback to V1 (nor to all_to_all)
-    v1_only = types.SimpleNamespace(Buffer=fake_deep_ep_v2.Buffer, topk_idx_t=torch.int64, __version__="1.2.1")
+    v1_only = types.SimpleNamespace(
+        Buffer=fake_deep_ep_v2.Buffer, topk_idx_t=torch.int64, __version__="1.2.1"
+    )
     monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: v1_only)
-    with pytest.raises(ConfigError, match=r"asks for DeepEP v2 \(deep_ep.ElasticBuffer\).*it has v1"):
+    with pytest.raises(
+        ConfigError, match=r"asks for DeepEP v2 \(deep_ep.ElasticBuffer\).*it has v1"
+    ):
         make_dispatcher("deepep", E, allow_fallback=True, deepep_options={"api": "v2"})
     assert make_dispatcher("deepep", E).api == "v1"  # auto on a V1-only deep_ep
 
@@ -255,7 +338,10 @@ def test_deepep_v2_refuses_what_only_v1_has_and_oversized_dispatches(fake_deep_e
     with pytest.raises(ConfigError, match="num_sms sets V1's"):
         make_dispatcher("deepep", E, deepep_options={"api": "v2", "num_sms": 24})
     d = make_dispatcher("deepep", E, deepep_options={"num_max_tokens_per_rank": 4})
-    with pytest.raises(ConfigError, match=r"5 tokens on one dispatch > deepep_options.num_max_tokens_per_rank \(4\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"5 tokens on one dispatch > deepep_options.num_max_tokens_per_rank \(4\)",
+    ):
         d.dispatch(torch.randn(5, 16), torch.zeros(5, 3, dtype=torch.int64), torch.ones(5, 3))
 
 
@@ -277,7 +363,9 @@ def test_deepep_adapter_against_a_fake_buffer(fake_deep_ep, scenario):
     d = make_dispatcher("deepep", E)
     per_rank = [check_contract(d, scenario, rank=0)]
     _assert_contract(per_rank, tol=5e-2, label=f"deepep(fake) {scenario}")  # bf16 on the wire
-    assert per_rank[0]["identity_err"] > 0 or per_rank[0]["num_tokens"] == 0  # it really went through bf16
+    assert (
+        per_rank[0]["identity_err"] > 0 or per_rank[0]["num_tokens"] == 0
+    )  # it really went through bf16
     assert not fake_deep_ep.created[0].low_latency_mode
 
 
@@ -285,7 +373,9 @@ def test_deepep_low_latency_adapter_against_a_fake_buffer(fake_deep_ep):
     from moerl.kernels.reference import reference_moe
     from tests.kernels_worker import expert_fn, make_inputs
 
-    d = make_dispatcher("deepep", E, deepep_options={"mode": "low_latency", "num_max_dispatch_tokens_per_rank": 16})
+    d = make_dispatcher(
+        "deepep", E, deepep_options={"mode": "low_latency", "num_max_dispatch_tokens_per_rank": 16}
+    )
     x, idx, w = make_inputs("zipf_dropped_empty", rank=0)
     with pytest.raises(ConfigError, match="inference-only"):
         d.dispatch(x.requires_grad_(True), idx, w)
@@ -294,6 +384,8 @@ def test_deepep_low_latency_adapter_against_a_fake_buffer(fake_deep_ep):
         out = d.combine(expert_fn(recv_x, torch.repeat_interleave(torch.arange(E), counts)), handle)
     assert counts.tolist() == torch.bincount(idx[idx >= 0], minlength=E).tolist()
     assert (out - reference_moe(x.detach(), idx, w, expert_fn)).abs().max() < 5e-2
-    assert fake_deep_ep.created[0].low_latency_mode and fake_deep_ep.created[0].num_qps_per_rank == E
+    assert (
+        fake_deep_ep.created[0].low_latency_mode and fake_deep_ep.created[0].num_qps_per_rank == E
+    )
     with pytest.raises(ConfigError, match="num_max_dispatch_tokens_per_rank"), torch.no_grad():
         d.dispatch(torch.randn(17, 16), torch.zeros(17, 3, dtype=torch.int64), torch.ones(17, 3))

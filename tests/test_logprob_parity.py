@@ -17,18 +17,33 @@ TOL = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture, temperature, top_k, top_p", [
-    ("qwen3_moe", 1.0, -1, 1.0), ("qwen3_moe", 0.7, -1, 1.0), ("mixtral", 1.0, -1, 1.0),
-    ("qwen3_moe", 1.0, 5, 0.9),  # truncated sampling: the trainer must truncate the same way
-    ("qwen2_moe", 1.0, -1, 1.0), ("olmoe", 1.0, -1, 1.0),  # a shared expert; the plain top-k family
-])
+@pytest.mark.parametrize(
+    "architecture, temperature, top_k, top_p",
+    [
+        ("qwen3_moe", 1.0, -1, 1.0),
+        ("qwen3_moe", 0.7, -1, 1.0),
+        ("mixtral", 1.0, -1, 1.0),
+        ("qwen3_moe", 1.0, 5, 0.9),  # truncated sampling: the trainer must truncate the same way
+        ("qwen2_moe", 1.0, -1, 1.0),
+        ("olmoe", 1.0, -1, 1.0),  # a shared expert; the plain top-k family
+    ],
+)
 def test_engine_logprobs_match_trainer(tmp_path, architecture, temperature, top_k, top_p):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moerl.components.rollout.engine import RolloutEngine
 
-    cfg = parse_config({"rollout": {"temperature": temperature, "max_new_tokens": 8, "top_k": top_k, "top_p": top_p},
-                        "model": {"tiny": {"architecture": architecture}}})
+    cfg = parse_config(
+        {
+            "rollout": {
+                "temperature": temperature,
+                "max_new_tokens": 8,
+                "top_k": top_k,
+                "top_p": top_p,
+            },
+            "model": {"tiny": {"architecture": architecture}},
+        }
+    )
     tiny_dir = build_tiny_model(cfg.model.tiny, tmp_path / "model")
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     prompts = [tok.encode(p) for p in ("copy 1234=", "rev 98=", "add 12+345=")]
@@ -37,14 +52,25 @@ def test_engine_logprobs_match_trainer(tmp_path, architecture, temperature, top_
         comps = engine.generate(prompts, n=4)
     finally:
         engine.close()
-    batch = [TrainSample(prompt_token_ids=p, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                         advantage=0.0, policy_version=0) for p, cs in zip(prompts, comps) for c in cs]
+    batch = [
+        TrainSample(
+            prompt_token_ids=p,
+            response_token_ids=c.token_ids,
+            response_logprobs=c.logprobs,
+            advantage=0.0,
+            policy_version=0,
+        )
+        for p, cs in zip(prompts, comps)
+        for c in cs
+    ]
     assert len(batch) == 12 and all(len(s.response_token_ids) > 0 for s in batch)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     packed = pack(batch, pad_id=tok.pad_token_id)
     with torch.no_grad():
-        trainer_logp, _ = sequence_logprobs(model, packed, torch.arange(len(batch)), temperature, top_k, top_p)
+        trainer_logp, _ = sequence_logprobs(
+            model, packed, torch.arange(len(batch)), temperature, top_k, top_p
+        )
     mask = packed.mask_NL1.bool()
     diff = (trainer_logp - packed.engine_logp_NL1).abs()[mask]
     assert diff.numel() == sum(len(s.response_token_ids) for s in batch)
@@ -63,10 +89,16 @@ def test_truncation_matches_vllm_sampler(top_k, top_p):
 
     from moerl.components.policy_update.loss import truncate_logits
 
-    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(top_k + int(10 * top_p))) * 3
+    logits = (
+        torch.randn(64, 50, generator=torch.Generator().manual_seed(top_k + int(10 * top_p))) * 3
+    )
     ours = truncate_logits(logits.clone(), top_k, top_p)
     k = torch.full((64,), top_k if top_k > 0 else 50, dtype=torch.long)
-    theirs = apply_top_k_top_p_pytorch(logits.clone(), k, torch.full((64,), top_p) if top_p < 1 else None)
+    theirs = apply_top_k_top_p_pytorch(
+        logits.clone(), k, torch.full((64,), top_p) if top_p < 1 else None
+    )
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
     assert torch.equal(ours[~torch.isinf(ours)], logits[~torch.isinf(ours)])
-    assert 0 < int((~torch.isinf(ours)).sum(-1).min()) and (top_p == 1.0 and top_k < 0 or torch.isinf(ours).any())
+    assert 0 < int((~torch.isinf(ours)).sum(-1).min()) and (
+        top_p == 1.0 and top_k < 0 or torch.isinf(ours).any()
+    )

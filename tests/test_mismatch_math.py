@@ -15,8 +15,12 @@ import math
 import pytest
 import torch
 
-from moerl.components.policy_update.correction import (CorrectionSums, correction_sums, finish,
-                                                        geometric_rejection)
+from moerl.components.policy_update.correction import (
+    CorrectionSums,
+    correction_sums,
+    finish,
+    geometric_rejection,
+)
 from moerl.components.policy_update.loss import importance_weights, policy_loss
 
 VERL_EPS = 1e-8
@@ -52,6 +56,7 @@ def _ours(logp, old, w, adv, mask, lo, hi, garbage=True, **kw):
 
 
 # ---- peer references ------------------------------------------------------------------------
+
 
 def _trl_is_ratio(old, sampling, mask, mode, clip_max, clip_min=None):
     """TRL GRPOTrainer._generate_and_score_completions, `vllm_importance_sampling_mode`
@@ -93,7 +98,9 @@ def _verl_masked_mean(x, mask, axis=None, eps=VERL_EPS):
     return (torch.where(mask.bool(), x, 0.0) * mask).sum(axis) / (mask.sum(axis) + eps)
 
 
-def _verl_agg_loss(loss_mat, mask, mode, eps=VERL_EPS, batch_num_tokens=None, global_batch_size=None):
+def _verl_agg_loss(
+    loss_mat, mask, mode, eps=VERL_EPS, batch_num_tokens=None, global_batch_size=None
+):
     """verl core_algos.agg_loss, dp_size 1: token-mean: masked_sum / batch_num_tokens (default
     mask.sum()); seq-mean-token-mean: seq_loss_i = sum_t(loss * mask) / (n_i + 1e-8), summed over
     sequences with n_i > 0, / global_batch_size (default: their count)."""
@@ -142,17 +149,21 @@ def _verl_offpolicy_metrics(old, rollout, mask, eps=VERL_EPS):
     lr = old - rollout
     rho = torch.exp(torch.clamp(lr, -20.0, 20.0))
     seq = torch.clamp((torch.where(mask.bool(), lr, 0.0) * mask).sum(-1), -20.0, 20.0)
-    return {"kl": _verl_masked_mean(rollout - old, mask, eps=eps).item(),
-            "k3_kl": _verl_masked_mean(torch.exp(lr) - lr - 1, mask, eps=eps).item(),
-            "chi2_token": (_verl_masked_mean(rho.square(), mask, eps=eps) - 1).item(),
-            "chi2_seq": (torch.exp(2.0 * seq).mean() - 1.0).item()}
+    return {
+        "kl": _verl_masked_mean(rollout - old, mask, eps=eps).item(),
+        "k3_kl": _verl_masked_mean(torch.exp(lr) - lr - 1, mask, eps=eps).item(),
+        "chi2_token": (_verl_masked_mean(rho.square(), mask, eps=eps) - 1).item(),
+        "chi2_seq": (torch.exp(2.0 * seq).mean() - 1.0).item(),
+    }
 
 
 def _verl_ess(old, rollout, mask, threshold, eps=VERL_EPS):
     """verl rollout_corr_helper.compute_is_metrics (rollout_is token), rollout_is_eff_sample_size:
     w = exp(clamp(lr, +-20)) * mask (compute_rollout_correction_weights, before truncation), clamped
     to [1/threshold, threshold]; 1 / masked_mean((w / (masked_mean(w) + 1e-8))^2)."""
-    w = (torch.exp(torch.clamp(old - rollout, -20.0, 20.0)) * mask).clamp(min=1.0 / threshold, max=threshold)
+    w = (torch.exp(torch.clamp(old - rollout, -20.0, 20.0)) * mask).clamp(
+        min=1.0 / threshold, max=threshold
+    )
     normalized = w / (_verl_masked_mean(w, mask, eps=eps) + eps)
     return 1.0 / _verl_masked_mean(normalized.square(), mask, eps=eps).item()
 
@@ -161,11 +172,14 @@ def _verl_geometric_keep(old, rollout, mask, upper, lower, eps=VERL_EPS):
     """verl rollout_corr_helper.compute_rollout_rejection_mask, rollout_rs="geometric" (as of
     7eb030e9, before the #4511 refactor): w_i = exp(clamp(masked_mean_t(old - rollout), +-20));
     keep where lower <= w_i <= upper."""
-    w = torch.exp(torch.clamp(_verl_masked_mean(old - rollout, mask, axis=-1, eps=eps), -20.0, 20.0))
+    w = torch.exp(
+        torch.clamp(_verl_masked_mean(old - rollout, mask, axis=-1, eps=eps), -20.0, 20.0)
+    )
     return (w >= lower) & (w <= upper)
 
 
 # ---- importance-sampling modes --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", [0, 1])
@@ -173,9 +187,17 @@ def test_is_weights_and_loss_match_trl(mode, seed):
     old, logp, engine, adv, mask = _batch(seed)
     real = mask.bool()
     cap, lower = (2.0, 0.5) if mode.startswith("token") else (3.0, 0.2)
-    ours = importance_weights(_pad(old, mask, -INF), _pad(engine, mask, INF), mask, mode, cap,
-                              lower if mode.endswith("mask") else None)
-    ref = _trl_is_ratio(old, engine, mask, mode, cap, lower if mode.endswith("mask") else None).expand_as(old)
+    ours = importance_weights(
+        _pad(old, mask, -INF),
+        _pad(engine, mask, INF),
+        mask,
+        mode,
+        cap,
+        lower if mode.endswith("mask") else None,
+    )
+    ref = _trl_is_ratio(
+        old, engine, mask, mode, cap, lower if mode.endswith("mask") else None
+    ).expand_as(old)
     assert torch.allclose(ours.w_BT[real], ref[real], rtol=1e-12, atol=0)
     assert bool((ours.w_BT[~real] == 1).all())
     raw = _trl_is_ratio(old, engine, mask, mode, math.inf).expand_as(old)
@@ -184,7 +206,8 @@ def test_is_weights_and_loss_match_trl(mode, seed):
     assert torch.equal(ours.hit_BT, hit)
     frac = (hit.sum() / real.sum()).item()
     assert (ours.truncated_fraction, ours.masked_fraction) == pytest.approx(
-        (frac, 0.0) if mode.endswith("truncate") else (0.0, frac), abs=1e-15)
+        (frac, 0.0) if mode.endswith("truncate") else (0.0, frac), abs=1e-15
+    )
     if mode.endswith("truncate"):
         # documented deviation: moerl's `lower` acts in the mask modes only (config refuses it
         # elsewhere); TRL's clip_min would also clamp truncate-mode ratios from below
@@ -193,14 +216,22 @@ def test_is_weights_and_loss_match_trl(mode, seed):
     # the loss with these weights: TRL's bnpo (token-level PPO clip times the IS ratio)
     loss, grad, _ = _ours(logp, old, ours.w_BT, adv, mask, 0.2, 0.28)
     ref_lp = logp.clone().requires_grad_(True)
-    ref_loss = _trl_loss(ref_lp, old, adv, mask, _trl_is_ratio(old, engine, mask, mode, cap,
-                                                               lower if mode.endswith("mask") else None), 0.2, 0.28)
+    ref_loss = _trl_loss(
+        ref_lp,
+        old,
+        adv,
+        mask,
+        _trl_is_ratio(old, engine, mask, mode, cap, lower if mode.endswith("mask") else None),
+        0.2,
+        0.28,
+    )
     ref_loss.backward()
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-12, abs=1e-12)
     assert torch.allclose(grad, ref_lp.grad, rtol=1e-10, atol=1e-12)
 
 
 # ---- GSPO and seq-mean-token-mean -----------------------------------------------------------
+
 
 def _gspo_batch(seed, empty_row=False):
     # small per-token noise: sequence log-ratios around +-3e-4, so that the GSPO clip range
@@ -212,7 +243,9 @@ def _gspo_batch(seed, empty_row=False):
 def test_gspo_matches_verl(seed, empty_row):
     old, logp, engine, adv, mask = _gspo_batch(seed, empty_row)
     ones = torch.ones_like(old)
-    loss, grad, stats = _ours(logp, old, ones, adv, mask, 3e-4, 4e-4, kind="gspo", agg="seq-mean-token-mean")
+    loss, grad, stats = _ours(
+        logp, old, ones, adv, mask, 3e-4, 4e-4, kind="gspo", agg="seq-mean-token-mean"
+    )
     ref_lp = logp.clone().requires_grad_(True)
     ref, clipfrac = _verl_gspo(old, ref_lp, adv, mask, 3e-4, 4e-4, eps=0.0)
     ref.backward()
@@ -225,27 +258,51 @@ def test_gspo_matches_verl(seed, empty_row):
     assert 0 < clipped.sum() < rows.sum()
     assert 0 < clipfrac < 1
     # verl's own 1e-8 count guard moves the loss by ~1e-8 relative, nothing else
-    assert loss.item() == pytest.approx(_verl_gspo(old, logp, adv, mask, 3e-4, 4e-4)[0].item(), rel=1e-7)
+    assert loss.item() == pytest.approx(
+        _verl_gspo(old, logp, adv, mask, 3e-4, 4e-4)[0].item(), rel=1e-7
+    )
 
 
 def test_gspo_sequence_log_ratio_is_clamped_at_10_as_verl():
     old, logp, _, adv, mask = _gspo_batch(6)
     logp[1] = old[1] + 12.0  # sequence log-ratio 12, past verl's clamp at 10
     adv[1] = -1.0  # the unclipped branch wins: the loss holds exp(10), with no gradient
-    loss, grad, _ = _ours(logp, old, torch.ones_like(old), adv, mask, 3e-4, 4e-4, kind="gspo",
-                          agg="seq-mean-token-mean")
+    loss, grad, _ = _ours(
+        logp,
+        old,
+        torch.ones_like(old),
+        adv,
+        mask,
+        3e-4,
+        4e-4,
+        kind="gspo",
+        agg="seq-mean-token-mean",
+    )
     ref_lp = logp.clone().requires_grad_(True)
     ref, _ = _verl_gspo(old, ref_lp, adv, mask, 3e-4, 4e-4, eps=0.0)
     ref.backward()
-    assert loss.item() == pytest.approx(ref.item(), rel=1e-12) and loss.item() > math.exp(10) / len(adv)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12) and loss.item() > math.exp(10) / len(
+        adv
+    )
     assert torch.allclose(grad, ref_lp.grad, rtol=1e-10, atol=1e-13) and bool((grad[1] == 0).all())
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gspo_matches_trl_sequence_level(seed):
-    old, logp, engine, adv, mask = _gspo_batch(seed)  # every row has a token: TRL's .mean() counts all
-    loss, grad, _ = _ours(logp, old, torch.ones_like(old), adv, mask, 3e-4, 4e-4, kind="gspo",
-                          agg="seq-mean-token-mean")
+    old, logp, engine, adv, mask = _gspo_batch(
+        seed
+    )  # every row has a token: TRL's .mean() counts all
+    loss, grad, _ = _ours(
+        logp,
+        old,
+        torch.ones_like(old),
+        adv,
+        mask,
+        3e-4,
+        4e-4,
+        kind="gspo",
+        agg="seq-mean-token-mean",
+    )
     ref_lp = logp.clone().requires_grad_(True)
     ref = _trl_loss(ref_lp, old, adv, mask, 1.0, 3e-4, 4e-4, level="sequence", loss_type="grpo")
     ref.backward()
@@ -258,9 +315,20 @@ def test_gspo_with_is_weights_matches_verl(mode):
     old, logp, engine, adv, mask = _gspo_batch(3)
     w = importance_weights(old, engine, mask, mode, 2.0)
     assert w.truncated_fraction + w.masked_fraction > 0
-    loss, grad, _ = _ours(logp, old, w.w_BT, adv, mask, 3e-4, 4e-4, kind="gspo", agg="seq-mean-token-mean")
+    loss, grad, _ = _ours(
+        logp, old, w.w_BT, adv, mask, 3e-4, 4e-4, kind="gspo", agg="seq-mean-token-mean"
+    )
     ref_lp = logp.clone().requires_grad_(True)
-    ref, _ = _verl_gspo(old, ref_lp, adv, mask, 3e-4, 4e-4, is_w=_trl_is_ratio(old, engine, mask, mode, 2.0), eps=0.0)
+    ref, _ = _verl_gspo(
+        old,
+        ref_lp,
+        adv,
+        mask,
+        3e-4,
+        4e-4,
+        is_w=_trl_is_ratio(old, engine, mask, mode, 2.0),
+        eps=0.0,
+    )
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
     assert torch.allclose(grad, ref_lp.grad, rtol=1e-10, atol=1e-13)
@@ -272,7 +340,9 @@ def test_ppo_seq_mean_token_mean_matches_verl_and_trl(seed):
     w = importance_weights(old, engine, mask, "token_truncate", 2.0).w_BT
     # verl: vanilla PPO with the dual clip, seq-mean-token-mean (also with an empty row)
     for m in (mask, mask.clone().index_fill_(0, torch.tensor([3]), 0.0)):
-        loss, grad, _ = _ours(logp, old, w, adv, m, 0.2, 0.28, agg="seq-mean-token-mean", clip_ratio_c=3.0)
+        loss, grad, _ = _ours(
+            logp, old, w, adv, m, 0.2, 0.28, agg="seq-mean-token-mean", clip_ratio_c=3.0
+        )
         ref_lp = logp.clone().requires_grad_(True)
         ref = _verl_vanilla(old, ref_lp, adv, m, 0.2, 0.28, 3.0, w, "seq-mean-token-mean", eps=0.0)
         ref.backward()
@@ -281,25 +351,56 @@ def test_ppo_seq_mean_token_mean_matches_verl_and_trl(seed):
     # TRL: loss_type "grpo" is seq-mean-token-mean with no dual clip; and its mean is exact
     loss, grad, _ = _ours(logp, old, w, adv, mask, 0.2, 0.28, agg="seq-mean-token-mean")
     ref_lp = logp.clone().requires_grad_(True)
-    ref = _trl_loss(ref_lp, old, adv, mask, torch.clamp(torch.exp(old - engine), max=2.0), 0.2, 0.28, loss_type="grpo")
+    ref = _trl_loss(
+        ref_lp,
+        old,
+        adv,
+        mask,
+        torch.clamp(torch.exp(old - engine), max=2.0),
+        0.2,
+        0.28,
+        loss_type="grpo",
+    )
     ref.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
     assert torch.allclose(grad, ref_lp.grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind,agg", [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"),
-                                      ("gspo", "seq-mean-token-mean"), ("gspo", "token-mean")])
+@pytest.mark.parametrize(
+    "kind,agg",
+    [
+        ("ppo", "token-mean"),
+        ("ppo", "seq-mean-token-mean"),
+        ("gspo", "seq-mean-token-mean"),
+        ("gspo", "token-mean"),
+    ],
+)
 def test_micro_batches_add_up_to_the_minibatch(kind, agg):
-    old, logp, engine, adv, mask = _gspo_batch(4, empty_row=True) if kind == "gspo" else _batch(4, empty_row=True)
+    old, logp, engine, adv, mask = (
+        _gspo_batch(4, empty_row=True) if kind == "gspo" else _batch(4, empty_row=True)
+    )
     lo, hi = (3e-4, 4e-4) if kind == "gspo" else (0.2, 0.28)
-    w = importance_weights(old, engine, mask, "sequence_truncate" if kind == "gspo" else "token_truncate", 2.0).w_BT
+    w = importance_weights(
+        old, engine, mask, "sequence_truncate" if kind == "gspo" else "token_truncate", 2.0
+    ).w_BT
     whole, whole_grad, _ = _ours(logp, old, w, adv, mask, lo, hi, kind=kind, agg=agg)
     n_tokens, n_seqs = mask.sum().item(), (mask.sum(-1) > 0).sum().item()
     assert n_seqs < mask.shape[0]  # the empty row counts for nothing
     parts, grads = [], []
     for rows in (slice(0, 5), slice(5, None)):
-        p, g, _ = _ours(logp[rows], old[rows], w[rows], adv[rows], mask[rows], lo, hi, kind=kind, agg=agg,
-                        n_tokens=n_tokens, n_seqs=n_seqs)
+        p, g, _ = _ours(
+            logp[rows],
+            old[rows],
+            w[rows],
+            adv[rows],
+            mask[rows],
+            lo,
+            hi,
+            kind=kind,
+            agg=agg,
+            n_tokens=n_tokens,
+            n_seqs=n_seqs,
+        )
         parts.append(p.item())
         grads.append(g)
     assert sum(parts) == pytest.approx(whole.item(), rel=1e-12, abs=1e-12)
@@ -307,26 +408,58 @@ def test_micro_batches_add_up_to_the_minibatch(kind, agg):
     # verl's agg_loss given the minibatch's counts (batch_num_tokens / global_batch_size) gives
     # each piece the same value (verl's gspo always aggregates seq-mean-token-mean)
     if kind == "ppo" or agg == "seq-mean-token-mean":
-        counts = {"batch_num_tokens": n_tokens} if agg == "token-mean" else {"global_batch_size": n_seqs}
+        counts = (
+            {"batch_num_tokens": n_tokens} if agg == "token-mean" else {"global_batch_size": n_seqs}
+        )
         r = slice(0, 5)
-        ref = _verl_vanilla(old[r], logp[r], adv[r], mask[r], lo, hi, 1e9, w[r], agg, 0.0, **counts) \
-            if kind == "ppo" else _verl_gspo(old[r], logp[r], adv[r], mask[r], lo, hi, w[r], 0.0, **counts)[0]
+        ref = (
+            _verl_vanilla(old[r], logp[r], adv[r], mask[r], lo, hi, 1e9, w[r], agg, 0.0, **counts)
+            if kind == "ppo"
+            else _verl_gspo(old[r], logp[r], adv[r], mask[r], lo, hi, w[r], 0.0, **counts)[0]
+        )
         assert parts[0] == pytest.approx(ref.item(), rel=1e-12, abs=1e-12)
 
 
-@pytest.mark.parametrize("kind,agg", [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"),
-                                      ("gspo", "seq-mean-token-mean")])
+@pytest.mark.parametrize(
+    "kind,agg",
+    [("ppo", "token-mean"), ("ppo", "seq-mean-token-mean"), ("gspo", "seq-mean-token-mean")],
+)
 def test_padding_garbage_never_leaks(kind, agg):
-    old, logp, engine, adv, mask = _gspo_batch(5, empty_row=True) if kind == "gspo" else _batch(5, empty_row=True)
+    old, logp, engine, adv, mask = (
+        _gspo_batch(5, empty_row=True) if kind == "gspo" else _batch(5, empty_row=True)
+    )
     lo, hi = (3e-4, 4e-4) if kind == "gspo" else (0.2, 0.28)
     for mode in MODES:
-        w_clean = importance_weights(old, engine, mask, mode, 2.0, 0.5 if mode.endswith("mask") else None)
-        w_dirty = importance_weights(_pad(old, mask, NAN), _pad(engine, mask, -INF), mask, mode, 2.0,
-                                     0.5 if mode.endswith("mask") else None)
-        assert torch.equal(w_clean.w_BT, w_dirty.w_BT) and torch.equal(w_clean.hit_BT, w_dirty.hit_BT)
-        clean, clean_grad, clean_stats = _ours(logp, old, w_clean.w_BT, adv, mask, lo, hi, garbage=False,
-                                               kind=kind, agg=agg, n_tokens=None)
-        dirty, dirty_grad, dirty_stats = _ours(logp, old, w_dirty.w_BT, adv, mask, lo, hi, kind=kind, agg=agg)
+        w_clean = importance_weights(
+            old, engine, mask, mode, 2.0, 0.5 if mode.endswith("mask") else None
+        )
+        w_dirty = importance_weights(
+            _pad(old, mask, NAN),
+            _pad(engine, mask, -INF),
+            mask,
+            mode,
+            2.0,
+            0.5 if mode.endswith("mask") else None,
+        )
+        assert torch.equal(w_clean.w_BT, w_dirty.w_BT) and torch.equal(
+            w_clean.hit_BT, w_dirty.hit_BT
+        )
+        clean, clean_grad, clean_stats = _ours(
+            logp,
+            old,
+            w_clean.w_BT,
+            adv,
+            mask,
+            lo,
+            hi,
+            garbage=False,
+            kind=kind,
+            agg=agg,
+            n_tokens=None,
+        )
+        dirty, dirty_grad, dirty_stats = _ours(
+            logp, old, w_dirty.w_BT, adv, mask, lo, hi, kind=kind, agg=agg
+        )
         assert math.isfinite(dirty.item()) and bool(torch.isfinite(dirty_grad).all())
         assert dirty.item() == clean.item() and torch.equal(dirty_grad, clean_grad)
         assert bool((dirty_grad[mask == 0] == 0).all())
@@ -334,6 +467,7 @@ def test_padding_garbage_never_leaks(kind, agg):
 
 
 # ---- rollout-correction metrics -------------------------------------------------------------
+
 
 def _corr_batch(seed, b=24, t=20):
     old, _, engine, _, mask = _batch(seed, b=b, t=t, eng_noise=0.6)
@@ -355,14 +489,18 @@ def test_correction_metrics_match_verl(seed):
             assert ours[f"rollout_corr/{key}"] == pytest.approx(value, rel=rel, abs=1e-12), key
         # ESS: moerl's is over the raw ratios; verl clamps them to [1/threshold, threshold] first,
         # so the two agree where the threshold does not bind (a deliberate difference)
-        assert ours["rollout_corr/is_ess"] == pytest.approx(_verl_ess(old, engine, mask, 1e6, eps), rel=rel)
+        assert ours["rollout_corr/is_ess"] == pytest.approx(
+            _verl_ess(old, engine, mask, 1e6, eps), rel=rel
+        )
     assert ours["rollout_corr/k3_kl"] > 0 and 0 < ours["rollout_corr/is_ess"] < 1
     # a token outside pi_old's support (-inf) counts as padding
     hole = old.clone()
     hole[0, 0] = -INF
     holed_mask = mask.clone()
     holed_mask[0, 0] = 0.0
-    assert _metrics(hole, engine, mask, own) == pytest.approx(_metrics(old, engine, holed_mask, own), rel=1e-12)
+    assert _metrics(hole, engine, mask, own) == pytest.approx(
+        _metrics(old, engine, holed_mask, own), rel=1e-12
+    )
 
 
 def test_extreme_metrics_match_direct_computation():
@@ -387,13 +525,19 @@ def test_own_and_stale_splits_are_the_metrics_of_their_rows():
     assert 0 < own.sum() < own.numel()
     m = _metrics(old, engine, mask, own)
     for split, rows in (("own", own), ("stale", ~own)):
-        alone = _metrics(old[rows], engine[rows], mask[rows], torch.ones(int(rows.sum()), dtype=torch.bool))
+        alone = _metrics(
+            old[rows], engine[rows], mask[rows], torch.ones(int(rows.sum()), dtype=torch.bool)
+        )
         for key, value in alone.items():
             if key.count("/") == 1 and key != "rollout_corr/stale_token_fraction":
-                assert m[key.replace("rollout_corr/", f"rollout_corr/{split}/")] == pytest.approx(value, rel=1e-12)
+                assert m[key.replace("rollout_corr/", f"rollout_corr/{split}/")] == pytest.approx(
+                    value, rel=1e-12
+                )
         ref = _verl_offpolicy_metrics(old[rows], engine[rows], mask[rows], eps=0.0)
         assert m[f"rollout_corr/{split}/chi2_seq"] == pytest.approx(ref["chi2_seq"], rel=1e-12)
-    assert m["rollout_corr/stale_token_fraction"] == pytest.approx((mask[~own].sum() / mask.sum()).item())
+    assert m["rollout_corr/stale_token_fraction"] == pytest.approx(
+        (mask[~own].sum() / mask.sum()).item()
+    )
     # an all-own batch logs no stale metrics beyond the token count
     m = _metrics(old, engine, mask, torch.ones_like(own))
     assert m["rollout_corr/stale/tokens"] == 0 and "rollout_corr/stale/kl" not in m
@@ -403,10 +547,16 @@ def test_own_and_stale_splits_are_the_metrics_of_their_rows():
 def test_sums_over_row_shards_reduce_to_the_whole_batch():
     """What the all-reduce does across expert-parallel ranks: sums add, maxes max."""
     old, engine, mask, own = _corr_batch(9)
-    shards = [correction_sums(old[r], engine[r], mask[r], own[r]) for r in (slice(0, 10), slice(10, None))]
+    shards = [
+        correction_sums(old[r], engine[r], mask[r], own[r]) for r in (slice(0, 10), slice(10, None))
+    ]
     flats = [s.flat() for s in shards]
-    reduced = CorrectionSums.from_flat(flats[0][0] + flats[1][0], torch.maximum(flats[0][1], flats[1][1]))
-    assert finish(reduced) == pytest.approx(finish(correction_sums(old, engine, mask, own)), rel=1e-12)
+    reduced = CorrectionSums.from_flat(
+        flats[0][0] + flats[1][0], torch.maximum(flats[0][1], flats[1][1])
+    )
+    assert finish(reduced) == pytest.approx(
+        finish(correction_sums(old, engine, mask, own)), rel=1e-12
+    )
 
 
 def test_chi2_seq_clamp_matches_verl_at_large_sequence_ratios():
@@ -415,11 +565,13 @@ def test_chi2_seq_clamp_matches_verl_at_large_sequence_ratios():
     engine = torch.stack([-torch.ones(30), torch.full((30,), 0.01)]).double()
     mask = torch.ones_like(old)
     ours = _metrics(old, engine, mask, torch.ones(2, dtype=torch.bool))
-    assert ours["rollout_corr/chi2_seq"] == pytest.approx(_verl_offpolicy_metrics(old, engine, mask, 0.0)["chi2_seq"],
-                                                          rel=1e-12)
+    assert ours["rollout_corr/chi2_seq"] == pytest.approx(
+        _verl_offpolicy_metrics(old, engine, mask, 0.0)["chi2_seq"], rel=1e-12
+    )
 
 
 # ---- geometric rejection --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("upper,lower", [(1.1, 1 / 1.1), (1.2, 0.95)])
 def test_geometric_rejection_matches_verl(upper, lower):
@@ -430,7 +582,9 @@ def test_geometric_rejection_matches_verl(upper, lower):
     holed_mask = mask.clone()
     holed_mask[6, 0] = 0.0
     drop = geometric_rejection(_pad(hole, mask, NAN), _pad(engine, mask, INF), mask, upper, lower)
-    keep = _verl_geometric_keep(old, engine, holed_mask, upper, lower)  # with verl's 1e-8: the empty row's mean is 0
+    keep = _verl_geometric_keep(
+        old, engine, holed_mask, upper, lower
+    )  # with verl's 1e-8: the empty row's mean is 0
     assert 0 < drop.sum() < drop.numel()
     assert torch.equal(drop, ~keep)
     assert not drop[5]

@@ -37,17 +37,32 @@ def _chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path:
         return path
-    note = SETUP_NOTE.read_text().strip() if SETUP_NOTE.is_file() else "scripts/install_browser.sh has not run"
+    note = (
+        SETUP_NOTE.read_text().strip()
+        if SETUP_NOTE.is_file()
+        else "scripts/install_browser.sh has not run"
+    )
     pytest.skip(f"no headless Chromium: {note.removeprefix('skip: ')}")
 
 
 def _render(chromium: str, url: str, screenshot: Path) -> str:
     """The page's DOM once its scripts ran (virtual time: the React app's requests and
     rendering settle without a fixed sleep), and a screenshot of it."""
-    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--virtual-time-budget=20000", "--window-size=1600,1200"]
-    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=180, check=True).stdout
-    subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=180, check=True)
+    flags = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--virtual-time-budget=20000",
+        "--window-size=1600,1200",
+    ]
+    dom = subprocess.run(
+        [*flags, "--dump-dom", url], capture_output=True, text=True, timeout=180, check=True
+    ).stdout
+    subprocess.run(
+        [*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=180, check=True
+    )
     return dom
 
 
@@ -58,13 +73,27 @@ def two_runs(tmp_path_factory):
         ids = []
         for lr in RATES:
             work = root / f"lr{lr}"
-            cfg = load_config(ROOT / "configs/tiny-moe-grpo.yaml", [
-                f"tracking.uri={url}", "tracking.experiment=compare", f"tracking.run_name=lr-{lr}",
-                f"trainer.learning_rate={lr}", f"checkpoint.uri={work / 'ckpt'}",
-                f"checkpoint.cache_dir={work / 'cache'}", f"pipeline.work_dir={work / 'work'}",
-                "pipeline.versions=3", "task.prompts_per_iteration=8", "rollout.samples_per_prompt=4",
-                "trainer.optimizer_steps_per_iteration=2", "units.max_prompts=4", "buffer.max_staleness=1",
-                "rollout.workers=1", "reward.scorers=1"], mode="async")
+            cfg = load_config(
+                ROOT / "configs/tiny-moe-grpo.yaml",
+                [
+                    f"tracking.uri={url}",
+                    "tracking.experiment=compare",
+                    f"tracking.run_name=lr-{lr}",
+                    f"trainer.learning_rate={lr}",
+                    f"checkpoint.uri={work / 'ckpt'}",
+                    f"checkpoint.cache_dir={work / 'cache'}",
+                    f"pipeline.work_dir={work / 'work'}",
+                    "pipeline.versions=3",
+                    "task.prompts_per_iteration=8",
+                    "rollout.samples_per_prompt=4",
+                    "trainer.optimizer_steps_per_iteration=2",
+                    "units.max_prompts=4",
+                    "buffer.max_staleness=1",
+                    "rollout.workers=1",
+                    "reward.scorers=1",
+                ],
+                mode="async",
+            )
             summary = run_async(cfg)
             assert summary.ok, f"the async run at learning rate {lr} failed"
             ids.append(summary.run_id)
@@ -102,18 +131,26 @@ def test_the_compare_view_shows_both_runs_and_the_parameter_that_differs(two_run
     for lr, run_id in zip(RATES, ids):
         assert f"lr-{lr}" in text and run_id in text
     # the learning rate's row holds both values; a parameter both runs share holds one twice
-    rows = re.findall(r"trainer\.learning_rate (\S+) (\S+) ", text)  # the plot's axis label comes first
+    rows = re.findall(
+        r"trainer\.learning_rate (\S+) (\S+) ", text
+    )  # the plot's axis label comes first
     assert (str(RATES[0]), str(RATES[1])) in rows, rows
-    assert ("builtin:digits-copy", "builtin:digits-copy") in re.findall(r"task\.dataset (\S+) (\S+) ", text)
-    assert "Show diff only" in text  # the parameters table's control to keep only the rows that differ
+    assert ("builtin:digits-copy", "builtin:digits-copy") in re.findall(
+        r"task\.dataset (\S+) (\S+) ", text
+    )
+    assert (
+        "Show diff only" in text
+    )  # the parameters table's control to keep only the rows that differ
     assert shot.stat().st_size > 10_000
 
 
 def test_the_metric_view_plots_a_reward_curve_per_run(two_runs):
     chromium = _chromium()
     url, ids = two_runs
-    page = (f"{url}/#/metric?runs={_q(ids)}&metric={_q('reward/mean')}&experiments={_q([_experiment_id(url)])}"
-            f"&plot_metric_keys={_q(['reward/mean'])}")
+    page = (
+        f"{url}/#/metric?runs={_q(ids)}&metric={_q('reward/mean')}&experiments={_q([_experiment_id(url)])}"
+        f"&plot_metric_keys={_q(['reward/mean'])}"
+    )
     shot = _artifacts() / "mlflow-reward-curves.png"
     dom = _render(chromium, page, shot)
     text = _text(dom)

@@ -23,9 +23,23 @@ VERSIONS = 30
 
 @pytest.mark.slow
 def test_the_lookup_task_learns_in_the_async_mode(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "--mode", "async",
-                           str(ROOT / "configs" / "tiny-moe-lookup.yaml"), "--iterations", str(VERSIONS)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moerl.cli",
+            "run",
+            "--mode",
+            "async",
+            str(ROOT / "configs" / "tiny-moe-lookup.yaml"),
+            "--iterations",
+            str(VERSIONS),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from mlflow.tracking import MlflowClient
 
@@ -39,4 +53,6 @@ def test_the_lookup_task_learns_in_the_async_mode(tmp_path):
     # reset, query, answer and close: four sandboxed calls per episode, none failed
     generated = [v for _, v in tracking.metric_history(uri, run.info.run_id, "async/generated")]
     assert calls[-1] == 4 * generated[-1]
-    assert [v for _, v in tracking.metric_history(uri, run.info.run_id, "async/env_errors")][-1] == 0
+    assert [v for _, v in tracking.metric_history(uri, run.info.run_id, "async/env_errors")][
+        -1
+    ] == 0

@@ -13,17 +13,27 @@ from pathlib import Path
 import pytest
 
 from moerl import tracking
-from moerl.components.publish_checkpoint.registry import (TAG_CONFIG_HASH, TAG_MANIFEST, TAG_REWARD, TAG_RUN,
-                                                          TAG_VERSION_URI, config_hash, register_final,
-                                                          resolve_policy)
+from moerl.components.publish_checkpoint.registry import (
+    TAG_CONFIG_HASH,
+    TAG_MANIFEST,
+    TAG_REWARD,
+    TAG_RUN,
+    TAG_VERSION_URI,
+    config_hash,
+    register_final,
+    resolve_policy,
+)
 from moerl.config import config_to_json, parse_config
 from moerl.errors import CheckpointError, ConfigError
 from moerl.store.runs import run_store, version_uri
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())
-            if p.is_file() and p.suffix in (".safetensors", ".json")}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.iterdir())
+        if p.is_file() and p.suffix in (".safetensors", ".json")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +41,20 @@ def env(tmp_path_factory):
     from moerl.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("registry")
-    model = build_tiny_model(parse_config({"model": {"tiny": {"seed": 5}}}).model.tiny, root / "trained")
+    model = build_tiny_model(
+        parse_config({"model": {"tiny": {"seed": 5}}}).model.tiny, root / "trained"
+    )
     return {"root": root, "uri": f"sqlite:///{root / 'mlflow.db'}", "model": model}
 
 
 def _cfg(env, **model):
-    return parse_config({"model": model, "tracking": {"uri": env["uri"], "experiment": "reg",
-                                                      "registry_name": "moerl-policy"},
-                         "checkpoint": {"uri": str(env["root"] / "ck"), "cache_dir": str(env["root"] / "cache")}})
+    return parse_config(
+        {
+            "model": model,
+            "tracking": {"uri": env["uri"], "experiment": "reg", "registry_name": "moerl-policy"},
+            "checkpoint": {"uri": str(env["root"] / "ck"), "cache_dir": str(env["root"] / "cache")},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +84,17 @@ def test_the_final_version_is_registered_with_its_lineage(env, registered):
     assert mv.tags[TAG_VERSION_URI] == version_uri(store, 1)
     assert mv.tags[TAG_MANIFEST] == store.manifest(1).sha256()
     assert float(mv.tags[TAG_REWARD]) == pytest.approx(0.75)  # the run's last reward/mean
-    assert mv.tags[TAG_CONFIG_HASH] == config_hash(config_to_json(cfg)) and mv.tags[TAG_RUN] == run_id
-    assert mv.source == f"runs:/{run_id}/policy" and mv.run_id == run_id  # a local store: the manifest logged there
+    assert (
+        mv.tags[TAG_CONFIG_HASH] == config_hash(config_to_json(cfg)) and mv.tags[TAG_RUN] == run_id
+    )
+    assert (
+        mv.source == f"runs:/{run_id}/policy" and mv.run_id == run_id
+    )  # a local store: the manifest logged there
     assert client.get_run(run_id).data.tags["moerl.registered_policy"] == f"moerl-policy/{version}"
     # without tracking.registry_name nothing is registered
-    plain = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"registry_name": None})})
+    plain = cfg.model_copy(
+        update={"tracking": cfg.tracking.model_copy(update={"registry_name": None})}
+    )
     assert register_final(plain, run_id, version_uri(store, 1)) is None
 
 
@@ -93,7 +115,9 @@ def test_a_warm_start_from_the_champion_lays_out_the_registered_version(env, reg
     assert tags["moerl.warm_start.registered"] == f"moerl-policy/{version}"
     assert tags["moerl.warm_start.checkpoint"] == version_uri(store, 1)
     # by number too
-    again = prepare_initial(_cfg(env, warm_start=f"registry:moerl-policy/{version}"), tmp_path / "again", current)
+    again = prepare_initial(
+        _cfg(env, warm_start=f"registry:moerl-policy/{version}"), tmp_path / "again", current
+    )
     assert _hashes(again) == _hashes(out)
 
 
@@ -116,10 +140,15 @@ def test_a_version_changed_after_registration_is_refused(env, registered, tmp_pa
 def test_a_missing_alias_or_name_is_refused_at_preflight_naming_the_key(env, registered):
     from moerl.orchestrate.prepare import preflight
 
-    with pytest.raises(ConfigError, match=r"model.warm_start: registry:moerl-policy@staging is not in the model "
-                                          r"registry.*Aliases: staging"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.warm_start: registry:moerl-policy@staging is not in the model "
+        r"registry.*Aliases: staging",
+    ):
         preflight(_cfg(env, warm_start="registry:moerl-policy@staging"))
-    with pytest.raises(ConfigError, match="model.warm_start: registry:nobody@champion is not in the model registry"):
+    with pytest.raises(
+        ConfigError, match="model.warm_start: registry:nobody@champion is not in the model registry"
+    ):
         preflight(_cfg(env, warm_start="registry:nobody@champion"))
     with pytest.raises(ConfigError, match="model.warm_start"):
         parse_config({"model": {"warm_start": "registry:bad name@x"}})
@@ -132,7 +161,9 @@ def test_scheduled_runs_start_from_the_champion_when_the_config_registers():
     assert scheduled_config(base).model.warm_start == "previous"
     reg = parse_config({"tracking": {"registry_name": "moerl-policy"}})
     assert scheduled_config(reg).model.warm_start == "registry:moerl-policy@champion"
-    named = parse_config({"tracking": {"registry_name": "p"}, "model": {"warm_start": "registry:p/3"}})
+    named = parse_config(
+        {"tracking": {"registry_name": "p"}, "model": {"warm_start": "registry:p/3"}}
+    )
     assert scheduled_config(named).model.warm_start == "registry:p/3"
 
 

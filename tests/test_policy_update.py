@@ -5,12 +5,17 @@ import math
 import pytest
 import torch
 
+from moerl.components.policy_update.trainer import (
+    Counters,
+    _load_state,
+    pack,
+    run_policy_update,
+    train_on_batch,
+)
 from moerl.config import parse_config
 from moerl.errors import TrainingError
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
-from moerl.components.policy_update.trainer import (Counters, _load_state, pack, run_policy_update,
-                                                    train_on_batch)
 
 CFG = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}})
 
@@ -26,14 +31,32 @@ def _batch(n=8, bad=()):
     out = []
     for i in range(n):
         lp = [float("nan")] * 3 if i in bad else [-3.0, -3.1, -2.9]
-        out.append(TrainSample(prompt_token_ids=[21, 22, 23, 5 + i % 10], response_token_ids=[5 + i % 10, 6, 1],
-                               response_logprobs=lp, advantage=1.0 if i % 2 else -1.0, policy_version=0))
+        out.append(
+            TrainSample(
+                prompt_token_ids=[21, 22, 23, 5 + i % 10],
+                response_token_ids=[5 + i % 10, 6, 1],
+                response_logprobs=lp,
+                advantage=1.0 if i % 2 else -1.0,
+                policy_version=0,
+            )
+        )
     return out
 
 
 def test_pack_aligns_targets_with_response_positions():
-    p = pack(_batch(2) + [TrainSample(prompt_token_ids=[21, 22], response_token_ids=[7], response_logprobs=[-1.5],
-                                      advantage=0.5, policy_version=0)], pad_id=0)
+    p = pack(
+        _batch(2)
+        + [
+            TrainSample(
+                prompt_token_ids=[21, 22],
+                response_token_ids=[7],
+                response_logprobs=[-1.5],
+                advantage=0.5,
+                policy_version=0,
+            )
+        ],
+        pad_id=0,
+    )
     assert p.input_ids_NL.shape == (3, 7)
     # sample 2: prompt of 2, one response token predicted at position 1
     assert p.mask_NL1[2].tolist() == [0, 1, 0, 0, 0, 0]
@@ -46,10 +69,23 @@ def test_pack_aligns_targets_with_response_positions():
 def test_pack_and_the_correction_split_take_each_tokens_version():
     from moerl.components.policy_update.steps import prepare_correction
 
-    crossed = TrainSample(prompt_token_ids=[21, 22], response_token_ids=[5, 6, 1], response_logprobs=[-3.0] * 3,
-                          advantage=1.0, policy_version=3, token_versions=[(0, 3), (2, 4)])
+    crossed = TrainSample(
+        prompt_token_ids=[21, 22],
+        response_token_ids=[5, 6, 1],
+        response_logprobs=[-3.0] * 3,
+        advantage=1.0,
+        policy_version=3,
+        token_versions=[(0, 3), (2, 4)],
+    )
     p = pack([crossed, _batch(1)[0].model_copy(update={"policy_version": 4})], pad_id=0)
-    assert p.version_NL1[0].tolist() == [-1, 3, 3, 4, -1, -1] and p.version_NL1[1].tolist() == [-1, -1, -1, 4, 4, 4]
+    assert p.version_NL1[0].tolist() == [-1, 3, 3, 4, -1, -1] and p.version_NL1[1].tolist() == [
+        -1,
+        -1,
+        -1,
+        4,
+        4,
+        4,
+    ]
     _, m = prepare_correction(p, p.engine_logp_NL1.clone(), CFG, trainer_version=4)
     # the trainer's own version sampled one token of the first response and all three of the second
     assert m["rollout_corr/own/tokens"] == 4 and m["rollout_corr/stale/tokens"] == 2
@@ -60,7 +96,10 @@ def test_steps_change_weights_and_report_metrics(state0):
     before = [p.detach().clone() for p in model.parameters()]
     m = train_on_batch(model, opt, ctr, _batch(), CFG, seed=0)
     assert m["train/steps"] == 4 and m["train/skipped_steps"] == 0 and ctr.step == 4
-    assert all(math.isfinite(m[k]) for k in ("train/loss", "train/entropy", "train/grad_norm", "train/clip_fraction"))
+    assert all(
+        math.isfinite(m[k])
+        for k in ("train/loss", "train/entropy", "train/grad_norm", "train/clip_fraction")
+    )
     assert m["train/entropy"] > 0
     changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert changed > len(before) // 2
@@ -93,15 +132,20 @@ def test_state_round_trip_carries_optimizer_and_counters(state0, tmp_path):
     write_records(tmp_path / "e.jsonl", [])
     m = run_policy_update(CFG, tmp_path / "e.jsonl", tmp_path / "s1", tmp_path / "s2", iteration=1)
     assert m["train/empty_batch"] == 1.0
-    assert (tmp_path / "s2" / "model.safetensors").read_bytes() == \
-        (tmp_path / "s1" / "model.safetensors").read_bytes()
+    assert (tmp_path / "s2" / "model.safetensors").read_bytes() == (
+        tmp_path / "s1" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_model_path_takes_a_local_mixtral_checkpoint(tmp_path):
     from moerl.components.publish_checkpoint.stage import prepare_initial
 
-    src = build_tiny_model(parse_config({"model": {"tiny": {"architecture": "mixtral"}}}).model.tiny, tmp_path / "mx")
-    cfg = parse_config({"model": {"path": str(src)}, "trainer": {"optimizer_steps_per_iteration": 2}})
+    src = build_tiny_model(
+        parse_config({"model": {"tiny": {"architecture": "mixtral"}}}).model.tiny, tmp_path / "mx"
+    )
+    cfg = parse_config(
+        {"model": {"path": str(src)}, "trainer": {"optimizer_steps_per_iteration": 2}}
+    )
     prepare_initial(cfg, tmp_path / "s0")
     assert (tmp_path / "s0" / "config.json").read_text() == (src / "config.json").read_text()
     write_records(tmp_path / "b.jsonl", _batch())
@@ -117,11 +161,19 @@ def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"model.path: .* \(no config.json\)"):
         check_checkpoint(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(ConfigError, match="model_type 'llama' is not supported; allowed: qwen3_moe, mixtral, qwen2_moe, olmoe"):
+    with pytest.raises(
+        ConfigError,
+        match="model_type 'llama' is not supported; allowed: qwen3_moe, mixtral, qwen2_moe, olmoe",
+    ):
         check_checkpoint(tmp_path)
 
 
 def test_expert_parallel_ranks_that_fail_give_one_clear_error(state0, tmp_path):
     cfg = parse_config({"trainer": {"expert_parallel_size": 2}})
-    with pytest.raises(TrainingError, match=r"sharded training \(local, 2 ranks: mesh dp 1 x ep 2, all_to_all\) exited with"):
-        run_policy_update(cfg, tmp_path / "no-such-batch.jsonl", state0, tmp_path / "s1", iteration=0)
+    with pytest.raises(
+        TrainingError,
+        match=r"sharded training \(local, 2 ranks: mesh dp 1 x ep 2, all_to_all\) exited with",
+    ):
+        run_policy_update(
+            cfg, tmp_path / "no-such-batch.jsonl", state0, tmp_path / "s1", iteration=0
+        )

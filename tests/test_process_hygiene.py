@@ -62,12 +62,22 @@ def blocked_task(state0, tmp_path):
     def start(launcher: str):
         os.mkfifo(tmp_path / "batch.jsonl")
         cfg = {"trainer": {"expert_parallel_size": 2, "launcher": launcher}}
-        arg = json.dumps({"cfg": cfg, "batch": str(tmp_path / "batch.jsonl"), "state_in": str(state0),
-                          "state_out": str(tmp_path / "s1")})
-        task = subprocess.Popen([sys.executable, "-c", TASK, arg], stderr=subprocess.PIPE, text=True)
+        arg = json.dumps(
+            {
+                "cfg": cfg,
+                "batch": str(tmp_path / "batch.jsonl"),
+                "state_in": str(state0),
+                "state_out": str(tmp_path / "s1"),
+            }
+        )
+        task = subprocess.Popen(
+            [sys.executable, "-c", TASK, arg], stderr=subprocess.PIPE, text=True
+        )
         started.append(task)
         n = 3 if launcher == "torchrun" else 2  # torchrun itself and 2 workers, or 2 ranks
-        assert _wait_for(lambda: len(_mentioning(str(tmp_path), task.pid)) >= n, 180), "the ranks never started"
+        assert _wait_for(lambda: len(_mentioning(str(tmp_path), task.pid)) >= n, 180), (
+            "the ranks never started"
+        )
         time.sleep(2)  # let them get on with it (import torch, rendezvous, load the model)
         assert task.poll() is None
         return task, str(tmp_path)
@@ -108,9 +118,14 @@ def test_ranks_past_the_timeout_are_killed_with_a_clear_error(state0, tmp_path):
     os.mkfifo(tmp_path / "batch.jsonl")
     cfg = parse_config({"trainer": {"expert_parallel_size": 2}})
     t0 = time.monotonic()
-    with pytest.raises(TrainingError, match=r"\(local, 2 ranks: mesh dp 1 x ep 2, all_to_all\) did not finish within 4 s "
-                                            r"\(the rank timeout\); killed every rank"):
-        run_expert_parallel(cfg, tmp_path / "batch.jsonl", state0, tmp_path / "s1", 0, rank_timeout_s=4)
+    with pytest.raises(
+        TrainingError,
+        match=r"\(local, 2 ranks: mesh dp 1 x ep 2, all_to_all\) did not finish within 4 s "
+        r"\(the rank timeout\); killed every rank",
+    ):
+        run_expert_parallel(
+            cfg, tmp_path / "batch.jsonl", state0, tmp_path / "s1", 0, rank_timeout_s=4
+        )
     assert time.monotonic() - t0 < 30
     assert not _mentioning(str(tmp_path), -1)
 
@@ -121,18 +136,32 @@ def test_torchrun_picks_its_own_port_and_wraps_its_workers():
     args = torchrun_args(2, ["--iteration", "0"])
     assert "--standalone" in args and "--local-addr=127.0.0.1" in args
     assert not any(a.startswith(("--master-port", "--master_port", "--rdzv")) for a in args)
-    assert args[args.index("--module") + 1:] == ["moerl.launch.procs", "moerl.components.policy_update.ep_train",
-                                                 "--iteration", "0"]
+    assert args[args.index("--module") + 1 :] == [
+        "moerl.launch.procs",
+        "moerl.components.policy_update.ep_train",
+        "--iteration",
+        "0",
+    ]
 
 
 def test_wrapped_child_whose_parent_is_already_gone_exits_at_once():
     """The parent can die between fork and arming the death signal; the wrapper sees a parent
     other than the one named in MOERL_PARENT_PID and exits instead of running the module."""
     env = {**os.environ, "MOERL_PARENT_PID": "1"}
-    proc = subprocess.run([sys.executable, "-m", "moerl.launch.procs", "this_module_would_fail_to_import"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moerl.launch.procs", "this_module_would_fail_to_import"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and "No module named" not in proc.stderr
     env["MOERL_PARENT_PID"] = str(os.getpid())
-    proc = subprocess.run([sys.executable, "-m", "moerl.launch.procs", "json.tool", "--help"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moerl.launch.procs", "json.tool", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "usage:" in proc.stdout

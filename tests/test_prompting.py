@@ -24,30 +24,61 @@ def _chat_tokenizer():
 
 def test_text_rows_encode_as_they_are_and_messages_through_the_template():
     text = Prompt(id="t", task="copy", prompt="copy 12=", answer="12")
-    chat = Prompt.model_validate({"id": "c", "task": "copy", "answer": "12",
-                                  "messages": [{"role": "user", "content": "copy 12"}]})
+    chat = Prompt.model_validate(
+        {
+            "id": "c",
+            "task": "copy",
+            "answer": "12",
+            "messages": [{"role": "user", "content": "copy 12"}],
+        }
+    )
     plain, tok = build_tokenizer(), _chat_tokenizer()
     assert encode_prompt(plain, _rollout(), text) == plain.encode("copy 12=")
     assert encode_prompt(tok, _rollout(), text) == plain.encode("copy 12=")  # auto: text stays text
-    assert encode_prompt(tok, _rollout(), chat) == plain.encode("copy 12= ")  # the template, with the turn to continue
+    assert encode_prompt(tok, _rollout(), chat) == plain.encode(
+        "copy 12= "
+    )  # the template, with the turn to continue
     assert encode_prompt(tok, _rollout(chat_template=True), text) == plain.encode("copy 12== ")
-    assert encode_prompt(tok, _rollout(), chat.model_dump()) == encode_prompt(tok, _rollout(), chat)  # an async unit's dict
+    assert encode_prompt(tok, _rollout(), chat.model_dump()) == encode_prompt(
+        tok, _rollout(), chat
+    )  # an async unit's dict
     assert chat.prompt_text == "copy 12"
 
 
 def test_what_cannot_be_encoded_faithfully_is_refused_naming_the_key():
-    chat = Prompt.model_validate({"id": "c", "task": "copy", "answer": "12",
-                                  "messages": [{"role": "user", "content": "copy 12"}]})
+    chat = Prompt.model_validate(
+        {
+            "id": "c",
+            "task": "copy",
+            "answer": "12",
+            "messages": [{"role": "user", "content": "copy 12"}],
+        }
+    )
     with pytest.raises(ConfigError, match="the policy's tokenizer has no chat template"):
         encode_prompt(build_tokenizer(), _rollout(), chat)
-    with pytest.raises(ConfigError, match="rollout.chat_template false, but dataset rows give chat messages"):
+    with pytest.raises(
+        ConfigError, match="rollout.chat_template false, but dataset rows give chat messages"
+    ):
         encode_prompt(_chat_tokenizer(), _rollout(chat_template=False), chat)
-    with pytest.raises(ConfigError, match="rollout.chat_template true, but the policy's tokenizer has no chat"):
-        encode_prompt(build_tokenizer(), _rollout(chat_template=True),
-                      Prompt(id="t", task="copy", prompt="copy 1=", answer="1"))
-    for row in ({"id": "x", "task": "copy", "answer": "1"},  # neither
-                {"id": "x", "task": "copy", "answer": "1", "prompt": "p", "messages": [{"role": "user", "content": "p"}]},
-                {"id": "x", "task": "copy", "answer": "1", "messages": [{"role": "robot", "content": "p"}]}):
+    with pytest.raises(
+        ConfigError, match="rollout.chat_template true, but the policy's tokenizer has no chat"
+    ):
+        encode_prompt(
+            build_tokenizer(),
+            _rollout(chat_template=True),
+            Prompt(id="t", task="copy", prompt="copy 1=", answer="1"),
+        )
+    for row in (
+        {"id": "x", "task": "copy", "answer": "1"},  # neither
+        {
+            "id": "x",
+            "task": "copy",
+            "answer": "1",
+            "prompt": "p",
+            "messages": [{"role": "user", "content": "p"}],
+        },
+        {"id": "x", "task": "copy", "answer": "1", "messages": [{"role": "robot", "content": "p"}]},
+    ):
         with pytest.raises(ValueError):
             Prompt.model_validate(row)
 
@@ -67,10 +98,23 @@ def test_chat_rows_for_a_tokenizer_without_a_template_are_refused_before_any_wor
     from moerl.orchestrate.prepare import preflight
 
     data = tmp_path / "chat.jsonl"
-    data.write_text(json.dumps({"id": "c", "task": "copy", "answer": "12",
-                                "messages": [{"role": "user", "content": "copy 12="}]}) + "\n")
-    cfg = load_config("configs/tiny-moe-grpo.yaml", [f"checkpoint.uri={tmp_path / 'ck'}", f"task.dataset={data}"])
-    with pytest.raises(ConfigError, match="dataset rows give chat messages, but the policy's tokenizer has no chat"):
+    data.write_text(
+        json.dumps(
+            {
+                "id": "c",
+                "task": "copy",
+                "answer": "12",
+                "messages": [{"role": "user", "content": "copy 12="}],
+            }
+        )
+        + "\n"
+    )
+    cfg = load_config(
+        "configs/tiny-moe-grpo.yaml", [f"checkpoint.uri={tmp_path / 'ck'}", f"task.dataset={data}"]
+    )
+    with pytest.raises(
+        ConfigError, match="dataset rows give chat messages, but the policy's tokenizer has no chat"
+    ):
         preflight(cfg)
 
 
@@ -79,15 +123,22 @@ def test_a_chat_episode_appends_exactly_what_the_template_renders_for_the_whole_
     environment's observation (a `tool` message and the next assistant prompt) are the tokens
     the template gives the whole conversation, whether the model closed its turn (end-of-turn
     token) or ran out of tokens (the driver closes it, masked 0)."""
-    from moerl.components.rollout.engine import Completion
     from moerl.components.rollout.episodes import EpisodeDriver
 
     tok = build_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ {'user': 'p', 'assistant': 'a', 'tool': 'r', 'system': 'y'}"
-                         "[m['role']] }} {{ m['content'] }}<eos>{% endfor %}{% if add_generation_prompt %}a {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ {'user': 'p', 'assistant': 'a', 'tool': 'r', 'system': 'y'}"
+        "[m['role']] }} {{ m['content'] }}<eos>{% endfor %}{% if add_generation_prompt %}a {% endif %}"
+    )
     cfg = parse_config({"task": {"environment": "tests.hostile_environments:Counter"}})
-    row = Prompt.model_validate({"id": "c", "task": "copy", "answer": "12",
-                                 "messages": [{"role": "user", "content": "copy 12"}]})
+    row = Prompt.model_validate(
+        {
+            "id": "c",
+            "task": "copy",
+            "answer": "12",
+            "messages": [{"role": "user", "content": "copy 12"}],
+        }
+    )
     ids = encode_prompt(tok, cfg.rollout, row)
     assert ids == tok.encode("p copy 12<eos>a ", add_special_tokens=False)
     d = EpisodeDriver(cfg, tok, pool=None)
@@ -97,8 +148,17 @@ def test_a_chat_episode_appends_exactly_what_the_template_renders_for_the_whole_
         ep.tokens += model
         ep.mask += [1] * len(model)
         obs_ids, _ = d.observation(ep, "3")
-        whole = tok.apply_chat_template([{"role": "user", "content": "copy 12"}, {"role": "assistant", "content": "12"},
-                                         {"role": "tool", "content": "3"}], add_generation_prompt=True, tokenize=True)
+        whole = tok.apply_chat_template(
+            [
+                {"role": "user", "content": "copy 12"},
+                {"role": "assistant", "content": "12"},
+                {"role": "tool", "content": "3"},
+            ],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
         whole = list(whole["input_ids"] if hasattr(whole, "keys") else whole)
         assert ids + model + obs_ids == whole, closed
-        assert obs_ids[0] == (tok.encode("r", add_special_tokens=False)[0] if closed else tok.eos_token_id)
+        assert obs_ids[0] == (
+            tok.encode("r", add_special_tokens=False)[0] if closed else tok.eos_token_id
+        )

@@ -21,12 +21,16 @@ def _state(d: Path, bad: float | None = None) -> Path:
     (d / "config.json").write_text('{"model_type": "qwen3_moe"}')
     (d / "trainer").mkdir()
     (d / "trainer" / "state.json").write_text('{"step": 2}')
-    save_file({"model.embed_tokens.weight": torch.ones(4, 3)}, d / "model-00001-of-00002.safetensors")
+    save_file(
+        {"model.embed_tokens.weight": torch.ones(4, 3)}, d / "model-00001-of-00002.safetensors"
+    )
     w = torch.zeros(5, 2, dtype=torch.bfloat16)
     if bad is not None:
         w[3, 1] = bad
-    save_file({"lm_head.weight": w, "step.count": torch.tensor([7], dtype=torch.int64)},
-              d / "model-00002-of-00002.safetensors")
+    save_file(
+        {"lm_head.weight": w, "step.count": torch.tensor([7], dtype=torch.int64)},
+        d / "model-00002-of-00002.safetensors",
+    )
     return d
 
 
@@ -37,8 +41,10 @@ def test_non_finite_weight_refused_before_any_upload(tmp_path: Path, bad: float)
     store = run_store(cfg.checkpoint, "r1")
     with pytest.raises(CheckpointError) as err:
         run_publish(cfg, "r1", _state(tmp_path / "bad", bad=bad), 2)
-    assert str(err.value).startswith("refusing to publish version 2: model-00002-of-00002.safetensors tensor "
-                                     "'lm_head.weight' holds 1 non-finite values (NaN/inf) of 10")
+    assert str(err.value).startswith(
+        "refusing to publish version 2: model-00002-of-00002.safetensors tensor "
+        "'lm_head.weight' holds 1 non-finite values (NaN/inf) of 10"
+    )
     assert store.latest() == 1 and store.versions() == [1]
     assert sorted(store._version_dirs()) == ["v000001"]  # not a byte of version 2, not even staged
 
@@ -47,6 +53,8 @@ def test_unreadable_safetensors_refused(tmp_path: Path) -> None:
     cfg = RunConfig.model_validate({"checkpoint": {"uri": str(tmp_path / "ck")}})
     state = _state(tmp_path / "s")
     (state / "model-00001-of-00002.safetensors").write_bytes(b"\x00" * 5)
-    with pytest.raises(CheckpointError, match="refusing to publish version 0: cannot read model-00001-of-00002"):
+    with pytest.raises(
+        CheckpointError, match="refusing to publish version 0: cannot read model-00001-of-00002"
+    ):
         run_publish(cfg, "r1", state, 0)
     assert run_store(cfg.checkpoint, "r1").latest() is None

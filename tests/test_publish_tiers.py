@@ -54,12 +54,26 @@ def _has_manifest(store, version: int) -> bool:
         return False
 
 
-def test_each_version_is_servable_before_it_is_durable_and_its_metrics_follow_that_order(buckets, tmp_path):
+def test_each_version_is_servable_before_it_is_durable_and_its_metrics_follow_that_order(
+    buckets, tmp_path
+):
     name = tmp_path.name
-    cfg = RunConfig.model_validate({"checkpoint": {
-        "uri": f"s3://pub-durable/{name}", "endpoint_url": buckets.endpoint_url, "region": "us-east-1",
-        "cache_dir": str(tmp_path / "node"), "chunk_mb": 1, "max_unpublished": 2,
-        "cache_tier": {"uri": f"s3://pub-cache/{name}", "endpoint_url": buckets.endpoint_url}}})
+    cfg = RunConfig.model_validate(
+        {
+            "checkpoint": {
+                "uri": f"s3://pub-durable/{name}",
+                "endpoint_url": buckets.endpoint_url,
+                "region": "us-east-1",
+                "cache_dir": str(tmp_path / "node"),
+                "chunk_mb": 1,
+                "max_unpublished": 2,
+                "cache_tier": {
+                    "uri": f"s3://pub-cache/{name}",
+                    "endpoint_url": buckets.endpoint_url,
+                },
+            }
+        }
+    )
     tiers = run_tiers(cfg.checkpoint, "r1")
     tiers.publish(0, _state(tmp_path / "s0", 0), {})
     valkey = EmbeddedValkey(tmp_path / "valkey").start()
@@ -73,19 +87,32 @@ def test_each_version_is_servable_before_it_is_durable_and_its_metrics_follow_th
             bus.set_servable(epoch, p.version, p.uri, p.manifest_sha256)
             pointer = bus.servable()
             # read after the pointer moved: the durable store must not have this version yet
-            events.append({"event": "servable", "version": p.version, "entered": entered, "sha": p.manifest_sha256,
-                           "pointer": (pointer.version, pointer.manifest_sha256),
-                           "cache_latest": tiers.cache.latest(),
-                           "cache_sha": tiers.cache.manifest(p.version).sha256(),
-                           "durable_latest": tiers.durable.latest(),
-                           "durable_has_it": _has_manifest(tiers.durable, p.version),
-                           "left": time.perf_counter()})
+            events.append(
+                {
+                    "event": "servable",
+                    "version": p.version,
+                    "entered": entered,
+                    "sha": p.manifest_sha256,
+                    "pointer": (pointer.version, pointer.manifest_sha256),
+                    "cache_latest": tiers.cache.latest(),
+                    "cache_sha": tiers.cache.manifest(p.version).sha256(),
+                    "durable_latest": tiers.durable.latest(),
+                    "durable_has_it": _has_manifest(tiers.durable, p.version),
+                    "left": time.perf_counter(),
+                }
+            )
 
         def on_durable(job: Job) -> None:  # as the trainer's commit
-            events.append({"event": "durable", "version": job.version, "entered": time.perf_counter(),
-                           "durable_latest": tiers.durable.latest(),
-                           "durable_sha": tiers.durable.manifest(job.version).sha256(),
-                           "pointer": bus.servable().version})
+            events.append(
+                {
+                    "event": "durable",
+                    "version": job.version,
+                    "entered": time.perf_counter(),
+                    "durable_latest": tiers.durable.latest(),
+                    "durable_sha": tiers.durable.manifest(job.version).sha256(),
+                    "pointer": bus.servable().version,
+                }
+            )
 
         publisher = Publisher(cfg, "r1", on_servable=on_servable, on_durable=on_durable)
         try:
@@ -99,8 +126,9 @@ def test_each_version_is_servable_before_it_is_durable_and_its_metrics_follow_th
         valkey.stop()
 
     # one servable event, then one durable event, per version, in order
-    assert [(e["event"], e["version"]) for e in events] == \
-        [(ev, v) for v in range(1, VERSIONS + 1) for ev in ("servable", "durable")]
+    assert [(e["event"], e["version"]) for e in events] == [
+        (ev, v) for v in range(1, VERSIONS + 1) for ev in ("servable", "durable")
+    ]
     assert [j.version for j in jobs] == list(range(1, VERSIONS + 1))
     for job, servable, durable in zip(jobs, events[0::2], events[1::2]):
         v, sha = job.version, servable["sha"]
@@ -110,7 +138,11 @@ def test_each_version_is_servable_before_it_is_durable_and_its_metrics_follow_th
         assert servable["pointer"] == (v, sha)
         assert servable["durable_latest"] == v - 1 and not servable["durable_has_it"]
         # durable: the same manifest, latest moved, the pointer still on it when it is committed
-        assert durable["durable_latest"] == v and durable["durable_sha"] == sha and durable["pointer"] == v
+        assert (
+            durable["durable_latest"] == v
+            and durable["durable_sha"] == sha
+            and durable["pointer"] == v
+        )
         assert job.policy.version == v and job.policy.manifest_sha256 == sha
         # the version's own metrics, each present, agree with that order: the servable time was
         # taken before the pointer moved, the durable time after the pointer moved and before
@@ -119,6 +151,10 @@ def test_each_version_is_servable_before_it_is_durable_and_its_metrics_follow_th
         assert m["weights/version"] == float(v)
         assert m["weights/cache_tier"] == 1.0 and m["weights/cache_tier_failed"] == 0.0
         assert job.handed + m["weights/published_to_servable_s"] <= servable["entered"]
-        assert servable["left"] <= job.handed + m["weights/published_to_durable_s"] <= durable["entered"]
+        assert (
+            servable["left"]
+            <= job.handed + m["weights/published_to_durable_s"]
+            <= durable["entered"]
+        )
         assert 0.0 < m["weights/published_to_servable_s"] < m["weights/published_to_durable_s"]
         assert m["weights/publish_mb"] > 2.0

@@ -16,20 +16,31 @@ from moerl.store.runs import open_store
 
 
 def _cfg(tmp_path, iterations):
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump({
-        "task": {"prompts_per_iteration": 8},
-        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
-        "trainer": {"optimizer_steps_per_iteration": 2},
-        "tracking": {"experiment": "resume"},
-        "pipeline": {"iterations": iterations},
-    }))
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": {"prompts_per_iteration": 8},
+                "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
+                "trainer": {"optimizer_steps_per_iteration": 2},
+                "tracking": {"experiment": "resume"},
+                "pipeline": {"iterations": iterations},
+            }
+        )
+    )
 
 
 def _run_and_kill_once_published(tmp_path, env, version, *args):
     """Start `moerl run run.yaml [args]`; SIGKILL its whole process tree (CLI + running task) as
     soon as `latest` reaches `version`; return the run's store and what the CLI printed."""
-    proc = subprocess.Popen([sys.executable, "-m", "moerl.cli", "run", "run.yaml", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.time() + 600
     store = None
     while time.time() < deadline:
@@ -67,8 +78,14 @@ def test_a_run_killed_twice_resumes_each_time_from_its_last_complete_version(tmp
     assert f"resuming MLflow run {run_id} from version 0" in out
     assert store.latest() == 1 and store.versions() == [0, 1]
     # 3. resume from version 1 to the end: same MLflow run, each version once
-    r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resuming MLflow run {run_id} from version 1" in r.stdout
     assert store.versions() == [0, 1, 2] and store.latest() == 2
@@ -80,10 +97,18 @@ def test_a_run_killed_twice_resumes_each_time_from_its_last_complete_version(tmp
     (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert {1} <= {m.step for m in client.get_metric_history(run_id, "reward/mean")} <= {0, 1}
-    assert len([k for k in run.data.tags if k.startswith("moerl.resumed_at.")]) == 2  # one per resume that ran
+    assert (
+        len([k for k in run.data.tags if k.startswith("moerl.resumed_at.")]) == 2
+    )  # one per resume that ran
     # 6. resuming a finished run does nothing
-    r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and "nothing to resume" in r.stdout
 
 
@@ -109,7 +134,12 @@ def test_resume_from_version_0_starts_with_resume_policy(tmp_path):
 
 def test_resume_of_an_unknown_run_fails_clearly(tmp_path):
     _cfg(tmp_path, iterations=2)
-    r = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", "nosuchrun"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", "nosuchrun"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1
     assert "--resume: no MLflow run 'nosuchrun'" in r.stderr and "Traceback" not in r.stderr

@@ -18,8 +18,12 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(**trainer):
-    return parse_config({"rollout": {"return_routed_experts": True, "max_new_tokens": 10, "temperature": 1.0},
-                         "trainer": {"optimizer_steps_per_iteration": 1, **trainer}})
+    return parse_config(
+        {
+            "rollout": {"return_routed_experts": True, "max_new_tokens": 10, "temperature": 1.0},
+            "trainer": {"optimizer_steps_per_iteration": 1, **trainer},
+        }
+    )
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
@@ -64,9 +68,18 @@ def _agreement(engine_routes, trainer_routes):
 
 
 def _samples(eng, comps):
-    return [TrainSample(prompt_token_ids=p, response_token_ids=c.token_ids, response_logprobs=c.logprobs,
-                        advantage=float((-1) ** j), policy_version=0, routed_experts=eng.routed_experts(c))
-            for p, cs in zip(PROMPTS, comps) for j, c in enumerate(cs)]
+    return [
+        TrainSample(
+            prompt_token_ids=p,
+            response_token_ids=c.token_ids,
+            response_logprobs=c.logprobs,
+            advantage=float((-1) ** j),
+            policy_version=0,
+            routed_experts=eng.routed_experts(c),
+        )
+        for p, cs in zip(PROMPTS, comps)
+        for j, c in enumerate(cs)
+    ]
 
 
 def test_captured_routes_agree_with_the_trainer_at_fp32(engine):
@@ -76,12 +89,16 @@ def test_captured_routes_agree_with_the_trainer_at_fp32(engine):
     for p, cs in zip(PROMPTS, comps):
         for c in cs:
             assert c.routes.shape == (len(p) + len(c.token_ids), eng.capture.layers, 2)
-            assert (c.routes[-1] == -1).all() and (c.routes[:-1] >= 0).all()  # only the last token is not run
+            assert (c.routes[-1] == -1).all() and (
+                c.routes[:-1] >= 0
+            ).all()  # only the last token is not run
             assert _agreement(c.routes, _trainer_routes(model, p + c.token_ids)) == 1.0, arch
     # the record the samples carry decodes to the same ids
     s = _samples(eng, comps)[0]
     assert np.array_equal(s.routed_experts.ids(), comps[0][0].routes)
-    assert eng.capture.missing_slots == 0 and not eng.capture._routes and not eng.capture._by_owner  # nothing left
+    assert (
+        eng.capture.missing_slots == 0 and not eng.capture._routes and not eng.capture._by_owner
+    )  # nothing left
 
 
 def test_a_perturbed_engine_router_disagrees_and_r3_restores_it(engine, tmp_path):
@@ -97,7 +114,11 @@ def test_a_perturbed_engine_router_disagrees_and_r3_restores_it(engine, tmp_path
             gate.weight.add_(torch.randn(gate.weight.shape, generator=g) * 0.5 * gate.weight.std())
     perturbed.save_pretrained(tmp_path / "b")
     for f in path.iterdir():  # tokenizer and generation config, as a published version has
-        if f.is_file() and not f.name.endswith(".safetensors") and not (tmp_path / "b" / f.name).exists():
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and not (tmp_path / "b" / f.name).exists()
+        ):
             (tmp_path / "b" / f.name).write_bytes(f.read_bytes())
     eng.swap_weights(tmp_path / "b")
     try:
@@ -106,11 +127,23 @@ def test_a_perturbed_engine_router_disagrees_and_r3_restores_it(engine, tmp_path
         eng.swap_weights(path)  # the module's engine back on the checkpoint the other test expects
     batch = _samples(eng, comps)
     # the engine (perturbed routers) vs the trainer (the checkpoint): some routes differ
-    live = train_on_batch(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), Counters(), batch,
-                          _cfg(), seed=0)
+    live = train_on_batch(
+        copy.deepcopy(model),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        Counters(),
+        batch,
+        _cfg(),
+        seed=0,
+    )
     assert live["moe/routing_agreement"] < 1.0 and live["moe/token_any_layer_mismatch_fraction"] > 0
-    r3 = train_on_batch(copy.deepcopy(model), torch.optim.SGD(model.parameters(), lr=0.0), Counters(), batch,
-                        _cfg(router_replay="R3"), seed=0)
+    r3 = train_on_batch(
+        copy.deepcopy(model),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        Counters(),
+        batch,
+        _cfg(router_replay="R3"),
+        seed=0,
+    )
     assert r3["moe/replay_replaced_fraction"] > 0 and r3["moe/replay_forced_fraction"] > 0.8
     assert r3["rollout_corr/log_ratio_abs_mean"] < live["rollout_corr/log_ratio_abs_mean"], arch
     assert r3["rollout_corr/log_ratio_abs_max"] < live["rollout_corr/log_ratio_abs_max"], arch

@@ -49,7 +49,9 @@ def test_each_bias_moves_one_rate_towards_the_mean_load():
     _route(model, [[[3, 3]] * 50, [[3, 3]] * 50])
     stats = bias.step()
     b0, b1 = (blk.gate.e_score_correction_bias for blk in model.layers)
-    assert b0.tolist() == pytest.approx([-0.01, 0.0, 0.0, 0.01])  # overloaded down, idle up, at the mean stays
+    assert b0.tolist() == pytest.approx(
+        [-0.01, 0.0, 0.0, 0.01]
+    )  # overloaded down, idle up, at the mean stays
     assert b1.tolist() == [0.0] * 4
     assert stats["moe/router_max_load_ratio"] == pytest.approx((4 / 2 + 2 / 2) / 2)
     model.train()  # a skipped step drops its counts: nothing moves on the next step without tokens
@@ -66,8 +68,20 @@ def test_a_router_without_the_bias_is_refused_naming_the_key():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=32, hidden_size=32, intermediate_size=32,
-                                                   moe_intermediate_size=16, num_hidden_layers=1,
-                                                   num_attention_heads=2, num_key_value_heads=1, num_experts=4))
-    with pytest.raises(TrainingError, match="trainer.router_bias_update_rate 0.001: Qwen3MoeForCausalLM has no router"):
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                vocab_size=32,
+                hidden_size=32,
+                intermediate_size=32,
+                moe_intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                num_experts=4,
+            )
+        )
+    with pytest.raises(
+        TrainingError,
+        match="trainer.router_bias_update_rate 0.001: Qwen3MoeForCausalLM has no router",
+    ):
         RouterBias(model, 0.001)

@@ -22,8 +22,15 @@ def _model(arch: str, tmp_path_factory, layers: int = 2):
 
     from moerl.models.tiny import build_tiny_model
 
-    t = TinyMoeConfig(architecture=arch, num_layers=layers, hidden_size=64, num_experts=8, experts_per_token=2,
-                      moe_intermediate_size=32, head_dim=32)
+    t = TinyMoeConfig(
+        architecture=arch,
+        num_layers=layers,
+        hidden_size=64,
+        num_experts=8,
+        experts_per_token=2,
+        moe_intermediate_size=32,
+        head_dim=32,
+    )
     path = build_tiny_model(t, tmp_path_factory.mktemp(arch) / "m")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
@@ -63,7 +70,9 @@ def test_replaying_the_models_own_routes_is_bit_exact(family_model):
             again = model(input_ids=ids).logits
     finally:
         replay.close()
-    assert replay.forced_slots == routes.shape[0] * routes.shape[1]  # every (token, layer) was forced
+    assert (
+        replay.forced_slots == routes.shape[0] * routes.shape[1]
+    )  # every (token, layer) was forced
     assert replay.replaced == 0
     assert torch.equal(plain, again), f"{arch}: replayed forward differs from the plain one"
 
@@ -72,10 +81,14 @@ def _perturb_routers(model, scale=0.3, seed=1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for gate in routers(model):
-            gate.weight.add_(torch.randn(gate.weight.shape, generator=g) * scale * gate.weight.std())
+            gate.weight.add_(
+                torch.randn(gate.weight.shape, generator=g) * scale * gate.weight.std()
+            )
 
 
-def test_a_perturbed_router_disagrees_and_r3_restores_the_routes_with_gradient(family_model, tmp_path_factory):
+def test_a_perturbed_router_disagrees_and_r3_restores_the_routes_with_gradient(
+    family_model, tmp_path_factory
+):
     arch, model = family_model
     import copy
 
@@ -104,7 +117,9 @@ def test_a_perturbed_router_disagrees_and_r3_restores_the_routes_with_gradient(f
         assert forced_live.shape == engine_routes.shape
         out.logsumexp(-1).sum().backward()
         grads = [g.weight.grad for g in routers(trainer)]
-        assert all(gr is not None and gr.abs().sum() > 0 for gr in grads), f"{arch}: router lost its gradient"
+        assert all(gr is not None and gr.abs().sum() > 0 for gr in grads), (
+            f"{arch}: router lost its gradient"
+        )
     finally:
         replay.close()
     # the replayed trainer is closer to the engine than the live one
@@ -120,7 +135,9 @@ def _routes_used(model, ids, forced):
     replay's see its output."""
     seen = []
     replay = RouterReplay(model)
-    handles = [g.register_forward_hook(lambda m, a, o: seen.append(o[2].detach())) for g in routers(model)]
+    handles = [
+        g.register_forward_hook(lambda m, a, o: seen.append(o[2].detach())) for g in routers(model)
+    ]
     try:
         replay.force(forced)
         with torch.no_grad():
@@ -187,8 +204,14 @@ def test_routed_experts_round_trip_and_validation():
     with pytest.raises(ValueError, match="needs 4"):
         RoutedExperts(dtype="uint8", shape=(1, 2, 2), data="AAA=")
     with pytest.raises(ValueError, match="covers 2 tokens"):
-        TrainSample(prompt_token_ids=[1, 2], response_token_ids=[3], response_logprobs=[-1.0], advantage=1.0,
-                    policy_version=0, routed_experts=RoutedExperts.from_ids(np.zeros((2, 1, 2)), 8))
+        TrainSample(
+            prompt_token_ids=[1, 2],
+            response_token_ids=[3],
+            response_logprobs=[-1.0],
+            advantage=1.0,
+            policy_version=0,
+            routed_experts=RoutedExperts.from_ids(np.zeros((2, 1, 2)), 8),
+        )
 
 
 def _batch(model, routes_from=None, n=8, seed=0):
@@ -205,10 +228,20 @@ def _batch(model, routes_from=None, n=8, seed=0):
             r[-1] = -1  # the engine never feeds the last token
             routes = RoutedExperts.from_ids(r, 8)
         with torch.no_grad():
-            lp = torch.log_softmax(model(input_ids=torch.tensor([prompt + resp])).logits[0, 3:-1], -1)
+            lp = torch.log_softmax(
+                model(input_ids=torch.tensor([prompt + resp])).logits[0, 3:-1], -1
+            )
         eng = lp.gather(-1, torch.tensor(resp)[:, None])[:, 0].tolist()
-        out.append(TrainSample(prompt_token_ids=prompt, response_token_ids=resp, response_logprobs=eng,
-                               advantage=float((-1) ** i), policy_version=0, routed_experts=routes))
+        out.append(
+            TrainSample(
+                prompt_token_ids=prompt,
+                response_token_ids=resp,
+                response_logprobs=eng,
+                advantage=float((-1) ** i),
+                policy_version=0,
+                routed_experts=routes,
+            )
+        )
     return out
 
 
@@ -222,9 +255,16 @@ def test_train_on_batch_with_replay_reports_agreement_and_mismatch(mode, tmp_pat
     trainer = copy.deepcopy(engine)
     _perturb_routers(trainer)
     batch = _batch(engine, routes_from=engine)
-    cfg = parse_config({"rollout": {"return_routed_experts": True},
-                        "trainer": {"router_replay": mode, "optimizer_steps_per_iteration": 2,
-                                    "learning_rate": 1e-3}})
+    cfg = parse_config(
+        {
+            "rollout": {"return_routed_experts": True},
+            "trainer": {
+                "router_replay": mode,
+                "optimizer_steps_per_iteration": 2,
+                "learning_rate": 1e-3,
+            },
+        }
+    )
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-3)
     m = train_on_batch(trainer, opt, Counters(), batch, cfg, seed=0)
     assert m["train/steps"] == 2.0
@@ -233,8 +273,14 @@ def test_train_on_batch_with_replay_reports_agreement_and_mismatch(mode, tmp_pat
     if mode == "R3":
         assert m["moe/replay_forced_fraction"] > 0.8 and m["moe/replay_replaced_fraction"] > 0.0
         # pi_old under the engine's routes is closer to the engine's logprobs than the live one
-        live = train_on_batch(copy.deepcopy(trainer), torch.optim.AdamW(trainer.parameters()), Counters(), batch,
-                              parse_config({"trainer": {"optimizer_steps_per_iteration": 1}}), seed=0)
+        live = train_on_batch(
+            copy.deepcopy(trainer),
+            torch.optim.AdamW(trainer.parameters()),
+            Counters(),
+            batch,
+            parse_config({"trainer": {"optimizer_steps_per_iteration": 1}}),
+            seed=0,
+        )
         assert m["rollout_corr/log_ratio_abs_mean"] < live["rollout_corr/log_ratio_abs_mean"]
         assert m["rollout_corr/k3_kl"] < live["rollout_corr/k3_kl"]
     else:

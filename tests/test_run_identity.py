@@ -12,17 +12,30 @@ import pytest
 import valkey
 
 from moerl.bus import RunBus
+from moerl.bus.client import (
+    PASSWORD_ENV,
+    STAGE_ACL,
+    USERNAME_ENV,
+    BusError,
+    EmbeddedValkey,
+    connect,
+    create_run_user,
+    delete_run_user,
+    run_user,
+)
 from moerl.bus.run import group_id
-from moerl.bus.client import (PASSWORD_ENV, STAGE_ACL, USERNAME_ENV, BusError, EmbeddedValkey, connect,
-                              create_run_user, delete_run_user, run_user)
 from moerl.secrets import SecretFileError, write_secret_file
 
 
 def _as_pod(monkeypatch, tmp_path: Path, user: str, password: str) -> None:
     """What a stage's pod holds: the run Secret's keys as 0400 files, only their paths in the env."""
     secret = tmp_path / "secrets" / "moerl-run"
-    monkeypatch.setenv(f"{USERNAME_ENV}_FILE", str(write_secret_file(secret / "VALKEY_USERNAME", user)))
-    monkeypatch.setenv(f"{PASSWORD_ENV}_FILE", str(write_secret_file(secret / "VALKEY_PASSWORD", password)))
+    monkeypatch.setenv(
+        f"{USERNAME_ENV}_FILE", str(write_secret_file(secret / "VALKEY_USERNAME", user))
+    )
+    monkeypatch.setenv(
+        f"{PASSWORD_ENV}_FILE", str(write_secret_file(secret / "VALKEY_PASSWORD", password))
+    )
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
     monkeypatch.delenv(USERNAME_ENV, raising=False)
 
@@ -48,14 +61,22 @@ def test_a_run_user_reaches_its_own_run_only_and_cannot_log_in_once_deleted(tmp_
         lease = mine.lease_unit("worker-0", block_ms=100)
         assert lease is not None
         (p,) = lease.unit["prompts"]
-        assert mine.publish_group(group_id(lease.unit["unit_id"], p["k"], p["prompt"]["id"]), [{"reward": 1.0}])
+        assert mine.publish_group(
+            group_id(lease.unit["unit_id"], p["k"], p["prompt"]["id"]), [{"reward": 1.0}]
+        )
         mine.ack_unit(lease)
         assert mine.counters()["trained"] == 1 and mine.counters()["units_done"] == 1
         # another run's keys and the server itself are out of reach
         with pytest.raises(valkey.exceptions.NoPermissionError):
             RunBus(stage, "run-b").incr(trained=1)
-        for cmd in (("GET", other.key("counters")), ("KEYS", "*"), ("CONFIG", "SET", "appendonly", "no"),
-                    ("ACL", "SETUSER", user, "~*"), ("FLUSHALL",), ("SCRIPT", "FLUSH")):
+        for cmd in (
+            ("GET", other.key("counters")),
+            ("KEYS", "*"),
+            ("CONFIG", "SET", "appendonly", "no"),
+            ("ACL", "SETUSER", user, "~*"),
+            ("FLUSHALL",),
+            ("SCRIPT", "FLUSH"),
+        ):
             with pytest.raises(valkey.exceptions.NoPermissionError):
                 stage.raw.execute_command(*cmd)
         assert other.counters()["trained"] == 7
@@ -84,7 +105,9 @@ def test_a_retried_first_task_resets_the_run_user_to_a_new_password(tmp_path):
         rules = admin.execute_command("ACL", "GETUSER", user)
         flat = rules if isinstance(rules, dict) else dict(zip(rules[::2], rules[1::2]))
         assert flat["keys"] == "~moerl:run-a:*" and flat["channels"] == "", flat
-        assert [r for r in STAGE_ACL if r != "resetchannels" and r not in flat["commands"].split()] == [], flat
+        assert [
+            r for r in STAGE_ACL if r != "resetchannels" and r not in flat["commands"].split()
+        ] == [], flat
 
 
 def test_a_password_file_others_may_read_is_refused_before_any_login(tmp_path, monkeypatch):
@@ -92,17 +115,23 @@ def test_a_password_file_others_may_read_is_refused_before_any_login(tmp_path, m
         user, password = create_run_user(connect(v.url, 5), "run-a")
         _as_pod(monkeypatch, tmp_path, user, password)
         os.chmod(os.environ[f"{PASSWORD_ENV}_FILE"], 0o644)
-        with pytest.raises(SecretFileError, match=r"\$VALKEY_PASSWORD_FILE=.*VALKEY_PASSWORD: mode -rw-r--r-- .*"
-                                                  r"chmod 400"):
+        with pytest.raises(
+            SecretFileError,
+            match=r"\$VALKEY_PASSWORD_FILE=.*VALKEY_PASSWORD: mode -rw-r--r-- .*"
+            r"chmod 400",
+        ):
             connect(v.url, 5, "moerl")
 
 
 # ---- the EKS server's ACL file, run as the manifest runs it -----------------------------------
 
+
 def _manifest_script() -> str:
     import yaml
 
-    docs = yaml.safe_load_all((Path(__file__).resolve().parents[1] / "manifests/base/valkey.yaml").read_text())
+    docs = yaml.safe_load_all(
+        (Path(__file__).resolve().parents[1] / "manifests/base/valkey.yaml").read_text()
+    )
     sts = next(d for d in docs if d["kind"] == "StatefulSet")
     (c,) = sts["spec"]["template"]["spec"]["containers"]
     return c["args"][0]
@@ -124,11 +153,18 @@ class _ManifestValkey:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        where = {"/etc/valkey-secret": root / "secret", "/data": root / "data", "/run/valkey": root / "run"}
-        script = re.sub("|".join(map(re.escape, where)), lambda m: str(where[m[0]]), _manifest_script())
+        where = {
+            "/etc/valkey-secret": root / "secret",
+            "/data": root / "data",
+            "/run/valkey": root / "run",
+        }
+        script = re.sub(
+            "|".join(map(re.escape, where)), lambda m: str(where[m[0]]), _manifest_script()
+        )
         assert "exec valkey-server " in script and " --maxmemory 12gb" in script
         self.script = script.replace("exec valkey-server ", f"exec {get_binary_path()} ").replace(
-            " --maxmemory 12gb", f" --maxmemory 1gb --port {self.port} --bind 127.0.0.1")
+            " --maxmemory 12gb", f" --maxmemory 1gb --port {self.port} --bind 127.0.0.1"
+        )
         self.proc = None
 
     def secrets(self, admin: str, moerl: str) -> None:
@@ -141,7 +177,9 @@ class _ManifestValkey:
         import subprocess
         import time
 
-        self.proc = subprocess.Popen(["sh", "-c", self.script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            ["sh", "-c", self.script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         url = f"redis://127.0.0.1:{self.port}/0"
         deadline = time.monotonic() + 20
         while True:
@@ -164,7 +202,9 @@ class _ManifestValkey:
             self.proc.wait(timeout=30)
 
 
-def test_the_manifests_server_keeps_a_live_runs_user_across_a_restart_and_forgets_a_deleted_one(tmp_path):
+def test_the_manifests_server_keeps_a_live_runs_user_across_a_restart_and_forgets_a_deleted_one(
+    tmp_path,
+):
     server = _ManifestValkey(tmp_path)
     server.secrets(admin="admin-1", moerl="moerl-1")
     try:
@@ -175,7 +215,9 @@ def test_the_manifests_server_keeps_a_live_runs_user_across_a_restart_and_forget
         assert delete_run_user(admin, "run-b")
         assert connect(url, 5, user, password).execute_command("ACL", "WHOAMI") == user
         acl = (tmp_path / "data" / "users.acl").read_text()
-        assert (tmp_path / "data" / "users.acl").stat().st_mode & 0o077 == 0  # umask 077: the server's only
+        assert (
+            tmp_path / "data" / "users.acl"
+        ).stat().st_mode & 0o077 == 0  # umask 077: the server's only
         assert password not in acl and "admin-1" not in acl  # ACL SAVE keeps hashes
         server.stop()
         server.secrets(admin="admin-2", moerl="moerl-2")  # an operator rotated the Secret meanwhile
@@ -200,7 +242,10 @@ def test_the_manifests_server_keeps_a_live_runs_user_across_a_restart_and_forget
 
 # ---- start_run and close_run's side: the user and the run's Secret, on replayed API responses ----
 
-def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes_both(tmp_path, monkeypatch):
+
+def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes_both(
+    tmp_path, monkeypatch
+):
     """`open_run_identity` / `close_run_identity` against a real Valkey and the real kubernetes
     client, whose HTTP requests are answered by scripted API responses (tests/test_launch.py's
     Replay): the Secret holds a user that logs in to the run's keys only; a retried first task
@@ -214,24 +259,51 @@ def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes
 
     run = "0a1b2c3d4e5f60718293a4b5c6d7e8f9"
     path = "/api/v1/namespaces/moerl/secrets"
-    secret = {"kind": "Secret", "apiVersion": "v1", "metadata": {"name": f"moerl-run-{run}", "namespace": "moerl"}}
+    secret = {
+        "kind": "Secret",
+        "apiVersion": "v1",
+        "metadata": {"name": f"moerl-run-{run}", "namespace": "moerl"},
+    }
     status = {"kind": "Status", "apiVersion": "v1", "status": "Success"}
-    conflict = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "AlreadyExists", "code": 409}
-    missing = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+    conflict = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "reason": "AlreadyExists",
+        "code": 409,
+    }
+    missing = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "reason": "NotFound",
+        "code": 404,
+    }
     with EmbeddedValkey(tmp_path / "v", stage_user="moerl") as v:
-        cfg = parse_config({"pipeline": {"mode": "async"}, "valkey": {"url": v.url, "username": "moerl"}})
+        cfg = parse_config(
+            {"pipeline": {"mode": "async"}, "valkey": {"url": v.url, "username": "moerl"}}
+        )
         monkeypatch.setenv("MOERL_POD_NAMESPACE", "moerl")
-        monkeypatch.setenv("VALKEY_ADMIN_PASSWORD_FILE",
-                           str(write_secret_file(tmp_path / "moerl-valkey" / "VALKEY_ADMIN_PASSWORD", "admin")))
-        api, replay = _api([("POST", path, 201, secret), ("POST", path, 409, conflict),
-                            ("PUT", f"{path}/moerl-run-{run}", 200, secret),
-                            ("DELETE", f"{path}/moerl-run-{run}", 200, status),
-                            ("DELETE", f"{path}/moerl-run-{run}", 404, missing)])
+        monkeypatch.setenv(
+            "VALKEY_ADMIN_PASSWORD_FILE",
+            str(write_secret_file(tmp_path / "moerl-valkey" / "VALKEY_ADMIN_PASSWORD", "admin")),
+        )
+        api, replay = _api(
+            [
+                ("POST", path, 201, secret),
+                ("POST", path, 409, conflict),
+                ("PUT", f"{path}/moerl-run-{run}", 200, secret),
+                ("DELETE", f"{path}/moerl-run-{run}", 200, status),
+                ("DELETE", f"{path}/moerl-run-{run}", 404, missing),
+            ]
+        )
         assert open_run_identity(cfg, run, api) == f"moerl-run-{run}"
         body = replay.calls[0][3]
         data = {k: base64.b64decode(x).decode() for k, x in body["data"].items()}
-        assert body["metadata"]["labels"]["moerl.ai/run-id"] == run and set(data) == {"VALKEY_USERNAME",
-                                                                                     "VALKEY_PASSWORD"}
+        assert body["metadata"]["labels"]["moerl.ai/run-id"] == run and set(data) == {
+            "VALKEY_USERNAME",
+            "VALKEY_PASSWORD",
+        }
         stage = connect(v.url, 5, data["VALKEY_USERNAME"], data["VALKEY_PASSWORD"])
         RunBus(stage, run).incr(trained=1)
         with pytest.raises(valkey.exceptions.NoPermissionError):
@@ -242,15 +314,23 @@ def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes
         assert retried["VALKEY_PASSWORD"] != data["VALKEY_PASSWORD"]
         with pytest.raises(BusError, match="refused the login"):
             connect(v.url, 5, data["VALKEY_USERNAME"], data["VALKEY_PASSWORD"]).ping()
-        assert close_run_identity(cfg, run, api) == [f"Valkey user moerl-run-{run}", f"Secret moerl/moerl-run-{run}"]
+        assert close_run_identity(cfg, run, api) == [
+            f"Valkey user moerl-run-{run}",
+            f"Secret moerl/moerl-run-{run}",
+        ]
         with pytest.raises(BusError, match="refused the login"):
             connect(v.url, 5, retried["VALKEY_USERNAME"], retried["VALKEY_PASSWORD"]).ping()
-        assert close_run_identity(cfg, run, api) == []  # the exit task run twice: nothing left, no error
+        assert (
+            close_run_identity(cfg, run, api) == []
+        )  # the exit task run twice: nothing left, no error
         assert not replay.script
         # a first task without the admin's password (the Secret lacks the key) stops, naming it
         monkeypatch.delenv("VALKEY_ADMIN_PASSWORD_FILE")
         from moerl.errors import ConfigError
 
-        with pytest.raises(ConfigError, match=r"\$VALKEY_ADMIN_PASSWORD_FILE \(key VALKEY_ADMIN_PASSWORD of the "
-                                              r"Secret cluster.valkey_secret, 'moerl-valkey'\)"):
+        with pytest.raises(
+            ConfigError,
+            match=r"\$VALKEY_ADMIN_PASSWORD_FILE \(key VALKEY_ADMIN_PASSWORD of the "
+            r"Secret cluster.valkey_secret, 'moerl-valkey'\)",
+        ):
             open_run_identity(cfg, run, api)

@@ -19,13 +19,25 @@ from moerl.records import Sample, ScoredSample, read_records, write_records
 from moerl.tasks.sandbox import Limits, SandboxPool, check_target
 
 H = "tests.hostile_verifiers"
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny-moe-grpo.yaml")
+CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny-moe-grpo.yaml"
+)
 
 
 def _sample(idx=0, text="123", answer="123"):
-    return Sample(prompt_id="p0", task="copy", prompt=f"copy {answer}=", answer=answer, sample_index=idx,
-                  prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5], response_logprobs=[-0.5, -0.25],
-                  response_text=text, finish_reason="stop", policy_version=0)
+    return Sample(
+        prompt_id="p0",
+        task="copy",
+        prompt=f"copy {answer}=",
+        answer=answer,
+        sample_index=idx,
+        prompt_token_ids=[1, 2, 3],
+        response_token_ids=[4, 5],
+        response_logprobs=[-0.5, -0.25],
+        response_text=text,
+        finish_reason="stop",
+        policy_version=0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +47,23 @@ def pool():
 
 
 def test_each_hostile_verifier_is_cut_off_and_the_pool_goes_on(pool):
-    calls = [(f"{H}:{n}", ["12", "12"]) for n in ("sleeps", "spins", "allocates", "dies", "raises", "prints")]
+    calls = [
+        (f"{H}:{n}", ["12", "12"])
+        for n in ("sleeps", "spins", "allocates", "dies", "raises", "prints")
+    ]
     calls.append(("moerl.tasks.verifiers:positional", ["12", "12"]))
     t0 = time.monotonic()
     got = pool.run(calls)
     took = time.monotonic() - t0
-    assert [o.kind for o in got] == ["timeout", "timeout", "memory", "crashed", "error", "ok", "ok"], got
+    assert [o.kind for o in got] == [
+        "timeout",
+        "timeout",
+        "memory",
+        "crashed",
+        "error",
+        "ok",
+        "ok",
+    ], got
     assert took < 10  # two timeouts of 1 s on two workers, plus restarts
     assert "1 s" in got[0].error and "512 MiB" in got[2].error and "SIGKILL" in got[3].error
     assert got[4].error == "ValueError: cannot parse"
@@ -50,7 +73,9 @@ def test_each_hostile_verifier_is_cut_off_and_the_pool_goes_on(pool):
     assert not any(c.call is not None for c in pool.children) and len(pool.children) <= 2
 
 
-def test_a_verifier_sees_no_credentials_and_works_in_a_scratch_directory_of_its_own(pool, monkeypatch):
+def test_a_verifier_sees_no_credentials_and_works_in_a_scratch_directory_of_its_own(
+    pool, monkeypatch
+):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pw")
     monkeypatch.setenv("MOERL_VALKEY_URL", "redis://:pw@127.0.0.1:1/0")
@@ -66,7 +91,8 @@ def test_a_verifier_sees_no_credentials_and_works_in_a_scratch_directory_of_its_
 def test_a_child_exits_when_its_parent_is_killed(tmp_path):
     """A scorer SIGKILLed mid-call leaves no verifier process behind."""
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, threading
         from moerl.tasks.sandbox import SandboxPool, Limits
         pool = SandboxPool(Limits(timeout_s=600))
@@ -75,10 +101,16 @@ def test_a_child_exits_when_its_parent_is_killed(tmp_path):
         while not pool.children: time.sleep(0.05)
         print(pool.children[0].proc.pid, flush=True)
         time.sleep(600)
-    """))
+    """)
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root,
-                              env={**os.environ, "PYTHONPATH": root})
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     try:
         child = int(parent.stdout.readline())
         os.kill(parent.pid, signal.SIGKILL)
@@ -100,8 +132,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_reward_stage_fails_and_counts_cut_off_samples_and_scores_the_rest(tmp_path):
-    cfg = RewardConfig(verifier=f"{H}:by_response", max_failed_fraction=0.9,
-                       sandbox={"sample_timeout_s": 1.0, "memory_mb": 512, "workers": 2})
+    cfg = RewardConfig(
+        verifier=f"{H}:by_response",
+        max_failed_fraction=0.9,
+        sandbox={"sample_timeout_s": 1.0, "memory_mb": 512, "workers": 2},
+    )
     texts = ["1 hangs", "2 spins", "3 allocates", "456", "457"]
     write_records(tmp_path / "s.jsonl", [_sample(i, t, "456") for i, t in enumerate(texts)])
     m = run_reward(cfg, tmp_path / "s.jsonl", tmp_path / "o.jsonl")
@@ -109,7 +144,11 @@ def test_the_reward_stage_fails_and_counts_cut_off_samples_and_scores_the_rest(t
     assert [s.reward_failed for s in out] == [True, True, True, False, False]
     assert out[0].reward_error.startswith("timeout:") and out[2].reward_error.startswith("memory:")
     assert [s.reward for s in out[3:]] == [1.0, pytest.approx(2 / 3)]
-    assert (m["reward/timeout_samples"], m["reward/memory_samples"], m["reward/failed_samples"]) == (2, 1, 3)
+    assert (
+        m["reward/timeout_samples"],
+        m["reward/memory_samples"],
+        m["reward/failed_samples"],
+    ) == (2, 1, 3)
     assert m["reward/error_samples"] == 0 and m["reward/env_failed_samples"] == 0
 
 
@@ -129,17 +168,24 @@ def test_a_verifier_by_import_path_is_checked_in_the_sandbox_before_any_work(tmp
     assert "too many positional arguments" in check_target(f"{H}:takes_one", 2)
     assert "No module named" in check_target("no_such_pkg.mod:fn", 2)
     base = [f"checkpoint.uri={tmp_path / 'ck'}"]
-    for bad, said in (("no_such_pkg.mod:fn", "No module named 'no_such_pkg'"),
-                      (f"{H}:nope", "has no attribute 'nope'"), (f"{H}:takes_one", "positional arguments")):
+    for bad, said in (
+        ("no_such_pkg.mod:fn", "No module named 'no_such_pkg'"),
+        (f"{H}:nope", "has no attribute 'nope'"),
+        (f"{H}:takes_one", "positional arguments"),
+    ):
         cfg = load_config(CONFIG, base + [f"reward.verifier={bad}"])
         with pytest.raises(ConfigError, match=rf"reward.verifier: .*{said}"):
             preflight(cfg)
-    with pytest.raises(ConfigError, match="reward.verifier.*import path of the form package.module:function"):
+    with pytest.raises(
+        ConfigError, match="reward.verifier.*import path of the form package.module:function"
+    ):
         load_config(CONFIG, ["reward.verifier=rm -rf /"])
 
 
 def test_a_group_deadline_below_what_its_samples_may_take_is_refused():
     with pytest.raises(ConfigError, match=r"reward.timeout_s \(30 s\) is below .* 40 s"):
         load_config(CONFIG, ["reward.timeout_s=30", "reward.sandbox.sample_timeout_s=5"])
-    load_config(CONFIG, ["reward.timeout_s=30", "reward.sandbox.sample_timeout_s=5", "reward.sandbox.workers=2"])
-
+    load_config(
+        CONFIG,
+        ["reward.timeout_s=30", "reward.sandbox.sample_timeout_s=5", "reward.sandbox.workers=2"],
+    )

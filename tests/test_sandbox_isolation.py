@@ -26,9 +26,17 @@ from moerl.tasks.sandbox import Limits, SandboxPool
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "VALKEY_PASSWORD=hunter2-not-for-sandboxes"
-ATTACKS = ("environ {stage} " + SECRET, "mem {stage}", "environ ppid " + SECRET, "environ {victim} VICTIM=stolen",
-           "connect 127.0.0.1:{listener}", "connect 127.0.0.1:{valkey}", "unix {unix}", "write {cache}",
-           "write {usercode}")
+ATTACKS = (
+    "environ {stage} " + SECRET,
+    "mem {stage}",
+    "environ ppid " + SECRET,
+    "environ {victim} VICTIM=stolen",
+    "connect 127.0.0.1:{listener}",
+    "connect 127.0.0.1:{valkey}",
+    "unix {unix}",
+    "write {cache}",
+    "write {usercode}",
+)
 WORKS = ("import sbx_usercode",)  # not attacks: the stage's import path, also under its temp dir
 
 STAGE = textwrap.dedent("""
@@ -118,8 +126,10 @@ def targets(tmp_path_factory):
     """What the attacks aim at: a listener, a real Valkey (default user, no password: the
     loopback admin), a dumpable process with a secret in its environment, and a cache dir."""
     listener = Listener()
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                              env={"PATH": os.environ["PATH"], "VICTIM": "stolen"})
+    victim = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={"PATH": os.environ["PATH"], "VICTIM": "stolen"},
+    )
     try:
         with EmbeddedValkey(tmp_path_factory.mktemp("valkey"), appendonly=False) as valkey:
             yield {"listener": listener, "valkey": valkey, "victim": victim.pid}
@@ -146,19 +156,37 @@ def pod(tmp_path):
 
 
 def _stage(isolation_: str, spec: dict, pod: dict, wrap: list[str] | None = None) -> dict:
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{ROOT}{os.pathsep}{pod['usercode']}", "LANG": "C.UTF-8",
-           "TMPDIR": str(pod["tmp"]), SECRET.split("=")[0]: SECRET.split("=")[1]}
-    got = subprocess.run([*(wrap or []), sys.executable, "-c", STAGE, isolation_, json.dumps(spec)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{pod['usercode']}",
+        "LANG": "C.UTF-8",
+        "TMPDIR": str(pod["tmp"]),
+        SECRET.split("=")[0]: SECRET.split("=")[1],
+    }
+    got = subprocess.run(
+        [*(wrap or []), sys.executable, "-c", STAGE, isolation_, json.dumps(spec)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     return {**json.loads(got.stdout.strip().splitlines()[-1]), "stderr": got.stderr}
 
 
 def _spec(targets, pod, environments: bool = True) -> dict:
-    return {"attacks": list(ATTACKS), "works": list(WORKS), "listener": targets["listener"].port,
-            "victim": targets["victim"], "valkey": targets["valkey"].url.rsplit(":", 1)[1].split("/")[0],
-            "unix": str(pod["tmp"] / "ipc"), "cache": str(pod["cache"]), "usercode": str(pod["usercode"]),
-            "environments": environments}
+    return {
+        "attacks": list(ATTACKS),
+        "works": list(WORKS),
+        "listener": targets["listener"].port,
+        "victim": targets["victim"],
+        "valkey": targets["valkey"].url.rsplit(":", 1)[1].split("/")[0],
+        "unix": str(pod["tmp"] / "ipc"),
+        "cache": str(pod["cache"]),
+        "usercode": str(pod["usercode"]),
+        "environments": environments,
+    }
 
 
 def test_without_isolation_every_attack_but_the_non_dumpable_stage_succeeds(targets, pod):
@@ -172,10 +200,14 @@ def test_without_isolation_every_attack_but_the_non_dumpable_stage_succeeds(targ
     assert stolen[:3] == [os.geteuid() == 0] * 3, out["verifier"]
     # the victim, the three sockets, both directories; the import; the benign sample
     assert stolen[3:] == [True] * (len(ATTACKS) - 3 + len(WORKS) + 1), out["verifier"]
-    env_stolen = [reward == 1.0 and not err for err, reward in out["episodes"]]  # model-written code in an environment
+    env_stolen = [
+        reward == 1.0 and not err for err, reward in out["episodes"]
+    ]  # model-written code in an environment
     assert env_stolen == stolen, out["episodes"]
     assert targets["listener"].accepted == before + 2 and pod["unix"].accepted == 2
-    assert (pod["cache"] / "forged-by-sandbox").read_text() == (pod["usercode"] / "forged-by-sandbox").read_text()
+    assert (pod["cache"] / "forged-by-sandbox").read_text() == (
+        pod["usercode"] / "forged-by-sandbox"
+    ).read_text()
 
 
 def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_on(targets, pod):
@@ -186,20 +218,39 @@ def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_
     failed = out["verifier"][:n]
     assert all(r == 0.0 and err for r, err in failed), failed
     errs = [err for _, err in failed]
-    assert errs[0].startswith("FileNotFoundError") and errs[1].startswith("FileNotFoundError")  # no such pid here
-    assert errs[2].startswith("PermissionError")  # the parent it has is pid 1 of its namespace, non-dumpable
-    assert errs[3].startswith("FileNotFoundError")  # the dumpable victim is outside its pid namespace
+    assert errs[0].startswith("FileNotFoundError") and errs[1].startswith(
+        "FileNotFoundError"
+    )  # no such pid here
+    assert errs[2].startswith(
+        "PermissionError"
+    )  # the parent it has is pid 1 of its namespace, non-dumpable
+    assert errs[3].startswith(
+        "FileNotFoundError"
+    )  # the dumpable victim is outside its pid namespace
     assert all(e.startswith("OSError: [Errno 101] Network is unreachable") for e in errs[4:6]), errs
-    assert errs[6].startswith("FileNotFoundError"), errs  # the stage's temp dir is hidden, its socket with it
+    assert errs[6].startswith("FileNotFoundError"), (
+        errs
+    )  # the stage's temp dir is hidden, its socket with it
     assert all(e.startswith("OSError: [Errno 30] Read-only file system") for e in errs[7:9]), errs
-    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 1)  # user code imports; the run goes on
+    assert out["verifier"][n:] == [[1.0, None]] * (
+        len(WORKS) + 1
+    )  # user code imports; the run goes on
     m = out["reward_metrics"]
-    assert (m["reward/failed_samples"], m["reward/error_samples"], m["reward/timeout_samples"]) == (n, n, 0), m
+    assert (m["reward/failed_samples"], m["reward/error_samples"], m["reward/timeout_samples"]) == (
+        n,
+        n,
+        0,
+    ), m
     eps = out["episodes"]
-    assert all(err and "RunsModelCode.step" in err and reward is None for err, reward in eps[:n]), eps
+    assert all(err and "RunsModelCode.step" in err and reward is None for err, reward in eps[:n]), (
+        eps
+    )
     assert [e.split(": ")[1] for e, _ in eps[:n]] == [e.split(":")[0] for e in errs], eps
     assert eps[n:] == [[None, 1.0]] * (len(WORKS) + 1)
-    assert out["env_metrics"]["env/error_episodes"] == n and out["env_metrics"]["env/timeout_episodes"] == 0
+    assert (
+        out["env_metrics"]["env/error_episodes"] == n
+        and out["env_metrics"]["env/timeout_episodes"] == 0
+    )
     assert targets["listener"].accepted == before and pod["unix"].accepted == 0
     assert not list(pod["cache"].iterdir()) and not (pod["usercode"] / "forged-by-sandbox").exists()
 
@@ -207,31 +258,60 @@ def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_
 def test_a_kernel_that_refuses_user_namespaces_stops_the_stage_naming_the_field(targets, pod):
     """A real refusal: the stage runs in a user namespace whose user.max_user_namespaces is 0
     (what a locked-down node sysctl does); `none` there runs, warned."""
-    wrap = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-            'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"', "sh"]
+    wrap = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        'echo 0 > /proc/sys/user/max_user_namespaces && exec "$@"',
+        "sh",
+    ]
     out = _stage("namespaces", _spec(targets, pod, environments=False), pod, wrap)
-    assert out["refused"].startswith("ConfigError: reward.sandbox.isolation / task.sandbox.isolation: namespaces "
-                                     "cannot be made here (unshare exited 1: unshare: unshare failed"), out
+    assert out["refused"].startswith(
+        "ConfigError: reward.sandbox.isolation / task.sandbox.isolation: namespaces "
+        "cannot be made here (unshare exited 1: unshare: unshare failed"
+    ), out
     assert "set the field to none" in out["refused"]
-    out = _stage("none", {**_spec(targets, pod, environments=False), "attacks": [], "works": []}, pod, wrap)
+    out = _stage(
+        "none", {**_spec(targets, pod, environments=False), "attacks": [], "works": []}, pod, wrap
+    )
     assert out["verifier"] == [[1.0, None]] and "is none" in out["stderr"]
 
 
-def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack_still_fails(targets, pod):
+def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack_still_fails(
+    targets, pod
+):
     """A container runtime's default masks parts of /proc (Docker, containerd): the kernel then
     refuses a new proc mount in a user namespace. Made real here: the stage runs where /proc/sys
     is overmounted, as there; the sandbox hides /proc instead, and the attacks fail as before."""
-    wrap = ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c",
-            'mount -t tmpfs masked /proc/sys && exec "$@"', "sh"]
+    wrap = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "sh",
+        "-c",
+        'mount -t tmpfs masked /proc/sys && exec "$@"',
+        "sh",
+    ]
     before = targets["listener"].accepted
     spec = _spec(targets, pod, environments=False)
     out = _stage("namespaces", {**spec, "works": [*WORKS, "proc hidden"]}, pod, wrap)
     n = len(ATTACKS)
     errs = [err for _, err in out["verifier"][:n]]
     assert all(e.startswith("FileNotFoundError") for e in errs[:4]), errs  # no /proc of anyone
-    assert all("Network is unreachable" in e for e in errs[4:6]) and errs[6].startswith("FileNotFoundError"), errs
+    assert all("Network is unreachable" in e for e in errs[4:6]) and errs[6].startswith(
+        "FileNotFoundError"
+    ), errs
     assert all("Read-only file system" in e for e in errs[7:9]), errs
-    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 2), out["verifier"]  # /proc hidden; the run goes on
+    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 2), out[
+        "verifier"
+    ]  # /proc hidden; the run goes on
     assert targets["listener"].accepted == before and pod["unix"].accepted == 0
     assert not list(pod["cache"].iterdir())
 
@@ -241,29 +321,58 @@ def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabi
 
     with SandboxPool(Limits(timeout_s=5.0, memory_mb=512, workers=2)) as pool:
         assert pool.limits.isolation == "namespaces"
-        got = pool.run([("tests.hostile_verifiers:sleeps", ["", ""]), ("tests.hostile_verifiers:allocates", ["", ""]),
-                        ("tests.hostile_verifiers:capabilities", ["", ""])])
+        got = pool.run(
+            [
+                ("tests.hostile_verifiers:sleeps", ["", ""]),
+                ("tests.hostile_verifiers:allocates", ["", ""]),
+                ("tests.hostile_verifiers:capabilities", ["", ""]),
+            ]
+        )
         assert [o.kind for o in got] == ["timeout", "memory", "ok"], got
         caps = got[2].value
-        assert caps["CapEff"] == caps["CapPrm"] == caps["CapBnd"] == 0 and caps["NoNewPrivs"] == 1, caps
-        assert caps["pid"] == 2 and caps["ppid"] == 1 and caps["CapAmb"] == 0 and caps["proc"] == "proc", caps
+        assert (
+            caps["CapEff"] == caps["CapPrm"] == caps["CapBnd"] == 0 and caps["NoNewPrivs"] == 1
+        ), caps
+        assert (
+            caps["pid"] == 2
+            and caps["ppid"] == 1
+            and caps["CapAmb"] == 0
+            and caps["proc"] == "proc"
+        ), caps
         cmd = Path(f"/proc/{pool.children[0].proc.pid}/cmdline").read_bytes().split(b"\0")
         assert Path(cmd[0].decode()).name == "unshare" and b"--net" in cmd and b"--user" in cmd, cmd
         keys = ["k", "k", "k"]
-        steps = pool.run([(RESET, ["tests.hostile_environments:Counter", "k", {"id": "r", "task": "t", "prompt": "q",
-                                                                              "answer": "a", "meta": None}]),
-                          (STEP, ["k", "x"]), (STEP, ["k", "x"])], keys=keys)
+        steps = pool.run(
+            [
+                (
+                    RESET,
+                    [
+                        "tests.hostile_environments:Counter",
+                        "k",
+                        {"id": "r", "task": "t", "prompt": "q", "answer": "a", "meta": None},
+                    ],
+                ),
+                (STEP, ["k", "x"]),
+                (STEP, ["k", "x"]),
+            ],
+            keys=keys,
+        )
         assert [s.value[0].split("@")[0] for s in steps[1:]] == ["1", "2"], steps
 
 
 def test_a_bad_isolation_is_refused_naming_the_field():
     from moerl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"reward.sandbox.isolation / task.sandbox.isolation: 'bwrap' is not one "
-                                          r"of namespaces, none"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reward.sandbox.isolation / task.sandbox.isolation: 'bwrap' is not one "
+        r"of namespaces, none",
+    ):
         SandboxPool(Limits(isolation="bwrap"))
-    assert isolation.tags("none", "namespaces") == {"moerl.sandbox.isolation.reward": "none",
-                                                    "moerl.sandbox.isolation.task": "namespaces"}
+    assert isolation.tags("none", "namespaces") == {
+        "moerl.sandbox.isolation.reward": "none",
+        "moerl.sandbox.isolation.task": "namespaces",
+    }
 
 
 def test_a_run_carries_its_sandboxes_isolation_as_tags_and_params(tmp_path):
@@ -274,8 +383,13 @@ def test_a_run_carries_its_sandboxes_isolation_as_tags_and_params(tmp_path):
     from moerl.config import parse_config
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = parse_config({"tracking": {"uri": uri, "experiment": "iso"}, "checkpoint": {"uri": str(tmp_path / "ck")},
-                        "task": {"sandbox": {"isolation": "none"}}})
+    cfg = parse_config(
+        {
+            "tracking": {"uri": uri, "experiment": "iso"},
+            "checkpoint": {"uri": str(tmp_path / "ck")},
+            "task": {"sandbox": {"isolation": "none"}},
+        }
+    )
     run = MlflowClient(uri).get_run(tracking.start_run(cfg, uri, {}))
     assert run.data.tags["moerl.sandbox.isolation.task"] == "none"
     assert run.data.tags["moerl.sandbox.isolation.reward"] == "namespaces"
@@ -287,7 +401,9 @@ def _descendants(pid: int) -> set[int]:
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                parents[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(d)] = int(
+                    Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
             except (OSError, IndexError, ValueError):
                 pass
     found, todo = set(), [pid]
@@ -313,7 +429,8 @@ def test_every_process_of_an_isolated_child_goes_when_its_stage_is_killed(tmp_pa
     import time
 
     script = tmp_path / "stage.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import threading, time
         from moerl.tasks.sandbox import SandboxPool, Limits
         pool = SandboxPool(Limits(timeout_s=600))
@@ -321,9 +438,15 @@ def test_every_process_of_an_isolated_child_goes_when_its_stage_is_killed(tmp_pa
         while not pool.children: time.sleep(0.05)
         print(pool.children[0].proc.pid, flush=True)
         time.sleep(600)
-    """))
-    stage = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """)
+    )
+    stage = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     procs: set[int] = set()
     try:
         unshare = int(stage.stdout.readline())
@@ -353,12 +476,20 @@ def test_a_checkout_and_venv_under_the_stages_temp_dir_stay_importable(tmp_path)
     parent, and nothing is on PYTHONPATH."""
     if ROOT.parent == Path("/"):
         pytest.skip("the checkout's parent is /: no temp directory can hold it")
-    code = ("import json; from moerl.tasks.sandbox import Limits, SandboxPool\n"
-            "with SandboxPool(Limits(workers=1, isolation='namespaces')) as pool:\n"
-            "    [o] = pool.run([('moerl.tasks.tools:evaluate', ['2+3'])])\n"
-            "print(json.dumps([o.kind, o.value, o.error]))")
+    code = (
+        "import json; from moerl.tasks.sandbox import Limits, SandboxPool\n"
+        "with SandboxPool(Limits(workers=1, isolation='namespaces')) as pool:\n"
+        "    [o] = pool.run([('moerl.tasks.tools:evaluate', ['2+3'])])\n"
+        "print(json.dumps([o.kind, o.value, o.error]))"
+    )
     env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "TMPDIR": str(ROOT.parent)}
-    got = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)
+    got = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     assert json.loads(got.stdout.strip().splitlines()[-1]) == ["ok", 5.0, ""]

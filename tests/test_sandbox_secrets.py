@@ -40,13 +40,28 @@ STAGE = textwrap.dedent("""
 
 
 def _stage(isolation: str, tmp_path: Path) -> list:
-    secret = write_secret_file(tmp_path / "pod" / "secrets" / "moerl-run" / "VALKEY_PASSWORD", PASSWORD)
-    (tmp_path / "pod" / "secrets" / "other").write_text(PASSWORD)  # a sibling outside the file's own directory
+    secret = write_secret_file(
+        tmp_path / "pod" / "secrets" / "moerl-run" / "VALKEY_PASSWORD", PASSWORD
+    )
+    (tmp_path / "pod" / "secrets" / "other").write_text(
+        PASSWORD
+    )  # a sibling outside the file's own directory
     (tmp_path / "t").mkdir(exist_ok=True)
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "LANG": "C.UTF-8", "TMPDIR": str(tmp_path / "t"),
-           "VALKEY_PASSWORD_FILE": str(secret)}
-    got = subprocess.run([sys.executable, "-c", STAGE, isolation, str(secret), PASSWORD], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(ROOT),
+        "LANG": "C.UTF-8",
+        "TMPDIR": str(tmp_path / "t"),
+        "VALKEY_PASSWORD_FILE": str(secret),
+    }
+    got = subprocess.run(
+        [sys.executable, "-c", STAGE, isolation, str(secret), PASSWORD],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert got.returncode == 0, got.stderr[-3000:]
     return json.loads(got.stdout.strip().splitlines()[-1])
 

@@ -49,8 +49,16 @@ def test_the_credentials_reach_the_server_as_basic_auth(monkeypatch):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # experiments/get-by-name
             seen.append(self.headers.get("Authorization"))
-            body = json.dumps({"experiment": {"experiment_id": "1", "name": "e", "artifact_location": "/tmp/a",
-                                              "lifecycle_stage": "active"}}).encode()
+            body = json.dumps(
+                {
+                    "experiment": {
+                        "experiment_id": "1",
+                        "name": "e",
+                        "artifact_location": "/tmp/a",
+                        "lifecycle_stage": "active",
+                    }
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -71,7 +79,9 @@ def test_the_credentials_reach_the_server_as_basic_auth(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
-    assert seen and all(h == "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode() for h in seen)
+    assert seen and all(
+        h == "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode() for h in seen
+    )
 
 
 def test_compile_never_writes_the_credentials(tmp_path, capsys):
@@ -101,14 +111,21 @@ def test_an_error_naming_the_server_leaves_the_password_out(tmp_path):
     (tmp_path / "run.yaml").write_text(f"tracking: {{uri: '{URI.replace(':5000', ':9')}'}}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
-    proc = subprocess.run([sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", "0123abcd"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", "0123abcd"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "no MLflow run '0123abcd' at http://127.0.0.1:9/mlflow" in proc.stderr
     assert "w0rd" not in proc.stdout + proc.stderr and "alice" not in proc.stdout + proc.stderr
 
 
 # ---- credentials as files (issue 35): moerl.secrets.read_secret -----------------------------
+
 
 def test_read_secret_prefers_the_file_and_refuses_one_others_may_read(tmp_path):
     from moerl.secrets import SecretFileError, read_secret, write_secret_file
@@ -117,13 +134,20 @@ def test_read_secret_prefers_the_file_and_refuses_one_others_may_read(tmp_path):
     assert (path.stat().st_mode & 0o777) == 0o400 and (path.parent.stat().st_mode & 0o777) == 0o700
     env = {"VALKEY_PASSWORD_FILE": str(path), "VALKEY_PASSWORD": "from-env"}
     assert read_secret("VALKEY_PASSWORD", env) == "from-file"  # the file wins; one newline dropped
-    assert read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD": "from-env"}) == "from-env"  # local runs
+    assert (
+        read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD": "from-env"}) == "from-env"
+    )  # local runs
     assert read_secret("VALKEY_PASSWORD", {}) is None
     # an optional Secret the cluster lacks: Kubernetes mounts its volume empty
-    assert read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD_FILE": str(tmp_path / "absent")}) is None
+    assert (
+        read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD_FILE": str(tmp_path / "absent")}) is None
+    )
     path.chmod(0o644)
-    with pytest.raises(SecretFileError, match=rf"\$VALKEY_PASSWORD_FILE={path}: mode -rw-r--r-- lets other users "
-                                              rf"read or write a credential this user owns; chmod 400 {path}"):
+    with pytest.raises(
+        SecretFileError,
+        match=rf"\$VALKEY_PASSWORD_FILE={path}: mode -rw-r--r-- lets other users "
+        rf"read or write a credential this user owns; chmod 400 {path}",
+    ):
         read_secret("VALKEY_PASSWORD", env)
     path.chmod(0o600)  # owner-only is fine
     assert read_secret("VALKEY_PASSWORD", env) == "from-file"
@@ -131,7 +155,9 @@ def test_read_secret_prefers_the_file_and_refuses_one_others_may_read(tmp_path):
         read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD_FILE": str(tmp_path)})
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the file another owner, as the kubelet does")
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to give the file another owner, as the kubelet does"
+)
 def test_a_secret_volumes_file_is_read_when_only_its_owner_may_change_it(tmp_path):
     """A Secret volume's files are the kubelet's (root), and a non-root stage reads them through
     its fsGroup (0440) or, where KFP mounts them, Kubernetes' default 0644: accepted; a file
@@ -146,7 +172,10 @@ def test_a_secret_volumes_file_is_read_when_only_its_owner_may_change_it(tmp_pat
         path.chmod(mode)
         assert read_secret("K", env) == "v"
     path.chmod(0o666)
-    with pytest.raises(SecretFileError, match=r"lets users other than its owner \(uid 65534\) change the credential"):
+    with pytest.raises(
+        SecretFileError,
+        match=r"lets users other than its owner \(uid 65534\) change the credential",
+    ):
         read_secret("K", env)
 
 
@@ -170,8 +199,16 @@ def test_mlflow_credentials_from_files_reach_the_server_and_never_the_environmen
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # experiments/get-by-name
             seen.append(self.headers.get("Authorization"))
-            body = json.dumps({"experiment": {"experiment_id": "1", "name": "e", "artifact_location": "/tmp/a",
-                                              "lifecycle_stage": "active"}}).encode()
+            body = json.dumps(
+                {
+                    "experiment": {
+                        "experiment_id": "1",
+                        "name": "e",
+                        "artifact_location": "/tmp/a",
+                        "lifecycle_stage": "active",
+                    }
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -185,18 +222,36 @@ def test_mlflow_credentials_from_files_reach_the_server_and_never_the_environmen
     threading.Thread(target=server.serve_forever, daemon=True).start()
     secret = tmp_path / "moerl-mlflow"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING_")}
-    env |= {"MLFLOW_TRACKING_USERNAME_FILE": str(write_secret_file(secret / "MLFLOW_TRACKING_USERNAME", "alice")),
-            "MLFLOW_TRACKING_PASSWORD_FILE": str(write_secret_file(secret / "MLFLOW_TRACKING_PASSWORD", SECRET))}
+    env |= {
+        "MLFLOW_TRACKING_USERNAME_FILE": str(
+            write_secret_file(secret / "MLFLOW_TRACKING_USERNAME", "alice")
+        ),
+        "MLFLOW_TRACKING_PASSWORD_FILE": str(
+            write_secret_file(secret / "MLFLOW_TRACKING_PASSWORD", SECRET)
+        ),
+    }
     try:
-        done = subprocess.run([sys.executable, "-c", MLFLOW_FROM_FILES, f"http://127.0.0.1:{server.server_address[1]}"],
-                              env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                MLFLOW_FROM_FILES,
+                f"http://127.0.0.1:{server.server_address[1]}",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         server.shutdown()
         server.server_close()
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["id"] == "1"
-    assert seen and all(h == "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode() for h in seen)
+    assert seen and all(
+        h == "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode() for h in seen
+    )
     # neither the process's environment (what its children inherit) nor /proc/<pid>/environ holds them
     assert SECRET not in json.dumps(out["env"]) and SECRET not in out["environ"]
     assert "MLFLOW_TRACKING_PASSWORD" not in out["env"]

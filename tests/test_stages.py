@@ -6,22 +6,33 @@ import time
 import pytest
 
 from moerl.components.buffer.stage import assemble, run_buffer
-from moerl.tasks import verifiers
 from moerl.components.reward.stage import run_reward, score
 from moerl.config import BufferConfig, RewardConfig
 from moerl.errors import DataError
 from moerl.records import Prompt, Sample, ScoredSample, TrainSample, read_records, write_records
+from moerl.tasks import verifiers
 from moerl.tasks.dataset import load_dataset
 from moerl.tasks.digits import generate, make_prompt
 
 
 def _sample(pid="p0", idx=0, text="123", answer="123", task="copy", version=0):
-    return Sample(prompt_id=pid, task=task, prompt=f"copy {answer}=", answer=answer, sample_index=idx,
-                  prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5], response_logprobs=[-0.5, -0.25],
-                  response_text=text, finish_reason="stop", policy_version=version)
+    return Sample(
+        prompt_id=pid,
+        task=task,
+        prompt=f"copy {answer}=",
+        answer=answer,
+        sample_index=idx,
+        prompt_token_ids=[1, 2, 3],
+        response_token_ids=[4, 5],
+        response_logprobs=[-0.5, -0.25],
+        response_text=text,
+        finish_reason="stop",
+        policy_version=version,
+    )
 
 
 # ---- dataset -------------------------------------------------------------------------------
+
 
 def test_generated_tasks_have_correct_answers():
     import random
@@ -58,7 +69,9 @@ def test_user_dataset_by_path_with_malformed_rows_skipped_and_counted(tmp_path):
 def test_too_many_malformed_rows_fail_with_the_fraction_and_first_error(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"id": "a", "task": "copy", "prompt": "copy 1=", "answer": "1"}\n' + "oops\n" * 3)
-    with pytest.raises(DataError, match=r"3 of 4 rows .* malformed .*task.max_bad_fraction.*line 2"):
+    with pytest.raises(
+        DataError, match=r"3 of 4 rows .* malformed .*task.max_bad_fraction.*line 2"
+    ):
         load_dataset(str(f), max_bad_fraction=0.5)
 
 
@@ -76,10 +89,19 @@ def test_generate_is_seeded():
 
 # ---- reward --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("resp, ans, expected", [
-    ("1234", "1234", 1.0), ("1239", "1234", 0.75), ("12", "1234", 0.5), ("123456", "1234", 4 / 6),
-    ("", "1234", 0.0), (" 1234 ", "1234", 1.0), ("4321", "1234", 0.0),
-])
+
+@pytest.mark.parametrize(
+    "resp, ans, expected",
+    [
+        ("1234", "1234", 1.0),
+        ("1239", "1234", 0.75),
+        ("12", "1234", 0.5),
+        ("123456", "1234", 4 / 6),
+        ("", "1234", 0.0),
+        (" 1234 ", "1234", 1.0),
+        ("4321", "1234", 0.0),
+    ],
+)
 def test_positional_partial_credit(resp, ans, expected):
     assert verifiers.positional(resp, ans) == pytest.approx(expected)
 
@@ -90,24 +112,35 @@ def test_exact_verifier():
 
 def test_raising_verifier_marks_sample_failed_and_is_counted():
     # runs in the sandboxed pool, like every verifier (tests/test_sandbox.py for the hostile ones)
-    scored = score([_sample(text="bad"), _sample(idx=1, text="123")], RewardConfig(verifier="tests.hostile_verifiers:raises"))
+    scored = score(
+        [_sample(text="bad"), _sample(idx=1, text="123")],
+        RewardConfig(verifier="tests.hostile_verifiers:raises"),
+    )
     assert [s.reward for s in scored] == [0.0, 0.0]
     assert all(s.reward_failed and s.reward_error == "ValueError: cannot parse" for s in scored)
 
 
 def test_unknown_task_under_auto_fails_the_sample_not_the_stage():
     scored = score([_sample(task="poetry")], RewardConfig())
-    assert scored[0].reward_failed and "has no verifier: set reward.verifiers.poetry" in scored[0].reward_error
+    assert (
+        scored[0].reward_failed
+        and "has no verifier: set reward.verifiers.poetry" in scored[0].reward_error
+    )
 
 
 def test_reward_stage_fails_when_too_many_samples_fail(tmp_path):
     write_records(tmp_path / "s.jsonl", [_sample(task="poetry", idx=i) for i in range(3)])
     with pytest.raises(DataError, match="3 of 3 samples failed verification"):
-        run_reward(RewardConfig(max_failed_fraction=0.5), tmp_path / "s.jsonl", tmp_path / "o.jsonl")
+        run_reward(
+            RewardConfig(max_failed_fraction=0.5), tmp_path / "s.jsonl", tmp_path / "o.jsonl"
+        )
 
 
 def test_reward_stage_metrics_and_output(tmp_path):
-    write_records(tmp_path / "s.jsonl", [_sample(text="123"), _sample(idx=1, text="129"), _sample(idx=2, text="")])
+    write_records(
+        tmp_path / "s.jsonl",
+        [_sample(text="123"), _sample(idx=1, text="129"), _sample(idx=2, text="")],
+    )
     m = run_reward(RewardConfig(), tmp_path / "s.jsonl", tmp_path / "o.jsonl")
     out = read_records(tmp_path / "o.jsonl", ScoredSample)
     assert [round(s.reward, 4) for s in out] == [1.0, round(2 / 3, 4), 0.0]
@@ -118,8 +151,12 @@ def test_reward_stage_metrics_and_output(tmp_path):
 
 # ---- buffer --------------------------------------------------------------------------------
 
+
 def _scored(pid, rewards, version=0):
-    return [ScoredSample(**_sample(pid=pid, idx=i, version=version).model_dump(), reward=r) for i, r in enumerate(rewards)]
+    return [
+        ScoredSample(**_sample(pid=pid, idx=i, version=version).model_dump(), reward=r)
+        for i, r in enumerate(rewards)
+    ]
 
 
 def test_buffer_drops_zero_variance_groups_and_counts_them():
@@ -169,7 +206,9 @@ def test_a_group_that_takes_longer_than_reward_timeout_s_is_cut_off():
     samples = [_sample("p0", i, "12", "12").model_dump() for i in range(3)]
     cfg = RewardConfig(verifier="tests.hostile_verifiers:slow", timeout_s=0.5)
     t0, beats = time.monotonic(), []
-    scored, n_failed, timed_out = score_with_deadline(samples, cfg, keepalive=lambda: beats.append(1), every_s=0.1)
+    scored, n_failed, timed_out = score_with_deadline(
+        samples, cfg, keepalive=lambda: beats.append(1), every_s=0.1
+    )
     assert time.monotonic() - t0 < 5 and timed_out and n_failed == 3
     assert len(beats) >= 3  # the leases were refreshed while it waited
     assert all(s["reward_failed"] and "reward.timeout_s 0.5" in s["reward_error"] for s in scored)

@@ -28,21 +28,45 @@ def bus(server, request, monkeypatch):
 
 
 def _cfg(**pipeline):
-    cfg = load_config(ROOT / "configs/tiny-moe-grpo.yaml",
-                      [f"task.prompts_per_iteration={B}", "rollout.samples_per_prompt=2", "buffer.max_staleness=4",
-                       "pipeline.versions=4"], mode="async")
+    cfg = load_config(
+        ROOT / "configs/tiny-moe-grpo.yaml",
+        [
+            f"task.prompts_per_iteration={B}",
+            "rollout.samples_per_prompt=2",
+            "buffer.max_staleness=4",
+            "pipeline.versions=4",
+        ],
+        mode="async",
+    )
     # unvalidated on purpose: stall_timeout_s is at least 10 s in a config; 1 s keeps the test short
-    return cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update=pipeline)}) if pipeline else cfg
+    return (
+        cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update=pipeline)})
+        if pipeline
+        else cfg
+    )
 
 
 def _score(bus: RunBus, n: int, start: int = 0) -> list[str]:
     """`n` scored groups of version 0 with reward variance (each one a trainer would use)."""
     ids = []
     for i in range(start, start + n):
-        samples = [ScoredSample(prompt_id=f"p{i}", task="copy", prompt="x", answer="1", sample_index=j,
-                                prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.1],
-                                response_text="1", finish_reason="stop", policy_version=0,
-                                reward=float(j)).model_dump() for j in range(2)]
+        samples = [
+            ScoredSample(
+                prompt_id=f"p{i}",
+                task="copy",
+                prompt="x",
+                answer="1",
+                sample_index=j,
+                prompt_token_ids=[1],
+                response_token_ids=[2],
+                response_logprobs=[-0.1],
+                response_text="1",
+                finish_reason="stop",
+                policy_version=0,
+                reward=float(j),
+            ).model_dump()
+            for j in range(2)
+        ]
         bus.publish_group(f"u{i:04d}/0:p{i}", samples)
         [(eid, group)] = bus.take_generated("scorer", 1, block_ms=50)
         bus.publish_scored(eid, group, 0)
@@ -75,8 +99,16 @@ def test_a_restarted_trainer_takes_back_both_versions_its_predecessor_held_b_gro
         held = frozenset(first.group_ids)
         second, _ = _gather(bus, cfg, 1, inbox, epoch, issuer, held, frozenset(first.entry_ids))
         assert second.group_ids == gids[B:]  # then the rest it held, not the new ones
-        third, _ = _gather(bus, cfg, 2, inbox, epoch, issuer, held | set(second.group_ids),
-                           frozenset(first.entry_ids + second.entry_ids))
+        third, _ = _gather(
+            bus,
+            cfg,
+            2,
+            inbox,
+            epoch,
+            issuer,
+            held | set(second.group_ids),
+            frozenset(first.entry_ids + second.entry_ids),
+        )
         assert third.group_ids == new
         assert bus.pending_count(SCORED, CONSUMER) == 3 * B  # all held, none stranded
     finally:
@@ -110,8 +142,11 @@ def test_a_gather_that_sees_no_progress_fails_naming_what_it_waited_on(bus):
     issuer = _issuer(cfg, bus, epoch)
     try:
         t0 = time.monotonic()
-        with pytest.raises(DataError, match=r"no progress for \d+ s \(pipeline.stall_timeout_s\) while gathering "
-                                            r"version 1: waited on scored groups, holding 1 of 4; prompts issued \d+"):
+        with pytest.raises(
+            DataError,
+            match=r"no progress for \d+ s \(pipeline.stall_timeout_s\) while gathering "
+            r"version 1: waited on scored groups, holding 1 of 4; prompts issued \d+",
+        ):
             _gather(bus, cfg, 0, Inbox(bus), epoch, issuer)
         assert time.monotonic() - t0 < 10  # bounded by the watchdog, not by anything else
     finally:
@@ -119,16 +154,33 @@ def test_a_gather_that_sees_no_progress_fails_naming_what_it_waited_on(bus):
 
 
 def test_the_balance_line_names_the_gap():
-    c = {"generated": 100, "duplicates": 4, "trained": 60, "filtered": 20, "stale_dropped": 8, "failed": 4,
-         "samples_dead": 4}
-    assert balance_line(c) == (True, "[moerl] balance ok: generated 100 - duplicates 4 = 96; trained 60 + filtered "
-                                     "20 + stale_dropped 8 + failed 4 + samples_dead 4 = 96")
+    c = {
+        "generated": 100,
+        "duplicates": 4,
+        "trained": 60,
+        "filtered": 20,
+        "stale_dropped": 8,
+        "failed": 4,
+        "samples_dead": 4,
+    }
+    assert balance_line(c) == (
+        True,
+        "[moerl] balance ok: generated 100 - duplicates 4 = 96; trained 60 + filtered "
+        "20 + stale_dropped 8 + failed 4 + samples_dead 4 = 96",
+    )
     ok, line = balance_line({**c, "trained": 56})
     assert not ok and "BROKEN by 4" in line
 
 
-@pytest.mark.parametrize("bad", [{"t_generated": "soon"}, {"t_generated": float("nan")}, {"t_generated": 1e12},
-                                 {"mixed": True}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"t_generated": "soon"},
+        {"t_generated": float("nan")},
+        {"t_generated": 1e12},
+        {"mixed": True},
+    ],
+)
 def test_a_forged_scored_entry_is_dead_lettered_and_the_gather_goes_on(bus, bad):
     """Anything that can write the scored stream (a compromised stage) is not trusted: an entry
     whose fields the trainer reads are wrong goes to the dead-letter stream, counted; before, a
@@ -138,13 +190,28 @@ def test_a_forged_scored_entry_is_dead_lettered_and_the_gather_goes_on(bus, bad)
     from moerl.bus import DEAD
 
     cfg = _cfg()
-    samples = [ScoredSample(prompt_id=f"q{j}" if bad.get("mixed") else "q", task="copy", prompt="x", answer="1",
-                            sample_index=j, prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.1],
-                            response_text="1", finish_reason="stop", policy_version=0,
-                            reward=float(j)).model_dump() for j in range(2)]
+    samples = [
+        ScoredSample(
+            prompt_id=f"q{j}" if bad.get("mixed") else "q",
+            task="copy",
+            prompt="x",
+            answer="1",
+            sample_index=j,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-0.1],
+            response_text="1",
+            finish_reason="stop",
+            policy_version=0,
+            reward=float(j),
+        ).model_dump()
+        for j in range(2)
+    ]
     group = {"group_id": "u9999/0:q", "samples": samples, "t_generated": 1.0}
     group.update({k: v for k, v in bad.items() if k == "t_generated"})
-    bus.r.xadd(bus.key(SCORED), {"group": json.dumps(group)})  # first in line; NaN goes out as JSON's NaN
+    bus.r.xadd(
+        bus.key(SCORED), {"group": json.dumps(group)}
+    )  # first in line; NaN goes out as JSON's NaN
     good = _score(bus, B)
     epoch = bus.claim_trainer("t")
     issuer = _issuer(cfg, bus, epoch)
@@ -168,7 +235,9 @@ def test_commits_a_failover_took_back_are_made_again_before_the_next_gather(bus,
     from moerl.store.runs import run_store
 
     cfg = _cfg()
-    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"uri": str(tmp_path / "ckpt")})})
+    cfg = cfg.model_copy(
+        update={"checkpoint": cfg.checkpoint.model_copy(update={"uri": str(tmp_path / "ckpt")})}
+    )
     gids = _score(bus, 2 * B)
     taken = bus.take_scored(CONSUMER, 2 * B, block_ms=50)
     store = run_store(cfg.checkpoint, bus.run_id)
@@ -176,9 +245,15 @@ def test_commits_a_failover_took_back_are_made_again_before_the_next_gather(bus,
         src = tmp_path / f"v{v}"
         src.mkdir()
         (src / "w.bin").write_bytes(bytes([v]) * 64)
-        store.publish(v, src, {"groups": json.dumps([g["group_id"] for _, g in part]),
-                               "entries": json.dumps([e for e, _ in part]),
-                               "counts": json.dumps({"trained": 2 * B, "filtered": 0, "groups_used": B})})
+        store.publish(
+            v,
+            src,
+            {
+                "groups": json.dumps([g["group_id"] for _, g in part]),
+                "entries": json.dumps([e for e, _ in part]),
+                "counts": json.dumps({"trained": 2 * B, "filtered": 0, "groups_used": B}),
+            },
+        )
     epoch = bus.claim_trainer("t")
     assert bus.registry() is None  # the commits of versions 1 and 2 were lost with the failover
     _recommit(bus, cfg, bus.run_id, 2, epoch)
@@ -200,8 +275,13 @@ def test_a_trainer_refuses_wait_aof_replicas_0_on_a_server_with_replicas(tmp_pat
         port = primary.url.rsplit(":", 1)[1].split("/")[0]
         from moerl.bus.client import _free_port
 
-        replica = ValkeyServer(port=_free_port(), host="127.0.0.1", data_dir=tmp_path / "replica", persist=True,
-                               config={"replicaof": f"127.0.0.1 {port}", "appendonly": "yes"})
+        replica = ValkeyServer(
+            port=_free_port(),
+            host="127.0.0.1",
+            data_dir=tmp_path / "replica",
+            persist=True,
+            config={"replicaof": f"127.0.0.1 {port}", "appendonly": "yes"},
+        )
         replica.start(timeout=30)
         try:
             bus = RunBus(connect(primary.url, 5), "r")
@@ -209,14 +289,20 @@ def test_a_trainer_refuses_wait_aof_replicas_0_on_a_server_with_replicas(tmp_pat
             while bus.replicas() < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert bus.replicas() == 1
-            with pytest.raises(ConfigError, match=r"valkey.wait_aof_replicas: 0, but the server has 1 replica"):
+            with pytest.raises(
+                ConfigError, match=r"valkey.wait_aof_replicas: 0, but the server has 1 replica"
+            ):
                 _check_durable(bus, _cfg(), "r")
             cfg = _cfg()
-            ok = cfg.model_copy(update={"valkey": cfg.valkey.model_copy(update={"wait_aof_replicas": 1})})
+            ok = cfg.model_copy(
+                update={"valkey": cfg.valkey.model_copy(update={"wait_aof_replicas": 1})}
+            )
             assert _check_durable(bus, ok, "r")
         finally:
             replica.stop()
 
 
 def test_the_stages_acl_user_may_count_replicas(bus):
-    assert bus.replicas() == 0  # WAIT is no admin command: the trainer's check runs as the stage user
+    assert (
+        bus.replicas() == 0
+    )  # WAIT is no admin command: the trainer's check runs as the stage user

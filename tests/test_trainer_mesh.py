@@ -31,18 +31,26 @@ def reference(tiny):
     model = ep_worker.tiny_model(tiny)
     packed = ep_worker.batch_tensors()
     n = packed.input_ids_NL.shape[0]
-    loss = ep_worker.step_loss_and_grads(model, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum()))
+    loss = ep_worker.step_loss_and_grads(
+        model, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum())
+    )
     grads = {name: p.grad for name, p in model.named_parameters()}
     total = sum(p.numel() for p in model.parameters()) * 4  # float32
     return loss.detach(), grads, total
 
 
 @pytest.mark.parametrize("dp, ep", MESHES)
-def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_its_share(tiny, reference, tmp_path,
-                                                                                        dp, ep):
+def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_its_share(
+    tiny, reference, tmp_path, dp, ep
+):
     ref_loss, ref_grads, total_bytes = reference
     world = dp * ep
-    mp.spawn(mesh_worker.mesh_rank, args=(world, dp, ep, str(tiny), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(
+        mesh_worker.mesh_rank,
+        args=(world, dp, ep, str(tiny), str(tmp_path)),
+        nprocs=world,
+        join=True,
+    )
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     assert abs(outs[0]["loss"].item() - ref_loss.item()) <= TOL
     for o in outs:
@@ -61,15 +69,27 @@ def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_i
     assert sum(o["held_bytes"] for o in outs) >= 4 * total_bytes  # nothing missing
 
 
-@pytest.mark.parametrize("trainer, tol", [({"activation_checkpointing": True}, TOL),
-                                          ({"mixed_precision": "bf16"}, 3e-2),
-                                          ({"logprob_chunk_tokens": 7, "activation_checkpointing": True}, TOL)])
-def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(tiny, reference, tmp_path, trainer, tol):
+@pytest.mark.parametrize(
+    "trainer, tol",
+    [
+        ({"activation_checkpointing": True}, TOL),
+        ({"mixed_precision": "bf16"}, 3e-2),
+        ({"logprob_chunk_tokens": 7, "activation_checkpointing": True}, TOL),
+    ],
+)
+def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(
+    tiny, reference, tmp_path, trainer, tol
+):
     """Recomputed activations, and the logprob in chunks of 7 positions (recomputed in the
     backward under FSDP's gathered head), give the same gradients; bf16 compute gives gradients within
     bf16's precision of float32 ones, while the master weights and Adam state stay float32."""
     ref_loss, ref_grads, _ = reference
-    mp.spawn(mesh_worker.mesh_rank, args=(4, 2, 2, str(tiny), str(tmp_path), trainer), nprocs=4, join=True)
+    mp.spawn(
+        mesh_worker.mesh_rank,
+        args=(4, 2, 2, str(tiny), str(tmp_path), trainer),
+        nprocs=4,
+        join=True,
+    )
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert abs(outs[0]["loss"].item() - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item()))
     flat_ref = torch.cat([g.flatten() for g in ref_grads.values()])
@@ -84,8 +104,17 @@ def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(tiny, ref
 
 
 def _cfg(dp: int, ep: int):
-    return parse_config({"trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003,
-                                     "micro_batch_tokens": 24, "expert_parallel_size": ep, "data_parallel_shard": dp}})
+    return parse_config(
+        {
+            "trainer": {
+                "optimizer_steps_per_iteration": 2,
+                "learning_rate": 0.003,
+                "micro_batch_tokens": 24,
+                "expert_parallel_size": ep,
+                "data_parallel_shard": dp,
+            }
+        }
+    )
 
 
 def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path):
@@ -94,15 +123,23 @@ def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path
     weights differently, checked as the control)."""
     build_tiny_model(_cfg(1, 1).model.tiny, tmp_path / "s0")
     write_records(tmp_path / "batch.jsonl", _batch())
-    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0)
+    run_policy_update(
+        _cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0
+    )
     assert (tmp_path / "s1" / "trainer" / "optimizer" / ".metadata").is_file()
-    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "same", iteration=1)
-    run_policy_update(_cfg(1, 4), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "other", iteration=1)
+    run_policy_update(
+        _cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "same", iteration=1
+    )
+    run_policy_update(
+        _cfg(1, 4), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "other", iteration=1
+    )
     fresh = tmp_path / "s1-fresh"  # the same weights without the optimizer state
     import shutil
 
     shutil.copytree(tmp_path / "s1", fresh, ignore=shutil.ignore_patterns("optimizer"))
-    run_policy_update(_cfg(1, 4), tmp_path / "batch.jsonl", fresh, tmp_path / "control", iteration=1)
+    run_policy_update(
+        _cfg(1, 4), tmp_path / "batch.jsonl", fresh, tmp_path / "control", iteration=1
+    )
     _follows(tmp_path, "s1", reference="same", candidate="other", control="control")
 
 
@@ -110,7 +147,9 @@ def _follows(root, start: str, reference: str, candidate: str, control: str) -> 
     """`candidate`'s step from `start` equals `reference`'s (within 5 % of how far each tensor
     moved), while `control` (the same weights without the Adam moments) takes another step."""
     w1 = load_file(root / start / "model.safetensors")
-    ref, cand, ctrl = (load_file(root / d / "model.safetensors") for d in (reference, candidate, control))
+    ref, cand, ctrl = (
+        load_file(root / d / "model.safetensors") for d in (reference, candidate, control)
+    )
     far = 0
     for name, a in ref.items():
         moved = float((a - w1[name]).norm())
@@ -127,13 +166,29 @@ def test_a_single_process_version_continues_on_the_mesh_with_its_adam_state(tmp_
 
     build_tiny_model(_cfg(1, 1).model.tiny, tmp_path / "s0")
     write_records(tmp_path / "batch.jsonl", _batch())
-    run_policy_update(_cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0)
+    run_policy_update(
+        _cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0
+    )
     assert (tmp_path / "s1" / "trainer" / "optimizer.pt").is_file()
-    run_policy_update(_cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "single", iteration=1)
-    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "mesh", iteration=1)
-    assert (tmp_path / "mesh" / "trainer" / "optimizer" / ".metadata").is_file()  # the mesh's own form from here
-    shutil.copytree(tmp_path / "s1", tmp_path / "s1-fresh", ignore=shutil.ignore_patterns("optimizer.pt"))
-    run_policy_update(_cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1-fresh", tmp_path / "control", iteration=1)
+    run_policy_update(
+        _cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "single", iteration=1
+    )
+    run_policy_update(
+        _cfg(2, 2), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "mesh", iteration=1
+    )
+    assert (
+        tmp_path / "mesh" / "trainer" / "optimizer" / ".metadata"
+    ).is_file()  # the mesh's own form from here
+    shutil.copytree(
+        tmp_path / "s1", tmp_path / "s1-fresh", ignore=shutil.ignore_patterns("optimizer.pt")
+    )
+    run_policy_update(
+        _cfg(2, 2),
+        tmp_path / "batch.jsonl",
+        tmp_path / "s1-fresh",
+        tmp_path / "control",
+        iteration=1,
+    )
     _follows(tmp_path, "s1", reference="single", candidate="mesh", control="control")
 
 
@@ -146,7 +201,9 @@ def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(t
     ref = ep_worker.tiny_model(path)
     packed = ep_worker.batch_tensors()
     n = packed.input_ids_NL.shape[0]
-    ref_loss = ep_worker.step_loss_and_grads(ref, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum()))
+    ref_loss = ep_worker.step_loss_and_grads(
+        ref, packed, torch.arange(n), n_tokens=float(packed.mask_NL1.sum())
+    )
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
     assert any("shared_expert" in name for name in ref_grads) == (arch != "olmoe")
     mp.spawn(mesh_worker.mesh_rank, args=(4, 2, 2, str(path), str(tmp_path)), nprocs=4, join=True)
@@ -154,7 +211,9 @@ def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(t
     assert abs(out["loss"].item() - ref_loss.item()) <= TOL
     assert set(out["grads"]) == set(ref_grads)
     for name, g in out["grads"].items():
-        assert (g - ref_grads[name]).abs().max() <= TOL * max(1.0, float(ref_grads[name].abs().max())), name
+        assert (g - ref_grads[name]).abs().max() <= TOL * max(
+            1.0, float(ref_grads[name].abs().max())
+        ), name
 
 
 def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_path):
@@ -164,12 +223,16 @@ def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_pat
     loads are summed over the ranks before the sign is taken."""
     path = _family("deepseek_v3", tmp_path / "dsv3")
     write_records(tmp_path / "batch.jsonl", _batch())
-    key = next(k for k in load_file(path / "model.safetensors") if k.endswith("e_score_correction_bias"))
+    key = next(
+        k for k in load_file(path / "model.safetensors") if k.endswith("e_score_correction_bias")
+    )
     b0 = load_file(path / "model.safetensors")[key]
     out = {}
     for name, (dp, ep) in (("single", (1, 1)), ("mesh", (2, 2))):
         cfg = _cfg(dp, ep)
-        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"router_bias_update_rate": 0.01})})
+        cfg = cfg.model_copy(
+            update={"trainer": cfg.trainer.model_copy(update={"router_bias_update_rate": 0.01})}
+        )
         m = run_policy_update(cfg, tmp_path / "batch.jsonl", path, tmp_path / name, iteration=0)
         assert m["train/steps"] == 2 and m["moe/router_max_load_ratio"] >= 1.0
         out[name] = load_file(tmp_path / name / "model.safetensors")[key]

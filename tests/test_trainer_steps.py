@@ -17,7 +17,9 @@ from moerl.records import TrainSample
 
 
 def _cfg(**trainer):
-    return parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01, **trainer}})
+    return parse_config(
+        {"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01, **trainer}}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,15 @@ def _batch(n=16):
         plen, rlen = 3 + i % 4, 2 + i % 3  # uneven lengths: padding inside every micro-batch
         ids = torch.randint(5, 20, (plen + rlen,), generator=g).tolist()
         lp = (-torch.rand(rlen, generator=g) * 3).tolist()
-        out.append(TrainSample(prompt_token_ids=ids[:plen], response_token_ids=ids[plen:], response_logprobs=lp,
-                               advantage=1.0 if i % 2 else -1.0, policy_version=0))
+        out.append(
+            TrainSample(
+                prompt_token_ids=ids[:plen],
+                response_token_ids=ids[plen:],
+                response_logprobs=lp,
+                advantage=1.0 if i % 2 else -1.0,
+                policy_version=0,
+            )
+        )
     return out
 
 
@@ -49,14 +58,18 @@ def test_nan_gradient_with_finite_loss_skips_the_step(state0):
     handle.remove()
     assert math.isfinite(m["train/loss"]) or m["train/steps"] == 0
     assert m["train/skipped_steps"] == 4 and m["train/steps"] == 0 and ctr.skipped_total == 4
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved, nothing NaN
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters())
+    )  # nothing moved, nothing NaN
 
 
 def test_consecutive_nan_gradients_fail_the_run(state0):
     cfg = _cfg(max_consecutive_skipped_steps=2)
     model, opt, ctr = _load_state(state0, cfg)
     next(model.parameters()).register_hook(lambda g: g * float("inf"))
-    with pytest.raises(TrainingError, match="2 optimizer steps in a row had a non-finite loss or gradient"):
+    with pytest.raises(
+        TrainingError, match="2 optimizer steps in a row had a non-finite loss or gradient"
+    ):
         train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
 
 
@@ -65,15 +78,24 @@ def test_micro_batches_equal_the_unchunked_step(state0):
     rounding) and the same metrics. Weights after Adam steps are not compared element-wise:
     Adam turns a 1e-9 difference in a near-zero gradient into a full lr-sized step."""
     runs = {}
-    for mbt in (0, 16):  # 16 positions = 1-2 rows per micro-batch here, vs the whole minibatch at once
+    for mbt in (
+        0,
+        16,
+    ):  # 16 positions = 1-2 rows per micro-batch here, vs the whole minibatch at once
         cfg = _cfg(micro_batch_tokens=mbt, optimizer_steps_per_iteration=1)
         model, opt, ctr = _load_state(state0, cfg)
         metrics = train_on_batch(model, opt, ctr, _batch(), cfg, seed=3)
         runs[mbt] = (metrics, {n: p.grad.clone() for n, p in model.named_parameters()})
     (m0, g0), (m1, g1) = runs[0], runs[16]
     assert m0["train/steps"] == m1["train/steps"] == 1
-    for k in ("train/loss", "train/clip_fraction", "train/entropy", "train/grad_norm", "train/logprob_mismatch",
-              "train/tis_truncated_fraction"):
+    for k in (
+        "train/loss",
+        "train/clip_fraction",
+        "train/entropy",
+        "train/grad_norm",
+        "train/logprob_mismatch",
+        "train/tis_truncated_fraction",
+    ):
         assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-7), k
     for name, g in g0.items():
         assert torch.allclose(g1[name], g, rtol=1e-4, atol=1e-7), name
@@ -87,14 +109,19 @@ def test_micro_batches_equal_the_unchunked_step(state0):
     assert ms[1]["train/loss"] == pytest.approx(ms[0]["train/loss"], rel=1e-3, abs=1e-5)
 
 
-@pytest.mark.parametrize("n,steps,world,expected", [(10, 6, 1, 6), (10, 4, 1, 4), (3, 8, 1, 3), (10, 4, 2, 4),
-                                                    (10, 8, 2, 5), (1, 4, 2, 0)])
+@pytest.mark.parametrize(
+    "n,steps,world,expected",
+    [(10, 6, 1, 6), (10, 4, 1, 4), (3, 8, 1, 3), (10, 4, 2, 4), (10, 8, 2, 5), (1, 4, 2, 0)],
+)
 def test_minibatch_count_is_exact(n, steps, world, expected):
     chunks = minibatches(n, steps, seed=0, world=world, device=torch.device("cpu"))
     assert len(chunks) == expected  # torch.chunk(10 rows, 6) gives 5
     if chunks:
         assert sorted(torch.cat(chunks).tolist()) == list(range(n))
-        assert min(len(c) for c in chunks) >= world and max(len(c) for c in chunks) - min(len(c) for c in chunks) <= 1
+        assert (
+            min(len(c) for c in chunks) >= world
+            and max(len(c) for c in chunks) - min(len(c) for c in chunks) <= 1
+        )
 
 
 def test_aux_loss_is_applied_and_logged_without_expert_parallelism(state0):
@@ -129,7 +156,9 @@ def test_no_tensor_is_created_on_the_default_device(state0):
 
 
 def test_truncated_sampling_trains_with_finite_statistics(state0):
-    cfg = parse_config({"trainer": {"optimizer_steps_per_iteration": 2}, "rollout": {"top_k": 5, "top_p": 0.9}})
+    cfg = parse_config(
+        {"trainer": {"optimizer_steps_per_iteration": 2}, "rollout": {"top_k": 5, "top_p": 0.9}}
+    )
     model, opt, ctr = _load_state(state0, cfg)
     m = train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
     assert m["train/steps"] == 2 and all(math.isfinite(v) for v in m.values())
@@ -145,8 +174,16 @@ def test_the_chunked_logprob_equals_the_whole_projection_and_bounds_the_logits(s
 
     runs, widest = {}, {}
     for chunk in (0, 5):
-        cfg = parse_config({"rollout": rollout, "trainer": {"optimizer_steps_per_iteration": 1, "learning_rate": 0.01,
-                                                            "logprob_chunk_tokens": chunk}})
+        cfg = parse_config(
+            {
+                "rollout": rollout,
+                "trainer": {
+                    "optimizer_steps_per_iteration": 1,
+                    "learning_rate": 0.01,
+                    "logprob_chunk_tokens": chunk,
+                },
+            }
+        )
         model, opt, ctr = _load_state(state0, cfg)
         vocab = model.config.vocab_size
         seen = []

@@ -21,8 +21,11 @@ PREV_SEED, COLD_SEED = 7, 0
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +36,22 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("warm")
     cfg = parse_config({"model": {"tiny": {"seed": PREV_SEED}}})
     model = build_tiny_model(cfg.model.tiny, root / "prev-model")
-    return {"root": root, "uri": f"sqlite:///{root / 'mlflow.db'}", "ck": root / "ck", "model": model}
+    return {
+        "root": root,
+        "uri": f"sqlite:///{root / 'mlflow.db'}",
+        "ck": root / "ck",
+        "model": model,
+    }
 
 
 def _cfg(env, experiment, warm_start="previous", ck=None):
-    return parse_config({
-        "model": {"warm_start": warm_start, "tiny": {"seed": COLD_SEED}},
-        "checkpoint": {"uri": str(ck or env["ck"]), "cache_dir": str(env["root"] / "cache")},
-        "tracking": {"uri": env["uri"], "experiment": experiment},
-    })
+    return parse_config(
+        {
+            "model": {"warm_start": warm_start, "tiny": {"seed": COLD_SEED}},
+            "checkpoint": {"uri": str(ck or env["ck"]), "cache_dir": str(env["root"] / "cache")},
+            "tracking": {"uri": env["uri"], "experiment": experiment},
+        }
+    )
 
 
 def _finished_run(env, cfg, tmp_path, status="FINISHED"):
@@ -55,7 +65,9 @@ def _finished_run(env, cfg, tmp_path, status="FINISHED"):
     (v1 / "trainer").mkdir()
     (v1 / "trainer" / "state.json").write_text('{"version": 1, "step": 2}\n')
     store.publish(1, v1)
-    tracking.finish_run(env["uri"], run_id, version_uri(store, 1), tmp_path / f"work-{run_id}", status=status)
+    tracking.finish_run(
+        env["uri"], run_id, version_uri(store, 1), tmp_path / f"work-{run_id}", status=status
+    )
     time.sleep(0.02)  # distinct end times: "newest" is by end time
     return run_id, store
 
@@ -75,7 +87,9 @@ def test_warm_start_lays_out_the_previous_final_checkpoint(env, tmp_path, capsys
     state = prepare_initial(cfg, tmp_path / "state", run_id=current)
 
     expected = {k: v for k, v in _hashes(env["model"]).items()}
-    assert _hashes(state) == expected  # identical weights, config, tokenizer; no trainer/, no manifest
+    assert (
+        _hashes(state) == expected
+    )  # identical weights, config, tokenizer; no trainer/, no manifest
     assert not (state / "trainer").exists()
     assert store.manifest(1).files  # the version it came from is untouched
     tags = _tags(env, current)
@@ -92,7 +106,11 @@ def test_newest_finished_run_in_this_store_wins(env, tmp_path):
     newest, _ = _finished_run(env, cfg, tmp_path)
     _finished_run(env, cfg, tmp_path, status="FAILED")  # newer, but not FINISHED
     running = tracking.start_run(cfg, env["uri"], {})  # newer still, never finished
-    tracking.set_tags(env["uri"], running, {"moerl.final_checkpoint": version_uri(run_store(cfg.checkpoint, running), 0)})
+    tracking.set_tags(
+        env["uri"],
+        running,
+        {"moerl.final_checkpoint": version_uri(run_store(cfg.checkpoint, running), 0)},
+    )
     other = _cfg(env, "warm-newest", ck=env["root"] / "other-store")
     _finished_run(env, other, tmp_path)  # newest FINISHED, but its checkpoint is in another store
 
@@ -112,7 +130,9 @@ def test_tampered_final_checkpoint_is_refused(env, tmp_path):
     data[-1] ^= 0xFF  # same size, one bit pattern changed
     weights.write_bytes(bytes(data))
     current = tracking.start_run(cfg, env["uri"], {})
-    with pytest.raises(CheckpointError, match=rf"final checkpoint .* of run {prev_id} cannot be used: .*corrupt"):
+    with pytest.raises(
+        CheckpointError, match=rf"final checkpoint .* of run {prev_id} cannot be used: .*corrupt"
+    ):
         prepare_initial(cfg, tmp_path / "state", run_id=current)
     assert not any((tmp_path / "state").glob("*.safetensors"))  # nothing unverified was laid out
     assert "moerl.warm_start.run_id" not in _tags(env, current)

@@ -6,4 +6,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
-SMALL = ["task.prompts_per_iteration=8", "rollout.samples_per_prompt=4", "trainer.optimizer_steps_per_iteration=2"]
+SMALL = [
+    "task.prompts_per_iteration=8",
+    "rollout.samples_per_prompt=4",
+    "trainer.optimizer_steps_per_iteration=2",
+]

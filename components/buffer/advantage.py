@@ -31,8 +31,12 @@ from typing import Literal
 StdKind = Literal["sample", "population"]
 
 
-def group_advantages(rewards_G: list[float], eps: float = 1e-6, normalize_by_std: bool = True,
-                     std: StdKind = "sample") -> tuple[list[float], bool]:
+def group_advantages(
+    rewards_G: list[float],
+    eps: float = 1e-6,
+    normalize_by_std: bool = True,
+    std: StdKind = "sample",
+) -> tuple[list[float], bool]:
     """Returns (advantages_G, zero_variance)."""
     if not rewards_G:
         raise ValueError("a group needs at least one reward")
@@ -60,7 +64,13 @@ def train_sample(s, advantage: float):
     the model's own tokens in a multi-turn episode) with its advantage."""
     from moerl.records import TrainSample
 
-    return TrainSample(prompt_token_ids=s.prompt_token_ids, response_token_ids=s.response_token_ids,
-                       response_logprobs=s.response_logprobs, advantage=advantage, policy_version=s.policy_version,
-                       response_mask=s.response_mask, routed_experts=s.routed_experts,
-                       token_versions=s.token_versions)
+    return TrainSample(
+        prompt_token_ids=s.prompt_token_ids,
+        response_token_ids=s.response_token_ids,
+        response_logprobs=s.response_logprobs,
+        advantage=advantage,
+        policy_version=s.policy_version,
+        response_mask=s.response_mask,
+        routed_experts=s.routed_experts,
+        token_versions=s.token_versions,
+    )

@@ -3,8 +3,13 @@
 from kfp.dsl import Artifact, Input, Output
 
 
-def buffer(config_json: str, scored: Input[Artifact], trainer_version: int, batch: Output[Artifact],
-           run_id: str = "") -> dict:
+def buffer(
+    config_json: str,
+    scored: Input[Artifact],
+    trainer_version: int,
+    batch: Output[Artifact],
+    run_id: str = "",
+) -> dict:
     """Group scored samples by prompt and compute GRPO advantages.
 
     Drops and counts zero-variance groups and samples staler than `buffer.max_staleness`
@@ -13,7 +18,9 @@ def buffer(config_json: str, scored: Input[Artifact], trainer_version: int, batc
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("buffer", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "buffer", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.buffer.stage import run_buffer
     from moerl.config import config_from_json
     from moerl.provenance import stage_start

@@ -15,12 +15,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from moerl.components.buffer.advantage import group_advantages, train_sample
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample, TrainSample, read_records, write_records
-from moerl.components.buffer.advantage import group_advantages, train_sample
 
 
-def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int) -> tuple[list[TrainSample], dict[str, float]]:
+def assemble(
+    scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
+) -> tuple[list[TrainSample], dict[str, float]]:
     groups: dict[str, list[ScoredSample]] = defaultdict(list)
     stale = 0
     for s in scored:
@@ -37,8 +39,12 @@ def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
         if any(m.reward_failed for m in members):
             dropped_failed += 1
             continue
-        adv, zero_var = group_advantages([m.reward for m in members], cfg.advantage_eps, cfg.normalize_by_std,
-                                         std=cfg.advantage_std)
+        adv, zero_var = group_advantages(
+            [m.reward for m in members],
+            cfg.advantage_eps,
+            cfg.normalize_by_std,
+            std=cfg.advantage_std,
+        )
         if zero_var and cfg.drop_zero_variance_groups:
             dropped_zero_var += 1
             continue
@@ -48,9 +54,15 @@ def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
         signal += 1
         batch.extend(train_sample(m, a) for m, a in zip(members, adv))
     n_groups = max(len(groups), 1)
-    dynamic = {} if cfg.min_signal_groups is None else {
-        "buffer/signal_groups": float(signal), "buffer/surplus_signal_groups": float(surplus),
-        "buffer/signal_shortfall_groups": float(max(0, cfg.min_signal_groups - signal))}
+    dynamic = (
+        {}
+        if cfg.min_signal_groups is None
+        else {
+            "buffer/signal_groups": float(signal),
+            "buffer/surplus_signal_groups": float(surplus),
+            "buffer/signal_shortfall_groups": float(max(0, cfg.min_signal_groups - signal)),
+        }
+    )
     return batch, dynamic | {
         "buffer/groups": float(len(groups)),
         "buffer/dropped_zero_variance_groups": float(dropped_zero_var),
@@ -59,11 +71,15 @@ def assemble(scored: list[ScoredSample], cfg: BufferConfig, trainer_version: int
         "buffer/dropped_failed_groups": float(dropped_failed),
         "buffer/stale_samples": float(stale),
         "buffer/batch_samples": float(len(batch)),
-        "buffer/staleness_max": float(max((trainer_version - s.policy_version for s in scored), default=0)),
+        "buffer/staleness_max": float(
+            max((trainer_version - s.policy_version for s in scored), default=0)
+        ),
     }
 
 
-def run_buffer(cfg: BufferConfig, scored_path: str | Path, trainer_version: int, out_path: str | Path) -> dict[str, float]:
+def run_buffer(
+    cfg: BufferConfig, scored_path: str | Path, trainer_version: int, out_path: str | Path
+) -> dict[str, float]:
     t0 = time.perf_counter()
     batch, metrics = assemble(read_records(scored_path, ScoredSample), cfg, trainer_version)
     write_records(out_path, batch)

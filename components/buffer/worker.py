@@ -35,16 +35,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moerl.components.buffer.advantage import group_advantages, train_sample
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample, TrainSample, newest_version, token_versions
-from moerl.components.buffer.advantage import group_advantages, train_sample
 
 Disposition = Literal["duplicate", "stale", "failed", "filtered", "used"]
 
 
-def prompts_to_issue(*, used: int, in_flight: int, version: int, batch_prompts: int, versions: int,
-                     max_staleness: int, backlog: int, paused: bool, cfg: BufferConfig,
-                     signal_used: int = 0, gathered: tuple[int, int] = (0, 0)) -> tuple[int, bool]:
+def prompts_to_issue(
+    *,
+    used: int,
+    in_flight: int,
+    version: int,
+    batch_prompts: int,
+    versions: int,
+    max_staleness: int,
+    backlog: int,
+    paused: bool,
+    cfg: BufferConfig,
+    signal_used: int = 0,
+    gathered: tuple[int, int] = (0, 0),
+) -> tuple[int, bool]:
     """How many prompts to issue now, and whether issuance is paused (backpressure).
 
     Without dynamic sampling a version consumes `batch_prompts` groups: admit up to
@@ -75,20 +86,30 @@ def prompts_to_issue(*, used: int, in_flight: int, version: int, batch_prompts: 
     return max(0, min(need, admit, bound)), paused
 
 
-def classify(group_id: str, samples: list[ScoredSample], version: int, max_staleness: int,
-             seen: set[str], known: Mapping[int, str] | None = None) -> Disposition:
+def classify(
+    group_id: str,
+    samples: list[ScoredSample],
+    version: int,
+    max_staleness: int,
+    seen: set[str],
+    known: Mapping[int, str] | None = None,
+) -> Disposition:
     """`known`: the manifest sha256 of each version the trainer published or continues from; a
     sample whose engine served another sha under one of those numbers came from lost weights (a
     version rolled back and published again under its number) and is stale, whatever its number."""
     if group_id in seen:
         return "duplicate"
-    if known and any(known.get(v, sha) != sha for s in samples for v, sha in (s.policy_shas or {}).items()):
+    if known and any(
+        known.get(v, sha) != sha for s in samples for v, sha in (s.policy_shas or {}).items()
+    ):
         return "stale"
     # a sample from above the trainer's version came from a version that was lost (servable,
     # then gone with both copies before it was durable; see policy_update/worker.py)
     # in-flight weight updates: a response's oldest token decides its staleness, its newest
     # whether it came from a lost version
-    if any(version - s.policy_version > max_staleness or newest_version(s) > version for s in samples):
+    if any(
+        version - s.policy_version > max_staleness or newest_version(s) > version for s in samples
+    ):
         return "stale"
     if any(s.reward_failed for s in samples):
         return "failed"
@@ -103,9 +124,13 @@ class Batch:
 
     entry_ids: list[str] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
-    groups: list[list[ScoredSample]] = field(default_factory=list)  # used + filtered, in arrival order
+    groups: list[list[ScoredSample]] = field(
+        default_factory=list
+    )  # used + filtered, in arrival order
     used: list[list[ScoredSample]] = field(default_factory=list)
-    waits_s: list[float] = field(default_factory=list)  # generated -> taken by the trainer, per group
+    waits_s: list[float] = field(
+        default_factory=list
+    )  # generated -> taken by the trainer, per group
 
     @property
     def n_groups(self) -> int:
@@ -115,8 +140,12 @@ class Batch:
 def train_samples(groups: list[list[ScoredSample]], cfg: BufferConfig) -> list[TrainSample]:
     out: list[TrainSample] = []
     for members in groups:
-        adv, _ = group_advantages([m.reward for m in members], cfg.advantage_eps, cfg.normalize_by_std,
-                                  std=cfg.advantage_std)
+        adv, _ = group_advantages(
+            [m.reward for m in members],
+            cfg.advantage_eps,
+            cfg.normalize_by_std,
+            std=cfg.advantage_std,
+        )
         out.extend(train_sample(m, a) for m, a in zip(members, adv))
     return out
 
@@ -142,7 +171,8 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, float]:
         "reward/exact_fraction": sum(r >= 1.0 for r in rewards) / n,
         "buffer/groups": float(batch.n_groups),
         "buffer/dropped_zero_variance_groups": float(batch.n_groups - len(batch.used)),
-        "buffer/dropped_zero_variance_fraction": (batch.n_groups - len(batch.used)) / max(batch.n_groups, 1),
+        "buffer/dropped_zero_variance_fraction": (batch.n_groups - len(batch.used))
+        / max(batch.n_groups, 1),
         "buffer/batch_samples": float(sum(len(g) for g in batch.used)),
         "buffer/staleness_mean": sum(stal) / n,
         "buffer/staleness_max": float(max(stal, default=0)),

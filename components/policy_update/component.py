@@ -3,8 +3,14 @@
 from kfp.dsl import Artifact, Input, Output
 
 
-def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Artifact], iteration: int,
-                  state_out: Output[Artifact], run_id: str = "") -> dict:
+def policy_update(
+    config_json: str,
+    batch: Input[Artifact],
+    state_in: Input[Artifact],
+    iteration: int,
+    state_out: Output[Artifact],
+    run_id: str = "",
+) -> dict:
     """Run `trainer.optimizer_steps_per_iteration` GRPO steps on `batch`.
 
     `state_in` / `state_out` are trainer-state directories: `model/` (HF checkpoint) and
@@ -17,19 +23,28 @@ def policy_update(config_json: str, batch: Input[Artifact], state_in: Input[Arti
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("policy_update", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "policy_update", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch import run_remote
 
-        return run_remote(cfg, "policy_update", run_id, args={"iteration": iteration},
-                          inputs={"batch": batch.path, "state_in": state_in.path},
-                          outputs={"state_out": state_out.path})
+        return run_remote(
+            cfg,
+            "policy_update",
+            run_id,
+            args={"iteration": iteration},
+            inputs={"batch": batch.path, "state_in": state_in.path},
+            outputs={"state_out": state_out.path},
+        )
     from moerl.components.policy_update.trainer import run_policy_update
 
-    return run_policy_update(cfg, batch.path, state_in.path, state_out.path, iteration, run_id=run_id)
+    return run_policy_update(
+        cfg, batch.path, state_in.path, state_out.path, iteration, run_id=run_id
+    )
 
 
 def async_trainer(config_json: str, run_id: str) -> str:
@@ -44,7 +59,9 @@ def async_trainer(config_json: str, run_id: str) -> str:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("async_trainer", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "async_trainer", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)

@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moerl.errors import CheckpointError
 from moerl.components.policy_update.ep_moe import EPMoEBlock, parallelize_experts
+from moerl.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +101,18 @@ def _alt(name: str) -> list[str]:
 def _expert_keys(block_name: str, keys: dict[str, str]) -> ExpertKeys:
     for prefix in _alt(block_name + "."):
         if prefix + "experts.gate_up_proj" in keys:
-            return ExpertKeys(True, prefix + "experts.gate_up_proj", None, prefix + "experts.down_proj")
+            return ExpertKeys(
+                True, prefix + "experts.gate_up_proj", None, prefix + "experts.down_proj"
+            )
         for gate, up, down in PER_EXPERT_NAMES:
             t = prefix + "experts.{e}.%s.weight"
             if t.format(e=0) % gate in keys:
                 return ExpertKeys(False, t % gate, t % up, t % down)
-    raise CheckpointError(f"policy_update: no experts for {block_name} in the checkpoint (looked for "
-                          f"{block_name}.experts.gate_up_proj and {block_name}.experts.<e>.gate_proj.weight or "
-                          "w1.weight)")
+    raise CheckpointError(
+        f"policy_update: no experts for {block_name} in the checkpoint (looked for "
+        f"{block_name}.experts.gate_up_proj and {block_name}.experts.<e>.gate_proj.weight or "
+        "w1.weight)"
+    )
 
 
 def read_layout(path: Path, model: nn.Module, blocks: list[EPMoEBlock]) -> CheckpointLayout:
@@ -129,12 +133,17 @@ def read_layout(path: Path, model: nn.Module, blocks: list[EPMoEBlock]) -> Check
     experts = [_expert_keys(block_names[id(b)], keys) for b in blocks]
     used = set(names.values())
     for b, k in zip(blocks, experts):
-        used |= {k.gate, k.down} if k.fused else {t.format(e=e) for t in (k.gate, k.up, k.down)
-                                                  for e in range(b.num_experts)}
+        used |= (
+            {k.gate, k.down}
+            if k.fused
+            else {t.format(e=e) for t in (k.gate, k.up, k.down) for e in range(b.num_experts)}
+        )
     unused = sorted(set(keys) - used)
     if unused:  # from_pretrained's unexpected keys: never trained, never saved; a weight is never dropped silently
-        raise CheckpointError(f"policy_update: {path} holds {len(unused)} tensors the expert-parallel model has no "
-                              f"place for ({', '.join(unused[:5])}); the next version would lose them")
+        raise CheckpointError(
+            f"policy_update: {path} holds {len(unused)} tensors the expert-parallel model has no "
+            f"place for ({', '.join(unused[:5])}); the next version would lose them"
+        )
     return CheckpointLayout(keys, names, experts)
 
 
@@ -163,15 +172,21 @@ class _Reader:
         if fname is None:
             raise CheckpointError(f"policy_update: {self.path} has no tensor {key}")
         if fname not in self.open:
-            self.open[fname] = self.stack.enter_context(safe_open(str(self.path / fname), framework="pt"))
+            self.open[fname] = self.stack.enter_context(
+                safe_open(str(self.path / fname), framework="pt")
+            )
         return self.open[fname]
 
-    def get(self, key: str, shape: tuple[int, ...], lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+    def get(
+        self, key: str, shape: tuple[int, ...], lo: int | None = None, hi: int | None = None
+    ) -> torch.Tensor:
         """Tensor `key` (rows [lo, hi) only, when given), checked against the full `shape`."""
         sl = self._file(key).get_slice(key)
         if tuple(sl.get_shape()) != tuple(shape):
-            raise CheckpointError(f"policy_update: {self.path / self.weight_map[key]}: {key} has shape "
-                                  f"{list(sl.get_shape())}, the model expects {list(shape)}")
+            raise CheckpointError(
+                f"policy_update: {self.path / self.weight_map[key]}: {key} has shape "
+                f"{list(sl.get_shape())}, the model expects {list(shape)}"
+            )
         return sl[:] if lo is None else sl[lo:hi]
 
 
@@ -207,12 +222,20 @@ def _rebuild_rotary(model: nn.Module, device) -> None:
             model.set_submodule(name, type(module)(config=module.config).to(device))
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
-        raise CheckpointError(f"policy_update: cannot initialize {', '.join(left[:5])} for expert-parallel loading "
-                              "(only rotary-embedding buffers are rebuilt)")
+        raise CheckpointError(
+            f"policy_update: cannot initialize {', '.join(left[:5])} for expert-parallel loading "
+            "(only rotary-embedding buffers are rebuilt)"
+        )
 
 
-def load_ep_model(path: str | Path, dispatcher, dtype: torch.dtype, device: str, aux_loss_coef: float = 0.0,
-                  shard=None):
+def load_ep_model(
+    path: str | Path,
+    dispatcher,
+    dtype: torch.dtype,
+    device: str,
+    aux_loss_coef: float = 0.0,
+    shard=None,
+):
     """(model, ep_blocks, layout): the policy at `path` with this rank's experts only.
 
     `shard(model, blocks)`: shard the model while it is still on `meta` (FSDP2's
@@ -256,8 +279,12 @@ def _rows(param: torch.Tensor) -> tuple[int, int]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(getattr(p, "dim", 0) != 0 for p in param.placements if p.is_shard()):
-        raise CheckpointError(f"policy_update: a parameter sharded on a dimension other than 0 ({param.placements})")
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        raise CheckpointError(
+            f"policy_update: a parameter sharded on a dimension other than 0 ({param.placements})"
+        )
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
     return (offset[0], offset[0] + shape[0]) if param.dim() else (0, 0)
 
 
@@ -267,7 +294,9 @@ def _fill(param: torch.Tensor, value: torch.Tensor) -> None:
         local.copy_(value.reshape(local.shape))
 
 
-def _load_shards(model: nn.Module, blocks, layout: CheckpointLayout, path: Path, device: str) -> None:
+def _load_shards(
+    model: nn.Module, blocks, layout: CheckpointLayout, path: Path, device: str
+) -> None:
     """Materialize a model sharded on `meta` (`load_ep_model(shard=...)`): each parameter's local
     rows read from the files (an expert tensor's rows offset by the block's first expert),
     persistent buffers read whole (they are not sharded), rotary buffers rebuilt."""
@@ -277,27 +306,42 @@ def _load_shards(model: nn.Module, blocks, layout: CheckpointLayout, path: Path,
     done: set[int] = set()
     with ExitStack() as stack:
         reader, unit = None, None
-        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        for name, t in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]:
             if id(t) in done:
                 continue
-            if name.split(".")[:3] != unit:  # files reopened per layer: mapped pages count in RSS until unmapped
+            if (
+                name.split(".")[:3] != unit
+            ):  # files reopened per layer: mapped pages count in RSS until unmapped
                 stack.close()
                 reader, unit = _Reader(path, layout.weight_map, stack), name.split(".")[:3]
             if id(t) in experts:
                 block, keys, which = experts[id(t)]
                 lo, hi = _rows(t)
-                _fill(t, _read_experts(block, keys, which, reader, block.first_expert + lo, block.first_expert + hi))
+                _fill(
+                    t,
+                    _read_experts(
+                        block, keys, which, reader, block.first_expert + lo, block.first_expert + hi
+                    ),
+                )
             elif name in layout.names:
                 lo, hi = _rows(t)
                 full = tuple(t.shape)
-                _fill(t, reader.get(layout.names[name], full, *((lo, hi) if t.dim() else (None, None))))
+                _fill(
+                    t,
+                    reader.get(layout.names[name], full, *((lo, hi) if t.dim() else (None, None))),
+                )
             else:
                 continue  # a non-persistent buffer (rotary), or a tied name loaded under another
             done.add(id(t))
     _rebuild_rotary_in_place(model, device)
 
 
-def _read_experts(block: EPMoEBlock, keys: ExpertKeys, which: str, reader: _Reader, lo: int, hi: int) -> torch.Tensor:
+def _read_experts(
+    block: EPMoEBlock, keys: ExpertKeys, which: str, reader: _Reader, lo: int, hi: int
+) -> torch.Tensor:
     """Experts [lo, hi) of one layer's gate_up ([n, 2I, H]) or down ([n, H, I]) tensor."""
     _, two_i, h = block.gate_up_proj_LIH.shape
     e, i = block.num_experts, two_i // 2
@@ -305,10 +349,26 @@ def _read_experts(block: EPMoEBlock, keys: ExpertKeys, which: str, reader: _Read
         key, shape = (keys.gate, (e, two_i, h)) if which == "gate" else (keys.down, (e, h, i))
         return reader.get(key, shape, lo, hi)
     if which == "down":
-        return torch.stack([reader.get(keys.down.format(e=j), (h, i)) for j in range(lo, hi)]) if hi > lo \
+        return (
+            torch.stack([reader.get(keys.down.format(e=j), (h, i)) for j in range(lo, hi)])
+            if hi > lo
             else torch.empty((0, h, i))
-    return torch.stack([torch.cat([reader.get(keys.gate.format(e=j), (i, h)), reader.get(keys.up.format(e=j), (i, h))])
-                        for j in range(lo, hi)]) if hi > lo else torch.empty((0, two_i, h))
+        )
+    return (
+        torch.stack(
+            [
+                torch.cat(
+                    [
+                        reader.get(keys.gate.format(e=j), (i, h)),
+                        reader.get(keys.up.format(e=j), (i, h)),
+                    ]
+                )
+                for j in range(lo, hi)
+            ]
+        )
+        if hi > lo
+        else torch.empty((0, two_i, h))
+    )
 
 
 def _rebuild_rotary_in_place(model: nn.Module, device) -> None:
@@ -341,9 +401,15 @@ def gather_experts(block: EPMoEBlock, group=None) -> tuple[torch.Tensor, torch.T
         if world == 1:
             out.append(t)
             continue
-        full = torch.empty((block.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device) if rank == 0 else None
+        full = (
+            torch.empty((block.num_experts, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            if rank == 0
+            else None
+        )
         # rank r's rows land in full[r*L:(r+1)*L] directly: no second copy for a torch.cat
-        dist.gather(t, list(full.chunk(world)) if full is not None else None, group=group, group_dst=0)
+        dist.gather(
+            t, list(full.chunk(world)) if full is not None else None, group=group, group_dst=0
+        )
         out.append(full)
     return (out[0], out[1]) if rank == 0 else None
 
@@ -364,12 +430,17 @@ def _expert_tensors(block: EPMoEBlock, keys: ExpertKeys, group=None) -> dict[str
     return out
 
 
-def _plan_shards(by_name: dict[str, torch.Tensor], blocks, layout: CheckpointLayout, max_shard_bytes: int,
-                 ) -> list[list]:
+def _plan_shards(
+    by_name: dict[str, torch.Tensor],
+    blocks,
+    layout: CheckpointLayout,
+    max_shard_bytes: int,
+) -> list[list]:
     """Greedy, in order: replicated tensors one by one, then whole MoE layers. The same plan on
     every rank, so the gathers inside happen in the same order everywhere."""
-    items: list[tuple[int, object]] = [(by_name[n].numel() * by_name[n].element_size(), (n, k))
-                                       for n, k in layout.names.items()]
+    items: list[tuple[int, object]] = [
+        (by_name[n].numel() * by_name[n].element_size(), (n, k)) for n, k in layout.names.items()
+    ]
     for b, keys in zip(blocks, layout.experts):
         per_rank = sum(p.numel() * p.element_size() for p in (b.gate_up_proj_LIH, b.down_proj_LHI))
         items.append((per_rank * b.num_experts // b.gate_up_proj_LIH.shape[0], (b, keys)))
@@ -384,7 +455,9 @@ def _plan_shards(by_name: dict[str, torch.Tensor], blocks, layout: CheckpointLay
     return shards
 
 
-def _shard_tensors(by_name: dict[str, torch.Tensor], shard: list, rank: int, group=None) -> dict[str, torch.Tensor]:
+def _shard_tensors(
+    by_name: dict[str, torch.Tensor], shard: list, rank: int, group=None
+) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for item in shard:
         if isinstance(item[0], EPMoEBlock):
@@ -397,8 +470,15 @@ def _shard_tensors(by_name: dict[str, torch.Tensor], shard: list, rank: int, gro
     return out
 
 
-def save_ep_checkpoint(model: nn.Module, blocks, layout: CheckpointLayout, state_in: Path, state_out: Path,
-                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, ep_group=None) -> list[str]:
+def save_ep_checkpoint(
+    model: nn.Module,
+    blocks,
+    layout: CheckpointLayout,
+    state_in: Path,
+    state_out: Path,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ep_group=None,
+) -> list[str]:
     """Write the HF checkpoint (weights, config; tokenizer and other files copied from
     `state_in`) into `state_out`. A collective over every rank (`ep_group`: the EP group the
     experts are split over, default all ranks); rank 0 writes. Returns the weight files."""
@@ -408,7 +488,9 @@ def save_ep_checkpoint(model: nn.Module, blocks, layout: CheckpointLayout, state
     by_name = dict(model.state_dict(keep_vars=True))
     shards = _plan_shards(by_name, blocks, layout, max_shard_bytes)
     n = len(shards)
-    files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    files = (
+        [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     if rank == 0:
@@ -422,7 +504,10 @@ def save_ep_checkpoint(model: nn.Module, blocks, layout: CheckpointLayout, state
         del tensors  # before the next shard's gathers
     if rank == 0:
         if n > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            index = {
+                "metadata": {"total_size": total},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
             (state_out / INDEX_FILE).write_text(json.dumps(index, indent=2))
         for f in state_in.iterdir():  # tokenizer and generation config come along unchanged
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_FILE:

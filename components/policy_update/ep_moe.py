@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-
 # What a sparse MoE block may hold: the router, the routed experts, and shared experts (with
 # Qwen2-MoE's sigmoid gate); anything else is refused.
 KEPT = ("gate", "experts", "shared_experts", "shared_expert", "shared_expert_gate")
@@ -57,9 +56,13 @@ class LocalExperts(nn.Module):
         """Rows grouped by local expert (`counts_L` rows each) through their experts: two
         grouped GEMMs (`F.grouped_mm`), no loop over experts and no host sync."""
         offs_L = torch.cumsum(counts_L, 0, dtype=torch.int32)
-        gate_up_RI2 = _grads_contiguous(F.grouped_mm(recv_RH, self.gate_up_proj_LIH.transpose(-2, -1), offs=offs_L))
+        gate_up_RI2 = _grads_contiguous(
+            F.grouped_mm(recv_RH, self.gate_up_proj_LIH.transpose(-2, -1), offs=offs_L)
+        )
         gate, up = gate_up_RI2.chunk(2, dim=-1)
-        return _grads_contiguous(F.grouped_mm(self.act_fn(gate) * up, self.down_proj_LHI.transpose(-2, -1), offs=offs_L))
+        return _grads_contiguous(
+            F.grouped_mm(self.act_fn(gate) * up, self.down_proj_LHI.transpose(-2, -1), offs=offs_L)
+        )
 
 
 def _grads_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -67,11 +70,19 @@ def _grads_contiguous(t: torch.Tensor) -> torch.Tensor:
     `.sum()` produces: hand it a contiguous one."""
     if t.requires_grad:
         # (an empty expanded tensor counts as contiguous: build a fresh one then)
-        t.register_hook(lambda g: g.contiguous() if g.numel() else torch.zeros(g.shape, dtype=g.dtype, device=g.device))
+        t.register_hook(
+            lambda g: (
+                g.contiguous()
+                if g.numel()
+                else torch.zeros(g.shape, dtype=g.dtype, device=g.device)
+            )
+        )
     return t
 
 
-def experts_loop(experts: LocalExperts, recv_RH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+def experts_loop(
+    experts: LocalExperts, recv_RH: torch.Tensor, counts_L: torch.Tensor
+) -> torch.Tensor:
     """The per-expert loop `LocalExperts.forward` replaces, kept as the reference for tests."""
     outs = []
     for e, rows_RH in enumerate(torch.split(recv_RH, counts_L.tolist())):
@@ -89,31 +100,45 @@ class EPMoEBlock(nn.Module):
             raise ValueError(f"{e} experts cannot be sharded over {ep} ranks")
         n_local = e // ep
         lo = r * n_local
-        dropped = sorted({n.split(".")[0] for n, _ in block.named_parameters() if n.split(".")[0] not in KEPT})
+        dropped = sorted(
+            {n.split(".")[0] for n, _ in block.named_parameters() if n.split(".")[0] not in KEPT}
+        )
         if dropped:  # a part this block would lose: refused, never dropped
-            raise ValueError(f"the MoE block {type(block).__name__} holds {', '.join(dropped)} besides its router, "
-                             "experts and shared experts; the expert-parallel block would drop them, so this model "
-                             "family cannot train on the mesh yet")
+            raise ValueError(
+                f"the MoE block {type(block).__name__} holds {', '.join(dropped)} besides its router, "
+                "experts and shared experts; the expert-parallel block would drop them, so this model "
+                "family cannot train on the mesh yet"
+            )
         # shared experts run on every token of this rank, dense (FSDP shards them with the layer):
         # DeepSeek-V3's `shared_experts` as they are, Qwen2-MoE's `shared_expert` scaled by the
         # sigmoid of `shared_expert_gate`
         # (kept under the family's own names, so checkpoint keys and parameter names stay the same)
-        self._shared = next((n for n in ("shared_experts", "shared_expert") if getattr(block, n, None) is not None), None)
-        self._shared_gate = "shared_expert_gate" if getattr(block, "shared_expert_gate", None) is not None else None
+        self._shared = next(
+            (n for n in ("shared_experts", "shared_expert") if getattr(block, n, None) is not None),
+            None,
+        )
+        self._shared_gate = (
+            "shared_expert_gate" if getattr(block, "shared_expert_gate", None) is not None else None
+        )
         for n in filter(None, (self._shared, self._shared_gate)):
             self.add_module(n, getattr(block, n))
         self.gate = block.gate  # the router, replicated
         self.top_k = getattr(block.gate, "top_k", None)
         self.num_experts, self.first_expert = e, lo  # this rank owns experts [lo, lo + n_local)
         # on `meta` the slices are shape-only placeholders: the loader replaces them
-        self.experts = LocalExperts(experts.gate_up_proj.detach()[lo : lo + n_local].clone(),
-                                    experts.down_proj.detach()[lo : lo + n_local].clone(), experts.act_fn)
+        self.experts = LocalExperts(
+            experts.gate_up_proj.detach()[lo : lo + n_local].clone(),
+            experts.down_proj.detach()[lo : lo + n_local].clone(),
+            experts.act_fn,
+        )
         self.dispatcher = dispatcher
         if aux_loss_coef > 0 and hasattr(block.gate, "e_score_correction_bias"):
-            raise ValueError("trainer.aux_loss_coef > 0: moerl's load-balancing loss is the softmax-router form, and "
-                             f"{type(block.gate).__name__} is a sigmoid router balanced by its bias correction; set "
-                             "trainer.aux_loss_coef 0 for this family (trainer.router_bias_update_rate moves that "
-                             "bias towards balance)")
+            raise ValueError(
+                "trainer.aux_loss_coef > 0: moerl's load-balancing loss is the softmax-router form, and "
+                f"{type(block.gate).__name__} is a sigmoid router balanced by its bias correction; set "
+                "trainer.aux_loss_coef 0 for this family (trainer.router_bias_update_rate moves that "
+                "bias towards balance)"
+            )
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert_L: torch.Tensor | None = None
@@ -163,12 +188,24 @@ def sparse_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     found = []
     for parent in model.modules():
         child = getattr(parent, "mlp", None) or getattr(parent, "block_sparse_moe", None)
-        if child is not None and hasattr(child, "experts") and hasattr(child.experts, "gate_up_proj"):
-            found.append((parent, "mlp" if getattr(parent, "mlp", None) is child else "block_sparse_moe", child))
+        if (
+            child is not None
+            and hasattr(child, "experts")
+            and hasattr(child.experts, "gate_up_proj")
+        ):
+            found.append(
+                (
+                    parent,
+                    "mlp" if getattr(parent, "mlp", None) is child else "block_sparse_moe",
+                    child,
+                )
+            )
     return found
 
 
-def parallelize_experts(model: nn.Module, dispatcher, aux_loss_coef: float = 0.0) -> list[EPMoEBlock]:
+def parallelize_experts(
+    model: nn.Module, dispatcher, aux_loss_coef: float = 0.0
+) -> list[EPMoEBlock]:
     """Swap every sparse MoE block of `model` for an EPMoEBlock holding this rank's experts."""
     blocks = []
     for parent, attr, block in sparse_blocks(model):
@@ -176,7 +213,9 @@ def parallelize_experts(model: nn.Module, dispatcher, aux_loss_coef: float = 0.0
         setattr(parent, attr, ep_block)
         blocks.append(ep_block)
     if not blocks:
-        raise ValueError("no MoE sparse blocks (with fused `experts.gate_up_proj`) found to parallelize")
+        raise ValueError(
+            "no MoE sparse blocks (with fused `experts.gate_up_proj`) found to parallelize"
+        )
     return blocks
 
 

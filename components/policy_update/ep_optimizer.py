@@ -34,14 +34,24 @@ def _global_experts(shard: torch.Tensor, full_shape: tuple[int, ...], emesh):
     checkpoint is the same whatever the mesh (Distributed Checkpoint reshards it)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(shard, emesh, (Shard(0), Shard(0)), run_check=False, shape=torch.Size(full_shape),
-                              stride=torch.empty(full_shape, device="meta").stride())
+    return DTensor.from_local(
+        shard,
+        emesh,
+        (Shard(0), Shard(0)),
+        run_check=False,
+        shape=torch.Size(full_shape),
+        stride=torch.empty(full_shape, device="meta").stride(),
+    )
 
 
 def _expert_states(model, ep_blocks) -> dict[str, tuple[int, ...]]:
     """Optimizer-state FQN of each expert parameter -> the full [E, ...] shape of its layer."""
     owner = {id(p): b for b in ep_blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
-    return {name: (owner[id(p)].num_experts, *p.shape[1:]) for name, p in model.named_parameters() if id(p) in owner}
+    return {
+        name: (owner[id(p)].num_experts, *p.shape[1:])
+        for name, p in model.named_parameters()
+        if id(p) in owner
+    }
 
 
 def _to_global(osd: dict, experts: dict[str, tuple[int, ...]], emesh) -> None:
@@ -65,23 +75,38 @@ def save_optimizer(model, opt, ep_blocks, mesh, out: Path) -> None:
 def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
     """The inverse of `save_optimizer`, onto this rank's shards of this mesh. A collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.tensor import DTensor
 
-    osd = get_optimizer_state_dict(model, opt)  # initialized by a zero step: the template to load into
+    osd = get_optimizer_state_dict(
+        model, opt
+    )  # initialized by a zero step: the template to load into
     experts = _expert_states(model, ep_blocks)
-    fsdp_form = {fqn: {k: v for k, v in osd["state"].get(fqn, {}).items() if isinstance(v, DTensor)}
-                 for fqn in experts}
+    fsdp_form = {
+        fqn: {k: v for k, v in osd["state"].get(fqn, {}).items() if isinstance(v, DTensor)}
+        for fqn in experts
+    }
     _to_global(osd, experts, _expert_mesh(mesh))
     try:
         dcp.load({"optim": osd}, checkpoint_id=str(src))
     except Exception as err:  # noqa: BLE001 - a missing or mismatched entry: one line naming it
-        raise TrainingError(f"policy_update: cannot load the optimizer state in {src}: {type(err).__name__}: "
-                            f"{str(err)[:500]}") from None
+        raise TrainingError(
+            f"policy_update: cannot load the optimizer state in {src}: {type(err).__name__}: "
+            f"{str(err)[:500]}"
+        ) from None
     for fqn, entries in fsdp_form.items():
         for k, like in entries.items():
-            osd["state"][fqn][k] = DTensor.from_local(local(osd["state"][fqn][k]), like.device_mesh, like.placements,
-                                                      run_check=False, shape=like.shape, stride=like.stride())
+            osd["state"][fqn][k] = DTensor.from_local(
+                local(osd["state"][fqn][k]),
+                like.device_mesh,
+                like.placements,
+                run_check=False,
+                shape=like.shape,
+                stride=like.stride(),
+            )
     set_optimizer_state_dict(model, opt, osd)
 
 
@@ -95,24 +120,40 @@ def load_unsharded_optimizer(model, opt, ep_blocks, src: Path, state_in: Path) -
     transformers model's parameters) onto this rank's shards: each entry sliced to the rows
     this rank holds (an expert entry offset by its block's first expert). A collective (the
     template's zero step)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from moerl.components.policy_update.ep_checkpoint import _rows
 
     saved = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
-    with torch.device("meta"):  # the numbering AdamW gave the parameters: the unsharded model's order
-        names = [n for n, _ in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(state_in)).named_parameters()]
+    with torch.device(
+        "meta"
+    ):  # the numbering AdamW gave the parameters: the unsharded model's order
+        names = [
+            n
+            for n, _ in AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(state_in)
+            ).named_parameters()
+        ]
     numbered = [i for g in saved["param_groups"] for i in g["params"]]
     if len(numbered) != len(names):
-        raise TrainingError(f"policy_update: {src} holds state for {len(numbered)} parameters, the model has "
-                            f"{len(names)}; it was not written for this checkpoint")
+        raise TrainingError(
+            f"policy_update: {src} holds state for {len(numbered)} parameters, the model has "
+            f"{len(names)}; it was not written for this checkpoint"
+        )
     full = {names[i]: saved["state"][i] for i in numbered if i in saved["state"]}
-    first = {id(p): b.first_expert for b in ep_blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
+    first = {
+        id(p): b.first_expert for b in ep_blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)
+    }
     first_by_name = {n: first[id(p)] for n, p in model.named_parameters() if id(p) in first}
     osd = get_optimizer_state_dict(model, opt)  # initialized by a zero step: the template to fill
     for fqn, entries in osd["state"].items():
-        name = fqn.replace(".gate_up_proj_LIH", ".gate_up_proj").replace(".down_proj_LHI", ".down_proj")
+        name = fqn.replace(".gate_up_proj_LIH", ".gate_up_proj").replace(
+            ".down_proj_LHI", ".down_proj"
+        )
         if name not in full:
             raise TrainingError(f"policy_update: {src} has no optimizer state for {name}")
         for k, like in entries.items():
@@ -122,7 +163,7 @@ def load_unsharded_optimizer(model, opt, ep_blocks, src: Path, state_in: Path) -
                 continue
             lo, hi = _rows(like)
             offset = first_by_name.get(fqn, 0)
-            rows = value[offset + lo:offset + hi].to(like.device, like.dtype).contiguous()
+            rows = value[offset + lo : offset + hi].to(like.device, like.dtype).contiguous()
             entries[k] = _like(rows, like)
     set_optimizer_state_dict(model, opt, osd)
 
@@ -133,5 +174,11 @@ def _like(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return rows
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(rows, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
+    return DTensor.from_local(
+        rows,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )

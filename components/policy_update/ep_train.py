@@ -42,17 +42,35 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
+from moerl.components.policy_update.ep_optimizer import (
+    OPTIMIZER_DCP,
+    load_optimizer,
+    load_unsharded_optimizer,
+    save_optimizer,
+)
+from moerl.components.policy_update.ep_optimizer import local as _local
+from moerl.components.policy_update.steps import (
+    STAT_KEYS,
+    RouterBias,
+    Routing,
+    accumulate,
+    check_device,
+    finish_step,
+    logprob_mismatch_sum,
+    losses_are_finite,
+    micro_parts,
+    minibatches,
+    model_device,
+    optimizer_steps,
+    prepare_correction,
+    rows_per_micro_batch,
+    sampled_logprobs,
+)
+from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records
-from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
-from moerl.components.policy_update.ep_optimizer import (OPTIMIZER_DCP, load_optimizer, load_unsharded_optimizer,
-                                                         local as _local, save_optimizer)
-from moerl.components.policy_update.steps import (STAT_KEYS, RouterBias, Routing, accumulate, check_device, finish_step,
-                                                  logprob_mismatch_sum, losses_are_finite, micro_parts, minibatches,
-                                                  model_device, optimizer_steps, prepare_correction, rows_per_micro_batch,
-                                                  sampled_logprobs)
-from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +85,13 @@ def build_mesh(cfg: RunConfig):
     dp, ep = cfg.trainer.data_parallel_shard, cfg.trainer.expert_parallel_size
     world = dist.get_world_size()
     if dp * ep != world:
-        raise TrainingError(f"policy_update: {world} ranks cannot form the mesh trainer.data_parallel_shard ({dp}) "
-                            f"x trainer.expert_parallel_size ({ep})")
-    return init_device_mesh("cuda" if cfg.trainer.device == "cuda" else "cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
+        raise TrainingError(
+            f"policy_update: {world} ranks cannot form the mesh trainer.data_parallel_shard ({dp}) "
+            f"x trainer.expert_parallel_size ({ep})"
+        )
+    return init_device_mesh(
+        "cuda" if cfg.trainer.device == "cuda" else "cpu", (dp, ep), mesh_dim_names=("dp", "ep")
+    )
 
 
 def flat_mesh(mesh):
@@ -77,7 +99,9 @@ def flat_mesh(mesh):
     return mesh["dp", "ep"]._flatten("dp_ep")
 
 
-def apply_fsdp(model, ep_blocks, mesh, mixed_precision: str = "off", activation_checkpointing: bool = False) -> list:
+def apply_fsdp(
+    model, ep_blocks, mesh, mixed_precision: str = "off", activation_checkpointing: bool = False
+) -> list:
     """FSDP2 on the mesh, torchtitan's MoE layout: each MoE layer's local experts sharded on
     the `dp` dimension (the ranks that hold the same experts), every decoder layer's dense
     weights and then the rest (embeddings, final norm, lm_head) on all ranks (`flat`).
@@ -93,8 +117,11 @@ def apply_fsdp(model, ep_blocks, mesh, mixed_precision: str = "off", activation_
 
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     flat = flat_mesh(mesh)
     units = [fully_shard(b.experts, mesh=mesh["dp"], mp_policy=mp) for b in ep_blocks]
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -121,23 +148,48 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
     from moerl.kernels import make_dispatcher
 
     mesh = build_mesh(cfg)
-    dispatcher = make_dispatcher(cfg.trainer.ep_backend, num_experts=_num_experts(AutoConfig.from_pretrained(state_in)),
-                                 group=mesh.get_group("ep"), ranks_per_node=cfg.trainer.ranks_per_node,
-                                 allow_fallback=cfg.trainer.allow_fallback,
-                                 deepep_options=cfg.trainer.deepep_options or None)
+    dispatcher = make_dispatcher(
+        cfg.trainer.ep_backend,
+        num_experts=_num_experts(AutoConfig.from_pretrained(state_in)),
+        group=mesh.get_group("ep"),
+        ranks_per_node=cfg.trainer.ranks_per_node,
+        allow_fallback=cfg.trainer.allow_fallback,
+        deepep_options=cfg.trainer.deepep_options or None,
+    )
     tc = cfg.trainer
-    fsdp = (lambda m, blocks: apply_fsdp(m, blocks, mesh, tc.mixed_precision, tc.activation_checkpointing)) \
-        if shard else None  # sharded on meta, then each rank reads only its rows
-    model, ep_blocks, layout = load_ep_model(state_in, dispatcher, getattr(torch, cfg.model.dtype), tc.device,
-                                             tc.aux_loss_coef, shard=fsdp)
+    fsdp = (
+        (
+            lambda m, blocks: apply_fsdp(
+                m, blocks, mesh, tc.mixed_precision, tc.activation_checkpointing
+            )
+        )
+        if shard
+        else None
+    )  # sharded on meta, then each rank reads only its rows
+    model, ep_blocks, layout = load_ep_model(
+        state_in,
+        dispatcher,
+        getattr(torch, cfg.model.dtype),
+        tc.device,
+        tc.aux_loss_coef,
+        shard=fsdp,
+    )
     tdir = state_in / TRAINER_DIR
-    counters = Counters(**json.loads((tdir / "state.json").read_text())) if (tdir / "state.json").is_file() else Counters()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
+    counters = (
+        Counters(**json.loads((tdir / "state.json").read_text()))
+        if (tdir / "state.json").is_file()
+        else Counters()
+    )
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay
+    )
     if (tdir / OPTIMIZER_DCP).is_dir():
         if not shard:
             raise TrainingError("policy_update: the sharded optimizer state needs the FSDP model")
         load_optimizer(model, opt, ep_blocks, mesh, tdir / OPTIMIZER_DCP)
-    elif (tdir / "optimizer.pt").is_file():  # the single-process trainer's: resharded onto this mesh
+    elif (
+        tdir / "optimizer.pt"
+    ).is_file():  # the single-process trainer's: resharded onto this mesh
         if not shard:
             raise TrainingError("policy_update: the optimizer state needs the FSDP model")
         load_unsharded_optimizer(model, opt, ep_blocks, tdir / "optimizer.pt", state_in)
@@ -163,8 +215,11 @@ def _sync_and_clip(model, ep_blocks, max_norm: float) -> float:
     device = model_device(model)
     params = [p for p in model.parameters() if p.grad is not None]
     if any(hasattr(p.grad, "to_local") for p in params):
-        sq = torch.tensor(sum(float(_local(p.grad).double().pow(2).sum()) for p in params), dtype=torch.float64,
-                          device=device)
+        sq = torch.tensor(
+            sum(float(_local(p.grad).double().pow(2).sum()) for p in params),
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(sq)
         norm = math.sqrt(float(sq))
     else:
@@ -174,18 +229,24 @@ def _sync_and_clip(model, ep_blocks, max_norm: float) -> float:
             check_device("all_reduce", device, grad=p.grad)
             dist.all_reduce(p.grad)
         sq_rep = sum(float(p.grad.double().pow(2).sum()) for p in replicated)
-        sq = torch.tensor(sum(float(p.grad.double().pow(2).sum()) for p in params if id(p) in expert_ids),
-                          dtype=torch.float64, device=device)
+        sq = torch.tensor(
+            sum(float(p.grad.double().pow(2).sum()) for p in params if id(p) in expert_ids),
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(sq)
         norm = math.sqrt(sq_rep + float(sq))
-    if math.isfinite(norm) and norm > max_norm:  # nan stays nan; `norm > max_norm` alone is False for nan
+    if (
+        math.isfinite(norm) and norm > max_norm
+    ):  # nan stays nan; `norm > max_norm` alone is False for nan
         for p in params:
             p.grad.mul_(max_norm / (norm + 1e-6))
     return norm
 
 
-def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample], cfg: RunConfig,
-             seed: int) -> dict[str, float]:
+def train_ep(
+    model, opt, counters: Counters, ep_blocks, batch: list[TrainSample], cfg: RunConfig, seed: int
+) -> dict[str, float]:
     """The single-process step (`trainer.train_on_batch`), expert parallel: same minibatches,
     micro-batches, loss normalization, skip rule and metric names. Every tensor handed to a
     collective lives on the model's device (NCCL takes no CPU tensors)."""
@@ -195,7 +256,9 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     p = pack(batch, model.config.pad_token_id or 0, device)
     n = p.input_ids_NL.shape[0]
     chunks = minibatches(n, optimizer_steps(cfg, n), seed, world, device)
-    rows_per = rows_per_micro_batch(p, tc.micro_batch_tokens, math.ceil(max(map(len, chunks), default=1) / world))
+    rows_per = rows_per_micro_batch(
+        p, tc.micro_batch_tokens, math.ceil(max(map(len, chunks), default=1) / world)
+    )
     parts = [micro_parts(c, rank, world, rows_per) for c in chunks]
     # 3. pi_old for this rank's rows, before any step (same micro-batches on every rank: the
     # forward goes through the dispatcher's collectives)
@@ -209,29 +272,64 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
             for idx, padding in (part for ps in parts for part in ps):
                 with Routing.old_pass(routing, p, idx, counted=not padding):
                     old_logp[idx] = sampled_logprobs(model, p, idx, cfg)[0]
-        mine = torch.cat([c[rank::world] for c in chunks]) if chunks else torch.zeros(0, dtype=torch.long, device=device)
+        mine = (
+            torch.cat([c[rank::world] for c in chunks])
+            if chunks
+            else torch.zeros(0, dtype=torch.long, device=device)
+        )
         mismatch = logprob_mismatch_sum(old_logp[mine], p.engine_logp_NL1[mine], p.mask_NL1[mine])
         tokens_before = float(p.mask_NL1[mine].sum())
         # the engine/trainer mismatch over every rank's rows; rejection applied alike on every rank
-        p, corr = prepare_correction(p, old_logp, cfg, counters.version, rows=mine, distributed=True)
+        p, corr = prepare_correction(
+            p, old_logp, cfg, counters.version, rows=mine, distributed=True
+        )
         if routing is not None:
             corr.update(routing.metrics(distributed=True))
         # 4. steps
         model.train()
-        aux_fn = (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None)) if tc.aux_loss_coef > 0 else None
-        sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)  # this rank's shares of every step's statistics
+        aux_fn = (
+            (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None))
+            if tc.aux_loss_coef > 0
+            else None
+        )
+        sums = dict.fromkeys(
+            (*STAT_KEYS, "grad_norm"), 0.0
+        )  # this rank's shares of every step's statistics
         done = skipped = 0
-        bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
+        bias = (
+            RouterBias(model, tc.router_bias_update_rate)
+            if tc.router_bias_update_rate > 0
+            else None
+        )
         balance: dict[str, float] = {}
         for chunk, my_parts in zip(chunks, parts):
             opt.zero_grad(set_to_none=True)
-            stats = accumulate(model, p, my_parts, old_logp, cfg, float(p.mask_NL1[chunk].sum()), len(chunk), aux_fn,
-                               n_seqs=float((p.mask_NL1[chunk].sum(-1) > 0).sum()), routing=routing)
+            stats = accumulate(
+                model,
+                p,
+                my_parts,
+                old_logp,
+                cfg,
+                float(p.mask_NL1[chunk].sum()),
+                len(chunk),
+                aux_fn,
+                n_seqs=float((p.mask_NL1[chunk].sum(-1) > 0).sum()),
+                routing=routing,
+            )
             finite = torch.tensor([float(losses_are_finite(stats))], device=device)
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
             grad_norm = _sync_and_clip(model, ep_blocks, tc.max_grad_norm)
             # the global norm is identical on every rank: each adds 1/world of it
-            if finish_step(opt, counters, cfg, stats, sums, grad_norm, finite.item() == 1, norm_share=1.0 / world):
+            if finish_step(
+                opt,
+                counters,
+                cfg,
+                stats,
+                sums,
+                grad_norm,
+                finite.item() == 1,
+                norm_share=1.0 / world,
+            ):
                 done += 1
                 # every rank's copy of the bias moves the same way: loads summed over all ranks
                 balance = bias.step(sum_over_ranks=True) if bias is not None else balance
@@ -243,7 +341,9 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
         for hooks in (bias, routing):
             if hooks is not None:
                 hooks.close()
-    totals = torch.tensor([*sums.values(), mismatch, tokens_before], dtype=torch.float64, device=device)
+    totals = torch.tensor(
+        [*sums.values(), mismatch, tokens_before], dtype=torch.float64, device=device
+    )
     dist.all_reduce(totals)
     named = dict(zip(sums, totals.tolist()))
     mismatch_sum, tokens = totals[-2].item(), totals[-1].item()
@@ -252,20 +352,28 @@ def train_ep(model, opt, counters: Counters, ep_blocks, batch: list[TrainSample]
     per_expert = torch.zeros(ep_blocks[0].num_experts, dtype=torch.float64, device=device)
     for b in ep_blocks:
         if b.tokens_per_expert_L is not None:
-            per_expert[b.first_expert:b.first_expert + b.n_local] += b.tokens_per_expert_L.to(per_expert)
+            per_expert[b.first_expert : b.first_expert + b.n_local] += b.tokens_per_expert_L.to(
+                per_expert
+            )
     dist.all_reduce(per_expert)
     return {
         **{f"train/{k}": v / max(done, 1) for k, v in named.items()},
-        "train/steps": float(done), "train/skipped_steps": float(skipped), "train/tokens": tokens,
+        "train/steps": float(done),
+        "train/skipped_steps": float(skipped),
+        "train/tokens": tokens,
         "train/logprob_mismatch": mismatch_sum / max(tokens, 1.0),
-        "train/ep_size": float(cfg.trainer.expert_parallel_size), "train/dp_shard": float(cfg.trainer.data_parallel_shard),
-        **balance, **corr,
+        "train/ep_size": float(cfg.trainer.expert_parallel_size),
+        "train/dp_shard": float(cfg.trainer.data_parallel_shard),
+        **balance,
+        **corr,
         "moe/expert_load_imbalance": float(per_expert.max() / per_expert.mean().clamp_min(1e-9)),
         **{f"moe/tokens_expert_{e}": float(c) for e, c in enumerate(per_expert.tolist())},
     }
 
 
-def save_ep(model, opt, counters: Counters, ep_blocks, layout, mesh, state_in: Path, state_out: Path) -> None:
+def save_ep(
+    model, opt, counters: Counters, ep_blocks, layout, mesh, state_in: Path, state_out: Path
+) -> None:
     """The optimizer state through Distributed Checkpoint (every rank writes its shards); the
     standard HF checkpoint from rank 0, which receives each tensor whole, one at a time (dense
     ones all-gathered over the mesh, experts one layer at a time); and the counters."""
@@ -290,16 +398,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(name, required=True)
     ap.add_argument("--iteration", type=int, required=True)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[ep rank {os.environ.get('RANK', '?')}] %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"[ep rank {os.environ.get('RANK', '?')}] %(message)s"
+    )
     cfg = config_from_json(Path(a.config_json).read_text())
     backend = "nccl" if cfg.trainer.device == "cuda" else "gloo"
-    if cfg.trainer.device == "cuda":  # before the process group: NCCL binds each rank to its current device
+    if (
+        cfg.trainer.device == "cuda"
+    ):  # before the process group: NCCL binds each rank to its current device
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # env:// under torchrun; the local launcher passes a file store (no TCP rendezvous listener)
     init = os.environ.get("MOERL_INIT_METHOD", "env://")
     if init.startswith("file://"):
-        dist.init_process_group(backend, init_method=init, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(
+            backend,
+            init_method=init,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
     else:
         dist.init_process_group(backend)
     t0 = time.perf_counter()
@@ -308,24 +424,39 @@ def main(argv: list[str] | None = None) -> int:
         model, opt, counters, ep_blocks, layout, dispatcher, mesh = setup(cfg, Path(a.state_in))
         batch = read_records(a.batch, TrainSample)
         t_load = _synced_clock(cfg)
-        metrics = train_ep(model, opt, counters, ep_blocks, batch, cfg, seed=cfg.trainer.seed + a.iteration) \
-            if len(batch) >= dist.get_world_size() else {"train/steps": 0.0, "train/skipped_steps": 0.0}
+        metrics = (
+            train_ep(
+                model, opt, counters, ep_blocks, batch, cfg, seed=cfg.trainer.seed + a.iteration
+            )
+            if len(batch) >= dist.get_world_size()
+            else {"train/steps": 0.0, "train/skipped_steps": 0.0}
+        )
         metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
         t_steps = _synced_clock(cfg)
         counters.version += 1
         save_ep(model, opt, counters, ep_blocks, layout, mesh, Path(a.state_in), Path(a.state_out))
         # where the update's time went: loading (and sharding), the steps (pi_old included), saving
-        metrics.update({"timing/trainer_load_s": t_load - t0, "timing/trainer_steps_s": t_steps - t_load,
-                        "timing/trainer_save_s": _synced_clock(cfg) - t_steps})
-        if cfg.trainer.device == "cuda":  # what this rank's GPU held at its peak (rank 0's is reported)
+        metrics.update(
+            {
+                "timing/trainer_load_s": t_load - t0,
+                "timing/trainer_steps_s": t_steps - t_load,
+                "timing/trainer_save_s": _synced_clock(cfg) - t_steps,
+            }
+        )
+        if (
+            cfg.trainer.device == "cuda"
+        ):  # what this rank's GPU held at its peak (rank 0's is reported)
             metrics["train/cuda_max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         if dist.get_rank() == 0:
             metrics["timing/policy_update_s"] = time.perf_counter() - t0
             fallback = getattr(dispatcher, "fallback_from", None)
             metrics["moe/ep_fallback"] = float(fallback is not None)
-            described = dispatcher.describe() if hasattr(dispatcher, "describe") else dispatcher.name
-            Path(a.metrics_out).write_text(json.dumps({"metrics": metrics, "dispatcher": described,
-                                                       "fallback_from": fallback}))
+            described = (
+                dispatcher.describe() if hasattr(dispatcher, "describe") else dispatcher.name
+            )
+            Path(a.metrics_out).write_text(
+                json.dumps({"metrics": metrics, "dispatcher": described, "fallback_from": fallback})
+            )
     finally:
         dist.destroy_process_group()
     return 0

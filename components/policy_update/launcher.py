@@ -61,34 +61,65 @@ def _wait_all_or_kill(ranks: list[subprocess.Popen], timeout_s: float, grace_s: 
             if all(c == 0 for c in codes):
                 return 0
             if time.monotonic() > deadline:
-                raise RankTimeout(f"did not finish within {timeout_s:g} s (the rank timeout); killed every rank")
+                raise RankTimeout(
+                    f"did not finish within {timeout_s:g} s (the rank timeout); killed every rank"
+                )
             time.sleep(0.2)
     finally:
         procs.kill_groups(ranks, grace_s=grace_s if any(p.poll() is None for p in ranks) else 0.0)
 
 
-def _rank_args(cfg_path: Path, batch_path, state_in, state_out, iteration: int, metrics_path: Path) -> list[str]:
-    return ["--config-json", str(cfg_path), "--batch", str(batch_path), "--state-in", str(state_in),
-            "--state-out", str(state_out), "--iteration", str(iteration), "--metrics-out", str(metrics_path)]
+def _rank_args(
+    cfg_path: Path, batch_path, state_in, state_out, iteration: int, metrics_path: Path
+) -> list[str]:
+    return [
+        "--config-json",
+        str(cfg_path),
+        "--batch",
+        str(batch_path),
+        "--state-in",
+        str(state_in),
+        "--state-out",
+        str(state_out),
+        "--iteration",
+        str(iteration),
+        "--metrics-out",
+        str(metrics_path),
+    ]
 
 
-def torchrun_args(world_size: int, rank_args: list[str], nodes: NodeGroup | None = None) -> list[str]:
+def torchrun_args(
+    world_size: int, rank_args: list[str], nodes: NodeGroup | None = None
+) -> list[str]:
     """torchrun's arguments, each worker run through the `moerl.launch.procs` wrapper so it dies
     with torchrun. One node: a standalone rendezvous on a port the store picks itself. Several
     (`nodes`, from Trainer's PET_* variables): this node's share of the ranks, meeting the
     others in a static rendezvous at node 0's address (node 0's torchrun hosts the store)."""
     if nodes is None:
-        head = ["--standalone", "--nnodes=1", f"--nproc-per-node={world_size}", "--local-addr=127.0.0.1"]
+        head = [
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={world_size}",
+            "--local-addr=127.0.0.1",
+        ]
     else:
         if world_size % nodes.size:
-            raise TrainingError(f"policy_update: {world_size} ranks do not split evenly over {nodes.size} nodes")
-        head = [f"--nnodes={nodes.size}", f"--node-rank={nodes.rank}", f"--nproc-per-node={world_size // nodes.size}",
-                f"--master-addr={nodes.master_addr}", f"--master-port={nodes.master_port}"]
+            raise TrainingError(
+                f"policy_update: {world_size} ranks do not split evenly over {nodes.size} nodes"
+            )
+        head = [
+            f"--nnodes={nodes.size}",
+            f"--node-rank={nodes.rank}",
+            f"--nproc-per-node={world_size // nodes.size}",
+            f"--master-addr={nodes.master_addr}",
+            f"--master-port={nodes.master_port}",
+        ]
     return [*head, "--module", "moerl.launch.procs", EP_MODULE, *rank_args]
 
 
-def _start(cfg: RunConfig, tmp: Path, rank_args: list[str],
-           nodes: NodeGroup | None = None) -> tuple[list[subprocess.Popen], float]:
+def _start(
+    cfg: RunConfig, tmp: Path, rank_args: list[str], nodes: NodeGroup | None = None
+) -> tuple[list[subprocess.Popen], float]:
     """Start the ranks (or torchrun); returns them and the grace to give them on a kill."""
     ws = cfg.trainer.world_size
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -96,25 +127,48 @@ def _start(cfg: RunConfig, tmp: Path, rank_args: list[str],
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     if nodes is not None:
         if cfg.trainer.launcher != "torchrun":
-            raise TrainingError(f"policy_update: the trainer runs on {nodes.size} nodes, which only trainer.launcher "
-                                f"torchrun can join (got {cfg.trainer.launcher!r})")
-        return [procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args, nodes), env)], TORCHRUN_GRACE_S
+            raise TrainingError(
+                f"policy_update: the trainer runs on {nodes.size} nodes, which only trainer.launcher "
+                f"torchrun can join (got {cfg.trainer.launcher!r})"
+            )
+        return [
+            procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args, nodes), env)
+        ], TORCHRUN_GRACE_S
     if cfg.trainer.launcher == "torchrun":
-        return [procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args), env)], TORCHRUN_GRACE_S
+        return [
+            procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args), env)
+        ], TORCHRUN_GRACE_S
     ranks = []
     try:
         for r in range(ws):
-            ranks.append(procs.spawn(EP_MODULE, rank_args, {
-                **env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(ws), "LOCAL_WORLD_SIZE": str(ws),
-                "MOERL_INIT_METHOD": f"file://{tmp}/rendezvous"}))
+            ranks.append(
+                procs.spawn(
+                    EP_MODULE,
+                    rank_args,
+                    {
+                        **env,
+                        "RANK": str(r),
+                        "LOCAL_RANK": str(r),
+                        "WORLD_SIZE": str(ws),
+                        "LOCAL_WORLD_SIZE": str(ws),
+                        "MOERL_INIT_METHOD": f"file://{tmp}/rendezvous",
+                    },
+                )
+            )
     except BaseException:
         procs.kill_groups(ranks)
         raise
     return ranks, 0.0
 
 
-def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | Path, state_out: str | Path,
-                        iteration: int, rank_timeout_s: float | None = None) -> dict[str, float]:
+def run_expert_parallel(
+    cfg: RunConfig,
+    batch_path: str | Path,
+    state_in: str | Path,
+    state_out: str | Path,
+    iteration: int,
+    rank_timeout_s: float | None = None,
+) -> dict[str, float]:
     """Start `trainer.expert_parallel_size` ranks of ep_train (gloo on CPU, NCCL on GPU) on this
     machine, with torchrun or as local processes meeting through a file store (see
     `trainer.launcher`), wait for all, and return rank 0's metrics. The ranks are killed if
@@ -124,12 +178,16 @@ def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | 
     tc = cfg.trainer
     nodes = node_group()
     where = f", node {nodes.rank} of {nodes.size}" if nodes else ""
-    what = f"sharded training ({tc.launcher}, {tc.world_size} ranks: mesh dp {tc.data_parallel_shard} x ep " \
-           f"{tc.expert_parallel_size}, {tc.ep_backend}{where})"
+    what = (
+        f"sharded training ({tc.launcher}, {tc.world_size} ranks: mesh dp {tc.data_parallel_shard} x ep "
+        f"{tc.expert_parallel_size}, {tc.ep_backend}{where})"
+    )
     with tempfile.TemporaryDirectory(prefix="moerl-ep-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "config.json").write_text(config_to_json(cfg))
-        rank_args = _rank_args(tmp / "config.json", batch_path, state_in, state_out, iteration, tmp / "metrics.json")
+        rank_args = _rank_args(
+            tmp / "config.json", batch_path, state_in, state_out, iteration, tmp / "metrics.json"
+        )
         try:
             with procs.sigterm_raises():
                 ranks, grace_s = _start(cfg, tmp, rank_args, nodes)
@@ -137,15 +195,23 @@ def run_expert_parallel(cfg: RunConfig, batch_path: str | Path, state_in: str | 
         except RankTimeout as err:
             raise RankTimeout(f"policy_update: {what} {err}") from None
         except procs.Terminated:
-            raise TrainingError(f"policy_update: received SIGTERM; killed every rank of {what}") from None
+            raise TrainingError(
+                f"policy_update: received SIGTERM; killed every rank of {what}"
+            ) from None
         if returncode != 0:
-            raise TrainingError(f"policy_update: {what} exited with {returncode}; see the ranks' output above")
+            raise TrainingError(
+                f"policy_update: {what} exited with {returncode}; see the ranks' output above"
+            )
         if nodes is not None and not nodes.leader:  # rank 0, which reports, is on node 0
             log.info("%s: this node's ranks finished", what)
             return {}
         out = json.loads((tmp / "metrics.json").read_text())
     if out["fallback_from"]:
-        log.warning("expert-parallel dispatcher fell back from %s to %s", out["fallback_from"], out["dispatcher"])
+        log.warning(
+            "expert-parallel dispatcher fell back from %s to %s",
+            out["fallback_from"],
+            out["dispatcher"],
+        )
     else:
         log.info("expert-parallel dispatcher: %s", out["dispatcher"])
     return out["metrics"]

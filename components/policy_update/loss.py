@@ -86,8 +86,14 @@ class ISWeights:
     masked_fraction: float  # real tokens whose weight was set to 0 (mask modes)
 
 
-def importance_weights(old_logp_BT: torch.Tensor, engine_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-                       mode: str = "token_truncate", cap: float = 2.0, lower: float | None = None) -> ISWeights:
+def importance_weights(
+    old_logp_BT: torch.Tensor,
+    engine_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str = "token_truncate",
+    cap: float = 2.0,
+    lower: float | None = None,
+) -> ISWeights:
     """The importance weight pi_old / mu of every token, as TRL's `vllm_importance_sampling_mode`
     names them (verl: `rollout_is: token | sequence`):
 
@@ -101,7 +107,9 @@ def importance_weights(old_logp_BT: torch.Tensor, engine_logp_BT: torch.Tensor, 
     if mode not in IS_MODES:
         raise ValueError(f"tis_mode must be one of {', '.join(IS_MODES)}; got {mode!r}")
     real = mask_BT.bool()
-    log_r = torch.where(real, (old_logp_BT - engine_logp_BT).detach(), torch.zeros_like(old_logp_BT))
+    log_r = torch.where(
+        real, (old_logp_BT - engine_logp_BT).detach(), torch.zeros_like(old_logp_BT)
+    )
     if mode.startswith("sequence"):
         log_r = log_r.sum(-1, keepdim=True).expand_as(log_r)
     rho = torch.exp(log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
@@ -156,8 +164,11 @@ def policy_loss(
         raise ValueError(f"loss_agg_mode must be token-mean or seq-mean-token-mean; got {agg!r}")
     real = mask_BT.bool()
     mask = real.to(logp_BT.dtype)
-    n_tokens = mask.sum().clamp_min(1.0) if n_tokens is None else \
-        torch.tensor(float(max(n_tokens, 1.0)), device=logp_BT.device)
+    n_tokens = (
+        mask.sum().clamp_min(1.0)
+        if n_tokens is None
+        else torch.tensor(float(max(n_tokens, 1.0)), device=logp_BT.device)
+    )
     adv_BT = adv_B[:, None].to(logp_BT.dtype).expand_as(logp_BT)
 
     if kind == "ppo":
@@ -168,7 +179,9 @@ def policy_loss(
         seq_len_B1 = mask.sum(-1, keepdim=True).clamp_min(1.0)
         seq_log_B1 = ((safe_lp - safe_old) * mask).sum(-1, keepdim=True) / seq_len_B1
         log_s = safe_lp - safe_lp.detach() + seq_log_B1.detach()
-        ratio = torch.where(real, torch.exp(log_s.clamp(max=GSPO_LOG_RATIO_MAX)), torch.ones_like(log_s))
+        ratio = torch.where(
+            real, torch.exp(log_s.clamp(max=GSPO_LOG_RATIO_MAX)), torch.ones_like(log_s)
+        )
     pg_unclipped = -adv_BT * ratio
     pg_clipped = -adv_BT * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
@@ -184,8 +197,11 @@ def policy_loss(
         loss = per_token.sum() / n_tokens
     else:
         has = mask.sum(-1) > 0
-        n_seqs = has.sum().clamp_min(1).to(pg.dtype) if n_seqs is None else \
-            torch.tensor(float(max(n_seqs, 1.0)), device=logp_BT.device, dtype=pg.dtype)
+        n_seqs = (
+            has.sum().clamp_min(1).to(pg.dtype)
+            if n_seqs is None
+            else torch.tensor(float(max(n_seqs, 1.0)), device=logp_BT.device, dtype=pg.dtype)
+        )
         loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1.0)).sum() / n_seqs
 
     with torch.no_grad():
@@ -217,12 +233,23 @@ def grpo_token_loss(
     pass the token count of the whole (global) minibatch, so their losses sum to the loss.
     `clip_ratio_c`: the dual-clip bound for negative advantages (> 1); None = off."""
     w = importance_weights(old_logp_BT, engine_logp_BT, mask_BT, "token_truncate", tis_cap)
-    loss, stats = policy_loss(logp_BT, old_logp_BT, w.w_BT, adv_B, mask_BT, clip_eps_low, clip_eps_high,
-                              n_tokens=n_tokens, clip_ratio_c=clip_ratio_c)
+    loss, stats = policy_loss(
+        logp_BT,
+        old_logp_BT,
+        w.w_BT,
+        adv_B,
+        mask_BT,
+        clip_eps_low,
+        clip_eps_high,
+        n_tokens=n_tokens,
+        clip_ratio_c=clip_ratio_c,
+    )
     real = mask_BT.bool()
     denom = float(max(n_tokens, 1.0)) if n_tokens is not None else float(real.sum().clamp_min(1))
     truncated = w.truncated_fraction * float(real.sum().clamp_min(1)) / denom
-    return loss, LossStats(stats.loss, stats.clip_fraction, truncated, stats.mean_ratio, stats.dual_clip_fraction)
+    return loss, LossStats(
+        stats.loss, stats.clip_fraction, truncated, stats.mean_ratio, stats.dual_clip_fraction
+    )
 
 
 def truncate_logits(x_BLV: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -243,8 +270,13 @@ def truncate_logits(x_BLV: torch.Tensor, top_k: int = -1, top_p: float = 1.0) ->
     return x_BLV
 
 
-def token_logprobs_and_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor, temperature: float = 1.0,
-                               top_k: int = -1, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_and_entropy(
+    logits_BLV: torch.Tensor,
+    targets_BL: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and the entropy at each position, under the distribution the engine
     sampled from and reports logprobs of: logits scaled by 1/temperature, then truncated by
     top-k/top-p and renormalised (`truncate_logits`). A target outside the truncated set

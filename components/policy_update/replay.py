@@ -43,11 +43,16 @@ from moerl.errors import TrainingError
 
 def _softmax_weights(norm_attr: bool, cast: bool) -> Callable:
     def weights(gate, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(logits_TE, dtype=torch.float, dim=-1) if cast else F.softmax(logits_TE.float(), dim=-1)
+        probs = (
+            F.softmax(logits_TE, dtype=torch.float, dim=-1)
+            if cast
+            else F.softmax(logits_TE.float(), dim=-1)
+        )
         w = probs.gather(1, ids_TK)
-        if (gate.norm_topk_prob if norm_attr else True):
+        if gate.norm_topk_prob if norm_attr else True:
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(logits_TE.dtype) if cast else w
+
     return weights
 
 
@@ -83,8 +88,10 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
         elif name.endswith(".gate") and hasattr(m, "top_k") and hasattr(m, "weight"):
             unknown.add(kind)
     if unknown:
-        raise TrainingError(f"routing replay does not know the router {', '.join(sorted(unknown))}; it knows "
-                            f"{', '.join(sorted(_WEIGHTS))}: set trainer.router_replay disabled for this model")
+        raise TrainingError(
+            f"routing replay does not know the router {', '.join(sorted(unknown))}; it knows "
+            f"{', '.join(sorted(_WEIGHTS))}: set trainer.router_replay disabled for this model"
+        )
     return found
 
 
@@ -95,7 +102,9 @@ class RouterReplay:
     def __init__(self, model: torch.nn.Module):
         self.gates = routers(model)
         if not self.gates:
-            raise TrainingError("trainer.router_replay / routing metrics need an MoE model; this one has no router")
+            raise TrainingError(
+                "trainer.router_replay / routing metrics need an MoE model; this one has no router"
+            )
         self.top_k = int(self.gates[0].top_k)
         self.num_experts = int(getattr(self.gates[0], "num_experts", 0))
         self._forced: torch.Tensor | None = None
@@ -120,23 +129,32 @@ class RouterReplay:
             if forced is None:
                 return None
             if forced.shape[0] != idx_TK.shape[0]:
-                raise TrainingError(f"routing replay: {forced.shape[0]} recorded tokens for a forward of "
-                                    f"{idx_TK.shape[0]} (a moerl bug: routes and batch out of step)")
+                raise TrainingError(
+                    f"routing replay: {forced.shape[0]} recorded tokens for a forward of "
+                    f"{idx_TK.shape[0]} (a moerl bug: routes and batch out of step)"
+                )
             want = forced[:, layer, :].to(idx_TK.device, torch.long)
             has = (want >= 0).all(-1, keepdim=True)
             ids = torch.where(has, want, idx_TK)
             if self._recording:  # counted once per forward that records (pi_old), not in recomputes
-                differ = (torch.sort(ids, -1).values != torch.sort(idx_TK, -1).values).any(-1) & has[:, 0]
+                differ = (torch.sort(ids, -1).values != torch.sort(idx_TK, -1).values).any(
+                    -1
+                ) & has[:, 0]
                 self.replaced += int(differ.sum())
                 self.forced_slots += int(has.sum())
             return logits_TE, weights(module, logits_TE, ids).to(w_TK.dtype), ids.to(idx_TK.dtype)
+
         return hook
 
     def force(self, ids_TYK: torch.Tensor | None) -> None:
-        if ids_TYK is not None and (ids_TYK.shape[1] != self.layers or ids_TYK.shape[2] != self.top_k):
-            raise TrainingError(f"routing replay: the routes hold {ids_TYK.shape[1]} layers x top-{ids_TYK.shape[2]}; "
-                                f"the model has {self.layers} MoE layers x top-{self.top_k} (a checkpoint other than "
-                                "the one the engine served?)")
+        if ids_TYK is not None and (
+            ids_TYK.shape[1] != self.layers or ids_TYK.shape[2] != self.top_k
+        ):
+            raise TrainingError(
+                f"routing replay: the routes hold {ids_TYK.shape[1]} layers x top-{ids_TYK.shape[2]}; "
+                f"the model has {self.layers} MoE layers x top-{self.top_k} (a checkpoint other than "
+                "the one the engine served?)"
+            )
         self._forced = ids_TYK
 
     def record(self, on: bool) -> None:
@@ -168,7 +186,9 @@ class Agreement:
         k = live_TYK.shape[-1]
         ref = ref_TYK.to(live_TYK.device, torch.long)
         has_TY = (ref >= 0).all(-1) & valid_T[:, None]
-        hit_TYK = (live_TYK[..., :, None] == ref[..., None, :]).any(-1)  # live id also in the reference set
+        hit_TYK = (live_TYK[..., :, None] == ref[..., None, :]).any(
+            -1
+        )  # live id also in the reference set
         overlap_TY = hit_TYK.sum(-1).double() / k
         self.overlap_Y += torch.where(has_TY, overlap_TY, 0.0).sum(0)
         self.slots_Y += has_TY.double().sum(0)
@@ -177,16 +197,26 @@ class Agreement:
         self.tokens_mismatch += (has_TY & (overlap_TY < 1.0)).any(-1).double().sum()
 
     def flat(self) -> torch.Tensor:
-        return torch.cat([self.overlap_Y, self.slots_Y, self.tokens[None], self.tokens_mismatch[None]])
+        return torch.cat(
+            [self.overlap_Y, self.slots_Y, self.tokens[None], self.tokens_mismatch[None]]
+        )
 
     @staticmethod
     def metrics(flat: torch.Tensor, layers: int) -> dict[str, float]:
-        overlap, slots = flat[:layers], flat[layers:2 * layers]
+        overlap, slots = flat[:layers], flat[layers : 2 * layers]
         tokens, mismatch = float(flat[-2]), float(flat[-1])
         if tokens == 0:
             return {}
-        out = {"moe/routing_agreement": float(overlap.sum() / slots.sum().clamp_min(1)),
-               "moe/token_any_layer_mismatch_fraction": mismatch / tokens, "moe/routing_tokens": tokens}
-        out.update({f"moe/routing_agreement/layer_{i}": float(o / max(float(s), 1.0))
-                    for i, (o, s) in enumerate(zip(overlap, slots)) if s > 0})
+        out = {
+            "moe/routing_agreement": float(overlap.sum() / slots.sum().clamp_min(1)),
+            "moe/token_any_layer_mismatch_fraction": mismatch / tokens,
+            "moe/routing_tokens": tokens,
+        }
+        out.update(
+            {
+                f"moe/routing_agreement/layer_{i}": float(o / max(float(s), 1.0))
+                for i, (o, s) in enumerate(zip(overlap, slots))
+                if s > 0
+            }
+        )
         return out

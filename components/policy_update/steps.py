@@ -29,14 +29,25 @@ from dataclasses import dataclass
 
 import torch
 
+from moerl.components.policy_update.loss import (
+    importance_weights,
+    policy_loss,
+    token_logprobs_and_entropy,
+)
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
-from moerl.components.policy_update.loss import importance_weights, policy_loss, token_logprobs_and_entropy
 
 log = logging.getLogger(__name__)
 
-STAT_KEYS = ("loss", "clip_fraction", "tis_truncated_fraction", "dual_clip_fraction", "entropy", "aux_loss",
-             "out_of_support_fraction")
+STAT_KEYS = (
+    "loss",
+    "clip_fraction",
+    "tis_truncated_fraction",
+    "dual_clip_fraction",
+    "entropy",
+    "aux_loss",
+    "out_of_support_fraction",
+)
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,9 @@ class Packed:
     adv_N: torch.Tensor
     # the policy version that sampled each target token (-1 outside responses; `trainer.pack` sets it)
     version_NL1: torch.Tensor | None = None
-    routes_NLYK: torch.Tensor | None = None  # the engine's routes (int32, -1: none); None: no sample has any
+    routes_NLYK: torch.Tensor | None = (
+        None  # the engine's routes (int32, -1: none); None: no sample has any
+    )
     is_weight_NL1: torch.Tensor | None = None  # rollout-correction weights (`prepare_correction`)
     is_hit_NL1: torch.Tensor | None = None  # tokens whose weight was truncated or masked
 
@@ -67,12 +80,21 @@ def check_device(where: str, device: torch.device, **tensors: torch.Tensor) -> N
     a CPU tensor reaching NCCL, or a CUDA model fed CPU ids, fails far from its cause."""
     for name, t in tensors.items():
         if t.device != device:
-            raise TrainingError(f"{where}: {name} is on {t.device}, but the model is on {device}; "
-                                "this is a moerl bug (a tensor created without device=)")
+            raise TrainingError(
+                f"{where}: {name} is on {t.device}, but the model is on {device}; "
+                "this is a moerl bug (a tensor created without device=)"
+            )
 
 
-def sequence_logprobs(model, p: Packed, idx_M: torch.Tensor, temperature: float, top_k: int = -1,
-                      top_p: float = 1.0, chunk_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(
+    model,
+    p: Packed,
+    idx_M: torch.Tensor,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    chunk_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token logprobs and entropies [M, L1] of rows `idx_M`, under the policy as the engine
     samples it (temperature, then top-k/top-p truncation). With `chunk_tokens` > 0 the
     vocabulary projection is never made for more than that many positions at once, in the
@@ -97,14 +119,23 @@ class ChunkedLogprobHead(torch.nn.Module):
     where the model would return logits; installed inside the model's own forward, so FSDP has
     the head's weight gathered. `installed` swaps it in for one call and back."""
 
-    def __init__(self, head: torch.nn.Module, chunk: int, targets_ML1: torch.Tensor, temperature: float,
-                 top_k: int, top_p: float):
+    def __init__(
+        self,
+        head: torch.nn.Module,
+        chunk: int,
+        targets_ML1: torch.Tensor,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+    ):
         super().__init__()
         self.head, self.chunk, self.targets = head, chunk, targets_ML1
         self.sampling = (temperature, top_k, top_p)
 
     def _piece(self, h_CH: torch.Tensor, t_C: torch.Tensor) -> torch.Tensor:
-        logp, ent = token_logprobs_and_entropy(self.head(h_CH).unsqueeze(0), t_C.unsqueeze(0), *self.sampling)
+        logp, ent = token_logprobs_and_entropy(
+            self.head(h_CH).unsqueeze(0), t_C.unsqueeze(0), *self.sampling
+        )
         return torch.stack([logp[0], ent[0]], dim=-1)
 
     def forward(self, h_BLH: torch.Tensor) -> torch.Tensor:
@@ -113,25 +144,38 @@ class ChunkedLogprobHead(torch.nn.Module):
         h = h_BLH[:, :-1]
         m, l1, hid = h.shape
         flat_TH, flat_T = h.reshape(-1, hid), self.targets.reshape(-1)
-        pieces = [checkpoint(self._piece, flat_TH[i:i + self.chunk], flat_T[i:i + self.chunk], use_reentrant=False)
-                  for i in range(0, flat_TH.shape[0], self.chunk)]
+        pieces = [
+            checkpoint(
+                self._piece,
+                flat_TH[i : i + self.chunk],
+                flat_T[i : i + self.chunk],
+                use_reentrant=False,
+            )
+            for i in range(0, flat_TH.shape[0], self.chunk)
+        ]
         return torch.cat(pieces).reshape(m, l1, 2)
 
     @staticmethod
     @contextmanager
     def installed(model, chunk: int, targets_ML1, temperature: float, top_k: int, top_p: float):
         head = model.get_output_embeddings()
-        model.set_output_embeddings(ChunkedLogprobHead(head, chunk, targets_ML1, temperature, top_k, top_p))
+        model.set_output_embeddings(
+            ChunkedLogprobHead(head, chunk, targets_ML1, temperature, top_k, top_p)
+        )
         try:
             yield
         finally:
             model.set_output_embeddings(head)
 
 
-def sampled_logprobs(model, p: Packed, idx_M: torch.Tensor, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_logprobs(
+    model, p: Packed, idx_M: torch.Tensor, cfg: RunConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`sequence_logprobs` with the rollout's sampling parameters."""
     r = cfg.rollout
-    return sequence_logprobs(model, p, idx_M, r.temperature, r.top_k, r.top_p, cfg.trainer.logprob_chunk_tokens)
+    return sequence_logprobs(
+        model, p, idx_M, r.temperature, r.top_k, r.top_p, cfg.trainer.logprob_chunk_tokens
+    )
 
 
 def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) -> int:
@@ -139,12 +183,18 @@ def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) ->
     if micro_batch_tokens == 0:
         return max(total_rows, 1)
     if length > micro_batch_tokens:
-        log.warning("one packed sequence (%d positions) is longer than trainer.micro_batch_tokens=%d; "
-                    "micro-batches of one row", length, micro_batch_tokens)
+        log.warning(
+            "one packed sequence (%d positions) is longer than trainer.micro_batch_tokens=%d; "
+            "micro-batches of one row",
+            length,
+            micro_batch_tokens,
+        )
     return max(1, micro_batch_tokens // length)
 
 
-def policy_logprobs(model, p: Packed, cfg: RunConfig, routing: "Routing | None" = None) -> torch.Tensor:
+def policy_logprobs(
+    model, p: Packed, cfg: RunConfig, routing: Routing | None = None
+) -> torch.Tensor:
     """Logprobs [N, L1] of every row, in micro-batches, without grad (pi_old)."""
     n = p.input_ids_NL.shape[0]
     out = torch.zeros_like(p.engine_logp_NL1)
@@ -165,24 +215,35 @@ class Routing:
         from moerl.components.policy_update.replay import Agreement, RouterReplay
 
         if mode == "R3" and p.routes_NLYK is None:
-            log.warning("trainer.router_replay R3: no sample of this batch carries the engine's routes; "
-                        "every token routes live (moe/replay_forced_fraction = 0)")
+            log.warning(
+                "trainer.router_replay R3: no sample of this batch carries the engine's routes; "
+                "every token routes live (moe/replay_forced_fraction = 0)"
+            )
         self.mode, self.p = mode, p
         self.replay = RouterReplay(model)
-        if p.routes_NLYK is not None and p.routes_NLYK.shape[2:] != (self.replay.layers, self.replay.top_k):
+        if p.routes_NLYK is not None and p.routes_NLYK.shape[2:] != (
+            self.replay.layers,
+            self.replay.top_k,
+        ):
             self.replay.close()
-            raise TrainingError(f"the samples' routed_experts hold {p.routes_NLYK.shape[2]} layers x top-"
-                                f"{p.routes_NLYK.shape[3]}; the model has {self.replay.layers} MoE layers x top-"
-                                f"{self.replay.top_k} (routes recorded from another model?)")
+            raise TrainingError(
+                f"the samples' routed_experts hold {p.routes_NLYK.shape[2]} layers x top-"
+                f"{p.routes_NLYK.shape[3]}; the model has {self.replay.layers} MoE layers x top-"
+                f"{self.replay.top_k} (routes recorded from another model?)"
+            )
         self.r2_NLYK: torch.Tensor | None = None
         if mode == "R2":
             n, length = p.input_ids_NL.shape
-            self.r2_NLYK = torch.full((n, length, self.replay.layers, self.replay.top_k), -1, dtype=torch.int32,
-                                      device=p.device)
+            self.r2_NLYK = torch.full(
+                (n, length, self.replay.layers, self.replay.top_k),
+                -1,
+                dtype=torch.int32,
+                device=p.device,
+            )
         self.agreement = Agreement(self.replay.layers, p.device)
 
     @classmethod
-    def for_batch(cls, model, p: Packed, mode: str) -> "Routing | None":
+    def for_batch(cls, model, p: Packed, mode: str) -> Routing | None:
         """The routing hooks this batch needs: with replay, or when its samples carry routes."""
         return cls(model, p, mode) if mode != "disabled" or p.routes_NLYK is not None else None
 
@@ -191,7 +252,7 @@ class Routing:
 
     @staticmethod
     @contextmanager
-    def old_pass(routing: "Routing | None", p: Packed, idx: torch.Tensor, counted: bool = True):
+    def old_pass(routing: Routing | None, p: Packed, idx: torch.Tensor, counted: bool = True):
         """pi_old's forward of rows `idx`: R3 forces the engine's routes; the live ones are kept.
         `counted` False: a padding micro-batch (expert parallel), run but not measured."""
         if routing is None:
@@ -208,7 +269,9 @@ class Routing:
                 if routing.r2_NLYK is not None:
                     routing.r2_NLYK[idx] = live.reshape(m, length, *live.shape[1:]).to(torch.int32)
                 if p.routes_NLYK is not None:
-                    routing.agreement.add(live, routing._flat(p.routes_NLYK, idx), p.attn_NL[idx].reshape(-1).bool())
+                    routing.agreement.add(
+                        live, routing._flat(p.routes_NLYK, idx), p.attn_NL[idx].reshape(-1).bool()
+                    )
         finally:
             r.force(None)
             r.record(False)
@@ -216,7 +279,9 @@ class Routing:
     @contextmanager
     def train_pass(self, idx: torch.Tensor):
         """An optimizer step's forward and backward of rows `idx`: R2 / R3 force their routes."""
-        routes = self.r2_NLYK if self.mode == "R2" else self.p.routes_NLYK if self.mode == "R3" else None
+        routes = (
+            self.r2_NLYK if self.mode == "R2" else self.p.routes_NLYK if self.mode == "R3" else None
+        )
         self.replay.force(self._flat(routes, idx))
         try:
             yield
@@ -226,8 +291,16 @@ class Routing:
     def metrics(self, distributed: bool = False) -> dict[str, float]:
         from moerl.components.policy_update.replay import Agreement
 
-        flat = torch.cat([self.agreement.flat(), torch.tensor(
-            [float(self.replay.replaced), float(self.replay.forced_slots)], dtype=torch.float64, device=self.p.device)])
+        flat = torch.cat(
+            [
+                self.agreement.flat(),
+                torch.tensor(
+                    [float(self.replay.replaced), float(self.replay.forced_slots)],
+                    dtype=torch.float64,
+                    device=self.p.device,
+                ),
+            ]
+        )
         if distributed:
             import torch.distributed as dist
 
@@ -237,7 +310,9 @@ class Routing:
         out["moe/router_replay"] = {"disabled": 0.0, "R2": 2.0, "R3": 3.0}[self.mode]
         if self.mode == "R3":
             slots = float(self.p.attn_NL.sum()) * self.replay.layers
-            out["moe/replay_forced_fraction"] = forced / max(slots, 1.0)  # every row is counted on one rank
+            out["moe/replay_forced_fraction"] = forced / max(
+                slots, 1.0
+            )  # every row is counted on one rank
             out["moe/replay_replaced_fraction"] = replaced / max(forced, 1.0)
         return out
 
@@ -256,17 +331,23 @@ def optimizer_steps(cfg: RunConfig, n: int) -> int:
     return max(1, min(steps, round(steps * n / (full * cfg.rollout.samples_per_prompt))))
 
 
-def minibatches(n: int, steps: int, seed: int, world: int, device: torch.device) -> list[torch.Tensor]:
+def minibatches(
+    n: int, steps: int, seed: int, world: int, device: torch.device
+) -> list[torch.Tensor]:
     """Exactly min(steps, n // world) minibatches (sizes differ by at most one) over a seeded
     permutation; `torch.chunk` would return fewer than asked for some n."""
     k = min(steps, n // world)
     if k < 1:
         return []
-    perm = torch.randperm(n, generator=torch.Generator(device="cpu").manual_seed(seed), device="cpu")
+    perm = torch.randperm(
+        n, generator=torch.Generator(device="cpu").manual_seed(seed), device="cpu"
+    )
     return [c.to(device) for c in torch.tensor_split(perm, k)]
 
 
-def micro_parts(chunk: torch.Tensor, rank: int, world: int, rows_per: int) -> list[tuple[torch.Tensor, bool]]:
+def micro_parts(
+    chunk: torch.Tensor, rank: int, world: int, rows_per: int
+) -> list[tuple[torch.Tensor, bool]]:
     """This rank's rows of `chunk`, cut into as many micro-batches as the largest share needs.
     A rank with fewer rows than that gets padding parts: (one of its rows, True) whose loss
     is masked out, so that it still joins every collective."""
@@ -279,10 +360,18 @@ def micro_parts(chunk: torch.Tensor, rank: int, world: int, rows_per: int) -> li
     return parts
 
 
-def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_logp_NL1: torch.Tensor,
-               cfg: RunConfig, n_tokens: float, n_rows: int,
-               aux_fn: Callable[[], torch.Tensor | None] | None = None, n_seqs: float | None = None,
-               routing: Routing | None = None) -> dict[str, float]:
+def accumulate(
+    model,
+    p: Packed,
+    parts: list[tuple[torch.Tensor, bool]],
+    old_logp_NL1: torch.Tensor,
+    cfg: RunConfig,
+    n_tokens: float,
+    n_rows: int,
+    aux_fn: Callable[[], torch.Tensor | None] | None = None,
+    n_seqs: float | None = None,
+    routing: Routing | None = None,
+) -> dict[str, float]:
     """Forward and backward every micro-batch in `parts`; gradients accumulate in the model.
 
     `n_tokens` / `n_rows`: response tokens / rows of the whole minibatch (every rank). The
@@ -298,14 +387,26 @@ def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_log
         mask = torch.where(outside, torch.zeros_like(mask), mask)
         sums["out_of_support_fraction"] += float(outside.sum()) / max(n_tokens, 1.0)
         if p.is_weight_NL1 is None:
-            raise TrainingError("accumulate: the batch has no importance weights (a moerl bug: call "
-                                "prepare_correction after pi_old)")
+            raise TrainingError(
+                "accumulate: the batch has no importance weights (a moerl bug: call "
+                "prepare_correction after pi_old)"
+            )
         w, hit = p.is_weight_NL1[idx], p.is_hit_NL1[idx]
         with routing.train_pass(idx) if routing is not None else nullcontext():
             logp, entropy = sampled_logprobs(model, p, idx, cfg)
-            loss, stats = policy_loss(logp, old_logp_NL1[idx], w, p.adv_N[idx], mask, *tc.clip_range,
-                                      kind=tc.policy_loss, agg=tc.agg_mode, n_tokens=n_tokens,
-                                      n_seqs=n_rows if n_seqs is None else n_seqs, clip_ratio_c=tc.clip_ratio_c)
+            loss, stats = policy_loss(
+                logp,
+                old_logp_NL1[idx],
+                w,
+                p.adv_N[idx],
+                mask,
+                *tc.clip_range,
+                kind=tc.policy_loss,
+                agg=tc.agg_mode,
+                n_tokens=n_tokens,
+                n_seqs=n_rows if n_seqs is None else n_seqs,
+                clip_ratio_c=tc.clip_ratio_c,
+            )
             aux = aux_fn() if aux_fn is not None else None
             if aux is not None:
                 aux = aux * (0.0 if padding else len(idx) / n_rows)
@@ -321,7 +422,9 @@ def accumulate(model, p: Packed, parts: list[tuple[torch.Tensor, bool]], old_log
     return sums
 
 
-def logprob_mismatch_sum(old_logp_NL1: torch.Tensor, engine_logp_NL1: torch.Tensor, mask_NL1: torch.Tensor) -> float:
+def logprob_mismatch_sum(
+    old_logp_NL1: torch.Tensor, engine_logp_NL1: torch.Tensor, mask_NL1: torch.Tensor
+) -> float:
     """Sum of |trainer - engine| logprob over response tokens inside the trainer's support."""
     keep = mask_NL1.bool() & torch.isfinite(old_logp_NL1)
     diff = torch.where(keep, (old_logp_NL1 - engine_logp_NL1).abs(), torch.zeros_like(old_logp_NL1))
@@ -332,8 +435,16 @@ def losses_are_finite(stats: dict[str, float]) -> bool:
     return all(math.isfinite(v) for v in stats.values())
 
 
-def finish_step(opt, counters, cfg: RunConfig, stats: dict[str, float], sums: dict[str, float], grad_norm: float,
-                losses_finite: bool, norm_share: float = 1.0) -> bool:
+def finish_step(
+    opt,
+    counters,
+    cfg: RunConfig,
+    stats: dict[str, float],
+    sums: dict[str, float],
+    grad_norm: float,
+    losses_finite: bool,
+    norm_share: float = 1.0,
+) -> bool:
     """Take the optimizer step and add this rank's statistics to `sums`, or, when any loss or
     the (global) gradient norm is not finite, drop the gradients and count a skipped step.
     `norm_share`: the fraction of the global norm this rank adds (ranks' shares sum to it)."""
@@ -354,13 +465,16 @@ def count_skip(counters, cfg: RunConfig, why: str) -> None:
     """Count a skipped step; too many in a row fail the run (the weights are not moving)."""
     counters.consecutive_skipped += 1
     counters.skipped_total += 1
-    log.warning("%s at step %d: skipped (%d in a row)", why, counters.step, counters.consecutive_skipped)
+    log.warning(
+        "%s at step %d: skipped (%d in a row)", why, counters.step, counters.consecutive_skipped
+    )
     limit = cfg.trainer.max_consecutive_skipped_steps
     if counters.consecutive_skipped >= limit:
         raise TrainingError(
             f"policy_update: {counters.consecutive_skipped} optimizer steps in a row had a non-finite loss or gradient "
             f"(trainer.max_consecutive_skipped_steps={limit}); lower trainer.learning_rate or check the batch "
-            "for bad logprobs")
+            "for bad logprobs"
+        )
 
 
 class RouterAux:
@@ -372,9 +486,13 @@ class RouterAux:
         from moerl.components.policy_update.ep_moe import sparse_blocks
 
         self.coef, self._seen = coef, []
-        self._handles = [block.gate.register_forward_hook(self._hook) for _, _, block in sparse_blocks(model)]
+        self._handles = [
+            block.gate.register_forward_hook(self._hook) for _, _, block in sparse_blocks(model)
+        ]
         if not self._handles:
-            raise TrainingError("trainer.aux_loss_coef > 0 but the model has no MoE router to balance")
+            raise TrainingError(
+                "trainer.aux_loss_coef > 0 but the model has no MoE router to balance"
+            )
 
     def _hook(self, module, args, output) -> None:
         router_logits_TE, _, idx_TK = output
@@ -407,22 +525,34 @@ class RouterBias:
     once per optimizer step, the same cadence as Megatron's `moe_router_bias_update_rate`."""
 
     def __init__(self, model, rate: float):
-        routers = list({id(m.gate): m.gate for m in model.modules()
-                        if hasattr(getattr(m, "gate", None), "e_score_correction_bias")}.values())
+        routers = list(
+            {
+                id(m.gate): m.gate
+                for m in model.modules()
+                if hasattr(getattr(m, "gate", None), "e_score_correction_bias")
+            }.values()
+        )
         if not routers:
-            raise TrainingError(f"trainer.router_bias_update_rate {rate}: {type(model).__name__} has no router with a "
-                                "bias correction (DeepSeek-V3's e_score_correction_bias); balance it with "
-                                "trainer.aux_loss_coef, or set the rate to 0")
+            raise TrainingError(
+                f"trainer.router_bias_update_rate {rate}: {type(model).__name__} has no router with a "
+                "bias correction (DeepSeek-V3's e_score_correction_bias); balance it with "
+                "trainer.aux_loss_coef, or set the rate to 0"
+            )
         self.rate, self.routers = rate, routers
         bias = routers[0].e_score_correction_bias
-        self.load_RE = torch.zeros(len(routers), bias.numel(), dtype=torch.float64, device=bias.device)
+        self.load_RE = torch.zeros(
+            len(routers), bias.numel(), dtype=torch.float64, device=bias.device
+        )
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
 
     def _hook(self, i: int):
         def count(module, args, output) -> None:
             if module.training:
                 idx = output[2].detach().reshape(-1)
-                self.load_RE[i] += torch.bincount(idx, minlength=self.load_RE.shape[1]).to(self.load_RE)
+                self.load_RE[i] += torch.bincount(idx, minlength=self.load_RE.shape[1]).to(
+                    self.load_RE
+                )
+
         return count
 
     def step(self, sum_over_ranks: bool = False) -> dict[str, float]:
@@ -435,7 +565,9 @@ class RouterBias:
         mean = load.mean(dim=1, keepdim=True)
         with torch.no_grad():
             for r, row, m in zip(self.routers, load, mean):
-                r.e_score_correction_bias.add_((self.rate * torch.sign(m - row)).to(r.e_score_correction_bias))
+                r.e_score_correction_bias.add_(
+                    (self.rate * torch.sign(m - row)).to(r.e_score_correction_bias)
+                )
         ratio = float((load.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).mean())
         self.load_RE.zero_()
         return {"moe/router_max_load_ratio": ratio}
@@ -449,8 +581,14 @@ class RouterBias:
             h.remove()
 
 
-def prepare_correction(p: Packed, old_logp_NL1: torch.Tensor, cfg: RunConfig, trainer_version: int,
-                       rows: torch.Tensor | None = None, distributed: bool = False) -> tuple[Packed, dict[str, float]]:
+def prepare_correction(
+    p: Packed,
+    old_logp_NL1: torch.Tensor,
+    cfg: RunConfig,
+    trainer_version: int,
+    rows: torch.Tensor | None = None,
+    distributed: bool = False,
+) -> tuple[Packed, dict[str, float]]:
     """After pi_old, before any step: the `rollout_corr/*` metrics of this batch, the geometric
     sequence rejection (removed from the mask, so from every normalizer) and the importance
     weights of `trainer.tis_mode`. `rows`: the rows whose pi_old this rank computed (expert
@@ -458,14 +596,25 @@ def prepare_correction(p: Packed, old_logp_NL1: torch.Tensor, cfg: RunConfig, tr
     which every rank then applies alike."""
     from dataclasses import replace
 
-    from moerl.components.policy_update.correction import correction_sums, finish, geometric_rejection
+    from moerl.components.policy_update.correction import (
+        correction_sums,
+        finish,
+        geometric_rejection,
+    )
 
     tc = cfg.trainer
     n = p.input_ids_NL.shape[0]
     rows = torch.arange(n, device=p.device) if rows is None else rows
-    own = p.version_NL1 == trainer_version  # tokens the trainer's own version sampled (in-flight updates: per token)
-    c = correction_sums(old_logp_NL1[rows], p.engine_logp_NL1[rows], p.mask_NL1[rows], own[rows],
-                        tc.extreme_ratio_tau)
+    own = (
+        p.version_NL1 == trainer_version
+    )  # tokens the trainer's own version sampled (in-flight updates: per token)
+    c = correction_sums(
+        old_logp_NL1[rows],
+        p.engine_logp_NL1[rows],
+        p.mask_NL1[rows],
+        own[rows],
+        tc.extreme_ratio_tau,
+    )
     if distributed:
         c = c.all_reduce()
     metrics = finish(c)
@@ -473,8 +622,12 @@ def prepare_correction(p: Packed, old_logp_NL1: torch.Tensor, cfg: RunConfig, tr
     if tc.rollout_rs == "geometric":
         lower, upper = tc.rs_bounds
         drop = torch.zeros(n, dtype=torch.float64, device=p.device)
-        drop[rows] = geometric_rejection(old_logp_NL1[rows], p.engine_logp_NL1[rows], mask[rows], upper, lower).double()
-        tokens = torch.stack([(mask.sum(-1).double() * drop)[rows].sum(), mask[rows].double().sum()])
+        drop[rows] = geometric_rejection(
+            old_logp_NL1[rows], p.engine_logp_NL1[rows], mask[rows], upper, lower
+        ).double()
+        tokens = torch.stack(
+            [(mask.sum(-1).double() * drop)[rows].sum(), mask[rows].double().sum()]
+        )
         if distributed:
             import torch.distributed as dist
 
@@ -484,5 +637,7 @@ def prepare_correction(p: Packed, old_logp_NL1: torch.Tensor, cfg: RunConfig, tr
         metrics["rollout_corr/rs_masked_fraction"] = float(tokens[0] / tokens[1].clamp_min(1.0))
         metrics["rollout_corr/rs_masked_sequences"] = float(drop.sum())
     usable = mask.bool() & torch.isfinite(old_logp_NL1)
-    iw = importance_weights(old_logp_NL1, p.engine_logp_NL1, usable, tc.tis_mode, tc.tis_cap, tc.tis_mask_low)
+    iw = importance_weights(
+        old_logp_NL1, p.engine_logp_NL1, usable, tc.tis_mode, tc.tis_cap, tc.tis_mask_low
+    )
     return replace(p, mask_NL1=mask, is_weight_NL1=iw.w_BT, is_hit_NL1=iw.hit_BT), metrics

@@ -30,16 +30,38 @@ from pathlib import Path
 
 import torch
 
+from moerl.components.policy_update.steps import (
+    STAT_KEYS,
+    Packed,
+    RouterAux,
+    RouterBias,
+    Routing,
+    accumulate,
+    finish_step,
+    logprob_mismatch_sum,
+    losses_are_finite,
+    micro_parts,
+    minibatches,
+    model_device,
+    optimizer_steps,
+    policy_logprobs,
+    prepare_correction,
+    rows_per_micro_batch,
+    sequence_logprobs,
+)
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.records import TrainSample, read_records, token_versions
-from moerl.components.policy_update.steps import (STAT_KEYS, Packed, RouterAux, RouterBias, Routing, accumulate,
-                                                  logprob_mismatch_sum, micro_parts, minibatches, model_device,
-                                                  policy_logprobs, rows_per_micro_batch, sequence_logprobs,
-                                                  losses_are_finite, finish_step, optimizer_steps,
-                                                  prepare_correction)
 
-__all__ = ["Counters", "Packed", "TRAINER_DIR", "pack", "run_policy_update", "sequence_logprobs", "train_on_batch"]
+__all__ = [
+    "Counters",
+    "Packed",
+    "TRAINER_DIR",
+    "pack",
+    "run_policy_update",
+    "sequence_logprobs",
+    "train_on_batch",
+]
 
 log = logging.getLogger(__name__)
 TRAINER_DIR = "trainer"
@@ -69,40 +91,56 @@ def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cp
         p, r = len(s.prompt_token_ids), len(s.response_token_ids)
         # logits at position t predict token t+1: response token k sits at p+k, predicted at p+k-1
         # an environment's tokens (multi-turn) are context, never targets: mask 0
-        mask[i, p - 1 : p - 1 + r] = 1 if s.response_mask is None else torch.tensor(s.response_mask, device=cpu)
+        mask[i, p - 1 : p - 1 + r] = (
+            1 if s.response_mask is None else torch.tensor(s.response_mask, device=cpu)
+        )
         eng[i, p - 1 : p - 1 + r] = torch.tensor(s.response_logprobs, device=cpu)
-        version[i, p - 1 : p - 1 + r] = torch.tensor(token_versions(s), dtype=torch.long, device=cpu)
+        version[i, p - 1 : p - 1 + r] = torch.tensor(
+            token_versions(s), dtype=torch.long, device=cpu
+        )
     adv = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=cpu)
     routes = None
     if any(s.routed_experts is not None for s in batch):  # the engine's routes, -1 where none
         shapes = {s.routed_experts.shape[1:] for s in batch if s.routed_experts is not None}
         if len(shapes) > 1:
-            raise TrainingError(f"the batch's routed_experts disagree on [layers, top-k]: {sorted(shapes)}")
-        (layers, k), = shapes
+            raise TrainingError(
+                f"the batch's routed_experts disagree on [layers, top-k]: {sorted(shapes)}"
+            )
+        ((layers, k),) = shapes
         routes = torch.full((n, length, layers, k), -1, dtype=torch.int32, device=cpu)
         for i, s in enumerate(batch):
             if s.routed_experts is not None:
                 r = torch.from_numpy(s.routed_experts.ids())
                 routes[i, : r.shape[0]] = r.to(torch.int32)
-    return Packed(*(t.to(device) for t in (ids, attn, ids[:, 1:].clone(), mask, eng, adv, version)),
-                  routes_NLYK=None if routes is None else routes.to(device))
+    return Packed(
+        *(t.to(device) for t in (ids, attn, ids[:, 1:].clone(), mask, eng, adv, version)),
+        routes_NLYK=None if routes is None else routes.to(device),
+    )
 
 
 def _load_state(state_dir: Path, cfg: RunConfig):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(state_dir, dtype=getattr(torch, cfg.model.dtype)).to(cfg.trainer.device)
+    model = AutoModelForCausalLM.from_pretrained(
+        state_dir, dtype=getattr(torch, cfg.model.dtype)
+    ).to(cfg.trainer.device)
     if cfg.trainer.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay
+    )
     counters = Counters()
     tdir = state_dir / TRAINER_DIR
     if (tdir / "optimizer.pt").is_file():
-        opt.load_state_dict(torch.load(tdir / "optimizer.pt", weights_only=True, map_location=cfg.trainer.device))
+        opt.load_state_dict(
+            torch.load(tdir / "optimizer.pt", weights_only=True, map_location=cfg.trainer.device)
+        )
     elif (tdir / "optimizer").is_dir() or any(tdir.glob("optimizer-ep*.pt")):
-        raise TrainingError(f"policy_update: {tdir} holds the optimizer state of a sharded trainer (a mesh of "
-                            "ranks); continue on a mesh (trainer.data_parallel_shard x trainer.expert_parallel_size "
-                            "> 1), any shape: its Distributed Checkpoint reshards")
+        raise TrainingError(
+            f"policy_update: {tdir} holds the optimizer state of a sharded trainer (a mesh of "
+            "ranks); continue on a mesh (trainer.data_parallel_shard x trainer.expert_parallel_size "
+            "> 1), any shape: its Distributed Checkpoint reshards"
+        )
     if (tdir / "state.json").is_file():
         counters = Counters(**json.loads((tdir / "state.json").read_text()))
     return model, opt, counters
@@ -111,7 +149,11 @@ def _load_state(state_dir: Path, cfg: RunConfig):
 def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path) -> None:
     state_out.mkdir(parents=True, exist_ok=True)
     for f in state_in.iterdir():  # tokenizer and generation config come along unchanged
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and f.name != "model.safetensors.index.json"
+        ):
             shutil.copy2(f, state_out / f.name)
     model.save_pretrained(state_out)
     (state_out / TRAINER_DIR).mkdir(exist_ok=True)
@@ -120,7 +162,9 @@ def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path)
     (state_out / TRAINER_DIR / "state.json").write_text(json.dumps(asdict(counters)))
 
 
-def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg: RunConfig, seed: int) -> dict[str, float]:
+def train_on_batch(
+    model, opt, counters: Counters, batch: list[TrainSample], cfg: RunConfig, seed: int
+) -> dict[str, float]:
     tc = cfg.trainer
     device = model_device(model)
     p = pack(batch, model.config.pad_token_id or 0, device)
@@ -138,15 +182,29 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
         # 4. exactly min(steps, n) minibatch steps over a seeded permutation, in micro-batches
         model.train()
         aux = RouterAux(model, tc.aux_loss_coef) if tc.aux_loss_coef > 0 else None
-        bias = RouterBias(model, tc.router_bias_update_rate) if tc.router_bias_update_rate > 0 else None
+        bias = (
+            RouterBias(model, tc.router_bias_update_rate)
+            if tc.router_bias_update_rate > 0
+            else None
+        )
         sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
         done = skipped = 0
         balance: dict[str, float] = {}
         for idx in minibatches(n, optimizer_steps(cfg, n), seed, world=1, device=device):
             opt.zero_grad(set_to_none=True)
             parts = micro_parts(idx, 0, 1, rows_per_micro_batch(p, tc.micro_batch_tokens, len(idx)))
-            stats = accumulate(model, p, parts, old_logp, cfg, float(p.mask_NL1[idx].sum()), len(idx), aux,
-                               n_seqs=float((p.mask_NL1[idx].sum(-1) > 0).sum()), routing=routing)
+            stats = accumulate(
+                model,
+                p,
+                parts,
+                old_logp,
+                cfg,
+                float(p.mask_NL1[idx].sum()),
+                len(idx),
+                aux,
+                n_seqs=float((p.mask_NL1[idx].sum(-1) > 0).sum()),
+                routing=routing,
+            )
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
             if finish_step(opt, counters, cfg, stats, sums, grad_norm, losses_are_finite(stats)):
                 done += 1
@@ -162,18 +220,33 @@ def train_on_batch(model, opt, counters: Counters, batch: list[TrainSample], cfg
             if hooks is not None:
                 hooks.close()
     metrics = {f"train/{k}": v / max(done, 1) for k, v in sums.items()} | balance | corr
-    metrics.update({"train/steps": float(done), "train/skipped_steps": float(skipped),
-                    "train/logprob_mismatch": mismatch, "train/tokens": tokens, "train/ep_size": 1.0,
-                    "train/dp_shard": 1.0})
+    metrics.update(
+        {
+            "train/steps": float(done),
+            "train/skipped_steps": float(skipped),
+            "train/logprob_mismatch": mismatch,
+            "train/tokens": tokens,
+            "train/ep_size": 1.0,
+            "train/dp_shard": 1.0,
+        }
+    )
     return metrics
 
 
-def run_policy_update(cfg: RunConfig, batch_path: str | Path, state_in: str | Path, state_out: str | Path,
-                      iteration: int, run_id: str = "") -> dict[str, float]:
+def run_policy_update(
+    cfg: RunConfig,
+    batch_path: str | Path,
+    state_in: str | Path,
+    state_out: str | Path,
+    iteration: int,
+    run_id: str = "",
+) -> dict[str, float]:
     from moerl.provenance import stage_start
 
     stage_start(cfg, "policy_update", run_id)  # records where it runs; enforces `require:`
-    if cfg.trainer.on_mesh:  # the mesh: FSDP2 + expert parallelism over ranks (or one, for bf16 mixed precision)
+    if (
+        cfg.trainer.on_mesh
+    ):  # the mesh: FSDP2 + expert parallelism over ranks (or one, for bf16 mixed precision)
         from moerl.components.policy_update.launcher import run_expert_parallel
 
         return run_expert_parallel(cfg, batch_path, state_in, state_out, iteration)
@@ -185,9 +258,13 @@ def run_policy_update(cfg: RunConfig, batch_path: str | Path, state_in: str | Pa
     batch = read_records(batch_path, TrainSample)
     # 2-4. train (an empty batch, every group dropped, still yields the next version unchanged)
     if batch:
-        metrics = train_on_batch(model, opt, counters, batch, cfg, seed=cfg.trainer.seed + iteration)
+        metrics = train_on_batch(
+            model, opt, counters, batch, cfg, seed=cfg.trainer.seed + iteration
+        )
     else:
-        log.warning("iteration %d: empty training batch (every group dropped); weights unchanged", iteration)
+        log.warning(
+            "iteration %d: empty training batch (every group dropped); weights unchanged", iteration
+        )
         metrics = {"train/steps": 0.0, "train/skipped_steps": 0.0}
     metrics["train/empty_batch"] = float(not batch)
     counters.version += 1

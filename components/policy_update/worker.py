@@ -60,7 +60,13 @@ import torch
 
 from moerl import tracking
 from moerl.bus import SCORED, BusError, RunBus, connect
-from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue, train_samples
+from moerl.components.buffer.worker import (
+    Batch,
+    batch_metrics,
+    classify,
+    prompts_to_issue,
+    train_samples,
+)
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError, ConfigError, DataError, MoerlError
 from moerl.launch.podenv import enter_pod
@@ -77,9 +83,22 @@ BEACON_EVERY_S = 5.0
 class Issuer(threading.Thread):
     """Issues work units by admission and backpressure, every `period_s`, until stopped."""
 
-    def __init__(self, cfg: RunConfig, bus: RunBus, version_ref: list[int], epoch: int, period_s: float = 0.05):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        bus: RunBus,
+        version_ref: list[int],
+        epoch: int,
+        period_s: float = 0.05,
+    ):
         super().__init__(name="moerl-issuer", daemon=True)
-        self.cfg, self.bus, self.version_ref, self.epoch, self.period_s = cfg, bus, version_ref, epoch, period_s
+        self.cfg, self.bus, self.version_ref, self.epoch, self.period_s = (
+            cfg,
+            bus,
+            version_ref,
+            epoch,
+            period_s,
+        )
         self.stop_event = threading.Event()
         self.paused = False
         self.gathered = (0, 0)  # (groups, signal groups) the trainer holds for its current version
@@ -92,11 +111,18 @@ class Issuer(threading.Thread):
         settled = c["groups_used"] + c["groups_stale"] + c["groups_failed"] + c["prompts_dead"]
         in_flight = c["prompts_issued"] - settled
         n, self.paused = prompts_to_issue(
-            used=c["groups_used"], in_flight=in_flight, version=self.version_ref[0],
-            batch_prompts=self.cfg.task.prompts_per_iteration, versions=self.cfg.pipeline.versions,
-            max_staleness=self.cfg.buffer.max_staleness, backlog=self.bus.backlog(), paused=self.paused,
-            cfg=self.cfg.buffer, signal_used=c["trained"] // self.cfg.rollout.samples_per_prompt,
-            gathered=self.gathered)
+            used=c["groups_used"],
+            in_flight=in_flight,
+            version=self.version_ref[0],
+            batch_prompts=self.cfg.task.prompts_per_iteration,
+            versions=self.cfg.pipeline.versions,
+            max_staleness=self.cfg.buffer.max_staleness,
+            backlog=self.bus.backlog(),
+            paused=self.paused,
+            cfg=self.cfg.buffer,
+            signal_used=c["trained"] // self.cfg.rollout.samples_per_prompt,
+            gathered=self.gathered,
+        )
         issued = 0
         while issued < n:
             size = min(self.cfg.units.max_prompts, n - issued)
@@ -110,7 +136,9 @@ class Issuer(threading.Thread):
         try:
             beacon_at = 0.0
             while not self.stop_event.is_set():
-                if time.monotonic() - beacon_at > BEACON_EVERY_S:  # the workers' TrainerWatch reads it
+                if (
+                    time.monotonic() - beacon_at > BEACON_EVERY_S
+                ):  # the workers' TrainerWatch reads it
                     self.bus.trainer_beacon()
                     beacon_at = time.monotonic()
                 self.step()
@@ -128,13 +156,20 @@ def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int, epoch: int
     if reg is None and latest > 0:
         # a resumed run on a Valkey that never saw it (a new server, or its data lost): the
         # versions up to `latest` used their groups already, so issuance must not redo them
-        log.warning("the registry is empty but version %d is published: resuming from it on a fresh Valkey", latest)
-        bus.incr(groups_used=latest * cfg.task.prompts_per_iteration,
-                 prompts_issued=latest * cfg.task.prompts_per_iteration)
+        log.warning(
+            "the registry is empty but version %d is published: resuming from it on a fresh Valkey",
+            latest,
+        )
+        bus.incr(
+            groups_used=latest * cfg.task.prompts_per_iteration,
+            prompts_issued=latest * cfg.task.prompts_per_iteration,
+        )
         manifest = store.manifest(latest)
         # the data and the unit ids continue where the run was, never from 0 (ids would collide
         # with trained groups, and the first prompts would be trained again)
-        bus.restore_positions(int(manifest.meta.get("cursor", 0)), int(manifest.meta.get("unit_seq", 0)))
+        bus.restore_positions(
+            int(manifest.meta.get("cursor", 0)), int(manifest.meta.get("unit_seq", 0))
+        )
         bus.register(latest, version_uri(store, latest), manifest.sha256())
         return
     manifest = store.manifest(latest)
@@ -142,9 +177,15 @@ def _reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int, epoch: int
     entries = json.loads(manifest.meta.get("entries", "[]"))
     counts = json.loads(manifest.meta.get("counts", "{}"))
     if groups or counts:
-        log.warning("version %d was published but not committed (trainer died in between); committing its %d "
-                    "groups now", latest, len(groups))
-    bus.commit_version(epoch, latest, version_uri(store, latest), manifest.sha256(), entries, groups, **counts)
+        log.warning(
+            "version %d was published but not committed (trainer died in between); committing its %d "
+            "groups now",
+            latest,
+            len(groups),
+        )
+    bus.commit_version(
+        epoch, latest, version_uri(store, latest), manifest.sha256(), entries, groups, **counts
+    )
 
 
 def _recommit(bus: RunBus, cfg: RunConfig, run_id: str, committed: int, epoch: int) -> None:
@@ -155,14 +196,27 @@ def _recommit(bus: RunBus, cfg: RunConfig, run_id: str, committed: int, epoch: i
     start = reg.version if reg is not None else 0
     if start >= committed:
         return
-    log.warning("the registry says version %d but this trainer committed %d (Valkey lost commits: a failover); "
-                "committing versions %d-%d again from their manifests", start, committed, start + 1, committed)
+    log.warning(
+        "the registry says version %d but this trainer committed %d (Valkey lost commits: a failover); "
+        "committing versions %d-%d again from their manifests",
+        start,
+        committed,
+        start + 1,
+        committed,
+    )
     bus.incr(commits_replayed=committed - start)
     store = run_store(cfg.checkpoint, run_id)
     for v in range(start + 1, committed + 1):
         m = store.manifest(v)
-        bus.commit_version(epoch, v, version_uri(store, v), m.sha256(), json.loads(m.meta.get("entries", "[]")),
-                           json.loads(m.meta.get("groups", "[]")), **json.loads(m.meta.get("counts", "{}")))
+        bus.commit_version(
+            epoch,
+            v,
+            version_uri(store, v),
+            m.sha256(),
+            json.loads(m.meta.get("entries", "[]")),
+            json.loads(m.meta.get("groups", "[]")),
+            **json.loads(m.meta.get("counts", "{}")),
+        )
 
 
 def _check_durable(bus: RunBus, cfg: RunConfig, run_id: str) -> bool:
@@ -171,19 +225,27 @@ def _check_durable(bus: RunBus, cfg: RunConfig, run_id: str) -> bool:
     `valkey.require_durable` is false, and then recorded on the run, loudly."""
     replicas = bus.replicas()
     if replicas and not cfg.valkey.wait_aof_replicas:
-        raise ConfigError(f"valkey.wait_aof_replicas: 0, but the server has {replicas} replica(s): a failover to one "
-                          "that lags would take back commits the trainer moved on from; set it to at least 1 (each "
-                          "commit then waits until a replica has it in its append-only file)")
+        raise ConfigError(
+            f"valkey.wait_aof_replicas: 0, but the server has {replicas} replica(s): a failover to one "
+            "that lags would take back commits the trainer moved on from; set it to at least 1 (each "
+            "commit then waits until a replica has it in its append-only file)"
+        )
     try:
         bus.wait_durable(0, cfg.valkey.wait_aof_timeout_s)
         return True
     except BusError as err:
         if cfg.valkey.require_durable:
-            raise ConfigError(f"valkey: {err}; a restart or failover could take back committed versions and train "
-                              "their samples again. Turn on appendonly (appendfsync always or everysec), or set "
-                              "valkey.require_durable: false to run without that guarantee") from err
-        log.warning("Valkey is not durable (%s): commits may be lost on a restart; recorded on the run", err)
-        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, {"moerl.valkey_durable": "false"})
+            raise ConfigError(
+                f"valkey: {err}; a restart or failover could take back committed versions and train "
+                "their samples again. Turn on appendonly (appendfsync always or everysec), or set "
+                "valkey.require_durable: false to run without that guarantee"
+            ) from err
+        log.warning(
+            "Valkey is not durable (%s): commits may be lost on a restart; recorded on the run", err
+        )
+        tracking.set_tags(
+            tracking.resolve_uri(cfg.tracking), run_id, {"moerl.valkey_durable": "false"}
+        )
         return False
 
 
@@ -199,13 +261,17 @@ def _scored_samples(group: dict) -> None:
         raise ValueError("a group's samples answer one prompt; these answer several")
     if "t_generated" in group:
         t = group["t_generated"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or \
-                not 0 < t < time.time() + 3600:
+        if (
+            isinstance(t, bool)
+            or not isinstance(t, (int, float))
+            or not math.isfinite(t)
+            or not 0 < t < time.time() + 3600
+        ):
             raise ValueError(f"t_generated must be a unix time, got {str(t)[:40]!r}")
     group["samples"] = samples
 
 
-def _alive(bus: RunBus, issuer: "Issuer", epoch: int) -> None:
+def _alive(bus: RunBus, issuer: Issuer, epoch: int) -> None:
     """Raise instead of waiting on: the issuer thread died (nothing would be issued again, and
     the workers would take the missing beacon for a dead trainer), the run was abandoned, or a
     newer trainer took the run over."""
@@ -244,19 +310,24 @@ class Inbox:
         """Rescan the pending list when it holds entries the trainer does not (a lost reply)."""
         if self.after is None and self.bus.pending_count(SCORED, CONSUMER) > len(in_hand):
             self.after, self.rescans = "0", self.rescans + 1
-            log.warning("the trainer's pending list holds entries it does not (a lost reply, or a predecessor's); "
-                        "reading them back")
+            log.warning(
+                "the trainer's pending list holds entries it does not (a lost reply, or a predecessor's); "
+                "reading them back"
+            )
 
     def take(self, n: int, in_hand: set[str]) -> list[tuple[str, dict]]:
         if self.after is not None:
-            got, self.after = self.bus.take_pending(SCORED, CONSUMER, self.after, validate=_scored_samples,
-                                                    count=n, skip=in_hand)
+            got, self.after = self.bus.take_pending(
+                SCORED, CONSUMER, self.after, validate=_scored_samples, count=n, skip=in_hand
+            )
             if got or self.after is not None:
                 return got
         return self.bus.take_scored(CONSUMER, n, block_ms=200, validate=_scored_samples)
 
 
-def _stalled(bus: RunBus, cfg: RunConfig, version: int, have: int, want: int, quiet_s: float) -> DataError:
+def _stalled(
+    bus: RunBus, cfg: RunConfig, version: int, have: int, want: int, quiet_s: float
+) -> DataError:
     """The watchdog's one line: what the trainer waited on, and what the run looked like."""
     c = bus.counters()
     settled = c["groups_used"] + c["groups_stale"] + c["groups_failed"] + c["prompts_dead"]
@@ -265,12 +336,21 @@ def _stalled(bus: RunBus, cfg: RunConfig, version: int, have: int, want: int, qu
         f"trainer: no progress for {quiet_s:.0f} s (pipeline.stall_timeout_s) while gathering version {version + 1}: "
         f"waited on scored groups, holding {have} of {want}; prompts issued {c['prompts_issued']}, unsettled "
         f"{c['prompts_issued'] - settled}, backlog {bus.backlog()} groups, generated {c['generated']}, scored "
-        f"{c['scored']}, rollout workers alive {workers}/{cfg.rollout.workers}")
+        f"{c['scored']}, rollout workers alive {workers}/{cfg.rollout.workers}"
+    )
 
 
-def _gather(bus: RunBus, cfg: RunConfig, version: int, inbox: Inbox, epoch: int, issuer: "Issuer",
-            held: frozenset[str] = frozenset(), held_entries: frozenset[str] = frozenset(),
-            known: dict[int, str] | None = None) -> tuple[Batch, dict[str, float]]:
+def _gather(
+    bus: RunBus,
+    cfg: RunConfig,
+    version: int,
+    inbox: Inbox,
+    epoch: int,
+    issuer: Issuer,
+    held: frozenset[str] = frozenset(),
+    held_entries: frozenset[str] = frozenset(),
+    known: dict[int, str] | None = None,
+) -> tuple[Batch, dict[str, float]]:
     """Block until B fresh groups are in; settle the rest as they come. `held`, `held_entries`:
     the groups and entries of versions still being published (trained, not yet committed)."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
@@ -286,8 +366,17 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, inbox: Inbox, epoch: int,
 
     def pulse() -> tuple[int, ...]:  # what moves when the run makes progress
         c = bus.counters()
-        return (c["prompts_issued"], c["generated"], c["scored"], c["groups_used"], c["groups_stale"],
-                c["groups_failed"], c["prompts_dead"], c["samples_dead"], batch.n_groups)
+        return (
+            c["prompts_issued"],
+            c["generated"],
+            c["scored"],
+            c["groups_used"],
+            c["groups_stale"],
+            c["groups_failed"],
+            c["prompts_dead"],
+            c["samples_dead"],
+            batch.n_groups,
+        )
 
     issuer.gathered = (0, 0)
     last_pulse, moved_at = pulse(), time.monotonic()
@@ -301,7 +390,14 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, inbox: Inbox, epoch: int,
             if now_pulse != last_pulse:
                 last_pulse, moved_at = now_pulse, time.monotonic()
             elif time.monotonic() - moved_at > cfg.pipeline.stall_timeout_s:
-                raise _stalled(bus, cfg, version, batch.n_groups, B if S is None else S, time.monotonic() - moved_at)
+                raise _stalled(
+                    bus,
+                    cfg,
+                    version,
+                    batch.n_groups,
+                    B if S is None else S,
+                    time.monotonic() - moved_at,
+                )
             continue
         moved_at = time.monotonic()
         consumed = bus.consumed([g["group_id"] for _, g in got])
@@ -332,24 +428,47 @@ def _gather(bus: RunBus, cfg: RunConfig, version: int, inbox: Inbox, epoch: int,
     if S is not None:
         short = max(0, S - len(batch.used))
         if short:
-            log.warning("version %d: %d groups consumed, only %d with reward variance (buffer.min_signal_groups %d, "
-                        "buffer.max_gather_groups %d); training on those", version, batch.n_groups,
-                        len(batch.used), S, limit)
-        extra = {"buffer/signal_groups": float(len(batch.used)), "buffer/signal_shortfall_groups": float(short)}
-    return batch, {"timing/buffer_wait_s": time.perf_counter() - t0, "buffer/pending_rescans": float(inbox.rescans),
-                   **extra, **{f"buffer/{k}_samples": float(v) for k, v in dropped.items()}}
+            log.warning(
+                "version %d: %d groups consumed, only %d with reward variance (buffer.min_signal_groups %d, "
+                "buffer.max_gather_groups %d); training on those",
+                version,
+                batch.n_groups,
+                len(batch.used),
+                S,
+                limit,
+            )
+        extra = {
+            "buffer/signal_groups": float(len(batch.used)),
+            "buffer/signal_shortfall_groups": float(short),
+        }
+    return batch, {
+        "timing/buffer_wait_s": time.perf_counter() - t0,
+        "buffer/pending_rescans": float(inbox.rescans),
+        **extra,
+        **{f"buffer/{k}_samples": float(v) for k, v in dropped.items()},
+    }
 
 
 def _check_failures(bus: RunBus, cfg: RunConfig) -> None:
     c = bus.counters()
-    if c["scored"] >= cfg.task.prompts_per_iteration * cfg.rollout.samples_per_prompt and \
-            c["score_failed"] / c["scored"] > cfg.reward.max_failed_fraction:
-        raise DataError(f"reward: {c['score_failed']} of {c['scored']} scored samples failed "
-                        f"(> reward.max_failed_fraction {cfg.reward.max_failed_fraction}); see the scorers' logs")
+    if (
+        c["scored"] >= cfg.task.prompts_per_iteration * cfg.rollout.samples_per_prompt
+        and c["score_failed"] / c["scored"] > cfg.reward.max_failed_fraction
+    ):
+        raise DataError(
+            f"reward: {c['score_failed']} of {c['scored']} scored samples failed "
+            f"(> reward.max_failed_fraction {cfg.reward.max_failed_fraction}); see the scorers' logs"
+        )
 
 
-def _train(cfg: RunConfig, model, opt, counters, samples, version: int, state_dir: Path, out_dir: Path) -> dict[str, float]:
-    from moerl.components.policy_update.trainer import _save_state, run_policy_update, train_on_batch
+def _train(
+    cfg: RunConfig, model, opt, counters, samples, version: int, state_dir: Path, out_dir: Path
+) -> dict[str, float]:
+    from moerl.components.policy_update.trainer import (
+        _save_state,
+        run_policy_update,
+        train_on_batch,
+    )
 
     t0 = time.perf_counter()
     if cfg.trainer.on_mesh:  # ranks load and save through files
@@ -358,8 +477,11 @@ def _train(cfg: RunConfig, model, opt, counters, samples, version: int, state_di
         metrics = run_policy_update(cfg, batch_path, state_dir, out_dir, version)
     else:
         torch.manual_seed(cfg.trainer.seed + version)
-        metrics = train_on_batch(model, opt, counters, samples, cfg, seed=cfg.trainer.seed + version) if samples \
+        metrics = (
+            train_on_batch(model, opt, counters, samples, cfg, seed=cfg.trainer.seed + version)
+            if samples
             else {"train/steps": 0.0, "train/skipped_steps": 0.0}
+        )
         counters.version += 1
         _save_state(model, opt, counters, state_dir, out_dir)
     metrics["train/empty_batch"] = float(not samples)
@@ -371,31 +493,42 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     from moerl.components.policy_update.trainer import _load_state
     from moerl.components.publish_checkpoint.publisher import Job, Publisher
     from moerl.components.publish_checkpoint.stage import prepare_resume
-
     from moerl.provenance import stage_start
 
     stage_start(cfg, CONSUMER, run_id)  # records where it runs; enforces `require:`
-    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id, cfg.units.visibility_timeout_s,
-                 cfg.units.max_attempts)
+    bus = RunBus(
+        connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username),
+        run_id,
+        cfg.units.visibility_timeout_s,
+        cfg.units.max_attempts,
+    )
     bus.ensure_groups()
     abandoned = bus.failed()
     if abandoned:
-        raise DataError(f"trainer: run {run_id} was abandoned ({abandoned}); start a new run or resume it with a "
-                        "new pipeline run")
+        raise DataError(
+            f"trainer: run {run_id} was abandoned ({abandoned}); start a new run or resume it with a "
+            "new pipeline run"
+        )
     # the run's one trainer from here on: any older trainer still running is fenced off
     epoch = bus.claim_trainer(f"{socket.gethostname()}/{os.getpid()}")
-    tiers = run_tiers(cfg.checkpoint, run_id, epoch)  # every tier write and `latest` move fenced by the epoch
+    tiers = run_tiers(
+        cfg.checkpoint, run_id, epoch
+    )  # every tier write and `latest` move fenced by the epoch
     # a version servable but not durable is promoted, if it is the one the servable pointer names
     # (a complete cache-tier copy that no pointer names is another writer's, and is dropped)
     ptr = bus.servable()
     latest = tiers.recover(servable=None if ptr is None else (ptr.version, ptr.manifest_sha256))
     if latest is None:
-        raise CheckpointError(f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "
-                              "init_policy publishes version 0 first")
+        raise CheckpointError(
+            f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "
+            "init_policy publishes version 0 first"
+        )
     durable = _check_durable(bus, cfg, run_id)
     _reconcile(bus, cfg, run_id, latest, epoch)
     # engines serve what this trainer continues from (a lost servable version is rolled back)
-    bus.set_servable(epoch, latest, version_uri(tiers.durable, latest), tiers.durable.manifest(latest).sha256())
+    bus.set_servable(
+        epoch, latest, version_uri(tiers.durable, latest), tiers.durable.manifest(latest).sha256()
+    )
     uri = tracking.resolve_uri(cfg.tracking)
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
     state_dir = work / f"v{latest}"
@@ -419,26 +552,47 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
         known[p.version] = p.manifest_sha256  # before any engine can serve it
         pbus.set_servable(epoch, p.version, p.uri, p.manifest_sha256)
 
-    committed = [latest]  # the last version this trainer committed (the publisher's thread moves it)
+    committed = [
+        latest
+    ]  # the last version this trainer committed (the publisher's thread moves it)
 
     def commit(job: Job) -> None:
         ctx, p = job.context, job.policy
-        if job.metrics.get("weights/cache_tier_failed"):  # published to S3 first: counted where operators look
+        if job.metrics.get(
+            "weights/cache_tier_failed"
+        ):  # published to S3 first: counted where operators look
             pbus.incr(cache_tier_failed=1)
-        if not pbus.commit_version(epoch, job.version, p.uri, p.manifest_sha256, ctx["entries"], ctx["groups"],
-                                   **ctx["counts"]):
+        if not pbus.commit_version(
+            epoch,
+            job.version,
+            p.uri,
+            p.manifest_sha256,
+            ctx["entries"],
+            ctx["groups"],
+            **ctx["counts"],
+        ):
             reg = pbus.registry()
-            raise CheckpointError(f"trainer: the commit of version {job.version} was refused: the registry "
-                                  f"already holds version {reg.version if reg else '?'}, so another trainer "
-                                  "committed it; stopping")
+            raise CheckpointError(
+                f"trainer: the commit of version {job.version} was refused: the registry "
+                f"already holds version {reg.version if reg else '?'}, so another trainer "
+                "committed it; stopping"
+            )
         committed[0] = job.version
         if durable:  # the commit survives a crash or failover of Valkey before anyone acts on it
-            local, reps = pbus.wait_durable(cfg.valkey.wait_aof_replicas, cfg.valkey.wait_aof_timeout_s)
+            local, reps = pbus.wait_durable(
+                cfg.valkey.wait_aof_replicas, cfg.valkey.wait_aof_timeout_s
+            )
             if local < 1 or reps < cfg.valkey.wait_aof_replicas:
                 pbus.incr(commits_not_durable=1)
-                log.warning("the commit of version %d is not yet durable after %.0f s (fsynced locally: %d, "
-                            "replicas: %d of %d)", job.version, cfg.valkey.wait_aof_timeout_s, local, reps,
-                            cfg.valkey.wait_aof_replicas)
+                log.warning(
+                    "the commit of version %d is not yet durable after %.0f s (fsynced locally: %d, "
+                    "replicas: %d of %d)",
+                    job.version,
+                    cfg.valkey.wait_aof_timeout_s,
+                    local,
+                    reps,
+                    cfg.valkey.wait_aof_replicas,
+                )
 
     publisher = Publisher(cfg, run_id, on_servable=servable, on_durable=commit, epoch=epoch)
 
@@ -450,12 +604,21 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             if job.src != state_dir:
                 shutil.rmtree(job.src, ignore_errors=True)
 
-    issuer = Issuer(cfg, RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id), version_ref, epoch)
+    issuer = Issuer(
+        cfg,
+        RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id),
+        version_ref,
+        epoch,
+    )
     issuer.start()
     t_start, busy = time.perf_counter(), 0.0
     c0 = bus.counters()
-    last = {"t": t_start, "tokens": c0["tokens_generated"], "generated": c0["generated"],
-            "consumed": c0["trained"] + c0["filtered"]}
+    last = {
+        "t": t_start,
+        "tokens": c0["tokens_generated"],
+        "generated": c0["generated"],
+        "consumed": c0["trained"] + c0["filtered"],
+    }
     try:
         inbox = Inbox(bus)
         for version in range(latest, cfg.pipeline.versions):
@@ -466,7 +629,9 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             _recommit(bus, cfg, run_id, committed[0], epoch)
             for v in [v for v in known if v < version - cfg.buffer.max_staleness]:  # bounded
                 known.pop(v, None)
-            batch, metrics = _gather(bus, cfg, version, inbox, epoch, issuer, held, held_entries, dict(known))
+            batch, metrics = _gather(
+                bus, cfg, version, inbox, epoch, issuer, held, held_entries, dict(known)
+            )
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()
             samples = train_samples(batch.used, cfg.buffer)
@@ -475,13 +640,22 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             n_used = sum(len(g) for g in batch.used)
             n_filtered = sum(len(g) for g in batch.groups) - n_used
             counts = {"trained": n_used, "filtered": n_filtered, "groups_used": batch.n_groups}
-            meta = {"groups": json.dumps(batch.group_ids), "entries": json.dumps(batch.entry_ids),
-                    "counts": json.dumps(counts), **{k: str(v) for k, v in bus.positions().items()}}
-            bus.check_epoch(epoch)  # a superseded trainer must not publish (the store refuses a second v+1 too)
+            meta = {
+                "groups": json.dumps(batch.group_ids),
+                "entries": json.dumps(batch.entry_ids),
+                "counts": json.dumps(counts),
+                **{k: str(v) for k, v in bus.positions().items()},
+            }
+            bus.check_epoch(
+                epoch
+            )  # a superseded trainer must not publish (the store refuses a second v+1 too)
             # off the critical path: the publisher makes it servable, then durable, then commits
             metrics["weights/trainer_stall_s"] = publisher.submit(
-                version + 1, out_dir, meta, context={"entries": batch.entry_ids, "groups": batch.group_ids,
-                                                     "counts": counts})
+                version + 1,
+                out_dir,
+                meta,
+                context={"entries": batch.entry_ids, "groups": batch.group_ids, "counts": counts},
+            )
             version_ref[0] = version + 1
             busy += time.perf_counter() - t_busy
             state_dir = out_dir
@@ -492,27 +666,43 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             metrics["policy/version"] = float(version)
             metrics["reward/failed_samples"] = metrics["buffer/failed_samples"]
             now = time.perf_counter()
-            cur = {"t": now, "tokens": metrics["async/tokens_generated"], "generated": metrics["async/generated"],
-                   "consumed": metrics["async/trained"] + metrics["async/filtered"]}
+            cur = {
+                "t": now,
+                "tokens": metrics["async/tokens_generated"],
+                "generated": metrics["async/generated"],
+                "consumed": metrics["async/trained"] + metrics["async/filtered"],
+            }
             dt = max(now - last["t"], 1e-9)
             metrics["throughput/rollout_tokens_per_s"] = (cur["tokens"] - last["tokens"]) / dt
             metrics["async/producer_samples_per_s"] = (cur["generated"] - last["generated"]) / dt
             metrics["async/consumer_samples_per_s"] = (cur["consumed"] - last["consumed"]) / dt
             last = cur
             tracking.log_metrics(uri, run_id, version, metrics)
-            bus.heartbeat(CONSUMER, busy_s=busy, wall_s=time.perf_counter() - t_start, version=float(version + 1),
-                          reward_mean=metrics["reward/mean"], loss=metrics.get("train/loss", 0.0))
+            bus.heartbeat(
+                CONSUMER,
+                busy_s=busy,
+                wall_s=time.perf_counter() - t_start,
+                version=float(version + 1),
+                reward_mean=metrics["reward/mean"],
+                loss=metrics.get("train/loss", 0.0),
+            )
         publisher.drain()  # the last version durable and committed before the run is done
         published()
         # the run's final counters, after the last commit moved them: the values logged with the
         # last version were read before its groups were committed, one version short of the
         # balance (generated - duplicates = trained + filtered + stale_dropped + failed +
         # samples_dead). Same step, later timestamp: MLflow's latest value is this one.
-        tracking.log_metrics(uri, run_id, cfg.pipeline.versions - 1, _async_metrics(bus, t_start, busy))
+        tracking.log_metrics(
+            uri, run_id, cfg.pipeline.versions - 1, _async_metrics(bus, t_start, busy)
+        )
         policy = pbus.registry()
         bus.set_done()
-        bus.expire_run(cfg.valkey.finished_ttl_s)  # bounded state: a shared Valkey forgets finished runs
-        return PolicyVersion(version=policy.version, uri=policy.uri, manifest_sha256=policy.manifest_sha256)
+        bus.expire_run(
+            cfg.valkey.finished_ttl_s
+        )  # bounded state: a shared Valkey forgets finished runs
+        return PolicyVersion(
+            version=policy.version, uri=policy.uri, manifest_sha256=policy.manifest_sha256
+        )
     finally:
         publisher.close()
         issuer.stop_event.set()
@@ -530,7 +720,9 @@ def _async_metrics(bus: RunBus, t_start: float, busy: float) -> dict[str, float]
     for name, st in bus.stats().items():
         if name != CONSUMER and st.get("wall_s"):
             out[f"async/busy_fraction/{name}"] = st.get("busy_s", 0.0) / st["wall_s"]
-        if st.get("first_sample_s"):  # a rollout worker's start -> its first generated group (fast start)
+        if st.get(
+            "first_sample_s"
+        ):  # a rollout worker's start -> its first generated group (fast start)
             out[f"async/first_sample_s/{name}"] = st["first_sample_s"]
         if st.get("engine_load_s"):  # its last engine's load (the early engine's, on dummy weights)
             out[f"async/engine_load_s/{name}"] = st["engine_load_s"]

@@ -51,8 +51,15 @@ class Job:
 
 
 class Publisher:
-    def __init__(self, cfg: RunConfig, run_id: str, on_servable: Callable[[PolicyVersion], None],
-                 on_durable: Callable[[Job], None], exclusive: bool = True, epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_id: str,
+        on_servable: Callable[[PolicyVersion], None],
+        on_durable: Callable[[Job], None],
+        exclusive: bool = True,
+        epoch: int | None = None,
+    ) -> None:
         """`epoch`: the trainer's (`RunBus.claim_trainer`): every tier write and `latest` move is
         fenced by it, so a replaced trainer's publisher is refused (`moerl.store.fence`)."""
         self.cfg, self.run_id, self.exclusive, self.epoch = cfg, run_id, exclusive, epoch
@@ -66,7 +73,9 @@ class Publisher:
         self._thread.start()
 
     # -- the trainer's side ---------------------------------------------------------------
-    def submit(self, version: int, src: Path, meta: dict[str, str], context: dict | None = None) -> float:
+    def submit(
+        self, version: int, src: Path, meta: dict[str, str], context: dict | None = None
+    ) -> float:
         """Hand `version` (the files under `src`, left in place until it is durable) over;
         returns the seconds waited for a free slot (the stall)."""
         t0 = time.perf_counter()
@@ -98,7 +107,9 @@ class Publisher:
             while self._in_flight:
                 self._raise()
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"publisher: {len(self._in_flight)} versions still unpublished")
+                    raise TimeoutError(
+                        f"publisher: {len(self._in_flight)} versions still unpublished"
+                    )
                 self._lock.wait(0.2)
             self._raise()
 
@@ -116,13 +127,29 @@ class Publisher:
 
         while (job := self._q.get()) is not None:
             try:
-                manifest, policy, metrics = publish_servable(self.cfg, self.run_id, job.src, job.version, job.meta,
-                                                             self.exclusive, self.epoch)
+                manifest, policy, metrics = publish_servable(
+                    self.cfg,
+                    self.run_id,
+                    job.src,
+                    job.version,
+                    job.meta,
+                    self.exclusive,
+                    self.epoch,
+                )
                 metrics["weights/published_to_servable_s"] = time.perf_counter() - job.handed
                 self.on_servable(policy)
-                metrics.update(publish_durable(self.cfg, self.run_id, job.src, manifest, self.exclusive,
-                                               started=job.handed, already=not metrics["weights/cache_tier"],
-                                               epoch=self.epoch))
+                metrics.update(
+                    publish_durable(
+                        self.cfg,
+                        self.run_id,
+                        job.src,
+                        manifest,
+                        self.exclusive,
+                        started=job.handed,
+                        already=not metrics["weights/cache_tier"],
+                        epoch=self.epoch,
+                    )
+                )
                 job.policy, job.metrics = policy, metrics
                 self.on_durable(job)
             except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
@@ -135,5 +162,9 @@ class Publisher:
                 self._in_flight.remove(job)
                 self._finished.append(job)
                 self._lock.notify_all()
-            log.info("version %d durable (servable after %.2f s, durable after %.2f s)", job.version,
-                     metrics["weights/published_to_servable_s"], metrics["weights/published_to_durable_s"])
+            log.info(
+                "version %d durable (servable after %.2f s, durable after %.2f s)",
+                job.version,
+                metrics["weights/published_to_servable_s"],
+                metrics["weights/published_to_durable_s"],
+            )

@@ -30,8 +30,10 @@ TAG_MANIFEST = "moerl.manifest_sha256"
 TAG_REWARD = "moerl.final_reward"
 TAG_CONFIG_HASH = "moerl.config_hash"
 TAG_RUN = "moerl.run_id"
-REF = re.compile(r"^registry:(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})(?:@(?P<alias>[A-Za-z0-9_-]{1,64})"
-                 r"|/(?P<version>[0-9]{1,9}))$")  # what moerl.config.WARM_START_PATTERN admits
+REF = re.compile(
+    r"^registry:(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})(?:@(?P<alias>[A-Za-z0-9_-]{1,64})"
+    r"|/(?P<version>[0-9]{1,9}))$"
+)  # what moerl.config.WARM_START_PATTERN admits
 _IN_STORE = re.compile(r"^(?P<root>.+)/runs/(?P<run_id>[^/]+)/versions/v(?P<version>\d{6,})$")
 
 
@@ -39,8 +41,10 @@ def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
     """(name, alias, version) of `registry:<name>@<alias>` or `registry:<name>/<version>`."""
     m = REF.match(ref)
     if not m:
-        raise ConfigError(f"model.warm_start: {ref!r} is not none, previous, registry:<name>@<alias> or "
-                          "registry:<name>/<version>")
+        raise ConfigError(
+            f"model.warm_start: {ref!r} is not none, previous, registry:<name>@<alias> or "
+            "registry:<name>/<version>"
+        )
     return m.group("name"), m.group("alias"), m.group("version")
 
 
@@ -80,27 +84,60 @@ def register_final(cfg, run_id: str, final_uri: str) -> str | None:
         return None
     m = _IN_STORE.match(final_uri)
     if not m:
-        raise ConfigError(f"tracking.registry_name: the final checkpoint {final_uri!r} is not a version in a store")
+        raise ConfigError(
+            f"tracking.registry_name: the final checkpoint {final_uri!r} is not a version in a store"
+        )
     manifest = run_store(cfg.checkpoint, m.group("run_id")).manifest(int(m.group("version")))
-    version = register_policy(tracking.resolve_uri(cfg.tracking), cfg.tracking.registry_name, run_id, final_uri,
-                              manifest.to_json(), manifest.sha256(), config_to_json(cfg))
-    print(f"[moerl] registered the final version {final_uri} as {cfg.tracking.registry_name}/{version} in MLflow's "
-          "model registry", flush=True)
+    version = register_policy(
+        tracking.resolve_uri(cfg.tracking),
+        cfg.tracking.registry_name,
+        run_id,
+        final_uri,
+        manifest.to_json(),
+        manifest.sha256(),
+        config_to_json(cfg),
+    )
+    print(
+        f"[moerl] registered the final version {final_uri} as {cfg.tracking.registry_name}/{version} in MLflow's "
+        "model registry",
+        flush=True,
+    )
     return version
 
 
-def register_policy(tracking_uri: str, name: str, run_id: str, version_uri: str, manifest_json: str,
-                    manifest_sha256: str, config_json: str) -> str:
+def register_policy(
+    tracking_uri: str,
+    name: str,
+    run_id: str,
+    version_uri: str,
+    manifest_json: str,
+    manifest_sha256: str,
+    config_json: str,
+) -> str:
     """Register the run's final version as a new version of `name`; returns the registry version."""
     from moerl import tracking
 
     if not _IN_STORE.match(version_uri):
-        raise ConfigError(f"tracking.registry_name: {version_uri!r} is not a version in a checkpoint store")
+        raise ConfigError(
+            f"tracking.registry_name: {version_uri!r} is not a version in a checkpoint store"
+        )
     reward = tracking._client(tracking_uri).get_run(run_id).data.metrics.get("reward/mean")
     version = tracking.register_model_version(
-        tracking_uri, name, "moerl policy (GRPO on an MoE model)", run_id, version_uri, manifest_json, "policy",
-        {TAG_VERSION_URI: version_uri, TAG_MANIFEST: manifest_sha256, TAG_CONFIG_HASH: config_hash(config_json),
-         TAG_RUN: run_id, TAG_REWARD: "" if reward is None else f"{reward:.6f}"})
+        tracking_uri,
+        name,
+        "moerl policy (GRPO on an MoE model)",
+        run_id,
+        version_uri,
+        manifest_json,
+        "policy",
+        {
+            TAG_VERSION_URI: version_uri,
+            TAG_MANIFEST: manifest_sha256,
+            TAG_CONFIG_HASH: config_hash(config_json),
+            TAG_RUN: run_id,
+            TAG_REWARD: "" if reward is None else f"{reward:.6f}",
+        },
+    )
     tracking.set_tags(tracking_uri, run_id, {"moerl.registered_policy": f"{name}/{version}"})
     return version
 
@@ -113,16 +150,32 @@ def resolve_policy(tracking_uri: str, ref: str) -> RegisteredPolicy:
     name, alias, version = parse_ref(ref)
     client = MlflowClient(tracking_uri)
     try:
-        mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+        mv = (
+            client.get_model_version_by_alias(name, alias)
+            if alias
+            else client.get_model_version(name, version)
+        )
     except MlflowException as err:
-        hint = (f"set the alias on a version in the MLflow UI (Models > {name} > a version > Aliases: {alias})"
-                if alias else "name an existing version")
-        raise ConfigError(f"model.warm_start: {ref} is not in the model registry at {tracking_uri} "
-                          f"({str(err).splitlines()[0][:200]}); {hint}") from None
+        hint = (
+            f"set the alias on a version in the MLflow UI (Models > {name} > a version > Aliases: {alias})"
+            if alias
+            else "name an existing version"
+        )
+        raise ConfigError(
+            f"model.warm_start: {ref} is not in the model registry at {tracking_uri} "
+            f"({str(err).splitlines()[0][:200]}); {hint}"
+        ) from None
     tags = mv.tags or {}
     missing = [t for t in (TAG_VERSION_URI, TAG_MANIFEST) if t not in tags]
     if missing or not _IN_STORE.match(tags.get(TAG_VERSION_URI, "")):
-        raise ConfigError(f"model.warm_start: {name}/{mv.version} was not registered by moerl (no usable "
-                          f"{', '.join(missing) or TAG_VERSION_URI} tag); register policies with tracking.registry_name")
-    return RegisteredPolicy(name=name, registry_version=str(mv.version), version_uri=tags[TAG_VERSION_URI],
-                            manifest_sha256=tags[TAG_MANIFEST], run_id=tags.get(TAG_RUN, mv.run_id or ""))
+        raise ConfigError(
+            f"model.warm_start: {name}/{mv.version} was not registered by moerl (no usable "
+            f"{', '.join(missing) or TAG_VERSION_URI} tag); register policies with tracking.registry_name"
+        )
+    return RegisteredPolicy(
+        name=name,
+        registry_version=str(mv.version),
+        version_uri=tags[TAG_VERSION_URI],
+        manifest_sha256=tags[TAG_MANIFEST],
+        run_id=tags.get(TAG_RUN, mv.run_id or ""),
+    )

@@ -48,9 +48,11 @@ from moerl.store.manifest import Manifest
 from moerl.store.runs import ENGINE_EXCLUDE, run_store, version_uri
 from moerl.store.tiers import run_tiers
 
-
 FINAL_CHECKPOINT_TAG = "moerl.final_checkpoint"
-WARM_START_RUN_TAG, WARM_START_CHECKPOINT_TAG = "moerl.warm_start.run_id", "moerl.warm_start.checkpoint"
+WARM_START_RUN_TAG, WARM_START_CHECKPOINT_TAG = (
+    "moerl.warm_start.run_id",
+    "moerl.warm_start.checkpoint",
+)
 _IN_STORE = re.compile(r"^runs/(?P<run_id>[^/]+)/versions/v(?P<version>\d{6,})$")
 
 
@@ -81,12 +83,16 @@ def find_previous_checkpoint(cfg: RunConfig, current_run_id: str) -> PreviousChe
         return None
     prefix, token = _store_root(cfg) + "/", None
     while True:
-        runs = client.search_runs([exp.experiment_id], max_results=200, page_token=token,
-                                  filter_string=f"attributes.status = 'FINISHED' and tags.`{FINAL_CHECKPOINT_TAG}` LIKE '%'",
-                                  order_by=["attributes.end_time DESC", "attributes.start_time DESC"])
+        runs = client.search_runs(
+            [exp.experiment_id],
+            max_results=200,
+            page_token=token,
+            filter_string=f"attributes.status = 'FINISHED' and tags.`{FINAL_CHECKPOINT_TAG}` LIKE '%'",
+            order_by=["attributes.end_time DESC", "attributes.start_time DESC"],
+        )
         for run in runs:
             uri = run.data.tags.get(FINAL_CHECKPOINT_TAG, "")
-            m = _IN_STORE.match(uri[len(prefix):]) if uri.startswith(prefix) else None
+            m = _IN_STORE.match(uri[len(prefix) :]) if uri.startswith(prefix) else None
             if m and run.info.run_id != current_run_id:
                 return PreviousCheckpoint(run.info.run_id, uri, int(m.group("version")))
         token = runs.token
@@ -103,18 +109,27 @@ def fetch_warm_start(cfg: RunConfig, prev: PreviousCheckpoint, model_dir: Path) 
 
     store = run_store(cfg.checkpoint, prev.run_id)
     if version_uri(store, prev.version) != prev.uri:  # the tag and the store must name one version
-        raise CheckpointError(f"model.warm_start: run {prev.run_id}'s {FINAL_CHECKPOINT_TAG} {prev.uri!r} is not "
-                              f"{version_uri(store, prev.version)!r}")
+        raise CheckpointError(
+            f"model.warm_start: run {prev.run_id}'s {FINAL_CHECKPOINT_TAG} {prev.uri!r} is not "
+            f"{version_uri(store, prev.version)!r}"
+        )
     try:
         with tempfile.TemporaryDirectory(prefix="moerl-warm-") as tmp:
             local = store.fetch(prev.version, Path(tmp), exclude=ENGINE_EXCLUDE)
             if not (local / "config.json").is_file() or not any(local.glob("*.safetensors")):
                 raise CheckpointError("it holds no config.json and *.safetensors weights")
-            shutil.copytree(local, model_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST, MARKER))
+            shutil.copytree(
+                local,
+                model_dir,
+                dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns(MANIFEST, MARKER),
+            )
     except CheckpointError as e:
-        raise CheckpointError(f"model.warm_start=previous: the final checkpoint {prev.uri} of run {prev.run_id} "
-                              f"cannot be used: {e}. To start from another run, delete that run's "
-                              f"{FINAL_CHECKPOINT_TAG} tag in MLflow; to start fresh, set model.warm_start: none") from e
+        raise CheckpointError(
+            f"model.warm_start=previous: the final checkpoint {prev.uri} of run {prev.run_id} "
+            f"cannot be used: {e}. To start from another run, delete that run's "
+            f"{FINAL_CHECKPOINT_TAG} tag in MLflow; to start fresh, set model.warm_start: none"
+        ) from e
     return model_dir
 
 
@@ -126,16 +141,27 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
         return _warm_start_from_registry(cfg, model_dir, run_id)
     if cfg.model.warm_start == "previous":
         if not run_id:
-            raise ValueError("prepare_initial: model.warm_start=previous needs run_id (the current MLflow run)")
+            raise ValueError(
+                "prepare_initial: model.warm_start=previous needs run_id (the current MLflow run)"
+            )
         prev = find_previous_checkpoint(cfg, run_id)
         if prev is not None:
             fetch_warm_start(cfg, prev, model_dir)
-            tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id,
-                              {WARM_START_RUN_TAG: prev.run_id, WARM_START_CHECKPOINT_TAG: prev.uri})
-            print(f"[moerl] warm start: version 0 is {prev.uri} (the final checkpoint of run {prev.run_id})", flush=True)
+            tracking.set_tags(
+                tracking.resolve_uri(cfg.tracking),
+                run_id,
+                {WARM_START_RUN_TAG: prev.run_id, WARM_START_CHECKPOINT_TAG: prev.uri},
+            )
+            print(
+                f"[moerl] warm start: version 0 is {prev.uri} (the final checkpoint of run {prev.run_id})",
+                flush=True,
+            )
             return model_dir
-        print(f"[moerl] warm start: no FINISHED run in experiment {cfg.tracking.experiment!r} has a final checkpoint "
-              f"under {_store_root(cfg)}; starting as model.warm_start: none", flush=True)
+        print(
+            f"[moerl] warm start: no FINISHED run in experiment {cfg.tracking.experiment!r} has a final checkpoint "
+            f"under {_store_root(cfg)}; starting as model.warm_start: none",
+            flush=True,
+        )
     if cfg.model.path:
         check_checkpoint(cfg.model.path)
         shutil.copytree(cfg.model.path, model_dir, dirs_exist_ok=True)
@@ -161,18 +187,26 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
     if cfg.model.path and not Path(cfg.model.path).joinpath("config.json").is_file():
         raise CheckpointError(f"model.path {cfg.model.path} has no config.json readable here")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))  # unique per writer on the node
+    tmp = Path(
+        tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent)
+    )  # unique per writer on the node
     try:
         if cfg.model.path:
             for f in Path(cfg.model.path).iterdir():
-                if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.endswith(".index.json"):
+                if (
+                    f.is_file()
+                    and not f.name.endswith(WEIGHT_SUFFIXES)
+                    and not f.name.endswith(".index.json")
+                ):
                     shutil.copy2(f, tmp / f.name)
         else:
             build_tiny_model(cfg.model.tiny, tmp)  # a few MB; the engine ignores its weights
         (tmp / SKELETON_DONE).write_text("")  # last: a skeleton without it is incomplete
         try:
             os.replace(tmp, dest)
-        except OSError:  # a neighbour on this node finished first (a non-empty dest), or left a partial one
+        except (
+            OSError
+        ):  # a neighbour on this node finished first (a non-empty dest), or left a partial one
             if not dest.joinpath(SKELETON_DONE).is_file():
                 shutil.rmtree(dest, ignore_errors=True)
                 os.replace(tmp, dest)
@@ -188,24 +222,41 @@ def _warm_start_from_registry(cfg: RunConfig, model_dir: Path, run_id: str | Non
 
     reg = resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
     if reg.store_root.rstrip("/") != _store_root(cfg):
-        raise CheckpointError(f"model.warm_start: {cfg.model.warm_start} is {reg.version_uri}, outside this config's "
-                              f"checkpoint store {_store_root(cfg)}; set checkpoint.uri to {reg.store_root}")
+        raise CheckpointError(
+            f"model.warm_start: {cfg.model.warm_start} is {reg.version_uri}, outside this config's "
+            f"checkpoint store {_store_root(cfg)}; set checkpoint.uri to {reg.store_root}"
+        )
     found = run_store(cfg.checkpoint, reg.store_run_id).manifest(reg.store_version).sha256()
     if found != reg.manifest_sha256:
-        raise CheckpointError(f"model.warm_start: {cfg.model.warm_start} ({reg.name}/{reg.registry_version}) was "
-                              f"registered with manifest {reg.manifest_sha256}, but {reg.version_uri} now holds "
-                              f"{found}: the published version changed after it was registered")
-    fetch_warm_start(cfg, PreviousCheckpoint(reg.store_run_id, reg.version_uri, reg.store_version), model_dir)
+        raise CheckpointError(
+            f"model.warm_start: {cfg.model.warm_start} ({reg.name}/{reg.registry_version}) was "
+            f"registered with manifest {reg.manifest_sha256}, but {reg.version_uri} now holds "
+            f"{found}: the published version changed after it was registered"
+        )
+    fetch_warm_start(
+        cfg, PreviousCheckpoint(reg.store_run_id, reg.version_uri, reg.store_version), model_dir
+    )
     if run_id:
-        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id,
-                          {WARM_START_RUN_TAG: reg.store_run_id, WARM_START_CHECKPOINT_TAG: reg.version_uri,
-                           "moerl.warm_start.registered": f"{reg.name}/{reg.registry_version}"})
-    print(f"[moerl] warm start: version 0 is {reg.version_uri} ({cfg.model.warm_start} = "
-          f"{reg.name}/{reg.registry_version})", flush=True)
+        tracking.set_tags(
+            tracking.resolve_uri(cfg.tracking),
+            run_id,
+            {
+                WARM_START_RUN_TAG: reg.store_run_id,
+                WARM_START_CHECKPOINT_TAG: reg.version_uri,
+                "moerl.warm_start.registered": f"{reg.name}/{reg.registry_version}",
+            },
+        )
+    print(
+        f"[moerl] warm start: version 0 is {reg.version_uri} ({cfg.model.warm_start} = "
+        f"{reg.name}/{reg.registry_version})",
+        flush=True,
+    )
     return model_dir
 
 
-def prepare_resume(cfg: RunConfig, run_id: str, version: int, state_dir: str | Path) -> PolicyVersion:
+def prepare_resume(
+    cfg: RunConfig, run_id: str, version: int, state_dir: str | Path
+) -> PolicyVersion:
     """Lay out published `version` (weights + trainer/ state) as the trainer state a resumed
     run continues from. The copy is verified against the manifest on the way."""
     import tempfile
@@ -215,12 +266,18 @@ def prepare_resume(cfg: RunConfig, run_id: str, version: int, state_dir: str | P
     store = run_store(cfg.checkpoint, run_id)
     manifest = store.manifest(version)
     if not any(f.path.startswith(f"{TRAINER_DIR}/") for f in manifest.files) and version > 0:
-        raise CheckpointError(f"version {version} in {store.uri} has no {TRAINER_DIR}/ state (optimizer, counters); "
-                              "it cannot be resumed from")
+        raise CheckpointError(
+            f"version {version} in {store.uri} has no {TRAINER_DIR}/ state (optimizer, counters); "
+            "it cannot be resumed from"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         local = store.fetch(version, Path(tmp))
-        shutil.copytree(local, state_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST, MARKER))
-    return PolicyVersion(version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256())
+        shutil.copytree(
+            local, state_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST, MARKER)
+        )
+    return PolicyVersion(
+        version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256()
+    )
 
 
 def check_finite(state_dir: str | Path, version: int) -> None:
@@ -242,27 +299,53 @@ def check_finite(state_dir: str | Path, version: int) -> None:
                         raise CheckpointError(
                             f"refusing to publish version {version}: {rel} tensor {name!r} holds {bad} non-finite "
                             f"values (NaN/inf) of {t.numel()}; the update diverged, so nothing was uploaded and "
-                            "latest is unchanged (lower trainer.learning_rate, or resume from latest)")
+                            "latest is unchanged (lower trainer.learning_rate, or resume from latest)"
+                        )
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"refusing to publish version {version}: cannot read {rel} ({e})") from e
+            raise CheckpointError(
+                f"refusing to publish version {version}: cannot read {rel} ({e})"
+            ) from e
 
 
-def run_publish(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int,
-                meta: dict[str, str] | None = None, exclusive: bool = False) -> tuple[PolicyVersion, dict[str, float]]:
+def run_publish(
+    cfg: RunConfig,
+    run_id: str,
+    state_dir: str | Path,
+    version: int,
+    meta: dict[str, str] | None = None,
+    exclusive: bool = False,
+) -> tuple[PolicyVersion, dict[str, float]]:
     """`meta`: extra manifest labels (the async trainer records the groups a version trained on).
     `exclusive`: claim the version create-only (see `CheckpointStore.publish`)."""
     t0 = time.perf_counter()
     servable, policy, metrics = publish_servable(cfg, run_id, state_dir, version, meta, exclusive)
-    metrics.update(publish_durable(cfg, run_id, state_dir, servable, exclusive, started=t0,
-                                   already=not metrics["weights/cache_tier"]))
+    metrics.update(
+        publish_durable(
+            cfg,
+            run_id,
+            state_dir,
+            servable,
+            exclusive,
+            started=t0,
+            already=not metrics["weights/cache_tier"],
+        )
+    )
     metrics["timing/publish_checkpoint_s"] = metrics["weights/published_to_durable_s"]  # both tiers
-    metrics["weights/publish_mb_per_s"] = metrics["weights/publish_mb"] / max(metrics["timing/publish_checkpoint_s"], 1e-9)
+    metrics["weights/publish_mb_per_s"] = metrics["weights/publish_mb"] / max(
+        metrics["timing/publish_checkpoint_s"], 1e-9
+    )
     return policy, metrics
 
 
-def publish_servable(cfg: RunConfig, run_id: str, state_dir: str | Path, version: int,
-                     meta: dict[str, str] | None = None, exclusive: bool = False, epoch: int | None = None
-                     ) -> tuple[Manifest, PolicyVersion, dict[str, float]]:
+def publish_servable(
+    cfg: RunConfig,
+    run_id: str,
+    state_dir: str | Path,
+    version: int,
+    meta: dict[str, str] | None = None,
+    exclusive: bool = False,
+    epoch: int | None = None,
+) -> tuple[Manifest, PolicyVersion, dict[str, float]]:
     """The first copy of `version`: refused if not finite, then published to the cache tier
     (or, without one, straight to the durable store). The PolicyVersion names the durable URI
     the version has (or will have) and the manifest both tiers share. `epoch`: the trainer's,
@@ -272,31 +355,59 @@ def publish_servable(cfg: RunConfig, run_id: str, state_dir: str | Path, version
     check_finite(state_dir, version)  # before a byte is uploaded: `latest` stays where it is
     tiers = run_tiers(cfg.checkpoint, run_id, epoch)
     # the whole state: HF files for the engines, trainer/ for a resumed run
-    manifest = tiers.publish_servable(version, Path(state_dir), exclusive=exclusive,
-                                      meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()})
+    manifest = tiers.publish_servable(
+        version,
+        Path(state_dir),
+        exclusive=exclusive,
+        meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()},
+    )
     elapsed = time.perf_counter() - t0
-    policy = PolicyVersion(version=version, uri=version_uri(tiers.durable, version), manifest_sha256=manifest.sha256())
+    policy = PolicyVersion(
+        version=version, uri=version_uri(tiers.durable, version), manifest_sha256=manifest.sha256()
+    )
     cache_ok = tiers.cache is not None and tiers.cache_failed is None
     if tiers.cache is not None and not cache_ok:
-        print(f"[moerl] version {version}: the checkpoint cache tier failed ({tiers.cache_failed}); published to "
-              "the durable store first", flush=True)
-    return manifest, policy, {"weights/published_to_servable_s": elapsed, "weights/version": float(version),
-                              "weights/cache_tier": float(cache_ok),
-                              "weights/cache_tier_failed": float(tiers.cache is not None and not cache_ok),
-                              "weights/cache_tier_too_small": float(tiers.cache_too_small)}
+        print(
+            f"[moerl] version {version}: the checkpoint cache tier failed ({tiers.cache_failed}); published to "
+            "the durable store first",
+            flush=True,
+        )
+    return (
+        manifest,
+        policy,
+        {
+            "weights/published_to_servable_s": elapsed,
+            "weights/version": float(version),
+            "weights/cache_tier": float(cache_ok),
+            "weights/cache_tier_failed": float(tiers.cache is not None and not cache_ok),
+            "weights/cache_tier_too_small": float(tiers.cache_too_small),
+        },
+    )
 
 
-def publish_durable(cfg: RunConfig, run_id: str, state_dir: str | Path, manifest: Manifest,
-                    exclusive: bool = False, started: float | None = None, already: bool = False,
-                    epoch: int | None = None) -> dict[str, float]:
+def publish_durable(
+    cfg: RunConfig,
+    run_id: str,
+    state_dir: str | Path,
+    manifest: Manifest,
+    exclusive: bool = False,
+    started: float | None = None,
+    already: bool = False,
+    epoch: int | None = None,
+) -> dict[str, float]:
     """The durable copy under the servable copy's manifest; `latest` moves to it. `started`:
     when the version was handed over (perf_counter), for published -> durable. `already`: the
     servable copy was the durable one (no cache tier, or it failed)."""
     t0 = time.perf_counter()
     if not already:
-        run_tiers(cfg.checkpoint, run_id, epoch).publish_durable(manifest, Path(state_dir), exclusive=exclusive)
+        run_tiers(cfg.checkpoint, run_id, epoch).publish_durable(
+            manifest, Path(state_dir), exclusive=exclusive
+        )
     done = time.perf_counter()
     mb = sum(f.size for f in manifest.files) / 1e6
-    return {"timing/publish_checkpoint_s": done - t0, "weights/publish_mb": mb,
-            "weights/publish_mb_per_s": mb / max(done - t0, 1e-9),
-            "weights/published_to_durable_s": done - (started if started is not None else t0)}
+    return {
+        "timing/publish_checkpoint_s": done - t0,
+        "weights/publish_mb": mb,
+        "weights/publish_mb_per_s": mb / max(done - t0, 1e-9),
+        "weights/published_to_durable_s": done - (started if started is not None else t0),
+    }

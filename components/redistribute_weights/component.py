@@ -4,22 +4,28 @@ from typing import NamedTuple
 
 
 def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> NamedTuple(
-        "Redistributed", [("policy_json", str), ("metrics", dict)]):
+    "Redistributed", [("policy_json", str), ("metrics", dict)]
+):
     """Make the version in `policy_json` the one the next rollout serves: fetch it into the
     node-local checkpoint cache, verify it against its manifest, and point `serving.json` at
     it. Returns the PolicyVersion JSON and `timing/redistribute_weights_s`."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("redistribute_weights", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "redistribute_weights", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from collections import namedtuple
 
     from moerl.components.redistribute_weights.stage import run_redistribute
     from moerl.config import config_from_json
+    from moerl.provenance import stage_start
     from moerl.records import PolicyVersion
 
-    from moerl.provenance import stage_start
-
     cfg = config_from_json(config_json)
-    stage_start(cfg, "redistribute_weights", run_id, enforce=False)  # build-info and runtime probe on the run
+    stage_start(
+        cfg, "redistribute_weights", run_id, enforce=False
+    )  # build-info and runtime probe on the run
     policy, metrics = run_redistribute(cfg, run_id, PolicyVersion.model_validate_json(policy_json))
-    return namedtuple("Redistributed", ["policy_json", "metrics"])(policy.model_dump_json(), metrics)
+    return namedtuple("Redistributed", ["policy_json", "metrics"])(
+        policy.model_dump_json(), metrics
+    )

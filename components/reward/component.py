@@ -3,7 +3,9 @@
 from kfp.dsl import Artifact, Input, Output
 
 
-def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact], run_id: str = "") -> dict:
+def reward(
+    config_json: str, samples: Input[Artifact], scored: Output[Artifact], run_id: str = ""
+) -> dict:
     """Score every sample (`reward.kind`: its task's verifier, the registered reward model in
     batches, or both mixed; components/reward/stage.py).
 
@@ -14,12 +16,12 @@ def reward(config_json: str, samples: Input[Artifact], scored: Output[Artifact],
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("reward", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
-    from moerl.components.reward.stage import run_reward
+    enter_pod(
+        "reward", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    from moerl.components.reward.stage import load_model_scorer, run_reward
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
-
-    from moerl.components.reward.stage import load_model_scorer
 
     cfg = config_from_json(config_json)
     on_gpu = cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda"
@@ -40,7 +42,9 @@ def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("reward_scorer", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "reward_scorer", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.components.reward.worker import run_reward_scorer
     from moerl.config import config_from_json
 

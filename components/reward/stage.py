@@ -58,7 +58,7 @@ class ModelScorer:
         out: list[float | str] = []
         t0 = time.perf_counter()
         for i in range(0, len(samples), self.ref.max_batch):
-            batch = samples[i:i + self.ref.max_batch]
+            batch = samples[i : i + self.ref.max_batch]
             try:
                 got = self.model.score([s.prompt + s.response_text for s in batch], len(batch))
                 bad = next((v for v in got if not math.isfinite(v)), None)
@@ -84,8 +84,14 @@ def normalize(raw: list[float], how: str) -> list[float]:
 def open_pool(cfg: RewardConfig) -> SandboxPool:
     """The sandboxed pool the rule verifiers of `cfg` run in (one per scoring process)."""
     sb = cfg.sandbox
-    return SandboxPool(Limits(timeout_s=sb.sample_timeout_s, memory_mb=sb.memory_mb, workers=sb.workers,
-                              isolation=sb.isolation))
+    return SandboxPool(
+        Limits(
+            timeout_s=sb.sample_timeout_s,
+            memory_mb=sb.memory_mb,
+            workers=sb.workers,
+            isolation=sb.isolation,
+        )
+    )
 
 
 def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> list[float | str]:
@@ -98,7 +104,9 @@ def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> 
     out: list[float | str | None] = [None] * len(samples)
     calls, where = [], []
     for i, s in enumerate(samples):
-        if s.env_error is not None:  # the episode's environment failed: the sample is failed, not scored
+        if (
+            s.env_error is not None
+        ):  # the episode's environment failed: the sample is failed, not scored
             out[i] = f"environment: {s.env_error}"
             continue
         if s.env_reward is not None:  # a multi-turn episode scored by its environment's steps
@@ -115,8 +123,12 @@ def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> 
     return out  # type: ignore[return-value]
 
 
-def score(samples: list[Sample], cfg: RewardConfig, model: ModelScorer | None = None,
-          pool: SandboxPool | None = None) -> list[ScoredSample]:
+def score(
+    samples: list[Sample],
+    cfg: RewardConfig,
+    model: ModelScorer | None = None,
+    pool: SandboxPool | None = None,
+) -> list[ScoredSample]:
     """Score `samples`; rule verifiers run in `pool` (a pool opened for this call if None)."""
     if cfg.kind != "rules" and model is None:
         raise ValueError(f"reward.kind {cfg.kind} needs a loaded reward model")
@@ -137,8 +149,15 @@ def score(samples: list[Sample], cfg: RewardConfig, model: ModelScorer | None = 
         m = next(normed) if isinstance(m_raw, float) else None
         error = next((e for e in (rule, m_raw) if isinstance(e, str)), None)
         if error is not None:
-            out.append(ScoredSample(**s.model_dump(), reward=0.0, reward_failed=True, reward_error=error,
-                                    model_score=m_raw if isinstance(m_raw, float) else None))
+            out.append(
+                ScoredSample(
+                    **s.model_dump(),
+                    reward=0.0,
+                    reward_failed=True,
+                    reward_error=error,
+                    model_score=m_raw if isinstance(m_raw, float) else None,
+                )
+            )
             continue
         if cfg.kind == "rules":
             r = rule
@@ -160,16 +179,27 @@ def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
         "reward/exact_fraction": sum(r >= 1.0 for r in rewards) / n,
         "reward/failed_samples": float(sum(s.reward_failed for s in scored)),
         # verifiers cut off by the sandbox: past sandbox.sample_timeout_s, past sandbox.memory_mb
-        "reward/timeout_samples": float(sum((s.reward_error or "").startswith("timeout:") for s in scored)),
-        "reward/memory_samples": float(sum((s.reward_error or "").startswith("memory:") for s in scored)),
+        "reward/timeout_samples": float(
+            sum((s.reward_error or "").startswith("timeout:") for s in scored)
+        ),
+        "reward/memory_samples": float(
+            sum((s.reward_error or "").startswith("memory:") for s in scored)
+        ),
         # an environment that failed its episode (env/* in the rollout's metrics says how)
-        "reward/env_failed_samples": float(sum((s.reward_error or "").startswith("environment:") for s in scored)),
+        "reward/env_failed_samples": float(
+            sum((s.reward_error or "").startswith("environment:") for s in scored)
+        ),
     }
     model = [s.model_score for s in scored if s.model_score is not None]
     model_failed = sum((s.reward_error or "").startswith("reward model:") for s in scored)
     # the rest of the failures: a verifier that raised, returned no number, or crashed
-    metrics["reward/error_samples"] = metrics["reward/failed_samples"] - metrics["reward/timeout_samples"] - \
-        metrics["reward/memory_samples"] - metrics["reward/env_failed_samples"] - model_failed
+    metrics["reward/error_samples"] = (
+        metrics["reward/failed_samples"]
+        - metrics["reward/timeout_samples"]
+        - metrics["reward/memory_samples"]
+        - metrics["reward/env_failed_samples"]
+        - model_failed
+    )
     if model or model_failed:
         metrics["reward/model_failed_samples"] = float(model_failed)
     if model:
@@ -194,8 +224,12 @@ def load_model_scorer(cfg: RunConfig, run_id: str = "") -> ModelScorer | None:
     return scorer
 
 
-def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path: str | Path,
-               model: ModelScorer | None = None) -> dict[str, float]:
+def run_reward(
+    cfg: RewardConfig | RunConfig,
+    samples_path: str | Path,
+    out_path: str | Path,
+    model: ModelScorer | None = None,
+) -> dict[str, float]:
     """Score `samples_path` into `out_path`. Given the whole RunConfig, a reward model
     (`reward.kind` model or mixed) is resolved, fetched and loaded here."""
     if isinstance(cfg, RunConfig):
@@ -210,8 +244,10 @@ def run_reward(cfg: RewardConfig | RunConfig, samples_path: str | Path, out_path
     failed = metrics["reward/failed_samples"]
     if scored and failed / len(scored) > cfg.max_failed_fraction:
         first = next(s.reward_error for s in scored if s.reward_failed)
-        raise DataError(f"reward: {int(failed)} of {len(scored)} samples failed verification "
-                        f"(> reward.max_failed_fraction {cfg.max_failed_fraction}); first error: {first}")
+        raise DataError(
+            f"reward: {int(failed)} of {len(scored)} samples failed verification "
+            f"(> reward.max_failed_fraction {cfg.max_failed_fraction}); first error: {first}"
+        )
     write_records(out_path, scored)
     metrics["timing/reward_s"] = time.perf_counter() - t0
     return metrics

@@ -47,21 +47,34 @@ BATCH = 16
 EXIT_DRAINED = 75
 
 
-def score_group(samples: list[dict], cfg: RewardConfig, model: ModelScorer | None = None,
-                pool: SandboxPool | None = None) -> tuple[list[dict], int]:
+def score_group(
+    samples: list[dict],
+    cfg: RewardConfig,
+    model: ModelScorer | None = None,
+    pool: SandboxPool | None = None,
+) -> tuple[list[dict], int]:
     """Scored samples (dicts) and how many failed; a raising scorer fails them all."""
     try:
         scored = score([Sample.model_validate(s) for s in samples], cfg, model, pool)
     except Exception as err:  # noqa: BLE001 - counted as failed, never scored 0 silently
         log.error("scoring raised: %s: %s", type(err).__name__, err)
-        scored = [ScoredSample(**s, reward=0.0, reward_failed=True, reward_error=f"{type(err).__name__}: {err}")
-                  for s in samples]
+        scored = [
+            ScoredSample(
+                **s, reward=0.0, reward_failed=True, reward_error=f"{type(err).__name__}: {err}"
+            )
+            for s in samples
+        ]
     return [s.model_dump() for s in scored], sum(s.reward_failed for s in scored)
 
 
-def score_with_deadline(samples: list[dict], cfg: RewardConfig, model: ModelScorer | None = None,
-                        keepalive=None, every_s: float = 1.0,
-                        pool: SandboxPool | None = None) -> tuple[list[dict], int, bool]:
+def score_with_deadline(
+    samples: list[dict],
+    cfg: RewardConfig,
+    model: ModelScorer | None = None,
+    keepalive=None,
+    every_s: float = 1.0,
+    pool: SandboxPool | None = None,
+) -> tuple[list[dict], int, bool]:
     """`score_group` in a daemon thread, waited for at most `cfg.timeout_s`. Past it, every
     sample is failed with a timeout error and the third value is True: the thread cannot be
     stopped (a verifier that sleeps or loops forever), so the caller must end the process.
@@ -71,8 +84,11 @@ def score_with_deadline(samples: list[dict], cfg: RewardConfig, model: ModelScor
     `cfg.sandbox.sample_timeout_s` and `cfg.sandbox.memory_mb` on its own; this deadline is
     the bound on the whole group, reward-model inference included."""
     box: list = []
-    t = threading.Thread(target=lambda: box.append(score_group(samples, cfg, model, pool)), name="moerl-score",
-                         daemon=True)
+    t = threading.Thread(
+        target=lambda: box.append(score_group(samples, cfg, model, pool)),
+        name="moerl-score",
+        daemon=True,
+    )
     t.start()
     deadline = time.monotonic() + cfg.timeout_s
     while t.is_alive() and (left := deadline - time.monotonic()) > 0:
@@ -83,8 +99,14 @@ def score_with_deadline(samples: list[dict], cfg: RewardConfig, model: ModelScor
         scored, n_failed = box[0]
         return scored, n_failed, False
     err = f"timeout: scoring took longer than reward.timeout_s {cfg.timeout_s:g} s"
-    return [ScoredSample(**s, reward=0.0, reward_failed=True, reward_error=err).model_dump() for s in samples], \
-        len(samples), True
+    return (
+        [
+            ScoredSample(**s, reward=0.0, reward_failed=True, reward_error=err).model_dump()
+            for s in samples
+        ],
+        len(samples),
+        True,
+    )
 
 
 def _samples(group: dict) -> None:
@@ -98,9 +120,15 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
 
     on_gpu = cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda"
     stage_start(cfg, scorer, run_id, enforce=on_gpu)  # build-info and runtime probe on the run
-    model = load_model_scorer(cfg, run_id)  # loaded once for the scorer's life (reward.kind model or mixed)
-    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id, cfg.units.visibility_timeout_s,
-                 cfg.units.max_attempts)
+    model = load_model_scorer(
+        cfg, run_id
+    )  # loaded once for the scorer's life (reward.kind model or mixed)
+    bus = RunBus(
+        connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username),
+        run_id,
+        cfg.units.visibility_timeout_s,
+        cfg.units.max_attempts,
+    )
     bus.ensure_groups()
     stop = {"asked": False}
     pool = open_pool(cfg.reward)  # the sandboxed verifier processes, for the scorer's life
@@ -128,20 +156,38 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
                     bus.touch(GENERATED, scorer, eid)
 
             for i, (entry_id, group) in enumerate(got):
-                scored, n_failed, timed_out = score_with_deadline(group["samples"], cfg.reward, model,
-                                                                  keepalive=lambda: keepalive(got[i:]), every_s=every,
-                                                                  pool=pool)
+                scored, n_failed, timed_out = score_with_deadline(
+                    group["samples"],
+                    cfg.reward,
+                    model,
+                    keepalive=lambda: keepalive(got[i:]),
+                    every_s=every,
+                    pool=pool,
+                )
                 errors = [s.get("reward_error") or "" for s in scored]
-                bus.publish_scored(entry_id, {**group, "samples": scored}, n_failed,
-                                   sample_timeouts=sum(e.startswith("timeout:") for e in errors),
-                                   sample_memory=sum(e.startswith("memory:") for e in errors))
-                if timed_out:  # its thread still runs: restart clean; the rest of the batch is reclaimed
+                bus.publish_scored(
+                    entry_id,
+                    {**group, "samples": scored},
+                    n_failed,
+                    sample_timeouts=sum(e.startswith("timeout:") for e in errors),
+                    sample_memory=sum(e.startswith("memory:") for e in errors),
+                )
+                if (
+                    timed_out
+                ):  # its thread still runs: restart clean; the rest of the batch is reclaimed
                     bus.incr(score_timeouts=len(scored))
-                    log.error("%s: scoring group %s took longer than reward.timeout_s %g s; marked failed, "
-                              "restarting", scorer, group["group_id"], cfg.reward.timeout_s)
+                    log.error(
+                        "%s: scoring group %s took longer than reward.timeout_s %g s; marked failed, "
+                        "restarting",
+                        scorer,
+                        group["group_id"],
+                        cfg.reward.timeout_s,
+                    )
                     return EXIT_DRAINED
-                if time.monotonic() - touched > bus.visibility_ms / 4000:  # the rest of the batch stays ours
-                    for eid, _ in got[i + 1:]:
+                if (
+                    time.monotonic() - touched > bus.visibility_ms / 4000
+                ):  # the rest of the batch stays ours
+                    for eid, _ in got[i + 1 :]:
                         bus.touch(GENERATED, scorer, eid)
                     touched = time.monotonic()
             busy += time.perf_counter() - t0
@@ -157,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--name", required=True)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s"
+    )
     text = Path(a.config).read_text()
     cfg = config_from_json(text)
     # as the component does: the process's own scratch when pod-shaped, and in a sandbox given

@@ -50,16 +50,25 @@ def build_reward_model(cfg: ModelConfig, out_dir: str | Path) -> Path:
         from transformers import AutoTokenizer
 
         check_checkpoint(cfg.path)
-        model = AutoModelForSequenceClassification.from_pretrained(cfg.path, num_labels=1, dtype=torch.float32)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.path, num_labels=1, dtype=torch.float32
+        )
         tokenizer = AutoTokenizer.from_pretrained(cfg.path)
     else:
         tokenizer = build_tokenizer()
-        hf = tiny_hf_config(cfg.tiny, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
-                            tokenizer.bos_token_id)
+        hf = tiny_hf_config(
+            cfg.tiny,
+            len(tokenizer),
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            tokenizer.bos_token_id,
+        )
         hf.num_labels = 1
         model = AutoModelForSequenceClassification.from_config(hf, dtype=torch.float32)
     if model.config.pad_token_id is None:
-        raise DataError("model: the reward model needs a pad token (the head finds each text's last token by it)")
+        raise DataError(
+            "model: the reward model needs a pad token (the head finds each text's last token by it)"
+        )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -73,10 +82,16 @@ class RewardModel:
 
         self.path = Path(path)
         self.device = device
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+            .to(device)
+            .eval()
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.model.config.num_labels != 1:
-            raise DataError(f"{path}: a reward model has one output (num_labels 1), got {self.model.config.num_labels}")
+            raise DataError(
+                f"{path}: a reward model has one output (num_labels 1), got {self.model.config.num_labels}"
+            )
         self.max_length = int(self.model.config.max_position_embeddings)
 
     def encode(self, texts: list[str]) -> tuple[Tensor, Tensor]:
@@ -85,13 +100,15 @@ class RewardModel:
         rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
         longest = max((len(r) for r in rows), default=0)
         if longest > self.max_length:
-            raise ValueError(f"a text of {longest} tokens is longer than the reward model's "
-                             f"max_position_embeddings ({self.max_length})")
+            raise ValueError(
+                f"a text of {longest} tokens is longer than the reward model's "
+                f"max_position_embeddings ({self.max_length})"
+            )
         ids = torch.full((len(rows), longest), tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(r)] = 1
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
         return ids.to(self.device), mask.to(self.device)
 
     def forward(self, texts: list[str]) -> Tensor:
@@ -102,7 +119,7 @@ class RewardModel:
     def score(self, texts: list[str], max_batch: int) -> list[float]:
         out: list[float] = []
         for i in range(0, len(texts), max_batch):
-            out.extend(self.forward(texts[i:i + max_batch]).tolist())
+            out.extend(self.forward(texts[i : i + max_batch]).tolist())
         return out
 
 
@@ -110,52 +127,76 @@ def pair_texts(pairs: list[PreferencePair]) -> tuple[list[str], list[str]]:
     return [p.prompt + p.chosen for p in pairs], [p.prompt + p.rejected for p in pairs]
 
 
-def pairwise_accuracy(rm: RewardModel, pairs: list[PreferencePair], max_batch: int = 256) -> dict[str, float]:
+def pairwise_accuracy(
+    rm: RewardModel, pairs: list[PreferencePair], max_batch: int = 256
+) -> dict[str, float]:
     """Held-out metrics: accuracy (r(chosen) > r(rejected)), the mean margin and BT loss."""
     chosen, rejected = pair_texts(pairs)
     c = torch.tensor(rm.score(chosen, max_batch))
     r = torch.tensor(rm.score(rejected, max_batch))
-    return {"rm/eval_accuracy": float((c > r).float().mean()) if pairs else 0.0,
-            "rm/eval_margin_mean": float((c - r).mean()) if pairs else 0.0,
-            "rm/eval_loss": float(bradley_terry_loss(c, r)) if pairs else 0.0,
-            "rm/eval_pairs": float(len(pairs))}
+    return {
+        "rm/eval_accuracy": float((c > r).float().mean()) if pairs else 0.0,
+        "rm/eval_margin_mean": float((c - r).mean()) if pairs else 0.0,
+        "rm/eval_loss": float(bradley_terry_loss(c, r)) if pairs else 0.0,
+        "rm/eval_pairs": float(len(pairs)),
+    }
 
 
-def train_reward_model(cfg: RewardModelTrainConfig, model_dir: str | Path, pairs: list[PreferencePair],
-                       out_dir: str | Path, device: str = "cpu") -> dict[str, float]:
+def train_reward_model(
+    cfg: RewardModelTrainConfig,
+    model_dir: str | Path,
+    pairs: list[PreferencePair],
+    out_dir: str | Path,
+    device: str = "cpu",
+) -> dict[str, float]:
     """`cfg.epochs` passes over `pairs` in seeded order, `cfg.batch_size` pairs per AdamW step,
     the BT loss; saves the model and tokenizer to `out_dir`. A non-finite loss fails the run."""
     if not pairs:
-        raise DataError("reward_model: no training pairs (reward_model.data after the held-out split)")
+        raise DataError(
+            "reward_model: no training pairs (reward_model.data after the held-out split)"
+        )
     torch.manual_seed(cfg.seed)
     rm = RewardModel(model_dir, device)
     rm.model.train()
-    opt = torch.optim.AdamW(rm.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        rm.model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    )
     rng = random.Random(cfg.seed)
     order = list(pairs)
     t0, steps, losses = time.perf_counter(), 0, []
     for epoch in range(cfg.epochs):
         rng.shuffle(order)
         for i in range(0, len(order), cfg.batch_size):
-            chosen, rejected = pair_texts(order[i:i + cfg.batch_size])
+            chosen, rejected = pair_texts(order[i : i + cfg.batch_size])
             scores = rm.forward(chosen + rejected)
-            loss = bradley_terry_loss(scores[:len(chosen)], scores[len(chosen):])
+            loss = bradley_terry_loss(scores[: len(chosen)], scores[len(chosen) :])
             if not math.isfinite(loss.item()):
-                raise TrainingError(f"reward_model: non-finite loss at epoch {epoch} step {steps}; lower "
-                                    f"reward_model.learning_rate ({cfg.learning_rate})")
+                raise TrainingError(
+                    f"reward_model: non-finite loss at epoch {epoch} step {steps}; lower "
+                    f"reward_model.learning_rate ({cfg.learning_rate})"
+                )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(rm.model.parameters(), cfg.max_grad_norm)
             opt.step()
             steps += 1
             losses.append(loss.item())
-        log.info("reward model epoch %d/%d: loss %.4f (last %d steps)", epoch + 1, cfg.epochs,
-                 sum(losses[-20:]) / len(losses[-20:]), min(20, len(losses)))
+        log.info(
+            "reward model epoch %d/%d: loss %.4f (last %d steps)",
+            epoch + 1,
+            cfg.epochs,
+            sum(losses[-20:]) / len(losses[-20:]),
+            min(20, len(losses)),
+        )
     rm.model.eval()
     out = Path(out_dir)
     rm.model.save_pretrained(out)
     rm.tokenizer.save_pretrained(out)
-    tail = losses[-max(1, len(losses) // 10):]
-    return {"rm/train_steps": float(steps), "rm/train_pairs": float(len(pairs)),
-            "rm/train_loss_first": losses[0], "rm/train_loss_last": sum(tail) / len(tail),
-            "timing/train_reward_model_s": time.perf_counter() - t0}
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {
+        "rm/train_steps": float(steps),
+        "rm/train_pairs": float(len(pairs)),
+        "rm/train_loss_first": losses[0],
+        "rm/train_loss_last": sum(tail) / len(tail),
+        "timing/train_reward_model_s": time.perf_counter() - t0,
+    }

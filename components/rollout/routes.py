@@ -73,10 +73,14 @@ def from_output(o, prompt_len: int, moe_layers: list[int]) -> np.ndarray | None:
         return None
     a = np.asarray(r, dtype=np.int64)
     if a.ndim != 3:
-        raise RuntimeError(f"vLLM returned routed_experts of shape {list(a.shape)}; expected [tokens, layers, top-k]")
+        raise RuntimeError(
+            f"vLLM returned routed_experts of shape {list(a.shape)}; expected [tokens, layers, top-k]"
+        )
     if a.shape[1] != len(moe_layers):
         if a.shape[1] <= max(moe_layers, default=-1):
-            raise RuntimeError(f"vLLM returned routes for {a.shape[1]} layers; the model's MoE layers are {moe_layers}")
+            raise RuntimeError(
+                f"vLLM returned routes for {a.shape[1]} layers; the model's MoE layers are {moe_layers}"
+            )
         a = a[:, moe_layers]
     return complete_rows(a, prompt_len + len(o.token_ids))
 
@@ -88,7 +92,9 @@ class RouteCapture:
 
     def __init__(self, llm):
         self.llm = llm
-        self._routes: dict[str, np.ndarray] = {}  # internal id -> [positions, Y, K] int16, -1 = none
+        self._routes: dict[
+            str, np.ndarray
+        ] = {}  # internal id -> [positions, Y, K] int16, -1 = none
         self._owner: dict[str, tuple[str, int]] = {}  # internal id -> (external id, sample index)
         self._by_owner: dict[tuple[str, int], str] = {}  # the reverse
         self._buf: np.ndarray | None = None
@@ -105,15 +111,19 @@ class RouteCapture:
 
         runner = worker.model_runner
         if runner.vllm_config.compilation_config.mode != CompilationMode.NONE:
-            raise RuntimeError("route capture needs rollout.enforce_eager true: torch.compile traces the forward "
-                               "without the router's capture hook, which then never fires")
+            raise RuntimeError(
+                "route capture needs rollout.enforce_eager true: torch.compile traces the forward "
+                "without the router's capture hook, which then never fires"
+            )
         moe = [m for m in runner.model.modules() if isinstance(m, MoERunner)]
         if not moe:
             raise RuntimeError("rollout.return_routed_experts: the engine's model has no MoE layer")
         for m in moe:
             if m.routed_experts.quant_method.is_monolithic:
-                raise RuntimeError(f"route capture: the MoE kernel of layer {m.layer_id} is monolithic and routes "
-                                   "inside the kernel, without the capture hook; use the default CPU MoE kernel")
+                raise RuntimeError(
+                    f"route capture: the MoE kernel of layer {m.layer_id} is monolithic and routes "
+                    "inside the kernel, without the capture hook; use the default CPU MoE kernel"
+                )
         ids = sorted({int(m.layer_id) for m in moe})
         ordinal = {layer: i for i, layer in enumerate(ids)}
         self.layers, self.top_k = len(ids), int(runner.model_config.get_num_experts_per_tok())
@@ -139,7 +149,9 @@ class RouteCapture:
                 s, e = int(qsl[i]), int(qsl[i + 1])
                 if rid not in self._owner:
                     st = states.get(rid)
-                    owner = (st.external_req_id, int(st.request_index)) if st is not None else (rid, 0)
+                    owner = (
+                        (st.external_req_id, int(st.request_index)) if st is not None else (rid, 0)
+                    )
                     self._owner[rid] = owner
                     self._by_owner[owner] = rid
                 if e == s:
@@ -148,8 +160,11 @@ class RouteCapture:
                 a = self._routes.get(rid)
                 top = int(pos.max()) + 1
                 if a is None or a.shape[0] < top:
-                    grown = np.full((max(top, 2 * (0 if a is None else a.shape[0])), self.layers, self.top_k), -1,
-                                    dtype=np.int16)
+                    grown = np.full(
+                        (max(top, 2 * (0 if a is None else a.shape[0])), self.layers, self.top_k),
+                        -1,
+                        dtype=np.int16,
+                    )
                     if a is not None:
                         grown[: a.shape[0]] = a
                     self._routes[rid] = a = grown
@@ -176,8 +191,12 @@ class RouteCapture:
         rid = self._by_owner.pop((external_id, index), None)
         a = self._routes.pop(rid, None) if rid is not None else None
         self._owner.pop(rid, None)
-        out = complete_rows(a.astype(np.int64) if a is not None else
-                            np.full((0, self.layers, self.top_k), -1, dtype=np.int64), length)
+        out = complete_rows(
+            a.astype(np.int64)
+            if a is not None
+            else np.full((0, self.layers, self.top_k), -1, dtype=np.int64),
+            length,
+        )
         before_last = out[:-1]
         self.missing_slots += int((before_last < 0).all(-1).sum())
         self.slots += before_last.shape[0] * before_last.shape[1]

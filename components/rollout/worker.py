@@ -60,10 +60,11 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from moerl.bus import BusWrite, Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.bus.run import Registered
@@ -71,8 +72,8 @@ from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError
 from moerl.launch.podenv import enter_pod
 from moerl.records import Prompt, Sample
-from moerl.tasks.prompting import encode_prompt, uses_template
 from moerl.store.runs import engine_copy, run_store
+from moerl.tasks.prompting import encode_prompt, uses_template
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,16 @@ def served_shas(shas: dict[int, str], versions: Sequence[int]) -> dict[int, str]
     return out or None
 
 
-def group_samples(run_id: str, gid: str, prompt: dict, prompt_ids: list[int], comps, version: int | None,
-                  routes: Callable[[Any], Any] = lambda c: None, shas: dict[int, str] | None = None) -> list[dict]:
+def group_samples(
+    run_id: str,
+    gid: str,
+    prompt: dict,
+    prompt_ids: list[int],
+    comps,
+    version: int | None,
+    routes: Callable[[Any], Any] = lambda c: None,
+    shas: dict[int, str] | None = None,
+) -> list[dict]:
     """A finished group's samples as the bus carries them: each validated once (`Sample`), with
     its id, the prompt's text read once; `version` for completions that carry none, `routes(c)`
     a completion's routed experts (RolloutEngine.routed_experts), `shas` the manifest sha256 of
@@ -101,12 +110,26 @@ def group_samples(run_id: str, gid: str, prompt: dict, prompt_ids: list[int], co
     for j, c in enumerate(comps):
         v = version if c.version is None else c.version
         used = [x for _, x in c.token_versions] if c.token_versions else [v]
-        out.append(Sample(prompt_id=prompt["id"], task=prompt["task"], prompt=text, answer=prompt["answer"],
-                          sample_index=j, sample_id=f"{run_id}/{gid}/{j}", prompt_token_ids=prompt_ids,
-                          response_token_ids=c.token_ids, response_logprobs=c.logprobs, response_text=c.text,
-                          finish_reason=c.finish_reason, policy_version=v, token_versions=c.token_versions,
-                          meta=prompt.get("meta"), routed_experts=routes(c),
-                          policy_shas=served_shas(shas or {}, used)).model_dump())
+        out.append(
+            Sample(
+                prompt_id=prompt["id"],
+                task=prompt["task"],
+                prompt=text,
+                answer=prompt["answer"],
+                sample_index=j,
+                sample_id=f"{run_id}/{gid}/{j}",
+                prompt_token_ids=prompt_ids,
+                response_token_ids=c.token_ids,
+                response_logprobs=c.logprobs,
+                response_text=c.text,
+                finish_reason=c.finish_reason,
+                policy_version=v,
+                token_versions=c.token_versions,
+                meta=prompt.get("meta"),
+                routed_experts=routes(c),
+                policy_shas=served_shas(shas or {}, used),
+            ).model_dump()
+        )
     return out
 
 
@@ -190,10 +213,14 @@ class _Outbox:
             if isinstance(item, threading.Event):  # a flush's barrier: everything before it is done
                 item.set()
                 continue
-            if isinstance(item[0], list):  # writes handed over together: each in its place, `always` after the last
+            if isinstance(
+                item[0], list
+            ):  # writes handed over together: each in its place, `always` after the last
                 ops, always = item
                 if ops:
-                    waiting.extendleft(reversed([(w, None) for w in ops[:-1]] + [(ops[-1], always)]))
+                    waiting.extendleft(
+                        reversed([(w, None) for w in ops[:-1]] + [(ops[-1], always)])
+                    )
                 elif always is not None:
                     always()
                 continue
@@ -201,8 +228,13 @@ class _Outbox:
                 self._make([item], item[0])
                 continue
             batch, size = [item], item[0].size
-            while (waiting and isinstance(waiting[0], tuple) and isinstance(waiting[0][0], BusWrite)
-                   and len(batch) < self.BATCH_WRITES and size < self.BATCH_BYTES):
+            while (
+                waiting
+                and isinstance(waiting[0], tuple)
+                and isinstance(waiting[0][0], BusWrite)
+                and len(batch) < self.BATCH_WRITES
+                and size < self.BATCH_BYTES
+            ):
                 batch.append(waiting.popleft())
                 size += batch[-1][0].size
             self._make(batch, lambda: self._bus.write_many([w for w, _ in batch]))
@@ -215,7 +247,11 @@ class _Outbox:
                     self.writes, self.round_trips = self.writes + len(items), self.round_trips + 1
         except BaseException as err:  # noqa: BLE001 - raised on the generation loop
             self.error = err
-            log.error("the outbox's write failed; nothing later is written: %s: %s", type(err).__name__, err)
+            log.error(
+                "the outbox's write failed; nothing later is written: %s: %s",
+                type(err).__name__,
+                err,
+            )
         finally:
             for _, always in items:
                 if always is not None:  # a lease's release: the heartbeat must stop refreshing it
@@ -226,7 +262,11 @@ class _Outbox:
         if self.error is not None:
             raise self.error
 
-    def put(self, op: "BusWrite | list[BusWrite] | Callable[[], Any]", always: Callable[[], Any] | None = None) -> None:
+    def put(
+        self,
+        op: BusWrite | list[BusWrite] | Callable[[], Any],
+        always: Callable[[], Any] | None = None,
+    ) -> None:
         """Hand over a bus write (batched with its neighbours), several in order (one hand-over,
         so the thread finds them together: what one engine step finished), or a callable (run
         alone); `always` runs after it (after the last of several) whether it ran, failed or
@@ -255,7 +295,9 @@ class _Outbox:
             self._thread.join()
 
 
-def pointer_moved(reg: Registered | None, version: int | None, sha: str | None, epoch: int) -> str | None:
+def pointer_moved(
+    reg: Registered | None, version: int | None, sha: str | None, epoch: int
+) -> str | None:
     """How the servable pointer `reg` moved from what an engine serves ((version, sha), followed
     up to trainer `epoch`): `forward` (a newer number), `back` (a newer trainer epoch rolled it
     back, or published the same number again with other weights: what the engine serves is
@@ -281,7 +323,9 @@ class RolloutWorker:
         self._fanout = None  # moerl.store.fanout.Swarm, with checkpoint.fanout
         self.busy_s = 0.0
         self.t_start = time.perf_counter()
-        self.started_unix = time.time()  # in the stats: tells this process from a predecessor of the same name
+        self.started_unix = (
+            time.time()
+        )  # in the stats: tells this process from a predecessor of the same name
         self.drain = _Drain(cfg.rollout.grace_seconds)
         self.holder = f"rollout-{socket.gethostname()}-{name}"
         self._last_renew = 0.0
@@ -293,7 +337,11 @@ class RolloutWorker:
 
         self.multi_turn = uses_environments(cfg)
         self._env_pool = None  # the sandboxed pool environments run in (multi-turn tasks)
-        self._tail = [0, 0.0, 0.0]  # multi-turn units; sums of their last and median episode ends (s)
+        self._tail = [
+            0,
+            0.0,
+            0.0,
+        ]  # multi-turn units; sums of their last and median episode ends (s)
         self._first_sample_s: float | None = None  # start -> the first group generated (fast start)
         # between-units drains for a newer version: seconds, engine steps, and the sum over those
         # steps of the engine's running batch (sequences held, at most max_num_seqs: their mean batch)
@@ -303,10 +351,14 @@ class RolloutWorker:
         # and where each prefetched version came from (counted when it is swapped in)
         self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
         self._prefetched: dict[int, list[str]] = {}
-        self._shas: dict[int, str] = {}  # version -> the manifest sha256 this engine served under it
+        self._shas: dict[
+            int, str
+        ] = {}  # version -> the manifest sha256 this engine served under it
         # group publications and unit acknowledgements, in order; at most as many hand-overs wait
         # (a step's groups, an acknowledgement) as twice the units in flight have groups and acks
-        self._outbox = _Outbox(name, bus, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1))
+        self._outbox = _Outbox(
+            name, bus, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1)
+        )
 
     @property
     def bus_writes(self) -> tuple[int, int]:
@@ -327,7 +379,12 @@ class RolloutWorker:
         `in_flight` (rollout.weight_update in_flight, sequences running): only a newer version,
         swapped between two engine steps; a failed fetch does not wait (generation goes on)."""
         reg = self.bus.servable()
-        if reg is None and self.engine is None and self.cfg.rollout.early_engine and not self._early_tried:
+        if (
+            reg is None
+            and self.engine is None
+            and self.cfg.rollout.early_engine
+            and not self._early_tried
+        ):
             self._early_engine()
         if reg is None or (reg.version == self.version and reg.manifest_sha256 == self.sha):
             return
@@ -337,8 +394,13 @@ class RolloutWorker:
             # only forward: a pointer behind what this engine serves lost writes (a Valkey
             # failover); the trainer re-commits from the store, and the pointer catches up. A
             # newer trainer epoch may move it back: the version above was lost (rolled back).
-            log.warning("%s: the bus says version %d but this engine serves %d; staying on %d",
-                        self.name, reg.version, self.version, self.version)
+            log.warning(
+                "%s: the bus says version %d but this engine serves %d; staying on %d",
+                self.name,
+                reg.version,
+                self.version,
+                self.version,
+            )
             return
         store = self._pin(reg.version)
         t0 = time.perf_counter()
@@ -350,14 +412,25 @@ class RolloutWorker:
             # and not yet durable; S3 unreachable): keep serving what this engine has, try again
             # at the next unit; an engine that has nothing yet waits the same way
             self.bus.incr(weights_fetch_failed=1)
-            log.warning("%s: cannot fetch version %d yet (%s); %s", self.name, reg.version, err,
-                        f"serving version {self.version} meanwhile" if self.version is not None else "waiting")
+            log.warning(
+                "%s: cannot fetch version %d yet (%s); %s",
+                self.name,
+                reg.version,
+                err,
+                f"serving version {self.version} meanwhile"
+                if self.version is not None
+                else "waiting",
+            )
             if not in_flight:
                 time.sleep(1.0)
             return
         if self.version is not None and self.version != reg.version:
             store.unpin(self.version, holder=self.holder)
-        self.version, self.sha, self.epoch = reg.version, reg.manifest_sha256, max(self.epoch, reg.epoch)
+        self.version, self.sha, self.epoch = (
+            reg.version,
+            reg.manifest_sha256,
+            max(self.epoch, reg.epoch),
+        )
         # what each version number meant on this engine, for the samples' policy_shas (the last
         # few: a sample spans at most the versions of one unit's generation)
         self._shas = {v: h for v, h in self._shas.items() if reg.version - 16 < v < reg.version}
@@ -383,7 +456,9 @@ class RolloutWorker:
                 return False
             self._prefetch = None
             return True
-        t = threading.Thread(target=self._prefetch_run, args=(reg,), name="moerl-prefetch", daemon=True)
+        t = threading.Thread(
+            target=self._prefetch_run, args=(reg,), name="moerl-prefetch", daemon=True
+        )
         self._prefetch = (key, t)
         t.start()
         return False
@@ -392,14 +467,26 @@ class RolloutWorker:
         try:
             self._pin(reg.version)
             sources: list[str] = []
-            with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
-                             swarm=self._swarm(), sources=sources):
+            with engine_copy(
+                self.cfg.checkpoint,
+                self.run_id,
+                reg.version,
+                expect_sha256=reg.manifest_sha256,
+                swarm=self._swarm(),
+                sources=sources,
+            ):
                 pass
-            if self.version is None or reg.version > self.version:  # not already swapped in by the loop
+            if (
+                self.version is None or reg.version > self.version
+            ):  # not already swapped in by the loop
                 self._prefetched[reg.version] = sources
         except Exception as err:  # noqa: BLE001 - the swap's own fetch retries and reports it
-            log.warning("%s: fetching version %d beside generation failed (%s); the swap fetches it again",
-                        self.name, reg.version, err)
+            log.warning(
+                "%s: fetching version %d beside generation failed (%s); the swap fetches it again",
+                self.name,
+                reg.version,
+                err,
+            )
 
     def _new_engine(self, model_dir: Path, dummy: bool = False) -> None:
         """This worker's engine and tokenizer from `model_dir` (`dummy`: its config only, random
@@ -409,11 +496,18 @@ class RolloutWorker:
         from moerl.components.rollout.engine import RolloutEngine
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        engine = RolloutEngine(model_dir, self.cfg.rollout, dtype=self.cfg.model.dtype, seed=self.cfg.rollout.seed,
-                               dummy=dummy)
+        engine = RolloutEngine(
+            model_dir,
+            self.cfg.rollout,
+            dtype=self.cfg.model.dtype,
+            seed=self.cfg.rollout.seed,
+            dummy=dummy,
+        )
         self.tokenizer, self.engine = tokenizer, engine
         self.bus.incr(engine_loads=1)
-        self.bus.heartbeat(self.name, ttl_s=10.0, engine_load_s=engine.load_s)  # the start, measured (bench modes)
+        self.bus.heartbeat(
+            self.name, ttl_s=10.0, engine_load_s=engine.load_s
+        )  # the start, measured (bench modes)
 
     def _early_engine(self) -> None:
         """`rollout.early_engine`: an engine on dummy weights from the model's skeleton, started
@@ -422,46 +516,84 @@ class RolloutWorker:
 
         self._early_tried = True
         try:
-            skel = model_skeleton(self.cfg, Path(self.cfg.checkpoint.cache_dir) / self.run_id / "skeleton")
+            skel = model_skeleton(
+                self.cfg, Path(self.cfg.checkpoint.cache_dir) / self.run_id / "skeleton"
+            )
         except (OSError, CheckpointError) as err:
             self.bus.incr(engine_early_start_failed=1)
-            log.warning("%s: rollout.early_engine: cannot lay out the model's config here (%s); waiting for "
-                        "version 0 and loading it instead", self.name, err)
+            log.warning(
+                "%s: rollout.early_engine: cannot lay out the model's config here (%s); waiting for "
+                "version 0 and loading it instead",
+                self.name,
+                err,
+            )
             return
         try:
             self._new_engine(skel, dummy=True)
         except Exception as err:  # noqa: BLE001 - whatever vLLM raised: the normal start still works
             self.bus.incr(engine_early_start_failed=1)
-            log.warning("%s: rollout.early_engine: the engine did not start on dummy weights (%s: %s); waiting for "
-                        "version 0 and loading it instead", self.name, type(err).__name__, err)
+            log.warning(
+                "%s: rollout.early_engine: the engine did not start on dummy weights (%s: %s); waiting for "
+                "version 0 and loading it instead",
+                self.name,
+                type(err).__name__,
+                err,
+            )
             return
         self.bus.incr(engine_early_starts=1)
-        log.info("%s: engine started on dummy weights in %.1f s, before any version is servable", self.name,
-                 self.engine.load_s)
+        log.info(
+            "%s: engine started on dummy weights in %.1f s, before any version is servable",
+            self.name,
+            self.engine.load_s,
+        )
 
     def _load(self, reg, sources: list[str], t0: float, in_flight: bool = False) -> None:
         """Fetch `reg`'s version into the node cache and load it: a new engine, or a hot swap
         (`in_flight`: with sequences running, `rollout.inflight_kv` says what they keep)."""
         # held while it loads: no neighbour on this node prunes the copy from under the engine
-        with engine_copy(self.cfg.checkpoint, self.run_id, reg.version, expect_sha256=reg.manifest_sha256,
-                         swarm=self._swarm(), sources=sources) as model_dir:
+        with engine_copy(
+            self.cfg.checkpoint,
+            self.run_id,
+            reg.version,
+            expect_sha256=reg.manifest_sha256,
+            swarm=self._swarm(),
+            sources=sources,
+        ) as model_dir:
             t_fetched = time.perf_counter()
             if self.engine is None:
                 self._new_engine(model_dir)
                 self.engine.version = reg.version
-                log.info("%s: engine loaded on version %d in %.1f s", self.name, reg.version, self.engine.load_s)
+                log.info(
+                    "%s: engine loaded on version %d in %.1f s",
+                    self.name,
+                    reg.version,
+                    self.engine.load_s,
+                )
             else:
                 running = self.engine.unfinished() if in_flight else 0
-                first = self.version is None  # the first version into an early engine: its load, not a swap
-                stats = self.engine.swap_weights(model_dir, version=reg.version, in_flight=running > 0,
-                                                 kv=self.cfg.rollout.inflight_kv)
+                first = (
+                    self.version is None
+                )  # the first version into an early engine: its load, not a swap
+                stats = self.engine.swap_weights(
+                    model_dir,
+                    version=reg.version,
+                    in_flight=running > 0,
+                    kv=self.cfg.rollout.inflight_kv,
+                )
                 if first:
                     self.bus.heartbeat(self.name, ttl_s=10.0, early_engine_swap_in_s=stats.seconds)
                 else:
                     self.bus.incr(swaps=1, **({"swaps_in_flight": 1} if running else {}))
-                log.info("%s: hot-swapped to version %d in %.2f s (%d tensors%s)", self.name, reg.version,
-                         stats.seconds, stats.tensors,
-                         f"; in flight, {running} groups running, KV {self.cfg.rollout.inflight_kv}" if running else "")
+                log.info(
+                    "%s: hot-swapped to version %d in %.2f s (%d tensors%s)",
+                    self.name,
+                    reg.version,
+                    stats.seconds,
+                    stats.tensors,
+                    f"; in flight, {running} groups running, KV {self.cfg.rollout.inflight_kv}"
+                    if running
+                    else "",
+                )
         # where the weights came from, counted: a cache tier that fell back to S3 shows here (a
         # version fetched beside generation counts that fetch, not the node-cache read after it)
         sources = self._prefetched.pop(reg.version, None) or sources
@@ -481,11 +613,13 @@ class RolloutWorker:
     def _renew(self) -> None:
         now = time.monotonic()
         if self.version is not None and now - self._last_renew > self.cfg.checkpoint.pin_ttl_s / 4:
-            run_store(self.cfg.checkpoint, self.run_id).renew(self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s)
+            run_store(self.cfg.checkpoint, self.run_id).renew(
+                self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s
+            )
             self._last_renew = now
 
     # -- single-turn units, several in flight ---------------------------------------------
-    def _start_unit(self, lease: Lease) -> "_InFlight":
+    def _start_unit(self, lease: Lease) -> _InFlight:
         """Submit the unit's groups (one request of n = G per prompt, seeded per group), less the
         ones another attempt already published."""
         unit_id, todo = self._todo(lease)
@@ -495,16 +629,20 @@ class RolloutWorker:
             # the entry id too: a requeued unit (same unit id, a new entry, deliveries from 1) leased
             # here while the original attempt still runs must not give the engine a duplicate id
             rid = f"{unit_id}-{k}-{lease.entry_id}-{lease.deliveries}"
-            u.ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])  # text, or chat template
+            u.ids[rid] = encode_prompt(
+                self.tokenizer, self.cfg.rollout, e["prompt"]
+            )  # text, or chat template
             u.by_rid[rid] = k
             self.engine.submit(rid, u.ids[rid], G, seed=self._seed(unit_id, k))
         return u
 
     def _seed(self, unit_id: str, k: int) -> int | None:
         """Group k's seed with `rollout.seed_groups`, else None (the engine's generator)."""
-        return group_seed(self.cfg.rollout.seed, unit_id, k) if self.cfg.rollout.seed_groups else None
+        return (
+            group_seed(self.cfg.rollout.seed, unit_id, k) if self.cfg.rollout.seed_groups else None
+        )
 
-    def _stream(self, watch: "TrainerWatch") -> int:
+    def _stream(self, watch: TrainerWatch) -> int:
         """The single-turn loop: up to `rollout.units_in_flight` leased units generate at once.
         Another unit is leased whenever the engine holds fewer than twice `rollout.max_num_seqs`
         unfinished sequences (a running batch and a waiting one), so the next unit's prefill is
@@ -521,46 +659,73 @@ class RolloutWorker:
         drain_t0, drain_steps, drain_seqs = None, 0, 0  # a between-units drain for a newer version
         while True:
             self._outbox.check()  # a failed write ends the worker here, idle or not (its retry takes over)
-            if not units:  # the engine is idle: the run may end, a drain ends here, the version moves
+            if (
+                not units
+            ):  # the engine is idle: the run may end, a drain ends here, the version moves
                 code = self._exit_code(watch)
                 if code is not None:
                     return code
                 if drain_t0 is not None:  # what waiting for the units' tails cost (docs/async.md)
-                    self._drains = [self._drains[0] + time.perf_counter() - drain_t0, self._drains[1] + drain_steps,
-                                    self._drains[2] + drain_seqs]
-                    self.bus.heartbeat(self.name, ttl_s=10.0, version_drain_s=self._drains[0],
-                                       version_drain_steps=self._drains[1], version_drain_seqs=self._drains[2])
+                    self._drains = [
+                        self._drains[0] + time.perf_counter() - drain_t0,
+                        self._drains[1] + drain_steps,
+                        self._drains[2] + drain_seqs,
+                    ]
+                    self.bus.heartbeat(
+                        self.name,
+                        ttl_s=10.0,
+                        version_drain_s=self._drains[0],
+                        version_drain_steps=self._drains[1],
+                        version_drain_seqs=self._drains[2],
+                    )
                     drain_t0, drain_steps, drain_seqs = None, 0, 0
                 self._serve_latest()
                 newer = False
-                if self.version is None:  # nothing registered yet (an early engine waits on dummy weights)
+                if (
+                    self.version is None
+                ):  # nothing registered yet (an early engine waits on dummy weights)
                     self._renew()
                     time.sleep(0.2)
                     continue
             self._renew()
             now = time.monotonic()
-            fetched = self._prefetch is not None and not self._prefetch[1].is_alive()  # swap it at once
-            if units and (now - newer_at > 0.5 or fetched):  # a newer version: swap in flight, or finish these units
+            fetched = (
+                self._prefetch is not None and not self._prefetch[1].is_alive()
+            )  # swap it at once
+            if units and (
+                now - newer_at > 0.5 or fetched
+            ):  # a newer version: swap in flight, or finish these units
                 newer_at = now
                 reg = self.bus.servable()
                 moved = pointer_moved(reg, self.version, self.sha, self.epoch)
                 newer = moved is not None
                 if moved == "forward" and in_flight:
-                    if self._fetched_beside(reg):  # the fetch ran on a thread while the engine generated
+                    if self._fetched_beside(
+                        reg
+                    ):  # the fetch ran on a thread while the engine generated
                         self._serve_latest(in_flight=True)
                     newer = False
                 elif newer and drain_t0 is None:
                     drain_t0 = time.perf_counter()
             # room: a full running batch plus a full batch waiting, so the engine's scheduler has the
             # next unit's prefill queued when this one's sequences end (they often end together)
-            if (not self.drain.asked and not newer and len(units) < cap and self.engine.unfinished_sequences() < 2 * room
-                    and (not units or now - empty_at > 0.1)):  # beside generation, an empty queue is read every 0.1 s
-                lease = self.bus.lease_unit(self.name, block_ms=0 if units else 200, held=self._held_ids())
+            if (
+                not self.drain.asked
+                and not newer
+                and len(units) < cap
+                and self.engine.unfinished_sequences() < 2 * room
+                and (not units or now - empty_at > 0.1)
+            ):  # beside generation, an empty queue is read every 0.1 s
+                lease = self.bus.lease_unit(
+                    self.name, block_ms=0 if units else 200, held=self._held_ids()
+                )
                 if lease is None:
                     empty_at = now
                 else:
                     self._hold(lease)  # refreshed from now on by the heartbeat thread
-                    if not units:  # a version registered while we waited: its units were issued for it
+                    if (
+                        not units
+                    ):  # a version registered while we waited: its units were issued for it
                         self._serve_latest()
                     u = self._start_unit(lease)
                     u.overlapped = bool(units)
@@ -572,7 +737,9 @@ class RolloutWorker:
                 continue
             if drain_t0 is not None:
                 drain_steps += 1
-                drain_seqs += min(self.engine.unfinished_sequences(), room)  # the running batch (the rest waits)
+                drain_seqs += min(
+                    self.engine.unfinished_sequences(), room
+                )  # the running batch (the rest waits)
             t0 = time.perf_counter()
             writes: list[BusWrite] = []  # the groups this step finished, handed over together
             try:
@@ -583,15 +750,25 @@ class RolloutWorker:
                     u.finished.add(k)
                     if self._first_sample_s is None:
                         self._first_sample_s = time.perf_counter() - self.t_start
-                        log.info("%s: first group generated %.1f s after start", self.name, self._first_sample_s)
-                        self.bus.heartbeat(self.name, ttl_s=10.0, first_sample_s=self._first_sample_s)
-                    if len(u.finished) == len(u.todo):  # its last groups and its acknowledgement, one hand-over
+                        log.info(
+                            "%s: first group generated %.1f s after start",
+                            self.name,
+                            self._first_sample_s,
+                        )
+                        self.bus.heartbeat(
+                            self.name, ttl_s=10.0, first_sample_s=self._first_sample_s
+                        )
+                    if len(u.finished) == len(
+                        u.todo
+                    ):  # its last groups and its acknowledgement, one hand-over
                         self._finish_unit(units, rid_unit, u, [], before=writes)
                         writes = []
             finally:
                 self._hand_over(writes)
                 self.busy_s += time.perf_counter() - t0
-            for u in list(units.values()):  # a lease another worker took: drop its unfinished groups
+            for u in list(
+                units.values()
+            ):  # a lease another worker took: drop its unfinished groups
                 if not self._still_held(u.lease):
                     self._finish_unit(units, rid_unit, u, u.remaining())
             if self.drain.expired():  # the grace ran out: requeue what did not finish
@@ -600,21 +777,33 @@ class RolloutWorker:
                 self.bus.incr(drains=1)
                 return EXIT_DRAINED
 
-    def _finish_unit(self, units: dict, rid_unit: dict, u: "_InFlight", remaining: list[int],
-                     before: Sequence[BusWrite] = ()) -> None:
+    def _finish_unit(
+        self,
+        units: dict,
+        rid_unit: dict,
+        u: _InFlight,
+        remaining: list[int],
+        before: Sequence[BusWrite] = (),
+    ) -> None:
         """Drop the unit from the loop's books and end it (`_end_unit`); `before`: the step's
         writes still to hand over (its last groups among them), sent ahead of its acknowledgement."""
         units.pop(u.lease.entry_id, None)
         for rid in u.by_rid:
             rid_unit.pop(rid, None)
-        if not remaining:  # the acknowledgement follows the unit's groups on the outbox, then the release
-            self._end_unit(u.lease, [], defer=True, before=before, units_overlapped=int(u.overlapped))
+        if (
+            not remaining
+        ):  # the acknowledgement follows the unit's groups on the outbox, then the release
+            self._end_unit(
+                u.lease, [], defer=True, before=before, units_overlapped=int(u.overlapped)
+            )
             return
         self._hand_over(list(before))
         if u.overlapped:
             self.bus.incr(units_overlapped=1)
         try:
-            self._end_unit(u.lease, remaining, [rid for rid, k in u.by_rid.items() if k in remaining])
+            self._end_unit(
+                u.lease, remaining, [rid for rid, k in u.by_rid.items() if k in remaining]
+            )
         finally:
             self._release(u.lease)
 
@@ -626,8 +815,15 @@ class RolloutWorker:
         done_already = self.bus.published(list(gids.values()))
         return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
-    def _end_unit(self, lease: Lease, remaining: list[int], rids: list[str] | None = None, defer: bool = False,
-                  before: Sequence[BusWrite] = (), **counts: int) -> bool:
+    def _end_unit(
+        self,
+        lease: Lease,
+        remaining: list[int],
+        rids: list[str] | None = None,
+        defer: bool = False,
+        before: Sequence[BusWrite] = (),
+        **counts: int,
+    ) -> bool:
         """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
         requeue them (a drain); its requests still in flight (`rids`; None: every request) are
         aborted. Its groups' publications are made first (the outbox is flushed); `defer` (a
@@ -637,7 +833,9 @@ class RolloutWorker:
         on at once; `counts` go to the counters with the acknowledgement."""
         unit_id = lease.unit["unit_id"]
         if defer:  # released after the acknowledgement, or when a failed write before it skips it
-            self._outbox.put([*before, self.bus.ack_write(lease, **counts)], always=lambda: self._release(lease))
+            self._outbox.put(
+                [*before, self.bus.ack_write(lease, **counts)], always=lambda: self._release(lease)
+            )
             return True
         self._outbox.flush()
         if remaining:
@@ -645,12 +843,18 @@ class RolloutWorker:
         if remaining and not self._still_held(lease):
             # another worker reclaimed the unit: it regenerates what is missing; ours is dropped
             self.bus.incr(leases_lost=1)
-            log.warning("%s: lost the lease of %s; dropped its %d unfinished prompts", self.name, unit_id,
-                        len(remaining))
+            log.warning(
+                "%s: lost the lease of %s; dropped its %d unfinished prompts",
+                self.name,
+                unit_id,
+                len(remaining),
+            )
             return True
         if remaining:  # a drain ran out of grace: requeue what did not finish
             self.bus.requeue_unit(lease, remaining)
-            log.warning("%s: requeued %d unfinished prompts of %s", self.name, len(remaining), unit_id)
+            log.warning(
+                "%s: requeued %d unfinished prompts of %s", self.name, len(remaining), unit_id
+            )
             return False
         self.bus.ack_unit(lease, **counts)
         return True
@@ -674,8 +878,12 @@ class RolloutWorker:
         for k, e in todo.items():
             ids = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])
             templated = uses_template(has, self.cfg.rollout, e["prompt"])
-            groups[k] = [driver.episode(f"{unit_id}-{k}-{j}-{lease.deliveries}", e["prompt"], ids, j, templated)
-                         for j in range(G)]
+            groups[k] = [
+                driver.episode(
+                    f"{unit_id}-{k}-{j}-{lease.deliveries}", e["prompt"], ids, j, templated
+                )
+                for j in range(G)
+            ]
         eps = [ep for g in groups.values() for ep in g]
         where = {ep.key: k for k, g in groups.items() for ep in g}
         rids: dict[str, object] = {}
@@ -696,8 +904,14 @@ class RolloutWorker:
         def publish_done(ks) -> None:
             for k in ks:
                 if k not in finished and all(ep.done and ep.key not in in_env for ep in groups[k]):
-                    envs.submit(driver.finish, list(groups[k]))  # close their environments, off the loop
-                    self._outbox.put(self._samples_write(unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]]))
+                    envs.submit(
+                        driver.finish, list(groups[k])
+                    )  # close their environments, off the loop
+                    self._outbox.put(
+                        self._samples_write(
+                            unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]]
+                        )
+                    )
                     finished.add(k)
 
         # Environment steps run on one thread beside the engine loop, so the engine keeps
@@ -734,13 +948,27 @@ class RolloutWorker:
             envs.shutdown(wait=True)  # each call is bounded by task.sandbox.sample_timeout_s
             self.busy_s += time.perf_counter() - t0
             driver.finish(eps)  # what a drain or a lost lease left open
-            self.bus.incr(env_calls=driver.calls, env_timeouts=driver.timeouts, env_errors=driver.errors,
-                          env_ms=int(driver.env_s * 1000))
+            self.bus.incr(
+                env_calls=driver.calls,
+                env_timeouts=driver.timeouts,
+                env_errors=driver.errors,
+                env_ms=int(driver.env_s * 1000),
+            )
         ends = sorted(ep.ended_s if ep.ended_s is not None else 0.0 for ep in eps)
-        if ends and len(finished) == len(todo):  # the tail: the unit's last episode against its median one
-            self._tail = [self._tail[0] + 1, self._tail[1] + ends[-1], self._tail[2] + statistics.median(ends)]
-            self.bus.heartbeat(self.name, ttl_s=10.0, unit_tail_last_s=self._tail[1] / self._tail[0],
-                               unit_tail_median_s=self._tail[2] / self._tail[0])
+        if ends and len(finished) == len(
+            todo
+        ):  # the tail: the unit's last episode against its median one
+            self._tail = [
+                self._tail[0] + 1,
+                self._tail[1] + ends[-1],
+                self._tail[2] + statistics.median(ends),
+            ]
+            self.bus.heartbeat(
+                self.name,
+                ttl_s=10.0,
+                unit_tail_last_s=self._tail[1] / self._tail[0],
+                unit_tail_median_s=self._tail[2] / self._tail[0],
+            )
         return self._end_unit(lease, [k for k in todo if k not in finished])
 
     def _hand_over(self, writes: list[BusWrite]) -> list[BusWrite]:
@@ -755,14 +983,31 @@ class RolloutWorker:
         if mixed:  # an in-flight weight update fell inside these responses
             self.bus.incr(samples_mixed_version=mixed)
         gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
-        return self.bus.group_write(gid, group_samples(self.run_id, gid, entry["prompt"], prompt_ids, comps,
-                                                       self.version, self.engine.routed_experts, self._shas))
+        return self.bus.group_write(
+            gid,
+            group_samples(
+                self.run_id,
+                gid,
+                entry["prompt"],
+                prompt_ids,
+                comps,
+                self.version,
+                self.engine.routed_experts,
+                self._shas,
+            ),
+        )
 
     def _samples_write(self, unit_id: str, entry: dict, samples: list[Sample]) -> BusWrite:
         gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
-        dumped = [s.model_copy(update={"sample_id": f"{self.run_id}/{gid}/{s.sample_index}",
-                                       "policy_shas": served_shas(self._shas, [s.policy_version])}).model_dump()
-                  for s in samples]
+        dumped = [
+            s.model_copy(
+                update={
+                    "sample_id": f"{self.run_id}/{gid}/{s.sample_index}",
+                    "policy_shas": served_shas(self._shas, [s.policy_version]),
+                }
+            ).model_dump()
+            for s in samples
+        ]
         return self.bus.group_write(gid, dumped)
 
     # -- leases -------------------------------------------------------------------------
@@ -803,10 +1048,16 @@ class RolloutWorker:
             try:
                 self._refresh_leases()
                 if time.monotonic() - beat_at >= 2.0:
-                    self.bus.heartbeat(self.name, ttl_s=10.0, busy_s=self.busy_s,
-                                       wall_s=time.perf_counter() - self.t_start, started_unix=self.started_unix,
-                                       version=float(self.version if self.version is not None else -1),
-                                       bus_writes=self._outbox.writes, bus_round_trips=self._outbox.round_trips)
+                    self.bus.heartbeat(
+                        self.name,
+                        ttl_s=10.0,
+                        busy_s=self.busy_s,
+                        wall_s=time.perf_counter() - self.t_start,
+                        started_unix=self.started_unix,
+                        version=float(self.version if self.version is not None else -1),
+                        bus_writes=self._outbox.writes,
+                        bus_round_trips=self._outbox.round_trips,
+                    )
                     beat_at = time.monotonic()
             except Exception as err:  # noqa: BLE001 - liveness is advisory; the loop reports real failures
                 log.warning("%s: heartbeat failed: %s", self.name, err)
@@ -814,7 +1065,9 @@ class RolloutWorker:
     def run(self) -> int:
         self.bus.ensure_groups()
         stop = threading.Event()
-        beat = threading.Thread(target=self._beat, args=(stop,), name="moerl-heartbeat", daemon=True)
+        beat = threading.Thread(
+            target=self._beat, args=(stop,), name="moerl-heartbeat", daemon=True
+        )
         self.bus.heartbeat(self.name, ttl_s=10.0)
         beat.start()
         try:
@@ -826,8 +1079,14 @@ class RolloutWorker:
             stop.set()
             beat.join(timeout=5)
             # the final stats, so busy/idle fractions cover the whole life of the worker
-            self.bus.heartbeat(self.name, ttl_s=1.0, busy_s=self.busy_s, wall_s=time.perf_counter() - self.t_start,
-                               bus_writes=self._outbox.writes, bus_round_trips=self._outbox.round_trips)
+            self.bus.heartbeat(
+                self.name,
+                ttl_s=1.0,
+                busy_s=self.busy_s,
+                wall_s=time.perf_counter() - self.t_start,
+                bus_writes=self._outbox.writes,
+                bus_round_trips=self._outbox.round_trips,
+            )
 
     def _exit_code(self, watch: TrainerWatch) -> int | None:
         """Between units: 0 when the run is done (or abandoned: it fails through its trainer),
@@ -851,13 +1110,17 @@ class RolloutWorker:
                 return code
             self._serve_latest()
             self._renew()
-            if self.version is None:  # nothing registered yet (an early engine waits on dummy weights)
+            if (
+                self.version is None
+            ):  # nothing registered yet (an early engine waits on dummy weights)
                 time.sleep(0.2)
                 continue
             lease = self.bus.lease_unit(self.name, block_ms=200, held=self._held_ids())
             if lease is None:
                 continue
-            self._hold(lease)  # refreshed from now on by the heartbeat thread, through the swap below
+            self._hold(
+                lease
+            )  # refreshed from now on by the heartbeat thread, through the swap below
             try:
                 # a version registered while we waited for the lease: its units were issued for it
                 self._serve_latest()
@@ -869,7 +1132,9 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._outbox.close()
-        if self._outbox.error is not None:  # raised on the loop already, unless the loop failed first
+        if (
+            self._outbox.error is not None
+        ):  # raised on the loop already, unless the loop failed first
             log.error("%s: the outbox's writes stopped at: %s", self.name, self._outbox.error)
         if self._fanout is not None:
             self._fanout.stop()
@@ -892,8 +1157,12 @@ def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
     from moerl.provenance import stage_start
 
     stage_start(cfg, worker, run_id)  # records where it runs; enforces `require:`
-    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id, cfg.units.visibility_timeout_s,
-                 cfg.units.max_attempts)
+    bus = RunBus(
+        connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username),
+        run_id,
+        cfg.units.visibility_timeout_s,
+        cfg.units.max_attempts,
+    )
     w = RolloutWorker(cfg, run_id, worker, bus)
     previous = signal.signal(signal.SIGTERM, w.drain)
     try:
@@ -911,7 +1180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--name", required=True)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s"
+    )
     text = Path(a.config).read_text()
     cfg = config_from_json(text)
     # as the component does: the process's own scratch when pod-shaped, and in a sandbox given

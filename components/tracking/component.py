@@ -5,13 +5,29 @@ from typing import NamedTuple
 from kfp import dsl
 
 
-def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, target: str = "local",
-              model: str = None, warm_start: str = None, dataset: str = None, versions: int = 0, epochs: int = 0,
-              learning_rate: float = 0.0, prompts_per_iteration: int = 0, samples_per_prompt: int = 0,
-              rollout_workers: int = 0, reward_scorers: int = 0, reward_kind: str = None, reward_model: str = None,
-              run_name: str = None, overrides: list = None
-              ) -> NamedTuple("Outputs", run_id=str, config_json=str, worker_slots=list, scorer_slots=list,
-                   valkey_secret=str):
+def start_run(
+    config_json: str,
+    run_id: str,
+    git_sha: str,
+    kfp_run_id: str,
+    target: str = "local",
+    model: str = None,
+    warm_start: str = None,
+    dataset: str = None,
+    versions: int = 0,
+    epochs: int = 0,
+    learning_rate: float = 0.0,
+    prompts_per_iteration: int = 0,
+    samples_per_prompt: int = 0,
+    rollout_workers: int = 0,
+    reward_scorers: int = 0,
+    reward_kind: str = None,
+    reward_model: str = None,
+    run_name: str = None,
+    overrides: list = None,
+) -> NamedTuple(
+    "Outputs", run_id=str, config_json=str, worker_slots=list, scorer_slots=list, valkey_secret=str
+):
     """The run's first task. Merges the run form's typed parameters and `overrides` into the
     compiled config and validates the result as `moerl run` does (`pipelines/params.py`: the
     fields on this pipeline's form, which the pipeline always passes; the others are not read.
@@ -34,7 +50,9 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
     given = dict(locals())  # the run form's fields by name (and the inputs above)
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("start_run", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "start_run", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     import json
     import sys
     from collections import namedtuple
@@ -50,8 +68,12 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
     tags["moerl.git_sha"] = git_sha or tags["moerl.git_sha"]
     tags["moerl.kfp_run_id"] = kfp_run_id
     try:
-        cfg = merge(base, {p.name: given[p.name] for p in params_for(base) if given[p.name] is not None},
-                    list(overrides or []), target)
+        cfg = merge(
+            base,
+            {p.name: given[p.name] for p in params_for(base) if given[p.name] is not None},
+            list(overrides or []),
+            target,
+        )
         from moerl.orchestrate.prepare import preflight
 
         preflight(cfg, here=False)  # this pod is not where the GPU stages run: no requirement probe
@@ -67,44 +89,80 @@ def start_run(config_json: str, run_id: str, git_sha: str, kfp_run_id: str, targ
     else:
         run_id = tracking.start_run(cfg, uri, tags)
     if diff:
-        tracking.set_tags(uri, run_id, {"moerl.run_parameters": json.dumps(diff, sort_keys=True)[:4000]})
-        print(f"[moerl] run parameters changed {', '.join(f'{k}={v}' for k, v in sorted(diff.items()))}", flush=True)
-    provenance.stage_start(cfg, "start_run", run_id, enforce=False)  # build-info and runtime probe on the run
+        tracking.set_tags(
+            uri, run_id, {"moerl.run_parameters": json.dumps(diff, sort_keys=True)[:4000]}
+        )
+        print(
+            f"[moerl] run parameters changed {', '.join(f'{k}={v}' for k, v in sorted(diff.items()))}",
+            flush=True,
+        )
+    provenance.stage_start(
+        cfg, "start_run", run_id, enforce=False
+    )  # build-info and runtime probe on the run
     valkey_secret = ""
-    if cfg.pipeline.mode == "async":  # last: once the run surely starts (close_run deletes it however it ends)
+    if (
+        cfg.pipeline.mode == "async"
+    ):  # last: once the run surely starts (close_run deletes it however it ends)
         from moerl.launch.runsecret import open_run_identity, uses_run_identity
 
         valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
-    outputs = namedtuple("Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"])
-    return outputs(run_id, config_to_json(cfg), list(range(cfg.rollout.workers)), list(range(cfg.reward.scorers)),
-                   valkey_secret)
+    outputs = namedtuple(
+        "Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"]
+    )
+    return outputs(
+        run_id,
+        config_to_json(cfg),
+        list(range(cfg.rollout.workers)),
+        list(range(cfg.reward.scorers)),
+        valkey_secret,
+    )
 
 
-def log_iteration(config_json: str, run_id: str, iteration: int, rollout: dict, reward: dict, buffer: dict,
-                  policy_update: dict, publish: dict, redistribute: dict) -> dict:
+def log_iteration(
+    config_json: str,
+    run_id: str,
+    iteration: int,
+    rollout: dict,
+    reward: dict,
+    buffer: dict,
+    policy_update: dict,
+    publish: dict,
+    redistribute: dict,
+) -> dict:
     """Log one iteration's metrics from every stage to MLflow under stable names, at
     step=iteration, and print one progress line. Returns the merged metrics."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("log_iteration", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "log_iteration", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl import tracking
     from moerl.config import config_from_json
-
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
-    stage_start(cfg, "log_iteration", run_id, enforce=False)  # build-info and runtime probe on the run
+    stage_start(
+        cfg, "log_iteration", run_id, enforce=False
+    )  # build-info and runtime probe on the run
     merged = {**rollout, **reward, **buffer, **policy_update, **publish, **redistribute}
-    stage_keys = [k for k in merged if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1]
+    stage_keys = [
+        k for k in merged if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1
+    ]
     merged["timing/iteration_s"] = sum(merged[k] for k in stage_keys)
     tracking.log_metrics(tracking.resolve_uri(cfg.tracking), run_id, iteration, merged)
     if merged.get("moe/ep_fallback"):  # a slower path taken is recorded loudly, never silently
-        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id,
-                          {"moerl.ep_fallback": f"{cfg.trainer.ep_backend} unavailable -> all_to_all"})
+        tracking.set_tags(
+            tracking.resolve_uri(cfg.tracking),
+            run_id,
+            {"moerl.ep_fallback": f"{cfg.trainer.ep_backend} unavailable -> all_to_all"},
+        )
     times = " ".join(f"{k[7:-2]}={merged[k]:.1f}s" for k in sorted(stage_keys))
-    print(f"[moerl] iteration {iteration + 1}/{cfg.pipeline.iterations} reward/mean={merged.get('reward/mean', 0):.3f} "
-          f"exact={merged.get('reward/exact_fraction', 0):.2f} loss={merged.get('train/loss', 0):+.4f} "
-          f"dropped_groups={int(merged.get('buffer/dropped_zero_variance_groups', 0))} | {times}", flush=True)
+    print(
+        f"[moerl] iteration {iteration + 1}/{cfg.pipeline.iterations} reward/mean={merged.get('reward/mean', 0):.3f} "
+        f"exact={merged.get('reward/exact_fraction', 0):.2f} loss={merged.get('train/loss', 0):+.4f} "
+        f"dropped_groups={int(merged.get('buffer/dropped_zero_variance_groups', 0))} | {times}",
+        flush=True,
+    )
     return merged
 
 
@@ -114,14 +172,15 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     Returns the run id."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("finish_run", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "finish_run", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     import json
     import tempfile
     from pathlib import Path
 
     from moerl import tracking
     from moerl.config import config_from_json
-
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
@@ -129,7 +188,9 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     final_uri = json.loads(policy_json)["uri"]
     from moerl.components.publish_checkpoint.registry import register_final
 
-    register_final(cfg, run_id, final_uri)  # tracking.registry_name: the policy in MLflow's model registry
+    register_final(
+        cfg, run_id, final_uri
+    )  # tracking.registry_name: the policy in MLflow's model registry
     with tempfile.TemporaryDirectory() as tmp:
         tracking.finish_run(tracking.resolve_uri(cfg.tracking), run_id, final_uri, Path(tmp))
     # the cache tier is memory: a finished run's versions there serve no one (the durable store
@@ -139,13 +200,21 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
 
     try:
         if dropped := drop_cache_run(cfg.checkpoint, run_id):
-            print(f"[moerl] finish_run: deleted the run's {dropped} objects from the checkpoint cache tier", flush=True)
+            print(
+                f"[moerl] finish_run: deleted the run's {dropped} objects from the checkpoint cache tier",
+                flush=True,
+            )
     except CheckpointError as e:
-        print(f"[moerl] finish_run: could not delete the run's prefix from the checkpoint cache tier: {e}", flush=True)
+        print(
+            f"[moerl] finish_run: could not delete the run's prefix from the checkpoint cache tier: {e}",
+            flush=True,
+        )
     return run_id
 
 
-def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.PipelineTaskFinalStatus) -> str:
+def close_run(
+    config_json: str, run_id: str, kfp_run_id: str, status: dsl.PipelineTaskFinalStatus
+) -> str:
     """The pipeline's exit task (`dsl.ExitHandler`): runs however the run ends. If it did not
     succeed, mark the MLflow run FAILED with the failing task's message, so no failed run stays
     RUNNING forever. An exit task cannot consume another task's output, so the MLflow run is
@@ -156,7 +225,9 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     ("" when no run was started)."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod("close_run", config_json)  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod(
+        "close_run", config_json
+    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     from moerl import tracking
     from moerl.config import config_from_json
 
@@ -166,7 +237,9 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
     if run_id:
         from moerl.provenance import stage_start
 
-        stage_start(cfg, "close_run", run_id, enforce=False)  # build-info and runtime probe on the run
+        stage_start(
+            cfg, "close_run", run_id, enforce=False
+        )  # build-info and runtime probe on the run
     sweep_error = None
     if run_id and cfg.cluster.launch.mode == "kubernetes":
         # the backstop for launched GPU workloads whose launcher died before deleting them
@@ -176,8 +249,13 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
         try:
             swept = sweep(run_id, cfg.cluster.launch.namespace)
             if swept:
-                print(f"[moerl] close_run: deleted launched workloads left behind: {', '.join(swept)}", flush=True)
-        except MoerlError as err:  # close the run first; then fail this task, so the leak shows in the UI
+                print(
+                    f"[moerl] close_run: deleted launched workloads left behind: {', '.join(swept)}",
+                    flush=True,
+                )
+        except (
+            MoerlError
+        ) as err:  # close the run first; then fail this task, so the leak shows in the UI
             sweep_error = err
     from moerl.launch.runsecret import holds_admin  # a cheap import: no kubernetes client
 
@@ -187,13 +265,22 @@ def close_run(config_json: str, run_id: str, kfp_run_id: str, status: dsl.Pipeli
         from moerl.launch.runsecret import close_run_identity
 
         try:
-            print(f"[moerl] close_run: deleted {', '.join(close_run_identity(cfg, run_id)) or 'nothing'}", flush=True)
+            print(
+                f"[moerl] close_run: deleted {', '.join(close_run_identity(cfg, run_id)) or 'nothing'}",
+                flush=True,
+            )
         except MoerlError as err:
             sweep_error = sweep_error or err
-    final = tracking.close_run(uri, cfg.tracking.experiment, run_id, kfp_run_id,
-                               succeeded=status.state == "SUCCEEDED" and sweep_error is None,
-                               error=f"{status.pipeline_task_name}: {status.error_message or status.state}"
-                               if sweep_error is None else f"close_run: {sweep_error}")
+    final = tracking.close_run(
+        uri,
+        cfg.tracking.experiment,
+        run_id,
+        kfp_run_id,
+        succeeded=status.state == "SUCCEEDED" and sweep_error is None,
+        error=f"{status.pipeline_task_name}: {status.error_message or status.state}"
+        if sweep_error is None
+        else f"close_run: {sweep_error}",
+    )
     if sweep_error is not None:
         raise sweep_error
     return final

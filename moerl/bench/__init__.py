@@ -15,9 +15,9 @@ holds reports measured here.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
-
+from typing import Any
 
 SCHEMA = 1
 
@@ -57,8 +57,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def child_main(argv: list[str] | None, module: str, command: str, what: str,
-               fn: Callable[[Any, int, Path], dict[str, Any]]) -> int:
+def child_main(
+    argv: list[str] | None,
+    module: str,
+    command: str,
+    what: str,
+    fn: Callable[[Any, int, Path], dict[str, Any]],
+) -> int:
     """The entry point of a benchmark's child process (`python -m <module> <command> --config
     C --iterations N --work W --out O`; vLLM wants a `__main__` module of its own): run
     `fn(config, iterations, work)` and write its result as JSON to O. A MoerlError prints one
@@ -69,7 +74,9 @@ def child_main(argv: list[str] | None, module: str, command: str, what: str,
     from moerl.config import config_from_json
     from moerl.errors import MoerlError
 
-    ap = argparse.ArgumentParser(prog=f"python -m {module}", description=f"{what} (started by the benchmark)")
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {module}", description=f"{what} (started by the benchmark)"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser(command)
     p.add_argument("--config", required=True, help="the resolved run config, as JSON")
@@ -77,7 +84,9 @@ def child_main(argv: list[str] | None, module: str, command: str, what: str,
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {command} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s {command} %(levelname)s %(message)s"
+    )
     try:
         res = fn(config_from_json(Path(a.config).read_text()), a.iterations, Path(a.work))
     except MoerlError as err:
@@ -87,9 +96,16 @@ def child_main(argv: list[str] | None, module: str, command: str, what: str,
     return 0
 
 
-def run_child(module: str, command: str, cfg: Any, iterations: int, work: Path, name: str,
-              env_extra: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None
-              ) -> tuple[int, Path, Path]:
+def run_child(
+    module: str,
+    command: str,
+    cfg: Any,
+    iterations: int,
+    work: Path,
+    name: str,
+    env_extra: dict[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> tuple[int, Path, Path]:
     """Start `python -m <module> <command>` (see `child_main`) on `cfg` in `work` and wait for
     it; it dies with this process. Everything it prints goes to `<work>/<name>.log`, each line
     also to `on_line`. Returns (exit code, the result JSON's path, the log's path)."""
@@ -99,14 +115,33 @@ def run_child(module: str, command: str, cfg: Any, iterations: int, work: Path, 
     from moerl.config import config_to_json
     from moerl.launch import procs
 
-    cfg_path, result, log_path = work / f"{name}.config.json", work / f"{name}.json", work / f"{name}.log"
+    cfg_path, result, log_path = (
+        work / f"{name}.config.json",
+        work / f"{name}.json",
+        work / f"{name}.log",
+    )
     cfg_path.write_text(config_to_json(cfg))
-    env = {**os.environ, **(env_extra or {}), "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-           "TOKENIZERS_PARALLELISM": "false"}
-    args = [command, "--config", str(cfg_path), "--iterations", str(iterations), "--work", str(work / "work"),
-            "--out", str(result)]
+    env = {
+        **os.environ,
+        **(env_extra or {}),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    args = [
+        command,
+        "--config",
+        str(cfg_path),
+        "--iterations",
+        str(iterations),
+        "--work",
+        str(work / "work"),
+        "--out",
+        str(result),
+    ]
     with log_path.open("w") as log_file:
-        proc = procs.spawn(module, args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = procs.spawn(
+            module, args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             for line in proc.stdout:
                 log_file.write(line)
@@ -120,4 +155,6 @@ def run_child(module: str, command: str, cfg: Any, iterations: int, work: Path, 
 
 def log_tail(path: Path, lines: int = 25) -> str:
     """The last `lines` lines of a log file ('' when it does not exist)."""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    return (
+        "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    )

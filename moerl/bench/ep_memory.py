@@ -47,9 +47,18 @@ import torch.distributed as dist
 from moerl.bench import envelope, write_report
 from moerl.errors import ConfigError
 
-BENCH_MODEL = {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "head_dim": 64,
-               "num_experts": 64, "experts_per_token": 8, "moe_intermediate_size": 256,
-               "max_position_embeddings": 64, "seed": 0}
+BENCH_MODEL = {
+    "hidden_size": 512,
+    "num_layers": 4,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "head_dim": 64,
+    "num_experts": 64,
+    "experts_per_token": 8,
+    "moe_intermediate_size": 256,
+    "max_position_embeddings": 64,
+    "seed": 0,
+}
 
 
 def _peak_mb() -> float:
@@ -69,10 +78,16 @@ def _batch(n: int, vocab: int):
     from moerl.records import TrainSample
 
     g = torch.Generator().manual_seed(0)
-    return [TrainSample(prompt_token_ids=torch.randint(4, vocab, (24,), generator=g).tolist(),
-                        response_token_ids=torch.randint(4, vocab, (16,), generator=g).tolist(),
-                        response_logprobs=[-3.0] * 16, advantage=float((-1) ** i), policy_version=0)
-            for i in range(n)]
+    return [
+        TrainSample(
+            prompt_token_ids=torch.randint(4, vocab, (24,), generator=g).tolist(),
+            response_token_ids=torch.randint(4, vocab, (16,), generator=g).tolist(),
+            response_logprobs=[-3.0] * 16,
+            advantage=float((-1) ** i),
+            policy_version=0,
+        )
+        for i in range(n)
+    ]
 
 
 def _local_mb(t) -> float:
@@ -80,19 +95,35 @@ def _local_mb(t) -> float:
     return t.numel() * t.element_size() / 2**20
 
 
-def _rank(rank: int, world: int, dp: int, model_dir: str, work: str, model: dict, out_file: str) -> None:
+def _rank(
+    rank: int, world: int, dp: int, model_dir: str, work: str, model: dict, out_file: str
+) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    from moerl.components.policy_update.ep_train import save_ep, setup, train_ep
-    from moerl.config import parse_config
     # the model code is imported before the base is read: growth past it is weights and steps
     from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM  # noqa: F401
 
+    from moerl.components.policy_update.ep_train import save_ep, setup, train_ep
+    from moerl.config import parse_config
+
     base = _peak_mb()
-    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-{dp}x{world // dp}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{work}/rendezvous-{dp}x{world // dp}",
+        rank=rank,
+        world_size=world,
+    )
     try:
-        cfg = parse_config({"model": {"tiny": model}, "trainer": {
-            "expert_parallel_size": world // dp, "data_parallel_shard": dp, "optimizer_steps_per_iteration": 1}})
+        cfg = parse_config(
+            {
+                "model": {"tiny": model},
+                "trainer": {
+                    "expert_parallel_size": world // dp,
+                    "data_parallel_shard": dp,
+                    "optimizer_steps_per_iteration": 1,
+                },
+            }
+        )
         t0 = time.perf_counter()
         m, opt, counters, blocks, layout, _, mesh = setup(cfg, Path(model_dir))
         expert_ids = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
@@ -101,20 +132,48 @@ def _rank(rank: int, world: int, dp: int, model_dir: str, work: str, model: dict
         for p in m.parameters():
             held[id(p) in expert_ids] += _local_mb(p)
             total += p.numel() * p.element_size() / 2**20 if id(p) not in expert_ids else 0.0
-        total += sum(b.num_experts * 3 * b.gate_up_proj_LIH.shape[2] * b.down_proj_LHI.shape[2] * 4 / 2**20
-                     for b in blocks)  # float32 experts of every layer
-        rec: dict[str, Any] = {"rank": rank, "world": world, "dp": dp, "ep": world // dp, "rss_base_mb": base,
-                               "rss_load_mb": _peak_mb(), "load_s": time.perf_counter() - t0,
-                               "experts_held": int(blocks[0].gate_up_proj_LIH.to_local().shape[0]),
-                               "expert_mb_held": held[True], "replicated_mb_held": held[False], "model_mb": total}
+        total += sum(
+            b.num_experts * 3 * b.gate_up_proj_LIH.shape[2] * b.down_proj_LHI.shape[2] * 4 / 2**20
+            for b in blocks
+        )  # float32 experts of every layer
+        rec: dict[str, Any] = {
+            "rank": rank,
+            "world": world,
+            "dp": dp,
+            "ep": world // dp,
+            "rss_base_mb": base,
+            "rss_load_mb": _peak_mb(),
+            "load_s": time.perf_counter() - t0,
+            "experts_held": int(blocks[0].gate_up_proj_LIH.to_local().shape[0]),
+            "expert_mb_held": held[True],
+            "replicated_mb_held": held[False],
+            "model_mb": total,
+        }
         train_ep(m, opt, counters, blocks, _batch(8, m.config.vocab_size), cfg, seed=0)
         rec["rss_step_mb"] = _peak_mb()
-        state = sum(_local_mb(p) + (_local_mb(p.grad) if p.grad is not None else 0.0) for p in m.parameters())
-        state += sum(_local_mb(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
+        state = sum(
+            _local_mb(p) + (_local_mb(p.grad) if p.grad is not None else 0.0)
+            for p in m.parameters()
+        )
+        state += sum(
+            _local_mb(v)
+            for st in opt.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.dim()
+        )
         rec["state_mb_held"] = state  # weights + grads + both Adam moments, this rank's shards
         rec["state_mb_expected"] = 4 * total / world
         rec["state_ratio"] = state / rec["state_mb_expected"]
-        save_ep(m, opt, counters, blocks, layout, mesh, Path(model_dir), Path(work) / f"saved-{dp}x{world // dp}")
+        save_ep(
+            m,
+            opt,
+            counters,
+            blocks,
+            layout,
+            mesh,
+            Path(model_dir),
+            Path(work) / f"saved-{dp}x{world // dp}",
+        )
         rec["rss_save_mb"] = _peak_mb()
         records: list[Any] = [None] * world
         dist.all_gather_object(records, rec)
@@ -132,25 +191,39 @@ def _ratio_rows(records: list[dict], expert_mb_total: float) -> list[dict]:
             grew = r[f"rss_{phase}_mb"] - r["rss_base_mb"]
             r[f"{phase}_growth_mb"] = grew
             if ref is not None:
-                r[f"{phase}_growth_x_ep1"] = grew / max(ref[f"rss_{phase}_mb"] - ref["rss_base_mb"], 1e-9)
+                r[f"{phase}_growth_x_ep1"] = grew / max(
+                    ref[f"rss_{phase}_mb"] - ref["rss_base_mb"], 1e-9
+                )
     return records
 
 
 def format_table(report: dict[str, Any]) -> str:
     m = report["model"]
-    lines = [f"Qwen3-MoE E={m['num_experts']} H={m['hidden_size']} I={m['moe_intermediate_size']} "
-             f"layers={m['num_layers']} float32: experts {report['expert_mb_total']:.0f} MB, "
-             f"other {report['other_mb_total']:.0f} MB; peak RSS (VmHWM) per rank, MiB",
-             "dp x ep | rank | experts | expert MB expected/held | state MB expected/held (ratio) | base | load "
-             "| step | save | load-base (x 1 rank) | step-base (x 1 rank) | 1/world"]
+    lines = [
+        f"Qwen3-MoE E={m['num_experts']} H={m['hidden_size']} I={m['moe_intermediate_size']} "
+        f"layers={m['num_layers']} float32: experts {report['expert_mb_total']:.0f} MB, "
+        f"other {report['other_mb_total']:.0f} MB; peak RSS (VmHWM) per rank, MiB",
+        "dp x ep | rank | experts | expert MB expected/held | state MB expected/held (ratio) | base | load "
+        "| step | save | load-base (x 1 rank) | step-base (x 1 rank) | 1/world",
+    ]
     for r in report["results"]:
-        lines.append(" | ".join([
-            f"{r['dp']}x{r['ep']}", str(r["rank"]), str(r["experts_held"]),
-            f"{r['expert_mb_expected']:.0f}/{r['expert_mb_held']:.0f}",
-            f"{r['state_mb_expected']:.0f}/{r['state_mb_held']:.0f} ({r['state_ratio']:.2f})",
-            *(f"{r[f'rss_{k}_mb']:.0f}" for k in ("base", "load", "step", "save")),
-            *(f"{r[f'{k}_growth_mb']:.0f} ({r.get(f'{k}_growth_x_ep1', float('nan')):.2f})" for k in ("load", "step")),
-            f"{1 / r['world']:.2f}"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"{r['dp']}x{r['ep']}",
+                    str(r["rank"]),
+                    str(r["experts_held"]),
+                    f"{r['expert_mb_expected']:.0f}/{r['expert_mb_held']:.0f}",
+                    f"{r['state_mb_expected']:.0f}/{r['state_mb_held']:.0f} ({r['state_ratio']:.2f})",
+                    *(f"{r[f'rss_{k}_mb']:.0f}" for k in ("base", "load", "step", "save")),
+                    *(
+                        f"{r[f'{k}_growth_mb']:.0f} ({r.get(f'{k}_growth_x_ep1', float('nan')):.2f})"
+                        for k in ("load", "step")
+                    ),
+                    f"{1 / r['world']:.2f}",
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -161,8 +234,10 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
     except ValueError:
         sizes = ()
     if not sizes or min(sizes) < 1:
-        raise ConfigError(f"bench ep-memory --world-sizes: {text!r} is not allowed; give comma-separated "
-                          "positive integers, e.g. 1,2,4")
+        raise ConfigError(
+            f"bench ep-memory --world-sizes: {text!r} is not allowed; give comma-separated "
+            "positive integers, e.g. 1,2,4"
+        )
     return sizes
 
 
@@ -173,13 +248,19 @@ def parse_meshes(text: str) -> tuple[tuple[int, int], ...]:
     except ValueError:
         meshes = ()
     if not meshes or min(min(m) for m in meshes) < 1:
-        raise ConfigError(f"bench ep-memory --meshes: {text!r} is not allowed; give comma-separated DPxEP pairs of "
-                          "positive integers, e.g. 1x4,2x2,4x1")
+        raise ConfigError(
+            f"bench ep-memory --meshes: {text!r} is not allowed; give comma-separated DPxEP pairs of "
+            "positive integers, e.g. 1x4,2x2,4x1"
+        )
     return meshes
 
 
-def run_bench_ep_memory(world_sizes: tuple[int, ...] = (1, 2, 4), out: Path | None = None,
-                        meshes: tuple[tuple[int, int], ...] | None = None, **model_overrides: int) -> dict[str, Any]:
+def run_bench_ep_memory(
+    world_sizes: tuple[int, ...] = (1, 2, 4),
+    out: Path | None = None,
+    meshes: tuple[tuple[int, int], ...] | None = None,
+    **model_overrides: int,
+) -> dict[str, Any]:
     """Spawn each mesh (dp, ep) in turn on this machine (`meshes`, else 1 x each of
     `world_sizes`); print the table, write JSON to `out`."""
     import torch.multiprocessing as mp
@@ -190,21 +271,35 @@ def run_bench_ep_memory(world_sizes: tuple[int, ...] = (1, 2, 4), out: Path | No
     model = {**BENCH_MODEL, **{k: v for k, v in model_overrides.items() if v is not None}}
     meshes = meshes or tuple((1, w) for w in world_sizes)
     for dp, ep in meshes:  # bad sizes fail here, in one line, before any rank starts
-        tiny = parse_config({"model": {"tiny": model}, "trainer": {"expert_parallel_size": ep,
-                                                                  "data_parallel_shard": dp}}).model.tiny
+        tiny = parse_config(
+            {
+                "model": {"tiny": model},
+                "trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp},
+            }
+        ).model.tiny
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="moerl-ep-memory-") as work:
         model_dir = build_tiny_model(tiny, Path(work) / "model")
         for dp, ep in meshes:
             out_file = str(Path(work) / f"ranks-{dp}x{ep}.json")
-            mp.spawn(_rank, args=(dp * ep, dp, str(model_dir), work, model, out_file), nprocs=dp * ep, join=True)
+            mp.spawn(
+                _rank,
+                args=(dp * ep, dp, str(model_dir), work, model, out_file),
+                nprocs=dp * ep,
+                join=True,
+            )
             results += json.loads(Path(out_file).read_text())
     per_layer = tiny.num_experts * 3 * tiny.hidden_size * tiny.moe_intermediate_size * 4
     expert_mb = per_layer * tiny.num_layers / 2**20
-    report = envelope("ep-memory", True, model=model, expert_mb_total=expert_mb,
-                      other_mb_total=results[0]["model_mb"] - expert_mb,
-                      methodology=__doc__.split("Methodology: ")[1].split("Limitations:")[0].strip(),
-                      results=_ratio_rows(results, expert_mb))
+    report = envelope(
+        "ep-memory",
+        True,
+        model=model,
+        expert_mb_total=expert_mb,
+        other_mb_total=results[0]["model_mb"] - expert_mb,
+        methodology=__doc__.split("Methodology: ")[1].split("Limitations:")[0].strip(),
+        results=_ratio_rows(results, expert_mb),
+    )
     print(format_table(report))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,10 @@ class _Before:
                 self.bus.r.sadd(self._key(me), *idx)
             self.unsent[me] = []
         for me in self.names:
-            self.state[me] = {"holders": self._holders(me), "at": self.clock() - rng.uniform(0, 0.5)}
+            self.state[me] = {
+                "holders": self._holders(me),
+                "at": self.clock() - rng.uniform(0, 0.5),
+            }
 
     def finish(self, me: str) -> None:
         pass
@@ -98,7 +101,9 @@ class _After:
 
         self.names = names
         self.books = {n: Book(bus, n, clock=clock) for n in names}
-        self.views = {n: Holders(self.books[n], VERSION, SHA, [p for p in names if p != n]) for n in names}
+        self.views = {
+            n: Holders(self.books[n], VERSION, SHA, [p for p in names if p != n]) for n in names
+        }
         self.clock = clock
         self.refreshes = 0  # in the measured windows
 
@@ -132,18 +137,25 @@ class _After:
 
 def _snapshot(admin) -> dict[str, Any]:  # noqa: ANN001
     stats, cpu = admin.info("commandstats"), admin.info("cpu")
-    return {"calls": {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()},
-            "cpu_s": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
-            "out_bytes": int(admin.info("stats")["total_net_output_bytes"])}
+    return {
+        "calls": {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()},
+        "cpu_s": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+        "out_bytes": int(admin.info("stats")["total_net_output_bytes"]),
+    }
 
 
 def _delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     calls = {k: n - a["calls"].get(k, 0) for k, n in b["calls"].items() if k != "info"}
-    return {"calls": {k: n for k, n in calls.items() if n}, "cpu_s": b["cpu_s"] - a["cpu_s"],
-            "out_bytes": b["out_bytes"] - a["out_bytes"]}
+    return {
+        "calls": {k: n for k, n in calls.items() if n},
+        "cpu_s": b["cpu_s"] - a["cpu_s"],
+        "out_bytes": b["out_bytes"] - a["out_bytes"],
+    }
 
 
-def _schedule(peers: int, chunks: int, version_s: float, rng: random.Random) -> list[tuple[float, int, int]]:
+def _schedule(
+    peers: int, chunks: int, version_s: float, rng: random.Random
+) -> list[tuple[float, int, int]]:
     """(time, peer, chunk) of every chunk, in time order: the rotated order at each peer's pace."""
     dt = version_s / chunks
     events = []
@@ -155,8 +167,15 @@ def _schedule(peers: int, chunks: int, version_s: float, rng: random.Random) -> 
     return events
 
 
-def _arm(way: str, admin, bus, peers: int, events, windows: list[tuple[float, float]],  # noqa: ANN001
-         seed: int) -> dict[str, Any]:
+def _arm(
+    way: str,
+    admin,
+    bus,
+    peers: int,
+    events,
+    windows: list[tuple[float, float]],  # noqa: ANN001
+    seed: int,
+) -> dict[str, Any]:
     names = [f"rollout-{k:02d}" for k in range(peers)]
     now = [0.0]
     arm = (_Before if way == "before" else _After)(bus, names, lambda: now[0])
@@ -192,8 +211,16 @@ def _arm(way: str, admin, bus, peers: int, events, windows: list[tuple[float, fl
     return total
 
 
-def run_bench_fanout(out: Path, peers: int = 32, chunks: int = 7000, version_s: float = 75.0, windows: int = 4,
-                     window_s: float = 1.0, seed: int = 0, echo=print) -> dict[str, Any]:
+def run_bench_fanout(
+    out: Path,
+    peers: int = 32,
+    chunks: int = 7000,
+    version_s: float = 75.0,
+    windows: int = 4,
+    window_s: float = 1.0,
+    seed: int = 0,
+    echo=print,
+) -> dict[str, Any]:
     """Both ways on one embedded Valkey; the report (also written to `out`)."""
     import valkey
 
@@ -207,8 +234,10 @@ def run_bench_fanout(out: Path, peers: int = 32, chunks: int = 7000, version_s: 
     if not version_s > 0 or not window_s > 0:
         raise ConfigError(f"--version-s {version_s}, --window-s {window_s}: allowed: seconds > 0")
     if windows < 0 or windows * window_s > version_s:
-        raise ConfigError(f"--windows {windows} x --window-s {window_s} s: allowed: 0 (the whole version) or "
-                          f"windows that fit in --version-s {version_s} s")
+        raise ConfigError(
+            f"--windows {windows} x --window-s {window_s} s: allowed: 0 (the whole version) or "
+            f"windows that fit in --version-s {version_s} s"
+        )
     rng = random.Random(seed)
     events = _schedule(peers, chunks, version_s, rng)
     span = events[-1][0]
@@ -216,50 +245,85 @@ def run_bench_fanout(out: Path, peers: int = 32, chunks: int = 7000, version_s: 
         spans = [(float("-inf"), float("inf"))]
         measured_s = span
     else:
-        spans = [((w + 0.5) * span / windows - window_s / 2, (w + 0.5) * span / windows + window_s / 2)
-                 for w in range(windows)]
+        spans = [
+            ((w + 0.5) * span / windows - window_s / 2, (w + 0.5) * span / windows + window_s / 2)
+            for w in range(windows)
+        ]
         measured_s = windows * window_s
     scale = span / measured_s
     arms: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="moerl-bench-fanout-") as tmp:
         server = EmbeddedValkey(Path(tmp) / "valkey").start()
         try:
-            admin = valkey.Valkey.from_url(server.url)  # the loopback admin reads the server's counts
+            admin = valkey.Valkey.from_url(
+                server.url
+            )  # the loopback admin reads the server's counts
             for way in ("before", "after"):
                 bus = RunBus(connect(server.url, 30.0), f"bench-fanout-{way}")
                 m = _arm(way, admin, bus, peers, events, spans, seed)
                 arms[way] = {
                     "measured": m,
-                    "per_version": {"commands": m["commands"] * scale, "valkey_cpu_s": m["cpu_s"] * scale,
-                                    "bytes_sent": m["out_bytes"] * scale, "reads": m["reads"] * scale,
-                                    "refreshes_per_peer": m["refreshes"] * scale / peers,
-                                    "commands_per_s": m["commands"] / measured_s,
-                                    "valkey_cpu_share": m["cpu_s"] / measured_s},
+                    "per_version": {
+                        "commands": m["commands"] * scale,
+                        "valkey_cpu_s": m["cpu_s"] * scale,
+                        "bytes_sent": m["out_bytes"] * scale,
+                        "reads": m["reads"] * scale,
+                        "refreshes_per_peer": m["refreshes"] * scale / peers,
+                        "commands_per_s": m["commands"] / measured_s,
+                        "valkey_cpu_share": m["cpu_s"] / measured_s,
+                    },
                 }
-                echo(f"[bench fanout] {way}: {m['commands']:,} commands, {m['cpu_s']:.3f} s Valkey CPU in "
-                     f"{measured_s:.1f} virtual s (bench wall {m['wall_s']:.1f} s)")
+                echo(
+                    f"[bench fanout] {way}: {m['commands']:,} commands, {m['cpu_s']:.3f} s Valkey CPU in "
+                    f"{measured_s:.1f} virtual s (bench wall {m['wall_s']:.1f} s)"
+                )
         finally:
             server.stop()
     b, a = arms["before"]["per_version"], arms["after"]["per_version"]
-    ratios = {k: (b[k] / a[k] if a[k] else None) for k in ("commands", "valkey_cpu_s", "bytes_sent")}
+    ratios = {
+        k: (b[k] / a[k] if a[k] else None) for k in ("commands", "valkey_cpu_s", "bytes_sent")
+    }
     am = arms["after"]["measured"]
     # GETs of the bitmaps: every counter script (moerl/bus/scripts.py, _ONCE) runs one GET of its
     # operation key, so those are taken out
     bitmap_gets = am["calls"].get("get", 0) - am["calls"].get("evalsha", 0)
     per_refresh = bitmap_gets / am["refreshes"] if am["refreshes"] else None
-    report = envelope("fanout", True, peers=peers, chunks=chunks, version_s=span, windows=windows, window_s=window_s,
-                      measured_s=measured_s, scale=scale, seed=seed, before=arms["before"], after=arms["after"],
-                      ratios=ratios, after_bitmap_gets=bitmap_gets, after_gets_per_refresh=per_refresh)
+    report = envelope(
+        "fanout",
+        True,
+        peers=peers,
+        chunks=chunks,
+        version_s=span,
+        windows=windows,
+        window_s=window_s,
+        measured_s=measured_s,
+        scale=scale,
+        seed=seed,
+        before=arms["before"],
+        after=arms["after"],
+        ratios=ratios,
+        after_bitmap_gets=bitmap_gets,
+        after_gets_per_refresh=per_refresh,
+    )
     write_report(out, report)
-    rows = [["Valkey commands", round(b["commands"]), round(a["commands"]), ratios["commands"]],
-            ["  of which reads (SMEMBERS / GET)", round(b["reads"]), round(a["reads"]), None],
-            ["Valkey CPU s", b["valkey_cpu_s"], a["valkey_cpu_s"], ratios["valkey_cpu_s"]],
-            ["MB sent by Valkey", b["bytes_sent"] / 1e6, a["bytes_sent"] / 1e6, ratios["bytes_sent"]],
-            ["looks at the peers, per peer", b["refreshes_per_peer"], a["refreshes_per_peer"], None],
-            ["commands / s (while fetching)", round(b["commands_per_s"]), round(a["commands_per_s"]), None],
-            ["Valkey CPU share (while fetching)", b["valkey_cpu_share"], a["valkey_cpu_share"], None]]
-    echo(f"one version: {peers} peers x {chunks} chunks over {span:.0f} s "
-         f"({'measured whole' if windows == 0 else f'{windows} windows of {window_s} s, x{scale:.1f}'})")
+    rows = [
+        ["Valkey commands", round(b["commands"]), round(a["commands"]), ratios["commands"]],
+        ["  of which reads (SMEMBERS / GET)", round(b["reads"]), round(a["reads"]), None],
+        ["Valkey CPU s", b["valkey_cpu_s"], a["valkey_cpu_s"], ratios["valkey_cpu_s"]],
+        ["MB sent by Valkey", b["bytes_sent"] / 1e6, a["bytes_sent"] / 1e6, ratios["bytes_sent"]],
+        ["looks at the peers, per peer", b["refreshes_per_peer"], a["refreshes_per_peer"], None],
+        [
+            "commands / s (while fetching)",
+            round(b["commands_per_s"]),
+            round(a["commands_per_s"]),
+            None,
+        ],
+        ["Valkey CPU share (while fetching)", b["valkey_cpu_share"], a["valkey_cpu_share"], None],
+    ]
+    echo(
+        f"one version: {peers} peers x {chunks} chunks over {span:.0f} s "
+        f"({'measured whole' if windows == 0 else f'{windows} windows of {window_s} s, x{scale:.1f}'})"
+    )
     echo(format_table(["per version", "before", "after", "before / after"], rows))
     echo(f"report: {out}")
     return report

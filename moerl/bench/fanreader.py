@@ -19,7 +19,16 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    for flag in ("--config", "--run-id", "--bus-run", "--name", "--cache", "--valkey", "--start", "--stop"):
+    for flag in (
+        "--config",
+        "--run-id",
+        "--bus-run",
+        "--name",
+        "--cache",
+        "--valkey",
+        "--start",
+        "--stop",
+    ):
         ap.add_argument(flag, required=True)
     ap.add_argument("--version", type=int, required=True)
     ap.add_argument("--fanout", action="store_true")
@@ -42,8 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     _, source = tiers.fetch(a.version, Path(a.cache), ENGINE_EXCLUDE, swarm=swarm)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"name": a.name, "seconds": seconds, "source": source,
-                      "chunks": dict(swarm.counts) if swarm else {}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "name": a.name,
+                "seconds": seconds,
+                "source": source,
+                "chunks": dict(swarm.counts) if swarm else {},
+            }
+        ),
+        flush=True,
+    )
     while swarm is not None and not Path(a.stop).exists():
         time.sleep(0.05)
     if swarm is not None:

@@ -16,19 +16,25 @@ Where it measures:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 
-def expert_loads(model, sequences: Sequence[Sequence[int]], pad_id: int = 0, batch_rows: int = 64) -> torch.Tensor:
+def expert_loads(
+    model, sequences: Sequence[Sequence[int]], pad_id: int = 0, batch_rows: int = 64
+) -> torch.Tensor:
     """[layers, experts] int64 counts of (token, expert) routings of `sequences`."""
     from moerl.components.policy_update.ep_moe import sparse_blocks
 
     blocks = [block for _, _, block in sparse_blocks(model)]
     if not blocks:
         raise ValueError("the model has no MoE sparse blocks to count expert loads on")
-    experts = int(model.config.num_experts if hasattr(model.config, "num_experts") else model.config.num_local_experts)
+    experts = int(
+        model.config.num_experts
+        if hasattr(model.config, "num_experts")
+        else model.config.num_local_experts
+    )
     counts = torch.zeros(len(blocks), experts, dtype=torch.long)
     mask_T: list[torch.Tensor] = []  # the current micro-batch's flattened real-token mask
 
@@ -37,6 +43,7 @@ def expert_loads(model, sequences: Sequence[Sequence[int]], pad_id: int = 0, bat
             idx_TK = output[2] if isinstance(output, tuple) else output
             keep = idx_TK[mask_T[0].to(idx_TK.device)].reshape(-1)
             counts[layer] += torch.bincount(keep.long().cpu(), minlength=experts)
+
         return fn
 
     handles = [b.gate.register_forward_hook(hook(i)) for i, b in enumerate(blocks)]
@@ -46,15 +53,15 @@ def expert_loads(model, sequences: Sequence[Sequence[int]], pad_id: int = 0, bat
     try:
         with torch.no_grad():
             for start in range(0, len(sequences), batch_rows):
-                rows = [list(s) for s in sequences[start:start + batch_rows] if len(s)]
+                rows = [list(s) for s in sequences[start : start + batch_rows] if len(s)]
                 if not rows:
                     continue
                 length = max(len(r) for r in rows)
                 ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
                 attn = torch.zeros((len(rows), length), dtype=torch.long)
                 for i, r in enumerate(rows):
-                    ids[i, :len(r)] = torch.tensor(r)
-                    attn[i, :len(r)] = 1
+                    ids[i, : len(r)] = torch.tensor(r)
+                    attn[i, : len(r)] = 1
                 mask_T[:] = [attn.reshape(-1).bool()]
                 model(input_ids=ids.to(device), attention_mask=attn.to(device))
     finally:

@@ -24,8 +24,9 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from moerl.bench import envelope, format_table, write_report
 
@@ -69,13 +70,22 @@ def _arm(admin, bus, leases: int, way: str) -> dict[str, Any]:
     c0 = _commands(admin)
     for _ in range(leases):
         t0 = time.perf_counter()
-        got = _lease_by_xautoclaim(bus, "w-new") if way == "xautoclaim" else bus.lease_unit("w-new", block_ms=0)
+        got = (
+            _lease_by_xautoclaim(bus, "w-new")
+            if way == "xautoclaim"
+            else bus.lease_unit("w-new", block_ms=0)
+        )
         walls.append(time.perf_counter() - t0)
         leased += got is not None
     commands = _commands(admin) - c0 - 1  # less the second INFO
     walls.sort()
-    return {"way": way, "leases": leased, "commands_per_lease": commands / leases,
-            "median_ms": statistics.median(walls) * 1000, "p90_ms": walls[min(len(walls) - 1, int(0.9 * len(walls)))] * 1000}
+    return {
+        "way": way,
+        "leases": leased,
+        "commands_per_lease": commands / leases,
+        "median_ms": statistics.median(walls) * 1000,
+        "p90_ms": walls[min(len(walls) - 1, int(0.9 * len(walls)))] * 1000,
+    }
 
 
 def run_bench_lease(pending: Sequence[int], leases: int, out: Path, echo=print) -> dict[str, Any]:
@@ -83,7 +93,6 @@ def run_bench_lease(pending: Sequence[int], leases: int, out: Path, echo=print) 
     import valkey
 
     from moerl.bus import EmbeddedValkey, RunBus, connect
-
     from moerl.errors import ConfigError
 
     if leases < 1:
@@ -94,31 +103,65 @@ def run_bench_lease(pending: Sequence[int], leases: int, out: Path, echo=print) 
     with tempfile.TemporaryDirectory(prefix="moerl-bench-lease-") as tmp:
         server = EmbeddedValkey(Path(tmp) / "valkey").start()
         try:
-            admin = valkey.Valkey.from_url(server.url)  # the loopback admin reads the server's counts
+            admin = valkey.Valkey.from_url(
+                server.url
+            )  # the loopback admin reads the server's counts
             for n in pending:
                 row: dict[str, Any] = {"pending": n}
                 for way in ("xautoclaim", "bus"):
-                    bus = RunBus(connect(server.url, 30.0), f"bench-lease-{way}-{n}", visibility_timeout_s=VISIBILITY_S)
+                    bus = RunBus(
+                        connect(server.url, 30.0),
+                        f"bench-lease-{way}-{n}",
+                        visibility_timeout_s=VISIBILITY_S,
+                    )
                     bus.ensure_groups()
-                    for i in range(n):  # leased by other workers, busy: never idle within the window
+                    for i in range(
+                        n
+                    ):  # leased by other workers, busy: never idle within the window
                         bus.issue_unit([_prompt(i)])
                     for i in range(n):
                         bus.lease_unit(f"w-{i % 64}", block_ms=0)
                     row[way] = _arm(admin, bus, leases, way)
                     if row[way]["leases"] != leases:
-                        raise RuntimeError(f"bench lease: the {way} way leased {row[way]['leases']} of {leases} units")
+                        raise RuntimeError(
+                            f"bench lease: the {way} way leased {row[way]['leases']} of {leases} units"
+                        )
                 row["median_ratio"] = row["xautoclaim"]["median_ms"] / row["bus"]["median_ms"]
                 rows.append(row)
-                echo(f"[bench lease] pending {n}: {row['xautoclaim']['commands_per_lease']:.1f} -> "
-                     f"{row['bus']['commands_per_lease']:.1f} commands per lease")
+                echo(
+                    f"[bench lease] pending {n}: {row['xautoclaim']['commands_per_lease']:.1f} -> "
+                    f"{row['bus']['commands_per_lease']:.1f} commands per lease"
+                )
         finally:
             server.stop()
     report = envelope("lease", True, leases=leases, visibility_timeout_s=VISIBILITY_S, rows=rows)
     write_report(out, report)
-    echo(format_table(
-        ["pending", "xautoclaim: cmds/lease", "median ms", "p90 ms", "bus: cmds/lease", "median ms", "p90 ms",
-         "x faster"],
-        [[r["pending"], r["xautoclaim"]["commands_per_lease"], r["xautoclaim"]["median_ms"], r["xautoclaim"]["p90_ms"],
-          r["bus"]["commands_per_lease"], r["bus"]["median_ms"], r["bus"]["p90_ms"], r["median_ratio"]] for r in rows]))
+    echo(
+        format_table(
+            [
+                "pending",
+                "xautoclaim: cmds/lease",
+                "median ms",
+                "p90 ms",
+                "bus: cmds/lease",
+                "median ms",
+                "p90 ms",
+                "x faster",
+            ],
+            [
+                [
+                    r["pending"],
+                    r["xautoclaim"]["commands_per_lease"],
+                    r["xautoclaim"]["median_ms"],
+                    r["xautoclaim"]["p90_ms"],
+                    r["bus"]["commands_per_lease"],
+                    r["bus"]["median_ms"],
+                    r["bus"]["p90_ms"],
+                    r["median_ratio"],
+                ]
+                for r in rows
+            ],
+        )
+    )
     echo(f"report: {out}")
     return report

@@ -53,7 +53,9 @@ class FitInputs:
     usable: float = 0.9  # what the allocator can hand out after the CUDA context and NCCL buffers
     activation_checkpointing: bool = True
     micro_batch_tokens: int = 8192  # trainer.micro_batch_tokens, the default
-    logprob_chunk_tokens: int = 1024  # trainer.logprob_chunk_tokens; 0 = the whole micro-batch at once
+    logprob_chunk_tokens: int = (
+        1024  # trainer.logprob_chunk_tokens; 0 = the whole micro-batch at once
+    )
 
 
 def choose_ep(experts: int, gpus_per_node: int) -> int:
@@ -72,8 +74,11 @@ def fit(shape, inp: FitInputs) -> dict[str, Any]:
     layer_bf16 = (dense / shape.moe_layers + shape.expert_params / shape.moe_layers / ep) * 2
     transient = 2 * layer_bf16 + 2 * layer_bf16
     per_layer = 2 * (8 * shape.hidden + shape.topk * (2 * shape.hidden + 3 * width))
-    act = (shape.moe_layers * 2 * shape.hidden + per_layer) if inp.activation_checkpointing \
+    act = (
+        (shape.moe_layers * 2 * shape.hidden + per_layer)
+        if inp.activation_checkpointing
         else shape.moe_layers * per_layer
+    )
     vocab = VOCAB.get(shape.name, 151936)
     logits = 4 * vocab * 2
     if inp.logprob_chunk_tokens > 0:
@@ -82,15 +87,24 @@ def fit(shape, inp: FitInputs) -> dict[str, Any]:
     free = inp.hbm_gb * gb * inp.usable - static - transient
     max_tokens = max(0, int(free // (act + logits)))
     at_default = static + transient + inp.micro_batch_tokens * (act + logits)
-    return {"model": shape.name, "gpus": world, "mesh": {"dp": world // ep, "ep": ep},
-            "dense_params": dense, "expert_params": shape.expert_params, "expert_width": width,
-            "static_gb": static / gb, "transient_gb": transient / gb,
-            "activation_kb_per_token": act / 1e3, "logits_kb_per_token": logits / 1e3,
-            "fits_static": free > 0, "micro_batch_tokens_max": max_tokens,
-            "gb_at_micro_batch_tokens": at_default / gb,
-            "fits_at_micro_batch_tokens": at_default <= inp.hbm_gb * gb * inp.usable,
-            # the layout before the mesh: dense weights replicated, EP = ep inside one node
-            "static_gb_replicated_dense": (dense + shape.expert_params / ep) * 16 / gb}
+    return {
+        "model": shape.name,
+        "gpus": world,
+        "mesh": {"dp": world // ep, "ep": ep},
+        "dense_params": dense,
+        "expert_params": shape.expert_params,
+        "expert_width": width,
+        "static_gb": static / gb,
+        "transient_gb": transient / gb,
+        "activation_kb_per_token": act / 1e3,
+        "logits_kb_per_token": logits / 1e3,
+        "fits_static": free > 0,
+        "micro_batch_tokens_max": max_tokens,
+        "gb_at_micro_batch_tokens": at_default / gb,
+        "fits_at_micro_batch_tokens": at_default <= inp.hbm_gb * gb * inp.usable,
+        # the layout before the mesh: dense weights replicated, EP = ep inside one node
+        "static_gb_replicated_dense": (dense + shape.expert_params / ep) * 16 / gb,
+    }
 
 
 def fit_table(models, inp: FitInputs) -> list[dict[str, Any]]:
@@ -99,19 +113,40 @@ def fit_table(models, inp: FitInputs) -> list[dict[str, Any]]:
 
 def formulas() -> list[str]:
     doc = __doc__ or ""
-    return doc[doc.index("Static (FSDP2"):doc.index("Limitations:")].rstrip().splitlines()
+    return doc[doc.index("Static (FSDP2") : doc.index("Limitations:")].rstrip().splitlines()
 
 
 def format_fit(rows: list[dict[str, Any]], inp: FitInputs) -> str:
     from moerl.bench import format_table
 
-    head = (f"memory fit per GPU: {inp.nodes} x {inp.gpus_per_node} GPUs of {inp.hbm_gb:g} GB "
-            f"({inp.usable:.0%} usable), activation checkpointing {'on' if inp.activation_checkpointing else 'off'}, "
-            f"logprob chunks {inp.logprob_chunk_tokens or 'off'}")
+    head = (
+        f"memory fit per GPU: {inp.nodes} x {inp.gpus_per_node} GPUs of {inp.hbm_gb:g} GB "
+        f"({inp.usable:.0%} usable), activation checkpointing {'on' if inp.activation_checkpointing else 'off'}, "
+        f"logprob chunks {inp.logprob_chunk_tokens or 'off'}"
+    )
     table = format_table(
-        ["model", "mesh dp x ep", "static GB", "transient GB", "act+logits KB/token", "max micro-batch tokens",
-         f"GB at {inp.micro_batch_tokens} tokens", "static GB, dense replicated"],
-        [[r["model"], f"{r['mesh']['dp']} x {r['mesh']['ep']}", r["static_gb"], r["transient_gb"],
-          r["activation_kb_per_token"] + r["logits_kb_per_token"], r["micro_batch_tokens_max"],
-          r["gb_at_micro_batch_tokens"], r["static_gb_replicated_dense"]] for r in rows])
+        [
+            "model",
+            "mesh dp x ep",
+            "static GB",
+            "transient GB",
+            "act+logits KB/token",
+            "max micro-batch tokens",
+            f"GB at {inp.micro_batch_tokens} tokens",
+            "static GB, dense replicated",
+        ],
+        [
+            [
+                r["model"],
+                f"{r['mesh']['dp']} x {r['mesh']['ep']}",
+                r["static_gb"],
+                r["transient_gb"],
+                r["activation_kb_per_token"] + r["logits_kb_per_token"],
+                r["micro_batch_tokens_max"],
+                r["gb_at_micro_batch_tokens"],
+                r["static_gb_replicated_dense"],
+            ]
+            for r in rows
+        ],
+    )
     return head + "\n" + table

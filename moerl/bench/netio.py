@@ -45,7 +45,10 @@ def rdma_counters(root: Path = IB_ROOT) -> tuple[list[str], int, int] | None:
     devs, tx, rx = [], 0, 0
     for dev in sorted(root.iterdir()):
         for port in sorted((dev / "ports").glob("*")):
-            hw_tx, hw_rx = _read_int(port / "hw_counters" / "tx_bytes"), _read_int(port / "hw_counters" / "rx_bytes")
+            hw_tx, hw_rx = (
+                _read_int(port / "hw_counters" / "tx_bytes"),
+                _read_int(port / "hw_counters" / "rx_bytes"),
+            )
             if hw_tx is not None and hw_rx is not None:  # EFA: bytes
                 tx, rx = tx + hw_tx, rx + hw_rx
                 devs.append(f"{dev.name}/{port.name}")
@@ -78,8 +81,11 @@ def snapshot(ib_root: Path = IB_ROOT, net_dev: Path = PROC_NET_DEV) -> Snapshot:
         devs, tx, rx = rdma
         return Snapshot(f"rdma:{','.join(devs)}", tx, rx)
     ifaces = proc_net_dev(net_dev.read_text())
-    return Snapshot(f"proc-net-dev:{','.join(sorted(ifaces))}", sum(t for _, t in ifaces.values()),
-                    sum(r for r, _ in ifaces.values()))
+    return Snapshot(
+        f"proc-net-dev:{','.join(sorted(ifaces))}",
+        sum(t for _, t in ifaces.values()),
+        sum(r for r, _ in ifaces.values()),
+    )
 
 
 def delta(before: Snapshot, after: Snapshot) -> dict[str, float | str]:
@@ -88,5 +94,11 @@ def delta(before: Snapshot, after: Snapshot) -> dict[str, float | str]:
         raise ValueError(f"counter sources differ: {before.source} vs {after.source}")
     dt = max(after.t - before.t, 1e-9)
     tx, rx = after.tx_bytes - before.tx_bytes, after.rx_bytes - before.rx_bytes
-    return {"source": after.source, "tx_bytes": tx, "rx_bytes": rx, "seconds": dt,
-            "tx_mb_s": tx / dt / 1e6, "rx_mb_s": rx / dt / 1e6}
+    return {
+        "source": after.source,
+        "tx_bytes": tx,
+        "rx_bytes": rx,
+        "seconds": dt,
+        "tx_mb_s": tx / dt / 1e6,
+        "rx_mb_s": rx / dt / 1e6,
+    }

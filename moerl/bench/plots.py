@@ -6,8 +6,9 @@ them, and `make test` checks they exist.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def _plt():
@@ -26,7 +27,9 @@ def _save(fig, out_dir: Path, name: str) -> str:
     return name
 
 
-def latency_cdf(requests: Sequence[dict[str, Any]], out_dir: Path, name: str = "latency.png") -> str:
+def latency_cdf(
+    requests: Sequence[dict[str, Any]], out_dir: Path, name: str = "latency.png"
+) -> str:
     """Empirical CDFs of time to first token, time per output token and end-to-end latency."""
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
@@ -41,8 +44,13 @@ def latency_cdf(requests: Sequence[dict[str, Any]], out_dir: Path, name: str = "
     return _save(fig, out_dir, name)
 
 
-def stacked_stages(labels: Sequence[str], stage_s: Sequence[dict[str, float]], out_dir: Path,
-                   name: str = "stages.png", title: str = "mean seconds per policy version, by stage") -> str:
+def stacked_stages(
+    labels: Sequence[str],
+    stage_s: Sequence[dict[str, float]],
+    out_dir: Path,
+    name: str = "stages.png",
+    title: str = "mean seconds per policy version, by stage",
+) -> str:
     """One stacked bar per label (a repeat, a run): each stage's seconds per version."""
     plt = _plt()
     stages = sorted({s for d in stage_s for s in d})
@@ -58,23 +66,38 @@ def stacked_stages(labels: Sequence[str], stage_s: Sequence[dict[str, float]], o
     return _save(fig, out_dir, name)
 
 
-def error_bars(figures: dict[str, dict[str, Any]], out_dir: Path, name: str = "throughput.png",
-               title: str = "throughput (mean, 95 % CI)") -> str:
+def error_bars(
+    figures: dict[str, dict[str, Any]],
+    out_dir: Path,
+    name: str = "throughput.png",
+    title: str = "throughput (mean, 95 % CI)",
+) -> str:
     """One bar per figure (a summary with mean and ci95), with its confidence interval."""
     plt = _plt()
     keys = list(figures)
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.6), squeeze=False)
     for ax, k in zip(axes[0], keys):
         s = figures[k]
-        ax.bar([0], [s["mean"]], yerr=[[s["mean"] - s["ci95"][0]], [s["ci95"][1] - s["mean"]]], capsize=6)
+        ax.bar(
+            [0],
+            [s["mean"]],
+            yerr=[[s["mean"] - s["ci95"][0]], [s["ci95"][1] - s["mean"]]],
+            capsize=6,
+        )
         ax.set_xticks([])
         ax.set_title(k, fontsize=8)
     fig.suptitle(title)
     return _save(fig, out_dir, name)
 
 
-def lines(series: dict[str, Sequence[tuple[float, float]]], out_dir: Path, name: str, xlabel: str, ylabel: str,
-          title: str) -> str:
+def lines(
+    series: dict[str, Sequence[tuple[float, float]]],
+    out_dir: Path,
+    name: str,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> str:
     """One line per series of (x, y) points."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -90,20 +113,48 @@ def lines(series: dict[str, Sequence[tuple[float, float]]], out_dir: Path, name:
     return _save(fig, out_dir, name)
 
 
-def suite_plots(report: dict[str, Any], out_dir: Path, requests: Sequence[dict[str, Any]]) -> list[str]:
+def suite_plots(
+    report: dict[str, Any], out_dir: Path, requests: Sequence[dict[str, Any]]
+) -> list[str]:
     r = report["results"]
     raw = report["raw"]["repeats"]
     names = [latency_cdf(requests, out_dir)]
-    per_repeat = [{s: sum(v["stage_s"][s] for v in rep["versions"]) / len(rep["versions"])
-                   for s in rep["versions"][0]["stage_s"]} for rep in raw]
+    per_repeat = [
+        {
+            s: sum(v["stage_s"][s] for v in rep["versions"]) / len(rep["versions"])
+            for s in rep["versions"][0]["stage_s"]
+        }
+        for rep in raw
+    ]
     names.append(stacked_stages([f"repeat {i}" for i in range(len(raw))], per_repeat, out_dir))
     h = r["headline"]
-    names.append(error_bars({k: h[k] for k in ("output_tokens_per_s", "trajectories_per_s_generation",
-                                               "trajectories_per_s_loop", "versions_per_hour") if k in h}, out_dir))
+    names.append(
+        error_bars(
+            {
+                k: h[k]
+                for k in (
+                    "output_tokens_per_s",
+                    "trajectories_per_s_generation",
+                    "trajectories_per_s_loop",
+                    "versions_per_hour",
+                )
+                if k in h
+            },
+            out_dir,
+        )
+    )
     series = {}
     for side in ("rollout", "train"):
         for i, run in enumerate(r["imbalance"][side]["over_time"]):
             series[f"{side} r{i}"] = [(p["version"], p["max_over_mean_max_layer"]) for p in run]
-    names.append(lines(series, out_dir, "imbalance.png", "policy version", "max / mean tokens per expert",
-                       "expert load imbalance (worst layer)"))
+    names.append(
+        lines(
+            series,
+            out_dir,
+            "imbalance.png",
+            "policy version",
+            "max / mean tokens per expert",
+            "expert load imbalance (worst layer)",
+        )
+    )
     return names

@@ -9,8 +9,8 @@ terminal (CI logs, `moerl bench ... 2> file`) tqdm still writes, at most every
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 class Progress:
@@ -21,10 +21,17 @@ class Progress:
 
         self.total = total
         self.done = 0
-        self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not enabled,
-                         mininterval=0.0 if sys.stderr.isatty() else 10.0, dynamic_ncols=True,
-                         bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                                    "[{elapsed}<{remaining}, {rate_fmt}] {postfix}")
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            file=sys.stderr,
+            disable=not enabled,
+            mininterval=0.0 if sys.stderr.isatty() else 10.0,
+            dynamic_ncols=True,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+            "[{elapsed}<{remaining}, {rate_fmt}] {postfix}",
+        )
 
     def advance(self, n: int = 1, note: str | None = None) -> None:
         self.done += n

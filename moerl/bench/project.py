@@ -82,18 +82,45 @@ class ModelShape:
 # Public model cards / config.json (hidden_size, num_hidden_layers, num_experts, num_experts_per_tok,
 # moe_intermediate_size); expert params = layers * experts * 3 * hidden * moe_intermediate.
 MODELS: dict[str, ModelShape] = {
-    "qwen3-30b-a3b": ModelShape("Qwen3-30B-A3B", 2048, 48, 128, 8, 3.3e9, 30.5e9, 48 * 128 * 3 * 2048 * 768,
-                                48 * 4 * 128 * 2 * 2,
-                                "Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 128 experts, top-8, "
-                                "moe_intermediate 768, 4 KV heads of 128"),
-    "qwen3-235b-a22b": ModelShape("Qwen3-235B-A22B", 4096, 94, 128, 8, 22e9, 235e9, 94 * 128 * 3 * 4096 * 1536,
-                                  94 * 4 * 128 * 2 * 2,
-                                  "Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 128 experts, top-8, "
-                                  "moe_intermediate 1536, 4 KV heads of 128"),
-    "deepseek-v3": ModelShape("DeepSeek-V3", 7168, 58, 256, 8, 37e9, 671e9, 58 * 256 * 3 * 7168 * 2048,
-                              61 * (512 + 64) * 2,
-                              "deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first 3 dense), "
-                              "256 routed experts, top-8, moe_intermediate 2048, MLA KV 512 + 64 rope"),
+    "qwen3-30b-a3b": ModelShape(
+        "Qwen3-30B-A3B",
+        2048,
+        48,
+        128,
+        8,
+        3.3e9,
+        30.5e9,
+        48 * 128 * 3 * 2048 * 768,
+        48 * 4 * 128 * 2 * 2,
+        "Qwen/Qwen3-30B-A3B config.json: hidden 2048, 48 layers, 128 experts, top-8, "
+        "moe_intermediate 768, 4 KV heads of 128",
+    ),
+    "qwen3-235b-a22b": ModelShape(
+        "Qwen3-235B-A22B",
+        4096,
+        94,
+        128,
+        8,
+        22e9,
+        235e9,
+        94 * 128 * 3 * 4096 * 1536,
+        94 * 4 * 128 * 2 * 2,
+        "Qwen/Qwen3-235B-A22B config.json: hidden 4096, 94 layers, 128 experts, top-8, "
+        "moe_intermediate 1536, 4 KV heads of 128",
+    ),
+    "deepseek-v3": ModelShape(
+        "DeepSeek-V3",
+        7168,
+        58,
+        256,
+        8,
+        37e9,
+        671e9,
+        58 * 256 * 3 * 7168 * 2048,
+        61 * (512 + 64) * 2,
+        "deepseek-ai/DeepSeek-V3 config.json: hidden 7168, 61 layers (first 3 dense), "
+        "256 routed experts, top-8, moe_intermediate 2048, MLA KV 512 + 64 rope",
+    ),
 }
 
 
@@ -109,14 +136,24 @@ class Dispatcher:
 DISPATCHERS: dict[str, Dispatcher] = {
     # AWS's p5 comparison (4 nodes, 4096 tokens, top-8, 256 experts): NCCL all-to-all busbw 45.1 GB/s.
     # The per-collective latency is an assumption (small-message all-to-all across 16+ peers); change it.
-    "nccl-a2a": Dispatcher("nccl-a2a", 45.1, 60.0, False,
-                           "NCCL alltoall busbw 45.1 GB/s (AWS p5 comparison, docs/benchmarks.md); "
-                           "latency 60 us assumed"),
+    "nccl-a2a": Dispatcher(
+        "nccl-a2a",
+        45.1,
+        60.0,
+        False,
+        "NCCL alltoall busbw 45.1 GB/s (AWS p5 comparison, docs/benchmarks.md); "
+        "latency 60 us assumed",
+    ),
     # DeepEP-NVSHMEM-libfabric on the same p5 setup: 43.7 / 46.1 GB/s; its low-latency kernels
     # take 118 / 195 us for 128 tokens at EP16 (H800 + CX7), so the fixed cost is well under that.
-    "deepep": Dispatcher("deepep", 44.9, 20.0, True,
-                         "DeepEP-NVSHMEM-libfabric 43.7 / 46.1 GB/s (AWS p5 comparison, mean); node-deduplicated "
-                         "internode dispatch; latency 20 us assumed (LL kernels: 118/195 us for 128 tokens at EP16)"),
+    "deepep": Dispatcher(
+        "deepep",
+        44.9,
+        20.0,
+        True,
+        "DeepEP-NVSHMEM-libfabric 43.7 / 46.1 GB/s (AWS p5 comparison, mean); node-deduplicated "
+        "internode dispatch; latency 20 us assumed (LL kernels: 118/195 us for 128 tokens at EP16)",
+    ),
 }
 
 
@@ -155,16 +192,31 @@ def remote_node_fraction(experts: int, topk: int, nodes: int) -> float:
 
 def _check(inp: Inputs) -> ModelShape:
     if inp.model not in MODELS:
-        raise ConfigError(f"bench project: --model must be one of {', '.join(MODELS)}, got {inp.model!r}")
+        raise ConfigError(
+            f"bench project: --model must be one of {', '.join(MODELS)}, got {inp.model!r}"
+        )
     for name in (inp.baseline, inp.fast):
         if name not in inp.dispatchers:
-            raise ConfigError(f"bench project: dispatcher {name!r} unknown; known: {', '.join(inp.dispatchers)}")
+            raise ConfigError(
+                f"bench project: dispatcher {name!r} unknown; known: {', '.join(inp.dispatchers)}"
+            )
     for key in ("nodes", "gpus_per_node", "decode_batch", "response_len", "train_tokens_per_gpu"):
         if getattr(inp, key) < 1:
-            raise ConfigError(f"bench project: --{key.replace('_', '-')} must be >= 1, got {getattr(inp, key)}")
-    for key in ("nvlink_gbps", "efa_gbps_per_gpu", "gpu_tflops", "hbm_tbps", "dispatch_bytes", "combine_bytes"):
+            raise ConfigError(
+                f"bench project: --{key.replace('_', '-')} must be >= 1, got {getattr(inp, key)}"
+            )
+    for key in (
+        "nvlink_gbps",
+        "efa_gbps_per_gpu",
+        "gpu_tflops",
+        "hbm_tbps",
+        "dispatch_bytes",
+        "combine_bytes",
+    ):
         if getattr(inp, key) <= 0:
-            raise ConfigError(f"bench project: --{key.replace('_', '-')} must be > 0, got {getattr(inp, key)}")
+            raise ConfigError(
+                f"bench project: --{key.replace('_', '-')} must be > 0, got {getattr(inp, key)}"
+            )
     if not 0 < inp.efficiency <= 1:
         raise ConfigError(f"bench project: --efficiency must be in (0, 1], got {inp.efficiency}")
     if inp.imbalance < 1 or inp.env_s < 0:
@@ -172,24 +224,38 @@ def _check(inp: Inputs) -> ModelShape:
     shape = MODELS[inp.model]
     ep = inp.nodes * inp.gpus_per_node
     if shape.experts % ep:
-        raise ConfigError(f"bench project: {shape.experts} experts of {shape.name} do not split over EP = {ep} "
-                          f"({inp.nodes} nodes x {inp.gpus_per_node} GPUs)")
+        raise ConfigError(
+            f"bench project: {shape.experts} experts of {shape.name} do not split over EP = {ep} "
+            f"({inp.nodes} nodes x {inp.gpus_per_node} GPUs)"
+        )
     return shape
 
 
-def _comm_s(tokens: int, inp: Inputs, shape: ModelShape, d: Dispatcher, bytes_per_elem: float,
-            passes: int) -> dict[str, float]:
+def _comm_s(
+    tokens: int, inp: Inputs, shape: ModelShape, d: Dispatcher, bytes_per_elem: float, passes: int
+) -> dict[str, float]:
     """Dispatch + combine seconds per step for `tokens` tokens per GPU, over all MoE layers."""
     n, g = inp.nodes, inp.gpus_per_node
     ep = n * g
-    f_inter = remote_node_fraction(shape.experts, shape.topk, n) if d.node_dedup else shape.topk * (n - 1) / n
+    f_inter = (
+        remote_node_fraction(shape.experts, shape.topk, n)
+        if d.node_dedup
+        else shape.topk * (n - 1) / n
+    )
     f_intra = shape.topk * (g - 1) / ep
     bytes_inter = tokens * shape.hidden * bytes_per_elem * f_inter
     bytes_intra = tokens * shape.hidden * bytes_per_elem * f_intra
     bw_inter = min(d.gbps, inp.efa_gbps_per_gpu) * 1e9
-    per_layer = 2 * d.latency_us * 1e-6 + inp.imbalance * (bytes_inter / bw_inter + bytes_intra / (inp.nvlink_gbps * 1e9))
-    return {"seconds": passes * shape.moe_layers * per_layer, "bytes_inter_per_layer": bytes_inter,
-            "bytes_intra_per_layer": bytes_intra, "f_inter": f_inter, "f_intra": f_intra}
+    per_layer = 2 * d.latency_us * 1e-6 + inp.imbalance * (
+        bytes_inter / bw_inter + bytes_intra / (inp.nvlink_gbps * 1e9)
+    )
+    return {
+        "seconds": passes * shape.moe_layers * per_layer,
+        "bytes_inter_per_layer": bytes_inter,
+        "bytes_intra_per_layer": bytes_intra,
+        "f_inter": f_inter,
+        "f_intra": f_intra,
+    }
 
 
 def _decode(inp: Inputs, shape: ModelShape, d: Dispatcher) -> dict[str, Any]:
@@ -206,9 +272,17 @@ def _decode(inp: Inputs, shape: ModelShape, d: Dispatcher) -> dict[str, Any]:
     step = compute + comm["seconds"]
     tok_s = b * ep / step
     traj_s = b * ep / (inp.response_len * step + inp.env_s)
-    return {"compute_s": compute, "flops_bound_s": flops_s, "hbm_bound_s": hbm_s, "comm_s": comm["seconds"],
-            "step_s": step, "comm_share": comm["seconds"] / step, "output_tokens_per_s": tok_s,
-            "trajectories_per_s": traj_s, **{k: v for k, v in comm.items() if k != "seconds"}}
+    return {
+        "compute_s": compute,
+        "flops_bound_s": flops_s,
+        "hbm_bound_s": hbm_s,
+        "comm_s": comm["seconds"],
+        "step_s": step,
+        "comm_share": comm["seconds"] / step,
+        "output_tokens_per_s": tok_s,
+        "trajectories_per_s": traj_s,
+        **{k: v for k, v in comm.items() if k != "seconds"},
+    }
 
 
 def _train(inp: Inputs, shape: ModelShape, d: Dispatcher) -> dict[str, Any]:
@@ -216,7 +290,12 @@ def _train(inp: Inputs, shape: ModelShape, d: Dispatcher) -> dict[str, Any]:
     compute = 6 * shape.active_params * t / (inp.gpu_tflops * 1e12 * inp.efficiency)
     comm = _comm_s(t, inp, shape, d, 2.0 + 2.0, passes=2)  # BF16 both ways, forward and backward
     step = compute + comm["seconds"]
-    return {"compute_s": compute, "comm_s": comm["seconds"], "step_s": step, "comm_share": comm["seconds"] / step}
+    return {
+        "compute_s": compute,
+        "comm_s": comm["seconds"],
+        "step_s": step,
+        "comm_share": comm["seconds"] / step,
+    }
 
 
 def project(inp: Inputs) -> dict[str, Any]:
@@ -224,8 +303,10 @@ def project(inp: Inputs) -> dict[str, Any]:
     the rollout gain over decode batch size and environment time."""
     shape = _check(inp)
     base, fast = inp.dispatchers[inp.baseline], inp.dispatchers[inp.fast]
-    res = {name: {"decode": _decode(inp, shape, d), "train": _train(inp, shape, d)}
-           for name, d in ((base.name, base), (fast.name, fast))}
+    res = {
+        name: {"decode": _decode(inp, shape, d), "train": _train(inp, shape, d)}
+        for name, d in ((base.name, base), (fast.name, fast))
+    }
     b, f = res[base.name]["decode"], res[fast.name]["decode"]
     gain_tokens = f["output_tokens_per_s"] / b["output_tokens_per_s"] - 1
     gain_traj = f["trajectories_per_s"] / b["trajectories_per_s"] - 1
@@ -234,25 +315,54 @@ def project(inp: Inputs) -> dict[str, Any]:
     for bb in batches:
         i2 = replace(inp, decode_batch=bb)
         db, df = _decode(i2, shape, base), _decode(i2, shape, fast)
-        sweep_batch.append({"decode_batch": bb, "comm_share_baseline": db["comm_share"],
-                            "gain_tokens": df["output_tokens_per_s"] / db["output_tokens_per_s"] - 1,
-                            "gain_trajectories": df["trajectories_per_s"] / db["trajectories_per_s"] - 1})
+        sweep_batch.append(
+            {
+                "decode_batch": bb,
+                "comm_share_baseline": db["comm_share"],
+                "gain_tokens": df["output_tokens_per_s"] / db["output_tokens_per_s"] - 1,
+                "gain_trajectories": df["trajectories_per_s"] / db["trajectories_per_s"] - 1,
+            }
+        )
     gen_s = inp.response_len * b["step_s"]  # baseline seconds to generate one trajectory
     sweep_env = []
-    for frac in (0.0, 0.1, 0.25, 0.5, 1.0, 2.0):  # env time as a multiple of baseline generation time
+    for frac in (
+        0.0,
+        0.1,
+        0.25,
+        0.5,
+        1.0,
+        2.0,
+    ):  # env time as a multiple of baseline generation time
         i2 = replace(inp, env_s=frac * gen_s)
         db, df = _decode(i2, shape, base), _decode(i2, shape, fast)
-        sweep_env.append({"env_over_generation": frac, "env_s": frac * gen_s,
-                          "gain_trajectories": df["trajectories_per_s"] / db["trajectories_per_s"] - 1})
+        sweep_env.append(
+            {
+                "env_over_generation": frac,
+                "env_s": frac * gen_s,
+                "gain_trajectories": df["trajectories_per_s"] / db["trajectories_per_s"] - 1,
+            }
+        )
     holds = [r["decode_batch"] for r in sweep_batch if r["gain_tokens"] >= inp.claimed_gain]
     inputs = asdict(inp)
-    inputs["dispatchers"] = {k: asdict(v) for k, v in inp.dispatchers.items() if k in (base.name, fast.name)}
-    return {"model": asdict(shape), "ep": inp.nodes * inp.gpus_per_node, "inputs": inputs,
-            "formulas": formulas(), "dispatchers": res,
-            "gain": {"output_tokens": gain_tokens, "trajectories": gain_traj,
-                     "claimed": inp.claimed_gain, "claim_holds": gain_traj >= inp.claimed_gain,
-                     "decode_batches_where_token_gain_reaches_claim": holds},
-            "sweep_decode_batch": sweep_batch, "sweep_env": sweep_env}
+    inputs["dispatchers"] = {
+        k: asdict(v) for k, v in inp.dispatchers.items() if k in (base.name, fast.name)
+    }
+    return {
+        "model": asdict(shape),
+        "ep": inp.nodes * inp.gpus_per_node,
+        "inputs": inputs,
+        "formulas": formulas(),
+        "dispatchers": res,
+        "gain": {
+            "output_tokens": gain_tokens,
+            "trajectories": gain_traj,
+            "claimed": inp.claimed_gain,
+            "claim_holds": gain_traj >= inp.claimed_gain,
+            "decode_batches_where_token_gain_reaches_claim": holds,
+        },
+        "sweep_decode_batch": sweep_batch,
+        "sweep_env": sweep_env,
+    }
 
 
 def formulas() -> list[str]:
@@ -262,8 +372,9 @@ def formulas() -> list[str]:
     return [line.rstrip() for line in doc[start:end].strip().splitlines()]
 
 
-def calibrate_bytes(experts: int, topk: int, nodes: int, gpus_per_node: int, tokens: int = 4096,
-                    seed: int = 0) -> dict[str, float]:
+def calibrate_bytes(
+    experts: int, topk: int, nodes: int, gpus_per_node: int, tokens: int = 4096, seed: int = 0
+) -> dict[str, float]:
     """The projection's per-token remote-node count against `routing_bytes` on a uniform
     routing of this shape (rank 0's tokens): measured / predicted, which should be ~1."""
     from moerl.bench.dispatch import make_routing
@@ -274,13 +385,20 @@ def calibrate_bytes(experts: int, topk: int, nodes: int, gpus_per_node: int, tok
     got = routing_bytes(idx, experts // ep, 0, ep, gpus_per_node, row_bytes=1)
     pred_node = remote_node_fraction(experts, topk, nodes) * tokens
     pred_expert = topk * (1 - 1 / ep) * tokens
-    return {"tokens": tokens, "measured_per_node_dedup": got["per_node_dedup"], "predicted_per_node_dedup": pred_node,
-            "ratio_per_node_dedup": got["per_node_dedup"] / pred_node if pred_node else 1.0,
-            "measured_per_expert": got["per_expert"], "predicted_per_expert": pred_expert,
-            "ratio_per_expert": got["per_expert"] / pred_expert if pred_expert else 1.0}
+    return {
+        "tokens": tokens,
+        "measured_per_node_dedup": got["per_node_dedup"],
+        "predicted_per_node_dedup": pred_node,
+        "ratio_per_node_dedup": got["per_node_dedup"] / pred_node if pred_node else 1.0,
+        "measured_per_expert": got["per_expert"],
+        "predicted_per_expert": pred_expert,
+        "ratio_per_expert": got["per_expert"] / pred_expert if pred_expert else 1.0,
+    }
 
 
-def calibrate_from_suite(inp: Inputs, suite_report: Path, base_step_s: float) -> tuple[Inputs, dict[str, Any]]:
+def calibrate_from_suite(
+    inp: Inputs, suite_report: Path, base_step_s: float
+) -> tuple[Inputs, dict[str, Any]]:
     """Set env_s from a `moerl bench suite` report measured here: the measured (verifier +
     reward model) / generation time ratio, applied to the projected generation time. The
     measured expert imbalance is reported, not applied: a tiny seeded model's routing says
@@ -295,8 +413,14 @@ def calibrate_from_suite(inp: Inputs, suite_report: Path, base_step_s: float) ->
         env += stages["reward_model"]["per_repeat_mean"]["mean"]
     ratio = env / gen if gen > 0 else 0.0
     env_s = ratio * inp.response_len * base_step_s
-    used = {"suite_report": str(suite_report), "measured_env_over_generation": ratio, "env_s": env_s,
-            "measured_rollout_imbalance_not_applied": rep["results"]["imbalance"]["rollout"]["max_over_mean"]["mean"]}
+    used = {
+        "suite_report": str(suite_report),
+        "measured_env_over_generation": ratio,
+        "env_s": env_s,
+        "measured_rollout_imbalance_not_applied": rep["results"]["imbalance"]["rollout"][
+            "max_over_mean"
+        ]["mean"],
+    }
     return replace(inp, env_s=env_s), used
 
 
@@ -306,7 +430,12 @@ def add_project_args(p) -> None:
     p.add_argument("--model", default=d.model, choices=sorted(MODELS))
     p.add_argument("--nodes", type=int, default=d.nodes)
     p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    p.add_argument("--decode-batch", type=int, default=d.decode_batch, help="sequences per GPU in a decode step")
+    p.add_argument(
+        "--decode-batch",
+        type=int,
+        default=d.decode_batch,
+        help="sequences per GPU in a decode step",
+    )
     p.add_argument("--prompt-len", type=int, default=d.prompt_len)
     p.add_argument("--response-len", type=int, default=d.response_len)
     p.add_argument("--train-tokens-per-gpu", type=int, default=d.train_tokens_per_gpu)
@@ -316,24 +445,65 @@ def add_project_args(p) -> None:
     p.add_argument("--hbm-tbps", type=float, default=d.hbm_tbps)
     p.add_argument("--efficiency", type=float, default=d.efficiency)
     p.add_argument("--imbalance", type=float, default=d.imbalance)
-    p.add_argument("--env-s", type=float, default=d.env_s, help="environment + reward seconds per trajectory")
+    p.add_argument(
+        "--env-s", type=float, default=d.env_s, help="environment + reward seconds per trajectory"
+    )
     p.add_argument("--baseline", default=d.baseline)
     p.add_argument("--fast", default=d.fast)
-    p.add_argument("--baseline-gbps", type=float, default=None, help="override the baseline dispatcher's GB/s")
-    p.add_argument("--fast-gbps", type=float, default=None, help="override the fast dispatcher's GB/s (e.g. measured)")
+    p.add_argument(
+        "--baseline-gbps", type=float, default=None, help="override the baseline dispatcher's GB/s"
+    )
+    p.add_argument(
+        "--fast-gbps",
+        type=float,
+        default=None,
+        help="override the fast dispatcher's GB/s (e.g. measured)",
+    )
     p.add_argument("--claimed-gain", type=float, default=d.claimed_gain)
-    p.add_argument("--calibrate-suite", default=None, metavar="REPORT",
-                   help="a `moerl bench suite` report.json: env time and imbalance from its measurements")
-    p.add_argument("--trainer-nodes", type=int, default=16, help="memory fit: trainer nodes (GPUs per node as above)")
+    p.add_argument(
+        "--calibrate-suite",
+        default=None,
+        metavar="REPORT",
+        help="a `moerl bench suite` report.json: env time and imbalance from its measurements",
+    )
+    p.add_argument(
+        "--trainer-nodes",
+        type=int,
+        default=16,
+        help="memory fit: trainer nodes (GPUs per node as above)",
+    )
     p.add_argument("--hbm-gb", type=float, default=141.0, help="memory fit: GB per GPU (H200: 141)")
-    p.add_argument("--no-activation-checkpointing", action="store_true", help="memory fit without it")
-    p.add_argument("--logprob-chunk-tokens", type=int, default=1024, help="memory fit: 0 = the whole micro-batch")
+    p.add_argument(
+        "--no-activation-checkpointing", action="store_true", help="memory fit without it"
+    )
+    p.add_argument(
+        "--logprob-chunk-tokens",
+        type=int,
+        default=1024,
+        help="memory fit: 0 = the whole micro-batch",
+    )
     f = FleetInputs()
-    p.add_argument("--rollout-nodes", type=int, default=f.rollout_nodes, help="weights: rollout nodes served")
-    p.add_argument("--s3-gbps", type=float, default=f.s3_gbps, help="weights: one node's S3 throughput")
-    p.add_argument("--cache-gbps", type=float, default=f.cache_gbps, help="weights: one cache-tier node's network")
-    p.add_argument("--cache-nodes", type=int, default=f.cache_nodes, help="weights: cache-tier nodes")
-    p.add_argument("--tcp-gbps", type=float, default=f.tcp_gbps, help="weights: a rollout node's TCP to its peers")
+    p.add_argument(
+        "--rollout-nodes", type=int, default=f.rollout_nodes, help="weights: rollout nodes served"
+    )
+    p.add_argument(
+        "--s3-gbps", type=float, default=f.s3_gbps, help="weights: one node's S3 throughput"
+    )
+    p.add_argument(
+        "--cache-gbps",
+        type=float,
+        default=f.cache_gbps,
+        help="weights: one cache-tier node's network",
+    )
+    p.add_argument(
+        "--cache-nodes", type=int, default=f.cache_nodes, help="weights: cache-tier nodes"
+    )
+    p.add_argument(
+        "--tcp-gbps",
+        type=float,
+        default=f.tcp_gbps,
+        help="weights: a rollout node's TCP to its peers",
+    )
     p.add_argument("--out-dir", default="bench/project")
 
 
@@ -342,13 +512,34 @@ def inputs_from_args(a) -> Inputs:
     for name, gbps in ((a.baseline, a.baseline_gbps), (a.fast, a.fast_gbps)):
         if gbps is not None:
             if name not in disp:
-                raise ConfigError(f"bench project: dispatcher {name!r} unknown; known: {', '.join(disp)}")
-            disp[name] = replace(disp[name], gbps=gbps, source=disp[name].source + f"; GB/s set to {gbps} by the user")
-    return Inputs(model=a.model, nodes=a.nodes, gpus_per_node=a.gpus_per_node, decode_batch=a.decode_batch,
-                  prompt_len=a.prompt_len, response_len=a.response_len, train_tokens_per_gpu=a.train_tokens_per_gpu,
-                  nvlink_gbps=a.nvlink_gbps, efa_gbps_per_gpu=a.efa_gbps_per_gpu, gpu_tflops=a.gpu_tflops,
-                  hbm_tbps=a.hbm_tbps, efficiency=a.efficiency, imbalance=a.imbalance, env_s=a.env_s,
-                  baseline=a.baseline, fast=a.fast, claimed_gain=a.claimed_gain, dispatchers=disp)
+                raise ConfigError(
+                    f"bench project: dispatcher {name!r} unknown; known: {', '.join(disp)}"
+                )
+            disp[name] = replace(
+                disp[name],
+                gbps=gbps,
+                source=disp[name].source + f"; GB/s set to {gbps} by the user",
+            )
+    return Inputs(
+        model=a.model,
+        nodes=a.nodes,
+        gpus_per_node=a.gpus_per_node,
+        decode_batch=a.decode_batch,
+        prompt_len=a.prompt_len,
+        response_len=a.response_len,
+        train_tokens_per_gpu=a.train_tokens_per_gpu,
+        nvlink_gbps=a.nvlink_gbps,
+        efa_gbps_per_gpu=a.efa_gbps_per_gpu,
+        gpu_tflops=a.gpu_tflops,
+        hbm_tbps=a.hbm_tbps,
+        efficiency=a.efficiency,
+        imbalance=a.imbalance,
+        env_s=a.env_s,
+        baseline=a.baseline,
+        fast=a.fast,
+        claimed_gain=a.claimed_gain,
+        dispatchers=disp,
+    )
 
 
 def format_projection(rep: dict[str, Any]) -> str:
@@ -357,29 +548,60 @@ def format_projection(rep: dict[str, Any]) -> str:
     rows = []
     for name, r in rep["dispatchers"].items():
         d, t = r["decode"], r["train"]
-        rows.append([name, d["step_s"] * 1e3, d["comm_share"], d["output_tokens_per_s"], d["trajectories_per_s"],
-                     t["step_s"] * 1e3, t["comm_share"]])
+        rows.append(
+            [
+                name,
+                d["step_s"] * 1e3,
+                d["comm_share"],
+                d["output_tokens_per_s"],
+                d["trajectories_per_s"],
+                t["step_s"] * 1e3,
+                t["comm_share"],
+            ]
+        )
     g = rep["gain"]
-    lines = [f"{rep['model']['name']} at EP = {rep['ep']} ({rep['inputs']['nodes']} nodes), decode batch "
-             f"{rep['inputs']['decode_batch']} per GPU, response {rep['inputs']['response_len']} tokens",
-             format_table(["dispatcher", "decode step ms", "decode comm share", "tokens/s", "trajectories/s",
-                           "train step ms", "train comm share"], rows), "",
-             f"gain of {rep['inputs']['fast']} over {rep['inputs']['baseline']}: output tokens {g['output_tokens']:+.1%}, "
-             f"trajectories (with env {rep['inputs']['env_s']:.2f} s) {g['trajectories']:+.1%}; "
-             f"claimed {g['claimed']:+.0%}: {'holds' if g['claim_holds'] else 'does not hold'} here",
-             "token gain by decode batch: " + ", ".join(f"{r['decode_batch']}: {r['gain_tokens']:+.1%}"
-                                                        for r in rep["sweep_decode_batch"]),
-             "trajectory gain by env time / generation time: " + ", ".join(
-                 f"{r['env_over_generation']:g}: {r['gain_trajectories']:+.1%}" for r in rep["sweep_env"])]
+    lines = [
+        f"{rep['model']['name']} at EP = {rep['ep']} ({rep['inputs']['nodes']} nodes), decode batch "
+        f"{rep['inputs']['decode_batch']} per GPU, response {rep['inputs']['response_len']} tokens",
+        format_table(
+            [
+                "dispatcher",
+                "decode step ms",
+                "decode comm share",
+                "tokens/s",
+                "trajectories/s",
+                "train step ms",
+                "train comm share",
+            ],
+            rows,
+        ),
+        "",
+        f"gain of {rep['inputs']['fast']} over {rep['inputs']['baseline']}: output tokens {g['output_tokens']:+.1%}, "
+        f"trajectories (with env {rep['inputs']['env_s']:.2f} s) {g['trajectories']:+.1%}; "
+        f"claimed {g['claimed']:+.0%}: {'holds' if g['claim_holds'] else 'does not hold'} here",
+        "token gain by decode batch: "
+        + ", ".join(
+            f"{r['decode_batch']}: {r['gain_tokens']:+.1%}" for r in rep["sweep_decode_batch"]
+        ),
+        "trajectory gain by env time / generation time: "
+        + ", ".join(
+            f"{r['env_over_generation']:g}: {r['gain_trajectories']:+.1%}" for r in rep["sweep_env"]
+        ),
+    ]
     if "memory_fit" in rep:
         from moerl.bench.memfit import FitInputs, format_fit
 
-        lines += ["", format_fit(rep["memory_fit"]["rows"], FitInputs(**rep["memory_fit"]["inputs"]))]
+        lines += [
+            "",
+            format_fit(rep["memory_fit"]["rows"], FitInputs(**rep["memory_fit"]["inputs"])),
+        ]
     if "redistribution" in rep:
         lines += ["", format_fleet(rep["redistribution"])]
     c = rep["calibration"]
-    lines.append(f"calibration: routing bytes measured / predicted = {c['bytes']['ratio_per_node_dedup']:.3f} "
-                 f"(per node), {c['bytes']['ratio_per_expert']:.3f} (per expert)")
+    lines.append(
+        f"calibration: routing bytes measured / predicted = {c['bytes']['ratio_per_node_dedup']:.3f} "
+        f"(per node), {c['bytes']['ratio_per_expert']:.3f} (per expert)"
+    )
     return "\n".join(lines)
 
 
@@ -392,20 +614,39 @@ def memory_fit(a) -> dict[str, Any]:
 
     if a.trainer_nodes < 1 or a.hbm_gb <= 0:
         raise ConfigError("bench project: --trainer-nodes must be >= 1 and --hbm-gb > 0")
-    inp = FitInputs(nodes=a.trainer_nodes, gpus_per_node=a.gpus_per_node, hbm_gb=a.hbm_gb,
-                    activation_checkpointing=not a.no_activation_checkpointing,
-                    logprob_chunk_tokens=max(0, a.logprob_chunk_tokens))
-    return {"inputs": _asdict(inp), "formulas": fit_formulas(), "rows": fit_table(MODELS.values(), inp)}
+    inp = FitInputs(
+        nodes=a.trainer_nodes,
+        gpus_per_node=a.gpus_per_node,
+        hbm_gb=a.hbm_gb,
+        activation_checkpointing=not a.no_activation_checkpointing,
+        logprob_chunk_tokens=max(0, a.logprob_chunk_tokens),
+    )
+    return {
+        "inputs": _asdict(inp),
+        "formulas": fit_formulas(),
+        "rows": fit_table(MODELS.values(), inp),
+    }
 
 
 def fleet(a) -> dict[str, Any]:
     """Serving one version to the rollout fleet (moerl/bench/redistribution.py), every model."""
-    if min(a.rollout_nodes, a.cache_nodes, a.trainer_nodes) < 1 or min(a.s3_gbps, a.cache_gbps, a.tcp_gbps) <= 0:
-        raise ConfigError("bench project: --rollout-nodes, --cache-nodes, --trainer-nodes must be >= 1 and the "
-                          "--*-gbps > 0")
-    inp = FleetInputs(rollout_nodes=a.rollout_nodes, trainer_nodes=a.trainer_nodes,
-                      efa_gbps=a.efa_gbps_per_gpu * 8 * a.gpus_per_node, s3_gbps=a.s3_gbps, cache_gbps=a.cache_gbps,
-                      cache_nodes=a.cache_nodes, tcp_gbps=a.tcp_gbps)
+    if (
+        min(a.rollout_nodes, a.cache_nodes, a.trainer_nodes) < 1
+        or min(a.s3_gbps, a.cache_gbps, a.tcp_gbps) <= 0
+    ):
+        raise ConfigError(
+            "bench project: --rollout-nodes, --cache-nodes, --trainer-nodes must be >= 1 and the "
+            "--*-gbps > 0"
+        )
+    inp = FleetInputs(
+        rollout_nodes=a.rollout_nodes,
+        trainer_nodes=a.trainer_nodes,
+        efa_gbps=a.efa_gbps_per_gpu * 8 * a.gpus_per_node,
+        s3_gbps=a.s3_gbps,
+        cache_gbps=a.cache_gbps,
+        cache_nodes=a.cache_nodes,
+        tcp_gbps=a.tcp_gbps,
+    )
     return fleet_table(((m.name, m.total_params) for m in MODELS.values()), inp)
 
 
@@ -417,7 +658,9 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
 
     inp = inputs_from_args(a)
     shape = _check(inp)
-    calibration: dict[str, Any] = {"bytes": calibrate_bytes(shape.experts, shape.topk, inp.nodes, inp.gpus_per_node)}
+    calibration: dict[str, Any] = {
+        "bytes": calibrate_bytes(shape.experts, shape.topk, inp.nodes, inp.gpus_per_node)
+    }
     if a.calibrate_suite:
         base = _decode(inp, shape, inp.dispatchers[inp.baseline])["step_s"]
         inp, calibration["suite"] = calibrate_from_suite(inp, Path(a.calibrate_suite), base)
@@ -425,25 +668,61 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
     rep.update(bench="project", schema=1, calibration=calibration, versions=provenance.collect())
     rep["memory_fit"] = memory_fit(a)
     rep["redistribution"] = fleet(a)
-    ratios = (calibration["bytes"]["ratio_per_node_dedup"], calibration["bytes"]["ratio_per_expert"])
+    ratios = (
+        calibration["bytes"]["ratio_per_node_dedup"],
+        calibration["bytes"]["ratio_per_expert"],
+    )
     rep["ok"] = all(0.95 <= r <= 1.05 for r in ratios)
     out_dir.mkdir(parents=True, exist_ok=True)
     rep["plots"] = [
-        plots.lines({"output tokens": [(r["decode_batch"], 100 * r["gain_tokens"]) for r in rep["sweep_decode_batch"]],
-                     "trajectories": [(r["decode_batch"], 100 * r["gain_trajectories"]) for r in rep["sweep_decode_batch"]],
-                     f"claimed {inp.claimed_gain:.0%}": [(r["decode_batch"], 100 * inp.claimed_gain)
-                                                        for r in rep["sweep_decode_batch"]]},
-                    out_dir, "gain_vs_batch.png", "decode batch per GPU", "gain %",
-                    f"{inp.fast} over {inp.baseline}: {shape.name}, EP {rep['ep']}"),
-        plots.lines({"trajectories": [(r["env_over_generation"], 100 * r["gain_trajectories"]) for r in rep["sweep_env"]]},
-                    out_dir, "gain_vs_env.png", "environment + reward time / generation time", "gain %",
-                    "the gain shrinks when the environment dominates")]
+        plots.lines(
+            {
+                "output tokens": [
+                    (r["decode_batch"], 100 * r["gain_tokens"]) for r in rep["sweep_decode_batch"]
+                ],
+                "trajectories": [
+                    (r["decode_batch"], 100 * r["gain_trajectories"])
+                    for r in rep["sweep_decode_batch"]
+                ],
+                f"claimed {inp.claimed_gain:.0%}": [
+                    (r["decode_batch"], 100 * inp.claimed_gain) for r in rep["sweep_decode_batch"]
+                ],
+            },
+            out_dir,
+            "gain_vs_batch.png",
+            "decode batch per GPU",
+            "gain %",
+            f"{inp.fast} over {inp.baseline}: {shape.name}, EP {rep['ep']}",
+        ),
+        plots.lines(
+            {
+                "trajectories": [
+                    (r["env_over_generation"], 100 * r["gain_trajectories"])
+                    for r in rep["sweep_env"]
+                ]
+            },
+            out_dir,
+            "gain_vs_env.png",
+            "environment + reward time / generation time",
+            "gain %",
+            "the gain shrinks when the environment dominates",
+        ),
+    ]
     text = format_projection(rep)
-    (out_dir / "summary.md").write_text("# moerl bench project\n\n```\n" + text + "\n```\n\nFormulas:\n\n```\n"
-                                        + "\n".join(rep["formulas"]) + "\n```\n\nMemory fit:\n\n```\n"
-                                        + "\n".join(rep["memory_fit"]["formulas"]) + "\n```\n\nServing a version:\n\n```\n"
-                                        + "\n".join(rep["redistribution"]["formulas"]) + "\n```\n")
+    (out_dir / "summary.md").write_text(
+        "# moerl bench project\n\n```\n"
+        + text
+        + "\n```\n\nFormulas:\n\n```\n"
+        + "\n".join(rep["formulas"])
+        + "\n```\n\nMemory fit:\n\n```\n"
+        + "\n".join(rep["memory_fit"]["formulas"])
+        + "\n```\n\nServing a version:\n\n```\n"
+        + "\n".join(rep["redistribution"]["formulas"])
+        + "\n```\n"
+    )
     write_report(out_dir / "report.json", rep)
     print(text)
-    print(f"wrote {out_dir / 'report.json'}, {out_dir / 'summary.md'} and {len(rep['plots'])} plots")
+    print(
+        f"wrote {out_dir / 'report.json'}, {out_dir / 'summary.md'} and {len(rep['plots'])} plots"
+    )
     return rep

@@ -33,8 +33,9 @@ the fan-out runs over TCP (ENA), not EFA, so T_efa is a floor no TCP fan-out rea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
 
 GB = 1e9
 GBPS = 1e9 / 8  # bytes/s in one Gbit/s
@@ -56,33 +57,76 @@ class FleetInputs:
 
 def serve_times(model_name: str, total_params: float, inp: FleetInputs) -> dict[str, Any]:
     S, N = total_params * 2, inp.rollout_nodes
-    b_efa, b_s3, b_cache, b_tcp = (inp.efa_gbps * GBPS, inp.s3_gbps * GBPS, inp.cache_gbps * GBPS * inp.cache_nodes,
-                                   inp.tcp_gbps * GBPS)
+    b_efa, b_s3, b_cache, b_tcp = (
+        inp.efa_gbps * GBPS,
+        inp.s3_gbps * GBPS,
+        inp.cache_gbps * GBPS * inp.cache_nodes,
+        inp.tcp_gbps * GBPS,
+    )
     prefix = inp.s3_get_per_s * inp.part_mib * 2**20
-    t = {"efa_bound_s": S / b_efa,
-         "s3_only_s": max(S / b_s3, N * S / prefix),
-         "cache_tier_s": max(S / b_tcp, N * S / b_cache),
-         "fanout_s": max(S / b_tcp, S / b_cache) + N * inp.chunk_mib * 2**20 / b_tcp,
-         "servable_s": S / min(inp.trainer_nodes * b_s3, b_cache)}
-    return {"model": model_name, "bytes_gb": S / GB, **t,
-            "fanout_vs_s3": t["s3_only_s"] / t["fanout_s"], "fanout_vs_cache_tier": t["cache_tier_s"] / t["fanout_s"],
-            "fanout_vs_efa_bound": t["fanout_s"] / t["efa_bound_s"]}
+    t = {
+        "efa_bound_s": S / b_efa,
+        "s3_only_s": max(S / b_s3, N * S / prefix),
+        "cache_tier_s": max(S / b_tcp, N * S / b_cache),
+        "fanout_s": max(S / b_tcp, S / b_cache) + N * inp.chunk_mib * 2**20 / b_tcp,
+        "servable_s": S / min(inp.trainer_nodes * b_s3, b_cache),
+    }
+    return {
+        "model": model_name,
+        "bytes_gb": S / GB,
+        **t,
+        "fanout_vs_s3": t["s3_only_s"] / t["fanout_s"],
+        "fanout_vs_cache_tier": t["cache_tier_s"] / t["fanout_s"],
+        "fanout_vs_efa_bound": t["fanout_s"] / t["efa_bound_s"],
+    }
 
 
 def fleet_table(models: Iterable[tuple[str, float]], inp: FleetInputs) -> dict[str, Any]:
-    return {"inputs": asdict(inp), "rows": [serve_times(name, params, inp) for name, params in models],
-            "formulas": [line for line in __doc__.split("Formulas (seconds):")[1].split("Limitations:")[0].splitlines()
-                         if line.strip()]}
+    return {
+        "inputs": asdict(inp),
+        "rows": [serve_times(name, params, inp) for name, params in models],
+        "formulas": [
+            line
+            for line in __doc__.split("Formulas (seconds):")[1]
+            .split("Limitations:")[0]
+            .splitlines()
+            if line.strip()
+        ],
+    }
 
 
 def format_fleet(rep: dict[str, Any]) -> str:
     from moerl.bench import format_table
 
     i = rep["inputs"]
-    rows = [[r["model"], r["bytes_gb"], r["efa_bound_s"], r["s3_only_s"], r["cache_tier_s"], r["fanout_s"],
-             r["fanout_vs_s3"], r["servable_s"]] for r in rep["rows"]]
-    return (f"one version to {i['rollout_nodes']} rollout nodes (S3 {i['s3_gbps']:g} Gbps/node, {i['s3_get_per_s']:g} "
-            f"GET/s per prefix x {i['part_mib']:g} MiB; cache tier {i['cache_nodes']} x {i['cache_gbps']:g} Gbps; "
-            f"fan-out TCP {i['tcp_gbps']:g} Gbps, {i['chunk_mib']:g} MiB chunks; EFA {i['efa_gbps']:g} Gbps)\n"
-            + format_table(["model", "GB", "EFA bound s", "S3 only s", "cache tier s", "fan-out s", "fan-out x S3",
-                            "servable s"], rows))
+    rows = [
+        [
+            r["model"],
+            r["bytes_gb"],
+            r["efa_bound_s"],
+            r["s3_only_s"],
+            r["cache_tier_s"],
+            r["fanout_s"],
+            r["fanout_vs_s3"],
+            r["servable_s"],
+        ]
+        for r in rep["rows"]
+    ]
+    return (
+        f"one version to {i['rollout_nodes']} rollout nodes (S3 {i['s3_gbps']:g} Gbps/node, {i['s3_get_per_s']:g} "
+        f"GET/s per prefix x {i['part_mib']:g} MiB; cache tier {i['cache_nodes']} x {i['cache_gbps']:g} Gbps; "
+        f"fan-out TCP {i['tcp_gbps']:g} Gbps, {i['chunk_mib']:g} MiB chunks; EFA {i['efa_gbps']:g} Gbps)\n"
+        + format_table(
+            [
+                "model",
+                "GB",
+                "EFA bound s",
+                "S3 only s",
+                "cache tier s",
+                "fan-out s",
+                "fan-out x S3",
+                "servable s",
+            ],
+            rows,
+        )
+    )

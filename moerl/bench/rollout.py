@@ -51,8 +51,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from moerl.bench import child_main, envelope, format_table, log_tail, run_child, write_report
 from moerl.config import RunConfig, load_config
@@ -71,7 +72,11 @@ WORKLOADS = ("digits", "long-tail")
 UPDATES = ("between_units", "in_flight")
 # the long-tail workload: room for long responses, ended by the random model's EOS rate
 # the KV cache for a full running batch at full length twice over (256 x 512 tokens x 1 KiB x 2)
-LONG_TAIL = ("model.tiny.max_position_embeddings=512", "rollout.max_new_tokens=384", "rollout.kv_cache_gib=0.25")
+LONG_TAIL = (
+    "model.tiny.max_position_embeddings=512",
+    "rollout.max_new_tokens=384",
+    "rollout.kv_cache_gib=0.25",
+)
 
 
 def _prompts(cfg: RunConfig, n_units: int) -> list[list]:
@@ -85,10 +90,15 @@ def _prompts(cfg: RunConfig, n_units: int) -> list[list]:
 
 def _localized(cfg: RunConfig, work: Path) -> RunConfig:
     work.mkdir(parents=True, exist_ok=True)
-    return cfg.model_copy(update={
-        "checkpoint": cfg.checkpoint.model_copy(update={"uri": str(work / "ckpt"), "cache_dir": str(work / "cache")}),
-        "pipeline": cfg.pipeline.model_copy(update={"work_dir": str(work / "work")}),
-        "valkey": cfg.valkey.model_copy(update={"url": None})})
+    return cfg.model_copy(
+        update={
+            "checkpoint": cfg.checkpoint.model_copy(
+                update={"uri": str(work / "ckpt"), "cache_dir": str(work / "cache")}
+            ),
+            "pipeline": cfg.pipeline.model_copy(update={"work_dir": str(work / "work")}),
+            "valkey": cfg.valkey.model_copy(update={"url": None}),
+        }
+    )
 
 
 def _warm_units() -> int:
@@ -109,11 +119,17 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     warm = _warm_units()
     units = _prompts(cfg, n_units + warm)
-    ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[:n_units] for p in unit]
-    warm_ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[n_units:] for p in unit]
+    ids = [
+        encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[:n_units] for p in unit
+    ]
+    warm_ids = [
+        encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[n_units:] for p in unit
+    ]
     engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
     try:
-        if warm_ids:  # the engine's first batches pay one-time costs (kernels for new shapes): not timed
+        if (
+            warm_ids
+        ):  # the engine's first batches pay one-time costs (kernels for new shapes): not timed
             engine.generate(warm_ids, cfg.rollout.samples_per_prompt)
         t0 = time.perf_counter()
         groups = engine.generate(ids, cfg.rollout.samples_per_prompt)
@@ -122,9 +138,18 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         engine.close()
     lengths = sorted(len(c.token_ids) for g in groups for c in g)
     pick = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
-    return {"tokens": sum(lengths), "groups": len(groups), "wall_s": wall, "load_s": engine.load_s, "warmup_units": warm,
-            "busy_fraction": 1.0, "length_p50": pick(0.5), "length_p90": pick(0.9), "length_p99": pick(0.99),
-            "length_max": lengths[-1]}
+    return {
+        "tokens": sum(lengths),
+        "groups": len(groups),
+        "wall_s": wall,
+        "load_s": engine.load_s,
+        "warmup_units": warm,
+        "busy_fraction": 1.0,
+        "length_p50": pick(0.5),
+        "length_p90": pick(0.9),
+        "length_p99": pick(0.99),
+        "length_max": lengths[-1],
+    }
 
 
 BREAKDOWN = ("generate", "loop", "loop+seeds", "loop+samples", "loop+samples+bus")
@@ -173,7 +198,7 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         taken = [0]
 
         def take(n: int) -> list[list]:
-            got = units[taken[0]:taken[0] + n]
+            got = units[taken[0] : taken[0] + n]
             taken[0] += n
             return got
 
@@ -181,16 +206,26 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
             ids = [encode_prompt(tok, cfg.rollout, p.model_dump()) for u in window for p in u]
             return sum(len(c.token_ids) for g in engine.generate(ids, G) for c in g)
 
-        def loop(window: list[list], seeds: bool = False, samples: bool = False, publish: bool = False) -> int:
+        def loop(
+            window: list[list], seeds: bool = False, samples: bool = False, publish: bool = False
+        ) -> int:
             tokens, pending, prompts = 0, list(enumerate(window)), {}
             while pending or engine.unfinished():
                 if pending and engine.unfinished_sequences() < 2 * room:
                     i, unit = pending.pop(0)
                     for k, p in enumerate(unit):
                         rid, d = f"w{taken[0]}-{i}-{k}", p.model_dump()
-                        prompts[rid] = (d, encode_prompt(tok, cfg.rollout, d), group_id(f"u{i}", k, d["id"]))
-                        engine.submit(rid, prompts[rid][1], G, seed=group_seed(cfg.rollout.seed, f"u{i}", k)
-                                      if seeds else None)
+                        prompts[rid] = (
+                            d,
+                            encode_prompt(tok, cfg.rollout, d),
+                            group_id(f"u{i}", k, d["id"]),
+                        )
+                        engine.submit(
+                            rid,
+                            prompts[rid][1],
+                            G,
+                            seed=group_seed(cfg.rollout.seed, f"u{i}", k) if seeds else None,
+                        )
                 writes = []
                 for rid, comps in engine.step():
                     tokens += sum(len(c.token_ids) for c in comps)
@@ -205,9 +240,13 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
                 outbox.flush()
             return tokens
 
-        ways = {"generate": generate, "loop": loop, "loop+seeds": lambda w: loop(w, seeds=True),
-                "loop+samples": lambda w: loop(w, samples=True),
-                "loop+samples+bus": lambda w: loop(w, samples=True, publish=True)}
+        ways = {
+            "generate": generate,
+            "loop": loop,
+            "loop+seeds": lambda w: loop(w, seeds=True),
+            "loop+samples": lambda w: loop(w, samples=True),
+            "loop+samples+bus": lambda w: loop(w, samples=True, publish=True),
+        }
         try:
             if warm:
                 generate(take(warm))
@@ -223,10 +262,21 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         out = {}
         for name in BREAKDOWN:
             ratios = [t / g for t, g in zip(tps[name], tps["generate"])]
-            out[name] = {"tokens_per_s": statistics.median(tps[name]), "tokens_per_s_rounds": tps[name],
-                         "ratio_rounds": ratios, "ratio_to_generate": statistics.median(ratios)}
-        return {"ways": out, "rounds": BREAKDOWN_ROUNDS, "units_per_window": n_units, "warmup_units": warm,
-                "load_s": engine.load_s, "bus_writes": outbox.writes, "bus_round_trips": outbox.round_trips}
+            out[name] = {
+                "tokens_per_s": statistics.median(tps[name]),
+                "tokens_per_s_rounds": tps[name],
+                "ratio_rounds": ratios,
+                "ratio_to_generate": statistics.median(ratios),
+            }
+        return {
+            "ways": out,
+            "rounds": BREAKDOWN_ROUNDS,
+            "units_per_window": n_units,
+            "warmup_units": warm,
+            "load_s": engine.load_s,
+            "bus_writes": outbox.writes,
+            "bus_round_trips": outbox.round_trips,
+        }
     finally:
         if outbox is not None:
             outbox.close()
@@ -243,7 +293,9 @@ def _prepublish(cfg: RunConfig, work: Path, count: int) -> list[tuple[int, str, 
     state = work / "publisher-state"
     prepare_initial(cfg, state, run_id=RUN_ID)
     # every version stays until the window registers it (retention would prune the early ones)
-    cfg = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"keep_last": count + 1})})
+    cfg = cfg.model_copy(
+        update={"checkpoint": cfg.checkpoint.model_copy(update={"keep_last": count + 1})}
+    )
     out = []
     for v in range(1, count + 1):
         policy, _ = run_publish(cfg, RUN_ID, state, v)
@@ -251,7 +303,9 @@ def _prepublish(cfg: RunConfig, work: Path, count: int) -> list[tuple[int, str, 
     return out
 
 
-def _releaser(bus, versions: list[tuple[int, str, str]], every_s: float, stop: threading.Event) -> None:
+def _releaser(
+    bus, versions: list[tuple[int, str, str]], every_s: float, stop: threading.Event
+) -> None:
     """Register the next version every `every_s` seconds until stopped or out of versions."""
     for v, uri, sha in versions:
         if stop.wait(every_s):
@@ -264,7 +318,9 @@ def _wait_units_done(bus, n: int, failed: list[BaseException], timeout_s: float 
     deadline = time.monotonic() + timeout_s
     while bus.counters()["units_done"] < n and not failed:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the rollout worker acknowledged fewer than {n} units in {timeout_s:.0f} s")
+            raise RuntimeError(
+                f"the rollout worker acknowledged fewer than {n} units in {timeout_s:.0f} s"
+            )
         time.sleep(0.02)
 
 
@@ -281,8 +337,12 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
     cfg, server = start_valkey(cfg, work, RUN_ID)
     try:
         publish_initial(cfg, RUN_ID, work)
-        bus = RunBus(connect(cfg.valkey.url, 30.0, cfg.valkey.username, server.password), RUN_ID,
-                     cfg.units.visibility_timeout_s, cfg.units.max_attempts)
+        bus = RunBus(
+            connect(cfg.valkey.url, 30.0, cfg.valkey.username, server.password),
+            RUN_ID,
+            cfg.units.visibility_timeout_s,
+            cfg.units.max_attempts,
+        )
         bus.ensure_groups()
         store = run_store(cfg.checkpoint, RUN_ID)
         bus.register(0, version_uri(store, 0), store.manifest(0).sha256())
@@ -312,21 +372,31 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 _wait_units_done(bus, warm, failed)
                 writes0 = worker.settled_bus_writes()
                 counters = bus.counters()  # the warm-up's share, subtracted at the end
-                timed.update(start={k: counters[k] for k in ("tokens_generated", "units_overlapped")})
+                timed.update(
+                    start={k: counters[k] for k in ("tokens_generated", "units_overlapped")}
+                )
                 timed["t0"] = time.time()
                 for u in units:
                     bus.issue_unit([p.model_dump() for p in u])
                 if swap_every > 0:
-                    threading.Thread(target=_releaser, args=(bus, versions, swap_every, stop),
-                                     name="bench-release", daemon=True).start()
+                    threading.Thread(
+                        target=_releaser,
+                        args=(bus, versions, swap_every, stop),
+                        name="bench-release",
+                        daemon=True,
+                    ).start()
                 # polled rarely (each poll is a round trip and a thread on the worker's cores); the
                 # window ends when the server added the last group (its stream entry's time, 1 ms)
                 while bus.counters()["groups_generated"] < target and not failed:
                     time.sleep(POLL_S)
                 timed["busy"] = worker.busy_s - busy0
                 timed["t1"] = bus.last_added_ms(GENERATED) / 1000
-                _wait_units_done(bus, warm + n_units, failed)  # after the window: its last acknowledgements
-                timed["writes"] = [now - then for now, then in zip(worker.settled_bus_writes(), writes0)]
+                _wait_units_done(
+                    bus, warm + n_units, failed
+                )  # after the window: its last acknowledgements
+                timed["writes"] = [
+                    now - then for now, then in zip(worker.settled_bus_writes(), writes0)
+                ]
             except BaseException as err:  # noqa: BLE001 - reported by the arm
                 failed.append(err)
             finally:
@@ -344,19 +414,30 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
         if failed:
             raise failed[0]
         if code != 0 or "t1" not in timed:
-            raise RuntimeError(f"the rollout worker ended with {code} before every group was generated")
+            raise RuntimeError(
+                f"the rollout worker ended with {code} before every group was generated"
+            )
         c = bus.counters()
         wall = timed["t1"] - timed["t0"]
         start = timed["start"]
-        return {"tokens": c["tokens_generated"] - start["tokens_generated"], "groups": c["groups_generated"] - warm_groups,
-                "wall_s": wall, "load_s": load_s, "warmup_units": warm,
-                "busy_fraction": timed["busy"] / wall, "units_overlapped": c["units_overlapped"] - start["units_overlapped"],
-                "units_in_flight": cfg.rollout.units_in_flight, "weight_update": cfg.rollout.weight_update,
-                "swaps": c.get("swaps", 0), "swaps_in_flight": c.get("swaps_in_flight", 0),
-                "samples_mixed_version": c.get("samples_mixed_version", 0),
-                # the outbox's batching: publications and acknowledgements per Valkey round trip
-                "bus_writes": timed["writes"][0], "bus_round_trips": timed["writes"][1],
-                **_drain_stats(bus.stats().get("rollout-0", {}), cfg.rollout.max_num_seqs)}
+        return {
+            "tokens": c["tokens_generated"] - start["tokens_generated"],
+            "groups": c["groups_generated"] - warm_groups,
+            "wall_s": wall,
+            "load_s": load_s,
+            "warmup_units": warm,
+            "busy_fraction": timed["busy"] / wall,
+            "units_overlapped": c["units_overlapped"] - start["units_overlapped"],
+            "units_in_flight": cfg.rollout.units_in_flight,
+            "weight_update": cfg.rollout.weight_update,
+            "swaps": c.get("swaps", 0),
+            "swaps_in_flight": c.get("swaps_in_flight", 0),
+            "samples_mixed_version": c.get("samples_mixed_version", 0),
+            # the outbox's batching: publications and acknowledgements per Valkey round trip
+            "bus_writes": timed["writes"][0],
+            "bus_round_trips": timed["writes"][1],
+            **_drain_stats(bus.stats().get("rollout-0", {}), cfg.rollout.max_num_seqs),
+        }
     finally:
         if server is not None:
             server.stop()
@@ -368,8 +449,13 @@ def _drain_stats(st: dict[str, float], max_num_seqs: int) -> dict[str, Any]:
     any batch up to max_num_seqs, the share of the drain's engine time that was wasted)."""
     steps = st.get("version_drain_steps", 0.0)
     mean = st.get("version_drain_seqs", 0.0) / steps if steps else None
-    return {"last_swap_s": st.get("last_swap_s"), "drain_s": st.get("version_drain_s", 0.0), "drain_steps": int(steps),
-            "drain_mean_batch": mean, "drain_empty_slots": None if mean is None else 1 - min(mean / max_num_seqs, 1.0)}
+    return {
+        "last_swap_s": st.get("last_swap_s"),
+        "drain_s": st.get("version_drain_s", 0.0),
+        "drain_steps": int(steps),
+        "drain_mean_batch": mean,
+        "drain_empty_slots": None if mean is None else 1 - min(mean / max_num_seqs, 1.0),
+    }
 
 
 def _distinct_ints(text: str, flag: str, what: str, hi: int) -> tuple[int, ...]:
@@ -379,7 +465,9 @@ def _distinct_ints(text: str, flag: str, what: str, hi: int) -> tuple[int, ...]:
     except ValueError:
         xs = ()
     if not xs or any(k < 1 or k > hi for k in xs) or len(set(xs)) != len(xs):
-        raise ConfigError(f"bench rollout: {flag} must list distinct {what} in 1..{hi}, comma-separated; got {text!r}")
+        raise ConfigError(
+            f"bench rollout: {flag} must list distinct {what} in 1..{hi}, comma-separated; got {text!r}"
+        )
     return xs
 
 
@@ -398,16 +486,28 @@ def parse_seqs(text: str) -> tuple[int, ...]:
 def parse_updates(text: str) -> tuple[str, ...]:
     ups = tuple(x.strip() for x in text.split(",") if x.strip())
     if not ups or set(ups) - set(UPDATES) or len(set(ups)) != len(ups):
-        raise ConfigError(f"bench rollout: --updates must list distinct rollout.weight_update values of "
-                          f"{', '.join(UPDATES)}, comma-separated; got {text!r}")
+        raise ConfigError(
+            f"bench rollout: --updates must list distinct rollout.weight_update values of "
+            f"{', '.join(UPDATES)}, comma-separated; got {text!r}"
+        )
     return ups
 
 
-def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int = 4, in_flight: str = "1,2",
-                      out: str | Path = "bench/rollout.json", echo=print, workload: str = "digits",
-                      updates: str = "between_units", swap_every: float = 0.0,
-                      max_num_seqs: str | None = None, warmup_units: int = WARMUP_UNITS,
-                      repeats: int = 1, breakdown: bool = False) -> dict[str, Any]:
+def run_bench_rollout(
+    config: str | Path,
+    overrides: Sequence[str],
+    units: int = 4,
+    in_flight: str = "1,2",
+    out: str | Path = "bench/rollout.json",
+    echo=print,
+    workload: str = "digits",
+    updates: str = "between_units",
+    swap_every: float = 0.0,
+    max_num_seqs: str | None = None,
+    warmup_units: int = WARMUP_UNITS,
+    repeats: int = 1,
+    breakdown: bool = False,
+) -> dict[str, Any]:
     """`max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
     named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's.
     `warmup_units`: units every arm generates before its window (0: time cold engines).
@@ -421,9 +521,13 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
     if not 0 <= warmup_units <= 64:
         raise ConfigError(f"bench rollout: --warmup-units must be in 0..64, got {warmup_units}")
     if workload not in WORKLOADS:
-        raise ConfigError(f"bench rollout: --workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
+        raise ConfigError(
+            f"bench rollout: --workload must be one of {', '.join(WORKLOADS)}, got {workload!r}"
+        )
     if not 0 <= swap_every <= 3600:
-        raise ConfigError(f"bench rollout: --swap-every must be 0 (no swaps) or seconds up to 3600, got {swap_every}")
+        raise ConfigError(
+            f"bench rollout: --swap-every must be 0 (no swaps) or seconds up to 3600, got {swap_every}"
+        )
     ks, ups = parse_in_flight(in_flight), parse_updates(updates)
     sweep = parse_seqs(max_num_seqs) if max_num_seqs else ()
     base = list(LONG_TAIL) if workload == "long-tail" else []
@@ -435,17 +539,35 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
         for seqs in sweep:
             at = f"@{seqs}" if len(sweep) > 1 else ""
             plan += [(f"bare{at}", "bare", _with(cfg, max_num_seqs=seqs))] + [
-                (f"worker-{k}" + ("-inflight" if u == "in_flight" else "") + at, "worker",
-                 _with(cfg, max_num_seqs=seqs, units_in_flight=k, weight_update=u)) for k in ks for u in ups]
-            bare_of.update((name, f"bare{at}") for name, _, _ in plan[-1 - len(ks) * len(ups):])
-        for rnd in range(repeats):  # interleaved: a slow stretch of the machine hits every arm of a round
+                (
+                    f"worker-{k}" + ("-inflight" if u == "in_flight" else "") + at,
+                    "worker",
+                    _with(cfg, max_num_seqs=seqs, units_in_flight=k, weight_update=u),
+                )
+                for k in ks
+                for u in ups
+            ]
+            bare_of.update((name, f"bare{at}") for name, _, _ in plan[-1 - len(ks) * len(ups) :])
+        for rnd in range(
+            repeats
+        ):  # interleaved: a slow stretch of the machine hits every arm of a round
             for name, command, arm_cfg in plan:
                 work = Path(tmp) / f"{name}.{rnd}"
                 work.mkdir()
-                echo(f"[bench rollout] {name}" + (f" (round {rnd + 1} of {repeats})" if repeats > 1 else "") + " ...")
-                code, result, log = run_child("moerl.bench.rollout", command, arm_cfg, units, work, name,
-                                              env_extra={SWAP_ENV: repr(float(swap_every)),
-                                                         WARMUP_ENV: str(warmup_units)})
+                echo(
+                    f"[bench rollout] {name}"
+                    + (f" (round {rnd + 1} of {repeats})" if repeats > 1 else "")
+                    + " ..."
+                )
+                code, result, log = run_child(
+                    "moerl.bench.rollout",
+                    command,
+                    arm_cfg,
+                    units,
+                    work,
+                    name,
+                    env_extra={SWAP_ENV: repr(float(swap_every)), WARMUP_ENV: str(warmup_units)},
+                )
                 if code != 0 or not result.exists():
                     rounds.setdefault(name, []).append({"ok": False, "error": log_tail(log)})
                     continue
@@ -457,24 +579,52 @@ def run_bench_rollout(config: str | Path, overrides: Sequence[str], units: int =
             work = Path(tmp) / "breakdown"
             work.mkdir()
             echo("[bench rollout] breakdown (one engine, every way in turn) ...")
-            code, result, log = run_child("moerl.bench.rollout", "breakdown", cfg, units, work, "breakdown",
-                                          env_extra={WARMUP_ENV: str(warmup_units)})
-            split = ({"ok": True, **json.loads(result.read_text())} if code == 0 and result.exists()
-                     else {"ok": False, "error": log_tail(log)})
-    arms = {name: _combine(rounds[name], [rounds[bare_of[name]][i].get("tokens_per_s") for i in range(repeats)]
-                           if command == "worker" else None)
-            for name, command, _ in plan}
+            code, result, log = run_child(
+                "moerl.bench.rollout",
+                "breakdown",
+                cfg,
+                units,
+                work,
+                "breakdown",
+                env_extra={WARMUP_ENV: str(warmup_units)},
+            )
+            split = (
+                {"ok": True, **json.loads(result.read_text())}
+                if code == 0 and result.exists()
+                else {"ok": False, "error": log_tail(log)}
+            )
+    arms = {
+        name: _combine(
+            rounds[name],
+            [rounds[bare_of[name]][i].get("tokens_per_s") for i in range(repeats)]
+            if command == "worker"
+            else None,
+        )
+        for name, command, _ in plan
+    }
     for name, _, arm_cfg in plan:
         arms[name]["max_num_seqs"] = arm_cfg.rollout.max_num_seqs
-    workload = {"workload": workload, "units": units, "prompts_per_unit": cfg.units.max_prompts,
-                "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": cfg.rollout.max_new_tokens,
-                "max_num_seqs": list(sweep) if len(sweep) > 1 else cfg.rollout.max_num_seqs, "dataset": cfg.task.dataset,
-                "swap_every_s": swap_every, "inflight_kv": cfg.rollout.inflight_kv, "warmup_units": warmup_units,
-                "repeats": repeats,
-                **{k: arms.get("bare" + (f"@{sweep[0]}" if len(sweep) > 1 else ""), {}).get(k)
-                   for k in ("length_p50", "length_p90", "length_p99", "length_max")}}
+    workload = {
+        "workload": workload,
+        "units": units,
+        "prompts_per_unit": cfg.units.max_prompts,
+        "samples_per_prompt": cfg.rollout.samples_per_prompt,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "max_num_seqs": list(sweep) if len(sweep) > 1 else cfg.rollout.max_num_seqs,
+        "dataset": cfg.task.dataset,
+        "swap_every_s": swap_every,
+        "inflight_kv": cfg.rollout.inflight_kv,
+        "warmup_units": warmup_units,
+        "repeats": repeats,
+        **{
+            k: arms.get("bare" + (f"@{sweep[0]}" if len(sweep) > 1 else ""), {}).get(k)
+            for k in ("length_p50", "length_p90", "length_p99", "length_max")
+        },
+    }
     ok = all(r.get("ok") for r in arms.values()) and (split is None or split["ok"])
-    report = envelope("rollout", ok, workload=workload, arms=arms, **({"breakdown": split} if split else {}))
+    report = envelope(
+        "rollout", ok, workload=workload, arms=arms, **({"breakdown": split} if split else {})
+    )
     write_report(Path(out), report)
     echo(format_report(report))
     return report
@@ -499,28 +649,80 @@ def _combine(results: list[dict[str, Any]], bare_tps: list[float | None] | None)
 
 def format_report(report: dict[str, Any]) -> str:
     spread = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}" if xs and len(xs) > 1 else None  # noqa: E731
-    rows = [(name, r.get("ok"), r.get("tokens"), r.get("wall_s"), r.get("tokens_per_s"), r.get("ratio_to_bare"),
-             spread(r.get("ratio_rounds")), r.get("busy_fraction"), r.get("units_overlapped"), r.get("swaps"),
-             r.get("swaps_in_flight"), r.get("drain_s"), r.get("drain_steps"), r.get("drain_mean_batch"), r.get("load_s"))
-            for name, r in report["arms"].items()]
+    rows = [
+        (
+            name,
+            r.get("ok"),
+            r.get("tokens"),
+            r.get("wall_s"),
+            r.get("tokens_per_s"),
+            r.get("ratio_to_bare"),
+            spread(r.get("ratio_rounds")),
+            r.get("busy_fraction"),
+            r.get("units_overlapped"),
+            r.get("swaps"),
+            r.get("swaps_in_flight"),
+            r.get("drain_s"),
+            r.get("drain_steps"),
+            r.get("drain_mean_batch"),
+            r.get("load_s"),
+        )
+        for name, r in report["arms"].items()
+    ]
     w = report["workload"]
-    head = (f"rollout ({w.get('workload', 'digits')}): {w['units']} units x {w['prompts_per_unit']} prompts x "
-            f"G={w['samples_per_prompt']}, max_new_tokens {w['max_new_tokens']}, max_num_seqs {w['max_num_seqs']}, "
-            f"response length p50/p90/max {w.get('length_p50')}/{w.get('length_p90')}/{w.get('length_max')}"
-            + (f", a version every {w['swap_every_s']:g} s (in-flight KV {w.get('inflight_kv')})"
-               if w.get("swap_every_s") else "")
-            + (f"; {w['repeats']} interleaved rounds: each arm's median round, x bare the median of the rounds' "
-               "ratios" if w.get("repeats", 1) > 1 else ""))
-    text = head + "\n" + format_table(["arm", "ok", "tokens", "wall s", "tokens/s", "x bare", "rounds", "busy",
-                                       "overlapped", "swaps", "in flight", "drain s", "drain steps", "drain batch",
-                                       "load s"], rows)
+    head = (
+        f"rollout ({w.get('workload', 'digits')}): {w['units']} units x {w['prompts_per_unit']} prompts x "
+        f"G={w['samples_per_prompt']}, max_new_tokens {w['max_new_tokens']}, max_num_seqs {w['max_num_seqs']}, "
+        f"response length p50/p90/max {w.get('length_p50')}/{w.get('length_p90')}/{w.get('length_max')}"
+        + (
+            f", a version every {w['swap_every_s']:g} s (in-flight KV {w.get('inflight_kv')})"
+            if w.get("swap_every_s")
+            else ""
+        )
+        + (
+            f"; {w['repeats']} interleaved rounds: each arm's median round, x bare the median of the rounds' "
+            "ratios"
+            if w.get("repeats", 1) > 1
+            else ""
+        )
+    )
+    text = (
+        head
+        + "\n"
+        + format_table(
+            [
+                "arm",
+                "ok",
+                "tokens",
+                "wall s",
+                "tokens/s",
+                "x bare",
+                "rounds",
+                "busy",
+                "overlapped",
+                "swaps",
+                "in flight",
+                "drain s",
+                "drain steps",
+                "drain batch",
+                "load s",
+            ],
+            rows,
+        )
+    )
     b = report.get("breakdown")
     if b and b.get("ok"):
-        text += (f"\nbreakdown: one engine, windows of {b['units_per_window']} units, {b['rounds']} interleaved rounds; "
-                 "each way adds to the loop above it (loop+seeds only adds seeds)\n"
-                 + format_table(["way", "tokens/s", "x generate", "rounds"],
-                                [(k, way["tokens_per_s"], way["ratio_to_generate"], spread(way["ratio_rounds"]))
-                                 for k, way in b["ways"].items()]))
+        text += (
+            f"\nbreakdown: one engine, windows of {b['units_per_window']} units, {b['rounds']} interleaved rounds; "
+            "each way adds to the loop above it (loop+seeds only adds seeds)\n"
+            + format_table(
+                ["way", "tokens/s", "x generate", "rounds"],
+                [
+                    (k, way["tokens_per_s"], way["ratio_to_generate"], spread(way["ratio_rounds"]))
+                    for k, way in b["ways"].items()
+                ],
+            )
+        )
     elif b:
         text += f"\nbreakdown failed: {b.get('error')}"
     return text
@@ -529,9 +731,12 @@ def format_report(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     swap_every = float(os.environ.get(SWAP_ENV, "0"))
-    fn = {"bare": _bare, "breakdown": _breakdown}.get(argv[0] if argv else "",
-                                                     lambda cfg, n, work: _worker(cfg, n, work, swap_every))
-    return child_main(argv, "moerl.bench.rollout", argv[0] if argv else "worker", "bench rollout arm", fn)
+    fn = {"bare": _bare, "breakdown": _breakdown}.get(
+        argv[0] if argv else "", lambda cfg, n, work: _worker(cfg, n, work, swap_every)
+    )
+    return child_main(
+        argv, "moerl.bench.rollout", argv[0] if argv else "worker", "bench rollout arm", fn
+    )
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ import os
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from moerl import provenance, tracking
-from moerl.bench import format_table, write_report
-from moerl.bench import log_tail
+from moerl.bench import format_table, log_tail, write_report
 from moerl.bench.modes import ArmFailed, _own_experiment, arm_config, check_same_workload, workload
 from moerl.config import RunConfig
 from moerl.errors import ConfigError, MoerlError
@@ -45,7 +45,9 @@ def parse_sizes(text: str, what: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or any(n < 1 for n in sizes) or len(set(sizes)) != len(sizes):
-        raise ConfigError(f"bench scaling: --{what} must be distinct integers >= 1, comma-separated; got {text!r}")
+        raise ConfigError(
+            f"bench scaling: --{what} must be distinct integers >= 1, comma-separated; got {text!r}"
+        )
     return sizes
 
 
@@ -61,27 +63,44 @@ def async_point(cfg: RunConfig, point_dir: Path, on_tick=None) -> dict[str, Any]
     summary = run_async(cfg, on_tick=on_tick, stats=stats)
     wall = time.perf_counter() - t0
     if not summary.ok:
-        raise ArmFailed("the async run failed; last lines of the trainer's log:\n"
-                        + log_tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log"))
+        raise ArmFailed(
+            "the async run failed; last lines of the trainer's log:\n"
+            + log_tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log")
+        )
     last = MlflowClient(uri).get_run(summary.run_id).data.metrics
     c = stats.get("counters") or {}
     hist = [v for _, v in tracking.metric_history(uri, summary.run_id, "buffer/staleness_mean")]
     rewards = [v for _, v in tracking.metric_history(uri, summary.run_id, "reward/mean")]
-    rates = [v for _, v in tracking.metric_history(uri, summary.run_id, "async/producer_samples_per_s")]
+    rates = [
+        v for _, v in tracking.metric_history(uri, summary.run_id, "async/producer_samples_per_s")
+    ]
     steady = rates[1:] or rates  # the first version's window includes the engines' start
-    return {"ok": True, "run_id": summary.run_id, "wall_s": wall, "counters": c, "restarts": stats.get("restarts"),
-            "exits": stats.get("exits"), "samples_per_s": c.get("generated", 0) / wall,
-            "steady_samples_per_s": sum(steady) / len(steady) if steady else None,
-            "tokens_per_s": c.get("tokens_generated", 0) / wall,
-            "versions_per_hour": 3600 * cfg.pipeline.versions / wall,
-            "staleness_mean": sum(hist) / len(hist) if hist else None,
-            "reward_last3": sum(rewards[-3:]) / len(rewards[-3:]) if rewards else None,
-            "trainer_busy_fraction": last.get("async/trainer_busy_fraction")}
+    return {
+        "ok": True,
+        "run_id": summary.run_id,
+        "wall_s": wall,
+        "counters": c,
+        "restarts": stats.get("restarts"),
+        "exits": stats.get("exits"),
+        "samples_per_s": c.get("generated", 0) / wall,
+        "steady_samples_per_s": sum(steady) / len(steady) if steady else None,
+        "tokens_per_s": c.get("tokens_generated", 0) / wall,
+        "versions_per_hour": 3600 * cfg.pipeline.versions / wall,
+        "staleness_mean": sum(hist) / len(hist) if hist else None,
+        "reward_last3": sum(rewards[-3:]) / len(rewards[-3:]) if rewards else None,
+        "trainer_busy_fraction": last.get("async/trainer_busy_fraction"),
+    }
 
 
-def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers: Sequence[int] = (1, 2, 4),
-                      scorers: Sequence[int] = (1,), versions: int = 4, out_dir: str | Path = "bench/scaling",
-                      work_dir: str | Path | None = None) -> dict[str, Any]:
+def run_bench_scaling(
+    config: str | Path,
+    overrides: Sequence[str] = (),
+    workers: Sequence[int] = (1, 2, 4),
+    scorers: Sequence[int] = (1,),
+    versions: int = 4,
+    out_dir: str | Path = "bench/scaling",
+    work_dir: str | Path | None = None,
+) -> dict[str, Any]:
     from moerl.bench import plots
     from moerl.bench.progress import progress
 
@@ -93,8 +112,16 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
         root = Path(work_dir) if work_dir is not None else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         dirs = {p: Path(tempfile.mkdtemp(prefix=f"w{p[0]}-s{p[1]}-", dir=root)) for p in points}
-        cfgs = {p: arm_config(config, [*overrides, f"rollout.workers={p[0]}", f"reward.scorers={p[1]}"], "async",
-                              versions, dirs[p]) for p in points}
+        cfgs = {
+            p: arm_config(
+                config,
+                [*overrides, f"rollout.workers={p[0]}", f"reward.scorers={p[1]}"],
+                "async",
+                versions,
+                dirs[p],
+            )
+            for p in points
+        }
         check_same_workload({f"workers={w},scorers={s}": c for (w, s), c in cfgs.items()})
         results: dict[tuple[int, int], dict[str, Any]] = {}
         with progress(len(points), "bench scaling", unit="run") as bar:
@@ -104,7 +131,10 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
                 except Exception as err:  # noqa: BLE001 - a failed point is reported; the others still run
                     if not isinstance(err, MoerlError):
                         traceback.print_exc()
-                    results[p] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+                    results[p] = {
+                        "ok": False,
+                        "error": tracking.redact(f"{type(err).__name__}: {err}"),
+                    }
                 bar.advance(1, f"workers={p[0]} scorers={p[1]}")
     rows = []
     for s in scorers:
@@ -112,31 +142,100 @@ def run_bench_scaling(config: str | Path, overrides: Sequence[str] = (), workers
         for w in workers:
             r = results[(w, s)]
             ok = r["ok"] and base["ok"]
-            key = "steady_samples_per_s" if ok and r["steady_samples_per_s"] and base["steady_samples_per_s"] \
+            key = (
+                "steady_samples_per_s"
+                if ok and r["steady_samples_per_s"] and base["steady_samples_per_s"]
                 else "samples_per_s"
+            )
             speedup = r[key] / base[key] if ok and base[key] else None
-            rows.append({"workers": w, "scorers": s, **r, "speedup": speedup, "speedup_basis": key if ok else None,
-                         "efficiency": speedup / (w / workers[0]) if speedup is not None else None})
+            rows.append(
+                {
+                    "workers": w,
+                    "scorers": s,
+                    **r,
+                    "speedup": speedup,
+                    "speedup_basis": key if ok else None,
+                    "efficiency": speedup / (w / workers[0]) if speedup is not None else None,
+                }
+            )
     first = next(iter(cfgs.values()))
-    report = {"bench": "scaling", "schema": 1, "config": str(config), "overrides": list(overrides),
-              "workload": workload(first, versions), "workers": list(workers), "scorers": list(scorers),
-              "points": rows, "ok": all(r["ok"] for r in rows), "cores": len(os.sched_getaffinity(0)),
-              "versions": provenance.collect()}
+    report = {
+        "bench": "scaling",
+        "schema": 1,
+        "config": str(config),
+        "overrides": list(overrides),
+        "workload": workload(first, versions),
+        "workers": list(workers),
+        "scorers": list(scorers),
+        "points": rows,
+        "ok": all(r["ok"] for r in rows),
+        "cores": len(os.sched_getaffinity(0)),
+        "versions": provenance.collect(),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
-    report["plots"] = [plots.lines({f"scorers={s}": [(r["workers"], r["steady_samples_per_s"] or r["samples_per_s"])
-                                                     for r in rows if r["scorers"] == s and r["ok"]] for s in scorers},
-                                   out_dir, "scaling.png", "rollout workers", "samples generated / s",
-                                   "aggregate throughput"),
-                       plots.lines({f"scorers={s}": [(r["workers"], r["efficiency"]) for r in rows
-                                                     if r["scorers"] == s and r["efficiency"] is not None]
-                                    for s in scorers}, out_dir, "efficiency.png", "rollout workers",
-                                   "per-worker efficiency", "efficiency relative to the smallest size")]
+    report["plots"] = [
+        plots.lines(
+            {
+                f"scorers={s}": [
+                    (r["workers"], r["steady_samples_per_s"] or r["samples_per_s"])
+                    for r in rows
+                    if r["scorers"] == s and r["ok"]
+                ]
+                for s in scorers
+            },
+            out_dir,
+            "scaling.png",
+            "rollout workers",
+            "samples generated / s",
+            "aggregate throughput",
+        ),
+        plots.lines(
+            {
+                f"scorers={s}": [
+                    (r["workers"], r["efficiency"])
+                    for r in rows
+                    if r["scorers"] == s and r["efficiency"] is not None
+                ]
+                for s in scorers
+            },
+            out_dir,
+            "efficiency.png",
+            "rollout workers",
+            "per-worker efficiency",
+            "efficiency relative to the smallest size",
+        ),
+    ]
     write_report(out_dir / "report.json", report)
-    print(format_table(["workers", "scorers", "ok", "wall s", "samples/s (wall)", "samples/s (steady)", "tokens/s",
-                        "speedup", "efficiency", "staleness"],
-                       [[r["workers"], r["scorers"], r["ok"], r.get("wall_s"), r.get("samples_per_s"),
-                         r.get("steady_samples_per_s"), r.get("tokens_per_s"), r["speedup"], r["efficiency"],
-                         r.get("staleness_mean")] for r in rows]))
+    print(
+        format_table(
+            [
+                "workers",
+                "scorers",
+                "ok",
+                "wall s",
+                "samples/s (wall)",
+                "samples/s (steady)",
+                "tokens/s",
+                "speedup",
+                "efficiency",
+                "staleness",
+            ],
+            [
+                [
+                    r["workers"],
+                    r["scorers"],
+                    r["ok"],
+                    r.get("wall_s"),
+                    r.get("samples_per_s"),
+                    r.get("steady_samples_per_s"),
+                    r.get("tokens_per_s"),
+                    r["speedup"],
+                    r["efficiency"],
+                    r.get("staleness_mean"),
+                ]
+                for r in rows
+            ],
+        )
+    )
     print(f"wrote {out_dir / 'report.json'} and {len(report['plots'])} plots")
     return report
-

@@ -52,19 +52,30 @@ def _rss_mb(pid: int) -> float | None:
 
 def _sample(run, admin, cache: Path) -> dict[str, Any]:  # noqa: ANN001 - a LocalAsyncRun, a valkey client
     prefix = f"moerl:{run.run_id}:"
-    kinds = Counter(_NUM.sub("", k[len(prefix):].split(":")[0]) for k in admin.scan_iter(match=f"{prefix}*", count=1000))
+    kinds = Counter(
+        _NUM.sub("", k[len(prefix) :].split(":")[0])
+        for k in admin.scan_iter(match=f"{prefix}*", count=1000)
+    )
     mem = admin.info("memory")
     files = list(cache.rglob("*")) if cache.is_dir() else []
-    return {"valkey_dataset_kb": int(mem["used_memory_dataset"]) / 1024,
-            "valkey_used_mb": int(mem["used_memory"]) / 2**20,
-            # op keys (a hand-off's once-only guard) expire OP_TTL_S after their write: bounded by
-            # rate x TTL, so counted apart from the keys that would have to stay flat
-            "op_keys": kinds.get("op", 0), "keys": sum(n for k, n in kinds.items() if k != "op"),
-            "keys_by_kind": dict(sorted(kinds.items())),
-            "published": int(admin.scard(f"{prefix}published")), "dead": int(admin.xlen(f"{prefix}dead")),
-            "cache_lock_files": sum(p.name.endswith(".lock") for p in files),
-            "cache_copies": sum(p.is_dir() and re.fullmatch(r"v\d{6,}", p.name) is not None for p in files),
-            "rss_mb": {c.name: _rss_mb(c.proc.pid) for c in run.children.values() if c.proc.poll() is None}}
+    return {
+        "valkey_dataset_kb": int(mem["used_memory_dataset"]) / 1024,
+        "valkey_used_mb": int(mem["used_memory"]) / 2**20,
+        # op keys (a hand-off's once-only guard) expire OP_TTL_S after their write: bounded by
+        # rate x TTL, so counted apart from the keys that would have to stay flat
+        "op_keys": kinds.get("op", 0),
+        "keys": sum(n for k, n in kinds.items() if k != "op"),
+        "keys_by_kind": dict(sorted(kinds.items())),
+        "published": int(admin.scard(f"{prefix}published")),
+        "dead": int(admin.xlen(f"{prefix}dead")),
+        "cache_lock_files": sum(p.name.endswith(".lock") for p in files),
+        "cache_copies": sum(
+            p.is_dir() and re.fullmatch(r"v\d{6,}", p.name) is not None for p in files
+        ),
+        "rss_mb": {
+            c.name: _rss_mb(c.proc.pid) for c in run.children.values() if c.proc.poll() is None
+        },
+    }
 
 
 def _slope(points: list[tuple[int, float]]) -> float:
@@ -80,7 +91,15 @@ def _slope(points: list[tuple[int, float]]) -> float:
 def _series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        for k in ("valkey_dataset_kb", "keys", "op_keys", "published", "dead", "cache_lock_files", "cache_copies"):
+        for k in (
+            "valkey_dataset_kb",
+            "keys",
+            "op_keys",
+            "published",
+            "dead",
+            "cache_lock_files",
+            "cache_copies",
+        ):
             out.setdefault(k, []).append((r["version"], float(r[k])))
         for name, mb in r["rss_mb"].items():
             if mb is not None:
@@ -88,7 +107,9 @@ def _series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def run_bench_state(versions: int, out: Path, overrides: tuple[str, ...] = (), echo=print) -> dict[str, Any]:
+def run_bench_state(
+    versions: int, out: Path, overrides: tuple[str, ...] = (), echo=print
+) -> dict[str, Any]:
     """One async run of `versions` versions, sampled at every version; the report (also `out`)."""
     import valkey
 
@@ -97,16 +118,32 @@ def run_bench_state(versions: int, out: Path, overrides: tuple[str, ...] = (), e
     from moerl.orchestrate.async_run import run_async
 
     if versions < 8:
-        raise ConfigError(f"--versions: {versions}; allowed: an integer >= 8 (the slopes need points in both halves)")
+        raise ConfigError(
+            f"--versions: {versions}; allowed: an integer >= 8 (the slopes need points in both halves)"
+        )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="moerl-bench-state-") as tmp:
         t = Path(tmp)
-        cfg = load_config(ROOT / "configs/tiny-moe-grpo.yaml", [
-            f"checkpoint.uri={t / 'ckpt'}", f"checkpoint.cache_dir={t / 'cache'}", f"pipeline.work_dir={t / 'work'}",
-            f"pipeline.pipeline_root={t / 'root'}", f"tracking.uri=sqlite:///{t / 'mlflow.db'}",
-            f"pipeline.versions={versions}", "task.prompts_per_iteration=8", "rollout.samples_per_prompt=4",
-            "trainer.optimizer_steps_per_iteration=1", "units.max_prompts=2", "rollout.workers=1",
-            "reward.scorers=1", "rollout.max_new_tokens=6", *overrides], mode="async")
+        cfg = load_config(
+            ROOT / "configs/tiny-moe-grpo.yaml",
+            [
+                f"checkpoint.uri={t / 'ckpt'}",
+                f"checkpoint.cache_dir={t / 'cache'}",
+                f"pipeline.work_dir={t / 'work'}",
+                f"pipeline.pipeline_root={t / 'root'}",
+                f"tracking.uri=sqlite:///{t / 'mlflow.db'}",
+                f"pipeline.versions={versions}",
+                "task.prompts_per_iteration=8",
+                "rollout.samples_per_prompt=4",
+                "trainer.optimizer_steps_per_iteration=1",
+                "units.max_prompts=2",
+                "rollout.workers=1",
+                "reward.scorers=1",
+                "rollout.max_new_tokens=6",
+                *overrides,
+            ],
+            mode="async",
+        )
         state: dict[str, Any] = {"seen": -1, "admin": None}
 
         def tick(run) -> None:  # noqa: ANN001 - a LocalAsyncRun
@@ -117,8 +154,11 @@ def run_bench_state(versions: int, out: Path, overrides: tuple[str, ...] = (), e
             state["seen"] = v
             if state["admin"] is None:  # the embedded server's default user: the loopback admin
                 state["admin"] = valkey.Valkey.from_url(run.valkey.url, decode_responses=True)
-            row = {"version": v, "t_s": time.perf_counter() - state.setdefault("t0", time.perf_counter()),
-                   **_sample(run, state["admin"], Path(cfg.checkpoint.cache_dir))}
+            row = {
+                "version": v,
+                "t_s": time.perf_counter() - state.setdefault("t0", time.perf_counter()),
+                **_sample(run, state["admin"], Path(cfg.checkpoint.cache_dir)),
+            }
             rows.append(row)
 
         stats: dict[str, Any] = {}
@@ -129,18 +169,55 @@ def run_bench_state(versions: int, out: Path, overrides: tuple[str, ...] = (), e
     series = _series(rows)
     table = []
     for name, pts in sorted(series.items()):
-        at = {p: next((y for x, y in pts if x >= p), pts[-1][1]) for p in (versions // 4, half, versions)}
+        at = {
+            p: next((y for x, y in pts if x >= p), pts[-1][1])
+            for p in (versions // 4, half, versions)
+        }
         first = _slope([(x, y) for x, y in pts if x <= half])
         second = _slope([(x, y) for x, y in pts if x >= half])
-        table.append({"series": name, "at_quarter": at[versions // 4], "at_half": at[half], "at_end": pts[-1][1],
-                      "slope_first_half": first, "slope_second_half": second})
-    report = envelope("state", True, versions=versions, overrides=list(overrides), counters=stats.get("counters", {}),
-                      series=table, samples=rows)
+        table.append(
+            {
+                "series": name,
+                "at_quarter": at[versions // 4],
+                "at_half": at[half],
+                "at_end": pts[-1][1],
+                "slope_first_half": first,
+                "slope_second_half": second,
+            }
+        )
+    report = envelope(
+        "state",
+        True,
+        versions=versions,
+        overrides=list(overrides),
+        counters=stats.get("counters", {}),
+        series=table,
+        samples=rows,
+    )
     write_report(out, report)
-    echo(format_table(["series", f"v{versions // 4}", f"v{half}", "end", "per version (1st half)",
-                       "per version (2nd half)"],
-                      [[r["series"], r["at_quarter"], r["at_half"], r["at_end"], r["slope_first_half"],
-                        r["slope_second_half"]] for r in table]))
+    echo(
+        format_table(
+            [
+                "series",
+                f"v{versions // 4}",
+                f"v{half}",
+                "end",
+                "per version (1st half)",
+                "per version (2nd half)",
+            ],
+            [
+                [
+                    r["series"],
+                    r["at_quarter"],
+                    r["at_half"],
+                    r["at_end"],
+                    r["slope_first_half"],
+                    r["slope_second_half"],
+                ]
+                for r in table
+            ],
+        )
+    )
     echo(f"keys by kind at the end: {rows[-1]['keys_by_kind']}")
     echo(f"report: {out}")
     return report

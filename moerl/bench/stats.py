@@ -14,12 +14,42 @@ the measured values.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 # t(0.975, df) for df = 1..30; beyond 30 the normal 1.96 is within 2 %.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t975(df: int) -> float:
@@ -41,7 +71,14 @@ def summarize(values: Iterable[float]) -> dict[str, Any]:
     mean = sum(xs) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
     half = t975(n - 1) * std / math.sqrt(n) if n > 1 else 0.0
-    return {"n": n, "mean": mean, "std": std, "ci95": [mean - half, mean + half], "min": min(xs), "max": max(xs)}
+    return {
+        "n": n,
+        "mean": mean,
+        "std": std,
+        "ci95": [mean - half, mean + half],
+        "min": min(xs),
+        "max": max(xs),
+    }
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -58,8 +95,14 @@ def distribution(values: Sequence[float]) -> dict[str, Any]:
     """{n, p50, p90, p99, mean, max} of `values`; {n: 0} when there are none."""
     if not values:
         return {"n": 0}
-    return {"n": len(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "mean": sum(values) / len(values), "max": max(values)}
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "mean": sum(values) / len(values),
+        "max": max(values),
+    }
 
 
 def noise_exceeded(a: dict[str, Any], b: dict[str, Any]) -> bool | None:

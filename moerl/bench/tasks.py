@@ -32,8 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from moerl.bench import envelope, write_report
 from moerl.bench.stats import percentile
@@ -52,8 +53,13 @@ def _timed(fn: Callable[[], Any], n: int) -> list[float]:
 
 def _row(name: str, lat: list[float], base: float | None) -> dict[str, Any]:
     p50, p99 = percentile(lat, 50) * 1e3, percentile(lat, 99) * 1e3
-    return {"path": name, "calls": len(lat), "p50_ms": p50, "p99_ms": p99,
-            "p50_vs_in_process": p50 / (base * 1e3) if base else 1.0}
+    return {
+        "path": name,
+        "calls": len(lat),
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "p50_vs_in_process": p50 / (base * 1e3) if base else 1.0,
+    }
 
 
 def serve(url: str, reply_prefix: str) -> None:
@@ -76,8 +82,13 @@ def serve(url: str, reply_prefix: str) -> None:
                 if req.get("stop"):
                     r.xack(STREAM, GROUP, eid)
                     return
-                fn = cache.get(req["target"]) or cache.setdefault(req["target"], resolve(req["target"]))
-                r.xadd(reply_prefix + req["client"], {"rep": json.dumps({"id": req["id"], "ok": fn(*req["args"])})})
+                fn = cache.get(req["target"]) or cache.setdefault(
+                    req["target"], resolve(req["target"])
+                )
+                r.xadd(
+                    reply_prefix + req["client"],
+                    {"rep": json.dumps({"id": req["id"], "ok": fn(*req["args"])})},
+                )
                 r.xack(STREAM, GROUP, eid)
 
 
@@ -91,13 +102,22 @@ def _valkey_latencies(call: tuple[str, list], n: int) -> list[float]:
         worker = None
         try:
             prefix = "moerl-bench:rep:"
-            worker = subprocess.Popen([sys.executable, "-m", "moerl.bench.tasks", "serve", server.url, prefix])
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "moerl.bench.tasks", "serve", server.url, prefix]
+            )
             r = valkey.Valkey.from_url(server.url, decode_responses=True)
             last = "0"
 
             def rt(i: int) -> None:
                 nonlocal last
-                r.xadd(STREAM, {"req": json.dumps({"id": i, "client": "c0", "target": call[0], "args": call[1]})})
+                r.xadd(
+                    STREAM,
+                    {
+                        "req": json.dumps(
+                            {"id": i, "client": "c0", "target": call[0], "args": call[1]}
+                        )
+                    },
+                )
                 while True:
                     got = r.xread({prefix + "c0": last}, count=1, block=30000)
                     if not got:
@@ -124,32 +144,54 @@ def _valkey_latencies(call: tuple[str, list], n: int) -> list[float]:
 
 
 def bench_calls(n: int) -> dict[str, Any]:
-    from moerl.tasks.tools import Lookup
     from moerl.tasks.environments import RESET, STEP
     from moerl.tasks.sandbox import Limits, SandboxPool
+    from moerl.tasks.tools import Lookup
     from moerl.tasks.verifiers import CALL_VERIFIER, call_verifier
 
     v_target = "moerl.tasks.verifiers:positional"
     v_args = [v_target, "48213", "48213", None]
-    row = {"id": "b0", "task": "lookup", "prompt": "do 482=", "answer": "935", "meta": {"key": "482", "value": "935"}}
+    row = {
+        "id": "b0",
+        "task": "lookup",
+        "prompt": "do 482=",
+        "answer": "935",
+        "meta": {"key": "482", "value": "935"},
+    }
     rows: list[dict[str, Any]] = []
     base = statistics.median(_timed(lambda: call_verifier(*v_args), n))
     rows.append(_row("verifier in-process", _timed(lambda: call_verifier(*v_args), n), base))
     env = Lookup()
     env.reset(row)
     env_base = statistics.median(_timed(lambda: (env.reset(row), env.step("482")), n))
-    rows.append(_row("env step in-process", _timed(lambda: (env.reset(row), env.step("482")), n), env_base))
+    rows.append(
+        _row("env step in-process", _timed(lambda: (env.reset(row), env.step("482")), n), env_base)
+    )
     with SandboxPool(Limits(timeout_s=30.0, workers=1)) as pool:
         pool.run([(CALL_VERIFIER, v_args)])  # the child's start and imports
-        rows.append(_row("verifier pool", _timed(lambda: pool.run([(CALL_VERIFIER, v_args)]), n), base))
+        rows.append(
+            _row("verifier pool", _timed(lambda: pool.run([(CALL_VERIFIER, v_args)]), n), base)
+        )
         pool.run([(RESET, ["moerl.tasks.tools:Lookup", "k", row])], keys=["k"])
         # a reset and a query per call, as in-process (the query is the episode's first step)
-        rows.append(_row("env step pool", _timed(lambda: pool.run([(RESET, ["moerl.tasks.tools:Lookup", "k", row]),
-                                                                   (STEP, ["k", "482"])], keys=["k", "k"]), n),
-                         env_base))
+        rows.append(
+            _row(
+                "env step pool",
+                _timed(
+                    lambda: pool.run(
+                        [(RESET, ["moerl.tasks.tools:Lookup", "k", row]), (STEP, ["k", "482"])],
+                        keys=["k", "k"],
+                    ),
+                    n,
+                ),
+                env_base,
+            )
+        )
     rows.append(_row("verifier valkey", _valkey_latencies((CALL_VERIFIER, v_args), n), base))
     through = []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     for workers in (1, 2):
         with SandboxPool(Limits(timeout_s=30.0, workers=workers)) as pool:
             pool.run([(CALL_VERIFIER, v_args)] * workers)
@@ -157,10 +199,20 @@ def bench_calls(n: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             pool.run(batch)
             s = time.perf_counter() - t0
-        through.append({"workers": workers, "calls_per_s": len(batch) / s,
-                        "calls_per_s_per_core": len(batch) / s / min(workers, cores)})
+        through.append(
+            {
+                "workers": workers,
+                "calls_per_s": len(batch) / s,
+                "calls_per_s_per_core": len(batch) / s / min(workers, cores),
+            }
+        )
     in_proc_rate = 1.0 / base
-    return {"latency": rows, "throughput": through, "in_process_calls_per_s": in_proc_rate, "cores": cores}
+    return {
+        "latency": rows,
+        "throughput": through,
+        "in_process_calls_per_s": in_proc_rate,
+        "cores": cores,
+    }
 
 
 def bench_rollout(prompts: int, work: Path) -> dict[str, Any]:
@@ -187,20 +239,30 @@ def bench_rollout(prompts: int, work: Path) -> dict[str, Any]:
             engine.generate([encode_prompt(tok, cfg.rollout, r) for r in rows], G)
             single_s = time.perf_counter() - t0
             d = EpisodeDriver(cfg, tok, pool)
-            eps = [d.episode(f"b{i}-{j}", r.model_dump(), encode_prompt(tok, cfg.rollout, r), j, False)
-                   for i, r in enumerate(rows) for j in range(G)]
+            eps = [
+                d.episode(f"b{i}-{j}", r.model_dump(), encode_prompt(tok, cfg.rollout, r), j, False)
+                for i, r in enumerate(rows)
+                for j in range(G)
+            ]
             t0 = time.perf_counter()
             gen_s = run_episodes(engine, d, eps)
             total = time.perf_counter() - t0
     finally:
         engine.close()
     ends = sorted(e.ended_s for e in eps if e.ended_s is not None)
-    return {"episodes": len(eps), "turns_mean": sum(e.turns for e in eps) / len(eps), "rollout_s": total,
-            "generate_s": gen_s, "env_s": d.env_s, "env_share": d.env_s / total,
-            "env_calls": d.calls,
-            "single_turn_generate_s": single_s,
-            "tail_last_episode_s": ends[-1], "tail_median_episode_s": statistics.median(ends),
-            "tail_last_vs_median": ends[-1] / statistics.median(ends)}
+    return {
+        "episodes": len(eps),
+        "turns_mean": sum(e.turns for e in eps) / len(eps),
+        "rollout_s": total,
+        "generate_s": gen_s,
+        "env_s": d.env_s,
+        "env_share": d.env_s / total,
+        "env_calls": d.calls,
+        "single_turn_generate_s": single_s,
+        "tail_last_episode_s": ends[-1],
+        "tail_median_episode_s": statistics.median(ends),
+        "tail_last_vs_median": ends[-1] / statistics.median(ends),
+    }
 
 
 def run_bench_tasks(n: int, engine: bool, prompts: int, out: Path) -> dict[str, Any]:
@@ -213,17 +275,23 @@ def run_bench_tasks(n: int, engine: bool, prompts: int, out: Path) -> dict[str, 
     write_report(out, report)
     print(f"{'path':24} {'p50 ms':>8} {'p99 ms':>8} {'p50 / in-process':>17}")
     for r in calls["latency"]:
-        print(f"{r['path']:24} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_vs_in_process']:17.1f}")
+        print(
+            f"{r['path']:24} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['p50_vs_in_process']:17.1f}"
+        )
     for t in calls["throughput"]:
-        print(f"pool, {t['workers']} child(ren): {t['calls_per_s']:.0f} calls/s, {t['calls_per_s_per_core']:.0f} per core "
-              f"(in-process: {calls['in_process_calls_per_s']:.0f} calls/s)")
+        print(
+            f"pool, {t['workers']} child(ren): {t['calls_per_s']:.0f} calls/s, {t['calls_per_s_per_core']:.0f} per core "
+            f"(in-process: {calls['in_process_calls_per_s']:.0f} calls/s)"
+        )
     if engine:
         ro = rep["rollout"]
-        print(f"rollout: {ro['episodes']} episodes, {ro['turns_mean']:.1f} turns, {ro['rollout_s']:.2f} s "
-              f"(generate {ro['generate_s']:.2f} s, environments {ro['env_s']:.2f} s = {ro['env_share']:.1%}; "
-              f"one single-turn generate of the same prompts {ro['single_turn_generate_s']:.2f} s); "
-              f"tail: last episode at {ro['tail_last_episode_s']:.2f} s, median {ro['tail_median_episode_s']:.2f} s "
-              f"(x{ro['tail_last_vs_median']:.2f})")
+        print(
+            f"rollout: {ro['episodes']} episodes, {ro['turns_mean']:.1f} turns, {ro['rollout_s']:.2f} s "
+            f"(generate {ro['generate_s']:.2f} s, environments {ro['env_s']:.2f} s = {ro['env_share']:.1%}; "
+            f"one single-turn generate of the same prompts {ro['single_turn_generate_s']:.2f} s); "
+            f"tail: last episode at {ro['tail_last_episode_s']:.2f} s, median {ro['tail_median_episode_s']:.2f} s "
+            f"(x{ro['tail_last_vs_median']:.2f})"
+        )
     print(f"report: {out}")
     return report
 

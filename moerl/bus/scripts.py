@@ -182,8 +182,11 @@ DEAD_MAXLEN = 10_000
 CONSUMED_BUCKET_S = 3600
 CONSUMED_TTL_S = 7 * CONSUMED_BUCKET_S
 for _name in ("_SETTLE", "_DEAD_LETTER", "_REFUSE_GROUP"):
-    globals()[_name] = globals()[_name].replace("CONSUMED_TTL_S", str(CONSUMED_TTL_S)).replace(
-        "DEAD_MAXLEN", str(DEAD_MAXLEN))
+    globals()[_name] = (
+        globals()[_name]
+        .replace("CONSUMED_TTL_S", str(CONSUMED_TTL_S))
+        .replace("DEAD_MAXLEN", str(DEAD_MAXLEN))
+    )
 MAX_READ_ENTRIES = 32  # entries per stream read of small entries (units)
 # What one read of a stream of groups may bring back at most: its count is bounded so that
 # count * MAX_ENTRY_BYTES stays under this (8 entries of 64 MiB), so a consumer's memory is

@@ -60,7 +60,9 @@ def safe_rel(rel: str) -> str:
     """A relative POSIX path that stays inside its folder (it comes from an S3 object)."""
     p = PurePosixPath(rel)
     if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel:
-        raise CheckpointError(f"refusing exchange path {rel!r}: not a relative path inside its folder")
+        raise CheckpointError(
+            f"refusing exchange path {rel!r}: not a relative path inside its folder"
+        )
     return p.as_posix()
 
 
@@ -109,7 +111,9 @@ class Exchange:
         try:
             return json.loads(text)
         except ValueError as e:
-            raise CheckpointError(f"{self.uri}/{key} is not JSON ({e}); the exchange is corrupt") from e
+            raise CheckpointError(
+                f"{self.uri}/{key} is not JSON ({e}); the exchange is corrupt"
+            ) from e
 
     def keys(self) -> list[str]:
         return self._store._list("")

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 
 from moerl.errors import ConfigError
 
-NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT = "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"
+NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT = (
+    "PET_NNODES",
+    "PET_NODE_RANK",
+    "PET_MASTER_ADDR",
+    "PET_MASTER_PORT",
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,10 @@ def _int(env: Mapping[str, str], key: str) -> int:
     try:
         return int(env[key])
     except (KeyError, ValueError):
-        raise ConfigError(f"{key}={env.get(key)!r}: the trainer's node group needs an integer; "
-                          f"Kubeflow Trainer sets {NNODES}, {NODE_RANK}, {MASTER_ADDR} and {MASTER_PORT}") from None
+        raise ConfigError(
+            f"{key}={env.get(key)!r}: the trainer's node group needs an integer; "
+            f"Kubeflow Trainer sets {NNODES}, {NODE_RANK}, {MASTER_ADDR} and {MASTER_PORT}"
+        ) from None
 
 
 def node_group(env: Mapping[str, str] | None = None) -> NodeGroup | None:
@@ -69,6 +76,8 @@ def node_group(env: Mapping[str, str] | None = None) -> NodeGroup | None:
     if not 0 <= rank < size:
         raise ConfigError(f"{NODE_RANK}={rank} is outside 0..{size - 1} ({NNODES}={size})")
     if not addr or not 0 < port < 65536:
-        raise ConfigError(f"{MASTER_ADDR}={addr!r}, {MASTER_PORT}={port}: node {rank} of {size} needs node 0's "
-                          "address and port")
+        raise ConfigError(
+            f"{MASTER_ADDR}={addr!r}, {MASTER_PORT}={port}: node {rank} of {size} needs node 0's "
+            "address and port"
+        )
     return NodeGroup(rank, size, addr, port)

@@ -61,12 +61,18 @@ LABEL_MANAGED = "app.kubernetes.io/managed-by"
 # launched rollout pod without it could neither reach its peers' chunk servers nor be reached.
 LABEL_GROUP = "moerl.ai/group"
 # The rank of a pod in its multi-node group, for the stage code (0 = the leader).
-ENV_NODE_RANK, ENV_GROUP_SIZE, ENV_LEADER = "MOERL_NODE_RANK", "MOERL_GROUP_SIZE", "MOERL_LEADER_ADDRESS"
+ENV_NODE_RANK, ENV_GROUP_SIZE, ENV_LEADER = (
+    "MOERL_NODE_RANK",
+    "MOERL_GROUP_SIZE",
+    "MOERL_LEADER_ADDRESS",
+)
 
 # Beyond `rollout.grace_seconds` (the worker's drain), time for the publish and the exit.
 GRACE_MARGIN_S = 30
 _MAX_NAME = 63
-_SUFFIX_LEN = 5  # the random suffix of a generated name; also what the Job controller appends to pod names
+_SUFFIX_LEN = (
+    5  # the random suffix of a generated name; also what the Job controller appends to pod names
+)
 _ZERO = re.compile(r"^0+(\.0+)?[a-zA-Z]*$")
 
 
@@ -80,7 +86,9 @@ def _dns(text: str) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]+", "-", text.lower())).strip("-")
 
 
-def workload_name(stage: str, run_id: str, extra: str = "", budget: int = _MAX_NAME, suffix: str | None = None) -> str:
+def workload_name(
+    stage: str, run_id: str, extra: str = "", budget: int = _MAX_NAME, suffix: str | None = None
+) -> str:
     """`moerl-<stage>[-<extra>]-<run id, first 8>-<random>`: an RFC 1035 label (starts with a
     letter, [a-z0-9-], <= `budget` characters). The stage part is cut first, never the
     run id or the random suffix that makes retries unique."""
@@ -95,16 +103,25 @@ def workload_name(stage: str, run_id: str, extra: str = "", budget: int = _MAX_N
 
 def labels(run_id: str, stage: str, name: str) -> dict[str, str]:
     """The stage label is spelled as on the KFP tasks (pipelines/eks.py): hyphens."""
-    return {LABEL_RUN: label_value(run_id), LABEL_STAGE: label_value(stage.replace("_", "-")), LABEL_WORKLOAD: name,
-            LABEL_MANAGED: "moerl"}
+    return {
+        LABEL_RUN: label_value(run_id),
+        LABEL_STAGE: label_value(stage.replace("_", "-")),
+        LABEL_WORKLOAD: name,
+        LABEL_MANAGED: "moerl",
+    }
 
 
 def resources(cfg: RunConfig) -> dict[str, dict[str, str]]:
     """requests = limits per node: GPUs, EFA devices, 2 MiB hugepages, cpu, memory. Zero or
     unset ones are left out (a CPU-only test cluster, a node without EFA)."""
     la = cfg.cluster.launch
-    wanted = {"nvidia.com/gpu": str(la.gpus_per_node), "vpc.amazonaws.com/efa": str(la.efa_per_node),
-              "hugepages-2Mi": la.hugepages_2mi, "cpu": la.cpu_per_node, "memory": la.memory_per_node}
+    wanted = {
+        "nvidia.com/gpu": str(la.gpus_per_node),
+        "vpc.amazonaws.com/efa": str(la.efa_per_node),
+        "hugepages-2Mi": la.hugepages_2mi,
+        "cpu": la.cpu_per_node,
+        "memory": la.memory_per_node,
+    }
     amounts = {k: v for k, v in wanted.items() if v is not None and not _ZERO.match(v)}
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
@@ -117,14 +134,17 @@ def _tolerations(group: GroupConfig) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in group.tolerations]
 
 
-def _volumes(cfg: RunConfig, group: GroupConfig, stage: str,
-             run_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    cfg: RunConfig, group: GroupConfig, stage: str, run_id: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The volumes (scratch emptyDir, memory-backed /dev/shm, the stage's Secrets as files) and
     their mounts."""
     from moerl.launch.podsecrets import launched_secret_volumes
 
     cl = cfg.cluster
-    volumes: list[dict[str, Any]] = [{"name": "scratch", "emptyDir": {"sizeLimit": cl.scratch_size}}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "scratch", "emptyDir": {"sizeLimit": cl.scratch_size}}
+    ]
     mounts: list[dict[str, Any]] = [{"name": "scratch", "mountPath": cl.scratch_dir}]
     if group.shm:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": group.shm}})
@@ -140,8 +160,12 @@ def _volumes(cfg: RunConfig, group: GroupConfig, stage: str,
 # emptyDir, HOME and TMPDIR under it, and /dev/shm), and no Kubernetes API token: a stage never
 # calls the API, only its launcher does.
 def _security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+    }
 
 
 # fsGroup: the group the kubelet gives the pod's volumes; a Secret volume's root-owned 0400
@@ -150,15 +174,22 @@ POD_FS_GROUP = 1000
 
 
 def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}, "fsGroup": POD_FS_GROUP}
+    return {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "fsGroup": POD_FS_GROUP,
+    }
 
 
 def scratch_env(cfg: RunConfig) -> list[dict[str, Any]]:
     """The scratch emptyDir as `moerl.launch.podenv` expects it (MOERL_SCRATCH; HOME and TMPDIR under
     it, which `enter_pod` creates): the image's own directories may be read-only."""
     scratch = cfg.cluster.scratch_dir
-    return [{"name": SCRATCH_ENV, "value": scratch}, {"name": "HOME", "value": f"{scratch}/home"},
-            {"name": "TMPDIR", "value": f"{scratch}/tmp"}]
+    return [
+        {"name": SCRATCH_ENV, "value": scratch},
+        {"name": "HOME", "value": f"{scratch}/home"},
+        {"name": "TMPDIR", "value": f"{scratch}/tmp"},
+    ]
 
 
 def _owner(owner: dict[str, Any] | None) -> dict[str, Any]:
@@ -176,9 +207,16 @@ def trainer_nodes(cfg: RunConfig) -> int:
     return 1
 
 
-def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: list[dict[str, Any]],
-             stage: str = "policy_update", owner: dict[str, Any] | None = None,
-             service_account: str | None = None) -> dict[str, Any]:
+def trainjob(
+    cfg: RunConfig,
+    run_id: str,
+    name: str,
+    command: list[str],
+    env: list[dict[str, Any]],
+    stage: str = "policy_update",
+    owner: dict[str, Any] | None = None,
+    service_account: str | None = None,
+) -> dict[str, Any]:
     """A TrainJob running `command` on `trainer_nodes(cfg)` trainer nodes.
     `service_account`: its pods' (default `cluster.launch.service_account`; none: the namespace's)."""
     la, group = cfg.cluster.launch, cfg.cluster.groups.trainer
@@ -188,25 +226,55 @@ def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: li
         "nodeSelector": dict(group.node_selector),
         "tolerations": _tolerations(group),
         "volumes": volumes,
-        "containers": [{"name": TRAINER_CONTAINER, "volumeMounts": mounts, "securityContext": _security()}],
+        "containers": [
+            {"name": TRAINER_CONTAINER, "volumeMounts": mounts, "securityContext": _security()}
+        ],
         # no automountServiceAccountToken here: a runtime patch cannot set it (Trainer v2.3's
         # schema); the service account itself (moerl-worker) has automountServiceAccountToken false
         "securityContext": _pod_security(),
     }
     if sa := service_account or la.service_account:
         pod_spec["serviceAccountName"] = sa
-    patch = {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
-        "metadata": {"labels": dict(meta)},
-        "spec": {"replicatedJobs": [{"name": TRAINER_CONTAINER, "template": {"spec": {"template": {
-            "metadata": {"labels": dict(meta)}, "spec": pod_spec}}}}]}}}}
+    patch = {
+        "manager": PATCH_MANAGER,
+        "trainingRuntimeSpec": {
+            "template": {
+                "metadata": {"labels": dict(meta)},
+                "spec": {
+                    "replicatedJobs": [
+                        {
+                            "name": TRAINER_CONTAINER,
+                            "template": {
+                                "spec": {
+                                    "template": {
+                                        "metadata": {"labels": dict(meta)},
+                                        "spec": pod_spec,
+                                    }
+                                }
+                            },
+                        }
+                    ]
+                },
+            }
+        },
+    }
     return {
-        "apiVersion": "/".join(TRAINJOB_API[:2]), "kind": "TrainJob",
+        "apiVersion": "/".join(TRAINJOB_API[:2]),
+        "kind": "TrainJob",
         "metadata": {"name": name, "labels": meta, **_owner(owner)},
         "spec": {
-            "runtimeRef": {"name": la.trainer_runtime, "apiGroup": TRAINJOB_API[0], "kind": "ClusterTrainingRuntime"},
-            "trainer": {"image": image(cfg, group), "command": list(command),
-                        "env": [*env, *scratch_env(cfg)], "numNodes": trainer_nodes(cfg),
-                        "resourcesPerNode": resources(cfg)},
+            "runtimeRef": {
+                "name": la.trainer_runtime,
+                "apiGroup": TRAINJOB_API[0],
+                "kind": "ClusterTrainingRuntime",
+            },
+            "trainer": {
+                "image": image(cfg, group),
+                "command": list(command),
+                "env": [*env, *scratch_env(cfg)],
+                "numNodes": trainer_nodes(cfg),
+                "resourcesPerNode": resources(cfg),
+            },
             "runtimePatches": [patch],
             "activeDeadlineSeconds": cfg.cluster.timeout_s(group, cfg.pipeline.mode),
         },
@@ -215,8 +283,12 @@ def trainjob(cfg: RunConfig, run_id: str, name: str, command: list[str], env: li
 
 def trainjob_name(stage: str, run_id: str, nodes: int, suffix: str | None = None) -> str:
     """Room for the pod names the JobSet under a TrainJob derives: <name>-node-0-<n-1>-xxxxx."""
-    return workload_name(stage, run_id, budget=_MAX_NAME - len(f"-{TRAINER_CONTAINER}-0-{nodes - 1}-xxxxx"),
-                         suffix=suffix)
+    return workload_name(
+        stage,
+        run_id,
+        budget=_MAX_NAME - len(f"-{TRAINER_CONTAINER}-0-{nodes - 1}-xxxxx"),
+        suffix=suffix,
+    )
 
 
 def grace_seconds(cfg: RunConfig) -> int:
@@ -224,8 +296,15 @@ def grace_seconds(cfg: RunConfig) -> int:
     return int(math.ceil(cfg.rollout.grace_seconds)) + GRACE_MARGIN_S
 
 
-def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, Any]], restart: str,
-                      service_account: str | None, stage: str, run_id: str) -> dict[str, Any]:
+def _rollout_pod_spec(
+    cfg: RunConfig,
+    command: list[str],
+    env: list[dict[str, Any]],
+    restart: str,
+    service_account: str | None,
+    stage: str,
+    run_id: str,
+) -> dict[str, Any]:
     la, group = cfg.cluster.launch, cfg.cluster.groups.rollout
     volumes, mounts = _volumes(cfg, group, stage, run_id)
     spec: dict[str, Any] = {
@@ -237,13 +316,20 @@ def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, An
         "securityContext": _pod_security(),
         "automountServiceAccountToken": False,
         "volumes": volumes,
-        "containers": [{
-            "name": ROLLOUT_CONTAINER, "image": image(cfg, group), "command": list(command),
-            "workingDir": cfg.cluster.scratch_dir, "env": [*env, *scratch_env(cfg)],
-            "resources": resources(cfg), "volumeMounts": mounts, "securityContext": _security(),
-            # the stage's one-line error (moerl.launch.remote), else the log tail
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        }],
+        "containers": [
+            {
+                "name": ROLLOUT_CONTAINER,
+                "image": image(cfg, group),
+                "command": list(command),
+                "workingDir": cfg.cluster.scratch_dir,
+                "env": [*env, *scratch_env(cfg)],
+                "resources": resources(cfg),
+                "volumeMounts": mounts,
+                "securityContext": _security(),
+                # the stage's one-line error (moerl.launch.remote), else the log tail
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+            }
+        ],
     }
     if sa := service_account or la.rollout_service_account or la.service_account:
         spec["serviceAccountName"] = sa
@@ -252,27 +338,56 @@ def _rollout_pod_spec(cfg: RunConfig, command: list[str], env: list[dict[str, An
     return spec
 
 
-def rollout_pod(cfg: RunConfig, run_id: str, worker: str, command: list[str], env: list[dict[str, Any]],
-                stage: str = "rollout_worker", name: str | None = None,
-                owner: dict[str, Any] | None = None, service_account: str | None = None) -> dict[str, Any]:
+def rollout_pod(
+    cfg: RunConfig,
+    run_id: str,
+    worker: str,
+    command: list[str],
+    env: list[dict[str, Any]],
+    stage: str = "rollout_worker",
+    name: str | None = None,
+    owner: dict[str, Any] | None = None,
+    service_account: str | None = None,
+) -> dict[str, Any]:
     """One rollout worker `worker` (e.g. rollout-3) as a Pod (`service_account` as in `trainjob`)."""
     name = name or workload_name(stage, run_id, extra=worker)
     spec = _rollout_pod_spec(cfg, command, env, "Never", service_account, stage, run_id)
-    spec["activeDeadlineSeconds"] = cfg.cluster.timeout_s(cfg.cluster.groups.rollout, cfg.pipeline.mode)
+    spec["activeDeadlineSeconds"] = cfg.cluster.timeout_s(
+        cfg.cluster.groups.rollout, cfg.pipeline.mode
+    )
     meta = {**labels(run_id, stage, name), LABEL_GROUP: "rollout"}
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": meta, **_owner(owner)}, "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": meta, **_owner(owner)},
+        "spec": spec,
+    }
 
 
-def rollout_group_name(stage: str, run_id: str, worker: str, nodes: int, suffix: str | None = None) -> str:
+def rollout_group_name(
+    stage: str, run_id: str, worker: str, nodes: int, suffix: str | None = None
+) -> str:
     """Room for <name>-worker-0-<n-2>-xxxxx, the longest pod name the JobSet derives."""
-    return workload_name(stage, run_id, extra=worker, suffix=suffix,
-                         budget=_MAX_NAME - len(f"-worker-0-{max(nodes - 2, 0)}-xxxxx"))
+    return workload_name(
+        stage,
+        run_id,
+        extra=worker,
+        suffix=suffix,
+        budget=_MAX_NAME - len(f"-worker-0-{max(nodes - 2, 0)}-xxxxx"),
+    )
 
 
-def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], env: list[dict[str, Any]],
-                  stage: str = "rollout_worker", name: str | None = None,
-                  owner: dict[str, Any] | None = None, service_account: str | None = None) -> dict[str, Any]:
+def rollout_group(
+    cfg: RunConfig,
+    run_id: str,
+    worker: str,
+    command: list[str],
+    env: list[dict[str, Any]],
+    stage: str = "rollout_worker",
+    name: str | None = None,
+    owner: dict[str, Any] | None = None,
+    service_account: str | None = None,
+) -> dict[str, Any]:
     """One rollout worker spanning `cluster.launch.rollout_nodes_per_worker` nodes, as a JobSet.
 
     Every pod gets MOERL_NODE_RANK (leader 0, workers 1..N-1 from their completion index),
@@ -280,32 +395,61 @@ def rollout_group(cfg: RunConfig, run_id: str, worker: str, command: list[str], 
     """
     nodes = cfg.cluster.launch.rollout_nodes_per_worker
     if nodes < 2:
-        raise ValueError("rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod")
+        raise ValueError(
+            "rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod"
+        )
     name = name or rollout_group_name(stage, run_id, worker, nodes)
     meta = {**labels(run_id, stage, name), LABEL_GROUP: "rollout"}
-    group_env = [*env, {"name": ENV_GROUP_SIZE, "value": str(nodes)},
-                 {"name": ENV_LEADER, "value": f"{name}-leader-0-0.{name}"}]
+    group_env = [
+        *env,
+        {"name": ENV_GROUP_SIZE, "value": str(nodes)},
+        {"name": ENV_LEADER, "value": f"{name}-leader-0-0.{name}"},
+    ]
 
     def job(role: str, count: int, rank_env: dict[str, Any]) -> dict[str, Any]:
-        spec = _rollout_pod_spec(cfg, command, [*group_env, rank_env], "Never", service_account, stage, run_id)
-        job_spec: dict[str, Any] = {"parallelism": count, "completions": count, "backoffLimit": 0,
-                                    "activeDeadlineSeconds": cfg.cluster.timeout_s(cfg.cluster.groups.rollout,
-                                                                                   cfg.pipeline.mode),
-                                    "template": {"metadata": {"labels": dict(meta)}, "spec": spec}}
+        spec = _rollout_pod_spec(
+            cfg, command, [*group_env, rank_env], "Never", service_account, stage, run_id
+        )
+        job_spec: dict[str, Any] = {
+            "parallelism": count,
+            "completions": count,
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": cfg.cluster.timeout_s(
+                cfg.cluster.groups.rollout, cfg.pipeline.mode
+            ),
+            "template": {"metadata": {"labels": dict(meta)}, "spec": spec},
+        }
         if role == "worker":
             job_spec["completionMode"] = "Indexed"
-        return {"name": role, "replicas": 1, "template": {"metadata": {"labels": dict(meta)}, "spec": job_spec}}
+        return {
+            "name": role,
+            "replicas": 1,
+            "template": {"metadata": {"labels": dict(meta)}, "spec": job_spec},
+        }
 
     # worker i (completion index i) is node rank i + 1: moerl.launch.remote adds the one
-    worker_rank = {"name": "MOERL_WORKER_INDEX", "valueFrom": {"fieldRef": {
-        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}
+    worker_rank = {
+        "name": "MOERL_WORKER_INDEX",
+        "valueFrom": {
+            "fieldRef": {
+                "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+            }
+        },
+    }
     return {
-        "apiVersion": "/".join(JOBSET_API[:2]), "kind": "JobSet",
+        "apiVersion": "/".join(JOBSET_API[:2]),
+        "kind": "JobSet",
         "metadata": {"name": name, "labels": meta, **_owner(owner)},
         "spec": {
-            "replicatedJobs": [job("leader", 1, {"name": ENV_NODE_RANK, "value": "0"}),
-                               job("worker", nodes - 1, worker_rank)],
-            "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+            "replicatedJobs": [
+                job("leader", 1, {"name": ENV_NODE_RANK, "value": "0"}),
+                job("worker", nodes - 1, worker_rank),
+            ],
+            "network": {
+                "enableDNSHostnames": True,
+                "subdomain": name,
+                "publishNotReadyAddresses": True,
+            },
             "successPolicy": {"operator": "All", "targetReplicatedJobs": ["leader"]},
             "failurePolicy": {"maxRestarts": 0},  # KFP retries the task, which relaunches the group
         },

@@ -60,8 +60,14 @@ SANDBOX_SECRETS_ENV = "MOERL_SANDBOX_SECRETS"
 # Stripped from a sandboxed task's environment whatever the config says, besides every variable a
 # mapping can set and its `_FILE`: what a test process may hold that no pod is given (its own S3,
 # MLflow, Valkey and cache-tier credentials). AWS_* comes back only as `service_account_env`.
-SECRET_ENV_PREFIXES = ("AWS_", "MLFLOW_TRACKING_", "VALKEY_PASSWORD", "VALKEY_USERNAME", "VALKEY_ADMIN_",
-                       "MOERL_CACHE_TIER_")
+SECRET_ENV_PREFIXES = (
+    "AWS_",
+    "MLFLOW_TRACKING_",
+    "VALKEY_PASSWORD",
+    "VALKEY_USERNAME",
+    "VALKEY_ADMIN_",
+    "MOERL_CACHE_TIER_",
+)
 
 
 def run_secret_name(run_id: str) -> str:
@@ -102,25 +108,33 @@ def pod_secret_env(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, Se
 
     env: dict[str, SecretRef] = {}
     if cfg.cluster.mlflow_secret:
-        env |= {k: SecretRef(cfg.cluster.mlflow_secret, k, optional=True) for k in MLFLOW_SECRET_KEYS}
+        env |= {
+            k: SecretRef(cfg.cluster.mlflow_secret, k, optional=True) for k in MLFLOW_SECRET_KEYS
+        }
     if async_mode and cfg.valkey.url:
         if stage in VALKEY_ADMIN_STAGES:
             if cfg.cluster.valkey_secret:
                 env[VALKEY_ADMIN_KEY] = SecretRef(cfg.cluster.valkey_secret, VALKEY_ADMIN_KEY)
         else:  # the run's own user; required: a stage that cannot log in has nothing to do
             env |= {k: SecretRef(RUN_SECRET, k) for k in VALKEY_SECRET_KEYS}
-    env |= {var: SecretRef(cache_tier_secret(key), key)
-            for var, key in cache_tier_secret_env(cfg.checkpoint, stage).items()}
+    env |= {
+        var: SecretRef(cache_tier_secret(key), key)
+        for var, key in cache_tier_secret_env(cfg.checkpoint, stage).items()
+    }
     return env
 
 
 def pod_secret_files(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, str]:
     """`<variable>_FILE` -> the file's path, the environment `stage`'s pod gets instead of the
     credentials themselves."""
-    return {file_var(var): ref.path() for var, ref in pod_secret_env(cfg, stage, async_mode).items()}
+    return {
+        file_var(var): ref.path() for var, ref in pod_secret_env(cfg, stage, async_mode).items()
+    }
 
 
-def pod_secret_mounts(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, tuple[bool, list[str]]]:
+def pod_secret_mounts(
+    cfg: RunConfig, stage: str, async_mode: bool
+) -> dict[str, tuple[bool, list[str]]]:
     """Secret -> (optional, its keys `stage` reads), one volume each, mounted at
     `SECRETS_ROOT/<secret>` (`SecretRef.path`); `RUN_SECRET` stands for the run's own Secret."""
     mounts: dict[str, tuple[bool, list[str]]] = {}
@@ -136,7 +150,9 @@ LAUNCHED_ASYNC_STAGES = frozenset({"async_trainer", "rollout_worker"})
 LAUNCHED_SECRET_MODE = 0o400
 
 
-def launched_secret_volumes(cfg: RunConfig, stage: str, run_id: str) -> tuple[list[dict], list[dict]]:
+def launched_secret_volumes(
+    cfg: RunConfig, stage: str, run_id: str
+) -> tuple[list[dict], list[dict]]:
     """The Secret volumes and their mounts of a pod that runs `stage` of run `run_id`, launched
     through the Kubernetes API: the same files as the compiled task's (`pod_secret_files`), but
     only the keys the stage reads (`items`), read-only, `defaultMode` 0400. The kubelet writes
@@ -147,8 +163,11 @@ def launched_secret_volumes(cfg: RunConfig, stage: str, run_id: str) -> tuple[li
     for i, (secret, (optional, keys)) in enumerate(wanted.items()):
         name = run_secret_name(run_id) if secret == RUN_SECRET else secret
         mount = SecretRef(secret, "").path().rsplit("/", 1)[0]
-        source: dict = {"secretName": name, "defaultMode": LAUNCHED_SECRET_MODE,
-                        "items": [{"key": k, "path": k} for k in keys]}
+        source: dict = {
+            "secretName": name,
+            "defaultMode": LAUNCHED_SECRET_MODE,
+            "items": [{"key": k, "path": k} for k in keys],
+        }
         if optional:
             source["optional"] = True
         volumes.append({"name": f"moerl-secret-{i}", "secret": source})
@@ -160,13 +179,26 @@ def secret_bearing(name: str, cfg: RunConfig) -> bool:
     """Whether variable `name` may carry a credential: one a mapping can set for any stage of
     `cfg` (the cache tier's `credentials_env` may be renamed), or one of `SECRET_ENV_PREFIXES`."""
     ct = cfg.checkpoint.cache_tier.credentials_env
-    name = name.removesuffix(FILE_SUFFIX)  # the path of a credential the test process holds as a file
-    return (name.startswith(SECRET_ENV_PREFIXES) or name in MLFLOW_SECRET_KEYS or name in VALKEY_SECRET_KEYS
-            or name == VALKEY_ADMIN_KEY or name in (f"{ct}_ACCESS_KEY_ID", f"{ct}_SECRET_ACCESS_KEY"))
+    name = name.removesuffix(
+        FILE_SUFFIX
+    )  # the path of a credential the test process holds as a file
+    return (
+        name.startswith(SECRET_ENV_PREFIXES)
+        or name in MLFLOW_SECRET_KEYS
+        or name in VALKEY_SECRET_KEYS
+        or name == VALKEY_ADMIN_KEY
+        or name in (f"{ct}_ACCESS_KEY_ID", f"{ct}_SECRET_ACCESS_KEY")
+    )
 
 
-def sandbox_secret_env(path: Path, cfg: RunConfig, stage: str, async_mode: bool,
-                       environ: dict[str, str], files_dir: Path) -> dict[str, str]:
+def sandbox_secret_env(
+    path: Path,
+    cfg: RunConfig,
+    stage: str,
+    async_mode: bool,
+    environ: dict[str, str],
+    files_dir: Path,
+) -> dict[str, str]:
     """The environment a sandboxed task of `stage` runs with: `environ` without any
     secret-bearing variable, plus what its pod would get from the cluster's Secrets in `path`:
     each credential as a file written 0400 under `files_dir` (`<secret>/<key>`, as a pod's Secret
@@ -179,8 +211,10 @@ def sandbox_secret_env(path: Path, cfg: RunConfig, stage: str, async_mode: bool,
     would not start (CreateContainerConfigError); an optional one is left out."""
     mode = path.stat().st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise RuntimeError(f"{SANDBOX_SECRETS_ENV}={path}: mode {stat.filemode(mode)} lets others read the cluster's "
-                           f"Secrets; chmod 600 {path}")
+        raise RuntimeError(
+            f"{SANDBOX_SECRETS_ENV}={path}: mode {stat.filemode(mode)} lets others read the cluster's "
+            f"Secrets; chmod 600 {path}"
+        )
     doc = json.loads(path.read_text())
     secrets, account = doc.get("secrets", {}), doc.get("service_account_env", {})
     env = {k: v for k, v in environ.items() if not secret_bearing(k, cfg)}
@@ -190,15 +224,21 @@ def sandbox_secret_env(path: Path, cfg: RunConfig, stage: str, async_mode: bool,
         if value is None:
             if ref.optional:
                 continue
-            raise RuntimeError(f"stage {stage}: its pod needs key {ref.key!r} of the Secret {ref.secret!r} for {var}, "
-                               f"which {path} does not hold; the pod would not start (CreateContainerConfigError): "
-                               "create the key (docs/deploy.md)")
+            raise RuntimeError(
+                f"stage {stage}: its pod needs key {ref.key!r} of the Secret {ref.secret!r} for {var}, "
+                f"which {path} does not hold; the pod would not start (CreateContainerConfigError): "
+                "create the key (docs/deploy.md)"
+            )
         pod_path = Path(ref.path())
-        env[file_var(var)] = str(write_secret_file(files_dir / pod_path.parent.name / pod_path.name, value))
+        env[file_var(var)] = str(
+            write_secret_file(files_dir / pod_path.parent.name / pod_path.name, value)
+        )
     return env
 
 
-def apply_sandbox_secrets(stage: str | None, config_json: str | None, files_dir: Path | None = None) -> None:
+def apply_sandbox_secrets(
+    stage: str | None, config_json: str | None, files_dir: Path | None = None
+) -> None:
     """In a task sandboxed with `MOERL_SANDBOX_SECRETS`: replace this process's environment with
     `sandbox_secret_env`'s (its pod's credentials as files under `files_dir`, default a fresh
     temporary directory), and drop the variable (a pod knows none of the cluster's other
@@ -207,9 +247,11 @@ def apply_sandbox_secrets(stage: str | None, config_json: str | None, files_dir:
     if not path:
         return
     if not stage or config_json is None:
-        raise RuntimeError(f"{SANDBOX_SECRETS_ENV} is set, but this process did not say which stage it runs: call "
-                           "enter_pod(stage, config_json) with the component's name (the stage `place` mounts "
-                           "Secrets for) and its config")
+        raise RuntimeError(
+            f"{SANDBOX_SECRETS_ENV} is set, but this process did not say which stage it runs: call "
+            "enter_pod(stage, config_json) with the component's name (the stage `place` mounts "
+            "Secrets for) and its config"
+        )
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
@@ -226,8 +268,11 @@ def apply_sandbox_secrets(stage: str | None, config_json: str | None, files_dir:
     os.environ.update(new)
 
 
-def write_sandbox_secrets(path: Path, secrets: dict[str, dict[str, str]],
-                          service_account_env: dict[str, str] | None = None) -> Path:
+def write_sandbox_secrets(
+    path: Path,
+    secrets: dict[str, dict[str, str]],
+    service_account_env: dict[str, str] | None = None,
+) -> Path:
     """Write the file `sandbox_secret_env` reads, created 0600 (never readable by others, even
     for an instant)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -59,8 +59,12 @@ def die_with_parent(parent_pid: int | None = None) -> None:
 def spawn(module: str, args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
     """Start `python -m module *args` in a new process group, dying with the calling thread.
     `popen` goes to subprocess.Popen (stdout=..., for example)."""
-    return subprocess.Popen([sys.executable, "-m", "moerl.launch.procs", module, *args],
-                            env={**env, PARENT_ENV: str(os.getpid())}, process_group=0, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "moerl.launch.procs", module, *args],
+        env={**env, PARENT_ENV: str(os.getpid())},
+        process_group=0,
+        **popen,
+    )
 
 
 def _signal_group(pgid: int, sig: int) -> None:

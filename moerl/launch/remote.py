@@ -62,23 +62,44 @@ class Stage:
     outputs: tuple[str, ...] = ()
 
 
-def _policy_update(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
-                   outputs: dict[str, Path]) -> Any:
+def _policy_update(
+    cfg: RunConfig,
+    run_id: str,
+    args: dict[str, Any],
+    inputs: dict[str, Path],
+    outputs: dict[str, Path],
+) -> Any:
     from moerl.components.policy_update.trainer import run_policy_update
 
-    return run_policy_update(cfg, inputs["batch"], inputs["state_in"], outputs["state_out"], int(args["iteration"]),
-                             run_id=run_id)
+    return run_policy_update(
+        cfg,
+        inputs["batch"],
+        inputs["state_in"],
+        outputs["state_out"],
+        int(args["iteration"]),
+        run_id=run_id,
+    )
 
 
-def _async_trainer(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
-                   outputs: dict[str, Path]) -> Any:
+def _async_trainer(
+    cfg: RunConfig,
+    run_id: str,
+    args: dict[str, Any],
+    inputs: dict[str, Path],
+    outputs: dict[str, Path],
+) -> Any:
     from moerl.components.policy_update.worker import run_trainer
 
     return run_trainer(cfg, run_id).model_dump_json()
 
 
-def _rollout(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
-             outputs: dict[str, Path]) -> Any:
+def _rollout(
+    cfg: RunConfig,
+    run_id: str,
+    args: dict[str, Any],
+    inputs: dict[str, Path],
+    outputs: dict[str, Path],
+) -> Any:
     from moerl.components.rollout.stage import run_rollout
     from moerl.records import PolicyVersion
 
@@ -86,31 +107,46 @@ def _rollout(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str
     return run_rollout(cfg, run_id, policy, int(args["iteration"]), outputs["samples"])
 
 
-def _rollout_worker(cfg: RunConfig, run_id: str, args: dict[str, Any], inputs: dict[str, Path],
-                    outputs: dict[str, Path]) -> Any:
+def _rollout_worker(
+    cfg: RunConfig,
+    run_id: str,
+    args: dict[str, Any],
+    inputs: dict[str, Path],
+    outputs: dict[str, Path],
+) -> Any:
     from moerl.components.rollout.worker import run_rollout_worker
 
     return run_rollout_worker(cfg, run_id, str(args["worker"]))
 
 
 STAGES: dict[str, Stage] = {
-    "policy_update": Stage(_policy_update, "trainer", inputs=("batch", "state_in"), outputs=("state_out",)),
+    "policy_update": Stage(
+        _policy_update, "trainer", inputs=("batch", "state_in"), outputs=("state_out",)
+    ),
     "async_trainer": Stage(_async_trainer, "trainer"),
     "rollout": Stage(_rollout, "rollout", outputs=("samples",)),
     "rollout_worker": Stage(_rollout_worker, "rollout"),
 }
 
 
-def run_spec(spec_uri: str, endpoint_url: str | None = None, region: str | None = None,
-             workdir: Path | None = None) -> Any:
+def run_spec(
+    spec_uri: str,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    workdir: Path | None = None,
+) -> Any:
     """Steps 1-4 of the module docstring; returns the stage's value."""
     if not spec_uri.startswith("s3://") or not spec_uri.endswith(f"/{SPEC}"):
         raise RemoteError(f"expected s3://.../{SPEC}, got {spec_uri!r}")
     uri = spec_uri[: -len(SPEC) - 1]
     # 1. the spec, read with the given endpoint; everything after with the run's S3 settings
-    spec = Exchange(CheckpointConfig(uri=uri, endpoint_url=endpoint_url, region=region), uri).read_json(SPEC)
+    spec = Exchange(
+        CheckpointConfig(uri=uri, endpoint_url=endpoint_url, region=region), uri
+    ).read_json(SPEC)
     if not isinstance(spec, dict):
-        raise RemoteError(f"{spec_uri} does not exist or is not a JSON object; was the task's exchange deleted?")
+        raise RemoteError(
+            f"{spec_uri} does not exist or is not a JSON object; was the task's exchange deleted?"
+        )
     try:
         stage = STAGES[spec["stage"]]
         cfg = config_from_json(spec["config_json"])
@@ -118,17 +154,25 @@ def run_spec(spec_uri: str, endpoint_url: str | None = None, region: str | None 
         input_descs, output_names = dict(spec["inputs"]), list(spec["outputs"])
     except (KeyError, TypeError, ValueError) as e:
         raise RemoteError(f"{spec_uri} is not a valid spec ({type(e).__name__}: {e})") from e
-    ex = Exchange(cfg.checkpoint.model_copy(update={"endpoint_url": endpoint_url, "region": region}), uri)
+    ex = Exchange(
+        cfg.checkpoint.model_copy(update={"endpoint_url": endpoint_url, "region": region}), uri
+    )
     local = Path(tempfile.mkdtemp(prefix="moerl-exchange-", dir=workdir))
     # 2. inputs
-    inputs = {name: ex.get(f"inputs/{name}", desc, local / "inputs" / name) for name, desc in input_descs.items()}
+    inputs = {
+        name: ex.get(f"inputs/{name}", desc, local / "inputs" / name)
+        for name, desc in input_descs.items()
+    }
     outputs = {name: local / "outputs" / name for name in output_names}
     (local / "outputs").mkdir(parents=True)
     # 3. the stage
     log.info("running stage %s of run %s", spec["stage"], run_id)
     value = stage.fn(cfg, run_id, args, inputs, outputs)
     # 4. outputs, then the result that says they are complete (node 0's, or this node's part)
-    result = {"value": value, "outputs": {name: ex.put(f"outputs/{name}", path) for name, path in outputs.items()}}
+    result = {
+        "value": value,
+        "outputs": {name: ex.put(f"outputs/{name}", path) for name, path in outputs.items()},
+    }
     group = node_group()
     if group is None or group.leader:
         ex.write_json(RESULT, {**result, "nodes": group.size if group else 1})
@@ -150,9 +194,13 @@ def termination_message(text: str, path: str | None = None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moerl.launch.remote", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m moerl.launch.remote", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("spec_uri", help="s3://.../exchange/<key>/spec.json")
-    ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint (checkpoint.endpoint_url)")
+    ap.add_argument(
+        "--endpoint-url", default=None, help="S3-compatible endpoint (checkpoint.endpoint_url)"
+    )
     ap.add_argument("--region", default=None)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

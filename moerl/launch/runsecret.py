@@ -45,9 +45,11 @@ log = logging.getLogger(__name__)
 def _admin(cfg: RunConfig):
     password = read_secret(ADMIN_PASSWORD_ENV)
     if not password:
-        raise ConfigError(f"the run's own Valkey user needs the server's admin password: ${ADMIN_PASSWORD_ENV}_FILE "
-                          f"(key {ADMIN_PASSWORD_ENV} of the Secret cluster.valkey_secret, "
-                          f"{cfg.cluster.valkey_secret!r}) is not set or empty; create the key (docs/deploy.md)")
+        raise ConfigError(
+            f"the run's own Valkey user needs the server's admin password: ${ADMIN_PASSWORD_ENV}_FILE "
+            f"(key {ADMIN_PASSWORD_ENV} of the Secret cluster.valkey_secret, "
+            f"{cfg.cluster.valkey_secret!r}) is not set or empty; create the key (docs/deploy.md)"
+        )
     # the server's default user is its admin (manifests/base/valkey.yaml)
     return connect(cfg.valkey.url, cfg.valkey.reconnect_s, username="default", password=password)
 
@@ -56,11 +58,20 @@ def run_secret_body(run_id: str, user: str, password: str) -> dict[str, Any]:
     """The run's Secret: the keys `moerl.launch.podsecrets` mounts (VALKEY_USERNAME,
     VALKEY_PASSWORD), labelled with the run so an operator can find one a failed close left."""
     data = {"VALKEY_USERNAME": user, "VALKEY_PASSWORD": password}
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": run_secret_name(run_id),
-                         "labels": {"app.kubernetes.io/part-of": "moerl", "app.kubernetes.io/managed-by": "moerl",
-                                    "moerl.ai/run-id": run_id[:63]}},
-            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": run_secret_name(run_id),
+            "labels": {
+                "app.kubernetes.io/part-of": "moerl",
+                "app.kubernetes.io/managed-by": "moerl",
+                "moerl.ai/run-id": run_id[:63],
+            },
+        },
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+    }
 
 
 def namespaces(cfg: RunConfig) -> list[str]:
@@ -70,8 +81,10 @@ def namespaces(cfg: RunConfig) -> list[str]:
 
     own = own_namespace()
     if not own:
-        raise ConfigError("cannot tell this task's namespace ($MOERL_POD_NAMESPACE, set by pipelines/eks.py, and the "
-                          "service account's namespace file are both missing): the run's Secret goes there")
+        raise ConfigError(
+            "cannot tell this task's namespace ($MOERL_POD_NAMESPACE, set by pipelines/eks.py, and the "
+            "service account's namespace file are both missing): the run's Secret goes there"
+        )
     found = [own]
     la = cfg.cluster.launch
     if la.mode == "kubernetes" and la.namespace and la.namespace != own:
@@ -101,10 +114,14 @@ def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -
             api.core.create_namespaced_secret(ns, body)
         except ApiException as err:
             if err.status != 409:
-                raise MoerlError(f"creating the run's Secret {ns}/{name}: {short_error(err)}; the pipeline's "
-                                 "service account needs create on secrets (Role moerl-launcher, "
-                                 "manifests/base/rbac.yaml)") from err
-            api.core.replace_namespaced_secret(name, ns, body)  # a retried start_run: the new password
+                raise MoerlError(
+                    f"creating the run's Secret {ns}/{name}: {short_error(err)}; the pipeline's "
+                    "service account needs create on secrets (Role moerl-launcher, "
+                    "manifests/base/rbac.yaml)"
+                ) from err
+            api.core.replace_namespaced_secret(
+                name, ns, body
+            )  # a retried start_run: the new password
     log.info("run %s: Valkey user %s, Secret %s", run_id, user, name)
     return name
 
@@ -136,16 +153,23 @@ def close_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) 
     except MoerlError as err:
         problems.append(f"deleting Secret {name}: {err}")
     if problems:
-        raise MoerlError(f"closing run {run_id}'s Valkey identity: " + "; ".join(problems)
-                         + (f" (deleted {', '.join(done)})" if done else ""))
+        raise MoerlError(
+            f"closing run {run_id}'s Valkey identity: "
+            + "; ".join(problems)
+            + (f" (deleted {', '.join(done)})" if done else "")
+        )
     return done
 
 
 def uses_run_identity(cfg: RunConfig, target: str) -> bool:
     """Whether a run of `cfg` compiled for `target` has its own Valkey user: the async pipeline
     on EKS (locally, `moerl run --mode async` makes one in its embedded server)."""
-    return (target == "eks" and cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo"
-            and cfg.valkey.url is not None)
+    return (
+        target == "eks"
+        and cfg.pipeline.mode == "async"
+        and cfg.pipeline.kind == "grpo"
+        and cfg.valkey.url is not None
+    )
 
 
 def holds_admin() -> bool:

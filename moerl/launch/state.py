@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 PULL_BACKOFF_S = 600.0
-FATAL_WAITING = frozenset({"CreateContainerConfigError", "InvalidImageName", "ErrImageNeverPull",
-                           "CreateContainerError"})
+FATAL_WAITING = frozenset(
+    {"CreateContainerConfigError", "InvalidImageName", "ErrImageNeverPull", "CreateContainerError"}
+)
 PULL_WAITING = frozenset({"ImagePullBackOff", "ErrImagePull"})
 
 
@@ -42,8 +43,10 @@ def container_failure(pod: dict[str, Any]) -> str | None:
         term = (cs.get("state") or {}).get("terminated") or {}
         if term and term.get("exitCode", 0) != 0:
             msg = (term.get("message") or "").strip()
-            return (f"container {cs.get('name')} {term.get('reason', 'terminated')} (exit code "
-                    f"{term.get('exitCode')})" + (f": {msg[-1000:]}" if msg else ""))
+            return (
+                f"container {cs.get('name')} {term.get('reason', 'terminated')} (exit code "
+                f"{term.get('exitCode')})" + (f": {msg[-1000:]}" if msg else "")
+            )
     return None
 
 
@@ -62,14 +65,24 @@ def _live_pod_state(pod: dict[str, Any], now: float, first_pull_error: dict[str,
         if reason in PULL_WAITING:
             since = first_pull_error.setdefault(name, now)
             if now - since >= PULL_BACKOFF_S:
-                return State(failed=f"{detail} for {now - since:.0f} s", summary=phase, started=started)
+                return State(
+                    failed=f"{detail} for {now - since:.0f} s", summary=phase, started=started
+                )
             return State(summary=f"{phase}: {detail}", started=started)
     first_pull_error.pop(name, None)
-    unscheduled = next((c for c in status.get("conditions") or []
-                        if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)
+    unscheduled = next(
+        (
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") == "PodScheduled" and c.get("status") == "False"
+        ),
+        None,
+    )
     if unscheduled:
-        return State(summary=f"{phase}: {unscheduled.get('reason')}: {unscheduled.get('message', '')}",
-                     started=started)
+        return State(
+            summary=f"{phase}: {unscheduled.get('reason')}: {unscheduled.get('message', '')}",
+            started=started,
+        )
     return State(summary=phase, started=started)
 
 
@@ -80,7 +93,9 @@ def pod_state(pod: dict[str, Any], now: float, first_pull_error: dict[str, float
     if phase == "Succeeded":
         return State(done=True, summary=phase, started=True)
     if phase == "Failed":
-        why = container_failure(pod) or ": ".join(x for x in (status.get("reason"), status.get("message")) if x)
+        why = container_failure(pod) or ": ".join(
+            x for x in (status.get("reason"), status.get("message")) if x
+        )
         return State(failed=why or "phase Failed", summary=phase, started=True)
     return _live_pod_state(pod, now, first_pull_error)
 
@@ -98,7 +113,11 @@ def pods_state(pods: list[dict[str, Any]], now: float, first_pull_error: dict[st
             continue  # ended: the workload's conditions say what that means
         st = _live_pod_state(p, now, first_pull_error)
         if st.failed:
-            return State(failed=f"pod {p['metadata']['name']}: {st.failed}", summary=st.summary, started=started)
+            return State(
+                failed=f"pod {p['metadata']['name']}: {st.failed}",
+                summary=st.summary,
+                started=started,
+            )
         if not st.started and st.summary != "Pending":
             waits.append(f"{p['metadata']['name']}: {st.summary}")
     phases = Counter(p.get("status", {}).get("phase", "Pending") for p in pods)
@@ -108,11 +127,18 @@ def pods_state(pods: list[dict[str, Any]], now: float, first_pull_error: dict[st
 
 def condition_state(obj: dict[str, Any], success: str) -> State:
     """Done/failed from `status.conditions` (TrainJob: Complete/Failed; JobSet: Completed/Failed)."""
-    conds = {c.get("type"): c for c in obj.get("status", {}).get("conditions") or [] if c.get("status") == "True"}
+    conds = {
+        c.get("type"): c
+        for c in obj.get("status", {}).get("conditions") or []
+        if c.get("status") == "True"
+    }
     if "Failed" in conds:
         c = conds["Failed"]
-        return State(failed=f"{c.get('reason', 'Failed')}: {c.get('message', '')}".rstrip(": "), summary="Failed",
-                     started=True)
+        return State(
+            failed=f"{c.get('reason', 'Failed')}: {c.get('message', '')}".rstrip(": "),
+            summary="Failed",
+            started=True,
+        )
     if success in conds:
         return State(done=True, summary=success, started=True)
     return State(summary=", ".join(sorted(conds)) or "no conditions yet")

@@ -50,8 +50,19 @@ from moerl.errors import CheckpointError, ConfigError
 from moerl.launch import objects
 from moerl.launch.exchange import RESULT, SPEC, Exchange, exchange_uri, node_result
 from moerl.launch.remote import STAGES
-from moerl.launch.watch import (KINDS, PENDING_TIMEOUT_S, KubeApi, Launcher, LaunchError, connect, delete_retrying,
-                                own_pod_owner, resolve_namespace, short_error, workload)
+from moerl.launch.watch import (
+    KINDS,
+    PENDING_TIMEOUT_S,
+    KubeApi,
+    Launcher,
+    LaunchError,
+    connect,
+    delete_retrying,
+    own_pod_owner,
+    resolve_namespace,
+    short_error,
+    workload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +70,10 @@ log = logging.getLogger(__name__)
 # Never credentials (MLFLOW_TRACKING_URI goes through `tracking_uri_env`): the pods get those
 # from their own service account (IRSA) and Secrets.
 PASS_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION")
-from moerl.launch.podsecrets import LAUNCHED_ASYNC_STAGES as ASYNC_STAGES  # the ones that talk to Valkey
+from moerl.launch.podsecrets import (
+    LAUNCHED_ASYNC_STAGES as ASYNC_STAGES,  # the ones that talk to Valkey
+)
+
 # The task's own deadline (set_timeout, the GPU group's timeout_s, pipelines/eks.py) counts from
 # its start; the watch gives up this long before it, so the launcher reports a timeout and
 # deletes its workload itself rather than being killed.
@@ -74,11 +88,15 @@ def check(cfg: RunConfig, stage: str, run_id: str) -> None:
     if stage not in STAGES:
         raise ConfigError(f"no remote stage {stage!r}; known: {', '.join(sorted(STAGES))}")
     if not cfg.checkpoint.uri.startswith("s3://"):
-        raise ConfigError("cluster.launch.mode kubernetes needs an s3:// checkpoint.uri: the launched pods get "
-                          f"their inputs through it and cannot see the task's folders (got {cfg.checkpoint.uri!r})")
+        raise ConfigError(
+            "cluster.launch.mode kubernetes needs an s3:// checkpoint.uri: the launched pods get "
+            f"their inputs through it and cannot see the task's folders (got {cfg.checkpoint.uri!r})"
+        )
     if not run_id or "/" in run_id:
-        raise LaunchError(f"{stage}: cluster.launch.mode kubernetes needs the run id (got {run_id!r}); "
-                          "the pipeline passes it to the component")
+        raise LaunchError(
+            f"{stage}: cluster.launch.mode kubernetes needs the run id (got {run_id!r}); "
+            "the pipeline passes it to the component"
+        )
     check_launchable(cfg, stage)
 
 
@@ -88,8 +106,10 @@ def check_launchable(cfg: RunConfig, stage: str) -> None:
     if STAGES[stage].group == "trainer":
         _check_trainer_nodes(cfg, stage)
     if STAGES[stage].group == "rollout" and la.rollout_nodes_per_worker > 1:
-        raise ConfigError(f"cluster.launch.rollout_nodes_per_worker {la.rollout_nodes_per_worker}: moerl's rollout "
-                          "engine runs on one node (no multi-node join yet); set 1")
+        raise ConfigError(
+            f"cluster.launch.rollout_nodes_per_worker {la.rollout_nodes_per_worker}: moerl's rollout "
+            "engine runs on one node (no multi-node join yet); set 1"
+        )
 
 
 def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
@@ -97,21 +117,31 @@ def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
     across nodes only through torchrun, and only for the sync policy update."""
     la, world = cfg.cluster.launch, cfg.trainer.world_size
     nodes = objects.trainer_nodes(cfg)
-    mesh = (f"trainer.data_parallel_shard x trainer.expert_parallel_size = {cfg.trainer.data_parallel_shard} x "
-            f"{cfg.trainer.expert_parallel_size} = {world} ranks")
+    mesh = (
+        f"trainer.data_parallel_shard x trainer.expert_parallel_size = {cfg.trainer.data_parallel_shard} x "
+        f"{cfg.trainer.expert_parallel_size} = {world} ranks"
+    )
     if world % nodes:
-        raise ConfigError(f"trainer mesh: {mesh} do not split evenly over {nodes} nodes "
-                          "(cluster.launch.trainer_nodes); every node runs the same number of ranks")
+        raise ConfigError(
+            f"trainer mesh: {mesh} do not split evenly over {nodes} nodes "
+            "(cluster.launch.trainer_nodes); every node runs the same number of ranks"
+        )
     if cfg.trainer.device == "cuda" and world // nodes > la.gpus_per_node:
-        raise ConfigError(f"trainer mesh: {mesh}, but the trainer gets cluster.launch.gpus_per_node x trainer_nodes "
-                          f"= {la.gpus_per_node} x {nodes} = {la.gpus_per_node * nodes} GPUs; one rank per GPU")
+        raise ConfigError(
+            f"trainer mesh: {mesh}, but the trainer gets cluster.launch.gpus_per_node x trainer_nodes "
+            f"= {la.gpus_per_node} x {nodes} = {la.gpus_per_node * nodes} GPUs; one rank per GPU"
+        )
     if nodes > 1 and stage == "async_trainer":
-        raise ConfigError(f"trainer on {nodes} nodes: pipeline.mode async runs its trainer on one node (it starts "
-                          "the mesh's ranks itself each version); use a mesh of at most cluster.launch.gpus_per_node "
-                          "ranks, or pipeline.mode sync")
+        raise ConfigError(
+            f"trainer on {nodes} nodes: pipeline.mode async runs its trainer on one node (it starts "
+            "the mesh's ranks itself each version); use a mesh of at most cluster.launch.gpus_per_node "
+            "ranks, or pipeline.mode sync"
+        )
     if nodes > 1 and cfg.trainer.launcher != "torchrun":
-        raise ConfigError(f"trainer on {nodes} nodes: trainer.launcher {cfg.trainer.launcher!r} starts ranks on one "
-                          "machine only; set trainer.launcher torchrun (it joins the nodes' ranks)")
+        raise ConfigError(
+            f"trainer on {nodes} nodes: trainer.launcher {cfg.trainer.launcher!r} starts ranks on one "
+            "machine only; set trainer.launcher torchrun (it joins the nodes' ranks)"
+        )
 
 
 def tracking_uri_env(uri: str) -> str | None:
@@ -127,7 +157,9 @@ def tracking_uri_env(uri: str) -> str | None:
     return None
 
 
-def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def launch_env(
+    cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     """The launched container's environment (see the module docstring); Secrets as the
     compiled tasks get them (pipelines/eks.py): optional, Valkey's only for the async stages."""
     environ = os.environ if environ is None else environ
@@ -137,8 +169,10 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
         if value and k == "MLFLOW_TRACKING_URI":
             value = tracking_uri_env(value)
             if value is None:
-                log.warning("not passing MLFLOW_TRACKING_URI to the launched pods: it carries credentials; "
-                            "they use tracking.uri from the config")
+                log.warning(
+                    "not passing MLFLOW_TRACKING_URI to the launched pods: it carries credentials; "
+                    "they use tracking.uri from the config"
+                )
         if value:
             env.append({"name": k, "value": value})
     from moerl.launch.podsecrets import pod_secret_files  # the one mapping `place` mounts too
@@ -147,12 +181,19 @@ def launch_env(cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
     for name, path in pod_secret_files(cfg, stage, async_mode=stage in ASYNC_STAGES).items():
         env.append({"name": name, "value": path})
     if cfg.checkpoint.fanout and stage == "rollout_worker":
-        env += [{"name": "MOERL_FANOUT_BIND", "value": "0.0.0.0"},
-                {"name": "MOERL_FANOUT_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        env += [
+            {"name": "MOERL_FANOUT_BIND", "value": "0.0.0.0"},
+            {
+                "name": "MOERL_FANOUT_ADVERTISE",
+                "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+            },
+        ]
     return env
 
 
-def launch_service_account(cfg: RunConfig, namespace: str, stage: str = "policy_update") -> str | None:
+def launch_service_account(
+    cfg: RunConfig, namespace: str, stage: str = "policy_update"
+) -> str | None:
     """The launched pods' service account: `cluster.launch.service_account` (`moerl-worker` by
     default: S3 only, no API token). Never the task's own: that account's Role may create pods,
     and a launched stage has no business with the Kubernetes API. Unset: None, with a warning:
@@ -164,8 +205,11 @@ def launch_service_account(cfg: RunConfig, namespace: str, stage: str = "policy_
         return la.rollout_service_account
     if la.service_account:
         return la.service_account
-    log.warning("the launched pods get namespace %s's default service account: cluster.launch.service_account is "
-                "unset; set it to one with S3 access (moerl-worker)", namespace)
+    log.warning(
+        "the launched pods get namespace %s's default service account: cluster.launch.service_account is "
+        "unset; set it to one with S3 access (moerl-worker)",
+        namespace,
+    )
     return None
 
 
@@ -178,20 +222,54 @@ def remote_command(cfg: RunConfig, spec_uri: str) -> list[str]:
     return cmd
 
 
-def build(cfg: RunConfig, stage: str, run_id: str, name: str, command: list[str], worker: str | None,
-          owner: dict[str, Any] | None, service_account: str | None = None) -> dict[str, Any]:
+def build(
+    cfg: RunConfig,
+    stage: str,
+    run_id: str,
+    name: str,
+    command: list[str],
+    worker: str | None,
+    owner: dict[str, Any] | None,
+    service_account: str | None = None,
+) -> dict[str, Any]:
     """The object that runs `stage`: a TrainJob for the trainer group, a Pod for rollout."""
     env = launch_env(cfg, stage)
     if STAGES[stage].group == "trainer":
-        return objects.trainjob(cfg, run_id, name, command, env, stage=stage, owner=owner,
-                                service_account=service_account)
-    return objects.rollout_pod(cfg, run_id, worker or "rollout", command, env, stage=stage, name=name, owner=owner,
-                               service_account=service_account)
+        return objects.trainjob(
+            cfg,
+            run_id,
+            name,
+            command,
+            env,
+            stage=stage,
+            owner=owner,
+            service_account=service_account,
+        )
+    return objects.rollout_pod(
+        cfg,
+        run_id,
+        worker or "rollout",
+        command,
+        env,
+        stage=stage,
+        name=name,
+        owner=owner,
+        service_account=service_account,
+    )
 
 
-def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] | None = None,
-               inputs: dict[str, str | Path] | None = None, outputs: dict[str, str | Path] | None = None,
-               worker: str | None = None, api: KubeApi | None = None, launcher: Launcher | None = None) -> Any:
+def run_remote(
+    cfg: RunConfig,
+    stage: str,
+    run_id: str,
+    *,
+    args: dict[str, Any] | None = None,
+    inputs: dict[str, str | Path] | None = None,
+    outputs: dict[str, str | Path] | None = None,
+    worker: str | None = None,
+    api: KubeApi | None = None,
+    launcher: Launcher | None = None,
+) -> Any:
     """Run `stage` in a launched pod and return its value; outputs land at the given paths.
 
     `args`: the stage's scalar arguments (JSON). `inputs` / `outputs`: artifact name -> local
@@ -215,20 +293,46 @@ def run_remote(cfg: RunConfig, stage: str, run_id: str, *, args: dict[str, Any] 
         descs = {n: ex.put(f"inputs/{n}", Path(p)) for n, p in inputs.items()}
         if missing := [n for n, d in descs.items() if d["kind"] == "missing"]:
             raise LaunchError(f"{stage}: input artifacts {missing} do not exist in the task")
-        ex.write_json(SPEC, {"stage": stage, "run_id": run_id, "config_json": config_to_json(cfg), "args": args,
-                             "inputs": descs, "outputs": sorted(outputs)})
+        ex.write_json(
+            SPEC,
+            {
+                "stage": stage,
+                "run_id": run_id,
+                "config_json": config_to_json(cfg),
+                "args": args,
+                "inputs": descs,
+                "outputs": sorted(outputs),
+            },
+        )
         # 3-4. launch, watch, delete
-        body = build(cfg, stage, run_id, name, remote_command(cfg, f"{ex.uri}/{SPEC}"), worker,
-                     own_pod_owner(namespace), launch_service_account(cfg, namespace, stage))
+        body = build(
+            cfg,
+            stage,
+            run_id,
+            name,
+            remote_command(cfg, f"{ex.uri}/{SPEC}"),
+            worker,
+            own_pod_owner(namespace),
+            launch_service_account(cfg, namespace, stage),
+        )
         if launcher is None:  # the time left of the task's deadline, less the margin for cleanup
-            left = cfg.cluster.timeout_s(group, cfg.pipeline.mode) - CLEANUP_MARGIN_S - (time.monotonic() - t_start)
-            launcher = Launcher(la.poll_s, max(left, la.poll_s),
-                                pending_timeout_s=getattr(la, "pending_timeout_s", PENDING_TIMEOUT_S))
+            left = (
+                cfg.cluster.timeout_s(group, cfg.pipeline.mode)
+                - CLEANUP_MARGIN_S
+                - (time.monotonic() - t_start)
+            )
+            launcher = Launcher(
+                la.poll_s,
+                max(left, la.poll_s),
+                pending_timeout_s=getattr(la, "pending_timeout_s", PENDING_TIMEOUT_S),
+            )
         launcher.run([workload(api or connect(), namespace, body)])
         # 5. outputs and value
         result = ex.read_json(RESULT)
         if not isinstance(result, dict):
-            raise LaunchError(f"{body['kind']} {name} succeeded but wrote no {RESULT} under {ex.uri}")
+            raise LaunchError(
+                f"{body['kind']} {name} succeeded but wrote no {RESULT} under {ex.uri}"
+            )
         parts = _node_parts(ex, result, f"{body['kind']} {name}")
         for n, path in outputs.items():
             desc = merge_outputs(n, [result, *parts], f"{body['kind']} {name}")
@@ -249,7 +353,9 @@ def _node_parts(ex: Exchange, result: dict[str, Any], what: str) -> list[dict[st
     for k in range(1, nodes):
         part = ex.read_json(node_result(k))
         if not isinstance(part, dict):
-            raise LaunchError(f"{what} succeeded but node {k} of {nodes} wrote no {node_result(k)} under {ex.uri}")
+            raise LaunchError(
+                f"{what} succeeded but node {k} of {nodes} wrote no {node_result(k)} under {ex.uri}"
+            )
         parts.append(part)
     return parts
 
@@ -263,25 +369,33 @@ def merge_outputs(name: str, results: list[dict[str, Any]], what: str) -> dict[s
     if len(results) == 1:
         return desc
     if desc.get("kind") != "dir":
-        raise LaunchError(f"output {name!r} of the multi-node {what} is a {desc.get('kind')}; only directories merge")
+        raise LaunchError(
+            f"output {name!r} of the multi-node {what} is a {desc.get('kind')}; only directories merge"
+        )
     owner = {rel: 0 for rel in desc["files"]}
     for k, part in enumerate(results[1:], start=1):
         for rel in part.get("outputs", {}).get(name, {}).get("files", []):
             if rel in owner:
-                raise LaunchError(f"output {name!r} of {what}: nodes {owner[rel]} and {k} both wrote {rel}")
+                raise LaunchError(
+                    f"output {name!r} of {what}: nodes {owner[rel]} and {k} both wrote {rel}"
+                )
             owner[rel] = k
     return {"kind": "dir", "files": sorted(owner)}
 
 
 # ----------------------------------------------------------------------- the exit task's sweep
 
+
 def _list(api: KubeApi, namespace: str, kind: str, selector: str) -> list[dict[str, Any]]:
     if kind == "Pod":
-        resp = api.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
+        resp = api.core.list_namespaced_pod(
+            namespace, label_selector=selector, _preload_content=False
+        )
     else:
         g, v, p = KINDS[kind].api_ref  # type: ignore[attr-defined]
-        resp = api.custom.list_namespaced_custom_object(g, v, namespace, p, label_selector=selector,
-                                                        _preload_content=False)
+        resp = api.custom.list_namespaced_custom_object(
+            g, v, namespace, p, label_selector=selector, _preload_content=False
+        )
     return json.loads(resp.data).get("items", [])
 
 
@@ -291,8 +405,12 @@ def _controlled(obj: dict[str, Any]) -> bool:
     return any(o.get("controller") for o in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
-def sweep(run_id: str, namespace: str | None = None, api: KubeApi | None = None,
-          sleep: Callable[[float], None] = time.sleep) -> list[str]:
+def sweep(
+    run_id: str,
+    namespace: str | None = None,
+    api: KubeApi | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[str]:
     """Delete every TrainJob, JobSet and Pod that moerl's launcher created for `run_id` in
     `namespace` (default: the task's own), found by the labels `moerl.ai/run-id` and
     `app.kubernetes.io/managed-by=moerl`; objects a controller made (the pods of a TrainJob)
@@ -301,7 +419,9 @@ def sweep(run_id: str, namespace: str | None = None, api: KubeApi | None = None,
     nothing to sweep. Raises LaunchError, after trying everything, if something could not be
     listed or deleted."""
     if not objects.label_value(run_id):
-        raise LaunchError(f"sweep needs a run id (got {run_id!r}): an empty one would match nothing, or every run")
+        raise LaunchError(
+            f"sweep needs a run id (got {run_id!r}): an empty one would match nothing, or every run"
+        )
     ns = resolve_namespace(namespace)
     api = api or connect()
     selector = f"{objects.LABEL_RUN}={objects.label_value(run_id)},{objects.LABEL_MANAGED}=moerl"
@@ -326,7 +446,9 @@ def sweep(run_id: str, namespace: str | None = None, api: KubeApi | None = None,
             except Exception as e:  # noqa: BLE001 (keep sweeping; reported at the end)
                 problems.append(f"deleting {w}: {short_error(e)}")
     if problems:
-        raise LaunchError(f"sweeping run {run_id} in {ns}: " + "; ".join(problems)
-                          + (f" (deleted {', '.join(deleted)})" if deleted else ""))
+        raise LaunchError(
+            f"sweeping run {run_id} in {ns}: "
+            + "; ".join(problems)
+            + (f" (deleted {', '.join(deleted)})" if deleted else "")
+        )
     return deleted
-

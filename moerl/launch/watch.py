@@ -88,7 +88,7 @@ class KubeApi:
     custom: Any  # kubernetes.client.CustomObjectsApi
 
     @classmethod
-    def from_client(cls, api_client: Any) -> "KubeApi":
+    def from_client(cls, api_client: Any) -> KubeApi:
         from kubernetes import client
 
         return cls(client.CoreV1Api(api_client), client.CustomObjectsApi(api_client))
@@ -104,8 +104,10 @@ def connect() -> KubeApi:
         try:
             config.load_kube_config()
         except (config.ConfigException, OSError) as e:
-            raise LaunchError(f"no Kubernetes API access: not in a cluster and no usable kubeconfig ({e}); "
-                              "cluster.launch.mode kubernetes runs inside a KFP task") from e
+            raise LaunchError(
+                f"no Kubernetes API access: not in a cluster and no usable kubeconfig ({e}); "
+                "cluster.launch.mode kubernetes runs inside a KFP task"
+            ) from e
     return KubeApi(client.CoreV1Api(), client.CustomObjectsApi())
 
 
@@ -116,8 +118,10 @@ def resolve_namespace(configured: str | None, sa_file: str = SA_NAMESPACE) -> st
     try:
         ns = Path(sa_file).read_text().strip()
     except OSError as e:
-        raise LaunchError(f"cannot tell the task's namespace ({sa_file}: {e.strerror}); "
-                          "set cluster.launch.namespace") from e
+        raise LaunchError(
+            f"cannot tell the task's namespace ({sa_file}: {e.strerror}); "
+            "set cluster.launch.namespace"
+        ) from e
     if not ns:
         raise LaunchError(f"{sa_file} is empty; set cluster.launch.namespace")
     return ns
@@ -135,8 +139,9 @@ def own_namespace(env: dict[str, str] | None = None, sa_file: str = SA_NAMESPACE
         return None
 
 
-def own_pod_owner(namespace: str, env: dict[str, str] | None = None,
-                  sa_file: str = SA_NAMESPACE) -> dict[str, Any] | None:
+def own_pod_owner(
+    namespace: str, env: dict[str, str] | None = None, sa_file: str = SA_NAMESPACE
+) -> dict[str, Any] | None:
     """An ownerReference to the KFP task's own pod (KFP_POD_NAME / KFP_POD_UID, which KFP sets
     in every executor container), if the workload lives in that pod's namespace (`own_namespace`):
     owner references never cross namespaces."""
@@ -144,8 +149,14 @@ def own_pod_owner(namespace: str, env: dict[str, str] | None = None,
     name, uid = env.get("KFP_POD_NAME"), env.get("KFP_POD_UID")
     if not (name and uid and own_namespace(env, sa_file) == namespace):
         return None
-    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False,
-            "controller": False}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": name,
+        "uid": uid,
+        "blockOwnerDeletion": False,
+        "controller": False,
+    }
 
 
 def _api_status(e: BaseException) -> int | None:
@@ -193,8 +204,9 @@ class Workload(ABC):
 
     def pods(self) -> list[dict[str, Any]]:
         """The pods labelled with this workload's name (a TrainJob's or JobSet's)."""
-        resp = self.api.core.list_namespaced_pod(self.namespace, label_selector=f"{LABEL_WORKLOAD}={self.name}",
-                                                 _preload_content=False)
+        resp = self.api.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{LABEL_WORKLOAD}={self.name}", _preload_content=False
+        )
         return json.loads(resp.data).get("items", [])
 
 
@@ -205,11 +217,16 @@ class PodWorkload(Workload):
         self.api.core.create_namespaced_pod(self.namespace, self.body, _preload_content=False)
 
     def read(self) -> dict[str, Any]:
-        return json.loads(self.api.core.read_namespaced_pod(self.name, self.namespace, _preload_content=False).data)
+        return json.loads(
+            self.api.core.read_namespaced_pod(
+                self.name, self.namespace, _preload_content=False
+            ).data
+        )
 
     def _delete(self) -> None:
-        self.api.core.delete_namespaced_pod(self.name, self.namespace, propagation_policy="Background",
-                                            _preload_content=False)
+        self.api.core.delete_namespaced_pod(
+            self.name, self.namespace, propagation_policy="Background", _preload_content=False
+        )
 
     def poll(self, now: float) -> State:
         return pod_state(self.read(), now, self._pull_errors)
@@ -224,27 +241,45 @@ class CustomWorkload(Workload):
 
     def create(self) -> None:
         g, v, p = self.api_ref
-        self.api.custom.create_namespaced_custom_object(g, v, self.namespace, p, self.body, _preload_content=False)
+        self.api.custom.create_namespaced_custom_object(
+            g, v, self.namespace, p, self.body, _preload_content=False
+        )
 
     def read(self) -> dict[str, Any]:
         g, v, p = self.api_ref
-        return json.loads(self.api.custom.get_namespaced_custom_object(g, v, self.namespace, p, self.name,
-                                                                       _preload_content=False).data)
+        return json.loads(
+            self.api.custom.get_namespaced_custom_object(
+                g, v, self.namespace, p, self.name, _preload_content=False
+            ).data
+        )
 
     def _delete(self) -> None:
         g, v, p = self.api_ref
-        self.api.custom.delete_namespaced_custom_object(g, v, self.namespace, p, self.name,
-                                                        propagation_policy="Background", _preload_content=False)
+        self.api.custom.delete_namespaced_custom_object(
+            g,
+            v,
+            self.namespace,
+            p,
+            self.name,
+            propagation_policy="Background",
+            _preload_content=False,
+        )
 
     def poll(self, now: float) -> State:
         cond = condition_state(self.read(), self.success)
         if cond.failed:
             detail = self._explain()
-            return State(failed=cond.failed + (f" ({detail})" if detail else ""), summary=cond.summary, started=True)
+            return State(
+                failed=cond.failed + (f" ({detail})" if detail else ""),
+                summary=cond.summary,
+                started=True,
+            )
         if cond.done:
             return cond
         pods = pods_state(self.pods(), now, self._pull_errors)
-        return State(failed=pods.failed, summary=f"{cond.summary}; {pods.summary}", started=pods.started)
+        return State(
+            failed=pods.failed, summary=f"{cond.summary}; {pods.summary}", started=pods.started
+        )
 
     def _explain(self) -> str:
         """Why it failed, from its failed pods; '' when unknown."""
@@ -253,7 +288,9 @@ class CustomWorkload(Workload):
         except Exception as e:  # noqa: BLE001 (an explanation is best effort; the failure is already known)
             log.warning("could not list the pods of %s: %s", self, e)
             return ""
-        found = [f"pod {p['metadata']['name']}: {why}" for p in items if (why := container_failure(p))]
+        found = [
+            f"pod {p['metadata']['name']}: {why}" for p in items if (why := container_failure(p))
+        ]
         return "; ".join(found[:3])
 
 
@@ -265,7 +302,11 @@ class JobSetWorkload(CustomWorkload):
     kind, api_ref, success = "JobSet", JOBSET_API, "Completed"
 
 
-KINDS: dict[str, type[Workload]] = {"Pod": PodWorkload, "TrainJob": TrainJobWorkload, "JobSet": JobSetWorkload}
+KINDS: dict[str, type[Workload]] = {
+    "Pod": PodWorkload,
+    "TrainJob": TrainJobWorkload,
+    "JobSet": JobSetWorkload,
+}
 
 
 def workload(api: KubeApi, namespace: str, body: dict[str, Any]) -> Workload:
@@ -285,8 +326,14 @@ def delete_retrying(w: Workload, sleep: Callable[[float], None] = time.sleep) ->
         except Exception as e:
             if attempt == DELETE_TRIES or not _retryable(e):
                 raise
-            log.warning("deleting %s failed (%d/%d), retrying in %g s: %s", w, attempt, DELETE_TRIES, delay,
-                        short_error(e))
+            log.warning(
+                "deleting %s failed (%d/%d), retrying in %g s: %s",
+                w,
+                attempt,
+                DELETE_TRIES,
+                delay,
+                short_error(e),
+            )
         sleep(delay)
         delay *= 2
     raise AssertionError("unreachable: the last try returns or raises")
@@ -295,13 +342,21 @@ def delete_retrying(w: Workload, sleep: Callable[[float], None] = time.sleep) ->
 class Launcher:
     """Creates, watches and deletes workloads; see the module docstring."""
 
-    def __init__(self, poll_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, pending_timeout_s: float = PENDING_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        poll_s: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        pending_timeout_s: float = PENDING_TIMEOUT_S,
+    ) -> None:
         self.poll_s, self.timeout_s, self.clock, self.sleep = poll_s, timeout_s, clock, sleep
         self.pending_timeout_s = pending_timeout_s
         self.created: list[Workload] = []
         self._created_at: dict[int, float] = {}
-        self._started: set[int] = set()  # had a pod out of Pending once (its pods may go away later)
+        self._started: set[int] = (
+            set()
+        )  # had a pod out of Pending once (its pods may go away later)
         self._deleted: set[int] = set()
 
     def run(self, workloads: list[Workload]) -> None:
@@ -317,8 +372,9 @@ class Launcher:
                     # 3. delete, whatever happened
                     self.cleanup()
             except procs.Terminated:
-                raise LaunchInterrupted(f"received SIGTERM while running {_names(workloads)}; "
-                                        "deleted what was launched") from None
+                raise LaunchInterrupted(
+                    f"received SIGTERM while running {_names(workloads)}; deleted what was launched"
+                ) from None
 
     def _create(self, w: Workload) -> None:
         log.info("creating %s", w)
@@ -327,9 +383,11 @@ class Launcher:
             w.create()
         except ApiException as e:
             self.created.pop()  # the server answered: nothing was created
-            hint = {403: f"; the task's service account needs create/get/delete on {w.kind}s in {w.namespace}",
-                    404: f"; is the {w.kind} API installed on the cluster (Kubeflow Trainer v2 for TrainJob, "
-                         "JobSet for JobSet) and the namespace there?"}.get(e.status, "")
+            hint = {
+                403: f"; the task's service account needs create/get/delete on {w.kind}s in {w.namespace}",
+                404: f"; is the {w.kind} API installed on the cluster (Kubeflow Trainer v2 for TrainJob, "
+                "JobSet for JobSet) and the namespace there?",
+            }.get(e.status, "")
             raise LaunchError(f"creating {w} failed: {short_error(e)}{hint}") from None
         self._created_at[id(w)] = self.clock()
 
@@ -346,8 +404,14 @@ class Launcher:
                     interrupted = t
                     continue
                 except Exception as e:  # noqa: BLE001 (keep deleting the others; the owner reference is the backstop)
-                    log.warning("could not delete %s: %s; delete it by hand (kubectl delete %s -n %s %s)", w,
-                                short_error(e), w.kind.lower(), w.namespace, w.name)
+                    log.warning(
+                        "could not delete %s: %s; delete it by hand (kubectl delete %s -n %s %s)",
+                        w,
+                        short_error(e),
+                        w.kind.lower(),
+                        w.namespace,
+                        w.name,
+                    )
                     break
                 self._deleted.add(id(w))
                 log.info("deleted %s" if existed else "%s was already gone", w)
@@ -364,12 +428,18 @@ class Launcher:
                     raise
                 except Exception as e:
                     if _api_status(e) == 404:
-                        raise WorkloadDeleted(f"{w} was deleted while it ran (last state: "
-                                              f"{last.get(w.name, 'unknown')})") from None
+                        raise WorkloadDeleted(
+                            f"{w} was deleted while it ran (last state: "
+                            f"{last.get(w.name, 'unknown')})"
+                        ) from None
                     errors += 1
                     if errors >= MAX_API_ERRORS:
-                        raise LaunchError(f"cannot read {w} ({MAX_API_ERRORS} tries in a row): {short_error(e)}") from e
-                    log.warning("reading %s failed (%d/%d): %s", w, errors, MAX_API_ERRORS, short_error(e))
+                        raise LaunchError(
+                            f"cannot read {w} ({MAX_API_ERRORS} tries in a row): {short_error(e)}"
+                        ) from e
+                    log.warning(
+                        "reading %s failed (%d/%d): %s", w, errors, MAX_API_ERRORS, short_error(e)
+                    )
                     continue
                 errors = 0
                 if st.summary != last.get(w.name):
@@ -384,14 +454,18 @@ class Launcher:
                     self._started.add(id(w))
                 waited = self.clock() - self._created_at.get(id(w), self.clock())
                 if id(w) not in self._started and waited >= self.pending_timeout_s:
-                    raise WorkloadPending(f"{w} failed: pending for {waited:.0f} s, no pod started running "
-                                          f"(last state: {st.summary}); deleted it")
+                    raise WorkloadPending(
+                        f"{w} failed: pending for {waited:.0f} s, no pod started running "
+                        f"(last state: {st.summary}); deleted it"
+                    )
             if not pending:
                 return
             if self.clock() >= deadline:
                 states = "; ".join(f"{w.name}: {last.get(w.name, 'unknown')}" for w in pending)
-                raise WorkloadTimeout(f"{_names(pending)} did not finish within {self.timeout_s:g} s "
-                                      f"(last state: {states}); deleted it")
+                raise WorkloadTimeout(
+                    f"{_names(pending)} did not finish within {self.timeout_s:g} s "
+                    f"(last state: {states}); deleted it"
+                )
             self.sleep(self.poll_s)
 
 
@@ -406,5 +480,7 @@ def short_error(e: BaseException) -> str:
             message = json.loads(e.body or "{}").get("message", "")
         except (ValueError, AttributeError):
             message = ""
-        return f"HTTP {e.status} {e.reason or ''}".strip() + (f": {message[:500]}" if message else "")
+        return f"HTTP {e.status} {e.reason or ''}".strip() + (
+            f": {message[:500]}" if message else ""
+        )
     return f"{type(e).__name__}: {e}"[:300]

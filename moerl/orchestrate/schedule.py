@@ -54,7 +54,6 @@ from moerl.config import RunConfig, load_config
 from moerl.errors import ConfigError, MoerlError
 from moerl.orchestrate.cron import FORMAT, check_timezone, parse_cron
 
-
 # ----------------------------------------------------------------------------------- KFP
 
 IN_CLUSTER_KFP = "http://ml-pipeline.kubeflow.svc.cluster.local:8888"
@@ -68,14 +67,20 @@ def scheduled_config(cfg: RunConfig) -> RunConfig:
     itself (`registry:...`) is kept."""
     if cfg.model.warm_start.startswith("registry:"):
         return cfg
-    warm = f"registry:{cfg.tracking.registry_name}@champion" if cfg.tracking.registry_name else "previous"
+    warm = (
+        f"registry:{cfg.tracking.registry_name}@champion"
+        if cfg.tracking.registry_name
+        else "previous"
+    )
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"warm_start": warm})})
 
 
 def _check_name(flag: str, name: str, max_len: int) -> str:
     if not (_NAME.match(name) and len(name) <= max_len):
-        raise ConfigError(f"{flag}: {name!r} must be lowercase letters, digits and '-', start and end with a letter "
-                          f"or digit, at most {max_len} characters")
+        raise ConfigError(
+            f"{flag}: {name!r} must be lowercase letters, digits and '-', start and end with a letter "
+            f"or digit, at most {max_len} characters"
+        )
     return name
 
 
@@ -83,8 +88,10 @@ def check_host(flag: str, host: str | None) -> None:
     """Refuse a KFP address with credentials in it: it would be printed, stored in a
     CronWorkflow, and sent nowhere useful (kfp.Client does not authenticate from it)."""
     if host and "@" in urlsplit(host if "://" in host else f"//{host}").netloc:
-        raise ConfigError(f"{flag}: the KFP address must not carry user:password@ (got a URL with credentials); "
-                          "kfp.Client authenticates from the kube config or the service-account token")
+        raise ConfigError(
+            f"{flag}: the KFP address must not carry user:password@ (got a URL with credentials); "
+            "kfp.Client authenticates from the kube config or the service-account token"
+        )
 
 
 def _compile(cfg: RunConfig, out: Path) -> Path:
@@ -105,9 +112,15 @@ def _kfp_failure(host: str | None, what: str, err: BaseException) -> MoerlError:
 
     status = getattr(err, "status", None)
     # An ApiException's text carries the response headers and body; only its status goes out.
-    detail = f"HTTP {status} {getattr(err, 'reason', '')}".strip() if status else f"{type(err).__name__}: {err}"
-    return MoerlError(f"KFP at {redact(host or '$KF_PIPELINES_ENDPOINT')}: {what} failed ({redact(detail)}); check "
-                      "--host and that your kube config or token may use the KFP API")
+    detail = (
+        f"HTTP {status} {getattr(err, 'reason', '')}".strip()
+        if status
+        else f"{type(err).__name__}: {err}"
+    )
+    return MoerlError(
+        f"KFP at {redact(host or '$KF_PIPELINES_ENDPOINT')}: {what} failed ({redact(detail)}); check "
+        "--host and that your kube config or token may use the KFP API"
+    )
 
 
 def _kfp_token_credentials(host: str | None) -> Any:
@@ -117,7 +130,10 @@ def _kfp_token_credentials(host: str | None) -> Any:
     unauthenticated. None otherwise (kfp.Client's chain as it is)."""
     import kfp.client
 
-    token = os.environ.get(kfp.client.KF_PIPELINES_SA_TOKEN_ENV) or kfp.client.KF_PIPELINES_SA_TOKEN_PATH
+    token = (
+        os.environ.get(kfp.client.KF_PIPELINES_SA_TOKEN_ENV)
+        or kfp.client.KF_PIPELINES_SA_TOKEN_PATH
+    )
     if not (host or os.environ.get("KF_PIPELINES_ENDPOINT")) or not Path(token).is_file():
         return None
     return kfp.client.ServiceAccountTokenVolumeCredentials(path=None)  # the same env, then path
@@ -127,7 +143,9 @@ def _kfp_client(host: str | None, namespace: str | None) -> Any:
     import kfp
 
     try:
-        return kfp.Client(host=host, namespace=namespace or "kubeflow", credentials=_kfp_token_credentials(host))
+        return kfp.Client(
+            host=host, namespace=namespace or "kubeflow", credentials=_kfp_token_credentials(host)
+        )
     except _kfp_errors() as err:
         raise _kfp_failure(host, "connecting", err) from None
 
@@ -142,10 +160,19 @@ def _experiment_id(client: Any, name: str, namespace: str | None) -> str:
     return exp.experiment_id
 
 
-def create_recurring_run(cfg: RunConfig, cron: str, *, host: str | None = None, experiment: str | None = None,
-                         job_name: str | None = None, namespace: str | None = None,
-                         service_account: str | None = None, timezone: str | None = None,
-                         config_name: str | None = None, client: Any = None) -> str:
+def create_recurring_run(
+    cfg: RunConfig,
+    cron: str,
+    *,
+    host: str | None = None,
+    experiment: str | None = None,
+    job_name: str | None = None,
+    namespace: str | None = None,
+    service_account: str | None = None,
+    timezone: str | None = None,
+    config_name: str | None = None,
+    client: Any = None,
+) -> str:
     """Create a KFP recurring run of `cfg`'s pipeline (compiled for EKS, warm-started) on the
     6-field `cron`; return its id. At most one run at a time, missed ticks not caught up,
     caching off. `client`: a kfp.Client-like object (default: kfp.Client(host, namespace))."""
@@ -153,8 +180,10 @@ def create_recurring_run(cfg: RunConfig, cron: str, *, host: str | None = None, 
     check_host("--host", host)
     schedule = parse_cron(cron)
     if timezone is not None and check_timezone(timezone) != "UTC":
-        raise ConfigError(f"--timezone {timezone}: KFP recurring runs fire in the scheduledworkflow controller's time "
-                          "zone (its CRON_SCHEDULE_TIMEZONE); use --no-kfp --argo-out FILE for a zoned schedule")
+        raise ConfigError(
+            f"--timezone {timezone}: KFP recurring runs fire in the scheduledworkflow controller's time "
+            "zone (its CRON_SCHEDULE_TIMEZONE); use --no-kfp --argo-out FILE for a zoned schedule"
+        )
     name = _check_name("--name", job_name or f"{cfg.pipeline.name}-schedule", 63)
     experiment = experiment or cfg.tracking.experiment
     cfg = scheduled_config(cfg)
@@ -166,16 +195,29 @@ def create_recurring_run(cfg: RunConfig, cron: str, *, host: str | None = None, 
         try:
             client = client if client is not None else _kfp_client(host, namespace)
             pipeline_id, version_id, _ = ensure_pipeline_version(
-                client, package, cfg.pipeline.name, version, namespace,
-                description=f"moerl {cfg.pipeline.kind} ({cfg.pipeline.mode})")
+                client,
+                package,
+                cfg.pipeline.name,
+                version,
+                namespace,
+                description=f"moerl {cfg.pipeline.kind} ({cfg.pipeline.mode})",
+            )
             exp_id = _experiment_id(client, experiment, namespace)
             job = client.create_recurring_run(
-                experiment_id=exp_id, job_name=name,
+                experiment_id=exp_id,
+                job_name=name,
                 description=f"moerl: {cfg.pipeline.name} ({cfg.pipeline.mode}) on '{schedule.kfp}', warm start from "
-                            "the previous run's final checkpoint",
-                cron_expression=schedule.kfp, max_concurrency=1, no_catchup=True, params={},
-                pipeline_id=pipeline_id, version_id=version_id, enabled=True, enable_caching=False,
-                service_account=service_account)
+                "the previous run's final checkpoint",
+                cron_expression=schedule.kfp,
+                max_concurrency=1,
+                no_catchup=True,
+                params={},
+                pipeline_id=pipeline_id,
+                version_id=version_id,
+                enabled=True,
+                enable_caching=False,
+                service_account=service_account,
+            )
         except _kfp_errors() as err:
             raise _kfp_failure(host, "creating the recurring run", err) from None
     return job.recurring_run_id
@@ -200,24 +242,39 @@ def pipeline_version_name(config_name: str, package: Path) -> str:
 def _filter_by_name(name: str) -> str:
     import json
 
-    return json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]})
+    return json.dumps(
+        {"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": name}]}
+    )
 
 
-def ensure_pipeline_version(client: Any, package: Path, pipeline_name: str, version_name: str,
-                            namespace: str | None = None, description: str = "") -> tuple[str, str, bool]:
+def ensure_pipeline_version(
+    client: Any,
+    package: Path,
+    pipeline_name: str,
+    version_name: str,
+    namespace: str | None = None,
+    description: str = "",
+) -> tuple[str, str, bool]:
     """The KFP pipeline `pipeline_name` (uploaded when missing) and its version
     `version_name` (uploaded when missing, reused when there): (pipeline id, version id,
     reused)."""
     pipeline_id = client.get_pipeline_id(pipeline_name)
     if pipeline_id is None:
-        pipeline_id = client.upload_pipeline(str(package), pipeline_name=pipeline_name, description=description,
-                                             namespace=namespace).pipeline_id
-    found = client.list_pipeline_versions(pipeline_id, page_size=1, filter=_filter_by_name(version_name))
+        pipeline_id = client.upload_pipeline(
+            str(package), pipeline_name=pipeline_name, description=description, namespace=namespace
+        ).pipeline_id
+    found = client.list_pipeline_versions(
+        pipeline_id, page_size=1, filter=_filter_by_name(version_name)
+    )
     versions = getattr(found, "pipeline_versions", None) or []
     if versions:
         return pipeline_id, versions[0].pipeline_version_id, True
-    version = client.upload_pipeline_version(str(package), pipeline_version_name=version_name,
-                                             pipeline_id=pipeline_id, description=description)
+    version = client.upload_pipeline_version(
+        str(package),
+        pipeline_version_name=version_name,
+        pipeline_id=pipeline_id,
+        description=description,
+    )
     return pipeline_id, version.pipeline_version_id, False
 
 
@@ -232,8 +289,10 @@ def run_form_values(cfg: RunConfig, params: list[str]) -> dict[str, Any]:
         name, sep, raw = item.partition("=")
         name = name.strip()
         if not sep or name not in form:
-            raise ConfigError(f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(form))} (for "
-                              "any other key use --override KEY=VALUE)")
+            raise ConfigError(
+                f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(form))} (for "
+                "any other key use --override KEY=VALUE)"
+            )
         p = form[name]
         if p.type is str:
             out[name] = raw
@@ -250,17 +309,31 @@ def ui_link(host: str | None, run_id: str) -> str:
     the API share the address behind KFP's frontend)."""
     from moerl.tracking import redact
 
-    base = os.environ.get("KF_PIPELINES_UI_ENDPOINT") or host or os.environ.get("KF_PIPELINES_ENDPOINT")
+    base = (
+        os.environ.get("KF_PIPELINES_UI_ENDPOINT")
+        or host
+        or os.environ.get("KF_PIPELINES_ENDPOINT")
+    )
     if not base:
         return f"(run {run_id}; set --host or KF_PIPELINES_UI_ENDPOINT to print its UI link)"
     base = base if "://" in base else f"http://{base}"
     return f"{redact(base.rstrip('/'))}/#/runs/details/{run_id}"
 
 
-def submit(cfg: RunConfig, *, host: str | None = None, experiment: str | None = None, run_name: str | None = None,
-           namespace: str | None = None, service_account: str | None = None, wait_timeout_s: int | None = None,
-           params: dict[str, Any] | None = None, overrides: list[str] | None = None, config_name: str | None = None,
-           client: Any = None) -> str:
+def submit(
+    cfg: RunConfig,
+    *,
+    host: str | None = None,
+    experiment: str | None = None,
+    run_name: str | None = None,
+    namespace: str | None = None,
+    service_account: str | None = None,
+    wait_timeout_s: int | None = None,
+    params: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    config_name: str | None = None,
+    client: Any = None,
+) -> str:
     """Start one KFP run of `cfg`'s pipeline, compiled for EKS and uploaded as a named pipeline
     version (`pipeline_version_name`; reused when unchanged), with the run form's `params`
     and `overrides` (validated here first, as the run's first task will); return its id.
@@ -275,57 +348,98 @@ def submit(cfg: RunConfig, *, host: str | None = None, experiment: str | None = 
     if "run_name" not in form and not cfg.tracking.run_name:
         form["run_name"] = run_name  # the MLflow run is named like the KFP run
     overrides = list(overrides or [])
-    merge(split_credentials(cfg)[0], form, overrides, target="eks")  # refused here, before anything is uploaded
+    merge(
+        split_credentials(cfg)[0], form, overrides, target="eks"
+    )  # refused here, before anything is uploaded
     with tempfile.TemporaryDirectory(prefix="moerl-submit-") as tmp:
         package = _compile(cfg, Path(tmp) / "pipeline.yaml")
         version = pipeline_version_name(config_name or cfg.pipeline.name, package)
         try:
             client = client if client is not None else _kfp_client(host, namespace)
             pipeline_id, version_id, reused = ensure_pipeline_version(
-                client, package, cfg.pipeline.name, version, namespace,
-                description=f"moerl {cfg.pipeline.kind} ({cfg.pipeline.mode})")
+                client,
+                package,
+                cfg.pipeline.name,
+                version,
+                namespace,
+                description=f"moerl {cfg.pipeline.kind} ({cfg.pipeline.mode})",
+            )
             exp_id = _experiment_id(client, experiment or cfg.tracking.experiment, namespace)
-            run = client.run_pipeline(experiment_id=exp_id, job_name=run_name, params={**form, "overrides": overrides},
-                                      pipeline_id=pipeline_id, version_id=version_id, enable_caching=False,
-                                      service_account=service_account)
+            run = client.run_pipeline(
+                experiment_id=exp_id,
+                job_name=run_name,
+                params={**form, "overrides": overrides},
+                pipeline_id=pipeline_id,
+                version_id=version_id,
+                enable_caching=False,
+                service_account=service_account,
+            )
         except _kfp_errors() as err:
             raise _kfp_failure(host, "creating the run", err) from None
-    print(f"[moerl] pipeline {cfg.pipeline.name} version {version} ({'reused' if reused else 'uploaded'})", flush=True)
+    print(
+        f"[moerl] pipeline {cfg.pipeline.name} version {version} ({'reused' if reused else 'uploaded'})",
+        flush=True,
+    )
     print(f"[moerl] KFP run {run.run_id} ({run_name}): {ui_link(host, run.run_id)}", flush=True)
-    print(f"[moerl] MLflow: experiment {cfg.tracking.experiment!r} at {redact(cfg.tracking.uri or '(unset)')}, the run "
-          f"tagged moerl.kfp_run_id={run.run_id}", flush=True)
+    print(
+        f"[moerl] MLflow: experiment {cfg.tracking.experiment!r} at {redact(cfg.tracking.uri or '(unset)')}, the run "
+        f"tagged moerl.kfp_run_id={run.run_id}",
+        flush=True,
+    )
     if wait_timeout_s is not None:
         try:
             state = str(client.wait_for_run_completion(run.run_id, wait_timeout_s).state or "")
         except TimeoutError:
-            raise MoerlError(f"KFP run {run.run_id} did not end within {wait_timeout_s} s") from None
+            raise MoerlError(
+                f"KFP run {run.run_id} did not end within {wait_timeout_s} s"
+            ) from None
         except _kfp_errors() as err:
             raise _kfp_failure(host, f"waiting for run {run.run_id}", err) from None
         print(f"[moerl] KFP run {run.run_id} ended: {state}", flush=True)
         if state.lower() != "succeeded":
-            raise MoerlError(f"KFP run {run.run_id} ended {state or 'without a state'}; see it in the KFP UI")
+            raise MoerlError(
+                f"KFP run {run.run_id} ended {state or 'without a state'}; see it in the KFP UI"
+            )
     return run.run_id
 
 
 # ---------------------------------------------------------------------------------- Argo
 
 CONFIG_PATH = "/moerl/schedule/run.yaml"
-KFP_TOKEN_DIR = "/var/run/secrets/kubeflow/pipelines"  # kfp.Client reads `token` here (multi-user KFP)
+KFP_TOKEN_DIR = (
+    "/var/run/secrets/kubeflow/pipelines"  # kfp.Client reads `token` here (multi-user KFP)
+)
 
 
-def cron_workflow(cfg: RunConfig, cron: str, *, host: str = IN_CLUSTER_KFP, experiment: str | None = None,
-                  name: str | None = None, namespace: str | None = None, kfp_namespace: str | None = None,
-                  service_account: str | None = None, timezone: str = "UTC", starting_deadline_s: int = 3600,
-                  history_limit: int = 3, wait_timeout_s: int = 7 * 24 * 3600,
-                  config_name: str | None = None) -> dict[str, Any]:
+def cron_workflow(
+    cfg: RunConfig,
+    cron: str,
+    *,
+    host: str = IN_CLUSTER_KFP,
+    experiment: str | None = None,
+    name: str | None = None,
+    namespace: str | None = None,
+    kfp_namespace: str | None = None,
+    service_account: str | None = None,
+    timezone: str = "UTC",
+    starting_deadline_s: int = 3600,
+    history_limit: int = 3,
+    wait_timeout_s: int = 7 * 24 * 3600,
+    config_name: str | None = None,
+) -> dict[str, Any]:
     """An Argo CronWorkflow (argoproj.io/v1alpha1) that starts `cfg`'s pipeline, warm-started,
     through `moerl submit --wait` in the CPU group's image; a plain dict, ready for YAML.
     `host`: the KFP API as the workflow's pod reaches it."""
     from argo_workflows.api_client import ApiClient
-    from argo_workflows.model.io_argoproj_workflow_v1alpha1_cron_workflow import IoArgoprojWorkflowV1alpha1CronWorkflow
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_cron_workflow import (
+        IoArgoprojWorkflowV1alpha1CronWorkflow,
+    )
     from argo_workflows.model.io_argoproj_workflow_v1alpha1_cron_workflow_spec import (
-        IoArgoprojWorkflowV1alpha1CronWorkflowSpec)
-    from argo_workflows.model.io_argoproj_workflow_v1alpha1_workflow_spec import IoArgoprojWorkflowV1alpha1WorkflowSpec
+        IoArgoprojWorkflowV1alpha1CronWorkflowSpec,
+    )
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_workflow_spec import (
+        IoArgoprojWorkflowV1alpha1WorkflowSpec,
+    )
     from argo_workflows.model.object_meta import ObjectMeta
 
     from moerl.tracking import split_credentials
@@ -334,35 +448,65 @@ def cron_workflow(cfg: RunConfig, cron: str, *, host: str = IN_CLUSTER_KFP, expe
     check_host("--argo-host", host)
     schedule = parse_cron(cron).argo()
     check_timezone(timezone)
-    name = _check_name("--name", name or f"{cfg.pipeline.name}-schedule", 52)  # Argo suffixes a timestamp
+    name = _check_name(
+        "--name", name or f"{cfg.pipeline.name}-schedule", 52
+    )  # Argo suffixes a timestamp
     if starting_deadline_s < 0 or history_limit < 0 or wait_timeout_s < 60:
-        raise ConfigError("starting deadline and history limit must be >= 0, the wait timeout >= 60 s")
+        raise ConfigError(
+            "starting deadline and history limit must be >= 0, the wait timeout >= 60 s"
+        )
     # 2. the config the step submits: warm start on, credentials out
     cfg, secret_env = split_credentials(scheduled_config(cfg))
     if secret_env:
-        print(f"moerl: schedule: removed the credentials in tracking.uri from the CronWorkflow; the pipeline's tasks "
-              f"get {' and '.join(sorted(secret_env))} from the Secret cluster.mlflow_secret", file=sys.stderr)
+        print(
+            f"moerl: schedule: removed the credentials in tracking.uri from the CronWorkflow; the pipeline's tasks "
+            f"get {' and '.join(sorted(secret_env))} from the Secret cluster.mlflow_secret",
+            file=sys.stderr,
+        )
     labels = {"app.kubernetes.io/part-of": "moerl", "moerl.ai/pipeline": _label(cfg.pipeline.name)}
-    args = ["submit", CONFIG_PATH, "--host", host, "--experiment", experiment or cfg.tracking.experiment,
-            "--run-name", "{{workflow.name}}", "--wait-timeout-s", str(wait_timeout_s),
-            "--config-name", config_name or cfg.pipeline.name]
+    args = [
+        "submit",
+        CONFIG_PATH,
+        "--host",
+        host,
+        "--experiment",
+        experiment or cfg.tracking.experiment,
+        "--run-name",
+        "{{workflow.name}}",
+        "--wait-timeout-s",
+        str(wait_timeout_s),
+        "--config-name",
+        config_name or cfg.pipeline.name,
+    ]
     if kfp_namespace:
         args += ["--namespace", kfp_namespace]
     if service_account:
         args += ["--service-account", service_account]
     # 3. the CronWorkflow
     spec = IoArgoprojWorkflowV1alpha1WorkflowSpec(
-        entrypoint="submit", templates=[_submit_template(cfg, args)], volumes=[_kfp_token_volume()],
+        entrypoint="submit",
+        templates=[_submit_template(cfg, args)],
+        volumes=[_kfp_token_volume()],
         active_deadline_seconds=wait_timeout_s + 600,  # the wait, plus time to compile and submit
-        **({"service_account_name": service_account} if service_account else {}))
+        **({"service_account_name": service_account} if service_account else {}),
+    )
     cw = IoArgoprojWorkflowV1alpha1CronWorkflow(
-        api_version="argoproj.io/v1alpha1", kind="CronWorkflow",
-        metadata=ObjectMeta(name=name, labels=labels, **({"namespace": namespace} if namespace else {})),
+        api_version="argoproj.io/v1alpha1",
+        kind="CronWorkflow",
+        metadata=ObjectMeta(
+            name=name, labels=labels, **({"namespace": namespace} if namespace else {})
+        ),
         spec=IoArgoprojWorkflowV1alpha1CronWorkflowSpec(
-            schedules=[schedule], timezone=timezone, concurrency_policy="Forbid",
-            starting_deadline_seconds=starting_deadline_s, successful_jobs_history_limit=history_limit,
-            failed_jobs_history_limit=history_limit, workflow_metadata=ObjectMeta(labels=labels),
-            workflow_spec=spec))
+            schedules=[schedule],
+            timezone=timezone,
+            concurrency_policy="Forbid",
+            starting_deadline_seconds=starting_deadline_s,
+            successful_jobs_history_limit=history_limit,
+            failed_jobs_history_limit=history_limit,
+            workflow_metadata=ObjectMeta(labels=labels),
+            workflow_spec=spec,
+        ),
+    )
     out = ApiClient.sanitize_for_serialization(cw)
     return {"apiVersion": out.pop("apiVersion"), "kind": out.pop("kind"), **out}
 
@@ -371,7 +515,10 @@ class _Dumper(yaml.SafeDumper):
     """Multi-line strings (the embedded config) as literal blocks, readable in the file."""
 
 
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+_Dumper.add_representer(
+    str,
+    lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
+)
 
 
 def dump_yaml(obj: Any) -> str:
@@ -386,10 +533,18 @@ def _submit_template(cfg: RunConfig, args: list[str]) -> Any:
     """The one step: `moerl submit --wait` in the CPU group's image, on the CPU group's nodes."""
     from argo_workflows.model.capabilities import Capabilities
     from argo_workflows.model.container import Container
-    from argo_workflows.model.io_argoproj_workflow_v1alpha1_artifact import IoArgoprojWorkflowV1alpha1Artifact
-    from argo_workflows.model.io_argoproj_workflow_v1alpha1_inputs import IoArgoprojWorkflowV1alpha1Inputs
-    from argo_workflows.model.io_argoproj_workflow_v1alpha1_raw_artifact import IoArgoprojWorkflowV1alpha1RawArtifact
-    from argo_workflows.model.io_argoproj_workflow_v1alpha1_template import IoArgoprojWorkflowV1alpha1Template
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_artifact import (
+        IoArgoprojWorkflowV1alpha1Artifact,
+    )
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_inputs import (
+        IoArgoprojWorkflowV1alpha1Inputs,
+    )
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_raw_artifact import (
+        IoArgoprojWorkflowV1alpha1RawArtifact,
+    )
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_template import (
+        IoArgoprojWorkflowV1alpha1Template,
+    )
     from argo_workflows.model.resource_requirements import ResourceRequirements
     from argo_workflows.model.seccomp_profile import SeccompProfile
     from argo_workflows.model.security_context import SecurityContext
@@ -398,19 +553,38 @@ def _submit_template(cfg: RunConfig, args: list[str]) -> Any:
 
     group = cfg.cluster.groups.cpu
     config_yaml = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    tolerations = [Toleration(**{k: v for k, v in t.model_dump().items() if v is not None}) for t in group.tolerations]
+    tolerations = [
+        Toleration(**{k: v for k, v in t.model_dump().items() if v is not None})
+        for t in group.tolerations
+    ]
     return IoArgoprojWorkflowV1alpha1Template(
         name="submit",
-        inputs=IoArgoprojWorkflowV1alpha1Inputs(artifacts=[IoArgoprojWorkflowV1alpha1Artifact(
-            name="config", path=CONFIG_PATH, raw=IoArgoprojWorkflowV1alpha1RawArtifact(data=config_yaml))]),
+        inputs=IoArgoprojWorkflowV1alpha1Inputs(
+            artifacts=[
+                IoArgoprojWorkflowV1alpha1Artifact(
+                    name="config",
+                    path=CONFIG_PATH,
+                    raw=IoArgoprojWorkflowV1alpha1RawArtifact(data=config_yaml),
+                )
+            ]
+        ),
         container=Container(
-            image=group.image or cfg.pipeline.base_image, command=["moerl"], args=args,
-            resources=ResourceRequirements(requests={"cpu": group.cpu, "memory": group.memory},
-                                           limits={"memory": group.memory}),
+            image=group.image or cfg.pipeline.base_image,
+            command=["moerl"],
+            args=args,
+            resources=ResourceRequirements(
+                requests={"cpu": group.cpu, "memory": group.memory}, limits={"memory": group.memory}
+            ),
             volume_mounts=[VolumeMount(name="kfp-token", mount_path=KFP_TOKEN_DIR, read_only=True)],
-            security_context=SecurityContext(allow_privilege_escalation=False, capabilities=Capabilities(drop=["ALL"]),
-                                             seccomp_profile=SeccompProfile(type="RuntimeDefault"))),
-        node_selector=dict(group.node_selector), tolerations=tolerations)
+            security_context=SecurityContext(
+                allow_privilege_escalation=False,
+                capabilities=Capabilities(drop=["ALL"]),
+                seccomp_profile=SeccompProfile(type="RuntimeDefault"),
+            ),
+        ),
+        node_selector=dict(group.node_selector),
+        tolerations=tolerations,
+    )
 
 
 def _kfp_token_volume() -> Any:
@@ -421,12 +595,22 @@ def _kfp_token_volume() -> Any:
     from argo_workflows.model.volume import Volume
     from argo_workflows.model.volume_projection import VolumeProjection
 
-    return Volume(name="kfp-token", projected=ProjectedVolumeSource(sources=[VolumeProjection(
-        service_account_token=ServiceAccountTokenProjection(path="token", audience="pipelines.kubeflow.org",
-                                                            expiration_seconds=7200))]))
+    return Volume(
+        name="kfp-token",
+        projected=ProjectedVolumeSource(
+            sources=[
+                VolumeProjection(
+                    service_account_token=ServiceAccountTokenProjection(
+                        path="token", audience="pipelines.kubeflow.org", expiration_seconds=7200
+                    )
+                )
+            ]
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------- CLI
+
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from moerl.tracking import redact
@@ -440,19 +624,38 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         raise ConfigError("--no-kfp: nothing to do without --argo-out FILE")
     cfg = load_config(args.config, args.set, mode=args.mode)
     if args.argo_out:  # 2. the CronWorkflow, validated in full before the KFP schedule exists
-        cw = cron_workflow(cfg, args.cron, host=args.argo_host, experiment=args.experiment, name=args.name,
-                           namespace=args.argo_namespace, kfp_namespace=args.namespace,
-                           service_account=args.service_account, timezone=args.timezone or "UTC",
-                           config_name=_config_name(args))
+        cw = cron_workflow(
+            cfg,
+            args.cron,
+            host=args.argo_host,
+            experiment=args.experiment,
+            name=args.name,
+            namespace=args.argo_namespace,
+            kfp_namespace=args.namespace,
+            service_account=args.service_account,
+            timezone=args.timezone or "UTC",
+            config_name=_config_name(args),
+        )
         Path(args.argo_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.argo_out).write_text(dump_yaml(cw))
         print(f"wrote {args.argo_out} (kubectl apply -f it, or argo cron create)")
     if not args.no_kfp:  # 3. the KFP recurring run
-        job_id = create_recurring_run(cfg, args.cron, host=args.host, experiment=args.experiment, job_name=args.name,
-                                      namespace=args.namespace, service_account=args.service_account,
-                                      timezone=args.timezone, config_name=_config_name(args))
-        print(f"[moerl] KFP recurring run {job_id} on '{parse_cron(args.cron).kfp}' at "
-              f"{redact(args.host or '$KF_PIPELINES_ENDPOINT')}", flush=True)
+        job_id = create_recurring_run(
+            cfg,
+            args.cron,
+            host=args.host,
+            experiment=args.experiment,
+            job_name=args.name,
+            namespace=args.namespace,
+            service_account=args.service_account,
+            timezone=args.timezone,
+            config_name=_config_name(args),
+        )
+        print(
+            f"[moerl] KFP recurring run {job_id} on '{parse_cron(args.cron).kfp}' at "
+            f"{redact(args.host or '$KF_PIPELINES_ENDPOINT')}",
+            flush=True,
+        )
     return 0
 
 
@@ -463,49 +666,114 @@ def _config_name(args: argparse.Namespace) -> str:
 def _cmd_submit(args: argparse.Namespace) -> int:
     check_host("--host", args.host)
     cfg = load_config(args.config, args.set, mode=args.mode)
-    submit(cfg, host=args.host, experiment=args.experiment, run_name=args.run_name, namespace=args.namespace,
-           service_account=args.service_account, wait_timeout_s=args.wait_timeout_s,
-           params=run_form_values(cfg, args.param), overrides=args.override, config_name=_config_name(args))
+    submit(
+        cfg,
+        host=args.host,
+        experiment=args.experiment,
+        run_name=args.run_name,
+        namespace=args.namespace,
+        service_account=args.service_account,
+        wait_timeout_s=args.wait_timeout_s,
+        params=run_form_values(cfg, args.param),
+        overrides=args.override,
+        config_name=_config_name(args),
+    )
     return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("config")
-    p.add_argument("--mode", choices=("sync", "async"), default=None, help="default: the config's pipeline.mode")
+    p.add_argument(
+        "--mode",
+        choices=("sync", "async"),
+        default=None,
+        help="default: the config's pipeline.mode",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--host", default=None, help="the KFP API, e.g. http://localhost:8080 through a port-forward "
-                                                "(default: $KF_PIPELINES_ENDPOINT); credentials from the kube config")
-    p.add_argument("--experiment", default=None, help="the KFP experiment (default: tracking.experiment)")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="the KFP API, e.g. http://localhost:8080 through a port-forward "
+        "(default: $KF_PIPELINES_ENDPOINT); credentials from the kube config",
+    )
+    p.add_argument(
+        "--experiment", default=None, help="the KFP experiment (default: tracking.experiment)"
+    )
     p.add_argument("--namespace", default=None, help="the KFP namespace (multi-user KFP)")
-    p.add_argument("--service-account", default=None, help="the Kubernetes service account the runs use")
-    p.add_argument("--config-name", default=None, help="names the uploaded pipeline version "
-                                                       "(<config-name>-<git sha>-<spec hash>; default: the file's stem)")
+    p.add_argument(
+        "--service-account", default=None, help="the Kubernetes service account the runs use"
+    )
+    p.add_argument(
+        "--config-name",
+        default=None,
+        help="names the uploaded pipeline version "
+        "(<config-name>-<git sha>-<spec hash>; default: the file's stem)",
+    )
 
 
 def add_parsers(sub: Any) -> None:
     """Add `schedule` and `submit` to moerl's subcommands."""
-    sch = sub.add_parser("schedule", help="retrain on a cron schedule (KFP recurring run and/or Argo CronWorkflow), "
-                                          "each run warm-started from the previous run's final checkpoint")
+    sch = sub.add_parser(
+        "schedule",
+        help="retrain on a cron schedule (KFP recurring run and/or Argo CronWorkflow), "
+        "each run warm-started from the previous run's final checkpoint",
+    )
     _common(sch)
-    sch.add_argument("--cron", required=True,
-                     help=f"6 fields, {FORMAT} (KFP's format), e.g. '0 0 3 * * *' = 03:00 daily; or @daily etc.")
-    sch.add_argument("--name", default=None, help="the recurring run / CronWorkflow name (default: <pipeline.name>-schedule)")
-    sch.add_argument("--timezone", default=None, help="the CronWorkflow's IANA time zone (default UTC); KFP recurring "
-                                                      "runs use the controller's zone")
-    sch.add_argument("--argo-out", default=None, metavar="FILE", help="also write an Argo CronWorkflow to FILE")
-    sch.add_argument("--argo-host", default=IN_CLUSTER_KFP, help="the KFP API as the CronWorkflow's pod reaches it")
-    sch.add_argument("--argo-namespace", default=None, help="the CronWorkflow's namespace (default: kubectl's)")
-    sch.add_argument("--no-kfp", action="store_true", help="only write the CronWorkflow (needs --argo-out)")
+    sch.add_argument(
+        "--cron",
+        required=True,
+        help=f"6 fields, {FORMAT} (KFP's format), e.g. '0 0 3 * * *' = 03:00 daily; or @daily etc.",
+    )
+    sch.add_argument(
+        "--name",
+        default=None,
+        help="the recurring run / CronWorkflow name (default: <pipeline.name>-schedule)",
+    )
+    sch.add_argument(
+        "--timezone",
+        default=None,
+        help="the CronWorkflow's IANA time zone (default UTC); KFP recurring "
+        "runs use the controller's zone",
+    )
+    sch.add_argument(
+        "--argo-out", default=None, metavar="FILE", help="also write an Argo CronWorkflow to FILE"
+    )
+    sch.add_argument(
+        "--argo-host",
+        default=IN_CLUSTER_KFP,
+        help="the KFP API as the CronWorkflow's pod reaches it",
+    )
+    sch.add_argument(
+        "--argo-namespace", default=None, help="the CronWorkflow's namespace (default: kubectl's)"
+    )
+    sch.add_argument(
+        "--no-kfp", action="store_true", help="only write the CronWorkflow (needs --argo-out)"
+    )
     sch.set_defaults(func=_cmd_schedule)
 
     sbm = sub.add_parser("submit", help="compile for EKS and start one KFP run; print its id")
     _common(sbm)
     sbm.add_argument("--run-name", default=None, help="default: <pipeline.name>-<UTC time>")
-    sbm.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                     help="a run-form field for this run (model, dataset, learning_rate, ...: `moerl submit` prints "
-                          "them when NAME is wrong); the compiled config stays the base")
-    sbm.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                     help="any other config key for this run (the run form's overrides list)")
-    sbm.add_argument("--wait-timeout-s", type=int, default=None, metavar="S",
-                     help="wait up to S seconds for the run to end; fail unless it succeeded")
+    sbm.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a run-form field for this run (model, dataset, learning_rate, ...: `moerl submit` prints "
+        "them when NAME is wrong); the compiled config stays the base",
+    )
+    sbm.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other config key for this run (the run form's overrides list)",
+    )
+    sbm.add_argument(
+        "--wait-timeout-s",
+        type=int,
+        default=None,
+        metavar="S",
+        help="wait up to S seconds for the run to end; fail unless it succeeded",
+    )
     sbm.set_defaults(func=_cmd_submit)

@@ -75,7 +75,10 @@ class _ConsoleFilter(io.TextIOBase):
 @contextlib.contextmanager
 def _filtered_output(log_file, verbose: bool):
     """stdout and stderr through `_ConsoleFilter` into `log_file` and the terminal."""
-    out, err = _ConsoleFilter(log_file, sys.stdout, verbose), _ConsoleFilter(log_file, sys.stderr, verbose)
+    out, err = (
+        _ConsoleFilter(log_file, sys.stdout, verbose),
+        _ConsoleFilter(log_file, sys.stderr, verbose),
+    )
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             yield
@@ -88,40 +91,58 @@ def report(uri: str, shown: str, run_id: str, ok: bool, t0: float) -> float | No
     """Print how the run went and where to look at it; returns the mean of the last 3 rewards."""
     hist = tracking.metric_history(uri, run_id, "reward/mean")
     final = sum(v for _, v in hist[-3:]) / len(hist[-3:]) if hist else None
-    print(f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; "
-          f"reward/mean {hist[0][1]:.3f} -> {final:.3f} (mean of last 3)" if hist else "[moerl] no iterations logged",
-          flush=True)
-    view = f"open {shown} (the MLflow server)" if shown.startswith(("http://", "https://")) \
+    print(
+        f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; "
+        f"reward/mean {hist[0][1]:.3f} -> {final:.3f} (mean of last 3)"
+        if hist
+        else "[moerl] no iterations logged",
+        flush=True,
+    )
+    view = (
+        f"open {shown} (the MLflow server)"
+        if shown.startswith(("http://", "https://"))
         else f"mlflow ui --backend-store-uri {shown}"
+    )
     print(f"[moerl] MLflow run: {run_id}\n[moerl] view it:    {view}", flush=True)
     return final
 
 
-def _report_reward_model(uri: str, shown: str, run_id: str, ok: bool, t0: float) -> "RunSummary":
+def _report_reward_model(uri: str, shown: str, run_id: str, ok: bool, t0: float) -> RunSummary:
     """How a reward-model run went: held-out accuracy and the registered version."""
     from mlflow.tracking import MlflowClient
 
     run = MlflowClient(uri).get_run(run_id)
     acc = run.data.metrics.get("rm/eval_accuracy")
     registered = run.data.tags.get("reward_model.registered", "nothing registered")
-    print(f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; held-out pairwise accuracy "
-          f"{'-' if acc is None else f'{acc:.3f}'}; {registered}", flush=True)
-    view = f"open {shown} (the MLflow server)" if shown.startswith(("http://", "https://")) \
+    print(
+        f"[moerl] {'finished' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s; held-out pairwise accuracy "
+        f"{'-' if acc is None else f'{acc:.3f}'}; {registered}",
+        flush=True,
+    )
+    view = (
+        f"open {shown} (the MLflow server)"
+        if shown.startswith(("http://", "https://"))
         else f"mlflow ui --backend-store-uri {shown}"
+    )
     print(f"[moerl] MLflow run: {run_id}\n[moerl] view it:    {view}", flush=True)
     return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=acc)
 
 
-def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = False,
-              resume: str | None = None) -> RunSummary:
+def run_local(
+    cfg: RunConfig, iterations: int | None = None, verbose: bool = False, resume: str | None = None
+) -> RunSummary:
     from kfp import local
 
     from moerl.pipelines.grpo import build_pipeline
 
     if cfg.pipeline.kind == "reward_model" and resume:
-        raise ConfigError("--resume: a reward-model run has no iterations to continue; run it again")
+        raise ConfigError(
+            "--resume: a reward-model run has no iterations to continue; run it again"
+        )
     if iterations is not None:
-        cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"iterations": iterations})})
+        cfg = cfg.model_copy(
+            update={"pipeline": cfg.pipeline.model_copy(update={"iterations": iterations})}
+        )
     # 1. preflight
     preflight(cfg)
     # 2. absolute paths; credentials leave the config for the environment the tasks inherit
@@ -135,29 +156,44 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
     if resume:
         run_id, start = resume, resume_point(cfg, uri, resume)
         if start >= cfg.pipeline.iterations:
-            print(f"[moerl] run {run_id} already published version {start}: nothing to resume", flush=True)
+            print(
+                f"[moerl] run {run_id} already published version {start}: nothing to resume",
+                flush=True,
+            )
             return RunSummary(ok=True, run_id=run_id, tracking_uri=shown, final_reward=None)
         begin_run(cfg, uri, "sync-kfp-local", resume=run_id, resumed_from=str(start))
     else:
-        run_id = begin_run(cfg, uri, "reward-model-kfp-local" if cfg.pipeline.kind == "reward_model" else "sync-kfp-local")
+        run_id = begin_run(
+            cfg,
+            uri,
+            "reward-model-kfp-local" if cfg.pipeline.kind == "reward_model" else "sync-kfp-local",
+        )
     # 4. the pipeline, on kfp.local
     Path(cfg.pipeline.pipeline_root).mkdir(parents=True, exist_ok=True)
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=cfg.pipeline.pipeline_root,
-               raise_on_error=True)
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=cfg.pipeline.pipeline_root,
+        raise_on_error=True,
+    )
     log_path = Path(cfg.pipeline.work_dir) / f"{run_id}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"[moerl] pipeline log (every task's full output): {log_path}", flush=True)
     t0 = time.perf_counter()
     ok = True
     try:
-        with log_path.open("w") as lf, _filtered_output(lf, verbose), \
-                embedded_cache_tier(cfg, Path(cfg.pipeline.work_dir) / run_id / "ckpt-cache") as cfg:
+        with (
+            log_path.open("w") as lf,
+            _filtered_output(lf, verbose),
+            embedded_cache_tier(cfg, Path(cfg.pipeline.work_dir) / run_id / "ckpt-cache") as cfg,
+        ):
             if cfg.pipeline.kind == "reward_model":
                 from moerl.pipelines.reward_model import build_reward_model_pipeline
 
                 pipeline = build_reward_model_pipeline(cfg, git_sha=sha)
             else:
-                pipeline = build_pipeline(cfg, git_sha=sha, start_iteration=start, resume=bool(resume))
+                pipeline = build_pipeline(
+                    cfg, git_sha=sha, start_iteration=start, resume=bool(resume)
+                )
             pipeline(config_json=config_to_json(cfg), run_id=run_id)
     except (RuntimeError, MoerlError) as err:
         ok = False
@@ -165,7 +201,10 @@ def run_local(cfg: RunConfig, iterations: int | None = None, verbose: bool = Fal
         from mlflow.tracking import MlflowClient
 
         MlflowClient(uri).set_terminated(run_id, status="FAILED")
-        print(f"moerl: error: pipeline failed: {tracking.redact(str(err))} (full output: {log_path})", flush=True)
+        print(
+            f"moerl: error: pipeline failed: {tracking.redact(str(err))} (full output: {log_path})",
+            flush=True,
+        )
     # 5. where the run is
     if cfg.pipeline.kind == "reward_model":
         return _report_reward_model(uri, shown, run_id, ok, t0)

@@ -61,7 +61,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -71,14 +71,26 @@ from moerl.store.leases import PinLeases
 from moerl.store.manifest import MANIFEST, FileEntry, Manifest, hash_file, sha256_file, version_dir
 from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, shared
 
-__all__ = ["MANIFEST", "LATEST", "MARKER", "CheckpointStore", "FileEntry", "HashingWriter", "Manifest",
-           "copy_hashed", "sha256_file", "version_dir"]
+__all__ = [
+    "MANIFEST",
+    "LATEST",
+    "MARKER",
+    "CheckpointStore",
+    "FileEntry",
+    "HashingWriter",
+    "Manifest",
+    "copy_hashed",
+    "sha256_file",
+    "version_dir",
+]
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_STAGE_DIR = re.compile(r"^(?:\.tmp-)?v(\d{6,})(?:-[0-9a-f]+)?$")  # a version dir or a local staging dir
+_STAGE_DIR = re.compile(
+    r"^(?:\.tmp-)?v(\d{6,})(?:-[0-9a-f]+)?$"
+)  # a version dir or a local staging dir
 _MiB = 1024 * 1024
 _COPY_CHUNK = 8 * _MiB  # hashlib releases the GIL on buffers this large, so parallel copies overlap
 _R = TypeVar("_R")
@@ -131,20 +143,30 @@ class CheckpointStore(PinLeases, ABC):
 
     uri: str
     _workers: int = 1  # files copied at once
-    _claims: bool = False  # the backend can write create-only objects (S3); a folder stages privately
+    _claims: bool = (
+        False  # the backend can write create-only objects (S3); a folder stages privately
+    )
     claim_ttl_s: float = 3600.0  # checkpoint.claim_ttl_s: a claim older than this may be removed
     hash_checked: int = 0  # objects the last verification checked by hash, not only by size
-    _part_size: int = 0  # the publish under way: its manifest's chunk size (S3 uploads parts this size)
-    keep_version_zero: bool = True  # retention keeps version 0 (a cache tier need not: the durable store has it)
+    _part_size: int = (
+        0  # the publish under way: its manifest's chunk size (S3 uploads parts this size)
+    )
+    keep_version_zero: bool = (
+        True  # retention keeps version 0 (a cache tier need not: the durable store has it)
+    )
 
     @abstractmethod
     def check_access(self) -> None: ...
     @abstractmethod
     def _put(self, stage: str, rel: str, src: Path) -> None: ...
     @abstractmethod
-    def _get(self, stage: str, rel: str, dest: Path) -> str: ...  # the sha256 of what it wrote, hashed as it streamed
+    def _get(
+        self, stage: str, rel: str, dest: Path
+    ) -> str: ...  # the sha256 of what it wrote, hashed as it streamed
     @abstractmethod
-    def _get_range(self, stage: str, rel: str, start: int, length: int) -> bytes: ...  # one chunk, unverified
+    def _get_range(
+        self, stage: str, rel: str, start: int, length: int
+    ) -> bytes: ...  # one chunk, unverified
     @abstractmethod
     def _size(self, stage: str, rel: str) -> int | None: ...  # None: missing
     @abstractmethod
@@ -152,7 +174,9 @@ class CheckpointStore(PinLeases, ABC):
     @abstractmethod
     def _write_text(self, key: str, text: str) -> None: ...  # replaces atomically
     @abstractmethod
-    def _version_dirs(self) -> dict[str, bool]: ...  # every name under versions/ -> holds a manifest
+    def _version_dirs(
+        self,
+    ) -> dict[str, bool]: ...  # every name under versions/ -> holds a manifest
     @abstractmethod
     def _list(self, prefix: str) -> list[str]: ...  # keys under prefix, recursively
     @abstractmethod
@@ -185,9 +209,18 @@ class CheckpointStore(PinLeases, ABC):
     def _delete_stage(self, stage: str) -> None:
         self._delete(self._list(f"versions/{stage}/"))
 
-    def publish(self, version: int, src_dir: Path, meta: dict[str, str] | None = None,
-                retention: tuple[int, int] | None = None, exclusive: bool = False, chunk_size: int = 0,
-                manifest: Manifest | None = None, epoch: int | None = None, owner: str | None = None) -> Manifest:
+    def publish(
+        self,
+        version: int,
+        src_dir: Path,
+        meta: dict[str, str] | None = None,
+        retention: tuple[int, int] | None = None,
+        exclusive: bool = False,
+        chunk_size: int = 0,
+        manifest: Manifest | None = None,
+        epoch: int | None = None,
+        owner: str | None = None,
+    ) -> Manifest:
         """Publish the files under `src_dir` as `version`, then point `latest` at it.
 
         `chunk_size`: also record each file's sha256 per chunk of that many bytes (fan-out).
@@ -220,13 +253,19 @@ class CheckpointStore(PinLeases, ABC):
             _check_retention(*retention)
         latest = self.latest()
         if version in self.versions():
-            raise CheckpointError(f"version {version} already exists in {self.uri}; publish a new version")
+            raise CheckpointError(
+                f"version {version} already exists in {self.uri}; publish a new version"
+            )
         if latest is not None and version <= latest:
-            raise CheckpointError(f"version {version} is not greater than latest version {latest} in {self.uri}")
+            raise CheckpointError(
+                f"version {version} is not greater than latest version {latest} in {self.uri}"
+            )
         files = _list_files(src_dir)
         if manifest is not None:
             _check_same_files(manifest, version, src_dir, files)
-        self._check_epoch(epoch, f"publish of version {version}")  # a replaced writer copies no byte
+        self._check_epoch(
+            epoch, f"publish of version {version}"
+        )  # a replaced writer copies no byte
         owner = owner or new_owner()
         # the claim, before any file: a writer older than the version's claim is refused here
         claim = self._claim(version, epoch, owner) if exclusive and self._claims else None
@@ -247,16 +286,20 @@ class CheckpointStore(PinLeases, ABC):
             # 2. Copy every file, hashing each one just before it is copied (unless given).
             entries = self._map(put, files)
             if manifest is None:
-                created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-                manifest = Manifest(version, tuple(e for e in entries if e is not None), created, meta, chunk_size)
+                created = datetime.now(UTC).isoformat(timespec="seconds")
+                manifest = Manifest(
+                    version, tuple(e for e in entries if e is not None), created, meta, chunk_size
+                )
             # 3. The manifest goes last: its presence is what makes a version complete. Under a
             # claim it is written create-only: of two writers of one version, one manifest.
             key = f"versions/{stage}/{MANIFEST}"
             if claim is not None:
                 self._check_claim(version, claim)
                 if not self._write_if(key, manifest.to_json(), None):
-                    raise CheckpointError(f"version {version} in {self.uri}: another writer's manifest appeared "
-                                          "while this publish ran; this one stops")
+                    raise CheckpointError(
+                        f"version {version} in {self.uri}: another writer's manifest appeared "
+                        "while this publish ran; this one stops"
+                    )
             else:
                 self._write_text(key, manifest.to_json())
             # 4. Read it back and check every object against it (by hash where the backend has one).
@@ -269,14 +312,22 @@ class CheckpointStore(PinLeases, ABC):
         except BaseException:
             self._cleanup_failed(stage, version, claim)
             raise
-        log.info("published version %d to %s: %d files, %.1f MiB in %.1f s", version, self.uri, len(files),
-                 sum(e.size for e in manifest.files) / _MiB, time.monotonic() - t0)
+        log.info(
+            "published version %d to %s: %d files, %.1f MiB in %.1f s",
+            version,
+            self.uri,
+            len(files),
+            sum(e.size for e in manifest.files) / _MiB,
+            time.monotonic() - t0,
+        )
         # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
         if retention is not None:
             try:
                 self.apply_retention(*retention)
             except Exception as e:  # noqa: BLE001 (housekeeping must not undo a successful publish)
-                log.warning("retention after publishing version %d in %s failed: %s", version, self.uri, e)
+                log.warning(
+                    "retention after publishing version %d in %s failed: %s", version, self.uri, e
+                )
         return manifest
 
     def latest(self) -> int | None:
@@ -293,11 +344,15 @@ class CheckpointStore(PinLeases, ABC):
             return {"version": None, "manifest_sha256": None, "epoch": None}
         try:
             d = json.loads(text)
-            return {"version": None if d["version"] is None else int(d["version"]),
-                    "manifest_sha256": d.get("manifest_sha256"),
-                    "epoch": None if d.get("epoch") is None else int(d["epoch"])}
+            return {
+                "version": None if d["version"] is None else int(d["version"]),
+                "manifest_sha256": d.get("manifest_sha256"),
+                "epoch": None if d.get("epoch") is None else int(d["epoch"]),
+            }
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"malformed {LATEST} in {self.uri} ({e!r}); republish a version") from e
+            raise CheckpointError(
+                f"malformed {LATEST} in {self.uri} ({e!r}); republish a version"
+            ) from e
 
     def require_lineage(self) -> int:
         """The latest version; raises when nothing was ever published under this URI."""
@@ -313,14 +368,24 @@ class CheckpointStore(PinLeases, ABC):
     def manifest(self, version: int) -> Manifest:
         text = self._read_text(f"versions/{version_dir(version)}/{MANIFEST}")
         if text is None:
-            raise CheckpointError(f"version {version} not found in {self.uri} (no manifest); "
-                                  f"complete versions: {self.versions()}")
+            raise CheckpointError(
+                f"version {version} not found in {self.uri} (no manifest); "
+                f"complete versions: {self.versions()}"
+            )
         m = Manifest.from_json(text)
         if m.version != version:
-            raise CheckpointError(f"the manifest under {version_dir(version)} says version {m.version}")
+            raise CheckpointError(
+                f"the manifest under {version_dir(version)} says version {m.version}"
+            )
         return m
 
-    def fetch(self, version: int, dest_dir: Path, exclude: tuple[str, ...] = (), expect_sha256: str | None = None) -> Path:
+    def fetch(
+        self,
+        version: int,
+        dest_dir: Path,
+        exclude: tuple[str, ...] = (),
+        expect_sha256: str | None = None,
+    ) -> Path:
         """Download `version` into dest_dir/v{version:06d}, verified; reuse a verified copy.
 
         `exclude`: path prefixes not to fetch (rollout engines skip `trainer/`, the optimizer
@@ -331,15 +396,25 @@ class CheckpointStore(PinLeases, ABC):
         """
         t0, manifest, dest_dir = time.monotonic(), self.manifest(version), Path(dest_dir)
         if expect_sha256 is not None and manifest.sha256() != expect_sha256:
-            raise CheckpointError(f"version {version} in {self.uri} has manifest sha256 {manifest.sha256()}, not the "
-                                  f"expected {expect_sha256}")
-        wanted = [e for e in manifest.files if not e.path.startswith(tuple(exclude))] if exclude else list(manifest.files)
+            raise CheckpointError(
+                f"version {version} in {self.uri} has manifest sha256 {manifest.sha256()}, not the "
+                f"expected {expect_sha256}"
+            )
+        wanted = (
+            [e for e in manifest.files if not e.path.startswith(tuple(exclude))]
+            if exclude
+            else list(manifest.files)
+        )
         final = dest_dir / version_dir(version)
         try:
             dest_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"cannot create cache folder {dest_dir}: {e}; fix checkpoint.cache_dir") from e
-        with shared(lock_path(dest_dir, version)):  # fast path: readers of a verified copy never wait on each other
+            raise CheckpointError(
+                f"cannot create cache folder {dest_dir}: {e}; fix checkpoint.cache_dir"
+            ) from e
+        with shared(
+            lock_path(dest_dir, version)
+        ):  # fast path: readers of a verified copy never wait on each other
             if is_verified(final, manifest, tuple(exclude)):
                 log.info("version %d: reusing verified copy %s", version, final)
                 return final
@@ -352,7 +427,9 @@ class CheckpointStore(PinLeases, ABC):
                 tmp.mkdir()
                 self._map(lambda e: self._get_verified(version, e, tmp), wanted)
                 (tmp / MANIFEST).write_text(manifest.to_json())
-                (tmp / MARKER).write_text(manifest.sha256() + "".join(f"\nexclude={p}" for p in sorted(exclude)))
+                (tmp / MARKER).write_text(
+                    manifest.sha256() + "".join(f"\nexclude={p}" for p in sorted(exclude))
+                )
                 if final.exists():  # an unverified leftover
                     shutil.rmtree(final)
                 os.replace(tmp, final)
@@ -360,7 +437,13 @@ class CheckpointStore(PinLeases, ABC):
                 raise CheckpointError(f"cannot write version {version} into {dest_dir}: {e}") from e
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-        log.info("fetched version %d from %s to %s in %.1f s", version, self.uri, final, time.monotonic() - t0)
+        log.info(
+            "fetched version %d from %s to %s in %.1f s",
+            version,
+            self.uri,
+            final,
+            time.monotonic() - t0,
+        )
         return final
 
     def read_chunk(self, version: int, rel: str, start: int, length: int) -> bytes:
@@ -370,7 +453,9 @@ class CheckpointStore(PinLeases, ABC):
             return b""
         return self._get_range(version_dir(version), rel, start, length)
 
-    def apply_retention(self, keep_last: int, keep_every: int, pinned: Iterable[int] = frozenset()) -> list[int]:
+    def apply_retention(
+        self, keep_last: int, keep_every: int, pinned: Iterable[int] = frozenset()
+    ) -> list[int]:
         """Delete old versions; return the deleted ones, ascending.
 
         Kept: the newest `keep_last` complete versions, every multiple of `keep_every` (if > 0),
@@ -379,16 +464,27 @@ class CheckpointStore(PinLeases, ABC):
         publishes and deletions at or below `latest` are removed too, and so are expired pins.
         """
         _check_retention(keep_last, keep_every)
-        dirs, latest, now, leases = self._version_dirs(), self.latest(), self.clock(), self._leases()
+        dirs, latest, now, leases = (
+            self._version_dirs(),
+            self.latest(),
+            self.clock(),
+            self._leases(),
+        )
         versions = _complete(dirs)
-        keep = set(versions[-keep_last:]) | {*pinned} | {lease.version for _, _, lease in leases if lease.live(now)}
+        keep = (
+            set(versions[-keep_last:])
+            | {*pinned}
+            | {lease.version for _, _, lease in leases if lease.live(now)}
+        )
         keep |= {0} if self.keep_version_zero else set()
         keep |= {v for v in versions if keep_every > 0 and v % keep_every == 0}
         keep |= set() if latest is None else {latest}
         deleted, failed = [], []
         for v in (v for v in versions if v not in keep):
             try:
-                self._delete([f"versions/{version_dir(v)}/{MANIFEST}"])  # first: v is no longer complete
+                self._delete(
+                    [f"versions/{version_dir(v)}/{MANIFEST}"]
+                )  # first: v is no longer complete
                 self._delete_stage(version_dir(v))
                 deleted.append(v)
             except CheckpointError as e:
@@ -404,13 +500,24 @@ class CheckpointStore(PinLeases, ABC):
         except CheckpointError as e:
             failed.append(f"expired pins: {e}")
         if deleted:
-            log.info("retention in %s deleted versions %s; kept %s", self.uri, deleted, sorted(keep & set(versions)))
+            log.info(
+                "retention in %s deleted versions %s; kept %s",
+                self.uri,
+                deleted,
+                sorted(keep & set(versions)),
+            )
         if failed:
-            raise CheckpointError(f"retention in {self.uri} deleted {deleted} but failed on: {'; '.join(failed)}")
+            raise CheckpointError(
+                f"retention in {self.uri} deleted {deleted} but failed on: {'; '.join(failed)}"
+            )
         return deleted
 
-    def recover(self, epoch: int | None = None, servable: tuple[int, str] | None = None,
-                owner: str | None = None) -> int | None:
+    def recover(
+        self,
+        epoch: int | None = None,
+        servable: tuple[int, str] | None = None,
+        owner: str | None = None,
+    ) -> int | None:
         """Repair what a writer killed mid-publish left above `latest`; return the new `latest`.
 
         `epoch` (a new trainer's): first recorded in `latest` (`fence`), so every older writer is
@@ -427,15 +534,29 @@ class CheckpointStore(PinLeases, ABC):
             self.fence(epoch)
         latest, dirs, now = self.latest(), self._version_dirs(), self.clock()
         good: dict[int, Manifest] = {}
-        above = sorted((int(m.group(1)), d) for d in dirs
-                       if (m := _STAGE_DIR.match(d)) and (latest is None or int(m.group(1)) > latest))
+        above = sorted(
+            (int(m.group(1)), d)
+            for d in dirs
+            if (m := _STAGE_DIR.match(d)) and (latest is None or int(m.group(1)) > latest)
+        )
         for v, d in above:
             claim = self.read_claim(v) if _VERSION_DIR.match(d) and self._claims else None
             if claim is not None and claim.owner != owner and not claim.removable_by(epoch, now):
-                log.warning("recovery in %s: leaving %s alone: a live claim of epoch %s (%s) holds it", self.uri, d,
-                            claim.epoch, claim.owner)
+                log.warning(
+                    "recovery in %s: leaving %s alone: a live claim of epoch %s (%s) holds it",
+                    self.uri,
+                    d,
+                    claim.epoch,
+                    claim.owner,
+                )
                 continue
-            why = "a staging folder" if not _VERSION_DIR.match(d) else None if dirs[d] else "no manifest"
+            why = (
+                "a staging folder"
+                if not _VERSION_DIR.match(d)
+                else None
+                if dirs[d]
+                else "no manifest"
+            )
             if why is None:
                 try:
                     m = self.manifest(v)
@@ -447,18 +568,28 @@ class CheckpointStore(PinLeases, ABC):
                     continue
                 except CheckpointError as e:
                     why = str(e)
-            log.warning("recovery in %s: deleting %s, above latest %s: %s", self.uri, d, latest, why)
+            log.warning(
+                "recovery in %s: deleting %s, above latest %s: %s", self.uri, d, latest, why
+            )
             self._delete([f"versions/{d}/{MANIFEST}"])
             self._delete_stage(d)
         if not good:
             return latest
         v = max(good)
         self._point_latest(good[v], epoch)
-        log.warning("recovery in %s: version %d was complete and verified but latest was %s (a publish died "
-                    "before moving it); latest is now %d", self.uri, v, latest, v)
+        log.warning(
+            "recovery in %s: version %d was complete and verified but latest was %s (a publish died "
+            "before moving it); latest is now %d",
+            self.uri,
+            v,
+            latest,
+            v,
+        )
         return v
 
-    def _point_latest(self, manifest: Manifest | None, epoch: int | None, back: bool = False) -> None:
+    def _point_latest(
+        self, manifest: Manifest | None, epoch: int | None, back: bool = False
+    ) -> None:
         """Move `latest` to `manifest` (None: keep its version, a fence; None with `back`: name no
         version, for a cache tier whose versions above the durable `latest` were dropped) as
         writer `epoch`: a compare-and-set on `latest.json`, refused if a newer epoch moved it or,
@@ -468,22 +599,33 @@ class CheckpointStore(PinLeases, ABC):
             text, tag = self._read_tagged(LATEST)
             cur = self._latest_doc(text)
             if older(epoch, cur["epoch"]):
-                raise refused("moving latest" if manifest else "fencing latest", self.uri, epoch, cur["epoch"])
+                raise refused(
+                    "moving latest" if manifest else "fencing latest", self.uri, epoch, cur["epoch"]
+                )
             if manifest is None:
                 doc = {**cur, "epoch": max(e for e in (epoch, cur["epoch"], 0) if e is not None)}
                 if back:
                     doc |= {"version": None, "manifest_sha256": None}
             else:
                 if not back and cur["version"] is not None and cur["version"] > manifest.version:
-                    raise CheckpointError(f"latest in {self.uri} already names version {cur['version']}, newer than "
-                                          f"{manifest.version}; another writer moved it")
-                doc = {"version": manifest.version, "manifest_sha256": manifest.sha256(),
-                       "epoch": cur["epoch"] if epoch is None else epoch}
+                    raise CheckpointError(
+                        f"latest in {self.uri} already names version {cur['version']}, newer than "
+                        f"{manifest.version}; another writer moved it"
+                    )
+                doc = {
+                    "version": manifest.version,
+                    "manifest_sha256": manifest.sha256(),
+                    "epoch": cur["epoch"] if epoch is None else epoch,
+                }
             new = json.dumps(doc) + "\n"
-            if new == text or self._write_if(LATEST, new, tag):  # equal: our own write whose reply was lost
+            if new == text or self._write_if(
+                LATEST, new, tag
+            ):  # equal: our own write whose reply was lost
                 return
-        raise CheckpointError(f"latest in {self.uri} kept changing under 20 compare-and-set attempts; "
-                              "more than one writer is moving it")
+        raise CheckpointError(
+            f"latest in {self.uri} kept changing under 20 compare-and-set attempts; "
+            "more than one writer is moving it"
+        )
 
     def fence(self, epoch: int) -> None:
         """Record `epoch` in `latest.json` (its version unchanged): every writer of an older
@@ -516,20 +658,40 @@ class CheckpointStore(PinLeases, ABC):
             if theirs.owner == owner:
                 return theirs
             if older(epoch, theirs.epoch):
-                raise refused(f"claiming version {version}", self.uri, epoch, theirs.epoch, theirs.owner)
+                raise refused(
+                    f"claiming version {version}", self.uri, epoch, theirs.epoch, theirs.owner
+                )
             if not theirs.removable_by(epoch, self.clock()):
-                raise CheckpointError(f"version {version} is already claimed in {self.uri} by another publisher of "
-                                      f"epoch {theirs.epoch} ({theirs.owner}), live until {theirs.expires_at:.0f} "
-                                      "(a second trainer of this run?); this one stops")
+                raise CheckpointError(
+                    f"version {version} is already claimed in {self.uri} by another publisher of "
+                    f"epoch {theirs.epoch} ({theirs.owner}), live until {theirs.expires_at:.0f} "
+                    "(a second trainer of this run?); this one stops"
+                )
             if version in self.versions():
-                raise CheckpointError(f"version {version} already exists in {self.uri}; publish a new version")
-            log.warning("version %d in %s: replacing the claim of epoch %s (%s, %s) left by a replaced or dead "
-                        "writer, with what it wrote", version, self.uri, theirs.epoch, theirs.owner,
-                        "expired" if not theirs.live(self.clock()) else "older epoch")
+                raise CheckpointError(
+                    f"version {version} already exists in {self.uri}; publish a new version"
+                )
+            log.warning(
+                "version %d in %s: replacing the claim of epoch %s (%s, %s) left by a replaced or dead "
+                "writer, with what it wrote",
+                version,
+                self.uri,
+                theirs.epoch,
+                theirs.owner,
+                "expired" if not theirs.live(self.clock()) else "older epoch",
+            )
             self._delete([f"versions/{version_dir(version)}/{MANIFEST}"])
-            self._delete([k for k in self._list(f"versions/{version_dir(version)}/") if not k.endswith(f"/{CLAIM}")])
+            self._delete(
+                [
+                    k
+                    for k in self._list(f"versions/{version_dir(version)}/")
+                    if not k.endswith(f"/{CLAIM}")
+                ]
+            )
             self._delete([key])
-        raise CheckpointError(f"could not claim version {version} in {self.uri}: its claim kept changing")
+        raise CheckpointError(
+            f"could not claim version {version} in {self.uri}: its claim kept changing"
+        )
 
     def _check_claim(self, version: int, claim: Claim) -> None:
         """Raise if this writer no longer holds `version`'s claim (a newer writer removed it)."""
@@ -537,10 +699,14 @@ class CheckpointStore(PinLeases, ABC):
         if cur is None or cur.owner != claim.owner:
             theirs = None if cur is None else cur.epoch
             if cur is not None and older(claim.epoch, theirs):
-                raise refused(f"publish of version {version}", self.uri, claim.epoch, theirs, cur.owner)
-            raise CheckpointError(f"publish of version {version} in {self.uri}: this writer's claim (epoch "
-                                  f"{claim.epoch}) was removed{'' if cur is None else f' and taken by epoch {theirs}'}"
-                                  " (a newer trainer recovered the store); this one stops")
+                raise refused(
+                    f"publish of version {version}", self.uri, claim.epoch, theirs, cur.owner
+                )
+            raise CheckpointError(
+                f"publish of version {version} in {self.uri}: this writer's claim (epoch "
+                f"{claim.epoch}) was removed{'' if cur is None else f' and taken by epoch {theirs}'}"
+                " (a newer trainer recovered the store); this one stops"
+            )
 
     def _cleanup_failed(self, stage: str, version: int, claim: Claim | None) -> None:
         """Delete what a failed publish wrote (its manifest first), unless a newer writer holds
@@ -549,12 +715,23 @@ class CheckpointStore(PinLeases, ABC):
             if claim is not None:
                 cur = self.read_claim(version)
                 if cur is None or cur.owner != claim.owner:
-                    log.warning("version %d in %s: this publish failed after another writer took the version "
-                                "over; leaving its objects alone", version, self.uri)
+                    log.warning(
+                        "version %d in %s: this publish failed after another writer took the version "
+                        "over; leaving its objects alone",
+                        version,
+                        self.uri,
+                    )
                     return
             self._abort(stage)
-        except CheckpointError as e:  # the store itself failed: recovery or retention removes them later
-            log.warning("could not remove what the failed publish of version %d left in %s: %s", version, self.uri, e)
+        except (
+            CheckpointError
+        ) as e:  # the store itself failed: recovery or retention removes them later
+            log.warning(
+                "could not remove what the failed publish of version %d left in %s: %s",
+                version,
+                self.uri,
+                e,
+            )
 
     def _map(self, fn: Callable[[Any], _R], items: Iterable[Any]) -> list[_R]:
         ex = ThreadPoolExecutor(max_workers=self._workers)
@@ -567,7 +744,9 @@ class CheckpointStore(PinLeases, ABC):
         try:
             entry = FileEntry(rel, *hash_file(src, chunk_size))
         except OSError as e:
-            raise CheckpointError(f"cannot read {src}: {e}; is the checkpoint folder complete?") from e
+            raise CheckpointError(
+                f"cannot read {src}: {e}; is the checkpoint folder complete?"
+            ) from e
         self._put(stage, rel, src)
         return entry
 
@@ -577,16 +756,22 @@ class CheckpointStore(PinLeases, ABC):
         same size), else by its size. `hash_checked` counts the objects checked by hash."""
         v = manifest.version
         if self._read_text(f"versions/{stage}/{MANIFEST}") != manifest.to_json():
-            raise CheckpointError(f"the manifest of version {v} did not read back as written in {self.uri}; retry")
+            raise CheckpointError(
+                f"the manifest of version {v} did not read back as written in {self.uri}; retry"
+            )
         stored = self._map(lambda e: self._stored(stage, e, manifest.chunk_size), manifest.files)
         for e, (size, same) in zip(manifest.files, stored):
             if size != e.size:
-                raise CheckpointError(f"{e.path} of version {v} in {self.uri}: expected {e.size} bytes, "
-                                      f"found {'nothing' if size is None else size}; retry the publish")
+                raise CheckpointError(
+                    f"{e.path} of version {v} in {self.uri}: expected {e.size} bytes, "
+                    f"found {'nothing' if size is None else size}; retry the publish"
+                )
             if same is False:
-                raise CheckpointError(f"{e.path} of version {v} in {self.uri} does not hash to its manifest's sha256 "
-                                      f"{e.sha256}: another writer replaced it, or the source file changed while it "
-                                      "was published; retry the publish")
+                raise CheckpointError(
+                    f"{e.path} of version {v} in {self.uri} does not hash to its manifest's sha256 "
+                    f"{e.sha256}: another writer replaced it, or the source file changed while it "
+                    "was published; retry the publish"
+                )
         self.hash_checked = sum(1 for _, same in stored if same)
 
     def _get_verified(self, version: int, e: FileEntry, tmp: Path) -> None:
@@ -600,38 +785,55 @@ class CheckpointStore(PinLeases, ABC):
         sha = self._get(version_dir(version), e.path, dest)
         size = dest.stat().st_size
         if size != e.size or sha != e.sha256:
-            raise CheckpointError(f"{e.path} of version {version} in {self.uri} is corrupt: expected sha256 "
-                                  f"{e.sha256} ({e.size} bytes), got sha256 {sha} ({size} bytes); republish it")
+            raise CheckpointError(
+                f"{e.path} of version {version} in {self.uri} is corrupt: expected sha256 "
+                f"{e.sha256} ({e.size} bytes), got sha256 {sha} ({size} bytes); republish it"
+            )
 
 
 def _complete(dirs: dict[str, bool]) -> list[int]:
-    return sorted(int(m.group(1)) for d, complete in dirs.items() if complete and (m := _VERSION_DIR.match(d)))
+    return sorted(
+        int(m.group(1)) for d, complete in dirs.items() if complete and (m := _VERSION_DIR.match(d))
+    )
 
 
 def _is_leftover(name: str, complete: bool, latest: int | None) -> bool:
     """An incomplete version or a staging dir at or below `latest`: publish refuses those
     numbers, so no publish can be writing there (one writer per store)."""
     m = _STAGE_DIR.match(name)
-    return bool(m and latest is not None and int(m.group(1)) <= latest and not (complete and _VERSION_DIR.match(name)))
+    return bool(
+        m
+        and latest is not None
+        and int(m.group(1)) <= latest
+        and not (complete and _VERSION_DIR.match(name))
+    )
 
 
 def _check_retention(keep_last: int, keep_every: int) -> None:
     if keep_last < 1 or keep_every < 0:
-        raise CheckpointError(f"retention needs keep_last >= 1 and keep_every >= 0, got {keep_last}, {keep_every}")
+        raise CheckpointError(
+            f"retention needs keep_last >= 1 and keep_every >= 0, got {keep_last}, {keep_every}"
+        )
 
 
 def _check_same_files(manifest: Manifest, version: int, src: Path, files: list[str]) -> None:
     """A given manifest must describe exactly the files about to be published."""
     if manifest.version != version:
-        raise CheckpointError(f"publish: the given manifest is version {manifest.version}, not {version}")
+        raise CheckpointError(
+            f"publish: the given manifest is version {manifest.version}, not {version}"
+        )
     listed = {e.path: e.size for e in manifest.files}
     if set(files) != set(listed):
-        raise CheckpointError(f"publish of version {version}: {src} holds {sorted(set(files) ^ set(listed))[:5]} "
-                              "that its manifest does not list, or lacks them")
+        raise CheckpointError(
+            f"publish of version {version}: {src} holds {sorted(set(files) ^ set(listed))[:5]} "
+            "that its manifest does not list, or lacks them"
+        )
     for rel in files:
         if (src / rel).stat().st_size != listed[rel]:
-            raise CheckpointError(f"publish of version {version}: {rel} is {(src / rel).stat().st_size} bytes, "
-                                  f"its manifest says {listed[rel]}; the folder changed since it was hashed")
+            raise CheckpointError(
+                f"publish of version {version}: {rel} is {(src / rel).stat().st_size} bytes, "
+                f"its manifest says {listed[rel]}; the folder changed since it was hashed"
+            )
 
 
 def _list_files(src: Path) -> list[str]:
@@ -641,5 +843,7 @@ def _list_files(src: Path) -> list[str]:
     if not files:
         raise CheckpointError(f"{src} holds no files; nothing to publish")
     if reserved := {MANIFEST, MARKER} & set(files):
-        raise CheckpointError(f"{src} contains {sorted(reserved)}, names the store reserves; remove them")
+        raise CheckpointError(
+            f"{src} contains {sorted(reserved)}, names the store reserves; remove them"
+        )
     return files

@@ -87,11 +87,15 @@ class _Copy:
     held: set[int] = field(default_factory=set)
 
 
-def chunk_plan(manifest: Manifest, exclude: tuple[str, ...] = ()) -> list[tuple[str, int, int, str]]:
+def chunk_plan(
+    manifest: Manifest, exclude: tuple[str, ...] = ()
+) -> list[tuple[str, int, int, str]]:
     """Every chunk of the wanted files: (path, start, length, sha256), in manifest order."""
     if not manifest.chunk_size:
-        raise CheckpointError(f"version {manifest.version} has no chunk hashes (published before checkpoint.chunk_mb "
-                              "existed); the fan-out cannot check its chunks")
+        raise CheckpointError(
+            f"version {manifest.version} has no chunk hashes (published before checkpoint.chunk_mb "
+            "existed); the fan-out cannot check its chunks"
+        )
     out = []
     for e in manifest.files:
         if exclude and e.path.startswith(exclude):
@@ -105,12 +109,22 @@ def chunk_plan(manifest: Manifest, exclude: tuple[str, ...] = ()) -> list[tuple[
 class Swarm:
     """One rollout worker's side of the fan-out: a chunk server and a fetcher."""
 
-    def __init__(self, bus: RunBus, name: str, cfg: CheckpointConfig, bind: str = "127.0.0.1",
-                 advertise: str | None = None, workers: int = 4, max_serving: int = MAX_SERVING,
-                 limits: fh.Limits | None = None) -> None:
+    def __init__(
+        self,
+        bus: RunBus,
+        name: str,
+        cfg: CheckpointConfig,
+        bind: str = "127.0.0.1",
+        advertise: str | None = None,
+        workers: int = 4,
+        max_serving: int = MAX_SERVING,
+        limits: fh.Limits | None = None,
+    ) -> None:
         self.bus, self.name, self.cfg, self.workers = bus, name, cfg, workers
         self.limits = limits or fh.Limits()
-        self.copies: dict[tuple[int, str], _Copy] = {}  # (version, manifest sha256) -> what it holds
+        self.copies: dict[
+            tuple[int, str], _Copy
+        ] = {}  # (version, manifest sha256) -> what it holds
         self._lock = threading.Lock()
         self.counts = {"peer": 0, "cache": 0, "durable": 0, "refused": 0, "slow": 0}
         self.book = Book(bus, name)
@@ -129,8 +143,13 @@ class Swarm:
 
     @classmethod
     def start(cls, bus: RunBus, name: str, cfg: CheckpointConfig) -> Swarm:
-        swarm = cls(bus, name, cfg, bind=os.environ.get("MOERL_FANOUT_BIND", "127.0.0.1"),
-                    advertise=os.environ.get("MOERL_FANOUT_ADVERTISE") or None)
+        swarm = cls(
+            bus,
+            name,
+            cfg,
+            bind=os.environ.get("MOERL_FANOUT_BIND", "127.0.0.1"),
+            advertise=os.environ.get("MOERL_FANOUT_ADVERTISE") or None,
+        )
         swarm.serve()
         return swarm
 
@@ -140,12 +159,17 @@ class Swarm:
 
         # limit_concurrency: connections and requests together, past which uvicorn answers 503
         # itself (the peers' pooled keep-alive connections stay well below it)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                limit_concurrency=256)
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off", limit_concurrency=256
+        )
         self._server = uvicorn.Server(config)
         self._sock.listen(64)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="moerl-fanout", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name="moerl-fanout",
+            daemon=True,
+        )
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started and time.monotonic() < deadline:
@@ -157,7 +181,9 @@ class Swarm:
         log.info("fan-out: %s serves chunks at %s", self.name, self.url)
 
     def _alive(self) -> None:
-        self.bus.r.set(self.bus.key(f"fanout:alive:{self.name}"), self.url, px=int(ALIVE_TTL_S * 1000))
+        self.bus.r.set(
+            self.bus.key(f"fanout:alive:{self.name}"), self.url, px=int(ALIVE_TTL_S * 1000)
+        )
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(ALIVE_TTL_S / 3):
@@ -189,8 +215,11 @@ class Swarm:
         node cache pruned: bounded state, and peers stop asking for what is gone. Copies still
         being assembled stay. Returns what was forgotten."""
         with self._lock:
-            gone = [key for key, c in self.copies.items()
-                    if len(c.held) == len(c.chunks) and not (c.root / MANIFEST).exists()]
+            gone = [
+                key
+                for key, c in self.copies.items()
+                if len(c.held) == len(c.chunks) and not (c.root / MANIFEST).exists()
+            ]
             for key in gone:
                 self.copies.pop(key)
         for version, sha in gone:
@@ -200,7 +229,9 @@ class Swarm:
                 log.warning("fan-out: could not withdraw pruned version %d: %s", version, err)
         return gone
 
-    def offer(self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> None:
+    def offer(
+        self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()
+    ) -> None:
         """Serve a verified copy this node got some other way (the cache tier, S3)."""
         self.forget_pruned()
         if not manifest.chunk_size:
@@ -208,8 +239,9 @@ class Swarm:
         plan = chunk_plan(manifest, exclude)
         sha = manifest.sha256()
         with self._lock:
-            self.copies[(version, sha)] = _Copy(Path(path), manifest, [(p, s, n) for p, s, n, _ in plan],
-                                                set(range(len(plan))))
+            self.copies[(version, sha)] = _Copy(
+                Path(path), manifest, [(p, s, n) for p, s, n, _ in plan], set(range(len(plan)))
+            )
         self.book.announce(version, sha, range(len(plan)))
         self.book.flush()
 
@@ -236,13 +268,21 @@ class Swarm:
         alive = self.bus.r.mget([self.bus.key(f"fanout:alive:{p}") for p in names]) if names else []
         return {p: peers[p] for p, a in zip(names, alive) if a}
 
-    def fetch(self, tiers: Tiers, version: int, dest: Path, exclude: tuple[str, ...] = (),
-              expect_sha256: str | None = None) -> tuple[Path, dict[str, int]]:
+    def fetch(
+        self,
+        tiers: Tiers,
+        version: int,
+        dest: Path,
+        exclude: tuple[str, ...] = (),
+        expect_sha256: str | None = None,
+    ) -> tuple[Path, dict[str, int]]:
         """`version` in `dest`, assembled from peers and tiers, every chunk verified; and how
         many of its chunks came from each source (none: a verified copy was already here)."""
         manifest = tiers.manifest(version)
         if expect_sha256 is not None and manifest.sha256() != expect_sha256:
-            raise CheckpointError(f"version {version}: the tiers hold manifest {manifest.sha256()}, not {expect_sha256}")
+            raise CheckpointError(
+                f"version {version}: the tiers hold manifest {manifest.sha256()}, not {expect_sha256}"
+            )
         plan = chunk_plan(manifest, exclude)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
@@ -254,8 +294,16 @@ class Swarm:
         self.offer(version, final, manifest, exclude)
         return final, {k: self.counts[k] - before[k] for k in ("peer", "cache", "durable")}
 
-    def _assemble(self, tiers: Tiers, version: int, manifest: Manifest, plan: list[tuple[str, int, int, str]],
-                  dest: Path, final: Path, exclude: tuple[str, ...]) -> None:
+    def _assemble(
+        self,
+        tiers: Tiers,
+        version: int,
+        manifest: Manifest,
+        plan: list[tuple[str, int, int, str]],
+        dest: Path,
+        final: Path,
+        exclude: tuple[str, ...],
+    ) -> None:
         t0 = time.monotonic()
         tmp = dest / f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
@@ -267,7 +315,9 @@ class Swarm:
                     with open(tmp / e.path, "wb") as f:
                         f.truncate(e.size)
             with self._lock:  # serve what passed as it arrives: later peers pull from us mid-fetch
-                self.copies[(version, sha)] = _Copy(tmp, manifest, [(p, s, n) for p, s, n, _ in plan])
+                self.copies[(version, sha)] = _Copy(
+                    tmp, manifest, [(p, s, n) for p, s, n, _ in plan]
+                )
             peers = self._present_peers()
             names = sorted(set(peers) | {self.name})
             k, n = names.index(self.name), len(names)
@@ -279,7 +329,9 @@ class Swarm:
                 path, start, length, chunk_sha = plan[i]
                 data = self._from_peers(peers, holders, version, sha, i, length, chunk_sha)
                 if data is None:
-                    data, source = self._from_tiers(tiers, version, path, start, length, chunk_sha, dead_tiers)
+                    data, source = self._from_tiers(
+                        tiers, version, path, start, length, chunk_sha, dead_tiers
+                    )
                     self._count(source)
                 fd = os.open(tmp / path, os.O_WRONLY)
                 try:
@@ -313,18 +365,33 @@ class Swarm:
                 log.warning("fan-out: could not withdraw version %d: %s", version, err)
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        log.info("fan-out: version %d assembled in %.2f s (%s; %d looks at the peers)", version,
-                 time.monotonic() - t0, self.counts, holders.refreshes)
+        log.info(
+            "fan-out: version %d assembled in %.2f s (%s; %d looks at the peers)",
+            version,
+            time.monotonic() - t0,
+            self.counts,
+            holders.refreshes,
+        )
 
-    def _from_peers(self, peers: dict[str, str], holders: Holders, version: int, sha: str, i: int, length: int,
-                    chunk_sha: str) -> bytes | None:
+    def _from_peers(
+        self,
+        peers: dict[str, str],
+        holders: Holders,
+        version: int,
+        sha: str,
+        i: int,
+        length: int,
+        chunk_sha: str,
+    ) -> bytes | None:
         """Chunk `i` from a peer that holds it, checked; None: no peer could give it intact."""
         candidates = holders.of(i)
         random.shuffle(candidates)
         for peer in candidates:
             if peer in holders.bad:  # another thread dropped it meanwhile
                 continue
-            status, got = fh.fetch_chunk(self._http, peers[peer], self.token, version, sha, i, length, self.limits)
+            status, got = fh.fetch_chunk(
+                self._http, peers[peer], self.token, version, sha, i, length, self.limits
+            )
             if status == fh.OK:
                 if hashlib.sha256(got).hexdigest() == chunk_sha:
                     self._count("peer")
@@ -336,7 +403,9 @@ class Swarm:
             if status == fh.UNREACHABLE:
                 continue  # gone (Spot)
             self._count("slow" if status == fh.SLOW else "refused")
-            log.warning("fan-out: chunk %d of version %d from %s refused (%s)", i, version, peer, status)
+            log.warning(
+                "fan-out: chunk %d of version %d from %s refused (%s)", i, version, peer, status
+            )
         return None
 
     def _count(self, what: str) -> None:
@@ -345,8 +414,9 @@ class Swarm:
         self.book.count(what)
 
     @staticmethod
-    def _from_tiers(tiers: Tiers, version: int, path: str, start: int, length: int, sha: str,
-                    dead: set[str]) -> tuple[bytes, str]:
+    def _from_tiers(
+        tiers: Tiers, version: int, path: str, start: int, length: int, sha: str, dead: set[str]
+    ) -> tuple[bytes, str]:
         errors = []
         stores = [s for s in (tiers.cache, tiers.durable) if s is not None]
         for store in [s for s in stores if s.uri not in dead] or stores:
@@ -356,10 +426,16 @@ class Swarm:
                 errors.append(f"{store.uri}: {e}")
                 if store is tiers.cache:
                     dead.add(store.uri)
-                    log.warning("fan-out: the cache tier failed (%s); chunks of version %d come from %s", e,
-                                version, tiers.durable.uri)
+                    log.warning(
+                        "fan-out: the cache tier failed (%s); chunks of version %d come from %s",
+                        e,
+                        version,
+                        tiers.durable.uri,
+                    )
                 continue
             if hashlib.sha256(data).hexdigest() == sha:
                 return data, "cache" if store is tiers.cache else "durable"
             errors.append(f"{store.uri}: a corrupt chunk")
-        raise CheckpointError(f"chunk {path}@{start} of version {version}: no source serves it intact ({'; '.join(errors)})")
+        raise CheckpointError(
+            f"chunk {path}@{start} of version {version}: no source serves it intact ({'; '.join(errors)})"
+        )

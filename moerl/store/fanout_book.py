@@ -28,7 +28,8 @@ import logging
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from moerl.bus import RunBus
@@ -62,7 +63,9 @@ def run_token(bus: RunBus) -> str:
     if not token:
         from moerl.errors import CheckpointError
 
-        raise CheckpointError("fan-out: the run's chunk token is missing from Valkey right after it was set")
+        raise CheckpointError(
+            "fan-out: the run's chunk token is missing from Valkey right after it was set"
+        )
     return token
 
 
@@ -124,9 +127,15 @@ class Book:
             with self._lock:
                 dirty = {k: bytes(self._bits[k]) for k in self._dirty if k in self._bits}
                 counts = self._counts
-                self._dirty, self._counts, self._noted, self._flushed_at = set(), {}, 0, self.clock()
+                self._dirty, self._counts, self._noted, self._flushed_at = (
+                    set(),
+                    {},
+                    0,
+                    self.clock(),
+                )
             try:
                 if dirty:
+
                     def send() -> None:
                         pipe = self._raw.pipeline(transaction=False)
                         for (version, sha), bits in dirty.items():
@@ -187,7 +196,9 @@ class Holders:
         with self._lock:
             if self.book.clock() - self._at < REFRESH_S:  # another thread has just read them
                 return
-            self._bits = self.book.read(self.version, self.sha, [p for p in self.peers if p not in self.bad])
+            self._bits = self.book.read(
+                self.version, self.sha, [p for p in self.peers if p not in self.bad]
+            )
             self._at = self.book.clock()
             self.refreshes += 1
 

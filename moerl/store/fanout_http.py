@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 PIECE = 1 << 20
 CONNECT_S = 2.0
@@ -42,8 +42,13 @@ class Limits:
 
 
 async def _reply(send, status: int, headers: list[tuple[bytes, bytes]] = ()) -> None:  # noqa: ANN001
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-length", b"0"), *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-length", b"0"), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": b""})
 
 
@@ -51,8 +56,13 @@ class ChunkApp:
     """The chunk server's ASGI app. `locate(version, sha, index)`: (file, start, length) of a
     chunk this peer holds, verified, or None."""
 
-    def __init__(self, token: str, locate: Callable[[int, str, int], tuple[Path, int, int] | None],
-                 max_serving: int = 8, limits: Limits = Limits()) -> None:
+    def __init__(
+        self,
+        token: str,
+        locate: Callable[[int, str, int], tuple[Path, int, int] | None],
+        max_serving: int = 8,
+        limits: Limits = Limits(),
+    ) -> None:
         self._expected = f"Bearer {token}".encode()
         self.locate, self.max_serving, self.limits = locate, max_serving, limits
         self.serving = 0  # chunks being sent now (one event loop: no lock needed)
@@ -62,8 +72,12 @@ class ChunkApp:
         if scope["type"] != "http":
             return
         parts = scope["path"].strip("/").split("/")
-        if scope["method"] != "GET" or len(parts) != 4 or parts[0] != "chunk" or not (
-                parts[1].isdigit() and parts[3].isdigit()):
+        if (
+            scope["method"] != "GET"
+            or len(parts) != 4
+            or parts[0] != "chunk"
+            or not (parts[1].isdigit() and parts[3].isdigit())
+        ):
             return await _reply(send, 404)
         auth = dict(scope["headers"]).get(b"authorization")
         if not auth:
@@ -90,7 +104,9 @@ class ChunkApp:
             watcher.cancel()
             self.serving -= 1
 
-    async def _send_chunk(self, send, gone: asyncio.Event, version: int, sha: str, index: int) -> None:  # noqa: ANN001
+    async def _send_chunk(
+        self, send, gone: asyncio.Event, version: int, sha: str, index: int
+    ) -> None:  # noqa: ANN001
         where = self.locate(version, sha, index)
         try:
             f = open(where[0], "rb") if where is not None else None  # noqa: SIM115 - closed below
@@ -100,9 +116,16 @@ class ChunkApp:
             return await _reply(send, 404)
         _, start, length = where
         with f:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/octet-stream"),
-                                    (b"content-length", str(length).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/octet-stream"),
+                        (b"content-length", str(length).encode()),
+                    ],
+                }
+            )
             f.seek(start)
             left = length
             try:
@@ -111,10 +134,14 @@ class ChunkApp:
                 async with asyncio.timeout(self.limits.deadline_s(length)):
                     while left > 0 and not gone.is_set():
                         piece = await asyncio.to_thread(f.read, min(PIECE, left))
-                        if not piece:  # the file shrank: end short; the fetcher refuses a short chunk
+                        if (
+                            not piece
+                        ):  # the file shrank: end short; the fetcher refuses a short chunk
                             return
                         left -= len(piece)
-                        await send({"type": "http.response.body", "body": piece, "more_body": left > 0})
+                        await send(
+                            {"type": "http.response.body", "body": piece, "more_body": left > 0}
+                        )
             except TimeoutError:
                 self.stalled += 1
 
@@ -124,8 +151,16 @@ OK, ABSENT, BUSY, UNREACHABLE = "ok", "absent", "busy", "unreachable"
 OVERSIZE, SHORT, SLOW = "oversize", "short", "slow"
 
 
-def fetch_chunk(http, url: str, token: str, version: int, sha: str, index: int, length: int,  # noqa: ANN001
-                limits: Limits = Limits()) -> tuple[str, bytes | None]:
+def fetch_chunk(
+    http,
+    url: str,
+    token: str,
+    version: int,
+    sha: str,
+    index: int,
+    length: int,  # noqa: ANN001
+    limits: Limits = Limits(),
+) -> tuple[str, bytes | None]:
     """(OK, the bytes: exactly `length` of them) or (why not, None): ABSENT (404), BUSY (503),
     UNREACHABLE (no answer, refused, any other status), OVERSIZE / SHORT (more or fewer bytes
     than the chunk has), SLOW (past the chunk's deadline)."""
@@ -134,8 +169,12 @@ def fetch_chunk(http, url: str, token: str, version: int, sha: str, index: int, 
 
     deadline = time.monotonic() + limits.deadline_s(length)
     try:
-        r = http.get(f"{url}/chunk/{version}/{sha}/{index}", headers={"Authorization": f"Bearer {token}"},
-                     stream=True, timeout=(CONNECT_S, limits.read_s))
+        r = http.get(
+            f"{url}/chunk/{version}/{sha}/{index}",
+            headers={"Authorization": f"Bearer {token}"},
+            stream=True,
+            timeout=(CONNECT_S, limits.read_s),
+        )
     except requests.Timeout:
         return (SLOW if time.monotonic() > deadline else UNREACHABLE), None
     except requests.RequestException:

@@ -54,7 +54,10 @@ class Claim:
     expires_at: float  # UTC, POSIX seconds
 
     def to_json(self) -> str:
-        return json.dumps({"owner": self.owner, "epoch": self.epoch, "expires_at": self.expires_at}) + "\n"
+        return (
+            json.dumps({"owner": self.owner, "epoch": self.epoch, "expires_at": self.expires_at})
+            + "\n"
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Claim:
@@ -62,7 +65,11 @@ class Claim:
         expired claim of no epoch, which any writer may remove."""
         try:
             d = json.loads(text)
-            return cls(str(d["owner"]), None if d.get("epoch") is None else int(d["epoch"]), float(d["expires_at"]))
+            return cls(
+                str(d["owner"]),
+                None if d.get("epoch") is None else int(d["epoch"]),
+                float(d["expires_at"]),
+            )
         except (ValueError, KeyError, TypeError):
             return cls("?", None, 0.0)
 
@@ -71,7 +78,9 @@ class Claim:
 
     def removable_by(self, epoch: int | None, now: float) -> bool:
         """Whether a writer of `epoch` may remove this claim: it expired, or it is older."""
-        return not self.live(now) or (epoch is not None and (self.epoch is None or self.epoch < epoch))
+        return not self.live(now) or (
+            epoch is not None and (self.epoch is None or self.epoch < epoch)
+        )
 
 
 def older(mine: int | None, theirs: int | None) -> bool:
@@ -79,7 +88,11 @@ def older(mine: int | None, theirs: int | None) -> bool:
     return mine is not None and theirs is not None and mine < theirs
 
 
-def refused(what: str, uri: str, mine: int | None, theirs: int | None, holder: str = "") -> CheckpointError:
-    return CheckpointError(f"{what} in {uri} refused: this writer's trainer epoch {mine} is older than epoch {theirs}"
-                           f"{f' ({holder})' if holder else ''}, which a newer trainer of this run wrote; this one "
-                           "was replaced and stops without writing")
+def refused(
+    what: str, uri: str, mine: int | None, theirs: int | None, holder: str = ""
+) -> CheckpointError:
+    return CheckpointError(
+        f"{what} in {uri} refused: this writer's trainer epoch {mine} is older than epoch {theirs}"
+        f"{f' ({holder})' if holder else ''}, which a newer trainer of this run wrote; this one "
+        "was replaced and stops without writing"
+    )

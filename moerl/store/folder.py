@@ -44,14 +44,20 @@ class LocalStore(CheckpointStore):
         try:
             (self.root / "versions").mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint folder {self.root}: {e}; fix checkpoint.uri") from e
+            raise CheckpointError(
+                f"cannot create checkpoint folder {self.root}: {e}; fix checkpoint.uri"
+            ) from e
         if not os.access(self.root / "versions", os.W_OK):
-            raise CheckpointError(f"checkpoint folder {self.root} is not writable; fix its permissions")
+            raise CheckpointError(
+                f"checkpoint folder {self.root} is not writable; fix its permissions"
+            )
 
     def _path(self, stage: str, rel: str = "") -> Path:
         return self.root / "versions" / stage / rel
 
-    def _begin(self, version: int, exclusive: bool = False) -> str:  # the rename in _commit is create-only
+    def _begin(
+        self, version: int, exclusive: bool = False
+    ) -> str:  # the rename in _commit is create-only
         self.check_access()
         stage = f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
         self._path(stage).mkdir()
@@ -62,16 +68,22 @@ class LocalStore(CheckpointStore):
         there since publish checked (two trainers of one run) is never replaced."""
         final = self._path(version_dir(version))
         if (final / MANIFEST).exists():
-            raise CheckpointError(f"version {version} was published by another writer in {self.uri} while this "
-                                  "publish ran; a run has one trainer at a time, so this one stops")
+            raise CheckpointError(
+                f"version {version} was published by another writer in {self.uri} while this "
+                "publish ran; a run has one trainer at a time, so this one stops"
+            )
         if final.exists():  # no manifest: debris of a killed publish
             log.warning("replacing incomplete version directory %s", final)
             shutil.rmtree(final)
         try:
-            os.rename(self._path(stage), final)  # fails if another publisher's version appeared meanwhile
+            os.rename(
+                self._path(stage), final
+            )  # fails if another publisher's version appeared meanwhile
         except OSError as e:
-            raise CheckpointError(f"version {version} appeared in {self.uri} while this publish ran ({e}); "
-                                  "another writer published it") from e
+            raise CheckpointError(
+                f"version {version} appeared in {self.uri} while this publish ran ({e}); "
+                "another writer published it"
+            ) from e
         _fsync(final.parent)
 
     def _abort(self, stage: str) -> None:
@@ -99,7 +111,9 @@ class LocalStore(CheckpointStore):
             return copy_hashed(self._path(stage, rel), dest)
         except FileNotFoundError as e:
             if not self._path(stage, rel).is_file():
-                raise CheckpointError(f"{rel} of {stage} is missing from {self.root}; republish it") from e
+                raise CheckpointError(
+                    f"{rel} of {stage} is missing from {self.root}; republish it"
+                ) from e
             raise
 
     def _get_range(self, stage: str, rel: str, start: int, length: int) -> bytes:
@@ -153,17 +167,27 @@ class LocalStore(CheckpointStore):
 
     def _version_dirs(self) -> dict[str, bool]:
         d = self.root / "versions"
-        return {v.name: (v / MANIFEST).is_file() for v in d.iterdir() if v.is_dir()} if d.is_dir() else {}
+        return (
+            {v.name: (v / MANIFEST).is_file() for v in d.iterdir() if v.is_dir()}
+            if d.is_dir()
+            else {}
+        )
 
     def _list(self, prefix: str) -> list[str]:
         d = self.root / prefix
-        return [p.relative_to(self.root).as_posix() for p in d.rglob("*") if p.is_file()] if d.is_dir() else []
+        return (
+            [p.relative_to(self.root).as_posix() for p in d.rglob("*") if p.is_file()]
+            if d.is_dir()
+            else []
+        )
 
     def _delete(self, keys: list[str]) -> None:
         try:
             for key in keys:
                 (self.root / key).unlink(missing_ok=True)
-            for parent in {(self.root / key).parent for key in keys}:  # deletions must not be reordered
+            for parent in {
+                (self.root / key).parent for key in keys
+            }:  # deletions must not be reordered
                 if parent.is_dir():
                     _fsync(parent)
         except OSError as e:

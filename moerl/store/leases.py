@@ -24,7 +24,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from moerl.errors import CheckpointError
@@ -43,19 +43,34 @@ class Lease:
         return now < self.expires_at
 
     def to_json(self) -> str:
-        return json.dumps({"version": self.version, "holder": self.holder, "pinned_at": iso_utc(self.pinned_at),
-                           "expires_at": iso_utc(self.expires_at)}) + "\n"
+        return (
+            json.dumps(
+                {
+                    "version": self.version,
+                    "holder": self.holder,
+                    "pinned_at": iso_utc(self.pinned_at),
+                    "expires_at": iso_utc(self.expires_at),
+                }
+            )
+            + "\n"
+        )
 
 
-def new_lease(version: int, holder: str, now: float, ttl_s: float, pinned_at: float | None = None) -> Lease:
+def new_lease(
+    version: int, holder: str, now: float, ttl_s: float, pinned_at: float | None = None
+) -> Lease:
     if not ttl_s > 0:
-        raise CheckpointError(f"a pin's TTL must be > 0 seconds, got {ttl_s!r}; fix checkpoint.pin_ttl_s")
+        raise CheckpointError(
+            f"a pin's TTL must be > 0 seconds, got {ttl_s!r}; fix checkpoint.pin_ttl_s"
+        )
     return Lease(version, holder, now if pinned_at is None else pinned_at, now + ttl_s)
 
 
 def pin_key(holder: str) -> str:
     if not _HOLDER.match(holder):
-        raise CheckpointError(f"pin holder {holder!r} must be letters, digits, '.', '_' or '-' (at most 128)")
+        raise CheckpointError(
+            f"pin holder {holder!r} must be letters, digits, '.', '_' or '-' (at most 128)"
+        )
     return f"pins/{holder}.json"
 
 
@@ -71,7 +86,7 @@ def parse_lease(key: str, text: str, default_ttl_s: float) -> Lease:
 
 
 def iso_utc(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
 
 
 def _seconds(iso: str) -> float:
@@ -89,13 +104,16 @@ class PinLeases:
     clock: Callable[[], float] = time.time  # UTC wall time, POSIX seconds; tests inject their own
 
     if TYPE_CHECKING:  # supplied by CheckpointStore
+
         def manifest(self, version: int) -> object: ...
         def _read_text(self, key: str) -> str | None: ...
         def _write_text(self, key: str, text: str) -> None: ...
         def _list(self, prefix: str) -> list[str]: ...
         def _delete(self, keys: list[str]) -> None: ...
 
-    def pin(self, version: int, holder: str, ttl_s: float | None = None, published: bool = True) -> None:
+    def pin(
+        self, version: int, holder: str, ttl_s: float | None = None, published: bool = True
+    ) -> None:
         """Lease `version` to `holder` for `ttl_s` seconds (default `pin_ttl_s`): retention keeps
         it while the lease lives. One pin per holder: a new pin replaces the holder's old one.
         `published=False`: the version may not be here yet (servable from the cache tier, its
@@ -112,12 +130,18 @@ class PinLeases:
         key, now = pin_key(holder), self.clock()
         text = self._read_text(key)
         if text is None:
-            raise CheckpointError(f"pin holder {holder!r} holds no pin in {self.uri}; pin the version again")
+            raise CheckpointError(
+                f"pin holder {holder!r} holds no pin in {self.uri}; pin the version again"
+            )
         old = parse_lease(key, text, self.pin_ttl_s)
         if not old.live(now):
-            raise CheckpointError(f"the pin of {holder!r} on version {old.version} in {self.uri} expired at "
-                                  f"{iso_utc(old.expires_at)}; its version may be gone: pin it again")
-        lease = new_lease(old.version, holder, now, self.pin_ttl_s if ttl_s is None else ttl_s, old.pinned_at)
+            raise CheckpointError(
+                f"the pin of {holder!r} on version {old.version} in {self.uri} expired at "
+                f"{iso_utc(old.expires_at)}; its version may be gone: pin it again"
+            )
+        lease = new_lease(
+            old.version, holder, now, self.pin_ttl_s if ttl_s is None else ttl_s, old.pinned_at
+        )
         self._write_text(key, lease.to_json())
         return old.version
 
@@ -135,7 +159,11 @@ class PinLeases:
 
     def _leases(self) -> list[tuple[str, str, Lease]]:
         keys = [k for k in self._list("pins/") if k.endswith(".json")]
-        return [(k, text, parse_lease(k, text, self.pin_ttl_s)) for k in keys if (text := self._read_text(k)) is not None]
+        return [
+            (k, text, parse_lease(k, text, self.pin_ttl_s))
+            for k in keys
+            if (text := self._read_text(k)) is not None
+        ]
 
     def _drop_expired(self, leases: list[tuple[str, str, Lease]], now: float) -> list[str]:
         """Delete the pin files of expired leases that still read as they did (not pinned again since)."""

@@ -30,7 +30,9 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def hash_file(path: str | os.PathLike[str], chunk_size: int = 0) -> tuple[int, str, tuple[str, ...]]:
+def hash_file(
+    path: str | os.PathLike[str], chunk_size: int = 0
+) -> tuple[int, str, tuple[str, ...]]:
     """Size, sha256 and (with `chunk_size`) the sha256 of each chunk, in one read pass."""
     if not chunk_size:
         return os.stat(path).st_size, sha256_file(path), ()
@@ -39,7 +41,7 @@ def hash_file(path: str | os.PathLike[str], chunk_size: int = 0) -> tuple[int, s
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         part, filled = hashlib.sha256(), 0
-        while n := f.readinto(view[:min(len(buf), chunk_size - filled)]):
+        while n := f.readinto(view[: min(len(buf), chunk_size - filled)]):
             whole.update(view[:n])
             part.update(view[:n])
             filled += n
@@ -69,30 +71,56 @@ class Manifest:
     chunk_size: int = 0  # bytes per chunk hash; 0: files are hashed whole only
 
     def to_json(self) -> str:
-        files = [{"path": f.path, "size": f.size, "sha256": f.sha256, **({"chunks": list(f.chunks)} if f.chunks else {})}
-                 for f in self.files]
-        body = {"version": self.version, "created_at": self.created_at,
-                "meta": dict(sorted(self.meta.items())), **({"chunk_size": self.chunk_size} if self.chunk_size else {}),
-                "files": files}
+        files = [
+            {
+                "path": f.path,
+                "size": f.size,
+                "sha256": f.sha256,
+                **({"chunks": list(f.chunks)} if f.chunks else {}),
+            }
+            for f in self.files
+        ]
+        body = {
+            "version": self.version,
+            "created_at": self.created_at,
+            "meta": dict(sorted(self.meta.items())),
+            **({"chunk_size": self.chunk_size} if self.chunk_size else {}),
+            "files": files,
+        }
         return json.dumps(body, indent=1) + "\n"
 
     @staticmethod
     def from_json(text: str) -> Manifest:
         try:
             d = json.loads(text)
-            files = tuple(FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"]),
-                                    tuple(str(c) for c in f.get("chunks", ()))) for f in d["files"])
+            files = tuple(
+                FileEntry(
+                    str(f["path"]),
+                    int(f["size"]),
+                    str(f["sha256"]),
+                    tuple(str(c) for c in f.get("chunks", ())),
+                )
+                for f in d["files"]
+            )
             meta = {str(k): str(v) for k, v in d.get("meta", {}).items()}
-            m = Manifest(int(d["version"]), files, str(d["created_at"]), meta, int(d.get("chunk_size", 0)))
+            m = Manifest(
+                int(d["version"]), files, str(d["created_at"]), meta, int(d.get("chunk_size", 0))
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed manifest ({e!r}); republish this version") from e
-        if m.chunk_size < 0 or any(len(f.chunks) != (m.n_chunks(f) if m.chunk_size else 0) for f in m.files):
-            raise CheckpointError(f"manifest of version {m.version} lists chunks that do not cover its files "
-                                  f"(chunk_size {m.chunk_size}); republish this version")
+        if m.chunk_size < 0 or any(
+            len(f.chunks) != (m.n_chunks(f) if m.chunk_size else 0) for f in m.files
+        ):
+            raise CheckpointError(
+                f"manifest of version {m.version} lists chunks that do not cover its files "
+                f"(chunk_size {m.chunk_size}); republish this version"
+            )
         for f in m.files:  # a manifest must not make fetch write outside its folder
             p = PurePosixPath(f.path)
             if p.is_absolute() or ".." in p.parts or not p.parts or "\\" in f.path:
-                raise CheckpointError(f"manifest of version {m.version} has an unsafe path {f.path!r}")
+                raise CheckpointError(
+                    f"manifest of version {m.version} has an unsafe path {f.path!r}"
+                )
         return m
 
     def n_chunks(self, f: FileEntry) -> int:

@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 
 MARKER = ".moerl-verified"  # written into a fetched copy once verified; holds the manifest's sha256
 _COPY = re.compile(r"^v(\d{6,})$")
-_PARTIAL = re.compile(r"^\.tmp-v(\d{6,})-[0-9a-f]+$")  # the staging dir of a fetch (killed, if its lock is free)
+_PARTIAL = re.compile(
+    r"^\.tmp-v(\d{6,})-[0-9a-f]+$"
+)  # the staging dir of a fetch (killed, if its lock is free)
 
 
 def lock_path(cache_dir: Path, version: int) -> Path:
@@ -51,9 +53,15 @@ def is_verified(final: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) 
     try:
         sha, *left_out = (final / MARKER).read_text().split("\n")
         skipped = {x.removeprefix("exclude=") for x in left_out}
-        return (sha == manifest.sha256() and skipped <= set(exclude)
-                and all((final / e.path).stat().st_size == e.size for e in manifest.files
-                        if not (exclude and e.path.startswith(exclude))))
+        return (
+            sha == manifest.sha256()
+            and skipped <= set(exclude)
+            and all(
+                (final / e.path).stat().st_size == e.size
+                for e in manifest.files
+                if not (exclude and e.path.startswith(exclude))
+            )
+        )
     except OSError:
         return False
 
@@ -62,7 +70,9 @@ def _open_lock(path: Path) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise CheckpointError(f"cannot create lock file {path}: {e}; fix checkpoint.cache_dir") from e
+        raise CheckpointError(
+            f"cannot create lock file {path}: {e}; fix checkpoint.cache_dir"
+        ) from e
 
 
 def _still_named(fd: int, path: Path) -> bool:
@@ -132,14 +142,22 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
     versions, ascending. Leftovers of killed fetches go too. Each deletion holds the version's
     fetch lock, taken without waiting: a version being fetched right now is left alone."""
     if keep < 1:
-        raise CheckpointError(f"the fetch cache must keep at least 1 version, got {keep}; fix checkpoint.cache_keep")
+        raise CheckpointError(
+            f"the fetch cache must keep at least 1 version, got {keep}; fix checkpoint.cache_keep"
+        )
     cache_dir = Path(cache_dir)
     if not cache_dir.is_dir():
         return []
-    copies = {int(m.group(1)): p for p in cache_dir.iterdir() if p.is_dir() and (m := _COPY.match(p.name))}
+    copies = {
+        int(m.group(1)): p for p in cache_dir.iterdir() if p.is_dir() and (m := _COPY.match(p.name))
+    }
     spare = {*sorted(copies)[-keep:], *protect}
     victims = [(v, p) for v, p in sorted(copies.items()) if v not in spare]
-    victims += [(int(m.group(1)), p) for p in cache_dir.iterdir() if p.is_dir() and (m := _PARTIAL.match(p.name))]
+    victims += [
+        (int(m.group(1)), p)
+        for p in cache_dir.iterdir()
+        if p.is_dir() and (m := _PARTIAL.match(p.name))
+    ]
     pruned = []
     for v, path in victims:
         with try_exclusive(lock_path(cache_dir, v)) as held:
@@ -147,7 +165,9 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
                 log.info("fetch cache: %s is being fetched; not pruning it now", path)
                 continue
             try:
-                (path / MARKER).unlink(missing_ok=True)  # first: a half-deleted copy is never "verified"
+                (path / MARKER).unlink(
+                    missing_ok=True
+                )  # first: a half-deleted copy is never "verified"
                 shutil.rmtree(path)
                 if _COPY.match(path.name):  # held: a waiter re-checks the path once it has the lock
                     lock_path(cache_dir, v).unlink(missing_ok=True)
@@ -156,6 +176,11 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
         if _COPY.match(path.name):
             pruned.append(v)
     if pruned:
-        log.info("fetch cache %s: pruned versions %s (keeps the newest %d and %s)",
-                 cache_dir, pruned, keep, sorted(set(protect)))
+        log.info(
+            "fetch cache %s: pruned versions %s (keeps the newest %d and %s)",
+            cache_dir,
+            pruned,
+            keep,
+            sorted(set(protect)),
+        )
     return pruned

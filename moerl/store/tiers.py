@@ -44,7 +44,6 @@ servable pointer (`--resume`) nothing is promoted across tiers.
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,10 +65,18 @@ Source = Literal["node", "peers", "cache", "durable"]
 class Swarm(Protocol):
     """What `Tiers.fetch` asks of a fan-out (`moerl.store.fanout.Swarm`)."""
 
-    def fetch(self, tiers: Tiers, version: int, dest: Path, exclude: tuple[str, ...],
-              expect_sha256: str | None) -> tuple[Path, dict[str, int]]: ...  # the copy; chunks by source
+    def fetch(
+        self,
+        tiers: Tiers,
+        version: int,
+        dest: Path,
+        exclude: tuple[str, ...],
+        expect_sha256: str | None,
+    ) -> tuple[Path, dict[str, int]]: ...  # the copy; chunks by source
 
-    def offer(self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> None: ...
+    def offer(
+        self, version: int, path: Path, manifest: Manifest, exclude: tuple[str, ...] = ()
+    ) -> None: ...
 
 
 # On a cluster the cache server's two identities come from one Secret (manifests/base/
@@ -81,7 +88,9 @@ class Swarm(Protocol):
 # which the cache server refuses (403): every stage that touches the cache tier must be here.
 # `moerl.launch.podsecrets.pod_secret_env` is where `place`, the launcher and the test sandbox read it.
 CACHE_TIER_SECRET = "moerl-ckpt-cache"
-WRITER_STAGES = frozenset({"init_policy", "resume_policy", "publish_checkpoint", "async_trainer", "finish_run"})
+WRITER_STAGES = frozenset(
+    {"init_policy", "resume_policy", "publish_checkpoint", "async_trainer", "finish_run"}
+)
 READER_STAGES = frozenset({"start_run", "rollout", "rollout_worker", "redistribute_weights"})
 
 
@@ -94,7 +103,10 @@ def cache_tier_secret_env(cfg: CheckpointConfig, stage: str) -> dict[str, str]:
     if role is None:
         return {}
     env = cfg.cache_tier.credentials_env
-    return {f"{env}_ACCESS_KEY_ID": f"{role}_ACCESS_KEY_ID", f"{env}_SECRET_ACCESS_KEY": f"{role}_SECRET_ACCESS_KEY"}
+    return {
+        f"{env}_ACCESS_KEY_ID": f"{role}_ACCESS_KEY_ID",
+        f"{env}_SECRET_ACCESS_KEY": f"{role}_SECRET_ACCESS_KEY",
+    }
 
 
 def cache_tier_credentials(cfg: CheckpointConfig) -> tuple[str, str] | None:
@@ -106,8 +118,10 @@ def cache_tier_credentials(cfg: CheckpointConfig) -> tuple[str, str] | None:
     env = cfg.cache_tier.credentials_env
     key, secret = read_secret(f"{env}_ACCESS_KEY_ID"), read_secret(f"{env}_SECRET_ACCESS_KEY")
     if bool(key) != bool(secret):
-        raise CheckpointError(f"checkpoint.cache_tier: only one of {env}_ACCESS_KEY_ID and {env}_SECRET_ACCESS_KEY "
-                              "is set; set both (the cache server's identity) or neither (the AWS chain)")
+        raise CheckpointError(
+            f"checkpoint.cache_tier: only one of {env}_ACCESS_KEY_ID and {env}_SECRET_ACCESS_KEY "
+            "is set; set both (the cache server's identity) or neither (the AWS chain)"
+        )
     return (key, secret) if key and secret else None
 
 
@@ -117,15 +131,25 @@ def cache_tier_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore | No
     if ct.uri is None:
         return None
     if ct.endpoint_url == "embedded":
-        raise CheckpointError("checkpoint.cache_tier.endpoint_url is 'embedded', but no cache server was started for "
-                              "this process: `moerl run` starts one; elsewhere give the cache server's URL")
+        raise CheckpointError(
+            "checkpoint.cache_tier.endpoint_url is 'embedded', but no cache server was started for "
+            "this process: `moerl run` starts one; elsewhere give the cache server's URL"
+        )
     from moerl.store.s3 import S3Store  # boto3 only with a cache tier
 
-    sub = cfg.model_copy(update={"uri": f"{ct.uri.rstrip('/')}/runs/{run_id}", "endpoint_url": ct.endpoint_url,
-                                 "region": ct.region, "max_attempts": ct.max_attempts})
+    sub = cfg.model_copy(
+        update={
+            "uri": f"{ct.uri.rstrip('/')}/runs/{run_id}",
+            "endpoint_url": ct.endpoint_url,
+            "region": ct.region,
+            "max_attempts": ct.max_attempts,
+        }
+    )
     store = S3Store(sub, credentials=cache_tier_credentials(cfg))
     store.pin_ttl_s, store.claim_ttl_s = cfg.pin_ttl_s, cfg.claim_ttl_s
-    store.keep_version_zero = False  # room for `keep_last` versions only (check_tier_fits); S3 has version 0
+    store.keep_version_zero = (
+        False  # room for `keep_last` versions only (check_tier_fits); S3 has version 0
+    )
     return store
 
 
@@ -146,7 +170,8 @@ def check_tier_fits(cfg: CheckpointConfig, version_bytes: int) -> None:
             f"{version_bytes / _GiB:.3g} GiB ({version_bytes} bytes) and the cache tier holds keep_last + 1 = "
             f"{ct.keep_last + 1} of them while one is written ({need / _GiB:.3g} GiB): raise the cache server's volume (the overlays' "
             "ckpt-cache patch) and capacity_gb with it, or lower checkpoint.cache_tier.keep_last; until then "
-            "versions go to the durable store first")
+            "versions go to the durable store first"
+        )
 
 
 def drop_cache_run(cfg: CheckpointConfig, run_id: str) -> int:
@@ -156,7 +181,9 @@ def drop_cache_run(cfg: CheckpointConfig, run_id: str) -> int:
     if store is None:
         return 0
     keys = store._list("")
-    store._delete([k for k in keys if k.endswith("/manifest.json")])  # first: no half-deleted version is complete
+    store._delete(
+        [k for k in keys if k.endswith("/manifest.json")]
+    )  # first: no half-deleted version is complete
     store._delete([k for k in keys if not k.endswith("/manifest.json")])
     log.info("deleted run %s's %d objects from the cache tier %s", run_id, len(keys), store.uri)
     return len(keys)
@@ -175,10 +202,14 @@ class Tiers:
     config: CheckpointConfig | None = None  # for check_tier_fits (the cache tier's capacity)
     epoch: int | None = None  # the trainer's epoch: every write is fenced by it (moerl.store.fence)
     owner: str = field(default_factory=new_owner)
-    cache_too_small: bool = False  # the last servable publish skipped the cache tier for want of room
+    cache_too_small: bool = (
+        False  # the last servable publish skipped the cache tier for want of room
+    )
 
     # -- writing --------------------------------------------------------------------------
-    def publish_servable(self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False) -> Manifest:
+    def publish_servable(
+        self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False
+    ) -> Manifest:
         """The first copy: the cache tier's (servable), or the durable store's without one. A
         cache tier that fails (down, full) is logged and counted by the caller
         (`cache_tier_failed`), and the version goes to the durable store first instead: it is
@@ -186,38 +217,82 @@ class Tiers:
         self.cache_failed, self.cache_too_small = None, False
         if self.cache is not None:
             try:
-                if self.config is not None:  # before a byte is written: a tier that cannot hold it is skipped
+                if (
+                    self.config is not None
+                ):  # before a byte is written: a tier that cannot hold it is skipped
                     try:
-                        check_tier_fits(self.config, sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file()))
+                        check_tier_fits(
+                            self.config,
+                            sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file()),
+                        )
                     except CheckpointError:
                         self.cache_too_small = True
                         raise
                 ensure = getattr(self.cache, "ensure_bucket", None)
                 if ensure is not None:  # a restarted cache server lost its bucket (memory-backed)
                     ensure()
-                return self.cache.publish(version, src, meta, retention=(self.cache_keep, 0), exclusive=exclusive,
-                                          chunk_size=self.chunk_size, epoch=self.epoch, owner=self.owner)
+                return self.cache.publish(
+                    version,
+                    src,
+                    meta,
+                    retention=(self.cache_keep, 0),
+                    exclusive=exclusive,
+                    chunk_size=self.chunk_size,
+                    epoch=self.epoch,
+                    owner=self.owner,
+                )
             except CheckpointError as e:
                 self.cache_failed = str(e)
-                log.warning("version %d: the cache tier %s failed (%s); publishing it to the durable store %s "
-                            "first (servable once durable)", version, self.cache.uri, e, self.durable.uri)
-        return self.durable.publish(version, src, meta, retention=self.retention, exclusive=exclusive,
-                                    chunk_size=self.chunk_size, epoch=self.epoch, owner=self.owner)
+                log.warning(
+                    "version %d: the cache tier %s failed (%s); publishing it to the durable store %s "
+                    "first (servable once durable)",
+                    version,
+                    self.cache.uri,
+                    e,
+                    self.durable.uri,
+                )
+        return self.durable.publish(
+            version,
+            src,
+            meta,
+            retention=self.retention,
+            exclusive=exclusive,
+            chunk_size=self.chunk_size,
+            epoch=self.epoch,
+            owner=self.owner,
+        )
 
     def publish_durable(self, manifest: Manifest, src: Path, exclusive: bool = False) -> Manifest:
         """The durable copy under the same manifest; nothing to do when the first copy was the
         durable one (no cache tier, or the cache tier failed)."""
         if self.cache is None or self.cache_failed is not None:
             return manifest
-        return self.durable.publish(manifest.version, src, retention=self.retention, exclusive=exclusive,
-                                    manifest=manifest, epoch=self.epoch, owner=self.owner)
+        return self.durable.publish(
+            manifest.version,
+            src,
+            retention=self.retention,
+            exclusive=exclusive,
+            manifest=manifest,
+            epoch=self.epoch,
+            owner=self.owner,
+        )
 
-    def publish(self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False) -> Manifest:
-        return self.publish_durable(self.publish_servable(version, src, meta, exclusive), src, exclusive)
+    def publish(
+        self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False
+    ) -> Manifest:
+        return self.publish_durable(
+            self.publish_servable(version, src, meta, exclusive), src, exclusive
+        )
 
     # -- reading --------------------------------------------------------------------------
-    def fetch(self, version: int, dest: Path, exclude: tuple[str, ...] = (), expect_sha256: str | None = None,
-              swarm: Swarm | None = None) -> tuple[Path, Source]:
+    def fetch(
+        self,
+        version: int,
+        dest: Path,
+        exclude: tuple[str, ...] = (),
+        expect_sha256: str | None = None,
+        swarm: Swarm | None = None,
+    ) -> tuple[Path, Source]:
         """The nearest verified copy of `version` in `dest`, and where it came from.
 
         `expect_sha256`: the manifest the caller was told to serve (the registry's); a tier
@@ -231,28 +306,49 @@ class Tiers:
                 path, chunks = swarm.fetch(self, version, dest, exclude, expect_sha256)
                 # where the bytes came from: any peer chunk makes it "peers"; any chunk from S3
                 # (the cache tier failed mid-fetch) makes it "durable"; none at all: a node copy
-                source: Source = ("peers" if chunks.get("peer") else "durable" if chunks.get("durable")
-                                  else "cache" if chunks.get("cache") else "node")
+                source: Source = (
+                    "peers"
+                    if chunks.get("peer")
+                    else "durable"
+                    if chunks.get("durable")
+                    else "cache"
+                    if chunks.get("cache")
+                    else "node"
+                )
                 return path, source
             except Exception as e:  # noqa: BLE001 - a broken fan-out (Valkey, a peer, the disk) costs only its speed-up
-                log.warning("version %d: fan-out failed (%s: %s); reading it from the cache tier / S3", version,
-                            type(e).__name__, e)
+                log.warning(
+                    "version %d: fan-out failed (%s: %s); reading it from the cache tier / S3",
+                    version,
+                    type(e).__name__,
+                    e,
+                )
         path, source = self._fetch_tiers(version, dest, exclude, expect_sha256)
         if swarm is not None:  # others may pull it from this node now (best effort)
             try:
-                swarm.offer(version, path, Manifest.from_json((path / MANIFEST).read_text()), exclude)
+                swarm.offer(
+                    version, path, Manifest.from_json((path / MANIFEST).read_text()), exclude
+                )
             except Exception as e:  # noqa: BLE001 - the copy is fetched and verified; only sharing it failed
                 log.warning("version %d: could not offer it to the fan-out: %s", version, e)
         return path, source
 
-    def _fetch_tiers(self, version: int, dest: Path, exclude: tuple[str, ...], expect_sha256: str | None
-                     ) -> tuple[Path, Source]:
+    def _fetch_tiers(
+        self, version: int, dest: Path, exclude: tuple[str, ...], expect_sha256: str | None
+    ) -> tuple[Path, Source]:
         if self.cache is not None:
             try:
-                return self.cache.fetch(version, dest, exclude, expect_sha256=expect_sha256), "cache"
+                return self.cache.fetch(
+                    version, dest, exclude, expect_sha256=expect_sha256
+                ), "cache"
             except CheckpointError as e:
-                log.warning("version %d: the cache tier %s cannot serve it (%s); falling back to the durable store %s",
-                            version, self.cache.uri, e, self.durable.uri)
+                log.warning(
+                    "version %d: the cache tier %s cannot serve it (%s); falling back to the durable store %s",
+                    version,
+                    self.cache.uri,
+                    e,
+                    self.durable.uri,
+                )
         return self.durable.fetch(version, dest, exclude, expect_sha256=expect_sha256), "durable"
 
     def manifest(self, version: int) -> Manifest:
@@ -261,11 +357,17 @@ class Tiers:
             try:
                 return self.cache.manifest(version)
             except CheckpointError as e:
-                log.warning("version %d: no manifest from the cache tier (%s); reading the durable one", version, e)
+                log.warning(
+                    "version %d: no manifest from the cache tier (%s); reading the durable one",
+                    version,
+                    e,
+                )
         return self.durable.manifest(version)
 
     # -- recovery -------------------------------------------------------------------------
-    def recover(self, scratch: Path | None = None, servable: tuple[int, str] | None = None) -> int | None:
+    def recover(
+        self, scratch: Path | None = None, servable: tuple[int, str] | None = None
+    ) -> int | None:
         """Repair both tiers after a publisher died; return the durable `latest` (see the
         module docstring). `scratch`: where versions are staged on their way between tiers
         (whole versions, `trainer/` included: give a folder with room, not /tmp).
@@ -292,61 +394,112 @@ class Tiers:
             self.cache.recover(self.epoch, servable, self.owner)
             above = [v for v in self.cache.versions() if latest is None or v > latest]
         except CheckpointError as e:
-            log.warning("recovery: the cache tier %s is unusable (%s); the run goes on from the durable store",
-                        self.cache.uri, e)
+            log.warning(
+                "recovery: the cache tier %s is unusable (%s); the run goes on from the durable store",
+                self.cache.uri,
+                e,
+            )
             return latest
         for v in above:
             try:
                 manifest = self.cache.manifest(v)
             except CheckpointError as e:
-                log.warning("recovery: version %d in the cache tier has no readable manifest (%s)", v, e)
+                log.warning(
+                    "recovery: version %d in the cache tier has no readable manifest (%s)", v, e
+                )
                 continue
             claim = self.cache.read_claim(v)
-            if claim is not None and claim.owner != self.owner and not claim.removable_by(self.epoch,
-                                                                                          self.cache.clock()):
-                log.warning("recovery: version %d in the cache tier is held by a live claim of epoch %s (%s); left "
-                            "alone", v, claim.epoch, claim.owner)
+            if (
+                claim is not None
+                and claim.owner != self.owner
+                and not claim.removable_by(self.epoch, self.cache.clock())
+            ):
+                log.warning(
+                    "recovery: version %d in the cache tier is held by a live claim of epoch %s (%s); left "
+                    "alone",
+                    v,
+                    claim.epoch,
+                    claim.owner,
+                )
                 continue
             if servable != (v, manifest.sha256()):
-                log.warning("recovery: version %d in the cache tier (manifest %s) is not the servable version %s; "
-                            "deleting it (the run trains that number again)", v, manifest.sha256()[:12], servable)
+                log.warning(
+                    "recovery: version %d in the cache tier (manifest %s) is not the servable version %s; "
+                    "deleting it (the run trains that number again)",
+                    v,
+                    manifest.sha256()[:12],
+                    servable,
+                )
                 self._drop_cache_version(v)
                 continue
             with self._staged(scratch) as tmp:
                 try:
-                    local = self.cache.fetch(v, tmp, expect_sha256=servable[1])  # every file verified
+                    local = self.cache.fetch(
+                        v, tmp, expect_sha256=servable[1]
+                    )  # every file verified
                 except CheckpointError as e:
                     if not _cache_side(e):
                         raise
-                    log.warning("recovery: version %d in the cache tier cannot be read back (%s); the run goes on "
-                                "from version %s of the durable store", v, e, latest)
+                    log.warning(
+                        "recovery: version %d in the cache tier cannot be read back (%s); the run goes on "
+                        "from version %s of the durable store",
+                        v,
+                        e,
+                        latest,
+                    )
                     break
-                self._publish_copy(local, self.durable, manifest, self.retention, self.epoch, self.owner)
-            log.warning("recovery: version %d was servable in the cache tier but not durable (the publisher died "
-                        "between the two); promoted it to %s", v, self.durable.uri)
+                self._publish_copy(
+                    local, self.durable, manifest, self.retention, self.epoch, self.owner
+                )
+            log.warning(
+                "recovery: version %d was servable in the cache tier but not durable (the publisher died "
+                "between the two); promoted it to %s",
+                v,
+                self.durable.uri,
+            )
             latest = v
         try:
             cache_latest = self.cache.latest()
             if latest is not None and latest in self.cache.versions():
-                if cache_latest is not None and cache_latest > latest:  # the versions above it were dropped
+                if (
+                    cache_latest is not None and cache_latest > latest
+                ):  # the versions above it were dropped
                     self.cache._point_latest(self.cache.manifest(latest), self.epoch, back=True)
             elif latest is not None:
-                if cache_latest is not None and cache_latest > latest:  # the versions above it were dropped
-                    self.cache._point_latest(None, self.epoch, back=True)  # so the rebuild's publish is not refused
+                if (
+                    cache_latest is not None and cache_latest > latest
+                ):  # the versions above it were dropped
+                    self.cache._point_latest(
+                        None, self.epoch, back=True
+                    )  # so the rebuild's publish is not refused
                 with self._staged(scratch) as tmp:
                     manifest = self.durable.manifest(latest)
-                    self._publish_copy(self.durable.fetch(latest, tmp), self.cache, manifest, (self.cache_keep, 0),
-                                       self.epoch, self.owner)
-                log.warning("recovery: the cache tier lacked version %d (latest); rebuilt it from %s", latest,
-                            self.durable.uri)
+                    self._publish_copy(
+                        self.durable.fetch(latest, tmp),
+                        self.cache,
+                        manifest,
+                        (self.cache_keep, 0),
+                        self.epoch,
+                        self.owner,
+                    )
+                log.warning(
+                    "recovery: the cache tier lacked version %d (latest); rebuilt it from %s",
+                    latest,
+                    self.durable.uri,
+                )
         except CheckpointError as e:  # the cache tier only: the durable side was read, not written
-            log.warning("recovery: could not rebuild the cache tier %s (%s); engines read S3 until it works",
-                        self.cache.uri, e)
+            log.warning(
+                "recovery: could not rebuild the cache tier %s (%s); engines read S3 until it works",
+                self.cache.uri,
+                e,
+            )
         return latest
 
     def _drop_cache_version(self, v: int) -> None:
         try:
-            self.cache._delete([f"versions/{version_dir(v)}/{MANIFEST}"])  # first: no longer complete
+            self.cache._delete(
+                [f"versions/{version_dir(v)}/{MANIFEST}"]
+            )  # first: no longer complete
             self.cache._delete_stage(version_dir(v))
         except CheckpointError as e:
             log.warning("recovery: could not delete version %d from the cache tier (%s)", v, e)
@@ -358,11 +511,24 @@ class Tiers:
         return tempfile.TemporaryDirectory(prefix="moerl-tier-", dir=scratch)
 
     @staticmethod
-    def _publish_copy(local: Path, dst: CheckpointStore, manifest: Manifest, retention: tuple[int, int],
-                      epoch: int | None = None, owner: str | None = None) -> None:
+    def _publish_copy(
+        local: Path,
+        dst: CheckpointStore,
+        manifest: Manifest,
+        retention: tuple[int, int],
+        epoch: int | None = None,
+        owner: str | None = None,
+    ) -> None:
         for extra in (MANIFEST, MARKER):
             (local / extra).unlink(missing_ok=True)
-        dst.publish(manifest.version, local, retention=retention, manifest=manifest, epoch=epoch, owner=owner)
+        dst.publish(
+            manifest.version,
+            local,
+            retention=retention,
+            manifest=manifest,
+            epoch=epoch,
+            owner=owner,
+        )
 
 
 def _cache_side(err: CheckpointError) -> bool:
@@ -372,7 +538,9 @@ def _cache_side(err: CheckpointError) -> bool:
     return not text.startswith(("cannot write version", "cannot create cache folder"))
 
 
-def node_copy(dest: Path, version: int, expect_sha256: str, exclude: tuple[str, ...] = ()) -> Path | None:
+def node_copy(
+    dest: Path, version: int, expect_sha256: str, exclude: tuple[str, ...] = ()
+) -> Path | None:
     """A verified copy of exactly that manifest already in the node cache, read without any
     server: its own manifest.json hashes to `expect_sha256` and its marker says so."""
     final = Path(dest) / version_dir(version)
@@ -409,5 +577,12 @@ def run_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore:
 def run_tiers(cfg: CheckpointConfig, run_id: str, epoch: int | None = None) -> Tiers:
     """`epoch`: the trainer's (`RunBus.claim_trainer`), which fences every write of these tiers;
     None for a writer outside the async trainer (the sync pipeline, `--resume`, benchmarks)."""
-    return Tiers(run_store(cfg, run_id), cache_tier_store(cfg, run_id), cfg.chunk_mb * 2**20,
-                 (cfg.keep_last, cfg.keep_every), cfg.cache_tier.keep_last, config=cfg, epoch=epoch)
+    return Tiers(
+        run_store(cfg, run_id),
+        cache_tier_store(cfg, run_id),
+        cfg.chunk_mb * 2**20,
+        (cfg.keep_last, cfg.keep_every),
+        cfg.cache_tier.keep_last,
+        config=cfg,
+        epoch=epoch,
+    )

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from pydantic import ValidationError
 
 from moerl.errors import DataError
 from moerl.records import Prompt, R
 from moerl.userfiles import FileProblem, decode_text, kind_problem, one_line
+
 
 @dataclass(frozen=True)
 class Dataset:
@@ -46,16 +48,23 @@ class Dataset:
         return [self.rows[order[(start + j) % len(order)]] for j in range(size)]
 
 
-def resolve_path(spec: str, field: str = "task.dataset", rows: str = "{id, task, prompt, answer}") -> Path:
+def resolve_path(
+    spec: str, field: str = "task.dataset", rows: str = "{id, task, prompt, answer}"
+) -> Path:
     """`builtin:<name>` (a file shipped in moerl/data) or a path to a user's regular file; a
     DataError naming `field` otherwise."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
-        known = sorted(x.name.removesuffix(".jsonl") for x in resources.files("moerl.tasks.data").iterdir()
-                       if x.name.endswith(".jsonl"))
+        known = sorted(
+            x.name.removesuffix(".jsonl")
+            for x in resources.files("moerl.tasks.data").iterdir()
+            if x.name.endswith(".jsonl")
+        )
         # Only the names listed: "builtin:../x" must not reach outside the package.
         if name not in known:
-            raise DataError(f"{field}: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}")
+            raise DataError(
+                f"{field}: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}"
+            )
         return Path(str(resources.files("moerl.tasks.data").joinpath(f"{name}.jsonl")))
     p = Path(spec).expanduser()
     what = kind_problem(p)
@@ -109,7 +118,16 @@ def validate_row(cls: type[R], obj: object, rows: str) -> R:
 def _parse_row(raw: bytes | None) -> Prompt:
     """One dataset row, or FileProblem saying why the line is malformed."""
     row = validate_row(Prompt, json_line(raw), "{id, task, prompt, answer}")
-    if any("\x00" in v for v in (row.id, row.task, row.prompt, row.answer, *(m.content for m in row.messages or []))):
+    if any(
+        "\x00" in v
+        for v in (
+            row.id,
+            row.task,
+            row.prompt,
+            row.answer,
+            *(m.content for m in row.messages or []),
+        )
+    ):
         raise FileProblem("a field holds a NUL character (\\u0000)")
     return row
 

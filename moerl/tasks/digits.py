@@ -14,8 +14,6 @@ import random
 
 from moerl.records import Prompt
 
-
-
 TASKS = ("copy", "reverse", "add")
 
 

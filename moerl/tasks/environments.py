@@ -51,8 +51,10 @@ def _run(value: Any) -> Any:
     import inspect
 
     if inspect.isawaitable(value):
+
         async def wait():
             return await value
+
         return asyncio.run(wait())
     return value
 
@@ -70,8 +72,10 @@ def env_reset(factory: str, key: str, row: dict) -> str | None:
     env = resolve(factory)()
     for name in ("reset", "step"):
         if not callable(getattr(env, name, None)):
-            raise TypeError(f"{factory}() made a {type(env).__name__} without a {name}() method; an environment has "
-                            "reset(row) and step(text)")
+            raise TypeError(
+                f"{factory}() made a {type(env).__name__} without a {name}() method; an environment has "
+                "reset(row) and step(text)"
+            )
     obs = _observation(_run(env.reset(row)), f"{factory}.reset")
     _LIVE[key] = env
     return obs
@@ -81,16 +85,25 @@ def env_step(key: str, text: str) -> list:
     """One step of episode `key`: `[observation | None, reward | None, done]`."""
     env = _LIVE.get(key)
     if env is None:
-        raise KeyError(f"episode {key!r} {LOST} (the process that held it was replaced after a timeout or a crash)")
+        raise KeyError(
+            f"episode {key!r} {LOST} (the process that held it was replaced after a timeout or a crash)"
+        )
     got = _run(env.step(text))
     name = f"{type(env).__name__}.step"
     if not isinstance(got, (tuple, list)) or len(got) != 3:
-        raise TypeError(f"{name} returned {short_repr(got)}; allowed: (observation: str | None, reward: float | None, "
-                        "done: bool)")
+        raise TypeError(
+            f"{name} returned {short_repr(got)}; allowed: (observation: str | None, reward: float | None, "
+            "done: bool)"
+        )
     obs, reward, done = got
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                               or not math.isfinite(reward)):
-        raise TypeError(f"{name} returned the reward {short_repr(reward)}; allowed: a finite number or None")
+    if reward is not None and (
+        isinstance(reward, bool)
+        or not isinstance(reward, (int, float))
+        or not math.isfinite(reward)
+    ):
+        raise TypeError(
+            f"{name} returned the reward {short_repr(reward)}; allowed: a finite number or None"
+        )
     if not isinstance(done, bool):
         raise TypeError(f"{name} returned done={short_repr(done)}; allowed: True or False")
     return [_observation(obs, name), None if reward is None else float(reward), done]

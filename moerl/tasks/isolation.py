@@ -72,8 +72,16 @@ SHM_MB = 64
 _PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 3, 4
 _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
-_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME, _MS_REC, _MS_PRIVATE = 1024, 2048, 1 << 21, 16384, 1 << 18
-_KEEP = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME | _MS_RELATIME  # locked in a user ns
+_MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME, _MS_REC, _MS_PRIVATE = (
+    1024,
+    2048,
+    1 << 21,
+    16384,
+    1 << 18,
+)
+_KEEP = (
+    _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME | _MS_RELATIME
+)  # locked in a user ns
 
 _lock = threading.Lock()
 _checked: dict[str, str] = {}  # isolation -> "" (works) or why not, once per process
@@ -127,17 +135,23 @@ def prepare(isolation: str) -> None:
         if isolation == "none":
             if not _warned:
                 _warned = True
-                print(f"[moerl] WARNING: {FIELDS} is none: sandboxed verifiers and environments run in the "
-                      "stage's network, pid and mount namespaces (they can open connections and write the "
-                      "stage's files); the run is tagged moerl.sandbox.isolation.*=none", file=sys.stderr, flush=True)
+                print(
+                    f"[moerl] WARNING: {FIELDS} is none: sandboxed verifiers and environments run in the "
+                    "stage's network, pid and mount namespaces (they can open connections and write the "
+                    "stage's files); the run is tagged moerl.sandbox.isolation.*=none",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         if isolation not in _checked:
             _checked[isolation] = _probe()
         why = _checked[isolation]
     if why:
-        raise ConfigError(f"{FIELDS}: namespaces cannot be made here ({why}); give the pod what docs/tasks.md "
-                          "lists (seccomp Unconfined or a profile allowing unshare, a kernel with unprivileged "
-                          "user namespaces), or set the field to none (no isolation, recorded on the run)")
+        raise ConfigError(
+            f"{FIELDS}: namespaces cannot be made here ({why}); give the pod what docs/tasks.md "
+            "lists (seccomp Unconfined or a profile allowing unshare, a kernel with unprivileged "
+            "user namespaces), or set the field to none (no isolation, recorded on the run)"
+        )
 
 
 def _probe() -> str:
@@ -146,10 +160,16 @@ def _probe() -> str:
     if shutil.which("unshare") is None:
         return "no unshare on PATH (util-linux)"
     try:
-        got = subprocess.run(command("namespaces") + ["true"], capture_output=True, text=True, timeout=60)
+        got = subprocess.run(
+            command("namespaces") + ["true"], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.SubprocessError) as err:
         return f"unshare did not run: {err}"
-    return "" if got.returncode == 0 else f"unshare exited {got.returncode}: {got.stderr.strip()[:300]}"
+    return (
+        ""
+        if got.returncode == 0
+        else f"unshare exited {got.returncode}: {got.stderr.strip()[:300]}"
+    )
 
 
 def tags(reward: str, task: str) -> dict[str, str]:
@@ -160,16 +180,23 @@ def tags(reward: str, task: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------- the child side
 
 
-def _mount(libc, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
-    _check(libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+def _mount(
+    libc, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
+    enc = lambda s: None if s is None else s.encode()
+    _check(
+        libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount {target}",
+    )
 
 
 def _mountpoints() -> list[str]:
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            out.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]))  # \040: a space
+            out.append(
+                re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
+            )  # \040: a space
     return out
 
 
@@ -186,8 +213,12 @@ def _hide_tempdir(libc, scratch: str) -> list[str]:
     # has loaded (an editable install maps moerl's packages to the checkout through a finder, not
     # sys.path: a checkout and its venv under /tmp, as a CI clone may be, would vanish otherwise)
     path += [os.path.realpath(p) for p in sys.path if p]
-    path += [os.path.realpath(p) for m in list(sys.modules.values())
-             for p in (getattr(m, "__path__", None) or []) if isinstance(p, str)]
+    path += [
+        os.path.realpath(p)
+        for m in list(sys.modules.values())
+        for p in (getattr(m, "__path__", None) or [])
+        if isinstance(p, str)
+    ]
     if tmp in path or tmp == "/":
         return []
     under = sorted({p for p in path if p.startswith(tmp + os.sep) and os.path.exists(p)})
@@ -223,15 +254,31 @@ def _mounts(libc, scratch: str) -> str:
     try:
         _mount(libc, "proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
     except OSError:  # a masked /proc (a container runtime's default): hide the stage's instead
-        _mount(libc, "tmpfs", "/proc", "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "size=4k")
+        _mount(
+            libc,
+            "tmpfs",
+            "/proc",
+            "tmpfs",
+            _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY,
+            "size=4k",
+        )
         proc = "hidden"
     if os.path.isdir("/dev/shm"):
-        _mount(libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SHM_MB}m,mode=1777")
+        _mount(
+            libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SHM_MB}m,mode=1777"
+        )
     for d in os.environ.get(HIDE_ENV, "").split(os.pathsep):
         # the stage's credential files: hidden, not merely read-only (the child's uid may read them),
         # unless hiding would take the child's own scratch or its import path with it
         if d and os.path.isdir(d) and not (scratch + os.sep).startswith(d.rstrip(os.sep) + os.sep):
-            _mount(libc, "tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY, "size=4k,mode=0555")
+            _mount(
+                libc,
+                "tmpfs",
+                d,
+                "tmpfs",
+                _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_RDONLY,
+                "size=4k,mode=0555",
+            )
     if not hidden:
         _mount(libc, scratch, scratch, None, _MS_BIND)
     for mp in [*mountpoints, *hidden]:
@@ -267,8 +314,12 @@ def enter(scratch: str) -> None:
     try:
         os.environ["SANDBOX_PROC"] = _mounts(libc, scratch)  # what /proc is, for the curious
     except OSError as err:
-        sys.stdout.write(json.dumps({"refused": f"{FIELDS}: namespaces: the sandbox could not set up its "
-                                                f"mounts: {err}"}) + "\n")
+        sys.stdout.write(
+            json.dumps(
+                {"refused": f"{FIELDS}: namespaces: the sandbox could not set up its mounts: {err}"}
+            )
+            + "\n"
+        )
         sys.stdout.flush()
         os._exit(2)
     os.chdir(scratch)  # the bind mount, not the read-only directory under it
@@ -285,4 +336,6 @@ def enter(scratch: str) -> None:
         except ChildProcessError:
             os._exit(1)
         if got == pid:
-            os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+            os._exit(
+                128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            )

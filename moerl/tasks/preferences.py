@@ -22,9 +22,9 @@ checks it on the shipped file). Regenerate it with `python -m moerl.tasks.prefer
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from moerl.errors import DataError
 from moerl.records import PreferencePair, Prompt
@@ -34,7 +34,9 @@ from moerl.userfiles import FileProblem, one_line
 FIELDS = ("id", "prompt", "chosen", "rejected")
 ROWS = "{" + ", ".join(FIELDS) + "}"
 BUILTIN = "prefs-digits"
-BUILTIN_SOURCE = "builtin:digits-copy"  # the default GRPO task: the reward model scores its responses
+BUILTIN_SOURCE = (
+    "builtin:digits-copy"  # the default GRPO task: the reward model scores its responses
+)
 BUILTIN_PAIRS = 2500
 BUILTIN_SEED = 0
 BUILTIN_MARGIN = 0.4
@@ -77,15 +79,22 @@ def _parquet_rows(path: Path, field: str) -> Iterator[tuple[str, PreferencePair 
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{field}: {path} is not a readable Parquet file ({one_line(str(err))[:300]})") from None
+        raise DataError(
+            f"{field}: {path} is not a readable Parquet file ({one_line(str(err))[:300]})"
+        ) from None
     missing = [c for c in FIELDS if c not in table.column_names]
     if missing:
-        raise DataError(f"{field}: {path} has no column(s) {', '.join(missing)}; a row is {ROWS} "
-                        f"(columns: {', '.join(table.column_names) or 'none'})")
+        raise DataError(
+            f"{field}: {path} has no column(s) {', '.join(missing)}; a row is {ROWS} "
+            f"(columns: {', '.join(table.column_names) or 'none'})"
+        )
     for i, rec in enumerate(table.select(list(FIELDS)).to_pylist(), 1):
         bad = [k for k in FIELDS if not isinstance(rec[k], str)]
         if bad:
-            yield f"row {i}", FileProblem(f"{bad[0]}: expected a string, got {type(rec[bad[0]]).__name__}")
+            yield (
+                f"row {i}",
+                FileProblem(f"{bad[0]}: expected a string, got {type(rec[bad[0]]).__name__}"),
+            )
             continue
         try:
             yield f"row {i}", _validate(rec)
@@ -93,14 +102,16 @@ def _parquet_rows(path: Path, field: str) -> Iterator[tuple[str, PreferencePair 
             yield f"row {i}", problem
 
 
-def load_preferences(spec: str, max_bad_fraction: float, field: str = "reward_model.data") -> PreferenceSet:
+def load_preferences(
+    spec: str, max_bad_fraction: float, field: str = "reward_model.data"
+) -> PreferenceSet:
     """Load a JSONL or Parquet preference dataset, skipping and counting malformed rows."""
     path = resolve_path(spec, field=field, rows=ROWS)
     rows: list[PreferencePair] = []
     bad, first_bad = 0, None
     parquet = path.suffix.lower() in (".parquet", ".pq")
     try:
-        for where, item in (_parquet_rows(path, field) if parquet else _jsonl_rows(path)):
+        for where, item in _parquet_rows(path, field) if parquet else _jsonl_rows(path):
             if isinstance(item, FileProblem):
                 bad += 1
                 first_bad = first_bad or f"{where}: {str(item).removeprefix('is ')}"
@@ -112,17 +123,23 @@ def load_preferences(spec: str, max_bad_fraction: float, field: str = "reward_mo
     if total == 0:
         raise DataError(f"{field}: {path} has no rows (the file is empty or blank)")
     if bad / total > max_bad_fraction:
-        raise DataError(f"{field}: {bad} of {total} rows in {path} are malformed "
-                        f"({bad / total:.1%} > task.max_bad_fraction {max_bad_fraction:.1%}); first: {first_bad}")
+        raise DataError(
+            f"{field}: {bad} of {total} rows in {path} are malformed "
+            f"({bad / total:.1%} > task.max_bad_fraction {max_bad_fraction:.1%}); first: {first_bad}"
+        )
     ids = [r.id for r in rows]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
-        raise DataError(f"{field}: id {one_line(repr(dup))} appears more than once in {path}; ids name pairs "
-                        f"(the held-out split is made by id)")
+        raise DataError(
+            f"{field}: id {one_line(repr(dup))} appears more than once in {path}; ids name pairs "
+            f"(the held-out split is made by id)"
+        )
     return PreferenceSet(rows=rows, source=str(path), bad_rows=bad)
 
 
-def split(rows: list[PreferencePair], eval_fraction: float, seed: int) -> tuple[list[PreferencePair], list[PreferencePair]]:
+def split(
+    rows: list[PreferencePair], eval_fraction: float, seed: int
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
     """(train, eval): a seeded permutation, the first `eval_fraction` of it held out (at least
     one pair each side when there are two or more)."""
     order = sorted(rows, key=lambda r: r.id)
@@ -142,12 +159,13 @@ def _candidate(answer: str, rng: random.Random, max_len: int) -> str:
         return "".join(chars)
     if u < 0.7:
         run_on = answer + "".join(rng.choice("0123456789") for _ in range(3))
-        return run_on[:rng.randint(1, len(answer) + 2)]
+        return run_on[: rng.randint(1, len(answer) + 2)]
     return "".join(rng.choice("0123456789") for _ in range(rng.randint(1, max_len)))
 
 
-def synthesize(prompts: list[Prompt], n: int, seed: int, margin: float = BUILTIN_MARGIN,
-               max_len: int = 6) -> list[PreferencePair]:
+def synthesize(
+    prompts: list[Prompt], n: int, seed: int, margin: float = BUILTIN_MARGIN, max_len: int = 6
+) -> list[PreferencePair]:
     """`n` pairs whose chosen response the prompt's verifier scores at least `margin` above
     the rejected one (see the module docstring)."""
     from moerl.tasks.verifiers import verifier_for
@@ -162,7 +180,11 @@ def synthesize(prompts: list[Prompt], n: int, seed: int, margin: float = BUILTIN
         if abs(sa - sb) < margin:
             continue
         chosen, rejected = (a, b) if sa > sb else (b, a)
-        out.append(PreferencePair(id=f"pref-{seed}-{len(out):06d}", prompt=p.prompt, chosen=chosen, rejected=rejected))
+        out.append(
+            PreferencePair(
+                id=f"pref-{seed}-{len(out):06d}", prompt=p.prompt, chosen=chosen, rejected=rejected
+            )
+        )
     return out
 
 

@@ -41,15 +41,21 @@ def uses_template(has: bool, cfg: RolloutConfig, row: Any) -> bool:
     msgs = _messages(row)
     if cfg.chat_template is False:
         if msgs:
-            raise ConfigError("rollout.chat_template false, but dataset rows give chat messages; allowed: auto or "
-                              "true (the tokenizer's template), or rows with a text prompt")
+            raise ConfigError(
+                "rollout.chat_template false, but dataset rows give chat messages; allowed: auto or "
+                "true (the tokenizer's template), or rows with a text prompt"
+            )
         return False
     if msgs and not has:
-        raise ConfigError("dataset rows give chat messages, but the policy's tokenizer has no chat template; allowed: "
-                          "a tokenizer with one (tokenizer_config.json chat_template), or rows with a text prompt")
+        raise ConfigError(
+            "dataset rows give chat messages, but the policy's tokenizer has no chat template; allowed: "
+            "a tokenizer with one (tokenizer_config.json chat_template), or rows with a text prompt"
+        )
     if cfg.chat_template is True and not has:
-        raise ConfigError("rollout.chat_template true, but the policy's tokenizer has no chat template; allowed: "
-                          "auto or false")
+        raise ConfigError(
+            "rollout.chat_template true, but the policy's tokenizer has no chat template; allowed: "
+            "auto or false"
+        )
     return bool(msgs) or cfg.chat_template is True
 
 
@@ -59,7 +65,9 @@ def encode_prompt(tokenizer, cfg: RolloutConfig, row: Any) -> list[int]:
         return list(tokenizer.encode(_text(row)))
     msgs = _messages(row) or [{"role": "user", "content": _text(row)}]
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding, in some transformers versions
+    if isinstance(ids, dict) or hasattr(
+        ids, "keys"
+    ):  # a BatchEncoding, in some transformers versions
         ids = ids["input_ids"]
     return list(ids)
 
@@ -71,6 +79,8 @@ def max_new_tokens_for(cfg: RolloutConfig, prompt_len: int) -> int:
         return cfg.max_new_tokens
     room = cfg.max_total_tokens - prompt_len
     if room < 1:
-        raise DataError(f"a prompt of {prompt_len} tokens leaves no room under rollout.max_total_tokens "
-                        f"{cfg.max_total_tokens}; raise it or shorten the dataset's prompts")
+        raise DataError(
+            f"a prompt of {prompt_len} tokens leaves no room under rollout.max_total_tokens "
+            f"{cfg.max_total_tokens}; raise it or shorten the dataset's prompts"
+        )
     return min(cfg.max_new_tokens, room)

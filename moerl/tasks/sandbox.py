@@ -106,14 +106,21 @@ def child_env(scratch: str) -> dict[str, str]:
     from moerl.secrets import secret_dirs
     from moerl.tasks.isolation import HIDE_ENV
 
-    env.update({
-        # the stage's credential files' directories: an isolated child mounts them away
-        HIDE_ENV: os.pathsep.join(secret_dirs()),
-        "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),  # '' is the caller's cwd
-        "HOME": scratch, "TMPDIR": scratch,
-        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            # the stage's credential files' directories: an isolated child mounts them away
+            HIDE_ENV: os.pathsep.join(secret_dirs()),
+            "PYTHONPATH": os.pathsep.join(
+                p or os.getcwd() for p in sys.path
+            ),  # '' is the caller's cwd
+            "HOME": scratch,
+            "TMPDIR": scratch,
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     return env
 
 
@@ -124,10 +131,21 @@ class _Child:
         self.scratch = tempfile.mkdtemp(prefix="moerl-sandbox-")
         self.isolated = limits.isolation != "none"
         self.proc = subprocess.Popen(
-            iso.command(limits.isolation) + [sys.executable, "-m", "moerl.tasks.sandbox_child", str(limits.memory_mb),
-                                             str(0 if self.isolated else os.getpid()), limits.isolation],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(self.scratch), cwd=self.scratch,
-            close_fds=True)
+            iso.command(limits.isolation)
+            + [
+                sys.executable,
+                "-m",
+                "moerl.tasks.sandbox_child",
+                str(limits.memory_mb),
+                str(0 if self.isolated else os.getpid()),
+                limits.isolation,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=child_env(self.scratch),
+            cwd=self.scratch,
+            close_fds=True,
+        )
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
         self.buf = b""
@@ -166,7 +184,9 @@ class _Child:
 
     def died(self) -> str:
         code = self.proc.wait()
-        if self.isolated and 128 < code < 128 + signal.NSIG:  # pid 1 of its namespace: 128 + the signal
+        if (
+            self.isolated and 128 < code < 128 + signal.NSIG
+        ):  # pid 1 of its namespace: 128 + the signal
             code = 128 - code
         try:
             return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -185,7 +205,7 @@ class SandboxPool:
         self.owner: dict[str, _Child] = {}  # key -> the child that holds its state
         self._lock = threading.Lock()
 
-    def __enter__(self) -> "SandboxPool":
+    def __enter__(self) -> SandboxPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -215,8 +235,12 @@ class SandboxPool:
                         return c
                     if first.get("refused"):
                         raise SandboxError(str(first["refused"]))
-                    raise SandboxError(f"sandboxed verifier process sent {lines[0][:200]!r} at start")
-            raise SandboxError(f"sandboxed verifier process did not start within {START_TIMEOUT_S:g} s")
+                    raise SandboxError(
+                        f"sandboxed verifier process sent {lines[0][:200]!r} at start"
+                    )
+            raise SandboxError(
+                f"sandboxed verifier process did not start within {START_TIMEOUT_S:g} s"
+            )
         except BaseException:
             c.kill()
             raise
@@ -237,7 +261,9 @@ class SandboxPool:
                 if c is not None:
                     c.keys.discard(k)
 
-    def run(self, calls: list[tuple[str, list]], keys: list[str | None] | None = None) -> list[Outcome]:
+    def run(
+        self, calls: list[tuple[str, list]], keys: list[str | None] | None = None
+    ) -> list[Outcome]:
         """One Outcome per call, in order. `keys[i]`: call i's key (None: any child; see the
         module docstring). Thread-safe (calls from two threads take turns)."""
         if keys is not None and len(keys) != len(calls):
@@ -245,7 +271,9 @@ class SandboxPool:
         with self._lock:
             return self._run(calls, keys or [None] * len(calls))
 
-    def _next(self, todo: list[int], keys: list[str | None], n_busy: int, n: int) -> tuple[int, _Child] | None:
+    def _next(
+        self, todo: list[int], keys: list[str | None], n_busy: int, n: int
+    ) -> tuple[int, _Child] | None:
         """The first waiting call that can start now and its child (an idle one, the key's
         owner, or a new one while fewer than `workers` run), removed from `todo`; None if none."""
         ahead: set[str] = set()  # keys with an earlier call still waiting: order within a key holds
@@ -301,7 +329,9 @@ class SandboxPool:
                     try:
                         c.send({"id": i, "target": target, "args": args})
                     except (BrokenPipeError, OSError):
-                        out[i] = Outcome("crashed", error=f"crashed: the sandboxed process died ({c.died()})")
+                        out[i] = Outcome(
+                            "crashed", error=f"crashed: the sandboxed process died ({c.died()})"
+                        )
                         c.call = None
                         self._replace(c)
                         continue
@@ -319,7 +349,11 @@ class SandboxPool:
                     else:
                         big = ""
                     if lines is None:
-                        why = f"its reply was {big}" if big else f"the sandboxed process died ({c.died()})"
+                        why = (
+                            f"its reply was {big}"
+                            if big
+                            else f"the sandboxed process died ({c.died()})"
+                        )
                         out[c.call] = Outcome("crashed", error=f"crashed: {why}")
                     elif lines:
                         out[c.call] = _outcome(lines[0])
@@ -333,8 +367,11 @@ class SandboxPool:
                 now = time.monotonic()
                 for fd, c in list(busy.items()):
                     if now >= c.deadline:
-                        out[c.call] = Outcome("timeout", error=f"timeout: the call took longer than "
-                                                               f"{self.limits.timeout_s:g} s and was killed")
+                        out[c.call] = Outcome(
+                            "timeout",
+                            error=f"timeout: the call took longer than "
+                            f"{self.limits.timeout_s:g} s and was killed",
+                        )
                         sel.unregister(fd)
                         del busy[fd]
                         c.call = None
@@ -386,14 +423,16 @@ def check_callable(target: str, n_args: int) -> bool:
     try:
         inspect.signature(fn).bind(*([""] * n_args))
     except TypeError as err:
-        raise TypeError(f"{target} cannot be called with {n_args} positional arguments: {err}") from None
+        raise TypeError(
+            f"{target} cannot be called with {n_args} positional arguments: {err}"
+        ) from None
     except ValueError:  # no signature to read (a builtin): the first real call will tell
         pass
     return True
 
 
 def check_target(target: str, n_args: int, limits: Limits | None = None) -> str:
-    """"" if `target` can be called with `n_args` arguments in the sandbox, else the reason."""
+    """ "" if `target` can be called with `n_args` arguments in the sandbox, else the reason."""
     with SandboxPool(limits or Limits(timeout_s=60.0)) as pool:
         got = pool.run([(f"{__name__}:check_callable", [target, n_args])])[0]
     return "" if got.ok else got.error

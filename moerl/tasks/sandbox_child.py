@@ -72,7 +72,13 @@ def _serve(memory_mb: int, parent: int) -> None:
             json.dumps(value, allow_nan=False)  # a reply the pool can read, or an error here
             reply({"id": req["id"], "ok": value})
         except MemoryError:
-            reply({"id": req["id"], "err": f"MemoryError: over the sandbox's {memory_mb} MiB", "memory": True})
+            reply(
+                {
+                    "id": req["id"],
+                    "err": f"MemoryError: over the sandbox's {memory_mb} MiB",
+                    "memory": True,
+                }
+            )
             os._exit(3)  # the heap may be unusable: the pool starts a fresh child
         except BaseException as err:  # noqa: BLE001 - reported for this call, the child goes on
             reply({"id": req["id"], "err": f"{type(err).__name__}: {err}"})

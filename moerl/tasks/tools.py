@@ -39,8 +39,15 @@ from moerl.tasks.verifiers import positional
 
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 MAX_EXPRESSION = 200  # characters
 MAX_EXPONENT = 64
 
@@ -54,7 +61,11 @@ def evaluate(expression: str) -> float:
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+        ):
             return node.value
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.operand))
@@ -88,8 +99,10 @@ class Calculator:
     def reset(self, row: dict) -> None:
         self.answer = _as_number(str(row.get("answer", "")).replace(",", "").strip())
         if self.answer is None:
-            raise ValueError(f"row {row.get('id')!r}: the calculator task needs a numeric answer, got "
-                             f"{row.get('answer')!r}")
+            raise ValueError(
+                f"row {row.get('id')!r}: the calculator task needs a numeric answer, got "
+                f"{row.get('answer')!r}"
+            )
         return None
 
     def step(self, text: str) -> tuple[str | None, float | None, bool]:
@@ -101,7 +114,11 @@ class Calculator:
                 return f"<result>error: {type(err).__name__}</result>", None, False
         numbers = _NUMBER.findall(text.replace(",", ""))
         got = _as_number(numbers[-1]) if numbers else None
-        return None, float(got is not None and abs(got - self.answer) <= 1e-6 * max(1.0, abs(self.answer))), True
+        return (
+            None,
+            float(got is not None and abs(got - self.answer) <= 1e-6 * max(1.0, abs(self.answer))),
+            True,
+        )
 
 
 # ---------------------------------------------------------------------------- the lookup task
@@ -116,7 +133,9 @@ class Lookup:
         meta = row.get("meta") or {}
         key, value = meta.get("key"), meta.get("value")
         if not isinstance(key, str) or not isinstance(value, str):
-            raise ValueError(f"row {row.get('id')!r}: a lookup row's meta holds the strings key and value, got {meta!r}")
+            raise ValueError(
+                f"row {row.get('id')!r}: a lookup row's meta holds the strings key and value, got {meta!r}"
+            )
         self.key, self.value = key, value
         self.turn = 0
         return None  # the prompt says it all
@@ -136,6 +155,13 @@ def generate(n: int, seed: int, key_digits: int = 3, value_digits: int = 3) -> l
     for i in range(n):
         key = "".join(rng.choice("0123456789") for _ in range(key_digits))
         value = "".join(rng.choice("0123456789") for _ in range(value_digits))
-        rows.append(Prompt(id=f"{TASK}-{seed}-{i:06d}", task=TASK, prompt=f"do {key}=", answer=value,
-                           meta={"key": key, "value": value}))
+        rows.append(
+            Prompt(
+                id=f"{TASK}-{seed}-{i:06d}",
+                task=TASK,
+                prompt=f"do {key}=",
+                answer=value,
+                meta={"key": key, "value": value},
+            )
+        )
     return rows

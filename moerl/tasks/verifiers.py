@@ -19,8 +19,8 @@ own process.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from moerl.userfiles import short_repr
 
@@ -40,10 +40,14 @@ def exact(response: str, answer: str) -> float:
 
 
 VERIFIERS: dict[str, Verifier] = {"positional": positional, "exact": exact}
-TASK_DEFAULTS: dict[str, str] = {"copy": "positional", "reverse": "positional", "add": "positional",
-                                 # the `moerl[tasks]` extra's (moerl/tasks/offline.py), by import path
-                                 "reasoning_gym": "moerl.tasks.offline:score_reasoning_gym",
-                                 "math": "moerl.tasks.offline:score_math"}
+TASK_DEFAULTS: dict[str, str] = {
+    "copy": "positional",
+    "reverse": "positional",
+    "add": "positional",
+    # the `moerl[tasks]` extra's (moerl/tasks/offline.py), by import path
+    "reasoning_gym": "moerl.tasks.offline:score_reasoning_gym",
+    "math": "moerl.tasks.offline:score_math",
+}
 
 
 def is_import_path(name: str) -> bool:
@@ -57,8 +61,10 @@ def verifier_name(name: str, task: str, per_task: Mapping[str, str] | None = Non
         return per_task[task]
     if name == "auto":
         if task not in TASK_DEFAULTS:
-            raise KeyError(f"task {task!r} has no verifier: set reward.verifiers.{task} (or reward.verifier) to "
-                           f"package.module:function; tasks with a shipped one: {', '.join(TASK_DEFAULTS)}")
+            raise KeyError(
+                f"task {task!r} has no verifier: set reward.verifiers.{task} (or reward.verifier) to "
+                f"package.module:function; tasks with a shipped one: {', '.join(TASK_DEFAULTS)}"
+            )
         return TASK_DEFAULTS[task]
     return name
 
@@ -117,7 +123,9 @@ def _resolved(target: str) -> tuple[Callable[..., Any], bool]:
     try:
         sig.bind("", "")
     except TypeError as err:
-        raise TypeError(f"{target} takes neither (response, answer, meta) nor (response, answer): {err}") from None
+        raise TypeError(
+            f"{target} takes neither (response, answer, meta) nor (response, answer): {err}"
+        ) from None
     return fn, False
 
 

@@ -15,8 +15,10 @@ from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu/run.sh)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu/run.sh)"),
+]
 
 
 def _batch(n=16):
@@ -24,8 +26,15 @@ def _batch(n=16):
     out = []
     for i in range(n):
         ids = torch.randint(5, 20, (8,), generator=g).tolist()
-        out.append(TrainSample(prompt_token_ids=ids[:5], response_token_ids=ids[5:], response_logprobs=[-2.0] * 3,
-                               advantage=(-1.0) ** i, policy_version=0))
+        out.append(
+            TrainSample(
+                prompt_token_ids=ids[:5],
+                response_token_ids=ids[5:],
+                response_logprobs=[-2.0] * 3,
+                advantage=(-1.0) ** i,
+                policy_version=0,
+            )
+        )
     return out
 
 
@@ -38,8 +47,17 @@ def setup(tmp_path_factory):
 
 
 def _cfg(device: str, **trainer):
-    return parse_config({"trainer": {"device": device, "optimizer_steps_per_iteration": 2, "learning_rate": 1e-3,
-                                     "micro_batch_tokens": 16, **trainer}})
+    return parse_config(
+        {
+            "trainer": {
+                "device": device,
+                "optimizer_steps_per_iteration": 2,
+                "learning_rate": 1e-3,
+                "micro_batch_tokens": 16,
+                **trainer,
+            }
+        }
+    )
 
 
 def test_cuda_trainer_matches_cpu(setup):
@@ -47,7 +65,9 @@ def test_cuda_trainer_matches_cpu(setup):
 
     out = {}
     for dev in ("cpu", "cuda"):
-        m = run_policy_update(_cfg(dev), setup / "batch.jsonl", setup / "s0", setup / dev, iteration=0)
+        m = run_policy_update(
+            _cfg(dev), setup / "batch.jsonl", setup / "s0", setup / dev, iteration=0
+        )
         out[dev] = (m, load_file(setup / dev / "model.safetensors"))
     (mc, wc), (mg, wg) = out["cpu"], out["cuda"]
     assert mg["train/steps"] == mc["train/steps"] == 2
@@ -63,8 +83,12 @@ def test_ep_worker_over_nccl_one_rank(setup):
     cfg = _cfg("cuda", launcher="torchrun")
     m = run_expert_parallel(cfg, setup / "batch.jsonl", setup / "s0", setup / "ep1", iteration=0)
     assert m["train/steps"] == 2 and m["train/ep_size"] == 1.0
-    assert (setup / "ep1" / "trainer" / "optimizer" / ".metadata").is_file()  # Distributed Checkpoint
-    assert set(load_file(setup / "ep1" / "model.safetensors")) == set(load_file(setup / "s0" / "model.safetensors"))
+    assert (
+        setup / "ep1" / "trainer" / "optimizer" / ".metadata"
+    ).is_file()  # Distributed Checkpoint
+    assert set(load_file(setup / "ep1" / "model.safetensors")) == set(
+        load_file(setup / "s0" / "model.safetensors")
+    )
 
 
 def test_fsdp2_bf16_mixed_precision_on_nccl_memory_and_throughput(setup, capsys):
@@ -76,17 +100,24 @@ def test_fsdp2_bf16_mixed_precision_on_nccl_memory_and_throughput(setup, capsys)
     from moerl.components.policy_update.launcher import run_expert_parallel
     from moerl.components.policy_update.trainer import run_policy_update
 
-    cpu = run_policy_update(_cfg("cpu"), setup / "batch.jsonl", setup / "s0", setup / "fp32-cpu", iteration=0)
+    cpu = run_policy_update(
+        _cfg("cpu"), setup / "batch.jsonl", setup / "s0", setup / "fp32-cpu", iteration=0
+    )
     cfg = _cfg("cuda", launcher="torchrun", mixed_precision="bf16", activation_checkpointing=True)
     m = run_expert_parallel(cfg, setup / "batch.jsonl", setup / "s0", setup / "bf16", iteration=0)
     assert m["train/steps"] == 2
     assert m["train/loss"] == pytest.approx(cpu["train/loss"], rel=5e-2, abs=1e-3)
     params = sum(t.numel() for t in load_file(setup / "s0" / "model.safetensors").values())
     static_gb = params * 16 / 1e9
-    assert m["train/cuda_max_memory_gb"] <= static_gb + 1.0, (m["train/cuda_max_memory_gb"], static_gb)
+    assert m["train/cuda_max_memory_gb"] <= static_gb + 1.0, (
+        m["train/cuda_max_memory_gb"],
+        static_gb,
+    )
     with capsys.disabled():
-        print(f"\nfsdp2 bf16 one GPU: {m['train/tokens'] / m['timing/policy_update_s']:.0f} tokens/s (tiny model, "
-              f"start-up included), peak {m['train/cuda_max_memory_gb']:.3f} GB, static formula {static_gb:.3f} GB")
+        print(
+            f"\nfsdp2 bf16 one GPU: {m['train/tokens'] / m['timing/policy_update_s']:.0f} tokens/s (tiny model, "
+            f"start-up included), peak {m['train/cuda_max_memory_gb']:.3f} GB, static formula {static_gb:.3f} GB"
+        )
 
 
 def test_cuda_vllm_hot_swap_equals_fresh_load(setup, tmp_path):
@@ -95,16 +126,20 @@ def test_cuda_vllm_hot_swap_equals_fresh_load(setup, tmp_path):
         pytest.skip("needs the CUDA vllm wheel")
     from moerl.components.rollout.engine import RolloutEngine
 
-    rollout = parse_config({"rollout": {"device": "cuda", "engine_in_process": False,
-                                        "gpu_memory_utilization": 0.3}}).rollout
+    rollout = parse_config(
+        {"rollout": {"device": "cuda", "engine_in_process": False, "gpu_memory_utilization": 0.3}}
+    ).rollout
     b = build_tiny_model(parse_config({}).model.tiny.model_copy(update={"seed": 1}), tmp_path / "b")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     def probe(engine):  # greedy, with the engine's logprob of every generated token
         sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
-        (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=[20, 22, 23, 26, 14, 5, 6, 7, 8, 16])], sp,
-                                     use_tqdm=False)
+        (out,) = engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=[20, 22, 23, 26, 14, 5, 6, 7, 8, 16])],
+            sp,
+            use_tqdm=False,
+        )
         o = out.outputs[0]
         return list(o.token_ids), [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)]
 
@@ -138,8 +173,17 @@ def test_cuda_vllm_returns_routed_experts_that_agree_with_the_trainer(setup, mon
     from moerl.components.rollout.engine import RolloutEngine
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # routed experts come from model runner V2
-    rollout = parse_config({"rollout": {"device": "cuda", "engine_in_process": False, "gpu_memory_utilization": 0.3,
-                                        "return_routed_experts": True, "max_new_tokens": 8}}).rollout
+    rollout = parse_config(
+        {
+            "rollout": {
+                "device": "cuda",
+                "engine_in_process": False,
+                "gpu_memory_utilization": 0.3,
+                "return_routed_experts": True,
+                "max_new_tokens": 8,
+            }
+        }
+    ).rollout
     prompts = [[20, 22, 23, 26, 14, 5, 6, 7], [9, 10, 11]]
     engine = RolloutEngine(setup / "s0", rollout)
     try:

@@ -24,73 +24,107 @@ from moerl.errors import ConfigError, MoerlError
 from moerl.orchestrate import schedule
 from moerl.orchestrate.cron import parse_cron
 
-SCHEMA = json.loads((Path(__file__).parents[1] / "data" / "argo" / "cronworkflow.schema.json").read_text())
+SCHEMA = json.loads(
+    (Path(__file__).parents[1] / "data" / "argo" / "cronworkflow.schema.json").read_text()
+)
 
 # ------------------------------------------------------------------------------------ cron
 
 
-@pytest.mark.parametrize("expr, kfp_form, argo_form", [
-    ("0 0 3 * * *", "0 0 3 * * *", "0 3 * * *"),
-    ("  0  0 3 * *   * ", "0 0 3 * * *", "0 3 * * *"),
-    ("0 */15 * * * *", "0 */15 * * * *", "*/15 * * * *"),
-    ("0 0 9 ? * 2-6", "0 0 9 ? * 2-6", "0 9 * * 2-6"),  # kfp.Client's docstring example
-    ("0 30 2 1,15 * ?", "0 30 2 1,15 * ?", "30 2 1,15 * *"),
-    ("0 0 0 * JAN-MAR,dec sun", "0 0 0 * JAN-MAR,dec sun", "0 0 * JAN-MAR,dec sun"),
-    ("0 5-59/10 8-18 1-31/2 2/3 MON-FRI", "0 5-59/10 8-18 1-31/2 2/3 MON-FRI", "5-59/10 8-18 1-31/2 2/3 MON-FRI"),
-    ("0 59 23 31 12 6", "0 59 23 31 12 6", "59 23 31 12 6"),
-    ("@daily", "0 0 0 * * *", "0 0 * * *"),
-    ("@Midnight", "0 0 0 * * *", "0 0 * * *"),
-    ("@hourly", "0 0 * * * *", "0 * * * *"),
-    ("@weekly", "0 0 0 * * 0", "0 0 * * 0"),
-    ("@monthly", "0 0 0 1 * *", "0 0 1 * *"),
-    ("@yearly", "0 0 0 1 1 *", "0 0 1 1 *"),
-])
+@pytest.mark.parametrize(
+    "expr, kfp_form, argo_form",
+    [
+        ("0 0 3 * * *", "0 0 3 * * *", "0 3 * * *"),
+        ("  0  0 3 * *   * ", "0 0 3 * * *", "0 3 * * *"),
+        ("0 */15 * * * *", "0 */15 * * * *", "*/15 * * * *"),
+        ("0 0 9 ? * 2-6", "0 0 9 ? * 2-6", "0 9 * * 2-6"),  # kfp.Client's docstring example
+        ("0 30 2 1,15 * ?", "0 30 2 1,15 * ?", "30 2 1,15 * *"),
+        ("0 0 0 * JAN-MAR,dec sun", "0 0 0 * JAN-MAR,dec sun", "0 0 * JAN-MAR,dec sun"),
+        (
+            "0 5-59/10 8-18 1-31/2 2/3 MON-FRI",
+            "0 5-59/10 8-18 1-31/2 2/3 MON-FRI",
+            "5-59/10 8-18 1-31/2 2/3 MON-FRI",
+        ),
+        ("0 59 23 31 12 6", "0 59 23 31 12 6", "59 23 31 12 6"),
+        ("@daily", "0 0 0 * * *", "0 0 * * *"),
+        ("@Midnight", "0 0 0 * * *", "0 0 * * *"),
+        ("@hourly", "0 0 * * * *", "0 * * * *"),
+        ("@weekly", "0 0 0 * * 0", "0 0 * * 0"),
+        ("@monthly", "0 0 0 1 * *", "0 0 1 * *"),
+        ("@yearly", "0 0 0 1 1 *", "0 0 1 1 *"),
+    ],
+)
 def test_good_cron(expr, kfp_form, argo_form):
     cron = parse_cron(expr)
     assert cron.kfp == kfp_form
     assert cron.argo() == argo_form
 
 
-@pytest.mark.parametrize("expr, message", [
-    ("0 3 * * *", "expected 6 fields (second minute hour day-of-month month day-of-week), got 5 in '0 3 * * *'; "
-                  "KFP takes a leading seconds field, e.g. '0 0 3 * * *'"),
-    ("0 0 0 0 3 * * *", "expected 6 fields"),
-    ("", "got 0"),
-    ("60 * * * * *", "cron: field 1 (second) must be 0-59, got '60'"),
-    ("? * * * * *", "cron: field 1 (second): '?' is allowed only in day of month and day of week"),
-    ("0 60 * * * *", "cron: field 2 (minute) must be 0-59, got '60'"),
-    ("0 -5 * * * *", "cron: field 2 (minute) must be 0-59, got ''"),
-    ("0 5-1 * * * *", "cron: field 2 (minute): range '5-1' runs backwards (5 > 1)"),
-    ("0 1,,2 * * * *", "cron: field 2 (minute): empty item in list '1,,2'"),
-    ("0 */0 * * * *", "cron: field 2 (minute): step must be a positive integer, got '0' in '*/0'"),
-    ("0 0 25 * * *", "cron: field 3 (hour) must be 0-23, got '25'"),
-    ("0 0 ? * * *", "cron: field 3 (hour): '?' is allowed only"),
-    ("0 0 0 0 * *", "cron: field 4 (day of month) must be 1-31, got '0'"),
-    ("0 0 0 32 * *", "cron: field 4 (day of month) must be 1-31, got '32'"),
-    ("0 0 0 L * *", "cron: field 4 (day of month) must be 1-31, got 'L' (L, W and # are not supported)"),
-    ("0 0 0 15W * *", "(L, W and # are not supported)"),
-    ("0 0 0 * 13 *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got '13'"),
-    ("0 0 0 * 0 *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got '0'"),
-    ("0 0 0 * FOO *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got 'FOO'"),
-    ("0 0 0 * * 7", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got '7'"),
-    ("0 0 0 * * MON-FOO", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got 'FOO'"),
-    ("0 0 0 * * 1#2", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got '1#2' (L, W and # are not supported)"),
-    ("0 0 0 * * MON/x", "cron: field 6 (day of week): step must be a positive integer, got 'x'"),
-    ("0 0 0 * * FRI-MON", "runs backwards (5 > 1)"),
-    ("@every 1h", "cron: unknown descriptor '@every 1h'"),
-    ("@reboot", "unknown descriptor"),
-])
+@pytest.mark.parametrize(
+    "expr, message",
+    [
+        (
+            "0 3 * * *",
+            "expected 6 fields (second minute hour day-of-month month day-of-week), got 5 in '0 3 * * *'; "
+            "KFP takes a leading seconds field, e.g. '0 0 3 * * *'",
+        ),
+        ("0 0 0 0 3 * * *", "expected 6 fields"),
+        ("", "got 0"),
+        ("60 * * * * *", "cron: field 1 (second) must be 0-59, got '60'"),
+        (
+            "? * * * * *",
+            "cron: field 1 (second): '?' is allowed only in day of month and day of week",
+        ),
+        ("0 60 * * * *", "cron: field 2 (minute) must be 0-59, got '60'"),
+        ("0 -5 * * * *", "cron: field 2 (minute) must be 0-59, got ''"),
+        ("0 5-1 * * * *", "cron: field 2 (minute): range '5-1' runs backwards (5 > 1)"),
+        ("0 1,,2 * * * *", "cron: field 2 (minute): empty item in list '1,,2'"),
+        (
+            "0 */0 * * * *",
+            "cron: field 2 (minute): step must be a positive integer, got '0' in '*/0'",
+        ),
+        ("0 0 25 * * *", "cron: field 3 (hour) must be 0-23, got '25'"),
+        ("0 0 ? * * *", "cron: field 3 (hour): '?' is allowed only"),
+        ("0 0 0 0 * *", "cron: field 4 (day of month) must be 1-31, got '0'"),
+        ("0 0 0 32 * *", "cron: field 4 (day of month) must be 1-31, got '32'"),
+        (
+            "0 0 0 L * *",
+            "cron: field 4 (day of month) must be 1-31, got 'L' (L, W and # are not supported)",
+        ),
+        ("0 0 0 15W * *", "(L, W and # are not supported)"),
+        ("0 0 0 * 13 *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got '13'"),
+        ("0 0 0 * 0 *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got '0'"),
+        ("0 0 0 * FOO *", "cron: field 5 (month) must be 1-12 or JAN-DEC, got 'FOO'"),
+        ("0 0 0 * * 7", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got '7'"),
+        ("0 0 0 * * MON-FOO", "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got 'FOO'"),
+        (
+            "0 0 0 * * 1#2",
+            "cron: field 6 (day of week) must be 0-6 or SUN-SAT, got '1#2' (L, W and # are not supported)",
+        ),
+        (
+            "0 0 0 * * MON/x",
+            "cron: field 6 (day of week): step must be a positive integer, got 'x'",
+        ),
+        ("0 0 0 * * FRI-MON", "runs backwards (5 > 1)"),
+        ("@every 1h", "cron: unknown descriptor '@every 1h'"),
+        ("@reboot", "unknown descriptor"),
+    ],
+)
 def test_bad_cron_names_the_field(expr, message):
     with pytest.raises(ConfigError) as err:
         parse_cron(expr)
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("expr", ["30 0 3 * * *", "*/10 * * * * *", "0,30 * * * * *", "5/10 * * * * *"])
+@pytest.mark.parametrize(
+    "expr", ["30 0 3 * * *", "*/10 * * * * *", "0,30 * * * * *", "5/10 * * * * *"]
+)
 def test_argo_refuses_a_seconds_field_other_than_0(expr):
     cron = parse_cron(expr)  # fine for KFP
     assert cron.kfp == expr
-    with pytest.raises(ConfigError, match=r"cron: field 1 \(second\) is .*--argo-out needs a seconds field of 0"):
+    with pytest.raises(
+        ConfigError, match=r"cron: field 1 \(second\) is .*--argo-out needs a seconds field of 0"
+    ):
         cron.argo()
 
 
@@ -109,8 +143,11 @@ def test_step_without_range_runs_to_the_field_maximum():
 
 
 def _cfg(**extra):
-    data = {"checkpoint": {"uri": "s3://bucket/moerl"}, "tracking": {"uri": "http://mlflow.mlflow:5000"},
-            "pipeline": {"iterations": 2, "base_image": "registry.example/moerl-cpu:0.1.0"}}
+    data = {
+        "checkpoint": {"uri": "s3://bucket/moerl"},
+        "tracking": {"uri": "http://mlflow.mlflow:5000"},
+        "pipeline": {"iterations": 2, "base_image": "registry.example/moerl-cpu:0.1.0"},
+    }
     for key, value in extra.items():
         data.setdefault(key, {}).update(value)
     return parse_config(data)
@@ -121,7 +158,11 @@ class FakeKfp:
 
     def __init__(self, experiment_exists=False, final_state="SUCCEEDED", fail_with=None):
         self.calls, self.packages = [], []
-        self.experiment_exists, self.final_state, self.fail_with = experiment_exists, final_state, fail_with
+        self.experiment_exists, self.final_state, self.fail_with = (
+            experiment_exists,
+            final_state,
+            fail_with,
+        )
         self.pipelines: dict[str, str] = {}  # name -> id
         self.versions: dict[str, list[tuple[str, str]]] = {}  # pipeline id -> [(version name, id)]
 
@@ -143,8 +184,11 @@ class FakeKfp:
         kw = self.calls[-1][1]
         (pred,) = json.loads(kw["filter"])["predicates"]
         assert pred["operation"] == "EQUALS" and pred["key"] == "display_name"
-        hits = [SimpleNamespace(pipeline_version_id=vid, display_name=name)
-                for name, vid in self.versions.get(kw["pipeline_id"], []) if name == pred["stringValue"]]
+        hits = [
+            SimpleNamespace(pipeline_version_id=vid, display_name=name)
+            for name, vid in self.versions.get(kw["pipeline_id"], [])
+            if name == pred["stringValue"]
+        ]
         return SimpleNamespace(pipeline_versions=hits or None)
 
     def upload_pipeline_version(self, *args, **kwargs):
@@ -189,7 +233,11 @@ class FakeKfp:
 
 def _config_of(package):
     """The run config a compiled pipeline carries (the config_json parameter's default)."""
-    return parse_config(json.loads(package[0]["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"]))
+    return parse_config(
+        json.loads(
+            package[0]["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"]
+        )
+    )
 
 
 def _calls(fake, *names):
@@ -198,18 +246,33 @@ def _calls(fake, *names):
 
 def test_recurring_run_gets_the_right_arguments():
     fake = FakeKfp()
-    rid = schedule.create_recurring_run(_cfg(), "0 0 3 * * MON-FRI", experiment="nightly", service_account="runner",
-                                        config_name="tiny-moe-grpo", client=fake)
+    rid = schedule.create_recurring_run(
+        _cfg(),
+        "0 0 3 * * MON-FRI",
+        experiment="nightly",
+        service_account="runner",
+        config_name="tiny-moe-grpo",
+        client=fake,
+    )
     assert rid == "rr-1"
     names = [name for name, _ in fake.calls]
-    assert names == ["get_pipeline_id", "upload_pipeline", "list_pipeline_versions", "upload_pipeline_version",
-                     "get_experiment", "create_experiment", "create_recurring_run"]
+    assert names == [
+        "get_pipeline_id",
+        "upload_pipeline",
+        "list_pipeline_versions",
+        "upload_pipeline_version",
+        "get_experiment",
+        "create_experiment",
+        "create_recurring_run",
+    ]
     assert _calls(fake, "get_experiment")[0] == {"experiment_name": "nightly", "namespace": None}
     (kw,) = _calls(fake, "create_recurring_run")
     assert kw["experiment_id"] == "exp-new" and kw["job_name"] == "moerl-grpo-schedule"
     assert kw["cron_expression"] == "0 0 3 * * MON-FRI"
     assert kw["max_concurrency"] == 1 and kw["no_catchup"] is True and kw["enabled"] is True
-    assert kw["enable_caching"] is False and kw["service_account"] == "runner" and kw["params"] == {}
+    assert (
+        kw["enable_caching"] is False and kw["service_account"] == "runner" and kw["params"] == {}
+    )
     assert "interval_second" not in kw and "pipeline_package_path" not in kw
     # the schedule runs the named version it uploaded
     (version,) = _calls(fake, "upload_pipeline_version")
@@ -225,18 +288,32 @@ def test_recurring_run_reuses_an_existing_experiment():
     fake = FakeKfp(experiment_exists=True)
     schedule.create_recurring_run(_cfg(), "@daily", client=fake)
     assert [name for name, _ in fake.calls if "experiment" in name] == ["get_experiment"]
-    assert _calls(fake, "get_experiment")[0]["experiment_name"] == "moerl"  # default: tracking.experiment
+    assert (
+        _calls(fake, "get_experiment")[0]["experiment_name"] == "moerl"
+    )  # default: tracking.experiment
     (kw,) = _calls(fake, "create_recurring_run")
     assert kw["experiment_id"] == "exp-1" and kw["cron_expression"] == "0 0 0 * * *"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"cron": "0 0 25 * * *"}, "cron: field 3 (hour) must be 0-23, got '25'"),
-    ({"cron": "0 3 * * *"}, "expected 6 fields"),
-    ({"cron": "0 0 3 * * *", "timezone": "Europe/Berlin"}, "KFP recurring runs fire in the scheduledworkflow"),
-    ({"cron": "0 0 3 * * *", "timezone": "Mars/Olympus"}, "--timezone: 'Mars/Olympus' is not an IANA time zone"),
-    ({"cron": "0 0 3 * * *", "job_name": "Nightly_Run"}, "--name: 'Nightly_Run' must be lowercase"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cron": "0 0 25 * * *"}, "cron: field 3 (hour) must be 0-23, got '25'"),
+        ({"cron": "0 3 * * *"}, "expected 6 fields"),
+        (
+            {"cron": "0 0 3 * * *", "timezone": "Europe/Berlin"},
+            "KFP recurring runs fire in the scheduledworkflow",
+        ),
+        (
+            {"cron": "0 0 3 * * *", "timezone": "Mars/Olympus"},
+            "--timezone: 'Mars/Olympus' is not an IANA time zone",
+        ),
+        (
+            {"cron": "0 0 3 * * *", "job_name": "Nightly_Run"},
+            "--name: 'Nightly_Run' must be lowercase",
+        ),
+    ],
+)
 def test_refusal_comes_before_any_compile_or_client_call(kwargs, message, monkeypatch):
     compiled = []
     monkeypatch.setattr(schedule, "_compile", lambda cfg, out: compiled.append(out))
@@ -250,7 +327,9 @@ def test_refusal_comes_before_any_compile_or_client_call(kwargs, message, monkey
 def test_a_config_that_is_not_cluster_safe_is_refused_before_any_client_call():
     fake = FakeKfp()
     with pytest.raises(ConfigError, match="checkpoint.uri"):
-        schedule.create_recurring_run(parse_config({"tracking": {"uri": "http://mlflow:5000"}}), "@daily", client=fake)
+        schedule.create_recurring_run(
+            parse_config({"tracking": {"uri": "http://mlflow:5000"}}), "@daily", client=fake
+        )
     assert fake.calls == []
 
 
@@ -260,9 +339,15 @@ def test_kfp_errors_are_one_line_without_the_response_body():
     err = kfp_server_api.ApiException(status=403, reason="Forbidden")
     err.body, err.headers = "token=hunter2", {"Set-Cookie": "session=hunter2"}
     with pytest.raises(MoerlError) as caught:
-        schedule.create_recurring_run(_cfg(), "@daily", host="http://kfp:8888", client=FakeKfp(fail_with=err))
+        schedule.create_recurring_run(
+            _cfg(), "@daily", host="http://kfp:8888", client=FakeKfp(fail_with=err)
+        )
     text = str(caught.value)
-    assert "HTTP 403 Forbidden" in text and "creating the recurring run" in text and "KFP at http://kfp:8888" in text
+    assert (
+        "HTTP 403 Forbidden" in text
+        and "creating the recurring run" in text
+        and "KFP at http://kfp:8888" in text
+    )
     assert "hunter2" not in text
 
 
@@ -284,22 +369,35 @@ def test_an_unreachable_kfp_is_one_error_after_the_compile(monkeypatch):
     monkeypatch.setenv("KF_PIPELINES_ENDPOINT", f"http://user:pw@127.0.0.1:{port}")
     with pytest.raises(MoerlError) as err:
         schedule.submit(_cfg())
-    assert "KFP at $KF_PIPELINES_ENDPOINT: connecting failed" in str(err.value) and "pw" not in str(err.value)
+    assert "KFP at $KF_PIPELINES_ENDPOINT: connecting failed" in str(err.value) and "pw" not in str(
+        err.value
+    )
 
 
-@pytest.mark.parametrize("call", [
-    lambda c: schedule.create_recurring_run(_cfg(), "@daily", host="http://alice:s3cret@kfp:8888", client=c),
-    lambda c: schedule.submit(_cfg(), host="alice:s3cret@kfp:8888", client=c),  # no scheme: kfp adds https://
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: schedule.create_recurring_run(
+            _cfg(), "@daily", host="http://alice:s3cret@kfp:8888", client=c
+        ),
+        lambda c: schedule.submit(
+            _cfg(), host="alice:s3cret@kfp:8888", client=c
+        ),  # no scheme: kfp adds https://
+    ],
+)
 def test_a_host_with_credentials_is_refused_before_any_compile_or_client_call(call, monkeypatch):
     compiled = []
     monkeypatch.setattr(schedule, "_compile", lambda cfg, out: compiled.append(out))
     fake = FakeKfp()
-    with pytest.raises(ConfigError, match="^--host: the KFP address must not carry user:password@") as err:
+    with pytest.raises(
+        ConfigError, match="^--host: the KFP address must not carry user:password@"
+    ) as err:
         call(fake)
     assert "s3cret" not in str(err.value) and fake.calls == [] and compiled == []
     with pytest.raises(ConfigError, match="^--argo-host: "):
-        schedule.cron_workflow(_cfg(), "@daily", host="http://alice:s3cret@ml-pipeline.kubeflow:8888")
+        schedule.cron_workflow(
+            _cfg(), "@daily", host="http://alice:s3cret@ml-pipeline.kubeflow:8888"
+        )
 
 
 class _KfpApi:
@@ -361,23 +459,48 @@ def test_submit_uploads_a_named_version_starts_one_run_and_waits_for_it(capsys, 
     monkeypatch.delenv("KF_PIPELINES_UI_ENDPOINT", raising=False)
     fake = FakeKfp()
     cfg = _cfg()
-    assert schedule.submit(cfg, host="http://kfp.example:8080", run_name="nightly-1", experiment="nightly",
-                           wait_timeout_s=600, config_name="tiny-moe-grpo", client=fake) == "run-1"
-    assert [name for name, _ in fake.calls] == ["get_pipeline_id", "upload_pipeline", "list_pipeline_versions",
-                                                "upload_pipeline_version", "get_experiment", "create_experiment",
-                                                "run_pipeline", "wait_for_run_completion"]
+    assert (
+        schedule.submit(
+            cfg,
+            host="http://kfp.example:8080",
+            run_name="nightly-1",
+            experiment="nightly",
+            wait_timeout_s=600,
+            config_name="tiny-moe-grpo",
+            client=fake,
+        )
+        == "run-1"
+    )
+    assert [name for name, _ in fake.calls] == [
+        "get_pipeline_id",
+        "upload_pipeline",
+        "list_pipeline_versions",
+        "upload_pipeline_version",
+        "get_experiment",
+        "create_experiment",
+        "run_pipeline",
+        "wait_for_run_completion",
+    ]
     (up,) = _calls(fake, "upload_pipeline")
     assert up["pipeline_name"] == "moerl-grpo"
     (version,) = _calls(fake, "upload_pipeline_version")
     name = version["pipeline_version_name"]
-    assert re.fullmatch(r"tiny-moe-grpo-[0-9a-f]{7,12}(-dirty)?-[0-9a-f]{12}|tiny-moe-grpo-unknown-[0-9a-f]{12}", name)
+    assert re.fullmatch(
+        r"tiny-moe-grpo-[0-9a-f]{7,12}(-dirty)?-[0-9a-f]{12}|tiny-moe-grpo-unknown-[0-9a-f]{12}",
+        name,
+    )
     (run,) = _calls(fake, "run_pipeline")
     assert run["job_name"] == "nightly-1" and run["enable_caching"] is False
-    assert (run["pipeline_id"], run["version_id"]) == ("p-1", "p-1-v1") and "pipeline_package_path" not in run
+    assert (run["pipeline_id"], run["version_id"]) == (
+        "p-1",
+        "p-1-v1",
+    ) and "pipeline_package_path" not in run
     # the MLflow run is named like the KFP run; no other field changes
     assert run["params"] == {"run_name": "nightly-1", "overrides": []}
     assert _calls(fake, "wait_for_run_completion") == [{"run_id": "run-1", "timeout": 600}]
-    assert _config_of(fake.packages[-1]) == cfg  # submit runs the config as given (no warm start added)
+    assert (
+        _config_of(fake.packages[-1]) == cfg
+    )  # submit runs the config as given (no warm start added)
     out = capsys.readouterr().out
     assert f"version {name} (uploaded)" in out
     assert "[moerl] KFP run run-1 (nightly-1): http://kfp.example:8080/#/runs/details/run-1" in out
@@ -387,26 +510,44 @@ def test_submit_uploads_a_named_version_starts_one_run_and_waits_for_it(capsys, 
 def test_submit_reuses_an_unchanged_version_and_a_changed_config_is_a_new_one(capsys):
     fake = FakeKfp()
     schedule.submit(_cfg(), config_name="tiny", client=fake)
-    schedule.submit(_cfg(), config_name="tiny", client=fake, params={"learning_rate": 1e-3},
-                    overrides=["rollout.temperature=0.7"])
+    schedule.submit(
+        _cfg(),
+        config_name="tiny",
+        client=fake,
+        params={"learning_rate": 1e-3},
+        overrides=["rollout.temperature=0.7"],
+    )
     # the second submission found the version by name: nothing uploaded again
-    assert len(_calls(fake, "upload_pipeline")) == 1 and len(_calls(fake, "upload_pipeline_version")) == 1
+    assert (
+        len(_calls(fake, "upload_pipeline")) == 1
+        and len(_calls(fake, "upload_pipeline_version")) == 1
+    )
     first, second = _calls(fake, "run_pipeline")
     assert first["version_id"] == second["version_id"] == "p-1-v1"
-    assert second["params"]["learning_rate"] == 1e-3 and second["params"]["overrides"] == ["rollout.temperature=0.7"]
+    assert second["params"]["learning_rate"] == 1e-3 and second["params"]["overrides"] == [
+        "rollout.temperature=0.7"
+    ]
     assert "(reused)" in capsys.readouterr().out
     schedule.submit(_cfg(trainer={"learning_rate": 5e-4}), config_name="tiny", client=fake)
     versions = _calls(fake, "upload_pipeline_version")
-    assert len(versions) == 2 and versions[0]["pipeline_version_name"] != versions[1]["pipeline_version_name"]
+    assert (
+        len(versions) == 2
+        and versions[0]["pipeline_version_name"] != versions[1]["pipeline_version_name"]
+    )
     assert _calls(fake, "run_pipeline")[-1]["version_id"] == "p-1-v2"
 
 
-@pytest.mark.parametrize("params,overrides,message", [
-    ({"learning_rate": -1.0}, [], "trainer.learning_rate"),
-    ({}, ["pipeline.iterations=5"], "pipeline.iterations cannot change per run"),
-    ({"dataset": "/home/me/prompts.jsonl"}, [], "task.dataset"),  # not cluster-safe
-])
-def test_submit_refuses_a_bad_run_form_before_any_client_call(params, overrides, message, monkeypatch):
+@pytest.mark.parametrize(
+    "params,overrides,message",
+    [
+        ({"learning_rate": -1.0}, [], "trainer.learning_rate"),
+        ({}, ["pipeline.iterations=5"], "pipeline.iterations cannot change per run"),
+        ({"dataset": "/home/me/prompts.jsonl"}, [], "task.dataset"),  # not cluster-safe
+    ],
+)
+def test_submit_refuses_a_bad_run_form_before_any_client_call(
+    params, overrides, message, monkeypatch
+):
     compiled = []
     monkeypatch.setattr(schedule, "_compile", lambda cfg, out: compiled.append(out))
     fake = FakeKfp()
@@ -417,9 +558,20 @@ def test_submit_refuses_a_bad_run_form_before_any_client_call(params, overrides,
 
 def test_param_flags_are_typed_by_the_run_form():
     cfg = _cfg()
-    assert schedule.run_form_values(cfg, ["learning_rate=1e-3", "samples_per_prompt=4", "run_name=123",
-                                          "dataset=builtin:digits-add"]) == {
-        "learning_rate": 1e-3, "samples_per_prompt": 4, "run_name": "123", "dataset": "builtin:digits-add"}
+    assert schedule.run_form_values(
+        cfg,
+        [
+            "learning_rate=1e-3",
+            "samples_per_prompt=4",
+            "run_name=123",
+            "dataset=builtin:digits-add",
+        ],
+    ) == {
+        "learning_rate": 1e-3,
+        "samples_per_prompt": 4,
+        "run_name": "123",
+        "dataset": "builtin:digits-add",
+    }
     with pytest.raises(ConfigError, match="--param samples_per_prompt: expected int, got 'four'"):
         schedule.run_form_values(cfg, ["samples_per_prompt=four"])
     with pytest.raises(ConfigError, match="NAME one of .*learning_rate.*--override KEY=VALUE"):
@@ -456,41 +608,69 @@ def _validate(doc):
 
 
 def test_cron_workflow_validates_against_argo_schema():
-    cfg = _cfg(cluster={"groups": {"cpu": {"image": "registry/moerl-cpu:1.2.3", "cpu": "500m", "memory": "2Gi"}}},
-               tracking={"uri": "http://alice:s3cret@mlflow.mlflow:5000", "experiment": "nightly"})
-    cw = schedule.cron_workflow(cfg, "0 0 3 ? * MON-FRI", timezone="Europe/Berlin", namespace="ml",
-                                kfp_namespace="team-a", service_account="moerl-runner")
+    cfg = _cfg(
+        cluster={
+            "groups": {"cpu": {"image": "registry/moerl-cpu:1.2.3", "cpu": "500m", "memory": "2Gi"}}
+        },
+        tracking={"uri": "http://alice:s3cret@mlflow.mlflow:5000", "experiment": "nightly"},
+    )
+    cw = schedule.cron_workflow(
+        cfg,
+        "0 0 3 ? * MON-FRI",
+        timezone="Europe/Berlin",
+        namespace="ml",
+        kfp_namespace="team-a",
+        service_account="moerl-runner",
+    )
     _validate(cw)
     _validate(yaml.safe_load(schedule.dump_yaml(cw)))  # and as written to the file
     assert cw["apiVersion"] == "argoproj.io/v1alpha1" and cw["kind"] == "CronWorkflow"
-    assert cw["metadata"] == {"name": "moerl-grpo-schedule", "namespace": "ml",
-                              "labels": {"app.kubernetes.io/part-of": "moerl", "moerl.ai/pipeline": "moerl-grpo"}}
+    assert cw["metadata"] == {
+        "name": "moerl-grpo-schedule",
+        "namespace": "ml",
+        "labels": {"app.kubernetes.io/part-of": "moerl", "moerl.ai/pipeline": "moerl-grpo"},
+    }
     spec = cw["spec"]
     assert spec["schedules"] == ["0 3 * * MON-FRI"] and "schedule" not in spec
     assert spec["concurrencyPolicy"] == "Forbid" and spec["timezone"] == "Europe/Berlin"
     assert spec["startingDeadlineSeconds"] == 3600
     assert spec["successfulJobsHistoryLimit"] == 3 and spec["failedJobsHistoryLimit"] == 3
     wf = spec["workflowSpec"]
-    assert wf["serviceAccountName"] == "moerl-runner" and wf["activeDeadlineSeconds"] > 7 * 24 * 3600
+    assert (
+        wf["serviceAccountName"] == "moerl-runner" and wf["activeDeadlineSeconds"] > 7 * 24 * 3600
+    )
     (tmpl,) = wf["templates"]
     assert wf["entrypoint"] == tmpl["name"]
     c = tmpl["container"]
     assert c["image"] == "registry/moerl-cpu:1.2.3" and c["command"] == ["moerl"]
-    assert c["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
+    assert c["resources"] == {
+        "requests": {"cpu": "500m", "memory": "2Gi"},
+        "limits": {"memory": "2Gi"},
+    }
     assert tmpl["nodeSelector"] == {"moerl.ai/group": "cpu"}
-    assert tmpl["tolerations"] == [{"key": "moerl.ai/group", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}]
+    assert tmpl["tolerations"] == [
+        {"key": "moerl.ai/group", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}
+    ]
     args = c["args"]
     assert args[:2] == ["submit", schedule.CONFIG_PATH]
     assert dict(zip(args[2::2], args[3::2])) == {
-        "--host": schedule.IN_CLUSTER_KFP, "--experiment": "nightly", "--run-name": "{{workflow.name}}",
-        "--wait-timeout-s": str(7 * 24 * 3600), "--namespace": "team-a", "--service-account": "moerl-runner",
-        "--config-name": "moerl-grpo"}  # each scheduled run reuses the pipeline version while nothing changed
+        "--host": schedule.IN_CLUSTER_KFP,
+        "--experiment": "nightly",
+        "--run-name": "{{workflow.name}}",
+        "--wait-timeout-s": str(7 * 24 * 3600),
+        "--namespace": "team-a",
+        "--service-account": "moerl-runner",
+        "--config-name": "moerl-grpo",
+    }  # each scheduled run reuses the pipeline version while nothing changed
     # the config the step submits: warm start on, no credentials, loadable by `moerl submit`
     (artifact,) = tmpl["inputs"]["artifacts"]
     assert artifact["path"] == schedule.CONFIG_PATH
     assert "s3cret" not in json.dumps(cw) and "alice" not in json.dumps(cw)
     embedded = parse_config(yaml.safe_load(artifact["raw"]["data"]))
-    assert embedded.model.warm_start == "previous" and embedded.tracking.uri == "http://mlflow.mlflow:5000"
+    assert (
+        embedded.model.warm_start == "previous"
+        and embedded.tracking.uri == "http://mlflow.mlflow:5000"
+    )
     assert embedded.cluster.groups.cpu.image == "registry/moerl-cpu:1.2.3"
 
 
@@ -511,14 +691,19 @@ def test_cron_workflow_defaults_to_the_base_image_and_utc():
     cw = schedule.cron_workflow(_cfg(pipeline={"base_image": "moerl-cpu:9.9.9"}), "0 30 1 * * *")
     assert cw["spec"]["timezone"] == "UTC" and cw["spec"]["schedules"] == ["30 1 * * *"]
     assert cw["spec"]["workflowSpec"]["templates"][0]["container"]["image"] == "moerl-cpu:9.9.9"
-    assert "serviceAccountName" not in cw["spec"]["workflowSpec"] and "namespace" not in cw["metadata"]
+    assert (
+        "serviceAccountName" not in cw["spec"]["workflowSpec"] and "namespace" not in cw["metadata"]
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"cron": "30 0 3 * * *"}, "cron: field 1 (second) is '30'"),
-    ({"cron": "0 0 3 * * *", "timezone": "Nowhere/Town"}, "not an IANA time zone"),
-    ({"cron": "0 0 3 * * *", "name": "x" * 53}, "at most 52 characters"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"cron": "30 0 3 * * *"}, "cron: field 1 (second) is '30'"),
+        ({"cron": "0 0 3 * * *", "timezone": "Nowhere/Town"}, "not an IANA time zone"),
+        ({"cron": "0 0 3 * * *", "name": "x" * 53}, "at most 52 characters"),
+    ],
+)
 def test_cron_workflow_refusals(kwargs, message):
     with pytest.raises(ConfigError) as err:
         schedule.cron_workflow(_cfg(), **kwargs)
@@ -535,11 +720,27 @@ def _parser():
 
 
 def test_cli_writes_only_the_cron_workflow_with_no_kfp(tmp_path, capsys):
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(
-        {"checkpoint": {"uri": "s3://bucket/moerl"}, "tracking": {"uri": "http://mlflow:5000"}}))
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump(
+            {"checkpoint": {"uri": "s3://bucket/moerl"}, "tracking": {"uri": "http://mlflow:5000"}}
+        )
+    )
     out = tmp_path / "k8s" / "cron.yaml"
-    args = _parser().parse_args(["schedule", str(tmp_path / "run.yaml"), "--cron", "0 0 4 * * SUN", "--no-kfp",
-                                 "--argo-out", str(out), "--set", "pipeline.iterations=3", "--timezone", "Asia/Tokyo"])
+    args = _parser().parse_args(
+        [
+            "schedule",
+            str(tmp_path / "run.yaml"),
+            "--cron",
+            "0 0 4 * * SUN",
+            "--no-kfp",
+            "--argo-out",
+            str(out),
+            "--set",
+            "pipeline.iterations=3",
+            "--timezone",
+            "Asia/Tokyo",
+        ]
+    )
     assert args.func(args) == 0
     cw = yaml.safe_load(out.read_text())
     _validate(cw)
@@ -551,16 +752,50 @@ def test_cli_writes_only_the_cron_workflow_with_no_kfp(tmp_path, capsys):
     assert f"wrote {out}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["schedule", "missing.yaml", "--cron", "0 0 25 * * *", "--no-kfp", "--argo-out", "x.yaml"],
-     "cron: field 3 (hour) must be 0-23, got '25'"),  # the cron is checked before the file is read
-    (["schedule", "missing.yaml", "--cron", "@daily", "--no-kfp"], "--no-kfp: nothing to do without --argo-out"),
-    (["schedule", "missing.yaml", "--cron", "@daily", "--timezone", "Bad/Zone"], "not an IANA time zone"),
-    (["schedule", "missing.yaml", "--cron", "@daily", "--host", "http://u:pw@kfp:8080"], "--host: "),
-    (["schedule", "missing.yaml", "--cron", "@daily", "--no-kfp", "--argo-out", "x.yaml",
-      "--argo-host", "http://u:pw@ml-pipeline.kubeflow:8888"], "--argo-host: "),
-    (["submit", "missing.yaml", "--host", "https://u:pw@kfp.example"], "--host: "),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [
+                "schedule",
+                "missing.yaml",
+                "--cron",
+                "0 0 25 * * *",
+                "--no-kfp",
+                "--argo-out",
+                "x.yaml",
+            ],
+            "cron: field 3 (hour) must be 0-23, got '25'",
+        ),  # the cron is checked before the file is read
+        (
+            ["schedule", "missing.yaml", "--cron", "@daily", "--no-kfp"],
+            "--no-kfp: nothing to do without --argo-out",
+        ),
+        (
+            ["schedule", "missing.yaml", "--cron", "@daily", "--timezone", "Bad/Zone"],
+            "not an IANA time zone",
+        ),
+        (
+            ["schedule", "missing.yaml", "--cron", "@daily", "--host", "http://u:pw@kfp:8080"],
+            "--host: ",
+        ),
+        (
+            [
+                "schedule",
+                "missing.yaml",
+                "--cron",
+                "@daily",
+                "--no-kfp",
+                "--argo-out",
+                "x.yaml",
+                "--argo-host",
+                "http://u:pw@ml-pipeline.kubeflow:8888",
+            ],
+            "--argo-host: ",
+        ),
+        (["submit", "missing.yaml", "--host", "https://u:pw@kfp.example"], "--host: "),
+    ],
+)
 def test_cli_refusals(argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = _parser().parse_args(argv)
@@ -571,11 +806,33 @@ def test_cli_refusals(argv, message, tmp_path, monkeypatch):
 
 
 def test_cli_submit_parses_its_flags():
-    args = _parser().parse_args(["submit", "run.yaml", "--host", "http://kfp:8888", "--experiment", "e",
-                                 "--run-name", "r", "--wait-timeout-s", "60", "--namespace", "ns",
-                                 "--param", "learning_rate=1e-3", "--override", "rollout.temperature=0.7"])
-    assert (args.host, args.experiment, args.run_name, args.wait_timeout_s, args.namespace) == \
-        ("http://kfp:8888", "e", "r", 60, "ns")
+    args = _parser().parse_args(
+        [
+            "submit",
+            "run.yaml",
+            "--host",
+            "http://kfp:8888",
+            "--experiment",
+            "e",
+            "--run-name",
+            "r",
+            "--wait-timeout-s",
+            "60",
+            "--namespace",
+            "ns",
+            "--param",
+            "learning_rate=1e-3",
+            "--override",
+            "rollout.temperature=0.7",
+        ]
+    )
+    assert (args.host, args.experiment, args.run_name, args.wait_timeout_s, args.namespace) == (
+        "http://kfp:8888",
+        "e",
+        "r",
+        60,
+        "ns",
+    )
     assert args.param == ["learning_rate=1e-3"] and args.override == ["rollout.temperature=0.7"]
     assert schedule._config_name(args) == "run"
     assert args.func is schedule._cmd_submit

@@ -27,10 +27,16 @@ def durable(s3_server) -> str:
     return bucket
 
 
-def _cfg(s3_server, durable: str, cache_endpoint: str, cache_bucket: str, **cache) -> CheckpointConfig:
-    return CheckpointConfig(uri=f"s3://{durable}/ckpt", endpoint_url=s3_server.endpoint_url, region="us-east-1",
-                            chunk_mb=1, cache_tier={"uri": f"s3://{cache_bucket}/ckpt", "endpoint_url": cache_endpoint,
-                                                    **cache})
+def _cfg(
+    s3_server, durable: str, cache_endpoint: str, cache_bucket: str, **cache
+) -> CheckpointConfig:
+    return CheckpointConfig(
+        uri=f"s3://{durable}/ckpt",
+        endpoint_url=s3_server.endpoint_url,
+        region="us-east-1",
+        chunk_mb=1,
+        cache_tier={"uri": f"s3://{cache_bucket}/ckpt", "endpoint_url": cache_endpoint, **cache},
+    )
 
 
 def _vanish_after_first_file(store, src: Path, rel: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,17 +55,25 @@ def _vanish_after_first_file(store, src: Path, rel: str, monkeypatch: pytest.Mon
 
 
 def test_the_writer_creates_the_cache_bucket_again_after_the_server_lost_its_memory(
-        s3_server, durable: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    s3_server,
+    durable: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     root = tmp_path_factory.mktemp("ct")  # short: weed's unix sockets live under it
     cache = S3Process(root, reader=True)
     server = cache.start()
     try:
-        monkeypatch.setenv("MOERL_CACHE_TIER_ACCESS_KEY_ID", server.access_key)  # the writer identity
+        monkeypatch.setenv(
+            "MOERL_CACHE_TIER_ACCESS_KEY_ID", server.access_key
+        )  # the writer identity
         monkeypatch.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", server.secret_key)
         cfg = _cfg(s3_server, durable, server.endpoint_url, "moerl-cache")
         tiers = run_tiers(cfg, "r1", epoch=1)
-        m0 = tiers.publish(0, make_checkpoint(tmp_path / "s0"), {}, exclusive=True)  # no bucket yet: created
+        m0 = tiers.publish(
+            0, make_checkpoint(tmp_path / "s0"), {}, exclusive=True
+        )  # no bucket yet: created
         assert tiers.cache_failed is None and tiers.cache.latest() == 0
         # the pod restarts on a new node: its memory-backed volume is empty, the bucket gone
         cache.kill()
@@ -78,8 +92,15 @@ def test_the_writer_creates_the_cache_bucket_again_after_the_server_lost_its_mem
         cache.wait_writable("probe")
         assert "moerl-cache" not in {b["Name"] for b in client.list_buckets()["Buckets"]}
         # the reader identity (engines) may not create it: least privilege holds
-        reader = S3Store(CheckpointConfig(uri="s3://moerl-cache/ckpt", endpoint_url=server.endpoint_url,
-                                          region="us-east-1", max_attempts=1), credentials=server.reader)
+        reader = S3Store(
+            CheckpointConfig(
+                uri="s3://moerl-cache/ckpt",
+                endpoint_url=server.endpoint_url,
+                region="us-east-1",
+                max_attempts=1,
+            ),
+            credentials=server.reader,
+        )
         with pytest.raises(CheckpointError, match="creating bucket 'moerl-cache'"):
             reader.ensure_bucket()
         # the restarted trainer's recovery creates it and rebuilds the durable latest there
@@ -90,13 +111,17 @@ def test_the_writer_creates_the_cache_bucket_again_after_the_server_lost_its_mem
         m1 = again.publish_servable(1, make_checkpoint(tmp_path / "s1", seed=1), {}, exclusive=True)
         assert again.cache_failed is None and again.cache.latest() == 1
         path, source = again.fetch(1, tmp_path / "node", expect_sha256=m1.sha256())
-        assert source == "cache" and tree(path)["config.json"] == (tmp_path / "s1" / "config.json").read_bytes()
+        assert (
+            source == "cache"
+            and tree(path)["config.json"] == (tmp_path / "s1" / "config.json").read_bytes()
+        )
     finally:
         cache.stop()
 
 
-def test_a_failed_publish_leaves_no_objects_behind(s3_server, durable: str, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_publish_leaves_no_objects_behind(
+    s3_server, durable: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s3_server.client().create_bucket(Bucket=(cache_bucket := f"cache-{uuid.uuid4().hex[:10]}"))
     tiers = run_tiers(_cfg(s3_server, durable, s3_server.endpoint_url, cache_bucket), "r1", epoch=1)
     tiers.publish(0, make_checkpoint(tmp_path / "s0"), {}, exclusive=True)
@@ -117,35 +142,47 @@ def test_a_failed_publish_leaves_no_objects_behind(s3_server, durable: str, tmp_
 
 
 def test_a_version_larger_than_the_cache_tier_goes_to_the_durable_store_first_and_is_counted(
-        s3_server, durable: str, tmp_path: Path) -> None:
+    s3_server, durable: str, tmp_path: Path
+) -> None:
     import torch
     from safetensors.torch import save_file
 
     from moerl.components.publish_checkpoint.stage import publish_durable, publish_servable
 
     s3_server.client().create_bucket(Bucket=(cache_bucket := f"cache-{uuid.uuid4().hex[:10]}"))
-    ck = _cfg(s3_server, durable, s3_server.endpoint_url, cache_bucket, capacity_gb=64 / 2**30)  # 64 bytes
+    ck = _cfg(
+        s3_server, durable, s3_server.endpoint_url, cache_bucket, capacity_gb=64 / 2**30
+    )  # 64 bytes
     cfg = parse_config({"checkpoint": ck.model_dump()})
     src = tmp_path / "state"
     src.mkdir()
     save_file({"w": torch.ones(4, 4)}, str(src / "model.safetensors"))
     manifest, policy, metrics = publish_servable(cfg, "r1", src, 0, {}, exclusive=True, epoch=1)
-    assert metrics["weights/cache_tier_too_small"] == 1.0 and metrics["weights/cache_tier_failed"] == 1.0
+    assert (
+        metrics["weights/cache_tier_too_small"] == 1.0
+        and metrics["weights/cache_tier_failed"] == 1.0
+    )
     assert metrics["weights/cache_tier"] == 0.0
     tiers = run_tiers(cfg.checkpoint, "r1")
-    assert tiers.durable.latest() == 0 and tiers.cache._list("") == []  # not a byte in the cache tier
+    assert (
+        tiers.durable.latest() == 0 and tiers.cache._list("") == []
+    )  # not a byte in the cache tier
     publish_durable(cfg, "r1", src, manifest, exclusive=True, already=True, epoch=1)
     assert tiers.durable.manifest(0).sha256() == policy.manifest_sha256
     from moerl.store.tiers import check_tier_fits
 
     check_tier_fits(cfg.checkpoint, 21)  # 3 x 21 bytes fit in 64
-    with pytest.raises(CheckpointError, match=r"a version is .* GiB \(22 bytes\) and the cache tier holds "
-                                              r"keep_last \+ 1 = 3"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"a version is .* GiB \(22 bytes\) and the cache tier holds "
+        r"keep_last \+ 1 = 3",
+    ):
         check_tier_fits(cfg.checkpoint, 22)
 
 
-def test_a_finished_runs_cache_prefix_is_deleted_and_its_durable_copy_kept(s3_server, durable: str,
-                                                                           tmp_path: Path) -> None:
+def test_a_finished_runs_cache_prefix_is_deleted_and_its_durable_copy_kept(
+    s3_server, durable: str, tmp_path: Path
+) -> None:
     s3_server.client().create_bucket(Bucket=(cache_bucket := f"cache-{uuid.uuid4().hex[:10]}"))
     cfg = _cfg(s3_server, durable, s3_server.endpoint_url, cache_bucket)
     for run in ("done", "live"):
@@ -155,15 +192,21 @@ def test_a_finished_runs_cache_prefix_is_deleted_and_its_durable_copy_kept(s3_se
     assert drop_cache_run(cfg, "done") > 0  # what finish_run calls
     done, live = run_tiers(cfg, "done"), run_tiers(cfg, "live")
     assert done.cache._list("") == []
-    assert live.cache.versions() == [0, 1] and live.cache.latest() == 1  # another run's prefix untouched
+    assert (
+        live.cache.versions() == [0, 1] and live.cache.latest() == 1
+    )  # another run's prefix untouched
     assert done.durable.versions() == [0, 1] and done.durable.latest() == 1
     done.durable.fetch(1, tmp_path / "check")  # the durable copy verifies, every byte
     assert drop_cache_run(cfg, "done") == 0  # nothing left; a second close is harmless
 
 
 def test_the_first_tasks_preflight_accepts_a_cache_server_with_no_bucket_yet(
-        s3_server, durable: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    s3_server,
+    durable: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A fresh or restarted cache server holds no bucket (it keeps them in memory), and
     `start_run` holds only the reader's keys, which may not create one: its preflight passes,
     saying the first publication creates it. Refused keys are still refused."""
@@ -173,12 +216,21 @@ def test_the_first_tasks_preflight_accepts_a_cache_server_with_no_bucket_yet(
     cache = S3Process(tmp_path_factory.mktemp("ct"), reader=True)
     server = cache.start()
     try:
-        cfg = parse_config({"checkpoint": _cfg(s3_server, durable, server.endpoint_url, "moerl-cache").model_dump()})
+        cfg = parse_config(
+            {
+                "checkpoint": _cfg(
+                    s3_server, durable, server.endpoint_url, "moerl-cache"
+                ).model_dump()
+            }
+        )
         monkeypatch.setenv("MOERL_CACHE_TIER_ACCESS_KEY_ID", server.reader[0])
         monkeypatch.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", server.reader[1])
         with caplog.at_level("WARNING"):
             _check_cache_tier(cfg)
-        assert "does not exist yet" in caplog.text and "the first publication creates it" in caplog.text
+        assert (
+            "does not exist yet" in caplog.text
+            and "the first publication creates it" in caplog.text
+        )
         monkeypatch.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", "wrong")
         with pytest.raises(ConfigError, match="is not usable"):
             _check_cache_tier(cfg)

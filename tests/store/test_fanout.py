@@ -52,12 +52,20 @@ def valkey(tmp_path_factory):
 
 
 def _cfg(s3, tmp: Path) -> CheckpointConfig:
-    return CheckpointConfig(uri=f"s3://fan-durable/{tmp.name}", endpoint_url=s3.endpoint_url, region="us-east-1",
-                            cache_dir=str(tmp / "node"), chunk_mb=1, fanout=True,
-                            cache_tier={"uri": f"s3://fan-cache/{tmp.name}", "endpoint_url": s3.endpoint_url})
+    return CheckpointConfig(
+        uri=f"s3://fan-durable/{tmp.name}",
+        endpoint_url=s3.endpoint_url,
+        region="us-east-1",
+        cache_dir=str(tmp / "node"),
+        chunk_mb=1,
+        fanout=True,
+        cache_tier={"uri": f"s3://fan-cache/{tmp.name}", "endpoint_url": s3.endpoint_url},
+    )
 
 
-def _published(buckets, tmp: Path, n_chunks: int = 40) -> tuple[CheckpointConfig, Tiers, Path, Manifest]:
+def _published(
+    buckets, tmp: Path, n_chunks: int = 40
+) -> tuple[CheckpointConfig, Tiers, Path, Manifest]:
     cfg = _cfg(buckets, tmp)
     tiers = run_tiers(cfg, "r1")
     tiers.chunk_size = CHUNK  # several chunks per file in these small checkpoints
@@ -87,37 +95,59 @@ def test_peers_serve_each_other_and_refuse_a_corrupt_chunk(buckets, valkey, tmp_
         # the first node has nobody to ask: every chunk from the tiers
         a, source = tiers.fetch(1, tmp_path / "n0", expect_sha256=m.sha256(), swarm=swarms[0])
         n_chunks = sum(len(f.chunks) for f in m.files)
-        assert source == "cache" and swarms[0].counts["cache"] == n_chunks > 40 and swarms[0].counts["durable"] == 0
+        assert (
+            source == "cache"
+            and swarms[0].counts["cache"] == n_chunks > 40
+            and swarms[0].counts["durable"] == 0
+        )
         # the second: every chunk from the first (peers before the tiers)
         b, source = tiers.fetch(1, tmp_path / "n1", expect_sha256=m.sha256(), swarm=swarms[1])
         assert source == "peers"
-        assert swarms[1].counts == {"peer": n_chunks, "cache": 0, "durable": 0, "refused": 0, "slow": 0}
+        assert swarms[1].counts == {
+            "peer": n_chunks,
+            "cache": 0,
+            "durable": 0,
+            "refused": 0,
+            "slow": 0,
+        }
         # a peer whose copy went bad on disk: its chunk is refused by its hash, fetched elsewhere
         plan = chunk_plan(m)
-        bad = next(i for i, c in enumerate(plan) if c[0] == "model.safetensors" and c[1] >= 5 * CHUNK)
+        bad = next(
+            i for i, c in enumerate(plan) if c[0] == "model.safetensors" and c[1] >= 5 * CHUNK
+        )
         path, start, length, _ = plan[bad]
         with open(a / path, "r+b") as f:
             f.seek(start)
             f.write(bytes(x ^ 0xFF for x in f.read(length)))
             f.seek(start)
-        swarms[1].stop()  # and one that has gone away without a word (its liveness key has not expired)
+        swarms[
+            1
+        ].stop()  # and one that has gone away without a word (its liveness key has not expired)
         bus.r.hset(bus.key("fanout:peers"), "rollout-1", swarms[1].url)
         bus.r.set(bus.key("fanout:alive:rollout-1"), swarms[1].url)
         c, _ = tiers.fetch(1, tmp_path / "n2", expect_sha256=m.sha256(), swarm=swarms[2])
-        assert swarms[2].counts["refused"] >= 1 and swarms[2].counts["cache"] >= 1  # the bad chunk, then the tiers
+        assert (
+            swarms[2].counts["refused"] >= 1 and swarms[2].counts["cache"] >= 1
+        )  # the bad chunk, then the tiers
         for path in (b, c):
             _same(path, src, m)
         assert int(bus.counters().get("fanout_chunks_refused", 0)) == swarms[2].counts["refused"]
-        assert int(bus.counters().get("fanout_chunks_peer", 0)) == sum(s.counts["peer"] for s in swarms)
+        assert int(bus.counters().get("fanout_chunks_peer", 0)) == sum(
+            s.counts["peer"] for s in swarms
+        )
         # a peer whose liveness key lapsed (killed without a goodbye) is not asked at all
         bus.r.hset(bus.key("fanout:peers"), "ghost", "http://127.0.0.1:9")
-        assert "ghost" not in swarms[0]._present_peers() and "rollout-2" in swarms[0]._present_peers()
+        assert (
+            "ghost" not in swarms[0]._present_peers() and "rollout-2" in swarms[0]._present_peers()
+        )
     finally:
         for s in swarms:
             s.stop()
 
 
-def test_the_chunk_server_admits_only_the_runs_token(buckets, valkey, tmp_path: Path, caplog) -> None:
+def test_the_chunk_server_admits_only_the_runs_token(
+    buckets, valkey, tmp_path: Path, caplog
+) -> None:
     caplog.set_level(logging.DEBUG)
     cfg, tiers, src, m = _published(buckets, tmp_path, n_chunks=3)
     bus = _bus(valkey, f"tok-{tmp_path.name}")
@@ -130,12 +160,29 @@ def test_the_chunk_server_admits_only_the_runs_token(buckets, valkey, tmp_path: 
         path, start, length, _ = chunk_plan(m)[0]
         url = f"{mine.url}/chunk/1/{m.sha256()}/0"
         assert requests.get(url, timeout=5).status_code == 401
-        assert requests.get(url, headers={"Authorization": "Bearer nope"}, timeout=5).status_code == 403
-        assert requests.get(url, headers={"Authorization": f"Basic {mine.token}"}, timeout=5).status_code == 403
-        assert other.token != mine.token == peer.token == run_token(bus)  # one per run, shared by its workers
-        assert requests.get(url, headers={"Authorization": f"Bearer {other.token}"}, timeout=5).status_code == 403
+        assert (
+            requests.get(url, headers={"Authorization": "Bearer nope"}, timeout=5).status_code
+            == 403
+        )
+        assert (
+            requests.get(
+                url, headers={"Authorization": f"Basic {mine.token}"}, timeout=5
+            ).status_code
+            == 403
+        )
+        assert (
+            other.token != mine.token == peer.token == run_token(bus)
+        )  # one per run, shared by its workers
+        assert (
+            requests.get(
+                url, headers={"Authorization": f"Bearer {other.token}"}, timeout=5
+            ).status_code
+            == 403
+        )
         ok = requests.get(url, headers={"Authorization": f"Bearer {peer.token}"}, timeout=5)
-        assert ok.status_code == 200 and ok.content == (a / path).read_bytes()[start:start + length]
+        assert (
+            ok.status_code == 200 and ok.content == (a / path).read_bytes()[start : start + length]
+        )
         # another run's worker told about this one cannot fetch from it: every chunk from its tiers
         other.bus.r.hset(other.bus.key("fanout:peers"), "intruder-target", mine.url)
         other.bus.r.set(other.bus.key("fanout:alive:intruder-target"), mine.url)
@@ -145,7 +192,9 @@ def test_the_chunk_server_admits_only_the_runs_token(buckets, valkey, tmp_path: 
         refused = mine.app.refused_auth
         _, counts = other.fetch(tiers, 1, tmp_path / "n-other", expect_sha256=m.sha256())
         assert counts["peer"] == 0 and counts["cache"] == len(chunk_plan(m))
-        assert 1 <= mine.app.refused_auth - refused <= other.workers  # it asked, was refused, stopped asking
+        assert (
+            1 <= mine.app.refused_auth - refused <= other.workers
+        )  # it asked, was refused, stopped asking
         # the token is in the run's Valkey keys only: not in a URL, the peer list or a log line
         published = bus.r.hgetall(bus.key("fanout:peers"))
         assert all(mine.token not in u for u in [mine.url, *published.values()])
@@ -190,8 +239,9 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize("mode", ["flood", "trickle"])
-def test_a_hostile_peer_is_cut_off_and_the_chunk_comes_from_the_next_source(buckets, valkey, tmp_path: Path,
-                                                                            mode: str) -> None:
+def test_a_hostile_peer_is_cut_off_and_the_chunk_comes_from_the_next_source(
+    buckets, valkey, tmp_path: Path, mode: str
+) -> None:
     cfg, tiers, src, m = _published(buckets, tmp_path, n_chunks=12)
     bus = _bus(valkey, f"hostile-{mode}-{tmp_path.name}")
     handler = type("Handler", (_Hostile,), {"mode": mode, "requests_seen": [], "hung_up": []})
@@ -206,7 +256,9 @@ def test_a_hostile_peer_is_cut_off_and_the_chunk_comes_from_the_next_source(buck
     book = Book(bus, "hostile")
     book.announce(1, m.sha256(), range(n))
     book.flush()
-    swarm = Swarm(bus, "rollout-0", cfg, limits=fh.Limits(min_rate_bps=1e12, slack_s=1.0, read_s=0.5))
+    swarm = Swarm(
+        bus, "rollout-0", cfg, limits=fh.Limits(min_rate_bps=1e12, slack_s=1.0, read_s=0.5)
+    )
     swarm.serve()
     try:
         t0 = time.monotonic()
@@ -229,7 +281,9 @@ def test_a_hostile_peer_is_cut_off_and_the_chunk_comes_from_the_next_source(buck
         server.server_close()
 
 
-def test_a_saturated_chunk_server_answers_503_and_is_asked_again(buckets, valkey, tmp_path: Path) -> None:
+def test_a_saturated_chunk_server_answers_503_and_is_asked_again(
+    buckets, valkey, tmp_path: Path
+) -> None:
     cfg, tiers, src, m = _published(buckets, tmp_path, n_chunks=6)
     bus = _bus(valkey, f"busy-{tmp_path.name}")
     busy = Swarm(bus, "rollout-0", cfg, max_serving=0)  # every chunk request finds it saturated
@@ -238,8 +292,11 @@ def test_a_saturated_chunk_server_answers_503_and_is_asked_again(buckets, valkey
         s.serve()
     try:
         tiers.fetch(1, tmp_path / "n0", expect_sha256=m.sha256(), swarm=busy)
-        r = requests.get(f"{busy.url}/chunk/1/{m.sha256()}/0", headers={"Authorization": f"Bearer {busy.token}"},
-                         timeout=5)
+        r = requests.get(
+            f"{busy.url}/chunk/1/{m.sha256()}/0",
+            headers={"Authorization": f"Bearer {busy.token}"},
+            timeout=5,
+        )
         assert r.status_code == 503
         path, source = tiers.fetch(1, tmp_path / "n1", expect_sha256=m.sha256(), swarm=other)
         _same(path, src, m)
@@ -252,7 +309,9 @@ def test_a_saturated_chunk_server_answers_503_and_is_asked_again(buckets, valkey
             s.stop()
 
 
-def test_a_reader_that_hangs_up_or_stops_reading_frees_its_serving_slot(valkey, tmp_path: Path) -> None:
+def test_a_reader_that_hangs_up_or_stops_reading_frees_its_serving_slot(
+    valkey, tmp_path: Path
+) -> None:
     import socket
 
     from moerl.store.manifest import FileEntry, hash_file
@@ -263,15 +322,24 @@ def test_a_reader_that_hangs_up_or_stops_reading_frees_its_serving_slot(valkey, 
     with open(big, "wb") as f:  # one 64 MiB chunk: far more than the sockets between us buffer
         f.truncate(64 << 20)
     size, whole, chunks = hash_file(big, 64 << 20)
-    m = Manifest(7, (FileEntry("model.bin", size, whole, chunks),), "2026-12-06T00:00:00Z", {}, 64 << 20)
+    m = Manifest(
+        7, (FileEntry("model.bin", size, whole, chunks),), "2026-12-06T00:00:00Z", {}, 64 << 20
+    )
     bus = _bus(valkey, f"slot-{tmp_path.name}")
-    swarm = Swarm(bus, "rollout-0", _cfg_local(tmp_path), max_serving=1,
-                  limits=fh.Limits(min_rate_bps=1e12, slack_s=30.0, read_s=0.5))
+    swarm = Swarm(
+        bus,
+        "rollout-0",
+        _cfg_local(tmp_path),
+        max_serving=1,
+        limits=fh.Limits(min_rate_bps=1e12, slack_s=30.0, read_s=0.5),
+    )
     swarm.serve()
     swarm.offer(7, copy, m)
     host, port = swarm.url.removeprefix("http://").split(":")
-    request = (f"GET /chunk/7/{m.sha256()}/0 HTTP/1.1\r\nHost: x\r\n"
-               f"Authorization: Bearer {swarm.token}\r\n\r\n").encode()
+    request = (
+        f"GET /chunk/7/{m.sha256()}/0 HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {swarm.token}\r\n\r\n"
+    ).encode()
 
     def reader() -> socket.socket:
         s = socket.socket()
@@ -298,15 +366,20 @@ def test_a_reader_that_hangs_up_or_stops_reading_frees_its_serving_slot(valkey, 
             assert until(lambda: swarm.app.serving == 0, 5.0) and swarm.app.stalled == 1
         finally:
             s.close()
-        r = requests.get(f"{swarm.url}/chunk/7/{m.sha256()}/0", headers={"Authorization": f"Bearer {swarm.token}"},
-                         timeout=30)
+        r = requests.get(
+            f"{swarm.url}/chunk/7/{m.sha256()}/0",
+            headers={"Authorization": f"Bearer {swarm.token}"},
+            timeout=30,
+        )
         assert r.status_code == 200 and len(r.content) == 64 << 20 and swarm.app.refused_busy == 0
     finally:
         swarm.stop()
 
 
 def _cfg_local(tmp: Path) -> CheckpointConfig:
-    return CheckpointConfig(uri=str(tmp / "durable"), cache_dir=str(tmp / "node"), chunk_mb=64, fanout=True)
+    return CheckpointConfig(
+        uri=str(tmp / "durable"), cache_dir=str(tmp / "node"), chunk_mb=64, fanout=True
+    )
 
 
 def test_a_failed_fetch_withdraws_what_it_announced(buckets, valkey, tmp_path: Path) -> None:
@@ -314,27 +387,38 @@ def test_a_failed_fetch_withdraws_what_it_announced(buckets, valkey, tmp_path: P
 
     cfg, tiers, src, m = _published(buckets, tmp_path, n_chunks=300)
     plan = chunk_plan(m)
-    bad = max(i for i, c in enumerate(plan) if c[0] == "model.safetensors")  # after >= 256 good ones
+    bad = max(
+        i for i, c in enumerate(plan) if c[0] == "model.safetensors"
+    )  # after >= 256 good ones
     assert bad >= 290
     _, start, length, _ = plan[bad]
     body = bytearray((src / "model.safetensors").read_bytes())
-    body[start:start + length] = bytes(x ^ 0xFF for x in body[start:start + length])
+    body[start : start + length] = bytes(x ^ 0xFF for x in body[start : start + length])
     for bucket in ("fan-cache", "fan-durable"):  # no source serves that chunk intact
-        buckets.client().put_object(Bucket=bucket, Key=f"{tmp_path.name}/runs/r1/versions/v000001/model.safetensors",
-                                    Body=bytes(body))
+        buckets.client().put_object(
+            Bucket=bucket,
+            Key=f"{tmp_path.name}/runs/r1/versions/v000001/model.safetensors",
+            Body=bytes(body),
+        )
     bus = _bus(valkey, f"withdraw-{tmp_path.name}")
     swarm = Swarm(bus, "rollout-0", cfg)
     swarm.serve()
     try:
-        with pytest.raises(CheckpointError, match="no source serves it intact"):  # (Tiers.fetch would go on
+        with pytest.raises(
+            CheckpointError, match="no source serves it intact"
+        ):  # (Tiers.fetch would go on
             swarm.fetch(tiers, 1, tmp_path / "n0", expect_sha256=m.sha256())  # to whole files)
-        assert swarm.book.flushes >= 1  # its bitmap had been announced (256 chunks force a flush) ...
+        assert (
+            swarm.book.flushes >= 1
+        )  # its bitmap had been announced (256 chunks force a flush) ...
         assert not bus.r.exists(swarm.book.key(1, m.sha256(), "rollout-0"))  # ... and is withdrawn
         assert (1, m.sha256()) not in swarm.copies and swarm.locate(1, m.sha256(), 0) is None
         assert not list((tmp_path / "n0").glob(".tmp-*"))
     finally:
         swarm.stop()
-    assert not bus.r.exists(swarm.book.key(1, m.sha256(), "rollout-0"))  # stop's last flush did not revive it
+    assert not bus.r.exists(
+        swarm.book.key(1, m.sha256(), "rollout-0")
+    )  # stop's last flush did not revive it
 
 
 def test_announcements_are_batched_and_a_look_is_one_round_trip(valkey, tmp_path: Path) -> None:
@@ -349,12 +433,16 @@ def test_announcements_are_batched_and_a_look_is_one_round_trip(valkey, tmp_path
     for b in books:
         b.flush_if_due()
     assert int(bus.counters()["fanout_chunks_cache"]) == 10
-    assert bus.r.execute_command("GETBIT", books[2].key(3, "sha", "p2"), 12) == 1  # SETBIT's numbering
+    assert (
+        bus.r.execute_command("GETBIT", books[2].key(3, "sha", "p2"), 12) == 1
+    )  # SETBIT's numbering
     admin = valkey_admin(valkey)
     c0 = admin.info("stats")["total_commands_processed"]
     look = Holders(books[0], 3, "sha", [f"p{i}" for i in range(1, 5)])
     assert look.of(12) == ["p2"] and look.of(11) == ["p1"] and look.of(0) == []
-    assert admin.info("stats")["total_commands_processed"] - c0 == 4 + 1  # one GET per peer, and this INFO
+    assert (
+        admin.info("stats")["total_commands_processed"] - c0 == 4 + 1
+    )  # one GET per peer, and this INFO
     # a peer's new chunk is seen at the next look, REFRESH_S later, not before
     books[3].announce(3, "sha", [0])
     books[3].flush()
@@ -382,8 +470,14 @@ def test_chunk_mb_is_capped() -> None:
 
 
 def _fanout_policy() -> dict:
-    docs = [d for d in yaml.safe_load_all((MANIFESTS / "base" / "ckpt-cache.yaml").read_text()) if d]
-    (pol,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "moerl-rollout-fanout"]
+    docs = [
+        d for d in yaml.safe_load_all((MANIFESTS / "base" / "ckpt-cache.yaml").read_text()) if d
+    ]
+    (pol,) = [
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "moerl-rollout-fanout"
+    ]
     return pol
 
 
@@ -394,24 +488,33 @@ def test_launched_rollout_pods_match_the_fanout_network_policy() -> None:
     selects = pol["spec"]["podSelector"]["matchLabels"]
     (rule,) = pol["spec"]["ingress"]
     admits = [p["podSelector"]["matchLabels"] for p in rule["from"]]
-    cfg = parse_config({"checkpoint": {"uri": "s3://moerl-ckpt/prod", "fanout": True},
-                        "pipeline": {"base_image": "registry.example/moerl:1", "mode": "async"},
-                        "cluster": {"launch": {"mode": "kubernetes", "rollout_nodes_per_worker": 2}}})
+    cfg = parse_config(
+        {
+            "checkpoint": {"uri": "s3://moerl-ckpt/prod", "fanout": True},
+            "pipeline": {"base_image": "registry.example/moerl:1", "mode": "async"},
+            "cluster": {"launch": {"mode": "kubernetes", "rollout_nodes_per_worker": 2}},
+        }
+    )
     pod = objects.rollout_pod(cfg, "run1", "rollout-0", ["true"], [])
     group = objects.rollout_group(cfg, "run1", "rollout-1", ["true"], [])
     pod_labels = [pod["metadata"]["labels"]] + [
-        j["template"]["spec"]["template"]["metadata"]["labels"] for j in group["spec"]["replicatedJobs"]]
+        j["template"]["spec"]["template"]["metadata"]["labels"]
+        for j in group["spec"]["replicatedJobs"]
+    ]
     for labels in pod_labels:
         assert selects.items() <= labels.items()  # served by the policy ...
         assert any(a.items() <= labels.items() for a in admits)  # ... and admitted to its peers
     # the trainer's pods are not rollout pods: the policy keeps them off the chunk servers
     tj = objects.trainjob(cfg, "run1", "moerl-policy-update-x", ["true"], [])
-    tpod = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
-        "template"]["spec"]["template"]["metadata"]["labels"]
+    tpod = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+        "replicatedJobs"
+    ][0]["template"]["spec"]["template"]["metadata"]["labels"]
     assert not selects.items() <= tpod.items()
 
 
-def test_a_copy_the_node_cache_pruned_is_forgotten_and_withdrawn(buckets, valkey, tmp_path: Path) -> None:
+def test_a_copy_the_node_cache_pruned_is_forgotten_and_withdrawn(
+    buckets, valkey, tmp_path: Path
+) -> None:
     """Bounded state: a peer forgets (and stops announcing) a version its node cache pruned,
     at its next offer; before, `Swarm.copies` kept every version of the run."""
     import shutil

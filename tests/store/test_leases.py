@@ -35,7 +35,9 @@ def test_lease_json_roundtrip_and_expiry() -> None:
 
 
 def test_pins_written_before_leases_expire_after_the_default_ttl() -> None:
-    old = json.dumps({"version": 4, "holder": "serving-pod-1", "pinned_at": "2026-01-01T00:00:00+00:00"})
+    old = json.dumps(
+        {"version": 4, "holder": "serving-pod-1", "pinned_at": "2026-01-01T00:00:00+00:00"}
+    )
     lease = parse_lease("pins/serving-pod-1.json", old, default_ttl_s=3600)
     assert lease.version == 4 and lease.live(T0 + 3599) and not lease.live(T0 + 3600)
     for bad in ("not json", '{"version": 1}', '{"version": 1, "pinned_at": "2026-01-01T00:00:00"}'):
@@ -59,11 +61,16 @@ def test_expired_lease_stops_protecting_its_version(case: Case, tmp_path: Path) 
     clock[0] += 6  # b's lease ran out at T0 + 10; a's and c's run to T0 + 16
     assert store.pinned() == {1, 3}
     assert store.apply_retention(keep_last=1, keep_every=0) == [2]
-    assert store.versions() == [1, 3, 4] and sorted(store._list("pins/")) == ["pins/a.json", "pins/c.json"]
+    assert store.versions() == [1, 3, 4] and sorted(store._list("pins/")) == [
+        "pins/a.json",
+        "pins/c.json",
+    ]
     with pytest.raises(CheckpointError, match="'b' holds no pin"):
         store.renew("b")
     clock[0] += 6  # nobody renewed: everything but keep_last goes
-    with pytest.raises(CheckpointError, match=r"pin of 'a' on version 1 .* expired at 2026-01-01T00:00:16"):
+    with pytest.raises(
+        CheckpointError, match=r"pin of 'a' on version 1 .* expired at 2026-01-01T00:00:16"
+    ):
         store.renew("a")
     assert store.apply_retention(keep_last=1, keep_every=0) == [1, 3] and store._list("pins/") == []
 
@@ -97,7 +104,11 @@ while True:  # a live engine renews well within its TTL
 
 def _cfg_of(store: CheckpointStore) -> dict:
     if store.uri.startswith("s3://"):
-        return {"uri": store.uri, "endpoint_url": store._s3.meta.endpoint_url, "region": "us-east-1"}
+        return {
+            "uri": store.uri,
+            "endpoint_url": store._s3.meta.endpoint_url,
+            "region": "us-east-1",
+        }
     return {"uri": store.uri}
 
 
@@ -109,10 +120,19 @@ def test_dead_holder_loses_its_version_live_holders_keep_theirs(case: Case, tmp_
     procs = {}
     try:
         for holder, v in (("engine-a", 1), ("engine-b", 2), ("engine-c", 3)):
-            args = {"cfg": _cfg_of(store), "version": v, "holder": holder, "ttl_s": ttl,
-                    "ready": str(tmp_path / holder)}
-            procs[holder] = subprocess.Popen([sys.executable, "-c", _HOLDER, json.dumps(args)], text=True,
-                                             stderr=subprocess.PIPE, cwd=Path(__file__).parents[2])
+            args = {
+                "cfg": _cfg_of(store),
+                "version": v,
+                "holder": holder,
+                "ttl_s": ttl,
+                "ready": str(tmp_path / holder),
+            }
+            procs[holder] = subprocess.Popen(
+                [sys.executable, "-c", _HOLDER, json.dumps(args)],
+                text=True,
+                stderr=subprocess.PIPE,
+                cwd=Path(__file__).parents[2],
+            )
         for holder, p in procs.items():
             _wait_for(lambda h=holder: (tmp_path / h).exists(), 60, f"{holder} to pin", p)
         procs["engine-b"].send_signal(signal.SIGKILL)
@@ -126,7 +146,9 @@ def test_dead_holder_loses_its_version_live_holders_keep_theirs(case: Case, tmp_
             deleted = store.apply_retention(keep_last=1, keep_every=0)
         assert deleted == [2] and time.monotonic() - killed <= ttl + 10
         for holder in ("engine-a", "engine-c"):
-            assert procs[holder].poll() is None, procs[holder].stderr.read()[-2000:]  # renewals worked
+            assert procs[holder].poll() is None, procs[holder].stderr.read()[
+                -2000:
+            ]  # renewals worked
         assert store.versions() == [1, 3, 4] and store.pinned() == {1, 3}
         assert "pins/engine-b.json" not in store._list("pins/")
     finally:

@@ -34,7 +34,9 @@ def five(tmp_path: Path) -> tuple[LocalStore, Path]:
     return store, cache
 
 
-def test_prune_keeps_the_newest_and_the_protected(five: tuple[LocalStore, Path], tmp_path: Path) -> None:
+def test_prune_keeps_the_newest_and_the_protected(
+    five: tuple[LocalStore, Path], tmp_path: Path
+) -> None:
     store, cache = five
     (cache / ".tmp-v000003-0badcafe").mkdir()  # a fetch killed midway (its lock is free)
     (cache / ".tmp-v000003-0badcafe" / "config.json").write_text("{")
@@ -45,7 +47,9 @@ def test_prune_keeps_the_newest_and_the_protected(five: tuple[LocalStore, Path],
     assert prune_cache(cache, keep=2, protect={1}) == []
     again = store.fetch(2, cache)  # a pruned version is simply fetched again, verified
     assert (again / MARKER).exists() and "config.json" in tree(again)
-    with pytest.raises(CheckpointError, match="keep at least 1 version, got 0; fix checkpoint.cache_keep"):
+    with pytest.raises(
+        CheckpointError, match="keep at least 1 version, got 0; fix checkpoint.cache_keep"
+    ):
         prune_cache(cache, keep=0)
     assert prune_cache(tmp_path / "no-cache-yet", keep=1) == []
 
@@ -59,12 +63,18 @@ sys.stdin.read()  # hold the lock until the parent closes stdin
 """
 
 
-def test_prune_leaves_a_version_another_process_is_fetching(five: tuple[LocalStore, Path], tmp_path: Path) -> None:
+def test_prune_leaves_a_version_another_process_is_fetching(
+    five: tuple[LocalStore, Path], tmp_path: Path
+) -> None:
     _, cache = five
     ready = tmp_path / "locked"
     # another process holds version 2's fetch lock, as `fetch` does while it downloads
-    holder = subprocess.Popen([sys.executable, "-c", _LOCKER, str(lock_path(cache, 2)), str(ready)],
-                              stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCKER, str(lock_path(cache, 2)), str(ready)],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         _wait_for(ready.exists, 30, "the other process to take the lock", holder)
         assert prune_cache(cache, keep=2) == [1, 3]
@@ -76,7 +86,9 @@ def test_prune_leaves_a_version_another_process_is_fetching(five: tuple[LocalSto
 
 
 def test_fetch_for_engine_prunes_to_cache_keep_but_keeps_the_served_version(tmp_path: Path) -> None:
-    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=2)
+    cfg = CheckpointConfig(
+        uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=2
+    )
     store, cache = run_store(cfg, "r1"), run_cache(cfg, "r1")
     for v in range(1, 5):
         store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
@@ -92,8 +104,12 @@ def test_fetch_for_engine_prunes_to_cache_keep_but_keeps_the_served_version(tmp_
     assert _cached(cache) == ["v000003", "v000004"]
 
 
-def test_unreadable_serving_file_skips_pruning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1)
+def test_unreadable_serving_file_skips_pruning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = CheckpointConfig(
+        uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1
+    )
     store, cache = run_store(cfg, "r1"), run_cache(cfg, "r1")
     for v in (1, 2):
         store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
@@ -108,7 +124,9 @@ def test_unreadable_serving_file_skips_pruning(tmp_path: Path, caplog: pytest.Lo
 def test_a_copy_being_loaded_is_never_pruned_by_a_neighbour(tmp_path: Path) -> None:
     """Two engines on one node: one loads version 1 while the other's fetch of version 2 prunes
     the cache (cache_keep 1). The held copy survives; once released, it can go."""
-    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1)
+    cfg = CheckpointConfig(
+        uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1
+    )
     store, cache = run_store(cfg, "r1"), run_cache(cfg, "r1")
     for v in (1, 2):
         store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
@@ -120,10 +138,14 @@ def test_a_copy_being_loaded_is_never_pruned_by_a_neighbour(tmp_path: Path) -> N
     assert _cached(cache) == ["v000002"]
 
 
-def test_a_copy_pruned_before_it_is_held_is_fetched_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_pruned_before_it_is_held_is_fetched_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import moerl.store.runs as runs
 
-    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1)
+    cfg = CheckpointConfig(
+        uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=1
+    )
     run_store(cfg, "r1").publish(1, make_checkpoint(tmp_path / "src1", seed=1))
     real, calls = runs.fetch_nearest, []
 
@@ -145,19 +167,25 @@ def test_engines_on_one_node_load_a_verified_copy_at_once(tmp_path: Path) -> Non
     import threading
     import time
 
-    cfg = CheckpointConfig(uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=2)
+    cfg = CheckpointConfig(
+        uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=2
+    )
     run_store(cfg, "r1").publish(1, make_checkpoint(tmp_path / "src1", seed=1))
     fetch_for_engine(cfg, "r1", 1)
     got: list[float] = []
     with engine_copy(cfg, "r1", 1):  # the first engine is loading
-        t = threading.Thread(target=lambda: (time.monotonic(), fetch_for_engine(cfg, "r1", 1), got.append(1)))
+        t = threading.Thread(
+            target=lambda: (time.monotonic(), fetch_for_engine(cfg, "r1", 1), got.append(1))
+        )
         t0 = time.monotonic()
         t.start()
         t.join(5)
         assert got and time.monotonic() - t0 < 5  # not blocked by the first engine's hold
 
 
-def test_a_waiter_on_a_lock_file_the_pruner_unlinked_locks_the_new_file_never_the_old(tmp_path: Path) -> None:
+def test_a_waiter_on_a_lock_file_the_pruner_unlinked_locks_the_new_file_never_the_old(
+    tmp_path: Path,
+) -> None:
     """The pruner unlinks a pruned version's lock file while it holds it. A process that was
     waiting on that file must not go on holding a lock on the unlinked inode (nobody else could
     see it, so two processes would hold "the" lock); it takes the lock on the file the path

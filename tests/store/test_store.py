@@ -19,7 +19,15 @@ import pytest
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.store.base import MANIFEST, CheckpointStore, FileEntry, HashingWriter, Manifest, copy_hashed, sha256_file
+from moerl.store.base import (
+    MANIFEST,
+    CheckpointStore,
+    FileEntry,
+    HashingWriter,
+    Manifest,
+    copy_hashed,
+    sha256_file,
+)
 from moerl.store.folder import LocalStore
 from moerl.store.runs import open_store
 from moerl.store.s3 import S3Store
@@ -47,12 +55,19 @@ def _local_case(root: Path) -> Case:
 def _s3_case(server: S3Server) -> Case:
     s3, bucket, prefix = server.client(), f"moerl-test-{uuid.uuid4().hex[:12]}", "runs/r1"
     s3.create_bucket(Bucket=bucket)
-    cfg = CheckpointConfig(uri=f"s3://{bucket}/{prefix}", endpoint_url=server.endpoint_url,
-                           region="us-east-1", multipart_chunk_mb=5, max_concurrency=4)
-    return Case(open_store(cfg),
-                lambda key, data: s3.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=data),
-                lambda key: s3.delete_object(Bucket=bucket, Key=f"{prefix}/{key}"),
-                lambda key: s3.head_object(Bucket=bucket, Key=f"{prefix}/{key}")["ETag"])
+    cfg = CheckpointConfig(
+        uri=f"s3://{bucket}/{prefix}",
+        endpoint_url=server.endpoint_url,
+        region="us-east-1",
+        multipart_chunk_mb=5,
+        max_concurrency=4,
+    )
+    return Case(
+        open_store(cfg),
+        lambda key, data: s3.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=data),
+        lambda key: s3.delete_object(Bucket=bucket, Key=f"{prefix}/{key}"),
+        lambda key: s3.head_object(Bucket=bucket, Key=f"{prefix}/{key}")["ETag"],
+    )
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -75,14 +90,20 @@ def make_checkpoint(d: Path, seed: int = 0, big_mib: int = 0) -> Path:
 
 
 def tree(d: Path) -> dict[str, bytes]:
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def test_publish_fetch_roundtrip(case: Case, tmp_path: Path) -> None:
     src = make_checkpoint(tmp_path / "src", big_mib=11)  # > 2 chunks of 5 MiB: multipart on S3
     m = case.store.publish(1, src, meta={"git_sha": "abc123"})
-    assert [f.path for f in m.files] == ["big.bin", "config.json", "model.safetensors",
-                                         "tokenizer/nested/tokenizer.json"]
+    assert [f.path for f in m.files] == [
+        "big.bin",
+        "config.json",
+        "model.safetensors",
+        "tokenizer/nested/tokenizer.json",
+    ]
     assert case.store.latest() == 1 and case.store.versions() == [1]
     assert case.store.manifest(1) == m and m.meta == {"git_sha": "abc123"}
     out = case.store.fetch(1, tmp_path / "cache")
@@ -159,7 +180,9 @@ def test_corrupt_object_refused_at_fetch(case: Case, tmp_path: Path, same_size: 
     assert not list((tmp_path / "cache").glob(".tmp-*"))
 
 
-def test_streaming_fetch_refuses_a_corrupt_multipart_object_and_never_shows_it(case: Case, tmp_path: Path) -> None:
+def test_streaming_fetch_refuses_a_corrupt_multipart_object_and_never_shows_it(
+    case: Case, tmp_path: Path
+) -> None:
     """One flipped byte deep inside a multipart-sized object (right size, wrong bytes): the sha256
     computed while the parts stream in (concurrent ranged GETs on S3) does not match, so fetch
     refuses the version, and a watcher polling the cache during the fetch never sees the final
@@ -192,7 +215,9 @@ def test_streaming_fetch_refuses_a_corrupt_multipart_object_and_never_shows_it(c
         watcher.join()
     msg, actual = str(err.value), hashlib.sha256(bad).hexdigest()
     assert "big.bin" in msg and f"expected sha256 {entry.sha256} ({entry.size} bytes)" in msg
-    assert f"got sha256 {actual} ({entry.size} bytes)" in msg  # the streamed hash is of the bytes as received
+    assert (
+        f"got sha256 {actual} ({entry.size} bytes)" in msg
+    )  # the streamed hash is of the bytes as received
     assert not seen and not final.exists() and not list(cache.glob(".tmp-*"))
     case.put_raw("versions/v000001/big.bin", good)
     assert tree(case.store.fetch(1, cache))["big.bin"] == good
@@ -203,7 +228,7 @@ def test_hashing_writer_and_copy_hashed(tmp_path: Path) -> None:
     with open(tmp_path / "w", "wb") as f:
         w = HashingWriter(f)
         for i in range(0, len(data), 1 << 20):
-            assert w.write(data[i:i + (1 << 20)]) == len(data[i:i + (1 << 20)])
+            assert w.write(data[i : i + (1 << 20)]) == len(data[i : i + (1 << 20)])
         assert not w.seekable()  # so s3transfer writes a ranged download in offset order
     assert w.hexdigest() == hashlib.sha256(data).hexdigest() and w.size == len(data)
     assert (tmp_path / "w").read_bytes() == data
@@ -220,7 +245,10 @@ def test_verified_copy_is_reused(case: Case, tmp_path: Path) -> None:
     first = case.store.fetch(1, tmp_path / "cache")
     case.delete_raw("versions/v000001/model.safetensors")
     second = case.store.fetch(1, tmp_path / "cache")
-    assert second == first and (second / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert (
+        second == first
+        and (second / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    )
     with pytest.raises(CheckpointError, match="model.safetensors"):  # the object really is gone
         case.store.fetch(1, tmp_path / "other-cache")
     (first / "config.json").unlink()  # a damaged copy is not reused
@@ -253,12 +281,16 @@ def test_check_access_local_folder_cannot_be_created(tmp_path: Path) -> None:
 
 
 def test_check_access_missing_bucket(s3_server: S3Server) -> None:
-    store = open_store(CheckpointConfig(uri="s3://moerl-no-such-bucket/p", endpoint_url=s3_server.endpoint_url))
+    store = open_store(
+        CheckpointConfig(uri="s3://moerl-no-such-bucket/p", endpoint_url=s3_server.endpoint_url)
+    )
     with pytest.raises(CheckpointError, match="bucket 'moerl-no-such-bucket' does not exist"):
         store.check_access()
 
 
-def test_wrong_credentials_rejected_without_leaking_them(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wrong_credentials_rejected_without_leaking_them(
+    s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     case = _s3_case(s3_server)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "moerlwrongkey")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "moerl-secret-must-not-leak")
@@ -297,19 +329,27 @@ def test_manifest_json_roundtrip_and_unsafe_paths() -> None:
 
 def test_open_store_picks_backend(tmp_path: Path) -> None:
     assert isinstance(open_store(CheckpointConfig(uri=str(tmp_path / "c"))), LocalStore)
-    s3 = open_store(CheckpointConfig(uri="s3://bkt/some/prefix/", endpoint_url="http://127.0.0.1:1"))
+    s3 = open_store(
+        CheckpointConfig(uri="s3://bkt/some/prefix/", endpoint_url="http://127.0.0.1:1")
+    )
     assert isinstance(s3, S3Store) and (s3.bucket, s3.prefix) == ("bkt", "some/prefix")
 
 
 def test_sha256_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"abc")
-    assert sha256_file(tmp_path / "f") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert (
+        sha256_file(tmp_path / "f")
+        == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    )
 
 
 def test_s3_server_binds_loopback_only(s3_server: S3Server) -> None:
     """Every TCP socket weed listens on is on 127.0.0.1 (weed binds 0.0.0.0 by default)."""
-    inodes = {os.readlink(f"/proc/{s3_server.pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{s3_server.pid}/fd")
-              if os.readlink(f"/proc/{s3_server.pid}/fd/{fd}").startswith("socket:[")}
+    inodes = {
+        os.readlink(f"/proc/{s3_server.pid}/fd/{fd}")[8:-1]
+        for fd in os.listdir(f"/proc/{s3_server.pid}/fd")
+        if os.readlink(f"/proc/{s3_server.pid}/fd/{fd}").startswith("socket:[")
+    }
     listening = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -317,16 +357,31 @@ def test_s3_server_binds_loopback_only(s3_server: S3Server) -> None:
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
                 listening.append(f[1])
     assert listening, "found no listening sockets of weed"
-    assert all(a.startswith("0100007F:") for a in listening), listening  # 127.0.0.1, little-endian hex
+    assert all(a.startswith("0100007F:") for a in listening), (
+        listening
+    )  # 127.0.0.1, little-endian hex
 
 
 def test_local_store_never_imports_boto3(tmp_path: Path) -> None:
-    code = ("import sys; from pathlib import Path; from moerl.config import CheckpointConfig; "
-            "from moerl.store.runs import open_store; s = open_store(CheckpointConfig(uri=sys.argv[1])); "
-            "s.publish(1, Path(sys.argv[2])); s.fetch(1, Path(sys.argv[3])); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store"), str(make_checkpoint(tmp_path / "src")),
-                          str(tmp_path / "cache")], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import sys; from pathlib import Path; from moerl.config import CheckpointConfig; "
+        "from moerl.store.runs import open_store; s = open_store(CheckpointConfig(uri=sys.argv[1])); "
+        "s.publish(1, Path(sys.argv[2])); s.fetch(1, Path(sys.argv[3])); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 's3transfer')))"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(tmp_path / "store"),
+            str(make_checkpoint(tmp_path / "src")),
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -353,7 +408,9 @@ def test_pins(case: Case, tmp_path: Path) -> None:
 
 
 def test_require_lineage(case: Case, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=f"no published versions under {case.store.uri}; check checkpoint.uri"):
+    with pytest.raises(
+        CheckpointError, match=f"no published versions under {case.store.uri}; check checkpoint.uri"
+    ):
         case.store.require_lineage()
     case.store.publish(3, make_checkpoint(tmp_path / "src"))
     assert case.store.require_lineage() == 3
@@ -383,8 +440,9 @@ def test_fetch_can_leave_out_a_prefix_and_a_full_copy_serves_both(tmp_path):
     assert store.fetch(1, tmp_path / "cache", exclude=("trainer/",)) == full
 
 
-def test_two_publishers_of_one_version_never_mix_their_files(case: Case, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_publishers_of_one_version_never_mix_their_files(
+    case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two trainers of one run publish version 1 at once: B starts after A's checks passed and
     while A uploads. Exactly one wins, the other fails with a clear error, and `latest` points
     at a manifest that matches every byte under it (S3: A's create-only claim stops B before it
@@ -410,4 +468,6 @@ def test_two_publishers_of_one_version_never_mix_their_files(case: Case, tmp_pat
     winner = b if errors[0][0] == "a" else a
     assert store.latest() == 1 and store.versions() == [1]
     got = store.fetch(1, tmp_path / "cache")  # verifies every file against the manifest
-    assert {k: v for k, v in tree(got).items() if k not in (MANIFEST, ".moerl-verified")} == tree(winner)
+    assert {k: v for k, v in tree(got).items() if k not in (MANIFEST, ".moerl-verified")} == tree(
+        winner
+    )

@@ -66,15 +66,22 @@ else:
 
 
 def _child(args: dict) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD, json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
 
 
 def _wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen[str] | None = None) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while not cond():
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"child exited ({proc.returncode}) before {what}: {proc.stderr.read()[-2000:]}")
+            pytest.fail(
+                f"child exited ({proc.returncode}) before {what}: {proc.stderr.read()[-2000:]}"
+            )
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.002)
@@ -87,9 +94,12 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def _s3_cfg(server: S3Server, bucket: str, prefix: str = "runs/r1", **kw: object) -> CheckpointConfig:
-    return CheckpointConfig(uri=f"s3://{bucket}/{prefix}", endpoint_url=server.endpoint_url, region="us-east-1",
-                            **kw)
+def _s3_cfg(
+    server: S3Server, bucket: str, prefix: str = "runs/r1", **kw: object
+) -> CheckpointConfig:
+    return CheckpointConfig(
+        uri=f"s3://{bucket}/{prefix}", endpoint_url=server.endpoint_url, region="us-east-1", **kw
+    )
 
 
 def _new_bucket(server: S3Server) -> str:
@@ -98,7 +108,9 @@ def _new_bucket(server: S3Server) -> str:
     return bucket
 
 
-def test_s3_upload_killed_midway_leaves_latest_and_can_be_redone(s3_server: S3Server, tmp_path: Path) -> None:
+def test_s3_upload_killed_midway_leaves_latest_and_can_be_redone(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
     s3, bucket = s3_server.client(), _new_bucket(s3_server)
     cfg = _s3_cfg(s3_server, bucket, multipart_chunk_mb=5, max_concurrency=1)
     store = open_store(cfg)
@@ -109,12 +121,17 @@ def test_s3_upload_killed_midway_leaves_latest_and_can_be_redone(s3_server: S3Se
 
     def parts_uploaded() -> bool:  # at least one part of big.bin is stored: the upload is under way
         ups = s3.list_multipart_uploads(Bucket=bucket, Prefix="runs/r1/").get("Uploads", [])
-        return any(s3.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts") for u in ups)
+        return any(
+            s3.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
+            for u in ups
+        )
 
     _wait_for(parts_uploaded, 60, "the first uploaded part", child)
     _kill(child)
     ups = s3.list_multipart_uploads(Bucket=bucket, Prefix="runs/r1/").get("Uploads", [])
-    assert [u["Key"] for u in ups] == ["runs/r1/versions/v000002/big.bin"]  # killed mid-upload, not after
+    assert [u["Key"] for u in ups] == [
+        "runs/r1/versions/v000002/big.bin"
+    ]  # killed mid-upload, not after
     fresh = open_store(cfg)
     assert fresh.latest() == 1 and fresh.versions() == [1]
     with pytest.raises(CheckpointError, match="version 2 not found"):
@@ -123,7 +140,10 @@ def test_s3_upload_killed_midway_leaves_latest_and_can_be_redone(s3_server: S3Se
     fresh.publish(2, v2)
     assert fresh.latest() == 2 and fresh.versions() == [1, 2]
     got = tree(fresh.fetch(2, tmp_path / "cache"))
-    assert hashlib.sha256(got["big.bin"]).digest() == hashlib.sha256((v2 / "big.bin").read_bytes()).digest()
+    assert (
+        hashlib.sha256(got["big.bin"]).digest()
+        == hashlib.sha256((v2 / "big.bin").read_bytes()).digest()
+    )
 
 
 def test_local_publish_killed_midway_leaves_latest(tmp_path: Path) -> None:
@@ -132,7 +152,15 @@ def test_local_publish_killed_midway_leaves_latest(tmp_path: Path) -> None:
     v1 = make_checkpoint(tmp_path / "v1", seed=1)
     store.publish(1, v1)
     v2 = make_checkpoint(tmp_path / "v2", seed=2, big_mib=64)
-    child = _child({"op": "publish", "cfg": cfg.model_dump(), "version": 2, "src": str(v2), "copy_delay_s": 0.02})
+    child = _child(
+        {
+            "op": "publish",
+            "cfg": cfg.model_dump(),
+            "version": 2,
+            "src": str(v2),
+            "copy_delay_s": 0.02,
+        }
+    )
 
     def copying() -> bool:  # big.bin sorts first; bytes in its staged copy: the copy is under way
         return any(p.stat().st_size > 0 for p in (root / "versions").glob(".tmp-v000002-*/big.bin"))
@@ -149,21 +177,31 @@ def test_local_publish_killed_midway_leaves_latest(tmp_path: Path) -> None:
     fresh.publish(2, v2)
     assert fresh.latest() == 2 and fresh.versions() == [1, 2]
     assert fresh.apply_retention(keep_last=5, keep_every=0) == []
-    assert sorted(p.name for p in (root / "versions").iterdir()) == ["v000001", "v000002"]  # leftover gone
+    assert sorted(p.name for p in (root / "versions").iterdir()) == [
+        "v000001",
+        "v000002",
+    ]  # leftover gone
 
 
-def test_unreachable_endpoint_retries_then_fails_cleanly(s3_server: S3Server, tmp_path: Path) -> None:
+def test_unreachable_endpoint_retries_then_fails_cleanly(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
     with socket.socket() as s:  # a loopback port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    store = open_store(CheckpointConfig(uri="s3://b/p", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=3))
+    store = open_store(
+        CheckpointConfig(uri="s3://b/p", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=3)
+    )
     sends: list[str] = []
     store._s3.meta.events.register("before-send.s3", lambda **kw: sends.append(kw["request"].url))
     src = make_checkpoint(tmp_path / "src")
     before = tree(src)
     t0 = time.monotonic()
-    with pytest.raises(CheckpointError, match=rf"cannot reach S3 endpoint http://127.0.0.1:{port} after 3 attempts "
-                                              r"while reading latest.json"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"cannot reach S3 endpoint http://127.0.0.1:{port} after 3 attempts "
+        r"while reading latest.json",
+    ):
         store.publish(1, src)
     assert time.monotonic() - t0 < 30
     assert len(sends) == 3  # really retried: three HTTP attempts, then the error
@@ -221,10 +259,14 @@ def test_endpoint_lost_mid_publish_publishes_nothing(s3_server: S3Server, tmp_pa
     direct = open_store(_s3_cfg(s3_server, bucket))
     direct.publish(1, make_checkpoint(tmp_path / "v1", seed=1))
     port = int(s3_server.endpoint_url.rsplit(":", 1)[1])
-    proxy = _CuttingProxy(("127.0.0.1", port), budget=12 * 1024 * 1024)  # dies during the third 5 MiB part
+    proxy = _CuttingProxy(
+        ("127.0.0.1", port), budget=12 * 1024 * 1024
+    )  # dies during the third 5 MiB part
     try:
         cfg = _s3_cfg(s3_server, bucket, multipart_chunk_mb=5, max_concurrency=1, max_attempts=3)
-        via_proxy = open_store(cfg.model_copy(update={"endpoint_url": f"http://127.0.0.1:{proxy.port}"}))
+        via_proxy = open_store(
+            cfg.model_copy(update={"endpoint_url": f"http://127.0.0.1:{proxy.port}"})
+        )
         t0 = time.monotonic()
         with pytest.raises(CheckpointError, match=r"after 3 attempts while uploading big.bin"):
             via_proxy.publish(2, make_checkpoint(tmp_path / "v2", seed=2, big_mib=30))
@@ -252,7 +294,9 @@ def test_truncated_object_refused_at_fetch(case: Case, tmp_path: Path) -> None: 
 
 def test_missing_bucket_and_wrong_prefix(s3_server: S3Server, tmp_path: Path) -> None:
     missing = open_store(_s3_cfg(s3_server, "moerl-fault-no-such-bucket"))
-    with pytest.raises(CheckpointError, match="bucket 'moerl-fault-no-such-bucket' does not exist at http://127"):
+    with pytest.raises(
+        CheckpointError, match="bucket 'moerl-fault-no-such-bucket' does not exist at http://127"
+    ):
         missing.check_access()
     with pytest.raises(CheckpointError, match="moerl-fault-no-such-bucket"):
         missing.require_lineage()
@@ -262,7 +306,9 @@ def test_missing_bucket_and_wrong_prefix(s3_server: S3Server, tmp_path: Path) ->
     assert right.require_lineage() == 4
     wrong = open_store(_s3_cfg(s3_server, bucket, prefix="runs/r2"))
     wrong.check_access()  # the bucket is fine; only the lineage is missing
-    with pytest.raises(CheckpointError, match=f"no published versions under s3://{bucket}/runs/r2; check"):
+    with pytest.raises(
+        CheckpointError, match=f"no published versions under s3://{bucket}/runs/r2; check"
+    ):
         wrong.require_lineage()
 
 
@@ -286,8 +332,11 @@ def test_retention_keeps_last_every_latest_and_pinned(case: Case, tmp_path: Path
     assert "config.json" in tree(store.fetch(7, tmp_path / "cache"))
 
 
-def test_retention_half_deleted_version_is_never_listed(case: Case, tmp_path: Path,  # noqa: F811
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_half_deleted_version_is_never_listed(
+    case: Case,
+    tmp_path: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     store, src = case.store, make_checkpoint(tmp_path / "src")
     for v in (1, 2, 3):
         store.publish(v, src)
@@ -307,15 +356,21 @@ def test_retention_half_deleted_version_is_never_listed(case: Case, tmp_path: Pa
     assert store._list("versions/v000001/") == []  # ... but the leftover below latest is cleaned
 
 
-def test_retention_failure_never_fails_publish(case: Case, tmp_path: Path,  # noqa: F811
-                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_retention_failure_never_fails_publish(
+    case: Case,
+    tmp_path: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store, src = case.store, make_checkpoint(tmp_path / "src")
     store.publish(1, src)
     case.put_raw("pins/broken.json", b"not json")  # an unreadable pin: retention must not guess
     with caplog.at_level("WARNING", logger="moerl.store.base"):
         store.publish(2, src, retention=(1, 0))
     assert store.latest() == 2 and store.versions() == [1, 2]
-    assert "retention after publishing version 2" in caplog.text and "malformed pin pins/broken.json" in caplog.text
+    assert (
+        "retention after publishing version 2" in caplog.text
+        and "malformed pin pins/broken.json" in caplog.text
+    )
 
 
 def test_two_processes_fetch_one_version_download_once(s3_server: S3Server, tmp_path: Path) -> None:
@@ -324,8 +379,18 @@ def test_two_processes_fetch_one_version_download_once(s3_server: S3Server, tmp_
     src = make_checkpoint(tmp_path / "src")
     open_store(cfg).publish(1, src)
     cache, n = tmp_path / "cache", 2
-    args = [{"op": "fetch", "cfg": cfg.model_dump(), "version": 1, "dest": str(cache), "get_delay_s": 0.3,
-             "ready": str(tmp_path / f"ready{i}"), "go": str(tmp_path / "go")} for i in range(n)]
+    args = [
+        {
+            "op": "fetch",
+            "cfg": cfg.model_dump(),
+            "version": 1,
+            "dest": str(cache),
+            "get_delay_s": 0.3,
+            "ready": str(tmp_path / f"ready{i}"),
+            "go": str(tmp_path / "go"),
+        }
+        for i in range(n)
+    ]
     children = [_child(a) for a in args]
     try:
         for i, c in enumerate(children):
@@ -340,7 +405,9 @@ def test_two_processes_fetch_one_version_download_once(s3_server: S3Server, tmp_
     results = [json.loads(out) for out, _ in outs]
     assert {r["path"] for r in results} == {str(cache / "v000001")}
     got = tree(cache / "v000001")
-    assert {k: v for k, v in got.items() if k in tree(src)} == tree(src) and ".moerl-verified" in got
+    assert {k: v for k, v in got.items() if k in tree(src)} == tree(
+        src
+    ) and ".moerl-verified" in got
     gets = sorted(k for r in results for k in r["gets"])
     want = sorted(f"runs/r1/versions/v000001/{p}" for p in tree(src))
     assert gets == want, f"each file must be downloaded exactly once in total, got {gets}"

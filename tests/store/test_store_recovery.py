@@ -56,9 +56,16 @@ store.publish(a["version"], Path(a["src"]))
 
 def _publish_and_die(cfg: CheckpointConfig, version: int, src: Path, die: str) -> None:
     args = {"cfg": cfg.model_dump(), "version": version, "src": str(src), "die": die}
-    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)], capture_output=True, text=True,
-                       cwd=Path(__file__).parents[2], timeout=120)
-    assert r.returncode == 137, f"the child did not die at {die!r}: rc {r.returncode}, {r.stderr[-2000:]}"
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+        timeout=120,
+    )
+    assert r.returncode == 137, (
+        f"the child did not die at {die!r}: rc {r.returncode}, {r.stderr[-2000:]}"
+    )
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -68,7 +75,9 @@ def cfg(request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointConfig:
     server: S3Server = request.getfixturevalue("s3_server")
     bucket = f"moerl-recover-{uuid.uuid4().hex[:12]}"
     server.client().create_bucket(Bucket=bucket)
-    return CheckpointConfig(uri=f"s3://{bucket}/runs/r1", endpoint_url=server.endpoint_url, region="us-east-1")
+    return CheckpointConfig(
+        uri=f"s3://{bucket}/runs/r1", endpoint_url=server.endpoint_url, region="us-east-1"
+    )
 
 
 def _killed_at(cfg: CheckpointConfig, tmp_path: Path, die: str):  # noqa: ANN202
@@ -79,17 +88,25 @@ def _killed_at(cfg: CheckpointConfig, tmp_path: Path, die: str):  # noqa: ANN202
     return open_store(cfg), v2
 
 
-def test_version_committed_before_latest_moved_is_adopted(cfg: CheckpointConfig, tmp_path: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_version_committed_before_latest_moved_is_adopted(
+    cfg: CheckpointConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store, v2 = _killed_at(cfg, tmp_path, "committed")
-    assert store.latest() == 1 and store.versions() == [1, 2]  # the crash window: complete above latest
-    with pytest.raises(CheckpointError, match="version 2 already exists"):  # what resume used to hit
+    assert store.latest() == 1 and store.versions() == [
+        1,
+        2,
+    ]  # the crash window: complete above latest
+    with pytest.raises(
+        CheckpointError, match="version 2 already exists"
+    ):  # what resume used to hit
         store.publish(2, v2)
     with caplog.at_level("WARNING", logger="moerl.store.base"):
         assert store.recover() == 2
     assert "version 2 was complete and verified but latest was 1" in caplog.text
     assert store.latest() == 2 and store.versions() == [1, 2]
-    assert json.loads(store._read_text("latest.json"))["manifest_sha256"] == store.manifest(2).sha256()
+    assert (
+        json.loads(store._read_text("latest.json"))["manifest_sha256"] == store.manifest(2).sha256()
+    )
     assert tree(store.fetch(2, tmp_path / "cache")).items() >= tree(v2).items()
     store.publish(3, make_checkpoint(tmp_path / "v3", seed=3))  # the lineage goes on
     assert store.recover() == 3 and store.versions() == [1, 2, 3]  # nothing to repair: a no-op
@@ -103,7 +120,9 @@ def test_killed_right_after_the_manifest_was_written(cfg: CheckpointConfig, tmp_
     assert store.latest() == 1 and store.versions() == ([1, 2] if s3 else [1])
     assert store.recover() == (2 if s3 else 1)
     assert store.latest() == (2 if s3 else 1)
-    assert list(store._version_dirs()) == (["v000001", "v000002"] if s3 else ["v000001"])  # no staging left
+    assert list(store._version_dirs()) == (
+        ["v000001", "v000002"] if s3 else ["v000001"]
+    )  # no staging left
     if s3:
         assert tree(store.fetch(2, tmp_path / "cache")).items() >= tree(v2).items()
     else:
@@ -121,8 +140,9 @@ def test_incomplete_version_above_latest_is_deleted(cfg: CheckpointConfig, tmp_p
     assert store.versions() == [1, 2] and store.latest() == 2
 
 
-def test_complete_but_unverifiable_version_above_latest_is_deleted(cfg: CheckpointConfig, tmp_path: Path,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_complete_but_unverifiable_version_above_latest_is_deleted(
+    cfg: CheckpointConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store, v2 = _killed_at(cfg, tmp_path, "committed")
     store._delete(["versions/v000002/config.json"])  # an object the manifest lists is gone
     with caplog.at_level("WARNING", logger="moerl.store.base"):
@@ -133,7 +153,9 @@ def test_complete_but_unverifiable_version_above_latest_is_deleted(cfg: Checkpoi
     assert store.latest() == 2
 
 
-def test_killed_while_publishing_version_0_then_recovered(cfg: CheckpointConfig, tmp_path: Path) -> None:
+def test_killed_while_publishing_version_0_then_recovered(
+    cfg: CheckpointConfig, tmp_path: Path
+) -> None:
     v0 = make_checkpoint(tmp_path / "v0")
     _publish_and_die(cfg, 0, v0, "committed")
     store = open_store(cfg)
@@ -141,8 +163,9 @@ def test_killed_while_publishing_version_0_then_recovered(cfg: CheckpointConfig,
     assert store.recover() == 0 and store.latest() == 0
 
 
-def test_resume_point_adopts_the_version_a_killed_publish_left(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_point_adopts_the_version_a_killed_publish_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`moerl run --resume` continues from the recovered version, not the stale `latest`."""
     from mlflow.tracking import MlflowClient
 
@@ -155,9 +178,15 @@ def test_resume_point_adopts_the_version_a_killed_publish_left(tmp_path: Path,
     run_cfg = RunConfig.model_validate({"checkpoint": {"uri": str(tmp_path / "ck")}})
     store = run_store(run_cfg.checkpoint, run_id)
     store.publish(0, make_checkpoint(tmp_path / "v0"))
-    _publish_and_die(run_cfg.checkpoint.model_copy(update={"uri": store.uri}), 1,
-                     make_checkpoint(tmp_path / "v1", seed=1), "committed")
+    _publish_and_die(
+        run_cfg.checkpoint.model_copy(update={"uri": store.uri}),
+        1,
+        make_checkpoint(tmp_path / "v1", seed=1),
+        "committed",
+    )
     assert store.latest() == 0
     assert resume_point(run_cfg, uri, run_id) == 1
-    assert "version 1 was published but `latest` still said 0; adopted it" in capsys.readouterr().out
+    assert (
+        "version 1 was published but `latest` still said 0; adopted it" in capsys.readouterr().out
+    )
     assert store.latest() == 1
