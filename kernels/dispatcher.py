@@ -343,6 +343,7 @@ class Dispatcher(ABC):
 
     def close(self) -> None:
         """Release backend resources (DeepEP buffers). A no-op for the CPU backends."""
+        return None
 
     def _check_inputs(self, x_TH: Tensor, topk_idx_TK: Tensor, topk_weights_TK: Tensor) -> None:
         if (

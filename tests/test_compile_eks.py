@@ -530,7 +530,7 @@ def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_ident
         ck["fanout"] = True
     spec, doc, k8s = _compiled(tmp_path, _cfg(mode, checkpoint=ck))
     seen = {}
-    for name, task in _tasks(spec).items():
+    for task in _tasks(spec).values():
         kc = k8s.get(_executor(spec, task))
         if kc is None:
             continue

@@ -174,7 +174,7 @@ def test_hierarchical_moves_fewer_inter_node_bytes(worlds):
     _assert_contract(a2a, TOL, "all_to_all remote_node_repeat")
     _assert_contract(hier, TOL, "hierarchical remote_node_repeat")
     row_bytes = 16 * 4  # H * float32
-    for rank, (ra, rh) in enumerate(zip(a2a, hier)):
+    for ra, rh in zip(a2a, hier):
         T = ra["num_tokens"]
         assert ra["bytes"]["actual_sent_inter_node"] == 4 * T * row_bytes
         assert (

@@ -179,5 +179,6 @@ def test_the_runs_dataset_is_an_mlflow_dataset_input(env, registered):
     data = resolve_path("builtin:digits-copy").read_bytes()
     assert inp.dataset.name == "digits-copy" and inp.dataset.source_type == "moerl-builtin"
     assert inp.dataset.digest == hashlib.sha256(data).hexdigest()[:16]
-    assert '"rows": %d' % data.count(b"\n") in inp.dataset.profile
+    rows = data.count(b"\n")
+    assert f'"rows": {rows}' in inp.dataset.profile
     assert [(t.key, t.value) for t in inp.tags] == [("mlflow.data.context", "training")]

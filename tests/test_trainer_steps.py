@@ -188,7 +188,9 @@ def test_the_chunked_logprob_equals_the_whole_projection_and_bounds_the_logits(s
         vocab = model.config.vocab_size
         seen = []
         head = model.get_output_embeddings()
-        head.register_forward_hook(lambda m, a, out: seen.append(out.numel() // vocab))
+        head.register_forward_hook(
+            lambda m, a, out, seen=seen, v=vocab: seen.append(out.numel() // v)
+        )
         metrics = train_on_batch(model, opt, ctr, _batch(), cfg, seed=3)
         assert metrics["train/steps"] == 1 and metrics["train/skipped_steps"] == 0, (chunk, metrics)
         runs[chunk] = (metrics, {n: p.grad.clone() for n, p in model.named_parameters()})

@@ -160,7 +160,7 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
                     group["samples"],
                     cfg.reward,
                     model,
-                    keepalive=lambda: keepalive(got[i:]),
+                    keepalive=lambda rest=got[i:]: keepalive(rest),
                     every_s=every,
                     pool=pool,
                 )

@@ -237,7 +237,7 @@ class _Outbox:
             ):
                 batch.append(waiting.popleft())
                 size += batch[-1][0].size
-            self._make(batch, lambda: self._bus.write_many([w for w, _ in batch]))
+            self._make(batch, lambda b=batch: self._bus.write_many([w for w, _ in b]))
 
     def _make(self, items: list, send: Callable[[], Any]) -> None:
         try:

@@ -49,6 +49,9 @@ from moerl.config import RunConfig, config_to_json
 from moerl.errors import CheckpointError, ConfigError
 from moerl.launch import objects
 from moerl.launch.exchange import RESULT, SPEC, Exchange, exchange_uri, node_result
+from moerl.launch.podsecrets import (
+    LAUNCHED_ASYNC_STAGES as ASYNC_STAGES,  # the ones that talk to Valkey
+)
 from moerl.launch.remote import STAGES
 from moerl.launch.watch import (
     KINDS,
@@ -70,9 +73,6 @@ log = logging.getLogger(__name__)
 # Never credentials (MLFLOW_TRACKING_URI goes through `tracking_uri_env`): the pods get those
 # from their own service account (IRSA) and Secrets.
 PASS_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION")
-from moerl.launch.podsecrets import (
-    LAUNCHED_ASYNC_STAGES as ASYNC_STAGES,  # the ones that talk to Valkey
-)
 
 # The task's own deadline (set_timeout, the GPU group's timeout_s, pipelines/eks.py) counts from
 # its start; the watch gives up this long before it, so the launcher reports a timeout and

@@ -183,7 +183,9 @@ def tags(reward: str, task: str) -> dict[str, str]:
 def _mount(
     libc, src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
 ) -> None:
-    enc = lambda s: None if s is None else s.encode()
+    def enc(s: str | None) -> bytes | None:
+        return None if s is None else s.encode()
+
     _check(
         libc.mount(enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
         f"mount {target}",
