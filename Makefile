@@ -24,13 +24,28 @@ TORCH_CPU := torch==2.13.0+cpu
 CHROMIUM_VERSION := 150.0.7871.100-1~deb12u1
 BROWSER := $(VENV)/moerl-browser.txt
 
-.PHONY: run test setup compile lock clean
+.PHONY: run test test-fast lint format setup compile lock clean
 
 run: $(STAMP)
 	$(VENV)/bin/moerl run $(CONFIG)
 
 test: $(STAMP) $(BROWSER)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -rs $(PYTEST_ARGS)
+
+# The fast tier: tests/unit/ (pure logic: no server, no engine, no subprocess pipeline).
+test-fast: $(STAMP)
+	$(PY) -m pytest -n $(TEST_WORKERS) -q $(PYTEST_ARGS) tests/unit
+
+# Lint, format check and type check (ruff and mypy, configured in pyproject.toml).
+# `make format` applies the formatter and ruff's safe fixes.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 setup: $(STAMP)
 
