@@ -13,10 +13,14 @@ mesh) is not built: a mesh of one rank (`trainer.mixed_precision: bf16` with 1 x
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from moerl.errors import TrainingError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType
 
 OPTIMIZER_DCP = "optimizer"  # trainer/optimizer/: a Distributed Checkpoint
 
@@ -54,11 +58,19 @@ def _expert_states(model, ep_blocks) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _to_global(osd: dict, experts: dict[str, tuple[int, ...]], emesh) -> None:
+def _param_states(osd: OptimizerStateType) -> dict[str, dict[str, Any]]:
+    """`osd["state"]`: each parameter's FQN -> its entries (Adam's step, exp_avg, exp_avg_sq).
+    torch types an optimizer state dict's values as the union of every shape any of its keys
+    holds; "state" is always this one."""
+    return cast(dict[str, dict[str, Any]], osd["state"])
+
+
+def _to_global(osd: OptimizerStateType, experts: dict[str, tuple[int, ...]], emesh) -> None:
+    state = _param_states(osd)
     for fqn, shape in experts.items():
-        for k, v in list(osd["state"].get(fqn, {}).items()):
+        for k, v in list(state.get(fqn, {}).items()):
             if torch.is_tensor(v) and v.dim() > 0:
-                osd["state"][fqn][k] = _global_experts(local(v), shape, emesh)
+                state[fqn][k] = _global_experts(local(v), shape, emesh)
 
 
 def save_optimizer(model, opt, ep_blocks, mesh, out: Path) -> None:
@@ -86,7 +98,7 @@ def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
     )  # initialized by a zero step: the template to load into
     experts = _expert_states(model, ep_blocks)
     fsdp_form = {
-        fqn: {k: v for k, v in osd["state"].get(fqn, {}).items() if isinstance(v, DTensor)}
+        fqn: {k: v for k, v in _param_states(osd).get(fqn, {}).items() if isinstance(v, DTensor)}
         for fqn in experts
     }
     _to_global(osd, experts, _expert_mesh(mesh))
@@ -97,10 +109,11 @@ def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
             f"policy_update: cannot load the optimizer state in {src}: {type(err).__name__}: "
             f"{str(err)[:500]}"
         ) from None
+    state = _param_states(osd)
     for fqn, entries in fsdp_form.items():
         for k, like in entries.items():
-            osd["state"][fqn][k] = DTensor.from_local(
-                local(osd["state"][fqn][k]),
+            state[fqn][k] = DTensor.from_local(
+                local(state[fqn][k]),
                 like.device_mesh,
                 like.placements,
                 run_check=False,
@@ -150,7 +163,7 @@ def load_unsharded_optimizer(model, opt, ep_blocks, src: Path, state_in: Path) -
     }
     first_by_name = {n: first[id(p)] for n, p in model.named_parameters() if id(p) in first}
     osd = get_optimizer_state_dict(model, opt)  # initialized by a zero step: the template to fill
-    for fqn, entries in osd["state"].items():
+    for fqn, entries in _param_states(osd).items():
         name = fqn.replace(".gate_up_proj_LIH", ".gate_up_proj").replace(
             ".down_proj_LHI", ".down_proj"
         )
@@ -170,10 +183,10 @@ def load_unsharded_optimizer(model, opt, ep_blocks, src: Path, state_in: Path) -
 
 def _like(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`rows` as this rank's part of a tensor shaped and placed like `like`."""
-    if not hasattr(like, "to_local"):
-        return rows
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(like, DTensor):
+        return rows
     return DTensor.from_local(
         rows,
         like.device_mesh,
