@@ -1,0 +1,163 @@
+"""Module docstrings stay short: what the module is for, and a link to the doc with the design.
+
+The design lives in docs/, each fact in one place; a module docstring that grows past
+MAX_LINES is repeating it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("moerl", "components", "pipelines", "kernels")
+MAX_LINES = 15
+
+# Temporary: modules whose docstrings other changes in flight are rewriting (the config
+# package, the model families, the rollout and EP trainer modules, the CLI). Remove each entry
+# once its docstring is short.
+OWNED_ELSEWHERE_PREFIXES = ("moerl/config/", "moerl/models/")
+OWNED_ELSEWHERE = frozenset(
+    {
+        "moerl/cli.py",
+        "moerl/config.py",
+        "pipelines/params.py",
+        "components/policy_update/ep_checkpoint.py",
+        "components/policy_update/ep_moe.py",
+        "components/policy_update/ep_train.py",
+        "components/policy_update/replay.py",
+        "components/policy_update/steps.py",
+        "components/rollout/engine.py",
+        "components/rollout/routes.py",
+        "components/rollout/worker.py",
+    }
+)
+
+# Temporary: long docstrings not yet moved into docs/. Remove each entry as it is shrunk; the
+# last test fails on an entry that no longer needs it.
+NOT_YET_SHRUNK = frozenset(
+    {
+        "components/buffer/advantage.py",
+        "components/buffer/worker.py",
+        "components/policy_update/correction.py",
+        "components/policy_update/launcher.py",
+        "components/policy_update/loss.py",
+        "components/policy_update/trainer.py",
+        "components/policy_update/worker.py",
+        "components/publish_checkpoint/publisher.py",
+        "components/publish_checkpoint/registry.py",
+        "components/publish_checkpoint/stage.py",
+        "components/redistribute_weights/hotswap.py",
+        "components/redistribute_weights/stage.py",
+        "components/reward/stage.py",
+        "components/reward/worker.py",
+        "components/reward_model/registry.py",
+        "components/rollout/episodes.py",
+        "kernels/all_to_all.py",
+        "kernels/deepep.py",
+        "kernels/dispatcher.py",
+        "kernels/hierarchical.py",
+        "moerl/bench/cli.py",
+        "moerl/bench/compare.py",
+        "moerl/bench/dispatch.py",
+        "moerl/bench/ep_memory.py",
+        "moerl/bench/failures.py",
+        "moerl/bench/fanout.py",
+        "moerl/bench/lease.py",
+        "moerl/bench/memfit.py",
+        "moerl/bench/mismatch.py",
+        "moerl/bench/modes.py",
+        "moerl/bench/project.py",
+        "moerl/bench/redistribution.py",
+        "moerl/bench/rollout.py",
+        "moerl/bench/scaling.py",
+        "moerl/bench/state.py",
+        "moerl/bench/suite.py",
+        "moerl/bench/tasks.py",
+        "moerl/bench/weights.py",
+        "moerl/buildinfo.py",
+        "moerl/bus/run.py",
+        "moerl/launch/__init__.py",
+        "moerl/launch/exchange.py",
+        "moerl/launch/objects.py",
+        "moerl/launch/podenv.py",
+        "moerl/launch/podsecrets.py",
+        "moerl/launch/procs.py",
+        "moerl/launch/remote.py",
+        "moerl/launch/runsecret.py",
+        "moerl/launch/state.py",
+        "moerl/launch/task.py",
+        "moerl/launch/watch.py",
+        "moerl/orchestrate/async_run.py",
+        "moerl/orchestrate/cron.py",
+        "moerl/orchestrate/schedule.py",
+        "moerl/secrets.py",
+        "moerl/store/__init__.py",
+        "moerl/store/base.py",
+        "moerl/store/fanout.py",
+        "moerl/store/fanout_book.py",
+        "moerl/store/fence.py",
+        "moerl/store/leases.py",
+        "moerl/store/nodecache.py",
+        "moerl/store/s3.py",
+        "moerl/store/s3server.py",
+        "moerl/store/tiers.py",
+        "moerl/tasks/__init__.py",
+        "moerl/tasks/environments.py",
+        "moerl/tasks/isolation.py",
+        "moerl/tasks/offline.py",
+        "moerl/tasks/preferences.py",
+        "moerl/tasks/prompting.py",
+        "moerl/tasks/sandbox.py",
+        "moerl/tasks/tools.py",
+        "moerl/tasks/verifiers.py",
+        "moerl/tracking.py",
+        "pipelines/eks.py",
+        "pipelines/grpo.py",
+        "pipelines/grpo_async.py",
+        "pipelines/reward_model.py",
+    }
+)
+
+ALLOWED = OWNED_ELSEWHERE | NOT_YET_SHRUNK
+
+
+def docstring_lines(path: Path) -> int:
+    """Lines in the module docstring of `path` (0 when it has none)."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    return len(doc.strip().splitlines()) if doc else 0
+
+
+def module_docstring_lengths() -> dict[str, int]:
+    lengths = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith(OWNED_ELSEWHERE_PREFIXES):
+                continue
+            lengths[rel] = docstring_lines(path)
+    return lengths
+
+
+def test_docstring_lines_counts_the_docstring_only(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text('"""One.\n\nTwo.\nThree.\n"""\n\nx = """not\na\ndocstring"""\n')
+    assert docstring_lines(module) == 4
+    module.write_text("x = 1\n")
+    assert docstring_lines(module) == 0
+
+
+def test_module_docstrings_are_short() -> None:
+    lengths = module_docstring_lengths()
+    assert len(lengths) > 50, "the packages were not found"
+    too_long = {p: n for p, n in lengths.items() if n > MAX_LINES and p not in ALLOWED}
+    assert not too_long, (
+        f"module docstrings over {MAX_LINES} lines (say what the module is for and link the doc "
+        f"that holds the design): {too_long}"
+    )
+
+
+def test_not_yet_shrunk_holds_only_long_docstrings() -> None:
+    lengths = module_docstring_lengths()
+    stale = sorted(p for p in NOT_YET_SHRUNK if lengths.get(p, 0) <= MAX_LINES)
+    assert not stale, f"remove these from the allow-list in {Path(__file__).name}: {stale}"
