@@ -3,22 +3,7 @@
 Shape legend: T tokens, H hidden, K top-k, E experts, L local experts (E / W), W ranks,
 P routed (token, k) pairs on this rank, R rows received by this rank.
 
-Dispatch, as numbered steps:
-1. sort this rank's pairs by expert; since experts are sharded contiguously this also groups
-   them by destination rank, and by local expert inside each destination;
-2. all_to_all_single the [W, L] per-(rank, local expert) counts, so every receiver knows how
-   its incoming rows split by source and by local expert;
-3. read the splits on the host (the device-to-host sync every all-to-all dispatcher has);
-4. all_to_all_single the rows (and, as a second exchange, each row's routing weight);
-5. reorder the received [source][local expert] chunks into [local expert][source] order.
-Combine runs the transpose of the same plan: step 5 undone, the reverse all-to-all, then
-each token's rows summed (after the weights were applied on the expert side).
-
-The same code runs on gloo (CPU) and NCCL (GPU): tensors stay on x's device.
-
-Limitations: no capacity/token dropping here (drop by setting topk_idx to -1 upstream);
-rows are not deduplicated per rank, so a token going to two experts of one rank crosses the
-link twice (see `hierarchical` and `deepep`).
+Its dispatch and combine steps and limitations: docs/kernels.md#all_to_all-kernelsall_to_allpy.
 """
 
 from __future__ import annotations

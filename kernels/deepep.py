@@ -1,62 +1,11 @@
-"""The `deepep` backend: DeepEP's kernels behind the Dispatcher interface, through either of
-its two APIs (`deepep_options={"api": ...}`):
-
-- "v1": `deep_ep.Buffer` (DeepEP V1). Internode and low-latency traffic run on NVSHMEM; on AWS
-  EFA, AWS's patched NVSHMEM with `NVSHMEM_REMOTE_TRANSPORT=libfabric`.
-- "v2": `deep_ep.ElasticBuffer` (DeepEP v2, `deep_ep/buffers/elastic.py`). Traffic runs on
-  NCCL's GIN (GPU-initiated networking); on EFA through aws-ofi-nccl, with `NCCL_GIN_TYPE=5`
-  (EFA-GDA) where the EFA stack supports it, else GIN's CPU proxy (`NCCL_GIN_TYPE=2`). This
-  is the path the seed's gain came from. One dispatch/combine pair serves prefill, training
-  and decode (no separate low-latency kernels).
-- "auto" (default): `$DEEPEP_VARIANT` when set (the kernel image sets it to the variant it
-  was built with, images/deepep-efa/Dockerfile), else v2 when this deep_ep exports
-  ElasticBuffer, else v1. The choice is logged and reported by `describe()`. Asking for an
-  API this deep_ep lacks is a ConfigError, never a silent switch to the other one.
+"""The `deepep` backend: DeepEP's kernels (V1 `Buffer` or v2 `ElasticBuffer`, chosen by
+`deepep_options={"api": ...}`) behind the Dispatcher interface.
 
 Shape legend: T tokens, H hidden, K top-k, E experts, L local experts (E / W), W ranks,
-S rows DeepEP receives (one per (token, rank): DeepEP deduplicates per rank),
-R rows handed to the experts (one per (token, local expert)), M low-latency slots per expert.
+S rows DeepEP receives (one per (token, rank)), R rows handed to the experts (one per
+(token, local expert)), M low-latency slots per expert.
 
-Modes (`deepep_options={"mode": ...}`):
-- "normal" (default; training and prefill; the only mode of v2): dispatch returns one row
-  per (token, rank) plus `recv_topk_idx` (local expert ids, -1 elsewhere) and
-  `recv_topk_weights`. We expand those rows to one per (token, local expert), grouped by
-  expert, as the interface requires. DeepEP's combine (V1 normal and v2) is an UNWEIGHTED
-  sum, so `combine` here multiplies each expert row by its routing weight and sums a token's
-  rows on this rank before handing DeepEP one row per (token, rank): the result is the
-  interface's weighted sum. Backward: dispatch's is `combine(grad, handle, topk_weights=grad_w)`,
-  combine's is a dispatch with the cached handle (both APIs have that mode).
-- "low_latency" (V1 only; inference decoding): `low_latency_dispatch` / `low_latency_combine`,
-  whose combine is weighted. Inference-only here: it raises if asked to build a graph.
-
-Transport is configured by the environment, never silently here. Set it in the pod spec or
-pass `deepep_options={"env": {...}}` (each variable is logged; a conflicting value already in
-the environment is an error):
-- V1: NVSHMEM_REMOTE_TRANSPORT=libfabric (plus NVSHMEM_LIBFABRIC_PROVIDER=efa) with AWS's
-  patched NVSHMEM on EFA; InfiniBand uses IBGDA by default. NVSHMEM_IB_SL: the InfiniBand
-  service level (traffic isolation, DeepEP's advice).
-- v2: NCCL_GIN_TYPE (5 = EFA-GDA, needs EFA installer >= 1.50, NCCL >= 2.31 and EFA driver
-  >= 3.3.0; 2 = CPU proxy), EP_REUSE_NCCL_COMM=0 on EFA (AWS's recipe), EP_OVERRIDE_RDMA_SL.
-DeepEP's V1 Buffer itself sets NVSHMEM_IB_ENABLE_IBGDA, NVSHMEM_QP_DEPTH, NVSHMEM_DISABLE_P2P,
-NVSHMEM_MAX_TEAMS, NVSHMEM_DISABLE_NVLS, NVSHMEM_CUMEM_GRANULARITY and NVSHMEM_DISABLE_MNNVL
-for internode and low-latency use. `transport_env` snapshots the NVSHMEM_/NCCL_/FI_/EP_
-variables at buffer creation so the caller can log them.
-
-Limitations:
-- Rows travel in bf16 (both APIs take bf16 or an FP8 tuple; FP8 is not wired in). Inputs of
-  another dtype are cast for the wire and cast back.
-- The buffer is sized lazily from the first `dispatch` (hidden size; v2 also top-k); one
-  dispatcher serves one hidden size and one mode. v2 is sized for
-  `num_max_tokens_per_rank` tokens per rank; more on one dispatch is a ConfigError.
-- `ranks_per_node` only classifies bytes; DeepEP finds its NVLink domain itself.
-- V1 low-latency: T <= num_max_dispatch_tokens_per_rank, DeepEP's fixed hidden sizes, top-k <= 11,
-  and compacting the per-expert slots reads the counts on the host (one sync).
-- v2 runs with DeepEP's defaults for SMs and QPs (chosen from the expert count and top-k) and
-  with `do_cpu_sync` (the host reads the receive counts: not CUDA-graph safe).
-- Cannot run without a CUDA GPU and deep_ep; the CPU tests check the guard, the fallback, the
-  API choice and this adapter's own logic against one-rank fakes of both buffers
-  (tests/kernels_worker.py). Neither API has been executed here: treat the first GPU run as
-  its test (`moerl bench dispatch --backends deepep`).
+The APIs, modes, transport variables and limitations: docs/kernels.md#deepep-kernelsdeepeppy.
 """
 
 from __future__ import annotations

@@ -1,43 +1,12 @@
 """The expert-parallel `Dispatcher` interface, the transfer plans the CPU backends share, and
 `make_dispatcher`.
 
-Shape legend (suffixes on tensor names):
-    T  tokens on this rank              H  hidden size
-    K  top-k experts per token          E  experts (all ranks)
-    L  experts local to this rank, E / ep_size
-    W  ranks in the expert-parallel group (ep_size)
-    N  nodes (W / ranks_per_node)       G  ranks per node
-    P  (token, k) pairs routed somewhere (topk_idx != -1)
-    R  rows received by this rank, one per (token, local expert) pair
-    S  rows of an intermediate hop (before or after an exchange)
+Shape legend (suffixes on tensor names): T tokens on this rank, H hidden size, K top-k experts
+per token, E experts (all ranks), L experts local to this rank (E / ep_size), W ranks in the EP
+group, N nodes, G ranks per node, P routed (token, k) pairs, R rows received by this rank (one
+per (token, local expert)), S rows of an intermediate hop.
 
-Semantics every backend keeps:
-- `dispatch` sends one row per non-dropped (token, expert) pair to the rank that owns the
-  expert (experts are sharded contiguously: rank r owns [r*L, (r+1)*L)), and returns them
-  grouped by local expert in ascending order. `topk_idx == -1` means dropped: never sent.
-- `combine` applies the routing weights: out[t] = sum_k w[t, k] * y[row(t, k)]. The weights
-  travel with the tokens in `dispatch` (as DeepEP's `recv_topk_weights` do) and are applied on
-  the expert side, just before the reverse transfer. Applying them there lets a backend sum
-  a token's rows per rank or per node on the way back (deduplicated combine), and it is the
-  same place for every backend, so results match to rounding.
-- Both are differentiable w.r.t. x_TH, topk_weights_TK and y_RH. The backward of dispatch is
-  the transpose transfer (a combine-like reverse all-to-all that sums duplicated rows); the
-  backward of combine is the forward transfer (a dispatch-like one). The handle is reused.
-
-The CPU backends (local, all_to_all, hierarchical) describe a dispatch as a *plan*: a list
-of linear row stages (gather rows, exchange rows with an all-to-all). One autograd Function
-runs a plan forward or transposed, so each backend only builds its plan; the deepep backend
-has its own Functions around DeepEP's kernels.
-
-Limitations:
-- Every rank of the group must call dispatch, combine and their backward in the same order
-  (they are collectives). A rank whose loss ignores the combine output would skip the
-  backward collective and hang the others; make the loss depend on it (even by 0 * out).
-- A token's top-k experts must be distinct (what top-k produces); a repeated expert is
-  still sent twice, but the hierarchical/deepep backends merge the rows of one token per
-  rank, so a duplicate would be counted once there.
-- Splits are read on the host (`.tolist()`): one device-to-host sync per exchange, like
-  Megatron's all-to-all dispatcher. Not CUDA-graph safe.
+The semantics every backend keeps, the plans and the limitations: docs/kernels.md.
 """
 
 from __future__ import annotations

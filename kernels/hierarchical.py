@@ -5,27 +5,7 @@ Shape legend: T tokens, H hidden, K top-k, E experts, L local experts, W ranks,
 N nodes, G ranks per node (W = N * G), S1 rows of hop 1 (one per (token, node)),
 S2 rows of hop 2 (one per (hop-1 row, rank)), R rows received (one per (token, local expert)).
 
-Nodes are simulated as groups of `ranks_per_node` consecutive ranks. Rank r = n * G + g.
-At construction every rank creates, in the same order, the N intra-node groups
-{n*G, ..., n*G + G-1} and the G inter-node groups {g, G+g, 2G+g, ...} ("same local index",
-the rails RDMA links connect).
-
-Dispatch, as numbered steps (source rank (n, g)):
-1. hop 1, inter-node: each token goes once to every node that owns one of its experts, to
-   the rank with the same local index g there (a self-copy for the own node). The token's
-   full topk_idx row travels with it;
-2. hop 2, intra-node: the hop-1 receiver forwards each row once to every rank of its node
-   that owns one of the token's experts (a self-copy for its own experts);
-3. expand: the owner makes one row per (token, local expert) and groups them by expert.
-Combine runs the plan transposed: weighted rows are summed per token on the owning rank,
-sent back inside the node, summed per token on the hop-1 rank, then sent once per node.
-So inter-node bytes are per (token, node) in both directions, against per (token, expert)
-for all_to_all.
-
-Limitations: on one CPU machine there is no fast intra-node link, so the extra hop costs
-latency here; the point is the inter-node bytes, which `bytes_moved` reports. Metadata
-(topk_idx rows, weights, counts) is exchanged separately from the rows (more, smaller
-collectives than a fused kernel would issue).
+The groups, the hops and the limitations: docs/kernels.md#hierarchical-kernelshierarchicalpy.
 """
 
 from __future__ import annotations
