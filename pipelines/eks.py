@@ -1,44 +1,8 @@
 """The EKS target: what a pipeline must be to run on a real KFP on EKS, and what each task gets.
 
-`check_cluster_safe` refuses a config that only works on one machine. On the cluster every
-task is a pod with its own filesystem, so nothing may travel between tasks through a local
-path: checkpoints go to S3, tracking to an MLflow server, async samples to a Valkey service,
-and each task's cache lives in its own scratch volume (`moerl/launch/podenv.py`).
-
-`place` gives one task, through kfp-kubernetes, the settings of its worker group
-(`cluster.groups`): the seed's four groups are GPU trainers (on-demand), GPU rollout workers
-(Spot), CPU nodes for reward and bookkeeping, and memory-optimized nodes for the buffer and the
-checkpoint cache. Every task gets:
-- its group's image, node selector and tolerations, CPU and memory requests (memory limit =
-  request: a task that outgrows it is OOM-killed where it ran, not the node's neighbours);
-- an emptyDir at `cluster.scratch_dir` (its cwd, HOME, TMPDIR, cache; `MOERL_SCRATCH`);
-- where it runs an engine or a trainer: its group's GPUs (`nvidia.com/gpu`) and a
-  memory-backed `/dev/shm` (Docker's 64 MiB default breaks torch and vLLM; the maintainers'
-  recommended fix, kubeflow/pipelines#9893);
-- its credentials as files of Secret volumes under /var/run/secrets/moerl/<secret>/, with only
-  their paths in the environment (`<VAR>_FILE`), never parameters: MLflow's from the Secret
-  `cluster.mlflow_secret`, the cache server's writer or reader keys by what the stage does, and
-  in the async pipeline the run's own Valkey user (start_run's output `valkey_secret` names its
-  Secret; start_run and close_run alone get the admin password that makes and deletes it):
-  exactly what `moerl.launch.podsecrets.pod_secret_env` says, which the local cluster test's
-  tasks get too;
-- `set_timeout` (the pod's activeDeadlineSeconds) from its group;
-- caching off (set for every task by the pipelines: every stage is stateful);
-- in the sync pipeline, `pipeline.task_retries` retries for stages that are pure functions of
-  their inputs (a Spot reclaim of a rollout pod redoes the same work), never for publication.
-
-With `cluster.launch.mode: kubernetes` the GPU stages' tasks only launch and watch their
-workloads (moerl.launch): they run on the CPU group without GPUs or /dev/shm, know their own
-namespace and service account (`MOERL_POD_NAMESPACE`, `MOERL_SERVICE_ACCOUNT`, from the
-downward API) for the workloads' owner reference and account, and the workloads get the GPU
-group's placement with GPUs, EFA devices and hugepages.
-
-`check_cluster_safe` also refuses an image with no registry (it would be pulled from Docker
-Hub's library, where moerl's images are not) and a CUDA stage whose group has no GPUs.
-
-Limitations: the settings are checked offline (tests parse the compiled YAML into the KFP and
-kfp-kubernetes protos); no cluster has run them here. KFP cannot set ephemeral-storage requests
-(kubeflow/pipelines#11137), so the scratch emptyDir has a sizeLimit but no request.
+`check_cluster_safe` refuses a config that only works on one machine; `place` gives one task,
+through kfp-kubernetes, its worker group's settings, scratch, credentials and timeout. What
+each refusal and setting is, and why: docs/eks.md.
 """
 
 from __future__ import annotations

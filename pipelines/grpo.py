@@ -1,26 +1,8 @@
 """The sync GRPO pipeline: one task per stage per iteration, iterations unrolled at compile time.
 
-KFP v2 has no while loop; a Python `for` over `pipeline.iterations` is the documented
-pattern. Every stage is a lightweight component on `pipeline.base_image`; the run config
-travels as one JSON string parameter, validated again inside each task.
-
-    ExitHandler(close_run):           marks the MLflow run FAILED however the run fails
-        start_run -> init_policy (v0)   or, resuming from version s: resume_policy (v_s)
-        for i in s..N-1:
-            rollout(v_i) -> reward -> buffer -> policy_update -> publish_checkpoint(v_i+1)
-              -> redistribute_weights(v_i+1) ;  log_iteration(i)
-        finish_run
-
-`moerl run` executes this same function with kfp.local's SubprocessRunner; `moerl compile`
-writes it as KFP IR YAML for the cluster. `target="eks"` adds every task's pod settings
-(`pipelines/eks.py`).
-
-The compiled size grows by about 22 KB of YAML per unrolled iteration (34 KB with the EKS pod
-settings), and the cluster stores a run's whole workflow in one Kubernetes object (etcd's
-limit is 1.5 MiB, and Argo expands the IR further). So a compiled sync run is capped at
-`MAX_COMPILED_ITERATIONS` iterations: longer runs use the async pipeline, whose size does
-not depend on the number of versions, or chain runs (`moerl compile --resume RUN_ID
---start-iteration N`). `moerl run` on kfp.local compiles nothing and has no cap.
+`moerl run` executes this function with kfp.local's SubprocessRunner; `moerl compile` writes it
+as KFP IR YAML. The graph and the iteration cap:
+docs/pipelines.md#the-sync-pipeline-pipelinesgrpopy.
 """
 
 import inspect

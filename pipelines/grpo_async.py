@@ -1,60 +1,7 @@
 """The async GRPO pipeline: long-lived stages that run concurrently in one KFP run, joined by Valkey.
 
-    ExitHandler(close_run):           marks the MLflow run FAILED however the run fails
-      start_run -> concurrently, each for the whole run:
-             ParallelFor(start_run's worker_slots): rollout_worker(i)   (rollout.workers)
-             ParallelFor(start_run's scorer_slots): reward_scorer(j)    (reward.scorers)
-             init_policy (v0) -> async_trainer  (publishes v1..v_N, N = pipeline.versions,
-                                                 then sets the done flag)
-        -> finish_run (after the trainer)
-
-No data flows between the long-lived tasks through KFP: work units, generated and scored
-samples and the version registry live in the Valkey at `valkey.url` (run-prefixed keys), and
-weights in the checkpoint store. So the graph is the same for 3 versions or 100,000: its
-compiled size does not grow with `pipeline.versions` (unlike the sync pipeline, which unrolls
-every iteration). The run ends when every task exits: the trainer's done flag is what stops
-the workers and scorers.
-
-Why each setting:
-- `ParallelFor` over `start_run`'s `worker_slots` / `scorer_slots` (one item per worker or
-  scorer of the run's merged config), with no parallelism limit: the counts are run
-  parameters (`rollout_workers`, `reward_scorers` on the run form), and every slot runs at
-  once, since a long-lived worker that waited for another to finish would wait for the run's
-  end. (With a limit, Argo's template parallelism, slots past it would start only then.)
-- Caching is off on every task: each one is stateful and side-effecting (Valkey, the store,
-  MLflow); a cache hit would skip a worker or replay a stale run id.
-- Rollout workers and scorers get `set_retry(pipeline.worker_retries, backoff '10s' constant,
-  backoff_max_duration = pipeline.retry_max_duration_s)`. A worker drained by SIGTERM (Spot)
-  exits non-zero on purpose so that the retry starts a replacement in its slot. Argo counts
-  `maxDuration` from the FIRST attempt's start, and KFP defaults it to 3600 s: with the default,
-  a worker preempted after the first hour would never be replaced.
-- The trainer gets `TRAINER_RETRIES` retries under the same deadline: a restarted trainer
-  resumes from the last published version.
-- Rollout workers and scorers start beside `init_policy`, not after it (issue 24, fast start):
-  the worker's pod start, image pull and engine start on dummy weights (`rollout.early_engine`)
-  overlap version 0's publication, and it hot-swaps version 0 in when the trainer registers
-  it. A failing `init_policy` marks the run failed on the bus (`stages_beside`), so they stop
-  at once; were that mark lost, they stop after `pipeline.trainer_lost_s` without a trainer.
-
-Credentials never enter the compiled spec: `valkey.url` cannot embed a password, and `moerl
-compile` strips those of `tracking.uri` as for the sync pipeline. On EKS the tasks read them from
-Secret files; the stages log in to Valkey as the run's own user, whose Secret start_run makes
-and names in its output `valkey_secret`, and close_run deletes (moerl/launch/runsecret.py).
-
-Limitations:
-- kfp.local runs tasks one after another, so it cannot run this graph (a worker would wait
-  forever for a trainer that never starts). `moerl run --mode async` runs the same stage
-  entrypoints as local processes with an embedded Valkey instead (`moerl.orchestrate.async_run`).
-- `target="eks"` adds every task's pod settings (`pipelines/eks.py`). KFP cannot set a
-  task pod's terminationGracePeriodSeconds (it must cover `rollout.grace_seconds`); the
-  default 30 s is what an in-task worker gets. With `cluster.launch.mode: kubernetes` the
-  workers run in launched pods whose grace period moerl sets (moerl/launch).
-- KFP's `set_retry` compiles to Argo's default retryPolicy (OnFailure). An evicted or deleted
-  pod is an Argo *Error*, retried only under OnError/Always (kubeflow/pipelines#4333); check
-  what the cluster's workflow-controller `templateDefaults.retryStrategy` merges in.
-- The backoff is constant (factor 1): KFP exposes no cap on a growing backoff, and with
-  doubling a slot's n-th retry would wait 10 * 2^(n-1) s, so within 7 days at most ~16 retries
-  could start, whatever `worker_retries` says. A Spot replacement waits for a node anyway.
+The graph, why each setting (slots, retries, fast start) and the limitations:
+docs/pipelines.md#the-async-pipeline-pipelinesgrpo_asyncpy; the stages' design: docs/async.md.
 """
 
 from collections.abc import Callable

@@ -1,21 +1,7 @@
 """The reward-model pipeline (`pipeline.kind: reward_model`): RLHF's first half.
 
-    start-run -> prepare-preferences -> train-reward-model -> evaluate-reward-model
-              -> publish-reward-model -> finish-run          (close-run: the exit handler)
-
-- prepare-preferences validates `reward_model.data` (JSONL or Parquet pairs; malformed rows
-  skipped and counted with the prompt dataset's threshold) and splits it, seeded;
-- train-reward-model trains the `model` backbone with a one-logit head on the Bradley-Terry
-  loss;
-- evaluate-reward-model measures pairwise accuracy on the held-out split and fails the run
-  below `reward_model.min_accuracy`, before anything is published;
-- publish-reward-model publishes the model to the checkpoint store with a manifest (version
-  1 of the run's lineage) and registers it in MLflow's model registry
-  (`reward_model.registry_name`), where a GRPO run finds it (`reward.model.registered`).
-
-It runs on kfp.local (`moerl run configs/tiny-rm.yaml`) and compiles for EKS like the GRPO
-pipelines (`moerl compile --target eks`): the same task settings (caching off, EKS pod
-settings by stage group, the exit handler that marks a failed run FAILED in MLflow).
+The graph and what each task does:
+docs/pipelines.md#the-reward-model-pipeline-pipelinesreward_modelpy.
 """
 
 # No `from __future__ import annotations` here: KFP reads the pipeline signature's real types.

@@ -108,10 +108,6 @@ NOT_YET_SHRUNK = frozenset(
         "moerl/tasks/tools.py",
         "moerl/tasks/verifiers.py",
         "moerl/tracking.py",
-        "pipelines/eks.py",
-        "pipelines/grpo.py",
-        "pipelines/grpo_async.py",
-        "pipelines/reward_model.py",
     }
 )
 
