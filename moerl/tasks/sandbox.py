@@ -146,7 +146,10 @@ class _Child:
             cwd=self.scratch,
             close_fds=True,
         )
-        self.fd = self.proc.stdout.fileno()
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None and stdout is not None  # both subprocess.PIPE
+        self.stdin, self.stdout = stdin, stdout
+        self.fd = stdout.fileno()
         os.set_blocking(self.fd, False)
         self.buf = b""
         self.call: int | None = None  # index of the call it is running
@@ -154,8 +157,8 @@ class _Child:
         self.deadline = 0.0
 
     def send(self, msg: dict) -> None:
-        self.proc.stdin.write(json.dumps(msg).encode() + b"\n")
-        self.proc.stdin.flush()
+        self.stdin.write(json.dumps(msg).encode() + b"\n")
+        self.stdin.flush()
 
     def read(self) -> list[bytes] | None:
         """Complete lines read so far; None at end of file (the child died)."""
@@ -175,7 +178,7 @@ class _Child:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.stdin, self.stdout):
             try:
                 f.close()
             except OSError:
@@ -283,7 +286,7 @@ class SandboxPool:
             if key is not None and key in ahead:
                 continue
             owner = self.owner.get(key) if key is not None else None
-            if owner is not None:
+            if key is not None and owner is not None:  # owner is only ever found by a key
                 if owner.call is not None:
                     ahead.add(key)
                     continue
@@ -342,6 +345,8 @@ class SandboxPool:
                 wait = max(0.0, min(c.deadline for c in busy.values()) - time.monotonic())
                 for key, _ in sel.select(wait):
                     c = busy[key.fd]
+                    at = c.call
+                    assert at is not None  # every child in busy runs a call
                     try:
                         lines = c.read()
                     except ValueError as err:
@@ -354,19 +359,20 @@ class SandboxPool:
                             if big
                             else f"the sandboxed process died ({c.died()})"
                         )
-                        out[c.call] = Outcome("crashed", error=f"crashed: {why}")
+                        done = out[at] = Outcome("crashed", error=f"crashed: {why}")
                     elif lines:
-                        out[c.call] = _outcome(lines[0])
+                        done = out[at] = _outcome(lines[0])
                     else:
                         continue
                     sel.unregister(c.fd)
                     del busy[c.fd]
-                    if lines is None or out[c.call].kind == "memory":
+                    if lines is None or done.kind == "memory":
                         self._replace(c)
                     c.call = None
                 now = time.monotonic()
                 for fd, c in list(busy.items()):
                     if now >= c.deadline:
+                        assert c.call is not None  # every child in busy runs a call
                         out[c.call] = Outcome(
                             "timeout",
                             error=f"timeout: the call took longer than "
@@ -391,7 +397,7 @@ def _outcome(line: bytes) -> Outcome:
         return Outcome("crashed", error=f"crashed: unreadable reply {line[:200]!r}")
     if "ok" in msg:
         return Outcome("ok", value=msg["ok"])
-    kind = "memory" if msg.get("memory") else "error"
+    kind: Kind = "memory" if msg.get("memory") else "error"
     prefix = "memory: " if kind == "memory" else ""
     return Outcome(kind, error=prefix + str(msg.get("err", "unknown error"))[:2000])
 
