@@ -60,20 +60,26 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moerl.bus import BusWrite, Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.bus.run import Registered
 from moerl.config import RunConfig, config_from_json
-from moerl.errors import CheckpointError
+from moerl.errors import CheckpointError, ConfigError
 from moerl.launch.podenv import enter_pod
 from moerl.records import Prompt, Sample
 from moerl.store.runs import engine_copy, run_store
 from moerl.tasks.prompting import encode_prompt, uses_template
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from moerl.components.rollout.engine import RolloutEngine
+    from moerl.components.rollout.episodes import Episode
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +91,9 @@ def group_seed(base: int, unit_id: str, k: int) -> int:
     return (base * 1_000_003 + int(unit_id.lstrip("u")) * 4099 + k) % (2**31 - 1)
 
 
-def served_shas(shas: dict[int, str], versions: Sequence[int]) -> dict[int, str] | None:
-    """The manifest sha256 an engine served for each of `versions` (those it knows)."""
+def served_shas(shas: dict[int, str], versions: Iterable[int | None]) -> dict[int, str] | None:
+    """The manifest sha256 an engine served for each of `versions` (those it knows; None, a
+    completion without a version, is none of them)."""
     out = {v: shas[v] for v in versions if v in shas}
     return out or None
 
@@ -137,7 +144,8 @@ class _Drain:
     """SIGTERM sets a deadline; the loop drains against it."""
 
     def __init__(self, grace_s: float):
-        self.grace_s, self.deadline = grace_s, None
+        self.grace_s = grace_s
+        self.deadline: float | None = None
 
     def __call__(self, signum, frame) -> None:
         if self.deadline is None:
@@ -315,8 +323,8 @@ def pointer_moved(
 class RolloutWorker:
     def __init__(self, cfg: RunConfig, run_id: str, name: str, bus: RunBus):
         self.cfg, self.run_id, self.name, self.bus = cfg, run_id, name, bus
-        self.engine = None
-        self.tokenizer = None
+        self.engine: RolloutEngine | None = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         self.version: int | None = None
         self.sha: str | None = None  # the served version's manifest sha256
         self.epoch = 0  # the newest trainer epoch whose servable pointer this worker followed
@@ -371,6 +379,13 @@ class RolloutWorker:
         it, so a count read as soon as the bus shows a write may still miss it."""
         self._outbox.flush()
         return self.bus_writes
+
+    @property
+    def _live(self) -> RolloutEngine:
+        """The engine, once loaded (the loops generate only after `_serve_latest` loaded one)."""
+        if self.engine is None:
+            raise RuntimeError(f"{self.name}: no engine loaded yet")
+        return self.engine
 
     # -- weights ------------------------------------------------------------------------
     def _serve_latest(self, in_flight: bool = False) -> None:
@@ -488,7 +503,7 @@ class RolloutWorker:
                 err,
             )
 
-    def _new_engine(self, model_dir: Path, dummy: bool = False) -> None:
+    def _new_engine(self, model_dir: Path, dummy: bool = False) -> RolloutEngine:
         """This worker's engine and tokenizer from `model_dir` (`dummy`: its config only, random
         weights; see `_early_engine`), counted in engine_loads."""
         from transformers import AutoTokenizer
@@ -508,6 +523,7 @@ class RolloutWorker:
         self.bus.heartbeat(
             self.name, ttl_s=10.0, engine_load_s=engine.load_s
         )  # the start, measured (bench modes)
+        return engine
 
     def _early_engine(self) -> None:
         """`rollout.early_engine`: an engine on dummy weights from the model's skeleton, started
@@ -529,7 +545,7 @@ class RolloutWorker:
             )
             return
         try:
-            self._new_engine(skel, dummy=True)
+            engine = self._new_engine(skel, dummy=True)
         except Exception as err:  # noqa: BLE001 - whatever vLLM raised: the normal start still works
             self.bus.incr(engine_early_start_failed=1)
             log.warning(
@@ -544,7 +560,7 @@ class RolloutWorker:
         log.info(
             "%s: engine started on dummy weights in %.1f s, before any version is servable",
             self.name,
-            self.engine.load_s,
+            engine.load_s,
         )
 
     def _load(self, reg, sources: list[str], t0: float, in_flight: bool = False) -> None:
@@ -561,16 +577,16 @@ class RolloutWorker:
         ) as model_dir:
             t_fetched = time.perf_counter()
             if self.engine is None:
-                self._new_engine(model_dir)
-                self.engine.version = reg.version
+                engine = self._new_engine(model_dir)
+                engine.version = reg.version
                 log.info(
                     "%s: engine loaded on version %d in %.1f s",
                     self.name,
                     reg.version,
-                    self.engine.load_s,
+                    engine.load_s,
                 )
             else:
-                running = self.engine.unfinished() if in_flight else 0
+                running = self._live.unfinished() if in_flight else 0
                 first = (
                     self.version is None
                 )  # the first version into an early engine: its load, not a swap
@@ -596,7 +612,7 @@ class RolloutWorker:
                 )
         # where the weights came from, counted: a cache tier that fell back to S3 shows here (a
         # version fetched beside generation counts that fetch, not the node-cache read after it)
-        sources = self._prefetched.pop(reg.version, None) or sources
+        sources = self._prefetched.pop(reg.version, []) or sources
         self.bus.incr(**{f"weights_from_{s}": 1 for s in sources})
         self.bus.heartbeat(self.name, last_fetch_s=t_fetched - t0)
 
@@ -633,7 +649,7 @@ class RolloutWorker:
                 self.tokenizer, self.cfg.rollout, e["prompt"]
             )  # text, or chat template
             u.by_rid[rid] = k
-            self.engine.submit(rid, u.ids[rid], G, seed=self._seed(unit_id, k))
+            self._live.submit(rid, u.ids[rid], G, seed=self._seed(unit_id, k))
         return u
 
     def _seed(self, unit_id: str, k: int) -> int | None:
@@ -713,7 +729,7 @@ class RolloutWorker:
                 not self.drain.asked
                 and not newer
                 and len(units) < cap
-                and self.engine.unfinished_sequences() < 2 * room
+                and self._live.unfinished_sequences() < 2 * room
                 and (not units or now - empty_at > 0.1)
             ):  # beside generation, an empty queue is read every 0.1 s
                 lease = self.bus.lease_unit(
@@ -738,12 +754,12 @@ class RolloutWorker:
             if drain_t0 is not None:
                 drain_steps += 1
                 drain_seqs += min(
-                    self.engine.unfinished_sequences(), room
+                    self._live.unfinished_sequences(), room
                 )  # the running batch (the rest waits)
             t0 = time.perf_counter()
             writes: list[BusWrite] = []  # the groups this step finished, handed over together
             try:
-                for rid, comps in self.engine.step():
+                for rid, comps in self._live.step():
                     u = units[rid_unit.pop(rid)]
                     k = u.by_rid[rid]
                     writes.append(self._group_write(u.unit_id, u.todo[k], comps, u.ids[rid]))
@@ -839,7 +855,10 @@ class RolloutWorker:
             return True
         self._outbox.flush()
         if remaining:
-            self.engine.abort(rids) if rids is not None else self.engine.abort_all()
+            if rids is not None:
+                self._live.abort(rids)
+            else:
+                self._live.abort_all()
         if remaining and not self._still_held(lease):
             # another worker reclaimed the unit: it regenerates what is missing; ours is dropped
             self.bus.incr(leases_lost=1)
@@ -886,7 +905,7 @@ class RolloutWorker:
             ]
         eps = [ep for g in groups.values() for ep in g]
         where = {ep.key: k for k, g in groups.items() for ep in g}
-        rids: dict[str, object] = {}
+        rids: dict[str, Episode] = {}
         finished: set[int] = set()
         t0 = time.perf_counter()
 
@@ -895,7 +914,7 @@ class RolloutWorker:
             rid = f"{ep.key}-t{ep.turns}"
             seed = self._seed(unit_id, k)
             seed = None if seed is None else seed * 1031 + ep.sample_index * 67 + ep.turns
-            self.engine.submit(rid, ep.context, 1, seed=seed, max_tokens=driver.budget(ep))
+            self._live.submit(rid, ep.context, 1, seed=seed, max_tokens=driver.budget(ep))
             rids[rid] = ep
 
         in_env: set[str] = set()  # episodes whose environment step runs now (off the engine loop)
@@ -924,11 +943,11 @@ class RolloutWorker:
                 if not ep.done:
                     submit(ep)
             publish_done(list(groups))
-            while self.engine.unfinished() or pending:
+            while self._live.unfinished() or pending:
                 if self.drain.expired() or not self._still_held(lease):
                     break
-                if self.engine.unfinished():
-                    turns = [(rids.pop(rid), comps[0]) for rid, comps in self.engine.step()]
+                if self._live.unfinished():
+                    turns = [(rids.pop(rid), comps[0]) for rid, comps in self._live.step()]
                     if turns:
                         in_env.update(ep.key for ep, _ in turns)
                         pending.append((envs.submit(driver.advance, turns), turns))
@@ -992,7 +1011,7 @@ class RolloutWorker:
                 prompt_ids,
                 comps,
                 self.version,
-                self.engine.routed_experts,
+                self._live.routed_experts,
                 self._shas,
             ),
         )
@@ -1157,6 +1176,8 @@ def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
     from moerl.provenance import stage_start
 
     stage_start(cfg, worker, run_id)  # records where it runs; enforces `require:`
+    if cfg.valkey.url is None:  # the launcher names the run's server (its own, or the cluster's)
+        raise ConfigError("valkey.url is unset: a rollout worker joins a running bus")
     bus = RunBus(
         connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username),
         run_id,
