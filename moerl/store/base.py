@@ -1,51 +1,6 @@
 """Checkpoint store: publish, list, fetch, pin and prune policy versions in a folder or in S3.
 
-A policy version is a directory of files (an HF safetensors checkpoint). `publish` copies every
-file, writes `manifest.json` (path, size, sha256 of each file) last, reads it back, checks that
-every object is there with the right size, and only then moves the `latest` pointer. A version
-is complete when its manifest exists, so a crash mid-publish never looks like a version, and
-retention deletes a version's manifest before its files for the same reason. `fetch` verifies
-every file against the manifest while it streams (sha256 updated chunk by chunk as the bytes
-arrive, no second read) into a staging folder, renames that folder into place only once every
-file matched, and leaves a marker, so a verified copy is reused; a file lock per version lets
-processes on one node share a cache folder. Layout under a root or s3://b/prefix:
-    versions/v000001/<files>   versions/v000001/manifest.json   latest.json   pins/<holder>.json
-This module is the contract; the folder backend is `moerl.store.folder`, the S3 backend
-`moerl.store.s3`, and `moerl.store.runs.open_store` picks one (boto3 is imported only for
-s3:// URIs). The contract never imports its backends.
-
-Writers are fenced by the trainer's epoch (`moerl.store.fence`): with `exclusive=True` a
-version is claimed create-only (owner, epoch, expiry) before any file is written, a writer older
-than the claim is refused, and `latest.json` records the epoch that moved it, moved only by a
-compare-and-set that an older epoch cannot pass. Before `latest` moves, every stored object is
-checked against the manifest: by its sha256 where the backend reports one (`_stored`), else by
-its size.
-
-Limitations:
-- Writers without an epoch (the sync pipeline, benchmarks) are not fenced: one such writer per
-  store at a time, as before; two of them publishing one version non-exclusively interleave.
-- Where the backend reports no hash for an object (a folder: its publish is staged privately and
-  renamed create-only, so no other writer's bytes can be under it; S3: an object uploaded
-  without a SHA-256 checksum, or in parts that are not the manifest's chunks), publish checks
-  its size only; fetch checks every checksum. A source file that changes while it is published
-  gives a manifest that does not match it, and publish (by hash) or fetch then refuses it.
-- A failed publish deletes what it wrote (manifest first, its claim last) unless a newer writer
-  took the version over; a publish killed outright leaves files under its version (S3) or a
-  `.tmp-*` folder (local), invisible without a manifest, which `recover` or retention removes.
-  An S3 multipart upload killed midway stays as an incomplete upload: give the bucket a
-  lifecycle rule (AbortIncompleteMultipartUpload).
-- A publish killed after its manifest is stored but before `latest` moves leaves a complete
-  version above `latest`, which publish then refuses to overwrite; `recover` (run by
-  `--resume` and by the async trainer at start) adopts it if it verifies and the caller names it
-  (or, for a caller without an epoch, if it is the newest), or deletes it.
-- Pins are leases (`moerl.store.leases`): a pin protects its version while its holder renews it
-  within `checkpoint.pin_ttl_s`; a holder that dies stops renewing, and retention then deletes
-  its version and its pin file. Expiry compares UTC wall clocks on different machines, so the
-  TTL must dwarf their skew. A pin protects a version only from retention that starts after
-  the pin is written; pin a version before fetching it.
-- The fetch cache (`moerl.store.nodecache`) keeps what `prune_cache` leaves: callers prune to the
-  newest `checkpoint.cache_keep` versions plus the ones fetched and served. Its lock is
-  `fcntl.flock`: it holds on one node's local disk, not across NFS clients.
+Design, details and limitations: docs/store.md#moerlstorebasepy.
 """
 
 from __future__ import annotations

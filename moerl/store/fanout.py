@@ -1,47 +1,6 @@
 """Fan-out: the rollout engines of one run fetch a new version from each other, chunk by chunk.
 
-One cache server feeding every rollout node is the next bottleneck (32 nodes x 470 GB per
-version of Qwen3-235B-A22B). With `checkpoint.fanout`, each rollout worker runs a `Swarm`:
-
-- it serves the chunks it holds, verified, over HTTP (uvicorn and `moerl.store.fanout_http`:
-  `GET /chunk/{version}/{manifest sha256}/{index}`, only with the run's bearer token, a few
-  chunks at a time, streamed from the file), on `MOERL_FANOUT_BIND` (127.0.0.1 by default; the
-  pod's address on EKS, where a NetworkPolicy admits only rollout pods, and the token only the
-  run's), and announces itself in Valkey (`fanout:peers`, with its URL, and
-  `fanout:alive:<peer>`, a key it refreshes every few seconds: a peer killed without a goodbye
-  drops out within `ALIVE_TTL_S`) and what it holds of each version: one bitmap of chunk
-  indices per (version, manifest sha256, peer), written in batches (`moerl.store.fanout_book`;
-  the sha in the key, so a version number trained again after a rollback never mixes with the
-  lost one's chunks);
-- to fetch a version it takes the manifest from the cache tier (or S3), then every chunk in a
-  rotated order (peer k of n starts at chunk k*K/n, so at first the peers pull disjoint parts
-  from the tier), each from a peer whose bitmap has it when there is one (the peers' bitmaps
-  are read in one round trip, at most twice a second), else from the cache tier, else from S3
-  (ranged reads). A peer's answer is read with a length check and a deadline (`fanout_http`):
-  more bytes than the chunk, or too slow, and it is refused (`fanout_chunks_refused`,
-  `fanout_chunks_slow`) and not asked again in this fetch. Every chunk is checked against the
-  manifest's chunk sha256 before it is written or announced: a corrupt chunk from a peer is
-  refused (`fanout_chunks_refused`) and fetched from the next source. The copy is renamed into
-  the node cache, with its manifest and marker, only after every chunk has passed and the last
-  announcements are flushed; a failed fetch withdraws what it announced.
-
-Peers come and go (Spot): a peer that does not answer (connect timeout 2 s) is skipped for the
-rest of that fetch, one that answers 404 (it pruned that version) or 503 (busy) only for that
-chunk, and a chunk nobody else holds comes from the tiers, so the fan-out needs no fixed group.
-Time to serve one version of S bytes to N nodes, each with link bandwidth b, from a cache tier
-of bandwidth B: about max(S/b, S/B) + N*c/b for chunk size c (the tier sends each chunk about
-once, every node receives S and sends about S), against N*S/B through the cache tier alone
-(`moerl bench weights` measures both; `moerl bench project` states both at the seed's scale;
-`moerl bench fanout` the Valkey load of the bookkeeping at 32 workers).
-
-Limitations: a chunk is fetched once per node even when two nodes race for it at the start
-(at most one chunk each), and a chunk a peer got in the last half second is not yet seen by
-the others (bitmaps are read at most every 0.5 s): such chunks come from the tiers; the peers'
-announcements are not retracted when their node cache prunes a version (a peer that no longer
-has it answers 404 and the next source is tried); a peer keeps serving every version it
-assembled in this process while its files exist. The token keeps other runs and anything
-outside the run's Valkey keys away from the chunks, but it is one secret for the whole run,
-shared by its workers through Valkey: whoever can read the run's keys can read its chunks.
+Design, details and limitations: docs/store.md#moerlstorefanoutpy.
 """
 
 from __future__ import annotations

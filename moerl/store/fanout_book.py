@@ -1,25 +1,7 @@
 """The fan-out's bookkeeping in Valkey: who holds which chunk of a version, the run's chunk token,
 and the chunk counters; kept to O(peers) commands per look and a few batched writes per second.
 
-At the seed's scale (32 rollout workers, about 7,000 chunks per version of Qwen3-235B-A22B at
-64 MiB) the first fan-out asked Valkey, per chunk, one SMEMBERS per peer (sequentially, each
-returning up to 7,000 members), and wrote a SADD, an EXPIRE and a counter script per chunk, on
-the Valkey that also carries the run's leases, acknowledgements and commits (`moerl bench
-fanout` measures both ways). Now:
-
-- each peer's holdings of one version are one bitmap (`fanout:bits:<version>:<sha>:<peer>`,
-  bit i set: chunk i passed its sha256 here; MSB first, as SETBIT numbers bits), which only that
-  peer writes: the whole bitmap, SET with its TTL (one idempotent command whatever was added, so
-  a retried write cannot go wrong), from the peer's own copy of it;
-- announcements and the chunk counters are batched (`Book.flush_if_due`: every `FLUSH_S` or
-  `FLUSH_CHUNKS` chunks, also from a background thread so a stalled fetch does not hold them
-  back), with a final flush before a copy is declared assembled;
-- a fetch reads every peer's bitmap in one pipelined round trip (`Holders`), at most once every
-  `REFRESH_S`, whatever its threads ask in between: O(peers) commands per refresh.
-
-A copy is announced only chunk by chunk as each one passes its sha256, so the bitmaps never
-claim unverified bytes; a failed fetch withdraws its bitmap (`Book.withdraw`), serialized with
-the flushes so a flush in flight cannot bring a withdrawn bitmap back.
+Design, details and limitations: docs/store.md#moerlstorefanout_bookpy.
 """
 
 from __future__ import annotations

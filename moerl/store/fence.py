@@ -1,32 +1,7 @@
 """Fencing the writers of one store: version claims with an owner, an epoch and an expiry, and
 the epoch that `latest.json` records.
 
-A run has one trainer at a time, and the bus gives each trainer a new, larger epoch
-(`RunBus.claim_trainer`). A trainer that was replaced (a retried task while the first one still
-runs) keeps publishing until something refuses it; in the store that is:
-
-- **the claim** `versions/vNNNNNN/.claim`, written create-only before any file of the version:
-  `{"owner", "epoch", "expires_at"}`. A writer whose epoch is older than the claim's is refused
-  (`CheckpointError` naming both epochs). A claim of an older epoch, or one whose `expires_at`
-  passed, may be removed by a newer writer (`recover`, or a publish that finds it); a live claim
-  of the same or a newer epoch is never touched. A writer reads its claim back before each file
-  and before its manifest, so one that was fenced stops within one file.
-- **the `latest` pointer** records the epoch that moved it. A move is a compare-and-set on the
-  object (S3: `If-Match` on its ETag, `If-None-Match: *` when absent; a folder: a lock file), so
-  no writer of an older epoch can move it, even between another's read and write. `recover` of a
-  new epoch writes its epoch into the pointer first (the version unchanged): from then on an
-  older writer's move is refused, before the newer one deletes or rewrites anything.
-
-Writers without an epoch (`None`: the sync pipeline, benchmarks, `--resume` while nothing runs)
-take no part: they neither check nor raise the recorded epoch, as under the old contract of one
-writer per store.
-
-Limitations: expiry compares UTC wall clocks of different machines (the TTL, `checkpoint.
-claim_ttl_s`, must dwarf their skew), and a claim is not renewed, so it must outlast the longest
-publish of one version. A replaced writer's upload of one file that started before the newer
-writer removed its claim can still land after the newer writer verified that file: the window is
-one file's upload overlapping the newer trainer's whole training step plus its publish of the
-same version, which the newer writer reaches only after training it.
+Design, details and limitations: docs/store.md#moerlstorefencepy.
 """
 
 from __future__ import annotations

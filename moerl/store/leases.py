@@ -1,20 +1,6 @@
 """Pins as leases: what a pin file holds, and when it stops protecting its version.
 
-A holder (an engine, a redistribution task) pins the version it serves in `pins/<holder>.json`
-with an expiry time `expires_at = now + ttl`. While it lives it renews the lease (well before
-the TTL runs out, e.g. every TTL/3); a holder that dies stops renewing, its lease expires, and
-retention may then delete the version and the pin file. `PinLeases` is the store's pin API;
-its `clock` is injectable, so the expiry logic is testable without waiting.
-
-Limitations:
-- Time is UTC wall-clock time (POSIX seconds) on each machine; the holder that writes a lease
-  and the process that applies retention compare against their own clocks. Clock skew between
-  them shortens or lengthens a lease by the skew, so the TTL must dwarf the skew (NTP keeps it
-  under a second; the default TTL is an hour).
-- A lease is not a lock: retention that reads an expired lease may delete the version just as
-  its holder renews; `renew` refuses an expired lease for that reason (pin again, which checks
-  the version still exists).
-- Pins written before leases (no `expires_at`) expire `default_ttl_s` after their `pinned_at`.
+Design, details and limitations: docs/store.md#moerlstoreleasespy.
 """
 
 from __future__ import annotations

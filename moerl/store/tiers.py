@@ -1,44 +1,6 @@
 """The tiers a policy version lives in: the node cache, the cache tier, the durable store.
 
-- **Durable** (`checkpoint.uri`, S3 on a cluster): every version, its `latest` pointer, pins and
-  retention, as before. A run resumes from here and nowhere else.
-- **Cache tier** (`checkpoint.cache_tier`, an S3 endpoint on the memory-optimized `buffer`
-  nodes: SeaweedFS, manifests/base/ckpt-cache.yaml; `weed mini` locally): the newest
-  `cache_tier.keep_last` versions, published first, so a version is *servable* as soon as its
-  copy there is verified, while the durable copy is still being written.
-- **Node cache** (`checkpoint.cache_dir`): verified copies on the engine's own disk.
-
-Both remote tiers hold one version under one manifest (the durable copy is published with the
-cache tier's manifest, `CheckpointStore.publish(manifest=...)`), so one sha256 names the
-version wherever it is read. A reader takes the nearest verified copy: the node cache (its
-manifest and marker, no server call, when the caller names the manifest it expects; every
-engine and redistribution does), then peers (`moerl.store.fanout`, when given), then the
-cache tier, then the durable store. A cache tier that is down, slow, missing the version or
-serving a corrupt file costs `cache_tier.max_attempts` attempts and a warning, and the read goes
-on from S3; the source of every fetch is returned so callers count it (never a silent
-fallback).
-
-Recovery (`recover`, run by the trainer at start): the trainer's epoch is recorded in both
-tiers first (every write of an older trainer is refused from then on, `moerl.store.fence`); the
-version the servable pointer names, if complete in the cache tier but not in the durable store
-(the publisher died between the two), is promoted: read back from the cache tier, verified, and
-published durably under the same manifest, so nothing trained is lost. Other cache-tier versions
-above the durable `latest` are deleted (a version nobody made servable never enters the
-lineage; its number is trained again). A cache tier that lost its data (a restarted server: its
-volume is memory) gets its bucket back from the writer (`S3Store.ensure_bucket`, also before
-every publication to it) and is rebuilt with the durable `latest`. A cache tier that cannot be
-reached is logged and left alone: the run goes on from S3. A version larger than the tier can
-hold (`check_tier_fits`) is published to S3 first; a finished run's prefix is deleted
-(`drop_cache_run`, by `finish_run`).
-
-Limitations: the cache tier holds whole versions, the trainer's `trainer/` state included (so a
-version it holds can be promoted); at the seed's scale that is the optimizer state too, which no
-buffer node holds, so `check_tier_fits` sends every such version to S3 first until the tier is
-weights-only (docs/weights.md). Its retention keeps the newest `keep_last` versions (not version
-0), without looking at pins: an engine whose version was pruned from under its fetch falls back
-to S3. With `checkpoint.max_unpublished` > 1 several versions can be servable and not durable;
-only the one the pointer names is promoted, the ones below it are trained again. Without a
-servable pointer (`--resume`) nothing is promoted across tiers.
+Design, details and limitations: docs/store.md#moerlstoretierspy.
 """
 
 from __future__ import annotations
