@@ -336,7 +336,8 @@ def _fanout(
         ] + (["--fanout"] if fanout else [])
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
 
-    def line(p: subprocess.Popen) -> str:
+    def line(p: subprocess.Popen[str]) -> str:
+        assert p.stdout is not None  # Popen(stdout=PIPE)
         text = p.stdout.readline()
         if not text:
             raise RuntimeError(f"a fan-out reader exited with {p.wait()} (its stderr is above)")
@@ -411,13 +412,16 @@ def bench_tiers(
     # 3. the cache tier: a verified fetch against a raw download of the same objects
     tiers = run_tiers(ck, f"{name}-pub")
     fetches, raws = [], []
-    v = tiers.cache.latest()  # the cache tier keeps only its newest versions
-    files = [e for e in tiers.cache.manifest(v).files if not e.path.startswith(ENGINE_EXCLUDE)]
+    cache, cache_uri = tiers.cache, ck.cache_tier.uri
+    assert cache is not None and cache_uri is not None  # the caller configures a cache tier
+    v = cache.latest()  # the cache tier keeps only its newest versions
+    assert v is not None  # the publisher above wrote repeats + 1 versions
+    files = [e for e in cache.manifest(v).files if not e.path.startswith(ENGINE_EXCLUDE)]
     keys, nbytes = [e.path for e in files], sum(e.size for e in files)
-    bucket, _, prefix = ck.cache_tier.uri.removeprefix("s3://").partition("/")
+    bucket, _, prefix = cache_uri.removeprefix("s3://").partition("/")
     for i in range(repeats):
         t0 = time.perf_counter()
-        tiers.cache.fetch(v, root / f"cf{i}", exclude=ENGINE_EXCLUDE)
+        cache.fetch(v, root / f"cf{i}", exclude=ENGINE_EXCLUDE)
         fetches.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for k in keys:
