@@ -1,26 +1,6 @@
 """GRPO group-relative advantages: a pure function over one group's rewards.
 
-Legend: G = samples in a group (one prompt).
-
-    A_i = (r_i - mean(r)) / (std(r) + eps)          normalize_by_std=True  (GRPO)
-    A_i =  r_i - mean(r)                            normalize_by_std=False (Dr. GRPO)
-
-`std` chooses the estimator in the denominator:
-
-- `sample` (default): sqrt(sum (r_i - mean)^2 / (G - 1)), the unbiased estimator. This is what
-  verl's `compute_grpo_outcome_advantage` (torch.std, unbiased) and TRL's GRPOTrainer
-  (`std` over the group, unbiased) divide by.
-- `population`: sqrt(sum (r_i - mean)^2 / G). For the same rewards it is smaller by
-  sqrt((G - 1) / G), so its advantages are larger by sqrt(G / (G - 1)) (x1.07 at G = 8).
-
-A group whose rewards are all equal carries no learning signal: it is reported as
-zero-variance (advantages 0) so the buffer can drop and count it.
-
-Limitations: with G = 1 the sample std is undefined (0 / 0). Such a group is reported as
-zero-variance with advantage 0, under either estimator: one sample has no group to be
-compared with. verl instead uses mean 0 and std 1 there (A = r); TRL gives NaN. The buffer
-drops groups smaller than 2 before they get here, so this only matters to other callers.
-eps is 1e-6 by default, as in verl; TRL adds 1e-4.
+Design, details and limitations: docs/stages.md#componentsbufferadvantagepy.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Start the ranks of the policy update's mesh and wait for them.
 
-`run_expert_parallel` starts the mesh's `trainer.data_parallel_shard` x
-`trainer.expert_parallel_size` ranks of `moerl.components.policy_update.ep_train` (gloo on CPU,
-NCCL on GPU) on this machine, with torchrun or as local processes meeting through a file store
-(`trainer.launcher`), waits for all of them, and returns rank 0's metrics. In a TrainJob of
-several nodes (`moerl.launch.nodes`), each node's torchrun starts that node's share of the
-ranks and they meet at node 0; only node 0 returns metrics (rank 0 is there).
-
-No rank outlives the task (`moerl.launch.procs`): every rank, and torchrun itself, runs in its own
-process group and dies with the thread that started it. If one rank fails, the others are
-killed (they would block in a collective forever); on any other way out (an exception,
-SIGTERM, the rank timeout) every group is killed before the error propagates.
-
-What listens: the `local` launcher opens no rendezvous port (a file store in a private temp
-directory); gloo binds loopback (`GLOO_SOCKET_IFNAME=lo`). torchrun runs `--standalone`: its
-c10d store picks a free port itself (no probe-then-reuse race) but, as torch offers no bind
-address for it, listens on every interface of the node; the workers reach it on 127.0.0.1.
-
-Limitations: the rank timeout is one limit for the whole update (start-up, every step,
-saving), not per collective; gloo's and NCCL's own collective timeouts still apply inside it.
+Design, details and limitations: docs/stages.md#componentspolicy_updatelauncherpy.
 """
 
 from __future__ import annotations

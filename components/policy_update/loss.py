@@ -1,50 +1,11 @@
 """GRPO policy loss: PPO-clip with a truncated importance-sampling correction.
 
-Legend: B = sequences in a minibatch, T = response tokens (padded), V = vocabulary.
+Legend: B = sequences in a minibatch, T = response tokens (padded), V = vocabulary. Per token:
+logp (pi_theta, with grad), old_logp (pi_old, the trainer at the iteration's start), engine_logp
+(mu, what the engine reported); adv_B is each sequence's group-relative advantage.
 
-Inputs per token (mask_BT marks real response tokens):
-    logp_BT        log pi_theta(a_t)        current trainer policy (has grad)
-    old_logp_BT    log pi_old(a_t)          trainer policy at the start of the iteration (no grad)
-    engine_logp_BT log mu(a_t)              what the rollout engine reported (behavior policy)
-    adv_B          group-relative advantage of each sequence
-
-    ratio_t = exp(clamp(logp - old_logp, -20, 20))
-    w_t     = min(exp(clamp(old_logp - engine_logp, -20, 20)), tis_cap)      (no grad)
-    pg_t    = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))
-    pg_t    = min(pg_t, -A * clip_ratio_c)        only where A < 0, when clip_ratio_c is set
-    loss_t  = w_t * pg_t
-    loss    = sum_t(loss_t over real tokens) / sum_t(mask)                   (token-level, DAPO)
-
-This is, term for term, verl's `compute_policy_loss_vanilla` (clip-higher, dual-clip
-`clip_ratio_c`, log-ratio clamped to [-20, 20], the truncated IS weight multiplied in after
-clipping) with token-mean aggregation, and TRL's GRPOTrainer loss (`loss_type` dapo/bnpo,
-`vllm_importance_sampling_correction`) when clip_ratio_c is None; tests/test_grpo_math.py
-checks both on seeded random inputs.
-
-How this deviates from the GRPO paper: (1) no KL term to a reference model (the tiny run
-starts from random weights, so there is no reference worth staying near); (2) token-level
-aggregation instead of per-sequence mean; (3) asymmetric clip ("clip-higher"); (4) the
-behavior policy is the engine, not the trainer: the PPO ratio is taken against the
-trainer's own start-of-iteration logprobs (the proximal policy), and the engine/trainer
-numeric mismatch is corrected by the truncated importance weight w_t (decoupled PPO /
-truncated IS as in verl's TIS). At the first step ratio = 1, so the gradient is exactly
-w_t * A * grad log pi: the importance-corrected policy gradient against the engine's samples;
-(5) optional dual-clip (Ye et al. 2020, verl's clip_ratio_c): for A < 0 a token's loss never
-exceeds clip_ratio_c * |A| * w_t, so one token whose ratio exploded cannot dominate the step.
-
-Padding: positions outside the mask are removed with a select (torch.where), not a multiply,
-so a non-finite logprob there (-inf * 0 = NaN) cannot reach the loss, its gradient or the
-stats. A NaN at a real token still makes the loss NaN, on purpose: the trainer skips that
-step and counts it.
-
-Variants (docs/mismatch.md): `policy_loss` also computes GSPO's sequence ratio (kind `gspo`)
-and the `seq-mean-token-mean` aggregation, and takes the importance weights from
-`importance_weights` in any of TRL's four modes (token or sequence, truncated or masked);
-`grpo_token_loss` is the default combination above. The trainer computes the weights once per
-batch, after pi_old (`steps.prepare_correction`).
-
-Limitations: the [-20, 20] clamp zeroes the gradient of a token whose log-ratio is beyond it
-(as in verl); such a token is far outside the clip range anyway.
+The formulas, their match with verl and TRL, the deviations from the GRPO paper, padding and
+the variants: docs/stages.md#componentspolicy_updatelosspy.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Policy update stage: N optimizer steps of GRPO on one training batch.
 
-The trainer state travels between iterations, and is published, as one directory: the HF
-checkpoint at the top (what engines serve; vLLM reads only top-level files) and `trainer/`
-beside it (optimizer state and counters: what a resumed run needs and engines never fetch).
-
-Steps: (1) load model, optimizer and counters; (2) pack the batch into padded tensors;
-(3) recompute the start-of-iteration logprobs (pi_old) and the engine/trainer mismatch
-(`rollout_corr/*`, the routing agreement, the rejection and importance weights: correction.py,
-replay.py; routes forced per `trainer.router_replay`);
-(4) exactly min(N, `optimizer_steps_per_iteration`) minibatch steps, each in micro-batches of
-at most `trainer.micro_batch_tokens` positions with gradient accumulation (`steps.py`),
-skipping and counting any step whose loss or gradient is not finite, and failing after
-`max_consecutive_skipped_steps` in a row; (5) save the new state.
-
-Everything runs on `trainer.device`: the model is moved there, the batch is packed on the CPU
-and moved once, and every call into the model checks that its inputs live there.
-
-Legend: N = samples, L = packed sequence length, L1 = L - 1 (next-token positions).
+Design, details and limitations: docs/stages.md#componentspolicy_updatetrainerpy.
 """
 
 from __future__ import annotations

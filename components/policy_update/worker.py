@@ -1,45 +1,7 @@
 """Trainer (async mode): consume batches as they become ready, publish each version, bump the
 registry; issue work by admission from a thread beside it.
 
-Start: (0) claim the run (`RunBus.claim_trainer`: a new epoch fences off any older trainer,
-whose settles and commits Valkey then refuses) and check that commits can be made durable
-(WAITAOF); (1) `recover` the store and take its `latest` as the version to continue from (version
-0 is published by `init_policy` before any stage starts). If the registry is behind `latest`,
-the trainer died between publishing and committing: commit that version now from the group
-ids its manifest recorded, so those groups are never trained again. (2) Load weights,
-optimizer and counters once; they stay in memory for the whole run (the weights travel only
-through the store, to the engines).
-
-Per version v -> v+1: (3) gather B = `task.prompts_per_iteration` fresh groups from the scored
-stream (`components/buffer/worker.py` classifies each: duplicate, stale, failed, filtered or
-used; everything but used/filtered is settled at once); (4) the same `train_on_batch` as the
-sync trainer: PPO-clip against the trainer's own start-of-version logprobs, with the truncated
-importance weight against the engine's behaviour logprobs correcting for the versions the
-samples lag behind (decoupled PPO, see loss.py); (5) save and publish v+1 through the
-checkpoint store, claimed create-only (the manifest records the groups, the dataset cursor and
-the unit sequence) and trains v+2 at once: publication runs on the publisher's thread
-(`components/publish_checkpoint/publisher.py`), first to the cache tier, where the version
-becomes servable (the bus's servable pointer, which the rollout engines follow), then to the
-durable store; the trainer waits only when `checkpoint.max_unpublished` versions are still not
-durable (`weights/trainer_stall_s`); (6) once v+1 is durable, in one script, refused if this
-trainer's epoch is no longer current: the groups consumed, their entries acknowledged, the
-counters moved, the registry at v+1, then wait until Valkey has it on disk; (7) log the
-version's metrics to MLflow under the sync mode's names, at step v (its publication's metrics
-when it is durable, at the same step). After `pipeline.versions` versions it waits for the last
-publication, sets `done`, lets the run's keys expire (`valkey.finished_ttl_s`), and every stage
-drains and exits.
-
-A restarted trainer repairs both tiers first (`Tiers.recover`: a version servable but not
-durable is promoted) and points the servable pointer at its durable `latest` under its own
-epoch, so engines that served a version lost with both copies move back to it.
-
-Limitations: with expert parallelism the trainer state goes through files and
-`run_policy_update` each version, reloading the model. Samples generated from a lost version
-(servable, then lost with both copies before it was durable) carry its number and the manifest
-sha256 their engine served (`Sample.policy_shas`): the trainer drops them while its own version
-is below that number, and after it has published that number again, because the sha differs.
-A sample from an engine that knew no sha for its version (a worker older than this check) is
-judged by its number only.
+Design, details and limitations: docs/stages.md#componentspolicy_updateworkerpy.
 """
 
 from __future__ import annotations

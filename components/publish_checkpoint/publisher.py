@@ -1,26 +1,6 @@
 """Publication off the trainer's critical path (async mode).
 
-The trainer saves version v+1 to a folder and hands it to the `Publisher`, then trains v+2 at
-once. The publisher's thread takes versions in order, and for each:
-
-1. refuses it if a weight is not finite (`check_finite`), before a byte is uploaded;
-2. publishes it to the cache tier (without one: to the durable store) under a manifest with
-   chunk hashes; the version is now **servable**: `on_servable` points the rollout engines at
-   it (the bus's servable pointer);
-3. publishes the same files durably under the same manifest, and `latest` moves; the version
-   is now **durable**: `on_durable` commits it (its groups consumed, the registry at v+1).
-
-Back-pressure: `submit` waits while `checkpoint.max_unpublished` versions are handed over and
-not yet durable; that wait is the trainer's stall (`weights/trainer_stall_s`), ~0 whenever a
-version publishes faster than the next one trains. A failure (a NaN, S3 down after its
-retries, a commit refused) stops the thread; the trainer raises it at its next `submit` or at
-`drain`, and nothing after the failed version is published. A publisher killed anywhere leaves
-both tiers on complete versions (each tier's `latest` moves after its manifest); the next
-trainer's `Tiers.recover` promotes the version the servable pointer names if it was servable but
-not durable. With the trainer's `epoch`, every write is fenced (`moerl.store.fence`): once a newer
-trainer recovered the tiers, this publisher's next file, manifest or `latest` move is refused.
-A version larger than the cache tier holds (`check_tier_fits`, `checkpoint.cache_tier.
-capacity_gb`) is published to the durable store first and counted, as a failed cache tier is.
+Design, details and limitations: docs/stages.md#componentspublish_checkpointpublisherpy.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """The trained policy in MLflow's model registry, and warm starts from a registered version.
 
-At the end of a GRPO run whose config names `tracking.registry_name`, the run's final verified
-version is registered as a new version of that registered model (`register_policy`), tagged
-with what finds and checks it without MLflow's artifact store: the version's URI in the
-checkpoint store (`moerl.version_uri`), its manifest's sha256, the run's final reward, the hash
-of the resolved config, the run id. The registry's `source` is the version URI for an S3 store;
-for a local store it is `runs:/<run_id>/policy`, where the manifest is logged (an MLflow server
-accepts a local path as a source only inside the run's artifacts), as the reward model does.
-
-`model.warm_start: registry:<name>@<alias>` (or `registry:<name>/<version>`) starts version 0
-from a registered version: `resolve_policy` reads the registry (a missing name, alias or version
-is a ConfigError naming `model.warm_start`, raised at preflight before any work), and
-`publish_checkpoint.stage.prepare_initial` fetches that version through the checkpoint store,
-verified file by file, after checking that its manifest is still the registered one. `moerl
-schedule` uses `@champion` when `tracking.registry_name` is set, so promoting a version in the
-MLflow UI (setting its `champion` alias) is how an operator chooses what retraining starts from.
+Design, details and limitations: docs/stages.md#componentspublish_checkpointregistrypy.
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """Publish checkpoint stage: make policy version v durable in the checkpoint store.
 
-The store writes every file, then the manifest (size + sha256 of each file), reads the
-manifest back, and only then moves `latest` (see `moerl.store.base`). A failure anywhere leaves
-`latest` on the previous complete version.
-
-`run_publish` first reads every tensor of the state's `*.safetensors`, one at a time, and
-refuses a NaN or an inf before any byte is uploaded: a diverged update never becomes a version.
-
-`prepare_initial` makes version 0: the user's `model.path`, or the tiny model built from its
-seed, laid out as a trainer state (HF files; no `trainer/` yet) and published like any other
-version. With `model.warm_start: previous` (scheduled retraining, `moerl schedule`) version 0
-is instead the final checkpoint of the newest FINISHED MLflow run in `tracking.experiment`
-whose `moerl.final_checkpoint` lies in this config's checkpoint store: fetched through the
-store and verified against its manifest like a resume, without its `trainer/` state (a new
-run starts a new optimizer), and the run is tagged `moerl.warm_start.run_id` and
-`moerl.warm_start.checkpoint`. No such run: version 0 is built as with `none`, and a
-`[moerl]` line says so. A final checkpoint that is missing or fails verification is a
-CheckpointError, never a cold start. `prepare_resume` lays out a published version (weights +
-`trainer/`, none for version 0) to continue from.
-
-Limitations: the finiteness check reads every weight once more (from the page cache, since the
-trainer just wrote them); only floating-point tensors in `*.safetensors` files are checked, not
-the optimizer state under `trainer/`. A warm start takes the previous run's model as it is:
-its config.json wins over `model.tiny`/`model.path` (a changed architecture is not detected),
-and a run whose checkpoint is in another store (another `checkpoint.uri`) is passed over. The
-warm-start lookup imports mlflow (lazily, only with `previous`).
+Design, details and limitations: docs/stages.md#componentspublish_checkpointstagepy.
 """
 
 from __future__ import annotations

@@ -1,52 +1,6 @@
 """Hot swap: load a published policy version into a live vLLM engine, no restart.
 
-Lifecycle, as vLLM's RL weight transfer: start -> update -> finish, in one control-plane RPC
-(`collective_rpc`) per swap. The data plane is the node-local checkpoint cache: the worker
-reads the version's safetensors files itself (memory-mapped, one pass over each file) and
-never receives tensors over the RPC.
-
-1. start:  refuse layouts the in-place path cannot reproduce (padded CPU MoE), before the
-           live weights are touched, and plan which MoE layers take the in-place expert path.
-2. update: one pass over the files. Expert weights of planned layers are packed straight into
-           the live, already prepacked expert tensors, a whole layer at a time (below); every
-           other tensor goes to vLLM's layerwise `reload_weights`, which restores each layer's
-           checkpoint-format parameters, loads them, and re-runs the layer's
-           `process_weights_after_loading` (CPU GEMM repacking included).
-3. finish: MoE layers that were not planned (the fallback) got their experts from vLLM, which
-           leaves them in checkpoint layout inside prepacked storage: vLLM skips the CPU
-           experts' prepack on a weight update (`UnquantizedFusedMoEMethod._setup_kernel` runs
-           `fused_experts.process_weights_after_loading` only on the first load), so it is
-           re-run here. Then the caller resets the prefix cache (stale KV).
-
-Why the in-place expert path: experts are ~90 % of a MoE checkpoint's bytes, and vLLM's
-reload allocates a fresh checkpoint-layout copy of every layer, and the prepack a fresh packed
-copy, so most of a swap went to first-touch page faults of new memory (measured 0.7-2.6 s per
-GB here, against 0.15 s per GB for a warm memcpy). The in-place path assembles a layer's
-experts in checkpoint layout in a scratch buffer that every swap reuses (plain memcpy out of
-the mapped file, see `_gather`), and runs the same whole-layer prepack as vLLM's first load, writing
-into the storage the engine already owns.
-
-With either path a swapped engine is bit-identical to one freshly loaded from the same
-checkpoint (every parameter checksum equal, logprobs equal; see tests/test_hotswap.py).
-
-Timing (`SwapStats`): `read_s` is the time spent taking tensors out of the safetensors files:
-mapping them, and the in-place path's copies of expert weights out of the mapping (their
-first touch, so the real file read). `repack_s` is the CPU MoE prepack (the in-place packs, or
-the fallback's re-pack). `reload_s` is vLLM's `reload_weights` minus both: non-expert loads,
-their CPU GEMM repacking, and their own reads from the mapping (and, on the fallback, the
-experts' loads too).
-
-Limitations: the scratch (one MoE layer's w13 and w2 in checkpoint layout, ~96 MB for the
-0.5 B bench model) stays allocated in each worker for the life of the process. CPU MoE layers
-whose intermediate size vLLM pads (not a multiple of 32) are refused with a WeightSyncError
-(restart the engine instead). The in-place path covers
-unquantized CPU experts with gate/up/down projections stored per expert, without tensor or
-expert parallelism, bias or zentorch; anything else takes the fallback (vLLM's reload plus the
-re-pack), which is correct but several times slower. A swap that fails midway (a malformed
-checkpoint) leaves the engine partially updated, as vLLM's own reload does: restart it. On
-CUDA the fused-experts post-processing is a no-op for the unquantized backends and is not
-re-run; the GPU path has not been run on real hardware yet. Tensor-parallel engines reload per
-rank, each worker reading the same files.
+Design, details and limitations: docs/stages.md#componentsredistribute_weightshotswappy.
 """
 
 from __future__ import annotations

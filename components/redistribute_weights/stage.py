@@ -1,22 +1,6 @@
 """Redistribute weights stage: make version v the one the next rollout serves.
 
-In the sync pipeline every rollout task starts its engine fresh, so redistribution means:
-fetch version v from the store into the node-local checkpoint cache once, verify every file
-against the manifest, check the manifest is the one that was published, and point the cache's
-`serving.json` at it. The rollout task then loads from the verified cache without another
-download. The time from "published" to "servable" is recorded as `timing/redistribute_weights_s`.
-The fetch prunes the cache to the newest `checkpoint.cache_keep` versions (never the one
-fetched or the one still served), and the served version is pinned in the store with a lease
-of `checkpoint.pin_ttl_s` under `serving-<hostname>` before it is fetched.
-
-Limitations: the sync mode has no live engine to hot-swap, and cannot have one: every rollout
-is its own KFP task, so its own pod (or, on kfp.local, its own process), which starts an
-engine and exits when its samples are written; no engine outlives a task for the next one to
-swap into. In-place weight reload into a running vLLM engine is the async mode's job
-(`hotswap.py`, with its parity test), whose rollout workers live for the whole run. Nothing here
-stays alive to renew the lease: a long-lived engine that serves the version must renew it
-(`CheckpointStore.renew`); otherwise it expires after the TTL, by which time the sync pipeline
-has moved on to newer versions that retention keeps anyway.
+Design, details and limitations: docs/stages.md#componentsredistribute_weightsstagepy.
 """
 
 from __future__ import annotations

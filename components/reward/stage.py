@@ -1,26 +1,6 @@
 """Reward stage: score every sample with its rule verifier, a reward model, or both.
 
-`reward.kind`:
-- `rules`: the task's verifier (a shipped one, or the user's `package.module:function`), run
-  in the sandboxed pool (`moerl/tasks/sandbox.py`: no credentials, a time and a memory limit
-  per sample). A verifier that raises, hangs past `reward.sandbox.sample_timeout_s`, or
-  allocates past `reward.sandbox.memory_mb` marks its sample failed (reward 0,
-  `reward_failed`, the error text) and is counted; it never crashes the stage.
-- `model`: a reward model from MLflow's model registry (`reward.model.registered`), fetched
-  through the verified cache like a policy (components/reward_model/registry.py), scoring
-  `prompt + response` in batches of `reward.model.max_batch` on `reward.model.device`.
-  Scores are normalized (`reward.model.normalize`: sigmoid, zscore over the samples scored
-  together, or none). A batch whose forward pass raises marks each of its samples failed,
-  with the error, and is counted: never scored 0.
-- `mixed`: rules_weight * verifier + model_weight * normalized model score; a sample fails
-  if either part fails.
-
-If more than `reward.max_failed_fraction` of the samples fail, the stage raises `DataError`:
-that many failures mean a broken verifier, model or dataset, and training on it would be
-noise. Reward-model inference time is its own metric (`timing/reward/model_inference_s`, inside
-`timing/reward_s`, so not summed again into the iteration time), and the raw
-model scores are logged (`reward/model_score_mean`), so a run shows its reward-model score
-rising.
+Design, details and limitations: docs/stages.md#componentsrewardstagepy.
 """
 
 from __future__ import annotations

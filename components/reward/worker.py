@@ -1,27 +1,6 @@
 """Reward scorer (async mode): score generated groups as they arrive, and publish them scored.
 
-Loop: take up to `BATCH` groups from the `generated` stream (first any whose scorer went
-silent past the visibility timeout, then new ones), score each sample with the same `score`
-the sync stage uses, and publish every scored group while acknowledging its generated entry,
-in one MULTI (`RunBus.publish_scored`). Scorers scale independently of rollout: each is a
-consumer of the `reward` group.
-
-A verifier that raises marks its sample `reward_failed` (never a silent 0 that would bias
-the group's baseline); the trainer drops that whole group and counts its samples as
-`failed`. If scoring itself raises, every sample of the batch is marked failed the same way,
-with the error, and the scorer goes on.
-
-Bounds: rule verifiers run in the sandboxed pool (moerl/tasks/sandbox.py): a sample past
-`reward.sandbox.sample_timeout_s` or `reward.sandbox.memory_mb` is failed and counted
-(`sample_timeouts`, `sample_memory`), its child process replaced, and scoring goes on. One
-group's scoring (reward model included) may take `reward.timeout_s`; past it the group is published with
-every sample failed (a timeout error, counted in `score_timeouts`) and the scorer exits with
-`EXIT_DRAINED` so it restarts without the stuck thread. The rest of a batch keeps its leases
-while the batch is scored. A group that kills or hangs every scorer that takes it, or that is
-malformed, is dead-lettered by the bus (`units.max_attempts`), never retried forever.
-
-Exit 0 once the run is done and nothing is left to score; SIGTERM exits at once with
-`EXIT_DRAINED` (a group being scored stays pending and is reclaimed by another scorer).
+Design, details and limitations: docs/stages.md#componentsrewardworkerpy.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """Where a reward model lives, and how a GRPO run finds it.
 
-A reward-model run publishes its model as version 1 of its own lineage in the checkpoint
-store (`<checkpoint.uri>/runs/<run_id>/versions/v000001`: safetensors, config, tokenizer and a
-manifest with every file's sha256), then registers it in MLflow's model registry under
-`reward_model.registry_name`, with tags naming the store, the store version, the manifest's
-sha256 and the held-out accuracy. The registry's `source` is the version's URI for an S3
-store; for a local store it is `runs:/<run_id>/reward_model`, where the manifest is logged as an
-artifact (an MLflow server accepts a local path as a source only inside the run's artifacts).
-Either way moerl finds the files through the tags, not the source.
-
-A GRPO run names it `reward.model.registered: <name>/<version|latest>`. `resolve` reads the
-registry (failing before any work when the name or version does not exist); `fetch` brings
-the version into the node-local cache through the store's verified fetch, exactly as a policy
-version is fetched (every file checked against the manifest; a cached copy is reused only if
-it verifies); the scoring stage then checks the manifest hash against the registry's.
-`lineage_tags` is what the GRPO run records: URI, version, manifest hash, registry version.
+Design, details and limitations: docs/stages.md#componentsreward_modelregistrypy.
 """
 
 from __future__ import annotations

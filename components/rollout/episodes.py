@@ -1,25 +1,7 @@
 """Multi-turn episodes, token in and token out: the model's turns and an environment's
 observations (`moerl/tasks/environments.py`) joined into one sample the trainer learns from.
 
-An episode keeps the token ids the engine saw. Each turn, the engine continues
-`prompt_ids + tokens` (never a re-tokenized transcript, which drifts: a string's tokens differ
-from the tokens that generated it); the model's tokens are appended with the engine's logprobs
-and mask 1; the environment's observation is tokenized on its own and appended with mask 0 and
-logprob 0.0, so it is context for the next turn and never a target of the loss.
-
-How an observation becomes tokens:
-- a raw-text prompt: the observation's own tokens (no special tokens added);
-- a prompt through the chat template: the template's rendering of a `tool` message and the next
-  assistant prompt, found as the difference between rendering a conversation with and without
-  that message (what closes the model's turn, when the model did not emit it itself, comes
-  first). A template that does not render a conversation as a prefix of its continuation is
-  refused.
-
-An episode ends when the environment says done, at `task.max_turns` model turns
-(finish_reason `max_turns`), when its token budget is spent (`rollout.max_total_tokens`:
-finish_reason `length`), or when an environment call fails (`env_error`: failed, counted,
-never scored). The driver is engine-agnostic: the sync stage calls `generate` per turn over all
-live episodes; the async worker submits each episode's next turn as it finishes.
+Design, details and limitations: docs/stages.md#componentsrolloutepisodespy.
 """
 
 from __future__ import annotations

@@ -1,40 +1,7 @@
 """One run's shared state in Valkey: the work queue, the experience streams, the policy-version
 registry and the counters.
 
-Every key lives under `moerl:<run_id>:`, so runs can share one server. Streams with consumer
-groups carry the work (facts and pitfalls: docs/async.md):
-
-    units      (group `rollout`)  work units: a few prompts each, leased by rollout workers
-    generated  (group `reward`)   finished GRPO groups (G samples of one prompt), to be scored
-    scored     (group `trainer`)  scored groups, consumed by the trainer
-    dead                          entries of any stream delivered more than `units.max_attempts`
-                                  times, malformed, or over MAX_ENTRY_BYTES (with the reason)
-
-A lease is a pending entry of the group. A worker that dies keeps its entries pending; after
-`units.visibility_timeout_s` without a touch (an owner-checked `XCLAIM ... JUSTID`, which does
-not count as a delivery) any other worker reclaims them (`XPENDING ... IDLE`, which finds the
-idle entries on the server in one round trip however long the pending list, then `XCLAIM`,
-which takes only those still idle), and the delivery count sends an entry that keeps failing
-to `dead`; an entry is parsed only after
-that check, and one that does not parse goes to `dead` too. Valkey has no XNACK, so a draining
-worker requeues the unfinished part of its unit as `XADD` of a new entry plus `XACK` of the old
-one. Every hand-off between streams is one Lua script (add the output, acknowledge the input,
-count), atomic like MULTI, and run once per call: a client that lost its connection after the
-server ran it sends it again with the same operation key, and the second run returns the first
-one's result (moerl/bus/scripts.py). The trainer's settles and commits carry its epoch, and the
-server refuses an older one (`claim_trainer`).
-
-Ids: a unit has a run-unique `unit_id`; a group's id is `<unit_id>/<k>:<prompt_id>` (`k` its
-place in the unit, kept when the unit is requeued); a sample's id is `<run_id>/<group id>/<j>`.
-The trainer is the one consumer of `scored`: it drops any group id it has already disposed of
-(`consumed`), so a unit executed twice is trained once.
-
-The registry is a hash (`version`, `uri`, `manifest_sha256`); `done` tells every stage to
-drain and exit. Counters are one hash; `Counters` below names them.
-
-Limitations: one Valkey primary. Replication is asynchronous, so a failover can lose acks or
-adds (the embedded server fsyncs its append-only file on every write instead). Stream entries
-are deleted once acknowledged, so the streams hold only live work.
+Design, details and limitations: docs/stages.md#moerlbusrunpy.
 """
 
 from __future__ import annotations
