@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import logging
 import os
 import queue
@@ -176,21 +177,56 @@ class _InFlight:
         return [k for k in self.todo if k not in self.finished]
 
 
+@dataclass(frozen=True)
+class _Write:
+    """One bus write, sent in one round trip with the writes waiting next to it."""
+
+    write: BusWrite
+    always: Callable[[], Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Writes:
+    """Writes handed over together (what one engine step finished, perhaps the acknowledgement
+    of the unit they complete last): each goes in its place, `always` after the last."""
+
+    writes: list[BusWrite]
+    always: Callable[[], Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Anything else handed over: a callable, run alone in its place."""
+
+    fn: Callable[[], Any]
+    always: Callable[[], Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Barrier:
+    """A flush: set once everything handed over before it is done."""
+
+    done: threading.Event
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """The close: the thread ends here, once everything handed over before it is done."""
+
+
+_OutboxItem = _Write | _Writes | _Call | _Barrier | _Stop
+
+
 class _Outbox:
     """The worker's writes of finished work to the bus (each group's publication, then its
-    unit's acknowledgement), made in order on a thread of their own: the generation loop hands
-    them over and steps the engine on instead of waiting for a Valkey round trip per group
-    (issue 24: publication off the generation loop).
+    unit's acknowledgement), made in order on a thread of their own, so the generation loop
+    never waits for a round trip (docs/async.md, "Start-up and publication").
 
     Writes the thread finds waiting together go in one round trip (`RunBus.write_many`: at most
-    `BATCH_WRITES` writes or about `BATCH_BYTES`): on a bus that fsyncs every write (the
-    deployed Valkey: `appendfsync always`), a round trip per group costs a disk sync per group,
-    and a batch shares one. A unit's acknowledgement rides in the same round trip as its last
-    groups: the server refuses it unless every group of the unit is published
-    (`RunBus.ack_write`). A write that fails (an error reply, or the bus unreachable past
-    `valkey.reconnect_s`) stops every later one, and is raised on the loop at its next
-    hand-over, `check` or `flush`. Anything else handed over (a callable) runs alone,
-    in its place."""
+    `BATCH_WRITES` writes or about `BATCH_BYTES`). A write that fails (an error reply, or the
+    bus unreachable past `valkey.reconnect_s`) stops every later one, and is raised on the loop
+    at its next hand-over, `check` or `flush`. Each hand-over's `always` runs after it whether
+    it ran, failed or was skipped (a lease's release: the heartbeat must stop refreshing it)."""
 
     BATCH_WRITES = 64
     BATCH_BYTES = 4 << 20
@@ -199,60 +235,74 @@ class _Outbox:
         # maxsize: writes handed over and not yet made, at most (0: unbounded); a full outbox
         # blocks the hand-over, so a slow bus slows generation instead of queueing without end
         self._bus = bus
-        self._q: queue.Queue = queue.Queue(maxsize)
+        self._q: queue.Queue[_OutboxItem] = queue.Queue(maxsize)
         self.error: BaseException | None = None
         self.writes, self.round_trips = 0, 0  # bus writes made, and the round trips that made them
         self._thread = threading.Thread(target=self._run, name=f"moerl-outbox-{name}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        waiting: collections.deque = collections.deque()
+        waiting: collections.deque[_OutboxItem] = collections.deque()
         while True:
-            if not waiting:
-                waiting.append(self._q.get())
-            while len(waiting) < self.BATCH_WRITES:  # whatever else waits, taken in one go
-                try:
-                    waiting.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            item = waiting.popleft()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):  # a flush's barrier: everything before it is done
-                item.set()
-                continue
-            if isinstance(
-                item[0], list
-            ):  # writes handed over together: each in its place, `always` after the last
-                ops, always = item
-                if ops:
-                    waiting.extendleft(
-                        reversed([(w, None) for w in ops[:-1]] + [(ops[-1], always)])
+            self._take(waiting)
+            match waiting.popleft():
+                case _Stop():
+                    return
+                case _Barrier(done):  # everything before it is done
+                    done.set()
+                case _Writes(writes, always):  # each in its place, `always` after the last
+                    if writes:
+                        each = [_Write(w) for w in writes[:-1]] + [_Write(writes[-1], always)]
+                        waiting.extendleft(reversed(each))
+                    elif always is not None:
+                        always()
+                case _Call(fn, always):
+                    self._make(fn, [always])
+                case _Write() as first:
+                    batch = self._batch(first, waiting)
+                    self._make(
+                        functools.partial(self._send, [w.write for w in batch]),
+                        [w.always for w in batch],
+                        writes=len(batch),
                     )
-                elif always is not None:
-                    always()
-                continue
-            if not isinstance(item[0], BusWrite):
-                self._make([item], item[0])
-                continue
-            batch, size = [item], item[0].size
-            while (
-                waiting
-                and isinstance(waiting[0], tuple)
-                and isinstance(waiting[0][0], BusWrite)
-                and len(batch) < self.BATCH_WRITES
-                and size < self.BATCH_BYTES
-            ):
-                batch.append(waiting.popleft())
-                size += batch[-1][0].size
-            self._make(batch, lambda b=batch: self._bus.write_many([w for w, _ in b]))
 
-    def _make(self, items: list, send: Callable[[], Any]) -> None:
+    def _take(self, waiting: collections.deque[_OutboxItem]) -> None:
+        """Wait for a hand-over, then take whatever else waits in one go."""
+        if not waiting:
+            waiting.append(self._q.get())
+        while len(waiting) < self.BATCH_WRITES:
+            try:
+                waiting.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+
+    def _batch(self, first: _Write, waiting: collections.deque[_OutboxItem]) -> list[_Write]:
+        """`first` and the writes waiting right behind it, within one round trip's bounds."""
+        batch, size = [first], first.write.size
+        while len(batch) < self.BATCH_WRITES and size < self.BATCH_BYTES:
+            nxt = waiting[0] if waiting else None
+            if not isinstance(nxt, _Write):
+                break
+            waiting.popleft()
+            batch.append(nxt)
+            size += nxt.write.size
+        return batch
+
+    def _send(self, writes: list[BusWrite]) -> None:
+        if self._bus is None:  # `put` refuses writes to an outbox without a bus
+            raise RuntimeError("this outbox has no bus to send writes on")
+        self._bus.write_many(writes)
+
+    def _make(
+        self, action: Callable[[], Any], always: list[Callable[[], Any] | None], writes: int = 0
+    ) -> None:
+        """Run `action` (making `writes` bus writes in one round trip), unless a write failed
+        before; then every `always`, whatever happened."""
         try:
             if self.error is None:
-                send()
-                if isinstance(items[0][0], BusWrite):
-                    self.writes, self.round_trips = self.writes + len(items), self.round_trips + 1
+                action()
+                if writes:
+                    self.writes, self.round_trips = self.writes + writes, self.round_trips + 1
         except BaseException as err:  # noqa: BLE001 - raised on the generation loop
             self.error = err
             log.error(
@@ -261,9 +311,9 @@ class _Outbox:
                 err,
             )
         finally:
-            for _, always in items:
-                if always is not None:  # a lease's release: the heartbeat must stop refreshing it
-                    always()
+            for after in always:
+                if after is not None:
+                    after()
 
     def check(self) -> None:
         """Raise the first write that failed (the loop calls this at every pass)."""
@@ -280,26 +330,33 @@ class _Outbox:
         alone); `always` runs after it (after the last of several) whether it ran, failed or
         was skipped."""
         self.check()
-        if isinstance(op, list) and not all(isinstance(w, BusWrite) for w in op):
-            raise TypeError("a list handed to the outbox holds bus writes only")
-        if isinstance(op, (BusWrite, list)) and self._bus is None:
+        item: _OutboxItem
+        if isinstance(op, BusWrite):
+            item = _Write(op, always)
+        elif isinstance(op, list):
+            if not all(isinstance(w, BusWrite) for w in op):
+                raise TypeError("a list handed to the outbox holds bus writes only")
+            item = _Writes(op, always)
+        else:
+            item = _Call(op, always)
+        if isinstance(item, (_Write, _Writes)) and self._bus is None:
             raise RuntimeError("this outbox has no bus to send writes on")
         if not self._thread.is_alive():
             raise RuntimeError("the worker's outbox is closed: nothing more can be written")
-        self._q.put((op, always))
+        self._q.put(item)
 
     def flush(self) -> None:
         """Wait until every write handed over so far is made; raise the first that failed."""
         if self._thread.is_alive():
-            done = threading.Event()
-            self._q.put(done)
-            done.wait()
+            barrier = _Barrier(threading.Event())
+            self._q.put(barrier)
+            barrier.done.wait()
         self.check()
 
     def close(self) -> None:
         """Make what is queued, then stop the thread (errors stay in `error`)."""
         if self._thread.is_alive():
-            self._q.put(None)
+            self._q.put(_Stop())
             self._thread.join()
 
 
