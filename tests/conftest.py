@@ -7,7 +7,7 @@ clone, 2 cores): they are collected first so that they start at once, one per wo
 short modules fill in behind them. Order only: every test still runs.
 """
 
-from tests.s3server import s3_server  # noqa: F401  (a session fixture, registered here)
+from tests.support.s3server import s3_server  # noqa: F401  (a session fixture, registered here)
 
 LONGEST_FIRST = (
     "test_cluster_local.py",  # ~380 s: the EKS pipeline with tasks that share only servers

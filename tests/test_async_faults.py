@@ -10,7 +10,7 @@ In every case the run finishes all its versions and the counters balance:
 The SIGTERM test runs cluster-shaped, as the async pipeline runs on EKS: every process in its
 own empty directory (`MOERL_SANDBOX_ROOT`, moerl/launch/podenv.py; a restarted worker gets a new one,
 like a new pod), sharing only real servers on 127.0.0.1: Valkey, S3 (`weed mini`) and an MLflow
-tracking server (and torch's compile cache, see tests/sandbox.py).
+tracking server (and torch's compile cache, see tests/support/sandbox.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from moerl.orchestrate.async_run import LocalAsyncRun, publish_initial, start_va
 from moerl.store.runs import run_store
 from moerl.store.s3server import S3Process
 from moerl.store.tiers import run_tiers
-from tests.sandbox import sandboxed
+from tests.support.sandbox import sandboxed
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +149,7 @@ def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(
     # sandboxed (see the module docstring); the two workers fan new versions out to each other.
     import boto3
 
-    from tests.mlflow_server import mlflow_server
+    from tests.support.mlflow_server import mlflow_server
 
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket="moerl-async")
     cache = _cache_server(tmp_path, monkeypatch)
@@ -416,7 +416,7 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
     """A user's verifier (by import path, in the sandbox) that sleeps forever on some rows,
     busy-loops on others, allocates without bound or raises on others: each sample is cut off
     or failed, counted, never scored 0; the scorer never restarts and the run completes."""
-    hostile = ["1111", "2222", "3333", "4444"]  # tests/hostile_verifiers.py: by_answer
+    hostile = ["1111", "2222", "3333", "4444"]  # tests/support/hostile_verifiers.py: by_answer
     rows = []
     for i in range(30):
         # (the first row of the task is a benign one: preflight calls the verifier on it)
@@ -428,7 +428,7 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
         tmp_path,
         f"task.dataset={data}",
         "reward.max_failed_fraction=0.9",
-        "reward.verifier=tests.hostile_verifiers:by_answer",
+        "reward.verifier=tests.support.hostile_verifiers:by_answer",
         "reward.sandbox.sample_timeout_s=1",
         "reward.sandbox.memory_mb=512",
         "reward.sandbox.workers=2",

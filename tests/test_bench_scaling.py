@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workloads import CONFIG, SMALL
+from tests.support.workloads import CONFIG, SMALL
 
 pytestmark = pytest.mark.slow
 

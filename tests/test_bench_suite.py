@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from moerl.bench.stats import t975
-from tests.workloads import CONFIG, SMALL
+from tests.support.workloads import CONFIG, SMALL
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from moerl.bus.client import PASSWORD_ENV, STAGE_ACL
 from moerl.components.buffer.worker import Batch, batch_metrics, classify, prompts_to_issue
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample
-from tests.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
+from tests.support.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
 
 
 def _prompt(i: int) -> dict:

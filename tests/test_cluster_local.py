@@ -3,7 +3,7 @@ own empty working directory, scratch, cache and HOME (`MOERL_SANDBOX_ROOT`, moer
 sharing nothing but real servers on 127.0.0.1: S3 (`weed mini`), the checkpoint cache tier (a
 second `weed mini`, as the buffer group's SeaweedFS, with its writer and Read/List reader
 identities), an MLflow tracking server (`mlflow server`), and torch's compile cache (why:
-tests/sandbox.py). Every task holds only the credentials its pod gets on EKS: the cluster's
+tests/support/sandbox.py). Every task holds only the credentials its pod gets on EKS: the cluster's
 Secrets are a file (`MOERL_SANDBOX_SECRETS`), and each task, entering its pod, drops every
 credential it inherited and takes its own stage's keys from it, as 0400 files in its own sandbox
 (`moerl.launch.podsecrets`: never as variables, as on EKS, where they are Secret volumes); the
@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from moerl.config import parse_config
-from tests.mlflow_server import mlflow_server
-from tests.sandbox import sandboxed
+from tests.support.mlflow_server import mlflow_server
+from tests.support.sandbox import sandboxed
 
 BUCKET = "moerl-cluster"
 REGISTRY = {"registry_name": "moerl-policy"}

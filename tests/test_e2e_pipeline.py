@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.mlflow_server import mlflow_server
+from tests.support.mlflow_server import mlflow_server
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = (
@@ -297,7 +297,7 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
             {
                 "task": {"dataset": "copy.jsonl", "prompts_per_iteration": 4},
                 "rollout": {"samples_per_prompt": 2, "max_new_tokens": 4},
-                "reward": {"verifier": "tests.hostile_verifiers:only_gold"},
+                "reward": {"verifier": "tests.support.hostile_verifiers:only_gold"},
                 "pipeline": {"iterations": 2},
             }
         )
@@ -305,7 +305,7 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")])
-    )  # tests.hostile_verifiers
+    )  # tests.support.hostile_verifiers
     proc = subprocess.run(
         [sys.executable, "-m", "moerl.cli", "run", "run.yaml"],
         cwd=tmp_path,

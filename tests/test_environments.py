@@ -19,7 +19,7 @@ from moerl.errors import ConfigError
 from moerl.tasks.environments import CLOSE, LOST, RESET, STEP
 from moerl.tasks.sandbox import Limits, SandboxPool
 
-H = "tests.hostile_environments"
+H = "tests.support.hostile_environments"
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny-moe-grpo.yaml"
 
@@ -214,7 +214,8 @@ def test_a_bad_environment_path_is_refused_at_load_and_the_cli_exits_2(tmp_path)
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (
-        "task.environment: tests.hostile_environments:NoStep cannot run task 'copy'" in proc.stderr
+        "task.environment: tests.support.hostile_environments:NoStep cannot run task 'copy'"
+        in proc.stderr
     )
     assert "Traceback" not in proc.stderr and not (tmp_path / "ck").exists()  # nothing published
 
@@ -332,7 +333,7 @@ def test_the_reward_stage_uses_the_environments_reward_fails_a_failed_episode_an
             ep(2, final_response="13"),
             ep(
                 3,
-                env_error="tests.hostile_environments:HangsOnSlow.step: timeout: killed",
+                env_error="tests.support.hostile_environments:HangsOnSlow.step: timeout: killed",
                 final_response="12",
             ),
         ],

@@ -119,7 +119,7 @@ def test_ep_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs, tmp_path
 
     import torch.multiprocessing as mp
 
-    from tests import ep_nonfinite_worker
+    from tests.support import ep_nonfinite_worker
 
     root, _ = runs
     mp.spawn(

@@ -1,6 +1,6 @@
 """The dispatcher contract, run on every backend available here.
 
-One shared contract (tests/kernels_worker.check_contract) per (backend, world size, scenario):
+One shared contract (tests/support/kernels_worker.check_contract) per (backend, world size, scenario):
 identity experts give x * sum of non-dropped weights; an expert-wise function matches the
 naive reference MoE; counts and rows per local expert match the routing; gradients w.r.t. x
 and topk_weights match autograd through the reference within 1e-5. Scenarios: uniform,
@@ -22,7 +22,7 @@ import torch
 from moerl.errors import ConfigError
 from moerl.kernels import make_dispatcher
 from moerl.kernels.deepep import deepep_available
-from tests.kernels_worker import SCENARIOS, E, check_contract, run_world
+from tests.support.kernels_worker import SCENARIOS, E, check_contract, run_world
 
 DEEPEP_OK, DEEPEP_REASON = deepep_available()
 
@@ -248,7 +248,7 @@ def fake_deep_ep(monkeypatch):
     import types
 
     import moerl.kernels.deepep as deepep_mod
-    from tests.kernels_worker import FakeDeepEPBuffer
+    from tests.support.kernels_worker import FakeDeepEPBuffer
 
     fake = types.SimpleNamespace(Buffer=FakeDeepEPBuffer, topk_idx_t=torch.int64)
     monkeypatch.setattr(deepep_mod, "import_deep_ep", lambda: fake)
@@ -267,7 +267,7 @@ def fake_deep_ep_v2(monkeypatch):
     import types
 
     import moerl.kernels.deepep as deepep_mod
-    from tests.kernels_worker import FakeDeepEPBuffer, FakeElasticBuffer
+    from tests.support.kernels_worker import FakeDeepEPBuffer, FakeElasticBuffer
 
     fake = types.SimpleNamespace(
         Buffer=FakeDeepEPBuffer,
@@ -371,7 +371,7 @@ def test_deepep_adapter_against_a_fake_buffer(fake_deep_ep, scenario):
 
 def test_deepep_low_latency_adapter_against_a_fake_buffer(fake_deep_ep):
     from moerl.kernels.reference import reference_moe
-    from tests.kernels_worker import expert_fn, make_inputs
+    from tests.support.kernels_worker import expert_fn, make_inputs
 
     d = make_dispatcher(
         "deepep", E, deepep_options={"mode": "low_latency", "num_max_dispatch_tokens_per_rank": 16}

@@ -25,7 +25,7 @@ import pytest
 
 from moerl.config import load_config
 from moerl.orchestrate.async_run import run_async
-from tests.mlflow_server import mlflow_server
+from tests.support.mlflow_server import mlflow_server
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -130,7 +130,7 @@ def test_a_chat_episode_appends_exactly_what_the_template_renders_for_the_whole_
         "{% for m in messages %}{{ {'user': 'p', 'assistant': 'a', 'tool': 'r', 'system': 'y'}"
         "[m['role']] }} {{ m['content'] }}<eos>{% endfor %}{% if add_generation_prompt %}a {% endif %}"
     )
-    cfg = parse_config({"task": {"environment": "tests.hostile_environments:Counter"}})
+    cfg = parse_config({"task": {"environment": "tests.support.hostile_environments:Counter"}})
     row = Prompt.model_validate(
         {
             "id": "c",

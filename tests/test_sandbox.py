@@ -18,7 +18,7 @@ from moerl.errors import ConfigError
 from moerl.records import Sample, ScoredSample, read_records, write_records
 from moerl.tasks.sandbox import Limits, SandboxPool, check_target
 
-H = "tests.hostile_verifiers"
+H = "tests.support.hostile_verifiers"
 CONFIG = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny-moe-grpo.yaml"
 )

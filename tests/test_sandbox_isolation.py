@@ -53,7 +53,7 @@ STAGE = textwrap.dedent("""
         return Sample(prompt_id="p0", task="copy", prompt="copy 456=", answer="456", sample_index=i,
                       prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.5],
                       response_text=text, finish_reason="stop", policy_version=0)
-    cfg = RewardConfig(verifier="tests.hostile_verifiers:attacks", max_failed_fraction=1.0,
+    cfg = RewardConfig(verifier="tests.support.hostile_verifiers:attacks", max_failed_fraction=1.0,
                        sandbox={"sample_timeout_s": 20.0, "workers": 1, "isolation": iso})
     try:
         scored = score([sample(i, t) for i, t in enumerate(attacks + ["456"])], cfg)
@@ -69,9 +69,9 @@ STAGE = textwrap.dedent("""
         from moerl.config import load_config
         from moerl.models.tiny import build_tokenizer
         run = load_config(os.path.join("configs", "tiny-moe-grpo.yaml"),
-                          ["task.environment=tests.hostile_environments:RunsModelCode",
+                          ["task.environment=tests.support.hostile_environments:RunsModelCode",
                            f"task.sandbox.isolation={iso}", "task.sandbox.sample_timeout_s=20"])
-        codes = [f"from tests.hostile_verifiers import attack; result = attack({a.split(' ', 1)[0]!r}, "
+        codes = [f"from tests.support.hostile_verifiers import attack; result = attack({a.split(' ', 1)[0]!r}, "
                  f"{a.split(' ', 1)[1]!r})" for a in attacks] + ["result = 6 * 7"]
         with env_pool(run) as pool:
             d = EpisodeDriver(run, build_tokenizer(), pool)
@@ -323,9 +323,9 @@ def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabi
         assert pool.limits.isolation == "namespaces"
         got = pool.run(
             [
-                ("tests.hostile_verifiers:sleeps", ["", ""]),
-                ("tests.hostile_verifiers:allocates", ["", ""]),
-                ("tests.hostile_verifiers:capabilities", ["", ""]),
+                ("tests.support.hostile_verifiers:sleeps", ["", ""]),
+                ("tests.support.hostile_verifiers:allocates", ["", ""]),
+                ("tests.support.hostile_verifiers:capabilities", ["", ""]),
             ]
         )
         assert [o.kind for o in got] == ["timeout", "memory", "ok"], got
@@ -347,7 +347,7 @@ def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabi
                 (
                     RESET,
                     [
-                        "tests.hostile_environments:Counter",
+                        "tests.support.hostile_environments:Counter",
                         "k",
                         {"id": "r", "task": "t", "prompt": "q", "answer": "a", "meta": None},
                     ],
@@ -434,7 +434,7 @@ def test_every_process_of_an_isolated_child_goes_when_its_stage_is_killed(tmp_pa
         import threading, time
         from moerl.tasks.sandbox import SandboxPool, Limits
         pool = SandboxPool(Limits(timeout_s=600))
-        threading.Thread(target=lambda: pool.run([("tests.hostile_verifiers:sleeps", ["", ""])]), daemon=True).start()
+        threading.Thread(target=lambda: pool.run([("tests.support.hostile_verifiers:sleeps", ["", ""])]), daemon=True).start()
         while not pool.children: time.sleep(0.05)
         print(pool.children[0].proc.pid, flush=True)
         time.sleep(600)

@@ -32,7 +32,7 @@ STAGE = textwrap.dedent("""
         return Sample(prompt_id="p0", task="copy", prompt="x", answer=sys.argv[3], sample_index=i,
                       prompt_token_ids=[1], response_token_ids=[2], response_logprobs=[-0.5],
                       response_text=text, finish_reason="stop", policy_version=0)
-    cfg = RewardConfig(verifier="tests.secret_readers:reads", max_failed_fraction=1.0,
+    cfg = RewardConfig(verifier="tests.support.secret_readers:reads", max_failed_fraction=1.0,
                        sandbox={"sample_timeout_s": 20.0, "workers": 1, "isolation": iso})
     scored = score([sample(0, path), sample(1, os.path.join(os.path.dirname(os.path.dirname(path)), "other"))], cfg)
     print(json.dumps([[s.reward, s.reward_error] for s in scored]))

@@ -16,7 +16,7 @@ from moerl.config import load_config
 from moerl.errors import DataError
 from moerl.orchestrate.async_run import balance_line
 from moerl.records import ScoredSample
-from tests.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
+from tests.support.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 B = 4

@@ -13,7 +13,7 @@ from moerl.errors import ConfigError
 from moerl.records import MAX_META_BYTES, Prompt, Sample
 from moerl.tasks.dataset import load_dataset
 
-U = "tests.user_verifiers"
+U = "tests.support.user_verifiers"
 CONFIG = "configs/tiny-moe-grpo.yaml"
 
 

@@ -31,7 +31,7 @@ from moerl.store.base import (
 from moerl.store.folder import LocalStore
 from moerl.store.runs import open_store
 from moerl.store.s3 import S3Store
-from tests.s3server import S3Server
+from tests.support.s3server import S3Server
 
 
 @dataclass

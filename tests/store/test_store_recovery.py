@@ -20,7 +20,7 @@ import pytest
 from moerl.config import CheckpointConfig, RunConfig
 from moerl.errors import CheckpointError
 from moerl.store.runs import open_store
-from tests.s3server import S3Server
+from tests.support.s3server import S3Server
 from tests.store.test_store import make_checkpoint, tree
 
 _CHILD = r"""

@@ -4,7 +4,7 @@ small enough for several engines on this machine)."""
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
 SMALL = [
     "task.prompts_per_iteration=8",

@@ -1,4 +1,4 @@
-"""Verifiers a user might ship by mistake, called by import path (`tests.hostile_verifiers:NAME`)
+"""Verifiers a user might ship by mistake, called by import path (`tests.support.hostile_verifiers:NAME`)
 inside the sandboxed pool (moerl/tasks/sandbox.py). Never imported by the test process itself
 for scoring: the point is that they run in a child process."""
 

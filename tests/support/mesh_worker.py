@@ -30,7 +30,7 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
     try:
         from moerl.components.policy_update.ep_train import setup
         from moerl.config import parse_config
-        from tests import ep_worker
+        from tests.support import ep_worker
 
         cfg = parse_config(
             {"trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp, **(trainer or {})}}

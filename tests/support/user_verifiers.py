@@ -1,4 +1,4 @@
-"""Verifiers as a user writes them, called by import path (`tests.user_verifiers:NAME`) in the
+"""Verifiers as a user writes them, called by import path (`tests.support.user_verifiers:NAME`) in the
 sandboxed pool: with the row's `meta`, asynchronous, or with a signature that fits neither form."""
 
 from __future__ import annotations

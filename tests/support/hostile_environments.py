@@ -1,5 +1,5 @@
 """Environments as a user might get them wrong, by import path
-(`tests.hostile_environments:NAME`), run in the sandboxed pool."""
+(`tests.support.hostile_environments:NAME`), run in the sandboxed pool."""
 
 from __future__ import annotations
 

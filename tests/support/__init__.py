@@ -1,0 +1,1 @@
+"""Helpers the tests share: servers, fixtures, workloads, verifiers and subprocess workers."""
