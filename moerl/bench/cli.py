@@ -1,30 +1,6 @@
 """Every `moerl bench` command, and `moerl compare`, in one place (docs/benchmarks.md).
 
-    moerl bench suite CONFIG     the workload measured stage by stage, repeated: throughput,
-                                 latency, imbalance, network, variance, disclosure, plots
-    moerl bench scaling CONFIG   the same workload at 1, 2, 4 rollout workers (and scorers)
-    moerl bench failures CONFIG  policy-iteration time under SIGTERM / SIGKILL faults
-    moerl bench modes CONFIG     sync vs async vs the one-process floor on the same workload
-    moerl bench rollout CONFIG   the async rollout worker's tokens/s against a bare engine on
-                                 the same prompts, at 1, 2, ... units in flight
-    moerl bench project          the seed's scale on paper: dispatch share and rollout gain
-    moerl bench weights          publish / fetch / hot swap / redistribution, side by side
-    moerl bench dispatch         expert-parallel dispatch/combine backends side by side
-    moerl bench ep-memory        per-rank state (vs 1/world) and peak RSS at meshes dp x ep
-    moerl bench tasks            verifier / environment calls: in-process, sandboxed pool,
-                                 Valkey; environments' share of a multi-turn rollout
-    moerl bench lease            a worker's lease as the pending list grows: Valkey commands
-                                 and wall time, against the XAUTOCLAIM paging it replaced
-    moerl bench fanout           the fan-out's bookkeeping for one version at 32 workers:
-                                 Valkey commands and CPU, against the per-chunk sets it replaced
-    moerl bench state            Valkey's and each stage's memory over a long async run:
-                                 whether the run's state stays bounded (growth per version)
-    moerl compare RUN_ID...      MLflow runs side by side: params that differ, metrics with
-                                 deltas and confidence intervals, plots
-
-Each writes JSON (with the software versions it ran on) and prints a table; the suite,
-scaling, failures, project and compare also write PNG plots (and the suite and compare a
-Markdown summary and an MLflow run). A non-zero exit means a check in the report failed.
+Design, details and limitations: docs/benchmarks.md#moerlbenchclipy.
 """
 
 from __future__ import annotations

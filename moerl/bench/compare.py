@@ -1,22 +1,6 @@
 """`moerl compare RUN_ID...`: MLflow runs side by side, with the noise taken into account.
 
-For the runs given (training runs of `moerl run`/KFP, or `moerl bench` runs), it prints:
-- the params that differ between them (a param missing from a run shows as '-');
-- headline metrics, each with mean, std and 95 % confidence interval, the delta against the
-  first run (the baseline) and whether that delta exceeds the run-to-run noise.
-It saves plots (reward curves, stacked per-stage iteration time, throughput with error bars),
-a JSON report and a Markdown summary to `--out-dir`, and logs them as an MLflow run of its own
-in experiment `moerl-compare`, tagged with the compared run ids.
-
-Where the spread comes from:
-- a `moerl bench` run logs each headline figure's mean and std over its repeats (`bench/K`,
-  `bench/K_std`, param `bench.repeats`): the interval is the repeats' t interval;
-- a training run logs one value per iteration: the figure is the mean over its iterations and
-  the interval is over the iterations (the iteration-to-iteration spread inside the run). For
-  reward, only the last 3 iterations count (where the run ended up).
-A difference "exceeds the noise" when the two 95 % intervals do not overlap (conservative: a
-real difference with overlapping intervals is reported as within noise). With one value there
-is no noise estimate and the answer is unknown.
+Design, details and limitations: docs/benchmarks.md#moerlbenchcomparepy.
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """`moerl bench failures CONFIG`: policy-iteration time under Spot-style interruptions.
 
-Two async runs of the same workload, each in a fresh directory:
-- fault-free;
-- faulted: once the first policy version is out (every engine loaded), a fault every
-  60 / `--faults-per-minute` seconds, up to `--max-faults`, each on the next rollout worker in
-  turn, the kind cycling through `--kinds`:
-    sigterm  a Spot interruption notice: the worker finishes what it can within
-             `rollout.grace_seconds`, requeues the rest and exits 75 (KFP's retry restarts it);
-    sigkill  a hard kill: its leased unit returns after `units.visibility_timeout_s`.
-  The local supervisor restarts the worker as KFP's retryPolicy would on EKS.
-
-Reported:
-- policy-iteration time (wall / versions) of both runs and their ratio;
-- finished samples lost: generated - duplicates - (trained + filtered + stale + failed + dead), from
-  the bus's counters. A finished sample is one published to the buffer; it must be 0;
-- samples regenerated: duplicates (finished twice, dropped by id); the units requeued (a
-  drain's unfinished prompts) and reclaimed (a killed worker's lease), whose unfinished samples
-  another worker generates again: at most (requeued + reclaimed) x units.max_prompts x
-  rollout.samples_per_prompt; and the extra generation of the faulted run over the fault-free
-  one (a finished sample is counted once, when published, so this is over-production only);
-- recovery time per fault: from the signal until the worker's replacement is generating
-  again (its heartbeat shows a process started after the fault with busy time > 0). The
-  heartbeat (with the process's start time) comes every 2 s, so this is accurate to about 2 s.
-
-Keep `units.visibility_timeout_s` short for sigkill (the default 120 s is a production
-value): a killed worker's unit waits that long before another worker takes it.
+Design, details and limitations: docs/benchmarks.md#moerlbenchfailurespy.
 """
 
 from __future__ import annotations

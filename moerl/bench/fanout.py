@@ -2,29 +2,7 @@
 is kept now against the way it was kept before, side by side on one embedded Valkey
 (append-only file fsynced on every write, as deployed).
 
-Only the bookkeeping runs, not the bytes: `--peers` simulated rollout workers each go through
-one version of `--chunks` chunks in the fan-out's rotated order (peer k of n starts at chunk
-k*K/n), on a virtual clock that spreads the version over `--version-s` seconds (each peer at
-its own pace, within 10%, starting within 0.2 s of the others). For every chunk a peer asks who
-holds it, picks a peer or the tier, announces it and counts it, as `Swarm` does:
-
-- `before` (the bookkeeping that `moerl.store.fanout` used until it was replaced, kept here only
-  as the baseline): a set per (version, sha, peer); the holders re-read every 0.5 s and before
-  any chunk nobody held at the last look (after 20 ms), one SMEMBERS per peer, one after the
-  other; per chunk a SADD, an EXPIRE and a counter script;
-- `after` (`moerl.store.fanout_book`, the code the workers run): one bitmap per (version, sha,
-  peer); the peers' bitmaps read in one pipelined round trip at most every 0.5 s; the
-  announcements (one SET of the whole bitmap) and the counters batched every 0.25 s.
-
-At the seed's scale the old way cannot run a whole version on a small machine (about 10^9 set
-members returned per version), so by default both ways are measured in the same `--windows`
-windows of `--window-s` virtual seconds spread over the version, and scaled to the version
-(`scale` in the report); the state before each window (what every peer holds by then) is
-written unmeasured, and each peer's last look is given a random age, as in a running fetch.
-`--windows 0` measures the whole version (the test does, at small sizes).
-
-What is measured is the server's own account: INFO commandstats (calls by command; the INFO
-calls left out), INFO cpu (used_cpu_sys + used_cpu_user) and INFO stats (bytes sent).
+Design, details and limitations: docs/benchmarks.md#moerlbenchfanoutpy.
 """
 
 from __future__ import annotations

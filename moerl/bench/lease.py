@@ -2,21 +2,7 @@
 grows, the bus's way against the way it used before, side by side on one embedded Valkey
 (append-only file fsynced on every write, as deployed).
 
-At the seed's scale a thousand units or more are leased at once (32 rollout nodes, several
-engines each, `rollout.units_in_flight` units per engine), and every lease looks for units
-whose worker went silent. The two ways, each on its own run's keys with the same pending list
-(`--pending` units leased by other workers and still busy) and the same new units to lease:
-
-- `xautoclaim` (how `RunBus.lease_unit` worked before): `XAUTOCLAIM` from the start of the
-  pending list, page by page (the server examines ten entries per page when it may claim one),
-  then `XREADGROUP`, then an `XPENDING` for the new entry's delivery count: kept here only as
-  the baseline;
-- `bus` (`RunBus.lease_unit`): `XPENDING ... IDLE`, which finds idle entries on the server in
-  one call, at most every `claim_every_s` per worker (else not at all), then `XREADGROUP`,
-  whose entries are first deliveries.
-
-Each row: Valkey commands per lease (the server's own count), the median and p90 wall time of
-a lease, and the ratio of the baseline's median to the bus's.
+Design, details and limitations: docs/benchmarks.md#moerlbenchleasepy.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """`moerl bench mismatch`: the MoE training-inference mismatch, measured and corrected, side by side.
 
-Two sections, each a set of arms on the same workload (the config file's `async` settings, the
-embedded default unless told otherwise), run one after another in one invocation:
-
-1. Routing replay under an induced mismatch. Every arm runs the one-process loop of `bench
-   modes`' floor (one `RolloutEngine` with `rollout.return_routed_experts`, generate -> score ->
-   assemble -> `train_on_batch` -> save -> hot swap), in a child process. The ENGINE is served
-   a copy of each version whose routers are perturbed (`perturbed_copy`: seeded Gaussian noise,
-   `--router-noise` x each router weight's std, the same pattern at every version), so the engine
-   routes some tokens to other experts than the trainer would: a stand-in, of chosen size, for
-   the kernel and precision differences of a GPU engine. Arms: `disabled` (measure only), `R3`
-   (replay the engine's routes), `R2`, `gspo` (GSPO's sequence ratio instead of replay). Read:
-   reward per version, `rollout_corr/*` (k3 KL, max |log ratio|, extreme-token fraction) and
-   `moe/routing_agreement` per version and their means, and the ratios R3 / disabled.
-2. Dynamic sampling on the real async pipeline (`moerl run --mode async`, as `bench modes`
-   runs it): `filter` (a version takes task.prompts_per_iteration groups, filtered ones
-   included) against `dynamic` (buffer.min_signal_groups = --min-signal-groups: every version
-   trains on that many groups with signal). Read: reward over the last versions, the filtered
-   share per version, wall time.
-
-Nothing is asserted; the report (JSON) and the table carry every number, with the command in
-docs/benchmarks.md. Times on a shared 2-core machine are noisy: read the ratios.
+Design, details and limitations: docs/benchmarks.md#moerlbenchmismatchpy.
 """
 
 from __future__ import annotations

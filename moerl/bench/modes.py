@@ -1,49 +1,6 @@
 """`moerl bench modes`: one workload run three ways, side by side: the floor, sync, async.
 
-The workload is the same in every arm: the dataset and its prompts per version
-(`task.prompts_per_iteration`, same shuffle seed), samples per prompt, response length,
-optimizer steps per version, the number of versions, the model. `check_same_workload`
-refuses a config whose `modes:` block changes any of these for one mode. Each arm runs in a
-fresh directory of its own (checkpoints, fetch cache, KFP root, work dir, sqlite MLflow and
-its artifacts), so nothing one arm leaves behind helps another.
-
-- floor: the stage functions in ONE process, with no pipeline, no tracking and no store.
-  Version 0 comes from `prepare_initial`, and one `RolloutEngine` serves the whole run. Per
-  version: prompts -> `engine.generate` -> `score` -> `assemble` -> `train_on_batch` on an
-  in-memory model and optimizer -> `_save_state` -> `engine.swap_weights`. This is the least
-  work any mode must do. It runs in a child process (`python -m moerl.bench.modes floor`),
-  because vLLM wants a `__main__` module.
-- sync: `run_local`, the KFP pipeline on kfp.local, which starts one engine per iteration.
-- async: `run_async`, long-lived local processes joined by an embedded Valkey.
-
-Each mode takes its settings from the config file's `modes:` block (`load_config(mode=...)`).
-The floor takes the sync mode's settings (it is on-policy, like sync), or with
-`--floor-settings async` the async mode's: then the floor and the async arm train with the same
-learning rate and clipping, and the difference in their time to `--reward-target` is what the
-pipeline costs (or gains) on top of the work (the floor stays on-policy either way).
-
-Read from each arm:
-- wall time, measured here around the whole arm. Every arm pays its own process starts and
-  imports, the floor included.
-- reward/mean of the first version, and the mean of the last 3.
-- engine loads.
-- the mean staleness of the samples it trained on.
-- per-stage busy fractions (time the stage worked / wall time), and idle = 1 - busy.
-
-Ratios are time multiples: sync/async (the async speedup), sync/floor, async/floor. Nothing is
-asserted about speed. On a shared 2-core machine the numbers are noisy; read the ratios.
-
-Limitations:
-- The busy fractions are not one measure across arms. Sync and the floor sum each stage's
-  time over all iterations, divided by the arm's wall time. Async reports each long-lived
-  process's own busy/wall ratio (the last `async/busy_fraction/*` the trainer logged), and
-  that process's wall starts when the process did.
-- Sync logs no staleness mean, only `buffer/staleness_max`; its mean is reported as 0 when
-  every iteration's maximum is 0, and as unknown otherwise.
-- The floor's one engine is seeded once, while the sync pipeline seeds each iteration's
-  engine anew. The samples therefore differ between the arms; the amount of work does not.
-- Every arm uses a local checkpoint store in its own directory, whatever `checkpoint.uri`
-  says. An S3 store's transfer time is not part of this comparison.
+Design, details and limitations: docs/benchmarks.md#moerlbenchmodespy.
 """
 
 from __future__ import annotations

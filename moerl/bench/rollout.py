@@ -1,45 +1,7 @@
 """`moerl bench rollout`: the async rollout worker's output tokens/s against a bare vLLM engine
 generating the same prompts, side by side in one run.
 
-The workload: `--units` units of `units.max_prompts` prompts each, the first prompts of the
-task's dataset in the async mode's seeded order, G = `rollout.samples_per_prompt` samples
-each, the config's sampling settings (async mode). Every arm is a child process of its own on
-the same cores, with a fresh engine:
-
-- bare: one `RolloutEngine`, `generate` on every prompt at once (one call, n = G): what the
-  engine does on this batch with nothing around it.
-- worker-k: the real rollout worker (`components/rollout/worker.py`, `RolloutWorker`) with
-  `rollout.units_in_flight` = k, on an embedded Valkey with version 0 published to a local
-  store, as the async mode runs it. Once its engine is loaded the units are issued at once,
-  and the arm is timed from the issue to the last group published (what a trainer waits on):
-  leasing, per-unit submission, streaming, publication and acknowledgement included.
-
-Read: output tokens/s per arm (response tokens the arm generated / its generation wall time),
-each worker arm's ratio to bare (the issue's aim: >= 0.9), the worker's busy fraction (time
-in engine steps / the timed window), units that overlapped, and the engine load time. Nothing
-is asserted about speed; on a shared 2-core machine read the ratios.
-
-Two workloads (`--workload`):
-- digits: the config's task as it is (the embedded default: 6-token responses), the
-  short-response regime, where per-unit overhead and the unit tail weigh most.
-- long-tail: responses whose lengths vary widely. The tiny model is built with 512 positions
-  and `rollout.max_new_tokens` 384, and, at its random initial weights, ends a response on its
-  end-of-sequence token with a small probability per token, so lengths are roughly geometric:
-  most responses are short, a few run to hundreds of tokens (the bare arm reports the
-  percentiles). The unit's longest response is what a between-units swap waits for.
-
-Weight updates (`--swap-every S`, `--updates`): before the worker arm's window, 40 versions
-are published (version 0's weights again, each under a new number: a swap does the same
-work); during it, one is registered every S seconds, as a trainer's commit does (publishing
-inside the window would compete with the engine for the GIL and the cores, which a trainer
-on its own nodes does not). `--updates between_units,in_flight` runs every
-units-in-flight count once per `rollout.weight_update` (arms `worker-K` and
-`worker-K-inflight`); `rollout.inflight_kv` comes from the config (`--set`). Without swaps the
-window holds one version.
-
-Limitations: speed on a shared 2-core machine; read the ratios. The long-tail lengths come
-from an untrained model's end-of-sequence rate, not from a task; the versions the publisher
-thread writes hold identical weights, so the tokens do not change at a swap, only the work.
+Design, details and limitations: docs/benchmarks.md#moerlbenchrolloutpy.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """`moerl bench scaling CONFIG`: the same workload at several sizes, async mode.
 
-The workload definition is held fixed (the config's model, dataset, prompts per version,
-samples per prompt, response length, optimizer steps, versions; `modes.check_same_workload`
-refuses any difference). What varies is the resources: locally, the number of rollout workers
-(`--workers 1,2,4`) and reward scorers (`--scorers 1`); each point is a full `run_async` in a
-fresh directory of its own.
-
-Per point it reads, from the run's counters and MLflow:
-- generation throughput: samples generated / the run's wall seconds (engine starts included),
-  and the steady rate: the mean of the trainer's per-version `async/producer_samples_per_s`
-  after the first version (whose window holds the engines' start); output tokens / s;
-- the trainer's consumption (policy versions / hour);
-- staleness of the trained samples (more workers run further ahead of the trainer).
-Relative to the smallest point (the first of `--workers`, and of `--scorers`):
-    speedup     = steady rate(point) / steady rate(smallest)   (the wall rate where a run
-                  logged fewer than 2 versions' rates; `speedup_basis` says which)
-    efficiency  = speedup / (workers(point) / workers(smallest))   (per-worker efficiency)
-
-On this machine every worker shares the same 2 cores (moerl.orchestrate.async_run.cpu_plan), so more
-workers cannot add compute: the efficiency here measures the orchestration's overhead, not
-scaling. On EKS the same command's sizes are node counts; see docs/benchmarks.md "Benchmarks on EKS, at several sizes".
+Design, details and limitations: docs/benchmarks.md#moerlbenchscalingpy.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """`moerl bench state`: does the run's state stay bounded over a long async run?
 
-A run of the seed's architecture lives for weeks: thousands of versions, millions of groups. Any
-per-group or per-version record that is never forgotten (a dedupe set, a dead-letter stream,
-per-version fan-out records, lock files, in-process maps) grows with the run until Valkey or a
-worker runs out of memory. This bench runs the async mode locally (`run_async`: real vLLM
-rollout worker, scorer, trainer, an embedded Valkey with its append-only file) for `--versions`
-versions of the tiny model at a small batch, and at every version records:
-
-- Valkey: `used_memory_dataset` (the keys' bytes, without the server's own buffers) and the
-  run's keys by kind (the name after `moerl:<run>:`, numbers dropped: `op`, `consumed`, ...);
-  the size of the `published` set and of the `dead` stream;
-- every stage process's resident memory (VmRSS from /proc, as the kernel counts it);
-- the node's fetch cache: copies and lock files.
-
-It reports each series at a quarter, half and the end of the run, and its growth per version
-over the second half (a least-squares slope), beside the first half's: a bounded series has a
-second-half slope near zero whatever the first half did (caches warm up, the allocator grows to
-its working set). Nothing is asserted here; the numbers and the command are in
-docs/benchmarks.md.
-
-Limitations: a tiny model and a small batch make each version a few seconds; what grows per
-group shows over a few thousand groups, what grows per version over the versions run. Things
-that grow with wall time (the hourly consumed buckets, op keys kept `OP_TTL_S`) level off only
-after their time-to-live, longer than this run: their count is reported, bounded by rate x TTL.
+Design, details and limitations: docs/benchmarks.md#moerlbenchstatepy.
 """
 
 from __future__ import annotations

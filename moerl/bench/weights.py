@@ -1,40 +1,6 @@
 """`moerl bench weights`: how fast a policy version moves, side by side in one run.
 
-For each model size (the tiny default, and a ~0.5 B-parameter Qwen3-MoE):
-
-- publish MB/s through the store (concurrent multipart, manifest, read-back verify, latest)
-  against a raw boto3 `upload_file` of the same files to the same S3 server;
-- fetch MB/s into the node cache (with sha256 verification) against raw `download_file`;
-- hot-swap latency into a live vLLM engine against the bound of bytes / memcpy bandwidth
-  measured here, where it goes (reading the files, vLLM's reload of the non-expert layers,
-  the CPU MoE prepack; see `hotswap.SwapStats`), and whether the swapped engine's logprobs
-  equal a fresh load's;
-- end-to-end redistribution: from "version published" until the engine serves it (fetch +
-  verify + swap), for the one engine this machine runs.
-
-Then, with a second `weed mini` as the checkpoint cache tier (docs/weights.md; `--no-tiers`
-skips it):
-
-- the trainer's stall per version: publishing inside the loop (what the trainer waited before)
-  against the wait at hand-over to the publisher thread, with a trainer stand-in (matrix
-  products) whose update takes twice a publication, and half of one (back-pressure shows);
-- handed over -> servable (verified in the cache tier) and -> durable (S3, `latest` moved);
-- a verified fetch from the cache tier against a raw boto3 download of the same objects;
-- published -> served with the cache tier: servable + cache fetch + hot swap (medians);
-- the fan-out: 1, 2 and 4 reader processes (`moerl/bench/fanreader.py`, each a rollout node
-  with its own node cache and chunk server, coordinated through a real Valkey) fetch one
-  version at once, with the fan-out and from the cache tier alone, and where the chunks came
-  from.
-
-The S3 server is a real one: `weed mini` on loopback, started and stopped by the bench (or
-`--endpoint-url` for your own). Ratios are what to read; absolute numbers on a 2-core machine
-are noisy. Each transfer is repeated and the median kept; so is the swap (2 x repeats - 1
-swaps, alternating between the two versions and ending on the one the parity check reads).
-
-Limitations: one engine (in-process, CPU); "every engine" at scale is the max over nodes of
-the same fetch + swap, which this machine cannot show. The fan-out's readers share this
-machine's cores and loopback, so their times say how the work divides, not what a network of
-nodes would do (`moerl bench project` states that).
+Design, details and limitations: docs/benchmarks.md#moerlbenchweightspy.
 """
 
 from __future__ import annotations

@@ -33,28 +33,22 @@ OWNED_ELSEWHERE = frozenset(
     }
 )
 
+# Not temporary: these benchmarks print part of their own docstring (methodology, formulas) in
+# their reports, so the docstring is data the code reads (`__doc__`), not a summary.
+DOCSTRING_IS_DATA = frozenset(
+    {
+        "moerl/bench/dispatch.py",
+        "moerl/bench/ep_memory.py",
+        "moerl/bench/memfit.py",
+        "moerl/bench/project.py",
+        "moerl/bench/redistribution.py",
+    }
+)
+
 # Temporary: long docstrings not yet moved into docs/. Remove each entry as it is shrunk; the
 # last test fails on an entry that no longer needs it.
 NOT_YET_SHRUNK = frozenset(
     {
-        "moerl/bench/cli.py",
-        "moerl/bench/compare.py",
-        "moerl/bench/dispatch.py",
-        "moerl/bench/ep_memory.py",
-        "moerl/bench/failures.py",
-        "moerl/bench/fanout.py",
-        "moerl/bench/lease.py",
-        "moerl/bench/memfit.py",
-        "moerl/bench/mismatch.py",
-        "moerl/bench/modes.py",
-        "moerl/bench/project.py",
-        "moerl/bench/redistribution.py",
-        "moerl/bench/rollout.py",
-        "moerl/bench/scaling.py",
-        "moerl/bench/state.py",
-        "moerl/bench/suite.py",
-        "moerl/bench/tasks.py",
-        "moerl/bench/weights.py",
         "moerl/buildinfo.py",
         "moerl/launch/__init__.py",
         "moerl/launch/exchange.py",
@@ -84,7 +78,7 @@ NOT_YET_SHRUNK = frozenset(
     }
 )
 
-ALLOWED = OWNED_ELSEWHERE | NOT_YET_SHRUNK
+ALLOWED = OWNED_ELSEWHERE | NOT_YET_SHRUNK | DOCSTRING_IS_DATA
 
 
 def docstring_lines(path: Path) -> int:
@@ -120,6 +114,11 @@ def test_module_docstrings_are_short() -> None:
         f"module docstrings over {MAX_LINES} lines (say what the module is for and link the doc "
         f"that holds the design): {too_long}"
     )
+
+
+def test_docstring_data_is_still_read() -> None:
+    for rel in DOCSTRING_IS_DATA:
+        assert "__doc__" in (ROOT / rel).read_text(encoding="utf-8"), f"{rel} no longer reads it"
 
 
 def test_not_yet_shrunk_holds_only_long_docstrings() -> None:
