@@ -1,27 +1,6 @@
 """Build information: what an image was built from, written once at build time, read at run time.
 
-Every moerl image runs `python -m moerl.buildinfo write /opt/moerl/build-info.json` as its
-last build step. The file holds two views of the same stack, because a changed component can
-silently select a slower path (a different NCCL, a DeepEP without its EFA transport):
-
-- `declared`: the pinned build args the Dockerfile passed in (`--declared efa_installer=1.50.0`);
-- `components`: what is actually on disk, probed without importing torch, vLLM or DeepEP
-  (package metadata, header files, library file names, `nvcc`/`fi_info` output).
-
-Every known component appears in `components`, present or not: an absent one is recorded with
-`"status": "missing"` and listed under `missing`, never skipped. Writing never fails on absence
-(this module runs on a CPU laptop as well as in the kernel image), unless `--expect NAME` names
-a component the image must have: then a missing one fails the build with exit 1.
-
-`read()` returns the file's contents at run time (None where there is none, e.g. a checkout);
-`to_tags()` flattens it into `build.*` MLflow tags.
-
-Limitations:
-- The probes read files at the places AWS's and NVIDIA's installers use (`/opt/amazon/*`,
-  `/opt/nccl`, `/opt/gdrcopy`, `/usr/local/cuda`, `$NCCL_HOME`, `$NVSHMEM_HOME`); a component
-  installed elsewhere reads as missing.
-- It records versions, not behaviour: whether EFA devices, a GPU or the libfabric provider are
-  usable is a runtime question (the runtime probe in moerl.provenance).
+Design, details and limitations: docs/deploy.md#moerlbuildinfopy.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Reading a credential: from a file named by `$<NAME>_FILE`, else from `$<NAME>`.
 
-Why files: a process's environment can be read by anything that can read `/proc/<pid>/environ`
-(every process of the same uid while the stage is dumpable) and is inherited by every child it
-starts (vLLM's workers, torchrun's ranks, a verifier's subprocess). A file is read once, kept in
-this process's memory, and passed on to nobody. So on EKS every credential reaches a stage's pod
-as a file of a Secret volume (`moerl.launch.podsecrets`: `/var/run/secrets/moerl/<secret>/<key>`),
-and the pod's environment holds only the path (`VALKEY_PASSWORD_FILE=...`). The variable itself
-(`VALKEY_PASSWORD`) still works, for local runs (`moerl run`) and the tests that set it.
-
-Which files are refused (`read_secret` raises `SecretFileError`, naming the file and the fix):
-- a file this process's user owns that its group or others may read or write: we wrote it (a
-  local run, the cluster-shaped test's sandbox), so we can make it 0400 or 0600;
-- a file owned by another user (the kubelet's root: a Kubernetes Secret volume) that its group
-  or others may *write*: someone other than the kubelet could swap the credential.
-A Secret volume's files that its group or others may *read* are accepted: a non-root container
-can read a root-owned file only through its group (`fsGroup`, which the kubelet ORs into the mode
-as 0440) or its others bits, and KFP 2.17's driver mounts Secrets with Kubernetes' default mode
-0644 (kfp-kubernetes' `SecretAsVolume` has no mode field). What keeps a sandboxed child from
-such a file is the sandbox's mount namespace, which hides `SECRETS_ROOT` and the directory of
-every credential file the stage holds (`secret_dirs`, `moerl.tasks.isolation`), not its mode.
+Design, details and limitations: docs/eks.md#moerlsecretspy.
 """
 
 from __future__ import annotations

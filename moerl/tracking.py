@@ -1,26 +1,6 @@
 """The one place metrics reach MLflow.
 
-Metric names are stable across modes and versions so runs compare: `reward/*`,
-`timing/<stage>_s`, `throughput/*`, `buffer/*`, `train/*`, `weights/*`, `response/*`.
-Params are the resolved config (dotted keys) with any credentials in URIs redacted; tags are
-the provenance from `moerl.provenance`.
-
-Credentials never travel in the config: before a config enters a pipeline (run or compile),
-`split_credentials` takes them out of `tracking.uri`. For an http(s) server they go to MLflow's
-own `MLFLOW_TRACKING_USERNAME` / `MLFLOW_TRACKING_PASSWORD`; a database URI that carries a
-password leaves the config whole and travels as `MLFLOW_TRACKING_URI`. kfp.local's tasks
-inherit these from the `moerl run` process; on the cluster they come from a Kubernetes Secret.
-
-In a pod the credentials are files (`MLFLOW_TRACKING_USERNAME_FILE` / `_PASSWORD_FILE`, from the
-Secret `cluster.mlflow_secret`: moerl.launch.podsecrets), never variables, which every child would
-inherit. MLflow reads only the variables (or `~/.mlflow/credentials`, another file in the pod's
-scratch that children could read), so `use_credential_files` reads the files once and hands them
-to MLflow in this process only: as a request-auth provider (MLflow's plugin interface,
-`RequestAuthProvider`, selected by `MLFLOW_TRACKING_AUTH`, a name, not a secret).
-
-Limitations: mlflow is imported lazily (it costs seconds), so stages never import it; only
-the tracking component and the CLI do. Other URIs in the config (`checkpoint.endpoint_url`)
-are only redacted where printed or stored in MLflow; S3 credentials come from the AWS chain.
+Design, details and limitations: docs/guide.md#moerltrackingpy.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """The S3 exchange between a KFP task and the pod it launches.
 
-A task's KFP artifacts are local paths in its own pod, which a launched pod cannot see. So the
-task uploads its inputs under a run-scoped prefix of the checkpoint store,
-    <checkpoint.uri>/runs/<run_id>/exchange/<key>/
-        spec.json              what to run: stage, config, scalar args, inputs, output names
-        inputs/<name>[/<rel>]  one object for a file input, one per file for a directory
-        outputs/<name>[/<rel>] written by the pod
-        result.json            written by the pod last: the stage's return value, the outputs
-        result-node-<k>.json   a multi-node trainer's node k > 0: the files its ranks wrote
-and the launched pod (`moerl.launch.remote`) downloads them, runs the stage, uploads its
-outputs and the result. The task downloads those into its own output paths, then deletes the
-prefix. The S3 client is the checkpoint store's (`moerl.store.s3.S3Store`: the AWS credential
-chain only, bounded retries, errors as `CheckpointError`).
-
-Limitations: a file input is one object, a directory one object per file (no archive), so
-an input of many small files costs one request each; empty directories are not carried. The
-exchange is not checksummed beyond what S3 itself checks on upload (botocore's flexible
-checksums); the checkpoints that matter are verified by the store's manifests.
+Design, details and limitations: docs/launch.md#moerllaunchexchangepy.
 """
 
 from __future__ import annotations

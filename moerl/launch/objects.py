@@ -1,41 +1,6 @@
 """Kubernetes objects for the GPU stages, built from a `RunConfig` (pure: dicts in, dicts out).
 
-- `trainjob`: a Kubeflow Trainer v2 TrainJob (`trainer.kubeflow.org/v1alpha1`, Trainer >= v2.2
-  for `runtimePatches`) on the ClusterTrainingRuntime `cluster.launch.trainer_runtime`. The
-  trainer API carries image, command, env, node count and per-node resources (GPUs, EFA
-  devices, hugepages, cpu, memory); one runtime patch adds what that API does not: the trainer
-  group's node selector and tolerations, a memory-backed /dev/shm, the scratch emptyDir,
-  IPC_LOCK on container `node`, the service account and the pod labels.
-- `rollout_pod`: a core/v1 Pod for one rollout worker (restartPolicy Never: a failed worker is
-  retried by KFP, which relaunches it).
-- `rollout_group`: `cluster.launch.rollout_nodes_per_worker` > 1, one engine across several
-  nodes (expert parallelism over EFA), as a JobSet (`jobset.x-k8s.io/v1alpha2`): a `leader`
-  replicated job (node rank 0) and an Indexed `worker` job (ranks 1..N-1), headless-service DNS
-  between them, success when the leader succeeds, no JobSet-level restarts.
-
-Why a JobSet rather than a LeaderWorkerSet (the pattern vLLM documents for multi-node
-serving): an LWS is a serving primitive, a StatefulSet of groups whose pods restart forever and
-which never completes, whereas a rollout stage (sync) or worker (async) runs to an end and its
-task must learn how it ended. A JobSet has run-to-completion semantics with Completed/Failed
-conditions to watch, leaves retries to KFP (`failurePolicy.maxRestarts: 0`), and is already on
-every cluster that runs Kubeflow Trainer v2, which is built on it.
-
-Every object carries the labels `moerl.ai/run-id`, `moerl.ai/stage`, `moerl.ai/workload` (its
-own name, also on its pods) and `app.kubernetes.io/managed-by: moerl`; rollout Pods and JobSets
-(and their pods) also `moerl.ai/group: rollout`, which the fan-out's NetworkPolicy selects. Names
-are RFC 1035 DNS labels short enough for the pod names the TrainJob and JobSet controllers
-derive from them.
-Launched containers get capability IPC_LOCK, as AWS's EFA manifests do: KFP >= 2.16 drops every
-capability of its own task containers, one reason these stages run outside KFP.
-
-Limitations: the objects pass the published schemas (tests/test_launch.py validates them
-against the Trainer v2.3.0 and JobSet v0.12.0 CRDs and Kubernetes' own schemas), but have not
-been applied to a real API server here: admission webhooks (Trainer's, JobSet's) and CEL rules
-beyond the name checks are not exercised. A TrainJob of several nodes runs the same command on
-each; Trainer's torch plugin gives each its rendezvous (`moerl.launch.nodes`). The JobSet
-builds objects that run the same command on every node, but moerl's rollout engine does not
-yet join across nodes, so `moerl.launch.task.run_remote` refuses that setting (see
-docs/launch.md).
+Design, details and limitations: docs/launch.md#moerllaunchobjectspy.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """The pod's own scratch: what every pipeline task does first.
 
-On the cluster every task is a pod with its own filesystem. Its image's work directory may be
-read-only for the non-root user, and nothing written there by one task is seen by another. So
-`moerl compile --target eks` mounts an emptyDir at `cluster.scratch_dir` in every task and sets
-`MOERL_SCRATCH` to it; `enter_pod` then makes that directory the task's working directory,
-HOME and TMPDIR. Relative paths in the config (`checkpoint.cache_dir`) resolve inside it, and
-so do the caches libraries keep under HOME.
-
-The local proof of cluster-safety (`tests/test_cluster_local.py`) sets `MOERL_SANDBOX_ROOT`
-instead: every task then enters a fresh, empty directory of its own under that root, so a task
-that relied on a file another task left behind would fail here as it would on the cluster. With
-`MOERL_SANDBOX_SECRETS` too (the cluster's Secrets, as a file), the task also gets only the
-credentials its stage's pod would get, and none of the test process's (`moerl.launch.podsecrets`):
-so every component names its stage when it calls `enter_pod`.
-
-None of these set (`moerl run`): nothing changes; on a pod only `MOERL_SCRATCH` is set.
+Design, details and limitations: docs/eks.md#moerllaunchpodenvpy.
 """
 
 from __future__ import annotations

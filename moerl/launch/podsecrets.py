@@ -1,38 +1,7 @@
 """Which Kubernetes Secret keys reach a stage's pod, as which files: one mapping, read by
 everything that needs it.
 
-Every credential reaches a pod as a file of a Secret volume, `SECRETS_ROOT/<secret>/<key>`, and
-its environment holds only the path, `<VAR>_FILE` (`moerl.secrets.read_secret` reads it once):
-an environment is readable through `/proc/<pid>/environ` and inherited by every child a stage
-starts, a file is neither (issue 35).
-
-- `pipelines/eks.py` `place` mounts exactly these Secrets into each compiled task
-  (`kubernetes.use_secret_as_volume`) and sets the `<VAR>_FILE` paths; `moerl.launch.objects`
-  does the same in the pods a launcher task starts (`cluster.launch.mode: kubernetes`), there
-  with only the keys the stage uses (`items`) and `defaultMode` 0400.
-- `moerl.launch.podenv.enter_pod` gives a cluster-shaped local task exactly these files, and
-  nothing else, when a test names the cluster's Secrets in `MOERL_SANDBOX_SECRETS`
-  (`sandbox_secret_env`): a stage that reads a credential its pod would not get then fails on
-  this machine as it would on EKS, instead of borrowing whatever the test process held. (That is
-  how `start_run` came to have no cache-tier keys on EKS while the local cluster test passed.)
-
-A KFP task mounts a whole Secret (kfp-kubernetes 2.17's `use_secret_as_volume` has no `items`),
-so every Secret a compiled task mounts must hold only what each stage that mounts it may read:
-- `cluster.mlflow_secret`: MLflow's basic-auth user and password, every task, optional (a
-  server without auth needs none);
-- the cache tier's writer and reader keys are two Secrets, `moerl-ckpt-cache-writer` and
-  `moerl-ckpt-cache-reader` (keys `WRITER_*` / `READER_*`, as the cache server reads them),
-  given by what the stage does (`moerl.store.tiers.cache_tier_secret_env`), required: a missing
-  key stops the pod before it runs rather than sending it to IRSA, which the cache server refuses;
-- the async pipeline's Valkey: each run's stages log in as the run's own ACL user
-  (`moerl.bus.client.create_run_user`: `moerl:<run>:*` only), from the run's own Secret
-  `moerl-run-<run_id>` (keys VALKEY_USERNAME, VALKEY_PASSWORD), which `start_run` creates and
-  `close_run` deletes, with the admin password of `cluster.valkey_secret` (key
-  VALKEY_ADMIN_PASSWORD), which those two tasks alone mount. Its name is known only at run time:
-  `SecretRef.secret` is then `RUN_SECRET`, which `run_secret_name` fills in (the compiled tasks
-  mount start_run's output `valkey_secret`, the launcher the name from its run id).
-S3 itself is not a Secret: every pod reaches the durable store through its service account's
-IAM role (IRSA), which the harness stands in for with `service_account_env`.
+Design, details and limitations: docs/eks.md#moerllaunchpodsecretspy.
 """
 
 from __future__ import annotations

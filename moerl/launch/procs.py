@@ -1,26 +1,6 @@
 """Child processes that die with their parent, in process groups their launcher can kill.
 
-A training rank that outlives the task that started it holds memory, a GPU and a port until
-someone finds it by hand. Two mechanisms prevent that, one for each way a launcher can end:
-
-- It dies on its own terms (an exception, SIGTERM, a timeout): it kills each child's process
-  group (`kill_groups`), which takes the child and anything the child started in its group.
-- It is SIGKILLed: nothing of it runs any more, so each child must have asked the kernel
-  beforehand to be SIGKILLed when its parent goes (`die_with_parent`, Linux's
-  `prctl(PR_SET_PDEATHSIG)`).
-
-`spawn` does both: it starts `python -m moerl.launch.procs MODULE ARGS...`, which arms the death
-signal, checks the parent is still the one that started it (it could have died before the
-signal was armed), then runs MODULE as `__main__` in the same process. A wrapped process
-passes its own pid on (`MOERL_PARENT_PID`), so wrapped grandchildren (torchrun's workers)
-check against it in turn.
-
-Limitations: the death signal is Linux only; elsewhere `die_with_parent` does nothing and only
-the explicit kills apply. It fires when the *thread* that started the child exits, not the
-whole process: start children from a thread that outlives them (the policy_update launcher
-starts them from the task's main thread). Grandchildren that start a new session (torchrun
-starts its workers that way) leave the group, so they must die with their parent too: run
-them through this wrapper as well.
+Design, details and limitations: docs/launch.md#moerllaunchprocspy.
 """
 
 from __future__ import annotations

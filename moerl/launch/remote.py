@@ -1,25 +1,6 @@
 """Inside a launched pod: `python -m moerl.launch.remote <spec-uri>` runs one stage.
 
-The launching task (`moerl.launch.task.run_remote`) wrote `spec.json` and the inputs under
-an exchange prefix (`moerl.launch.exchange`). This entry point (1) reads the spec, (2)
-downloads the inputs into the scratch folder, (3) calls the SAME stage function the in-task
-path calls (`STAGES`: policy_update -> run_policy_update, rollout -> run_rollout,
-rollout_worker -> run_rollout_worker, async_trainer -> run_trainer), (4) uploads the outputs,
-then `result.json` with the stage's return value (JSON) last: its presence means the outputs
-are complete. A stage that raises writes its one-line error to the container's termination
-message (`/dev/termination-log`), which the launcher reports, and exits non-zero (a
-`MoerlError`'s exit code, else 1).
-
-S3 access uses the pod's own AWS credential chain (IRSA through the launched pods' service
-account); `--endpoint-url` and `--region` only say where the exchange is.
-
-In a multi-node trainer (`moerl.launch.nodes`: Trainer's PET_* variables) every node runs
-steps 1-4 with its own scratch and its share of the ranks; node 0 writes `result.json` (with
-the node count), every other node k uploads only what its ranks wrote (their Distributed
-Checkpoint shards: file names never collide across ranks) and `result-node-<k>.json` listing
-it. The launching task merges them (`moerl.launch.task.merge_outputs`).
-
-Limitations: the registry is closed (a spec names a stage, never code).
+Design, details and limitations: docs/launch.md#moerllaunchremotepy.
 """
 
 from __future__ import annotations

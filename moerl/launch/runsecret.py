@@ -1,26 +1,6 @@
-"""A run's own Valkey identity on EKS: made when the run starts, deleted when it ends (issue 35).
+"""A run's own Valkey identity on EKS: made when the run starts, deleted when it ends.
 
-The stages of an async run log in to the shared Valkey as the run's own ACL user,
-`moerl-run-<run_id>`, limited to the run's keys (`moerl:<run_id>:*`) and the commands the bus
-sends (`moerl.bus.client.STAGE_ACL`): a stage (or model-written code that got hold of its
-password) cannot read or forge another run's streams. The password must reach the run's pods
-without passing through a KFP parameter (the UI shows every parameter), so:
-
-- `open_run_identity` (the pipeline's first task, `start_run`) connects as the server's admin
-  (`VALKEY_ADMIN_PASSWORD`, from `cluster.valkey_secret`, mounted by start_run and close_run
-  only), creates the user with a random password, and writes the user and password into the
-  Kubernetes Secret `moerl-run-<run_id>` in the task's namespace (and in
-  `cluster.launch.namespace`, where launched pods run, if another). start_run returns only the
-  Secret's *name* (`valkey_secret`), which the other tasks mount as a volume
-  (`kfp.kubernetes.use_secret_as_volume` takes a task output as the name: KFP's driver resolves
-  it when it builds the pod); the launcher names it from the run id.
-- `close_run_identity` (the exit task, `close_run`, however the run ended) deletes the user
-  (Valkey closes its connections) and the Secret(s).
-
-Needs: the pipeline's service account may create, update and delete Secrets in the namespace
-(Role `moerl-launcher`, manifests/base/rbac.yaml; no get or list: a task cannot read another
-Secret through the API); the server keeps users in an ACL file (manifests/base/valkey.yaml), so a
-restarted Valkey still knows a live run's user.
+Design, details and limitations: docs/eks.md#moerllaunchrunsecretpy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """How a launched workload is doing, read from its API objects (pure: dicts in, `State` out).
 
-- Pod: phase Succeeded / Failed (with the container's terminated reason, exit code and
-  message: the stage's one-line error, see `moerl.launch.remote`); a container waiting in
-  CreateContainerConfigError, InvalidImageName, ErrImageNeverPull or CreateContainerError fails
-  at once, in ImagePullBackOff / ErrImagePull after `PULL_BACKOFF_S`.
-- TrainJob / JobSet: condition `Complete` (TrainJob) or `Completed` (JobSet), or `Failed`;
-  while neither, the same waiting-reason rules on its pods (`pods_state`), because a workload
-  whose pods cannot start never gets a Failed condition: its Jobs wait forever.
-
-`State.started` says whether any pod of the workload has left phase Pending; the launcher
-fails a workload that has not started within its pending timeout (`watch.PENDING_TIMEOUT_S`).
-
-Limitations: reads only what the API objects say (no events): an unschedulable pod's reason is
-its PodScheduled condition's message. A TrainJob's or JobSet's pod that ended Failed is not a
-failure here (its Job may retry it): the Failed condition decides.
+Design, details and limitations: docs/launch.md#moerllaunchstatepy.
 """
 
 from __future__ import annotations

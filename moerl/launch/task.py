@@ -1,37 +1,6 @@
 """In the KFP task: run one GPU stage in a pod launched through the Kubernetes API.
 
-`run_remote(cfg, stage, run_id, ...)` is what a component calls instead of the stage function
-when `cluster.launch.mode` is `kubernetes`:
-(1) check the settings; (2) upload the task's input artifacts and a spec to the run's S3
-exchange (`moerl.launch.exchange`); (3) build the workload: a TrainJob for the trainer stages,
-a Pod for the rollout stages (`moerl.launch.objects`); (4) create it, watch it, delete it
-(`moerl.launch.watch.Launcher`); (5) download the outputs into the task's own output paths and
-return the stage's value; (6) delete the exchange prefix, whatever happened (a failed attempt's
-inputs can be a whole trainer state, and a KFP retry uploads them again under a new key).
-
-What the launched pods get besides the stage: the non-secret environment the task itself was
-given for MLflow and AWS (`PASS_ENV`; an MLFLOW_TRACKING_URI with credentials in it loses them,
-or is left out when it cannot do without them), their credentials as files of Secret volumes
-(`moerl.launch.podsecrets.launched_secret_volumes`: mode 0400, only the stage's keys; the async
-stages' Valkey user is the run's own, `moerl-run-<run_id>`), never as values, and a service
-account (IRSA: their S3 access): `cluster.launch.service_account`, else the task's own
-($MOERL_SERVICE_ACCOUNT, set by pipelines/eks.py) when they share its namespace.
-
-`sweep(run_id)` deletes whatever a run's launcher tasks left behind (a task killed without its
-cleanup, in a namespace its owner reference cannot reach); the pipeline's exit task calls it.
-
-A trainer of several nodes (`objects.trainer_nodes`: from the mesh, or
-`cluster.launch.trainer_nodes`) is one TrainJob; each node uploads the files its ranks wrote
-(Distributed Checkpoint shards) beside node 0's, and says which in its own node result
-(`moerl.launch.remote`). Step 5 merges them: a node's part missing, or two nodes writing the
-same file, fails the task.
-
-Limitations: needs an s3:// `checkpoint.uri` (the exchange). Refuses
-`rollout_nodes_per_worker` > 1 (the JobSet exists, `objects.rollout_group`, but moerl's rollout
-engine does not join ranks across nodes) and an async trainer on several nodes. Every trainer
-node downloads the whole input state (weights and every optimizer shard), and the task
-downloads the whole output: fine to tens of GB, not for DeepSeek-V3's 8 TB of Adam state,
-which needs the Distributed Checkpoint read and written in S3 by the ranks themselves.
+Design, details and limitations: docs/launch.md#moerllaunchtaskpy.
 """
 
 from __future__ import annotations

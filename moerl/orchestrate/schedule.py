@@ -1,39 +1,6 @@
 """Scheduled retraining: `moerl schedule` (a recurring run) and `moerl submit` (one run).
 
-Two schedulers, one cron expression:
-- a KFP recurring run (`kfp.Client.create_recurring_run`, backed by KFP's ScheduledWorkflow):
-  the pipeline is compiled for EKS once, here, and KFP starts it on the schedule with at most
-  one run at a time and no catch-up of missed ticks;
-- an Argo `CronWorkflow` (`--argo-out FILE`), for clusters that keep their schedules in Argo:
-  one step in the CPU group's image runs `moerl submit --wait` on the resolved config, so the
-  pipeline is compiled by the moerl in that image and `concurrencyPolicy: Forbid` covers the
-  whole KFP run (the step lasts as long as the run), not only its submission.
-
-Both upload the compiled pipeline as a named KFP pipeline version, `<config name>-<git
-sha>-<sha256 of the spec>` (`pipeline_version_name`), and run that version: an unchanged
-build reuses it, so the UI lists one version per distinct build and every run names the one it
-ran. `moerl submit --param NAME=VALUE --override KEY=VALUE` fills the run form
-(`pipelines/params.py`), checked here exactly as the run's first task will check it.
-
-Each scheduled run warm-starts: the config it runs gets `model.warm_start: previous`, so
-version 0 is the final checkpoint of the newest FINISHED run in `tracking.experiment`
-(`components/publish_checkpoint/stage.py`).
-
-Cron: the user gives one 6-field expression with leading seconds, as KFP takes it; the
-CronWorkflow gets the 5-field form (`moerl/orchestrate/cron.py`). A bad expression is a `ConfigError`
-naming the field, raised before anything is compiled or any client is made.
-
-Nothing secret: a `--host` / `--argo-host` with `user:password@` in it is refused. The KFP
-host's credentials come from the environment or the kube config (kfp.Client's own chain), and
-wherever the projected service-account token for KFP exists (a pod; kfp.Client's
-KF_PIPELINES_SA_TOKEN_PATH) it is used even with an explicit host, which kfp.Client alone
-would skip. Hosts are printed through `tracking.redact`, and the config written into a
-CronWorkflow has had its tracking credentials removed (`tracking.split_credentials`).
-
-Limitations: nothing here has run against a real KFP or Argo; the KFP calls are checked with an
-injected client and the CronWorkflow against Argo's published JSON schema (tests/data/argo).
-KFP recurring runs fire in the scheduledworkflow controller's time zone (its
-CRON_SCHEDULE_TIMEZONE, UTC unless set), so `--timezone` applies to the CronWorkflow only.
+Design, details and limitations: docs/schedule.md#moerlorchestrateschedulepy.
 """
 
 from __future__ import annotations

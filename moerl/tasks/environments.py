@@ -1,32 +1,7 @@
 """Multi-turn environments: the interface a user's environment implements, and the functions the
 sandboxed pool runs for it.
 
-An environment is a class (or any factory) named by import path, `package.module:Factory`, in
-`task.environment` (every row) or `task.environments.<task>` (the rows of one task). One
-instance per episode (one sample of a GRPO group), made with no arguments:
-
-    reset(row: dict) -> str | None
-        `row` is the dataset row (`id`, `task`, `prompt` or `messages`, `answer`, `meta`). The
-        return value is a first observation appended after the prompt (None or "": nothing).
-    step(text: str) -> (observation: str | None, reward: float | None, done: bool)
-        `text` is the model's last message. Tool use is the main case: parse the message for a
-        tool call, run it, return its result as the observation; the model then continues
-        after it. `reward` adds to the episode's reward (None: nothing this step); `done`
-        ends the episode. The episode also ends at `task.max_turns` model turns, or when the
-        sample's token budget is spent.
-    close() -> None (optional)
-
-`reset` and `step` may be `async def`. Each call runs in the sandboxed pool (`sandbox.py`):
-another process with no credentials, a time and a memory limit per call. The instance stays in
-that child between calls (the pool routes an episode's calls to the child that holds it), so an
-environment keeps its state in memory as it would in-process, but a call cut off by the time
-limit loses the episode (it ends with an error and is counted, never scored 0).
-
-The episode's reward: the sum of the rewards its steps returned; an episode whose steps returned
-none is scored by the task's verifier on the model's last message, as a single-turn sample is.
-
-The functions below run inside the sandboxed child; the episode loop that drives the engine
-and these calls is `moerl/components/rollout/episodes.py`.
+Design, details and limitations: docs/tasks.md#moerltasksenvironmentspy.
 """
 
 from __future__ import annotations

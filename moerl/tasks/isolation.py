@@ -1,50 +1,7 @@
 """What keeps a sandboxed child (moerl/tasks/sandbox.py) away from the stage that starts it: the
 stage's credentials, its memory, the network and the node's files.
 
-Two sides:
-
-- the stage: `prepare(isolation)` runs before the pool starts its first child. It makes the
-  stage non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`, idempotent, Linux only): its
-  `/proc/<pid>/environ`, `/proc/<pid>/mem` and ptrace are then refused to every process of the
-  same uid without `CAP_SYS_PTRACE` in the stage's user namespace, so a child cannot read
-  `VALKEY_PASSWORD`, the cache tier's keys or MLflow's credentials out of its parent. (The
-  flag also means no core dumps of the stage and no py-spy/gdb attach without root.) With
-  `namespaces` it then checks, once per process, that the kernel lets `unshare` make the
-  namespaces (a `ConfigError` naming the field when not); with `none` it says loudly, once,
-  that children run unisolated (the run also carries the `moerl.sandbox.isolation.*` tags).
-- the child: with `namespaces` each child is started as `unshare --user --map-root-user --net
-  --pid --mount --kill-child -- python -m moerl.tasks.sandbox_child ...`, so it has a network
-  namespace with only a loopback that is down (no TCP, UDP or abstract unix socket reaches the
-  node, the pod, Valkey, the fan-out server or the metadata service), its own pid namespace (the
-  stage's pid is not in it), its own mount namespace and user namespace. Inside, `enter` (pid 1
-  of the new pid namespace) mounts an empty tmpfs over the stage's temp directory (the scratch
-  directory's parent: the stage's temp files and pathname sockets, vLLM's ipc sockets among
-  them, are hidden) with the child's scratch directory bound back writable and the import path's
-  entries under it read-only, a fresh `/proc` of its pid namespace (or, where the container
-  runtime masks `/proc` and the kernel refuses a new one, an empty tmpfs over it), a private 64
-  MiB tmpfs on `/dev/shm` (the stage's shared-memory segments are hidden), and remounts every
-  other mount read-only, so that the node cache, checkpoint folders, the code and the datasets
-  cannot be written (the child's uid still owns them: only the mount stops it). It then forks
-  the process that serves calls, which drops every capability, its bounding set and sets
-  no_new_privs, so it cannot undo the mounts; pid 1 stays as its init, waits, and exits with its
-  status (a signal N as 128 + N). stdin/stdout pipes, the protocol, are inherited and cross the
-  namespaces unchanged.
-
-The stage's credential files (a pod's Secret volumes under /var/run/secrets/moerl, and the
-directory of every `<credential>_FILE` it holds: `moerl.secrets.secret_dirs`) are hidden under an
-empty read-only tmpfs, so a child reads none of them whatever their mode.
-
-Limitations, stated: the child still reads every other file its uid can read (the IRSA token
-file, the code, the datasets, `~/.aws` if present): the mounts are read-only, not hidden (but the
-stage's temp directory and its credential files). Pathname unix sockets outside the stage's temp
-directory (under /run, say) are
-reachable through the filesystem: the network namespace removes IP and abstract sockets only;
-and a temp directory that is itself on the import path stays visible. CPU time and disk use in
-the scratch directory are bounded by the per-call timeout and `RLIMIT_FSIZE`, not by a cgroup.
-`none` isolates nothing beyond the allow-listed environment and the limits: a stage running as
-root (whose children then hold `CAP_SYS_PTRACE`) is readable even non-dumpable.
-Kubernetes pods need seccomp `Unconfined` (or a profile allowing `unshare`/`clone` with
-`CLONE_NEWUSER`) and a kernel with unprivileged user namespaces (docs/tasks.md).
+Design, details and limitations: docs/tasks.md#moerltasksisolationpy.
 """
 
 from __future__ import annotations

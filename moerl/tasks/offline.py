@@ -1,31 +1,7 @@
 """Real tasks with no download (the `moerl[tasks]` extra): reasoning-gym's procedural
 generators and math-verify's answer equivalence.
 
-- `make_reasoning_gym(names, seed, size)`: `size` items of each generator as dataset rows.
-  A row's `meta` holds what regenerates its item (generator name, seed, index, the config the
-  dataset was made with), not the item itself: reasoning-gym's items depend only on
-  (name, seed, index), so the verifier makes the item again and calls the generator's own
-  `score_answer`. Rows get task `reasoning_gym` (scored by `score_reasoning_gym`), or `math`
-  with `math=True` (scored by `score_math`; for GSM8K-style generators such as `gsm_symbolic`,
-  whose answers are numbers).
-- `score_reasoning_gym(response, answer, meta)`, `score_math(response, answer)`: verifiers.
-  Both are the shipped defaults of their tasks (`verifiers.TASK_DEFAULTS`) and run in the
-  sandboxed pool like every verifier. math-verify's own timeout uses `signal.alarm`, which only
-  works in a process's main thread: the pool's children call verifiers in their main thread,
-  and the pool kills a call past `reward.sandbox.sample_timeout_s` whatever it does.
-
-Command line: `moerl tasks make reasoning-gym --names gsm_symbolic,basic_arithmetic --seed 0
---size 500 -o data.jsonl` (`--math` for task `math`).
-
-A scorer that raises on a response it cannot parse (prime_factorization does on a non-number)
-scores that response 0: the response is wrong, the verifier is not broken (the gold answer
-scores). Found by the tests: game_of_life_halting's scorer gives full marks to a non-answer
-when the gold answer is "False".
-
-Limitations: five reasoning-gym generators give no answer (their puzzles are scored by a
-validator: boxnet, graph_color, propositional_logic, rubiks_cube, rush_hour); their rows carry
-an empty `answer` and are scored by `score_answer` alone. Importing reasoning-gym takes about
-1-5 s, once per sandboxed child.
+Design, details and limitations: docs/tasks.md#moerltasksofflinepy.
 """
 
 from __future__ import annotations

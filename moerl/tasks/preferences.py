@@ -1,22 +1,6 @@
 """Preference pairs for reward-model training (RLHF): the schema, loading, the shipped set.
 
-A preference dataset is a JSONL file, or a Parquet file, of `PreferencePair` rows
-{id, prompt, chosen, rejected}: for `prompt`, the response `chosen` is preferred to
-`rejected`. `builtin:prefs-digits` names the set shipped in `moerl/tasks/data/`.
-
-Loading follows the prompt dataset's policy (moerl/tasks/dataset.py) and threshold: a malformed row
-is skipped and counted, and more than `max_bad_fraction` of them fail the load with a
-`DataError` naming the field, the file and the first bad row. A malformed row is a line that
-is not one JSON object of the schema (bad UTF-8, a NUL byte, a line over 1 MiB, a missing or
-extra field), a row whose `chosen` equals its `rejected` (no preference), or, in Parquet, a
-row with a null or non-string value. A Parquet file without the four columns fails as a whole.
-
-The shipped set (`synthesize`) is built from the prompts of a shipped task dataset: for each
-pair, two candidate responses are drawn from a mixture (the answer itself, the answer with
-digits replaced, cut short or run on, random digits); the pair is kept only when the task's
-rule verifier scores them at least `margin` apart, and the higher-scored one is `chosen`. So
-the verifier ranks every chosen response above its rejected one (tests/test_reward_model.py
-checks it on the shipped file). Regenerate it with `python -m moerl.tasks.preferences`.
+Design, details and limitations: docs/tasks.md#moerltaskspreferencespy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """How a dataset row becomes the token ids the engine continues.
 
-A row gives its prompt as text (`prompt`) or as chat `messages`. `rollout.chat_template`:
-- `auto` (default): the tokenizer's chat template for rows that give `messages`, when the
-  tokenizer has one; a text prompt is encoded as it is (the embedded tasks are raw text);
-- `true`: every row through the chat template (a text prompt as one user message);
-- `false`: never; a row that gives `messages` is then refused (there is no faithful raw form).
-A row with `messages` and a tokenizer without a chat template is refused, naming the key: a
-silent fallback to joined text would train on a prompt format the model never sees in serving.
-With the template, the generation prompt is added (the assistant turn the model continues).
-
-`max_new_tokens_for` caps a sample's response so that prompt + response stays within
-`rollout.max_total_tokens` (when set).
-
-Multi-turn episodes append their environments' observations as tokens after these ids
-(`moerl/components/rollout/episodes.py`), never re-encoding the conversation.
+Design, details and limitations: docs/tasks.md#moerltaskspromptingpy.
 """
 
 from __future__ import annotations

@@ -3,49 +3,7 @@ with a wall-clock limit per call, a memory limit, no credentials and a scratch d
 their own, so that a verifier that hangs, spins, allocates without bound or crashes costs one
 sample, never the stage or the run.
 
-A call names its target by import path (`package.module:function`) and passes JSON arguments;
-the child imports the target (once), calls it and answers with JSON. Each child:
-
-- runs `python -m moerl.tasks.sandbox_child` with an environment built from an allow-list
-  (`PATH`, locale, `PYTHONPATH`; `HOME` and `TMPDIR` point at its own empty scratch
-  directory): the pod's AWS, MLflow and Valkey settings, and every other variable, are not
-  passed on;
-- caps its address space at `memory_mb` (`RLIMIT_AS`, so an allocation past it raises
-  `MemoryError` inside the verifier), writes no core files, opens at most 256 files, and
-  writes files of at most 64 MiB;
-- talks to the pool over a private copy of its stdin/stdout: file descriptors 0 and 1 are
-  /dev/null and stderr, so a verifier that prints cannot corrupt the protocol;
-- exits when its parent goes (a watchdog thread sees the pool's end of its stdin pipe close,
-  and, unisolated, compares `getppid()`; the kernel's death signal would fire when the
-  *thread* that started it ends, and the async scorer restarts children from a short-lived
-  scoring thread);
-- with `Limits.isolation` `namespaces` (the default; `reward.sandbox.isolation`,
-  `task.sandbox.isolation`) runs in its own user, network, pid and mount namespaces with no
-  network, the filesystem read-only but for its scratch directory, and no capabilities
-  (`isolation.py`, which also states what is still not isolated); `none` (no namespaces) is
-  warned about and tagged on the run. Whatever the isolation, the stage makes itself
-  non-dumpable before its first child starts, so its `/proc/<pid>/environ` and memory are
-  out of reach of processes of its uid without `CAP_SYS_PTRACE`.
-
-The pool (`SandboxPool`) keeps `workers` children and hands each one call at a time. A call
-still running after `timeout_s` gets its child SIGKILLed and replaced, and comes back as an
-`Outcome` of kind `timeout`; one that raised `MemoryError` (its child is replaced too, its heap
-may be unusable) as `memory`; a child that died (a segfault, the kernel's OOM killer) as
-`crashed`; any other exception as `error`, with its type and message. Outcomes come back in
-call order.
-
-Stateful calls (environments, `moerl/tasks/environments.py`): a call may carry a key (an
-episode's id). The first keyed call binds the key to the child that runs it, and every later
-call with that key goes to the same child, in the order given (the environment object lives in
-that child's memory). A child that is killed or dies takes its keys' state with it: a later call
-with such a key runs on another child and fails there, naming the lost key. `release(keys)`
-unbinds keys whose state the caller has closed.
-
-Limitations, stated: the children run as the pod's own uid, so a verifier can still read a
-file it knows the path of (the IRSA token file, for example) and reach a pathname unix socket
-outside the stage's temp directory;
-with isolation `none` it can also open connections and write the pod's files. Namespaces on
-Kubernetes need the pod settings docs/tasks.md lists. See `isolation.py`.
+Design, details and limitations: docs/tasks.md#moerltaskssandboxpy.
 """
 
 from __future__ import annotations

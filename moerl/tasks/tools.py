@@ -1,28 +1,6 @@
 """The shipped tool environments (`task.environment`, docs/tasks.md).
 
-`Calculator`: arithmetic for word problems. Each model message is either a tool call, a
-`<calc>EXPRESSION</calc>` anywhere in it, which the environment evaluates (numbers, + - * /,
-parentheses, ** with a small exponent; never `eval`) and answers with
-`<result>VALUE</result>` as the next observation; or, with no call, the final answer, scored 1
-if it holds the row's answer as its last number (numeric equality), else 0, which ends the
-episode. For GSM8K-style rows: `moerl tasks make reasoning-gym --names gsm_symbolic`, with
-`task.environment: moerl.tasks.tools:Calculator`.
-
-`Lookup`: the shipped multi-turn task the tiny model learns (`configs/tiny-moe-lookup.yaml`,
-`builtin:digits-lookup`). A key-value store the model must query:
-
-    prompt       "do 482="        the key (row meta: {"key": "482", "value": "9350"})
-    turn 1       "482"            the model queries the store with the key
-    observation  " 9350="         the environment replies with the key's value (" err=" if unknown)
-    turn 2       "9350"           the model answers with the value; the episode ends
-
-The value is drawn at random per row and appears nowhere but in the environment's reply, so
-the right answer depends on what the environment replied. The reward is two halves with
-positional partial credit (as the digit verifiers give): the query against the key, the answer
-against the value; an untrained policy scores about 0.05, one that queries and copies the reply
-scores 1. Why not the calculator for the tiny model: measured, its constant characters (the
-`+` of every call, the leading 1 of two-digit sums) give partial credit to constant outputs, and
-the tiny policy collapsed onto `X++` / `11` at reward 0.4 (docs/tasks.md).
+Design, details and limitations: docs/tasks.md#moerltaskstoolspy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Rule verifiers: reward a response against the reference answer, in [0, 1].
 
-- `positional`: partial credit. The fraction of the answer's characters the response gets
-  right at the same position, divided by the longer of the two lengths, so a response that
-  runs on past the answer loses credit. Exactly the answer scores 1.
-- `exact`: 1 if the stripped response equals the answer, else 0.
-
-The interface a user's verifier implements: `fn(response, answer, meta) -> float`, or
-`fn(response, answer)` for one that needs no row metadata; plain or `async def`. `meta` is the
-dataset row's optional `meta` mapping (None when the row has none).
-
-Which verifier scores a row: `reward.verifiers[task]`, else `reward.verifier` when it is not
-`auto`, else the task's shipped default (`TASK_DEFAULTS`: the digit tasks register theirs the
-same way a user's task does). `verifier_target` gives the import path; the sandboxed pool
-(`moerl.tasks.sandbox`) runs `call_verifier` with it, so no verifier ever runs in the stage's
-own process.
+Design, details and limitations: docs/tasks.md#moerltasksverifierspy.
 """
 
 from __future__ import annotations
