@@ -1,17 +1,6 @@
 """Expert load imbalance: tokens per expert per MoE layer, from the policy's own router.
 
-`expert_loads(model, sequences)` runs the transformers model (no gradient) over token
-sequences with forward hooks on every MoE router (`block.gate`, as the trainer's aux loss
-hooks them), and counts, per layer, the (token, expert) assignments of the real tokens (padding
-masked out). `imbalance(counts)` is max / mean tokens per expert, per layer: 1.0 is perfectly
-balanced; at EP = n the GPU holding the busiest expert waits that much longer than the mean
-(with one expert per GPU; with several per GPU the per-GPU sums are flatter).
-
-Where it measures:
-- rollout: the sequences the engine generated (prompt + response), under the weights that
-  generated them. vLLM's CPU path keeps no per-expert counters, so the router runs again here
-  on the same weights and tokens: the same assignments up to float rounding at ties.
-- training: the tokens of the batch the trainer updated on, under the pre-update weights.
+Design, details and limitations: docs/benchmarks.md#moerlbenchimbalancepy.
 """
 
 from __future__ import annotations

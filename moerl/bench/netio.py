@@ -1,16 +1,7 @@
 """Network byte counters for benchmarks: the EFA NICs where present, the kernel's interface
 counters otherwise.
 
-- EFA (and any RDMA NIC) exposes per-port counters under `/sys/class/infiniband/<dev>/`:
-  EFA devices have `ports/<p>/hw_counters/tx_bytes` and `rx_bytes` (bytes); standard IB ports
-  have `ports/<p>/counters/port_xmit_data` and `port_rcv_data` in units of 4 bytes
-  (the IBTA's "octets divided by 4").
-- Otherwise `/proc/net/dev` gives every interface's rx/tx bytes in this network namespace.
-  On one machine the benchmark's traffic goes over loopback (`lo`), so loopback is counted;
-  the counters are namespace-wide, so anything else talking at the same time is counted too.
-
-A `Snapshot` is read before and after a window; `delta` gives the bytes in it. The source is
-part of every reading, so a report says which counters it used.
+Design, details and limitations: docs/benchmarks.md#moerlbenchnetiopy.
 """
 
 from __future__ import annotations

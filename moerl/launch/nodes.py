@@ -1,17 +1,6 @@
 """Which node of a multi-node trainer this process is, and how many nodes there are.
 
-On the cluster a TrainJob with `numNodes` N runs the same command on N pods. Kubeflow
-Trainer's torch plugin gives each of them the rendezvous torchrun reads
-(`PET_NNODES`, `PET_NODE_RANK`, `PET_MASTER_ADDR`, `PET_MASTER_PORT`, `PET_NPROC_PER_NODE`;
-torchrun takes every `--x-y` option from `PET_X_Y`). moerl reads the same variables, so the
-launched stage knows (1) how to start its node's ranks (`launcher.torchrun_args`: a static
-rendezvous on node 0's address instead of `--standalone`) and (2) what to upload: node 0
-writes the stage's result, the other nodes only the files their ranks wrote
-(`moerl.launch.remote`). None of them set: one node.
-
-Limitations: a static rendezvous: every node must start (the TrainJob's JobSet starts them
-together and fails the whole job when one pod fails; KFP's retry relaunches all of them). No
-elastic membership: a trainer node lost mid-update fails the update, which is retried whole.
+Design, details and limitations: docs/launch.md#moerllaunchnodespy.
 """
 
 from __future__ import annotations

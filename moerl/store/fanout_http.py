@@ -1,18 +1,7 @@
 """The fan-out's HTTP: a chunk server that admits only the run's token and serves file ranges a few
 at a time, and a chunk fetch that a slow or hostile peer cannot hang or bloat.
 
-Server (`ChunkApp`, a bare ASGI app under uvicorn): `GET /chunk/{version}/{sha}/{index}` with
-`Authorization: Bearer <the run's token>` (`moerl.store.fanout_book.run_token`); 401 without a
-token, 403 with another (compared in constant time), 404 for a chunk this peer does not hold,
-503 when `max_serving` chunks are already being sent (the fetcher then asks its next source).
-A chunk is streamed from its file in `PIECE` reads with its Content-Length, so a request holds
-one piece in memory, not the chunk (uvicorn pauses the writes while a reader is slow); a
-reader that hangs up or does not take the chunk within its deadline frees its slot.
-
-Fetch (`fetch_chunk`): the body is read one socket read at a time and refused as soon as it
-passes the chunk's length (or its Content-Length says so), or when the chunk's deadline
-(`slack_s` + length / `min_rate_bps`) passes; compressed bodies are never decoded (a small
-body cannot inflate). The caller checks the sha256 of whatever passes these checks.
+Design, details and limitations: docs/store.md#moerlstorefanout_httppy.
 """
 
 from __future__ import annotations

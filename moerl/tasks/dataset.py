@@ -1,16 +1,6 @@
 """Prompt datasets: loading and validating a user's file or a shipped one.
 
-The shipped tasks are the digit problems of `moerl.tasks.digits`. A dataset is a JSONL file of `Prompt` rows ({id, task, prompt, answer}). `builtin:<name>`
-names a file shipped in `moerl/tasks/data/`; any other value is a path to a user's file in the
-same schema. Malformed rows are skipped and counted; more than `max_bad_fraction` of them
-fails the load with a `DataError` that names the file and the first bad line.
-
-A malformed row is any line that is not one JSON object of that schema: bytes that are not
-UTF-8, a NUL byte (raw, or escaped as \\u0000 in a field), a line longer than 1 MiB
-(`MAX_LINE_BYTES`), JSON nested too deeply, a missing or extra field. Blank lines are skipped;
-a file without any row, a directory, or an unreadable file fails the load.
-
-Limitations: the whole dataset is held in memory (rows are small; a line is at most 1 MiB).
+Design, details and limitations: docs/tasks.md#moerltasksdatasetpy.
 """
 
 from __future__ import annotations
