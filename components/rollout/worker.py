@@ -177,6 +177,35 @@ class _InFlight:
         return [k for k in self.todo if k not in self.finished]
 
 
+@dataclass
+class _DrainTotals:
+    """Between-units drains for a newer version, summed (docs/async.md): their seconds, their
+    engine steps, and the sum over those steps of the engine's running batch (sequences held, at
+    most `rollout.max_num_seqs`: divided by `steps`, the drains' mean batch)."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    seqs: int = 0
+
+
+@dataclass
+class _TailTotals:
+    """Multi-turn units that ended whole, and the sums of their last and their median episode
+    ends (seconds after the unit began): the tail, the last episode against the median one."""
+
+    units: int = 0
+    last_s: float = 0.0
+    median_s: float = 0.0
+
+    def add(self, ends: list[float]) -> None:
+        """One more unit, its episodes' ends sorted."""
+        self.units, self.last_s, self.median_s = (
+            self.units + 1,
+            self.last_s + ends[-1],
+            self.median_s + statistics.median(ends),
+        )
+
+
 @dataclass(frozen=True)
 class _Write:
     """One bus write, sent in one round trip with the writes waiting next to it."""
@@ -402,15 +431,9 @@ class RolloutWorker:
 
         self.multi_turn = uses_environments(cfg)
         self._env_pool = None  # the sandboxed pool environments run in (multi-turn tasks)
-        self._tail = [
-            0,
-            0.0,
-            0.0,
-        ]  # multi-turn units; sums of their last and median episode ends (s)
+        self._tail = _TailTotals()
         self._first_sample_s: float | None = None  # start -> the first group generated (fast start)
-        # between-units drains for a newer version: seconds, engine steps, and the sum over those
-        # steps of the engine's running batch (sequences held, at most max_num_seqs: their mean batch)
-        self._drains = [0.0, 0, 0]
+        self._drains = _DrainTotals()
         self._early_tried = False  # rollout.early_engine: tried once
         # in_flight: the next version's fetch, on a thread beside generation ((version, sha), thread),
         # and where each prefetched version came from (counted when it is swapped in)
@@ -739,17 +762,15 @@ class RolloutWorker:
                 if code is not None:
                     return code
                 if drain_t0 is not None:  # what waiting for the units' tails cost (docs/async.md)
-                    self._drains = [
-                        self._drains[0] + time.perf_counter() - drain_t0,
-                        self._drains[1] + drain_steps,
-                        self._drains[2] + drain_seqs,
-                    ]
+                    d = self._drains
+                    d.seconds = d.seconds + time.perf_counter() - drain_t0
+                    d.steps, d.seqs = d.steps + drain_steps, d.seqs + drain_seqs
                     self.bus.heartbeat(
                         self.name,
                         ttl_s=10.0,
-                        version_drain_s=self._drains[0],
-                        version_drain_steps=self._drains[1],
-                        version_drain_seqs=self._drains[2],
+                        version_drain_s=d.seconds,
+                        version_drain_steps=d.steps,
+                        version_drain_seqs=d.seqs,
                     )
                     drain_t0, drain_steps, drain_seqs = None, 0, 0
                 self._serve_latest()
@@ -1034,16 +1055,12 @@ class RolloutWorker:
         if ends and len(finished) == len(
             todo
         ):  # the tail: the unit's last episode against its median one
-            self._tail = [
-                self._tail[0] + 1,
-                self._tail[1] + ends[-1],
-                self._tail[2] + statistics.median(ends),
-            ]
+            self._tail.add(ends)
             self.bus.heartbeat(
                 self.name,
                 ttl_s=10.0,
-                unit_tail_last_s=self._tail[1] / self._tail[0],
-                unit_tail_median_s=self._tail[2] / self._tail[0],
+                unit_tail_last_s=self._tail.last_s / self._tail.units,
+                unit_tail_median_s=self._tail.median_s / self._tail.units,
             )
         return self._end_unit(lease, [k for k in todo if k not in finished])
 
