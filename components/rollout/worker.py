@@ -61,7 +61,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -826,7 +826,7 @@ class RolloutWorker:
                     units[lease.entry_id] = u
                     rid_unit.update((rid, lease.entry_id) for rid in u.by_rid)
                     if not u.todo:  # every group was published by an earlier attempt
-                        self._finish_unit(units, rid_unit, u, [])
+                        self._complete_unit(units, rid_unit, u, [])
             if not units:
                 continue
             if drain_t0 is not None:
@@ -855,7 +855,7 @@ class RolloutWorker:
                     if len(u.finished) == len(
                         u.todo
                     ):  # its last groups and its acknowledgement, one hand-over
-                        self._finish_unit(units, rid_unit, u, [], before=writes)
+                        self._complete_unit(units, rid_unit, u, writes)
                         writes = []
             finally:
                 self._hand_over(writes)
@@ -864,38 +864,34 @@ class RolloutWorker:
                 units.values()
             ):  # a lease another worker took: drop its unfinished groups
                 if not self._still_held(u.lease):
-                    self._finish_unit(units, rid_unit, u, u.remaining())
+                    self._abandon_unit(units, rid_unit, u)
             if self.drain.expired():  # the grace ran out: requeue what did not finish
                 for u in list(units.values()):
-                    self._finish_unit(units, rid_unit, u, u.remaining())
+                    self._abandon_unit(units, rid_unit, u)
                 self.bus.incr(drains=1)
                 return EXIT_DRAINED
 
-    def _finish_unit(
-        self,
-        units: dict,
-        rid_unit: dict,
-        u: _InFlight,
-        remaining: list[int],
-        before: Sequence[BusWrite] = (),
+    def _complete_unit(
+        self, units: dict, rid_unit: dict, u: _InFlight, last_groups: list[BusWrite]
     ) -> None:
-        """Drop the unit from the loop's books and end it (`_end_unit`); `before`: the step's
-        writes still to hand over (its last groups among them), sent ahead of its acknowledgement."""
+        """Drop a unit none of whose groups remains from the loop's books and acknowledge it
+        behind `last_groups` (those of its groups the step finished, still to hand over)."""
         units.pop(u.lease.entry_id, None)
         for rid in u.by_rid:
             rid_unit.pop(rid, None)
-        if (
-            not remaining
-        ):  # the acknowledgement follows the unit's groups on the outbox, then the release
-            self._end_unit(
-                u.lease, [], defer=True, before=before, units_overlapped=int(u.overlapped)
-            )
-            return
-        self._hand_over(list(before))
+        self._ack_behind(u.lease, last_groups, units_overlapped=int(u.overlapped))
+
+    def _abandon_unit(self, units: dict, rid_unit: dict, u: _InFlight) -> None:
+        """Drop a unit with groups still generating from the loop's books (its lease lost, or a
+        drain out of grace), abort them and give them up or requeue them (`_end_unfinished`)."""
+        remaining = u.remaining()
+        units.pop(u.lease.entry_id, None)
+        for rid in u.by_rid:
+            rid_unit.pop(rid, None)
         if u.overlapped:
             self.bus.incr(units_overlapped=1)
         try:
-            self._end_unit(
+            self._end_unfinished(
                 u.lease, remaining, [rid for rid, k in u.by_rid.items() if k in remaining]
             )
         finally:
@@ -909,35 +905,33 @@ class RolloutWorker:
         done_already = self.bus.published(list(gids.values()))
         return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
-    def _end_unit(
-        self,
-        lease: Lease,
-        remaining: list[int],
-        rids: list[str] | None = None,
-        defer: bool = False,
-        before: Sequence[BusWrite] = (),
-        **counts: int,
-    ) -> bool:
-        """Acknowledge the unit, or, with prompts `remaining`, give them up (a lost lease) or
-        requeue them (a drain); its requests still in flight (`rids`; None: every request) are
-        aborted. Its groups' publications are made first (the outbox is flushed); `defer` (a
-        unit with nothing remaining): the acknowledgement and the lease's release go on the
-        outbox after them instead, handed over together with `before` (the unit's last groups,
-        so the outbox sends them and the acknowledgement in one round trip), and the loop goes
-        on at once; `counts` go to the counters with the acknowledgement."""
-        unit_id = lease.unit["unit_id"]
-        if defer:  # released after the acknowledgement, or when a failed write before it skips it
-            self._outbox.put(
-                [*before, self.bus.ack_write(lease, **counts)], always=lambda: self._release(lease)
-            )
-            return True
+    def _ack_behind(self, lease: Lease, last_groups: list[BusWrite], units_overlapped: int) -> None:
+        """Acknowledge a unit on the outbox, behind its `last_groups` in one hand-over (so one
+        round trip sends them and the acknowledgement), then release its lease, also when a
+        failed write before skips the acknowledgement; the loop goes on at once.
+        `units_overlapped` goes to the counters with the acknowledgement."""
+        self._outbox.put(
+            [*last_groups, self.bus.ack_write(lease, units_overlapped=units_overlapped)],
+            always=lambda: self._release(lease),
+        )
+
+    def _ack_now(self, lease: Lease) -> None:
+        """Acknowledge a unit once its groups' publications are made (the outbox flushed)."""
         self._outbox.flush()
-        if remaining:
-            if rids is not None:
-                self._live.abort(rids)
-            else:
-                self._live.abort_all()
-        if remaining and not self._still_held(lease):
+        self.bus.ack_unit(lease)
+
+    def _end_unfinished(self, lease: Lease, remaining: list[int], rids: list[str] | None) -> bool:
+        """End a unit whose prompts `remaining` did not finish, once its groups' publications
+        are made (the outbox flushed): its requests still in flight are aborted (`rids`; None:
+        every request), then the prompts are given up (another worker took the lease: True) or
+        requeued (a drain out of grace: False)."""
+        unit_id = lease.unit["unit_id"]
+        self._outbox.flush()
+        if rids is not None:
+            self._live.abort(rids)
+        else:
+            self._live.abort_all()
+        if not self._still_held(lease):
             # another worker reclaimed the unit: it regenerates what is missing; ours is dropped
             self.bus.incr(leases_lost=1)
             log.warning(
@@ -947,14 +941,9 @@ class RolloutWorker:
                 len(remaining),
             )
             return True
-        if remaining:  # a drain ran out of grace: requeue what did not finish
-            self.bus.requeue_unit(lease, remaining)
-            log.warning(
-                "%s: requeued %d unfinished prompts of %s", self.name, len(remaining), unit_id
-            )
-            return False
-        self.bus.ack_unit(lease, **counts)
-        return True
+        self.bus.requeue_unit(lease, remaining)  # a drain ran out of grace
+        log.warning("%s: requeued %d unfinished prompts of %s", self.name, len(remaining), unit_id)
+        return False
 
     def _run_episodes(self, lease: Lease) -> bool:
         """`_run_unit` for multi-turn tasks (`task.environment`): G episodes per prompt, each
@@ -1062,7 +1051,11 @@ class RolloutWorker:
                 unit_tail_last_s=self._tail.last_s / self._tail.units,
                 unit_tail_median_s=self._tail.median_s / self._tail.units,
             )
-        return self._end_unit(lease, [k for k in todo if k not in finished])
+        remaining = [k for k in todo if k not in finished]
+        if remaining:  # a drain or a lost lease ended the unit early
+            return self._end_unfinished(lease, remaining, rids=None)
+        self._ack_now(lease)
+        return True
 
     def _hand_over(self, writes: list[BusWrite]) -> list[BusWrite]:
         """Give `writes` to the outbox in one hand-over (sent in one round trip); a new list."""
