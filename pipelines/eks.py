@@ -99,6 +99,7 @@ def check_cluster_safe(cfg: RunConfig) -> None:
         )
     if (
         cfg.reward.kind != "rules"
+        and cfg.reward.model is not None  # always set unless kind is rules (RewardConfig)
         and cfg.reward.model.device == "cuda"
         and not cfg.cluster.groups.reward.gpus
     ):

@@ -112,7 +112,7 @@ def run_form(
         bound.apply_defaults()
         body(dict(bound.arguments))
 
-    pipeline_func.__signature__ = sig
+    pipeline_func.__signature__ = sig  # type: ignore[attr-defined]  # read by inspect.signature; typeshed's functions do not declare it
     pipeline_func.__name__ = pipeline_func.__qualname__ = name.replace("-", "_")
     pipeline_func.__doc__ = params.docstring(description, {k: FIXED_INPUTS[k] for k in fixed}, cfg)
     return dsl.pipeline(name=name, description=description)(pipeline_func)
@@ -264,7 +264,7 @@ def build_pipeline(
         else:
             init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
         policy, state = init.outputs["Output"], init.outputs["state"]
-        logs = []
+        logs: list[dsl.PipelineTask] = []
         for i in range(start_iteration, n_iter):
             ro = _task(
                 ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),

@@ -3,7 +3,8 @@
 from typing import NamedTuple
 
 
-def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> NamedTuple(
+# Its outputs: a NamedTuple(...) call, the form KFP reads them from (mypy takes no call there).
+def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> NamedTuple(  # type: ignore[valid-type]
     "Redistributed", [("policy_json", str), ("metrics", dict)]
 ):
     """Make the version in `policy_json` the one the next rollout serves: fetch it into the
@@ -26,6 +27,5 @@ def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> Nam
         cfg, "redistribute_weights", run_id, enforce=False
     )  # build-info and runtime probe on the run
     policy, metrics = run_redistribute(cfg, run_id, PolicyVersion.model_validate_json(policy_json))
-    return namedtuple("Redistributed", ["policy_json", "metrics"])(
-        policy.model_dump_json(), metrics
-    )
+    Redistributed = namedtuple("Redistributed", ["policy_json", "metrics"])
+    return Redistributed(policy.model_dump_json(), metrics)

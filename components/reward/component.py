@@ -24,7 +24,8 @@ def reward(
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
-    on_gpu = cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda"
+    model = cfg.reward.model  # set unless kind is rules (RewardConfig)
+    on_gpu = cfg.reward.kind != "rules" and model is not None and model.device == "cuda"
     stage_start(cfg, "reward", run_id, enforce=on_gpu)  # build-info and runtime probe on the run
     return run_reward(cfg.reward, samples.path, scored.path, load_model_scorer(cfg, run_id))
 

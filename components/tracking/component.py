@@ -1,10 +1,15 @@
 """KFP components: the MLflow run (start, one log per iteration, finish; close on any exit)."""
 
+# mypy: implicit-optional
+# start_run's run-form fields default to None as `str = None`: KFP reads these annotations, strips
+# typing.Optional but rejects `str | None`, and ruff (UP045) rewrites Optional[str] to `str | None`.
+
 from typing import NamedTuple
 
 from kfp import dsl
 
 
+# Its outputs: a NamedTuple(...) call, the form KFP reads them from (mypy takes no call there).
 def start_run(
     config_json: str,
     run_id: str,
@@ -25,7 +30,7 @@ def start_run(
     reward_model: str = None,
     run_name: str = None,
     overrides: list = None,
-) -> NamedTuple(
+) -> NamedTuple(  # type: ignore[valid-type]
     "Outputs", run_id=str, config_json=str, worker_slots=list, scorer_slots=list, valkey_secret=str
 ):
     """The run's first task. Merges the run form's typed parameters and `overrides` into the
@@ -106,10 +111,10 @@ def start_run(
         from moerl.launch.runsecret import open_run_identity, uses_run_identity
 
         valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
-    outputs = namedtuple(
+    Outputs = namedtuple(
         "Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"]
     )
-    return outputs(
+    return Outputs(
         run_id,
         config_to_json(cfg),
         list(range(cfg.rollout.workers)),
