@@ -37,8 +37,6 @@ def _scaling(a: argparse.Namespace) -> int:
         versions=a.versions,
         out_dir=a.out_dir,
         work_dir=a.work_dir,
-        reward_target=a.reward_target,
-        floor_settings=a.floor_settings,
     )
     return 0 if rep["ok"] else 1
 
@@ -55,8 +53,6 @@ def _failures(a: argparse.Namespace) -> int:
         max_faults=a.max_faults,
         out_dir=a.out_dir,
         work_dir=a.work_dir,
-        reward_target=a.reward_target,
-        floor_settings=a.floor_settings,
     )
     return 0 if rep["ok"] else 1
 
