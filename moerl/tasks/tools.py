@@ -75,12 +75,13 @@ class Calculator:
     """A calculator tool for arithmetic word problems (see the module docstring)."""
 
     def reset(self, row: dict) -> None:
-        self.answer = _as_number(str(row.get("answer", "")).replace(",", "").strip())
-        if self.answer is None:
+        answer = _as_number(str(row.get("answer", "")).replace(",", "").strip())
+        if answer is None:
             raise ValueError(
                 f"row {row.get('id')!r}: the calculator task needs a numeric answer, got "
                 f"{row.get('answer')!r}"
             )
+        self.answer: float = answer
         return None
 
     def step(self, text: str) -> tuple[str | None, float | None, bool]:
