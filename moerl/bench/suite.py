@@ -167,12 +167,14 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
 
 def _shape(model) -> dict[str, Any]:
     """The policy's MoE dimensions, from its own config (the tiny one or `model.path`'s)."""
+    from moerl.models.families import family_of
+
     c = model.config
     return {
         "architecture": c.model_type,
         "hidden_size": c.hidden_size,
         "num_layers": c.num_hidden_layers,
-        "num_experts": getattr(c, "num_experts", None) or c.num_local_experts,
+        "num_experts": family_of(c).num_experts(c),
         "experts_per_token": c.num_experts_per_tok,
         "moe_intermediate_size": getattr(c, "moe_intermediate_size", None) or c.intermediate_size,
     }
@@ -185,8 +187,10 @@ def _param_counts(model) -> dict[str, int]:
 
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for _, _, b in sparse_blocks(model) for p in b.experts.parameters())
+    from moerl.models.families import family_of
+
     c = model.config
-    e = getattr(c, "num_experts", None) or c.num_local_experts
+    e = family_of(c).num_experts(c)
     k = c.num_experts_per_tok
     return {
         "total": total,
@@ -289,7 +293,7 @@ def aggregate(repeats: list[dict[str, Any]], accel: dict[str, Any]) -> dict[str,
     stage_all: dict[str, list[float]] = {s: [] for s in STAGES}
     stage_mean: dict[str, list[float]] = {s: [] for s in STAGES}
     reqs: list[dict[str, Any]] = []
-    over_time = {"rollout": [], "train": []}
+    over_time: dict[str, list[list[dict[str, Any]]]] = {"rollout": [], "train": []}  # per repeat
     for r in repeats:
         vs = r["versions"]
         rollout_s = sum(v["stage_s"]["rollout"] for v in vs)
@@ -489,8 +493,9 @@ def run_suite(
                     endpoint,
                 )
                 results.append(_repeat(cfg, iterations, rdir, bar, env_extra))
+        assert cfg is not None  # repeats >= 1, checked above
         dispatchers = _dispatch(cfg, results) if dispatch else {"skipped": "--no-dispatch"}
-    report = {
+    report: dict[str, Any] = {
         "bench": "suite",
         "schema": 1,
         "config": str(config),
