@@ -7,6 +7,8 @@
     moerl compile [--mode M] [--target eks] CONFIG [-o]   write the sync or async pipeline as
                                 KFP IR YAML; --target eks: cluster-safe, with pod settings
     moerl config show [--mode M] CONFIG    print the resolved config, defaults included
+    moerl config docs [--check]   write docs/config.md (every key) from the models; --check:
+                                exit 1 when it is stale
     moerl schedule CONFIG --cron '0 0 3 * * *' --host URL   a KFP recurring run (warm-started);
                                 --argo-out FILE also writes an Argo CronWorkflow
     moerl submit CONFIG --host URL   compile for EKS and start one KFP run
@@ -48,6 +50,29 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set, mode=args.mode)
     sys.stdout.write(redact(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)))
+    return 0
+
+
+def _cmd_config_docs(args: argparse.Namespace) -> int:
+    from moerl.config.docs import DOC_PATH, stale, write
+
+    path = args.output or DOC_PATH
+    if args.check:
+        if stale(path):
+            what = (
+                "is stale: it differs from"
+                if Path(path).is_file()
+                else "is missing, generated from"
+            )
+            print(
+                f"moerl: error: {path} {what} the config models (moerl/config/); run "
+                "`moerl config docs` to regenerate it",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{path} is up to date")
+        return 0
+    print(f"wrote {write(path)}")
     return 0
 
 
@@ -186,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     show.set_defaults(func=_cmd_config_show)
+    docs = csub.add_parser(
+        "docs", help="write docs/config.md, the reference of every config key, from the models"
+    )
+    docs.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 naming the file when it differs from the models",
+    )
+    docs.add_argument("-o", "--output", default=None, help="default docs/config.md")
+    docs.set_defaults(func=_cmd_config_docs)
     add_schedule_parsers(sub)  # moerl schedule, moerl submit
 
     tasks = sub.add_parser(

@@ -2,8 +2,9 @@
 
 An operator starting a run from the Kubeflow UI (or `moerl submit --param`) changes the knobs
 that differ per run — the model, the data, how long, the learning rate, the fan-out, the
-reward, the run's name, where version 0 comes from — as typed fields with a description each,
-plus `overrides`, a list of `dotted.key=value` for everything else. The compiled run config
+reward, the run's name, where version 0 comes from — as typed fields, each described by its
+config key's description in the models (`moerl.config.docs.field_description`, the text of
+docs/config.md), plus `overrides`, a list of `dotted.key=value` for everything else. The compiled run config
 (`config_json`) stays the base: each field's default is the config's own value, so a run
 started with the defaults runs exactly the compiled config.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moerl.config import RunConfig, apply_overrides, parse_config
+from moerl.config.docs import field_description
 from moerl.errors import ConfigError
 
 GRPO, REWARD_MODEL = "grpo", "reward_model"
@@ -36,126 +38,44 @@ GRPO, REWARD_MODEL = "grpo", "reward_model"
 
 @dataclass(frozen=True)
 class RunParam:
-    """One typed run-form field: its KFP name and type, the config key it sets in each pipeline
-    kind (None: not on that pipeline's form), and what it means."""
+    """One typed run-form field: its KFP name and type, and the config key it sets in each
+    pipeline kind (None: not on that pipeline's form). What it means is that key's description
+    in the config models (`describe`), so the form and docs/config.md say the same."""
 
     name: str
     type: type
     grpo_key: str | None
     rm_key: str | None
-    description: str
     optional: bool = False  # "" sets the key to null (e.g. model.path: the embedded tiny model)
     async_only: bool = False
 
     def key(self, kind: str) -> str | None:
         return self.grpo_key if kind == GRPO else self.rm_key
 
+    def describe(self, kind: str) -> str:
+        """The form's description of this field in a pipeline of `kind`: the config key's own
+        description, then the key it sets."""
+        key = self.key(kind)
+        if key is None:
+            raise ValueError(f"run parameter {self.name} is not on the {kind} run form")
+        suffix = f"{key}; empty: null" if self.optional else key
+        return f"{field_description(key)} ({suffix})"
+
 
 PARAMS: tuple[RunParam, ...] = (
-    RunParam(
-        "model",
-        str,
-        "model.path",
-        "model.path",
-        "The policy to train: an HF-format Qwen3-MoE / Mixtral / DeepSeek-V3 checkpoint directory (model.path). "
-        "Empty: the embedded tiny MoE built from model.tiny. To start from a registered policy, use warm_start.",
-        optional=True,
-    ),
-    RunParam(
-        "warm_start",
-        str,
-        "model.warm_start",
-        None,
-        "Where version 0's weights come from (model.warm_start): none, previous (the newest finished run's final "
-        "checkpoint), registry:<name>@<alias> or registry:<name>/<version> (MLflow's model registry, e.g. "
-        "registry:moerl-policy@champion).",
-    ),
-    RunParam(
-        "dataset",
-        str,
-        "task.dataset",
-        "reward_model.data",
-        "The prompts (task.dataset; for a reward model: the preference pairs, reward_model.data): builtin:<name> "
-        "or a JSONL/Parquet file the pods can read.",
-    ),
-    RunParam(
-        "versions",
-        int,
-        "pipeline.versions",
-        None,
-        "Policy versions the async trainer publishes before the run ends (pipeline.versions).",
-        async_only=True,
-    ),
-    RunParam(
-        "epochs",
-        int,
-        None,
-        "reward_model.epochs",
-        "Passes over the preference pairs (reward_model.epochs).",
-    ),
-    RunParam(
-        "learning_rate",
-        float,
-        "trainer.learning_rate",
-        "reward_model.learning_rate",
-        "AdamW learning rate (trainer.learning_rate; reward model: reward_model.learning_rate).",
-    ),
-    RunParam(
-        "prompts_per_iteration",
-        int,
-        "task.prompts_per_iteration",
-        None,
-        "Prompts (GRPO groups) per policy version (task.prompts_per_iteration).",
-    ),
-    RunParam(
-        "samples_per_prompt",
-        int,
-        "rollout.samples_per_prompt",
-        None,
-        "Responses generated per prompt, the GRPO group size (rollout.samples_per_prompt).",
-    ),
-    RunParam(
-        "rollout_workers",
-        int,
-        "rollout.workers",
-        None,
-        "Long-lived rollout workers (vLLM engines), each its own pod (rollout.workers).",
-        async_only=True,
-    ),
-    RunParam(
-        "reward_scorers",
-        int,
-        "reward.scorers",
-        None,
-        "Reward scorer processes, each its own pod (reward.scorers).",
-        async_only=True,
-    ),
-    RunParam(
-        "reward_kind",
-        str,
-        "reward.kind",
-        None,
-        "How samples are scored (reward.kind): rules (verifiers), model (a registered reward model) or mixed. "
-        "model and mixed may replace each other per run; rules versus a reward model is compiled (the reward "
-        "stage's pod group).",
-    ),
-    RunParam(
-        "reward_model",
-        str,
-        "reward.model.registered",
-        None,
-        "The registered reward model for reward_kind model or mixed (reward.model.registered): <name>/<version> "
-        "or <name>/latest. Empty: none.",
-        optional=True,
-    ),
-    RunParam(
-        "run_name",
-        str,
-        "tracking.run_name",
-        "tracking.run_name",
-        "The MLflow run's name (tracking.run_name). Empty: MLflow names it.",
-        optional=True,
-    ),
+    RunParam("model", str, "model.path", "model.path", optional=True),
+    RunParam("warm_start", str, "model.warm_start", None),
+    RunParam("dataset", str, "task.dataset", "reward_model.data"),
+    RunParam("versions", int, "pipeline.versions", None, async_only=True),
+    RunParam("epochs", int, None, "reward_model.epochs"),
+    RunParam("learning_rate", float, "trainer.learning_rate", "reward_model.learning_rate"),
+    RunParam("prompts_per_iteration", int, "task.prompts_per_iteration", None),
+    RunParam("samples_per_prompt", int, "rollout.samples_per_prompt", None),
+    RunParam("rollout_workers", int, "rollout.workers", None, async_only=True),
+    RunParam("reward_scorers", int, "reward.scorers", None, async_only=True),
+    RunParam("reward_kind", str, "reward.kind", None),
+    RunParam("reward_model", str, "reward.model.registered", None, optional=True),
+    RunParam("run_name", str, "tracking.run_name", "tracking.run_name", optional=True),
 )
 
 OVERRIDES_DESCRIPTION = (
@@ -216,7 +136,7 @@ def docstring(summary: str, fixed: dict[str, str], cfg: RunConfig) -> str:
     for name, text in fixed.items():
         lines.append(f"    {name}: {text}")
     for p in params_for(cfg):
-        lines.append(f"    {p.name}: {p.description}")
+        lines.append(f"    {p.name}: {p.describe(cfg.pipeline.kind)}")
     lines.append(f"    overrides: {OVERRIDES_DESCRIPTION}")
     return "\n".join(lines)
 
