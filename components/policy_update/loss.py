@@ -125,7 +125,7 @@ def policy_loss(
         raise ValueError(f"loss_agg_mode must be token-mean or seq-mean-token-mean; got {agg!r}")
     real = mask_BT.bool()
     mask = real.to(logp_BT.dtype)
-    n_tokens = (
+    n_tok = (
         mask.sum().clamp_min(1.0)
         if n_tokens is None
         else torch.tensor(float(max(n_tokens, 1.0)), device=logp_BT.device)
@@ -155,24 +155,24 @@ def policy_loss(
 
     per_token = torch.where(real, is_w_BT.detach().to(pg.dtype) * pg, torch.zeros_like(pg))
     if agg == "token-mean":
-        loss = per_token.sum() / n_tokens
+        loss = per_token.sum() / n_tok
     else:
         has = mask.sum(-1) > 0
-        n_seqs = (
+        n_seq = (
             has.sum().clamp_min(1).to(pg.dtype)
             if n_seqs is None
             else torch.tensor(float(max(n_seqs, 1.0)), device=logp_BT.device, dtype=pg.dtype)
         )
-        loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1.0)).sum() / n_seqs
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1.0)).sum() / n_seq
 
     with torch.no_grad():
         took_clip = (pg_clipped > pg_unclipped) & real
         stats = LossStats(
             loss=float(loss.detach()),
-            clip_fraction=float(took_clip.sum() / n_tokens),
+            clip_fraction=float(took_clip.sum() / n_tok),
             tis_truncated_fraction=0.0,
-            mean_ratio=float(torch.where(real, ratio, torch.zeros_like(ratio)).sum() / n_tokens),
-            dual_clip_fraction=float(dual.sum() / n_tokens),
+            mean_ratio=float(torch.where(real, ratio, torch.zeros_like(ratio)).sum() / n_tok),
+            dual_clip_fraction=float(dual.sum() / n_tok),
         )
     return loss, stats
 
