@@ -178,6 +178,37 @@ class _InFlight:
 
 
 @dataclass
+class _VersionDrain:
+    """A between-units drain for a newer version, under way: since when (`perf_counter`), the
+    engine steps it took, and the sum of their running batches (added to `_DrainTotals`)."""
+
+    t0: float
+    steps: int = 0
+    seqs: int = 0
+
+
+@dataclass
+class _Stream:
+    """The single-turn loop's state (`RolloutWorker._stream`)."""
+
+    units: dict[str, _InFlight] = field(default_factory=dict)  # entry id -> unit
+    rid_unit: dict[str, str] = field(default_factory=dict)  # request id -> entry id
+    newer: bool = False  # a newer version waits for the units in flight: lease nothing more
+    checked_at: float = 0.0  # when the servable pointer was last read beside generation
+    empty_at: float = 0.0  # when the units stream was last found empty (read every 0.1 s)
+    version_drain: _VersionDrain | None = None  # waiting for the units' tails to swap
+
+    def add(self, u: _InFlight) -> None:
+        self.units[u.lease.entry_id] = u
+        self.rid_unit.update((rid, u.lease.entry_id) for rid in u.by_rid)
+
+    def drop(self, u: _InFlight) -> None:
+        self.units.pop(u.lease.entry_id, None)
+        for rid in u.by_rid:
+            self.rid_unit.pop(rid, None)
+
+
+@dataclass
 class _DrainTotals:
     """Between-units drains for a newer version, summed (docs/async.md): their seconds, their
     engine steps, and the sum over those steps of the engine's running batch (sequences held, at
@@ -739,155 +770,151 @@ class RolloutWorker:
         )
 
     def _stream(self, watch: TrainerWatch) -> int:
-        """The single-turn loop: up to `rollout.units_in_flight` leased units generate at once.
-        Another unit is leased whenever the engine holds fewer than twice `rollout.max_num_seqs`
-        unfinished sequences (a running batch and a waiting one), so the next unit's prefill is
-        queued when this one's sequences end and one unit's tail runs beside the next one's
-        prefill: the engine's batch stays full; each group is published the moment its G samples finish,
-        each unit acknowledged the moment its last group is. Versions change between units: when
-        a newer version is servable the worker stops leasing, lets the units in flight finish
-        (on the version they started with), swaps, and resumes. Returns the exit code."""
-        units: dict[str, _InFlight] = {}  # entry id -> unit
-        rid_unit: dict[str, str] = {}  # request id -> entry id
-        cap, room = self.cfg.rollout.units_in_flight, self.cfg.rollout.max_num_seqs
-        in_flight = self.cfg.rollout.weight_update == "in_flight"
-        newer, newer_at, empty_at = False, 0.0, 0.0
-        drain_t0, drain_steps, drain_seqs = None, 0, 0  # a between-units drain for a newer version
+        """The single-turn loop: up to `rollout.units_in_flight` leased units generate at once,
+        each group handed to the outbox the moment its G samples finish, each unit acknowledged
+        behind its last group (docs/async.md). Returns the exit code."""
+        s = _Stream()
         while True:
-            self._outbox.check()  # a failed write ends the worker here, idle or not (its retry takes over)
-            if (
-                not units
-            ):  # the engine is idle: the run may end, a drain ends here, the version moves
+            # a failed write ends the worker here, idle or not (its retry takes over)
+            self._outbox.check()
+            if not s.units:  # the engine is idle: the run may end, a drain ends, the version moves
                 code = self._exit_code(watch)
                 if code is not None:
                     return code
-                if drain_t0 is not None:  # what waiting for the units' tails cost (docs/async.md)
-                    d = self._drains
-                    d.seconds = d.seconds + time.perf_counter() - drain_t0
-                    d.steps, d.seqs = d.steps + drain_steps, d.seqs + drain_seqs
-                    self.bus.heartbeat(
-                        self.name,
-                        ttl_s=10.0,
-                        version_drain_s=d.seconds,
-                        version_drain_steps=d.steps,
-                        version_drain_seqs=d.seqs,
-                    )
-                    drain_t0, drain_steps, drain_seqs = None, 0, 0
-                self._serve_latest()
-                newer = False
-                if (
-                    self.version is None
-                ):  # nothing registered yet (an early engine waits on dummy weights)
+                self._between_units(s)
+                if self.version is None:  # nothing servable yet (an early engine waits)
                     self._renew()
                     time.sleep(0.2)
                     continue
             self._renew()
             now = time.monotonic()
-            fetched = (
-                self._prefetch is not None and not self._prefetch[1].is_alive()
-            )  # swap it at once
-            if units and (
-                now - newer_at > 0.5 or fetched
-            ):  # a newer version: swap in flight, or finish these units
-                newer_at = now
-                reg = self.bus.servable()
-                moved = pointer_moved(reg, self.version, self.sha, self.epoch)
-                newer = moved is not None
-                if moved == "forward" and in_flight:
-                    if self._fetched_beside(
-                        reg
-                    ):  # the fetch ran on a thread while the engine generated
-                        self._serve_latest(in_flight=True)
-                    newer = False
-                elif newer and drain_t0 is None:
-                    drain_t0 = time.perf_counter()
-            # room: a full running batch plus a full batch waiting, so the engine's scheduler has the
-            # next unit's prefill queued when this one's sequences end (they often end together)
-            if (
-                not self.drain.asked
-                and not newer
-                and len(units) < cap
-                and self._live.unfinished_sequences() < 2 * room
-                and (not units or now - empty_at > 0.1)
-            ):  # beside generation, an empty queue is read every 0.1 s
-                lease = self.bus.lease_unit(
-                    self.name, block_ms=0 if units else 200, held=self._held_ids()
-                )
-                if lease is None:
-                    empty_at = now
-                else:
-                    self._hold(lease)  # refreshed from now on by the heartbeat thread
-                    if (
-                        not units
-                    ):  # a version registered while we waited: its units were issued for it
-                        self._serve_latest()
-                    u = self._start_unit(lease)
-                    u.overlapped = bool(units)
-                    units[lease.entry_id] = u
-                    rid_unit.update((rid, lease.entry_id) for rid in u.by_rid)
-                    if not u.todo:  # every group was published by an earlier attempt
-                        self._complete_unit(units, rid_unit, u, [])
-            if not units:
+            if s.units:
+                self._follow_pointer(s, now)
+            if self._has_room(s, now):
+                self._lease_next(s, now)
+            if not s.units:
                 continue
-            if drain_t0 is not None:
-                drain_steps += 1
-                drain_seqs += min(
-                    self._live.unfinished_sequences(), room
-                )  # the running batch (the rest waits)
-            t0 = time.perf_counter()
-            writes: list[BusWrite] = []  # the groups this step finished, handed over together
-            try:
-                for rid, comps in self._live.step():
-                    u = units[rid_unit.pop(rid)]
-                    k = u.by_rid[rid]
-                    writes.append(self._group_write(u.unit_id, u.todo[k], comps, u.ids[rid]))
-                    u.finished.add(k)
-                    if self._first_sample_s is None:
-                        self._first_sample_s = time.perf_counter() - self.t_start
-                        log.info(
-                            "%s: first group generated %.1f s after start",
-                            self.name,
-                            self._first_sample_s,
-                        )
-                        self.bus.heartbeat(
-                            self.name, ttl_s=10.0, first_sample_s=self._first_sample_s
-                        )
-                    if len(u.finished) == len(
-                        u.todo
-                    ):  # its last groups and its acknowledgement, one hand-over
-                        self._complete_unit(units, rid_unit, u, writes)
-                        writes = []
-            finally:
-                self._hand_over(writes)
-                self.busy_s += time.perf_counter() - t0
-            for u in list(
-                units.values()
-            ):  # a lease another worker took: drop its unfinished groups
+            self._step(s)
+            # a lease another worker took: drop its unfinished groups
+            for u in list(s.units.values()):
                 if not self._still_held(u.lease):
-                    self._abandon_unit(units, rid_unit, u)
+                    self._abandon_unit(s, u)
             if self.drain.expired():  # the grace ran out: requeue what did not finish
-                for u in list(units.values()):
-                    self._abandon_unit(units, rid_unit, u)
+                for u in list(s.units.values()):
+                    self._abandon_unit(s, u)
                 self.bus.incr(drains=1)
                 return EXIT_DRAINED
 
-    def _complete_unit(
-        self, units: dict, rid_unit: dict, u: _InFlight, last_groups: list[BusWrite]
-    ) -> None:
+    def _between_units(self, s: _Stream) -> None:
+        """The engine is idle: a drain for a newer version ends (what waiting for the units'
+        tails cost is reported), and the servable version is swapped in."""
+        if s.version_drain is not None:
+            d = self._drains
+            d.seconds = d.seconds + time.perf_counter() - s.version_drain.t0
+            d.steps, d.seqs = d.steps + s.version_drain.steps, d.seqs + s.version_drain.seqs
+            self.bus.heartbeat(
+                self.name,
+                ttl_s=10.0,
+                version_drain_s=d.seconds,
+                version_drain_steps=d.steps,
+                version_drain_seqs=d.seqs,
+            )
+            s.version_drain = None
+        self._serve_latest()
+        s.newer = False
+
+    def _follow_pointer(self, s: _Stream, now: float) -> None:
+        """Beside generation, every 0.5 s or as soon as a fetch beside it ended: a newer version
+        is swapped in between two steps (`rollout.weight_update` in_flight, forward only), or
+        else stops the leasing until the units in flight finish (the drain, timed)."""
+        fetched = self._prefetch is not None and not self._prefetch[1].is_alive()
+        if now - s.checked_at <= 0.5 and not fetched:
+            return
+        s.checked_at = now
+        reg = self.bus.servable()
+        moved = pointer_moved(reg, self.version, self.sha, self.epoch)
+        s.newer = moved is not None
+        if moved == "forward" and self.cfg.rollout.weight_update == "in_flight":
+            if self._fetched_beside(reg):  # the fetch ran on a thread while the engine generated
+                self._serve_latest(in_flight=True)
+            s.newer = False
+        elif s.newer and s.version_drain is None:
+            s.version_drain = _VersionDrain(time.perf_counter())
+
+    def _has_room(self, s: _Stream, now: float) -> bool:
+        """Whether to lease another unit: no drain asked, no newer version waiting, fewer than
+        `rollout.units_in_flight` units, and fewer unfinished sequences than a full running batch
+        plus a full batch waiting (so the engine's scheduler has the next unit's prefill queued
+        when this one's sequences end: they often end together). Beside generation, an empty
+        units stream is read again after 0.1 s."""
+        return (
+            not self.drain.asked
+            and not s.newer
+            and len(s.units) < self.cfg.rollout.units_in_flight
+            and self._live.unfinished_sequences() < 2 * self.cfg.rollout.max_num_seqs
+            and (not s.units or now - s.empty_at > 0.1)
+        )
+
+    def _lease_next(self, s: _Stream, now: float) -> None:
+        """Lease a unit (waiting up to 0.2 s when the engine is idle) and submit its groups."""
+        lease = self.bus.lease_unit(
+            self.name, block_ms=0 if s.units else 200, held=self._held_ids()
+        )
+        if lease is None:
+            s.empty_at = now
+            return
+        self._hold(lease)  # refreshed from now on by the heartbeat thread
+        if not s.units:  # a version registered while we waited: its units were issued for it
+            self._serve_latest()
+        u = self._start_unit(lease)
+        u.overlapped = bool(s.units)
+        s.add(u)
+        if not u.todo:  # every group was published by an earlier attempt
+            self._complete_unit(s, u, [])
+
+    def _step(self, s: _Stream) -> None:
+        """One engine step: the groups it finished go to the outbox in one hand-over, each unit
+        it completed acknowledged behind them."""
+        drain = s.version_drain
+        if drain is not None:  # the running batch (the rest of the sequences wait)
+            drain.steps += 1
+            drain.seqs += min(self._live.unfinished_sequences(), self.cfg.rollout.max_num_seqs)
+        t0 = time.perf_counter()
+        writes: list[BusWrite] = []  # the groups this step finished, handed over together
+        try:
+            for rid, comps in self._live.step():
+                u = s.units[s.rid_unit.pop(rid)]
+                k = u.by_rid[rid]
+                writes.append(self._group_write(u.unit_id, u.todo[k], comps, u.ids[rid]))
+                u.finished.add(k)
+                self._first_group_generated()
+                if len(u.finished) == len(u.todo):  # its last groups and its acknowledgement
+                    self._complete_unit(s, u, writes)
+                    writes = []
+        finally:
+            self._hand_over(writes)
+            self.busy_s += time.perf_counter() - t0
+
+    def _first_group_generated(self) -> None:
+        """The time from the worker's start to its first generated group, logged and reported
+        once (`first_sample_s`)."""
+        if self._first_sample_s is not None:
+            return
+        self._first_sample_s = time.perf_counter() - self.t_start
+        log.info("%s: first group generated %.1f s after start", self.name, self._first_sample_s)
+        self.bus.heartbeat(self.name, ttl_s=10.0, first_sample_s=self._first_sample_s)
+
+    def _complete_unit(self, s: _Stream, u: _InFlight, last_groups: list[BusWrite]) -> None:
         """Drop a unit none of whose groups remains from the loop's books and acknowledge it
         behind `last_groups` (those of its groups the step finished, still to hand over)."""
-        units.pop(u.lease.entry_id, None)
-        for rid in u.by_rid:
-            rid_unit.pop(rid, None)
+        s.drop(u)
         self._ack_behind(u.lease, last_groups, units_overlapped=int(u.overlapped))
 
-    def _abandon_unit(self, units: dict, rid_unit: dict, u: _InFlight) -> None:
+    def _abandon_unit(self, s: _Stream, u: _InFlight) -> None:
         """Drop a unit with groups still generating from the loop's books (its lease lost, or a
         drain out of grace), abort them and give them up or requeue them (`_end_unfinished`)."""
         remaining = u.remaining()
-        units.pop(u.lease.entry_id, None)
-        for rid in u.by_rid:
-            rid_unit.pop(rid, None)
+        s.drop(u)
         if u.overlapped:
             self.bus.incr(units_overlapped=1)
         try:
