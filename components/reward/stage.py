@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from moerl.config import RewardConfig, RunConfig
@@ -25,6 +26,8 @@ class ModelScorer:
         from moerl.components.reward_model import registry
         from moerl.components.reward_model.model import RewardModel
 
+        if cfg.reward.model is None:  # RewardConfig requires it for kind model and mixed
+            raise ValueError(f"reward.kind {cfg.reward.kind} has no reward model (reward.model)")
         self.ref = cfg.reward.model
         self.seconds = 0.0
         if model is not None:  # already loaded (tests, benchmarks)
@@ -121,7 +124,10 @@ def score(
             rules = rule_scores(samples, cfg, pool)
     raw = model.raw_scores(samples) if model is not None and cfg.kind != "rules" else []
     ok_raw = [v for v in raw if isinstance(v, float)]
-    normed = iter(normalize(ok_raw, cfg.model.normalize)) if raw else iter(())
+    normed: Iterator[float] = iter(())
+    if raw:
+        assert cfg.model is not None  # raw scores: kind model or mixed, which require reward.model
+        normed = iter(normalize(ok_raw, cfg.model.normalize))
     out = []
     for i, s in enumerate(samples):
         rule = rules[i] if rules else None
@@ -143,7 +149,8 @@ def score(
             r = rule
         elif cfg.kind == "model":
             r = m
-        else:
+        else:  # mixed, neither failed (error is None): both are scores
+            assert rule is not None and not isinstance(rule, str) and m is not None
             r = cfg.rules_weight * rule + cfg.model_weight * m
         out.append(ScoredSample(**s.model_dump(), reward=r, model_score=m_raw, rule_score=rule))
     return out
