@@ -24,8 +24,8 @@ from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.folder import LocalStore
 from moerl.store.runs import open_store
-from tests.support.s3server import S3Server
 from tests.store.test_store import Case, _s3_case, case, make_checkpoint, tree  # noqa: F401 (case: a fixture)
+from tests.support.s3server import S3Server
 
 # A child process that publishes or fetches with its own store.
 # - publish, with copy_delay_s: local copies go 1 MiB at a time with a pause after each, so that the

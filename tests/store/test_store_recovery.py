@@ -20,8 +20,8 @@ import pytest
 from moerl.config import CheckpointConfig, RunConfig
 from moerl.errors import CheckpointError
 from moerl.store.runs import open_store
-from tests.support.s3server import S3Server
 from tests.store.test_store import make_checkpoint, tree
+from tests.support.s3server import S3Server
 
 _CHILD = r"""
 import json, os, sys

@@ -1,4 +1,4 @@
-"""Worker body for tests/test_ep_equivalence.py: the real `train_ep` on 2 gloo ranks, with a
+"""Worker body for tests/trainer/test_ep_equivalence.py: the real `train_ep` on 2 gloo ranks, with a
 NaN injected into one expert gradient on rank 1 only (the loss stays finite everywhere)."""
 
 import json

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_kernels.py: routing scenarios, the contract checks, and the
+"""Helpers for tests/kernels/test_kernels.py: routing scenarios, the contract checks, and the
 entry point a spawned gloo world runs.
 
 Shape legend: T tokens, H hidden, K top-k, E experts, L local experts, R received rows.

@@ -1,5 +1,5 @@
 """A verifier that tries to read a file (its response is the path): what model-written code
-would do to the stage's credential files (tests/test_sandbox_secrets.py)."""
+would do to the stage's credential files (tests/tasks/test_sandbox_secrets.py)."""
 
 
 def reads(response: str, answer: str) -> float:
