@@ -20,7 +20,9 @@ from moerl.tasks.sandbox import Limits, SandboxPool, check_target
 
 H = "tests.support.hostile_verifiers"
 CONFIG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "tiny-moe-grpo.yaml"
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "configs",
+    "tiny-moe-grpo.yaml",
 )
 
 
