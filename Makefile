@@ -36,12 +36,14 @@ test: $(STAMP) $(BROWSER)
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -q $(PYTEST_ARGS) tests/unit
 
-# Lint, format check and type check (ruff and mypy, configured in pyproject.toml).
+# Lint, format check and type check (ruff and mypy, configured in pyproject.toml), and the
+# generated config reference (docs/config.md) is current.
 # `make format` applies the formatter and ruff's safe fixes.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/moerl config docs --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
