@@ -1,50 +1,12 @@
 """Rollout worker (async mode): one vLLM engine for the whole run, fed by leased work units.
 
-Loop, single-turn tasks (`_stream`): while the engine is idle, (1) stop if the run is done or a
-drain was asked, and (2) move to the version the bus's servable pointer names (verified in the
-cache tier, perhaps not yet durable; the registry without one): pin it in the store under a
-renewed lease, fetch it into the verified node cache from the nearest tier (node cache, peers
-with `checkpoint.fanout`, the cache tier, S3; `moerl.store.tiers`, counted as `weights_from_*`),
-and hot-swap it into the live engine (`hotswap.py`, which also resets the prefix cache, so no
-KV computed with old weights is served). Then (3) lease units (at most `units.max_prompts`
-prompts each; a unit some dead worker left idle past the visibility timeout is reclaimed
-first), up to `rollout.units_in_flight` at once, another whenever the engine holds fewer than
-twice `rollout.max_num_seqs` unfinished sequences (a running batch and a waiting one); (4)
-submit one request per prompt (n = G; with `rollout.seed_groups` a seed per group, so a
-re-executed unit regenerates the same samples), skipping groups another attempt already
-published; (5) step the engine, handing the groups each step finished to the outbox thread
-together (one Valkey round trip) and acknowledging each unit once its last group is. When a newer version is
-servable (checked every 0.5 s beside generation), `rollout.weight_update` decides: between_units,
-the worker stops leasing until its units are done, then swaps; in_flight, it fetches and swaps
-between two engine steps with the sequences running, and goes on leasing. Multi-turn units
-(`_run_episodes`) run one at a time. From the moment a unit is leased, the heartbeat thread
-refreshes its lease (at a quarter of `units.visibility_timeout_s`), through a weight swap as
-much as through generation, and only while this worker still holds it (`RunBus.touch`); a
-worker that finds a lease taken by another stops generating that unit. Versions only move
-forward: a registry that reads behind the served version (Valkey lost writes) is logged and
-ignored. The time from the worker's start to its first generated group is logged and reported
-(`first_sample_s` in its stats).
-
-Between units or in flight (`rollout.weight_update`, docs/async.md): between units, every
-token of a group comes from one policy version and the engine's logprobs are exactly that
-version's; the cost is that a unit finishes on the version it started with, and that the
-engine drains once per version (not once per unit: units overlap between swaps), so its
-longest response idles it. In flight, nothing drains; each response records the version of
-every token (`Sample.token_versions`, from vLLM's weight-version labels, set at each swap),
-its logprobs are the engine's at each token's sampling, and `rollout.inflight_kv` says whether
-the running sequences are re-prefilled with the new weights (recompute) or keep the older KV
-(keep). Either way admission (`buffer.max_staleness`) takes a response's oldest token. In flight,
-the version is fetched into the node cache on a thread beside generation first, and swapped
-at the first check after that fetch ends; only forward moves happen in flight, a rollback
-waits for an idle engine.
-
-Spot: on SIGTERM the worker stops leasing, lets its active requests run for at most
-`rollout.grace_seconds`, publishes the groups that finished, requeues the unfinished prompts
-(XADD + XACK in one MULTI, `RunBus.requeue_unit`), and exits with `EXIT_DRAINED` (75), never
-0: KFP must retry the task so the worker slot comes back. Exit 0 means the run is done.
-
-Limitations: one engine per process (see engine.py). A SIGKILLed worker's unit waits out the
-visibility timeout before another worker takes it.
+Single-turn units generate several at once (`_stream`), each finished group handed to an
+outbox thread that writes it to Valkey (`_Outbox`), each unit acknowledged behind its last
+group; multi-turn units run one at a time (`_run_episodes`). The worker follows the bus's
+servable pointer and hot-swaps each version in, between units or in flight
+(`rollout.weight_update`); a heartbeat thread refreshes the leases it holds. On SIGTERM it
+drains and exits with `EXIT_DRAINED` (75), never 0. The design: docs/async.md (weights, weight
+updates, publication, Spot); the faults it survives: docs/reliability.md.
 """
 
 from __future__ import annotations
