@@ -1,4 +1,4 @@
-"""`moerl bench tasks` (issue 20): the call paths side by side, on real child processes and a
+"""`moerl bench tasks`: the call paths side by side, on real child processes and a
 real Valkey; the rollout part runs in docs/benchmarks.md's command, not here (it needs an engine)."""
 
 from moerl.bench.tasks import bench_calls

@@ -1140,7 +1140,7 @@ def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_th
         _Outbox("d", bus).put([lambda: None])
 
 
-# -- leases across an outage (issue 35, item 8) -------------------------------------------
+# -- leases across an outage --------------------------------------------------------------
 def test_an_idle_lease_of_a_live_holder_is_not_claimed_and_the_holders_own_is_a_touch(bus):
     """A holder whose liveness key is fresh keeps its idle lease (an outage delayed its
     refresh); the holder leasing again touches what it still holds instead of claiming it back
@@ -1230,7 +1230,7 @@ def test_the_servable_pointer_moves_by_version_sha_and_epoch_not_the_number():
     assert pointer_moved(Registered(2, "u", "c", 1), 3, "a", 1) is None
 
 
-# -- bounded state (issue 35, item 15) ------------------------------------------------------
+# -- bounded state -------------------------------------------------------------------------
 def test_an_acknowledged_units_groups_leave_the_published_set(bus):
     bus.issue_unit([_prompt(1), _prompt(2)])
     lease = bus.lease_unit("w1", block_ms=50)
@@ -1282,7 +1282,7 @@ def test_the_dead_letter_stream_keeps_its_newest_entries_and_the_counters_all(bu
 def test_a_sample_from_weights_lost_under_a_republished_number_is_stale():
     """After a rollback the trainer publishes version 3 again with other weights: a sample an
     engine generated under the lost version 3 carries that version's sha and is dropped, while
-    one from the version 3 the trainer published is used (issue 35, item 12)."""
+    one from the version 3 the trainer published is used."""
     lost, ours = _scored(3, [0, 1]), _scored(3, [0, 1])
     for s in lost:
         s.policy_shas = {3: "lost-sha"}

@@ -5,7 +5,7 @@ The real-parts test starts the cache server as the cluster runs it (a `weed mini
 and a Read/List reader identity, manifests/base/ckpt-cache.yaml) beside the durable S3 server,
 and runs tasks as kfp.local does (a subprocess entering its pod through `enter_pod`): the first
 task's preflight passes with the reader keys alone, a publisher writes with the writer's, and a
-stage that holds no keys is refused by the cache server as `start_run` was on EKS (issue 35)."""
+stage that holds no keys is refused by the cache server as `start_run` was on EKS."""
 
 from __future__ import annotations
 

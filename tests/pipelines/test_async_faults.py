@@ -339,7 +339,7 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
     """Killed while it holds more than one version's groups (one publishing, the next being
     gathered), as an S3 outage during a publication leaves it: its successor takes all of them
     back, B per version. Before, it took one page into its first version and left the rest
-    pending for good, and the run hung once the last prompts were out (issue 35)."""
+    pending for good, and the run hung once the last prompts were out."""
     h = Harness(tmp_path, "pipeline.versions=4")
     sent = []
     B = h.cfg.task.prompts_per_iteration

@@ -9,7 +9,7 @@ credential it inherited and takes its own stage's keys from it, as 0400 files in
 (`moerl.launch.podsecrets`: never as variables, as on EKS, where they are Secret volumes); the
 durable S3 keys stand in for the service account's IRSA role, which every pod has. (With the
 keys in this process's environment instead, every task held the writer's keys, and a first task
-that got none on EKS passed here: issue 35.) It must complete and learn, and
+that got none on EKS passed here.) It must complete and learn, and
 registers its final version in the MLflow server's model registry. A second run, warm-started
 from that version once it is made champion (as scheduled retraining does), requires a GPU its rollout node
 does not have (`require.gpu`): the rollout fails at its start, is retried

@@ -1,4 +1,4 @@
-"""The shipped multi-turn task learns (issue 20): `configs/tiny-moe-lookup.yaml` as a user runs
+"""The shipped multi-turn task learns: `configs/tiny-moe-lookup.yaml` as a user runs
 it, in the async mode (a real Valkey, a vLLM rollout worker, a scorer, the trainer), from a
 random-init tiny model: the policy must learn to query the store with the prompt's key and
 answer with the value the environment replied, which appears nowhere else.

@@ -1,4 +1,4 @@
-"""Multi-turn environments (issue 20): the sandboxed pool keeps each episode's environment in
+"""Multi-turn environments: the sandboxed pool keeps each episode's environment in
 one child and routes its calls there; a hung step is cut off and loses only its episode;
 preflight makes and steps each environment on one row, so a bad import path, a factory that
 fails, a missing method or a wrong return stops the run before any work, naming the key; the

@@ -1,4 +1,4 @@
-"""Real offline tasks (the moerl[tasks] extra, issue 20): every reasoning-gym generator that
+"""Real offline tasks (the moerl[tasks] extra): every reasoning-gym generator that
 gives a gold answer scores it 1.0 and a wrong answer below 1.0 through the row's `meta` alone
 (the verifier regenerates the item); math-verify agrees on a table of equivalent and
 non-equivalent answers, also inside the sandboxed pool; `moerl tasks make` writes a dataset

@@ -1,4 +1,4 @@
-"""Sandboxed code against the stage that runs it (issue 35, item 3; moerl/tasks/isolation.py):
+"""Sandboxed code against the stage that runs it (moerl/tasks/isolation.py):
 a hostile verifier and model-written code in a hostile environment try to read the stage's
 environment and memory out of /proc, connect to a listening TCP server and to a real Valkey on
 127.0.0.1, and write into a directory standing for the node cache. Every process is real: a

@@ -1,4 +1,4 @@
-"""A sandboxed child cannot read the stage's credential files (issue 35, item 3): with isolation
+"""A sandboxed child cannot read the stage's credential files: with isolation
 `namespaces` the directories of the stage's `<credential>_FILE`s (on EKS its Secret volumes under
 /var/run/secrets/moerl) are hidden under an empty tmpfs, whatever the files' mode; with `none`
 the same read succeeds (the control, so the assertion could fail). Real processes: a stage runs

@@ -1,4 +1,4 @@
-"""A user's verifiers (issue 20, first part): rows carry `meta` to them, `reward.verifiers`
+"""A user's verifiers: rows carry `meta` to them, `reward.verifiers`
 picks one per task, plain or async, with or without `meta`; preflight calls each on one row of
 its task in the sandbox, so a missing verifier, a bad import path, a wrong signature or one that
 raises stops the run before any work, naming the key."""

@@ -124,7 +124,7 @@ def test_an_error_naming_the_server_leaves_the_password_out(tmp_path):
     assert "w0rd" not in proc.stdout + proc.stderr and "alice" not in proc.stdout + proc.stderr
 
 
-# ---- credentials as files (issue 35): moerl.secrets.read_secret -----------------------------
+# ---- credentials as files: moerl.secrets.read_secret --------------------------------------
 
 
 def test_read_secret_prefers_the_file_and_refuses_one_others_may_read(tmp_path):
