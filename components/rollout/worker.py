@@ -410,9 +410,8 @@ class RolloutWorker:
         self._fanout = None  # moerl.store.fanout.Swarm, with checkpoint.fanout
         self.busy_s = 0.0
         self.t_start = time.perf_counter()
-        self.started_unix = (
-            time.time()
-        )  # in the stats: tells this process from a predecessor of the same name
+        # in the stats: tells this process from a predecessor of the same name
+        self.started_unix = time.time()
         self.drain = _Drain(cfg.rollout.grace_seconds)
         self.holder = f"rollout-{socket.gethostname()}-{name}"
         self._last_renew = 0.0
@@ -432,9 +431,7 @@ class RolloutWorker:
         # and where each prefetched version came from (counted when it is swapped in)
         self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
         self._prefetched: dict[int, list[str]] = {}
-        self._shas: dict[
-            int, str
-        ] = {}  # version -> the manifest sha256 this engine served under it
+        self._shas: dict[int, str] = {}  # version -> the manifest sha256 served under it
         # group publications and unit acknowledgements, in order; at most as many hand-overs wait
         # (a step's groups, an acknowledgement) as twice the units in flight have groups and acks
         self._outbox = _Outbox(
@@ -564,9 +561,7 @@ class RolloutWorker:
                 sources=sources,
             ):
                 pass
-            if (
-                self.version is None or reg.version > self.version
-            ):  # not already swapped in by the loop
+            if self.version is None or reg.version > self.version:  # not swapped in already
                 self._prefetched[reg.version] = sources
         except Exception as err:  # noqa: BLE001 - the swap's own fetch retries and reports it
             log.warning(
@@ -593,9 +588,8 @@ class RolloutWorker:
         )
         self.tokenizer, self.engine = tokenizer, engine
         self.bus.incr(engine_loads=1)
-        self.bus.heartbeat(
-            self.name, ttl_s=10.0, engine_load_s=engine.load_s
-        )  # the start, measured (bench modes)
+        # the start, measured (bench modes)
+        self.bus.heartbeat(self.name, ttl_s=10.0, engine_load_s=engine.load_s)
         return engine
 
     def _early_engine(self) -> None:
@@ -660,9 +654,8 @@ class RolloutWorker:
                 )
             else:
                 running = self._live.unfinished() if in_flight else 0
-                first = (
-                    self.version is None
-                )  # the first version into an early engine: its load, not a swap
+                # the first version into an early engine: its load, not a swap
+                first = self.version is None
                 stats = self.engine.swap_weights(
                     model_dir,
                     version=reg.version,
@@ -718,9 +711,8 @@ class RolloutWorker:
             # the entry id too: a requeued unit (same unit id, a new entry, deliveries from 1) leased
             # here while the original attempt still runs must not give the engine a duplicate id
             rid = f"{unit_id}-{k}-{lease.entry_id}-{lease.deliveries}"
-            u.ids[rid] = encode_prompt(
-                self.tokenizer, self.cfg.rollout, e["prompt"]
-            )  # text, or chat template
+            # text, or chat template
+            u.ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])
             u.by_rid[rid] = k
             self._live.submit(rid, u.ids[rid], G, seed=self._seed(unit_id, k))
         return u
@@ -979,9 +971,8 @@ class RolloutWorker:
         def publish_done(ks) -> None:
             for k in ks:
                 if k not in finished and all(ep.done and ep.key not in in_env for ep in groups[k]):
-                    envs.submit(
-                        driver.finish, list(groups[k])
-                    )  # close their environments, off the loop
+                    # close their environments, off the loop
+                    envs.submit(driver.finish, list(groups[k]))
                     self._outbox.put(
                         self._samples_write(
                             unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]]
@@ -1030,9 +1021,8 @@ class RolloutWorker:
                 env_ms=int(driver.env_s * 1000),
             )
         ends = sorted(ep.ended_s if ep.ended_s is not None else 0.0 for ep in eps)
-        if ends and len(finished) == len(
-            todo
-        ):  # the tail: the unit's last episode against its median one
+        # the tail: the unit's last episode against its median one
+        if ends and len(finished) == len(todo):
             self._tail.add(ends)
             self.bus.heartbeat(
                 self.name,
@@ -1185,17 +1175,14 @@ class RolloutWorker:
                 return code
             self._serve_latest()
             self._renew()
-            if (
-                self.version is None
-            ):  # nothing registered yet (an early engine waits on dummy weights)
+            if self.version is None:  # nothing servable yet (an early engine waits)
                 time.sleep(0.2)
                 continue
             lease = self.bus.lease_unit(self.name, block_ms=200, held=self._held_ids())
             if lease is None:
                 continue
-            self._hold(
-                lease
-            )  # refreshed from now on by the heartbeat thread, through the swap below
+            # refreshed from now on by the heartbeat thread, through the swap below
+            self._hold(lease)
             try:
                 # a version registered while we waited for the lease: its units were issued for it
                 self._serve_latest()
@@ -1207,9 +1194,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._outbox.close()
-        if (
-            self._outbox.error is not None
-        ):  # raised on the loop already, unless the loop failed first
+        # raised on the loop already, unless the loop failed first
+        if self._outbox.error is not None:
             log.error("%s: the outbox's writes stopped at: %s", self.name, self._outbox.error)
         if self._fanout is not None:
             self._fanout.stop()
