@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,12 +106,12 @@ def resolve_namespace(configured: str | None, sa_file: str = SA_NAMESPACE) -> st
     return ns
 
 
-def own_namespace(env: dict[str, str] | None = None, sa_file: str = SA_NAMESPACE) -> str | None:
+def own_namespace(env: Mapping[str, str] | None = None, sa_file: str = SA_NAMESPACE) -> str | None:
     """The task pod's namespace: $MOERL_POD_NAMESPACE, else its service account's namespace
     file (a pod's service account is always in the pod's namespace); None outside a pod."""
-    env = os.environ if env is None else env
-    if env.get(ENV_POD_NAMESPACE):
-        return env[ENV_POD_NAMESPACE]
+    environ = os.environ if env is None else env
+    if environ.get(ENV_POD_NAMESPACE):
+        return environ[ENV_POD_NAMESPACE]
     try:
         return Path(sa_file).read_text().strip() or None
     except OSError:
@@ -119,14 +119,14 @@ def own_namespace(env: dict[str, str] | None = None, sa_file: str = SA_NAMESPACE
 
 
 def own_pod_owner(
-    namespace: str, env: dict[str, str] | None = None, sa_file: str = SA_NAMESPACE
+    namespace: str, env: Mapping[str, str] | None = None, sa_file: str = SA_NAMESPACE
 ) -> dict[str, Any] | None:
     """An ownerReference to the KFP task's own pod (KFP_POD_NAME / KFP_POD_UID, which KFP sets
     in every executor container), if the workload lives in that pod's namespace (`own_namespace`):
     owner references never cross namespaces."""
-    env = os.environ if env is None else env
-    name, uid = env.get("KFP_POD_NAME"), env.get("KFP_POD_UID")
-    if not (name and uid and own_namespace(env, sa_file) == namespace):
+    environ = os.environ if env is None else env
+    name, uid = environ.get("KFP_POD_NAME"), environ.get("KFP_POD_UID")
+    if not (name and uid and own_namespace(environ, sa_file) == namespace):
         return None
     return {
         "apiVersion": "v1",
@@ -398,7 +398,8 @@ class Launcher:
             raise interrupted
 
     def _watch(self, pending: list[Workload]) -> None:
-        deadline, errors, last = self.clock() + self.timeout_s, 0, {}
+        deadline, errors = self.clock() + self.timeout_s, 0
+        last: dict[str, str] = {}  # each workload's last summary, logged when it changes
         while pending:
             for w in list(pending):
                 try:
