@@ -18,9 +18,9 @@ TEST_WORKERS ?= 2
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU := torch==2.13.0+cpu
 
-# The headless browser the MLflow comparison test drives (tests/test_mlflow_browser.py): Debian's
-# chromium, pinned, installed once by scripts/install_browser.sh, which never fails the build;
-# where it cannot install it, the test skips and says why.
+# The headless browser the MLflow comparison test drives (tests/tracking/test_mlflow_browser.py):
+# Debian's chromium, pinned, installed once by scripts/install_browser.sh, which never fails the
+# build; where it cannot install it, the test skips and says why.
 CHROMIUM_VERSION := 150.0.7871.100-1~deb12u1
 BROWSER := $(VENV)/moerl-browser.txt
 
@@ -32,7 +32,8 @@ run: $(STAMP)
 test: $(STAMP) $(BROWSER)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -rs $(PYTEST_ARGS)
 
-# The fast tier: tests/unit/ (pure logic: no server, no engine, no subprocess pipeline).
+# The fast tier: tests/unit/ (pure logic: no server, no engine, no subprocess, no pipeline run;
+# docs/testing.md says where a test goes).
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -q $(PYTEST_ARGS) tests/unit
 
