@@ -1,35 +1,8 @@
-"""Load and save an expert-parallel policy without any rank holding every expert.
-
-Loading (`load_ep_model`): the model skeleton is built on the `meta` device (shapes only, no
-memory), its sparse MoE blocks are swapped for `EPMoEBlock`s that own experts [lo, hi). On the
-mesh (`shard=`) FSDP2 shards it while still on `meta`, and each rank then reads only its own
-rows of every tensor (`_load_shards`): its 1 / world of the dense weights and its dp share of
-its EP rank's experts, so the load peak falls with the mesh like the state does. Unsharded,
-tensors are allocated on `trainer.device`: the non-expert weights read whole, and this rank's
-experts read one expert (or one row range of a fused tensor) at a time from the safetensors
-files.
-
-Checkpoint layouts read (what a Qwen3-MoE / Mixtral checkpoint holds on disk):
-- per expert, as transformers' `save_pretrained` writes them: Qwen3-MoE
-  `mlp.experts.{e}.{gate,up,down}_proj.weight`; Mixtral `block_sparse_moe.experts.{e}.w{1,3,2}.weight`
-  (w1 = gate, w3 = up, w2 = down) and `block_sparse_moe.gate.weight` for the router;
-- fused, as the in-memory model holds them: `mlp.experts.gate_up_proj` [E, 2I, H] and
-  `mlp.experts.down_proj` [E, H, I] (read with `get_slice(...)[lo:hi]`).
-Gate rows come first in `gate_up_proj`, matching transformers' own conversion.
-
-Saving (`save_ep_checkpoint`, a collective): rank 0 writes the standard HF checkpoint in the
-layout it was loaded from (same tensor names), so vLLM and `from_pretrained` load it
-unchanged. Tensors are grouped into shards of at most `max_shard_bytes` (a MoE layer is never
-split); for each shard the other ranks send rank 0 their experts one layer at a time
-(`dist.gather`), rank 0 writes the shard and frees it. Rank 0 therefore holds at most one
-shard of gathered experts (one layer when a layer exceeds the budget) on top of its own
-weights. One shard is written as `model.safetensors`; more as `model-0000i-of-0000n.safetensors`
-plus `model.safetensors.index.json`, the layout transformers writes for large models.
-
-Limitations: only Qwen3-MoE- and Mixtral-style sparse blocks (fused `gate_up_proj` in the
-model) are sharded; other modules load whole on every rank. Non-persistent buffers are rebuilt
-only for rotary embeddings (any other one stops the load with an error). A fused checkpoint
-tensor stored transposed (e.g. [E, H, 2I]) is refused, not converted.
+"""Load and save an expert-parallel policy without any rank holding every expert: each rank
+reads only its rows of every tensor, and rank 0 writes the HF checkpoint one shard at a time in
+the layout it was loaded from. Design and the layouts read: docs/expert-parallel.md,
+"Loading reads only a rank's shard" and "Checkpoint layouts"; the key names per family:
+moerl/models/README.md.
 """
 
 from __future__ import annotations
@@ -40,6 +13,7 @@ import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +21,7 @@ from torch import nn
 
 from moerl.components.policy_update.ep_moe import EPMoEBlock, parallelize_experts
 from moerl.errors import CheckpointError
+from moerl.models.families import Family, family_of
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +30,6 @@ SINGLE_FILE = "model.safetensors"
 # Bounds what rank 0 holds while saving; small enough to matter, big enough that the tiny
 # policy stays one `model.safetensors` as `save_pretrained` writes it.
 DEFAULT_SHARD_BYTES = 256 * 2**20
-# (gate, up, down) checkpoint names of one expert, relative to `<block>.experts.{e}.`
-PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 @dataclass(frozen=True)
@@ -68,6 +41,14 @@ class ExpertKeys:
     gate: str  # fused: the gate_up_proj key
     up: str | None  # per expert only
     down: str
+
+    def expert(self, e: int) -> tuple[str, str, str]:
+        """The (gate, up, down) keys of expert `e` in a per-expert layout."""
+        if self.up is None:
+            raise CheckpointError(
+                "policy_update: fused experts have no per-expert keys (a moerl bug)"
+            )
+        return self.gate.format(e=e), self.up.format(e=e), self.down.format(e=e)
 
 
 @dataclass
@@ -93,30 +74,27 @@ def _weight_map(path: Path) -> dict[str, str]:
     return found
 
 
-def _alt(name: str) -> list[str]:
-    """The names a model tensor may have on disk: as is, or Mixtral's `block_sparse_moe`."""
-    return [name, name.replace(".mlp.", ".block_sparse_moe.")]
-
-
-def _expert_keys(block_name: str, keys: dict[str, str]) -> ExpertKeys:
-    for prefix in _alt(block_name + "."):
-        if prefix + "experts.gate_up_proj" in keys:
-            return ExpertKeys(
-                True, prefix + "experts.gate_up_proj", None, prefix + "experts.down_proj"
-            )
-        for gate, up, down in PER_EXPERT_NAMES:
-            t = prefix + "experts.{e}.%s.weight"
-            if t.format(e=0) % gate in keys:
-                return ExpertKeys(False, t % gate, t % up, t % down)
+def _expert_keys(family: Family, block_name: str, keys: dict[str, str]) -> ExpertKeys:
+    """Where the experts of the model's block `block_name` are on disk: fused, or one tensor
+    per expert, under the names the family's checkpoints use."""
+    for (gate_up, down), (gate, up, per_down) in zip(
+        family.fused_expert_keys(block_name), family.expert_templates(block_name)
+    ):
+        if gate_up in keys:
+            return ExpertKeys(True, gate_up, None, down)
+        if gate.format(e=0) in keys:
+            return ExpertKeys(False, gate, up, per_down)
+    n = family.expert_names
     raise CheckpointError(
         f"policy_update: no experts for {block_name} in the checkpoint (looked for "
-        f"{block_name}.experts.gate_up_proj and {block_name}.experts.<e>.gate_proj.weight or "
-        "w1.weight)"
+        f"{block_name}.experts.gate_up_proj and {block_name}.experts.<e>.{n.gate}.weight, "
+        f"the {family.name} layouts)"
     )
 
 
 def read_layout(path: Path, model: nn.Module, blocks: list[EPMoEBlock]) -> CheckpointLayout:
     """Map every tensor of `model` (after the EP swap) to its checkpoint key(s)."""
+    family = family_of(model.config)
     keys = _weight_map(path)
     expert_params = {id(p) for b in blocks for p in (b.gate_up_proj_LIH, b.down_proj_LHI)}
     by_param = _names_by_tensor(model)
@@ -125,18 +103,20 @@ def read_layout(path: Path, model: nn.Module, blocks: list[EPMoEBlock]) -> Check
         if id(t) in expert_params:
             continue
         # tied weights (lm_head = embed_tokens) are one tensor: load it from whichever name is on disk
-        hit = next(((n, k) for n in tensor_names for k in _alt(n) if k in keys), None)
+        hit = next(
+            ((n, k) for n in tensor_names for k in family.checkpoint_names(n) if k in keys), None
+        )
         if hit is None:
             raise CheckpointError(f"policy_update: {path} has no tensor for {tensor_names[0]}")
         names[hit[0]] = hit[1]
     block_names = {id(m): n for n, m in model.named_modules()}
-    experts = [_expert_keys(block_names[id(b)], keys) for b in blocks]
+    experts = [_expert_keys(family, block_names[id(b)], keys) for b in blocks]
     used = set(names.values())
     for b, k in zip(blocks, experts):
         used |= (
             {k.gate, k.down}
             if k.fused
-            else {t.format(e=e) for t in (k.gate, k.up, k.down) for e in range(b.num_experts)}
+            else {key for e in range(b.num_experts) for key in k.expert(e)}
         )
     unused = sorted(set(keys) - used)
     if unused:  # from_pretrained's unexpected keys: never trained, never saved; a weight is never dropped silently
@@ -163,7 +143,8 @@ class _Reader:
     """Open safetensors files lazily; read whole tensors or row ranges on the CPU."""
 
     def __init__(self, path: Path, weight_map: dict[str, str], stack: ExitStack):
-        self.path, self.weight_map, self.stack, self.open = path, weight_map, stack, {}
+        self.path, self.weight_map, self.stack = path, weight_map, stack
+        self.open: dict[str, Any] = {}  # file name -> safetensors handle
 
     def _file(self, key: str):
         from safetensors import safe_open
@@ -200,19 +181,23 @@ def _load_experts(block: EPMoEBlock, keys: ExpertKeys, reader: _Reader, dtype, d
         gu = torch.empty((n_local, two_i, h), dtype=dtype, device=device)
         dn = torch.empty((n_local, h, i), dtype=dtype, device=device)
         for j in range(n_local):  # one expert at a time: only this rank's experts are ever read
-            gu[j, :i] = reader.get(keys.gate.format(e=lo + j), (i, h))
-            gu[j, i:] = reader.get(keys.up.format(e=lo + j), (i, h))
-            dn[j] = reader.get(keys.down.format(e=lo + j), (h, i))
+            gate, up, down = keys.expert(lo + j)
+            gu[j, :i] = reader.get(gate, (i, h))
+            gu[j, i:] = reader.get(up, (i, h))
+            dn[j] = reader.get(down, (h, i))
     block.experts.gate_up_proj_LIH = nn.Parameter(gu)
     block.experts.down_proj_LHI = nn.Parameter(dn)
 
 
 def _assign(model: nn.Module, names: list[str], value: torch.Tensor, is_param: bool) -> None:
-    new = nn.Parameter(value) if is_param else value
+    param = nn.Parameter(value) if is_param else None
     for name in names:  # every tied name gets the same new tensor
         mod_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(mod_name)
-        (module._parameters if is_param else module._buffers)[leaf] = new
+        if param is not None:
+            module._parameters[leaf] = param
+        else:
+            module._buffers[leaf] = value
 
 
 def _rebuild_rotary(model: nn.Module, device) -> None:
@@ -274,7 +259,9 @@ def load_ep_model(
 
 def _rows(param: torch.Tensor) -> tuple[int, int]:
     """The rows [lo, hi) of dim 0 that this rank holds of a (possibly FSDP-sharded) parameter."""
-    if not hasattr(param, "to_local"):
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
         return 0, param.shape[0] if param.dim() else 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -305,7 +292,8 @@ def _load_shards(
     experts |= {id(b.down_proj_LHI): (b, k, "down") for b, k in zip(blocks, layout.experts)}
     done: set[int] = set()
     with ExitStack() as stack:
-        reader, unit = None, None
+        unit: list[str] | None = None
+        reader = _Reader(path, layout.weight_map, stack)
         for name, t in [
             *model.named_parameters(remove_duplicate=False),
             *model.named_buffers(remove_duplicate=False),
@@ -350,19 +338,14 @@ def _read_experts(
         return reader.get(key, shape, lo, hi)
     if which == "down":
         return (
-            torch.stack([reader.get(keys.down.format(e=j), (h, i)) for j in range(lo, hi)])
+            torch.stack([reader.get(keys.expert(j)[2], (h, i)) for j in range(lo, hi)])
             if hi > lo
             else torch.empty((0, h, i))
         )
     return (
         torch.stack(
             [
-                torch.cat(
-                    [
-                        reader.get(keys.gate.format(e=j), (i, h)),
-                        reader.get(keys.up.format(e=j), (i, h)),
-                    ]
-                )
+                torch.cat([reader.get(key, (i, h)) for key in keys.expert(j)[:2]])
                 for j in range(lo, hi)
             ]
         )
@@ -410,7 +393,8 @@ def gather_experts(block: EPMoEBlock, group=None) -> tuple[torch.Tensor, torch.T
         dist.gather(
             t, list(full.chunk(world)) if full is not None else None, group=group, group_dst=0
         )
-        out.append(full)
+        if full is not None:
+            out.append(full)
     return (out[0], out[1]) if rank == 0 else None
 
 
@@ -424,9 +408,10 @@ def _expert_tensors(block: EPMoEBlock, keys: ExpertKeys, group=None) -> dict[str
     i = gu.shape[1] // 2
     out: dict[str, torch.Tensor] = {}
     for e in range(gu.shape[0]):  # copies: safetensors refuses tensors that share storage
-        out[keys.gate.format(e=e)] = gu[e, :i].clone()
-        out[keys.up.format(e=e)] = gu[e, i:].clone()
-        out[keys.down.format(e=e)] = dn[e].clone()
+        gate, up, down = keys.expert(e)
+        out[gate] = gu[e, :i].clone()
+        out[up] = gu[e, i:].clone()
+        out[down] = dn[e].clone()
     return out
 
 
@@ -461,7 +446,8 @@ def _shard_tensors(
     out: dict[str, torch.Tensor] = {}
     for item in shard:
         if isinstance(item[0], EPMoEBlock):
-            out.update(_expert_tensors(*item, group=group))
+            block, keys = item
+            out.update(_expert_tensors(block, keys, group=group))
             continue
         whole = _whole(by_name[item[0]].detach())  # every rank takes part in the gather of a shard
         if rank == 0:
@@ -512,5 +498,6 @@ def save_ep_checkpoint(
         for f in state_in.iterdir():  # tokenizer and generation config come along unchanged
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_FILE:
                 shutil.copy2(f, state_out / f.name)
-        model.config.save_pretrained(state_out)
+        config: Any = model.config  # a transformers model's
+        config.save_pretrained(state_out)
     return files

@@ -1,33 +1,10 @@
-"""The expert-parallel MoE block: replaces transformers' sparse MoE block in the trainer
-(Qwen3-MoE, Mixtral, OLMoE; Qwen2-MoE and DeepSeek-V3 with their shared experts), with the
-routed experts sharded over the EP group and tokens moved by a `Dispatcher`.
+"""The expert-parallel MoE block: replaces transformers' sparse MoE block in the trainer, with
+the routed experts sharded over the EP group and tokens moved by a `Dispatcher`. Design:
+docs/expert-parallel.md, "The expert-parallel block"; what each family holds:
+moerl/models/README.md.
 
 Legend: B batch, S sequence, T = B*S tokens, H hidden, I expert intermediate, K top-k,
 E experts, L = E / ep local experts, R rows received (one per (token, local expert) pair).
-
-- The router stays as in the checkpoint, whatever its kind (softmax top-k; DeepSeek-V3's
-  sigmoid scores with the bias correction and grouped top-k): the block only dispatches what
-  it returns. Shared experts run on this rank's tokens and are added after the combine.
-- Rank r owns experts [r*L, (r+1)*L): its slices of `gate_up_proj` [E, 2I, H] and
-  `down_proj` [E, H, I].
-- Routing weights are applied in `combine` (the dispatcher's contract).
-- The load-balancing aux loss (Switch Transformer form, E * sum_e f_e * P_e over this rank's
-  tokens) is computed only when `aux_loss_coef > 0`; the trainer adds it.
-- `tokens_per_expert_L` keeps the last forward's per-local-expert counts for logging.
-
-Built from a block on the `meta` device (what `ep_checkpoint.load_ep_model` does), the block
-allocates nothing: its expert slices stay `meta` until the loader fills them with this rank's
-experts read from the checkpoint files, so no rank ever materializes all experts. Built from a
-real block (tests), it copies this rank's slice.
-
-`gather_full_experts` rebuilds the full [E, ...] tensors on every rank (tests); saving gathers
-one layer at a time to rank 0 instead (`ep_checkpoint.save_ep_checkpoint`).
-
-The experts run as two grouped GEMMs over all local experts (`F.grouped_mm`; the per-expert
-loop survives as `experts_loop`, the reference the tests compare against).
-
-Limitations: Mixtral's router jitter noise is not applied (it is 0 in inference configs);
-on CUDA, `F.grouped_mm` wants bf16 (`trainer.mixed_precision: bf16`).
 """
 
 from __future__ import annotations
@@ -37,9 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-# What a sparse MoE block may hold: the router, the routed experts, and shared experts (with
-# Qwen2-MoE's sigmoid gate); anything else is refused.
-KEPT = ("gate", "experts", "shared_experts", "shared_expert", "shared_expert_gate")
+from moerl.models.families import Family, family_of
 
 
 class LocalExperts(nn.Module):
@@ -92,16 +67,22 @@ def experts_loop(
 
 
 class EPMoEBlock(nn.Module):
-    def __init__(self, block: nn.Module, dispatcher, aux_loss_coef: float = 0.0):
+    def __init__(
+        self, block: nn.Module, dispatcher, family: Family, aux_loss_coef: float = 0.0
+    ) -> None:
         super().__init__()
-        experts = block.experts
+        experts = _module(block, "experts")
+        gate_up, down = _tensor(experts, "gate_up_proj"), _tensor(experts, "down_proj")
+        router = _module(block, "gate")
         e, ep, r = dispatcher.num_experts, dispatcher.ep_size, dispatcher.ep_rank
-        if experts.gate_up_proj.shape[0] != e or e % ep:
+        if gate_up.shape[0] != e or e % ep:
             raise ValueError(f"{e} experts cannot be sharded over {ep} ranks")
         n_local = e // ep
         lo = r * n_local
+        # what the block may hold: its router, routed experts and the family's shared experts
+        kept = family.block_parts
         dropped = sorted(
-            {n.split(".")[0] for n, _ in block.named_parameters() if n.split(".")[0] not in KEPT}
+            {n.split(".")[0] for n, _ in block.named_parameters() if n.split(".")[0] not in kept}
         )
         if dropped:  # a part this block would lose: refused, never dropped
             raise ValueError(
@@ -109,33 +90,27 @@ class EPMoEBlock(nn.Module):
                 "experts and shared experts; the expert-parallel block would drop them, so this model "
                 "family cannot train on the mesh yet"
             )
-        # shared experts run on every token of this rank, dense (FSDP shards them with the layer):
-        # DeepSeek-V3's `shared_experts` as they are, Qwen2-MoE's `shared_expert` scaled by the
-        # sigmoid of `shared_expert_gate`
-        # (kept under the family's own names, so checkpoint keys and parameter names stay the same)
-        self._shared = next(
-            (n for n in ("shared_experts", "shared_expert") if getattr(block, n, None) is not None),
-            None,
-        )
-        self._shared_gate = (
-            "shared_expert_gate" if getattr(block, "shared_expert_gate", None) is not None else None
-        )
+        # shared experts run on every token of this rank, dense (FSDP shards them with the layer),
+        # scaled by the sigmoid of their gate where the family has one; kept under the family's
+        # own names, so checkpoint keys and parameter names stay the same
+        self._shared = family.shared_experts
+        self._shared_gate = family.shared_expert_gate
         for n in filter(None, (self._shared, self._shared_gate)):
-            self.add_module(n, getattr(block, n))
-        self.gate = block.gate  # the router, replicated
-        self.top_k = getattr(block.gate, "top_k", None)
+            self.add_module(n, _module(block, n))
+        self.gate = router  # the router, replicated
+        self.top_k = getattr(router, "top_k", None)
         self.num_experts, self.first_expert = e, lo  # this rank owns experts [lo, lo + n_local)
         # on `meta` the slices are shape-only placeholders: the loader replaces them
         self.experts = LocalExperts(
-            experts.gate_up_proj.detach()[lo : lo + n_local].clone(),
-            experts.down_proj.detach()[lo : lo + n_local].clone(),
+            gate_up.detach()[lo : lo + n_local].clone(),
+            down.detach()[lo : lo + n_local].clone(),
             experts.act_fn,
         )
         self.dispatcher = dispatcher
-        if aux_loss_coef > 0 and hasattr(block.gate, "e_score_correction_bias"):
+        if aux_loss_coef > 0 and family.router_bias is not None:
             raise ValueError(
                 "trainer.aux_loss_coef > 0: moerl's load-balancing loss is the softmax-router form, and "
-                f"{type(block.gate).__name__} is a sigmoid router balanced by its bias correction; set "
+                f"{type(router).__name__} is a sigmoid router balanced by its bias correction; set "
                 "trainer.aux_loss_coef 0 for this family (trainer.router_bias_update_rate moves that "
                 "bias towards balance)"
             )
@@ -183,23 +158,33 @@ def load_balancing_loss(router_logits_TE: torch.Tensor, idx_TK: torch.Tensor) ->
     return e * (f_E * probs_TE.mean(0)).sum()
 
 
+def _module(parent: nn.Module, name: str) -> nn.Module:
+    child = getattr(parent, name)
+    if not isinstance(child, nn.Module):
+        raise ValueError(f"{type(parent).__name__}.{name} is not a module")
+    return child
+
+
+def _tensor(parent: nn.Module, name: str) -> torch.Tensor:
+    t = getattr(parent, name)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{type(parent).__name__}.{name} is not a tensor")
+    return t
+
+
 def sparse_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute, block) of every transformers MoE sparse block in `model`."""
+    """(parent, attribute, block) of every transformers MoE sparse block in `model` (under the
+    attribute its family names, `Family.moe_block`)."""
+    attr = family_of(model).moe_block
     found = []
     for parent in model.modules():
-        child = getattr(parent, "mlp", None) or getattr(parent, "block_sparse_moe", None)
+        child = getattr(parent, attr, None)
         if (
-            child is not None
+            isinstance(child, nn.Module)
             and hasattr(child, "experts")
             and hasattr(child.experts, "gate_up_proj")
         ):
-            found.append(
-                (
-                    parent,
-                    "mlp" if getattr(parent, "mlp", None) is child else "block_sparse_moe",
-                    child,
-                )
-            )
+            found.append((parent, attr, child))
     return found
 
 
@@ -207,9 +192,10 @@ def parallelize_experts(
     model: nn.Module, dispatcher, aux_loss_coef: float = 0.0
 ) -> list[EPMoEBlock]:
     """Swap every sparse MoE block of `model` for an EPMoEBlock holding this rank's experts."""
+    family = family_of(model)
     blocks = []
     for parent, attr, block in sparse_blocks(model):
-        ep_block = EPMoEBlock(block, dispatcher, aux_loss_coef)
+        ep_block = EPMoEBlock(block, dispatcher, family, aux_loss_coef)
         setattr(parent, attr, ep_block)
         blocks.append(ep_block)
     if not blocks:

@@ -1,31 +1,7 @@
 """The policy update on the trainer's mesh: the worker the policy_update task launches when
-the mesh has more than one rank (or `trainer.mixed_precision: bf16`).
-
-    torchrun --nnodes N --node-rank K --nproc-per-node G --master-addr A --master-port P \
-        -m moerl.launch.procs moerl.components.policy_update.ep_train --config-json ... \
-        --batch ... --state-in ... --state-out ... --iteration I --metrics-out M
-
-(`launcher.py` builds that: `--standalone` on one node; or, with `trainer.launcher: local`,
-plain processes with RANK/WORLD_SIZE set and a file store for the rendezvous).
-
-The ranks form a (dp, ep) DeviceMesh, ep fastest (an EP group is one node's GPUs). Every rank
-reads the whole batch and the same seeded permutation; each minibatch is split round-robin
-over ranks. FSDP2 shards every decoder layer and the rest over all ranks, and each layer's
-local experts over dp; tokens reach their experts through the dispatcher on the ep group.
-Losses are normalized by the token count of the whole minibatch and gradients are summed, so
-one step at any mesh equals the single process's (tests/test_trainer_mesh.py).
-
-Steps: (1) process group, mesh and dispatcher; (2) build the model on `meta`, swap in EP MoE
-blocks, shard it with FSDP2, and read only this rank's rows of every tensor from the files
-(`ep_checkpoint.py`); Adam's state from the Distributed Checkpoint, or from the single
-process's `optimizer.pt`, resharded onto this mesh (`ep_optimizer.py`); (3) pi_old for this
-rank's samples; (4) N steps (non-finite losses skipped on all ranks together; DeepSeek-V3's
-router bias moved after each, `steps.RouterBias`); (5) the optimizer state through
-Distributed Checkpoint (every rank writes its shard), and the standard HF checkpoint from
-rank 0, which receives each tensor whole, one at a time.
-
-Limitations: ranks are started per policy update (each update loads and saves through
-files); the async trainer therefore runs on one node.
+the mesh has more than one rank (or `trainer.mixed_precision: bf16`), one process per rank
+(`launcher.py` builds the torchrun or local command). The mesh, FSDP2 and expert parallelism:
+docs/expert-parallel.md; the launch: docs/stages.md, `components/policy_update/launcher.py`.
 """
 
 from __future__ import annotations
@@ -70,6 +46,7 @@ from moerl.components.policy_update.steps import (
 from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import TrainingError
+from moerl.models.families import family_of
 from moerl.records import TrainSample, read_records
 
 log = logging.getLogger(__name__)
@@ -197,8 +174,8 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
 
 
 def _num_experts(c) -> int:
-    """Experts per MoE layer, from a model config (Qwen3-MoE or Mixtral naming)."""
-    return getattr(c, "num_experts", None) or c.num_local_experts
+    """Experts per MoE layer, from a model config (the field its family names)."""
+    return family_of(c).num_experts(c)
 
 
 def _expert_param_ids(ep_blocks) -> set[int]:
@@ -393,6 +370,16 @@ def _synced_clock(cfg: RunConfig) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One rank: (1) process group, (dp, ep) mesh (ep fastest) and dispatcher; (2) the model
+    built on `meta`, EP blocks swapped in, sharded with FSDP2, and only this rank's rows of each
+    tensor read (`ep_checkpoint.py`); Adam's state from the Distributed Checkpoint or the single
+    process's `optimizer.pt`, resharded onto this mesh (`ep_optimizer.py`); (3) pi_old for this
+    rank's samples (every rank reads the whole batch and the same seeded permutation; each
+    minibatch is split round-robin over ranks); (4) N steps (non-finite losses skipped on all
+    ranks together; the router bias moved after each where the family has one,
+    `steps.RouterBias`); (5) the optimizer state through Distributed Checkpoint (every rank
+    writes its shard), and the HF checkpoint from rank 0, which receives each tensor whole.
+    Ranks live for one policy update (each update loads and saves through files)."""
     ap = argparse.ArgumentParser()
     for name in ("--config-json", "--batch", "--state-in", "--state-out", "--metrics-out"):
         ap.add_argument(name, required=True)

