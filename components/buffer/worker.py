@@ -52,14 +52,15 @@ def prompts_to_issue(
         need = versions * batch_prompts - used - in_flight
         admit = (max_staleness + version + 1) * batch_prompts - used - in_flight
         return max(0, min(need, admit)), paused
-    s = cfg.min_signal_groups
+    s, limit = cfg.min_signal_groups, cfg.gather_limit
+    assert limit is not None  # set whenever min_signal_groups is (BufferConfig.gather_limit)
     rate = max(signal_used / used, 0.05) if used >= s else 1.0
     have = signal_used + gathered[1]
     waiting = max(0, in_flight - gathered[0])  # issued, neither committed nor taken by the trainer
     need = math.ceil((versions * s - have) / rate) - waiting
     admit = math.ceil(((max_staleness + version + 1) * s - have) / rate) - waiting
     # and no version consumes more than the gather limit, signal or not
-    bound = (max_staleness + version + 1) * cfg.gather_limit - used - in_flight
+    bound = (max_staleness + version + 1) * limit - used - in_flight
     return max(0, min(need, admit, bound)), paused
 
 
@@ -140,7 +141,7 @@ def batch_metrics(batch: Batch, version: int) -> dict[str, float]:
     # in-flight weight updates (rollout.weight_update in_flight): staleness per generated token,
     # and the samples whose tokens came from more than one version
     tok_stal = sum(version - v for s in samples for v in token_versions(s))
-    model = [s.model_score for s in samples if getattr(s, "model_score", None) is not None]
+    model = [m for s in samples if (m := getattr(s, "model_score", None)) is not None]
     extra = {"reward/model_score_mean": sum(model) / len(model)} if model else {}
     return extra | {
         "reward/mean": mean,

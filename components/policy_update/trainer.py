@@ -94,8 +94,8 @@ def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cp
         routes = torch.full((n, length, layers, k), -1, dtype=torch.int32, device=cpu)
         for i, s in enumerate(batch):
             if s.routed_experts is not None:
-                r = torch.from_numpy(s.routed_experts.ids())
-                routes[i, : r.shape[0]] = r.to(torch.int32)
+                got_LYK = torch.from_numpy(s.routed_experts.ids())
+                routes[i, : got_LYK.shape[0]] = got_LYK.to(torch.int32)
     return Packed(
         *(t.to(device) for t in (ids, attn, ids[:, 1:].clone(), mask, eng, adv, version)),
         routes_NLYK=None if routes is None else routes.to(device),
@@ -107,7 +107,7 @@ def _load_state(state_dir: Path, cfg: RunConfig):
 
     model = AutoModelForCausalLM.from_pretrained(
         state_dir, dtype=getattr(torch, cfg.model.dtype)
-    ).to(cfg.trainer.device)
+    ).to(cfg.trainer.device)  # type: ignore[arg-type]  # transformers' decorated to() is mistyped
     if cfg.trainer.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(

@@ -658,6 +658,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             uri, run_id, cfg.pipeline.versions - 1, _async_metrics(bus, t_start, busy)
         )
         policy = pbus.registry()
+        if policy is None:  # every version was committed to it: Valkey lost its registry
+            raise CheckpointError("trainer: the version registry is empty at the end of the run")
         bus.set_done()
         bus.expire_run(
             cfg.valkey.finished_ttl_s
