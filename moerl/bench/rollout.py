@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from moerl.bench import child_main, envelope, format_table, log_tail, run_child, write_report
 from moerl.config import RunConfig, load_config
@@ -39,6 +39,16 @@ LONG_TAIL = (
     "rollout.max_new_tokens=384",
     "rollout.kv_cache_gib=0.25",
 )
+
+
+class _Window(TypedDict, total=False):
+    """The worker arm's timed window, as its feeder thread fills it in."""
+
+    start: dict[str, int]  # the bus counters the warm-up left, subtracted at the end
+    t0: float  # Unix s: the window opens
+    t1: float  # Unix s: the server added the last group
+    busy: float  # the worker's busy seconds within the window
+    writes: list[int]  # the window's (bus writes, round trips)
 
 
 def _prompts(cfg: RunConfig, n_units: int) -> list[list]:
@@ -145,6 +155,7 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
 
     cfg = _localized(cfg, work)
     cfg, server = start_valkey(cfg, work, RUN_ID)
+    assert server is not None and cfg.valkey.url  # _localized unset valkey.url: always embedded
     outbox = None
     try:
         bus = RunBus(connect(cfg.valkey.url, 30.0, cfg.valkey.username, server.password), RUN_ID)
@@ -297,6 +308,7 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
 
     cfg = _localized(cfg, work)
     cfg, server = start_valkey(cfg, work, RUN_ID)
+    assert server is not None and cfg.valkey.url  # _localized unset valkey.url: always embedded
     try:
         publish_initial(cfg, RUN_ID, work)
         bus = RunBus(
@@ -316,7 +328,7 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
         units, warm_units = every[:n_units], every[n_units:]
         warm_groups = sum(len(u) for u in warm_units)
         target = warm_groups + sum(len(u) for u in units)
-        timed: dict[str, float] = {}
+        timed = _Window()
         failed: list[BaseException] = []
         stop = threading.Event()
 
@@ -334,9 +346,7 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 _wait_units_done(bus, warm, failed)
                 writes0 = worker.settled_bus_writes()
                 counters = bus.counters()  # the warm-up's share, subtracted at the end
-                timed.update(
-                    start={k: counters[k] for k in ("tokens_generated", "units_overlapped")}
-                )
+                timed["start"] = {k: counters[k] for k in ("tokens_generated", "units_overlapped")}
                 timed["t0"] = time.time()
                 for u in units:
                     bus.issue_unit([p.model_dump() for p in u])
@@ -352,7 +362,10 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 while bus.counters()["groups_generated"] < target and not failed:
                     time.sleep(POLL_S)
                 timed["busy"] = worker.busy_s - busy0
-                timed["t1"] = bus.last_added_ms(GENERATED) / 1000
+                last_ms = bus.last_added_ms(GENERATED)
+                if last_ms is None:
+                    raise RuntimeError("the rollout worker added no group to the bus")
+                timed["t1"] = last_ms / 1000
                 _wait_units_done(
                     bus, warm + n_units, failed
                 )  # after the window: its last acknowledgements
@@ -497,7 +510,8 @@ def run_bench_rollout(
     sweep = sweep or (cfg.rollout.max_num_seqs,)
     rounds: dict[str, list[dict[str, Any]]] = {}  # each arm's result in every round
     with tempfile.TemporaryDirectory(prefix="moerl-bench-rollout-") as tmp:
-        plan, bare_of = [], {}  # bare_of: each arm's bare engine (the same max_num_seqs)
+        plan: list[tuple[str, str, RunConfig]] = []
+        bare_of: dict[str, str] = {}  # bare_of: each arm's bare engine (the same max_num_seqs)
         for seqs in sweep:
             at = f"@{seqs}" if len(sweep) > 1 else ""
             plan += [(f"bare{at}", "bare", _with(cfg, max_num_seqs=seqs))] + [
@@ -536,7 +550,7 @@ def run_bench_rollout(
                 r = json.loads(result.read_text())
                 r["tokens_per_s"] = r["tokens"] / r["wall_s"] if r["wall_s"] > 0 else None
                 rounds.setdefault(name, []).append({"ok": True, **r})
-        split = None
+        split: dict[str, Any] | None = None
         if breakdown:
             work = Path(tmp) / "breakdown"
             work.mkdir()
@@ -566,7 +580,7 @@ def run_bench_rollout(
     }
     for name, _, arm_cfg in plan:
         arms[name]["max_num_seqs"] = arm_cfg.rollout.max_num_seqs
-    workload = {
+    shape = {
         "workload": workload,
         "units": units,
         "prompts_per_unit": cfg.units.max_prompts,
@@ -585,7 +599,7 @@ def run_bench_rollout(
     }
     ok = all(r.get("ok") for r in arms.values()) and (split is None or split["ok"])
     report = envelope(
-        "rollout", ok, workload=workload, arms=arms, **({"breakdown": split} if split else {})
+        "rollout", ok, workload=shape, arms=arms, **({"breakdown": split} if split else {})
     )
     write_report(Path(out), report)
     echo(format_report(report))
