@@ -247,7 +247,7 @@ def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes
     tmp_path, monkeypatch
 ):
     """`open_run_identity` / `close_run_identity` against a real Valkey and the real kubernetes
-    client, whose HTTP requests are answered by scripted API responses (tests/launch/test_launch.py's
+    client, whose HTTP requests are answered by scripted API responses (tests/unit/test_launch.py's
     Replay): the Secret holds a user that logs in to the run's keys only; a retried first task
     replaces it with a new password; the exit task deletes the user and the Secret, and a
     second close finds nothing."""
@@ -255,7 +255,7 @@ def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes
 
     from moerl.config import parse_config
     from moerl.launch.runsecret import close_run_identity, open_run_identity
-    from tests.launch.test_launch import _api
+    from tests.unit.test_launch import _api
 
     run = "0a1b2c3d4e5f60718293a4b5c6d7e8f9"
     path = "/api/v1/namespaces/moerl/secrets"
