@@ -18,25 +18,27 @@ from moerl.models.families import (
     router_bias_names,
     router_classes,
 )
-from moerl.models.tiny import build_tiny_model
+from moerl.models.tiny import tiny_hf_config
 
 ARCHS = [f.model_type for f in FAMILIES]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """arch -> (model, checkpoint dir, config.json): each family's tiny model, saved as HF does."""
+    """arch -> (model, checkpoint dir, config.json): each family's tiny model from `model.tiny`,
+    saved as transformers saves it."""
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp("families")
     out = {}
     for arch in ARCHS:
         t = TinyMoeConfig(
             architecture=arch, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1
         )
-        path = build_tiny_model(t, root / arch)
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        out[arch] = (model, path, json.loads((path / "config.json").read_text()))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_hf_config(t, 16, 0, 1, 2))
+        model.save_pretrained(root / arch)
+        out[arch] = (model, root / arch, json.loads((root / arch / "config.json").read_text()))
     return out
 
 

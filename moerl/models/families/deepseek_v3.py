@@ -1,6 +1,6 @@
 """DeepSeek-V3: multi-head latent attention (MLA), shared experts, a sigmoid router whose
 choice is steered by a bias correction (`noaux_tc`) over grouped top-k, and dense first layers.
-What vLLM and moerl's trainer do with each: docs/architecture.md, "Model families"."""
+What vLLM and moerl's trainer do with each: moerl/models/README.md, docs/expert-parallel.md."""
 
 from __future__ import annotations
 

