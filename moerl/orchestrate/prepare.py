@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from moerl import provenance, tracking
 from moerl.config import RunConfig
@@ -119,7 +120,9 @@ def _check_cache_tier(cfg: RunConfig) -> None:
     try:
         # a fresh or restarted cache server holds no bucket (it keeps them in memory): the
         # writer creates it at its first publication, and this task (the reader) cannot
-        if not cache_tier_store(cfg.checkpoint, "preflight").check_access(missing_ok=True):
+        store = cache_tier_store(cfg.checkpoint, "preflight")
+        assert store is not None  # cache_tier.uri is set (checked above)
+        if not store.check_access(missing_ok=True):
             log.warning(
                 "checkpoint.cache_tier: bucket of %s does not exist yet at %s; the first publication "
                 "creates it (the writer's identity may)",
@@ -175,7 +178,7 @@ def check_verifiers(cfg: RunConfig, rows) -> None:
     from moerl.tasks.verifiers import CALL_VERIFIER, as_score, verifier_key, verifier_target
 
     rc = cfg.reward
-    first = {}
+    first: dict[str, Any] = {}  # each task's first row
     for row in rows:
         first.setdefault(row.task, row)
     calls, keys = [], []
@@ -223,7 +226,7 @@ def check_environments(cfg: RunConfig, rows) -> None:
             f"task.environments: no dataset row has task {unknown[0]!r}; the dataset's tasks: "
             f"{', '.join(sorted({r.task for r in rows}))}"
         )
-    first = {}
+    first: dict[str, Any] = {}  # each task's first row
     for row in rows:
         first.setdefault(row.task, row)
     limits = Limits(
@@ -261,6 +264,7 @@ def _check_mesh(cfg: RunConfig) -> None:
     from moerl.errors import ConfigError
 
     ep = cfg.trainer.expert_parallel_size
+    assert cfg.model.path is not None  # called for a model.path model only
     hf = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     if ep > 1 and isinstance(experts, int) and experts % ep:

@@ -111,7 +111,10 @@ class CheckpointStore(PinLeases, ABC):
     )
 
     @abstractmethod
-    def check_access(self) -> None: ...
+    def check_access(self, missing_ok: bool = False) -> bool:
+        """Whether the store exists, raising when it cannot be reached or written. `missing_ok`:
+        a store that does not exist yet is not an error (False)."""
+
     @abstractmethod
     def _put(self, stage: str, rel: str, src: Path) -> None: ...
     @abstractmethod
@@ -514,12 +517,12 @@ class CheckpointStore(PinLeases, ABC):
             )
             if why is None:
                 try:
-                    m = self.manifest(v)
-                    named = servable is not None and servable == (v, m.sha256())
+                    found = self.manifest(v)
+                    named = servable is not None and servable == (v, found.sha256())
                     if not named and (servable is not None or epoch is not None):
                         raise CheckpointError(f"not the servable version {servable}")
-                    self._verify_stored(d, m)
-                    good[v] = m
+                    self._verify_stored(d, found)
+                    good[v] = found
                     continue
                 except CheckpointError as e:
                     why = str(e)

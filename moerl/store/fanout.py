@@ -27,6 +27,8 @@ from moerl.store.manifest import MANIFEST, Manifest, version_dir
 from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from moerl.bus import RunBus
     from moerl.store.tiers import Tiers
 
@@ -94,7 +96,7 @@ class Swarm:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((bind, 0))
         self.url = f"http://{advertise or bind}:{self._sock.getsockname()[1]}"
-        self._server = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         import requests
 
@@ -121,17 +123,17 @@ class Swarm:
         config = uvicorn.Config(
             self.app, log_level="warning", access_log=False, lifespan="off", limit_concurrency=256
         )
-        self._server = uvicorn.Server(config)
+        server = self._server = uvicorn.Server(config)
         self._sock.listen(64)
         self._thread = threading.Thread(
-            target=self._server.run,
+            target=server.run,
             kwargs={"sockets": [self._sock]},
             name="moerl-fanout",
             daemon=True,
         )
         self._thread.start()
         deadline = time.monotonic() + 10
-        while not self._server.started and time.monotonic() < deadline:
+        while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
         self.bus.r.hset(self.bus.key("fanout:peers"), self.name, self.url)
         self._alive()
@@ -352,6 +354,7 @@ class Swarm:
                 self._http, peers[peer], self.token, version, sha, i, length, self.limits
             )
             if status == fh.OK:
+                assert got is not None  # OK comes with the chunk
                 if hashlib.sha256(got).hexdigest() == chunk_sha:
                     self._count("peer")
                     return got

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,7 @@ class Limits:
         return self.slack_s + length / self.min_rate_bps
 
 
-async def _reply(send, status: int, headers: list[tuple[bytes, bytes]] = ()) -> None:  # noqa: ANN001
+async def _reply(send, status: int, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:  # noqa: ANN001
     await send(
         {
             "type": "http.response.start",
@@ -101,7 +101,7 @@ class ChunkApp:
             f = open(where[0], "rb") if where is not None else None  # noqa: SIM115 - closed below
         except OSError:  # pruned or renamed since
             f = None
-        if f is None:
+        if f is None or where is None:  # where is None: f is too
             return await _reply(send, 404)
         _, start, length = where
         with f:

@@ -40,7 +40,8 @@ class LocalStore(CheckpointStore):
         self.root = Path(root)
         self.uri = str(self.root)
 
-    def check_access(self) -> None:
+    def check_access(self, missing_ok: bool = False) -> bool:
+        """The folder, created if missing (so never missing), and writable."""
         try:
             (self.root / "versions").mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -51,6 +52,7 @@ class LocalStore(CheckpointStore):
             raise CheckpointError(
                 f"checkpoint folder {self.root} is not writable; fix its permissions"
             )
+        return True
 
     def _path(self, stage: str, rel: str = "") -> Path:
         return self.root / "versions" / stage / rel

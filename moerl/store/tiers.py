@@ -458,6 +458,7 @@ class Tiers:
         return latest
 
     def _drop_cache_version(self, v: int) -> None:
+        assert self.cache is not None  # called while recovering the cache tier
         try:
             self.cache._delete(
                 [f"versions/{version_dir(v)}/{MANIFEST}"]
