@@ -274,6 +274,7 @@ class Dispatcher(ABC):
         token's non-dropped k of topk_weights[t, k] * y[row(t, k)]. The routing weights are
         applied HERE, on the expert side, before the reverse transfer."""
         assert isinstance(handle, PlanHandle), f"{self.name}.combine got a {type(handle).__name__}"
+        assert handle.recv_weights_R is not None  # the plan backends always carry the weights
         # Multiply in y's dtype: a bf16 x fp32 product would materialize an fp32 copy of
         # every row (5x slower on CPU); the weight's extra rounding is below bf16's own.
         z_RH = y_RH * handle.recv_weights_R.to(y_RH.dtype).unsqueeze(1)

@@ -53,8 +53,10 @@ def split_credentials(cfg: RunConfig) -> tuple[RunConfig, dict[str, str]]:
     """`cfg` without credentials in `tracking.uri`, and the environment variables that carry
     them instead (empty when there were none). Percent-escapes in the userinfo are decoded."""
     uri = cfg.tracking.uri
-    parts = urlsplit(uri) if uri else None
-    if parts is None or "@" not in parts.netloc:
+    if not uri:
+        return cfg, {}
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
         return cfg, {}
     userinfo, _, hostport = parts.netloc.rpartition("@")
     if parts.scheme in ("http", "https"):

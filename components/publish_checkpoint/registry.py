@@ -42,17 +42,26 @@ class RegisteredPolicy:
     manifest_sha256: str
     run_id: str
 
+    def _in_store(self) -> re.Match[str]:
+        m = _IN_STORE.match(self.version_uri)
+        if m is None:
+            raise ConfigError(
+                f"registry:{self.name}/{self.registry_version}: its version URI "
+                f"{self.version_uri!r} is not <root>/runs/<run id>/versions/vNNNNNN"
+            )
+        return m
+
     @property
     def store_root(self) -> str:
-        return _IN_STORE.match(self.version_uri).group("root")
+        return self._in_store().group("root")
 
     @property
     def store_run_id(self) -> str:
-        return _IN_STORE.match(self.version_uri).group("run_id")
+        return self._in_store().group("run_id")
 
     @property
     def store_version(self) -> int:
-        return int(_IN_STORE.match(self.version_uri).group("version"))
+        return int(self._in_store().group("version"))
 
 
 def config_hash(config_json: str) -> str:
@@ -136,11 +145,11 @@ def resolve_policy(tracking_uri: str, ref: str) -> RegisteredPolicy:
     name, alias, version = parse_ref(ref)
     client = MlflowClient(tracking_uri)
     try:
-        mv = (
-            client.get_model_version_by_alias(name, alias)
-            if alias
-            else client.get_model_version(name, version)
-        )
+        if alias:
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            assert version is not None  # REF matches an alias or a version
+            mv = client.get_model_version(name, version)
     except MlflowException as err:
         hint = (
             f"set the alias on a version in the MLflow UI (Models > {name} > a version > Aliases: {alias})"

@@ -21,7 +21,7 @@ TAG_ACCURACY = "moerl.eval_accuracy"
 class RegisteredRewardModel:
     name: str
     registry_version: str
-    source: str  # the registry's source (see the module docstring)
+    source: str | None  # the registry's source (see the module docstring); MLflow's may be unset
     store_uri: str  # the lineage it was published in: <checkpoint.uri>/runs/<rm run id>
     store_version: int
     manifest_sha256: str
