@@ -437,10 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"(see {path})"
                 )
         else:
-            info = read(args.path)
+            found = read(args.path)
             print(
-                json.dumps(info, indent=2)
-                if info
+                json.dumps(found, indent=2)
+                if found
                 else f"no build-info at {args.path or default_path()}"
             )
     except MoerlError as exc:

@@ -97,7 +97,8 @@ def _samples(group: dict) -> None:
 def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
     from moerl.provenance import stage_start
 
-    on_gpu = cfg.reward.kind != "rules" and cfg.reward.model.device == "cuda"
+    ref = cfg.reward.model  # set unless kind is rules (RewardConfig)
+    on_gpu = cfg.reward.kind != "rules" and ref is not None and ref.device == "cuda"
     stage_start(cfg, scorer, run_id, enforce=on_gpu)  # build-info and runtime probe on the run
     model = load_model_scorer(
         cfg, run_id

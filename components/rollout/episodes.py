@@ -215,7 +215,8 @@ class EpisodeDriver:
         failed ("not deterministic"), never continued on a different state."""
         from moerl.tasks.sandbox import Outcome
 
-        calls, keys = [], []
+        calls: list[tuple[str, list]] = []
+        keys: list[str | None] = []
         for e in eps:
             calls += [(RESET, [e.env, e.key, e.row])] + [(STEP, [e.key, t]) for t in e.texts]
             keys += [e.key] * (len(e.texts) + 1)

@@ -142,6 +142,7 @@ def run_child(
         proc = procs.spawn(
             module, args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        assert proc.stdout is not None  # stdout=PIPE
         try:
             for line in proc.stdout:
                 log_file.write(line)

@@ -24,7 +24,10 @@ class _Before:
 
     def __init__(self, bus, names: list[str], clock) -> None:  # noqa: ANN001
         self.bus, self.names, self.clock = bus, names, clock
-        self.state = {n: {"holders": {}, "at": float("-inf")} for n in names}
+        # each node: its holders map (chunk -> peers holding it) and when it was read
+        self.state: dict[str, dict[str, Any]] = {
+            n: {"holders": {}, "at": float("-inf")} for n in names
+        }
         self.unsent: dict[str, list[int]] = {n: [] for n in names}
         self.refreshes = 0
 

@@ -143,7 +143,7 @@ def suite_plots(
             out_dir,
         )
     )
-    series = {}
+    series: dict[str, Sequence[tuple[float, float]]] = {}
     for side in ("rollout", "train"):
         for i, run in enumerate(r["imbalance"][side]["over_time"]):
             series[f"{side} r{i}"] = [(p["version"], p["max_over_mean_max_layer"]) for p in run]

@@ -140,7 +140,7 @@ def run_bench_scaling(
                 }
             )
     first = next(iter(cfgs.values()))
-    report = {
+    report: dict[str, Any] = {
         "bench": "scaling",
         "schema": 1,
         "config": str(config),

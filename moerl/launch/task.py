@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -127,7 +127,7 @@ def tracking_uri_env(uri: str) -> str | None:
 
 
 def launch_env(
-    cfg: RunConfig, stage: str, environ: dict[str, str] | None = None
+    cfg: RunConfig, stage: str, environ: Mapping[str, str] | None = None
 ) -> list[dict[str, Any]]:
     """The launched container's environment (see the module docstring); Secrets as the
     compiled tasks get them (pipelines/eks.py): optional, Valkey's only for the async stages."""

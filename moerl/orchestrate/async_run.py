@@ -322,6 +322,8 @@ def run_async(
     run_id = begin_run(cfg, uri, "async-local", resume=resume)
     work = Path(cfg.pipeline.work_dir) / run_id
     cfg, server = start_valkey(cfg, work, run_id)
+    valkey_url = cfg.valkey.url
+    assert valkey_url is not None  # the config's server, or the embedded one started here
     run = None
     t0 = time.perf_counter()
     ok = True
@@ -329,7 +331,7 @@ def run_async(
     try:
         cfg = servers.enter_context(embedded_cache_tier(cfg, work / "ckpt-cache"))
         print(
-            f"[moerl] async: Valkey at {tracking.redact(cfg.valkey.url)}; logs in {work / 'logs'}",
+            f"[moerl] async: Valkey at {tracking.redact(valkey_url)}; logs in {work / 'logs'}",
             flush=True,
         )
         # 3. the rollout workers and scorers (a resumed run's `done` and `failed` cleared first:
