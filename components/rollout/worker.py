@@ -171,6 +171,19 @@ class _Stream:
 
 
 @dataclass
+class _Prefetch:
+    """`rollout.weight_update` in_flight: the fetch of the next version (`version`, its manifest
+    `sha`) into the node cache, on a thread beside generation."""
+
+    version: int
+    sha: str
+    thread: threading.Thread
+
+    def ended(self) -> bool:
+        return not self.thread.is_alive()
+
+
+@dataclass
 class _DrainTotals:
     """Between-units drains for a newer version, summed (docs/async.md): their seconds, their
     engine steps, and the sum over those steps of the engine's running batch (sequences held, at
@@ -427,9 +440,9 @@ class RolloutWorker:
         self._first_sample_s: float | None = None  # start -> the first group generated (fast start)
         self._drains = _DrainTotals()
         self._early_tried = False  # rollout.early_engine: tried once
-        # in_flight: the next version's fetch, on a thread beside generation ((version, sha), thread),
-        # and where each prefetched version came from (counted when it is swapped in)
-        self._prefetch: tuple[tuple[int, str], threading.Thread] | None = None
+        # in_flight: the next version's fetch beside generation, and where each prefetched
+        # version came from (counted when it is swapped in)
+        self._prefetch: _Prefetch | None = None
         self._prefetched: dict[int, list[str]] = {}
         self._shas: dict[int, str] = {}  # version -> the manifest sha256 served under it
         # group publications and unit acknowledgements, in order; at most as many hand-overs wait
@@ -535,16 +548,16 @@ class RolloutWorker:
         """`rollout.weight_update` in_flight: fetch `reg`'s version into the verified node cache on
         a thread while the engine generates; True once that fetch has ended (the swap then reads
         the node cache; a fetch that failed is retried, and reported, by the swap's own)."""
-        key = (reg.version, reg.manifest_sha256)
-        if self._prefetch is not None and self._prefetch[0] == key:
-            if self._prefetch[1].is_alive():
+        p = self._prefetch
+        if p is not None and (p.version, p.sha) == (reg.version, reg.manifest_sha256):
+            if not p.ended():
                 return False
             self._prefetch = None
             return True
         t = threading.Thread(
             target=self._prefetch_run, args=(reg,), name="moerl-prefetch", daemon=True
         )
-        self._prefetch = (key, t)
+        self._prefetch = _Prefetch(reg.version, reg.manifest_sha256, t)
         t.start()
         return False
 
@@ -781,7 +794,7 @@ class RolloutWorker:
         """Beside generation, every 0.5 s or as soon as a fetch beside it ended: a newer version
         is swapped in between two steps (`rollout.weight_update` in_flight, forward only), or
         else stops the leasing until the units in flight finish (the drain, timed)."""
-        fetched = self._prefetch is not None and not self._prefetch[1].is_alive()
+        fetched = self._prefetch is not None and self._prefetch.ended()
         if now - s.checked_at <= 0.5 and not fetched:
             return
         s.checked_at = now
@@ -1036,11 +1049,10 @@ class RolloutWorker:
         self._ack_now(lease)
         return True
 
-    def _hand_over(self, writes: list[BusWrite]) -> list[BusWrite]:
-        """Give `writes` to the outbox in one hand-over (sent in one round trip); a new list."""
+    def _hand_over(self, writes: list[BusWrite]) -> None:
+        """Give `writes`, if any, to the outbox in one hand-over (sent in one round trip)."""
         if writes:
             self._outbox.put(writes)
-        return []
 
     def _group_write(self, unit_id: str, entry: dict, comps, prompt_ids: list[int]) -> BusWrite:
         """A finished single-turn group as a bus write (`RunBus.group_write`)."""
