@@ -269,7 +269,7 @@ def test_deepseek_v3_on_nccl_bf16_with_its_router_bias(tmp_path):
     from safetensors.torch import load_file
 
     from moerl.components.policy_update.trainer import run_policy_update
-    from tests.families import family
+    from tests.support.families import family
 
     path = family("deepseek_v3", tmp_path / "dsv3")
     batch = _batch_file(tmp_path)

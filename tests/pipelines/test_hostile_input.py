@@ -21,7 +21,7 @@ from moerl.errors import ConfigError, DataError
 from moerl.orchestrate.prepare import preflight
 from moerl.tasks.dataset import MAX_LINE_BYTES, load_dataset
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "configs" / "tiny-moe-grpo.yaml"
 GOOD_ROW = b'{"id": "r%d", "task": "copy", "prompt": "copy %d=", "answer": "%d"}\n'
 

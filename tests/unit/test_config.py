@@ -10,7 +10,7 @@ import yaml
 from moerl.config import flatten, load_config, parse_config
 from moerl.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "configs" / "tiny-moe-grpo.yaml"
 
 

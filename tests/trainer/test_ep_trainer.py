@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
-from tests import ep_worker
+from tests.support import ep_worker
 
 TOL = 1e-5  # float32; the EP path sums the same products in a different order
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
-from tests import ep_worker
+from tests.support import ep_worker
 
 
 def _keys(path):
@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     tiny = parse_config({}).model.tiny
     qwen = build_tiny_model(tiny, root / "qwen3_moe")
-    from tests.families import family as _family
+    from tests.support.families import family as _family
 
     return {
         "qwen3_moe": qwen,

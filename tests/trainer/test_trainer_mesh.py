@@ -12,9 +12,9 @@ from moerl.components.policy_update.trainer import run_policy_update
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import write_records
-from tests import ep_worker, mesh_worker
-from tests.families import family as _family
-from tests.test_ep_equivalence import _batch
+from tests.support import ep_worker, mesh_worker
+from tests.support.families import family as _family
+from tests.trainer.test_ep_equivalence import _batch
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5  # float32, a different summation order
