@@ -6,7 +6,7 @@
 # trainer and rollout (FROM deepep-efa), and trainer-v1 / rollout-v1 (FROM deepep-efa-v1).
 # Component versions are the Dockerfiles' ARG defaults; override one with --set, e.g.
 #   --set deepep-efa.args.NCCL_VERSION=v2.31.2-1
-# Parsed offline by tests/test_images.py (python-hcl2); not run here (no Docker engine).
+# Parsed offline by tests/launch/test_images.py (python-hcl2); not run here (no Docker engine).
 
 variable "REGISTRY" {
   default = "moerl"

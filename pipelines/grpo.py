@@ -49,7 +49,7 @@ STAGE_FUNCS: dict[str, Callable[..., Any]] = {
 TARGETS = ("local", "eks")
 # Measured (kfp 2.17.3): each iteration adds about 26.6 KB of YAML, 36.9 KB on the EKS target
 # (every task reads the run's merged config from start_run's output); 26 iterations on the EKS
-# target are about 1.00 MB. tests/test_compile_eks.py checks the size
+# target are about 1.00 MB. tests/pipelines/test_compile_eks.py checks the size
 # at the cap stays under COMPILED_SIZE_BUDGET, which leaves room under etcd's 1.5 MiB per
 # object for what the KFP backend adds when it turns the IR into an Argo Workflow.
 MAX_COMPILED_ITERATIONS = 26

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The headless Chromium that tests/test_mlflow_browser.py drives: Debian's `chromium` package,
+# The headless Chromium that tests/tracking/test_mlflow_browser.py drives: Debian's `chromium` package,
 # pinned. `make test` runs this once; it never fails the build. It writes one line to $1:
 #   ok <path> <version>     the browser is there (already on PATH, or installed now)
 #   skip: <why>             the browser test skips with this reason (pytest -rs prints it)

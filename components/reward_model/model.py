@@ -4,7 +4,7 @@ backbone family as the policy (the tiny Qwen3-MoE built from `model.tiny`, or `m
 It scores the text `prompt + response` followed by the tokenizer's EOS token (so "the
 response ended here" is part of what it sees); the head reads the last non-pad token.
 Sequences are right-padded, so a score does not depend on the batch it was computed in
-(tests/test_reward_model.py checks batched scores against one-by-one scores).
+(tests/reward/test_reward_model.py checks batched scores against one-by-one scores).
 
 Training minimizes the Bradley-Terry loss, -log σ(r(chosen) - r(rejected)), averaged over
 the pairs of a step; evaluation is pairwise accuracy, the fraction of held-out pairs with

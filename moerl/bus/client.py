@@ -29,7 +29,7 @@ RUN_USER_PREFIX = "moerl-run-"
 # every command the bus sends, on its own keys only; nothing that reads or changes the server
 # (CONFIG, INFO, KEYS, FLUSH*, DEBUG, SHUTDOWN, MONITOR, ACL changes, replication), kills other
 # clients, or replaces the server's functions and scripts. The EKS manifest
-# (manifests/base/valkey.yaml) gives user `moerl` these rules; tests/test_bus.py checks both.
+# (manifests/base/valkey.yaml) gives user `moerl` these rules; tests/bus/test_bus.py checks both.
 STAGE_ACL = (
     "resetchannels",
     "+@all",
