@@ -21,7 +21,9 @@ ISOLATIONS = ("namespaces", "none")
 # Directories (os.pathsep-separated) an isolated child hides under an empty read-only tmpfs: the
 # stage's credential files (moerl.secrets.secret_dirs; the pod's Secret volumes among them), set
 # by the pool in the child's environment. A path, never a credential.
-HIDE_ENV = "SANDBOX_HIDE"  # not MOERL_*: a child holds no moerl variable (tests/tasks/test_sandbox.py)
+HIDE_ENV = (
+    "SANDBOX_HIDE"  # not MOERL_*: a child holds no moerl variable (tests/tasks/test_sandbox.py)
+)
 FIELDS = "reward.sandbox.isolation / task.sandbox.isolation"
 UNSHARE_ARGS = ("--user", "--map-root-user", "--net", "--pid", "--mount", "--kill-child")
 SHM_MB = 64
