@@ -1,26 +1,8 @@
-"""moerl's command line.
+"""moerl's command line: run, compile, config, schedule, submit, bench, compare.
 
-    moerl run CONFIG [--set k=v] run the sync GRPO pipeline locally (kfp.local), tracked in MLflow
-    moerl run --mode async CONFIG   the async mode: the same stage entrypoints as local
-                                processes, joined by an embedded Valkey
-    moerl run CONFIG --resume RUN_ID   continue a run from its last published version
-    moerl compile [--mode M] [--target eks] CONFIG [-o]   write the sync or async pipeline as
-                                KFP IR YAML; --target eks: cluster-safe, with pod settings
-    moerl config show [--mode M] CONFIG    print the resolved config, defaults included
-    moerl config docs [--check]   write docs/config.md (every key) from the models; --check:
-                                exit 1 when it is stale
-    moerl schedule CONFIG --cron '0 0 3 * * *' --host URL   a KFP recurring run (warm-started);
-                                --argo-out FILE also writes an Argo CronWorkflow
-    moerl submit CONFIG --host URL   compile for EKS and start one KFP run
-    moerl bench suite|scaling|failures|modes|project|weights|dispatch|ep-memory
-                                benchmarks, each side by side (moerl/bench/cli.py lists them all)
-    moerl compare RUN_ID...     MLflow runs side by side: differing params, deltas vs noise, plots
-
-`--mode` (sync or async) selects the config file's `modes:` block and `pipeline.mode`; without
-it the file's `pipeline.mode` decides (default sync).
-
-Errors that moerl raises on purpose (`MoerlError`) print one line and exit non-zero: 2 for a
-bad config, 1 otherwise. Anything else is a bug and keeps its traceback.
+`moerl --help` and each subcommand's `--help` list the commands; docs/guide.md walks through
+them. Errors that moerl raises on purpose (`MoerlError`) print one line and exit non-zero (2
+for a bad config, 1 otherwise); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """The typed run parameters every compiled pipeline shows on the KFP run form.
 
-An operator starting a run from the Kubeflow UI (or `moerl submit --param`) changes the knobs
-that differ per run — the model, the data, how long, the learning rate, the fan-out, the
-reward, the run's name, where version 0 comes from — as typed fields, each described by its
-config key's description in the models (`moerl.config.docs.field_description`, the text of
-docs/config.md), plus `overrides`, a list of `dotted.key=value` for everything else. The compiled run config
-(`config_json`) stays the base: each field's default is the config's own value, so a run
-started with the defaults runs exactly the compiled config.
-
-The first task (`start_run`) merges them (`merge`): the parameters, then the overrides, then
-the whole config validated as `moerl run` validates it (`RunConfig`, the cluster-safety
-checks on the EKS target, `prepare.preflight`). A bad value fails that task at once with one
-line naming the key, written to the MLflow run too; nothing has been published. Every later
-task reads the merged config from `start_run`'s output.
-
-What cannot change per run is refused, not ignored: the keys the compiled graph was built
-from (`compiled_shape`): the pipeline's kind, mode, name, image and retries, the sync
-pipeline's unrolled `pipeline.iterations`, the pod placement (`cluster.*`, the engines'
-devices, the reward stage's group) and where MLflow and Valkey are (the exit task reads them
-from the compiled config). Those need a new compile (`moerl compile --set key=value`).
-
-Pure logic; no KFP import, so `moerl submit` and the tests use it as is.
+Each field's description is its config key's description in the models (docs/config.md); the
+first task (`start_run`) merges the form into the compiled config and validates it, and keys
+the compiled graph was built from are refused per run. docs/run-on-eks.md ("the run form")
+explains the form. Pure logic; no KFP import, so `moerl submit` and the tests use it as is.
 """
 
 from __future__ import annotations
