@@ -266,8 +266,8 @@ def _check_mesh(cfg: RunConfig) -> None:
     ep = cfg.trainer.expert_parallel_size
     assert cfg.model.path is not None  # called for a model.path model only
     hf = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
-    experts = hf.get("num_experts") or hf.get("num_local_experts")
-    if ep > 1 and isinstance(experts, int) and experts % ep:
+    experts = family_of(hf).num_experts(hf)  # each family names the field its own way
+    if ep > 1 and experts % ep:
         raise ConfigError(
             f"trainer.expert_parallel_size: {ep} does not divide the {experts} experts of model.path "
             f"{cfg.model.path}; allowed: a divisor of {experts}"

@@ -330,14 +330,18 @@ def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
     assert sorted(p.name for p in work.iterdir()) == ["c.yaml"]
 
 
-def test_a_user_model_whose_experts_do_not_split_over_ep_is_refused_before_any_work(tmp_path):
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_a_user_model_whose_experts_do_not_split_over_ep_is_refused_before_any_work(
+    tmp_path, architecture
+):
+    """Each family names its expert count its own way (num_experts, num_local_experts,
+    n_routed_experts): the check reads it through the family registry."""
     from moerl.config import parse_config
     from moerl.models.tiny import build_tiny_model
     from moerl.orchestrate.prepare import preflight
 
-    model = build_tiny_model(
-        parse_config({"model": {"tiny": {"num_experts": 6}}}).model.tiny, tmp_path / "m"
-    )
+    tiny = {"num_experts": 6, "architecture": architecture}
+    model = build_tiny_model(parse_config({"model": {"tiny": tiny}}).model.tiny, tmp_path / "m")
     cfg = load_config(
         ROOT / "configs" / "tiny-moe-grpo.yaml",
         [
