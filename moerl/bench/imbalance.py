@@ -15,15 +15,12 @@ def expert_loads(
 ) -> torch.Tensor:
     """[layers, experts] int64 counts of (token, expert) routings of `sequences`."""
     from moerl.components.policy_update.ep_moe import sparse_blocks
+    from moerl.models.families import family_of
 
     blocks = [block for _, _, block in sparse_blocks(model)]
     if not blocks:
         raise ValueError("the model has no MoE sparse blocks to count expert loads on")
-    experts = int(
-        model.config.num_experts
-        if hasattr(model.config, "num_experts")
-        else model.config.num_local_experts
-    )
+    experts = family_of(model.config).num_experts(model.config)
     counts = torch.zeros(len(blocks), experts, dtype=torch.long)
     mask_T: list[torch.Tensor] = []  # the current micro-batch's flattened real-token mask
 

@@ -180,21 +180,24 @@ def test_bench_project_command_writes_report_summary_and_plots(tmp_path, capsys)
 
 
 # -- expert loads -------------------------------------------------------------------------------
-def test_expert_loads_count_every_real_token_k_times_and_ignore_padding(tmp_path):
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_expert_loads_count_every_real_token_k_times_and_ignore_padding(tmp_path, architecture):
     import torch
     from transformers import AutoModelForCausalLM
 
     from moerl.bench.imbalance import expert_loads, imbalance
     from moerl.config import parse_config
+    from moerl.models.families import family_of
     from moerl.models.tiny import build_tiny_model
 
-    cfg = parse_config({})
+    cfg = parse_config({"model": {"tiny": {"architecture": architecture}}})
     build_tiny_model(cfg.model.tiny, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     seqs = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     counts = expert_loads(model, seqs, pad_id=0, batch_rows=2)
     k = cfg.model.tiny.experts_per_token
-    assert counts.shape == (cfg.model.tiny.num_layers, cfg.model.tiny.num_experts)
+    moe_layers = len(family_of(model.config).moe_layer_ids(model.config))
+    assert counts.shape == (moe_layers, cfg.model.tiny.num_experts)
     assert (counts.sum(dim=1) == 10 * k).all()  # 10 real tokens, k experts each, every layer
     again = expert_loads(
         model, [seqs[0] + [0, 0, 0], seqs[1], seqs[2]], pad_id=0
