@@ -114,7 +114,7 @@ def test_raising_verifier_marks_sample_failed_and_is_counted():
     # runs in the sandboxed pool, like every verifier (tests/test_sandbox.py for the hostile ones)
     scored = score(
         [_sample(text="bad"), _sample(idx=1, text="123")],
-        RewardConfig(verifier="tests.hostile_verifiers:raises"),
+        RewardConfig(verifier="tests.support.hostile_verifiers:raises"),
     )
     assert [s.reward for s in scored] == [0.0, 0.0]
     assert all(s.reward_failed and s.reward_error == "ValueError: cannot parse" for s in scored)
@@ -204,7 +204,7 @@ def test_a_group_that_takes_longer_than_reward_timeout_s_is_cut_off():
     from moerl.components.reward.worker import score_with_deadline
 
     samples = [_sample("p0", i, "12", "12").model_dump() for i in range(3)]
-    cfg = RewardConfig(verifier="tests.hostile_verifiers:slow", timeout_s=0.5)
+    cfg = RewardConfig(verifier="tests.support.hostile_verifiers:slow", timeout_s=0.5)
     t0, beats = time.monotonic(), []
     scored, n_failed, timed_out = score_with_deadline(
         samples, cfg, keepalive=lambda: beats.append(1), every_s=0.1

@@ -205,7 +205,7 @@ def test_multi_turn_episodes_train_on_exactly_the_tokens_generated(engine):
     from moerl.tasks.prompting import encode_prompt
     from moerl.tasks.tools import Lookup, generate
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-moe-lookup.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny-moe-lookup.yaml")
     tok = AutoTokenizer.from_pretrained(engine.model_dir)
     rows = generate(6, seed=11)
     seen: list[list[int]] = []  # what the engine was asked to continue, turn by turn
