@@ -35,6 +35,23 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_migrate(args: argparse.Namespace) -> int:
+    from moerl.config.load import read_config_file
+    from moerl.config.migrate import migrate_mapping
+
+    data = read_config_file(args.config)
+    moved = migrate_mapping(data)
+    if not moved:
+        print(f"{args.config}: nothing to migrate")
+        return 0
+    out = args.output or args.config
+    Path(out).write_text(yaml.safe_dump(data, sort_keys=False))
+    for old, new in moved:
+        print(f"{old} -> {new}")
+    print(f"wrote {out} (comments are dropped: PyYAML does not keep them)")
+    return 0
+
+
 def _cmd_config_docs(args: argparse.Namespace) -> int:
     from moerl.config.docs import DOC_PATH, stale, write
 
@@ -127,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set trainer.expert_parallel_size=2 (repeatable)",
+        help="override a config value, e.g. --set trainer.parallelism.expert_parallel_size=2 (repeatable)",
     )
     run.add_argument(
         "--iterations",
@@ -203,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     docs.add_argument("-o", "--output", default=None, help="default docs/config.md")
     docs.set_defaults(func=_cmd_config_docs)
+    migrate = csub.add_parser(
+        "migrate",
+        help="rewrite a config file's moved keys (e.g. trainer.learning_rate -> "
+        "trainer.optimizer.learning_rate) to their new places",
+    )
+    migrate.add_argument("config")
+    migrate.add_argument("-o", "--output", default=None, help="default: rewrite CONFIG in place")
+    migrate.set_defaults(func=_cmd_config_migrate)
     add_schedule_parsers(sub)  # moerl schedule, moerl submit
 
     tasks = sub.add_parser(

@@ -248,7 +248,9 @@ class TrainSample(_Record):
     response_mask: list[int] | None = (
         None  # 0: an environment's token, never in the loss (None: all 1)
     )
-    routed_experts: RoutedExperts | None = None  # the engine's routes (trainer.router_replay R3)
+    routed_experts: RoutedExperts | None = (
+        None  # the engine's routes (trainer.moe.router_replay R3)
+    )
     token_versions: list[tuple[int, int]] | None = None  # as Sample's (in-flight weight updates)
 
     @model_validator(mode="after")

@@ -121,13 +121,12 @@ def check_cluster_safe(cfg: RunConfig) -> None:
                 "give the registry path of the image you pushed, e.g. 123456789012.dkr.ecr.us-west-2"
                 f".amazonaws.com/{image}"
             )
-    for device_key, group in (("trainer.device", "trainer"), ("rollout.device", "rollout")):
+    for device_key, group, device in (
+        ("trainer.parallelism.device", "trainer", cfg.trainer.parallelism.device),
+        ("rollout.device", "rollout", cfg.rollout.device),
+    ):
         gpus = getattr(cfg.cluster.groups, group).gpus
-        if (
-            cfg.cluster.launch.mode == "in_task"
-            and getattr(cfg, device_key.split(".")[0]).device == "cuda"
-            and not gpus
-        ):
+        if cfg.cluster.launch.mode == "in_task" and device == "cuda" and not gpus:
             problems.append(
                 f"cluster.groups.{group}.gpus: 0, but {device_key} is cuda; give the group's tasks GPUs"
             )

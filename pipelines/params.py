@@ -51,7 +51,9 @@ PARAMS: tuple[RunParam, ...] = (
     RunParam("dataset", str, "task.dataset", "reward_model.data"),
     RunParam("versions", int, "pipeline.versions", None, async_only=True),
     RunParam("epochs", int, None, "reward_model.epochs"),
-    RunParam("learning_rate", float, "trainer.learning_rate", "reward_model.learning_rate"),
+    RunParam(
+        "learning_rate", float, "trainer.optimizer.learning_rate", "reward_model.learning_rate"
+    ),
     RunParam("prompts_per_iteration", int, "task.prompts_per_iteration", None),
     RunParam("samples_per_prompt", int, "rollout.samples_per_prompt", None),
     RunParam("rollout_workers", int, "rollout.workers", None, async_only=True),
@@ -63,7 +65,7 @@ PARAMS: tuple[RunParam, ...] = (
 
 OVERRIDES_DESCRIPTION = (
     "Any other config key for this run, as a list of dotted.key=value strings (the value is YAML), "
-    'e.g. ["trainer.clip_eps_high=0.3", "rollout.temperature=0.9"]; applied after the fields '
+    'e.g. ["trainer.loss.clip_eps_high=0.3", "rollout.temperature=0.9"]; applied after the fields '
     "above."
 )
 
@@ -141,10 +143,10 @@ _COMPILED_KEYS = (
     "tracking.experiment",
     "valkey.url",
     "valkey.username",
-    "trainer.device",
+    "trainer.parallelism.device",
     "rollout.device",
-    "trainer.expert_parallel_size",
-    "trainer.data_parallel_shard",
+    "trainer.parallelism.expert_parallel_size",
+    "trainer.parallelism.data_parallel_shard",
     "checkpoint.fanout",
 )
 

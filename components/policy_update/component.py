@@ -11,11 +11,11 @@ def policy_update(
     state_out: Output[Artifact],
     run_id: str = "",
 ) -> dict:
-    """Run `trainer.optimizer_steps_per_iteration` GRPO steps on `batch`.
+    """Run the version's GRPO steps (`trainer.optimizer`) on `batch`.
 
     `state_in` / `state_out` are trainer-state directories: `model/` (HF checkpoint) and
     `trainer/` (optimizer state, counters). Non-finite losses skip their step and are
-    counted; `trainer.max_consecutive_skipped_steps` in a row fail the run.
+    counted; too many in a row (`trainer.optimizer`) fail the run.
     Returns `train/*` metrics and `timing/policy_update_s`.
 
     With `cluster.launch.mode: kubernetes` the steps run in a Kubeflow Trainer TrainJob that

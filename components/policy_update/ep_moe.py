@@ -109,9 +109,9 @@ class EPMoEBlock(nn.Module):
         self.dispatcher = dispatcher
         if aux_loss_coef > 0 and family.router_bias is not None:
             raise ValueError(
-                "trainer.aux_loss_coef > 0: moerl's load-balancing loss is the softmax-router form, and "
+                "trainer.moe.aux_loss_coef > 0: moerl's load-balancing loss is the softmax-router form, and "
                 f"{type(router).__name__} is a sigmoid router balanced by its bias correction; set "
-                "trainer.aux_loss_coef 0 for this family (trainer.router_bias_update_rate moves that "
+                "trainer.moe.aux_loss_coef 0 for this family (trainer.moe.router_bias_update_rate moves that "
                 "bias towards balance)"
             )
         self.aux_loss_coef = aux_loss_coef

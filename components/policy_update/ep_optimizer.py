@@ -7,7 +7,7 @@ whole layer ([E, ...] split into E / ep blocks over ep, each split over dp as FS
 it), so that the checkpoint is the same whatever the mesh.
 
 Limitations: the reverse (a mesh's Distributed Checkpoint back to one process without a
-mesh) is not built: a mesh of one rank (`trainer.mixed_precision: bf16` with 1 x 1) reads it.
+mesh) is not built: a mesh of one rank (`trainer.parallelism.mixed_precision: bf16` with 1 x 1) reads it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The policy update on the trainer's mesh: the worker the policy_update task launches when
-the mesh has more than one rank (or `trainer.mixed_precision: bf16`), one process per rank
+the mesh has more than one rank (or `trainer.parallelism.mixed_precision: bf16`), one process per rank
 (`launcher.py` builds the torchrun or local command). The mesh, FSDP2 and expert parallelism:
 docs/expert-parallel.md; the launch: docs/stages.md, `components/policy_update/launcher.py`.
 """
@@ -53,21 +53,26 @@ log = logging.getLogger(__name__)
 
 
 def build_mesh(cfg: RunConfig):
-    """The trainer's device mesh over every rank: (dp, ep) = (`trainer.data_parallel_shard`,
-    `trainer.expert_parallel_size`), ranks laid out ep-fastest so that an EP group is
+    """The trainer's device mesh over every rank: (dp, ep) = (`trainer.parallelism.data_parallel_shard`,
+    `trainer.parallelism.expert_parallel_size`), ranks laid out ep-fastest so that an EP group is
     consecutive ranks (one node's GPUs on the cluster). The
     same ranks as one dimension, the one the dense weights are sharded on (`flat_mesh`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp, ep = cfg.trainer.data_parallel_shard, cfg.trainer.expert_parallel_size
+    dp, ep = (
+        cfg.trainer.parallelism.data_parallel_shard,
+        cfg.trainer.parallelism.expert_parallel_size,
+    )
     world = dist.get_world_size()
     if dp * ep != world:
         raise TrainingError(
-            f"policy_update: {world} ranks cannot form the mesh trainer.data_parallel_shard ({dp}) "
-            f"x trainer.expert_parallel_size ({ep})"
+            f"policy_update: {world} ranks cannot form the mesh trainer.parallelism.data_parallel_shard ({dp}) "
+            f"x trainer.parallelism.expert_parallel_size ({ep})"
         )
     return init_device_mesh(
-        "cuda" if cfg.trainer.device == "cuda" else "cpu", (dp, ep), mesh_dim_names=("dp", "ep")
+        "cuda" if cfg.trainer.parallelism.device == "cuda" else "cpu",
+        (dp, ep),
+        mesh_dim_names=("dp", "ep"),
     )
 
 
@@ -126,18 +131,22 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
 
     mesh = build_mesh(cfg)
     dispatcher = make_dispatcher(
-        cfg.trainer.ep_backend,
+        cfg.trainer.parallelism.ep_backend,
         num_experts=_num_experts(AutoConfig.from_pretrained(state_in)),
         group=mesh.get_group("ep"),
-        ranks_per_node=cfg.trainer.ranks_per_node,
-        allow_fallback=cfg.trainer.allow_fallback,
-        deepep_options=cfg.trainer.deepep_options or None,
+        ranks_per_node=cfg.trainer.parallelism.ranks_per_node,
+        allow_fallback=cfg.trainer.parallelism.allow_fallback,
+        deepep_options=cfg.trainer.parallelism.deepep_options or None,
     )
     tc = cfg.trainer
     fsdp = (
         (
             lambda m, blocks: apply_fsdp(
-                m, blocks, mesh, tc.mixed_precision, tc.activation_checkpointing
+                m,
+                blocks,
+                mesh,
+                tc.parallelism.mixed_precision,
+                tc.parallelism.activation_checkpointing,
             )
         )
         if shard
@@ -147,8 +156,8 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
         state_in,
         dispatcher,
         getattr(torch, cfg.model.dtype),
-        tc.device,
-        tc.aux_loss_coef,
+        tc.parallelism.device,
+        tc.moe.aux_loss_coef,
         shard=fsdp,
     )
     tdir = state_in / TRAINER_DIR
@@ -158,7 +167,9 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
         else Counters()
     )
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay
+        model.parameters(),
+        lr=cfg.trainer.optimizer.learning_rate,
+        weight_decay=cfg.trainer.optimizer.weight_decay,
     )
     if (tdir / OPTIMIZER_DCP).is_dir():
         if not shard:
@@ -234,7 +245,7 @@ def train_ep(
     n = p.input_ids_NL.shape[0]
     chunks = minibatches(n, optimizer_steps(cfg, n), seed, world, device)
     rows_per = rows_per_micro_batch(
-        p, tc.micro_batch_tokens, math.ceil(max(map(len, chunks), default=1) / world)
+        p, tc.parallelism.micro_batch_tokens, math.ceil(max(map(len, chunks), default=1) / world)
     )
     parts = [micro_parts(c, rank, world, rows_per) for c in chunks]
     # 3. pi_old for this rank's rows, before any step (same micro-batches on every rank: the
@@ -242,7 +253,7 @@ def train_ep(
     model.eval()
     old_logp = torch.zeros_like(p.engine_logp_NL1)
     # every rank builds the same hooks (the same routers), so collectives stay in step
-    routing = Routing.for_batch(model, p, tc.router_replay)
+    routing = Routing.for_batch(model, p, tc.moe.router_replay)
     bias = None
     try:
         with torch.no_grad():
@@ -266,7 +277,7 @@ def train_ep(
         model.train()
         aux_fn = (
             (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None))
-            if tc.aux_loss_coef > 0
+            if tc.moe.aux_loss_coef > 0
             else None
         )
         sums = dict.fromkeys(
@@ -274,8 +285,8 @@ def train_ep(
         )  # this rank's shares of every step's statistics
         done = skipped = 0
         bias = (
-            RouterBias(model, tc.router_bias_update_rate)
-            if tc.router_bias_update_rate > 0
+            RouterBias(model, tc.moe.router_bias_update_rate)
+            if tc.moe.router_bias_update_rate > 0
             else None
         )
         balance: dict[str, float] = {}
@@ -295,7 +306,7 @@ def train_ep(
             )
             finite = torch.tensor([float(losses_are_finite(stats))], device=device)
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
-            grad_norm = _sync_and_clip(model, ep_blocks, tc.max_grad_norm)
+            grad_norm = _sync_and_clip(model, ep_blocks, tc.optimizer.max_grad_norm)
             # the global norm is identical on every rank: each adds 1/world of it
             if finish_step(
                 opt,
@@ -339,8 +350,8 @@ def train_ep(
         "train/skipped_steps": float(skipped),
         "train/tokens": tokens,
         "train/logprob_mismatch": mismatch_sum / max(tokens, 1.0),
-        "train/ep_size": float(cfg.trainer.expert_parallel_size),
-        "train/dp_shard": float(cfg.trainer.data_parallel_shard),
+        "train/ep_size": float(cfg.trainer.parallelism.expert_parallel_size),
+        "train/dp_shard": float(cfg.trainer.parallelism.data_parallel_shard),
         **balance,
         **corr,
         "moe/expert_load_imbalance": float(per_expert.max() / per_expert.mean().clamp_min(1e-9)),
@@ -364,7 +375,7 @@ def save_ep(
 
 def _synced_clock(cfg: RunConfig) -> float:
     """perf_counter once the GPU's queued work is done (CUDA kernels run asynchronously)."""
-    if cfg.trainer.device == "cuda":
+    if cfg.trainer.parallelism.device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
 
@@ -389,9 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"[ep rank {os.environ.get('RANK', '?')}] %(message)s"
     )
     cfg = config_from_json(Path(a.config_json).read_text())
-    backend = "nccl" if cfg.trainer.device == "cuda" else "gloo"
+    backend = "nccl" if cfg.trainer.parallelism.device == "cuda" else "gloo"
     if (
-        cfg.trainer.device == "cuda"
+        cfg.trainer.parallelism.device == "cuda"
     ):  # before the process group: NCCL binds each rank to its current device
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # env:// under torchrun; the local launcher passes a file store (no TCP rendezvous listener)
@@ -431,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         if (
-            cfg.trainer.device == "cuda"
+            cfg.trainer.parallelism.device == "cuda"
         ):  # what this rank's GPU held at its peak (rank 0's is reported)
             metrics["train/cuda_max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         if dist.get_rank() == 0:

@@ -103,20 +103,20 @@ def _start(
     cfg: RunConfig, tmp: Path, rank_args: list[str], nodes: NodeGroup | None = None
 ) -> tuple[list[subprocess.Popen], float]:
     """Start the ranks (or torchrun); returns them and the grace to give them on a kill."""
-    ws = cfg.trainer.world_size
+    ws = cfg.trainer.parallelism.world_size
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if nodes is None or nodes.loopback:  # gloo binds loopback, unless the ranks span real nodes
         env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     if nodes is not None:
-        if cfg.trainer.launcher != "torchrun":
+        if cfg.trainer.parallelism.launcher != "torchrun":
             raise TrainingError(
-                f"policy_update: the trainer runs on {nodes.size} nodes, which only trainer.launcher "
-                f"torchrun can join (got {cfg.trainer.launcher!r})"
+                f"policy_update: the trainer runs on {nodes.size} nodes, which only trainer.parallelism.launcher "
+                f"torchrun can join (got {cfg.trainer.parallelism.launcher!r})"
             )
         return [
             procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args, nodes), env)
         ], TORCHRUN_GRACE_S
-    if cfg.trainer.launcher == "torchrun":
+    if cfg.trainer.parallelism.launcher == "torchrun":
         return [
             procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args), env)
         ], TORCHRUN_GRACE_S
@@ -151,18 +151,18 @@ def run_expert_parallel(
     iteration: int,
     rank_timeout_s: float | None = None,
 ) -> dict[str, float]:
-    """Start `trainer.expert_parallel_size` ranks of ep_train (gloo on CPU, NCCL on GPU) on this
+    """Start `trainer.parallelism.expert_parallel_size` ranks of ep_train (gloo on CPU, NCCL on GPU) on this
     machine, with torchrun or as local processes meeting through a file store (see
-    `trainer.launcher`), wait for all, and return rank 0's metrics. The ranks are killed if
-    they run past `rank_timeout_s` (default `trainer.rank_timeout_s`: generous, since a real
+    `trainer.parallelism.launcher`), wait for all, and return rank 0's metrics. The ranks are killed if
+    they run past `rank_timeout_s` (default `trainer.parallelism.rank_timeout_s`: generous, since a real
     MoE update of many steps can take an hour, but a hung rank is caught the same day)."""
-    timeout_s = rank_timeout_s or cfg.trainer.rank_timeout_s
+    timeout_s = rank_timeout_s or cfg.trainer.parallelism.rank_timeout_s
     tc = cfg.trainer
     nodes = node_group()
     where = f", node {nodes.rank} of {nodes.size}" if nodes else ""
     what = (
-        f"sharded training ({tc.launcher}, {tc.world_size} ranks: mesh dp {tc.data_parallel_shard} x ep "
-        f"{tc.expert_parallel_size}, {tc.ep_backend}{where})"
+        f"sharded training ({tc.parallelism.launcher}, {tc.parallelism.world_size} ranks: mesh dp {tc.parallelism.data_parallel_shard} x ep "
+        f"{tc.parallelism.expert_parallel_size}, {tc.parallelism.ep_backend}{where})"
     )
     with tempfile.TemporaryDirectory(prefix="moerl-ep-") as tmp_name:
         tmp = Path(tmp_name)

@@ -33,7 +33,7 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if unknown:
         raise TrainingError(
             f"routing replay does not know the router {', '.join(sorted(unknown))}; it knows "
-            f"{', '.join(sorted(known))}: set trainer.router_replay disabled for this model"
+            f"{', '.join(sorted(known))}: set trainer.moe.router_replay disabled for this model"
         )
     return found
 
@@ -46,7 +46,7 @@ class RouterReplay:
         self.gates = routers(model)
         if not self.gates:
             raise TrainingError(
-                "trainer.router_replay / routing metrics need an MoE model; this one has no router"
+                "trainer.moe.router_replay / routing metrics need an MoE model; this one has no router"
             )
         top_k = self.gates[0].top_k
         if not isinstance(top_k, int):

@@ -162,7 +162,13 @@ def sampled_logprobs(
     """`sequence_logprobs` with the rollout's sampling parameters."""
     r = cfg.rollout
     return sequence_logprobs(
-        model, p, idx_M, r.temperature, r.top_k, r.top_p, cfg.trainer.logprob_chunk_tokens
+        model,
+        p,
+        idx_M,
+        r.temperature,
+        r.top_k,
+        r.top_p,
+        cfg.trainer.parallelism.logprob_chunk_tokens,
     )
 
 
@@ -175,7 +181,7 @@ def rows_per_micro_batch(p: Packed, micro_batch_tokens: int, total_rows: int) ->
         return max(total_rows, 1)
     if length > micro_batch_tokens:
         log.warning(
-            "one packed sequence (%d positions) is longer than trainer.micro_batch_tokens=%d; "
+            "one packed sequence (%d positions) is longer than trainer.parallelism.micro_batch_tokens=%d; "
             "micro-batches of one row",
             length,
             micro_batch_tokens,
@@ -189,7 +195,7 @@ def policy_logprobs(
     """Logprobs [N, L1] of every row, in micro-batches, without grad (pi_old)."""
     n = p.input_ids_NL.shape[0]
     out = torch.zeros_like(p.engine_logp_NL1)
-    step = rows_per_micro_batch(p, cfg.trainer.micro_batch_tokens, n)
+    step = rows_per_micro_batch(p, cfg.trainer.parallelism.micro_batch_tokens, n)
     with torch.no_grad():
         for idx in torch.arange(n, device=p.device).split(step):
             with Routing.old_pass(routing, p, idx):
@@ -207,7 +213,7 @@ class Routing:
 
         if mode == "R3" and p.routes_NLYK is None:
             log.warning(
-                "trainer.router_replay R3: no sample of this batch carries the engine's routes; "
+                "trainer.moe.router_replay R3: no sample of this batch carries the engine's routes; "
                 "every token routes live (moe/replay_forced_fraction = 0)"
             )
         self.mode, self.p = mode, p
@@ -312,11 +318,11 @@ class Routing:
 
 
 def optimizer_steps(cfg: RunConfig, n: int) -> int:
-    """Optimizer steps for a batch of `n` samples: `trainer.optimizer_steps_per_iteration`; with
+    """Optimizer steps for a batch of `n` samples: `trainer.optimizer.optimizer_steps_per_iteration`; with
     dynamic sampling (`buffer.min_signal_groups`) that many for a full batch of min_signal_groups
     x G samples and proportionally fewer (at least one) for a batch short of it, so every step
     has the same size whatever the batch."""
-    steps, full = cfg.trainer.optimizer_steps_per_iteration, cfg.buffer.min_signal_groups
+    steps, full = cfg.trainer.optimizer.optimizer_steps_per_iteration, cfg.buffer.min_signal_groups
     if full is None or n <= 0:
         return steps
     return max(1, min(steps, round(steps * n / (full * cfg.rollout.samples_per_prompt))))
@@ -391,12 +397,12 @@ def accumulate(
                 w,
                 p.adv_N[idx],
                 mask,
-                *tc.clip_range,
-                kind=tc.policy_loss,
-                agg=tc.agg_mode,
+                *tc.loss.clip_range,
+                kind=tc.loss.policy_loss,
+                agg=tc.loss.agg_mode,
                 n_tokens=n_tokens,
                 n_seqs=n_rows if n_seqs is None else n_seqs,
-                clip_ratio_c=tc.clip_ratio_c,
+                clip_ratio_c=tc.loss.clip_ratio_c,
             )
             aux = aux_fn() if aux_fn is not None else None
             if aux is not None:
@@ -459,11 +465,11 @@ def count_skip(counters, cfg: RunConfig, why: str) -> None:
     log.warning(
         "%s at step %d: skipped (%d in a row)", why, counters.step, counters.consecutive_skipped
     )
-    limit = cfg.trainer.max_consecutive_skipped_steps
+    limit = cfg.trainer.optimizer.max_consecutive_skipped_steps
     if counters.consecutive_skipped >= limit:
         raise TrainingError(
             f"policy_update: {counters.consecutive_skipped} optimizer steps in a row had a non-finite loss or gradient "
-            f"(trainer.max_consecutive_skipped_steps={limit}); lower trainer.learning_rate or check the batch "
+            f"(trainer.optimizer.max_consecutive_skipped_steps={limit}); lower trainer.optimizer.learning_rate or check the batch "
             "for bad logprobs"
         )
 
@@ -483,7 +489,7 @@ class RouterAux:
         ]
         if not self._handles:
             raise TrainingError(
-                "trainer.aux_loss_coef > 0 but the model has no MoE router to balance"
+                "trainer.moe.aux_loss_coef > 0 but the model has no MoE router to balance"
             )
 
     def _hook(self, module, args, output) -> None:
@@ -529,9 +535,9 @@ class RouterBias:
         routers = [g for g, _ in found.values()]
         if not routers:
             raise TrainingError(
-                f"trainer.router_bias_update_rate {rate}: {type(model).__name__} has no router with a "
+                f"trainer.moe.router_bias_update_rate {rate}: {type(model).__name__} has no router with a "
                 "bias correction (DeepSeek-V3's e_score_correction_bias); balance it with "
-                "trainer.aux_loss_coef, or set the rate to 0"
+                "trainer.moe.aux_loss_coef, or set the rate to 0"
             )
         self.rate, self.routers = rate, routers
         self._bias_names = [n for _, n in found.values()]  # read at each step: buffers may move
@@ -586,7 +592,7 @@ def prepare_correction(
 ) -> tuple[Packed, dict[str, float]]:
     """After pi_old, before any step: the `rollout_corr/*` metrics of this batch, the geometric
     sequence rejection (removed from the mask, so from every normalizer) and the importance
-    weights of `trainer.tis_mode`. `rows`: the rows whose pi_old this rank computed (expert
+    weights of `trainer.correction.tis_mode`. `rows`: the rows whose pi_old this rank computed (expert
     parallel: its share; the others are not valid here); `distributed`: sum over the ranks,
     which every rank then applies alike."""
     from dataclasses import replace
@@ -611,14 +617,14 @@ def prepare_correction(
         p.engine_logp_NL1[rows],
         p.mask_NL1[rows],
         own[rows],
-        tc.extreme_ratio_tau,
+        tc.correction.extreme_ratio_tau,
     )
     if distributed:
         c = c.all_reduce()
     metrics = finish(c)
     mask = p.mask_NL1
-    if tc.rollout_rs == "geometric":
-        lower, upper = tc.rs_bounds
+    if tc.correction.rollout_rs == "geometric":
+        lower, upper = tc.correction.rs_bounds
         drop = torch.zeros(n, dtype=torch.float64, device=p.device)
         drop[rows] = geometric_rejection(
             old_logp_NL1[rows], p.engine_logp_NL1[rows], mask[rows], upper, lower
@@ -636,6 +642,11 @@ def prepare_correction(
         metrics["rollout_corr/rs_masked_sequences"] = float(drop.sum())
     usable = mask.bool() & torch.isfinite(old_logp_NL1)
     iw = importance_weights(
-        old_logp_NL1, p.engine_logp_NL1, usable, tc.tis_mode, tc.tis_cap, tc.tis_mask_low
+        old_logp_NL1,
+        p.engine_logp_NL1,
+        usable,
+        tc.correction.tis_mode,
+        tc.correction.tis_cap,
+        tc.correction.tis_mask_low,
     )
     return replace(p, mask_NL1=mask, is_weight_NL1=iw.w_BT, is_hit_NL1=iw.hit_BT), metrics

@@ -107,22 +107,28 @@ def _load_state(state_dir: Path, cfg: RunConfig):
 
     model = AutoModelForCausalLM.from_pretrained(
         state_dir, dtype=getattr(torch, cfg.model.dtype)
-    ).to(cfg.trainer.device)  # type: ignore[arg-type]  # transformers' decorated to() is mistyped
-    if cfg.trainer.activation_checkpointing:
+    ).to(cfg.trainer.parallelism.device)  # type: ignore[arg-type]  # transformers' decorated to() is mistyped
+    if cfg.trainer.parallelism.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.trainer.learning_rate, weight_decay=cfg.trainer.weight_decay
+        model.parameters(),
+        lr=cfg.trainer.optimizer.learning_rate,
+        weight_decay=cfg.trainer.optimizer.weight_decay,
     )
     counters = Counters()
     tdir = state_dir / TRAINER_DIR
     if (tdir / "optimizer.pt").is_file():
         opt.load_state_dict(
-            torch.load(tdir / "optimizer.pt", weights_only=True, map_location=cfg.trainer.device)
+            torch.load(
+                tdir / "optimizer.pt",
+                weights_only=True,
+                map_location=cfg.trainer.parallelism.device,
+            )
         )
     elif (tdir / "optimizer").is_dir() or any(tdir.glob("optimizer-ep*.pt")):
         raise TrainingError(
             f"policy_update: {tdir} holds the optimizer state of a sharded trainer (a mesh of "
-            "ranks); continue on a mesh (trainer.data_parallel_shard x trainer.expert_parallel_size "
+            "ranks); continue on a mesh (trainer.parallelism.data_parallel_shard x trainer.parallelism.expert_parallel_size "
             "> 1), any shape: its Distributed Checkpoint reshards"
         )
     if (tdir / "state.json").is_file():
@@ -155,7 +161,7 @@ def train_on_batch(
     n = p.input_ids_NL.shape[0]
     # 3. pi_old and the engine/trainer mismatch, before any step
     model.eval()
-    routing = Routing.for_batch(model, p, tc.router_replay)
+    routing = Routing.for_batch(model, p, tc.moe.router_replay)
     aux = bias = None
     try:
         old_logp = policy_logprobs(model, p, cfg, routing)
@@ -165,10 +171,10 @@ def train_on_batch(
         p, corr = prepare_correction(p, old_logp, cfg, counters.version)
         # 4. exactly min(steps, n) minibatch steps over a seeded permutation, in micro-batches
         model.train()
-        aux = RouterAux(model, tc.aux_loss_coef) if tc.aux_loss_coef > 0 else None
+        aux = RouterAux(model, tc.moe.aux_loss_coef) if tc.moe.aux_loss_coef > 0 else None
         bias = (
-            RouterBias(model, tc.router_bias_update_rate)
-            if tc.router_bias_update_rate > 0
+            RouterBias(model, tc.moe.router_bias_update_rate)
+            if tc.moe.router_bias_update_rate > 0
             else None
         )
         sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
@@ -176,7 +182,9 @@ def train_on_batch(
         balance: dict[str, float] = {}
         for idx in minibatches(n, optimizer_steps(cfg, n), seed, world=1, device=device):
             opt.zero_grad(set_to_none=True)
-            parts = micro_parts(idx, 0, 1, rows_per_micro_batch(p, tc.micro_batch_tokens, len(idx)))
+            parts = micro_parts(
+                idx, 0, 1, rows_per_micro_batch(p, tc.parallelism.micro_batch_tokens, len(idx))
+            )
             stats = accumulate(
                 model,
                 p,
@@ -189,7 +197,9 @@ def train_on_batch(
                 n_seqs=float((p.mask_NL1[idx].sum(-1) > 0).sum()),
                 routing=routing,
             )
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm))
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.optimizer.max_grad_norm)
+            )
             if finish_step(opt, counters, cfg, stats, sums, grad_norm, losses_are_finite(stats)):
                 done += 1
                 balance = bias.step() if bias is not None else balance
@@ -229,7 +239,7 @@ def run_policy_update(
 
     stage_start(cfg, "policy_update", run_id)  # records where it runs; enforces `require:`
     if (
-        cfg.trainer.on_mesh
+        cfg.trainer.parallelism.on_mesh
     ):  # the mesh: FSDP2 + expert parallelism over ranks (or one, for bf16 mixed precision)
         from moerl.components.policy_update.launcher import run_expert_parallel
 

@@ -433,7 +433,7 @@ def _train(
     )
 
     t0 = time.perf_counter()
-    if cfg.trainer.on_mesh:  # ranks load and save through files
+    if cfg.trainer.parallelism.on_mesh:  # ranks load and save through files
         batch_path = out_dir.parent / "batch.jsonl"
         write_records(batch_path, samples)
         metrics = run_policy_update(cfg, batch_path, state_dir, out_dir, version)
@@ -496,7 +496,7 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     state_dir = work / f"v{latest}"
     policy = prepare_resume(cfg, run_id, latest, state_dir)
     model = opt = counters = None
-    if not cfg.trainer.on_mesh:
+    if not cfg.trainer.parallelism.on_mesh:
         model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
     pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)

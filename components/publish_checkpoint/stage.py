@@ -275,7 +275,7 @@ def check_finite(state_dir: str | Path, version: int) -> None:
                         raise CheckpointError(
                             f"refusing to publish version {version}: {rel} tensor {name!r} holds {bad} non-finite "
                             f"values (NaN/inf) of {t.numel()}; the update diverged, so nothing was uploaded and "
-                            "latest is unchanged (lower trainer.learning_rate, or resume from latest)"
+                            "latest is unchanged (lower trainer.optimizer.learning_rate, or resume from latest)"
                         )
         except (SafetensorError, OSError) as e:
             raise CheckpointError(

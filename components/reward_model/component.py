@@ -39,7 +39,7 @@ def train_reward_model(
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
-    stage_start(cfg, "train_reward_model", run_id, enforce=cfg.trainer.device == "cuda")
+    stage_start(cfg, "train_reward_model", run_id, enforce=cfg.trainer.parallelism.device == "cuda")
     return run_train(cfg, train.path, model.path, run_id=run_id)
 
 

@@ -57,7 +57,7 @@ def train(
     with tempfile.TemporaryDirectory(prefix="moerl-rm-init-") as init:
         build_reward_model(cfg.model, init)
         metrics = train_reward_model(
-            cfg.reward_model, init, pairs, model_out, device=cfg.trainer.device
+            cfg.reward_model, init, pairs, model_out, device=cfg.trainer.parallelism.device
         )
     _log(cfg, run_id, metrics)
     return metrics
@@ -72,7 +72,8 @@ def evaluate(
 
     t0 = time.perf_counter()
     metrics = pairwise_accuracy(
-        RewardModel(model_path, cfg.trainer.device), read_records(eval_path, PreferencePair)
+        RewardModel(model_path, cfg.trainer.parallelism.device),
+        read_records(eval_path, PreferencePair),
     )
     metrics["timing/evaluate_reward_model_s"] = time.perf_counter() - t0
     _log(cfg, run_id, metrics)

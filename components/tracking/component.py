@@ -69,7 +69,7 @@ def start_run(
 
     base = config_from_json(config_json)
     uri = tracking.resolve_uri(base.tracking)
-    tags = provenance.collect(with_cuda=base.trainer.device == "cuda")
+    tags = provenance.collect(with_cuda=base.trainer.parallelism.device == "cuda")
     tags["moerl.git_sha"] = git_sha or tags["moerl.git_sha"]
     tags["moerl.kfp_run_id"] = kfp_run_id
     try:
@@ -156,11 +156,8 @@ def log_iteration(
     merged["timing/iteration_s"] = sum(merged[k] for k in stage_keys)
     tracking.log_metrics(tracking.resolve_uri(cfg.tracking), run_id, iteration, merged)
     if merged.get("moe/ep_fallback"):  # a slower path taken is recorded loudly, never silently
-        tracking.set_tags(
-            tracking.resolve_uri(cfg.tracking),
-            run_id,
-            {"moerl.ep_fallback": f"{cfg.trainer.ep_backend} unavailable -> all_to_all"},
-        )
+        tag = f"{cfg.trainer.parallelism.ep_backend} unavailable -> all_to_all"
+        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, {"moerl.ep_fallback": tag})
     times = " ".join(f"{k[7:-2]}={merged[k]:.1f}s" for k in sorted(stage_keys))
     print(
         f"[moerl] iteration {iteration + 1}/{cfg.pipeline.iterations} reward/mean={merged.get('reward/mean', 0):.3f} "

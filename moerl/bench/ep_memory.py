@@ -2,7 +2,7 @@
 
     moerl bench ep-memory [--world-sizes 1,2,4 | --meshes 1x4,2x2,4x1] [--layers 4] [--experts 64] [--hidden 512]
 
-A mesh is DPxEP: `trainer.data_parallel_shard` x `trainer.expert_parallel_size` ranks;
+A mesh is DPxEP: `trainer.parallelism.data_parallel_shard` x `trainer.parallelism.expert_parallel_size` ranks;
 `--world-sizes W,...` means the meshes 1xW.
 
 Methodology: a Qwen3-MoE whose experts dominate its size (default 64 experts, hidden 512,
@@ -118,9 +118,8 @@ def _rank(
             {
                 "model": {"tiny": model},
                 "trainer": {
-                    "expert_parallel_size": world // dp,
-                    "data_parallel_shard": dp,
-                    "optimizer_steps_per_iteration": 1,
+                    "parallelism": {"expert_parallel_size": world // dp, "data_parallel_shard": dp},
+                    "optimizer": {"optimizer_steps_per_iteration": 1},
                 },
             }
         )
@@ -274,7 +273,7 @@ def run_bench_ep_memory(
         tiny = parse_config(
             {
                 "model": {"tiny": model},
-                "trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp},
+                "trainer": {"parallelism": {"expert_parallel_size": ep, "data_parallel_shard": dp}},
             }
         ).model.tiny
     results: list[dict] = []

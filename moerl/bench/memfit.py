@@ -23,7 +23,7 @@ Activations per token (bf16):
     no checkpointing:   act = L * per_layer
     with checkpointing: act = L * 2 h + per_layer   each layer's input kept, one layer recomputed
     logits = 4 * V * 2  (float32 logits and log-softmax) per token of the micro-batch; with the
-                        chunked logprob (trainer.logprob_chunk_tokens = C) only C positions'
+                        chunked logprob (trainer.parallelism.logprob_chunk_tokens = C) only C positions'
                         exist at once: logits per token 0, and C * 4 * V * 3 (logits, log-softmax,
                         their gradient) added to the transient
 Fit:
@@ -52,9 +52,9 @@ class FitInputs:
     hbm_gb: float = 141.0  # H200
     usable: float = 0.9  # what the allocator can hand out after the CUDA context and NCCL buffers
     activation_checkpointing: bool = True
-    micro_batch_tokens: int = 8192  # trainer.micro_batch_tokens, the default
+    micro_batch_tokens: int = 8192  # trainer.parallelism.micro_batch_tokens, the default
     logprob_chunk_tokens: int = (
-        1024  # trainer.logprob_chunk_tokens; 0 = the whole micro-batch at once
+        1024  # trainer.parallelism.logprob_chunk_tokens; 0 = the whole micro-batch at once
     )
 
 

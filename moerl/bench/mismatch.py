@@ -22,10 +22,10 @@ from moerl.config import RunConfig, flatten
 from moerl.errors import ConfigError, MoerlError
 
 REPLAY_ARMS = {
-    "disabled": ["trainer.router_replay=disabled"],
-    "R3": ["trainer.router_replay=R3"],
-    "R2": ["trainer.router_replay=R2"],
-    "gspo": ["trainer.router_replay=disabled", "trainer.policy_loss=gspo"],
+    "disabled": ["trainer.moe.router_replay=disabled"],
+    "R3": ["trainer.moe.router_replay=R3"],
+    "R2": ["trainer.moe.router_replay=R2"],
+    "gspo": ["trainer.moe.router_replay=disabled", "trainer.loss.policy_loss=gspo"],
 }
 NOISE_ENV = "MOERL_BENCH_ROUTER_NOISE"
 # per version, from train_on_batch's metrics

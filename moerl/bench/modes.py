@@ -43,7 +43,7 @@ WORKLOAD_KEYS = (
     "rollout.temperature",
     "rollout.top_p",
     "rollout.top_k",
-    "trainer.optimizer_steps_per_iteration",
+    "trainer.optimizer.optimizer_steps_per_iteration",
 )
 RATIOS = {
     "sync_over_async": ("sync", "async"),
@@ -133,7 +133,7 @@ def workload(cfg: RunConfig, iterations: int) -> dict[str, Any]:
         "prompts_per_iteration": cfg.task.prompts_per_iteration,
         "samples_per_prompt": cfg.rollout.samples_per_prompt,
         "max_new_tokens": cfg.rollout.max_new_tokens,
-        "optimizer_steps_per_iteration": cfg.trainer.optimizer_steps_per_iteration,
+        "optimizer_steps_per_iteration": cfg.trainer.optimizer.optimizer_steps_per_iteration,
         "model": cfg.model.path
         or f"tiny {cfg.model.tiny.architecture} (seed {cfg.model.tiny.seed})",
     }

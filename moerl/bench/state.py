@@ -113,7 +113,7 @@ def run_bench_state(
                 f"pipeline.versions={versions}",
                 "task.prompts_per_iteration=8",
                 "rollout.samples_per_prompt=4",
-                "trainer.optimizer_steps_per_iteration=1",
+                "trainer.optimizer.optimizer_steps_per_iteration=1",
                 "units.max_prompts=2",
                 "rollout.workers=1",
                 "reward.scorers=1",

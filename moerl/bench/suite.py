@@ -224,9 +224,9 @@ def suite_config(
             "bench suite: reward.kind must be rules (each repeat starts from a fresh store, where no "
             f"reward model is registered); got {cfg.reward.kind}"
         )
-    if cfg.trainer.expert_parallel_size != 1:
+    if cfg.trainer.parallelism.expert_parallel_size != 1:
         raise ConfigError(
-            "bench suite: trainer.expert_parallel_size must be 1 (the suite trains in one process; "
+            "bench suite: trainer.parallelism.expert_parallel_size must be 1 (the suite trains in one process; "
             "the dispatcher comparison measures expert-parallel traffic)"
         )
     return cfg
@@ -392,8 +392,8 @@ def disclosure(cfg: RunConfig, repeats: list[dict[str, Any]], iterations: int) -
             "prompts_per_version": cfg.task.prompts_per_iteration,
             "samples_per_prompt": cfg.rollout.samples_per_prompt,
             "max_new_tokens": cfg.rollout.max_new_tokens,
-            "optimizer_steps_per_version": cfg.trainer.optimizer_steps_per_iteration,
-            "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+            "optimizer_steps_per_version": cfg.trainer.optimizer.optimizer_steps_per_iteration,
+            "micro_batch_tokens": cfg.trainer.parallelism.micro_batch_tokens,
             "versions_per_repeat": iterations,
             "max_num_seqs": cfg.rollout.max_num_seqs,
         },
@@ -402,9 +402,9 @@ def disclosure(cfg: RunConfig, repeats: list[dict[str, Any]], iterations: int) -
             "response_tokens": distribution(resp_lens),
         },
         "parallelism": {
-            "trainer_ep": cfg.trainer.expert_parallel_size,
+            "trainer_ep": cfg.trainer.parallelism.expert_parallel_size,
             "rollout_ep": cfg.rollout.enable_expert_parallel,
-            "dispatcher_backend": cfg.trainer.ep_backend,
+            "dispatcher_backend": cfg.trainer.parallelism.ep_backend,
             "rollout_all2all_backend": cfg.rollout.all2all_backend,
             "baseline_collective": "gloo all_to_all over loopback (CPU); NCCL on GPU",
         },

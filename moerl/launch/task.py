@@ -84,18 +84,18 @@ def check_launchable(cfg: RunConfig, stage: str) -> None:
 def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
     """The trainer's ranks over its nodes: an equal share on each, at most one rank per GPU;
     across nodes only through torchrun, and only for the sync policy update."""
-    la, world = cfg.cluster.launch, cfg.trainer.world_size
+    la, world = cfg.cluster.launch, cfg.trainer.parallelism.world_size
     nodes = objects.trainer_nodes(cfg)
     mesh = (
-        f"trainer.data_parallel_shard x trainer.expert_parallel_size = {cfg.trainer.data_parallel_shard} x "
-        f"{cfg.trainer.expert_parallel_size} = {world} ranks"
+        f"trainer.parallelism.data_parallel_shard x trainer.parallelism.expert_parallel_size = {cfg.trainer.parallelism.data_parallel_shard} x "
+        f"{cfg.trainer.parallelism.expert_parallel_size} = {world} ranks"
     )
     if world % nodes:
         raise ConfigError(
             f"trainer mesh: {mesh} do not split evenly over {nodes} nodes "
             "(cluster.launch.trainer_nodes); every node runs the same number of ranks"
         )
-    if cfg.trainer.device == "cuda" and world // nodes > la.gpus_per_node:
+    if cfg.trainer.parallelism.device == "cuda" and world // nodes > la.gpus_per_node:
         raise ConfigError(
             f"trainer mesh: {mesh}, but the trainer gets cluster.launch.gpus_per_node x trainer_nodes "
             f"= {la.gpus_per_node} x {nodes} = {la.gpus_per_node * nodes} GPUs; one rank per GPU"
@@ -106,10 +106,10 @@ def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
             "the mesh's ranks itself each version); use a mesh of at most cluster.launch.gpus_per_node "
             "ranks, or pipeline.mode sync"
         )
-    if nodes > 1 and cfg.trainer.launcher != "torchrun":
+    if nodes > 1 and cfg.trainer.parallelism.launcher != "torchrun":
         raise ConfigError(
-            f"trainer on {nodes} nodes: trainer.launcher {cfg.trainer.launcher!r} starts ranks on one "
-            "machine only; set trainer.launcher torchrun (it joins the nodes' ranks)"
+            f"trainer on {nodes} nodes: trainer.parallelism.launcher {cfg.trainer.parallelism.launcher!r} starts ranks on one "
+            "machine only; set trainer.parallelism.launcher torchrun (it joins the nodes' ranks)"
         )
 
 

@@ -69,30 +69,30 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             "would sample from another policy than the one trained; allowed: rollout.device cuda, or "
             "another model.tiny.architecture"
         )
-    if cfg.trainer.router_bias_update_rate > 0 and family.router_bias is None:
+    if cfg.trainer.moe.router_bias_update_rate > 0 and family.router_bias is None:
         from moerl.errors import ConfigError
 
         raise ConfigError(
-            f"trainer.router_bias_update_rate {cfg.trainer.router_bias_update_rate}: the {model_type} "
+            f"trainer.moe.router_bias_update_rate {cfg.trainer.moe.router_bias_update_rate}: the {model_type} "
             "router has no bias correction to move (DeepSeek-V3's e_score_correction_bias); set it to 0, "
-            "and balance with trainer.aux_loss_coef"
+            "and balance with trainer.moe.aux_loss_coef"
         )
     if cfg.pipeline.kind == "grpo" and (
-        cfg.trainer.router_replay != "disabled" or cfg.rollout.return_routed_experts
+        cfg.trainer.moe.router_replay != "disabled" or cfg.rollout.return_routed_experts
     ):
         from moerl.errors import ConfigError
 
         if not family.router_replay:
             key = (
-                "trainer.router_replay"
-                if cfg.trainer.router_replay != "disabled"
+                "trainer.moe.router_replay"
+                if cfg.trainer.moe.router_replay != "disabled"
                 else "rollout.return_routed_experts"
             )
             raise ConfigError(
                 f"{key}: routing replay and routed-expert capture know the routers of "
                 f"{', '.join(f.model_type for f in FAMILIES if f.router_replay)}; model.path is a "
                 f"{model_type!r}: set "
-                "trainer.router_replay disabled and rollout.return_routed_experts false"
+                "trainer.moe.router_replay disabled and rollout.return_routed_experts false"
             )
     from moerl.store.runs import open_store
 
@@ -263,13 +263,13 @@ def _check_mesh(cfg: RunConfig) -> None:
 
     from moerl.errors import ConfigError
 
-    ep = cfg.trainer.expert_parallel_size
+    ep = cfg.trainer.parallelism.expert_parallel_size
     assert cfg.model.path is not None  # called for a model.path model only
     hf = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
     experts = family_of(hf).num_experts(hf)  # each family names the field its own way
     if ep > 1 and experts % ep:
         raise ConfigError(
-            f"trainer.expert_parallel_size: {ep} does not divide the {experts} experts of model.path "
+            f"trainer.parallelism.expert_parallel_size: {ep} does not divide the {experts} experts of model.path "
             f"{cfg.model.path}; allowed: a divisor of {experts}"
         )
 
@@ -379,10 +379,11 @@ def begin_run(
     tags = provenance.collect()
     tags["moerl.mode"] = mode
     tc = cfg.trainer  # how the policy trains: its mesh and precision, in words
-    tags["moerl.trainer.mesh"] = f"dp {tc.data_parallel_shard} x ep {tc.expert_parallel_size}" + (
-        " (FSDP2)" if tc.on_mesh else " (one process)"
+    tags["moerl.trainer.mesh"] = (
+        f"dp {tc.parallelism.data_parallel_shard} x ep {tc.parallelism.expert_parallel_size}"
+        + (" (FSDP2)" if tc.parallelism.on_mesh else " (one process)")
     )
-    tags["moerl.trainer.precision"] = tc.precision_policy(cfg.model.dtype)
+    tags["moerl.trainer.precision"] = tc.parallelism.precision_policy(cfg.model.dtype)
     run_id = tracking.start_run(cfg, uri, tags)
     print(
         f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}",

@@ -17,7 +17,7 @@ CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
 SMALL = [
     "task.prompts_per_iteration=16",
     "rollout.samples_per_prompt=4",
-    "trainer.optimizer_steps_per_iteration=2",
+    "trainer.optimizer.optimizer_steps_per_iteration=2",
 ]
 
 
@@ -70,4 +70,4 @@ def test_bench_mismatch_runs_both_sections(tmp_path):
     assert set(dyn) == {"filter", "dynamic"} and all(r["ok"] for r in dyn.values())
     assert len(dyn["dynamic"]["rewards"]) == 2 and len(dyn["dynamic"]["filtered_fraction"]) == 2
     assert str(rep["configs"]["dynamic/dynamic"]["buffer.min_signal_groups"]) == "8"
-    assert rep["configs"]["replay/R3"]["trainer.router_replay"] == "R3"
+    assert rep["configs"]["replay/R3"]["trainer.moe.router_replay"] == "R3"

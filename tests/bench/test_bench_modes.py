@@ -25,7 +25,7 @@ CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
 SMALL = [
     "task.prompts_per_iteration=8",
     "rollout.samples_per_prompt=4",
-    "trainer.optimizer_steps_per_iteration=2",
+    "trainer.optimizer.optimizer_steps_per_iteration=2",
 ]
 
 
@@ -60,7 +60,7 @@ def test_a_modes_block_that_changes_the_workload_is_refused(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text(
         CONFIG.read_text() + "\nmodes:\n  async:\n    task:\n      prompts_per_iteration: 16\n"
-        "    trainer:\n      clip_eps_high: 0.28\n"
+        "    trainer:\n      loss:\n        clip_eps_high: 0.28\n"
     )
     cfgs = {a: arm_config(cfg_file, [], a, 2, tmp_path / a) for a in ARMS}
     with pytest.raises(
@@ -71,7 +71,7 @@ def test_a_modes_block_that_changes_the_workload_is_refused(tmp_path):
         check_same_workload(cfgs)
     # a setting that only suits one mode (the clip range) is allowed
     cfg_file.write_text(
-        CONFIG.read_text() + "\nmodes:\n  async:\n    trainer:\n      clip_eps_high: 0.28\n"
+        CONFIG.read_text() + "\nmodes:\n  async:\n    trainer:\n      loss: {clip_eps_high: 0.28}\n"
     )
     check_same_workload({a: arm_config(cfg_file, [], a, 2, tmp_path / a) for a in ARMS})
 

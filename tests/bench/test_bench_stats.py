@@ -36,7 +36,7 @@ def _training_run(
 ) -> str:
     run = client.create_run(exp_id)
     rid = run.info.run_id
-    client.log_param(rid, "trainer.learning_rate", lr)
+    client.log_param(rid, "trainer.optimizer.learning_rate", lr)
     client.log_param(rid, "task.dataset", "builtin:digits-copy")
     for i, (r, t) in enumerate(zip(rewards, iteration_s)):
         client.log_metric(rid, "reward/mean", r, step=i)
@@ -63,7 +63,7 @@ def test_compare_reports_differing_params_deltas_noise_and_plots(tmp_path, capsy
         client, exp, "2e-3", [0.1, 0.3, 0.5, 0.70, 0.72, 0.71], [10.1, 9.9, 10.0, 10.2, 9.9, 10.0]
     )
     rep = run_compare([a, b], tracking_uri=uri, out_dir=tmp_path / "cmp")
-    assert rep["differing_params"] == {"trainer.learning_rate": ["1e-3", "2e-3"]}
+    assert rep["differing_params"] == {"trainer.optimizer.learning_rate": ["1e-3", "2e-3"]}
     rows = {(m["metric"], m["run"]): m for m in rep["metrics"]}
     reward_b = rows[("reward/mean", b)]
     assert reward_b["mean"] == pytest.approx(0.71) and reward_b["delta"] == pytest.approx(
@@ -84,7 +84,11 @@ def test_compare_reports_differing_params_deltas_noise_and_plots(tmp_path, capsy
     arts = {f.path for f in client.list_artifacts(rep["mlflow_run_id"], "compare")}
     assert "compare/report.json" in arts and "compare/reward_curves.png" in arts
     out = capsys.readouterr().out
-    assert "EXCEEDS noise" in out and "within noise" in out and "trainer.learning_rate" in out
+    assert (
+        "EXCEEDS noise" in out
+        and "within noise" in out
+        and "trainer.optimizer.learning_rate" in out
+    )
 
 
 def test_compare_refuses_unknown_runs_and_a_single_run(tmp_path):

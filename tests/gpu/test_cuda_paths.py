@@ -1,4 +1,4 @@
-"""The CUDA paths, on one GPU: the trainer on `trainer.device: cuda` against the CPU trainer,
+"""The CUDA paths, on one GPU: the trainer on `trainer.parallelism.device: cuda` against the CPU trainer,
 the expert-parallel worker over NCCL (one rank: set_device, NCCL collectives on CUDA
 tensors, the save path), and a CUDA vLLM engine hot-swapped to a new version against a
 fresh load of it. Run by `tests/gpu/run.sh` on a GPU machine; skipped without CUDA.
@@ -46,17 +46,14 @@ def setup(tmp_path_factory):
     return root
 
 
-def _cfg(device: str, **trainer):
+def _cfg(device: str, **sections):
+    """Trainer sections (parallelism={...}, ...) merged over these, key by key."""
+    base = {
+        "parallelism": {"device": device, "micro_batch_tokens": 16},
+        "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 1e-3},
+    }
     return parse_config(
-        {
-            "trainer": {
-                "device": device,
-                "optimizer_steps_per_iteration": 2,
-                "learning_rate": 1e-3,
-                "micro_batch_tokens": 16,
-                **trainer,
-            }
-        }
+        {"trainer": {s: base.get(s, {}) | sections.get(s, {}) for s in base | sections}}
     )
 
 
@@ -80,7 +77,7 @@ def test_cuda_trainer_matches_cpu(setup):
 def test_ep_worker_over_nccl_one_rank(setup):
     from moerl.components.policy_update.launcher import run_expert_parallel
 
-    cfg = _cfg("cuda", launcher="torchrun")
+    cfg = _cfg("cuda", parallelism={"launcher": "torchrun"})
     m = run_expert_parallel(cfg, setup / "batch.jsonl", setup / "s0", setup / "ep1", iteration=0)
     assert m["train/steps"] == 2 and m["train/ep_size"] == 1.0
     assert (
@@ -103,7 +100,14 @@ def test_fsdp2_bf16_mixed_precision_on_nccl_memory_and_throughput(setup, capsys)
     cpu = run_policy_update(
         _cfg("cpu"), setup / "batch.jsonl", setup / "s0", setup / "fp32-cpu", iteration=0
     )
-    cfg = _cfg("cuda", launcher="torchrun", mixed_precision="bf16", activation_checkpointing=True)
+    cfg = _cfg(
+        "cuda",
+        parallelism={
+            "launcher": "torchrun",
+            "mixed_precision": "bf16",
+            "activation_checkpointing": True,
+        },
+    )
     m = run_expert_parallel(cfg, setup / "batch.jsonl", setup / "s0", setup / "bf16", iteration=0)
     assert m["train/steps"] == 2
     assert m["train/loss"] == pytest.approx(cpu["train/loss"], rel=5e-2, abs=1e-3)

@@ -138,7 +138,7 @@ def prepare(root, model: dict, samples: int, prompt: int, response: int):
 
 
 def fsdp_step(
-    root, out, device: str, model: dict, samples: int, prompt: int, response: int, **trainer
+    root, out, device: str, model: dict, samples: int, prompt: int, response: int, **sections
 ) -> dict[str, float]:
     """One policy update of the mesh trainer on `prepare`'s model and batch, written to `out`;
     its metrics plus tokens/s/GPU, MFU and the memory formula's numbers."""
@@ -148,15 +148,15 @@ def fsdp_step(
 
     t = TinyMoeConfig(**model)
     state = root / "s0"
+    base = {
+        "parallelism": {"device": device, "launcher": "torchrun", "mixed_precision": "bf16"},
+        "optimizer": {"learning_rate": 1e-5, "optimizer_steps_per_iteration": 2},
+    }
     cfg = parse_config(
         {
             "model": {"tiny": model},
-            "trainer": {
-                "device": device,
-                "launcher": "torchrun",
-                "mixed_precision": "bf16",
-                "learning_rate": 1e-5,
-                **{"optimizer_steps_per_iteration": 2, **trainer},
+            "trainer": {  # `sections` merged over these, key by key
+                s: base.get(s, {}) | sections.get(s, {}) for s in base | sections
             },
         }
     )
@@ -170,9 +170,11 @@ def fsdp_step(
     h, k, width, L = t.hidden_size, t.experts_per_token, t.moe_intermediate_size, t.num_layers
     per_layer = 2 * (8 * h + k * (2 * h + 3 * width))
     act_per_token = (
-        (L * 2 * h + per_layer) if cfg.trainer.activation_checkpointing else L * per_layer
+        (L * 2 * h + per_layer)
+        if cfg.trainer.parallelism.activation_checkpointing
+        else L * per_layer
     )
-    micro = cfg.trainer.micro_batch_tokens or tokens
+    micro = cfg.trainer.parallelism.micro_batch_tokens or tokens
     return {
         **m,
         "params": params,
@@ -222,9 +224,8 @@ def test_fsdp2_ep_step_tokens_per_gpu_mfu_and_memory(scale_state, tmp_path, ac):
         samples,
         prompt,
         response,
-        activation_checkpointing=ac,
-        micro_batch_tokens=16384,
-        optimizer_steps_per_iteration=STEPS,
+        parallelism={"activation_checkpointing": ac, "micro_batch_tokens": 16384},
+        optimizer={"optimizer_steps_per_iteration": STEPS},
     )
     print(
         f"\nfsdp2+ep bf16 one H200, {r['params'] / 1e9:.2f} B params ({r['active_params'] / 1e9:.3f} B active), "
@@ -265,7 +266,7 @@ def _batch_file(root, n=16, vocab=64):
 def test_deepseek_v3_on_nccl_bf16_with_its_router_bias(tmp_path):
     """DeepSeek-V3 (MLA, shared experts, sigmoid router with grouped top-k) on the mesh over NCCL
     with bf16 mixed precision: the loss is the float32 CPU trainer's within bf16 precision, and
-    trainer.router_bias_update_rate moves the bias by whole rates as on the CPU."""
+    trainer.moe.router_bias_update_rate moves the bias by whole rates as on the CPU."""
     from safetensors.torch import load_file
 
     from moerl.components.policy_update.trainer import run_policy_update
@@ -281,11 +282,9 @@ def test_deepseek_v3_on_nccl_bf16_with_its_router_bias(tmp_path):
         cfg = parse_config(
             {
                 "trainer": {
-                    "device": dev,
-                    "optimizer_steps_per_iteration": 2,
-                    "learning_rate": 1e-3,
-                    "router_bias_update_rate": 0.01,
-                    **extra,
+                    "parallelism": {"device": dev, **extra},
+                    "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 1e-3},
+                    "moe": {"router_bias_update_rate": 0.01},
                 }
             }
         )
@@ -318,16 +317,22 @@ def test_a_single_process_version_continues_on_the_cuda_mesh(tmp_path):
     build_tiny_model(parse_config({}).model.tiny, tmp_path / "s0")
     batch = _batch_file(tmp_path, vocab=27)
     single = parse_config(
-        {"trainer": {"device": "cuda", "optimizer_steps_per_iteration": 2, "learning_rate": 1e-3}}
+        {
+            "trainer": {
+                "parallelism": {"device": "cuda"},
+                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 1e-3},
+            }
+        }
     )
     mesh = parse_config(
         {
             "trainer": {
-                "device": "cuda",
-                "optimizer_steps_per_iteration": 2,
-                "learning_rate": 1e-3,
-                "launcher": "torchrun",
-                "mixed_precision": "bf16",
+                "parallelism": {
+                    "device": "cuda",
+                    "launcher": "torchrun",
+                    "mixed_precision": "bf16",
+                },
+                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 1e-3},
             }
         }
     )

@@ -202,7 +202,7 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(
                 "endpoint_url": s3_server.endpoint_url,
                 "region": "us-east-1",
             },
-            "trainer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.01},
+            "trainer": {"optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.01}},
             "cluster": {
                 "scratch_dir": str(tmp_path / "scratch"),
                 "launch": {"mode": "kubernetes", "namespace": NS, "poll_s": 0.2},
@@ -255,11 +255,12 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
                 "region": "us-east-1",
             },
             "trainer": {
-                "optimizer_steps_per_iteration": 2,
-                "learning_rate": 0.01,
-                "launcher": "torchrun",
-                "expert_parallel_size": 2,
-                "data_parallel_shard": 2,
+                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.01},
+                "parallelism": {
+                    "launcher": "torchrun",
+                    "expert_parallel_size": 2,
+                    "data_parallel_shard": 2,
+                },
             },
             "cluster": {
                 "scratch_dir": str(tmp_path / "scratch"),
@@ -297,7 +298,11 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
     other = cfg.model_copy(
         update={
             "trainer": cfg.trainer.model_copy(
-                update={"data_parallel_shard": 1, "expert_parallel_size": 4}
+                update={
+                    "parallelism": cfg.trainer.parallelism.model_copy(
+                        update={"data_parallel_shard": 1, "expert_parallel_size": 4}
+                    )
+                }
             )
         }
     )

@@ -48,7 +48,7 @@ def _config(tmp: Path, *overrides: str):
         "pipeline.versions=3",
         "task.prompts_per_iteration=8",
         "rollout.samples_per_prompt=4",
-        "trainer.optimizer_steps_per_iteration=2",
+        "trainer.optimizer.optimizer_steps_per_iteration=2",
         "units.max_prompts=2",
         "units.visibility_timeout_s=4",
         "buffer.max_staleness=1",

@@ -40,7 +40,7 @@ PREFIX = "team-a"
 # the learning run's run form (pipelines/params.py): a typed field, an override, the run's name
 OK_PARAMS = {
     "learning_rate": 2e-3,
-    "overrides": ["trainer.clip_eps_high=3.0"],
+    "overrides": ["trainer.loss.clip_eps_high=3.0"],
     "run_name": "cluster-ok",
 }
 
@@ -52,9 +52,8 @@ def _cluster_cfg(s3, url: str, **over):
         "task": {"prompts_per_iteration": 512},
         "rollout": {"samples_per_prompt": 8, "max_new_tokens": 6},
         "trainer": {
-            "optimizer_steps_per_iteration": 64,
-            "learning_rate": 2e-3,
-            "clip_eps_high": 3.0,
+            "optimizer": {"optimizer_steps_per_iteration": 64, "learning_rate": 2e-3},
+            "loss": {"clip_eps_high": 3.0},
         },
         "checkpoint": {
             "uri": f"s3://{BUCKET}/{PREFIX}",
@@ -152,7 +151,7 @@ def cluster_run(s3_server, tmp_path_factory):
                 url,
                 checkpoint=cache_tier,
                 tracking=REGISTRY,
-                trainer={"learning_rate": 1e-4, "clip_eps_high": 0.28},
+                trainer={"optimizer": {"learning_rate": 1e-4}, "loss": {"clip_eps_high": 0.28}},
             )
             ok_err = _run_sandboxed(ok_cfg, ok_root, secrets, **OK_PARAMS)
         finally:
@@ -323,12 +322,15 @@ def test_the_second_run_warm_started_from_the_first_runs_final_checkpoint(cluste
 def test_the_run_forms_parameters_and_overrides_are_what_the_run_ran(cluster_run):
     _, ok, _ = _runs(cluster_run["url"])
     params = ok.data.params
-    assert params["trainer.learning_rate"] == "0.002" and params["trainer.clip_eps_high"] == "3.0"
+    assert (
+        params["trainer.optimizer.learning_rate"] == "0.002"
+        and params["trainer.loss.clip_eps_high"] == "3.0"
+    )
     assert ok.info.run_name == "cluster-ok"
     changed = json.loads(ok.data.tags["moerl.run_parameters"])
     assert changed == {
-        "trainer.learning_rate": "0.002",
-        "trainer.clip_eps_high": "3.0",
+        "trainer.optimizer.learning_rate": "0.002",
+        "trainer.loss.clip_eps_high": "3.0",
         "tracking.run_name": "cluster-ok",
     }
 
@@ -344,7 +346,7 @@ def test_a_bad_run_parameter_fails_the_first_task_naming_the_key_and_publishes_n
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FAILED"
     assert run.data.tags["moerl.error"].startswith(
-        "run parameters: invalid config: trainer.learning_rate: "
+        "run parameters: invalid config: trainer.optimizer.learning_rate: "
     )
     assert "\n" not in run.data.tags["moerl.error"]  # one line, as the CLI prints it
     assert _store(cluster_run, run.info.run_id).versions() == []  # nothing published

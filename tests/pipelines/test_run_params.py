@@ -75,7 +75,7 @@ def test_every_compiled_pipeline_shows_the_typed_run_form_with_the_configs_defau
         {
             "pipeline": {"kind": kind, "mode": mode, "iterations": 1, "versions": 7},
             "valkey": {"url": VALKEY},
-            "trainer": {"learning_rate": 3e-4},
+            "trainer": {"optimizer": {"learning_rate": 3e-4}},
             "reward_model": {"epochs": 5, "learning_rate": 1e-3},
             "rollout": {"workers": 3},
             "reward": {"scorers": 2},
@@ -139,7 +139,11 @@ def test_fields_set_their_keys_and_overrides_come_after():
             "reward_model": "",
             "prompts_per_iteration": 16,
         },
-        ["trainer.clip_eps_high=0.3", "trainer.learning_rate=5e-4", "rollout.temperature=0.7"],
+        [
+            "trainer.loss.clip_eps_high=0.3",
+            "trainer.optimizer.learning_rate=5e-4",
+            "rollout.temperature=0.7",
+        ],
     )
     assert cfg.pipeline.versions == 9 and cfg.rollout.workers == 5 and cfg.reward.scorers == 3
     assert cfg.task.dataset == "builtin:digits-reverse" and cfg.rollout.samples_per_prompt == 4
@@ -150,8 +154,8 @@ def test_fields_set_their_keys_and_overrides_come_after():
     assert (
         cfg.model.path is None and cfg.reward.model is None and cfg.task.prompts_per_iteration == 16
     )
-    assert cfg.trainer.clip_eps_high == 0.3 and cfg.rollout.temperature == 0.7
-    assert cfg.trainer.learning_rate == 5e-4  # the override wins over the field
+    assert cfg.trainer.loss.clip_eps_high == 0.3 and cfg.rollout.temperature == 0.7
+    assert cfg.trainer.optimizer.learning_rate == 5e-4  # the override wins over the field
     # the defaults change nothing
     assert merge(base, defaults(base), []) == base
 
@@ -171,8 +175,12 @@ def test_the_reward_model_field_sets_the_registered_model_and_keeps_its_settings
 @pytest.mark.parametrize(
     "values,overrides,names",
     [
-        ({"learning_rate": -1.0}, [], "trainer.learning_rate"),
-        ({"learning_rate": "fast"}, [], "learning_rate (trainer.learning_rate): expected float"),
+        ({"learning_rate": -1.0}, [], "trainer.optimizer.learning_rate"),
+        (
+            {"learning_rate": "fast"},
+            [],
+            "learning_rate (trainer.optimizer.learning_rate): expected float",
+        ),
         ({"samples_per_prompt": 1}, [], "rollout.samples_per_prompt"),
         ({"warm_start": "latest"}, [], "model.warm_start"),
         (
@@ -183,8 +191,8 @@ def test_the_reward_model_field_sets_the_registered_model_and_keeps_its_settings
         ({}, ["trainer.nope=1"], "trainer.nope: unknown key"),
         (
             {},
-            ["trainer.learning_rate"],
-            "overrides: 'trainer.learning_rate': expected dotted.key=value",
+            ["trainer.optimizer.learning_rate"],
+            "overrides: 'trainer.optimizer.learning_rate': expected dotted.key=value",
         ),
         ({}, ["pipeline.iterations=3"], "pipeline.iterations cannot change per run"),
         (
@@ -255,7 +263,7 @@ def test_start_run_refuses_a_bad_form_before_any_work_and_records_it(tmp_path, c
     assert info.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moerl:")]
     assert err == [
-        "moerl: error: run parameters: invalid config: trainer.learning_rate: Input should be less than or "
+        "moerl: error: run parameters: invalid config: trainer.optimizer.learning_rate: Input should be less than or "
         "equal to 1"
     ]
     client = MlflowClient(uri)
@@ -276,15 +284,15 @@ def test_start_run_refuses_a_bad_form_before_any_work_and_records_it(tmp_path, c
         overrides=["rollout.temperature=0.5"],
     )
     merged = parse_config(json.loads(out.config_json))
-    assert merged.trainer.learning_rate == 1e-3 and merged.rollout.temperature == 0.5
+    assert merged.trainer.optimizer.learning_rate == 1e-3 and merged.rollout.temperature == 0.5
     assert out.worker_slots == list(range(merged.rollout.workers))
     run = client.get_run(out.run_id)
     assert (
-        run.data.params["trainer.learning_rate"] == "0.001"
+        run.data.params["trainer.optimizer.learning_rate"] == "0.001"
         and run.data.params["rollout.samples_per_prompt"] == "4"
     )
     assert json.loads(run.data.tags["moerl.run_parameters"]) == {
-        "trainer.learning_rate": "0.001",
+        "trainer.optimizer.learning_rate": "0.001",
         "rollout.samples_per_prompt": "4",
         "rollout.temperature": "0.5",
     }

@@ -21,7 +21,7 @@ def _cfg(**trainer):
     return parse_config(
         {
             "rollout": {"return_routed_experts": True, "max_new_tokens": 10, "temperature": 1.0},
-            "trainer": {"optimizer_steps_per_iteration": 1, **trainer},
+            "trainer": {"optimizer": {"optimizer_steps_per_iteration": 1}, **trainer},
         }
     )
 
@@ -141,7 +141,7 @@ def test_a_perturbed_engine_router_disagrees_and_r3_restores_it(engine, tmp_path
         torch.optim.SGD(model.parameters(), lr=0.0),
         Counters(),
         batch,
-        _cfg(router_replay="R3"),
+        _cfg(moe={"router_replay": "R3"}),
         seed=0,
     )
     assert r3["moe/replay_replaced_fraction"] > 0 and r3["moe/replay_forced_fraction"] > 0.8

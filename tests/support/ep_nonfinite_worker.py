@@ -27,9 +27,11 @@ def rank_main(rank, world, model_path, batch_path, out_dir):
         cfg = parse_config(
             {
                 "trainer": {
-                    "optimizer_steps_per_iteration": 4,
-                    "expert_parallel_size": world,
-                    "max_consecutive_skipped_steps": 3,
+                    "optimizer": {
+                        "optimizer_steps_per_iteration": 4,
+                        "max_consecutive_skipped_steps": 3,
+                    },
+                    "parallelism": {"expert_parallel_size": world},
                 }
             }
         )

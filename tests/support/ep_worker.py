@@ -141,7 +141,7 @@ def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
         from moerl.components.policy_update.ep_train import apply_fsdp, setup
         from moerl.config import parse_config
 
-        cfg = parse_config({"trainer": {"expert_parallel_size": world}})
+        cfg = parse_config({"trainer": {"parallelism": {"expert_parallel_size": world}}})
         model, _, _, blocks, layout, _, mesh = setup(
             cfg, Path(model_path), shard=False
         )  # what the loader holds

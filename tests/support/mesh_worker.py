@@ -33,7 +33,16 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
         from tests.support import ep_worker
 
         cfg = parse_config(
-            {"trainer": {"expert_parallel_size": ep, "data_parallel_shard": dp, **(trainer or {})}}
+            {
+                "trainer": {
+                    # `trainer`: more parallelism keys (activation_checkpointing, ...)
+                    "parallelism": {
+                        "expert_parallel_size": ep,
+                        "data_parallel_shard": dp,
+                        **(trainer or {}),
+                    },
+                }
+            }
         )
         model, opt, _, blocks, _, _, mesh = setup(cfg, Path(model_path))
         ep_group = mesh.get_group("ep")
@@ -47,7 +56,7 @@ def mesh_rank(rank, world, dp, ep, model_path, out_dir, trainer=None):
             packed,
             mine,
             n_tokens=float(packed.mask_NL1.sum()),
-            chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+            chunk_tokens=cfg.trainer.parallelism.logprob_chunk_tokens,
         )
         total = loss.detach().clone()
         dist.all_reduce(total)

@@ -9,5 +9,5 @@ CONFIG = ROOT / "configs/tiny-moe-grpo.yaml"
 SMALL = [
     "task.prompts_per_iteration=8",
     "rollout.samples_per_prompt=4",
-    "trainer.optimizer_steps_per_iteration=2",
+    "trainer.optimizer.optimizer_steps_per_iteration=2",
 ]

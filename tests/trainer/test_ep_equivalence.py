@@ -14,18 +14,18 @@ from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
 
 
-def _cfg(ep: int, **trainer):
+def _cfg(ep: int, **sections):
+    """Trainer sections (moe={...}, ...) merged over these, key by key."""
+    base = {
+        "optimizer": {
+            "optimizer_steps_per_iteration": 4,
+            "learning_rate": 0.003,
+            "max_grad_norm": 0.05,
+        },
+        "parallelism": {"micro_batch_tokens": 12, "expert_parallel_size": ep},
+    }
     return parse_config(
-        {
-            "trainer": {
-                "optimizer_steps_per_iteration": 4,
-                "learning_rate": 0.003,
-                "max_grad_norm": 0.05,
-                "micro_batch_tokens": 12,
-                "expert_parallel_size": ep,
-                **trainer,
-            }
-        }
+        {"trainer": {s: base.get(s, {}) | sections.get(s, {}) for s in base | sections}}
     )
 
 
@@ -174,14 +174,16 @@ def _routed_batch(root):
 @pytest.mark.parametrize(
     "variant",
     [
-        {"router_replay": "R3"},
+        {"moe": {"router_replay": "R3"}},
         {
-            "router_replay": "R2",
-            "policy_loss": "gspo",
-            "tis_mode": "sequence_mask",
-            "tis_cap": 3.0,
-            "rollout_rs": "geometric",
-            "rollout_rs_threshold": 1.5,
+            "moe": {"router_replay": "R2"},
+            "loss": {"policy_loss": "gspo"},
+            "correction": {
+                "tis_mode": "sequence_mask",
+                "tis_cap": 3.0,
+                "rollout_rs": "geometric",
+                "rollout_rs_threshold": 1.5,
+            },
         },
     ],
 )
@@ -196,11 +198,12 @@ def test_ep2_replays_routes_and_measures_the_mismatch_like_ep1(tmp_path, variant
         cfg = parse_config(
             {
                 "trainer": {
-                    "optimizer_steps_per_iteration": 4,
-                    "learning_rate": 0.003,
-                    "max_grad_norm": 0.05,
-                    "micro_batch_tokens": 12,
-                    "expert_parallel_size": ep,
+                    "optimizer": {
+                        "optimizer_steps_per_iteration": 4,
+                        "learning_rate": 0.003,
+                        "max_grad_norm": 0.05,
+                    },
+                    "parallelism": {"micro_batch_tokens": 12, "expert_parallel_size": ep},
                     **variant,
                 },
                 "rollout": {"return_routed_experts": True},

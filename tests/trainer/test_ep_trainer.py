@@ -145,6 +145,6 @@ def test_the_softmax_aux_loss_is_refused_for_a_sigmoid_router():
     )
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(cfg)
-    with pytest.raises(ValueError, match="trainer.aux_loss_coef > 0: .* sigmoid router"):
+    with pytest.raises(ValueError, match="trainer.moe.aux_loss_coef > 0: .* sigmoid router"):
         parallelize_experts(model, make_dispatcher("local", num_experts=4), aux_loss_coef=0.01)
     assert parallelize_experts(model, make_dispatcher("local", num_experts=4))  # without it: fine

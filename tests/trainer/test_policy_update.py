@@ -17,7 +17,9 @@ from moerl.errors import TrainingError
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
 
-CFG = parse_config({"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}})
+CFG = parse_config(
+    {"trainer": {"optimizer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}}}
+)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,10 @@ def test_model_path_takes_a_local_mixtral_checkpoint(tmp_path):
         parse_config({"model": {"tiny": {"architecture": "mixtral"}}}).model.tiny, tmp_path / "mx"
     )
     cfg = parse_config(
-        {"model": {"path": str(src)}, "trainer": {"optimizer_steps_per_iteration": 2}}
+        {
+            "model": {"path": str(src)},
+            "trainer": {"optimizer": {"optimizer_steps_per_iteration": 2}},
+        }
     )
     prepare_initial(cfg, tmp_path / "s0")
     assert (tmp_path / "s0" / "config.json").read_text() == (src / "config.json").read_text()
@@ -169,7 +174,7 @@ def test_model_path_that_is_not_a_moe_checkpoint_names_the_field(tmp_path):
 
 
 def test_expert_parallel_ranks_that_fail_give_one_clear_error(state0, tmp_path):
-    cfg = parse_config({"trainer": {"expert_parallel_size": 2}})
+    cfg = parse_config({"trainer": {"parallelism": {"expert_parallel_size": 2}}})
     with pytest.raises(
         TrainingError,
         match=r"sharded training \(local, 2 ranks: mesh dp 1 x ep 2, all_to_all\) exited with",

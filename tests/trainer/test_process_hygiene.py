@@ -61,7 +61,7 @@ def blocked_task(state0, tmp_path):
 
     def start(launcher: str):
         os.mkfifo(tmp_path / "batch.jsonl")
-        cfg = {"trainer": {"expert_parallel_size": 2, "launcher": launcher}}
+        cfg = {"trainer": {"parallelism": {"expert_parallel_size": 2, "launcher": launcher}}}
         arg = json.dumps(
             {
                 "cfg": cfg,
@@ -116,7 +116,7 @@ def test_ranks_past_the_timeout_are_killed_with_a_clear_error(state0, tmp_path):
     from moerl.errors import TrainingError
 
     os.mkfifo(tmp_path / "batch.jsonl")
-    cfg = parse_config({"trainer": {"expert_parallel_size": 2}})
+    cfg = parse_config({"trainer": {"parallelism": {"expert_parallel_size": 2}}})
     t0 = time.monotonic()
     with pytest.raises(
         TrainingError,

@@ -259,9 +259,8 @@ def test_train_on_batch_with_replay_reports_agreement_and_mismatch(mode, tmp_pat
         {
             "rollout": {"return_routed_experts": True},
             "trainer": {
-                "router_replay": mode,
-                "optimizer_steps_per_iteration": 2,
-                "learning_rate": 1e-3,
+                "moe": {"router_replay": mode},
+                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 1e-3},
             },
         }
     )
@@ -278,7 +277,7 @@ def test_train_on_batch_with_replay_reports_agreement_and_mismatch(mode, tmp_pat
             torch.optim.AdamW(trainer.parameters()),
             Counters(),
             batch,
-            parse_config({"trainer": {"optimizer_steps_per_iteration": 1}}),
+            parse_config({"trainer": {"optimizer": {"optimizer_steps_per_iteration": 1}}}),
             seed=0,
         )
         assert m["rollout_corr/log_ratio_abs_mean"] < live["rollout_corr/log_ratio_abs_mean"]
@@ -291,4 +290,4 @@ def test_r3_needs_the_engines_routes():
     from moerl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.return_routed_experts"):
-        parse_config({"trainer": {"router_replay": "R3"}})
+        parse_config({"trainer": {"moe": {"router_replay": "R3"}}})

@@ -107,11 +107,12 @@ def _cfg(dp: int, ep: int):
     return parse_config(
         {
             "trainer": {
-                "optimizer_steps_per_iteration": 2,
-                "learning_rate": 0.003,
-                "micro_batch_tokens": 24,
-                "expert_parallel_size": ep,
-                "data_parallel_shard": dp,
+                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
+                "parallelism": {
+                    "micro_batch_tokens": 24,
+                    "expert_parallel_size": ep,
+                    "data_parallel_shard": dp,
+                },
             }
         }
     )
@@ -217,7 +218,7 @@ def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(t
 
 
 def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_path):
-    """trainer.router_bias_update_rate on DeepSeek-V3 (sigmoid router with bias correction): two
+    """trainer.moe.router_bias_update_rate on DeepSeek-V3 (sigmoid router with bias correction): two
     steps move every expert's bias by a whole number of rates, against its load, and the mesh
     (2, 2), whose ranks each route their own tokens, moves it as the single process does: the
     loads are summed over the ranks before the sign is taken."""
@@ -231,7 +232,13 @@ def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_pat
     for name, (dp, ep) in (("single", (1, 1)), ("mesh", (2, 2))):
         cfg = _cfg(dp, ep)
         cfg = cfg.model_copy(
-            update={"trainer": cfg.trainer.model_copy(update={"router_bias_update_rate": 0.01})}
+            update={
+                "trainer": cfg.trainer.model_copy(
+                    update={
+                        "moe": cfg.trainer.moe.model_copy(update={"router_bias_update_rate": 0.01})
+                    }
+                )
+            }
         )
         m = run_policy_update(cfg, tmp_path / "batch.jsonl", path, tmp_path / name, iteration=0)
         assert m["train/steps"] == 2 and m["moe/router_max_load_ratio"] >= 1.0

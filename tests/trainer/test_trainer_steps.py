@@ -16,9 +16,11 @@ from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample
 
 
-def _cfg(**trainer):
+def _cfg(**sections):
+    """Trainer sections (optimizer={...}, ...) merged over these, key by key."""
+    base = {"optimizer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}}
     return parse_config(
-        {"trainer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01, **trainer}}
+        {"trainer": {s: base.get(s, {}) | sections.get(s, {}) for s in base | sections}}
     )
 
 
@@ -49,7 +51,7 @@ def _batch(n=16):
 
 
 def test_nan_gradient_with_finite_loss_skips_the_step(state0):
-    cfg = _cfg(max_consecutive_skipped_steps=10)
+    cfg = _cfg(optimizer={"max_consecutive_skipped_steps": 10})
     model, opt, ctr = _load_state(state0, cfg)
     before = [p.detach().clone() for p in model.parameters()]
     # a real backward that yields a NaN gradient in one parameter while the loss stays finite
@@ -64,7 +66,7 @@ def test_nan_gradient_with_finite_loss_skips_the_step(state0):
 
 
 def test_consecutive_nan_gradients_fail_the_run(state0):
-    cfg = _cfg(max_consecutive_skipped_steps=2)
+    cfg = _cfg(optimizer={"max_consecutive_skipped_steps": 2})
     model, opt, ctr = _load_state(state0, cfg)
     next(model.parameters()).register_hook(lambda g: g * float("inf"))
     with pytest.raises(
@@ -82,7 +84,9 @@ def test_micro_batches_equal_the_unchunked_step(state0):
         0,
         16,
     ):  # 16 positions = 1-2 rows per micro-batch here, vs the whole minibatch at once
-        cfg = _cfg(micro_batch_tokens=mbt, optimizer_steps_per_iteration=1)
+        cfg = _cfg(
+            parallelism={"micro_batch_tokens": mbt}, optimizer={"optimizer_steps_per_iteration": 1}
+        )
         model, opt, ctr = _load_state(state0, cfg)
         metrics = train_on_batch(model, opt, ctr, _batch(), cfg, seed=3)
         runs[mbt] = (metrics, {n: p.grad.clone() for n, p in model.named_parameters()})
@@ -100,7 +104,7 @@ def test_micro_batches_equal_the_unchunked_step(state0):
     for name, g in g0.items():
         assert torch.allclose(g1[name], g, rtol=1e-4, atol=1e-7), name
     # over several steps the trajectories stay together
-    cfgs = [_cfg(micro_batch_tokens=mbt) for mbt in (0, 16)]
+    cfgs = [_cfg(parallelism={"micro_batch_tokens": mbt}) for mbt in (0, 16)]
     ms = []
     for cfg in cfgs:
         model, opt, ctr = _load_state(state0, cfg)
@@ -127,7 +131,10 @@ def test_minibatch_count_is_exact(n, steps, world, expected):
 def test_aux_loss_is_applied_and_logged_without_expert_parallelism(state0):
     grads = {}
     for coef in (0.0, 0.5):
-        cfg = _cfg(aux_loss_coef=coef, optimizer_steps_per_iteration=1, max_grad_norm=1e9)
+        cfg = _cfg(
+            moe={"aux_loss_coef": coef},
+            optimizer={"optimizer_steps_per_iteration": 1, "max_grad_norm": 1e9},
+        )
         model, opt, ctr = _load_state(state0, cfg)
         gate = sparse_blocks(model)[0][2].gate
         metrics = train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
@@ -143,8 +150,8 @@ def test_aux_loss_is_applied_and_logged_without_expert_parallelism(state0):
 def test_no_tensor_is_created_on_the_default_device(state0):
     """With torch's default device set to `meta`, any tensor created without an explicit device=
     would land on meta and meet the CPU model: the step only runs if every tensor is placed
-    explicitly on the model's device (what trainer.device: cuda needs)."""
-    cfg = _cfg(micro_batch_tokens=16, aux_loss_coef=0.1)
+    explicitly on the model's device (what trainer.parallelism.device: cuda needs)."""
+    cfg = _cfg(parallelism={"micro_batch_tokens": 16}, moe={"aux_loss_coef": 0.1})
     model, opt, ctr = _load_state(state0, cfg)
     batch = _batch()
     torch.set_default_device("meta")
@@ -157,7 +164,10 @@ def test_no_tensor_is_created_on_the_default_device(state0):
 
 def test_truncated_sampling_trains_with_finite_statistics(state0):
     cfg = parse_config(
-        {"trainer": {"optimizer_steps_per_iteration": 2}, "rollout": {"top_k": 5, "top_p": 0.9}}
+        {
+            "trainer": {"optimizer": {"optimizer_steps_per_iteration": 2}},
+            "rollout": {"top_k": 5, "top_p": 0.9},
+        }
     )
     model, opt, ctr = _load_state(state0, cfg)
     m = train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
@@ -167,7 +177,7 @@ def test_truncated_sampling_trains_with_finite_statistics(state0):
 
 @pytest.mark.parametrize("rollout", [{}, {"top_k": 5, "top_p": 0.9, "temperature": 0.7}])
 def test_the_chunked_logprob_equals_the_whole_projection_and_bounds_the_logits(state0, rollout):
-    """trainer.logprob_chunk_tokens: the same metrics and gradients as the whole-vocabulary
+    """trainer.parallelism.logprob_chunk_tokens: the same metrics and gradients as the whole-vocabulary
     projection (truncated sampling included), while no logits tensor larger than the chunk is
     ever made, in the forward or the backward."""
     from moerl.components.policy_update import steps
@@ -178,9 +188,8 @@ def test_the_chunked_logprob_equals_the_whole_projection_and_bounds_the_logits(s
             {
                 "rollout": rollout,
                 "trainer": {
-                    "optimizer_steps_per_iteration": 1,
-                    "learning_rate": 0.01,
-                    "logprob_chunk_tokens": chunk,
+                    "optimizer": {"optimizer_steps_per_iteration": 1, "learning_rate": 0.01},
+                    "parallelism": {"logprob_chunk_tokens": chunk},
                 },
             }
         )

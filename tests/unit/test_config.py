@@ -33,9 +33,9 @@ def test_default_config_loads_and_matches_the_documented_values():
 
 def test_unknown_key_names_the_key_and_the_allowed_keys():
     with pytest.raises(ConfigError) as e:
-        parse_config({"trainer": {"learning_rat": 0.1}})
+        parse_config({"trainer": {"optimizer": {"learning_rat": 0.1}}})
     msg = str(e.value)
-    assert "trainer.learning_rat: unknown key" in msg
+    assert "trainer.optimizer.learning_rat: unknown key" in msg
     assert "learning_rate" in msg  # the allowed keys are listed
 
 
@@ -78,7 +78,7 @@ def test_cross_field_checks():
 @pytest.mark.parametrize(
     "body, needle",
     [
-        ("trainer:\n  learning_rate: -1\n", "trainer.learning_rate"),
+        ("trainer:\n  optimizer:\n    learning_rate: -1\n", "trainer.optimizer.learning_rate"),
         ("rollout:\n  samples_per_prompt: 1\n", "rollout.samples_per_prompt"),
         ("pipeline:\n  iterations: zero\n", "pipeline.iterations"),
         ("bogus: 1\n", "bogus: unknown key"),
@@ -105,18 +105,20 @@ def test_missing_config_file_exits_2(tmp_path):
 
 def test_config_show_prints_resolved_defaults(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("trainer:\n  learning_rate: 0.01\n")
+    cfg.write_text("trainer:\n  optimizer:\n    learning_rate: 0.01\n")
     r = moerl("config", "show", str(cfg))
     assert r.returncode == 0, r.stderr
     shown = yaml.safe_load(r.stdout)
-    assert shown["trainer"]["learning_rate"] == 0.01
-    assert shown["trainer"]["clip_eps_low"] == 0.2  # a default, printed
-    assert parse_config(shown) == parse_config({"trainer": {"learning_rate": 0.01}})
+    assert shown["trainer"]["optimizer"]["learning_rate"] == 0.01
+    assert shown["trainer"]["loss"]["clip_eps_low"] == 0.2  # a default, printed
+    assert parse_config(shown) == parse_config({"trainer": {"optimizer": {"learning_rate": 0.01}}})
 
 
 def test_flatten_gives_dotted_params():
     flat = flatten(parse_config({}))
-    assert flat["trainer.learning_rate"] == str(parse_config({}).trainer.learning_rate)
+    assert flat["trainer.optimizer.learning_rate"] == str(
+        parse_config({}).trainer.optimizer.learning_rate
+    )
     assert flat["model.path"] == ""
     assert "model.tiny.num_experts" in flat
 
@@ -127,13 +129,16 @@ def test_set_overrides_are_validated_like_the_file(tmp_path):
         "show",
         str(DEFAULT),
         "--set",
-        "trainer.expert_parallel_size=2",
+        "trainer.parallelism.expert_parallel_size=2",
         "--set",
         "pipeline.iterations=3",
     )
     assert r.returncode == 0, r.stderr
     shown = yaml.safe_load(r.stdout)
-    assert shown["trainer"]["expert_parallel_size"] == 2 and shown["pipeline"]["iterations"] == 3
+    assert (
+        shown["trainer"]["parallelism"]["expert_parallel_size"] == 2
+        and shown["pipeline"]["iterations"] == 3
+    )
     r = moerl("config", "show", str(DEFAULT), "--set", "trainer.expert_paralel_size=2")
     assert r.returncode == 2 and "trainer.expert_paralel_size: unknown key" in r.stderr
     r = moerl("config", "show", str(DEFAULT), "--set", "nonsense")
@@ -146,8 +151,10 @@ def test_infinite_values_are_refused():
     from moerl.config import parse_config
     from moerl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="trainer.tis_cap: Input should be a finite number"):
-        parse_config({"trainer": {"tis_cap": float("inf")}})
+    with pytest.raises(
+        ConfigError, match="trainer.correction.tis_cap: Input should be a finite number"
+    ):
+        parse_config({"trainer": {"correction": {"tis_cap": float("inf")}}})
     with pytest.raises(ConfigError, match="buffer.advantage_eps"):
         parse_config({"buffer": {"advantage_eps": float("nan")}})
 
@@ -158,21 +165,28 @@ def test_deepep_options_are_checked_at_load():
 
     gpu = {"ep_backend": "deepep", "device": "cuda"}
     cfg = parse_config(
-        {"trainer": gpu | {"deepep_options": {"api": "v2", "num_max_tokens_per_rank": 8192}}}
+        {
+            "trainer": {
+                "parallelism": gpu
+                | {"deepep_options": {"api": "v2", "num_max_tokens_per_rank": 8192}}
+            }
+        }
     )
-    assert cfg.trainer.deepep_options == {"api": "v2", "num_max_tokens_per_rank": 8192}
+    assert cfg.trainer.parallelism.deepep_options == {"api": "v2", "num_max_tokens_per_rank": 8192}
     with pytest.raises(
         ConfigError, match=r"deepep_options: api: Input should be 'auto', 'v1' or 'v2'"
     ):
-        parse_config({"trainer": gpu | {"deepep_options": {"api": "v3"}}})
+        parse_config({"trainer": {"parallelism": gpu | {"deepep_options": {"api": "v3"}}}})
     with pytest.raises(
         ConfigError, match="deepep_options: num_max_token_per_rank: Extra inputs are not permitted"
     ):
-        parse_config({"trainer": gpu | {"deepep_options": {"num_max_token_per_rank": 1}}})
+        parse_config(
+            {"trainer": {"parallelism": gpu | {"deepep_options": {"num_max_token_per_rank": 1}}}}
+        )
     with pytest.raises(
         ConfigError, match="deepep_options is for ep_backend deepep; ep_backend is all_to_all"
     ):
-        parse_config({"trainer": {"deepep_options": {"api": "v2"}}})
+        parse_config({"trainer": {"parallelism": {"deepep_options": {"api": "v2"}}}})
 
 
 @pytest.mark.parametrize(
@@ -217,16 +231,22 @@ def test_the_cache_tier_is_off_by_default_and_embedded_is_allowed_locally():
     "data,match",
     [
         (
-            {"trainer": {"policy_loss": "gspo", "clip_ratio_c": 3.0}},
+            {"trainer": {"loss": {"policy_loss": "gspo", "clip_ratio_c": 3.0}}},
             "clip_ratio_c .dual clip. is a token-level PPO bound",
         ),
         (
-            {"trainer": {"tis_mask_low": 0.5}},
+            {"trainer": {"correction": {"tis_mask_low": 0.5}}},
             "tis_mask_low masks the lower tail in tis_mode token_mask or sequence_mask",
         ),
-        ({"trainer": {"tis_mode": "tokens"}}, "trainer.tis_mode: .*token_truncate"),
-        ({"trainer": {"router_replay": "R4"}}, "trainer.router_replay: .*R3"),
-        ({"trainer": {"rollout_rs_threshold": 1.0}}, "trainer.rollout_rs_threshold"),
+        (
+            {"trainer": {"correction": {"tis_mode": "tokens"}}},
+            "trainer.correction.tis_mode: .*token_truncate",
+        ),
+        ({"trainer": {"moe": {"router_replay": "R4"}}}, "trainer.moe.router_replay: .*R3"),
+        (
+            {"trainer": {"correction": {"rollout_rs_threshold": 1.0}}},
+            "trainer.correction.rollout_rs_threshold",
+        ),
         (
             {"rollout": {"return_routed_experts": True, "engine_in_process": False}},
             "return_routed_experts on CPU .* needs engine_in_process true and enforce_eager true",
@@ -244,16 +264,23 @@ def test_mismatch_keys_refuse_bad_values_naming_the_key(data, match):
 
 def test_mismatch_keys_defaults_and_derived_values():
     t = parse_config({}).trainer
-    assert (t.policy_loss, t.tis_mode, t.router_replay, t.rollout_rs) == (
+    assert (
+        t.loss.policy_loss,
+        t.correction.tis_mode,
+        t.moe.router_replay,
+        t.correction.rollout_rs,
+    ) == (
         "ppo",
         "token_truncate",
         "disabled",
         "off",
     )
-    assert t.agg_mode == "token-mean" and t.clip_range == (0.2, 0.28)
-    g = parse_config({"trainer": {"policy_loss": "gspo", "rollout_rs_threshold": 2.0}}).trainer
+    assert t.loss.agg_mode == "token-mean" and t.loss.clip_range == (0.2, 0.28)
+    g = parse_config(
+        {"trainer": {"loss": {"policy_loss": "gspo"}, "correction": {"rollout_rs_threshold": 2.0}}}
+    ).trainer
     assert (
-        g.agg_mode == "seq-mean-token-mean"
-        and g.clip_range == (3e-4, 4e-4)
-        and g.rs_bounds == (0.5, 2.0)
+        g.loss.agg_mode == "seq-mean-token-mean"
+        and g.loss.clip_range == (3e-4, 4e-4)
+        and g.correction.rs_bounds == (0.5, 2.0)
     )

@@ -60,7 +60,7 @@ def test_steps_have_one_size_whatever_the_batch():
             "buffer": {"min_signal_groups": 4},
             "task": {"prompts_per_iteration": 8},
             "rollout": {"samples_per_prompt": 8},
-            "trainer": {"optimizer_steps_per_iteration": 8},
+            "trainer": {"optimizer": {"optimizer_steps_per_iteration": 8}},
         }
     )
     assert optimizer_steps(cfg, 32) == 8  # a full batch: 4 groups x 8
@@ -69,7 +69,7 @@ def test_steps_have_one_size_whatever_the_batch():
     assert optimizer_steps(cfg, 64) == 8  # never more than configured
     assert (
         optimizer_steps(parse_config({}), 3)
-        == parse_config({}).trainer.optimizer_steps_per_iteration
+        == parse_config({}).trainer.optimizer.optimizer_steps_per_iteration
     )
 
 

@@ -383,11 +383,17 @@ def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
     two_nodes = two_nodes.model_copy(
         update={
             "trainer": two_nodes.trainer.model_copy(
-                update={"expert_parallel_size": 2, "data_parallel_shard": 2}
+                update={
+                    "parallelism": two_nodes.trainer.parallelism.model_copy(
+                        update={"expert_parallel_size": 2, "data_parallel_shard": 2}
+                    )
+                }
             )
         }
     )
-    with pytest.raises(ConfigError, match="trainer.launcher 'local' starts ranks on one machine"):
+    with pytest.raises(
+        ConfigError, match="trainer.parallelism.launcher 'local' starts ranks on one machine"
+    ):
         run_remote(two_nodes, "policy_update", RUN)
     with pytest.raises(ConfigError, match="pipeline.mode async runs its trainer on one node"):
         run_remote(two_nodes, "async_trainer", RUN)
@@ -397,7 +403,13 @@ def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
         {
             "checkpoint": {"uri": "s3://moerl-ckpt/prod"},
             "pipeline": {"base_image": "r/moerl:1"},
-            "trainer": {"device": "cuda", "expert_parallel_size": 8, "data_parallel_shard": 2},
+            "trainer": {
+                "parallelism": {
+                    "device": "cuda",
+                    "expert_parallel_size": 8,
+                    "data_parallel_shard": 2,
+                }
+            },
             "cluster": {
                 "launch": {"mode": "kubernetes", "service_account": "moerl-gpu", "trainer_nodes": 1}
             },
@@ -1179,9 +1191,11 @@ def test_trainjob_nodes_follow_the_mesh():
         return parse_config(
             {
                 "trainer": {
-                    "device": device,
-                    "data_parallel_shard": dp,
-                    "expert_parallel_size": ep,
+                    "parallelism": {
+                        "device": device,
+                        "data_parallel_shard": dp,
+                        "expert_parallel_size": ep,
+                    }
                 },
                 "cluster": {"launch": launch},
             }

@@ -82,6 +82,6 @@ def test_a_router_without_the_bias_is_refused_naming_the_key():
         )
     with pytest.raises(
         TrainingError,
-        match="trainer.router_bias_update_rate 0.001: Qwen3MoeForCausalLM has no router",
+        match="trainer.moe.router_bias_update_rate 0.001: Qwen3MoeForCausalLM has no router",
     ):
         RouterBias(model, 0.001)

@@ -528,7 +528,9 @@ def test_submit_reuses_an_unchanged_version_and_a_changed_config_is_a_new_one(ca
         "rollout.temperature=0.7"
     ]
     assert "(reused)" in capsys.readouterr().out
-    schedule.submit(_cfg(trainer={"learning_rate": 5e-4}), config_name="tiny", client=fake)
+    schedule.submit(
+        _cfg(trainer={"optimizer": {"learning_rate": 5e-4}}), config_name="tiny", client=fake
+    )
     versions = _calls(fake, "upload_pipeline_version")
     assert (
         len(versions) == 2
@@ -540,7 +542,7 @@ def test_submit_reuses_an_unchanged_version_and_a_changed_config_is_a_new_one(ca
 @pytest.mark.parametrize(
     "params,overrides,message",
     [
-        ({"learning_rate": -1.0}, [], "trainer.learning_rate"),
+        ({"learning_rate": -1.0}, [], "trainer.optimizer.learning_rate"),
         ({}, ["pipeline.iterations=5"], "pipeline.iterations cannot change per run"),
         ({"dataset": "/home/me/prompts.jsonl"}, [], "task.dataset"),  # not cluster-safe
     ],
@@ -575,7 +577,7 @@ def test_param_flags_are_typed_by_the_run_form():
     with pytest.raises(ConfigError, match="--param samples_per_prompt: expected int, got 'four'"):
         schedule.run_form_values(cfg, ["samples_per_prompt=four"])
     with pytest.raises(ConfigError, match="NAME one of .*learning_rate.*--override KEY=VALUE"):
-        schedule.run_form_values(cfg, ["trainer.clip_eps_high=0.3"])
+        schedule.run_form_values(cfg, ["trainer.loss.clip_eps_high=0.3"])
     with pytest.raises(ConfigError, match="NAME one of"):
         schedule.run_form_values(cfg, ["versions=3"])  # async only
 
