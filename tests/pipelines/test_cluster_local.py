@@ -18,7 +18,7 @@ stays on version 0. The learning run's typed run parameters and overrides (the K
 set what makes it learn; a third run, whose form has a bad value, is refused by its first task.
 
 kfp.local ignores the kfp-kubernetes settings (node selectors, volumes, Secrets); those are
-checked on the compiled YAML in tests/test_compile_eks.py, which also checks that the Secrets
+checked on the compiled YAML in tests/pipelines/test_compile_eks.py, which also checks that the Secrets
 each task mounts are the ones the sandbox gives it here."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def test_cli_compile_writes_yaml_that_kfp_loads(tmp_path):
 
     loaded = components.load_component_from_file(str(out))
     assert loaded.name == "moerl-grpo"
-    # the compiled config, the run id and provenance, then the run form (tests/test_run_params.py)
+    # the compiled config, the run id and provenance, then the run form (tests/pipelines/test_run_params.py)
     assert {"config_json", "run_id", "git_sha", "learning_rate", "dataset", "overrides"} <= set(
         loaded.component_spec.inputs
     )

@@ -1,7 +1,7 @@
 """The KFP run form (pipelines/params.py): typed run parameters with the config's values as
 defaults and a description each, on every compiled pipeline; merged and validated by the first
 task (components/tracking/component.py:start_run). The kfp.local run with a changed form, and
-a refused one, are in tests/test_cluster_local.py (the shared EKS-target run)."""
+a refused one, are in tests/pipelines/test_cluster_local.py (the shared EKS-target run)."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def test_exact_verifier():
 
 
 def test_raising_verifier_marks_sample_failed_and_is_counted():
-    # runs in the sandboxed pool, like every verifier (tests/test_sandbox.py for the hostile ones)
+    # runs in the sandboxed pool, like every verifier (tests/tasks/test_sandbox.py for the hostile ones)
     scored = score(
         [_sample(text="bad"), _sample(idx=1, text="123")],
         RewardConfig(verifier="tests.support.hostile_verifiers:raises"),

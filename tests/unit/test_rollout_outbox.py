@@ -1,6 +1,6 @@
 """The rollout worker's outbox (`_Outbox` in components/rollout/worker.py), as pure logic: a fake
 bus records each round trip, so what is batched with what, in which order, and when each
-hand-over's `always` runs can be asserted exactly. tests/test_bus.py drives it on a real Valkey."""
+hand-over's `always` runs can be asserted exactly. tests/bus/test_bus.py drives it on a real Valkey."""
 
 from __future__ import annotations
 
