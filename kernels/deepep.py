@@ -255,9 +255,8 @@ class DeepEPDispatcher(Dispatcher):
             self.options = DeepEPOptions(**(options or {}))
         except ValidationError as exc:
             raise ConfigError(f"invalid deepep_options: {exc}") from exc
-        self._deep_ep = (
-            import_deep_ep()
-        )  # raises DeepEPUnavailable, the one case that may fall back
+        # raises DeepEPUnavailable, the one case that may fall back
+        self._deep_ep = import_deep_ep()
         self.api = select_api(self._deep_ep, self.options.api)
         if self.api == "v2" and self.options.mode == "low_latency":
             raise ConfigError(
@@ -533,13 +532,11 @@ class DeepEPDispatcher(Dispatcher):
         if in_rank_TW is None:  # v2 reports no layout: derive it; nodes are ranks_per_node groups
             in_rank_TW = _in_rank(idx, self.num_local_experts, self.ep_size)
             G = self.ranks_per_node
-            if (
-                G < self.ep_size and self.options.allow_hybrid_mode
-            ):  # once per node, forwarded over NVLink
+            # once per node, forwarded over NVLink
+            if G < self.ep_size and self.options.allow_hybrid_mode:
                 per_rdma = in_rank_TW.view(in_rank_TW.shape[0], -1, G).any(2).sum(0)
-            elif (
-                G < self.ep_size
-            ):  # without hybrid mode every remote rank is reached over RDMA directly
+            # without hybrid mode every remote rank is reached over RDMA directly
+            elif G < self.ep_size:
                 same_node = torch.arange(self.ep_size, device=idx.device) // G == self.ep_rank // G
                 return {
                     "inter_node": int(in_rank_TW[:, ~same_node].sum()),

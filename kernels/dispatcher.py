@@ -44,9 +44,8 @@ class DispatchHandle:
     wire_element_size: int  # bytes per element on the wire (bf16 for deepep)
     topk_idx_TK: Tensor  # kept for bytes_moved; not copied
     tokens_per_local_expert_L: Tensor
-    recv_weights_R: (
-        Tensor | None
-    )  # None where the backend applies weights itself (deepep low-latency)
+    # None where the backend applies weights itself (deepep low-latency)
+    recv_weights_R: Tensor | None
     sent_rows: dict[str, int]  # rows this rank put on the wire in dispatch, by link class
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific metadata
 

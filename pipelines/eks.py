@@ -197,9 +197,8 @@ def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:
     name = STAGE_GROUP[stage]
     if stage in GPU_STAGES and cfg.cluster.launch.mode == "kubernetes":
         name = "cpu"
-    if (
-        stage in REWARD_MODEL_STAGES and cfg.reward.kind != "rules"
-    ):  # reward-model inference: its own group
+    # reward-model inference: its own group
+    if stage in REWARD_MODEL_STAGES and cfg.reward.kind != "rules":
         name = "reward"
     return name, getattr(cfg.cluster.groups, name)
 

@@ -252,10 +252,11 @@ def build_pipeline(
 
     def _body(inputs: dict) -> None:
         start = start_task(ops, _task, cfg, inputs, target)
+        # the run's merged config
         rid, config_json = (
             start.outputs["run_id"],
             start.outputs["config_json"],
-        )  # the run's merged config
+        )
         if resume or start_iteration > 0:  # version 0 already exists when a run resumes from it
             init = _task(
                 ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),

@@ -79,10 +79,11 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str =
 
     def _body(inputs: dict) -> None:
         start = start_task(ops, _task, cfg, inputs, target)
+        # the run's merged config
         rid, config_json = (
             start.outputs["run_id"],
             start.outputs["config_json"],
-        )  # the run's merged config
+        )
         # the run's own Valkey identity (EKS): each task mounts the Secret start_run made, by name
         secret = start.outputs["valkey_secret"]
         init = _task(

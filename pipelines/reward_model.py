@@ -63,10 +63,11 @@ def build_reward_model_pipeline(
 
     def _body(inputs: dict) -> None:
         start = start_task(ops, _task, cfg, inputs, target)
+        # the run's merged config
         rid, config_json = (
             start.outputs["run_id"],
             start.outputs["config_json"],
-        )  # the run's merged config
+        )
         data = _task(
             ops.prepare_preferences(config_json=config_json, run_id=rid), "prepare-preferences"
         )

@@ -18,9 +18,8 @@ def buffer(
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "buffer", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("buffer", config_json)
     from moerl.components.buffer.stage import run_buffer
     from moerl.config import config_from_json
     from moerl.provenance import stage_start

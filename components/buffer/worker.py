@@ -102,13 +102,11 @@ class Batch:
 
     entry_ids: list[str] = field(default_factory=list)
     group_ids: list[str] = field(default_factory=list)
-    groups: list[list[ScoredSample]] = field(
-        default_factory=list
-    )  # used + filtered, in arrival order
+    # used + filtered, in arrival order
+    groups: list[list[ScoredSample]] = field(default_factory=list)
     used: list[list[ScoredSample]] = field(default_factory=list)
-    waits_s: list[float] = field(
-        default_factory=list
-    )  # generated -> taken by the trainer, per group
+    # generated -> taken by the trainer, per group
+    waits_s: list[float] = field(default_factory=list)
 
     @property
     def n_groups(self) -> int:

@@ -23,9 +23,8 @@ def policy_update(
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "policy_update", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("policy_update", config_json)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
@@ -59,9 +58,8 @@ def async_trainer(config_json: str, run_id: str) -> str:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "async_trainer", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("async_trainer", config_json)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)

@@ -300,9 +300,8 @@ def _load_shards(
         ]:
             if id(t) in done:
                 continue
-            if (
-                name.split(".")[:3] != unit
-            ):  # files reopened per layer: mapped pages count in RSS until unmapped
+            # files reopened per layer: mapped pages count in RSS until unmapped
+            if name.split(".")[:3] != unit:
                 stack.close()
                 reader, unit = _Reader(path, layout.weight_map, stack), name.split(".")[:3]
             if id(t) in experts:

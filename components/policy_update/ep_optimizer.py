@@ -93,9 +93,8 @@ def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
     )
     from torch.distributed.tensor import DTensor
 
-    osd = get_optimizer_state_dict(
-        model, opt
-    )  # initialized by a zero step: the template to load into
+    # initialized by a zero step: the template to load into
+    osd = get_optimizer_state_dict(model, opt)
     experts = _expert_states(model, ep_blocks)
     fsdp_form = {
         fqn: {k: v for k, v in _param_states(osd).get(fqn, {}).items() if isinstance(v, DTensor)}
@@ -142,9 +141,8 @@ def load_unsharded_optimizer(model, opt, ep_blocks, src: Path, state_in: Path) -
     from moerl.components.policy_update.ep_checkpoint import _rows
 
     saved = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
-    with torch.device(
-        "meta"
-    ):  # the numbering AdamW gave the parameters: the unsharded model's order
+    # the numbering AdamW gave the parameters: the unsharded model's order
+    with torch.device("meta"):
         names = [
             n
             for n, _ in AutoModelForCausalLM.from_config(

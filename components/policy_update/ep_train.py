@@ -139,6 +139,7 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
         deepep_options=cfg.trainer.parallelism.deepep_options or None,
     )
     tc = cfg.trainer
+    # sharded on meta, then each rank reads only its rows
     fsdp = (
         (
             lambda m, blocks: apply_fsdp(
@@ -151,7 +152,7 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
         )
         if shard
         else None
-    )  # sharded on meta, then each rank reads only its rows
+    )
     model, ep_blocks, layout = load_ep_model(
         state_in,
         dispatcher,
@@ -224,9 +225,8 @@ def _sync_and_clip(model, ep_blocks, max_norm: float) -> float:
         )
         dist.all_reduce(sq)
         norm = math.sqrt(sq_rep + float(sq))
-    if (
-        math.isfinite(norm) and norm > max_norm
-    ):  # nan stays nan; `norm > max_norm` alone is False for nan
+    # nan stays nan; `norm > max_norm` alone is False for nan
+    if math.isfinite(norm) and norm > max_norm:
         for p in params:
             p.grad.mul_(max_norm / (norm + 1e-6))
     return norm
@@ -280,9 +280,8 @@ def train_ep(
             if tc.moe.aux_loss_coef > 0
             else None
         )
-        sums = dict.fromkeys(
-            (*STAT_KEYS, "grad_norm"), 0.0
-        )  # this rank's shares of every step's statistics
+        # this rank's shares of every step's statistics
+        sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
         done = skipped = 0
         bias = (
             RouterBias(model, tc.moe.router_bias_update_rate)
@@ -401,9 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = config_from_json(Path(a.config_json).read_text())
     backend = "nccl" if cfg.trainer.parallelism.device == "cuda" else "gloo"
-    if (
-        cfg.trainer.parallelism.device == "cuda"
-    ):  # before the process group: NCCL binds each rank to its current device
+    # before the process group: NCCL binds each rank to its current device
+    if cfg.trainer.parallelism.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     # env:// under torchrun; the local launcher passes a file store (no TCP rendezvous listener)
     init = os.environ.get("MOERL_INIT_METHOD", "env://")
@@ -441,9 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                 "timing/trainer_save_s": _synced_clock(cfg) - t_steps,
             }
         )
-        if (
-            cfg.trainer.parallelism.device == "cuda"
-        ):  # what this rank's GPU held at its peak (rank 0's is reported)
+        # what this rank's GPU held at its peak (rank 0's is reported)
+        if cfg.trainer.parallelism.device == "cuda":
             metrics["train/cuda_max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
         if dist.get_rank() == 0:
             metrics["timing/policy_update_s"] = time.perf_counter() - t0

@@ -135,9 +135,8 @@ class Agreement:
         k = live_TYK.shape[-1]
         ref = ref_TYK.to(live_TYK.device, torch.long)
         has_TY = (ref >= 0).all(-1) & valid_T[:, None]
-        hit_TYK = (live_TYK[..., :, None] == ref[..., None, :]).any(
-            -1
-        )  # live id also in the reference set
+        # live id also in the reference set
+        hit_TYK = (live_TYK[..., :, None] == ref[..., None, :]).any(-1)
         overlap_TY = hit_TYK.sum(-1).double() / k
         self.overlap_Y += torch.where(has_TY, overlap_TY, 0.0).sum(0)
         self.slots_Y += has_TY.double().sum(0)

@@ -307,9 +307,8 @@ class Routing:
         out["moe/router_replay"] = {"disabled": 0.0, "R2": 2.0, "R3": 3.0}[self.mode]
         if self.mode == "R3":
             slots = float(self.p.attn_NL.sum()) * self.replay.layers
-            out["moe/replay_forced_fraction"] = forced / max(
-                slots, 1.0
-            )  # every row is counted on one rank
+            # every row is counted on one rank
+            out["moe/replay_forced_fraction"] = forced / max(slots, 1.0)
             out["moe/replay_replaced_fraction"] = replaced / max(forced, 1.0)
         return out
 

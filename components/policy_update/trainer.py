@@ -238,9 +238,8 @@ def run_policy_update(
     from moerl.provenance import stage_start
 
     stage_start(cfg, "policy_update", run_id)  # records where it runs; enforces `require:`
-    if (
-        cfg.trainer.parallelism.on_mesh
-    ):  # the mesh: FSDP2 + expert parallelism over ranks (or one, for bf16 mixed precision)
+    # the mesh: FSDP2 + expert parallelism over ranks (or one, for bf16 mixed precision)
+    if cfg.trainer.parallelism.on_mesh:
         from moerl.components.policy_update.launcher import run_expert_parallel
 
         return run_expert_parallel(cfg, batch_path, state_in, state_out, iteration)

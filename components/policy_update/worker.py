@@ -98,9 +98,8 @@ class Issuer(threading.Thread):
         try:
             beacon_at = 0.0
             while not self.stop_event.is_set():
-                if (
-                    time.monotonic() - beacon_at > BEACON_EVERY_S
-                ):  # the workers' TrainerWatch reads it
+                # the workers' TrainerWatch reads it
+                if time.monotonic() - beacon_at > BEACON_EVERY_S:
                     self.bus.trainer_beacon()
                     beacon_at = time.monotonic()
                 self.step()
@@ -473,9 +472,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
         )
     # the run's one trainer from here on: any older trainer still running is fenced off
     epoch = bus.claim_trainer(f"{socket.gethostname()}/{os.getpid()}")
-    tiers = run_tiers(
-        cfg.checkpoint, run_id, epoch
-    )  # every tier write and `latest` move fenced by the epoch
+    # every tier write and `latest` move fenced by the epoch
+    tiers = run_tiers(cfg.checkpoint, run_id, epoch)
     # a version servable but not durable is promoted, if it is the one the servable pointer names
     # (a complete cache-tier copy that no pointer names is another writer's, and is dropped)
     ptr = bus.servable()
@@ -514,15 +512,13 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
         known[p.version] = p.manifest_sha256  # before any engine can serve it
         pbus.set_servable(epoch, p.version, p.uri, p.manifest_sha256)
 
-    committed = [
-        latest
-    ]  # the last version this trainer committed (the publisher's thread moves it)
+    # the last version this trainer committed (the publisher's thread moves it)
+    committed = [latest]
 
     def commit(job: Job) -> None:
         ctx, p = job.context, job.policy
-        if job.metrics.get(
-            "weights/cache_tier_failed"
-        ):  # published to S3 first: counted where operators look
+        # published to S3 first: counted where operators look
+        if job.metrics.get("weights/cache_tier_failed"):
             pbus.incr(cache_tier_failed=1)
         if not pbus.commit_version(
             epoch,
@@ -608,9 +604,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
                 "counts": json.dumps(counts),
                 **{k: str(v) for k, v in bus.positions().items()},
             }
-            bus.check_epoch(
-                epoch
-            )  # a superseded trainer must not publish (the store refuses a second v+1 too)
+            # a superseded trainer must not publish (the store refuses a second v+1 too)
+            bus.check_epoch(epoch)
             # off the critical path: the publisher makes it servable, then durable, then commits
             metrics["weights/trainer_stall_s"] = publisher.submit(
                 version + 1,
@@ -661,9 +656,8 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
         if policy is None:  # every version was committed to it: Valkey lost its registry
             raise CheckpointError("trainer: the version registry is empty at the end of the run")
         bus.set_done()
-        bus.expire_run(
-            cfg.valkey.finished_ttl_s
-        )  # bounded state: a shared Valkey forgets finished runs
+        # bounded state: a shared Valkey forgets finished runs
+        bus.expire_run(cfg.valkey.finished_ttl_s)
         return PolicyVersion(
             version=policy.version, uri=policy.uri, manifest_sha256=policy.manifest_sha256
         )
@@ -684,9 +678,8 @@ def _async_metrics(bus: RunBus, t_start: float, busy: float) -> dict[str, float]
     for name, st in bus.stats().items():
         if name != CONSUMER and st.get("wall_s"):
             out[f"async/busy_fraction/{name}"] = st.get("busy_s", 0.0) / st["wall_s"]
-        if st.get(
-            "first_sample_s"
-        ):  # a rollout worker's start -> its first generated group (fast start)
+        # a rollout worker's start -> its first generated group (fast start)
+        if st.get("first_sample_s"):
             out[f"async/first_sample_s/{name}"] = st["first_sample_s"]
         if st.get("engine_load_s"):  # its last engine's load (the early engine's, on dummy weights)
             out[f"async/engine_load_s/{name}"] = st["engine_load_s"]

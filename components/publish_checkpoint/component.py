@@ -17,18 +17,16 @@ def init_policy(
     Valkey bus, so they stop at once."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "init_policy", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("init_policy", config_json)
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
     try:
-        stage_start(
-            cfg, "init_policy", run_id, enforce=False
-        )  # build-info and runtime probe on the run
+        # build-info and runtime probe on the run
+        stage_start(cfg, "init_policy", run_id, enforce=False)
         prepare_initial(cfg, state.path, run_id=run_id)
         policy, _ = run_publish(cfg, run_id, state.path, 0)
     except BaseException as err:
@@ -51,17 +49,15 @@ def resume_policy(config_json: str, run_id: str, version: int, state: Output[Art
     into `state`, and return the version's PolicyVersion as JSON."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "resume_policy", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("resume_policy", config_json)
     from moerl.components.publish_checkpoint.stage import prepare_resume
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
-    stage_start(
-        cfg, "resume_policy", run_id, enforce=False
-    )  # build-info and runtime probe on the run
+    # build-info and runtime probe on the run
+    stage_start(cfg, "resume_policy", run_id, enforce=False)
     return prepare_resume(cfg, run_id, version, state.path).model_dump_json()
 
 
@@ -74,9 +70,8 @@ def publish_checkpoint(
     Returns the PolicyVersion JSON and `weights/*` metrics."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "publish_checkpoint", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("publish_checkpoint", config_json)
     from collections import namedtuple
 
     from moerl.components.publish_checkpoint.stage import run_publish
@@ -84,9 +79,8 @@ def publish_checkpoint(
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
-    stage_start(
-        cfg, "publish_checkpoint", run_id, enforce=False
-    )  # build-info and runtime probe on the run
+    # build-info and runtime probe on the run
+    stage_start(cfg, "publish_checkpoint", run_id, enforce=False)
     policy, metrics = run_publish(cfg, run_id, state.path, version)
     Published = namedtuple("Published", ["policy_json", "metrics"])
     return Published(policy.model_dump_json(), metrics)

@@ -16,10 +16,11 @@ TAG_MANIFEST = "moerl.manifest_sha256"
 TAG_REWARD = "moerl.final_reward"
 TAG_CONFIG_HASH = "moerl.config_hash"
 TAG_RUN = "moerl.run_id"
+# what moerl.config.WARM_START_PATTERN admits
 REF = re.compile(
     r"^registry:(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,127})(?:@(?P<alias>[A-Za-z0-9_-]{1,64})"
     r"|/(?P<version>[0-9]{1,9}))$"
-)  # what moerl.config.WARM_START_PATTERN admits
+)
 _IN_STORE = re.compile(r"^(?P<root>.+)/runs/(?P<run_id>[^/]+)/versions/v(?P<version>\d{6,})$")
 
 

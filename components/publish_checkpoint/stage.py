@@ -163,9 +163,8 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
     if cfg.model.path and not Path(cfg.model.path).joinpath("config.json").is_file():
         raise CheckpointError(f"model.path {cfg.model.path} has no config.json readable here")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(
-        tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent)
-    )  # unique per writer on the node
+    # unique per writer on the node
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         if cfg.model.path:
             for f in Path(cfg.model.path).iterdir():
@@ -180,9 +179,8 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
         (tmp / SKELETON_DONE).write_text("")  # last: a skeleton without it is incomplete
         try:
             os.replace(tmp, dest)
-        except (
-            OSError
-        ):  # a neighbour on this node finished first (a non-empty dest), or left a partial one
+        # a neighbour on this node finished first (a non-empty dest), or left a partial one
+        except OSError:
             if not dest.joinpath(SKELETON_DONE).is_file():
                 shutil.rmtree(dest, ignore_errors=True)
                 os.replace(tmp, dest)

@@ -12,9 +12,8 @@ def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> Nam
     it. Returns the PolicyVersion JSON and `timing/redistribute_weights_s`."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "redistribute_weights", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("redistribute_weights", config_json)
     from collections import namedtuple
 
     from moerl.components.redistribute_weights.stage import run_redistribute
@@ -23,9 +22,8 @@ def redistribute_weights(config_json: str, run_id: str, policy_json: str) -> Nam
     from moerl.records import PolicyVersion
 
     cfg = config_from_json(config_json)
-    stage_start(
-        cfg, "redistribute_weights", run_id, enforce=False
-    )  # build-info and runtime probe on the run
+    # build-info and runtime probe on the run
+    stage_start(cfg, "redistribute_weights", run_id, enforce=False)
     policy, metrics = run_redistribute(cfg, run_id, PolicyVersion.model_validate_json(policy_json))
     Redistributed = namedtuple("Redistributed", ["policy_json", "metrics"])
     return Redistributed(policy.model_dump_json(), metrics)

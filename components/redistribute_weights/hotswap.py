@@ -48,9 +48,8 @@ class _InplaceExperts:
     w13: Any  # the live prepacked tensors, captured before vLLM swaps the layer's params to meta
     w2: Any
     keys: dict[str, tuple[int, str]]  # checkpoint name -> (expert, "w1" | "w3" | "w2")
-    arrived: dict[str, Any] = field(
-        default_factory=dict
-    )  # views of the mapped files until the layer is whole
+    # views of the mapped files until the layer is whole
+    arrived: dict[str, Any] = field(default_factory=dict)
     packed: bool = False
 
 

@@ -16,9 +16,8 @@ def reward(
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "reward", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("reward", config_json)
     from moerl.components.reward.stage import load_model_scorer, run_reward
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -43,9 +42,8 @@ def reward_scorer(config_json: str, run_id: str, scorer_index: int) -> None:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "reward_scorer", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("reward_scorer", config_json)
     from moerl.components.reward.worker import run_reward_scorer
     from moerl.config import config_from_json
 

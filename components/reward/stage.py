@@ -87,9 +87,8 @@ def rule_scores(samples: list[Sample], cfg: RewardConfig, pool: SandboxPool) -> 
     out: list[float | str | None] = [None] * len(samples)
     calls, where = [], []
     for i, s in enumerate(samples):
-        if (
-            s.env_error is not None
-        ):  # the episode's environment failed: the sample is failed, not scored
+        # the episode's environment failed: the sample is failed, not scored
+        if s.env_error is not None:
             out[i] = f"environment: {s.env_error}"
             continue
         if s.env_reward is not None:  # a multi-turn episode scored by its environment's steps

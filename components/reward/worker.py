@@ -100,9 +100,8 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
     ref = cfg.reward.model  # set unless kind is rules (RewardConfig)
     on_gpu = cfg.reward.kind != "rules" and ref is not None and ref.device == "cuda"
     stage_start(cfg, scorer, run_id, enforce=on_gpu)  # build-info and runtime probe on the run
-    model = load_model_scorer(
-        cfg, run_id
-    )  # loaded once for the scorer's life (reward.kind model or mixed)
+    # loaded once for the scorer's life (reward.kind model or mixed)
+    model = load_model_scorer(cfg, run_id)
     bus = RunBus(
         connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username),
         run_id,
@@ -152,9 +151,8 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
                     sample_timeouts=sum(e.startswith("timeout:") for e in errors),
                     sample_memory=sum(e.startswith("memory:") for e in errors),
                 )
-                if (
-                    timed_out
-                ):  # its thread still runs: restart clean; the rest of the batch is reclaimed
+                # its thread still runs: restart clean; the rest of the batch is reclaimed
+                if timed_out:
                     bus.incr(score_timeouts=len(scored))
                     log.error(
                         "%s: scoring group %s took longer than reward.timeout_s %g s; marked failed, "
@@ -164,9 +162,8 @@ def run_reward_scorer(cfg: RunConfig, run_id: str, scorer: str) -> int:
                         cfg.reward.timeout_s,
                     )
                     return EXIT_DRAINED
-                if (
-                    time.monotonic() - touched > bus.visibility_ms / 4000
-                ):  # the rest of the batch stays ours
+                # the rest of the batch stays ours
+                if time.monotonic() - touched > bus.visibility_ms / 4000:
                     for eid, _ in got[i + 1 :]:
                         bus.touch(GENERATED, scorer, eid)
                     touched = time.monotonic()

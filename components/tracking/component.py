@@ -55,9 +55,8 @@ def start_run(
     given = dict(locals())  # the run form's fields by name (and the inputs above)
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "start_run", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("start_run", config_json)
     import json
     import sys
     from collections import namedtuple
@@ -101,13 +100,11 @@ def start_run(
             f"[moerl] run parameters changed {', '.join(f'{k}={v}' for k, v in sorted(diff.items()))}",
             flush=True,
         )
-    provenance.stage_start(
-        cfg, "start_run", run_id, enforce=False
-    )  # build-info and runtime probe on the run
+    # build-info and runtime probe on the run
+    provenance.stage_start(cfg, "start_run", run_id, enforce=False)
     valkey_secret = ""
-    if (
-        cfg.pipeline.mode == "async"
-    ):  # last: once the run surely starts (close_run deletes it however it ends)
+    # last: once the run surely starts (close_run deletes it however it ends)
+    if cfg.pipeline.mode == "async":
         from moerl.launch.runsecret import open_run_identity, uses_run_identity
 
         valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
@@ -138,17 +135,15 @@ def log_iteration(
     step=iteration, and print one progress line. Returns the merged metrics."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "log_iteration", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("log_iteration", config_json)
     from moerl import tracking
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
 
     cfg = config_from_json(config_json)
-    stage_start(
-        cfg, "log_iteration", run_id, enforce=False
-    )  # build-info and runtime probe on the run
+    # build-info and runtime probe on the run
+    stage_start(cfg, "log_iteration", run_id, enforce=False)
     merged = {**rollout, **reward, **buffer, **policy_update, **publish, **redistribute}
     stage_keys = [
         k for k in merged if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1
@@ -174,9 +169,8 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     Returns the run id."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "finish_run", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("finish_run", config_json)
     import json
     import tempfile
     from pathlib import Path
@@ -190,9 +184,8 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     final_uri = json.loads(policy_json)["uri"]
     from moerl.components.publish_checkpoint.registry import register_final
 
-    register_final(
-        cfg, run_id, final_uri
-    )  # tracking.registry_name: the policy in MLflow's model registry
+    # tracking.registry_name: the policy in MLflow's model registry
+    register_final(cfg, run_id, final_uri)
     with tempfile.TemporaryDirectory() as tmp:
         tracking.finish_run(tracking.resolve_uri(cfg.tracking), run_id, final_uri, Path(tmp))
     # the cache tier is memory: a finished run's versions there serve no one (the durable store
@@ -227,9 +220,8 @@ def close_run(
     ("" when no run was started)."""
     from moerl.launch.podenv import enter_pod
 
-    enter_pod(
-        "close_run", config_json
-    )  # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("close_run", config_json)
     from moerl import tracking
     from moerl.config import config_from_json
 
@@ -239,9 +231,8 @@ def close_run(
     if run_id:
         from moerl.provenance import stage_start
 
-        stage_start(
-            cfg, "close_run", run_id, enforce=False
-        )  # build-info and runtime probe on the run
+        # build-info and runtime probe on the run
+        stage_start(cfg, "close_run", run_id, enforce=False)
     sweep_error = None
     if run_id and cfg.cluster.launch.mode == "kubernetes":
         # the backstop for launched GPU workloads whose launcher died before deleting them

@@ -131,10 +131,11 @@ def _rank(
         for p in m.parameters():
             held[id(p) in expert_ids] += _local_mb(p)
             total += p.numel() * p.element_size() / 2**20 if id(p) not in expert_ids else 0.0
+        # float32 experts of every layer
         total += sum(
             b.num_experts * 3 * b.gate_up_proj_LIH.shape[2] * b.down_proj_LHI.shape[2] * 4 / 2**20
             for b in blocks
-        )  # float32 experts of every layer
+        )
         rec: dict[str, Any] = {
             "rank": rank,
             "world": world,

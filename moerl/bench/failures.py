@@ -80,9 +80,8 @@ class FaultInjector:
             return
         stats = run.bus.stats()
         for f in pending:
-            st = stats.get(
-                f["worker"], {}
-            )  # a dead process's last stats stay until its replacement beats
+            # a dead process's last stats stay until its replacement beats
+            st = stats.get(f["worker"], {})
             if st.get("started_unix", 0.0) > f["at_s"] and st.get("busy_s", 0.0) > 0:
                 f["recovered_after_s"] = now - f["at_s"]
 

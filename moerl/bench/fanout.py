@@ -236,9 +236,8 @@ def run_bench_fanout(
     with tempfile.TemporaryDirectory(prefix="moerl-bench-fanout-") as tmp:
         server = EmbeddedValkey(Path(tmp) / "valkey").start()
         try:
-            admin = valkey.Valkey.from_url(
-                server.url
-            )  # the loopback admin reads the server's counts
+            # the loopback admin reads the server's counts
+            admin = valkey.Valkey.from_url(server.url)
             for way in ("before", "after"):
                 bus = RunBus(connect(server.url, 30.0), f"bench-fanout-{way}")
                 m = _arm(way, admin, bus, peers, events, spans, seed)

@@ -89,9 +89,8 @@ def run_bench_lease(pending: Sequence[int], leases: int, out: Path, echo=print) 
     with tempfile.TemporaryDirectory(prefix="moerl-bench-lease-") as tmp:
         server = EmbeddedValkey(Path(tmp) / "valkey").start()
         try:
-            admin = valkey.Valkey.from_url(
-                server.url
-            )  # the loopback admin reads the server's counts
+            # the loopback admin reads the server's counts
+            admin = valkey.Valkey.from_url(server.url)
             for n in pending:
                 row: dict[str, Any] = {"pending": n}
                 for way in ("xautoclaim", "bus"):
@@ -101,9 +100,8 @@ def run_bench_lease(pending: Sequence[int], leases: int, out: Path, echo=print) 
                         visibility_timeout_s=VISIBILITY_S,
                     )
                     bus.ensure_groups()
-                    for i in range(
-                        n
-                    ):  # leased by other workers, busy: never idle within the window
+                    # leased by other workers, busy: never idle within the window
+                    for i in range(n):
                         bus.issue_unit([_prompt(i)])
                     for i in range(n):
                         bus.lease_unit(f"w-{i % 64}", block_ms=0)

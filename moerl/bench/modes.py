@@ -27,11 +27,12 @@ from moerl.userfiles import short_repr
 log = logging.getLogger(__name__)
 
 ARMS = ("floor", "sync", "async")
+# whose `modes:` settings each arm takes
 ARM_MODE = {
     "floor": "sync",
     "sync": "sync",
     "async": "async",
-}  # whose `modes:` settings each arm takes
+}
 # What makes two arms the same workload; any difference between the arms' configs is refused.
 WORKLOAD_KEYS = (
     "model",
@@ -87,6 +88,7 @@ def arm_config(
     length = (
         f"pipeline.iterations={iterations}" if mode == "sync" else f"pipeline.versions={iterations}"
     )
+    # every arm starts from the same version 0
     own = [
         f"checkpoint.uri={arm_dir / 'checkpoints'}",
         f"checkpoint.cache_dir={arm_dir / 'cache'}",
@@ -95,7 +97,7 @@ def arm_config(
         f"tracking.uri=sqlite:///{arm_dir / 'mlflow.db'}",
         length,
         "model.warm_start=none",
-    ]  # every arm starts from the same version 0
+    ]
     cfg = load_config(config, [*overrides, *own], mode=mode)
     if cfg.pipeline.mode != mode:
         raise ConfigError(
@@ -216,11 +218,12 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     loads = 1
     t["engine_load"] = engine.load_s
     # 2. the versions
+    # version_s: when each version was done (Unix seconds)
     rewards, staleness, version_s = (
         [],
         [],
         [],
-    )  # version_s: when each version was done (Unix seconds)
+    )
     try:
         for i in range(iterations):
             state, reward, stale = _floor_version(
@@ -428,9 +431,8 @@ def _run_arm(arm: str, cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[s
         res = _floor_arm(cfg, iterations, arm_dir)
         wall = time.perf_counter() - t0
         busy = {k: v / wall for k, v in res["stage_s"].items()}
-        stale = [
-            s for s in res["staleness"] if s is not None
-        ]  # None: nothing trained in that version
+        # None: nothing trained in that version
+        stale = [s for s in res["staleness"] if s is not None]
         reward_s = [u - t0_unix for u in res.get("version_s", [])]
         start = _start(reward_s, res["stage_s"].get("engine_load"))
         return arm_result(
@@ -506,9 +508,8 @@ def format_report(report: dict[str, Any]) -> str:
                 + ", ".join(f"{k} {v:.2f}" for k, v in r["busy"].items())
             )
         else:
-            last = (
-                (r.get("error") or "").strip().splitlines()[-1:]
-            )  # an arm's own error ends its output
+            # an arm's own error ends its output
+            last = (r.get("error") or "").strip().splitlines()[-1:]
             lines.append(f"{name} FAILED: {last[0] if last else 'unknown'}")
     for name, r in arms.items():  # the start: the first trained version against an engine's load
         st = r.get("start") or {}

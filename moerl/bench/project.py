@@ -325,6 +325,7 @@ def project(inp: Inputs) -> dict[str, Any]:
         )
     gen_s = inp.response_len * b["step_s"]  # baseline seconds to generate one trajectory
     sweep_env = []
+    # env time as a multiple of baseline generation time
     for frac in (
         0.0,
         0.1,
@@ -332,7 +333,7 @@ def project(inp: Inputs) -> dict[str, Any]:
         0.5,
         1.0,
         2.0,
-    ):  # env time as a multiple of baseline generation time
+    ):
         i2 = replace(inp, env_s=frac * gen_s)
         db, df = _decode(i2, shape, base), _decode(i2, shape, fast)
         sweep_env.append(

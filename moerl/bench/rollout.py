@@ -99,9 +99,8 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
     ]
     engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
     try:
-        if (
-            warm_ids
-        ):  # the engine's first batches pay one-time costs (kernels for new shapes): not timed
+        # the engine's first batches pay one-time costs (kernels for new shapes): not timed
+        if warm_ids:
             engine.generate(warm_ids, cfg.rollout.samples_per_prompt)
         t0 = time.perf_counter()
         groups = engine.generate(ids, cfg.rollout.samples_per_prompt)
@@ -366,9 +365,8 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
                 if last_ms is None:
                     raise RuntimeError("the rollout worker added no group to the bus")
                 timed["t1"] = last_ms / 1000
-                _wait_units_done(
-                    bus, warm + n_units, failed
-                )  # after the window: its last acknowledgements
+                # after the window: its last acknowledgements
+                _wait_units_done(bus, warm + n_units, failed)
                 timed["writes"] = [
                     now - then for now, then in zip(worker.settled_bus_writes(), writes0)
                 ]
@@ -524,9 +522,8 @@ def run_bench_rollout(
                 for u in ups
             ]
             bare_of.update((name, f"bare{at}") for name, _, _ in plan[-1 - len(ks) * len(ups) :])
-        for rnd in range(
-            repeats
-        ):  # interleaved: a slow stretch of the machine hits every arm of a round
+        # interleaved: a slow stretch of the machine hits every arm of a round
+        for rnd in range(repeats):
             for name, command, arm_cfg in plan:
                 work = Path(tmp) / f"{name}.{rnd}"
                 work.mkdir()

@@ -215,9 +215,8 @@ class TierRow:
     cache_fetch_vs_raw: float
     served_s: float  # servable + cache fetch + hot swap (medians): published -> served
     served_vs_swap: float  # aim <= 2
-    fanout: dict[
-        str, dict[str, float]
-    ]  # readers -> {fanout_s, cache_only_s, speedup, tier/peer chunks}
+    # readers -> {fanout_s, cache_only_s, speedup, tier/peer chunks}
+    fanout: dict[str, dict[str, float]]
 
 
 def _busy(seconds: float) -> None:
@@ -359,9 +358,8 @@ def bench_tiers(
         for k in (0, 1)
     ]
     mb = sum(p.stat().st_size for p in sources[0].rglob("*") if p.is_file()) / 1e6
-    cfg = RunConfig(
-        checkpoint=ck.model_copy(update={"keep_last": 1})
-    )  # the disk holds a few copies only
+    # the disk holds a few copies only
+    cfg = RunConfig(checkpoint=ck.model_copy(update={"keep_last": 1}))
     # 1. before: publication inside the loop (to both tiers), what the trainer waited per version
     sync = []
     for i in range(repeats):

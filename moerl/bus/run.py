@@ -446,9 +446,8 @@ class RunBus:
                 reason = f"malformed: {type(err).__name__}: {err}"[:500]
                 obj = _countable(raw, field)
         counts = _dead_counts(stream, obj)
-        if (
-            stream == UNITS and obj
-        ):  # prompts whose group some attempt already published are not dead
+        # prompts whose group some attempt already published are not dead
+        if stream == UNITS and obj:
             done = self.published(
                 [
                     group_id(obj["unit_id"], p["k"], p["prompt"].get("id", ""))
@@ -527,9 +526,8 @@ class RunBus:
         payload = _JSON.encode(
             {"group_id": group_id, "t_generated": time.time(), "samples": samples}
         )
-        if (
-            len(payload) > MAX_ENTRY_BYTES
-        ):  # refused here, not by every consumer after reading it whole
+        # refused here, not by every consumer after reading it whole
+        if len(payload) > MAX_ENTRY_BYTES:
             log.error(
                 "group %s: %d bytes > %d; dead-lettered by its producer",
                 group_id,
@@ -599,9 +597,8 @@ class RunBus:
         def send_loaded() -> list[Any]:
             try:
                 return send()
-            except (
-                valkey.exceptions.NoScriptError
-            ):  # a restarted server forgot them: load, send again
+            # a restarted server forgot them: load, send again
+            except valkey.exceptions.NoScriptError:
                 for script in {id(w.script): w.script for w in writes}.values():
                     script.sha = self.r.raw.script_load(script.script)
                 return send()

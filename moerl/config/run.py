@@ -163,9 +163,8 @@ class RunConfig(_Section):
                 "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)"
             )
         sb, g = self.reward.sandbox, self.rollout.samples_per_prompt
-        worst = (
-            -(-g // sb.workers) * sb.sample_timeout_s
-        )  # a group whose every verifier call runs to its limit
+        # a group whose every verifier call runs to its limit
+        worst = -(-g // sb.workers) * sb.sample_timeout_s
         if self.reward.timeout_s < worst:
             raise ValueError(
                 f"reward.timeout_s ({self.reward.timeout_s:g} s) is below what one group may take when "

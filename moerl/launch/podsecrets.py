@@ -148,9 +148,8 @@ def secret_bearing(name: str, cfg: RunConfig) -> bool:
     """Whether variable `name` may carry a credential: one a mapping can set for any stage of
     `cfg` (the cache tier's `credentials_env` may be renamed), or one of `SECRET_ENV_PREFIXES`."""
     ct = cfg.checkpoint.cache_tier.credentials_env
-    name = name.removesuffix(
-        FILE_SUFFIX
-    )  # the path of a credential the test process holds as a file
+    # the path of a credential the test process holds as a file
+    name = name.removesuffix(FILE_SUFFIX)
     return (
         name.startswith(SECRET_ENV_PREFIXES)
         or name in MLFLOW_SECRET_KEYS

@@ -99,9 +99,8 @@ def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -
                     "service account needs create on secrets (Role moerl-launcher, "
                     "manifests/base/rbac.yaml)"
                 ) from err
-            api.core.replace_namespaced_secret(
-                name, ns, body
-            )  # a retried start_run: the new password
+            # a retried start_run: the new password
+            api.core.replace_namespaced_secret(name, ns, body)
     log.info("run %s: Valkey user %s, Secret %s", run_id, user, name)
     return name
 

@@ -333,9 +333,8 @@ class Launcher:
         self.pending_timeout_s = pending_timeout_s
         self.created: list[Workload] = []
         self._created_at: dict[int, float] = {}
-        self._started: set[int] = (
-            set()
-        )  # had a pod out of Pending once (its pods may go away later)
+        # had a pod out of Pending once (its pods may go away later)
+        self._started: set[int] = set()
         self._deleted: set[int] = set()
 
     def run(self, workloads: list[Workload]) -> None:

@@ -78,9 +78,8 @@ class LocalAsyncRun:
         self.children: dict[str, Child] = {}
         self.config_path = work / "config.json"
         self.config_path.write_text(config_to_json(cfg))
-        self.password = (
-            valkey.password if valkey is not None else None
-        )  # the embedded server's stage user
+        # the embedded server's stage user
+        self.password = valkey.password if valkey is not None else None
         self.bus = RunBus(
             connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username, self.password),
             run_id,
@@ -366,9 +365,8 @@ def run_async(
         final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
         from moerl.components.publish_checkpoint.registry import register_final
 
-        register_final(
-            cfg, run_id, final_uri
-        )  # tracking.registry_name: the policy in MLflow's model registry
+        # tracking.registry_name: the policy in MLflow's model registry
+        register_final(cfg, run_id, final_uri)
         tracking.finish_run(uri, run_id, final_uri, work)
     except (MoerlError, procs.Terminated, KeyboardInterrupt) as err:
         ok = False

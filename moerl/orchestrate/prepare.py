@@ -43,16 +43,14 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             check_environments(cfg, ds.rows)
         if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model":
             check_verifiers(cfg, ds.rows)
-    if (
-        cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules"
-    ):  # the reward model must exist and verify
+    # the reward model must exist and verify
+    if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":
         from moerl.components.reward_model import registry
 
         rm = registry.resolve(tracking.resolve_uri(cfg.tracking), cfg.reward.model)
         registry.fetch(cfg.checkpoint, rm)
-    if cfg.model.warm_start.startswith(
-        "registry:"
-    ):  # the registered version must exist, before any work
+    # the registered version must exist, before any work
+    if cfg.model.warm_start.startswith("registry:"):
         from moerl.components.publish_checkpoint.registry import resolve_policy
 
         resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
@@ -323,9 +321,8 @@ def resume_point(cfg: RunConfig, uri: str, run_id: str) -> int:
             f"--resume: no MLflow run {run_id!r} at {uri}; pass the run id `moerl run` printed"
         ) from None
     ck = cfg.checkpoint
-    if (
-        ck.cache_tier.endpoint_url == "embedded"
-    ):  # a fresh server each session: nothing there to repair
+    # a fresh server each session: nothing there to repair
+    if ck.cache_tier.endpoint_url == "embedded":
         ck = ck.model_copy(
             update={
                 "cache_tier": ck.cache_tier.model_copy(update={"uri": None, "endpoint_url": None})

@@ -315,9 +315,8 @@ def submit(
     if "run_name" not in form and not cfg.tracking.run_name:
         form["run_name"] = run_name  # the MLflow run is named like the KFP run
     overrides = list(overrides or [])
-    merge(
-        split_credentials(cfg)[0], form, overrides, target="eks"
-    )  # refused here, before anything is uploaded
+    # refused here, before anything is uploaded
+    merge(split_credentials(cfg)[0], form, overrides, target="eks")
     with tempfile.TemporaryDirectory(prefix="moerl-submit-") as tmp:
         package = _compile(cfg, Path(tmp) / "pipeline.yaml")
         version = pipeline_version_name(config_name or cfg.pipeline.name, package)
@@ -415,9 +414,8 @@ def cron_workflow(
     check_host("--argo-host", host)
     schedule = parse_cron(cron).argo()
     check_timezone(timezone)
-    name = _check_name(
-        "--name", name or f"{cfg.pipeline.name}-schedule", 52
-    )  # Argo suffixes a timestamp
+    # Argo suffixes a timestamp
+    name = _check_name("--name", name or f"{cfg.pipeline.name}-schedule", 52)
     if starting_deadline_s < 0 or history_limit < 0 or wait_timeout_s < 60:
         raise ConfigError(
             "starting deadline and history limit must be >= 0, the wait timeout >= 60 s"

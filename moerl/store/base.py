@@ -43,9 +43,8 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest.json"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_STAGE_DIR = re.compile(
-    r"^(?:\.tmp-)?v(\d{6,})(?:-[0-9a-f]+)?$"
-)  # a version dir or a local staging dir
+# a version dir or a local staging dir
+_STAGE_DIR = re.compile(r"^(?:\.tmp-)?v(\d{6,})(?:-[0-9a-f]+)?$")
 _MiB = 1024 * 1024
 _COPY_CHUNK = 8 * _MiB  # hashlib releases the GIL on buffers this large, so parallel copies overlap
 _R = TypeVar("_R")
@@ -221,9 +220,8 @@ class CheckpointStore(PinLeases, ABC):
         files = _list_files(src_dir)
         if manifest is not None:
             _check_same_files(manifest, version, src_dir, files)
-        self._check_epoch(
-            epoch, f"publish of version {version}"
-        )  # a replaced writer copies no byte
+        # a replaced writer copies no byte
+        self._check_epoch(epoch, f"publish of version {version}")
         owner = owner or new_owner()
         # the claim, before any file: a writer older than the version's claim is refused here
         claim = self._claim(version, epoch, owner) if exclusive and self._claims else None
@@ -370,9 +368,8 @@ class CheckpointStore(PinLeases, ABC):
             raise CheckpointError(
                 f"cannot create cache folder {dest_dir}: {e}; fix checkpoint.cache_dir"
             ) from e
-        with shared(
-            lock_path(dest_dir, version)
-        ):  # fast path: readers of a verified copy never wait on each other
+        # fast path: readers of a verified copy never wait on each other
+        with shared(lock_path(dest_dir, version)):
             if is_verified(final, manifest, tuple(exclude)):
                 log.info("version %d: reusing verified copy %s", version, final)
                 return final
@@ -440,9 +437,8 @@ class CheckpointStore(PinLeases, ABC):
         deleted, failed = [], []
         for v in (v for v in versions if v not in keep):
             try:
-                self._delete(
-                    [f"versions/{version_dir(v)}/{MANIFEST}"]
-                )  # first: v is no longer complete
+                # first: v is no longer complete
+                self._delete([f"versions/{version_dir(v)}/{MANIFEST}"])
                 self._delete_stage(version_dir(v))
                 deleted.append(v)
             except CheckpointError as e:
@@ -576,9 +572,8 @@ class CheckpointStore(PinLeases, ABC):
                     "epoch": cur["epoch"] if epoch is None else epoch,
                 }
             new = json.dumps(doc) + "\n"
-            if new == text or self._write_if(
-                LATEST, new, tag
-            ):  # equal: our own write whose reply was lost
+            # equal: our own write whose reply was lost
+            if new == text or self._write_if(LATEST, new, tag):
                 return
         raise CheckpointError(
             f"latest in {self.uri} kept changing under 20 compare-and-set attempts; "

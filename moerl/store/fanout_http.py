@@ -123,9 +123,8 @@ class ChunkApp:
                 async with asyncio.timeout(self.limits.deadline_s(length)):
                     while left > 0 and not gone.is_set():
                         piece = await asyncio.to_thread(f.read, min(PIECE, left))
-                        if (
-                            not piece
-                        ):  # the file shrank: end short; the fetcher refuses a short chunk
+                        # the file shrank: end short; the fetcher refuses a short chunk
+                        if not piece:
                             return
                         left -= len(piece)
                         await send(

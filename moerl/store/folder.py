@@ -78,9 +78,8 @@ class LocalStore(CheckpointStore):
             log.warning("replacing incomplete version directory %s", final)
             shutil.rmtree(final)
         try:
-            os.rename(
-                self._path(stage), final
-            )  # fails if another publisher's version appeared meanwhile
+            # fails if another publisher's version appeared meanwhile
+            os.rename(self._path(stage), final)
         except OSError as e:
             raise CheckpointError(
                 f"version {version} appeared in {self.uri} while this publish ran ({e}); "
@@ -187,9 +186,8 @@ class LocalStore(CheckpointStore):
         try:
             for key in keys:
                 (self.root / key).unlink(missing_ok=True)
-            for parent in {
-                (self.root / key).parent for key in keys
-            }:  # deletions must not be reordered
+            # deletions must not be reordered
+            for parent in {(self.root / key).parent for key in keys}:
                 if parent.is_dir():
                     _fsync(parent)
         except OSError as e:

@@ -24,9 +24,8 @@ log = logging.getLogger(__name__)
 
 MARKER = ".moerl-verified"  # written into a fetched copy once verified; holds the manifest's sha256
 _COPY = re.compile(r"^v(\d{6,})$")
-_PARTIAL = re.compile(
-    r"^\.tmp-v(\d{6,})-[0-9a-f]+$"
-)  # the staging dir of a fetch (killed, if its lock is free)
+# the staging dir of a fetch (killed, if its lock is free)
+_PARTIAL = re.compile(r"^\.tmp-v(\d{6,})-[0-9a-f]+$")
 
 
 def lock_path(cache_dir: Path, version: int) -> Path:
@@ -151,9 +150,8 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
                 log.info("fetch cache: %s is being fetched; not pruning it now", path)
                 continue
             try:
-                (path / MARKER).unlink(
-                    missing_ok=True
-                )  # first: a half-deleted copy is never "verified"
+                # first: a half-deleted copy is never "verified"
+                (path / MARKER).unlink(missing_ok=True)
                 shutil.rmtree(path)
                 if _COPY.match(path.name):  # held: a waiter re-checks the path once it has the lock
                     lock_path(cache_dir, v).unlink(missing_ok=True)

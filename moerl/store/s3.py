@@ -165,10 +165,11 @@ class S3Store(CheckpointStore):
                 )
                 self._s3.create_bucket(Bucket=self.bucket, **conf)
             except ClientError as e:
+                # another writer was first
                 if _code(e) not in (
                     "BucketAlreadyOwnedByYou",
                     "BucketAlreadyExists",
-                ):  # another writer was first
+                ):
                     raise
                 return False
         log.warning(
@@ -197,9 +198,8 @@ class S3Store(CheckpointStore):
                 )
                 return True
             except ClientError as e:
-                if (
-                    _code(e) in _TAKEN | _MISSING
-                ):  # changed, created, or (If-Match) deleted meanwhile
+                # changed, created, or (If-Match) deleted meanwhile
+                if _code(e) in _TAKEN | _MISSING:
                     return False
                 raise
 

@@ -183,13 +183,14 @@ def _start(
                 data / "s3.json", (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]), reader
             )
         )
+        # own group: killpg reaches children
         proc = subprocess.Popen(
             _command(weed, data, ports, s3_config),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
-        )  # own group: killpg reaches children
+        )
         log.close()
         server = S3Server(
             f"http://127.0.0.1:{ports['s3']}",

@@ -143,9 +143,8 @@ def drop_cache_run(cfg: CheckpointConfig, run_id: str) -> int:
     if store is None:
         return 0
     keys = store._list("")
-    store._delete(
-        [k for k in keys if k.endswith("/manifest.json")]
-    )  # first: no half-deleted version is complete
+    # first: no half-deleted version is complete
+    store._delete([k for k in keys if k.endswith("/manifest.json")])
     store._delete([k for k in keys if not k.endswith("/manifest.json")])
     log.info("deleted run %s's %d objects from the cache tier %s", run_id, len(keys), store.uri)
     return len(keys)
@@ -179,9 +178,8 @@ class Tiers:
         self.cache_failed, self.cache_too_small = None, False
         if self.cache is not None:
             try:
-                if (
-                    self.config is not None
-                ):  # before a byte is written: a tier that cannot hold it is skipped
+                # before a byte is written: a tier that cannot hold it is skipped
+                if self.config is not None:
                     try:
                         check_tier_fits(
                             self.config,
@@ -396,9 +394,8 @@ class Tiers:
                 continue
             with self._staged(scratch) as tmp:
                 try:
-                    local = self.cache.fetch(
-                        v, tmp, expect_sha256=servable[1]
-                    )  # every file verified
+                    # every file verified
+                    local = self.cache.fetch(v, tmp, expect_sha256=servable[1])
                 except CheckpointError as e:
                     if not _cache_side(e):
                         raise
@@ -423,17 +420,14 @@ class Tiers:
         try:
             cache_latest = self.cache.latest()
             if latest is not None and latest in self.cache.versions():
-                if (
-                    cache_latest is not None and cache_latest > latest
-                ):  # the versions above it were dropped
+                # the versions above it were dropped
+                if cache_latest is not None and cache_latest > latest:
                     self.cache._point_latest(self.cache.manifest(latest), self.epoch, back=True)
             elif latest is not None:
-                if (
-                    cache_latest is not None and cache_latest > latest
-                ):  # the versions above it were dropped
-                    self.cache._point_latest(
-                        None, self.epoch, back=True
-                    )  # so the rebuild's publish is not refused
+                # the versions above it were dropped
+                if cache_latest is not None and cache_latest > latest:
+                    # so the rebuild's publish is not refused
+                    self.cache._point_latest(None, self.epoch, back=True)
                 with self._staged(scratch) as tmp:
                     manifest = self.durable.manifest(latest)
                     self._publish_copy(
@@ -460,9 +454,8 @@ class Tiers:
     def _drop_cache_version(self, v: int) -> None:
         assert self.cache is not None  # called while recovering the cache tier
         try:
-            self.cache._delete(
-                [f"versions/{version_dir(v)}/{MANIFEST}"]
-            )  # first: no longer complete
+            # first: no longer complete
+            self.cache._delete([f"versions/{version_dir(v)}/{MANIFEST}"])
             self.cache._delete_stage(version_dir(v))
         except CheckpointError as e:
             log.warning("recovery: could not delete version %d from the cache tier (%s)", v, e)

@@ -38,9 +38,8 @@ _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME, _MS_REC, _MS_PRIVATE = (
     16384,
     1 << 18,
 )
-_KEEP = (
-    _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME | _MS_RELATIME
-)  # locked in a user ns
+# locked in a user ns
+_KEEP = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME | _MS_RELATIME
 
 _lock = threading.Lock()
 _checked: dict[str, str] = {}  # isolation -> "" (works) or why not, once per process
@@ -155,9 +154,8 @@ def _mountpoints() -> list[str]:
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            out.append(
-                re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
-            )  # \040: a space
+            # \040: a space
+            out.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]))
     return out
 
 

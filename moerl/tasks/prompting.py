@@ -52,9 +52,8 @@ def encode_prompt(tokenizer, cfg: RolloutConfig, row: Any) -> list[int]:
         return list(tokenizer.encode(_text(row)))
     msgs = _messages(row) or [{"role": "user", "content": _text(row)}]
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(
-        ids, "keys"
-    ):  # a BatchEncoding, in some transformers versions
+    # a BatchEncoding, in some transformers versions
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
 

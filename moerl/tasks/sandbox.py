@@ -68,9 +68,8 @@ def child_env(scratch: str) -> dict[str, str]:
         {
             # the stage's credential files' directories: an isolated child mounts them away
             HIDE_ENV: os.pathsep.join(secret_dirs()),
-            "PYTHONPATH": os.pathsep.join(
-                p or os.getcwd() for p in sys.path
-            ),  # '' is the caller's cwd
+            # '' is the caller's cwd
+            "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
             "HOME": scratch,
             "TMPDIR": scratch,
             "OMP_NUM_THREADS": "1",
@@ -145,9 +144,8 @@ class _Child:
 
     def died(self) -> str:
         code = self.proc.wait()
-        if (
-            self.isolated and 128 < code < 128 + signal.NSIG
-        ):  # pid 1 of its namespace: 128 + the signal
+        # pid 1 of its namespace: 128 + the signal
+        if self.isolated and 128 < code < 128 + signal.NSIG:
             code = 128 - code
         try:
             return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"

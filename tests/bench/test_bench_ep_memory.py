@@ -17,9 +17,8 @@ def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
     data = json.loads(out.read_text())
     rows = {(r["world"], r["rank"]): r for r in data["results"]}
     assert sorted(rows) == [(1, 0), (2, 0), (2, 1)]
-    for r in (
-        rows.values()
-    ):  # weights, grads and Adam moments: 1/world of 4x the model each, nothing replicated
+    # weights, grads and Adam moments: 1/world of 4x the model each, nothing replicated
+    for r in rows.values():
         assert 0.99 <= r["state_ratio"] <= 1.1, r
     assert data["expert_mb_total"] == pytest.approx(2 * 16 * 3 * 256 * 256 * 4 / 2**20)
     for (world, _), r in rows.items():

@@ -62,8 +62,7 @@ def test_failures_lose_no_finished_sample_and_report_the_iteration_time(failures
     assert 75 in exits[rep["faults"][0]["worker"]]  # the SIGTERM'd worker drained and exited 75
     assert -9 in exits[rep["faults"][1]["worker"]]
     assert len(s["recovery_s"]) == 2 and all(r is None or r > 0 for r in s["recovery_s"])
-    assert any(
-        r is not None for r in s["recovery_s"]
-    )  # a replacement generated the versions after the faults
+    # a replacement generated the versions after the faults
+    assert any(r is not None for r in s["recovery_s"])
     for name in rep["plots"]:
         assert (out / name).stat().st_size > 1000

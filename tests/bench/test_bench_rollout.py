@@ -74,9 +74,8 @@ def test_rounds_combine_into_the_median_round_and_the_median_of_the_rounds_ratio
         "ratio_to_bare"
     ] == pytest.approx(0.9)
     assert "ratio_to_bare" not in _combine(rounds, None)  # a bare arm
-    assert (
-        _combine(rounds[:2], [100.0, 100.0])["tokens_per_s"] == 70.0
-    )  # even: the lower middle round
+    # even: the lower middle round
+    assert _combine(rounds[:2], [100.0, 100.0])["tokens_per_s"] == 70.0
     failed = _combine(rounds[:1] + [{"ok": False, "error": "engine died"}], [100.0, None])
     assert failed["ok"] is False and failed["error"] == "engine died" and failed["rounds"] == 2
 
@@ -158,9 +157,8 @@ def test_interleaved_rounds_and_the_breakdown_report_what_they_measured(tmp_path
         [w / b for w, b in zip(worker["tokens_per_s_rounds"], bare["tokens_per_s_rounds"])]
     )
     assert min(worker["ratio_rounds"]) <= worker["ratio_to_bare"] <= max(worker["ratio_rounds"])
-    assert (
-        worker["groups"] == 8 and 8 <= worker["bus_writes"] <= 8 + 2
-    )  # 2 units x 4 prompts, and their acknowledgements
+    # 2 units x 4 prompts, and their acknowledgements
+    assert worker["groups"] == 8 and 8 <= worker["bus_writes"] <= 8 + 2
     split = rep["breakdown"]
     assert split["ok"] and split["rounds"] == 3 and split["units_per_window"] == 2
     assert list(split["ways"]) == [

@@ -197,6 +197,5 @@ def test_the_projection_takes_its_environment_time_from_the_suite(suite, tmp_pat
     assert used["measured_env_over_generation"] == pytest.approx(ratio)
     assert proj["inputs"]["env_s"] == pytest.approx(used["env_s"]) and used["env_s"] > 0
     assert proj["inputs"]["imbalance"] == 1.0  # measured on a tiny model: reported, not applied
-    assert (
-        proj["gain"]["trajectories"] < proj["gain"]["output_tokens"]
-    )  # environment time dilutes the gain
+    # environment time dilutes the gain
+    assert proj["gain"]["trajectories"] < proj["gain"]["output_tokens"]

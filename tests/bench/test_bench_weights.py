@@ -34,13 +34,11 @@ def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
     # the swap's breakdown: every part measured, together never more than the swap itself
     assert min(row.swap_read_s, row.swap_reload_s, row.swap_repack_s) >= 0 and row.swap_repack_s > 0
     assert row.swap_read_s + row.swap_reload_s + row.swap_repack_s <= row.swap_s
-    assert (
-        row.swap_moe_layers_inplace == 2
-    )  # the tiny model's two MoE layers take the in-place path
+    # the tiny model's two MoE layers take the in-place path
+    assert row.swap_moe_layers_inplace == 2
     assert row.swap_vs_bound == pytest.approx(row.swap_s / row.memcpy_bound_s)
-    assert (
-        data["rows"][0]["fresh_load_s"] == row.fresh_load_s
-    )  # the README's load time comes from here
+    # the README's load time comes from here
+    assert data["rows"][0]["fresh_load_s"] == row.fresh_load_s
     assert row.swap_vs_fresh_load == pytest.approx(row.swap_s / row.fresh_load_s)
     out_text = capsys.readouterr().out
     assert "publish" in out_text and "fresh load" in out_text and "read/reload/repack" in out_text

@@ -75,9 +75,8 @@ def test_an_idle_unit_behind_busy_ones_is_reclaimed_in_one_round_trip(bus, serve
     }
     slow.claim_every_s = 60.0
     before = calls("xpending")
-    assert (
-        slow.lease_unit("w2", block_ms=0) is None
-    )  # nothing new, and no second look for idle ones yet
+    # nothing new, and no second look for idle ones yet
+    assert slow.lease_unit("w2", block_ms=0) is None
     assert calls("xpending") == before
     slow.claim_every_s = 0.0
     slow.lease_unit("w2", block_ms=0)
@@ -490,9 +489,8 @@ def test_every_hand_off_runs_once_when_its_reply_is_lost(bus, lost_replies):
     again = bus.lease_unit("w1", block_ms=50)
     assert [p["k"] for p in again.unit["prompts"]] == [1]
     uid = again.unit["unit_id"]  # the unit keeps its id when requeued
-    assert once(
-        lambda: bus.publish_group(f"{uid}/1:p2", [{"x": 1}] * 4)
-    )  # the first run's answer: added
+    # the first run's answer: added
+    assert once(lambda: bus.publish_group(f"{uid}/1:p2", [{"x": 1}] * 4))
     once(lambda: bus.ack_unit(again))
     c = bus.counters()
     assert (c["generated"], c["duplicates"], c["groups_generated"], c["units_done"]) == (4, 0, 1, 1)
@@ -672,9 +670,8 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
         batch = bus.take_scored("trainer", 10, block_ms=50)
         entries, groups = [e for e, _ in batch], [g["group_id"] for _, g in batch]
         assert bus.wait_durable(0, 5.0)[0] >= 1
-        before = (
-            tmp_path / "before-commit"
-        )  # what a lagging replica, or the disk after a power loss, holds
+        # what a lagging replica, or the disk after a power loss, holds
+        before = tmp_path / "before-commit"
         shutil.copytree(v.data_dir, before)
         # version 1 trained on the batch: published (the manifest records its groups), committed
         (src / "w.bin").write_bytes(b"\1" * 64)
@@ -690,19 +687,16 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
         assert bus.wait_durable(0, 5.0)[0] >= 1  # everysec: WAITAOF waits for the next fsync
         v.kill()  # a crash right after the commit
         v.start()
-        assert (
-            bus.registry().version == 1 and bus.counters()["trained"] == 8
-        )  # the waited-for commit survived
+        # the waited-for commit survived
+        assert bus.registry().version == 1 and bus.counters()["trained"] == 8
         v.kill()
         shutil.rmtree(v.data_dir)
-        shutil.copytree(
-            before, v.data_dir
-        )  # now lose the commit: the registry is back at version 0
+        # now lose the commit: the registry is back at version 0
+        shutil.copytree(before, v.data_dir)
         v.start()
         assert bus.registry().version == 0 and bus.consumed(groups) == set()
-        assert (
-            int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 2
-        )  # the batch would be trained again
+        # the batch would be trained again
+        assert int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 2
         epoch2 = bus.claim_trainer("trainer-2")  # the restarted trainer
         latest = store.recover()
         assert latest == 1
@@ -713,9 +707,8 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
         )
         assert bus.consumed(groups) == set(groups) and bus.counters()["trained"] == 8
         assert int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 0
-        assert (
-            bus.take_scored("trainer", 10, block_ms=50) == []
-        )  # nothing of version 1's batch comes back
+        # nothing of version 1's batch comes back
+        assert bus.take_scored("trainer", 10, block_ms=50) == []
         _reconcile(bus, cfg, run, latest, epoch2)  # a second restart changes nothing
         assert bus.counters()["trained"] == 8 and store.versions() == [0, 1]
         for g in groups:  # a copy of a trained group that reaches the bus again is a duplicate
@@ -890,21 +883,18 @@ def test_the_outbox_stays_bounded_while_the_bus_takes_no_writes_and_sends_everyt
     try:
         out.put(bus.group_write(gids[1], [{"x": 1}]))
         deadline = time.monotonic() + 30
-        while (
-            out._q.qsize() and time.monotonic() < deadline
-        ):  # the thread took it: its round trip waits
+        # the thread took it: its round trip waits
+        while out._q.qsize() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert out._q.qsize() == 0
         loop.start()
         while len(handed) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         loop.join(timeout=1.0)
-        assert (
-            loop.is_alive() and handed == [2, 3] and out._q.qsize() == 2
-        )  # full: the third hand-over waits
-        assert (
-            bus.counters()["groups_generated"] == 1 and out.writes == 1
-        )  # nothing went out meanwhile
+        # full: the third hand-over waits
+        assert loop.is_alive() and handed == [2, 3] and out._q.qsize() == 2
+        # nothing went out meanwhile
+        assert bus.counters()["groups_generated"] == 1 and out.writes == 1
         assert out.error is None
     finally:
         admin.client_unpause()
@@ -935,11 +925,12 @@ def test_batched_writes_run_in_order_and_once_each_through_a_lost_reply_and_a_fo
     assert (c["generated"], c["duplicates"], c["groups_generated"], c["units_done"]) == (6, 0, 3, 1)
     got = bus.take_generated("s1", 10, block_ms=50)
     assert [g["group_id"] for _, g in got] == [f"{uid}/{k}:p{k + 1}" for k in range(3)]  # in order
+    # sent again as they are: their first answers, nothing added
     assert bus.write_many(writes) == [
         1,
         1,
         1,
-    ]  # sent again as they are: their first answers, nothing added
+    ]
     assert bus.counters()["groups_generated"] == 3
     import valkey
 
@@ -1029,12 +1020,10 @@ def test_the_outbox_batches_a_steps_groups_and_acknowledges_a_unit_only_after_th
         out.flush()
     assert (out.writes, out.round_trips) == (3, 1)  # the failed batch is not counted
     c = bus.counters()
-    assert (
-        c["groups_generated"] == 3 and c["units_done"] == 1
-    )  # the group before it landed; no acknowledgement
-    assert (
-        bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 1
-    )  # still leased: its retry regenerates it
+    # the group before it landed; no acknowledgement
+    assert c["groups_generated"] == 3 and c["units_done"] == 1
+    # still leased: its retry regenerates it
+    assert bus.r.xpending(bus.key(UNITS), "rollout")["pending"] == 1
     assert released[-1] == second.entry_id  # the lease's release ran all the same
     out.close()
     with pytest.raises(RuntimeError, match="no bus"):
@@ -1145,9 +1134,8 @@ def test_the_consumed_set_lives_in_hourly_buckets_that_expire(bus):
     [key] = bus.r.scan(bus.key("consumed:*"))
     assert 0 < bus.r.ttl(key) <= CONSUMED_TTL_S
     hour = int(time.time() // CONSUMED_BUCKET_S)
-    bus.r.sadd(
-        bus.key(f"consumed:{hour - 3}"), "u-3h"
-    )  # settled three hours ago: still a duplicate
+    # settled three hours ago: still a duplicate
+    bus.r.sadd(bus.key(f"consumed:{hour - 3}"), "u-3h")
     bus.r.sadd(bus.key(f"consumed:{hour - 9}"), "u-9h")  # a bucket that would have expired
     assert bus.consumed(["u1/0:p1", "u-3h", "u-9h", "never"]) == {"u1/0:p1", "u-3h"}
 
@@ -1156,9 +1144,8 @@ def test_the_dead_letter_stream_keeps_its_newest_entries_and_the_counters_all(bu
     import moerl.bus.run
     from moerl.bus.scripts import DEAD_MAXLEN
 
-    monkeypatch.setattr(
-        moerl.bus.run, "MAX_ENTRY_BYTES", 1
-    )  # every group is refused by its producer
+    # every group is refused by its producer
+    monkeypatch.setattr(moerl.bus.run, "MAX_ENTRY_BYTES", 1)
     n = DEAD_MAXLEN + 1500
     for start in range(0, n, 1000):
         bus.write_many(

@@ -320,9 +320,8 @@ def test_the_first_task_makes_the_runs_user_and_secret_and_the_exit_task_deletes
         ]
         with pytest.raises(BusError, match="refused the login"):
             connect(v.url, 5, retried["VALKEY_USERNAME"], retried["VALKEY_PASSWORD"]).ping()
-        assert (
-            close_run_identity(cfg, run, api) == []
-        )  # the exit task run twice: nothing left, no error
+        # the exit task run twice: nothing left, no error
+        assert close_run_identity(cfg, run, api) == []
         assert not replay.script
         # a first task without the admin's password (the Secret lacks the key) stops, naming it
         monkeypatch.delenv("VALKEY_ADMIN_PASSWORD_FILE")

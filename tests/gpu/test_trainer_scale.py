@@ -200,11 +200,12 @@ def test_grouped_gemm_equals_the_loop_and_is_faster_in_bf16():
     assert r["grouped_s"] < r["loop_s"]
 
 
+# samples, prompt, response tokens
 SHAPE = (
     int(os.environ.get("MOERL_GPU_SAMPLES", 192)),
     128,
     896,
-)  # samples, prompt, response tokens
+)
 STEPS = 6  # optimizer steps: 32 sequences (32k tokens) each, past the first step's warm-up
 
 

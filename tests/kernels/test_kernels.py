@@ -36,11 +36,12 @@ WORLD2 = [
         "allow_fallback": True,
         "scenarios": ["uniform"],
     },
+    # inside a world: still ep_size 1
     {
         "id": "local",
         "backend": "local",
         "scenarios": ["uniform"],
-    },  # inside a world: still ep_size 1
+    },
 ]
 WORLD4 = [
     {
@@ -289,13 +290,11 @@ def fake_deep_ep_v2(monkeypatch):
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_deepep_v2_adapter_against_a_fake_elastic_buffer(fake_deep_ep_v2, scenario):
     d = make_dispatcher("deepep", E, deepep_options={"num_max_tokens_per_rank": 64})
-    assert (
-        d.api == "v2" and d.describe() == "deepep v2 (ElasticBuffer) normal"
-    )  # auto: the newest API
+    # auto: the newest API
+    assert d.api == "v2" and d.describe() == "deepep v2 (ElasticBuffer) normal"
     per_rank = [check_contract(d, scenario, rank=0)]
-    _assert_contract(
-        per_rank, tol=5e-2, label=f"deepep v2(fake) {scenario}"
-    )  # padding rows never leak in
+    # padding rows never leak in
+    _assert_contract(per_rank, tol=5e-2, label=f"deepep v2(fake) {scenario}")
     (buf,) = fake_deep_ep_v2.ElasticBuffer.created
     assert (buf.hidden, buf.num_topk, buf.num_max_tokens_per_rank, buf.use_fp8_dispatch) == (
         16,
@@ -363,9 +362,8 @@ def test_deepep_adapter_against_a_fake_buffer(fake_deep_ep, scenario):
     d = make_dispatcher("deepep", E)
     per_rank = [check_contract(d, scenario, rank=0)]
     _assert_contract(per_rank, tol=5e-2, label=f"deepep(fake) {scenario}")  # bf16 on the wire
-    assert (
-        per_rank[0]["identity_err"] > 0 or per_rank[0]["num_tokens"] == 0
-    )  # it really went through bf16
+    # it really went through bf16
+    assert per_rank[0]["identity_err"] > 0 or per_rank[0]["num_tokens"] == 0
     assert not fake_deep_ep.created[0].low_latency_mode
 
 

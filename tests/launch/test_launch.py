@@ -338,9 +338,8 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(
     (tmp_path / "state_in").mkdir()  # not a model: the stage fails inside the "pod"
     (tmp_path / "state_in" / "config.json").write_text("{}")
     (tmp_path / "batch.jsonl").write_text("")
-    cfg, run_id = _tracked(
-        cfg, tmp_path
-    )  # $MLFLOW_TRACKING_URI below only checks what reaches the pod
+    # $MLFLOW_TRACKING_URI below only checks what reaches the pod
+    cfg, run_id = _tracked(cfg, tmp_path)
     monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
     for k, v in {
         "KFP_POD_NAME": "grpo-task-1",
@@ -372,9 +371,8 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(
     patch = body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
         "replicatedJobs"
     ][0]
-    assert (
-        patch["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "moerl-worker"
-    )  # never task-sa
+    # never task-sa
+    assert patch["template"]["spec"]["template"]["spec"]["serviceAccountName"] == "moerl-worker"
     assert "hunter2" not in json.dumps(body)
 
 
@@ -385,9 +383,8 @@ def test_a_failing_remote_run_says_why_in_the_termination_log(tmp_path, monkeypa
     monkeypatch.setattr(remote, "TERMINATION_LOG", str(log))
     monkeypatch.delenv("MOERL_SCRATCH", raising=False)
     monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
-    assert (
-        remote.main(["gs://not-s3/spec.json"]) == 1
-    )  # nothing to write to: the kubelet makes the file
+    # nothing to write to: the kubelet makes the file
+    assert remote.main(["gs://not-s3/spec.json"]) == 1
     assert not log.exists()
     log.write_text("")
     assert remote.main(["gs://not-s3/spec.json"]) == 1

@@ -248,12 +248,10 @@ def test_eksctl_node_groups_carry_exactly_the_pipelines_labels_and_taints():
         assert (ng.get("instanceTypes") or [ng.get("instanceType")]) == ["p5en.48xlarge"]
         assert len(ng["availabilityZones"]) == 1  # eksctl: EFA needs one AZ
     assert all(t.startswith("c") for t in worker["cpu"]["instanceTypes"])  # compute-optimized
-    assert all(
-        t.startswith(("r", "x")) for t in worker["buffer"]["instanceTypes"]
-    )  # memory-optimized
-    assert all(
-        t.startswith(("g", "p")) for t in worker["reward"]["instanceTypes"]
-    )  # a GPU for the reward model
+    # memory-optimized
+    assert all(t.startswith(("r", "x")) for t in worker["buffer"]["instanceTypes"])
+    # a GPU for the reward model
+    assert all(t.startswith(("g", "p")) for t in worker["reward"]["instanceTypes"])
 
 
 def test_karpenter_node_pools_carry_exactly_the_pipelines_labels_and_taints(built):
@@ -330,12 +328,10 @@ def test_the_bench_suite_job_runs_on_one_trainer_gpu_with_a_config_moerl_accepts
     cfg = load_config(cfg_file, [])
     assert cfg.checkpoint.uri.startswith("s3://") and cfg.rollout.device == "cuda"
     vol = {v["name"]: v for v in spec["volumes"]}["config"]
-    assert (
-        vol["configMap"]["name"] == cm["metadata"]["name"]
-    )  # kustomize's hashed name reaches the pod
-    assert "moerl-bench-suite" not in {
-        k[2] for k in dict(_pod_specs(built["prod"]))
-    }  # only in prod-bench
+    # kustomize's hashed name reaches the pod
+    assert vol["configMap"]["name"] == cm["metadata"]["name"]
+    # only in prod-bench
+    assert "moerl-bench-suite" not in {k[2] for k in dict(_pod_specs(built["prod"]))}
 
 
 # --- security ---------------------------------------------------------------------------------
@@ -408,9 +404,8 @@ def test_valkey_is_persistent_reachable_only_by_moerl_pods_and_protected_from_dr
     (c,) = sts["spec"]["template"]["spec"]["containers"]
     args = " ".join(c["args"])
     assert "--appendonly yes" in args and "--appendfsync always" in args
-    assert (
-        "--maxmemory-policy noeviction" in args
-    )  # a full server refuses writes, never evicts work
+    # a full server refuses writes, never evicts work
+    assert "--maxmemory-policy noeviction" in args
     from moerl.bus.scripts import PROTO_MAX_BULK_LEN  # no argument larger than an entry may be
 
     assert f"--proto-max-bulk-len {PROTO_MAX_BULK_LEN}" in args
@@ -614,9 +609,8 @@ def test_install_references_are_pinned():
         assert remote and all(
             r.startswith("https://github.com/kubeflow/") and r.endswith(ref) for r in remote
         ), name
-        local = [
-            r for r in k["resources"] if "://" not in r
-        ]  # moerl's own, next to the kustomization
+        # moerl's own, next to the kustomization
+        local = [r for r in k["resources"] if "://" not in r]
         assert all((MANIFESTS / "install" / name / r).is_file() for r in local), name
 
 
@@ -663,9 +657,8 @@ def test_the_trainer_runtime_carries_the_trainer_priority_and_validates():
         if o and o["kind"] == "PriorityClass"
     }
     rollout = parse_config({}).cluster.launch.rollout_priority_class
-    assert (
-        classes[pod["priorityClassName"]] > classes[rollout]
-    )  # the trainer preempts Spot rollout, not the reverse
+    # the trainer preempts Spot rollout, not the reverse
+    assert classes[pod["priorityClassName"]] > classes[rollout]
 
 
 def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones(built):
@@ -732,9 +725,8 @@ def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones
     evil["spec"] |= {"hostNetwork": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
     assert len(refused(evil)) == 4
     bare = {"metadata": {"labels": {}}, "spec": {"containers": [{"name": "x", "image": "x"}]}}
-    assert (
-        len(refused(bare, "system:serviceaccount:moerl:moerl-pipeline")) == 4
-    )  # the account that may create pods
+    # the account that may create pods
+    assert len(refused(bare, "system:serviceaccount:moerl:moerl-pipeline")) == 4
     assert refused(bare) is None  # KFP's own task pods (created by Argo) are not matched
 
 
@@ -766,9 +758,8 @@ def test_third_party_images_are_pinned_by_digest_through_the_image_digests_compo
         assert pin_images.unpinned(docs) == [], overlay
         rendered = pin_images.third_party(pin_images.images(docs))
         assert sorted(r.split("@")[1] for r in rendered) == sorted(pins.values())
-    assert (
-        pin_images.main(["--check", "--overlay", str(MANIFESTS / "overlays" / "prod")]) == 1
-    )  # not pinned yet
+    # not pinned yet
+    assert pin_images.main(["--check", "--overlay", str(MANIFESTS / "overlays" / "prod")]) == 1
     with pytest.raises(ValueError, match="not a sha256 digest"):
         pin_images.component({"valkey/valkey:9.1.2": "latest"})
 

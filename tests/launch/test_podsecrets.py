@@ -165,9 +165,8 @@ def test_a_missing_required_key_stops_the_task_and_a_readable_secrets_file_is_re
     partial = write_sandbox_secrets(
         tmp_path / "partial.json", {"moerl-ckpt-cache": {"WRITER_ACCESS_KEY_ID": "w"}}
     )
-    assert (
-        sandbox_secret_env(partial, cfg, "reward", False, {}, tmp_path / "r") == {}
-    )  # MLflow's are optional
+    # MLflow's are optional
+    assert sandbox_secret_env(partial, cfg, "reward", False, {}, tmp_path / "r") == {}
     with pytest.raises(
         RuntimeError,
         match=r"stage start_run: its pod needs key 'READER_ACCESS_KEY_ID' of the "
@@ -260,6 +259,7 @@ def test_the_first_task_passes_its_cache_tier_preflight_with_its_pods_reader_key
         )
         (tmp_path / "cfg.json").write_text(config_to_json(cfg))
         reader_id, reader_secret = server.reader
+        # the durable S3's: IRSA's stand-in
         secrets = write_sandbox_secrets(
             tmp_path / "secrets.json",
             {
@@ -273,7 +273,7 @@ def test_the_first_task_passes_its_cache_tier_preflight_with_its_pods_reader_key
                 },
             },
             {k: v for k, v in os.environ.items() if k.startswith("AWS_")},
-        )  # the durable S3's: IRSA's stand-in
+        )
         # the test process holds the writer's keys, as the old harness gave them to every task:
         # a task must not inherit them
         env = {
@@ -299,9 +299,8 @@ def test_the_first_task_passes_its_cache_tier_preflight_with_its_pods_reader_key
         first = task("start_run")
         assert first["preflight"] == "ok"
         assert "AccessDenied" in first["write"]  # the reader's keys, not the writer's
-        assert (
-            "MOERL_SANDBOX_SECRETS" not in first["env"]
-        )  # the children of a task never see the file
+        # the children of a task never see the file
+        assert "MOERL_SANDBOX_SECRETS" not in first["env"]
         # its keys as 0400 files in its own sandbox, never in its environment
         assert "MOERL_CACHE_TIER_ACCESS_KEY_ID_FILE" in first["env"]
         assert "MOERL_CACHE_TIER_ACCESS_KEY_ID" not in first["env"]

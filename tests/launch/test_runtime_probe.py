@@ -57,18 +57,16 @@ def test_each_requirement_fails_only_when_its_piece_is_missing(need, absent, nee
     assert provenance.missing_requirements(require, PRESENT) == []
     (msg,) = provenance.missing_requirements(require, {**PRESENT, **absent})
     assert needle in msg
-    assert (
-        provenance.missing_requirements(RequireConfig(), {**PRESENT, **absent}) == []
-    )  # not required: recorded only
+    # not required: recorded only
+    assert provenance.missing_requirements(RequireConfig(), {**PRESENT, **absent}) == []
 
 
 def test_build_info_is_read_as_tags_and_absent_outside_an_image(tmp_path):
     from moerl import buildinfo
 
     assert provenance.build_info(tmp_path / "none.json") == {"build.info": "absent"}
-    buildinfo.write(
-        tmp_path / "b.json", buildinfo.collect()
-    )  # what an image build writes, here on CPU
+    # what an image build writes, here on CPU
+    buildinfo.write(tmp_path / "b.json", buildinfo.collect())
     tags = provenance.build_info(tmp_path / "b.json")
     assert tags["build.torch"].startswith("2.13.0") and tags["build.deep_ep"] == "missing"
     (tmp_path / "bad.json").write_text(json.dumps({"not": "a record"}))

@@ -233,9 +233,8 @@ def _sigterm_drain(h: Harness) -> None:
 
     c = h.go(fault)
     assert sent, "the worker never held a unit"
-    assert (
-        EXIT_DRAINED in h.run.children["rollout-0"].exits
-    )  # drained, non-zero: the slot is retried
+    # drained, non-zero: the slot is retried
+    assert EXIT_DRAINED in h.run.children["rollout-0"].exits
     assert c["drains"] >= 1 and c["units_requeued"] >= 1
     assert _versions(h)[-1] == h.cfg.pipeline.versions
     _balanced(c, h.cfg)
@@ -296,9 +295,8 @@ def test_a_cache_server_killed_and_restarted_mid_run_sends_engines_to_s3_and_the
             step + 1: v
             for step, v in tracking.metric_history(h.uri, h.run_id, "weights/cache_tier_failed")
         }
-        assert sorted(by_version) == list(
-            range(1, h.cfg.pipeline.versions + 1)
-        )  # every version says where it went
+        # every version says where it went
+        assert sorted(by_version) == list(range(1, h.cfg.pipeline.versions + 1))
         assert c["cache_tier_failed"] == sum(by_version.values()) >= 1
         # every version begun after the restart (the trainer was stopped while the server came
         # back) went to the cache tier first; there are such versions
@@ -394,9 +392,8 @@ def test_a_valkey_outage_longer_than_the_visibility_timeout_is_survived_by_every
 
     def fault(run):
         reg = run.bus.registry()
-        if (
-            not sent and reg is not None and h.holds_unit("rollout-0")
-        ):  # any unit held, from version 0 on
+        # any unit held, from version 0 on
+        if not sent and reg is not None and h.holds_unit("rollout-0"):
             h.valkey.kill()  # a crash: only the fsynced append-only file survives
             time.sleep(outage_s)
             h.valkey.start()
@@ -404,9 +401,8 @@ def test_a_valkey_outage_longer_than_the_visibility_timeout_is_survived_by_every
 
     c = h.go(fault)
     assert sent
-    assert all(
-        ch.exits == [0] for ch in h.run.children.values()
-    )  # no stage crashed, every one ended cleanly
+    # no stage crashed, every one ended cleanly
+    assert all(ch.exits == [0] for ch in h.run.children.values())
     assert _versions(h)[-1] == h.cfg.pipeline.versions
     _balanced(c, h.cfg)
     assert c["units_reclaimed"] == 0  # the held unit stayed with its live holder
@@ -445,9 +441,8 @@ def test_samples_whose_scoring_fails_are_counted_failed_never_scored_zero(tmp_pa
     assert c["sample_timeouts"] > 0 and c["sample_memory"] > 0  # sleeps and spins; allocates
     assert c["score_failed"] > c["sample_timeouts"] + c["sample_memory"]  # and the ones that raised
     assert c["failed"] % h.cfg.rollout.samples_per_prompt == 0  # whole groups
-    assert (
-        c["score_timeouts"] == 0 and h.run.children["scorer-0"].starts == 1
-    )  # no group deadline, no restart
+    # no group deadline, no restart
+    assert c["score_timeouts"] == 0 and h.run.children["scorer-0"].starts == 1
     _balanced(c, h.cfg)
     # the sync pipeline's metric names, one point per version, at the step sync logs its iteration
     for key in tracking.SHARED_METRICS:
@@ -537,9 +532,8 @@ def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_
         or "already claimed" in logs
     )
     assert code != 0  # the intruder did not finish the run: it stopped, fenced
-    assert (
-        h.run.children["trainer"].starts >= 2
-    )  # the supervised trainer was fenced once and came back
+    # the supervised trainer was fenced once and came back
+    assert h.run.children["trainer"].starts >= 2
     store = run_store(h.cfg.checkpoint, h.run_id)
     assert (
         store.versions() == list(range(h.cfg.pipeline.versions + 1))

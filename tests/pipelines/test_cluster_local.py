@@ -279,9 +279,8 @@ def test_a_failed_run_is_retried_then_marked_failed_by_the_exit_handler(cluster_
     assert (
         "rollout" in bad.data.tags["moerl.error"] or "exit-handler" in bad.data.tags["moerl.error"]
     )
-    assert (
-        bad.data.tags["runtime.rollout.cuda_available"] == "false"
-    )  # what the failing stage found, recorded
+    # what the failing stage found, recorded
+    assert bad.data.tags["runtime.rollout.cuda_available"] == "false"
     # published state untouched: version 0 only, `latest` on it
     store = _store(cluster_run, bad.info.run_id)
     assert store.versions() == [0] and store.latest() == 0

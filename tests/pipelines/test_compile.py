@@ -36,9 +36,8 @@ def test_cli_compile_writes_yaml_that_kfp_loads(tmp_path):
     assert {"config_json", "run_id", "git_sha", "learning_rate", "dataset", "overrides"} <= set(
         loaded.component_spec.inputs
     )
-    assert (
-        "versions" not in loaded.component_spec.inputs
-    )  # the sync pipeline unrolls its iterations
+    # the sync pipeline unrolls its iterations
+    assert "versions" not in loaded.component_spec.inputs
 
 
 def test_compiled_spec_unrolls_iterations_and_uses_the_configured_image(tmp_path):

@@ -47,10 +47,11 @@ def _all_tasks(
 def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
     spec, spec_dict = _spec(compile_pipeline(_cfg(), tmp_path / "a.yaml"))
     top = spec.root.dag.tasks
+    # the run in an ExitHandler
     assert {t.task_info.name for t in top.values()} == {
         "close-run",
         "moerl-run",
-    }  # the run in an ExitHandler
+    }
     root = spec.components[
         next(t for t in top.values() if t.task_info.name == "moerl-run").component_ref.name
     ].dag.tasks

@@ -114,9 +114,8 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
             mounts["/scratch"].size_limit == "200Gi"
             and {"name": "MOERL_SCRATCH", "value": "/scratch"} in c["env"]
         )
-        if (
-            stage in ENGINE_STAGES
-        ):  # an engine or a trainer in the task: GPUs, a memory-backed /dev/shm
+        # an engine or a trainer in the task: GPUs, a memory-backed /dev/shm
+        if stage in ENGINE_STAGES:
             assert (
                 mounts["/dev/shm"].medium == "Memory" and mounts["/dev/shm"].size_limit == group.shm
             ), stage
@@ -146,9 +145,8 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
             assert (
                 task.retry_policy.backoff_max_duration.seconds == cfg.pipeline.retry_max_duration_s
             )
-        elif (
-            stage in RETRYABLE_STAGES
-        ):  # sync: pure functions of their inputs, redone after a lost pod
+        # sync: pure functions of their inputs, redone after a lost pod
+        elif stage in RETRYABLE_STAGES:
             assert task.retry_policy.max_retry_count == cfg.pipeline.task_retries == 2, stage
         else:  # must not repeat a publication or the run's bookkeeping
             assert task.retry_policy.max_retry_count == (
@@ -169,9 +167,8 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
     )
     assert stages_seen == expected
     text = (tmp_path / "p.yaml").read_text()
-    assert (
-        "s3cr3t-pw" not in text and "alice" not in text and MLFLOW in text
-    )  # credentials come from the Secret
+    # credentials come from the Secret
+    assert "s3cr3t-pw" not in text and "alice" not in text and MLFLOW in text
 
 
 def test_the_exit_handler_closes_the_run_however_it_ends(tmp_path):
@@ -340,9 +337,8 @@ def test_async_size_does_not_grow_with_versions_on_eks(tmp_path):
 
 
 def test_a_workload_shape_moerl_cannot_run_yet_is_refused_at_compile(tmp_path):
-    data = _cfg(
-        cluster={"launch": {"mode": "kubernetes", "trainer_nodes": 2}}
-    )  # 1 rank cannot span 2 nodes
+    # 1 rank cannot span 2 nodes
+    data = _cfg(cluster={"launch": {"mode": "kubernetes", "trainer_nodes": 2}})
     with pytest.raises(ConfigError, match="1 ranks do not split evenly over 2 nodes"):
         compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
     data = _cfg(cluster={"launch": {"mode": "kubernetes", "rollout_nodes_per_worker": 2}})
@@ -490,9 +486,8 @@ def test_the_reward_model_pipeline_compiles_for_eks(tmp_path):
     assert _placement(spec, doc, k8s, "prepare-preferences")[:2] == ("cpu", None)
     assert _placement(spec, doc, k8s, "train-reward-model")[:2] == ("trainer", "8")
     assert _placement(spec, doc, k8s, "publish-reward-model")[:2] == ("buffer", None)
-    with pytest.raises(
-        ConfigError, match="checkpoint.uri"
-    ):  # the same cluster-safety checks as GRPO
+    # the same cluster-safety checks as GRPO
+    with pytest.raises(ConfigError, match="checkpoint.uri"):
         compile_pipeline(
             parse_config({**data, "checkpoint": {"uri": "checkpoints"}}),
             tmp_path / "x.yaml",
@@ -576,9 +571,8 @@ def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_ident
         }
     )
     assert {s: k for s, k in seen.items() if k} == want
-    assert all(
-        not k for s, k in seen.items() if s not in want
-    )  # reward, buffer, bookkeeping: no keys
+    # reward, buffer, bookkeeping: no keys
+    assert all(not k for s, k in seen.items() if s not in want)
 
 
 def test_an_embedded_cache_tier_or_a_sync_fanout_is_not_cluster_safe(tmp_path):
@@ -619,9 +613,8 @@ def _mounted(kc: kpb.KubernetesExecutorConfig, container: dict) -> dict:
             mount, key = e["value"].rsplit("/", 1)
             name, optional = volumes[mount]
             files[e["name"].removesuffix("_FILE")] = SecretRef(name, key, optional)
-    assert {ref.path().rsplit("/", 1)[0] for ref in files.values()} == set(
-        volumes
-    )  # none mounted for nothing
+    # none mounted for nothing
+    assert {ref.path().rsplit("/", 1)[0] for ref in files.values()} == set(volumes)
     return files
 
 
@@ -696,6 +689,7 @@ def test_an_async_pipeline_without_the_valkey_admins_secret_is_refused(tmp_path)
         r"the run's own Valkey user",
     ):
         _compiled(tmp_path, data)
+    # sync: fine
     _compiled(
         tmp_path, {**_cfg("sync"), "cluster": {**_cfg("sync")["cluster"], "valkey_secret": None}}
-    )  # sync: fine
+    )

@@ -166,9 +166,8 @@ def test_the_tracking_password_is_nowhere(e2e_run, tmp_path):
         for p in work.rglob("*")
         if p.is_file() and p.name not in ("run.yaml", "out.log", "rm.log")
     ]
-    assert any(
-        p.suffix == ".log" and p.parent.name == "work" for p in written
-    )  # the pipeline log is among them
+    # the pipeline log is among them
+    assert any(p.suffix == ".log" and p.parent.name == "work" for p in written)
     assert [p for p in written if PASSWORD.encode() in p.read_bytes()] == []
     client = MlflowClient(f"sqlite:///{work / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("e2e").experiment_id])
@@ -303,9 +302,10 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
         )
     )
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    # tests.support.hostile_verifiers
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")])
-    )  # tests.support.hostile_verifiers
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "moerl.cli", "run", "run.yaml"],
         cwd=tmp_path,
@@ -357,13 +357,14 @@ def test_missing_bucket_stops_before_training(tmp_path, s3_server):
             }
         )
     )
+    # inherits the fixture's AWS_* env
     proc = subprocess.run(
         [sys.executable, "-m", "moerl.cli", "run", "run.yaml"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,
-    )  # inherits the fixture's AWS_* env
+    )
     assert proc.returncode == 1, proc.stderr
     assert (
         "bucket 'moerl-no-such-bucket' does not exist" in proc.stderr

@@ -87,9 +87,8 @@ def test_hostile_config_file_is_one_error_line(tmp_path, name):
     assert r.returncode == 2
     line = assert_one_error_line(r, needle)
     assert len(r.stderr.strip().splitlines()) == 1 and len(line) < 2000
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "c.yaml"
-    ]  # nothing written, nothing executed
+    # nothing written, nothing executed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
 
 
 @pytest.mark.parametrize(

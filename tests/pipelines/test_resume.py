@@ -97,9 +97,8 @@ def test_a_run_killed_twice_resumes_each_time_from_its_last_complete_version(tmp
     (run,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert {1} <= {m.step for m in client.get_metric_history(run_id, "reward/mean")} <= {0, 1}
-    assert (
-        len([k for k in run.data.tags if k.startswith("moerl.resumed_at.")]) == 2
-    )  # one per resume that ran
+    # one per resume that ran
+    assert len([k for k in run.data.tags if k.startswith("moerl.resumed_at.")]) == 2
     # 6. resuming a finished run does nothing
     r = subprocess.run(
         [sys.executable, "-m", "moerl.cli", "run", "run.yaml", "--resume", run_id],

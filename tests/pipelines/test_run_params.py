@@ -183,11 +183,12 @@ def test_the_reward_model_field_sets_the_registered_model_and_keeps_its_settings
         ),
         ({"samples_per_prompt": 1}, [], "rollout.samples_per_prompt"),
         ({"warm_start": "latest"}, [], "model.warm_start"),
+        # sync: iterations are unrolled
         (
             {"versions": 3},
             [],
             "'versions': not a parameter of this pipeline",
-        ),  # sync: iterations are unrolled
+        ),
         ({}, ["trainer.nope=1"], "trainer.nope: unknown key"),
         (
             {},

@@ -87,9 +87,8 @@ def test_the_final_version_is_registered_with_its_lineage(env, registered):
     assert (
         mv.tags[TAG_CONFIG_HASH] == config_hash(config_to_json(cfg)) and mv.tags[TAG_RUN] == run_id
     )
-    assert (
-        mv.source == f"runs:/{run_id}/policy" and mv.run_id == run_id
-    )  # a local store: the manifest logged there
+    # a local store: the manifest logged there
+    assert mv.source == f"runs:/{run_id}/policy" and mv.run_id == run_id
     assert client.get_run(run_id).data.tags["moerl.registered_policy"] == f"moerl-policy/{version}"
     # without tracking.registry_name nothing is registered
     plain = cfg.model_copy(

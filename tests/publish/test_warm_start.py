@@ -87,9 +87,8 @@ def test_warm_start_lays_out_the_previous_final_checkpoint(env, tmp_path, capsys
     state = prepare_initial(cfg, tmp_path / "state", run_id=current)
 
     expected = {k: v for k, v in _hashes(env["model"]).items()}
-    assert (
-        _hashes(state) == expected
-    )  # identical weights, config, tokenizer; no trainer/, no manifest
+    # identical weights, config, tokenizer; no trainer/, no manifest
+    assert _hashes(state) == expected
     assert not (state / "trainer").exists()
     assert store.manifest(1).files  # the version it came from is untouched
     tags = _tags(env, current)

@@ -191,9 +191,8 @@ def test_malformed_preference_rows_are_skipped_and_counted(tmp_path):
     lines = [json.dumps(r) for r in good] + [
         "not json",
         json.dumps({"id": "x", "prompt": "copy 1=", "chosen": "1"}),  # no rejected
-        json.dumps(
-            {"id": "y", "prompt": "copy 1=", "chosen": "1", "rejected": "1"}
-        ),  # no preference
+        # no preference
+        json.dumps({"id": "y", "prompt": "copy 1=", "chosen": "1", "rejected": "1"}),
         json.dumps({"id": "z", "prompt": "copy 1=", "chosen": "1\u0000", "rejected": "2"}),
         json.dumps({"id": "w", "prompt": "copy 1=", "chosen": "1", "rejected": "2", "extra": 1}),
     ]
@@ -268,9 +267,8 @@ def test_publish_registers_and_a_grpo_run_records_the_lineage(tiny_rm, tmp_path)
         and tags["reward_model.manifest_sha256"] == manifest.sha256()
     )
     assert tags["reward_model.run_id"] == rm_run and tags["reward_model.eval_accuracy"] == "0.9300"
-    assert scorer.model.path.is_relative_to(
-        tmp_path / "cache" / "reward-models" / rm_run
-    )  # the verified cache
+    # the verified cache
+    assert scorer.model.path.is_relative_to(tmp_path / "cache" / "reward-models" / rm_run)
     # a version that does not exist is refused, naming the key
     with pytest.raises(
         ConfigError, match="reward.model.registered: rm-test/7 is not in the model registry"

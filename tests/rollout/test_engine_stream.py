@@ -70,9 +70,8 @@ def test_every_group_comes_back_once_and_whole(engine):
             assert len(c.logprobs) == len(c.token_ids)
             assert all(lp <= 0.0 for lp in c.logprobs)
             assert c.finish_reason in ("stop", "length")
-            if (
-                len(c.token_ids) < max_new
-            ):  # at max_new it is "length", or "stop" if the last was EOS
+            # at max_new it is "length", or "stop" if the last was EOS
+            if len(c.token_ids) < max_new:
                 assert c.finish_reason == "stop"
             if c.finish_reason == "length":
                 assert len(c.token_ids) == max_new
@@ -102,9 +101,8 @@ def test_seeded_groups_are_reproducible(engine):
     mixed = {rid: [c.token_ids for c in comps] for rid, comps in got}
     for i in range(3):
         a = first[f"a{i}"]
-        assert (
-            len({tuple(t) for t in a}) > 1
-        )  # the samples of a group differ: the seed is per sample
+        # the samples of a group differ: the seed is per sample
+        assert len({tuple(t) for t in a}) > 1
         assert again[f"b{i}"] == a
         assert cold[f"c{i}"] == a
         assert mixed[f"d{i}"] == a

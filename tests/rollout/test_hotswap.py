@@ -94,9 +94,8 @@ def test_swapped_engine_equals_a_fresh_load(versions, fresh_b):
     assert max(abs(x - y) for x, y in zip(prompt, ref_prompt)) <= TOL
     assert after_back == before and sums_back == sums_a
     hf = json.loads((b / "config.json").read_text())
-    moe = hf["num_hidden_layers"] - hf.get(
-        "first_k_dense_replace", 0
-    )  # DeepSeek-V3's first layer is dense
+    # DeepSeek-V3's first layer is dense
+    moe = hf["num_hidden_layers"] - hf.get("first_k_dense_replace", 0)
     # DeepSeek-V3's expert layers fall outside the in-place plan's checks: vLLM's reload and the
     # re-pack take them (the fallback), bit-exact all the same
     inplace = 0 if hf["model_type"] == "deepseek_v3" else moe

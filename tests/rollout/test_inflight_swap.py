@@ -34,9 +34,8 @@ def test_version_runs_from_vllms_spans():
     assert version_runs([S("3", 0, 2), S("4", 2, 6), S("5", 6, 10)]) == [(0, 3), (2, 4), (6, 5)]
     assert version_runs([S("3", 0, 0), S("4", 0, 5)]) == [(0, 4)]  # nothing sampled under 3
     assert version_runs([S("3", 0, 2), S("3", 2, 5)]) == [(0, 3)]  # one version, relabelled
-    assert (
-        version_runs([S("default", 0, 5)]) is None and version_runs(None) is None
-    )  # an untagged engine
+    # an untagged engine
+    assert version_runs([S("default", 0, 5)]) is None and version_runs(None) is None
 
 
 def _progress(engine) -> dict[str, dict[int, int]]:
@@ -123,9 +122,8 @@ def test_an_in_flight_swap_records_each_tokens_version_and_continues_on_the_new_
     for i, p in enumerate(PROMPTS):
         for j, c in enumerate(got[f"{kv}-{i}"]):
             k = at[f"{kv}-{i}"].get(j)
-            if k is None or k == len(
-                c.token_ids
-            ):  # it had ended (a stop token) before the swap: all A's
+            # it had ended (a stop token) before the swap: all A's
+            if k is None or k == len(c.token_ids):
                 assert c.version == 0 and c.token_versions is None
                 assert c.token_ids == ref[f"{kv}-ref-{i}"][j].token_ids
                 ended += 1

@@ -96,9 +96,8 @@ def test_captured_routes_agree_with_the_trainer_at_fp32(engine):
     # the record the samples carry decodes to the same ids
     s = _samples(eng, comps)[0]
     assert np.array_equal(s.routed_experts.ids(), comps[0][0].routes)
-    assert (
-        eng.capture.missing_slots == 0 and not eng.capture._routes and not eng.capture._by_owner
-    )  # nothing left
+    # nothing left
+    assert eng.capture.missing_slots == 0 and not eng.capture._routes and not eng.capture._by_owner
 
 
 def test_a_perturbed_engine_router_disagrees_and_r3_restores_it(engine, tmp_path):

@@ -65,15 +65,13 @@ def test_the_writer_creates_the_cache_bucket_again_after_the_server_lost_its_mem
     cache = S3Process(root, reader=True)
     server = cache.start()
     try:
-        monkeypatch.setenv(
-            "MOERL_CACHE_TIER_ACCESS_KEY_ID", server.access_key
-        )  # the writer identity
+        # the writer identity
+        monkeypatch.setenv("MOERL_CACHE_TIER_ACCESS_KEY_ID", server.access_key)
         monkeypatch.setenv("MOERL_CACHE_TIER_SECRET_ACCESS_KEY", server.secret_key)
         cfg = _cfg(s3_server, durable, server.endpoint_url, "moerl-cache")
         tiers = run_tiers(cfg, "r1", epoch=1)
-        m0 = tiers.publish(
-            0, make_checkpoint(tmp_path / "s0"), {}, exclusive=True
-        )  # no bucket yet: created
+        # no bucket yet: created
+        m0 = tiers.publish(0, make_checkpoint(tmp_path / "s0"), {}, exclusive=True)
         assert tiers.cache_failed is None and tiers.cache.latest() == 0
         # the pod restarts on a new node: its memory-backed volume is empty, the bucket gone
         cache.kill()
@@ -150,9 +148,8 @@ def test_a_version_larger_than_the_cache_tier_goes_to_the_durable_store_first_an
     from moerl.components.publish_checkpoint.stage import publish_durable, publish_servable
 
     s3_server.client().create_bucket(Bucket=(cache_bucket := f"cache-{uuid.uuid4().hex[:10]}"))
-    ck = _cfg(
-        s3_server, durable, s3_server.endpoint_url, cache_bucket, capacity_gb=64 / 2**30
-    )  # 64 bytes
+    # 64 bytes
+    ck = _cfg(s3_server, durable, s3_server.endpoint_url, cache_bucket, capacity_gb=64 / 2**30)
     cfg = parse_config({"checkpoint": ck.model_dump()})
     src = tmp_path / "state"
     src.mkdir()
@@ -164,9 +161,8 @@ def test_a_version_larger_than_the_cache_tier_goes_to_the_durable_store_first_an
     )
     assert metrics["weights/cache_tier"] == 0.0
     tiers = run_tiers(cfg.checkpoint, "r1")
-    assert (
-        tiers.durable.latest() == 0 and tiers.cache._list("") == []
-    )  # not a byte in the cache tier
+    # not a byte in the cache tier
+    assert tiers.durable.latest() == 0 and tiers.cache._list("") == []
     publish_durable(cfg, "r1", src, manifest, exclusive=True, already=True, epoch=1)
     assert tiers.durable.manifest(0).sha256() == policy.manifest_sha256
     from moerl.store.tiers import check_tier_fits
@@ -192,9 +188,8 @@ def test_a_finished_runs_cache_prefix_is_deleted_and_its_durable_copy_kept(
     assert drop_cache_run(cfg, "done") > 0  # what finish_run calls
     done, live = run_tiers(cfg, "done"), run_tiers(cfg, "live")
     assert done.cache._list("") == []
-    assert (
-        live.cache.versions() == [0, 1] and live.cache.latest() == 1
-    )  # another run's prefix untouched
+    # another run's prefix untouched
+    assert live.cache.versions() == [0, 1] and live.cache.latest() == 1
     assert done.durable.versions() == [0, 1] and done.durable.latest() == 1
     done.durable.fetch(1, tmp_path / "check")  # the durable copy verifies, every byte
     assert drop_cache_run(cfg, "done") == 0  # nothing left; a second close is harmless

@@ -126,9 +126,8 @@ def test_peers_serve_each_other_and_refuse_a_corrupt_chunk(buckets, valkey, tmp_
         bus.r.hset(bus.key("fanout:peers"), "rollout-1", swarms[1].url)
         bus.r.set(bus.key("fanout:alive:rollout-1"), swarms[1].url)
         c, _ = tiers.fetch(1, tmp_path / "n2", expect_sha256=m.sha256(), swarm=swarms[2])
-        assert (
-            swarms[2].counts["refused"] >= 1 and swarms[2].counts["cache"] >= 1
-        )  # the bad chunk, then the tiers
+        # the bad chunk, then the tiers
+        assert swarms[2].counts["refused"] >= 1 and swarms[2].counts["cache"] >= 1
         for path in (b, c):
             _same(path, src, m)
         assert int(bus.counters().get("fanout_chunks_refused", 0)) == swarms[2].counts["refused"]
@@ -170,9 +169,8 @@ def test_the_chunk_server_admits_only_the_runs_token(
             ).status_code
             == 403
         )
-        assert (
-            other.token != mine.token == peer.token == run_token(bus)
-        )  # one per run, shared by its workers
+        # one per run, shared by its workers
+        assert other.token != mine.token == peer.token == run_token(bus)
         assert (
             requests.get(
                 url, headers={"Authorization": f"Bearer {other.token}"}, timeout=5
@@ -192,9 +190,8 @@ def test_the_chunk_server_admits_only_the_runs_token(
         refused = mine.app.refused_auth
         _, counts = other.fetch(tiers, 1, tmp_path / "n-other", expect_sha256=m.sha256())
         assert counts["peer"] == 0 and counts["cache"] == len(chunk_plan(m))
-        assert (
-            1 <= mine.app.refused_auth - refused <= other.workers
-        )  # it asked, was refused, stopped asking
+        # it asked, was refused, stopped asking
+        assert 1 <= mine.app.refused_auth - refused <= other.workers
         # the token is in the run's Valkey keys only: not in a URL, the peer list or a log line
         published = bus.r.hgetall(bus.key("fanout:peers"))
         assert all(mine.token not in u for u in [mine.url, *published.values()])
@@ -387,9 +384,8 @@ def test_a_failed_fetch_withdraws_what_it_announced(buckets, valkey, tmp_path: P
 
     cfg, tiers, src, m = _published(buckets, tmp_path, n_chunks=300)
     plan = chunk_plan(m)
-    bad = max(
-        i for i, c in enumerate(plan) if c[0] == "model.safetensors"
-    )  # after >= 256 good ones
+    # after >= 256 good ones
+    bad = max(i for i, c in enumerate(plan) if c[0] == "model.safetensors")
     assert bad >= 290
     _, start, length, _ = plan[bad]
     body = bytearray((src / "model.safetensors").read_bytes())
@@ -404,21 +400,18 @@ def test_a_failed_fetch_withdraws_what_it_announced(buckets, valkey, tmp_path: P
     swarm = Swarm(bus, "rollout-0", cfg)
     swarm.serve()
     try:
-        with pytest.raises(
-            CheckpointError, match="no source serves it intact"
-        ):  # (Tiers.fetch would go on
+        # (Tiers.fetch would go on
+        with pytest.raises(CheckpointError, match="no source serves it intact"):
             swarm.fetch(tiers, 1, tmp_path / "n0", expect_sha256=m.sha256())  # to whole files)
-        assert (
-            swarm.book.flushes >= 1
-        )  # its bitmap had been announced (256 chunks force a flush) ...
+        # its bitmap had been announced (256 chunks force a flush) ...
+        assert swarm.book.flushes >= 1
         assert not bus.r.exists(swarm.book.key(1, m.sha256(), "rollout-0"))  # ... and is withdrawn
         assert (1, m.sha256()) not in swarm.copies and swarm.locate(1, m.sha256(), 0) is None
         assert not list((tmp_path / "n0").glob(".tmp-*"))
     finally:
         swarm.stop()
-    assert not bus.r.exists(
-        swarm.book.key(1, m.sha256(), "rollout-0")
-    )  # stop's last flush did not revive it
+    # stop's last flush did not revive it
+    assert not bus.r.exists(swarm.book.key(1, m.sha256(), "rollout-0"))
 
 
 def test_announcements_are_batched_and_a_look_is_one_round_trip(valkey, tmp_path: Path) -> None:
@@ -433,16 +426,14 @@ def test_announcements_are_batched_and_a_look_is_one_round_trip(valkey, tmp_path
     for b in books:
         b.flush_if_due()
     assert int(bus.counters()["fanout_chunks_cache"]) == 10
-    assert (
-        bus.r.execute_command("GETBIT", books[2].key(3, "sha", "p2"), 12) == 1
-    )  # SETBIT's numbering
+    # SETBIT's numbering
+    assert bus.r.execute_command("GETBIT", books[2].key(3, "sha", "p2"), 12) == 1
     admin = valkey_admin(valkey)
     c0 = admin.info("stats")["total_commands_processed"]
     look = Holders(books[0], 3, "sha", [f"p{i}" for i in range(1, 5)])
     assert look.of(12) == ["p2"] and look.of(11) == ["p1"] and look.of(0) == []
-    assert (
-        admin.info("stats")["total_commands_processed"] - c0 == 4 + 1
-    )  # one GET per peer, and this INFO
+    # one GET per peer, and this INFO
+    assert admin.info("stats")["total_commands_processed"] - c0 == 4 + 1
     # a peer's new chunk is seen at the next look, REFRESH_S later, not before
     books[3].announce(3, "sha", [0])
     books[3].flush()

@@ -21,9 +21,8 @@ from moerl.store.s3 import S3Store
 from moerl.store.tiers import open_store
 from tests.store.test_store import make_checkpoint, tree
 
-PART = (
-    5 * 2**20
-)  # the manifest's chunk size = the upload's part size: multipart objects are checkable
+# the manifest's chunk size = the upload's part size: multipart objects are checkable
+PART = 5 * 2**20
 
 
 @pytest.fixture
@@ -88,9 +87,8 @@ def test_an_object_replaced_by_another_writer_is_refused_by_its_hash(
 
     def late_upload(stage: str, rel: str, path: Path) -> None:
         put(stage, rel, path)
-        if (
-            rel == "tokenizer/nested/tokenizer.json"
-        ):  # the last file: big.bin is stored, then replaced
+        # the last file: big.bin is stored, then replaced
+        if rel == "tokenizer/nested/tokenizer.json":
             b._part_size = (
                 PART  # as a moerl writer uploads it: with its SHA-256, in chunk-sized parts
             )
@@ -213,7 +211,6 @@ def test_a_folder_stores_latest_is_fenced_by_epoch_too(tmp_path: Path) -> None:
         store.recover(epoch=1)
     assert store.latest() == 1 and store.versions() == [1]
     store.publish(2, src, epoch=2, exclusive=True)
-    store.publish(
-        3, src
-    )  # a writer without an epoch (the sync pipeline) is not fenced, keeps the epoch
+    # a writer without an epoch (the sync pipeline) is not fenced, keeps the epoch
+    store.publish(3, src)
     assert store.latest() == 3 and store.latest_epoch() == 2

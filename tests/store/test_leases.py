@@ -146,9 +146,8 @@ def test_dead_holder_loses_its_version_live_holders_keep_theirs(case: Case, tmp_
             deleted = store.apply_retention(keep_last=1, keep_every=0)
         assert deleted == [2] and time.monotonic() - killed <= ttl + 10
         for holder in ("engine-a", "engine-c"):
-            assert procs[holder].poll() is None, procs[holder].stderr.read()[
-                -2000:
-            ]  # renewals worked
+            # renewals worked
+            assert procs[holder].poll() is None, procs[holder].stderr.read()[-2000:]
         assert store.versions() == [1, 3, 4] and store.pinned() == {1, 3}
         assert "pins/engine-b.json" not in store._list("pins/")
     finally:

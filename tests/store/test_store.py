@@ -215,9 +215,8 @@ def test_streaming_fetch_refuses_a_corrupt_multipart_object_and_never_shows_it(
         watcher.join()
     msg, actual = str(err.value), hashlib.sha256(bad).hexdigest()
     assert "big.bin" in msg and f"expected sha256 {entry.sha256} ({entry.size} bytes)" in msg
-    assert (
-        f"got sha256 {actual} ({entry.size} bytes)" in msg
-    )  # the streamed hash is of the bytes as received
+    # the streamed hash is of the bytes as received
+    assert f"got sha256 {actual} ({entry.size} bytes)" in msg
     assert not seen and not final.exists() and not list(cache.glob(".tmp-*"))
     case.put_raw("versions/v000001/big.bin", good)
     assert tree(case.store.fetch(1, cache))["big.bin"] == good
@@ -357,9 +356,8 @@ def test_s3_server_binds_loopback_only(s3_server: S3Server) -> None:
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
                 listening.append(f[1])
     assert listening, "found no listening sockets of weed"
-    assert all(a.startswith("0100007F:") for a in listening), (
-        listening
-    )  # 127.0.0.1, little-endian hex
+    # 127.0.0.1, little-endian hex
+    assert all(a.startswith("0100007F:") for a in listening), listening
 
 
 def test_local_store_never_imports_boto3(tmp_path: Path) -> None:

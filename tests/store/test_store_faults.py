@@ -129,9 +129,8 @@ def test_s3_upload_killed_midway_leaves_latest_and_can_be_redone(
     _wait_for(parts_uploaded, 60, "the first uploaded part", child)
     _kill(child)
     ups = s3.list_multipart_uploads(Bucket=bucket, Prefix="runs/r1/").get("Uploads", [])
-    assert [u["Key"] for u in ups] == [
-        "runs/r1/versions/v000002/big.bin"
-    ]  # killed mid-upload, not after
+    # killed mid-upload, not after
+    assert [u["Key"] for u in ups] == ["runs/r1/versions/v000002/big.bin"]
     fresh = open_store(cfg)
     assert fresh.latest() == 1 and fresh.versions() == [1]
     with pytest.raises(CheckpointError, match="version 2 not found"):
@@ -177,10 +176,11 @@ def test_local_publish_killed_midway_leaves_latest(tmp_path: Path) -> None:
     fresh.publish(2, v2)
     assert fresh.latest() == 2 and fresh.versions() == [1, 2]
     assert fresh.apply_retention(keep_last=5, keep_every=0) == []
+    # leftover gone
     assert sorted(p.name for p in (root / "versions").iterdir()) == [
         "v000001",
         "v000002",
-    ]  # leftover gone
+    ]
 
 
 def test_unreachable_endpoint_retries_then_fails_cleanly(
@@ -259,9 +259,8 @@ def test_endpoint_lost_mid_publish_publishes_nothing(s3_server: S3Server, tmp_pa
     direct = open_store(_s3_cfg(s3_server, bucket))
     direct.publish(1, make_checkpoint(tmp_path / "v1", seed=1))
     port = int(s3_server.endpoint_url.rsplit(":", 1)[1])
-    proxy = _CuttingProxy(
-        ("127.0.0.1", port), budget=12 * 1024 * 1024
-    )  # dies during the third 5 MiB part
+    # dies during the third 5 MiB part
+    proxy = _CuttingProxy(("127.0.0.1", port), budget=12 * 1024 * 1024)
     try:
         cfg = _s3_cfg(s3_server, bucket, multipart_chunk_mb=5, max_concurrency=1, max_attempts=3)
         via_proxy = open_store(

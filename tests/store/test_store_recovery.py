@@ -92,13 +92,13 @@ def test_version_committed_before_latest_moved_is_adopted(
     cfg: CheckpointConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store, v2 = _killed_at(cfg, tmp_path, "committed")
+    # the crash window: complete above latest
     assert store.latest() == 1 and store.versions() == [
         1,
         2,
-    ]  # the crash window: complete above latest
-    with pytest.raises(
-        CheckpointError, match="version 2 already exists"
-    ):  # what resume used to hit
+    ]
+    # what resume used to hit
+    with pytest.raises(CheckpointError, match="version 2 already exists"):
         store.publish(2, v2)
     with caplog.at_level("WARNING", logger="moerl.store.base"):
         assert store.recover() == 2
@@ -120,9 +120,8 @@ def test_killed_right_after_the_manifest_was_written(cfg: CheckpointConfig, tmp_
     assert store.latest() == 1 and store.versions() == ([1, 2] if s3 else [1])
     assert store.recover() == (2 if s3 else 1)
     assert store.latest() == (2 if s3 else 1)
-    assert list(store._version_dirs()) == (
-        ["v000001", "v000002"] if s3 else ["v000001"]
-    )  # no staging left
+    # no staging left
+    assert list(store._version_dirs()) == (["v000001", "v000002"] if s3 else ["v000001"])
     if s3:
         assert tree(store.fetch(2, tmp_path / "cache")).items() >= tree(v2).items()
     else:

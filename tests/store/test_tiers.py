@@ -72,14 +72,12 @@ def test_a_version_is_servable_in_the_cache_tier_before_it_is_durable(
         and tree(path)["model.safetensors"] == (src / "model.safetensors").read_bytes()
     )
     tiers.publish_durable(m, src)
-    assert (
-        tiers.durable.latest() == 1 and tiers.durable.manifest(1).sha256() == m.sha256()
-    )  # one manifest, both tiers
+    # one manifest, both tiers
+    assert tiers.durable.latest() == 1 and tiers.durable.manifest(1).sha256() == m.sha256()
     # the node cache is read without any server
     assert tiers.fetch(1, tmp_path / "node", expect_sha256=m.sha256()) == (path, "node")
-    assert (
-        node_copy(tmp_path / "node", 1, "0" * 64) is None
-    )  # another manifest under that number is not served
+    # another manifest under that number is not served
+    assert node_copy(tmp_path / "node", 1, "0" * 64) is None
 
 
 def test_a_cache_tier_that_is_down_or_corrupt_falls_back_to_s3(buckets, tmp_path: Path) -> None:
@@ -105,9 +103,8 @@ def test_a_cache_tier_that_is_down_or_corrupt_falls_back_to_s3(buckets, tmp_path
     t0 = time.monotonic()
     path, source = down.fetch(1, tmp_path / "b", expect_sha256=m.sha256())
     assert source == "durable" and time.monotonic() - t0 < 30
-    with pytest.raises(
-        CheckpointError, match="not the expected"
-    ):  # a manifest nobody published is never served
+    # a manifest nobody published is never served
+    with pytest.raises(CheckpointError, match="not the expected"):
         tiers.fetch(1, tmp_path / "c", expect_sha256="f" * 64)
 
 
@@ -161,9 +158,8 @@ def test_recovery_promotes_only_the_version_the_servable_pointer_names(
         and again.cache.versions() == [0]
         and again.cache.latest() == 0
     )
-    assert (
-        again.cache.latest_epoch() == again.durable.latest_epoch() == 2
-    )  # both tiers fenced by the new epoch
+    # both tiers fenced by the new epoch
+    assert again.cache.latest_epoch() == again.durable.latest_epoch() == 2
     # the same, rebuilt; now the pointer names version 1 exactly: only it is promoted, not 2 above it
     m1 = again.publish_servable(1, tmp_path / "s1", {}, exclusive=True)
     again.publish_servable(2, tmp_path / "s2", {}, exclusive=True)
@@ -222,9 +218,8 @@ def test_a_publisher_killed_mid_copy_leaves_both_tiers_on_complete_versions(
     )
     try:
         said: list[str] = []
-        for line in iter(
-            proc.stdout.readline, ""
-        ):  # until it holds (or exits: then the check fails)
+        # until it holds (or exits: then the check fails)
+        for line in iter(proc.stdout.readline, ""):
             said.append(line.strip())
             if said[-1].startswith("holding"):
                 break
@@ -239,9 +234,8 @@ def test_a_publisher_killed_mid_copy_leaves_both_tiers_on_complete_versions(
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert (
-        proc.returncode == -signal.SIGKILL
-    )  # it died holding the copy, not of an error of its own
+    # it died holding the copy, not of an error of its own
+    assert proc.returncode == -signal.SIGKILL
     # after it: the cache tier holds version 2 whole (every byte verified against its manifest);
     # the durable store holds part of it and no manifest, its latest still version 1, complete
     tiers.cache.fetch(2, tmp_path / "verify-between-cache", expect_sha256=servable[1])
@@ -272,10 +266,11 @@ def test_a_publisher_killed_mid_copy_leaves_both_tiers_on_complete_versions(
         assert proc.poll() is None  # still publishing when killed (not stopped by an error)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        # each tier's latest: complete, every byte verified
         for store in (
             tiers.durable,
             tiers.cache,
-        ):  # each tier's latest: complete, every byte verified
+        ):
             latest = store.latest()
             store.fetch(latest, tmp_path / f"verify-{kill_after}-{store.uri.split('/')[2]}")
         latest = tiers.recover()

@@ -142,9 +142,8 @@ def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
         from moerl.config import parse_config
 
         cfg = parse_config({"trainer": {"parallelism": {"expert_parallel_size": world}}})
-        model, _, _, blocks, layout, _, mesh = setup(
-            cfg, Path(model_path), shard=False
-        )  # what the loader holds
+        # what the loader holds
+        model, _, _, blocks, layout, _, mesh = setup(cfg, Path(model_path), shard=False)
         loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
         record = {
             "loaded": loaded,

@@ -127,9 +127,8 @@ def attack(kind: str, arg: str) -> str:
         with socket.create_connection((host, int(port)), timeout=3) as s:
             s.sendall(b"PING\r\n")
             return s.recv(64).decode(errors="replace")
-    if (
-        kind == "unix"
-    ):  # a pathname unix socket (vLLM's ipc sockets are such, in the stage's temp dir)
+    # a pathname unix socket (vLLM's ipc sockets are such, in the stage's temp dir)
+    if kind == "unix":
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(3)
             s.connect(arg)

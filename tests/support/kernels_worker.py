@@ -181,9 +181,8 @@ def world_main(
     try:
         for cfg in configs:
             group = None
-            if (
-                "ep_size" in cfg
-            ):  # EP groups of consecutive ranks inside the world (as with DP x EP)
+            # EP groups of consecutive ranks inside the world (as with DP x EP)
+            if "ep_size" in cfg:
                 ep = cfg["ep_size"]
                 groups = [
                     dist.new_group(list(range(first, first + ep))) for first in range(0, world, ep)
@@ -422,9 +421,8 @@ class FakeElasticBuffer:
             psum_num_recv_tokens_per_scaleup_rank=torch.tensor([len(src_S)]),
             num_recv_tokens_per_expert_list=counts,
         )
-        idx_pad = torch.zeros(
-            (self.PAD, recv_idx_SK.shape[1]), dtype=recv_idx_SK.dtype
-        )  # stale: expert 0
+        # stale: expert 0
+        idx_pad = torch.zeros((self.PAD, recv_idx_SK.shape[1]), dtype=recv_idx_SK.dtype)
         return (
             self._pad(x[src_S]),
             torch.cat([recv_idx_SK, idx_pad]),

@@ -177,9 +177,8 @@ def test_preflight_passes_the_example_environment_and_refuses_an_unknown_task(
     from moerl.orchestrate.prepare import preflight
 
     examples = str(ROOT / "examples")
-    monkeypatch.setattr(
-        sys, "path", [examples, *sys.path]
-    )  # the sandbox's children get this import path
+    # the sandbox's children get this import path
+    monkeypatch.setattr(sys, "path", [examples, *sys.path])
     sets = [f"checkpoint.uri={tmp_path / 'ck'}", f"task.dataset={examples}/my_tasks/guess.jsonl"]
     preflight(
         load_config(CONFIG, sets + ['task.environments={"guess": "my_tasks.guess:GuessNumber"}'])

@@ -200,9 +200,8 @@ def test_without_isolation_every_attack_but_the_non_dumpable_stage_succeeds(targ
     assert stolen[:3] == [os.geteuid() == 0] * 3, out["verifier"]
     # the victim, the three sockets, both directories; the import; the benign sample
     assert stolen[3:] == [True] * (len(ATTACKS) - 3 + len(WORKS) + 1), out["verifier"]
-    env_stolen = [
-        reward == 1.0 and not err for err, reward in out["episodes"]
-    ]  # model-written code in an environment
+    # model-written code in an environment
+    env_stolen = [reward == 1.0 and not err for err, reward in out["episodes"]]
     assert env_stolen == stolen, out["episodes"]
     assert targets["listener"].accepted == before + 2 and pod["unix"].accepted == 2
     assert (pod["cache"] / "forged-by-sandbox").read_text() == (
@@ -218,23 +217,18 @@ def test_isolated_verifiers_and_environments_fail_every_attack_and_the_run_goes_
     failed = out["verifier"][:n]
     assert all(r == 0.0 and err for r, err in failed), failed
     errs = [err for _, err in failed]
-    assert errs[0].startswith("FileNotFoundError") and errs[1].startswith(
-        "FileNotFoundError"
-    )  # no such pid here
-    assert errs[2].startswith(
-        "PermissionError"
-    )  # the parent it has is pid 1 of its namespace, non-dumpable
-    assert errs[3].startswith(
-        "FileNotFoundError"
-    )  # the dumpable victim is outside its pid namespace
+    # no such pid here
+    assert errs[0].startswith("FileNotFoundError") and errs[1].startswith("FileNotFoundError")
+    # the parent it has is pid 1 of its namespace, non-dumpable
+    assert errs[2].startswith("PermissionError")
+    # the dumpable victim is outside its pid namespace
+    assert errs[3].startswith("FileNotFoundError")
     assert all(e.startswith("OSError: [Errno 101] Network is unreachable") for e in errs[4:6]), errs
-    assert errs[6].startswith("FileNotFoundError"), (
-        errs
-    )  # the stage's temp dir is hidden, its socket with it
+    # the stage's temp dir is hidden, its socket with it
+    assert errs[6].startswith("FileNotFoundError"), errs
     assert all(e.startswith("OSError: [Errno 30] Read-only file system") for e in errs[7:9]), errs
-    assert out["verifier"][n:] == [[1.0, None]] * (
-        len(WORKS) + 1
-    )  # user code imports; the run goes on
+    # user code imports; the run goes on
+    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 1)
     m = out["reward_metrics"]
     assert (m["reward/failed_samples"], m["reward/error_samples"], m["reward/timeout_samples"]) == (
         n,
@@ -309,9 +303,8 @@ def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack
         "FileNotFoundError"
     ), errs
     assert all("Read-only file system" in e for e in errs[7:9]), errs
-    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 2), out[
-        "verifier"
-    ]  # /proc hidden; the run goes on
+    # /proc hidden; the run goes on
+    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 2), out["verifier"]
     assert targets["listener"].accepted == before and pod["unix"].accepted == 0
     assert not list(pod["cache"].iterdir())
 

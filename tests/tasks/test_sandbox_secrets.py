@@ -43,9 +43,8 @@ def _stage(isolation: str, tmp_path: Path) -> list:
     secret = write_secret_file(
         tmp_path / "pod" / "secrets" / "moerl-run" / "VALKEY_PASSWORD", PASSWORD
     )
-    (tmp_path / "pod" / "secrets" / "other").write_text(
-        PASSWORD
-    )  # a sibling outside the file's own directory
+    # a sibling outside the file's own directory
+    (tmp_path / "pod" / "secrets" / "other").write_text(PASSWORD)
     (tmp_path / "t").mkdir(exist_ok=True)
     env = {
         "PATH": os.environ["PATH"],

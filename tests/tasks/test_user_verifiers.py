@@ -141,9 +141,8 @@ def test_the_example_package_passes_preflight_and_scores_by_meta(tmp_path, monke
     from moerl.orchestrate.prepare import preflight
 
     examples = str(Path(__file__).resolve().parents[2] / "examples")
-    monkeypatch.setattr(
-        sys, "path", [examples, *sys.path]
-    )  # the sandbox's children get this import path
+    # the sandbox's children get this import path
+    monkeypatch.setattr(sys, "path", [examples, *sys.path])
     sets = [
         f"checkpoint.uri={tmp_path / 'ck'}",
         f"task.dataset={examples}/my_tasks/digits_any.jsonl",

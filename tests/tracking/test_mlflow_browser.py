@@ -131,16 +131,14 @@ def test_the_compare_view_shows_both_runs_and_the_parameter_that_differs(two_run
     for lr, run_id in zip(RATES, ids):
         assert f"lr-{lr}" in text and run_id in text
     # the learning rate's row holds both values; a parameter both runs share holds one twice
-    rows = re.findall(
-        r"trainer\.learning_rate (\S+) (\S+) ", text
-    )  # the plot's axis label comes first
+    # the plot's axis label comes first
+    rows = re.findall(r"trainer\.learning_rate (\S+) (\S+) ", text)
     assert (str(RATES[0]), str(RATES[1])) in rows, rows
     assert ("builtin:digits-copy", "builtin:digits-copy") in re.findall(
         r"task\.dataset (\S+) (\S+) ", text
     )
-    assert (
-        "Show diff only" in text
-    )  # the parameters table's control to keep only the rows that differ
+    # the parameters table's control to keep only the rows that differ
+    assert "Show diff only" in text
     assert shot.stat().st_size > 10_000
 
 

@@ -134,9 +134,8 @@ def test_read_secret_prefers_the_file_and_refuses_one_others_may_read(tmp_path):
     assert (path.stat().st_mode & 0o777) == 0o400 and (path.parent.stat().st_mode & 0o777) == 0o700
     env = {"VALKEY_PASSWORD_FILE": str(path), "VALKEY_PASSWORD": "from-env"}
     assert read_secret("VALKEY_PASSWORD", env) == "from-file"  # the file wins; one newline dropped
-    assert (
-        read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD": "from-env"}) == "from-env"
-    )  # local runs
+    # local runs
+    assert read_secret("VALKEY_PASSWORD", {"VALKEY_PASSWORD": "from-env"}) == "from-env"
     assert read_secret("VALKEY_PASSWORD", {}) is None
     # an optional Secret the cluster lacks: Kubernetes mounts its volume empty
     assert (

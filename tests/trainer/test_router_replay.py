@@ -70,9 +70,8 @@ def test_replaying_the_models_own_routes_is_bit_exact(family_model):
             again = model(input_ids=ids).logits
     finally:
         replay.close()
-    assert (
-        replay.forced_slots == routes.shape[0] * routes.shape[1]
-    )  # every (token, layer) was forced
+    # every (token, layer) was forced
+    assert replay.forced_slots == routes.shape[0] * routes.shape[1]
     assert replay.replaced == 0
     assert torch.equal(plain, again), f"{arch}: replayed forward differs from the plain one"
 

@@ -209,9 +209,8 @@ def test_a_forged_scored_entry_is_dead_lettered_and_the_gather_goes_on(bus, bad)
     ]
     group = {"group_id": "u9999/0:q", "samples": samples, "t_generated": 1.0}
     group.update({k: v for k, v in bad.items() if k == "t_generated"})
-    bus.r.xadd(
-        bus.key(SCORED), {"group": json.dumps(group)}
-    )  # first in line; NaN goes out as JSON's NaN
+    # first in line; NaN goes out as JSON's NaN
+    bus.r.xadd(bus.key(SCORED), {"group": json.dumps(group)})
     good = _score(bus, B)
     epoch = bus.claim_trainer("t")
     issuer = _issuer(cfg, bus, epoch)
@@ -303,6 +302,5 @@ def test_a_trainer_refuses_wait_aof_replicas_0_on_a_server_with_replicas(tmp_pat
 
 
 def test_the_stages_acl_user_may_count_replicas(bus):
-    assert (
-        bus.replicas() == 0
-    )  # WAIT is no admin command: the trainer's check runs as the stage user
+    # WAIT is no admin command: the trainer's check runs as the stage user
+    assert bus.replicas() == 0

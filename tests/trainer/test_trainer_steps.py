@@ -60,9 +60,8 @@ def test_nan_gradient_with_finite_loss_skips_the_step(state0):
     handle.remove()
     assert math.isfinite(m["train/loss"]) or m["train/steps"] == 0
     assert m["train/skipped_steps"] == 4 and m["train/steps"] == 0 and ctr.skipped_total == 4
-    assert all(
-        torch.equal(a, b) for a, b in zip(before, model.parameters())
-    )  # nothing moved, nothing NaN
+    # nothing moved, nothing NaN
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_consecutive_nan_gradients_fail_the_run(state0):
@@ -80,10 +79,11 @@ def test_micro_batches_equal_the_unchunked_step(state0):
     rounding) and the same metrics. Weights after Adam steps are not compared element-wise:
     Adam turns a 1e-9 difference in a near-zero gradient into a full lr-sized step."""
     runs = {}
+    # 16 positions = 1-2 rows per micro-batch here, vs the whole minibatch at once
     for mbt in (
         0,
         16,
-    ):  # 16 positions = 1-2 rows per micro-batch here, vs the whole minibatch at once
+    ):
         cfg = _cfg(
             parallelism={"micro_batch_tokens": mbt}, optimizer={"optimizer_steps_per_iteration": 1}
         )

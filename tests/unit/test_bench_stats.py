@@ -126,9 +126,8 @@ def test_projection_is_consistent_and_shows_where_the_gain_shrinks():
         assert 0 < side["train"]["comm_share"] < 1
     assert fast["decode"]["comm_s"] < base["decode"]["comm_s"]  # node dedup + lower latency
     gains = [r["gain_trajectories"] for r in rep["sweep_env"]]
-    assert (
-        gains == sorted(gains, reverse=True) and gains[0] > gains[-1] > 0
-    )  # environment time dilutes the gain
+    # environment time dilutes the gain
+    assert gains == sorted(gains, reverse=True) and gains[0] > gains[-1] > 0
     assert rep["gain"]["claim_holds"] == (rep["gain"]["trajectories"] >= 0.40)
     assert any("t_comm" in line for line in formulas()) and rep["formulas"] == formulas()
     # a single node has no inter-node traffic: both dispatchers differ only by latency
@@ -174,9 +173,8 @@ def test_bench_project_command_writes_report_summary_and_plots(tmp_path, capsys)
     with pytest.raises(SystemExit) as exc:  # argparse: the allowed models are named
         main(["bench", "project", "--model", "nope", "--out-dir", str(out)])
     assert exc.value.code == 2 and "qwen3-30b-a3b" in capsys.readouterr().err
-    assert (
-        main(["bench", "project", "--nodes", "3", "--out-dir", str(out)]) == 2
-    )  # 128 experts over 24 GPUs
+    # 128 experts over 24 GPUs
+    assert main(["bench", "project", "--nodes", "3", "--out-dir", str(out)]) == 2
 
 
 # -- expert loads -------------------------------------------------------------------------------
@@ -199,9 +197,8 @@ def test_expert_loads_count_every_real_token_k_times_and_ignore_padding(tmp_path
     moe_layers = len(family_of(model.config).moe_layer_ids(model.config))
     assert counts.shape == (moe_layers, cfg.model.tiny.num_experts)
     assert (counts.sum(dim=1) == 10 * k).all()  # 10 real tokens, k experts each, every layer
-    again = expert_loads(
-        model, [seqs[0] + [0, 0, 0], seqs[1], seqs[2]], pad_id=0
-    )  # trailing pads are tokens too
+    # trailing pads are tokens too
+    again = expert_loads(model, [seqs[0] + [0, 0, 0], seqs[1], seqs[2]], pad_id=0)
     assert (again.sum(dim=1) == 13 * k).all()
     ratios = imbalance(counts)
     assert all(r >= 1.0 for r in ratios)
@@ -231,13 +228,11 @@ def test_memory_fit_at_the_seeds_scale_reproduces_the_published_arithmetic():
             row["fits_static"]
             and row["micro_batch_tokens_max"] > fit(MODELS[name], off)["micro_batch_tokens_max"]
         )
-    assert not fit(MODELS["deepseek-v3"], off)[
-        "fits_at_micro_batch_tokens"
-    ]  # 8192 tokens without checkpointing
+    # 8192 tokens without checkpointing
+    assert not fit(MODELS["deepseek-v3"], off)["fits_at_micro_batch_tokens"]
     assert fit(MODELS["deepseek-v3"], on)["fits_at_micro_batch_tokens"]
-    assert not fit(MODELS["deepseek-v3"], FitInputs(nodes=2))[
-        "fits_static"
-    ]  # 16 GPUs cannot hold it
+    # 16 GPUs cannot hold it
+    assert not fit(MODELS["deepseek-v3"], FitInputs(nodes=2))["fits_static"]
     assert choose_ep(128, 8) == 8 and choose_ep(6, 8) == 6 and choose_ep(7, 4) == 1
 
 
@@ -254,9 +249,8 @@ def test_serving_a_version_to_the_fleet_follows_its_formulas():
     assert r["cache_tier_s"] == pytest.approx(32 * S / 6.25e9)
     assert r["fanout_s"] == pytest.approx(S / 6.25e9 + 32 * 64 * 2**20 / 12.5e9)
     more = serve_times("Qwen3-235B-A22B", 235e9, FleetInputs(cache_nodes=2))
-    assert more["fanout_s"] == pytest.approx(
-        S / 12.5e9 + 32 * 64 * 2**20 / 12.5e9
-    )  # now the node links bind
+    # now the node links bind
+    assert more["fanout_s"] == pytest.approx(S / 12.5e9 + 32 * 64 * 2**20 / 12.5e9)
     assert r["fanout_vs_s3"] > 4 and more["fanout_vs_s3"] > 8
     # one node: every path is one copy over its link
     one = serve_times("x", 1e9, FleetInputs(rollout_nodes=1))

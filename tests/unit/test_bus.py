@@ -90,12 +90,10 @@ def test_a_response_that_crossed_versions_is_admitted_by_its_oldest_token_and_re
         ]
 
     assert classify("g", crossed(2, 3), 3, 1, seen=set()) == "used"  # oldest token 1 version behind
-    assert (
-        classify("g", crossed(1, 3), 3, 1, seen=set()) == "stale"
-    )  # oldest token 2 behind, newest current
-    assert (
-        classify("g", crossed(3, 4), 3, 1, seen=set()) == "stale"
-    )  # a token from a version the trainer lost
+    # oldest token 2 behind, newest current
+    assert classify("g", crossed(1, 3), 3, 1, seen=set()) == "stale"
+    # a token from a version the trainer lost
+    assert classify("g", crossed(3, 4), 3, 1, seen=set()) == "stale"
     m = batch_metrics(Batch(groups=[crossed(2, 3)], used=[crossed(2, 3)]), 3)
     assert m["buffer/staleness_mean"] == 1.0 and m["buffer/token_staleness_mean"] == 0.5
     assert m["rollout/mixed_version_fraction"] == 1.0
@@ -125,14 +123,12 @@ def test_a_sample_from_weights_lost_under_a_republished_number_is_stale():
     for s in ours:
         s.policy_shas = {3: "our-sha"}
     known = {2: "sha-2", 3: "our-sha"}
-    assert (
-        classify("g", lost, 3, 1, seen=set()) == "used"
-    )  # by the number alone it looked on-policy
+    # by the number alone it looked on-policy
+    assert classify("g", lost, 3, 1, seen=set()) == "used"
     assert classify("g", lost, 3, 1, seen=set(), known=known) == "stale"
     assert classify("g", ours, 3, 1, seen=set(), known=known) == "used"
-    assert (
-        classify("g", _scored(3, [0, 1]), 3, 1, seen=set(), known=known) == "used"
-    )  # no sha: by number
+    # no sha: by number
+    assert classify("g", _scored(3, [0, 1]), 3, 1, seen=set(), known=known) == "used"
 
 
 def test_an_engines_samples_carry_the_sha_of_every_version_that_sampled_them():

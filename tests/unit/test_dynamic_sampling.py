@@ -104,9 +104,8 @@ def test_issuance_counts_signal_groups_and_scales_by_the_signal_rate():
     # group, and never more than the gather limit (8 x 4 groups) a version
     assert _issue(used=20, signal_used=0, version=0) == 12
     assert _issue(used=20, signal_used=1, version=0, max_staleness=3) == 108  # 4 x 32 - 20
-    assert (
-        _issue(used=20, signal_used=4, version=0, max_staleness=3) == 60
-    )  # (4 x 4 - 4) / 0.2 signal
+    # (4 x 4 - 4) / 0.2 signal
+    assert _issue(used=20, signal_used=4, version=0, max_staleness=3) == 60
     # never more than the run still needs
     assert _issue(used=80, signal_used=40, version=10, versions=10) == 0
 

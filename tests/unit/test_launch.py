@@ -274,9 +274,8 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "moerl-rollout"
     assert spec["terminationGracePeriodSeconds"] >= cfg.rollout.grace_seconds + 10
     assert spec["nodeSelector"] == {"moerl.ai/group": "rollout"}
-    assert (
-        spec["priorityClassName"] == "moerl-rollout"
-    )  # below the trainer's (tests/launch/test_manifests.py)
+    # below the trainer's (tests/launch/test_manifests.py)
+    assert spec["priorityClassName"] == "moerl-rollout"
     assert (
         "priorityClassName"
         not in objects.rollout_pod(
@@ -309,6 +308,7 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
         for v in vols.values()
         if v.get("secret", {}).get("secretName") == f"moerl-run-{RUN}"
     )
+    # required: no optional
     assert run == {
         "secretName": f"moerl-run-{RUN}",
         "defaultMode": 0o400,
@@ -316,7 +316,7 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
             {"key": "VALKEY_USERNAME", "path": "VALKEY_USERNAME"},
             {"key": "VALKEY_PASSWORD", "path": "VALKEY_PASSWORD"},
         ],
-    }  # required: no optional
+    }
     mlflow = next(
         v["secret"]
         for v in vols.values()
@@ -325,9 +325,8 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     assert mlflow["optional"] is True and mlflow["defaultMode"] == 0o400
     assert mounts["/var/run/secrets/moerl/moerl-run"]["readOnly"] is True
     assert mounts["/var/run/secrets/moerl/moerl-mlflow"]["readOnly"] is True
-    assert "moerl-valkey" not in json.dumps(
-        spec
-    )  # the admin's Secret: start_run and close_run only
+    # the admin's Secret: start_run and close_run only
+    assert "moerl-valkey" not in json.dumps(spec)
     assert {"name": "scratch", "emptyDir": {"sizeLimit": "200Gi"}} in spec["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == "16"
@@ -450,19 +449,17 @@ def test_namespace_and_owner_reference(tmp_path):
         "blockOwnerDeletion": False,
         "controller": False,
     }
+    # never across
     assert (
         own_pod_owner("elsewhere", {**kfp_env, "MOERL_POD_NAMESPACE": NS}, sa_file=missing) is None
-    )  # never across
-    (tmp_path / "sa_ns").write_text(
-        f"{NS}\n"
-    )  # no MOERL_POD_NAMESPACE: the service account's namespace file
+    )
+    # no MOERL_POD_NAMESPACE: the service account's namespace file
+    (tmp_path / "sa_ns").write_text(f"{NS}\n")
     assert own_pod_owner(NS, kfp_env, sa_file=str(tmp_path / "sa_ns"))["uid"] == "uid-1"
-    assert (
-        own_pod_owner(NS, kfp_env, sa_file=missing) is None
-    )  # namespace unknown: no owner reference
-    assert (
-        own_pod_owner(NS, {"MOERL_POD_NAMESPACE": NS}, sa_file=missing) is None
-    )  # not in a KFP task
+    # namespace unknown: no owner reference
+    assert own_pod_owner(NS, kfp_env, sa_file=missing) is None
+    # not in a KFP task
+    assert own_pod_owner(NS, {"MOERL_POD_NAMESPACE": NS}, sa_file=missing) is None
 
 
 # ---- watch and cleanup, on replayed API responses ------------------------------------------
@@ -781,9 +778,8 @@ def test_timeout_deletes_the_workload_and_says_where_it_was_stuck():
 
 @pytest.mark.parametrize("when", ["sleeping", "reading"])
 def test_sigterm_to_the_task_deletes_what_it_launched(when):
-    listed = (
-        [tj_pods(tj_pod())] if when == "sleeping" else []
-    )  # "reading": the signal comes before the list
+    # "reading": the signal comes before the list
+    listed = [tj_pods(tj_pod())] if when == "sleeping" else []
     api, replay = _api(
         [
             tj("POST", "trainjob_created", 201),
@@ -823,13 +819,13 @@ def test_a_create_that_fails_midway_deletes_what_was_created():
         r"service account needs create/get/delete",
     ):
         Launcher(1.0, 3600).run([_trainjob_workload(api), _pod_workload(api)])
-    assert replay.deletes() == [
-        (f"{TJ_PATH}/{TJ}", {"propagationPolicy": "Background"})
-    ]  # not the pod
+    # not the pod
+    assert replay.deletes() == [(f"{TJ_PATH}/{TJ}", {"propagationPolicy": "Background"})]
     assert not replay.script
 
 
 def test_a_failing_delete_is_retried_with_backoff_and_404_counts_as_done():
+    # the 503 went through after all
     api, replay = _api(
         [
             tj("POST", "trainjob_created", 201),
@@ -838,7 +834,7 @@ def test_a_failing_delete_is_retried_with_backoff_and_404_counts_as_done():
             tj("DELETE", "server_error", 503),
             tj("DELETE", "not_found_trainjob", 404),
         ]
-    )  # the 503 went through after all
+    )
     clock = Clock()
     launcher = Launcher(1.0, 3600, clock, clock.sleep)
     launcher.run([_trainjob_workload(api)])
@@ -853,9 +849,8 @@ def test_a_delete_that_keeps_failing_gives_up_after_30_s_and_a_forbidden_one_at_
         + [tj("DELETE", "server_error", 500)] * DELETE_TRIES
     )
     clock = Clock()
-    Launcher(1.0, 3600, clock, clock.sleep).run(
-        [_trainjob_workload(api)]
-    )  # the stage's result is not lost
+    # the stage's result is not lost
+    Launcher(1.0, 3600, clock, clock.sleep).run([_trainjob_workload(api)])
     assert (
         len(replay.deletes()) == DELETE_TRIES
         and 20 <= sum(clock.sleeps) <= 40
@@ -871,9 +866,8 @@ def test_a_delete_that_keeps_failing_gives_up_after_30_s_and_a_forbidden_one_at_
     )
     clock = Clock()
     Launcher(1.0, 3600, clock, clock.sleep).run([_pod_workload(api)])
-    assert (
-        len(replay.deletes()) == 1 and clock.sleeps == [] and not replay.script
-    )  # 403 will not pass by waiting
+    # 403 will not pass by waiting
+    assert len(replay.deletes()) == 1 and clock.sleeps == [] and not replay.script
 
 
 def test_trainjob_whose_pods_cannot_start_fails_without_waiting_for_a_condition():
@@ -956,9 +950,8 @@ def test_a_pending_pod_fails_after_the_pending_timeout_but_a_started_one_does_no
     with pytest.raises(
         WorkloadPending, match=rf"Pod {NS}/{POD} failed: pending for 1800 s, .*Unschedulable: 0/4"
     ):
-        Launcher(900.0, 36000, clock, clock.sleep).run(
-            [_pod_workload(api)]
-        )  # the default PENDING_TIMEOUT_S
+        # the default PENDING_TIMEOUT_S
+        Launcher(900.0, 36000, clock, clock.sleep).run([_pod_workload(api)])
     assert clock.t == PENDING_TIMEOUT_S and not replay.script
     api, replay = _api(
         [
@@ -970,9 +963,8 @@ def test_a_pending_pod_fails_after_the_pending_timeout_but_a_started_one_does_no
         ]
     )
     clock = Clock()
-    Launcher(900.0, 36000, clock, clock.sleep).run(
-        [_pod_workload(api)]
-    )  # running for longer than that: fine
+    # running for longer than that: fine
+    Launcher(900.0, 36000, clock, clock.sleep).run([_pod_workload(api)])
     assert clock.t == 2 * 900.0 and not replay.script
 
 
@@ -1067,9 +1059,8 @@ def test_sweep_keeps_going_and_then_says_what_it_could_not_delete():
         LaunchError, match=rf"sweeping run {RUN} in {NS}: deleting TrainJob {NS}/{TJ}: HTTP 403"
     ):
         sweep(RUN, NS, api=api, sleep=lambda s: None)
-    assert (
-        len(replay.deletes()) == 2 and not replay.script
-    )  # the pod was tried (already gone: fine)
+    # the pod was tried (already gone: fine)
+    assert len(replay.deletes()) == 2 and not replay.script
     with pytest.raises(LaunchError, match="needs a run id"):
         sweep("", NS, api=api)
 
@@ -1081,9 +1072,8 @@ def test_launched_pods_never_get_the_tasks_own_service_account(caplog):
 
     assert LaunchConfig().service_account == "moerl-worker"
     assert launch_service_account(_cfg(), NS) == "moerl-gpu"  # the config wins
-    assert (
-        launch_service_account(_cfg(), NS, "rollout_worker") == "moerl-rollout"
-    )  # read-mostly S3 role
+    # read-mostly S3 role
+    assert launch_service_account(_cfg(), NS, "rollout_worker") == "moerl-rollout"
     cfg = _cfg(service_account=None, rollout_service_account=None)
     assert launch_service_account(cfg, NS) is None  # not the task's own
     assert "unset; set it to one with S3 access (moerl-worker)" in caplog.text
@@ -1105,10 +1095,11 @@ def test_launched_pods_never_get_the_tasks_own_service_account(caplog):
     [
         ("http://alice:s3cret@mlflow.mlflow:5000", "http://mlflow.mlflow:5000"),
         ("https://alice@mlflow.example/path", "https://mlflow.example/path"),
+        # useless without its password: left out
         (
             "postgresql://alice:s3cret@db.mlflow:5432/mlflow",
             None,
-        ),  # useless without its password: left out
+        ),
         ("http://mlflow.mlflow:5000", "http://mlflow.mlflow:5000"),
     ],
 )

@@ -289,9 +289,8 @@ def test_gspo_sequence_log_ratio_is_clamped_at_10_as_verl():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gspo_matches_trl_sequence_level(seed):
-    old, logp, engine, adv, mask = _gspo_batch(
-        seed
-    )  # every row has a token: TRL's .mean() counts all
+    # every row has a token: TRL's .mean() counts all
+    old, logp, engine, adv, mask = _gspo_batch(seed)
     loss, grad, _ = _ours(
         logp,
         old,
@@ -582,9 +581,8 @@ def test_geometric_rejection_matches_verl(upper, lower):
     holed_mask = mask.clone()
     holed_mask[6, 0] = 0.0
     drop = geometric_rejection(_pad(hole, mask, NAN), _pad(engine, mask, INF), mask, upper, lower)
-    keep = _verl_geometric_keep(
-        old, engine, holed_mask, upper, lower
-    )  # with verl's 1e-8: the empty row's mean is 0
+    # with verl's 1e-8: the empty row's mean is 0
+    keep = _verl_geometric_keep(old, engine, holed_mask, upper, lower)
     assert 0 < drop.sum() < drop.numel()
     assert torch.equal(drop, ~keep)
     assert not drop[5]

@@ -35,13 +35,11 @@ def test_text_rows_encode_as_they_are_and_messages_through_the_template():
     plain, tok = build_tokenizer(), _chat_tokenizer()
     assert encode_prompt(plain, _rollout(), text) == plain.encode("copy 12=")
     assert encode_prompt(tok, _rollout(), text) == plain.encode("copy 12=")  # auto: text stays text
-    assert encode_prompt(tok, _rollout(), chat) == plain.encode(
-        "copy 12= "
-    )  # the template, with the turn to continue
+    # the template, with the turn to continue
+    assert encode_prompt(tok, _rollout(), chat) == plain.encode("copy 12= ")
     assert encode_prompt(tok, _rollout(chat_template=True), text) == plain.encode("copy 12== ")
-    assert encode_prompt(tok, _rollout(), chat.model_dump()) == encode_prompt(
-        tok, _rollout(), chat
-    )  # an async unit's dict
+    # an async unit's dict
+    assert encode_prompt(tok, _rollout(), chat.model_dump()) == encode_prompt(tok, _rollout(), chat)
     assert chat.prompt_text == "copy 12"
 
 

@@ -49,9 +49,8 @@ def test_each_bias_moves_one_rate_towards_the_mean_load():
     _route(model, [[[3, 3]] * 50, [[3, 3]] * 50])
     stats = bias.step()
     b0, b1 = (blk.gate.e_score_correction_bias for blk in model.layers)
-    assert b0.tolist() == pytest.approx(
-        [-0.01, 0.0, 0.0, 0.01]
-    )  # overloaded down, idle up, at the mean stays
+    # overloaded down, idle up, at the mean stays
+    assert b0.tolist() == pytest.approx([-0.01, 0.0, 0.0, 0.01])
     assert b1.tolist() == [0.0] * 4
     assert stats["moe/router_max_load_ratio"] == pytest.approx((4 / 2 + 2 / 2) / 2)
     model.train()  # a skipped step drops its counts: nothing moves on the next step without tokens

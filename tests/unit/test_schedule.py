@@ -288,9 +288,8 @@ def test_recurring_run_reuses_an_existing_experiment():
     fake = FakeKfp(experiment_exists=True)
     schedule.create_recurring_run(_cfg(), "@daily", client=fake)
     assert [name for name, _ in fake.calls if "experiment" in name] == ["get_experiment"]
-    assert (
-        _calls(fake, "get_experiment")[0]["experiment_name"] == "moerl"
-    )  # default: tracking.experiment
+    # default: tracking.experiment
+    assert _calls(fake, "get_experiment")[0]["experiment_name"] == "moerl"
     (kw,) = _calls(fake, "create_recurring_run")
     assert kw["experiment_id"] == "exp-1" and kw["cron_expression"] == "0 0 0 * * *"
 
@@ -380,9 +379,8 @@ def test_an_unreachable_kfp_is_one_error_after_the_compile(monkeypatch):
         lambda c: schedule.create_recurring_run(
             _cfg(), "@daily", host="http://alice:s3cret@kfp:8888", client=c
         ),
-        lambda c: schedule.submit(
-            _cfg(), host="alice:s3cret@kfp:8888", client=c
-        ),  # no scheme: kfp adds https://
+        # no scheme: kfp adds https://
+        lambda c: schedule.submit(_cfg(), host="alice:s3cret@kfp:8888", client=c),
     ],
 )
 def test_a_host_with_credentials_is_refused_before_any_compile_or_client_call(call, monkeypatch):
@@ -498,9 +496,8 @@ def test_submit_uploads_a_named_version_starts_one_run_and_waits_for_it(capsys, 
     # the MLflow run is named like the KFP run; no other field changes
     assert run["params"] == {"run_name": "nightly-1", "overrides": []}
     assert _calls(fake, "wait_for_run_completion") == [{"run_id": "run-1", "timeout": 600}]
-    assert (
-        _config_of(fake.packages[-1]) == cfg
-    )  # submit runs the config as given (no warm start added)
+    # submit runs the config as given (no warm start added)
+    assert _config_of(fake.packages[-1]) == cfg
     out = capsys.readouterr().out
     assert f"version {name} (uploaded)" in out
     assert "[moerl] KFP run run-1 (nightly-1): http://kfp.example:8080/#/runs/details/run-1" in out
@@ -655,6 +652,7 @@ def test_cron_workflow_validates_against_argo_schema():
     ]
     args = c["args"]
     assert args[:2] == ["submit", schedule.CONFIG_PATH]
+    # each scheduled run reuses the pipeline version while nothing changed
     assert dict(zip(args[2::2], args[3::2])) == {
         "--host": schedule.IN_CLUSTER_KFP,
         "--experiment": "nightly",
@@ -663,7 +661,7 @@ def test_cron_workflow_validates_against_argo_schema():
         "--namespace": "team-a",
         "--service-account": "moerl-runner",
         "--config-name": "moerl-grpo",
-    }  # each scheduled run reuses the pipeline version while nothing changed
+    }
     # the config the step submits: warm start on, no credentials, loadable by `moerl submit`
     (artifact,) = tmpl["inputs"]["artifacts"]
     assert artifact["path"] == schedule.CONFIG_PATH
@@ -757,6 +755,7 @@ def test_cli_writes_only_the_cron_workflow_with_no_kfp(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
+        # the cron is checked before the file is read
         (
             [
                 "schedule",
@@ -768,7 +767,7 @@ def test_cli_writes_only_the_cron_workflow_with_no_kfp(tmp_path, capsys):
                 "x.yaml",
             ],
             "cron: field 3 (hour) must be 0-23, got '25'",
-        ),  # the cron is checked before the file is read
+        ),
         (
             ["schedule", "missing.yaml", "--cron", "@daily", "--no-kfp"],
             "--no-kfp: nothing to do without --argo-out",

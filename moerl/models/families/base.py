@@ -82,9 +82,8 @@ class Family:
     model_class: str
     router_class: str  # the router module's class: what routing replay hooks
     router_weights: RouterWeights
-    num_experts_fields: tuple[
-        str, ...
-    ]  # config fields of the routed experts per layer, first set wins
+    # config fields of the routed experts per layer, first set wins
+    num_experts_fields: tuple[str, ...]
     tiny_config: TinyConfig
     moe_block: str = "mlp"  # the decoder layer's attribute holding the sparse MoE block
     checkpoint_block: str = "mlp"  # that block's name in checkpoint keys
