@@ -338,20 +338,29 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
     gathered), as an S3 outage during a publication leaves it: its successor takes all of them
     back, B per version. Before, it took one page into its first version and left the rest
     pending for good, and the run hung once the last prompts were out."""
-    h = Harness(tmp_path, "pipeline.versions=4")
+    # staleness 2: with the trainer frozen, the workers may run two versions ahead of it, so
+    # more than one version's groups pile up however fast the machine is (at 1 they stop at B)
+    h = Harness(tmp_path, "pipeline.versions=4", "buffer.max_staleness=2")
     sent = []
     B = h.cfg.task.prompts_per_iteration
+
+    stopped = []
 
     def fault(run):
         reg = run.bus.registry()
         if sent or reg is None or reg.version < 1:
             return
-        if run.bus.pending_count("scored", "trainer") + run.bus.backlog() <= B:
+        if not stopped:
+            # frozen first, so the groups scored from now on pile up whatever the machine's
+            # speed (a trainer that keeps up would never hold more than one version's groups)
+            run.signal("trainer", signal.SIGSTOP)
+            stopped.append(time.monotonic())
+        held = run.bus.pending_count("scored", "trainer") + run.bus.backlog()
+        if held <= B and time.monotonic() - stopped[0] < 60:
             return  # not yet more than one version's groups scored
-        # frozen, then more groups delivered to it than one version takes (what it was gathering
-        # for the next version, or a reply it never saw: the same entries in its pending list),
+        # then more groups delivered to it than one version takes (what it was gathering for
+        # the next version, or a reply it never saw: the same entries in its pending list),
         # then killed
-        run.signal("trainer", signal.SIGSTOP)
         run.bus.r.xreadgroup("trainer", "trainer", {run.bus.key("scored"): ">"}, count=B)
         sent.append(run.bus.pending_count("scored", "trainer"))
         run.signal("trainer", signal.SIGKILL)
