@@ -132,7 +132,7 @@ def test_the_compare_view_shows_both_runs_and_the_parameter_that_differs(two_run
         assert f"lr-{lr}" in text and run_id in text
     # the learning rate's row holds both values; a parameter both runs share holds one twice
     # the plot's axis label comes first
-    rows = re.findall(r"trainer\.learning_rate (\S+) (\S+) ", text)
+    rows = re.findall(r"trainer\.optimizer\.learning_rate (\S+) (\S+) ", text)
     assert (str(RATES[0]), str(RATES[1])) in rows, rows
     assert ("builtin:digits-copy", "builtin:digits-copy") in re.findall(
         r"task\.dataset (\S+) (\S+) ", text

@@ -229,7 +229,7 @@ def test_ep2_replays_routes_and_measures_the_mismatch_like_ep1(tmp_path, variant
         )
     ]
     assert "rollout_corr/own/k3_kl" in keys and "moe/routing_agreement/layer_1" in keys
-    if variant["router_replay"] == "R3":
+    if variant["moe"]["router_replay"] == "R3":
         assert m1["moe/replay_replaced_fraction"] > 0
     else:
         assert m1["rollout_corr/rs_masked_sequences"] >= 0
