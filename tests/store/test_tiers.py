@@ -171,7 +171,7 @@ def test_recovery_promotes_only_the_version_the_servable_pointer_names(
 
 
 _KILLED_PUBLISHER = textwrap.dedent("""
-    import os, sys, time
+    import os, sys, threading, time
     from pathlib import Path
     from moerl.config import CheckpointConfig
     from moerl.store.tiers import run_tiers
@@ -180,11 +180,13 @@ _KILLED_PUBLISHER = textwrap.dedent("""
     src = Path(sys.argv[2])
     hold = int(sys.argv[3]) if len(sys.argv) > 3 else None  # stop this version's durable copy midway
     durable_put, holding = tiers.durable._put, [False]
+    told = threading.Lock()  # never released: the first thread holding says so
 
     def put(stage, rel, path):
         durable_put(stage, rel, path)
         if holding[0]:  # one file of it is in the durable store: say so, and wait for the kill
-            print("holding", hold, flush=True)
+            if told.acquire(blocking=False):  # files go up on several threads: one says it
+                print("holding", hold, flush=True)
             time.sleep(600)
 
     tiers.durable._put = put
