@@ -170,11 +170,12 @@ def _shape(model) -> dict[str, Any]:
     from moerl.models.families import family_of
 
     c = model.config
+    family = family_of(c)
     return {
-        "architecture": c.model_type,
+        "architecture": family.model_type,
         "hidden_size": c.hidden_size,
         "num_layers": c.num_hidden_layers,
-        "num_experts": family_of(c).num_experts(c),
+        "num_experts": family.num_experts(c),
         "experts_per_token": c.num_experts_per_tok,
         "moe_intermediate_size": getattr(c, "moe_intermediate_size", None) or c.intermediate_size,
     }

@@ -54,11 +54,11 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
         from moerl.components.publish_checkpoint.registry import resolve_policy
 
         resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
-    model_type: str = cfg.model.tiny.architecture
     if cfg.model.path:
-        model_type = check_checkpoint(cfg.model.path)
+        family = family_of(check_checkpoint(cfg.model.path))
         _check_mesh(cfg)
-    family = family_of(model_type)
+    else:
+        family = family_of(cfg.model.tiny.architecture)
     if family.vllm_cpu_problem and cfg.rollout.device == "cpu" and cfg.pipeline.kind == "grpo":
         from moerl.errors import ConfigError
 
@@ -71,7 +71,7 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
         from moerl.errors import ConfigError
 
         raise ConfigError(
-            f"trainer.moe.router_bias_update_rate {cfg.trainer.moe.router_bias_update_rate}: the {model_type} "
+            f"trainer.moe.router_bias_update_rate {cfg.trainer.moe.router_bias_update_rate}: the {family.model_type} "
             "router has no bias correction to move (DeepSeek-V3's e_score_correction_bias); set it to 0, "
             "and balance with trainer.moe.aux_loss_coef"
         )
@@ -89,7 +89,7 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             raise ConfigError(
                 f"{key}: routing replay and routed-expert capture know the routers of "
                 f"{', '.join(f.model_type for f in FAMILIES if f.router_replay)}; model.path is a "
-                f"{model_type!r}: set "
+                f"{family.model_type!r}: set "
                 "trainer.moe.router_replay disabled and rollout.return_routed_experts false"
             )
     from moerl.store.runs import open_store
