@@ -31,6 +31,9 @@ class SwapStats:
     reload_s: float = 0.0  # vLLM's reload_weights minus reads and packs
     repack_s: float = 0.0  # CPU MoE prepack
     moe_layers_inplace: int = 0  # of those, packed by the in-place expert path
+    ranks: int = 1  # engine ranks that loaded the version
+    digests: tuple[str, ...] = ()  # each rank's parameter digest, by rank (engine_worker.py)
+    reloaded: bool = False  # a rank failed, the engine was reloaded on every rank
 
 
 @dataclass
@@ -270,7 +273,8 @@ def _quiet_for(plans: dict[str, _InplaceExperts], model) -> Iterator[None]:
 def swap_in_worker(
     worker, model_dir: str, bucket_bytes: int, inplace: bool = True
 ) -> dict[str, Any]:
-    """Runs inside each vLLM worker (via collective_rpc)."""
+    """Runs inside each vLLM worker (`MoerlWorker.moerl_swap`, by name through collective_rpc):
+    this rank reads the checkpoint through vLLM's weight loaders, which keep its own shard."""
     from safetensors import safe_open
 
     t0 = time.perf_counter()
@@ -345,25 +349,36 @@ def swap_in_worker(
 
 
 def hot_swap(
-    llm, model_dir: str | Path, bucket_mb: int = 512, inplace: bool = True, reset_cache: bool = True
+    llm,
+    model_dir: str | Path,
+    bucket_mb: int = 512,
+    inplace: bool = True,
+    reset_cache: bool = True,
+    version: int | None = None,
+    fail_rank: int | None = None,
 ) -> SwapStats:
-    """Swap the weights of a live `vllm.LLM` for those in `model_dir` (a verified cache dir).
+    """Swap the weights of a live `vllm.LLM` for those in `model_dir` (a verified cache dir) on
+    every rank of the engine, by name (`MoerlWorker.moerl_swap`: nothing pickled crosses
+    processes), and check what the ranks report (`check_ranks`).
 
     `inplace=False` forces the fallback for every MoE layer (vLLM's reload, then the re-pack):
     slower, kept as the reference the in-place path is tested against. `reset_cache=False`
     leaves the prefix cache to the caller (an in-flight swap: `RolloutEngine.swap_weights`).
+    `fail_rank`: fault injection for the tests.
     """
     from moerl.errors import WeightSyncError
 
     t0 = time.perf_counter()
     try:
         results = llm.collective_rpc(
-            swap_in_worker, args=(str(model_dir), bucket_mb * 2**20, inplace)
+            "moerl_swap",
+            args=(str(model_dir), bucket_mb * 2**20, inplace, version, fail_rank),
         )
-    except Exception as err:  # noqa: BLE001 - whatever the worker raised, the caller gets one typed error
+    except Exception as err:  # noqa: BLE001 - whatever a rank raised, the caller gets one typed error
         raise WeightSyncError(
             f"hot swap to {model_dir} failed: {type(err).__name__}: {err}"
         ) from err
+    check_ranks(results, version, llm.llm_engine.vllm_config.parallel_config, model_dir)
     if reset_cache:
         llm.reset_prefix_cache()  # cached prompts' KV came from the old weights
     r = results[0]
@@ -373,8 +388,43 @@ def hot_swap(
         tensors=r["tensors"],
         buckets=r["buckets"],
         moe_layers_repacked=r["moe_layers_repacked"],
-        read_s=r["read_s"],
-        reload_s=r["reload_s"],
-        repack_s=r["repack_s"],
+        read_s=max(x["read_s"] for x in results),
+        reload_s=max(x["reload_s"] for x in results),
+        repack_s=max(x["repack_s"] for x in results),
         moe_layers_inplace=r["moe_layers_inplace"],
+        ranks=len(results),
+        digests=tuple(x["digest"] for x in sorted(results, key=lambda x: x["rank"])),
     )
+
+
+def check_ranks(results: list[dict[str, Any]], version: int | None, parallel, model_dir) -> None:
+    """A swap counts only when every rank of the engine answered, each loaded `version` and
+    reports a digest of its parameters; data-parallel replicas of one tensor-parallel rank hold
+    the same shard (without expert parallelism), so their digests must agree. Raises
+    WeightSyncError naming the rank otherwise."""
+    from moerl.errors import WeightSyncError
+
+    want = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+    # vLLM's internal-LB DP client returns the first engine's answer only: count per engine
+    ranks = sorted(x["rank"] for x in results)
+    if len(results) < want or len(set(ranks)) != len(ranks):
+        raise WeightSyncError(
+            f"hot swap to {model_dir}: {len(results)} ranks answered (ranks {ranks}); the engine "
+            f"has {want} per replica"
+        )
+    for x in results:
+        if x.get("version") != version or not x.get("digest"):
+            raise WeightSyncError(
+                f"hot swap to {model_dir}: rank {x.get('rank')} reports version "
+                f"{x.get('version')!r} and digest {x.get('digest')!r}; expected version {version!r}"
+            )
+    if not getattr(parallel, "enable_expert_parallel", False):
+        by_tp: dict[int, set[str]] = {}
+        for x in results:
+            by_tp.setdefault(x["tp_rank"], set()).add(x["digest"])
+        split = {k: v for k, v in by_tp.items() if len(v) > 1}
+        if split:
+            raise WeightSyncError(
+                f"hot swap to {model_dir}: data-parallel replicas of tensor-parallel rank "
+                f"{min(split)} hold different weights after the swap"
+            )

