@@ -100,7 +100,7 @@ def run_replay_arm(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any
     ) -> Path:  # what the engine gets: the version, or its perturbed copy
         return perturbed_copy(version_dir, work / "engine", noise) if noise > 0 else version_dir
 
-    engine = RolloutEngine(served(state), cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    engine = RolloutEngine(served(state), cfg.rollout, seed=cfg.rollout.seed)
     per_version: list[dict[str, float]] = []
     try:
         for i in range(iterations):

@@ -214,7 +214,7 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(state)
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
     t["init_policy"] = time.perf_counter() - t0
-    engine = RolloutEngine(state, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    engine = RolloutEngine(state, cfg.rollout, seed=cfg.rollout.seed)
     loads = 1
     t["engine_load"] = engine.load_s
     # 2. the versions

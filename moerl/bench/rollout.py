@@ -97,7 +97,7 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
     warm_ids = [
         encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[n_units:] for p in unit
     ]
-    engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+    engine = RolloutEngine(model_dir, cfg.rollout, seed=cfg.rollout.seed)
     try:
         # the engine's first batches pay one-time costs (kernels for new shapes): not timed
         if warm_ids:
@@ -166,7 +166,7 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         G, room = cfg.rollout.samples_per_prompt, cfg.rollout.max_num_seqs
         warm = _warm_units()
         units = _prompts(cfg, warm + n_units * len(BREAKDOWN) * BREAKDOWN_ROUNDS)
-        engine = RolloutEngine(model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed)
+        engine = RolloutEngine(model_dir, cfg.rollout, seed=cfg.rollout.seed)
         taken = [0]
 
         def take(n: int) -> list[list]:

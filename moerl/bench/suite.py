@@ -64,7 +64,6 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     engine = RolloutEngine(
         fetch_for_engine(cfg.checkpoint, run_id, 0),
         cfg.rollout,
-        dtype=cfg.model.dtype,
         seed=cfg.rollout.seed,
         log_stats=True,
     )
@@ -387,6 +386,8 @@ def disclosure(cfg: RunConfig, repeats: list[dict[str, Any]], iterations: int) -
             "path": cfg.model.path or f"tiny (seed {cfg.model.tiny.seed})",
             **repeats[0]["shape"],
             "dtype": cfg.model.dtype,
+            "serving_dtype": cfg.rollout.serving_dtype,
+            "rollout_tensor_parallel": cfg.rollout.tensor_parallel_size,
             "params": repeats[0]["params"],
         },
         "batch": {
