@@ -2,11 +2,15 @@
 # The prepared GPU check, for one machine with one or more CUDA GPUs and moerl installed
 # (the trainer image, or a venv with the CUDA torch and vllm wheels):
 #   bash tests/gpu/run.sh            # prints versions, runs tests/gpu, writes $OUT/gpu-check.txt
+#   GPU_TESTS=tests/gpu/test_rollout_layouts.py bash tests/gpu/run.sh   # the rollout engines only
 # It checks the CUDA trainer against the CPU trainer, the sharded (FSDP2 + EP) worker over NCCL
 # (one rank; and with bf16 mixed precision and activation checkpointing: its peak memory
 # against the static formula, tokens/s), and a CUDA vLLM engine hot-swapped to a new version
-# against a fresh load, and its routed experts (enable_return_routed_experts) against the
-# trainer's routers; then
+# against a fresh load (by name on every rank, CUDA graphs on), bf16 serving (rollout.dtype)
+# against a float32 engine and transformers, its routed experts (enable_return_routed_experts)
+# against the trainer's routers, and with 2+ GPUs TP = 2 and DP 2 x EP 2 over
+# allgather_reducescatter and deepep_v2 (skipped on one GPU, each with its reason; DP xfails
+# while the engine refuses data_parallel_size > 1); then
 # the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1; and, when
 # GPU_ROLLOUT=1, `moerl bench rollout` on the GPU: the long-tail workload with a version every
 # second (between-units drains against in-flight updates, where a decode step costs about the
@@ -19,10 +23,12 @@ PYTHON=${PYTHON:-python}
 mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  nvidia-smi topo -m || true
   "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
   "$PYTHON" -c "import vllm; print('vllm', vllm.__version__)" || echo "vllm: not importable"
+  "$PYTHON" -c "import deep_ep; print('deep_ep', getattr(deep_ep, '__version__', '?'))" || echo "deep_ep: not importable"
 } | tee "$OUT/versions.txt"
-"$PYTHON" -m pytest tests/gpu -v -s -rs -p no:cacheprovider --noconftest 2>&1 | tee "$OUT/gpu-check.txt"
+"$PYTHON" -m pytest "${GPU_TESTS:-tests/gpu}" -v -s -rsx -p no:cacheprovider --noconftest 2>&1 | tee "$OUT/gpu-check.txt"
 if [ "${GPU_BENCH:-0}" = 1 ]; then
   OUT_DIR="$OUT" bash kernels/gpu_bench.sh --repeats 20 2>&1 | tee "$OUT/dispatch.txt"
 fi
