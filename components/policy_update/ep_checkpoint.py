@@ -22,6 +22,7 @@ from torch import nn
 from moerl.components.policy_update.ep_moe import EPMoEBlock, parallelize_experts
 from moerl.errors import CheckpointError
 from moerl.models.families import Family, family_of
+from moerl.models.policy import mark_dtype
 
 log = logging.getLogger(__name__)
 
@@ -463,10 +464,12 @@ def save_ep_checkpoint(
     state_out: Path,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     ep_group=None,
+    dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Write the HF checkpoint (weights, config; tokenizer and other files copied from
-    `state_in`) into `state_out`. A collective over every rank (`ep_group`: the EP group the
-    experts are split over, default all ranks); rank 0 writes. Returns the weight files."""
+    `state_in`) into `state_out`, in `dtype` when given (the serving dtype). A collective over
+    every rank (`ep_group`: the EP group the experts are split over, default all ranks); rank 0
+    writes. Returns the weight files."""
     from safetensors.torch import save_file
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -482,6 +485,8 @@ def save_ep_checkpoint(
         state_out.mkdir(parents=True, exist_ok=True)
     for fname, shard in zip(files, shards):
         tensors = _shard_tensors(by_name, shard, rank, ep_group)
+        if dtype is not None:
+            tensors = {k: v.to(dtype) for k, v in tensors.items()}
         if rank == 0:
             save_file(tensors, str(state_out / fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in tensors})
@@ -499,4 +504,6 @@ def save_ep_checkpoint(
                 shutil.copy2(f, state_out / f.name)
         config: Any = model.config  # a transformers model's
         config.save_pretrained(state_out)
+        if dtype is not None:
+            mark_dtype(state_out, str(dtype).removeprefix("torch."))
     return files

@@ -43,7 +43,13 @@ from moerl.components.policy_update.steps import (
     rows_per_micro_batch,
     sampled_logprobs,
 )
-from moerl.components.policy_update.trainer import TRAINER_DIR, Counters, pack
+from moerl.components.policy_update.trainer import (
+    MASTER_DIR,
+    TRAINER_DIR,
+    Counters,
+    pack,
+    weights_dir,
+)
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import TrainingError
 from moerl.models.families import family_of
@@ -154,7 +160,7 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
         else None
     )
     model, ep_blocks, layout = load_ep_model(
-        state_in,
+        weights_dir(state_in),
         dispatcher,
         getattr(torch, cfg.model.dtype),
         tc.parallelism.device,
@@ -359,14 +365,28 @@ def train_ep(
 
 
 def save_ep(
-    model, opt, counters: Counters, ep_blocks, layout, mesh, state_in: Path, state_out: Path
+    model,
+    opt,
+    counters: Counters,
+    ep_blocks,
+    layout,
+    mesh,
+    state_in: Path,
+    state_out: Path,
+    serving_dtype: str | None = None,
 ) -> None:
     """The optimizer state through Distributed Checkpoint (every rank writes its shards); the
     standard HF checkpoint from rank 0, which receives each tensor whole, one at a time (dense
-    ones all-gathered over the mesh, experts one layer at a time); and the counters."""
+    ones all-gathered over the mesh, experts one layer at a time), in `serving_dtype` when it is
+    not the model's, the master weights then under MASTER_DIR; and the counters."""
     (state_out / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
     save_optimizer(model, opt, ep_blocks, mesh, state_out / TRAINER_DIR / OPTIMIZER_DCP)
-    save_ep_checkpoint(model, ep_blocks, layout, state_in, state_out, ep_group=mesh.get_group("ep"))
+    ep = mesh.get_group("ep")
+    master = next(model.parameters()).dtype
+    serving = getattr(torch, serving_dtype) if serving_dtype else master
+    save_ep_checkpoint(model, ep_blocks, layout, state_in, state_out, ep_group=ep, dtype=serving)
+    if serving != master:
+        save_ep_checkpoint(model, ep_blocks, layout, state_in, state_out / MASTER_DIR, ep_group=ep)
     if dist.get_rank() == 0:
         (state_out / TRAINER_DIR / "state.json").write_text(json.dumps(asdict(counters)))
     dist.barrier()
@@ -430,7 +450,17 @@ def main(argv: list[str] | None = None) -> int:
         metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
         t_steps = _synced_clock(cfg)
         counters.version += 1
-        save_ep(model, opt, counters, ep_blocks, layout, mesh, Path(a.state_in), Path(a.state_out))
+        save_ep(
+            model,
+            opt,
+            counters,
+            ep_blocks,
+            layout,
+            mesh,
+            Path(a.state_in),
+            Path(a.state_out),
+            cfg.rollout.serving_dtype,
+        )
         # where the update's time went: loading (and sharding), the steps (pi_old included), saving
         metrics.update(
             {

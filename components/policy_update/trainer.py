@@ -35,12 +35,15 @@ from moerl.components.policy_update.steps import (
 )
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
+from moerl.models.policy import mark_dtype
 from moerl.records import TrainSample, read_records, token_versions
 
 __all__ = [
     "Counters",
     "Packed",
     "TRAINER_DIR",
+    "MASTER_DIR",
+    "weights_dir",
     "pack",
     "run_policy_update",
     "sequence_logprobs",
@@ -49,6 +52,16 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 TRAINER_DIR = "trainer"
+# the master weights (model.dtype) when the engines are served another dtype (rollout.dtype): an
+# HF checkpoint under trainer/, which engines never fetch (moerl.store.runs.ENGINE_EXCLUDE)
+MASTER_DIR = f"{TRAINER_DIR}/master"
+
+
+def weights_dir(state_dir: Path) -> Path:
+    """Where the trainer reads the policy's weights from: the master copy when the version was
+    published in a serving dtype of its own, else the HF checkpoint itself."""
+    master = Path(state_dir) / MASTER_DIR
+    return master if (master / "config.json").is_file() else Path(state_dir)
 
 
 @dataclass
@@ -106,7 +119,7 @@ def _load_state(state_dir: Path, cfg: RunConfig):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        state_dir, dtype=getattr(torch, cfg.model.dtype)
+        weights_dir(state_dir), dtype=getattr(torch, cfg.model.dtype)
     ).to(cfg.trainer.parallelism.device)  # type: ignore[arg-type]  # transformers' decorated to() is mistyped
     if cfg.trainer.parallelism.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -136,7 +149,17 @@ def _load_state(state_dir: Path, cfg: RunConfig):
     return model, opt, counters
 
 
-def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path) -> None:
+def _save_state(
+    model,
+    opt,
+    counters: Counters,
+    state_in: Path,
+    state_out: Path,
+    serving_dtype: str | None = None,
+) -> None:
+    """The version: the HF checkpoint the engines load, in `serving_dtype` (rollout.dtype
+    resolved) when given and not the model's own, the master weights then under MASTER_DIR; the
+    optimizer state and the counters under trainer/."""
     state_out.mkdir(parents=True, exist_ok=True)
     for f in state_in.iterdir():  # tokenizer and generation config come along unchanged
         if (
@@ -145,7 +168,16 @@ def _save_state(model, opt, counters: Counters, state_in: Path, state_out: Path)
             and f.name != "model.safetensors.index.json"
         ):
             shutil.copy2(f, state_out / f.name)
-    model.save_pretrained(state_out)
+    master = next(model.parameters()).dtype
+    serving = getattr(torch, serving_dtype) if serving_dtype else master
+    if serving == master:
+        model.save_pretrained(state_out)
+    else:
+        model.save_pretrained(
+            state_out, state_dict={k: v.to(serving) for k, v in model.state_dict().items()}
+        )
+        mark_dtype(state_out, str(serving_dtype))
+        model.save_pretrained(state_out / MASTER_DIR)
     (state_out / TRAINER_DIR).mkdir(exist_ok=True)
     if opt is not None:  # expert-parallel ranks save their own optimizer shards
         torch.save(opt.state_dict(), state_out / TRAINER_DIR / "optimizer.pt")
@@ -262,6 +294,6 @@ def run_policy_update(
     metrics["train/empty_batch"] = float(not batch)
     counters.version += 1
     # 5. save
-    _save_state(model, opt, counters, state_in, state_out)
+    _save_state(model, opt, counters, state_in, state_out, cfg.rollout.serving_dtype)
     metrics["timing/policy_update_s"] = time.perf_counter() - t0
     return metrics

@@ -444,7 +444,7 @@ def _train(
             else {"train/steps": 0.0, "train/skipped_steps": 0.0}
         )
         counters.version += 1
-        _save_state(model, opt, counters, state_dir, out_dir)
+        _save_state(model, opt, counters, state_dir, out_dir, cfg.rollout.serving_dtype)
     metrics["train/empty_batch"] = float(not samples)
     metrics["timing/policy_update_s"] = time.perf_counter() - t0
     return metrics

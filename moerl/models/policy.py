@@ -138,6 +138,17 @@ def _tensor_ends(header: object) -> list[int] | None:
     return ends
 
 
+def mark_dtype(hf_dir: str | Path, dtype: str) -> None:
+    """Record `dtype` as the checkpoint's in its config.json (what a reader loading with "auto"
+    gets; transformers writes `torch_dtype`, newer versions `dtype` too)."""
+    path = Path(hf_dir) / "config.json"
+    conf = json.loads(path.read_text())
+    conf["torch_dtype"] = dtype
+    if "dtype" in conf:
+        conf["dtype"] = dtype
+    path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+
+
 def initial_checkpoint(cfg: ModelConfig, out_dir: str | Path) -> Path:
     """The checkpoint that becomes policy version 0: the user's `model.path`, or the tiny model."""
     if cfg.path:

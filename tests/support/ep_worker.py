@@ -126,9 +126,10 @@ def _full_expert_tensors(num_experts):
     )
 
 
-def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
+def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes, serving=None):
     """Load through the EP trainer's setup(), record what this rank holds, perturb the weights
-    (replicated ones identically on every rank), and save the HF checkpoint to out_dir/saved."""
+    (replicated ones identically on every rank), and save the HF checkpoint to out_dir/saved
+    (and, given a `serving` dtype name, in that dtype to out_dir/saved_<serving>)."""
     import zlib
     from pathlib import Path
 
@@ -170,6 +171,17 @@ def ep_load_save_rank(rank, world, model_path, out_dir, shard_bytes):
             ep_group=mesh.get_group("ep"),
             **kwargs,
         )
+        if serving is not None:
+            ep_checkpoint.save_ep_checkpoint(
+                model,
+                blocks,
+                layout,
+                Path(model_path),
+                Path(out_dir) / f"saved_{serving}",
+                ep_group=mesh.get_group("ep"),
+                dtype=getattr(torch, serving),
+                **kwargs,
+            )
         torch.save(record, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()

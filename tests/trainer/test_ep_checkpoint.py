@@ -85,9 +85,10 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(
     from transformers import AutoModelForCausalLM
 
     src = checkpoints[arch]
+    serving = "bfloat16" if arch == "qwen3_moe" else None  # the engines' dtype, once
     mp.spawn(
         ep_worker.ep_load_save_rank,
-        args=(world, str(src), str(tmp_path), shard_bytes),
+        args=(world, str(src), str(tmp_path), shard_bytes, serving),
         nprocs=world,
         join=True,
     )
@@ -143,6 +144,12 @@ def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(
     assert {f.name for f in src.iterdir()} - {"model.safetensors"} <= {
         f.name for f in saved_dir.iterdir()
     }
+    if serving:  # the serving-dtype copy: the same tensors, rounded once on the way out
+        rounded = AutoModelForCausalLM.from_pretrained(tmp_path / f"saved_{serving}", dtype="auto")
+        assert _keys(tmp_path / f"saved_{serving}") == _keys(src)
+        for name, p in rounded.named_parameters():
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(p.detach(), got[name].detach().to(torch.bfloat16)), name
 
 
 def _copy_without(src, dst, drop=None, reshape=None):
