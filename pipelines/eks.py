@@ -130,6 +130,13 @@ def check_cluster_safe(cfg: RunConfig) -> None:
             problems.append(
                 f"cluster.groups.{group}.gpus: 0, but {device_key} is cuda; give the group's tasks GPUs"
             )
+    if cfg.rollout.device == "cuda" and cfg.cluster.rollout_gpus():  # TP x DP divides them
+        from moerl.launch.layout import rollout_pod_layout
+
+        try:
+            rollout_pod_layout(cfg)
+        except ConfigError as err:
+            problems.append(str(err))
     uri = cfg.tracking.uri or ""
     if not uri.startswith(("http://", "https://")):
         problems.append(

@@ -30,6 +30,7 @@ def rollout(
             args={"policy_json": policy_json, "iteration": iteration},
             outputs={"samples": samples.path},
             worker=f"it{iteration}",
+            engines=1,  # one engine: the pod gets its TP x DP GPUs on cuda
         )
     from moerl.components.rollout.stage import run_rollout
     from moerl.records import PolicyVersion
@@ -40,17 +41,20 @@ def rollout(
 
 
 def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
-    """Async mode: one long-lived rollout worker, `rollout-<worker_index>`, for the whole run.
+    """Async mode: rollout pod `worker_index` for the whole run, hosting its long-lived rollout
+    workers: one, or on cuda GPUs per pod / (TP x DP) of them, `rollout-<i>` for consecutive i
+    (moerl.launch.layout.pod_workers), each an engine on its own GPUs.
 
-    Starts one vLLM engine (on dummy weights before version 0 exists, `rollout.early_engine`:
-    this task starts beside init_policy), leases work units from the Valkey work queue,
-    publishes every finished group at once, and moves to each new version with the in-place
-    hot swap. Returns when the trainer marks the run done, or the run is abandoned.
+    Each worker starts one vLLM engine (on dummy weights before version 0 exists,
+    `rollout.early_engine`: this task starts beside init_policy), leases work units from the
+    Valkey work queue, publishes every finished group at once, and moves to each new version
+    with the in-place hot swap. Returns when the trainer marks the run done, or the run is
+    abandoned.
 
-    On SIGTERM (a Spot interruption) the worker stops leasing, finishes its active requests
-    within `rollout.grace_seconds`, publishes them, requeues the rest, and this task FAILS with
-    the worker's drain code: KFP's retry then starts a replacement in the same slot. Exiting 0
-    would mark the slot done and lose it for the rest of the run.
+    On SIGTERM (a Spot interruption) the workers stop leasing, finish their active requests
+    within `rollout.grace_seconds`, publish them, requeue the rest, and this task FAILS with
+    the drain code: KFP's retry then starts a replacement in the same slot. Exiting 0 would mark
+    the slot done and lose it for the rest of the run.
     """
     from moerl.launch.podenv import enter_pod
 
@@ -62,17 +66,22 @@ def rollout_worker(config_json: str, run_id: str, worker_index: int) -> None:
     # in a launched pod (docs/launch.md); same exit codes
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch import run_remote
+        from moerl.launch.layout import pod_workers, rollout_pod_layout
 
+        engines = len(
+            pod_workers(cfg.rollout.workers, rollout_pod_layout(cfg).engines, worker_index)
+        )
         code = run_remote(
             cfg,
             "rollout_worker",
             run_id,
-            args={"worker": f"rollout-{worker_index}"},
+            args={"worker": f"rollout-{worker_index}", "pod": worker_index},
             worker=f"rollout-{worker_index}",
+            engines=engines,
         )
     else:
-        from moerl.components.rollout.worker import run_rollout_worker
+        from moerl.components.rollout.pod import run_rollout_pod
 
-        code = run_rollout_worker(cfg, run_id, f"rollout-{worker_index}")
+        code = run_rollout_pod(cfg, run_id, worker_index)
     if code != 0:
         raise SystemExit(code)

@@ -46,7 +46,8 @@ def start_run(
     Returns:
         run_id: the MLflow run every other task logs to.
         config_json: the merged config every other task runs.
-        worker_slots: one item per rollout worker (the async pipeline's fan-out).
+        worker_slots: one item per rollout pod (the async pipeline's fan-out): a pod hosts one
+            worker, or on cuda GPUs per pod / (TP x DP) of them (moerl/launch/layout.py).
         scorer_slots: one item per reward scorer (the async pipeline's fan-out).
         valkey_secret: the async pipeline on EKS: the name of the Kubernetes Secret holding the
             run's own Valkey user, which this task made (moerl/launch/runsecret.py) and the
@@ -108,13 +109,15 @@ def start_run(
         from moerl.launch.runsecret import open_run_identity, uses_run_identity
 
         valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
+    from moerl.launch.layout import rollout_pod_layout, rollout_pods
+
     Outputs = namedtuple(
         "Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"]
     )
     return Outputs(
         run_id,
         config_to_json(cfg),
-        list(range(cfg.rollout.workers)),
+        list(range(rollout_pods(cfg.rollout.workers, rollout_pod_layout(cfg).engines))),
         list(range(cfg.reward.scorers)),
         valkey_secret,
     )

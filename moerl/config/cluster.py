@@ -75,6 +75,10 @@ class GroupConfig(_Section):
     null: none."""
     timeout_s: int = Field(6 * 3600, ge=600)
     """The pod's activeDeadlineSeconds; a launcher task stops watching 120 s before it."""
+    gpu_memory_gib: float | None = Field(None, gt=0.0, le=4096.0)
+    """GiB of memory of one GPU of the group's nodes (p5en's H200: 140; nvidia-smi reports 143,771
+    MiB): what preflight fits a rollout engine's weights and KV cache in (docs/rollout-scale.md).
+    null: not checked."""
 
 
 def _group(
@@ -84,6 +88,7 @@ def _group(
     shm: str | None = None,
     timeout_s: int = 6 * 3600,
     gpus: int = 0,
+    gpu_memory_gib: float | None = None,
 ) -> GroupConfig:
     return GroupConfig(
         node_selector={"moerl.ai/group": name},
@@ -93,6 +98,7 @@ def _group(
         shm=shm,
         timeout_s=timeout_s,
         gpus=gpus,
+        gpu_memory_gib=gpu_memory_gib,
     )
 
 
@@ -102,9 +108,13 @@ class GroupsConfig(_Section):
     the checkpoint cache (publish, redistribute). reward: reward-model inference (the reward
     stage and scorers when `reward.kind` is model or mixed), a small GPU each."""
 
-    trainer: GroupConfig = _group("trainer", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8)
+    trainer: GroupConfig = _group(
+        "trainer", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8, gpu_memory_gib=140.0
+    )
     """GPU trainers, on-demand nodes."""
-    rollout: GroupConfig = _group("rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8)
+    rollout: GroupConfig = _group(
+        "rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8, gpu_memory_gib=140.0
+    )
     """GPU rollout workers, Spot nodes."""
     cpu: GroupConfig = _group("cpu", "2", "8Gi")
     """Environments, rule rewards and run bookkeeping."""
@@ -161,6 +171,10 @@ class LaunchConfig(_Section):
     """Nodes per rollout worker; > 1: one engine across nodes (expert parallelism)."""
     gpus_per_node: int = Field(8, ge=0, le=16)
     """GPUs (nvidia.com/gpu) per launched node."""
+    rollout_gpus_per_node: int | None = Field(None, ge=0, le=16)
+    """GPUs of a launched rollout pod (one pod per node): it runs rollout_gpus_per_node /
+    (rollout.tensor_parallel_size x rollout.data_parallel_size) engines, each on its own GPUs
+    (docs/rollout-scale.md). null: gpus_per_node."""
     efa_per_node: int = Field(16, ge=0, le=64)
     """EFA devices per launched pod (p5en.48xlarge has 16)."""
     hugepages_2mi: str | None = Field("5120Mi", pattern=_MEMORY)
@@ -196,6 +210,16 @@ class ClusterConfig(_Section):
     async_timeout_s: int = Field(14 * 24 * 3600, ge=3600)
     """Async mode: the deadline of every task and launched workload, in place of the groups'
     per-task timeout_s (the default, 14 days, leaves room for Spot restarts)."""
+
+    def rollout_gpus(self) -> int:
+        """GPUs of one rollout pod: cluster.launch.rollout_gpus_per_node (null: gpus_per_node)
+        when launched (launch.mode kubernetes), cluster.groups.rollout.gpus in the task's pod."""
+        la = self.launch
+        if la.mode == "kubernetes":
+            return (
+                la.gpus_per_node if la.rollout_gpus_per_node is None else la.rollout_gpus_per_node
+            )
+        return self.groups.rollout.gpus
 
     def timeout_s(self, group: GroupConfig, mode: str) -> int:
         """A task's (or a launched workload's) deadline in a pipeline of `mode`."""

@@ -76,13 +76,18 @@ def labels(run_id: str, stage: str, name: str) -> dict[str, str]:
     }
 
 
-def resources(cfg: RunConfig) -> dict[str, dict[str, str]]:
+def resources(cfg: RunConfig, gpus: int | None = None) -> dict[str, dict[str, str]]:
     """requests = limits per node: GPUs, EFA devices, 2 MiB hugepages, cpu, memory. Zero or
-    unset ones are left out (a CPU-only test cluster, a node without EFA)."""
+    unset ones are left out (a CPU-only test cluster, a node without EFA). `gpus`: a pod of
+    that many GPUs of a node of `gpus_per_node` (a rollout pod, `rollout_gpus`), with the
+    node's EFA devices in proportion (p5en: 2 per GPU)."""
     la = cfg.cluster.launch
+    efa = la.efa_per_node
+    if gpus is not None and la.gpus_per_node and gpus < la.gpus_per_node:
+        efa = max(1, efa * gpus // la.gpus_per_node) if efa else 0
     wanted = {
-        "nvidia.com/gpu": str(la.gpus_per_node),
-        "vpc.amazonaws.com/efa": str(la.efa_per_node),
+        "nvidia.com/gpu": str(la.gpus_per_node if gpus is None else gpus),
+        "vpc.amazonaws.com/efa": str(efa),
         "hugepages-2Mi": la.hugepages_2mi,
         "cpu": la.cpu_per_node,
         "memory": la.memory_per_node,
@@ -261,6 +266,20 @@ def grace_seconds(cfg: RunConfig) -> int:
     return int(math.ceil(cfg.rollout.grace_seconds)) + GRACE_MARGIN_S
 
 
+def rollout_gpus(cfg: RunConfig, engines: int | None = None) -> int:
+    """GPUs of a launched rollout pod: `cluster.launch.rollout_gpus_per_node` (null:
+    `gpus_per_node`), or on cuda only those of the `engines` it runs (the last pod of a run whose
+    rollout.workers is not a multiple of the engines per pod; a sync rollout's one engine)."""
+    from moerl.launch.layout import rollout_pod_layout
+
+    full = cfg.cluster.launch
+    gpus = full.gpus_per_node if full.rollout_gpus_per_node is None else full.rollout_gpus_per_node
+    if engines is None or cfg.rollout.device != "cuda" or not gpus:
+        return gpus
+    layout = rollout_pod_layout(cfg)
+    return min(gpus, engines * layout.devices_per_engine)
+
+
 def _rollout_pod_spec(
     cfg: RunConfig,
     command: list[str],
@@ -269,6 +288,7 @@ def _rollout_pod_spec(
     service_account: str | None,
     stage: str,
     run_id: str,
+    engines: int | None = None,
 ) -> dict[str, Any]:
     la, group = cfg.cluster.launch, cfg.cluster.groups.rollout
     volumes, mounts = _volumes(cfg, group, stage, run_id)
@@ -288,7 +308,7 @@ def _rollout_pod_spec(
                 "command": list(command),
                 "workingDir": cfg.cluster.scratch_dir,
                 "env": [*env, *scratch_env(cfg)],
-                "resources": resources(cfg),
+                "resources": resources(cfg, rollout_gpus(cfg, engines)),
                 "volumeMounts": mounts,
                 "securityContext": _security(),
                 # the stage's one-line error (moerl.launch.remote), else the log tail
@@ -313,10 +333,14 @@ def rollout_pod(
     name: str | None = None,
     owner: dict[str, Any] | None = None,
     service_account: str | None = None,
+    engines: int | None = None,
 ) -> dict[str, Any]:
-    """One rollout worker `worker` (e.g. rollout-3) as a Pod (`service_account` as in `trainjob`)."""
+    """One rollout pod `worker` (e.g. rollout-3) as a Pod (`service_account` as in `trainjob`);
+    `engines`: the engines it runs, which size its GPUs on cuda (`rollout_gpus`)."""
     name = name or workload_name(stage, run_id, extra=worker)
-    spec = _rollout_pod_spec(cfg, command, env, "Never", service_account, stage, run_id)
+    spec = _rollout_pod_spec(
+        cfg, command, env, "Never", service_account, stage, run_id, engines=engines
+    )
     spec["activeDeadlineSeconds"] = cfg.cluster.timeout_s(
         cfg.cluster.groups.rollout, cfg.pipeline.mode
     )

@@ -95,6 +95,10 @@ def _rollout_worker(
     inputs: dict[str, Path],
     outputs: dict[str, Path],
 ) -> Any:
+    if "pod" in args:  # the pod's workers, one engine each on its own GPUs
+        from moerl.components.rollout.pod import run_rollout_pod
+
+        return run_rollout_pod(cfg, run_id, int(args["pod"]))
     from moerl.components.rollout.worker import run_rollout_worker
 
     return run_rollout_worker(cfg, run_id, str(args["worker"]))

@@ -79,6 +79,10 @@ def check_launchable(cfg: RunConfig, stage: str) -> None:
             f"cluster.launch.rollout_nodes_per_worker {la.rollout_nodes_per_worker}: moerl's rollout "
             "engine runs on one node (no multi-node join yet); set 1"
         )
+    if STAGES[stage].group == "rollout":
+        from moerl.launch.layout import rollout_pod_layout
+
+        rollout_pod_layout(cfg)  # TP x DP must divide the rollout pod's GPUs
 
 
 def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
@@ -200,8 +204,10 @@ def build(
     worker: str | None,
     owner: dict[str, Any] | None,
     service_account: str | None = None,
+    engines: int | None = None,
 ) -> dict[str, Any]:
-    """The object that runs `stage`: a TrainJob for the trainer group, a Pod for rollout."""
+    """The object that runs `stage`: a TrainJob for the trainer group, a Pod for rollout
+    (`engines`: the rollout engines it runs, which size its GPUs)."""
     env = launch_env(cfg, stage)
     if STAGES[stage].group == "trainer":
         return objects.trainjob(
@@ -224,6 +230,7 @@ def build(
         name=name,
         owner=owner,
         service_account=service_account,
+        engines=engines,
     )
 
 
@@ -238,11 +245,12 @@ def run_remote(
     worker: str | None = None,
     api: KubeApi | None = None,
     launcher: Launcher | None = None,
+    engines: int | None = None,
 ) -> Any:
     """Run `stage` in a launched pod and return its value; outputs land at the given paths.
 
     `args`: the stage's scalar arguments (JSON). `inputs` / `outputs`: artifact name -> local
-    path (file or directory). `api` and `launcher` are for tests (recorded API responses, a
+    path (file or directory). `engines`: the rollout engines the pod runs (its GPUs on cuda). `api` and `launcher` are for tests (recorded API responses, a
     fake clock); by default the in-cluster client and `cluster.launch.poll_s`.
     """
     t_start = time.monotonic()
@@ -283,6 +291,7 @@ def run_remote(
             worker,
             own_pod_owner(namespace),
             launch_service_account(cfg, namespace, stage),
+            engines=engines,
         )
         if launcher is None:  # the time left of the task's deadline, less the margin for cleanup
             left = (

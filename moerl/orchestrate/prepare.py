@@ -54,9 +54,14 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
         from moerl.components.publish_checkpoint.registry import resolve_policy
 
         resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
+    if not here:  # the pipeline's first task: the rollout pods' engines (moerl/launch/layout.py)
+        from moerl.launch.layout import rollout_pod_layout
+
+        rollout_pod_layout(cfg)
     if cfg.model.path:
         family = family_of(check_checkpoint(cfg.model.path))
         _check_mesh(cfg)
+        _check_engine_fit(cfg)
     else:
         family = family_of(cfg.model.tiny.architecture)
     if family.vllm_cpu_problem and cfg.rollout.device == "cpu" and cfg.pipeline.kind == "grpo":
@@ -270,6 +275,19 @@ def _check_mesh(cfg: RunConfig) -> None:
             f"trainer.parallelism.expert_parallel_size: {ep} does not divide the {experts} experts of model.path "
             f"{cfg.model.path}; allowed: a divisor of {experts}"
         )
+
+
+def _check_engine_fit(cfg: RunConfig) -> None:
+    """A cuda rollout engine whose weights and one max_model_len sequence of KV cache do not fit
+    a GPU (moerl.launch.layout.check_engine_fit): refused, naming the keys and the GiB."""
+    import json
+
+    from moerl.launch.layout import check_engine_fit
+
+    assert cfg.model.path is not None  # called for a model.path model only
+    check_engine_fit(
+        cfg, json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    )
 
 
 def absolutize(cfg: RunConfig) -> RunConfig:
