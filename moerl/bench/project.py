@@ -483,6 +483,24 @@ def add_project_args(p) -> None:
         default=1024,
         help="memory fit: 0 = the whole micro-batch",
     )
+    p.add_argument(
+        "--rollout-gpu-gib",
+        type=float,
+        default=140.0,
+        help="rollout engines: GiB per GPU (H200: 140; cluster.groups.rollout.gpu_memory_gib)",
+    )
+    p.add_argument(
+        "--rollout-utilization",
+        type=float,
+        default=0.9,
+        help="rollout engines: the share of a GPU vLLM takes (rollout.gpu_memory_utilization)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="rollout engines: the KV cache holds one sequence this long (default: each model's own)",
+    )
     f = FleetInputs()
     p.add_argument(
         "--rollout-nodes", type=int, default=f.rollout_nodes, help="weights: rollout nodes served"
@@ -596,6 +614,11 @@ def format_projection(rep: dict[str, Any]) -> str:
             "",
             format_fit(rep["memory_fit"]["rows"], FitInputs(**rep["memory_fit"]["inputs"])),
         ]
+    if "engine_layout" in rep:
+        from moerl.bench.engine_layout import EngineInputs, format_layouts
+
+        el = rep["engine_layout"]
+        lines += ["", format_layouts(el["rows"], EngineInputs(**el["inputs"]))]
     if "redistribution" in rep:
         lines += ["", format_fleet(rep["redistribution"])]
     c = rep["calibration"]
@@ -627,6 +650,26 @@ def memory_fit(a) -> dict[str, Any]:
         "formulas": fit_formulas(),
         "rows": fit_table(MODELS.values(), inp),
     }
+
+
+def engine_layout(a) -> dict[str, Any]:
+    """The rollout engine layout of every seed model on one node (moerl/bench/engine_layout.py)."""
+    from moerl.bench.engine_layout import EngineInputs, formulas, layout_rows
+
+    if not 0 < a.rollout_utilization <= 1 or a.rollout_gpu_gib <= 0 or a.gpus_per_node < 1:
+        raise ConfigError(
+            "bench project: --rollout-gpu-gib must be > 0, --rollout-utilization in (0, 1] and "
+            "--gpus-per-node >= 1"
+        )
+    if a.max_model_len is not None and a.max_model_len < 16:
+        raise ConfigError(f"bench project: --max-model-len must be >= 16, got {a.max_model_len}")
+    inp = EngineInputs(
+        gpus_per_node=a.gpus_per_node,
+        gpu_gib=a.rollout_gpu_gib,
+        utilization=a.rollout_utilization,
+        max_model_len=a.max_model_len,
+    )
+    return {"inputs": asdict(inp), "formulas": formulas(), "rows": layout_rows(inp)}
 
 
 def fleet(a) -> dict[str, Any]:
@@ -668,6 +711,7 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
     rep = project(inp)
     rep.update(bench="project", schema=1, calibration=calibration, versions=provenance.collect())
     rep["memory_fit"] = memory_fit(a)
+    rep["engine_layout"] = engine_layout(a)
     rep["redistribution"] = fleet(a)
     ratios = (
         calibration["bytes"]["ratio_per_node_dedup"],
@@ -717,6 +761,8 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
         + "\n".join(rep["formulas"])
         + "\n```\n\nMemory fit:\n\n```\n"
         + "\n".join(rep["memory_fit"]["formulas"])
+        + "\n```\n\nRollout engines:\n\n```\n"
+        + "\n".join(rep["engine_layout"]["formulas"])
         + "\n```\n\nServing a version:\n\n```\n"
         + "\n".join(rep["redistribution"]["formulas"])
         + "\n```\n"

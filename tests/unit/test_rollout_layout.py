@@ -218,3 +218,42 @@ def test_preflight_reads_the_checkpoint_config_and_refuses_before_work(tmp_path)
     )
     with pytest.raises(ConfigError, match="no layout on one node of 8 GPUs \\(it needs 2\\)"):
         _check_engine_fit(cfg)
+
+
+# ---- moerl bench project ---------------------------------------------------------------------
+
+
+def test_bench_project_prints_each_seed_models_engine_layout_on_p5en(tmp_path, capsys):
+    from moerl.cli import main
+
+    out = tmp_path / "proj"
+    assert main(["bench", "project", "--out-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = {
+        r["model"]: r
+        for r in json.loads((out / "report.json").read_text())["engine_layout"]["rows"]
+    }
+    assert list(rows) == ["Qwen3-30B-A3B", "Qwen3-235B-A22B", "DeepSeek-V3 FP8", "DeepSeek-V3 bf16"]
+
+    def layout(model, axis):
+        r = rows[model][axis]
+        return r and (r["tp"], r["dp"], r["engines_per_node"])
+
+    assert layout("Qwen3-30B-A3B", "tp") == (1, 1, 8)
+    assert layout("Qwen3-235B-A22B", "tp") == (4, 1, 2)
+    assert layout("Qwen3-235B-A22B", "dp_ep") == (1, 8, 1)
+    assert layout("DeepSeek-V3 FP8", "tp") == (8, 1, 1)
+    assert rows["DeepSeek-V3 FP8"]["weights_gb"] == pytest.approx(671, rel=0.01)
+    assert rows["DeepSeek-V3 bf16"]["weights_gb"] == pytest.approx(1342, rel=0.01)
+    assert rows["DeepSeek-V3 bf16"]["tp"] is None and rows["DeepSeek-V3 bf16"]["nodes_needed"] == 2
+    assert rows["Qwen3-235B-A22B"]["tp"]["weights_gib"] == pytest.approx(109.5, abs=0.1)
+    assert "2 x TP4: 109.5 + KV 1.8 GiB" in text and "1 x DP8-EP8: 67.8 + KV 7.3 GiB" in text
+    assert "no: a TP16 engine over 2 nodes (issue 39)" in text
+    assert "kv = max_model_len" in (out / "summary.md").read_text()
+    # a smaller GPU needs more TP; a shorter context shrinks the KV, not the weights
+    args = ["bench", "project", "--out-dir", str(out), "--rollout-gpu-gib", "80"]
+    assert main([*args, "--max-model-len", "4096"]) == 0
+    rep = json.loads((out / "report.json").read_text())["engine_layout"]["rows"]
+    assert rep[0]["tp"]["tp"] == 1 and rep[1]["tp"]["tp"] == 8  # 235B on 80 GiB: TP 8
+    assert rep[1]["tp"]["kv_gib"] == pytest.approx(94 * 2 * 1 * 128 * 2 * 4096 / 2**30)
+    assert main(["bench", "project", "--out-dir", str(out), "--rollout-utilization", "0"]) == 2
