@@ -67,10 +67,14 @@ def run_rollout_pod(cfg: RunConfig, run_id: str, pod: int) -> int:
         layout.devices_per_engine,
         ", ".join(f"{n} on {layout.slices()[j] or 'cpu'}" for j, n in enumerate(names)),
     )
-    return _supervise(cfg, run_id, layout, names)
+    return supervise(cfg, run_id, layout, names)
 
 
-def _supervise(cfg: RunConfig, run_id: str, layout: PodLayout, names: list[str]) -> int:
+def supervise(
+    cfg: RunConfig, run_id: str, layout: PodLayout, names: list[str], module: str = WORKER_MODULE
+) -> int:
+    """Run `python -m module --config F --run-id R --name N` for each of `names`, engine j on
+    `layout.slices()[j]`, until all exit (see the module docstring); the pod's exit code."""
     from moerl.launch import procs
 
     grace = cfg.rollout.grace_seconds + DRAIN_MARGIN_S
@@ -83,7 +87,7 @@ def _supervise(cfg: RunConfig, run_id: str, layout: PodLayout, names: list[str])
             for j, name in enumerate(names):
                 args = ["--config", str(config), "--run-id", run_id, "--name", name]
                 env = worker_env(layout, j, dict(os.environ))
-                children.append(procs.spawn(WORKER_MODULE, args, env))
+                children.append(procs.spawn(module, args, env))
             while all(p.poll() is None or p.returncode == 0 for p in children):
                 if all(p.poll() is not None for p in children):
                     return 0
