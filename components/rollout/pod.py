@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from moerl.config import RunConfig, config_to_json
+from moerl.errors import ConfigError
 from moerl.launch.layout import PodLayout, pod_workers, rollout_pod_layout
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,18 @@ def _drained() -> int:
 
 
 def worker_env(layout: PodLayout, engine: int, base: dict[str, str]) -> dict[str, str]:
-    """Engine `engine`'s environment: `base` with its devices (none on cpu)."""
+    """Engine `engine`'s environment: `base` with its devices (none on cpu); indices into the
+    devices `base` already limits the pod to (its CUDA_VISIBLE_DEVICES), if it does."""
     env = dict(base)
     devices = layout.slices()[engine]
     if devices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+        visible = [d for d in base.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        if visible and len(visible) < layout.gpus:
+            raise ConfigError(
+                f"the rollout pod sees {len(visible)} GPUs (CUDA_VISIBLE_DEVICES "
+                f"{base['CUDA_VISIBLE_DEVICES']}), its layout needs {layout.gpus}"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[d] if visible else str(d) for d in devices)
     return env
 
 
@@ -57,8 +65,7 @@ def run_rollout_pod(cfg: RunConfig, run_id: str, pod: int) -> int:
     layout = rollout_pod_layout(cfg)
     names = [f"rollout-{i}" for i in pod_workers(cfg.rollout.workers, layout.engines, pod)]
     if len(names) == 1:
-        if devices := layout.slices()[0]:
-            os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, devices)))
+        os.environ.update(worker_env(layout, 0, dict(os.environ)))
         return run_rollout_worker(cfg, run_id, names[0])
     log.info(
         "rollout pod %d: %d engines of %d GPUs each: %s",

@@ -143,6 +143,11 @@ def test_each_worker_of_a_pod_sees_only_its_engine_devices():
     layout = pod_layout(8, 4, 1)
     assert worker_env(layout, 1, {"A": "1"}) == {"A": "1", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     assert "CUDA_VISIBLE_DEVICES" not in worker_env(PodLayout(0, 2, 1), 0, {})
+    # a pod already limited to some devices: indices into them
+    limited = {"CUDA_VISIBLE_DEVICES": "2,3,5,7"}
+    assert worker_env(pod_layout(4, 2, 1), 1, limited)["CUDA_VISIBLE_DEVICES"] == "5,7"
+    with pytest.raises(ConfigError, match="sees 4 GPUs"):
+        worker_env(layout, 0, limited)
 
 
 def test_the_pod_exits_with_a_crash_before_a_drain_and_0_only_when_all_finished():
