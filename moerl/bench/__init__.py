@@ -105,12 +105,15 @@ def run_child(
     name: str,
     env_extra: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[int, Path, Path]:
     """Start `python -m <module> <command>` (see `child_main`) on `cfg` in `work` and wait for
     it; it dies with this process. Everything it prints goes to `<work>/<name>.log`, each line
-    also to `on_line`. Returns (exit code, the result JSON's path, the log's path)."""
+    also to `on_line`. `timeout_s`: kill it (its process group) after that long, exit code 124.
+    Returns (exit code, the result JSON's path, the log's path)."""
     import os
     import subprocess
+    import threading
 
     from moerl.config import config_to_json
     from moerl.launch import procs
@@ -143,6 +146,16 @@ def run_child(
             module, args, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         assert proc.stdout is not None  # stdout=PIPE
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            procs.kill_groups([proc])  # its pipe closes: the loop below ends
+
+        timer = threading.Timer(timeout_s, expire) if timeout_s else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         try:
             for line in proc.stdout:
                 log_file.write(line)
@@ -150,7 +163,14 @@ def run_child(
                     on_line(line)
             code = proc.wait()
         finally:
+            if timer is not None:
+                timer.cancel()
             procs.kill_groups([proc])
+        if expired.is_set():
+            log_file.write(
+                f"moerl: bench child {name} killed after {timeout_s:g} s (its timeout)\n"
+            )
+            code = 124
     return code, result, log_path
 
 

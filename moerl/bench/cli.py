@@ -89,6 +89,10 @@ def _rollout(a: argparse.Namespace) -> int:
         warmup_units=a.warmup_units,
         repeats=a.repeats,
         breakdown=a.breakdown,
+        all2all=a.all2all,
+        tensor_parallel=a.tensor_parallel,
+        data_parallel=a.data_parallel,
+        timeout_s=a.timeout,
     )
     return 0 if rep["ok"] else 1
 
@@ -364,6 +368,32 @@ def add_bench_parsers(sub) -> None:
         help="also where the worker's time goes: one engine "
         "driven by generate, the worker's submit/step loop, with seeds, with samples, with the bus, "
         "interleaved (windows of --units units)",
+    )
+    ro.add_argument(
+        "--all2all",
+        default=None,
+        help="compare engine layouts instead of the worker arms: "
+        "rollout.all2all_backend values (expert parallelism on; `none`: off), comma-separated, "
+        "e.g. allgather_reducescatter,deepep_v2 (cuda, tensor x data parallel > 1). The variants "
+        "are the product of --all2all, --tensor-parallel and --data-parallel, each one engine in "
+        "its own process, rounds interleaved; tokens/s and per-token latency, ratios to the first",
+    )
+    ro.add_argument(
+        "--tensor-parallel",
+        default=None,
+        help="layout variants: rollout.tensor_parallel_size values, comma-separated (see --all2all)",
+    )
+    ro.add_argument(
+        "--data-parallel",
+        default=None,
+        help="layout variants: rollout.data_parallel_size values, comma-separated (see --all2all)",
+    )
+    ro.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="a layout variant's round may take this many seconds (its engine's load, warm-up "
+        "and window; default 1800)",
     )
     ro.add_argument("--out", default="bench/rollout.json")
     ro.set_defaults(func=_rollout)

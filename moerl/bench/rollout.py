@@ -480,8 +480,15 @@ def run_bench_rollout(
     warmup_units: int = WARMUP_UNITS,
     repeats: int = 1,
     breakdown: bool = False,
+    all2all: str | None = None,
+    tensor_parallel: str | None = None,
+    data_parallel: str | None = None,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """`max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
+    """`all2all` / `tensor_parallel` / `data_parallel` (comma-separated lists): compare engine
+    layouts instead of the worker arms (moerl/bench/layouts.py; `timeout_s` bounds each
+    variant's round there).
+    `max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
     named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's.
     `warmup_units`: units every arm generates before its window (0: time cold engines).
     `repeats`: rounds of every arm, interleaved; an arm reports its median round (`_combine`).
@@ -500,6 +507,42 @@ def run_bench_rollout(
     if not 0 <= swap_every <= 3600:
         raise ConfigError(
             f"bench rollout: --swap-every must be 0 (no swaps) or seconds up to 3600, got {swap_every}"
+        )
+    if all2all or tensor_parallel or data_parallel:
+        from moerl.bench.layouts import TIMEOUT_S, run_bench_layouts
+
+        extra = [
+            flag
+            for flag, used in (
+                ("--updates", updates != "between_units"),
+                ("--swap-every", swap_every > 0),
+                ("--max-num-seqs", max_num_seqs is not None),
+                ("--breakdown", breakdown),
+            )
+            if used
+        ]
+        if extra:
+            raise ConfigError(
+                f"bench rollout: {', '.join(extra)} belong to the worker arms, not to a layout "
+                "comparison (--all2all / --tensor-parallel / --data-parallel); run them apart"
+            )
+        return run_bench_layouts(
+            config,
+            (list(LONG_TAIL) if workload == "long-tail" else []) + list(overrides),
+            all2all=all2all,
+            tensor_parallel=tensor_parallel,
+            data_parallel=data_parallel,
+            units=units,
+            warmup_units=warmup_units,
+            repeats=repeats,
+            out=out,
+            echo=echo,
+            timeout_s=TIMEOUT_S if timeout_s is None else timeout_s,
+        )
+    elif timeout_s is not None:
+        raise ConfigError(
+            "bench rollout: --timeout bounds a layout comparison's variants; it needs --all2all, "
+            "--tensor-parallel or --data-parallel"
         )
     ks, ups = parse_in_flight(in_flight), parse_updates(updates)
     sweep = parse_seqs(max_num_seqs) if max_num_seqs else ()
