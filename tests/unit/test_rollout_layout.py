@@ -310,3 +310,27 @@ def test_a_sigterm_to_the_pod_drains_every_worker(tmp_path, monkeypatch):
     code, seen = _supervised(tmp_path, monkeypatch, "")
     assert code == EXIT_DRAINED
     assert all(s.get("drained") for s in seen.values())
+
+
+def test_compiling_for_eks_refuses_a_layout_that_does_not_divide_the_rollout_pod():
+    from moerl.pipelines.eks import check_cluster_safe
+
+    def cfg(mode, tp, gpus=8):
+        return parse_config(
+            {
+                "checkpoint": {"uri": "s3://moerl-ckpt/prod"},
+                "tracking": {"uri": "http://mlflow.moerl:5000"},
+                "pipeline": {"base_image": "registry.example/moerl:1"},
+                "rollout": {"device": "cuda", "tensor_parallel_size": tp},
+                "cluster": {"launch": {"mode": mode}, "groups": {"rollout": {"gpus": gpus}}},
+            }
+        )
+
+    with pytest.raises(
+        ConfigError, match=r"3 x 1 = 3 GPUs per engine.*cluster.groups.rollout.gpus"
+    ):
+        check_cluster_safe(cfg("in_task", 3))
+    with pytest.raises(ConfigError, match=r"cluster.launch.rollout_gpus_per_node \(null"):
+        check_cluster_safe(cfg("kubernetes", 3))
+    check_cluster_safe(cfg("in_task", 4))
+    check_cluster_safe(cfg("kubernetes", 8))
