@@ -15,7 +15,8 @@
 # GPU_ROLLOUT=1, `moerl bench rollout` on the GPU: the long-tail workload with a version every
 # second (between-units drains against in-flight updates, where a decode step costs about the
 # same at any batch, with `--breakdown`: where the worker's time goes on a GPU engine) and a
-# rollout.max_num_seqs sweep (the GPU profile's default, issue 24).
+# rollout.max_num_seqs sweep (the GPU profile's default, issue 24); and, when GPU_LAYOUTS=1 on
+# 2+ GPUs, `moerl bench rollout --tensor-parallel 1,2` and `--all2all allgather_reducescatter,deepep_v2`.
 # Written for a lent GPU; not yet run (no GPU was available to the session that wrote it).
 set -euo pipefail
 OUT=${OUT:-gpu-check}
@@ -24,7 +25,8 @@ mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   nvidia-smi topo -m || true
-  "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+  "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" \
+    || echo "torch: no CUDA build (NCCL version unknown)"
   "$PYTHON" -c "import vllm; print('vllm', vllm.__version__)" || echo "vllm: not importable"
   "$PYTHON" -c "import deep_ep; print('deep_ep', getattr(deep_ep, '__version__', '?'))" || echo "deep_ep: not importable"
 } | tee "$OUT/versions.txt"
@@ -40,4 +42,21 @@ if [ "${GPU_ROLLOUT:-0}" = 1 ]; then
     2>&1 | tee "$OUT/rollout-long-tail.txt"
   "$PYTHON" -m moerl.cli bench rollout configs/tiny-moe-grpo.yaml "${GPU_SET[@]}" --workload long-tail --units 16 \
     --in-flight 4 --max-num-seqs 64,256,1024 --out "$OUT/rollout-max-num-seqs.json" 2>&1 | tee "$OUT/rollout-max-num-seqs.txt"
+fi
+if [ "${GPU_LAYOUTS:-0}" = 1 ]; then
+  # `moerl bench rollout` layout comparisons (issue 37): TP 1 against TP 2, then at TP 2 with
+  # expert parallelism allgather_reducescatter against deepep_v2; a variant that fails is in
+  # the report (and the table) with its error, so the script goes on
+  GPUS=$(nvidia-smi -L 2>/dev/null | wc -l || true)
+  if [ "${GPUS:-0}" -ge 2 ]; then
+    LAYOUT_SET=(--set rollout.device=cuda --set rollout.engine_in_process=false --set units.max_prompts=16
+                --set model.tiny.max_position_embeddings=256 --set rollout.max_new_tokens=128)
+    "$PYTHON" -m moerl.cli bench rollout configs/tiny-moe-grpo.yaml "${LAYOUT_SET[@]}" --tensor-parallel 1,2 \
+      --units 4 --repeats 2 --timeout 600 --out "$OUT/layouts-tp.json" 2>&1 | tee "$OUT/layouts-tp.txt" || true
+    "$PYTHON" -m moerl.cli bench rollout configs/tiny-moe-grpo.yaml "${LAYOUT_SET[@]}" \
+      --set rollout.tensor_parallel_size=2 --all2all allgather_reducescatter,deepep_v2 --units 4 --repeats 2 \
+      --timeout 600 --out "$OUT/layouts-all2all.json" 2>&1 | tee "$OUT/layouts-all2all.txt" || true
+  else
+    echo "GPU_LAYOUTS: the layout comparisons need 2 GPUs; this machine has ${GPUS:-0}" | tee "$OUT/layouts.txt"
+  fi
 fi

@@ -51,6 +51,8 @@ def test_an_all2all_backend_on_cpu_is_refused_before_any_work(tmp_path):
     ):
         run_bench_rollout(CONFIG, [], all2all="allgather_reducescatter,deepep_v2", out=out)
     assert not out.exists()
+    with pytest.raises(ConfigError, match=r"variant dp2 .*rollout.data_parallel_size 2 on cpu"):
+        layout_variants(CONFIG, [], data_parallel="1,2")
 
 
 def test_on_cuda_every_variant_validates_with_its_layout():
