@@ -32,7 +32,7 @@ class SwapStats:
     repack_s: float = 0.0  # CPU MoE prepack
     moe_layers_inplace: int = 0  # of those, packed by the in-place expert path
     ranks: int = 1  # engine ranks that loaded the version
-    digests: tuple[str, ...] = ()  # each rank's parameter digest, by rank (engine_worker.py)
+    digests: tuple[str, ...] = ()  # each rank's parameter digest, by (dp rank, rank)
     reloaded: bool = False  # a rank failed, the engine was reloaded on every rank
 
 
@@ -349,7 +349,7 @@ def swap_in_worker(
 
 
 def hot_swap(
-    llm,
+    core,
     model_dir: str | Path,
     bucket_mb: int = 512,
     inplace: bool = True,
@@ -357,8 +357,8 @@ def hot_swap(
     version: int | None = None,
     fail_rank: int | None = None,
 ) -> SwapStats:
-    """Swap the weights of a live `vllm.LLM` for those in `model_dir` (a verified cache dir) on
-    every rank of the engine, by name (`MoerlWorker.moerl_swap`: nothing pickled crosses
+    """Swap the weights of a live engine (`core`: components/rollout/cores.py) for those in
+    `model_dir` (a verified cache dir) on every rank of every engine core, by name (`MoerlWorker.moerl_swap`: nothing pickled crosses
     processes), and check what the ranks report (`check_ranks`).
 
     `inplace=False` forces the fallback for every MoE layer (vLLM's reload, then the re-pack):
@@ -370,7 +370,7 @@ def hot_swap(
 
     t0 = time.perf_counter()
     try:
-        results = llm.collective_rpc(
+        results = core.collective_rpc(
             "moerl_swap",
             args=(str(model_dir), bucket_mb * 2**20, inplace, version, fail_rank),
         )
@@ -378,9 +378,9 @@ def hot_swap(
         raise WeightSyncError(
             f"hot swap to {model_dir} failed: {type(err).__name__}: {err}"
         ) from err
-    check_ranks(results, version, llm.llm_engine.vllm_config.parallel_config, model_dir)
+    check_ranks(results, version, core.vllm_config.parallel_config, model_dir)
     if reset_cache:
-        llm.reset_prefix_cache()  # cached prompts' KV came from the old weights
+        core.reset_prefix_cache()  # cached prompts' KV came from the old weights
     r = results[0]
     return SwapStats(
         seconds=time.perf_counter() - t0,
@@ -393,7 +393,9 @@ def hot_swap(
         repack_s=max(x["repack_s"] for x in results),
         moe_layers_inplace=r["moe_layers_inplace"],
         ranks=len(results),
-        digests=tuple(x["digest"] for x in sorted(results, key=lambda x: x["rank"])),
+        digests=tuple(
+            x["digest"] for x in sorted(results, key=lambda x: (x["dp_rank"], x["rank"]))
+        ),
     )
 
 
@@ -404,13 +406,16 @@ def check_ranks(results: list[dict[str, Any]], version: int | None, parallel, mo
     WeightSyncError naming the rank otherwise."""
     from moerl.errors import WeightSyncError
 
-    want = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
-    # vLLM's internal-LB DP client returns the first engine's answer only: count per engine
-    ranks = sorted(x["rank"] for x in results)
-    if len(results) < want or len(set(ranks)) != len(ranks):
+    want = (
+        int(parallel.tensor_parallel_size)
+        * int(parallel.pipeline_parallel_size)
+        * int(parallel.data_parallel_size)
+    )
+    ranks = sorted((x["dp_rank"], x["rank"]) for x in results)
+    if len(results) != want or len(set(ranks)) != len(ranks):
         raise WeightSyncError(
-            f"hot swap to {model_dir}: {len(results)} ranks answered (ranks {ranks}); the engine "
-            f"has {want} per replica"
+            f"hot swap to {model_dir}: {len(results)} ranks answered ((dp, rank): {ranks}); the "
+            f"engine has {want}"
         )
     for x in results:
         if x.get("version") != version or not x.get("digest"):

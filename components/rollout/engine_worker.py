@@ -51,11 +51,13 @@ def _ranks(worker) -> dict[str, int]:
     pc = worker.vllm_config.parallel_config
     tp = int(pc.tensor_parallel_size)
     rank = int(getattr(worker, "rank", 0))
-    return {
-        "rank": rank,
-        "tp_rank": rank % tp,
-        "dp_rank": int(getattr(pc, "data_parallel_rank", 0) or 0),
-    }
+    # the engine core's place among the data-parallel engine cores (vLLM 0.32 keeps it in
+    # data_parallel_index even where a dense model's cores run as independent DP = 1 engines)
+    dp = getattr(pc, "data_parallel_index", None)
+    if dp is None:
+        dp = getattr(pc, "data_parallel_rank", 0) or 0
+    dp = int(dp)
+    return {"rank": rank, "tp_rank": rank % tp, "dp_rank": dp}
 
 
 class _Capture:

