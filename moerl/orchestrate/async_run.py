@@ -114,6 +114,13 @@ class LocalAsyncRun:
         }
         if self.password:
             env[PASSWORD_ENV] = self.password
+        if role == "rollout" and self.cfg.rollout.device == "cuda":
+            # this machine is one rollout node: worker i takes engine slot i's GPUs
+            from moerl.components.rollout.pod import worker_env
+            from moerl.launch.layout import rollout_pod_layout
+
+            layout = rollout_pod_layout(self.cfg)
+            env = worker_env(layout, int(name.rsplit("-", 1)[1]) % layout.engines, env)
         cpus = self.cpus.get(name)
         if cpus:
             ids = ",".join(map(str, cpus))
