@@ -4,7 +4,6 @@ pod, their devices, the workers a pod hosts, pod sizing, and the engine memory f
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -263,53 +262,6 @@ def test_bench_project_prints_each_seed_models_engine_layout_on_p5en(tmp_path, c
     assert rep[0]["tp"]["tp"] == 1 and rep[1]["tp"]["tp"] == 8  # 235B on 80 GiB: TP 8
     assert rep[1]["tp"]["kv_gib"] == pytest.approx(94 * 2 * 1 * 128 * 2 * 4096 / 2**30)
     assert main(["bench", "project", "--out-dir", str(out), "--rollout-utilization", "0"]) == 2
-
-
-def _supervised(tmp_path, monkeypatch, codes):
-    from moerl.components.rollout.pod import supervise
-
-    monkeypatch.setenv("POD_CHILD_OUT", str(tmp_path))
-    monkeypatch.setenv("POD_CHILD_CODES", codes)
-    monkeypatch.chdir(Path(__file__).parents[2])  # the child imports tests.unit.pod_child
-    cfg, layout = _cfg({"tensor_parallel_size": 2}), pod_layout(8, 2, 1)
-    names = [f"rollout-{i}" for i in range(4, 8)]
-    code = supervise(cfg, "run1", layout, names, module="tests.unit.pod_child")
-    return code, {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in names}
-
-
-def test_a_pods_workers_run_as_processes_each_on_its_engines_devices(tmp_path, monkeypatch):
-    code, seen = _supervised(tmp_path, monkeypatch, ",".join(f"rollout-{i}=0" for i in range(4, 8)))
-    assert code == 0
-    assert [s["devices"] for s in seen.values()] == ["0,1", "2,3", "4,5", "6,7"]
-    assert all(s["config"] for s in seen.values())
-
-
-def test_a_worker_that_crashes_drains_its_siblings_and_fails_the_pod(tmp_path, monkeypatch):
-    code, seen = _supervised(tmp_path, monkeypatch, "rollout-5=1")
-    assert code == 1  # the crash, not the siblings' drains: the slot's retry restarts the pod
-    assert [n for n, s in seen.items() if s.get("drained")] == [
-        "rollout-4",
-        "rollout-6",
-        "rollout-7",
-    ]
-
-
-def test_a_sigterm_to_the_pod_drains_every_worker(tmp_path, monkeypatch):
-    import os
-    import signal
-    import threading
-    import time
-
-    def notice():  # a Spot notice, once every worker is up
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("*.json"))) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=notice, daemon=True).start()
-    code, seen = _supervised(tmp_path, monkeypatch, "")
-    assert code == EXIT_DRAINED
-    assert all(s.get("drained") for s in seen.values())
 
 
 def test_compiling_for_eks_refuses_a_layout_that_does_not_divide_the_rollout_pod():

@@ -1,4 +1,4 @@
-"""A stand-in rollout worker for tests/unit/test_rollout_layout.py's pod supervision: records its
+"""A stand-in rollout worker for tests/rollout/test_rollout_pod.py: records its
 name and devices in $POD_CHILD_OUT/<name>.json, then exits with its code from $POD_CHILD_CODES
 (name=code, comma-separated), or, without one, waits for SIGTERM and exits 75 (a drain)."""
 
