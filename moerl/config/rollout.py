@@ -134,6 +134,18 @@ class RolloutConfig(_Section):
             return self.engine_api
         return "async" if self.data_parallel_size > 1 else "offline"
 
+    def layout_summary(self) -> str:
+        """The engine's layout in words, for the run's provenance (MLflow tag moerl.rollout.engine)."""
+        ep = (
+            f"expert parallel over {self.devices_per_engine} ({self.all2all_backend})"
+            if self.enable_expert_parallel
+            else "expert parallel off"
+        )
+        return (
+            f"tp {self.tensor_parallel_size} x dp {self.data_parallel_size} on {self.device} "
+            f"({self.driver} core), serving {self.serving_dtype}, {ep}"
+        )
+
     @property
     def serving_dtype(self) -> str:
         """`dtype` resolved: bfloat16 on cuda, float32 on cpu unless set."""

@@ -399,6 +399,7 @@ def begin_run(
         + (" (FSDP2)" if tc.parallelism.on_mesh else " (one process)")
     )
     tags["moerl.trainer.precision"] = tc.parallelism.precision_policy(cfg.model.dtype)
+    tags["moerl.rollout.engine"] = cfg.rollout.layout_summary()
     run_id = tracking.start_run(cfg, uri, tags)
     print(
         f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}",

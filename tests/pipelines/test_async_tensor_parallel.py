@@ -48,6 +48,10 @@ def test_the_default_task_learns_with_tp2_rollout_engines(tmp_path):
     client = MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("moerl-tiny-grpo").experiment_id])
     assert run.data.params["rollout.tensor_parallel_size"] == "2"
+    # what it ran on, resolved: the layout, the core and the serving dtype
+    assert run.data.tags["moerl.rollout.engine"] == (
+        "tp 2 x dp 1 on cpu (offline core), serving float32, expert parallel off"
+    )
     reward = [v for _, v in tracking.metric_history(uri, run.info.run_id, "reward/mean")]
     assert len(reward) == VERSIONS
     assert sum(reward[-3:]) / 3 >= reward[0] + 0.05, reward  # it learns

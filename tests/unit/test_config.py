@@ -343,6 +343,9 @@ def test_rollout_layout_defaults_follow_the_device():
         False,
     )
     assert (gpu.devices_per_engine, gpu.driver) == (8, "async")
+    assert gpu.layout_summary() == (
+        "tp 2 x dp 4 on cuda (async core), serving bfloat16, expert parallel over 8 (deepep_v2)"
+    )
     # what a user sets wins over the device's default
     assert parse_config(
         {"rollout": {"device": "cuda", "dtype": "float32"}}
