@@ -612,7 +612,7 @@ class RolloutEngine:
         from moerl.components.redistribute_weights.hotswap import hot_swap
         from moerl.errors import WeightSyncError
 
-        try:
+        def attempt():
             return hot_swap(
                 self.core,
                 model_dir,
@@ -621,18 +621,14 @@ class RolloutEngine:
                 version=version,
                 fail_rank=self._next_fault(),
             )
+
+        try:
+            return attempt()
         except WeightSyncError as first:
             self.version = None
             log.warning("%s; reloading it on every rank of the engine", first)
             try:
-                stats = hot_swap(
-                    self.core,
-                    model_dir,
-                    bucket_mb,
-                    reset_cache=reset_cache,
-                    version=version,
-                    fail_rank=self._next_fault(),
-                )
+                stats = attempt()
             except WeightSyncError as err:
                 raise WeightSyncError(
                     f"{first}; the reload on every rank failed too ({err}); the engine serves no "

@@ -24,6 +24,7 @@ import torch
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
+from tests.support.parity import trainer_and_engine_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -88,34 +89,15 @@ def engine(ckpts, offline_b):
 
 
 def test_seeded_groups_stream_back_with_transformers_logprobs(ckpts, engine):
-    from transformers import AutoModelForCausalLM
-
-    from moerl.components.policy_update.trainer import pack, sequence_logprobs
-    from moerl.records import TrainSample
-
     for i, p in enumerate(PROMPTS):
         engine.submit(f"g-{i}", p, 3, seed=7 + i)
     got = _drain(engine)
     assert sorted(got) == [f"g-{i}" for i in range(len(PROMPTS))]
     assert all(len(cs) == 3 and all(c.version == 0 for c in cs) for cs in got.values())
-    batch = [
-        TrainSample(
-            prompt_token_ids=p,
-            response_token_ids=c.token_ids,
-            response_logprobs=c.logprobs,
-            advantage=0.0,
-            policy_version=0,
-        )
-        for i, p in enumerate(PROMPTS)
-        for c in got[f"g-{i}"]
-    ]
-    model = AutoModelForCausalLM.from_pretrained(ckpts[0], dtype=torch.float32).eval()
-    packed = pack(batch, pad_id=0)
-    with torch.no_grad():
-        logp, _ = sequence_logprobs(model, packed, torch.arange(len(batch)), 1.0, -1, 1.0)
-    mask = packed.mask_NL1.bool()
-    assert mask.sum() > 0
-    assert (logp - packed.engine_logp_NL1).abs()[mask].max().item() <= TOL
+    trainer, eng = trainer_and_engine_logprobs(
+        ckpts[0], PROMPTS, [got[f"g-{i}"] for i in range(len(PROMPTS))]
+    )
+    assert trainer.numel() > 0 and (trainer - eng).abs().max().item() <= TOL
     # the same seeded groups again: the same tokens (per-request generators)
     for i, p in enumerate(PROMPTS):
         engine.submit(f"again-{i}", p, 3, seed=7 + i)

@@ -24,6 +24,7 @@ import torch
 from moerl.config import parse_config
 from moerl.errors import WeightSyncError
 from moerl.models.tiny import build_tiny_model
+from tests.support.parity import trainer_and_engine_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -56,32 +57,6 @@ def _seeded(engine, tag: str) -> dict[str, list]:
             return got
         got.update(engine.step())
     raise AssertionError("requests still unfinished")
-
-
-def _trainer_logprobs(path: Path, prompts, comps) -> tuple[torch.Tensor, torch.Tensor]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from moerl.components.policy_update.trainer import pack, sequence_logprobs
-    from moerl.records import TrainSample
-
-    batch = [
-        TrainSample(
-            prompt_token_ids=p,
-            response_token_ids=c.token_ids,
-            response_logprobs=c.logprobs,
-            advantage=0.0,
-            policy_version=0,
-        )
-        for p, cs in zip(prompts, comps)
-        for c in cs
-    ]
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    packed = pack(batch, pad_id=tok.pad_token_id)
-    with torch.no_grad():
-        logp, _ = sequence_logprobs(model, packed, torch.arange(len(batch)), 1.0, -1, 1.0)
-    mask = packed.mask_NL1.bool()
-    return logp[mask], packed.engine_logp_NL1[mask]
 
 
 def _probe(engine) -> tuple[list[int], list[float]]:
@@ -146,7 +121,7 @@ def test_a_tp2_engine_equals_transformers_and_the_tp1_engine(ckpts, tp1_a, tp2):
     got = _seeded(tp2, "tp2")
     prompts = PROMPTS
     comps = [got[f"tp2-{i}"] for i in range(len(PROMPTS))]
-    trainer, engine = _trainer_logprobs(ckpts[0], prompts, comps)
+    trainer, engine = trainer_and_engine_logprobs(ckpts[0], prompts, comps)
     assert trainer.numel() == sum(len(c.token_ids) for cs in comps for c in cs) > 0
     assert (trainer - engine).abs().max().item() <= TOL
     # the same seeded groups as the one-device engine: same tokens, same logprobs
@@ -247,7 +222,7 @@ def test_a_tp2_mixtral_engine_equals_transformers_and_the_tp1_engine(tmp_path, t
     finally:
         two.close()
     comps = [got[f"m-{i}"] for i in range(len(PROMPTS))]
-    trainer, engine = _trainer_logprobs(path, PROMPTS, comps)
+    trainer, engine = trainer_and_engine_logprobs(path, PROMPTS, comps)
     assert trainer.numel() > 0 and (trainer - engine).abs().max().item() <= TOL
     for i in range(len(PROMPTS)):
         for c2, c1 in zip(got[f"m-{i}"], ref[f"m-{i}"]):
