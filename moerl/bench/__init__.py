@@ -179,3 +179,13 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return (
         "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
     )
+
+
+def unit_prompts(cfg, n_units: int) -> list[list]:
+    """The first `n_units` work units' prompts (units.max_prompts each) in the run's seeded order:
+    what the rollout benches feed every arm, so they compare on the same prompts."""
+    from moerl.tasks.dataset import load_dataset
+
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    size = cfg.units.max_prompts
+    return [ds.window(u * size, size, cfg.task.shuffle_seed) for u in range(n_units)]

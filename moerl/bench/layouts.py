@@ -27,7 +27,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from moerl.bench import child_main, envelope, format_table, log_tail, run_child, write_report
+from moerl.bench import (
+    child_main,
+    envelope,
+    format_table,
+    log_tail,
+    run_child,
+    unit_prompts,
+    write_report,
+)
 from moerl.config import RolloutConfig, RunConfig, load_config
 from moerl.errors import ConfigError
 
@@ -234,7 +242,6 @@ def run_bench_layouts(
     variant's round."""
     from transformers import AutoTokenizer
 
-    from moerl.bench.rollout import _prompts
     from moerl.models.tiny import build_tiny_model
     from moerl.tasks.prompting import encode_prompt
 
@@ -248,7 +255,7 @@ def run_bench_layouts(
         if not cfg.model.path:  # the tiny model, built once: every variant loads the same files
             build_tiny_model(cfg.model.tiny, model_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        every = _prompts(cfg, units + warmup_units)
+        every = unit_prompts(cfg, units + warmup_units)
         encode = lambda us: [  # noqa: E731
             encode_prompt(tok, cfg.rollout, p.model_dump()) for u in us for p in u
         ]

@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from moerl.bench import child_main, envelope, format_table, log_tail, run_child, write_report
+from moerl.bench import (
+    child_main,
+    envelope,
+    format_table,
+    log_tail,
+    run_child,
+    unit_prompts,
+    write_report,
+)
 from moerl.config import RunConfig, load_config
 from moerl.errors import ConfigError
 
@@ -51,15 +59,6 @@ class _Window(TypedDict, total=False):
     writes: list[int]  # the window's (bus writes, round trips)
 
 
-def _prompts(cfg: RunConfig, n_units: int) -> list[list]:
-    """The units' prompts: the first n_units * units.max_prompts of the seeded order."""
-    from moerl.tasks.dataset import load_dataset
-
-    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
-    size = cfg.units.max_prompts
-    return [ds.window(u * size, size, cfg.task.shuffle_seed) for u in range(n_units)]
-
-
 def _localized(cfg: RunConfig, work: Path) -> RunConfig:
     work.mkdir(parents=True, exist_ok=True)
     return cfg.model_copy(
@@ -90,7 +89,7 @@ def _bare(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
     prepare_initial(cfg, model_dir, run_id=RUN_ID)
     tok = AutoTokenizer.from_pretrained(model_dir)
     warm = _warm_units()
-    units = _prompts(cfg, n_units + warm)
+    units = unit_prompts(cfg, n_units + warm)
     ids = [
         encode_prompt(tok, cfg.rollout, p.model_dump()) for unit in units[:n_units] for p in unit
     ]
@@ -165,7 +164,7 @@ def _breakdown(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
         tok = AutoTokenizer.from_pretrained(model_dir)
         G, room = cfg.rollout.samples_per_prompt, cfg.rollout.max_num_seqs
         warm = _warm_units()
-        units = _prompts(cfg, warm + n_units * len(BREAKDOWN) * BREAKDOWN_ROUNDS)
+        units = unit_prompts(cfg, warm + n_units * len(BREAKDOWN) * BREAKDOWN_ROUNDS)
         engine = RolloutEngine(model_dir, cfg.rollout, seed=cfg.rollout.seed)
         taken = [0]
 
@@ -323,7 +322,7 @@ def _worker(cfg: RunConfig, n_units: int, work: Path, swap_every: float = 0.0) -
         versions = _prepublish(cfg, work, SWAP_VERSIONS) if swap_every > 0 else []
         worker = RolloutWorker(cfg, RUN_ID, "rollout-0", bus)
         warm = _warm_units()
-        every = _prompts(cfg, n_units + warm)
+        every = unit_prompts(cfg, n_units + warm)
         units, warm_units = every[:n_units], every[n_units:]
         warm_groups = sum(len(u) for u in warm_units)
         target = warm_groups + sum(len(u) for u in units)
