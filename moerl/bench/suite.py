@@ -168,16 +168,7 @@ def _shape(model) -> dict[str, Any]:
     """The policy's MoE dimensions, from its own config (the tiny one or `model.path`'s)."""
     from moerl.models.families import family_of
 
-    c = model.config
-    family = family_of(c)
-    return {
-        "architecture": family.model_type,
-        "hidden_size": c.hidden_size,
-        "num_layers": c.num_hidden_layers,
-        "num_experts": family.num_experts(c),
-        "experts_per_token": c.num_experts_per_tok,
-        "moe_intermediate_size": getattr(c, "moe_intermediate_size", None) or c.intermediate_size,
-    }
+    return family_of(model.config).shape(model.config)
 
 
 def _param_counts(model) -> dict[str, int]:

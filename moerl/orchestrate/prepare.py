@@ -15,7 +15,7 @@ from typing import Any
 from moerl import provenance, tracking
 from moerl.config import RunConfig
 from moerl.errors import CheckpointError, MoerlError
-from moerl.models.families import FAMILIES, family_of
+from moerl.models.families import family_of, replay_problem
 from moerl.models.policy import check_checkpoint
 from moerl.tasks.dataset import load_dataset
 
@@ -72,29 +72,28 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             "would sample from another policy than the one trained; allowed: rollout.device cuda, or "
             "another model.tiny.architecture"
         )
-    if cfg.trainer.moe.router_bias_update_rate > 0 and family.router_bias is None:
+    bias_problem = family.router_bias_problem(cfg.trainer.moe.router_bias_update_rate)
+    if bias_problem:
         from moerl.errors import ConfigError
 
         raise ConfigError(
-            f"trainer.moe.router_bias_update_rate {cfg.trainer.moe.router_bias_update_rate}: the {family.model_type} "
-            "router has no bias correction to move (DeepSeek-V3's e_score_correction_bias); set it to 0, "
-            "and balance with trainer.moe.aux_loss_coef"
+            f"trainer.moe.router_bias_update_rate {cfg.trainer.moe.router_bias_update_rate}: "
+            f"{bias_problem}; set it to 0, and balance with trainer.moe.aux_loss_coef"
         )
     if cfg.pipeline.kind == "grpo" and (
         cfg.trainer.moe.router_replay != "disabled" or cfg.rollout.return_routed_experts
     ):
         from moerl.errors import ConfigError
 
-        if not family.router_replay:
+        replay = replay_problem(family)
+        if replay:
             key = (
                 "trainer.moe.router_replay"
                 if cfg.trainer.moe.router_replay != "disabled"
                 else "rollout.return_routed_experts"
             )
             raise ConfigError(
-                f"{key}: routing replay and routed-expert capture know the routers of "
-                f"{', '.join(f.model_type for f in FAMILIES if f.router_replay)}; model.path is a "
-                f"{family.model_type!r}: set "
+                f"{key}: {replay}: set "
                 "trainer.moe.router_replay disabled and rollout.return_routed_experts false"
             )
     from moerl.store.runs import open_store

@@ -18,6 +18,7 @@ __all__ = [
     "Family",
     "UnsupportedModelType",
     "family_of",
+    "replay_problem",
     "router_bias_names",
     "router_classes",
 ]
@@ -62,3 +63,11 @@ def router_classes() -> dict[str, Family]:
 def router_bias_names() -> tuple[str, ...]:
     """The bias-correction buffers of the families whose router has one."""
     return tuple(f.router_bias for f in FAMILIES if f.router_bias is not None)
+
+
+def replay_problem(family: Family) -> str | None:
+    """Why routing replay and routed-expert capture cannot run on `family` (None: they can)."""
+    if family.router_replay:
+        return None
+    known = ", ".join(f.model_type for f in FAMILIES if f.router_replay)
+    return f"routing replay and routed-expert capture know the routers of {known}; model.path is a {family.model_type!r}"

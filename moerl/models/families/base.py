@@ -105,6 +105,28 @@ class Family:
                 return int(value)
         raise ValueError(f"{self.name} config has none of {', '.join(self.num_experts_fields)}")
 
+    def shape(self, config: Any) -> dict[str, Any]:
+        """The MoE dimensions of a model of this family, from its HF config (reports)."""
+        return {
+            "architecture": self.model_type,
+            "hidden_size": config_get(config, "hidden_size"),
+            "num_layers": config_get(config, "num_hidden_layers"),
+            "num_experts": self.num_experts(config),
+            "experts_per_token": config_get(config, "num_experts_per_tok"),
+            "moe_intermediate_size": config_get(config, "moe_intermediate_size")
+            or config_get(config, "intermediate_size"),
+        }
+
+    def router_bias_problem(self, rate: float) -> str | None:
+        """Why trainer.moe.router_bias_update_rate `rate` cannot apply to this family (None: it
+        can): the rate moves a router bias correction that only some families have."""
+        if rate <= 0 or self.router_bias is not None:
+            return None
+        return (
+            f"the {self.model_type} router has no bias correction to move (DeepSeek-V3's "
+            "e_score_correction_bias)"
+        )
+
     def moe_layer_ids(self, config: Any) -> list[int]:
         """The decoder layers that hold a routed MoE block."""
         n = int(config_get(config, "num_hidden_layers"))
