@@ -31,6 +31,7 @@ from moerl.orchestrate.async_run import LocalAsyncRun, publish_initial, start_va
 from moerl.store.runs import run_store
 from moerl.store.s3server import S3Process
 from moerl.store.tiers import run_tiers
+from tests.support.async_runs import assert_balanced
 from tests.support.sandbox import sandboxed
 
 pytestmark = pytest.mark.slow
@@ -113,14 +114,7 @@ def _mlflow_balanced(h: Harness) -> None:
     from mlflow.tracking import MlflowClient
 
     m = MlflowClient(h.uri).get_run(h.run_id).data.metrics
-    assert (
-        m["async/trained"]
-        + m["async/filtered"]
-        + m["async/stale_dropped"]
-        + m["async/failed"]
-        + m["async/samples_dead"]
-        == m["async/generated"] - m["async/duplicates"]
-    ), m
+    assert_balanced(m)
     assert m["async/groups_used"] == h.cfg.pipeline.versions * h.cfg.task.prompts_per_iteration
 
 

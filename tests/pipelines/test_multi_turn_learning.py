@@ -9,43 +9,17 @@ tests/pipelines/test_e2e_pipeline.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from moerl import tracking
+from tests.support.async_runs import run_async_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 VERSIONS = 30
 
 
 @pytest.mark.slow
 def test_the_lookup_task_learns_in_the_async_mode(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moerl.cli",
-            "run",
-            "--mode",
-            "async",
-            str(ROOT / "configs" / "tiny-moe-lookup.yaml"),
-            "--iterations",
-            str(VERSIONS),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    (run,) = client.search_runs([client.get_experiment_by_name("moerl-tiny-lookup").experiment_id])
+    uri, run = run_async_cli(tmp_path, "tiny-moe-lookup.yaml", "moerl-tiny-lookup", VERSIONS)
     reward = [v for _, v in tracking.metric_history(uri, run.info.run_id, "reward/mean")]
     assert len(reward) == VERSIONS
     assert reward[0] <= 0.3 and sum(reward[-3:]) / 3 >= 0.7, reward

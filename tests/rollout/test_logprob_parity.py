@@ -8,10 +8,9 @@ Tolerance: max |engine - trainer| <= 1e-4 per token, in float32 (measured here: 
 import pytest
 import torch
 
-from moerl.components.policy_update.trainer import pack, sequence_logprobs
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
-from moerl.records import TrainSample
+from tests.support.parity import trainer_and_engine_logprobs
 
 TOL = 1e-4
 
@@ -52,34 +51,19 @@ def test_engine_logprobs_match_trainer(tmp_path, architecture, temperature, top_
         comps = engine.generate(prompts, n=4)
     finally:
         engine.close()
-    batch = [
-        TrainSample(
-            prompt_token_ids=p,
-            response_token_ids=c.token_ids,
-            response_logprobs=c.logprobs,
-            advantage=0.0,
-            policy_version=0,
-        )
-        for p, cs in zip(prompts, comps)
-        for c in cs
-    ]
-    assert len(batch) == 12 and all(len(s.response_token_ids) > 0 for s in batch)
+    assert sum(len(cs) for cs in comps) == 12 and all(c.token_ids for cs in comps for c in cs)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    packed = pack(batch, pad_id=tok.pad_token_id)
-    with torch.no_grad():
-        trainer_logp, _ = sequence_logprobs(
-            model, packed, torch.arange(len(batch)), temperature, top_k, top_p
-        )
-    mask = packed.mask_NL1.bool()
-    diff = (trainer_logp - packed.engine_logp_NL1).abs()[mask]
-    assert diff.numel() == sum(len(s.response_token_ids) for s in batch)
+    trainer_logp, engine_logp = trainer_and_engine_logprobs(
+        tiny_dir, prompts, comps, temperature, top_k, top_p, model=model
+    )
+    diff = (trainer_logp - engine_logp).abs()
+    assert diff.numel() == sum(len(c.token_ids) for cs in comps for c in cs)
     assert diff.max().item() <= TOL, f"max |engine - trainer| = {diff.max().item():.2e} > {TOL}"
     # the check has teeth: the wrong temperature is far outside the tolerance
     if temperature != 1.0 or top_k > 0 or top_p < 1.0:
-        with torch.no_grad():
-            wrong, _ = sequence_logprobs(model, packed, torch.arange(len(batch)), 1.0)
-        assert (wrong - packed.engine_logp_NL1).abs()[mask].max().item() > 100 * TOL
+        wrong, _ = trainer_and_engine_logprobs(tiny_dir, prompts, comps, 1.0, model=model)
+        assert (wrong - engine_logp).abs().max().item() > 100 * TOL
 
 
 @pytest.mark.parametrize("top_k, top_p", [(-1, 0.9), (5, 1.0), (5, 0.9), (1, 0.5), (40, 0.3)])
