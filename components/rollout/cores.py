@@ -19,6 +19,7 @@ import asyncio
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 
@@ -179,7 +180,14 @@ class AsyncCore:
         for rid, p, sp in zip(ids, prompts, plist):
             self.add(rid, p, sp)
         got: dict[str, Any] = {}
+        deadline = time.monotonic() + CALL_TIMEOUT_S
         while len(got) < len(ids):
+            if time.monotonic() > deadline:
+                self.abort([r for r in ids if r not in got])
+                raise TimeoutError(
+                    f"the async rollout engine: generate finished {len(got)} of {len(ids)} "
+                    f"prompts in {CALL_TIMEOUT_S:.0f} s"
+                )
             for o in self.step():
                 got[o.request_id] = o
         return [got[r] for r in ids]
