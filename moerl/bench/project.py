@@ -621,6 +621,10 @@ def format_projection(rep: dict[str, Any]) -> str:
         lines += ["", format_layouts(el["rows"], EngineInputs(**el["inputs"]))]
     if "redistribution" in rep:
         lines += ["", format_fleet(rep["redistribution"])]
+    if "trainer_version" in rep:
+        from moerl.bench.trainer_version import format_versions
+
+        lines += ["", format_versions(rep["trainer_version"])]
     c = rep["calibration"]
     lines.append(
         f"calibration: routing bytes measured / predicted = {c['bytes']['ratio_per_node_dedup']:.3f} "
@@ -694,6 +698,26 @@ def fleet(a) -> dict[str, Any]:
     return fleet_table(((m.name, m.total_params) for m in MODELS.values()), inp)
 
 
+def trainer_version(a) -> dict[str, Any]:
+    """The async trainer's overhead per version, restart per version against a persistent mesh
+    (moerl/bench/trainer_version.py), for the two large seed models at the trainer's mesh."""
+    from moerl.bench.trainer_version import VersionInputs, version_table
+
+    if a.trainer_nodes < 1 or a.cache_nodes < 1 or a.cache_gbps <= 0:
+        raise ConfigError(
+            "bench project: --trainer-nodes and --cache-nodes must be >= 1, --cache-gbps > 0"
+        )
+    inp = VersionInputs(
+        nodes=a.trainer_nodes,
+        gpus_per_node=a.gpus_per_node,
+        cache_gbps=a.cache_gbps / 8,
+        cache_nodes=a.cache_nodes,
+        gpu_tflops=a.gpu_tflops,
+        efficiency=a.efficiency,
+    )
+    return version_table((MODELS["qwen3-235b-a22b"], MODELS["deepseek-v3"]), inp)
+
+
 def run_project(a, out_dir: Path) -> dict[str, Any]:
     """`moerl bench project`: the projection with its calibration; report.json, summary.md and
     two plots in `out_dir`."""
@@ -713,6 +737,7 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
     rep["memory_fit"] = memory_fit(a)
     rep["engine_layout"] = engine_layout(a)
     rep["redistribution"] = fleet(a)
+    rep["trainer_version"] = trainer_version(a)
     ratios = (
         calibration["bytes"]["ratio_per_node_dedup"],
         calibration["bytes"]["ratio_per_expert"],
@@ -765,6 +790,8 @@ def run_project(a, out_dir: Path) -> dict[str, Any]:
         + "\n".join(rep["engine_layout"]["formulas"])
         + "\n```\n\nServing a version:\n\n```\n"
         + "\n".join(rep["redistribution"]["formulas"])
+        + "\n```\n\nThe trainer per version, before and after a persistent mesh:\n\n```\n"
+        + "\n".join(rep["trainer_version"]["formulas"])
         + "\n```\n"
     )
     write_report(out_dir / "report.json", rep)
