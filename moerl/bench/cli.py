@@ -211,6 +211,32 @@ def _state(a: argparse.Namespace) -> int:
     return 0 if rep["ok"] else 1
 
 
+def _trainer_versions(a: argparse.Namespace) -> int:
+    from moerl.bench.trainer_versions import parse_mesh, run_bench_trainer_versions
+
+    model = {
+        k: v
+        for k, v in (
+            ("hidden_size", a.hidden),
+            ("num_layers", a.layers),
+            ("num_experts", a.experts),
+            ("moe_intermediate_size", a.moe_intermediate_size),
+        )
+        if v is not None
+    }
+    rep = run_bench_trainer_versions(
+        Path(a.out),
+        versions=a.versions,
+        repeats=a.repeats,
+        mesh=parse_mesh(a.mesh),
+        steps=a.steps,
+        samples=a.samples,
+        model=model,
+        work_dir=Path(a.work_dir) if a.work_dir else None,
+    )
+    return 0 if rep["ok"] else 1
+
+
 def _compare(a: argparse.Namespace) -> int:
     from moerl.bench.compare import run_compare
 
@@ -548,6 +574,32 @@ def add_bench_parsers(sub) -> None:
     )
     st.add_argument("--out", default="bench/state.json")
     st.set_defaults(func=_state)
+
+    tv = bsub.add_parser(
+        "trainer-versions",
+        help="the async trainer's overhead per version on a gloo mesh: restarting the ranks "
+        "every version against ranks spawned once, interleaved, side by side",
+    )
+    tv.add_argument("--versions", type=int, default=4, help="versions per arm and repeat")
+    tv.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of both arms (a new persistent mesh each); which arm runs a version first "
+        "alternates by version and by round",
+    )
+    tv.add_argument("--mesh", default="2x2", help="DPxEP (gloo ranks on this machine)")
+    tv.add_argument("--steps", type=int, default=2, help="optimizer steps per version")
+    tv.add_argument("--samples", type=int, default=16, help="samples per version's batch")
+    tv.add_argument("--hidden", type=int, default=None, help="tiny MoE hidden size (default 128)")
+    tv.add_argument("--layers", type=int, default=None, help="tiny MoE layers (default 2)")
+    tv.add_argument("--experts", type=int, default=None, help="routed experts (default 8)")
+    tv.add_argument("--moe-intermediate-size", type=int, default=None, help="default 64")
+    tv.add_argument("--out", default="bench/trainer-versions", help="report.json, summary.md")
+    tv.add_argument(
+        "--work-dir", default=None, help="keep every version's files here (default: a temp dir)"
+    )
+    tv.set_defaults(func=_trainer_versions)
     co = sub.add_parser(
         "compare", help="MLflow runs side by side: differing params, metric deltas vs noise, plots"
     )
