@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 from moerl.errors import CheckpointError
 from moerl.store.fence import CLAIM, Claim, new_owner, older, refused
@@ -108,6 +108,9 @@ class CheckpointStore(PinLeases, ABC):
     keep_version_zero: bool = (
         True  # retention keeps version 0 (a cache tier need not: the durable store has it)
     )
+    # path prefixes this store's copies of a version lack although the manifest lists them (the
+    # cache tier: `trainer/`, which only the durable store holds); see docs/store.md
+    absent: tuple[str, ...] = ()
 
     @abstractmethod
     def check_access(self, missing_ok: bool = False) -> bool:
@@ -177,8 +180,14 @@ class CheckpointStore(PinLeases, ABC):
         manifest: Manifest | None = None,
         epoch: int | None = None,
         owner: str | None = None,
+        parts: RemoteParts | None = None,
     ) -> Manifest:
         """Publish the files under `src_dir` as `version`, then point `latest` at it.
+
+        `parts`: the version's other files, which other processes (the trainer mesh's other
+        nodes) put into this store themselves, under this publish's claim and stage
+        (`put_parts`); the manifest lists theirs with `src_dir`'s, and is written only once
+        every part is in.
 
         `chunk_size`: also record each file's sha256 per chunk of that many bytes (fan-out).
         `manifest`: publish under this exact manifest, already computed from the same files
@@ -199,6 +208,10 @@ class CheckpointStore(PinLeases, ABC):
 
         `retention=(keep_last, keep_every)` prunes old versions afterwards (see
         `apply_retention`); a failure there is logged as a warning, never raised.
+
+        A store with `absent` prefixes (the cache tier) does not upload the files under them:
+        without `manifest` they are hashed all the same (the manifest lists them exactly as the
+        durable store will hold them); with one, `src_dir` may lack them.
         """
         t0, src_dir, meta = time.monotonic(), Path(src_dir), dict(meta or {})
         # 1. Refuse anything that would rewrite history, before copying a byte.
@@ -219,7 +232,9 @@ class CheckpointStore(PinLeases, ABC):
             )
         files = _list_files(src_dir)
         if manifest is not None:
-            _check_same_files(manifest, version, src_dir, files)
+            _check_same_files(
+                manifest, version, src_dir, files, partial=parts is not None, absent=self.absent
+            )
         # a replaced writer copies no byte
         self._check_epoch(epoch, f"publish of version {version}")
         owner = owner or new_owner()
@@ -235,12 +250,17 @@ class CheckpointStore(PinLeases, ABC):
                 self._check_claim(version, claim)
             if manifest is None:
                 return self._put_hashed(stage, rel, src_dir / rel, chunk_size)
-            self._put(stage, rel, src_dir / rel)
+            if self.holds(rel):
+                self._put(stage, rel, src_dir / rel)
             return None
 
         try:
             # 2. Copy every file, hashing each one just before it is copied (unless given).
             entries = self._map(put, files)
+            if parts is not None:  # the other nodes' files, put by them under this claim
+                theirs = parts.put(self, version, stage, claim, manifest, chunk_size)
+                entries += theirs
+                _check_parts(version, files, theirs, manifest, self.absent)
             if manifest is None:
                 created = datetime.now(UTC).isoformat(timespec="seconds")
                 manifest = Manifest(
@@ -269,12 +289,13 @@ class CheckpointStore(PinLeases, ABC):
             self._cleanup_failed(stage, version, claim)
             raise
         log.info(
-            "published version %d to %s: %d files, %.1f MiB in %.1f s",
+            "published version %d to %s: %d files, %.1f MiB in %.1f s%s",
             version,
             self.uri,
-            len(files),
-            sum(e.size for e in manifest.files) / _MiB,
+            sum(1 for e in manifest.files if self.holds(e.path)),
+            sum(e.size for e in manifest.files if self.holds(e.path)) / _MiB,
             time.monotonic() - t0,
+            f" (not stored here: {', '.join(self.absent)})" if self.absent else "",
         )
         # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
         if retention is not None:
@@ -285,6 +306,10 @@ class CheckpointStore(PinLeases, ABC):
                     "retention after publishing version %d in %s failed: %s", version, self.uri, e
                 )
         return manifest
+
+    def holds(self, rel: str) -> bool:
+        """Whether this store's copies hold the file `rel` (False: under an `absent` prefix)."""
+        return not (self.absent and rel.startswith(self.absent))
 
     def latest(self) -> int | None:
         return self._latest_doc(self._read_text(LATEST))["version"]
@@ -349,6 +374,8 @@ class CheckpointStore(PinLeases, ABC):
         Processes on one node may fetch into one dest_dir at once: a lock file per version makes
         the second wait for the first and then reuse its copy. `expect_sha256`: refuse a version
         whose manifest is not this one (another tier's copy, a store changed under the run).
+        A store with `absent` prefixes (the cache tier) refuses a request for a file under one
+        (an `exclude` that does not cover it): the durable store has those files.
         """
         t0, manifest, dest_dir = time.monotonic(), self.manifest(version), Path(dest_dir)
         if expect_sha256 is not None and manifest.sha256() != expect_sha256:
@@ -361,6 +388,12 @@ class CheckpointStore(PinLeases, ABC):
             if exclude
             else list(manifest.files)
         )
+        if lacking := sorted({p for e in wanted for p in self.absent if e.path.startswith(p)}):
+            raise CheckpointError(
+                f"version {version} in {self.uri}: this store does not hold {', '.join(lacking)} "
+                f"(its manifest lists them; the durable store has them): fetch with exclude="
+                f"{tuple(lacking)!r} here, or read the version from the durable store"
+            )
         final = dest_dir / version_dir(version)
         try:
             dest_dir.mkdir(parents=True, exist_ok=True)
@@ -404,6 +437,11 @@ class CheckpointStore(PinLeases, ABC):
     def read_chunk(self, version: int, rel: str, start: int, length: int) -> bytes:
         """`length` bytes of a version's file from `start` (a fan-out chunk; the caller checks
         it against the manifest's chunk hash)."""
+        if not self.holds(rel):
+            raise CheckpointError(
+                f"{rel} of version {version} is not in {self.uri} (it holds no "
+                f"{', '.join(self.absent)}); the durable store has it"
+            )
         if length <= 0:  # an empty file's one chunk: no request (`bytes=0--1` is not a range)
             return b""
         return self._get_range(version_dir(version), rel, start, length)
@@ -661,6 +699,46 @@ class CheckpointStore(PinLeases, ABC):
                 " (a newer trainer recovered the store); this one stops"
             )
 
+    def put_parts(
+        self,
+        version: int,
+        stage: str,
+        src_dir: Path,
+        claim: Claim | None,
+        manifest: Manifest | None,
+        chunk_size: int = 0,
+    ) -> list[FileEntry]:
+        """Another process's share of a publish under way (`publish(parts=...)`): put the files
+        under `src_dir` into `stage`, hashing each as it is read (`manifest` None) or checking
+        its size against the manifest (the second tier of a version). The claim is checked
+        before every file: a fenced writer stops within one file. Returns their entries.
+        Files under `absent` prefixes are hashed (or checked) but not uploaded, as in `publish`."""
+        src_dir = Path(src_dir)
+        files = (
+            sorted(p.relative_to(src_dir).as_posix() for p in src_dir.rglob("*") if p.is_file())
+            if src_dir.is_dir()
+            else []
+        )
+        listed = {e.path: e for e in manifest.files} if manifest is not None else {}
+        self._part_size = manifest.chunk_size if manifest is not None else chunk_size
+
+        def put(rel: str) -> FileEntry:
+            if claim is not None:
+                self._check_claim(version, claim)
+            if manifest is None:
+                return self._put_hashed(stage, rel, src_dir / rel, chunk_size)
+            e = listed.get(rel)
+            if e is None or e.size != (src_dir / rel).stat().st_size:
+                raise CheckpointError(
+                    f"publish of version {version}: {rel} is not in its manifest as it is on "
+                    "this node; the folder changed since it was hashed"
+                )
+            if self.holds(rel):
+                self._put(stage, rel, src_dir / rel)
+            return e
+
+        return self._map(put, files)
+
     def _cleanup_failed(self, stage: str, version: int, claim: Claim | None) -> None:
         """Delete what a failed publish wrote (its manifest first), unless a newer writer holds
         the version now: then those objects may be the newer writer's."""
@@ -694,26 +772,31 @@ class CheckpointStore(PinLeases, ABC):
             ex.shutdown(wait=True, cancel_futures=True)
 
     def _put_hashed(self, stage: str, rel: str, src: Path, chunk_size: int = 0) -> FileEntry:
+        """Hash `src` into its manifest entry and upload it (not a file under `absent`: the
+        manifest lists it, this store does not hold it)."""
         try:
             entry = FileEntry(rel, *hash_file(src, chunk_size))
         except OSError as e:
             raise CheckpointError(
                 f"cannot read {src}: {e}; is the checkpoint folder complete?"
             ) from e
-        self._put(stage, rel, src)
+        if self.holds(rel):
+            self._put(stage, rel, src)
         return entry
 
     def _verify_stored(self, stage: str, manifest: Manifest) -> None:
         """The manifest reads back as itself and every object matches it: by its hash where the
         backend reports one (an object another writer replaced has other bytes, usually of the
-        same size), else by its size. `hash_checked` counts the objects checked by hash."""
+        same size), else by its size. `hash_checked` counts the objects checked by hash. Files
+        under `absent` prefixes are not checked: this store does not hold them."""
         v = manifest.version
         if self._read_text(f"versions/{stage}/{MANIFEST}") != manifest.to_json():
             raise CheckpointError(
                 f"the manifest of version {v} did not read back as written in {self.uri}; retry"
             )
-        stored = self._map(lambda e: self._stored(stage, e, manifest.chunk_size), manifest.files)
-        for e, (size, same) in zip(manifest.files, stored):
+        held = [e for e in manifest.files if self.holds(e.path)]
+        stored = self._map(lambda e: self._stored(stage, e, manifest.chunk_size), held)
+        for e, (size, same) in zip(held, stored):
             if size != e.size:
                 raise CheckpointError(
                     f"{e.path} of version {v} in {self.uri}: expected {e.size} bytes, "
@@ -769,16 +852,67 @@ def _check_retention(keep_last: int, keep_every: int) -> None:
         )
 
 
-def _check_same_files(manifest: Manifest, version: int, src: Path, files: list[str]) -> None:
-    """A given manifest must describe exactly the files about to be published."""
+class RemoteParts(Protocol):
+    """A version's files that other processes hold and put themselves (`publish(parts=...)`)."""
+
+    def put(
+        self,
+        store: CheckpointStore,
+        version: int,
+        stage: str,
+        claim: Claim | None,
+        manifest: Manifest | None,
+        chunk_size: int,
+    ) -> list[FileEntry]:
+        """Have every holder `store.put_parts(...)` its files into `stage`; their entries. Bounded:
+        raises naming the holders that did not answer."""
+        ...
+
+
+def _check_parts(
+    version: int,
+    local: list[str],
+    theirs: list[FileEntry],
+    manifest: Manifest | None,
+    absent: tuple[str, ...] = (),
+) -> None:
+    """The parts and the local files make one version: no path twice, and (a second tier) the
+    manifest's files exactly (those under `absent` prefixes may be missing: not stored here)."""
+    paths = list(local) + [e.path for e in theirs]
+    if len(set(paths)) != len(paths):
+        dup = sorted({p for p in paths if paths.count(p) > 1})[:5]
+        raise CheckpointError(f"publish of version {version}: {dup} were put by two writers")
+    if manifest is not None:
+        listed = {e.path for e in manifest.files}
+        needed = {p for p in listed if not (absent and p.startswith(absent))}
+        if not needed <= set(paths) <= listed:
+            missing = sorted((needed - set(paths)) | (set(paths) - listed))[:5]
+            raise CheckpointError(
+                f"publish of version {version}: the parts do not match its manifest ({missing})"
+            )
+
+
+def _check_same_files(
+    manifest: Manifest,
+    version: int,
+    src: Path,
+    files: list[str],
+    partial: bool = False,
+    absent: tuple[str, ...] = (),
+) -> None:
+    """A given manifest must describe exactly the files about to be published (`partial`: the
+    local ones among them, the rest coming as parts; those under `absent` prefixes may be
+    missing, as the store does not hold them)."""
     if manifest.version != version:
         raise CheckpointError(
             f"publish: the given manifest is version {manifest.version}, not {version}"
         )
     listed = {e.path: e.size for e in manifest.files}
-    if set(files) != set(listed):
+    needed = {p for p in listed if not (absent and p.startswith(absent))}
+    if not set(files) <= set(listed) or not (partial or needed <= set(files)):
         raise CheckpointError(
-            f"publish of version {version}: {src} holds {sorted(set(files) ^ set(listed))[:5]} "
+            f"publish of version {version}: {src} holds "
+            f"{sorted((set(files) - set(listed)) | (needed - set(files)))[:5]} "
             "that its manifest does not list, or lacks them"
         )
     for rel in files:

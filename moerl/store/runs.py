@@ -20,7 +20,7 @@ from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import CheckpointStore
 from moerl.store.nodecache import MARKER, lock_path, prune_cache, shared
-from moerl.store.tiers import open_store, run_store, run_tiers
+from moerl.store.tiers import ENGINE_EXCLUDE, open_store, run_store, run_tiers
 
 __all__ = [
     "ENGINE_EXCLUDE",
@@ -49,8 +49,8 @@ def version_uri(store: CheckpointStore, version: int) -> str:
     return f"{store.uri.rstrip('/')}/versions/v{version:06d}"
 
 
-# Rollout engines never need the trainer state published beside the weights.
-ENGINE_EXCLUDE = ("trainer/",)
+# Rollout engines never need the trainer state published beside the weights (`ENGINE_EXCLUDE`,
+# defined in `moerl.store.tiers`: the cache tier does not hold it either).
 
 
 def served_version(cache: Path) -> int | None:

@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
-from moerl.store.base import CheckpointStore
+from moerl.store.base import CheckpointStore, RemoteParts
 from moerl.store.fence import new_owner
 from moerl.store.folder import LocalStore
 from moerl.store.manifest import MANIFEST, Manifest, version_dir
@@ -112,14 +112,32 @@ def cache_tier_store(cfg: CheckpointConfig, run_id: str) -> CheckpointStore | No
     store.keep_version_zero = (
         False  # room for `keep_last` versions only (check_tier_fits); S3 has version 0
     )
+    # engine weights only: the trainer's state (`trainer/`, ~6x the weights) goes to the durable
+    # store alone; the manifest still lists it, so one sha256 names the version in both tiers
+    store.absent = ENGINE_EXCLUDE
     return store
 
 
 _GiB = 2**30
 
+# what only the trainer reads (its master weights and optimizer state): never fetched by an
+# engine, never stored in the cache tier (re-exported by `moerl.store.runs`)
+ENGINE_EXCLUDE = ("trainer/",)
+
+
+def held_bytes(src: Path, absent: tuple[str, ...] = ()) -> int:
+    """The bytes of the files under `src` that a store lacking `absent` prefixes will hold."""
+    src = Path(src)
+    return sum(
+        f.stat().st_size
+        for f in src.rglob("*")
+        if f.is_file() and not (absent and f.relative_to(src).as_posix().startswith(absent))
+    )
+
 
 def check_tier_fits(cfg: CheckpointConfig, version_bytes: int) -> None:
-    """Refuse (CheckpointError) a version the cache tier has no room for: it holds
+    """Refuse (CheckpointError) a version the cache tier has no room for. `version_bytes`: what
+    the tier holds of it (engine weights, not `trainer/`: `held_bytes`). The tier holds
     `cache_tier.keep_last` versions and, while a new one is written, that one too (retention runs
     after the new version is complete), so `(keep_last + 1) x version_bytes` must fit in
     `cache_tier.capacity_gb` (GiB: the server's memory-backed volume, manifests/base/ckpt-cache.yaml).
@@ -169,7 +187,12 @@ class Tiers:
 
     # -- writing --------------------------------------------------------------------------
     def publish_servable(
-        self, version: int, src: Path, meta: dict[str, str], exclusive: bool = False
+        self,
+        version: int,
+        src: Path,
+        meta: dict[str, str],
+        exclusive: bool = False,
+        parts: RemoteParts | None = None,
     ) -> Manifest:
         """The first copy: the cache tier's (servable), or the durable store's without one. A
         cache tier that fails (down, full) is logged and counted by the caller
@@ -181,10 +204,7 @@ class Tiers:
                 # before a byte is written: a tier that cannot hold it is skipped
                 if self.config is not None:
                     try:
-                        check_tier_fits(
-                            self.config,
-                            sum(f.stat().st_size for f in Path(src).rglob("*") if f.is_file()),
-                        )
+                        check_tier_fits(self.config, held_bytes(src, self.cache.absent))
                     except CheckpointError:
                         self.cache_too_small = True
                         raise
@@ -200,6 +220,7 @@ class Tiers:
                     chunk_size=self.chunk_size,
                     epoch=self.epoch,
                     owner=self.owner,
+                    parts=parts,
                 )
             except CheckpointError as e:
                 self.cache_failed = str(e)
@@ -220,9 +241,16 @@ class Tiers:
             chunk_size=self.chunk_size,
             epoch=self.epoch,
             owner=self.owner,
+            parts=parts,
         )
 
-    def publish_durable(self, manifest: Manifest, src: Path, exclusive: bool = False) -> Manifest:
+    def publish_durable(
+        self,
+        manifest: Manifest,
+        src: Path,
+        exclusive: bool = False,
+        parts: RemoteParts | None = None,
+    ) -> Manifest:
         """The durable copy under the same manifest; nothing to do when the first copy was the
         durable one (no cache tier, or the cache tier failed)."""
         if self.cache is None or self.cache_failed is not None:
@@ -235,6 +263,7 @@ class Tiers:
             manifest=manifest,
             epoch=self.epoch,
             owner=self.owner,
+            parts=parts,
         )
 
     def publish(
@@ -330,13 +359,17 @@ class Tiers:
     ) -> int | None:
         """Repair both tiers after a publisher died; return the durable `latest` (see the
         module docstring). `scratch`: where versions are staged on their way between tiers
-        (whole versions, `trainer/` included: give a folder with room, not /tmp).
+        (a version's engine weights, or a whole version without `trainer/` state: give a folder
+        with room, not /tmp).
 
         `servable`: the (version, manifest sha256) the bus's servable pointer names. Only that
         version is promoted from the cache tier (or adopted in the durable store): a complete
         version nobody made servable (a replaced trainer's, one whose pointer move was refused)
         never enters the lineage. Without it nothing is promoted, and cache-tier versions above
-        the durable `latest` are deleted (the run trains those numbers again). With `epoch` set,
+        the durable `latest` are deleted (the run trains those numbers again). A servable
+        version with `trainer/` state cannot be promoted either (the cache tier holds no
+        `trainer/`, `absent`): it is deleted the same way and trained again; the caller points
+        the servable pointer back at the returned durable `latest`. With `epoch` set,
         both tiers record it first (`CheckpointStore.fence`): a replaced trainer's publisher is
         refused from then on, and claims it holds are removed; a live claim of this or a newer
         epoch is left alone.
@@ -392,6 +425,23 @@ class Tiers:
                 )
                 self._drop_cache_version(v)
                 continue
+            lacking = sorted(
+                {p for e in manifest.files for p in self.cache.absent if e.path.startswith(p)}
+            )
+            if lacking:
+                log.warning(
+                    "recovery: version %d was servable in the cache tier but not durable (the "
+                    "publisher died between the two), and cannot be promoted: its %s state is "
+                    "only ever written to the durable store, and is not there; deleting it from "
+                    "the cache tier (the run trains version %d again from version %s; the "
+                    "servable pointer goes back to that)",
+                    v,
+                    ", ".join(lacking),
+                    v,
+                    latest,
+                )
+                self._drop_cache_version(v)
+                continue
             with self._staged(scratch) as tmp:
                 try:
                     # every file verified
@@ -431,7 +481,8 @@ class Tiers:
                 with self._staged(scratch) as tmp:
                     manifest = self.durable.manifest(latest)
                     self._publish_copy(
-                        self.durable.fetch(latest, tmp),
+                        # only what the cache tier holds (not `trainer/`)
+                        self.durable.fetch(latest, tmp, exclude=self.cache.absent),
                         self.cache,
                         manifest,
                         (self.cache_keep, 0),

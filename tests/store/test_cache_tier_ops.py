@@ -176,6 +176,34 @@ def test_a_version_larger_than_the_cache_tier_goes_to_the_durable_store_first_an
         check_tier_fits(cfg.checkpoint, 22)
 
 
+def test_the_cache_tiers_room_is_counted_in_engine_bytes_not_trainer_state(
+    s3_server, durable: str, tmp_path: Path
+) -> None:
+    """`check_tier_fits` counts what the cache tier holds of a version: its engine weights, not
+    its `trainer/` state (which only the durable store holds), however large that is."""
+    from moerl.store.runs import ENGINE_EXCLUDE
+    from moerl.store.tiers import held_bytes
+    from tests.store.test_tiers import with_state
+
+    s3_server.client().create_bucket(Bucket=(cache_bucket := f"cache-{uuid.uuid4().hex[:10]}"))
+    src = with_state(make_checkpoint(tmp_path / "s1", seed=1))
+    engine = sum(
+        p.stat().st_size
+        for p in src.rglob("*")
+        if p.is_file() and not p.relative_to(src).as_posix().startswith("trainer/")
+    )
+    whole = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert held_bytes(src, ENGINE_EXCLUDE) == engine and held_bytes(src) == whole > 2 * engine
+    for room, fits in ((3 * engine, True), (3 * engine - 1, False)):  # keep_last 2 + 1 versions
+        cfg = _cfg(
+            s3_server, durable, s3_server.endpoint_url, cache_bucket, capacity_gb=room / 2**30
+        )
+        tiers = run_tiers(cfg, f"r{room}", epoch=1)
+        tiers.publish_servable(1, src, {}, exclusive=True)
+        assert tiers.cache_too_small is not fits
+        assert (tiers.cache.latest() == 1) is fits and (tiers.durable.latest() == 1) is not fits
+
+
 def test_a_finished_runs_cache_prefix_is_deleted_and_its_durable_copy_kept(
     s3_server, durable: str, tmp_path: Path
 ) -> None:

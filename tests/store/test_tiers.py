@@ -16,6 +16,10 @@ import pytest
 
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
+from moerl.store.base import MANIFEST, MARKER, CheckpointStore, FileEntry, Manifest
+from moerl.store.fence import Claim
+from moerl.store.manifest import hash_file
+from moerl.store.runs import ENGINE_EXCLUDE
 from moerl.store.tiers import Tiers, node_copy, run_tiers
 from tests.store.test_store import make_checkpoint, tree
 
@@ -51,6 +55,28 @@ def _cfg(s3, tmp: Path, cache_endpoint: str | None = None, **over) -> Checkpoint
 def _small_chunks(tiers: Tiers) -> Tiers:
     tiers.chunk_size = CHUNK  # several chunks per file in these small checkpoints
     return tiers
+
+
+def with_state(d: Path, rank: int = 0) -> Path:
+    """`d` plus a trainer state beside the weights, as the trainer saves it: `trainer/` holds
+    Distributed Checkpoint shards (master weights and Adam's moments) and the counters."""
+    state = d / "trainer"
+    (state / "model").mkdir(parents=True, exist_ok=True)
+    (state / "optim").mkdir(parents=True, exist_ok=True)
+    (state / "model" / f"__{rank}_0.distcp").write_bytes(os.urandom(3 * CHUNK + 7))
+    (state / "optim" / f"__{rank}_0.distcp").write_bytes(os.urandom(6 * CHUNK + 1))
+    if rank == 0:
+        (state / "counters.json").write_text('{"version": 1}')
+    return d
+
+
+def _objects(s3, bucket: str, prefix: str) -> list[str]:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [o["Key"].removeprefix(prefix) for page in pages for o in page.get("Contents", [])]
+
+
+def _state_files(d: Path) -> set[str]:
+    return {p.relative_to(d).as_posix() for p in (d / "trainer").rglob("*") if p.is_file()}
 
 
 def test_a_version_is_servable_in_the_cache_tier_before_it_is_durable(
@@ -293,3 +319,168 @@ def test_embedded_restart(tmp_path: Path) -> None:
     for _ in range(2):
         with local_s3_server(tmp_path / "c") as server:
             server.client().create_bucket(Bucket="moerl-cache")
+
+
+def test_the_cache_tier_holds_engine_weights_only_under_the_one_manifest(
+    buckets, tmp_path: Path
+) -> None:
+    """The cache tier stores no `trainer/` object, yet its manifest lists every file with the
+    sha256 and chunks the durable copy holds: one manifest sha256 names the version in both. An
+    engine's fetch (without `trainer/`) verifies from the cache tier; a full fetch there is
+    refused naming `trainer/`, and `Tiers.fetch` reads it from the durable store instead."""
+    tiers = _small_chunks(run_tiers(_cfg(buckets, tmp_path), "r1", epoch=1))
+    assert tiers.cache.absent == ENGINE_EXCLUDE and tiers.durable.absent == ()
+    src = with_state(make_checkpoint(tmp_path / "src", seed=1))
+    state = _state_files(src)
+    m = tiers.publish_servable(1, src, {}, exclusive=True)
+    assert tiers.cache_failed is None and tiers.cache.latest() == 1
+    run = f"{tmp_path.name}/runs/r1/versions/v000001/"
+    cached = _objects(buckets, "tier-cache", run)
+    assert not [k for k in cached if k.startswith("trainer/")], cached
+    assert {"config.json", "model.safetensors", "tokenizer/nested/tokenizer.json"} <= set(cached)
+    # the manifest lists the state exactly as it is (sha256 and every chunk's)
+    listed = {e.path: e for e in m.files}
+    for rel in state:
+        assert listed[rel] == FileEntry(rel, *hash_file(src / rel, CHUNK))
+    assert len(listed["trainer/optim/__0_0.distcp"].chunks) == 7
+    # the durable copy: every file, under the same manifest
+    tiers.publish_durable(m, src, exclusive=True)
+    assert tiers.durable.manifest(1).sha256() == tiers.cache.manifest(1).sha256() == m.sha256()
+    assert state <= set(_objects(buckets, "tier-durable", run))
+    # an engine reads the cache tier, every file verified
+    path, source = tiers.fetch(1, tmp_path / "node", ENGINE_EXCLUDE, expect_sha256=m.sha256())
+    engine = {k: v for k, v in tree(src).items() if not k.startswith("trainer/")}
+    assert (
+        source == "cache"
+        and {k: v for k, v in tree(path).items() if k not in (MANIFEST, MARKER)} == engine
+    )
+    # a full fetch from the cache tier is refused, naming what it lacks and where it is
+    with pytest.raises(CheckpointError, match=r"does not hold trainer/ .*the durable store has"):
+        tiers.cache.fetch(1, tmp_path / "full-cache")
+    with pytest.raises(CheckpointError, match="trainer/"):
+        tiers.cache.read_chunk(1, "trainer/optim/__0_0.distcp", 0, CHUNK)
+    # ... and the tiers read it from the durable store, whole and verified
+    path, source = tiers.fetch(1, tmp_path / "full", expect_sha256=m.sha256())
+    assert source == "durable" and state <= set(tree(path))
+    assert all(tree(path)[k] == v for k, v in tree(src).items())
+
+
+class _OtherNode:
+    """The trainer mesh's other node: it puts its own files into the publish under way, with
+    the store's own `put_parts` (what `RemoteParts.put` has every holder do)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def put(
+        self,
+        store: CheckpointStore,
+        version: int,
+        stage: str,
+        claim: Claim | None,
+        manifest: Manifest | None,
+        chunk_size: int,
+    ) -> list[FileEntry]:
+        return store.put_parts(version, stage, self.folder, claim, manifest, chunk_size)
+
+
+def test_parts_put_by_other_nodes_leave_their_state_out_of_the_cache_tier(
+    buckets, tmp_path: Path
+) -> None:
+    tiers = _small_chunks(run_tiers(_cfg(buckets, tmp_path), "r1", epoch=1))
+    local = with_state(make_checkpoint(tmp_path / "rank0", seed=1))
+    other = with_state(tmp_path / "rank1", rank=1)
+    (other / "model-00002.safetensors").write_bytes(os.urandom(2 * CHUNK))
+    parts = _OtherNode(other)
+    m = tiers.publish_servable(1, local, {}, exclusive=True, parts=parts)
+    assert tiers.cache_failed is None and tiers.cache.latest() == 1
+    listed = {e.path: e for e in m.files}
+    for d in (local, other):
+        for rel in {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()}:
+            assert listed[rel] == FileEntry(rel, *hash_file(d / rel, CHUNK))
+    run = f"{tmp_path.name}/runs/r1/versions/v000001/"
+    cached = _objects(buckets, "tier-cache", run)
+    assert "model-00002.safetensors" in cached and not [
+        k for k in cached if k.startswith("trainer/")
+    ]
+    tiers.publish_durable(m, local, exclusive=True, parts=parts)
+    assert tiers.durable.manifest(1).sha256() == m.sha256()
+    assert _state_files(local) | _state_files(other) <= set(_objects(buckets, "tier-durable", run))
+    whole = tiers.durable.fetch(1, tmp_path / "whole")
+    assert (
+        tree(whole)["trainer/optim/__1_0.distcp"]
+        == (other / "trainer/optim/__1_0.distcp").read_bytes()
+    )
+
+
+def test_recovery_drops_a_servable_version_with_state_and_promotes_one_without(
+    buckets, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A version servable in the cache tier but not durable used to be promoted from there; its
+    `trainer/` state is in neither tier now, so it is deleted and trained again (the caller
+    points the servable pointer back at the durable `latest` it gets). A version without
+    state (version 0) is still promoted. A cache tier that lost its data is rebuilt from the
+    durable `latest` without its state."""
+    tiers = run_tiers(_cfg(buckets, tmp_path), "r1", epoch=1)
+    m0 = tiers.publish_servable(0, make_checkpoint(tmp_path / "s0", seed=0), {}, exclusive=True)
+    assert tiers.durable.latest() is None  # the publisher died here: version 0 is only servable
+    again = run_tiers(_cfg(buckets, tmp_path), "r1", epoch=2)
+    assert again.recover(servable=(0, m0.sha256())) == 0  # promoted: no state to lack
+    assert again.durable.manifest(0).sha256() == m0.sha256()
+    again.durable.fetch(0, tmp_path / "check0")  # every file verified
+    # version 1, with its state, servable and then the publisher died
+    src = with_state(make_checkpoint(tmp_path / "s1", seed=1))
+    m1 = again.publish_servable(1, src, {}, exclusive=True)
+    assert again.cache.latest() == 1 and again.durable.latest() == 0
+    third = run_tiers(_cfg(buckets, tmp_path), "r1", epoch=3)
+    with caplog.at_level("WARNING", logger="moerl.store.tiers"):
+        assert third.recover(servable=(1, m1.sha256())) == 0
+    assert "cannot be promoted: its trainer/ state" in caplog.text
+    assert third.durable.versions() == [0] and third.durable.latest() == 0
+    assert third.cache.versions() == [0] and third.cache.latest() == 0
+    run = f"{tmp_path.name}/runs/r1/versions/v000001/"
+    assert _objects(buckets, "tier-cache", run) == []
+    # the number is trained again: its new copy goes to both tiers as usual
+    m1b = third.publish(
+        1, with_state(make_checkpoint(tmp_path / "s1b", seed=5)), {}, exclusive=True
+    )
+    assert third.durable.latest() == third.cache.latest() == 1 and m1b.sha256() != m1.sha256()
+    # the cache server lost its data: rebuilt with the durable latest, without its state
+    fresh = run_tiers(
+        _cfg(buckets, tmp_path / f"{tmp_path.name}-fresh").model_copy(
+            update={"uri": third.durable.uri.rsplit("/runs/", 1)[0]}
+        ),
+        "r1",
+    )
+    assert fresh.cache.latest() is None
+    assert fresh.recover() == 1 and fresh.cache.latest() == 1
+    assert fresh.cache.manifest(1).sha256() == m1b.sha256()
+    rebuilt = _objects(buckets, "tier-cache", f"{tmp_path.name}-fresh/runs/r1/versions/v000001/")
+    assert "model.safetensors" in rebuilt and not [k for k in rebuilt if k.startswith("trainer/")]
+    fresh.cache.fetch(1, tmp_path / "check1", exclude=ENGINE_EXCLUDE)  # verified
+
+
+def test_the_embedded_cache_tier_of_a_local_run_holds_no_trainer_state(tmp_path: Path) -> None:
+    """`cache_tier.endpoint_url: embedded` (a local `moerl run`): its own `weed mini`, and the
+    store built on it lacks `trainer/` like the cluster's (a short name: weed's unix sockets)."""
+    from moerl.config import parse_config
+    from moerl.store.s3server import embedded_cache_tier
+    from moerl.store.tiers import cache_tier_store
+
+    cfg = parse_config(
+        {
+            "checkpoint": {
+                "uri": str(tmp_path / "durable"),
+                "cache_dir": str(tmp_path / "node"),
+                "cache_tier": {"uri": "s3://moerl-cache/ckpt", "endpoint_url": "embedded"},
+            }
+        }
+    )
+    with embedded_cache_tier(cfg, tmp_path / "c") as local:
+        assert cache_tier_store(local.checkpoint, "r1").absent == ENGINE_EXCLUDE
+        tiers = run_tiers(local.checkpoint, "r1", epoch=1)
+        src = with_state(make_checkpoint(tmp_path / "s1", seed=1))
+        m = tiers.publish(1, src, {}, exclusive=True)
+        assert tiers.cache_failed is None and tiers.cache.manifest(1).sha256() == m.sha256()
+        assert not [k for k in tiers.cache._list("versions/") if "/trainer/" in k]
+        assert (tmp_path / "durable/runs/r1/versions/v000001/trainer/counters.json").is_file()
