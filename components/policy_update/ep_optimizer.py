@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import OptimizerStateType
 
 OPTIMIZER_DCP = "optimizer"  # trainer/optimizer/: a Distributed Checkpoint
+MODEL_DCP = "model"  # trainer/model/: the master weights, a Distributed Checkpoint
 
 
 def _expert_mesh(mesh):
@@ -66,8 +67,13 @@ def _param_states(osd: OptimizerStateType) -> dict[str, dict[str, Any]]:
 
 
 def _to_global(osd: OptimizerStateType, experts: dict[str, tuple[int, ...]], emesh) -> None:
+    """Expert entries as parts of their whole layer, each in a new dict: the state dict's
+    per-parameter dicts can be the optimizer's own, which a mesh that keeps training after
+    saving must not see re-expressed."""
     state = _param_states(osd)
     for fqn, shape in experts.items():
+        if fqn in state:
+            state[fqn] = dict(state[fqn])
         for k, v in list(state.get(fqn, {}).items()):
             if torch.is_tensor(v) and v.dim() > 0:
                 state[fqn][k] = _global_experts(local(v), shape, emesh)
@@ -120,6 +126,67 @@ def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
                 stride=like.stride(),
             )
     set_optimizer_state_dict(model, opt, osd)
+
+
+def _experts_to_global(sd: dict[str, Any], experts: dict[str, tuple[int, ...]], emesh) -> dict:
+    """Expert entries of a model state dict re-expressed as parts of their whole layer; returns
+    each one's FSDP form (the template to put them back in)."""
+    fsdp_form = {}
+    for fqn, shape in experts.items():
+        if fqn in sd:
+            fsdp_form[fqn] = sd[fqn]
+            sd[fqn] = _global_experts(local(sd[fqn]), shape, emesh)
+    return fsdp_form
+
+
+def save_model_state(model, ep_blocks, mesh, out: Path) -> None:
+    """The master weights (and persistent buffers, e.g. a router's bias) through Distributed
+    Checkpoint, every rank writing its own shard: dense entries as FSDP's shards, expert entries
+    as parts of their whole layer, so that any mesh can load them (`load_model_state`). What a
+    resumed mesh reads instead of an HF copy of the master weights: nothing is gathered. A
+    collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd: dict[str, Any] = dict(get_model_state_dict(model))
+    _experts_to_global(sd, _expert_states(model, ep_blocks), _expert_mesh(mesh))
+    dcp.save({"model": sd}, checkpoint_id=str(out))
+
+
+def load_model_state(model, ep_blocks, mesh, src: Path) -> None:
+    """The inverse of `save_model_state`, onto this rank's shards of this mesh (whatever mesh
+    wrote it). A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    sd: dict[str, Any] = dict(get_model_state_dict(model))
+    fsdp_form = _experts_to_global(sd, _expert_states(model, ep_blocks), _expert_mesh(mesh))
+    try:
+        dcp.load({"model": sd}, checkpoint_id=str(src))
+    except Exception as err:  # noqa: BLE001 - a missing or mismatched entry: one line naming it
+        raise TrainingError(
+            f"policy_update: cannot load the master weights in {src}: {type(err).__name__}: "
+            f"{str(err)[:500]}"
+        ) from None
+    for fqn, like in fsdp_form.items():
+        sd[fqn] = (
+            DTensor.from_local(
+                local(sd[fqn]),
+                like.device_mesh,
+                like.placements,
+                run_check=False,
+                shape=like.shape,
+                stride=like.stride(),
+            )
+            if isinstance(like, DTensor)
+            else local(sd[fqn])
+        )
+    set_model_state_dict(model, sd, options=StateDictOptions(strict=True))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

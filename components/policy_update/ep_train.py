@@ -12,17 +12,21 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
+from moerl.components.policy_update.ep_checkpoint import load_ep_model
 from moerl.components.policy_update.ep_optimizer import (
+    MODEL_DCP,
     OPTIMIZER_DCP,
+    load_model_state,
     load_optimizer,
     load_unsharded_optimizer,
+    save_model_state,
     save_optimizer,
 )
 from moerl.components.policy_update.ep_optimizer import local as _local
@@ -44,7 +48,6 @@ from moerl.components.policy_update.steps import (
     sampled_logprobs,
 )
 from moerl.components.policy_update.trainer import (
-    MASTER_DIR,
     TRAINER_DIR,
     Counters,
     pack,
@@ -168,6 +171,10 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
         shard=fsdp,
     )
     tdir = state_in / TRAINER_DIR
+    if (tdir / MODEL_DCP).is_dir():  # the master weights as a mesh wrote them, each rank its shard
+        if not shard:
+            raise TrainingError("policy_update: the sharded master weights need the FSDP model")
+        load_model_state(model, ep_blocks, mesh, tdir / MODEL_DCP)
     counters = (
         Counters(**json.loads((tdir / "state.json").read_text()))
         if (tdir / "state.json").is_file()
@@ -374,22 +381,37 @@ def save_ep(
     state_in: Path,
     state_out: Path,
     serving_dtype: str | None = None,
-) -> None:
-    """The optimizer state through Distributed Checkpoint (every rank writes its shards); the
-    standard HF checkpoint from rank 0, which receives each tensor whole, one at a time (dense
-    ones all-gathered over the mesh, experts one layer at a time), in `serving_dtype` when it is
-    not the model's, the master weights then under MASTER_DIR; and the counters."""
-    (state_out / TRAINER_DIR).mkdir(parents=True, exist_ok=True)
-    save_optimizer(model, opt, ep_blocks, mesh, state_out / TRAINER_DIR / OPTIMIZER_DCP)
-    ep = mesh.get_group("ep")
+    with_state: bool = True,
+) -> dict[str, float]:
+    """One version's files, every rank writing its own part in parallel, nothing gathered to
+    one rank: the engines' HF checkpoint in `serving_dtype` (`ep_export.export_ep_checkpoint`),
+    then, `with_state`, the float32 master weights and Adam's state through Distributed
+    Checkpoint (`trainer/model/`, `trainer/optimizer/`: each rank its shard, loadable on any
+    mesh), and rank 0 the counters. Returns this rank's export statistics as metrics."""
+    from moerl.components.policy_update.ep_export import export_ep_checkpoint
+
+    tdir = state_out / TRAINER_DIR
+    tdir.mkdir(parents=True, exist_ok=True)
     master = next(model.parameters()).dtype
     serving = getattr(torch, serving_dtype) if serving_dtype else master
-    save_ep_checkpoint(model, ep_blocks, layout, state_in, state_out, ep_group=ep, dtype=serving)
-    if serving != master:
-        save_ep_checkpoint(model, ep_blocks, layout, state_in, state_out / MASTER_DIR, ep_group=ep)
+    t0 = time.perf_counter()
+    stats = export_ep_checkpoint(model, ep_blocks, layout, state_in, state_out, mesh, dtype=serving)
+    t_export = time.perf_counter()
+    if with_state:
+        save_model_state(model, ep_blocks, mesh, tdir / MODEL_DCP)
+        save_optimizer(model, opt, ep_blocks, mesh, tdir / OPTIMIZER_DCP)
     if dist.get_rank() == 0:
-        (state_out / TRAINER_DIR / "state.json").write_text(json.dumps(asdict(counters)))
+        (tdir / "state.json").write_text(json.dumps(asdict(counters)))
     dist.barrier()
+    return {
+        "timing/trainer_export_s": t_export - t0,
+        "timing/trainer_state_save_s": time.perf_counter() - t_export,
+        # the busiest rank's share: what bounds the export's time
+        "weights/export_max_rank_mb": max(stats.bytes_written) / 1e6,
+        "weights/export_max_rank_received_mb": max(stats.bytes_received) / 1e6,
+        "weights/export_mb": stats.total_bytes / 1e6,
+        "weights/export_writers": float(sum(1 for f in stats.files if f)),
+    }
 
 
 def _synced_clock(cfg: RunConfig) -> float:
@@ -399,17 +421,115 @@ def _synced_clock(cfg: RunConfig) -> float:
     return time.perf_counter()
 
 
+@dataclass
+class Session:
+    """One rank's share of the trainer: what `setup` built, and the folder it loaded (whose
+    tokenizer and other files every version's export carries along)."""
+
+    model: Any
+    opt: Any
+    counters: Counters
+    ep_blocks: list
+    layout: Any
+    dispatcher: Any
+    mesh: Any
+    state_in: Path
+
+    @classmethod
+    def load(cls, cfg: RunConfig, state_in: Path) -> Session:
+        model, opt, counters, ep_blocks, layout, dispatcher, mesh = setup(cfg, state_in)
+        return cls(model, opt, counters, ep_blocks, layout, dispatcher, mesh, state_in)
+
+    def describe_dispatcher(self) -> tuple[Any, str | None]:
+        fallback = getattr(self.dispatcher, "fallback_from", None)
+        d = self.dispatcher
+        return (d.describe() if hasattr(d, "describe") else d.name), fallback
+
+
+def join_process_group(cfg: RunConfig) -> None:
+    """This rank into the trainer's process group: NCCL on cuda (each rank bound to its local
+    device first), gloo on cpu; env:// under torchrun, the local launcher's file store otherwise.
+    Every collective is bounded by `trainer.parallelism.collective_timeout_s`: a dead or hung
+    rank fails the others instead of blocking them for ever."""
+    from datetime import timedelta
+
+    backend = "nccl" if cfg.trainer.parallelism.device == "cuda" else "gloo"
+    if cfg.trainer.parallelism.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    timeout = timedelta(seconds=cfg.trainer.parallelism.collective_timeout_s)
+    init = os.environ.get("MOERL_INIT_METHOD", "env://")
+    if init.startswith("file://"):
+        dist.init_process_group(
+            backend,
+            init_method=init,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+
+
+def run_version(
+    cfg: RunConfig,
+    s: Session,
+    batch: list[TrainSample],
+    iteration: int,
+    state_out: Path,
+    with_state: bool = True,
+) -> dict[str, float]:
+    """One policy update on a loaded session, then its version's files (`save_ep`). The same on
+    every rank and for both the restarting and the persistent trainer; rank 0's metrics are the
+    update's."""
+    t0 = _synced_clock(cfg)
+    torch.manual_seed(cfg.trainer.seed + iteration)
+    metrics = (
+        train_ep(
+            s.model, s.opt, s.counters, s.ep_blocks, batch, cfg, seed=cfg.trainer.seed + iteration
+        )
+        if len(batch) >= dist.get_world_size()
+        else {"train/steps": 0.0, "train/skipped_steps": 0.0}
+    )
+    metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
+    t_steps = _synced_clock(cfg)
+    s.counters.version += 1
+    metrics.update(
+        save_ep(
+            s.model,
+            s.opt,
+            s.counters,
+            s.ep_blocks,
+            s.layout,
+            s.mesh,
+            s.state_in,
+            state_out,
+            cfg.rollout.serving_dtype,
+            with_state,
+        )
+    )
+    # where the update's time went: the steps (pi_old included), saving
+    metrics["timing/trainer_steps_s"] = t_steps - t0
+    metrics["timing/trainer_save_s"] = _synced_clock(cfg) - t_steps
+    # what this rank's GPU held at its peak (rank 0's is reported)
+    if cfg.trainer.parallelism.device == "cuda":
+        metrics["train/cuda_max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    described, fallback = s.describe_dispatcher()
+    metrics["moe/ep_fallback"] = float(fallback is not None)
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
-    """One rank: (1) process group, (dp, ep) mesh (ep fastest) and dispatcher; (2) the model
-    built on `meta`, EP blocks swapped in, sharded with FSDP2, and only this rank's rows of each
-    tensor read (`ep_checkpoint.py`); Adam's state from the Distributed Checkpoint or the single
-    process's `optimizer.pt`, resharded onto this mesh (`ep_optimizer.py`); (3) pi_old for this
-    rank's samples (every rank reads the whole batch and the same seeded permutation; each
-    minibatch is split round-robin over ranks); (4) N steps (non-finite losses skipped on all
-    ranks together; the router bias moved after each where the family has one,
-    `steps.RouterBias`); (5) the optimizer state through Distributed Checkpoint (every rank
-    writes its shard), and the HF checkpoint from rank 0, which receives each tensor whole.
-    Ranks live for one policy update (each update loads and saves through files)."""
+    """One rank of a restarting update (the sync pipeline's policy_update, and the async
+    trainer with `trainer.parallelism.persistent_ranks: false`): (1) process group, (dp, ep)
+    mesh (ep fastest) and dispatcher; (2) the model built on `meta`, EP blocks swapped in,
+    sharded with FSDP2, and only this rank's rows of each tensor read (`ep_checkpoint.py`), the
+    master weights and Adam's state from their Distributed Checkpoints (or the single process's
+    `optimizer.pt`), resharded onto this mesh (`ep_optimizer.py`); (3) pi_old for this rank's
+    samples (every rank reads the whole batch and the same seeded permutation; each minibatch
+    is split round-robin over ranks); (4) N steps (non-finite losses skipped on all ranks
+    together; the router bias moved after each where the family has one, `steps.RouterBias`);
+    (5) the version's files, every rank writing its own part (`save_ep`). The async trainer's
+    ranks that live for the whole run: `mesh.py`."""
     ap = argparse.ArgumentParser()
     for name in ("--config-json", "--batch", "--state-in", "--state-out", "--metrics-out"):
         ap.add_argument(name, required=True)
@@ -419,66 +539,18 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"[ep rank {os.environ.get('RANK', '?')}] %(message)s"
     )
     cfg = config_from_json(Path(a.config_json).read_text())
-    backend = "nccl" if cfg.trainer.parallelism.device == "cuda" else "gloo"
-    # before the process group: NCCL binds each rank to its current device
-    if cfg.trainer.parallelism.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    # env:// under torchrun; the local launcher passes a file store (no TCP rendezvous listener)
-    init = os.environ.get("MOERL_INIT_METHOD", "env://")
-    if init.startswith("file://"):
-        dist.init_process_group(
-            backend,
-            init_method=init,
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-        )
-    else:
-        dist.init_process_group(backend)
+    join_process_group(cfg)
     t0 = time.perf_counter()
     try:
         torch.manual_seed(cfg.trainer.seed + a.iteration)
-        model, opt, counters, ep_blocks, layout, dispatcher, mesh = setup(cfg, Path(a.state_in))
+        session = Session.load(cfg, Path(a.state_in))
         batch = read_records(a.batch, TrainSample)
         t_load = _synced_clock(cfg)
-        metrics = (
-            train_ep(
-                model, opt, counters, ep_blocks, batch, cfg, seed=cfg.trainer.seed + a.iteration
-            )
-            if len(batch) >= dist.get_world_size()
-            else {"train/steps": 0.0, "train/skipped_steps": 0.0}
-        )
-        metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
-        t_steps = _synced_clock(cfg)
-        counters.version += 1
-        save_ep(
-            model,
-            opt,
-            counters,
-            ep_blocks,
-            layout,
-            mesh,
-            Path(a.state_in),
-            Path(a.state_out),
-            cfg.rollout.serving_dtype,
-        )
-        # where the update's time went: loading (and sharding), the steps (pi_old included), saving
-        metrics.update(
-            {
-                "timing/trainer_load_s": t_load - t0,
-                "timing/trainer_steps_s": t_steps - t_load,
-                "timing/trainer_save_s": _synced_clock(cfg) - t_steps,
-            }
-        )
-        # what this rank's GPU held at its peak (rank 0's is reported)
-        if cfg.trainer.parallelism.device == "cuda":
-            metrics["train/cuda_max_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        metrics = run_version(cfg, session, batch, a.iteration, Path(a.state_out))
+        metrics["timing/trainer_load_s"] = t_load - t0
         if dist.get_rank() == 0:
             metrics["timing/policy_update_s"] = time.perf_counter() - t0
-            fallback = getattr(dispatcher, "fallback_from", None)
-            metrics["moe/ep_fallback"] = float(fallback is not None)
-            described = (
-                dispatcher.describe() if hasattr(dispatcher, "describe") else dispatcher.name
-            )
+            described, fallback = session.describe_dispatcher()
             Path(a.metrics_out).write_text(
                 json.dumps({"metrics": metrics, "dispatcher": described, "fallback_from": fallback})
             )

@@ -2,8 +2,21 @@
 persistent mesh.
 
 Part of `moerl bench project` (the "trainer per version" table). Every input and formula is in
-the report; a reader can check each number by hand.
+the report (`MODEL` below: the two designs, the symbols, the formulas and the limitations); a
+reader can check each number by hand. docs/benchmarks.md shows the table and the command.
+"""
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from moerl.errors import ConfigError
+
+GB = 1e9
+
+MODEL = """\
 Before (today: restart per version). Each version the trainer's ranks are spawned again
 (process, process group, mesh), each rank reads its rows of the float32 master weights (the HF
 copy under `master/` when the serving dtype differs) and its shard of Adam's state (Distributed
@@ -88,16 +101,6 @@ training time is a compute floor (no dispatch/combine, no logprob passes of the 
 the reference), so every "not training" share is an upper bound for its inputs; page cache,
 which can serve `load` from memory when the same node ran the previous version, is not counted.
 """
-
-from __future__ import annotations
-
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
-from typing import Any
-
-from moerl.errors import ConfigError
-
-GB = 1e9
 MiB = 2**20
 
 
@@ -269,7 +272,7 @@ def version_table(models: Iterable[Any], inp: VersionInputs) -> dict[str, Any]:
 
 def formulas() -> list[str]:
     """The formulas, as the module docstring states them (one per line)."""
-    doc = __doc__ or ""
+    doc = MODEL
     start, end = doc.index("Symbols (inputs"), doc.index("Limitations:")
     return [line.rstrip() for line in doc[start:end].strip().splitlines()]
 

@@ -1,18 +1,9 @@
 """`moerl bench trainer-versions`: the async trainer's overhead per version on a (dp, ep) mesh
-of gloo ranks, restarting the ranks every version against a mesh whose ranks live for the run,
-side by side in one run, on the same model and the same batches.
-
-- restart: every version is `run_policy_update` (the launcher spawns the ranks; each joins the
-  process group, builds the mesh, reads its rows of the weights and its shard of Adam's state
-  from the previous version's files, trains, writes the version, exits).
-- persistent: the ranks are spawned once (torch.multiprocessing, a file rendezvous, the same
-  `join_process_group` as the restarting ranks), each loads its `ep_train.Session` once, then
-  every version is `ep_train.run_version` on it, timed on rank 0 between two barriers.
-
-Per version, overhead = wall - `timing/trainer_steps_s` (the optimizer steps, pi_old
-included): everything a version costs that is not training. The versions of the two arms are
-interleaved (which goes first alternates by version and by repeat), and both arms' weights
-must agree after every version (within `TOL`; the bench fails otherwise).
+of gloo ranks, restarting the ranks every version (`run_policy_update`) against a mesh whose
+ranks live for the run (one `ep_train.Session`, `ep_train.run_version` per version), side by
+side in one run, on the same model and batches. Per version, overhead = wall -
+`timing/trainer_steps_s`; the arms' versions are interleaved, and both arms' weights must
+agree after every version (within `TOL`; the bench fails otherwise).
 
 Design, details and limitations: docs/benchmarks.md, "The async trainer per version:
 restarting ranks against a persistent mesh".

@@ -140,6 +140,14 @@ class ParallelismConfig(_Section):
     rank_timeout_s: float = Field(4 * 3600.0, gt=0.0)
     """The policy_update task kills every rank and fails if they have not finished by then, so a
     hung collective cannot hold the GPUs."""
+    collective_timeout_s: float = Field(1800.0, gt=0.0)
+    """A collective not complete after this many seconds fails its rank (a dead or hung peer), and
+    with it every rank: the process group's timeout."""
+    persistent_ranks: bool = True
+    """pipeline.mode async on a mesh: the ranks start once and live for the whole run, weights
+    and Adam state staying in memory between versions (docs/weights.md). false: the ranks start,
+    load the whole state and save it again every version (the older path, kept to compare
+    against; much slower at scale)."""
     mixed_precision: Literal["off", "bf16"] = "off"
     """bf16: FSDP2 mixed precision, parameters gathered and computed in bf16, master weights,
     gradient reduction and Adam state in float32 (model.dtype must be float32; always on the
@@ -240,6 +248,8 @@ class TrainerConfig(_Section):
 
 # Keys that left `trainer.` for a section, old dotted key -> new dotted key: the loader refuses
 # the old one naming the new (`moved_key_problems`), `moerl config migrate` rewrites a file.
+# keys added after the move, in their section from the start: no old place to refuse
+_BORN_IN_SECTIONS = frozenset({"collective_timeout_s", "persistent_ranks"})
 MOVED: dict[str, str] = {
     f"trainer.{key}": f"trainer.{section}.{key}"
     for section, model in (
@@ -250,4 +260,5 @@ MOVED: dict[str, str] = {
         ("moe", MoeConfig),
     )
     for key in model.model_fields
+    if key not in _BORN_IN_SECTIONS
 }

@@ -20,6 +20,7 @@ from moerl.config import parse_config
 from moerl.launch.exchange import Exchange
 from moerl.launch.task import run_remote
 from moerl.launch.watch import WorkloadFailed
+from tests.support.weights import read_weights
 from tests.unit.test_launch import NS
 
 
@@ -239,10 +240,8 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
     """The mesh (2, 2) as a TrainJob of two nodes: each "pod" (its own scratch folder, sharing only
     the S3 server) downloads the inputs, starts two ranks with torchrun, and the four meet in a
     static rendezvous at node 0 (Trainer's PET_* variables); node 0 uploads the weights and its
-    ranks' optimizer shards, node 1 its own. The merged output equals the same mesh on one
+    ranks' weight files and state shards, node 1 its own. The merged output equals the same mesh on one
     machine (weights byte for byte, metrics), and resumes at mesh (1, 4) on one node."""
-    from safetensors.torch import load_file
-
     from moerl.components.policy_update.trainer import run_policy_update
 
     bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
@@ -285,11 +284,15 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
     assert (tmp_path / "scratch" / "node-0").is_dir() and (tmp_path / "scratch" / "node-1").is_dir()
     two = _tree(tmp_path / "two_nodes")
     shards = sorted(k for k in two if k.endswith(".distcp"))
-    assert len(shards) == 4 and "trainer/optimizer/.metadata" in two and "trainer/state.json" in two
+    # every rank's shard of the master weights and of Adam's state
+    assert len(shards) == 8 and "trainer/optimizer/.metadata" in two and "trainer/state.json" in two
+    assert "trainer/model/.metadata" in two
     local = run_policy_update(cfg, tmp_path / "batch.jsonl", state_in, tmp_path / "one_node", 1)
     one = _tree(tmp_path / "one_node")
     assert two.keys() == one.keys()
-    assert two["model.safetensors"] == one["model.safetensors"]
+    weights = sorted(k for k in one if k.endswith(".safetensors"))
+    assert len(weights) >= 2  # every rank that holds experts wrote its own file
+    assert all(two[k] == one[k] for k in weights)
     assert {k: v for k, v in metrics.items() if not k.startswith("timing/")} == {
         k: v for k, v in local.items() if not k.startswith("timing/")
     }
@@ -310,10 +313,7 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
         other, tmp_path / "batch.jsonl", tmp_path / "two_nodes", tmp_path / "resumed", 2
     )
     assert resumed["train/steps"] == 2
-    w1, w2 = (
-        load_file(tmp_path / "two_nodes" / "model.safetensors"),
-        load_file(tmp_path / "resumed" / "model.safetensors"),
-    )
+    w1, w2 = read_weights(tmp_path / "two_nodes"), read_weights(tmp_path / "resumed")
     assert any(not (w1[k] == w2[k]).all() for k in w1)
 
 

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from moerl.components.policy_update.trainer import run_policy_update
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
+from tests.support.weights import read_weights
 
 
 def _cfg(ep: int, **sections):
@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
         m = run_policy_update(
             _cfg(ep), root / "batch.jsonl", root / "s0", root / f"ep{ep}", iteration=0
         )
-        out[ep] = (m, load_file(root / f"ep{ep}" / "model.safetensors"))
+        out[ep] = (m, read_weights(root / f"ep{ep}"))
     return root, out
 
 
@@ -65,7 +65,7 @@ def runs(tmp_path_factory):
 def test_ep2_trains_like_ep1(runs):
     root, out = runs
     (m1, w1), (m2, w2) = out[1], out[2]
-    w0 = load_file(root / "s0" / "model.safetensors")
+    w0 = read_weights(root / "s0")
     # the same steps were taken, and clipping was active (the global norm exceeds max_grad_norm)
     assert m1["train/steps"] == m2["train/steps"] == 4 and m2["train/skipped_steps"] == 0
     assert m1["train/grad_norm"] > 0.05 and m2["train/grad_norm"] > 0.05

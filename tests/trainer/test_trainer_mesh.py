@@ -6,7 +6,6 @@ state, and a version saved at (2, 2) resumes at (1, 4) with its optimizer state 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from safetensors.torch import load_file
 
 from moerl.components.policy_update.trainer import run_policy_update
 from moerl.config import parse_config
@@ -14,6 +13,7 @@ from moerl.models.tiny import build_tiny_model
 from moerl.records import write_records
 from tests.support import ep_worker, mesh_worker
 from tests.support.families import family as _family
+from tests.support.weights import read_weights
 from tests.trainer.test_ep_equivalence import _batch
 
 pytestmark = pytest.mark.slow
@@ -147,10 +147,8 @@ def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path
 def _follows(root, start: str, reference: str, candidate: str, control: str) -> None:
     """`candidate`'s step from `start` equals `reference`'s (within 5 % of how far each tensor
     moved), while `control` (the same weights without the Adam moments) takes another step."""
-    w1 = load_file(root / start / "model.safetensors")
-    ref, cand, ctrl = (
-        load_file(root / d / "model.safetensors") for d in (reference, candidate, control)
-    )
+    w1 = read_weights(root / start)
+    ref, cand, ctrl = (read_weights(root / d) for d in (reference, candidate, control))
     far = 0
     for name, a in ref.items():
         moved = float((a - w1[name]).norm())
@@ -224,10 +222,8 @@ def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_pat
     loads are summed over the ranks before the sign is taken."""
     path = _family("deepseek_v3", tmp_path / "dsv3")
     write_records(tmp_path / "batch.jsonl", _batch())
-    key = next(
-        k for k in load_file(path / "model.safetensors") if k.endswith("e_score_correction_bias")
-    )
-    b0 = load_file(path / "model.safetensors")[key]
+    key = next(k for k in read_weights(path) if k.endswith("e_score_correction_bias"))
+    b0 = read_weights(path)[key]
     out = {}
     for name, (dp, ep) in (("single", (1, 1)), ("mesh", (2, 2))):
         cfg = _cfg(dp, ep)
@@ -242,7 +238,7 @@ def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_pat
         )
         m = run_policy_update(cfg, tmp_path / "batch.jsonl", path, tmp_path / name, iteration=0)
         assert m["train/steps"] == 2 and m["moe/router_max_load_ratio"] >= 1.0
-        out[name] = load_file(tmp_path / name / "model.safetensors")[key]
+        out[name] = read_weights(tmp_path / name)[key]
     steps = (out["single"] - b0) / 0.01
     assert torch.allclose(steps, steps.round(), atol=1e-4), (steps - steps.round()).abs().max()
     assert steps.round().abs().max() <= 2 and steps.abs().sum() > 0

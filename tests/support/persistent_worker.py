@@ -1,0 +1,45 @@
+"""Worker body for the persistent-mesh equivalence test (torch.multiprocessing spawn): one rank
+that trains the same batches twice from the same start, as the async trainer's mesh does (one
+`Session` for every version, nothing reloaded) and as the restarting path does (a new
+`Session` loaded from the previous version's files each time), writing both series' versions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def rank(rank, world, dp, ep, start, out_dir, batches):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world
+    )
+    try:
+        from moerl.components.policy_update.ep_train import Session, run_version
+        from moerl.config import parse_config
+
+        cfg = parse_config(
+            {
+                "trainer": {
+                    "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
+                    "parallelism": {
+                        "micro_batch_tokens": 24,
+                        "expert_parallel_size": ep,
+                        "data_parallel_shard": dp,
+                    },
+                }
+            }
+        )
+        out = Path(out_dir)
+        kept = Session.load(cfg, Path(start))
+        for v, batch in enumerate(batches):
+            run_version(cfg, kept, batch, v, out / "persistent" / f"v{v + 1}")
+        prev = Path(start)
+        for v, batch in enumerate(batches):
+            fresh = Session.load(cfg, prev)
+            prev = out / "restart" / f"v{v + 1}"
+            run_version(cfg, fresh, batch, v, prev)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,110 @@
+"""The async trainer's persistent mesh (`components/policy_update/mesh.py`) trains with the
+restarting path's code, so its versions must equal that path's: four gloo ranks at (2, 2) train
+three batches once with one session kept in memory and once reloading every version from the
+previous version's files (master weights and Adam's state from their per-rank Distributed
+Checkpoints), and every version's engine weights agree. A version whose state was written per
+rank at (2, 2) then continues at (1, 4) as it does at (2, 2)."""
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moerl.components.policy_update.trainer import run_policy_update
+from moerl.config import parse_config
+from moerl.models.tiny import build_tiny_model
+from moerl.records import write_records
+from tests.support import persistent_worker
+from tests.support.weights import read_weights
+from tests.trainer.test_ep_equivalence import _batch
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5  # float32; the same code, so in practice bit for bit
+
+
+def _cfg(dp: int, ep: int):  # the worker's
+    return parse_config(
+        {
+            "trainer": {
+                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
+                "parallelism": {
+                    "micro_batch_tokens": 24,
+                    "expert_parallel_size": ep,
+                    "data_parallel_shard": dp,
+                },
+            }
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def series(tmp_path_factory):
+    root = tmp_path_factory.mktemp("persistent")
+    build_tiny_model(_cfg(1, 1).model.tiny, root / "s0")
+    batches = [_batch(16), _batch(12), _batch(16)[::-1]]
+    mp.spawn(
+        persistent_worker.rank,
+        args=(4, 2, 2, str(root / "s0"), str(root), batches),
+        nprocs=4,
+        join=True,
+    )
+    return root, batches
+
+
+def _close(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_versions_kept_in_memory_equal_versions_reloaded_from_files(series):
+    root, batches = series
+    w0 = read_weights(root / "s0")
+    for v in range(1, len(batches) + 1):
+        kept = read_weights(root / "persistent" / f"v{v}")
+        reloaded = read_weights(root / "restart" / f"v{v}")
+        assert _close(kept, reloaded) <= TOL, v
+        # every version carries its state, every rank's shard: the master weights and Adam
+        for d in ("model", "optimizer"):
+            shards = list((root / "persistent" / f"v{v}" / "trainer" / d).glob("*.distcp"))
+            assert len(shards) == 4, (v, d, shards)
+    assert _close(read_weights(root / "persistent" / "v3"), w0) > 1e-4  # it trained
+
+
+def test_a_version_written_per_rank_continues_on_another_mesh(series, tmp_path):
+    """v2's state, written by four ranks at (2, 2), continues at (1, 4): the third update equals
+    the (2, 2) mesh's own third version."""
+    root, batches = series
+    write_records(tmp_path / "batch.jsonl", batches[2])
+    run_policy_update(
+        _cfg(1, 4), tmp_path / "batch.jsonl", root / "persistent" / "v2", tmp_path / "v3", 2
+    )
+    other = read_weights(tmp_path / "v3")
+    same = read_weights(root / "persistent" / "v3")
+    v2 = read_weights(root / "persistent" / "v2")
+    moved = max(float((same[k] - v2[k]).abs().max()) for k in same)
+    assert _close(other, same) <= 0.05 * moved + 1e-6
+    assert torch.is_floating_point(next(iter(other.values())))
+
+
+def test_a_bf16_served_version_resumes_from_its_float32_master_shards(series, tmp_path):
+    """rollout.dtype bfloat16: the engines' copy is bf16, and the next update starts from the
+    float32 master weights the ranks wrote (trainer/model), not from the rounded copy: it
+    equals the update from the same version served in float32."""
+    root, batches = series
+    write_records(tmp_path / "b.jsonl", batches[0])
+    bf16 = _cfg(1, 2).model_copy(
+        update={"rollout": _cfg(1, 2).rollout.model_copy(update={"dtype": "bfloat16"})}
+    )
+    run_policy_update(bf16, tmp_path / "b.jsonl", root / "s0", tmp_path / "v1-bf16", 0)
+    served = read_weights(tmp_path / "v1-bf16")
+    assert {t.dtype for t in served.values()} == {torch.bfloat16}
+    run_policy_update(_cfg(1, 2), tmp_path / "b.jsonl", root / "s0", tmp_path / "v1", 0)
+    f32 = read_weights(tmp_path / "v1")
+    assert _close({k: v.float() for k, v in served.items()}, f32) > 0  # rounded
+    write_records(tmp_path / "b2.jsonl", batches[1])
+    for name in ("v1-bf16", "v1"):
+        run_policy_update(
+            _cfg(1, 2), tmp_path / "b2.jsonl", tmp_path / name, tmp_path / f"{name}-next", 1
+        )
+    assert (
+        _close(read_weights(tmp_path / "v1-bf16-next"), read_weights(tmp_path / "v1-next")) <= TOL
+    )
