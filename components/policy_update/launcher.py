@@ -21,6 +21,7 @@ from moerl.launch.nodes import NodeGroup, node_group
 log = logging.getLogger(__name__)
 
 EP_MODULE = "moerl.components.policy_update.ep_train"
+MESH_MODULE = "moerl.components.policy_update.mesh"
 # torchrun turns SIGTERM into an orderly stop of its workers; give it this long before SIGKILL.
 TORCHRUN_GRACE_S = 10.0
 
@@ -71,7 +72,7 @@ def _rank_args(
 
 
 def torchrun_args(
-    world_size: int, rank_args: list[str], nodes: NodeGroup | None = None
+    world_size: int, rank_args: list[str], nodes: NodeGroup | None = None, module: str = EP_MODULE
 ) -> list[str]:
     """torchrun's arguments, each worker run through the `moerl.launch.procs` wrapper so it dies
     with torchrun. One node: a standalone rendezvous on a port the store picks itself. Several
@@ -96,11 +97,15 @@ def torchrun_args(
             f"--master-addr={nodes.master_addr}",
             f"--master-port={nodes.master_port}",
         ]
-    return [*head, "--module", "moerl.launch.procs", EP_MODULE, *rank_args]
+    return [*head, "--module", "moerl.launch.procs", module, *rank_args]
 
 
 def _start(
-    cfg: RunConfig, tmp: Path, rank_args: list[str], nodes: NodeGroup | None = None
+    cfg: RunConfig,
+    tmp: Path,
+    rank_args: list[str],
+    nodes: NodeGroup | None = None,
+    module: str = EP_MODULE,
 ) -> tuple[list[subprocess.Popen], float]:
     """Start the ranks (or torchrun); returns them and the grace to give them on a kill."""
     ws = cfg.trainer.parallelism.world_size
@@ -114,18 +119,18 @@ def _start(
                 f"torchrun can join (got {cfg.trainer.parallelism.launcher!r})"
             )
         return [
-            procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args, nodes), env)
+            procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args, nodes, module), env)
         ], TORCHRUN_GRACE_S
     if cfg.trainer.parallelism.launcher == "torchrun":
         return [
-            procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args), env)
+            procs.spawn("torch.distributed.run", torchrun_args(ws, rank_args, None, module), env)
         ], TORCHRUN_GRACE_S
     ranks = []
     try:
         for r in range(ws):
             ranks.append(
                 procs.spawn(
-                    EP_MODULE,
+                    module,
                     rank_args,
                     {
                         **env,
@@ -197,3 +202,51 @@ def run_expert_parallel(
     else:
         log.info("expert-parallel dispatcher: %s", out["dispatcher"])
     return out["metrics"]
+
+
+def run_mesh_trainer(cfg: RunConfig, run_id: str) -> str:
+    """The async trainer as one mesh for the whole run (`mesh.py`): start its ranks once (on
+    this node's share, `nodes` from the TrainJob's PET_* variables), wait for all of them, and
+    return rank 0's result (the final PolicyVersion as JSON; "" on a node other than 0). No
+    deadline on the whole: the run's length is the run's; a hung rank is bounded by the
+    collectives' timeout, a silent controller by its heartbeat, a silent run by rank 0's stall
+    watchdog. Any rank's failure kills every rank and raises with rank 0's exit code when it
+    failed (the async orchestrator and KFP retry on it)."""
+    nodes = node_group()
+    tc = cfg.trainer.parallelism
+    what = (
+        f"the trainer mesh ({tc.launcher}, {tc.world_size} ranks: dp {tc.data_parallel_shard} x ep "
+        f"{tc.expert_parallel_size}" + (f", node {nodes.rank} of {nodes.size})" if nodes else ")")
+    )
+    with tempfile.TemporaryDirectory(prefix="moerl-mesh-") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "config.json").write_text(config_to_json(cfg))
+        result = tmp / "result.json"
+        rank_args = [
+            "--config-json",
+            str(tmp / "config.json"),
+            "--run-id",
+            run_id,
+            "--result",
+            str(result),
+        ]
+        try:
+            with procs.sigterm_raises():
+                ranks, grace_s = _start(cfg, tmp, rank_args, nodes, MESH_MODULE)
+                log.info("%s: started, pids %s", what, [p.pid for p in ranks])
+                returncode = _wait_all_or_kill(ranks, float("inf"), grace_s)
+        except procs.Terminated:
+            raise TrainingError(f"trainer: received SIGTERM; killed every rank of {what}") from None
+        if returncode != 0:
+            raise MeshFailed(
+                returncode, f"trainer: {what} exited with {returncode}; see the ranks' output above"
+            )
+        return result.read_text() if result.is_file() else ""
+
+
+class MeshFailed(TrainingError):
+    """A rank of the trainer mesh exited non-zero; `code` is its exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.store.runs import run_store, version_uri
 from moerl.store.tiers import run_tiers
 from moerl.tasks.dataset import load_dataset
+
+if TYPE_CHECKING:
+    from moerl.components.policy_update.mesh import Leader
 
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"
@@ -423,7 +427,15 @@ def _check_failures(bus: RunBus, cfg: RunConfig) -> None:
 
 
 def _train(
-    cfg: RunConfig, model, opt, counters, samples, version: int, state_dir: Path, out_dir: Path
+    cfg: RunConfig,
+    model,
+    opt,
+    counters,
+    samples,
+    version: int,
+    state_dir: Path,
+    out_dir: Path,
+    mesh: Leader | None = None,
 ) -> dict[str, float]:
     from moerl.components.policy_update.trainer import (
         _save_state,
@@ -432,7 +444,9 @@ def _train(
     )
 
     t0 = time.perf_counter()
-    if cfg.trainer.parallelism.on_mesh:  # ranks load and save through files
+    if mesh is not None:  # the run's ranks, state in memory: they write the version's files
+        metrics = mesh.train_version(samples, version, out_dir)
+    elif cfg.trainer.parallelism.on_mesh:  # ranks started per version: load and save through files
         batch_path = out_dir.parent / "batch.jsonl"
         write_records(batch_path, samples)
         metrics = run_policy_update(cfg, batch_path, state_dir, out_dir, version)
@@ -450,7 +464,10 @@ def _train(
     return metrics
 
 
-def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
+def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> PolicyVersion:
+    """The async trainer's loop. `mesh`: rank 0 of the run's mesh (`mesh.py`), which trains
+    every version with the other ranks; None: in this process (one rank), or ranks started per
+    version (`trainer.parallelism.persistent_ranks: false`)."""
     from moerl.components.policy_update.trainer import _load_state
     from moerl.components.publish_checkpoint.publisher import Job, Publisher
     from moerl.components.publish_checkpoint.stage import prepare_resume
@@ -494,7 +511,10 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
     state_dir = work / f"v{latest}"
     policy = prepare_resume(cfg, run_id, latest, state_dir)
     model = opt = counters = None
-    if not cfg.trainer.parallelism.on_mesh:
+    load_metrics: dict[str, float] = {}
+    if mesh is not None:  # once for the run: every rank reads only its shard
+        load_metrics = mesh.load_state(state_dir, latest)
+    elif not cfg.trainer.parallelism.on_mesh:
         model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
     pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)
@@ -552,7 +572,14 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
                     cfg.valkey.wait_aof_replicas,
                 )
 
-    publisher = Publisher(cfg, run_id, on_servable=servable, on_durable=commit, epoch=epoch)
+    publisher = Publisher(
+        cfg,
+        run_id,
+        on_servable=servable,
+        on_durable=commit,
+        epoch=epoch,
+        parts=None if mesh is None else mesh.parts,  # the files the mesh's other nodes hold
+    )
 
     def published() -> None:
         """Log each durable version's publication metrics at its iteration's step; drop its
@@ -594,7 +621,11 @@ def run_trainer(cfg: RunConfig, run_id: str) -> PolicyVersion:
             t_busy = time.perf_counter()
             samples = train_samples(batch.used, cfg.buffer)
             out_dir = work / f"v{version + 1}"
-            metrics.update(_train(cfg, model, opt, counters, samples, version, state_dir, out_dir))
+            metrics.update(
+                _train(cfg, model, opt, counters, samples, version, state_dir, out_dir, mesh)
+            )
+            metrics.update(load_metrics)  # the first version's only
+            load_metrics = {}
             n_used = sum(len(g) for g in batch.used)
             n_filtered = sum(len(g) for g in batch.groups) - n_used
             counts = {"trained": n_used, "filtered": n_filtered, "groups_used": batch.n_groups}
@@ -700,13 +731,32 @@ def main(argv: list[str] | None = None) -> int:
     # as the component does: the process's own scratch when pod-shaped, and in a sandbox given
     # the cluster's Secrets, its pod's credentials and no others
     enter_pod("async_trainer", text)
+    from moerl.components.policy_update.launcher import MeshFailed
+
     try:
-        policy = run_trainer(cfg, a.run_id)
+        result = run_async_trainer(cfg, a.run_id)
+    except MeshFailed as err:  # a rank's own exit code (rank 0's, when it failed)
+        log.error("%s", err)
+        return err.code
     except MoerlError as err:  # one line, no traceback: fenced off, abandoned, a bad commit
         log.error("%s", err)
         return err.exit_code
-    print(policy.model_dump_json(), flush=True)
+    if result:  # "" on a node other than the mesh's first
+        print(result, flush=True)
     return 0
+
+
+def run_async_trainer(cfg: RunConfig, run_id: str) -> str:
+    """The async trainer stage, wherever it runs (a local process, a launched pod, a TrainJob
+    node): the final PolicyVersion as JSON, or "" on a mesh node other than the first. On a mesh
+    with `trainer.parallelism.persistent_ranks`, the ranks start once for the run and rank 0
+    runs `run_trainer` (`mesh.py`); otherwise `run_trainer` in this process."""
+    tc = cfg.trainer.parallelism
+    if tc.on_mesh and tc.persistent_ranks:
+        from moerl.components.policy_update.launcher import run_mesh_trainer
+
+        return run_mesh_trainer(cfg, run_id)
+    return run_trainer(cfg, run_id).model_dump_json()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from moerl.config import RunConfig
 from moerl.records import PolicyVersion
+from moerl.store.base import RemoteParts
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,13 @@ class Publisher:
         on_durable: Callable[[Job], None],
         exclusive: bool = True,
         epoch: int | None = None,
+        parts: RemoteParts | None = None,
     ) -> None:
         """`epoch`: the trainer's (`RunBus.claim_trainer`): every tier write and `latest` move is
         fenced by it, so a replaced trainer's publisher is refused (`moerl.store.fence`)."""
         self.cfg, self.run_id, self.exclusive, self.epoch = cfg, run_id, exclusive, epoch
+        # `parts`: the files of each version that other nodes hold and put themselves
+        self.parts = parts
         self.on_servable, self.on_durable = on_servable, on_durable
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._in_flight: list[Job] = []
@@ -115,6 +119,7 @@ class Publisher:
                     job.meta,
                     self.exclusive,
                     self.epoch,
+                    self.parts,
                 )
                 metrics["weights/published_to_servable_s"] = time.perf_counter() - job.handed
                 self.on_servable(policy)
@@ -128,6 +133,7 @@ class Publisher:
                         started=job.handed,
                         already=not metrics["weights/cache_tier"],
                         epoch=self.epoch,
+                        parts=self.parts,
                     )
                 )
                 job.policy, job.metrics = policy, metrics

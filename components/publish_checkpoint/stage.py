@@ -20,6 +20,7 @@ from moerl.models.policy import check_checkpoint
 from moerl.models.tiny import build_tiny_model
 from moerl.provenance import git_sha
 from moerl.records import PolicyVersion
+from moerl.store.base import RemoteParts
 from moerl.store.manifest import Manifest
 from moerl.store.runs import ENGINE_EXCLUDE, run_store, version_uri
 from moerl.store.tiers import run_tiers
@@ -319,6 +320,7 @@ def publish_servable(
     meta: dict[str, str] | None = None,
     exclusive: bool = False,
     epoch: int | None = None,
+    parts: RemoteParts | None = None,
 ) -> tuple[Manifest, PolicyVersion, dict[str, float]]:
     """The first copy of `version`: refused if not finite, then published to the cache tier
     (or, without one, straight to the durable store). The PolicyVersion names the durable URI
@@ -334,6 +336,7 @@ def publish_servable(
         Path(state_dir),
         exclusive=exclusive,
         meta={**(meta or {}), "run_id": run_id, "git_sha": git_sha()},
+        parts=parts,
     )
     elapsed = time.perf_counter() - t0
     policy = PolicyVersion(
@@ -368,6 +371,7 @@ def publish_durable(
     started: float | None = None,
     already: bool = False,
     epoch: int | None = None,
+    parts: RemoteParts | None = None,
 ) -> dict[str, float]:
     """The durable copy under the servable copy's manifest; `latest` moves to it. `started`:
     when the version was handed over (perf_counter), for published -> durable. `already`: the
@@ -375,7 +379,7 @@ def publish_durable(
     t0 = time.perf_counter()
     if not already:
         run_tiers(cfg.checkpoint, run_id, epoch).publish_durable(
-            manifest, Path(state_dir), exclusive=exclusive
+            manifest, Path(state_dir), exclusive=exclusive, parts=parts
         )
     done = time.perf_counter()
     mb = sum(f.size for f in manifest.files) / 1e6

@@ -22,6 +22,16 @@ CPUS_ENV = "MOERL_CPUS"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it; a race with another binder is possible
+    but short)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def die_with_parent(parent_pid: int | None = None) -> None:
     """Ask the kernel to SIGKILL this process when the thread that started it exits.
     With `parent_pid`, exit at once if the parent is already someone else (it died before

@@ -69,9 +69,9 @@ def _async_trainer(
     inputs: dict[str, Path],
     outputs: dict[str, Path],
 ) -> Any:
-    from moerl.components.policy_update.worker import run_trainer
+    from moerl.components.policy_update.worker import run_async_trainer
 
-    return run_trainer(cfg, run_id).model_dump_json()
+    return run_async_trainer(cfg, run_id)
 
 
 def _rollout(

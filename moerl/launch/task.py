@@ -104,11 +104,11 @@ def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
             f"trainer mesh: {mesh}, but the trainer gets cluster.launch.gpus_per_node x trainer_nodes "
             f"= {la.gpus_per_node} x {nodes} = {la.gpus_per_node * nodes} GPUs; one rank per GPU"
         )
-    if nodes > 1 and stage == "async_trainer":
+    if nodes > 1 and stage == "async_trainer" and not cfg.trainer.parallelism.persistent_ranks:
         raise ConfigError(
-            f"trainer on {nodes} nodes: pipeline.mode async runs its trainer on one node (it starts "
-            "the mesh's ranks itself each version); use a mesh of at most cluster.launch.gpus_per_node "
-            "ranks, or pipeline.mode sync"
+            f"trainer on {nodes} nodes: trainer.parallelism.persistent_ranks false restarts the "
+            "mesh's ranks every version from one node; set it true (the ranks then live for the run "
+            "on every node), or use a mesh of at most cluster.launch.gpus_per_node ranks"
         )
     if nodes > 1 and cfg.trainer.parallelism.launcher != "torchrun":
         raise ConfigError(

@@ -25,6 +25,7 @@ from moerl.store.s3server import embedded_cache_tier
 
 MODULES = {
     "trainer": "moerl.components.policy_update.worker",
+    "trainer-node": "moerl.components.policy_update.worker",
     "rollout": "moerl.components.rollout.worker",
     "scorer": "moerl.components.reward.worker",
 }
@@ -100,12 +101,38 @@ class LocalAsyncRun:
         )
         self.bus.ensure_groups()
         self.restarts = 0
+        self.trainer_port = 0  # the trainer nodes' rendezvous (start_trainer picks it)
         available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.cpus = cpu_plan(available, cfg.rollout.workers)
 
+    def trainer_nodes(self) -> int:
+        """Trainer nodes this machine stands in for: `cluster.launch.trainer_nodes` when the
+        trainer is a mesh whose ranks live for the run (each node a trainer process with its
+        own scratch, meeting the others through torchrun as on a TrainJob); else one."""
+        from moerl.launch.objects import trainer_nodes
+
+        tc = self.cfg.trainer.parallelism
+        return trainer_nodes(self.cfg) if tc.on_mesh and tc.persistent_ranks else 1
+
+    def _node_env(self, node: int) -> dict[str, str]:
+        """A simulated trainer node's PET_* variables (Kubeflow Trainer's) and its own scratch:
+        nothing but the store and the rendezvous is shared between nodes."""
+        nodes = self.trainer_nodes()
+        if nodes == 1:
+            return {}
+        scratch = self.work / "trainer-nodes" / f"node-{node}"
+        (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+        return {
+            "PET_NNODES": str(nodes),
+            "PET_NODE_RANK": str(node),
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": str(self.trainer_port),
+            "TMPDIR": str(scratch / "tmp"),
+        }
+
     def _spawn(self, name: str, role: str) -> subprocess.Popen:
         args = ["--config", str(self.config_path), "--run-id", self.run_id]
-        if role != "trainer":
+        if role not in ("trainer", "trainer-node"):
             args += ["--name", name]
         env = {
             **os.environ,
@@ -121,11 +148,15 @@ class LocalAsyncRun:
 
             layout = rollout_pod_layout(self.cfg)
             env = worker_env(layout, int(name.rsplit("-", 1)[1]) % layout.engines, env)
-        cpus = self.cpus.get(name)
+        if role == "trainer":
+            env.update(self._node_env(0))
+        elif role == "trainer-node":
+            env.update(self._node_env(int(name.removeprefix("trainer-node"))))
+        cpus = self.cpus.get("trainer" if role == "trainer-node" else name)
         if cpus:
             ids = ",".join(map(str, cpus))
             # an engine over several worker processes (rollout.tensor_parallel_size) pins each
-            ranks = self.cfg.rollout.devices_per_engine if role != "trainer" else 1
+            ranks = self.cfg.rollout.devices_per_engine if role == "rollout" else 1
             env.update(
                 {
                     procs.CPUS_ENV: ids,
@@ -156,8 +187,27 @@ class LocalAsyncRun:
             self.children[n] = Child(n, "scorer", self._spawn(n, "scorer"))
 
     def start_trainer(self) -> None:
-        """The trainer, once version 0 is published."""
+        """The trainer, once version 0 is published: one process, or one per trainer node
+        (`trainer_nodes`), node 0's reporting."""
+        from moerl.launch.procs import free_port
+
+        self.trainer_port = free_port()
         self.children["trainer"] = Child("trainer", "trainer", self._spawn("trainer", "trainer"))
+        for k in range(1, self.trainer_nodes()):
+            n = f"trainer-node{k}"
+            self.children[n] = Child(n, "trainer-node", self._spawn(n, "trainer-node"))
+
+    def _restart_trainer_nodes(self) -> None:
+        """Node 0's trainer restarts: the other nodes' go with it (a mesh starts whole, at a new
+        rendezvous port)."""
+        from moerl.launch.procs import free_port
+
+        nodes = [c for c in self.children.values() if c.role == "trainer-node"]
+        procs.kill_groups([c.proc for c in nodes], grace_s=2.0)
+        self.trainer_port = free_port()
+        for c in nodes:
+            c.proc, c.handled = self._spawn(c.name, c.role), False
+            c.starts += 1
 
     def signal(self, name: str, sig: int) -> None:
         """Send `sig` to child `name` (fault tests; SIGTERM is what a Spot drain sends)."""
@@ -176,7 +226,9 @@ class LocalAsyncRun:
                 continue
             c.handled = True
             c.exits.append(code)
-            if code == 0:
+            if (
+                code == 0 or c.role == "trainer-node"
+            ):  # a node fails with node 0's, restarts with it
                 continue
             limit = TRAINER_RETRIES if c.role == "trainer" else self.cfg.pipeline.worker_retries
             if c.starts > limit or (self.bus.done() and c.role != "trainer"):
@@ -190,6 +242,8 @@ class LocalAsyncRun:
                 f"[moerl] {c.name} exited {code}; starting it again ({c.starts}/{limit} retries)",
                 flush=True,
             )
+            if c.role == "trainer":
+                self._restart_trainer_nodes()  # before node 0's, which takes the new port
             c.proc, c.handled = self._spawn(c.name, c.role), False
             c.starts += 1
             self.restarts += 1

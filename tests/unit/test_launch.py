@@ -394,8 +394,25 @@ def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
         ConfigError, match="trainer.parallelism.launcher 'local' starts ranks on one machine"
     ):
         run_remote(two_nodes, "policy_update", RUN)
-    with pytest.raises(ConfigError, match="pipeline.mode async runs its trainer on one node"):
+    # the async trainer's mesh spans nodes as the sync update's does (torchrun joins them) ...
+    with pytest.raises(
+        ConfigError, match="trainer.parallelism.launcher 'local' starts ranks on one machine"
+    ):
         run_remote(two_nodes, "async_trainer", RUN)
+    # ... but only with ranks that live for the run: restarting ranks start from one node
+    restarting = two_nodes.model_copy(
+        update={
+            "trainer": two_nodes.trainer.model_copy(
+                update={
+                    "parallelism": two_nodes.trainer.parallelism.model_copy(
+                        update={"persistent_ranks": False, "launcher": "torchrun"}
+                    )
+                }
+            )
+        }
+    )
+    with pytest.raises(ConfigError, match="persistent_ranks false restarts the mesh's ranks"):
+        run_remote(restarting, "async_trainer", RUN)
     with pytest.raises(ConfigError, match="rollout_nodes_per_worker 2"):
         run_remote(_cfg(rollout_nodes_per_worker=2), "rollout_worker", RUN, worker="rollout-0")
     big_mesh = parse_config(

@@ -1,0 +1,456 @@
+"""The async trainer as one mesh whose ranks live for the whole run: rank 0 is the controller
+(`worker.run_trainer` with a `Leader`: Valkey, MLflow, the publisher); the other ranks `follow`
+its commands, posted in the rendezvous store, and take part in the same collectives. Weights,
+gradients and Adam's state stay in memory between versions; every rank writes its own part of
+each version (`ep_train.run_version`, the restarting path's code), and nodes other than rank
+0's put theirs into the store themselves (`NodeParts`, `Uploader`).
+
+Design, faults and limits: docs/weights.md, "The async trainer's mesh".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from moerl.components.policy_update.ep_train import (
+    Session,
+    join_process_group,
+    run_version,
+)
+from moerl.config import RunConfig, config_from_json
+from moerl.errors import CheckpointError, MoerlError, TrainingError
+from moerl.records import TrainSample
+from moerl.store.base import CheckpointStore
+from moerl.store.fence import Claim
+from moerl.store.manifest import FileEntry, Manifest
+
+log = logging.getLogger(__name__)
+
+PREFIX = "moerl/mesh/"
+BEAT_S = 2.0  # rank 0's heartbeat period
+QUIET_S = 120.0  # a follower fails after this long without rank 0's heartbeat moving
+POLL_S = 0.25  # a follower polls the store for the next command this often
+
+
+@dataclass(frozen=True)
+class Command:
+    """What rank 0 asks of every rank. `op`: load (the state in `path`, published version
+    `version`), train (the next version into `path`), stop (the run is done), abort (rank 0
+    failed: every rank exits non-zero)."""
+
+    op: str
+    seq: int
+    version: int = 0
+    path: str = ""
+    reason: str = ""
+
+
+class Control:
+    """Commands from rank 0 to every rank through the rendezvous store, with rank 0's heartbeat.
+    Keys are numbered, so a command is read once by each rank; each is deleted by rank 0 once
+    every rank has taken it (bounded store)."""
+
+    def __init__(self, store, rank: int, world: int, quiet_s: float = QUIET_S) -> None:
+        self.store = dist.PrefixStore(PREFIX, store)
+        self.rank, self.world, self.quiet_s = rank, world, quiet_s
+        self.seq = 0
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(BEAT_S):
+                try:
+                    self.store.add("beat", 1)
+                except Exception:  # noqa: BLE001 - the store went away: the run is ending
+                    return
+
+        self._beat = threading.Thread(target=beat, name="moerl-mesh-beat", daemon=True)
+        self._beat.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def send(self, op: str, **fields: Any) -> Command:
+        self.seq += 1
+        cmd = Command(op, self.seq, **fields)
+        self.store.set(f"cmd/{cmd.seq}", json.dumps(asdict(cmd)))
+        if cmd.seq > 1:  # every rank took the previous one (it is in a collective with us now)
+            self.store.delete_key(f"cmd/{cmd.seq - 1}")
+        return cmd
+
+    def receive(self, waiting_on: str) -> Command:
+        """The next command. Fails if rank 0's heartbeat does not move for `quiet_s` (a dead or
+        hung controller), naming what this rank waited on."""
+        self.seq += 1
+        key = f"cmd/{self.seq}"
+        beat, moved_at = self.store.add("beat", 0), time.monotonic()
+        # polled, not a blocking wait: a store's wait timeout logs a warning every time
+        while True:
+            try:
+                if self.store.check([key]):
+                    break
+                now_beat = self.store.add("beat", 0)
+            except RuntimeError as err:  # the store is gone: rank 0's node went away
+                raise TrainingError(
+                    f"trainer rank {self.rank}: lost the rendezvous store while waiting on "
+                    f"{waiting_on}: {err}"
+                ) from None
+            if now_beat != beat:
+                beat, moved_at = now_beat, time.monotonic()
+            elif time.monotonic() - moved_at > self.quiet_s:
+                raise TrainingError(
+                    f"trainer rank {self.rank}: no word from rank 0 for {self.quiet_s:.0f} s "
+                    f"(its heartbeat stopped) while waiting on {waiting_on}"
+                )
+            time.sleep(POLL_S)
+        return Command(**json.loads(self.store.get(key)))
+
+
+def _entries_json(version: int, entries: list[FileEntry]) -> str:
+    return Manifest(version, tuple(entries), "", {}, 0).to_json()
+
+
+class NodeParts:
+    """The version files the mesh's other nodes hold (`RemoteParts`): rank 0's publisher posts
+    what to put where (the store, the stage, the claim; the manifest for a second tier), each
+    other node's uploader puts its node's files and posts their entries. Waits at most
+    `timeout_s`, then fails naming the nodes that did not answer."""
+
+    def __init__(self, kv, nodes: int, timeout_s: float) -> None:
+        self.kv, self.nodes, self.timeout_s = kv, nodes, timeout_s
+        self.seq = 0  # the publisher thread's only
+
+    def put(
+        self,
+        store: CheckpointStore,
+        version: int,
+        stage: str,
+        claim: Claim | None,
+        manifest: Manifest | None,
+        chunk_size: int,
+    ) -> list[FileEntry]:
+        self.seq += 1
+        req = {
+            "version": version,
+            "store": store.uri,
+            "stage": stage,
+            "claim": None if claim is None else claim.to_json(),
+            "manifest": None if manifest is None else manifest.to_json(),
+            "chunk_size": chunk_size,
+        }
+        self.kv.set(f"parts/req/{self.seq}", json.dumps(req))
+        deadline = time.monotonic() + self.timeout_s
+        out: list[FileEntry] = []
+        waiting = set(range(1, self.nodes))
+        while waiting:
+            for node in sorted(waiting):
+                key = f"parts/done/{self.seq}/{node}"
+                if not self.kv.check([key]):
+                    continue
+                answer = json.loads(self.kv.get(key))
+                self.kv.delete_key(key)
+                waiting.discard(node)
+                if "error" in answer:
+                    raise CheckpointError(
+                        f"version {version}: node {node} could not put its files into "
+                        f"{store.uri}: {answer['error']}"
+                    )
+                out += Manifest.from_json(answer["entries"]).files
+            if waiting and time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"version {version}: nodes {sorted(waiting)} did not put their files into "
+                    f"{store.uri} within {self.timeout_s:.0f} s"
+                )
+            if waiting:
+                time.sleep(POLL_S)
+        self.kv.delete_key(f"parts/req/{self.seq}")
+        return out
+
+
+class Uploader(threading.Thread):
+    """A node's side of `NodeParts` (its first rank): put this node's files of each version
+    rank 0's publisher asks for, checked finite first, into the store named; keep the newest
+    folders a publication may still need and delete older ones."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, kv, node: int, base: Path) -> None:
+        super().__init__(name="moerl-mesh-uploader", daemon=True)
+        self.cfg, self.run_id, self.kv, self.node, self.base = cfg, run_id, kv, node, base
+        self.stop_event = threading.Event()
+
+    def _store(self, uri: str) -> CheckpointStore:
+        from moerl.store.tiers import run_tiers
+
+        tiers = run_tiers(self.cfg.checkpoint, self.run_id)
+        for st in (tiers.cache, tiers.durable):
+            if st is not None and st.uri == uri:
+                return st
+        raise CheckpointError(f"no tier of this run is {uri}")
+
+    def _serve(self, req: dict) -> str:
+        from moerl.components.publish_checkpoint.stage import check_finite
+
+        version = req["version"]
+        src = self.base / f"v{version}"
+        manifest = None if req["manifest"] is None else Manifest.from_json(req["manifest"])
+        if manifest is None and src.is_dir():
+            check_finite(src, version)
+        store = self._store(req["store"])
+        entries = store.put_parts(
+            version,
+            req["stage"],
+            src,
+            None if req["claim"] is None else Claim.from_json(req["claim"]),
+            manifest,
+            req["chunk_size"],
+        )
+        # the folders a publication in flight may still ask for; older ones are done
+        keep = self.cfg.checkpoint.max_unpublished + 1
+        for old in self.base.glob("v*"):
+            if old.name[1:].isdigit() and int(old.name[1:]) < version - keep:
+                shutil.rmtree(old, ignore_errors=True)
+        return _entries_json(version, entries)
+
+    def run(self) -> None:
+        seq = 1
+        while not self.stop_event.is_set():
+            try:
+                if not self.kv.check([f"parts/req/{seq}"]):
+                    self.stop_event.wait(POLL_S)
+                    continue
+                req = json.loads(self.kv.get(f"parts/req/{seq}"))
+            except Exception:  # noqa: BLE001 - the store is gone: the mesh is ending
+                return
+            try:
+                answer = {"entries": self._serve(req)}
+            except Exception as err:  # noqa: BLE001 - handed to rank 0's publisher, which raises
+                log.error("node %d: version %s parts failed: %s", self.node, req["version"], err)
+                answer = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            try:
+                self.kv.set(f"parts/done/{seq}/{self.node}", json.dumps(answer))
+            except Exception:  # noqa: BLE001
+                return
+            seq += 1
+
+
+def _batch(samples: list[TrainSample] | None) -> list[TrainSample]:
+    """The version's batch from rank 0 to every rank: one broadcast."""
+    box: list[Any] = [[s.model_dump(mode="json") for s in samples] if samples is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return [TrainSample.model_validate(s) for s in box[0]]
+
+
+def _node() -> tuple[int, int]:
+    """(this rank's node, its local rank): torchrun's GROUP_RANK, else one node."""
+    return int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _nodes() -> int:
+    """Nodes in the mesh: every node runs LOCAL_WORLD_SIZE ranks."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(local, 1))
+
+
+def node_dir(run_id: str, node: int) -> Path:
+    """Where a node other than 0 keeps its copy of the state and its part of each version."""
+    return Path(tempfile.gettempdir()) / f"moerl-mesh-{run_id}-node{node}"
+
+
+class Mesh:
+    """What every rank holds: the session (model, optimizer, counters) once loaded."""
+
+    def __init__(self, cfg: RunConfig, control: Control) -> None:
+        self.cfg, self.control = cfg, control
+        self.session: Session | None = None
+        self.loads = 0
+
+    def load(self, path: Path) -> float:
+        """Load the state in `path` onto this rank (a collective); returns the seconds."""
+        t0 = time.perf_counter()
+        self.session = Session.load(self.cfg, path)
+        self.loads += 1
+        return time.perf_counter() - t0
+
+    def train(self, samples: list[TrainSample] | None, version: int, out: Path) -> dict:
+        if self.session is None:
+            raise TrainingError("trainer mesh: a version was asked for before any state loaded")
+        batch = _batch(samples)
+        return run_version(self.cfg, self.session, batch, version, out)
+
+
+class Leader(Mesh):
+    """Rank 0's side: what `worker.run_trainer` calls. Every call is a command to all ranks."""
+
+    def __init__(self, cfg: RunConfig, control: Control) -> None:
+        super().__init__(cfg, control)
+        control.start_heartbeat()
+        self.started = time.time()
+        nodes = _nodes()
+        # each version's files on the other nodes: put into the store by those nodes
+        self.parts: NodeParts | None = (
+            NodeParts(control.store, nodes, cfg.checkpoint.claim_ttl_s) if nodes > 1 else None
+        )
+
+    def load_state(self, path: Path, version: int) -> dict[str, float]:
+        self.control.send("load", version=version, path=str(path))
+        return {"timing/trainer_load_s": self.load(path)}
+
+    def train_version(
+        self, samples: list[TrainSample], version: int, out: Path
+    ) -> dict[str, float]:
+        self.control.send("train", version=version, path=str(out))
+        metrics = self.train(samples, version, out)
+        metrics["trainer/mesh_loads"] = float(self.loads)
+        metrics["trainer/mesh_uptime_s"] = time.time() - self.started
+        return metrics
+
+    def stop(self, error: BaseException | None = None) -> None:
+        try:
+            if error is None:
+                self.control.send("stop")
+            else:
+                self.control.send("abort", reason=f"{type(error).__name__}: {error}"[:500])
+        finally:
+            self.control.close()
+
+
+def _node_copy(cfg: RunConfig, run_id: str, cmd: Command, control: Control, base: Path) -> Path:
+    """The state to load on this rank's node: rank 0's folder on its own node; elsewhere the
+    node's first rank fetches the published version once (verified against its manifest) and
+    the node's other ranks wait for it."""
+    node, local_rank = _node()
+    if node == 0:
+        return Path(cmd.path)
+    key = f"node/{node}/load/{cmd.seq}"
+    if local_rank == 0:
+        from moerl.components.publish_checkpoint.stage import prepare_resume
+
+        dest = base / f"loaded-v{cmd.version}"
+        prepare_resume(cfg, run_id, cmd.version, dest)
+        control.store.set(key, str(dest))
+        return dest
+    control.store.wait([key], timedelta(seconds=cfg.trainer.parallelism.collective_timeout_s))
+    return Path(control.store.get(key).decode())
+
+
+FAULT_ENV = "MOERL_TEST_MESH_KILL"  # tests: "RANK:VERSION:MARKER", see `_fault`
+
+
+def _fault(rank: int, version: int) -> None:
+    """Fault tests only: with MOERL_TEST_MESH_KILL "RANK:VERSION:MARKER" set, rank RANK SIGKILLs
+    itself as it starts training on version VERSION's batch (every other rank is then inside
+    that version's collectives), once: the marker file records that it did."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    want_rank, want_version, marker = spec.split(":", 2)
+    if (int(want_rank), int(want_version)) != (rank, version) or Path(marker).exists():
+        return
+    Path(marker).write_text(f"rank {rank} killed at version {version}\n")
+    log.error("test fault: rank %d kills itself at version %d", rank, version)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
+    """A rank other than 0: do what rank 0 asks until it says stop."""
+    mesh = Mesh(cfg, control)
+    node, local_rank = _node()
+    base = node_dir(run_id, node)
+    uploader = None
+    if node != 0 and local_rank == 0:  # this node's files reach the store through its first rank
+        shutil.rmtree(base, ignore_errors=True)  # a failed predecessor's
+        base.mkdir(parents=True)
+        uploader = Uploader(cfg, run_id, control.store, node, base)
+        uploader.start()
+    version = None
+    try:
+        while True:
+            what = "the state to load" if version is None else f"the batch of version {version + 1}"
+            cmd = control.receive(what)
+            if cmd.op == "stop":
+                return 0
+            if cmd.op == "abort":
+                log.error("rank 0 failed (%s); stopping", cmd.reason)
+                return 1
+            if cmd.op == "load":
+                mesh.load(_node_copy(cfg, run_id, cmd, control, base))
+                version = cmd.version
+            elif cmd.op == "train":
+                _fault(control.rank, cmd.version)
+                out = Path(cmd.path)
+                if node != 0:  # this node's part of the version, which its uploader puts
+                    out = base / out.name
+                mesh.train(None, cmd.version, out)
+                version = cmd.version
+            else:
+                raise TrainingError(f"trainer mesh: unknown command {cmd.op!r} from rank 0")
+    finally:
+        if uploader is not None:
+            uploader.stop_event.set()
+            uploader.join(timeout=5)
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s trainer rank {os.environ.get('RANK', '?')} %(levelname)s %(message)s",
+    )
+    cfg = config_from_json(Path(a.config_json).read_text())
+    join_process_group(cfg)
+    rank = dist.get_rank()
+    node, local_rank = _node()
+    log.info(
+        "rank %d of %d (pid %d, node %d) joined the trainer mesh",
+        rank,
+        dist.get_world_size(),
+        os.getpid(),
+        node,
+    )
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    # the store the ranks met through: torchrun's (TCP) or the local launcher's file store
+    control = Control(_get_default_store(), rank, dist.get_world_size())
+    try:
+        if rank != 0:
+            return follow(cfg, a.run_id, control)
+        from moerl.components.policy_update.worker import run_trainer
+
+        leader = Leader(cfg, control)
+        try:
+            policy = run_trainer(cfg, a.run_id, mesh=leader)
+        except BaseException as err:
+            leader.stop(err)
+            if isinstance(err, MoerlError):  # one line, no traceback
+                log.error("%s", err)
+                return err.exit_code
+            raise
+        leader.stop()
+        Path(a.result).write_text(policy.model_dump_json())
+        return 0
+    finally:
+        control.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
