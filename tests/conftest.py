@@ -14,9 +14,11 @@ LONGEST_FIRST = (
     "test_async_faults.py",  # ~340 s: SIGTERM/SIGKILL/trainer-kill/Valkey-restart runs
     "test_e2e_pipeline.py",  # ~225 s: reward model + GRPO end to end, a failing stage
     "test_multi_turn_learning.py",  # ~230 s: the lookup task learns in the async mode
+    "test_async_mesh.py",  # ~260 s: a two-node persistent mesh learns; a rank killed mid-version
     "test_async_tensor_parallel.py",  # ~170 s: the default task with TP = 2 engines learns
     "test_resume.py",  # ~165 s: a run killed twice and resumed
     "test_trainer_mesh.py",  # ~150 s: four-rank FSDP2 meshes, families, a resume across meshes
+    "test_persistent_mesh.py",  # ~120 s: versions kept in memory equal versions reloaded
     "test_bench_failures.py",  # ~165 s: a fault-free and a faulted async run
     "test_bench_scaling.py",  # ~90 s: async runs at 1 and 2 rollout workers
     "test_bench_suite.py",  # ~65 s: 2 repeats x 2 versions, the dispatch comparison

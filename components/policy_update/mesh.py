@@ -121,8 +121,9 @@ class Control:
         return Command(**json.loads(self.store.get(key)))
 
 
-def _entries_json(version: int, entries: list[FileEntry]) -> str:
-    return Manifest(version, tuple(entries), "", {}, 0).to_json()
+def _entries_json(version: int, entries: list[FileEntry], chunk_size: int) -> str:
+    """Entries as a manifest's JSON (which checks their chunks against `chunk_size`)."""
+    return Manifest(version, tuple(entries), "", {}, chunk_size).to_json()
 
 
 class NodeParts:
@@ -223,7 +224,9 @@ class Uploader(threading.Thread):
         for old in self.base.glob("v*"):
             if old.name[1:].isdigit() and int(old.name[1:]) < version - keep:
                 shutil.rmtree(old, ignore_errors=True)
-        return _entries_json(version, entries)
+        return _entries_json(
+            version, entries, manifest.chunk_size if manifest is not None else req["chunk_size"]
+        )
 
     def run(self) -> None:
         seq = 1
