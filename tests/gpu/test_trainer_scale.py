@@ -24,6 +24,7 @@ import torch
 from moerl.config import TinyMoeConfig, parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
+from tests.support.weights import read_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -142,7 +143,6 @@ def fsdp_step(
 ) -> dict[str, float]:
     """One policy update of the mesh trainer on `prepare`'s model and batch, written to `out`;
     its metrics plus tokens/s/GPU, MFU and the memory formula's numbers."""
-    from safetensors.torch import load_file
 
     from moerl.components.policy_update.launcher import run_expert_parallel
 
@@ -161,7 +161,7 @@ def fsdp_step(
         }
     )
     m = run_expert_parallel(cfg, root / "batch.jsonl", state, out, iteration=0)
-    params = sum(x.numel() for x in load_file(state / "model.safetensors").values())
+    params = sum(x.numel() for x in read_weights(state).values())
     tokens = samples * (prompt + response)
     act = active_params(t)
     steps_s = m["timing/trainer_steps_s"]
@@ -268,16 +268,13 @@ def test_deepseek_v3_on_nccl_bf16_with_its_router_bias(tmp_path):
     """DeepSeek-V3 (MLA, shared experts, sigmoid router with grouped top-k) on the mesh over NCCL
     with bf16 mixed precision: the loss is the float32 CPU trainer's within bf16 precision, and
     trainer.moe.router_bias_update_rate moves the bias by whole rates as on the CPU."""
-    from safetensors.torch import load_file
 
     from moerl.components.policy_update.trainer import run_policy_update
     from tests.support.families import family
 
     path = family("deepseek_v3", tmp_path / "dsv3")
     batch = _batch_file(tmp_path)
-    key = next(
-        k for k in load_file(path / "model.safetensors") if k.endswith("e_score_correction_bias")
-    )
+    key = next(k for k in read_weights(path) if k.endswith("e_score_correction_bias"))
     out = {}
     for dev, extra in (("cpu", {}), ("cuda", {"launcher": "torchrun", "mixed_precision": "bf16"})):
         cfg = parse_config(
@@ -290,9 +287,9 @@ def test_deepseek_v3_on_nccl_bf16_with_its_router_bias(tmp_path):
             }
         )
         m = run_policy_update(cfg, batch, path, tmp_path / dev, iteration=0)
-        out[dev] = (m, load_file(tmp_path / dev / "model.safetensors")[key])
+        out[dev] = (m, read_weights(tmp_path / dev)[key])
     (mc, bc), (mg, bg) = out["cpu"], out["cuda"]
-    b0 = load_file(path / "model.safetensors")[key]
+    b0 = read_weights(path)[key]
     print(
         f"\ndeepseek-v3 tiny: loss cpu fp32 {mc['train/loss']:.5f}, cuda bf16 {mg['train/loss']:.5f}; bias steps cpu "
         f"{((bc - b0) / 0.01).round().tolist()}, cuda {((bg - b0) / 0.01).round().tolist()}"
@@ -310,8 +307,6 @@ def test_a_single_process_version_continues_on_the_cuda_mesh(tmp_path):
     closely than a step with a fresh optimizer does (median over tensors, relative to the step)."""
     import shutil
     import statistics
-
-    from safetensors.torch import load_file
 
     from moerl.components.policy_update.trainer import run_policy_update
 
@@ -344,9 +339,7 @@ def test_a_single_process_version_continues_on_the_cuda_mesh(tmp_path):
         tmp_path / "s1", tmp_path / "fresh", ignore=shutil.ignore_patterns("optimizer.pt")
     )
     run_policy_update(mesh, batch, tmp_path / "fresh", tmp_path / "control", iteration=1)
-    w1, a, b, c = (
-        load_file(tmp_path / d / "model.safetensors") for d in ("s1", "one", "mesh", "control")
-    )
+    w1, a, b, c = (read_weights(tmp_path / d) for d in ("s1", "one", "mesh", "control"))
 
     def off(x):
         return statistics.median(
