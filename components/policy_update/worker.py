@@ -492,6 +492,8 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
     # every tier write and `latest` move fenced by the epoch
     tiers = run_tiers(cfg.checkpoint, run_id, epoch)
     # a version servable but not durable is promoted, if it is the one the servable pointer names
+    # and it carries no trainer/ state (the cache tier never holds it: one with state is dropped
+    # and trained again, and set_servable below points the engines back at `latest`)
     # (a complete cache-tier copy that no pointer names is another writer's, and is dropped)
     ptr = bus.servable()
     latest = tiers.recover(servable=None if ptr is None else (ptr.version, ptr.manifest_sha256))
