@@ -117,14 +117,7 @@ def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
     state = _param_states(osd)
     for fqn, entries in fsdp_form.items():
         for k, like in entries.items():
-            state[fqn][k] = DTensor.from_local(
-                local(state[fqn][k]),
-                like.device_mesh,
-                like.placements,
-                run_check=False,
-                shape=like.shape,
-                stride=like.stride(),
-            )
+            state[fqn][k] = _like(local(state[fqn][k]), like)
     set_optimizer_state_dict(model, opt, osd)
 
 
@@ -162,7 +155,6 @@ def load_model_state(model, ep_blocks, mesh, src: Path) -> None:
         get_model_state_dict,
         set_model_state_dict,
     )
-    from torch.distributed.tensor import DTensor
 
     sd: dict[str, Any] = dict(get_model_state_dict(model))
     fsdp_form = _experts_to_global(sd, _expert_states(model, ep_blocks), _expert_mesh(mesh))
@@ -174,18 +166,7 @@ def load_model_state(model, ep_blocks, mesh, src: Path) -> None:
             f"{str(err)[:500]}"
         ) from None
     for fqn, like in fsdp_form.items():
-        sd[fqn] = (
-            DTensor.from_local(
-                local(sd[fqn]),
-                like.device_mesh,
-                like.placements,
-                run_check=False,
-                shape=like.shape,
-                stride=like.stride(),
-            )
-            if isinstance(like, DTensor)
-            else local(sd[fqn])
-        )
+        sd[fqn] = _like(local(sd[fqn]), like)
     set_model_state_dict(model, sd, options=StateDictOptions(strict=True))
 
 
