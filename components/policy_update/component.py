@@ -67,6 +67,7 @@ def async_trainer(config_json: str, run_id: str) -> str:
         from moerl.launch import run_remote
 
         return run_remote(cfg, "async_trainer", run_id)
-    from moerl.components.policy_update.worker import run_trainer
+    from moerl.components.policy_update.worker import run_async_trainer
 
-    return run_trainer(cfg, run_id).model_dump_json()
+    # on a mesh, its ranks for the whole run (rank 0 runs the trainer's loop)
+    return run_async_trainer(cfg, run_id)
