@@ -49,14 +49,17 @@ POLL_S = 0.25  # a follower polls the store for the next command this often
 @dataclass(frozen=True)
 class Command:
     """What rank 0 asks of every rank. `op`: load (the state in `path`, published version
-    `version`), train (the next version into `path`), stop (the run is done), abort (rank 0
-    failed: every rank exits non-zero)."""
+    `version`; the run continues from version `at`), train (the next version into `path`, with
+    the trainer's state when `state`), stop (the run is done), abort (rank 0 failed: every rank
+    exits non-zero)."""
 
     op: str
     seq: int
     version: int = 0
     path: str = ""
     reason: str = ""
+    state: bool = True  # train: write the trainer's state with this version
+    at: int = 0  # load: the version the run continues from (its counters' version)
 
 
 class Control:
@@ -257,6 +260,20 @@ def _batch(samples: list[TrainSample] | None) -> list[TrainSample]:
     return [TrainSample.model_validate(s) for s in box[0]]
 
 
+def newest_with_state(store: CheckpointStore, latest: int) -> int:
+    """The newest durable version at or below `latest` whose manifest carries the trainer's
+    state (Adam's: `trainer/optimizer/` a mesh wrote, or `trainer/optimizer.pt` the single
+    process did), or version 0 (the initial policy, whose state is fresh)."""
+    for v in range(latest, 0, -1):
+        try:
+            files = store.manifest(v).files
+        except CheckpointError:  # pruned by retention (state_every <= keep_last keeps one)
+            continue
+        if any(f.path.startswith("trainer/optimizer") for f in files):
+            return v
+    return 0
+
+
 def _node() -> tuple[int, int]:
     """(this rank's node, its local rank): torchrun's GROUP_RANK, else one node."""
     return int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -281,18 +298,23 @@ class Mesh:
         self.session: Session | None = None
         self.loads = 0
 
-    def load(self, path: Path) -> float:
-        """Load the state in `path` onto this rank (a collective); returns the seconds."""
+    def load(self, path: Path, at: int) -> float:
+        """Load the state in `path` onto this rank (a collective), continuing from version `at`
+        (later than the state's own when the newest versions carry no state); returns the
+        seconds."""
         t0 = time.perf_counter()
         self.session = Session.load(self.cfg, path)
+        self.session.counters.version = at
         self.loads += 1
         return time.perf_counter() - t0
 
-    def train(self, samples: list[TrainSample] | None, version: int, out: Path) -> dict:
+    def train(
+        self, samples: list[TrainSample] | None, version: int, out: Path, with_state: bool
+    ) -> dict:
         if self.session is None:
             raise TrainingError("trainer mesh: a version was asked for before any state loaded")
         batch = _batch(samples)
-        return run_version(self.cfg, self.session, batch, version, out)
+        return run_version(self.cfg, self.session, batch, version, out, with_state)
 
 
 class Leader(Mesh):
@@ -308,15 +330,25 @@ class Leader(Mesh):
             NodeParts(control.store, nodes, cfg.checkpoint.claim_ttl_s) if nodes > 1 else None
         )
 
-    def load_state(self, path: Path, version: int) -> dict[str, float]:
-        self.control.send("load", version=version, path=str(path))
-        return {"timing/trainer_load_s": self.load(path)}
+    def load_state(self, path: Path, version: int, at: int) -> dict[str, float]:
+        """Every rank loads published `version` (its copy in `path` on this node); the run
+        continues from version `at`."""
+        self.control.send("load", version=version, path=str(path), at=at)
+        return {"timing/trainer_load_s": self.load(path, at)}
+
+    def with_state(self, version: int) -> bool:
+        """Whether the version trained from `version` (version + 1) carries the trainer's state:
+        every `checkpoint.state_every`-th, and the run's last."""
+        made = version + 1
+        return made % self.cfg.checkpoint.state_every == 0 or made >= self.cfg.pipeline.versions
 
     def train_version(
         self, samples: list[TrainSample], version: int, out: Path
     ) -> dict[str, float]:
-        self.control.send("train", version=version, path=str(out))
-        metrics = self.train(samples, version, out)
+        state = self.with_state(version)
+        self.control.send("train", version=version, path=str(out), state=state)
+        metrics = self.train(samples, version, out, state)
+        metrics["trainer/state_saved"] = float(state)
         metrics["trainer/mesh_loads"] = float(self.loads)
         metrics["trainer/mesh_uptime_s"] = time.time() - self.started
         return metrics
@@ -390,14 +422,14 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
                 log.error("rank 0 failed (%s); stopping", cmd.reason)
                 return 1
             if cmd.op == "load":
-                mesh.load(_node_copy(cfg, run_id, cmd, control, base))
-                version = cmd.version
+                mesh.load(_node_copy(cfg, run_id, cmd, control, base), cmd.at)
+                version = cmd.at
             elif cmd.op == "train":
                 _fault(control.rank, cmd.version)
                 out = Path(cmd.path)
                 if node != 0:  # this node's part of the version, which its uploader puts
                     out = base / out.name
-                mesh.train(None, cmd.version, out)
+                mesh.train(None, cmd.version, out, cmd.state)
                 version = cmd.version
             else:
                 raise TrainingError(f"trainer mesh: unknown command {cmd.op!r} from rank 0")

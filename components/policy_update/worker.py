@@ -511,12 +511,30 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
     uri = tracking.resolve_uri(cfg.tracking)
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
     state_dir = work / f"v{latest}"
-    policy = prepare_resume(cfg, run_id, latest, state_dir)
     model = opt = counters = None
     load_metrics: dict[str, float] = {}
     if mesh is not None:  # once for the run: every rank reads only its shard
-        load_metrics = mesh.load_state(state_dir, latest)
-    elif not cfg.trainer.parallelism.on_mesh:
+        from moerl.components.policy_update.mesh import newest_with_state
+
+        # checkpoint.state_every > 1: the newest versions may carry engine weights only
+        start = newest_with_state(tiers.durable, latest)
+        if start < latest:
+            log.warning(
+                "version %d is the newest with the trainer's state (checkpoint.state_every %d): "
+                "continuing from its weights and Adam state; the updates of versions %d-%d are lost "
+                "(they stay published, their groups consumed)",
+                start,
+                cfg.checkpoint.state_every,
+                start + 1,
+                latest,
+            )
+        state_dir = work / f"v{start}"
+        prepare_resume(cfg, run_id, start, state_dir)
+        load_metrics = mesh.load_state(state_dir, start, at=latest)
+        load_metrics["trainer/resumed_versions_lost"] = float(latest - start)
+    else:
+        prepare_resume(cfg, run_id, latest, state_dir)
+    if mesh is None and not cfg.trainer.parallelism.on_mesh:
         model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
     pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)

@@ -166,6 +166,13 @@ class RunConfig(_Section):
                 "trainer.moe.router_replay R3 replays the rollout engine's routes: set "
                 "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)"
             )
+        if self.checkpoint.state_every > self.checkpoint.keep_last:
+            raise ValueError(
+                f"checkpoint.state_every ({self.checkpoint.state_every}) is more than "
+                f"checkpoint.keep_last ({self.checkpoint.keep_last}): retention could delete the "
+                "newest version with the trainer's state, which a retry resumes from; raise keep_last "
+                "to at least state_every"
+            )
         sb, g = self.reward.sandbox, self.rollout.samples_per_prompt
         # a group whose every verifier call runs to its limit
         worst = -(-g // sb.workers) * sb.sample_timeout_s

@@ -5,9 +5,10 @@ mesh.py), end to end with real processes (vLLM rollout worker, scorer, Valkey, t
   each its own scratch, meeting at a rendezvous port as a TrainJob's nodes do): the ranks start
   once and serve every version without reloading anything; node 1's ranks put their part of
   each version into the store themselves; the task learns; the counters balance.
-- (2, 2) on one node, a non-zero rank SIGKILLed as a version starts: every rank fails, the
-  trainer's retry claims a new epoch and resumes from the newest durable version (each rank
-  reading its shard), no group is trained twice, and `latest` verifies.
+- (2, 2) on one node, the trainer's state with every second version (checkpoint.state_every),
+  a non-zero rank SIGKILLed as a version starts: every rank fails, the trainer's retry claims a
+  new epoch and resumes from the newest durable version with state (each rank reading its
+  shard), no group is trained twice, and `latest` verifies.
 
 What these do not show: NCCL, several machines, EFA (docs/verified.md)."""
 
@@ -94,7 +95,14 @@ def test_a_rank_killed_mid_version_fails_the_mesh_and_the_retry_resumes(tmp_path
     marker = tmp_path / "killed"
     # rank 1 dies as it starts on the batch that makes version 3 (its iteration index 2)
     monkeypatch.setenv(FAULT_ENV, f"1:2:{marker}")
-    h = Harness(tmp_path, *MESH, f"pipeline.versions={versions}", "buffer.max_staleness=2")
+    # the trainer's state with every second version (and the last): v2 and v4
+    h = Harness(
+        tmp_path,
+        *MESH,
+        f"pipeline.versions={versions}",
+        "buffer.max_staleness=2",
+        "checkpoint.state_every=2",
+    )
     c = h.go()
     assert marker.is_file()
     trainer = h.run.children["trainer"]
@@ -115,6 +123,13 @@ def test_a_rank_killed_mid_version_fails_the_mesh_and_the_retry_resumes(tmp_path
     assert len(groups) == len(set(groups))  # no group trained twice
     _balanced(c, h.cfg)
     _mlflow_balanced(h)
+    for v in range(1, versions + 1):
+        paths = {f.path for f in store.manifest(v).files}
+        assert ("trainer/model/.metadata" in paths) == (v % 2 == 0), (v, sorted(paths))
+        assert "trainer/state.json" in paths and any(p.startswith("model-r") for p in paths)
+    # the retry continued from the newest version with state: what it lost is on the run
+    lost = _history(h.uri, h.run_id, "trainer/resumed_versions_lost")
+    assert len(lost) == 2 and lost[0] == 0 and lost[1] in (0.0, 1.0)
     latest = store.latest()
     assert latest == versions
     store.fetch(latest, tmp_path / "verify")  # every file against the manifest

@@ -350,3 +350,18 @@ def test_rollout_layout_defaults_follow_the_device():
     assert parse_config(
         {"rollout": {"device": "cuda", "dtype": "float32"}}
     ).rollout.serving_dtype == ("float32")
+
+
+def test_state_every_must_not_outrun_retention():
+    """A retry resumes from the newest version with the trainer's state: retention must keep
+    one, so checkpoint.state_every above keep_last is refused, naming both keys."""
+    assert parse_config({}).checkpoint.state_every == 1
+    assert (
+        parse_config({"checkpoint": {"state_every": 3, "keep_last": 3}}).checkpoint.state_every == 3
+    )
+    with pytest.raises(
+        ConfigError, match=r"checkpoint.state_every \(4\) is more than checkpoint.keep_last \(3\)"
+    ):
+        parse_config({"checkpoint": {"state_every": 4, "keep_last": 3}})
+    with pytest.raises(ConfigError, match="state_every"):
+        parse_config({"checkpoint": {"state_every": 0}})
