@@ -714,11 +714,12 @@ class CheckpointStore(PinLeases, ABC):
         before every file: a fenced writer stops within one file. Returns their entries.
         Files under `absent` prefixes are hashed (or checked) but not uploaded, as in `publish`."""
         src_dir = Path(src_dir)
-        files = (
-            sorted(p.relative_to(src_dir).as_posix() for p in src_dir.rglob("*") if p.is_file())
-            if src_dir.is_dir()
-            else []
-        )
+        if not src_dir.is_dir():  # every rank writes into it: a node without one lost its part
+            raise CheckpointError(
+                f"version {version}: {src_dir} is not a directory; this node holds no part of it"
+            )
+        files = sorted(p.relative_to(src_dir).as_posix() for p in src_dir.rglob("*") if p.is_file())
+        _check_reserved(src_dir, files)
         listed = {e.path: e for e in manifest.files} if manifest is not None else {}
         self._part_size = manifest.chunk_size if manifest is not None else chunk_size
 
@@ -929,8 +930,14 @@ def _list_files(src: Path) -> list[str]:
     files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file())
     if not files:
         raise CheckpointError(f"{src} holds no files; nothing to publish")
-    if reserved := {MANIFEST, MARKER} & set(files):
+    _check_reserved(src, files)
+    return files
+
+
+def _check_reserved(src: Path, files: list[str]) -> None:
+    """A version's files may not take the names the store keeps beside them: its manifest, the
+    node cache's marker, the publisher's claim."""
+    if reserved := {MANIFEST, MARKER, CLAIM} & set(files):
         raise CheckpointError(
             f"{src} contains {sorted(reserved)}, names the store reserves; remove them"
         )
-    return files

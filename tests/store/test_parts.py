@@ -437,20 +437,14 @@ def test_node_state_is_listed_in_the_cache_tier_but_stored_only_durably(
 
 # -- names the store reserves ------------------------------------------------------------------
 
-_RESERVED_GAP = (
-    "put_parts (moerl/store/base.py) uploads whatever a node's folder holds, and publish's "
-    "_list_files refuses manifest.json and .moerl-verified but not .claim: such a file lands on "
-    "the version's manifest or claim key"
-)
-
 
 @pytest.mark.parametrize(
     ("where", "name"),
     [
         ("node0", MANIFEST),
-        pytest.param("node1", MANIFEST, marks=pytest.mark.xfail(strict=True, reason=_RESERVED_GAP)),
-        pytest.param("node1", CLAIM, marks=pytest.mark.xfail(strict=True, reason=_RESERVED_GAP)),
-        pytest.param("node0", CLAIM, marks=pytest.mark.xfail(strict=True, reason=_RESERVED_GAP)),
+        ("node1", MANIFEST),
+        ("node1", CLAIM),
+        ("node0", CLAIM),
     ],
 )
 def test_a_file_named_as_the_store_reserves_is_refused_on_every_node(
