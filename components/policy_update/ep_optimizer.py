@@ -12,6 +12,7 @@ mesh) is not built: a mesh of one rank (`trainer.parallelism.mixed_precision: bf
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,6 +25,27 @@ if TYPE_CHECKING:
 
 OPTIMIZER_DCP = "optimizer"  # trainer/optimizer/: a Distributed Checkpoint
 MODEL_DCP = "model"  # trainer/model/: the master weights, a Distributed Checkpoint
+# the ranks' data files of both (their `.metadata` is small and fetched with the version)
+STATE_SHARDS = ("trainer/model/__", "trainer/optimizer/__")
+
+
+def shard_reader(src: Path, fetch: Callable[[str], None] | None):
+    """Distributed Checkpoint's reader of the folder `src`; with `fetch`, one that first asks
+    `fetch` for each data file this rank's read plan needs (its path under `src`): a rank of a
+    resumed mesh downloads only the shards it reads, not every rank's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if fetch is None:
+        return FileSystemReader(str(src))
+
+    class _Fetching(FileSystemReader):
+        def read_data(self, plan, planner):
+            needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            for rel in sorted(needed):
+                fetch(rel)
+            return super().read_data(plan, planner)
+
+    return _Fetching(str(src))
 
 
 def _expert_mesh(mesh):
@@ -90,7 +112,9 @@ def save_optimizer(model, opt, ep_blocks, mesh, out: Path) -> None:
     dcp.save({"optim": osd}, checkpoint_id=str(out))
 
 
-def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
+def load_optimizer(
+    model, opt, ep_blocks, mesh, src: Path, fetch: Callable[[str], None] | None = None
+) -> None:
     """The inverse of `save_optimizer`, onto this rank's shards of this mesh. A collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -108,7 +132,7 @@ def load_optimizer(model, opt, ep_blocks, mesh, src: Path) -> None:
     }
     _to_global(osd, experts, _expert_mesh(mesh))
     try:
-        dcp.load({"optim": osd}, checkpoint_id=str(src))
+        dcp.load({"optim": osd}, storage_reader=shard_reader(src, fetch))
     except Exception as err:  # noqa: BLE001 - a missing or mismatched entry: one line naming it
         raise TrainingError(
             f"policy_update: cannot load the optimizer state in {src}: {type(err).__name__}: "
@@ -146,7 +170,9 @@ def save_model_state(model, ep_blocks, mesh, out: Path) -> None:
     dcp.save({"model": sd}, checkpoint_id=str(out))
 
 
-def load_model_state(model, ep_blocks, mesh, src: Path) -> None:
+def load_model_state(
+    model, ep_blocks, mesh, src: Path, fetch: Callable[[str], None] | None = None
+) -> None:
     """The inverse of `save_model_state`, onto this rank's shards of this mesh (whatever mesh
     wrote it). A collective."""
     import torch.distributed.checkpoint as dcp
@@ -159,7 +185,7 @@ def load_model_state(model, ep_blocks, mesh, src: Path) -> None:
     sd: dict[str, Any] = dict(get_model_state_dict(model))
     fsdp_form = _experts_to_global(sd, _expert_states(model, ep_blocks), _expert_mesh(mesh))
     try:
-        dcp.load({"model": sd}, checkpoint_id=str(src))
+        dcp.load({"model": sd}, storage_reader=shard_reader(src, fetch))
     except Exception as err:  # noqa: BLE001 - a missing or mismatched entry: one line naming it
         raise TrainingError(
             f"policy_update: cannot load the master weights in {src}: {type(err).__name__}: "

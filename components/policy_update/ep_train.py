@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,12 @@ def apply_fsdp(
     return units
 
 
-def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
+def setup(
+    cfg: RunConfig,
+    state_in: Path,
+    shard: bool = True,
+    fetch: Callable[[str], None] | None = None,
+):
     """(model, opt, counters, ep_blocks, layout, dispatcher, mesh) on this rank. The model is
     sharded by FSDP2 on the mesh while on `meta` (`apply_fsdp`), and each rank reads only its
     rows of each tensor from the checkpoint files (`ep_checkpoint.load_ep_model`); with `shard`
@@ -174,7 +180,7 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
     if (tdir / MODEL_DCP).is_dir():  # the master weights as a mesh wrote them, each rank its shard
         if not shard:
             raise TrainingError("policy_update: the sharded master weights need the FSDP model")
-        load_model_state(model, ep_blocks, mesh, tdir / MODEL_DCP)
+        load_model_state(model, ep_blocks, mesh, tdir / MODEL_DCP, _under(fetch, MODEL_DCP))
     counters = (
         Counters(**json.loads((tdir / "state.json").read_text()))
         if (tdir / "state.json").is_file()
@@ -188,7 +194,9 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
     if (tdir / OPTIMIZER_DCP).is_dir():
         if not shard:
             raise TrainingError("policy_update: the sharded optimizer state needs the FSDP model")
-        load_optimizer(model, opt, ep_blocks, mesh, tdir / OPTIMIZER_DCP)
+        load_optimizer(
+            model, opt, ep_blocks, mesh, tdir / OPTIMIZER_DCP, _under(fetch, OPTIMIZER_DCP)
+        )
     elif (
         tdir / "optimizer.pt"
     ).is_file():  # the single-process trainer's: resharded onto this mesh
@@ -196,6 +204,15 @@ def setup(cfg: RunConfig, state_in: Path, shard: bool = True):
             raise TrainingError("policy_update: the optimizer state needs the FSDP model")
         load_unsharded_optimizer(model, opt, ep_blocks, tdir / "optimizer.pt", state_in)
     return model, opt, counters, ep_blocks, layout, dispatcher, mesh
+
+
+def _under(fetch: Callable[[str], None] | None, dcp_dir: str) -> Callable[[str], None] | None:
+    """`fetch` of a version's file, as a Distributed Checkpoint reader under
+    `trainer/<dcp_dir>/` asks for one (its path in that folder)."""
+    if fetch is None:
+        return None
+    f = fetch
+    return lambda rel: f(f"{TRAINER_DIR}/{dcp_dir}/{rel}")
 
 
 def _num_experts(c) -> int:
@@ -436,8 +453,14 @@ class Session:
     state_in: Path
 
     @classmethod
-    def load(cls, cfg: RunConfig, state_in: Path) -> Session:
-        model, opt, counters, ep_blocks, layout, dispatcher, mesh = setup(cfg, state_in)
+    def load(
+        cls, cfg: RunConfig, state_in: Path, fetch: Callable[[str], None] | None = None
+    ) -> Session:
+        """`fetch`: the state's shards are not in `state_in`; `fetch(path)` puts a version's file
+        there (each rank asks only for those it reads)."""
+        model, opt, counters, ep_blocks, layout, dispatcher, mesh = setup(
+            cfg, state_in, fetch=fetch
+        )
         return cls(model, opt, counters, ep_blocks, layout, dispatcher, mesh, state_in)
 
     def describe_dispatcher(self) -> tuple[Any, str | None]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from moerl.components.policy_update.ep_optimizer import STATE_SHARDS
 from moerl.components.policy_update.ep_train import (
     Session,
     join_process_group,
@@ -293,17 +294,28 @@ def node_dir(run_id: str, node: int) -> Path:
 class Mesh:
     """What every rank holds: the session (model, optimizer, counters) once loaded."""
 
-    def __init__(self, cfg: RunConfig, control: Control) -> None:
-        self.cfg, self.control = cfg, control
+    def __init__(self, cfg: RunConfig, control: Control, run_id: str) -> None:
+        self.cfg, self.control, self.run_id = cfg, control, run_id
         self.session: Session | None = None
         self.loads = 0
 
-    def load(self, path: Path, at: int) -> float:
-        """Load the state in `path` onto this rank (a collective), continuing from version `at`
-        (later than the state's own when the newest versions carry no state); returns the
-        seconds."""
+    def load(self, path: Path, version: int, at: int) -> float:
+        """Load published `version`, laid out in `path` without its state shards, onto this rank
+        (a collective), fetching from the durable store only the shards this rank reads;
+        continuing from version `at` (later than the state's own when the newest versions carry
+        no state). Returns the seconds."""
         t0 = time.perf_counter()
-        self.session = Session.load(self.cfg, path)
+        fetch = None
+        if version > 0:  # version 0 carries no trainer state
+            from moerl.store.runs import run_store
+
+            store = run_store(self.cfg.checkpoint, self.run_id)
+            manifest = store.manifest(version)
+
+            def fetch(rel: str) -> None:
+                store.fetch_file(version, rel, path / rel, manifest)
+
+        self.session = Session.load(self.cfg, path, fetch)
         self.session.counters.version = at
         self.loads += 1
         return time.perf_counter() - t0
@@ -320,8 +332,8 @@ class Mesh:
 class Leader(Mesh):
     """Rank 0's side: what `worker.run_trainer` calls. Every call is a command to all ranks."""
 
-    def __init__(self, cfg: RunConfig, control: Control) -> None:
-        super().__init__(cfg, control)
+    def __init__(self, cfg: RunConfig, control: Control, run_id: str) -> None:
+        super().__init__(cfg, control, run_id)
         control.start_heartbeat()
         self.started = time.time()
         nodes = _nodes()
@@ -334,7 +346,7 @@ class Leader(Mesh):
         """Every rank loads published `version` (its copy in `path` on this node); the run
         continues from version `at`."""
         self.control.send("load", version=version, path=str(path), at=at)
-        return {"timing/trainer_load_s": self.load(path, at)}
+        return {"timing/trainer_load_s": self.load(path, version, at)}
 
     def with_state(self, version: int) -> bool:
         """Whether the version trained from `version` (version + 1) carries the trainer's state:
@@ -375,7 +387,7 @@ def _node_copy(cfg: RunConfig, run_id: str, cmd: Command, control: Control, base
         from moerl.components.publish_checkpoint.stage import prepare_resume
 
         dest = base / f"loaded-v{cmd.version}"
-        prepare_resume(cfg, run_id, cmd.version, dest)
+        prepare_resume(cfg, run_id, cmd.version, dest, exclude=STATE_SHARDS)
         control.store.set(key, str(dest))
         return dest
     control.store.wait([key], timedelta(seconds=cfg.trainer.parallelism.collective_timeout_s))
@@ -402,7 +414,7 @@ def _fault(rank: int, version: int) -> None:
 
 def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
     """A rank other than 0: do what rank 0 asks until it says stop."""
-    mesh = Mesh(cfg, control)
+    mesh = Mesh(cfg, control, run_id)
     node, local_rank = _node()
     base = node_dir(run_id, node)
     uploader = None
@@ -422,7 +434,7 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
                 log.error("rank 0 failed (%s); stopping", cmd.reason)
                 return 1
             if cmd.op == "load":
-                mesh.load(_node_copy(cfg, run_id, cmd, control, base), cmd.at)
+                mesh.load(_node_copy(cfg, run_id, cmd, control, base), cmd.version, cmd.at)
                 version = cmd.at
             elif cmd.op == "train":
                 _fault(control.rank, cmd.version)
@@ -470,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             return follow(cfg, a.run_id, control)
         from moerl.components.policy_update.worker import run_trainer
 
-        leader = Leader(cfg, control)
+        leader = Leader(cfg, control, a.run_id)
         try:
             policy = run_trainer(cfg, a.run_id, mesh=leader)
         except BaseException as err:

@@ -528,8 +528,11 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
                 start + 1,
                 latest,
             )
+        from moerl.components.policy_update.ep_optimizer import STATE_SHARDS
+
         state_dir = work / f"v{start}"
-        prepare_resume(cfg, run_id, start, state_dir)
+        # without the ranks' state shards: each rank fetches those it reads
+        prepare_resume(cfg, run_id, start, state_dir, exclude=STATE_SHARDS)
         load_metrics = mesh.load_state(state_dir, start, at=latest)
         load_metrics["trainer/resumed_versions_lost"] = float(latest - start)
     else:

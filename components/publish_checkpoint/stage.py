@@ -230,10 +230,16 @@ def _warm_start_from_registry(cfg: RunConfig, model_dir: Path, run_id: str | Non
 
 
 def prepare_resume(
-    cfg: RunConfig, run_id: str, version: int, state_dir: str | Path
+    cfg: RunConfig,
+    run_id: str,
+    version: int,
+    state_dir: str | Path,
+    exclude: tuple[str, ...] = (),
 ) -> PolicyVersion:
     """Lay out published `version` (weights + trainer/ state) as the trainer state a resumed
-    run continues from. The copy is verified against the manifest on the way."""
+    run continues from. The copy is verified against the manifest on the way. `exclude`: path
+    prefixes left in the store (a mesh's ranks fetch the state shards they need themselves:
+    `STATE_SHARDS`)."""
     import tempfile
 
     from moerl.store.base import MANIFEST, MARKER
@@ -246,7 +252,7 @@ def prepare_resume(
             "it cannot be resumed from"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        local = store.fetch(version, Path(tmp))
+        local = store.fetch(version, Path(tmp), exclude=exclude)
         shutil.copytree(
             local, state_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MANIFEST, MARKER)
         )

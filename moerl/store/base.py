@@ -434,6 +434,40 @@ class CheckpointStore(PinLeases, ABC):
         )
         return final
 
+    def fetch_file(
+        self, version: int, rel: str, dest: Path, manifest: Manifest | None = None
+    ) -> Path:
+        """One file of `version` into `dest`, verified against its manifest entry (written under
+        a temporary name, renamed once its sha256 matches; a file of the right size already at
+        `dest` was put there so and is kept). What a trainer rank uses to read only the shards
+        of a Distributed Checkpoint it needs. Processes may fetch one file at once: each renames
+        its own verified copy."""
+        manifest = manifest or self.manifest(version)
+        entry = next((e for e in manifest.files if e.path == rel), None)
+        if entry is None:
+            raise CheckpointError(f"version {version} in {self.uri} has no file {rel}")
+        if lacking := [p for p in self.absent if rel.startswith(p)]:
+            raise CheckpointError(
+                f"version {version} in {self.uri}: this store does not hold {lacking[0]} (the "
+                "durable store has it)"
+            )
+        dest = Path(dest)
+        if dest.is_file() and dest.stat().st_size == entry.size:
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}")
+        try:
+            sha = self._get(version_dir(version), rel, tmp)
+            if sha != entry.sha256:
+                raise CheckpointError(
+                    f"{rel} of version {version} in {self.uri} has sha256 {sha}, its manifest "
+                    f"says {entry.sha256}; refused"
+                )
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return dest
+
     def read_chunk(self, version: int, rel: str, start: int, length: int) -> bytes:
         """`length` bytes of a version's file from `start` (a fan-out chunk; the caller checks
         it against the manifest's chunk hash)."""

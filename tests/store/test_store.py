@@ -469,3 +469,28 @@ def test_two_publishers_of_one_version_never_mix_their_files(
     assert {k: v for k, v in tree(got).items() if k not in (MANIFEST, ".moerl-verified")} == tree(
         winner
     )
+
+
+def test_fetch_file_fetches_one_verified_file_and_refuses_other_bytes(
+    case: Case, tmp_path: Path
+) -> None:
+    """What a resumed trainer rank uses to read only its state shards: one file of a version,
+    checked against its manifest entry; bytes that are not the manifest's are refused and never
+    land at the destination."""
+    src = make_checkpoint(tmp_path / "src")
+    case.store.publish(1, src)
+    dest = tmp_path / "one" / "tokenizer" / "nested" / "tokenizer.json"
+    got = case.store.fetch_file(1, "tokenizer/nested/tokenizer.json", dest)
+    assert (
+        got == dest and dest.read_bytes() == (src / "tokenizer/nested/tokenizer.json").read_bytes()
+    )
+    assert sorted(p.name for p in (tmp_path / "one").rglob("*") if p.is_file()) == [
+        "tokenizer.json"
+    ]
+    with pytest.raises(CheckpointError, match="has no file nothing.bin"):
+        case.store.fetch_file(1, "nothing.bin", tmp_path / "x")
+    # another writer's bytes under the key: refused by their sha256, nothing left behind
+    case.put_raw("versions/v000001/model.safetensors", os.urandom(4097))
+    with pytest.raises(CheckpointError, match="model.safetensors of version 1 .* sha256"):
+        case.store.fetch_file(1, "model.safetensors", tmp_path / "two" / "model.safetensors")
+    assert not any(p.is_file() for p in (tmp_path / "two").rglob("*"))

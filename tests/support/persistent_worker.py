@@ -43,3 +43,46 @@ def rank(rank, world, dp, ep, start, out_dir, batches):
             run_version(cfg, fresh, batch, v, prev)
     finally:
         dist.destroy_process_group()
+
+
+def lazy_rank(rank, world, dp, ep, full, partial, out_dir, batch):
+    """Load a version laid out without its state shards, fetching (from `full`, as a rank
+    fetches from the store) only the shards this rank's reads need, then train one version."""
+    import json
+    import shutil
+    import uuid
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/rendezvous-lazy", rank=rank, world_size=world
+    )
+    try:
+        from moerl.components.policy_update.ep_train import Session, run_version
+        from moerl.config import parse_config
+
+        cfg = parse_config(
+            {
+                "trainer": {
+                    "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
+                    "parallelism": {
+                        "micro_batch_tokens": 24,
+                        "expert_parallel_size": ep,
+                        "data_parallel_shard": dp,
+                    },
+                }
+            }
+        )
+        fetched: list[str] = []
+
+        def fetch(rel: str) -> None:
+            fetched.append(rel)
+            dest = Path(partial) / rel
+            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:6]}")
+            shutil.copyfile(Path(full) / rel, tmp)
+            os.replace(tmp, dest)
+
+        session = Session.load(cfg, Path(partial), fetch)
+        run_version(cfg, session, batch, 2, Path(out_dir) / "lazy-v3")
+        (Path(out_dir) / f"fetched{rank}.json").write_text(json.dumps(fetched))
+    finally:
+        dist.destroy_process_group()

@@ -108,3 +108,40 @@ def test_a_bf16_served_version_resumes_from_its_float32_master_shards(series, tm
     assert (
         _close(read_weights(tmp_path / "v1-bf16-next"), read_weights(tmp_path / "v1-next")) <= TOL
     )
+
+
+def test_a_resumed_rank_fetches_only_the_state_shards_it_reads(series, tmp_path):
+    """A version laid out without its ranks' Distributed Checkpoint data files (as a resumed
+    mesh fetches it: `STATE_SHARDS` left in the store): each of four ranks at (2, 2) asks for the
+    shards its read plan needs, not every rank's, and the next version equals the one the mesh
+    trained with everything in memory."""
+    import json
+    import shutil
+
+    from moerl.components.policy_update.ep_optimizer import STATE_SHARDS
+
+    root, batches = series
+    full = root / "persistent" / "v2"
+    partial = tmp_path / "v2"
+    shutil.copytree(full, partial)
+    shards = sorted(
+        p.relative_to(partial).as_posix()
+        for p in partial.rglob("*.distcp")
+        if p.relative_to(partial).as_posix().startswith(STATE_SHARDS)
+    )
+    assert len(shards) == 8  # 4 ranks x (master weights, Adam)
+    for rel in shards:
+        (partial / rel).unlink()
+    mp.spawn(
+        persistent_worker.lazy_rank,
+        args=(4, 2, 2, str(full), str(partial), str(tmp_path), batches[2]),
+        nprocs=4,
+        join=True,
+    )
+    fetched = [set(json.loads((tmp_path / f"fetched{r}.json").read_text())) for r in range(4)]
+    assert all(f and f <= set(shards) for f in fetched), fetched
+    assert all(len(f) < len(shards) for f in fetched), fetched  # not every rank's
+    assert set().union(*fetched) == set(shards)
+    assert (
+        _close(read_weights(tmp_path / "lazy-v3"), read_weights(root / "persistent" / "v3")) <= TOL
+    )
