@@ -77,18 +77,20 @@ Formulas (seconds per version):
   after (persistent mesh):
     export           T_exp   = P * s / (N * r_w) + Pd * s / b_g    every rank its part; the dense
                                                                    all-gather first
-    state            T_st    = T_s3(P * (m + a)) / k               every k versions, amortized
-    critical path    C_a     = T_train + T_exp + T_st              (a synchronous DCP save; an
-                                                                   async one hides T_st but the
-                                                                   device-to-host copy)
-    publication      U_a     = P * s / min(N * r_s3, c * b_c) + T_s3(P * s)   engine weights
-                               only: cache tier, then S3
+    state            T_st    = P * (m + a) / (N * r_w) / k         every rank its DCP shard to
+                                                                   its node's disk, every k
+                                                                   versions, amortized
+    critical path    C_a     = T_train + T_exp + T_st
+    publication      U_a     = P * s / min(N * r_s3, c * b_c) + T_s3(P * s + P * (m + a) / k)
+                               off the critical path: the engine weights to the cache tier,
+                               then weights and state to S3, every node its own files
     version period   V_a     = max(C_a, U_a)
   both:
     not training     1 - T_train / V                               the share of a version's wall
                                                                    time the GPUs do not train
     resume           T_0 + max(P * (m + a) / (N * min(G * b_r, b_s3)), P * (m + a) / (R_get * part))
-                     + (k - 1) / 2 * V_a after (versions since the last state, trained again)
+                     + (k - 1) / 2 * V_a after (the updates since the last state are lost:
+                     that much training, on average)
   bytes per version (per tier):
     before  local write P*(a+s+m), local read P*(m+a), into rank 0 2*P*m, publisher pod out
             2*P*(s+m+a), cache tier P*(s+m+a), S3 P*(s+m+a)
@@ -191,11 +193,11 @@ def version_times(
     }
     after = {
         "export_s": p * s / (n * r_w) + dense * s / b_g,
-        "state_s": t_s3(p * (m + a)) / k,
+        "state_s": p * (m + a) / (n * r_w) / k,
         "train_s": train,
     }
     c_a = sum(after.values())
-    u_a = p * s / min(n * r_s3, b_cache) + t_s3(p * s)
+    u_a = p * s / min(n * r_s3, b_cache) + t_s3(p * s + p * (m + a) / k)
     v_a = max(c_a, u_a)
     after |= {
         "state_upload_s": t_s3(p * (m + a)),
