@@ -186,6 +186,7 @@ def setup(
         if (tdir / "state.json").is_file()
         else Counters()
     )
+    _check_has_state(tdir, counters)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.trainer.optimizer.learning_rate,
@@ -204,6 +205,19 @@ def setup(
             raise TrainingError("policy_update: the optimizer state needs the FSDP model")
         load_unsharded_optimizer(model, opt, ep_blocks, tdir / "optimizer.pt", state_in)
     return model, opt, counters, ep_blocks, layout, dispatcher, mesh
+
+
+def _check_has_state(tdir: Path, counters: Counters) -> None:
+    """A trained version without Adam's state (written with `checkpoint.state_every` > 1) would
+    continue from fresh moments and, served in bf16, rounded weights: refused, naming it."""
+    if counters.version > 0 and not (
+        (tdir / OPTIMIZER_DCP).is_dir() or (tdir / "optimizer.pt").is_file()
+    ):
+        raise TrainingError(
+            f"policy_update: version {counters.version} ({tdir.parent}) carries no trainer state "
+            "(written with checkpoint.state_every > 1); continue from the newest version with "
+            "state, as the async trainer's persistent mesh does"
+        )
 
 
 def _under(fetch: Callable[[str], None] | None, dcp_dir: str) -> Callable[[str], None] | None:

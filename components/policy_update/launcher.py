@@ -238,6 +238,13 @@ def run_mesh_trainer(cfg: RunConfig, run_id: str) -> str:
         except procs.Terminated:
             raise TrainingError(f"trainer: received SIGTERM; killed every rank of {what}") from None
         if returncode != 0:
+            from moerl.components.policy_update.mesh import result_code
+
+            # rank 0's own code when it failed (torchrun reports 1 for any failed worker, and
+            # another rank may exit first): a refused config is not retried
+            code_file = result_code(result)
+            if code_file.is_file():
+                returncode = int(code_file.read_text() or 1)
             raise MeshFailed(
                 returncode, f"trainer: {what} exited with {returncode}; see the ranks' output above"
             )
@@ -249,4 +256,4 @@ class MeshFailed(TrainingError):
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = self.exit_code = code

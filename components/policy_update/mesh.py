@@ -19,8 +19,8 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,8 @@ POLL_S = 0.25  # a follower polls the store for the next command this often
 
 @dataclass(frozen=True)
 class Command:
-    """What rank 0 asks of every rank. `op`: load (the state in `path`, published version
-    `version`; the run continues from version `at`), train (the next version into `path`, with
+    """What rank 0 asks of every rank. `op`: fetch (each node lays published `version` out),
+    load (the state in `path`, published version `version`; the run continues from version `at`), train (the next version into `path`, with
     the trainer's state when `state`), stop (the run is done), abort (rank 0 failed: every rank
     exits non-zero)."""
 
@@ -61,6 +61,7 @@ class Command:
     reason: str = ""
     state: bool = True  # train: write the trainer's state with this version
     at: int = 0  # load: the version the run continues from (its counters' version)
+    code: int = 0  # abort: rank 0's exit code
 
 
 class Control:
@@ -77,14 +78,53 @@ class Control:
 
     def start_heartbeat(self) -> None:
         def beat() -> None:
+            errors = 0
             while not self._stop.wait(BEAT_S):
                 try:
                     self.store.add("beat", 1)
-                except Exception:  # noqa: BLE001 - the store went away: the run is ending
-                    return
+                    errors = 0
+                except Exception as err:  # noqa: BLE001 - a blip, or the store is gone
+                    errors += 1  # the followers fail after QUIET_S without a beat
+                    log.warning(
+                        "rank 0's heartbeat could not reach the store (%d): %s", errors, err
+                    )
 
         self._beat = threading.Thread(target=beat, name="moerl-mesh-beat", daemon=True)
         self._beat.start()
+
+    def fail(self, reason: str, code: int) -> None:
+        """Tell every rank this one failed (a key that stays set): their watchers end them within
+        BEAT_S, instead of leaving them in a collective until its timeout."""
+        try:
+            if self.store.add("failed", 1) == 1:  # the first failure names the cause
+                self.store.set(
+                    "failure", json.dumps({"rank": self.rank, "reason": reason[:500], "code": code})
+                )
+        except Exception as err:  # noqa: BLE001 - the store is gone: the others lose it too
+            log.error("could not tell the other ranks of this failure: %s", err)
+
+    def start_watch(self) -> None:
+        """End this process when another rank has failed (`fail`), with that rank's exit code:
+        a rank in a collective with a failed peer would otherwise wait for the timeout."""
+
+        def watch() -> None:
+            while not self._stop.wait(BEAT_S):
+                try:
+                    failed = self.store.check(["failure"])
+                    info = json.loads(self.store.get("failure")) if failed else None
+                except Exception:  # noqa: BLE001 - the store is gone: receive() names it
+                    continue
+                if info is not None and info["rank"] != self.rank:
+                    log.error(
+                        "trainer rank %d failed (%s); rank %d stops with it",
+                        info["rank"],
+                        info["reason"],
+                        self.rank,
+                    )
+                    logging.shutdown()
+                    os._exit(int(info["code"]) or 1)
+
+        threading.Thread(target=watch, name="moerl-mesh-watch", daemon=True).start()
 
     def close(self) -> None:
         self._stop.set()
@@ -93,8 +133,10 @@ class Control:
         self.seq += 1
         cmd = Command(op, self.seq, **fields)
         self.store.set(f"cmd/{cmd.seq}", json.dumps(asdict(cmd)))
-        if cmd.seq > 1:  # every rank took the previous one (it is in a collective with us now)
-            self.store.delete_key(f"cmd/{cmd.seq - 1}")
+        # every rank took the one before the previous (it took part in the previous one's
+        # collectives, or, after a `fetch`, which has none, in the `load` that follows it)
+        if cmd.seq > 2 and op != "abort":
+            self.store.delete_key(f"cmd/{cmd.seq - 2}")
         return cmd
 
     def receive(self, waiting_on: str) -> Command:
@@ -136,9 +178,13 @@ class NodeParts:
     other node's uploader puts its node's files and posts their entries. Waits at most
     `timeout_s`, then fails naming the nodes that did not answer."""
 
-    def __init__(self, kv, nodes: int, timeout_s: float) -> None:
-        self.kv, self.nodes, self.timeout_s = kv, nodes, timeout_s
+    def __init__(self, kv, nodes: int, timeout_s: float, quiet_s: float = QUIET_S) -> None:
+        self.kv, self.nodes, self.timeout_s, self.quiet_s = kv, nodes, timeout_s, quiet_s
         self.seq = 0  # the publisher thread's only
+
+    def _alive(self, node: int) -> int:
+        """Node `node`'s uploader beat count (0 before its first beat)."""
+        return int(self.kv.add(f"parts/alive/{node}", 0))
 
     def put(
         self,
@@ -162,7 +208,17 @@ class NodeParts:
         deadline = time.monotonic() + self.timeout_s
         out: list[FileEntry] = []
         waiting = set(range(1, self.nodes))
+        beats = {n: (self._alive(n), time.monotonic()) for n in waiting}
         while waiting:
+            for node in sorted(waiting):  # a node whose uploader stopped beating: fail now
+                beat, since = beats[node]
+                if (now := self._alive(node)) != beat:
+                    beats[node] = (now, time.monotonic())
+                elif time.monotonic() - since > self.quiet_s:
+                    raise CheckpointError(
+                        f"version {version}: node {node}'s uploader has been silent for "
+                        f"{self.quiet_s:.0f} s (dead, or its store unreachable)"
+                    )
             for node in sorted(waiting):
                 key = f"parts/done/{self.seq}/{node}"
                 if not self.kv.check([key]):
@@ -232,16 +288,34 @@ class Uploader(threading.Thread):
             version, entries, manifest.chunk_size if manifest is not None else req["chunk_size"]
         )
 
+    def _beat(self) -> None:
+        """This node's uploader is alive (rank 0's `NodeParts` fails a node whose beat stops),
+        also while a long put runs."""
+        while not self.stop_event.wait(BEAT_S):
+            try:
+                self.kv.add(f"parts/alive/{self.node}", 1)
+            except Exception as err:  # noqa: BLE001 - a blip; a lasting loss fails the node
+                log.warning(
+                    "node %d: the uploader's beat could not reach the store: %s", self.node, err
+                )
+
     def run(self) -> None:
-        seq = 1
+        threading.Thread(target=self._beat, name="moerl-mesh-uploader-beat", daemon=True).start()
+        seq, errors = 1, 0
         while not self.stop_event.is_set():
             try:
                 if not self.kv.check([f"parts/req/{seq}"]):
                     self.stop_event.wait(POLL_S)
                     continue
                 req = json.loads(self.kv.get(f"parts/req/{seq}"))
-            except Exception:  # noqa: BLE001 - the store is gone: the mesh is ending
-                return
+                errors = 0
+            except Exception as err:  # noqa: BLE001 - a blip, or the store is gone
+                errors += 1
+                if errors > 10:  # the mesh is ending (or its store is): `follow` sees us stop
+                    log.error("node %d: the uploader lost the store: %s", self.node, err)
+                    return
+                self.stop_event.wait(1.0)
+                continue
             try:
                 answer = {"entries": self._serve(req)}
             except Exception as err:  # noqa: BLE001 - handed to rank 0's publisher, which raises
@@ -249,7 +323,10 @@ class Uploader(threading.Thread):
                 answer = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
             try:
                 self.kv.set(f"parts/done/{seq}/{self.node}", json.dumps(answer))
-            except Exception:  # noqa: BLE001
+            except Exception as err:  # noqa: BLE001 - rank 0 then fails this node by its timeout
+                log.error(
+                    "node %d: could not answer version %s: %s", self.node, req["version"], err
+                )
                 return
             seq += 1
 
@@ -342,11 +419,37 @@ class Leader(Mesh):
             NodeParts(control.store, nodes, cfg.checkpoint.claim_ttl_s) if nodes > 1 else None
         )
 
-    def load_state(self, path: Path, version: int, at: int) -> dict[str, float]:
-        """Every rank loads published `version` (its copy in `path` on this node); the run
-        continues from version `at`."""
+    def load_state(
+        self, path: Path, version: int, at: int, prepare: Callable[[], object]
+    ) -> dict[str, float]:
+        """Every rank loads published `version`; the run continues from version `at`. First
+        every node lays the version out in parallel (`prepare` here, into `path`; `fetch` on the
+        others), and only once all have, bounded by `checkpoint.claim_ttl_s`, do the ranks meet
+        in the load's collectives: no collective waits on a download."""
+        t0 = time.perf_counter()
+        self.control.send("fetch", version=version)
+        prepare()
+        waiting, deadline = (
+            set(range(1, _nodes())),
+            time.monotonic() + self.cfg.checkpoint.claim_ttl_s,
+        )
+        while waiting:
+            waiting = {
+                n for n in waiting if not self.control.store.check([f"node/{n}/ready/{version}"])
+            }
+            if waiting and time.monotonic() > deadline:
+                raise TrainingError(
+                    f"trainer mesh: nodes {sorted(waiting)} did not lay out version {version} within "
+                    f"{self.cfg.checkpoint.claim_ttl_s:.0f} s (checkpoint.claim_ttl_s)"
+                )
+            if waiting:
+                time.sleep(POLL_S)
+        fetched = time.perf_counter() - t0
         self.control.send("load", version=version, path=str(path), at=at)
-        return {"timing/trainer_load_s": self.load(path, version, at)}
+        return {
+            "timing/trainer_fetch_s": fetched,
+            "timing/trainer_load_s": self.load(path, version, at),
+        }
 
     def with_state(self, version: int) -> bool:
         """Whether the version trained from `version` (version + 1) carries the trainer's state:
@@ -370,28 +473,28 @@ class Leader(Mesh):
             if error is None:
                 self.control.send("stop")
             else:
-                self.control.send("abort", reason=f"{type(error).__name__}: {error}"[:500])
+                reason, code = f"{type(error).__name__}: {error}"[:500], exit_code(error)
+                self.control.send("abort", reason=reason, code=code)  # ranks waiting for a command
+                self.control.fail(reason, code)  # ranks inside a collective
         finally:
             self.control.close()
 
 
-def _node_copy(cfg: RunConfig, run_id: str, cmd: Command, control: Control, base: Path) -> Path:
-    """The state to load on this rank's node: rank 0's folder on its own node; elsewhere the
-    node's first rank fetches the published version once (verified against its manifest) and
-    the node's other ranks wait for it."""
+def _node_fetch(cfg: RunConfig, run_id: str, cmd: Command, control: Control, base: Path) -> None:
+    """`fetch`: a node other than rank 0's lays out the published version once (its first
+    rank; verified against the manifest, without the ranks' state shards) and says so in the
+    store. Outside any collective, so a long download trips no collective's timeout."""
     node, local_rank = _node()
-    if node == 0:
-        return Path(cmd.path)
-    key = f"node/{node}/load/{cmd.seq}"
-    if local_rank == 0:
-        from moerl.components.publish_checkpoint.stage import prepare_resume
+    if node == 0 or local_rank != 0:
+        return
+    from moerl.components.publish_checkpoint.stage import prepare_resume
 
-        dest = base / f"loaded-v{cmd.version}"
-        prepare_resume(cfg, run_id, cmd.version, dest, exclude=STATE_SHARDS)
-        control.store.set(key, str(dest))
-        return dest
-    control.store.wait([key], timedelta(seconds=cfg.trainer.parallelism.collective_timeout_s))
-    return Path(control.store.get(key).decode())
+    prepare_resume(cfg, run_id, cmd.version, _loaded(base, cmd.version), exclude=STATE_SHARDS)
+    control.store.set(f"node/{node}/ready/{cmd.version}", "1")
+
+
+def _loaded(base: Path, version: int) -> Path:
+    return base / f"loaded-v{version}"
 
 
 FAULT_ENV = "MOERL_TEST_MESH_KILL"  # tests: "RANK:VERSION:MARKER", see `_fault`
@@ -426,16 +529,21 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
     version = None
     try:
         while True:
+            if uploader is not None and not uploader.is_alive():
+                raise TrainingError(f"trainer node {node}: its uploader thread stopped")
             what = "the state to load" if version is None else f"the batch of version {version + 1}"
             cmd = control.receive(what)
             if cmd.op == "stop":
                 return 0
             if cmd.op == "abort":
                 log.error("rank 0 failed (%s); stopping", cmd.reason)
-                return 1
+                return cmd.code or 1
             if cmd.op == "load":
-                mesh.load(_node_copy(cfg, run_id, cmd, control, base), cmd.version, cmd.at)
+                path = Path(cmd.path) if node == 0 else _loaded(base, cmd.version)
+                mesh.load(path, cmd.version, cmd.at)
                 version = cmd.at
+            elif cmd.op == "fetch":
+                _node_fetch(cfg, run_id, cmd, control, base)
             elif cmd.op == "train":
                 _fault(control.rank, cmd.version)
                 out = Path(cmd.path)
@@ -445,11 +553,20 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
                 version = cmd.version
             else:
                 raise TrainingError(f"trainer mesh: unknown command {cmd.op!r} from rank 0")
+    except BaseException as err:
+        control.fail(f"{type(err).__name__}: {err}", getattr(err, "exit_code", 1))
+        raise
     finally:
         if uploader is not None:
             uploader.stop_event.set()
             uploader.join(timeout=5)
             shutil.rmtree(base, ignore_errors=True)
+
+
+def exit_code(err: BaseException) -> int:
+    """The trainer's exit code for `err`: a MoerlError's own (a refused config is not retried),
+    1 otherwise."""
+    return err.exit_code if isinstance(err, MoerlError) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,15 +594,21 @@ def main(argv: list[str] | None = None) -> int:
 
     # the store the ranks met through: torchrun's (TCP) or the local launcher's file store
     control = Control(_get_default_store(), rank, dist.get_world_size())
+    control.start_watch()
+    ok = False
     try:
         if rank != 0:
-            return follow(cfg, a.run_id, control)
+            code = follow(cfg, a.run_id, control)
+            ok = code == 0
+            return code
         from moerl.components.policy_update.worker import run_trainer
 
         leader = Leader(cfg, control, a.run_id)
         try:
             policy = run_trainer(cfg, a.run_id, mesh=leader)
         except BaseException as err:
+            # the trainer's exit code, for the launcher (which may see another rank's first)
+            result_code(Path(a.result)).write_text(str(exit_code(err)))
             leader.stop(err)
             if isinstance(err, MoerlError):  # one line, no traceback
                 log.error("%s", err)
@@ -493,10 +616,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         leader.stop()
         Path(a.result).write_text(policy.model_dump_json())
+        ok = True
         return 0
     finally:
         control.close()
-        dist.destroy_process_group()
+        if ok:  # on a failure peers may be inside a collective: tearing it down could block
+            dist.destroy_process_group()
+
+
+def result_code(result: Path) -> Path:
+    """Where rank 0 leaves its exit code when it fails (beside the result)."""
+    return result.with_name(result.name + ".code")
 
 
 if __name__ == "__main__":

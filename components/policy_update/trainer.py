@@ -146,6 +146,11 @@ def _load_state(state_dir: Path, cfg: RunConfig):
         )
     if (tdir / "state.json").is_file():
         counters = Counters(**json.loads((tdir / "state.json").read_text()))
+    if counters.version > 0 and not (tdir / "optimizer.pt").is_file():
+        raise TrainingError(
+            f"policy_update: version {counters.version} ({state_dir}) carries no trainer state "
+            "(a mesh's version written with checkpoint.state_every > 1); continue on the mesh"
+        )
     return model, opt, counters
 
 

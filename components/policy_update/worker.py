@@ -532,8 +532,12 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
 
         state_dir = work / f"v{start}"
         # without the ranks' state shards: each rank fetches those it reads
-        prepare_resume(cfg, run_id, start, state_dir, exclude=STATE_SHARDS)
-        load_metrics = mesh.load_state(state_dir, start, at=latest)
+        load_metrics = mesh.load_state(
+            state_dir,
+            start,
+            at=latest,
+            prepare=lambda: prepare_resume(cfg, run_id, start, state_dir, exclude=STATE_SHARDS),
+        )
         load_metrics["trainer/resumed_versions_lost"] = float(latest - start)
     else:
         prepare_resume(cfg, run_id, latest, state_dir)

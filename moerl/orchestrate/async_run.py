@@ -226,9 +226,15 @@ class LocalAsyncRun:
                 continue
             c.handled = True
             c.exits.append(code)
-            if (
-                code == 0 or c.role == "trainer-node"
-            ):  # a node fails with node 0's, restarts with it
+            if code == 0:
+                continue
+            if c.role == "trainer-node":  # the mesh is broken: node 0's trainer fails, then all
+                trainer = self.children["trainer"].proc  # restart together (as a TrainJob's do)
+                if trainer.poll() is None:
+                    print(
+                        f"[moerl] {c.name} exited {code}; stopping the trainer's node 0", flush=True
+                    )
+                    procs.kill_groups([trainer], grace_s=2.0)
                 continue
             limit = TRAINER_RETRIES if c.role == "trainer" else self.cfg.pipeline.worker_retries
             if c.starts > limit or (self.bus.done() and c.role != "trainer"):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 from pathlib import Path
 
 import pytest
@@ -106,7 +105,8 @@ def test_a_rank_killed_mid_version_fails_the_mesh_and_the_retry_resumes(tmp_path
     c = h.go()
     assert marker.is_file()
     trainer = h.run.children["trainer"]
-    assert trainer.starts == 2 and trainer.exits[0] not in (0, -signal.SIGKILL)
+    # rank 0's own exit code (it failed in the broadcast: 1), not the SIGKILLed rank's
+    assert trainer.starts == 2 and trainer.exits[0] == 1
     assert trainer.exits[-1] == 0
     joins = _joins(Path(h.run.logs))
     assert len(joins) == 8 and len({pid for _, pid, _ in joins}) == 8  # two meshes of four
