@@ -336,7 +336,9 @@ def test_a_single_process_version_continues_on_the_cuda_mesh(tmp_path):
     run_policy_update(single, batch, tmp_path / "s1", tmp_path / "one", iteration=1)
     run_policy_update(mesh, batch, tmp_path / "s1", tmp_path / "mesh", iteration=1)
     shutil.copytree(
-        tmp_path / "s1", tmp_path / "fresh", ignore=shutil.ignore_patterns("optimizer.pt")
+        tmp_path / "s1",
+        tmp_path / "fresh",
+        ignore=shutil.ignore_patterns("optimizer.pt", "state.json"),
     )
     run_policy_update(mesh, batch, tmp_path / "fresh", tmp_path / "control", iteration=1)
     w1, a, b, c = (read_weights(tmp_path / d) for d in ("s1", "one", "mesh", "control"))

@@ -13,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.support.mlflow_server import mlflow_server
+from tests.support.weights import read_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = (
@@ -208,10 +210,12 @@ def test_new_versions_are_in_the_store_with_verified_manifests(e2e_run):
     assert store.versions() == [0, 1, 2] and store.latest() == 2
     local = store.fetch(2, work / "verify")
     files = {f.path for f in store.manifest(2).files}
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
-    assert (local / "model.safetensors").read_bytes() != store.fetch(0, work / "verify").joinpath(
-        "model.safetensors"
-    ).read_bytes()  # training changed the weights
+    # the EP trainer's ranks each wrote their own weight file, named in the index
+    assert {"model.safetensors.index.json", "config.json", "tokenizer.json"} <= files
+    assert {"model-r00000-p000.safetensors", "model-r00001-p000.safetensors"} <= files
+    v2, v0 = read_weights(local), read_weights(store.fetch(0, work / "verify"))
+    assert v2.keys() == v0.keys()
+    assert any(not torch.equal(v2[k], v0[k]) for k in v2)  # training changed the weights
 
 
 @pytest.mark.slow
@@ -390,13 +394,15 @@ def test_the_expert_parallel_trainer_ran_and_its_checkpoint_served_the_next_roll
     assert client.get_metric_history(run.info.run_id, "moe/expert_load_imbalance")
     run_dir = _grpo_run_dir(work)
     trainer = run_dir / "versions" / "v000002" / "trainer"
-    assert sorted(p.name for p in trainer.iterdir()) == ["optimizer", "state.json"]
-    # the sharded optimizer state, a Distributed Checkpoint: one file per rank and its metadata, published
-    assert sorted(p.name for p in (trainer / "optimizer").iterdir()) == [
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
-    ]
+    assert sorted(p.name for p in trainer.iterdir()) == ["model", "optimizer", "state.json"]
+    # the master weights and the optimizer state, Distributed Checkpoints: one file per rank and
+    # their metadata, published
+    for state in ("model", "optimizer"):
+        assert sorted(p.name for p in (trainer / state).iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
     # every sample (the multi-turn episodes too: their last turn's request covers the episode)
     # carried the engine's routes through the tasks; R3 replayed them on the mesh (all positions
     # but each sample's last token and a trailing observation), and the engine and the trainer

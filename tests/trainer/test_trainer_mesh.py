@@ -134,10 +134,14 @@ def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path
     run_policy_update(
         _cfg(1, 4), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "other", iteration=1
     )
-    fresh = tmp_path / "s1-fresh"  # the same weights without the optimizer state
+    # the same weights without the optimizer state (and counters: a trained version without
+    # state is refused, so the control is laid out as a fresh start)
+    fresh = tmp_path / "s1-fresh"
     import shutil
 
-    shutil.copytree(tmp_path / "s1", fresh, ignore=shutil.ignore_patterns("optimizer"))
+    shutil.copytree(
+        tmp_path / "s1", fresh, ignore=shutil.ignore_patterns("optimizer", "state.json")
+    )
     run_policy_update(
         _cfg(1, 4), tmp_path / "batch.jsonl", fresh, tmp_path / "control", iteration=1
     )
@@ -179,7 +183,9 @@ def test_a_single_process_version_continues_on_the_mesh_with_its_adam_state(tmp_
         tmp_path / "mesh" / "trainer" / "optimizer" / ".metadata"
     ).is_file()  # the mesh's own form from here
     shutil.copytree(
-        tmp_path / "s1", tmp_path / "s1-fresh", ignore=shutil.ignore_patterns("optimizer.pt")
+        tmp_path / "s1",
+        tmp_path / "s1-fresh",
+        ignore=shutil.ignore_patterns("optimizer.pt", "state.json"),
     )
     run_policy_update(
         _cfg(2, 2),
