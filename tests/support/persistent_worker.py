@@ -11,6 +11,24 @@ from pathlib import Path
 import torch.distributed as dist
 
 
+def _cfg(dp: int, ep: int):
+    """The config both workers train with (test_persistent_mesh's `_cfg`)."""
+    from moerl.config import parse_config
+
+    return parse_config(
+        {
+            "trainer": {
+                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
+                "parallelism": {
+                    "micro_batch_tokens": 24,
+                    "expert_parallel_size": ep,
+                    "data_parallel_shard": dp,
+                },
+            }
+        }
+    )
+
+
 def rank(rank, world, dp, ep, start, out_dir, batches):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group(
@@ -18,20 +36,8 @@ def rank(rank, world, dp, ep, start, out_dir, batches):
     )
     try:
         from moerl.components.policy_update.ep_train import Session, run_version
-        from moerl.config import parse_config
 
-        cfg = parse_config(
-            {
-                "trainer": {
-                    "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
-                    "parallelism": {
-                        "micro_batch_tokens": 24,
-                        "expert_parallel_size": ep,
-                        "data_parallel_shard": dp,
-                    },
-                }
-            }
-        )
+        cfg = _cfg(dp, ep)
         out = Path(out_dir)
         kept = Session.load(cfg, Path(start))
         for v, batch in enumerate(batches):
@@ -58,20 +64,8 @@ def lazy_rank(rank, world, dp, ep, full, partial, out_dir, batch):
     )
     try:
         from moerl.components.policy_update.ep_train import Session, run_version
-        from moerl.config import parse_config
 
-        cfg = parse_config(
-            {
-                "trainer": {
-                    "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
-                    "parallelism": {
-                        "micro_batch_tokens": 24,
-                        "expert_parallel_size": ep,
-                        "data_parallel_shard": dp,
-                    },
-                }
-            }
-        )
+        cfg = _cfg(dp, ep)
         fetched: list[str] = []
 
         def fetch(rel: str) -> None:
