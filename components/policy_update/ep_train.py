@@ -1,6 +1,6 @@
-"""The policy update on the trainer's mesh: the worker the policy_update task launches when
-the mesh has more than one rank (or `trainer.parallelism.mixed_precision: bf16`), one process per rank
-(`launcher.py` builds the torchrun or local command). The mesh, FSDP2 and expert parallelism:
+"""The policy update on the trainer's mesh, the trainer's one code path: one process per rank
+when the mesh has more than one (`launcher.py` builds the torchrun or local command), or the
+calling process as a one-rank mesh (`one_rank`). The mesh, FSDP2 and expert parallelism:
 docs/expert-parallel.md; the launch: docs/stages.md, `components/policy_update/launcher.py`.
 """
 
@@ -12,7 +12,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -507,6 +508,52 @@ def join_process_group(cfg: RunConfig) -> None:
         dist.init_process_group(backend, timeout=timeout)
 
 
+@contextmanager
+def one_rank(cfg: RunConfig) -> Iterator[dist.Store]:
+    """This process as a one-rank mesh: the trainer's one code path when
+    `trainer.parallelism.world_size` is 1 (FSDP2 over one rank; the same steps, export, state
+    and metrics as on many). Yields the group's in-process store; the group is torn down after.
+    Refused when the process already belongs to a group (a second trainer in one process)."""
+    from datetime import timedelta
+
+    if dist.is_initialized():
+        raise TrainingError(
+            "policy_update: this process already belongs to a torch.distributed process group; "
+            "the one-rank trainer starts its own"
+        )
+    cuda = cfg.trainer.parallelism.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    store = dist.HashStore()
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=store,
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=cfg.trainer.parallelism.collective_timeout_s),
+    )
+    try:
+        yield store
+    finally:
+        dist.destroy_process_group()
+
+
+def update(
+    cfg: RunConfig, batch_path: Path, state_in: Path, state_out: Path, iteration: int
+) -> tuple[dict[str, float], Session]:
+    """One restarting update on this rank (inside its process group): load `state_in`, train
+    on the batch, write `state_out`. Rank 0's metrics are the update's."""
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.trainer.seed + iteration)
+    session = Session.load(cfg, state_in)
+    batch = read_records(batch_path, TrainSample)
+    t_load = _synced_clock(cfg)
+    metrics = run_version(cfg, session, batch, iteration, state_out)
+    metrics["timing/trainer_load_s"] = t_load - t0
+    metrics["timing/policy_update_s"] = time.perf_counter() - t0
+    return metrics, session
+
+
 def run_version(
     cfg: RunConfig,
     s: Session,
@@ -577,16 +624,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = config_from_json(Path(a.config_json).read_text())
     join_process_group(cfg)
-    t0 = time.perf_counter()
     try:
-        torch.manual_seed(cfg.trainer.seed + a.iteration)
-        session = Session.load(cfg, Path(a.state_in))
-        batch = read_records(a.batch, TrainSample)
-        t_load = _synced_clock(cfg)
-        metrics = run_version(cfg, session, batch, a.iteration, Path(a.state_out))
-        metrics["timing/trainer_load_s"] = t_load - t0
+        metrics, session = update(
+            cfg, Path(a.batch), Path(a.state_in), Path(a.state_out), a.iteration
+        )
         if dist.get_rank() == 0:
-            metrics["timing/policy_update_s"] = time.perf_counter() - t0
             described, fallback = session.describe_dispatcher()
             Path(a.metrics_out).write_text(
                 json.dumps({"metrics": metrics, "dispatcher": described, "fallback_from": fallback})

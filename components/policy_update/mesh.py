@@ -19,7 +19,8 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from moerl.components.policy_update.ep_optimizer import STATE_SHARDS
 from moerl.components.policy_update.ep_train import (
     Session,
     join_process_group,
+    one_rank,
     run_version,
 )
 from moerl.config import RunConfig, config_from_json
@@ -409,11 +411,13 @@ class Mesh:
 class Leader(Mesh):
     """Rank 0's side: what `worker.run_trainer` calls. Every call is a command to all ranks."""
 
-    def __init__(self, cfg: RunConfig, control: Control, run_id: str) -> None:
+    def __init__(
+        self, cfg: RunConfig, control: Control, run_id: str, nodes: int | None = None
+    ) -> None:
         super().__init__(cfg, control, run_id)
         control.start_heartbeat()
         self.started = time.time()
-        nodes = _nodes()
+        self.nodes = nodes = _nodes() if nodes is None else nodes
         # each version's files on the other nodes: put into the store by those nodes
         self.parts: NodeParts | None = (
             NodeParts(control.store, nodes, cfg.checkpoint.claim_ttl_s) if nodes > 1 else None
@@ -430,7 +434,7 @@ class Leader(Mesh):
         self.control.send("fetch", version=version)
         prepare()
         waiting, deadline = (
-            set(range(1, _nodes())),
+            set(range(1, self.nodes)),
             time.monotonic() + self.cfg.checkpoint.claim_ttl_s,
         )
         while waiting:
@@ -478,6 +482,21 @@ class Leader(Mesh):
                 self.control.fail(reason, code)  # ranks inside a collective
         finally:
             self.control.close()
+
+
+@contextmanager
+def in_process(cfg: RunConfig, run_id: str) -> Iterator[Leader]:
+    """This process as the whole mesh, one rank (`trainer.parallelism.world_size` 1): the same
+    `Leader`, session, steps, export and state as on many ranks, with no other rank to command.
+    Stopped (or aborted, on an error) when the block ends."""
+    with one_rank(cfg) as store:
+        leader = Leader(cfg, Control(store, 0, 1), run_id, nodes=1)
+        try:
+            yield leader
+        except BaseException as err:
+            leader.stop(err)
+            raise
+        leader.stop()
 
 
 def _node_fetch(cfg: RunConfig, run_id: str, cmd: Command, control: Control, base: Path) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "MASTER_DIR",
     "weights_dir",
     "pack",
+    "reference_policy_update",
     "run_policy_update",
     "sequence_logprobs",
     "train_on_batch",
@@ -272,14 +273,33 @@ def run_policy_update(
     iteration: int,
     run_id: str = "",
 ) -> dict[str, float]:
+    """One policy update from files (the sync pipeline's task; the async trainer with
+    `trainer.parallelism.persistent_ranks: false`), always on the trainer's mesh (`ep_train`):
+    its ranks launched when `trainer.parallelism.world_size` > 1, else this process as a
+    one-rank mesh. Same steps, files and metric names either way."""
     from moerl.provenance import stage_start
 
     stage_start(cfg, "policy_update", run_id)  # records where it runs; enforces `require:`
-    # the mesh: FSDP2 + expert parallelism over ranks (or one, for bf16 mixed precision)
-    if cfg.trainer.parallelism.on_mesh:
+    if cfg.trainer.parallelism.on_mesh:  # FSDP2 + expert parallelism over launched ranks
         from moerl.components.policy_update.launcher import run_expert_parallel
 
         return run_expert_parallel(cfg, batch_path, state_in, state_out, iteration)
+    from moerl.components.policy_update.ep_train import one_rank, update
+
+    with one_rank(cfg):
+        metrics, _ = update(cfg, Path(batch_path), Path(state_in), Path(state_out), iteration)
+    return metrics
+
+
+def reference_policy_update(
+    cfg: RunConfig,
+    batch_path: str | Path,
+    state_in: str | Path,
+    state_out: str | Path,
+    iteration: int,
+) -> dict[str, float]:
+    """The single-process update without a mesh (`train_on_batch`): no stage runs it; the
+    reference the mesh's equivalence tests compare against, and benchmarks of the steps alone."""
     t0 = time.perf_counter()
     torch.manual_seed(cfg.trainer.seed + iteration)
     state_in, state_out = Path(state_in), Path(state_out)

@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from moerl import tracking
 from moerl.bus import SCORED, BusError, RunBus, connect
 from moerl.components.buffer.worker import (
@@ -428,37 +426,21 @@ def _check_failures(bus: RunBus, cfg: RunConfig) -> None:
 
 def _train(
     cfg: RunConfig,
-    model,
-    opt,
-    counters,
     samples,
     version: int,
     state_dir: Path,
     out_dir: Path,
     mesh: Leader | None = None,
 ) -> dict[str, float]:
-    from moerl.components.policy_update.trainer import (
-        _save_state,
-        run_policy_update,
-        train_on_batch,
-    )
+    from moerl.components.policy_update.trainer import run_policy_update
 
     t0 = time.perf_counter()
     if mesh is not None:  # the run's ranks, state in memory: they write the version's files
         metrics = mesh.train_version(samples, version, out_dir)
-    elif cfg.trainer.parallelism.on_mesh:  # ranks started per version: load and save through files
+    else:  # ranks started per version: load and save through files
         batch_path = out_dir.parent / "batch.jsonl"
         write_records(batch_path, samples)
         metrics = run_policy_update(cfg, batch_path, state_dir, out_dir, version)
-    else:
-        torch.manual_seed(cfg.trainer.seed + version)
-        metrics = (
-            train_on_batch(model, opt, counters, samples, cfg, seed=cfg.trainer.seed + version)
-            if samples
-            else {"train/steps": 0.0, "train/skipped_steps": 0.0}
-        )
-        counters.version += 1
-        _save_state(model, opt, counters, state_dir, out_dir, cfg.rollout.serving_dtype)
     metrics["train/empty_batch"] = float(not samples)
     metrics["timing/policy_update_s"] = time.perf_counter() - t0
     return metrics
@@ -466,9 +448,15 @@ def _train(
 
 def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> PolicyVersion:
     """The async trainer's loop. `mesh`: rank 0 of the run's mesh (`mesh.py`), which trains
-    every version with the other ranks; None: in this process (one rank), or ranks started per
-    version (`trainer.parallelism.persistent_ranks: false`)."""
-    from moerl.components.policy_update.trainer import _load_state
+    every version with the other ranks; None: this process as a one-rank mesh for the run
+    (`trainer.parallelism.world_size` 1), or ranks started per version
+    (`trainer.parallelism.persistent_ranks: false`)."""
+    tc = cfg.trainer.parallelism
+    if mesh is None and tc.persistent_ranks and not tc.on_mesh:
+        from moerl.components.policy_update.mesh import in_process
+
+        with in_process(cfg, run_id) as leader:  # this process, a one-rank mesh for the run
+            return run_trainer(cfg, run_id, leader)
     from moerl.components.publish_checkpoint.publisher import Job, Publisher
     from moerl.components.publish_checkpoint.stage import prepare_resume
     from moerl.provenance import stage_start
@@ -511,7 +499,6 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
     uri = tracking.resolve_uri(cfg.tracking)
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
     state_dir = work / f"v{latest}"
-    model = opt = counters = None
     load_metrics: dict[str, float] = {}
     if mesh is not None:  # once for the run: every rank reads only its shard
         from moerl.components.policy_update.mesh import newest_with_state
@@ -541,8 +528,6 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
         load_metrics["trainer/resumed_versions_lost"] = float(latest - start)
     else:
         prepare_resume(cfg, run_id, latest, state_dir)
-    if mesh is None and not cfg.trainer.parallelism.on_mesh:
-        model, opt, counters = _load_state(state_dir, cfg)
     version_ref = [latest]
     pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)
 
@@ -648,9 +633,7 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
             t_busy = time.perf_counter()
             samples = train_samples(batch.used, cfg.buffer)
             out_dir = work / f"v{version + 1}"
-            metrics.update(
-                _train(cfg, model, opt, counters, samples, version, state_dir, out_dir, mesh)
-            )
+            metrics.update(_train(cfg, samples, version, state_dir, out_dir, mesh))
             metrics.update(load_metrics)  # the first version's only
             load_metrics = {}
             n_used = sum(len(g) for g in batch.used)

@@ -171,8 +171,9 @@ class ParallelismConfig(_Section):
 
     @property
     def on_mesh(self) -> bool:
-        """Whether the update runs as ranks on a DeviceMesh (FSDP2), not in this process."""
-        return self.world_size > 1 or self.mixed_precision != "off"
+        """Whether the mesh's ranks run as processes of their own (more than one rank); a
+        one-rank mesh is the calling process (`ep_train.one_rank`). FSDP2 either way."""
+        return self.world_size > 1
 
     def precision_policy(self, model_dtype: str) -> str:
         """The precision policy in words, for the run's tags."""

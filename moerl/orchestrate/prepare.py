@@ -395,7 +395,7 @@ def begin_run(
     tc = cfg.trainer  # how the policy trains: its mesh and precision, in words
     tags["moerl.trainer.mesh"] = (
         f"dp {tc.parallelism.data_parallel_shard} x ep {tc.parallelism.expert_parallel_size}"
-        + (" (FSDP2)" if tc.parallelism.on_mesh else " (one process)")
+        + (" (FSDP2)" if tc.parallelism.on_mesh else " (FSDP2, one rank in the stage's process)")
     )
     tags["moerl.trainer.precision"] = tc.parallelism.precision_policy(cfg.model.dtype)
     tags["moerl.rollout.engine"] = cfg.rollout.layout_summary()

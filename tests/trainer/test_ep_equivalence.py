@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moerl.components.policy_update.trainer import run_policy_update
+from moerl.components.policy_update.trainer import reference_policy_update, run_policy_update
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
@@ -53,10 +53,9 @@ def runs(tmp_path_factory):
     build_tiny_model(_cfg(1).model.tiny, root / "s0")
     write_records(root / "batch.jsonl", _batch())
     out = {}
-    for ep in (1, 2):
-        m = run_policy_update(
-            _cfg(ep), root / "batch.jsonl", root / "s0", root / f"ep{ep}", iteration=0
-        )
+    for ep in (1, 2):  # EP 1: the single-process reference, no mesh
+        update = reference_policy_update if ep == 1 else run_policy_update
+        m = update(_cfg(ep), root / "batch.jsonl", root / "s0", root / f"ep{ep}", iteration=0)
         out[ep] = (m, read_weights(root / f"ep{ep}"))
     return root, out
 

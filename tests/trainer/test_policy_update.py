@@ -1,21 +1,24 @@
-"""The GRPO trainer on a real tiny Qwen3-MoE: steps, skipped non-finite steps, state round trip."""
+"""The GRPO update every stage runs (the one-rank mesh) on a real tiny Qwen3-MoE: steps, skipped
+non-finite steps, state round trip, and equality with the single-process reference."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from moerl.components.policy_update.trainer import (
     Counters,
-    _load_state,
     pack,
+    reference_policy_update,
     run_policy_update,
-    train_on_batch,
 )
 from moerl.config import parse_config
 from moerl.errors import TrainingError
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
+from tests.support.weights import read_weights
 
 CFG = parse_config(
     {"trainer": {"optimizer": {"optimizer_steps_per_iteration": 4, "learning_rate": 0.01}}}
@@ -93,50 +96,96 @@ def test_pack_and_the_correction_split_take_each_tokens_version():
     assert m["rollout_corr/own/tokens"] == 4 and m["rollout_corr/stale/tokens"] == 2
 
 
-def test_steps_change_weights_and_report_metrics(state0):
-    model, opt, ctr = _load_state(state0, CFG)
-    before = [p.detach().clone() for p in model.parameters()]
-    m = train_on_batch(model, opt, ctr, _batch(), CFG, seed=0)
-    assert m["train/steps"] == 4 and m["train/skipped_steps"] == 0 and ctr.step == 4
+def _update(tmp_path, batch, state_in, name="s1", iteration=0):
+    """The production update (the one-rank mesh, `ep_train`) on `batch`."""
+    write_records(tmp_path / f"{name}.jsonl", batch)
+    return run_policy_update(CFG, tmp_path / f"{name}.jsonl", state_in, tmp_path / name, iteration)
+
+
+def _counters(state: Path) -> Counters:
+    return Counters(**json.loads((state / "trainer" / "state.json").read_text()))
+
+
+def test_steps_change_weights_and_report_metrics(state0, tmp_path):
+    m = _update(tmp_path, _batch(), state0)
+    assert m["train/steps"] == 4 and m["train/skipped_steps"] == 0
+    assert _counters(tmp_path / "s1").step == 4
     assert all(
         math.isfinite(m[k])
         for k in ("train/loss", "train/entropy", "train/grad_norm", "train/clip_fraction")
     )
     assert m["train/entropy"] > 0
-    changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    before, after = read_weights(state0), read_weights(tmp_path / "s1")
+    assert set(before) == set(after)
+    changed = sum(not torch.equal(before[k], after[k]) for k in before)
     assert changed > len(before) // 2
 
 
-def test_non_finite_loss_skips_the_step_and_counts_it(state0):
-    model, opt, ctr = _load_state(state0, CFG)
-    m = train_on_batch(model, opt, ctr, _batch(bad={3}), CFG, seed=0)
+def test_the_stage_trains_like_the_single_process_reference(state0, tmp_path):
+    """The one-rank mesh (what every stage runs) against `train_on_batch` without a mesh."""
+    m = _update(tmp_path, _batch(), state0)
+    write_records(tmp_path / "r.jsonl", _batch())
+    ref = reference_policy_update(CFG, tmp_path / "r.jsonl", state0, tmp_path / "ref", 0)
+    assert {k for k in ref if k.startswith("train/")} <= set(m)
+    for k in ("train/loss", "train/grad_norm", "train/logprob_mismatch", "train/entropy"):
+        assert m[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), k
+    # the same weights, relative to how far they moved (test_ep_equivalence's tolerance: Adam
+    # turns float32 summation-order noise in near-zero gradients into lr-sized steps)
+    w0, w, w_ref = (
+        read_weights(state0),
+        read_weights(tmp_path / "s1"),
+        read_weights(tmp_path / "ref"),
+    )
+    assert set(w) == set(w_ref)
+    for name, a in w_ref.items():
+        delta, gap = float((a - w0[name]).norm()), float((w[name] - a).norm())
+        assert gap <= 0.05 * delta + 1e-6, (name, gap, delta)
+
+
+def _in_memory(state_in, batch, out):
+    """The one-rank mesh's update on a batch no record file could hold (NaN logprobs)."""
+    from moerl.components.policy_update.ep_train import Session, one_rank, run_version
+
+    with one_rank(CFG):
+        return run_version(CFG, Session.load(CFG, state_in), batch, 0, out)
+
+
+def test_non_finite_loss_skips_the_step_and_counts_it(state0, tmp_path):
+    m = _in_memory(state0, _batch(bad={3}), tmp_path / "s1")
     assert m["train/skipped_steps"] == 1 and m["train/steps"] == 3
-    assert all(torch.isfinite(p).all() for p in model.parameters())  # the bad step touched nothing
-    assert ctr.skipped_total == 1
+    # the bad step touched nothing
+    assert all(torch.isfinite(t).all() for t in read_weights(tmp_path / "s1").values())
+    assert _counters(tmp_path / "s1").skipped_total == 1
 
 
-def test_consecutive_non_finite_steps_fail_the_run(state0):
-    model, opt, ctr = _load_state(state0, CFG)
+def test_consecutive_non_finite_steps_fail_the_run(state0, tmp_path):
     with pytest.raises(TrainingError, match="3 optimizer steps in a row had a non-finite loss"):
-        train_on_batch(model, opt, ctr, _batch(bad=set(range(8))), CFG, seed=0)
+        _in_memory(state0, _batch(bad=set(range(8))), tmp_path / "s1")
+    assert not (tmp_path / "s1" / "trainer" / "state.json").exists()  # no version was written
 
 
 def test_state_round_trip_carries_optimizer_and_counters(state0, tmp_path):
-    write_records(tmp_path / "b.jsonl", _batch())
-    m = run_policy_update(CFG, tmp_path / "b.jsonl", state0, tmp_path / "s1", iteration=0)
+    from moerl.components.policy_update.ep_train import Session, one_rank
+
+    m = _update(tmp_path, _batch(), state0)
     assert m["train/steps"] == 4 and m["timing/policy_update_s"] > 0
-    assert (tmp_path / "s1" / "model.safetensors").is_file()
-    assert (tmp_path / "s1" / "tokenizer.json").is_file()
-    model, opt, ctr = _load_state(tmp_path / "s1", CFG)
-    assert ctr == Counters(step=4, version=1, consecutive_skipped=0, skipped_total=0)
-    assert len(opt.state_dict()["state"]) > 0  # Adam moments came back
+    s1 = tmp_path / "s1"
+    # every rank's own files (here one), the index, the tokenizer; the state per rank (DCP)
+    assert (s1 / "model.safetensors.index.json").is_file() and list(s1.glob("model-r*.safetensors"))
+    assert (s1 / "tokenizer.json").is_file()
+    assert (s1 / "trainer" / "optimizer" / ".metadata").is_file()
+    assert (s1 / "trainer" / "model" / ".metadata").is_file()
+    assert _counters(s1) == Counters(step=4, version=1, consecutive_skipped=0, skipped_total=0)
+    with one_rank(CFG):
+        session = Session.load(CFG, s1)
+        assert len(session.opt.state_dict()["state"]) > 0  # Adam moments came back
+        assert session.counters.version == 1
     # an empty batch still yields the next version, unchanged
-    write_records(tmp_path / "e.jsonl", [])
-    m = run_policy_update(CFG, tmp_path / "e.jsonl", tmp_path / "s1", tmp_path / "s2", iteration=1)
+    m = _update(tmp_path, [], s1, "s2", iteration=1)
     assert m["train/empty_batch"] == 1.0
-    assert (tmp_path / "s2" / "model.safetensors").read_bytes() == (
-        tmp_path / "s1" / "model.safetensors"
-    ).read_bytes()
+    w1, w2 = read_weights(s1), read_weights(tmp_path / "s2")
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert _counters(tmp_path / "s2").version == 2
 
 
 def test_model_path_takes_a_local_mixtral_checkpoint(tmp_path):

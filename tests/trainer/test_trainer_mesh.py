@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from moerl.components.policy_update.trainer import run_policy_update
+from moerl.components.policy_update.trainer import reference_policy_update, run_policy_update
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import write_records
@@ -162,18 +162,20 @@ def _follows(root, start: str, reference: str, candidate: str, control: str) -> 
 
 
 def test_a_single_process_version_continues_on_the_mesh_with_its_adam_state(tmp_path):
-    """A run that trained one iteration in one process (optimizer.pt) continues at (2, 2): the
+    """A run that an older moerl trained one iteration in one process (optimizer.pt) continues at (2, 2): the
     step equals the single process's second iteration (Adam's moments sliced onto the mesh's
     shards, experts offset by their EP rank), where a fresh optimizer does not."""
     import shutil
 
     build_tiny_model(_cfg(1, 1).model.tiny, tmp_path / "s0")
     write_records(tmp_path / "batch.jsonl", _batch())
-    run_policy_update(
+    # the single-process form older runs published (every stage now runs a mesh, of one rank
+    # at least): the reference trainer writes it
+    reference_policy_update(
         _cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s0", tmp_path / "s1", iteration=0
     )
     assert (tmp_path / "s1" / "trainer" / "optimizer.pt").is_file()
-    run_policy_update(
+    reference_policy_update(
         _cfg(1, 1), tmp_path / "batch.jsonl", tmp_path / "s1", tmp_path / "single", iteration=1
     )
     run_policy_update(
