@@ -35,7 +35,6 @@ STAGE_GROUP: dict[str, str] = {
     "buffer": "buffer",
     "init_policy": "buffer",
     "resume_policy": "buffer",
-    "publish_checkpoint": "buffer",
     "redistribute_weights": "buffer",
     "rollout": "rollout",
     "rollout_worker": "rollout",
@@ -55,7 +54,9 @@ REWARD_MODEL_STAGES = frozenset({"reward", "reward_scorer"})
 # The reward-model pipeline's stages that run the model (on the trainer group).
 MODEL_STAGES = frozenset({"train_reward_model", "evaluate_reward_model"})
 # Sync stages whose task is a pure function of its inputs (same seed, same artifacts): a retry
-# after a lost pod (Spot) redoes the same work. Not publish (it moves `latest`), not bookkeeping.
+# after a lost pod (Spot) redoes the same work. policy_update publishes the version it trains,
+# and a retry after that publication returns the published version (`update.already_published`).
+# Not init_policy (it publishes version 0 under a fresh run), not bookkeeping.
 RETRYABLE_STAGES = frozenset(
     {"rollout", "reward", "buffer", "policy_update", "redistribute_weights"}
 )

@@ -17,11 +17,7 @@ from kfp import dsl
 
 from moerl.components.buffer.component import buffer
 from moerl.components.policy_update.component import policy_update
-from moerl.components.publish_checkpoint.component import (
-    init_policy,
-    publish_checkpoint,
-    resume_policy,
-)
+from moerl.components.publish_checkpoint.component import init_policy, resume_policy
 from moerl.components.redistribute_weights.component import redistribute_weights
 from moerl.components.reward.component import reward
 from moerl.components.rollout.component import rollout
@@ -39,7 +35,6 @@ STAGE_FUNCS: dict[str, Callable[..., Any]] = {
         reward,
         buffer,
         policy_update,
-        publish_checkpoint,
         redistribute_weights,
         log_iteration,
         finish_run,
@@ -67,7 +62,6 @@ class Ops:
     reward: Any
     buffer: Any
     policy_update: Any
-    publish_checkpoint: Any
     redistribute_weights: Any
     log_iteration: Any
     finish_run: Any
@@ -264,7 +258,7 @@ def build_pipeline(
             )
         else:
             init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
-        policy, state = init.outputs["Output"], init.outputs["state"]
+        policy = init.outputs["Output"]
         logs: list[dsl.PipelineTask] = []
         for i in range(start_iteration, n_iter):
             ro = _task(
@@ -286,28 +280,21 @@ def build_pipeline(
                 ),
                 f"buffer-{i}",
             )
+            # trains version i+1 from the published version i and publishes it: no trainer
+            # state passes between tasks
             up = _task(
                 ops.policy_update(
                     config_json=config_json,
                     batch=bf.outputs["batch"],
-                    state_in=state,
+                    policy_json=policy,
                     iteration=i,
                     run_id=rid,
                 ),
-                f"policy-update-{i}",
-            )
-            pub = _task(
-                ops.publish_checkpoint(
-                    config_json=config_json,
-                    run_id=rid,
-                    state=up.outputs["state_out"],
-                    version=i + 1,
-                ),
-                f"publish-checkpoint-v{i + 1}",
+                f"policy-update-v{i + 1}",
             )
             rd = _task(
                 ops.redistribute_weights(
-                    config_json=config_json, run_id=rid, policy_json=pub.outputs["policy_json"]
+                    config_json=config_json, run_id=rid, policy_json=up.outputs["policy_json"]
                 ),
                 f"redistribute-weights-v{i + 1}",
             )
@@ -320,14 +307,13 @@ def build_pipeline(
                         rollout=ro.outputs["Output"],
                         reward=rw.outputs["Output"],
                         buffer=bf.outputs["Output"],
-                        policy_update=up.outputs["Output"],
-                        publish=pub.outputs["metrics"],
+                        policy_update=up.outputs["metrics"],
                         redistribute=rd.outputs["metrics"],
                     ),
                     f"log-iteration-{i}",
                 )
             )
-            policy, state = rd.outputs["policy_json"], up.outputs["state_out"]
+            policy = rd.outputs["policy_json"]
         # after every log, so the reward curve it plots is complete
         _task(
             ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run"

@@ -1,49 +1,61 @@
 """KFP components: GRPO policy update (sync: one task per iteration; async: the long-lived trainer)."""
 
-from kfp.dsl import Artifact, Input, Output
+from typing import NamedTuple
+
+from kfp.dsl import Artifact, Input
 
 
+# Its outputs: a NamedTuple(...) call, the form KFP reads them from (mypy takes no call there).
 def policy_update(
     config_json: str,
     batch: Input[Artifact],
-    state_in: Input[Artifact],
+    policy_json: str,
     iteration: int,
-    state_out: Output[Artifact],
     run_id: str = "",
-) -> dict:
-    """Run the version's GRPO steps (`trainer.optimizer`) on `batch`.
+) -> NamedTuple("Updated", [("policy_json", str), ("metrics", dict)]):  # type: ignore[valid-type]
+    """Train one version from the published `policy_json` on `batch` and publish the next.
 
-    `state_in` / `state_out` are trainer-state directories: `model/` (HF checkpoint) and
-    `trainer/` (optimizer state, counters). Non-finite losses skip their step and are
-    counted; too many in a row (`trainer.optimizer`) fail the run.
-    Returns `train/*` metrics and `timing/policy_update_s`.
+    No trainer state passes through the pipeline: the trainer lays the version out from the
+    checkpoint store (each rank fetching only its shards of the optimizer state), runs the
+    version's GRPO steps (`trainer.optimizer`) on its mesh (this process as a one-rank mesh
+    when `trainer.parallelism.world_size` is 1), every rank writes its own part of the next
+    version, weights and state, and it is published to both tiers (`latest` moves once it is
+    verified). Non-finite losses skip their step and are counted; too many in a row fail the
+    run. A retry after the version was published returns it without training again.
+    Returns the new PolicyVersion JSON and the `train/*`, `weights/*` and timing metrics.
 
     With `cluster.launch.mode: kubernetes` the steps run in a Kubeflow Trainer TrainJob that
-    this task launches, watches and deletes (docs/launch.md); `run_id` labels it.
+    this task launches, watches and deletes (docs/launch.md): only the batch goes through it.
     """
     from moerl.launch.podenv import enter_pod
 
     # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     enter_pod("policy_update", config_json)
+    from collections import namedtuple
+
     from moerl.config import config_from_json
 
     cfg = config_from_json(config_json)
+    Updated = namedtuple("Updated", ["policy_json", "metrics"])
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch import run_remote
 
-        return run_remote(
+        out = run_remote(
             cfg,
             "policy_update",
             run_id,
-            args={"iteration": iteration},
-            inputs={"batch": batch.path, "state_in": state_in.path},
-            outputs={"state_out": state_out.path},
+            args={"iteration": iteration, "policy_json": policy_json},
+            inputs={"batch": batch.path},
         )
-    from moerl.components.policy_update.trainer import run_policy_update
+        return Updated(out["policy_json"], out["metrics"])
+    from moerl.components.policy_update.update import run_sync_update
+    from moerl.records import PolicyVersion
 
-    return run_policy_update(
-        cfg, batch.path, state_in.path, state_out.path, iteration, run_id=run_id
+    done = run_sync_update(
+        cfg, run_id, PolicyVersion.model_validate_json(policy_json), batch.path, iteration
     )
+    assert done is not None  # one node: this one reports
+    return Updated(done[0].model_dump_json(), done[1])
 
 
 def async_trainer(config_json: str, run_id: str) -> str:

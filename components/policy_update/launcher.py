@@ -204,10 +204,18 @@ def run_expert_parallel(
     return out["metrics"]
 
 
-def run_mesh_trainer(cfg: RunConfig, run_id: str) -> str:
-    """The async trainer as one mesh for the whole run (`mesh.py`): start its ranks once (on
-    this node's share, `nodes` from the TrainJob's PET_* variables), wait for all of them, and
-    return rank 0's result (the final PolicyVersion as JSON; "" on a node other than 0). No
+def run_mesh_trainer(
+    cfg: RunConfig,
+    run_id: str,
+    extra_args: list[str] | None = None,
+    timeout_s: float | None = None,
+) -> str:
+    """The async trainer as one mesh for the whole run (`mesh.py`), or, with `extra_args`
+    (`--policy-json`, `--batch`, `--iteration`), the sync update of one version (`update.py`):
+    start its ranks once (on this node's share, `nodes` from the TrainJob's PET_* variables),
+    wait for all of them, and return rank 0's result (JSON: the final PolicyVersion, or the
+    published version and its metrics; "" on a node other than 0). `timeout_s`: every rank
+    is killed past it (the sync update's `trainer.parallelism.rank_timeout_s`). Without it, no
     deadline on the whole: the run's length is the run's; a hung rank is bounded by the
     collectives' timeout, a silent controller by its heartbeat, a silent run by rank 0's stall
     watchdog. Any rank's failure kills every rank and raises with rank 0's exit code when it
@@ -229,12 +237,15 @@ def run_mesh_trainer(cfg: RunConfig, run_id: str) -> str:
             run_id,
             "--result",
             str(result),
+            *(extra_args or []),
         ]
         try:
             with procs.sigterm_raises():
                 ranks, grace_s = _start(cfg, tmp, rank_args, nodes, MESH_MODULE)
                 log.info("%s: started, pids %s", what, [p.pid for p in ranks])
-                returncode = _wait_all_or_kill(ranks, float("inf"), grace_s)
+                returncode = _wait_all_or_kill(ranks, timeout_s or float("inf"), grace_s)
+        except RankTimeout as err:
+            raise RankTimeout(f"trainer: {what} {err}") from None
         except procs.Terminated:
             raise TrainingError(f"trainer: received SIGTERM; killed every rank of {what}") from None
         if returncode != 0:

@@ -462,9 +462,12 @@ class Leader(Mesh):
         return made % self.cfg.checkpoint.state_every == 0 or made >= self.cfg.pipeline.versions
 
     def train_version(
-        self, samples: list[TrainSample], version: int, out: Path
+        self, samples: list[TrainSample], version: int, out: Path, with_state: bool = False
     ) -> dict[str, float]:
-        state = self.with_state(version)
+        """Train every rank on `samples`, each writing its part of version + 1 into `out` (on
+        node 0; its own folder elsewhere), with the trainer's state when due (`with_state`:
+        always, as the sync update needs)."""
+        state = with_state or self.with_state(version)
         self.control.send("train", version=version, path=str(out), state=state)
         metrics = self.train(samples, version, out, state)
         metrics["trainer/state_saved"] = float(state)
@@ -593,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config-json", required=True)
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--result", required=True)
+    # the sync update: one version from this published one, on this batch (`update.py`)
+    ap.add_argument("--policy-json")
+    ap.add_argument("--batch")
+    ap.add_argument("--iteration", type=int, default=0)
     a = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -624,7 +631,21 @@ def main(argv: list[str] | None = None) -> int:
 
         leader = Leader(cfg, control, a.run_id)
         try:
-            policy = run_trainer(cfg, a.run_id, mesh=leader)
+            if a.batch:  # the sync update's one version
+                from moerl.components.policy_update.update import update_on
+                from moerl.records import PolicyVersion
+
+                made, metrics = update_on(
+                    cfg,
+                    a.run_id,
+                    leader,
+                    PolicyVersion.model_validate_json(a.policy_json),
+                    a.batch,
+                    a.iteration,
+                )
+                result = json.dumps({"policy": made.model_dump(mode="json"), "metrics": metrics})
+            else:  # the async trainer, for the whole run
+                result = run_trainer(cfg, a.run_id, mesh=leader).model_dump_json()
         except BaseException as err:
             # the trainer's exit code, for the launcher (which may see another rank's first)
             result_code(Path(a.result)).write_text(str(exit_code(err)))
@@ -634,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
                 return err.exit_code
             raise
         leader.stop()
-        Path(a.result).write_text(policy.model_dump_json())
+        Path(a.result).write_text(result)
         ok = True
         return 0
     finally:

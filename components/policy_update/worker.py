@@ -441,7 +441,8 @@ def _train(
         batch_path = out_dir.parent / "batch.jsonl"
         write_records(batch_path, samples)
         metrics = run_policy_update(cfg, batch_path, state_dir, out_dir, version)
-    metrics["train/empty_batch"] = float(not samples)
+    # the mesh's own (fewer samples than ranks train nothing either), else none at all
+    metrics.setdefault("train/empty_batch", float(not samples))
     metrics["timing/policy_update_s"] = time.perf_counter() - t0
     return metrics
 

@@ -261,6 +261,21 @@ def prepare_resume(
     )
 
 
+def resumable(cfg: RunConfig, run_id: str, version: int) -> PolicyVersion:
+    """Published `version` as a run resumes from it: in the durable store, complete, with the
+    trainer's state (version 0 starts fresh). Refused otherwise, naming what is missing."""
+    store = run_store(cfg.checkpoint, run_id)
+    manifest = store.manifest(version)
+    if version > 0 and not any(f.path.startswith(f"{TRAINER_DIR}/") for f in manifest.files):
+        raise CheckpointError(
+            f"version {version} in {store.uri} has no {TRAINER_DIR}/ state (optimizer, counters); "
+            "it cannot be resumed from"
+        )
+    return PolicyVersion(
+        version=version, uri=version_uri(store, version), manifest_sha256=manifest.sha256()
+    )
+
+
 def check_finite(state_dir: str | Path, version: int) -> None:
     """Raise a CheckpointError naming the file and the tensor if any floating-point tensor in
     the `*.safetensors` under `state_dir` holds a NaN or an inf. Streams tensor by tensor, so
@@ -295,11 +310,15 @@ def run_publish(
     version: int,
     meta: dict[str, str] | None = None,
     exclusive: bool = False,
+    parts: RemoteParts | None = None,
 ) -> tuple[PolicyVersion, dict[str, float]]:
-    """`meta`: extra manifest labels (the async trainer records the groups a version trained on).
-    `exclusive`: claim the version create-only (see `CheckpointStore.publish`)."""
+    """`meta`: extra manifest labels (the sync update records its batch and metrics).
+    `exclusive`: claim the version create-only (see `CheckpointStore.publish`). `parts`: the
+    version's files other nodes of the trainer's mesh put themselves (`mesh.NodeParts`)."""
     t0 = time.perf_counter()
-    servable, policy, metrics = publish_servable(cfg, run_id, state_dir, version, meta, exclusive)
+    servable, policy, metrics = publish_servable(
+        cfg, run_id, state_dir, version, meta, exclusive, parts=parts
+    )
     metrics.update(
         publish_durable(
             cfg,
@@ -309,6 +328,7 @@ def run_publish(
             exclusive,
             started=t0,
             already=not metrics["weights/cache_tier"],
+            parts=parts,
         )
     )
     metrics["timing/publish_checkpoint_s"] = metrics["weights/published_to_durable_s"]  # both tiers

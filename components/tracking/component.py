@@ -131,7 +131,6 @@ def log_iteration(
     reward: dict,
     buffer: dict,
     policy_update: dict,
-    publish: dict,
     redistribute: dict,
 ) -> dict:
     """Log one iteration's metrics from every stage to MLflow under stable names, at
@@ -147,9 +146,16 @@ def log_iteration(
     cfg = config_from_json(config_json)
     # build-info and runtime probe on the run
     stage_start(cfg, "log_iteration", run_id, enforce=False)
-    merged = {**rollout, **reward, **buffer, **policy_update, **publish, **redistribute}
+    # policy_update: the version's training and its publication (one task)
+    merged = {**rollout, **reward, **buffer, **policy_update, **redistribute}
+    # each stage's own time (timing/trainer_*: parts of timing/policy_update_s, not stages)
     stage_keys = [
-        k for k in merged if k.startswith("timing/") and k.endswith("_s") and k.count("/") == 1
+        k
+        for k in merged
+        if k.startswith("timing/")
+        and k.endswith("_s")
+        and k.count("/") == 1
+        and not k.startswith("timing/trainer_")
     ]
     merged["timing/iteration_s"] = sum(merged[k] for k in stage_keys)
     tracking.log_metrics(tracking.resolve_uri(cfg.tracking), run_id, iteration, merged)

@@ -99,12 +99,12 @@ class CheckpointConfig(_Section):
     cache_tier: CacheTierConfig = CacheTierConfig()
     """The cache tier in front of `uri` (none by default; docs/weights.md)."""
     state_every: int = Field(1, ge=1, le=1000)
-    """Async trainer on a mesh: the trainer's state (float32 master weights and Adam, per-rank
+    """Async trainer: the trainer's state (float32 master weights and Adam, per-rank
     Distributed Checkpoints under trainer/) goes with every this-many-th version and the run's
     last; the others carry engine weights and counters only. A retry resumes from the newest
     durable version with state; the versions after it stay published and their groups consumed,
     but their updates are lost (at most state_every - 1 versions of training). The sync pipeline
-    and the single-process trainer save it with every version."""
+    saves it with every version (each task continues from the previous one's)."""
     max_unpublished: int = Field(1, ge=1, le=8)
     """Async trainer: versions handed to the publisher and not yet durable; the trainer trains on
     meanwhile and stalls (weights/trainer_stall_s) only when this many are in flight."""

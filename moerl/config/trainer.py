@@ -123,7 +123,7 @@ class ParallelismConfig(_Section):
     NCCL on GPU); 1: the plain transformers MoE block."""
     data_parallel_shard: int = Field(1, ge=1, le=1024)
     """FSDP2 shard degree: the ranks form the mesh (data_parallel_shard, expert_parallel_size),
-    dense weights, gradients and Adam state sharded over all of them; 1 x 1: one process."""
+    dense weights, gradients and Adam state sharded over all of them; 1 x 1: the stage's own process as a one-rank mesh."""
     ep_backend: Literal["all_to_all", "hierarchical", "deepep"] = "all_to_all"
     """How tokens move between expert-parallel ranks: all_to_all, hierarchical (within nodes, then
     across), or DeepEP's kernels (GPU)."""

@@ -50,16 +50,19 @@ def _policy_update(
     inputs: dict[str, Path],
     outputs: dict[str, Path],
 ) -> Any:
-    from moerl.components.policy_update.trainer import run_policy_update
+    from moerl.components.policy_update.update import run_sync_update
+    from moerl.records import PolicyVersion
 
-    return run_policy_update(
+    done = run_sync_update(
         cfg,
+        run_id,
+        PolicyVersion.model_validate_json(args["policy_json"]),
         inputs["batch"],
-        inputs["state_in"],
-        outputs["state_out"],
         int(args["iteration"]),
-        run_id=run_id,
     )
+    if done is None:  # a node other than the first: rank 0's node reports
+        return None
+    return {"policy_json": done[0].model_dump_json(), "metrics": done[1]}
 
 
 def _async_trainer(
@@ -105,9 +108,7 @@ def _rollout_worker(
 
 
 STAGES: dict[str, Stage] = {
-    "policy_update": Stage(
-        _policy_update, "trainer", inputs=("batch", "state_in"), outputs=("state_out",)
-    ),
+    "policy_update": Stage(_policy_update, "trainer", inputs=("batch",)),
     "async_trainer": Stage(_async_trainer, "trainer"),
     "rollout": Stage(_rollout, "rollout", outputs=("samples",)),
     "rollout_worker": Stage(_rollout_worker, "rollout"),

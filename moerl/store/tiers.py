@@ -50,9 +50,7 @@ class Swarm(Protocol):
 # which the cache server refuses (403): every stage that touches the cache tier must be here.
 # `moerl.launch.podsecrets.pod_secret_env` is where `place`, the launcher and the test sandbox read it.
 CACHE_TIER_SECRET = "moerl-ckpt-cache"
-WRITER_STAGES = frozenset(
-    {"init_policy", "resume_policy", "publish_checkpoint", "async_trainer", "finish_run"}
-)
+WRITER_STAGES = frozenset({"init_policy", "policy_update", "async_trainer", "finish_run"})
 READER_STAGES = frozenset({"start_run", "rollout", "rollout_worker", "redistribute_weights"})
 
 

@@ -778,7 +778,6 @@ def test_a_failing_init_policy_stops_the_stages_that_started_beside_it(
     engines start on dummy weights): when init_policy fails, the run is marked failed on the
     bus, which every stage's TrainerWatch reads at its next check, instead of waiting
     pipeline.trainer_lost_s for a trainer that will never start. The task still fails."""
-    from types import SimpleNamespace
 
     from mlflow.tracking import MlflowClient
 
@@ -803,14 +802,13 @@ def test_a_failing_init_policy_stops_the_stages_that_started_beside_it(
     bus, other = (RunBus(connect(server.url, 5, server.stage_user), r) for r in runs)
     stages = TrainerWatch(bus, lost_after_s=3600, every_s=0)
     assert not stages.abandoned()
-    state = SimpleNamespace(path=str(tmp_path / "state"))
     with pytest.raises(Exception, match="no-such-model"):
-        init_policy(config_to_json(cfg), bus.run_id, state, stages_beside=True)
+        init_policy(config_to_json(cfg), bus.run_id, stages_beside=True)
     assert bus.failed().startswith("init_policy failed: ") and "no-such-model" in bus.failed()
     assert stages.abandoned()
     # the sync pipeline's init_policy (stages_beside false) leaves the bus alone
     with pytest.raises(Exception, match="no-such-model"):
-        init_policy(config_to_json(cfg), other.run_id, state)
+        init_policy(config_to_json(cfg), other.run_id)
     assert other.failed() is None
     # an unreachable bus is a warning, not a second failure that would hide the first
     assert abandon_run("redis://127.0.0.1:1", None, "r1", "why", reconnect_s=0.5) is False

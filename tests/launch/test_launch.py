@@ -163,37 +163,89 @@ def _tree(d: Path) -> dict[str, bytes]:
     }
 
 
+def _version0(cfg, run_id: str, tmp_path: Path):
+    """The tiny model published as version 0 of `run_id` (what init_policy does)."""
+    from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
+
+    prepare_initial(cfg, tmp_path / f"v0-{run_id}")
+    return run_publish(cfg, run_id, tmp_path / f"v0-{run_id}", 0)[0]
+
+
+def _laid_out(cfg, run_id: str, version: int, dest: Path) -> dict[str, bytes]:
+    """Published `version` of `run_id`, state included, fetched and verified into `dest`."""
+    from moerl.components.publish_checkpoint.stage import prepare_resume
+
+    prepare_resume(cfg, run_id, version, dest)
+    return _tree(dest)
+
+
+def _local(cfg, run_id: str):
+    """`cfg` run on this machine (no launch), for the same update in-process."""
+    return cfg.model_copy(
+        update={
+            "cluster": cfg.cluster.model_copy(
+                update={
+                    "launch": cfg.cluster.launch.model_copy(
+                        update={"mode": "local", "trainer_nodes": 1}
+                    )
+                }
+            )
+        }
+    )
+
+
 def _remote_update(cfg, tmp_path: Path, monkeypatch, iteration: int, out: str):
-    """The tiny model and a batch as the task's artifacts, and run_remote's policy update of
-    them through the test kubelet into `tmp_path / out`: (cfg, run_id, state_in, kubelet, metrics)."""
-    from moerl.models.tiny import build_tiny_model
+    """Version 0 published, a batch as the task's artifact, and run_remote's policy update of
+    them through the test kubelet: it publishes version 1, laid out into `tmp_path / out`.
+    (cfg, run_id, kubelet, the task's value {policy_json, metrics})."""
     from moerl.records import write_records
 
     cfg, run_id = _tracked(cfg, tmp_path)
-    state_in = build_tiny_model(cfg.model.tiny, tmp_path / "state_in")
+    policy0 = _version0(cfg, run_id, tmp_path)
     write_records(tmp_path / "batch.jsonl", _batch())
     monkeypatch.delenv("MOERL_SANDBOX_ROOT", raising=False)
     kubelet = Kubelet()
-    metrics = run_remote(
+    value = run_remote(
         cfg,
         "policy_update",
         run_id,
-        args={"iteration": iteration},
-        inputs={"batch": tmp_path / "batch.jsonl", "state_in": state_in},
-        outputs={"state_out": tmp_path / out},
+        args={"iteration": iteration, "policy_json": policy0.model_dump_json()},
+        inputs={"batch": tmp_path / "batch.jsonl"},
         api=kubelet,
     )
-    return cfg, run_id, state_in, kubelet, metrics
+    _laid_out(cfg, run_id, 1, tmp_path / out)
+    return cfg, run_id, kubelet, value
+
+
+def _local_update(cfg, tmp_path: Path, iteration: int, out: str):
+    """The same update in this process, under a run of its own: (metrics, its run id)."""
+    from moerl import tracking
+    from moerl.components.policy_update.update import run_sync_update
+
+    local = _local(cfg, "")
+    run_id = tracking.start_run(local, tracking.resolve_uri(local.tracking), {"moerl.mode": "t"})
+    policy0 = _version0(local, run_id, tmp_path)
+    done = run_sync_update(local, run_id, policy0, tmp_path / "batch.jsonl", iteration)
+    assert done is not None and done[0].version == 1
+    _laid_out(local, run_id, 1, tmp_path / out)
+    return done[1], run_id
+
+
+def _same_update(a: dict, b: dict) -> None:
+    """Two updates' metrics agree on everything but time and the publication's own."""
+    keep = ("train/", "moe/", "rollout_corr/")
+    assert {k: v for k, v in a.items() if k.startswith(keep)} == {
+        k: v for k, v in b.items() if k.startswith(keep)
+    }
 
 
 def test_remote_policy_update_round_trip_matches_the_in_process_stage(
     s3_server, tmp_path, monkeypatch
 ):
-    """run_remote stages the inputs to S3, the "pod" (`python -m moerl.launch.remote`, started
-    from the TrainJob's own command and env) runs run_policy_update, and the outputs that come
-    back are byte-identical to running the stage in this process."""
-    from moerl.components.policy_update.trainer import run_policy_update
-
+    """run_remote stages the batch (the only input: no trainer state passes through the task)
+    to S3, the "pod" (`python -m moerl.launch.remote`, started from the TrainJob's own command
+    and env) lays version 0 out from the store, trains and publishes version 1, and that
+    version is byte-identical to the same update run in this process."""
     bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
     s3_server.client().create_bucket(Bucket=bucket)
     cfg = parse_config(
@@ -210,18 +262,17 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(
             },
         }
     )
-    cfg, run_id, state_in, kubelet, metrics = _remote_update(
-        cfg, tmp_path, monkeypatch, 3, "remote_out"
-    )
-    local = run_policy_update(cfg, tmp_path / "batch.jsonl", state_in, tmp_path / "local_out", 3)
-    assert {k: v for k, v in metrics.items() if not k.startswith("timing/")} == {
-        k: v for k, v in local.items() if not k.startswith("timing/")
-    }
-    assert metrics["train/steps"] == 2
+    cfg, run_id, kubelet, value = _remote_update(cfg, tmp_path, monkeypatch, 3, "remote_out")
+    metrics = value["metrics"]
+    assert json.loads(value["policy_json"])["version"] == 1
+    assert metrics["train/steps"] == 2 and metrics["weights/version"] == 1
+    local, _ = _local_update(cfg, tmp_path, 3, "local_out")
+    _same_update(metrics, local)
     remote_tree, local_tree = _tree(tmp_path / "remote_out"), _tree(tmp_path / "local_out")
     weights = [k for k in remote_tree if k.endswith(".safetensors") and "/" not in k]
     assert remote_tree.keys() == local_tree.keys() and weights  # the one rank's own file(s)
     assert all(remote_tree[k] == local_tree[k] for k in [*weights, "model.safetensors.index.json"])
+    assert "trainer/optimizer/.metadata" in remote_tree  # the state, straight to the store
     # the TrainJob ran in the scratch dir it was given, was deleted, and the exchange is gone
     (body,) = kubelet.bodies
     assert body["kind"] == "TrainJob" and kubelet.deleted == [body["metadata"]["name"]]
@@ -239,11 +290,13 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
     s3_server, tmp_path, monkeypatch
 ):
     """The mesh (2, 2) as a TrainJob of two nodes: each "pod" (its own scratch folder, sharing only
-    the S3 server) downloads the inputs, starts two ranks with torchrun, and the four meet in a
-    static rendezvous at node 0 (Trainer's PET_* variables); node 0 uploads the weights and its
-    ranks' weight files and state shards, node 1 its own. The merged output equals the same mesh on one
-    machine (weights byte for byte, metrics), and resumes at mesh (1, 4) on one node."""
-    from moerl.components.policy_update.trainer import run_policy_update
+    the S3 server) lays version 0 out from the store, starts two ranks with torchrun, and the four
+    meet in a static rendezvous at node 0 (Trainer's PET_* variables); node 0 publishes version 1
+    with its ranks' weight files and state shards, node 1 puts its own. The published version
+    equals the same mesh on one machine (weights byte for byte, metrics), and the next version
+    trains from it at mesh (1, 4) on one node."""
+    from moerl.components.policy_update.update import run_sync_update
+    from moerl.records import PolicyVersion
 
     bucket = f"moerl-launch-{uuid.uuid4().hex[:10]}"
     s3_server.client().create_bucket(Bucket=bucket)
@@ -273,47 +326,49 @@ def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
             },
         }
     )
-    cfg, run_id, state_in, kubelet, metrics = _remote_update(
-        cfg, tmp_path, monkeypatch, 1, "two_nodes"
-    )
+    cfg, run_id, kubelet, value = _remote_update(cfg, tmp_path, monkeypatch, 1, "two_nodes")
     (body,) = kubelet.bodies
     assert (
         body["spec"]["trainer"]["numNodes"] == 2
         and len(kubelet.procs[body["metadata"]["name"]]) == 2
     )
-    # each node ran in its own scratch; node 1 held only its ranks' shards
+    # each node ran in its own scratch
     assert (tmp_path / "scratch" / "node-0").is_dir() and (tmp_path / "scratch" / "node-1").is_dir()
     two = _tree(tmp_path / "two_nodes")
     shards = sorted(k for k in two if k.endswith(".distcp"))
     # every rank's shard of the master weights and of Adam's state
     assert len(shards) == 8 and "trainer/optimizer/.metadata" in two and "trainer/state.json" in two
     assert "trainer/model/.metadata" in two
-    local = run_policy_update(cfg, tmp_path / "batch.jsonl", state_in, tmp_path / "one_node", 1)
+    local, _ = _local_update(cfg, tmp_path, 1, "one_node")
     one = _tree(tmp_path / "one_node")
     assert two.keys() == one.keys()
     weights = sorted(k for k in one if k.endswith(".safetensors"))
     assert len(weights) >= 2  # every rank that holds experts wrote its own file
     assert all(two[k] == one[k] for k in weights)
-    assert {k: v for k, v in metrics.items() if not k.startswith("timing/")} == {
-        k: v for k, v in local.items() if not k.startswith("timing/")
-    }
+    _same_update(value["metrics"], local)
     assert Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{run_id}/exchange").keys() == []
-    # what two nodes wrote resumes on another mesh, on one node
-    other = cfg.model_copy(
+    # the next version trains from what two nodes published, on another mesh, on one node
+    other = _local(cfg, run_id)
+    other = other.model_copy(
         update={
-            "trainer": cfg.trainer.model_copy(
+            "trainer": other.trainer.model_copy(
                 update={
-                    "parallelism": cfg.trainer.parallelism.model_copy(
+                    "parallelism": other.trainer.parallelism.model_copy(
                         update={"data_parallel_shard": 1, "expert_parallel_size": 4}
                     )
                 }
             )
         }
     )
-    resumed = run_policy_update(
-        other, tmp_path / "batch.jsonl", tmp_path / "two_nodes", tmp_path / "resumed", 2
+    done = run_sync_update(
+        other,
+        run_id,
+        PolicyVersion.model_validate_json(value["policy_json"]),
+        tmp_path / "batch.jsonl",
+        2,
     )
-    assert resumed["train/steps"] == 2
+    assert done is not None and done[0].version == 2 and done[1]["train/steps"] == 2
+    _laid_out(other, run_id, 2, tmp_path / "resumed")
     w1, w2 = read_weights(tmp_path / "two_nodes"), read_weights(tmp_path / "resumed")
     assert any(not (w1[k] == w2[k]).all() for k in w1)
 
@@ -336,8 +391,6 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(
             },
         }
     )
-    (tmp_path / "state_in").mkdir()  # not a model: the stage fails inside the "pod"
-    (tmp_path / "state_in" / "config.json").write_text("{}")
     (tmp_path / "batch.jsonl").write_text("")
     # $MLFLOW_TRACKING_URI below only checks what reaches the pod
     cfg, run_id = _tracked(cfg, tmp_path)
@@ -356,12 +409,14 @@ def test_remote_stage_failure_reaches_the_task_and_the_exchange_is_cleaned(
             cfg,
             "policy_update",
             run_id,
-            args={"iteration": 0},
-            inputs={"batch": tmp_path / "batch.jsonl", "state_in": tmp_path / "state_in"},
-            outputs={"state_out": tmp_path / "out"},
+            # a version never published: the stage fails inside the "pod"
+            args={
+                "iteration": 0,
+                "policy_json": '{"version": 0, "uri": "s3://x/v0", "manifest_sha256": "0"}',
+            },
+            inputs={"batch": tmp_path / "batch.jsonl"},
             api=kubelet,
         )
-    assert not (tmp_path / "out").exists()
     assert Exchange(cfg.checkpoint, f"s3://{bucket}/ckpt/runs/{run_id}/exchange").keys() == []
     # what the task's environment put into the TrainJob: its pod as owner, its account, no credentials
     (body,) = kubelet.bodies

@@ -68,7 +68,7 @@ def test_pod_secret_env_gives_the_first_task_the_reader_publishers_the_writer_an
 
     # start_run's preflight HeadBuckets the cache tier: the reader may, and may not write
     assert pod_secret_env(cfg, "start_run", False) == mlflow | cache("READER")
-    assert pod_secret_env(cfg, "publish_checkpoint", False) == mlflow | cache("WRITER")
+    assert pod_secret_env(cfg, "policy_update", False) == mlflow | cache("WRITER")
     assert pod_secret_env(cfg, "reward", False) == mlflow
     # async: start_run and close_run alone hold the Valkey admin's password (they make and delete
     # the run's own user); every other stage logs in as that user, from the run's own Secret
@@ -304,7 +304,7 @@ def test_the_first_task_passes_its_cache_tier_preflight_with_its_pods_reader_key
         # its keys as 0400 files in its own sandbox, never in its environment
         assert "MOERL_CACHE_TIER_ACCESS_KEY_ID_FILE" in first["env"]
         assert "MOERL_CACHE_TIER_ACCESS_KEY_ID" not in first["env"]
-        publisher = task("publish_checkpoint")
+        publisher = task("policy_update")
         assert publisher["preflight"] == "ok" and publisher["write"] == "ok"
         # a stage whose pod gets no keys falls back to the AWS chain (the durable store's identity,
         # as IRSA on EKS) and is refused by the cache server: what start_run met on EKS

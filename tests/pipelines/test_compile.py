@@ -59,14 +59,14 @@ def test_compiled_spec_unrolls_iterations_and_uses_the_configured_image(tmp_path
     tasks = spec.components[
         next(t for t in root.values() if t.task_info.name == "moerl-run").component_ref.name
     ].dag.tasks
-    # start, init, finish + 7 tasks (6 stages + log) per iteration
-    assert len(tasks) == 3 + 7 * 3
+    # start, init, finish + 6 tasks (5 stages + log) per iteration: the policy update publishes
+    # the version it trains, so no task passes the trainer's state to another
+    assert len(tasks) == 3 + 6 * 3
     for stage in (
         "rollout",
         "reward",
         "buffer",
         "policy-update",
-        "publish-checkpoint",
         "redistribute-weights",
     ):
         assert (

@@ -160,7 +160,6 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
             "reward",
             "buffer",
             "policy_update",
-            "publish_checkpoint",
             "redistribute_weights",
             "log_iteration",
         }
@@ -564,7 +563,7 @@ def test_the_cache_tier_gives_publishers_the_writer_and_engines_the_reader_ident
         else {
             "start_run": reader,
             "init_policy": writer,
-            "publish_checkpoint": writer,
+            "policy_update": writer,  # it publishes the version it trains
             "rollout": reader,
             "redistribute_weights": reader,
             "finish_run": writer,

@@ -25,7 +25,7 @@ STAGES = (
     "reward",
     "buffer",
     "policy_update",
-    "publish_checkpoint",
+    "publish_checkpoint",  # the version's publication, inside policy_update's task
     "redistribute_weights",
 )
 PASSWORD = "pw-3e9c1a7f-e2e"
@@ -237,7 +237,6 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
         "reward",
         "buffer",
         "policy_update",
-        "publish_checkpoint",
         "redistribute_weights",
         "log_iteration",
         "finish_run",

@@ -128,7 +128,7 @@ def test_resume_from_version_0_starts_with_resume_policy(tmp_path):
         names[resume] = {t["taskInfo"]["name"] for d in dags for t in d["dag"]["tasks"].values()}
     assert "init-policy-v0" in names[False] and "resume-policy-v0" not in names[False]
     assert "resume-policy-v0" in names[True] and "init-policy-v0" not in names[True]
-    assert {"rollout-0", "publish-checkpoint-v1", "publish-checkpoint-v2"} <= names[True]
+    assert {"rollout-0", "policy-update-v1", "policy-update-v2"} <= names[True]
 
 
 def test_resume_of_an_unknown_run_fails_clearly(tmp_path):
