@@ -186,7 +186,7 @@ def _local(cfg, run_id: str):
             "cluster": cfg.cluster.model_copy(
                 update={
                     "launch": cfg.cluster.launch.model_copy(
-                        update={"mode": "local", "trainer_nodes": 1}
+                        update={"mode": "in_task", "trainer_nodes": 1}
                     )
                 }
             )

@@ -193,7 +193,7 @@ def test_launched_gpu_stages_run_their_task_on_the_cpu_group(tmp_path):
         }
     )
     spec, doc, k8s = _compiled(tmp_path, data)
-    up = next(t for t in _tasks(spec).values() if t.task_info.name == "policy-update-0")
+    up = next(t for t in _tasks(spec).values() if t.task_info.name == "policy-update-v1")
     kc = k8s[_executor(spec, up)]
     assert dict(kc.node_selector.labels) == {"moerl.ai/group": "cpu"}
     assert "/dev/shm" not in {m.mount_path for m in kc.empty_dir_mounts}
