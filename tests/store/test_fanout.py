@@ -27,6 +27,7 @@ from moerl.store.fanout_book import REFRESH_S, Book, Holders, has_bit, run_token
 from moerl.store.manifest import Manifest
 from moerl.store.tiers import Tiers, run_tiers
 from tests.store.test_store import make_checkpoint, tree
+from tests.support.objects import file_key
 
 CHUNK = 4096
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
@@ -390,10 +391,12 @@ def test_a_failed_fetch_withdraws_what_it_announced(buckets, valkey, tmp_path: P
     _, start, length, _ = plan[bad]
     body = bytearray((src / "model.safetensors").read_bytes())
     body[start : start + length] = bytes(x ^ 0xFF for x in body[start : start + length])
-    for bucket in ("fan-cache", "fan-durable"):  # no source serves that chunk intact
+    # no source serves that chunk intact
+    for bucket, store in (("fan-cache", tiers.cache), ("fan-durable", tiers.durable)):
+        assert store is not None
         buckets.client().put_object(
             Bucket=bucket,
-            Key=f"{tmp_path.name}/runs/r1/versions/v000001/model.safetensors",
+            Key=f"{tmp_path.name}/runs/r1/{file_key(store, 1, 'model.safetensors')}",
             Body=bytes(body),
         )
     bus = _bus(valkey, f"withdraw-{tmp_path.name}")

@@ -20,6 +20,7 @@ from moerl.store.fence import CLAIM
 from moerl.store.s3 import S3Store
 from moerl.store.tiers import open_store
 from tests.store.test_store import make_checkpoint, tree
+from tests.support.objects import file_key
 
 # the manifest's chunk size = the upload's part size: multipart objects are checkable
 PART = 5 * 2**20
@@ -68,7 +69,9 @@ def test_every_stored_object_is_checked_by_its_sha256(s3_server, uri: str, tmp_p
     m = store.publish(1, src, exclusive=True, chunk_size=PART, epoch=1)
     assert store.hash_checked == len(m.files) == 4
     head = s3_server.client().head_object(
-        Bucket=uri.split("/")[2], Key="runs/r1/versions/v000001/big.bin", ChecksumMode="ENABLED"
+        Bucket=uri.split("/")[2],
+        Key=f"runs/r1/{file_key(store, 1, 'big.bin')}",
+        ChecksumMode="ENABLED",
     )
     assert head["ChecksumSHA256"].endswith("-3")  # multipart: checked through the chunk hashes
 

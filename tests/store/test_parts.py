@@ -31,6 +31,7 @@ from moerl.store.manifest import hash_file
 from moerl.store.runs import ENGINE_EXCLUDE
 from moerl.store.tiers import run_store, run_tiers
 from tests.store.test_store import tree
+from tests.support.objects import in_version
 
 RUN = "r1"
 CHUNK = 5 * 2**20  # checkpoint.chunk_mb = multipart_chunk_mb = 5: a multipart object is checkable
@@ -237,7 +238,8 @@ def test_a_version_holds_every_nodes_files_in_both_tiers(
     assert len(listed["model-r1-p1.safetensors"].chunks) == 2
     # every object, node 1's included, checked by the hash the S3 server reports
     assert tiers.cache.hash_checked == len(m.files)
-    assert objects(s3, CACHE, tmp_path, 1) == set(listed) | {MANIFEST, CLAIM}
+    assert m.objects  # the S3 cache tier published first: the version's own object folder
+    assert objects(s3, CACHE, tmp_path, 1) == in_version(m, listed) | {MANIFEST, CLAIM}
     got = tiers.cache.fetch(1, tmp_path / "from-cache", expect_sha256=m.sha256())
     assert fetched(got) == tree(local) | tree(theirs)
 
@@ -246,7 +248,7 @@ def test_a_version_holds_every_nodes_files_in_both_tiers(
     assert tiers.durable.latest() == 1 and tiers.durable.manifest(1).sha256() == m.sha256()
     if durable == "s3":
         assert tiers.durable.hash_checked == len(m.files)
-        assert objects(s3, DURABLE, tmp_path, 1) == set(listed) | {MANIFEST, CLAIM}
+        assert objects(s3, DURABLE, tmp_path, 1) == in_version(m, listed) | {MANIFEST, CLAIM}
     else:  # the private staging folder node 1 put into was renamed into place
         versions = tmp_path / "durable" / "runs" / RUN / "versions"
         assert sorted(p.name for p in versions.iterdir()) == ["v000001"]
@@ -373,7 +375,8 @@ def test_a_replaced_meshs_node_is_refused_and_the_new_version_stands(
     assert staged.claim is not None and staged.claim.epoch == 1
     assert b.latest() == 1 and b.latest_epoch() == 2 and b.read_claim(1).epoch == 2
     stored = objects(s3, DURABLE, tmp_path, 1)
-    assert stored == files(local_b) | {MANIFEST, CLAIM}  # A's failed publish left B's alone
+    # A's failed publish left B's alone
+    assert stored == in_version(b.manifest(1), files(local_b)) | {MANIFEST, CLAIM}
     assert fetched(b.fetch(1, tmp_path / "check-b")) == tree(local_b)
     # A's node called directly, as a late uploader would: refused before its first file
     with pytest.raises(CheckpointError, match=r"epoch 1 is older than epoch 2"):
@@ -421,16 +424,17 @@ def test_node_state_is_listed_in_the_cache_tier_but_stored_only_durably(
     for rel in state1 | {"model-r1-p0.safetensors"}:
         assert listed[rel] == FileEntry(rel, *hash_file(theirs / rel, CHUNK))
     cached = objects(s3, CACHE, tmp_path, 1)
-    assert "model-r1-p0.safetensors" in cached and "model-r0-p0.safetensors" in cached
-    assert not {k for k in cached if k.startswith("trainer/")}
-    assert cached == {p for p in listed if not p.startswith("trainer/")} | {MANIFEST, CLAIM}
+    engines = in_version(m, ["model-r1-p0.safetensors", "model-r0-p0.safetensors"])
+    assert engines <= cached and not {k for k in cached if "trainer/" in k}
+    engine_files = {p for p in listed if not p.startswith("trainer/")}
+    assert cached == in_version(m, engine_files) | {MANIFEST, CLAIM}
     engine = tiers.cache.fetch(1, tmp_path / "engine", exclude=ENGINE_EXCLUDE)
     assert fetched(engine) == {
         k: v for k, v in (tree(local) | tree(theirs)).items() if not k.startswith("trainer/")
     }
 
     tiers.publish_durable(m, local, exclusive=True, parts=parts)
-    assert objects(s3, DURABLE, tmp_path, 1) == set(listed) | {MANIFEST, CLAIM}
+    assert objects(s3, DURABLE, tmp_path, 1) == in_version(m, listed) | {MANIFEST, CLAIM}
     whole = tiers.durable.fetch(1, tmp_path / "whole", expect_sha256=m.sha256())
     assert fetched(whole) == tree(local) | tree(theirs)
 

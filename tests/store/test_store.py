@@ -31,6 +31,7 @@ from moerl.store.base import (
 from moerl.store.folder import LocalStore
 from moerl.store.runs import open_store
 from moerl.store.s3 import S3Store
+from tests.support.objects import file_key
 from tests.support.s3server import S3Server
 
 
@@ -113,8 +114,10 @@ def test_publish_fetch_roundtrip(case: Case, tmp_path: Path) -> None:
     assert got.pop(".moerl-verified").decode() == m.sha256()
     assert got == tree(src)
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".tmp-")]
+    # on S3 each publish stores its files under its own object folder, which the manifest names
+    assert bool(m.objects) == isinstance(case.store, S3Store)
     if case.etag:  # a multipart ETag ends in -<parts>: the 5 MiB chunk size reached boto3
-        assert case.etag("versions/v000001/big.bin").strip('"').endswith("-3")
+        assert case.etag(file_key(case.store, 1, "big.bin")).strip('"').endswith("-3")
 
 
 def test_latest_moves_only_on_success(case: Case, tmp_path: Path) -> None:
@@ -170,7 +173,7 @@ def test_corrupt_object_refused_at_fetch(case: Case, tmp_path: Path, same_size: 
     m = case.store.publish(1, src)
     entry = next(f for f in m.files if f.path == "model.safetensors")
     bad = os.urandom(entry.size if same_size else entry.size + 7)
-    case.put_raw("versions/v000001/model.safetensors", bad)
+    case.put_raw(file_key(case.store, 1, "model.safetensors"), bad)
     actual = hashlib.sha256(bad).hexdigest()
     with pytest.raises(CheckpointError) as err:
         case.store.fetch(1, tmp_path / "cache")
@@ -193,7 +196,7 @@ def test_streaming_fetch_refuses_a_corrupt_multipart_object_and_never_shows_it(
     good = (src / "big.bin").read_bytes()
     bad = bytearray(good)
     bad[len(bad) // 2 + 12345] ^= 0xFF
-    case.put_raw("versions/v000001/big.bin", bytes(bad))
+    case.put_raw(file_key(case.store, 1, "big.bin"), bytes(bad))
     cache = tmp_path / "cache"
     final = cache / "v000001"
     seen: list[bool] = []
@@ -218,7 +221,7 @@ def test_streaming_fetch_refuses_a_corrupt_multipart_object_and_never_shows_it(
     # the streamed hash is of the bytes as received
     assert f"got sha256 {actual} ({entry.size} bytes)" in msg
     assert not seen and not final.exists() and not list(cache.glob(".tmp-*"))
-    case.put_raw("versions/v000001/big.bin", good)
+    case.put_raw(file_key(case.store, 1, "big.bin"), good)
     assert tree(case.store.fetch(1, cache))["big.bin"] == good
 
 
@@ -242,7 +245,7 @@ def test_verified_copy_is_reused(case: Case, tmp_path: Path) -> None:
     src = make_checkpoint(tmp_path / "src")
     case.store.publish(1, src)
     first = case.store.fetch(1, tmp_path / "cache")
-    case.delete_raw("versions/v000001/model.safetensors")
+    case.delete_raw(file_key(case.store, 1, "model.safetensors"))
     second = case.store.fetch(1, tmp_path / "cache")
     assert (
         second == first
@@ -490,7 +493,7 @@ def test_fetch_file_fetches_one_verified_file_and_refuses_other_bytes(
     with pytest.raises(CheckpointError, match="has no file nothing.bin"):
         case.store.fetch_file(1, "nothing.bin", tmp_path / "x")
     # another writer's bytes under the key: refused by their sha256, nothing left behind
-    case.put_raw("versions/v000001/model.safetensors", os.urandom(4097))
+    case.put_raw(file_key(case.store, 1, "model.safetensors"), os.urandom(4097))
     with pytest.raises(CheckpointError, match="model.safetensors of version 1 .* sha256"):
         case.store.fetch_file(1, "model.safetensors", tmp_path / "two" / "model.safetensors")
     assert not any(p.is_file() for p in (tmp_path / "two").rglob("*"))

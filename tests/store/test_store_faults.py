@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from moerl.errors import CheckpointError
 from moerl.store.folder import LocalStore
 from moerl.store.runs import open_store
 from tests.store.test_store import Case, _s3_case, case, make_checkpoint, tree  # noqa: F401 (case: a fixture)
+from tests.support.objects import file_key, files_prefix
 from tests.support.s3server import S3Server
 
 # A child process that publishes or fetches with its own store.
@@ -129,8 +131,10 @@ def test_s3_upload_killed_midway_leaves_latest_and_can_be_redone(
     _wait_for(parts_uploaded, 60, "the first uploaded part", child)
     _kill(child)
     ups = s3.list_multipart_uploads(Bucket=bucket, Prefix="runs/r1/").get("Uploads", [])
-    # killed mid-upload, not after
-    assert [u["Key"] for u in ups] == ["runs/r1/versions/v000002/big.bin"]
+    # killed mid-upload, not after: big.bin, under this publish's own object folder
+    assert len(ups) == 1 and re.fullmatch(
+        r"runs/r1/versions/v000002/[0-9a-z]+/big\.bin", ups[0]["Key"]
+    ), [u["Key"] for u in ups]
     fresh = open_store(cfg)
     assert fresh.latest() == 1 and fresh.versions() == [1]
     with pytest.raises(CheckpointError, match="version 2 not found"):
@@ -281,7 +285,7 @@ def test_truncated_object_refused_at_fetch(case: Case, tmp_path: Path) -> None: 
     m = case.store.publish(1, src)
     entry = next(f for f in m.files if f.path == "big.bin")
     half = (src / "big.bin").read_bytes()[: entry.size // 2]
-    case.put_raw("versions/v000001/big.bin", half)
+    case.put_raw(file_key(case.store, 1, "big.bin"), half)
     with pytest.raises(CheckpointError) as err:
         case.store.fetch(1, tmp_path / "cache")
     msg = str(err.value)
@@ -376,7 +380,7 @@ def test_two_processes_fetch_one_version_download_once(s3_server: S3Server, tmp_
     bucket = _new_bucket(s3_server)
     cfg = _s3_cfg(s3_server, bucket, max_concurrency=1)
     src = make_checkpoint(tmp_path / "src")
-    open_store(cfg).publish(1, src)
+    published = open_store(cfg).publish(1, src)
     cache, n = tmp_path / "cache", 2
     args = [
         {
@@ -408,7 +412,7 @@ def test_two_processes_fetch_one_version_download_once(s3_server: S3Server, tmp_
         src
     ) and ".moerl-verified" in got
     gets = sorted(k for r in results for k in r["gets"])
-    want = sorted(f"runs/r1/versions/v000001/{p}" for p in tree(src))
+    want = sorted(f"runs/r1/{files_prefix(published)}{p}" for p in tree(src))
     assert gets == want, f"each file must be downloaded exactly once in total, got {gets}"
     assert sorted(len(r["gets"]) for r in results) == [0, len(want)]  # one process did all the work
     assert (cache / ".v000001.lock").exists() and not list(cache.glob(".tmp-*"))

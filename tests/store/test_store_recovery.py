@@ -21,6 +21,7 @@ from moerl.config import CheckpointConfig, RunConfig
 from moerl.errors import CheckpointError
 from moerl.store.runs import open_store
 from tests.store.test_store import make_checkpoint, tree
+from tests.support.objects import file_key
 from tests.support.s3server import S3Server
 
 _CHILD = r"""
@@ -143,7 +144,7 @@ def test_complete_but_unverifiable_version_above_latest_is_deleted(
     cfg: CheckpointConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     store, v2 = _killed_at(cfg, tmp_path, "committed")
-    store._delete(["versions/v000002/config.json"])  # an object the manifest lists is gone
+    store._delete([file_key(store, 2, "config.json")])  # an object the manifest lists is gone
     with caplog.at_level("WARNING", logger="moerl.store.base"):
         assert store.recover() == 1
     assert "deleting v000002, above latest 1: config.json of version 2" in caplog.text

@@ -22,6 +22,7 @@ from moerl.store.manifest import hash_file
 from moerl.store.runs import ENGINE_EXCLUDE
 from moerl.store.tiers import Tiers, node_copy, run_tiers
 from tests.store.test_store import make_checkpoint, tree
+from tests.support.objects import file_key, in_version
 
 CHUNK = 4096
 
@@ -113,7 +114,7 @@ def test_a_cache_tier_that_is_down_or_corrupt_falls_back_to_s3(buckets, tmp_path
     # a corrupt object in the cache tier: refused by its checksum, read from S3
     buckets.client().put_object(
         Bucket="tier-cache",
-        Key=f"{tmp_path.name}/runs/r1/versions/v000001/model.safetensors",
+        Key=f"{tmp_path.name}/runs/r1/{file_key(tiers.cache, 1, 'model.safetensors')}",
         Body=b"\0" * 4097,
     )
     path, source = tiers.fetch(1, tmp_path / "a", expect_sha256=m.sha256())
@@ -336,8 +337,9 @@ def test_the_cache_tier_holds_engine_weights_only_under_the_one_manifest(
     assert tiers.cache_failed is None and tiers.cache.latest() == 1
     run = f"{tmp_path.name}/runs/r1/versions/v000001/"
     cached = _objects(buckets, "tier-cache", run)
-    assert not [k for k in cached if k.startswith("trainer/")], cached
-    assert {"config.json", "model.safetensors", "tokenizer/nested/tokenizer.json"} <= set(cached)
+    assert not [k for k in cached if "trainer/" in k], cached
+    engine_files = {"config.json", "model.safetensors", "tokenizer/nested/tokenizer.json"}
+    assert in_version(m, engine_files) <= set(cached)
     # the manifest lists the state exactly as it is (sha256 and every chunk's)
     listed = {e.path: e for e in m.files}
     for rel in state:
@@ -346,7 +348,7 @@ def test_the_cache_tier_holds_engine_weights_only_under_the_one_manifest(
     # the durable copy: every file, under the same manifest
     tiers.publish_durable(m, src, exclusive=True)
     assert tiers.durable.manifest(1).sha256() == tiers.cache.manifest(1).sha256() == m.sha256()
-    assert state <= set(_objects(buckets, "tier-durable", run))
+    assert in_version(m, state) <= set(_objects(buckets, "tier-durable", run))
     # an engine reads the cache tier, every file verified
     path, source = tiers.fetch(1, tmp_path / "node", ENGINE_EXCLUDE, expect_sha256=m.sha256())
     engine = {k: v for k, v in tree(src).items() if not k.startswith("trainer/")}
@@ -400,12 +402,13 @@ def test_parts_put_by_other_nodes_leave_their_state_out_of_the_cache_tier(
             assert listed[rel] == FileEntry(rel, *hash_file(d / rel, CHUNK))
     run = f"{tmp_path.name}/runs/r1/versions/v000001/"
     cached = _objects(buckets, "tier-cache", run)
-    assert "model-00002.safetensors" in cached and not [
-        k for k in cached if k.startswith("trainer/")
+    assert in_version(m, ["model-00002.safetensors"]) <= set(cached) and not [
+        k for k in cached if "trainer/" in k
     ]
     tiers.publish_durable(m, local, exclusive=True, parts=parts)
     assert tiers.durable.manifest(1).sha256() == m.sha256()
-    assert _state_files(local) | _state_files(other) <= set(_objects(buckets, "tier-durable", run))
+    state = _state_files(local) | _state_files(other)
+    assert in_version(m, state) <= set(_objects(buckets, "tier-durable", run))
     whole = tiers.durable.fetch(1, tmp_path / "whole")
     assert (
         tree(whole)["trainer/optim/__1_0.distcp"]
@@ -456,7 +459,8 @@ def test_recovery_drops_a_servable_version_with_state_and_promotes_one_without(
     assert fresh.recover() == 1 and fresh.cache.latest() == 1
     assert fresh.cache.manifest(1).sha256() == m1b.sha256()
     rebuilt = _objects(buckets, "tier-cache", f"{tmp_path.name}-fresh/runs/r1/versions/v000001/")
-    assert "model.safetensors" in rebuilt and not [k for k in rebuilt if k.startswith("trainer/")]
+    assert in_version(m1b, ["model.safetensors"]) <= set(rebuilt)
+    assert not [k for k in rebuilt if "trainer/" in k]
     fresh.cache.fetch(1, tmp_path / "check1", exclude=ENGINE_EXCLUDE)  # verified
 
 
@@ -483,4 +487,6 @@ def test_the_embedded_cache_tier_of_a_local_run_holds_no_trainer_state(tmp_path:
         m = tiers.publish(1, src, {}, exclusive=True)
         assert tiers.cache_failed is None and tiers.cache.manifest(1).sha256() == m.sha256()
         assert not [k for k in tiers.cache._list("versions/") if "/trainer/" in k]
-        assert (tmp_path / "durable/runs/r1/versions/v000001/trainer/counters.json").is_file()
+        # the folder store's copy under the cache tier's manifest: its object folder too
+        counters = file_key(tiers.durable, 1, "trainer/counters.json")
+        assert m.objects and (tmp_path / "durable/runs/r1" / counters).is_file()
