@@ -7,7 +7,7 @@ an assumption the report carries and the command line changes:
     b_efa    a node's EFA line rate: 3,200 Gbps on p5en = 400 GB/s
     b_s3     one node's S3 throughput (default 100 Gbps = 12.5 GB/s)
     R_get    S3 GET requests per second per prefix (5,500: AWS's documented floor; a version's
-             objects share one prefix, runs/<run>/versions/vNNNNNN/)
+             objects share one prefix, runs/<run>/versions/vNNNNNN/<objects>/)
     part     bytes per ranged GET (checkpoint.multipart_chunk_mb, 8 MiB)
     b_cache  one cache-tier node's network (default 50 Gbps = 6.25 GB/s: r7i.48xlarge), c nodes
     b_tcp    a rollout node's TCP throughput to its peers over the pod network (default 100 Gbps)

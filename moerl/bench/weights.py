@@ -349,6 +349,7 @@ def bench_tiers(
     from moerl.components.publish_checkpoint.stage import run_publish
     from moerl.config import RunConfig
     from moerl.models.tiny import build_tiny_model
+    from moerl.store.manifest import files_dir
     from moerl.store.runs import ENGINE_EXCLUDE
     from moerl.store.tiers import run_tiers
 
@@ -380,9 +381,12 @@ def bench_tiers(
     assert cache is not None and cache_uri is not None  # the caller configures a cache tier
     v = cache.latest()  # the cache tier keeps only its newest versions
     assert v is not None  # the publisher above wrote repeats + 1 versions
-    files = [e for e in cache.manifest(v).files if not e.path.startswith(ENGINE_EXCLUDE)]
+    manifest = cache.manifest(v)
+    files = [e for e in manifest.files if not e.path.startswith(ENGINE_EXCLUDE)]
     keys, nbytes = [e.path for e in files], sum(e.size for e in files)
     bucket, _, prefix = cache_uri.removeprefix("s3://").partition("/")
+    # where the files are: the publish's object folder under the version's directory
+    folder = files_dir(f"{prefix}/runs/{name}-pub/versions/v{v:06d}", manifest.objects)
     for i in range(repeats):
         t0 = time.perf_counter()
         cache.fetch(v, root / f"cf{i}", exclude=ENGINE_EXCLUDE)
@@ -391,9 +395,7 @@ def bench_tiers(
         for k in keys:
             dest = root / f"raw{i}" / k
             dest.parent.mkdir(parents=True, exist_ok=True)
-            cache_client.download_file(
-                bucket, f"{prefix}/runs/{name}-pub/versions/v{v:06d}/{k}", str(dest)
-            )
+            cache_client.download_file(bucket, f"{folder}/{k}", str(dest))
         raws.append(time.perf_counter() - t0)
         shutil.rmtree(root / f"cf{i}", ignore_errors=True)
         shutil.rmtree(root / f"raw{i}", ignore_errors=True)

@@ -23,7 +23,16 @@ from typing import Any, BinaryIO, Protocol, TypeVar
 from moerl.errors import CheckpointError
 from moerl.store.fence import CLAIM, Claim, new_owner, older, refused
 from moerl.store.leases import PinLeases
-from moerl.store.manifest import MANIFEST, FileEntry, Manifest, hash_file, sha256_file, version_dir
+from moerl.store.manifest import (
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    files_dir,
+    hash_file,
+    new_objects,
+    sha256_file,
+    version_dir,
+)
 from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, shared
 
 __all__ = [
@@ -240,31 +249,42 @@ class CheckpointStore(PinLeases, ABC):
         owner = owner or new_owner()
         # the claim, before any file: a writer older than the version's claim is refused here
         claim = self._claim(version, epoch, owner) if exclusive and self._claims else None
+        # this publish's own object folder (a store whose writers share the version's keys:
+        # S3), which the manifest names; the second tier's copy uses the first's
+        objects = (
+            manifest.objects if manifest is not None else new_objects() if self._claims else ""
+        )
         # upload parts the size of the manifest's chunks, so a multipart object's checksum can be
         # checked against the chunk hashes (S3's composite SHA-256; see `_stored`)
         self._part_size = manifest.chunk_size if manifest is not None else chunk_size
         stage = self._begin(version, exclusive)
+        files_at = files_dir(stage, objects)
 
         def put(rel: str) -> FileEntry | None:
             if claim is not None:  # fenced since? stop within one file
                 self._check_claim(version, claim)
             if manifest is None:
-                return self._put_hashed(stage, rel, src_dir / rel, chunk_size)
+                return self._put_hashed(files_at, rel, src_dir / rel, chunk_size)
             if self.holds(rel):
-                self._put(stage, rel, src_dir / rel)
+                self._put(files_at, rel, src_dir / rel)
             return None
 
         try:
             # 2. Copy every file, hashing each one just before it is copied (unless given).
             entries = self._map(put, files)
             if parts is not None:  # the other nodes' files, put by them under this claim
-                theirs = parts.put(self, version, stage, claim, manifest, chunk_size)
+                theirs = parts.put(self, version, files_at, claim, manifest, chunk_size)
                 entries += theirs
                 _check_parts(version, files, theirs, manifest, self.absent)
             if manifest is None:
                 created = datetime.now(UTC).isoformat(timespec="seconds")
                 manifest = Manifest(
-                    version, tuple(e for e in entries if e is not None), created, meta, chunk_size
+                    version,
+                    tuple(e for e in entries if e is not None),
+                    created,
+                    meta,
+                    chunk_size,
+                    objects,
                 )
             # 3. The manifest goes last: its presence is what makes a version complete. Under a
             # claim it is written create-only: of two writers of one version, one manifest.
@@ -413,7 +433,7 @@ class CheckpointStore(PinLeases, ABC):
             tmp = dest_dir / f".tmp-{version_dir(version)}-{uuid.uuid4().hex[:8]}"
             try:
                 tmp.mkdir()
-                self._map(lambda e: self._get_verified(version, e, tmp), wanted)
+                self._map(lambda e: self._get_verified(version, e, tmp, manifest.objects), wanted)
                 (tmp / MANIFEST).write_text(manifest.to_json())
                 (tmp / MARKER).write_text(
                     manifest.sha256() + "".join(f"\nexclude={p}" for p in sorted(exclude))
@@ -457,7 +477,7 @@ class CheckpointStore(PinLeases, ABC):
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}")
         try:
-            sha = self._get(version_dir(version), rel, tmp)
+            sha = self._get(files_dir(version_dir(version), manifest.objects), rel, tmp)
             if sha != entry.sha256:
                 raise CheckpointError(
                     f"{rel} of version {version} in {self.uri} has sha256 {sha}, its manifest "
@@ -468,9 +488,11 @@ class CheckpointStore(PinLeases, ABC):
             tmp.unlink(missing_ok=True)
         return dest
 
-    def read_chunk(self, version: int, rel: str, start: int, length: int) -> bytes:
+    def read_chunk(
+        self, version: int, rel: str, start: int, length: int, objects: str = ""
+    ) -> bytes:
         """`length` bytes of a version's file from `start` (a fan-out chunk; the caller checks
-        it against the manifest's chunk hash)."""
+        it against the manifest's chunk hash). `objects`: the manifest's object folder."""
         if not self.holds(rel):
             raise CheckpointError(
                 f"{rel} of version {version} is not in {self.uri} (it holds no "
@@ -478,7 +500,7 @@ class CheckpointStore(PinLeases, ABC):
             )
         if length <= 0:  # an empty file's one chunk: no request (`bytes=0--1` is not a range)
             return b""
-        return self._get_range(version_dir(version), rel, start, length)
+        return self._get_range(files_dir(version_dir(version), objects), rel, start, length)
 
     def apply_retention(
         self, keep_last: int, keep_every: int, pinned: Iterable[int] = frozenset()
@@ -830,7 +852,8 @@ class CheckpointStore(PinLeases, ABC):
                 f"the manifest of version {v} did not read back as written in {self.uri}; retry"
             )
         held = [e for e in manifest.files if self.holds(e.path)]
-        stored = self._map(lambda e: self._stored(stage, e, manifest.chunk_size), held)
+        files_at = files_dir(stage, manifest.objects)
+        stored = self._map(lambda e: self._stored(files_at, e, manifest.chunk_size), held)
         for e, (size, same) in zip(held, stored):
             if size != e.size:
                 raise CheckpointError(
@@ -845,7 +868,7 @@ class CheckpointStore(PinLeases, ABC):
                 )
         self.hash_checked = sum(1 for _, same in stored if same)
 
-    def _get_verified(self, version: int, e: FileEntry, tmp: Path) -> None:
+    def _get_verified(self, version: int, e: FileEntry, tmp: Path, objects: str = "") -> None:
         """Download one file into the staging folder, hashed as it streams; refuse a mismatch.
 
         The bytes land only under `tmp`: fetch renames that folder to its final name after every
@@ -853,7 +876,7 @@ class CheckpointStore(PinLeases, ABC):
         """
         dest = tmp / e.path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        sha = self._get(version_dir(version), e.path, dest)
+        sha = self._get(files_dir(version_dir(version), objects), e.path, dest)
         size = dest.stat().st_size
         if size != e.size or sha != e.sha256:
             raise CheckpointError(

@@ -291,7 +291,7 @@ class Swarm:
                 data = self._from_peers(peers, holders, version, sha, i, length, chunk_sha)
                 if data is None:
                     data, source = self._from_tiers(
-                        tiers, version, path, start, length, chunk_sha, dead_tiers
+                        tiers, version, path, start, length, chunk_sha, dead_tiers, manifest.objects
                     )
                     self._count(source)
                 fd = os.open(tmp / path, os.O_WRONLY)
@@ -377,13 +377,20 @@ class Swarm:
 
     @staticmethod
     def _from_tiers(
-        tiers: Tiers, version: int, path: str, start: int, length: int, sha: str, dead: set[str]
+        tiers: Tiers,
+        version: int,
+        path: str,
+        start: int,
+        length: int,
+        sha: str,
+        dead: set[str],
+        objects: str = "",
     ) -> tuple[bytes, str]:
         errors = []
         stores = [s for s in (tiers.cache, tiers.durable) if s is not None]
         for store in [s for s in stores if s.uri not in dead] or stores:
             try:
-                data = store.read_chunk(version, path, start, length)
+                data = store.read_chunk(version, path, start, length, objects)
             except CheckpointError as e:
                 errors.append(f"{store.uri}: {e}")
                 if store is tiers.cache:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
@@ -23,6 +25,22 @@ MANIFEST = "manifest.json"
 
 def version_dir(version: int) -> str:
     return f"v{version:06d}"
+
+
+_OBJECTS = re.compile(r"^[0-9a-z]{1,64}$")
+
+
+def new_objects() -> str:
+    """A publish's own object folder: the version's files go under
+    `versions/<version dir>/<objects>/`, and its manifest names the folder. An upload of a
+    writer fenced meanwhile can only land in that writer's own folder, never on a key the
+    manifest of the version's new writer names."""
+    return "o" + secrets.token_hex(8)
+
+
+def files_dir(stage: str, objects: str) -> str:
+    """Where a version's files are, under `versions/`: `stage`, or its `objects` folder."""
+    return f"{stage}/{objects}" if objects else stage
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
@@ -69,6 +87,9 @@ class Manifest:
     created_at: str  # UTC, ISO 8601
     meta: dict[str, str] = field(default_factory=dict)  # small labels: git sha, run id, ...
     chunk_size: int = 0  # bytes per chunk hash; 0: files are hashed whole only
+    # the folder under the version's directory that holds its files (`new_objects`); "": the
+    # directory itself (folders, which stage privately, and versions written before)
+    objects: str = ""
 
     def to_json(self) -> str:
         files = [
@@ -85,6 +106,7 @@ class Manifest:
             "created_at": self.created_at,
             "meta": dict(sorted(self.meta.items())),
             **({"chunk_size": self.chunk_size} if self.chunk_size else {}),
+            **({"objects": self.objects} if self.objects else {}),
             "files": files,
         }
         return json.dumps(body, indent=1) + "\n"
@@ -104,7 +126,12 @@ class Manifest:
             )
             meta = {str(k): str(v) for k, v in d.get("meta", {}).items()}
             m = Manifest(
-                int(d["version"]), files, str(d["created_at"]), meta, int(d.get("chunk_size", 0))
+                int(d["version"]),
+                files,
+                str(d["created_at"]),
+                meta,
+                int(d.get("chunk_size", 0)),
+                str(d.get("objects", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"malformed manifest ({e!r}); republish this version") from e
@@ -114,6 +141,10 @@ class Manifest:
             raise CheckpointError(
                 f"manifest of version {m.version} lists chunks that do not cover its files "
                 f"(chunk_size {m.chunk_size}); republish this version"
+            )
+        if m.objects and not _OBJECTS.match(m.objects):  # nor read outside the version's
+            raise CheckpointError(
+                f"manifest of version {m.version} names an unsafe object folder {m.objects!r}"
             )
         for f in m.files:  # a manifest must not make fetch write outside its folder
             p = PurePosixPath(f.path)
