@@ -11,8 +11,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def _cfg(dp: int, ep: int):
-    """The config both workers train with (test_persistent_mesh's `_cfg`)."""
+def mesh_cfg(dp: int, ep: int):
+    """The (dp, ep) mesh config the persistent-mesh workers and the mesh tests train with."""
     from moerl.config import parse_config
 
     return parse_config(
@@ -37,7 +37,7 @@ def rank(rank, world, dp, ep, start, out_dir, batches):
     try:
         from moerl.components.policy_update.ep_train import Session, run_version
 
-        cfg = _cfg(dp, ep)
+        cfg = mesh_cfg(dp, ep)
         out = Path(out_dir)
         kept = Session.load(cfg, Path(start))
         for v, batch in enumerate(batches):
@@ -65,7 +65,7 @@ def lazy_rank(rank, world, dp, ep, full, partial, out_dir, batch):
     try:
         from moerl.components.policy_update.ep_train import Session, run_version
 
-        cfg = _cfg(dp, ep)
+        cfg = mesh_cfg(dp, ep)
         fetched: list[str] = []
 
         def fetch(rel: str) -> None:

@@ -10,10 +10,10 @@ import torch
 import torch.multiprocessing as mp
 
 from moerl.components.policy_update.trainer import run_policy_update
-from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import write_records
 from tests.support import persistent_worker
+from tests.support.persistent_worker import mesh_cfg
 from tests.support.weights import read_weights
 from tests.trainer.test_ep_equivalence import _batch
 
@@ -21,19 +21,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5  # float32; the same code, so in practice bit for bit
 
 
-def _cfg(dp: int, ep: int):  # the worker's
-    return parse_config(
-        {
-            "trainer": {
-                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
-                "parallelism": {
-                    "micro_batch_tokens": 24,
-                    "expert_parallel_size": ep,
-                    "data_parallel_shard": dp,
-                },
-            }
-        }
-    )
+_cfg = mesh_cfg  # the workers' config
 
 
 @pytest.fixture(scope="module")

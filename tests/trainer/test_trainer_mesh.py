@@ -13,6 +13,7 @@ from moerl.models.tiny import build_tiny_model
 from moerl.records import write_records
 from tests.support import ep_worker, mesh_worker
 from tests.support.families import family as _family
+from tests.support.persistent_worker import mesh_cfg
 from tests.support.weights import read_weights
 from tests.trainer.test_ep_equivalence import _batch
 
@@ -103,19 +104,7 @@ def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(
     assert outs[0]["dtypes"] == {"torch.float32"}  # master weights and Adam moments
 
 
-def _cfg(dp: int, ep: int):
-    return parse_config(
-        {
-            "trainer": {
-                "optimizer": {"optimizer_steps_per_iteration": 2, "learning_rate": 0.003},
-                "parallelism": {
-                    "micro_batch_tokens": 24,
-                    "expert_parallel_size": ep,
-                    "data_parallel_shard": dp,
-                },
-            }
-        }
-    )
+_cfg = mesh_cfg  # the workers' config
 
 
 def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path):
