@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -245,3 +246,21 @@ def stage_start(cfg, stage: str, run_id: str = "", enforce: bool = True) -> dict
     if missing:
         raise RequirementError(f"{stage}: " + "; ".join(missing))
     return probe
+
+
+_PLUGIN_SYMBOL = re.compile(rb"nccl(?:Net|Gin|CollNet|Tuner|Profiler)Plugin_v\d+")
+
+
+def plugin_symbols(path: str | Path, limit: int = 256 * 2**20) -> list[str]:
+    """The NCCL plugin entry points (`ncclNetPlugin_v10`, `ncclGinPlugin_v14`, ...) named in a
+    shared object's symbol strings, read from the file without loading it: what says whether an
+    aws-ofi-nccl build can serve NCCL's network and its GIN. Empty when the file cannot be read
+    (or is larger than `limit` bytes); a plugin never imports these names, it defines them."""
+    try:
+        p = Path(path)
+        if p.stat().st_size > limit:
+            return []
+        data = p.read_bytes()
+    except OSError:
+        return []
+    return sorted({m.decode() for m in _PLUGIN_SYMBOL.findall(data)})

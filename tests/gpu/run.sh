@@ -3,6 +3,7 @@
 # (the trainer image, or a venv with the CUDA torch and vllm wheels):
 #   bash tests/gpu/run.sh            # prints versions, runs tests/gpu, writes $OUT/gpu-check.txt
 #   GPU_TESTS=tests/gpu/test_rollout_layouts.py bash tests/gpu/run.sh   # the rollout engines only
+#   GPU_TESTS=tests/gpu/test_wide_ep.py bash tests/gpu/run.sh          # the DP x EP engine over every GPU
 # It checks the CUDA trainer against the CPU trainer, the sharded (FSDP2 + EP) worker over NCCL
 # (one rank; and with bf16 mixed precision and activation checkpointing: its peak memory
 # against the static formula, tokens/s), and a CUDA vLLM engine hot-swapped to a new version
@@ -10,7 +11,9 @@
 # against a float32 engine and transformers, its routed experts (enable_return_routed_experts)
 # against the trainer's routers, and with 2+ GPUs TP = 2 and DP 2 x EP 2 over
 # allgather_reducescatter and deepep_v2 (skipped on one GPU, each with its reason; DP xfails
-# while the engine refuses data_parallel_size > 1); then
+# while the engine refuses data_parallel_size > 1), a DP x EP engine over every GPU here
+# (data_parallel_size = the GPU count) with each backend and the transport it records
+# (tests/gpu/test_wide_ep.py: rollout.transport.* says the backend, EP size, nvlink-only); then
 # the async trainer's persistent mesh on NCCL (one rank per GPU: versions kept in memory against
 # versions reloaded from files, and the time of each); the dispatch benchmark over NCCL with `kernels/gpu_bench.sh` when GPU_BENCH=1; and, when
 # GPU_ROLLOUT=1, `moerl bench rollout` on the GPU: the long-tail workload with a version every
