@@ -1,4 +1,4 @@
-"""moerl's command line: run, compile, config, schedule, submit, bench, compare.
+"""moerl's command line: run, compile, config, schedule, submit, bench, compare, models.
 
 `moerl --help` and each subcommand's `--help` list the commands; docs/guide.md walks through
 them. Errors that moerl raises on purpose (`MoerlError`) print one line and exit non-zero (2
@@ -256,7 +256,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make.add_argument("-o", "--output", required=True, help="the JSONL file to write")
     make.set_defaults(func=_cmd_tasks_make)
+
+    models = sub.add_parser("models", help="prepare a model checkpoint for moerl")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    imp = msub.add_parser(
+        "import",
+        help="convert a local HF checkpoint (DeepSeek-V3's FP8 one) into the bf16/fp32 one the "
+        "trainer loads (docs/models.md)",
+    )
+    imp.add_argument("src", metavar="SRC", help="the local checkpoint directory")
+    imp.add_argument("dst", metavar="DST", help="the directory to write (must not exist)")
+    imp.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    imp.add_argument(
+        "--shard-gib", type=float, default=5.0, help="largest output shard, GiB (default 5)"
+    )
+    imp.set_defaults(func=_cmd_models_import)
     return p
+
+
+def _cmd_models_import(args) -> int:
+    from moerl.models.importer import import_checkpoint
+
+    done = import_checkpoint(
+        args.src, args.dst, dtype=args.dtype, shard_bytes=int(args.shard_gib * 2**30)
+    )
+    rec = done.record
+    mtp = rec["mtp"]
+    print(
+        f"[moerl] wrote {done.path} ({rec['dtype']}, {rec['shards']} shard(s)): "
+        f"{rec['dequantized_tensors']} tensors dequantized, {rec['copied_tensors']} copied, "
+        + (
+            f"{mtp['dropped_keys']} multi-token-prediction tensors dropped (moerl_import.json)"
+            if mtp["dropped_keys"]
+            else "no multi-token-prediction layer"
+        ),
+        flush=True,
+    )
+    return 0
 
 
 def _cmd_tasks_make(args) -> int:

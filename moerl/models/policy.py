@@ -60,6 +60,7 @@ def check_checkpoint(path: str | Path) -> str:
     problem = family_of(model_type).config_limits(hf)
     if problem:
         raise ConfigError(f"model.path: {problem} (in {cfg_file})")
+    _refuse_quantized(p, hf, cfg_file)
     weights = sorted(p.glob("*.safetensors"))
     if not weights:
         raise ConfigError(f"model.path: {p} has no *.safetensors weights")
@@ -71,6 +72,33 @@ def check_checkpoint(path: str | Path) -> str:
             "with tokenizer.save_pretrained"
         )
     return model_type
+
+
+def _refuse_quantized(p: Path, hf: dict, cfg_file: Path) -> None:
+    """The trainer loads bf16/fp32 weights: a quantized checkpoint is imported first."""
+    quant = hf.get("quantization_config")
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "fp8":
+        raise ConfigError(
+            f"model.path: {p} is an FP8 checkpoint (quantization_config quant_method fp8 in "
+            f"{cfg_file}); the trainer loads bf16/fp32 weights: convert it once with "
+            f"`moerl models import {p} DST` and set model.path to DST (rollout.quantization: "
+            "fp8 serves it in FP8 again on cuda; docs/models.md)"
+        )
+    raise ConfigError(
+        f"model.path: {p} is quantized (quantization_config quant_method "
+        f"{short_repr(method)} in {cfg_file}); allowed: an unquantized bf16/fp32 checkpoint, "
+        "or an FP8 one converted with `moerl models import`"
+    )
+
+
+def read_safetensors_header(w: Path, field: str = "model.path") -> dict:
+    """The parsed JSON header of safetensors file `w` (tensor name -> dtype, shape,
+    data_offsets; and `__metadata__`), checked like `check_checkpoint` checks it: a readable
+    header whose tensors all lie inside the file. ConfigError (starting with `field`) otherwise."""
+    return _check_safetensors_header(w, field)
 
 
 def _read_hf_config(cfg_file: Path) -> dict:
@@ -94,7 +122,7 @@ def _read_hf_config(cfg_file: Path) -> dict:
     return obj
 
 
-def _check_safetensors_header(w: Path) -> None:
+def _check_safetensors_header(w: Path, field: str = "model.path") -> dict:
     """A safetensors file starts with an 8-byte little-endian header length and a JSON header
     giving each tensor's byte range. Reading just that catches an empty, truncated or foreign
     file before any work starts."""
@@ -106,17 +134,19 @@ def _check_safetensors_header(w: Path) -> None:
             if 2 <= n <= min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
                 header = json.loads(f.read(n))
     except OSError as err:
-        raise ConfigError(f"model.path: {w} cannot be read ({err.strerror or err})") from None
+        raise ConfigError(f"{field}: {w} cannot be read ({err.strerror or err})") from None
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         header = None
     ends = _tensor_ends(header)
     if ends is None:
-        raise ConfigError(f"model.path: {w} is not a safetensors file (no readable header)")
+        raise ConfigError(f"{field}: {w} is not a safetensors file (no readable header)")
     if 8 + n + max(ends, default=0) > size:
         raise ConfigError(
-            f"model.path: {w} is truncated ({size} bytes; its header describes "
+            f"{field}: {w} is truncated ({size} bytes; its header describes "
             f"{8 + n + max(ends)}); copy the checkpoint again"
         )
+    assert isinstance(header, dict)  # _tensor_ends returned a list
+    return header
 
 
 def _tensor_ends(header: object) -> list[int] | None:
