@@ -189,7 +189,7 @@ def check_cluster_safe(cfg: RunConfig) -> None:
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch.task import check_launchable
 
-        for stage in sorted(GPU_STAGES):
+        for stage in sorted(launched_stages(cfg)):
             try:
                 check_launchable(cfg, stage)
             except ConfigError as err:
@@ -197,6 +197,15 @@ def check_cluster_safe(cfg: RunConfig) -> None:
                     problems.append(str(err))
     if problems:
         raise ConfigError("not cluster-safe for --target eks: " + "; ".join(problems))
+
+
+def launched_stages(cfg: RunConfig) -> frozenset[str]:
+    """The GPU stages whose launch `check_cluster_safe` checks: all of them, but the sync
+    pipeline's `rollout` in an async one (which runs `rollout_worker` instead: a rollout group
+    over several nodes is an async-only shape)."""
+    if cfg.pipeline.mode == "async":
+        return GPU_STAGES - {"rollout"}
+    return GPU_STAGES
 
 
 def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:

@@ -32,6 +32,13 @@ ENV_NODE_RANK, ENV_GROUP_SIZE, ENV_LEADER = (
     "MOERL_LEADER_ADDRESS",
 )
 
+# The label the JobSet controller puts on every pod of a JobSet (its headless Service selects
+# on it too): a rollout group's NetworkPolicy admits the group's own pods by it.
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+# The replicated jobs of a rollout group: the leader (node rank 0) and the Indexed workers.
+GROUP_LEADER, GROUP_WORKER = "leader", "worker"
+ENV_WORKER_INDEX = "MOERL_WORKER_INDEX"
+
 # Beyond `rollout.grace_seconds` (the worker's drain), time for the publish and the exit.
 GRACE_MARGIN_S = 30
 _MAX_NAME = 63
@@ -380,7 +387,12 @@ def rollout_group(
     """One rollout worker spanning `cluster.launch.rollout_nodes_per_worker` nodes, as a JobSet.
 
     Every pod gets MOERL_NODE_RANK (leader 0, workers 1..N-1 from their completion index),
-    MOERL_GROUP_SIZE and MOERL_LEADER_ADDRESS (the leader pod's stable DNS name).
+    MOERL_GROUP_SIZE and MOERL_LEADER_ADDRESS (the leader pod's stable DNS name), all the GPUs
+    and EFA devices of its node (`rollout_gpus`: a group's engine spans whole nodes) and the
+    rollout pod's grace period. The JobSet succeeds when the leader's job does (the run's end
+    or a drain, which the leader reports in its result), and fails when any pod fails (a
+    follower's failure or drain fails the group; KFP's retry relaunches it as a unit).
+    Its NetworkPolicy: `rollout_group_policy`.
     """
     nodes = cfg.cluster.launch.rollout_nodes_per_worker
     if nodes < 2:
@@ -392,7 +404,7 @@ def rollout_group(
     group_env = [
         *env,
         {"name": ENV_GROUP_SIZE, "value": str(nodes)},
-        {"name": ENV_LEADER, "value": f"{name}-leader-0-0.{name}"},
+        {"name": ENV_LEADER, "value": leader_address(name)},
     ]
 
     def job(role: str, count: int, rank_env: dict[str, Any]) -> dict[str, Any]:
@@ -408,7 +420,7 @@ def rollout_group(
             ),
             "template": {"metadata": {"labels": dict(meta)}, "spec": spec},
         }
-        if role == "worker":
+        if role == GROUP_WORKER:
             job_spec["completionMode"] = "Indexed"
         return {
             "name": role,
@@ -418,7 +430,7 @@ def rollout_group(
 
     # worker i (completion index i) is node rank i + 1: moerl.launch.remote adds the one
     worker_rank = {
-        "name": "MOERL_WORKER_INDEX",
+        "name": ENV_WORKER_INDEX,
         "valueFrom": {
             "fieldRef": {
                 "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -431,15 +443,59 @@ def rollout_group(
         "metadata": {"name": name, "labels": meta, **_owner(owner)},
         "spec": {
             "replicatedJobs": [
-                job("leader", 1, {"name": ENV_NODE_RANK, "value": "0"}),
-                job("worker", nodes - 1, worker_rank),
+                job(GROUP_LEADER, 1, {"name": ENV_NODE_RANK, "value": "0"}),
+                job(GROUP_WORKER, nodes - 1, worker_rank),
             ],
             "network": {
                 "enableDNSHostnames": True,
                 "subdomain": name,
                 "publishNotReadyAddresses": True,
             },
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["leader"]},
+            "successPolicy": {"operator": "All", "targetReplicatedJobs": [GROUP_LEADER]},
             "failurePolicy": {"maxRestarts": 0},  # KFP retries the task, which relaunches the group
+        },
+    }
+
+
+def leader_address(name: str) -> str:
+    """The leader pod's DNS name in rollout group `name`: JobSet's
+    <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain>, subdomain = the JobSet's name
+    (its headless Service, which resolves the pods' hostnames in the namespace)."""
+    return f"{name}-{GROUP_LEADER}-0-0.{name}"
+
+
+def jobset_owner(name: str, uid: str) -> dict[str, Any]:
+    """An ownerReference to the JobSet `name` (`uid` from its create): what it owns is deleted
+    with it by the garbage collector."""
+    return {
+        "apiVersion": "/".join(JOBSET_API[:2]),
+        "kind": "JobSet",
+        "name": name,
+        "uid": uid,
+        "blockOwnerDeletion": False,
+        "controller": False,
+    }
+
+
+def rollout_group_policy(
+    group: dict[str, Any], owner: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The NetworkPolicy of rollout group `group` (a `rollout_group` JobSet): its pods admit TCP
+    on every port from the group's own pods, found by the label the JobSet controller gives
+    them (`JOBSET_NAME_LABEL`): vLLM's data-parallel RPC (rollout.group_rpc_port) and the
+    NCCL, gloo and DeepEP bootstraps, which listen on ephemeral ports. It admits nothing from
+    any other pod: what the group's pods get from elsewhere (fan-out peers, metrics) comes from
+    the namespace's policies for rollout pods (manifests/base/ckpt-cache.yaml); policies add up.
+    Named as the JobSet, with its labels; `owner`: `jobset_owner`, so it goes with the group."""
+    name = group["metadata"]["name"]
+    members = {"matchLabels": {JOBSET_NAME_LABEL: name}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "labels": dict(group["metadata"]["labels"]), **_owner(owner)},
+        "spec": {
+            "podSelector": members,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": members}], "ports": [{"protocol": "TCP"}]}],
         },
     }

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -19,6 +19,7 @@ from moerl.config import CheckpointConfig, RunConfig, config_from_json
 from moerl.errors import MoerlError
 from moerl.launch.exchange import RESULT, SPEC, Exchange, node_result
 from moerl.launch.nodes import node_group
+from moerl.launch.objects import ENV_GROUP_SIZE, ENV_NODE_RANK, ENV_WORKER_INDEX
 from moerl.launch.podenv import enter_pod
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,43 @@ def _rollout(
     return run_rollout(cfg, run_id, policy, int(args["iteration"]), outputs["samples"])
 
 
+class FollowerFailed(MoerlError):
+    """A follower node of a rollout engine group ended without finishing the run (a drain, a
+    failure): its pod fails with that exit code, which fails the group's JobSet."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def group_rank(environ: MutableMapping[str, str] | None = None) -> int | None:
+    """This pod's node rank in a rollout engine group (`objects.rollout_group`), or None
+    outside one. The leader pod has MOERL_NODE_RANK 0; a worker pod has its Job completion
+    index as MOERL_WORKER_INDEX, and is node rank index + 1, which this sets as
+    MOERL_NODE_RANK (the follower and the leader's engine read it there)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_NODE_RANK)
+    if raw is None and env.get(ENV_WORKER_INDEX) is not None:
+        try:
+            raw = str(int(env[ENV_WORKER_INDEX]) + 1)
+        except ValueError:
+            raise RemoteError(
+                f"{ENV_WORKER_INDEX}={env[ENV_WORKER_INDEX]!r}: a group's worker pod needs its "
+                "Job completion index"
+            ) from None
+        env[ENV_NODE_RANK] = raw
+    if raw is None:
+        return None
+    try:
+        rank = int(raw)
+    except ValueError:
+        raise RemoteError(f"{ENV_NODE_RANK}={raw!r} is not a node rank") from None
+    size = env.get(ENV_GROUP_SIZE)
+    if rank < 0 or (size is not None and size.isdigit() and rank >= int(size)):
+        raise RemoteError(f"{ENV_NODE_RANK}={rank} is outside the group ({ENV_GROUP_SIZE}={size})")
+    return rank
+
+
 def _rollout_worker(
     cfg: RunConfig,
     run_id: str,
@@ -98,6 +136,24 @@ def _rollout_worker(
     inputs: dict[str, Path],
     outputs: dict[str, Path],
 ) -> Any:
+    rank = group_rank()
+    if rank is not None:  # one node of an engine group over several nodes
+        worker = str(args["worker"])
+        if rank == 0:  # the leader: the moerl worker, which drives the whole DP x EP engine
+            from moerl.components.rollout.worker import run_rollout_worker
+
+            return run_rollout_worker(cfg, run_id, worker)
+        # a follower: headless engine ranks; its exit code is its pod's (the leader reports)
+        from moerl.components.rollout.follower import (  # type: ignore[import-not-found,unused-ignore]
+            run_follower,
+        )
+
+        code = int(run_follower(cfg, run_id, worker))
+        if code != 0:
+            raise FollowerFailed(
+                f"follower node {rank} of rollout group {worker} exited {code}", code
+            )
+        return code
     if "pod" in args:  # the pod's workers, one engine each on its own GPUs
         from moerl.components.rollout.pod import run_rollout_pod
 
@@ -159,6 +215,9 @@ def run_spec(
         "value": value,
         "outputs": {name: ex.put(f"outputs/{name}", path) for name, path in outputs.items()},
     }
+    rank = group_rank() if spec["stage"] == "rollout_worker" else None
+    if rank:  # a rollout group's follower: the leader's result is the group's
+        return value
     group = node_group()
     if group is None or group.leader:
         ex.write_json(RESULT, {**result, "nodes": group.size if group else 1})

@@ -70,14 +70,19 @@ def check(cfg: RunConfig, stage: str, run_id: str) -> None:
 
 
 def check_launchable(cfg: RunConfig, stage: str) -> None:
-    """What `moerl compile --target eks` refuses too: a workload shape moerl cannot run."""
+    """What `moerl compile --target eks` refuses too: a workload shape moerl cannot run.
+    A rollout worker over `cluster.launch.rollout_nodes_per_worker` > 1 nodes is one engine
+    group (a JobSet, `objects.rollout_group`): its TP x DP must be the GPUs of all its nodes
+    (`layout.pod_layout`); the sync `rollout` stage runs on one node only."""
     la = cfg.cluster.launch
     if STAGES[stage].group == "trainer":
         _check_trainer_nodes(cfg, stage)
-    if STAGES[stage].group == "rollout" and la.rollout_nodes_per_worker > 1:
+    if stage == "rollout" and la.rollout_nodes_per_worker > 1:
         raise ConfigError(
-            f"cluster.launch.rollout_nodes_per_worker {la.rollout_nodes_per_worker}: moerl's rollout "
-            "engine runs on one node (no multi-node join yet); set 1"
+            f"cluster.launch.rollout_nodes_per_worker {la.rollout_nodes_per_worker}: the sync "
+            "pipeline's rollout stage starts one engine per iteration on one node; engines across "
+            "nodes (a leader and follower nodes, one JobSet per worker) run in the async pipeline "
+            "(pipeline.mode async); set pipeline.mode async, or rollout_nodes_per_worker 1"
         )
     if STAGES[stage].group == "rollout":
         from moerl.launch.layout import rollout_pod_layout
@@ -195,6 +200,22 @@ def remote_command(cfg: RunConfig, spec_uri: str) -> list[str]:
     return cmd
 
 
+def is_group(cfg: RunConfig, stage: str) -> bool:
+    """Whether `stage` launches as a rollout engine group over several nodes (a JobSet)."""
+    return stage == "rollout_worker" and cfg.cluster.launch.rollout_nodes_per_worker > 1
+
+
+def workload_name_for(cfg: RunConfig, stage: str, run_id: str, worker: str | None) -> str:
+    """The launched object's name, with room for the pod names its controller derives."""
+    if STAGES[stage].group == "trainer":
+        return objects.trainjob_name(stage, run_id, objects.trainer_nodes(cfg))
+    if is_group(cfg, stage):
+        return objects.rollout_group_name(
+            stage, run_id, worker or "rollout", cfg.cluster.launch.rollout_nodes_per_worker
+        )
+    return objects.workload_name(stage, run_id, extra=worker or "")
+
+
 def build(
     cfg: RunConfig,
     stage: str,
@@ -207,8 +228,21 @@ def build(
     engines: int | None = None,
 ) -> dict[str, Any]:
     """The object that runs `stage`: a TrainJob for the trainer group, a Pod for rollout
-    (`engines`: the rollout engines it runs, which size its GPUs)."""
+    (`engines`: the rollout engines it runs, which size its GPUs), a JobSet for a rollout
+    worker over several nodes (`is_group`; every pod gets all its node's GPUs)."""
     env = launch_env(cfg, stage)
+    if is_group(cfg, stage):
+        return objects.rollout_group(
+            cfg,
+            run_id,
+            worker or "rollout",
+            command,
+            env,
+            stage=stage,
+            name=name,
+            owner=owner,
+            service_account=service_account,
+        )
     if STAGES[stage].group == "trainer":
         return objects.trainjob(
             cfg,
@@ -259,10 +293,7 @@ def run_remote(
     check(cfg, stage, run_id)
     la, spec_group = cfg.cluster.launch, STAGES[stage].group
     namespace = resolve_namespace(la.namespace)
-    if spec_group == "trainer":
-        name = objects.trainjob_name(stage, run_id, objects.trainer_nodes(cfg))
-    else:
-        name = objects.workload_name(stage, run_id, extra=worker or "")
+    name = workload_name_for(cfg, stage, run_id, worker)
     group = cfg.cluster.groups.trainer if spec_group == "trainer" else cfg.cluster.groups.rollout
     ex = Exchange(cfg.checkpoint, exchange_uri(cfg.checkpoint, run_id, name))
     try:
@@ -304,7 +335,10 @@ def run_remote(
                 max(left, la.poll_s),
                 pending_timeout_s=getattr(la, "pending_timeout_s", PENDING_TIMEOUT_S),
             )
-        launcher.run([workload(api or connect(), namespace, body)])
+        # a rollout group's pods reach each other on every TCP port (its NetworkPolicy, owned
+        # by the JobSet: it goes with it)
+        owned = [objects.rollout_group_policy(body)] if body["kind"] == "JobSet" else None
+        launcher.run([workload(api or connect(), namespace, body, owned)])
         # 5. outputs and value
         result = ex.read_json(RESULT)
         if not isinstance(result, dict):

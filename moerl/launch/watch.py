@@ -19,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from moerl.errors import MoerlError
 from moerl.launch import procs
-from moerl.launch.objects import JOBSET_API, LABEL_WORKLOAD, TRAINJOB_API
+from moerl.launch.objects import JOBSET_API, LABEL_WORKLOAD, TRAINJOB_API, jobset_owner
 from moerl.launch.state import State, condition_state, container_failure, pod_state, pods_state
 
 log = logging.getLogger(__name__)
@@ -65,12 +65,25 @@ class KubeApi:
 
     core: Any  # kubernetes.client.CoreV1Api
     custom: Any  # kubernetes.client.CustomObjectsApi
+    networking: Any = None  # kubernetes.client.NetworkingV1Api; None: on custom's ApiClient
 
     @classmethod
     def from_client(cls, api_client: Any) -> KubeApi:
         from kubernetes import client
 
-        return cls(client.CoreV1Api(api_client), client.CustomObjectsApi(api_client))
+        return cls(
+            client.CoreV1Api(api_client),
+            client.CustomObjectsApi(api_client),
+            client.NetworkingV1Api(api_client),
+        )
+
+    def network(self) -> Any:
+        """The networking.k8s.io/v1 API (NetworkPolicies)."""
+        if self.networking is None:
+            from kubernetes import client
+
+            self.networking = client.NetworkingV1Api(self.custom.api_client)
+        return self.networking
 
 
 def connect() -> KubeApi:
@@ -87,7 +100,7 @@ def connect() -> KubeApi:
                 f"no Kubernetes API access: not in a cluster and no usable kubeconfig ({e}); "
                 "cluster.launch.mode kubernetes runs inside a KFP task"
             ) from e
-    return KubeApi(client.CoreV1Api(), client.CustomObjectsApi())
+    return KubeApi(client.CoreV1Api(), client.CustomObjectsApi(), client.NetworkingV1Api())
 
 
 def resolve_namespace(configured: str | None, sa_file: str = SA_NAMESPACE) -> str:
@@ -278,7 +291,62 @@ class TrainJobWorkload(CustomWorkload):
 
 
 class JobSetWorkload(CustomWorkload):
+    """A JobSet, and the NetworkPolicies it owns (`owned`: a rollout group's,
+    `objects.rollout_group_policy`), created right after it with an ownerReference to it: the
+    garbage collector deletes them with the JobSet, so the cleanup deletes only the JobSet."""
+
     kind, api_ref, success = "JobSet", JOBSET_API, "Completed"
+
+    def __init__(
+        self,
+        api: KubeApi,
+        namespace: str,
+        body: dict[str, Any],
+        owned: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(api, namespace, body)
+        self.owned = list(owned or [])
+
+    def create(self) -> None:
+        g, v, p = self.api_ref
+        resp = self.api.custom.create_namespaced_custom_object(
+            g, v, self.namespace, p, self.body, _preload_content=False
+        )
+        if not self.owned:
+            return
+        # from here on the JobSet exists: a failure is a LaunchError (not an ApiException), so
+        # the launcher keeps it among what it created and deletes it
+        try:
+            uid = json.loads(resp.data)["metadata"]["uid"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LaunchError(
+                f"created {self} but its create response carries no metadata.uid ({e!r}); "
+                "cannot own its NetworkPolicy"
+            ) from None
+        for obj in self.owned:
+            body = {
+                **obj,
+                "metadata": {
+                    **obj["metadata"],
+                    "ownerReferences": [jobset_owner(self.name, uid)],
+                },
+            }
+            what = f"{obj['kind']} {self.namespace}/{obj['metadata']['name']}"
+            log.info("creating %s, owned by %s", what, self)
+            try:
+                self.api.network().create_namespaced_network_policy(
+                    self.namespace, body, _preload_content=False
+                )
+            except ApiException as e:
+                hint = (
+                    f"; the task's service account needs create on networkpolicies.networking.k8s.io "
+                    f"in {self.namespace} (manifests/base/rbac.yaml)"
+                    if e.status == 403
+                    else ""
+                )
+                raise LaunchError(
+                    f"creating {what} for {self} failed: {short_error(e)}{hint}"
+                ) from None
 
 
 KINDS: dict[str, type[Workload]] = {
@@ -288,7 +356,17 @@ KINDS: dict[str, type[Workload]] = {
 }
 
 
-def workload(api: KubeApi, namespace: str, body: dict[str, Any]) -> Workload:
+def workload(
+    api: KubeApi,
+    namespace: str,
+    body: dict[str, Any],
+    owned: list[dict[str, Any]] | None = None,
+) -> Workload:
+    """The `Workload` for `body`; `owned`: NetworkPolicies a JobSet owns (`JobSetWorkload`)."""
+    if owned:
+        if body["kind"] != "JobSet":
+            raise ValueError(f"only a JobSet owns objects here, not a {body['kind']}")
+        return JobSetWorkload(api, namespace, body, owned)
     return KINDS[body["kind"]](api, namespace, body)
 
 

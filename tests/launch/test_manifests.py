@@ -374,6 +374,8 @@ def test_rbac_lets_the_pipeline_launch_only_its_workloads(built):
             ("", "pods"): crud,
             ("", "pods/log"): ["get"],
             ("", "secrets"): ["create", "delete", "update"],
+            # a rollout group's NetworkPolicy, owned by its JobSet (the GC deletes it)
+            ("networking.k8s.io", "networkpolicies"): ["create"],
         }
         (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
         assert binding["roleRef"]["name"] == role["metadata"]["name"]

@@ -413,8 +413,9 @@ def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
     )
     with pytest.raises(ConfigError, match="persistent_ranks false restarts the mesh's ranks"):
         run_remote(restarting, "async_trainer", RUN)
-    with pytest.raises(ConfigError, match="rollout_nodes_per_worker 2"):
-        run_remote(_cfg(rollout_nodes_per_worker=2), "rollout_worker", RUN, worker="rollout-0")
+    # an engine over nodes is the async pipeline's (tests/launch/test_rollout_group.py)
+    with pytest.raises(ConfigError, match="rollout_nodes_per_worker 2: the sync"):
+        run_remote(_cfg(rollout_nodes_per_worker=2), "rollout", RUN)
     big_mesh = parse_config(
         {
             "checkpoint": {"uri": "s3://moerl-ckpt/prod"},
