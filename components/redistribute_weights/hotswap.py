@@ -356,6 +356,7 @@ def hot_swap(
     reset_cache: bool = True,
     version: int | None = None,
     fail_rank: int | None = None,
+    expect_sha256: str | None = None,
 ) -> SwapStats:
     """Swap the weights of a live engine (`core`: components/rollout/cores.py) for those in
     `model_dir` (a verified cache dir) on every rank of every engine core, by name (`MoerlWorker.moerl_swap`: nothing pickled crosses
@@ -364,7 +365,8 @@ def hot_swap(
     `inplace=False` forces the fallback for every MoE layer (vLLM's reload, then the re-pack):
     slower, kept as the reference the in-place path is tested against. `reset_cache=False`
     leaves the prefix cache to the caller (an in-flight swap: `RolloutEngine.swap_weights`).
-    `fail_rank`: fault injection for the tests.
+    `fail_rank`: fault injection for the tests. `expect_sha256`: the manifest every rank's copy
+    must hold (an engine over several nodes: each node reads its own node cache).
     """
     from moerl.errors import WeightSyncError
 
@@ -372,7 +374,7 @@ def hot_swap(
     try:
         results = core.collective_rpc(
             "moerl_swap",
-            args=(str(model_dir), bucket_mb * 2**20, inplace, version, fail_rank),
+            args=(str(model_dir), bucket_mb * 2**20, inplace, version, fail_rank, expect_sha256),
         )
     except Exception as err:  # noqa: BLE001 - whatever a rank raised, the caller gets one typed error
         raise WeightSyncError(

