@@ -257,7 +257,6 @@ def plan_jobsets(
     for n in nodes:
         lay = Layout(nodes=n, dp_local=gpus // tp, tp=tp, device="cuda")
         name = objects.rollout_group_name(STAGE, run_id, f"n{n}", max(n, 2))
-        leader_address = f"{name}-leader-0-0.{name}"
         common = dict(
             dtype=ro.serving_dtype,
             max_model_len=ro.max_model_len,
@@ -311,7 +310,19 @@ def plan_jobsets(
                 )
         leader_cmd = ["bash", "-c", "\n".join([*leader_lines, "exit $rc"])]
         follower_cmd = ["bash", "-c", "\n".join(follower_lines)]
-        out.append(_jobset(cfg, objects, run_id, name, n, leader_address, leader_cmd, follower_cmd))
+        out.append(
+            objects.rollout_group(
+                cfg,
+                run_id,
+                f"n{n}",
+                leader_cmd,
+                [],
+                stage=STAGE,
+                name=name,
+                follower_command=follower_cmd,
+                nodes=n,
+            )
+        )
     return out
 
 
@@ -320,74 +331,6 @@ def _shell_arg(arg: str) -> str:
     if "$" in arg:
         return '"' + arg.replace('"', '\\"') + '"'
     return shlex.quote(arg)
-
-
-def _jobset(
-    cfg,
-    objects,
-    run_id: str,
-    name: str,
-    nodes: int,
-    leader_address: str,
-    leader_cmd: list[str],
-    follower_cmd: list[str],
-) -> dict[str, Any]:
-    """The JobSet of one engine size, built from moerl.launch.objects' rollout pod spec (GPUs,
-    EFA devices, hugepages, security context, scratch, tolerations) like `rollout_group`, with
-    a leader command and a follower command; `nodes` 1 is a leader alone."""
-    meta = {**objects.labels(run_id, STAGE, name), objects.LABEL_GROUP: "rollout"}
-    env = [
-        {"name": objects.ENV_GROUP_SIZE, "value": str(nodes)},
-        {"name": objects.ENV_LEADER, "value": leader_address},
-    ]
-
-    def job(role: str, count: int, command: list[str], rank_env: dict[str, Any]) -> dict:
-        spec = objects._rollout_pod_spec(
-            cfg, command, [*env, rank_env], "Never", None, STAGE, run_id
-        )
-        job_spec: dict[str, Any] = {
-            "parallelism": count,
-            "completions": count,
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": cfg.cluster.timeout_s(
-                cfg.cluster.groups.rollout, cfg.pipeline.mode
-            ),
-            "template": {"metadata": {"labels": dict(meta)}, "spec": spec},
-        }
-        if role == "worker":
-            job_spec["completionMode"] = "Indexed"
-        return {
-            "name": role,
-            "replicas": 1,
-            "template": {"metadata": {"labels": dict(meta)}, "spec": job_spec},
-        }
-
-    jobs = [job("leader", 1, leader_cmd, {"name": objects.ENV_NODE_RANK, "value": "0"})]
-    if nodes > 1:
-        index = {
-            "name": "MOERL_WORKER_INDEX",
-            "valueFrom": {
-                "fieldRef": {
-                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-                }
-            },
-        }
-        jobs.append(job("worker", nodes - 1, follower_cmd, index))
-    return {
-        "apiVersion": "/".join(objects.JOBSET_API[:2]),
-        "kind": "JobSet",
-        "metadata": {"name": name, "labels": meta},
-        "spec": {
-            "replicatedJobs": jobs,
-            "network": {
-                "enableDNSHostnames": True,
-                "subdomain": name,
-                "publishNotReadyAddresses": True,
-            },
-            "successPolicy": {"operator": "All", "targetReplicatedJobs": ["leader"]},
-            "failurePolicy": {"maxRestarts": 0},
-        },
-    }
 
 
 def dump_yaml(objs: Sequence[dict[str, Any]]) -> str:

@@ -383,6 +383,8 @@ def rollout_group(
     name: str | None = None,
     owner: dict[str, Any] | None = None,
     service_account: str | None = None,
+    follower_command: list[str] | None = None,
+    nodes: int | None = None,
 ) -> dict[str, Any]:
     """One rollout worker spanning `cluster.launch.rollout_nodes_per_worker` nodes, as a JobSet.
 
@@ -393,12 +395,17 @@ def rollout_group(
     or a drain, which the leader reports in its result), and fails when any pod fails (a
     follower's failure or drain fails the group; KFP's retry relaunches it as a unit).
     Its NetworkPolicy: `rollout_group_policy`.
+    `follower_command`: the workers' command (default `command`); `nodes`: the group's size in
+    place of the config's (the wide-EP bench's engine sizes), 1 a leader job alone.
     """
-    nodes = cfg.cluster.launch.rollout_nodes_per_worker
-    if nodes < 2:
-        raise ValueError(
-            "rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod"
-        )
+    if nodes is None:
+        nodes = cfg.cluster.launch.rollout_nodes_per_worker
+        if nodes < 2:
+            raise ValueError(
+                "rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod"
+            )
+    elif nodes < 1:
+        raise ValueError(f"rollout_group needs nodes >= 1, got {nodes}")
     name = name or rollout_group_name(stage, run_id, worker, nodes)
     meta = {**labels(run_id, stage, name), LABEL_GROUP: "rollout"}
     group_env = [
@@ -407,9 +414,9 @@ def rollout_group(
         {"name": ENV_LEADER, "value": leader_address(name)},
     ]
 
-    def job(role: str, count: int, rank_env: dict[str, Any]) -> dict[str, Any]:
+    def job(role: str, count: int, cmd: list[str], rank_env: dict[str, Any]) -> dict[str, Any]:
         spec = _rollout_pod_spec(
-            cfg, command, [*group_env, rank_env], "Never", service_account, stage, run_id
+            cfg, cmd, [*group_env, rank_env], "Never", service_account, stage, run_id
         )
         job_spec: dict[str, Any] = {
             "parallelism": count,
@@ -437,15 +444,16 @@ def rollout_group(
             }
         },
     }
+    follower = command if follower_command is None else follower_command
+    jobs = [job(GROUP_LEADER, 1, command, {"name": ENV_NODE_RANK, "value": "0"})]
+    if nodes > 1:
+        jobs.append(job(GROUP_WORKER, nodes - 1, follower, worker_rank))
     return {
         "apiVersion": "/".join(JOBSET_API[:2]),
         "kind": "JobSet",
         "metadata": {"name": name, "labels": meta, **_owner(owner)},
         "spec": {
-            "replicatedJobs": [
-                job(GROUP_LEADER, 1, {"name": ENV_NODE_RANK, "value": "0"}),
-                job(GROUP_WORKER, nodes - 1, worker_rank),
-            ],
+            "replicatedJobs": jobs,
             "network": {
                 "enableDNSHostnames": True,
                 "subdomain": name,
