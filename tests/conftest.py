@@ -23,6 +23,8 @@ LONGEST_FIRST = (
     "test_bench_scaling.py",  # ~90 s: async runs at 1 and 2 rollout workers
     "test_bench_suite.py",  # ~65 s: 2 repeats x 2 versions, the dispatch comparison
     "test_bench_modes.py",  # ~60 s: floor and async arms of one workload
+    "test_engine_group.py",  # ~65 s: an engine over two simulated nodes, fetch, swap, drain
+    "test_wide_ep.py",  # ~65 s: bench wide-ep legs against a real vLLM server
 )
 
 

@@ -17,7 +17,6 @@ ranks died, the leader failed, or the leader stopped beating.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -29,9 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moerl.bus import RunBus, connect
-from moerl.config import RunConfig, config_from_json
+from moerl.config import RunConfig
 from moerl.errors import CheckpointError, ConfigError
-from moerl.launch.podenv import enter_pod
 from moerl.store.runs import engine_copy, run_cache
 
 if TYPE_CHECKING:
@@ -70,6 +68,7 @@ class Follower:
         from moerl.components.publish_checkpoint.stage import model_skeleton
         from moerl.components.rollout.engine import HeadlessEngine
         from moerl.components.rollout.group import ENV_NODE_CACHE
+        from moerl.components.rollout.transport import check_engine_transport
 
         skel = model_skeleton(
             self.cfg, Path(self.cfg.checkpoint.cache_dir) / self.run_id / "skeleton"
@@ -78,6 +77,8 @@ class Follower:
         placement = self.spec.engine_kwargs(self.cfg.rollout.data_parallel_size)
         t0 = time.perf_counter()
         engine = self.engine = HeadlessEngine(skel, self.cfg.rollout, placement)
+        # `require:` enforced on this node's ranks too (the leader records the group's transport)
+        check_engine_transport(self.cfg, engine.vllm_config)
         log.info(
             "%s: engine ranks %s started headless for %s:%d in %.1f s",
             self.name,
@@ -246,18 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m moerl.components.rollout.follower --config FILE --run-id R --name N` (a local
     group's follower node; on EKS the rollout_worker stage runs `run_follower` on node ranks
     >= 1)."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True, help="the resolved run config as JSON")
-    ap.add_argument("--run-id", required=True)
-    ap.add_argument("--name", required=True, help="the group's worker (its leader's name)")
-    a = ap.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {a.name}.follower %(levelname)s %(message)s"
-    )
-    text = Path(a.config).read_text()
-    cfg = config_from_json(text)
-    enter_pod("rollout_worker", text)
-    return run_follower(cfg, a.run_id, a.name)
+    from moerl.components.rollout.worker import process_args
+
+    return run_follower(*process_args(argv, ".follower"))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ def run_rollout(
     from transformers import AutoTokenizer
 
     from moerl.components.rollout.engine import RolloutEngine
+    from moerl.components.rollout.transport import check_engine_transport
     from moerl.provenance import stage_start
 
     stage_start(cfg, "rollout", run_id)  # records where it runs; enforces `require:`
@@ -78,6 +79,11 @@ def run_rollout(
         prompt_ids = [encode_prompt(tokenizer, cfg.rollout, p) for p in prompts]
         # 3-4. engine and generation; the seed varies per iteration so groups differ across iterations
         engine = RolloutEngine(model_dir, cfg.rollout, seed=cfg.rollout.seed + iteration)
+        try:  # the transport it got, recorded; `require:` refuses a silent fallback
+            check_engine_transport(cfg, engine.core.vllm_config, run_id)
+        except Exception:
+            engine.close()
+            raise
     t_gen = time.perf_counter()
     extra: dict[str, float] = {}
     # multi-turn: one request per episode per turn, environments in the sandbox

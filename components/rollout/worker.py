@@ -1349,23 +1349,29 @@ def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
         w.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m moerl.components.rollout.worker --config FILE --run-id R --name N` (the local
-    launcher's entrypoint; on KFP the component calls `run_rollout_worker`)."""
+def process_args(argv: list[str] | None, role: str = "") -> tuple[RunConfig, str, str]:
+    """`--config FILE --run-id R --name N`, as a rollout pod's process starts: logging named
+    after the worker (and `role`), the config read, the pod entered as the component does (the
+    process's own scratch when pod-shaped, and in a sandbox given the cluster's Secrets, its
+    pod's credentials and no others). Returns (config, run id, worker name)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True, help="the resolved run config as JSON")
     ap.add_argument("--run-id", required=True)
-    ap.add_argument("--name", required=True)
+    ap.add_argument("--name", required=True, help="the worker (a group's: its leader's name)")
     a = ap.parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {a.name} %(levelname)s %(message)s"
+        level=logging.INFO, format=f"%(asctime)s {a.name}{role} %(levelname)s %(message)s"
     )
     text = Path(a.config).read_text()
     cfg = config_from_json(text)
-    # as the component does: the process's own scratch when pod-shaped, and in a sandbox given
-    # the cluster's Secrets, its pod's credentials and no others
     enter_pod("rollout_worker", text)
-    return run_rollout_worker(cfg, a.run_id, a.name)
+    return cfg, a.run_id, a.name
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m moerl.components.rollout.worker --config FILE --run-id R --name N` (the local
+    launcher's entrypoint; on KFP the component calls `run_rollout_worker`)."""
+    return run_rollout_worker(*process_args(argv))
 
 
 if __name__ == "__main__":

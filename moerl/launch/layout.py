@@ -39,9 +39,12 @@ class PodLayout:
     engines: int  # engines the pod runs
 
     def slices(self) -> list[tuple[int, ...]]:
-        """The device indices (CUDA_VISIBLE_DEVICES) of each engine; empty tuples on cpu."""
+        """The device indices (CUDA_VISIBLE_DEVICES) of each engine on this pod; empty tuples on
+        cpu. An engine over several nodes has this node's GPUs, all of them."""
         if not self.gpus:
             return [()] * self.engines
+        if self.devices_per_engine > self.gpus:
+            return [tuple(range(self.gpus))]
         d = self.devices_per_engine
         return [tuple(range(j * d, (j + 1) * d)) for j in range(self.engines)]
 

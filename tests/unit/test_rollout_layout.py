@@ -62,6 +62,14 @@ def test_a_pod_runs_gpus_over_tp_x_dp_engines_each_on_its_own_devices(tp, dp, en
     assert sorted(used) == list(range(8))  # every GPU once
 
 
+def test_an_engine_over_nodes_has_every_gpu_of_each_node():
+    layout = pod_layout(8, 1, 32, nodes=4)  # DeepSeek-V3: DP32-EP32 over 4 nodes
+    assert (layout.engines, layout.devices_per_engine) == (1, 32)
+    assert layout.slices() == [tuple(range(8))]  # this node's share: its 8 GPUs
+    with pytest.raises(ConfigError, match="spans 32; set them equal"):
+        pod_layout(8, 1, 16, nodes=4)
+
+
 @pytest.mark.parametrize(("tp", "dp"), [(3, 1), (1, 3), (16, 1), (2, 8)])
 def test_a_layout_that_does_not_divide_the_pod_or_exceeds_it_is_refused(tp, dp):
     with pytest.raises(ConfigError) as e:
