@@ -250,7 +250,8 @@ class HeadlessEngine:
     started headless (vLLM's `serve --headless`, in this process's children). They join the
     leader's engine at `placement`'s address, load the checkpoint in `model_dir` (dummy weights:
     every version after comes by the leader's hot swap, on every rank) and take their work from
-    the leader's engine. `dead()` names the cores that exited; `close()` stops them all."""
+    the leader's engine. `check(vllm_config)` runs before any of them starts. `dead()` names
+    the cores that exited; `close()` stops them all."""
 
     def __init__(
         self,
@@ -258,6 +259,7 @@ class HeadlessEngine:
         cfg: RolloutConfig,
         placement: dict[str, Any],
         dummy: bool = True,
+        check=None,
     ) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
@@ -275,6 +277,8 @@ class HeadlessEngine:
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config(
             usage_context=UsageContext.OPENAI_API_SERVER, headless=True
         )
+        if check is not None:  # before any rank starts (the transport `require:` asks for)
+            check(vllm_config)
         pc = vllm_config.parallel_config
         self.vllm_config = vllm_config
         self.ranks = list(

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAIN_MARGIN_S = 20.0  # beyond rollout.grace_seconds: the leader's publish and exit
-LEADER_LOST_S = 30.0  # the leader's heartbeat (10 s TTL) gone this long: it is lost
+LEADER_LOST_S = 60.0  # the leader's beat (15 s TTL) unseen this long by a working bus: lost
+SLOW_BUS_S = 5.0  # a bus call this slow was an outage: the leader's silence meanwhile is not its
 POLL_S = 0.5
 
 
@@ -52,8 +53,10 @@ class Follower:
         self.gbus = GroupBus(bus, worker, spec)
         self.name = f"{worker}.node{spec.rank}"
         self.engine: HeadlessEngine | None = None
-        self.held: tuple[int, str] | None = None
-        self._hold = contextlib.ExitStack()  # the reported version's copy, locked shared
+        self.held: tuple[int, str] | None = None  # the newest version held, reported
+        # every held copy (locked shared, which pruning respects) by version: the newest, and
+        # those the leader may still swap in (its target and newer)
+        self._holds: dict[int, contextlib.ExitStack] = {}
         self._notice_at: float | None = None
         self._fanout = None
 
@@ -76,9 +79,14 @@ class Follower:
         os.environ[ENV_NODE_CACHE] = str(run_cache(self.cfg.checkpoint, self.run_id))
         placement = self.spec.engine_kwargs(self.cfg.rollout.data_parallel_size)
         t0 = time.perf_counter()
-        engine = self.engine = HeadlessEngine(skel, self.cfg.rollout, placement)
-        # `require:` enforced on this node's ranks too (the leader records the group's transport)
-        check_engine_transport(self.cfg, engine.vllm_config)
+        # `require:` enforced on this node's ranks too, before they start (the leader records
+        # the group's transport)
+        engine = self.engine = HeadlessEngine(
+            skel,
+            self.cfg.rollout,
+            placement,
+            check=lambda vc: check_engine_transport(self.cfg, vc),
+        )
         log.info(
             "%s: engine ranks %s started headless for %s:%d in %.1f s",
             self.name,
@@ -123,10 +131,13 @@ class Follower:
             log.warning("%s: cannot fetch version %d yet (%s)", self.name, reg.version, err)
             time.sleep(1.0)
             return
-        # the newer copy is held; the older one may go (the engine holds its weights in memory)
-        self._hold.close()
-        self._hold, self.held = hold, (reg.version, reg.manifest_sha256)
+        old = self._holds.pop(reg.version, None)  # the same number under another manifest
+        if old is not None:
+            old.close()
+        self._holds[reg.version] = hold
+        self.held = (reg.version, reg.manifest_sha256)
         self.gbus.report_holds(self.spec.rank, reg.version, reg.manifest_sha256)
+        self._release_older()
         self.bus.incr(**{f"weights_from_{s}": 1 for s in sources})
         log.info(
             "%s: holds version %d (fetched from %s in %.2f s)",
@@ -136,16 +147,46 @@ class Follower:
             time.perf_counter() - t0,
         )
 
+    def _release_older(self) -> None:
+        """Let go of the copies the leader can no longer swap in: older than its target (what it
+        serves or is about to swap in) and not the newest held. The engine holds its weights in
+        memory; the node cache may prune them."""
+        target = self.gbus.target()
+        newest = max(self._holds, default=None)
+        for v in [v for v in self._holds if v != newest and (target is None or v < target)]:
+            self._holds.pop(v).close()
+
     # -- the loop ------------------------------------------------------------------------
     def _beat(self, stop: threading.Event) -> None:
+        """From a thread, whatever the loop does (a fetch of a large version, the engine's
+        start): this node's beat, its holds re-sent (a report a Valkey failover lost comes
+        back), and a Spot notice passed on to the group at once."""
         while not stop.wait(2.0):
             try:
                 self.gbus.beat(self.spec.rank)
+                if self.held is not None:
+                    self.gbus.report_holds(self.spec.rank, *self.held)
+                if self._notice_at is not None and self.gbus.drain_asked() is None:
+                    self.gbus.ask_drain(self.spec.rank, "SIGTERM (a Spot notice)")
             except Exception as err:  # noqa: BLE001 - liveness is advisory; the loop reports real failures
                 log.warning("%s: heartbeat failed: %s", self.name, err)
 
-    def _leader_alive(self) -> bool:
-        return self.bus.r.exists(self.bus.key(f"alive:{self.worker}")) == 1
+    def _wait_leader_starting(self) -> None:
+        """Start the engine ranks only once the leader builds its engine (vLLM's headless cores
+        give up on a front-end that does not answer within 5 minutes); bounded by
+        `rollout.group_fetch_timeout_s`. Meanwhile the first version is fetched."""
+        t0 = time.monotonic()
+        while not self.gbus.leader_starting():
+            if self.gbus.ended() is not None or self._notice_at is not None:
+                return
+            if time.monotonic() - t0 > self.cfg.rollout.group_fetch_timeout_s:
+                raise TimeoutError(
+                    f"{self.name}: the leader {self.spec.leader} did not start its engine in "
+                    f"{self.cfg.rollout.group_fetch_timeout_s:.0f} s (rollout.group_fetch_timeout_s)"
+                )
+            if not self.bus.done():
+                self._fetch_servable()
+            time.sleep(POLL_S)
 
     def run(self) -> int:
         from moerl.components.rollout.worker import EXIT_DRAINED
@@ -156,8 +197,16 @@ class Follower:
         beat.start()
         try:
             self._fetch_servable()  # the first version, beside the engine's start
+            self._wait_leader_starting()
             self._start_engine()
             return self._loop(EXIT_DRAINED)
+        except BaseException as err:
+            # the leader's engine would wait for this node's ranks: the group drains
+            try:
+                self.gbus.ask_drain(self.spec.rank, f"failed: {type(err).__name__}: {err}")
+            except Exception:  # noqa: BLE001 - the leader also sees this node stop beating
+                pass
+            raise
         finally:
             stop.set()
             beat.join(timeout=5)
@@ -170,12 +219,14 @@ class Follower:
         grace = self.cfg.rollout.grace_seconds + DRAIN_MARGIN_S
         while True:
             now = time.monotonic()
-            dead = self.engine.dead()
-            if dead:
-                self.gbus.ask_drain(self.spec.rank, f"engine ranks exited: {dead}")
-                log.error("%s: its engine ranks exited: %s", self.name, dead)
-                return 1
             ended = self.gbus.ended()
+            if ended is None and self.engine.dead():
+                # the leader's end may close the engine first: its word decides
+                dead, ended = self.engine.dead(), self.gbus.ended()
+                if ended is None:
+                    self.gbus.ask_drain(self.spec.rank, f"engine ranks exited: {dead}")
+                    log.error("%s: its engine ranks exited: %s", self.name, dead)
+                    return 1
             if ended is not None:
                 if ended in (0, exit_drained):
                     log.info("%s: the leader ended with %d", self.name, ended)
@@ -188,7 +239,11 @@ class Follower:
                 if now - self._notice_at > grace:
                     log.error("%s: the leader did not finish its drain in %.0f s", self.name, grace)
                     return exit_drained
-            if self._leader_alive():
+            t_read = time.monotonic()
+            alive = self.gbus.alive(0)
+            if time.monotonic() - t_read > SLOW_BUS_S and leader_seen_at is not None:
+                leader_seen_at = time.monotonic()  # an outage, not the leader's silence
+            if alive:
                 leader_seen_at = now
             else:
                 since = leader_seen_at if leader_seen_at is not None else t0
@@ -207,10 +262,13 @@ class Follower:
                     return 1
             if self._notice_at is None and not self.bus.done():
                 self._fetch_servable()
+                self._release_older()
             time.sleep(POLL_S)
 
     def close(self) -> None:
-        self._hold.close()
+        for hold in self._holds.values():
+            hold.close()
+        self._holds.clear()
         if self._fanout is not None:
             self._fanout.stop()
             self._fanout = None

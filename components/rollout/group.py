@@ -36,7 +36,9 @@ ENV_NODE_RANK, ENV_GROUP_SIZE, ENV_LEADER, ENV_GROUP_ID = (
 # the node cache root every engine rank of this node resolves a swap's version against: the
 # leader names a version by its path under the cache root, each node reads its own copy
 ENV_NODE_CACHE = "MOERL_NODE_CACHE"
+ENV_POD_IP = "MOERL_POD_IP"  # the pod's own IP (downward API), set in a group's pods
 NODE_TTL_S = 15.0  # a node's heartbeat lives this long; it beats every few seconds
+KEY_TTL_S = 7 * 86400  # a group's other keys outlive any incarnation, then go
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class GroupSpec:
     leader: str  # the leader's address (its pod's DNS name on EKS)
     group_id: str  # this incarnation of the group
     rpc_port: int  # vLLM's data-parallel RPC port on the leader
+    own_ip: str = ""  # this pod's IP (the leader binds on it; its DNS name may lag)
 
     @property
     def is_leader(self) -> bool:
@@ -96,6 +99,7 @@ class GroupSpec:
             leader=leader,
             group_id=env.get(ENV_GROUP_ID) or leader,
             rpc_port=cfg.rollout.group_rpc_port,
+            own_ip=env.get(ENV_POD_IP, ""),
         )
 
     def engine_kwargs(self, data_parallel_size: int) -> dict[str, Any]:
@@ -104,7 +108,7 @@ class GroupSpec:
         local = data_parallel_size // self.size
         kw: dict[str, Any] = {
             "data_parallel_size_local": local,
-            "data_parallel_address": self.leader,
+            "data_parallel_address": self.own_ip if self.is_leader and self.own_ip else self.leader,
             "data_parallel_rpc_port": self.rpc_port,
         }
         if not self.is_leader:
@@ -124,8 +128,11 @@ class GroupBus:
 
     # -- what each node holds -------------------------------------------------------------
     def report_holds(self, rank: int, version: int, sha: str) -> None:
+        """Node `rank` holds (`version`, `sha`), verified, in its node cache (re-sent every beat,
+        so a report a Valkey failover lost comes back)."""
+        key = self._key(f"holds:{rank}")
         self.r.hset(
-            self._key(f"holds:{rank}"),
+            key,
             mapping={
                 "version": version,
                 "sha": sha,
@@ -133,6 +140,16 @@ class GroupBus:
                 "at": time.time(),
             },
         )
+        self.r.expire(key, int(KEY_TTL_S))
+
+    def set_target(self, version: int) -> None:
+        """The version the leader swaps in or serves: the followers keep their copies of it and
+        of anything newer (their node caches prune only older ones)."""
+        self.r.set(self._key("target"), str(version), ex=int(KEY_TTL_S))
+
+    def target(self) -> int | None:
+        raw = self.r.get(self._key("target"))
+        return None if raw is None else int(raw)
 
     def holds(self, rank: int) -> tuple[int, str] | None:
         raw = self.r.hgetall(self._key(f"holds:{rank}"))
@@ -151,17 +168,25 @@ class GroupBus:
     def alive(self, rank: int) -> bool:
         return self.r.exists(self._key(f"alive:{rank}")) == 1
 
+    def starting(self) -> None:
+        """The leader builds its engine now: the followers start their engine ranks (vLLM's
+        headless cores give up on a leader that does not answer within 5 minutes)."""
+        self.r.set(self._key("starting"), str(time.time()), ex=int(KEY_TTL_S))
+
+    def leader_starting(self) -> bool:
+        return self.r.exists(self._key("starting")) == 1
+
     # -- drain and end ----------------------------------------------------------------
     def ask_drain(self, rank: int, reason: str) -> None:
         """Drain the whole group (the first reason stays)."""
-        self.r.set(self._key("drain"), f"node {rank}: {reason}"[:500], nx=True)
+        self.r.set(self._key("drain"), f"node {rank}: {reason}"[:500], nx=True, ex=int(KEY_TTL_S))
 
     def drain_asked(self) -> str | None:
         return self.r.get(self._key("drain"))
 
     def end(self, code: int) -> None:
         """The leader left with exit code `code`: the followers stop their engine ranks."""
-        self.r.set(self._key("ended"), str(code))
+        self.r.set(self._key("ended"), str(code), ex=int(KEY_TTL_S))
 
     def ended(self) -> int | None:
         raw = self.r.get(self._key("ended"))

@@ -395,6 +395,9 @@ class _Outbox:
             self._thread.join()
 
 
+NODE_LOST_S = 60.0  # a follower whose beat the bus has not shown this long is lost
+
+
 def pointer_moved(
     reg: Registered | None, version: int | None, sha: str | None, epoch: int
 ) -> str | None:
@@ -460,9 +463,11 @@ class RolloutWorker:
                 "(components/rollout/follower.py), not the rollout worker"
             )
         self.gbus = GroupBus(bus, name, self.group) if self.group is not None else None
-        self._group_wait: tuple[int, str, float] | None = None  # (version, sha, since)
-        self._group_seen: set[int] = set()  # follower ranks seen beating
+        self._group_wait: float | None = None  # since when a newer version waits for the nodes
+        # follower rank -> when a read of the bus last found it beating (the local clock)
+        self._group_seen: dict[int, float] = {}
         self._group_failure: str | None = None  # a follower lost (set by the heartbeat thread)
+        self._prefetch_done: tuple[int, str] | None = None  # in_flight: fetched beside, not swapped
 
     @property
     def bus_writes(self) -> tuple[int, int]:
@@ -554,27 +559,33 @@ class RolloutWorker:
 
     def _group_holds(self, reg) -> bool:
         """An engine over several nodes: True once every follower node holds `reg`'s version in
-        its own node cache (each reports it in Valkey), so the swap finds it on every rank.
-        Raises WeightSyncError, naming the nodes, after `rollout.group_fetch_timeout_s`."""
+        its own node cache (each reports it in Valkey), so the swap finds it on every rank; the
+        leader then names it as its target, which the followers keep (never prune) until the
+        leader moves on, and checks once more that every node still holds it. Raises
+        WeightSyncError, naming the nodes, when no newer version could be swapped in for
+        `rollout.group_fetch_timeout_s` (the clock runs from the first version that waited,
+        across newer ones: followers that always lag one version behind fail too)."""
         if self.gbus is None:
             return True
-        missing = self.gbus.missing(reg.version, reg.manifest_sha256)
         now = time.monotonic()
+        missing = self.gbus.missing(reg.version, reg.manifest_sha256)
+        if not missing:
+            self.gbus.set_target(reg.version)
+            missing = self.gbus.missing(reg.version, reg.manifest_sha256)
         if not missing:
             if self._group_wait is not None:
-                self.bus.heartbeat(self.name, ttl_s=10.0, group_wait_s=now - self._group_wait[2])
+                self.bus.heartbeat(self.name, ttl_s=10.0, group_wait_s=now - self._group_wait)
             self._group_wait = None
             return True
-        key = (reg.version, reg.manifest_sha256)
-        if self._group_wait is None or self._group_wait[:2] != key:
-            self._group_wait = (*key, now)
+        if self._group_wait is None:
+            self._group_wait = now
             log.info(
                 "%s: version %d: waiting for nodes %s of the engine group to hold it",
                 self.name,
                 reg.version,
                 missing,
             )
-        waited = now - self._group_wait[2]
+        waited = now - self._group_wait
         if waited > self.cfg.rollout.group_fetch_timeout_s:
             from moerl.errors import WeightSyncError
 
@@ -594,18 +605,29 @@ class RolloutWorker:
         fails the group (`_exit_code`)."""
         if self.gbus is None or self.group is None:
             return
-        self.gbus.beat(0)
-        asked = self.gbus.drain_asked()
-        if asked and not self.drain.asked:
-            log.warning("%s: the engine group drains (%s)", self.name, asked)
-            self.drain(signal.SIGTERM, None)
-        elif self.drain.asked and asked is None:
-            self.gbus.ask_drain(0, "SIGTERM (a Spot notice) on the leader")
-        for r in range(1, self.group.size):
-            if self.gbus.alive(r):
-                self._group_seen.add(r)
-            elif r in self._group_seen and self._group_failure is None:
-                self._group_failure = f"node {r} of the engine group stopped beating"
+        try:
+            self.gbus.beat(0)
+            asked = self.gbus.drain_asked()
+            if asked and not self.drain.asked:
+                log.warning("%s: the engine group drains (%s)", self.name, asked)
+                self.drain(signal.SIGTERM, None)
+            elif self.drain.asked and asked is None:
+                self.gbus.ask_drain(0, "SIGTERM (a Spot notice) on the leader")
+            alive = {r: self.gbus.alive(r) for r in range(1, self.group.size)}
+        except Exception:
+            # the bus is out (the client retries for valkey.reconnect_s): the nodes' silence
+            # meanwhile is not theirs; their clocks restart when it answers again
+            self._group_seen = dict.fromkeys(self._group_seen, float("inf"))
+            raise
+        now = time.monotonic()
+        for r, beating in alive.items():
+            seen = self._group_seen.get(r)
+            if beating or seen == float("inf"):
+                self._group_seen[r] = now
+            elif seen is not None and now - seen > NODE_LOST_S and self._group_failure is None:
+                self._group_failure = (
+                    f"node {r} of the engine group has not beaten for {now - seen:.0f} s"
+                )
 
     def _pin(self, version: int):
         """Pin `version` in the run's store for this worker (renewed by `_renew`); the store.
@@ -618,11 +640,14 @@ class RolloutWorker:
         """`rollout.weight_update` in_flight: fetch `reg`'s version into the verified node cache on
         a thread while the engine generates; True once that fetch has ended (the swap then reads
         the node cache; a fetch that failed is retried, and reported, by the swap's own)."""
+        key = (reg.version, reg.manifest_sha256)
         p = self._prefetch
-        if p is not None and (p.version, p.sha) == (reg.version, reg.manifest_sha256):
+        if p is not None and (p.version, p.sha) == key:
             if not p.ended():
                 return False
-            self._prefetch = None
+            self._prefetch, self._prefetch_done = None, key
+            return True
+        if self._prefetch_done == key:  # fetched; the swap waits (for a group's other nodes)
             return True
         t = threading.Thread(
             target=self._prefetch_run, args=(reg,), name="moerl-prefetch", daemon=True
@@ -666,11 +691,10 @@ class RolloutWorker:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         # every rank of this node resolves a group swap's version under this node's cache
         os.environ[ENV_NODE_CACHE] = str(run_cache(self.cfg.checkpoint, self.run_id))
-        placement = (
-            self.group.engine_kwargs(self.cfg.rollout.data_parallel_size)
-            if self.group is not None
-            else None
-        )
+        placement = None
+        if self.group is not None and self.gbus is not None:
+            placement = self.group.engine_kwargs(self.cfg.rollout.data_parallel_size)
+            self.gbus.starting()  # the followers start their ranks now
         engine = RolloutEngine(
             model_dir,
             self.cfg.rollout,
@@ -893,12 +917,15 @@ class RolloutWorker:
         s.checked_at = now
         reg = self.bus.servable()
         moved = pointer_moved(reg, self.version, self.sha, self.epoch)
-        s.newer = moved is not None
         if moved == "forward" and self.cfg.rollout.weight_update == "in_flight":
             if self._fetched_beside(reg):  # the fetch ran on a thread while the engine generated
                 self._serve_latest(in_flight=True)
             s.newer = False
-        elif s.newer and s.version_drain is None:
+            return
+        if moved is not None and reg is not None and not self._group_holds(reg):
+            moved = None  # a node of the group still fetches it: no drain until all hold it
+        s.newer = moved is not None
+        if s.newer and s.version_drain is None:
             s.version_drain = _VersionDrain(time.perf_counter())
 
     def _has_room(self, s: _Stream, now: float) -> bool:
@@ -1243,8 +1270,9 @@ class RolloutWorker:
         beat.start()
         code = 1
         try:
-            code = self._loop()
+            done = self._loop()
             self._outbox.flush()  # every group and acknowledgement handed over is on the bus
+            code = done
             return code
         finally:
             if self.gbus is not None:  # the followers stop their engine ranks

@@ -304,9 +304,12 @@ def plan_jobsets(
                     **common,  # type: ignore[arg-type]
                 )
                 follower_lines.append(
-                    f"{env} {shlex.join(['vllm', 'serve', model])} "
-                    + " ".join(_shell_arg(a) for a in serve)
-                    + ' || echo "headless rank exited: $?"'
+                    _follower_leg(
+                        f"{env} {shlex.join(['vllm', 'serve', model])} "
+                        + " ".join(_shell_arg(a) for a in serve),
+                        port,
+                        start_timeout_s,
+                    )
                 )
         leader_cmd = ["bash", "-c", "\n".join([*leader_lines, "exit $rc"])]
         follower_cmd = ["bash", "-c", "\n".join(follower_lines)]
@@ -324,6 +327,30 @@ def plan_jobsets(
             )
         )
     return out
+
+
+def _follower_leg(serve: str, port: int, start_timeout_s: float) -> str:
+    """One leg's headless ranks on a follower node. vLLM's headless engine cores do not exit
+    when the leader's server stops, so the script watches the leader's /health: once it has been
+    up and goes away (the leg ended), or never comes up within `start_timeout_s`, the ranks are
+    stopped and the next leg's start."""
+    probe = (
+        "python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "
+        f'"http://$MOERL_LEADER_ADDRESS:{port}/health" >/dev/null 2>&1'
+    )
+    return "\n".join(
+        [
+            f"{serve} &",
+            "pid=$! up=0 t0=$SECONDS",
+            'while kill -0 "$pid" 2>/dev/null; do',
+            f"  if {probe}; then up=1",
+            '  elif [ "$up" = 1 ] || [ $((SECONDS - t0)) -gt '
+            f'{int(start_timeout_s)} ]; then kill -TERM "$pid"; fi',
+            "  sleep 1",
+            "done",
+            'wait "$pid" || echo "headless rank exited: $?"',
+        ]
+    )
 
 
 def _shell_arg(arg: str) -> str:

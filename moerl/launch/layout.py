@@ -64,6 +64,13 @@ def pod_layout(
                 f"{figures}, but an engine over cluster.launch.rollout_nodes_per_worker = {nodes} "
                 f"nodes of {gpus} GPUs ({gpus_key}) spans {gpus * nodes}; set them equal"
             )
+        if tp > gpus or gpus % tp or dp % nodes:
+            raise ConfigError(
+                f"{figures} over {nodes} nodes (cluster.launch.rollout_nodes_per_worker): an engine "
+                "over several nodes splits its data-parallel ranks evenly over them, each within "
+                f"one node; rollout.tensor_parallel_size must divide the {gpus} GPUs of a node "
+                "and rollout.data_parallel_size must be a multiple of the nodes"
+            )
         return PodLayout(gpus, per, 1)
     if per > gpus or gpus % per:
         allowed = [d for d in range(1, gpus + 1) if gpus % d == 0]

@@ -39,6 +39,8 @@ JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 GROUP_LEADER, GROUP_WORKER = "leader", "worker"
 ENV_WORKER_INDEX = "MOERL_WORKER_INDEX"
 
+ENV_POD_IP = "MOERL_POD_IP"
+
 # Beyond `rollout.grace_seconds` (the worker's drain), time for the publish and the exit.
 GRACE_MARGIN_S = 30
 _MAX_NAME = 63
@@ -412,6 +414,9 @@ def rollout_group(
         *env,
         {"name": ENV_GROUP_SIZE, "value": str(nodes)},
         {"name": ENV_LEADER, "value": leader_address(name)},
+        # the leader binds its engine's RPC on its own address, not on its DNS name (which the
+        # headless Service may not resolve yet when the engine starts)
+        {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
 
     def job(role: str, count: int, cmd: list[str], rank_env: dict[str, Any]) -> dict[str, Any]:

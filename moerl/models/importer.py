@@ -330,7 +330,11 @@ def _write_tensors(
             else:
                 t = get(key)
                 if t.is_floating_point():
-                    t = t.to(torch_dtype)
+                    # never below what the source kept: DeepSeek-V3 stores its router's
+                    # e_score_correction_bias in float32 (vLLM keeps it so), and bf16 rounding
+                    # could change which experts are picked
+                    if t.element_size() <= torch.tensor([], dtype=torch_dtype).element_size():
+                        t = t.to(torch_dtype)
                     fp8.check_finite(key, t)
             t = t.contiguous()
             size = t.numel() * t.element_size()

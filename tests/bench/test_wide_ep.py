@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -424,3 +425,40 @@ def test_plan_refuses_what_cannot_be_planned():
         wide_ep.parse_backends("deepep_v2,pplx")
     with pytest.raises(ConfigError):
         wide_ep.parse_nodes("1,0")
+
+
+def test_a_follower_leg_stops_its_headless_ranks_when_the_leaders_server_goes(tmp_path):
+    """vLLM's headless cores outlive the leader's server: the follower's leg script stops them
+    once the leader's /health has been up and goes away, so the next leg can start."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # a headless rank that would never exit on its own
+    script = wide_ep._follower_leg("sleep 600", port, start_timeout_s=600)
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        env={"PATH": "/usr/bin:/bin", "MOERL_LEADER_ADDRESS": "127.0.0.1"},
+        start_new_session=True,
+    )
+    try:
+        time.sleep(3)
+        assert proc.poll() is None  # the leader's server is up: the ranks serve
+        server.shutdown()
+        server.server_close()
+        assert proc.wait(timeout=20) == 0  # stopped, reported, the next leg may start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)

@@ -47,6 +47,12 @@ def test_placement_from_the_environment():
         "data_parallel_rpc_port": 29550,
     }
     assert fol.engine_kwargs(4)["data_parallel_start_rank"] == 2
+    # on EKS the leader binds on its pod IP; the followers reach it by its DNS name
+    lead_ip = GroupSpec.from_env(cfg, _env(0, MOERL_POD_IP="10.0.0.7"))
+    fol_ip = GroupSpec.from_env(cfg, _env(1, MOERL_POD_IP="10.0.0.8"))
+    assert lead_ip is not None and fol_ip is not None
+    assert lead_ip.engine_kwargs(4)["data_parallel_address"] == "10.0.0.7"
+    assert fol_ip.engine_kwargs(4)["data_parallel_address"] == "g-leader-0-0.g"
 
 
 @pytest.mark.parametrize(
@@ -85,6 +91,11 @@ def test_group_keys(server, request, monkeypatch):  # noqa: F811
     assert g.drain_asked() == "node 2: SIGTERM"
     again = GroupBus(bus, "rollout-0", GroupSpec(0, 3, "l", "b", 29550))
     assert again.drain_asked() is None and again.holds(1) is None
+    assert g.target() is None and not g.leader_starting()
+    g.set_target(3)
+    g.starting()
+    assert g.target() == 3 and g.leader_starting()
+    assert 0 < bus.r.ttl(bus.key("group:rollout-0:a:holds:1")) <= 7 * 86400  # keys expire
     assert g.ended() is None
     g.end(75)
     assert g.ended() == 75

@@ -68,6 +68,10 @@ def test_an_engine_over_nodes_has_every_gpu_of_each_node():
     assert layout.slices() == [tuple(range(8))]  # this node's share: its 8 GPUs
     with pytest.raises(ConfigError, match="spans 32; set them equal"):
         pod_layout(8, 1, 16, nodes=4)
+    # a tensor-parallel group across nodes, or DP ranks that do not split evenly over them
+    for tp, dp, nodes in [(16, 1, 2), (3, 8, 3)]:
+        with pytest.raises(ConfigError, match="splits its data-parallel ranks evenly"):
+            pod_layout(8, tp, dp, nodes=nodes)
 
 
 @pytest.mark.parametrize(("tp", "dp"), [(3, 1), (1, 3), (16, 1), (2, 8)])
@@ -82,7 +86,7 @@ def test_a_layout_that_does_not_divide_the_pod_or_exceeds_it_is_refused(tp, dp):
 
 
 def test_an_engine_over_nodes_must_span_all_their_gpus():
-    assert pod_layout(8, 16, 1, nodes=2) == PodLayout(8, 16, 1)
+    assert pod_layout(8, 1, 16, nodes=2) == PodLayout(8, 16, 1)  # DP 16 over two nodes
     with pytest.raises(ConfigError, match="rollout_nodes_per_worker = 2 nodes of 8 GPUs"):
         pod_layout(8, 8, 1, nodes=2)
     with pytest.raises(ConfigError, match="0 GPUs per rollout pod"):
