@@ -5,7 +5,7 @@ For each model (Qwen3-30B-A3B, Qwen3-235B-A22B in bf16; DeepSeek-V3 in FP8 and i
 smallest tensor-parallel engine whose weights plus one max_model_len sequence of KV cache fit a
 GPU, the smallest data-parallel x expert-parallel engine (TP 1) that does, the engines per node,
 and the weights and KV per GPU; a model no single-node layout fits says so, with the nodes a
-TP engine over nodes would need (multi-node engines: issue 39). Formulas and what they leave
+DP x EP engine over nodes needs (cluster.launch.rollout_nodes_per_worker). Formulas and what they leave
 out: moerl/launch/layout.py; model sizes from the public config.json: moerl/models/sizes.py.
 """
 
@@ -95,8 +95,9 @@ def format_layouts(rows: list[dict[str, Any]], inp: EngineInputs) -> str:
                 _cell(r["dp_ep"], "dp"),
                 "yes"
                 if r["nodes_needed"] == 1
-                else f"no: a TP{inp.gpus_per_node * r['nodes_needed']} engine over "
-                f"{r['nodes_needed']} nodes (issue 39)",
+                else f"no: DP{inp.gpus_per_node * r['nodes_needed']}-EP"
+                f"{inp.gpus_per_node * r['nodes_needed']} over {r['nodes_needed']} nodes "
+                "(rollout_nodes_per_worker)",
             ]
             for r in rows
         ],

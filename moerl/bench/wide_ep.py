@@ -5,8 +5,9 @@ Three parts: `plan` writes one JobSet per engine size (nodes), whose leader runs
 `leg` measures one leg against a vLLM OpenAI server (started here, or `--url`): the same seeded
 prompts, streamed, per-request time to first token and per output token, output tokens/s,
 expert load imbalance where vLLM's /metrics reports it, bytes on the EFA NICs, disclosure;
-`report` merges leg records into a table per backend and size, with the run-to-run variance
-and the deepep_v2 / allgather_reducescatter ratio per size.
+`nic` reads this node's EFA counters (the followers' per-leg NIC records); `report` merges leg
+and NIC records into a table per backend and size, with the run-to-run variance, EFA bytes
+summed over the group's nodes and the deepep_v2 / allgather_reducescatter ratio per size.
 
 Design, details and limitations: docs/benchmarks.md#wide-ep-deepep-over-efa-vs-all-gather.
 """
@@ -39,6 +40,8 @@ ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_late
 BASELINE, CANDIDATE = "allgather_reducescatter", "deepep_v2"
 LEG_SCHEMA = "moerl.bench.wide_ep.leg/1"
 LOG_PREFIX = "MOERL_WIDE_EP_LEG "  # a leg record on one stdout line: `kubectl logs` collects it
+NIC_SCHEMA = "moerl.bench.wide_ep.nic/1"
+NIC_PREFIX = "MOERL_WIDE_EP_NIC "  # a follower's EFA bytes over one leg, on one stdout line
 DP_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
 API_PORT = 8000
 STAGE = "bench_wide_ep"
@@ -233,7 +236,9 @@ def plan_jobsets(
     devices per node, rollout dtype/tp/seed/max_model_len, the rollout group's scheduling).
     The leader runs `moerl bench wide-ep leg` for each backend x repeat in order and prints
     each record on a `MOERL_WIDE_EP_LEG` line; followers run the same sequence of headless
-    engine ranks (each ends when the leader's engine shuts down)."""
+    engine ranks (each ends when the leader's engine shuts down) and print, per leg, their
+    node's EFA bytes from the leader's server up to its going away on a `MOERL_WIDE_EP_NIC`
+    line (`report` sums them with the leader's over the group's nodes)."""
     from moerl.launch import objects
 
     model = model or cfg.model.path
@@ -303,12 +308,22 @@ def plan_jobsets(
                     max_num_seqs=workload.in_flight,
                     **common,  # type: ignore[arg-type]
                 )
+                nic = [
+                    "moerl",
+                    "bench",
+                    "wide-ep",
+                    "nic",
+                    f"--nodes={n}",
+                    f"--backend={backend}",
+                    f"--repeat={r}",
+                ]
                 follower_lines.append(
                     _follower_leg(
                         f"{env} {shlex.join(['vllm', 'serve', model])} "
                         + " ".join(_shell_arg(a) for a in serve),
                         port,
                         start_timeout_s,
+                        nic=shlex.join(nic) + ' --node="$((MOERL_WORKER_INDEX + 1))"',
                     )
                 )
         leader_cmd = ["bash", "-c", "\n".join([*leader_lines, "exit $rc"])]
@@ -329,25 +344,30 @@ def plan_jobsets(
     return out
 
 
-def _follower_leg(serve: str, port: int, start_timeout_s: float) -> str:
+def _follower_leg(serve: str, port: int, start_timeout_s: float, nic: str = "") -> str:
     """One leg's headless ranks on a follower node. vLLM's headless engine cores do not exit
     when the leader's server stops, so the script watches the leader's /health: once it has been
     up and goes away (the leg ended), or never comes up within `start_timeout_s`, the ranks are
-    stopped and the next leg's start."""
+    stopped and the next leg's start. With `nic` (a `moerl bench wide-ep nic ...` command line),
+    it snapshots this node's EFA counters when the leader's server comes up and, when it goes
+    away (or the ranks exit while it serves), prints the bytes between on a NIC_PREFIX line."""
     probe = (
         "python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "
         f'"http://$MOERL_LEADER_ADDRESS:{port}/health" >/dev/null 2>&1'
     )
+    snap = f'[ "$up" = 1 ] || nic0=$({nic}); ' if nic else ""
+    end = f'[ -n "$nic0" ] && {{ {nic} --since="$nic0"; nic0=; }}' if nic else ""
     return "\n".join(
         [
             f"{serve} &",
-            "pid=$! up=0 t0=$SECONDS",
+            "pid=$! up=0 t0=$SECONDS nic0=",
             'while kill -0 "$pid" 2>/dev/null; do',
-            f"  if {probe}; then up=1",
+            f"  if {probe}; then {snap}up=1",
             '  elif [ "$up" = 1 ] || [ $((SECONDS - t0)) -gt '
-            f'{int(start_timeout_s)} ]; then kill -TERM "$pid"; fi',
+            f'{int(start_timeout_s)} ]; then {end + "; " if end else ""}kill -TERM "$pid"; fi',
             "  sleep 1",
             "done",
+            *([end] if end else []),
             'wait "$pid" || echo "headless rank exited: $?"',
         ]
     )
@@ -681,6 +701,7 @@ def run_leg(
         else:
             url = url.rstrip("/")
             start_s = None
+        up0 = efa_counters()  # the followers' window: the server up ...
         listed = json.loads(_get(url + "/v1/models"))["data"]
         served = listed[0]["id"] if listed else model
         if warmup:
@@ -698,6 +719,7 @@ def run_leg(
     finally:
         if server is not None:
             server.stop()
+    up1 = efa_counters()  # ... to the server gone
     record = leg_record(
         reqs,
         wall,
@@ -712,6 +734,7 @@ def run_leg(
         expert_imbalance(m0, m1),
         start_s,
     )
+    record["efa_serving"] = efa_bytes(up0, up1)
     record["server"] = {"url": url, "command": server.cmd if server else None}
     record["versions"] = versions(lay.device)
     out.parent.mkdir(parents=True, exist_ok=True)

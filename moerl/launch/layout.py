@@ -77,7 +77,7 @@ def pod_layout(
         raise ConfigError(
             f"{figures}, which does not divide the {gpus} GPUs of a rollout pod ({gpus_key}); "
             f"allowed: {', '.join(map(str, allowed))} GPUs per engine (an engine over several nodes: "
-            "issue 39)"
+            "cluster.launch.rollout_nodes_per_worker, async mode)"
         )
     return PodLayout(gpus, per, gpus // per)
 
@@ -160,7 +160,8 @@ class LayoutChoice:
 
     tp: EngineFit | None  # the smallest TP (DP 1) that fits one node
     dp_ep: EngineFit | None  # the smallest DP >= 2 (TP 1, experts over DP) that fits one node
-    nodes_needed: int  # 1, or the nodes a TP engine over several nodes would need (issue 39)
+    # 1, or the nodes a DP x EP engine over several nodes needs (rollout_nodes_per_worker)
+    nodes_needed: int
     gpus_per_node: int
 
     def engines_per_node(self, fit: EngineFit) -> int:
@@ -176,7 +177,8 @@ def choose_layouts(
     max_model_len: int | None = None,
 ) -> LayoutChoice:
     """The smallest TP, and the smallest DP x EP, whose weights and one max_model_len sequence
-    fit a GPU of one node; when none does, the nodes a TP engine over nodes would need."""
+    fit a GPU of one node; when none does, the nodes a DP x EP engine over several nodes needs
+    (every GPU of each node one DP rank: what cluster.launch.rollout_nodes_per_worker runs)."""
     sizes_ok = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]
 
     def fit(tp: int, dp: int) -> EngineFit:
@@ -185,9 +187,9 @@ def choose_layouts(
     tp = next((f for d in sizes_ok if (f := fit(d, 1)).fits), None)
     dp_ep = next((f for d in sizes_ok if d >= 2 and (f := fit(1, d)).fits), None)
     nodes = 1
-    if tp is None:
+    if tp is None and dp_ep is None:
         nodes = next(
-            (n for n in range(2, 65) if fit(gpus_per_node * n, 1).fits), 65
+            (n for n in range(2, 65) if fit(1, gpus_per_node * n).fits), 65
         )  # 65: not even 64 nodes
     return LayoutChoice(tp, dp_ep, nodes, gpus_per_node)
 
@@ -222,7 +224,13 @@ def check_engine_fit(cfg: RunConfig, hf: Mapping[str, Any]) -> EngineFit | None:
     if choice.dp_ep is not None:
         hint.append(f"data_parallel_size {choice.dp_ep.dp} with enable_expert_parallel")
     if not hint:
-        hint.append(f"no layout on one node of {per_node} GPUs (it needs {choice.nodes_needed})")
+        n = choice.nodes_needed
+        hint.append(
+            f"no layout on one node of {per_node} GPUs; data_parallel_size {per_node * n} with "
+            f"enable_expert_parallel over cluster.launch.rollout_nodes_per_worker {n} nodes"
+            if n <= 64
+            else f"no layout on up to 64 nodes of {per_node} GPUs"
+        )
     raise ConfigError(
         f"{LAYOUT_KEYS} = {got.tp} x {got.dp}, rollout.dtype {dtype}: the engine needs "
         f"{got.weights_gib:.1f} GiB of weights + {got.kv_gib:.1f} GiB of KV cache (one "

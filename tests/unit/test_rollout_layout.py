@@ -233,7 +233,11 @@ def test_preflight_reads_the_checkpoint_config_and_refuses_before_work(tmp_path)
     cfg = _cfg({"tensor_parallel_size": 8}).model_copy(
         update={"model": parse_config({}).model.model_copy(update={"path": str(tmp_path)})}
     )
-    with pytest.raises(ConfigError, match="no layout on one node of 8 GPUs \\(it needs 2\\)"):
+    with pytest.raises(
+        ConfigError,
+        match="no layout on one node of 8 GPUs; data_parallel_size 16 with enable_expert_parallel "
+        "over cluster.launch.rollout_nodes_per_worker 2 nodes",
+    ):
         _check_engine_fit(cfg)
 
 
@@ -265,7 +269,7 @@ def test_bench_project_prints_each_seed_models_engine_layout_on_p5en(tmp_path, c
     assert rows["DeepSeek-V3 bf16"]["tp"] is None and rows["DeepSeek-V3 bf16"]["nodes_needed"] == 2
     assert rows["Qwen3-235B-A22B"]["tp"]["weights_gib"] == pytest.approx(109.5, abs=0.1)
     assert "2 x TP4: 109.5 + KV 1.8 GiB" in text and "1 x DP8-EP8: 67.8 + KV 7.3 GiB" in text
-    assert "no: a TP16 engine over 2 nodes (issue 39)" in text
+    assert "no: DP16-EP16 over 2 nodes (rollout_nodes_per_worker)" in text
     assert "kv = max_model_len" in (out / "summary.md").read_text()
     # a smaller GPU needs more TP; a shorter context shrinks the KV, not the weights
     args = ["bench", "project", "--out-dir", str(out), "--rollout-gpu-gib", "80"]
