@@ -117,3 +117,53 @@ def test_a_swap_reads_its_own_nodes_verified_copy(tmp_path, monkeypatch):
     assert node_copy("run/v000001", "abc") == str(copy)
     with pytest.raises(RuntimeError, match="expected 'def'"):
         node_copy("run/v000001", "def")  # another manifest under the same version number
+
+
+def test_a_follower_keeps_what_the_leader_may_swap_in(tmp_path, server, request, monkeypatch):  # noqa: F811
+    """A follower's node cache (checkpoint.cache_keep 1 here) never prunes the version the leader
+    targets, nor anything newer, while newer versions keep arriving: a swap that takes longer
+    than two publications still finds its copy on every node."""
+    from moerl.components.rollout.follower import Follower
+    from moerl.store.runs import run_cache, run_store, version_uri
+
+    bus = stage_bus(server, request, monkeypatch)
+    cfg = parse_config(
+        {
+            "checkpoint": {
+                "uri": str(tmp_path / "store"),
+                "cache_dir": str(tmp_path / "node1"),
+                "cache_keep": 1,
+            },
+            "valkey": {"url": server.url, "username": server.stage_user},
+        }
+    )
+    spec = GroupSpec(1, 2, "127.0.0.1", "keep", 29550)
+    f = Follower(cfg, bus.run_id, "rollout-0", bus, spec)
+    store = run_store(cfg.checkpoint, bus.run_id)
+    src = tmp_path / "src"
+    src.mkdir()
+    cache = run_cache(cfg.checkpoint, bus.run_id)
+
+    def publish(v: int) -> None:
+        (src / "config.json").write_text(f'{{"v": {v}}}')
+        m = store.publish(v, src)
+        bus.register(v, version_uri(store, v), m.sha256())
+        f._fetch_servable()
+
+    try:
+        publish(0)
+        f.gbus.set_target(0)  # the leader swaps version 0 in
+        publish(1)
+        publish(2)
+        assert sorted(f._holds) == [0, 1, 2]
+        assert all((cache / f"v{v:06d}").is_dir() for v in (0, 1, 2))
+        assert f.gbus.holds(1) == (2, f.held[1])  # the newest is reported
+        f.gbus.set_target(2)  # the leader moved on: the older copies may go
+        f._release_older()
+        assert sorted(f._holds) == [2]
+        publish(3)
+        assert sorted(f._holds) == [2, 3]
+        assert not (cache / "v000000").exists() and not (cache / "v000001").exists()
+        assert (cache / "v000002").is_dir() and (cache / "v000003").is_dir()
+    finally:
+        f.close()
