@@ -468,6 +468,10 @@ class RolloutWorker:
         self._group_seen: dict[int, float] = {}
         self._group_failure: str | None = None  # a follower lost (set by the heartbeat thread)
         self._prefetch_done: tuple[int, str] | None = None  # in_flight: fetched beside, not swapped
+        # the engine's transport (`transport.check_engine_transport`), set as tags on the MLflow
+        # run when this worker runs as the stage (`run_rollout_worker`), not inside a bench
+        self.record_run = False
+        self.transport: dict[str, str] = {}
 
     @property
     def bus_writes(self) -> tuple[int, int]:
@@ -703,7 +707,8 @@ class RolloutWorker:
             placement=placement,
         )
         try:  # the transport it got, recorded; `require:` refuses a silent fallback
-            check_engine_transport(self.cfg, engine.core.vllm_config, self.run_id)
+            run_id = self.run_id if self.record_run else ""
+            self.transport = check_engine_transport(self.cfg, engine.core.vllm_config, run_id)
         except Exception:
             engine.close()
             raise
@@ -1369,6 +1374,7 @@ def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
         cfg.units.max_attempts,
     )
     w = RolloutWorker(cfg, run_id, worker, bus)
+    w.record_run = True
     previous = signal.signal(signal.SIGTERM, w.drain)
     try:
         return w.run()

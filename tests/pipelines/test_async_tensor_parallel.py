@@ -31,6 +31,9 @@ def test_the_default_task_learns_with_tp2_rollout_engines(tmp_path):
     assert run.data.tags["moerl.rollout.engine"] == (
         "tp 2 x dp 1 on cpu (offline core), serving float32, expert parallel off"
     )
+    # and the transport the worker's engine actually got (components/rollout/transport.py)
+    assert run.data.tags["rollout.transport.path"] == "cpu"
+    assert run.data.tags["rollout.transport.tp_size"] == "2"
     reward = [v for _, v in tracking.metric_history(uri, run.info.run_id, "reward/mean")]
     assert len(reward) == VERSIONS
     assert sum(reward[-3:]) / 3 >= reward[0] + 0.05, reward  # it learns
