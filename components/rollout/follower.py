@@ -98,13 +98,9 @@ class Follower:
 
     # -- versions --------------------------------------------------------------------------
     def _swarm(self):
-        if not self.cfg.checkpoint.fanout:
-            return None
-        if self._fanout is None:
-            from moerl.store.fanout import Swarm
+        from moerl.components.rollout.worker import fanout_swarm
 
-            self._fanout = Swarm.start(self.bus, self.name, self.cfg.checkpoint)
-        return self._fanout
+        return fanout_swarm(self)
 
     def _fetch_servable(self) -> None:
         """Fetch the servable version into this node's cache if it is new, hold it, report it."""

@@ -395,6 +395,19 @@ class _Outbox:
             self._thread.join()
 
 
+def fanout_swarm(node):
+    """The fan-out between this run's engines (`checkpoint.fanout`) of `node` (a rollout worker,
+    or a follower node of an engine group: its `cfg`, `bus`, `name`), started on first use and
+    kept in its `_fanout`; None without the fan-out."""
+    if not node.cfg.checkpoint.fanout:
+        return None
+    if node._fanout is None:
+        from moerl.store.fanout import Swarm
+
+        node._fanout = Swarm.start(node.bus, node.name, node.cfg.checkpoint)
+    return node._fanout
+
+
 NODE_LOST_S = 60.0  # a follower whose beat the bus has not shown this long is lost
 
 
@@ -818,14 +831,7 @@ class RolloutWorker:
         self.bus.heartbeat(self.name, last_fetch_s=t_fetched - t0)
 
     def _swarm(self):
-        """The fan-out between this run's engines (`checkpoint.fanout`), started on first use."""
-        if not self.cfg.checkpoint.fanout:
-            return None
-        if self._fanout is None:
-            from moerl.store.fanout import Swarm
-
-            self._fanout = Swarm.start(self.bus, self.name, self.cfg.checkpoint)
-        return self._fanout
+        return fanout_swarm(self)
 
     def _renew(self) -> None:
         now = time.monotonic()

@@ -555,19 +555,23 @@ def model_config(model: str) -> dict[str, Any]:
 
 
 def moe_disclosure(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Experts per token and in total, layers, vocabulary, from a config.json (None: absent)."""
+    """Experts per token and in total, layers, vocabulary, from a config.json, as its model
+    family reads them (moerl.models.families); a model of no registered MoE family discloses
+    its layers and vocabulary only (None: absent)."""
+    from moerl.models.families import UnsupportedModelType, family_of
+
     text = cfg.get("text_config") or cfg
-
-    def first(*keys: str) -> Any:
-        return next((text[k] for k in keys if text.get(k) is not None), None)
-
+    try:
+        shape = family_of(text).shape(text)
+    except (UnsupportedModelType, ValueError):
+        shape = {}
     return {
-        "model_type": text.get("model_type"),
-        "experts_per_token": first("num_experts_per_tok", "moe_topk", "top_k"),
-        "experts": first("num_experts", "num_local_experts", "n_routed_experts"),
-        "layers": first("num_hidden_layers"),
-        "hidden_size": first("hidden_size"),
-        "vocab_size": first("vocab_size"),
+        "model_type": shape.get("architecture"),
+        "experts_per_token": shape.get("experts_per_token"),
+        "experts": shape.get("num_experts"),
+        "layers": text.get("num_hidden_layers"),
+        "hidden_size": text.get("hidden_size"),
+        "vocab_size": text.get("vocab_size"),
     }
 
 
