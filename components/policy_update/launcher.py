@@ -253,13 +253,24 @@ def run_mesh_trainer(
 
             # rank 0's own code when it failed (torchrun reports 1 for any failed worker, and
             # another rank may exit first): a refused config is not retried
-            code_file = result_code(result)
-            if code_file.is_file():
-                returncode = int(code_file.read_text() or 1)
+            returncode = mesh_exit_code(returncode, result_code(result), what)
             raise MeshFailed(
                 returncode, f"trainer: {what} exited with {returncode}; see the ranks' output above"
             )
         return result.read_text() if result.is_file() else ""
+
+
+def mesh_exit_code(first: int, code_file: Path, what: str) -> int:
+    """The trainer's exit code from the first failed rank's code (`first`, non-zero): rank 0's
+    own when it left one in `code_file` (a refused config is not retried); else 1 for a rank
+    killed by a signal before rank 0 saw it fail (a lost peer, which a retry may survive: -N
+    would read as 256-N), else `first`."""
+    if code_file.is_file():
+        return int(code_file.read_text().strip() or 1)
+    if first < 0:
+        log.error("%s: a rank was killed by signal %d; the trainer exits 1", what, -first)
+        return 1
+    return first
 
 
 class MeshFailed(TrainingError):
