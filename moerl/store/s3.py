@@ -62,24 +62,7 @@ class S3Store(CheckpointStore):
         self.endpoint = cfg.endpoint_url or "the default AWS endpoint"
         self.max_attempts = cfg.max_attempts
         self._workers = min(4, cfg.max_concurrency)
-        # Small timeouts and a bounded number of attempts: an unreachable endpoint fails in
-        # seconds, not minutes. `total_max_attempts` counts the first try (`max_attempts` would not).
-        config = Config(
-            region_name=cfg.region,
-            connect_timeout=3,
-            read_timeout=10,
-            retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
-            max_pool_connections=cfg.max_concurrency * self._workers,
-            s3={"addressing_style": "path"} if cfg.endpoint_url else None,
-        )
-        keys = (
-            {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
-            if credentials
-            else {}
-        )
-        self._s3 = boto3.session.Session(**keys).client(
-            "s3", endpoint_url=cfg.endpoint_url, config=config
-        )
+        self._s3 = s3_client(cfg, credentials, pool=cfg.max_concurrency * self._workers)
         chunk = cfg.multipart_chunk_mb * _MiB
         # s3transfer retries a download whose body breaks off mid-stream on its own; same budget.
         self._transfer = TransferConfig(
@@ -318,6 +301,27 @@ class S3Store(CheckpointStore):
                     f"S3 refused to delete {len(errors)} objects in {self.uri}, first "
                     f"{errors[0].get('Key')}: {errors[0].get('Message')}"
                 )
+
+
+def s3_client(cfg: CheckpointConfig, credentials: tuple[str, str] | None = None, pool: int = 10):
+    """A boto3 S3 client for `cfg`'s endpoint and region. Small timeouts and a bounded number of
+    attempts: an unreachable endpoint fails in seconds, not minutes (`total_max_attempts`
+    counts the first try; `max_attempts` would not). `credentials`: keys for this client only;
+    None: the standard AWS chain (IRSA on EKS). `pool`: its connection pool."""
+    config = Config(
+        region_name=cfg.region,
+        connect_timeout=3,
+        read_timeout=10,
+        retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
+        max_pool_connections=pool,
+        s3={"addressing_style": "path"} if cfg.endpoint_url else None,
+    )
+    keys = (
+        {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]}
+        if credentials
+        else {}
+    )
+    return boto3.session.Session(**keys).client("s3", endpoint_url=cfg.endpoint_url, config=config)
 
 
 def _code(e: ClientError) -> str:
