@@ -22,6 +22,10 @@ class DataError(MoerlError):
     """A dataset or a record between stages is malformed beyond the allowed budget."""
 
 
+class SourceChanged(MoerlError):
+    """A user's model or data object changed (another ETag) after the run listed it."""
+
+
 class CheckpointError(MoerlError):
     """A checkpoint could not be published, found or verified."""
 

@@ -83,21 +83,24 @@ def check_cluster_safe(cfg: RunConfig) -> None:
         problems.append(
             f"checkpoint.cache_dir: {ck.cache_dir!r} is under a home directory; use a relative path"
         )
-    if cfg.model.path:
+    if cfg.model.path and not cfg.model.path.startswith(("s3://", "hf://")):
         problems.append(
-            f"model.path: {cfg.model.path!r} is a path on this machine; leave it unset (the tiny model "
-            "from model.tiny) or use model.warm_start: previous to start from a published checkpoint"
+            f"model.path: {cfg.model.path!r} is a path on this machine, which no pod sees; stage the "
+            "model in S3 (s3://bucket/prefix/, README: bring your model) or name a hub commit "
+            "(hf://org/name@<commit>), or leave it unset (the tiny model from model.tiny)"
         )
-    if not cfg.task.dataset.startswith("builtin:"):
-        problems.append(
-            f"task.dataset: {cfg.task.dataset!r} is a file on this machine; use a builtin: dataset "
-            "shipped in the image"
-        )
-    if cfg.pipeline.kind == "reward_model" and not cfg.reward_model.data.startswith("builtin:"):
-        problems.append(
-            f"reward_model.data: {cfg.reward_model.data!r} is a file on this machine; use a builtin: "
-            "preference set shipped in the image"
-        )
+    for key, spec, what in (
+        ("task.dataset", cfg.task.dataset, "dataset"),
+        ("reward_model.data", cfg.reward_model.data, "preference set"),
+    ):
+        if key == "reward_model.data" and cfg.pipeline.kind != "reward_model":
+            continue
+        if not spec.startswith(("builtin:", "s3://")):
+            problems.append(
+                f"{key}: {spec!r} is a file on this machine, which no pod sees; stage it in S3 "
+                f"(s3://bucket/key, or a prefix of JSONL/Parquet shards) or use a builtin: {what} "
+                "shipped in the image"
+            )
     if (
         cfg.reward.kind != "rules"
         and cfg.reward.model is not None  # always set unless kind is rules (RewardConfig)

@@ -16,7 +16,7 @@ def init_policy(config_json: str, run_id: str, stages_beside: bool = False) -> s
     enter_pod("init_policy", config_json)
     import tempfile
 
-    from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
+    from moerl.components.publish_checkpoint.stage import publish_initial
     from moerl.config import config_from_json
     from moerl.provenance import stage_start
 
@@ -25,8 +25,7 @@ def init_policy(config_json: str, run_id: str, stages_beside: bool = False) -> s
         # build-info and runtime probe on the run
         stage_start(cfg, "init_policy", run_id, enforce=False)
         with tempfile.TemporaryDirectory(prefix="moerl-v0-") as state:
-            prepare_initial(cfg, state, run_id=run_id)
-            policy, _ = run_publish(cfg, run_id, state, 0)
+            policy, _ = publish_initial(cfg, run_id, state)
     except BaseException as err:
         if stages_beside and cfg.valkey.url:
             from moerl.bus import abandon_run

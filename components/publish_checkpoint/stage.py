@@ -17,6 +17,7 @@ from moerl.components.policy_update.trainer import TRAINER_DIR
 from moerl.config import RunConfig
 from moerl.errors import CheckpointError
 from moerl.models.policy import check_checkpoint
+from moerl.models.source import VIEW_DONE
 from moerl.models.tiny import build_tiny_model
 from moerl.provenance import git_sha
 from moerl.records import PolicyVersion
@@ -110,12 +111,81 @@ def fetch_warm_start(cfg: RunConfig, prev: PreviousCheckpoint, model_dir: Path) 
     return model_dir
 
 
+def publish_initial(
+    cfg: RunConfig, run_id: str, state_dir: str | Path
+) -> tuple[PolicyVersion, dict[str, float]]:
+    """Version 0 of run `run_id`, published (what init_policy does). A `model.path` in S3 is
+    imported without passing through `state_dir`: its small files are laid out there and its
+    weights copied into the store as the version's parts (`moerl.models.source.ModelImport`);
+    the run is tagged with where it came from."""
+    t0 = time.perf_counter()
+    parts = _prepare(cfg, Path(state_dir), run_id, weights=False)
+    policy, metrics = run_publish(cfg, run_id, state_dir, 0, parts=parts)
+    if parts is not None:
+        metrics["import/model_mb"] = parts.bytes / 1e6
+        metrics["import/server_side_copies"] = float(
+            parts.routes["copy"] + parts.routes["multipart copy"]
+        )
+        metrics["import/streamed"] = float(parts.routes["stream"])
+        metrics["timing/import_model_s"] = time.perf_counter() - t0
+        print(
+            f"[moerl] model.path {parts.model.uri}: imported {len(parts.model.weights)} weight files "
+            f"({parts.bytes / 1e9:.2f} GB; {dict(parts.routes)}) as version 0 in "
+            f"{metrics['timing/import_model_s']:.1f} s",
+            flush=True,
+        )
+    if cfg.model.path and cfg.model.warm_start == "none":
+        uri = tracking.resolve_uri(cfg.tracking)
+        tracking.set_tags(uri, run_id, source_tags(cfg, parts, policy.manifest_sha256))
+        if parts is not None:
+            tracking.log_metrics(
+                uri,
+                run_id,
+                0,
+                {k: v for k, v in metrics.items() if k.startswith(("import/", "timing/import"))},
+            )
+    return policy, metrics
+
+
+def source_tags(cfg: RunConfig, parts, manifest_sha256: str) -> dict[str, str]:
+    """What the run's version 0 came from: the source, its family, its files' ETags digest (S3)
+    or commit (hub), and the manifest it became."""
+    from moerl.models.families import family_of
+    from moerl.models.source import hf_config
+
+    assert cfg.model.path
+    hf = hf_config(cfg.model.path, cfg.checkpoint)
+    tags = {
+        "moerl.model.source": cfg.model.path,
+        "moerl.model.family": family_of(hf).name,
+        "moerl.model.model_type": str(hf.get("model_type")),
+        "moerl.model.v0_manifest_sha256": manifest_sha256,
+    }
+    if parts is not None:
+        tags["moerl.model.etags_sha256"] = parts.model.digest()
+        tags["moerl.model.import_routes"] = ",".join(
+            f"{k}={v}" for k, v in sorted(parts.routes.items())
+        )
+    return tags
+
+
 def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = None) -> Path:
-    """Lay out version 0 as a trainer state directory (no optimizer state yet). `run_id`: the
-    current MLflow run (needed with `model.warm_start: previous`, which tags it)."""
-    model_dir = Path(state_dir)
+    """Lay out version 0 as a trainer state directory (no optimizer state yet), every file in
+    it (a remote `model.path` is fetched whole: benchmarks and tests; init_policy imports it
+    without the folder, `publish_initial`). `run_id`: the current MLflow run (needed with
+    `model.warm_start: previous`, which tags it)."""
+    _prepare(cfg, Path(state_dir), run_id, weights=True)
+    return Path(state_dir)
+
+
+def _prepare(cfg: RunConfig, model_dir: Path, run_id: str | None, weights: bool):
+    """`prepare_initial`; without `weights`, an S3 model's weights are left out of `model_dir`
+    and returned as the parts to import (a `ModelImport`), else None."""
+    from moerl.models.source import S3Model, _s3_view, hf_snapshot
+
     if cfg.model.warm_start.startswith("registry:"):
-        return _warm_start_from_registry(cfg, model_dir, run_id)
+        _warm_start_from_registry(cfg, model_dir, run_id)
+        return None
     if cfg.model.warm_start == "previous":
         if not run_id:
             raise ValueError(
@@ -133,18 +203,36 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
                 f"[moerl] warm start: version 0 is {prev.uri} (the final checkpoint of run {prev.run_id})",
                 flush=True,
             )
-            return model_dir
+            return None
         print(
             f"[moerl] warm start: no FINISHED run in experiment {cfg.tracking.experiment!r} has a final checkpoint "
             f"under {_store_root(cfg)}; starting as model.warm_start: none",
             flush=True,
         )
-    if cfg.model.path:
-        check_checkpoint(cfg.model.path)
-        shutil.copytree(cfg.model.path, model_dir, dirs_exist_ok=True)
+    spec = cfg.model.path
+    if spec and spec.startswith("s3://"):
+        model = S3Model(spec, cfg.checkpoint)
+        model.check(_s3_view(model, cfg.checkpoint))  # the family, shapes, tokenizer: again here
+        model_dir.mkdir(parents=True, exist_ok=True)
+        model.fetch_small(model_dir)
+        if not weights:
+            from moerl.models.source import ModelImport
+
+            return ModelImport(model)
+        for rel in model.weights:  # a whole local copy, streamed (benchmarks, tests)
+            with open(model_dir / rel, "wb") as f:
+                for block in model.source.stream(model.objects[rel]):
+                    f.write(block)
+    elif spec and spec.startswith("hf://"):
+        snap = hf_snapshot(spec)  # downloaded once into the hub cache (the pod's scratch)
+        check_checkpoint(snap)
+        shutil.copytree(snap, model_dir, dirs_exist_ok=True)  # the cache's links, resolved
+    elif spec:
+        check_checkpoint(spec)
+        shutil.copytree(spec, model_dir, dirs_exist_ok=True)
     else:
         build_tiny_model(cfg.model.tiny, model_dir)
-    return model_dir
+    return None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -158,21 +246,29 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
     whatever version 0 will be. Raises CheckpointError when `model.path` cannot be read here."""
     import tempfile
 
+    from moerl.errors import ConfigError
+    from moerl.models.source import model_view
+
     dest = Path(dest)
     if dest.joinpath(SKELETON_DONE).is_file():
         return dest
-    if cfg.model.path and not Path(cfg.model.path).joinpath("config.json").is_file():
+    try:  # a remote model's small files, fetched once to this node's cache
+        view = model_view(cfg.model.path, cfg.checkpoint) if cfg.model.path else None
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    if view is not None and not view.joinpath("config.json").is_file():
         raise CheckpointError(f"model.path {cfg.model.path} has no config.json readable here")
     dest.parent.mkdir(parents=True, exist_ok=True)
     # unique per writer on the node
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        if cfg.model.path:
-            for f in Path(cfg.model.path).iterdir():
+        if view is not None:
+            for f in view.iterdir():
                 if (
                     f.is_file()
                     and not f.name.endswith(WEIGHT_SUFFIXES)
                     and not f.name.endswith(".index.json")
+                    and f.name != VIEW_DONE
                 ):
                     shutil.copy2(f, tmp / f.name)
         else:

@@ -58,14 +58,17 @@ WARM_START_PATTERN = (
 
 
 class ModelConfig(_Section):
-    """The policy. `path` is a local HF-format checkpoint of a supported MoE family (Qwen3-MoE,
-    Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3); unset means build the embedded tiny model from
-    `tiny`."""
+    """The policy. `path` is a HF-format checkpoint of a supported MoE family (Qwen3-MoE,
+    Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3), local, in S3 or on a hub; unset means build the
+    embedded tiny model from `tiny`."""
 
     path: str | None = None
-    """A local HF-format checkpoint directory of a supported MoE family (qwen3_moe, mixtral,
-    qwen2_moe, olmoe, deepseek_v3) with its tokenizer. null: build the embedded tiny MoE from
-    `tiny`."""
+    """A HF-format checkpoint of a supported MoE family (qwen3_moe, mixtral, qwen2_moe, olmoe,
+    deepseek_v3) with its tokenizer: a local folder; s3://bucket/prefix/ (read with
+    checkpoint.endpoint_url and the pod's role; imported once into version 0, server-side where
+    the store is on the same S3); or hf://org/name@<40-hex commit> (downloaded once, where the
+    cluster reaches the hub). On EKS only s3:// and hf://. null: build the embedded tiny MoE
+    from `tiny`."""
     tiny: TinyMoeConfig = TinyMoeConfig()
     """The tiny MoE built from a seed when `path` is null."""
     dtype: Literal["float32", "bfloat16"] = "float32"

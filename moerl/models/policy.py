@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from moerl.config import ModelConfig
@@ -47,34 +48,47 @@ def check_checkpoint(path: str | Path) -> str:
             f"model.path: {p} is a file; expected the checkpoint's directory (config.json, "
             "*.safetensors, tokenizer)"
         )
+    weights = sorted(p.glob("*.safetensors"))
+    return check_model_files(
+        p, str(p), [w.name for w in weights], lambda name: _check_safetensors_header(p / name)
+    )
+
+
+def check_model_files(
+    p: Path, where: str, weights: list[str], check_header: Callable[[str], object]
+) -> str:
+    """The checks of `check_checkpoint` on a checkpoint whose small files (config.json, the
+    tokenizer) are in folder `p` and whose weights are elsewhere (`where`: the local folder or
+    the source's URI, for the messages); `check_header(name)` reads and checks one safetensors
+    header. Returns the model_type."""
     cfg_file = p / "config.json"
+    cfg_name = f"{where.rstrip('/')}/config.json"
     if not cfg_file.is_file():
-        raise ConfigError(f"model.path: {p} is not a local HF checkpoint (no config.json)")
-    hf = _read_hf_config(cfg_file)
+        raise ConfigError(f"model.path: {where} is not a HF checkpoint (no config.json)")
+    hf = _read_hf_config(cfg_file, cfg_name)
     model_type = hf.get("model_type")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"model.path: model_type {short_repr(model_type)} is not supported; "
-            f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_file})"
+            f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)} (in {cfg_name})"
         )
     problem = family_of(model_type).config_limits(hf)
     if problem:
-        raise ConfigError(f"model.path: {problem} (in {cfg_file})")
-    _refuse_quantized(p, hf, cfg_file)
-    weights = sorted(p.glob("*.safetensors"))
+        raise ConfigError(f"model.path: {problem} (in {cfg_name})")
+    _refuse_quantized(where, hf, cfg_name)
     if not weights:
-        raise ConfigError(f"model.path: {p} has no *.safetensors weights")
+        raise ConfigError(f"model.path: {where} has no *.safetensors weights")
     for w in weights:
-        _check_safetensors_header(w)
+        check_header(w)
     if not any((p / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(
-            f"model.path: {p} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
+            f"model.path: {where} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
             "with tokenizer.save_pretrained"
         )
     return model_type
 
 
-def _refuse_quantized(p: Path, hf: dict, cfg_file: Path) -> None:
+def _refuse_quantized(p: str, hf: dict, cfg_file: str) -> None:
     """The trainer loads bf16/fp32 weights: a quantized checkpoint is imported first."""
     quant = hf.get("quantization_config")
     if quant is None:
@@ -101,9 +115,10 @@ def read_safetensors_header(w: Path, field: str = "model.path") -> dict:
     return _check_safetensors_header(w, field)
 
 
-def _read_hf_config(cfg_file: Path) -> dict:
+def _read_hf_config(path: Path, cfg_file: str) -> dict:
+    """`path`'s JSON object; errors name it as `cfg_file` (the local path, or the source's URI)."""
     try:
-        obj = json.loads(decode_text(read_bytes_capped(cfg_file, MAX_HF_CONFIG_BYTES)))
+        obj = json.loads(decode_text(read_bytes_capped(path, MAX_HF_CONFIG_BYTES)))
     except FileProblem as problem:
         raise ConfigError(f"model.path: {cfg_file} {problem}") from None
     except json.JSONDecodeError as err:
@@ -126,15 +141,29 @@ def _check_safetensors_header(w: Path, field: str = "model.path") -> dict:
     """A safetensors file starts with an 8-byte little-endian header length and a JSON header
     giving each tensor's byte range. Reading just that catches an empty, truncated or foreign
     file before any work starts."""
-    header, n = None, 0
     try:
         size = w.stat().st_size
         with w.open("rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if 2 <= n <= min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
-                header = json.loads(f.read(n))
+
+            def read_at(start: int, n: int) -> bytes:
+                f.seek(start)
+                return f.read(n)
+
+            return check_safetensors_header(read_at, size, str(w), field)
     except OSError as err:
         raise ConfigError(f"{field}: {w} cannot be read ({err.strerror or err})") from None
+
+
+def check_safetensors_header(
+    read_at: Callable[[int, int], bytes], size: int, w: str, field: str = "model.path"
+) -> dict:
+    """`_check_safetensors_header` on any bytes: `read_at(start, n)` reads the file `w` of
+    `size` bytes (a local file, or ranged GETs of an object)."""
+    header, n = None, 0
+    try:
+        n = int.from_bytes(read_at(0, 8), "little") if size >= 8 else 0
+        if 2 <= n <= min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
+            header = json.loads(read_at(8, n))
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         header = None
     ends = _tensor_ends(header)

@@ -369,11 +369,10 @@ def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
     """Version 0, as the pipeline's init_policy task publishes it."""
     import shutil
 
-    from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
+    from moerl.components.publish_checkpoint import stage
 
     state = work / "init-state"
-    prepare_initial(cfg, state, run_id=run_id)
-    run_publish(cfg, run_id, state, 0)
+    stage.publish_initial(cfg, run_id, state)
     shutil.rmtree(state, ignore_errors=True)
 
 

@@ -828,6 +828,18 @@ class CheckpointStore(PinLeases, ABC):
         finally:  # after the first failure, start no more copies
             ex.shutdown(wait=True, cancel_futures=True)
 
+    def put_stream(self, stage: str, rel: str, blocks: Iterable[bytes]) -> None:
+        """Store the bytes of `blocks` as `rel` of `stage` (a file read from a source while it
+        is copied: `moerl.models.source`). This default spools them to a temporary file beside
+        nothing the run keeps, then `_put`s it; S3 streams them without a file."""
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(prefix="moerl-put-") as tmp:
+            for b in blocks:
+                tmp.write(b)
+            tmp.flush()
+            self._put(stage, rel, Path(tmp.name))
+
     def _put_hashed(self, stage: str, rel: str, src: Path, chunk_size: int = 0) -> FileEntry:
         """Hash `src` into its manifest entry and upload it (not a file under `absent`: the
         manifest lists it, this store does not hold it)."""

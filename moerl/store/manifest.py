@@ -72,6 +72,37 @@ def hash_file(
     return size, whole.hexdigest(), tuple(chunks)
 
 
+class BlockHasher:
+    """Size, sha256 and per-`chunk_size` sha256s of bytes fed in any blocks (`hash_file`'s
+    result for a stream: a file read from a source while it is copied)."""
+
+    def __init__(self, chunk_size: int = 0) -> None:
+        self.chunk_size, self.size, self.whole = chunk_size, 0, hashlib.sha256()
+        self.chunks: list[str] = []
+        self._part, self._filled = hashlib.sha256(), 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.whole.update(data)
+        self.size += len(data)
+        if not self.chunk_size:
+            return
+        view = memoryview(data)
+        while view:
+            n = min(len(view), self.chunk_size - self._filled)
+            self._part.update(view[:n])
+            self._filled += n
+            view = view[n:]
+            if self._filled == self.chunk_size:
+                self.chunks.append(self._part.hexdigest())
+                self._part, self._filled = hashlib.sha256(), 0
+
+    def result(self) -> tuple[int, str, tuple[str, ...]]:
+        if self.chunk_size and (self._filled or not self.chunks):
+            self.chunks.append(self._part.hexdigest())
+            self._filled = 0
+        return self.size, self.whole.hexdigest(), tuple(self.chunks)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the version directory, '/'-separated

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -28,7 +29,7 @@ from botocore.exceptions import (
 )
 
 from moerl.config import CheckpointConfig
-from moerl.errors import CheckpointError
+from moerl.errors import CheckpointError, SourceChanged
 from moerl.store.base import MANIFEST, CheckpointStore, FileEntry, HashingWriter
 from moerl.store.fence import CLAIM
 
@@ -63,6 +64,7 @@ class S3Store(CheckpointStore):
         self.max_attempts = cfg.max_attempts
         self._workers = min(4, cfg.max_concurrency)
         self._s3 = s3_client(cfg, credentials, pool=cfg.max_concurrency * self._workers)
+        self._own_keys = credentials is not None
         chunk = cfg.multipart_chunk_mb * _MiB
         # s3transfer retries a download whose body breaks off mid-stream on its own; same budget.
         self._transfer = TransferConfig(
@@ -238,6 +240,98 @@ class S3Store(CheckpointStore):
                 str(src), self.bucket, key, Config=config, ExtraArgs={"ChecksumAlgorithm": "SHA256"}
             )
 
+    def put_stream(self, stage: str, rel: str, blocks: Iterable[bytes]) -> None:
+        """Upload `blocks` without a file: a multipart upload in parts of the manifest's chunk
+        size where it is a valid part size (so the composite checksum is checkable), else of
+        multipart_chunk_mb; each part with its SHA-256."""
+        key = self._key(f"versions/{stage}/{rel}")
+        part = (
+            self._part_size if self._part_size >= _MIN_PART else self._transfer.multipart_chunksize
+        )
+        config = TransferConfig(
+            multipart_threshold=part,
+            multipart_chunksize=part,
+            max_concurrency=self._transfer.max_request_concurrency,
+        )
+        with self._errors(f"uploading {rel}"):
+            self._s3.upload_fileobj(
+                _BlockReader(blocks),
+                self.bucket,
+                key,
+                Config=config,
+                ExtraArgs={"ChecksumAlgorithm": "SHA256"},
+            )
+
+    def same_service(self, endpoint_url: str | None) -> bool:
+        """Whether a source at `endpoint_url` is on this store's S3 service and this store uses
+        the AWS chain (no keys of its own), so it can copy the source's objects server-side."""
+        return not self._own_keys and (endpoint_url or "the default AWS endpoint") == self.endpoint
+
+    def copy_in(self, stage: str, rel: str, bucket: str, key: str, size: int, etag: str) -> str:
+        """Copy object s3://`bucket`/`key` (`size` bytes, ETag `etag`, refused if it changed)
+        into `rel` of `stage` on the server, never through this process: one CopyObject up to
+        the part size, else UploadPartCopy in parts of the manifest's chunk size (or
+        multipart_chunk_mb), each with its SHA-256 so `_stored` can check the copy. Returns the
+        route ("copy" or "multipart copy")."""
+        dest = self._key(f"versions/{stage}/{rel}")
+        part = (
+            self._part_size if self._part_size >= _MIN_PART else self._transfer.multipart_chunksize
+        )
+        src = {"Bucket": bucket, "Key": key}
+        with self._changed(bucket, key), self._errors(f"copying s3://{bucket}/{key} to {rel}"):
+            if size <= part:
+                self._s3.copy_object(
+                    Bucket=self.bucket,
+                    Key=dest,
+                    CopySource=src,
+                    CopySourceIfMatch=etag,
+                    ChecksumAlgorithm="SHA256",
+                )
+                return "copy"
+            up = self._s3.create_multipart_upload(
+                Bucket=self.bucket, Key=dest, ChecksumAlgorithm="SHA256"
+            )["UploadId"]
+            try:
+                parts = []
+                for i, start in enumerate(range(0, size, part)):
+                    got = self._s3.upload_part_copy(
+                        Bucket=self.bucket,
+                        Key=dest,
+                        UploadId=up,
+                        PartNumber=i + 1,
+                        CopySource=src,
+                        CopySourceIfMatch=etag,
+                        CopySourceRange=f"bytes={start}-{min(start + part, size) - 1}",
+                    )["CopyPartResult"]
+                    parts.append(
+                        {"PartNumber": i + 1, "ETag": got["ETag"]}
+                        | (
+                            {"ChecksumSHA256": got["ChecksumSHA256"]}
+                            if "ChecksumSHA256" in got
+                            else {}
+                        )
+                    )
+                self._s3.complete_multipart_upload(
+                    Bucket=self.bucket, Key=dest, UploadId=up, MultipartUpload={"Parts": parts}
+                )
+            except BaseException:
+                self._s3.abort_multipart_upload(Bucket=self.bucket, Key=dest, UploadId=up)
+                raise
+        return "multipart copy"
+
+    @contextmanager
+    def _changed(self, bucket: str, key: str) -> Iterator[None]:
+        """A copy's source that no longer has the listed ETag: SourceChanged, naming it."""
+        try:
+            yield
+        except CheckpointError as e:
+            cause = e.__cause__
+            if isinstance(cause, ClientError) and _code(cause) in ("412", "PreconditionFailed"):
+                raise SourceChanged(
+                    f"s3://{bucket}/{key} changed after this run listed it (another ETag)"
+                ) from None
+            raise
+
     def _get(self, stage: str, rel: str, dest: Path) -> str:
         """Concurrent ranged GETs, written and hashed in offset order as they arrive (see
         `HashingWriter`): the checksum costs no second read of the file."""
@@ -301,6 +395,27 @@ class S3Store(CheckpointStore):
                     f"S3 refused to delete {len(errors)} objects in {self.uri}, first "
                     f"{errors[0].get('Key')}: {errors[0].get('Message')}"
                 )
+
+
+class _BlockReader(io.RawIOBase):
+    """A readable file over an iterator of byte blocks (for `upload_fileobj`)."""
+
+    def __init__(self, blocks: Iterable[bytes]) -> None:
+        self._it, self._buf = iter(blocks), bytearray()
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        while n is None or n < 0 or len(self._buf) < n:
+            block = next(self._it, None)
+            if block is None:
+                break
+            self._buf.extend(block)
+        take = len(self._buf) if n is None or n < 0 else min(n, len(self._buf))
+        out = bytes(self._buf[:take])
+        del self._buf[:take]
+        return out
 
 
 def s3_client(cfg: CheckpointConfig, credentials: tuple[str, str] | None = None, pool: int = 10):

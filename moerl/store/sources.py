@@ -17,8 +17,10 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from moerl.config import CheckpointConfig
-from moerl.errors import MoerlError
+from moerl.errors import MoerlError, SourceChanged
 from moerl.store.s3 import _MISSING, _UNREACHABLE, _code, s3_client
+
+__all__ = ["S3Object", "S3Source", "SourceChanged", "split_s3"]
 
 _CHANGED = {"412", "PreconditionFailed"}
 _DENIED = {
@@ -29,10 +31,6 @@ _DENIED = {
     "SignatureDoesNotMatch",
 }
 CHUNK = 8 << 20  # a streamed read's block
-
-
-class SourceChanged(MoerlError):
-    """An object changed (another ETag) after the run listed it."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,10 @@ class S3Source:
     def url(self, rel: str = "") -> str:
         """The s3:// URI of `rel` under this source."""
         return f"s3://{self.bucket}/{self._full(rel)}"
+
+    def key_of(self, rel: str) -> str:
+        """The object key of `rel` under this source."""
+        return self._full(rel)
 
     def _full(self, rel: str) -> str:
         if not rel:

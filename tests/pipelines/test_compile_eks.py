@@ -266,6 +266,24 @@ def test_a_local_path_or_file_tracking_is_refused_naming_the_key(
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "model,dataset",
+    [
+        ("s3://team-models/qwen3-30b-a3b/", "s3://team-data/prompts/"),
+        ("hf://Qwen/Qwen3-30B-A3B@" + "0" * 40, "s3://team-data/prompts.parquet"),
+    ],
+)
+def test_a_model_and_data_in_s3_or_a_hub_compile_for_eks(tmp_path, model, dataset):
+    """The cluster-safety check refuses local paths only: a model staged in S3 or named by a
+    hub commit, and a dataset in S3, compile (their contents are checked by the first task)."""
+    out = compile_pipeline(
+        parse_config(_cfg(model={"path": model}, task={"dataset": dataset})),
+        tmp_path / "p.yaml",
+        target="eks",
+    )
+    assert model in out.read_text() and dataset in out.read_text()
+
+
 def test_cache_inside_the_scratch_is_allowed_and_async_needs_valkey(tmp_path):
     compile_pipeline(
         parse_config(_cfg(checkpoint={"uri": S3, "cache_dir": "/scratch/cache"})),
