@@ -179,27 +179,42 @@ def record_refusal(
 
 def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
     """The run's data as an MLflow dataset input (the UI's Datasets column and run page): its
-    spec as the source, the sha256 of the file as the digest, its line count as the profile. A
+    spec as the source, the shards' digest (moerl/tasks/shards.py `digest`: one shard's sha256,
+    else a sha256 over each shard's name and sha256) and the shard index as the profile. A
     failure is recorded on the run (`moerl.dataset_input_error`), never silent."""
-    import hashlib
     import json
 
     from mlflow.entities import Dataset, DatasetInput, InputTag, RunTag
 
-    from moerl.tasks.dataset import resolve_path
+    from moerl.tasks.dataset import load_dataset
+    from moerl.tasks.preferences import load_preferences
+    from moerl.tasks.shards import digest, profile
 
-    spec = cfg.reward_model.data if cfg.pipeline.kind == "reward_model" else cfg.task.dataset
+    rm = cfg.pipeline.kind == "reward_model"
+    spec = cfg.reward_model.data if rm else cfg.task.dataset
     try:
-        path = resolve_path(
-            spec, "reward_model.data" if cfg.pipeline.kind == "reward_model" else "task.dataset"
-        )
-        data = path.read_bytes()
+        if rm:
+            shards = load_preferences(spec, 1.0, ck=cfg.checkpoint).shards
+        else:
+            shards = load_dataset(spec, 1.0, cfg.checkpoint).shards
+        if spec.startswith("builtin:"):
+            name, kind = spec.removeprefix("builtin:"), "moerl-builtin"
+        elif spec.startswith("s3://"):
+            name, kind = spec.rstrip("/").rsplit("/", 1)[-1], "s3"
+        else:
+            name, kind = (shards[0].name if len(shards) == 1 else spec.rstrip("/")), "local"
+            name = name.rsplit("/", 1)[-1]
+        prof = profile(shards)
+        text = json.dumps(prof)
+        while len(text) > 60_000 and prof["shard_list"]:  # MLflow keeps a bounded profile
+            prof["shard_list"] = prof["shard_list"][: len(prof["shard_list"]) // 2]
+            text = json.dumps(prof)
         ds = Dataset(
-            name=spec.removeprefix("builtin:") if spec.startswith("builtin:") else path.name,
-            digest=hashlib.sha256(data).hexdigest()[:16],
-            source_type="local" if not spec.startswith("builtin:") else "moerl-builtin",
+            name=name,
+            digest=digest(shards),
+            source_type=kind,
             source=json.dumps({"uri": redact(spec)}),
-            profile=json.dumps({"rows": data.count(b"\n"), "bytes": len(data)}),
+            profile=text,
         )
         client.log_inputs(
             run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", "training")])]

@@ -67,7 +67,7 @@ class Issuer(threading.Thread):
         self.paused = False
         self.gathered = (0, 0)  # (groups, signal groups) the trainer holds for its current version
         self.error: BaseException | None = None
-        self.ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+        self.ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
 
     def step(self) -> int:
         self.bus.check_epoch(self.epoch)  # a superseded trainer issues nothing more

@@ -33,7 +33,7 @@ def prepare_data(
     from moerl.tasks.preferences import load_preferences, split
 
     rm = cfg.reward_model
-    data = load_preferences(rm.data, cfg.task.max_bad_fraction)
+    data = load_preferences(rm.data, cfg.task.max_bad_fraction, ck=cfg.checkpoint)
     train, held_out = split(data.rows, rm.eval_fraction, rm.split_seed)
     write_records(train_out, train)
     write_records(eval_out, held_out)

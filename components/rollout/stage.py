@@ -65,7 +65,7 @@ def run_rollout(
     stage_start(cfg, "rollout", run_id)  # records where it runs; enforces `require:`
     t0 = time.perf_counter()
     # 1. prompts
-    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
     prompts = ds.batch(iteration, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
     # 2. weights, from the verified local cache
     with engine_copy(

@@ -186,6 +186,6 @@ def unit_prompts(cfg, n_units: int) -> list[list]:
     what the rollout benches feed every arm, so they compare on the same prompts."""
     from moerl.tasks.dataset import load_dataset
 
-    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
     size = cfg.units.max_prompts
     return [ds.window(u * size, size, cfg.task.shuffle_seed) for u in range(n_units)]

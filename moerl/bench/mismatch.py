@@ -93,7 +93,7 @@ def run_replay_arm(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any
     state = prepare_initial(cfg, work / "v0")
     model, opt, counters = _load_state(state, cfg)
     tokenizer = AutoTokenizer.from_pretrained(state)
-    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
 
     def served(
         version_dir: Path,

@@ -212,7 +212,7 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     state = prepare_initial(cfg, work / "v0")
     trainer = _load_state(state, cfg)
     tokenizer = AutoTokenizer.from_pretrained(state)
-    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
     t["init_policy"] = time.perf_counter() - t0
     engine = RolloutEngine(state, cfg.rollout, seed=cfg.rollout.seed)
     loads = 1

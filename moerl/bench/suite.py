@@ -59,7 +59,7 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     model, opt, counters = _load_state(state, cfg)
     tokenizer = AutoTokenizer.from_pretrained(state)
     pad = model.config.pad_token_id or 0
-    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
+    ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
     run_publish(cfg, run_id, state, 0)
     engine = RolloutEngine(
         fetch_for_engine(cfg.checkpoint, run_id, 0),

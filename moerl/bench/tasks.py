@@ -215,7 +215,7 @@ def bench_rollout(prompts: int, work: Path) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = RolloutEngine(model_dir, cfg.rollout)
     try:
-        rows = load_dataset(cfg.task.dataset, 0.0).batch(0, prompts, 0)
+        rows = load_dataset(cfg.task.dataset, 0.0, cfg.checkpoint).batch(0, prompts, 0)
         G = cfg.rollout.samples_per_prompt
         with env_pool(cfg) as pool:
             engine.generate([encode_prompt(tok, cfg.rollout, r) for r in rows[:4]], G)  # warm

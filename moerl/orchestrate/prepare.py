@@ -35,14 +35,15 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
     if cfg.pipeline.kind == "reward_model":
         from moerl.tasks.preferences import load_preferences
 
-        load_preferences(cfg.reward_model.data, cfg.task.max_bad_fraction)
+        load_preferences(cfg.reward_model.data, cfg.task.max_bad_fraction, ck=cfg.checkpoint)
     else:
-        ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction)
-        check_prompts(cfg, ds.rows)
+        ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
+        # the index's sample (first row, each task's first, the first chat row), not every row
+        check_prompts(cfg, ds.sample)
         if cfg.pipeline.kind == "grpo":
-            check_environments(cfg, ds.rows)
+            check_environments(cfg, ds.sample)
         if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model":
-            check_verifiers(cfg, ds.rows)
+            check_verifiers(cfg, ds.sample)
     # the reward model must exist and verify
     if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":
         from moerl.components.reward_model import registry
@@ -313,9 +314,9 @@ def absolutize(cfg: RunConfig) -> RunConfig:
     }
     if cfg.model.path:
         updates["model"] = cfg.model.model_copy(update={"path": ab(cfg.model.path)})
-    if not cfg.task.dataset.startswith("builtin:"):
+    if not cfg.task.dataset.startswith(("builtin:", "s3://")):  # a URI stays as it is
         updates["task"] = cfg.task.model_copy(update={"dataset": ab(cfg.task.dataset)})
-    if not cfg.reward_model.data.startswith("builtin:"):
+    if not cfg.reward_model.data.startswith(("builtin:", "s3://")):  # a URI stays as it is
         updates["reward_model"] = cfg.reward_model.model_copy(
             update={"data": ab(cfg.reward_model.data)}
         )

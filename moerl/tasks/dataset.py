@@ -1,30 +1,87 @@
-"""Prompt datasets: loading and validating a user's file or a shipped one.
+"""Prompt datasets: a shipped set, a user's file or folder of JSONL/Parquet shards, or an S3
+object or prefix, indexed per shard and read a window at a time in a seeded order.
 
 Design, details and limitations: docs/tasks.md#moerltasksdatasetpy.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
 from pydantic import ValidationError
 
+from moerl.config import CheckpointConfig
 from moerl.errors import DataError
 from moerl.records import Prompt, R
+from moerl.store.sources import SourceChanged
+from moerl.tasks.shards import RowKind, Scan, Shard, Source, check_budget, index
 from moerl.userfiles import FileProblem, decode_text, kind_problem, one_line
 
 
-@dataclass(frozen=True)
 class Dataset:
-    rows: list[Prompt]
-    source: str
-    bad_rows: int
+    """A prompt dataset as its shard index (moerl/tasks/shards.py): rows are read from the
+    shards a window needs, at most `CACHED_SHARDS` parsed shards held at a time.
+
+    The order (`window`): the shards (named in sorted order, index i) in a seeded order,
+    `random.Random(seed).shuffle(list(range(k)))`; the good rows of shard i in the order of
+    `random.Random(seed + i).shuffle(list(range(rows_i)))`; position p of the order is taken
+    modulo the row count. One shard: exactly `random.Random(seed).shuffle(list(range(n)))`."""
+
+    CACHED_SHARDS = 2
+
+    def __init__(
+        self, src: Source, shards: list[Shard], bad_rows: int, sample: list[Prompt]
+    ) -> None:
+        self._src, self.shards, self.bad_rows = src, shards, bad_rows
+        self.source = src.spec if len(shards) > 1 or src.s3 else shards[0].uri
+        self.sample = sample  # the first row, each task's first row, the first chat row
+        self.n = sum(s.rows for s in shards)
+        self.shards_parsed = 0  # shards read for windows (the memory bound's witness)
+        self._cache: OrderedDict[int, list[Prompt]] = OrderedDict()
+        self._perms: dict[tuple[int, int], list[int]] = {}
+        self._lock = threading.Lock()
+        self._rows: list[Prompt] | None = None
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def held_rows(self) -> int:
+        """Rows held now: the cached shards' (and all of them once `rows` was asked for)."""
+        return sum(len(v) for v in self._cache.values()) + len(self._rows or [])
+
+    def _shard_rows(self, i: int) -> list[Prompt]:
+        if i in self._cache:
+            self._cache.move_to_end(i)
+            return self._cache[i]
+        rows = [r for _, r in Scan(self._src, self.shards[i], PROMPTS) if isinstance(r, Prompt)]
+        if len(rows) != self.shards[i].rows:
+            raise SourceChanged(
+                f"task.dataset: {self.shards[i].uri} gave {len(rows)} rows, indexed with "
+                f"{self.shards[i].rows}; it changed under the run"
+            )
+        self.shards_parsed += 1
+        self._cache[i] = rows
+        while len(self._cache) > self.CACHED_SHARDS:
+            old, _ = self._cache.popitem(last=False)
+            for key in [k for k in self._perms if k[0] == old]:
+                del self._perms[key]
+        return rows
+
+    def _perm(self, i: int, seed: int) -> list[int]:
+        if (i, seed) not in self._perms:
+            order = list(range(self.shards[i].rows))
+            random.Random(seed + i).shuffle(order)
+            self._perms[(i, seed)] = order
+        return self._perms[(i, seed)]
 
     def batch(self, iteration: int, size: int, seed: int) -> list[Prompt]:
         """The prompts of `iteration`: a seeded permutation read with a cursor, so a run (and a
@@ -33,9 +90,37 @@ class Dataset:
 
     def window(self, start: int, size: int, seed: int) -> list[Prompt]:
         """`size` prompts from position `start` of the seeded order (the async mode's cursor)."""
-        order = list(range(len(self.rows)))
-        random.Random(seed).shuffle(order)
-        return [self.rows[order[(start + j) % len(order)]] for j in range(size)]
+        shard_order = list(range(len(self.shards)))
+        random.Random(seed).shuffle(shard_order)
+        offsets, at = [], 0
+        for i in shard_order:
+            offsets.append(at)
+            at += self.shards[i].rows
+        if self.n == 0:
+            raise DataError(f"task.dataset: {self.source} has no good rows")
+        out = []
+        with self._lock:
+            for j in range(size):
+                p = (start + j) % self.n
+                t = bisect.bisect_right(offsets, p) - 1
+                i = shard_order[t]
+                rows = self._shard_rows(i)
+                out.append(rows[self._perm(i, seed)[p - offsets[t]]])
+        return out
+
+    def iter_rows(self) -> Iterator[Prompt]:
+        """Every good row in file order, shard by shard (one shard's rows in memory)."""
+        for shard in self.shards:
+            for _, r in Scan(self._src, shard, PROMPTS):
+                if isinstance(r, Prompt):
+                    yield r
+
+    @property
+    def rows(self) -> list[Prompt]:
+        """All rows in file order, held: for small datasets only (benches, tests)."""
+        if self._rows is None:
+            self._rows = list(self.iter_rows())
+        return self._rows
 
 
 def resolve_path(
@@ -105,9 +190,7 @@ def validate_row(cls: type[R], obj: object, rows: str) -> R:
         raise FileProblem(one_line(f"{where}: {e['msg']}; a row is {rows}")) from None
 
 
-def _parse_row(raw: bytes | None) -> Prompt:
-    """One dataset row, or FileProblem saying why the line is malformed."""
-    row = validate_row(Prompt, json_line(raw), "{id, task, prompt, answer}")
+def _check_prompt(row: Prompt) -> Prompt:
     if any(
         "\x00" in v
         for v in (
@@ -122,31 +205,35 @@ def _parse_row(raw: bytes | None) -> Prompt:
     return row
 
 
-def load_dataset(spec: str, max_bad_fraction: float) -> Dataset:
-    """Load a JSONL prompt dataset, skipping and counting malformed rows."""
-    path = resolve_path(spec)
-    rows: list[Prompt] = []
-    bad = 0
-    first_bad: str | None = None
-    try:
-        with path.open("rb") as f:
-            for lineno, raw in _lines(f):
-                if raw is not None and not raw.strip():
-                    continue
-                try:
-                    rows.append(_parse_row(raw))
-                except FileProblem as problem:
-                    bad += 1
-                    if first_bad is None:
-                        first_bad = f"line {lineno}: {str(problem).removeprefix('is ')}"
-    except OSError as err:
-        raise DataError(f"task.dataset: cannot read {path} ({err.strerror or err})") from None
-    total = len(rows) + bad
-    if total == 0:
-        raise DataError(f"task.dataset: {path} has no rows (the file is empty or blank)")
-    if bad / total > max_bad_fraction:
-        raise DataError(
-            f"task.dataset: {bad} of {total} rows in {path} are malformed "
-            f"({bad / total:.1%} > task.max_bad_fraction {max_bad_fraction:.1%}); first: {first_bad}"
-        )
-    return Dataset(rows=rows, source=str(path), bad_rows=bad)
+SCHEMA = "{id, task, prompt, answer}"
+PROMPTS = RowKind(
+    cls=Prompt,
+    field="task.dataset",
+    schema=SCHEMA,
+    columns=("id", "task", "prompt", "messages", "answer", "meta"),
+    required=("id", "task", "answer"),
+    json_fields=("messages", "meta"),
+    check=_check_prompt,
+    one_of=("prompt", "messages"),
+)
+
+
+def load_dataset(spec: str, max_bad_fraction: float, ck: CheckpointConfig | None = None) -> Dataset:
+    """Index a prompt dataset (builtin:, a local file or folder of shards, s3://), skipping and
+    counting malformed rows; `ck` gives the S3 endpoint and region (`cfg.checkpoint`)."""
+    src = Source(spec, "task.dataset", SCHEMA, ck)
+    sample: list[Prompt] = []
+    tasks: set[str] = set()
+    chat = False
+
+    def keep(row: Prompt) -> None:
+        nonlocal chat
+        first = not sample
+        if first or row.task not in tasks or (row.messages and not chat):
+            sample.append(row)
+        tasks.add(row.task)
+        chat = chat or bool(row.messages)
+
+    idx = index(src, PROMPTS, keep)
+    check_budget(src, idx, "task.dataset", max_bad_fraction)
+    return Dataset(src, idx.shards, idx.bad_rows, sample)

@@ -6,13 +6,15 @@ Design, details and limitations: docs/tasks.md#moerltaskspreferencespy.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from dataclasses import field as dc_field
 from pathlib import Path
 
+from moerl.config import CheckpointConfig
 from moerl.errors import DataError
 from moerl.records import PreferencePair, Prompt
-from moerl.tasks.dataset import _lines, json_line, load_dataset, resolve_path, validate_row
+from moerl.tasks.dataset import load_dataset
+from moerl.tasks.shards import RowKind, Shard, Source, check_budget, index
 from moerl.userfiles import FileProblem, one_line
 
 FIELDS = ("id", "prompt", "chosen", "rejected")
@@ -31,6 +33,7 @@ class PreferenceSet:
     rows: list[PreferencePair]
     source: str
     bad_rows: int
+    shards: list[Shard] = dc_field(default_factory=list)
 
 
 def _check(row: PreferencePair) -> PreferencePair:
@@ -41,84 +44,40 @@ def _check(row: PreferencePair) -> PreferencePair:
     return row
 
 
-def _validate(obj: object) -> PreferencePair:
-    return _check(validate_row(PreferencePair, obj, ROWS))
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, PreferencePair | FileProblem]]:
-    with path.open("rb") as f:
-        for lineno, raw in _lines(f):
-            if raw is not None and not raw.strip():
-                continue
-            try:
-                yield f"line {lineno}", _validate(json_line(raw))
-            except FileProblem as problem:
-                yield f"line {lineno}", problem
-
-
-def _parquet_rows(path: Path, field: str) -> Iterator[tuple[str, PreferencePair | FileProblem]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as err:
-        raise DataError(
-            f"{field}: {path} is not a readable Parquet file ({one_line(str(err))[:300]})"
-        ) from None
-    missing = [c for c in FIELDS if c not in table.column_names]
-    if missing:
-        raise DataError(
-            f"{field}: {path} has no column(s) {', '.join(missing)}; a row is {ROWS} "
-            f"(columns: {', '.join(table.column_names) or 'none'})"
-        )
-    for i, rec in enumerate(table.select(list(FIELDS)).to_pylist(), 1):
-        bad = [k for k in FIELDS if not isinstance(rec[k], str)]
-        if bad:
-            yield (
-                f"row {i}",
-                FileProblem(f"{bad[0]}: expected a string, got {type(rec[bad[0]]).__name__}"),
-            )
-            continue
-        try:
-            yield f"row {i}", _validate(rec)
-        except FileProblem as problem:
-            yield f"row {i}", problem
+PAIRS = RowKind(
+    cls=PreferencePair,
+    field="reward_model.data",
+    schema=ROWS,
+    columns=FIELDS,
+    required=FIELDS,
+    check=_check,
+)
 
 
 def load_preferences(
-    spec: str, max_bad_fraction: float, field: str = "reward_model.data"
+    spec: str,
+    max_bad_fraction: float,
+    field: str = "reward_model.data",
+    ck: CheckpointConfig | None = None,
 ) -> PreferenceSet:
-    """Load a JSONL or Parquet preference dataset, skipping and counting malformed rows."""
-    path = resolve_path(spec, field=field, rows=ROWS)
+    """Load a preference dataset (builtin:, a local JSONL or Parquet file or folder of shards,
+    s3://) through the shard reader, all pairs in memory, skipping and counting malformed
+    rows; `ck` gives the S3 endpoint and region (`cfg.checkpoint`)."""
+    kind = replace(PAIRS, field=field)
+    src = Source(spec, field, ROWS, ck)
     rows: list[PreferencePair] = []
-    bad, first_bad = 0, None
-    parquet = path.suffix.lower() in (".parquet", ".pq")
-    try:
-        for where, item in _parquet_rows(path, field) if parquet else _jsonl_rows(path):
-            if isinstance(item, FileProblem):
-                bad += 1
-                first_bad = first_bad or f"{where}: {str(item).removeprefix('is ')}"
-            else:
-                rows.append(item)
-    except OSError as err:
-        raise DataError(f"{field}: cannot read {path} ({err.strerror or err})") from None
-    total = len(rows) + bad
-    if total == 0:
-        raise DataError(f"{field}: {path} has no rows (the file is empty or blank)")
-    if bad / total > max_bad_fraction:
-        raise DataError(
-            f"{field}: {bad} of {total} rows in {path} are malformed "
-            f"({bad / total:.1%} > task.max_bad_fraction {max_bad_fraction:.1%}); first: {first_bad}"
-        )
-    ids = [r.id for r in rows]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise DataError(
-            f"{field}: id {one_line(repr(dup))} appears more than once in {path}; ids name pairs "
-            f"(the held-out split is made by id)"
-        )
-    return PreferenceSet(rows=rows, source=str(path), bad_rows=bad)
+    idx = index(src, kind, rows.append)
+    check_budget(src, idx, field, max_bad_fraction)
+    seen: set[str] = set()
+    for r in rows:
+        if r.id in seen:
+            raise DataError(
+                f"{field}: id {one_line(repr(r.id))} appears more than once in {src.spec}; ids "
+                "name pairs (the held-out split is made by id)"
+            )
+        seen.add(r.id)
+    source = src.spec if len(idx.shards) > 1 or src.s3 else idx.shards[0].uri
+    return PreferenceSet(rows=rows, source=source, bad_rows=idx.bad_rows, shards=idx.shards)
 
 
 def split(
