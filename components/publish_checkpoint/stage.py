@@ -181,7 +181,7 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
 def _prepare(cfg: RunConfig, model_dir: Path, run_id: str | None, weights: bool):
     """`prepare_initial`; without `weights`, an S3 model's weights are left out of `model_dir`
     and returned as the parts to import (a `ModelImport`), else None."""
-    from moerl.models.source import S3Model, _s3_view, hf_snapshot
+    from moerl.models.source import ModelImport, S3Model, _s3_view, hf_snapshot, local_model
 
     if cfg.model.warm_start.startswith("registry:"):
         _warm_start_from_registry(cfg, model_dir, run_id)
@@ -210,19 +210,14 @@ def _prepare(cfg: RunConfig, model_dir: Path, run_id: str | None, weights: bool)
             flush=True,
         )
     spec = cfg.model.path
-    if spec and spec.startswith("s3://"):
+    if spec and spec.startswith("s3://") and not weights:
         model = S3Model(spec, cfg.checkpoint)
         model.check(_s3_view(model, cfg.checkpoint))  # the family, shapes, tokenizer: again here
         model_dir.mkdir(parents=True, exist_ok=True)
         model.fetch_small(model_dir)
-        if not weights:
-            from moerl.models.source import ModelImport
-
-            return ModelImport(model)
-        for rel in model.weights:  # a whole local copy, streamed (benchmarks, tests)
-            with open(model_dir / rel, "wb") as f:
-                for block in model.source.stream(model.objects[rel]):
-                    f.write(block)
+        return ModelImport(model)
+    if spec and spec.startswith("s3://"):  # a whole local copy, streamed (benchmarks, tests)
+        local_model(spec, cfg.checkpoint, model_dir)
     elif spec and spec.startswith("hf://"):
         snap = hf_snapshot(spec)  # downloaded once into the hub cache (the pod's scratch)
         check_checkpoint(snap)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moerl.config import ModelConfig, RewardModelTrainConfig
+from moerl.config import CheckpointConfig, ModelConfig, RewardModelTrainConfig
 from moerl.errors import DataError, TrainingError
 from moerl.records import PreferencePair
 
@@ -35,9 +35,12 @@ def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
     return F.softplus(rejected - chosen).mean()
 
 
-def build_reward_model(cfg: ModelConfig, out_dir: str | Path) -> Path:
+def build_reward_model(
+    cfg: ModelConfig, out_dir: str | Path, ck: CheckpointConfig | None = None
+) -> Path:
     """A fresh reward model in HF format: the tiny MoE from `cfg.tiny.seed` with a one-logit
-    sequence-classification head, or `cfg.path`'s backbone with a new head."""
+    sequence-classification head, or `cfg.path`'s backbone with a new head (`ck`: where an
+    s3:// path is read, fetched whole beside `out_dir`)."""
     from transformers import AutoModelForSequenceClassification
 
     from moerl.models.policy import check_checkpoint
@@ -49,11 +52,18 @@ def build_reward_model(cfg: ModelConfig, out_dir: str | Path) -> Path:
     if cfg.path:
         from transformers import AutoTokenizer
 
-        check_checkpoint(cfg.path)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            cfg.path, num_labels=1, dtype=torch.float32
+        from moerl.models.source import is_remote, local_model
+
+        if is_remote(cfg.path) and ck is None:
+            raise ValueError("build_reward_model: a remote model.path needs the checkpoint config")
+        path = (
+            local_model(cfg.path, ck, out.parent / f"{out.name}-backbone") if ck else Path(cfg.path)
         )
-        tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+        check_checkpoint(path)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path)
     else:
         tokenizer = build_tokenizer()
         hf = tiny_hf_config(

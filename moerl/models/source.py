@@ -188,6 +188,25 @@ def hf_config(spec: str, ck: CheckpointConfig) -> dict:
     return json.loads((model_view(spec, ck) / "config.json").read_text())
 
 
+def local_model(spec: str, ck: CheckpointConfig, dest: Path) -> Path:
+    """A whole local copy of `model.path` (a local folder is its own; a hub snapshot is the
+    hub cache's; an S3 model is streamed into `dest`, checked first): for a stage that loads
+    the weights itself (the reward model's backbone)."""
+    if spec.startswith("hf://"):
+        return hf_snapshot(spec)
+    if not spec.startswith("s3://"):
+        return Path(spec).expanduser()
+    model = S3Model(spec, ck)
+    model.check(_s3_view(model, ck))
+    dest.mkdir(parents=True, exist_ok=True)
+    model.fetch_small(dest)
+    for rel in model.weights:
+        with open(dest / rel, "wb") as f:
+            for block in model.source.stream(model.objects[rel]):
+                f.write(block)
+    return dest
+
+
 class ModelImport:
     """The weights of an S3 model as the parts of version 0 (`CheckpointStore.publish(parts=)`):
     each file copied into the store's stage server-side when the store is on the same S3
