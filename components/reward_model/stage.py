@@ -55,7 +55,7 @@ def train(
 
     pairs = read_records(train_path, PreferencePair)
     with tempfile.TemporaryDirectory(prefix="moerl-rm-init-") as init:
-        build_reward_model(cfg.model, init)
+        build_reward_model(cfg.model, init, cfg.checkpoint)
         metrics = train_reward_model(
             cfg.reward_model, init, pairs, model_out, device=cfg.trainer.parallelism.device
         )

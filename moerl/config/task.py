@@ -36,7 +36,10 @@ class TaskConfig(_Section):
     single-turn, or multi-turn with an environment (`moerl/tasks/environments.py`)."""
 
     dataset: str = "builtin:digits-copy"
-    """The prompts: builtin:<name> (a dataset shipped in moerl/data) or a JSONL file path."""
+    """The prompts: builtin:<name> (a dataset shipped in moerl/data); a local JSONL or Parquet
+    file or folder of shards; or s3://bucket/key or s3://bucket/prefix/ (its *.jsonl,
+    *.jsonl.gz and *.parquet shards, read with checkpoint.endpoint_url and the pod's role, a
+    window at a time; a shard rewritten under a run is refused). On EKS: builtin: or s3://."""
     max_bad_fraction: float = Field(0.05, ge=0.0, le=1.0)
     """Malformed dataset rows are skipped and counted; more than this fraction of them fails the
     load."""
@@ -179,8 +182,9 @@ class RewardModelTrainConfig(_Section):
     `model.path`) with a one-logit sequence-classification head."""
 
     data: str = "builtin:prefs-digits"
-    """The preference pairs: builtin:<name> or a JSONL / Parquet file of {id, prompt, chosen,
-    rejected}."""
+    """The preference pairs {id, prompt, chosen, rejected}: builtin:<name>, or JSONL / Parquet
+    from the same sources as task.dataset (a local file or folder, s3://). On EKS: builtin: or
+    s3://."""
     eval_fraction: float = Field(0.2, gt=0.0, lt=1.0)
     """Fraction of the pairs held out for pairwise accuracy."""
     split_seed: int = 0

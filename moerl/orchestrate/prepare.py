@@ -16,7 +16,7 @@ from moerl import provenance, tracking
 from moerl.config import RunConfig
 from moerl.errors import CheckpointError, MoerlError
 from moerl.models.families import family_of, replay_problem
-from moerl.models.policy import check_checkpoint
+from moerl.models.source import check_model, hf_config, model_view
 from moerl.tasks.dataset import load_dataset
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,8 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
         from moerl.launch.layout import rollout_pod_layout
 
         rollout_pod_layout(cfg)
-    if cfg.model.path:
-        family = family_of(check_checkpoint(cfg.model.path))
+    if cfg.model.path:  # local, S3 or a hub: checked from its small files and headers
+        family = family_of(check_model(cfg.model.path, cfg.checkpoint))
         _check_mesh(cfg)
         _check_engine_fit(cfg)
     else:
@@ -162,7 +162,7 @@ def check_prompts(cfg: RunConfig, rows) -> None:
         return
     has_template = False
     if cfg.model.path:
-        root = Path(cfg.model.path).expanduser()
+        root = model_view(cfg.model.path, cfg.checkpoint)
         tc = root / "tokenizer_config.json"
         has_template = (tc.is_file() and bool(json.loads(tc.read_text()).get("chat_template"))) or (
             root / "chat_template.jinja"
@@ -262,13 +262,12 @@ def check_environments(cfg: RunConfig, rows) -> None:
 
 def _check_mesh(cfg: RunConfig) -> None:
     """A user's model on the trainer's mesh: its experts must split evenly over ep."""
-    import json
 
     from moerl.errors import ConfigError
 
     ep = cfg.trainer.parallelism.expert_parallel_size
     assert cfg.model.path is not None  # called for a model.path model only
-    hf = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    hf = hf_config(cfg.model.path, cfg.checkpoint)
     experts = family_of(hf).num_experts(hf)  # each family names the field its own way
     if ep > 1 and experts % ep:
         raise ConfigError(
@@ -280,21 +279,18 @@ def _check_mesh(cfg: RunConfig) -> None:
 def _check_engine_fit(cfg: RunConfig) -> None:
     """A cuda rollout engine whose weights and one max_model_len sequence of KV cache do not fit
     a GPU (moerl.launch.layout.check_engine_fit): refused, naming the keys and the GiB."""
-    import json
 
     from moerl.launch.layout import check_engine_fit
 
     assert cfg.model.path is not None  # called for a model.path model only
-    check_engine_fit(
-        cfg, json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
-    )
+    check_engine_fit(cfg, hf_config(cfg.model.path, cfg.checkpoint))
 
 
 def absolutize(cfg: RunConfig) -> RunConfig:
     """Make every local path absolute, so tasks in other processes and cwds agree."""
 
-    def ab(p: str) -> str:
-        return str(Path(p).expanduser().resolve())
+    def ab(p: str) -> str:  # a URI (s3://, hf://) stays as it is
+        return p if "://" in p else str(Path(p).expanduser().resolve())
 
     ck = cfg.checkpoint
     updates = {
@@ -314,9 +310,9 @@ def absolutize(cfg: RunConfig) -> RunConfig:
     }
     if cfg.model.path:
         updates["model"] = cfg.model.model_copy(update={"path": ab(cfg.model.path)})
-    if not cfg.task.dataset.startswith(("builtin:", "s3://")):  # a URI stays as it is
+    if not cfg.task.dataset.startswith("builtin:"):
         updates["task"] = cfg.task.model_copy(update={"dataset": ab(cfg.task.dataset)})
-    if not cfg.reward_model.data.startswith(("builtin:", "s3://")):  # a URI stays as it is
+    if not cfg.reward_model.data.startswith("builtin:"):
         updates["reward_model"] = cfg.reward_model.model_copy(
             update={"data": ab(cfg.reward_model.data)}
         )

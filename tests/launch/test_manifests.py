@@ -589,6 +589,18 @@ def test_iam_policies_give_each_account_only_what_its_pods_do():
         rule["Status"] == "Enabled"
         and rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] >= 1
     )
+    # users' models and data (model.path, task.dataset, reward_model.data in S3): read-only,
+    # on their prefixes only; no pod can write or delete a source
+    sources = json.loads((iam / "moerl-s3-sources.json").read_text())
+    for st in sources["Statement"]:
+        actions = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+        assert set(actions) <= {"s3:GetObject", "s3:ListBucket"}, actions
+    src = "arn:aws:s3:::SOURCE_BUCKET"
+    for key in ("MODEL_PREFIX/qwen3/model-00001-of-00002.safetensors", "DATA_PREFIX/p/0.parquet"):
+        assert _allowed(sources, "s3:GetObject", f"{src}/{key}")
+        assert not _allowed(sources, "s3:PutObject", f"{src}/{key}")
+        assert not _allowed(sources, "s3:DeleteObject", f"{src}/{key}")
+    assert not _allowed(sources, "s3:GetObject", f"{src}/OTHER/secret.json")
     # the rollout account is the one launched rollout pods get (moerl.config LaunchConfig)
     from moerl.config import LaunchConfig
 
