@@ -251,8 +251,12 @@ def run_bench_layouts(
     cfg = variants[0][1]
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
     with tempfile.TemporaryDirectory(prefix="moerl-bench-layouts-") as tmp:
-        model_dir = Path(cfg.model.path) if cfg.model.path else Path(tmp) / "model"
-        if not cfg.model.path:  # the tiny model, built once: every variant loads the same files
+        model_dir = Path(tmp) / "model"
+        if cfg.model.path:  # local as it is; from S3 or a hub, one whole local copy
+            from moerl.models.source import local_model
+
+            model_dir = local_model(cfg.model.path, cfg.checkpoint, model_dir)
+        else:  # the tiny model, built once: every variant loads the same files
             build_tiny_model(cfg.model.tiny, model_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)
         every = unit_prompts(cfg, units + warmup_units)

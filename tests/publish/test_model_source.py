@@ -268,3 +268,38 @@ def test_a_file_larger_than_a_part_is_copied_in_parts_and_checked_by_its_checksu
     assert (
         store._stored("stage-x", FileEntry("w.safetensors", *other.result()), 5 << 20)[1] is False
     )
+
+
+def test_moerl_run_refuses_a_missing_s3_model_in_one_line_before_any_work(
+    s3_server, models, tmp_path
+):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moerl.cli",
+            "run",
+            str(root / "configs" / "tiny-moe-grpo.yaml"),
+            "--set",
+            "model.path=s3://moerl-models/not-staged/",
+            "--set",
+            f"checkpoint.endpoint_url={s3_server.endpoint_url}",
+            "--set",
+            "checkpoint.region=us-east-1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert err[-1].startswith(
+        "moerl: error: model.path: s3://moerl-models/not-staged/ holds no objects"
+    )
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()  # nothing published
