@@ -177,6 +177,26 @@ def record_refusal(
     return run_id
 
 
+DATASET_PIN_TAG = "moerl.dataset.index_sha256"
+
+
+def run_tag(uri: str, run_id: str, key: str) -> str | None:
+    """Tag `key` of run `run_id`; None when unset, or (said loudly) when the tracking server
+    holds no such run (a stage run on its own, outside a pipeline)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _client(uri).get_run(run_id).data.tags.get(key)
+    except MlflowException as err:
+        if getattr(err, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        print(
+            f"[moerl] WARNING: no MLflow run {run_id!r} at {redact(uri)}; {key} not read",
+            flush=True,
+        )
+        return None
+
+
 def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
     """The run's data as an MLflow dataset input (the UI's Datasets column and run page): its
     spec as the source, the shards' digest (moerl/tasks/shards.py `digest`: one shard's sha256,
@@ -188,7 +208,7 @@ def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
 
     from moerl.tasks.dataset import load_dataset
     from moerl.tasks.preferences import load_preferences
-    from moerl.tasks.shards import digest, profile
+    from moerl.tasks.shards import digest, index_sha256, profile
 
     rm = cfg.pipeline.kind == "reward_model"
     spec = cfg.reward_model.data if rm else cfg.task.dataset
@@ -219,6 +239,8 @@ def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
         client.log_inputs(
             run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", "training")])]
         )
+        # what every later stage must read (`moerl.tasks.dataset.check_pinned`)
+        client.log_batch(run_id, tags=[RunTag(DATASET_PIN_TAG, index_sha256(shards))])
     except Exception as err:  # noqa: BLE001 - provenance: recorded on the run, loudly, not fatal
         print(
             f"[moerl] WARNING: the dataset {spec!r} was not logged as an MLflow dataset input: {err}",

@@ -34,7 +34,7 @@ from moerl.launch.podenv import enter_pod
 from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.store.runs import run_store, version_uri
 from moerl.store.tiers import run_tiers
-from moerl.tasks.dataset import load_dataset
+from moerl.tasks.dataset import check_pinned, load_dataset
 
 if TYPE_CHECKING:
     from moerl.components.policy_update.mesh import Leader
@@ -68,6 +68,7 @@ class Issuer(threading.Thread):
         self.gathered = (0, 0)  # (groups, signal groups) the trainer holds for its current version
         self.error: BaseException | None = None
         self.ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
+        check_pinned(self.ds, cfg, bus.run_id)  # a restarted trainer reads what the run began on
 
     def step(self) -> int:
         self.bus.check_epoch(self.epoch)  # a superseded trainer issues nothing more

@@ -22,7 +22,7 @@ from moerl.components.rollout.episodes import (
 from moerl.config import RunConfig
 from moerl.records import PolicyVersion, Sample, write_records
 from moerl.store.runs import engine_copy
-from moerl.tasks.dataset import load_dataset
+from moerl.tasks.dataset import check_pinned, load_dataset
 from moerl.tasks.prompting import encode_prompt, uses_template
 
 
@@ -66,6 +66,7 @@ def run_rollout(
     t0 = time.perf_counter()
     # 1. prompts
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
+    check_pinned(ds, cfg, run_id)  # the shards the run started on, not rewritten since
     prompts = ds.batch(iteration, cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
     # 2. weights, from the verified local cache
     with engine_copy(

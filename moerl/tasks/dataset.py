@@ -237,3 +237,21 @@ def load_dataset(spec: str, max_bad_fraction: float, ck: CheckpointConfig | None
     idx = index(src, PROMPTS, keep)
     check_budget(src, idx, "task.dataset", max_bad_fraction)
     return Dataset(src, idx.shards, idx.bad_rows, sample)
+
+
+def check_pinned(ds: Dataset, cfg, run_id: str, field: str = "task.dataset") -> None:
+    """Refuse a dataset whose shards are not the ones the run started on (the index the first
+    task recorded, `moerl.dataset.index_sha256`): a shard rewritten, added or removed between
+    stages would otherwise be trained on silently. A run without the record (its dataset input
+    failed, loudly, at the start) is not checked."""
+    from moerl import tracking
+    from moerl.tasks.shards import index_sha256
+
+    pinned = tracking.run_tag(tracking.resolve_uri(cfg.tracking), run_id, tracking.DATASET_PIN_TAG)
+    now = index_sha256(ds.shards)
+    if pinned is not None and pinned != now:
+        raise SourceChanged(
+            f"{field}: {ds.source} is not what run {run_id} started on (shard index sha256 {now[:16]}, "
+            f"recorded {pinned[:16]}): a shard was rewritten, added or removed; a source must not "
+            "change under a run: write a new prefix and start a new run"
+        )

@@ -352,6 +352,13 @@ def digest(shards: list[Shard]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def index_sha256(shards: list[Shard]) -> str:
+    """sha256 over every shard's name, sha256 and good-row count: what a run's stages must all
+    read (`moerl.dataset.index_sha256`, checked by `check_pinned`)."""
+    text = "".join(f"{s.name} {s.sha256} {s.rows}\n" for s in sorted(shards, key=lambda s: s.name))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def profile(shards: list[Shard]) -> dict[str, Any]:
     """Rows, bytes and the shards (uri, sha256, rows, bad rows; the first MAX_PROFILE_SHARDS)."""
     return {

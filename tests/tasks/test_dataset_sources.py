@@ -314,9 +314,10 @@ def test_the_mlflow_dataset_input_records_the_shard_digest(
         {
             "task": {"dataset": uri},
             "checkpoint": {"uri": f"s3://{bucket}/ck", "endpoint_url": s3_server.endpoint_url},
+            "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"},
         }
     )
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(cfg.tracking.uri)
     run_id = client.create_run(client.create_experiment("data")).info.run_id
     log_dataset_input(client, run_id, cfg)
     run = client.get_run(run_id)
@@ -333,3 +334,15 @@ def test_the_mlflow_dataset_input_records_the_shard_digest(
     assert [(s["uri"], s["sha256"], s["rows"]) for s in prof["shard_list"]] == [
         (f"{uri}{n}", sha, r) for n, sha, r in zip(sorted(files), shas, (20, 25, 15))
     ]
+
+    # every later stage reads the shards the run started on: the same pass, a rewritten shard
+    # (a new stage's fresh index, between iterations) is refused naming the field
+    from moerl.tasks.dataset import check_pinned
+
+    check_pinned(load_dataset(uri, 0.0, cfg.checkpoint), cfg, run_id)
+    first = sorted(files)[0]
+    _put(s3_server, bucket, "ml", {first: files[sorted(files)[1]]})
+    with pytest.raises(
+        SourceChanged, match=f"task.dataset: {uri} is not what run {run_id} started on"
+    ):
+        check_pinned(load_dataset(uri, 0.0, cfg.checkpoint), cfg, run_id)
