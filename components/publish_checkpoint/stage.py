@@ -122,7 +122,7 @@ def publish_initial(
     parts = _prepare(cfg, Path(state_dir), run_id, weights=False)
     policy, metrics = run_publish(cfg, run_id, state_dir, 0, parts=parts)
     if parts is not None:
-        metrics["import/model_mb"] = parts.bytes / 1e6
+        metrics["import/model_mb"] = parts.nbytes / 1e6
         metrics["import/server_side_copies"] = float(
             parts.routes["copy"] + parts.routes["multipart copy"]
         )
@@ -130,7 +130,7 @@ def publish_initial(
         metrics["timing/import_model_s"] = time.perf_counter() - t0
         print(
             f"[moerl] model.path {parts.model.uri}: imported {len(parts.model.weights)} weight files "
-            f"({parts.bytes / 1e9:.2f} GB; {dict(parts.routes)}) as version 0 in "
+            f"({parts.nbytes / 1e9:.2f} GB; per store {[dict(t) for t in parts.tiers]}) as version 0 in "
             f"{metrics['timing/import_model_s']:.1f} s",
             flush=True,
         )
@@ -163,10 +163,25 @@ def source_tags(cfg: RunConfig, parts, manifest_sha256: str) -> dict[str, str]:
     }
     if parts is not None:
         tags["moerl.model.etags_sha256"] = parts.model.digest()
-        tags["moerl.model.import_routes"] = ",".join(
-            f"{k}={v}" for k, v in sorted(parts.routes.items())
+        # per store, in publish order (the cache tier first, where there is one)
+        tags["moerl.model.import_routes"] = "; ".join(
+            ",".join(f"{k}={v}" for k, v in sorted(t.items())) for t in parts.tiers
         )
+        if parts.model.ignored:
+            tags["moerl.model.ignored_files"] = ",".join(parts.model.ignored)[:4000]
     return tags
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Weights as hard links (nothing writes them in place); every other file copied, since a
+    later step may rewrite it (config.json) and must not write through into the hub cache."""
+    if src.endswith(WEIGHT_SUFFIXES):
+        try:
+            os.link(os.path.realpath(src), dst)
+            return
+        except OSError:  # another filesystem, or links refused
+            pass
+    shutil.copy2(src, dst)
 
 
 def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = None) -> Path:
@@ -221,7 +236,8 @@ def _prepare(cfg: RunConfig, model_dir: Path, run_id: str | None, weights: bool)
     elif spec and spec.startswith("hf://"):
         snap = hf_snapshot(spec)  # downloaded once into the hub cache (the pod's scratch)
         check_checkpoint(snap)
-        shutil.copytree(snap, model_dir, dirs_exist_ok=True)  # the cache's links, resolved
+        # the cache's links resolved; hard links where the cache is on the same disk (no second copy)
+        shutil.copytree(snap, model_dir, dirs_exist_ok=True, copy_function=_link_or_copy)
     elif spec:
         check_checkpoint(spec)
         shutil.copytree(spec, model_dir, dirs_exist_ok=True)

@@ -50,20 +50,22 @@ def build_reward_model(
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.tiny.seed)
     if cfg.path:
+        import tempfile
+
         from transformers import AutoTokenizer
 
         from moerl.models.source import is_remote, local_model
 
         if is_remote(cfg.path) and ck is None:
             raise ValueError("build_reward_model: a remote model.path needs the checkpoint config")
-        path = (
-            local_model(cfg.path, ck, out.parent / f"{out.name}-backbone") if ck else Path(cfg.path)
-        )
-        check_checkpoint(path)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        # a remote backbone's local copy lives only while it loads
+        with tempfile.TemporaryDirectory(prefix="moerl-backbone-") as tmp:
+            path = local_model(cfg.path, ck, Path(tmp)) if ck else Path(cfg.path)
+            check_checkpoint(path)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=torch.float32
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path)
     else:
         tokenizer = build_tokenizer()
         hf = tiny_hf_config(

@@ -31,6 +31,7 @@ from moerl.store.sources import S3Object, S3Source
 HF_URI = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>.*))?$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 WEIGHTS = ".safetensors"
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
 SMALL_CAP = 64 << 20  # a tokenizer.json of a large vocabulary is ~10 MiB; no small file is more
 VIEW_DONE = ".moerl-view-complete"
 # the hub's files a preflight needs: everything but the weights
@@ -99,7 +100,12 @@ class S3Model:
                 f"{len(listed)} objects)"
             )
         self.weights = sorted(r for r in self.objects if r.endswith(WEIGHTS))
-        self.small = sorted(r for r in self.objects if r not in self.weights)
+        # other formats' weights (a repo's pytorch_model*.bin, consolidated*.pth, *.gguf) are
+        # not the model moerl loads: neither fetched nor imported
+        self.ignored = sorted(r for r in self.objects if r.endswith(OTHER_WEIGHTS))
+        self.small = sorted(
+            r for r in self.objects if r not in self.weights and r not in self.ignored
+        )
 
     def digest(self) -> str:
         """sha256 over every file's path, size and ETag: what the run was given."""
@@ -216,13 +222,20 @@ class ModelImport:
 
     def __init__(self, model: S3Model) -> None:
         self.model = model
-        self.routes: Counter[str] = Counter()
-        self.bytes = 0
+        self.tiers: list[Counter[str]] = []  # each store's routes, in publish order
+        self.nbytes = sum(model.objects[r].size for r in model.weights)  # `check_tier_fits`
+
+    @property
+    def routes(self) -> Counter[str]:
+        """How the weight files went, over every store they were put into."""
+        return sum(self.tiers, Counter())
 
     def put(self, store, version, stage, claim, manifest: Manifest | None, chunk_size: int):
         from moerl.store.s3 import S3Store
 
         m, src, at = self.model, self.model.source, stage  # `stage`: the publish's files folder
+        routes: Counter[str] = Counter()
+        self.tiers.append(routes)
         listed = {e.path: e for e in manifest.files} if manifest is not None else {}
         server = isinstance(store, S3Store) and store.same_service(m.endpoint_url)
 
@@ -245,6 +258,8 @@ class ModelImport:
                         f"model.path: {e}; a source must not change under a run: write a new "
                         "prefix and start a new run"
                     ) from None
+                except CheckpointError as e:  # gone, or the role may not read it
+                    raise CheckpointError(f"model.path: importing {src.url(rel)}: {e}") from None
                 if known is None:
                     for block in src.stream(obj):
                         hasher.update(block)
@@ -256,7 +271,7 @@ class ModelImport:
                         hasher.update(block)
                         yield block
 
-                store.put_stream(at, rel, blocks())
+                store.put_stream(at, rel, blocks(), obj.size)
             else:
                 route = "hash only"
                 if known is None:
@@ -268,8 +283,7 @@ class ModelImport:
                     f"version {version}: {src.url(rel)} read back other bytes than the manifest "
                     "lists; the source changed under the import"
                 )
-            self.routes[route] += 1
-            self.bytes += obj.size
+            routes[route] += 1
             return entry
 
         return store._map(one, m.weights)

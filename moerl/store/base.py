@@ -828,7 +828,9 @@ class CheckpointStore(PinLeases, ABC):
         finally:  # after the first failure, start no more copies
             ex.shutdown(wait=True, cancel_futures=True)
 
-    def put_stream(self, stage: str, rel: str, blocks: Iterable[bytes]) -> None:
+    def put_stream(
+        self, stage: str, rel: str, blocks: Iterable[bytes], size: int | None = None
+    ) -> None:
         """Store the bytes of `blocks` as `rel` of `stage` (a file read from a source while it
         is copied: `moerl.models.source`). This default spools them to a temporary file beside
         nothing the run keeps, then `_put`s it; S3 streams them without a file."""

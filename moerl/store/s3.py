@@ -46,6 +46,7 @@ _UNREACHABLE = (
 )
 _MiB = 1024 * 1024
 _MIN_PART = 5 * _MiB  # S3's smallest part (but the last)
+_MAX_PARTS = 10_000  # S3's most parts in one upload
 _R = TypeVar("_R")
 
 
@@ -240,14 +241,32 @@ class S3Store(CheckpointStore):
                 str(src), self.bucket, key, Config=config, ExtraArgs={"ChecksumAlgorithm": "SHA256"}
             )
 
-    def put_stream(self, stage: str, rel: str, blocks: Iterable[bytes]) -> None:
-        """Upload `blocks` without a file: a multipart upload in parts of the manifest's chunk
-        size where it is a valid part size (so the composite checksum is checkable), else of
-        multipart_chunk_mb; each part with its SHA-256."""
-        key = self._key(f"versions/{stage}/{rel}")
+    def _part_for(self, size: int) -> int:
+        """The part size for an object of `size` bytes: the manifest's chunk size where it is a
+        valid part size (so the composite checksum is checkable against the chunk hashes), else
+        multipart_chunk_mb; larger (and said) where that would take more than S3's 10000 parts."""
         part = (
             self._part_size if self._part_size >= _MIN_PART else self._transfer.multipart_chunksize
         )
+        if size > part * _MAX_PARTS:
+            bigger = -(-size // _MAX_PARTS // _MiB) * _MiB
+            log.warning(
+                "an object of %d bytes needs parts of %d MiB (S3 allows %d parts); its checksum "
+                "is checked by size only (raise checkpoint.chunk_mb to keep it checkable)",
+                size,
+                bigger // _MiB,
+                _MAX_PARTS,
+            )
+            return bigger
+        return part
+
+    def put_stream(
+        self, stage: str, rel: str, blocks: Iterable[bytes], size: int | None = None
+    ) -> None:
+        """Upload `blocks` (`size` bytes, where known) without a file: a multipart upload in
+        parts of `_part_for(size)`, each with its SHA-256."""
+        key = self._key(f"versions/{stage}/{rel}")
+        part = self._part_for(size or 0)
         config = TransferConfig(
             multipart_threshold=part,
             multipart_chunksize=part,
@@ -274,9 +293,7 @@ class S3Store(CheckpointStore):
         multipart_chunk_mb), each with its SHA-256 so `_stored` can check the copy. Returns the
         route ("copy" or "multipart copy")."""
         dest = self._key(f"versions/{stage}/{rel}")
-        part = (
-            self._part_size if self._part_size >= _MIN_PART else self._transfer.multipart_chunksize
-        )
+        part = self._part_for(size)
         src = {"Bucket": bucket, "Key": key}
         with self._changed(bucket, key), self._errors(f"copying s3://{bucket}/{key} to {rel}"):
             if size <= part:

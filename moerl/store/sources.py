@@ -10,6 +10,7 @@ Design, details and limitations: docs/store.md#moerlstoresourcespy.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from moerl.store.s3 import _MISSING, _UNREACHABLE, _code, s3_client
 
 __all__ = ["S3Object", "S3Source", "SourceChanged", "split_s3"]
 
+log = logging.getLogger(__name__)
 _CHANGED = {"412", "PreconditionFailed"}
 _DENIED = {
     "403",
@@ -60,6 +62,7 @@ class S3Source:
         if not self.bucket:
             raise error(f"{field}: {uri!r} names no bucket; expected s3://bucket/prefix")
         self.endpoint = ck.endpoint_url or "the default AWS endpoint"
+        self.attempts = ck.max_attempts
         self._s3: Any = s3_client(ck, pool=ck.max_concurrency)
 
     def url(self, rel: str = "") -> str:
@@ -90,7 +93,8 @@ class S3Source:
             if code in _DENIED:
                 return self.error(
                     f"{self.field}: {what}: access denied ({code}); the pod's role needs s3:GetObject "
-                    f"and s3:ListBucket on s3://{self.bucket}/{self.key} (manifests/, docs/data.md)"
+                    f"and s3:ListBucket on s3://{self.bucket}/{self.key} "
+                    "(manifests/iam/moerl-s3-sources.json, docs/deploy.md step 5)"
                 )
         if isinstance(e, _UNREACHABLE):
             return self.error(
@@ -109,7 +113,9 @@ class S3Source:
                     h = self._s3.head_object(Bucket=self.bucket, Key=self.key)
                     return [S3Object("", int(h["ContentLength"]), h["ETag"])]
                 except ClientError as e:
-                    if _code(e) not in _MISSING:
+                    # a role that may read only `key/*` is denied a HEAD of `key` itself: a
+                    # prefix named without its slash, listed as one
+                    if _code(e) not in _MISSING and _code(e) not in _DENIED:
                         raise
             prefix = self.key.rstrip("/") + "/" if self.key else ""
             out = []
@@ -150,18 +156,31 @@ class S3Source:
         return self.read_range(obj, 0, obj.size)
 
     def stream(self, obj: S3Object, chunk: int = CHUNK) -> Iterator[bytes]:
-        """`obj` in blocks of `chunk` bytes, one GET (refused if it changed since it was listed)."""
+        """`obj` in blocks of `chunk` bytes (refused if it changed since it was listed). A body
+        that breaks off mid-stream (a reset, a read timeout: likely over a 5 GB file) resumes
+        from the byte it reached, under the same ETag, up to `attempts` times in a row."""
         what = self.url(obj.rel)
-        try:
-            body = self._s3.get_object(
-                Bucket=self.bucket, Key=self._full(obj.rel), IfMatch=obj.etag
-            )["Body"]
-            got = 0
-            while block := body.read(chunk):
-                got += len(block)
-                yield block
-        except (ClientError, BotoCoreError) as e:
-            raise self._fail(what, e) from None
+        got, failures = 0, 0
+        while True:
+            try:
+                body = self._s3.get_object(
+                    Bucket=self.bucket,
+                    Key=self._full(obj.rel),
+                    IfMatch=obj.etag,
+                    **({"Range": f"bytes={got}-"} if got else {}),
+                )["Body"]
+                while block := body.read(chunk):
+                    got += len(block)
+                    failures = 0
+                    yield block
+                break
+            except ClientError as e:
+                raise self._fail(what, e) from None
+            except BotoCoreError as e:  # the connection broke: resume, bounded
+                failures += 1
+                if failures >= self.attempts or got >= obj.size:
+                    raise self._fail(f"{what} (after {failures} broken reads)", e) from None
+                log.warning("%s: read broke off at byte %d (%s); resuming", what, got, e)
         if got != obj.size:
             raise SourceChanged(
                 f"{self.field}: {what} gave {got} bytes, listed as {obj.size}; it changed or broke off"

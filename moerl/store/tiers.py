@@ -202,7 +202,9 @@ class Tiers:
                 # before a byte is written: a tier that cannot hold it is skipped
                 if self.config is not None:
                     try:
-                        check_tier_fits(self.config, held_bytes(src, self.cache.absent))
+                        # with the parts other writers put (an imported model's weights)
+                        extra = getattr(parts, "nbytes", 0) if parts is not None else 0
+                        check_tier_fits(self.config, held_bytes(src, self.cache.absent) + extra)
                     except CheckpointError:
                         self.cache_too_small = True
                         raise

@@ -262,7 +262,7 @@ def test_the_eks_pipeline_completes_and_learns_with_tasks_sharing_only_servers(c
     # version 0 is the user's model from S3, imported once by init_policy: streamed into the
     # cache tier (another server), copied server-side into the durable store, byte for byte
     assert ok.data.tags["moerl.model.source"] == MODEL_URI
-    assert ok.data.tags["moerl.model.import_routes"] == "copy=1,stream=1"
+    assert ok.data.tags["moerl.model.import_routes"] == "stream=1; copy=1"  # cache, durable
     staged = cluster_run["root"] / "staged" / "model"
     v0 = {f.path: f.sha256 for f in store.manifest(0).files}
     assert v0 == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in staged.iterdir()}

@@ -61,6 +61,8 @@ def models(s3_server, tmp_path_factory):
         _shard(d)
         for f in d.iterdir():
             client.upload_file(str(f), "moerl-models", f"{arch}/{f.name}")
+        # another format's weights beside them (a cloned repo's): neither fetched nor imported
+        client.put_object(Bucket="moerl-models", Key=f"{arch}/pytorch_model.bin", Body=b"\0" * 4096)
         out[arch] = d
     return out
 
@@ -123,6 +125,8 @@ def test_an_s3_model_is_checked_then_imported_once_into_version_0_byte_for_byte(
     assert tags["moerl.model.model_type"] == arch
     assert tags["moerl.model.v0_manifest_sha256"] == policy.manifest_sha256
     assert len(tags["moerl.model.etags_sha256"]) == 64
+    assert tags["moerl.model.ignored_files"] == "pytorch_model.bin"
+    assert tags["moerl.model.import_routes"] == "copy=2"  # one store, two weight files
     # the engines' skeleton: the small files of the source, no weights
     skel = model_skeleton(cfg, tmp_path / "skeleton")
     assert (skel / "config.json").read_bytes() == (src / "config.json").read_bytes()
@@ -303,3 +307,70 @@ def test_moerl_run_refuses_a_missing_s3_model_in_one_line_before_any_work(
     )
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "checkpoints").exists()  # nothing published
+
+
+def test_a_read_that_breaks_off_resumes_at_its_byte_under_the_same_etag(
+    s3_server, models, tmp_path
+):
+    """A connection that breaks mid-body (a read timeout on the real server's stream, injected
+    after the first block) resumes with a Range from the byte reached, If-Match unchanged."""
+    from botocore.exceptions import ReadTimeoutError
+
+    from moerl.models.source import S3Model
+
+    cfg = _cfg(s3_server, tmp_path, "s3://moerl-models/qwen3_moe/")
+    model = S3Model(cfg.model.path, cfg.checkpoint)
+    rel = model.weights[0]
+    client, calls = model.source._s3, []
+    real = client.get_object
+
+    class Breaks:
+        def __init__(self, body):
+            self.body, self.reads = body, 0
+
+        def read(self, n):
+            self.reads += 1
+            if self.reads == 2:
+                raise ReadTimeoutError(endpoint_url=s3_server.endpoint_url)
+            return self.body.read(n)
+
+    def get_object(**kw):
+        calls.append(kw)
+        out = real(**kw)
+        if len(calls) == 1:
+            out["Body"] = Breaks(out["Body"])
+        return out
+
+    client.get_object = get_object
+    got = b"".join(model.source.stream(model.objects[rel], chunk=64 << 10))
+    assert got == (models["qwen3_moe"] / rel).read_bytes()
+    assert len(calls) == 2 and calls[1]["Range"] == f"bytes={64 << 10}-"
+    assert calls[0]["IfMatch"] == calls[1]["IfMatch"] == model.objects[rel].etag
+
+
+def test_an_import_larger_than_the_cache_tier_goes_to_the_durable_store_first(
+    s3_server, models, tmp_path
+):
+    """The cache tier's size check counts the imported weights (the version's parts), not only
+    the small files in the state folder: a model it cannot hold skips it, counted."""
+    from moerl.components.publish_checkpoint.stage import publish_initial
+
+    s3_server.client().create_bucket(Bucket="moerl-cache-x")
+    base = _cfg(s3_server, tmp_path, "s3://moerl-models/qwen3_moe/")
+    weights = sum(f.stat().st_size for f in models["qwen3_moe"].glob("*.safetensors"))
+    ck = base.checkpoint.model_copy(
+        update={
+            "cache_tier": base.checkpoint.cache_tier.model_copy(
+                update={
+                    "uri": f"s3://moerl-cache-x/{tmp_path.name}",
+                    "endpoint_url": s3_server.endpoint_url,
+                    # room for the small files many times over, not for keep_last + 1 models
+                    "capacity_gb": weights / 2**30,
+                }
+            )
+        }
+    )
+    cfg = base.model_copy(update={"checkpoint": ck})
+    _, metrics = publish_initial(cfg, _run(cfg), tmp_path / "state")
+    assert metrics["weights/cache_tier_too_small"] == 1.0 and metrics["weights/cache_tier"] == 0.0
+    assert s3_server.client().list_objects_v2(Bucket="moerl-cache-x").get("KeyCount", 0) == 0
