@@ -79,13 +79,34 @@ def check_model_files(
     if not weights:
         raise ConfigError(f"model.path: {where} has no *.safetensors weights")
     for w in weights:
-        check_header(w)
+        _check_shapes(hf, check_header(w), f"{where.rstrip('/')}/{w}", cfg_name)
     if not any((p / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(
             f"model.path: {where} has no tokenizer (one of {', '.join(TOKENIZER_FILES)}); save it "
             "with tokenizer.save_pretrained"
         )
     return model_type
+
+
+# the tensors whose shape config.json fixes in every family: [vocab_size, hidden_size]
+_VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _check_shapes(hf: dict, header: object, w: str, cfg_name: str) -> None:
+    """The embedding and output tensors in a safetensors `header` have the shape config.json
+    gives them: a config from another model beside these weights is refused before any load."""
+    vocab, hidden = hf.get("vocab_size"), hf.get("hidden_size")
+    if not isinstance(header, dict) or not isinstance(vocab, int) or not isinstance(hidden, int):
+        return
+    for name, t in header.items():
+        if name.endswith(_VOCAB_TENSORS) and isinstance(t, dict):
+            shape = t.get("shape")
+            if shape != [vocab, hidden]:
+                raise ConfigError(
+                    f"model.path: tensor {name} in {w} has shape {shape}, but {cfg_name} gives "
+                    f"[vocab_size, hidden_size] = [{vocab}, {hidden}]; the config and the weights "
+                    "are from different models"
+                )
 
 
 def _refuse_quantized(p: str, hf: dict, cfg_file: str) -> None:

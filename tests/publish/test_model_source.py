@@ -199,6 +199,15 @@ def test_refusals_name_model_path_and_the_key(s3_server, models, tmp_path):
         ): (
             r"model.path: model_type 'llama' is not supported; allowed: .* \(in s3://moerl-models/llama/config.json\)"
         ),
+        _bad(
+            client,
+            "othervocab",
+            src,
+            **{"config.json": json.dumps({**conf, "vocab_size": conf["vocab_size"] + 64}).encode()},
+        ): (
+            r"model.path: tensor (model.embed_tokens|lm_head).weight in s3://moerl-models/othervocab/model-"
+            r".* has shape \[\d+, \d+\], but s3://moerl-models/othervocab/config.json gives"
+        ),
         _bad(client, "truncated", src, **{shard.name: shard.read_bytes()[:-100]}): (
             rf"model.path: s3://moerl-models/truncated/{shard.name} is truncated"
         ),
