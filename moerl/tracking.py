@@ -197,6 +197,24 @@ def run_tag(uri: str, run_id: str, key: str) -> str | None:
         return None
 
 
+def check_pinned(ds, cfg, run_id: str, field: str = "task.dataset") -> None:
+    """Refuse a dataset whose shards are not the ones the run started on (the index the first
+    task recorded, `moerl.dataset.index_sha256`): a shard rewritten, added or removed between
+    stages would otherwise be trained on silently. A run without the record (its dataset input
+    failed, loudly, at the start) is not checked."""
+    from moerl.errors import SourceChanged
+    from moerl.tasks.shards import index_sha256
+
+    pinned = run_tag(resolve_uri(cfg.tracking), run_id, DATASET_PIN_TAG)
+    now = index_sha256(ds.shards)
+    if pinned is not None and pinned != now:
+        raise SourceChanged(
+            f"{field}: {ds.source} is not what run {run_id} started on (shard index sha256 {now[:16]}, "
+            f"recorded {pinned[:16]}): a shard was rewritten, added or removed; a source must not "
+            "change under a run: write a new prefix and start a new run"
+        )
+
+
 def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
     """The run's data as an MLflow dataset input (the UI's Datasets column and run page): its
     spec as the source, the shards' digest (moerl/tasks/shards.py `digest`: one shard's sha256,
@@ -239,7 +257,7 @@ def log_dataset_input(client, run_id: str, cfg: RunConfig) -> None:
         client.log_inputs(
             run_id, datasets=[DatasetInput(ds, tags=[InputTag("mlflow.data.context", "training")])]
         )
-        # what every later stage must read (`moerl.tasks.dataset.check_pinned`)
+        # what every later stage must read (`check_pinned`)
         client.log_batch(run_id, tags=[RunTag(DATASET_PIN_TAG, index_sha256(shards))])
     except Exception as err:  # noqa: BLE001 - provenance: recorded on the run, loudly, not fatal
         print(

@@ -34,7 +34,8 @@ from moerl.launch.podenv import enter_pod
 from moerl.records import PolicyVersion, ScoredSample, write_records
 from moerl.store.runs import run_store, version_uri
 from moerl.store.tiers import run_tiers
-from moerl.tasks.dataset import check_pinned, load_dataset
+from moerl.tasks.dataset import load_dataset
+from moerl.tracking import check_pinned
 
 if TYPE_CHECKING:
     from moerl.components.policy_update.mesh import Leader

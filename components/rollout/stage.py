@@ -22,8 +22,9 @@ from moerl.components.rollout.episodes import (
 from moerl.config import RunConfig
 from moerl.records import PolicyVersion, Sample, write_records
 from moerl.store.runs import engine_copy
-from moerl.tasks.dataset import check_pinned, load_dataset
+from moerl.tasks.dataset import load_dataset
 from moerl.tasks.prompting import encode_prompt, uses_template
+from moerl.tracking import check_pinned
 
 
 def to_samples(

@@ -7,23 +7,29 @@ Design, details and limitations: docs/tasks.md#moerltasksdatasetpy.
 from __future__ import annotations
 
 import bisect
-import json
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from importlib import resources
-from pathlib import Path
-from typing import BinaryIO
-
-from pydantic import ValidationError
 
 from moerl.config import CheckpointConfig
 from moerl.errors import DataError
-from moerl.records import Prompt, R
+from moerl.records import Prompt
 from moerl.store.sources import SourceChanged
-from moerl.tasks.shards import RowKind, Scan, Shard, Source, check_budget, index
-from moerl.userfiles import FileProblem, decode_text, kind_problem, one_line
+from moerl.tasks.shards import (  # noqa: F401 (the row readers: dataset's names, kept)
+    MAX_LINE_BYTES,
+    RowKind,
+    Scan,
+    Shard,
+    Source,
+    _lines,
+    check_budget,
+    index,
+    json_line,
+    resolve_path,
+    validate_row,
+)
+from moerl.userfiles import FileProblem
 
 
 class Dataset:
@@ -123,73 +129,6 @@ class Dataset:
         return self._rows
 
 
-def resolve_path(
-    spec: str, field: str = "task.dataset", rows: str = "{id, task, prompt, answer}"
-) -> Path:
-    """`builtin:<name>` (a file shipped in moerl/data) or a path to a user's regular file; a
-    DataError naming `field` otherwise."""
-    if spec.startswith("builtin:"):
-        name = spec.removeprefix("builtin:")
-        known = sorted(
-            x.name.removesuffix(".jsonl")
-            for x in resources.files("moerl.tasks.data").iterdir()
-            if x.name.endswith(".jsonl")
-        )
-        # Only the names listed: "builtin:../x" must not reach outside the package.
-        if name not in known:
-            raise DataError(
-                f"{field}: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}"
-            )
-        return Path(str(resources.files("moerl.tasks.data").joinpath(f"{name}.jsonl")))
-    p = Path(spec).expanduser()
-    what = kind_problem(p)
-    if what == "does not exist":
-        raise DataError(f"{field}: file not found: {p}")
-    if what:
-        raise DataError(f"{field}: {p} {what}; expected a JSONL file of {rows} rows")
-    return p
-
-
-MAX_LINE_BYTES = 1 << 20  # 1 MiB: a prompt row is a few hundred bytes; longer is a wrong file
-
-
-def _lines(f: BinaryIO) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, raw line) for each line; None for a line over MAX_LINE_BYTES, whose rest
-    is skipped in bounded reads, so a file with no newline never fills memory."""
-    lineno = 0
-    while chunk := f.readline(MAX_LINE_BYTES + 1):
-        lineno += 1
-        if len(chunk) <= MAX_LINE_BYTES or chunk.endswith(b"\n"):
-            yield lineno, chunk
-            continue
-        while chunk and not chunk.endswith(b"\n"):
-            chunk = f.readline(MAX_LINE_BYTES)
-        yield lineno, None
-
-
-def json_line(raw: bytes | None) -> object:
-    """One line of a JSONL file (from `_lines`) decoded, or FileProblem saying why not."""
-    if raw is None:
-        raise FileProblem(f"longer than {MAX_LINE_BYTES // (1 << 20)} MiB")
-    text = decode_text(raw, single_line=True)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise FileProblem(f"not JSON ({err.msg} at column {err.colno})") from None
-    except RecursionError:
-        raise FileProblem("JSON nested too deeply") from None
-
-
-def validate_row(cls: type[R], obj: object, rows: str) -> R:
-    """`obj` as a `cls` record, or FileProblem naming the first bad field and the schema."""
-    try:
-        return cls.model_validate(obj)
-    except ValidationError as err:
-        e = err.errors(include_url=False)[0]
-        where = ".".join(str(x) for x in e["loc"]) or "row"
-        raise FileProblem(one_line(f"{where}: {e['msg']}; a row is {rows}")) from None
-
-
 def _check_prompt(row: Prompt) -> Prompt:
     if any(
         "\x00" in v
@@ -237,21 +176,3 @@ def load_dataset(spec: str, max_bad_fraction: float, ck: CheckpointConfig | None
     idx = index(src, PROMPTS, keep)
     check_budget(src, idx, "task.dataset", max_bad_fraction)
     return Dataset(src, idx.shards, idx.bad_rows, sample)
-
-
-def check_pinned(ds: Dataset, cfg, run_id: str, field: str = "task.dataset") -> None:
-    """Refuse a dataset whose shards are not the ones the run started on (the index the first
-    task recorded, `moerl.dataset.index_sha256`): a shard rewritten, added or removed between
-    stages would otherwise be trained on silently. A run without the record (its dataset input
-    failed, loudly, at the start) is not checked."""
-    from moerl import tracking
-    from moerl.tasks.shards import index_sha256
-
-    pinned = tracking.run_tag(tracking.resolve_uri(cfg.tracking), run_id, tracking.DATASET_PIN_TAG)
-    now = index_sha256(ds.shards)
-    if pinned is not None and pinned != now:
-        raise SourceChanged(
-            f"{field}: {ds.source} is not what run {run_id} started on (shard index sha256 {now[:16]}, "
-            f"recorded {pinned[:16]}): a shard was rewritten, added or removed; a source must not "
-            "change under a run: write a new prefix and start a new run"
-        )

@@ -18,14 +18,17 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from dataclasses import field as dc_field
+from importlib import resources
 from pathlib import Path
-from typing import Any, Generic
+from typing import Any, BinaryIO, Generic
+
+from pydantic import ValidationError
 
 from moerl.config import CheckpointConfig
 from moerl.errors import DataError
 from moerl.records import R
 from moerl.store.sources import S3Object, S3Source, SourceChanged
-from moerl.userfiles import FileProblem, one_line
+from moerl.userfiles import FileProblem, decode_text, kind_problem, one_line
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 BLOCK = 1 << 20  # a local shard's read block
@@ -92,8 +95,6 @@ class Source:
                 Shard(n, self.s3.url(o.rel), o.size, o.etag) for n, o in sorted(self._objs.items())
             ]
             return
-        from moerl.tasks.dataset import resolve_path
-
         p = Path(spec).expanduser()
         if not spec.startswith("builtin:") and p.is_dir():
             files = sorted(
@@ -198,8 +199,6 @@ Item = tuple[str, Any]  # (where: "line 3" / "row 3", a record or the FileProble
 
 
 def _jsonl(raw: _Hashing, gz: bool, kind: RowKind[R]) -> Iterator[Item]:
-    from moerl.tasks.dataset import _lines, json_line, validate_row
-
     f: Any = io.BufferedReader(raw, 1 << 16)
     if gz:
         f = gzip.GzipFile(fileobj=f, mode="rb")
@@ -235,8 +234,6 @@ def _cell(kind: RowKind[R], rec: dict[str, Any]) -> dict[str, Any]:
 def _parquet(raw: _Hashing, shard: Shard, kind: RowKind[R]) -> Iterator[Item]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from moerl.tasks.dataset import validate_row
 
     data = raw.read()  # a Parquet file is read whole: its footer comes last
     try:
@@ -372,3 +369,70 @@ def profile(shards: list[Shard]) -> dict[str, Any]:
             for s in shards[:MAX_PROFILE_SHARDS]
         ],
     }
+
+
+def resolve_path(
+    spec: str, field: str = "task.dataset", rows: str = "{id, task, prompt, answer}"
+) -> Path:
+    """`builtin:<name>` (a file shipped in moerl/data) or a path to a user's regular file; a
+    DataError naming `field` otherwise."""
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        known = sorted(
+            x.name.removesuffix(".jsonl")
+            for x in resources.files("moerl.tasks.data").iterdir()
+            if x.name.endswith(".jsonl")
+        )
+        # Only the names listed: "builtin:../x" must not reach outside the package.
+        if name not in known:
+            raise DataError(
+                f"{field}: no builtin dataset {one_line(repr(name))}; builtin: {', '.join(known)}"
+            )
+        return Path(str(resources.files("moerl.tasks.data").joinpath(f"{name}.jsonl")))
+    p = Path(spec).expanduser()
+    what = kind_problem(p)
+    if what == "does not exist":
+        raise DataError(f"{field}: file not found: {p}")
+    if what:
+        raise DataError(f"{field}: {p} {what}; expected a JSONL file of {rows} rows")
+    return p
+
+
+MAX_LINE_BYTES = 1 << 20  # 1 MiB: a prompt row is a few hundred bytes; longer is a wrong file
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, raw line) for each line; None for a line over MAX_LINE_BYTES, whose rest
+    is skipped in bounded reads, so a file with no newline never fills memory."""
+    lineno = 0
+    while chunk := f.readline(MAX_LINE_BYTES + 1):
+        lineno += 1
+        if len(chunk) <= MAX_LINE_BYTES or chunk.endswith(b"\n"):
+            yield lineno, chunk
+            continue
+        while chunk and not chunk.endswith(b"\n"):
+            chunk = f.readline(MAX_LINE_BYTES)
+        yield lineno, None
+
+
+def json_line(raw: bytes | None) -> object:
+    """One line of a JSONL file (from `_lines`) decoded, or FileProblem saying why not."""
+    if raw is None:
+        raise FileProblem(f"longer than {MAX_LINE_BYTES // (1 << 20)} MiB")
+    text = decode_text(raw, single_line=True)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise FileProblem(f"not JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise FileProblem("JSON nested too deeply") from None
+
+
+def validate_row(cls: type[R], obj: object, rows: str) -> R:
+    """`obj` as a `cls` record, or FileProblem naming the first bad field and the schema."""
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as err:
+        e = err.errors(include_url=False)[0]
+        where = ".".join(str(x) for x in e["loc"]) or "row"
+        raise FileProblem(one_line(f"{where}: {e['msg']}; a row is {rows}")) from None

@@ -337,7 +337,7 @@ def test_the_mlflow_dataset_input_records_the_shard_digest(
 
     # every later stage reads the shards the run started on: the same pass, a rewritten shard
     # (a new stage's fresh index, between iterations) is refused naming the field
-    from moerl.tasks.dataset import check_pinned
+    from moerl.tracking import check_pinned
 
     check_pinned(load_dataset(uri, 0.0, cfg.checkpoint), cfg, run_id)
     first = sorted(files)[0]
