@@ -136,7 +136,9 @@ def publish_initial(
         )
     if cfg.model.path and cfg.model.warm_start == "none":
         uri = tracking.resolve_uri(cfg.tracking)
-        tracking.set_tags(uri, run_id, source_tags(cfg, parts, policy.manifest_sha256))
+        tracking.set_tags(
+            uri, run_id, source_tags(cfg, Path(state_dir), parts, policy.manifest_sha256)
+        )
         if parts is not None:
             tracking.log_metrics(
                 uri,
@@ -147,18 +149,20 @@ def publish_initial(
     return policy, metrics
 
 
-def source_tags(cfg: RunConfig, parts, manifest_sha256: str) -> dict[str, str]:
-    """What the run's version 0 came from: the source, its family, its files' ETags digest (S3)
-    or commit (hub), and the manifest it became."""
+def source_tags(cfg: RunConfig, state_dir: Path, parts, manifest_sha256: str) -> dict[str, str]:
+    """What the run's version 0 came from: the source, its family (read from the config.json
+    laid out in `state_dir`, not fetched again), its files' ETags digest (S3), and the manifest
+    it became."""
+    import json
+
     from moerl.models.families import family_of
-    from moerl.models.source import hf_config
 
     assert cfg.model.path
-    hf = hf_config(cfg.model.path, cfg.checkpoint)
+    family = family_of(json.loads((state_dir / "config.json").read_text()))
     tags = {
         "moerl.model.source": cfg.model.path,
-        "moerl.model.family": family_of(hf).name,
-        "moerl.model.model_type": str(hf.get("model_type")),
+        "moerl.model.family": family.name,
+        "moerl.model.model_type": family.model_type,
         "moerl.model.v0_manifest_sha256": manifest_sha256,
     }
     if parts is not None:

@@ -562,11 +562,12 @@ def moe_disclosure(cfg: dict[str, Any]) -> dict[str, Any]:
 
     text = cfg.get("text_config") or cfg
     try:
-        shape = family_of(text).shape(text)
+        family = family_of(text)
+        shape, kind = family.shape(text), family.model_type
     except (UnsupportedModelType, ValueError):
-        shape = {}
+        shape, kind = {}, None
     return {
-        "model_type": shape.get("architecture"),
+        "model_type": kind,  # the report's field: the family's name for it
         "experts_per_token": shape.get("experts_per_token"),
         "experts": shape.get("num_experts"),
         "layers": text.get("num_hidden_layers"),
