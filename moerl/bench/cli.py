@@ -73,6 +73,20 @@ def _modes(a: argparse.Namespace) -> int:
     return 0 if rep["ok"] else 1
 
 
+def _peer(a: argparse.Namespace) -> int:
+    from moerl.bench.peer import parse_targets, run_bench_peer
+
+    rep = run_bench_peer(
+        a.config,
+        a.set,
+        rounds=a.rounds,
+        versions=a.versions,
+        targets=parse_targets(a.targets),
+        out_dir=a.out_dir,
+    )
+    return 0 if rep["ok"] else 1
+
+
 def _rollout(a: argparse.Namespace) -> int:
     from moerl.bench.rollout import run_bench_rollout
 
@@ -333,6 +347,35 @@ def add_bench_parsers(sub) -> None:
         "floor trains with (async: the same as the async arm's, a like-for-like time to the target)",
     )
     mo.set_defaults(func=_modes)
+
+    pe = bsub.add_parser(
+        "peer",
+        help="moerl's async run against TRL's GRPOTrainer on the same version 0, prompts, "
+        "verifier and settings: time to each reward level, per version (the moerl[peer] extra)",
+    )
+    pe.add_argument("config", nargs="?", default="configs/tiny-moe-grpo.yaml")
+    pe.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pe.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of both arms, interleaved (the first arm alternates); ratios are medians",
+    )
+    pe.add_argument(
+        "--versions",
+        type=int,
+        default=None,
+        help="versions per arm (default: the config's async pipeline.versions)",
+    )
+    pe.add_argument(
+        "--targets",
+        default="0.5,0.9,0.99",
+        help="reward levels: each arm's seconds to the first version whose batch reached each",
+    )
+    pe.add_argument(
+        "--out-dir", default="bench/peer", help="report.json, summary.md, every arm's files"
+    )
+    pe.set_defaults(func=_peer)
 
     ro = bsub.add_parser(
         "rollout",

@@ -72,6 +72,19 @@ def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
     return arms
 
 
+def arm_paths(arm_dir: Path) -> list[str]:
+    """The overrides that put every path of an arm's run (store, cache, KFP root, work dir,
+    MLflow) inside `arm_dir`, with no warm start: every arm starts from the same version 0."""
+    return [
+        f"checkpoint.uri={arm_dir / 'checkpoints'}",
+        f"checkpoint.cache_dir={arm_dir / 'cache'}",
+        f"pipeline.pipeline_root={arm_dir / 'pipeline-root'}",
+        f"pipeline.work_dir={arm_dir / 'work'}",
+        f"tracking.uri=sqlite:///{arm_dir / 'mlflow.db'}",
+        "model.warm_start=none",
+    ]
+
+
 def arm_config(
     config: str | Path,
     overrides: Sequence[str],
@@ -88,17 +101,7 @@ def arm_config(
     length = (
         f"pipeline.iterations={iterations}" if mode == "sync" else f"pipeline.versions={iterations}"
     )
-    # every arm starts from the same version 0
-    own = [
-        f"checkpoint.uri={arm_dir / 'checkpoints'}",
-        f"checkpoint.cache_dir={arm_dir / 'cache'}",
-        f"pipeline.pipeline_root={arm_dir / 'pipeline-root'}",
-        f"pipeline.work_dir={arm_dir / 'work'}",
-        f"tracking.uri=sqlite:///{arm_dir / 'mlflow.db'}",
-        length,
-        "model.warm_start=none",
-    ]
-    cfg = load_config(config, [*overrides, *own], mode=mode)
+    cfg = load_config(config, [*overrides, *arm_paths(arm_dir), length], mode=mode)
     if cfg.pipeline.mode != mode:
         raise ConfigError(
             f"bench modes: --set pipeline.mode={cfg.pipeline.mode} would run the {arm} arm in the "
