@@ -72,6 +72,12 @@ class PipelineConfig(_Section):
     """Where KFP keeps the pipeline's artifacts (kfp.local: a local folder)."""
     work_dir: str = ".moerl/work"
     """A local run's working folder: its logs and per-run state."""
+    fork_stages: bool = True
+    """A local async run (`moerl run`) forks its stage processes from two processes started
+    first, which import vLLM (rollout) and torch's training stack (trainer, scorers, version 0)
+    once while the run's preflight, MLflow and Valkey start (moerl/launch/zygote.py): each stage
+    is still a process of its own. CPU runs only; false: each stage starts python anew. The
+    cluster is unaffected (each stage is a pod)."""
 
 
 class RequireConfig(_Section):

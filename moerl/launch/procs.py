@@ -14,6 +14,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Process(Protocol):
+    """What the launchers need of a child: a `subprocess.Popen`, or a stage forked by a zygote
+    (`moerl/launch/zygote.py`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
 
 PARENT_ENV = "MOERL_PARENT_PID"
 # A comma-separated list of CPU ids the wrapped process is pinned to before it imports anything
@@ -64,7 +78,7 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def kill_groups(procs: list[subprocess.Popen], grace_s: float = 0.0) -> None:
+def kill_groups(procs: Sequence[Process], grace_s: float = 0.0) -> None:
     """Kill each child's process group: SIGTERM first when `grace_s` > 0 (torchrun passes it
     on to its workers), SIGKILL once the grace is over; then reap the children. A SIGTERM
     that arrives meanwhile (see `sigterm_raises`) cuts the grace short, not the kill."""
@@ -75,7 +89,7 @@ def kill_groups(procs: list[subprocess.Popen], grace_s: float = 0.0) -> None:
         raise
 
 
-def _kill_groups(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _kill_groups(procs: Sequence[Process], grace_s: float) -> None:
     if grace_s > 0:
         for p in procs:
             _signal_group(p.pid, signal.SIGTERM)

@@ -21,6 +21,8 @@ from moerl.bus.client import PASSWORD_ENV
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
 from moerl.launch import procs
+from moerl.launch.zygote import ROLLOUT_PRELOAD, TRAINER_PRELOAD, Forked, Zygote
+from moerl.orchestrate.initial import publish_initial
 from moerl.store.s3server import embedded_cache_tier
 
 MODULES = {
@@ -72,7 +74,7 @@ def omp_bind(cpus: list[int], ranks: int) -> str:
 class Child:
     name: str
     role: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Forked
     starts: int = 1
     exits: list[int] = field(default_factory=list)
     handled: bool = False  # the current process's exit has been seen
@@ -82,9 +84,17 @@ class LocalAsyncRun:
     """The async stages of run `run_id` as supervised local processes."""
 
     def __init__(
-        self, cfg: RunConfig, run_id: str, work: Path, valkey: EmbeddedValkey | None = None
+        self,
+        cfg: RunConfig,
+        run_id: str,
+        work: Path,
+        valkey: EmbeddedValkey | None = None,
+        zygotes: dict[str, Zygote] | None = None,
     ):
+        """`zygotes`: where each kind of stage is forked from (`stage_zygotes`: "rollout" for
+        the rollout workers, "trainer" for the rest); without one, a stage starts `python` anew."""
         self.cfg, self.run_id, self.work = cfg, run_id, work
+        self.zygotes = zygotes or {}
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.valkey = valkey
@@ -130,7 +140,7 @@ class LocalAsyncRun:
             "TMPDIR": str(scratch / "tmp"),
         }
 
-    def _spawn(self, name: str, role: str) -> subprocess.Popen:
+    def _spawn(self, name: str, role: str) -> subprocess.Popen | Forked:
         args = ["--config", str(self.config_path), "--run-id", self.run_id]
         if role not in ("trainer", "trainer-node"):
             args += ["--name", name]
@@ -164,11 +174,38 @@ class LocalAsyncRun:
                     "VLLM_CPU_OMP_THREADS_BIND": omp_bind(cpus, ranks),
                 }
             )
+        zygote = self.zygotes.get("rollout" if role == "rollout" else "trainer")
+        if zygote is not None:
+            return zygote.spawn(MODULES[role], args, env, self.logs / f"{name}.log")
         log = (self.logs / f"{name}.log").open("ab")
         try:
             return procs.spawn(MODULES[role], args, env, stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
+
+    def publish_initial(self) -> None:
+        """Version 0, by a process of its own forked from the trainer's zygote (its imports
+        done there), else here."""
+        zygote = self.zygotes.get("trainer")
+        if zygote is None:
+            publish_initial(self.cfg, self.run_id, self.work)
+            return
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        args = [
+            "--config",
+            str(self.config_path),
+            "--run-id",
+            self.run_id,
+            "--work",
+            str(self.work),
+        ]
+        child = zygote.spawn("moerl.orchestrate.initial", args, env, self.logs / "init_policy.log")
+        child.wait()
+        if child.returncode != 0:
+            raise MoerlError(
+                f"version 0 was not published (exit {child.returncode}); last log lines:\n"
+                f"{self.tail('init_policy')}"
+            )
 
     def start(self) -> None:
         """Every stage at once (version 0 already published)."""
@@ -365,15 +402,56 @@ def start_valkey(
     ), server
 
 
-def publish_initial(cfg: RunConfig, run_id: str, work: Path) -> None:
-    """Version 0, as the pipeline's init_policy task publishes it."""
+def stage_zygotes(cfg: RunConfig) -> dict[str, Zygote]:
+    """The processes a local run forks its stages from (`pipeline.fork_stages`), started now
+    so that their imports overlap the run's preflight, MLflow and Valkey: "rollout" (vLLM) and
+    "trainer" (torch's distributed training, transformers; the scorers and version 0 too). None
+    on cuda: a process that forks after CUDA may have been touched is not safe (logged)."""
+    if not cfg.pipeline.fork_stages:
+        return {}
+    if "cuda" in (cfg.rollout.device, cfg.trainer.parallelism.device):
+        print(
+            "[moerl] stages start as new processes: pipeline.fork_stages applies to CPU runs only",
+            flush=True,
+        )
+        return {}
+    env = {
+        **os.environ,
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    logs = Path(cfg.pipeline.work_dir).absolute() / ".zygotes"
+    out: dict[str, Zygote] = {}
+    try:
+        for name, preload in (("rollout", ROLLOUT_PRELOAD), ("trainer", TRAINER_PRELOAD)):
+            out[name] = Zygote(name, preload, env, logs / f"{name}-{os.getpid()}.log")
+    except BaseException:
+        close_zygotes(out)
+        raise
+    return out
+
+
+def stage_start_line(zygotes: dict[str, Zygote]) -> str:
+    """How the stages started, for the run's provenance (`moerl.stage_start`)."""
+    if not zygotes:
+        return "spawned: each stage process started python anew"
+    parts = []
+    for name, z in zygotes.items():
+        r = z.ready()
+        missing = f", not preloaded: {'; '.join(r['missing'])}" if r["missing"] else ""
+        parts.append(f"{name} (imports {r['ready']:.1f} s{missing})")
+    return "forked from preloaded processes: " + ", ".join(parts)
+
+
+def close_zygotes(zygotes: dict[str, Zygote], logs: Path | None = None) -> None:
+    """Stop the zygotes (what they still run dies with them); their logs into `logs`."""
     import shutil
 
-    from moerl.components.publish_checkpoint import stage
-
-    state = work / "init-state"
-    stage.publish_initial(cfg, run_id, state)
-    shutil.rmtree(state, ignore_errors=True)
+    for name, z in zygotes.items():
+        z.close()
+        if logs is not None and z.log_path.exists():
+            logs.mkdir(parents=True, exist_ok=True)
+            shutil.move(z.log_path, logs / f"zygote-{name}.log")
 
 
 def run_async(
@@ -386,6 +464,23 @@ def run_async(
     """Run the async mode locally. `on_tick` is called with the LocalAsyncRun about every 0.2 s
     (benchmarks inject faults through it); `stats`, when given, receives the bus counters, the
     restarts and each child's exit codes once the run ends."""
+    # first: the stages' imports run while the preflight, MLflow and Valkey do
+    zygotes = stage_zygotes(cfg)
+    where: dict[str, Path] = {}
+    try:
+        return _run_async(cfg, resume, on_tick, stats, zygotes, where)
+    finally:
+        close_zygotes(zygotes, where.get("logs"))
+
+
+def _run_async(
+    cfg: RunConfig,
+    resume: str | None,
+    on_tick: Callable[[LocalAsyncRun], None] | None,
+    stats: dict | None,
+    zygotes: dict[str, Zygote],
+    where: dict[str, Path],
+):
     from moerl.orchestrate.prepare import absolutize, begin_run, preflight, resume_point
     from moerl.orchestrate.sync_run import RunSummary, report
 
@@ -400,6 +495,7 @@ def run_async(
         resume_point(cfg, uri, resume)
     run_id = begin_run(cfg, uri, "async-local", resume=resume)
     work = Path(cfg.pipeline.work_dir) / run_id
+    where["logs"] = work / "logs"
     cfg, server = start_valkey(cfg, work, run_id)
     valkey_url = cfg.valkey.url
     assert valkey_url is not None  # the config's server, or the embedded one started here
@@ -427,15 +523,16 @@ def run_async(
                 ),
                 run_id,
             ).reopen()
-        run = LocalAsyncRun(cfg, run_id, work, server)
+        run = LocalAsyncRun(cfg, run_id, work, server, zygotes)
         from moerl.store.runs import run_store
 
         with procs.sigterm_raises():  # from the first child on: a SIGTERM marks the run failed
             run.start_stages()
             # 4. version 0, then the trainer
             if run_store(cfg.checkpoint, run_id).latest() is None:
-                publish_initial(cfg, run_id, work)
+                run.publish_initial()
             run.start_trainer()
+            tracking.set_tags(uri, run_id, {"moerl.stage_start": stage_start_line(zygotes)})
             run.supervise(on_tick=on_tick)
         balanced, line = balance_line(run.bus.counters())
         print(line, flush=True)
