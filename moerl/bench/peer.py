@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,8 @@ EXTRA = "pip install 'moerl[peer]'"
 # the packages the TRL arm imports (the `peer` extra of pyproject.toml)
 PEER_PACKAGES = ("trl", "accelerate", "datasets")
 V0_ENV = "MOERL_PEER_V0"  # the TRL child's version-0 folder, built by the bench
+# `moerl run --mode async`'s status line: "[moerl]   198s version 8/24 reward/mean=0.256 ..."
+VERSION_LINE = re.compile(r"\[moerl\]\s+\S+ version (\d+/\d+) (reward/mean=\S+)")
 # What the moerl arm does that TRL's GRPOTrainer has no setting for (in the report, not hidden).
 DIFFERENCES = (
     "buffer.drop_zero_variance_groups: moerl drops groups whose rewards are all equal before "
@@ -425,9 +428,20 @@ def _moerl_arm(
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     log_path = arm_dir / "moerl.log"
     t0, t0_unix = time.perf_counter(), time.time()
+    seen = ""
     with log_path.open("w") as log_file:
-        proc = procs.spawn("moerl.cli", argv, env, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = procs.spawn(
+            "moerl.cli", argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None  # stdout=PIPE
         try:
+            for line in proc.stdout:
+                log_file.write(line)
+                # the run's status line, echoed once per version
+                m = VERSION_LINE.match(line)
+                if m and m.group(1) != seen:
+                    seen = m.group(1)
+                    print(f"[moerl] moerl version {seen} {m.group(2)}", flush=True)
             code = proc.wait()
         finally:
             procs.kill_groups([proc])
