@@ -373,7 +373,9 @@ def add_bench_parsers(sub) -> None:
         help="reward levels: each arm's seconds to the first version whose batch reached each",
     )
     pe.add_argument(
-        "--out-dir", default="bench/peer", help="report.json, summary.md, every arm's files"
+        "--out-dir",
+        default="bench/peer",
+        help="report.json, summary.md, v0/ and round<i>/<arm>/ (replaced by each run)",
     )
     pe.set_defaults(func=_peer)
 

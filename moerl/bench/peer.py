@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -219,6 +220,15 @@ def weights_sha256(folder: Path) -> dict[str, str]:
     if not out:
         raise ArmFailed(f"bench peer: no *.safetensors in {folder}")
     return out
+
+
+def check_weights(arm: str, got: dict[str, str], want: dict[str, str]) -> None:
+    """WeightsDiffer unless the arm's version-0 hashes are the bench's."""
+    if got != want:
+        raise WeightsDiffer(
+            f"bench peer: the {arm} arm started from other weights than the version 0 the bench "
+            f"built: {got} != {want}"
+        )
 
 
 def build_v0(cfg: RunConfig, out: Path) -> Path:
@@ -633,6 +643,8 @@ def run_bench_peer(
     cfg = arm_config(config, overrides, "async", versions, out / "v0-config")
     settings = settings_rows(cfg, versions)  # refuses what TRL cannot run, before any work
     # 1. version 0, once: the folder the TRL arm loads
+    for stale in [out / "v0", *out.glob("round[0-9]*")]:  # the bench's own, from a run before
+        shutil.rmtree(stale)
     v0 = build_v0(cfg, out / "v0")
     v0_sha = weights_sha256(v0)
     print(f"[moerl] bench peer: version 0 at {v0} {v0_sha}", flush=True)
@@ -658,11 +670,7 @@ def run_bench_peer(
                     )
                 else:
                     res = _moerl_arm(config, overrides, versions, arm_dir)
-                if res["weights_sha256"] != v0_sha:
-                    raise WeightsDiffer(
-                        f"bench peer: the {a} arm started from other weights than the version 0 "
-                        f"the bench built: {res['weights_sha256']} != {v0_sha}"
-                    )
+                check_weights(a, res["weights_sha256"], v0_sha)
                 arms[a] = add_times(res, targets)
             except Exception as err:  # noqa: BLE001 - recorded; the other arm still runs
                 if not isinstance(err, MoerlError):

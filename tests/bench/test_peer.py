@@ -13,10 +13,12 @@ import pytest
 
 from moerl.bench.modes import arm_config
 from moerl.bench.peer import (
+    WeightsDiffer,
     _trl_arm,
     add_times,
     build_v0,
     check_counts,
+    check_weights,
     moerl_argv,
     parse_targets,
     round_order,
@@ -177,3 +179,12 @@ def test_trl_arm_runs_two_versions_on_moerls_version_0(tmp_path):
     assert 0.0 < s[0] < s[1] <= res["wall_s"]
     assert res["threads"] == len(os.sched_getaffinity(0))
     assert res["per_version_s"] == pytest.approx(s[1] - s[0])
+
+
+def test_an_arm_on_other_weights_fails_loudly():
+    same = {"model.safetensors": "a" * 64}
+    check_weights("moerl", dict(same), same)
+    with pytest.raises(WeightsDiffer, match="the trl arm started from other weights"):
+        check_weights("trl", {"model.safetensors": "b" * 64}, same)
+    with pytest.raises(WeightsDiffer):
+        check_weights("moerl", {}, same)
