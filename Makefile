@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.moerl-installed
 CONFIG ?= configs/tiny-moe-grpo.yaml
+# `make run` runs the async pipeline (the seed's architecture: long-lived rollout workers, scorers
+# and trainer joined by Valkey); `make run MODE=sync` runs the sync pipeline on kfp.local.
+MODE ?= async
 PYTEST_ARGS ?=
 # The suite runs on TEST_WORKERS pytest-xdist workers, whole modules per worker (tests/conftest.py
 # orders the longest first). `make test TEST_WORKERS=0` runs it in one process.
@@ -27,7 +30,7 @@ BROWSER := $(VENV)/moerl-browser.txt
 .PHONY: run test test-fast lint format setup compile lock clean
 
 run: $(STAMP)
-	$(VENV)/bin/moerl run $(CONFIG)
+	$(VENV)/bin/moerl run $(CONFIG) --mode $(MODE)
 
 test: $(STAMP) $(BROWSER)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -rs $(PYTEST_ARGS)

@@ -5,6 +5,7 @@ Design, details and limitations: docs/eks.md#moerllaunchpodenvpy.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -19,7 +20,13 @@ def enter_pod(stage: str | None = None, config_json: str | None = None) -> Path 
     `pipelines/eks.py` `place` names it) and `config_json` are read only in a sandbox given the
     cluster's Secrets, to give the task its pod's credentials and no others."""
     from moerl.launch.podsecrets import apply_sandbox_secrets
+    from moerl.launch.procs import process_age_s
 
+    age = process_age_s()
+    if age is not None:  # its imports, when it started python anew (docs/launch.md, zygote)
+        logging.getLogger(__name__).info(
+            "%s: entered %.2f s after its process began", stage or "task", age
+        )
     scratch: Path | None = None
     if os.environ.get(SANDBOX_ROOT_ENV):  # first: kfp.local also sets the compiled MOERL_SCRATCH
         root = Path(os.environ[SANDBOX_ROOT_ENV])

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol
 
 
@@ -44,6 +45,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process began (Linux: /proc/self/stat's start time against the
+    uptime); None elsewhere. A stage logs it as it enters its main: its import time when it
+    started python anew, about 0 when forked from a zygote (`moerl/launch/zygote.py`)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return None
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:

@@ -161,6 +161,9 @@ def _become(req: _Request, zygote_pid: int) -> None:
     os.environ.clear()
     os.environ.update(req.env)
     os.environ[procs.PARENT_ENV] = str(os.getpid())
+    import tempfile
+
+    tempfile.tempdir = None  # read TMPDIR again: the stage's, not the zygote's
     cpus = req.env.get(procs.CPUS_ENV)
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -189,6 +190,13 @@ class LocalAsyncRun:
         zygote = self.zygotes.get("trainer")
         if zygote is None:
             publish_initial(self.cfg, self.run_id, self.work)
+            import datetime
+
+            stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+            with (self.logs / "init_policy.log").open("a") as f:  # the same log as forked
+                f.write(
+                    f"{stamp} init_policy INFO published version 0 to the store (in moerl run)\n"
+                )
             return
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         args = [
@@ -366,6 +374,67 @@ class LocalAsyncRun:
         procs.kill_groups([c.proc for c in self.children.values()], grace_s=2.0)
 
 
+# What each stage's log says when it is ready (docs/pipelines.md): `entered`, when a stage's
+# main starts (after its imports: moerl/launch/podenv.py); then its own first milestone.
+STARTUP_EVENTS = {
+    "entered": re.compile(r"entered ([0-9.]+) s after its process began"),
+    "engine_ready": re.compile(r"engine started on dummy weights"),
+    "first_group": re.compile(r"first group generated"),
+    "version0": re.compile(r"published version 0 to"),
+    "first_version": re.compile(r"published version 1 to"),
+}
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def startup_times(log_text: str, t0_unix: float) -> dict[str, float]:
+    """A stage's start, from its log, in seconds from the run's start `t0_unix`: `began` (its
+    process), `entered` (its main, after the imports) and the first of each other
+    STARTUP_EVENTS it logged. Lines are stamped by logging's default asctime (local time)."""
+    import datetime
+
+    out: dict[str, float] = {}
+    for line in log_text.splitlines():
+        m = _STAMP.match(line)
+        if m is None:
+            continue
+        for event, pat in STARTUP_EVENTS.items():
+            hit = pat.search(line)
+            if hit is None or event in out:
+                continue
+            at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            out[event] = at - t0_unix
+            if event == "entered":
+                out["imports"] = float(hit.group(1))
+                out["began"] = out["entered"] - out["imports"]
+    return out
+
+
+def startup_metrics(logs: Path, t0_unix: float) -> dict[str, float]:
+    """`startup/<stage>/<event>_s` for every stage log in `logs` (`startup_times`)."""
+    out: dict[str, float] = {}
+    for f in sorted(logs.glob("*.log")):
+        if f.name.startswith("zygote-"):
+            continue
+        for event, s in startup_times(f.read_text(errors="replace"), t0_unix).items():
+            out[f"startup/{f.stem}/{event}_s"] = s
+    return out
+
+
+def startup_line(m: dict[str, float]) -> str:
+    """The run's start in one line, from `startup_metrics`."""
+
+    def at(key: str) -> str:
+        v = m.get(f"startup/{key}_s")
+        return "-" if v is None else f"{v:.1f} s"
+
+    return (
+        f"[moerl] start: rollout-0 entered {at('rollout-0/entered')} (imports "
+        f"{at('rollout-0/imports')}), engine ready {at('rollout-0/engine_ready')}, first group "
+        f"{at('rollout-0/first_group')}; trainer entered {at('trainer/entered')}; version 0 "
+        f"{at('init_policy/version0')}; version 1 {at('trainer/first_version')}"
+    )
+
+
 def balance_line(c: dict[str, int]) -> tuple[bool, str]:
     """The run's sample balance (docs/reliability.md), as one line: every generated sample,
     less duplicates, is trained, filtered, dropped as stale, failed or dead-lettered."""
@@ -465,10 +534,11 @@ def run_async(
     (benchmarks inject faults through it); `stats`, when given, receives the bus counters, the
     restarts and each child's exit codes once the run ends."""
     # first: the stages' imports run while the preflight, MLflow and Valkey do
+    t0_unix = time.time()
     zygotes = stage_zygotes(cfg)
     where: dict[str, Path] = {}
     try:
-        return _run_async(cfg, resume, on_tick, stats, zygotes, where)
+        return _run_async(cfg, resume, on_tick, stats, zygotes, where, t0_unix)
     finally:
         close_zygotes(zygotes, where.get("logs"))
 
@@ -480,6 +550,7 @@ def _run_async(
     stats: dict | None,
     zygotes: dict[str, Zygote],
     where: dict[str, Path],
+    t0_unix: float,
 ):
     from moerl.orchestrate.prepare import absolutize, begin_run, preflight, resume_point
     from moerl.orchestrate.sync_run import RunSummary, report
@@ -536,6 +607,9 @@ def _run_async(
             run.supervise(on_tick=on_tick)
         balanced, line = balance_line(run.bus.counters())
         print(line, flush=True)
+        started = startup_metrics(work / "logs", t0_unix)
+        tracking.log_metrics(uri, run_id, 0, started)
+        print(startup_line(started), flush=True)
         if not balanced:
             tracking.set_tags(uri, run_id, {"moerl.balance": line.removeprefix("[moerl] ")})
         policy = run_store(cfg.checkpoint, run_id)

@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s init_policy %(levelname)s %(message)s"
     )
-    cfg = config_from_json(Path(a.config).read_text())
+    text = Path(a.config).read_text()
+    cfg = config_from_json(text)
+    from moerl.launch.podenv import enter_pod
+
+    enter_pod("init_policy", text)  # as the component does (and it logs when it entered)
     try:
         publish_initial(cfg, a.run_id, Path(a.work))
     except MoerlError as err:
