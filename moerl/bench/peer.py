@@ -222,6 +222,13 @@ def weights_sha256(folder: Path) -> dict[str, str]:
     return out
 
 
+def clear_own_dirs(out: Path) -> None:
+    """Remove what a bench run before left in `out` (v0/, round<i>/); nothing else."""
+    for stale in [out / "v0", *out.glob("round[0-9]*")]:
+        if stale.is_dir():
+            shutil.rmtree(stale)
+
+
 def check_weights(arm: str, got: dict[str, str], want: dict[str, str]) -> None:
     """WeightsDiffer unless the arm's version-0 hashes are the bench's."""
     if got != want:
@@ -477,6 +484,45 @@ def _moerl_arm(
     )
 
 
+# -- the machine's other load ------------------------------------------------------------------
+BUSY_CORES = 0.25  # other processes' mean busy cores during an arm above which it is flagged
+
+
+def _machine_busy_s() -> float | None:
+    """Seconds all cores were busy since boot (/proc/stat; None where there is none)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is inside user already
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and every child it waited for."""
+    import resource
+
+    c, s = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
+    return c.ru_utime + c.ru_stime + s.ru_utime + s.ru_stime
+
+
+class CpuUsage:
+    """Started before an arm: `others_cores()` is the mean number of cores that processes other
+    than the arm's (this process and its waited-for children) kept busy since."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._machine0 = _machine_busy_s()
+        self._own0 = _own_cpu_s()
+
+    def others_cores(self) -> float | None:
+        now = _machine_busy_s()
+        wall = time.perf_counter() - self._t0
+        if now is None or self._machine0 is None or wall <= 0:
+            return None
+        return max(0.0, (now - self._machine0) - (_own_cpu_s() - self._own0)) / wall
+
+
 # -- the report ------------------------------------------------------------------------------
 def _median(xs: Sequence[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
@@ -547,6 +593,7 @@ def format_summary(report: dict[str, Any]) -> str:
             rows.append(
                 [i, a, pos, x.get("ok"), x.get("wall_s"), x.get("first_version_s"),
                  x.get("per_version_s"), x.get("versions_trained"), x.get("reward_last3"),
+                 x.get("others_cores"),
                  *[(x.get("time_to_reward") or {}).get(k) for k in targets]]
             )  # fmt: skip
     head += [
@@ -561,6 +608,7 @@ def format_summary(report: dict[str, Any]) -> str:
                 "per version s",
                 "versions",
                 "reward last3",
+                "others' cores",
                 *[f"s to {k}" for k in targets],
             ],
             rows,
@@ -643,8 +691,7 @@ def run_bench_peer(
     cfg = arm_config(config, overrides, "async", versions, out / "v0-config")
     settings = settings_rows(cfg, versions)  # refuses what TRL cannot run, before any work
     # 1. version 0, once: the folder the TRL arm loads
-    for stale in [out / "v0", *out.glob("round[0-9]*")]:  # the bench's own, from a run before
-        shutil.rmtree(stale)
+    clear_own_dirs(out)
     v0 = build_v0(cfg, out / "v0")
     v0_sha = weights_sha256(v0)
     print(f"[moerl] bench peer: version 0 at {v0} {v0_sha}", flush=True)
@@ -660,6 +707,7 @@ def run_bench_peer(
                 f"[moerl] bench peer: round {i + 1}/{rounds} arm {a}, {versions} versions",
                 flush=True,
             )
+            usage = CpuUsage()
             try:
                 if a == "trl":
                     res = _trl_arm(
@@ -676,8 +724,15 @@ def run_bench_peer(
                 if not isinstance(err, MoerlError):
                     traceback.print_exc()
                 arms[a] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+            arms[a]["others_cores"] = others = usage.others_cores()
             state = "done" if arms[a]["ok"] else "FAILED"
             print(f"[moerl] bench peer: round {i + 1} arm {a} {state}", flush=True)
+            if others is not None and others > BUSY_CORES:
+                print(
+                    f"[moerl] bench peer: WARNING: other processes kept {others:.2f} cores busy "
+                    "during this arm; its times are skewed (run the bench on an idle machine)",
+                    flush=True,
+                )
         done.append({"order": list(order), "arms": arms, "ratios": round_ratios(arms, targets)})
     # 3. the report
     cmd = ["moerl", "bench", "peer", str(config), "--rounds", str(rounds), "--versions",

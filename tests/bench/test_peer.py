@@ -13,12 +13,15 @@ import pytest
 
 from moerl.bench.modes import arm_config
 from moerl.bench.peer import (
+    CpuUsage,
     WeightsDiffer,
+    _own_cpu_s,
     _trl_arm,
     add_times,
     build_v0,
     check_counts,
     check_weights,
+    clear_own_dirs,
     moerl_argv,
     parse_targets,
     round_order,
@@ -188,3 +191,21 @@ def test_an_arm_on_other_weights_fails_loudly():
         check_weights("trl", {"model.safetensors": "b" * 64}, same)
     with pytest.raises(WeightsDiffer):
         check_weights("moerl", {}, same)
+
+
+def test_an_arms_own_cpu_is_not_counted_as_other_load():
+    usage, own0 = CpuUsage(), _own_cpu_s()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass\n"
+    subprocess.run([sys.executable, "-c", burn], check=True, timeout=60)  # a waited-for child
+    assert _own_cpu_s() - own0 >= 0.9  # the child's CPU is the arm's own
+    others = usage.others_cores()
+    assert others is not None and others >= 0.0  # what the rest of the machine did meanwhile
+
+
+def test_a_rerun_replaces_only_the_benchs_own_dirs(tmp_path):
+    clear_own_dirs(tmp_path / "missing")  # a first run: nothing there yet
+    for d in ("v0", "round1/moerl/checkpoints", "round2/trl", "mine"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "report.json").write_text("{}")
+    clear_own_dirs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "report.json"]
