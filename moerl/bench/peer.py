@@ -268,7 +268,7 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from moerl.tasks.prompting import encode_prompt
+    from moerl.tasks.prompting import encode_prompt, uses_template
     from moerl.tasks.verifiers import call_verifier, verifier_target
 
     threads = _cores()
@@ -279,10 +279,17 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(v0, dtype=getattr(torch, cfg.model.dtype))
     rows = trl_rows(cfg, versions)
 
-    def prompt_of(row):
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def templated(row) -> bool:  # as encode_prompt decides (rollout.chat_template)
+        return uses_template(has_template, cfg.rollout, row)
+
+    def prompt_of(row):  # TRL renders a list of messages with the chat template, a str as is
+        if not templated(row):
+            return row.prompt
         if row.messages:
             return [m.model_dump() for m in row.messages]
-        return row.prompt
+        return [{"role": "user", "content": row.prompt}]
 
     data = Dataset.from_list(
         [
@@ -296,9 +303,9 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
         ]
     )
     # TRL tokenizes a text prompt with the tokenizer's call; moerl with encode_prompt
-    texts = [r.prompt for r in rows if not r.messages]
-    if texts and tokenizer(text=texts)["input_ids"] != [
-        encode_prompt(tokenizer, cfg.rollout, r) for r in rows if not r.messages
+    plain = [r for r in rows if not templated(r)]
+    if plain and tokenizer(text=[r.prompt for r in plain])["input_ids"] != [
+        encode_prompt(tokenizer, cfg.rollout, r) for r in plain
     ]:
         raise ArmFailed("bench peer: TRL's prompt token ids differ from moerl's encode_prompt")
 
@@ -411,6 +418,7 @@ def _trl_arm(cfg: RunConfig, versions: int, arm_dir: Path, v0: Path) -> dict[str
             "weights_sha256": res["weights_sha256"],
             "threads": res["threads"],
             "batch_sizes": res["batch_sizes"],
+            "grpo_config": res["grpo_config"],
         },
         res["rewards"],
         reward_s,

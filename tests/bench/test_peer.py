@@ -182,6 +182,9 @@ def test_trl_arm_runs_two_versions_on_moerls_version_0(tmp_path):
     assert 0.0 < s[0] < s[1] <= res["wall_s"]
     assert res["threads"] == len(os.sched_getaffinity(0))
     assert res["per_version_s"] == pytest.approx(s[1] - s[0])
+    got = res["grpo_config"]  # what GRPOConfig was given
+    assert got["shuffle_dataset"] is False and got["steps_per_generation"] == 2
+    assert got["per_device_train_batch_size"] == 64 and got["max_steps"] == 4
 
 
 def test_an_arm_on_other_weights_fails_loudly():
