@@ -72,6 +72,13 @@ class PipelineConfig(_Section):
     """Where KFP keeps the pipeline's artifacts (kfp.local: a local folder)."""
     work_dir: str = ".moerl/work"
     """A local run's working folder: its logs and per-run state."""
+    local_cores: Literal["auto", "split", "shared"] = "auto"
+    """A local async run on one machine: how its stages share the cores. split: the trainer gets
+    the first half, the rollout workers the rest, each pinned, so that generation and training
+    overlap without slowing each other (`buffer.max_staleness` >= 1); shared: nothing pinned,
+    each stage may use every core, for a run whose generation and training take turns
+    (`buffer.max_staleness: 0`: each then has the whole machine while the other waits); auto:
+    shared when max_staleness is 0, else split."""
     fork_stages: bool = True
     """A local async run (`moerl run`) forks its stage processes from two processes started
     first, which import vLLM (rollout) and torch's training stack (trainer, scorers, version 0)

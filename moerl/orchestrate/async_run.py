@@ -36,16 +36,25 @@ TRAINER_RETRIES = 2
 log = logging.getLogger(__name__)
 
 
-def cpu_plan(cpus: list[int], workers: int) -> dict[str, list[int]]:
+def cores_shared(cfg: RunConfig) -> bool:
+    """Whether the stages share every core (`pipeline.local_cores`)."""
+    mode = cfg.pipeline.local_cores
+    return mode == "shared" or (mode == "auto" and cfg.buffer.max_staleness == 0)
+
+
+def cpu_plan(cpus: list[int], workers: int, shared: bool = False) -> dict[str, list[int]]:
     """Which CPUs each compute-heavy stage gets on this machine. On a cluster every stage has
     its own node; here they share one, and a torch trainer and a vLLM engine that each spin
     OpenMP threads over all cores slow each other down several times over (measured: a
     version's update took 13.6 s alone and 53-88 s beside a generating engine on 2 cores).
     So the trainer gets the first half of the cores and the rollout workers share the rest,
     each pinned, with one OpenMP thread per core it owns. Scorers are light and float. With
-    one core nothing is pinned."""
+    one core nothing is pinned. `shared` (stages that take turns, `cores_shared`): the trainer
+    and every rollout worker get all the cores, each its thread per core."""
     if len(cpus) < 2:
         return {}
+    if shared:
+        return {"trainer": list(cpus), **{f"rollout-{i}": list(cpus) for i in range(workers)}}
     half = len(cpus) // 2
     trainer, rollout = cpus[:half], cpus[half:]
     plan = {"trainer": trainer}
@@ -114,7 +123,7 @@ class LocalAsyncRun:
         self.restarts = 0
         self.trainer_port = 0  # the trainer nodes' rendezvous (start_trainer picks it)
         available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self.cpus = cpu_plan(available, cfg.rollout.workers)
+        self.cpus = cpu_plan(available, cfg.rollout.workers, shared=cores_shared(cfg))
 
     def trainer_nodes(self) -> int:
         """Trainer nodes this machine stands in for: `cluster.launch.trainer_nodes` when the

