@@ -460,8 +460,6 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
 
         with in_process(cfg, run_id) as leader:  # this process, a one-rank mesh for the run
             return run_trainer(cfg, run_id, leader)
-    from moerl.components.publish_checkpoint.publisher import Job, Publisher
-    from moerl.components.publish_checkpoint.stage import prepare_resume
     from moerl.provenance import stage_start
 
     stage_start(cfg, CONSUMER, run_id)  # records where it runs; enforces `require:`
@@ -499,6 +497,39 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
     bus.set_servable(
         epoch, latest, version_uri(tiers.durable, latest), tiers.durable.manifest(latest).sha256()
     )
+    version_ref = [latest]
+    # issuing first: the engines generate the first batch while the state loads (admission
+    # needs only the version, the epoch and the dataset)
+    issuer = Issuer(
+        cfg,
+        RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id),
+        version_ref,
+        epoch,
+    )
+    issuer.start()
+    try:
+        return _train_versions(cfg, run_id, mesh, bus, tiers, latest, epoch, durable, issuer)
+    finally:
+        issuer.stop_event.set()
+        issuer.join(timeout=5)
+
+
+def _train_versions(
+    cfg: RunConfig,
+    run_id: str,
+    mesh: Leader | None,
+    bus: RunBus,
+    tiers,
+    latest: int,
+    epoch: int,
+    durable: bool,
+    issuer: Issuer,
+) -> PolicyVersion:
+    """The trainer's loop from `latest` on, once it owns the run (`epoch`) and issues work."""
+    from moerl.components.publish_checkpoint.publisher import Job, Publisher
+    from moerl.components.publish_checkpoint.stage import prepare_resume
+
+    version_ref = issuer.version_ref
     uri = tracking.resolve_uri(cfg.tracking)
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
     state_dir = work / f"v{latest}"
@@ -531,7 +562,6 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
         load_metrics["trainer/resumed_versions_lost"] = float(latest - start)
     else:
         prepare_resume(cfg, run_id, latest, state_dir)
-    version_ref = [latest]
     pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)
 
     # what each recent version number means (its manifest sha256): a sample an engine generated
@@ -604,13 +634,6 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
             if job.src != state_dir:
                 shutil.rmtree(job.src, ignore_errors=True)
 
-    issuer = Issuer(
-        cfg,
-        RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id),
-        version_ref,
-        epoch,
-    )
-    issuer.start()
     t_start, busy = time.perf_counter(), 0.0
     c0 = bus.counters()
     last = {
@@ -707,8 +730,6 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
         )
     finally:
         publisher.close()
-        issuer.stop_event.set()
-        issuer.join(timeout=5)
         shutil.rmtree(work, ignore_errors=True)
 
 

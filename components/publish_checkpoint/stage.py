@@ -18,7 +18,7 @@ from moerl.config import RunConfig
 from moerl.errors import CheckpointError
 from moerl.models.policy import check_checkpoint
 from moerl.models.source import VIEW_DONE
-from moerl.models.tiny import build_tiny_model
+from moerl.models.tiny import build_tiny_model, build_tiny_skeleton
 from moerl.provenance import git_sha
 from moerl.records import PolicyVersion
 from moerl.store.base import RemoteParts
@@ -287,7 +287,7 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
                 ):
                     shutil.copy2(f, tmp / f.name)
         else:
-            build_tiny_model(cfg.model.tiny, tmp)  # a few MB; the engine ignores its weights
+            build_tiny_skeleton(cfg.model.tiny, tmp)
         (tmp / SKELETON_DONE).write_text("")  # last: a skeleton without it is incomplete
         try:
             os.replace(tmp, dest)

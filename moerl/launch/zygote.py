@@ -26,6 +26,10 @@ from moerl.launch import procs
 # What a local run's stage processes import before they do anything (measured on 2 cores: torch
 # 1.2 s, vLLM and its engine, worker and model-runner modules 7 s, transformers' modeling 0.7 s;
 # docs/launch.md). A module that is missing here is skipped and named in the ready message.
+# One zygote imports both (STAGE_PRELOAD) and every stage of a local run forks from it: measured
+# on 2 cores, one zygote for the rollout and one for the trainer started together were ready
+# later (their imports and the run's own start contended for the cores), and a trainer whose
+# zygote started after the rollout's was ready delayed the first batch (it issues the work).
 ROLLOUT_PRELOAD = (
     "torch",
     "transformers",
@@ -40,6 +44,8 @@ ROLLOUT_PRELOAD = (
     "moerl.components.rollout.engine",
     "moerl.components.rollout.cores",
     "moerl.components.publish_checkpoint.stage",
+    "moerl.components.reward.worker",
+    "moerl.orchestrate.initial",
     "mlflow",
 )
 TRAINER_PRELOAD = (
@@ -55,10 +61,9 @@ TRAINER_PRELOAD = (
     "moerl.components.policy_update.trainer",
     "moerl.components.publish_checkpoint.stage",
     "moerl.components.publish_checkpoint.publisher",
-    "moerl.components.reward.worker",
-    "moerl.orchestrate.initial",
     "mlflow",
 )
+STAGE_PRELOAD = tuple(dict.fromkeys(ROLLOUT_PRELOAD + TRAINER_PRELOAD))
 READY_TIMEOUT_S = 300.0
 POLL_S = 0.05
 

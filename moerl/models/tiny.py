@@ -66,6 +66,33 @@ def tiny_hf_config(t: TinyMoeConfig, vocab_size: int, pad_id: int, eos_id: int, 
     return family_of(t.architecture).tiny_config(t, common)
 
 
+def build_tiny_skeleton(t: TinyMoeConfig, out_dir: str | Path) -> Path:
+    """The tiny model's files without its weights (config, generation config, tokenizer), the
+    same files `build_tiny_model` writes beside them: what an engine started on dummy weights
+    needs, without initializing and saving a model (about 1 s on the rollout's critical path)."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    cfg = tiny_hf_config(
+        t, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id
+    )
+    # what saving the model adds to its config: the class that loads it, and its dtype
+    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg.model_type]]
+    cfg.dtype = torch.float32
+    cfg.save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def build_tiny_model(t: TinyMoeConfig, out_dir: str | Path) -> Path:
     """Initialize the tiny MoE from `t.seed` and save model + tokenizer in HF format."""
     import torch

@@ -22,7 +22,7 @@ from moerl.bus.client import PASSWORD_ENV
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
 from moerl.launch import procs
-from moerl.launch.zygote import ROLLOUT_PRELOAD, TRAINER_PRELOAD, Forked, Zygote
+from moerl.launch.zygote import STAGE_PRELOAD, Forked, Zygote
 from moerl.orchestrate.initial import publish_initial
 from moerl.store.s3server import embedded_cache_tier
 
@@ -101,10 +101,10 @@ class LocalAsyncRun:
         valkey: EmbeddedValkey | None = None,
         zygotes: dict[str, Zygote] | None = None,
     ):
-        """`zygotes`: where each kind of stage is forked from (`stage_zygotes`: "rollout" for
-        the rollout workers, "trainer" for the rest); without one, a stage starts `python` anew."""
+        """`zygotes`: where the stages are forked from (`stage_zygotes`: "stages"); empty:
+        every stage starts `python` anew."""
         self.cfg, self.run_id, self.work = cfg, run_id, work
-        self.zygotes = zygotes or {}
+        self.zygotes = zygotes if zygotes is not None else {}  # the caller closes what is added
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.valkey = valkey
@@ -184,7 +184,7 @@ class LocalAsyncRun:
                     "VLLM_CPU_OMP_THREADS_BIND": omp_bind(cpus, ranks),
                 }
             )
-        zygote = self.zygotes.get("rollout" if role == "rollout" else "trainer")
+        zygote = self.zygotes.get("stages")
         if zygote is not None:
             return zygote.spawn(MODULES[role], args, env, self.logs / f"{name}.log")
         log = (self.logs / f"{name}.log").open("ab")
@@ -194,9 +194,9 @@ class LocalAsyncRun:
             log.close()
 
     def publish_initial(self) -> None:
-        """Version 0, by a process of its own forked from the trainer's zygote (its imports
-        done there), else here."""
-        zygote = self.zygotes.get("trainer")
+        """Version 0, by a process of its own forked from the zygote (its imports done
+        there), else here."""
+        zygote = self.zygotes.get("stages")
         if zygote is None:
             publish_initial(self.cfg, self.run_id, self.work)
             import datetime
@@ -481,10 +481,11 @@ def start_valkey(
 
 
 def stage_zygotes(cfg: RunConfig) -> dict[str, Zygote]:
-    """The processes a local run forks its stages from (`pipeline.fork_stages`), started now
-    so that their imports overlap the run's preflight, MLflow and Valkey: "rollout" (vLLM) and
-    "trainer" (torch's distributed training, transformers; the scorers and version 0 too). None
-    on cuda: a process that forks after CUDA may have been touched is not safe (logged)."""
+    """The process a local run forks its stages from (`pipeline.fork_stages`): "stages",
+    importing vLLM and torch's training stack once (`STAGE_PRELOAD`), started now so that its
+    imports overlap the run's preflight, MLflow and Valkey. None on cuda: a process that forks
+    after CUDA may have been touched is not safe (said here, and recorded in
+    `moerl.stage_start`)."""
     if not cfg.pipeline.fork_stages:
         return {}
     if "cuda" in (cfg.rollout.device, cfg.trainer.parallelism.device):
@@ -493,20 +494,19 @@ def stage_zygotes(cfg: RunConfig) -> dict[str, Zygote]:
             flush=True,
         )
         return {}
+    return {"stages": start_zygote(cfg, "stages", STAGE_PRELOAD)}
+
+
+def start_zygote(cfg: RunConfig, name: str, preload: tuple[str, ...]) -> Zygote:
+    """A zygote named `name` importing `preload`, in this process's environment as it is now
+    (each stage it forks gets its own, whole, in its request)."""
     env = {
         **os.environ,
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",
     }
     logs = Path(cfg.pipeline.work_dir).absolute() / ".zygotes"
-    out: dict[str, Zygote] = {}
-    try:
-        for name, preload in (("rollout", ROLLOUT_PRELOAD), ("trainer", TRAINER_PRELOAD)):
-            out[name] = Zygote(name, preload, env, logs / f"{name}-{os.getpid()}.log")
-    except BaseException:
-        close_zygotes(out)
-        raise
-    return out
+    return Zygote(name, preload, env, logs / f"{name}-{os.getpid()}.log")
 
 
 def stage_start_line(zygotes: dict[str, Zygote]) -> str:
