@@ -75,16 +75,17 @@ class PipelineConfig(_Section):
     local_cores: Literal["auto", "split", "shared"] = "auto"
     """A local async run on one machine: how its stages share the cores. split: the trainer gets
     the first half, the rollout workers the rest, each pinned, so that generation and training
-    overlap without slowing each other (`buffer.max_staleness` >= 1); shared: nothing pinned,
-    each stage may use every core, for a run whose generation and training take turns
+    overlap without slowing each other (`buffer.max_staleness` >= 1); shared: the trainer and
+    every rollout worker get every core (a thread per core), for a run whose generation and
+    training take turns
     (`buffer.max_staleness: 0`: each then has the whole machine while the other waits); auto:
     shared when max_staleness is 0, else split."""
     fork_stages: bool = True
-    """A local async run (`moerl run`) forks its stage processes from two processes started
-    first, which import vLLM (rollout) and torch's training stack (trainer, scorers, version 0)
-    once while the run's preflight, MLflow and Valkey start (moerl/launch/zygote.py): each stage
-    is still a process of its own. CPU runs only; false: each stage starts python anew. The
-    cluster is unaffected (each stage is a pod)."""
+    """A local async run (`moerl run`) forks its stage processes from one process started first,
+    which imports vLLM and torch's training stack once while the run's preflight, MLflow and
+    Valkey start (moerl/launch/zygote.py): each stage is still a process of its own. CPU runs
+    and stages that are not pod-shaped only; false: each stage starts python anew. The cluster
+    is unaffected (each stage is a pod)."""
 
 
 class RequireConfig(_Section):

@@ -82,10 +82,20 @@ class _Request:
 
 # -- the zygote process ----------------------------------------------------------------------
 _PROTO = [1]  # the fd the zygote reports on (its stdout at start; see `_serve`)
+_ENV_SET: dict[str, str] = {}  # what the preloaded modules set in the environment
+
+
+def _flush() -> None:
+    """Nothing buffered may be copied into a child (it would write it into its own log)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _send(msg: dict) -> None:
-    os.write(_PROTO[0], (json.dumps(msg) + "\n").encode())
+    data = (json.dumps(msg) + "\n").encode()
+    while data:  # a pipe may take part of a write
+        data = data[os.write(_PROTO[0], data) :]
 
 
 def _preload(modules: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -110,11 +120,16 @@ def _serve(modules: Sequence[str]) -> _Request:
     _PROTO[0] = os.dup(1)
     os.dup2(2, 1)
     t0 = time.perf_counter()
+    before = dict(os.environ)
     loaded, missing = _preload(modules)
+    # what the imports set in the environment (vLLM's env_override does), which a stage that
+    # imported them itself would have: given to every child over its request's environment
+    _ENV_SET.update({k: v for k, v in os.environ.items() if before.get(k) != v})
     # what the children inherit is never scanned again by the collector (and stays shared
     # copy-on-write): vLLM's start runs several full collections over the heap
     gc.collect()
     gc.freeze()
+    _flush()
     _send({"ready": time.perf_counter() - t0, "loaded": loaded, "missing": missing})
     children: set[int] = set()
     buf = b""
@@ -136,12 +151,18 @@ def _serve(modules: Sequence[str]) -> _Request:
             for pid in children:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
+            _flush()
             os._exit(0)
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            req = _Request(**json.loads(line))
-            pid = os.fork()
+            try:  # one bad request, or a fork the kernel refuses, fails that request alone
+                req = _Request(**json.loads(line))
+                _flush()
+                pid = os.fork()
+            except (ValueError, TypeError, OSError) as err:
+                _send({"error": f"{type(err).__name__}: {err}"[:500]})
+                continue
             if pid == 0:
                 os.close(_PROTO[0])
                 return req
@@ -165,7 +186,13 @@ def _become(req: _Request, zygote_pid: int) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(req.env)
+    os.environ.update(_ENV_SET)
     os.environ[procs.PARENT_ENV] = str(os.getpid())
+    import logging
+
+    root = logging.getLogger()  # the stage configures its own (basicConfig does nothing else)
+    for h in list(root.handlers):
+        root.removeHandler(h)
     import tempfile
 
     tempfile.tempdir = None  # read TMPDIR again: the stage's, not the zygote's
@@ -199,15 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     entry = getattr(sys.modules.get(req.module), "main", None)
     try:
         if callable(entry):
-            code = entry()
-            return code if isinstance(code, int) else 0
+            return _exit_code(entry())
         runpy.run_module(req.module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return _exit_code(e.code)
     except BaseException:
         traceback.print_exc()
         return 1
     return 0
+
+
+def _exit_code(code: object) -> int:
+    """As `sys.exit(code)` exits: None 0, an int itself, anything else printed and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr, flush=True)
+    return 1
 
 
 # -- the parent's side -----------------------------------------------------------------------
@@ -224,6 +260,11 @@ class Forked:
         if self.returncode is None:
             self.returncode = self.zygote.exit_code(self.pid)
         return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the process unless it has exited (the zygote reaps at once, so unlike a
+        Popen's zombie its pid may already be free, even reused)."""
+        self.zygote.signal(self.pid, sig)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -243,6 +284,8 @@ class Zygote:
         self.name, self.log_path = name, log
         self._exits: dict[int, int] = {}
         self._pids: list[int] = []
+        self._errors: list[str] = []
+        self._spawning = threading.Lock()  # one request in flight: replies come in order
         self._ready: dict | None = None
         self._dead = False
         self._cond = threading.Condition()
@@ -262,22 +305,28 @@ class Zygote:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            with self._cond:
-                if "ready" in msg:
-                    self._ready = msg
-                elif "pid" in msg:
-                    self._pids.append(int(msg["pid"]))
-                elif "exit" in msg:
-                    self._exits[int(msg["exit"])] = int(msg["code"])
+        try:
+            for line in self.proc.stdout:
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                with self._cond:
+                    if "ready" in msg:
+                        self._ready = msg
+                    elif "pid" in msg:
+                        pid = int(msg["pid"])
+                        self._exits.pop(pid, None)  # a reused pid: a new process
+                        self._pids.append(pid)
+                    elif "error" in msg:
+                        self._errors.append(str(msg["error"]))
+                    elif "exit" in msg:
+                        self._exits[int(msg["exit"])] = int(msg["code"])
+                    self._cond.notify_all()
+        finally:
+            with self._cond:  # the zygote is gone: its children died with it
+                self._dead = True
                 self._cond.notify_all()
-        with self._cond:  # the zygote is gone: its children died with it
-            self._dead = True
-            self._cond.notify_all()
 
     def ready(self, timeout_s: float = READY_TIMEOUT_S) -> dict:
         """Wait until the zygote has imported its modules: its ready message (`ready`: seconds,
@@ -299,8 +348,8 @@ class Zygote:
         self.ready()
         req = {"module": module, "args": args, "env": env, "log": str(log)}
         assert self.proc.stdin is not None
-        with self._cond:
-            n = len(self._pids)
+        with self._spawning, self._cond:
+            n, e = len(self._pids), len(self._errors)
             try:
                 self.proc.stdin.write((json.dumps(req) + "\n").encode())
                 self.proc.stdin.flush()
@@ -308,11 +357,24 @@ class Zygote:
                 raise ZygoteError(
                     f"the {self.name} zygote is gone ({err}); its log: {self.log_path}"
                 ) from err
-            if not self._cond.wait_for(lambda: len(self._pids) > n or self._dead, 30.0):
+            done = lambda: len(self._pids) > n or len(self._errors) > e or self._dead  # noqa: E731
+            if not self._cond.wait_for(done, 30.0):
                 raise ZygoteError(f"the {self.name} zygote did not fork {module} within 30 s")
+            if len(self._errors) > e:
+                raise ZygoteError(
+                    f"the {self.name} zygote could not fork {module}: {self._errors[e]}"
+                )
             if len(self._pids) <= n:
                 raise ZygoteError(f"the {self.name} zygote died; its log: {self.log_path}")
             return Forked(self, self._pids[n])
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Send `sig` to child `pid` if it has not exited (checked under the reports' lock)."""
+        with self._cond:
+            if pid in self._exits or self._dead:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def exit_code(self, pid: int) -> int | None:
         """The child's exit code once it exited (negative: the signal that killed it); -9 for
@@ -329,8 +391,8 @@ class Zygote:
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
+        try:  # still importing, it reads no pipe: no grace then
+            self.proc.wait(timeout=5 if self._ready is not None else 0.1)
         except subprocess.TimeoutExpired:
             procs.kill_groups([self.proc])
         self._reader.join(timeout=5)

@@ -22,7 +22,7 @@ from moerl.bus.client import PASSWORD_ENV
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
 from moerl.launch import procs
-from moerl.launch.zygote import STAGE_PRELOAD, Forked, Zygote
+from moerl.launch.zygote import STAGE_PRELOAD, Forked, Zygote, ZygoteError
 from moerl.orchestrate.initial import publish_initial
 from moerl.store.s3server import embedded_cache_tier
 
@@ -105,6 +105,7 @@ class LocalAsyncRun:
         every stage starts `python` anew."""
         self.cfg, self.run_id, self.work = cfg, run_id, work
         self.zygotes = zygotes if zygotes is not None else {}  # the caller closes what is added
+        self.fallbacks: list[str] = []  # stages started anew after the zygote failed
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.valkey = valkey
@@ -184,9 +185,13 @@ class LocalAsyncRun:
                     "VLLM_CPU_OMP_THREADS_BIND": omp_bind(cpus, ranks),
                 }
             )
-        zygote = self.zygotes.get("stages")
+        zygote = None if self.fallbacks else self.zygotes.get("stages")
         if zygote is not None:
-            return zygote.spawn(MODULES[role], args, env, self.logs / f"{name}.log")
+            try:
+                return zygote.spawn(MODULES[role], args, env, self.logs / f"{name}.log")
+            except ZygoteError as err:  # the run goes on, each stage a new process, said loudly
+                print(f"[moerl] {err}; starting {name} and every later stage anew", flush=True)
+                self.fallbacks.append(f"{name}: {err}")
         log = (self.logs / f"{name}.log").open("ab")
         try:
             return procs.spawn(MODULES[role], args, env, stdout=log, stderr=subprocess.STDOUT)
@@ -196,7 +201,7 @@ class LocalAsyncRun:
     def publish_initial(self) -> None:
         """Version 0, by a process of its own forked from the zygote (its imports done
         there), else here."""
-        zygote = self.zygotes.get("stages")
+        zygote = None if self.fallbacks else self.zygotes.get("stages")
         if zygote is None:
             publish_initial(self.cfg, self.run_id, self.work)
             import datetime
@@ -264,8 +269,9 @@ class LocalAsyncRun:
             c.starts += 1
 
     def signal(self, name: str, sig: int) -> None:
-        """Send `sig` to child `name` (fault tests; SIGTERM is what a Spot drain sends)."""
-        os.kill(self.children[name].proc.pid, sig)
+        """Send `sig` to child `name` unless it has exited (fault tests; SIGTERM is what a Spot
+        drain sends)."""
+        self.children[name].proc.send_signal(sig)
 
     def tail(self, name: str, lines: int = 30) -> str:
         p = self.logs / f"{name}.log"
@@ -406,11 +412,13 @@ def startup_times(log_text: str, t0_unix: float) -> dict[str, float]:
         m = _STAMP.match(line)
         if m is None:
             continue
+        at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if at < t0_unix:  # an earlier start of the same run (a resume appends to its logs)
+            continue
         for event, pat in STARTUP_EVENTS.items():
             hit = pat.search(line)
             if hit is None or event in out:
                 continue
-            at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             out[event] = at - t0_unix
             if event == "entered":
                 out["imports"] = float(hit.group(1))
@@ -488,9 +496,23 @@ def stage_zygotes(cfg: RunConfig) -> dict[str, Zygote]:
     `moerl.stage_start`)."""
     if not cfg.pipeline.fork_stages:
         return {}
-    if "cuda" in (cfg.rollout.device, cfg.trainer.parallelism.device):
+    model = cfg.reward.model
+    scorer_gpu = cfg.reward.kind != "rules" and model is not None and model.device == "cuda"
+    if "cuda" in (cfg.rollout.device, cfg.trainer.parallelism.device) or scorer_gpu:
         print(
             "[moerl] stages start as new processes: pipeline.fork_stages applies to CPU runs only",
+            flush=True,
+        )
+        return {}
+    from moerl.launch.podenv import SANDBOX_ROOT_ENV, SCRATCH_ENV
+    from moerl.launch.podsecrets import SANDBOX_SECRETS_ENV
+
+    if any(os.environ.get(k) for k in (SANDBOX_ROOT_ENV, SCRATCH_ENV, SANDBOX_SECRETS_ENV)):
+        # pod-shaped stages get a HOME of their own, and modules cache paths under HOME at
+        # import (huggingface_hub's): a forked stage would keep the zygote's
+        print(
+            "[moerl] stages start as new processes: each is pod-shaped (its own HOME), "
+            "which a process forked after the imports would not be",
             flush=True,
         )
         return {}
@@ -509,10 +531,13 @@ def start_zygote(cfg: RunConfig, name: str, preload: tuple[str, ...]) -> Zygote:
     return Zygote(name, preload, env, logs / f"{name}-{os.getpid()}.log")
 
 
-def stage_start_line(zygotes: dict[str, Zygote]) -> str:
-    """How the stages started, for the run's provenance (`moerl.stage_start`)."""
+def stage_start_line(zygotes: dict[str, Zygote], fallbacks: list[str] | None = None) -> str:
+    """How the stages started, for the run's provenance (`moerl.stage_start`); `fallbacks`:
+    the stages started anew after the zygote failed (`LocalAsyncRun.fallbacks`)."""
     if not zygotes:
         return "spawned: each stage process started python anew"
+    if fallbacks:
+        return "zygote FAILED, stages started anew from then on: " + "; ".join(fallbacks)
     parts = []
     for name, z in zygotes.items():
         r = z.ready()
@@ -612,7 +637,9 @@ def _run_async(
             if run_store(cfg.checkpoint, run_id).latest() is None:
                 run.publish_initial()
             run.start_trainer()
-            tracking.set_tags(uri, run_id, {"moerl.stage_start": stage_start_line(zygotes)})
+            tracking.set_tags(
+                uri, run_id, {"moerl.stage_start": stage_start_line(zygotes, run.fallbacks)}
+            )
             run.supervise(on_tick=on_tick)
         balanced, line = balance_line(run.bus.counters())
         print(line, flush=True)

@@ -63,7 +63,9 @@ def test_children_are_processes_of_their_own(zygote, tmp_path):
     assert ia["pgid"] == a.pid and ib["pgid"] == b.pid  # each its own group: kill_groups works
     assert ia["argv"] == [STAGE, str(tmp_path / "a.json"), "0"]
     # exactly the environment asked for: nothing of the zygote's own
-    assert ia["env"] == {"ZYGOTE_TEST_NAME": "a"} and ib["env"] == {"ZYGOTE_TEST_NAME": "b"}
+    # (and what the preloaded modules set as they were imported, as a fresh import would)
+    assert ia["env"] == {"ZYGOTE_TEST_NAME": "a", "ZYGOTE_TEST_SET_AT_IMPORT": "yes"}
+    assert ib["env"] == {"ZYGOTE_TEST_NAME": "b", "ZYGOTE_TEST_SET_AT_IMPORT": "yes"}
     assert ia["cpus"] == [cpus[0]] and ib["cpus"] == cpus
     assert ia["preloaded"] and ib["preloaded"]  # imported once, in the zygote
     assert ia["random"] != ib["random"]  # not the zygote's generator state, shared
@@ -107,3 +109,19 @@ def test_a_dead_zygote_is_named(tmp_path):
             z.spawn(STAGE, [str(tmp_path / "n.json"), "0"], _env(), tmp_path / "n.log")
     finally:
         z.close()
+
+
+def test_an_exited_child_is_never_signalled_and_a_bad_request_fails_alone(zygote, tmp_path):
+    p = zygote.spawn(STAGE, [str(tmp_path / "e.json"), "0"], _env(), tmp_path / "e.log")
+    assert p.wait(timeout=30) == 0
+    p.send_signal(signal.SIGTERM)  # reaped already: its pid may be anyone's now; no error
+    assert zygote.proc.stdin is not None
+    with zygote._spawning:  # a request that does not parse, as a broken caller would send it
+        zygote.proc.stdin.write(b"{not json\n")
+        zygote.proc.stdin.flush()
+    deadline = time.monotonic() + 10
+    while not zygote._errors and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert zygote._errors and "JSONDecodeError" in zygote._errors[0]
+    ok = zygote.spawn(STAGE, [str(tmp_path / "f.json"), "5"], _env(), tmp_path / "f.log")
+    assert ok.wait(timeout=30) == 5  # the zygote serves on
