@@ -31,7 +31,6 @@ from moerl import tracking
 from moerl.bench import child_main, envelope, format_table, log_tail, run_child, write_report
 from moerl.bench.modes import (
     ArmFailed,
-    _own_experiment,
     _reward_s,
     arm_config,
     arm_paths,
@@ -448,7 +447,9 @@ def _moerl_arm(
     from moerl.launch import procs
 
     cfg = arm_config(config, overrides, "async", versions, arm_dir)
-    uri = _own_experiment(cfg, arm_dir)
+    # the run creates its own MLflow database and experiment, as a user's first run does (their
+    # cost is part of moerl's time); its artifacts go where a user's `moerl run` puts them
+    uri = tracking.resolve_uri(cfg.tracking)
     argv = moerl_argv(config, overrides, versions, arm_dir)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     log_path = arm_dir / "moerl.log"
