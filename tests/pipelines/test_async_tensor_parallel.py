@@ -67,6 +67,12 @@ def test_an_s3_mixtral_learns_with_tp2_rollout_engines(tmp_path, s3_mixtral):
     m = run.data.metrics
     assert_balanced(m)
     assert m["async/failed"] == 0
+    # every stage forked from the zygote that imported vLLM and torch (moerl/launch/zygote.py),
+    # the TP 2 engine's worker processes started from such a stage; their start, from the logs
+    assert run.data.tags["moerl.stage_start"].startswith("forked from preloaded processes")
+    assert m["startup/rollout-0/imports_s"] < 1.0  # forked: nothing left to import
+    assert 0 < m["startup/init_policy/version0_s"] < m["startup/trainer/first_version_s"]
+    assert m["startup/rollout-0/first_group_s"] < m["startup/trainer/first_version_s"]
     # the worker's engine loaded version 0 and took every later one by a hot swap on both ranks
     log = next((tmp_path / ".moerl" / "work").glob("*/logs/rollout-0.log")).read_text()
     assert "hot-swapped to version" in log and "Traceback" not in log
