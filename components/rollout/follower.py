@@ -145,10 +145,12 @@ class Follower:
 
     def _release_older(self) -> None:
         """Let go of the copies the leader can no longer swap in: older than its target (what it
-        serves or is about to swap in) and not the newest held. The engine holds its weights in
-        memory; the node cache may prune them."""
+        serves or is about to swap in) and not the newest held. The newest held is the copy
+        fetched last (`held`), not the highest number: after a trainer rollback the pointer names
+        a lower number, which the leader swaps in next. The engine holds its weights in memory;
+        the node cache may prune them."""
         target = self.gbus.target()
-        newest = max(self._holds, default=None)
+        newest = self.held[0] if self.held is not None else None
         for v in [v for v in self._holds if v != newest and (target is None or v < target)]:
             self._holds.pop(v).close()
 
@@ -178,7 +180,7 @@ class Follower:
             if time.monotonic() - t0 > self.cfg.rollout.group_fetch_timeout_s:
                 raise TimeoutError(
                     f"{self.name}: the leader {self.spec.leader} did not start its engine in "
-                    f"{self.cfg.rollout.group_fetch_timeout_s:.0f} s (rollout.group_fetch_timeout_s)"
+                    f"{self.cfg.rollout.group_fetch_timeout_s:g} s (rollout.group_fetch_timeout_s)"
                 )
             if not self.bus.done():
                 self._fetch_servable()

@@ -167,3 +167,248 @@ def test_a_follower_keeps_what_the_leader_may_swap_in(tmp_path, server, request,
         assert (cache / "v000002").is_dir() and (cache / "v000003").is_dir()
     finally:
         f.close()
+
+
+def test_a_follower_holds_the_copy_it_fetched_last_after_a_rollback(
+    tmp_path,
+    server,  # noqa: F811
+    request,
+    monkeypatch,
+):
+    """After a trainer rollback the servable pointer names a lower number than one the follower
+    already holds: the copy just fetched is the one the leader swaps in next, so it stays held
+    (a neighbour's prune on the node spares it), though it is not the highest number held."""
+    from moerl.components.rollout.follower import Follower
+    from moerl.store.nodecache import prune_cache
+    from moerl.store.runs import run_cache, run_store, version_uri
+
+    bus = stage_bus(server, request, monkeypatch)
+    cfg = parse_config(
+        {
+            "checkpoint": {
+                "uri": str(tmp_path / "store"),
+                "cache_dir": str(tmp_path / "node1"),
+                "cache_keep": 1,
+            },
+            "valkey": {"url": server.url, "username": server.stage_user},
+        }
+    )
+    f = Follower(cfg, bus.run_id, "rollout-0", bus, GroupSpec(1, 2, "127.0.0.1", "rb", 29550))
+    store = run_store(cfg.checkpoint, bus.run_id)
+    src = tmp_path / "src"
+    src.mkdir()
+    cache = run_cache(cfg.checkpoint, bus.run_id)
+
+    def publish(v: int) -> str:
+        (src / "config.json").write_text(f'{{"v": {v}}}')
+        sha = store.publish(v, src).sha256()
+        bus.register(v, version_uri(store, v), sha)
+        f._fetch_servable()
+        return sha
+
+    try:
+        sha2 = publish(2)
+        f.gbus.set_target(2)
+        publish(3)  # servable before it is durable
+        f.gbus.set_target(3)  # the leader serves version 3
+        f._release_older()
+        assert sorted(f._holds) == [3]
+        # version 3 was lost: the new trainer sets the pointer back to its durable version 2
+        bus.register(2, version_uri(store, 2), sha2)
+        f._fetch_servable()
+        assert f.held == (2, sha2) and f.gbus.holds(1) == (2, sha2)
+        assert sorted(f._holds) == [2, 3]  # 2 is the leader's next swap; 3 its target
+        # another process on the node prunes its cache down to the newest copy: a held copy stays
+        assert prune_cache(cache, 1) == []
+        assert (cache / "v000002" / MARKER).read_text().split("\n")[0] == sha2
+        f.gbus.set_target(2)  # the leader swapped 2 in; 3 is above its target, still kept
+        f._release_older()
+        assert sorted(f._holds) == [2, 3]
+    finally:
+        f.close()
+
+
+def _leader(bus, monkeypatch, timeout_s: float = 30.0):
+    """A rollout worker as the leader of a group of three nodes (no engine started: what is
+    checked here is the group's control, on the real bus)."""
+    from moerl.components.rollout.worker import RolloutWorker
+
+    for k, v in _env(0, size=3, MOERL_GROUP_ID="lead").items():
+        monkeypatch.setenv(k, v)
+    cfg = parse_config(
+        {
+            "rollout": {
+                "device": "cuda",
+                "data_parallel_size": 3,
+                "group_fetch_timeout_s": timeout_s,
+            },
+            "cluster": {"launch": {"rollout_nodes_per_worker": 3}},
+        }
+    )
+    return RolloutWorker(cfg, bus.run_id, "rollout-0", bus)
+
+
+def test_the_leader_swaps_only_once_every_node_holds_the_version(server, request, monkeypatch):  # noqa: F811
+    """`_group_holds`, the leader's check before a swap: refused while any follower lacks the
+    version (or holds another manifest under its number); allowed, and the version named as the
+    followers' target, once every node holds it; the wait reported in the worker's stats."""
+    bus = stage_bus(server, request, monkeypatch)
+    w = _leader(bus, monkeypatch)
+    try:
+        g = w.gbus
+        assert g is not None
+        bus.register(1, "file:///v1", "s1")
+        reg = bus.servable()
+        assert reg is not None and reg.version == 1
+        assert not w._group_holds(reg)  # nobody holds it
+        assert g.target() is None  # the followers keep what they have
+        g.report_holds(1, 1, "s1")
+        g.report_holds(2, 1, "other")  # version 1 under another manifest
+        assert not w._group_holds(reg)
+        g.report_holds(2, 0, "s0")  # node 2 still on the version before
+        assert not w._group_holds(reg)
+        g.report_holds(2, 1, "s1")
+        assert w._group_holds(reg)
+        assert g.target() == 1
+        assert bus.stats()["rollout-0"]["group_wait_s"] > 0
+        assert w._group_wait is None  # the clock stops with the swap
+    finally:
+        w.close()
+
+
+def test_a_node_that_never_holds_the_version_fails_the_leader_naming_it(
+    server,  # noqa: F811
+    request,
+    monkeypatch,
+):
+    """rollout.group_fetch_timeout_s: the leader's wait for a version that one node never holds
+    ends in WeightSyncError naming that node and what it holds; the clock runs across newer
+    versions (a node that always lags one behind fails too)."""
+    import time
+
+    from moerl.errors import WeightSyncError
+
+    bus = stage_bus(server, request, monkeypatch)
+    w = _leader(bus, monkeypatch, timeout_s=0.6)
+    try:
+        g = w.gbus
+        assert g is not None
+        w.version = 0  # serving version 0 meanwhile (no sleep in the check)
+        bus.register(1, "file:///v1", "s1")
+        g.report_holds(1, 1, "s1")
+        g.report_holds(2, 0, "s0")
+        assert not w._group_holds(bus.servable())
+        time.sleep(0.4)
+        bus.register(2, "file:///v2", "s2")  # a newer version: node 2 lags behind again
+        g.report_holds(1, 2, "s2")
+        g.report_holds(2, 1, "s1")
+        assert not w._group_holds(bus.servable())
+        time.sleep(0.4)
+        with pytest.raises(WeightSyncError) as err:
+            w._group_holds(bus.servable())
+        msg = str(err.value)
+        assert "nodes [2] of the engine group do not hold version 2" in msg
+        assert "rollout.group_fetch_timeout_s" in msg and "{2: (1, 's1')}" in msg
+    finally:
+        w.close()
+
+
+def test_a_follower_whose_beat_lapses_fails_the_group(server, request, monkeypatch):  # noqa: F811
+    """NODE_LOST_S: a follower the leader saw beating, then not for longer than that, fails the
+    leader at its next check between units (RuntimeError naming the node); a drain any node asks
+    for drains the leader."""
+    import time
+
+    from moerl.bus import TrainerWatch
+    from moerl.components.rollout import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "NODE_LOST_S", 0.5)
+    bus = stage_bus(server, request, monkeypatch)
+    w = _leader(bus, monkeypatch)
+    try:
+        g = w.gbus
+        assert g is not None
+        watch = TrainerWatch(bus, w.cfg.pipeline.trainer_lost_s)
+        g.beat(1, ttl_s=0.3)
+        g.beat(2, ttl_s=60.0)
+        w._group_watch()
+        assert w._group_failure is None and w._exit_code(watch) is None
+        assert g.alive(0)  # the leader beats too
+        time.sleep(0.4)  # node 1's beat lapsed, not for NODE_LOST_S yet
+        w._group_watch()
+        assert w._group_failure is None
+        time.sleep(0.3)
+        w._group_watch()
+        assert w._group_failure is not None and w._group_failure.startswith(
+            "node 1 of the engine group has not beaten for"
+        )
+        with pytest.raises(RuntimeError, match="rollout-0: node 1 of the engine group"):
+            w._exit_code(watch)
+    finally:
+        w.close()
+    w2 = _leader(bus, monkeypatch)
+    try:
+        assert w2.gbus is not None
+        w2.gbus.ask_drain(2, "SIGTERM (a Spot notice)")
+        w2._group_watch()
+        assert w2.drain.asked
+        assert w2._exit_code(TrainerWatch(bus, w2.cfg.pipeline.trainer_lost_s)) == 75
+    finally:
+        w2.close()
+
+
+class _RanksUp:
+    """Stands in for the follower's headless engine ranks, alive throughout: what is checked is
+    the follower's loop reading the leader's state on the bus."""
+
+    def dead(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_follower_leaves_a_lost_or_ended_leader(tmp_path, server, request, monkeypatch):  # noqa: F811
+    """The follower's side: a leader that never starts its engine fails it after
+    rollout.group_fetch_timeout_s (TimeoutError naming the leader and the field); a leader that
+    beat, then stopped for LEADER_LOST_S, ends it with 1; a leader's end code is its own."""
+    import time
+
+    from moerl.components.rollout import follower as follower_mod
+    from moerl.components.rollout.follower import Follower
+
+    monkeypatch.setattr(follower_mod, "LEADER_LOST_S", 0.6)
+    monkeypatch.setattr(follower_mod, "POLL_S", 0.05)
+    bus = stage_bus(server, request, monkeypatch)
+    cfg = parse_config(
+        {
+            "checkpoint": {"uri": str(tmp_path / "store"), "cache_dir": str(tmp_path / "n1")},
+            "rollout": {"group_fetch_timeout_s": 0.5},
+        }
+    )
+
+    def follower(group: str) -> Follower:
+        return Follower(cfg, bus.run_id, "rollout-0", bus, GroupSpec(1, 2, "leader-0", group, 1))
+
+    f = follower("never")
+    with pytest.raises(TimeoutError) as err:
+        f._wait_leader_starting()
+    assert "the leader leader-0 did not start its engine in 0.5 s" in str(err.value)
+    assert "(rollout.group_fetch_timeout_s)" in str(err.value)
+
+    f = follower("lost")
+    f.engine = _RanksUp()  # type: ignore[assignment]
+    f.gbus.beat(0, ttl_s=0.3)
+    t0 = time.monotonic()
+    assert f._loop(75) == 1
+    assert 0.6 < time.monotonic() - t0 < 5
+
+    f = follower("ended")
+    f.engine = _RanksUp()  # type: ignore[assignment]
+    f.gbus.beat(0)
+    f.gbus.end(75)
+    assert f._loop(75) == 75
+    f = follower("failed")
+    f.engine = _RanksUp()  # type: ignore[assignment]
+    f.gbus.end(3)
+    assert f._loop(75) == 1
