@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moerl.components.rollout.transport import nccl_debug_to_file
 from moerl.config import RolloutConfig
 from moerl.errors import MoerlError
 
@@ -274,6 +275,7 @@ class HeadlessEngine:
         check_cpu_dtype(cfg.device, kwargs["dtype"])
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         _cpu_threads(cfg)
+        nccl_debug_to_file(cfg.device)  # NCCL's own word on its network, for the transport record
         vllm_config = AsyncEngineArgs(**kwargs).create_engine_config(
             usage_context=UsageContext.OPENAI_API_SERVER, headless=True
         )
@@ -371,6 +373,7 @@ class RolloutEngine:
         in_process = cfg.in_process and cfg.driver == "offline"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         _cpu_threads(cfg)
+        nccl_debug_to_file(cfg.device)  # NCCL's own word on its network, for the transport record
         from moerl.components.rollout.cores import AsyncCore, OfflineCore
 
         self._core: OfflineCore | AsyncCore | None = (

