@@ -4,14 +4,17 @@
 #   bash tests/gpu/run.sh            # prints versions, runs tests/gpu, writes $OUT/gpu-check.txt
 #   GPU_TESTS=tests/gpu/test_rollout_layouts.py bash tests/gpu/run.sh   # the rollout engines only
 #   GPU_TESTS=tests/gpu/test_wide_ep.py bash tests/gpu/run.sh          # the DP x EP engine over every GPU
+#   GPU_TESTS=tests/gpu/test_fp8_serving.py bash tests/gpu/run.sh      # FP8 serving (one GPU)
 # It checks the CUDA trainer against the CPU trainer, the sharded (FSDP2 + EP) worker over NCCL
 # (one rank; and with bf16 mixed precision and activation checkpointing: its peak memory
 # against the static formula, tokens/s), and a CUDA vLLM engine hot-swapped to a new version
 # against a fresh load (by name on every rank, CUDA graphs on), bf16 serving (rollout.dtype)
 # against a float32 engine and transformers, its routed experts (enable_return_routed_experts)
-# against the trainer's routers, and with 2+ GPUs TP = 2 and DP 2 x EP 2 over
-# allgather_reducescatter and deepep_v2 (skipped on one GPU, each with its reason; DP xfails
-# while the engine refuses data_parallel_size > 1), a DP x EP engine over every GPU here
+# against the trainer's routers, FP8 serving (rollout.quantization fp8: a tiny MoE engine
+# hot-swapped twice, its logprobs against bf16 engines on the same weights;
+# tests/gpu/test_fp8_serving.py), and with 2+ GPUs TP = 2 and DP 2 x EP 2 over
+# allgather_reducescatter and deepep_v2 (skipped on one GPU, each with its reason), a DP x EP
+# engine over every GPU here
 # (data_parallel_size = the GPU count) with each backend and the transport it records
 # (tests/gpu/test_wide_ep.py: rollout.transport.* says the backend, EP size, nvlink-only); then
 # the async trainer's persistent mesh on NCCL (one rank per GPU: versions kept in memory against
