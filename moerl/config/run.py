@@ -95,9 +95,14 @@ class RequireConfig(_Section):
     gpu: bool = False
     """CUDA is available to torch."""
     deepep: bool = False
-    """`import deep_ep` works."""
+    """`import deep_ep` works; and each rollout engine, checked once it is built, uses DeepEP:
+    rollout.all2all_backend a deepep_* backend that vLLM kept, and across nodes DeepEP V2 on NCCL
+    GIN over EFA, not its fallback (the `rollout.transport.*` run tags say what it got)."""
     efa: bool = False
-    """EFA devices are visible and libfabric's efa provider is present."""
+    """EFA devices are visible and libfabric's efa provider is present; and a rollout engine over
+    several nodes used EFA: NCCL's own log (moerl sets NCCL_DEBUG=INFO with a file per process
+    unless NCCL_DEBUG is set) names aws-ofi-nccl on libfabric's efa provider, not sockets or
+    another provider, and a log that names no network fails too."""
 
 
 class RunConfig(_Section):
