@@ -12,8 +12,12 @@ the CPU communicator lacks), so the group serves a tiny dense Qwen3 at DP = 2, o
 - the group starts: the leader's engine waits for the follower's rank, and both start on dummy
   weights;
 - both nodes fetch every version into their own node cache (verified, the same manifest), and
-  the leader swaps a version in only once the follower reports holding it; the swap reads each
-  node's own copy (a copy missing on a node fails that node's ranks: `test_swap_reads_own_node`);
+  the leader swaps a version in only once the follower reports holding it: while the follower's
+  fetch of version 1 is held up (the test holds that copy's fetch lock in the follower's cache)
+  the leader keeps generating on version 0, then swaps once the follower holds version 1; the
+  swap reads each node's own copy (tests/rollout/test_group.py::
+  test_a_swap_reads_its_own_nodes_verified_copy; the leader's check against a real Valkey, its
+  timeout and a lost node: the tests after it there);
 - a SIGTERM to the follower (a Spot notice on that node) drains the whole group: the leader stops
   leasing, requeues what it has not finished, both exit EXIT_DRAINED;
 - the units come back: every issued unit is either acknowledged or leasable again.
@@ -36,7 +40,7 @@ from moerl.bus.client import PASSWORD_ENV
 from moerl.config import config_to_json, parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import Prompt
-from moerl.store.nodecache import MARKER
+from moerl.store.nodecache import MARKER, exclusive, lock_path
 from moerl.store.runs import run_cache, run_store, version_uri
 from tests.support.dense import dense_model
 from tests.support.valkey_server import server  # noqa: F401 (a fixture)
@@ -148,6 +152,16 @@ def _stop(procs) -> None:
             pass
 
 
+def _issue(bus, units) -> None:  # noqa: ANN001 - a RunBus
+    for u in units:
+        bus.issue_unit(
+            [
+                Prompt(id=f"p{u}-{k}", task="t", prompt="abcdefg"[: 3 + k], answer="x").model_dump()
+                for k in range(2)
+            ]
+        )
+
+
 def _mlflow_run(uri: str) -> str:
     from mlflow.tracking import MlflowClient
 
@@ -207,8 +221,26 @@ def test_group_fetches_swaps_drains(tmp_path, server, monkeypatch, dense):  # no
             assert marker.read_text().split("\n")[0] == sha0
         _wait("groups generated", lambda: bus.counters()["groups_generated"] >= 2, 240, procs)
 
-        # a new version: the leader swaps it in only once the follower holds it too
-        sha1 = _publish(store, bus, 1, v1)
+        # a new version: the leader swaps it in only once the follower holds it too. The
+        # follower's fetch of it waits on its node cache's fetch lock, held here meanwhile
+        node1 = run_cache(follower_cfg.checkpoint, run_id)
+        with exclusive(lock_path(node1, 1)):
+            sha1 = _publish(store, bus, 1, v1)
+            log0 = tmp_path / "node0.log"
+            _wait(
+                "the leader to wait for node 1",
+                lambda: "version 1: waiting for nodes [1] of the engine group" in log0.read_text(),
+                120,
+                procs,
+            )
+            generated = bus.counters()["groups_generated"]
+            _issue(bus, range(6, 12))  # work to do meanwhile, on version 0
+            held_at = time.monotonic()
+            while time.monotonic() - held_at < 8:
+                assert bus.stats()[WORKER]["version"] == 0.0  # still version 0, serving
+                assert gbus.holds(1) == (0, sha0)
+                time.sleep(0.5)
+            assert bus.counters()["groups_generated"] > generated, "the leader stopped generating"
         _wait(
             "the leader to serve version 1",
             lambda: bus.stats().get(WORKER, {}).get("version") == 1.0,
@@ -216,20 +248,13 @@ def test_group_fetches_swaps_drains(tmp_path, server, monkeypatch, dense):  # no
             procs,
         )
         assert gbus.holds(1) == (1, sha1)
+        assert bus.stats()[WORKER]["group_wait_s"] >= 8  # the wait, reported at the swap
         marker = run_cache(follower_cfg.checkpoint, run_id) / "v000001" / MARKER
         assert marker.read_text().split("\n")[0] == sha1
 
         # more work, then a Spot notice on the follower's node while it runs: the whole group
         # drains
-        for u in range(6, UNITS):
-            bus.issue_unit(
-                [
-                    Prompt(
-                        id=f"p{u}-{k}", task="t", prompt="abcdefg"[: 3 + k], answer="x"
-                    ).model_dump()
-                    for k in range(2)
-                ]
-            )
+        _issue(bus, range(12, UNITS))
         generated = bus.counters()["groups_generated"]
         _wait(
             "more groups generated",
