@@ -1,13 +1,14 @@
 """`moerl bench wide-ep`: the seed's DeepEP-over-EFA comparison as a benchmark users run.
 
-Three parts: `plan` writes one JobSet per engine size (nodes), whose leader runs every
-(backend, repeat) leg in sequence and whose followers run vLLM's headless engine ranks;
+Four parts: `plan` writes one JobSet per engine size (nodes) and its NetworkPolicy; the
+leader runs every (backend, repeat) leg in sequence, the followers vLLM's headless ranks;
 `leg` measures one leg against a vLLM OpenAI server (started here, or `--url`): the same seeded
-prompts, streamed, per-request time to first token and per output token, output tokens/s,
-expert load imbalance where vLLM's /metrics reports it, bytes on the EFA NICs, disclosure;
-`nic` reads this node's EFA counters (the followers' per-leg NIC records); `report` merges leg
-and NIC records into a table per backend and size, with the run-to-run variance, EFA bytes
-summed over the group's nodes and the deepep_v2 / allgather_reducescatter ratio per size.
+prompts, streamed, per-request time to first token and per output token, output tokens/s, the
+transport the engine got and the expert load imbalance (its server log, wide_ep_engine.py),
+bytes on the EFA NICs, disclosure; `nic` reads this node's EFA counters (the followers' NIC
+records); `report` merges them into a table per backend and size: variance, EFA bytes over the
+group's nodes, the transport path (a multi-node leg off its backend over EFA fails it), the
+deepep_v2 / allgather_reducescatter ratio per size.
 
 Design, details and limitations: docs/benchmarks.md#wide-ep-deepep-over-efa-vs-all-gather.
 """
@@ -18,7 +19,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shlex
 import signal
 import subprocess
@@ -33,6 +33,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from moerl.bench.wide_ep_engine import (
+    eplb_args,
+    eplb_imbalance,
+    imbalance_unavailable,
+    leg_transport,
+    log_size,
+    path_problem,
+    read_log,
+)
+from moerl.components.rollout.transport import nccl_debug_to_file
 from moerl.errors import ConfigError, DataError
 
 BACKENDS = ("allgather_reducescatter", "deepep_v2")
@@ -48,7 +58,7 @@ STAGE = "bench_wide_ep"
 # deepep_v2 over EFA: NCCL GIN with the aws-ofi-nccl plugin (comment on vLLM PR #41183,
 # docs/rollout-scale.md); not run here
 DEEPEP_V2_ENV = {"NCCL_GIN_ENABLE": "1", "NCCL_GIN_TYPE": "2"}
-NOT_REPORTED = "not reported by this vLLM"
+EPLB_LOG_INTERVAL = 10  # engine steps between EPLB balancedness lines (wide_ep_engine)
 NO_EFA = "no EFA devices"
 
 
@@ -174,9 +184,11 @@ def engine_args(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     seed: int = 0,
+    eplb_log_interval: int = 0,
 ) -> list[str]:
     """vLLM engine flags (after `vllm serve MODEL`) for one leg: data parallel over the
-    engine's nodes, expert parallel with `backend` on cuda; on cpu neither (refused before)."""
+    engine's nodes, expert parallel with `backend` on cuda, with EPLB's balancedness logged
+    every `eplb_log_interval` steps (0: not; `wide_ep_engine.eplb_args`); on cpu neither."""
     args = [f"--dtype={dtype}", f"--seed={seed}"]
     if max_model_len:
         args.append(f"--max-model-len={max_model_len}")
@@ -195,6 +207,7 @@ def engine_args(
         args += ["--headless", f"--data-parallel-start-rank={start_rank}"]
     if lay.expert_parallel:
         args += ["--enable-expert-parallel", f"--all2all-backend={backend}"]
+        args += eplb_args(eplb_log_interval)
     return args
 
 
@@ -231,6 +244,7 @@ def plan_jobsets(
     port: int = API_PORT,
     rpc_port: int = DP_RPC_PORT,
     start_timeout_s: float = 1800.0,
+    eplb_log_interval: int = EPLB_LOG_INTERVAL,
 ) -> list[dict[str, Any]]:
     """One JobSet per engine size in `nodes`, from the run config `cfg` (image, GPUs and EFA
     devices per node, rollout dtype/tp/seed/max_model_len, the rollout group's scheduling).
@@ -238,7 +252,8 @@ def plan_jobsets(
     each record on a `MOERL_WIDE_EP_LEG` line; followers run the same sequence of headless
     engine ranks (each ends when the leader's engine shuts down) and print, per leg, their
     node's EFA bytes from the leader's server up to its going away on a `MOERL_WIDE_EP_NIC`
-    line (`report` sums them with the leader's over the group's nodes)."""
+    line (`report` sums them with the leader's over the group's nodes). Leader and followers
+    log EPLB's balancedness every `eplb_log_interval` steps (the same flags: vLLM checks)."""
     from moerl.launch import objects
 
     model = model or cfg.model.path
@@ -290,6 +305,7 @@ def plan_jobsets(
                     f"--port={port}",
                     f"--rpc-port={rpc_port}",
                     f"--start-timeout={start_timeout_s:g}",
+                    f"--eplb-log-interval={eplb_log_interval}",
                     f"--out={cfg.cluster.scratch_dir}/wide-ep/n{n}-{backend}-r{r}.json",
                     "--print-record",
                     *[a for a in workload.args() if not a.startswith("--seed=")],
@@ -306,6 +322,7 @@ def plan_jobsets(
                     start_rank=f"$(( (MOERL_WORKER_INDEX + 1) * {lay.dp_local} ))",
                     headless=True,
                     max_num_seqs=workload.in_flight,
+                    eplb_log_interval=eplb_log_interval,
                     **common,  # type: ignore[arg-type]
                 )
                 nic = [
@@ -341,6 +358,20 @@ def plan_jobsets(
                 nodes=n,
             )
         )
+    return out
+
+
+def plan_objects(cfg, **kw: Any) -> list[dict[str, Any]]:
+    """`plan_jobsets(cfg, **kw)`, each JobSet followed by its NetworkPolicy
+    (`objects.rollout_group_policy`: the group's own pods admit each other on every TCP port,
+    for vLLM's DP RPC, the NCCL/gloo/DeepEP bootstraps and the leader's /health; no one
+    else). Without an owner: `kubectl apply` makes both, deleting a JobSet leaves its policy
+    (delete both by the stage label)."""
+    from moerl.launch import objects
+
+    out = []
+    for js in plan_jobsets(cfg, **kw):
+        out += [js, objects.rollout_group_policy(js)]
     return out
 
 
@@ -483,59 +514,6 @@ def send_all(
     return done, end - t0
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text exposition: {(name, sorted labels): value}."""
-    out = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or line.startswith("#"):
-            continue
-        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
-        try:
-            out[(m.group(1), labels)] = float(m.group(3))
-        except ValueError:
-            continue
-    return out
-
-
-def expert_imbalance(
-    before: dict[tuple[str, tuple[tuple[str, str], ...]], float],
-    after: dict[tuple[str, tuple[tuple[str, str], ...]], float],
-) -> dict[str, Any]:
-    """Per-layer max/mean tokens per expert over the leg, from a /metrics series whose name has
-    `expert` and whose labels name the expert (and the layer, if any); vLLM 0.32 exports none,
-    which is reported as such, never estimated."""
-    series = [
-        k
-        for k in after
-        if "expert" in k[0] and any(lk in ("expert", "expert_id", "expert_idx") for lk, _ in k[1])
-    ]
-    if not series:
-        names = sorted({k[0] for k in after if "expert" in k[0]})
-        detail = f"series without an expert label: {names}" if names else "no expert series"
-        return {"status": NOT_REPORTED, "detail": f"/metrics has {detail}"}
-    layers: dict[str, list[float]] = {}
-    for k in series:
-        labels = dict(k[1])
-        layer = labels.get("layer", labels.get("layer_idx", "all"))
-        layers.setdefault(f"{k[0]}:{layer}", []).append(after[k] - before.get(k, 0.0))
-    per_layer = {
-        lay: (max(v) / (sum(v) / len(v)) if sum(v) > 0 else 1.0) for lay, v in layers.items()
-    }
-    vals = list(per_layer.values())
-    return {
-        "status": "reported",
-        "metric": sorted({k[0] for k in series}),
-        "per_layer": per_layer,
-        "mean": sum(vals) / len(vals),
-        "max": max(vals),
-    }
-
-
 def _get(url: str, timeout_s: float = 10) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return resp.read().decode()
@@ -655,8 +633,13 @@ def run_leg(
     start_timeout_s: float = 1800.0,
     server_args: Sequence[str] = (),
     print_record: bool = False,
+    eplb_log_interval: int = EPLB_LOG_INTERVAL,
+    server_log: Path | None = None,
 ) -> dict[str, Any]:
-    """One measured leg; writes its record to `out` and returns it (schema LEG_SCHEMA)."""
+    """One measured leg; writes its record to `out` and returns it (schema LEG_SCHEMA). The
+    server's log (the one started here, or `server_log` beside `--url`) gives the transport
+    the engine got (`wide_ep_engine.leg_transport`) and, over the timed requests, the expert
+    load imbalance (EPLB's balancedness lines, every `eplb_log_interval` steps; 0: off)."""
     if backend not in ALL2ALL:
         raise ConfigError(f"--backend: allowed {', '.join(ALL2ALL)}; got {backend!r}")
     refuse_on_cpu(backend, lay)
@@ -675,11 +658,14 @@ def run_leg(
     warm = prompt_ids(warm_w, int(vocab))
     server = None
     served = model
+    env = dict(os.environ)
+    if lay.device == "cuda" and "v2" in backend:
+        env.update(DEEPEP_V2_ENV)
     try:
         if url is None:
-            env = dict(os.environ)
-            if "v2" in backend and lay.device == "cuda":
-                env.update(DEEPEP_V2_ENV)
+            # NCCL's INFO log to files beside the record: its own word on its network
+            out.parent.mkdir(parents=True, exist_ok=True)
+            nccl_debug_to_file(lay.device, env, root=out.parent)
             cmd = [
                 *vllm_entry(model),
                 "--host=0.0.0.0" if lay.nodes > 1 else "--host=127.0.0.1",
@@ -693,6 +679,7 @@ def run_leg(
                     max_model_len=max_model_len,
                     max_num_seqs=workload.in_flight,
                     seed=workload.seed,
+                    eplb_log_interval=eplb_log_interval,
                 ),
                 *server_args,
             ]
@@ -700,6 +687,7 @@ def run_leg(
                 cmd.append("--enforce-eager")
             url = f"http://127.0.0.1:{port}"
             server = Server(cmd, env, out.with_suffix(".server.log"), out.parent)
+            server_log = server.log
             t0 = time.perf_counter()
             server.wait_ready(url, start_timeout_s)
             start_s: float | None = time.perf_counter() - t0
@@ -716,15 +704,42 @@ def run_leg(
                 warm[:warmup],
                 warm_w,
             )
-        m0 = parse_metrics(_get(url + "/metrics"))
+        log0 = log_size(server_log)
         nic0 = efa_counters()
         reqs, wall = send_all(url, served, prompts, workload)
         nic1 = efa_counters()
-        m1 = parse_metrics(_get(url + "/metrics"))
+        why = imbalance_unavailable(
+            lay.device, lay.expert_parallel, eplb_log_interval, server_log is not None
+        )
+        if not why:
+            time.sleep(1.0)  # the last step's line, written as its tokens went out
+        imbalance = (
+            {"status": "not measured", "why": why}
+            if why
+            else eplb_imbalance(read_log(server_log, log0, log_size(server_log)))
+        )
+        log = read_log(server_log) if server_log is not None else None
     finally:
         if server is not None:
             server.stop()
     up1 = efa_counters()  # ... to the server gone
+    from moerl.provenance import runtime_probe
+
+    probe = runtime_probe(light=True)
+    transport = leg_transport(
+        backend,
+        device=lay.device,
+        nodes=lay.nodes,
+        dp=lay.dp,
+        dp_local=lay.dp_local,
+        tp=lay.tp,
+        expert_parallel=lay.expert_parallel,
+        env=env if server is not None else os.environ,
+        probe=probe,
+        log=log,
+        started=server is not None,
+    )
+    transport["env_of"] = "the server started here" if server else "this process (--url)"
     record = leg_record(
         reqs,
         wall,
@@ -736,11 +751,17 @@ def run_leg(
         model,
         repeat,
         efa_bytes(nic0, nic1),
-        expert_imbalance(m0, m1),
+        imbalance,
         start_s,
+        transport=transport,
+        eplb_log_interval=eplb_log_interval,
     )
     record["efa_serving"] = efa_bytes(up0, up1)
-    record["server"] = {"url": url, "command": server.cmd if server else None}
+    record["server"] = {
+        "url": url,
+        "command": server.cmd if server else None,
+        "log": str(server_log) if server_log is not None else None,
+    }
     record["versions"] = versions(lay.device)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
@@ -804,8 +825,11 @@ def leg_record(
     efa: dict[str, Any],
     imbalance: dict[str, Any],
     start_s: float | None,
+    transport: dict[str, str] | None = None,
+    eplb_log_interval: int = 0,
 ) -> dict[str, Any]:
-    """The leg's JSON record: per-request times, totals, checks and disclosure (pure)."""
+    """The leg's JSON record: per-request times, totals, checks, the transport the engine got,
+    and disclosure (pure). `transport_problem`: `wide_ep_engine.path_problem`'s word on it."""
     tokens = sum(r.tokens for r in reqs)
     errors = [r.error for r in reqs if r.error]
     mismatched = [
@@ -819,7 +843,7 @@ def leg_record(
     }
     gpus = lay.devices if lay.device == "cuda" else None
     tps = tokens / wall_s if wall_s > 0 else 0.0
-    return {
+    rec = {
         "schema": LEG_SCHEMA,
         "ok": all(checks.values()),
         "checks": checks,
@@ -837,6 +861,7 @@ def leg_record(
         "ttft_s": [r.ttft_s for r in reqs if r.ttft_s is not None],
         "tpot_s": [r.tpot_s for r in reqs if r.tpot_s is not None],
         "expert_imbalance": imbalance,
+        "transport": transport,
         "efa": efa,
         "disclosure": {
             "model": model,
@@ -854,8 +879,15 @@ def leg_record(
             "expert_parallel": lay.expert_parallel,
             "ep_degree": lay.ep_degree,
             "all2all_backend": backend if lay.expert_parallel else f"{backend} (EP off)",
+            "eplb": (
+                f"balancedness logged every {eplb_log_interval} steps, no rearrangement"
+                if lay.expert_parallel and eplb_log_interval > 0
+                else "off"
+            ),
         },
     }
+    rec["transport_problem"] = path_problem(rec)
+    return rec
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -973,7 +1005,8 @@ def summarize_group(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     tpot = [x for r in legs for x in r["tpot_s"]]
     per_gpu = [r["tokens_per_s_per_gpu"] for r in legs if r["tokens_per_s_per_gpu"] is not None]
     imb = [r["expert_imbalance"] for r in legs]
-    reported = [x["mean"] for x in imb if x.get("status") == "reported"]
+    measured = [x["imbalance"] for x in imb if x.get("status") == "measured"]
+    paths = sorted({(r.get("transport") or {}).get("path", "not recorded") for r in legs})
     efa = [r["efa"] for r in legs if r["efa"].get("status") == "measured"]
     return {
         "backend": legs[0]["backend"],
@@ -985,8 +1018,14 @@ def summarize_group(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "tokens_per_s_per_gpu": variance(per_gpu) if per_gpu else None,
         "ttft_s": distribution(ttft),
         "tpot_s": distribution(tpot),
-        "expert_imbalance": (sum(reported) / len(reported)) if reported else None,
-        "expert_imbalance_status": "reported" if reported else imb[0].get("status", NOT_REPORTED),
+        "expert_imbalance": (sum(measured) / len(measured)) if measured else None,
+        "expert_imbalance_status": (
+            f"measured in {len(measured)} of {len(legs)} legs"
+            if measured
+            else imb[0].get("why") or imb[0].get("status", "not measured")
+        ),
+        "path": ", ".join(paths),
+        "transport_problems": [x for x in (path_problem(r) for r in legs) if x],
         "efa_bytes": (sum(e["tx_bytes"] + e["rx_bytes"] for e in efa) / len(efa)) if efa else None,
         "efa_status": "measured" if efa else NO_EFA,
         **_group_nodes_efa([r["nodes_efa"] for r in legs if "nodes_efa" in r]),
@@ -1055,9 +1094,11 @@ def build_report(
         n: len({d for g in groups if g["nodes"] == n for d in g["prompt_sha256"]}) == 1
         for n in sizes
     }
+    problems = [x for g in groups for x in g["transport_problems"]]
     checks = {
         "every_leg_ok": all(g["ok"] for g in groups),
         "same_prompts_per_size": all(same.values()),
+        "multi_node_legs_got_their_backend_over_efa": not problems,
     }
     return envelope(
         "wide-ep",
@@ -1065,6 +1106,7 @@ def build_report(
         checks=checks,
         groups=groups,
         ratios=ratios,
+        transport_problems=problems,
         legs=len(legs),
         nic_records=len(nics),
         nic_records_without_leg=unmatched,
@@ -1081,9 +1123,9 @@ def markdown(rep: dict[str, Any]) -> str:
     head = (
         "| nodes | backend | GPUs | EP | repeats | tok/s mean | tok/s std | CV | tok/s/GPU | "
         "TTFT ms p50/p90/p99 | TPOT ms p50/p90/p99 | expert imbalance | EFA bytes/leg, all "
-        "nodes | ok |"
+        "nodes | path | ok |"
     )
-    rows = [head, "|" + "---|" * 14]
+    rows = [head, "|" + "---|" * 15]
     for g in rep["groups"]:
         t, pg = g["tokens_per_s"], g["tokens_per_s_per_gpu"]
         tt, tp = g["ttft_s"], g["tpot_s"]
@@ -1106,12 +1148,17 @@ def markdown(rep: dict[str, Any]) -> str:
                     if g["expert_imbalance"] is None
                     else f"{g['expert_imbalance']:.3f}",
                     _efa_cell(g),
-                    "ok" if g["ok"] else "FAIL",
+                    g["path"],
+                    "ok" if g["ok"] and not g["transport_problems"] else "FAIL",
                 ]
             )
             + " |"
         )
     rows.append("")
+    if rep.get("transport_problems"):
+        rows += ["Transport not as asked (the report fails):", ""]
+        rows += [f"- {x}" for x in rep["transport_problems"]]
+        rows.append("")
     efa_legs = [x for x in rep.get("legs_efa", []) if x["efa_bytes"] is not None or x["nodes"] > 1]
     if efa_legs:
         rows += [
@@ -1174,7 +1221,7 @@ def _plan(a) -> int:
     from moerl.config import load_config
 
     cfg = load_config(a.config, a.set)
-    objs = plan_jobsets(
+    objs = plan_objects(
         cfg,
         backends=parse_backends(a.backends),
         nodes=parse_nodes(a.nodes),
@@ -1183,6 +1230,7 @@ def _plan(a) -> int:
         model=a.model,
         run_id=a.run_id,
         start_timeout_s=a.start_timeout,
+        eplb_log_interval=a.eplb_log_interval,
     )
     text = dump_yaml(objs)
     if a.out == "-":
@@ -1190,8 +1238,8 @@ def _plan(a) -> int:
     else:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text)
-        names = ", ".join(o["metadata"]["name"] for o in objs)
-        print(f"wrote {len(objs)} JobSet(s) to {a.out}: {names}")
+        names = ", ".join(o["metadata"]["name"] for o in objs if o["kind"] == "JobSet")
+        print(f"wrote {len(objs) // 2} JobSet(s) and their NetworkPolicies to {a.out}: {names}")
     return 0
 
 
@@ -1225,12 +1273,17 @@ def _leg(a) -> int:
         start_timeout_s=a.start_timeout,
         server_args=a.server_arg,
         print_record=a.print_record,
+        eplb_log_interval=a.eplb_log_interval,
+        server_log=Path(a.server_log) if a.server_log else None,
     )
     print(
         f"leg {rec['backend']} nodes={rec['nodes']} repeat={rec['repeat']}: "
         f"{rec['output_tokens']} tokens in {rec['wall_s']:.2f} s = {rec['tokens_per_s']:.1f} tok/s"
         f" ({'ok' if rec['ok'] else 'FAIL: ' + str(rec['checks'])}) -> {a.out}"
     )
+    print(f"  path {rec['transport']['path']}: {rec['transport']['why']}")
+    if rec["transport_problem"]:
+        print(f"  transport not as asked: {rec['transport_problem']}")
     return 0 if rec["ok"] else 1
 
 
@@ -1270,6 +1323,16 @@ def _workload_flags(p) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
 
 
+def _eplb_flag(p) -> None:
+    p.add_argument(
+        "--eplb-log-interval",
+        type=int,
+        default=EPLB_LOG_INTERVAL,
+        help="engine steps between vLLM's EPLB balancedness lines (expert load imbalance) on "
+        "expert-parallel legs; 0: no EPLB",
+    )
+
+
 def add_parser(bsub) -> None:
     """`moerl bench wide-ep {plan,leg,nic,report}` on the `moerl bench` subparsers `bsub`."""
     we = bsub.add_parser(
@@ -1290,6 +1353,7 @@ def add_parser(bsub) -> None:
     pl.add_argument("--run-id", default=None, help="names and labels the JobSets (default: random)")
     pl.add_argument("--start-timeout", type=float, default=1800.0, help="seconds per engine start")
     pl.add_argument("--out", default="-", help="a YAML file, or - for stdout")
+    _eplb_flag(pl)
     _workload_flags(pl)
     pl.set_defaults(func=_plan)
 
@@ -1316,6 +1380,12 @@ def add_parser(bsub) -> None:
         "--print-record", action="store_true", help=f"also print the record after {LOG_PREFIX!r}"
     )
     lg.add_argument("--out", default="bench/wide-ep/leg.json")
+    lg.add_argument(
+        "--server-log",
+        default=None,
+        help="with --url: that server's log (its transport and EPLB lines)",
+    )
+    _eplb_flag(lg)
     _workload_flags(lg)
     lg.set_defaults(func=_leg)
 

