@@ -98,7 +98,25 @@ class RolloutConfig(_Section):
     trainer.moe.router_replay R3 replays and the moe/routing_* metrics compare (GPU: vLLM's
     enable_return_routed_experts; CPU: a capture hook in the in-process engine)."""
     workers: int = Field(1, ge=1, le=1024)
-    """Async mode: long-lived rollout workers (one engine each for the whole run)."""
+    """Async mode: long-lived rollout workers (one engine each for the whole run); with
+    min_workers / max_workers, the fleet's size at the start."""
+    min_workers: int | None = Field(None, ge=1, le=1024)
+    """Async mode: the elastic fleet's lower bound (docs/async.md, "An elastic fleet"); null:
+    workers (no scale-down below the start)."""
+    max_workers: int | None = Field(None, ge=1, le=1024)
+    """Async mode: the elastic fleet's upper bound; null: workers. A fleet grows while its backlog
+    of units would outlast an engine's measured load time, and shrinks while scored groups pile up
+    beyond fleet_high_watermark_groups (docs/async.md, "An elastic fleet")."""
+    fleet_high_watermark_groups: int | None = Field(None, ge=1)
+    """Scored groups waiting for the trainer beyond which the fleet shrinks (production the
+    trainer cannot consume); null: task.prompts_per_iteration x (buffer.max_staleness + 1), what
+    the trainer can use before it goes stale."""
+    fleet_interval_s: float = Field(5.0, gt=0.0, le=600.0)
+    """How often the fleet's controller (the local launcher, or the trainer's issuer on a
+    cluster without KEDA) reads the run's queues and sets the fleet's size."""
+    fleet_scale_down_after_s: float = Field(30.0, ge=0.0, le=3600.0)
+    """A shrink condition must hold this long before a worker leaves, and a worker that joined
+    stays at least this long: no flapping on one version's burst."""
     units_in_flight: int = Field(2, ge=1, le=64)
     """Async mode, single-turn tasks: leased units a worker generates at once; another is leased
     while the engine holds fewer than 2 x max_num_seqs unfinished sequences, so a unit's tail
@@ -136,6 +154,17 @@ class RolloutConfig(_Section):
     """On SIGTERM (a Spot interruption) a worker finishes its active requests for at most this
     long, publishes them and requeues the rest; keep it under 90 s so the 120 s notice and the
     pod's terminationGracePeriodSeconds cover it."""
+
+    @property
+    def fleet_bounds(self) -> tuple[int, int]:
+        """(min_workers, max_workers) resolved: workers where unset."""
+        return self.min_workers or self.workers, self.max_workers or self.workers
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the fleet's size may change during a run."""
+        lo, hi = self.fleet_bounds
+        return lo < hi
 
     @property
     def devices_per_engine(self) -> int:
@@ -189,6 +218,13 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        lo, hi = self.fleet_bounds
+        if not lo <= self.workers <= hi:
+            raise ValueError(
+                f"rollout.workers {self.workers} must lie within rollout.min_workers "
+                f"{self.min_workers} and rollout.max_workers {self.max_workers} (the fleet starts "
+                "at workers and scales between them; an unset bound is workers)"
+            )
         ep_set = self.enable_expert_parallel or self.all2all_backend != "allgather_reducescatter"
         if ep_set and self.device == "cpu":
             raise ValueError(

