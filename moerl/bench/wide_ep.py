@@ -42,7 +42,7 @@ from moerl.bench.wide_ep_engine import (
     path_problem,
     read_log,
 )
-from moerl.components.rollout.transport import nccl_debug_to_file
+from moerl.components.rollout.transport import NCCL_LOG_NAME, nccl_debug_to_file, nccl_observed
 from moerl.errors import ConfigError, DataError
 
 BACKENDS = ("allgather_reducescatter", "deepep_v2")
@@ -334,13 +334,23 @@ def plan_jobsets(
                     f"--backend={backend}",
                     f"--repeat={r}",
                 ]
+                # this node's NCCL INFO log, one file per process: the NIC record says which
+                # network NCCL used here
+                nccl_dir = (
+                    f"{cfg.cluster.scratch_dir}/wide-ep/nccl-n{n}-{backend}-r{r}"
+                    "-node$((MOERL_WORKER_INDEX + 1))"
+                )
+                nccl_file = f"{nccl_dir}/{NCCL_LOG_NAME}"
+                follower_lines.append(f'mkdir -p "{nccl_dir}"')
                 follower_lines.append(
                     _follower_leg(
-                        f"{env} {shlex.join(['vllm', 'serve', model])} "
+                        f'NCCL_DEBUG=INFO NCCL_DEBUG_FILE="{nccl_file}" {env} '
+                        + f"{shlex.join(['vllm', 'serve', model])} "
                         + " ".join(_shell_arg(a) for a in serve),
                         port,
                         start_timeout_s,
-                        nic=shlex.join(nic) + ' --node="$((MOERL_WORKER_INDEX + 1))"',
+                        nic=shlex.join(nic)
+                        + f' --node="$((MOERL_WORKER_INDEX + 1))" --nccl-log="{nccl_file}"',
                     )
                 )
         leader_cmd = ["bash", "-c", "\n".join([*leader_lines, "exit $rc"])]
@@ -901,10 +911,12 @@ def nic_record(
     backend: str,
     repeat: int,
     node: int,
+    nccl: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A follower's NIC record (NIC_SCHEMA): node rank `node` of the `nodes`-node engine, its
-    EFA bytes between the counter snapshots `before` and `after` for leg (backend, repeat)."""
-    return {
+    EFA bytes between the counter snapshots `before` and `after` for leg (backend, repeat), and
+    `nccl`: {net, evidence}, the network its NCCL log says this node's ranks used."""
+    rec = {
         "schema": NIC_SCHEMA,
         "nodes": nodes,
         "backend": backend,
@@ -913,6 +925,9 @@ def nic_record(
         "window": "the leader's server up to gone",
         "efa": efa_bytes(before, after),
     }
+    if nccl is not None:
+        rec["nccl"] = nccl
+    return rec
 
 
 def read_records(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -1085,7 +1100,16 @@ def build_report(
         by_leg.setdefault(_leg_key(n), []).append(n)
     keys_legs = {_leg_key(r) for r in legs}
     unmatched = sum(len(v) for k, v in by_leg.items() if k not in keys_legs)
-    legs = [{**r, "nodes_efa": leg_nodes_efa(r, by_leg.get(_leg_key(r), []))} for r in legs]
+    legs = [
+        {
+            **r,
+            "nodes_efa": leg_nodes_efa(r, by_leg.get(_leg_key(r), [])),
+            "followers_nccl": [
+                {"node": n["node"], **n["nccl"]} for n in by_leg.get(_leg_key(r), []) if "nccl" in n
+            ],
+        }
+        for r in legs
+    ]
     keys = sorted({(r["nodes"], r["backend"]) for r in legs})
     groups = [summarize_group([r for r in legs if (r["nodes"], r["backend"]) == k]) for k in keys]
     sizes = sorted({g["nodes"] for g in groups})
@@ -1300,7 +1324,13 @@ def _nic(a) -> int:
         raise ConfigError(
             f"wide-ep nic --since: not a counter snapshot: {a.since[:80]!r}"
         ) from None
-    rec = nic_record(before, now, nodes=a.nodes, backend=a.backend, repeat=a.repeat, node=a.node)
+    nccl = None
+    if a.nccl_log:
+        net, why, _ = nccl_observed({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": a.nccl_log}, "cuda")
+        nccl = {"net": net or "not observed", "evidence": why}
+    rec = nic_record(
+        before, now, nodes=a.nodes, backend=a.backend, repeat=a.repeat, node=a.node, nccl=nccl
+    )
     print(NIC_PREFIX + json.dumps(rec), flush=True)
     return 0
 
@@ -1400,6 +1430,11 @@ def add_parser(bsub) -> None:
     nc.add_argument("--repeat", type=int, default=None)
     nc.add_argument("--node", type=int, default=None, help="this node's rank (leader 0)")
     nc.add_argument("--root", default="/sys/class/infiniband", help="the RDMA devices' sysfs")
+    nc.add_argument(
+        "--nccl-log",
+        default=None,
+        help="with --since: the NCCL_DEBUG_FILE pattern this node's ranks wrote (%%h, %%p)",
+    )
     nc.set_defaults(func=_nic)
 
     rp = wsub.add_parser(

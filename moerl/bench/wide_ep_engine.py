@@ -230,7 +230,8 @@ def path_problem(leg: Mapping[str, Any]) -> str | None:
     """Why a leg over more than one node did not get its asked backend over EFA (naming the
     leg and what it got), or None: one-node legs (NVLink or cpu) and legs that got it. A leg
     whose logs do not show the all2all backend vLLM built, or the network NCCL used, fails
-    too: what it got was not observed."""
+    too: what it got was not observed. `followers_nccl` (the followers' NIC records' NCCL
+    network, joined by the report): a follower whose NCCL did not use EFA fails it."""
     if int(leg["nodes"]) <= 1:
         return None
     t = leg.get("transport")
@@ -245,6 +246,9 @@ def path_problem(leg: Mapping[str, Any]) -> str | None:
         got.append(f"vLLM's all2all manager: {t['all2all_observed']}")
     if t.get("net_source") != "nccl log":
         got.append(f"NCCL's network {t.get('nccl_observed', 'not observed')}")
+    for f in leg.get("followers_nccl", []):
+        if f["net"] != "efa":
+            got.append(f"node {f['node']}: NCCL's network {f['net']} ({f['evidence']})")
     if not got:
         return None
     return f"{leg_name(leg)}: asked {want}, got " + "; ".join(got)

@@ -371,14 +371,17 @@ def jobset_schema() -> dict:
     return _strict(v["schema"]["openAPIV3Schema"])
 
 
-def _cfg(**over):
+def _cfg(scratch: Path | None = None, **over):
     return parse_config(
         {
             "model": {"path": "Qwen/Qwen3-30B-A3B-FP8"},
             "checkpoint": {"uri": "s3://moerl-ckpt/prod"},
             "pipeline": {"base_image": "registry.example/moerl-rollout:1"},
             "rollout": {"device": "cuda", "max_model_len": 4096, **over},
-            "cluster": {"launch": {"mode": "kubernetes"}},
+            "cluster": {
+                "launch": {"mode": "kubernetes"},
+                **({"scratch_dir": str(scratch)} if scratch else {}),
+            },
         }
     )
 
@@ -389,7 +392,7 @@ def _container(rj: dict) -> dict:
 
 def _run_script(script: str, env: dict[str, str]) -> list[str]:
     """The pod's script under bash with `vllm` and `moerl` printing their arguments."""
-    stub = 'vllm() { echo "vllm $*"; }; moerl() { echo "moerl $*"; }\n'
+    stub = 'vllm() { echo "vllm $*"; }; moerl() { echo "moerl $*"; }; mkdir() { :; }\n'
     assert "vllm serve" in script or "moerl bench" in script  # nothing else would be stubbed
     r = subprocess.run(
         ["bash", "-c", stub + script], env={"PATH": "/usr/bin:/bin", **env},
@@ -449,6 +452,11 @@ def test_plan_is_one_valid_jobset_per_size_leader_legs_and_headless_followers(
         assert worker["completions"] == n - 1 and worker["completionMode"] == "Indexed"
         script = _container(jobs[1])["command"][2]
         assert script.count("NCCL_GIN_ENABLE=1 NCCL_GIN_TYPE=2") == 2  # the deepep_v2 legs
+        # each follower leg's ranks log NCCL to files its NIC record reads
+        nccl = f"/scratch/wide-ep/nccl-n{n}-deepep_v2-r1-node$((MOERL_WORKER_INDEX + 1))"
+        assert f'mkdir -p "{nccl}"' in script
+        assert f'NCCL_DEBUG=INFO NCCL_DEBUG_FILE="{nccl}/nccl.%h.%p.log"' in script
+        assert f'--nccl-log="{nccl}/nccl.%h.%p.log"' in script
         ranks = _run_script(script, {"MOERL_LEADER_ADDRESS": "lead.svc", "MOERL_WORKER_INDEX": "1"})
         assert len(ranks) == 4
         for line, backend in zip(ranks, ["allgather_reducescatter"] * 2 + ["deepep_v2"] * 2):
@@ -590,15 +598,16 @@ def test_the_planned_follower_script_prints_its_nodes_efa_bytes_over_the_leaders
 
     port = _free_port()
     (js,) = wide_ep.plan_jobsets(
-        _cfg(), backends=["allgather_reducescatter"], nodes=[3], repeats=1,
-        workload=wide_ep.Workload(), run_id="0a1b2c3d", port=port, start_timeout_s=60,
+        _cfg(scratch=tmp_path / "scratch"), backends=["allgather_reducescatter"], nodes=[3],
+        repeats=1, workload=wide_ep.Workload(), run_id="0a1b2c3d", port=port, start_timeout_s=60,
     )  # fmt: skip
     script = _container(js["spec"]["replicatedJobs"][1])["command"][2]
     assert "moerl bench wide-ep nic --nodes=3 --backend=allgather_reducescatter" in script
     root = _fake_sysfs(tmp_path / "sys")
     calls = tmp_path / "nic-calls"
-    stub = (
-        "vllm() { exec sleep 600; }\n"
+    stub = (  # a rank that logs what NCCL logs when it falls back to sockets, then serves
+        'vllm() { f=$(printf %s "$NCCL_DEBUG_FILE" | sed "s/%h/ip-10-0-0-3/; s/%p/77/"); '
+        'echo "ip-10-0-0-3:77:77 [0] NCCL INFO Using network Socket" > "$f"; exec sleep 600; }\n'
         'moerl() { "$PY" -m moerl.cli "$@" --root="$SYSFS"; r=$?; echo "$*" >> "$CALLS"; return $r; }\n'
     )
     server = http.server.HTTPServer(("127.0.0.1", port), Health)
@@ -632,6 +641,19 @@ def test_the_planned_follower_script_prints_its_nodes_efa_bytes_over_the_leaders
     assert rec["node"] == 2  # MOERL_WORKER_INDEX 1 is node rank 2
     assert (rec["efa"]["tx_bytes"], rec["efa"]["rx_bytes"]) == (4000, 900)
     assert len(calls.read_text().splitlines()) == 2  # one snapshot, one record
+    # this node's NCCL went over sockets: its record says so, and the report names it
+    assert rec["nccl"]["net"] == "sockets"
+    assert "Using network Socket" in rec["nccl"]["evidence"]
+    logs = list((tmp_path / "scratch" / "wide-ep").glob("nccl-n3-*-node2/nccl.*.log"))
+    assert [x.name for x in logs] == ["nccl.ip-10-0-0-3.77.log"]
+    leg = _leg("allgather_reducescatter", 3, 100, [0.1])
+    rep = wide_ep.build_report([leg], [rec])
+    assert not rep["ok"]
+    (problem,) = rep["transport_problems"]
+    assert problem.startswith(
+        "3 nodes allgather_reducescatter repeat 0: asked allgather_reducescatter/efa, got "
+        "node 2: NCCL's network sockets (Using network Socket"
+    )
 
 
 def _nic(backend: str, nodes: int, repeat: int, node: int, tx: int, rx: int) -> dict:
