@@ -805,6 +805,20 @@ class RunBus:
         pending = int(self.r.xpending(self.key(SCORED), GROUPS[SCORED])["pending"])
         return max(0, int(self.r.xlen(self.key(SCORED))) - pending)
 
+    def units_waiting(self) -> int:
+        """Units issued and not yet leased by any worker: the units stream's entries less those
+        delivered and unacknowledged (acknowledged entries are deleted). What KEDA's
+        redis-streams trigger reads as the rollout group's lag."""
+        pending = int(self.r.xpending(self.key(UNITS), GROUPS[UNITS])["pending"])
+        return max(0, int(self.r.xlen(self.key(UNITS))) - pending)
+
+    def set_fleet(self, values: dict[str, float]) -> None:
+        """The fleet controller's measurements and wish (components/rollout/fleet.py)."""
+        self.r.hset(self.key("fleet"), mapping={k: float(v) for k, v in values.items()})
+
+    def fleet(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.r.hgetall(self.key("fleet")).items()}
+
     def depth(self) -> dict[str, int]:
         """Entries in each stream (live work: acknowledged entries are deleted)."""
         return {s: int(self.r.xlen(self.key(s))) for s in (UNITS, GENERATED, SCORED, DEAD)}

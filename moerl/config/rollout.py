@@ -109,8 +109,7 @@ class RolloutConfig(_Section):
     beyond fleet_high_watermark_groups (docs/async.md, "An elastic fleet")."""
     fleet_high_watermark_groups: int | None = Field(None, ge=1)
     """Scored groups waiting for the trainer beyond which the fleet shrinks (production the
-    trainer cannot consume); null: task.prompts_per_iteration x (buffer.max_staleness + 1), what
-    the trainer can use before it goes stale."""
+    trainer cannot consume); null: buffer.high_watermark, where unit issuance pauses."""
     fleet_interval_s: float = Field(5.0, gt=0.0, le=600.0)
     """How often the fleet's controller (the local launcher, or the trainer's issuer on a
     cluster without KEDA) reads the run's queues and sets the fleet's size."""

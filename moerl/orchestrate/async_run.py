@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -88,6 +89,7 @@ class Child:
     starts: int = 1
     exits: list[int] = field(default_factory=list)
     handled: bool = False  # the current process's exit has been seen
+    retired: bool = False  # an elastic fleet's scale-down drained it: not restarted
 
 
 class LocalAsyncRun:
@@ -124,7 +126,9 @@ class LocalAsyncRun:
         self.restarts = 0
         self.trainer_port = 0  # the trainer nodes' rendezvous (start_trainer picks it)
         available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self.cpus = cpu_plan(available, cfg.rollout.workers, shared=cores_shared(cfg))
+        lo, hi = cfg.rollout.fleet_bounds  # an elastic fleet: cores planned for its largest size
+        self.cpus = cpu_plan(available, hi, shared=cores_shared(cfg))
+        self.fleet = LocalFleet(cfg) if cfg.rollout.elastic else None
 
     def trainer_nodes(self) -> int:
         """Trainer nodes this machine stands in for: `cluster.launch.trainer_nodes` when the
@@ -245,6 +249,38 @@ class LocalAsyncRun:
             n = f"scorer-{i}"
             self.children[n] = Child(n, "scorer", self._spawn(n, "scorer"))
 
+    def rollout_workers(self) -> list[Child]:
+        """The fleet now: rollout workers not retired by a scale-down (running or restarting)."""
+        return [c for c in self.children.values() if c.role == "rollout" and not c.retired]
+
+    def scale(self, now: float) -> None:
+        """An elastic fleet (`rollout.min_workers` < `rollout.max_workers`): every
+        `rollout.fleet_interval_s`, ask the fleet's rule (components/rollout/fleet.py) for a
+        size and start workers, or drain the newest (SIGTERM, as a Spot notice: it finishes or
+        requeues its units, then exits and is not restarted)."""
+        f = self.fleet
+        if f is None or now < f.next_at or self.bus.done():
+            return
+        f.next_at = now + self.cfg.rollout.fleet_interval_s
+        fleet = self.rollout_workers()
+        target, why = f.decide(self.bus, len(fleet), now)
+        if target == len(fleet):
+            return
+        print(f"[moerl] fleet: {len(fleet)} -> {target} rollout workers: {why}", flush=True)
+        if target > len(fleet):
+            for _ in range(target - len(fleet)):
+                n = f"rollout-{f.next_index}"
+                f.next_index += 1
+                self.children[n] = Child(n, "rollout", self._spawn(n, "rollout"))
+                f.joined[n] = time.time()
+            f.ups += 1
+        else:
+            for c in sorted(fleet, key=lambda c: int(c.name.rsplit("-", 1)[1]))[target:]:
+                c.retired = True
+                c.proc.send_signal(signal.SIGTERM)
+            f.downs += 1
+        f.sizes.append((now, target))
+
     def start_trainer(self) -> None:
         """The trainer, once version 0 is published: one process, or one per trainer node
         (`trainer_nodes`), node 0's reporting."""
@@ -286,7 +322,7 @@ class LocalAsyncRun:
                 continue
             c.handled = True
             c.exits.append(code)
-            if code == 0:
+            if code == 0 or c.retired:  # a retired worker's drain (75) is its scale-down
                 continue
             if c.role == "trainer-node":  # the mesh is broken: node 0's trainer fails, then all
                 trainer = self.children["trainer"].proc  # restart together (as a TrainJob's do)
@@ -333,7 +369,7 @@ class LocalAsyncRun:
             f"[moerl] {now - t0:5.0f}s version {reg.version if reg else '-'}/{self.cfg.pipeline.versions} "
             f"reward/mean={st.get('reward_mean', float('nan')):.3f} buffer={self.bus.backlog()} groups "
             f"samples/s generated={gen_rate:.0f} consumed={train_rate:.0f} workers alive={len(alive)}/"
-            f"{self.cfg.rollout.workers} stale={c['stale_dropped']} dup={c['duplicates']} failed={c['failed']}"
+            f"{len(self.rollout_workers())} stale={c['stale_dropped']} dup={c['duplicates']} failed={c['failed']}"
         )
 
     def supervise(
@@ -372,6 +408,7 @@ class LocalAsyncRun:
             if on_tick is not None:
                 on_tick(self)
             now = time.perf_counter()
+            self.scale(now)
             if now >= next_print:
                 print(self.progress(t0, last), flush=True)
                 next_print = now + every_s
@@ -387,6 +424,59 @@ class LocalAsyncRun:
 
     def stop(self) -> None:
         procs.kill_groups([c.proc for c in self.children.values()], grace_s=2.0)
+
+
+class LocalFleet:
+    """The local launcher's fleet controller: the rule's state between ticks, and what it did
+    (`metrics`)."""
+
+    def __init__(self, cfg: RunConfig):
+        from moerl.components.rollout.fleet import Rates, Stabilizer, high_watermark
+        from moerl.components.rollout.fleet import samples_per_unit as per_unit
+
+        self.cfg = cfg
+        self.bounds = cfg.rollout.fleet_bounds
+        self.high_watermark = high_watermark(cfg)
+        self.rates = Rates(per_unit(cfg))
+        self.stabilizer = Stabilizer(cfg.rollout.fleet_scale_down_after_s, time.perf_counter())
+        self.next_at = 0.0
+        self.next_index = cfg.rollout.workers  # rollout-0 .. workers-1 start with the run
+        self.joined: dict[str, float] = {}  # workers the controller added: when (Unix s)
+        self.ups = self.downs = 0
+        self.sizes: list[tuple[float, int]] = [(time.perf_counter(), cfg.rollout.workers)]
+
+    def decide(self, bus: RunBus, workers: int, now: float) -> tuple[int, str]:
+        from moerl.components.rollout.fleet import measure, wish
+
+        view = measure(bus, self.cfg, workers, self.rates)
+        w = wish(view, *self.bounds, self.high_watermark)
+        target = self.stabilizer(now, workers, w)
+        bus.set_fleet({"target": float(target)})
+        return target, w.reason
+
+    def metrics(self, bus: RunBus, end: float) -> dict[str, float]:
+        """fleet/*: size over the run (time-weighted mean, largest), scale events, idle worker
+        seconds (alive, no unit to generate: paid for nothing), and each added worker's
+        scale-up latency (its start to its first group)."""
+        stats = {n: s for n, s in bus.stats().items() if n.startswith("rollout")}
+        spans = list(zip(self.sizes, [*self.sizes[1:], (end, self.sizes[-1][1])]))
+        total = max(end - self.sizes[0][0], 1e-9)
+        out = {
+            "fleet/workers_mean": sum(n * (t2 - t1) for (t1, n), (t2, _) in spans) / total,
+            "fleet/workers_max": float(max(n for _, n in self.sizes)),
+            "fleet/scale_ups": float(self.ups),
+            "fleet/scale_downs": float(self.downs),
+            "fleet/worker_s": sum(s.get("wall_s", 0.0) for s in stats.values()),
+            "fleet/idle_worker_s": sum(
+                max(0.0, s.get("wall_s", 0.0) - s.get("busy_s", 0.0)) for s in stats.values()
+            ),
+        }
+        lat = [
+            stats[n]["first_sample_s"] for n in self.joined if "first_sample_s" in stats.get(n, {})
+        ]
+        if lat:
+            out["fleet/scale_up_latency_s"] = sum(lat) / len(lat)
+        return out
 
 
 # What each stage's log says when it is ready (docs/pipelines.md): `entered`, when a stage's
@@ -644,6 +734,8 @@ def _run_async(
         balanced, line = balance_line(run.bus.counters())
         print(line, flush=True)
         started = startup_metrics(work / "logs", t0_unix)
+        if run.fleet is not None:
+            started.update(run.fleet.metrics(run.bus, time.perf_counter()))
         tracking.log_metrics(uri, run_id, 0, started)
         print(startup_line(started), flush=True)
         if not balanced:

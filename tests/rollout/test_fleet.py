@@ -1,0 +1,145 @@
+"""The elastic fleet's rule (components/rollout/fleet.py): grow when the units waiting would
+outlast an engine's load time, shrink when scored groups pile up beyond the high watermark,
+never outside the bounds, scale-downs held; and its measurements on a real Valkey."""
+
+from __future__ import annotations
+
+import pytest
+
+from moerl.components.rollout.fleet import (
+    FleetView,
+    Rates,
+    Stabilizer,
+    high_watermark,
+    lag_count,
+    load_time,
+    measure,
+    wish,
+)
+from moerl.config import parse_config
+from moerl.errors import ConfigError
+from tests.support.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
+
+
+def view(workers=1, waiting=0, backlog=0, rate=1.0, load=4.0) -> FleetView:
+    return FleetView(workers, waiting, backlog, rate, load)
+
+
+def test_a_backlog_that_outlasts_an_engines_load_time_grows_the_fleet():
+    # one worker drains 4 units in a load time: 10 waiting need ceil(10 / 4) = 3 workers
+    w = wish(view(waiting=10), lo=1, hi=8, high_watermark=100)
+    assert w.target == 3 and "10 units waiting" in w.reason and "drains 4" in w.reason
+
+
+def test_a_backlog_shorter_than_a_load_time_adds_no_worker():
+    # 4 units: the one worker clears them before a new engine would be ready
+    assert wish(view(waiting=4), lo=1, hi=8, high_watermark=100).target == 1
+    assert wish(view(waiting=5), lo=1, hi=8, high_watermark=100).target == 2
+
+
+@pytest.mark.parametrize(
+    ("v", "lo", "hi", "expect"),
+    [
+        (view(waiting=10_000), 1, 3, 3),  # never above max_workers
+        (view(workers=3, waiting=0), 2, 5, 2),  # nothing waiting: down to min_workers, not below
+        (view(workers=1, backlog=500), 1, 4, 1),  # shrinking stops at min_workers
+        (view(workers=4, backlog=500, waiting=10_000), 1, 4, 3),  # the trainer is the bottleneck
+    ],
+)
+def test_the_wish_never_leaves_the_bounds(v, lo, hi, expect):
+    assert wish(v, lo, hi, high_watermark=100).target == expect
+
+
+def test_scored_groups_past_the_high_watermark_shrink_one_at_a_time():
+    w = wish(view(workers=5, backlog=101, waiting=50), lo=1, hi=8, high_watermark=100)
+    assert w.target == 4 and "101 scored groups" in w.reason
+    # at the watermark itself: the units decide
+    assert wish(view(workers=5, backlog=100, waiting=50), 1, 8, 100).target == 8
+
+
+def test_an_unmeasured_fleet_holds_its_size():
+    w = wish(FleetView(2, 1000, 0, None, None), lo=1, hi=8, high_watermark=100)
+    assert w.target == 2 and "holding" in w.reason
+
+
+def test_lag_count_is_units_per_load_time_and_at_least_one():
+    assert lag_count(2.0, 3.0) == 6
+    assert lag_count(0.01, 1.0) == 1
+    assert lag_count(1.5, 3.0) == 5  # 4.5 rounds up: never a wish a shade too large
+
+
+def test_scale_up_is_immediate_and_scale_down_waits_for_the_whole_hold():
+    from moerl.components.rollout.fleet import Wish
+
+    s = Stabilizer(hold_s=30.0, now=0.0)
+    assert s(1.0, 1, Wish(3, "")) == 3  # up at once
+    assert s(10.0, 3, Wish(1, "")) == 3  # down: held (the window saw 3 at t=1)
+    assert s(25.0, 3, Wish(2, "")) == 3
+    # t=40: the wish of 3 (t=1) left the window; the largest since is 2
+    assert s(40.0, 3, Wish(1, "")) == 2
+    assert s(56.0, 2, Wish(1, "")) == 1  # t=25's 2 left too
+    # a fresh stabilizer never shrinks before it has watched one whole hold
+    assert Stabilizer(hold_s=30.0, now=0.0)(5.0, 4, Wish(1, "")) == 4
+
+
+def test_the_rate_counts_busy_seconds_only():
+    r = Rates(samples_per_unit=256)
+    assert r.update(generated=0, busy_s=0.0) is None
+    assert r.update(generated=2560, busy_s=5.0) == pytest.approx(2.0)  # 10 units in 5 busy s
+    # idle time passes (no busy seconds, nothing generated): the rate stays
+    assert r.update(generated=2560, busy_s=5.0) == pytest.approx(2.0)
+    # 5 units in 5 busy s: 1/s, smoothed with the last
+    assert r.update(generated=3840, busy_s=10.0) == pytest.approx(1.5)
+
+
+def test_the_load_time_is_the_newest_workers():
+    stats = {
+        "rollout-0": {"started_unix": 100.0, "first_sample_s": 20.0},  # the run's first start
+        "rollout-3": {"started_unix": 400.0, "first_sample_s": 6.0},  # joined mid-run
+        "rollout-4": {"started_unix": 500.0},  # still loading
+        "scorer-0": {"started_unix": 900.0, "first_sample_s": 1.0},
+    }
+    assert load_time(stats) == 6.0
+    assert load_time({"rollout-0": {"busy_s": 1.0}}) is None
+
+
+def test_the_config_bounds_and_their_refusals():
+    cfg = parse_config({"pipeline": {"mode": "async"}, "rollout": {"workers": 2, "max_workers": 4}})
+    assert cfg.rollout.fleet_bounds == (2, 4) and cfg.rollout.elastic
+    assert high_watermark(cfg) == cfg.buffer.high_watermark
+    fixed = parse_config({"pipeline": {"mode": "async"}, "rollout": {"workers": 2}})
+    assert fixed.rollout.fleet_bounds == (2, 2) and not fixed.rollout.elastic
+    with pytest.raises(ConfigError, match="rollout.workers 5 must lie within"):
+        parse_config({"pipeline": {"mode": "async"}, "rollout": {"workers": 5, "max_workers": 4}})
+    with pytest.raises(ConfigError, match="elastic fleet needs pipeline.mode async"):
+        parse_config(
+            {
+                "pipeline": {"mode": "sync"},
+                "rollout": {"min_workers": 1, "max_workers": 2, "workers": 1},
+            }
+        )
+
+
+def test_measure_reads_the_queues_and_keeps_its_numbers_on_the_bus(server, request, monkeypatch):
+    bus = stage_bus(server, request, monkeypatch, visibility_timeout_s=30)
+    cfg = parse_config(
+        {
+            "pipeline": {"mode": "async"},
+            "rollout": {"workers": 1, "max_workers": 3},
+            "units": {"max_prompts": 2},
+        }
+    )
+    for i in range(5):
+        bus.issue_unit([{"id": f"p{i}", "task": "t", "prompt": "x", "answer": "y"}] * 2)
+    assert bus.lease_unit("rollout-0", block_ms=50) is not None  # leased: no longer waiting
+    rates = Rates(samples_per_unit=cfg.units.max_prompts * cfg.rollout.samples_per_prompt)
+    bus.heartbeat("rollout-0", busy_s=0.0, started_unix=1.0, first_sample_s=3.0)
+    v = measure(bus, cfg, workers=1, rates=rates)
+    assert (v.units_waiting, v.load_s, v.units_per_busy_s) == (4, 3.0, None)
+    per_unit = cfg.units.max_prompts * cfg.rollout.samples_per_prompt
+    bus.incr(generated=4 * per_unit)
+    bus.heartbeat("rollout-0", busy_s=2.0, started_unix=1.0, first_sample_s=3.0)
+    v = measure(bus, cfg, workers=1, rates=rates)
+    assert v.units_per_busy_s == pytest.approx(2.0)
+    kept = bus.fleet()
+    assert kept["lag_count"] == 6.0 and kept["load_s"] == 3.0 and kept["units_waiting"] == 4.0
