@@ -1370,23 +1370,33 @@ def run_rollout_worker(cfg: RunConfig, run_id: str, worker: str) -> int:
     """Serve rollout until the run is done (0) or a SIGTERM drain (EXIT_DRAINED)."""
     from moerl.provenance import stage_start
 
-    stage_start(cfg, worker, run_id)  # records where it runs; enforces `require:`
-    if cfg.valkey.url is None:  # the launcher names the run's server (its own, or the cluster's)
-        raise ConfigError("valkey.url is unset: a rollout worker joins a running bus")
-    bus = RunBus(
-        connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username),
-        run_id,
-        cfg.units.visibility_timeout_s,
-        cfg.units.max_attempts,
-    )
-    w = RolloutWorker(cfg, run_id, worker, bus)
-    w.record_run = True
-    previous = signal.signal(signal.SIGTERM, w.drain)
+    # a SIGTERM while the worker starts (a scale-down or a Spot notice right after it joined) is
+    # kept and drains it as soon as it exists: it holds nothing yet, so it leaves at once (75)
+    early: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: early.append(signum))
+    w = None
     try:
+        stage_start(cfg, worker, run_id)  # records where it runs; enforces `require:`
+        if (
+            cfg.valkey.url is None
+        ):  # the launcher names the run's server (its own, or the cluster's)
+            raise ConfigError("valkey.url is unset: a rollout worker joins a running bus")
+        bus = RunBus(
+            connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username),
+            run_id,
+            cfg.units.visibility_timeout_s,
+            cfg.units.max_attempts,
+        )
+        w = RolloutWorker(cfg, run_id, worker, bus)
+        w.record_run = True
+        signal.signal(signal.SIGTERM, w.drain)
+        if early:
+            w.drain(signal.SIGTERM, None)
         return w.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-        w.close()
+        if w is not None:
+            w.close()
 
 
 def process_args(argv: list[str] | None, role: str = "") -> tuple[RunConfig, str, str]:

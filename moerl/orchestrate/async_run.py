@@ -262,9 +262,13 @@ class LocalAsyncRun:
         if f is None or now < f.next_at or self.bus.done():
             return
         f.next_at = now + self.cfg.rollout.fleet_interval_s
-        fleet = self.rollout_workers()
-        target, why = f.decide(self.bus, len(fleet), now)
-        if target == len(fleet):
+        target, why = f.decide(self.bus, len(self.rollout_workers()), now)
+        self.resize(target, why)
+
+    def resize(self, target: int, why: str) -> None:
+        """Start workers (new names) up to `target`, or drain the newest down to it."""
+        f, fleet = self.fleet, self.rollout_workers()
+        if f is None or target == len(fleet):
             return
         print(f"[moerl] fleet: {len(fleet)} -> {target} rollout workers: {why}", flush=True)
         if target > len(fleet):
@@ -279,7 +283,7 @@ class LocalAsyncRun:
                 c.retired = True
                 c.proc.send_signal(signal.SIGTERM)
             f.downs += 1
-        f.sizes.append((now, target))
+        f.sizes.append((time.perf_counter(), target))
 
     def start_trainer(self) -> None:
         """The trainer, once version 0 is published: one process, or one per trainer node

@@ -20,6 +20,7 @@ import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -581,3 +582,70 @@ def test_a_worker_on_the_asyncllm_core_swaps_in_flight_and_the_run_balances(tmp_
     log = h.run.tail("rollout-0", 400)
     assert "hot-swapped to version" in log
     assert "Traceback" not in log
+
+
+def test_an_elastic_fleet_grows_loses_a_worker_and_drains_one_and_the_run_balances(tmp_path):
+    """rollout.min_workers 1, max_workers 2 (components/rollout/fleet.py): generation made slow
+    (one sequence at a time, longer answers), so the units issued for a version would outlast a
+    new engine's load time and the controller adds a worker on its own. The joined worker is
+    SIGKILLed while it holds a unit (restarted, its unit reclaimed); once it generates again the
+    fleet is resized down to one (the rule's shrink decisions are unit-tested; here the drain
+    itself): it drains with SIGTERM mid-unit, exits 75 and is not restarted, and the controller
+    may grow the fleet again with a new worker. Nothing is trained twice."""
+    h = Harness(
+        tmp_path,
+        "pipeline.versions=8",
+        "task.prompts_per_iteration=16",
+        "rollout.max_num_seqs=1",
+        "rollout.max_new_tokens=24",
+        "rollout.min_workers=1",
+        "rollout.max_workers=2",
+        "rollout.fleet_interval_s=1",
+        "rollout.fleet_scale_down_after_s=600",  # no automatic shrink: the test drains one below
+        "units.visibility_timeout_s=4",
+    )
+    seen: dict[str, Any] = {}
+
+    def tick(run):
+        if "killed" not in seen and "rollout-1" in run.children and h.holds_unit("rollout-1"):
+            run.signal("rollout-1", signal.SIGKILL)
+            seen["killed"] = time.time()
+        st = run.bus.stats().get("rollout-1", {})
+        if (
+            "killed" in seen
+            and "shrunk" not in seen
+            and run.children["rollout-1"].starts > 1
+            # restarted and generating again (its name still holds the killed one's lease
+            # until the visibility timeout, so the pending list alone would not say)
+            and st.get("started_unix", 0.0) > seen["killed"]
+            and "first_sample_s" in st
+        ):
+            run.resize(1, "the test's scale-down")
+            seen["shrunk"] = [c.name for c in run.children.values() if c.retired]
+        if run.fleet is not None:  # read while the run's Valkey is up
+            seen["kept"] = run.bus.fleet()
+            seen["metrics"] = run.fleet.metrics(run.bus, time.perf_counter())
+
+    c = h.go(tick)
+    f = h.run.fleet
+    assert f is not None and f.ups >= 1, "the controller never grew the fleet"
+    assert "killed" in seen and -signal.SIGKILL in h.run.children["rollout-1"].exits
+    assert seen.get("shrunk"), "the run ended before the test's scale-down"
+    retired = [h.run.children[n] for n in seen["shrunk"]]
+    # drained, not failed and not restarted
+    exits = {ch.name: (ch.exits, ch.starts) for ch in retired}
+    assert all(ch.exits[-1:] in ([EXIT_DRAINED], [0]) and ch.handled for ch in retired), exits
+    kept = seen["kept"]
+    assert kept["lag_count"] >= 1 and kept["load_s"] > 0  # measured, on the bus
+    store = run_store(h.cfg.checkpoint, h.run_id)
+    groups = [
+        g
+        for v in range(1, h.cfg.pipeline.versions + 1)
+        for g in json.loads(store.manifest(v).meta["groups"])
+    ]
+    assert len(groups) == len(set(groups))  # no group in two versions
+    _balanced(c, h.cfg)
+    _mlflow_balanced(h)
+    m = seen["metrics"]
+    assert m["fleet/workers_max"] == 2 and m["fleet/scale_downs"] >= 1
+    assert 0 < m["fleet/idle_worker_s"] < m["fleet/worker_s"]
