@@ -740,6 +740,9 @@ def _run_async(
         started = startup_metrics(work / "logs", t0_unix)
         if run.fleet is not None:
             started.update(run.fleet.metrics(run.bus, time.perf_counter()))
+            # the fleet's size over the run: one point per change, at its second since the start
+            for t, n in run.fleet.sizes:
+                tracking.log_metrics(uri, run_id, max(0, int(t - t0)), {"fleet/workers": n})
         tracking.log_metrics(uri, run_id, 0, started)
         print(startup_line(started), flush=True)
         if not balanced:
