@@ -507,11 +507,44 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
         epoch,
     )
     issuer.start()
+    fleet = fleet_controller(cfg, run_id)
     try:
         return _train_versions(cfg, run_id, mesh, bus, tiers, latest, epoch, durable, issuer)
     finally:
         issuer.stop_event.set()
         issuer.join(timeout=5)
+        if fleet is not None:
+            fleet.stop()
+
+
+def fleet_controller(cfg: RunConfig, run_id: str):
+    """On the cluster (`cluster.launch.mode: kubernetes`) with an elastic fleet: the fleet's
+    controller (components/rollout/fleet.py), started; else None (the local launcher runs its
+    own, and a fixed fleet has none)."""
+    if not (cfg.rollout.elastic and cfg.cluster.launch.mode == "kubernetes"):
+        return None
+    from moerl.components.rollout.fleet import FleetController, KubeActuator
+
+    bus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)
+    keda = cfg.cluster.launch.fleet_scaler == "keda"
+    try:
+        actuator = KubeActuator(run_id)
+    except Exception as err:  # noqa: BLE001 - named and re-raised: the run cannot scale as asked
+        raise ConfigError(
+            f"rollout.min_workers / max_workers on the cluster: the trainer scales the run's fleet "
+            f"through the Kubernetes API from its pod (cluster.launch.fleet_scaler "
+            f"{cfg.cluster.launch.fleet_scaler}), and could not reach it: {err}"
+        ) from err
+    controller = FleetController(cfg, bus, actuator, keda=keda)
+    controller.start()
+    log.info(
+        "fleet: %s between %d and %d workers",
+        "KEDA scales the fleet, its lagCount kept by this trainer"
+        if keda
+        else "this trainer scales the fleet",
+        *cfg.rollout.fleet_bounds,
+    )
+    return controller
 
 
 def _train_versions(

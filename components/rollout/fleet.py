@@ -14,14 +14,19 @@ Design: docs/async.md, "An elastic fleet".
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from moerl.bus import RunBus
     from moerl.config import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -153,3 +158,112 @@ def samples_per_unit(cfg: RunConfig) -> int:
 def high_watermark(cfg: RunConfig) -> int:
     """`rollout.fleet_high_watermark_groups` resolved: buffer.high_watermark where unset."""
     return cfg.rollout.fleet_high_watermark_groups or cfg.buffer.high_watermark
+
+
+class Actuator(Protocol):
+    """What the trainer's controller acts on: the fleet's replica count (no KEDA), or KEDA's
+    lagCount (KEDA sets the replicas from the same rule)."""
+
+    def replicas(self) -> int: ...
+
+    def scale(self, replicas: int) -> None: ...
+
+    def set_lag_count(self, lag_count: int) -> None: ...
+
+
+class FleetController(threading.Thread):
+    """The fleet's controller in the trainer (`cluster.launch.mode: kubernetes`, an elastic
+    fleet): every `rollout.fleet_interval_s` it measures the run (`measure`). Without KEDA
+    (`cluster.launch.fleet_scaler: trainer`) it sets the fleet's replicas by the rule; with KEDA
+    it keeps the ScaledObject's lagCount at the measured value, and KEDA scales. The API
+    failing never stops training: each failure is logged, and `failures` counts them."""
+
+    def __init__(self, cfg: RunConfig, bus: RunBus, actuator: Actuator, keda: bool):
+        super().__init__(name="moerl-fleet", daemon=True)
+        self.cfg, self.bus, self.actuator, self.keda = cfg, bus, actuator, keda
+        self.rates = Rates(samples_per_unit(cfg))
+        self.stabilizer = Stabilizer(cfg.rollout.fleet_scale_down_after_s, time.monotonic())
+        self.stop_event = threading.Event()
+        self.lag_count: int | None = None  # the value last set on the ScaledObject
+        self.failures = 0
+        self.changes: list[tuple[float, int, str]] = []  # (unix, replicas, why)
+
+    def tick(self, now: float) -> None:
+        current = self.actuator.replicas()
+        view = measure(self.bus, self.cfg, current, self.rates)
+        if self.keda:
+            if view.units_per_busy_s is not None and view.load_s is not None:
+                lc = lag_count(view.units_per_busy_s, view.load_s)
+                if lc != self.lag_count:
+                    self.actuator.set_lag_count(lc)
+                    log.info("fleet: KEDA's lagCount set to %d (was %s)", lc, self.lag_count)
+                    self.lag_count = lc
+            return
+        lo, hi = self.cfg.rollout.fleet_bounds
+        w = wish(view, lo, hi, high_watermark(self.cfg))
+        target = self.stabilizer(now, current, w)
+        self.bus.set_fleet({"target": float(target)})
+        if target != current:
+            self.actuator.scale(target)
+            self.changes.append((time.time(), target, w.reason))
+            log.info("fleet: %d -> %d rollout workers: %s", current, target, w.reason)
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.cfg.rollout.fleet_interval_s):
+            try:
+                self.tick(time.monotonic())
+            except Exception as err:  # noqa: BLE001 - scaling is advisory; training goes on, loudly
+                self.failures += 1
+                log.warning(
+                    "fleet: the controller's tick failed (%d so far): %s", self.failures, err
+                )
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=5)
+
+
+class KubeActuator:
+    """The run's fleet through the Kubernetes API from inside the cluster: the Deployment's
+    scale subresource and the ScaledObject (moerl/launch/fleet.py names and builds both), with
+    the trainer pod's ServiceAccount, which the run's scaler Role lets patch only these two."""
+
+    def __init__(self, run_id: str, namespace: str | None = None, apps=None, custom=None):
+        from moerl.launch.fleet import fleet_name
+        from moerl.launch.watch import SA_NAMESPACE
+
+        if apps is None or custom is None:
+            from kubernetes import client, config
+
+            config.load_incluster_config()
+            apps, custom = client.AppsV1Api(), client.CustomObjectsApi()
+        self.apps, self.custom = apps, custom
+        self.name = fleet_name(run_id)
+        if namespace is None:  # the trainer pod's own
+            with open(SA_NAMESPACE) as f:
+                namespace = f.read().strip()
+        self.namespace = namespace
+
+    def replicas(self) -> int:
+        scale = self.apps.read_namespaced_deployment_scale(self.name, self.namespace)
+        return int(scale.spec.replicas or 0)
+
+    def scale(self, replicas: int) -> None:
+        from moerl.launch.fleet import scale_patch
+
+        self.apps.patch_namespaced_deployment_scale(
+            self.name, self.namespace, scale_patch(replicas)
+        )
+
+    def set_lag_count(self, lag_count: int) -> None:
+        from moerl.launch.fleet import KEDA_GROUP, KEDA_VERSION, lag_count_patch
+
+        # a list body: the client sends it as application/json-patch+json
+        self.custom.patch_namespaced_custom_object(
+            KEDA_GROUP,
+            KEDA_VERSION,
+            self.namespace,
+            "scaledobjects",
+            self.name,
+            lag_count_patch(lag_count),
+        )

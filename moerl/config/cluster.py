@@ -167,6 +167,11 @@ class LaunchConfig(_Section):
     """Nodes of the trainer's TrainJob; null: from the mesh (trainer.parallelism.data_parallel_shard x
     trainer.parallelism.expert_parallel_size ranks at gpus_per_node per node). Sync mode only; the ranks
     must split evenly."""
+    fleet_scaler: Literal["keda", "trainer"] = "keda"
+    """An elastic rollout fleet (rollout.min_workers < rollout.max_workers) on the cluster: keda:
+    a KEDA ScaledObject on the run's units stream scales its Deployment, the trainer keeping its
+    lagCount at the measured value; trainer: no KEDA installed, the trainer's controller sets the
+    Deployment's replicas by the same rule (docs/async.md, "An elastic fleet")."""
     rollout_nodes_per_worker: int = Field(1, ge=1, le=64)
     """Nodes per rollout worker; > 1: one engine across nodes (expert parallelism)."""
     gpus_per_node: int = Field(8, ge=0, le=16)

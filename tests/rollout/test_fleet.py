@@ -143,3 +143,80 @@ def test_measure_reads_the_queues_and_keeps_its_numbers_on_the_bus(server, reque
     assert v.units_per_busy_s == pytest.approx(2.0)
     kept = bus.fleet()
     assert kept["lag_count"] == 6.0 and kept["load_s"] == 3.0 and kept["units_waiting"] == 4.0
+
+
+class _Fleet:
+    """A stand-in for the fleet's Deployment and ScaledObject (the controller's loop is pure
+    logic; the objects and their patches are validated in tests/launch/test_fleet.py)."""
+
+    def __init__(self, replicas: int, fail: bool = False):
+        self.n, self.fail, self.lag_counts = replicas, fail, []
+
+    def replicas(self) -> int:
+        if self.fail:
+            raise RuntimeError("the API is unreachable")
+        return self.n
+
+    def scale(self, replicas: int) -> None:
+        self.n = replicas
+
+    def set_lag_count(self, lag_count: int) -> None:
+        self.lag_counts.append(lag_count)
+
+
+def _measured(bus, cfg, waiting: int) -> None:
+    for i in range(waiting):
+        bus.issue_unit([{"id": f"p{i}", "task": "t", "prompt": "x", "answer": "y"}])
+    bus.heartbeat("rollout-0", busy_s=0.0, started_unix=1.0, first_sample_s=2.0)
+
+
+def test_the_trainers_controller_scales_the_deployment_or_keeps_kedas_lag_count(
+    server, request, monkeypatch
+):
+    from moerl.components.rollout.fleet import FleetController
+
+    bus = stage_bus(server, request, monkeypatch, visibility_timeout_s=30)
+    cfg = parse_config(
+        {
+            "pipeline": {"mode": "async"},
+            "rollout": {"workers": 1, "max_workers": 3, "samples_per_prompt": 2},
+            "units": {"max_prompts": 1},
+        }
+    )
+    _measured(bus, cfg, waiting=10)
+    fleet = _Fleet(1)
+    c = FleetController(cfg, bus, fleet, keda=False)
+    c.tick(0.0)  # the rate is not measured yet: holds
+    assert fleet.n == 1 and not c.changes
+    bus.incr(generated=4)  # 2 units in 2 busy seconds: 1 unit/s x 2 s load = lagCount 2
+    bus.heartbeat("rollout-0", busy_s=2.0, started_unix=1.0, first_sample_s=2.0)
+    c.tick(1.0)
+    assert fleet.n == 3 and "10 units waiting" in c.changes[-1][2]  # ceil(10 / 2) = 5 > max 3
+    assert bus.fleet()["target"] == 3.0
+    # with KEDA: the lagCount only, set once per change; the replicas are KEDA's
+    keda = _Fleet(1)
+    k = FleetController(cfg, bus, keda, keda=True)
+    k.rates = c.rates  # the same measurements
+    k.tick(2.0)
+    k.tick(3.0)
+    assert keda.lag_counts == [2] and keda.n == 1
+
+
+def test_a_failing_api_never_stops_the_controller_and_is_counted(server, request, monkeypatch):
+    import time
+
+    from moerl.components.rollout.fleet import FleetController
+
+    bus = stage_bus(server, request, monkeypatch, visibility_timeout_s=30)
+    cfg = parse_config(
+        {
+            "pipeline": {"mode": "async"},
+            "rollout": {"workers": 1, "max_workers": 2, "fleet_interval_s": 0.05},
+        }
+    )
+    c = FleetController(cfg, bus, _Fleet(1, fail=True), keda=False)
+    c.start()
+    time.sleep(0.5)
+    assert c.is_alive() and c.failures >= 3
+    c.stop()
+    assert not c.is_alive()
