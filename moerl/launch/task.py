@@ -88,6 +88,10 @@ def check_launchable(cfg: RunConfig, stage: str) -> None:
         from moerl.launch.layout import rollout_pod_layout
 
         rollout_pod_layout(cfg)  # TP x DP must divide the rollout pod's GPUs
+    if stage == "async_trainer" and cfg.rollout.elastic:
+        from moerl.launch.fleet import check_fleet
+
+        check_fleet(cfg)  # the trainer's launcher creates the elastic fleet (`fleet_workload`)
 
 
 def _check_trainer_nodes(cfg: RunConfig, stage: str) -> None:
@@ -268,6 +272,23 @@ def build(
     )
 
 
+def fleet_workload(cfg: RunConfig, run_id: str, namespace: str, api: KubeApi) -> Any:
+    """An elastic async run's rollout fleet (`moerl.launch.fleet`), which the trainer's launcher
+    creates beside the TrainJob and deletes with it: the Deployment (owned by this task's pod)
+    and what it owns."""
+    from moerl.launch.fleet import fleet_objects
+
+    dep, *owned = fleet_objects(
+        cfg,
+        run_id,
+        namespace,
+        owner=own_pod_owner(namespace),
+        service_account=launch_service_account(cfg, namespace, "rollout_worker"),
+        trainer_service_account=launch_service_account(cfg, namespace, "async_trainer"),
+    )
+    return workload(api, namespace, dep, owned)
+
+
 def run_remote(
     cfg: RunConfig,
     stage: str,
@@ -338,7 +359,15 @@ def run_remote(
         # a rollout group's pods reach each other on every TCP port (its NetworkPolicy, owned
         # by the JobSet: it goes with it)
         owned = [objects.rollout_group_policy(body)] if body["kind"] == "JobSet" else None
-        launcher.run([workload(api or connect(), namespace, body, owned)])
+        kube = api or connect()
+        # an elastic run's fleet lives as long as its trainer: created beside it, not watched
+        # to an end (it has none), deleted with it
+        fleet = (
+            [fleet_workload(cfg, run_id, namespace, kube)]
+            if stage == "async_trainer" and cfg.rollout.elastic
+            else None
+        )
+        launcher.run([workload(kube, namespace, body, owned)], companions=fleet)
         # 5. outputs and value
         result = ex.read_json(RESULT)
         if not isinstance(result, dict):
@@ -403,6 +432,10 @@ def _list(api: KubeApi, namespace: str, kind: str, selector: str) -> list[dict[s
         resp = api.core.list_namespaced_pod(
             namespace, label_selector=selector, _preload_content=False
         )
+    elif kind == "Deployment":
+        resp = api.apps().list_namespaced_deployment(
+            namespace, label_selector=selector, _preload_content=False
+        )
     else:
         g, v, p = KINDS[kind].api_ref  # type: ignore[attr-defined]
         resp = api.custom.list_namespaced_custom_object(
@@ -423,7 +456,8 @@ def sweep(
     api: KubeApi | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> list[str]:
-    """Delete every TrainJob, JobSet and Pod that moerl's launcher created for `run_id` in
+    """Delete every TrainJob, JobSet, Deployment (an elastic run's fleet, with what it owns) and
+    Pod that moerl's launcher created for `run_id` in
     `namespace` (default: the task's own), found by the labels `moerl.ai/run-id` and
     `app.kubernetes.io/managed-by=moerl`; objects a controller made (the pods of a TrainJob)
     go with their owner. Returns "<Kind> <namespace>/<name>" of each one deleted. Deletes are
@@ -439,7 +473,8 @@ def sweep(
     selector = f"{objects.LABEL_RUN}={objects.label_value(run_id)},{objects.LABEL_MANAGED}=moerl"
     deleted: list[str] = []
     problems: list[str] = []
-    for kind in ("TrainJob", "JobSet", "Pod"):  # owners first: their children go with them
+    # owners first: their children go with them
+    for kind in ("TrainJob", "JobSet", "Deployment", "Pod"):
         try:
             items = _list(api, ns, kind, selector)
         except Exception as e:  # noqa: BLE001 (sweep the other kinds; reported at the end)

@@ -66,6 +66,8 @@ class KubeApi:
     core: Any  # kubernetes.client.CoreV1Api
     custom: Any  # kubernetes.client.CustomObjectsApi
     networking: Any = None  # kubernetes.client.NetworkingV1Api; None: on custom's ApiClient
+    apps_v1: Any = None  # kubernetes.client.AppsV1Api; None: on custom's ApiClient
+    rbac_v1: Any = None  # kubernetes.client.RbacAuthorizationV1Api; None: likewise
 
     @classmethod
     def from_client(cls, api_client: Any) -> KubeApi:
@@ -84,6 +86,22 @@ class KubeApi:
 
             self.networking = client.NetworkingV1Api(self.custom.api_client)
         return self.networking
+
+    def apps(self) -> Any:
+        """The apps/v1 API (an elastic run's fleet Deployment)."""
+        if self.apps_v1 is None:
+            from kubernetes import client
+
+            self.apps_v1 = client.AppsV1Api(self.custom.api_client)
+        return self.apps_v1
+
+    def rbac(self) -> Any:
+        """The rbac.authorization.k8s.io/v1 API (a fleet's per-run Role and RoleBinding)."""
+        if self.rbac_v1 is None:
+            from kubernetes import client
+
+            self.rbac_v1 = client.RbacAuthorizationV1Api(self.custom.api_client)
+        return self.rbac_v1
 
 
 def connect() -> KubeApi:
@@ -349,10 +367,113 @@ class JobSetWorkload(CustomWorkload):
                 ) from None
 
 
+class DeploymentWorkload(Workload):
+    """An elastic run's rollout fleet (`moerl.launch.fleet`): the Deployment, then what it owns
+    (`owned`: the per-run Role and RoleBinding, KEDA's TriggerAuthentication and ScaledObject),
+    created with an ownerReference to it, so deleting the Deployment deletes them. A fleet never
+    ends: the launcher creates it beside the trainer (`Launcher.run`'s `companions`) and deletes
+    it at cleanup. KEDA's API missing (404): its objects are left out, and the trainer's
+    controller sizes the fleet through the per-run Role."""
+
+    kind = "Deployment"
+
+    def __init__(
+        self,
+        api: KubeApi,
+        namespace: str,
+        body: dict[str, Any],
+        owned: list[dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(api, namespace, body)
+        self.owned = list(owned or [])
+        self.keda: bool | None = None  # whether KEDA's objects were created; None: none asked
+
+    def create(self) -> None:
+        from moerl.launch.fleet import deployment_owner
+
+        resp = self.api.apps().create_namespaced_deployment(
+            self.namespace, self.body, _preload_content=False
+        )
+        if not self.owned:
+            return
+        try:  # from here on it exists: a LaunchError keeps it among what the launcher deletes
+            uid = json.loads(resp.data)["metadata"]["uid"]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LaunchError(
+                f"created {self} but its create response carries no metadata.uid ({e!r})"
+            ) from None
+        for obj in self.owned:
+            meta = {**obj["metadata"], "ownerReferences": [deployment_owner(self.name, uid)]}
+            self._create_owned({**obj, "metadata": meta})
+
+    def _create_owned(self, body: dict[str, Any]) -> None:
+        from moerl.launch.fleet import SCALEDOBJECT_API, TRIGGERAUTH_API
+
+        kind, keda = (
+            body["kind"],
+            {"TriggerAuthentication": TRIGGERAUTH_API, "ScaledObject": SCALEDOBJECT_API},
+        )
+        what = f"{kind} {self.namespace}/{body['metadata']['name']}"
+        log.info("creating %s, owned by %s", what, self)
+        try:
+            if kind == "Role":
+                self.api.rbac().create_namespaced_role(self.namespace, body, _preload_content=False)
+            elif kind == "RoleBinding":
+                self.api.rbac().create_namespaced_role_binding(
+                    self.namespace, body, _preload_content=False
+                )
+            elif kind in keda:
+                if self.keda is False:
+                    return
+                g, v, p = keda[kind]
+                self.api.custom.create_namespaced_custom_object(
+                    g, v, self.namespace, p, body, _preload_content=False
+                )
+                self.keda = True
+            else:
+                raise LaunchError(f"{self} owns no {kind}")
+        except ApiException as e:
+            if e.status == 404 and kind in keda:
+                log.warning(
+                    "%s: KEDA's API (keda.sh/v1alpha1) is not installed; the trainer's controller "
+                    "sizes the fleet through its per-run Role (docs/deploy.md)",
+                    self,
+                )
+                self.keda = False
+                return
+            hint = (
+                f"; the task's service account needs create on {kind}s in {self.namespace} "
+                "(manifests/base/rbac.yaml)"
+                if e.status == 403
+                else ""
+            )
+            raise LaunchError(
+                f"creating {what} for {self} failed: {short_error(e)}{hint}"
+            ) from None
+
+    def read(self) -> dict[str, Any]:
+        return json.loads(
+            self.api.apps()
+            .read_namespaced_deployment(self.name, self.namespace, _preload_content=False)
+            .data
+        )
+
+    def _delete(self) -> None:
+        self.api.apps().delete_namespaced_deployment(
+            self.name, self.namespace, propagation_policy="Background", _preload_content=False
+        )
+
+    def poll(self, now: float) -> State:
+        status = self.read().get("status") or {}
+        ready, want = status.get("readyReplicas", 0), status.get("replicas", 0)
+        return State(summary=f"{ready}/{want} fleet pods ready", started=bool(ready))
+
+
 KINDS: dict[str, type[Workload]] = {
     "Pod": PodWorkload,
     "TrainJob": TrainJobWorkload,
     "JobSet": JobSetWorkload,
+    "Deployment": DeploymentWorkload,
 }
 
 
@@ -362,7 +483,10 @@ def workload(
     body: dict[str, Any],
     owned: list[dict[str, Any]] | None = None,
 ) -> Workload:
-    """The `Workload` for `body`; `owned`: NetworkPolicies a JobSet owns (`JobSetWorkload`)."""
+    """The `Workload` for `body`; `owned`: NetworkPolicies a JobSet owns (`JobSetWorkload`), or
+    what a fleet's Deployment owns (`DeploymentWorkload`)."""
+    if body["kind"] == "Deployment":
+        return DeploymentWorkload(api, namespace, body, owned)
     if owned:
         if body["kind"] != "JobSet":
             raise ValueError(f"only a JobSet owns objects here, not a {body['kind']}")
@@ -415,12 +539,14 @@ class Launcher:
         self._started: set[int] = set()
         self._deleted: set[int] = set()
 
-    def run(self, workloads: list[Workload]) -> None:
+    def run(self, workloads: list[Workload], companions: list[Workload] | None = None) -> None:
+        """Create `workloads`, then `companions` (an elastic run's fleet beside its trainer),
+        watch `workloads` to their end, and delete everything created, whatever happened."""
         with procs.sigterm_raises():
             try:
                 try:
                     # 1. create; a failure here still deletes what was created (the `finally`)
-                    for w in workloads:
+                    for w in [*workloads, *(companions or [])]:
                         self._create(w)
                     # 2. watch
                     self._watch(list(workloads))

@@ -376,6 +376,15 @@ def test_rbac_lets_the_pipeline_launch_only_its_workloads(built):
             ("", "secrets"): ["create", "delete", "update"],
             # a rollout group's NetworkPolicy, owned by its JobSet (the GC deletes it)
             ("networking.k8s.io", "networkpolicies"): ["create"],
+            # an elastic run's fleet (moerl/launch/fleet.py, tests/launch/test_fleet.py): the
+            # Deployment as the other workloads; what it owns, create only; the per-run Role's
+            # grants (get/patch on its fleet's scale and ScaledObject), held to be granted
+            ("apps", "deployments"): crud,
+            ("apps", "deployments/scale"): ["get", "patch"],
+            ("keda.sh", "scaledobjects"): ["create", "get", "patch"],
+            ("keda.sh", "triggerauthentications"): ["create"],
+            ("rbac.authorization.k8s.io", "roles"): ["create"],
+            ("rbac.authorization.k8s.io", "rolebindings"): ["create"],
         }
         (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
@@ -694,8 +703,19 @@ def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones
         == labels["pod-security.kubernetes.io/audit"]
         == "restricted"
     )
-    (pol,) = [o for o in built["prod"] if o["kind"] == "ValidatingAdmissionPolicy"]
-    (binding,) = [o for o in built["prod"] if o["kind"] == "ValidatingAdmissionPolicyBinding"]
+    # the one on pods (moerl-launched-fleets, on an elastic run's fleet: tests/launch/test_fleet.py)
+    (pol,) = [
+        o
+        for o in built["prod"]
+        if o["kind"] == "ValidatingAdmissionPolicy"
+        and o["metadata"]["name"] == "moerl-launched-pods"
+    ]
+    (binding,) = [
+        o
+        for o in built["prod"]
+        if o["kind"] == "ValidatingAdmissionPolicyBinding"
+        and o["spec"]["policyName"] == "moerl-launched-pods"
+    ]
     assert binding["spec"]["policyName"] == pol["metadata"]["name"] and binding["spec"][
         "validationActions"
     ] == ["Deny"]

@@ -1004,6 +1004,8 @@ def test_a_trainjob_that_started_is_not_failed_as_pending_when_its_pods_go_away(
 
 
 JS_PATH = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets"
+DEP_PATH = f"/apis/apps/v1/namespaces/{NS}/deployments"
+FLEET = "moerl-rollout-worker-fleet-0a1b2c3d-abcde"  # an elastic run's fleet (moerl.launch.fleet)
 
 
 def _listed(kind: str, name: str, **meta) -> dict:
@@ -1030,25 +1032,35 @@ def test_sweep_deletes_what_the_launcher_left_of_a_run():
         "metadata": {},
         "items": [_listed("TrainJob", TJ)],
     }
-    # the JobSet API is not installed (404); the TrainJob's own pod goes with it, not by itself
+    dep_list = {
+        "apiVersion": "apps/v1",
+        "kind": "DeploymentList",
+        "metadata": {},
+        "items": [_listed("Deployment", FLEET)],
+    }
+    # the JobSet API is not installed (404); the TrainJob's own pod goes with it, not by itself;
+    # an elastic run's fleet Deployment goes (what it owns, and its pods, with it)
     api, replay = _api(
         [
             ("GET", TJ_PATH, 200, tj_list),
             tj("DELETE", "deleted_trainjob"),
             ("GET", JS_PATH, 404, "not_found_trainjob"),
+            ("GET", DEP_PATH, 200, dep_list),
+            ("DELETE", f"{DEP_PATH}/{FLEET}", 200, {"kind": "Status"}),
             ("GET", POD_PATH, 200, pod_list(tj_pod(), own_pod)),
             pod("DELETE", "deleted_pod"),
         ]
     )
     assert sweep(RUN, NS, api=api, sleep=lambda s: None) == [
         f"TrainJob {NS}/{TJ}",
+        f"Deployment {NS}/{FLEET}",
         f"Pod {NS}/{POD}",
     ]
     selectors = {q["labelSelector"] for m, _, q, _ in replay.calls if m == "GET"}
     assert selectors == {f"moerl.ai/run-id={RUN},app.kubernetes.io/managed-by=moerl"}
     assert [q for _, q in replay.deletes()] == [
         {"propagationPolicy": "Background"}
-    ] * 2 and not replay.script
+    ] * 3 and not replay.script
 
 
 def test_sweep_keeps_going_and_then_says_what_it_could_not_delete():
@@ -1069,6 +1081,7 @@ def test_sweep_keeps_going_and_then_says_what_it_could_not_delete():
             ("GET", TJ_PATH, 200, tj_list),
             tj("DELETE", "forbidden_pod_create", 403),
             ("GET", JS_PATH, 200, empty),
+            ("GET", DEP_PATH, 200, {"kind": "DeploymentList", "metadata": {}, "items": []}),
             ("GET", POD_PATH, 200, pod_list(_listed("Pod", POD))),
             pod("DELETE", "not_found_pod", 404),
         ]
