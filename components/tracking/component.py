@@ -111,13 +111,16 @@ def start_run(
         valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
     from moerl.launch.layout import rollout_pod_layout, rollout_pods
 
+    slots = list(range(rollout_pods(cfg.rollout.workers, rollout_pod_layout(cfg).engines)))
+    if cfg.rollout.elastic:  # the fleet is one Deployment the trainer's launcher creates
+        slots = []
     Outputs = namedtuple(
         "Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"]
     )
     return Outputs(
         run_id,
         config_to_json(cfg),
-        list(range(rollout_pods(cfg.rollout.workers, rollout_pod_layout(cfg).engines))),
+        slots,
         list(range(cfg.reward.scorers)),
         valkey_secret,
     )

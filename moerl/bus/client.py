@@ -41,6 +41,24 @@ STAGE_ACL = (
 )
 
 
+# What KEDA's redis-streams trigger (lagCount, v2.20.2) may do as an elastic fleet's scaler: log
+# in, read the server's version (INFO) and the units stream's groups (XINFO GROUPS, XLEN), on
+# that one stream, read-only. Its own user, so the stages' users stay without INFO.
+SCALER_ACL = (
+    "resetchannels",
+    "-@all",
+    "+auth",
+    "+hello",
+    "+ping",
+    "+select",
+    "+client|setname",
+    "+client|setinfo",
+    "+info",
+    "+xinfo",
+    "+xlen",
+)
+
+
 def key_pattern(run_id: str | None = None) -> str:
     """The keys a stage user may touch: one run's (`moerl:<run>:*`), or every moerl run's."""
     return f"~moerl:{run_id}:*" if run_id else "~moerl:*"
@@ -191,10 +209,29 @@ def create_run_user(admin: Retrying, run_id: str, password: str | None = None) -
     return user, password
 
 
+def scaler_user(run_id: str) -> str:
+    """The ACL user an elastic fleet's scaler (KEDA) reads run `run_id`'s units stream as."""
+    return f"{run_user(run_id)}-scaler"
+
+
+def create_scaler_user(
+    admin: Retrying, run_id: str, password: str | None = None
+) -> tuple[str, str]:
+    """Create (or reset) run `run_id`'s scaler user: SCALER_ACL, read-only on the run's units
+    stream alone (`moerl:<run>:units`). Returns (user, password)."""
+    user, password = scaler_user(run_id), password or secrets.token_urlsafe(32)
+    keys = f"%R~{key_pattern(run_id).removeprefix('~').removesuffix('*')}units"
+    admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", keys, *SCALER_ACL)
+    _save_acl(admin)
+    return user, password
+
+
 def delete_run_user(admin: Retrying, run_id: str) -> bool:
-    """Delete run `run_id`'s ACL user (Valkey also closes every connection logged in as it);
-    False when there was none (already deleted, or never made)."""
-    deleted = int(admin.execute_command("ACL", "DELUSER", run_user(run_id))) > 0
+    """Delete run `run_id`'s ACL user and its scaler's (Valkey also closes every connection
+    logged in as them); False when there was none (already deleted, or never made)."""
+    deleted = (
+        int(admin.execute_command("ACL", "DELUSER", run_user(run_id), scaler_user(run_id))) > 0
+    )
     if deleted:
         _save_acl(admin)
     return deleted

@@ -129,7 +129,44 @@ def _volumes(
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": group.shm}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     secret_volumes, secret_mounts = launched_secret_volumes(cfg, stage, run_id)
-    return volumes + secret_volumes, mounts + secret_mounts
+    volumes, mounts = volumes + secret_volumes, mounts + secret_mounts
+    if stage == "async_trainer" and cfg.rollout.elastic:
+        volumes.append(api_token_volume())
+        mounts.append({"name": API_TOKEN, "mountPath": API_TOKEN_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+API_TOKEN, API_TOKEN_DIR = "kube-api-token", "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def api_token_volume(expiration_s: int = 3600) -> dict[str, Any]:
+    """The one exception to "no stage calls the API": an elastic fleet's controller in the async
+    trainer (components/rollout/fleet.py) patches its own fleet's scale or ScaledObject, which
+    the run's scaler Role alone allows (moerl/launch/fleet.py). Its account mounts no token, and
+    a TrainJob's runtime patch cannot set automountServiceAccountToken, so the token is projected
+    where in-cluster clients read it: short-lived, audience the API server, refreshed by the
+    kubelet."""
+    return {
+        "name": API_TOKEN,
+        "projected": {
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": expiration_s}},
+                {
+                    "configMap": {
+                        "name": "kube-root-ca.crt",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    }
+                },
+                {
+                    "downwardAPI": {
+                        "items": [
+                            {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+                        ]
+                    }
+                },
+            ]
+        },
+    }
 
 
 # The launched GPU pods get the least privilege their stage needs: a non-root user (the images'

@@ -19,6 +19,8 @@ from moerl.secrets import FILE_SUFFIX, SECRETS_ROOT, file_var, write_secret_file
 
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 VALKEY_SECRET_KEYS = ("VALKEY_USERNAME", "VALKEY_PASSWORD")  # in the run's own Secret
+# also there, for KEDA's operator alone (an elastic fleet's trigger): never mounted in a pod
+VALKEY_SCALER_KEYS = ("VALKEY_SCALER_USERNAME", "VALKEY_SCALER_PASSWORD")
 VALKEY_ADMIN_KEY = "VALKEY_ADMIN_PASSWORD"  # in cluster.valkey_secret: start_run and close_run only
 # The stages that make and delete the run's Valkey user and Secret (the admin password, and the
 # Kubernetes API: their pods know their namespace, pipelines/eks.py).
@@ -154,6 +156,7 @@ def secret_bearing(name: str, cfg: RunConfig) -> bool:
         name.startswith(SECRET_ENV_PREFIXES)
         or name in MLFLOW_SECRET_KEYS
         or name in VALKEY_SECRET_KEYS
+        or name in VALKEY_SCALER_KEYS
         or name == VALKEY_ADMIN_KEY
         or name in (f"{ct}_ACCESS_KEY_ID", f"{ct}_SECRET_ACCESS_KEY")
     )

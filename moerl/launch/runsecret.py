@@ -10,10 +10,17 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from moerl.bus.client import ADMIN_PASSWORD_ENV, connect, create_run_user, delete_run_user, run_user
+from moerl.bus.client import (
+    ADMIN_PASSWORD_ENV,
+    connect,
+    create_run_user,
+    create_scaler_user,
+    delete_run_user,
+    run_user,
+)
 from moerl.config import RunConfig
 from moerl.errors import ConfigError, MoerlError
-from moerl.launch.podsecrets import run_secret_name
+from moerl.launch.podsecrets import VALKEY_SCALER_KEYS, run_secret_name
 from moerl.secrets import read_secret
 
 if TYPE_CHECKING:  # the kubernetes client only where a Secret is made or deleted
@@ -34,10 +41,16 @@ def _admin(cfg: RunConfig):
     return connect(cfg.valkey.url, cfg.valkey.reconnect_s, username="default", password=password)
 
 
-def run_secret_body(run_id: str, user: str, password: str) -> dict[str, Any]:
+def run_secret_body(
+    run_id: str, user: str, password: str, scaler: tuple[str, str] | None = None
+) -> dict[str, Any]:
     """The run's Secret: the keys `moerl.launch.podsecrets` mounts (VALKEY_USERNAME,
-    VALKEY_PASSWORD), labelled with the run so an operator can find one a failed close left."""
+    VALKEY_PASSWORD), and `scaler`'s (VALKEY_SCALER_*: the user KEDA's trigger reads the units
+    stream as, `create_scaler_user`), labelled with the run so an operator can find one a
+    failed close left."""
     data = {"VALKEY_USERNAME": user, "VALKEY_PASSWORD": password}
+    if scaler is not None:
+        data |= dict(zip(VALKEY_SCALER_KEYS, scaler))
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -85,9 +98,12 @@ def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -
 
     from moerl.launch.watch import short_error
 
-    user, password = create_run_user(_admin(cfg), run_id)
+    admin = _admin(cfg)
+    user, password = create_run_user(admin, run_id)
+    # an elastic fleet's scaler: read-only on the units stream (KEDA's lag trigger)
+    scaler = create_scaler_user(admin, run_id) if cfg.rollout.elastic else None
     api = api or _api()
-    body = run_secret_body(run_id, user, password)
+    body = run_secret_body(run_id, user, password, scaler)
     name = body["metadata"]["name"]
     for ns in namespaces(cfg):
         try:

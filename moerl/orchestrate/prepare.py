@@ -26,6 +26,16 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
     """Everything that can be checked before work starts; raises a MoerlError naming the field.
     `here`: the stages run on this machine, so `require:` is probed here too (the pipeline's
     first task runs on a CPU pod and leaves that to each stage's own start)."""
+    if not here and cfg.rollout.elastic and cfg.cluster.launch.mode != "kubernetes":
+        from moerl.errors import ConfigError
+
+        lo, hi = cfg.rollout.fleet_bounds
+        raise ConfigError(
+            f"rollout.min_workers {lo} / rollout.max_workers {hi} in a pipeline: the elastic "
+            "fleet is a Deployment the trainer's launcher creates, which needs "
+            f"cluster.launch.mode kubernetes (it is {cfg.cluster.launch.mode}); set it, or remove "
+            "min_workers and max_workers"
+        )
     if here and (cfg.require.gpu or cfg.require.deepep or cfg.require.efa):
         from moerl.errors import RequirementError
 

@@ -25,7 +25,7 @@ import yaml
 from moerl.config import config_from_json, parse_config
 from moerl.errors import ConfigError
 from moerl.launch import fleet, objects
-from moerl.launch.podsecrets import VALKEY_SECRET_KEYS, run_secret_name
+from moerl.launch.podsecrets import VALKEY_SCALER_KEYS, VALKEY_SECRET_KEYS, run_secret_name
 from moerl.launch.runsecret import run_secret_body
 from moerl.launch.task import launch_env
 from tests.unit.test_launch import K8S_VERSION, NS, RFC1035, RUN, _crd_schema, _env
@@ -323,13 +323,22 @@ def test_the_trigger_reads_the_runs_own_secret_by_reference_never_inlined():
     ta = objs["TriggerAuthentication"]["spec"]
     assert ta == {
         "secretTargetRef": [
-            {"parameter": "username", "name": run_secret_name(RUN), "key": "VALKEY_USERNAME"},
-            {"parameter": "password", "name": run_secret_name(RUN), "key": "VALKEY_PASSWORD"},
+            {
+                "parameter": "username",
+                "name": run_secret_name(RUN),
+                "key": "VALKEY_SCALER_USERNAME",
+            },
+            {
+                "parameter": "password",
+                "name": run_secret_name(RUN),
+                "key": "VALKEY_SCALER_PASSWORD",
+            },
         ]
     }
     # the keys the run's Secret holds (moerl/launch/runsecret.py)
-    body = run_secret_body(RUN, "moerl-run-x", "s3cr3t-value")
-    assert {r["key"] for r in ta["secretTargetRef"]} == set(body["data"]) == set(VALKEY_SECRET_KEYS)
+    body = run_secret_body(RUN, "moerl-run-x", "s3cr3t-value", ("moerl-run-x-scaler", "s3cr3t-2"))
+    assert {r["key"] for r in ta["secretTargetRef"]} == set(VALKEY_SCALER_KEYS)
+    assert set(body["data"]) == set(VALKEY_SECRET_KEYS) | set(VALKEY_SCALER_KEYS)
     text = json.dumps(list(objs.values()))
     assert "s3cr3t" not in text and '"password":' not in text.replace(" ", "")
     m = objs["ScaledObject"]["spec"]["triggers"][0]["metadata"]
@@ -481,19 +490,37 @@ def test_the_trigger_names_the_streams_and_group_the_workers_lease_from(run_bus)
     assert g["lag"] == bus.units_waiting() == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the run's ACL user (moerl/bus/client.py STAGE_ACL: -@dangerous) may not run INFO, "
-    "which KEDA's lag trigger sends first; STAGE_ACL needs +info (docs/deploy.md)",
-)
-def test_the_runs_own_user_can_read_what_kedas_lag_trigger_reads(run_bus):
+def test_the_runs_scaler_user_reads_what_kedas_lag_trigger_reads_and_nothing_else(run_bus):
+    """KEDA reads as the run's scaler user (`create_scaler_user`, the Secret's VALKEY_SCALER_*):
+    INFO and the units stream's groups, read-only; the stages' own user still may not run INFO
+    (tests/bus/test_bus.py), and the scaler may neither write nor read another key or run."""
     import valkey
+
+    from moerl.bus.client import connect, create_scaler_user
 
     server, user, password, bus = run_bus
     bus.ensure_groups()
     bus.issue_unit([{"prompt_id": "p0", "text": "x"}])
-    r = valkey.Valkey.from_url(server.url, username=user, password=password, decode_responses=True)
+    s_user, s_password = create_scaler_user(connect(server.url), RUN)
+    r = valkey.Valkey.from_url(
+        server.url, username=s_user, password=s_password, decode_responses=True
+    )
     assert _kedas_lag(r, fleet.units_stream(RUN), "rollout") == bus.units_waiting() == 1
+    for cmd in (
+        ("XADD", fleet.units_stream(RUN), "*", "k", "v"),
+        ("XREADGROUP", "GROUP", "rollout", "x", "STREAMS", fleet.units_stream(RUN), ">"),
+        ("GET", f"moerl:{RUN}:registry"),
+        ("XINFO", "GROUPS", f"moerl:{RUN}:scored"),
+        ("XINFO", "GROUPS", "moerl:another-run:units"),
+        ("KEYS", "*"),
+        ("CONFIG", "GET", "*"),
+        ("FLUSHALL",),
+    ):
+        with pytest.raises(valkey.exceptions.NoPermissionError):
+            r.execute_command(*cmd)
+    mine = valkey.Valkey.from_url(server.url, username=user, password=password)
+    with pytest.raises(valkey.exceptions.NoPermissionError):
+        mine.execute_command("INFO")
 
 
 # ---- admission: what the pipeline's account may create is the fleet, and only it -----------------
@@ -801,3 +828,34 @@ def test_the_trainers_launch_builds_the_fleet_with_the_runs_accounts_and_checks_
     check_launchable(
         _cfg(workers=2, lo=2, hi=2, valkey={"url": "redis://h:6379/x"}), "async_trainer"
     )
+
+
+def test_only_an_elastic_runs_async_trainer_gets_a_projected_api_token():
+    """Its controller patches its own fleet (the per-run Role above); no other stage and no
+    fixed-fleet trainer gets a token. The trainer's pod, token volume included, validates as a
+    Pod against Kubernetes' schema."""
+    from moerl.launch import objects
+
+    def pod_of(cfg, stage):
+        tj = objects.trainjob(cfg, RUN, "tj", ["python"], [], stage=stage)
+        (rjob,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+            "replicatedJobs"
+        ]
+        spec = rjob["template"]["spec"]["template"]["spec"]
+        spec["containers"][0] |= {"image": "moerl", "command": ["python"]}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec}
+
+    elastic = pod_of(_cfg(), "async_trainer")
+    vols = {v["name"]: v for v in elastic["spec"]["volumes"]}
+    token = vols[objects.API_TOKEN]["projected"]["sources"]
+    assert token[0]["serviceAccountToken"]["expirationSeconds"] <= 3600
+    (mount,) = [
+        m
+        for m in elastic["spec"]["containers"][0]["volumeMounts"]
+        if m["name"] == objects.API_TOKEN
+    ]
+    assert mount["mountPath"] == objects.API_TOKEN_DIR and mount["readOnly"]
+    assert kubernetes_validate.validate(elastic, K8S_VERSION, strict=True)
+    for cfg, stage in ((_cfg(), "policy_update"), (_cfg(lo=2, hi=2), "async_trainer")):
+        names = {v["name"] for v in pod_of(cfg, stage)["spec"]["volumes"]}
+        assert objects.API_TOKEN not in names, stage

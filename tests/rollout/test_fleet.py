@@ -220,3 +220,55 @@ def test_a_failing_api_never_stops_the_controller_and_is_counted(server, request
     assert c.is_alive() and c.failures >= 3
     c.stop()
     assert not c.is_alive()
+
+
+def test_the_local_controller_shrinks_on_a_scored_pile_and_grows_on_waiting_units(
+    server, request, monkeypatch
+):
+    """`LocalFleet.decide` (the local launcher's controller) on a real Valkey: scored groups
+    past the high watermark take one worker away once the hold has passed; units that outlast
+    a load time add workers up to max_workers; never below min_workers."""
+    from moerl.bus import SCORED
+    from moerl.orchestrate.async_run import LocalFleet
+
+    bus = stage_bus(server, request, monkeypatch, visibility_timeout_s=30)
+    cfg = parse_config(
+        {
+            "pipeline": {"mode": "async"},
+            "rollout": {
+                "workers": 2,
+                "min_workers": 1,
+                "max_workers": 4,
+                "fleet_high_watermark_groups": 3,
+                "fleet_scale_down_after_s": 0,
+                "samples_per_prompt": 2,
+            },
+            "units": {"max_prompts": 1},
+        }
+    )
+    f = LocalFleet(cfg)
+    for i in range(5):  # five scored groups wait, the trainer takes none
+        bus.r.xadd(bus.key(SCORED), {"group_id": f"g{i}"})
+    assert bus.backlog() == 5
+    target, why = f.decide(bus, 3, now=f.stabilizer.since + 1)
+    assert target == 2 and "5 scored groups" in why
+    target, _ = f.decide(bus, 1, now=f.stabilizer.since + 2)
+    assert target == 1  # min_workers
+    bus.r.delete(bus.key(SCORED))  # the trainer took them
+    bus.ensure_groups()
+    _measured(bus, cfg, waiting=12)
+    f.decide(bus, 1, now=f.stabilizer.since + 3)  # the first reading of the rate
+    bus.incr(generated=4)
+    bus.heartbeat("rollout-0", busy_s=2.0, started_unix=1.0, first_sample_s=2.0)
+    target, why = f.decide(bus, 1, now=f.stabilizer.since + 4)
+    assert target == 4 and "12 units waiting" in why  # ceil(12 / 2) = 6, max_workers 4
+
+
+def test_a_pipeline_refuses_an_elastic_fleet_it_could_not_scale():
+    """In a compiled pipeline the fleet is a Deployment the trainer's launcher creates: without
+    cluster.launch.mode kubernetes the fixed worker tasks would run and nothing would scale."""
+    from moerl.orchestrate.prepare import preflight
+
+    cfg = parse_config({"pipeline": {"mode": "async"}, "rollout": {"workers": 1, "max_workers": 2}})
+    with pytest.raises(ConfigError, match="needs cluster.launch.mode kubernetes"):
+        preflight(cfg, here=False)
