@@ -326,7 +326,10 @@ class LocalAsyncRun:
                 continue
             c.handled = True
             c.exits.append(code)
-            if code == 0 or c.retired:  # a retired worker's drain (75) is its scale-down
+            if c.retired:  # a scale-down's drain (75), or a death while it was starting
+                print(f"[moerl] {c.name} left the fleet (exit {code})", flush=True)
+                continue
+            if code == 0:
                 continue
             if c.role == "trainer-node":  # the mesh is broken: node 0's trainer fails, then all
                 trainer = self.children["trainer"].proc  # restart together (as a TrainJob's do)
