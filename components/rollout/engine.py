@@ -434,20 +434,25 @@ class RolloutEngine:
     def sampling_params(
         self, n: int, seed: int | None = None, prompt_len: int = 0, max_tokens: int | None = None
     ):
-        """`rollout`'s sampling settings; the response budget left by `rollout.max_total_tokens`
-        for a prompt of `prompt_len` tokens (or `max_tokens`, a multi-turn episode's turn
-        budget); the stop strings."""
+        """`rollout`'s sampling settings; the response budget of the engine's policy version
+        (`rollout.max_new_tokens_schedule`), left by `rollout.max_total_tokens` for a prompt of
+        `prompt_len` tokens, and no more than `max_tokens` (a multi-turn episode's turn budget);
+        the stop strings."""
         from vllm import SamplingParams
 
-        from moerl.tasks.prompting import max_new_tokens_for
+        from moerl.tasks.prompting import max_new_tokens_at, max_new_tokens_for
 
         c = self.cfg
+        if max_tokens:  # a turn's budget, already cut to what is left of the episode
+            budget = min(max_tokens, max_new_tokens_at(c, self.version))
+        else:
+            budget = max_new_tokens_for(c, prompt_len, self.version)
         return SamplingParams(
             n=n,
             temperature=c.temperature,
             top_p=c.top_p,
             top_k=c.top_k,
-            max_tokens=max_tokens or max_new_tokens_for(c, prompt_len),
+            max_tokens=budget,
             logprobs=0,
             seed=seed,
             stop=list(c.stop) or None,

@@ -159,11 +159,15 @@ class EpisodeDriver:
                 e.done, e.finish_reason = True, "length"
 
     def budget(self, ep: Episode) -> int:
-        """The most tokens the episode's next turn may generate (0: none left)."""
-        r = self.cfg.rollout
+        """The most tokens the episode's next turn may generate (0: none left): the longest
+        length of `rollout.max_new_tokens_schedule` (the engine cuts it to its own version's,
+        `RolloutEngine.sampling_params`), within what max_total_tokens leaves."""
+        from moerl.tasks.prompting import max_new_tokens_ceiling
+
+        r, most = self.cfg.rollout, max_new_tokens_ceiling(self.cfg.rollout)
         if r.max_total_tokens is None:
-            return r.max_new_tokens
-        return max(0, min(r.max_new_tokens, r.max_total_tokens - len(ep.context)))
+            return most
+        return max(0, min(most, r.max_total_tokens - len(ep.context)))
 
     def advance(self, turns: list[tuple[Episode, Any]]) -> list[Episode]:
         """Append each episode's model turn (a `Completion`), step its environment, append the

