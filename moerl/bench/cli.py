@@ -87,6 +87,15 @@ def _peer(a: argparse.Namespace) -> int:
     return 0 if rep["ok"] else 1
 
 
+def _fleet(a: argparse.Namespace) -> int:
+    from moerl.bench.fleet import run_bench_fleet
+
+    rep = run_bench_fleet(
+        a.config, a.set, versions=a.versions, repeats=a.repeats, out_dir=a.out_dir
+    )
+    return 0 if rep["ok"] else 1
+
+
 def _rollout(a: argparse.Namespace) -> int:
     from moerl.bench.rollout import run_bench_rollout
 
@@ -378,6 +387,32 @@ def add_bench_parsers(sub) -> None:
         help="report.json, summary.md, v0/ and round<i>/<arm>/ (replaced by each run)",
     )
     pe.set_defaults(func=_peer)
+
+    fl = bsub.add_parser(
+        "fleet",
+        help="an elastic rollout fleet (min..max workers) against a fixed one (min), on a workload "
+        "whose response length changes mid-run: time, worker-seconds, idle, starvation",
+    )
+    fl.add_argument("config")
+    fl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    fl.add_argument(
+        "--versions",
+        type=int,
+        default=None,
+        help="versions per arm (default: the config's async pipeline.versions)",
+    )
+    fl.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of both arms, interleaved (the first arm alternates); the table shows medians",
+    )
+    fl.add_argument(
+        "--out-dir",
+        default="bench/fleet",
+        help="report.json, summary.md and round<i>/<arm>/ (replaced by each run)",
+    )
+    fl.set_defaults(func=_fleet)
 
     ro = bsub.add_parser(
         "rollout",
