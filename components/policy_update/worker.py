@@ -507,8 +507,9 @@ def run_trainer(cfg: RunConfig, run_id: str, mesh: Leader | None = None) -> Poli
         epoch,
     )
     issuer.start()
-    fleet = fleet_controller(cfg, run_id)
+    fleet = None
     try:
+        fleet = fleet_controller(cfg, run_id)
         return _train_versions(cfg, run_id, mesh, bus, tiers, latest, epoch, durable, issuer)
     finally:
         issuer.stop_event.set()

@@ -4,9 +4,9 @@ One rule for every controller: the local launcher (`LocalAsyncRun`), the trainer
 on a cluster without KEDA, and KEDA itself, whose redis-streams trigger computes the same
 ceil(lag / lagCount) from `lag_count`. A worker is worth adding only if the units waiting would
 still be waiting when its engine is ready: `lag_count` is what one worker drains in one
-engine load time, both measured and kept on the bus (`measure`). Scored groups piling up past
-the high watermark mean production the trainer cannot consume: the fleet holds, then shrinks
-one worker at a time. Scale-downs wait `rollout.fleet_scale_down_after_s` (the largest wish
+engine load time, both measured and kept on the bus (`measure`); the workers busy with a unit
+are a floor. Scored groups piling up past the high watermark mean production the trainer
+cannot consume: the fleet shrinks one worker at a time. Scale-downs wait `rollout.fleet_scale_down_after_s` (the largest wish
 over that window wins, as Kubernetes' HPA stabilization does), scale-ups do not.
 
 Design: docs/async.md, "An elastic fleet".
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -35,6 +36,7 @@ class FleetView:
 
     workers: int  # in the fleet now, starting ones included
     units_waiting: int  # issued and not yet leased by any worker (the units stream's lag)
+    busy: int  # workers holding a leased unit now: never shrunk below while nothing piles up
     scored_backlog: int  # scored groups waiting for the trainer
     units_per_busy_s: float | None  # units one worker drains per second of work; None: unmeasured
     load_s: float | None  # a new worker's start to its first group; None: unmeasured
@@ -68,11 +70,11 @@ def wish(view: FleetView, lo: int, hi: int, high_watermark: int) -> Wish:
             "no worker has measured its load time and rate yet: holding",
         )
     per = lag_count(view.units_per_busy_s, view.load_s)
-    want = math.ceil(view.units_waiting / per)
+    want = max(view.busy, math.ceil(view.units_waiting / per))
     return Wish(
         min(hi, max(lo, want)),
-        f"{view.units_waiting} units waiting; one worker drains {per} in an engine's load time "
-        f"({view.load_s:.1f} s at {view.units_per_busy_s:.2f} units/s)",
+        f"{view.units_waiting} units waiting, {view.busy} workers busy; one worker drains {per} "
+        f"in an engine's load time ({view.load_s:.1f} s at {view.units_per_busy_s:.2f} units/s)",
     )
 
 
@@ -136,6 +138,7 @@ def measure(bus: RunBus, cfg: RunConfig, workers: int, rates: Rates) -> FleetVie
     view = FleetView(
         workers=workers,
         units_waiting=bus.units_waiting(),
+        busy=bus.workers_holding_units(),
         scored_backlog=bus.backlog(),
         units_per_busy_s=rate,
         load_s=load_time(rollout),
@@ -229,7 +232,8 @@ class KubeActuator:
     the trainer pod's ServiceAccount, which the run's scaler Role lets patch only these two."""
 
     def __init__(self, run_id: str, namespace: str | None = None, apps=None, custom=None):
-        from moerl.launch.fleet import fleet_name
+        from moerl.errors import ConfigError
+        from moerl.launch.fleet import ENV_FLEET_NAME
         from moerl.launch.watch import SA_NAMESPACE
 
         if apps is None or custom is None:
@@ -238,7 +242,13 @@ class KubeActuator:
             config.load_incluster_config()
             apps, custom = client.AppsV1Api(), client.CustomObjectsApi()
         self.apps, self.custom = apps, custom
-        self.name = fleet_name(run_id)
+        # the name the launcher chose for the Deployment it created (random-suffixed per try)
+        self.name = os.environ.get(ENV_FLEET_NAME, "")
+        if not self.name:
+            raise ConfigError(
+                f"run {run_id}: the trainer scales its elastic fleet, but ${ENV_FLEET_NAME} (the "
+                "fleet's Deployment, set by the launcher that created it) is unset"
+            )
         if namespace is None:  # the trainer pod's own
             with open(SA_NAMESPACE) as f:
                 namespace = f.read().strip()

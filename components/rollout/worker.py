@@ -438,9 +438,14 @@ class RolloutWorker:
         self.epoch = 0  # the newest trainer epoch whose servable pointer this worker followed
         self._fanout = None  # moerl.store.fanout.Swarm, with checkpoint.fanout
         self.busy_s = 0.0
-        self.t_start = time.perf_counter()
+        # from the process's own start (its imports included: what a new worker costs before it
+        # generates, the fleet's load time; procs.process_age_s)
+        from moerl.launch.procs import process_age_s
+
+        age = process_age_s() or 0.0
+        self.t_start = time.perf_counter() - age
         # in the stats: tells this process from a predecessor of the same name
-        self.started_unix = time.time()
+        self.started_unix = time.time() - age
         self.drain = _Drain(cfg.rollout.grace_seconds)
         self.holder = f"rollout-{socket.gethostname()}-{name}"
         self._last_renew = 0.0
@@ -1273,6 +1278,8 @@ class RolloutWorker:
 
     def run(self) -> int:
         self.bus.ensure_groups()
+        # a predecessor of the same name (a restart) measured its own first group, not ours
+        self.bus.forget_stats(self.name, "first_sample_s")
         stop = threading.Event()
         beat = threading.Thread(
             target=self._beat, args=(stop,), name="moerl-heartbeat", daemon=True

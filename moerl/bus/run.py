@@ -281,6 +281,10 @@ class RunBus:
         if stats:
             self.r.hset(self.key(f"stats:{name}"), mapping={k: float(v) for k, v in stats.items()})
 
+    def forget_stats(self, name: str, *fields: str) -> None:
+        """Drop `fields` of `name`'s stats (a restarted process's predecessor's)."""
+        self.r.hdel(self.key(f"stats:{name}"), *fields)
+
     def alive(self) -> list[str]:
         n = len(self.key("alive:"))
         return sorted(k[n:] for k in self.r.scan(self.key("alive:*")))
@@ -811,6 +815,16 @@ class RunBus:
         redis-streams trigger reads as the rollout group's lag."""
         pending = int(self.r.xpending(self.key(UNITS), GROUPS[UNITS])["pending"])
         return max(0, int(self.r.xlen(self.key(UNITS))) - pending)
+
+    def workers_holding_units(self) -> int:
+        """Rollout workers with at least one unit leased and not yet acknowledged (one XPENDING
+        summary of the units group)."""
+        info = self.r.xpending(self.key(UNITS), GROUPS[UNITS])
+        return sum(
+            1
+            for c in info.get("consumers") or []
+            if c["name"].startswith("rollout") and int(c["pending"]) > 0
+        )
 
     def set_fleet(self, values: dict[str, float]) -> None:
         """The fleet controller's measurements and wish (components/rollout/fleet.py)."""

@@ -28,6 +28,8 @@ TRIGGERAUTH_API = (KEDA_GROUP, KEDA_VERSION, "triggerauthentications")
 STAGE = "rollout_worker"
 WORKER_MODULE = "moerl.components.rollout.worker"
 ENV_POD_NAME = "MOERL_FLEET_POD"  # the pod's own name (downward API)
+# the fleet's Deployment's name, in the async trainer's env: its controller scales that one
+ENV_FLEET_NAME = "MOERL_FLEET_NAME"
 # A worker's Valkey consumer name: `rollout-<its pod's name>`, unique per pod; the run's
 # counters and controllers count workers by the `rollout` prefix.
 WORKER_NAME = f"rollout-$({ENV_POD_NAME})"  # expanded by the kubelet from the container's env
@@ -193,8 +195,9 @@ def scaled_object(
 ) -> dict[str, Any]:
     """The ScaledObject on the fleet's Deployment: a redis-streams trigger on the consumer group
     `rollout`'s lag of the run's units stream (XINFO GROUPS: units issued, not yet delivered),
-    AverageValue lagCount, so replicas = ceil(lag / lag_count) within rollout.fleet_bounds;
-    scale-ups at once, scale-downs after rollout.fleet_scale_down_after_s."""
+    AverageValue lagCount, so replicas = ceil(lag / lag_count) within rollout.fleet_bounds, and
+    one on its pending units (pendingEntriesCount rollout.units_in_flight: the workers busy), the
+    larger wish winning; scale-ups at once, scale-downs after rollout.fleet_scale_down_after_s."""
     ro = cfg.rollout
     lo, hi = ro.fleet_bounds
     address, db, tls = valkey_address(cfg)
@@ -239,7 +242,23 @@ def scaled_object(
                     "metricType": "AverageValue",
                     "metadata": meta,
                     "authenticationRef": {"name": name},
-                }
+                },
+                # the units leased and not yet done (XPENDING), rollout.units_in_flight a
+                # worker: the HPA takes the larger of the two wishes, so a fleet whose workers
+                # all generate is not shrunk for having nothing waiting (the rule's busy floor)
+                {
+                    "type": "redis-streams",
+                    "metricType": "AverageValue",
+                    "metadata": {
+                        **{
+                            k: v
+                            for k, v in meta.items()
+                            if k not in ("lagCount", "activationLagCount")
+                        },
+                        "pendingEntriesCount": str(ro.units_in_flight),
+                    },
+                    "authenticationRef": {"name": name},
+                },
             ],
         },
     }

@@ -101,7 +101,8 @@ def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -
     admin = _admin(cfg)
     user, password = create_run_user(admin, run_id)
     # an elastic fleet's scaler: read-only on the units stream (KEDA's lag trigger)
-    scaler = create_scaler_user(admin, run_id) if cfg.rollout.elastic else None
+    keda = cfg.rollout.elastic and cfg.cluster.launch.fleet_scaler == "keda"
+    scaler = create_scaler_user(admin, run_id) if keda else None
     api = api or _api()
     body = run_secret_body(run_id, user, password, scaler)
     name = body["metadata"]["name"]

@@ -230,11 +230,17 @@ def build(
     owner: dict[str, Any] | None,
     service_account: str | None = None,
     engines: int | None = None,
+    fleet: str | None = None,
 ) -> dict[str, Any]:
     """The object that runs `stage`: a TrainJob for the trainer group, a Pod for rollout
     (`engines`: the rollout engines it runs, which size its GPUs), a JobSet for a rollout
-    worker over several nodes (`is_group`; every pod gets all its node's GPUs)."""
+    worker over several nodes (`is_group`; every pod gets all its node's GPUs). `fleet`: the
+    name of an elastic run's fleet, which the async trainer's controller scales."""
     env = launch_env(cfg, stage)
+    if fleet is not None:
+        from moerl.launch.fleet import ENV_FLEET_NAME
+
+        env = [*env, {"name": ENV_FLEET_NAME, "value": fleet}]
     if is_group(cfg, stage):
         return objects.rollout_group(
             cfg,
@@ -272,16 +278,20 @@ def build(
     )
 
 
-def fleet_workload(cfg: RunConfig, run_id: str, namespace: str, api: KubeApi) -> Any:
+def fleet_workload(
+    cfg: RunConfig, run_id: str, namespace: str, api: KubeApi, name: str | None = None
+) -> Any:
     """An elastic async run's rollout fleet (`moerl.launch.fleet`), which the trainer's launcher
     creates beside the TrainJob and deletes with it: the Deployment (owned by this task's pod)
-    and what it owns."""
+    and what it owns. `name`: the fleet's, as the trainer was told (`build(fleet=...)`)."""
     from moerl.launch.fleet import fleet_objects
 
     dep, *owned = fleet_objects(
         cfg,
         run_id,
         namespace,
+        name=name,
+        keda=cfg.cluster.launch.fleet_scaler == "keda",  # else the trainer scales it itself
         owner=own_pod_owner(namespace),
         service_account=launch_service_account(cfg, namespace, "rollout_worker"),
         trainer_service_account=launch_service_account(cfg, namespace, "async_trainer"),
@@ -334,6 +344,12 @@ def run_remote(
             },
         )
         # 3-4. launch, watch, delete
+        elastic = stage == "async_trainer" and cfg.rollout.elastic
+        fleet_name = None
+        if elastic:  # named once: the Deployment and the trainer's controller agree on it
+            from moerl.launch.fleet import fleet_name as new_fleet_name
+
+            fleet_name = new_fleet_name(run_id)
         body = build(
             cfg,
             stage,
@@ -344,6 +360,7 @@ def run_remote(
             own_pod_owner(namespace),
             launch_service_account(cfg, namespace, stage),
             engines=engines,
+            fleet=fleet_name,
         )
         if launcher is None:  # the time left of the task's deadline, less the margin for cleanup
             left = (
@@ -362,11 +379,7 @@ def run_remote(
         kube = api or connect()
         # an elastic run's fleet lives as long as its trainer: created beside it, not watched
         # to an end (it has none), deleted with it
-        fleet = (
-            [fleet_workload(cfg, run_id, namespace, kube)]
-            if stage == "async_trainer" and cfg.rollout.elastic
-            else None
-        )
+        fleet = [fleet_workload(cfg, run_id, namespace, kube, fleet_name)] if elastic else None
         launcher.run([workload(kube, namespace, body, owned)], companions=fleet)
         # 5. outputs and value
         result = ex.read_json(RESULT)

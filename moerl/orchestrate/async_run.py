@@ -90,6 +90,7 @@ class Child:
     exits: list[int] = field(default_factory=list)
     handled: bool = False  # the current process's exit has been seen
     retired: bool = False  # an elastic fleet's scale-down drained it: not restarted
+    gone: bool = False  # exited, its retries spent (or the run done): not restarted
 
 
 class LocalAsyncRun:
@@ -129,6 +130,8 @@ class LocalAsyncRun:
         lo, hi = cfg.rollout.fleet_bounds  # an elastic fleet: cores planned for its largest size
         self.cpus = cpu_plan(available, hi, shared=cores_shared(cfg))
         self.fleet = LocalFleet(cfg) if cfg.rollout.elastic else None
+        # an added worker's cores: the free slot of the plan it runs in (rollout-<slot>)
+        self.slots: dict[str, str] = {}
 
     def trainer_nodes(self) -> int:
         """Trainer nodes this machine stands in for: `cluster.launch.trainer_nodes` when the
@@ -177,7 +180,7 @@ class LocalAsyncRun:
             env.update(self._node_env(0))
         elif role == "trainer-node":
             env.update(self._node_env(int(name.removeprefix("trainer-node"))))
-        cpus = self.cpus.get("trainer" if role == "trainer-node" else name)
+        cpus = self.cpus.get("trainer" if role == "trainer-node" else self.slots.get(name, name))
         if cpus:
             ids = ",".join(map(str, cpus))
             # an engine over several worker processes (rollout.tensor_parallel_size) pins each
@@ -251,7 +254,9 @@ class LocalAsyncRun:
 
     def rollout_workers(self) -> list[Child]:
         """The fleet now: rollout workers not retired by a scale-down (running or restarting)."""
-        return [c for c in self.children.values() if c.role == "rollout" and not c.retired]
+        return [
+            c for c in self.children.values() if c.role == "rollout" and not (c.retired or c.gone)
+        ]
 
     def scale(self, now: float) -> None:
         """An elastic fleet (`rollout.min_workers` < `rollout.max_workers`): every
@@ -275,6 +280,11 @@ class LocalAsyncRun:
             for _ in range(target - len(fleet)):
                 n = f"rollout-{f.next_index}"
                 f.next_index += 1
+                held = {self.slots.get(c.name, c.name) for c in self.rollout_workers()}
+                hi = self.cfg.rollout.fleet_bounds[1]
+                self.slots[n] = next(
+                    (f"rollout-{i}" for i in range(hi) if f"rollout-{i}" not in held), n
+                )
                 self.children[n] = Child(n, "rollout", self._spawn(n, "rollout"))
                 f.joined[n] = time.time()
             f.ups += 1
@@ -341,6 +351,7 @@ class LocalAsyncRun:
                 continue
             limit = TRAINER_RETRIES if c.role == "trainer" else self.cfg.pipeline.worker_retries
             if c.starts > limit or (self.bus.done() and c.role != "trainer"):
+                c.gone = True
                 if c.role == "trainer":
                     raise MoerlError(
                         f"trainer failed (exit {code}) after {c.starts} starts; last log lines:\n"

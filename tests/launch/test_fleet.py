@@ -247,8 +247,17 @@ def test_the_scaledobject_scales_within_the_bounds_on_the_units_lag(workers, lo,
     cfg = _cfg(workers=workers, lo=lo, hi=hi)
     so = _objs(cfg)["ScaledObject"]["spec"]
     assert (so["minReplicaCount"], so["maxReplicaCount"]) == cfg.rollout.fleet_bounds == (lo, hi)
-    (t,) = so["triggers"]
+    t, busy = so["triggers"]
     assert (t["type"], t["metricType"]) == ("redis-streams", "AverageValue")
+    # the busy floor: the units leased and not done, units_in_flight per worker (XPENDING)
+    assert busy["type"] == "redis-streams" and busy["metadata"]["pendingEntriesCount"] == str(
+        cfg.rollout.units_in_flight
+    )
+    assert "lagCount" not in busy["metadata"]
+    assert {k: busy["metadata"][k] for k in ("stream", "consumerGroup", "address")} == {
+        k: t["metadata"][k] for k in ("stream", "consumerGroup", "address")
+    }
+    assert busy["authenticationRef"] == t["authenticationRef"]
     m = t["metadata"]
     # the consumer group's lag on the run's units stream (lagCount set: KEDA reads XINFO GROUPS)
     assert m["stream"] == f"moerl:{RUN}:units" and m["consumerGroup"] == "rollout"
@@ -859,3 +868,39 @@ def test_only_an_elastic_runs_async_trainer_gets_a_projected_api_token():
     for cfg, stage in ((_cfg(), "policy_update"), (_cfg(lo=2, hi=2), "async_trainer")):
         names = {v["name"] for v in pod_of(cfg, stage)["spec"]["volumes"]}
         assert objects.API_TOKEN not in names, stage
+
+
+def test_the_trainer_is_told_the_name_of_the_fleet_its_launcher_creates(monkeypatch):
+    """The fleet's name carries a random suffix per try: the launcher picks it once, names the
+    Deployment with it and gives it to the trainer ($MOERL_FLEET_NAME), whose controller
+    (`KubeActuator`) patches exactly that Deployment."""
+    from moerl.components.rollout.fleet import KubeActuator
+    from moerl.launch.fleet import ENV_FLEET_NAME
+    from moerl.launch.task import build, fleet_workload
+
+    monkeypatch.setenv("MOERL_POD_NAMESPACE", NS)
+    name = fleet.fleet_name(RUN)
+    tj = build(_cfg(), "async_trainer", RUN, "tj", ["python"], None, None, fleet=name)
+    (rjob,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+        "replicatedJobs"
+    ]
+    envs = [
+        c.get("env", []) for c in rjob["template"]["spec"]["template"]["spec"]["containers"]
+    ] + [tj["spec"]["trainer"].get("env", [])]
+    told = [e["value"] for env in envs for e in env if e["name"] == ENV_FLEET_NAME]
+    assert told == [name]
+    assert fleet_workload(_cfg(), RUN, NS, api=None, name=name).body["metadata"]["name"] == name
+    # cluster.launch.fleet_scaler trainer: no KEDA objects at all, the Role only for the scale
+    own = fleet_workload(
+        _cfg(cluster={"launch": {"mode": "kubernetes", "fleet_scaler": "trainer"}}),
+        RUN,
+        NS,
+        api=None,
+        name=name,
+    )
+    assert [o["kind"] for o in own.owned] == ["Role", "RoleBinding"]
+    monkeypatch.setenv(ENV_FLEET_NAME, name)
+    assert KubeActuator(RUN, namespace=NS, apps=object(), custom=object()).name == name
+    monkeypatch.delenv(ENV_FLEET_NAME)
+    with pytest.raises(ConfigError, match=ENV_FLEET_NAME):
+        KubeActuator(RUN, namespace=NS, apps=object(), custom=object())

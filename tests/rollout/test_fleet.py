@@ -21,8 +21,8 @@ from moerl.errors import ConfigError
 from tests.support.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
 
 
-def view(workers=1, waiting=0, backlog=0, rate=1.0, load=4.0) -> FleetView:
-    return FleetView(workers, waiting, backlog, rate, load)
+def view(workers=1, waiting=0, backlog=0, rate=1.0, load=4.0, busy=0) -> FleetView:
+    return FleetView(workers, waiting, busy, backlog, rate, load)
 
 
 def test_a_backlog_that_outlasts_an_engines_load_time_grows_the_fleet():
@@ -41,7 +41,9 @@ def test_a_backlog_shorter_than_a_load_time_adds_no_worker():
     ("v", "lo", "hi", "expect"),
     [
         (view(waiting=10_000), 1, 3, 3),  # never above max_workers
-        (view(workers=3, waiting=0), 2, 5, 2),  # nothing waiting: down to min_workers, not below
+        (view(workers=3, waiting=0), 2, 5, 2),  # idle, nothing waiting: min_workers, not below
+        (view(workers=3, waiting=0, busy=3), 1, 5, 3),  # all generating: keeping up, kept
+        (view(workers=4, waiting=2, busy=2), 1, 5, 2),  # two idle: they go
         (view(workers=1, backlog=500), 1, 4, 1),  # shrinking stops at min_workers
         (view(workers=4, backlog=500, waiting=10_000), 1, 4, 3),  # the trainer is the bottleneck
     ],
@@ -58,7 +60,7 @@ def test_scored_groups_past_the_high_watermark_shrink_one_at_a_time():
 
 
 def test_an_unmeasured_fleet_holds_its_size():
-    w = wish(FleetView(2, 1000, 0, None, None), lo=1, hi=8, high_watermark=100)
+    w = wish(FleetView(2, 1000, 0, 0, None, None), lo=1, hi=8, high_watermark=100)
     assert w.target == 2 and "holding" in w.reason
 
 
@@ -135,7 +137,7 @@ def test_measure_reads_the_queues_and_keeps_its_numbers_on_the_bus(server, reque
     rates = Rates(samples_per_unit=cfg.units.max_prompts * cfg.rollout.samples_per_prompt)
     bus.heartbeat("rollout-0", busy_s=0.0, started_unix=1.0, first_sample_s=3.0)
     v = measure(bus, cfg, workers=1, rates=rates)
-    assert (v.units_waiting, v.load_s, v.units_per_busy_s) == (4, 3.0, None)
+    assert (v.units_waiting, v.busy, v.load_s, v.units_per_busy_s) == (4, 1, 3.0, None)
     per_unit = cfg.units.max_prompts * cfg.rollout.samples_per_prompt
     bus.incr(generated=4 * per_unit)
     bus.heartbeat("rollout-0", busy_s=2.0, started_unix=1.0, first_sample_s=3.0)
