@@ -8,6 +8,9 @@ change; the change's time and the first scale-up after it; response lengths; the
 medians over rounds, and the printed table.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 
 from moerl.bench import fleet
@@ -27,6 +30,7 @@ STATS = {
     "scorer-0": {"wall_s": 60.0, "busy_s": 1.0},
     "trainer": {"wall_s": 60.0},
 }
+ROOT = Path(__file__).resolve().parents[2]
 WAITS = [(0, 5.0), (1, 1.0), (2, 0.5), (3, 4.0), (4, 2.0), (5, 0.25)]
 
 
@@ -188,3 +192,44 @@ def test_the_bench_refuses_what_it_cannot_compare_before_running(tmp_path):
             conf, ["reward.kind=model", "reward.model.registered=rm/1"], out_dir=tmp_path / "out"
         )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_short_real_run_of_both_arms(tmp_path):
+    """Both arms as real `moerl run --mode async` children (about 1.5 min here): the report's
+    numbers come from what the runs recorded, and the elastic arm's worker-seconds read from
+    the bench's Valkey are the ones the run logged itself as fleet/*."""
+    sets = [
+        "task.prompts_per_iteration=8",
+        "rollout.samples_per_prompt=4",
+        "units.max_prompts=2",
+        "trainer.optimizer.optimizer_steps_per_iteration=2",
+        "trainer.optimizer.learning_rate=1e-6",
+        "rollout.max_new_tokens=8",
+        "rollout.min_workers=1",
+        "rollout.max_workers=2",
+        "rollout.fleet_interval_s=1",
+        "reward.scorers=1",
+    ]
+    out = tmp_path / "out"
+    report = fleet.run_bench_fleet(
+        ROOT / "configs/tiny-moe-grpo.yaml", sets, versions=4, out_dir=out
+    )
+    assert report["ok"] and report["change_at"] == 2
+    assert json.loads((out / "report.json").read_text())["summary"] == report["summary"]
+    assert "elastic/fixed" in (out / "summary.md").read_text()
+    arms = report["rounds"][0]["arms"]
+    for arm in ("fixed", "elastic"):
+        a = arms[arm]
+        assert a["ok"] and a["wall_s"] > 0 and 0 <= a["idle_worker_s"] < a["worker_s"]
+        assert len(a["per_step_after_change_s"]) == 2  # steps 2 and 3 of 4
+        assert a["starvation_s"] >= a["starvation_after_change_s"] > 0
+        assert a["length_after"] > a["length_before"]  # 8 tokens, then 16
+    assert arms["fixed"]["fleet_events"] == [] and arms["fixed"]["logged_fleet"] == {}
+    logged = arms["elastic"]["logged_fleet"]
+    assert logged["fleet/worker_s"] == pytest.approx(arms["elastic"]["worker_s"], rel=1e-6)
+    assert logged["fleet/idle_worker_s"] == pytest.approx(
+        arms["elastic"]["idle_worker_s"], rel=1e-6
+    )
+    sizes = [n for _, n in arms["elastic"]["fleet_size"]["steps"]]
+    assert sizes[0] == 1 and all(1 <= n <= 2 for n in sizes)
