@@ -140,6 +140,12 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
         ro = self.rollout
+        if ro.max_new_tokens_schedule and self.pipeline.mode != "async":
+            raise ValueError(
+                "rollout.max_new_tokens_schedule changes the response length by the policy "
+                "version a worker generates with, which only async workers follow; set "
+                "pipeline.mode async, or remove the schedule"
+            )
         if ro.elastic and self.pipeline.mode != "async":
             lo, hi = ro.fleet_bounds
             raise ValueError(

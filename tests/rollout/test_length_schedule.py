@@ -108,3 +108,15 @@ def test_a_real_engine_generates_each_version_s_length(tmp_path):
         assert sum(lengths[1]) > 2 * sum(lengths[0])
     finally:
         engine.close()
+
+
+def test_a_sync_config_with_a_length_schedule_is_refused_when_it_loads():
+    from moerl.config import parse_config
+    from moerl.errors import ConfigError
+
+    sched = {"max_new_tokens_schedule": [{"from_version": 2, "max_new_tokens": 12}]}
+    with pytest.raises(ConfigError, match="only async workers follow"):
+        parse_config({"rollout": sched})
+    assert parse_config(
+        {"pipeline": {"mode": "async"}, "rollout": sched}
+    ).rollout.max_new_tokens_schedule
