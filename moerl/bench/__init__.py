@@ -181,6 +181,21 @@ def log_tail(path: Path, lines: int = 25) -> str:
     )
 
 
+def only_run(uri: str, experiment: str, what: str) -> str:
+    """The id of the one MLflow run a bench arm's `moerl run` child made in its own tracking
+    store `uri`; ArmFailed naming `what` when there is not exactly one."""
+    from mlflow.tracking import MlflowClient
+
+    from moerl.bench.modes import ArmFailed
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id]) if exp is not None else []
+    if len(runs) != 1:
+        raise ArmFailed(f"{what}: expected one MLflow run in {uri}, found {len(runs)}")
+    return runs[0].info.run_id
+
+
 def unit_prompts(cfg, n_units: int) -> list[list]:
     """The first `n_units` work units' prompts (units.max_prompts each) in the run's seeded order:
     what the rollout benches feed every arm, so they compare on the same prompts."""

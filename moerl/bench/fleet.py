@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moerl import tracking
-from moerl.bench import envelope, format_table, log_tail, write_report
+from moerl.bench import envelope, format_table, log_tail, only_run, write_report
 from moerl.bench.modes import ArmFailed, arm_paths
 from moerl.bench.peer import BUSY_CORES, CpuUsage, clear_own_dirs
 from moerl.config import RunConfig, load_config
@@ -303,7 +303,6 @@ def _run_arm(
     change_at: int,
 ) -> dict[str, Any]:
     """`moerl run` with `sets` in `arm_dir`, against a Valkey of the bench's own; its row."""
-    from mlflow.tracking import MlflowClient
 
     from moerl.bus.client import EmbeddedValkey, connect
     from moerl.bus.run import RunBus
@@ -340,16 +339,13 @@ def _run_arm(
         wall = time.perf_counter() - t0
         if code != 0:
             raise ArmFailed(f"run exited {code}; last lines of its output:\n{log_tail(log_path)}")
-        client = MlflowClient(uri)
-        exp = client.get_experiment_by_name(cfg.tracking.experiment)
-        runs = client.search_runs([exp.experiment_id]) if exp is not None else []
-        if len(runs) != 1:
-            raise ArmFailed(f"expected one MLflow run in {uri}, found {len(runs)}")
-        run_id = runs[0].info.run_id
+        run_id = only_run(uri, cfg.tracking.experiment, "bench fleet")
         stats = RunBus(connect(server.url, 10.0), run_id).stats()
     finally:
         server.stop()
-    last = runs[0].data.metrics
+    from mlflow.tracking import MlflowClient
+
+    last = MlflowClient(uri).get_run(run_id).data.metrics
     row = arm_row(
         wall,
         stats,

@@ -28,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from moerl import tracking
-from moerl.bench import child_main, envelope, format_table, log_tail, run_child, write_report
+from moerl.bench import (
+    child_main,
+    envelope,
+    format_table,
+    log_tail,
+    only_run,
+    run_child,
+    write_report,
+)
 from moerl.bench.modes import (
     ArmFailed,
     _reward_s,
@@ -442,7 +450,6 @@ def moerl_v0_sha256(cfg: RunConfig, run_id: str) -> dict[str, str]:
 def _moerl_arm(
     config: str | Path, overrides: Sequence[str], versions: int, arm_dir: Path
 ) -> dict[str, Any]:
-    from mlflow.tracking import MlflowClient
 
     from moerl.launch import procs
 
@@ -474,12 +481,7 @@ def _moerl_arm(
     wall = time.perf_counter() - t0
     if code != 0:
         raise ArmFailed(f"moerl arm exited {code}; last lines of its output:\n{log_tail(log_path)}")
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
-    runs = client.search_runs([exp.experiment_id]) if exp is not None else []
-    if len(runs) != 1:
-        raise ArmFailed(f"moerl arm: expected one MLflow run in {uri}, found {len(runs)}")
-    run_id = runs[0].info.run_id
+    run_id = only_run(uri, cfg.tracking.experiment, "moerl arm")
     rewards = [v for _, v in tracking.metric_history(uri, run_id, "reward/mean")]
     return _timed(
         {
