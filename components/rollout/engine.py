@@ -443,7 +443,7 @@ class RolloutEngine:
         from moerl.tasks.prompting import max_new_tokens_at, max_new_tokens_for
 
         c = self.cfg
-        if max_tokens:  # a turn's budget, already cut to what is left of the episode
+        if max_tokens is not None:  # a turn's budget, already cut to what is left of the episode
             budget = min(max_tokens, max_new_tokens_at(c, self.version))
         else:
             budget = max_new_tokens_for(c, prompt_len, self.version)

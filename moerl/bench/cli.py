@@ -91,7 +91,12 @@ def _fleet(a: argparse.Namespace) -> int:
     from moerl.bench.fleet import run_bench_fleet
 
     rep = run_bench_fleet(
-        a.config, a.set, versions=a.versions, repeats=a.repeats, out_dir=a.out_dir
+        a.config,
+        a.set,
+        versions=a.versions,
+        repeats=a.repeats,
+        out_dir=a.out_dir,
+        timeout_s=a.timeout_s,
     )
     return 0 if rep["ok"] else 1
 
@@ -411,6 +416,12 @@ def add_bench_parsers(sub) -> None:
         "--out-dir",
         default="bench/fleet",
         help="report.json, summary.md and round<i>/<arm>/ (replaced by each run)",
+    )
+    fl.add_argument(
+        "--timeout-s",
+        type=float,
+        default=1800.0,
+        help="each arm's run is killed after this long, and the bench fails (default 1800)",
     )
     fl.set_defaults(func=_fleet)
 

@@ -10,7 +10,7 @@ arm's worker-seconds and idle worker-seconds are then measured as the elastic ar
 (components/rollout/fleet.py). Reported per arm: time to finish, worker-seconds paid, idle
 worker-seconds, buffer starvation (timing/buffer_wait_s, per trainer step and after the change),
 scale-up latency, the fleet's size over time (the run's "fleet: A -> B" lines, timed here), the
-response length per step (the change held), and elastic/fixed ratios (medians over repeats).
+response length per step (the change held), and elastic/fixed ratios of the per-arm medians over repeats.
 
 Design, details and limitations: docs/benchmarks.md, "An elastic fleet against a fixed one".
 """
@@ -68,7 +68,15 @@ def change_overrides(cfg: RunConfig, versions: int) -> tuple[list[str], int]:
     add it (none for the config's own) and the first version of the change."""
     steps = cfg.rollout.max_new_tokens_schedule
     if steps:
-        return [], steps[0].from_version
+        at = steps[0].from_version
+        if not 0 < at < versions or steps[0].max_new_tokens == cfg.rollout.max_new_tokens:
+            raise ConfigError(
+                f"bench fleet: rollout.max_new_tokens_schedule's first step (from_version {at}, "
+                f"max_new_tokens {steps[0].max_new_tokens}) must change the length "
+                f"(max_new_tokens {cfg.rollout.max_new_tokens}) at a version within 1..{versions - 1} "
+                "(--versions), so that the run has a before and an after"
+            )
+        return [], at
     if versions < 2:
         raise ConfigError(
             f"bench fleet: --versions {versions}: the generation cost changes at half the versions, "
@@ -301,8 +309,10 @@ def _run_arm(
     arm_dir: Path,
     start: int,
     change_at: int,
+    timeout_s: float = 1800.0,
 ) -> dict[str, Any]:
-    """`moerl run` with `sets` in `arm_dir`, against a Valkey of the bench's own; its row."""
+    """`moerl run` with `sets` in `arm_dir`, against a Valkey of the bench's own, killed after
+    `timeout_s`; its row."""
 
     from moerl.bus.client import EmbeddedValkey, connect
     from moerl.bus.run import RunBus
@@ -323,6 +333,11 @@ def _run_arm(
                 "moerl.cli", argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
             assert proc.stdout is not None  # stdout=PIPE
+            # bounded: a run that hangs is killed (its stdout then ends) and the arm fails
+            import threading
+
+            timer = threading.Timer(timeout_s, procs.kill_groups, args=([proc],))
+            timer.start()
             try:
                 for line in proc.stdout:
                     t = time.perf_counter() - t0
@@ -335,10 +350,16 @@ def _run_arm(
                         print(f"[moerl] bench fleet: {t:6.1f}s {line.strip()[8:]}", flush=True)
                 code = proc.wait()
             finally:
+                timer.cancel()
                 procs.kill_groups([proc])
         wall = time.perf_counter() - t0
         if code != 0:
-            raise ArmFailed(f"run exited {code}; last lines of its output:\n{log_tail(log_path)}")
+            why = (
+                f"killed after {timeout_s:g} s (--timeout-s)"
+                if wall >= timeout_s
+                else f"exited {code}"
+            )
+            raise ArmFailed(f"run {why}; last lines of its output:\n{log_tail(log_path)}")
         run_id = only_run(uri, cfg.tracking.experiment, "bench fleet")
         stats = RunBus(connect(server.url, 10.0), run_id).stats()
     finally:
@@ -366,6 +387,7 @@ def run_bench_fleet(
     versions: int | None = None,
     repeats: int = 1,
     out_dir: str | Path = "bench/fleet",
+    timeout_s: float = 1800.0,
 ) -> dict[str, Any]:
     """Run the fixed and the elastic arm `repeats` times, interleaved; write report.json and
     summary.md to `out_dir` (each arm's directory under it) and print the table."""
@@ -399,7 +421,7 @@ def run_bench_fleet(
             )
             usage = CpuUsage()
             try:
-                arms[arm] = _run_arm(config, sets, arm_dir, lo, change_at)
+                arms[arm] = _run_arm(config, sets, arm_dir, lo, change_at, timeout_s)
             except Exception as err:  # noqa: BLE001 - recorded; the other arm still runs
                 if not isinstance(err, MoerlError):
                     traceback.print_exc()

@@ -38,9 +38,11 @@ class RolloutConfig(_Section):
     """Response tokens per sample (per turn in a multi-turn episode) at most."""
     max_new_tokens_schedule: list[LengthStep] = Field(default_factory=list)
     """Async mode: response lengths by policy version, a list of {from_version, max_new_tokens}
-    with increasing from_version; a unit generated with version v gets the max_new_tokens of the
-    last step whose from_version <= v (max_new_tokens before the first). Cut by max_total_tokens
-    like max_new_tokens. [] (default): max_new_tokens for every version."""
+    with increasing from_version; a request submitted while the engine serves version v gets the
+    max_new_tokens of the last step whose from_version <= v (max_new_tokens before the first); a
+    request still queued at an in-flight swap keeps it, though its first token may come from the
+    new version. Cut by max_total_tokens like max_new_tokens. [] (default): max_new_tokens for
+    every version."""
     max_total_tokens: int | None = Field(None, ge=2)
     """Prompt + response tokens of one sample at most: each response is cut to what is left (null:
     max_new_tokens alone bounds it)."""

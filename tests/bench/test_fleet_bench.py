@@ -68,6 +68,14 @@ def test_the_change_of_generation_cost(tmp_path):
     assert fleet.change_overrides(own, 7) == ([], 5)
     with pytest.raises(ConfigError, match="at least 2"):
         fleet.change_overrides(cfg(), 1)
+    # a schedule with no before and after in this run, or no change at all, is refused
+    for bad in (
+        [{"from_version": 0, "max_new_tokens": 40}],  # from the start: no before
+        [{"from_version": 7, "max_new_tokens": 40}],  # at --versions: no after
+        [{"from_version": 3, "max_new_tokens": 12}],  # the same length
+    ):
+        with pytest.raises(ConfigError, match="must change the length"):
+            fleet.change_overrides(cfg(max_new_tokens=12, max_new_tokens_schedule=bad), 7)
 
 
 def test_resize_lines_and_the_fleet_size_over_time():
@@ -176,6 +184,7 @@ def test_the_command_hands_its_options_to_the_bench(monkeypatch):
             "versions": 6,
             "repeats": 2,
             "out_dir": "bench/fleet",
+            "timeout_s": 1800.0,
         }
     ]
 
@@ -233,3 +242,15 @@ def test_a_short_real_run_of_both_arms(tmp_path):
     )
     sizes = [n for _, n in arms["elastic"]["fleet_size"]["steps"]]
     assert sizes[0] == 1 and all(1 <= n <= 2 for n in sizes)
+
+
+def test_an_arm_that_outlives_its_timeout_is_killed_and_fails(tmp_path):
+    """The arm's run is a real `moerl run` child, killed at --timeout-s: the bench fails naming
+    the timeout instead of waiting on it for good, and leaves no process behind."""
+    from moerl.bench.modes import ArmFailed
+
+    arm = tmp_path / "arm"
+    arm.mkdir()
+    sets = [f"pipeline.work_dir={arm / 'work'}", f"tracking.uri=sqlite:///{arm / 'mlflow.db'}"]
+    with pytest.raises(ArmFailed, match=r"killed after 3 s \(--timeout-s\)"):
+        fleet._run_arm(ROOT / "configs/tiny-moe-grpo.yaml", sets, arm, 1, 2, timeout_s=3.0)
