@@ -322,18 +322,14 @@ def fleet_objects(
     """Run `run_id`'s elastic fleet in `namespace`: [Deployment, Role, RoleBinding] and, with
     `keda`, [TriggerAuthentication, ScaledObject], all named `name` (default `fleet_name`).
     Create the Deployment first; the others then get `deployment_owner` to it, so they go with
-    it. `env`: the pods' environment (default `moerl.launch.task.launch_env`'s); `lag_count`: the
+    it. `env`: the pods' environment (the launcher's `moerl.launch.task.launch_env`); `lag_count`: the
     measured one (default `default_lag_count`); `owner`: the Deployment's ownerReference (the
     launching task's pod); `service_account`: the pods' (default the rollout account);
     `trainer_service_account`: the Role's subject (default cluster.launch.service_account,
     else `default`)."""
     check_fleet(cfg)
     name = name or fleet_name(run_id)
-    if env is None:
-        from moerl.launch.task import launch_env
-
-        env = launch_env(cfg, STAGE)
-    dep = deployment(cfg, run_id, name, env, owner, service_account)
+    dep = deployment(cfg, run_id, name, env or [], owner, service_account)
     labels = dict(dep["metadata"]["labels"])
     trainer = trainer_service_account or cfg.cluster.launch.service_account or "default"
     out = [

@@ -291,6 +291,7 @@ def fleet_workload(
         run_id,
         namespace,
         name=name,
+        env=launch_env(cfg, "rollout_worker"),
         keda=cfg.cluster.launch.fleet_scaler == "keda",  # else the trainer scales it itself
         owner=own_pod_owner(namespace),
         service_account=launch_service_account(cfg, namespace, "rollout_worker"),
