@@ -155,14 +155,12 @@ def source_tags(cfg: RunConfig, state_dir: Path, parts, manifest_sha256: str) ->
     it became."""
     import json
 
-    from moerl.models.families import family_of
+    from moerl.models.families import source_tags as family_tags
 
     assert cfg.model.path
-    family = family_of(json.loads((state_dir / "config.json").read_text()))
     tags = {
         "moerl.model.source": cfg.model.path,
-        "moerl.model.family": family.name,
-        "moerl.model.model_type": family.model_type,
+        **family_tags(json.loads((state_dir / "config.json").read_text())),
         "moerl.model.v0_manifest_sha256": manifest_sha256,
     }
     if parts is not None:

@@ -542,28 +542,6 @@ def model_config(model: str) -> dict[str, Any]:
         return {}
 
 
-def moe_disclosure(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Experts per token and in total, layers, vocabulary, from a config.json, as its model
-    family reads them (moerl.models.families); a model of no registered MoE family discloses
-    its layers and vocabulary only (None: absent)."""
-    from moerl.models.families import UnsupportedModelType, family_of
-
-    text = cfg.get("text_config") or cfg
-    try:
-        family = family_of(text)
-        shape, kind = family.shape(text), family.model_type
-    except (UnsupportedModelType, ValueError):
-        shape, kind = {}, None
-    return {
-        "model_type": kind,  # the report's field: the family's name for it
-        "experts_per_token": shape.get("experts_per_token"),
-        "experts": shape.get("num_experts"),
-        "layers": text.get("num_hidden_layers"),
-        "hidden_size": text.get("hidden_size"),
-        "vocab_size": text.get("vocab_size"),
-    }
-
-
 def versions(device: str) -> dict[str, str]:
     """vllm, torch, NCCL, DeepEP, libfabric and EFA versions (moerl.provenance), plus the EFA
     devices and installer where present."""
@@ -654,6 +632,8 @@ def run_leg(
         raise ConfigError(f"--backend: allowed {', '.join(ALL2ALL)}; got {backend!r}")
     refuse_on_cpu(backend, lay)
     mcfg = model_config(model)
+    from moerl.models.families import moe_disclosure
+
     moe = moe_disclosure(mcfg)
     vocab = moe["vocab_size"]
     if not vocab:

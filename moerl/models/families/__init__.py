@@ -55,6 +55,33 @@ def family_of(config_or_model_type: Any) -> Family:
     return family
 
 
+def source_tags(config: Any) -> dict[str, str]:
+    """The run tags naming a model's family, from its HF config (`moerl.model.family`, and
+    `moerl.model.model_type` as HF spells it)."""
+    family = family_of(config)
+    return {"moerl.model.family": family.name, "moerl.model.model_type": family.model_type}
+
+
+def moe_disclosure(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Experts per token and in total, layers, vocabulary, from a config.json, as its model
+    family reads them; a model of no registered MoE family discloses its layers and vocabulary
+    only (None: absent). A multimodal config is read through its `text_config`."""
+    text = cfg.get("text_config") or cfg
+    try:
+        family = family_of(text)
+        shape, kind = family.shape(text), family.model_type
+    except (UnsupportedModelType, ValueError):
+        shape, kind = {}, None
+    return {
+        "model_type": kind,  # the report's field: the family's name for it
+        "experts_per_token": shape.get("experts_per_token"),
+        "experts": shape.get("num_experts"),
+        "layers": text.get("num_hidden_layers"),
+        "hidden_size": text.get("hidden_size"),
+        "vocab_size": text.get("vocab_size"),
+    }
+
+
 def router_classes() -> dict[str, Family]:
     """Router class name -> its family, over every registered family."""
     return {f.router_class: f for f in FAMILIES}
