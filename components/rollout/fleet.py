@@ -226,6 +226,9 @@ class FleetController(threading.Thread):
         self.join(timeout=5)
 
 
+API_TIMEOUT_S = 30.0  # one API call at most: a hung call fails the tick, which is counted
+
+
 class KubeActuator:
     """The run's fleet through the Kubernetes API from inside the cluster: the Deployment's
     scale subresource and the ScaledObject (moerl/launch/fleet.py names and builds both), with
@@ -255,14 +258,16 @@ class KubeActuator:
         self.namespace = namespace
 
     def replicas(self) -> int:
-        scale = self.apps.read_namespaced_deployment_scale(self.name, self.namespace)
+        scale = self.apps.read_namespaced_deployment_scale(
+            self.name, self.namespace, _request_timeout=API_TIMEOUT_S
+        )
         return int(scale.spec.replicas or 0)
 
     def scale(self, replicas: int) -> None:
         from moerl.launch.fleet import scale_patch
 
         self.apps.patch_namespaced_deployment_scale(
-            self.name, self.namespace, scale_patch(replicas)
+            self.name, self.namespace, scale_patch(replicas), _request_timeout=API_TIMEOUT_S
         )
 
     def set_lag_count(self, lag_count: int) -> None:
@@ -276,4 +281,5 @@ class KubeActuator:
             "scaledobjects",
             self.name,
             lag_count_patch(lag_count),
+            _request_timeout=API_TIMEOUT_S,
         )
