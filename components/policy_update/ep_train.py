@@ -278,17 +278,29 @@ def _sync_and_clip(model, ep_blocks, max_norm: float) -> float:
 
 
 def train_ep(
-    model, opt, counters: Counters, ep_blocks, batch: list[TrainSample], cfg: RunConfig, seed: int
+    model,
+    opt,
+    counters: Counters,
+    ep_blocks,
+    batch: list[TrainSample],
+    cfg: RunConfig,
+    seed: int,
+    streamed: bool = False,
 ) -> dict[str, float]:
     """The single-process step (`trainer.train_on_batch`), expert parallel: same minibatches,
     micro-batches, loss normalization, skip rule and metric names. Every tensor handed to a
-    collective lives on the model's device (NCCL takes no CPU tensors)."""
+    collective lives on the model's device (NCCL takes no CPU tensors).
+
+    `streamed` (`trainer.stream`): `batch` is one minibatch of a version, trained in one step.
+    Its pi_old is `cfg.stream_pi_old`: the engine's logprobs (the engine served the weights
+    this version's steps start from; no pi_old pass), or proximal: the pass under the weights
+    as they are before this step."""
     tc = cfg.trainer
     rank, world = dist.get_rank(), dist.get_world_size()
     device = model_device(model)
     p = pack(batch, model.config.pad_token_id or 0, device)
     n = p.input_ids_NL.shape[0]
-    chunks = minibatches(n, optimizer_steps(cfg, n), seed, world, device)
+    chunks = minibatches(n, 1 if streamed else optimizer_steps(cfg, n), seed, world, device)
     rows_per = rows_per_micro_batch(
         p, tc.parallelism.micro_batch_tokens, math.ceil(max(map(len, chunks), default=1) / world)
     )
@@ -296,13 +308,14 @@ def train_ep(
     # 3. pi_old for this rank's rows, before any step (same micro-batches on every rank: the
     # forward goes through the dispatcher's collectives)
     model.eval()
-    old_logp = torch.zeros_like(p.engine_logp_NL1)
+    engine_old = streamed and cfg.stream_pi_old == "engine"
+    old_logp = p.engine_logp_NL1.clone() if engine_old else torch.zeros_like(p.engine_logp_NL1)
     # every rank builds the same hooks (the same routers), so collectives stay in step
     routing = Routing.for_batch(model, p, tc.moe.router_replay)
     bias = None
     try:
         with torch.no_grad():
-            for idx, padding in (part for ps in parts for part in ps):
+            for idx, padding in (part for ps in parts for part in ps if not engine_old):
                 with Routing.old_pass(routing, p, idx, counted=not padding):
                     old_logp[idx] = sampled_logprobs(model, p, idx, cfg)[0]
         mine = (
@@ -316,7 +329,7 @@ def train_ep(
         p, corr = prepare_correction(
             p, old_logp, cfg, counters.version, rows=mine, distributed=True
         )
-        if routing is not None:
+        if routing is not None and not engine_old:  # measured in the pi_old pass
             corr.update(routing.metrics(distributed=True))
         # 4. steps
         model.train()
@@ -566,33 +579,46 @@ def run_version(
     every rank and for both the restarting and the persistent trainer; rank 0's metrics are the
     update's."""
     t0 = _synced_clock(cfg)
-    torch.manual_seed(cfg.trainer.seed + iteration)
+    metrics = train_steps(cfg, s, batch, cfg.trainer.seed + iteration)
+    metrics["timing/trainer_steps_s"] = _synced_clock(cfg) - t0
+    metrics.update(save_version(cfg, s, state_out, with_state))
+    return metrics
+
+
+def train_steps(
+    cfg: RunConfig, s: Session, batch: list[TrainSample], seed: int, streamed: bool = False
+) -> dict[str, float]:
+    """A version's optimizer steps on `batch` (every rank, the same call), or one streamed
+    minibatch (`train_ep`'s `streamed`); nothing when there are fewer samples than ranks."""
+    torch.manual_seed(seed)
     metrics = (
-        train_ep(
-            s.model, s.opt, s.counters, s.ep_blocks, batch, cfg, seed=cfg.trainer.seed + iteration
-        )
+        train_ep(s.model, s.opt, s.counters, s.ep_blocks, batch, cfg, seed=seed, streamed=streamed)
         if len(batch) >= dist.get_world_size()
         else {"train/steps": 0.0, "train/skipped_steps": 0.0}
     )
     metrics["train/empty_batch"] = float(len(batch) < dist.get_world_size())
+    return metrics
+
+
+def save_version(
+    cfg: RunConfig, s: Session, state_out: Path, with_state: bool = True
+) -> dict[str, float]:
+    """The trained version's files (`save_ep`), its counters moved on; every rank."""
     t_steps = _synced_clock(cfg)
     s.counters.version += 1
-    metrics.update(
-        save_ep(
-            s.model,
-            s.opt,
-            s.counters,
-            s.ep_blocks,
-            s.layout,
-            s.mesh,
-            s.state_in,
-            state_out,
-            cfg.rollout.serving_dtype,
-            with_state,
-        )
+    metrics = save_ep(
+        s.model,
+        s.opt,
+        s.counters,
+        s.ep_blocks,
+        s.layout,
+        s.mesh,
+        s.state_in,
+        state_out,
+        cfg.rollout.serving_dtype,
+        with_state,
     )
-    # where the update's time went: the steps (pi_old included), saving
-    metrics["timing/trainer_steps_s"] = t_steps - t0
+    # where the update's time went: the steps (pi_old included, in run_version), saving
     metrics["timing/trainer_save_s"] = _synced_clock(cfg) - t_steps
     # what this rank's GPU held at its peak (rank 0's is reported)
     if cfg.trainer.parallelism.device == "cuda":

@@ -33,6 +33,8 @@ from moerl.components.policy_update.ep_train import (
     join_process_group,
     one_rank,
     run_version,
+    save_version,
+    train_steps,
 )
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError, MoerlError, TrainingError
@@ -53,8 +55,9 @@ POLL_S = 0.25  # a follower polls the store for the next command this often
 class Command:
     """What rank 0 asks of every rank. `op`: fetch (each node lays published `version` out),
     load (the state in `path`, published version `version`; the run continues from version `at`), train (the next version into `path`, with
-    the trainer's state when `state`), stop (the run is done), abort (rank 0 failed: every rank
-    exits non-zero)."""
+    the trainer's state when `state`), step (`trainer.stream`: minibatch `index` of the version
+    trained from `version`, one optimizer step), save (`trainer.stream`: that version's files
+    into `path`), stop (the run is done), abort (rank 0 failed: every rank exits non-zero)."""
 
     op: str
     seq: int
@@ -64,6 +67,7 @@ class Command:
     state: bool = True  # train: write the trainer's state with this version
     at: int = 0  # load: the version the run continues from (its counters' version)
     code: int = 0  # abort: rank 0's exit code
+    index: int = 0  # step: the minibatch's place in its version
 
 
 class Control:
@@ -407,6 +411,20 @@ class Mesh:
         batch = _batch(samples)
         return run_version(self.cfg, self.session, batch, version, out, with_state)
 
+    def step(self, samples: list[TrainSample] | None, version: int, index: int) -> dict:
+        """`trainer.stream`: one minibatch of the version trained from `version`, one step."""
+        if self.session is None:
+            raise TrainingError("trainer mesh: a minibatch was sent before any state loaded")
+        # a seed per (version, minibatch): the same on every rank, never repeated in a run
+        seed = self.cfg.trainer.seed + version * 100_003 + index
+        return train_steps(self.cfg, self.session, _batch(samples), seed, streamed=True)
+
+    def save(self, out: Path, with_state: bool) -> dict:
+        """`trainer.stream`: the version its minibatches trained, written (every rank its part)."""
+        if self.session is None:
+            raise TrainingError("trainer mesh: a version was saved before any state loaded")
+        return save_version(self.cfg, self.session, out, with_state)
+
 
 class Leader(Mesh):
     """Rank 0's side: what `worker.run_trainer` calls. Every call is a command to all ranks."""
@@ -470,6 +488,23 @@ class Leader(Mesh):
         state = with_state or self.with_state(version)
         self.control.send("train", version=version, path=str(out), state=state)
         metrics = self.train(samples, version, out, state)
+        metrics["trainer/state_saved"] = float(state)
+        metrics["trainer/mesh_loads"] = float(self.loads)
+        metrics["trainer/mesh_uptime_s"] = time.time() - self.started
+        return metrics
+
+    def train_step(self, samples: list[TrainSample], version: int, index: int) -> dict[str, float]:
+        """`trainer.stream`: every rank takes one optimizer step on `samples`, minibatch `index`
+        of the version trained from `version`; its weights are written by `save_version`."""
+        self.control.send("step", version=version, index=index)
+        return self.step(samples, version, index)
+
+    def save_version(self, version: int, out: Path) -> dict[str, float]:
+        """`trainer.stream`: every rank writes its part of version + 1, trained by the steps
+        `train_step` took, into `out` (as `train_version` does after its steps)."""
+        state = self.with_state(version)
+        self.control.send("save", version=version, path=str(out), state=state)
+        metrics = self.save(out, state)
         metrics["trainer/state_saved"] = float(state)
         metrics["trainer/mesh_loads"] = float(self.loads)
         metrics["trainer/mesh_uptime_s"] = time.time() - self.started
@@ -572,6 +607,16 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
                 if node != 0:  # this node's part of the version, which its uploader puts
                     out = base / out.name
                 mesh.train(None, cmd.version, out, cmd.state)
+                version = cmd.version
+            elif cmd.op == "step":
+                if cmd.index == 0:
+                    _fault(control.rank, cmd.version)
+                mesh.step(None, cmd.version, cmd.index)
+            elif cmd.op == "save":
+                out = Path(cmd.path)
+                if node != 0:
+                    out = base / out.name
+                mesh.save(out, cmd.state)
                 version = cmd.version
             else:
                 raise TrainingError(f"trainer mesh: unknown command {cmd.op!r} from rank 0")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -315,9 +316,12 @@ def _gather(
     held: frozenset[str] = frozenset(),
     held_entries: frozenset[str] = frozenset(),
     known: dict[int, str] | None = None,
+    on_chunk: Callable[[list[list[ScoredSample]]], None] | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """Block until B fresh groups are in; settle the rest as they come. `held`, `held_entries`:
-    the groups and entries of versions still being published (trained, not yet committed)."""
+    the groups and entries of versions still being published (trained, not yet committed).
+    `on_chunk` (`trainer.stream`): called with the trainable groups of every `stream_chunk`
+    groups taken, in arrival order, and of the last ones, as they come in."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
     S, limit = cfg.buffer.min_signal_groups, cfg.buffer.gather_limit
     batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
@@ -345,6 +349,8 @@ def _gather(
 
     issuer.gathered = (0, 0)
     last_pulse, moved_at = pulse(), time.monotonic()
+    chunk = stream_chunk(cfg)
+    taken, trainable = 0, []  # the chunk being taken: its groups, those it trains on
     while wanted() > 0:
         _alive(bus, issuer, epoch)
         in_hand = set(held_entries) | set(batch.entry_ids)
@@ -388,6 +394,11 @@ def _gather(
                     batch.waits_s.append(max(0.0, time.time() - float(g["t_generated"])))
                 if d == "used":
                     batch.used.append(samples)
+                    trainable.append(samples)
+                taken += 1
+                if on_chunk is not None and (taken == chunk or wanted() == 0):
+                    on_chunk(trainable)
+                    taken, trainable = 0, []
         issuer.gathered = (batch.n_groups, len(batch.used))
     extra: dict[str, float] = {}
     if S is not None:
@@ -412,6 +423,64 @@ def _gather(
         **extra,
         **{f"buffer/{k}_samples": float(v) for k, v in dropped.items()},
     }
+
+
+def stream_chunk(cfg: RunConfig) -> int:
+    """`trainer.stream`: the groups in one streamed minibatch, so that a version of B groups
+    takes `optimizer_steps_per_iteration` steps, as the whole batch would."""
+    steps = cfg.trainer.optimizer.optimizer_steps_per_iteration
+    return max(1, -(-cfg.task.prompts_per_iteration // steps))
+
+
+def merge_steps(steps: list[dict[str, float]], engine_pi_old: bool = True) -> dict[str, float]:
+    """One version's metrics from its streamed minibatches' (`trainer.stream`): counts and
+    times summed, the rest averaged over the minibatches that took a step. With the engine's
+    logprobs as pi_old (`engine_pi_old`), what compares pi_old with them is left out."""
+    summed = ("train/steps", "train/skipped_steps", "train/tokens", "moe/tokens_expert_")
+    out: dict[str, float] = {"trainer/streamed_minibatches": float(len(steps))}
+    stepped = [m for m in steps if m.get("train/steps", 0.0) > 0] or steps
+    for key in {k for m in steps for k in m}:
+        if engine_pi_old and (key == "train/logprob_mismatch" or key.startswith("rollout_corr/")):
+            continue
+        if key.startswith(summed):
+            out[key] = sum(m.get(key, 0.0) for m in steps)
+        elif key.startswith("timing/"):
+            out[key] = sum(m.get(key, 0.0) for m in steps)
+        else:
+            vals = [m[key] for m in stepped if key in m]
+            out[key] = sum(vals) / len(vals) if vals else 0.0
+    out["train/empty_batch"] = float(not steps or all(m["train/empty_batch"] for m in steps))
+    return out
+
+
+class Streamed:
+    """`trainer.stream`: one version trained minibatch by minibatch on the run's mesh, each as
+    `_gather` takes its groups (`__call__`), then written (`save`)."""
+
+    def __init__(self, cfg: RunConfig, bus: RunBus, mesh: Leader | None, version: int) -> None:
+        if mesh is None:
+            raise ConfigError(
+                "trainer.stream: true needs trainer.parallelism.persistent_ranks: true"
+            )
+        self.cfg, self.bus, self.mesh, self.version = cfg, bus, mesh, version
+        self.steps: list[dict[str, float]] = []
+        self.seconds = 0.0  # in the minibatches' steps
+
+    def __call__(self, groups: list[list[ScoredSample]]) -> None:
+        _check_failures(self.bus, self.cfg)
+        t = time.perf_counter()
+        samples = train_samples(groups, self.cfg.buffer)
+        self.steps.append(self.mesh.train_step(samples, self.version, len(self.steps)))
+        self.seconds += time.perf_counter() - t
+
+    def save(self, out_dir: Path) -> dict[str, float]:
+        """The version's files, and its metrics (`merge_steps`, the save's)."""
+        t = time.perf_counter()
+        metrics = merge_steps(self.steps, self.cfg.stream_pi_old == "engine")
+        metrics["trainer/stream_pi_old_engine"] = float(self.cfg.stream_pi_old == "engine")
+        metrics.update(self.mesh.save_version(self.version, out_dir))
+        metrics["timing/policy_update_s"] = self.seconds + time.perf_counter() - t
+        return metrics
 
 
 def _check_failures(bus: RunBus, cfg: RunConfig) -> None:
@@ -607,9 +676,13 @@ def _train_versions(
         except CheckpointError:  # pruned by retention: samples that old are stale by number anyway
             pass
 
+    stream = cfg.streams
+
     def servable(p: PolicyVersion) -> None:
         known[p.version] = p.manifest_sha256  # before any engine can serve it
         pbus.set_servable(epoch, p.version, p.uri, p.manifest_sha256)
+        if stream:  # its prompts once an engine can serve it: every sample on-policy
+            version_ref[0] = max(version_ref[0], p.version)
 
     # the last version this trainer committed (the publisher's thread moves it)
     committed = [latest]
@@ -686,14 +759,29 @@ def _train_versions(
             _recommit(bus, cfg, run_id, committed[0], epoch)
             for v in [v for v in known if v < version - cfg.buffer.max_staleness]:  # bounded
                 known.pop(v, None)
+            out_dir = work / f"v{version + 1}"
+            streamed = Streamed(cfg, bus, mesh, version) if stream else None
             batch, metrics = _gather(
-                bus, cfg, version, inbox, epoch, issuer, held, held_entries, dict(known)
+                bus,
+                cfg,
+                version,
+                inbox,
+                epoch,
+                issuer,
+                held,
+                held_entries,
+                dict(known),
+                on_chunk=streamed,
             )
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()
-            samples = train_samples(batch.used, cfg.buffer)
-            out_dir = work / f"v{version + 1}"
-            metrics.update(_train(cfg, samples, version, state_dir, out_dir, mesh))
+            if streamed is not None:
+                metrics.update(streamed.save(out_dir))
+                metrics["timing/buffer_wait_s"] -= streamed.seconds  # steps ran while it gathered
+                busy += streamed.seconds
+            else:
+                samples = train_samples(batch.used, cfg.buffer)
+                metrics.update(_train(cfg, samples, version, state_dir, out_dir, mesh))
             metrics.update(load_metrics)  # the first version's only
             load_metrics = {}
             n_used = sum(len(g) for g in batch.used)
@@ -714,7 +802,8 @@ def _train_versions(
                 meta,
                 context={"entries": batch.entry_ids, "groups": batch.group_ids, "counts": counts},
             )
-            version_ref[0] = version + 1
+            if not stream:  # streamed: once servable (`servable`)
+                version_ref[0] = version + 1
             busy += time.perf_counter() - t_busy
             state_dir = out_dir
             published()

@@ -66,8 +66,6 @@ DIFFERENCES = (
     "trainer.correction (tis_mode, tis_cap): moerl weights each token by a truncated importance "
     "ratio against the rollout engine's logprobs; TRL generating with transformers samples from "
     "the training model itself (its vLLM importance correction applies only with vLLM)",
-    "buffer.max_staleness (async): moerl's rollout generates version v+1 while v trains, so a "
-    "version may train on samples one version old; TRL is synchronous and on-policy",
     "prompt order: moerl's trainer issues units from the same seeded cursor TRL reads in order, "
     "but a unit dropped as stale skips its prompts, and units in flight at the end are not trained",
     "buffer.advantage_eps: moerl adds it to the group's std; TRL adds 1e-4",
@@ -79,6 +77,30 @@ DIFFERENCES = (
     "threads: TRL's torch.set_num_threads is the machine's cores; moerl plans its own processes' "
     "threads",
 )
+
+
+STREAMED = (
+    "trainer.stream (async, buffer.max_staleness 0): moerl trains each version minibatch by "
+    "minibatch as its groups arrive, against the engine's logprobs as pi_old, while its rollout "
+    "generates the rest; both are on-policy, but TRL generates the whole batch, then computes "
+    "pi_old with the training model, then trains"
+)
+BEHIND = (
+    "buffer.max_staleness {k} (async): moerl's rollout generates version v+1 while v trains, so "
+    "a version may train on samples up to {k} version(s) old; TRL is synchronous and on-policy"
+)
+
+
+def differences(cfg: RunConfig) -> list[str]:
+    """What the moerl arm, as configured, does that TRL's GRPOTrainer has no setting for."""
+    k = cfg.buffer.max_staleness
+    if cfg.streams:
+        how = STREAMED
+    elif k:
+        how = BEHIND.format(k=k)
+    else:
+        how = "trainer.stream false, buffer.max_staleness 0: moerl's rollout and trainer take turns"
+    return [*DIFFERENCES[:2], how, *DIFFERENCES[2:]]
 
 
 class WeightsDiffer(ArmFailed):
@@ -761,7 +783,7 @@ def run_bench_peer(
         summary=summarize(done, targets),
         rounds=done,
         settings=settings,
-        differences=list(DIFFERENCES),
+        differences=differences(cfg),
         weights={"v0": v0_sha, "v0_dir": str(v0)},
         machine=machine(),
     )

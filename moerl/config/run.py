@@ -75,11 +75,11 @@ class PipelineConfig(_Section):
     local_cores: Literal["auto", "split", "shared"] = "auto"
     """A local async run on one machine: how its stages share the cores. split: the trainer gets
     the first half, the rollout workers the rest, each pinned, so that generation and training
-    overlap without slowing each other (`buffer.max_staleness` >= 1); shared: the trainer and
-    every rollout worker get every core (a thread per core), for a run whose generation and
-    training take turns
-    (`buffer.max_staleness: 0`: each then has the whole machine while the other waits); auto:
-    shared when max_staleness is 0, else split."""
+    overlap without slowing each other (`buffer.max_staleness` >= 1, or a streamed trainer);
+    shared: the trainer and every rollout worker get every core (a thread per core), for a run
+    whose generation and training take turns (`buffer.max_staleness: 0` with `trainer.stream`
+    false: each then has the whole machine while the other waits); auto: shared when they take
+    turns, else split."""
     fork_stages: bool = True
     """A local async run (`moerl run`) forks its stage processes from one process started first,
     which imports vLLM and torch's training stack once while the run's preflight, MLflow and
@@ -137,6 +137,60 @@ class RunConfig(_Section):
     require: RequireConfig = RequireConfig()
     """What the GPU stages must find where they run."""
 
+    def stream_blockers(self) -> list[str]:
+        """What keeps the async trainer from streaming (`trainer.stream`): each the key, its
+        value and what it needs; empty when it can."""
+        tr, buf = self.trainer, self.buffer
+        checks = (
+            (
+                "pipeline.mode",
+                self.pipeline.mode,
+                self.pipeline.mode != "async",
+                "only the async trainer gathers groups as they arrive",
+            ),
+            (
+                "buffer.max_staleness",
+                buf.max_staleness,
+                buf.max_staleness != 0,
+                "the engine's logprobs are pi_old only for the version it served; set 0",
+            ),
+            (
+                "buffer.min_signal_groups",
+                buf.min_signal_groups,
+                buf.min_signal_groups is not None,
+                "a streamed version's steps are fixed chunks of groups; unset it",
+            ),
+            (
+                "trainer.moe.router_replay",
+                tr.moe.router_replay,
+                tr.moe.router_replay == "R2",
+                "R2 replays the routes of the trainer's pi_old pass, which streaming skips; use R3 "
+                "or disabled",
+            ),
+            (
+                "trainer.parallelism.persistent_ranks",
+                tr.parallelism.persistent_ranks,
+                not tr.parallelism.persistent_ranks,
+                "a version's steps run on the run's mesh between minibatches; set true",
+            ),
+        )
+        return [f"{key} {value}: {fix}" for key, value, bad, fix in checks if bad]
+
+    @property
+    def stream_pi_old(self) -> str:
+        """A streamed trainer's pi_old, resolved: engine or proximal
+        (`trainer.correction.stream_pi_old`)."""
+        mode = self.trainer.correction.stream_pi_old
+        if mode != "auto":
+            return mode
+        same = self.rollout.serving_dtype == self.model.dtype
+        return "engine" if same and self.trainer.correction.rollout_rs == "off" else "proximal"
+
+    @property
+    def streams(self) -> bool:
+        """Whether the async trainer streams (`trainer.stream`, null: wherever it can)."""
+        return self.trainer.stream is not False and not self.stream_blockers()
+
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
         ro = self.rollout
@@ -145,6 +199,16 @@ class RunConfig(_Section):
                 "rollout.max_new_tokens_schedule changes the response length by the policy "
                 "version a worker generates with, which only async workers follow; set "
                 "pipeline.mode async, or remove the schedule"
+            )
+        why = self.stream_blockers()
+        if self.trainer.stream and why:
+            raise ValueError("trainer.stream: true needs " + "; ".join(why))
+        corr = self.trainer.correction
+        if corr.stream_pi_old == "engine" and corr.rollout_rs != "off":
+            raise ValueError(
+                f"trainer.correction.stream_pi_old engine with rollout_rs {corr.rollout_rs}: with "
+                "the engine's logprobs as pi_old every sequence's ratio is 1 and none would ever "
+                "be rejected; use stream_pi_old proximal (or auto), or rollout_rs off"
             )
         if ro.elastic and self.pipeline.mode != "async":
             lo, hi = ro.fleet_bounds

@@ -95,6 +95,13 @@ class CorrectionConfig(_Section):
     """rollout_rs geometric: the lower bound; null: 1 / rollout_rs_threshold."""
     extreme_ratio_tau: float = Field(2.0, gt=1.0)
     """The rollout_corr/extreme_* metrics count tokens whose pi_old / mu is outside [1/tau, tau]."""
+    stream_pi_old: Literal["auto", "engine", "proximal"] = "auto"
+    """A streamed trainer's pi_old (`trainer.stream`). engine: the engine's logprobs (the pi_old
+    pass skipped; the importance weight is 1, so nothing above corrects anything); proximal:
+    the trainer's own logprobs under its weights before each minibatch's step (a forward per
+    minibatch, AReaL's proximal policy), corrected against the engine's as above; auto: engine
+    where the engine serves the trainer's master dtype (rollout.serving_dtype = model.dtype,
+    float32 on cpu: they agree to 1e-7) and rollout_rs is off, else proximal."""
 
     @property
     def rs_bounds(self) -> tuple[float, float]:
@@ -245,6 +252,14 @@ class TrainerConfig(_Section):
     """Device, mesh, expert-parallel transport, rank launch, precision and memory."""
     moe: MoeConfig = MoeConfig()
     """The MoE router's training."""
+    stream: bool | None = None
+    """Async mode: train each version minibatch by minibatch as its groups arrive
+    (optimizer_steps_per_iteration chunks of groups, in arrival order) against the engine's
+    logprobs as pi_old (the engine served this very version), and issue the next version's
+    prompts once it is servable: the rollout and the trainer work at once, on-policy, and the
+    trainer's pi_old pass is skipped. null: wherever it can (async, buffer.max_staleness 0, no
+    buffer.min_signal_groups, router_replay not R2, persistent_ranks); true: required (refused
+    where it cannot); false: each version trains once its whole batch is in."""
 
 
 # Keys that left `trainer.` for a section, old dotted key -> new dotted key: the loader refuses

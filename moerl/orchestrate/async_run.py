@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 def cores_shared(cfg: RunConfig) -> bool:
     """Whether the stages share every core (`pipeline.local_cores`)."""
     mode = cfg.pipeline.local_cores
-    return mode == "shared" or (mode == "auto" and cfg.buffer.max_staleness == 0)
+    # staleness 0 takes turns, unless streamed (trainer.stream: both work at once)
+    return mode == "shared" or (
+        mode == "auto" and cfg.buffer.max_staleness == 0 and not cfg.streams
+    )
 
 
 def cpu_plan(cpus: list[int], workers: int, shared: bool = False) -> dict[str, list[int]]:

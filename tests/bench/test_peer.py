@@ -22,6 +22,7 @@ from moerl.bench.peer import (
     check_counts,
     check_weights,
     clear_own_dirs,
+    differences,
     moerl_argv,
     parse_targets,
     round_order,
@@ -94,6 +95,15 @@ def test_settings_map_reads_the_async_config():
     )
     kw = trl_kwargs(other, versions=1)
     assert kw["scale_rewards"] == "none" and kw["loss_type"] == "grpo"
+
+
+def test_the_report_says_how_the_moerl_arm_stays_on_policy():
+    streamed = differences(load_config(CONFIG, [], mode="async"))
+    assert any(d.startswith("trainer.stream (async, buffer.max_staleness 0)") for d in streamed)
+    behind = differences(load_config(CONFIG, ["buffer.max_staleness=1"], mode="async"))
+    assert any(d.startswith("buffer.max_staleness 1 (async)") for d in behind)
+    assert not any(d.startswith("trainer.stream") for d in behind)
+    assert len(streamed) == len(behind)
 
 
 @pytest.mark.parametrize(

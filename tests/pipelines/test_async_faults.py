@@ -384,6 +384,45 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
     assert first and 0 < first[-1][1] < TIMEOUT_S
 
 
+def test_a_streamed_trainer_killed_mid_version_trains_it_again_and_nothing_twice(tmp_path):
+    """`trainer.stream` (staleness 0): the trainer takes a step per minibatch as its groups
+    arrive, so a kill mid-version loses steps that live only in its memory. Its successor
+    trains that version again from the newest durable one, from the groups its predecessor
+    held; nothing is trained twice and the counters balance."""
+    h = Harness(tmp_path, "pipeline.versions=4", "buffer.max_staleness=0")
+    assert h.cfg.streams
+    held = []
+
+    def fault(run):
+        reg = run.bus.registry()
+        if held or reg is None or reg.version < 1:
+            return
+        pending = run.bus.pending_count("scored", "trainer")
+        if pending >= 1:  # it holds groups it took (and stepped on) for a version not committed
+            held.append(pending)
+            run.signal("trainer", signal.SIGKILL)
+
+    c = h.go(fault)
+    assert held, "the trainer was never caught holding groups"
+    trainer = h.run.children["trainer"]
+    assert trainer.exits[0] == -signal.SIGKILL and trainer.starts == 2
+    assert _versions(h) == list(range(h.cfg.pipeline.versions + 1))
+    store = run_store(h.cfg.checkpoint, h.run_id)
+    groups = [
+        g
+        for v in range(1, h.cfg.pipeline.versions + 1)
+        for g in json.loads(store.manifest(v).meta["groups"])
+    ]
+    assert len(groups) == len(set(groups))  # no group in two versions
+    _balanced(c, h.cfg)
+    _mlflow_balanced(h)
+    # every version streamed: B / steps groups a minibatch, each its own step
+    steps = h.cfg.trainer.optimizer.optimizer_steps_per_iteration
+    streamed = tracking.metric_history(h.uri, h.run_id, "trainer/streamed_minibatches")
+    assert streamed and {v for _, v in streamed} == {float(steps)}, streamed
+    assert {s for s, _ in streamed} == set(range(h.cfg.pipeline.versions))
+
+
 def test_a_valkey_outage_longer_than_the_visibility_timeout_is_survived_by_every_stage(tmp_path):
     """Valkey crashes while the worker holds a unit and comes back after 1.5 visibility
     timeouts: on its return every lease looks idle. Nobody takes a live holder's unit (the

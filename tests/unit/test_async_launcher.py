@@ -39,13 +39,14 @@ def test_stages_that_take_turns_share_every_core():
     plan = cpu_plan([0, 1, 2, 3], workers=2, shared=True)
     assert plan == {"trainer": [0, 1, 2, 3], "rollout-0": [0, 1, 2, 3], "rollout-1": [0, 1, 2, 3]}
     assert cpu_plan([0], workers=1, shared=True) == {}
-    cfg = load_config("configs/tiny-moe-grpo.yaml", [], mode="async")
-    assert cfg.buffer.max_staleness == 1 and not cores_shared(cfg)  # auto: overlap, split
-    on_policy = load_config("configs/tiny-moe-grpo.yaml", ["buffer.max_staleness=0"], mode="async")
+    cfg = load_config("configs/tiny-moe-grpo.yaml", ["buffer.max_staleness=1"], mode="async")
+    assert not cores_shared(cfg)  # auto: overlap, split
+    streamed = load_config("configs/tiny-moe-grpo.yaml", [], mode="async")
+    assert streamed.streams and not cores_shared(streamed)  # auto: both work at once, split
+    turns = ["buffer.max_staleness=0", "trainer.stream=false"]
+    on_policy = load_config("configs/tiny-moe-grpo.yaml", turns, mode="async")
     assert cores_shared(on_policy)  # auto: generation and training take turns
     forced = load_config(
-        "configs/tiny-moe-grpo.yaml",
-        ["buffer.max_staleness=0", "pipeline.local_cores=split"],
-        mode="async",
+        "configs/tiny-moe-grpo.yaml", [*turns, "pipeline.local_cores=split"], mode="async"
     )
     assert not cores_shared(forced)

@@ -1,0 +1,308 @@
+"""The streamed async trainer (`trainer.stream`, components/policy_update/worker.py `Streamed`,
+ep_train `train_ep(streamed=True)`, mesh `step` / `save`): where it is on and what refuses it,
+minibatches cut from the gather as groups arrive on a real Valkey, and one streamed step on a
+real tiny Qwen3-MoE equal to the whole-batch step when the engine's logprobs are the trainer's
+own pi_old (and not equal when they are another policy's)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.bus import RunBus
+from moerl.components.policy_update.worker import (
+    Inbox,
+    Issuer,
+    _gather,
+    merge_steps,
+    stream_chunk,
+)
+from moerl.config import load_config, parse_config
+from moerl.errors import ConfigError
+from moerl.orchestrate.async_run import cores_shared
+from moerl.records import ScoredSample, TrainSample
+from tests.support.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED = ROOT / "configs/tiny-moe-grpo.yaml"
+
+
+# -- where it is on ----------------------------------------------------------------------------
+def test_the_embedded_async_default_streams_and_splits_the_cores():
+    cfg = load_config(EMBEDDED, mode="async")
+    assert cfg.buffer.max_staleness == 0 and cfg.trainer.stream is None
+    assert cfg.streams and not cores_shared(cfg)  # the engine and the trainer work at once
+    # the same run asked not to: each version once its batch is in, the stages taking turns
+    off = load_config(EMBEDDED, ["trainer.stream=false"], mode="async")
+    assert not off.streams and cores_shared(off)
+    # staleness 1: the whole batch, one version behind, on a core each
+    behind = load_config(EMBEDDED, ["buffer.max_staleness=1"], mode="async")
+    assert not behind.streams and not cores_shared(behind)
+    assert not load_config(EMBEDDED).streams  # the sync pipeline never streams
+
+
+@pytest.mark.parametrize(
+    ("sets", "named"),
+    [
+        (["buffer.max_staleness=1"], "buffer.max_staleness 1"),
+        (["buffer.min_signal_groups=8"], "buffer.min_signal_groups 8"),
+        (["trainer.moe.router_replay=R2"], "trainer.moe.router_replay R2"),
+        (
+            ["trainer.parallelism.persistent_ranks=false"],
+            "trainer.parallelism.persistent_ranks False",
+        ),
+    ],
+)
+def test_stream_true_where_it_cannot_is_refused_naming_the_key(sets, named):
+    with pytest.raises(ConfigError, match=f"trainer.stream: true needs {named}"):
+        load_config(EMBEDDED, ["trainer.stream=true", *sets], mode="async")
+    # null: the run does not stream, and says nothing
+    assert not load_config(EMBEDDED, sets, mode="async").streams
+
+
+def test_pi_old_is_the_engines_only_where_it_agrees_with_the_trainers():
+    cpu = load_config(EMBEDDED, mode="async")
+    assert cpu.rollout.serving_dtype == cpu.model.dtype == "float32"
+    assert cpu.stream_pi_old == "engine"
+    # bf16 serving (a GPU's default), or a rejection that needs a ratio: the trainer's own
+    assert load_config(EMBEDDED, ["rollout.dtype=bfloat16"], mode="async").stream_pi_old == (
+        "proximal"
+    )
+    rs = ["trainer.correction.rollout_rs=geometric"]
+    assert load_config(EMBEDDED, rs, mode="async").stream_pi_old == "proximal"
+    with pytest.raises(ConfigError, match="stream_pi_old engine with rollout_rs geometric"):
+        load_config(EMBEDDED, [*rs, "trainer.correction.stream_pi_old=engine"], mode="async")
+    forced = ["trainer.correction.stream_pi_old=proximal"]
+    assert load_config(EMBEDDED, forced, mode="async").stream_pi_old == "proximal"
+
+
+def test_stream_true_in_the_sync_pipeline_is_refused():
+    with pytest.raises(ConfigError, match="trainer.stream: true needs pipeline.mode sync"):
+        load_config(EMBEDDED, ["trainer.stream=true"])
+
+
+def test_a_version_is_cut_into_its_optimizer_steps():
+    cfg = parse_config(
+        {
+            "task": {"prompts_per_iteration": 512},
+            "trainer": {"optimizer": {"optimizer_steps_per_iteration": 32}},
+        }
+    )
+    assert stream_chunk(cfg) == 16
+    odd = parse_config(
+        {
+            "task": {"prompts_per_iteration": 10},
+            "trainer": {"optimizer": {"optimizer_steps_per_iteration": 4}},
+        }
+    )
+    assert stream_chunk(odd) == 3  # 3 + 3 + 3 + 1: never more steps than asked
+
+
+def test_merged_metrics_sum_counts_and_average_the_rest():
+    steps = [
+        {
+            "train/steps": 1.0,
+            "train/skipped_steps": 0.0,
+            "train/tokens": 10.0,
+            "train/loss": 1.0,
+            "train/empty_batch": 0.0,
+            "train/logprob_mismatch": 0.0,
+            "rollout_corr/x": 1.0,
+            "moe/tokens_expert_0": 4.0,
+        },
+        {"train/steps": 0.0, "train/skipped_steps": 0.0, "train/empty_batch": 1.0},
+        {
+            "train/steps": 1.0,
+            "train/skipped_steps": 1.0,
+            "train/tokens": 30.0,
+            "train/loss": 3.0,
+            "train/empty_batch": 0.0,
+            "moe/tokens_expert_0": 6.0,
+        },
+    ]
+    m = merge_steps(steps)
+    assert m["trainer/streamed_minibatches"] == 3
+    assert (m["train/steps"], m["train/skipped_steps"], m["train/tokens"]) == (2.0, 1.0, 40.0)
+    assert m["train/loss"] == 2.0  # over the minibatches that stepped
+    assert m["moe/tokens_expert_0"] == 10.0
+    assert m["train/empty_batch"] == 0.0
+    # pi_old is the engine's: a mismatch against it would read 0 and mean nothing
+    assert "train/logprob_mismatch" not in m and "rollout_corr/x" not in m
+    assert merge_steps([steps[1]])["train/empty_batch"] == 1.0
+
+
+# -- the gather hands out minibatches as groups arrive (real Valkey) ---------------------------
+@pytest.fixture
+def bus(server, request, monkeypatch):
+    return stage_bus(server, request, monkeypatch, visibility_timeout_s=30)
+
+
+def _group(i: int, rewards: list[float]) -> list[dict]:
+    return [
+        ScoredSample(
+            prompt_id=f"p{i}",
+            task="copy",
+            prompt="x",
+            answer="1",
+            sample_index=j,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-0.1],
+            response_text="1",
+            finish_reason="stop",
+            policy_version=0,
+            reward=r,
+        ).model_dump()
+        for j, r in enumerate(rewards)
+    ]
+
+
+def _score(bus: RunBus, i: int, rewards: list[float]) -> None:
+    bus.publish_group(f"u{i:04d}/0:p{i}", _group(i, rewards))
+    [(eid, group)] = bus.take_generated("scorer", 1, block_ms=50)
+    bus.publish_scored(eid, group, 0)
+
+
+def test_the_gather_trains_each_chunk_of_groups_as_it_is_taken(bus):
+    cfg = load_config(
+        EMBEDDED,
+        [
+            "task.prompts_per_iteration=5",
+            "rollout.samples_per_prompt=2",
+            "trainer.optimizer.optimizer_steps_per_iteration=2",
+            "pipeline.versions=2",
+        ],
+        mode="async",
+    )
+    assert cfg.streams and stream_chunk(cfg) == 3
+    # arrival order p0..p4; p1 has no reward variance (no signal: taken, not trained)
+    rewards = [[0.0, 1.0], [1.0, 1.0], [0.0, 0.5], [1.0, 0.0], [0.2, 0.1]]
+    for i, r in enumerate(rewards):
+        _score(bus, i, r)
+    epoch = bus.claim_trainer("t")
+    issuer = Issuer(cfg, bus, [0], epoch, period_s=3600)
+    issuer.start()
+    calls: list[list[str]] = []
+
+    def on_chunk(groups):
+        # the batch so far is what was taken: no group is handed out before it is consumed
+        calls.append([g[0].prompt_id for g in groups])
+
+    try:
+        batch, _ = _gather(bus, cfg, 0, Inbox(bus), epoch, issuer, on_chunk=on_chunk)
+    finally:
+        issuer.stop_event.set()
+    assert batch.n_groups == 5 and len(batch.used) == 4
+    assert calls == [["p0", "p2"], ["p3", "p4"]]  # 3 groups, then the last 2; p1 filtered
+
+
+# -- one streamed step against the whole-batch step, on a real tiny model ----------------------
+CFG = parse_config(
+    {
+        "trainer": {
+            "optimizer": {"optimizer_steps_per_iteration": 1, "learning_rate": 0.01},
+            "parallelism": {"micro_batch_tokens": 24},
+        }
+    }
+)
+
+
+def _samples(n: int = 8) -> list[TrainSample]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(n):
+        plen, rlen = 3 + i % 2, 2 + i % 3
+        ids = torch.randint(5, 20, (plen + rlen,), generator=g).tolist()
+        out.append(
+            TrainSample(
+                prompt_token_ids=ids[:plen],
+                response_token_ids=ids[plen:],
+                response_logprobs=[-1.0] * rlen,
+                advantage=(1.0 + i / 4) * (-1) ** i,
+                policy_version=0,
+            )
+        )
+    return out
+
+
+def _with_logprobs(model, batch: list[TrainSample], shift: float) -> list[TrainSample]:
+    """`batch` with the model's own sampled logprobs (+ `shift`) as the engine's."""
+    from moerl.components.policy_update.steps import model_device, policy_logprobs
+    from moerl.components.policy_update.trainer import pack
+
+    model.eval()
+    p = pack(batch, model.config.pad_token_id or 0, model_device(model))
+    lp = policy_logprobs(model, p, CFG)
+    out = []
+    for i, s in enumerate(batch):
+        mine = lp[i][p.mask_NL1[i].bool()].tolist()
+        assert len(mine) == len(s.response_token_ids) and all(map(math.isfinite, mine))
+        out.append(s.model_copy(update={"response_logprobs": [v + shift for v in mine]}))
+    return out
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_a_streamed_step_on_its_own_pi_old_is_the_whole_batch_step(tmp_path):
+    from moerl.components.policy_update.ep_train import (
+        Session,
+        one_rank,
+        save_version,
+        train_steps,
+    )
+    from moerl.models.tiny import build_tiny_model
+
+    build_tiny_model(CFG.model.tiny, tmp_path / "s0")
+    with one_rank(CFG):
+        ref = Session.load(CFG, tmp_path / "s0")
+        w0 = _weights(ref.model)
+        batch = _with_logprobs(ref.model, _samples(), 0.0)
+        far = _with_logprobs(ref.model, _samples(), -0.7)  # another policy's logprobs
+        m_ref = train_steps(CFG, ref, batch, seed=5)  # pi_old pass, one step
+        w_ref = _weights(ref.model)
+        runs = {}
+        for name, b in (("own", batch), ("far", far)):
+            s = Session.load(CFG, tmp_path / "s0")
+            m = train_steps(CFG, s, b, seed=5, streamed=True)  # pi_old = the samples' logprobs
+            runs[name] = (m, _weights(s.model), s)
+        # proximal: pi_old is the trainer's own before the step, whatever the engine's say; the
+        # engine's only weigh the tokens (truncated IS), as in the whole-batch step
+        prox = CFG.model_copy(
+            update={
+                "trainer": CFG.trainer.model_copy(
+                    update={
+                        "correction": CFG.trainer.correction.model_copy(
+                            update={"stream_pi_old": "proximal"}
+                        )
+                    }
+                )
+            }
+        )
+        assert prox.stream_pi_old == "proximal"
+        whole_far = Session.load(CFG, tmp_path / "s0")
+        train_steps(CFG, whole_far, far, seed=5)
+        s = Session.load(prox, tmp_path / "s0")
+        m_prox = train_steps(prox, s, far, seed=5, streamed=True)
+        runs["proximal"] = (m_prox, _weights(s.model), s)
+        w_whole_far = _weights(whole_far.model)
+        # the streamed version is written like any other: its files, its counters moved on
+        save_version(CFG, runs["own"][2], tmp_path / "s1")
+    assert m_ref["train/steps"] == 1 and runs["own"][0]["train/steps"] == 1
+    assert runs["own"][0]["train/loss"] == pytest.approx(m_ref["train/loss"], rel=1e-5, abs=1e-7)
+    moved = sum(float((w_ref[k] - w0[k]).norm()) for k in w0)
+    gap = {n: sum(float((w[k] - w_ref[k]).norm()) for k in w0) for n, (_, w, _) in runs.items()}
+    assert moved > 0
+    assert gap["own"] <= 1e-3 * moved, gap  # the same step
+    assert gap["far"] > 0.05 * moved, gap  # pi_old is what it was given: this test can fail
+    prox_gap = sum(float((runs["proximal"][1][k] - w_whole_far[k]).norm()) for k in w0)
+    assert prox_gap <= 1e-3 * moved, prox_gap
+    assert "train/logprob_mismatch" in runs["proximal"][0]  # measured against its own pass
+    assert runs["own"][2].counters.version == 1 and runs["own"][2].counters.step == 1
+    assert (tmp_path / "s1" / "trainer" / "state.json").is_file()
+    assert list((tmp_path / "s1").glob("model-r*.safetensors"))
