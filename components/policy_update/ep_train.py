@@ -285,21 +285,22 @@ def train_ep(
     batch: list[TrainSample],
     cfg: RunConfig,
     seed: int,
-    streamed: bool = False,
+    pi_old: str | None = None,
 ) -> dict[str, float]:
     """The single-process step (`trainer.train_on_batch`), expert parallel: same minibatches,
     micro-batches, loss normalization, skip rule and metric names. Every tensor handed to a
     collective lives on the model's device (NCCL takes no CPU tensors).
 
-    `streamed` (`trainer.stream`): `batch` is one minibatch of a version, trained in one step.
-    Its pi_old is `cfg.stream_pi_old`: the engine's logprobs (the engine served the weights
-    this version's steps start from; no pi_old pass), or proximal: the pass under the weights
-    as they are before this step."""
+    `pi_old` (`trainer.stream`): `batch` is one minibatch of a version, trained in one step,
+    against "engine": the engine's logprobs (it served the weights this version's steps start
+    from; no pi_old pass), or "proximal": the pass under the weights as they are before this
+    step. None: the whole batch, its pi_old pass before any step."""
     tc = cfg.trainer
     rank, world = dist.get_rank(), dist.get_world_size()
     device = model_device(model)
     p = pack(batch, model.config.pad_token_id or 0, device)
     n = p.input_ids_NL.shape[0]
+    streamed = pi_old is not None
     chunks = minibatches(n, 1 if streamed else optimizer_steps(cfg, n), seed, world, device)
     rows_per = rows_per_micro_batch(
         p, tc.parallelism.micro_batch_tokens, math.ceil(max(map(len, chunks), default=1) / world)
@@ -308,7 +309,7 @@ def train_ep(
     # 3. pi_old for this rank's rows, before any step (same micro-batches on every rank: the
     # forward goes through the dispatcher's collectives)
     model.eval()
-    engine_old = streamed and cfg.stream_pi_old == "engine"
+    engine_old = pi_old == "engine"
     old_logp = p.engine_logp_NL1.clone() if engine_old else torch.zeros_like(p.engine_logp_NL1)
     # every rank builds the same hooks (the same routers), so collectives stay in step
     routing = Routing.for_batch(model, p, tc.moe.router_replay)
@@ -329,7 +330,7 @@ def train_ep(
         p, corr = prepare_correction(
             p, old_logp, cfg, counters.version, rows=mine, distributed=True
         )
-        if routing is not None and not engine_old:  # measured in the pi_old pass
+        if routing is not None and not engine_old:  # read after a pi_old pass, before steps
             corr.update(routing.metrics(distributed=True))
         # 4. steps
         model.train()
@@ -586,13 +587,13 @@ def run_version(
 
 
 def train_steps(
-    cfg: RunConfig, s: Session, batch: list[TrainSample], seed: int, streamed: bool = False
+    cfg: RunConfig, s: Session, batch: list[TrainSample], seed: int, pi_old: str | None = None
 ) -> dict[str, float]:
     """A version's optimizer steps on `batch` (every rank, the same call), or one streamed
-    minibatch (`train_ep`'s `streamed`); nothing when there are fewer samples than ranks."""
+    minibatch (`train_ep`'s `pi_old`); nothing when there are fewer samples than ranks."""
     torch.manual_seed(seed)
     metrics = (
-        train_ep(s.model, s.opt, s.counters, s.ep_blocks, batch, cfg, seed=seed, streamed=streamed)
+        train_ep(s.model, s.opt, s.counters, s.ep_blocks, batch, cfg, seed=seed, pi_old=pi_old)
         if len(batch) >= dist.get_world_size()
         else {"train/steps": 0.0, "train/skipped_steps": 0.0}
     )

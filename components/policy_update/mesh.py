@@ -68,6 +68,7 @@ class Command:
     at: int = 0  # load: the version the run continues from (its counters' version)
     code: int = 0  # abort: rank 0's exit code
     index: int = 0  # step: the minibatch's place in its version
+    pi_old: str = ""  # step: engine | proximal (ep_train.train_ep)
 
 
 class Control:
@@ -411,13 +412,15 @@ class Mesh:
         batch = _batch(samples)
         return run_version(self.cfg, self.session, batch, version, out, with_state)
 
-    def step(self, samples: list[TrainSample] | None, version: int, index: int) -> dict:
+    def step(
+        self, samples: list[TrainSample] | None, version: int, index: int, pi_old: str
+    ) -> dict:
         """`trainer.stream`: one minibatch of the version trained from `version`, one step."""
         if self.session is None:
             raise TrainingError("trainer mesh: a minibatch was sent before any state loaded")
         # a seed per (version, minibatch): the same on every rank, never repeated in a run
         seed = self.cfg.trainer.seed + version * 100_003 + index
-        return train_steps(self.cfg, self.session, _batch(samples), seed, streamed=True)
+        return train_steps(self.cfg, self.session, _batch(samples), seed, pi_old=pi_old)
 
     def save(self, out: Path, with_state: bool) -> dict:
         """`trainer.stream`: the version its minibatches trained, written (every rank its part)."""
@@ -493,11 +496,20 @@ class Leader(Mesh):
         metrics["trainer/mesh_uptime_s"] = time.time() - self.started
         return metrics
 
-    def train_step(self, samples: list[TrainSample], version: int, index: int) -> dict[str, float]:
+    def train_step(
+        self, samples: list[TrainSample], version: int, index: int, pi_old: str
+    ) -> dict[str, float]:
         """`trainer.stream`: every rank takes one optimizer step on `samples`, minibatch `index`
-        of the version trained from `version`; its weights are written by `save_version`."""
-        self.control.send("step", version=version, index=index)
-        return self.step(samples, version, index)
+        of the version trained from `version`, against `pi_old` (engine | proximal); its
+        weights are written by `save_version`. A minibatch with fewer samples than ranks (its
+        groups had no reward variance) trains nothing and is not sent: a command whose only
+        collective is the broadcast would not hold rank 0 back (NCCL returns at once), and
+        `Control.send` deletes the command before the previous one, so rank 0 could delete
+        a command a slow rank had not read yet."""
+        if len(samples) < self.control.world:
+            return {"train/steps": 0.0, "train/skipped_steps": 0.0, "train/empty_batch": 1.0}
+        self.control.send("step", version=version, index=index, pi_old=pi_old)
+        return self.step(samples, version, index, pi_old)
 
     def save_version(self, version: int, out: Path) -> dict[str, float]:
         """`trainer.stream`: every rank writes its part of version + 1, trained by the steps
@@ -611,7 +623,7 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
             elif cmd.op == "step":
                 if cmd.index == 0:
                     _fault(control.rank, cmd.version)
-                mesh.step(None, cmd.version, cmd.index)
+                mesh.step(None, cmd.version, cmd.index, cmd.pi_old)
             elif cmd.op == "save":
                 out = Path(cmd.path)
                 if node != 0:

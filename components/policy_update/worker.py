@@ -317,11 +317,14 @@ def _gather(
     held_entries: frozenset[str] = frozenset(),
     known: dict[int, str] | None = None,
     on_chunk: Callable[[list[list[ScoredSample]]], None] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """Block until B fresh groups are in; settle the rest as they come. `held`, `held_entries`:
     the groups and entries of versions still being published (trained, not yet committed).
     `on_chunk` (`trainer.stream`): called with the trainable groups of every `stream_chunk`
-    groups taken, in arrival order, and of the last ones, as they come in."""
+    groups taken, in arrival order, and of the last ones, as they come in. `check`: called at
+    every loop, raises what makes the wait pointless (a failed publisher: streamed, the next
+    version's prompts wait for its publication)."""
     B, k = cfg.task.prompts_per_iteration, cfg.buffer.max_staleness
     S, limit = cfg.buffer.min_signal_groups, cfg.buffer.gather_limit
     batch, dropped = Batch(), {"duplicates": 0, "stale_dropped": 0, "failed": 0}
@@ -353,6 +356,8 @@ def _gather(
     taken, trainable = 0, []  # the chunk being taken: its groups, those it trains on
     while wanted() > 0:
         _alive(bus, issuer, epoch)
+        if check is not None:
+            check()
         in_hand = set(held_entries) | set(batch.entry_ids)
         inbox.check(in_hand)
         got = inbox.take(wanted(), in_hand)
@@ -426,29 +431,42 @@ def _gather(
 
 
 def stream_chunk(cfg: RunConfig) -> int:
-    """`trainer.stream`: the groups in one streamed minibatch, so that a version of B groups
-    takes `optimizer_steps_per_iteration` steps, as the whole batch would."""
+    """`trainer.stream`: the groups in one streamed minibatch, ceil(B / optimizer steps), so
+    that a version takes at most `optimizer_steps_per_iteration` steps (fewer when B is not a
+    multiple of it, and none for a minibatch whose groups all lack reward variance)."""
     steps = cfg.trainer.optimizer.optimizer_steps_per_iteration
     return max(1, -(-cfg.task.prompts_per_iteration // steps))
 
 
 def merge_steps(steps: list[dict[str, float]], engine_pi_old: bool = True) -> dict[str, float]:
-    """One version's metrics from its streamed minibatches' (`trainer.stream`): counts and
-    times summed, the rest averaged over the minibatches that took a step. With the engine's
-    logprobs as pi_old (`engine_pi_old`), what compares pi_old with them is left out."""
-    summed = ("train/steps", "train/skipped_steps", "train/tokens", "moe/tokens_expert_")
+    """One version's metrics from its streamed minibatches' (`trainer.stream`), each reduced as
+    the whole-batch path reduces it over steps: counts and token totals summed, maxima and
+    minima kept, `train/*` averaged over the minibatches that took a step, `rollout_corr/*`
+    weighted by their tokens, per-expert loads the last step's. With the engine's logprobs as
+    pi_old (`engine_pi_old`), what compares pi_old with them is left out (it is 0)."""
     out: dict[str, float] = {"trainer/streamed_minibatches": float(len(steps))}
     stepped = [m for m in steps if m.get("train/steps", 0.0) > 0] or steps
-    for key in {k for m in steps for k in m}:
+    for key in sorted({k for m in steps for k in m}):
         if engine_pi_old and (key == "train/logprob_mismatch" or key.startswith("rollout_corr/")):
             continue
-        if key.startswith(summed):
-            out[key] = sum(m.get(key, 0.0) for m in steps)
-        elif key.startswith("timing/"):
-            out[key] = sum(m.get(key, 0.0) for m in steps)
+        have = [m for m in steps if key in m]
+        vals = [m[key] for m in have]
+        if key in ("train/steps", "train/skipped_steps") or key.endswith(
+            ("tokens", "rs_masked_sequences")
+        ):
+            out[key] = sum(vals)
+        elif key.endswith("_max"):
+            out[key] = max(vals)
+        elif key.endswith("_min"):
+            out[key] = min(vals)
+        elif key.startswith("moe/tokens_expert_"):
+            out[key] = vals[-1]
+        elif key.startswith("rollout_corr/"):
+            w = [m.get("rollout_corr/tokens", 0.0) for m in have]
+            out[key] = sum(v * x for v, x in zip(vals, w)) / sum(w) if sum(w) else vals[-1]
         else:
-            vals = [m[key] for m in stepped if key in m]
-            out[key] = sum(vals) / len(vals) if vals else 0.0
+            some = [m[key] for m in stepped if key in m] or vals
+            out[key] = sum(some) / len(some)
     out["train/empty_batch"] = float(not steps or all(m["train/empty_batch"] for m in steps))
     return out
 
@@ -457,12 +475,16 @@ class Streamed:
     """`trainer.stream`: one version trained minibatch by minibatch on the run's mesh, each as
     `_gather` takes its groups (`__call__`), then written (`save`)."""
 
-    def __init__(self, cfg: RunConfig, bus: RunBus, mesh: Leader | None, version: int) -> None:
+    def __init__(
+        self, cfg: RunConfig, bus: RunBus, mesh: Leader | None, version: int, pi_old: str
+    ) -> None:
         if mesh is None:
             raise ConfigError(
-                "trainer.stream: true needs trainer.parallelism.persistent_ranks: true"
+                "trainer.stream: true cannot run without the run's mesh; set "
+                "trainer.parallelism.persistent_ranks: true"
             )
         self.cfg, self.bus, self.mesh, self.version = cfg, bus, mesh, version
+        self.pi_old = pi_old  # engine | proximal (RunConfig.stream_pi_old, or forced: below)
         self.steps: list[dict[str, float]] = []
         self.seconds = 0.0  # in the minibatches' steps
 
@@ -470,14 +492,14 @@ class Streamed:
         _check_failures(self.bus, self.cfg)
         t = time.perf_counter()
         samples = train_samples(groups, self.cfg.buffer)
-        self.steps.append(self.mesh.train_step(samples, self.version, len(self.steps)))
+        self.steps.append(self.mesh.train_step(samples, self.version, len(self.steps), self.pi_old))
         self.seconds += time.perf_counter() - t
 
     def save(self, out_dir: Path) -> dict[str, float]:
         """The version's files, and its metrics (`merge_steps`, the save's)."""
         t = time.perf_counter()
-        metrics = merge_steps(self.steps, self.cfg.stream_pi_old == "engine")
-        metrics["trainer/stream_pi_old_engine"] = float(self.cfg.stream_pi_old == "engine")
+        metrics = merge_steps(self.steps, self.pi_old == "engine")
+        metrics["trainer/stream_pi_old_engine"] = float(self.pi_old == "engine")
         metrics.update(self.mesh.save_version(self.version, out_dir))
         metrics["timing/policy_update_s"] = self.seconds + time.perf_counter() - t
         return metrics
@@ -637,6 +659,7 @@ def _train_versions(
     work = Path(tempfile.mkdtemp(prefix="moerl-trainer-"))
     state_dir = work / f"v{latest}"
     load_metrics: dict[str, float] = {}
+    resumed_behind = False  # the mesh continues from older weights than `latest`'s
     if mesh is not None:  # once for the run: every rank reads only its shard
         from moerl.components.policy_update.mesh import newest_with_state
 
@@ -663,6 +686,7 @@ def _train_versions(
             prepare=lambda: prepare_resume(cfg, run_id, start, state_dir, exclude=STATE_SHARDS),
         )
         load_metrics["trainer/resumed_versions_lost"] = float(latest - start)
+        resumed_behind = start < latest
     else:
         prepare_resume(cfg, run_id, latest, state_dir)
     pbus = RunBus(connect(cfg.valkey.url, cfg.valkey.reconnect_s, cfg.valkey.username), run_id)
@@ -757,10 +781,17 @@ def _train_versions(
             held = frozenset(g for job in jobs for g in job.context["groups"])
             held_entries = frozenset(e for job in jobs for e in job.context["entries"])
             _recommit(bus, cfg, run_id, committed[0], epoch)
-            for v in [v for v in known if v < version - cfg.buffer.max_staleness]:  # bounded
+            # (list(): one C-level copy; the publisher's thread adds to `known`)
+            for v in [v for v in list(known) if v < version - cfg.buffer.max_staleness]:
                 known.pop(v, None)
             out_dir = work / f"v{version + 1}"
-            streamed = Streamed(cfg, bus, mesh, version) if stream else None
+            streamed = None
+            if stream:
+                # a resumed mesh that continues from older weights than the engines serve
+                # (checkpoint.state_every): their logprobs are not its pi_old this version
+                pi_old = "proximal" if resumed_behind else cfg.stream_pi_old
+                streamed = Streamed(cfg, bus, mesh, version, pi_old)
+            resumed_behind = False
             batch, metrics = _gather(
                 bus,
                 cfg,
@@ -770,8 +801,11 @@ def _train_versions(
                 issuer,
                 held,
                 held_entries,
-                dict(known),
+                # streamed, the version's own sha is known only once it is servable, after the
+                # gather began: the live map (the publisher's thread only adds to it)
+                known if stream else dict(known),
                 on_chunk=streamed,
+                check=publisher.check,
             )
             _check_failures(bus, cfg)
             t_busy = time.perf_counter()

@@ -105,6 +105,11 @@ class Publisher:
         if self.error is not None:
             raise self.error
 
+    def check(self) -> None:
+        """Raise the publisher thread's error, if it failed (a caller waiting on something a
+        publication would bring: the streamed trainer's next version's prompts)."""
+        self._raise()
+
     # -- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
         from moerl.components.publish_checkpoint.stage import publish_durable, publish_servable

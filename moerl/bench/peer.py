@@ -64,8 +64,9 @@ DIFFERENCES = (
     "training; TRL trains on every group (their advantages are 0, their tokens still count in "
     "the loss's token normalizer)",
     "trainer.correction (tis_mode, tis_cap): moerl weights each token by a truncated importance "
-    "ratio against the rollout engine's logprobs; TRL generating with transformers samples from "
-    "the training model itself (its vLLM importance correction applies only with vLLM)",
+    "ratio of its pi_old against the rollout engine's logprobs (1 when they are its pi_old); TRL "
+    "generating with transformers samples from the training model itself (its vLLM importance "
+    "correction applies only with vLLM)",
     "prompt order: moerl's trainer issues units from the same seeded cursor TRL reads in order, "
     "but a unit dropped as stale skips its prompts, and units in flight at the end are not trained",
     "buffer.advantage_eps: moerl adds it to the group's std; TRL adds 1e-4",
@@ -81,10 +82,14 @@ DIFFERENCES = (
 
 STREAMED = (
     "trainer.stream (async, buffer.max_staleness 0): moerl trains each version minibatch by "
-    "minibatch as its groups arrive, against the engine's logprobs as pi_old, while its rollout "
-    "generates the rest; both are on-policy, but TRL generates the whole batch, then computes "
-    "pi_old with the training model, then trains"
+    "minibatch as its groups arrive, against {pi_old} as pi_old, while its rollout generates "
+    "the rest; both are on-policy, but TRL generates the whole batch, then computes pi_old "
+    "with the training model once, then trains"
 )
+PI_OLD = {
+    "engine": "the engine's logprobs (the importance weight is then 1: no correction applies)",
+    "proximal": "its own logprobs just before each minibatch's step",
+}
 BEHIND = (
     "buffer.max_staleness {k} (async): moerl's rollout generates version v+1 while v trains, so "
     "a version may train on samples up to {k} version(s) old; TRL is synchronous and on-policy"
@@ -95,7 +100,7 @@ def differences(cfg: RunConfig) -> list[str]:
     """What the moerl arm, as configured, does that TRL's GRPOTrainer has no setting for."""
     k = cfg.buffer.max_staleness
     if cfg.streams:
-        how = STREAMED
+        how = STREAMED.format(pi_old=PI_OLD[cfg.stream_pi_old])
     elif k:
         how = BEHIND.format(k=k)
     else:

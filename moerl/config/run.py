@@ -152,7 +152,7 @@ class RunConfig(_Section):
                 "buffer.max_staleness",
                 buf.max_staleness,
                 buf.max_staleness != 0,
-                "the engine's logprobs are pi_old only for the version it served; set 0",
+                "a streamed version trains on its own samples only; set 0",
             ),
             (
                 "buffer.min_signal_groups",
@@ -163,9 +163,9 @@ class RunConfig(_Section):
             (
                 "trainer.moe.router_replay",
                 tr.moe.router_replay,
-                tr.moe.router_replay == "R2",
-                "R2 replays the routes of the trainer's pi_old pass, which streaming skips; use R3 "
-                "or disabled",
+                tr.moe.router_replay == "R2" and self.stream_pi_old == "engine",
+                "R2 replays the routes of the trainer's pi_old pass, which the engine's logprobs "
+                "as pi_old skip; use R3 or disabled, or trainer.correction.stream_pi_old proximal",
             ),
             (
                 "trainer.parallelism.persistent_ranks",
@@ -174,7 +174,11 @@ class RunConfig(_Section):
                 "a version's steps run on the run's mesh between minibatches; set true",
             ),
         )
-        return [f"{key} {value}: {fix}" for key, value, bad, fix in checks if bad]
+        return [
+            f"{key} {str(value).lower() if isinstance(value, bool) else value} ({fix})"
+            for key, value, bad, fix in checks
+            if bad
+        ]
 
     @property
     def stream_pi_old(self) -> str:
@@ -183,8 +187,13 @@ class RunConfig(_Section):
         mode = self.trainer.correction.stream_pi_old
         if mode != "auto":
             return mode
-        same = self.rollout.serving_dtype == self.model.dtype
-        return "engine" if same and self.trainer.correction.rollout_rs == "off" else "proximal"
+        # the two agree to 1e-7 only in float32 on both sides, nothing quantized or cast
+        agree = (
+            self.rollout.serving_dtype == self.model.dtype == "float32"
+            and self.rollout.quantization == "none"
+            and self.trainer.parallelism.mixed_precision == "off"
+        )
+        return "engine" if agree and self.trainer.correction.rollout_rs == "off" else "proximal"
 
     @property
     def streams(self) -> bool:
@@ -202,9 +211,9 @@ class RunConfig(_Section):
             )
         why = self.stream_blockers()
         if self.trainer.stream and why:
-            raise ValueError("trainer.stream: true needs " + "; ".join(why))
+            raise ValueError("trainer.stream: true cannot run with " + "; ".join(why))
         corr = self.trainer.correction
-        if corr.stream_pi_old == "engine" and corr.rollout_rs != "off":
+        if self.streams and corr.stream_pi_old == "engine" and corr.rollout_rs != "off":
             raise ValueError(
                 f"trainer.correction.stream_pi_old engine with rollout_rs {corr.rollout_rs}: with "
                 "the engine's logprobs as pi_old every sequence's ratio is 1 and none would ever "

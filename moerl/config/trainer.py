@@ -99,9 +99,10 @@ class CorrectionConfig(_Section):
     """A streamed trainer's pi_old (`trainer.stream`). engine: the engine's logprobs (the pi_old
     pass skipped; the importance weight is 1, so nothing above corrects anything); proximal:
     the trainer's own logprobs under its weights before each minibatch's step (a forward per
-    minibatch, AReaL's proximal policy), corrected against the engine's as above; auto: engine
-    where the engine serves the trainer's master dtype (rollout.serving_dtype = model.dtype,
-    float32 on cpu: they agree to 1e-7) and rollout_rs is off, else proximal."""
+    minibatch, AReaL's proximal policy, so its ratio is 1 and the clip never binds), corrected
+    against the engine's as above; auto: engine where both sides compute in float32
+    (rollout.serving_dtype and model.dtype float32, no quantization, mixed_precision off: they
+    agree to 1e-7 on cpu) and rollout_rs is off, else proximal."""
 
     @property
     def rs_bounds(self) -> tuple[float, float]:

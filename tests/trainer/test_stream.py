@@ -1,5 +1,5 @@
 """The streamed async trainer (`trainer.stream`, components/policy_update/worker.py `Streamed`,
-ep_train `train_ep(streamed=True)`, mesh `step` / `save`): where it is on and what refuses it,
+ep_train `train_ep(pi_old=...)`, mesh `step` / `save`): where it is on and what refuses it,
 minibatches cut from the gather as groups arrive on a real Valkey, and one streamed step on a
 real tiny Qwen3-MoE equal to the whole-batch step when the engine's logprobs are the trainer's
 own pi_old (and not equal when they are another policy's)."""
@@ -7,6 +7,7 @@ own pi_old (and not equal when they are another policy's)."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -49,15 +50,14 @@ def test_the_embedded_async_default_streams_and_splits_the_cores():
     [
         (["buffer.max_staleness=1"], "buffer.max_staleness 1"),
         (["buffer.min_signal_groups=8"], "buffer.min_signal_groups 8"),
-        (["trainer.moe.router_replay=R2"], "trainer.moe.router_replay R2"),
         (
             ["trainer.parallelism.persistent_ranks=false"],
-            "trainer.parallelism.persistent_ranks False",
+            "trainer.parallelism.persistent_ranks false",
         ),
     ],
 )
 def test_stream_true_where_it_cannot_is_refused_naming_the_key(sets, named):
-    with pytest.raises(ConfigError, match=f"trainer.stream: true needs {named}"):
+    with pytest.raises(ConfigError, match=f"trainer.stream: true cannot run with {named}"):
         load_config(EMBEDDED, ["trainer.stream=true", *sets], mode="async")
     # null: the run does not stream, and says nothing
     assert not load_config(EMBEDDED, sets, mode="async").streams
@@ -77,10 +77,26 @@ def test_pi_old_is_the_engines_only_where_it_agrees_with_the_trainers():
         load_config(EMBEDDED, [*rs, "trainer.correction.stream_pi_old=engine"], mode="async")
     forced = ["trainer.correction.stream_pi_old=proximal"]
     assert load_config(EMBEDDED, forced, mode="async").stream_pi_old == "proximal"
+    # quantized or bf16-cast trainers do not agree with the engine either
+    for cast in (
+        ["trainer.parallelism.mixed_precision=bf16"],
+        ["rollout.device=cuda", "rollout.dtype=float32", "rollout.quantization=fp8"],
+    ):
+        c = load_config(EMBEDDED, cast, mode="async")
+        assert c.rollout.serving_dtype == "float32" and c.stream_pi_old == "proximal", cast
+    # the setting means nothing where the run does not stream: not refused there
+    load_config(EMBEDDED, [*rs, "trainer.correction.stream_pi_old=engine"])
+    # R2 needs a pi_old pass: refused only with the engine's logprobs
+    r2 = ["trainer.moe.router_replay=R2", "trainer.stream=true"]
+    with pytest.raises(ConfigError, match="trainer.moe.router_replay R2"):
+        load_config(EMBEDDED, r2, mode="async")
+    assert load_config(EMBEDDED, [*r2, *forced], mode="async").streams
 
 
 def test_stream_true_in_the_sync_pipeline_is_refused():
-    with pytest.raises(ConfigError, match="trainer.stream: true needs pipeline.mode sync"):
+    with pytest.raises(
+        ConfigError, match="trainer.stream: true cannot run with pipeline.mode sync"
+    ):
         load_config(EMBEDDED, ["trainer.stream=true"])
 
 
@@ -127,11 +143,36 @@ def test_merged_metrics_sum_counts_and_average_the_rest():
     assert m["trainer/streamed_minibatches"] == 3
     assert (m["train/steps"], m["train/skipped_steps"], m["train/tokens"]) == (2.0, 1.0, 40.0)
     assert m["train/loss"] == 2.0  # over the minibatches that stepped
-    assert m["moe/tokens_expert_0"] == 10.0
+    assert m["moe/tokens_expert_0"] == 6.0  # the last step's, as the whole-batch path logs
     assert m["train/empty_batch"] == 0.0
     # pi_old is the engine's: a mismatch against it would read 0 and mean nothing
     assert "train/logprob_mismatch" not in m and "rollout_corr/x" not in m
     assert merge_steps([steps[1]])["train/empty_batch"] == 1.0
+    # proximal: the mismatch is measured, each statistic reduced as over steps
+    corr = [
+        {
+            "train/steps": 1.0,
+            "train/empty_batch": 0.0,
+            "rollout_corr/tokens": 10.0,
+            "rollout_corr/kl": 0.1,
+            "rollout_corr/ratio_max": 1.5,
+            "rollout_corr/ratio_min": 0.9,
+            "rollout_corr/rs_masked_sequences": 1.0,
+        },
+        {
+            "train/steps": 1.0,
+            "train/empty_batch": 0.0,
+            "rollout_corr/tokens": 30.0,
+            "rollout_corr/kl": 0.5,
+            "rollout_corr/ratio_max": 1.2,
+            "rollout_corr/ratio_min": 0.7,
+            "rollout_corr/rs_masked_sequences": 2.0,
+        },
+    ]
+    m = merge_steps(corr, engine_pi_old=False)
+    assert m["rollout_corr/tokens"] == 40.0 and m["rollout_corr/rs_masked_sequences"] == 3.0
+    assert m["rollout_corr/ratio_max"] == 1.5 and m["rollout_corr/ratio_min"] == 0.7
+    assert m["rollout_corr/kl"] == pytest.approx((0.1 * 10 + 0.5 * 30) / 40)  # by tokens
 
 
 # -- the gather hands out minibatches as groups arrive (real Valkey) ---------------------------
@@ -269,26 +310,14 @@ def test_a_streamed_step_on_its_own_pi_old_is_the_whole_batch_step(tmp_path):
         runs = {}
         for name, b in (("own", batch), ("far", far)):
             s = Session.load(CFG, tmp_path / "s0")
-            m = train_steps(CFG, s, b, seed=5, streamed=True)  # pi_old = the samples' logprobs
+            m = train_steps(CFG, s, b, seed=5, pi_old="engine")  # pi_old: the samples' logprobs
             runs[name] = (m, _weights(s.model), s)
         # proximal: pi_old is the trainer's own before the step, whatever the engine's say; the
         # engine's only weigh the tokens (truncated IS), as in the whole-batch step
-        prox = CFG.model_copy(
-            update={
-                "trainer": CFG.trainer.model_copy(
-                    update={
-                        "correction": CFG.trainer.correction.model_copy(
-                            update={"stream_pi_old": "proximal"}
-                        )
-                    }
-                )
-            }
-        )
-        assert prox.stream_pi_old == "proximal"
         whole_far = Session.load(CFG, tmp_path / "s0")
         train_steps(CFG, whole_far, far, seed=5)
-        s = Session.load(prox, tmp_path / "s0")
-        m_prox = train_steps(prox, s, far, seed=5, streamed=True)
+        s = Session.load(CFG, tmp_path / "s0")
+        m_prox = train_steps(CFG, s, far, seed=5, pi_old="proximal")
         runs["proximal"] = (m_prox, _weights(s.model), s)
         w_whole_far = _weights(whole_far.model)
         # the streamed version is written like any other: its files, its counters moved on
@@ -306,3 +335,41 @@ def test_a_streamed_step_on_its_own_pi_old_is_the_whole_batch_step(tmp_path):
     assert runs["own"][2].counters.version == 1 and runs["own"][2].counters.step == 1
     assert (tmp_path / "s1" / "trainer" / "state.json").is_file()
     assert list((tmp_path / "s1").glob("model-r*.safetensors"))
+
+
+def test_a_failed_publisher_ends_the_gather_at_once(bus):
+    """Streamed, the next version's prompts wait for its publication: a failed publisher must
+    end the wait, not leave it to the stall watchdog (30 minutes by default)."""
+    from moerl.errors import CheckpointError
+
+    cfg = load_config(EMBEDDED, ["task.prompts_per_iteration=4"], mode="async")
+    epoch = bus.claim_trainer("t")
+    issuer = Issuer(cfg, bus, [0], epoch, period_s=3600)
+    issuer.start()
+
+    def failed() -> None:
+        raise CheckpointError("version 1: the cache tier refused the put")
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CheckpointError, match="cache tier refused"):
+            _gather(bus, cfg, 0, Inbox(bus), epoch, issuer, check=failed)
+    finally:
+        issuer.stop_event.set()
+    assert time.monotonic() - t0 < 10
+
+
+def test_an_empty_minibatch_sends_the_ranks_nothing():
+    """A minibatch with fewer samples than ranks trains nothing: no `step` command (its only
+    collective would be the broadcast, which does not hold rank 0 back on NCCL)."""
+    from moerl.components.policy_update.ep_train import one_rank
+    from moerl.components.policy_update.mesh import Control, Leader
+
+    with one_rank(CFG) as store:
+        leader = Leader(CFG, Control(store, 0, 1), "run-x", nodes=1)
+        try:
+            m = leader.train_step([], 0, 0, "engine")
+            assert m == {"train/steps": 0.0, "train/skipped_steps": 0.0, "train/empty_batch": 1.0}
+            assert leader.control.seq == 0  # nothing posted
+        finally:
+            leader.stop()
