@@ -596,6 +596,7 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
         uploader = Uploader(cfg, run_id, control.store, node, base)
         uploader.start()
     version = None
+    stepped = None  # the version of the last `step` taken
     try:
         while True:
             if uploader is not None and not uploader.is_alive():
@@ -621,8 +622,9 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
                 mesh.train(None, cmd.version, out, cmd.state)
                 version = cmd.version
             elif cmd.op == "step":
-                if cmd.index == 0:
+                if cmd.version != stepped:  # the version's first step sent (empty ones are not)
                     _fault(control.rank, cmd.version)
+                    stepped = cmd.version
                 mesh.step(None, cmd.version, cmd.index, cmd.pi_old)
             elif cmd.op == "save":
                 out = Path(cmd.path)

@@ -438,12 +438,30 @@ def stream_chunk(cfg: RunConfig) -> int:
     return max(1, -(-cfg.task.prompts_per_iteration // steps))
 
 
+def _weight_key(key: str) -> str | None:
+    """The total a per-minibatch mean of `key` is weighted by when merged, if any."""
+    if key.startswith("rollout_corr/"):
+        split = key.split("/")
+        return "/".join([*split[:-1], "tokens"]) if len(split) > 2 else "rollout_corr/tokens"
+    if key == "train/logprob_mismatch":
+        return "train/tokens"
+    if key.startswith(("moe/routing_", "moe/replay_")) or key == (
+        "moe/token_any_layer_mismatch_fraction"
+    ):
+        return "moe/routing_tokens"
+    return None
+
+
+# what the whole-batch path reports from its last step
+LAST_STEP = ("moe/tokens_expert_", "moe/expert_load_imbalance", "moe/router_max_load_ratio")
+
+
 def merge_steps(steps: list[dict[str, float]], engine_pi_old: bool = True) -> dict[str, float]:
     """One version's metrics from its streamed minibatches' (`trainer.stream`), each reduced as
     the whole-batch path reduces it over steps: counts and token totals summed, maxima and
-    minima kept, `train/*` averaged over the minibatches that took a step, `rollout_corr/*`
-    weighted by their tokens, per-expert loads the last step's. With the engine's logprobs as
-    pi_old (`engine_pi_old`), what compares pi_old with them is left out (it is 0)."""
+    minima kept, per-token means weighted by their tokens, the load statistics the last
+    step's, `train/*` averaged over the minibatches that took a step. With the engine's
+    logprobs as pi_old (`engine_pi_old`), what compares pi_old with them is left out (0)."""
     out: dict[str, float] = {"trainer/streamed_minibatches": float(len(steps))}
     stepped = [m for m in steps if m.get("train/steps", 0.0) > 0] or steps
     for key in sorted({k for m in steps for k in m}):
@@ -451,6 +469,7 @@ def merge_steps(steps: list[dict[str, float]], engine_pi_old: bool = True) -> di
             continue
         have = [m for m in steps if key in m]
         vals = [m[key] for m in have]
+        weight = _weight_key(key)
         if key in ("train/steps", "train/skipped_steps") or key.endswith(
             ("tokens", "rs_masked_sequences")
         ):
@@ -459,10 +478,10 @@ def merge_steps(steps: list[dict[str, float]], engine_pi_old: bool = True) -> di
             out[key] = max(vals)
         elif key.endswith("_min"):
             out[key] = min(vals)
-        elif key.startswith("moe/tokens_expert_"):
+        elif key.startswith(LAST_STEP):
             out[key] = vals[-1]
-        elif key.startswith("rollout_corr/"):
-            w = [m.get("rollout_corr/tokens", 0.0) for m in have]
+        elif weight is not None:
+            w = [m.get(weight, 0.0) for m in have]
             out[key] = sum(v * x for v, x in zip(vals, w)) / sum(w) if sum(w) else vals[-1]
         else:
             some = [m[key] for m in stepped if key in m] or vals
@@ -484,14 +503,20 @@ class Streamed:
                 "trainer.parallelism.persistent_ranks: true"
             )
         self.cfg, self.bus, self.mesh, self.version = cfg, bus, mesh, version
-        self.pi_old = pi_old  # engine | proximal (RunConfig.stream_pi_old, or forced: below)
+        self.pi_old = pi_old  # engine | proximal (RunConfig.stream_pi_old, or the caller's)
         self.steps: list[dict[str, float]] = []
         self.seconds = 0.0  # in the minibatches' steps
+        # samples too few for every rank to take one (a minibatch of mostly zero-variance
+        # groups), carried into the next minibatch
+        self.carry: list = []
 
     def __call__(self, groups: list[list[ScoredSample]]) -> None:
         _check_failures(self.bus, self.cfg)
         t = time.perf_counter()
-        samples = train_samples(groups, self.cfg.buffer)
+        samples = self.carry + train_samples(groups, self.cfg.buffer)
+        self.carry = samples if 0 < len(samples) < self.mesh.control.world else []
+        if self.carry:
+            samples = []
         self.steps.append(self.mesh.train_step(samples, self.version, len(self.steps), self.pi_old))
         self.seconds += time.perf_counter() - t
 
@@ -499,6 +524,8 @@ class Streamed:
         """The version's files, and its metrics (`merge_steps`, the save's)."""
         t = time.perf_counter()
         metrics = merge_steps(self.steps, self.pi_old == "engine")
+        # what was left over after the last minibatch: fewer samples than ranks, untrained
+        metrics["train/dropped_samples"] = float(len(self.carry))
         metrics["trainer/stream_pi_old_engine"] = float(self.pi_old == "engine")
         metrics.update(self.mesh.save_version(self.version, out_dir))
         metrics["timing/policy_update_s"] = self.seconds + time.perf_counter() - t
