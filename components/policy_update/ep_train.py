@@ -291,7 +291,7 @@ def train_ep(
     micro-batches, loss normalization, skip rule and metric names. Every tensor handed to a
     collective lives on the model's device (NCCL takes no CPU tensors).
 
-    `pi_old` (`trainer.stream`): `batch` is one minibatch of a version, trained in one step,
+    `pi_old` (`trainer.optimizer.stream`): `batch` is one minibatch of a version, trained in one step,
     against "engine": the engine's logprobs (it served the weights this version's steps start
     from; no pi_old pass), or "proximal": the pass under the weights as they are before this
     step. None: the whole batch, its pi_old pass before any step."""

@@ -321,7 +321,7 @@ def _gather(
 ) -> tuple[Batch, dict[str, float]]:
     """Block until B fresh groups are in; settle the rest as they come. `held`, `held_entries`:
     the groups and entries of versions still being published (trained, not yet committed).
-    `on_chunk` (`trainer.stream`): called with the trainable groups of every `stream_chunk`
+    `on_chunk` (`trainer.optimizer.stream`): called with the trainable groups of every `stream_chunk`
     groups taken, in arrival order, and of the last ones, as they come in. `check`: called at
     every loop, raises what makes the wait pointless (a failed publisher: streamed, the next
     version's prompts wait for its publication)."""
@@ -431,7 +431,7 @@ def _gather(
 
 
 def stream_chunk(cfg: RunConfig) -> int:
-    """`trainer.stream`: the groups in one streamed minibatch, ceil(B / optimizer steps), so
+    """`trainer.optimizer.stream`: the groups in one streamed minibatch, ceil(B / optimizer steps), so
     that a version takes at most `optimizer_steps_per_iteration` steps (fewer when B is not a
     multiple of it, and none for a minibatch whose groups all lack reward variance)."""
     steps = cfg.trainer.optimizer.optimizer_steps_per_iteration
@@ -457,7 +457,7 @@ LAST_STEP = ("moe/tokens_expert_", "moe/expert_load_imbalance", "moe/router_max_
 
 
 def merge_steps(steps: list[dict[str, float]], engine_pi_old: bool = True) -> dict[str, float]:
-    """One version's metrics from its streamed minibatches' (`trainer.stream`), each reduced as
+    """One version's metrics from its streamed minibatches' (`trainer.optimizer.stream`), each reduced as
     the whole-batch path reduces it over steps: counts and token totals summed, maxima and
     minima kept, per-token means weighted by their tokens, the load statistics the last
     step's, `train/*` averaged over the minibatches that took a step. With the engine's
@@ -491,7 +491,7 @@ def merge_steps(steps: list[dict[str, float]], engine_pi_old: bool = True) -> di
 
 
 class Streamed:
-    """`trainer.stream`: one version trained minibatch by minibatch on the run's mesh, each as
+    """`trainer.optimizer.stream`: one version trained minibatch by minibatch on the run's mesh, each as
     `_gather` takes its groups (`__call__`), then written (`save`)."""
 
     def __init__(
@@ -499,7 +499,7 @@ class Streamed:
     ) -> None:
         if mesh is None:
             raise ConfigError(
-                "trainer.stream: true cannot run without the run's mesh; set "
+                "trainer.optimizer.stream: true cannot run without the run's mesh; set "
                 "trainer.parallelism.persistent_ranks: true"
             )
         self.cfg, self.bus, self.mesh, self.version = cfg, bus, mesh, version

@@ -81,7 +81,7 @@ DIFFERENCES = (
 
 
 STREAMED = (
-    "trainer.stream (async, buffer.max_staleness 0): moerl trains each version minibatch by "
+    "trainer.optimizer.stream (async, buffer.max_staleness 0): moerl trains each version minibatch by "
     "minibatch as its groups arrive, against {pi_old} as pi_old, while its rollout generates "
     "the rest; both are on-policy, but TRL generates the whole batch, then computes pi_old "
     "with the training model once, then trains"
@@ -104,7 +104,7 @@ def differences(cfg: RunConfig) -> list[str]:
     elif k:
         how = BEHIND.format(k=k)
     else:
-        how = "trainer.stream false, buffer.max_staleness 0: moerl's rollout and trainer take turns"
+        how = "trainer.optimizer.stream false, buffer.max_staleness 0: moerl's rollout and trainer take turns"
     return [*DIFFERENCES[:2], how, *DIFFERENCES[2:]]
 
 

@@ -77,7 +77,7 @@ class PipelineConfig(_Section):
     the first half, the rollout workers the rest, each pinned, so that generation and training
     overlap without slowing each other (`buffer.max_staleness` >= 1, or a streamed trainer);
     shared: the trainer and every rollout worker get every core (a thread per core), for a run
-    whose generation and training take turns (`buffer.max_staleness: 0` with `trainer.stream`
+    whose generation and training take turns (`buffer.max_staleness: 0` with `trainer.optimizer.stream`
     false: each then has the whole machine while the other waits); auto: shared when they take
     turns, else split."""
     fork_stages: bool = True
@@ -138,7 +138,7 @@ class RunConfig(_Section):
     """What the GPU stages must find where they run."""
 
     def stream_blockers(self) -> list[str]:
-        """What keeps the async trainer from streaming (`trainer.stream`): each the key, its
+        """What keeps the async trainer from streaming (`trainer.optimizer.stream`): each the key, its
         value and what it needs; empty when it can."""
         tr, buf = self.trainer, self.buffer
         checks = (
@@ -197,8 +197,8 @@ class RunConfig(_Section):
 
     @property
     def streams(self) -> bool:
-        """Whether the async trainer streams (`trainer.stream`, null: wherever it can)."""
-        return self.trainer.stream is not False and not self.stream_blockers()
+        """Whether the async trainer streams (`trainer.optimizer.stream`, null: wherever it can)."""
+        return self.trainer.optimizer.stream is not False and not self.stream_blockers()
 
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
@@ -210,8 +210,8 @@ class RunConfig(_Section):
                 "pipeline.mode async, or remove the schedule"
             )
         why = self.stream_blockers()
-        if self.trainer.stream and why:
-            raise ValueError("trainer.stream: true cannot run with " + "; ".join(why))
+        if self.trainer.optimizer.stream and why:
+            raise ValueError("trainer.optimizer.stream: true cannot run with " + "; ".join(why))
         corr = self.trainer.correction
         if self.streams and corr.stream_pi_old == "engine" and corr.rollout_rs != "off":
             raise ValueError(

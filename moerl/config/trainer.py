@@ -26,6 +26,14 @@ class OptimizerConfig(_Section):
     max_consecutive_skipped_steps: int = Field(3, ge=1)
     """A step with a non-finite loss or gradient is skipped and counted; this many in a row fail
     the run."""
+    stream: bool | None = None
+    """Async mode: train each version minibatch by minibatch as its groups arrive
+    (optimizer_steps_per_iteration chunks of groups, in arrival order) against the engine's
+    logprobs as pi_old (the engine served this very version), and issue the next version's
+    prompts once it is servable: the rollout and the trainer work at once, on-policy, and the
+    trainer's pi_old pass is skipped. null: wherever it can (async, buffer.max_staleness 0, no
+    buffer.min_signal_groups, router_replay not R2, persistent_ranks); true: required (refused
+    where it cannot); false: each version trains once its whole batch is in."""
 
 
 class LossConfig(_Section):
@@ -96,7 +104,7 @@ class CorrectionConfig(_Section):
     extreme_ratio_tau: float = Field(2.0, gt=1.0)
     """The rollout_corr/extreme_* metrics count tokens whose pi_old / mu is outside [1/tau, tau]."""
     stream_pi_old: Literal["auto", "engine", "proximal"] = "auto"
-    """A streamed trainer's pi_old (`trainer.stream`). engine: the engine's logprobs (the pi_old
+    """A streamed trainer's pi_old (`trainer.optimizer.stream`). engine: the engine's logprobs (the pi_old
     pass skipped; the importance weight is 1, so nothing above corrects anything); proximal:
     the trainer's own logprobs under its weights before each minibatch's step (a forward per
     minibatch, AReaL's proximal policy, so its ratio is 1 and the clip never binds), corrected
@@ -253,20 +261,14 @@ class TrainerConfig(_Section):
     """Device, mesh, expert-parallel transport, rank launch, precision and memory."""
     moe: MoeConfig = MoeConfig()
     """The MoE router's training."""
-    stream: bool | None = None
-    """Async mode: train each version minibatch by minibatch as its groups arrive
-    (optimizer_steps_per_iteration chunks of groups, in arrival order) against the engine's
-    logprobs as pi_old (the engine served this very version), and issue the next version's
-    prompts once it is servable: the rollout and the trainer work at once, on-policy, and the
-    trainer's pi_old pass is skipped. null: wherever it can (async, buffer.max_staleness 0, no
-    buffer.min_signal_groups, router_replay not R2, persistent_ranks); true: required (refused
-    where it cannot); false: each version trains once its whole batch is in."""
 
 
 # Keys that left `trainer.` for a section, old dotted key -> new dotted key: the loader refuses
 # the old one naming the new (`moved_key_problems`), `moerl config migrate` rewrites a file.
 # keys added after the move, in their section from the start: no old place to refuse
-_BORN_IN_SECTIONS = frozenset({"collective_timeout_s", "persistent_ranks"})
+_BORN_IN_SECTIONS = frozenset(
+    {"collective_timeout_s", "persistent_ranks", "stream", "stream_pi_old"}
+)
 MOVED: dict[str, str] = {
     f"trainer.{key}": f"trainer.{section}.{key}"
     for section, model in (

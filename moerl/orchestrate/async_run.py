@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 def cores_shared(cfg: RunConfig) -> bool:
     """Whether the stages share every core (`pipeline.local_cores`)."""
     mode = cfg.pipeline.local_cores
-    # staleness 0 takes turns, unless streamed (trainer.stream: both work at once)
+    # staleness 0 takes turns, unless streamed (trainer.optimizer.stream: both work at once)
     return mode == "shared" or (
         mode == "auto" and cfg.buffer.max_staleness == 0 and not cfg.streams
     )

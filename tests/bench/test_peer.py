@@ -100,14 +100,15 @@ def test_settings_map_reads_the_async_config():
 def test_the_report_says_how_the_moerl_arm_stays_on_policy():
     streamed = differences(load_config(CONFIG, [], mode="async"))
     assert any(
-        d.startswith("trainer.stream (async, buffer.max_staleness 0)") and "engine's logprobs" in d
+        d.startswith("trainer.optimizer.stream (async, buffer.max_staleness 0)")
+        and "engine's logprobs" in d
         for d in streamed
     )
     bf16 = differences(load_config(CONFIG, ["rollout.dtype=bfloat16"], mode="async"))
     assert any("its own logprobs just before each minibatch" in d for d in bf16)
     behind = differences(load_config(CONFIG, ["buffer.max_staleness=1"], mode="async"))
     assert any(d.startswith("buffer.max_staleness 1 (async)") for d in behind)
-    assert not any(d.startswith("trainer.stream") for d in behind)
+    assert not any(d.startswith("trainer.optimizer.stream") for d in behind)
     assert len(streamed) == len(behind)
 
 

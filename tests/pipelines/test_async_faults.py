@@ -385,7 +385,7 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
 
 
 def test_a_streamed_trainer_killed_mid_version_trains_it_again_and_nothing_twice(tmp_path):
-    """`trainer.stream` (staleness 0): the trainer takes a step per minibatch as its groups
+    """`trainer.optimizer.stream` (staleness 0): the trainer takes a step per minibatch as its groups
     arrive, so a kill mid-version loses steps that live only in its memory. Its successor
     trains that version again from the newest durable one, from the groups its predecessor
     held; nothing is trained twice and the counters balance."""

@@ -1,4 +1,4 @@
-"""The streamed async trainer (`trainer.stream`, components/policy_update/worker.py `Streamed`,
+"""The streamed async trainer (`trainer.optimizer.stream`, components/policy_update/worker.py `Streamed`,
 ep_train `train_ep(pi_old=...)`, mesh `step` / `save`): where it is on and what refuses it,
 minibatches cut from the gather as groups arrive on a real Valkey, and one streamed step on a
 real tiny Qwen3-MoE equal to the whole-batch step when the engine's logprobs are the trainer's
@@ -34,10 +34,10 @@ EMBEDDED = ROOT / "configs/tiny-moe-grpo.yaml"
 # -- where it is on ----------------------------------------------------------------------------
 def test_the_embedded_async_default_streams_and_splits_the_cores():
     cfg = load_config(EMBEDDED, mode="async")
-    assert cfg.buffer.max_staleness == 0 and cfg.trainer.stream is None
+    assert cfg.buffer.max_staleness == 0 and cfg.trainer.optimizer.stream is None
     assert cfg.streams and not cores_shared(cfg)  # the engine and the trainer work at once
     # the same run asked not to: each version once its batch is in, the stages taking turns
-    off = load_config(EMBEDDED, ["trainer.stream=false"], mode="async")
+    off = load_config(EMBEDDED, ["trainer.optimizer.stream=false"], mode="async")
     assert not off.streams and cores_shared(off)
     # staleness 1: the whole batch, one version behind, on a core each
     behind = load_config(EMBEDDED, ["buffer.max_staleness=1"], mode="async")
@@ -57,8 +57,10 @@ def test_the_embedded_async_default_streams_and_splits_the_cores():
     ],
 )
 def test_stream_true_where_it_cannot_is_refused_naming_the_key(sets, named):
-    with pytest.raises(ConfigError, match=f"trainer.stream: true cannot run with {named}"):
-        load_config(EMBEDDED, ["trainer.stream=true", *sets], mode="async")
+    with pytest.raises(
+        ConfigError, match=f"trainer.optimizer.stream: true cannot run with {named}"
+    ):
+        load_config(EMBEDDED, ["trainer.optimizer.stream=true", *sets], mode="async")
     # null: the run does not stream, and says nothing
     assert not load_config(EMBEDDED, sets, mode="async").streams
 
@@ -87,7 +89,7 @@ def test_pi_old_is_the_engines_only_where_it_agrees_with_the_trainers():
     # the setting means nothing where the run does not stream: not refused there
     load_config(EMBEDDED, [*rs, "trainer.correction.stream_pi_old=engine"])
     # R2 needs a pi_old pass: refused only with the engine's logprobs
-    r2 = ["trainer.moe.router_replay=R2", "trainer.stream=true"]
+    r2 = ["trainer.moe.router_replay=R2", "trainer.optimizer.stream=true"]
     with pytest.raises(ConfigError, match="trainer.moe.router_replay R2"):
         load_config(EMBEDDED, r2, mode="async")
     assert load_config(EMBEDDED, [*r2, *forced], mode="async").streams
@@ -95,9 +97,9 @@ def test_pi_old_is_the_engines_only_where_it_agrees_with_the_trainers():
 
 def test_stream_true_in_the_sync_pipeline_is_refused():
     with pytest.raises(
-        ConfigError, match="trainer.stream: true cannot run with pipeline.mode sync"
+        ConfigError, match="trainer.optimizer.stream: true cannot run with pipeline.mode sync"
     ):
-        load_config(EMBEDDED, ["trainer.stream=true"])
+        load_config(EMBEDDED, ["trainer.optimizer.stream=true"])
 
 
 def test_a_version_is_cut_into_its_optimizer_steps():

@@ -43,7 +43,7 @@ def test_stages_that_take_turns_share_every_core():
     assert not cores_shared(cfg)  # auto: overlap, split
     streamed = load_config("configs/tiny-moe-grpo.yaml", [], mode="async")
     assert streamed.streams and not cores_shared(streamed)  # auto: both work at once, split
-    turns = ["buffer.max_staleness=0", "trainer.stream=false"]
+    turns = ["buffer.max_staleness=0", "trainer.optimizer.stream=false"]
     on_policy = load_config("configs/tiny-moe-grpo.yaml", turns, mode="async")
     assert cores_shared(on_policy)  # auto: generation and training take turns
     forced = load_config(
