@@ -637,10 +637,12 @@ def test_an_elastic_fleet_grows_loses_a_worker_and_drains_one_and_the_run_balanc
         "pipeline.versions=8",
         "task.prompts_per_iteration=16",
         "rollout.max_num_seqs=1",
-        "rollout.max_new_tokens=24",
-        # up to three versions' units issued ahead: a backlog that outlasts a new engine's
-        # load time whatever this machine's speed (the rule scales with both)
-        "buffer.max_staleness=2",
+        # long answers and up to four versions' units issued ahead: a backlog that outlasts a
+        # new engine's load time however slow the machine is (the rule scales with both, but a
+        # loaded machine stretches an engine's load more than a unit's generation: with 24
+        # tokens and three versions ahead, a CI run under load finished before it grew)
+        "rollout.max_new_tokens=48",
+        "buffer.max_staleness=3",
         "rollout.min_workers=1",
         "rollout.max_workers=2",
         "rollout.fleet_interval_s=1",
