@@ -123,6 +123,16 @@ def _versions(h: Harness) -> list[int]:
     return run_store(h.cfg.checkpoint, h.run_id).versions()
 
 
+def _trained_groups(h: Harness) -> list[str]:
+    """Every group the run's published versions trained on, as their manifests record them."""
+    store = run_store(h.cfg.checkpoint, h.run_id)
+    return [
+        g
+        for v in range(1, h.cfg.pipeline.versions + 1)
+        for g in json.loads(store.manifest(v).meta["groups"])
+    ]
+
+
 def _cache_server(tmp_path: Path, monkeypatch) -> S3Process:
     """A second S3 server as the checkpoint cache tier (the buffer group's SeaweedFS on EKS), with
     identities of its own, given to the stages as the Secret would: in the environment."""
@@ -367,12 +377,7 @@ def test_a_killed_trainer_resumes_from_the_last_version_without_training_anythin
         and h.run.children["trainer"].starts == 2
     )
     assert _versions(h) == list(range(h.cfg.pipeline.versions + 1))
-    store = run_store(h.cfg.checkpoint, h.run_id)
-    groups = [
-        g
-        for v in range(1, h.cfg.pipeline.versions + 1)
-        for g in json.loads(store.manifest(v).meta["groups"])
-    ]
+    groups = _trained_groups(h)
     assert len(groups) == len(set(groups))  # no group in two versions
     _balanced(c, h.cfg)
     _mlflow_balanced(h)
@@ -407,12 +412,7 @@ def test_a_streamed_trainer_killed_mid_version_trains_it_again_and_nothing_twice
     trainer = h.run.children["trainer"]
     assert trainer.exits[0] == -signal.SIGKILL and trainer.starts == 2
     assert _versions(h) == list(range(h.cfg.pipeline.versions + 1))
-    store = run_store(h.cfg.checkpoint, h.run_id)
-    groups = [
-        g
-        for v in range(1, h.cfg.pipeline.versions + 1)
-        for g in json.loads(store.manifest(v).meta["groups"])
-    ]
+    groups = _trained_groups(h)
     assert len(groups) == len(set(groups))  # no group in two versions
     _balanced(c, h.cfg)
     _mlflow_balanced(h)
@@ -585,11 +585,7 @@ def test_a_second_trainer_for_the_run_is_fenced_off_and_nothing_is_published_or_
     )
     for v in range(1, h.cfg.pipeline.versions + 1):
         store.fetch(v, tmp_path / "verify")  # every object matches its manifest's sha256
-    groups = [
-        g
-        for v in range(1, h.cfg.pipeline.versions + 1)
-        for g in json.loads(store.manifest(v).meta["groups"])
-    ]
+    groups = _trained_groups(h)
     assert (
         len(groups)
         == len(set(groups))
@@ -682,12 +678,7 @@ def test_an_elastic_fleet_grows_loses_a_worker_and_drains_one_and_the_run_balanc
     assert all(ch.exits[-1:] in ([EXIT_DRAINED], [0]) and ch.handled for ch in retired), exits
     kept = seen["kept"]
     assert kept["lag_count"] >= 1 and kept["load_s"] > 0  # measured, on the bus
-    store = run_store(h.cfg.checkpoint, h.run_id)
-    groups = [
-        g
-        for v in range(1, h.cfg.pipeline.versions + 1)
-        for g in json.loads(store.manifest(v).meta["groups"])
-    ]
+    groups = _trained_groups(h)
     assert len(groups) == len(set(groups))  # no group in two versions
     _balanced(c, h.cfg)
     _mlflow_balanced(h)

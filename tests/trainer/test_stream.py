@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerl.bus import RunBus
 from moerl.components.policy_update.worker import (
     Inbox,
     Issuer,
@@ -26,6 +25,7 @@ from moerl.errors import ConfigError
 from moerl.orchestrate.async_run import cores_shared
 from moerl.records import ScoredSample, TrainSample
 from tests.support.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
+from tests.trainer.test_trainer_gather import scored_group
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "configs/tiny-moe-grpo.yaml"
@@ -183,32 +183,6 @@ def bus(server, request, monkeypatch):
     return stage_bus(server, request, monkeypatch, visibility_timeout_s=30)
 
 
-def _group(i: int, rewards: list[float]) -> list[dict]:
-    return [
-        ScoredSample(
-            prompt_id=f"p{i}",
-            task="copy",
-            prompt="x",
-            answer="1",
-            sample_index=j,
-            prompt_token_ids=[1],
-            response_token_ids=[2],
-            response_logprobs=[-0.1],
-            response_text="1",
-            finish_reason="stop",
-            policy_version=0,
-            reward=r,
-        ).model_dump()
-        for j, r in enumerate(rewards)
-    ]
-
-
-def _score(bus: RunBus, i: int, rewards: list[float]) -> None:
-    bus.publish_group(f"u{i:04d}/0:p{i}", _group(i, rewards))
-    [(eid, group)] = bus.take_generated("scorer", 1, block_ms=50)
-    bus.publish_scored(eid, group, 0)
-
-
 def test_the_gather_trains_each_chunk_of_groups_as_it_is_taken(bus):
     cfg = load_config(
         EMBEDDED,
@@ -224,7 +198,7 @@ def test_the_gather_trains_each_chunk_of_groups_as_it_is_taken(bus):
     # arrival order p0..p4; p1 has no reward variance (no signal: taken, not trained)
     rewards = [[0.0, 1.0], [1.0, 1.0], [0.0, 0.5], [1.0, 0.0], [0.2, 0.1]]
     for i, r in enumerate(rewards):
-        _score(bus, i, r)
+        scored_group(bus, i, r)
     epoch = bus.claim_trainer("t")
     issuer = Issuer(cfg, bus, [0], epoch, period_s=3600)
     issuer.start()
@@ -401,7 +375,23 @@ def test_samples_too_few_for_every_rank_are_carried_into_the_next_minibatch(monk
     cfg = load_config(EMBEDDED, ["rollout.samples_per_prompt=2"], mode="async")
     ranks = _Ranks(world=4)
     s = worker.Streamed(cfg, None, ranks, 0, "engine")  # type: ignore[arg-type]
-    group = [ScoredSample.model_validate(d) for d in _group(0, [0.0, 1.0])]
+    group = [
+        ScoredSample(
+            prompt_id="p0",
+            task="copy",
+            prompt="x",
+            answer="1",
+            sample_index=j,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-0.1],
+            response_text="1",
+            finish_reason="stop",
+            policy_version=0,
+            reward=float(j),
+        )
+        for j in range(2)
+    ]
     s([group])  # 2 samples for 4 ranks: carried
     s([group])  # 4: one sample each
     s([group])  # 2 again: carried, and left over at the end

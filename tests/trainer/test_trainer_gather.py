@@ -46,32 +46,35 @@ def _cfg(**pipeline):
     )
 
 
+def scored_group(bus: RunBus, i: int, rewards: list[float]) -> str:
+    """Prompt `p{i}`'s group of version 0, one sample per reward, generated and scored on the
+    bus (the scorer's hand-off): its group id."""
+    samples = [
+        ScoredSample(
+            prompt_id=f"p{i}",
+            task="copy",
+            prompt="x",
+            answer="1",
+            sample_index=j,
+            prompt_token_ids=[1],
+            response_token_ids=[2],
+            response_logprobs=[-0.1],
+            response_text="1",
+            finish_reason="stop",
+            policy_version=0,
+            reward=r,
+        ).model_dump()
+        for j, r in enumerate(rewards)
+    ]
+    bus.publish_group(f"u{i:04d}/0:p{i}", samples)
+    [(eid, group)] = bus.take_generated("scorer", 1, block_ms=50)
+    bus.publish_scored(eid, group, 0)
+    return f"u{i:04d}/0:p{i}"
+
+
 def _score(bus: RunBus, n: int, start: int = 0) -> list[str]:
     """`n` scored groups of version 0 with reward variance (each one a trainer would use)."""
-    ids = []
-    for i in range(start, start + n):
-        samples = [
-            ScoredSample(
-                prompt_id=f"p{i}",
-                task="copy",
-                prompt="x",
-                answer="1",
-                sample_index=j,
-                prompt_token_ids=[1],
-                response_token_ids=[2],
-                response_logprobs=[-0.1],
-                response_text="1",
-                finish_reason="stop",
-                policy_version=0,
-                reward=float(j),
-            ).model_dump()
-            for j in range(2)
-        ]
-        bus.publish_group(f"u{i:04d}/0:p{i}", samples)
-        [(eid, group)] = bus.take_generated("scorer", 1, block_ms=50)
-        bus.publish_scored(eid, group, 0)
-        ids.append(f"u{i:04d}/0:p{i}")
-    return ids
+    return [scored_group(bus, i, [0.0, 1.0]) for i in range(start, start + n)]
 
 
 def _issuer(cfg, bus, epoch):
