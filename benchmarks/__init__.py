@@ -1,4 +1,4 @@
-"""Every benchmark, in one home: `moerl bench ...` (moerl/bench/cli.py lists them) and
+"""Every benchmark, in one home: `moerl bench ...` (benchmarks/cli.py lists them) and
 `moerl compare`, with one report format.
 
 Every report is a JSON object with the same envelope (`envelope`):
@@ -7,6 +7,7 @@ Every report is a JSON object with the same envelope (`envelope`):
     schema    the report format's version (1)
     ok        whether every check the benchmark makes held (the command exits non-zero if not)
     versions  what it ran on: moerl version and git sha, torch, vLLM, NCCL, DeepEP, libfabric
+    machine   the machine: CPU model, cores, SMT siblings, memory, load (benchmarks/machine.py)
 and the benchmark's own fields. Each command also prints a plain-text table; the workload
 benchmarks add PNG plots and a Markdown summary. docs/benchmarks.md describes each one and
 holds reports measured here.
@@ -23,10 +24,15 @@ SCHEMA = 1
 
 
 def envelope(bench: str, ok: bool, **fields: Any) -> dict[str, Any]:
-    """A report: the common envelope (bench, schema, ok, versions) around `fields`."""
+    """A report: the common envelope (bench, schema, ok, versions, machine) around `fields`
+    (a `machine` field of the benchmark's own is kept: it extends `machine_record`)."""
+    from benchmarks.machine import machine_record
     from moerl import provenance
 
-    return {"bench": bench, "schema": SCHEMA, "ok": ok, **fields, "versions": provenance.collect()}
+    report = {"bench": bench, "schema": SCHEMA, "ok": ok, **fields}
+    report["versions"] = provenance.collect()
+    report.setdefault("machine", machine_record())
+    return report
 
 
 def write_report(out: Path, report: dict[str, Any]) -> Path:
@@ -186,7 +192,7 @@ def only_run(uri: str, experiment: str, what: str) -> str:
     store `uri`; ArmFailed naming `what` when there is not exactly one."""
     from mlflow.tracking import MlflowClient
 
-    from moerl.bench.modes import ArmFailed
+    from benchmarks.modes import ArmFailed
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)

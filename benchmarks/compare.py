@@ -1,6 +1,6 @@
 """`moerl compare RUN_ID...`: MLflow runs side by side, with the noise taken into account.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchcomparepy.
+Design, details and limitations: docs/bench-reports/compare.md#how-it-works-benchmarkscomparepy.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import format_table, write_report
+from benchmarks.stats import noise_exceeded, summarize, t975
 from moerl import tracking
-from moerl.bench import format_table, write_report
-from moerl.bench.stats import noise_exceeded, summarize, t975
 from moerl.errors import ConfigError
 
 # Training-run metrics compared (each over its history); timing/<stage>_s are added per run.
@@ -200,7 +200,7 @@ def format_compare(rep: dict[str, Any]) -> str:
 
 
 def _plots(rep: dict[str, Any], out_dir: Path) -> list[str]:
-    from moerl.bench import plots
+    from benchmarks import plots
 
     ids = [r["run_id"][:8] for r in rep["runs"]]
     names = [
@@ -248,6 +248,14 @@ def run_compare(
     out_dir: str | Path = "bench/compare",
     log_run: bool = True,
 ) -> dict[str, Any]:
+    """The runs side by side: report.json, summary.md and plots in `out_dir`, the table printed.
+
+    Args:
+        run_ids: MLflow run ids
+        tracking_uri: default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+        out_dir: report.json, summary.md and plots
+        log_run: log the comparison as an MLflow run (--no-mlflow: do not)
+    """
     from mlflow.tracking import MlflowClient
 
     from moerl.config import TrackingConfig

@@ -17,7 +17,7 @@ only (no autograd graph), 20 repeats by default instead of 50, and on CPU the "n
 gloo over loopback on a shared, small core count, so absolute numbers say nothing about
 GPUs; the byte counts and the relative ordering are what carry over.
 
-CPU:     python -m moerl.bench.dispatch --out bench_dispatch.json
+CPU:     python -m benchmarks.dispatch --out bench_dispatch.json
 GPU:     kernels/gpu_bench.sh (torchrun, NCCL, and deepep where installed)
 """
 
@@ -31,12 +31,12 @@ import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from moerl.bench import envelope, write_report
+from benchmarks import envelope, write_report
 from moerl.kernels.dispatcher import make_dispatcher
 
 ZIPF_EXPONENT = 1.0
@@ -190,8 +190,8 @@ def run_bench_dispatch(
     hidden: int = 1024,
     topk: int = 8,
     experts: int = 64,
-    skew: str = "uniform",
-    world_sizes: tuple[int, ...] = (2, 4),
+    skew: Literal["uniform", "zipf"] = "uniform",
+    world_sizes: str | tuple[int, ...] = (2, 4),
     ranks_per_node: int = 2,
     warmup: int = 5,
     repeats: int = 20,
@@ -201,7 +201,22 @@ def run_bench_dispatch(
     echo: bool = True,
 ) -> dict[str, Any]:
     """Benchmark on CPU: local at world 1 (in this process), then all_to_all and
-    hierarchical in spawned gloo worlds. Prints a table; writes JSON to `out` if given."""
+    hierarchical in spawned gloo worlds. Prints a table; writes JSON to `out` if given.
+
+    Args:
+        tokens: tokens per rank
+        hidden: the model's hidden size
+        topk: experts per token
+        experts: routed experts
+        skew: routing: uniform, or zipf over the experts
+        world_sizes: gloo worlds, comma-separated
+        ranks_per_node: ranks per simulated node (the hierarchical backend)
+        warmup: untimed rounds first
+        repeats: timed rounds
+        out: the report (JSON)
+        dtype: the activations' dtype
+        threads_per_rank: torch threads per rank
+    """
     import tempfile
 
     import torch.multiprocessing as mp
@@ -219,6 +234,8 @@ def run_bench_dispatch(
         "threads_per_rank": threads_per_rank,
         "zipf_exponent": ZIPF_EXPONENT if skew == "zipf" else None,
     }
+    if isinstance(world_sizes, str):
+        world_sizes = tuple(int(w) for w in world_sizes.split(","))
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads_per_rank)
     try:

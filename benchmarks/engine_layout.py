@@ -78,7 +78,7 @@ def _cell(r: dict[str, Any] | None, axis: str) -> str:
 
 
 def format_layouts(rows: list[dict[str, Any]], inp: EngineInputs) -> str:
-    from moerl.bench import format_table
+    from benchmarks import format_table
 
     head = (
         f"rollout engines per node: {inp.gpus_per_node} GPUs of {inp.gpu_gib:g} GiB "

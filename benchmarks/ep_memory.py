@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moerl.bench import envelope, write_report
+from benchmarks import envelope, write_report
 from moerl.errors import ConfigError
 
 BENCH_MODEL = {
@@ -227,8 +227,10 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_world_sizes(text: str) -> tuple[int, ...]:
+def parse_world_sizes(text: str | tuple[int, ...]) -> tuple[int, ...]:
     """`--world-sizes 1,2,4` -> (1, 2, 4); anything else is a one-line ConfigError."""
+    if not isinstance(text, str):
+        return tuple(text)
     try:
         sizes = tuple(int(w) for w in text.split(","))
     except ValueError:
@@ -241,8 +243,10 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def parse_meshes(text: str) -> tuple[tuple[int, int], ...]:
+def parse_meshes(text: str | tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     """`--meshes 1x4,2x2` -> ((1, 4), (2, 2)) as (dp, ep); anything else is a one-line ConfigError."""
+    if not isinstance(text, str):
+        return tuple(text)
     try:
         meshes = tuple((int(a), int(b)) for a, b in (m.lower().split("x") for m in text.split(",")))
     except ValueError:
@@ -256,13 +260,34 @@ def parse_meshes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def run_bench_ep_memory(
-    world_sizes: tuple[int, ...] = (1, 2, 4),
+    world_sizes: str | tuple[int, ...] = (1, 2, 4),
     out: Path | None = None,
-    meshes: tuple[tuple[int, int], ...] | None = None,
-    **model_overrides: int,
+    meshes: str | tuple[tuple[int, int], ...] | None = None,
+    num_layers: int | None = None,
+    num_experts: int | None = None,
+    hidden_size: int | None = None,
+    moe_intermediate_size: int | None = None,
 ) -> dict[str, Any]:
     """Spawn each mesh (dp, ep) in turn on this machine (`meshes`, else 1 x each of
-    `world_sizes`); print the table, write JSON to `out`."""
+    `world_sizes`); print the table, write JSON to `out`.
+
+    Args:
+        world_sizes: meshes 1xW (expert parallel only), comma-separated
+        out: the report (JSON)
+        meshes: DPxEP meshes, e.g. 1x4,2x2,4x1 (overrides --world-sizes)
+        num_layers: the tiny MoE's layers (default 4)
+        num_experts: routed experts (default 64)
+        hidden_size: hidden size (default 512)
+        moe_intermediate_size: each expert's intermediate size (default 256)
+    """
+    model_overrides = {
+        "num_layers": num_layers,
+        "num_experts": num_experts,
+        "hidden_size": hidden_size,
+        "moe_intermediate_size": moe_intermediate_size,
+    }
+    world_sizes = parse_world_sizes(world_sizes)
+    meshes = parse_meshes(meshes) if meshes else None
     import torch.multiprocessing as mp
 
     from moerl.config import parse_config

@@ -1,6 +1,6 @@
 """`moerl bench failures CONFIG`: policy-iteration time under Spot-style interruptions.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchfailurespy.
+Design, details and limitations: docs/bench-reports/failures.md#how-it-works-benchmarksfailurespy.
 """
 
 from __future__ import annotations
@@ -13,17 +13,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import format_table, write_report
+from benchmarks.machine import machine_record
+from benchmarks.modes import arm_config, check_same_workload, workload
+from benchmarks.scaling import async_point
 from moerl import provenance, tracking
-from moerl.bench import format_table, write_report
-from moerl.bench.modes import arm_config, check_same_workload, workload
-from moerl.bench.scaling import async_point
 from moerl.errors import ConfigError, MoerlError
 
 KINDS = {"sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
 
 
-def parse_kinds(text: str) -> list[str]:
-    kinds = [k.strip() for k in text.split(",") if k.strip()]
+def parse_kinds(text: str | Sequence[str]) -> list[str]:
+    """'sigterm,sigkill' (or a sequence) as the fault kinds; a ConfigError otherwise."""
+    kinds = [k.strip() for k in (text.split(",") if isinstance(text, str) else text) if k.strip()]
     if not kinds or any(k not in KINDS for k in kinds):
         raise ConfigError(
             f"bench failures: --kinds must name {' and/or '.join(KINDS)}, comma-separated; got {text!r}"
@@ -103,15 +105,29 @@ def run_bench_failures(
     config: str | Path,
     overrides: Sequence[str] = (),
     versions: int = 6,
-    kinds: Sequence[str] = ("sigterm", "sigkill"),
+    kinds: str | Sequence[str] = ("sigterm", "sigkill"),
     faults_per_minute: float = 2.0,
     max_faults: int = 2,
     out_dir: str | Path = "bench/failures",
     work_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    from moerl.bench import plots
-    from moerl.bench.progress import progress
+    """A fault-free and a faulted async run of the same workload; report.json, summary.md and
+    plots in `out_dir`.
 
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        versions: policy versions per run (faults start after version 1)
+        kinds: fault kinds, comma-separated: sigterm, sigkill
+        faults_per_minute: the faulted run's fault rate
+        max_faults: faults injected at most
+        out_dir: report.json, summary.md and plots
+        work_dir: keep every run's files here (default: a temp dir, deleted)
+    """
+    from benchmarks import plots
+    from benchmarks.progress import progress
+
+    kinds = parse_kinds(kinds)
     if versions < 2:
         raise ConfigError(
             f"bench failures: --versions must be >= 2 (faults start after version 1), got {versions}"
@@ -195,6 +211,7 @@ def run_bench_failures(
         and summary["samples_duplicated_fault_free"] == 0
         and summary["units_reclaimed_fault_free"] == 0,
         "versions": provenance.collect(),
+        "machine": machine_record(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     plots_ = []

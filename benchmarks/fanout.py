@@ -2,7 +2,7 @@
 is kept now against the way it was kept before, side by side on one embedded Valkey
 (append-only file fsynced on every write, as deployed).
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchfanoutpy.
+Design, details and limitations: docs/bench-reports/fanout.md#how-it-works-benchmarksfanoutpy.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moerl.bench import envelope, format_table, write_report
+from benchmarks import envelope, format_table, write_report
 
 VERSION, SHA = 1, "0" * 64
 OLD_HAVE_TTL_S = 24 * 3600
@@ -193,7 +193,7 @@ def _arm(
 
 
 def run_bench_fanout(
-    out: Path,
+    out: Path = Path("bench/fanout.json"),
     peers: int = 32,
     chunks: int = 7000,
     version_s: float = 75.0,
@@ -202,7 +202,17 @@ def run_bench_fanout(
     seed: int = 0,
     echo=print,
 ) -> dict[str, Any]:
-    """Both ways on one embedded Valkey; the report (also written to `out`)."""
+    """Both ways on one embedded Valkey; the report (also written to `out`).
+
+    Args:
+        out: the report (JSON)
+        peers: rollout workers fetching the version
+        chunks: chunks per version (Qwen3-235B at 64 MiB: ~7,000)
+        version_s: virtual seconds one version's fetch takes
+        windows: measured windows spread over the version (0: all of it)
+        window_s: virtual seconds per measured window
+        seed: the simulated peers' random seed
+    """
     import valkey
 
     from moerl.bus import EmbeddedValkey, RunBus, connect

@@ -4,7 +4,7 @@ version into its own node cache through the tiers (with the fan-out, or from the
 alone), prints one JSON line (seconds, source, chunk counts) and keeps serving until the stop
 file appears, so slower peers can still pull from it.
 
-    python -m moerl.bench.fanreader --config CK.json --run-id R --bus-run B --version V --name N
+    python -m benchmarks.fanreader --config CK.json --run-id R --bus-run B --version V --name N
         --cache DIR --valkey URL --start FILE --stop FILE [--fanout]
 """
 

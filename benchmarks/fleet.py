@@ -12,7 +12,7 @@ worker-seconds, buffer starvation (timing/buffer_wait_s, per trainer step and af
 scale-up latency, the fleet's size over time (the run's "fleet: A -> B" lines, timed here), the
 response length per step (the change held), and elastic/fixed ratios of the per-arm medians over repeats.
 
-Design, details and limitations: docs/benchmarks.md, "An elastic fleet against a fixed one".
+Design, details and limitations: docs/bench-reports/fleet.md.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import envelope, format_table, log_tail, only_run, write_report
+from benchmarks.machine import machine_line
+from benchmarks.modes import ArmFailed, arm_paths
+from benchmarks.peer import BUSY_CORES, CpuUsage, clear_own_dirs
 from moerl import tracking
-from moerl.bench import envelope, format_table, log_tail, only_run, write_report
-from moerl.bench.modes import ArmFailed, arm_paths
-from moerl.bench.peer import BUSY_CORES, CpuUsage, clear_own_dirs
 from moerl.config import RunConfig, load_config
 from moerl.errors import ConfigError, MoerlError
 
@@ -294,6 +295,8 @@ def format_markdown(report: dict[str, Any]) -> str:
             format_summary(report),
             "```",
             "",
+            machine_line(report["machine"]),
+            "",
         ]  # fmt: skip
     )
 
@@ -390,7 +393,17 @@ def run_bench_fleet(
     timeout_s: float = 1800.0,
 ) -> dict[str, Any]:
     """Run the fixed and the elastic arm `repeats` times, interleaved; write report.json and
-    summary.md to `out_dir` (each arm's directory under it) and print the table."""
+    summary.md to `out_dir` (each arm's directory under it) and print the table.
+
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        versions: versions per arm (default: the config's async pipeline.versions)
+        repeats: rounds of both arms, interleaved (the first arm alternates); the table shows
+            medians
+        out_dir: report.json, summary.md and round<i>/<arm>/ (replaced by each run)
+        timeout_s: each arm's run is killed after this long, and the bench fails (default 1800)
+    """
     if repeats < 1:
         raise ConfigError(f"bench fleet: --repeats must be >= 1, got {repeats}")
     if versions is not None and versions < 1:

@@ -1,6 +1,6 @@
 """Expert load imbalance: tokens per expert per MoE layer, from the policy's own router.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchimbalancepy.
+Design, details and limitations: docs/bench-reports/suite.md#how-it-works-benchmarksimbalancepy.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ their digest. A variant: warm-up prompts (untimed), then every timed prompt's sa
 to first token from vLLM's engine-core timestamps. Each variant's ratios to the first variant
 are the medians of its rounds' ratios. Limitations: an engine restarts every round (two large
 engines rarely fit the GPUs at once); on one node, expert parallelism runs over NVLink, not
-EFA. docs/benchmarks.md#moerlbenchrolloutpy.
+EFA. docs/bench-reports/rollout.md#how-it-works-benchmarksrolloutpy.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from moerl.bench import (
+from benchmarks import (
     child_main,
     envelope,
     format_table,
@@ -193,7 +193,7 @@ def _variant(cfg: RunConfig, n_units: int, work: Path) -> dict[str, Any]:
             "expert_parallel": r.enable_expert_parallel,
             "all2all_backend": r.all2all_backend if r.enable_expert_parallel else None,
             "devices": r.devices_per_engine,
-            "dtype": r.serving_dtype,
+            "dtype": r.resolved.dtype,
         },
     }
 
@@ -278,7 +278,7 @@ def run_bench_layouts(
             work.mkdir()
             echo(f"[bench rollout] {name} (round {rnd + 1} of {repeats}) ...")
             code, result, log = run_child(
-                "moerl.bench.layouts",
+                "benchmarks.layouts",
                 "variant",
                 vcfg,
                 units,
@@ -381,7 +381,7 @@ def format_layouts(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    return child_main(argv, "moerl.bench.layouts", "variant", "bench rollout variant", _variant)
+    return child_main(argv, "benchmarks.layouts", "variant", "bench rollout variant", _variant)
 
 
 if __name__ == "__main__":

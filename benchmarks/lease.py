@@ -2,7 +2,7 @@
 grows, the bus's way against the way it used before, side by side on one embedded Valkey
 (append-only file fsynced on every write, as deployed).
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchleasepy.
+Design, details and limitations: docs/bench-reports/lease.md#how-it-works-benchmarksleasepy.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moerl.bench import envelope, format_table, write_report
+from benchmarks import envelope, format_table, write_report
 
 VISIBILITY_S = 120.0  # the default `units.visibility_timeout_s`: nothing pending goes idle here
 
@@ -74,13 +74,31 @@ def _arm(admin, bus, leases: int, way: str) -> dict[str, Any]:
     }
 
 
-def run_bench_lease(pending: Sequence[int], leases: int, out: Path, echo=print) -> dict[str, Any]:
-    """Both ways at each pending-list length; the report (also written to `out`)."""
+def run_bench_lease(
+    pending: str | Sequence[int] = (0, 256, 1024, 4096),
+    leases: int = 50,
+    out: Path = Path("bench/lease.json"),
+    echo=print,
+) -> dict[str, Any]:
+    """Both ways at each pending-list length; the report (also written to `out`).
+
+    Args:
+        pending: pending-list lengths (units other workers hold), comma-separated
+        leases: leases timed at each length, each way
+        out: the report (JSON)
+    """
     import valkey
 
     from moerl.bus import EmbeddedValkey, RunBus, connect
     from moerl.errors import ConfigError
 
+    if isinstance(pending, str):
+        try:
+            pending = [int(x) for x in pending.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--pending must be comma-separated integers, got {pending!r}"
+            ) from None
     if leases < 1:
         raise ConfigError(f"--leases: {leases}; allowed: an integer >= 1")
     if not pending or any(n < 0 for n in pending):

@@ -117,7 +117,7 @@ def formulas() -> list[str]:
 
 
 def format_fit(rows: list[dict[str, Any]], inp: FitInputs) -> str:
-    from moerl.bench import format_table
+    from benchmarks import format_table
 
     head = (
         f"memory fit per GPU: {inp.nodes} x {inp.gpus_per_node} GPUs of {inp.hbm_gb:g} GB "

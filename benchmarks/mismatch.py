@@ -1,6 +1,6 @@
 """`moerl bench mismatch`: the MoE training-inference mismatch, measured and corrected, side by side.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchmismatchpy.
+Design, details and limitations: docs/bench-reports/mismatch.md#how-it-works-benchmarksmismatchpy.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import child_main, format_table, log_tail, run_child, write_report
+from benchmarks.machine import machine_record
 from moerl import provenance, tracking
-from moerl.bench import child_main, format_table, log_tail, run_child, write_report
 from moerl.config import RunConfig, flatten
 from moerl.errors import ConfigError, MoerlError
 
@@ -80,7 +81,7 @@ def run_replay_arm(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any
     from transformers import AutoTokenizer
 
     from moerl.components.buffer.stage import assemble
-    from moerl.components.policy_update.trainer import _load_state, _save_state, train_on_batch
+    from moerl.components.policy_update.trainer import load_state, save_state, train_on_batch
     from moerl.components.publish_checkpoint.stage import prepare_initial
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.components.rollout.engine import RolloutEngine
@@ -91,7 +92,7 @@ def run_replay_arm(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any
     noise = float(os.environ.get(NOISE_ENV, "0"))
     t0 = time.perf_counter()
     state = prepare_initial(cfg, work / "v0")
-    model, opt, counters = _load_state(state, cfg)
+    model, opt, counters = load_state(state, cfg)
     tokenizer = AutoTokenizer.from_pretrained(state)
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
 
@@ -132,7 +133,7 @@ def run_replay_arm(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any
             per_version.append(row)
             counters.version += 1
             out = work / f"v{i + 1}"
-            _save_state(model, opt, counters, state, out)
+            save_state(model, opt, counters, state, out)
             engine.swap_weights(served(out))
             shutil.rmtree(state, ignore_errors=True)
             state = out
@@ -176,7 +177,7 @@ def replay_row(res: dict[str, Any], wall_s: float) -> dict[str, Any]:
 def _arm_config(
     config, overrides, extra: Sequence[str], iterations: int, arm_dir: Path
 ) -> RunConfig:
-    from moerl.bench.modes import arm_config
+    from benchmarks.modes import arm_config
 
     return arm_config(config, [*overrides, *extra], "async", iterations, arm_dir)
 
@@ -190,7 +191,7 @@ def _replay_arm(
 
     t0 = time.perf_counter()
     code, result, log_path = run_child(
-        "moerl.bench.mismatch",
+        "benchmarks.mismatch",
         "replay",
         cfg,
         iterations,
@@ -207,7 +208,7 @@ def _replay_arm(
 
 
 def _dynamic_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
-    from moerl.bench.modes import _async_arm, _history
+    from benchmarks.modes import _async_arm, _history
 
     res = _async_arm(cfg, arm_dir)
     uri = tracking.resolve_uri(cfg.tracking)
@@ -320,13 +321,29 @@ def run_bench_mismatch(
     overrides: Sequence[str] = (),
     versions: int = 24,
     router_noise: float = 0.1,
-    arms: Sequence[str] = ("disabled", "R3"),
+    arms: str | Sequence[str] = ("disabled", "R3"),
     dynamic: bool = True,
     min_signal_groups: int | None = None,
     out: str | Path = "bench/mismatch.json",
     work_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run both sections; write the report to `out` and print its table."""
+    """Run both sections; write the report to `out` and print its table.
+
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        versions: versions per arm
+        router_noise: the engine's routers are perturbed by this x each router weight's std
+            (0 = none)
+        arms: replay arms, comma-separated: disabled, R3, R2, gspo
+        dynamic: the dynamic-sampling arms, two async runs (--no-dynamic: skip them)
+        min_signal_groups: the dynamic arm's buffer.min_signal_groups (default:
+            task.prompts_per_iteration)
+        out: the report (JSON)
+        work_dir: keep each arm's files here (default: a temp dir, deleted)
+    """
+    if isinstance(arms, str):
+        arms = [x.strip() for x in arms.split(",") if x.strip()]
     unknown = [a for a in arms if a not in REPLAY_ARMS]
     if unknown or len(set(arms)) != len(arms):
         raise ConfigError(
@@ -393,6 +410,7 @@ def run_bench_mismatch(
             k: {kk: tracking.redact(v) for kk, v in flatten(c).items()} for k, c in cfgs.items()
         },
         "versions": provenance.collect(),
+        "machine": machine_record(),
     }
     write_report(Path(out), report)
     print(format_report(report))
@@ -401,10 +419,10 @@ def run_bench_mismatch(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moerl.bench.mismatch replay ...`: one replay arm, as the bench starts it."""
+    """`python -m benchmarks.mismatch replay ...`: one replay arm, as the bench starts it."""
     return child_main(
         argv,
-        "moerl.bench.mismatch",
+        "benchmarks.mismatch",
         "replay",
         "a replay arm of `moerl bench mismatch`",
         run_replay_arm,

@@ -1,6 +1,6 @@
 """`moerl bench modes`: one workload run three ways, side by side: the floor, sync, async.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchmodespy.
+Design, details and limitations: docs/bench-reports/modes.md#how-it-works-benchmarksmodespy.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import traceback
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from benchmarks import child_main, format_table, log_tail, run_child, write_report
+from benchmarks.machine import machine_line, machine_record
+from benchmarks.progress import progress
 from moerl import provenance, tracking
-from moerl.bench import child_main, format_table, log_tail, run_child, write_report
-from moerl.bench.progress import progress
 from moerl.config import RunConfig, flatten, load_config
 from moerl.errors import ConfigError, MoerlError
 from moerl.userfiles import short_repr
@@ -72,6 +73,16 @@ def parse_arms(text: str | Sequence[str]) -> tuple[str, ...]:
     return arms
 
 
+def async_busy(metrics: dict[str, float]) -> dict[str, float]:
+    """Each stage's busy fraction of an async run (its last MLflow metrics): the workers'
+    `async/busy_fraction/<stage>` and the trainer's `async/trainer_busy_fraction`."""
+    prefix = "async/busy_fraction/"
+    busy = {k[len(prefix) :]: v for k, v in sorted(metrics.items()) if k.startswith(prefix)}
+    if "async/trainer_busy_fraction" in metrics:
+        busy["trainer"] = metrics["async/trainer_busy_fraction"]
+    return busy
+
+
 def arm_paths(arm_dir: Path) -> list[str]:
     """The overrides that put every path of an arm's run (store, cache, KFP root, work dir,
     MLflow) inside `arm_dir`, with no warm start: every arm starts from the same version 0."""
@@ -91,7 +102,7 @@ def arm_config(
     arm: str,
     iterations: int,
     arm_dir: Path,
-    floor_settings: str = "sync",
+    floor_settings: Literal["sync", "async"] = "sync",
 ) -> RunConfig:
     """The config of `arm`: the file with `overrides`, the arm's mode, `iterations` versions,
     and every path (store, cache, KFP root, work dir, MLflow) inside `arm_dir`; no warm start.
@@ -162,7 +173,7 @@ def _floor_version(
     import torch
 
     from moerl.components.buffer.stage import assemble
-    from moerl.components.policy_update.trainer import _save_state, train_on_batch
+    from moerl.components.policy_update.trainer import save_state, train_on_batch
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.components.rollout.stage import to_samples
     from moerl.tasks.prompting import encode_prompt
@@ -189,7 +200,7 @@ def _floor_version(
     t["policy_update"] += time.perf_counter() - s
     s = time.perf_counter()
     out = work / f"v{i + 1}"
-    _save_state(model, opt, counters, state, out)
+    save_state(model, opt, counters, state, out)
     t["save_state"] += time.perf_counter() - s
     s = time.perf_counter()
     engine.swap_weights(out)
@@ -204,7 +215,7 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     after each update. Returns per-stage seconds, rewards and staleness per version."""
     from transformers import AutoTokenizer
 
-    from moerl.components.policy_update.trainer import _load_state
+    from moerl.components.policy_update.trainer import load_state
     from moerl.components.publish_checkpoint.stage import prepare_initial
     from moerl.components.rollout.engine import RolloutEngine
     from moerl.tasks.dataset import load_dataset
@@ -213,7 +224,7 @@ def run_floor(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     t: dict[str, float] = defaultdict(float)
     # 1. version 0, the trainer's model and optimizer in memory, one engine
     state = prepare_initial(cfg, work / "v0")
-    trainer = _load_state(state, cfg)
+    trainer = load_state(state, cfg)
     tokenizer = AutoTokenizer.from_pretrained(state)
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
     t["init_policy"] = time.perf_counter() - t0
@@ -262,7 +273,7 @@ def _floor_arm(cfg: RunConfig, iterations: int, arm_dir: Path) -> dict[str, Any]
             print(line, end="", flush=True)
 
     code, result, log_path = run_child(
-        "moerl.bench.modes", "floor", cfg, iterations, arm_dir, "floor", on_line=echo
+        "benchmarks.modes", "floor", cfg, iterations, arm_dir, "floor", on_line=echo
     )
     if code != 0 or not result.is_file():
         raise ArmFailed(f"floor arm exited {code}; last lines of its output:\n{log_tail(log_path)}")
@@ -392,9 +403,7 @@ def _async_arm(cfg: RunConfig, arm_dir: Path) -> dict[str, Any]:
             + log_tail(Path(cfg.pipeline.work_dir) / summary.run_id / "logs" / "trainer.log")
         )
     last = MlflowClient(uri).get_run(summary.run_id).data.metrics
-    prefix = "async/busy_fraction/"
-    busy = {k[len(prefix) :]: v for k, v in sorted(last.items()) if k.startswith(prefix)}
-    busy["trainer"] = last["async/trainer_busy_fraction"]
+    busy = async_busy(last)
     counters = {
         k: int(last[f"async/{k}"])
         for k in (
@@ -532,6 +541,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"sync/async (async speedup) {shown['sync_over_async']}; sync/floor {shown['sync_over_floor']}; "
         f"async/floor {shown['async_over_floor']}  (wall-time multiples)"
     )
+    if report.get("machine"):  # reports written before the machine record have none
+        lines.append(machine_line(report["machine"]))
     return "\n".join(lines)
 
 
@@ -540,15 +551,28 @@ def run_bench_modes(
     overrides: Sequence[str] = (),
     iterations: int = 10,
     out: str | Path = "bench/modes.json",
-    arms: Sequence[str] = ARMS,
+    arms: str | Sequence[str] = ARMS,
     work_dir: str | Path | None = None,
     reward_target: float = 0.8,
-    floor_settings: str = "sync",
+    floor_settings: Literal["sync", "async"] = "sync",
 ) -> dict[str, Any]:
     """Run `arms` on the same workload, one after another; write the report to `out` and
     print its table. Returns the report; `report["ok"]` is False when any arm failed (the
     others still run). `work_dir` keeps every arm's directory there; default: a temporary
-    directory, removed afterwards."""
+    directory, removed afterwards.
+
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        iterations: versions per arm (sync iterations = async versions)
+        out: the report (JSON)
+        arms: comma-separated: floor, sync, async
+        work_dir: keep each arm's files here (default: a temp dir, deleted)
+        reward_target: report each arm's seconds to the first version whose reward/mean reaches
+            this
+        floor_settings: whose modes: settings the floor trains with (async: the same as the
+            async arm's, a like-for-like time to the target)
+    """
     arms = parse_arms(arms)
     if iterations < 1:
         raise ConfigError(f"bench modes: --iterations must be >= 1, got {iterations}")
@@ -609,6 +633,7 @@ def run_bench_modes(
         "ok": all(r["ok"] for r in results.values()),
         "configs": {a: {k: tracking.redact(v) for k, v in flatten(cfgs[a]).items()} for a in arms},
         "versions": provenance.collect(),
+        "machine": machine_record(),
     }
     write_report(Path(out), report)
     print(format_report(report))
@@ -622,9 +647,9 @@ def _mkdir(p: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moerl.bench.modes floor ...`: the floor arm, as `run_bench_modes` starts it."""
+    """`python -m benchmarks.modes floor ...`: the floor arm, as `run_bench_modes` starts it."""
     return child_main(
-        argv, "moerl.bench.modes", "floor", "the floor arm of `moerl bench modes`", run_floor
+        argv, "benchmarks.modes", "floor", "the floor arm of `moerl bench modes`", run_floor
     )
 
 

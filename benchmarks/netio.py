@@ -1,7 +1,7 @@
 """Network byte counters for benchmarks: the EFA NICs where present, the kernel's interface
 counters otherwise.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchnetiopy.
+Design, details and limitations: docs/bench-reports/suite.md#how-it-works-benchmarksnetiopy.
 """
 
 from __future__ import annotations

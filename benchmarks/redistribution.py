@@ -96,7 +96,7 @@ def fleet_table(models: Iterable[tuple[str, float]], inp: FleetInputs) -> dict[s
 
 
 def format_fleet(rep: dict[str, Any]) -> str:
-    from moerl.bench import format_table
+    from benchmarks import format_table
 
     i = rep["inputs"]
     rows = [

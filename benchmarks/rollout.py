@@ -1,7 +1,7 @@
 """`moerl bench rollout`: the async rollout worker's output tokens/s against a bare vLLM engine
 generating the same prompts, side by side in one run.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchrolloutpy.
+Design, details and limitations: docs/bench-reports/rollout.md#how-it-works-benchmarksrolloutpy.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from moerl.bench import (
+from benchmarks import (
     child_main,
     envelope,
     format_table,
@@ -467,7 +467,7 @@ def parse_updates(text: str) -> tuple[str, ...]:
 
 def run_bench_rollout(
     config: str | Path,
-    overrides: Sequence[str],
+    overrides: Sequence[str] = (),
     units: int = 4,
     in_flight: str = "1,2",
     out: str | Path = "bench/rollout.json",
@@ -485,14 +485,49 @@ def run_bench_rollout(
     timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """`all2all` / `tensor_parallel` / `data_parallel` (comma-separated lists): compare engine
-    layouts instead of the worker arms (moerl/bench/layouts.py; `timeout_s` bounds each
+    layouts instead of the worker arms (benchmarks/layouts.py; `timeout_s` bounds each
     variant's round there).
     `max_num_seqs`: a comma-separated sweep of rollout.max_num_seqs (every arm at each, arms
     named `<arm>@<K>`, each worker compared with the bare engine at its K); None: the config's.
     `warmup_units`: units every arm generates before its window (0: time cold engines).
     `repeats`: rounds of every arm, interleaved; an arm reports its median round (`_combine`).
     `breakdown`: also the `_breakdown` child (where the worker's time goes, one engine, windows
-    of `units` units), reported under `breakdown`."""
+    of `units` units), reported under `breakdown`.
+
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        units: units of units.max_prompts prompts (async settings)
+        in_flight: the worker arms' rollout.units_in_flight, comma-separated
+        out: the report (JSON)
+        workload: digits (the config's task) or long-tail (responses of widely varying length,
+            up to 384 tokens)
+        updates: the worker arms' rollout.weight_update values, comma-separated:
+            between_units, in_flight
+        swap_every: publish a new version every this many seconds while a worker arm runs (0:
+            one version)
+        max_num_seqs: a sweep of rollout.max_num_seqs, comma-separated: every arm at each value
+            (default: the config's)
+        warmup_units: units every arm generates before its timed window, other prompts than the
+            timed ones (0: time cold engines)
+        repeats: rounds of every arm, interleaved (bare, workers, bare, ...); each worker's
+            ratio is the median of its rounds' ratios to the same round's bare engine
+        breakdown: also where the worker's time goes: one engine driven by generate, the
+            worker's submit/step loop, with seeds, with samples, with the bus, interleaved
+            (windows of --units units)
+        all2all: compare engine layouts instead of the worker arms: rollout.all2all_backend
+            values (expert parallelism on; `none`: off), comma-separated, e.g.
+            allgather_reducescatter,deepep_v2 (cuda, tensor x data parallel > 1). The variants
+            are the product of --all2all, --tensor-parallel and --data-parallel, each one engine
+            in its own process, rounds interleaved; tokens/s and per-token latency, ratios to
+            the first
+        tensor_parallel: layout variants: rollout.tensor_parallel_size values, comma-separated
+            (see --all2all)
+        data_parallel: layout variants: rollout.data_parallel_size values, comma-separated (see
+            --all2all)
+        timeout_s: a layout variant's round may take this many seconds (its engine's load,
+            warm-up and window; default 1800)
+    """
     if not 1 <= units <= 1024:
         raise ConfigError(f"bench rollout: --units must be in 1..1024, got {units}")
     if not 1 <= repeats <= 20:
@@ -508,7 +543,7 @@ def run_bench_rollout(
             f"bench rollout: --swap-every must be 0 (no swaps) or seconds up to 3600, got {swap_every}"
         )
     if all2all or tensor_parallel or data_parallel:
-        from moerl.bench.layouts import TIMEOUT_S, run_bench_layouts
+        from benchmarks.layouts import TIMEOUT_S, run_bench_layouts
 
         extra = [
             flag
@@ -575,7 +610,7 @@ def run_bench_rollout(
                     + " ..."
                 )
                 code, result, log = run_child(
-                    "moerl.bench.rollout",
+                    "benchmarks.rollout",
                     command,
                     arm_cfg,
                     units,
@@ -595,7 +630,7 @@ def run_bench_rollout(
             work.mkdir()
             echo("[bench rollout] breakdown (one engine, every way in turn) ...")
             code, result, log = run_child(
-                "moerl.bench.rollout",
+                "benchmarks.rollout",
                 "breakdown",
                 cfg,
                 units,
@@ -750,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         argv[0] if argv else "", lambda cfg, n, work: _worker(cfg, n, work, swap_every)
     )
     return child_main(
-        argv, "moerl.bench.rollout", argv[0] if argv else "worker", "bench rollout arm", fn
+        argv, "benchmarks.rollout", argv[0] if argv else "worker", "bench rollout arm", fn
     )
 
 

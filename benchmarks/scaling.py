@@ -1,6 +1,6 @@
 """`moerl bench scaling CONFIG`: the same workload at several sizes, async mode.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchscalingpy.
+Design, details and limitations: docs/bench-reports/scaling.md#how-it-works-benchmarksscalingpy.
 """
 
 from __future__ import annotations
@@ -13,16 +13,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import format_table, log_tail, write_report
+from benchmarks.machine import machine_record
+from benchmarks.modes import ArmFailed, _own_experiment, arm_config, check_same_workload, workload
 from moerl import provenance, tracking
-from moerl.bench import format_table, log_tail, write_report
-from moerl.bench.modes import ArmFailed, _own_experiment, arm_config, check_same_workload, workload
 from moerl.config import RunConfig
 from moerl.errors import ConfigError, MoerlError
 
 
-def parse_sizes(text: str, what: str) -> list[int]:
+def parse_sizes(text: str | Sequence[int], what: str) -> list[int]:
+    """'1,2,4' (or a sequence) as distinct counts >= 1; a ConfigError otherwise."""
     try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
+        parts = text.split(",") if isinstance(text, str) else [str(x) for x in text]
+        sizes = [int(x) for x in parts if x.strip()]
     except ValueError:
         sizes = []
     if not sizes or any(n < 1 for n in sizes) or len(set(sizes)) != len(sizes):
@@ -76,15 +79,28 @@ def async_point(cfg: RunConfig, point_dir: Path, on_tick=None) -> dict[str, Any]
 def run_bench_scaling(
     config: str | Path,
     overrides: Sequence[str] = (),
-    workers: Sequence[int] = (1, 2, 4),
-    scorers: Sequence[int] = (1,),
+    workers: str | Sequence[int] = (1, 2, 4),
+    scorers: str | Sequence[int] = (1,),
     versions: int = 4,
     out_dir: str | Path = "bench/scaling",
     work_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    from moerl.bench import plots
-    from moerl.bench.progress import progress
+    """Each (workers, scorers) point, one async run each; report.json, summary.md and plots in
+    `out_dir`.
 
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        workers: rollout-worker counts, comma-separated
+        scorers: scorer counts, comma-separated
+        versions: policy versions per run
+        out_dir: report.json, summary.md and plots
+        work_dir: keep every run's files here (default: a temp dir, deleted)
+    """
+    from benchmarks import plots
+    from benchmarks.progress import progress
+
+    workers, scorers = parse_sizes(workers, "workers"), parse_sizes(scorers, "scorers")
     if versions < 1:
         raise ConfigError(f"bench scaling: --versions must be >= 1, got {versions}")
     points = [(w, s) for s in scorers for w in workers]
@@ -152,6 +168,7 @@ def run_bench_scaling(
         "ok": all(r["ok"] for r in rows),
         "cores": len(os.sched_getaffinity(0)),
         "versions": provenance.collect(),
+        "machine": machine_record(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     report["plots"] = [

@@ -1,6 +1,6 @@
 """`moerl bench state`: does the run's state stay bounded over a long async run?
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchstatepy.
+Design, details and limitations: docs/bench-reports/state.md#how-it-works-benchmarksstatepy.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import re
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moerl.bench import envelope, format_table, write_report
+from benchmarks import envelope, format_table, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 _NUM = re.compile(r":?\d+")
@@ -86,9 +87,18 @@ def _series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
 
 
 def run_bench_state(
-    versions: int, out: Path, overrides: tuple[str, ...] = (), echo=print
+    versions: int = 200,
+    out: Path = Path("bench/state.json"),
+    overrides: Sequence[str] = (),
+    echo=print,
 ) -> dict[str, Any]:
-    """One async run of `versions` versions, sampled at every version; the report (also `out`)."""
+    """One async run of `versions` versions, sampled at every version; the report (also `out`).
+
+    Args:
+        versions: versions of the tiny model to run
+        out: the report (JSON)
+        overrides: a config override KEY=VALUE (repeatable)
+    """
     import valkey
 
     from moerl.config import load_config

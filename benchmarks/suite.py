@@ -1,6 +1,6 @@
 """`moerl bench suite CONFIG`: the declared workload, measured stage by stage, repeated.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchsuitepy.
+Design, details and limitations: docs/bench-reports/suite.md#how-it-works-benchmarkssuitepy.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from benchmarks import child_main, format_table, log_tail, run_child, write_report
+from benchmarks.machine import machine_line, machine_record
+from benchmarks.stats import distribution, summarize
 from moerl import provenance, tracking
-from moerl.bench import child_main, format_table, log_tail, run_child, write_report
-from moerl.bench.stats import distribution, summarize
 from moerl.config import RunConfig, flatten, load_config
 from moerl.errors import ConfigError, MoerlError
 
@@ -42,10 +43,10 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from moerl.bench import netio
-    from moerl.bench.imbalance import expert_loads, imbalance
+    from benchmarks import netio
+    from benchmarks.imbalance import expert_loads, imbalance
     from moerl.components.buffer.stage import assemble
-    from moerl.components.policy_update.trainer import _load_state, _save_state, train_on_batch
+    from moerl.components.policy_update.trainer import load_state, save_state, train_on_batch
     from moerl.components.publish_checkpoint.stage import prepare_initial, run_publish
     from moerl.components.reward.stage import reward_metrics, score
     from moerl.components.rollout.engine import RolloutEngine
@@ -56,7 +57,7 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
 
     run_id = f"suite-{uuid.uuid4().hex[:12]}"
     state = prepare_initial(cfg, work / "v0")
-    model, opt, counters = _load_state(state, cfg)
+    model, opt, counters = load_state(state, cfg)
     tokenizer = AutoTokenizer.from_pretrained(state)
     pad = model.config.pad_token_id or 0
     ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
@@ -131,7 +132,7 @@ def run_repeat(cfg: RunConfig, iterations: int, work: Path) -> dict[str, Any]:
             # publication
             s, net0 = time.perf_counter(), netio.snapshot()
             out = work / f"v{i + 1}"
-            _save_state(model, opt, counters, state, out)
+            save_state(model, opt, counters, state, out)
             _, pub = run_publish(cfg, run_id, out, i + 1)
             t["publication"] = time.perf_counter() - s
             v["net_publication"] = netio.delta(net0, netio.snapshot())
@@ -236,7 +237,7 @@ def _repeat(
 
     t0 = time.perf_counter()
     code, result, log_path = run_child(
-        "moerl.bench.suite", "repeat", cfg, iterations, rdir, "repeat", env_extra, progress_line
+        "benchmarks.suite", "repeat", cfg, iterations, rdir, "repeat", env_extra, progress_line
     )
     if code != 0 or not result.is_file():
         raise RepeatFailed(
@@ -377,7 +378,7 @@ def disclosure(cfg: RunConfig, repeats: list[dict[str, Any]], iterations: int) -
             "path": cfg.model.path or f"tiny (seed {cfg.model.tiny.seed})",
             **repeats[0]["shape"],
             "dtype": cfg.model.dtype,
-            "serving_dtype": cfg.rollout.serving_dtype,
+            "serving_dtype": cfg.rollout.resolved.dtype,
             "rollout_tensor_parallel": cfg.rollout.tensor_parallel_size,
             "params": repeats[0]["params"],
         },
@@ -448,14 +449,27 @@ def run_suite(
     repeats: int = 3,
     iterations: int = 3,
     out_dir: str | Path = "bench/suite",
-    store: str = "s3",
+    store: Literal["s3", "local", "config"] = "s3",
     dispatch: bool = True,
     mlflow: bool = True,
     work_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the suite; write report.json, summary.md and plots to `out_dir`; log them to MLflow.
-    Returns the report (report["ok"]: every check held)."""
-    from moerl.bench.progress import progress
+    Returns the report (report["ok"]: every check held).
+
+    Args:
+        config: the workload's run config (YAML)
+        overrides: config overrides KEY=VALUE (repeatable)
+        repeats: independent repeats (>= 3 for a useful interval)
+        iterations: policy versions per repeat
+        out_dir: report.json, summary.md and plots
+        store: s3: weed mini on 127.0.0.1, started and stopped here (default); local: a
+            directory; config: the config's checkpoint store (the run bucket on EKS)
+        dispatch: the dispatcher comparison at the model's shape (--no-dispatch: skip it)
+        mlflow: log the report to MLflow (--no-mlflow: do not)
+        work_dir: keep every run's files here (default: a temp dir, deleted)
+    """
+    from benchmarks.progress import progress
 
     if repeats < 1 or iterations < 1:
         raise ConfigError(
@@ -524,6 +538,7 @@ def run_suite(
         },
         "config_resolved": {k: tracking.redact(v) for k, v in flatten(cfg).items()},
         "versions": provenance.collect(),
+        "machine": machine_record(),
         "build_info": provenance.build_info(),
     }
     report["checks"] = checks(report, results, cfg)
@@ -562,7 +577,7 @@ def _store(kind: str, root: Path) -> Iterator[tuple[str | None, str | None, dict
 
 def _dispatch(cfg: RunConfig, repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """The dispatch benchmark at this model's shape and the mean training tokens per version."""
-    from moerl.bench.dispatch import run_bench_dispatch
+    from benchmarks.dispatch import run_bench_dispatch
 
     shape = repeats[0]["shape"]
     k, layers = shape["experts_per_token"], shape["num_layers"]
@@ -609,6 +624,8 @@ def format_summary(report: dict[str, Any]) -> str:
         "",
         f"{report['repeats']} repeats x {report['iterations']} versions on {acc['count']} {acc['kind']}(s); "
         f"checks: {'all hold' if report['ok'] else 'FAILED ' + str(report['checks'])}",
+        "",
+        machine_line(report["machine"]) if report.get("machine") else "machine: not recorded",
         "",
         "## Throughput (mean ± std, 95 % CI over repeats)",
         "",
@@ -707,7 +724,7 @@ def format_summary(report: dict[str, Any]) -> str:
 def write_outputs(
     report: dict[str, Any], out_dir: Path, requests: Sequence[dict[str, Any]]
 ) -> None:
-    from moerl.bench import plots
+    from benchmarks import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.md").write_text(format_summary(report))
@@ -766,9 +783,9 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m moerl.bench.suite repeat ...`: one repeat, as `run_suite` starts it."""
+    """`python -m benchmarks.suite repeat ...`: one repeat, as `run_suite` starts it."""
     return child_main(
-        argv, "moerl.bench.suite", "repeat", "one repeat of `moerl bench suite`", run_repeat
+        argv, "benchmarks.suite", "repeat", "one repeat of `moerl bench suite`", run_repeat
     )
 
 

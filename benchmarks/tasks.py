@@ -1,7 +1,7 @@
 """`moerl bench tasks`: what running verifiers and environments outside the stage costs, side by
 side in one run, and what environments cost a multi-turn rollout.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchtaskspy.
+Design, details and limitations: docs/bench-reports/tasks.md#how-it-works-benchmarkstaskspy.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moerl.bench import envelope, write_report
-from moerl.bench.stats import percentile
+from benchmarks import envelope, write_report
+from benchmarks.stats import percentile
 
 STREAM, GROUP = "moerl-bench:req", "env-workers"
 
@@ -85,7 +85,7 @@ def _valkey_latencies(call: tuple[str, list], n: int) -> list[float]:
         try:
             prefix = "moerl-bench:rep:"
             worker = subprocess.Popen(
-                [sys.executable, "-m", "moerl.bench.tasks", "serve", server.url, prefix]
+                [sys.executable, "-m", "benchmarks.tasks", "serve", server.url, prefix]
             )
             r = valkey.Valkey.from_url(server.url, decode_responses=True)
             last = "0"
@@ -250,7 +250,18 @@ def bench_rollout(prompts: int, work: Path) -> dict[str, Any]:
     }
 
 
-def run_bench_tasks(n: int, engine: bool, prompts: int, out: Path) -> dict[str, Any]:
+def run_bench_tasks(
+    n: int = 300, engine: bool = False, prompts: int = 64, out: Path = Path("bench/tasks.json")
+) -> dict[str, Any]:
+    """The verifier / environment call paths, and with `engine` a multi-turn rollout; the
+    report (also written to `out`).
+
+    Args:
+        n: calls per latency row
+        engine: also the lookup task's episodes on the tiny engine
+        prompts: prompts of the multi-turn rollout (x G episodes)
+        out: the report (JSON)
+    """
     calls = bench_calls(n)
     rep: dict[str, Any] = {"calls": calls}
     if engine:

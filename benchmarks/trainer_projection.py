@@ -42,7 +42,7 @@ Symbols (inputs; every default is an assumption the report carries, overridable 
     s   serving bytes/param (bf16: 2)   m  master (fp32: 4)    a  Adam's two moments (8)
     b_w one rank's write rate (serialize + write), b_r one rank's read rate: measured here, one
         rank on one H200: 19.9 GB (4.9 GB HF + 15 GB optimizer state) saved in 27.4 s = 0.73 GB/s
-        and loaded in 15.5 s = 1.28 GB/s (docs/benchmarks.md, "The trainer on one H200")
+        and loaded in 15.5 s = 1.28 GB/s (docs/bench-reports/gpu-h200.md)
     D_w, D_r  a node's local NVMe write / read (8 / 16 GB/s: p5en's local NVMe drives through
         one filesystem, assumed)
     b_s3  a node's S3 throughput (10 GB/s: a 100 Gbit/s path at ~80 % for many parallel
@@ -280,7 +280,7 @@ def formulas() -> list[str]:
 
 
 def format_versions(rep: dict[str, Any]) -> str:
-    from moerl.bench import format_table
+    from benchmarks import format_table
 
     i = rep["inputs"]
     rows = []

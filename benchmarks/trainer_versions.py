@@ -5,8 +5,7 @@ side in one run, on the same model and batches. Per version, overhead = wall -
 `timing/trainer_steps_s`; the arms' versions are interleaved, and both arms' weights must
 agree after every version (within `TOL`; the bench fails otherwise).
 
-Design, details and limitations: docs/benchmarks.md, "The async trainer per version:
-restarting ranks against a persistent mesh".
+Design, details and limitations: docs/bench-reports/trainer-versions.md.
 """
 
 from __future__ import annotations
@@ -21,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moerl.bench import envelope, format_table, write_report
+from benchmarks import envelope, format_table, write_report
+from benchmarks.machine import machine_line
 from moerl.errors import ConfigError, TrainingError
 
 TOL = 1e-5  # float32, the same code on both arms: in practice bit for bit
@@ -389,24 +389,50 @@ def format_summary(rep: dict[str, Any]) -> str:
 
 
 def run_bench_trainer_versions(
-    out_dir: Path,
+    out_dir: Path = Path("bench/trainer-versions"),
     versions: int = 4,
     repeats: int = 1,
-    mesh: tuple[int, int] = (2, 2),
+    mesh: str | tuple[int, int] = "2x2",
     steps: int = 2,
     samples: int = 16,
     model: dict[str, int] | None = None,
     work_dir: Path | None = None,
     echo=print,
+    hidden: int | None = None,
+    layers: int | None = None,
+    experts: int | None = None,
+    moe_intermediate_size: int | None = None,
 ) -> dict[str, Any]:
     """Both arms, interleaved by version, `repeats` times; report.json and summary.md in
     `out_dir`; the summary printed. Raises TrainingError (after writing the report) when the
-    arms' weights disagree after any version or training did not move them."""
+    arms' weights disagree after any version or training did not move them.
+
+    Args:
+        out_dir: report.json, summary.md
+        versions: versions per arm and repeat
+        repeats: rounds of both arms (a new persistent mesh each); which arm runs a version
+            first alternates by version and by round
+        mesh: DPxEP (gloo ranks on this machine)
+        steps: optimizer steps per version
+        samples: samples per version's batch
+        work_dir: keep every version's files here (default: a temp dir)
+        hidden: tiny MoE hidden size (default 128), over `model`
+        layers: tiny MoE layers (default 2)
+        experts: routed experts (default 8)
+        moe_intermediate_size: each expert's intermediate size (default 64)
+    """
     from moerl.components.policy_update.trainer import run_policy_update
     from moerl.models.tiny import build_tiny_model
     from moerl.records import write_records
 
-    dp, ep = mesh
+    dp, ep = parse_mesh(mesh) if isinstance(mesh, str) else mesh
+    sizes = {
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "num_experts": experts,
+        "moe_intermediate_size": moe_intermediate_size,
+    }
+    model = {**(model or {}), **{k: v for k, v in sizes.items() if v is not None}}
     world = dp * ep
     for name, value, least in (
         ("--versions", versions, 1),
@@ -502,7 +528,11 @@ def run_bench_trainer_versions(
         "# moerl bench trainer-versions\n\nThe async trainer's overhead per version (wall - "
         "optimizer steps): restarting the ranks every version (`run_policy_update`) against "
         "ranks spawned once (`ep_train.Session` loaded once, `run_version` per version), "
-        "interleaved by version.\n\n```\n" + text + "\n```\n"
+        "interleaved by version.\n\n```\n"
+        + text
+        + "\n```\n\n"
+        + machine_line(report["machine"])
+        + "\n"
     )
     echo(text)
     echo(f"wrote {out_dir / 'report.json'} and {out_dir / 'summary.md'}")

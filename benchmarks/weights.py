@@ -1,6 +1,6 @@
 """`moerl bench weights`: how fast a policy version moves, side by side in one run.
 
-Design, details and limitations: docs/benchmarks.md#moerlbenchweightspy.
+Design, details and limitations: docs/bench-reports/weights.md#how-it-works-benchmarksweightspy.
 """
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from moerl.bench import envelope, write_report
-from moerl.bench.progress import progress
+from benchmarks import envelope, write_report
+from benchmarks.progress import progress
 from moerl.config import CheckpointConfig, TinyMoeConfig, parse_config
 
 SIZES: dict[str, TinyMoeConfig] = {
@@ -262,7 +263,7 @@ def _trainer_loop(
 def _fanout(
     cfg, run_id: str, version: int, readers: int, fanout: bool, work: Path, valkey_url: str
 ) -> dict:
-    """`readers` processes fetch `version` at once (moerl/bench/fanreader.py); the wall time
+    """`readers` processes fetch `version` at once (benchmarks/fanreader.py); the wall time
     until the last one has it, and where their chunks came from."""
     import json
     import shutil
@@ -279,7 +280,7 @@ def _fanout(
         cmd = [
             sys.executable,
             "-m",
-            "moerl.bench.fanreader",
+            "benchmarks.fanreader",
             "--config",
             str(d / "ck.json"),
             "--run-id",
@@ -434,7 +435,7 @@ def bench_tiers(
 
 
 def format_tiers(rows: list[TierRow]) -> str:
-    from moerl.bench import format_table
+    from benchmarks import format_table
 
     out = [
         format_table(
@@ -522,13 +523,24 @@ def format_table(rows: list[Row]) -> str:
 
 
 def run_bench(
-    sizes: list[str],
-    out: Path,
+    sizes: str | Sequence[str] = ("tiny", "0.5b"),
+    out: Path = Path("bench/weights.json"),
     repeats: int = 3,
     endpoint_url: str | None = None,
     bucket: str = "moerl-bench",
     tiers: bool = True,
 ) -> list[Row]:
+    """Publish, fetch and hot-swap each size `repeats` times; the rows (also written to `out`).
+
+    Args:
+        sizes: comma-separated: tiny, 0.5b
+        repeats: repeats per size
+        out: the report (JSON)
+        endpoint_url: an S3 endpoint (default: start weed mini on 127.0.0.1)
+        bucket: the S3 bucket
+        tiers: the publisher / cache tier / fan-out part: a second weed mini, a Valkey, reader
+            processes (--no-tiers: skip it)
+    """
     import os
 
     import boto3
@@ -536,6 +548,7 @@ def run_bench(
     from moerl.bus import EmbeddedValkey
     from moerl.store.s3server import local_s3_server
 
+    sizes = [s for s in sizes.split(",") if s] if isinstance(sizes, str) else list(sizes)
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         from moerl.errors import ConfigError

@@ -10,7 +10,7 @@ records); `report` merges them into a table per backend and size: variance, EFA 
 group's nodes, the transport path (a multi-node leg off its backend over EFA fails it), the
 deepep_v2 / allgather_reducescatter ratio per size.
 
-Design, details and limitations: docs/benchmarks.md#wide-ep-deepep-over-efa-vs-all-gather.
+Design, details and limitations: docs/bench-reports/wide-ep.md#wide-ep-deepep-over-efa-vs-all-gather.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from moerl.bench.wide_ep_engine import (
+from benchmarks.wide_ep_engine import (
     eplb_args,
     eplb_imbalance,
     imbalance_unavailable,
@@ -48,7 +48,7 @@ from moerl.errors import ConfigError, DataError
 BACKENDS = ("allgather_reducescatter", "deepep_v2")
 ALL2ALL = ("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2")
 BASELINE, CANDIDATE = "allgather_reducescatter", "deepep_v2"
-LEG_SCHEMA = "moerl.bench.wide_ep.leg/1"
+LEG_SCHEMA = "moerl.bench.wide_ep.leg/1"  # a record format's name (kept when the module moved)
 LOG_PREFIX = "MOERL_WIDE_EP_LEG "  # a leg record on one stdout line: `kubectl logs` collects it
 NIC_SCHEMA = "moerl.bench.wide_ep.nic/1"
 NIC_PREFIX = "MOERL_WIDE_EP_NIC "  # a follower's EFA bytes over one leg, on one stdout line
@@ -278,7 +278,7 @@ def plan_jobsets(
         lay = Layout(nodes=n, dp_local=gpus // tp, tp=tp, device="cuda")
         name = objects.rollout_group_name(STAGE, run_id, f"n{n}", max(n, 2))
         common = dict(
-            dtype=ro.serving_dtype,
+            dtype=ro.resolved.dtype,
             max_model_len=ro.max_model_len,
             seed=ro.seed,
             rpc_port=rpc_port,
@@ -299,7 +299,7 @@ def plan_jobsets(
                     f"--dp-local={lay.dp_local}",
                     f"--tp={tp}",
                     "--device=cuda",
-                    f"--dtype={ro.serving_dtype}",
+                    f"--dtype={ro.resolved.dtype}",
                     f"--seed={workload.seed}",
                     f"--repeat={r}",
                     f"--port={port}",
@@ -769,7 +769,7 @@ EFA_RECEIVED = ("rx_bytes", "rdma_write_recv_bytes", "rdma_read_bytes")
 def efa_counters(root: Path = Path("/sys/class/infiniband")) -> dict[str, Any] | None:
     """{devices, counters: {name: bytes summed over every port}} of the EFA byte counters
     under `root`; None where no device has any (not an EFA node)."""
-    from moerl.bench.netio import _read_int
+    from benchmarks.netio import _read_int
 
     if not root.is_dir():
         return None
@@ -985,7 +985,7 @@ def leg_nodes_efa(leg: dict[str, Any], nics: Sequence[dict[str, Any]]) -> dict[s
 
 def variance(values: Sequence[float]) -> dict[str, Any]:
     """{n, mean, std, cv, ci95, min, max} over repeats (cv = std / mean; None for mean 0)."""
-    from moerl.bench.stats import summarize
+    from benchmarks.stats import summarize
 
     s = summarize(values)
     s["cv"] = s["std"] / s["mean"] if s["mean"] else None
@@ -994,7 +994,7 @@ def variance(values: Sequence[float]) -> dict[str, Any]:
 
 def summarize_group(legs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One backend at one size over its repeats."""
-    from moerl.bench.stats import distribution
+    from benchmarks.stats import distribution
 
     ttft = [x for r in legs for x in r["ttft_s"]]
     tpot = [x for r in legs for x in r["tpot_s"]]
@@ -1051,7 +1051,7 @@ def _group_nodes_efa(per_leg: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def ratio(groups: Sequence[dict[str, Any]], nodes: int) -> dict[str, Any] | None:
     """deepep_v2 / allgather_reducescatter mean output tokens/s at `nodes`, with whether the
     difference exceeds run-to-run noise (95 % intervals apart; None with one repeat each)."""
-    from moerl.bench.stats import noise_exceeded
+    from benchmarks.stats import noise_exceeded
 
     by = {g["backend"]: g for g in groups if g["nodes"] == nodes}
     if BASELINE not in by or CANDIDATE not in by:
@@ -1073,7 +1073,7 @@ def build_report(
     """Groups by (nodes, backend), ratios per size, checks; the `report` JSON. Each follower NIC
     record in `nics` joins the leg of the same (nodes, backend, repeat): EFA bytes per leg per
     node and summed over nodes (`leg_nodes_efa`), per group their means."""
-    from moerl.bench import envelope
+    from benchmarks import envelope
 
     by_leg: dict[tuple[int, str, int], list[dict[str, Any]]] = {}
     for n in nics:
@@ -1208,7 +1208,7 @@ def _efa_cell(g: dict[str, Any]) -> str:
 def run_report(paths: Sequence[Path], out_dir: Path) -> dict[str, Any]:
     """Read leg and NIC records, write report.json and report.md under `out_dir`, print the
     table."""
-    from moerl.bench import write_report
+    from benchmarks import write_report
 
     rep = build_report(*read_records(paths))
     write_report(out_dir / "report.json", rep)

@@ -7,7 +7,7 @@ vLLM 0.32 exports no expert-load metric; with `--enable-eplb` and
 `--eplb-config '{"log_balancedness": true, ...}'` EP rank 0 logs, per engine step, the tokens
 routed to each EP rank summed over the MoE layers (mean and max over ranks). `eplb_args` asks
 for that without any rearrangement (step_interval 1e9), so the experts stay where vLLM put them
-and the leg measures the load, not the balancer. Design: docs/benchmarks.md, "wide-ep".
+and the leg measures the load, not the balancer. Design: docs/bench-reports/wide-ep.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from moerl.bench.stats import distribution
+from benchmarks.stats import distribution
 from moerl.components.rollout.transport import DEEPEP_V1, PREFIX, engine_transport
 
 # ---- the server log ------------------------------------------------------------------------

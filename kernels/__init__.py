@@ -7,7 +7,7 @@
     out_TH = d.combine(y_RH, handle)                                      # routing weights applied here
 
 Backends: local (no communication), all_to_all (baseline), hierarchical (node-deduplicated),
-deepep (DeepEP V1 Buffer, GPU only). See docs/architecture.md, "Expert parallelism", and
+deepep (DeepEP V1 Buffer, GPU only). See docs/architecture.md, "Checkpoints and expert parallelism", and
 the module docstrings for each backend's limitations.
 """
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from torch import Tensor
 
+from moerl.config.trainer import DeepEPOptions
 from moerl.errors import ConfigError
 from moerl.kernels.dispatcher import Dispatcher, DispatchHandle
 
@@ -33,38 +34,6 @@ API_CLASS = {"v1": "Buffer", "v2": "ElasticBuffer"}
 
 class DeepEPUnavailable(ConfigError):
     """No CUDA device or no deep_ep: the only case make_dispatcher may fall back on."""
-
-
-class DeepEPOptions(BaseModel):
-    """`deepep_options`; unknown keys are rejected."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    api: Literal["auto", "v1", "v2"] = Field(
-        "auto", description="V1 Buffer, v2 ElasticBuffer, or auto (module doc)"
-    )
-    mode: Literal["normal", "low_latency"] = "normal"
-    num_sms: int | None = Field(
-        None, ge=2, description="Buffer.set_num_sms for normal kernels (DeepEP default 20)"
-    )
-    num_nvl_bytes: int | None = Field(
-        None, ge=0, description="override the NVLink buffer size hint"
-    )
-    num_rdma_bytes: int | None = Field(None, ge=0, description="override the RDMA buffer size hint")
-    num_max_dispatch_tokens_per_rank: int = Field(
-        128, ge=1, description="low-latency: max T on any rank"
-    )
-    allow_nvlink_for_low_latency_mode: bool = True
-    allow_mnnvl: bool = False
-    num_max_tokens_per_rank: int = Field(
-        4096, ge=1, description="v2: the most tokens one rank dispatches at once"
-    )
-    allow_hybrid_mode: bool = Field(
-        True, description="v2: RDMA between nodes, then NVLink inside (DeepEP default)"
-    )
-    env: dict[str, str] = Field(
-        default_factory=dict, description="transport env vars set before the buffer"
-    )
 
 
 def import_deep_ep() -> Any:
@@ -106,15 +75,6 @@ def select_api(deep_ep: Any, requested: str) -> str:
         )
     log.info("deepep: using DeepEP %s (deep_ep.%s), chosen by %s", api, API_CLASS[api], why)
     return api
-
-
-def deepep_available() -> tuple[bool, str]:
-    """(available, reason) without raising: for test skips and the benchmark."""
-    try:
-        import_deep_ep()
-    except DeepEPUnavailable as exc:
-        return False, str(exc)
-    return True, ""
 
 
 def _kwargs_supported(fn: Any, **kwargs: Any) -> dict[str, Any]:

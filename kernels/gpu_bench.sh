@@ -5,7 +5,7 @@
 # Usage (from the repository root, moerl installed):
 #   kernels/gpu_bench.sh                      # one node, every visible GPU
 #   NPROC_PER_NODE=8 NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 kernels/gpu_bench.sh   # on each node
-#   kernels/gpu_bench.sh --repeats 50         # extra args go to `python -m moerl.bench.dispatch`
+#   kernels/gpu_bench.sh --repeats 50         # extra args go to `python -m benchmarks.dispatch`
 #
 # Configs, after DeepEP's tests: normal kernels at 4096 tokens/rank, hidden 7168, top-8,
 # 256 experts (uniform and Zipf routing); low-latency at 128 tokens, 288 experts, forward only.
@@ -43,7 +43,7 @@ run() {  # run <name> <bench args...>
   local name=$1; shift
   torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    -m moerl.bench.dispatch --torchrun --out "$OUT_DIR/bench_${name}_${NNODES}x${NPROC_PER_NODE}.json" "$@"
+    -m benchmarks.dispatch --torchrun --out "$OUT_DIR/bench_${name}_${NNODES}x${NPROC_PER_NODE}.json" "$@"
 }
 
 run normal_uniform --tokens 4096 --hidden 7168 --topk 8 --experts 256 --skew uniform "${@}"

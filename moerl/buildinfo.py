@@ -1,6 +1,6 @@
 """Build information: what an image was built from, written once at build time, read at run time.
 
-Design, details and limitations: docs/deploy.md#moerlbuildinfopy.
+Design, details and limitations: docs/eks.md#moerlbuildinfopy.
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ for a bad config, 1 otherwise); anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from moerl.bench.cli import add_bench_parsers
 from moerl.config import load_config
 from moerl.errors import MoerlError
 from moerl.orchestrate.schedule import add_parsers as add_schedule_parsers
@@ -121,13 +122,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary.ok else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow"
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+def _add_lab_parsers(sub, argv: Sequence[str] | None) -> None:
+    """`moerl bench ...` and `moerl compare`, from the `benchmarks` package (the lab), found by
+    name: the product never imports it. Without it, both commands say how to install it."""
+    try:
+        lab = importlib.import_module("benchmarks.cli")
+    except ModuleNotFoundError as err:
+        if err.name not in ("benchmarks", "benchmarks.cli"):
+            raise
+        for name in ("bench", "compare"):
+            p = sub.add_parser(name, help="benchmarks (not installed: the `benchmarks` package)")
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(func=_lab_missing)
+        return
+    lab.add_bench_parsers(sub, argv)
 
+
+def _lab_missing(args: argparse.Namespace) -> int:
+    raise MoerlError(
+        f"moerl {args.command}: the `benchmarks` package is not installed; install moerl from "
+        "its repository (`pip install -e .` there) to get `moerl bench` and `moerl compare`"
+    )
+
+
+def _add_run_parser(sub) -> None:
+    """`moerl run`."""
     run = sub.add_parser(
         "run", help="run GRPO locally: the sync pipeline with kfp.local, or the async mode"
     )
@@ -160,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=_cmd_run)
 
+
+def _add_compile_parser(sub) -> None:
+    """`moerl compile`."""
     comp = sub.add_parser("compile", help="compile the sync or async pipeline to KFP IR YAML")
     comp.add_argument("config")
     comp.add_argument(
@@ -196,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comp.set_defaults(func=_cmd_compile)
 
-    add_bench_parsers(sub)  # moerl bench ..., moerl compare (moerl/bench/cli.py)
 
+def _add_config_parsers(sub) -> None:
+    """`moerl config {show,docs,migrate}`."""
     config = sub.add_parser("config", help="inspect a run config")
     csub = config.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="print the resolved config with defaults")
@@ -228,8 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("config")
     migrate.add_argument("-o", "--output", default=None, help="default: rewrite CONFIG in place")
     migrate.set_defaults(func=_cmd_config_migrate)
-    add_schedule_parsers(sub)  # moerl schedule, moerl submit
 
+
+def _add_tasks_parser(sub) -> None:
+    """`moerl tasks make`."""
     tasks = sub.add_parser(
         "tasks", help="make datasets of real tasks offline (the moerl[tasks] extra)"
     )
@@ -257,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("-o", "--output", required=True, help="the JSONL file to write")
     make.set_defaults(func=_cmd_tasks_make)
 
+
+def _add_models_parser(sub) -> None:
+    """`moerl models import`."""
     models = sub.add_parser("models", help="prepare a model checkpoint for moerl")
     msub = models.add_subparsers(dest="models_command", required=True)
     imp = msub.add_parser(
@@ -271,6 +299,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-gib", type=float, default=5.0, help="largest output shard, GiB (default 5)"
     )
     imp.set_defaults(func=_cmd_models_import)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line. With `argv`, only the `moerl bench` command it names gets its
+    flags (the others' benchmark modules are not imported)."""
+    p = argparse.ArgumentParser(
+        prog="moerl", description="RL post-training (GRPO) for MoE LLMs on Kubeflow"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_run_parser(sub)
+    _add_compile_parser(sub)
+    _add_lab_parsers(sub, argv)  # moerl bench ..., moerl compare (benchmarks/cli.py)
+    _add_config_parsers(sub)
+    add_schedule_parsers(sub)  # moerl schedule, moerl submit
+    _add_tasks_parser(sub)
+    _add_models_parser(sub)
     return p
 
 
@@ -326,7 +372,8 @@ def _cmd_tasks_make(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

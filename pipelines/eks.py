@@ -67,6 +67,28 @@ SHM_VOLUME, SCRATCH_VOLUME = "dshm", "scratch"
 def check_cluster_safe(cfg: RunConfig) -> None:
     """Refuse, naming every offending key and what is allowed, a config whose tasks would pass
     state through this machine's filesystem or track to a local file."""
+    problems = [
+        *_storage_problems(cfg),
+        *_group_problems(cfg),
+        *_service_problems(cfg),
+        *_sandbox_problems(cfg),
+    ]
+    if cfg.cluster.launch.mode == "kubernetes":
+        from moerl.launch.task import check_launchable
+
+        for stage in sorted(launched_stages(cfg)):
+            try:
+                check_launchable(cfg, stage)
+            except ConfigError as err:
+                if str(err) not in problems:
+                    problems.append(str(err))
+    if problems:
+        raise ConfigError("not cluster-safe for --target eks: " + "; ".join(problems))
+
+
+def _storage_problems(cfg: RunConfig) -> list[str]:
+    """What the run reads and writes (checkpoints, model, data) on a path only this machine
+    sees."""
     problems: list[str] = []
     ck, scratch = cfg.checkpoint, cfg.cluster.scratch_dir
     if not ck.uri.startswith("s3://"):
@@ -101,6 +123,13 @@ def check_cluster_safe(cfg: RunConfig) -> None:
                 f"(s3://bucket/key, or a prefix of JSONL/Parquet shards) or use a builtin: {what} "
                 "shipped in the image"
             )
+    return problems
+
+
+def _group_problems(cfg: RunConfig) -> list[str]:
+    """The worker groups' GPUs and images: a cuda stage on a group without GPUs, an image with
+    no registry, a rollout layout the group's GPUs cannot hold."""
+    problems: list[str] = []
     if (
         cfg.reward.kind != "rules"
         and cfg.reward.model is not None  # always set unless kind is rules (RewardConfig)
@@ -141,6 +170,14 @@ def check_cluster_safe(cfg: RunConfig) -> None:
             rollout_pod_layout(cfg)
         except ConfigError as err:
             problems.append(str(err))
+    return problems
+
+
+def _service_problems(cfg: RunConfig) -> list[str]:
+    """The services the pods reach (MLflow, the checkpoint cache, Valkey), and fan-out outside
+    the async pipeline."""
+    problems: list[str] = []
+    ck = cfg.checkpoint
     uri = cfg.tracking.uri or ""
     if not uri.startswith(("http://", "https://")):
         problems.append(
@@ -172,8 +209,14 @@ def check_cluster_safe(cfg: RunConfig) -> None:
         problems.append(
             "cluster.valkey_secret: null, but the async pipeline's first task makes the run's own Valkey "
             "user with the admin password it holds (key VALKEY_ADMIN_PASSWORD); set it to moerl-valkey "
-            "(docs/deploy.md)"
+            "(docs/eks.md)"
         )
+    return problems
+
+
+def _sandbox_problems(cfg: RunConfig) -> list[str]:
+    """A task sandbox that launched rollout pods cannot run."""
+    problems: list[str] = []
     if (
         cfg.cluster.launch.mode == "kubernetes"
         and (cfg.task.environment or cfg.task.environments)
@@ -189,17 +232,7 @@ def check_cluster_safe(cfg: RunConfig) -> None:
             "set task.sandbox.isolation: none (recorded on the run), or give the launched pods a Localhost "
             "seccomp profile that allows unshare/clone/mount in namespaces (docs/tasks.md, section 4)"
         )
-    if cfg.cluster.launch.mode == "kubernetes":
-        from moerl.launch.task import check_launchable
-
-        for stage in sorted(launched_stages(cfg)):
-            try:
-                check_launchable(cfg, stage)
-            except ConfigError as err:
-                if str(err) not in problems:
-                    problems.append(str(err))
-    if problems:
-        raise ConfigError("not cluster-safe for --target eks: " + "; ".join(problems))
+    return problems
 
 
 def launched_stages(cfg: RunConfig) -> frozenset[str]:
@@ -236,19 +269,7 @@ def place(
     from kfp import kubernetes
 
     name, group = group_of(cfg, stage)
-    task.set_container_image(group.image or cfg.pipeline.base_image)
-    task.set_cpu_request(group.cpu)
-    task.set_memory_request(group.memory)
-    task.set_memory_limit(group.memory)
-    for key, value in sorted(group.node_selector.items()):
-        kubernetes.add_node_selector(task, label_key=key, label_value=value)
-    for tol in group.tolerations:
-        kubernetes.add_toleration(
-            task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect
-        )
-    kubernetes.add_pod_label(task, "app.kubernetes.io/part-of", "moerl")
-    kubernetes.add_pod_label(task, "moerl.ai/group", name)
-    kubernetes.add_pod_label(task, "moerl.ai/stage", stage.replace("_", "-"))
+    _on_group(task, cfg, group, name, stage)
     scratch = cfg.cluster.scratch_dir
     kubernetes.empty_dir_mount(
         task, volume_name=SCRATCH_VOLUME, mount_path=scratch, size_limit=cfg.cluster.scratch_size
@@ -273,6 +294,44 @@ def place(
         # start_run and close_run (async): where they create and delete the run's own Secret
         kubernetes.use_field_path_as_env(task, "MOERL_POD_NAMESPACE", "metadata.namespace")
         kubernetes.use_field_path_as_env(task, "MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")
+    _mount_secrets(task, cfg, stage, async_mode, run_secret)
+    if cfg.checkpoint.fanout and stage == "rollout_worker" and not launcher:
+        # peers reach this worker's chunk server at the pod's address (NetworkPolicy: rollout pods only)
+        task.set_env_variable("MOERL_FANOUT_BIND", "0.0.0.0")
+        kubernetes.use_field_path_as_env(task, "MOERL_FANOUT_ADVERTISE", "status.podIP")
+    _set_timeout(task, cfg, group, name, stage)
+    return task
+
+
+def _on_group(
+    task: dsl.PipelineTask, cfg: RunConfig, group: GroupConfig, name: str, stage: str
+) -> None:
+    """`task`'s image, resources, node selectors and tolerations from its group `name`, and the
+    pod labels that name the run's part, group and stage."""
+    from kfp import kubernetes
+
+    task.set_container_image(group.image or cfg.pipeline.base_image)
+    task.set_cpu_request(group.cpu)
+    task.set_memory_request(group.memory)
+    task.set_memory_limit(group.memory)
+    for key, value in sorted(group.node_selector.items()):
+        kubernetes.add_node_selector(task, label_key=key, label_value=value)
+    for tol in group.tolerations:
+        kubernetes.add_toleration(
+            task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect
+        )
+    kubernetes.add_pod_label(task, "app.kubernetes.io/part-of", "moerl")
+    kubernetes.add_pod_label(task, "moerl.ai/group", name)
+    kubernetes.add_pod_label(task, "moerl.ai/stage", stage.replace("_", "-"))
+
+
+def _mount_secrets(
+    task: dsl.PipelineTask, cfg: RunConfig, stage: str, async_mode: bool, run_secret: Any
+) -> None:
+    """`stage`'s Secrets as volumes (the run's own under `run_secret`'s name), and their files'
+    paths in the environment."""
+    from kfp import kubernetes
+
     # the stage's credentials as files, one volume per Secret, and only their paths in the
     # environment (moerl.secrets): the single mapping the launcher and the local cluster test's
     # sandbox also read, so what a pod gets here is what was tested. kfp-kubernetes 2.17 mounts
@@ -293,10 +352,15 @@ def place(
         )
     for var, path in pod_secret_files(cfg, stage, async_mode).items():
         task.set_env_variable(var, path)
-    if cfg.checkpoint.fanout and stage == "rollout_worker" and not launcher:
-        # peers reach this worker's chunk server at the pod's address (NetworkPolicy: rollout pods only)
-        task.set_env_variable("MOERL_FANOUT_BIND", "0.0.0.0")
-        kubernetes.use_field_path_as_env(task, "MOERL_FANOUT_ADVERTISE", "status.podIP")
+
+
+def _set_timeout(
+    task: dsl.PipelineTask, cfg: RunConfig, group: GroupConfig, name: str, stage: str
+) -> None:
+    """`task`'s timeout (a launcher's: its workload's) and, for a retryable stage, its retries
+    with backoff."""
+    from kfp import kubernetes
+
     timeout = cfg.cluster.timeout_s(group, cfg.pipeline.mode)
     if stage in GPU_STAGES and name == "cpu":  # a launcher waits as long as its workload may run
         timeout = cfg.cluster.timeout_s(
@@ -310,4 +374,3 @@ def place(
             backoff_factor=2.0,
             backoff_max_duration=f"{timeout}s",
         )
-    return task

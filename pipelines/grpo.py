@@ -21,9 +21,9 @@ from moerl.components.publish_checkpoint.component import init_policy, resume_po
 from moerl.components.redistribute_weights.component import redistribute_weights
 from moerl.components.reward.component import reward
 from moerl.components.rollout.component import rollout
-from moerl.components.tracking.component import close_run, finish_run, log_iteration, start_run
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import ConfigError
+from moerl.pipelines.tracking import close_run, finish_run, log_iteration, start_run
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f
@@ -115,7 +115,7 @@ def run_form(
 def start_task(
     ops: Any, settle: Callable[[Any, str], Any], cfg: RunConfig, inputs: dict, target: str
 ):
-    """The run's first task: merges and validates the run form (components/tracking)."""
+    """The run's first task: merges and validates the run form (pipelines/tracking.py)."""
     from moerl.pipelines.params import params_for
 
     form = {p.name: inputs[p.name] for p in params_for(cfg)}
@@ -261,59 +261,8 @@ def build_pipeline(
         policy = init.outputs["Output"]
         logs: list[dsl.PipelineTask] = []
         for i in range(start_iteration, n_iter):
-            ro = _task(
-                ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
-                f"rollout-{i}",
-            )
-            if logs:  # iterations log in order (progress reads top to bottom; MLflow steps arrive in order)
-                ro.after(logs[-1])
-            rw = _task(
-                ops.reward(config_json=config_json, samples=ro.outputs["samples"], run_id=rid),
-                f"reward-{i}",
-            )
-            bf = _task(
-                ops.buffer(
-                    config_json=config_json,
-                    scored=rw.outputs["scored"],
-                    trainer_version=i,
-                    run_id=rid,
-                ),
-                f"buffer-{i}",
-            )
-            # trains version i+1 from the published version i and publishes it: no trainer
-            # state passes between tasks
-            up = _task(
-                ops.policy_update(
-                    config_json=config_json,
-                    batch=bf.outputs["batch"],
-                    policy_json=policy,
-                    iteration=i,
-                    run_id=rid,
-                ),
-                f"policy-update-v{i + 1}",
-            )
-            rd = _task(
-                ops.redistribute_weights(
-                    config_json=config_json, run_id=rid, policy_json=up.outputs["policy_json"]
-                ),
-                f"redistribute-weights-v{i + 1}",
-            )
-            logs.append(
-                _task(
-                    ops.log_iteration(
-                        config_json=config_json,
-                        run_id=rid,
-                        iteration=i,
-                        rollout=ro.outputs["Output"],
-                        reward=rw.outputs["Output"],
-                        buffer=bf.outputs["Output"],
-                        policy_update=up.outputs["metrics"],
-                        redistribute=rd.outputs["metrics"],
-                    ),
-                    f"log-iteration-{i}",
-                )
-            )
-            policy = rd.outputs["policy_json"]
+            log, policy = _iteration(ops, _task, config_json, rid, policy, i, logs[-1:])
+            logs.append(log)
         # after every log, so the reward curve it plots is complete
         _task(
             ops.finish_run(config_json=config_json, run_id=rid, policy_json=policy), "finish-run"
@@ -327,3 +276,69 @@ def build_pipeline(
         {"config_json": config_to_json(cfg), "run_id": run_id, "git_sha": git_sha},
         lambda inputs: with_exit_handler(ops, _task, inputs, lambda: _body(inputs)),
     )
+
+
+def _iteration(
+    ops: Ops,
+    settle: Callable[[Any, str], Any],
+    config_json: Any,
+    rid: Any,
+    policy: Any,
+    i: int,
+    previous: list[dsl.PipelineTask],
+) -> tuple[dsl.PipelineTask, Any]:
+    """Iteration `i`'s tasks, from rollout to its log, on the published `policy` (version i),
+    after `previous` (the last iteration's log, if any): its log task and version i+1."""
+    ro = settle(
+        ops.rollout(config_json=config_json, run_id=rid, policy_json=policy, iteration=i),
+        f"rollout-{i}",
+    )
+    if (
+        previous
+    ):  # iterations log in order (progress reads top to bottom; MLflow steps arrive in order)
+        ro.after(*previous)
+    rw = settle(
+        ops.reward(config_json=config_json, samples=ro.outputs["samples"], run_id=rid),
+        f"reward-{i}",
+    )
+    bf = settle(
+        ops.buffer(
+            config_json=config_json,
+            scored=rw.outputs["scored"],
+            trainer_version=i,
+            run_id=rid,
+        ),
+        f"buffer-{i}",
+    )
+    # trains version i+1 from the published version i and publishes it: no trainer
+    # state passes between tasks
+    up = settle(
+        ops.policy_update(
+            config_json=config_json,
+            batch=bf.outputs["batch"],
+            policy_json=policy,
+            iteration=i,
+            run_id=rid,
+        ),
+        f"policy-update-v{i + 1}",
+    )
+    rd = settle(
+        ops.redistribute_weights(
+            config_json=config_json, run_id=rid, policy_json=up.outputs["policy_json"]
+        ),
+        f"redistribute-weights-v{i + 1}",
+    )
+    log = settle(
+        ops.log_iteration(
+            config_json=config_json,
+            run_id=rid,
+            iteration=i,
+            rollout=ro.outputs["Output"],
+            reward=rw.outputs["Output"],
+            buffer=bf.outputs["Output"],
+            policy_update=up.outputs["metrics"],
+            redistribute=rd.outputs["metrics"],
+        ),
+        f"log-iteration-{i}",
+    )
+    return log, rd.outputs["policy_json"]

@@ -15,7 +15,6 @@ from moerl.components.policy_update.component import async_trainer
 from moerl.components.publish_checkpoint.component import init_policy
 from moerl.components.reward.component import reward_scorer
 from moerl.components.rollout.component import rollout_worker
-from moerl.components.tracking.component import close_run, finish_run, start_run
 from moerl.config import RunConfig, config_to_json
 from moerl.pipelines.grpo import (  # caching off, display name, EKS pods
     components,
@@ -24,6 +23,7 @@ from moerl.pipelines.grpo import (  # caching off, display name, EKS pods
     task_settings,
     with_exit_handler,
 )
+from moerl.pipelines.tracking import close_run, finish_run, start_run
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f

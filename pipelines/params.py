@@ -2,7 +2,7 @@
 
 Each field's description is its config key's description in the models (docs/config.md); the
 first task (`start_run`) merges the form into the compiled config and validates it, and keys
-the compiled graph was built from are refused per run. docs/run-on-eks.md ("the run form")
+the compiled graph was built from are refused per run. docs/eks.md ("the run form")
 explains the form. Pure logic; no KFP import, so `moerl submit` and the tests use it as is.
 """
 

@@ -16,7 +16,6 @@ from moerl.components.reward_model.component import (
     publish_reward_model,
     train_reward_model,
 )
-from moerl.components.tracking.component import close_run, finish_run, start_run
 from moerl.config import RunConfig, config_to_json
 from moerl.pipelines.grpo import (  # caching off, display name, EKS pods
     components,
@@ -25,6 +24,7 @@ from moerl.pipelines.grpo import (  # caching off, display name, EKS pods
     task_settings,
     with_exit_handler,
 )
+from moerl.pipelines.tracking import close_run, finish_run, start_run
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f

@@ -1,6 +1,6 @@
 """GRPO group-relative advantages: a pure function over one group's rewards.
 
-Design, details and limitations: docs/stages.md#componentsbufferadvantagepy.
+Design, details and limitations: docs/async.md#componentsbufferadvantagepy.
 """
 
 from __future__ import annotations

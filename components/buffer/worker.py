@@ -2,7 +2,7 @@
 trainer takes, from the scored stream in Valkey. It runs inside the trainer task (the one
 consumer of `scored`); the pure parts are functions so they can be unit-tested.
 
-Design, details and limitations: docs/stages.md#componentsbufferworkerpy.
+Design, details and limitations: docs/async.md#admission-staleness-and-backpressure.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def prompts_to_issue(
     `max_staleness` + 1 versions ahead of the trainer. With it (`cfg.min_signal_groups` = S) a
     version consumes S groups *with signal* and however many filtered ones come with them, so
     the same bound is counted in signal groups and scaled by the share of consumed groups that
-    had signal so far (at least 5 %), and no more than `cfg.gather_limit` groups a version:
+    had signal so far (at least 5 %), and no more than `cfg.resolved.max_gather_groups` groups a version:
     `signal_used` = committed signal groups; `gathered` = (groups, signal groups) the trainer
     holds for its current version, consumed but not committed (no longer waiting generation)."""
     if paused and backlog < cfg.low_watermark:
@@ -52,8 +52,8 @@ def prompts_to_issue(
         need = versions * batch_prompts - used - in_flight
         admit = (max_staleness + version + 1) * batch_prompts - used - in_flight
         return max(0, min(need, admit)), paused
-    s, limit = cfg.min_signal_groups, cfg.gather_limit
-    assert limit is not None  # set whenever min_signal_groups is (BufferConfig.gather_limit)
+    s, limit = cfg.min_signal_groups, cfg.resolved.max_gather_groups
+    assert limit is not None  # set whenever min_signal_groups is (BufferConfig.resolved)
     rate = max(signal_used / used, 0.05) if used >= s else 1.0
     have = signal_used + gathered[1]
     waiting = max(0, in_flight - gathered[0])  # issued, neither committed nor taken by the trainer

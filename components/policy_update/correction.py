@@ -5,7 +5,7 @@ Legend: N = samples, L1 = next-token positions, r_t = log pi_old(a_t) - log mu(a
 response token, rho_t = exp(r_t).
 
 The metrics and their formulas, the clamp and the rejection:
-docs/stages.md#componentspolicy_updatecorrectionpy.
+docs/async.md#componentspolicy_updatecorrectionpy.
 """
 
 from __future__ import annotations

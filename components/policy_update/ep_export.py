@@ -331,14 +331,7 @@ def export_ep_checkpoint(
     if grid.world > 1:
         every = [None] * grid.world
         dist.all_gather_object(every, mine)
-    weight_map: dict[str, str] = {}
-    for entries, *_ in every:
-        for key, (fname, _) in entries.items():
-            if key in weight_map:
-                raise CheckpointError(
-                    f"policy_update: {key} written by two ranks ({weight_map[key]}, {fname})"
-                )
-            weight_map[key] = fname
+    weight_map = _weight_map(every)
     files = [sorted({f for f, _ in entries.values()}) for entries, *_ in every]
     stats = ExportStats(
         rank=grid.rank,
@@ -350,25 +343,52 @@ def export_ep_checkpoint(
         weight_map=dict(sorted(weight_map.items())),
     )
     if grid.rank == 0:
-        missing = _expected_keys(blocks, layout) ^ set(weight_map)
-        if missing:
-            raise CheckpointError(
-                f"policy_update: export wrote {len(weight_map)} tensors; wrong or missing: "
-                f"{', '.join(sorted(missing)[:5])} (a moerl bug)"
-            )
-        index = {
-            "metadata": {"total_size": stats.total_bytes},
-            "weight_map": stats.weight_map,
-        }
-        (state_out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        for f in Path(state_in).iterdir():  # tokenizer and generation config, unchanged
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_FILE:
-                shutil.copy2(f, state_out / f.name)
-        config: Any = model.config  # a transformers model's
-        config.save_pretrained(state_out)
-        if dtype is not None:
-            mark_dtype(state_out, str(dtype).removeprefix("torch."))
+        _write_index(model, blocks, layout, stats, Path(state_in), state_out, dtype)
     if grid.world > 1:
         dist.barrier()
     stats.total_seconds = time.perf_counter() - start
     return stats
+
+
+def _weight_map(every: list[Any]) -> dict[str, str]:
+    """Every rank's entries as one weight map; a tensor two ranks wrote is a bug, refused."""
+    weight_map: dict[str, str] = {}
+    for entries, *_ in every:
+        for key, (fname, _) in entries.items():
+            if key in weight_map:
+                raise CheckpointError(
+                    f"policy_update: {key} written by two ranks ({weight_map[key]}, {fname})"
+                )
+            weight_map[key] = fname
+    return weight_map
+
+
+def _write_index(
+    model,
+    blocks,
+    layout: CheckpointLayout,
+    stats: ExportStats,
+    state_in: Path,
+    state_out: Path,
+    dtype: torch.dtype | None,
+) -> None:
+    """Rank 0's part: every tensor written once, then the index, the files copied from
+    `state_in`, and the config (marked with the serving dtype)."""
+    missing = _expected_keys(blocks, layout) ^ set(stats.weight_map)
+    if missing:
+        raise CheckpointError(
+            f"policy_update: export wrote {len(stats.weight_map)} tensors; wrong or missing: "
+            f"{', '.join(sorted(missing)[:5])} (a moerl bug)"
+        )
+    index = {
+        "metadata": {"total_size": stats.total_bytes},
+        "weight_map": stats.weight_map,
+    }
+    (state_out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    for f in state_in.iterdir():  # tokenizer and generation config, unchanged
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != INDEX_FILE:
+            shutil.copy2(f, state_out / f.name)
+    config: Any = model.config  # a transformers model's
+    config.save_pretrained(state_out)
+    if dtype is not None:
+        mark_dtype(state_out, str(dtype).removeprefix("torch."))

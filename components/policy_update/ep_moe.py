@@ -10,7 +10,6 @@ E experts, L = E / ep local experts, R rows received (one per (token, local expe
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -53,17 +52,6 @@ def _grads_contiguous(t: torch.Tensor) -> torch.Tensor:
             )
         )
     return t
-
-
-def experts_loop(
-    experts: LocalExperts, recv_RH: torch.Tensor, counts_L: torch.Tensor
-) -> torch.Tensor:
-    """The per-expert loop `LocalExperts.forward` replaces, kept as the reference for tests."""
-    outs = []
-    for e, rows_RH in enumerate(torch.split(recv_RH, counts_L.tolist())):
-        gate, up = F.linear(rows_RH, experts.gate_up_proj_LIH[e]).chunk(2, dim=-1)
-        outs.append(F.linear(experts.act_fn(gate) * up, experts.down_proj_LHI[e]))
-    return torch.cat(outs) if outs else recv_RH[:0]
 
 
 class EPMoEBlock(nn.Module):
@@ -203,18 +191,3 @@ def parallelize_experts(
             "no MoE sparse blocks (with fused `experts.gate_up_proj`) found to parallelize"
         )
     return blocks
-
-
-def gather_full_experts(ep_block: EPMoEBlock, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full [E, 2I, H] and [E, H, I] expert tensors, on every rank."""
-    ws = dist.get_world_size(group) if dist.is_initialized() else 1
-    parts = []
-    for local in (ep_block.gate_up_proj_LIH, ep_block.down_proj_LHI):
-        t = local.detach().contiguous()  # plain tensors: tests call this without FSDP
-        if ws == 1:
-            parts.append(t)
-            continue
-        bufs = [torch.empty_like(t) for _ in range(ws)]
-        dist.all_gather(bufs, t, group=group)
-        parts.append(torch.cat(bufs))
-    return parts[0], parts[1]

@@ -1,7 +1,7 @@
 """The policy update on the trainer's mesh, the trainer's one code path: one process per rank
 when the mesh has more than one (`launcher.py` builds the torchrun or local command), or the
 calling process as a one-rank mesh (`one_rank`). The mesh, FSDP2 and expert parallelism:
-docs/expert-parallel.md; the launch: docs/stages.md, `components/policy_update/launcher.py`.
+docs/expert-parallel.md; the launch: docs/async.md, `components/policy_update/launcher.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -291,7 +291,7 @@ def train_ep(
     micro-batches, loss normalization, skip rule and metric names. Every tensor handed to a
     collective lives on the model's device (NCCL takes no CPU tensors).
 
-    `pi_old` (`trainer.optimizer.stream`): `batch` is one minibatch of a version, trained in one step,
+    `pi_old` (`trainer.schedule.stream`): `batch` is one minibatch of a version, trained in one step,
     against "engine": the engine's logprobs (it served the weights this version's steps start
     from; no pi_old pass), or "proximal": the pass under the weights as they are before this
     step. None: the whole batch, its pi_old pass before any step."""
@@ -333,65 +333,109 @@ def train_ep(
         if routing is not None and not engine_old:  # read after a pi_old pass, before steps
             corr.update(routing.metrics(distributed=True))
         # 4. steps
-        model.train()
-        aux_fn = (
-            (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None))
-            if tc.moe.aux_loss_coef > 0
-            else None
-        )
-        # this rank's shares of every step's statistics
-        sums = dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0)
-        done = skipped = 0
         bias = (
             RouterBias(model, tc.moe.router_bias_update_rate)
             if tc.moe.router_bias_update_rate > 0
             else None
         )
-        balance: dict[str, float] = {}
-        for chunk, my_parts in zip(chunks, parts):
-            opt.zero_grad(set_to_none=True)
-            stats = accumulate(
-                model,
-                p,
-                my_parts,
-                old_logp,
-                cfg,
-                float(p.mask_NL1[chunk].sum()),
-                len(chunk),
-                aux_fn,
-                n_seqs=float((p.mask_NL1[chunk].sum(-1) > 0).sum()),
-                routing=routing,
-            )
-            finite = torch.tensor([float(losses_are_finite(stats))], device=device)
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
-            grad_norm = _sync_and_clip(model, ep_blocks, tc.optimizer.max_grad_norm)
-            # the global norm is identical on every rank: each adds 1/world of it
-            if finish_step(
-                opt,
-                counters,
-                cfg,
-                stats,
-                sums,
-                grad_norm,
-                finite.item() == 1,
-                norm_share=1.0 / world,
-            ):
-                done += 1
-                # every rank's copy of the bias moves the same way: loads summed over all ranks
-                balance = bias.step(sum_over_ranks=True) if bias is not None else balance
-            else:
-                skipped += 1
-                if bias is not None:
-                    bias.reset()
+        steps = _ep_steps(
+            model, opt, counters, ep_blocks, p, chunks, parts, old_logp, cfg, routing, bias
+        )
     finally:
         for hooks in (bias, routing):
             if hooks is not None:
                 hooks.close()
+    return _ep_metrics(cfg, ep_blocks, steps, mismatch, tokens_before, corr, device)
+
+
+@dataclass
+class _EpSteps:
+    """A version's optimizer steps on this rank (`_ep_steps`): its shares of every step's
+    statistics, the steps taken and skipped, and the router bias's last balance metrics."""
+
+    sums: dict[str, float]
+    done: int = 0
+    skipped: int = 0
+    balance: dict[str, float] = field(default_factory=dict)
+
+
+def _ep_steps(
+    model,
+    opt,
+    counters: Counters,
+    ep_blocks,
+    p,
+    chunks,
+    parts,
+    old_logp,
+    cfg: RunConfig,
+    routing,
+    bias,
+) -> _EpSteps:
+    """One optimizer step per minibatch (`chunks`, this rank's micro-batches `parts`), every
+    rank skipping a step with a non-finite loss or gradient together."""
+    tc, world, device = cfg.trainer, dist.get_world_size(), model_device(model)
+    model.train()
+    aux_fn = (
+        (lambda: sum(b.aux_loss for b in ep_blocks if b.aux_loss is not None))
+        if tc.moe.aux_loss_coef > 0
+        else None
+    )
+    out = _EpSteps(sums=dict.fromkeys((*STAT_KEYS, "grad_norm"), 0.0))
+    for chunk, my_parts in zip(chunks, parts):
+        opt.zero_grad(set_to_none=True)
+        stats = accumulate(
+            model,
+            p,
+            my_parts,
+            old_logp,
+            cfg,
+            float(p.mask_NL1[chunk].sum()),
+            len(chunk),
+            aux_fn,
+            n_seqs=float((p.mask_NL1[chunk].sum(-1) > 0).sum()),
+            routing=routing,
+        )
+        finite = torch.tensor([float(losses_are_finite(stats))], device=device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # every rank skips, or none
+        grad_norm = _sync_and_clip(model, ep_blocks, tc.optimizer.max_grad_norm)
+        # the global norm is identical on every rank: each adds 1/world of it
+        if finish_step(
+            opt,
+            counters,
+            cfg,
+            stats,
+            out.sums,
+            grad_norm,
+            finite.item() == 1,
+            norm_share=1.0 / world,
+        ):
+            out.done += 1
+            # every rank's copy of the bias moves the same way: loads summed over all ranks
+            out.balance = bias.step(sum_over_ranks=True) if bias is not None else out.balance
+        else:
+            out.skipped += 1
+            if bias is not None:
+                bias.reset()
+    return out
+
+
+def _ep_metrics(
+    cfg: RunConfig,
+    ep_blocks,
+    steps: _EpSteps,
+    mismatch: float,
+    tokens_before: float,
+    corr: dict[str, float],
+    device,
+) -> dict[str, float]:
+    """The version's metrics, summed over every rank: the steps' statistics, the engine/trainer
+    mismatch, and the tokens each expert received in the last step."""
     totals = torch.tensor(
-        [*sums.values(), mismatch, tokens_before], dtype=torch.float64, device=device
+        [*steps.sums.values(), mismatch, tokens_before], dtype=torch.float64, device=device
     )
     dist.all_reduce(totals)
-    named = dict(zip(sums, totals.tolist()))
+    named = dict(zip(steps.sums, totals.tolist()))
     mismatch_sum, tokens = totals[-2].item(), totals[-1].item()
     # tokens per expert over layers, last step: each rank fills its experts' slots with what
     # it received; summed over all ranks (its dp peers hold the same experts, other tokens)
@@ -403,14 +447,14 @@ def train_ep(
             )
     dist.all_reduce(per_expert)
     return {
-        **{f"train/{k}": v / max(done, 1) for k, v in named.items()},
-        "train/steps": float(done),
-        "train/skipped_steps": float(skipped),
+        **{f"train/{k}": v / max(steps.done, 1) for k, v in named.items()},
+        "train/steps": float(steps.done),
+        "train/skipped_steps": float(steps.skipped),
         "train/tokens": tokens,
         "train/logprob_mismatch": mismatch_sum / max(tokens, 1.0),
         "train/ep_size": float(cfg.trainer.parallelism.expert_parallel_size),
         "train/dp_shard": float(cfg.trainer.parallelism.data_parallel_shard),
-        **balance,
+        **steps.balance,
         **corr,
         "moe/expert_load_imbalance": float(per_expert.max() / per_expert.mean().clamp_min(1e-9)),
         **{f"moe/tokens_expert_{e}": float(c) for e, c in enumerate(per_expert.tolist())},
@@ -616,7 +660,7 @@ def save_version(
         s.mesh,
         s.state_in,
         state_out,
-        cfg.rollout.serving_dtype,
+        cfg.rollout.resolved.dtype,
         with_state,
     )
     # where the update's time went: the steps (pi_old included, in run_version), saving

@@ -1,6 +1,6 @@
 """Start the ranks of the policy update's mesh and wait for them.
 
-Design, details and limitations: docs/stages.md#componentspolicy_updatelauncherpy.
+Design, details and limitations: docs/async.md#componentspolicy_updatelauncherpy.
 """
 
 from __future__ import annotations

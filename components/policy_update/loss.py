@@ -5,7 +5,7 @@ logp (pi_theta, with grad), old_logp (pi_old, the trainer at the iteration's sta
 (mu, what the engine reported); adv_B is each sequence's group-relative advantage.
 
 The formulas, their match with verl and TRL, the deviations from the GRPO paper, padding and
-the variants: docs/stages.md#componentspolicy_updatelosspy.
+the variants: docs/async.md#componentspolicy_updatelosspy.
 """
 
 from __future__ import annotations
@@ -131,18 +131,7 @@ def policy_loss(
         else torch.tensor(float(max(n_tokens, 1.0)), device=logp_BT.device)
     )
     adv_BT = adv_B[:, None].to(logp_BT.dtype).expand_as(logp_BT)
-
-    if kind == "ppo":
-        ratio = _masked_exp(logp_BT - old_logp_BT, real)
-    else:
-        safe_lp = torch.where(real, logp_BT, torch.zeros_like(logp_BT))
-        safe_old = torch.where(real, old_logp_BT, torch.zeros_like(old_logp_BT))
-        seq_len_B1 = mask.sum(-1, keepdim=True).clamp_min(1.0)
-        seq_log_B1 = ((safe_lp - safe_old) * mask).sum(-1, keepdim=True) / seq_len_B1
-        log_s = safe_lp - safe_lp.detach() + seq_log_B1.detach()
-        ratio = torch.where(
-            real, torch.exp(log_s.clamp(max=GSPO_LOG_RATIO_MAX)), torch.ones_like(log_s)
-        )
+    ratio = _ratio(logp_BT, old_logp_BT, real, kind)
     pg_unclipped = -adv_BT * ratio
     pg_clipped = -adv_BT * torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
@@ -154,16 +143,7 @@ def policy_loss(
         pg = torch.where(negative, torch.minimum(pg, bound), pg)
 
     per_token = torch.where(real, is_w_BT.detach().to(pg.dtype) * pg, torch.zeros_like(pg))
-    if agg == "token-mean":
-        loss = per_token.sum() / n_tok
-    else:
-        has = mask.sum(-1) > 0
-        n_seq = (
-            has.sum().clamp_min(1).to(pg.dtype)
-            if n_seqs is None
-            else torch.tensor(float(max(n_seqs, 1.0)), device=logp_BT.device, dtype=pg.dtype)
-        )
-        loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1.0)).sum() / n_seq
+    loss = _aggregate(per_token, mask, agg, n_tok, n_seqs)
 
     with torch.no_grad():
         took_clip = (pg_clipped > pg_unclipped) & real
@@ -177,40 +157,41 @@ def policy_loss(
     return loss, stats
 
 
-def grpo_token_loss(
-    logp_BT: torch.Tensor,
-    old_logp_BT: torch.Tensor,
-    engine_logp_BT: torch.Tensor,
-    adv_B: torch.Tensor,
+def _ratio(
+    logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, real: torch.Tensor, kind: str
+) -> torch.Tensor:
+    """The ratio the clip applies to (`policy_loss`): per token (ppo), or the sequence's
+    geometric mean carrying each token's gradient (gspo); 1 on padding."""
+    if kind == "ppo":
+        return _masked_exp(logp_BT - old_logp_BT, real)
+    mask = real.to(logp_BT.dtype)
+    safe_lp = torch.where(real, logp_BT, torch.zeros_like(logp_BT))
+    safe_old = torch.where(real, old_logp_BT, torch.zeros_like(old_logp_BT))
+    seq_len_B1 = mask.sum(-1, keepdim=True).clamp_min(1.0)
+    seq_log_B1 = ((safe_lp - safe_old) * mask).sum(-1, keepdim=True) / seq_len_B1
+    log_s = safe_lp - safe_lp.detach() + seq_log_B1.detach()
+    return torch.where(real, torch.exp(log_s.clamp(max=GSPO_LOG_RATIO_MAX)), torch.ones_like(log_s))
+
+
+def _aggregate(
+    per_token_BT: torch.Tensor,
     mask_BT: torch.Tensor,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    tis_cap: float,
-    n_tokens: float | None = None,
-    clip_ratio_c: float | None = None,
-) -> tuple[torch.Tensor, LossStats]:
-    """PPO with token-level truncated IS and token-mean aggregation (the default `policy_loss`).
-    `n_tokens`: the normalizer; default the tokens in this minibatch. Expert-parallel ranks
-    pass the token count of the whole (global) minibatch, so their losses sum to the loss.
-    `clip_ratio_c`: the dual-clip bound for negative advantages (> 1); None = off."""
-    w = importance_weights(old_logp_BT, engine_logp_BT, mask_BT, "token_truncate", tis_cap)
-    loss, stats = policy_loss(
-        logp_BT,
-        old_logp_BT,
-        w.w_BT,
-        adv_B,
-        mask_BT,
-        clip_eps_low,
-        clip_eps_high,
-        n_tokens=n_tokens,
-        clip_ratio_c=clip_ratio_c,
+    agg: str,
+    n_tok: torch.Tensor,
+    n_seqs: float | None,
+) -> torch.Tensor:
+    """The loss from its per-token terms (`policy_loss`'s `agg`)."""
+    if agg == "token-mean":
+        return per_token_BT.sum() / n_tok
+    has = mask_BT.sum(-1) > 0
+    n_seq = (
+        has.sum().clamp_min(1).to(per_token_BT.dtype)
+        if n_seqs is None
+        else torch.tensor(
+            float(max(n_seqs, 1.0)), device=per_token_BT.device, dtype=per_token_BT.dtype
+        )
     )
-    real = mask_BT.bool()
-    denom = float(max(n_tokens, 1.0)) if n_tokens is not None else float(real.sum().clamp_min(1))
-    truncated = w.truncated_fraction * float(real.sum().clamp_min(1)) / denom
-    return loss, LossStats(
-        stats.loss, stats.clip_fraction, truncated, stats.mean_ratio, stats.dual_clip_fraction
-    )
+    return (per_token_BT.sum(-1) / mask_BT.sum(-1).clamp_min(1.0)).sum() / n_seq
 
 
 def truncate_logits(x_BLV: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:

@@ -55,8 +55,8 @@ POLL_S = 0.25  # a follower polls the store for the next command this often
 class Command:
     """What rank 0 asks of every rank. `op`: fetch (each node lays published `version` out),
     load (the state in `path`, published version `version`; the run continues from version `at`), train (the next version into `path`, with
-    the trainer's state when `state`), step (`trainer.optimizer.stream`: minibatch `index` of the version
-    trained from `version`, one optimizer step), save (`trainer.optimizer.stream`: that version's files
+    the trainer's state when `state`), step (`trainer.schedule.stream`: minibatch `index` of the version
+    trained from `version`, one optimizer step), save (`trainer.schedule.stream`: that version's files
     into `path`), stop (the run is done), abort (rank 0 failed: every rank exits non-zero)."""
 
     op: str
@@ -415,7 +415,7 @@ class Mesh:
     def step(
         self, samples: list[TrainSample] | None, version: int, index: int, pi_old: str
     ) -> dict:
-        """`trainer.optimizer.stream`: one minibatch of the version trained from `version`, one step."""
+        """`trainer.schedule.stream`: one minibatch of the version trained from `version`, one step."""
         if self.session is None:
             raise TrainingError("trainer mesh: a minibatch was sent before any state loaded")
         # a seed per (version, minibatch): the same on every rank, never repeated in a run
@@ -423,7 +423,7 @@ class Mesh:
         return train_steps(self.cfg, self.session, _batch(samples), seed, pi_old=pi_old)
 
     def save(self, out: Path, with_state: bool) -> dict:
-        """`trainer.optimizer.stream`: the version its minibatches trained, written (every rank its part)."""
+        """`trainer.schedule.stream`: the version its minibatches trained, written (every rank its part)."""
         if self.session is None:
             raise TrainingError("trainer mesh: a version was saved before any state loaded")
         return save_version(self.cfg, self.session, out, with_state)
@@ -499,7 +499,7 @@ class Leader(Mesh):
     def train_step(
         self, samples: list[TrainSample], version: int, index: int, pi_old: str
     ) -> dict[str, float]:
-        """`trainer.optimizer.stream`: every rank takes one optimizer step on `samples`, minibatch `index`
+        """`trainer.schedule.stream`: every rank takes one optimizer step on `samples`, minibatch `index`
         of the version trained from `version`, against `pi_old` (engine | proximal); its
         weights are written by `save_version`. A minibatch with fewer samples than ranks (its
         groups had no reward variance) trains nothing and is not sent: a command whose only
@@ -512,7 +512,7 @@ class Leader(Mesh):
         return self.step(samples, version, index, pi_old)
 
     def save_version(self, version: int, out: Path) -> dict[str, float]:
-        """`trainer.optimizer.stream`: every rank writes its part of version + 1, trained by the steps
+        """`trainer.schedule.stream`: every rank writes its part of version + 1, trained by the steps
         `train_step` took, into `out` (as `train_version` does after its steps)."""
         state = self.with_state(version)
         self.control.send("save", version=version, path=str(out), state=state)

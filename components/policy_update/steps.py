@@ -2,7 +2,7 @@
 minibatches over a seeded permutation, micro-batches with gradient accumulation, losses
 normalized by the whole minibatch's token count on every rank (so the ranks' steps sum to the
 single process's), non-finite steps skipped on every rank, and the MoE router hooks (aux loss,
-DeepSeek-V3's bias balancing). docs/stages.md (the trainer) and docs/expert-parallel.md.
+DeepSeek-V3's bias balancing). docs/async.md (the trainer) and docs/expert-parallel.md.
 
 Legend: N = samples, L = packed sequence length, L1 = L - 1, M = rows in a micro-batch.
 """
@@ -398,7 +398,7 @@ def accumulate(
                 mask,
                 *tc.loss.clip_range,
                 kind=tc.loss.policy_loss,
-                agg=tc.loss.agg_mode,
+                agg=tc.loss.resolved.loss_agg_mode,
                 n_tokens=n_tokens,
                 n_seqs=n_rows if n_seqs is None else n_seqs,
                 clip_ratio_c=tc.loss.clip_ratio_c,

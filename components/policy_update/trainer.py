@@ -1,6 +1,6 @@
 """Policy update stage: N optimizer steps of GRPO on one training batch.
 
-Design, details and limitations: docs/stages.md#componentspolicy_updatetrainerpy.
+Design, details and limitations: docs/async.md#componentspolicy_updatetrainerpy.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from moerl.components.policy_update.steps import (
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.models.policy import mark_dtype
-from moerl.records import TrainSample, read_records, token_versions
+from moerl.records import TrainSample, token_versions
 
 __all__ = [
     "Counters",
@@ -45,7 +44,6 @@ __all__ = [
     "MASTER_DIR",
     "weights_dir",
     "pack",
-    "reference_policy_update",
     "run_policy_update",
     "sequence_logprobs",
     "train_on_batch",
@@ -116,7 +114,10 @@ def pack(batch: list[TrainSample], pad_id: int, device: torch.device | str = "cp
     )
 
 
-def _load_state(state_dir: Path, cfg: RunConfig):
+def load_state(state_dir: Path, cfg: RunConfig):
+    """The one-process trainer's state of the version in `state_dir`: (model, AdamW optimizer,
+    Counters), on `cfg.trainer.parallelism.device`. Public for callers that train a version
+    step by step (the benchmarks' floor arms): `train_on_batch`, then `save_state`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -155,7 +156,7 @@ def _load_state(state_dir: Path, cfg: RunConfig):
     return model, opt, counters
 
 
-def _save_state(
+def save_state(
     model,
     opt,
     counters: Counters,
@@ -288,37 +289,4 @@ def run_policy_update(
 
     with one_rank(cfg):
         metrics, _ = update(cfg, Path(batch_path), Path(state_in), Path(state_out), iteration)
-    return metrics
-
-
-def reference_policy_update(
-    cfg: RunConfig,
-    batch_path: str | Path,
-    state_in: str | Path,
-    state_out: str | Path,
-    iteration: int,
-) -> dict[str, float]:
-    """The single-process update without a mesh (`train_on_batch`): no stage runs it; the
-    reference the mesh's equivalence tests compare against, and benchmarks of the steps alone."""
-    t0 = time.perf_counter()
-    torch.manual_seed(cfg.trainer.seed + iteration)
-    state_in, state_out = Path(state_in), Path(state_out)
-    # 1. state
-    model, opt, counters = _load_state(state_in, cfg)
-    batch = read_records(batch_path, TrainSample)
-    # 2-4. train (an empty batch, every group dropped, still yields the next version unchanged)
-    if batch:
-        metrics = train_on_batch(
-            model, opt, counters, batch, cfg, seed=cfg.trainer.seed + iteration
-        )
-    else:
-        log.warning(
-            "iteration %d: empty training batch (every group dropped); weights unchanged", iteration
-        )
-        metrics = {"train/steps": 0.0, "train/skipped_steps": 0.0}
-    metrics["train/empty_batch"] = float(not batch)
-    counters.version += 1
-    # 5. save
-    _save_state(model, opt, counters, state_in, state_out, cfg.rollout.serving_dtype)
-    metrics["timing/policy_update_s"] = time.perf_counter() - t0
     return metrics

@@ -1,6 +1,6 @@
 """Publication off the trainer's critical path (async mode).
 
-Design, details and limitations: docs/stages.md#componentspublish_checkpointpublisherpy.
+Design, details and limitations: docs/async.md#componentspublish_checkpointpublisherpy.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Publish checkpoint stage: make policy version v durable in the checkpoint store.
 
-Design, details and limitations: docs/stages.md#componentspublish_checkpointstagepy.
+Design, details and limitations: docs/async.md#componentspublish_checkpointstagepy.
 """
 
 from __future__ import annotations
@@ -15,13 +15,23 @@ from pathlib import Path
 from moerl import tracking
 from moerl.components.policy_update.trainer import TRAINER_DIR
 from moerl.config import RunConfig
-from moerl.errors import CheckpointError
+from moerl.errors import CheckpointError, ConfigError
+from moerl.models.families import source_tags as family_tags
 from moerl.models.policy import check_checkpoint
-from moerl.models.source import VIEW_DONE
+from moerl.models.source import (
+    VIEW_DONE,
+    ModelImport,
+    S3Model,
+    _s3_view,
+    hf_snapshot,
+    local_model,
+    model_view,
+)
 from moerl.models.tiny import build_tiny_model, build_tiny_skeleton
 from moerl.provenance import git_sha
 from moerl.records import PolicyVersion
-from moerl.store.base import RemoteParts
+from moerl.registry import policy as registry
+from moerl.store.base import MANIFEST, MARKER, RemoteParts
 from moerl.store.manifest import Manifest
 from moerl.store.runs import ENGINE_EXCLUDE, run_store, version_uri
 from moerl.store.tiers import run_tiers
@@ -82,8 +92,6 @@ def fetch_warm_start(cfg: RunConfig, prev: PreviousCheckpoint, model_dir: Path) 
     """Lay out `prev`'s weights, config and tokenizer (not its `trainer/` state) in
     `model_dir`, every file verified against the version's manifest on the way."""
     import tempfile
-
-    from moerl.store.base import MANIFEST, MARKER
 
     store = run_store(cfg.checkpoint, prev.run_id)
     if version_uri(store, prev.version) != prev.uri:  # the tag and the store must name one version
@@ -155,8 +163,6 @@ def source_tags(cfg: RunConfig, state_dir: Path, parts, manifest_sha256: str) ->
     it became."""
     import json
 
-    from moerl.models.families import source_tags as family_tags
-
     assert cfg.model.path
     tags = {
         "moerl.model.source": cfg.model.path,
@@ -198,8 +204,6 @@ def prepare_initial(cfg: RunConfig, state_dir: str | Path, run_id: str | None = 
 def _prepare(cfg: RunConfig, model_dir: Path, run_id: str | None, weights: bool):
     """`prepare_initial`; without `weights`, an S3 model's weights are left out of `model_dir`
     and returned as the parts to import (a `ModelImport`), else None."""
-    from moerl.models.source import ModelImport, S3Model, _s3_view, hf_snapshot, local_model
-
     if cfg.model.warm_start.startswith("registry:"):
         _warm_start_from_registry(cfg, model_dir, run_id)
         return None
@@ -259,9 +263,6 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
     whatever version 0 will be. Raises CheckpointError when `model.path` cannot be read here."""
     import tempfile
 
-    from moerl.errors import ConfigError
-    from moerl.models.source import model_view
-
     dest = Path(dest)
     if dest.joinpath(SKELETON_DONE).is_file():
         return dest
@@ -300,11 +301,9 @@ def model_skeleton(cfg: RunConfig, dest: str | Path) -> Path:
 
 
 def _warm_start_from_registry(cfg: RunConfig, model_dir: Path, run_id: str | None) -> Path:
-    """Version 0 from the registered policy version `model.warm_start` names (registry.py): its
+    """Version 0 from the registered policy version `model.warm_start` names (moerl/registry/policy.py): its
     manifest must still be the registered one, and every file is verified on the way."""
-    from moerl.components.publish_checkpoint.registry import resolve_policy
-
-    reg = resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
+    reg = registry.resolve_policy(tracking.resolve_uri(cfg.tracking), cfg.model.warm_start)
     if reg.store_root.rstrip("/") != _store_root(cfg):
         raise CheckpointError(
             f"model.warm_start: {cfg.model.warm_start} is {reg.version_uri}, outside this config's "
@@ -350,8 +349,6 @@ def prepare_resume(
     prefixes left in the store (a mesh's ranks fetch the state shards they need themselves:
     `STATE_SHARDS`)."""
     import tempfile
-
-    from moerl.store.base import MANIFEST, MARKER
 
     store = run_store(cfg.checkpoint, run_id)
     manifest = store.manifest(version)

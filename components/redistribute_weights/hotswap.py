@@ -1,11 +1,12 @@
 """Hot swap: load a published policy version into a live vLLM engine, no restart.
 
-Design, details and limitations: docs/stages.md#componentsredistribute_weightshotswappy.
+Design, details and limitations: docs/async.md#componentsredistribute_weightshotswappy.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -357,6 +358,7 @@ def hot_swap(
     version: int | None = None,
     fail_rank: int | None = None,
     expect_sha256: str | None = None,
+    node_cache: bool = False,
 ) -> SwapStats:
     """Swap the weights of a live engine (`core`: components/rollout/cores.py) for those in
     `model_dir` (a verified cache dir) on every rank of every engine core, by name (`MoerlWorker.moerl_swap`: nothing pickled crosses
@@ -366,7 +368,9 @@ def hot_swap(
     slower, kept as the reference the in-place path is tested against. `reset_cache=False`
     leaves the prefix cache to the caller (an in-flight swap: `RolloutEngine.swap_weights`).
     `fail_rank`: fault injection for the tests. `expect_sha256`: the manifest every rank's copy
-    must hold (an engine over several nodes: each node reads its own node cache).
+    must hold (an engine over several nodes: each node reads its own node cache). `node_cache`:
+    `model_dir` is the version's path under each node's cache root (`engine_worker.node_copy`);
+    else a folder of this process, handed to the ranks absolute (they run in other processes).
     """
     from moerl.errors import WeightSyncError
 
@@ -374,7 +378,15 @@ def hot_swap(
     try:
         results = core.collective_rpc(
             "moerl_swap",
-            args=(str(model_dir), bucket_mb * 2**20, inplace, version, fail_rank, expect_sha256),
+            args=(
+                str(model_dir) if node_cache else os.path.abspath(model_dir),
+                bucket_mb * 2**20,
+                inplace,
+                version,
+                fail_rank,
+                expect_sha256,
+                node_cache,
+            ),
         )
     except Exception as err:  # noqa: BLE001 - whatever a rank raised, the caller gets one typed error
         raise WeightSyncError(

@@ -1,6 +1,6 @@
 """Redistribute weights stage: make version v the one the next rollout serves.
 
-Design, details and limitations: docs/stages.md#componentsredistribute_weightsstagepy.
+Design, details and limitations: docs/async.md#componentsredistribute_weightsstagepy.
 """
 
 from __future__ import annotations

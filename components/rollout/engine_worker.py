@@ -118,11 +118,12 @@ class _Capture:
 
 
 def node_copy(model_dir: str, expect_sha256: str | None = None) -> str:
-    """Where this rank reads a swap's version. An absolute path is read as given (an engine on
-    one node). A relative one names the version under the node cache root, and an engine over
-    several nodes resolves it against its own node's root (MOERL_NODE_CACHE, set by the moerl
-    process that started this rank): every node reads the copy it fetched and verified itself,
-    and a node without that copy (or with another manifest's) fails the swap, naming itself."""
+    """Where this rank reads the version of a swap of an engine over several nodes
+    (`hot_swap`'s `node_cache`). An absolute path is read as given. A relative one names the
+    version under the node cache root, and each rank resolves it against its own node's root
+    (MOERL_NODE_CACHE, set by the moerl process that started this rank): every node reads the
+    copy it fetched and verified itself, and a node without that copy (or with another
+    manifest's) fails the swap, naming itself."""
     import socket
     from pathlib import Path
 
@@ -169,16 +170,19 @@ class MoerlWorker:
         version: int | None,
         fail_rank: int | None = None,
         expect_sha256: str | None = None,
+        node_cache: bool = False,
     ) -> dict[str, Any]:
         """Load this rank's shard of `model_dir` (redistribute_weights/hotswap.py) and report the
-        version it loaded and a digest over its parameters. `fail_rank`: fault injection for the
-        tests (that rank raises before touching its weights)."""
+        version it loaded and a digest over its parameters. `node_cache`: `model_dir` is a path
+        under this node's cache (`node_copy`); else a folder read as given. `fail_rank`: fault
+        injection for the tests (that rank raises before touching its weights)."""
         from moerl.components.redistribute_weights.hotswap import swap_in_worker
 
         ranks = _ranks(self)
         if fail_rank is not None and ranks["rank"] == fail_rank:
             raise RuntimeError(f"injected swap failure on rank {fail_rank}")
-        model_dir = node_copy(model_dir, expect_sha256)
+        if node_cache:
+            model_dir = node_copy(model_dir, expect_sha256)
         stats = swap_in_worker(self, model_dir, bucket_bytes, inplace)
         digests = self.moerl_param_digests()
         h = hashlib.sha256()

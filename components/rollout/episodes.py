@@ -1,7 +1,7 @@
 """Multi-turn episodes, token in and token out: the model's turns and an environment's
 observations (`moerl/tasks/environments.py`) joined into one sample the trainer learns from.
 
-Design, details and limitations: docs/stages.md#componentsrolloutepisodespy.
+Design, details and limitations: docs/async.md#componentsrolloutepisodespy.
 """
 
 from __future__ import annotations

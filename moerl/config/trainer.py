@@ -1,13 +1,15 @@
-"""The GRPO policy update, in sections by concern: the optimizer, the policy loss, the
-training-inference mismatch corrections, the trainer's parallelism and memory, and the MoE
-router's training. `MOVED` maps each key that left `trainer.` for a section to its new place;
-the loader refuses the old key naming the new one, and `moerl config migrate` rewrites a file."""
+"""The GRPO policy update, in sections by concern: the optimizer, the schedule (streamed or
+whole-batch), the policy loss, the training-inference mismatch corrections, the trainer's
+parallelism and memory, and the MoE router's training. `MOVED` maps each key that moved (out of
+`trainer.` into a section, or between sections) to its new place; the loader refuses the old key
+naming the new one, and `moerl config migrate` rewrites a file."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moerl.config.base import _Section
 
@@ -26,6 +28,12 @@ class OptimizerConfig(_Section):
     max_consecutive_skipped_steps: int = Field(3, ge=1)
     """A step with a non-finite loss or gradient is skipped and counted; this many in a row fail
     the run."""
+
+
+class ScheduleConfig(_Section):
+    """When a version trains against the arrival of its groups (async mode): minibatch by
+    minibatch as they come (streamed), or once its whole batch is in."""
+
     stream: bool | None = None
     """Async mode: train each version minibatch by minibatch as its groups arrive
     (optimizer_steps_per_iteration chunks of groups, in arrival order) against the engine's
@@ -34,6 +42,15 @@ class OptimizerConfig(_Section):
     trainer's pi_old pass is skipped. null: wherever it can (async, buffer.max_staleness 0, no
     buffer.min_signal_groups, router_replay not R2, persistent_ranks); true: required (refused
     where it cannot); false: each version trains once its whole batch is in."""
+
+
+@dataclass(frozen=True)
+class LossResolved:
+    """`LossConfig.resolved`: the loss keys whose null the config resolves, each under its key's
+    own name."""
+
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"]
+    """`trainer.loss.loss_agg_mode`: seq-mean-token-mean for gspo, token-mean for ppo, unless set."""
 
 
 class LossConfig(_Section):
@@ -54,14 +71,17 @@ class LossConfig(_Section):
     gspo_clip_eps_high: float = Field(4e-4, gt=0.0)
     """GSPO's clip range above 1 of the sequence ratio."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] | None = None
-    """token-mean (DAPO's) or seq-mean-token-mean (GSPO's); null: the policy loss's own."""
+    """token-mean (DAPO's) or seq-mean-token-mean (GSPO's); null: the policy loss's own
+    (`resolved.loss_agg_mode`)."""
 
     @property
-    def agg_mode(self) -> str:
-        """The loss aggregation: `loss_agg_mode`, else the policy loss's own."""
-        return self.loss_agg_mode or (
+    def resolved(self) -> LossResolved:
+        """The keys whose null stands for the policy loss's own value, resolved under their
+        own names."""
+        own: Literal["token-mean", "seq-mean-token-mean"] = (
             "seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean"
         )
+        return LossResolved(loss_agg_mode=self.loss_agg_mode or own)
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -104,12 +124,12 @@ class CorrectionConfig(_Section):
     extreme_ratio_tau: float = Field(2.0, gt=1.0)
     """The rollout_corr/extreme_* metrics count tokens whose pi_old / mu is outside [1/tau, tau]."""
     stream_pi_old: Literal["auto", "engine", "proximal"] = "auto"
-    """A streamed trainer's pi_old (`trainer.optimizer.stream`). engine: the engine's logprobs (the pi_old
+    """A streamed trainer's pi_old (`trainer.schedule.stream`). engine: the engine's logprobs (the pi_old
     pass skipped; the importance weight is 1, so nothing above corrects anything); proximal:
     the trainer's own logprobs under its weights before each minibatch's step (a forward per
     minibatch, AReaL's proximal policy, so its ratio is 1 and the clip never binds), corrected
     against the engine's as above; auto: engine where both sides compute in float32
-    (rollout.serving_dtype and model.dtype float32, no quantization, mixed_precision off: they
+    (rollout.dtype and model.dtype float32, no quantization, mixed_precision off: they
     agree to 1e-7 on cpu) and rollout_rs is off, else proximal."""
 
     @property
@@ -126,6 +146,39 @@ class CorrectionConfig(_Section):
                 f"tis_mode is {self.tis_mode}"
             )
         return self
+
+
+class DeepEPOptions(BaseModel):
+    """`trainer.parallelism.deepep_options`, the keys kernels/deepep.py builds its buffer from;
+    unknown keys are rejected. Kept here, without torch, so the config validates anywhere."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    api: Literal["auto", "v1", "v2"] = Field(
+        "auto", description="V1 Buffer, v2 ElasticBuffer, or auto (module doc)"
+    )
+    mode: Literal["normal", "low_latency"] = "normal"
+    num_sms: int | None = Field(
+        None, ge=2, description="Buffer.set_num_sms for normal kernels (DeepEP default 20)"
+    )
+    num_nvl_bytes: int | None = Field(
+        None, ge=0, description="override the NVLink buffer size hint"
+    )
+    num_rdma_bytes: int | None = Field(None, ge=0, description="override the RDMA buffer size hint")
+    num_max_dispatch_tokens_per_rank: int = Field(
+        128, ge=1, description="low-latency: max T on any rank"
+    )
+    allow_nvlink_for_low_latency_mode: bool = True
+    allow_mnnvl: bool = False
+    num_max_tokens_per_rank: int = Field(
+        4096, ge=1, description="v2: the most tokens one rank dispatches at once"
+    )
+    allow_hybrid_mode: bool = Field(
+        True, description="v2: RDMA between nodes, then NVLink inside (DeepEP default)"
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="transport env vars set before the buffer"
+    )
 
 
 class ParallelismConfig(_Section):
@@ -149,7 +202,7 @@ class ParallelismConfig(_Section):
     """Let a missing DeepEP fall back to all_to_all (recorded as an MLflow tag) instead of failing."""
     deepep_options: dict[str, Any] = Field(default_factory=dict)
     """ep_backend deepep: DeepEP's API (`api`: auto, v1 or v2, the ElasticBuffer on NCCL GIN) and
-    buffer options; the keys are kernels/deepep.py's DeepEPOptions."""
+    buffer options; the keys are moerl/config/trainer.py's DeepEPOptions."""
     launcher: Literal["local", "torchrun"] = "local"
     """How the EP ranks start. local: processes on this machine meeting through a file store;
     torchrun: torch's launcher, as on the cluster (its TCPStore listens on every interface)."""
@@ -205,13 +258,9 @@ class ParallelismConfig(_Section):
                 "hierarchical on CPU, or set allow_fallback: true"
             )
         if self.deepep_options:
-            from pydantic import ValidationError as _Invalid
-
-            from moerl.kernels.deepep import DeepEPOptions
-
             try:
                 DeepEPOptions(**self.deepep_options)
-            except _Invalid as exc:
+            except ValidationError as exc:
                 bad = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
                 raise ValueError(f"deepep_options: {bad}") from None
             if self.ep_backend != "deepep":
@@ -253,6 +302,8 @@ class TrainerConfig(_Section):
     """The trainer's seed (torch's RNG and the minibatch order), offset by the version trained."""
     optimizer: OptimizerConfig = OptimizerConfig()
     """AdamW and the optimizer step."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """When each version trains: streamed as its groups arrive, or once its batch is in."""
     loss: LossConfig = LossConfig()
     """The policy loss and its aggregation."""
     correction: CorrectionConfig = CorrectionConfig()
@@ -263,16 +314,16 @@ class TrainerConfig(_Section):
     """The MoE router's training."""
 
 
-# Keys that left `trainer.` for a section, old dotted key -> new dotted key: the loader refuses
-# the old one naming the new (`moved_key_problems`), `moerl config migrate` rewrites a file.
-# keys added after the move, in their section from the start: no old place to refuse
-_BORN_IN_SECTIONS = frozenset(
-    {"collective_timeout_s", "persistent_ranks", "stream", "stream_pi_old"}
-)
+# Keys that moved, old dotted key -> new dotted key: the loader refuses the old one naming the
+# new (`load.moved_key_problem`), `moerl config migrate` rewrites a file. First every key that
+# left `trainer.` for a section; keys added after that move, in their section from the start,
+# have no old place to refuse.
+_BORN_IN_SECTIONS = frozenset({"collective_timeout_s", "persistent_ranks", "stream_pi_old"})
 MOVED: dict[str, str] = {
     f"trainer.{key}": f"trainer.{section}.{key}"
     for section, model in (
         ("optimizer", OptimizerConfig),
+        ("schedule", ScheduleConfig),
         ("loss", LossConfig),
         ("correction", CorrectionConfig),
         ("parallelism", ParallelismConfig),
@@ -281,3 +332,5 @@ MOVED: dict[str, str] = {
     for key in model.model_fields
     if key not in _BORN_IN_SECTIONS
 }
+# the streaming schedule is not an optimizer setting
+MOVED["trainer.optimizer.stream"] = "trainer.schedule.stream"

@@ -1,7 +1,7 @@
 """How a stage's processes start and live: the pod's scratch, child processes, and GPU stages
 launched through the Kubernetes API (`cluster.launch.mode: kubernetes`).
 
-Design, details and limitations: docs/launch.md#moerllaunch__init__py.
+Design, details and limitations: docs/launch.md#module-notes.
 """
 
 from __future__ import annotations

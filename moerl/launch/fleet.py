@@ -6,7 +6,7 @@ RoleBinding that let the trainer's account scale only that Deployment (and keep 
 ScaledObject's lagCount current), and, where KEDA runs, a TriggerAuthentication on the run's own
 Secret and a ScaledObject with a redis-streams trigger on the run's units stream:
 replicas = ceil(lag / lagCount) within rollout.fleet_bounds. Design, keys, the rule and what has
-not run on a real cluster: docs/deploy.md, "KEDA: the elastic rollout fleet".
+not run on a real cluster: docs/eks.md, "KEDA: the elastic rollout fleet".
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ serving dtype (FP8 checkpoints: 1 byte per linear weight):
     (attention is replicated over DP; the experts are split over TP x DP with or without
     expert parallelism: EP = TP x DP, or TP-sharded over DP x TP)
     kv = max_model_len x KV bytes per token per GPU (moerl.models.sizes: GQA heads over TP)
-    fits when weights + kv <= GPU GiB x rollout.memory_utilization
+    fits when weights + kv <= GPU GiB x rollout.gpu_memory_utilization
 Not counted: activations, CUDA graphs, the DP+EP all2all workspace (docs/rollout-scale.md).
 """
 
@@ -129,11 +129,6 @@ class EngineFit:
     def fits(self) -> bool:
         return self.weights_gib + self.kv_gib <= self.usable_gib
 
-    @property
-    def kv_room_gib(self) -> float:
-        """What is left for the KV cache beside the weights."""
-        return self.usable_gib - self.weights_gib
-
 
 def engine_fit(
     sizes: ModelSizes,
@@ -197,27 +192,29 @@ def choose_layouts(
 def check_engine_fit(cfg: RunConfig, hf: Mapping[str, Any]) -> EngineFit | None:
     """Refuse (ConfigError naming the keys and the GiB) a cuda rollout engine of `cfg` whose
     weights and one max_model_len sequence of KV cache do not fit a GPU of
-    cluster.groups.rollout.gpu_memory_gib x rollout.memory_utilization. None: not checked (cpu,
+    cluster.groups.rollout.gpu_memory_gib x rollout.gpu_memory_utilization. None: not checked (cpu,
     or no GPU size configured)."""
     ro = cfg.rollout
     gib = cfg.cluster.groups.rollout.gpu_memory_gib
     if ro.device != "cuda" or gib is None:
         return None
     sizes = model_sizes(hf)
-    dtype = ro.serving_dtype
+    dtype = ro.resolved.dtype
     got = engine_fit(
         sizes,
         ro.tensor_parallel_size,
         ro.data_parallel_size,
         dtype,
         gib,
-        ro.memory_utilization,
+        ro.resolved.gpu_memory_utilization,
         ro.max_model_len,
     )
     if got.fits:
         return got
     per_node = cfg.cluster.rollout_gpus() or 8
-    choice = choose_layouts(sizes, per_node, dtype, gib, ro.memory_utilization, ro.max_model_len)
+    choice = choose_layouts(
+        sizes, per_node, dtype, gib, ro.resolved.gpu_memory_utilization, ro.max_model_len
+    )
     hint = []
     if choice.tp is not None:
         hint.append(f"tensor_parallel_size {choice.tp.tp}")
@@ -236,5 +233,6 @@ def check_engine_fit(cfg: RunConfig, hf: Mapping[str, Any]) -> EngineFit | None:
         f"{got.weights_gib:.1f} GiB of weights + {got.kv_gib:.1f} GiB of KV cache (one "
         f"{got.max_model_len}-token sequence, rollout.max_model_len) per GPU, more than "
         f"{got.usable_gib:.1f} GiB (cluster.groups.rollout.gpu_memory_gib {gib:g} x "
-        f"rollout.gpu_memory_utilization {ro.memory_utilization:g}); fits: " + " or ".join(hint)
+        f"rollout.gpu_memory_utilization {ro.resolved.gpu_memory_utilization:g}); fits: "
+        + " or ".join(hint)
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from moerl.config import GroupConfig, RunConfig
@@ -437,14 +438,7 @@ def rollout_group(
     `follower_command`: the workers' command (default `command`); `nodes`: the group's size in
     place of the config's (the wide-EP bench's engine sizes), 1 a leader job alone.
     """
-    if nodes is None:
-        nodes = cfg.cluster.launch.rollout_nodes_per_worker
-        if nodes < 2:
-            raise ValueError(
-                "rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod"
-            )
-    elif nodes < 1:
-        raise ValueError(f"rollout_group needs nodes >= 1, got {nodes}")
+    nodes = _group_nodes(cfg, nodes)
     name = name or rollout_group_name(stage, run_id, worker, nodes)
     meta = {**labels(run_id, stage, name), LABEL_GROUP: "rollout"}
     group_env = [
@@ -455,41 +449,11 @@ def rollout_group(
         # headless Service may not resolve yet when the engine starts)
         {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-
-    def job(role: str, count: int, cmd: list[str], rank_env: dict[str, Any]) -> dict[str, Any]:
-        spec = _rollout_pod_spec(
-            cfg, cmd, [*group_env, rank_env], "Never", service_account, stage, run_id
-        )
-        job_spec: dict[str, Any] = {
-            "parallelism": count,
-            "completions": count,
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": cfg.cluster.timeout_s(
-                cfg.cluster.groups.rollout, cfg.pipeline.mode
-            ),
-            "template": {"metadata": {"labels": dict(meta)}, "spec": spec},
-        }
-        if role == GROUP_WORKER:
-            job_spec["completionMode"] = "Indexed"
-        return {
-            "name": role,
-            "replicas": 1,
-            "template": {"metadata": {"labels": dict(meta)}, "spec": job_spec},
-        }
-
-    # worker i (completion index i) is node rank i + 1: moerl.launch.remote adds the one
-    worker_rank = {
-        "name": ENV_WORKER_INDEX,
-        "valueFrom": {
-            "fieldRef": {
-                "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-            }
-        },
-    }
+    group = _Group(cfg, run_id, stage, meta, group_env, service_account)
     follower = command if follower_command is None else follower_command
-    jobs = [job(GROUP_LEADER, 1, command, {"name": ENV_NODE_RANK, "value": "0"})]
+    jobs = [group.job(GROUP_LEADER, 1, command, {"name": ENV_NODE_RANK, "value": "0"})]
     if nodes > 1:
-        jobs.append(job(GROUP_WORKER, nodes - 1, follower, worker_rank))
+        jobs.append(group.job(GROUP_WORKER, nodes - 1, follower, _worker_rank_env()))
     return {
         "apiVersion": "/".join(JOBSET_API[:2]),
         "kind": "JobSet",
@@ -505,6 +469,71 @@ def rollout_group(
             "failurePolicy": {"maxRestarts": 0},  # KFP retries the task, which relaunches the group
         },
     }
+
+
+def _group_nodes(cfg: RunConfig, nodes: int | None) -> int:
+    """A rollout group's size: `nodes`, else `cluster.launch.rollout_nodes_per_worker`, which a
+    group needs at 2 or more (one node is `rollout_pod`'s)."""
+    if nodes is None:
+        nodes = cfg.cluster.launch.rollout_nodes_per_worker
+        if nodes < 2:
+            raise ValueError(
+                "rollout_group is for cluster.launch.rollout_nodes_per_worker >= 2; use rollout_pod"
+            )
+    elif nodes < 1:
+        raise ValueError(f"rollout_group needs nodes >= 1, got {nodes}")
+    return nodes
+
+
+def _worker_rank_env() -> dict[str, Any]:
+    """Worker i's rank variable, from its completion index i: node rank i + 1
+    (moerl.launch.remote adds the one)."""
+    return {
+        "name": ENV_WORKER_INDEX,
+        "valueFrom": {
+            "fieldRef": {
+                "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+            }
+        },
+    }
+
+
+@dataclass(frozen=True)
+class _Group:
+    """What every replicated job of one rollout group shares: its labels, its env (without the
+    rank) and its pods' service account."""
+
+    cfg: RunConfig
+    run_id: str
+    stage: str
+    meta: dict[str, str]
+    env: list[dict[str, Any]]
+    service_account: str | None
+
+    def job(
+        self, role: str, count: int, cmd: list[str], rank_env: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The replicated job `role`: `count` pods running `cmd`, each with `rank_env`."""
+        cfg = self.cfg
+        spec = _rollout_pod_spec(
+            cfg, cmd, [*self.env, rank_env], "Never", self.service_account, self.stage, self.run_id
+        )
+        job_spec: dict[str, Any] = {
+            "parallelism": count,
+            "completions": count,
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": cfg.cluster.timeout_s(
+                cfg.cluster.groups.rollout, cfg.pipeline.mode
+            ),
+            "template": {"metadata": {"labels": dict(self.meta)}, "spec": spec},
+        }
+        if role == GROUP_WORKER:
+            job_spec["completionMode"] = "Indexed"
+        return {
+            "name": role,
+            "replicas": 1,
+            "template": {"metadata": {"labels": dict(self.meta)}, "spec": job_spec},
+        }
 
 
 def leader_address(name: str) -> str:

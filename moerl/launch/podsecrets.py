@@ -198,7 +198,7 @@ def sandbox_secret_env(
             raise RuntimeError(
                 f"stage {stage}: its pod needs key {ref.key!r} of the Secret {ref.secret!r} for {var}, "
                 f"which {path} does not hold; the pod would not start (CreateContainerConfigError): "
-                "create the key (docs/deploy.md)"
+                "create the key (docs/eks.md)"
             )
         pod_path = Path(ref.path())
         env[file_var(var)] = str(
@@ -237,16 +237,3 @@ def apply_sandbox_secrets(
     for k in [k for k in os.environ if k not in new]:
         del os.environ[k]
     os.environ.update(new)
-
-
-def write_sandbox_secrets(
-    path: Path,
-    secrets: dict[str, dict[str, str]],
-    service_account_env: dict[str, str] | None = None,
-) -> Path:
-    """Write the file `sandbox_secret_env` reads, created 0600 (never readable by others, even
-    for an instant)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"secrets": secrets, "service_account_env": service_account_env or {}}, f)
-    return path

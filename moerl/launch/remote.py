@@ -6,6 +6,7 @@ Design, details and limitations: docs/launch.md#moerllaunchremotepy.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ from moerl.launch.exchange import RESULT, SPEC, Exchange, node_result
 from moerl.launch.nodes import node_group
 from moerl.launch.objects import ENV_GROUP_SIZE, ENV_NODE_RANK, ENV_WORKER_INDEX
 from moerl.launch.podenv import enter_pod
+from moerl.records import PolicyVersion
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,24 @@ class RemoteError(MoerlError):
 
 # A stage: (cfg, run_id, scalar args, input paths, output paths) -> a JSON-serializable value.
 StageFn = Callable[[RunConfig, str, dict[str, Any], dict[str, Path], dict[str, Path]], Any]
+
+
+# Each stage's entry point, by name: moerl.launch sits below the stages (docs/architecture.md,
+# "Layers"), so it finds them where a launched pod runs one, never by importing them.
+ENTRY_POINTS = {
+    "policy_update": "moerl.components.policy_update.update:run_sync_update",
+    "async_trainer": "moerl.components.policy_update.worker:run_async_trainer",
+    "rollout": "moerl.components.rollout.stage:run_rollout",
+    "rollout_worker": "moerl.components.rollout.worker:run_rollout_worker",
+    "rollout_pod": "moerl.components.rollout.pod:run_rollout_pod",
+    "rollout_follower": "moerl.components.rollout.follower:run_follower",
+}
+
+
+def entry_point(name: str) -> Callable[..., Any]:
+    """The stage function `ENTRY_POINTS[name]` names, imported here, in the launched pod."""
+    module, _, function = ENTRY_POINTS[name].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 @dataclass(frozen=True)
@@ -51,10 +71,7 @@ def _policy_update(
     inputs: dict[str, Path],
     outputs: dict[str, Path],
 ) -> Any:
-    from moerl.components.policy_update.update import run_sync_update
-    from moerl.records import PolicyVersion
-
-    done = run_sync_update(
+    done = entry_point("policy_update")(
         cfg,
         run_id,
         PolicyVersion.model_validate_json(args["policy_json"]),
@@ -73,9 +90,7 @@ def _async_trainer(
     inputs: dict[str, Path],
     outputs: dict[str, Path],
 ) -> Any:
-    from moerl.components.policy_update.worker import run_async_trainer
-
-    return run_async_trainer(cfg, run_id)
+    return entry_point("async_trainer")(cfg, run_id)
 
 
 def _rollout(
@@ -85,11 +100,8 @@ def _rollout(
     inputs: dict[str, Path],
     outputs: dict[str, Path],
 ) -> Any:
-    from moerl.components.rollout.stage import run_rollout
-    from moerl.records import PolicyVersion
-
     policy = PolicyVersion.model_validate_json(args["policy_json"])
-    return run_rollout(cfg, run_id, policy, int(args["iteration"]), outputs["samples"])
+    return entry_point("rollout")(cfg, run_id, policy, int(args["iteration"]), outputs["samples"])
 
 
 class FollowerFailed(MoerlError):
@@ -140,27 +152,17 @@ def _rollout_worker(
     if rank is not None:  # one node of an engine group over several nodes
         worker = str(args["worker"])
         if rank == 0:  # the leader: the moerl worker, which drives the whole DP x EP engine
-            from moerl.components.rollout.worker import run_rollout_worker
-
-            return run_rollout_worker(cfg, run_id, worker)
+            return entry_point("rollout_worker")(cfg, run_id, worker)
         # a follower: headless engine ranks; its exit code is its pod's (the leader reports)
-        from moerl.components.rollout.follower import (  # type: ignore[import-not-found,unused-ignore]
-            run_follower,
-        )
-
-        code = int(run_follower(cfg, run_id, worker))
+        code = int(entry_point("rollout_follower")(cfg, run_id, worker))
         if code != 0:
             raise FollowerFailed(
                 f"follower node {rank} of rollout group {worker} exited {code}", code
             )
         return code
     if "pod" in args:  # the pod's workers, one engine each on its own GPUs
-        from moerl.components.rollout.pod import run_rollout_pod
-
-        return run_rollout_pod(cfg, run_id, int(args["pod"]))
-    from moerl.components.rollout.worker import run_rollout_worker
-
-    return run_rollout_worker(cfg, run_id, str(args["worker"]))
+        return entry_point("rollout_pod")(cfg, run_id, int(args["pod"]))
+    return entry_point("rollout_worker")(cfg, run_id, str(args["worker"]))
 
 
 STAGES: dict[str, Stage] = {

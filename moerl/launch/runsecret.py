@@ -35,7 +35,7 @@ def _admin(cfg: RunConfig):
         raise ConfigError(
             f"the run's own Valkey user needs the server's admin password: ${ADMIN_PASSWORD_ENV}_FILE "
             f"(key {ADMIN_PASSWORD_ENV} of the Secret cluster.valkey_secret, "
-            f"{cfg.cluster.valkey_secret!r}) is not set or empty; create the key (docs/deploy.md)"
+            f"{cfg.cluster.valkey_secret!r}) is not set or empty; create the key (docs/eks.md)"
         )
     # the server's default user is its admin (manifests/base/valkey.yaml)
     return connect(cfg.valkey.url, cfg.valkey.reconnect_s, username="default", password=password)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from moerl.config import RunConfig, config_to_json
+from moerl.config import GroupConfig, RunConfig, config_to_json
 from moerl.errors import CheckpointError, ConfigError
 from moerl.launch import objects
 from moerl.launch.exchange import RESULT, SPEC, Exchange, exchange_uri, node_result
@@ -330,20 +330,7 @@ def run_remote(
     ex = Exchange(cfg.checkpoint, exchange_uri(cfg.checkpoint, run_id, name))
     try:
         # 2. inputs and spec
-        descs = {n: ex.put(f"inputs/{n}", Path(p)) for n, p in inputs.items()}
-        if missing := [n for n, d in descs.items() if d["kind"] == "missing"]:
-            raise LaunchError(f"{stage}: input artifacts {missing} do not exist in the task")
-        ex.write_json(
-            SPEC,
-            {
-                "stage": stage,
-                "run_id": run_id,
-                "config_json": config_to_json(cfg),
-                "args": args,
-                "inputs": descs,
-                "outputs": sorted(outputs),
-            },
-        )
+        _write_spec(ex, cfg, stage, run_id, args, inputs, outputs)
         # 3-4. launch, watch, delete
         elastic = stage == "async_trainer" and cfg.rollout.elastic
         fleet_name = None
@@ -363,17 +350,8 @@ def run_remote(
             engines=engines,
             fleet=fleet_name,
         )
-        if launcher is None:  # the time left of the task's deadline, less the margin for cleanup
-            left = (
-                cfg.cluster.timeout_s(group, cfg.pipeline.mode)
-                - CLEANUP_MARGIN_S
-                - (time.monotonic() - t_start)
-            )
-            launcher = Launcher(
-                la.poll_s,
-                max(left, la.poll_s),
-                pending_timeout_s=getattr(la, "pending_timeout_s", PENDING_TIMEOUT_S),
-            )
+        if launcher is None:
+            launcher = _task_launcher(cfg, group, t_start)
         # a rollout group's pods reach each other on every TCP port (its NetworkPolicy, owned
         # by the JobSet: it goes with it)
         owned = [objects.rollout_group_policy(body)] if body["kind"] == "JobSet" else None
@@ -383,22 +361,69 @@ def run_remote(
         fleet = [fleet_workload(cfg, run_id, namespace, kube, fleet_name)] if elastic else None
         launcher.run([workload(kube, namespace, body, owned)], companions=fleet)
         # 5. outputs and value
-        result = ex.read_json(RESULT)
-        if not isinstance(result, dict):
-            raise LaunchError(
-                f"{body['kind']} {name} succeeded but wrote no {RESULT} under {ex.uri}"
-            )
-        parts = _node_parts(ex, result, f"{body['kind']} {name}")
-        for n, path in outputs.items():
-            desc = merge_outputs(n, [result, *parts], f"{body['kind']} {name}")
-            ex.get(f"outputs/{n}", desc, Path(path))
-        return result.get("value")
+        return _collect(ex, f"{body['kind']} {name}", outputs)
     finally:
         # 6. the exchange, whatever happened
         try:
             log.info("deleted %d exchange objects under %s", ex.clear(), ex.uri)
         except CheckpointError as e:
             log.warning("could not delete the exchange %s: %s", ex.uri, e)
+
+
+def _write_spec(
+    ex: Exchange,
+    cfg: RunConfig,
+    stage: str,
+    run_id: str,
+    args: dict[str, Any],
+    inputs: dict[str, str | Path],
+    outputs: dict[str, str | Path],
+) -> None:
+    """The task's input artifacts and the pod's spec into the exchange; an input that does not
+    exist in the task is refused before anything is launched."""
+    descs = {n: ex.put(f"inputs/{n}", Path(p)) for n, p in inputs.items()}
+    if missing := [n for n, d in descs.items() if d["kind"] == "missing"]:
+        raise LaunchError(f"{stage}: input artifacts {missing} do not exist in the task")
+    ex.write_json(
+        SPEC,
+        {
+            "stage": stage,
+            "run_id": run_id,
+            "config_json": config_to_json(cfg),
+            "args": args,
+            "inputs": descs,
+            "outputs": sorted(outputs),
+        },
+    )
+
+
+def _task_launcher(cfg: RunConfig, group: GroupConfig, t_start: float) -> Launcher:
+    """The default launcher: `cluster.launch.poll_s`, watching for the time left of the task's
+    deadline (started at `t_start`), less the margin for cleanup."""
+    la = cfg.cluster.launch
+    left = (
+        cfg.cluster.timeout_s(group, cfg.pipeline.mode)
+        - CLEANUP_MARGIN_S
+        - (time.monotonic() - t_start)
+    )
+    return Launcher(
+        la.poll_s,
+        max(left, la.poll_s),
+        pending_timeout_s=getattr(la, "pending_timeout_s", PENDING_TIMEOUT_S),
+    )
+
+
+def _collect(ex: Exchange, what: str, outputs: dict[str, str | Path]) -> Any:
+    """A finished workload's value, its outputs (every node's, merged) fetched to their paths;
+    `what`: the workload, for the errors."""
+    result = ex.read_json(RESULT)
+    if not isinstance(result, dict):
+        raise LaunchError(f"{what} succeeded but wrote no {RESULT} under {ex.uri}")
+    parts = _node_parts(ex, result, what)
+    for n, path in outputs.items():
+        desc = merge_outputs(n, [result, *parts], what)
+        ex.get(f"outputs/{n}", desc, Path(path))
+    return result.get("value")
 
 
 def _node_parts(ex: Exchange, result: dict[str, Any], what: str) -> list[dict[str, Any]]:

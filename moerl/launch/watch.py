@@ -436,7 +436,7 @@ class DeploymentWorkload(Workload):
             if e.status == 404 and kind in keda:
                 log.warning(
                     "%s: KEDA's API (keda.sh/v1alpha1) is not installed; the trainer's controller "
-                    "sizes the fleet through its per-run Role (docs/deploy.md)",
+                    "sizes the fleet through its per-run Role (docs/eks.md)",
                     self,
                 )
                 self.keda = False

@@ -13,9 +13,9 @@ import os
 import shutil
 from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moerl.errors import ConfigError
 from moerl.models import fp8
@@ -26,6 +26,9 @@ from moerl.models.policy import (
     read_safetensors_header,
 )
 from moerl.userfiles import FileProblem, decode_text, read_bytes_capped, short_repr
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +280,103 @@ def _record(
     }
 
 
+@dataclass
+class _Shards:
+    """Output tensors gathered into shard files of about `shard_bytes` each, in `tmp`."""
+
+    tmp: Path
+    shard_bytes: int
+    parts: list[str] = field(default_factory=list)  # written so far, as part-0000i names
+    weight_map: dict[str, str] = field(default_factory=dict)  # key -> part name
+    buffer: dict[str, torch.Tensor] = field(default_factory=dict)  # the shard being filled
+    held: int = 0  # bytes in `buffer`
+    total: int = 0  # bytes of every tensor added
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if self.buffer and self.held + size > self.shard_bytes:
+            self.flush()
+        self.buffer[key] = t
+        self.held += size
+        self.total += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.buffer:
+            return
+        name = f"part-{len(self.parts):05d}.safetensors"
+        save_file(self.buffer, str(self.tmp / name), metadata={"format": "pt"})
+        self.parts.append(name)
+        self.weight_map.update({k: name for k in self.buffer})
+        self.buffer, self.held = {}, 0
+
+    def finish(self) -> int:
+        """Give the parts their final names and write the index if there are several."""
+        n = len(self.parts)
+        names = (
+            {self.parts[0]: "model.safetensors"}
+            if n == 1
+            else {p: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, p in enumerate(self.parts)}
+        )
+        for old, new in names.items():
+            os.rename(self.tmp / old, self.tmp / new)
+        if n > 1:
+            index = {
+                "metadata": {"total_size": self.total},
+                "weight_map": {k: names[v] for k, v in sorted(self.weight_map.items())},
+            }
+            (self.tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return n
+
+
+@dataclass
+class _Sources:
+    """The source checkpoint's files, each opened once on first use and kept open by `stack`."""
+
+    src: Path
+    where: Mapping[str, str]  # key -> source file
+    stack: ExitStack
+    handles: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        fname = self.where[key]
+        if fname not in self.handles:
+            self.handles[fname] = self.stack.enter_context(
+                safe_open(str(self.src / fname), framework="pt", device="cpu")
+            )
+        return self.handles[fname].get_tensor(key)
+
+
+def _output_tensor(
+    key: str,
+    sources: _Sources,
+    plan: fp8.ImportPlan,
+    scheme: fp8.Fp8Scheme | None,
+    torch_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The tensor `key` as it is written: dequantized, or cast down to `torch_dtype`."""
+    import torch
+
+    if key in plan.dequantize:
+        assert scheme is not None  # plan_import refuses FP8 without a scheme
+        t = fp8.dequantize(
+            key, sources.get(key), sources.get(plan.dequantize[key]), scheme.block, torch_dtype
+        )
+    else:
+        t = sources.get(key)
+        if t.is_floating_point():
+            # never below what the source kept: DeepSeek-V3 stores its router's
+            # e_score_correction_bias in float32 (vLLM keeps it so), and bf16 rounding
+            # could change which experts are picked
+            if t.element_size() <= torch.tensor([], dtype=torch_dtype).element_size():
+                t = t.to(torch_dtype)
+            fp8.check_finite(key, t)
+    return t.contiguous()
+
+
 def _write_tensors(
     src: Path,
     tmp: Path,
@@ -289,73 +389,13 @@ def _write_tensors(
     """Stream every output tensor into shards of about `shard_bytes`; writes model.safetensors,
     or model-0000i-of-0000n.safetensors and the index. Returns the shard count."""
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     torch_dtype = getattr(torch, dtype)
-    weight_map: dict[str, str] = {}
-    parts: list[str] = []
-    buffer: dict[str, torch.Tensor] = {}
-    held = 0
-    total = 0
-
-    def flush() -> None:
-        nonlocal buffer, held
-        if not buffer:
-            return
-        name = f"part-{len(parts):05d}.safetensors"
-        save_file(buffer, str(tmp / name), metadata={"format": "pt"})
-        parts.append(name)
-        weight_map.update({k: name for k in buffer})
-        buffer, held = {}, 0
-
+    shards = _Shards(tmp, shard_bytes)
     with ExitStack() as stack:
-        handles: dict[str, Any] = {}
-
-        def get(key: str) -> torch.Tensor:
-            fname = where[key]
-            if fname not in handles:
-                handles[fname] = stack.enter_context(
-                    safe_open(str(src / fname), framework="pt", device="cpu")
-                )
-            return handles[fname].get_tensor(key)
-
+        sources = _Sources(src, where, stack)
         # source order (file by file) keeps each shard's pages hot while it is read
         for key in sorted(plan.output_keys(), key=lambda k: (where[k], k)):
-            if key in plan.dequantize:
-                assert scheme is not None  # plan_import refuses FP8 without a scheme
-                t = fp8.dequantize(
-                    key, get(key), get(plan.dequantize[key]), scheme.block, torch_dtype
-                )
-            else:
-                t = get(key)
-                if t.is_floating_point():
-                    # never below what the source kept: DeepSeek-V3 stores its router's
-                    # e_score_correction_bias in float32 (vLLM keeps it so), and bf16 rounding
-                    # could change which experts are picked
-                    if t.element_size() <= torch.tensor([], dtype=torch_dtype).element_size():
-                        t = t.to(torch_dtype)
-                    fp8.check_finite(key, t)
-            t = t.contiguous()
-            size = t.numel() * t.element_size()
-            if buffer and held + size > shard_bytes:
-                flush()
-            buffer[key] = t
-            held += size
-            total += size
-        flush()
-    n = len(parts)
-    names = (
-        {parts[0]: "model.safetensors"}
-        if n == 1
-        else {p: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, p in enumerate(parts)}
-    )
-    for old, new in names.items():
-        os.rename(tmp / old, tmp / new)
-    if n > 1:
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {k: names[v] for k, v in sorted(weight_map.items())},
-        }
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return n
+            shards.add(key, _output_tensor(key, sources, plan, scheme, torch_dtype))
+        shards.flush()
+    return shards.finish()

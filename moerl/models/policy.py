@@ -10,10 +10,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from moerl.config import ModelConfig
 from moerl.errors import ConfigError
 from moerl.models.families import SUPPORTED_MODEL_TYPES, family_of
-from moerl.models.tiny import build_tiny_model
 from moerl.userfiles import FileProblem, decode_text, read_bytes_capped, short_repr
 
 log = logging.getLogger(__name__)
@@ -227,14 +225,6 @@ def mark_dtype(hf_dir: str | Path, dtype: str) -> None:
     if "dtype" in conf:
         conf["dtype"] = dtype
     path.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-
-
-def initial_checkpoint(cfg: ModelConfig, out_dir: str | Path) -> Path:
-    """The checkpoint that becomes policy version 0: the user's `model.path`, or the tiny model."""
-    if cfg.path:
-        check_checkpoint(cfg.path)
-        return Path(cfg.path)
-    return build_tiny_model(cfg.tiny, out_dir)
 
 
 def load_policy(path: str | Path, dtype: str = "float32", device: str = "cpu"):

@@ -20,11 +20,26 @@ from pathlib import Path
 from moerl import tracking
 from moerl.bus import EmbeddedValkey, RunBus, connect
 from moerl.bus.client import PASSWORD_ENV
+from moerl.components.rollout.fleet import (
+    Rates,
+    Stabilizer,
+    high_watermark,
+    measure,
+    wish,
+)
+from moerl.components.rollout.fleet import samples_per_unit as per_unit
+from moerl.components.rollout.pod import worker_env
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import MoerlError
 from moerl.launch import procs
+from moerl.launch.layout import rollout_pod_layout
+from moerl.launch.objects import trainer_nodes
+from moerl.launch.podenv import SANDBOX_ROOT_ENV, SCRATCH_ENV
+from moerl.launch.podsecrets import SANDBOX_SECRETS_ENV
 from moerl.launch.zygote import STAGE_PRELOAD, Forked, Zygote, ZygoteError
 from moerl.orchestrate.initial import publish_initial
+from moerl.registry.policy import register_final
+from moerl.store.runs import run_store
 from moerl.store.s3server import embedded_cache_tier
 
 MODULES = {
@@ -37,15 +52,6 @@ TRAINER_RETRIES = 2
 log = logging.getLogger(__name__)
 
 
-def cores_shared(cfg: RunConfig) -> bool:
-    """Whether the stages share every core (`pipeline.local_cores`)."""
-    mode = cfg.pipeline.local_cores
-    # staleness 0 takes turns, unless streamed (trainer.optimizer.stream: both work at once)
-    return mode == "shared" or (
-        mode == "auto" and cfg.buffer.max_staleness == 0 and not cfg.streams
-    )
-
-
 def cpu_plan(cpus: list[int], workers: int, shared: bool = False) -> dict[str, list[int]]:
     """Which CPUs each compute-heavy stage gets on this machine. On a cluster every stage has
     its own node; here they share one, and a torch trainer and a vLLM engine that each spin
@@ -53,8 +59,9 @@ def cpu_plan(cpus: list[int], workers: int, shared: bool = False) -> dict[str, l
     version's update took 13.6 s alone and 53-88 s beside a generating engine on 2 cores).
     So the trainer gets the first half of the cores and the rollout workers share the rest,
     each pinned, with one OpenMP thread per core it owns. Scorers are light and float. With
-    one core nothing is pinned. `shared` (stages that take turns, `cores_shared`): the trainer
-    and every rollout worker get all the cores, each its thread per core."""
+    one core nothing is pinned. `shared` (stages that take turns,
+    `RunConfig.resolved.local_cores`): the trainer and every rollout worker get all the cores,
+    each its thread per core."""
     if len(cpus) < 2:
         return {}
     if shared:
@@ -131,7 +138,7 @@ class LocalAsyncRun:
         self.trainer_port = 0  # the trainer nodes' rendezvous (start_trainer picks it)
         available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         lo, hi = cfg.rollout.fleet_bounds  # an elastic fleet: cores planned for its largest size
-        self.cpus = cpu_plan(available, hi, shared=cores_shared(cfg))
+        self.cpus = cpu_plan(available, hi, shared=cfg.resolved.local_cores == "shared")
         self.fleet = LocalFleet(cfg) if cfg.rollout.elastic else None
         # an added worker's cores: the free slot of the plan it runs in (rollout-<slot>)
         self.slots: dict[str, str] = {}
@@ -140,8 +147,6 @@ class LocalAsyncRun:
         """Trainer nodes this machine stands in for: `cluster.launch.trainer_nodes` when the
         trainer is a mesh whose ranks live for the run (each node a trainer process with its
         own scratch, meeting the others through torchrun as on a TrainJob); else one."""
-        from moerl.launch.objects import trainer_nodes
-
         tc = self.cfg.trainer.parallelism
         return trainer_nodes(self.cfg) if tc.on_mesh and tc.persistent_ranks else 1
 
@@ -174,9 +179,6 @@ class LocalAsyncRun:
             env[PASSWORD_ENV] = self.password
         if role == "rollout" and self.cfg.rollout.device == "cuda":
             # this machine is one rollout node: worker i takes engine slot i's GPUs
-            from moerl.components.rollout.pod import worker_env
-            from moerl.launch.layout import rollout_pod_layout
-
             layout = rollout_pod_layout(self.cfg)
             env = worker_env(layout, int(name.rsplit("-", 1)[1]) % layout.engines, env)
         if role == "trainer":
@@ -301,9 +303,7 @@ class LocalAsyncRun:
     def start_trainer(self) -> None:
         """The trainer, once version 0 is published: one process, or one per trainer node
         (`trainer_nodes`), node 0's reporting."""
-        from moerl.launch.procs import free_port
-
-        self.trainer_port = free_port()
+        self.trainer_port = procs.free_port()
         self.children["trainer"] = Child("trainer", "trainer", self._spawn("trainer", "trainer"))
         for k in range(1, self.trainer_nodes()):
             n = f"trainer-node{k}"
@@ -312,11 +312,9 @@ class LocalAsyncRun:
     def _restart_trainer_nodes(self) -> None:
         """Node 0's trainer restarts: the other nodes' go with it (a mesh starts whole, at a new
         rendezvous port)."""
-        from moerl.launch.procs import free_port
-
         nodes = [c for c in self.children.values() if c.role == "trainer-node"]
         procs.kill_groups([c.proc for c in nodes], grace_s=2.0)
-        self.trainer_port = free_port()
+        self.trainer_port = procs.free_port()
         for c in nodes:
             c.proc, c.handled = self._spawn(c.name, c.role), False
             c.starts += 1
@@ -452,9 +450,6 @@ class LocalFleet:
     (`metrics`)."""
 
     def __init__(self, cfg: RunConfig):
-        from moerl.components.rollout.fleet import Rates, Stabilizer, high_watermark
-        from moerl.components.rollout.fleet import samples_per_unit as per_unit
-
         self.cfg = cfg
         self.bounds = cfg.rollout.fleet_bounds
         self.high_watermark = high_watermark(cfg)
@@ -467,8 +462,6 @@ class LocalFleet:
         self.sizes: list[tuple[float, int]] = [(time.perf_counter(), cfg.rollout.workers)]
 
     def decide(self, bus: RunBus, workers: int, now: float) -> tuple[int, str]:
-        from moerl.components.rollout.fleet import measure, wish
-
         view = measure(bus, self.cfg, workers, self.rates)
         w = wish(view, *self.bounds, self.high_watermark)
         target = self.stabilizer(now, workers, w)
@@ -615,9 +608,6 @@ def stage_zygotes(cfg: RunConfig) -> dict[str, Zygote]:
             flush=True,
         )
         return {}
-    from moerl.launch.podenv import SANDBOX_ROOT_ENV, SCRATCH_ENV
-    from moerl.launch.podsecrets import SANDBOX_SECRETS_ENV
-
     if any(os.environ.get(k) for k in (SANDBOX_ROOT_ENV, SCRATCH_ENV, SANDBOX_SECRETS_ENV)):
         # pod-shaped stages get a HOME of their own, and modules cache paths under HOME at
         # import (huggingface_hub's): a forked stage would keep the zygote's
@@ -697,21 +687,18 @@ def _run_async(
     where: dict[str, Path],
     t0_unix: float,
 ):
-    from moerl.orchestrate.prepare import absolutize, begin_run, preflight, resume_point
+    """`run_async` once the zygotes are starting; `where["logs"]` is set as soon as the run's
+    folder is known, so that the caller can move the zygotes' logs there."""
+    # loaded here, not at the top: they bring the dataset and model stack, which the stage
+    # zygote (`stage_zygotes`, started before this) should not wait for
     from moerl.orchestrate.sync_run import RunSummary, report
 
-    # 1. preflight, absolute paths, credentials into the environment
-    preflight(cfg)
-    cfg, secret_env = tracking.split_credentials(absolutize(cfg))
-    os.environ.update(secret_env)
-    uri = tracking.resolve_uri(cfg.tracking)
+    # 1. preflight, absolute paths, credentials into the environment, the MLflow run
+    cfg, uri, run_id = _begin_async(cfg, resume)
     shown = tracking.redact(uri)
-    # 2. MLflow run, Valkey
-    if resume:  # a run id that MLflow does not know is refused before anything starts
-        resume_point(cfg, uri, resume)
-    run_id = begin_run(cfg, uri, "async-local", resume=resume)
     work = Path(cfg.pipeline.work_dir) / run_id
     where["logs"] = work / "logs"
+    # 2. Valkey
     cfg, server = start_valkey(cfg, work, run_id)
     valkey_url = cfg.valkey.url
     assert valkey_url is not None  # the config's server, or the embedded one started here
@@ -728,78 +715,132 @@ def _run_async(
         # 3. the rollout workers and scorers (a resumed run's `done` and `failed` cleared first:
         # its stages must run); their start overlaps version 0's publication
         if resume:
-            from moerl.bus import RunBus, connect
-
-            RunBus(
-                connect(
-                    cfg.valkey.url,
-                    cfg.valkey.reconnect_s,
-                    cfg.valkey.username,
-                    server.password if server is not None else None,
-                ),
-                run_id,
-            ).reopen()
+            _reopen_bus(cfg, run_id, server)
         run = LocalAsyncRun(cfg, run_id, work, server, zygotes)
-        from moerl.store.runs import run_store
-
         with procs.sigterm_raises():  # from the first child on: a SIGTERM marks the run failed
-            run.start_stages()
-            # 4. version 0, then the trainer
-            if run_store(cfg.checkpoint, run_id).latest() is None:
-                run.publish_initial()
-            run.start_trainer()
-            tracking.set_tags(
-                uri, run_id, {"moerl.stage_start": stage_start_line(zygotes, run.fallbacks)}
-            )
-            run.supervise(on_tick=on_tick)
-        balanced, line = balance_line(run.bus.counters())
-        print(line, flush=True)
-        started = startup_metrics(work / "logs", t0_unix)
-        if run.fleet is not None:
-            started.update(run.fleet.metrics(run.bus, time.perf_counter()))
-            # the fleet's size over the run: one point per change, at its second since the start
-            for t, n in run.fleet.sizes:
-                tracking.log_metrics(uri, run_id, max(0, int(t - t0)), {"fleet/workers": n})
-        tracking.log_metrics(uri, run_id, 0, started)
-        print(startup_line(started), flush=True)
-        if not balanced:
-            tracking.set_tags(uri, run_id, {"moerl.balance": line.removeprefix("[moerl] ")})
-        policy = run_store(cfg.checkpoint, run_id)
-        final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
-        from moerl.components.publish_checkpoint.registry import register_final
-
-        # tracking.registry_name: the policy in MLflow's model registry
-        register_final(cfg, run_id, final_uri)
-        tracking.finish_run(uri, run_id, final_uri, work)
+            # 4. version 0, then the trainer; supervised until the run ends
+            _start_and_supervise(run, cfg, uri, run_id, zygotes, on_tick)
+        # 5. the balance, the startup and fleet metrics, the final policy
+        _finish_async(run, cfg, uri, run_id, work, t0, t0_unix)
     except (MoerlError, procs.Terminated, KeyboardInterrupt) as err:
         ok = False
-        tracking.set_tags(
-            uri,
-            run_id,
-            {
-                "moerl.status": "failed",
-                "moerl.error": (tracking.redact(str(err)) or type(err).__name__)[:4000],
-            },
-        )
-        from mlflow.tracking import MlflowClient
-
-        MlflowClient(uri).set_terminated(run_id, status="FAILED")
-        why = tracking.redact(str(err)) or type(err).__name__  # KeyboardInterrupt has no message
-        print(f"moerl: error: async run failed: {why}", file=sys.stderr, flush=True)
+        _mark_failed(uri, run_id, err)
     finally:
         if run is not None:
             if stats is not None:
-                try:
-                    stats.update(
-                        counters=run.bus.counters(),
-                        restarts=run.restarts,
-                        exits={c.name: list(c.exits) for c in run.children.values()},
-                    )
-                except Exception as err:  # noqa: BLE001 - the caller sees stats missing, the run's outcome stands
-                    log.warning("could not read the run's counters: %s", err)
+                _read_stats(run, stats)
             run.stop()
         servers.close()
         if server is not None:
             server.stop()
     final = report(uri, shown, run_id, ok, t0)
     return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)
+
+
+def _begin_async(cfg: RunConfig, resume: str | None) -> tuple[RunConfig, str, str]:
+    """Preflight, absolute paths, the credentials into this process's environment, then the
+    MLflow run (a `resume` run id that MLflow does not know is refused before anything
+    starts): the config without its credentials, the tracking URI and the run id."""
+    from moerl.orchestrate.prepare import absolutize, begin_run, resume_point
+    from moerl.preflight import preflight
+
+    preflight(cfg)
+    cfg, secret_env = tracking.split_credentials(absolutize(cfg))
+    os.environ.update(secret_env)
+    uri = tracking.resolve_uri(cfg.tracking)
+    if resume:
+        resume_point(cfg, uri, resume)
+    run_id = begin_run(cfg, uri, "async-local", resume=resume)
+    return cfg, uri, run_id
+
+
+def _reopen_bus(cfg: RunConfig, run_id: str, server: EmbeddedValkey | None) -> None:
+    """Clear a resumed run's `done` and `failed` on its bus, so that its stages run again."""
+    RunBus(
+        connect(
+            cfg.valkey.url,
+            cfg.valkey.reconnect_s,
+            cfg.valkey.username,
+            server.password if server is not None else None,
+        ),
+        run_id,
+    ).reopen()
+
+
+def _start_and_supervise(
+    run: LocalAsyncRun,
+    cfg: RunConfig,
+    uri: str,
+    run_id: str,
+    zygotes: dict[str, Zygote],
+    on_tick: Callable[[LocalAsyncRun], None] | None,
+) -> None:
+    """Start the stages, publish version 0 unless the run has one, start the trainer, record
+    how the stages started, then supervise until the run ends."""
+    run.start_stages()
+    if run_store(cfg.checkpoint, run_id).latest() is None:
+        run.publish_initial()
+    run.start_trainer()
+    tracking.set_tags(uri, run_id, {"moerl.stage_start": stage_start_line(zygotes, run.fallbacks)})
+    run.supervise(on_tick=on_tick)
+
+
+def _finish_async(
+    run: LocalAsyncRun,
+    cfg: RunConfig,
+    uri: str,
+    run_id: str,
+    work: Path,
+    t0: float,
+    t0_unix: float,
+) -> None:
+    """A finished run's record: its sample balance (a tag when broken), the startup and fleet
+    metrics, and the final policy, registered and finished in MLflow."""
+    balanced, line = balance_line(run.bus.counters())
+    print(line, flush=True)
+    started = startup_metrics(work / "logs", t0_unix)
+    if run.fleet is not None:
+        started.update(run.fleet.metrics(run.bus, time.perf_counter()))
+        # the fleet's size over the run: one point per change, at its second since the start
+        for t, n in run.fleet.sizes:
+            tracking.log_metrics(uri, run_id, max(0, int(t - t0)), {"fleet/workers": n})
+    tracking.log_metrics(uri, run_id, 0, started)
+    print(startup_line(started), flush=True)
+    if not balanced:
+        tracking.set_tags(uri, run_id, {"moerl.balance": line.removeprefix("[moerl] ")})
+    policy = run_store(cfg.checkpoint, run_id)
+    final_uri = f"{policy.uri.rstrip('/')}/versions/v{policy.latest():06d}"
+    # tracking.registry_name: the policy in MLflow's model registry
+    register_final(cfg, run_id, final_uri)
+    tracking.finish_run(uri, run_id, final_uri, work)
+
+
+def _mark_failed(uri: str, run_id: str, err: BaseException) -> None:
+    """Tag the MLflow run failed with `err`'s (redacted) message, terminate it FAILED, and say
+    so on stderr."""
+    tracking.set_tags(
+        uri,
+        run_id,
+        {
+            "moerl.status": "failed",
+            "moerl.error": (tracking.redact(str(err)) or type(err).__name__)[:4000],
+        },
+    )
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(uri).set_terminated(run_id, status="FAILED")
+    why = tracking.redact(str(err)) or type(err).__name__  # KeyboardInterrupt has no message
+    print(f"moerl: error: async run failed: {why}", file=sys.stderr, flush=True)
+
+
+def _read_stats(run: LocalAsyncRun, stats: dict) -> None:
+    """The bus counters, the restarts and each child's exit codes into `stats`; a failure to
+    read them is logged, not raised: the caller sees stats missing, the run's outcome stands."""
+    try:
+        stats.update(
+            counters=run.bus.counters(),
+            restarts=run.restarts,
+            exits={c.name: list(c.exits) for c in run.children.values()},
+        )
+    except Exception as err:  # noqa: BLE001 - the caller sees stats missing, the run's outcome stands
+        log.warning("could not read the run's counters: %s", err)

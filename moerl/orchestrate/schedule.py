@@ -403,12 +403,7 @@ def cron_workflow(
     from argo_workflows.model.io_argoproj_workflow_v1alpha1_cron_workflow_spec import (
         IoArgoprojWorkflowV1alpha1CronWorkflowSpec,
     )
-    from argo_workflows.model.io_argoproj_workflow_v1alpha1_workflow_spec import (
-        IoArgoprojWorkflowV1alpha1WorkflowSpec,
-    )
     from argo_workflows.model.object_meta import ObjectMeta
-
-    from moerl.tracking import split_credentials
 
     # 1. refuse what cannot be scheduled, before building anything
     check_host("--argo-host", host)
@@ -421,40 +416,18 @@ def cron_workflow(
             "starting deadline and history limit must be >= 0, the wait timeout >= 60 s"
         )
     # 2. the config the step submits: warm start on, credentials out
-    cfg, secret_env = split_credentials(scheduled_config(cfg))
-    if secret_env:
-        print(
-            f"moerl: schedule: removed the credentials in tracking.uri from the CronWorkflow; the pipeline's tasks "
-            f"get {' and '.join(sorted(secret_env))} from the Secret cluster.mlflow_secret",
-            file=sys.stderr,
-        )
+    cfg = _without_credentials(scheduled_config(cfg))
     labels = {"app.kubernetes.io/part-of": "moerl", "moerl.ai/pipeline": _label(cfg.pipeline.name)}
-    args = [
-        "submit",
-        CONFIG_PATH,
-        "--host",
+    args = _submit_args(
         host,
-        "--experiment",
         experiment or cfg.tracking.experiment,
-        "--run-name",
-        "{{workflow.name}}",
-        "--wait-timeout-s",
-        str(wait_timeout_s),
-        "--config-name",
+        wait_timeout_s,
         config_name or cfg.pipeline.name,
-    ]
-    if kfp_namespace:
-        args += ["--namespace", kfp_namespace]
-    if service_account:
-        args += ["--service-account", service_account]
-    # 3. the CronWorkflow
-    spec = IoArgoprojWorkflowV1alpha1WorkflowSpec(
-        entrypoint="submit",
-        templates=[_submit_template(cfg, args)],
-        volumes=[_kfp_token_volume()],
-        active_deadline_seconds=wait_timeout_s + 600,  # the wait, plus time to compile and submit
-        **({"service_account_name": service_account} if service_account else {}),
+        kfp_namespace,
+        service_account,
     )
+    # 3. the CronWorkflow
+    spec = _workflow_spec(cfg, args, wait_timeout_s, service_account)
     cw = IoArgoprojWorkflowV1alpha1CronWorkflow(
         api_version="argoproj.io/v1alpha1",
         kind="CronWorkflow",
@@ -474,6 +447,70 @@ def cron_workflow(
     )
     out = ApiClient.sanitize_for_serialization(cw)
     return {"apiVersion": out.pop("apiVersion"), "kind": out.pop("kind"), **out}
+
+
+def _workflow_spec(
+    cfg: RunConfig, args: list[str], wait_timeout_s: int, service_account: str | None
+) -> Any:
+    """The workflow each scheduled time starts: one step running `moerl submit` with `args`,
+    the KFP token mounted, under `service_account` when given."""
+    from argo_workflows.model.io_argoproj_workflow_v1alpha1_workflow_spec import (
+        IoArgoprojWorkflowV1alpha1WorkflowSpec,
+    )
+
+    return IoArgoprojWorkflowV1alpha1WorkflowSpec(
+        entrypoint="submit",
+        templates=[_submit_template(cfg, args)],
+        volumes=[_kfp_token_volume()],
+        active_deadline_seconds=wait_timeout_s + 600,  # the wait, plus time to compile and submit
+        **({"service_account_name": service_account} if service_account else {}),
+    )
+
+
+def _without_credentials(cfg: RunConfig) -> RunConfig:
+    """`cfg` without the credentials in `tracking.uri`, which a CronWorkflow must not carry;
+    says on stderr where the pipeline's tasks get them instead."""
+    from moerl.tracking import split_credentials
+
+    cfg, secret_env = split_credentials(cfg)
+    if secret_env:
+        print(
+            f"moerl: schedule: removed the credentials in tracking.uri from the CronWorkflow; the pipeline's tasks "
+            f"get {' and '.join(sorted(secret_env))} from the Secret cluster.mlflow_secret",
+            file=sys.stderr,
+        )
+    return cfg
+
+
+def _submit_args(
+    host: str,
+    experiment: str,
+    wait_timeout_s: int,
+    config_name: str,
+    kfp_namespace: str | None,
+    service_account: str | None,
+) -> list[str]:
+    """The `moerl submit` arguments the CronWorkflow's step runs: the mounted config, waited
+    for, each run named after its workflow."""
+    args = [
+        "submit",
+        CONFIG_PATH,
+        "--host",
+        host,
+        "--experiment",
+        experiment,
+        "--run-name",
+        "{{workflow.name}}",
+        "--wait-timeout-s",
+        str(wait_timeout_s),
+        "--config-name",
+        config_name,
+    ]
+    if kfp_namespace:
+        args += ["--namespace", kfp_namespace]
+    if service_account:
+        args += ["--service-account", service_account]
+    return args
 
 
 class _Dumper(yaml.SafeDumper):

@@ -26,7 +26,8 @@ from pathlib import Path
 from moerl import provenance, tracking
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import ConfigError, MoerlError
-from moerl.orchestrate.prepare import absolutize, begin_run, preflight, resume_point
+from moerl.orchestrate.prepare import absolutize, begin_run, resume_point
+from moerl.preflight import preflight
 from moerl.store.s3server import embedded_cache_tier
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,6 @@ def run_local(
 ) -> RunSummary:
     from kfp import local
 
-    from moerl.pipelines.grpo import build_pipeline
-
     if cfg.pipeline.kind == "reward_model" and resume:
         raise ConfigError(
             "--resume: a reward-model run has no iterations to continue; run it again"
@@ -179,7 +178,29 @@ def run_local(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"[moerl] pipeline log (every task's full output): {log_path}", flush=True)
     t0 = time.perf_counter()
-    ok = True
+    ok = _run_pipeline(cfg, uri, run_id, sha, start, bool(resume), verbose, log_path)
+    # 5. where the run is
+    if cfg.pipeline.kind == "reward_model":
+        return _report_reward_model(uri, shown, run_id, ok, t0)
+    final = report(uri, shown, run_id, ok, t0)
+    return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)
+
+
+def _run_pipeline(
+    cfg: RunConfig,
+    uri: str,
+    run_id: str,
+    sha: str,
+    start: int,
+    resume: bool,
+    verbose: bool,
+    log_path: Path,
+) -> bool:
+    """Compile and run the run's pipeline on kfp.local (initialized by the caller), every
+    task's output into `log_path`; whether it succeeded. A failure is tagged on the MLflow run,
+    which is terminated FAILED, and said in one line."""
+    from moerl.pipelines.grpo import build_pipeline
+
     try:
         with (
             log_path.open("w") as lf,
@@ -191,12 +212,9 @@ def run_local(
 
                 pipeline = build_reward_model_pipeline(cfg, git_sha=sha)
             else:
-                pipeline = build_pipeline(
-                    cfg, git_sha=sha, start_iteration=start, resume=bool(resume)
-                )
+                pipeline = build_pipeline(cfg, git_sha=sha, start_iteration=start, resume=resume)
             pipeline(config_json=config_to_json(cfg), run_id=run_id)
     except (RuntimeError, MoerlError) as err:
-        ok = False
         tracking.set_tags(uri, run_id, {"moerl.status": "failed", "moerl.error": str(err)[:4000]})
         from mlflow.tracking import MlflowClient
 
@@ -205,8 +223,5 @@ def run_local(
             f"moerl: error: pipeline failed: {tracking.redact(str(err))} (full output: {log_path})",
             flush=True,
         )
-    # 5. where the run is
-    if cfg.pipeline.kind == "reward_model":
-        return _report_reward_model(uri, shown, run_id, ok, t0)
-    final = report(uri, shown, run_id, ok, t0)
-    return RunSummary(ok=ok, run_id=run_id, tracking_uri=shown, final_reward=final)
+        return False
+    return True

@@ -1,4 +1,4 @@
 """Where policy versions live: the checkpoint store, its backends, and the node-local cache.
 
-Design, details and limitations: docs/store.md#moerlstore__init__py.
+Design, details and limitations: docs/weights.md#moerlstore__init__py.
 """

@@ -1,10 +1,11 @@
 """Checkpoint store: publish, list, fetch, pin and prune policy versions in a folder or in S3.
 
-Design, details and limitations: docs/store.md#moerlstorebasepy.
+Design, details and limitations: docs/weights.md#moerlstorebasepy.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -16,6 +17,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
@@ -97,6 +99,20 @@ def copy_hashed(src: Path, dest: Path) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class _Publishing:
+    """One `publish` under way: what its steps share once its stage is open."""
+
+    version: int
+    src_dir: Path
+    stage: str
+    objects: str  # this publish's own object folder ("" where the store has none)
+    files_at: str  # where its files go, under `versions/`
+    claim: Claim | None  # held while it runs (`exclusive=True` on a store with claims)
+    manifest: Manifest | None  # given: the files are not hashed again
+    chunk_size: int
+
+
 class CheckpointStore(PinLeases, ABC):
     """Publish/fetch/retention logic for both stores; subclasses supply the object primitives.
 
@@ -118,7 +134,7 @@ class CheckpointStore(PinLeases, ABC):
         True  # retention keeps version 0 (a cache tier need not: the durable store has it)
     )
     # path prefixes this store's copies of a version lack although the manifest lists them (the
-    # cache tier: `trainer/`, which only the durable store holds); see docs/store.md
+    # cache tier: `trainer/`, which only the durable store holds); see docs/weights.md
     absent: tuple[str, ...] = ()
 
     @abstractmethod
@@ -224,6 +240,36 @@ class CheckpointStore(PinLeases, ABC):
         """
         t0, src_dir, meta = time.monotonic(), Path(src_dir), dict(meta or {})
         # 1. Refuse anything that would rewrite history, before copying a byte.
+        files = self._refuse_publish(version, src_dir, meta, retention, manifest, parts)
+        # a replaced writer copies no byte
+        self._check_epoch(epoch, f"publish of version {version}")
+        job = self._start_publish(version, src_dir, exclusive, chunk_size, manifest, epoch, owner)
+        try:
+            # 2. Copy every file, hashing each one just before it is copied (unless given).
+            manifest = self._copy_files(job, files, parts, meta)
+            # 3. The manifest, 4. read back and checked, 5. then `latest` (`_complete_publish`).
+            self._complete_publish(job, manifest, epoch)
+        except BaseException:
+            self._cleanup_failed(job.stage, version, job.claim)
+            raise
+        self._log_published(version, manifest, t0)
+        # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
+        if retention is not None:
+            self._retain_after(version, retention)
+        return manifest
+
+    def _refuse_publish(
+        self,
+        version: int,
+        src_dir: Path,
+        meta: dict[str, str],
+        retention: tuple[int, int] | None,
+        manifest: Manifest | None,
+        parts: RemoteParts | None,
+    ) -> list[str]:
+        """`publish` step 1: raise if `version` cannot be published from `src_dir` (a bad
+        argument, a version that exists or is not above `latest`, files that differ from the
+        given `manifest`); return the files to copy."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise CheckpointError(f"version must be an int >= 0, got {version!r}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
@@ -244,8 +290,19 @@ class CheckpointStore(PinLeases, ABC):
             _check_same_files(
                 manifest, version, src_dir, files, partial=parts is not None, absent=self.absent
             )
-        # a replaced writer copies no byte
-        self._check_epoch(epoch, f"publish of version {version}")
+        return files
+
+    def _start_publish(
+        self,
+        version: int,
+        src_dir: Path,
+        exclusive: bool,
+        chunk_size: int,
+        manifest: Manifest | None,
+        epoch: int | None,
+        owner: str | None,
+    ) -> _Publishing:
+        """Claim `version` (if `exclusive`) and open its stage, before any file is copied."""
         owner = owner or new_owner()
         # the claim, before any file: a writer older than the version's claim is refused here
         claim = self._claim(version, epoch, owner) if exclusive and self._claims else None
@@ -258,56 +315,69 @@ class CheckpointStore(PinLeases, ABC):
         # checked against the chunk hashes (S3's composite SHA-256; see `_stored`)
         self._part_size = manifest.chunk_size if manifest is not None else chunk_size
         stage = self._begin(version, exclusive)
-        files_at = files_dir(stage, objects)
+        return _Publishing(
+            version, src_dir, stage, objects, files_dir(stage, objects), claim, manifest, chunk_size
+        )
 
-        def put(rel: str) -> FileEntry | None:
-            if claim is not None:  # fenced since? stop within one file
-                self._check_claim(version, claim)
-            if manifest is None:
-                return self._put_hashed(files_at, rel, src_dir / rel, chunk_size)
-            if self.holds(rel):
-                self._put(files_at, rel, src_dir / rel)
-            return None
+    def _put_file(self, job: _Publishing, rel: str) -> FileEntry | None:
+        """Copy one file of `job` (hashed unless its manifest is given)."""
+        if job.claim is not None:  # fenced since? stop within one file
+            self._check_claim(job.version, job.claim)
+        if job.manifest is None:
+            return self._put_hashed(job.files_at, rel, job.src_dir / rel, job.chunk_size)
+        if self.holds(rel):
+            self._put(job.files_at, rel, job.src_dir / rel)
+        return None
 
-        try:
-            # 2. Copy every file, hashing each one just before it is copied (unless given).
-            entries = self._map(put, files)
-            if parts is not None:  # the other nodes' files, put by them under this claim
-                theirs = parts.put(self, version, files_at, claim, manifest, chunk_size)
-                entries += theirs
-                _check_parts(version, files, theirs, manifest, self.absent)
-            if manifest is None:
-                created = datetime.now(UTC).isoformat(timespec="seconds")
-                manifest = Manifest(
-                    version,
-                    tuple(e for e in entries if e is not None),
-                    created,
-                    meta,
-                    chunk_size,
-                    objects,
+    def _copy_files(
+        self, job: _Publishing, files: list[str], parts: RemoteParts | None, meta: dict[str, str]
+    ) -> Manifest:
+        """`publish` step 2: copy every file (and wait for the other nodes' `parts`); return
+        the manifest: the given one, or one built from the hashes taken while copying."""
+        entries = self._map(functools.partial(self._put_file, job), files)
+        if parts is not None:  # the other nodes' files, put by them under this claim
+            theirs = parts.put(
+                self, job.version, job.files_at, job.claim, job.manifest, job.chunk_size
+            )
+            entries += theirs
+            _check_parts(job.version, files, theirs, job.manifest, self.absent)
+        if job.manifest is not None:
+            return job.manifest
+        created = datetime.now(UTC).isoformat(timespec="seconds")
+        return Manifest(
+            job.version,
+            tuple(e for e in entries if e is not None),
+            created,
+            meta,
+            job.chunk_size,
+            job.objects,
+        )
+
+    def _complete_publish(self, job: _Publishing, manifest: Manifest, epoch: int | None) -> None:
+        """`publish` steps 3 to 5: write the manifest, check the stored files against it,
+        commit the stage, then move `latest`."""
+        version, claim = job.version, job.claim
+        # 3. The manifest goes last: its presence is what makes a version complete. Under a
+        # claim it is written create-only: of two writers of one version, one manifest.
+        key = f"versions/{job.stage}/{MANIFEST}"
+        if claim is not None:
+            self._check_claim(version, claim)
+            if not self._write_if(key, manifest.to_json(), None):
+                raise CheckpointError(
+                    f"version {version} in {self.uri}: another writer's manifest appeared "
+                    "while this publish ran; this one stops"
                 )
-            # 3. The manifest goes last: its presence is what makes a version complete. Under a
-            # claim it is written create-only: of two writers of one version, one manifest.
-            key = f"versions/{stage}/{MANIFEST}"
-            if claim is not None:
-                self._check_claim(version, claim)
-                if not self._write_if(key, manifest.to_json(), None):
-                    raise CheckpointError(
-                        f"version {version} in {self.uri}: another writer's manifest appeared "
-                        "while this publish ran; this one stops"
-                    )
-            else:
-                self._write_text(key, manifest.to_json())
-            # 4. Read it back and check every object against it (by hash where the backend has one).
-            self._verify_stored(stage, manifest)
-            if claim is not None:
-                self._check_claim(version, claim)
-            self._commit(stage, version)
-            # 5. Only now move the pointer: a compare-and-set that an older epoch cannot pass.
-            self._point_latest(manifest, epoch)
-        except BaseException:
-            self._cleanup_failed(stage, version, claim)
-            raise
+        else:
+            self._write_text(key, manifest.to_json())
+        # 4. Read it back and check every object against it (by hash where the backend has one).
+        self._verify_stored(job.stage, manifest)
+        if claim is not None:
+            self._check_claim(version, claim)
+        self._commit(job.stage, version)
+        # 5. Only now move the pointer: a compare-and-set that an older epoch cannot pass.
+        self._point_latest(manifest, epoch)
+
+    def _log_published(self, version: int, manifest: Manifest, t0: float) -> None:
         log.info(
             "published version %d to %s: %d files, %.1f MiB in %.1f s%s",
             version,
@@ -317,15 +387,15 @@ class CheckpointStore(PinLeases, ABC):
             time.monotonic() - t0,
             f" (not stored here: {', '.join(self.absent)})" if self.absent else "",
         )
-        # 6. Prune. The version is published whatever happens here, so nothing here may fail it.
-        if retention is not None:
-            try:
-                self.apply_retention(*retention)
-            except Exception as e:  # noqa: BLE001 (housekeeping must not undo a successful publish)
-                log.warning(
-                    "retention after publishing version %d in %s failed: %s", version, self.uri, e
-                )
-        return manifest
+
+    def _retain_after(self, version: int, retention: tuple[int, int]) -> None:
+        """`publish` step 6: prune, logging a failure as a warning instead of raising it."""
+        try:
+            self.apply_retention(*retention)
+        except Exception as e:  # noqa: BLE001 (housekeeping must not undo a successful publish)
+            log.warning(
+                "retention after publishing version %d in %s failed: %s", version, self.uri, e
+            )
 
     def holds(self, rel: str) -> bool:
         """Whether this store's copies hold the file `rel` (False: under an `absent` prefix)."""

@@ -1,6 +1,6 @@
 """Fan-out: the rollout engines of one run fetch a new version from each other, chunk by chunk.
 
-Design, details and limitations: docs/store.md#moerlstorefanoutpy.
+Design, details and limitations: docs/weights.md#moerlstorefanoutpy.
 """
 
 from __future__ import annotations

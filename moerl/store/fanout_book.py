@@ -1,7 +1,7 @@
 """The fan-out's bookkeeping in Valkey: who holds which chunk of a version, the run's chunk token,
 and the chunk counters; kept to O(peers) commands per look and a few batched writes per second.
 
-Design, details and limitations: docs/store.md#moerlstorefanout_bookpy.
+Design, details and limitations: docs/weights.md#moerlstorefanoutpy.
 """
 
 from __future__ import annotations

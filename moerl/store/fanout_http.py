@@ -1,7 +1,7 @@
 """The fan-out's HTTP: a chunk server that admits only the run's token and serves file ranges a few
 at a time, and a chunk fetch that a slow or hostile peer cannot hang or bloat.
 
-Design, details and limitations: docs/store.md#moerlstorefanout_httppy.
+Design, details and limitations: docs/weights.md#moerlstorefanoutpy.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fencing the writers of one store: version claims with an owner, an epoch and an expiry, and
 the epoch that `latest.json` records.
 
-Design, details and limitations: docs/store.md#moerlstorefencepy.
+Design, details and limitations: docs/weights.md#moerlstorefencepy.
 """
 
 from __future__ import annotations

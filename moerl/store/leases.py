@@ -1,6 +1,6 @@
 """Pins as leases: what a pin file holds, and when it stops protecting its version.
 
-Design, details and limitations: docs/store.md#moerlstoreleasespy.
+Design, details and limitations: docs/weights.md#the-store-as-a-user-sees-it.
 """
 
 from __future__ import annotations

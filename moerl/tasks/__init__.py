@@ -1,4 +1,4 @@
 """What the policy is trained on and how its answers are scored.
 
-Design, details and limitations: docs/tasks.md#moerltasks__init__py.
+Design, details and limitations: docs/tasks.md#module-notes.
 """

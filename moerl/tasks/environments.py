@@ -1,7 +1,7 @@
 """Multi-turn environments: the interface a user's environment implements, and the functions the
 sandboxed pool runs for it.
 
-Design, details and limitations: docs/tasks.md#moerltasksenvironmentspy.
+Design, details and limitations: docs/tasks.md#3-an-environment-multi-turn-tools.
 """
 
 from __future__ import annotations

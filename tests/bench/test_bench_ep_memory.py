@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
-    from moerl.bench.ep_memory import run_bench_ep_memory
+    from benchmarks.ep_memory import run_bench_ep_memory
 
     out = tmp_path / "bench" / "ep_memory.json"
     run_bench_ep_memory(
@@ -34,7 +34,7 @@ def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_ep_memory_at_a_2x2_mesh_holds_a_quarter_per_rank(tmp_path):
-    from moerl.bench.ep_memory import run_bench_ep_memory
+    from benchmarks.ep_memory import run_bench_ep_memory
 
     out = tmp_path / "mesh.json"
     run_bench_ep_memory(

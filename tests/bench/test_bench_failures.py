@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def failures(tmp_path_factory):
-    from moerl.bench.failures import run_bench_failures
+    from benchmarks.failures import run_bench_failures
 
     tmp = tmp_path_factory.mktemp("failures")
     # a small buffer (4 scored groups, half a version) keeps the workers from generating every

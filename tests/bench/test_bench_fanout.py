@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moerl.bench.fanout import run_bench_fanout
+from benchmarks.fanout import run_bench_fanout
 from moerl.errors import ConfigError
 from moerl.store.fanout_book import FLUSH_S, REFRESH_S
 

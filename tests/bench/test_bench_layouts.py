@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.rollout import run_bench_rollout
+from benchmarks.rollout import run_bench_rollout
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs/tiny-moe-grpo.yaml"
 SMALL = ["units.max_prompts=4", "rollout.samples_per_prompt=2", "rollout.kv_cache_gib=0.0625"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moerl.bench.lease import run_bench_lease
+from benchmarks.lease import run_bench_lease
 from moerl.errors import ConfigError
 
 

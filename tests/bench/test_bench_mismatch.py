@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.mismatch import format_report, perturbed_copy, run_bench_mismatch
+from benchmarks.mismatch import format_report, perturbed_copy, run_bench_mismatch
 from moerl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.modes import (
+from benchmarks.modes import (
     ARMS,
     arm_config,
     check_same_workload,

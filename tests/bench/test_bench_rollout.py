@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.rollout import (
+from benchmarks.rollout import (
     _combine,
     parse_in_flight,
     parse_seqs,

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def scaling(tmp_path_factory):
-    from moerl.bench.scaling import run_bench_scaling
+    from benchmarks.scaling import run_bench_scaling
 
     tmp = tmp_path_factory.mktemp("scaling")
     return run_bench_scaling(

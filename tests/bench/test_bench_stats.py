@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from moerl.bench import netio
+from benchmarks import netio
 
 
 # -- network counters ---------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def _training_run(
 def test_compare_reports_differing_params_deltas_noise_and_plots(tmp_path, capsys):
     from mlflow.tracking import MlflowClient
 
-    from moerl.bench.compare import run_compare
+    from benchmarks.compare import run_compare
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from moerl.bench.stats import t975
+from benchmarks.stats import t975
 from tests.support.workloads import CONFIG, SMALL
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def _cis(x, found: list) -> list:
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
-    from moerl.bench.suite import run_suite
+    from benchmarks.suite import run_suite
 
     tmp = tmp_path_factory.mktemp("suite")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"

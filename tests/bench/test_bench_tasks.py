@@ -1,7 +1,7 @@
 """`moerl bench tasks`: the call paths side by side, on real child processes and a
 real Valkey; the rollout part runs in docs/benchmarks.md's command, not here (it needs an engine)."""
 
-from moerl.bench.tasks import bench_calls
+from benchmarks.tasks import bench_calls
 
 
 def test_the_call_paths_are_measured_side_by_side():

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
-    from moerl.bench.weights import run_bench
+    from benchmarks.weights import run_bench
 
     out = tmp_path / "w.json"
     (row,) = run_bench(["tiny"], out, repeats=1)
@@ -65,7 +65,7 @@ def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
 
 
 def test_unknown_size_is_a_config_error(tmp_path):
-    from moerl.bench.weights import run_bench
+    from benchmarks.weights import run_bench
     from moerl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown size.*allowed: tiny, 0.5b"):

@@ -1,4 +1,4 @@
-"""`moerl bench fleet`'s report math, on recorded inputs (moerl/bench/fleet.py).
+"""`moerl bench fleet`'s report math, on recorded inputs (benchmarks/fleet.py).
 
 What is checked: the arms' configs (bounds refused when they cannot scale, the default change of
 generation cost, the fixed and elastic fleets, the interleaving); the resize lines as events and
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench import fleet
+from benchmarks import fleet
 from moerl.config import load_config, parse_config
 from moerl.errors import ConfigError
 
@@ -161,7 +161,7 @@ def test_the_command_hands_its_options_to_the_bench(monkeypatch):
     import argparse
     import inspect
 
-    from moerl.bench.cli import add_bench_parsers
+    from benchmarks.cli import add_bench_parsers
 
     real = inspect.signature(fleet.run_bench_fleet)
     calls = []
@@ -170,12 +170,12 @@ def test_the_command_hands_its_options_to_the_bench(monkeypatch):
         calls.append(real.bind(*args, **kwargs).arguments)
         return {"ok": False}
 
-    monkeypatch.setattr(fleet, "run_bench_fleet", runner)
-    parser = argparse.ArgumentParser(prog="moerl")
+    parser = argparse.ArgumentParser(prog="moerl")  # the flags: the real runner's signature
     add_bench_parsers(parser.add_subparsers(dest="command", required=True))
     a = parser.parse_args(
         ["bench", "fleet", "c.yaml", "--versions", "6", "--repeats", "2", "--set", "a.b=1"]
     )
+    monkeypatch.setattr(fleet, "run_bench_fleet", runner)
     assert a.func(a) == 1  # a failed arm: a non-zero exit
     assert calls == [
         {
@@ -247,7 +247,7 @@ def test_a_short_real_run_of_both_arms(tmp_path):
 def test_an_arm_that_outlives_its_timeout_is_killed_and_fails(tmp_path):
     """The arm's run is a real `moerl run` child, killed at --timeout-s: the bench fails naming
     the timeout instead of waiting on it for good, and leaves no process behind."""
-    from moerl.bench.modes import ArmFailed
+    from benchmarks.modes import ArmFailed
 
     arm = tmp_path / "arm"
     arm.mkdir()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.modes import arm_config
-from moerl.bench.peer import (
+from benchmarks.modes import arm_config
+from benchmarks.peer import (
     CpuUsage,
     WeightsDiffer,
     _own_cpu_s,
@@ -100,7 +100,7 @@ def test_settings_map_reads_the_async_config():
 def test_the_report_says_how_the_moerl_arm_stays_on_policy():
     streamed = differences(load_config(CONFIG, [], mode="async"))
     assert any(
-        d.startswith("trainer.optimizer.stream (async, buffer.max_staleness 0)")
+        d.startswith("trainer.schedule.stream (async, buffer.max_staleness 0)")
         and "engine's logprobs" in d
         for d in streamed
     )
@@ -108,7 +108,7 @@ def test_the_report_says_how_the_moerl_arm_stays_on_policy():
     assert any("its own logprobs just before each minibatch" in d for d in bf16)
     behind = differences(load_config(CONFIG, ["buffer.max_staleness=1"], mode="async"))
     assert any(d.startswith("buffer.max_staleness 1 (async)") for d in behind)
-    assert not any(d.startswith("trainer.optimizer.stream") for d in behind)
+    assert not any(d.startswith("trainer.schedule.stream") for d in behind)
     assert len(streamed) == len(behind)
 
 
@@ -182,6 +182,7 @@ def test_without_trl_the_extra_is_named_before_any_work(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.nightly
 def test_trl_arm_runs_two_versions_on_moerls_version_0(tmp_path):
     cfg = arm_config(CONFIG, SMALL, "async", 2, tmp_path / "trl")
     v0 = build_v0(cfg, tmp_path / "v0")
@@ -201,6 +202,22 @@ def test_trl_arm_runs_two_versions_on_moerls_version_0(tmp_path):
     got = res["grpo_config"]  # what GRPOConfig was given
     assert got["shuffle_dataset"] is False and got["steps_per_generation"] == 2
     assert got["per_device_train_batch_size"] == 64 and got["max_steps"] == 4
+    assert res["unused_loaded"] == []  # neither vLLM nor MLflow in the arm's process
+
+
+def test_the_trl_arms_process_imports_trl_without_vllm_or_mlflow():
+    """TRL and transformers import vLLM and MLflow whenever they are installed (moerl's
+    environment has both); the TRL arm hides them first, as a plain TRL script never loads them."""
+    pytest.importorskip("trl")
+    code = (
+        "import sys; from benchmarks.peer import hide_from_trl; hide_from_trl(); "
+        "from trl import GRPOConfig, GRPOTrainer; from trl.import_utils import is_vllm_available; "
+        "print(is_vllm_available(), sorted(m for m in ('vllm', 'mlflow') "
+        "if sys.modules.get(m) is not None))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split("\n")[-2] == "False []"
 
 
 def test_an_arm_on_other_weights_fails_loudly():

@@ -1,4 +1,4 @@
-"""The trainer's per-version overhead on paper (moerl/bench/trainer_version.py): the formulas by
+"""The trainer's per-version overhead on paper (benchmarks/trainer_projection.py): the formulas by
 hand on small numbers, how the terms move with the inputs, and its place in `moerl bench
 project`."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moerl.bench.trainer_version import VersionInputs, version_table, version_times
+from benchmarks.trainer_projection import VersionInputs, version_table, version_times
 from moerl.errors import ConfigError
 
 GB = 1e9
@@ -94,7 +94,7 @@ def test_the_put_ceiling_state_every_and_the_master_copy():
 def test_more_nodes_shrink_the_after_export_not_the_before_gather():
     from dataclasses import replace
 
-    from moerl.bench.project import MODELS
+    from benchmarks.project import MODELS
 
     shape = MODELS["deepseek-v3"]
     rows = [
@@ -127,7 +127,7 @@ def test_more_nodes_shrink_the_after_export_not_the_before_gather():
 def test_both_seed_models_in_bench_project(tmp_path, capsys):
     import argparse
 
-    from moerl.bench.project import add_project_args, trainer_version
+    from benchmarks.project import add_project_args, trainer_version
     from moerl.cli import main
 
     out = tmp_path / "proj"

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from moerl.bench.trainer_versions import parse_mesh, run_bench_trainer_versions
+from benchmarks.trainer_versions import parse_mesh, run_bench_trainer_versions
 from moerl.errors import ConfigError
 
 

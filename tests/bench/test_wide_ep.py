@@ -21,8 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from moerl.bench import wide_ep, wide_ep_engine
-from moerl.bench.stats import summarize
+from benchmarks import wide_ep, wide_ep_engine
+from benchmarks.stats import summarize
 from moerl.config import parse_config
 from moerl.errors import ConfigError
 from moerl.launch import objects
@@ -185,7 +185,7 @@ def _efa(tx0: int, rx0: int, tx1: int, rx1: int) -> dict:
 def _recorded_transport(backend: str, nodes: int) -> dict:
     """A leg's transport as a GPU leg records it when it got what it asked for (the fields the
     report reads; tests/bench/test_wide_ep_engine.py builds real ones)."""
-    from moerl.bench.wide_ep_engine import expected_path
+    from benchmarks.wide_ep_engine import expected_path
 
     return {
         "path": expected_path(backend) if nodes > 1 else "nvlink-only",

@@ -1,4 +1,4 @@
-"""What a wide-ep leg's engine got (moerl/bench/wide_ep_engine.py): the EPLB balancedness and
+"""What a wide-ep leg's engine got (benchmarks/wide_ep_engine.py): the EPLB balancedness and
 all2all-manager lines as the installed vLLM 0.32 writes them (its own format strings, read from
 its sources, logged through its own logger), the EPLB flags through vLLM's own argument parser,
 the transport of recorded legs (stand-in NCCL plugin files as in tests/rollout/test_transport.py)
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench import wide_ep
-from moerl.bench import wide_ep_engine as we
+from benchmarks import wide_ep
+from benchmarks import wide_ep_engine as we
 
 VLLM = Path(find_spec("vllm").submodule_search_locations[0])  # type: ignore[union-attr,index]
 EFA_PROBE = {

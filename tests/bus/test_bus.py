@@ -516,9 +516,9 @@ def test_a_lost_xreadgroup_reply_strands_nothing(bus, lost_replies):
     """The server ran an XREADGROUP (the entries are now pending to the reader) and its reply
     never reached the client, whose retried read finds nothing new: the entries were delivered
     unseen. A unit so delivered is reclaimed once its visibility timeout passes; scored groups
-    so delivered are read back by the trainer's `Inbox` (components/policy_update/worker.py)
+    so delivered are read back by the trainer's `Inbox` (components/policy_update/gather.py)
     when XPENDING shows more pending than it holds."""
-    from moerl.components.policy_update.worker import CONSUMER, Inbox
+    from moerl.components.policy_update.gather import CONSUMER, Inbox
     from moerl.records import ScoredSample
 
     uid = bus.issue_unit([_prompt(1)])
@@ -563,7 +563,7 @@ def test_a_lost_xreadgroup_reply_strands_nothing(bus, lost_replies):
     assert (lost_replies["lost"], lost_replies["n"]) == (2, 0)
     assert bus.pending_count(SCORED, CONSUMER) == 3
     got: list = []
-    for _ in range(10):  # as `_gather` loops: check the pending list, then take
+    for _ in range(10):  # as `gather` loops: check the pending list, then take
         in_hand = {eid for eid, _ in got}
         inbox.check(in_hand)
         got += inbox.take(3 - len(got), in_hand)
@@ -616,7 +616,7 @@ def test_a_finished_run_expires_and_glob_characters_cannot_reach_other_runs(serv
 def test_commits_wait_for_the_append_only_file_and_a_server_without_one_is_refused(
     server, tmp_path
 ):
-    from moerl.components.policy_update.worker import _check_durable
+    from moerl.components.policy_update.commits import check_durable
     from moerl.config import RunConfig
     from moerl.errors import ConfigError
 
@@ -628,7 +628,7 @@ def test_commits_wait_for_the_append_only_file_and_a_server_without_one_is_refus
         with pytest.raises(BusError, match="appendonly is disabled"):
             lossy.wait_durable(0, 2.0)
         with pytest.raises(ConfigError, match="valkey.require_durable: false"):
-            _check_durable(lossy, RunConfig(), "durable-run")
+            check_durable(lossy, RunConfig(), "durable-run")
 
 
 def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_trained_twice(
@@ -642,7 +642,7 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
     import json
     import shutil
 
-    from moerl.components.policy_update.worker import _reconcile
+    from moerl.components.policy_update.commits import reconcile
     from moerl.config import load_config
     from moerl.store.runs import run_store, version_uri
 
@@ -700,7 +700,7 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
         epoch2 = bus.claim_trainer("trainer-2")  # the restarted trainer
         latest = store.recover()
         assert latest == 1
-        _reconcile(bus, cfg, run, latest, epoch2)
+        reconcile(bus, cfg, run, latest, epoch2)
         assert (
             bus.registry().version == 1
             and bus.registry().manifest_sha256 == store.manifest(1).sha256()
@@ -709,7 +709,7 @@ def test_a_commit_lost_by_valkey_is_made_again_from_the_manifest_and_nothing_is_
         assert int(bus.r.xpending(bus.key(SCORED), "trainer")["pending"]) == 0
         # nothing of version 1's batch comes back
         assert bus.take_scored("trainer", 10, block_ms=50) == []
-        _reconcile(bus, cfg, run, latest, epoch2)  # a second restart changes nothing
+        reconcile(bus, cfg, run, latest, epoch2)  # a second restart changes nothing
         assert bus.counters()["trained"] == 8 and store.versions() == [0, 1]
         for g in groups:  # a copy of a trained group that reaches the bus again is a duplicate
             assert not bus.publish_group(g, [{"x": 1}] * 4)

@@ -149,7 +149,9 @@ def test_a_cuda_hot_swap_by_name_equals_a_fresh_load(ckpts, fresh_b):
     a, b = ckpts
     eng = RolloutEngine(a, _rollout())
     try:
-        assert not eng.cfg.in_process and not eng.cfg.eager  # the GPU defaults
+        assert (
+            not eng.cfg.resolved.engine_in_process and not eng.cfg.resolved.enforce_eager
+        )  # the GPU defaults
         on_a = eng.core.collective_rpc("moerl_param_digests")
         _probe(eng)  # A's KV in the prefix cache: a stale cache would show below
         stats = eng.swap_weights(b, version=1)

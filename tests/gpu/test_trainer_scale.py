@@ -58,7 +58,8 @@ def grouped_vs_loop(
     the largest relative difference of outputs and gradients, and the time of each."""
     import torch.nn.functional as F
 
-    from moerl.components.policy_update.ep_moe import LocalExperts, experts_loop
+    from moerl.components.policy_update.ep_moe import LocalExperts
+    from tests.support.oracles import experts_loop
 
     g = torch.Generator().manual_seed(0)
     dt = torch.bfloat16 if device == "cuda" else torch.float32
@@ -165,7 +166,7 @@ def fsdp_step(
     tokens = samples * (prompt + response)
     act = active_params(t)
     steps_s = m["timing/trainer_steps_s"]
-    # the memory formula of moerl/bench/memfit.py at one GPU: static 16 B/param; activations
+    # the memory formula of benchmarks/memfit.py at one GPU: static 16 B/param; activations
     # per token of one micro-batch, bf16, with checkpointing L*2h + one layer's
     h, k, width, L = t.hidden_size, t.experts_per_token, t.moe_intermediate_size, t.num_layers
     per_layer = 2 * (8 * h + k * (2 * h + 3 * width))

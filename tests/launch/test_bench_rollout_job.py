@@ -37,8 +37,8 @@ def test_the_job_takes_a_rollout_node_as_a_launched_rollout_pod_does(objs):
 
 
 def test_the_jobs_command_is_a_layout_comparison_every_variant_of_which_validates(objs, tmp_path):
-    from moerl.bench.cli import add_bench_parsers
-    from moerl.bench.layouts import layout_variants
+    from benchmarks.cli import add_bench_parsers
+    from benchmarks.layouts import layout_variants
 
     spec = dict(_pod_specs(objs))[("Job", "moerl", "moerl-bench-rollout")]
     (c,) = spec["containers"]
@@ -58,7 +58,7 @@ def test_the_jobs_command_is_a_layout_comparison_every_variant_of_which_validate
     assert a.config == f"{mount}/rollout.yaml"
     cfg_file = tmp_path / "rollout.yaml"
     cfg_file.write_text(cm["data"]["rollout.yaml"])
-    variants = layout_variants(cfg_file, a.set, a.all2all, a.tensor_parallel, a.data_parallel)
+    variants = layout_variants(cfg_file, a.overrides, a.all2all, a.tensor_parallel, a.data_parallel)
     gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
     for name, cfg in variants:  # each engine spans the node's GPUs, expert-parallel over them
         r = cfg.rollout

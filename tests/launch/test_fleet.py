@@ -7,7 +7,7 @@ Role holding what the fleet's creation and the per-run Role's grant need; and, o
 (the embedded server, the run's own ACL user), what KEDA's redis-streams lag trigger reads.
 
 No API server and no KEDA operator: what a live HPA does with the metric is KEDA's and
-Kubernetes' documented behaviour, not exercised here (docs/deploy.md).
+Kubernetes' documented behaviour, not exercised here (docs/eks.md).
 """
 
 from __future__ import annotations

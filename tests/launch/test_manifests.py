@@ -8,7 +8,7 @@
 - the node groups (eksctl and Karpenter) carry exactly the labels and taints the compiled
   pipelines select (moerl.config.GroupsConfig: one definition);
 - every pod runs as non-root without privilege escalation, except the EFA device plugin;
-- RBAC, PriorityClasses and the IAM policy are as narrow as docs/deploy.md says.
+- RBAC, PriorityClasses and the IAM policy are as narrow as docs/eks.md says.
 
 Limitations: schema checks miss server-side defaulting, CEL rules, admission webhooks and
 anything AWS validates (instance availability, quotas, IAM).
@@ -296,7 +296,7 @@ def test_services_and_efa_plugin_land_on_the_groups_they_tolerate(built):
 
 
 def test_the_bench_suite_job_runs_on_one_trainer_gpu_with_a_config_moerl_accepts(built, tmp_path):
-    from moerl.bench.cli import add_bench_parsers
+    from benchmarks.cli import add_bench_parsers
     from moerl.config import load_config
 
     objs = built["prod-bench"]
@@ -517,7 +517,7 @@ def test_the_checkpoint_cache_tier_is_seaweedfs_with_a_reader_and_a_writer_reach
 
 def test_no_credential_value_in_the_manifests(built):
     for objs in built.values():
-        assert "Secret" not in {o["kind"] for o in objs}  # created by hand (docs/deploy.md)
+        assert "Secret" not in {o["kind"] for o in objs}  # created by hand (docs/eks.md)
         for key, spec in _pod_specs(objs):
             for c in spec["containers"]:
                 for e in c.get("env", []):

@@ -26,8 +26,8 @@ from moerl.launch.podsecrets import (
     pod_secret_env,
     run_secret_name,
     sandbox_secret_env,
-    write_sandbox_secrets,
 )
+from tests.support.sandbox import write_sandbox_secrets
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = {"uri": "s3://moerl-cache/ckpt", "endpoint_url": "http://moerl-ckpt-cache.moerl.svc:8333"}
@@ -179,11 +179,13 @@ def test_a_missing_required_key_stops_the_task_and_a_readable_secrets_file_is_re
 
 
 def test_every_component_names_its_own_stage_when_it_enters_its_pod():
-    """`place` mounts Secrets under the component's name; the sandbox must look up the same one."""
+    """`place` mounts Secrets under the component's name; the sandbox must look up the same one.
+    The KFP components: each stage's component.py and the run's own tasks (pipelines/tracking.py)."""
     from moerl.pipelines.eks import STAGE_GROUP
 
     named = {}
-    for path in sorted((ROOT / "components").glob("*/component.py")):
+    tasks = [*(ROOT / "components").glob("*/component.py"), ROOT / "pipelines" / "tracking.py"]
+    for path in sorted(tasks):
         for fn in ast.parse(path.read_text()).body:
             if not isinstance(fn, ast.FunctionDef):
                 continue
@@ -213,7 +215,7 @@ stage, cfg_json = sys.argv[1], open(sys.argv[2]).read()
 enter_pod(stage, cfg_json)
 from moerl.config import config_from_json
 from moerl.errors import MoerlError
-from moerl.orchestrate.prepare import _check_cache_tier
+from moerl.preflight import _check_cache_tier
 from moerl.store.runs import open_store
 from moerl.store.tiers import cache_tier_store
 cfg = config_from_json(cfg_json)
@@ -237,7 +239,7 @@ print(json.dumps(out))
 def test_the_first_task_passes_its_cache_tier_preflight_with_its_pods_reader_keys_alone(
     tmp_path, s3_server
 ):
-    from moerl.store.s3server import S3Process
+    from tests.support.s3server import S3Process
 
     s3_server.client().create_bucket(Bucket="moerl-podsecrets")
     cache = S3Process(tmp_path / "cache-server", reader=True)

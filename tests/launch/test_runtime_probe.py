@@ -81,6 +81,7 @@ def test_a_stage_that_requires_a_gpu_fails_before_any_work():
         run_rollout(cfg, "", None, 0, "/nonexistent/samples.jsonl")  # the policy is never touched
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 def test_moerl_run_requiring_deepep_exits_2_before_any_work(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"require": {"deepep": True}}))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}

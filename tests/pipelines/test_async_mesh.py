@@ -24,10 +24,10 @@ from moerl import tracking
 from moerl.components.policy_update.mesh import FAULT_ENV
 from moerl.store.manifest import MANIFEST
 from moerl.store.runs import run_store
-from tests.pipelines.test_async_faults import Harness, _balanced, _mlflow_balanced, _versions
 from tests.support.async_runs import assert_balanced, run_async_cli
+from tests.support.fault_runs import Harness, balanced, mlflow_balanced, versions_of
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.nightly  # a learning run and a second-order fault (docs/testing.md)
 MESH = ("trainer.parallelism.expert_parallel_size=2", "trainer.parallelism.data_parallel_shard=2")
 
 
@@ -115,14 +115,14 @@ def test_a_rank_killed_mid_version_fails_the_mesh_and_the_retry_resumes(tmp_path
     loads = _history(h.uri, h.run_id, "trainer/mesh_loads")
     assert set(loads) == {1.0} and len(loads) >= versions
     assert len(_history(h.uri, h.run_id, "timing/trainer_load_s")) == 2
-    assert _versions(h) == list(range(versions + 1))
+    assert versions_of(h) == list(range(versions + 1))
     store = run_store(h.cfg.checkpoint, h.run_id)
     groups = [
         g for v in range(1, versions + 1) for g in json.loads(store.manifest(v).meta["groups"])
     ]
     assert len(groups) == len(set(groups))  # no group trained twice
-    _balanced(c, h.cfg)
-    _mlflow_balanced(h)
+    balanced(c, h.cfg)
+    mlflow_balanced(h)
     for v in range(1, versions + 1):
         paths = {f.path for f in store.manifest(v).files}
         assert ("trainer/model/.metadata" in paths) == (v % 2 == 0), (v, sorted(paths))

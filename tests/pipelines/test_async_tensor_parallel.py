@@ -35,7 +35,7 @@ def s3_mixtral(s3_server, tmp_path):
     return s3_server.endpoint_url, "s3://team-models/tiny-mixtral/"
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_an_s3_mixtral_learns_with_tp2_rollout_engines(tmp_path, s3_mixtral):
     endpoint, model = s3_mixtral
     uri, run = run_async_cli(

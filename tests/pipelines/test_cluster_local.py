@@ -108,8 +108,8 @@ def _run_sandboxed(cfg, root: Path, secrets: Path, **params) -> Exception | None
 def cluster_run(s3_server, tmp_path_factory):
     import boto3
 
-    from moerl.launch.podsecrets import write_sandbox_secrets
-    from moerl.store.s3server import S3Process
+    from tests.support.s3server import S3Process
+    from tests.support.sandbox import write_sandbox_secrets
 
     root = tmp_path_factory.mktemp("cluster")
     boto3.client("s3", endpoint_url=s3_server.endpoint_url).create_bucket(Bucket=BUCKET)

@@ -331,6 +331,7 @@ def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path
     )
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 def test_malformed_dataset_stops_before_any_work(tmp_path):
     (tmp_path / "bad.jsonl").write_text(
         '{"id": "a", "task": "copy", "prompt": "copy 1=", "answer": "1"}\n' + "x\n" * 5
@@ -348,6 +349,7 @@ def test_malformed_dataset_stops_before_any_work(tmp_path):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 def test_missing_bucket_stops_before_training(tmp_path, s3_server):
     (tmp_path / "run.yaml").write_text(
         yaml.safe_dump(

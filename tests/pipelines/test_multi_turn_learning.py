@@ -17,7 +17,7 @@ from tests.support.async_runs import run_async_cli
 VERSIONS = 30
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_the_lookup_task_learns_in_the_async_mode(tmp_path):
     uri, run = run_async_cli(tmp_path, "tiny-moe-lookup.yaml", "moerl-tiny-lookup", VERSIONS)
     reward = [v for _, v in tracking.metric_history(uri, run.info.run_id, "reward/mean")]

@@ -58,7 +58,7 @@ def _run_and_kill_once_published(tmp_path, env, version, *args):
     return store, out
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_a_run_killed_twice_resumes_each_time_from_its_last_complete_version(tmp_path):
     """Killed once version 0 is published (during iteration 0), resumed through `resume_policy`
     (it used to republish version 0 and fail "already exists"); that resume killed once version 1
@@ -131,6 +131,7 @@ def test_resume_from_version_0_starts_with_resume_policy(tmp_path):
     assert {"rollout-0", "policy-update-v1", "policy-update-v2"} <= names[True]
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 def test_resume_of_an_unknown_run_fails_clearly(tmp_path):
     _cfg(tmp_path, iterations=2)
     r = subprocess.run(

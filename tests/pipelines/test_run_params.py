@@ -1,6 +1,6 @@
 """The KFP run form (pipelines/params.py): typed run parameters with the config's values as
 defaults and a description each, on every compiled pipeline; merged and validated by the first
-task (components/tracking/component.py:start_run). The kfp.local run with a changed form, and
+task (pipelines/tracking.py:start_run). The kfp.local run with a changed form, and
 a refused one, are in tests/pipelines/test_cluster_local.py (the shared EKS-target run)."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from moerl.components.tracking.component import start_run
 from moerl.config import config_to_json, parse_config
 from moerl.errors import ConfigError
 from moerl.orchestrate.compile import compile_pipeline
 from moerl.pipelines.params import PARAMS, defaults, merge, params_for
+from moerl.pipelines.tracking import start_run
 
 VALKEY = "redis://valkey.moerl.svc:6379/0"
 KFP_TYPES = {str: "STRING", int: "NUMBER_INTEGER", float: "NUMBER_DOUBLE"}

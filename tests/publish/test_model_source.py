@@ -283,6 +283,7 @@ def test_a_file_larger_than_a_part_is_copied_in_parts_and_checked_by_its_checksu
     )
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 def test_moerl_run_refuses_a_missing_s3_model_in_one_line_before_any_work(
     s3_server, models, tmp_path
 ):

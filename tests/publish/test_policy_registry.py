@@ -1,4 +1,4 @@
-"""The trained policy in MLflow's model registry (components/publish_checkpoint/registry.py):
+"""The trained policy in MLflow's model registry (moerl/registry/policy.py):
 a finished run's final version registered with the tags that find and check it, a warm start
 from `registry:<name>@champion` verified against the registered manifest, a missing alias
 refused at preflight naming the key, and `moerl schedule`'s default. Real parts: MLflow on a
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from moerl import tracking
-from moerl.components.publish_checkpoint.registry import (
+from moerl.config import config_to_json, parse_config
+from moerl.errors import CheckpointError, ConfigError
+from moerl.registry.policy import (
     TAG_CONFIG_HASH,
     TAG_MANIFEST,
     TAG_REWARD,
@@ -23,8 +25,6 @@ from moerl.components.publish_checkpoint.registry import (
     register_final,
     resolve_policy,
 )
-from moerl.config import config_to_json, parse_config
-from moerl.errors import CheckpointError, ConfigError
 from moerl.store.runs import run_store, version_uri
 
 
@@ -121,8 +121,8 @@ def test_a_warm_start_from_the_champion_lays_out_the_registered_version(env, reg
 
 
 def test_a_version_changed_after_registration_is_refused(env, registered, tmp_path, monkeypatch):
-    from moerl.components.publish_checkpoint import registry as reg_mod
     from moerl.components.publish_checkpoint.stage import prepare_initial
+    from moerl.registry import policy as reg_mod
 
     _, _, _, version = registered
     real = reg_mod.resolve_policy
@@ -137,7 +137,7 @@ def test_a_version_changed_after_registration_is_refused(env, registered, tmp_pa
 
 
 def test_a_missing_alias_or_name_is_refused_at_preflight_naming_the_key(env, registered):
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     with pytest.raises(
         ConfigError,

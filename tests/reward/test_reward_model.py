@@ -230,8 +230,8 @@ def test_publish_registers_and_a_grpo_run_records_the_lineage(tiny_rm, tmp_path)
 
     from moerl import tracking
     from moerl.components.reward.stage import load_model_scorer
-    from moerl.components.reward_model import registry
     from moerl.components.reward_model.stage import publish
+    from moerl.registry import reward_model as registry
     from moerl.store.runs import run_store
 
     common = {

@@ -149,7 +149,7 @@ def test_a_data_parallel_engine_serves_and_swaps_on_every_engine_core(ckpts, eng
     dense = _dense(ckpts[0], tmp_path / "dense")
     # past the config's check on purpose: DP > 1 on cpu is refused for the MoE models moerl runs
     rollout = _cfg().rollout.model_copy(update={"data_parallel_size": 2})
-    assert rollout.driver == "async"
+    assert rollout.resolved.engine_api == "async"
     dp = RolloutEngine(dense, rollout, seed=3)
     try:
         ranks = dp.core.collective_rpc("moerl_rank")

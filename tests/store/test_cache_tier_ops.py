@@ -15,9 +15,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 from moerl.config import CheckpointConfig, parse_config
 from moerl.errors import CheckpointError
 from moerl.store.s3 import S3Store
-from moerl.store.s3server import S3Process
 from moerl.store.tiers import drop_cache_run, run_tiers
 from tests.store.test_store import make_checkpoint, tree
+from tests.support.s3server import S3Process
 
 
 @pytest.fixture
@@ -234,7 +234,7 @@ def test_the_first_tasks_preflight_accepts_a_cache_server_with_no_bucket_yet(
     `start_run` holds only the reader's keys, which may not create one: its preflight passes,
     saying the first publication creates it. Refused keys are still refused."""
     from moerl.errors import ConfigError
-    from moerl.orchestrate.prepare import _check_cache_tier
+    from moerl.preflight import _check_cache_tier
 
     cache = S3Process(tmp_path_factory.mktemp("ct"), reader=True)
     server = cache.start()

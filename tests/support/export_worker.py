@@ -4,12 +4,10 @@ mesh, `ep_train.apply_fsdp`), this rank's shards perturbed, then exported twice:
 `ep_export.export_ep_checkpoint` (every rank writes) and `ep_checkpoint.save_ep_checkpoint`
 (rank 0 writes), in the model's dtype and in bfloat16 (a float32 model's serving copy)."""
 
-import os
 import zlib
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 EXPORT_SHARD_BYTES = 40_000  # small: several files per rank
@@ -28,72 +26,66 @@ def _perturb(model, rank: int) -> None:
 def export_rank(rank, world, dp, ep, models, out_dir):
     """`models`: {label: (checkpoint dir, the dtype the model is loaded in)}. Writes out_dir/<family>/{export,save}_<dtype>
     and out_dir/rank<r>.pt (per family: this rank's experts and the export's stats)."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world
+    # a job of tests/support/gloo_world.py: the world's process group is already up
+    from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
+    from moerl.components.policy_update.ep_export import export_ep_checkpoint
+    from moerl.components.policy_update.ep_train import apply_fsdp, build_mesh
+    from moerl.config import parse_config
+    from moerl.kernels import make_dispatcher
+
+    cfg = parse_config(
+        {"trainer": {"parallelism": {"expert_parallel_size": ep, "data_parallel_shard": dp}}}
     )
-    try:
-        from moerl.components.policy_update.ep_checkpoint import load_ep_model, save_ep_checkpoint
-        from moerl.components.policy_update.ep_export import export_ep_checkpoint
-        from moerl.components.policy_update.ep_train import apply_fsdp, build_mesh
-        from moerl.config import parse_config
-        from moerl.kernels import make_dispatcher
+    mesh = build_mesh(cfg)
+    record = {}
+    for fam, (path, model_dtype) in models.items():
+        path = Path(path)
+        from transformers import AutoConfig
 
-        cfg = parse_config(
-            {"trainer": {"parallelism": {"expert_parallel_size": ep, "data_parallel_shard": dp}}}
+        from moerl.models.families import family_of
+
+        hf = AutoConfig.from_pretrained(path)
+        dispatcher = make_dispatcher(
+            "all_to_all", num_experts=family_of(hf).num_experts(hf), group=mesh.get_group("ep")
         )
-        mesh = build_mesh(cfg)
-        record = {}
-        for fam, (path, model_dtype) in models.items():
-            path = Path(path)
-            from transformers import AutoConfig
-
-            from moerl.models.families import family_of
-
-            hf = AutoConfig.from_pretrained(path)
-            dispatcher = make_dispatcher(
-                "all_to_all", num_experts=family_of(hf).num_experts(hf), group=mesh.get_group("ep")
-            )
-            model, blocks, layout = load_ep_model(
+        model, blocks, layout = load_ep_model(
+            path,
+            dispatcher,
+            getattr(torch, model_dtype),
+            "cpu",
+            shard=lambda m, b: apply_fsdp(m, b, mesh),
+        )
+        _perturb(model, rank)
+        stats = {}
+        for name, dtype in DTYPES.items():
+            stats[name] = export_ep_checkpoint(
+                model,
+                blocks,
+                layout,
                 path,
-                dispatcher,
-                getattr(torch, model_dtype),
-                "cpu",
-                shard=lambda m, b: apply_fsdp(m, b, mesh),
+                Path(out_dir) / fam / f"export_{name}",
+                mesh,
+                dtype=dtype,
+                max_shard_bytes=EXPORT_SHARD_BYTES,
             )
-            _perturb(model, rank)
-            stats = {}
-            for name, dtype in DTYPES.items():
-                stats[name] = export_ep_checkpoint(
-                    model,
-                    blocks,
-                    layout,
-                    path,
-                    Path(out_dir) / fam / f"export_{name}",
-                    mesh,
-                    dtype=dtype,
-                    max_shard_bytes=EXPORT_SHARD_BYTES,
-                )
-                save_ep_checkpoint(
-                    model,
-                    blocks,
-                    layout,
-                    path,
-                    Path(out_dir) / fam / f"save_{name}",
-                    ep_group=mesh.get_group("ep"),
-                    dtype=dtype,
-                )
-            record[fam] = {
-                "first_expert": blocks[0].first_expert,
-                "n_local": blocks[0].n_local,
-                "fused": [k.fused for k in layout.experts],
-                "dense_bytes": sum(
-                    p.numel() * p.element_size()
-                    for n, p in model.state_dict(keep_vars=True).items()
-                    if n in layout.names
-                ),
-                "stats": stats,
-            }
-        torch.save(record, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            save_ep_checkpoint(
+                model,
+                blocks,
+                layout,
+                path,
+                Path(out_dir) / fam / f"save_{name}",
+                ep_group=mesh.get_group("ep"),
+                dtype=dtype,
+            )
+        record[fam] = {
+            "first_expert": blocks[0].first_expert,
+            "n_local": blocks[0].n_local,
+            "fused": [k.fused for k in layout.experts],
+            "dense_bytes": sum(
+                p.numel() * p.element_size()
+                for n, p in model.state_dict(keep_vars=True).items()
+                if n in layout.names
+            ),
+            "stats": stats,
+        }
+    torch.save(record, f"{out_dir}/rank{rank}.pt")

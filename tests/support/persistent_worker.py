@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch.distributed as dist
-
 
 def mesh_cfg(dp: int, ep: int):
     """The (dp, ep) mesh config the persistent-mesh workers and the mesh tests train with."""
@@ -30,53 +28,41 @@ def mesh_cfg(dp: int, ep: int):
 
 
 def rank(rank, world, dp, ep, start, out_dir, batches):
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world
-    )
-    try:
-        from moerl.components.policy_update.ep_train import Session, run_version
+    # a job of tests/support/gloo_world.py: the world's process group is already up
+    from moerl.components.policy_update.ep_train import Session, run_version
 
-        cfg = mesh_cfg(dp, ep)
-        out = Path(out_dir)
-        kept = Session.load(cfg, Path(start))
-        for v, batch in enumerate(batches):
-            run_version(cfg, kept, batch, v, out / "persistent" / f"v{v + 1}")
-        prev = Path(start)
-        for v, batch in enumerate(batches):
-            fresh = Session.load(cfg, prev)
-            prev = out / "restart" / f"v{v + 1}"
-            run_version(cfg, fresh, batch, v, prev)
-    finally:
-        dist.destroy_process_group()
+    cfg = mesh_cfg(dp, ep)
+    out = Path(out_dir)
+    kept = Session.load(cfg, Path(start))
+    for v, batch in enumerate(batches):
+        run_version(cfg, kept, batch, v, out / "persistent" / f"v{v + 1}")
+    prev = Path(start)
+    for v, batch in enumerate(batches):
+        fresh = Session.load(cfg, prev)
+        prev = out / "restart" / f"v{v + 1}"
+        run_version(cfg, fresh, batch, v, prev)
 
 
 def lazy_rank(rank, world, dp, ep, full, partial, out_dir, batch):
     """Load a version laid out without its state shards, fetching (from `full`, as a rank
     fetches from the store) only the shards this rank's reads need, then train one version."""
+    # a job of tests/support/gloo_world.py: the world's process group is already up
     import json
     import shutil
     import uuid
 
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out_dir}/rendezvous-lazy", rank=rank, world_size=world
-    )
-    try:
-        from moerl.components.policy_update.ep_train import Session, run_version
+    from moerl.components.policy_update.ep_train import Session, run_version
 
-        cfg = mesh_cfg(dp, ep)
-        fetched: list[str] = []
+    cfg = mesh_cfg(dp, ep)
+    fetched: list[str] = []
 
-        def fetch(rel: str) -> None:
-            fetched.append(rel)
-            dest = Path(partial) / rel
-            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:6]}")
-            shutil.copyfile(Path(full) / rel, tmp)
-            os.replace(tmp, dest)
+    def fetch(rel: str) -> None:
+        fetched.append(rel)
+        dest = Path(partial) / rel
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:6]}")
+        shutil.copyfile(Path(full) / rel, tmp)
+        os.replace(tmp, dest)
 
-        session = Session.load(cfg, Path(partial), fetch)
-        run_version(cfg, session, batch, 2, Path(out_dir) / "lazy-v3")
-        (Path(out_dir) / f"fetched{rank}.json").write_text(json.dumps(fetched))
-    finally:
-        dist.destroy_process_group()
+    session = Session.load(cfg, Path(partial), fetch)
+    run_version(cfg, session, batch, 2, Path(out_dir) / "lazy-v3")
+    (Path(out_dir) / f"fetched{rank}.json").write_text(json.dumps(fetched))

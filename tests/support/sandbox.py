@@ -7,13 +7,14 @@ would rebuild it in every rollout task. It holds compiler output keyed by source
 data (checkpoints, records, tracking), so sharing it proves nothing away; on a cluster an image can
 bake it in. Everything else a task writes stays in its own sandbox.
 
-With `secrets` (a file `moerl.launch.podsecrets.write_sandbox_secrets` wrote: the cluster's
+With `secrets` (a file `write_sandbox_secrets` wrote: the cluster's
 Secrets and the service account's AWS identity), a task also runs with only the credentials its
 stage's pod gets (`pod_secret_env`), none of this process's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,3 +42,17 @@ def sandboxed(root: Path, secrets: Path | None = None) -> Iterator[None]:
     finally:
         for k, v in old.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def write_sandbox_secrets(
+    path: Path,
+    secrets: dict[str, dict[str, str]],
+    service_account_env: dict[str, str] | None = None,
+) -> Path:
+    """Write the file `moerl.launch.podsecrets.sandbox_secret_env` reads (the cluster's Secrets
+    and the service account's AWS identity), created 0600 (never readable by others, even for an
+    instant)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"secrets": secrets, "service_account_env": service_account_env or {}}, f)
+    return path

@@ -113,8 +113,11 @@ def test_the_lookup_store_answers_the_models_query_and_rewards_both_halves():
         ("no idea", None, 0.0),
     ],
 )
-def test_the_calculator_runs_calls_without_eval_and_scores_the_final_answer(text, reply, reward):
-    from moerl.tasks.tools import Calculator
+def test_the_calculator_runs_calls_without_eval_and_scores_the_final_answer(
+    text, reply, reward, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # as a user's package: examples/my_tasks
+    from my_tasks.calculator import Calculator
 
     env = Calculator()
     env.reset({"id": "g", "answer": "1234"})
@@ -150,7 +153,7 @@ def _dataset(tmp_path, rows) -> Path:
     ],
 )
 def test_preflight_refuses_an_environment_that_cannot_run_naming_the_key(tmp_path, factory, said):
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     data = _dataset(
         tmp_path,
@@ -174,7 +177,7 @@ def test_preflight_refuses_an_environment_that_cannot_run_naming_the_key(tmp_pat
 def test_preflight_passes_the_example_environment_and_refuses_an_unknown_task(
     tmp_path, monkeypatch
 ):
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     examples = str(ROOT / "examples")
     # the sandbox's children get this import path
@@ -189,6 +192,7 @@ def test_preflight_passes_the_example_environment_and_refuses_an_unknown_task(
         )
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 def test_a_bad_environment_path_is_refused_at_load_and_the_cli_exits_2(tmp_path):
     import subprocess
 
@@ -222,11 +226,11 @@ def test_a_bad_environment_path_is_refused_at_load_and_the_cli_exits_2(tmp_path)
 def test_environment_tokens_are_masked_out_of_the_loss_and_get_no_gradient(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from moerl.components.policy_update.loss import grpo_token_loss
     from moerl.components.policy_update.steps import sequence_logprobs
     from moerl.components.policy_update.trainer import pack
     from moerl.models.tiny import build_tiny_model
     from moerl.records import TrainSample
+    from tests.support.oracles import grpo_token_loss
 
     cfg = load_config(CONFIG)
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(cfg.model.tiny, tmp_path / "m"))

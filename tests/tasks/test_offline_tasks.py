@@ -120,7 +120,7 @@ def test_the_shipped_verifiers_run_in_the_sandbox_by_task():
 
 
 def test_moerl_tasks_make_writes_a_dataset_that_passes_preflight(tmp_path):
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     out = tmp_path / "gsm.jsonl"
     proc = subprocess.run(

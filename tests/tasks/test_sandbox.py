@@ -164,7 +164,7 @@ def test_a_verifier_that_returns_no_number_or_raises_fails_its_sample():
 
 
 def test_a_verifier_by_import_path_is_checked_in_the_sandbox_before_any_work(tmp_path):
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     assert check_target(f"{H}:by_response", 2) == ""
     assert "too many positional arguments" in check_target(f"{H}:takes_one", 2)

@@ -472,7 +472,7 @@ def test_a_checkout_and_venv_under_the_stages_temp_dir_stay_importable(tmp_path)
     code = (
         "import json; from moerl.tasks.sandbox import Limits, SandboxPool\n"
         "with SandboxPool(Limits(workers=1, isolation='namespaces')) as pool:\n"
-        "    [o] = pool.run([('moerl.tasks.tools:evaluate', ['2+3'])])\n"
+        "    [o] = pool.run([('moerl.tasks.verifiers:positional', ['123', '120'])])\n"
         "print(json.dumps([o.kind, o.value, o.error]))"
     )
     env = {"PATH": os.environ["PATH"], "LANG": "C.UTF-8", "TMPDIR": str(ROOT.parent)}
@@ -485,4 +485,4 @@ def test_a_checkout_and_venv_under_the_stages_temp_dir_stay_importable(tmp_path)
         timeout=120,
     )
     assert got.returncode == 0, got.stderr[-3000:]
-    assert json.loads(got.stdout.strip().splitlines()[-1]) == ["ok", 5.0, ""]
+    assert json.loads(got.stdout.strip().splitlines()[-1]) == ["ok", 2 / 3, ""]

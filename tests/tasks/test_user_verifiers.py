@@ -96,7 +96,7 @@ def _dataset(tmp_path, rows):
     ],
 )
 def test_preflight_refuses_a_verifier_that_cannot_score_naming_the_key(tmp_path, verifier, said):
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     data = _dataset(
         tmp_path,
@@ -138,7 +138,7 @@ def test_the_example_package_passes_preflight_and_scores_by_meta(tmp_path, monke
     import sys
     from pathlib import Path
 
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     examples = str(Path(__file__).resolve().parents[2] / "examples")
     # the sandbox's children get this import path

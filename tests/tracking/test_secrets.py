@@ -105,6 +105,7 @@ def test_config_show_redacts_the_password(tmp_path, capsys):
     assert "uri: http://***@127.0.0.1:5000/mlflow" in out and "w0rd" not in out
 
 
+@pytest.mark.slow  # `moerl run` as a process (refused before any work)
 def test_an_error_naming_the_server_leaves_the_password_out(tmp_path):
     """`moerl run --resume` against an MLflow server that is not there: the one-line error
     names the server, without the password."""

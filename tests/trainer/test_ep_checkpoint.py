@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from moerl.config import parse_config
@@ -80,17 +79,14 @@ def checkpoints(tmp_path_factory):
     ],
 )
 def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(
-    checkpoints, tmp_path, world, arch, shard_bytes
+    checkpoints, tmp_path, world, arch, shard_bytes, gloo_worlds
 ):
     from transformers import AutoModelForCausalLM
 
     src = checkpoints[arch]
     serving = "bfloat16" if arch == "qwen3_moe" else None  # the engines' dtype, once
-    mp.spawn(
-        ep_worker.ep_load_save_rank,
-        args=(world, str(src), str(tmp_path), shard_bytes, serving),
-        nprocs=world,
-        join=True,
+    gloo_worlds(world).run(
+        ep_worker.ep_load_save_rank, str(src), str(tmp_path), shard_bytes, serving
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)

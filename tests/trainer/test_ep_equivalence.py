@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-from moerl.components.policy_update.trainer import reference_policy_update, run_policy_update
+from moerl.components.policy_update.trainer import run_policy_update
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
+from tests.support.oracles import reference_policy_update
 from tests.support.weights import read_weights
 
 
@@ -110,22 +111,17 @@ def test_ep2_writes_optimizer_shards_and_counts(runs):
 
 
 @pytest.mark.slow
-def test_ep_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs, tmp_path):
+def test_ep_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs, tmp_path, gloo_worlds):
     """A NaN in one expert gradient on rank 1 (finite loss everywhere) makes the global norm NaN:
     every rank skips, nothing moves, and K such steps in a row fail the update. The old
     `norm > max_norm` test was False for NaN and stepped."""
     import json
 
-    import torch.multiprocessing as mp
-
     from tests.support import ep_nonfinite_worker
 
     root, _ = runs
-    mp.spawn(
-        ep_nonfinite_worker.rank_main,
-        args=(2, str(root / "s0"), str(root / "batch.jsonl"), str(tmp_path)),
-        nprocs=2,
-        join=True,
+    gloo_worlds(2).run(
+        ep_nonfinite_worker.rank_main, str(root / "s0"), str(root / "batch.jsonl"), str(tmp_path)
     )
     outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for o in outs:

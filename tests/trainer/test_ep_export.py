@@ -15,7 +15,6 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from moerl.config import parse_config
@@ -96,14 +95,11 @@ def _check_export(exported, saved, dtype):
 
 
 @pytest.mark.parametrize("dp, ep", [(1, 2), (2, 2), (2, 1)])
-def test_every_rank_writes_its_files_and_the_export_equals_rank_0s_save(models, tmp_path, dp, ep):
+def test_every_rank_writes_its_files_and_the_export_equals_rank_0s_save(
+    models, tmp_path, dp, ep, gloo_worlds
+):
     world = dp * ep
-    mp.spawn(
-        export_worker.export_rank,
-        args=(world, dp, ep, _labels(models), str(tmp_path)),
-        nprocs=world,
-        join=True,
-    )
+    gloo_worlds(world).run(export_worker.export_rank, dp, ep, _labels(models), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for fam, (_, model_dtype) in _labels(models).items():
         for name in export_worker.DTYPES:

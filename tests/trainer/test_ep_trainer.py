@@ -3,7 +3,6 @@ forward logits, one step's loss and every gradient, for EP = 2 and EP = 4 (gloo,
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
@@ -32,11 +31,9 @@ def reference(tiny):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, backend", [(2, "all_to_all"), (4, "hierarchical")])
-def test_ep_step_equals_single_process(tiny, reference, tmp_path, world, backend):
+def test_ep_step_equals_single_process(tiny, reference, tmp_path, world, backend, gloo_worlds):
     ref_model, ref_logits, ref_loss = reference
-    mp.spawn(
-        ep_worker.ep_rank, args=(world, str(tiny), backend, str(tmp_path)), nprocs=world, join=True
-    )
+    gloo_worlds(world).run(ep_worker.ep_rank, str(tiny), backend, str(tmp_path))
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     # forward
     for o in outs:
@@ -65,7 +62,8 @@ def test_ep_step_equals_single_process(tiny, reference, tmp_path, world, backend
 def test_grouped_experts_equal_the_per_expert_loop_forward_and_backward(counts):
     from torch.nn import functional as F
 
-    from moerl.components.policy_update.ep_moe import LocalExperts, experts_loop
+    from moerl.components.policy_update.ep_moe import LocalExperts
+    from tests.support.oracles import experts_loop
 
     g = torch.Generator().manual_seed(sum(counts) + len(counts))
     n_local, h, i = len(counts), 16, 8

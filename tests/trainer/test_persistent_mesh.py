@@ -7,7 +7,6 @@ rank at (2, 2) then continues at (1, 4) as it does at (2, 2)."""
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moerl.components.policy_update.trainer import run_policy_update
 from moerl.models.tiny import build_tiny_model
@@ -25,16 +24,11 @@ _cfg = mesh_cfg  # the workers' config
 
 
 @pytest.fixture(scope="module")
-def series(tmp_path_factory):
+def series(tmp_path_factory, gloo_worlds):
     root = tmp_path_factory.mktemp("persistent")
     build_tiny_model(_cfg(1, 1).model.tiny, root / "s0")
     batches = [_batch(16), _batch(12), _batch(16)[::-1]]
-    mp.spawn(
-        persistent_worker.rank,
-        args=(4, 2, 2, str(root / "s0"), str(root), batches),
-        nprocs=4,
-        join=True,
-    )
+    gloo_worlds(4).run(persistent_worker.rank, 2, 2, str(root / "s0"), str(root), batches)
     return root, batches
 
 
@@ -98,7 +92,7 @@ def test_a_bf16_served_version_resumes_from_its_float32_master_shards(series, tm
     )
 
 
-def test_a_resumed_rank_fetches_only_the_state_shards_it_reads(series, tmp_path):
+def test_a_resumed_rank_fetches_only_the_state_shards_it_reads(series, tmp_path, gloo_worlds):
     """A version laid out without its ranks' Distributed Checkpoint data files (as a resumed
     mesh fetches it: `STATE_SHARDS` left in the store): each of four ranks at (2, 2) asks for the
     shards its read plan needs, not every rank's, and the next version equals the one the mesh
@@ -120,11 +114,8 @@ def test_a_resumed_rank_fetches_only_the_state_shards_it_reads(series, tmp_path)
     assert len(shards) == 8  # 4 ranks x (master weights, Adam)
     for rel in shards:
         (partial / rel).unlink()
-    mp.spawn(
-        persistent_worker.lazy_rank,
-        args=(4, 2, 2, str(full), str(partial), str(tmp_path), batches[2]),
-        nprocs=4,
-        join=True,
+    gloo_worlds(4).run(
+        persistent_worker.lazy_rank, 2, 2, str(full), str(partial), str(tmp_path), batches[2]
     )
     fetched = [set(json.loads((tmp_path / f"fetched{r}.json").read_text())) for r in range(4)]
     assert all(f and f <= set(shards) for f in fetched), fetched

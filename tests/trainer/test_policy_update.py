@@ -8,16 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerl.components.policy_update.trainer import (
-    Counters,
-    pack,
-    reference_policy_update,
-    run_policy_update,
-)
+from moerl.components.policy_update.trainer import Counters, pack, run_policy_update
 from moerl.config import parse_config
 from moerl.errors import TrainingError
 from moerl.models.tiny import build_tiny_model
 from moerl.records import TrainSample, write_records
+from tests.support.oracles import reference_policy_update
 from tests.support.weights import read_weights
 
 CFG = parse_config(

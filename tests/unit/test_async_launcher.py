@@ -34,19 +34,20 @@ def test_an_engine_over_several_ranks_binds_each_rank_its_own_cpus():
 
 def test_stages_that_take_turns_share_every_core():
     from moerl.config import load_config
-    from moerl.orchestrate.async_run import cores_shared
 
     plan = cpu_plan([0, 1, 2, 3], workers=2, shared=True)
     assert plan == {"trainer": [0, 1, 2, 3], "rollout-0": [0, 1, 2, 3], "rollout-1": [0, 1, 2, 3]}
     assert cpu_plan([0], workers=1, shared=True) == {}
     cfg = load_config("configs/tiny-moe-grpo.yaml", ["buffer.max_staleness=1"], mode="async")
-    assert not cores_shared(cfg)  # auto: overlap, split
+    assert cfg.resolved.local_cores == "split"  # auto: overlap, split
     streamed = load_config("configs/tiny-moe-grpo.yaml", [], mode="async")
-    assert streamed.streams and not cores_shared(streamed)  # auto: both work at once, split
-    turns = ["buffer.max_staleness=0", "trainer.optimizer.stream=false"]
+    assert (
+        streamed.resolved.stream and streamed.resolved.local_cores == "split"
+    )  # auto: both work at once, split
+    turns = ["buffer.max_staleness=0", "trainer.schedule.stream=false"]
     on_policy = load_config("configs/tiny-moe-grpo.yaml", turns, mode="async")
-    assert cores_shared(on_policy)  # auto: generation and training take turns
+    assert on_policy.resolved.local_cores == "shared"  # auto: generation and training take turns
     forced = load_config(
         "configs/tiny-moe-grpo.yaml", [*turns, "pipeline.local_cores=split"], mode="async"
     )
-    assert not cores_shared(forced)
+    assert forced.resolved.local_cores == "split"

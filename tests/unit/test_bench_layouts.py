@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from moerl.bench.layouts import combine, interleaved, layout_variants, variant_settings
-from moerl.bench.rollout import run_bench_rollout
+from benchmarks.layouts import combine, interleaved, layout_variants, variant_settings
+from benchmarks.rollout import run_bench_rollout
 from moerl.errors import ConfigError
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs/tiny-moe-grpo.yaml"
@@ -62,7 +62,7 @@ def test_on_cuda_every_variant_validates_with_its_layout():
     for name, cfg in got.items():
         r = cfg.rollout
         assert r.enable_expert_parallel and r.all2all_backend == name
-        assert r.devices_per_engine == 2 and r.serving_dtype == "bfloat16"
+        assert r.devices_per_engine == 2 and r.resolved.dtype == "bfloat16"
     # expert parallelism over one device is refused, naming the keys
     with pytest.raises(ConfigError, match="variant deepep_v2 .*rollout.tensor_parallel_size x"):
         layout_variants(CONFIG, ["rollout.device=cuda"], all2all="none,deepep_v2")

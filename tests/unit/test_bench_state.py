@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moerl.bench.state import _series, _slope, run_bench_state
+from benchmarks.state import _series, _slope, run_bench_state
 from moerl.errors import ConfigError
 
 

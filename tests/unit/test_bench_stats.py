@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from moerl.bench import netio
-from moerl.bench.project import (
+from benchmarks import netio
+from benchmarks.project import (
     MODELS,
     Inputs,
     calibrate_bytes,
@@ -17,7 +17,7 @@ from moerl.bench.project import (
     project,
     remote_node_fraction,
 )
-from moerl.bench.stats import distribution, noise_exceeded, percentile, summarize, t975
+from benchmarks.stats import distribution, noise_exceeded, percentile, summarize, t975
 from moerl.errors import ConfigError
 
 
@@ -183,7 +183,7 @@ def test_expert_loads_count_every_real_token_k_times_and_ignore_padding(tmp_path
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moerl.bench.imbalance import expert_loads, imbalance
+    from benchmarks.imbalance import expert_loads, imbalance
     from moerl.config import parse_config
     from moerl.models.families import family_of
     from moerl.models.tiny import build_tiny_model
@@ -211,7 +211,7 @@ def test_memory_fit_at_the_seeds_scale_reproduces_the_published_arithmetic():
     """Static memory per GPU with FSDP2 + EP over 128 H200 (fp32 master, grads and Adam: 16 bytes
     per parameter) and with the dense part replicated at EP 8, as docs/benchmarks.md states it;
     activation checkpointing is what lets the largest models take a useful micro-batch."""
-    from moerl.bench.memfit import FitInputs, choose_ep, fit
+    from benchmarks.memfit import FitInputs, choose_ep, fit
 
     on, off = FitInputs(), FitInputs(activation_checkpointing=False)
     expected = {
@@ -237,10 +237,10 @@ def test_memory_fit_at_the_seeds_scale_reproduces_the_published_arithmetic():
 
 
 def test_serving_a_version_to_the_fleet_follows_its_formulas():
-    """moerl/bench/redistribution.py, checked by hand for Qwen3-235B-A22B (470 GB in BF16) at 32
+    """benchmarks/redistribution.py, checked by hand for Qwen3-235B-A22B (470 GB in BF16) at 32
     rollout nodes: S3 is capped by the prefix's request rate, one cache node by its link, and the
     fan-out by the slower of a node's TCP link and the tier."""
-    from moerl.bench.redistribution import FleetInputs, serve_times
+    from benchmarks.redistribution import FleetInputs, serve_times
 
     r = serve_times("Qwen3-235B-A22B", 235e9, FleetInputs())
     S = 470e9

@@ -275,12 +275,12 @@ def test_mismatch_keys_defaults_and_derived_values():
         "disabled",
         "off",
     )
-    assert t.loss.agg_mode == "token-mean" and t.loss.clip_range == (0.2, 0.28)
+    assert t.loss.resolved.loss_agg_mode == "token-mean" and t.loss.clip_range == (0.2, 0.28)
     g = parse_config(
         {"trainer": {"loss": {"policy_loss": "gspo"}, "correction": {"rollout_rs_threshold": 2.0}}}
     ).trainer
     assert (
-        g.loss.agg_mode == "seq-mean-token-mean"
+        g.loss.resolved.loss_agg_mode == "seq-mean-token-mean"
         and g.loss.clip_range == (3e-4, 4e-4)
         and g.correction.rs_bounds == (0.5, 2.0)
     )
@@ -318,13 +318,18 @@ def test_rollout_layout_refusals_name_the_key(rollout, match):
 
 def test_rollout_layout_defaults_follow_the_device():
     cpu = parse_config({}).rollout
-    assert (cpu.serving_dtype, cpu.memory_utilization, cpu.eager, cpu.in_process) == (
+    assert (
+        cpu.resolved.dtype,
+        cpu.resolved.gpu_memory_utilization,
+        cpu.resolved.enforce_eager,
+        cpu.resolved.engine_in_process,
+    ) == (
         "float32",
         0.2,
         True,
         True,
     )
-    assert (cpu.devices_per_engine, cpu.driver) == (1, "offline")
+    assert (cpu.devices_per_engine, cpu.resolved.engine_api) == (1, "offline")
     gpu = parse_config(
         {
             "rollout": {
@@ -336,20 +341,25 @@ def test_rollout_layout_defaults_follow_the_device():
             }
         }
     ).rollout
-    assert (gpu.serving_dtype, gpu.memory_utilization, gpu.eager, gpu.in_process) == (
+    assert (
+        gpu.resolved.dtype,
+        gpu.resolved.gpu_memory_utilization,
+        gpu.resolved.enforce_eager,
+        gpu.resolved.engine_in_process,
+    ) == (
         "bfloat16",
         0.9,
         False,
         False,
     )
-    assert (gpu.devices_per_engine, gpu.driver) == (8, "async")
+    assert (gpu.devices_per_engine, gpu.resolved.engine_api) == (8, "async")
     assert gpu.layout_summary() == (
         "tp 2 x dp 4 on cuda (async core), serving bfloat16, expert parallel over 8 (deepep_v2)"
     )
     # what a user sets wins over the device's default
     assert parse_config(
         {"rollout": {"device": "cuda", "dtype": "float32"}}
-    ).rollout.serving_dtype == ("float32")
+    ).rollout.resolved.dtype == ("float32")
 
 
 def test_state_every_must_not_outrun_retention():

@@ -1,6 +1,7 @@
-"""Moved config keys: every key that left `trainer.` for a section is refused wherever it comes
-from (the file, `--set`, a `modes:` block, the run form's overrides) with one line naming its
-new place, and `moerl config migrate` rewrites a file to the new form."""
+"""Moved config keys: every key that left `trainer.` for a section, or moved between sections,
+is refused wherever it comes from (the file, `--set`, a `modes:` block, the run form's
+overrides) with one line naming its new place, and `moerl config migrate` rewrites a file to
+the new form."""
 
 import subprocess
 import sys
@@ -29,6 +30,15 @@ def _default(new: str):
     return TrainerConfig().model_dump(mode="json")[section][key]
 
 
+def _nested(dotted: str, value) -> dict:
+    """`a.b.c`, value -> {"a": {"b": {"c": value}}}."""
+    *parents, key = dotted.split(".")
+    out: dict = {key: value}
+    for part in reversed(parents):
+        out = {part: out}
+    return out
+
+
 def _refusal(old: str, new: str) -> str:
     return f"{old}: moved to {new} (moerl config migrate FILE rewrites a file)"
 
@@ -37,22 +47,24 @@ def test_every_trainer_field_but_seed_moved_into_a_section():
     assert set(TrainerConfig.model_fields) == {
         "seed",
         "optimizer",
+        "schedule",
         "loss",
         "correction",
         "parallelism",
         "moe",
     }
-    assert len(MOVED) == 35
+    assert len(MOVED) == 37
     assert MOVED["trainer.learning_rate"] == "trainer.optimizer.learning_rate"
     assert MOVED["trainer.router_replay"] == "trainer.moe.router_replay"
+    # the streaming schedule left the optimizer's section for a section of its own
+    assert MOVED["trainer.stream"] == MOVED["trainer.optimizer.stream"] == "trainer.schedule.stream"
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED.items()))
 def test_a_moved_key_is_refused_naming_its_new_place(tmp_path, old, new):
-    key = old.split(".", 1)[1]
     value = _default(new)
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"trainer": {key: value}}))
+    path.write_text(yaml.safe_dump(_nested(old, value)))
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert str(e.value) == _refusal(old, new)
@@ -63,13 +75,13 @@ def test_a_moved_key_is_refused_naming_its_new_place(tmp_path, old, new):
         load_config(empty, [f"{old}={yaml.safe_dump(value, default_flow_style=True).strip()}"])
     assert str(e.value) == _refusal(old, new)
     # in the modes: block, for the mode that selects it only
-    path.write_text(yaml.safe_dump({"modes": {"async": {"trainer": {key: value}}}}))
+    path.write_text(yaml.safe_dump({"modes": {"async": _nested(old, value)}}))
     assert load_config(path, mode="sync").pipeline.mode == "sync"
     with pytest.raises(ConfigError) as e:
         load_config(path, mode="async")
     assert str(e.value) == _refusal(old, new)
     # and the new place loads
-    assert parse_config({"trainer": {new.split(".")[1]: {key: value}}})
+    assert parse_config(_nested(new, value))
 
 
 def test_several_moved_keys_are_one_line_naming_each():
@@ -205,3 +217,28 @@ def test_migrate_refuses_a_file_with_both_the_old_and_the_new_key(tmp_path):
 def test_the_shipped_configs_are_in_the_new_form(tmp_path, name):
     r = moerl("config", "migrate", str(ROOT / "configs" / name), "-o", str(tmp_path / "o.yaml"))
     assert r.returncode == 0 and "nothing to migrate" in r.stdout, r.stdout + r.stderr
+
+
+def test_migrate_moves_the_streaming_schedule_out_of_the_optimizer(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "trainer:\n  optimizer: {learning_rate: 0.01, stream: false}\n"
+        "modes:\n  async:\n    trainer:\n      optimizer: {stream: true}\n"
+    )
+    with pytest.raises(ConfigError, match=r"^trainer.optimizer.stream: moved to trainer.schedule"):
+        load_config(path)
+    r = moerl("config", "migrate", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "trainer.optimizer.stream -> trainer.schedule.stream" in r.stdout.splitlines()
+    assert yaml.safe_load(path.read_text()) == {
+        "trainer": {"optimizer": {"learning_rate": 0.01}, "schedule": {"stream": False}},
+        "modes": {"async": {"trainer": {"optimizer": {}, "schedule": {"stream": True}}}},
+    }
+    assert load_config(path).trainer.schedule.stream is False
+    # two old places of one new key: refused, nothing written
+    text = "trainer:\n  stream: true\n  optimizer: {stream: false}\n"
+    path.write_text(text)
+    r = moerl("config", "migrate", str(path))
+    assert r.returncode == 2
+    assert "both move to trainer.schedule.stream" in r.stderr
+    assert path.read_text() == text

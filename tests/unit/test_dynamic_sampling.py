@@ -119,4 +119,6 @@ def test_bad_dynamic_sampling_configs_are_refused_naming_the_key():
         parse_config({"buffer": {"min_signal_groups": 9}, "task": {"prompts_per_iteration": 8}})
     with pytest.raises(ConfigError, match="max_gather_groups"):
         parse_config({"buffer": {"max_gather_groups": 4}})
-    assert parse_config({"buffer": {"min_signal_groups": 2}}).buffer.gather_limit == 16
+    assert (
+        parse_config({"buffer": {"min_signal_groups": 2}}).buffer.resolved.max_gather_groups == 16
+    )

@@ -15,11 +15,8 @@ import pytest
 import torch
 
 from moerl.components.buffer.advantage import group_advantages
-from moerl.components.policy_update.loss import (
-    LossStats,
-    grpo_token_loss,
-    token_logprobs_and_entropy,
-)
+from moerl.components.policy_update.loss import LossStats, token_logprobs_and_entropy
+from tests.support.oracles import grpo_token_loss
 
 
 def test_advantage_divides_by_the_sample_std_by_default():

@@ -371,6 +371,23 @@ def test_multi_node_rollout_group_is_a_valid_jobset(jobset_schema):
         objects.rollout_group(_cfg(), RUN, "rollout-0", ["true"], [])
 
 
+def test_every_remote_stage_entry_point_names_a_function_that_exists():
+    """moerl.launch finds the stages by name (it sits below them): a renamed or moved entry
+    point fails here, not in a launched pod. Read from the source, so no engine is imported."""
+    import ast
+    import importlib.util
+
+    from moerl.launch.remote import ENTRY_POINTS
+
+    for name, target in ENTRY_POINTS.items():
+        module, _, function = target.partition(":")
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin, f"{name}: no module {module}"
+        tree = ast.parse(Path(spec.origin).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert function in defined, f"{name}: {module} defines no function {function}"
+
+
 def test_run_remote_refuses_what_cannot_work_before_uploading_anything():
     with pytest.raises(ConfigError, match="s3:// checkpoint.uri"):
         run_remote(

@@ -93,7 +93,7 @@ def test_chat_rows_for_a_tokenizer_without_a_template_are_refused_before_any_wor
     import json
 
     from moerl.config import load_config
-    from moerl.orchestrate.prepare import preflight
+    from moerl.preflight import preflight
 
     data = tmp_path / "chat.jsonl"
     data.write_text(

@@ -227,7 +227,7 @@ def test_preflight_refuses_an_engine_that_does_not_fit_naming_keys_and_figures(t
 
 
 def test_preflight_reads_the_checkpoint_config_and_refuses_before_work(tmp_path):
-    from moerl.orchestrate.prepare import _check_engine_fit
+    from moerl.preflight import _check_engine_fit
 
     (tmp_path / "config.json").write_text(json.dumps(_bf16("DeepSeek-V3")))
     cfg = _cfg({"tensor_parallel_size": 8}).model_copy(

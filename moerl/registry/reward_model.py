@@ -1,6 +1,6 @@
 """Where a reward model lives, and how a GRPO run finds it.
 
-Design, details and limitations: docs/stages.md#componentsreward_modelregistrypy.
+Design, details and limitations: docs/async.md#moerlregistryreward_modelpy.
 """
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from moerl import tracking
 from moerl.config import CheckpointConfig, RewardModelRef
 from moerl.errors import CheckpointError, ConfigError
+from moerl.store.runs import open_store
 
 TAG_STORE = "moerl.store_uri"
 TAG_STORE_VERSION = "moerl.store_version"
@@ -56,8 +58,6 @@ def register(
     accuracy: float,
 ) -> str:
     """Register the published version as a new version of `name`; returns the registry version."""
-    from moerl import tracking
-
     return tracking.register_model_version(
         tracking_uri,
         name,
@@ -122,8 +122,6 @@ def resolve(tracking_uri: str, ref: RewardModelRef) -> RegisteredRewardModel:
 def fetch(ckpt: CheckpointConfig, rm: RegisteredRewardModel) -> Path:
     """The registered version in the node-local cache (`<cache_dir>/reward-models/<rm run>`),
     verified file by file against its manifest, whose hash must be the registered one."""
-    from moerl.store.runs import open_store
-
     store = open_store(ckpt.model_copy(update={"uri": rm.store_uri}))
     manifest = store.manifest(rm.store_version)
     if manifest.sha256() != rm.manifest_sha256:

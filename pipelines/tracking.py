@@ -1,4 +1,5 @@
-"""KFP components: the MLflow run (start, one log per iteration, finish; close on any exit)."""
+"""The run's own KFP tasks, beside its stages: the MLflow run (start, with the run form merged and
+preflight; one log per iteration; finish; close on any exit)."""
 
 # mypy: implicit-optional
 # start_run's run-form fields default to None as `str = None`: KFP reads these annotations, strips
@@ -58,72 +59,14 @@ def start_run(
 
     # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
     enter_pod("start_run", config_json)
-    import json
-    import sys
     from collections import namedtuple
 
-    from moerl import provenance, tracking
-    from moerl.config import config_from_json, config_to_json
-    from moerl.errors import MoerlError
-    from moerl.pipelines.params import changed, merge, params_for
+    from moerl.pipelines.start import open_run
 
-    base = config_from_json(config_json)
-    uri = tracking.resolve_uri(base.tracking)
-    tags = provenance.collect(with_cuda=base.trainer.parallelism.device == "cuda")
-    tags["moerl.git_sha"] = git_sha or tags["moerl.git_sha"]
-    tags["moerl.kfp_run_id"] = kfp_run_id
-    try:
-        cfg = merge(
-            base,
-            {p.name: given[p.name] for p in params_for(base) if given[p.name] is not None},
-            list(overrides or []),
-            target,
-        )
-        from moerl.orchestrate.prepare import preflight
-
-        preflight(cfg, here=False)  # this pod is not where the GPU stages run: no requirement probe
-    except MoerlError as err:
-        message = tracking.redact(str(err))
-        print(f"moerl: error: {message}", file=sys.stderr, flush=True)
-        tracking.record_refusal(base, uri, run_id, tags, message)
-        raise SystemExit(err.exit_code) from None
-    diff = changed(base, cfg)
-    if run_id:  # a run continued (--resume) is running again until finish_run or close_run ends it
-        tracking.reopen_run(uri, run_id)
-        tracking.set_tags(uri, run_id, {f"task.{k}": v for k, v in tags.items()})
-    else:
-        run_id = tracking.start_run(cfg, uri, tags)
-    if diff:
-        tracking.set_tags(
-            uri, run_id, {"moerl.run_parameters": json.dumps(diff, sort_keys=True)[:4000]}
-        )
-        print(
-            f"[moerl] run parameters changed {', '.join(f'{k}={v}' for k, v in sorted(diff.items()))}",
-            flush=True,
-        )
-    # build-info and runtime probe on the run
-    provenance.stage_start(cfg, "start_run", run_id, enforce=False)
-    valkey_secret = ""
-    # last: once the run surely starts (close_run deletes it however it ends)
-    if cfg.pipeline.mode == "async":
-        from moerl.launch.runsecret import open_run_identity, uses_run_identity
-
-        valkey_secret = open_run_identity(cfg, run_id) if uses_run_identity(cfg, target) else ""
-    from moerl.launch.layout import rollout_pod_layout, rollout_pods
-
-    slots = list(range(rollout_pods(cfg.rollout.workers, rollout_pod_layout(cfg).engines)))
-    if cfg.rollout.elastic:  # the fleet is one Deployment the trainer's launcher creates
-        slots = []
     Outputs = namedtuple(
         "Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"]
     )
-    return Outputs(
-        run_id,
-        config_to_json(cfg),
-        slots,
-        list(range(cfg.reward.scorers)),
-        valkey_secret,
-    )
+    return Outputs(*open_run(config_json, run_id, git_sha, kfp_run_id, target, given, overrides))
 
 
 def log_iteration(
@@ -194,7 +137,7 @@ def finish_run(config_json: str, run_id: str, policy_json: str) -> str:
     cfg = config_from_json(config_json)
     stage_start(cfg, "finish_run", run_id, enforce=False)  # build-info and runtime probe on the run
     final_uri = json.loads(policy_json)["uri"]
-    from moerl.components.publish_checkpoint.registry import register_final
+    from moerl.registry.policy import register_final
 
     # tracking.registry_name: the policy in MLflow's model registry
     register_final(cfg, run_id, final_uri)

@@ -1,6 +1,6 @@
 """The trained policy in MLflow's model registry, and warm starts from a registered version.
 
-Design, details and limitations: docs/stages.md#componentspublish_checkpointregistrypy.
+Design, details and limitations: docs/async.md#moerlregistrypolicypy.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from moerl import tracking
+from moerl.config import config_to_json
 from moerl.errors import ConfigError
+from moerl.store.runs import run_store
 
 TAG_VERSION_URI = "moerl.version_uri"
 TAG_MANIFEST = "moerl.manifest_sha256"
@@ -72,10 +75,6 @@ def config_hash(config_json: str) -> str:
 def register_final(cfg, run_id: str, final_uri: str) -> str | None:
     """At the end of a GRPO run with `tracking.registry_name`: register its final version (whose
     manifest is read back from the store). Returns the registry version, None when not asked."""
-    from moerl import tracking
-    from moerl.config import config_to_json
-    from moerl.store.runs import run_store
-
     if cfg.pipeline.kind != "grpo" or not cfg.tracking.registry_name:
         return None
     m = _IN_STORE.match(final_uri)
@@ -111,8 +110,6 @@ def register_policy(
     config_json: str,
 ) -> str:
     """Register the run's final version as a new version of `name`; returns the registry version."""
-    from moerl import tracking
-
     if not _IN_STORE.match(version_uri):
         raise ConfigError(
             f"tracking.registry_name: {version_uri!r} is not a version in a checkpoint store"

@@ -1,0 +1,212 @@
+"""The suite's tiers, work units and order: a pytest plugin registered by tests/conftest.py.
+
+Tiers (docs/testing.md):
+- unit (`tests/unit/`): no marker; pure logic.
+- `slow`: in `make test`; starts a real engine, server-backed run or pipeline that every change
+  must pass.
+- `nightly`: only in `make test-nightly`; long learning curves, real benchmark runs, second-order
+  fault runs.
+
+The guard: at collection, a test that uses an engine, an async run, a pipeline run or the TRL arm
+(in its own body, in a fixture it requests, or in a helper of its module that it calls) without
+its tier's marker is an error naming the test and what it uses. What counts is listed in
+`HEAVY`; a test in `tests/unit/` may use none of it.
+
+Work units: `make test` runs `--dist loadgroup`; every test gets an `xdist_group`, by default its
+module (a module's fixtures are built once, on one worker), or the module's `TEST_GROUP` where
+modules share a per-worker fixture (the engine pool) and so belong on one worker.
+
+Order: the groups that took longest in the last run go first (each starts at once on its own
+worker, the short ones fill in behind). The times come from `tests/durations.json`, which every
+run rewrites for the modules it ran (the controller process, at session end): a module new to it
+goes last, a module that grew moves up on the next run.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import re
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
+
+SLOW, NIGHTLY, GPU = "slow", "nightly", "gpu"  # gpu: tests/gpu/run.sh, on a CUDA machine
+# What a test may use only in a tier, by what its code says: (pattern, what, allowed markers).
+HEAVY: tuple[tuple[re.Pattern[str], str, frozenset[str]], ...] = (
+    (
+        re.compile(r"\bRolloutEngine\(|\bengine_pool\b|\bLLM\(|'serve'"),
+        "a vLLM engine",
+        frozenset({SLOW, NIGHTLY}),
+    ),
+    (
+        re.compile(r"\brun_async_cli\(|\bHarness\(|\bLocalAsyncRun\(|\brun_async\("),
+        "an async run",
+        frozenset({SLOW, NIGHTLY}),
+    ),
+    (
+        re.compile(
+            r"\blocal\.init\(|\brun_pipeline\(|\brun_local\(|'moerl\.cli', 'run'|'run', '--mode'"
+        ),
+        "a pipeline run",
+        frozenset({SLOW, NIGHTLY}),
+    ),
+    (re.compile(r"\b_trl_arm\(|\bGRPOTrainer\("), "the TRL arm", frozenset({NIGHTLY})),
+)
+
+
+def _source(obj: object) -> str:
+    """The code of a function without its docstrings and comments (what it does, not what it
+    says)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError):
+        return ""
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            body[0] = ast.Pass()
+    return ast.unparse(tree)
+
+
+def _module_helpers(module: object, cache: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Each module-level function's source with the sources of the module's functions it calls
+    folded in (to a fixed point), so a test calling `_run(...)` is judged by what `_run` does."""
+    name = getattr(module, "__name__", "")
+    if name in cache:
+        return cache[name]
+    src: dict[str, str] = {}
+    for attr, value in vars(module).items():
+        if inspect.isfunction(value) and value.__module__ == name:
+            src[attr] = _source(value)
+    calls = {f: set(re.findall(r"\b(\w+)\(", s)) & set(src) for f, s in src.items()}
+    full = dict(src)
+    changed = True
+    while changed:
+        changed = False
+        for f, callees in calls.items():
+            for c in callees - {f}:
+                if full[c] not in full[f]:
+                    full[f] += "\n" + full[c]
+                    changed = True
+    cache[name] = full
+    return full
+
+
+def _with_helpers(src: str, module: object, cache: dict[str, dict[str, str]]) -> str:
+    """`src` with the sources of the module-level functions of `module` it calls."""
+    helpers = _module_helpers(module, cache)
+    called = set(re.findall(r"\b(\w+)\(", src)) & set(helpers)
+    return "\n".join([src, *(helpers[c] for c in sorted(called))])
+
+
+def heavy_uses(
+    item: pytest.Item, cache: dict[str, dict[str, str]]
+) -> list[tuple[str, frozenset[str]]]:
+    """What `item` uses from HEAVY, as (what, the markers that allow it): read in the test's
+    body, in every fixture it requests (directly or not), and in the module helpers they call."""
+    fn = getattr(item, "function", None)
+    if fn is None:
+        return []
+    texts = [_with_helpers(_source(fn), item.module, cache)]  # type: ignore[attr-defined]
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        for d in defs:
+            mod = inspect.getmodule(d.func)
+            src = _source(d.func)
+            texts.append(_with_helpers(src, mod, cache) if mod is not None else src)
+    text = "\n".join(texts)
+    return [(what, allowed) for pat, what, allowed in HEAVY if pat.search(text)]
+
+
+def _rel(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+class Tiers:
+    """The plugin: the guard and the groups at collection, the durations at session end."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.times: dict[str, float] = defaultdict(float)
+        self.is_worker = hasattr(config, "workerinput")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        self._guard(items)
+        known = _read_durations()
+        group_time: dict[str, float] = defaultdict(float)
+        groups = {}
+        for item in items:
+            g = item.get_closest_marker("xdist_group")
+            name = g.args[0] if g and g.args else _group_of(item)
+            groups[item.nodeid] = name
+            if g is None:
+                item.add_marker(pytest.mark.xdist_group(name))
+        for mod in {_rel(i): groups[i.nodeid] for i in items}.items():
+            group_time[mod[1]] += known.get(mod[0], 0.0)
+        order = {nodeid: n for n, nodeid in enumerate(i.nodeid for i in items)}
+        items.sort(key=lambda i: (-group_time[groups[i.nodeid]], groups[i.nodeid], order[i.nodeid]))
+
+    def _guard(self, items: list[pytest.Item]) -> None:
+        cache: dict[str, dict[str, str]] = {}
+        errors = []
+        for item in items:
+            marks = {m.name for m in item.iter_markers()} & {SLOW, NIGHTLY, GPU}
+            in_unit = "tests/unit/" in item.nodeid.replace(os.sep, "/")
+            for what, allowed in heavy_uses(item, cache):
+                if in_unit:
+                    errors.append(
+                        f"{item.nodeid}: a unit test uses {what}: move it out of tests/unit/"
+                    )
+                elif not marks & (allowed | {GPU}):
+                    need = " or ".join(f"@pytest.mark.{m}" for m in sorted(allowed))
+                    errors.append(f"{item.nodeid}: uses {what} without its tier's marker ({need})")
+            if in_unit and marks:
+                errors.append(
+                    f"{item.nodeid}: tests/unit/ is the unit tier; it takes no {sorted(marks)} marker"
+                )
+        if errors:
+            raise pytest.UsageError(
+                "test tiers (tests/support/tiers.py):\n  " + "\n  ".join(errors)
+            )
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not self.is_worker:
+            self.times[report.nodeid.split("::", 1)[0]] += report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.is_worker or not self.times or self.config.option.collectonly:
+            return
+        known = _read_durations()
+        known.update({m: round(t, 1) for m, t in self.times.items()})
+        tmp = DURATIONS.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+        tmp.replace(DURATIONS)
+
+
+def _group_of(item: pytest.Item) -> str:
+    mod = getattr(item, "module", None)
+    return getattr(mod, "TEST_GROUP", None) or _rel(item)
+
+
+def _read_durations() -> dict[str, float]:
+    try:
+        data = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
