@@ -6,7 +6,7 @@ import json
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
     from benchmarks.ep_memory import run_bench_ep_memory
 
@@ -32,7 +32,7 @@ def test_bench_ep_memory_experts_shard_and_rss_falls(tmp_path, capsys):
     assert "1/world" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_bench_ep_memory_at_a_2x2_mesh_holds_a_quarter_per_rank(tmp_path):
     from benchmarks.ep_memory import run_bench_ep_memory
 

@@ -17,7 +17,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs/tiny-moe-grpo.yaml"
 SMALL = ["units.max_prompts=4", "rollout.samples_per_prompt=2", "rollout.kv_cache_gib=0.0625"]
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_tp1_and_tp2_run_the_same_prompts_side_by_side(tmp_path):
     out = tmp_path / "rollout.json"
     lines: list[str] = []

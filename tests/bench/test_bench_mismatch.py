@@ -45,7 +45,7 @@ def test_the_perturbed_copy_changes_only_the_routers(tmp_path):
     assert all((again[k] == b[k]).all() for k in b)  # the same pattern every time
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_bench_mismatch_runs_both_sections(tmp_path):
     out = tmp_path / "mismatch.json"
     rep = run_bench_mismatch(

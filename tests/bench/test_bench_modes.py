@@ -86,7 +86,7 @@ def test_ratios_are_quotients_of_the_finished_arms():
     assert r == {"sync_over_async": None, "sync_over_floor": 6.0, "async_over_floor": None}
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_floor_and_async_arms_on_one_workload(tmp_path):
     out = tmp_path / "modes.json"
     report = run_bench_modes(

@@ -80,7 +80,7 @@ def test_rounds_combine_into_the_median_round_and_the_median_of_the_rounds_ratio
     assert failed["ok"] is False and failed["error"] == "engine died" and failed["rounds"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(tmp_path):
     """The long-tail workload with a version every 0.2 s: the between-units worker drains for
     each version it takes, the in-flight one never does and its responses cross versions."""
@@ -133,7 +133,7 @@ def test_the_worker_and_the_bare_engine_generate_the_same_workload_across_swaps(
     assert inflight["drain_steps"] == 0 and inflight["drain_s"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_interleaved_rounds_and_the_breakdown_report_what_they_measured(tmp_path):
     """`--repeats 2 --breakdown` on a small digits workload: every arm ran twice, each worker's
     ratio is the median of its rounds' ratios to the same round's bare engine, and the breakdown

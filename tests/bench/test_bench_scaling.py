@@ -8,7 +8,7 @@ import pytest
 
 from tests.support.workloads import CONFIG, SMALL
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 import pytest
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_bench_weights_tiny_writes_table_and_json(tmp_path, capsys):
     from benchmarks.weights import run_bench
 

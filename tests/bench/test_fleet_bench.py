@@ -203,7 +203,7 @@ def test_the_bench_refuses_what_it_cannot_compare_before_running(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_a_short_real_run_of_both_arms(tmp_path):
     """Both arms as real `moerl run --mode async` children (about 1.5 min here): the report's
     numbers come from what the runs recorded, and the elastic arm's worker-seconds read from

@@ -25,7 +25,7 @@ def test_bad_arguments_are_refused_before_any_rank(tmp_path):
     assert not (tmp_path / "report.json").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_bench_trainer_versions_smoke(tmp_path, capsys):
     out = tmp_path / "bench"
     rep = run_bench_trainer_versions(out, versions=2, mesh=(1, 2), steps=1, samples=4)

@@ -112,7 +112,7 @@ def legs(tmp_path_factory):
     }
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a real benchmark run (docs/testing.md)
 def test_a_leg_measures_a_real_vllm_server_on_cpu_and_report_merges_two(legs):
     assert legs["own"].returncode == 0, legs["own"].stderr[-3000:]
     assert legs["by_url"].returncode == 0, legs["by_url"].stderr[-3000:]
