@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from moerl.components.rollout.engine import RolloutEngine
-    from moerl.components.rollout.episodes import Episode
+    from moerl.components.rollout.episodes import Episode, EpisodeDriver
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,27 @@ class _TailTotals:
             self.last_s + ends[-1],
             self.median_s + statistics.median(ends),
         )
+
+
+@dataclass
+class _EpisodeUnit:
+    """One multi-turn unit while `_run_episodes` drives it: its episodes, and what is in flight."""
+
+    unit_id: str
+    todo: dict[int, dict]
+    driver: EpisodeDriver
+    groups: dict[int, list[Episode]]  # prompt index -> its G episodes
+    eps: list[Episode]
+    where: dict[str, int]  # episode key -> prompt index
+    t0: float
+    # environment steps, on one thread beside the engine loop, so the engine keeps generating
+    # the unit's other episodes while an environment works (a slow tool holds back its own
+    # episode, not the engine); the pool is thread-safe, the driver only touched there
+    envs: ThreadPoolExecutor
+    rids: dict[str, Episode] = field(default_factory=dict)  # engine request -> its episode
+    finished: set[int] = field(default_factory=set)  # prompts whose group is published
+    in_env: set[str] = field(default_factory=set)  # episodes whose environment step runs now
+    pending: list[tuple[Future, list]] = field(default_factory=list)  # environment steps
 
 
 @dataclass(frozen=True)
@@ -1086,12 +1107,39 @@ class RolloutWorker:
         from moerl.components.rollout.episodes import EpisodeDriver, env_pool
 
         unit_id, todo = self._todo(lease)
-        G = self.cfg.rollout.samples_per_prompt
         if self._env_pool is None:
             self._env_pool = env_pool(self.cfg)
         driver = EpisodeDriver(self.cfg, self.tokenizer, self._env_pool)
+        # 1. G episodes per prompt, each with its own key (unit, prompt, sample, delivery).
+        run = self._episode_unit(lease, unit_id, todo, driver)
+        # 2. Run them to their ends, or until a drain or a lost lease stops the unit.
+        try:
+            self._drive_episodes(lease, run)
+        finally:
+            run.envs.shutdown(wait=True)  # each call is bounded by task.sandbox.sample_timeout_s
+            self.busy_s += time.perf_counter() - run.t0
+            driver.finish(run.eps)  # what a drain or a lost lease left open
+            self.bus.incr(
+                env_calls=driver.calls,
+                env_timeouts=driver.timeouts,
+                env_errors=driver.errors,
+                env_ms=int(driver.env_s * 1000),
+            )
+        # 3. The tail of a whole unit, then the ack (or the unfinished prompts back to the queue).
+        self._record_tail(run)
+        remaining = [k for k in todo if k not in run.finished]
+        if remaining:  # a drain or a lost lease ended the unit early
+            return self._end_unfinished(lease, remaining, rids=None)
+        self._ack_now(lease)
+        return True
+
+    def _episode_unit(
+        self, lease: Lease, unit_id: str, todo: dict[int, dict], driver: EpisodeDriver
+    ) -> _EpisodeUnit:
+        """`_run_episodes` step 1: the unit's G episodes per prompt, not yet begun."""
+        G = self.cfg.rollout.samples_per_prompt
         has = bool(getattr(self.tokenizer, "chat_template", None))
-        groups: dict[int, list] = {}
+        groups: dict[int, list[Episode]] = {}
         for k, e in todo.items():
             ids = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])
             templated = uses_template(has, self.cfg.rollout, e["prompt"])
@@ -1101,78 +1149,74 @@ class RolloutWorker:
                 )
                 for j in range(G)
             ]
-        eps = [ep for g in groups.values() for ep in g]
-        where = {ep.key: k for k, g in groups.items() for ep in g}
-        rids: dict[str, Episode] = {}
-        finished: set[int] = set()
-        t0 = time.perf_counter()
+        return _EpisodeUnit(
+            unit_id,
+            todo,
+            driver,
+            groups,
+            eps=[ep for g in groups.values() for ep in g],
+            where={ep.key: k for k, g in groups.items() for ep in g},
+            t0=time.perf_counter(),
+            envs=ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerl-env"),
+        )
 
-        def submit(ep) -> None:
-            k = where[ep.key]
-            rid = f"{ep.key}-t{ep.turns}"
-            seed = self._seed(unit_id, k)
-            seed = None if seed is None else seed * 1031 + ep.sample_index * 67 + ep.turns
-            self._live.submit(rid, ep.context, 1, seed=seed, max_tokens=driver.budget(ep))
-            rids[rid] = ep
+    def _drive_episodes(self, lease: Lease, run: _EpisodeUnit) -> None:
+        """`_run_episodes` step 2: submit each episode's turns and step its environment until
+        every episode ended, the engine and the environments are idle, or the unit must stop."""
+        run.driver.begin(run.eps)
+        for ep in run.eps:
+            if not ep.done:
+                self._submit_turn(run, ep)
+        self._publish_done(run, list(run.groups))
+        while self._live.unfinished() or run.pending:
+            if self.drain.expired() or not self._still_held(lease):
+                break
+            if self._live.unfinished():
+                turns = [(run.rids.pop(rid), comps[0]) for rid, comps in self._live.step()]
+                if turns:
+                    run.in_env.update(ep.key for ep, _ in turns)
+                    run.pending.append((run.envs.submit(run.driver.advance, turns), turns))
+            else:  # nothing to generate: wait for an environment
+                wait([f for f, _ in run.pending], return_when=FIRST_COMPLETED)
+            for item in [x for x in run.pending if x[0].done()]:
+                run.pending.remove(item)
+                f, turns = item
+                run.in_env.difference_update(ep.key for ep, _ in turns)
+                for ep in f.result():
+                    self._submit_turn(run, ep)
+                for ep, _ in turns:
+                    if ep.done and ep.ended_s is None:
+                        ep.ended_s = time.perf_counter() - run.t0
+                self._publish_done(run, {run.where[ep.key] for ep, _ in turns})
 
-        in_env: set[str] = set()  # episodes whose environment step runs now (off the engine loop)
-        envs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerl-env")
+    def _submit_turn(self, run: _EpisodeUnit, ep: Episode) -> None:
+        """Submit `ep`'s next turn as its own seeded request."""
+        k = run.where[ep.key]
+        rid = f"{ep.key}-t{ep.turns}"
+        seed = self._seed(run.unit_id, k)
+        seed = None if seed is None else seed * 1031 + ep.sample_index * 67 + ep.turns
+        self._live.submit(rid, ep.context, 1, seed=seed, max_tokens=run.driver.budget(ep))
+        run.rids[rid] = ep
 
-        def publish_done(ks) -> None:
-            for k in ks:
-                if k not in finished and all(ep.done and ep.key not in in_env for ep in groups[k]):
-                    # close their environments, off the loop
-                    envs.submit(driver.finish, list(groups[k]))
-                    self._outbox.put(
-                        self._samples_write(
-                            unit_id, todo[k], [ep.sample(self.version) for ep in groups[k]]
-                        )
+    def _publish_done(self, run: _EpisodeUnit, ks: Iterable[int]) -> None:
+        """Publish the groups of `ks` whose G episodes have all ended (environments included)."""
+        for k in ks:
+            group = run.groups[k]
+            if k not in run.finished and all(ep.done and ep.key not in run.in_env for ep in group):
+                # close their environments, off the loop
+                run.envs.submit(run.driver.finish, list(group))
+                self._outbox.put(
+                    self._samples_write(
+                        run.unit_id, run.todo[k], [ep.sample(self.version) for ep in group]
                     )
-                    finished.add(k)
+                )
+                run.finished.add(k)
 
-        # Environment steps run on one thread beside the engine loop, so the engine keeps
-        # generating the unit's other episodes while an environment works (a slow tool holds back
-        # its own episode, not the engine); the pool is thread-safe, the driver only touched there.
-        pending: list[tuple[Future, list]] = []
-        try:
-            driver.begin(eps)
-            for ep in eps:
-                if not ep.done:
-                    submit(ep)
-            publish_done(list(groups))
-            while self._live.unfinished() or pending:
-                if self.drain.expired() or not self._still_held(lease):
-                    break
-                if self._live.unfinished():
-                    turns = [(rids.pop(rid), comps[0]) for rid, comps in self._live.step()]
-                    if turns:
-                        in_env.update(ep.key for ep, _ in turns)
-                        pending.append((envs.submit(driver.advance, turns), turns))
-                else:  # nothing to generate: wait for an environment
-                    wait([f for f, _ in pending], return_when=FIRST_COMPLETED)
-                for item in [x for x in pending if x[0].done()]:
-                    pending.remove(item)
-                    f, turns = item
-                    in_env.difference_update(ep.key for ep, _ in turns)
-                    for ep in f.result():
-                        submit(ep)
-                    for ep, _ in turns:
-                        if ep.done and ep.ended_s is None:
-                            ep.ended_s = time.perf_counter() - t0
-                    publish_done({where[ep.key] for ep, _ in turns})
-        finally:
-            envs.shutdown(wait=True)  # each call is bounded by task.sandbox.sample_timeout_s
-            self.busy_s += time.perf_counter() - t0
-            driver.finish(eps)  # what a drain or a lost lease left open
-            self.bus.incr(
-                env_calls=driver.calls,
-                env_timeouts=driver.timeouts,
-                env_errors=driver.errors,
-                env_ms=int(driver.env_s * 1000),
-            )
-        ends = sorted(ep.ended_s if ep.ended_s is not None else 0.0 for ep in eps)
-        # the tail: the unit's last episode against its median one
-        if ends and len(finished) == len(todo):
+    def _record_tail(self, run: _EpisodeUnit) -> None:
+        """The tail of a unit whose groups were all published: its last episode against its
+        median one."""
+        ends = sorted(ep.ended_s if ep.ended_s is not None else 0.0 for ep in run.eps)
+        if ends and len(run.finished) == len(run.todo):
             self._tail.add(ends)
             self.bus.heartbeat(
                 self.name,
@@ -1180,11 +1224,6 @@ class RolloutWorker:
                 unit_tail_last_s=self._tail.last_s / self._tail.units,
                 unit_tail_median_s=self._tail.median_s / self._tail.units,
             )
-        remaining = [k for k in todo if k not in finished]
-        if remaining:  # a drain or a lost lease ended the unit early
-            return self._end_unfinished(lease, remaining, rids=None)
-        self._ack_now(lease)
-        return True
 
     def _hand_over(self, writes: list[BusWrite]) -> None:
         """Give `writes`, if any, to the outbox in one hand-over (sent in one round trip)."""

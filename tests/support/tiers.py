@@ -81,54 +81,68 @@ def _source(obj: object) -> str:
     return ast.unparse(tree)
 
 
-def _module_helpers(module: object, cache: dict[str, dict[str, str]]) -> dict[str, str]:
-    """Each module-level function's source with the sources of the module's functions it calls
-    folded in (to a fixed point), so a test calling `_run(...)` is judged by what `_run` does."""
-    name = getattr(module, "__name__", "")
-    if name in cache:
-        return cache[name]
-    src: dict[str, str] = {}
-    for attr, value in vars(module).items():
-        if inspect.isfunction(value) and value.__module__ == name:
-            src[attr] = _source(value)
-    calls = {f: set(re.findall(r"\b(\w+)\(", s)) & set(src) for f, s in src.items()}
-    full = dict(src)
-    changed = True
-    while changed:
-        changed = False
-        for f, callees in calls.items():
-            for c in callees - {f}:
-                if full[c] not in full[f]:
-                    full[f] += "\n" + full[c]
-                    changed = True
-    cache[name] = full
-    return full
+CALL = re.compile(r"\b(\w+)\(")
 
 
-def _with_helpers(src: str, module: object, cache: dict[str, dict[str, str]]) -> str:
-    """`src` with the sources of the module-level functions of `module` it calls."""
-    helpers = _module_helpers(module, cache)
-    called = set(re.findall(r"\b(\w+)\(", src)) & set(helpers)
-    return "\n".join([src, *(helpers[c] for c in sorted(called))])
+class _Reader:
+    """What each function uses from HEAVY (as indices), read once per function: its own code,
+    and what the functions of its module that it calls use, to a fixed point (a test calling
+    `_run(...)` is judged by what `_run` does)."""
+
+    def __init__(self) -> None:
+        self._own: dict[object, tuple[frozenset[int], frozenset[str]]] = {}
+        self._modules: dict[str, dict[str, frozenset[int]]] = {}
+
+    def own(self, fn: object) -> tuple[frozenset[int], frozenset[str]]:
+        """(HEAVY indices in fn's own code, the names it calls)."""
+        if fn not in self._own:
+            code = _source(fn)
+            used = frozenset(i for i, (pat, _, _) in enumerate(HEAVY) if pat.search(code))
+            self._own[fn] = used, frozenset(CALL.findall(code))
+        return self._own[fn]
+
+    def module(self, module: object) -> dict[str, frozenset[int]]:
+        """Each module-level function's uses, its callees' included."""
+        name = getattr(module, "__name__", "")
+        if name not in self._modules:
+            fns = {
+                a: v
+                for a, v in vars(module).items()
+                if inspect.isfunction(v) and v.__module__ == name
+            }
+            uses = {a: set(self.own(v)[0]) for a, v in fns.items()}
+            calls = {a: self.own(v)[1] & set(fns) for a, v in fns.items()}
+            changed = True
+            while changed:
+                changed = False
+                for a, callees in calls.items():
+                    before = len(uses[a])
+                    for c in callees:
+                        uses[a] |= uses[c]
+                    changed |= len(uses[a]) != before
+            self._modules[name] = {a: frozenset(u) for a, u in uses.items()}
+        return self._modules[name]
+
+    def uses(self, fn: object, module: object | None) -> frozenset[int]:
+        used, calls = self.own(fn)
+        if module is None:
+            return used
+        helpers = self.module(module)
+        return used.union(*(helpers[c] for c in calls if c in helpers))
 
 
-def heavy_uses(
-    item: pytest.Item, cache: dict[str, dict[str, str]]
-) -> list[tuple[str, frozenset[str]]]:
+def heavy_uses(item: pytest.Item, reader: _Reader) -> list[tuple[str, frozenset[str]]]:
     """What `item` uses from HEAVY, as (what, the markers that allow it): read in the test's
     body, in every fixture it requests (directly or not), and in the module helpers they call."""
     fn = getattr(item, "function", None)
     if fn is None:
         return []
-    texts = [_with_helpers(_source(fn), item.module, cache)]  # type: ignore[attr-defined]
+    used = set(reader.uses(fn, getattr(item, "module", None)))
     info = getattr(item, "_fixtureinfo", None)
     for defs in info.name2fixturedefs.values() if info else ():
         for d in defs:
-            mod = inspect.getmodule(d.func)
-            src = _source(d.func)
-            texts.append(_with_helpers(src, mod, cache) if mod is not None else src)
-    text = "\n".join(texts)
-    return [(what, allowed) for pat, what, allowed in HEAVY if pat.search(text)]
+            used |= reader.uses(d.func, inspect.getmodule(d.func))
+    return [(HEAVY[i][1], HEAVY[i][2]) for i in sorted(used)]
 
 
 def _rel(item: pytest.Item) -> str:
@@ -163,12 +177,12 @@ class Tiers:
         items.sort(key=lambda i: (-group_time[groups[i.nodeid]], groups[i.nodeid], order[i.nodeid]))
 
     def _guard(self, items: list[pytest.Item]) -> None:
-        cache: dict[str, dict[str, str]] = {}
+        reader = _Reader()
         errors = []
         for item in items:
             marks = {m.name for m in item.iter_markers()} & {SLOW, NIGHTLY, GPU}
             in_unit = "tests/unit/" in item.nodeid.replace(os.sep, "/")
-            for what, allowed in heavy_uses(item, cache):
+            for what, allowed in heavy_uses(item, reader):
                 if in_unit:
                     errors.append(
                         f"{item.nodeid}: a unit test uses {what}: move it out of tests/unit/"
