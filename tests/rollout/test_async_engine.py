@@ -142,6 +142,7 @@ def _dense(moe_dir: Path, out: Path) -> Path:
     return dense_model(moe_dir, out)
 
 
+@pytest.mark.nightly  # a second engine layout (DP 2)
 def test_a_data_parallel_engine_serves_and_swaps_on_every_engine_core(ckpts, engine, tmp_path):
     from moerl.components.rollout.engine import RolloutEngine
 

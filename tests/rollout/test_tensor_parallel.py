@@ -205,6 +205,7 @@ def test_a_swap_that_fails_on_one_rank_unlabels_and_reloads_the_engine(ckpts, fr
     assert tp2.version == 0
 
 
+@pytest.mark.nightly  # a second family at TP 2
 def test_a_tp2_mixtral_engine_equals_transformers_and_the_tp1_engine(tmp_path, tp2):
     """The second family at TP = 2 (its experts' w1/w3/w2 names take vLLM's other MoE loader)."""
     from moerl.components.rollout.engine import RolloutEngine

@@ -74,8 +74,8 @@ def checkpoints(tmp_path_factory):
         (2, "qwen3_moe", None),
         (4, "mixtral", 200_000),
         (2, "qwen3_moe_fused", 200_000),
-        (2, "qwen2_moe", None),
-        (2, "deepseek_v3", 20_000),
+        pytest.param(2, "qwen2_moe", None, marks=pytest.mark.nightly),
+        pytest.param(2, "deepseek_v3", 20_000, marks=pytest.mark.nightly),
     ],
 )
 def test_ep_rank_holds_only_its_experts_and_saves_hf_checkpoint(

@@ -51,6 +51,7 @@ def test_versions_kept_in_memory_equal_versions_reloaded_from_files(series):
     assert _close(read_weights(root / "persistent" / "v3"), w0) > 1e-4  # it trained
 
 
+@pytest.mark.nightly  # a resume across meshes: second order
 def test_a_version_written_per_rank_continues_on_another_mesh(series, tmp_path):
     """v2's state, written by four ranks at (2, 2), continues at (1, 4): the third update equals
     the (2, 2) mesh's own third version."""
@@ -67,6 +68,7 @@ def test_a_version_written_per_rank_continues_on_another_mesh(series, tmp_path):
     assert torch.is_floating_point(next(iter(other.values())))
 
 
+@pytest.mark.nightly  # a resume across dtypes: second order
 def test_a_bf16_served_version_resumes_from_its_float32_master_shards(series, tmp_path):
     """rollout.dtype bfloat16: the engines' copy is bf16, and the next update starts from the
     float32 master weights the ranks wrote (trainer/model), not from the rounded copy: it

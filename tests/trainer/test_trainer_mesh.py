@@ -69,8 +69,12 @@ def test_a_step_on_the_mesh_equals_the_single_process_step_and_each_rank_holds_i
     "trainer, tol",
     [
         ({"activation_checkpointing": True}, TOL),
-        ({"mixed_precision": "bf16"}, 3e-2),
-        ({"logprob_chunk_tokens": 7, "activation_checkpointing": True}, TOL),
+        pytest.param({"mixed_precision": "bf16"}, 3e-2, marks=pytest.mark.nightly),
+        pytest.param(
+            {"logprob_chunk_tokens": 7, "activation_checkpointing": True},
+            TOL,
+            marks=pytest.mark.nightly,
+        ),
     ],
 )
 def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(
@@ -97,6 +101,7 @@ def test_activation_checkpointing_and_bf16_mixed_precision_on_the_mesh(
 _cfg = mesh_cfg  # the workers' config
 
 
+@pytest.mark.nightly  # a resume across meshes: second order
 def test_a_version_saved_at_2x2_resumes_at_1x4_with_its_optimizer_state(tmp_path):
     """The second iteration from a (2, 2) version gives the same weights at (1, 4) as at (2, 2):
     Adam's moments were resharded onto the other mesh, not lost (a fresh optimizer moves the
@@ -140,6 +145,7 @@ def _follows(root, start: str, reference: str, candidate: str, control: str) -> 
     assert far > len(ref) // 4  # without the moments the step is a different one
 
 
+@pytest.mark.nightly  # a resume across layouts: second order
 def test_a_single_process_version_continues_on_the_mesh_with_its_adam_state(tmp_path):
     """A run that an older moerl trained one iteration in one process (optimizer.pt) continues at (2, 2): the
     step equals the single process's second iteration (Adam's moments sliced onto the mesh's
@@ -178,7 +184,14 @@ def test_a_single_process_version_continues_on_the_mesh_with_its_adam_state(tmp_
     _follows(tmp_path, "s1", reference="single", candidate="mesh", control="control")
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3", "olmoe"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "qwen2_moe",
+        pytest.param("deepseek_v3", marks=pytest.mark.nightly),
+        pytest.param("olmoe", marks=pytest.mark.nightly),
+    ],
+)
 def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(
     tmp_path, arch, gloo_worlds
 ):
@@ -204,6 +217,7 @@ def test_families_with_shared_experts_step_on_the_mesh_like_the_single_process(
         ), name
 
 
+@pytest.mark.nightly
 def test_deepseek_router_bias_moves_towards_balance_the_same_on_the_mesh(tmp_path):
     """trainer.moe.router_bias_update_rate on DeepSeek-V3 (sigmoid router with bias correction): two
     steps move every expert's bias by a whole number of rates, against its load, and the mesh
