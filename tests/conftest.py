@@ -4,8 +4,5 @@ tiers work)."""
 
 from tests.support.gloo_world import gloo_worlds  # noqa: F401  (a session fixture, registered here)
 from tests.support.s3server import s3_server  # noqa: F401  (a session fixture, registered here)
-from tests.support.tiers import Tiers
 
-
-def pytest_configure(config):
-    config.pluginmanager.register(Tiers(config), "moerl-tiers")
+pytest_plugins = ["tests.support.tiers", "pytester"]

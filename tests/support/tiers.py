@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
+DURATIONS_ENV = "MOERL_TEST_DURATIONS"  # another file (tests of this plugin)
 
 SLOW, NIGHTLY, GPU = "slow", "nightly", "gpu"  # gpu: tests/gpu/run.sh, on a CUDA machine
 # What a test may use only in a tier, by what its code says: (pattern, what, allowed markers).
@@ -62,8 +63,8 @@ HEAVY: tuple[tuple[re.Pattern[str], str, frozenset[str]], ...] = (
 
 
 def _source(obj: object) -> str:
-    """The code of a function without its docstrings and comments (what it does, not what it
-    says)."""
+    """The code of a function without its docstrings, comments and multi-line strings (what it
+    does, not what it says)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError):
@@ -78,6 +79,9 @@ def _source(obj: object) -> str:
             and isinstance(body[0].value.value, str)
         ):
             body[0] = ast.Pass()
+    for node in ast.walk(tree):  # a multi-line string is text (a file a test writes), not a call
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "\n" in node.value:
+            node.value = ""
     return ast.unparse(tree)
 
 
@@ -208,9 +212,10 @@ class Tiers:
             return
         known = _read_durations()
         known.update({m: round(t, 1) for m, t in self.times.items()})
-        tmp = DURATIONS.with_suffix(".tmp")
+        path = durations_path()
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
-        tmp.replace(DURATIONS)
+        tmp.replace(path)
 
 
 def _group_of(item: pytest.Item) -> str:
@@ -218,9 +223,18 @@ def _group_of(item: pytest.Item) -> str:
     return getattr(mod, "TEST_GROUP", None) or _rel(item)
 
 
+def durations_path() -> Path:
+    return Path(os.environ.get(DURATIONS_ENV) or DURATIONS)
+
+
 def _read_durations() -> dict[str, float]:
     try:
-        data = json.loads(DURATIONS.read_text())
+        data = json.loads(durations_path().read_text())
     except (OSError, ValueError):
         return {}
     return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Registered as a plugin (tests/conftest.py's `pytest_plugins`, or `-p tests.support.tiers`)."""
+    config.pluginmanager.register(Tiers(config), "moerl-tiers")
