@@ -16,10 +16,10 @@ Work units: `make test` runs `--dist loadgroup`; every test gets an `xdist_group
 module (a module's fixtures are built once, on one worker), or the module's `TEST_GROUP` where
 modules share a per-worker fixture (the engine pool) and so belong on one worker.
 
-Order: the groups that took longest in the last run go first (each starts at once on its own
-worker, the short ones fill in behind). The times come from `tests/durations.json`, which every
-run rewrites for the modules it ran (the controller process, at session end): a module new to it
-goes last, a module that grew moves up on the next run.
+Order: the groups whose selected tests took longest when last measured go first (each starts at
+once on its own worker, the short ones fill in behind). The times come from
+`tests/durations.json`, one entry a test, which every run rewrites for the tests it ran (the
+controller process, at session end): a test new to it counts 0 until it has run once.
 """
 
 from __future__ import annotations
@@ -154,68 +154,80 @@ def _rel(item: pytest.Item) -> str:
 
 
 class Tiers:
-    """The plugin: the guard and the groups at collection, the durations at session end."""
+    """The guard and the groups, first thing at collection."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        _guard(items)
+        for item in items:
+            if item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(_group_of(item)))
+
+
+class Order:
+    """The longest groups first, once the tier's tests are selected (`-m` deselects before
+    this runs); each test's measured time written back at session end, by the controller."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.times: dict[str, float] = defaultdict(float)
         self.is_worker = hasattr(config, "workerinput")
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(
-        self, config: pytest.Config, items: list[pytest.Item]
-    ) -> None:
-        self._guard(items)
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         known = _read_durations()
-        group_time: dict[str, float] = defaultdict(float)
-        groups = {}
-        for item in items:
-            g = item.get_closest_marker("xdist_group")
-            name = g.args[0] if g and g.args else _group_of(item)
-            groups[item.nodeid] = name
-            if g is None:
-                item.add_marker(pytest.mark.xdist_group(name))
-        for mod in {_rel(i): groups[i.nodeid] for i in items}.items():
-            group_time[mod[1]] += known.get(mod[0], 0.0)
-        order = {nodeid: n for n, nodeid in enumerate(i.nodeid for i in items)}
-        items.sort(key=lambda i: (-group_time[groups[i.nodeid]], groups[i.nodeid], order[i.nodeid]))
-
-    def _guard(self, items: list[pytest.Item]) -> None:
-        reader = _Reader()
-        errors = []
-        for item in items:
-            marks = {m.name for m in item.iter_markers()} & {SLOW, NIGHTLY, GPU}
-            in_unit = "tests/unit/" in item.nodeid.replace(os.sep, "/")
-            for what, allowed in heavy_uses(item, reader):
-                if in_unit:
-                    errors.append(
-                        f"{item.nodeid}: a unit test uses {what}: move it out of tests/unit/"
-                    )
-                elif not marks & (allowed | {GPU}):
-                    need = " or ".join(f"@pytest.mark.{m}" for m in sorted(allowed))
-                    errors.append(f"{item.nodeid}: uses {what} without its tier's marker ({need})")
-            if in_unit and marks:
-                errors.append(
-                    f"{item.nodeid}: tests/unit/ is the unit tier; it takes no {sorted(marks)} marker"
-                )
-        if errors:
-            raise pytest.UsageError(
-                "test tiers (tests/support/tiers.py):\n  " + "\n  ".join(errors)
-            )
+        group = {i.nodeid: _group_name(i) for i in items}
+        total: dict[str, float] = defaultdict(float)
+        for i in items:
+            total[group[i.nodeid]] += known.get(_test_id(i.nodeid), 0.0)
+        order = {i.nodeid: n for n, i in enumerate(items)}
+        items.sort(key=lambda i: (-total[group[i.nodeid]], group[i.nodeid], order[i.nodeid]))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not self.is_worker:
-            self.times[report.nodeid.split("::", 1)[0]] += report.duration
+        if not self.is_worker:  # the controller (or a run without workers) sees every report
+            self.times[_test_id(report.nodeid)] += report.duration
 
-    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+    def pytest_sessionfinish(self) -> None:
         if self.is_worker or not self.times or self.config.option.collectonly:
             return
         known = _read_durations()
-        known.update({m: round(t, 1) for m, t in self.times.items()})
+        known.update({t: round(s, 2) for t, s in self.times.items()})
         path = durations_path()
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+        tmp.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
         tmp.replace(path)
+
+
+def _guard(items: list[pytest.Item]) -> None:
+    """Fail collection, naming each test, where a test uses HEAVY outside its tier."""
+    reader = _Reader()
+    errors = []
+    for item in items:
+        marks = {m.name for m in item.iter_markers()} & {SLOW, NIGHTLY, GPU}
+        in_unit = "tests/unit/" in item.nodeid.replace(os.sep, "/")
+        for what, allowed in heavy_uses(item, reader):
+            if in_unit:
+                errors.append(f"{item.nodeid}: a unit test uses {what}: move it out of tests/unit/")
+            elif not marks & (allowed | {GPU}):
+                need = " or ".join(f"@pytest.mark.{m}" for m in sorted(allowed))
+                errors.append(f"{item.nodeid}: uses {what} without its tier's marker ({need})")
+        if in_unit and marks:
+            errors.append(
+                f"{item.nodeid}: tests/unit/ is the unit tier; it takes no {sorted(marks)} marker"
+            )
+    if errors:
+        raise pytest.UsageError("test tiers (tests/support/tiers.py):\n  " + "\n  ".join(errors))
+
+
+def _test_id(nodeid: str) -> str:
+    """A test's id without the `@group` suffix pytest-xdist's loadgroup adds."""
+    head, sep, tail = nodeid.rpartition("@")
+    return head if sep and "]" not in tail and "::" not in tail else nodeid
+
+
+def _group_name(item: pytest.Item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark and mark.args else _group_of(item)
 
 
 def _group_of(item: pytest.Item) -> str:
@@ -237,4 +249,5 @@ def _read_durations() -> dict[str, float]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Registered as a plugin (tests/conftest.py's `pytest_plugins`, or `-p tests.support.tiers`)."""
-    config.pluginmanager.register(Tiers(config), "moerl-tiers")
+    config.pluginmanager.register(Tiers(), "moerl-tiers")
+    config.pluginmanager.register(Order(config), "moerl-order")

@@ -106,12 +106,23 @@ def test_every_test_is_grouped_and_the_longest_group_goes_first(suite, tmp_path)
     # a first run writes the durations of what it ran
     assert suite.runpytest_inprocess("-p", "tests.support.tiers", "-q").ret == 0
     times = json.loads((tmp_path / "durations.json").read_text())
-    assert set(times) == {"test_a.py", "test_b.py", "test_c.py"}
-    assert times["test_b.py"] >= 0.3 > times["test_a.py"]
-    # the next collection puts the longest first; every test carries its group
+    assert set(times) == {
+        "test_a.py::test_a1",
+        "test_a.py::test_a2",
+        "test_b.py::test_b1",
+        "test_c.py::test_c1",
+    }
+    assert times["test_b.py::test_b1"] >= 0.3 > times["test_a.py::test_a1"]
+    # the next collection puts the longest first (b), and a selection is ordered by what it
+    # selected: without test_b1, a (0.01 s) goes before c; every test carries its group
     res = suite.runpytest_inprocess("-p", "tests.support.tiers", "-q", "--collect-only")
     ids = [line for line in res.stdout.lines if "::" in line]
     assert ids[0] == "test_b.py::test_b1", ids
+    res = suite.runpytest_inprocess(
+        "-p", "tests.support.tiers", "-q", "--collect-only", "-k", "not b1 and not a2"
+    )
+    ids = [line for line in res.stdout.lines if "::" in line]
+    assert ids == ["test_a.py::test_a1", "test_c.py::test_c1"], ids
     items, _ = suite.inline_genitems("-p", "tests.support.tiers")
     groups = {i.nodeid: i.get_closest_marker("xdist_group").args[0] for i in items}
     assert groups["test_a.py::test_a1"] == groups["test_a.py::test_a2"] == "test_a.py"
