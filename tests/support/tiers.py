@@ -12,9 +12,10 @@ The guard: at collection, a test that uses an engine, an async run, a pipeline r
 its tier's marker is an error naming the test and what it uses. What counts is listed in
 `HEAVY`; a test in `tests/unit/` may use none of it.
 
-Work units: `make test` runs `--dist loadgroup`; every test gets an `xdist_group`, by default its
-module (a module's fixtures are built once, on one worker), or the module's `TEST_GROUP` where
-modules share a per-worker fixture (the engine pool) and so belong on one worker.
+Work units: `make test` runs pytest-xdist with this plugin's scheduler (`GroupScheduling`):
+every test belongs to a group, by default its module (a module's fixtures are built once, on one
+worker), or the module's `TEST_GROUP` where modules share a per-worker fixture (the gloo worlds)
+and so belong on one worker. A group runs whole on one worker.
 
 Order: the groups whose selected tests took longest when last measured go first (each starts at
 once on its own worker, the short ones fill in behind). The times come from
@@ -25,6 +26,8 @@ controller process, at session end): a test new to it counts 0 until it has run 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
 import inspect
 import json
 import os
@@ -32,8 +35,10 @@ import re
 import textwrap
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 DURATIONS = Path(__file__).resolve().parents[1] / "durations.json"
 DURATIONS_ENV = "MOERL_TEST_DURATIONS"  # another file (tests of this plugin)
@@ -149,19 +154,12 @@ def heavy_uses(item: pytest.Item, reader: _Reader) -> list[tuple[str, frozenset[
     return [(HEAVY[i][1], HEAVY[i][2]) for i in sorted(used)]
 
 
-def _rel(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
-
-
 class Tiers:
-    """The guard and the groups, first thing at collection."""
+    """The guard, first thing at collection."""
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         _guard(items)
-        for item in items:
-            if item.get_closest_marker("xdist_group") is None:
-                item.add_marker(pytest.mark.xdist_group(_group_of(item)))
 
 
 class Order:
@@ -176,7 +174,8 @@ class Order:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         known = _read_durations()
-        group = {i.nodeid: _group_name(i) for i in items}
+        root = self.config.rootpath
+        group = {i.nodeid: group_of(root, _module_path(i.nodeid)) for i in items}
         total: dict[str, float] = defaultdict(float)
         for i in items:
             total[group[i.nodeid]] += known.get(_test_id(i.nodeid), 0.0)
@@ -220,19 +219,51 @@ def _guard(items: list[pytest.Item]) -> None:
 
 
 def _test_id(nodeid: str) -> str:
-    """A test's id without the `@group` suffix pytest-xdist's loadgroup adds."""
+    """A test's id, without the `@group` suffix pytest-xdist's loadgroup adds where it can."""
     head, sep, tail = nodeid.rpartition("@")
     return head if sep and "]" not in tail and "::" not in tail else nodeid
 
 
-def _group_name(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    return str(mark.args[0]) if mark and mark.args else _group_of(item)
+def _module_path(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
-def _group_of(item: pytest.Item) -> str:
-    mod = getattr(item, "module", None)
-    return getattr(mod, "TEST_GROUP", None) or _rel(item)
+@functools.cache
+def group_of(root: Path, module: str) -> str:
+    """A test module's work unit: its `TEST_GROUP` (assigned, or imported under that name from
+    a support module), else its own path. Read from the file, so that the controller, which
+    collects nothing, groups as the workers do."""
+    try:
+        tree = ast.parse((root / module).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return module
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "TEST_GROUP" for t in node.targets
+        ):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+                return node.value.value
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                if alias.asname == "TEST_GROUP":
+                    return str(getattr(importlib.import_module(node.module), alias.name))
+    return module
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """pytest-xdist's scope scheduling with a test's group (`group_of`) as its scope: a group
+    runs whole on one worker, in collection order (the longest first, `Order`). It replaces
+    `--dist loadgroup`, whose `@group` suffix pytest 9 no longer lets a plugin set."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(self.config.rootpath, _module_path(nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> GroupScheduling | None:
+    if config.getvalue("dist") in ("loadscope", "loadgroup"):
+        return GroupScheduling(config, log)
+    return None
 
 
 def durations_path() -> Path:

@@ -5,6 +5,9 @@ import json
 
 import pytest
 
+from tests.support.gloo_world import GROUP
+from tests.support.tiers import group_of
+
 ENGINE_VIA_HELPER = """
 def _start(path):
     from moerl.components.rollout.engine import RolloutEngine
@@ -114,7 +117,8 @@ def test_every_test_is_grouped_and_the_longest_group_goes_first(suite, tmp_path)
     }
     assert times["test_b.py::test_b1"] >= 0.3 > times["test_a.py::test_a1"]
     # the next collection puts the longest first (b), and a selection is ordered by what it
-    # selected: without test_b1, a (0.01 s) goes before c; every test carries its group
+    # selected: without test_b1, a (0.01 s) goes before c; a module's group is its path, or
+    # its TEST_GROUP
     res = suite.runpytest_inprocess("-p", "tests.support.tiers", "-q", "--collect-only")
     ids = [line for line in res.stdout.lines if "::" in line]
     assert ids[0] == "test_b.py::test_b1", ids
@@ -123,7 +127,13 @@ def test_every_test_is_grouped_and_the_longest_group_goes_first(suite, tmp_path)
     )
     ids = [line for line in res.stdout.lines if "::" in line]
     assert ids == ["test_a.py::test_a1", "test_c.py::test_c1"], ids
-    items, _ = suite.inline_genitems("-p", "tests.support.tiers")
-    groups = {i.nodeid: i.get_closest_marker("xdist_group").args[0] for i in items}
-    assert groups["test_a.py::test_a1"] == groups["test_a.py::test_a2"] == "test_a.py"
-    assert groups["test_c.py::test_c1"] == "shared"
+    assert group_of(suite.path, "test_a.py") == "test_a.py"
+    assert group_of(suite.path, "test_c.py") == "shared"
+
+
+def test_a_group_imported_under_test_group_is_the_support_modules_name(tmp_path):
+    (tmp_path / "test_w.py").write_text(
+        "from tests.support.gloo_world import GROUP as TEST_GROUP\n\ndef test_w():\n    pass\n"
+    )
+    assert group_of(tmp_path, "test_w.py") == GROUP == "gloo-worlds"
+    assert group_of(tmp_path, "missing.py") == "missing.py"
