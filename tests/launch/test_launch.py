@@ -286,6 +286,7 @@ def test_remote_policy_update_round_trip_matches_the_in_process_stage(
     assert tags["runtime.policy_update.torch"] and "runtime.policy_update.cuda_available" in tags
 
 
+@pytest.mark.nightly  # a resume across meshes on two nodes: second order
 def test_a_trainer_on_two_nodes_equals_one_node_and_resumes_on_another_mesh(
     s3_server, tmp_path, monkeypatch
 ):

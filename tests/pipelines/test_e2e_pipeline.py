@@ -279,7 +279,7 @@ def test_metrics_params_and_artifacts_are_in_mlflow(e2e_run):
     assert run.data.tags["moerl.final_checkpoint"] == final
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # a second failing sync run: test_cluster_local.py's gates
 def test_a_failing_stage_fails_the_run_and_leaves_published_state_alone(tmp_path):
     """Nearly every sample's verifier fails (one that scores the reference answer, so it passes
     preflight, and raises on anything else): the reward stage stops the run. The MLflow run is

@@ -170,6 +170,7 @@ def _mlflow_run(uri: str) -> str:
     return client.create_run(exp).info.run_id
 
 
+@pytest.mark.nightly  # an engine over two simulated nodes: a layout variant
 def test_group_fetches_swaps_drains(tmp_path, server, monkeypatch, dense):  # noqa: F811
     from moerl.components.rollout.group import GroupBus, GroupSpec
 

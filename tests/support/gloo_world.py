@@ -10,8 +10,9 @@ still out, and the world is torn down (the next `world(n)` spawns a fresh one). 
 raises on some rank fails the call with that rank's traceback; its peers' collectives time out
 within the process group's timeout, so the world is torn down then too.
 
-The fixture (`gloo_worlds`, registered in tests/conftest.py) is per pytest-xdist worker: modules
-that use it share a `TEST_GROUP` so that they run on one worker and find its worlds.
+The fixture (`gloo_worlds`, registered in tests/conftest.py) is per pytest-xdist worker: each
+module that uses it runs on whichever worker takes it and reuses that worker's worlds (grouping
+the modules on one worker would serialize them: measured, the longer wait).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import pytest
 
-GROUP = "gloo-worlds"  # the TEST_GROUP of the modules that share the worlds
+GROUP = "gloo-worlds"  # a TEST_GROUP for modules that must share one worker's worlds
 JOB_TIMEOUT_S = 600.0
 PG_TIMEOUT_S = 120  # a collective left waiting by a failed peer gives up after this
 

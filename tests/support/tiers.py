@@ -14,8 +14,8 @@ its tier's marker is an error naming the test and what it uses. What counts is l
 
 Work units: `make test` runs pytest-xdist with this plugin's scheduler (`GroupScheduling`):
 every test belongs to a group, by default its module (a module's fixtures are built once, on one
-worker), or the module's `TEST_GROUP` where modules share a per-worker fixture (the gloo worlds)
-and so belong on one worker. A group runs whole on one worker.
+worker), or the module's `TEST_GROUP` where modules must share one worker's fixture. A group
+runs whole on one worker.
 
 Order: the groups whose selected tests took longest when last measured go first (each starts at
 once on its own worker, the short ones fill in behind). The times come from

@@ -27,7 +27,7 @@ from moerl.config import load_config
 from moerl.orchestrate.async_run import run_async
 from tests.support.mlflow_server import mlflow_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.nightly  # the MLflow UI in a headless browser (docs/testing.md)
 ROOT = Path(__file__).resolve().parents[2]
 SETUP_NOTE = ROOT / ".venv" / "moerl-browser.txt"
 RATES = (2e-3, 2e-4)
