@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -66,9 +67,12 @@ def _vllm_log(calls: list[tuple[str, str, list]]) -> str:
         "for name, fmt, args in json.loads(sys.argv[1]):\n"
         "    init_logger(name).info(fmt, *args)\n"
     )
+    # at INFO whatever an earlier test in this process left in the environment (the rollout
+    # worker's entry point defaults VLLM_LOGGING_LEVEL to WARNING)
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
     r = subprocess.run(
         [sys.executable, "-c", script, json.dumps(calls)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout + r.stderr

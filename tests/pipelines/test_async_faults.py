@@ -1,6 +1,6 @@
-"""Fault tests of the async mode that gate every change (the nightly tier holds the rest:
-test_async_faults_stages.py, test_async_faults_servers.py): a Spot drain mid-generation,
-cluster-shaped; a worker SIGKILLed; a streamed trainer killed mid-version. Real processes (vLLM
+"""Fault tests of the async mode: a Spot drain mid-generation, cluster-shaped, and a streamed
+trainer killed mid-version gate every change; a worker SIGKILLed is nightly here, as are
+test_async_faults_stages.py and test_async_faults_servers.py. Real processes (vLLM
 rollout workers, scorers, the trainer), a real Valkey, the checkpoint store and MLflow, each run
 bounded by a clock that scales with what it measures (tests/support/fault_runs.py, which says
 what balances).
@@ -139,6 +139,7 @@ def _sigterm_drain(h: Harness) -> None:
     return c
 
 
+@pytest.mark.nightly  # the reclaim is gated at the bus level (tests/bus/test_bus.py)
 def test_sigkill_of_a_worker_returns_its_unit_after_the_visibility_timeout(tmp_path):
     h = Harness(
         tmp_path,

@@ -46,7 +46,15 @@ def probe(engine):
     return list(out.outputs[0].token_ids), gen, prompt
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "qwen3_moe",
+        pytest.param("qwen2_moe", marks=pytest.mark.nightly),  # two more families: nightly
+        pytest.param("olmoe", marks=pytest.mark.nightly),
+        "deepseek_v3",
+    ],
+)
 def versions(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("hotswap")
     tiny = parse_config({"model": {"tiny": {"architecture": request.param}}}).model.tiny

@@ -26,7 +26,7 @@ from moerl.errors import WeightSyncError
 from moerl.models.tiny import build_tiny_model
 from tests.support.parity import trainer_and_engine_logprobs
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.nightly  # TP 2 engines on CPU: a layout variant (tests/gpu checks TP 2)
 
 TOL = 1e-4
 PROMPTS = [[20, 22, 23, 26, 14, 5, 6], [11, 12, 13], [6, 6, 8, 14, 15, 16, 17]]
@@ -205,7 +205,6 @@ def test_a_swap_that_fails_on_one_rank_unlabels_and_reloads_the_engine(ckpts, fr
     assert tp2.version == 0
 
 
-@pytest.mark.nightly  # a second family at TP 2
 def test_a_tp2_mixtral_engine_equals_transformers_and_the_tp1_engine(tmp_path, tp2):
     """The second family at TP = 2 (its experts' w1/w3/w2 names take vLLM's other MoE loader)."""
     from moerl.components.rollout.engine import RolloutEngine

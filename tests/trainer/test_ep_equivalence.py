@@ -170,16 +170,19 @@ def _routed_batch(root):
     "variant",
     [
         {"moe": {"router_replay": "R3"}},
-        {
-            "moe": {"router_replay": "R2"},
-            "loss": {"policy_loss": "gspo"},
-            "correction": {
-                "tis_mode": "sequence_mask",
-                "tis_cap": 3.0,
-                "rollout_rs": "geometric",
-                "rollout_rs_threshold": 1.5,
+        pytest.param(
+            {
+                "moe": {"router_replay": "R2"},
+                "loss": {"policy_loss": "gspo"},
+                "correction": {
+                    "tis_mode": "sequence_mask",
+                    "tis_cap": 3.0,
+                    "rollout_rs": "geometric",
+                    "rollout_rs_threshold": 1.5,
+                },
             },
-        },
+            marks=pytest.mark.nightly,  # a second replay and correction variant
+        ),
     ],
 )
 def test_ep2_replays_routes_and_measures_the_mismatch_like_ep1(tmp_path, variant):
