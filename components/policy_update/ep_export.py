@@ -15,7 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -248,7 +248,7 @@ def _export_experts(
     keys: ExpertKeys,
     writer: tuple[int, int | None],
     grid: _Grid,
-    out: _Writer,
+    out: Sink,
 ) -> int:
     """Write one MoE layer's experts from the ranks that hold them; bytes received here."""
     d_w, e_w = writer
@@ -311,20 +311,8 @@ def export_ep_checkpoint(
     state_out = Path(state_out)
     state_out.mkdir(parents=True, exist_ok=True)
     blocks = list(blocks)
-    by_name = dict(model.state_dict(keep_vars=True))
-    writers = _expert_writers(blocks, layout, grid)
-    owners = _dense_owners(by_name, blocks, layout, grid, writers)
     out = _Writer(state_out, grid.rank, max_shard_bytes, dtype)
-    received = 0
-    # the same order of collectives on every rank: dense tensors in layout order, then layers
-    for name, key in layout.names.items():
-        whole, got = _gather_to(by_name[name], owners[name], grid.rank, out.fallbacks)
-        received += got
-        if whole is not None:
-            out.add(key, whole)
-        del whole
-    for block, keys, writer in zip(blocks, layout.experts, writers):
-        received += _export_experts(block, keys, writer, grid, out)
+    received = _share(model, blocks, layout, grid, out)
     out.flush()
     mine = (out.entries, received, time.perf_counter() - start, len(out.fallbacks))
     every: list[Any] = [mine]
@@ -348,6 +336,51 @@ def export_ep_checkpoint(
         dist.barrier()
     stats.total_seconds = time.perf_counter() - start
     return stats
+
+
+class Sink(Protocol):
+    """Where a rank's share goes: its files (`_Writer`) or the wire
+    (redistribute_weights/wire.FrameSender)."""
+
+    fallbacks: list[int]
+
+    def add(self, key: str, t: torch.Tensor) -> None: ...
+
+
+def _share(model, blocks: list[EPMoEBlock], layout: CheckpointLayout, grid: _Grid, out) -> int:
+    """Hand this rank's share of the checkpoint to `out` (a `Sink`): the dense tensors it owns,
+    gathered from their FSDP shards, and the experts it writes. A collective over the mesh, in
+    the same order on every rank: dense tensors in layout order, then layers. Returns the bytes
+    this rank received by gathers."""
+    by_name = dict(model.state_dict(keep_vars=True))
+    writers = _expert_writers(blocks, layout, grid)
+    owners = _dense_owners(by_name, blocks, layout, grid, writers)
+    received = 0
+    for name, key in layout.names.items():
+        whole, got = _gather_to(by_name[name], owners[name], grid.rank, out.fallbacks)
+        received += got
+        if whole is not None:
+            out.add(key, whole)
+        del whole
+    for block, keys, writer in zip(blocks, layout.experts, writers):
+        received += _export_experts(block, keys, writer, grid, out)
+    return received
+
+
+def send_ep_weights(model, blocks, layout: CheckpointLayout, mesh, sink: Sink) -> dict[str, Any]:
+    """Send this rank's share of the serving checkpoint into `sink` (a wire.FrameSender on this
+    rank's group): the same plan as `export_ep_checkpoint`, so each rank sends exactly the
+    tensors it would write, and no rank holds the whole model. A collective over `mesh`; every
+    rank calls it. Returns this rank's counts: what it sent, the bytes its gathers received,
+    and every key it sent (the caller checks the union is the whole checkpoint)."""
+    grid = _grid(mesh)
+    received = _share(model, list(blocks), layout, grid, sink)
+    return {"rank": grid.rank, "received": received, "fallbacks": len(sink.fallbacks)}
+
+
+def expected_keys(blocks, layout: CheckpointLayout) -> set[str]:
+    """Every key of the serving checkpoint (the union of every rank's share)."""
+    return _expected_keys(list(blocks), layout)
 
 
 def _weight_map(every: list[Any]) -> dict[str, str]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
 _LAYERWISE_LOG = "vllm.model_executor.model_loader.reload.layerwise"
 _INPLACE_LOG = "vllm.model_executor.model_loader.reload.inplace"
 _SCRATCH: dict[
@@ -111,7 +112,7 @@ def _cpu_experts_class():
 
 
 def _plan_inplace(
-    moe: list[tuple[str, Any, Any]], shapes: dict[str, tuple[int, ...]], cpu_cls
+    moe: list[tuple[str, Any, Any]], shapes: dict[str, tuple[int, ...]] | None, cpu_cls
 ) -> dict[str, _InplaceExperts]:
     """The MoE layers whose experts can be packed in place, by checkpoint tensor name.
 
@@ -159,9 +160,10 @@ def _plan_inplace(
             for e in range(n_exp)
             for shard, (ck, _) in proj.items()
         }
-        under = {k for k in shapes if k.startswith(f"{name}.")}
-        if under != set(keys) or any(tuple(shapes[k]) != proj[keys[k][1]][1] for k in keys):
-            continue
+        if shapes is not None:  # the checkpoint holds exactly these, with these shapes
+            under = {k for k in shapes if k.startswith(f"{name}.")}
+            if under != set(keys) or any(tuple(shapes[k]) != proj[keys[k][1]][1] for k in keys):
+                continue
         plans[name] = _InplaceExperts(layer, experts.isa, w13, w2, keys)
     return plans
 
@@ -177,12 +179,15 @@ def _load_inplace(plan: _InplaceExperts, name: str, x, timers: _Timers) -> None:
     import torch
     import vllm._custom_ops  # noqa: F401 (registers torch.ops._C)
 
+    n_exp, two_i, hidden = plan.w13.shape
+    want = (hidden, two_i // 2) if plan.keys[name][1] == "w2" else (two_i // 2, hidden)
+    if tuple(x.shape) != want:
+        raise RuntimeError(f"{name}: shape {tuple(x.shape)}, the engine's expert needs {want}")
     plan.arrived[name] = x
     if len(plan.arrived) < len(plan.keys):
         return
     by = {plan.keys[k]: v for k, v in plan.arrived.items()}
     plan.arrived.clear()
-    n_exp = plan.w13.shape[0]
     for live, parts in (
         (plan.w13, [by[e, s] for e in range(n_exp) for s in ("w1", "w3")]),
         (plan.w2, [by[e, "w2"] for e in range(n_exp)]),
@@ -278,9 +283,47 @@ def swap_in_worker(
     this rank reads the checkpoint through vLLM's weight loaders, which keep its own shard."""
     from safetensors import safe_open
 
-    t0 = time.perf_counter()
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+
+    def shapes(timers: _Timers) -> dict[str, tuple[int, ...]]:
+        t = time.perf_counter()
+        out: dict[str, tuple[int, ...]] = {}
+        for path in files:  # headers only
+            with safe_open(str(path), framework="pt") as f:
+                out.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        timers.read_s += time.perf_counter() - t
+        return out
+
+    return load_in_worker(
+        model,
+        lambda it: runner.reload_weights(weights_iterator=it),
+        lambda stats, timers: _bucketed_tensors(files, bucket_bytes, stats, timers),
+        shapes,
+        inplace,
+        getattr(getattr(runner, "vllm_config", None), "model_config", None),
+    )
+
+
+def load_in_worker(
+    model,
+    reload: Callable[[Iterator[tuple[str, Any]]], None],
+    tensors: Callable[[dict[str, int], _Timers], Iterator[tuple[str, Any]]],
+    shapes: Callable[[_Timers], dict[str, tuple[int, ...]]] | None,
+    inplace: bool = True,
+    model_config: Any = None,
+) -> dict[str, Any]:
+    """Load one version into this rank's live `model` from `tensors(stats, timers)` (name,
+    whole checkpoint tensor: files or the wire), through vLLM's `reload` (its weight loaders keep
+    this rank's shard), the CPU MoE experts packed in place where the plan allows. `shapes`: the
+    checkpoint's names and shapes, read before loading, which every planned layer must match;
+    None trusts the layer's expected per-expert names (the wire: the trainer's export plan), and
+    a layer that does not receive all of them fails the load. Time spent inside `tensors` is
+    `read_s` (reading files, or waiting on the wire). A load that fails midway (a stream cut
+    off) unwinds vLLM's layerwise reload with `model_config` (`_unwind`): every layer whole
+    again, on old weights or new, so the engine can load the version again from files."""
+    t0 = time.perf_counter()
     cpu_cls = _cpu_experts_class()
     # 1. start: refuse what the in-place path cannot reproduce, before touching weights
     moe = _moe_layers(model)
@@ -295,24 +338,17 @@ def swap_in_worker(
                 f"({cfg.intermediate_size_per_partition}); in-place reload cannot reproduce it. "
                 "Restart the engine on the new version instead"
             )
-    files = sorted(Path(model_dir).glob("*.safetensors"))
     timers = _Timers()
     plans: dict[str, _InplaceExperts] = {}
     if inplace and cpu_moe:
-        t = time.perf_counter()
-        shapes: dict[str, tuple[int, ...]] = {}
-        for path in files:  # headers only
-            with safe_open(str(path), framework="pt") as f:
-                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-        timers.read_s += time.perf_counter() - t
-        plans = _plan_inplace(cpu_moe, shapes, cpu_cls)
+        plans = _plan_inplace(cpu_moe, None if shapes is None else shapes(timers), cpu_cls)
     route = {k: plan for plan in plans.values() for k in plan.keys}
 
     # 2. update: planned experts in place, everything else through vLLM, in one pass
     stats = {"buckets": 0, "bytes": 0, "tensors": 0}
 
     def for_vllm() -> Iterator[tuple[str, Any]]:
-        for name, x in _bucketed_tensors(files, bucket_bytes, stats, timers):
+        for name, x in tensors(stats, timers):
             plan = route.get(name)
             if plan is None:
                 yield name, x
@@ -321,7 +357,12 @@ def swap_in_worker(
 
     t, ours = time.perf_counter(), timers.read_s + timers.repack_s
     with _quiet_for(plans, model):
-        runner.reload_weights(weights_iterator=for_vllm())
+        try:
+            reload(for_vllm())
+        except BaseException:
+            if model_config is not None:
+                _unwind(model, model_config)
+            raise
     vllm_s = time.perf_counter() - t
     ours = timers.read_s + timers.repack_s - ours  # spent in the iterator vLLM pulled from
     incomplete = [n for n, p in plans.items() if not p.packed]
@@ -347,6 +388,19 @@ def swap_in_worker(
         "repack_s": timers.repack_s + fallback_s,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _unwind(model, model_config) -> None:
+    """After a reload that failed midway: vLLM's layerwise reload left the layers it had not
+    finished on the meta device; finalizing puts each one's live tensors back (or processes what
+    it received), so every parameter is a real tensor again. Which weights each holds is then
+    unknown: the caller must load a whole version before serving."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    try:
+        finalize_layerwise_reload(model, model_config)
+    except Exception as err:  # noqa: BLE001 - reported; the original failure is what is raised
+        log.warning("unwinding a failed reload: %s", err)
 
 
 def hot_swap(

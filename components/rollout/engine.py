@@ -209,6 +209,8 @@ def engine_kwargs(
         # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
         # CPU MLA backend serves every dtype (docs/architecture.md, "vLLM on CPU")
         kwargs["attention_backend"] = "CPU_MLA"
+    if cfg.weight_sync != "files":  # moerl's backend: groups are joined only when a trainer asks
+        kwargs["weight_transfer_config"] = {"backend": "moerl"}
     if cfg.quantization != "none":  # cuda only (validated in config): online FP8 weights
         kwargs["quantization"] = cfg.quantization
     if cfg.kv_cache_gib is not None:
@@ -690,6 +692,32 @@ class RolloutEngine:
                 self._salt = f"moerl-w{version}-{time.monotonic_ns()}"
         finally:
             self.core.resume()
+        return stats
+
+    def join_weight_groups(self, groups, first_rank: int, timeout_s: float) -> None:
+        """Join the trainer ranks' groups (redistribute_weights/collective.join): the engine's
+        ranks take places `first_rank` + 1.. in each; joined once, kept across versions."""
+        from moerl.components.redistribute_weights.collective import join
+
+        join(self.core, groups, first_rank, timeout_s)
+
+    def receive_weights(self, version: int, sha: str, epoch: int = 0, deadline_s: float = 120.0):
+        """Receive `version` over the joined groups (the collective weight path) and tag the
+        engine with it; the engine must be idle, and its prefix cache is reset. A failure leaves
+        the engine unlabelled (its ranks' weights are unknown) and raises WeightSyncError: the
+        caller loads the version from files (`swap_weights`)."""
+        from moerl.components.redistribute_weights.collective import receive
+        from moerl.components.redistribute_weights.wire import Session
+
+        self._require_idle("receive_weights")
+        try:
+            stats = receive(self.core, Session(version, sha, epoch), deadline_s)
+        except BaseException:
+            self.version = None
+            raise
+        self.core.reset_prefix_cache()
+        self._salt = None
+        self.version = version
         return stats
 
     def _swap(

@@ -6,6 +6,8 @@ pickled, so no insecure-serialization flag: only names and plain arguments cross
 - `moerl_swap`: the hot swap (redistribute_weights/hotswap.py) of this rank's shard of a
   verified node-cache copy, read through vLLM's weight loaders; returns the version it loaded and
   a digest of its parameters, which `RolloutEngine.swap_weights` compares across ranks.
+- `moerl_transfer_report`: after a collective session (redistribute_weights/collective.py, the
+  "moerl" weight-transfer backend this module registers with vLLM), what this rank loaded.
 - `moerl_param_digests`: a checksum of every parameter of this rank (tests, audits).
 - `moerl_routes_*`: live route capture (rollout.return_routed_experts on CPU); only the first
   rank records, since every tensor-parallel rank routes the same tokens.
@@ -197,6 +199,35 @@ class MoerlWorker:
             "pid": os.getpid(),
         }
 
+    def moerl_transfer_report(self, version: int) -> dict[str, Any]:
+        """After a collective session (redistribute_weights/collective.py): what this rank
+        received and loaded for `version`, and a digest over its parameters, as `moerl_swap`
+        reports them; `version` None if this rank did not complete that version's session."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        report = engine.report() if engine is not None and hasattr(engine, "report") else {}
+        session = report.pop("session", None) or {}
+        digests = self.moerl_param_digests()
+        h = hashlib.sha256()
+        for name in sorted(digests):
+            h.update(f"{name}={digests[name]};".encode())
+        return {
+            "bytes": 0,
+            "tensors": 0,
+            "buckets": 0,
+            "moe_layers_repacked": 0,
+            "moe_layers_inplace": 0,
+            "read_s": 0.0,
+            "reload_s": 0.0,
+            "repack_s": 0.0,
+            **report,
+            **_ranks(self),
+            "version": session.get("version") if session.get("version") == version else None,
+            "sha": session.get("sha"),
+            "digest": h.hexdigest(),
+            "parameters": len(digests),
+            "pid": os.getpid(),
+        }
+
     # -- route capture (rollout.return_routed_experts on CPU) --------------------------------
     def moerl_routes_install(self) -> dict[str, int]:
         """Hook every MoE layer's router and the runner's forward so each step's top-k expert ids
@@ -275,3 +306,14 @@ class MoerlWorker:
             if isinstance(m, MoERunner):
                 m.router.set_capture_fn(None)
         self._moerl_capture = None
+
+
+def _register_backend() -> None:
+    """moerl's weight-transfer backend, registered with vLLM in every process that imports the
+    worker extension (each engine rank does, before vLLM creates the backend at model load)."""
+    from moerl.components.redistribute_weights.collective import register
+
+    register()
+
+
+_register_backend()

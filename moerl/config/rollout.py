@@ -165,6 +165,17 @@ class RolloutConfig(_Section):
     group from one version. in_flight: swap between two engine steps with sequences running,
     nothing drains; a response's tokens may come from several versions, each token corrected by
     its own behaviour logprob (single-turn tasks only)."""
+    weight_sync: Literal["auto", "collective", "files"] = "auto"
+    """How a new policy version reaches the engines' ranks (docs/weights.md, "Weights over the
+    wire"). collective: every trainer rank sends its share over its own group (NCCL on cuda, gloo
+    on cpu) to every engine rank, through vLLM's weight-transfer API (backend "moerl"); an engine
+    that misses a session loads that version from files. files: the node cache, peers, cache
+    tier and durable store only. auto: collective where the trainer and the engines form groups
+    (the run records which it used), files otherwise."""
+    weight_sync_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
+    """weight_sync collective: the deadline of one version's session (joining the groups, and
+    sending and loading a version); past it the session fails, its groups are aborted, and the
+    engines take the version from files."""
     inflight_kv: Literal["recompute", "keep"] = "recompute"
     """weight_update in_flight: the KV cache of the sequences running at a swap. recompute:
     re-prefill them with the new weights (one prefill of the running batch per version); keep:
@@ -301,6 +312,12 @@ class RolloutConfig(_Section):
                 "rollout.return_routed_experts on cpu captures routes with the engine core in the "
                 "task process, which rollout.engine_api async does not have; use engine_api "
                 "offline on cpu"
+            )
+        if self.weight_sync == "collective" and self.quantization != "none":
+            raise ValueError(
+                f"rollout.weight_sync collective with rollout.quantization {self.quantization}: "
+                "the wire carries checkpoint-format weights that vLLM's online quantization has "
+                "not been verified to re-quantize on reload; use weight_sync files (or auto)"
             )
         if self.quantization != "none" and self.device != "cuda":
             raise ValueError(

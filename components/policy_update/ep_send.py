@@ -1,0 +1,101 @@
+"""The collective weight path, trainer side: each rank of the (dp, ep) mesh sends its share of a
+version straight to the engine ranks over its own group (docs/weights.md, "Weights over the
+wire"; the engine side is redistribute_weights/collective.py, the wire wire.py).
+
+The share is `ep_export`'s plan (each dense tensor gathered to one owner from its FSDP shards,
+each MoE layer's experts from the ranks that hold them), so a rank sends exactly what it would
+write to its files, cast to the serving dtype on its device; no rank holds the whole model, and
+the groups run at once (one per trainer rank: on the cluster, its own EFA rail).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moerl.components.policy_update.ep_export import send_ep_weights
+from moerl.components.redistribute_weights.wire import (
+    FrameSender,
+    GroupAddress,
+    Session,
+    close_group,
+    open_group,
+)
+from moerl.errors import WeightSyncError
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+@dataclass
+class SendStats:
+    rank: int
+    tensors: int
+    bytes: int  # payload this rank sent (its share, in the serving dtype)
+    frames: int
+    received: int  # bytes this rank's gathers received from its mesh peers
+    seconds: float
+    keys: list[str]
+
+
+class WeightSender:
+    """One trainer rank's group: `join` once (rank 0 of the group: it hosts the rendezvous),
+    then `send` every version; `close` aborts the group. A failed send closes the group: the
+    next version joins afresh (the engines do the same)."""
+
+    def __init__(self, address: GroupAddress, device: torch.device | str, timeout_s: float) -> None:
+        self.address = address
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.pg: Any = None
+
+    def join(self) -> None:
+        self.close()
+        self.pg = open_group(self.address, 0, self.device, self.timeout_s)
+
+    def send(
+        self,
+        model,
+        blocks,
+        layout,
+        mesh,
+        session: Session,
+        dtype: torch.dtype | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        deadline_s: float | None = None,
+    ) -> SendStats:
+        """Send this rank's share of `session`'s version; a collective over `mesh` too (the
+        share's gathers), so every trainer rank calls it for every version."""
+        if self.pg is None:
+            raise WeightSyncError("weight transfer: send before the group was joined")
+        t0 = time.perf_counter()
+        sink = FrameSender(
+            self.pg,
+            session,
+            self.device,
+            dtype,
+            bucket_bytes,
+            time.monotonic() + (deadline_s or self.timeout_s),
+        )
+        try:
+            info = send_ep_weights(model, blocks, layout, mesh, sink)
+            totals = sink.close()
+        except BaseException:
+            self.close()
+            raise
+        return SendStats(
+            rank=int(info["rank"]),
+            tensors=totals["tensors"],
+            bytes=totals["bytes"],
+            frames=totals["frames"],
+            received=int(info["received"]),
+            seconds=time.perf_counter() - t0,
+            keys=sorted(sink.keys),
+        )
+
+    def close(self) -> None:
+        if self.pg is not None:
+            close_group(self.pg)
+            self.pg = None
