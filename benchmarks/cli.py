@@ -107,6 +107,11 @@ COMMANDS: tuple[Command, ...] = (
         ok=_weights_ok,
     ),
     Command(
+        "weight-sync",
+        "weight_sync:run_bench",
+        "a version to live engines by files and over the wire (collective), side by side",
+    ),
+    Command(
         "dispatch",
         "dispatch:run_bench_dispatch",
         "expert-parallel dispatch/combine backends side by side (gloo here)",

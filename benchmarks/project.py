@@ -523,6 +523,12 @@ def add_project_args(p) -> None:
         default=f.tcp_gbps,
         help="weights: a rollout node's TCP to its peers",
     )
+    p.add_argument(
+        "--wire-efficiency",
+        type=float,
+        default=f.wire_efficiency,
+        help="weights: the share of EFA's line rate the collective weight path sustains (0-1]",
+    )
     p.add_argument("--out-dir", default="bench/project")
 
 
@@ -681,10 +687,11 @@ def fleet(a) -> dict[str, Any]:
     if (
         min(a.rollout_nodes, a.cache_nodes, a.trainer_nodes) < 1
         or min(a.s3_gbps, a.cache_gbps, a.tcp_gbps) <= 0
+        or not 0 < a.wire_efficiency <= 1
     ):
         raise ConfigError(
-            "bench project: --rollout-nodes, --cache-nodes, --trainer-nodes must be >= 1 and the "
-            "--*-gbps > 0"
+            "bench project: --rollout-nodes, --cache-nodes, --trainer-nodes must be >= 1, the "
+            "--*-gbps > 0 and --wire-efficiency in (0, 1]"
         )
     inp = FleetInputs(
         rollout_nodes=a.rollout_nodes,
@@ -694,6 +701,8 @@ def fleet(a) -> dict[str, Any]:
         cache_gbps=a.cache_gbps,
         cache_nodes=a.cache_nodes,
         tcp_gbps=a.tcp_gbps,
+        wire_efficiency=a.wire_efficiency,
+        gpus_per_node=a.gpus_per_node,
     )
     return fleet_table(((m.name, m.total_params) for m in MODELS.values()), inp)
 

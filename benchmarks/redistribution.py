@@ -13,6 +13,8 @@ an assumption the report carries and the command line changes:
     b_tcp    a rollout node's TCP throughput to its peers over the pod network (default 100 Gbps)
     chunk    the fan-out's chunk (checkpoint.chunk_mb, 64 MiB)
     n_t      trainer nodes that upload their share of a version (the trainer's FSDP shards)
+    eta      the collective's share of b_efa a broadcast sustains (default 0.5, an assumption:
+             not measured on EFA); g = 8 GPUs per node
 
 Formulas (seconds):
 
@@ -24,6 +26,12 @@ Formulas (seconds):
                              (the tier sends each chunk about once; every node receives S and
                               sends about S; N chunks of pipeline fill)
     servable       T_pub   = S / min(n_t * b_s3, c * b_cache)       (trainer -> cache tier)
+    files path     T_files = T_pub + T_fan                          (servable, then fanned out)
+    collective     T_wire  = S / (eta * b_efa) + N * chunk / (eta * b_efa) + S / (n_t * g * b_efa)
+                             (every trainer rank broadcasts its share S / (n_t * g) over its own
+                              group at once; each rollout node receives S once over EFA and its
+                              GPUs share it over NVLink; the last term the share's gather; no
+                              disk, no S3 on the path)
 
 Limitations: bandwidths only (no request latency, no TCP slow start, no CPU cost of hashing:
 sha256 runs at about 1-2 GB/s per core, so a node needs b_tcp / 1.5 GB/s cores hashing to keep
@@ -53,6 +61,8 @@ class FleetInputs:
     cache_nodes: int = 1
     tcp_gbps: float = 100.0
     chunk_mib: float = 64.0
+    wire_efficiency: float = 0.5
+    gpus_per_node: int = 8
 
 
 def serve_times(model_name: str, total_params: float, inp: FleetInputs) -> dict[str, Any]:
@@ -71,6 +81,13 @@ def serve_times(model_name: str, total_params: float, inp: FleetInputs) -> dict[
         "fanout_s": max(S / b_tcp, S / b_cache) + N * inp.chunk_mib * 2**20 / b_tcp,
         "servable_s": S / min(inp.trainer_nodes * b_s3, b_cache),
     }
+    wire = inp.wire_efficiency * b_efa
+    t["files_s"] = t["servable_s"] + t["fanout_s"]
+    t["collective_s"] = (
+        S / wire
+        + N * inp.chunk_mib * 2**20 / wire
+        + S / (inp.trainer_nodes * inp.gpus_per_node * b_efa)
+    )
     return {
         "model": model_name,
         "bytes_gb": S / GB,
@@ -78,6 +95,7 @@ def serve_times(model_name: str, total_params: float, inp: FleetInputs) -> dict[
         "fanout_vs_s3": t["s3_only_s"] / t["fanout_s"],
         "fanout_vs_cache_tier": t["cache_tier_s"] / t["fanout_s"],
         "fanout_vs_efa_bound": t["fanout_s"] / t["efa_bound_s"],
+        "files_vs_collective": t["files_s"] / t["collective_s"],
     }
 
 
@@ -109,13 +127,17 @@ def format_fleet(rep: dict[str, Any]) -> str:
             r["fanout_s"],
             r["fanout_vs_s3"],
             r["servable_s"],
+            r.get("files_s", 0.0),
+            r.get("collective_s", 0.0),
+            r.get("files_vs_collective", 0.0),
         ]
         for r in rep["rows"]
     ]
     return (
         f"one version to {i['rollout_nodes']} rollout nodes (S3 {i['s3_gbps']:g} Gbps/node, {i['s3_get_per_s']:g} "
         f"GET/s per prefix x {i['part_mib']:g} MiB; cache tier {i['cache_nodes']} x {i['cache_gbps']:g} Gbps; "
-        f"fan-out TCP {i['tcp_gbps']:g} Gbps, {i['chunk_mib']:g} MiB chunks; EFA {i['efa_gbps']:g} Gbps)\n"
+        f"fan-out TCP {i['tcp_gbps']:g} Gbps, {i['chunk_mib']:g} MiB chunks; EFA {i['efa_gbps']:g} Gbps, "
+        f"collective at {i.get('wire_efficiency', 0.5):g} of it)\n"
         + format_table(
             [
                 "model",
@@ -126,6 +148,9 @@ def format_fleet(rep: dict[str, Any]) -> str:
                 "fan-out s",
                 "fan-out x S3",
                 "servable s",
+                "files s",
+                "collective s",
+                "files / collective",
             ],
             rows,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 _LAYERWISE_LOG = "vllm.model_executor.model_loader.reload.layerwise"
 _INPLACE_LOG = "vllm.model_executor.model_loader.reload.inplace"
+_SCRATCH_LOCK = threading.Lock()
 _SCRATCH: dict[
     tuple[tuple[int, ...], Any], Any
 ] = {}  # (shape, dtype) -> a reused checkpoint-layout buffer
@@ -193,10 +195,11 @@ def _load_inplace(plan: _InplaceExperts, name: str, x, timers: _Timers) -> None:
         (plan.w2, [by[e, "w2"] for e in range(n_exp)]),
     ):
         t = time.perf_counter()
-        buf = _scratch(tuple(live.shape), live.dtype)
-        _gather(parts, buf)
-        t2 = time.perf_counter()
-        torch.ops._C.prepack_moe_weight(buf, live, plan.isa)
+        with _SCRATCH_LOCK:  # engines in one process (in-process engines) share the scratch
+            buf = _scratch(tuple(live.shape), live.dtype)
+            _gather(parts, buf)
+            t2 = time.perf_counter()
+            torch.ops._C.prepack_moe_weight(buf, live, plan.isa)
         timers.read_s += t2 - t
         timers.repack_s += time.perf_counter() - t2
     plan.packed = True

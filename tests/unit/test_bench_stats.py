@@ -253,5 +253,14 @@ def test_serving_a_version_to_the_fleet_follows_its_formulas():
     assert more["fanout_s"] == pytest.approx(S / 12.5e9 + 32 * 64 * 2**20 / 12.5e9)
     assert r["fanout_vs_s3"] > 4 and more["fanout_vs_s3"] > 8
     # one node: every path is one copy over its link
+    # the collective path: every trainer rank's share over EFA at eta of line rate, no S3, no disk
+    eta_efa = 0.5 * 400e9
+    wire = S / eta_efa + 32 * 64 * 2**20 / eta_efa + S / (16 * 8 * 400e9)
+    assert r["collective_s"] == pytest.approx(wire)
+    assert r["files_s"] == pytest.approx(r["servable_s"] + r["fanout_s"])
+    assert r["files_vs_collective"] == pytest.approx(r["files_s"] / wire)
+    assert r["collective_s"] < 5 < 60 < r["files_s"]  # seconds against minutes at the seed's scale
+    slower = serve_times("Qwen3-235B-A22B", 235e9, FleetInputs(wire_efficiency=0.25))
+    assert slower["collective_s"] > r["collective_s"] and slower["files_s"] == r["files_s"]
     one = serve_times("x", 1e9, FleetInputs(rollout_nodes=1))
     assert one["s3_only_s"] == pytest.approx(2e9 / 12.5e9)
