@@ -23,6 +23,7 @@ from moerl.components.redistribute_weights.wire import (
     Session,
     close_group,
     open_group,
+    wire_device,
 )
 from moerl.errors import WeightSyncError
 
@@ -45,15 +46,22 @@ class WeightSender:
     then `send` every version; `close` aborts the group. A failed send closes the group: the
     next version joins afresh (the engines do the same)."""
 
-    def __init__(self, address: GroupAddress, device: torch.device | str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: GroupAddress,
+        device: torch.device | str,
+        timeout_s: float,
+        backend: str | None = None,
+    ) -> None:
         self.address = address
         self.device = torch.device(device)
+        self.backend = backend
         self.timeout_s = timeout_s
         self.pg: Any = None
 
     def join(self) -> None:
         self.close()
-        self.pg = open_group(self.address, 0, self.device, self.timeout_s)
+        self.pg = open_group(self.address, 0, self.device, self.timeout_s, self.backend)
 
     def send(
         self,
@@ -74,7 +82,7 @@ class WeightSender:
         sink = FrameSender(
             self.pg,
             session,
-            self.device,
+            wire_device(self.device, self.backend),
             dtype,
             bucket_bytes,
             time.monotonic() + (deadline_s or self.timeout_s),

@@ -32,6 +32,7 @@ from moerl.components.redistribute_weights.wire import (
     close_group,
     open_group,
     receive_frames,
+    wire_device,
 )
 from moerl.errors import WeightSyncError
 
@@ -44,6 +45,7 @@ class MoerlTransferInit(WeightTransferInitInfo):
     groups: list[dict[str, Any]]  # GroupAddress.as_dict per trainer rank, in trainer rank order
     first_rank: int  # this engine's first rank among the engine ranks of every group
     timeout_s: float = 120.0
+    backend: str | None = None  # None: NCCL on cuda, gloo on cpu (wire.open_group)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class MoerlTransferEngine(WeightTransferEngine[MoerlTransferInit, MoerlTransferU
         super().__init__(config, vllm_config, device, model)
         self.groups: list[Any] = []
         self.rank_in_groups = 0
+        self.wire_device = device
         self.last = _Last()
 
     def init_transfer_engine(self, init_info: MoerlTransferInit) -> None:
@@ -78,6 +81,7 @@ class MoerlTransferEngine(WeightTransferEngine[MoerlTransferInit, MoerlTransferU
         per_core = int(pc.world_size)  # tp x pp ranks of one engine core
         dp = int(getattr(pc, "data_parallel_index", 0) or 0)
         self.rank_in_groups = 1 + init_info.first_rank + dp * per_core + int(pc.rank)
+        self.wire_device = wire_device(self.device, init_info.backend)
         for g in init_info.groups:
             address = GroupAddress(str(g["host"]), int(g["port"]), int(g["world"]))
             if self.rank_in_groups >= address.world:
@@ -86,7 +90,13 @@ class MoerlTransferEngine(WeightTransferEngine[MoerlTransferInit, MoerlTransferU
                     f"at {address.host}:{address.port} of {address.world}"
                 )
             self.groups.append(
-                open_group(address, self.rank_in_groups, self.device, init_info.timeout_s)
+                open_group(
+                    address,
+                    self.rank_in_groups,
+                    self.device,
+                    init_info.timeout_s,
+                    init_info.backend,
+                )
             )
 
     def start_weight_update(self) -> None:
@@ -151,7 +161,8 @@ class MoerlTransferEngine(WeightTransferEngine[MoerlTransferInit, MoerlTransferU
 
         def pump(i: int, pg) -> None:
             try:
-                for item in receive_frames(pg, session, self.device, deadline, f"group {i}"):
+                frames = receive_frames(pg, session, self.wire_device, deadline, f"group {i}")
+                for item in frames:
                     put(("tensor", item))
                 put(("done", i))
             except BaseException as err:  # noqa: BLE001 - handed to the loader's thread
@@ -211,13 +222,20 @@ def ranks_of(core) -> int:
     )
 
 
-def join(core, groups: list[GroupAddress], first_rank: int, timeout_s: float) -> None:
+def join(
+    core,
+    groups: list[GroupAddress],
+    first_rank: int,
+    timeout_s: float,
+    backend: str | None = None,
+) -> None:
     """Every rank of the engine joins every trainer rank's group (bounded by `timeout_s`); the
     engines of one session join at once (each call blocks until its groups are formed)."""
     info = {
         "groups": [g.as_dict() for g in groups],
         "first_rank": first_rank,
         "timeout_s": timeout_s,
+        "backend": backend,
     }
     try:
         core.collective_rpc("init_weight_transfer_engine", args=(info,))

@@ -66,8 +66,22 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def open_group(address: GroupAddress, rank: int, device: torch.device | str, timeout_s: float):
-    """Join the group at `address` as `rank` (0: the trainer rank, which hosts the rendezvous).
+def wire_device(device: torch.device | str, backend: str | None) -> torch.device:
+    """Where a group's buffers live: the device for NCCL, the host for gloo (which a CUDA rank
+    may use by asking for it: a trainer and an engine sharing one GPU, as on a one-GPU check)."""
+    device = torch.device(device)
+    return device if (backend or backend_for(device)) == "nccl" else torch.device("cpu")
+
+
+def open_group(
+    address: GroupAddress,
+    rank: int,
+    device: torch.device | str,
+    timeout_s: float,
+    backend: str | None = None,
+):
+    """Join the group at `address` as `rank` (0: the trainer rank, which hosts the rendezvous),
+    over `backend` (default: NCCL on cuda, gloo on cpu; every member must ask for the same).
     Bounded: a member that never comes fails every other within `timeout_s`."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
@@ -77,7 +91,7 @@ def open_group(address: GroupAddress, rank: int, device: torch.device | str, tim
             address.port,
             rank,
             address.world,
-            backend_for(device),
+            backend or backend_for(device),
             timeout=timedelta(seconds=timeout_s),
         )
     except Exception as err:  # noqa: BLE001 - one typed error naming the group

@@ -209,7 +209,7 @@ def engine_kwargs(
         # packs bf16 weights only ("expect weight to be bfloat16..." at load); the reference
         # CPU MLA backend serves every dtype (docs/architecture.md, "vLLM on CPU")
         kwargs["attention_backend"] = "CPU_MLA"
-    if cfg.weight_sync != "files":  # moerl's backend: groups are joined only when a trainer asks
+    if cfg.resolved.weight_sync == "collective":  # moerl's backend; groups joined on demand
         kwargs["weight_transfer_config"] = {"backend": "moerl"}
     if cfg.quantization != "none":  # cuda only (validated in config): online FP8 weights
         kwargs["quantization"] = cfg.quantization
@@ -694,12 +694,14 @@ class RolloutEngine:
             self.core.resume()
         return stats
 
-    def join_weight_groups(self, groups, first_rank: int, timeout_s: float) -> None:
+    def join_weight_groups(
+        self, groups, first_rank: int, timeout_s: float, backend: str | None = None
+    ) -> None:
         """Join the trainer ranks' groups (redistribute_weights/collective.join): the engine's
         ranks take places `first_rank` + 1.. in each; joined once, kept across versions."""
         from moerl.components.redistribute_weights.collective import join
 
-        join(self.core, groups, first_rank, timeout_s)
+        join(self.core, groups, first_rank, timeout_s, backend)
 
     def receive_weights(self, version: int, sha: str, epoch: int = 0, deadline_s: float = 120.0):
         """Receive `version` over the joined groups (the collective weight path) and tag the

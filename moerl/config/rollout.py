@@ -25,6 +25,8 @@ class RolloutResolved:
     """`rollout.engine_in_process`: true on cpu, false on cuda unless set."""
     engine_api: str
     """`rollout.engine_api`: async for a data-parallel engine, else offline, unless set."""
+    weight_sync: str
+    """`rollout.weight_sync`: files for auto (the run loop does not drive sessions yet)."""
 
 
 class LengthStep(_Section):
@@ -170,8 +172,9 @@ class RolloutConfig(_Section):
     wire"). collective: every trainer rank sends its share over its own group (NCCL on cuda, gloo
     on cpu) to every engine rank, through vLLM's weight-transfer API (backend "moerl"); an engine
     that misses a session loads that version from files. files: the node cache, peers, cache
-    tier and durable store only. auto: collective where the trainer and the engines form groups
-    (the run records which it used), files otherwise."""
+    tier and durable store only. auto: files, until the run loop drives sessions (a run refuses
+    collective until then; engines and `moerl bench weight-sync` use it); recorded as the run's
+    moerl.rollout.weight_sync tag."""
     weight_sync_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
     """weight_sync collective: the deadline of one version's session (joining the groups, and
     sending and loading a version); past it the session fails, its groups are aborted, and the
@@ -247,6 +250,7 @@ class RolloutConfig(_Section):
                 if self.engine_in_process is not None
                 else self.device == "cpu"
             ),
+            weight_sync=self.weight_sync if self.weight_sync != "auto" else "files",
             engine_api=(
                 self.engine_api
                 if self.engine_api != "auto"

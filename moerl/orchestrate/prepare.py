@@ -124,6 +124,7 @@ def begin_run(
     )
     tags["moerl.trainer.precision"] = tc.parallelism.precision_policy(cfg.model.dtype)
     tags["moerl.rollout.engine"] = cfg.rollout.layout_summary()
+    tags["moerl.rollout.weight_sync"] = cfg.rollout.resolved.weight_sync
     run_id = tracking.start_run(cfg, uri, tags)
     print(
         f"[moerl] MLflow run {run_id} (experiment {cfg.tracking.experiment!r}) at {shown}",

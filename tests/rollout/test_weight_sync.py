@@ -15,7 +15,6 @@ every trainer rank over its own group.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 from moerl.config import parse_config
 from moerl.errors import WeightSyncError
 from moerl.models.tiny import build_tiny_model
-from tests.support import weight_send_worker
+from tests.support.weight_send_worker import Trainer, on_all
 
 pytestmark = pytest.mark.slow  # two TP = 2 engines and a 4-rank trainer
 
@@ -82,70 +81,16 @@ def engines(ckpt):
             eng.close()
 
 
-def _all(fn, engines) -> list:
-    """fn(engine index, engine) on every engine at once (the engines of a session join and
-    receive together); the results, or the first error raised."""
-    results: list = [None] * len(engines)
-    errors: list[BaseException] = []
-
-    def run(i, eng):
-        try:
-            results[i] = fn(i, eng)
-        except BaseException as err:  # noqa: BLE001 - re-raised below
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not any(t.is_alive() for t in threads), "an engine's call did not return in 300 s"
-    if errors:
-        raise errors[0]
-    return results
-
-
-class Trainer:
-    """The trainer job on its gloo world, in a thread (it blocks until every version is sent)."""
-
-    def __init__(self, world, ckpt: Path, versions: list[int], out: Path, kill=None) -> None:
-        from moerl.components.redistribute_weights import wire
-
-        self.ports = [wire.free_port() for _ in range(TRAINER_RANKS)]
-        self.groups = [wire.GroupAddress("127.0.0.1", p, 1 + ENGINES * TP) for p in self.ports]
-        self.result: list | None = None
-        self.error: BaseException | None = None
-        args = (DP, EP, str(ckpt), self.ports, ENGINES * TP, versions, str(out), kill, 60.0)
-
-        def run() -> None:
-            try:
-                self.result = world.run(weight_send_worker.send_versions, *args, timeout_s=300)
-            except BaseException as err:  # noqa: BLE001 - the test reads it
-                self.error = err
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join_engines(self, engines) -> None:
-        _all(lambda i, e: e.join_weight_groups(self.groups, i * TP, 60.0), engines)
-
-    def wait(self) -> list:
-        self.thread.join(timeout=300)
-        assert not self.thread.is_alive(), "the trainer job did not finish in 300 s"
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
-
 def test_versions_sent_by_session_equal_their_durable_copies(ckpt, engines, gloo_worlds, tmp_path):
-    trainer = Trainer(gloo_worlds(TRAINER_RANKS), ckpt, [1, 2], tmp_path)
-    trainer.join_engines(engines)
+    trainer = Trainer(gloo_worlds(TRAINER_RANKS), (DP, EP), ENGINES * TP, ckpt, [1, 2], tmp_path)
+    trainer.join_engines(engines, TP)
     wire: dict[int, tuple] = {}
     for v in (1, 2):
-        stats = _all(lambda i, e, v=v: e.receive_weights(v, f"sha-v{v}", deadline_s=60.0), engines)
+        stats = on_all(
+            lambda i, e, v=v: e.receive_weights(v, f"sha-v{v}", deadline_s=60.0), engines
+        )
         assert all(e.version == v for e in engines)
-        wire[v] = (stats, _all(lambda i, e: _probe(e), engines))
+        wire[v] = (stats, on_all(lambda i, e: _probe(e), engines))
     sent = trainer.wait()
 
     # every rank sent its own share: what it wrote to its files, no more; the shares are the
@@ -167,10 +112,10 @@ def test_versions_sent_by_session_equal_their_durable_copies(ckpt, engines, gloo
     # the same version from its durable copy, through the file path: bit-identical
     for v in (1, 2):
         stats, probes = wire[v]
-        files = _all(lambda i, e, v=v: e.swap_weights(tmp_path / f"v{v}", version=v), engines)
+        files = on_all(lambda i, e, v=v: e.swap_weights(tmp_path / f"v{v}", version=v), engines)
         for w, f in zip(stats, files):
             assert w.digests == f.digests
-        assert _all(lambda i, e: _probe(e), engines) == probes
+        assert on_all(lambda i, e: _probe(e), engines) == probes
     assert wire[1][0][0].digests != wire[2][0][0].digests
     assert wire[1][0][0].digests == wire[1][0][1].digests  # both engines, the same layout
 
@@ -179,8 +124,10 @@ def test_a_trainer_rank_killed_mid_send_fails_the_session_and_files_take_over(
     ckpt, engines, gloo_worlds, tmp_path
 ):
     kill = {"rank": 3, "version": 1, "after_frames": 2}
-    trainer = Trainer(gloo_worlds(TRAINER_RANKS), ckpt, [1], tmp_path, kill=kill)
-    trainer.join_engines(engines)
+    trainer = Trainer(
+        gloo_worlds(TRAINER_RANKS), (DP, EP), ENGINES * TP, ckpt, [1], tmp_path, kill=kill
+    )
+    trainer.join_engines(engines, TP)
     t0 = time.monotonic()
 
     def receive(i, e) -> str:
@@ -188,7 +135,7 @@ def test_a_trainer_rank_killed_mid_send_fails_the_session_and_files_take_over(
             e.receive_weights(1, "sha-v1", deadline_s=30.0)
         return str(err.value)
 
-    errors = _all(receive, engines)
+    errors = on_all(receive, engines)
     took = time.monotonic() - t0
     assert took < 30.0 + 15, (errors, took)  # within the session's deadline, not a hang
     assert all(e.version is None for e in engines)  # unlabelled: no token credited to v1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import zlib
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def send_versions(
     out_dir: str,
     kill: dict | None = None,
     timeout_s: float = 60.0,
+    backend: str | None = None,
 ):
     """Join this rank's group, then per version: perturb, export the durable copy to
     out_dir/v<version>, send it. `kill` {"rank", "version", "after_frames"}: that rank SIGKILLs
@@ -73,7 +75,7 @@ def send_versions(
 
     mesh, model, blocks, layout = _load(ckpt, dp, ep)
     sender = WeightSender(
-        wire.GroupAddress("127.0.0.1", ports[rank], 1 + engine_ranks), "cpu", timeout_s
+        wire.GroupAddress("127.0.0.1", ports[rank], 1 + engine_ranks), "cpu", timeout_s, backend
     )
     sender.join()
     out = []
@@ -119,3 +121,83 @@ def _arm_kill(after_frames: int) -> None:
         return original(self, kind, header, payload)
 
     wire.FrameSender._frame = frame  # type: ignore[method-assign]
+
+
+# -- the test process's side ---------------------------------------------------------------------
+
+
+def on_all(fn, engines) -> list:
+    """fn(engine index, engine) on every engine at once (the engines of a session join and
+    receive together); the results, or the first error raised."""
+    results: list = [None] * len(engines)
+    errors: list[BaseException] = []
+
+    def run(i, eng):
+        try:
+            results[i] = fn(i, eng)
+        except BaseException as err:  # noqa: BLE001 - re-raised below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i, e)) for i, e in enumerate(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "an engine's call did not return in 300 s"
+    if errors:
+        raise errors[0]
+    return results
+
+
+class Trainer:
+    """`send_versions` on a gloo world of dp x ep ranks, in a thread (it blocks until every
+    version is sent); `join_engines` joins the engines to its groups."""
+
+    def __init__(
+        self, world, mesh, engine_ranks, ckpt, versions, out, kill=None, backend=None
+    ) -> None:
+        from moerl.components.redistribute_weights import wire
+
+        dp, ep = mesh
+        self.backend = backend
+        self.ports = [wire.free_port() for _ in range(dp * ep)]
+        self.groups = [wire.GroupAddress("127.0.0.1", p, 1 + engine_ranks) for p in self.ports]
+        self.result: list | None = None
+        self.error: BaseException | None = None
+        args = (
+            dp,
+            ep,
+            str(ckpt),
+            self.ports,
+            engine_ranks,
+            versions,
+            str(out),
+            kill,
+            60.0,
+            backend,
+        )
+
+        def run() -> None:
+            try:
+                self.result = world.run(send_versions, *args, timeout_s=300)
+            except BaseException as err:  # noqa: BLE001 - the test reads it
+                self.error = err
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join_engines(self, engines, ranks_per_engine: int) -> None:
+        on_all(
+            lambda i, e: e.join_weight_groups(
+                self.groups, i * ranks_per_engine, 60.0, self.backend
+            ),
+            engines,
+        )
+
+    def wait(self) -> list:
+        self.thread.join(timeout=300)
+        assert not self.thread.is_alive(), "the trainer job did not finish in 300 s"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
