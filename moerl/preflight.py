@@ -1,21 +1,27 @@
 """What can be checked before a run's stages start, whatever runs them (`moerl run`, sync or
 async, a resumed run, and the pipeline's first task, `start_run`): `preflight`, so a bad
-dataset, model path, reward model, registered version or store fails before any work, with
-one line naming the key. Below the stages (docs/architecture.md, "Layers"): a stage calls it,
-and it reads no stage.
+dataset, model path, reward model, registered version or store, or a pod scratch too small for
+the model (`check_scratch`), fails before any work, with one line naming the key. Below the
+stages (docs/architecture.md, "Layers"): a stage calls it, and it reads no stage.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from moerl import provenance, tracking
 from moerl.config import RunConfig
+from moerl.config.cluster import quantity_bytes
 from moerl.errors import CheckpointError, ConfigError, RequirementError
 from moerl.launch.layout import check_engine_fit, rollout_pod_layout
+from moerl.launch.objects import trainer_nodes
 from moerl.models.families import family_of, replay_problem
+from moerl.models.sizes import DTYPE_BYTES, ModelSizes, model_sizes
 from moerl.models.source import check_model, hf_config, model_view
 from moerl.registry import reward_model
 from moerl.registry.policy import resolve_policy
@@ -43,6 +49,12 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             "fleet is a Deployment the trainer's launcher creates, which needs "
             f"cluster.launch.mode kubernetes (it is {cfg.cluster.launch.mode}); set it, or remove "
             "min_workers and max_workers"
+        )
+    if cfg.rollout.weight_sync == "collective":
+        raise ConfigError(
+            "rollout.weight_sync collective: a run's loop does not drive weight-transfer sessions "
+            'yet (live engines and `moerl bench weight-sync` do; docs/weights.md, "Weights over '
+            'the wire"); use weight_sync files or auto (files in a run)'
         )
     if here and (cfg.require.gpu or cfg.require.deepep or cfg.require.efa):
         missing = provenance.missing_requirements(cfg.require, provenance.runtime_probe())
@@ -72,6 +84,8 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
         family = family_of(check_model(cfg.model.path, cfg.checkpoint))
         _check_mesh(cfg)
         _check_engine_fit(cfg)
+        if not here:  # the pipeline's tasks, each in its scratch (the tiny model always fits)
+            _check_scratch(cfg)
     else:
         family = family_of(cfg.model.tiny.architecture)
     if family.vllm_cpu_problem and cfg.rollout.device == "cpu" and cfg.pipeline.kind == "grpo":
@@ -262,3 +276,133 @@ def _check_engine_fit(cfg: RunConfig) -> None:
     a GPU (moerl.launch.layout.check_engine_fit): refused, naming the keys and the GiB."""
     assert cfg.model.path is not None  # called for a model.path model only
     check_engine_fit(cfg, hf_config(cfg.model.path, cfg.checkpoint))
+
+
+def _check_scratch(cfg: RunConfig) -> None:
+    """A model.path model whose versions, trainer state or download outgrow a task's scratch
+    emptyDir (`check_scratch`): refused, naming the keys and the GB."""
+    assert cfg.model.path is not None  # called for a model.path model only
+    check_scratch(cfg, hf_config(cfg.model.path, cfg.checkpoint))
+
+
+# -- the pods' scratch ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScratchNeed:
+    """What one kind of task writes into its scratch emptyDir at its peak, against its limit."""
+
+    what: str  # the task and what it holds, in words
+    group: str  # the worker group it runs on (cluster.groups.<group>)
+    need: int  # bytes
+    limit: int  # bytes: cluster.scratch_of(group)
+    key: str  # the key that sets the limit, and its value
+    fix: str  # what else would make it fit
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.limit
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def scratch_needs(cfg: RunConfig, hf: Mapping[str, Any]) -> list[ScratchNeed]:
+    """The peak scratch of each big writer of a GRPO run of the model of HF config `hf` (bytes
+    from `moerl.models.sizes`; a version's engine weights are in rollout.dtype):
+    - a rollout pod's node cache: one version per sync task (a fresh pod each); async,
+      checkpoint.cache_keep + 1 (the newest cache_keep with the one fetched, and the served);
+    - a trainer node: its share (over its nodes) of the versions it keeps, each engine weights
+      plus master weights and Adam (3 x model.dtype bytes per parameter): 2 in sync (the one it
+      continues from, the one it writes), checkpoint.max_unpublished + 2 in async;
+    - init_policy: a hub model (hf://) downloaded whole, or a warm start's version (an S3 model
+      is copied server-side: none); sync redistribute_weights: one version.
+    Not counted: the model's small files, logs, the libraries' caches under HOME."""
+    if cfg.pipeline.kind != "grpo":
+        return []
+    cl, ck, sizes = cfg.cluster, cfg.checkpoint, model_sizes(hf)
+    engine = sizes.total_params * DTYPE_BYTES[cfg.rollout.resolved.dtype]
+    state = sizes.total_params * 3 * DTYPE_BYTES[cfg.model.dtype]
+    weights = f"{_gb(engine)} of engine weights (rollout.dtype {cfg.rollout.resolved.dtype})"
+
+    def need(group: str, what: str, n: float, fix: str) -> ScratchNeed:
+        g = getattr(cl.groups, group)
+        key = f"cluster.groups.{group}.scratch_size" if g.scratch_size else "cluster.scratch_size"
+        size = cl.scratch_of(g)
+        return ScratchNeed(what, group, math.ceil(n), quantity_bytes(size), f"{key} {size}", fix)
+
+    sync = cfg.pipeline.mode == "sync"
+    if sync:
+        cache = need("rollout", f"a rollout task: 1 version of {weights}", engine, "")
+    else:
+        cache = need(
+            "rollout",
+            f"a rollout pod's node cache: {ck.cache_keep + 1} versions (checkpoint.cache_keep "
+            f"{ck.cache_keep} + 1) of {weights}",
+            (ck.cache_keep + 1) * engine,
+            ", or lower checkpoint.cache_keep",
+        )
+    nodes = trainer_nodes(cfg) if cl.launch.mode == "kubernetes" else 1
+    kept = 2 if sync else ck.max_unpublished + 2
+    stated = kept if sync or ck.state_every == 1 else 1 + math.ceil((kept - 1) / ck.state_every)
+    why = "" if sync else f" (checkpoint.max_unpublished {ck.max_unpublished} + 2)"
+    needs = [
+        cache,
+        need(
+            "trainer",
+            f"a trainer node: 1/{nodes} of {kept} versions{why} of {weights}, {stated} of them "
+            f"with {_gb(state)} of master weights and Adam (model.dtype {cfg.model.dtype})",
+            (kept * engine + stated * state) / nodes,
+            ", or more trainer nodes (cluster.launch.trainer_nodes)",
+        ),
+    ]
+    if cfg.model.warm_start != "none":
+        needs.append(need("buffer", f"init_policy: the warm start's {weights}", engine, ""))
+    spec = cfg.model.path or ""
+    if spec.startswith("hf://"):  # also a warm start "previous" that finds no previous run
+        src = _checkpoint_bytes(hf, sizes)
+        needs.append(
+            need(
+                "buffer",
+                f"init_policy: the hub model {spec}, downloaded whole ({_gb(src)})",
+                src,
+                ", or stage it in S3 (model.path s3://: copied server-side, not through the disk)",
+            )
+        )
+    if sync:
+        needs.append(
+            need(
+                "buffer",
+                f"redistribute_weights: 1 version of {weights}",
+                engine,
+                ", or pipeline.mode async",
+            )
+        )
+    return needs
+
+
+def _checkpoint_bytes(hf: Mapping[str, Any], sizes: ModelSizes) -> int:
+    """A published checkpoint's weight bytes: its dtype, FP8 linear layers at 1 byte."""
+    b = DTYPE_BYTES.get(str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"), 2)
+    linear = DTYPE_BYTES["fp8"] if sizes.fp8 else b
+    return sizes.embed_params * b + (sizes.dense_params + sizes.expert_params) * linear
+
+
+def check_scratch(cfg: RunConfig, hf: Mapping[str, Any]) -> list[ScratchNeed]:
+    """Refuse (ConfigError naming the keys and the GB) a run whose tasks would outgrow their
+    scratch emptyDir (`scratch_needs`): the pod would be evicted at the limit, and retried."""
+    needs = scratch_needs(cfg, hf)
+    short = [n for n in needs if not n.fits]
+    if short:
+        raise ConfigError(
+            "the pods' scratch is too small: "
+            + "; ".join(
+                f"{n.what} needs {_gb(n.need)}, more than the {_gb(n.limit)} of {n.key}; "
+                f"allowed: cluster.groups.{n.group}.scratch_size of at least "
+                f"{math.ceil(n.need / 2**30)}Gi, which "
+                f"the node's disk must hold (docs/eks.md){n.fix}"
+                for n in short
+            )
+        )
+    return needs

@@ -272,7 +272,10 @@ def place(
     _on_group(task, cfg, group, name, stage)
     scratch = cfg.cluster.scratch_dir
     kubernetes.empty_dir_mount(
-        task, volume_name=SCRATCH_VOLUME, mount_path=scratch, size_limit=cfg.cluster.scratch_size
+        task,
+        volume_name=SCRATCH_VOLUME,
+        mount_path=scratch,
+        size_limit=cfg.cluster.scratch_of(group),
     )
     task.set_env_variable("MOERL_SCRATCH", scratch)
     if (stage in ENGINE_STAGES and name != "cpu") or name == "reward" or stage in MODEL_STAGES:

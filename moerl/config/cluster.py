@@ -13,6 +13,17 @@ _CPU = r"^([0-9]*\.)?[0-9]+m?$"
 
 
 _MEMORY = r"^[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?$"
+_UNITS = {"": 1, **{u: 1000**i for i, u in enumerate("KMGTPE", 1)}}
+_UNITS.update({f"{u}i": 1024**i for i, u in enumerate("KMGTPE", 1)})
+# The GPU groups' scratch: p5en.48xlarge has 8 x 3.84 TB of NVMe (27.9 TiB in RAID 0); 16Ti holds
+# DeepSeek-V3's bf16 node cache (3 x 1.34 TB) with room left for images, logs and kubelet's reserve.
+NVME_SCRATCH = "16Ti"
+
+
+def quantity_bytes(quantity: str) -> int:
+    """Bytes of a size in `_MEMORY`'s form (200Gi, 16Ti, 500G, 1024)."""
+    digits = quantity.rstrip("EPTGMKi")
+    return int(digits) * _UNITS[quantity[len(digits) :]]
 
 
 # Paths KFP's own launcher mounts or writes in every task container; a scratch volume there
@@ -79,6 +90,9 @@ class GroupConfig(_Section):
     """GiB of memory of one GPU of the group's nodes (p5en's H200: 140; nvidia-smi reports 143,771
     MiB): what preflight fits a rollout engine's weights and KV cache in (docs/rollout-scale.md).
     null: not checked."""
+    scratch_size: str | None = Field(None, pattern=_MEMORY)
+    """The scratch emptyDir's size limit of the group's tasks; null: cluster.scratch_size. trainer
+    and rollout: 16Ti, for p5en's NVMe in RAID 0 (Karpenter); on a root volume, set less."""
 
 
 def _group(
@@ -89,6 +103,7 @@ def _group(
     timeout_s: int = 6 * 3600,
     gpus: int = 0,
     gpu_memory_gib: float | None = None,
+    scratch_size: str | None = None,
 ) -> GroupConfig:
     return GroupConfig(
         node_selector={"moerl.ai/group": name},
@@ -99,6 +114,7 @@ def _group(
         timeout_s=timeout_s,
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
+        scratch_size=scratch_size,
     )
 
 
@@ -109,11 +125,25 @@ class GroupsConfig(_Section):
     stage and scorers when `reward.kind` is model or mixed), a small GPU each."""
 
     trainer: GroupConfig = _group(
-        "trainer", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8, gpu_memory_gib=140.0
+        "trainer",
+        "16",
+        "64Gi",
+        shm="32Gi",
+        timeout_s=12 * 3600,
+        gpus=8,
+        gpu_memory_gib=140.0,
+        scratch_size=NVME_SCRATCH,
     )
     """GPU trainers, on-demand nodes."""
     rollout: GroupConfig = _group(
-        "rollout", "16", "64Gi", shm="32Gi", timeout_s=12 * 3600, gpus=8, gpu_memory_gib=140.0
+        "rollout",
+        "16",
+        "64Gi",
+        shm="32Gi",
+        timeout_s=12 * 3600,
+        gpus=8,
+        gpu_memory_gib=140.0,
+        scratch_size=NVME_SCRATCH,
     )
     """GPU rollout workers, Spot nodes."""
     cpu: GroupConfig = _group("cpu", "2", "8Gi")
@@ -201,7 +231,8 @@ class ClusterConfig(_Section):
     scratch_dir: str = "/scratch"
     """An emptyDir mounted in every task: its working directory, HOME, TMPDIR and checkpoint cache."""
     scratch_size: str = Field("200Gi", pattern=_MEMORY)
-    """The scratch emptyDir's size limit."""
+    """The scratch emptyDir's size limit of the groups that set none of their own
+    (cluster.groups.<group>.scratch_size)."""
     groups: GroupsConfig = GroupsConfig()
     """The worker groups tasks are placed in."""
     mlflow_secret: str | None = "moerl-mlflow"
@@ -225,6 +256,10 @@ class ClusterConfig(_Section):
                 la.gpus_per_node if la.rollout_gpus_per_node is None else la.rollout_gpus_per_node
             )
         return self.groups.rollout.gpus
+
+    def scratch_of(self, group: GroupConfig) -> str:
+        """The scratch emptyDir's size limit of a task of `group`."""
+        return group.scratch_size or self.scratch_size
 
     def timeout_s(self, group: GroupConfig, mode: str) -> int:
         """A task's (or a launched workload's) deadline in a pipeline of `mode`."""

@@ -123,7 +123,7 @@ def _volumes(
 
     cl = cfg.cluster
     volumes: list[dict[str, Any]] = [
-        {"name": "scratch", "emptyDir": {"sizeLimit": cl.scratch_size}}
+        {"name": "scratch", "emptyDir": {"sizeLimit": cl.scratch_of(group)}}
     ]
     mounts: list[dict[str, Any]] = [{"name": "scratch", "mountPath": cl.scratch_dir}]
     if group.shm:

@@ -126,17 +126,46 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
     """Delete cached copies except the newest `keep` versions and `protect`; return the pruned
     versions, ascending. Leftovers of killed fetches go too. Each deletion holds the version's
     fetch lock, taken without waiting: a version being fetched right now is left alone."""
+    _check_keep(keep)
+    copies, protect = _copies(Path(cache_dir)), set(protect)
+    return _prune(Path(cache_dir), copies, {*sorted(copies)[-keep:], *protect}, keep, protect)
+
+
+def make_room(cache_dir: Path, keep: int, incoming: int, protect: Iterable[int] = ()) -> list[int]:
+    """Before fetching version `incoming`: delete cached copies so that, once it lands, the
+    cache holds `keep` versions: the newest `keep` - 1 others, `incoming`, and `protect` (the
+    served version). A version another process holds (loading it, or fetching it) stays. Nothing
+    goes when `incoming` is cached already (no room is needed). Returns what `prune_cache` does."""
+    _check_keep(keep)
+    cache_dir = Path(cache_dir)
+    copies, protect = _copies(cache_dir), set(protect)
+    if incoming in copies:
+        return []
+    others = sorted(copies)[max(0, len(copies) - (keep - 1)) :]
+    return _prune(cache_dir, copies, {*others, incoming, *protect}, keep, protect)
+
+
+def _check_keep(keep: int) -> None:
     if keep < 1:
         raise CheckpointError(
             f"the fetch cache must keep at least 1 version, got {keep}; fix checkpoint.cache_keep"
         )
-    cache_dir = Path(cache_dir)
+
+
+def _copies(cache_dir: Path) -> dict[int, Path]:
     if not cache_dir.is_dir():
-        return []
-    copies = {
+        return {}
+    return {
         int(m.group(1)): p for p in cache_dir.iterdir() if p.is_dir() and (m := _COPY.match(p.name))
     }
-    spare = {*sorted(copies)[-keep:], *protect}
+
+
+def _prune(
+    cache_dir: Path, copies: dict[int, Path], spare: set[int], keep: int, protect: set[int]
+) -> list[int]:
+    """Delete `copies` not in `spare`, and leftovers of killed fetches, each under its lock."""
+    if not cache_dir.is_dir():
+        return []
     victims = [(v, p) for v, p in sorted(copies.items()) if v not in spare]
     victims += [
         (int(m.group(1)), p)
@@ -147,7 +176,7 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
     for v, path in victims:
         with try_exclusive(lock_path(cache_dir, v)) as held:
             if not held:
-                log.info("fetch cache: %s is being fetched; not pruning it now", path)
+                log.info("fetch cache: %s is being fetched or loaded; not pruning it now", path)
                 continue
             try:
                 # first: a half-deleted copy is never "verified"
@@ -165,6 +194,6 @@ def prune_cache(cache_dir: Path, keep: int, protect: Iterable[int] = ()) -> list
             cache_dir,
             pruned,
             keep,
-            sorted(set(protect)),
+            sorted(protect),
         )
     return pruned

@@ -3,9 +3,10 @@
 Each run publishes under `<checkpoint.uri>/runs/<run_id>/`, so two runs never race for the
 same version numbers or the same `latest` pointer, and the node-local cache is keyed the same
 way (`<cache_dir>/<run_id>/v000001`). The cache's `serving.json` names the version the
-engines serve; each fetch for an engine prunes the cache to the newest `checkpoint.cache_keep`
-versions, never dropping the one fetched or the one served. The lineage's stores and tiers
-(`run_store`, `run_tiers`, `open_store`) live in `moerl.store.tiers` and are re-exported here.
+engines serve; each fetch for an engine first makes room for its version, then prunes the
+cache to the newest `checkpoint.cache_keep` versions, never dropping the one fetched or served.
+The lineage's stores and tiers (`run_store`, `run_tiers`, `open_store`) live in
+`moerl.store.tiers` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from moerl.config import CheckpointConfig
 from moerl.errors import CheckpointError
 from moerl.store.base import CheckpointStore
-from moerl.store.nodecache import MARKER, lock_path, prune_cache, shared
+from moerl.store.nodecache import MARKER, lock_path, make_room, prune_cache, shared
 from moerl.store.tiers import ENGINE_EXCLUDE, open_store, run_store, run_tiers
 
 __all__ = [
@@ -116,9 +117,15 @@ def fetch_nearest(
     cfg: CheckpointConfig, run_id: str, version: int, expect_sha256: str | None = None, swarm=None
 ) -> tuple[Path, str]:
     """Version `version` in the node-local cache, verified, without the trainer state, from the
-    nearest tier that has it (`moerl.store.tiers`); then prune the cache. A failed prune is
-    logged, never raised: the fetch succeeded."""
+    nearest tier that has it (`moerl.store.tiers`). The cache makes room for it first (so it
+    never holds more than `checkpoint.cache_keep` versions and the served one), and is pruned
+    again after. A failed prune is logged, never raised."""
     cache = run_cache(cfg, run_id)
+    try:
+        served = served_version(cache)
+        make_room(cache, cfg.cache_keep, version, {served} if served is not None else set())
+    except CheckpointError as e:
+        log.warning("could not make room in the fetch cache %s: %s", cache, e)
     path, source = run_tiers(cfg, run_id).fetch(
         version, cache, ENGINE_EXCLUDE, expect_sha256, swarm
     )

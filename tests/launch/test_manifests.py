@@ -272,6 +272,48 @@ def test_karpenter_node_pools_carry_exactly_the_pipelines_labels_and_taints(buil
     assert "NodePool" not in {o["kind"] for o in built["prod"]}
 
 
+def test_gpu_node_classes_put_the_pods_storage_on_the_instance_store_nvme(built):
+    """The GPU nodes' kubelet and containerd (images, every emptyDir scratch) live on the
+    instance-store NVMe in RAID 0, not the gp3 root volume; the GPU groups' scratch default is
+    sized for p5en's array (8 x 3.84 TB)."""
+    from moerl.config import ClusterConfig
+    from moerl.config.cluster import quantity_bytes
+
+    objs = built["prod-karpenter"]
+    classes = {o["metadata"]["name"]: o for o in objs if o["kind"] == "EC2NodeClass"}
+    pools = {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]
+        for o in objs
+        if o["kind"] == "NodePool"
+    }
+    gpu = {pools[f"moerl-{g}"]["nodeClassRef"]["name"] for g in ("trainer", "rollout", "reward")}
+    assert gpu == {"moerl-gpu"}
+    for name in gpu:
+        assert classes[name]["spec"]["instanceStorePolicy"] == "RAID0"
+        _validate_custom(classes[name])  # the published CRD (v1.14.1) has the field
+    assert "instanceStorePolicy" not in classes["moerl-cpu"]["spec"]  # c7i, r7i: no instance store
+    bad = copy.deepcopy(classes["moerl-gpu"])
+    bad["spec"]["instanceStorePolicy"] = "RAID1"  # RAID0 is the one value the CRD allows
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_custom(bad)
+    bad["spec"]["instanceStorePolicies"] = bad["spec"].pop("instanceStorePolicy")  # misspelled
+    with pytest.raises(jsonschema.ValidationError):
+        _validate_custom(bad)
+    for g in ("trainer", "rollout"):
+        p5en = [r for r in pools[f"moerl-{g}"]["requirements"] if "instance-type" in r["key"]]
+        assert p5en == [
+            {
+                "key": "node.kubernetes.io/instance-type",
+                "operator": "In",
+                "values": ["p5en.48xlarge"],
+            }
+        ]
+        scratch = quantity_bytes(ClusterConfig().scratch_of(getattr(GroupsConfig(), g)))
+        # under the array less kubelet's default eviction reserve (nodefs.available 10%); above
+        # DeepSeek-V3's bf16 node cache at the default checkpoint.cache_keep (3 x 1.34 TB)
+        assert 3 * 1.34e12 < scratch < 0.9 * 8 * 3.84e12, g
+
+
 def test_services_and_efa_plugin_land_on_the_groups_they_tolerate(built):
     groups = _groups()
     specs = dict(_pod_specs(built["prod"]))

@@ -110,10 +110,12 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
         assert kc.active_deadline_seconds == want == cfg.cluster.timeout_s(group, mode), stage
         assert dict(kc.pod_metadata.labels)["moerl.ai/stage"] == stage.replace("_", "-")
         mounts = {m.mount_path: m for m in kc.empty_dir_mounts}
+        # the GPU groups' scratch is sized for p5en's NVMe (RAID 0), the others' for a root volume
+        scratch = "16Ti" if group_name in ("trainer", "rollout") else "200Gi"
         assert (
-            mounts["/scratch"].size_limit == "200Gi"
+            mounts["/scratch"].size_limit == scratch == cfg.cluster.scratch_of(group)
             and {"name": "MOERL_SCRATCH", "value": "/scratch"} in c["env"]
-        )
+        ), stage
         # an engine or a trainer in the task: GPUs, a memory-backed /dev/shm
         if stage in ENGINE_STAGES:
             assert (

@@ -214,3 +214,66 @@ def test_a_waiter_on_a_lock_file_the_pruner_unlinked_locks_the_new_file_never_th
         assert not got.wait(0.5)  # and must not count itself the holder
     assert got.wait(10)  # once the new file is free, it holds it
     t.join(timeout=10)
+
+
+def test_a_fetch_makes_room_before_it_downloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache is pruned before the download, not after: a node that held cache_keep
+    versions never holds cache_keep + 1 (the high-water mark, seen as each download starts, is
+    cache_keep with the incoming one). The served version and a copy being loaded still stay."""
+    from moerl.store.tiers import Tiers
+
+    cfg = CheckpointConfig(
+        uri=str(tmp_path / "ck"), cache_dir=str(tmp_path / "cache"), cache_keep=2
+    )
+    store, cache = run_store(cfg, "r1"), run_cache(cfg, "r1")
+    for v in range(1, 8):
+        store.publish(v, make_checkpoint(tmp_path / f"src{v}", seed=v))
+    real, at_start = Tiers.fetch, {}
+
+    def fetch(self, version, dest, *a, **kw):
+        at_start[version] = _cached(dest) if dest.is_dir() else []  # on disk as it begins
+        return real(self, version, dest, *a, **kw)
+
+    monkeypatch.setattr(Tiers, "fetch", fetch)
+    for v in range(1, 5):
+        fetch_for_engine(cfg, "r1", v)
+    assert at_start[3] == ["v000002"]  # v1 went before v3 was downloaded
+    assert at_start[4] == ["v000003"]
+    assert max(len(c) + 1 for c in at_start.values()) == 2  # never 3 copies on disk
+    assert _cached(cache) == ["v000003", "v000004"]
+    # the served version stays (cache_keep + 1 at most) ...
+    (cache / SERVING).write_text(json.dumps({"version": 3}))
+    fetch_for_engine(cfg, "r1", 5)
+    assert at_start[5] == ["v000003", "v000004"] and _cached(cache) == [
+        "v000003",
+        "v000004",
+        "v000005",
+    ]
+    # ... and so does a copy an engine on this node is loading (its shared lock)
+    (cache / SERVING).write_text(json.dumps({"version": 5}))
+    with engine_copy(cfg, "r1", 3):
+        fetch_for_engine(cfg, "r1", 6)
+        assert at_start[6] == ["v000003", "v000005"]  # 4 went first; 3 is held
+    # a version already cached needs no room: nothing goes before its (node-hit) fetch; the
+    # prune after it drops the copy that was held
+    fetch_for_engine(cfg, "r1", 5)
+    assert at_start[5] == ["v000003", "v000005", "v000006"]
+    assert _cached(cache) == ["v000005", "v000006"]
+
+
+def test_make_room_keeps_the_newest_others_the_incoming_and_the_protected(
+    five: tuple[LocalStore, Path],
+) -> None:
+    from moerl.store.nodecache import make_room
+
+    _, cache = five
+    assert make_room(cache, keep=6, incoming=6) == []  # 5 others + the incoming: room enough
+    assert make_room(cache, keep=3, incoming=3) == []  # cached already: no room needed
+    assert make_room(cache, keep=3, incoming=6, protect={1}) == [2, 3]
+    assert _cached(cache) == ["v000001", "v000004", "v000005"]
+    assert make_room(cache, keep=1, incoming=9, protect={4}) == [1, 5]
+    assert _cached(cache) == ["v000004"]
+    with pytest.raises(CheckpointError, match="keep at least 1 version, got 0"):
+        make_room(cache, keep=0, incoming=9)

@@ -375,3 +375,24 @@ def test_state_every_must_not_outrun_retention():
         parse_config({"checkpoint": {"state_every": 4, "keep_last": 3}})
     with pytest.raises(ConfigError, match="state_every"):
         parse_config({"checkpoint": {"state_every": 0}})
+
+
+def test_weight_sync_resolves_and_refuses_what_it_cannot_do():
+    from moerl.errors import ConfigError
+    from moerl.preflight import preflight
+
+    assert parse_config({}).rollout.weight_sync == "auto"
+    assert parse_config({}).rollout.resolved.weight_sync == "files"  # a run: files, recorded
+    wire = parse_config({"rollout": {"weight_sync": "collective"}})
+    assert wire.rollout.resolved.weight_sync == "collective"
+    with pytest.raises(
+        ConfigError, match="rollout.weight_sync collective with rollout.quantization fp8"
+    ):
+        parse_config(
+            {"rollout": {"weight_sync": "collective", "device": "cuda", "quantization": "fp8"}}
+        )
+    with pytest.raises(ConfigError, match="weight_sync"):
+        parse_config({"rollout": {"weight_sync": "nccl"}})
+    # a run refuses collective before any work, naming the key and what to use instead
+    with pytest.raises(ConfigError, match="rollout.weight_sync collective: a run's loop"):
+        preflight(wire)

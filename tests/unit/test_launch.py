@@ -327,7 +327,8 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     assert mounts["/var/run/secrets/moerl/moerl-mlflow"]["readOnly"] is True
     # the admin's Secret: start_run and close_run only
     assert "moerl-valkey" not in json.dumps(spec)
-    assert {"name": "scratch", "emptyDir": {"sizeLimit": "200Gi"}} in spec["volumes"]
+    # the rollout group's own scratch (p5en's NVMe), not cluster.scratch_size's 200Gi
+    assert {"name": "scratch", "emptyDir": {"sizeLimit": "16Ti"}} in spec["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == "16"
     assert pod["metadata"]["ownerReferences"][0]["kind"] == "Pod"
