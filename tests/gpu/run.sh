@@ -5,6 +5,7 @@
 #   GPU_TESTS=tests/gpu/test_rollout_layouts.py bash tests/gpu/run.sh   # the rollout engines only
 #   GPU_TESTS=tests/gpu/test_wide_ep.py bash tests/gpu/run.sh          # the DP x EP engine over every GPU
 #   GPU_TESTS=tests/gpu/test_fp8_serving.py bash tests/gpu/run.sh      # FP8 serving (one GPU)
+# On a lent device (15 minutes): tests/gpu/ladder.sh, the checks as rungs in order, each timed out, stopping at the first failure.
 # It checks the CUDA trainer against the CPU trainer, the sharded (FSDP2 + EP) worker over NCCL
 # (one rank; and with bf16 mixed precision and activation checkpointing: its peak memory
 # against the static formula, tokens/s), and a CUDA vLLM engine hot-swapped to a new version
@@ -37,7 +38,7 @@ mkdir -p "$OUT"
   "$PYTHON" -c "import vllm; print('vllm', vllm.__version__)" || echo "vllm: not importable"
   "$PYTHON" -c "import deep_ep; print('deep_ep', getattr(deep_ep, '__version__', '?'))" || echo "deep_ep: not importable"
 } | tee "$OUT/versions.txt"
-"$PYTHON" -m pytest "${GPU_TESTS:-tests/gpu}" -v -s -rsx -p no:cacheprovider --noconftest 2>&1 | tee "$OUT/gpu-check.txt"
+"$PYTHON" -m pytest "${GPU_TESTS:-tests/gpu}" -v -s -rsx -p no:cacheprovider --noconftest -p tests.support.gloo_world 2>&1 | tee "$OUT/gpu-check.txt"
 if [ "${GPU_BENCH:-0}" = 1 ]; then
   OUT_DIR="$OUT" bash kernels/gpu_bench.sh --repeats 20 2>&1 | tee "$OUT/dispatch.txt"
 fi
