@@ -114,7 +114,7 @@ class MoerlTransferEngine(WeightTransferEngine[MoerlTransferInit, MoerlTransferU
     def receive_weights(self, update_info: MoerlTransferUpdate) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-        from moerl.components.redistribute_weights.hotswap import load_in_worker
+        from moerl.components.redistribute_weights.hotswap import RELOAD_LOCK, load_in_worker
 
         session = Session(update_info.version, update_info.sha, update_info.epoch)
         deadline = time.monotonic() + update_info.deadline_s
@@ -129,16 +129,27 @@ class MoerlTransferEngine(WeightTransferEngine[MoerlTransferInit, MoerlTransferU
                 is_checkpoint_format=True,
             )
 
+        stream = self._merged(session, deadline)
+
         def tensors(stats: dict[str, int], timers) -> Any:
-            for key, t in self._merged(session, deadline):
+            for key, t in stream:
                 stats["tensors"] += 1
                 stats["bytes"] += t.numel() * t.element_size()
                 yield key, t
 
         try:
-            stats = load_in_worker(
-                self.model, reload, tensors, None, update_info.inplace, self.model_config
-            )
+            if not RELOAD_LOCK.acquire(blocking=False):
+                # another engine of this process is loading (in-process engines only: tests and
+                # benches): take the version off the wire first, so the trainer's broadcasts,
+                # which that engine is also receiving, are never held up by this one
+                stream = iter(list(stream))
+                RELOAD_LOCK.acquire()
+            try:
+                stats = load_in_worker(
+                    self.model, reload, tensors, None, update_info.inplace, self.model_config
+                )
+            finally:
+                RELOAD_LOCK.release()
         except BaseException:
             self.shutdown()  # the groups' state is unknown: the next session joins afresh
             raise

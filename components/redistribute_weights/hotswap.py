@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 _LAYERWISE_LOG = "vllm.model_executor.model_loader.reload.layerwise"
 _INPLACE_LOG = "vllm.model_executor.model_loader.reload.inplace"
 _SCRATCH_LOCK = threading.Lock()
+# one reload at a time per process: engines in one process (in-process engines: tests, benches)
+# share vLLM modules (its cached rotary embeddings), whose layerwise-reload state two concurrent
+# reloads would corrupt
+RELOAD_LOCK = threading.Lock()
 _SCRATCH: dict[
     tuple[tuple[int, ...], Any], Any
 ] = {}  # (shape, dtype) -> a reused checkpoint-layout buffer
@@ -299,6 +303,11 @@ def swap_in_worker(
         timers.read_s += time.perf_counter() - t
         return out
 
+    with RELOAD_LOCK:
+        return _load_files(runner, model, files, bucket_bytes, shapes, inplace)
+
+
+def _load_files(runner, model, files, bucket_bytes: int, shapes, inplace: bool) -> dict[str, Any]:
     return load_in_worker(
         model,
         lambda it: runner.reload_weights(weights_iterator=it),
