@@ -261,7 +261,7 @@ def receive(core, session: Session, deadline_s: float, inplace: bool = True):
     what every rank reports (hotswap.check_ranks: each loaded the version, replicas agree).
     Returns hotswap.SwapStats; raises WeightSyncError, the engine's weights then unknown (the
     caller unlabels it and loads the version from files)."""
-    from moerl.components.redistribute_weights.hotswap import SwapStats, check_ranks
+    from moerl.components.redistribute_weights.hotswap import check_ranks, swap_stats
 
     t0 = time.perf_counter()
     info = {**session.tag(), "deadline_s": deadline_s, "inplace": inplace}
@@ -275,19 +275,4 @@ def receive(core, session: Session, deadline_s: float, inplace: bool = True):
         ) from err
     results = core.collective_rpc("moerl_transfer_report", args=(session.version,))
     check_ranks(results, session.version, core.vllm_config.parallel_config, "the wire")
-    r = results[0]
-    return SwapStats(
-        seconds=time.perf_counter() - t0,
-        bytes=r["bytes"],
-        tensors=r["tensors"],
-        buckets=0,
-        moe_layers_repacked=r["moe_layers_repacked"],
-        read_s=max(x["read_s"] for x in results),
-        reload_s=max(x["reload_s"] for x in results),
-        repack_s=max(x["repack_s"] for x in results),
-        moe_layers_inplace=r["moe_layers_inplace"],
-        ranks=len(results),
-        digests=tuple(
-            x["digest"] for x in sorted(results, key=lambda x: (x["dp_rank"], x["rank"]))
-        ),
-    )
+    return swap_stats(results, time.perf_counter() - t0)

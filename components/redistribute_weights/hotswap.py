@@ -461,9 +461,15 @@ def hot_swap(
     check_ranks(results, version, core.vllm_config.parallel_config, model_dir)
     if reset_cache:
         core.reset_prefix_cache()  # cached prompts' KV came from the old weights
+    return swap_stats(results, time.perf_counter() - t0)
+
+
+def swap_stats(results: list[dict[str, Any]], seconds: float) -> SwapStats:
+    """One swap's stats from what every rank reported (`moerl_swap`, `moerl_transfer_report`):
+    the first rank's counts, the slowest rank's phases, every rank's digest by (dp rank, rank)."""
     r = results[0]
     return SwapStats(
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         bytes=r["bytes"],
         tensors=r["tensors"],
         buckets=r["buckets"],
