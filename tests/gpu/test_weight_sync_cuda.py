@@ -21,14 +21,12 @@ import torch
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
-from tests.support.weight_send_worker import Trainer
+from tests.support.weight_send_worker import Trainer, probe
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu/run.sh)"),
 ]
-
-PROBE = [20, 22, 23, 26, 14, 5, 6, 7, 8, 16]
 
 
 def _cfg(tp: int):
@@ -47,31 +45,19 @@ def _cfg(tp: int):
     )
 
 
-def _probe(engine) -> list[float]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, prompt_logprobs=0)
-    (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=PROBE)], sp, use_tqdm=False)
-    o = out.outputs[0]
-    return [s[t].logprob for s, t in zip(o.logprobs, o.token_ids)] + [
-        next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]
-    ]
-
-
 def _deliver(engine, trainer: Trainer, out: Path, ranks: int) -> None:
     trainer.join_engines([engine], ranks)
     got = {}
     for v in (1, 2):
         stats = engine.receive_weights(v, f"sha-v{v}", deadline_s=120.0)
         assert engine.version == v and stats.ranks == ranks
-        got[v] = (stats.digests, _probe(engine))
+        got[v] = (stats.digests, probe(engine))
     sent = trainer.wait()
     assert all(r["sent"] == r["written"] > 0 for rank in sent for r in rank)
     for v in (1, 2):
         files = engine.swap_weights(out / f"v{v}", version=v)
         assert files.digests == got[v][0]
-        assert _probe(engine) == got[v][1]
+        assert probe(engine) == got[v][1]
     assert got[1][0] != got[2][0]
 
 

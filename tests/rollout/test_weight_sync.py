@@ -23,7 +23,7 @@ import pytest
 from moerl.config import parse_config
 from moerl.errors import WeightSyncError
 from moerl.models.tiny import build_tiny_model
-from tests.support.weight_send_worker import Trainer, on_all
+from tests.support.weight_send_worker import Trainer, on_all, probe
 
 pytestmark = pytest.mark.slow  # two TP = 2 engines and a 4-rank trainer
 
@@ -31,7 +31,6 @@ DP, EP = 2, 2
 TRAINER_RANKS = DP * EP
 TP = 2
 ENGINES = 2
-PROBE = [20, 22, 23, 26, 14, 5, 6, 7, 8, 16]
 
 
 def _cfg():
@@ -47,17 +46,6 @@ def _cfg():
             "model": {"tiny": {"architecture": "qwen3_moe", "max_position_embeddings": 64}},
         }
     )
-
-
-def _probe(engine) -> list[float]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, prompt_logprobs=0)
-    (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=PROBE)], sp, use_tqdm=False)
-    o = out.outputs[0]
-    gen = [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)]
-    return gen + [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +78,7 @@ def test_versions_sent_by_session_equal_their_durable_copies(ckpt, engines, gloo
             lambda i, e, v=v: e.receive_weights(v, f"sha-v{v}", deadline_s=60.0), engines
         )
         assert all(e.version == v for e in engines)
-        wire[v] = (stats, on_all(lambda i, e: _probe(e), engines))
+        wire[v] = (stats, on_all(lambda i, e: probe(e), engines))
     sent = trainer.wait()
 
     # every rank sent its own share: what it wrote to its files, no more; the shares are the
@@ -115,7 +103,7 @@ def test_versions_sent_by_session_equal_their_durable_copies(ckpt, engines, gloo
         files = on_all(lambda i, e, v=v: e.swap_weights(tmp_path / f"v{v}", version=v), engines)
         for w, f in zip(stats, files):
             assert w.digests == f.digests
-        assert on_all(lambda i, e: _probe(e), engines) == probes
+        assert on_all(lambda i, e: probe(e), engines) == probes
     assert wire[1][0][0].digests != wire[2][0][0].digests
     assert wire[1][0][0].digests == wire[1][0][1].digests  # both engines, the same layout
 

@@ -201,3 +201,19 @@ class Trainer:
             raise self.error
         assert self.result is not None
         return self.result
+
+
+PROBE = [20, 22, 23, 26, 14, 5, 6, 7, 8, 16]
+
+
+def probe(engine) -> list[float]:
+    """Greedy tokens' and the prompt's logprobs for one fixed prompt: equal on two engines only
+    when their weights are."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0, prompt_logprobs=0)
+    (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=PROBE)], sp, use_tqdm=False)
+    o = out.outputs[0]
+    gen = [step[t].logprob for step, t in zip(o.logprobs, o.token_ids)]
+    return gen + [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
