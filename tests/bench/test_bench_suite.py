@@ -13,7 +13,7 @@ import pytest
 from benchmarks.stats import t975
 from tests.support.workloads import CONFIG, SMALL
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.nightly  # a real bench run; the benches' units and reports gate (tests/unit)
 
 
 def _cis(x, found: list) -> list:

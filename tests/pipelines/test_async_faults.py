@@ -1,5 +1,5 @@
-"""Fault tests of the async mode: a Spot drain mid-generation, cluster-shaped, and a streamed
-trainer killed mid-version gate every change; a worker SIGKILLed is nightly here, as are
+"""Fault tests of the async mode: a streamed trainer killed mid-version gates every change; a Spot
+drain mid-generation (cluster-shaped) and a worker SIGKILLed are nightly here, as are
 test_async_faults_stages.py and test_async_faults_servers.py. Real processes (vLLM
 rollout workers, scorers, the trainer), a real Valkey, the checkpoint store and MLflow, each run
 bounded by a clock that scales with what it measures (tests/support/fault_runs.py, which says
@@ -33,6 +33,7 @@ from tests.support.fault_runs import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.nightly  # the drain gates at the bus (requeue) and the pod (exit 75) levels
 def test_sigterm_drains_a_worker_mid_generation_and_others_finish_its_unit(
     tmp_path, s3_server, monkeypatch
 ):
