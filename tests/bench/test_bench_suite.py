@@ -13,7 +13,8 @@ import pytest
 from benchmarks.stats import t975
 from tests.support.workloads import CONFIG, SMALL
 
-pytestmark = pytest.mark.nightly  # a real bench run; the benches' units and reports gate (tests/unit)
+# a real bench run; the other benches' smoke runs and the report units gate
+pytestmark = pytest.mark.nightly
 
 
 def _cis(x, found: list) -> list:
