@@ -50,11 +50,11 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             f"cluster.launch.mode kubernetes (it is {cfg.cluster.launch.mode}); set it, or remove "
             "min_workers and max_workers"
         )
-    if cfg.rollout.weight_sync == "collective":
+    if cfg.rollout.weight_sync == "collective" and cfg.pipeline.mode != "async":
         raise ConfigError(
-            "rollout.weight_sync collective: a run's loop does not drive weight-transfer sessions "
-            'yet (live engines and `moerl bench weight-sync` do; docs/weights.md, "Weights over '
-            'the wire"); use weight_sync files or auto (files in a run)'
+            f"rollout.weight_sync collective with pipeline.mode {cfg.pipeline.mode}: the sessions "
+            "run between the async trainer's ranks and the live rollout workers; set pipeline.mode "
+            "async, or weight_sync files (or auto)"
         )
     if here and (cfg.require.gpu or cfg.require.deepep or cfg.require.efa):
         missing = provenance.missing_requirements(cfg.require, provenance.runtime_probe())

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from moerl.bus.weights import sha_agrees
 from moerl.components.buffer.advantage import group_advantages, train_sample
 from moerl.config import BufferConfig
 from moerl.records import ScoredSample, TrainSample, newest_version, token_versions
@@ -70,15 +71,16 @@ def classify(
     version: int,
     max_staleness: int,
     seen: set[str],
-    known: Mapping[int, str] | None = None,
+    known: Mapping[int, str | frozenset[str]] | None = None,
 ) -> Disposition:
-    """`known`: the manifest sha256 of each version the trainer published or continues from; a
-    sample whose engine served another sha under one of those numbers came from lost weights (a
-    version rolled back and published again under its number) and is stale, whatever its number."""
+    """`known`: the manifest sha256 of each version the trainer published or continues from (and
+    its wire name, moerl.bus.weights); a sample whose engine served another sha under one of
+    those numbers came from lost weights (a version rolled back and published again under its
+    number) and is stale, whatever its number."""
     if group_id in seen:
         return "duplicate"
-    if known and any(
-        known.get(v, sha) != sha for s in samples for v, sha in (s.policy_shas or {}).items()
+    if known and not all(
+        sha_agrees(known.get(v), sha) for s in samples for v, sha in (s.policy_shas or {}).items()
     ):
         return "stale"
     # a sample from above the trainer's version came from a version that was lost (servable,

@@ -13,6 +13,7 @@ import logging
 
 from moerl import tracking
 from moerl.bus import BusError, RunBus
+from moerl.bus.weights import wire_sha
 from moerl.components.policy_update.gather import TrainerState
 from moerl.components.publish_checkpoint.publisher import Job
 from moerl.config import RunConfig
@@ -136,7 +137,12 @@ class Commits:
         self.stream = cfg.resolved.stream
 
     def servable(self, p: PolicyVersion) -> None:
-        self.state.known[p.version] = p.manifest_sha256  # before any engine can serve it
+        # before any engine can serve it from files; by the wire, under its wire name too
+        self.state.known[p.version] = (
+            frozenset({p.manifest_sha256, wire_sha(self.epoch, p.version)})
+            if self.cfg.rollout.resolved.weight_sync == "collective"
+            else p.manifest_sha256
+        )
         self.pbus.set_servable(self.epoch, p.version, p.uri, p.manifest_sha256)
         if self.stream:  # its prompts once an engine can serve it: every sample on-policy
             self.state.version = max(self.state.version, p.version)

@@ -103,7 +103,93 @@ class WeightSender:
             keys=sorted(sink.keys),
         )
 
+    def send_in_step(
+        self,
+        model,
+        blocks,
+        layout,
+        mesh,
+        session: Session,
+        dtype: torch.dtype | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        deadline_s: float | None = None,
+    ) -> tuple[SendStats | None, str]:
+        """`send` that never leaves the mesh's gathers early: a group that failed to form, or
+        failed mid-send, stops this rank's writes to it but not its part in the share's
+        collectives, so every trainer rank ends the session together (a run's ranks go on to
+        the next step). Returns (stats, "") or (None, why it failed)."""
+        if self.pg is None:
+            _Discard.send(model, blocks, layout, mesh)
+            return None, "the group did not form"
+        t0 = time.perf_counter()
+        sink = _Guarded(
+            FrameSender(
+                self.pg,
+                session,
+                wire_device(self.device, self.backend),
+                dtype,
+                bucket_bytes,
+                time.monotonic() + (deadline_s or self.timeout_s),
+            )
+        )
+        info = send_ep_weights(model, blocks, layout, mesh, sink)
+        totals = sink.close()
+        if sink.error is not None:
+            self.close()
+            return None, f"{type(sink.error).__name__}: {sink.error}"
+        return (
+            SendStats(
+                rank=int(info["rank"]),
+                tensors=totals["tensors"],
+                bytes=totals["bytes"],
+                frames=totals["frames"],
+                received=int(info["received"]),
+                seconds=time.perf_counter() - t0,
+                keys=sorted(sink.sink.keys),
+            ),
+            "",
+        )
+
     def close(self) -> None:
         if self.pg is not None:
             close_group(self.pg)
             self.pg = None
+
+
+class _Guarded:
+    """A FrameSender that keeps its first failure instead of raising it, and drops every write
+    after it (the share's gathers go on: `WeightSender.send_in_step`)."""
+
+    def __init__(self, sink: FrameSender) -> None:
+        self.sink = sink
+        self.fallbacks = sink.fallbacks
+        self.error: BaseException | None = None
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        if self.error is None:
+            try:
+                self.sink.add(key, t)
+            except Exception as err:  # noqa: BLE001 - kept, reported by send_in_step
+                self.error = err
+
+    def close(self) -> dict[str, int]:
+        if self.error is None:
+            try:
+                return self.sink.close()
+            except Exception as err:  # noqa: BLE001 - kept, reported by send_in_step
+                self.error = err
+        return {}
+
+
+class _Discard:
+    """A rank whose group did not form: its part in the share's gathers, nothing written."""
+
+    def __init__(self) -> None:
+        self.fallbacks: list[int] = []
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        pass
+
+    @classmethod
+    def send(cls, model, blocks, layout, mesh) -> None:
+        send_ep_weights(model, blocks, layout, mesh, cls())

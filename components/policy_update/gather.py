@@ -39,9 +39,10 @@ class TrainerState:
     """The version admission issues for: the last one trained (streamed: the last servable)."""
     committed: int
     """The last version this trainer committed."""
-    known: dict[int, str] = field(default_factory=dict)
-    """What each recent version number means (its manifest sha256): a sample an engine generated
-    under the same number with other weights (a version lost, then published again) is stale."""
+    known: dict[int, str | frozenset[str]] = field(default_factory=dict)
+    """What each recent version number means (its manifest sha256; with the collective weight
+    path, also its wire name: moerl.bus.weights): a sample an engine generated under the same
+    number with other weights (a version lost, then published again) is stale."""
     gathered: tuple[int, int] = (0, 0)
     """(groups, signal groups) the trainer holds for the version it gathers."""
 
@@ -212,7 +213,7 @@ class _Gathering:
         version: int,
         epoch: int,
         held: frozenset[str],
-        known: dict[int, str] | None,
+        known: dict[int, str | frozenset[str]] | None,
         on_chunk: Callable[[list[list[ScoredSample]]], None] | None,
     ) -> None:
         self.bus, self.cfg, self.version, self.epoch = bus, cfg, version, epoch
@@ -335,7 +336,7 @@ def gather(
     issuer: Issuer,
     held: frozenset[str] = frozenset(),
     held_entries: frozenset[str] = frozenset(),
-    known: dict[int, str] | None = None,
+    known: dict[int, str | frozenset[str]] | None = None,
     on_chunk: Callable[[list[list[ScoredSample]]], None] | None = None,
     check: Callable[[], None] | None = None,
 ) -> tuple[Batch, dict[str, float]]:

@@ -38,6 +38,7 @@ from moerl.components.policy_update.ep_train import (
 )
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError, MoerlError, TrainingError
+from moerl.launch.objects import ENV_POD_IP
 from moerl.records import TrainSample
 from moerl.store.base import CheckpointStore
 from moerl.store.fence import Claim
@@ -57,7 +58,9 @@ class Command:
     load (the state in `path`, published version `version`; the run continues from version `at`), train (the next version into `path`, with
     the trainer's state when `state`), step (`trainer.schedule.stream`: minibatch `index` of the version
     trained from `version`, one optimizer step), save (`trainer.schedule.stream`: that version's files
-    into `path`), stop (the run is done), abort (rank 0 failed: every rank exits non-zero)."""
+    into `path`), send (`rollout.weight_sync` collective: the version saved last, over the wire to the
+    engines: `Mesh.send_weights`), stop (the run is done), abort (rank 0 failed: every rank exits
+    non-zero)."""
 
     op: str
     seq: int
@@ -69,6 +72,12 @@ class Command:
     code: int = 0  # abort: rank 0's exit code
     index: int = 0  # step: the minibatch's place in its version
     pi_old: str = ""  # step: engine | proximal (ep_train.train_ep)
+    # send (rollout.weight_sync collective): the saved version over the wire, session `sha` of
+    # trainer `epoch`, to `ranks` engine ranks, bounded by `timeout_s`
+    sha: str = ""
+    epoch: int = 0
+    ranks: int = 0
+    timeout_s: float = 0.0
 
 
 class Control:
@@ -422,6 +431,71 @@ class Mesh:
         seed = self.cfg.trainer.seed + version * 100_003 + index
         return train_steps(self.cfg, self.session, _batch(samples), seed, pi_old=pi_old)
 
+    def send_weights(
+        self, cmd: Command, on_addresses: Callable[[], object] | None = None
+    ) -> dict[str, Any]:
+        """`send`: this rank's share of the version it holds, straight to every engine rank over
+        its own group (ep_send.WeightSender), cast to the serving dtype. Each rank hosts its
+        group's rendezvous on its own host (`MOERL_POD_IP` on a cluster) and posts the address
+        in the mesh's store; rank 0 then opens the session (`on_addresses`). A group that does
+        not form or fails costs only the session (the engines take the version from files):
+        every rank still takes its part in the share's gathers, and the run goes on."""
+        import torch
+
+        from moerl.components.policy_update.ep_send import WeightSender
+        from moerl.components.redistribute_weights import wire
+
+        if self.session is None:
+            raise TrainingError("trainer mesh: weights were sent before any state loaded")
+        host = os.environ.get(ENV_POD_IP) or "127.0.0.1"
+        address = wire.GroupAddress(host, wire.free_port(host), 1 + cmd.ranks)
+        self.control.store.set(
+            f"wire/{cmd.epoch}/{cmd.version}/{self.control.rank}", json.dumps(address.as_dict())
+        )
+        device = "cuda" if self.cfg.trainer.parallelism.device == "cuda" else "cpu"
+        sender = WeightSender(address, device, cmd.timeout_s)
+        why = ""
+        try:
+            if on_addresses is not None:
+                on_addresses()
+            sender.join()
+        except Exception as err:  # noqa: BLE001 - the session fails; the run goes on
+            why = f"{type(err).__name__}: {err}"
+        s = self.session
+        stats, failed = sender.send_in_step(
+            s.model,
+            s.ep_blocks,
+            s.layout,
+            s.mesh,
+            wire.Session(cmd.version, cmd.sha, cmd.epoch),
+            getattr(torch, self.cfg.rollout.resolved.dtype),
+            deadline_s=cmd.timeout_s,
+        )
+        sender.close()
+        why = why or failed
+        if why:
+            log.warning("rank %d: version %d not sent: %s", self.control.rank, cmd.version, why)
+        return {
+            "rank": self.control.rank,
+            "sent": stats.bytes if stats else 0,
+            "seconds": stats.seconds if stats else 0.0,
+            "error": why,
+        }
+
+    def addresses(self, cmd: Command) -> list[dict[str, Any]]:
+        """Every rank's group address for `cmd`'s session, in rank order, once all are posted
+        (bounded by the session's timeout)."""
+        keys = [f"wire/{cmd.epoch}/{cmd.version}/{r}" for r in range(self.control.world)]
+        deadline = time.monotonic() + cmd.timeout_s
+        while not self.control.store.check(keys):
+            if time.monotonic() > deadline:
+                raise TrainingError(
+                    f"trainer mesh: not every rank posted its weight group for version "
+                    f"{cmd.version} within {cmd.timeout_s:.0f} s"
+                )
+            time.sleep(POLL_S / 5)
+        return [json.loads(self.control.store.get(k)) for k in keys]
+
     def save(self, out: Path, with_state: bool) -> dict:
         """`trainer.schedule.stream`: the version its minibatches trained, written (every rank its part)."""
         if self.session is None:
@@ -521,6 +595,17 @@ class Leader(Mesh):
         metrics["trainer/mesh_loads"] = float(self.loads)
         metrics["trainer/mesh_uptime_s"] = time.time() - self.started
         return metrics
+
+    def send_weights_all(
+        self, version: int, sha: str, epoch: int, ranks: int, open_session: Callable[[list], object]
+    ) -> dict[str, Any]:
+        """`rollout.weight_sync` collective: every rank sends its share of `version` (the one
+        saved last) to `ranks` engine ranks; `open_session(addresses)` opens the session once
+        every rank's group address is known. Returns this rank's result (`Mesh.send_weights`)."""
+        timeout_s = self.cfg.rollout.weight_sync_timeout_s
+        fields = {"version": version, "sha": sha, "epoch": epoch, "ranks": ranks}
+        cmd = self.control.send("send", **fields, timeout_s=timeout_s)
+        return self.send_weights(cmd, lambda: open_session(self.addresses(cmd)))
 
     def stop(self, error: BaseException | None = None) -> None:
         try:
@@ -626,6 +711,8 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
                     _fault(control.rank, cmd.version)
                     stepped = cmd.version
                 mesh.step(None, cmd.version, cmd.index, cmd.pi_old)
+            elif cmd.op == "send":
+                mesh.send_weights(cmd)
             elif cmd.op == "save":
                 out = Path(cmd.path)
                 if node != 0:

@@ -45,6 +45,7 @@ from moerl.components.policy_update.gather import (
 )
 from moerl.components.policy_update.launcher import MeshFailed, run_mesh_trainer
 from moerl.components.policy_update.streamed import Streamed
+from moerl.components.policy_update.wire_send import WireSender
 from moerl.components.publish_checkpoint.publisher import Publisher
 from moerl.components.rollout.fleet import FleetController, KubeActuator
 from moerl.config import RunConfig, config_from_json
@@ -295,6 +296,12 @@ class _Loop:
         self.state_dir, self.load_metrics = start.state_dir, start.metrics
         self.resumed_behind = start.behind  # the mesh continues from older weights than `latest`'s
         self.inbox = Inbox(bus)
+        # rollout.weight_sync collective: each version by session, beside its publication
+        self.wire = (
+            WireSender(cfg, bus, mesh, epoch, self.state)
+            if mesh is not None and cfg.rollout.resolved.weight_sync == "collective"
+            else None
+        )
         self.t_start, self.busy = time.perf_counter(), 0.0
         c0 = bus.counters()
         self.rates = _Rates(
@@ -314,6 +321,8 @@ class _Loop:
         if streamed is not None:  # its steps ran while it gathered
             metrics["timing/buffer_wait_s"] -= streamed.seconds
         metrics["weights/trainer_stall_s"] = self._submit(batch, version, out_dir)
+        if self.wire is not None:  # to the engines now; its files go on behind
+            metrics.update(self.wire.send(version + 1))
         self.busy += time.perf_counter() - t_busy
         self.state_dir = out_dir
         self._published()

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from moerl.bus import BusWrite, Lease, RunBus, TrainerWatch, connect, group_id
 from moerl.bus.run import Registered
+from moerl.bus.weights import WIRE_PREFIX, same_weights
+from moerl.components.rollout.wire_receive import WireReceiver
 from moerl.config import RunConfig, config_from_json
 from moerl.errors import CheckpointError, ConfigError
 from moerl.launch.podenv import enter_pod
@@ -442,7 +444,7 @@ def pointer_moved(
     or a pointer behind the engine that no newer epoch set: lost writes, the engine stays).
     (version, sha) and the epoch decide, never the number alone: a busy worker that compared
     numbers kept serving lost weights after a rollback."""
-    if reg is None or (reg.version == version and reg.manifest_sha256 == sha):
+    if reg is None or same_weights(reg.version, reg.manifest_sha256, reg.epoch, version, sha):
         return None
     if version is None or reg.version > version:
         return "forward"
@@ -511,6 +513,12 @@ class RolloutWorker:
         # run when this worker runs as the stage (`run_rollout_worker`), not inside a bench
         self.record_run = False
         self.transport: dict[str, str] = {}
+        # rollout.weight_sync collective: versions by session over the wire (wire_receive.py)
+        self._wire = (
+            WireReceiver(bus, name, cfg.buffer.max_staleness)
+            if cfg.rollout.resolved.weight_sync == "collective"
+            else None
+        )
 
     @property
     def bus_writes(self) -> tuple[int, int]:
@@ -545,7 +553,13 @@ class RolloutWorker:
                 self._early_engine(required=True)
             elif reg is None and self.cfg.rollout.early_engine:
                 self._early_engine()
-        if reg is None or (reg.version == self.version and reg.manifest_sha256 == self.sha):
+        if self._wire is not None and self.engine is not None:
+            self._wire.enroll(self._live)
+            if not in_flight and self._take_session():
+                return
+        if reg is None or same_weights(
+            reg.version, reg.manifest_sha256, reg.epoch, self.version, self.sha
+        ):
             return
         if in_flight and (self.version is None or reg.version <= self.version):
             return  # a rollback (a newer trainer epoch) waits for an idle engine
@@ -553,7 +567,10 @@ class RolloutWorker:
             # only forward: a pointer behind what this engine serves lost writes (a Valkey
             # failover); the trainer re-commits from the store, and the pointer catches up. A
             # newer trainer epoch may move it back: the version above was lost (rolled back).
-            log.warning(
+            # A version taken over the wire is ahead of its files for a while: not a warning.
+            wire = self.sha is not None and self.sha.startswith(WIRE_PREFIX)
+            log.log(
+                logging.DEBUG if wire else logging.WARNING,
                 "%s: the bus says version %d but this engine serves %d; staying on %d",
                 self.name,
                 reg.version,
@@ -599,6 +616,35 @@ class RolloutWorker:
         # bounded: a prefetch of a version this engine went past (or rolled back over) is never swapped in
         self._prefetched = {v: s for v, s in self._prefetched.items() if v > reg.version}
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
+
+    def _take_session(self) -> bool:
+        """`rollout.weight_sync` collective, the engine idle: take the session that names it
+        for a newer version (wire_receive.py). True once the engine serves that version."""
+        assert self._wire is not None
+        s = self._wire.waiting(self.version, self.epoch, fresh=True)
+        if s is None:
+            return False
+        t0 = time.perf_counter()
+        stats = self._wire.take(self._live, s)
+        if stats is None:
+            self.bus.incr(weight_sessions_missed=1)
+            if self._live.version is None:  # its weights are unknown: the files' version next
+                self.version = self.sha = None
+            return False
+        self.version, self.sha, self.epoch = s.version, s.sha, max(self.epoch, s.epoch)
+        self._shas = {v: h for v, h in self._shas.items() if s.version - 16 < v < s.version}
+        self._shas[s.version] = s.sha
+        self.bus.incr(swaps_wire=1)
+        self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
+        log.info(
+            "%s: version %d over the wire in %.2f s (%d tensors on %d ranks)",
+            self.name,
+            s.version,
+            stats.seconds,
+            stats.tensors,
+            stats.ranks,
+        )
+        return True
 
     def _group_holds(self, reg) -> bool:
         """An engine over several nodes: True once every follower node holds `reg`'s version in
@@ -962,6 +1008,12 @@ class RolloutWorker:
             return
         if moved is not None and reg is not None and not self._group_holds(reg):
             moved = None  # a node of the group still fetches it: no drain until all hold it
+        if (
+            moved is None
+            and self._wire is not None
+            and self._wire.waiting(self.version, self.epoch)
+        ):
+            moved = "forward"  # a session names this engine: its units finish, then it takes it
         s.newer = moved is not None
         if s.newer and s.version_drain is None:
             s.version_drain = _VersionDrain(time.perf_counter())
@@ -975,6 +1027,7 @@ class RolloutWorker:
         return (
             not self.drain.asked
             and not s.newer
+            and not (self._wire is not None and self._wire.behind(self.version))
             and len(s.units) < self.cfg.rollout.units_in_flight
             and self._live.unfinished_sequences() < 2 * self.cfg.rollout.max_num_seqs
             and (not s.units or now - s.empty_at > 0.1)
@@ -1339,6 +1392,11 @@ class RolloutWorker:
                 except Exception as err:  # noqa: BLE001 - followers also see the leader's beat end
                     log.warning("%s: could not tell the engine group it ended: %s", self.name, err)
             self._outbox.close()  # after a failure too: what was handed over is still written
+            if self._wire is not None:  # no session names this engine any more
+                try:
+                    self._wire.withdraw()
+                except Exception as err:  # noqa: BLE001 - its liveness key lapses anyway
+                    log.warning("%s: could not withdraw from the wire: %s", self.name, err)
             stop.set()
             beat.join(timeout=5)
             # the final stats, so busy/idle fractions cover the whole life of the worker

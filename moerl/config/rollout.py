@@ -26,7 +26,7 @@ class RolloutResolved:
     engine_api: str
     """`rollout.engine_api`: async for a data-parallel engine, else offline, unless set."""
     weight_sync: str
-    """`rollout.weight_sync`: files for auto (the run loop does not drive sessions yet)."""
+    """`rollout.weight_sync`: files for auto."""
 
 
 class LengthStep(_Section):
@@ -171,10 +171,10 @@ class RolloutConfig(_Section):
     """How a new policy version reaches the engines' ranks (docs/weights.md, "Weights over the
     wire"). collective: every trainer rank sends its share over its own group (NCCL on cuda, gloo
     on cpu) to every engine rank, through vLLM's weight-transfer API (backend "moerl"); an engine
-    that misses a session loads that version from files. files: the node cache, peers, cache
-    tier and durable store only. auto: files, until the run loop drives sessions (a run refuses
-    collective until then; engines and `moerl bench weight-sync` use it); recorded as the run's
-    moerl.rollout.weight_sync tag."""
+    that misses a session loads that version from files, which are published behind as always
+    (async runs on a persistent trainer mesh, between_units, one-node engines). files: the node
+    cache, peers, cache tier and durable store only. auto: files (collective is chosen, not yet
+    picked for you); recorded as the run's moerl.rollout.weight_sync tag."""
     weight_sync_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
     """weight_sync collective: the deadline of one version's session (joining the groups, and
     sending and loading a version); past it the session fails, its groups are aborted, and the

@@ -307,11 +307,41 @@ class RunConfig(_Section):
                 "would come from the forward passes of two versions (and a recompute re-routes the "
                 "prefix), which routing replay cannot reproduce; use between_units"
             )
+        if self.rollout.weight_sync == "collective":
+            self._check_collective()
         if self.trainer.moe.router_replay == "R3" and not self.rollout.return_routed_experts:
             raise ValueError(
                 "trainer.moe.router_replay R3 replays the rollout engine's routes: set "
                 "rollout.return_routed_experts true (or use R2, the trainer's own pi_old routes)"
             )
+
+    def _check_collective(self) -> None:
+        """`rollout.weight_sync` collective: what a run's sessions need (docs/weights.md); the
+        mode is checked at a run's start (moerl/preflight.py: engines and benches use it alone)."""
+        ro, par = self.rollout, self.trainer.parallelism
+        checks = (
+            (
+                "trainer.parallelism.persistent_ranks",
+                par.persistent_ranks,
+                not par.persistent_ranks,
+                "the ranks send what they hold in memory; set true",
+            ),
+            (
+                "rollout.weight_update",
+                ro.weight_update,
+                ro.weight_update != "between_units",
+                "an engine takes a session idle; use between_units",
+            ),
+            (
+                "cluster.launch.rollout_nodes_per_worker",
+                self.cluster.launch.rollout_nodes_per_worker,
+                self.cluster.launch.rollout_nodes_per_worker > 1,
+                "an engine over several nodes takes versions from files; use weight_sync files",
+            ),
+        )
+        bad = [f"{k} {v} ({fix})" for k, v, b, fix in checks if b]
+        if bad:
+            raise ValueError("rollout.weight_sync collective cannot run with " + "; ".join(bad))
 
     def _check_budgets(self) -> None:
         """Retention against the resume state, and the reward's time limit against its calls."""

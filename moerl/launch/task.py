@@ -170,6 +170,12 @@ def launch_env(
                 "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
             },
         ]
+    if cfg.rollout.resolved.weight_sync == "collective" and STAGES[stage].group == "trainer":
+        # each trainer rank hosts its weight group's rendezvous on its own address, which the
+        # engines read from the session (components/policy_update/mesh.py, `send_weights`)
+        env.append(
+            {"name": objects.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        )
     return env
 
 

@@ -111,6 +111,11 @@ def test_the_servable_pointer_moves_by_version_sha_and_epoch_not_the_number():
     assert pointer_moved(Registered(3, "u", "d", 2), 3, "a", 1) == "back"
     # behind, with no newer epoch: lost writes on the bus (a failover), the engine stays
     assert pointer_moved(Registered(2, "u", "c", 1), 3, "a", 1) is None
+    # an engine that took version 3 over the wire serves the pointer's version 3 (its files)
+    from moerl.bus.weights import wire_sha
+
+    assert pointer_moved(Registered(3, "u", "d", 2), 3, wire_sha(2, 3), 2) is None
+    assert pointer_moved(Registered(4, "u", "e", 2), 3, wire_sha(2, 3), 2) == "forward"
 
 
 def test_a_sample_from_weights_lost_under_a_republished_number_is_stale():
@@ -129,6 +134,18 @@ def test_a_sample_from_weights_lost_under_a_republished_number_is_stale():
     assert classify("g", ours, 3, 1, seen=set(), known=known) == "used"
     # no sha: by number
     assert classify("g", _scored(3, [0, 1]), 3, 1, seen=set(), known=known) == "used"
+    # over the wire: a version is known by its files' sha and its wire name (moerl.bus.weights)
+    from moerl.bus.weights import wire_sha
+
+    wire, old_wire = _scored(3, [0, 1]), _scored(3, [0, 1])
+    for s in wire:
+        s.policy_shas = {3: wire_sha(7, 3)}
+    for s in old_wire:
+        s.policy_shas = {3: wire_sha(6, 3)}  # a replaced trainer's version 3
+    both = {2: "sha-2", 3: frozenset({"our-sha", wire_sha(7, 3)})}
+    assert classify("g", wire, 3, 1, seen=set(), known=both) == "used"
+    assert classify("g", ours, 3, 1, seen=set(), known=both) == "used"
+    assert classify("g", old_wire, 3, 1, seen=set(), known=both) == "stale"
 
 
 def test_an_engines_samples_carry_the_sha_of_every_version_that_sampled_them():

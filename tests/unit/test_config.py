@@ -393,6 +393,16 @@ def test_weight_sync_resolves_and_refuses_what_it_cannot_do():
         )
     with pytest.raises(ConfigError, match="weight_sync"):
         parse_config({"rollout": {"weight_sync": "nccl"}})
-    # a run refuses collective before any work, naming the key and what to use instead
-    with pytest.raises(ConfigError, match="rollout.weight_sync collective: a run's loop"):
+    # a sync run refuses collective before any work, naming the keys and what to use instead
+    with pytest.raises(ConfigError, match="rollout.weight_sync collective with pipeline.mode sync"):
         preflight(wire)
+    # what a run's sessions need, each refusal naming its key
+    for over, key in (
+        ({"trainer": {"parallelism": {"persistent_ranks": False}}}, "persistent_ranks"),
+        ({"rollout": {"weight_update": "in_flight"}}, "rollout.weight_update in_flight"),
+        ({"cluster": {"launch": {"rollout_nodes_per_worker": 2}}}, "rollout_nodes_per_worker 2"),
+    ):
+        data = {"pipeline": {"mode": "async"}, **over}
+        data["rollout"] = {**data.get("rollout", {}), "weight_sync": "collective"}
+        with pytest.raises(ConfigError, match=f"weight_sync collective cannot run with .*{key}"):
+            parse_config(data)
