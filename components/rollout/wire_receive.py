@@ -10,7 +10,10 @@ than `buffer.max_staleness` versions behind the session, until the files reach i
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moerl.bus import RunBus
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 READ_EVERY_S = 0.25  # the session key is read at most this often beside generation
+FAULT_ENV = "MOERL_TEST_WIRE_FAULT"  # tests: "NAME:VERSION:SIGNAL:MARKER[;...]", see `_fault`
 
 
 class WireReceiver:
@@ -84,6 +88,7 @@ class WireReceiver:
             if left <= 0:
                 raise TimeoutError(f"the session's deadline passed {-left:.1f} s ago")
             engine.join_weight_groups([GroupAddress(**g) for g in s.groups], first, left)
+            _fault(self.name, s.version)
             stats = engine.receive_weights(
                 s.version, s.sha, s.epoch, max(1.0, s.deadline - time.time())
             )
@@ -102,3 +107,16 @@ class WireReceiver:
             s, self.name, Report(True, list(stats.digests), time.perf_counter() - t0)
         )
         return stats
+
+
+def _fault(name: str, version: int) -> None:
+    """Fault tests only: with MOERL_TEST_WIRE_FAULT "NAME:VERSION:SIGNAL:MARKER" set (several
+    joined by ';'), worker NAME sends itself SIGNAL (TERM or KILL) once its engine joined the
+    groups of VERSION's session, before the version arrives; once (the marker file)."""
+    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
+        want, v, sig, marker = spec.split(":", 3)
+        if (want, int(v)) != (name, version) or Path(marker).exists():
+            continue
+        Path(marker).write_text(f"{name} SIG{sig} mid-session of version {version}\n")
+        log.error("test fault: %s sends itself SIG%s mid-session of version %d", name, sig, version)
+        os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))

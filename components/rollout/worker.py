@@ -1373,6 +1373,8 @@ class RolloutWorker:
         self.bus.ensure_groups()
         # a predecessor of the same name (a restart) measured its own first group, not ours
         self.bus.forget_stats(self.name, "first_sample_s")
+        if self._wire is not None:  # nor does a session name this one before its engine is up
+            self._wire.sessions.withdraw(self.name)
         stop = threading.Event()
         beat = threading.Thread(
             target=self._beat, args=(stop,), name="moerl-heartbeat", daemon=True

@@ -1,0 +1,94 @@
+"""An async run with `rollout.weight_sync` collective (docs/weights.md, "Weights over the wire"),
+end to end with real processes (vLLM rollout workers, a scorer, the trainer's mesh, Valkey, the
+store, MLflow), every version after 0 sent by session over gloo groups:
+
+- a (2, 2) trainer mesh and two rollout workers: every version reaches both engines over the
+  wire, none from files; the task learns; the counters balance;
+- faults: a worker SIGTERMed mid-session finishes the session (the others with it), then drains
+  and comes back; a worker SIGKILLed mid-session fails that session within its deadline, the
+  live engine takes the version from files, and the next sessions deliver again; nothing is
+  trained twice.
+
+Nightly: each is a whole run (docs/testing.md). What these do not show: NCCL, EFA, several
+machines (docs/verified.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moerl import tracking
+from moerl.components.rollout.wire_receive import FAULT_ENV
+from tests.support.async_runs import assert_balanced, run_async_cli
+from tests.support.fault_runs import Harness, balanced, mlflow_balanced, trained_groups, versions_of
+
+pytestmark = pytest.mark.nightly  # whole runs: a learning curve and a second-order fault
+
+
+def _history(uri: str, run_id: str, key: str) -> list[float]:
+    return [v for _, v in tracking.metric_history(uri, run_id, key)]
+
+
+def test_a_mesh_sends_every_version_to_every_engine_over_the_wire_and_learns(tmp_path):
+    versions = 8
+    uri, run = run_async_cli(
+        tmp_path,
+        "tiny-moe-grpo.yaml",
+        "moerl-tiny-grpo",
+        versions,
+        "trainer.parallelism.expert_parallel_size=2",
+        "trainer.parallelism.data_parallel_shard=2",
+        "rollout.workers=2",
+        "rollout.weight_sync=collective",
+        timeout=1500,
+    )
+    run_id, m = run.info.run_id, run.data.metrics
+    assert run.data.tags["moerl.rollout.weight_sync"] == "collective"
+    # every version after 0 over the wire to both engines; none swapped in from files
+    assert _history(uri, run_id, "weights/wire_delivered") == [1.0] * versions
+    assert _history(uri, run_id, "weights/wire_engines") == [2.0] * versions
+    assert m["async/weight_sessions"] == versions
+    assert m.get("async/weight_sessions_failed", 0) == 0
+    assert m["async/swaps_wire"] == 2 * versions and m["async/swaps"] == 0
+    assert_balanced(m)
+    assert m["async/failed"] == 0 and m["async/stale_dropped"] == 0  # all on-policy
+    reward = _history(uri, run_id, "reward/mean")
+    assert len(reward) == versions
+    assert sum(reward[-3:]) / 3 >= reward[0] + 0.05, reward  # it learns
+
+
+def test_an_engine_signalled_mid_session_costs_at_most_that_session(tmp_path, monkeypatch):
+    versions, timeout_s = 5, 20
+    kill, term = tmp_path / "kill", tmp_path / "term"
+    # rollout-0 dies in version 2's session; rollout-1 gets a Spot notice in version 4's
+    monkeypatch.setenv(FAULT_ENV, f"rollout-0:2:KILL:{kill};rollout-1:4:TERM:{term}")
+    h = Harness(
+        tmp_path,
+        f"pipeline.versions={versions}",
+        "rollout.workers=2",
+        "rollout.weight_sync=collective",
+        f"rollout.weight_sync_timeout_s={timeout_s}",
+    )
+    c = h.go()
+    assert kill.is_file() and term.is_file()
+    w0, w1 = h.run.children["rollout-0"], h.run.children["rollout-1"]
+    assert w0.exits[0] == -9 and w0.starts >= 2
+    assert w1.exits[0] == 75 and w1.starts >= 2  # finished the session, then drained
+    engines = _history(h.uri, h.run_id, "weights/wire_engines")
+    delivered = _history(h.uri, h.run_id, "weights/wire_delivered")
+    took = _history(h.uri, h.run_id, "weights/wire_to_serving_s")
+    # version 2's session (both engines) failed within its deadline; the live engine took
+    # version 2 from files
+    assert engines[1] == 2.0 and delivered[1] == 0.0 and took[1] < timeout_s + 10, took
+    assert c["weight_sessions_failed"] == 1 and c["swaps"] >= 1, c
+    # version 4's session delivered, to the SIGTERMed engine too (it drained after it)
+    assert delivered[3] == 1.0 and delivered[0] == 1.0, delivered
+    # every version had a session, or none (no engine enrolled: both restarting)
+    assert (
+        c["weight_sessions"] + c["weight_sessions_failed"] + c.get("weight_sessions_empty", 0)
+        == versions
+    ), c
+    assert versions_of(h) == list(range(versions + 1))
+    groups = trained_groups(h)
+    assert len(groups) == len(set(groups))  # nothing trained twice
+    balanced(c, h.cfg)
+    mlflow_balanced(h)
