@@ -310,8 +310,9 @@ class _Loop:
 
     def version(self, version: int, out_dir: Path) -> None:
         """Train version `version` + 1 into `out_dir`: 1. gather its groups (streamed: trained
-        minibatch by minibatch as they come); 2. train (streamed: save); 3. hand it to the
-        publisher; 4. log it and beat."""
+        minibatch by minibatch as they come); 2. train (streamed: save); 3. (weight_sync
+        collective) send it to the engines; 4. hand it to the publisher (which may stall on
+        `checkpoint.max_unpublished`); 5. log it and beat."""
         t_v = time.perf_counter()
         streamed = self._streamed(version)
         batch, metrics = self._gather(version, streamed)
@@ -320,9 +321,9 @@ class _Loop:
         metrics.update(self._train(batch, version, streamed, out_dir))
         if streamed is not None:  # its steps ran while it gathered
             metrics["timing/buffer_wait_s"] -= streamed.seconds
-        metrics["weights/trainer_stall_s"] = self._submit(batch, version, out_dir)
-        if self.wire is not None:  # to the engines now; its files go on behind
+        if self.wire is not None:  # to the engines first: the publisher's backlog never gates it
             metrics.update(self.wire.send(version + 1))
+        metrics["weights/trainer_stall_s"] = self._submit(batch, version, out_dir)
         self.busy += time.perf_counter() - t_busy
         self.state_dir = out_dir
         self._published()

@@ -36,6 +36,10 @@ class WireReceiver:
         self._taken: tuple[int, int] | None = None  # (epoch, version) of the last session taken
         self._read_at = 0.0
         self._last: WireSession | None = None
+        # version -> (its wire name, the per-rank digests it arrived with, whether this engine
+        # checks it against its durable copy); the last few
+        self.delivered: dict[int, tuple[str, tuple[str, ...], bool]] = {}
+        self._verified: set[int] = set()
 
     def enroll(self, engine: RolloutEngine) -> None:
         """Say this worker's engine can take part (its weight-holding ranks); once."""
@@ -106,7 +110,35 @@ class WireReceiver:
         self.sessions.report(
             s, self.name, Report(True, list(stats.digests), time.perf_counter() - t0)
         )
+        names = sorted(s.members)  # one member per version checks it, in turn
+        checks = names[s.version % len(names)] == self.name
+        self.delivered = {v: d for v, d in self.delivered.items() if v > s.version - 4}
+        self.delivered[s.version] = (s.sha, tuple(stats.digests), checks)
         return stats
+
+    def to_verify(self, version: int | None, sha: str | None, manifest_sha256: str) -> bool:
+        """Whether this engine, serving `version` as it came over the wire, is the one to load
+        its durable copy (named by `manifest_sha256`) and compare the digests, not yet done."""
+        d = self.delivered.get(version) if version is not None else None
+        return (
+            d is not None
+            and d[2]
+            and sha == d[0]
+            and manifest_sha256 != sha
+            and version not in self._verified
+        )
+
+    def verified(self, version: int, digests: tuple[str, ...]) -> str:
+        """Record the check of `version`; "" when the durable copy's digests are the wire's,
+        else what differs."""
+        self._verified = {v for v in self._verified if v > version - 4} | {version}
+        wire = self.delivered[version][1]
+        if digests == wire:
+            return ""
+        return (
+            f"{self.name}: version {version} over the wire differs from its durable copy: "
+            f"per-rank digests {list(wire)} over the wire, {list(digests)} from files"
+        )
 
 
 def _fault(name: str, version: int) -> None:

@@ -34,7 +34,7 @@ from moerl.bus.run import Registered
 from moerl.bus.weights import WIRE_PREFIX, same_weights
 from moerl.components.rollout.wire_receive import WireReceiver
 from moerl.config import RunConfig, config_from_json
-from moerl.errors import CheckpointError, ConfigError
+from moerl.errors import CheckpointError, ConfigError, WeightSyncError
 from moerl.launch.podenv import enter_pod
 from moerl.records import Prompt, Sample
 from moerl.store.runs import engine_copy, run_cache, run_store
@@ -557,9 +557,15 @@ class RolloutWorker:
             self._wire.enroll(self._live)
             if not in_flight and self._take_session():
                 return
-        if reg is None or same_weights(
-            reg.version, reg.manifest_sha256, reg.epoch, self.version, self.sha
-        ):
+        if reg is None:
+            return
+        if same_weights(reg.version, reg.manifest_sha256, reg.epoch, self.version, self.sha):
+            if (
+                not in_flight
+                and self._wire is not None
+                and self._wire.to_verify(self.version, self.sha, reg.manifest_sha256)
+            ):
+                self._verify_wire(reg)
             return
         if in_flight and (self.version is None or reg.version <= self.version):
             return  # a rollback (a newer trainer epoch) waits for an idle engine
@@ -645,6 +651,42 @@ class RolloutWorker:
             stats.ranks,
         )
         return True
+
+    def _verify_wire(self, reg: Registered) -> None:
+        """The version this engine took over the wire, now servable from files, and this
+        engine its checker (one member per version, in turn): load the durable copy and compare
+        every rank's digests with the wire's. A mismatch fails the run, naming both."""
+        assert self._wire is not None
+        t0 = time.perf_counter()
+        try:
+            with engine_copy(
+                self.cfg.checkpoint,
+                self.run_id,
+                reg.version,
+                expect_sha256=reg.manifest_sha256,
+                swarm=self._swarm(),
+            ) as model_dir:
+                stats = self._live.swap_weights(
+                    model_dir, version=reg.version, sha=reg.manifest_sha256
+                )
+        except CheckpointError as err:  # not fetchable yet: checked at a later idle moment
+            log.info("%s: cannot check version %d yet: %s", self.name, reg.version, err)
+            return
+        wrong = self._wire.verified(reg.version, tuple(stats.digests))
+        if wrong:
+            self.bus.incr(wire_verify_mismatch=1)
+            log.error(wrong)
+            self.bus.set_failed(wrong)
+            raise WeightSyncError(wrong)
+        self.bus.incr(wire_verified=1)
+        self.sha = self._shas[reg.version] = reg.manifest_sha256
+        log.info(
+            "%s: version %d over the wire equals its durable copy (%d ranks, checked in %.2f s)",
+            self.name,
+            reg.version,
+            stats.ranks,
+            time.perf_counter() - t0,
+        )
 
     def _group_holds(self, reg) -> bool:
         """An engine over several nodes: True once every follower node holds `reg`'s version in

@@ -87,3 +87,23 @@ def test_a_version_over_the_wire_and_its_files_are_one_version():
     assert sha_agrees(known, wire_sha(3, 5)) and sha_agrees(known, "f" * 64)
     assert not sha_agrees(known, wire_sha(2, 5)) and not sha_agrees("f" * 64, wire_sha(3, 5))
     assert sha_agrees(None, "anything")  # a version the trainer does not know: no verdict
+
+
+def test_one_member_per_version_checks_the_wire_against_the_durable_copy(bus):
+    from moerl.components.rollout.wire_receive import WireReceiver
+
+    w0, w1 = WireReceiver(bus, "rollout-0", 0), WireReceiver(bus, "rollout-1", 0)
+    for v in (2, 3):
+        sha = wire_sha(1, v)
+        # as `take` records it: the checker of version v is member v % 2 in name order
+        w0.delivered[v] = (sha, ("a", "b"), v % 2 == 0)
+        w1.delivered[v] = (sha, ("a", "b"), v % 2 == 1)
+    assert w0.to_verify(2, wire_sha(1, 2), "f" * 64) and not w1.to_verify(2, wire_sha(1, 2), "f")
+    assert w1.to_verify(3, wire_sha(1, 3), "f" * 64) and not w0.to_verify(3, wire_sha(1, 3), "f")
+    # not before the files exist (the pointer still names the wire), nor for another version
+    assert not w0.to_verify(2, wire_sha(1, 2), wire_sha(1, 2))
+    assert not w0.to_verify(4, wire_sha(1, 4), "f" * 64)
+    assert w0.verified(2, ("a", "b")) == ""
+    assert not w0.to_verify(2, wire_sha(1, 2), "f" * 64)  # once
+    wrong = w1.verified(3, ("a", "c"))
+    assert "version 3 over the wire differs from its durable copy" in wrong and "'c'" in wrong

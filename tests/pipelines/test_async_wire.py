@@ -49,6 +49,8 @@ def test_a_mesh_sends_every_version_to_every_engine_over_the_wire_and_learns(tmp
     assert m["async/weight_sessions"] == versions
     assert m.get("async/weight_sessions_failed", 0) == 0
     assert m["async/swaps_wire"] == 2 * versions and m["async/swaps"] == 0
+    # checked against the durable copy by one engine per version, when idle on it: equal
+    assert m["async/wire_verified"] >= 1 and m.get("async/wire_verify_mismatch", 0) == 0, m
     assert_balanced(m)
     assert m["async/failed"] == 0 and m["async/stale_dropped"] == 0  # all on-policy
     reward = _history(uri, run_id, "reward/mean")
