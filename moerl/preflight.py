@@ -345,7 +345,8 @@ def scratch_needs(cfg: RunConfig, hf: Mapping[str, Any]) -> list[ScratchNeed]:
         )
     nodes = trainer_nodes(cfg) if cl.launch.mode == "kubernetes" else 1
     kept = 2 if sync else ck.max_unpublished + 2
-    stated = kept if sync or ck.state_every == 1 else 1 + math.ceil((kept - 1) / ck.state_every)
+    every = cfg.resolved.state_every
+    stated = kept if sync or every == 1 else 1 + math.ceil((kept - 1) / every)
     why = "" if sync else f" (checkpoint.max_unpublished {ck.max_unpublished} + 2)"
     needs = [
         cache,

@@ -554,7 +554,7 @@ class Leader(Mesh):
         """Whether the version trained from `version` (version + 1) carries the trainer's state:
         every `checkpoint.state_every`-th, and the run's last."""
         made = version + 1
-        return made % self.cfg.checkpoint.state_every == 0 or made >= self.cfg.pipeline.versions
+        return made % self.cfg.resolved.state_every == 0 or made >= self.cfg.pipeline.versions
 
     def train_version(
         self, samples: list[TrainSample], version: int, out: Path, with_state: bool = False

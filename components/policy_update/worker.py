@@ -217,7 +217,7 @@ def _resume(
             "continuing from its weights and Adam state; the updates of versions %d-%d are lost "
             "(they stay published, their groups consumed)",
             start,
-            cfg.checkpoint.state_every,
+            cfg.resolved.state_every,
             start + 1,
             latest,
         )

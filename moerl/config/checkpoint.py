@@ -99,13 +99,14 @@ class CheckpointConfig(_Section):
     publish of one version and dwarf the machines' clock skew."""
     cache_tier: CacheTierConfig = CacheTierConfig()
     """The cache tier in front of `uri` (none by default; docs/weights.md)."""
-    state_every: int = Field(1, ge=1, le=1000)
+    state_every: int | None = Field(None, ge=1, le=1000)
     """Async trainer: the trainer's state (float32 master weights and Adam, per-rank
     Distributed Checkpoints under trainer/) goes with every this-many-th version and the run's
     last; the others carry engine weights and counters only. A retry resumes from the newest
     durable version with state; the versions after it stay published and their groups consumed,
-    but their updates are lost (at most state_every - 1 versions of training). The sync pipeline
-    saves it with every version (each task continues from the previous one's)."""
+    but their updates are lost (at most state_every - 1 versions of training). null: 1 on one
+    trainer node, else keep_last capped at 4 (the state is 6x the engine weights: its cost in
+    docs/bench-reports/project.md). The sync pipeline saves it with every version."""
     max_unpublished: int = Field(1, ge=1, le=8)
     """Async trainer: versions handed to the publisher and not yet durable; the trainer trains on
     meanwhile and stalls (weights/trainer_stall_s) only when this many are in flight."""

@@ -171,14 +171,12 @@ class RolloutConfig(_Section):
     """How a new policy version reaches the engines' ranks (docs/weights.md, "Weights over the
     wire"). collective: every trainer rank sends its share over its own group (NCCL on cuda, gloo
     on cpu) to every engine rank, through vLLM's weight-transfer API (backend "moerl"); an engine
-    that misses a session loads that version from files, which are published behind as always
-    (async runs on a persistent trainer mesh, between_units, one-node engines). files: the node
-    cache, peers, cache tier and durable store only. auto: files (collective is chosen, not yet
-    picked for you); recorded as the run's moerl.rollout.weight_sync tag."""
+    that misses a session loads that version from files, published behind as always (async, a
+    persistent trainer mesh, between_units, one-node engines). files: the node cache, peers,
+    cache tier and durable store. auto: files; recorded as the moerl.rollout.weight_sync tag."""
     weight_sync_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
-    """weight_sync collective: the deadline of one version's session (joining the groups, and
-    sending and loading a version); past it the session fails, its groups are aborted, and the
-    engines take the version from files."""
+    """weight_sync collective: the deadline of one version's session (joining, sending and
+    loading); past it the session fails and the engines take the version from files."""
     inflight_kv: Literal["recompute", "keep"] = "recompute"
     """weight_update in_flight: the KV cache of the sequences running at a swap. recompute:
     re-prefill them with the new weights (one prefill of the running batch per version); keep:

@@ -119,6 +119,8 @@ class RunResolved:
     local_cores: Literal["split", "shared"]
     """`pipeline.local_cores`: auto is shared where generation and training take turns
     (`buffer.max_staleness` 0, not streamed), else split."""
+    state_every: int
+    """`checkpoint.state_every`: null is 1 on one trainer node, else keep_last capped at 4."""
 
 
 class RunConfig(_Section):
@@ -204,7 +206,18 @@ class RunConfig(_Section):
         cores = self.pipeline.local_cores
         if cores == "auto":  # staleness 0 takes turns, unless streamed (both work at once)
             cores = "shared" if self.buffer.max_staleness == 0 and not stream else "split"
-        return RunResolved(stream=stream, stream_pi_old=self._stream_pi_old(), local_cores=cores)
+        ck, la, par = self.checkpoint, self.cluster.launch, self.trainer.parallelism
+        nodes = la.trainer_nodes
+        if nodes is None:  # as moerl.launch.objects.trainer_nodes counts them
+            gpus = la.gpus_per_node if par.device == "cuda" and la.gpus_per_node > 0 else 0
+            nodes = -(-par.world_size // gpus) if gpus else 1
+        every = ck.state_every or (1 if nodes <= 1 else min(4, ck.keep_last))
+        return RunResolved(
+            stream=stream,
+            stream_pi_old=self._stream_pi_old(),
+            local_cores=cores,
+            state_every=every,
+        )
 
     def _stream_pi_old(self) -> Literal["engine", "proximal"]:
         mode = self.trainer.correction.stream_pi_old
@@ -345,7 +358,7 @@ class RunConfig(_Section):
 
     def _check_budgets(self) -> None:
         """Retention against the resume state, and the reward's time limit against its calls."""
-        if self.checkpoint.state_every > self.checkpoint.keep_last:
+        if (self.checkpoint.state_every or 1) > self.checkpoint.keep_last:
             raise ValueError(
                 f"checkpoint.state_every ({self.checkpoint.state_every}) is more than "
                 f"checkpoint.keep_last ({self.checkpoint.keep_last}): retention could delete the "

@@ -365,10 +365,22 @@ def test_rollout_layout_defaults_follow_the_device():
 def test_state_every_must_not_outrun_retention():
     """A retry resumes from the newest version with the trainer's state: retention must keep
     one, so checkpoint.state_every above keep_last is refused, naming both keys."""
-    assert parse_config({}).checkpoint.state_every == 1
+    assert parse_config({}).checkpoint.state_every is None
+    assert parse_config({}).resolved.state_every == 1  # one trainer node: every version
     assert (
-        parse_config({"checkpoint": {"state_every": 3, "keep_last": 3}}).checkpoint.state_every == 3
+        parse_config({"checkpoint": {"state_every": 3, "keep_last": 3}}).resolved.state_every == 3
     )
+    # a trainer over several nodes (the seed's 16, or 128 H200s at 8 per node): the state, 6x
+    # the engine weights, goes with every keep_last-th version, at most every 4th
+    sixteen = {"cluster": {"launch": {"trainer_nodes": 16}}}
+    assert parse_config(sixteen).resolved.state_every == 3  # keep_last 3
+    wide = {
+        "trainer": {"parallelism": {"device": "cuda", "data_parallel_shard": 128}},
+        "cluster": {"launch": {"gpus_per_node": 8}},
+        "checkpoint": {"keep_last": 10},
+    }
+    assert parse_config(wide).resolved.state_every == 4
+    assert parse_config({**sixteen, "checkpoint": {"state_every": 1}}).resolved.state_every == 1
     with pytest.raises(
         ConfigError, match=r"checkpoint.state_every \(4\) is more than checkpoint.keep_last \(3\)"
     ):

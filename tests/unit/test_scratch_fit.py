@@ -57,10 +57,12 @@ def test_qwen3_235b_on_the_200gi_scratch_is_refused_naming_the_keys_and_figures(
         "cluster.scratch_size 200Gi",
         "allowed: cluster.groups.rollout.scratch_size of at least 1314Gi",
         "or lower checkpoint.cache_keep",
-        # a trainer node: 1/4 of 3 versions, each with 2.8 TB of float32 master weights and Adam
+        # a trainer node: 1/4 of 3 versions, 2 of them with 2.8 TB of float32 master weights and
+        # Adam (4 trainer nodes: checkpoint.state_every resolves to keep_last 3)
         "a trainer node: 1/4 of 3 versions (checkpoint.max_unpublished 1 + 2)",
-        "2,821.1 GB of master weights and Adam (model.dtype float32) needs 2,468.5 GB",
-        "cluster.groups.trainer.scratch_size of at least 2299Gi",
+        "2 of them with 2,821.1 GB of master weights and Adam (model.dtype float32) "
+        "needs 1,763.2 GB",
+        "cluster.groups.trainer.scratch_size of at least 1643Gi",
     ):
         assert part in msg, (part, msg)
     assert e.value.exit_code == 2  # the CLI and start_run exit non-zero with it
