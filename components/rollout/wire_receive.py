@@ -61,11 +61,14 @@ class WireReceiver:
         return self._last
 
     def waiting(self, version: int | None, epoch: int, fresh: bool = False) -> WireSession | None:
-        """The session that names this engine for a version it does not serve yet, not taken."""
+        """The live session that names this engine, not taken yet. Taken even for the version
+        the engine serves (its group forms only with every member), never for an older one."""
         s = self.current(fresh)
         if s is None or s.first_rank(self.name) is None or self._taken == (s.epoch, s.version):
             return None
-        if version is not None and s.version <= version and s.epoch <= epoch:
+        if s.deadline < time.time():
+            return None
+        if version is not None and s.version < version and s.epoch <= epoch:
             return None
         return s
 
