@@ -113,13 +113,16 @@ class WeightSender:
         dtype: torch.dtype | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         deadline_s: float | None = None,
+        keep: list[tuple[str, torch.Tensor]] | None = None,
     ) -> tuple[SendStats | None, str]:
         """`send` that never leaves the mesh's gathers early: a group that failed to form, or
         failed mid-send, stops this rank's writes to it but not its part in the share's
         collectives, so every trainer rank ends the session together (a run's ranks go on to
-        the next step). Returns (stats, "") or (None, why it failed)."""
+        the next step). `keep`: the share as sent (serving dtype, host memory) is appended to
+        it, whatever the group did, for catch-ups (`send_kept`). Returns (stats, "") or (None,
+        why it failed)."""
         if self.pg is None:
-            _Discard.send(model, blocks, layout, mesh)
+            _Discard.send(model, blocks, layout, mesh, keep, dtype)
             return None, "the group did not form"
         t0 = time.perf_counter()
         sink = _Guarded(
@@ -130,7 +133,9 @@ class WeightSender:
                 dtype,
                 bucket_bytes,
                 time.monotonic() + (deadline_s or self.timeout_s),
-            )
+            ),
+            keep,
+            dtype,
         )
         info = send_ep_weights(model, blocks, layout, mesh, sink)
         totals = sink.close()
@@ -150,22 +155,68 @@ class WeightSender:
             "",
         )
 
+    def send_kept(
+        self,
+        session: Session,
+        kept: list[tuple[str, torch.Tensor]],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        deadline_s: float | None = None,
+    ) -> tuple[SendStats | None, str]:
+        """A catch-up: the share this rank kept of an earlier session (`send_in_step`'s
+        `keep`), sent as it was; no collective over the mesh. Returns as `send_in_step`."""
+        if self.pg is None:
+            return None, "the group did not form"
+        t0 = time.perf_counter()
+        sink = FrameSender(
+            self.pg,
+            session,
+            wire_device(self.device, self.backend),
+            None,
+            bucket_bytes,
+            time.monotonic() + (deadline_s or self.timeout_s),
+        )
+        try:
+            for key, t in kept:
+                sink.add(key, t)
+            totals = sink.close()
+        except Exception as err:  # noqa: BLE001 - the catch-up fails, the run goes on
+            self.close()
+            return None, f"{type(err).__name__}: {err}"
+        stats = SendStats(
+            rank=-1,
+            tensors=totals["tensors"],
+            bytes=totals["bytes"],
+            frames=totals["frames"],
+            received=0,
+            seconds=time.perf_counter() - t0,
+            keys=sorted(sink.keys),
+        )
+        return stats, ""
+
     def close(self) -> None:
         if self.pg is not None:
             close_group(self.pg)
             self.pg = None
 
 
+def _keep(keep: list | None, dtype: torch.dtype | None, key: str, t: torch.Tensor) -> None:
+    if keep is not None:  # as the wire sends it: the serving dtype, in host memory
+        keep.append((key, t.detach().to("cpu", dtype or t.dtype, copy=True)))
+
+
 class _Guarded:
     """A FrameSender that keeps its first failure instead of raising it, and drops every write
-    after it (the share's gathers go on: `WeightSender.send_in_step`)."""
+    after it (the share's gathers go on: `WeightSender.send_in_step`); `keep` gets every
+    tensor of the share either way."""
 
-    def __init__(self, sink: FrameSender) -> None:
+    def __init__(self, sink: FrameSender, keep: list | None, dtype: torch.dtype | None) -> None:
         self.sink = sink
+        self.keep, self.dtype = keep, dtype
         self.fallbacks = sink.fallbacks
         self.error: BaseException | None = None
 
     def add(self, key: str, t: torch.Tensor) -> None:
+        _keep(self.keep, self.dtype, key, t)
         if self.error is None:
             try:
                 self.sink.add(key, t)
@@ -182,14 +233,16 @@ class _Guarded:
 
 
 class _Discard:
-    """A rank whose group did not form: its part in the share's gathers, nothing written."""
+    """A rank whose group did not form: its part in the share's gathers, nothing written
+    (`keep` gets the share still)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: list | None, dtype: torch.dtype | None) -> None:
         self.fallbacks: list[int] = []
+        self.keep, self.dtype = keep, dtype
 
     def add(self, key: str, t: torch.Tensor) -> None:
-        pass
+        _keep(self.keep, self.dtype, key, t)
 
     @classmethod
-    def send(cls, model, blocks, layout, mesh) -> None:
-        send_ep_weights(model, blocks, layout, mesh, cls())
+    def send(cls, model, blocks, layout, mesh, keep=None, dtype=None) -> None:
+        send_ep_weights(model, blocks, layout, mesh, cls(keep, dtype))

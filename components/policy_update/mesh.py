@@ -59,7 +59,8 @@ class Command:
     the trainer's state when `state`), step (`trainer.schedule.stream`: minibatch `index` of the version
     trained from `version`, one optimizer step), save (`trainer.schedule.stream`: that version's files
     into `path`), send (`rollout.weight_sync` collective: the version saved last, over the wire to the
-    engines: `Mesh.send_weights`), stop (the run is done), abort (rank 0 failed: every rank exits
+    engines: `Mesh.send_weights`), catchup (the share kept from a session, to engines that
+    started after it: `Mesh.send_kept`), stop (the run is done), abort (rank 0 failed: every rank exits
     non-zero)."""
 
     op: str
@@ -391,6 +392,9 @@ class Mesh:
         self.cfg, self.control, self.run_id = cfg, control, run_id
         self.session: Session | None = None
         self.loads = 0
+        # (version, sha, epoch) -> this rank's share as sent, of the last two weight sessions
+        # (a catch-up serves the newest delivered, which the last may not be)
+        self.kept: dict[tuple[int, str, int], list] = {}
 
     def load(self, path: Path, version: int, at: int) -> float:
         """Load published `version`, laid out in `path` without its state shards, onto this rank
@@ -439,29 +443,17 @@ class Mesh:
         group's rendezvous on its own host (`MOERL_POD_IP` on a cluster) and posts the address
         in the mesh's store; rank 0 then opens the session (`on_addresses`). A group that does
         not form or fails costs only the session (the engines take the version from files):
-        every rank still takes its part in the share's gathers, and the run goes on."""
+        every rank still takes its part in the share's gathers, and the run goes on. The share
+        as sent is kept in host memory for catch-ups (`send_kept`)."""
         import torch
 
-        from moerl.components.policy_update.ep_send import WeightSender
         from moerl.components.redistribute_weights import wire
 
         if self.session is None:
             raise TrainingError("trainer mesh: weights were sent before any state loaded")
-        host = os.environ.get(ENV_POD_IP) or "127.0.0.1"
-        address = wire.GroupAddress(host, wire.free_port(host), 1 + cmd.ranks)
-        self.control.store.set(
-            f"wire/{cmd.epoch}/{cmd.version}/{self.control.rank}", json.dumps(address.as_dict())
-        )
-        device = "cuda" if self.cfg.trainer.parallelism.device == "cuda" else "cpu"
-        sender = WeightSender(address, device, cmd.timeout_s)
-        why = ""
-        try:
-            if on_addresses is not None:
-                on_addresses()
-            sender.join()
-        except Exception as err:  # noqa: BLE001 - the session fails; the run goes on
-            why = f"{type(err).__name__}: {err}"
+        sender, why = self._group(cmd, on_addresses)
         s = self.session
+        kept: list = []
         stats, failed = sender.send_in_step(
             s.model,
             s.ep_blocks,
@@ -470,11 +462,53 @@ class Mesh:
             wire.Session(cmd.version, cmd.sha, cmd.epoch),
             getattr(torch, self.cfg.rollout.resolved.dtype),
             deadline_s=cmd.timeout_s,
+            keep=kept,
         )
+        self.kept = {k: v for k, v in self.kept.items() if k[0] == cmd.version - 1}
+        self.kept[(cmd.version, cmd.sha, cmd.epoch)] = kept
+        return self._sent(cmd, sender, stats, why or failed)
+
+    def send_kept(
+        self, cmd: Command, on_addresses: Callable[[], object] | None = None
+    ) -> dict[str, Any]:
+        """`catchup`: the share kept from version `cmd.version`'s session, to the engines that
+        started after it (no collective over the mesh)."""
+        from moerl.components.redistribute_weights import wire
+
+        sender, why = self._group(cmd, on_addresses)
+        stats, share = None, self.kept.get((cmd.version, cmd.sha, cmd.epoch))
+        if not why and share is None:
+            why = f"this rank kept no share of version {cmd.version}"
+        if not why and share is not None:
+            session = wire.Session(cmd.version, cmd.sha, cmd.epoch)
+            stats, why = sender.send_kept(session, share, deadline_s=cmd.timeout_s)
+        return self._sent(cmd, sender, stats, why)
+
+    def _group(self, cmd: Command, on_addresses: Callable[[], object] | None):
+        """This rank's group for `cmd`'s session: its address posted, rank 0's `on_addresses`
+        run (it opens the session), joined. (sender, why it failed or "")."""
+        from moerl.components.policy_update.ep_send import WeightSender
+        from moerl.components.redistribute_weights import wire
+
+        host = os.environ.get(ENV_POD_IP) or "127.0.0.1"
+        address = wire.GroupAddress(host, wire.free_port(host), 1 + cmd.ranks)
+        self.control.store.set(_address_key(cmd, self.control.rank), json.dumps(address.as_dict()))
+        device = "cuda" if self.cfg.trainer.parallelism.device == "cuda" else "cpu"
+        sender = WeightSender(address, device, cmd.timeout_s)
+        try:
+            if on_addresses is not None:
+                on_addresses()
+            sender.join()
+        except Exception as err:  # noqa: BLE001 - the session fails; the run goes on
+            return sender, f"{type(err).__name__}: {err}"
+        return sender, ""
+
+    def _sent(self, cmd: Command, sender, stats, why: str) -> dict[str, Any]:
         sender.close()
-        why = why or failed
         if why:
-            log.warning("rank %d: version %d not sent: %s", self.control.rank, cmd.version, why)
+            log.warning(
+                "rank %d: version %d not sent (%s): %s", self.control.rank, cmd.version, cmd.op, why
+            )
         return {
             "rank": self.control.rank,
             "sent": stats.bytes if stats else 0,
@@ -485,7 +519,7 @@ class Mesh:
     def addresses(self, cmd: Command) -> list[dict[str, Any]]:
         """Every rank's group address for `cmd`'s session, in rank order, once all are posted
         (bounded by the session's timeout)."""
-        keys = [f"wire/{cmd.epoch}/{cmd.version}/{r}" for r in range(self.control.world)]
+        keys = [_address_key(cmd, r) for r in range(self.control.world)]
         deadline = time.monotonic() + cmd.timeout_s
         while not self.control.store.check(keys):
             if time.monotonic() > deadline:
@@ -597,15 +631,24 @@ class Leader(Mesh):
         return metrics
 
     def send_weights_all(
-        self, version: int, sha: str, epoch: int, ranks: int, open_session: Callable[[list], object]
+        self,
+        version: int,
+        sha: str,
+        epoch: int,
+        ranks: int,
+        open_session: Callable[[list], object],
+        catchup: int = 0,
     ) -> dict[str, Any]:
         """`rollout.weight_sync` collective: every rank sends its share of `version` (the one
         saved last) to `ranks` engine ranks; `open_session(addresses)` opens the session once
-        every rank's group address is known. Returns this rank's result (`Mesh.send_weights`)."""
+        every rank's group address is known. `catchup` n > 0: the n-th catch-up, the share kept
+        from `version`'s session instead (`send_kept`). Returns this rank's result."""
         timeout_s = self.cfg.rollout.weight_sync_timeout_s
         fields = {"version": version, "sha": sha, "epoch": epoch, "ranks": ranks}
-        cmd = self.control.send("send", **fields, timeout_s=timeout_s)
-        return self.send_weights(cmd, lambda: open_session(self.addresses(cmd)))
+        op = "catchup" if catchup else "send"
+        cmd = self.control.send(op, **fields, timeout_s=timeout_s, index=catchup)
+        run = self.send_kept if catchup else self.send_weights
+        return run(cmd, lambda: open_session(self.addresses(cmd)))
 
     def stop(self, error: BaseException | None = None) -> None:
         try:
@@ -632,6 +675,11 @@ def in_process(cfg: RunConfig, run_id: str) -> Iterator[Leader]:
             leader.stop(err)
             raise
         leader.stop()
+
+
+def _address_key(cmd: Command, rank: int) -> str:
+    """Where `rank` posts its group's address for `cmd`'s session (a catch-up: its number)."""
+    return f"wire/{cmd.op}/{cmd.epoch}/{cmd.version}/{cmd.index}/{rank}"
 
 
 def _node_fetch(cfg: RunConfig, run_id: str, cmd: Command, control: Control, base: Path) -> None:
@@ -713,6 +761,8 @@ def follow(cfg: RunConfig, run_id: str, control: Control) -> int:
                 mesh.step(None, cmd.version, cmd.index, cmd.pi_old)
             elif cmd.op == "send":
                 mesh.send_weights(cmd)
+            elif cmd.op == "catchup":
+                mesh.send_kept(cmd)
             elif cmd.op == "save":
                 out = Path(cmd.path)
                 if node != 0:

@@ -361,8 +361,14 @@ class _Loop:
             # gather began: the live map (the publisher's thread only adds to it)
             known if self.stream else dict(known),
             on_chunk=streamed,
-            check=self.publisher.check,
+            check=self._check,
         )
+
+    def _check(self) -> None:
+        """At every loop of a gather: the publisher's failure raised; catch-ups served."""
+        self.publisher.check()
+        if self.wire is not None:
+            self.wire.serve_catchups()
 
     def _train(
         self, batch: Batch, version: int, streamed: Streamed | None, out_dir: Path

@@ -3,8 +3,9 @@ wire"): the worker enrolls its engine in Valkey once it exists; a session that n
 version it does not serve is taken when the engine is idle (the worker stops leasing for it):
 the engine joins the trainer ranks' groups, receives the version (vLLM's weight-transfer API,
 redistribute_weights/collective.py) and reports its per-rank digests, or the failure. A worker
-the session does not name (it enrolled after the session opened) stops leasing while it is more
-than `buffer.max_staleness` versions behind the session, until the files reach it.
+that did not take the newest session (it started after it) asks for that version (a catch-up,
+which the trainer sends from what it kept), for at most `rollout.weight_sync_timeout_s`, then
+loads files; meanwhile it does not lease while more than `buffer.max_staleness` behind.
 """
 
 from __future__ import annotations
@@ -29,13 +30,20 @@ FAULT_ENV = "MOERL_TEST_WIRE_FAULT"  # tests: "NAME:VERSION:SIGNAL:MARKER[;...]"
 
 
 class WireReceiver:
-    def __init__(self, bus: RunBus, name: str, max_staleness: int) -> None:
+    def __init__(
+        self, bus: RunBus, name: str, max_staleness: int, timeout_s: float = 120.0
+    ) -> None:
         self.sessions = WeightSessions(bus)
-        self.name, self.max_staleness = name, max_staleness
+        self.name, self.max_staleness, self.timeout_s = name, max_staleness, timeout_s
+        self.ranks = 0
+        self._asked: tuple[int, int, float] | None = None  # (epoch, version, when) asked for
         self.enrolled = False
-        self._taken: tuple[int, int] | None = None  # (epoch, version) of the last session taken
+        # (kind, epoch, version, deadline) of the last session taken
+        self._taken: tuple[str, int, int, float] | None = None
         self._read_at = 0.0
         self._last: WireSession | None = None
+        self._catchup: WireSession | None = None
+        self._delivered: tuple[int, int] | None = None  # (epoch, version) delivered last
         # version -> (its wire name, the per-rank digests it arrived with, whether this engine
         # checks it against its durable copy); the last few
         self.delivered: dict[int, tuple[str, tuple[str, ...], bool]] = {}
@@ -46,7 +54,8 @@ class WireReceiver:
         if not self.enrolled:
             from moerl.components.redistribute_weights.collective import ranks_of
 
-            self.sessions.enroll(self.name, ranks_of(engine.core))
+            self.ranks = ranks_of(engine.core)
+            self.sessions.enroll(self.name, self.ranks)
             self.enrolled = True
 
     def withdraw(self) -> None:
@@ -58,19 +67,47 @@ class WireReceiver:
         now = time.monotonic()
         if fresh or now - self._read_at > READ_EVERY_S:
             self._last, self._read_at = self.sessions.current(), now
+            self._catchup = self.sessions.current("catchup") if self._asked else None
+            self._delivered = self.sessions.delivered()
         return self._last
 
     def waiting(self, version: int | None, epoch: int, fresh: bool = False) -> WireSession | None:
-        """The live session that names this engine, not taken yet. Taken even for the version
-        the engine serves (its group forms only with every member), never for an older one."""
-        s = self.current(fresh)
-        if s is None or s.first_rank(self.name) is None or self._taken == (s.epoch, s.version):
-            return None
-        if s.deadline < time.time():
-            return None
-        if version is not None and s.version < version and s.epoch <= epoch:
-            return None
-        return s
+        """The live session (or catch-up) that names this engine, not taken yet. Taken even
+        for the version the engine serves (its group forms only with every member), never for
+        an older one."""
+        for s in (self.current(fresh), self._catchup):
+            if s is None or s.first_rank(self.name) is None or s.deadline < time.time():
+                continue
+            if self._taken == (s.kind, s.epoch, s.version, s.deadline):
+                continue
+            if version is not None and s.version < version and s.epoch <= epoch:
+                continue
+            return s
+        return None
+
+    def fleet_on_wire(self) -> bool:
+        """Whether a version was delivered over the wire in this run already."""
+        self.current(fresh=True)
+        return self._delivered is not None
+
+    def catching_up(self, version: int | None, epoch: int) -> bool:
+        """Whether this engine waits for a catch-up: the newest delivered version is newer than
+        it serves and it did not take its session; asked for once, waited on for at most the
+        session timeout (then False: the caller loads files)."""
+        self.current()
+        d = self._delivered
+        if d is None or not self.enrolled:
+            return False
+        (e, v) = d
+        if version is not None and (v <= version or e < epoch):
+            return False
+        if self._taken is not None and (self._taken[1], self._taken[2]) >= (e, v):
+            return False  # it took that session or a newer one and failed: files
+        if self._asked is None or self._asked[:2] != (e, v):
+            self.sessions.request(self.name, self.ranks, v)
+            self._asked = (e, v, time.monotonic())
+            log.info("%s: asking for version %d over the wire (a catch-up)", self.name, v)
+        return time.monotonic() - self._asked[2] < self.timeout_s
 
     def behind(self, version: int | None) -> bool:
         """Not named by the newest session, and further behind it than admission allows: what
@@ -86,7 +123,7 @@ class WireReceiver:
         is unlabelled (engine.version None) if the transfer failed part way."""
         from moerl.components.redistribute_weights.wire import GroupAddress
 
-        self._taken = (s.epoch, s.version)
+        self._taken = (s.kind, s.epoch, s.version, s.deadline)
         t0 = time.perf_counter()
         first = s.first_rank(self.name)
         assert first is not None
@@ -95,7 +132,7 @@ class WireReceiver:
             if left <= 0:
                 raise TimeoutError(f"the session's deadline passed {-left:.1f} s ago")
             engine.join_weight_groups([GroupAddress(**g) for g in s.groups], first, left)
-            _fault(self.name, s.version)
+            _fault(self.name, s.version, after=False)
             stats = engine.receive_weights(
                 s.version, s.sha, s.epoch, max(1.0, s.deadline - time.time())
             )
@@ -113,8 +150,9 @@ class WireReceiver:
         self.sessions.report(
             s, self.name, Report(True, list(stats.digests), time.perf_counter() - t0)
         )
-        names = sorted(s.members)  # one member per version checks it, in turn
-        checks = names[s.version % len(names)] == self.name
+        _fault(self.name, s.version, after=True)
+        names = sorted(s.members)  # one member per version checks it, in turn; a catch-up, each
+        checks = s.kind == "catchup" or names[s.version % len(names)] == self.name
         self.delivered = {v: d for v, d in self.delivered.items() if v > s.version - 4}
         self.delivered[s.version] = (s.sha, tuple(stats.digests), checks)
         return stats
@@ -144,14 +182,18 @@ class WireReceiver:
         )
 
 
-def _fault(name: str, version: int) -> None:
+def _fault(name: str, version: int, after: bool) -> None:
     """Fault tests only: with MOERL_TEST_WIRE_FAULT "NAME:VERSION:SIGNAL:MARKER" set (several
     joined by ';'), worker NAME sends itself SIGNAL (TERM or KILL) once its engine joined the
-    groups of VERSION's session, before the version arrives; once (the marker file)."""
+    groups of VERSION's session, before the version arrives; KILL-AFTER: SIGKILL once it has
+    reported the version (a worker lost between sessions). Once (the marker file)."""
     for spec in filter(None, os.environ.get(FAULT_ENV, "").split(";")):
         want, v, sig, marker = spec.split(":", 3)
         if (want, int(v)) != (name, version) or Path(marker).exists():
             continue
+        if sig.endswith("-AFTER") != after:
+            continue
+        sig = sig.removesuffix("-AFTER")
         Path(marker).write_text(f"{name} SIG{sig} mid-session of version {version}\n")
         log.error("test fault: %s sends itself SIG%s mid-session of version %d", name, sig, version)
         os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))

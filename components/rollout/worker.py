@@ -515,7 +515,7 @@ class RolloutWorker:
         self.transport: dict[str, str] = {}
         # rollout.weight_sync collective: versions by session over the wire (wire_receive.py)
         self._wire = (
-            WireReceiver(bus, name, cfg.buffer.max_staleness)
+            WireReceiver(bus, name, cfg.buffer.max_staleness, cfg.rollout.weight_sync_timeout_s)
             if cfg.rollout.resolved.weight_sync == "collective"
             else None
         )
@@ -551,12 +551,14 @@ class RolloutWorker:
                 # every rank of a group's engine starts on dummy weights and gets each version
                 # by a swap, checked on every rank (the nodes never load a version on their own)
                 self._early_engine(required=True)
-            elif reg is None and self.cfg.rollout.early_engine:
+            elif self.cfg.rollout.early_engine and (reg is None or self._joins_by_wire()):
                 self._early_engine()
         if self._wire is not None and self.engine is not None:
             self._wire.enroll(self._live)
             if not in_flight and self._take_session():
                 return
+            if not in_flight and self._wire.catching_up(self.version, self.epoch):
+                return  # the trainer sends the version the fleet serves; files after a timeout
         if reg is None:
             return
         if same_weights(reg.version, reg.manifest_sha256, reg.epoch, self.version, self.sha):
@@ -623,6 +625,11 @@ class RolloutWorker:
         self._prefetched = {v: s for v, s in self._prefetched.items() if v > reg.version}
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
 
+    def _joins_by_wire(self) -> bool:
+        """A worker that starts while versions go over the wire (a session exists): its engine
+        starts on dummy weights and asks for the fleet's version (a catch-up), not files."""
+        return self._wire is not None and self._wire.fleet_on_wire()
+
     def _take_session(self) -> bool:
         """`rollout.weight_sync` collective, the engine idle: take the session that names it
         for a newer version (wire_receive.py). True once the engine serves that version."""
@@ -643,9 +650,10 @@ class RolloutWorker:
         self.bus.incr(swaps_wire=1)
         self.bus.heartbeat(self.name, last_swap_s=time.perf_counter() - t0)
         log.info(
-            "%s: version %d over the wire in %.2f s (%d tensors on %d ranks)",
+            "%s: version %d over the wire (%s) in %.2f s (%d tensors on %d ranks)",
             self.name,
             s.version,
+            s.kind,
             stats.seconds,
             stats.tensors,
             stats.ranks,

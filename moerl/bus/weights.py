@@ -1,6 +1,8 @@
 """The collective weight path's control plane in Valkey (docs/weights.md, "Weights over the
 wire"): the engines that can take part (`enroll`), one session per version opened by the
-trainer and fenced by its epoch (`open`), and what each engine reports (`report`).
+trainer and fenced by its epoch (`open`), what each engine reports (`report`), and catch-ups:
+an engine that started after the newest session asks for its version (`request`), which the
+trainer sends from what it kept of that session (kind "catchup").
 
 A version delivered over the wire is known by `wire_sha(epoch, version)` until its manifest
 exists: the store claims each version create-only under the trainer's epoch, so (epoch, version)
@@ -59,6 +61,7 @@ class WireSession:
     groups: list[dict[str, Any]]  # wire.GroupAddress.as_dict, in trainer rank order
     members: dict[str, int]  # engine (worker name) -> its first rank among the engine ranks
     deadline: float  # Unix time
+    kind: str = "session"  # or "catchup": a version already delivered, for engines that joined
 
     def first_rank(self, name: str) -> int | None:
         return self.members.get(name)
@@ -89,8 +92,8 @@ class WeightSessions:
     def withdraw(self, name: str) -> None:
         self.r.hdel(self.bus.key("wire:engines"), name)
 
-    def current(self) -> WireSession | None:
-        raw = self.r.hgetall(self.bus.key("wire:session"))
+    def current(self, kind: str = "session") -> WireSession | None:
+        raw = self.r.hgetall(self.bus.key(f"wire:{kind}"))
         if not raw:
             return None
         return WireSession(
@@ -100,10 +103,32 @@ class WeightSessions:
             groups=json.loads(raw["groups"]),
             members={k: int(v) for k, v in json.loads(raw["members"]).items()},
             deadline=float(raw["deadline"]),
+            kind=kind,
         )
 
+    def set_delivered(self, s: WireSession) -> None:
+        """`s` was delivered: the version a catch-up may ask for."""
+        self.r.hset(
+            self.bus.key("wire:delivered"), mapping={"version": s.version, "epoch": s.epoch}
+        )
+
+    def delivered(self) -> tuple[int, int] | None:
+        """(epoch, version) of the newest session delivered."""
+        raw = self.r.hgetall(self.bus.key("wire:delivered"))
+        return (int(raw["epoch"]), int(raw["version"])) if raw else None
+
+    def request(self, name: str, ranks: int, version: int) -> None:
+        """Engine `name` (`ranks` weight ranks), not in the newest session, asks for `version`."""
+        self.r.hset(
+            self.bus.key("wire:requests"), name, json.dumps({"ranks": ranks, "version": version})
+        )
+
+    def _key(self, s: WireSession) -> str:
+        # the deadline tells two catch-ups of one version apart
+        return self.bus.key(f"wire:reports:{s.kind}:{s.epoch}:{s.version}:{s.deadline:.3f}")
+
     def report(self, s: WireSession, name: str, rep: Report) -> None:
-        key = self.bus.key(f"wire:reports:{s.epoch}:{s.version}")
+        key = self._key(s)
         self.r.hset(key, name, json.dumps(rep.__dict__))
         self.r.expire(key, REPORT_TTL_S)
 
@@ -114,6 +139,17 @@ class WeightSessions:
         alive = set(self.bus.alive())
         return {n: int(json.loads(v)["ranks"]) for n, v in sorted(raw.items()) if n in alive}
 
+    def requests(self) -> dict[str, tuple[int, int]]:
+        """The catch-ups asked for: engine -> (its ranks, the version it wants)."""
+        raw = self.r.hgetall(self.bus.key("wire:requests"))
+        return {
+            n: (int(json.loads(v)["ranks"]), int(json.loads(v)["version"])) for n, v in raw.items()
+        }
+
+    def answered(self, names: list[str]) -> None:
+        if names:
+            self.r.hdel(self.bus.key("wire:requests"), *names)
+
     def open(
         self,
         epoch: int,
@@ -121,12 +157,15 @@ class WeightSessions:
         groups: list[dict[str, Any]],
         members: Mapping[str, int],
         deadline: float,
+        kind: str = "session",
     ) -> WireSession:
         """Open the session of `version` (FencedError if `epoch` is not the run's trainer's)."""
-        s = WireSession(version, wire_sha(epoch, version), epoch, groups, dict(members), deadline)
+        s = WireSession(
+            version, wire_sha(epoch, version), epoch, groups, dict(members), deadline, kind
+        )
         done = int(
             self._open(
-                keys=[self.bus.key("wire:session"), self.bus.key("trainer_epoch")],
+                keys=[self.bus.key(f"wire:{kind}"), self.bus.key("trainer_epoch")],
                 args=[
                     version,
                     s.sha,
@@ -143,7 +182,7 @@ class WeightSessions:
         return s
 
     def reports(self, s: WireSession) -> dict[str, Report]:
-        raw = self.r.hgetall(self.bus.key(f"wire:reports:{s.epoch}:{s.version}"))
+        raw = self.r.hgetall(self._key(s))
         return {n: Report(**json.loads(v)) for n, v in raw.items()}
 
     def wait_reports(self, s: WireSession, poll_s: float = 0.05) -> dict[str, Report]:

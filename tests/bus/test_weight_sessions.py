@@ -107,3 +107,31 @@ def test_one_member_per_version_checks_the_wire_against_the_durable_copy(bus):
     assert not w0.to_verify(2, wire_sha(1, 2), "f" * 64)  # once
     wrong = w1.verified(3, ("a", "c"))
     assert "version 3 over the wire differs from its durable copy" in wrong and "'c'" in wrong
+
+
+def test_a_worker_that_missed_the_sessions_asks_once_for_the_delivered_version(bus):
+    from moerl.components.rollout.wire_receive import WireReceiver
+
+    ws = WeightSessions(bus)
+    epoch = bus.claim_trainer("t")
+    joiner = WireReceiver(bus, "rollout-2", 0, timeout_s=0.5)
+    joiner.enrolled, joiner.ranks = True, 2  # as `enroll` leaves it once its engine is up
+    assert not joiner.catching_up(None, 0)  # nothing delivered over the wire yet: files
+    s = ws.open(epoch, 4, GROUPS, {"rollout-0": 0}, time.time() + 30)
+    ws.set_delivered(s)
+    assert ws.delivered() == (epoch, 4)
+    joiner.current(fresh=True)  # the worker reads the keys afresh at every idle check
+    assert joiner.catching_up(None, 0)
+    assert joiner.catching_up(None, 0)  # asked once, waited on
+    assert ws.requests() == {"rollout-2": (2, 4)}
+    assert not joiner.catching_up(4, epoch)  # it serves it already
+    time.sleep(0.6)
+    assert not joiner.catching_up(None, 0)  # nobody answered within the timeout: files
+    # the trainer's catch-up names it; its reports are apart from the session's
+    c = ws.open(epoch, 4, GROUPS, {"rollout-2": 0}, time.time() + 30, kind="catchup")
+    assert ws.current("catchup") == c and ws.current() == s
+    assert joiner.waiting(None, 0, fresh=True) == c
+    ws.report(c, "rollout-2", Report(True, ["a"], 0.1))
+    assert ws.reports(s) == {} and list(ws.reports(c)) == ["rollout-2"]
+    ws.answered(["rollout-2"])
+    assert ws.requests() == {}

@@ -94,3 +94,33 @@ def test_an_engine_signalled_mid_session_costs_at_most_that_session(tmp_path, mo
     assert len(groups) == len(set(groups))  # nothing trained twice
     balanced(c, h.cfg)
     mlflow_balanced(h)
+
+
+def test_an_engine_that_joins_mid_run_catches_up_over_the_wire(tmp_path, monkeypatch):
+    versions = 6
+    lost = tmp_path / "lost"
+    # rollout-1 dies between sessions, just after it took version 2; its successor (a worker
+    # joining the run) starts its engine on dummy weights and asks for the fleet's version
+    monkeypatch.setenv(FAULT_ENV, f"rollout-1:2:KILL-AFTER:{lost}")
+    h = Harness(
+        tmp_path,
+        f"pipeline.versions={versions}",
+        "rollout.workers=2",
+        "rollout.weight_sync=collective",
+        "rollout.weight_sync_timeout_s=20",
+    )
+    c = h.go()
+    assert lost.is_file()
+    w1 = h.run.children["rollout-1"]
+    assert w1.exits[0] == -9 and w1.starts >= 2
+    # the trainer sent it the version the fleet served, from the share each rank kept
+    assert c["weight_catchups"] >= 1 and c.get("weight_catchups_failed", 0) == 0, c
+    log = (h.run.logs / "rollout-1.log").read_text()
+    assert "over the wire (catchup)" in log, log[-3000:]
+    # checked against its durable copy (a catch-up is always checked): equal
+    assert c["wire_verified"] >= 1 and c.get("wire_verify_mismatch", 0) == 0, c
+    assert versions_of(h) == list(range(versions + 1))
+    groups = trained_groups(h)
+    assert len(groups) == len(set(groups))
+    balanced(c, h.cfg)
+    mlflow_balanced(h)
