@@ -49,7 +49,8 @@ class WireSender:
     def send(self, version: int) -> dict[str, float]:
         """One session for `version` (saved by the mesh just before); its metrics."""
         t0 = time.perf_counter()
-        members = self.sessions.members()
+        enrolled = self.sessions.enrolled()
+        members = {n: r for n, (r, _) in enrolled.items()}
         first, ranks = self._members(members)
         metrics = {"weights/wire_engines": float(len(members)), "weights/wire_delivered": 0.0}
         if not members:
@@ -61,7 +62,14 @@ class WireSender:
 
         def open_session(addresses: list) -> None:
             opened.append(
-                self.sessions.open(self.epoch, version, addresses, first, time.time() + timeout_s)
+                self.sessions.open(
+                    self.epoch,
+                    version,
+                    addresses,
+                    first,
+                    time.time() + timeout_s,
+                    nonces={n: nonce for n, (_, nonce) in enrolled.items()},
+                )
             )
 
         mine = self.mesh.send_weights_all(
@@ -95,7 +103,7 @@ class WireSender:
         )
         return metrics
 
-    def serve_catchups(self, every_s: float = 0.5) -> None:
+    def serve_catchups(self, every_s: float = 0.1) -> None:
         """Send the newest delivered version to the engines that asked for it (enrolled and
         alive), at most every `every_s`; a failure is counted, never raised."""
         now = time.monotonic()
@@ -103,12 +111,17 @@ class WireSender:
             return
         self._looked_at = now
         last = self.last
-        alive = self.sessions.members()
-        wanted = {
-            n: ranks
-            for n, (ranks, v) in self.sessions.requests().items()
-            if v == last.version and n in alive
+        requests = self.sessions.requests()  # one read; the engines only when one asks
+        if not requests:
+            return
+        enrolled = self.sessions.enrolled()
+        # an engine enrolled now, asking as that process (its nonce), for the version kept
+        asks = {
+            n: (ranks, nonce)
+            for n, (ranks, v, nonce) in requests.items()
+            if v == last.version and enrolled.get(n, (0, None))[1] == nonce
         }
+        wanted = {n: ranks for n, (ranks, _) in asks.items()}
         if not wanted:
             return
         first, ranks = self._members(wanted)
@@ -124,6 +137,7 @@ class WireSender:
                     first,
                     time.time() + timeout_s,
                     kind="catchup",
+                    nonces={n: nonce for n, (_, nonce) in asks.items()},
                 )
             )
 

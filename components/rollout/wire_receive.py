@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ class WireReceiver:
         self.sessions = WeightSessions(bus)
         self.name, self.max_staleness, self.timeout_s = name, max_staleness, timeout_s
         self.ranks = 0
+        self.nonce = uuid.uuid4().hex  # this process's: a restart is another engine
         self._asked: tuple[int, int, float] | None = None  # (epoch, version, when) asked for
         self.enrolled = False
         # (kind, epoch, version, deadline) of the last session taken
@@ -55,7 +57,7 @@ class WireReceiver:
             from moerl.components.redistribute_weights.collective import ranks_of
 
             self.ranks = ranks_of(engine.core)
-            self.sessions.enroll(self.name, self.ranks)
+            self.sessions.enroll(self.name, self.ranks, self.nonce)
             self.enrolled = True
 
     def withdraw(self) -> None:
@@ -76,7 +78,9 @@ class WireReceiver:
         for the version the engine serves (its group forms only with every member), never for
         an older one."""
         for s in (self.current(fresh), self._catchup):
-            if s is None or s.first_rank(self.name) is None or s.deadline < time.time():
+            if s is None or s.deadline < time.time():
+                continue
+            if s.first_rank(self.name, self.nonce) is None:
                 continue
             if self._taken == (s.kind, s.epoch, s.version, s.deadline):
                 continue
@@ -104,7 +108,7 @@ class WireReceiver:
         if self._taken is not None and (self._taken[1], self._taken[2]) >= (e, v):
             return False  # it took that session or a newer one and failed: files
         if self._asked is None or self._asked[:2] != (e, v):
-            self.sessions.request(self.name, self.ranks, v)
+            self.sessions.request(self.name, self.ranks, v, self.nonce)
             self._asked = (e, v, time.monotonic())
             log.info("%s: asking for version %d over the wire (a catch-up)", self.name, v)
         return time.monotonic() - self._asked[2] < self.timeout_s
@@ -113,7 +117,7 @@ class WireReceiver:
         """Not named by the newest session, and further behind it than admission allows: what
         this engine would generate now is stale."""
         s = self.current()
-        if s is None or s.first_rank(self.name) is not None:
+        if s is None or s.first_rank(self.name, self.nonce) is not None:
             return False
         return version is None or s.version - version > self.max_staleness
 
@@ -125,7 +129,7 @@ class WireReceiver:
 
         self._taken = (s.kind, s.epoch, s.version, s.deadline)
         t0 = time.perf_counter()
-        first = s.first_rank(self.name)
+        first = s.first_rank(self.name, self.nonce)
         assert first is not None
         try:
             left = s.deadline - time.time()
@@ -151,6 +155,9 @@ class WireReceiver:
             s, self.name, Report(True, list(stats.digests), time.perf_counter() - t0)
         )
         _fault(self.name, s.version, after=True)
+        if self._asked is not None:  # served: a catch-up asked for is not wanted any more
+            self.sessions.answered([self.name])
+            self._asked = None
         names = sorted(s.members)  # one member per version checks it, in turn; a catch-up, each
         checks = s.kind == "catchup" or names[s.version % len(names)] == self.name
         self.delivered = {v: d for v, d in self.delivered.items() if v > s.version - 4}
@@ -195,5 +202,7 @@ def _fault(name: str, version: int, after: bool) -> None:
             continue
         sig = sig.removesuffix("-AFTER")
         Path(marker).write_text(f"{name} SIG{sig} mid-session of version {version}\n")
-        log.error("test fault: %s sends itself SIG%s mid-session of version %d", name, sig, version)
+        log.error(
+            "test fault: %s sends itself SIG%s in the session of version %d", name, sig, version
+        )
         os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moerl.bus.client import FencedError
@@ -23,13 +23,13 @@ from moerl.bus.client import FencedError
 WIRE_PREFIX = "wire-"
 REPORT_TTL_S = 3600
 
-# KEYS: the session hash, trainer_epoch. ARGV: version, sha, epoch, groups, members, deadline.
-# Idempotent by itself (a resend writes the same fields).
+# KEYS: the session hash, trainer_epoch. ARGV: version, sha, epoch, groups, members, deadline,
+# nonces. Idempotent by itself (a resend writes the same fields).
 _OPEN = """
 if redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'sha', ARGV[2], 'epoch', ARGV[3],
-           'groups', ARGV[4], 'members', ARGV[5], 'deadline', ARGV[6])
+           'groups', ARGV[4], 'members', ARGV[5], 'deadline', ARGV[6], 'nonces', ARGV[7])
 return 1
 """
 
@@ -62,8 +62,13 @@ class WireSession:
     members: dict[str, int]  # engine (worker name) -> its first rank among the engine ranks
     deadline: float  # Unix time
     kind: str = "session"  # or "catchup": a version already delivered, for engines that joined
+    # member -> the nonce it enrolled with: a restarted worker of the same name is not its
+    # predecessor, whose sessions it must not join
+    nonces: dict[str, str] = field(default_factory=dict)
 
-    def first_rank(self, name: str) -> int | None:
+    def first_rank(self, name: str, nonce: str | None = None) -> int | None:
+        if nonce is not None and self.nonces.get(name, nonce) != nonce:
+            return None
         return self.members.get(name)
 
 
@@ -85,9 +90,11 @@ class WeightSessions:
         self._open = Script(self.r, _OPEN)
 
     # -- the engines' side ----------------------------------------------------------------
-    def enroll(self, name: str, ranks: int) -> None:
-        """Engine `name` (a rollout worker's) can take part, with `ranks` weight-holding ranks."""
-        self.r.hset(self.bus.key("wire:engines"), name, json.dumps({"ranks": int(ranks)}))
+    def enroll(self, name: str, ranks: int, nonce: str = "") -> None:
+        """Engine `name` (a rollout worker's) can take part, with `ranks` weight-holding ranks;
+        `nonce`: this process's, which the sessions naming it carry."""
+        value = json.dumps({"ranks": int(ranks), "nonce": nonce})
+        self.r.hset(self.bus.key("wire:engines"), name, value)
 
     def withdraw(self, name: str) -> None:
         self.r.hdel(self.bus.key("wire:engines"), name)
@@ -104,6 +111,7 @@ class WeightSessions:
             members={k: int(v) for k, v in json.loads(raw["members"]).items()},
             deadline=float(raw["deadline"]),
             kind=kind,
+            nonces=json.loads(raw.get("nonces") or "{}"),
         )
 
     def set_delivered(self, s: WireSession) -> None:
@@ -117,11 +125,11 @@ class WeightSessions:
         raw = self.r.hgetall(self.bus.key("wire:delivered"))
         return (int(raw["epoch"]), int(raw["version"])) if raw else None
 
-    def request(self, name: str, ranks: int, version: int) -> None:
-        """Engine `name` (`ranks` weight ranks), not in the newest session, asks for `version`."""
-        self.r.hset(
-            self.bus.key("wire:requests"), name, json.dumps({"ranks": ranks, "version": version})
-        )
+    def request(self, name: str, ranks: int, version: int, nonce: str = "") -> None:
+        """Engine `name` (`ranks` weight ranks, enrolled with `nonce`), not in the newest
+        session, asks for `version`."""
+        value = json.dumps({"ranks": ranks, "version": version, "nonce": nonce})
+        self.r.hset(self.bus.key("wire:requests"), name, value)
 
     def _key(self, s: WireSession) -> str:
         # the deadline tells two catch-ups of one version apart
@@ -135,16 +143,26 @@ class WeightSessions:
     # -- the trainer's side ---------------------------------------------------------------
     def members(self) -> dict[str, int]:
         """The enrolled engines that are alive now, with their ranks, in name order."""
+        return {n: ranks for n, (ranks, _) in self.enrolled().items()}
+
+    def enrolled(self) -> dict[str, tuple[int, str]]:
+        """The enrolled engines alive now: (ranks, nonce), in name order."""
         raw = self.r.hgetall(self.bus.key("wire:engines"))
         alive = set(self.bus.alive())
-        return {n: int(json.loads(v)["ranks"]) for n, v in sorted(raw.items()) if n in alive}
+        out = {}
+        for n, v in sorted(raw.items()):
+            if n in alive:
+                e = json.loads(v)
+                out[n] = (int(e["ranks"]), str(e.get("nonce", "")))
+        return out
 
-    def requests(self) -> dict[str, tuple[int, int]]:
-        """The catch-ups asked for: engine -> (its ranks, the version it wants)."""
-        raw = self.r.hgetall(self.bus.key("wire:requests"))
-        return {
-            n: (int(json.loads(v)["ranks"]), int(json.loads(v)["version"])) for n, v in raw.items()
-        }
+    def requests(self) -> dict[str, tuple[int, int, str]]:
+        """The catch-ups asked for: engine -> (its ranks, the version it wants, its nonce)."""
+        out = {}
+        for n, v in self.r.hgetall(self.bus.key("wire:requests")).items():
+            e = json.loads(v)
+            out[n] = (int(e["ranks"]), int(e["version"]), str(e.get("nonce", "")))
+        return out
 
     def answered(self, names: list[str]) -> None:
         if names:
@@ -158,10 +176,18 @@ class WeightSessions:
         members: Mapping[str, int],
         deadline: float,
         kind: str = "session",
+        nonces: Mapping[str, str] | None = None,
     ) -> WireSession:
         """Open the session of `version` (FencedError if `epoch` is not the run's trainer's)."""
         s = WireSession(
-            version, wire_sha(epoch, version), epoch, groups, dict(members), deadline, kind
+            version,
+            wire_sha(epoch, version),
+            epoch,
+            groups,
+            dict(members),
+            deadline,
+            kind,
+            dict(nonces or {}),
         )
         done = int(
             self._open(
@@ -173,6 +199,7 @@ class WeightSessions:
                     json.dumps(groups),
                     json.dumps(s.members),
                     deadline,
+                    json.dumps(s.nonces),
                 ],
             )
         )
@@ -185,11 +212,14 @@ class WeightSessions:
         raw = self.r.hgetall(self._key(s))
         return {n: Report(**json.loads(v)) for n, v in raw.items()}
 
-    def wait_reports(self, s: WireSession, poll_s: float = 0.05) -> dict[str, Report]:
-        """Every member's report, or those in by the session's deadline (a missing one failed)."""
+    def wait_reports(
+        self, s: WireSession, poll_s: float = 0.05, grace_s: float = 2.0
+    ) -> dict[str, Report]:
+        """Every member's report, or those in by the session's deadline and `grace_s` (for the
+        failures found at the deadline itself); a missing one failed."""
         while True:
             got = self.reports(s)
-            if set(s.members) <= set(got) or time.time() > s.deadline:
+            if set(s.members) <= set(got) or time.time() > s.deadline + grace_s:
                 return got
             time.sleep(poll_s)
 
