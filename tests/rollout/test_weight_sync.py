@@ -6,8 +6,9 @@ every trainer rank over its own group.
 - every version's per-rank digests equal those of the same engine after a hot swap from the
   version's durable copy (itself bit-identical to a fresh load: tests/rollout/test_hotswap.py),
   and so do the engines' probe logprobs;
-- each trainer rank sends exactly its share (the bytes it writes to its own files), the shares
-  together are the whole checkpoint once, and no rank's share is the whole model;
+- each trainer rank sends exactly its share (the bytes it writes to its own files) and receives
+  by its gathers exactly what the file export's do, the shares together are the whole checkpoint
+  once, and no rank's share is the whole model;
 - a trainer rank SIGKILLed mid-send fails the session within its deadline on every engine rank
   (never hangs one), the engines are unlabelled, take the version from files, and join a fresh
   group for the next version.
@@ -86,6 +87,9 @@ def test_versions_sent_by_session_equal_their_durable_copies(ckpt, engines, gloo
     for v_index, v in enumerate((1, 2)):
         ranks = [r[v_index] for r in sent]
         assert all(r["version"] == v and r["sent"] == r["written"] > 0 for r in ranks)
+        # and received by its gathers no more than the file export's gathers bring it
+        assert all(r["received"] == r["export_received"] for r in ranks)
+        assert any(r["received"] > 0 for r in ranks)  # the dense tensors' FSDP shards
         assert sum(r["sent"] for r in ranks) == ranks[0]["total"]
         assert all(r["sent"] < ranks[0]["total"] for r in ranks)
         keys = [k for r in ranks for k in r["keys"]]

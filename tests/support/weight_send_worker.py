@@ -98,6 +98,8 @@ def send_versions(
                     "frames": stats.frames,
                     "keys": stats.keys,
                     "written": export.bytes_written[rank],
+                    "received": stats.received,
+                    "export_received": export.bytes_received[rank],
                     "total": export.total_bytes,
                     "expected": sorted(expected_keys(blocks, layout)),
                 }
