@@ -452,6 +452,7 @@ class Mesh:
         if self.session is None:
             raise TrainingError("trainer mesh: weights were sent before any state loaded")
         sender, why = self._group(cmd, on_addresses)
+        _fault(self.control.rank, cmd.version, op="send")
         s = self.session
         kept: list = []
         stats, failed = sender.send_in_step(
@@ -702,14 +703,18 @@ def _loaded(base: Path, version: int) -> Path:
 FAULT_ENV = "MOERL_TEST_MESH_KILL"  # tests: "RANK:VERSION:MARKER", see `_fault`
 
 
-def _fault(rank: int, version: int) -> None:
+def _fault(rank: int, version: int, op: str = "train") -> None:
     """Fault tests only: with MOERL_TEST_MESH_KILL "RANK:VERSION:MARKER" set, rank RANK SIGKILLs
     itself as it starts training on version VERSION's batch (every other rank is then inside
-    that version's collectives), once: the marker file records that it did."""
+    that version's collectives), once: the marker file records that it did. "send:RANK:..."
+    instead: once it has joined its weight group for version VERSION, before sending."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return
+    want_op, spec = ("send", spec[5:]) if spec.startswith("send:") else ("train", spec)
     want_rank, want_version, marker = spec.split(":", 2)
+    if want_op != op:
+        return
     if (int(want_rank), int(want_version)) != (rank, version) or Path(marker).exists():
         return
     Path(marker).write_text(f"rank {rank} killed at version {version}\n")

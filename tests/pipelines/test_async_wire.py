@@ -6,8 +6,9 @@ store, MLflow), every version after 0 sent by session over gloo groups:
   wire, none from files; the task learns; the counters balance;
 - faults: a worker SIGTERMed mid-session finishes the session (the others with it), then drains
   and comes back; a worker SIGKILLed mid-session fails that session within its deadline, the
-  live engine takes the version from files, and the next sessions deliver again; nothing is
-  trained twice.
+  live engine takes the version from files, and the next sessions deliver again; a trainer rank
+  SIGKILLed mid-send fails the session, the mesh resumes, nothing is trained twice;
+- a worker that joins mid-run gets its first version over the wire (a catch-up).
 
 Nightly: each is a whole run (docs/testing.md). What these do not show: NCCL, EFA, several
 machines (docs/verified.md)."""
@@ -17,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from moerl import tracking
+from moerl.components.policy_update.mesh import FAULT_ENV as MESH_FAULT_ENV
 from moerl.components.rollout.wire_receive import FAULT_ENV
 from tests.support.async_runs import assert_balanced, run_async_cli
 from tests.support.fault_runs import Harness, balanced, mlflow_balanced, trained_groups, versions_of
@@ -137,5 +139,37 @@ def test_an_engine_that_joins_mid_run_catches_up_over_the_wire(tmp_path):
     assert versions_of(h) == list(range(versions + 1))
     groups = trained_groups(h)
     assert len(groups) == len(set(groups))
+    balanced(c, h.cfg)
+    mlflow_balanced(h)
+
+
+def test_a_trainer_rank_killed_mid_send_fails_the_session_and_nothing_is_trained_twice(
+    tmp_path, monkeypatch
+):
+    versions = 4
+    marker = tmp_path / "killed"
+    # trainer rank 1 dies once it has joined its weight group for version 2, before sending
+    monkeypatch.setenv(MESH_FAULT_ENV, f"send:1:2:{marker}")
+    h = Harness(
+        tmp_path,
+        "trainer.parallelism.expert_parallel_size=2",
+        f"pipeline.versions={versions}",
+        "rollout.workers=2",
+        "rollout.weight_sync=collective",
+        "rollout.weight_sync_timeout_s=20",
+    )
+    c = h.go()
+    assert marker.is_file()
+    trainer = h.run.children["trainer"]
+    assert trainer.starts == 2 and trainer.exits[-1] == 0  # the mesh failed, its retry resumed
+    # the engines' receive failed (the session never completed), they were unlabelled and took
+    # a version from files (beyond each worker's version 0); the retried trainer's sessions
+    # delivered again
+    from_files = sum(v for k, v in c.items() if k.startswith("weights_from_"))
+    assert c["weight_sessions_missed"] >= 1 and from_files > 2, c
+    assert c["weight_sessions"] >= 1, c
+    assert versions_of(h) == list(range(versions + 1))
+    groups = trained_groups(h)
+    assert len(groups) == len(set(groups))  # nothing trained twice
     balanced(c, h.cfg)
     mlflow_balanced(h)
