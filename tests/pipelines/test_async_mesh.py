@@ -59,6 +59,8 @@ def test_a_two_node_mesh_keeps_its_ranks_for_the_run_and_learns(tmp_path):
         *(f"trainer.parallelism.{k}" for k in ("expert_parallel_size=2", "data_parallel_shard=2")),
         "trainer.parallelism.launcher=torchrun",
         "cluster.launch.trainer_nodes=2",
+        # every version with the trainer's state (null resolves to keep_last on two nodes)
+        "checkpoint.state_every=1",
         timeout=1200,
     )
     run_id = run.info.run_id
