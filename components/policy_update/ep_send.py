@@ -79,29 +79,14 @@ class WeightSender:
         if self.pg is None:
             raise WeightSyncError("weight transfer: send before the group was joined")
         t0 = time.perf_counter()
-        sink = FrameSender(
-            self.pg,
-            session,
-            wire_device(self.device, self.backend),
-            dtype,
-            bucket_bytes,
-            time.monotonic() + (deadline_s or self.timeout_s),
-        )
+        sink = self._sink(session, dtype, bucket_bytes, deadline_s)
         try:
             info = send_ep_weights(model, blocks, layout, mesh, sink)
             totals = sink.close()
         except BaseException:
             self.close()
             raise
-        return SendStats(
-            rank=int(info["rank"]),
-            tensors=totals["tensors"],
-            bytes=totals["bytes"],
-            frames=totals["frames"],
-            received=int(info["received"]),
-            seconds=time.perf_counter() - t0,
-            keys=sorted(sink.keys),
-        )
+        return _stats(totals, sink.keys, t0, int(info["rank"]), int(info["received"]))
 
     def send_in_step(
         self,
@@ -125,35 +110,13 @@ class WeightSender:
             _Discard.send(model, blocks, layout, mesh, keep, dtype)
             return None, "the group did not form"
         t0 = time.perf_counter()
-        sink = _Guarded(
-            FrameSender(
-                self.pg,
-                session,
-                wire_device(self.device, self.backend),
-                dtype,
-                bucket_bytes,
-                time.monotonic() + (deadline_s or self.timeout_s),
-            ),
-            keep,
-            dtype,
-        )
+        sink = _Guarded(self._sink(session, dtype, bucket_bytes, deadline_s), keep, dtype)
         info = send_ep_weights(model, blocks, layout, mesh, sink)
         totals = sink.close()
         if sink.error is not None:
             self.close()
             return None, f"{type(sink.error).__name__}: {sink.error}"
-        return (
-            SendStats(
-                rank=int(info["rank"]),
-                tensors=totals["tensors"],
-                bytes=totals["bytes"],
-                frames=totals["frames"],
-                received=int(info["received"]),
-                seconds=time.perf_counter() - t0,
-                keys=sorted(sink.sink.keys),
-            ),
-            "",
-        )
+        return _stats(totals, sink.sink.keys, t0, int(info["rank"]), int(info["received"])), ""
 
     def send_kept(
         self,
@@ -167,14 +130,7 @@ class WeightSender:
         if self.pg is None:
             return None, "the group did not form"
         t0 = time.perf_counter()
-        sink = FrameSender(
-            self.pg,
-            session,
-            wire_device(self.device, self.backend),
-            None,
-            bucket_bytes,
-            time.monotonic() + (deadline_s or self.timeout_s),
-        )
+        sink = self._sink(session, None, bucket_bytes, deadline_s)
         try:
             for key, t in kept:
                 sink.add(key, t)
@@ -182,21 +138,43 @@ class WeightSender:
         except Exception as err:  # noqa: BLE001 - the catch-up fails, the run goes on
             self.close()
             return None, f"{type(err).__name__}: {err}"
-        stats = SendStats(
-            rank=-1,
-            tensors=totals["tensors"],
-            bytes=totals["bytes"],
-            frames=totals["frames"],
-            received=0,
-            seconds=time.perf_counter() - t0,
-            keys=sorted(sink.keys),
+        return _stats(totals, sink.keys, t0, rank=-1, received=0), ""
+
+    def _sink(
+        self,
+        session: Session,
+        dtype: torch.dtype | None,
+        bucket_bytes: int,
+        deadline_s: float | None,
+    ) -> FrameSender:
+        """This group's sender for one session, bounded by `deadline_s` (default the timeout)."""
+        if self.pg is None:
+            raise WeightSyncError("weight transfer: send before the group was joined")
+        return FrameSender(
+            self.pg,
+            session,
+            wire_device(self.device, self.backend),
+            dtype,
+            bucket_bytes,
+            time.monotonic() + (deadline_s or self.timeout_s),
         )
-        return stats, ""
 
     def close(self) -> None:
         if self.pg is not None:
             close_group(self.pg)
             self.pg = None
+
+
+def _stats(totals: dict[str, int], keys, t0: float, rank: int, received: int) -> SendStats:
+    return SendStats(
+        rank=rank,
+        tensors=totals["tensors"],
+        bytes=totals["bytes"],
+        frames=totals["frames"],
+        received=received,
+        seconds=time.perf_counter() - t0,
+        keys=sorted(keys),
+    )
 
 
 def _keep(keep: list | None, dtype: torch.dtype | None, key: str, t: torch.Tensor) -> None:

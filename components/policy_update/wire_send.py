@@ -40,24 +40,20 @@ class WireSender:
         self.catchups = 0
         self._looked_at = 0.0
 
-    def _members(self, wanted: dict[str, int]) -> tuple[dict[str, int], int]:
+    def _run(
+        self,
+        version: int,
+        sha: str,
+        engines: dict[str, tuple[int, str]],
+        kind: str = "session",
+        catchup: int = 0,
+    ) -> tuple[WireSession | None, dict]:
+        """Every mesh rank sends `version` to `engines` (name -> (ranks, nonce)), each given its
+        first rank in name order; the session (None if it was not opened) and rank 0's result."""
         first, ranks = {}, 0
-        for name, n in wanted.items():
+        for name, (n, _) in engines.items():
             first[name], ranks = ranks, ranks + n
-        return first, ranks
-
-    def send(self, version: int) -> dict[str, float]:
-        """One session for `version` (saved by the mesh just before); its metrics."""
-        t0 = time.perf_counter()
-        enrolled = self.sessions.enrolled()
-        members = {n: r for n, (r, _) in enrolled.items()}
-        first, ranks = self._members(members)
-        metrics = {"weights/wire_engines": float(len(members)), "weights/wire_delivered": 0.0}
-        if not members:
-            log.warning("version %d: no engine enrolled for the wire; files only", version)
-            self.bus.incr(weight_sessions_empty=1)
-            return metrics
-        timeout_s = self.cfg.rollout.weight_sync_timeout_s
+        deadline_s = self.cfg.rollout.weight_sync_timeout_s
         opened: list[WireSession] = []
 
         def open_session(addresses: list) -> None:
@@ -67,28 +63,40 @@ class WireSender:
                     version,
                     addresses,
                     first,
-                    time.time() + timeout_s,
-                    nonces={n: nonce for n, (_, nonce) in enrolled.items()},
+                    time.time() + deadline_s,
+                    kind=kind,
+                    nonces={n: nonce for n, (_, nonce) in engines.items()},
                 )
             )
 
         mine = self.mesh.send_weights_all(
-            version, wire_sha(self.epoch, version), self.epoch, ranks, open_session
+            version, sha, self.epoch, ranks, open_session, catchup=catchup
         )
+        return (opened[0] if opened else None), mine
+
+    def send(self, version: int) -> dict[str, float]:
+        """One session for `version` (saved by the mesh just before); its metrics."""
+        t0 = time.perf_counter()
+        members = self.sessions.enrolled()
+        metrics = {"weights/wire_engines": float(len(members)), "weights/wire_delivered": 0.0}
+        if not members:
+            log.warning("version %d: no engine enrolled for the wire; files only", version)
+            self.bus.incr(weight_sessions_empty=1)
+            return metrics
+        session, mine = self._run(version, wire_sha(self.epoch, version), members)
         metrics["weights/wire_send_s"] = time.perf_counter() - t0
         metrics["weights/wire_rank0_bytes"] = float(mine["sent"])
-        if not opened:
+        if session is None:
             why = mine["error"] or "the session was not opened"
         else:
-            delivered, why = outcome(opened[0], self.sessions.wait_reports(opened[0]))
-            why = why if not delivered else ""
+            _, why = outcome(session, self.sessions.wait_reports(session))
         metrics["weights/wire_to_serving_s"] = time.perf_counter() - t0
-        if why:
+        if why or session is None:
             self.bus.incr(weight_sessions_failed=1)
             log.warning("version %d over the wire failed (%s); files take over", version, why)
             return metrics
         self.bus.incr(weight_sessions=1)
-        self.last = opened[0]
+        self.last = session
         self.sessions.set_delivered(self.last)
         metrics["weights/wire_delivered"] = 1.0
         # what a sample generated on it says its version was, until the manifest adds its own
@@ -121,35 +129,16 @@ class WireSender:
             for n, (ranks, v, nonce) in requests.items()
             if v == last.version and enrolled.get(n, (0, None))[1] == nonce
         }
-        wanted = {n: ranks for n, (ranks, _) in asks.items()}
+        wanted = list(asks)
         if not wanted:
             return
-        first, ranks = self._members(wanted)
-        timeout_s = self.cfg.rollout.weight_sync_timeout_s
-        opened: list[WireSession] = []
-
-        def open_session(addresses: list) -> None:
-            opened.append(
-                self.sessions.open(
-                    self.epoch,
-                    last.version,
-                    addresses,
-                    first,
-                    time.time() + timeout_s,
-                    kind="catchup",
-                    nonces={n: nonce for n, (_, nonce) in asks.items()},
-                )
-            )
-
         self.catchups += 1
         t0 = time.perf_counter()
-        mine = self.mesh.send_weights_all(
-            last.version, last.sha, self.epoch, ranks, open_session, catchup=self.catchups
-        )
-        why = mine["error"] or ("" if opened else "the catch-up was not opened")
-        if not why:
-            delivered, why = outcome(opened[0], self.sessions.wait_reports(opened[0]))
-        self.sessions.answered(list(wanted))
+        session, mine = self._run(last.version, last.sha, asks, "catchup", self.catchups)
+        why = mine["error"] or ("" if session else "the catch-up was not opened")
+        if not why and session is not None:
+            _, why = outcome(session, self.sessions.wait_reports(session))
+        self.sessions.answered(wanted)
         if why:
             self.bus.incr(weight_catchups_failed=1)
             log.warning("catch-up of version %d failed (%s); files", last.version, why)

@@ -667,13 +667,7 @@ class RolloutWorker:
         assert self._wire is not None
         t0 = time.perf_counter()
         try:
-            with engine_copy(
-                self.cfg.checkpoint,
-                self.run_id,
-                reg.version,
-                expect_sha256=reg.manifest_sha256,
-                swarm=self._swarm(),
-            ) as model_dir:
+            with self._copy_of(reg) as model_dir:
                 stats = self._live.swap_weights(
                     model_dir, version=reg.version, sha=reg.manifest_sha256
                 )
@@ -799,14 +793,7 @@ class RolloutWorker:
         try:
             self._pin(reg.version)
             sources: list[str] = []
-            with engine_copy(
-                self.cfg.checkpoint,
-                self.run_id,
-                reg.version,
-                expect_sha256=reg.manifest_sha256,
-                swarm=self._swarm(),
-                sources=sources,
-            ):
+            with self._copy_of(reg, sources):
                 pass
             if self.version is None or reg.version > self.version:  # not swapped in already
                 self._prefetched[reg.version] = sources
@@ -900,14 +887,7 @@ class RolloutWorker:
         """Fetch `reg`'s version into the node cache and load it: a new engine, or a hot swap
         (`in_flight`: with sequences running, `rollout.inflight_kv` says what they keep)."""
         # held while it loads: no neighbour on this node prunes the copy from under the engine
-        with engine_copy(
-            self.cfg.checkpoint,
-            self.run_id,
-            reg.version,
-            expect_sha256=reg.manifest_sha256,
-            swarm=self._swarm(),
-            sources=sources,
-        ) as model_dir:
+        with self._copy_of(reg, sources) as model_dir:
             t_fetched = time.perf_counter()
             if self.engine is None:
                 engine = self._new_engine(model_dir)
@@ -955,6 +935,18 @@ class RolloutWorker:
 
     def _swarm(self):
         return fanout_swarm(self)
+
+    def _copy_of(self, reg: Registered, sources: list[str] | None = None):
+        """`reg`'s version in this node's cache, fetched from the nearest source and verified
+        against its manifest, held while the block runs (moerl.store.runs.engine_copy)."""
+        return engine_copy(
+            self.cfg.checkpoint,
+            self.run_id,
+            reg.version,
+            expect_sha256=reg.manifest_sha256,
+            swarm=self._swarm(),
+            sources=sources,
+        )
 
     def _renew(self) -> None:
         now = time.monotonic()

@@ -364,16 +364,6 @@ PRELOAD = (
 )
 
 
-def _exit_code(code: object) -> int:
-    """As `sys.exit(code)` exits: None 0, an int itself, anything else printed and 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr, flush=True)
-    return 1
-
-
 def _child(req: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: the client's stdin/stdout/stderr, cwd and environment, then `main`."""
     import random
@@ -381,6 +371,7 @@ def _child(req: dict[str, Any], fds: list[int]) -> None:
     import traceback
 
     from moerl.launch import procs
+    from moerl.launch.zygote import _exit_code as exit_code  # as the stages' zygote exits
 
     os.setpgid(0, 0)  # the server kills this group when the client goes
     procs.die_with_parent()  # and the kernel kills it when the server goes
@@ -397,7 +388,7 @@ def _child(req: dict[str, Any], fds: list[int]) -> None:
     try:
         rc = main(req["argv"])
     except SystemExit as e:
-        rc = _exit_code(e.code)
+        rc = exit_code(e.code)
     except BaseException:  # noqa: BLE001 - the rung's failure, printed to its log
         traceback.print_exc()
         rc = 1

@@ -24,7 +24,7 @@ from moerl import tracking
 from moerl.components.policy_update.mesh import FAULT_ENV
 from moerl.store.manifest import MANIFEST
 from moerl.store.runs import run_store
-from tests.support.async_runs import assert_balanced, run_async_cli
+from tests.support.async_runs import assert_balanced, history, run_async_cli
 from tests.support.fault_runs import Harness, balanced, mlflow_balanced, versions_of
 
 pytestmark = pytest.mark.nightly  # a learning run and a second-order fault (docs/testing.md)
@@ -41,10 +41,6 @@ def _joins(logs: Path) -> list[tuple[int, int, int]]:
         ):
             out.append((int(m[1]), int(m[2]), int(m[3])))
     return out
-
-
-def _history(uri: str, run_id: str, key: str) -> list[float]:
-    return [v for _, v in tracking.metric_history(uri, run_id, key)]
 
 
 def test_a_two_node_mesh_keeps_its_ranks_for_the_run_and_learns(tmp_path):
@@ -70,9 +66,9 @@ def test_a_two_node_mesh_keeps_its_ranks_for_the_run_and_learns(tmp_path):
     assert sorted((r, n) for r, _, n in joins) == [(0, 0), (1, 0), (2, 1), (3, 1)], joins
     assert len({pid for _, pid, _ in joins}) == 4
     # nothing reloaded per version: the one load is version 0's, at the first version
-    assert _history(uri, run_id, "trainer/mesh_loads") == [1.0] * versions
-    assert len(_history(uri, run_id, "timing/trainer_load_s")) == 1
-    uptime = _history(uri, run_id, "trainer/mesh_uptime_s")
+    assert history(uri, run_id, "trainer/mesh_loads") == [1.0] * versions
+    assert len(history(uri, run_id, "timing/trainer_load_s")) == 1
+    uptime = history(uri, run_id, "trainer/mesh_uptime_s")
     assert uptime == sorted(uptime) and uptime[-1] > uptime[0]
     # node 1's ranks wrote their part of each version on node 1 and put it into the store
     # (the versions retention kept: checkpoint.keep_last)
@@ -114,9 +110,9 @@ def test_a_rank_killed_mid_version_fails_the_mesh_and_the_retry_resumes(tmp_path
     assert len(joins) == 8 and len({pid for _, pid, _ in joins}) == 8  # two meshes of four
     # each mesh loaded once: the first at version 0, the retry at the newest durable version
     # (a version trained but not yet durable at the kill is trained again: logged twice)
-    loads = _history(h.uri, h.run_id, "trainer/mesh_loads")
+    loads = history(h.uri, h.run_id, "trainer/mesh_loads")
     assert set(loads) == {1.0} and len(loads) >= versions
-    assert len(_history(h.uri, h.run_id, "timing/trainer_load_s")) == 2
+    assert len(history(h.uri, h.run_id, "timing/trainer_load_s")) == 2
     assert versions_of(h) == list(range(versions + 1))
     store = run_store(h.cfg.checkpoint, h.run_id)
     groups = [
@@ -130,7 +126,7 @@ def test_a_rank_killed_mid_version_fails_the_mesh_and_the_retry_resumes(tmp_path
         assert ("trainer/model/.metadata" in paths) == (v % 2 == 0), (v, sorted(paths))
         assert "trainer/state.json" in paths and any(p.startswith("model-r") for p in paths)
     # the retry continued from the newest version with state: what it lost is on the run
-    lost = _history(h.uri, h.run_id, "trainer/resumed_versions_lost")
+    lost = history(h.uri, h.run_id, "trainer/resumed_versions_lost")
     assert len(lost) == 2 and lost[0] == 0 and lost[1] in (0.0, 1.0)
     latest = store.latest()
     assert latest == versions

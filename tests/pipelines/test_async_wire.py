@@ -17,17 +17,12 @@ from __future__ import annotations
 
 import pytest
 
-from moerl import tracking
 from moerl.components.policy_update.mesh import FAULT_ENV as MESH_FAULT_ENV
 from moerl.components.rollout.wire_receive import FAULT_ENV
-from tests.support.async_runs import assert_balanced, run_async_cli
+from tests.support.async_runs import assert_balanced, history, run_async_cli
 from tests.support.fault_runs import Harness, balanced, mlflow_balanced, trained_groups, versions_of
 
 pytestmark = pytest.mark.nightly  # whole runs: a learning curve and a second-order fault
-
-
-def _history(uri: str, run_id: str, key: str) -> list[float]:
-    return [v for _, v in tracking.metric_history(uri, run_id, key)]
 
 
 def test_a_mesh_sends_every_version_to_every_engine_over_the_wire_and_learns(tmp_path):
@@ -46,8 +41,8 @@ def test_a_mesh_sends_every_version_to_every_engine_over_the_wire_and_learns(tmp
     run_id, m = run.info.run_id, run.data.metrics
     assert run.data.tags["moerl.rollout.weight_sync"] == "collective"
     # every version after 0 over the wire to both engines; none swapped in from files
-    assert _history(uri, run_id, "weights/wire_delivered") == [1.0] * versions
-    assert _history(uri, run_id, "weights/wire_engines") == [2.0] * versions
+    assert history(uri, run_id, "weights/wire_delivered") == [1.0] * versions
+    assert history(uri, run_id, "weights/wire_engines") == [2.0] * versions
     assert m["async/weight_sessions"] == versions
     assert m.get("async/weight_sessions_failed", 0) == 0
     assert m["async/swaps_wire"] == 2 * versions and m["async/swaps"] == 0
@@ -55,7 +50,7 @@ def test_a_mesh_sends_every_version_to_every_engine_over_the_wire_and_learns(tmp
     assert m["async/wire_verified"] >= 1 and m.get("async/wire_verify_mismatch", 0) == 0, m
     assert_balanced(m)
     assert m["async/failed"] == 0 and m["async/stale_dropped"] == 0  # all on-policy
-    reward = _history(uri, run_id, "reward/mean")
+    reward = history(uri, run_id, "reward/mean")
     assert len(reward) == versions
     assert sum(reward[-3:]) / 3 >= reward[0] + 0.05, reward  # it learns
 
@@ -77,9 +72,9 @@ def test_an_engine_signalled_mid_session_costs_at_most_that_session(tmp_path, mo
     w0, w1 = h.run.children["rollout-0"], h.run.children["rollout-1"]
     assert w0.exits[0] == -9 and w0.starts >= 2
     assert w1.exits[0] == 75  # it finished the session, then drained
-    engines = _history(h.uri, h.run_id, "weights/wire_engines")
-    delivered = _history(h.uri, h.run_id, "weights/wire_delivered")
-    took = _history(h.uri, h.run_id, "weights/wire_to_serving_s")
+    engines = history(h.uri, h.run_id, "weights/wire_engines")
+    delivered = history(h.uri, h.run_id, "weights/wire_delivered")
+    took = history(h.uri, h.run_id, "weights/wire_to_serving_s")
     # version 2's session (both engines) failed within its deadline; the live engine took
     # version 2 from files
     assert engines[1] == 2.0 and delivered[1] == 0.0 and took[1] < timeout_s + 10, took

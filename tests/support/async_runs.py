@@ -140,3 +140,10 @@ def assert_balanced(m: dict[str, float]) -> None:
         + m["async/samples_dead"]
         == m["async/generated"] - m["async/duplicates"]
     ), m
+
+
+def history(uri: str, run_id: str, key: str) -> list[float]:
+    """A run's values of metric `key`, by step."""
+    from moerl import tracking
+
+    return [v for _, v in tracking.metric_history(uri, run_id, key)]
