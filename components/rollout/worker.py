@@ -887,7 +887,14 @@ class RolloutWorker:
         """Fetch `reg`'s version into the node cache and load it: a new engine, or a hot swap
         (`in_flight`: with sequences running, `rollout.inflight_kv` says what they keep)."""
         # held while it loads: no neighbour on this node prunes the copy from under the engine
-        with self._copy_of(reg, sources) as model_dir:
+        with engine_copy(
+            self.cfg.checkpoint,
+            self.run_id,
+            reg.version,
+            expect_sha256=reg.manifest_sha256,
+            swarm=self._swarm(),
+            sources=sources,
+        ) as model_dir:
             t_fetched = time.perf_counter()
             if self.engine is None:
                 engine = self._new_engine(model_dir)
