@@ -8,7 +8,6 @@ Design, details and limitations: docs/async.md#componentspolicy_updateworkerpy.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 
 from moerl.bus import SCORED, RunBus
 from moerl.components.buffer.worker import Batch, classify, prompts_to_issue
+from moerl.components.policy_update.intake import EntryCheck, scored_samples
 from moerl.config import RunConfig
 from moerl.errors import DataError
 from moerl.records import ScoredSample
@@ -113,26 +113,6 @@ class Issuer(threading.Thread):
             self.error = err
 
 
-def _scored_samples(group: dict) -> None:
-    """Parse a scored group in place: every field the trainer reads is checked here, so a group
-    that does not parse (a bug, or a forged entry) is dead-lettered by the bus instead of
-    crashing the trainer at every restart: its samples are ScoredSamples of one prompt, its
-    `t_generated` (if any) a finite time no later than now (plus clock skew)."""
-    samples = [ScoredSample.model_validate(s) for s in group["samples"]]
-    if len({s.prompt_id for s in samples}) != 1:
-        raise ValueError("a group's samples answer one prompt; these answer several")
-    if "t_generated" in group:
-        t = group["t_generated"]
-        if (
-            isinstance(t, bool)
-            or not isinstance(t, (int, float))
-            or not math.isfinite(t)
-            or not 0 < t < time.time() + 3600
-        ):
-            raise ValueError(f"t_generated must be a unix time, got {str(t)[:40]!r}")
-    group["samples"] = samples
-
-
 def _alive(bus: RunBus, issuer: Issuer, epoch: int) -> None:
     """Raise instead of waiting on: the issuer thread died (nothing would be issued again, and
     the workers would take the missing beacon for a dead trainer), the run was abandoned, or a
@@ -163,8 +143,9 @@ class Inbox:
     with what the trainer holds (one XPENDING summary): entries pending and not held are
     re-read from the start of the list."""
 
-    def __init__(self, bus: RunBus) -> None:
-        self.bus = bus
+    def __init__(self, bus: RunBus, check: EntryCheck | None = None) -> None:
+        """`check`: the whole check of each entry (the trainer's); None: its samples parse."""
+        self.bus, self.check_entry = bus, check
         self.after: str | None = "0"  # a new trainer first takes back what its predecessor held
         self.rescans = 0
 
@@ -178,13 +159,22 @@ class Inbox:
             )
 
     def take(self, n: int, in_hand: set[str]) -> list[tuple[str, dict]]:
+        validate = self.check_entry or scored_samples
         if self.after is not None:
             got, self.after = self.bus.take_pending(
-                SCORED, CONSUMER, self.after, validate=_scored_samples, count=n, skip=in_hand
+                SCORED,
+                CONSUMER,
+                self.after,
+                validate=validate,
+                count=n,
+                skip=in_hand,
+                max_deliveries=None
+                if self.check_entry is None
+                else self.check_entry.max_deliveries,
             )
             if got or self.after is not None:
                 return got
-        return self.bus.take_scored(CONSUMER, n, block_ms=200, validate=_scored_samples)
+        return self.bus.take_scored(CONSUMER, n, block_ms=200, validate=validate)
 
 
 def _stalled(

@@ -43,6 +43,7 @@ from moerl.components.policy_update.gather import (
     check_failures,
     gather,
 )
+from moerl.components.policy_update.intake import EntryCheck
 from moerl.components.policy_update.launcher import MeshFailed, run_mesh_trainer
 from moerl.components.policy_update.streamed import Streamed
 from moerl.components.policy_update.wire_send import WireSender
@@ -295,7 +296,7 @@ class _Loop:
         self.stream = cfg.resolved.stream
         self.state_dir, self.load_metrics = start.state_dir, start.metrics
         self.resumed_behind = start.behind  # the mesh continues from older weights than `latest`'s
-        self.inbox = Inbox(bus)
+        self.inbox = Inbox(bus, EntryCheck.for_run(cfg, bus))
         # rollout.weight_sync collective: each version by session, beside its publication
         self.wire = (
             WireSender(cfg, bus, mesh, epoch, self.state)

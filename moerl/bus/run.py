@@ -427,21 +427,30 @@ class RunBus:
         return True
 
     def _admit(
-        self, stream: str, consumer: str, eid: str, fields: dict[str, str], deliveries: int, parse
+        self,
+        stream: str,
+        consumer: str,
+        eid: str,
+        fields: dict[str, str],
+        deliveries: int,
+        parse,
+        max_deliveries: int | None = None,
     ):
         """The entry's payload parsed by `parse`, or None once it is dead-lettered: delivered
-        more than `max_attempts` times (a poison entry that kills or hangs whoever takes it),
-        over MAX_ENTRY_BYTES, or not what the stream carries (parse raises). Checked in that
-        order, so an entry that crashes its parser never reaches it more than once."""
+        more than `max_deliveries` (default `max_attempts`) times (a poison entry that kills or
+        hangs whoever takes it), over MAX_ENTRY_BYTES, or not what the stream carries (parse
+        raises). Checked in that order, so an entry that crashes its parser never reaches it
+        more than once."""
         field = "unit" if stream == UNITS else "group"
         raw = fields.get(field)
         obj, reason = None, None
+        cap = self.max_attempts if max_deliveries is None else max_deliveries
         if raw is None:
             reason = f"no {field!r} field"
         elif len(raw) > MAX_ENTRY_BYTES:
             reason = f"{len(raw)} bytes > {MAX_ENTRY_BYTES}"
-        elif deliveries > self.max_attempts:
-            reason = f"delivered {deliveries} times > units.max_attempts {self.max_attempts}"
+        elif deliveries > cap:
+            reason = f"delivered {deliveries} times > {cap} ({'units.max_attempts' if max_deliveries is None else 'the trainer restarts on it'})"
             obj = _countable(raw, field)
         else:
             try:
@@ -611,12 +620,23 @@ class RunBus:
 
     # -- scoring ------------------------------------------------------------------------
     def _take(
-        self, stream: str, consumer: str, got: list[tuple[str, dict[str, str], int]], validate
+        self,
+        stream: str,
+        consumer: str,
+        got: list[tuple[str, dict[str, str], int]],
+        validate,
+        max_deliveries: int | None = None,
     ) -> list[tuple[str, dict[str, Any]]]:
         out = []
         for eid, fields, deliveries in got:
             group = self._admit(
-                stream, consumer, eid, fields, deliveries, lambda raw: _parse_group(raw, validate)
+                stream,
+                consumer,
+                eid,
+                fields,
+                deliveries,
+                lambda raw: _parse_group(raw, validate),
+                max_deliveries,
             )
             if group is not None:
                 out.append((eid, group))
@@ -672,21 +692,29 @@ class RunBus:
         validate=None,
         count: int = MAX_READ_ENTRIES,
         skip: frozenset[str] | set[str] = frozenset(),
+        max_deliveries: int | None = None,
     ) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
         """At most `count` of the entries already leased to `consumer` with ids after `after`
         (what a restarted trainer's predecessor held, or what a lost reply delivered unseen), and
         the id to continue after (None: no more). Read in pages, so a long pending list never
         comes back in one reply; entries in `skip` (the caller holds them already) are passed
-        over without being parsed. No delivery cap here: each restart re-delivers, and a restart
-        must not condemn good work."""
+        over without being parsed. Each read counts a delivery (the server's own count), so an
+        entry that crashes its consumer after it parsed is read back at every restart:
+        `max_deliveries` (None: no cap) dead-letters it once read more often than that."""
         reply = self.r.xreadgroup(
             GROUPS[stream], consumer, {self.key(stream): after}, count=_read_count(stream, count)
         )
         raw = [(eid, fields) for _, entries in (reply or []) for eid, fields in entries]
         if not raw:
             return [], None
-        fresh = [(e, f, 1) for e, f in raw if f and e not in skip]
-        return self._take(stream, consumer, fresh, validate), raw[-1][0]
+        times: dict[str, int] = {}
+        if max_deliveries is not None:  # one XPENDING range for the page
+            rows = self.r.xpending_range(
+                self.key(stream), GROUPS[stream], raw[0][0], raw[-1][0], len(raw), consumer
+            )
+            times = {r["message_id"]: int(r["times_delivered"]) for r in rows}
+        fresh = [(e, f, times.get(e, 1)) for e, f in raw if f and e not in skip]
+        return self._take(stream, consumer, fresh, validate, max_deliveries), raw[-1][0]
 
     def pending_count(self, stream: str, consumer: str) -> int:
         """How many entries of `stream` are delivered to `consumer` and not acknowledged (one
