@@ -20,8 +20,23 @@ from moerl.config import RunConfig
 from moerl.errors import CheckpointError, ConfigError
 from moerl.records import PolicyVersion
 from moerl.store.runs import run_store, version_uri
+from moerl.store.tiers import run_tiers
 
 log = logging.getLogger(__name__)
+
+
+def store_epoch(cfg: RunConfig, run_id: str) -> int:
+    """The newest trainer epoch the run's tiers recorded in `latest.json` (0: none); every
+    trainer fences both tiers with its epoch at its takeover. The cache tier's is best effort
+    (an unusable one is left to `Tiers.recover`); the durable store's failure is raised."""
+    tiers = run_tiers(cfg.checkpoint, run_id)
+    newest = tiers.durable.latest_epoch() or 0
+    if tiers.cache is not None:
+        try:
+            newest = max(newest, tiers.cache.latest_epoch() or 0)
+        except CheckpointError as err:
+            log.warning("the cache tier's latest epoch is unreadable (%s); the store's alone", err)
+    return newest
 
 
 def reconcile(bus: RunBus, cfg: RunConfig, run_id: str, latest: int, epoch: int) -> None:

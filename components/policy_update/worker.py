@@ -34,6 +34,7 @@ from moerl.components.policy_update.commits import (
     check_durable,
     recommit,
     reconcile,
+    store_epoch,
 )
 from moerl.components.policy_update.gather import (
     CONSUMER,
@@ -97,7 +98,10 @@ def _take_over(cfg: RunConfig, run_id: str, bus: RunBus) -> tuple[int, Tiers, in
             "new pipeline run"
         )
     # the run's one trainer from here on: any older trainer still running is fenced off
-    epoch = bus.claim_trainer(f"{socket.gethostname()}/{os.getpid()}")
+    # above the store's newest too: a Valkey that lost its counter (a flush) restarts it at 1
+    epoch = bus.claim_trainer(
+        f"{socket.gethostname()}/{os.getpid()}", floor=store_epoch(cfg, run_id)
+    )
     # every tier write and `latest` move fenced by the epoch
     tiers = run_tiers(cfg.checkpoint, run_id, epoch)
     # a version servable but not durable is promoted, if it is the one the servable pointer names
@@ -105,7 +109,14 @@ def _take_over(cfg: RunConfig, run_id: str, bus: RunBus) -> tuple[int, Tiers, in
     # and trained again, and set_servable below points the engines back at `latest`)
     # (a complete cache-tier copy that no pointer names is another writer's, and is dropped)
     ptr = bus.servable()
-    latest = tiers.recover(servable=None if ptr is None else (ptr.version, ptr.manifest_sha256))
+    from moerl.components.publish_checkpoint.outage import retrying
+
+    # a store away for minutes (a brownout) is waited on, bounded by checkpoint.outage_s
+    latest = retrying(
+        f"trainer recovery: reading run {run_id}'s versions in {tiers.durable.uri}",
+        lambda: tiers.recover(servable=None if ptr is None else (ptr.version, ptr.manifest_sha256)),
+        cfg.checkpoint.outage_s,
+    )
     if latest is None:
         raise CheckpointError(
             f"trainer: run {run_id} has no published version under {cfg.checkpoint.uri}; "

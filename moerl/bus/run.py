@@ -745,12 +745,24 @@ class RunBus:
         rows = self.r.call(read)
         return {g for j, g in enumerate(group_ids) if any(row[j] for row in rows)}
 
-    def claim_trainer(self, holder: str) -> int:
+    def claim_trainer(self, holder: str, floor: int = 0) -> int:
         """Make the caller the run's one trainer: a new epoch (fencing token), returned. Every
         settle and commit carries it, and the server refuses those of an older epoch, so a
         trainer that a newer one replaced (a KFP retry while the first TrainJob still runs, a
-        launcher killed before its cleanup) can no longer move the registry or the counters."""
-        epoch = int(self.r.incr(self.key("trainer_epoch")))
+        launcher killed before its cleanup) can no longer move the registry or the counters.
+        `floor`: the newest epoch the run's store recorded; the epoch claimed is above it even
+        when Valkey lost its counter (a flush, a restart without its append-only file), else the
+        store would refuse every version this trainer publishes."""
+        epoch = int(
+            self.r.eval(
+                "local e = redis.call('INCR', KEYS[1]) "
+                "if e <= tonumber(ARGV[1]) then e = tonumber(ARGV[1]) + 1 "
+                "redis.call('SET', KEYS[1], e) end return e",
+                1,
+                self.key("trainer_epoch"),
+                int(floor),
+            )
+        )
         self.r.hset(
             self.key("trainer"), mapping={"epoch": epoch, "holder": holder, "since": time.time()}
         )
@@ -760,7 +772,13 @@ class RunBus:
     def check_epoch(self, epoch: int) -> None:
         """Raise `FencedError` if a newer trainer claimed the run since `epoch`."""
         cur = self.r.get(self.key("trainer_epoch"))
-        if cur is None or int(cur) != epoch:
+        if cur is None:
+            raise FencedError(
+                f"trainer: Valkey lost this run's state (its trainer epoch {epoch}, and with it the "
+                "queue, the counters and the registry: a flush, or a restart without its append-only "
+                "file); stopping, so that a restarted trainer continues from the store's latest version"
+            )
+        if int(cur) != epoch:
             holder = self.r.hget(self.key("trainer"), "holder") or "?"
             raise FencedError(
                 f"trainer: epoch {epoch} was superseded by epoch {cur} ({holder}); another trainer "
