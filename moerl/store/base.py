@@ -35,7 +35,7 @@ from moerl.store.manifest import (
     sha256_file,
     version_dir,
 )
-from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, shared
+from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, shared, vouch
 
 __all__ = [
     "MANIFEST",
@@ -511,6 +511,7 @@ class CheckpointStore(PinLeases, ABC):
                 if final.exists():  # an unverified leftover
                     shutil.rmtree(final)
                 os.replace(tmp, final)
+                vouch(final, manifest, tuple(exclude))
             except OSError as e:
                 raise CheckpointError(f"cannot write version {version} into {dest_dir}: {e}") from e
             finally:

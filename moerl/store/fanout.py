@@ -24,7 +24,7 @@ from moerl.errors import CheckpointError
 from moerl.store import fanout_http as fh
 from moerl.store.fanout_book import FLUSH_S, Book, Holders, run_token
 from moerl.store.manifest import MANIFEST, Manifest, version_dir
-from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path
+from moerl.store.nodecache import MARKER, exclusive, is_verified, lock_path, vouch
 
 if TYPE_CHECKING:
     import uvicorn
@@ -316,6 +316,7 @@ class Swarm:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
+                vouch(final, manifest, exclude)
                 self.copies[(version, sha)].root = final
         except BaseException:
             with self._lock:

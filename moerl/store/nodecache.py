@@ -1,6 +1,12 @@
 """The node-local fetch cache: verified copies of policy versions, their locks, and pruning.
 
-Design, details and limitations: docs/weights.md#the-store-as-a-user-sees-it.
+A copy is served only while its bytes are the ones this process verified: a fetch vouches for
+what it wrote (every byte was hashed on the way in); a copy another process left is hashed
+against the manifest once, then known by its files' (inode, size, mtime, ctime), which no
+rewrite of the bytes keeps. A copy whose files changed is unverified, so it is fetched again.
+
+Limitations: a rewrite between the last check and an engine's read is not seen; the sandbox
+keeps model-written code off this folder. Design: docs/weights.md#the-store-as-a-user-sees-it.
 """
 
 from __future__ import annotations
@@ -10,12 +16,15 @@ import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moerl.errors import CheckpointError
+from moerl.store.manifest import sha256_file
 
 if TYPE_CHECKING:
     from moerl.store.manifest import Manifest
@@ -32,21 +41,86 @@ def lock_path(cache_dir: Path, version: int) -> Path:
     return Path(cache_dir) / f".v{version:06d}.lock"
 
 
+Stamp = tuple[tuple[str, int, int, int, int], ...]
+# (copy folder, manifest sha256) -> the stamp of the files this process verified
+_vouched: dict[tuple[str, str], Stamp] = {}
+_refused: dict[tuple[str, str], Stamp] = {}  # found rewritten: not hashed again while so
+_vouched_lock = threading.Lock()
+stats = {"rehashed": 0, "tampered": 0}  # copies hashed again; copies found rewritten
+HASH_THREADS = 8  # a node's NVMe RAID reads faster than one core hashes
+_REMEMBER = 64  # copies remembered per process (a cache keeps a few versions)
+
+
+def _remember(book: dict[tuple[str, str], Stamp], key: tuple[str, str], stamp: Stamp) -> None:
+    with _vouched_lock:
+        book.pop(key, None)
+        book[key] = stamp
+        while len(book) > _REMEMBER:
+            book.pop(next(iter(book)))
+
+
+def _wanted(manifest: Manifest, exclude: tuple[str, ...]):
+    return [e for e in manifest.files if not (exclude and e.path.startswith(exclude))]
+
+
+def _stamp(final: Path, manifest: Manifest, exclude: tuple[str, ...]) -> Stamp:
+    out = []
+    for e in _wanted(manifest, exclude):
+        st = os.stat(final / e.path)
+        out.append((e.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
+
+
+def vouch(final: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> None:
+    """Record that this process verified every byte of `final` (it hashed them as it wrote)."""
+    _remember(
+        _vouched, (str(Path(final).resolve()), manifest.sha256()), _stamp(final, manifest, exclude)
+    )
+
+
+def _rehash(final: Path, manifest: Manifest, exclude: tuple[str, ...]) -> str:
+    """The first file whose bytes are not the manifest's, or ""."""
+
+    def bad(e) -> str:
+        return "" if sha256_file(final / e.path) == e.sha256 else e.path
+
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as ex:
+        return next((p for p in ex.map(bad, _wanted(manifest, exclude)) if p), "")
+
+
 def is_verified(final: Path, manifest: Manifest, exclude: tuple[str, ...] = ()) -> bool:
     """A marker holding this manifest's sha256 (and what the copy left out, a subset of what
-    may be left out now), and every wanted file present with the right size."""
+    may be left out now), every wanted file present with the right size, and its bytes the
+    manifest's: vouched for by this process and unchanged since, or hashed now (once)."""
     try:
         sha, *left_out = (final / MARKER).read_text().split("\n")
         skipped = {x.removeprefix("exclude=") for x in left_out}
-        return (
+        if not (
             sha == manifest.sha256()
             and skipped <= set(exclude)
-            and all(
-                (final / e.path).stat().st_size == e.size
-                for e in manifest.files
-                if not (exclude and e.path.startswith(exclude))
+            and all((final / e.path).stat().st_size == e.size for e in _wanted(manifest, exclude))
+        ):
+            return False
+        key = (str(Path(final).resolve()), sha)
+        stamp = _stamp(final, manifest, exclude)
+        with _vouched_lock:
+            if _vouched.get(key) == stamp:
+                return True
+            if _refused.get(key) == stamp:
+                return False
+        stats["rehashed"] += 1
+        if rewritten := _rehash(final, manifest, exclude):
+            stats["tampered"] += 1
+            _remember(_refused, key, stamp)
+            log.warning(
+                "fetch cache: %s/%s is not the bytes its manifest names (rewritten since it was "
+                "verified); fetching the version again",
+                final,
+                rewritten,
             )
-        )
+            return False
+        _remember(_vouched, key, stamp)
+        return True
     except OSError:
         return False
 

@@ -277,3 +277,64 @@ def test_make_room_keeps_the_newest_others_the_incoming_and_the_protected(
     assert _cached(cache) == ["v000004"]
     with pytest.raises(CheckpointError, match="keep at least 1 version, got 0"):
         make_room(cache, keep=0, incoming=9)
+
+
+def _rewrite_same_size(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF  # one byte flipped: same size, other bytes
+    path.write_bytes(bytes(data))
+
+
+def test_a_copy_rewritten_with_same_size_bytes_is_fetched_again(tmp_path: Path) -> None:
+    """Code that can write the node cache (model-written code run without isolation) swaps a
+    file's bytes keeping its size and the marker: the copy is no longer served, but fetched
+    again, and the engine reads the published bytes."""
+    from moerl.store import nodecache
+
+    store, cache = LocalStore(tmp_path / "store"), tmp_path / "cache"
+    store.publish(1, make_checkpoint(tmp_path / "src", seed=1))
+    final = store.fetch(1, cache)
+    good = (final / "config.json").read_bytes()
+    before = dict(nodecache.stats)
+    assert store.fetch(1, cache) == final  # vouched for by the fetch: no hashing again
+    assert nodecache.stats["rehashed"] == before["rehashed"]
+
+    _rewrite_same_size(final / "config.json")
+    assert (final / MARKER).exists()  # the marker and the sizes alone would still pass
+    again = store.fetch(1, cache)
+    assert (again / "config.json").read_bytes() == good
+    assert nodecache.stats["tampered"] == before["tampered"] + 1
+
+
+_REUSE = r"""
+import sys
+from pathlib import Path
+from moerl.store import nodecache
+from moerl.store.folder import LocalStore
+store = LocalStore(Path(sys.argv[1]))
+final = store.fetch(1, Path(sys.argv[2]))
+print(nodecache.stats["rehashed"], nodecache.stats["tampered"], (final / "config.json").read_bytes().hex())
+"""
+
+
+def test_another_process_hashes_a_copy_it_did_not_fetch_once(tmp_path: Path) -> None:
+    """A process that finds a copy it did not fetch (a restarted worker, a second engine on the
+    node) hashes it once against the manifest before serving it; a rewritten one it fetches."""
+    store, cache = LocalStore(tmp_path / "store"), tmp_path / "cache"
+    store.publish(1, make_checkpoint(tmp_path / "src", seed=1))
+    final = store.fetch(1, cache)
+    good = (final / "config.json").read_bytes().hex()
+
+    def reuse() -> list[str]:
+        got = subprocess.run(
+            [sys.executable, "-c", _REUSE, str(tmp_path / "store"), str(cache)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return got.stdout.split()
+
+    assert reuse() == ["1", "0", good]  # intact: hashed once, served
+    _rewrite_same_size(final / "config.json")
+    assert reuse() == ["1", "1", good]  # rewritten: found out, fetched again
