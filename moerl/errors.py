@@ -30,6 +30,11 @@ class CheckpointError(MoerlError):
     """A checkpoint could not be published, found or verified."""
 
 
+class StoreUnavailable(CheckpointError):
+    """The checkpoint store could not be reached, or answered with a server-side error (an S3
+    brownout): the same call may succeed later (`moerl.components.publish_checkpoint.outage`)."""
+
+
 class WeightSyncError(MoerlError):
     """A policy version could not be made the one the rollout engines serve."""
 

@@ -13,9 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moerl.components.publish_checkpoint.outage import retrying, tidy_own
 from moerl.config import RunConfig
 from moerl.records import PolicyVersion
 from moerl.store.base import RemoteParts
+from moerl.store.fence import new_owner
+from moerl.store.manifest import Manifest
+from moerl.store.tiers import Tiers, run_tiers
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ class Publisher:
         self.cfg, self.run_id, self.exclusive, self.epoch = cfg, run_id, exclusive, epoch
         # `parts`: the files of each version that other nodes hold and put themselves
         self.parts = parts
+        # who claims each version: the same on every retry of it, which so finds its own claim
+        self.owner = new_owner()
         self.on_servable, self.on_durable = on_servable, on_durable
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._in_flight: list[Job] = []
@@ -112,37 +118,9 @@ class Publisher:
 
     # -- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        from moerl.components.publish_checkpoint.stage import publish_durable, publish_servable
-
         while (job := self._q.get()) is not None:
             try:
-                manifest, policy, metrics = publish_servable(
-                    self.cfg,
-                    self.run_id,
-                    job.src,
-                    job.version,
-                    job.meta,
-                    self.exclusive,
-                    self.epoch,
-                    self.parts,
-                )
-                metrics["weights/published_to_servable_s"] = time.perf_counter() - job.handed
-                self.on_servable(policy)
-                metrics.update(
-                    publish_durable(
-                        self.cfg,
-                        self.run_id,
-                        job.src,
-                        manifest,
-                        self.exclusive,
-                        started=job.handed,
-                        already=not metrics["weights/cache_tier"],
-                        epoch=self.epoch,
-                        parts=self.parts,
-                    )
-                )
-                job.policy, job.metrics = policy, metrics
-                self.on_durable(job)
+                metrics = self._publish(job)
             except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
                 log.error("publisher: version %d failed: %s", job.version, err)
                 with self._lock:
@@ -159,3 +137,58 @@ class Publisher:
                 metrics["weights/published_to_servable_s"],
                 metrics["weights/published_to_durable_s"],
             )
+
+    def _publish(self, job: Job) -> dict[str, float]:
+        """`job`'s servable copy, then its durable one, each retried while the store is away
+        (`outage.retrying`, within checkpoint.outage_s; the trainer waits on max_unpublished
+        meanwhile), what a failed attempt left under this publisher's claim removed first."""
+        from moerl.components.publish_checkpoint.stage import publish_durable, publish_servable
+
+        budget, v = self.cfg.checkpoint.outage_s, job.version
+        tiers = run_tiers(self.cfg.checkpoint, self.run_id, self.epoch)
+        manifest, policy, metrics = retrying(
+            f"publisher: version {v}'s first copy",
+            lambda: publish_servable(
+                self.cfg,
+                self.run_id,
+                job.src,
+                v,
+                job.meta,
+                self.exclusive,
+                self.epoch,
+                self.parts,
+                owner=self.owner,
+            ),
+            budget,
+            before_retry=lambda: tidy_own([tiers.cache, tiers.durable], v, self.owner),
+        )
+        metrics["weights/published_to_servable_s"] = time.perf_counter() - job.handed
+        self.on_servable(policy)
+        metrics.update(
+            retrying(
+                f"publisher: version {v}'s durable copy",
+                lambda: publish_durable(
+                    self.cfg,
+                    self.run_id,
+                    job.src,
+                    manifest,
+                    self.exclusive,
+                    started=job.handed,
+                    # the durable store's `latest` names it already: an attempt whose reply was lost
+                    already=not metrics["weights/cache_tier"] or _durable(tiers, manifest),
+                    epoch=self.epoch,
+                    parts=self.parts,
+                    owner=self.owner,
+                ),
+                budget,
+                before_retry=lambda: tidy_own([tiers.durable], v, self.owner),
+            )
+        )
+        job.policy, job.metrics = policy, metrics
+        self.on_durable(job)
+        return metrics
+
+
+def _durable(tiers: Tiers, manifest: Manifest) -> bool:
+    """Whether the durable store's `latest` is `manifest`'s version (published)."""
+    return tiers.durable.latest() == manifest.version

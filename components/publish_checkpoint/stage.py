@@ -453,15 +453,18 @@ def publish_servable(
     exclusive: bool = False,
     epoch: int | None = None,
     parts: RemoteParts | None = None,
+    owner: str | None = None,
 ) -> tuple[Manifest, PolicyVersion, dict[str, float]]:
     """The first copy of `version`: refused if not finite, then published to the cache tier
     (or, without one, straight to the durable store). The PolicyVersion names the durable URI
     the version has (or will have) and the manifest both tiers share. `epoch`: the trainer's,
     which fences the writes (`moerl.store.fence`). A version larger than the cache tier can hold
-    (`check_tier_fits`) goes to the durable store first, counted (`weights/cache_tier_too_small`)."""
+    (`check_tier_fits`) goes to the durable store first, counted (`weights/cache_tier_too_small`).
+    `owner`: who claims the version (the same on a retry, which then finds its own claim)."""
     t0 = time.perf_counter()
     check_finite(state_dir, version)  # before a byte is uploaded: `latest` stays where it is
     tiers = run_tiers(cfg.checkpoint, run_id, epoch)
+    tiers.owner = owner or tiers.owner
     # the whole state: HF files for the engines, trainer/ for a resumed run
     manifest = tiers.publish_servable(
         version,
@@ -504,15 +507,17 @@ def publish_durable(
     already: bool = False,
     epoch: int | None = None,
     parts: RemoteParts | None = None,
+    owner: str | None = None,
 ) -> dict[str, float]:
     """The durable copy under the servable copy's manifest; `latest` moves to it. `started`:
     when the version was handed over (perf_counter), for published -> durable. `already`: the
-    servable copy was the durable one (no cache tier, or it failed)."""
+    servable copy was the durable one (no cache tier, or it failed). `owner`: as for
+    `publish_servable`."""
     t0 = time.perf_counter()
     if not already:
-        run_tiers(cfg.checkpoint, run_id, epoch).publish_durable(
-            manifest, Path(state_dir), exclusive=exclusive, parts=parts
-        )
+        tiers = run_tiers(cfg.checkpoint, run_id, epoch)
+        tiers.owner = owner or tiers.owner
+        tiers.publish_durable(manifest, Path(state_dir), exclusive=exclusive, parts=parts)
     done = time.perf_counter()
     mb = sum(f.size for f in manifest.files) / 1e6
     return {

@@ -110,6 +110,10 @@ class CheckpointConfig(_Section):
     max_unpublished: int = Field(1, ge=1, le=8)
     """Async trainer: versions handed to the publisher and not yet durable; the trainer trains on
     meanwhile and stalls (weights/trainer_stall_s) only when this many are in flight."""
+    outage_s: float = Field(600.0, ge=0.0, le=7200.0)
+    """Async trainer: how long its publisher, and a restarted trainer's recovery, retry a store
+    that cannot be reached or answers server errors (an S3 brownout), with backoff, before the
+    run fails; meanwhile max_unpublished holds the trainer back. 0: fail at the first."""
     chunk_mb: int = 64
     """Every file's sha256 per chunk of this many MiB goes into the manifest, so a copy can be
     assembled and checked chunk by chunk from peers (fanout)."""

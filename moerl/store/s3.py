@@ -24,12 +24,13 @@ from botocore.exceptions import (
     ConnectionClosedError,
     ConnectTimeoutError,
     EndpointConnectionError,
+    HTTPClientError,
     NoCredentialsError,
     ReadTimeoutError,
 )
 
 from moerl.config import CheckpointConfig
-from moerl.errors import CheckpointError, SourceChanged
+from moerl.errors import CheckpointError, SourceChanged, StoreUnavailable
 from moerl.store.base import MANIFEST, CheckpointStore, FileEntry, HashingWriter
 from moerl.store.fence import CLAIM
 
@@ -44,6 +45,9 @@ _UNREACHABLE = (
     ConnectionClosedError,
     ReadTimeoutError,
 )
+# Server-side answers that a later call may not get (a brownout, a restarting server).
+_BUSY = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown"}
+_BUSY |= {"RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
 _MiB = 1024 * 1024
 _MIN_PART = 5 * _MiB  # S3's smallest part (but the last)
 _MAX_PARTS = 10_000  # S3's most parts in one upload
@@ -83,17 +87,18 @@ class S3Store(CheckpointStore):
         """Turn botocore failures into CheckpointErrors; their messages carry no credentials."""
         try:
             yield
-        except _UNREACHABLE as e:
-            raise CheckpointError(
-                f"cannot reach S3 endpoint {self.endpoint} after {self.max_attempts} attempts "
-                f"while {what}: {e}; check checkpoint.endpoint_url and the network"
-            ) from e
-        except NoCredentialsError as e:
-            raise CheckpointError(
-                f"no AWS credentials while {what}; provide them through the standard "
-                "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, IRSA)"
-            ) from e
-        except (ClientError, BotoCoreError, Boto3Error) as e:
+        except (*_UNREACHABLE, ClientError, BotoCoreError, Boto3Error) as e:
+            if _transient(e):  # a brownout: the publisher and recovery retry it (`outage`)
+                how = "reach" if isinstance(e, _UNREACHABLE) else "get an answer from"
+                raise StoreUnavailable(
+                    f"cannot {how} S3 endpoint {self.endpoint} after {self.max_attempts} "
+                    f"attempts while {what}: {e}; check checkpoint.endpoint_url and the network"
+                ) from e
+            if isinstance(e, NoCredentialsError):
+                raise CheckpointError(
+                    f"no AWS credentials while {what}; provide them through the standard "
+                    "chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile, IRSA)"
+                ) from e
             raise CheckpointError(f"S3 error while {what} in {self.uri}: {e}") from e
 
     def _or_none(self, what: str, call: Callable[[], _R]) -> _R | None:
@@ -458,3 +463,17 @@ def s3_client(cfg: CheckpointConfig, credentials: tuple[str, str] | None = None,
 
 def _code(e: ClientError) -> str:
     return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _transient(e: BaseException | None) -> bool:
+    """Whether `e`, or what it wraps (s3transfer's upload and download failures wrap the last
+    error), is the endpoint unreachable or a server-side error a later call may not meet."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, (*_UNREACHABLE, HTTPClientError)):
+            return True
+        if isinstance(e, ClientError):
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            return _code(e) in _BUSY or int(status) >= 500
+        e, seen = e.__cause__ or e.__context__ or getattr(e, "last_exception", None), seen + 1
+    return False

@@ -1,0 +1,136 @@
+"""An S3 brownout under the async publisher (components/publish_checkpoint/publisher.py and
+outage.py): a real `weed mini` stopped in the middle of a version's upload and started again
+seconds later. The publisher waits on it (a line per retry), tidies what its failed attempt
+left, and the version is published complete; nothing else is in the store under it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from moerl.components.publish_checkpoint.outage import retrying
+from moerl.components.publish_checkpoint.publisher import Publisher
+from moerl.config import RunConfig
+from moerl.errors import CheckpointError, StoreUnavailable
+from moerl.store.base import MANIFEST
+from moerl.store.fence import CLAIM
+from moerl.store.runs import run_store
+from moerl.store.s3 import S3Store
+from tests.support.s3server import S3Process
+
+
+@pytest.fixture
+def weed(tmp_path, monkeypatch):
+    s3 = S3Process(tmp_path / "weed")
+    server = s3.start()
+    server.client().create_bucket(Bucket="outage")
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    try:
+        yield s3
+    finally:
+        s3.stop()
+
+
+def _state(d: Path, mb: int) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    (d / "weights.bin").write_bytes(os.urandom(mb * 2**20))
+    return d
+
+
+def test_a_store_stopped_mid_upload_and_restarted_costs_time_not_the_publication(
+    weed, tmp_path, monkeypatch, capfd
+):
+    cfg = RunConfig.model_validate(
+        {
+            "checkpoint": {
+                "uri": "s3://outage/ckpt",
+                "endpoint_url": weed.server.endpoint_url,
+                "region": "us-east-1",
+                "cache_dir": str(tmp_path / "node"),
+                "chunk_mb": 5,
+                "multipart_chunk_mb": 5,
+                "max_attempts": 2,
+                "outage_s": 180,
+            }
+        }
+    )
+    stopped = threading.Event()
+    put = S3Store._put
+
+    def stop_at_first_put(self, stage: str, rel: str, src: Path) -> None:
+        # the fault, timed: the server goes away as version 2's first file starts uploading
+        if "v000002" in stage and not stopped.is_set():
+            weed.stop()
+            stopped.set()
+        put(self, stage, rel, src)
+
+    monkeypatch.setattr(S3Store, "_put", stop_at_first_put)
+    durable: list[int] = []
+    publisher = Publisher(
+        cfg, "r1", on_servable=lambda p: None, on_durable=lambda j: durable.append(j.version)
+    )
+    try:
+        publisher.submit(1, _state(tmp_path / "s1", 1), {})
+        publisher.submit(2, _state(tmp_path / "s2", 12), {})
+        assert stopped.wait(60)
+        time.sleep(3)  # failed attempts while it is away
+        assert publisher.error is None and [j.version for j in publisher.in_flight()] == [2]
+        weed.start()
+        weed.wait_writable("outage")
+        publisher.drain(timeout_s=180)
+    finally:
+        publisher.close()
+    assert durable == [1, 2]
+    assert (
+        "publisher: version 2's first copy: waiting on the checkpoint store"
+        in capfd.readouterr().out
+    )
+    store = run_store(cfg.checkpoint, "r1")
+    assert store.latest() == 2
+    manifest = store.manifest(2)
+    got = store.fetch(2, tmp_path / "fetched")  # every file verified against the manifest
+    assert (got / "weights.bin").read_bytes() == (tmp_path / "s2" / "weights.bin").read_bytes()
+    # what the failed attempt uploaded (under an object folder of its own) was removed
+    keys = store._list("versions/v000002/")
+    left = [k for k in keys if not k.endswith((f"/{MANIFEST}", f"/{CLAIM}"))]
+    assert sorted(left) == sorted(
+        f"versions/v000002/{manifest.objects}/{f.path}" for f in manifest.files
+    ), keys
+
+
+def test_the_wait_is_bounded_and_only_an_unavailable_store_is_waited_on():
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    def away():
+        raise StoreUnavailable("cannot reach S3 endpoint http://x")
+
+    with pytest.raises(StoreUnavailable, match=r"v7: .* past checkpoint.outage_s \(60 s\)"):
+        retrying("v7", away, 60, sleep=sleep, clock=lambda: now[0])
+    assert sum(slept) == pytest.approx(60) and max(slept) <= 30
+    assert slept[:3] == sorted(slept[:3])  # backing off
+
+    calls = []
+
+    def refused():
+        calls.append(1)
+        raise CheckpointError("refused: this writer's trainer epoch 1 is older")
+
+    with pytest.raises(CheckpointError, match="refused"):
+        retrying("v7", refused, 60, sleep=sleep, clock=lambda: now[0])
+    assert calls == [1]  # raised at once
