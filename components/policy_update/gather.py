@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from moerl.bus import SCORED, RunBus
 from moerl.components.buffer.worker import Batch, classify, prompts_to_issue
 from moerl.components.policy_update.intake import EntryCheck, scored_samples
+from moerl.components.policy_update.watchdog import Watchdog
 from moerl.config import RunConfig
 from moerl.errors import DataError
 from moerl.records import ScoredSample
@@ -177,21 +178,6 @@ class Inbox:
         return self.bus.take_scored(CONSUMER, n, block_ms=200, validate=validate)
 
 
-def _stalled(
-    bus: RunBus, cfg: RunConfig, version: int, have: int, want: int, quiet_s: float
-) -> DataError:
-    """The watchdog's one line: what the trainer waited on, and what the run looked like."""
-    c = bus.counters()
-    settled = c["groups_used"] + c["groups_stale"] + c["groups_failed"] + c["prompts_dead"]
-    workers = sum(n.startswith("rollout") for n in bus.alive())
-    return DataError(
-        f"trainer: no progress for {quiet_s:.0f} s (pipeline.stall_timeout_s) while gathering version {version + 1}: "
-        f"waited on scored groups, holding {have} of {want}; prompts issued {c['prompts_issued']}, unsettled "
-        f"{c['prompts_issued'] - settled}, backlog {bus.backlog()} groups, generated {c['generated']}, scored "
-        f"{c['scored']}, rollout workers alive {workers}/{cfg.rollout.workers}"
-    )
-
-
 class _Gathering:
     """One version's gather under way (`gather`): the batch so far, the samples it dropped,
     and (streamed) the chunk being taken."""
@@ -226,21 +212,6 @@ class _Gathering:
         if self.S is None:
             return self.B - self.batch.n_groups
         return min(self.S - len(self.batch.used), self.limit - self.batch.n_groups)
-
-    def pulse(self) -> tuple[int, ...]:
-        """What moves when the run makes progress."""
-        c = self.bus.counters()
-        return (
-            c["prompts_issued"],
-            c["generated"],
-            c["scored"],
-            c["groups_used"],
-            c["groups_stale"],
-            c["groups_failed"],
-            c["prompts_dead"],
-            c["samples_dead"],
-            self.batch.n_groups,
-        )
 
     def add(self, eid: str, group: dict, consumed: set[str]) -> None:
         """Settle a group the version cannot take (a duplicate, stale, failed), else take it."""
@@ -303,20 +274,6 @@ class _Gathering:
         }
 
 
-@dataclass
-class _Watchdog:
-    """`pipeline.stall_timeout_s`: when the run last moved while the trainer waited."""
-
-    last: tuple[int, ...]
-    moved_at: float = field(default_factory=time.monotonic)
-
-    def quiet_s(self, pulse: tuple[int, ...]) -> float:
-        """Seconds since the run last moved: 0 when `pulse` differs from the last one seen."""
-        if pulse != self.last:
-            self.last, self.moved_at = pulse, time.monotonic()
-        return time.monotonic() - self.moved_at
-
-
 def gather(
     bus: RunBus,
     cfg: RunConfig,
@@ -329,17 +286,19 @@ def gather(
     known: dict[int, str | frozenset[str]] | None = None,
     on_chunk: Callable[[list[list[ScoredSample]]], None] | None = None,
     check: Callable[[], None] | None = None,
+    publishing: Callable[[], int] = lambda: 0,
 ) -> tuple[Batch, dict[str, float]]:
     """Block until B fresh groups are in; settle the rest as they come. `held`, `held_entries`:
     the groups and entries of versions still being published (trained, not yet committed).
     `on_chunk` (`trainer.schedule.stream`): called with the trainable groups of every `stream_chunk`
     groups taken, in arrival order, and of the last ones, as they come in. `check`: called at
     every loop, raises what makes the wait pointless (a failed publisher: streamed, the next
-    version's prompts wait for its publication)."""
+    version's prompts wait for its publication). `publishing`: the publications in flight
+    (progress, for the watchdog: moerl.components.policy_update.watchdog)."""
     t0 = time.perf_counter()
     g = _Gathering(bus, cfg, version, epoch, held, known, on_chunk)
     issuer.state.gathered = (0, 0)
-    dog = _Watchdog(g.pulse())
+    dog = Watchdog(bus, cfg, version, g.target, publishing)
     while g.wanted() > 0:
         _alive(bus, issuer, epoch)
         if check is not None:
@@ -347,12 +306,9 @@ def gather(
         in_hand = set(held_entries) | set(g.batch.entry_ids)
         inbox.check(in_hand)
         got = inbox.take(g.wanted(), in_hand)
+        dog.look(g.batch.n_groups)  # only groups taken or committed are progress
         if not got:
-            quiet = dog.quiet_s(g.pulse())
-            if quiet > cfg.pipeline.stall_timeout_s:
-                raise _stalled(bus, cfg, version, g.batch.n_groups, g.target, quiet)
             continue
-        dog.moved_at = time.monotonic()
         consumed = bus.consumed([group["group_id"] for _, group in got])
         for eid, group in got:
             g.add(eid, group, consumed)

@@ -374,6 +374,7 @@ class _Loop:
             known if self.stream else dict(known),
             on_chunk=streamed,
             check=self._check,
+            publishing=lambda: len(self.publisher.in_flight()),
         )
 
     def _check(self) -> None:

@@ -58,8 +58,11 @@ class PipelineConfig(_Section):
     rescheduling time and init_policy's."""
     stall_timeout_s: float = Field(1800.0, ge=10.0)
     """Async: the progress watchdog. The trainer (or `moerl run`) fails, naming what it waited on,
-    when no counter of the run moves for this long while it gathers a version; keep it above a
-    healthy run's longest quiet spell (docs/async.md)."""
+    when for this long while it gathers a version no group is taken or committed and no
+    publication is in flight; keep it above a healthy run's longest quiet spell (docs/async.md)."""
+    max_dropped_fraction: float = Field(0.8, gt=0.0, le=1.0)
+    """Async: the trainer fails, naming the counts, when over this fraction of the groups met in
+    one gather (at least task.prompts_per_iteration) were dead-lettered or stale; 1: no budget."""
     task_retries: int = Field(2, ge=0, le=20)
     """Sync pipeline on the cluster: retries of a task whose stage is a pure function of its inputs
     (rollout, reward, buffer, policy update, redistribution); publication and bookkeeping are
