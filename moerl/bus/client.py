@@ -7,6 +7,7 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,7 +76,8 @@ class FencedError(MoerlError):
 
 class Retrying:
     """A Valkey client whose every command is retried, with exponential backoff capped at 1 s,
-    while the server cannot be reached, for up to `reconnect_s`; then a `BusError`.
+    while the server cannot be reached or refuses writes for want of memory (OOM), for up to
+    `reconnect_s`; then a `BusError`.
 
     valkey-py's own `Retry` covers neither a connection that the server resets during its
     handshake (a server still loading its append-only file) nor anything that fails while a
@@ -89,6 +91,13 @@ class Retrying:
         # commands that met an unreachable server: callers compare it to see an outage went by
         # (leases may have looked idle meanwhile, replies may have been lost)
         self.outages = 0
+        # commands the server refused for want of memory (`maxmemory`, another run filling it),
+        # retried like an outage; `oom_since`: when the current spell began (None: none now)
+        self.oom_refusals, self.oom_since = 0, None
+        # called with the refusals of a spell once the server accepts writes again (RunBus: a
+        # counter of the run's)
+        self.on_oom_end: Callable[[int], None] | None = None
+        self._spell = 0
 
     def call(self, fn):
         import valkey
@@ -96,7 +105,37 @@ class Retrying:
         deadline, delay = time.monotonic() + self.reconnect_s, 0.05
         while True:
             try:
-                return fn()
+                out = fn()
+                if self.oom_since is not None:
+                    log.warning(
+                        "Valkey accepts writes again after %.1f s out of memory (%d refusals)",
+                        time.monotonic() - self.oom_since,
+                        self._spell,
+                    )
+                    spell, self.oom_since, self._spell = self._spell, None, 0
+                    if self.on_oom_end is not None:
+                        self.on_oom_end(spell)
+                return out
+            except valkey.exceptions.OutOfMemoryError as err:
+                # refused before it ran (the server checks memory before a write, and a script
+                # at its first write): nothing changed, and a resend is safe
+                if time.monotonic() >= deadline:
+                    raise BusError(
+                        f"Valkey out of memory for {self.reconnect_s:.0f} s (valkey.reconnect_s): {err}; "
+                        "the server's maxmemory is full (this run's or another's keys): raise it, or "
+                        "end runs that hold it"
+                    ) from err
+                self.oom_refusals, self._spell = self.oom_refusals + 1, self._spell + 1
+                if self.oom_since is None:
+                    self.oom_since = time.monotonic()
+                    log.warning(
+                        "Valkey is out of memory (%s); retrying with backoff for up to %.0f s "
+                        "(valkey.reconnect_s)",
+                        err,
+                        self.reconnect_s,
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
             except (
                 valkey.exceptions.AuthenticationError
             ) as err:  # a ConnectionError, but retrying cannot help

@@ -79,6 +79,7 @@ COUNTERS = (
     "entries_dead",
     "groups_dead",
     "samples_dead",
+    "prompts_too_long",  # longer than the engine can take: their groups dead-lettered, unsent
     "score_timeouts",
     "commits_not_durable",
     "sample_timeouts",
@@ -104,6 +105,8 @@ COUNTERS = (
     "units_overlapped",
     # commits a failover took back, made again from their manifests by the trainer
     "commits_replayed",
+    # commands Valkey refused for want of memory (maxmemory), retried until it had room
+    "valkey_oom_refusals",
 )
 
 
@@ -173,6 +176,8 @@ class RunBus:
             reg(_SETTLE),
         )
         self._incr, self._requeue = reg(_INCR), reg(_REQUEUE)
+        if getattr(client, "on_oom_end", False) is None:  # counted once the server has room
+            client.on_oom_end = lambda n: self.incr(valkey_oom_refusals=n)
         self._touch = Script(client, _TOUCH)  # idempotent by itself
         self._set_servable = Script(client, _SET_SERVABLE)  # idempotent by itself
 
@@ -554,8 +559,7 @@ class RunBus:
                     group_id,
                     payload[:DEAD_PAYLOAD_BYTES].decode(errors="replace"),
                     len(samples),
-                    len(payload),
-                    MAX_ENTRY_BYTES,
+                    f"{len(payload)} bytes > {MAX_ENTRY_BYTES} (refused by its producer)",
                 ],
             )
         return self._write(
@@ -567,6 +571,16 @@ class RunBus:
                 len(samples),
                 sum(len(x.get("response_token_ids", ())) for x in samples),
             ],
+        )
+
+    def refuse_write(self, group_id: str, reason: str, payload: str = "") -> BusWrite:
+        """A group its producer could not generate (a prompt the engine cannot take): dead-lettered
+        with `reason`, no samples, marked published so its unit can be acknowledged, as
+        `group_write` refuses an oversized one."""
+        return self._write(
+            self._refuse_group_script,
+            [self.key("published"), self.key(GENERATED), self.key("counters"), self.key(DEAD)],
+            [group_id, payload[:DEAD_PAYLOAD_BYTES], 0, reason],
         )
 
     def ack_write(self, lease: Lease, **counts: int) -> BusWrite:
