@@ -26,6 +26,7 @@ from moerl.tracking import check_pinned
 log = logging.getLogger(__name__)
 CONSUMER = "trainer"
 BEACON_EVERY_S = 5.0
+QUOTA_EVERY_S = 2.0
 
 
 @dataclass
@@ -69,12 +70,34 @@ class Issuer(threading.Thread):
         )
         self.stop_event = threading.Event()
         self.paused = False
+        self.quota_at, self.over = -1e9, False  # the last look at valkey.run_quota_mb, its answer
         self.error: BaseException | None = None
         self.ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
         check_pinned(self.ds, cfg, bus.run_id)  # a restarted trainer reads what the run began on
 
+    def over_quota(self) -> bool:
+        """`valkey.run_quota_mb`: the run's streams hold more (read every QUOTA_EVERY_S); the
+        first look over it and the first under it again are logged."""
+        quota = self.cfg.valkey.run_quota_mb
+        if quota is None:
+            return False
+        if time.monotonic() - self.quota_at >= QUOTA_EVERY_S:
+            self.quota_at, held = time.monotonic(), self.bus.stream_bytes()
+            over = held > quota << 20
+            if over != self.over:
+                log.warning(
+                    "issuance %s: the run's streams hold %.0f MB (valkey.run_quota_mb %d)",
+                    "paused" if over else "resumed",
+                    held / 2**20,
+                    quota,
+                )
+            self.over = over
+        return self.over
+
     def step(self) -> int:
         self.bus.check_epoch(self.epoch)  # a superseded trainer issues nothing more
+        if self.over_quota():
+            return 0
         c = self.bus.counters()
         settled = c["groups_used"] + c["groups_stale"] + c["groups_failed"] + c["prompts_dead"]
         in_flight = c["prompts_issued"] - settled

@@ -869,6 +869,13 @@ class RunBus:
         pending = int(self.r.xpending(self.key(SCORED), GROUPS[SCORED])["pending"])
         return max(0, int(self.r.xlen(self.key(SCORED))) - pending)
 
+    def stream_bytes(self) -> int:
+        """What the run's streams hold in the server's memory (MEMORY USAGE of each, sampled:
+        a few round trips, whatever their length)."""
+        return sum(
+            int(self.r.memory_usage(self.key(s)) or 0) for s in (UNITS, GENERATED, SCORED, DEAD)
+        )
+
     def units_waiting(self) -> int:
         """Units issued and not yet leased by any worker: the units stream's entries less those
         delivered and unacknowledged (acknowledged entries are deleted). What KEDA's

@@ -121,6 +121,10 @@ class ValkeyConfig(_Section):
     require_durable: bool = True
     """Fail the trainer at start on a server without an append-only file; false: record each commit
     as not durable and go on."""
+    run_quota_mb: int | None = Field(None, ge=16)
+    """The run's share of a shared server: the trainer issues no work while the run's streams hold
+    more than this (MEMORY USAGE, read every few seconds), so one run cannot fill maxmemory for
+    all; null: no quota (admission alone bounds the streams)."""
 
     @field_validator("url")
     @classmethod
