@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moerl import provenance, tracking
+from moerl.bus.sizes import check_group_size
 from moerl.config import RunConfig
 from moerl.config.cluster import quantity_bytes
 from moerl.errors import CheckpointError, ConfigError, RequirementError
@@ -56,6 +57,8 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             "run between the async trainer's ranks and the live rollout workers; set pipeline.mode "
             "async, or weight_sync files (or auto)"
         )
+    if cfg.pipeline.mode == "async" and cfg.pipeline.kind == "grpo":  # groups the bus refuses
+        check_group_size(cfg, *_route_bytes(cfg))
     if here and (cfg.require.gpu or cfg.require.deepep or cfg.require.efa):
         missing = provenance.missing_requirements(cfg.require, provenance.runtime_probe())
         if missing:
@@ -116,6 +119,33 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             )
     _check_cache_tier(cfg)  # first: the durable check creates a local store's folder
     open_store(cfg.checkpoint).check_access()
+
+
+def _route_bytes(cfg: RunConfig) -> tuple[int, str]:
+    """Route bytes per token when the engines return routes (`route_bytes`), else 0."""
+    if not cfg.rollout.return_routed_experts:
+        return 0, ""
+    if cfg.model.path:
+        return route_bytes(hf_config(cfg.model.path, cfg.checkpoint))
+    t = cfg.model.tiny
+    return route_bytes(
+        {"num_hidden_layers": t.num_layers, "num_experts_per_tok": t.experts_per_token},
+        t.num_experts,
+        t.num_layers,
+    )
+
+
+def route_bytes(
+    hf: Mapping[str, Any], experts: int | None = None, layers: int | None = None
+) -> tuple[int, str]:
+    """MoE layers x top-k x id bytes (1 under 255 experts, else 2) of an HF config, and the
+    same in words."""
+    hf = hf.get("text_config") or hf
+    if experts is None or layers is None:
+        fam = family_of(dict(hf))
+        experts, layers = fam.num_experts(hf), len(fam.moe_layer_ids(hf))
+    k, width = int(hf["num_experts_per_tok"]), 1 if experts < 255 else 2
+    return layers * k * width, f"{layers} MoE layers x top-{k} x {width} B a token"
 
 
 def _check_cache_tier(cfg: RunConfig) -> None:
