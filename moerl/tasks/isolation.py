@@ -10,12 +10,16 @@ import ctypes
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 from moerl.errors import ConfigError
+from moerl.tasks import seccomp
 
 ISOLATIONS = ("namespaces", "none")
 # Directories (os.pathsep-separated) an isolated child hides under an empty read-only tmpfs: the
@@ -25,10 +29,18 @@ HIDE_ENV = (
     "SANDBOX_HIDE"  # not MOERL_*: a child holds no moerl variable (tests/tasks/test_sandbox.py)
 )
 FIELDS = "reward.sandbox.isolation / task.sandbox.isolation"
-UNSHARE_ARGS = ("--user", "--map-root-user", "--net", "--pid", "--mount", "--kill-child")
+# the sandbox's namespaces (its uid/gid maps are written by the pool: `write_maps`)
+UNSHARE_ARGS = ("--user", "--net", "--pid", "--mount", "--ipc", "--kill-child")
 SHM_MB = 64
+# what the pod mounts for its identities (the Kubernetes API token, IRSA, EKS Pod Identity):
+# hidden from every isolated child, like the stage's own credential files
+POD_TOKEN_DIRS = ("/var/run/secrets", "/run/secrets")
+_CALL_NS = 0x10000000 | 0x20000 | 0x08000000 | 0x20000000  # NEWUSER NEWNS NEWIPC NEWPID
+_MS_NOSYMFOLLOW = 256
+NOBODY = 65534  # the host uid a root stage's calls run as (their real uid: what RLIMIT_NPROC counts)
 
 _PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 3, 4
+_PR_SET_PDEATHSIG = 1
 _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _MS_NOATIME, _MS_NODIRATIME, _MS_RELATIME, _MS_REC, _MS_PRIVATE = (
@@ -119,7 +131,8 @@ def _probe() -> str:
         return "no unshare on PATH (util-linux)"
     try:
         got = subprocess.run(
-            command("namespaces") + ["true"], capture_output=True, text=True, timeout=60
+            [shutil.which("unshare") or "unshare", "--map-root-user", *UNSHARE_ARGS, "--", "true"],
+            capture_output=True, text=True, timeout=60
         )
     except (OSError, subprocess.SubprocessError) as err:
         return f"unshare did not run: {err}"
@@ -226,7 +239,8 @@ def _mounts(libc, scratch: str) -> str:
         _mount(
             libc, "tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={SHM_MB}m,mode=1777"
         )
-    for d in os.environ.get(HIDE_ENV, "").split(os.pathsep):
+    hide = [*os.environ.get(HIDE_ENV, "").split(os.pathsep), *POD_TOKEN_DIRS]
+    for d in dict.fromkeys(os.path.realpath(d) for d in hide if d):
         # the stage's credential files: hidden, not merely read-only (the child's uid may read them),
         # unless hiding would take the child's own scratch or its import path with it
         if d and os.path.isdir(d) and not (scratch + os.sep).startswith(d.rstrip(os.sep) + os.sep):
@@ -241,7 +255,7 @@ def _mounts(libc, scratch: str) -> str:
     if not hidden:
         _mount(libc, scratch, scratch, None, _MS_BIND)
     for mp in [*mountpoints, *hidden]:
-        if mp not in (scratch, "/dev/shm"):
+        if mp not in (scratch, "/dev/shm", "/proc"):  # the template writes its calls' maps
             _readonly(libc, mp)
     probe = os.path.join(os.path.dirname(scratch), f".moerl-ro-{os.getpid()}")
     try:
@@ -253,48 +267,157 @@ def _mounts(libc, scratch: str) -> str:
     raise OSError(f"{probe} is still writable after the read-only remount")
 
 
-def _drop_caps(libc) -> None:
+_CAP_SETGID, _CAP_SETUID, _CAP_SETFCAP = 6, 7, 31
+
+
+def _drop_caps(libc, keep: int = 0) -> None:
+    """Every capability but the bits of `keep`, the bounding set and ambient ones; no_new_privs."""
     for cap in range(64):
         if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break  # past the last capability this kernel knows
     libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2: all zero
+    data = (ctypes.c_uint32 * 6)(keep, keep, 0, 0, 0, 0)  # effective, permitted, inheritable x 2
     _check(libc.capset(header, data), "capset")
 
 
-def enter(scratch: str) -> None:
+def write_maps(pid: int) -> str:
+    """From the stage: the uid/gid maps of the sandbox `pid` just made (its root is the stage's
+    user). A root stage also maps uid/gid 1 to NOBODY, the real uid calls run as: RLIMIT_NPROC
+    does not bind host uid 0. Returns "" or why the pids limit cannot hold here."""
+    deadline = time.monotonic() + 30
+    mine = os.readlink("/proc/self/ns/user")
+    while os.readlink(f"/proc/{pid}/ns/user") == mine:  # unshare(1) has not unshared yet
+        if time.monotonic() > deadline:
+            return "the sandbox's user namespace did not appear within 30 s"
+        time.sleep(0.001)
+    uid, gid = os.geteuid(), os.getegid()
+
+    def put(name: str, text: str) -> None:
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(text)
+
+    if uid == 0:
+        try:
+            put("uid_map", f"0 0 1\n1 {NOBODY} 1\n")
+            put("gid_map", f"0 {gid} 1\n1 {NOBODY} 1\n")
+            return ""
+        except OSError:
+            with open("/proc/self/uid_map") as f:
+                if any(line.split()[:2] == ["0", "0"] for line in f):
+                    return (
+                        f"the stage runs as host uid 0 and cannot map uid {NOBODY} for its calls "
+                        "(the pids limit, RLIMIT_NPROC, does not bind uid 0)"
+                    )
+    put("setgroups", "deny")
+    put("uid_map", f"0 {uid} 1\n")
+    put("gid_map", f"0 {gid} 1\n")
+    return ""
+
+
+def _two_uids() -> bool:
+    with open("/proc/self/uid_map") as f:
+        return len(f.read().split("\n")) > 2
+
+
+def enter(scratch: str, ctl, lim: dict) -> str:
     """Run first in a child started under `command("namespaces")` (pid 1 of its namespace):
-    the mounts, then a fork. Returns in the forked process (capabilities dropped), which serves
-    calls; pid 1 waits for it and exits with its status."""
+    the mounts, then a fork. Returns in the forked process, the template (every capability
+    dropped but CAP_SETUID/SETGID/SETFCAP, which write its calls' uid maps), with a line saying
+    what holds each call; pid 1 waits for it and exits with its status."""
     libc = _libc()
     make_nondumpable()
+    why = seccomp.available()
     try:
+        if why:
+            raise OSError(why)
         os.environ["SANDBOX_PROC"] = _mounts(libc, scratch)  # what /proc is, for the curious
     except OSError as err:
-        sys.stdout.write(
+        ctl.send(
             json.dumps(
-                {"refused": f"{FIELDS}: namespaces: the sandbox could not set up its mounts: {err}"}
-            )
-            + "\n"
+                {"refused": f"{FIELDS}: namespaces: the sandbox could not be set up: {err}"}
+            ).encode()
         )
-        sys.stdout.flush()
         os._exit(2)
     os.chdir(scratch)  # the bind mount, not the read-only directory under it
     pid = os.fork()
     if pid == 0:
-        _drop_caps(libc)
-        return
+        _drop_caps(libc, keep=(1 << _CAP_SETUID) | (1 << _CAP_SETGID) | (1 << _CAP_SETFCAP))
+        nsys = "seccomp" + (" + max_user_namespaces 0" if os.environ["SANDBOX_PROC"] == "proc" else "")
+        return (
+            f"per call: user, pid, mount and ipc namespaces; at most {lim['pids']} processes "
+            f"(RLIMIT_NPROC, uid {'nobody' if _two_uids() else 'the stage'}s); {lim['memory_mb']} MiB "
+            f"resident over its processes (watched); a {lim['scratch_mb']} MiB tmpfs scratch; "
+            f"nested namespaces refused ({nsys})"
+        )
     null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1):  # the pool reads end of file when the server goes, not when pid 1 does
+    for fd in (0, 1):  # the pool reads end of file when the template goes, not when pid 1 does
         os.dup2(null, fd)
+    _wait_for(pid)
+
+
+def _wait_for(pid: int):
+    """pid 1: reap every orphan of the namespace; exit with `pid`'s status (a signal N as 128 + N)."""
     while True:
         try:
-            got, status = os.waitpid(-1, 0)  # pid 1 reaps every orphan of the namespace
+            got, status = os.waitpid(-1, 0)
         except ChildProcessError:
             os._exit(1)
         if got == pid:
             os._exit(
                 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             )
+
+
+def call_namespaces(sync_w: int, back_r: int, lim: dict) -> None:
+    """In the process the template forked for a call: new user, pid, mount and ipc namespaces
+    (the template writes the maps), then pid 1 of the new pid namespace, which mounts the call's
+    /proc, scratch and /dev/shm, refuses nested user namespaces and forks the process that runs
+    the call. Returns in that process: no capability, real uid 1 where mapped, seccomp on."""
+    libc = _libc()
+    _check(libc.unshare(_CALL_NS), "unshare")
+    os.write(sync_w, b"u")
+    if os.read(back_r, 1) != b"m":
+        os._exit(71)
+    os.close(sync_w), os.close(back_r)
+    p1 = os.fork()
+    if p1:
+        _wait_for(p1)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the template killed the call
+    flags = _MS_NOSUID | _MS_NODEV
+    if os.environ.get("SANDBOX_PROC") == "proc":
+        _mount(libc, "proc", "/proc", "proc", flags | _MS_NOEXEC)
+        for kind in ("user", "mnt", "net", "pid", "ipc", "uts", "cgroup", "time"):
+            try:
+                with open(f"/proc/sys/user/max_{kind}_namespaces", "w") as f:
+                    f.write("0")
+            except FileNotFoundError:  # an older kernel without that kind
+                pass
+    scratch = os.getcwd()
+    _mount(libc, "tmpfs", scratch, "tmpfs", flags, f"size={lim['scratch_mb']}m,mode=0700")
+    if os.path.isdir("/dev/shm"):
+        _mount(libc, "tmpfs", "/dev/shm", "tmpfs", flags, f"size={SHM_MB}m,mode=1777")
+    os.chdir(scratch)  # the new tmpfs
+    w = os.fork()
+    if w:
+        _drop_caps(libc)
+        seccomp.install()
+        _wait_for(w)
+    if _two_uids():
+        os.setresuid(1, 0, 0)  # the real uid RLIMIT_NPROC counts, in this namespace only
+    _drop_caps(libc)
+    seccomp.install()
+
+
+def map_call(pid: int, sync_r: int, back_w: int) -> None:
+    """In the template: once the call `pid` has its user namespace, write its maps (uid 0, and 1
+    where the sandbox has it, as in the sandbox) and let it go on."""
+    ready, _, _ = select.select([sync_r], [], [], 30)
+    if not ready or os.read(sync_r, 1) != b"u":
+        return  # it died or hangs: the pool's deadline kills it
+    ids = "0 0 1\n1 1 1\n" if _two_uids() else "0 0 1\n"
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(ids)
+    os.write(back_w, b"m")

@@ -1,92 +1,263 @@
 """The child side of the sandboxed pool (moerl/tasks/sandbox.py): `python -m
-moerl.tasks.sandbox_child MEMORY_MB PARENT_PID ISOLATION` sets its limits, watches for the pool
-to go, and answers one JSON call per line on a private copy of its stdin/stdout. With isolation
-`namespaces` it first enters them (`isolation.enter`, run as pid 1 of its pid namespace), and
-serves from the process that forks off.
+moerl.tasks.sandbox_child LIMITS_JSON` is the pool's template. With isolation `namespaces` it
+first enters the sandbox's namespaces (`isolation.enter`). It imports what calls name and, per
+call (or per episode), forks a process that runs only that call: in namespaces of its own
+(`isolation.call_namespaces`), limited (`_limit`), on the socket the pool passed with the
+request. The template never sees a call's arguments or reply; it watches the memory of each
+call's processes together, kills a call when the pool asks, and reports each call's end.
 
-Limitations: see sandbox.py and isolation.py (what the child can still read and reach).
+Limitations: see sandbox.py and isolation.py (what a call can still read and reach).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import shutil
+import signal
+import socket
 import sys
-import threading
+import tempfile
+import time
 from typing import Any
 
+from moerl.tasks import isolation as iso
 from moerl.tasks.sandbox import resolve
 
 _NOFILE = 256
 _FSIZE = 64 << 20
+WATCH_S = 0.05  # how often the template sums each call's memory
 
 
-def _limit(memory_mb: int) -> None:
+def _limit(lim: dict) -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NOFILE, (_NOFILE, _NOFILE))
     resource.setrlimit(resource.RLIMIT_FSIZE, (_FSIZE, _FSIZE))
-    cap = memory_mb << 20
+    cap = lim["memory_mb"] << 20
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    resource.setrlimit(resource.RLIMIT_NPROC, (lim["pids"], lim["pids"]))
 
 
-def _watch_parent(parent: int, proto_fd: int) -> None:
-    """Exit once the pool is gone: its end of the protocol pipe closed (the parent pid is 0, not
-    comparable, from inside a pid namespace) or, when given, the parent pid changed."""
-    import select
-
-    poll = select.poll()
-    poll.register(proto_fd, select.POLLHUP)
-
-    def loop() -> None:
-        while True:
-            hup = any(ev & (select.POLLHUP | select.POLLERR) for _, ev in poll.poll(1000))
-            if hup or (parent and os.getppid() != parent):
-                os._exit(1)
-
-    threading.Thread(target=loop, name="moerl-sandbox-watchdog", daemon=True).start()
-
-
-def _serve(memory_mb: int, parent: int) -> None:
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
+def _serve(sock: socket.socket, keep: bool, lim: dict) -> None:
+    """Run in the call's own process: read calls (one, or an episode's, until the pool closes
+    the socket), reply to each with its id."""
+    proto_in, proto_out = sock.makefile("rb"), sock.makefile("wb")
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(2, 1)  # a verifier's print goes to stderr, never into the protocol
     sys.stdin, sys.stdout = open(os.devnull), sys.stderr
-    _watch_parent(parent, proto_in.fileno())
-    _limit(memory_mb)
-    cache: dict[str, Any] = {}
 
     def reply(msg: dict) -> None:
         proto_out.write(json.dumps(msg, allow_nan=False).encode() + b"\n")
         proto_out.flush()
 
-    reply({"ready": os.getpid()})
     for line in proto_in:
         req = json.loads(line)
         try:
-            fn = cache.get(req["target"]) or cache.setdefault(req["target"], resolve(req["target"]))
-            value = fn(*req["args"])
+            value = resolve(req["target"])(*req["args"])
             json.dumps(value, allow_nan=False)  # a reply the pool can read, or an error here
             reply({"id": req["id"], "ok": value})
         except MemoryError:
-            reply(
-                {
-                    "id": req["id"],
-                    "err": f"MemoryError: over the sandbox's {memory_mb} MiB",
-                    "memory": True,
-                }
-            )
-            os._exit(3)  # the heap may be unusable: the pool starts a fresh child
-        except BaseException as err:  # noqa: BLE001 - reported for this call, the child goes on
+            mb = lim["memory_mb"]
+            reply({"id": req["id"], "err": f"MemoryError: over the sandbox's {mb} MiB", "memory": True})
+            os._exit(3)
+        except BaseException as err:  # noqa: BLE001 - reported for this call
             reply({"id": req["id"], "err": f"{type(err).__name__}: {err}"})
+        if not keep:
+            break
+    proto_out.flush()
+    os._exit(0)
+
+
+def _close_fds(keep: set[int]) -> None:
+    for fd in map(int, os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []):
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Template:
+    """The loop: fork calls, watch their memory, kill on request, report ends."""
+
+    def __init__(self, ctl: socket.socket, lim: dict):
+        self.ctl, self.lim = ctl, lim
+        self.isolated = lim["isolation"] != "none"
+        self.calls: dict[int, dict[str, Any]] = {}  # pid -> {h, memory, scratch}
+        self.imported: set[str] = set()
+
+    def send(self, msg: dict) -> None:
+        self.ctl.send(json.dumps(msg).encode())
+
+    def run(self) -> None:
+        self.send({"ready": os.getpid(), "enforced": self.lim.get("enforced", "")})
+        poll = select.poll()
+        poll.register(self.ctl.fileno(), select.POLLIN)
+        while True:
+            for _, ev in poll.poll(WATCH_S * 1000 if self.calls else 1000):
+                if ev & select.POLLIN:
+                    msg, fds, _, _ = socket.recv_fds(self.ctl, 65536, 1)
+                    if not msg:
+                        return self.stop()
+                    self.handle(json.loads(msg), fds)
+                elif ev & (select.POLLHUP | select.POLLERR):
+                    return self.stop()
+            self.reap()
+            self.watch()
+
+    def handle(self, msg: dict, fds: list[int]) -> None:
+        if "kill" in msg:
+            for pid, c in self.calls.items():
+                if c["h"] == msg["kill"]:
+                    self._kill(pid)
+            return
+        for name in msg.get("imports", []):  # warm the template: each call forks with it
+            if name not in self.imported:
+                self.imported.add(name)
+                try:
+                    resolve(name)
+                except Exception:  # noqa: BLE001 - the call itself raises it, for its sample
+                    pass
+        pid, scratch = self.fork(fds[0], bool(msg.get("keep")))
+        os.close(fds[0])
+        self.calls[pid] = {"h": msg["fork"], "memory": False, "scratch": scratch}
+
+    def fork(self, fd: int, keep: bool) -> tuple[int, str]:
+        scratch = "" if self.isolated else tempfile.mkdtemp(dir=os.getcwd())
+        sync = os.pipe() if self.isolated else None
+        back = os.pipe() if self.isolated else None
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self.ctl.close()
+                _close_fds({fd, *(sync or ()), *(back or ())})
+                if self.isolated:
+                    assert sync is not None and back is not None
+                    iso.call_namespaces(sync[1], back[0], self.lim)
+                else:
+                    os.setsid()
+                    os.chdir(scratch)
+                    os.environ["HOME"] = os.environ["TMPDIR"] = scratch
+                _limit(self.lim)
+                _serve(socket.socket(fileno=fd), keep, self.lim)
+            finally:
+                os._exit(70)
+        if sync is not None and back is not None:
+            os.close(sync[1]), os.close(back[0])
+            try:
+                iso.map_call(pid, sync[0], back[1])
+            finally:
+                os.close(sync[0]), os.close(back[1])
+        return pid, scratch
+
+    def _kill(self, pid: int) -> None:
+        for p in [pid] if self.isolated else _tree(pid, _parents()):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def reap(self) -> None:
+        while self.calls:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            c = self.calls.pop(pid, None)
+            if c is None:
+                continue
+            if not self.isolated:  # what the call left behind
+                self._kill(pid)
+                shutil.rmtree(c["scratch"], ignore_errors=True)
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
+            if self.isolated and 128 < code < 128 + signal.NSIG:  # pid 1 passes on a signal
+                sig, code = code - 128, 0
+            self.send({"exit": c["h"], "signal": sig, "code": code, "memory": c["memory"]})
+
+    def watch(self) -> None:
+        """Kill each call whose processes together hold more than memory_mb resident."""
+        if not self.calls:
+            return
+        parents = _parents()
+        page = os.sysconf("SC_PAGE_SIZE")
+        for pid, c in list(self.calls.items()):
+            if c["memory"]:
+                continue
+            total = sum(_anon_pages(p) for p in _tree(pid, parents)) * page
+            if total > self.lim["memory_mb"] << 20:
+                c["memory"] = True
+                self._kill(pid)
+
+    def stop(self) -> None:
+        for pid in list(self.calls):
+            self._kill(pid)
+        for c in self.calls.values():
+            if c["scratch"]:
+                shutil.rmtree(c["scratch"], ignore_errors=True)
+        os._exit(0)
+
+
+def _parents() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def _tree(pid: int, kids: dict[int, list[int]]) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, ()))
+    return out
+
+
+def _anon_pages(pid: int) -> int:
+    """Resident pages not backed by a file (statm's resident minus shared)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            fields = f.read().split()
+        return max(0, int(fields[1]) - int(fields[2]))
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _has_caps() -> bool:
+    with open("/proc/self/status") as f:
+        return any(line.startswith("CapEff:") and int(line.split()[1], 16) != 0 for line in f)
+
+
+def main(lim: dict) -> None:
+    ctl = socket.socket(fileno=0)
+    if lim["isolation"] == "namespaces":
+        if not lim.get("mapped"):
+            msg = ctl.recv(65536)  # the pool writes our uid/gid maps, then says go
+            if json.loads(msg or b"{}").get("go") is None:
+                os._exit(2)
+            if not _has_caps():  # exec'd before the maps: exec again, as the namespace's root
+                lim["mapped"] = True
+                os.execv(sys.executable, [sys.executable, "-m", __spec__.name, json.dumps(lim)])
+        lim["enforced"] = iso.enter(os.getcwd(), ctl, lim)  # returns in the template
+    else:
+        os.makedirs(os.getcwd(), exist_ok=True)
+        lim["enforced"] = "none"
+    Template(ctl, lim).run()
 
 
 if __name__ == "__main__":
-    if sys.argv[3:] == ["namespaces"]:
-        from moerl.tasks import isolation
-
-        isolation.enter(os.getcwd())  # returns in the process that serves, inside the namespaces
-    _serve(int(sys.argv[1]), int(sys.argv[2]))
+    main(json.loads(sys.argv[1]))
+    time.sleep(0)

@@ -332,7 +332,7 @@ def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabi
             and caps["CapAmb"] == 0
             and caps["proc"] == "proc"
         ), caps
-        cmd = Path(f"/proc/{pool.children[0].proc.pid}/cmdline").read_bytes().split(b"\0")
+        cmd = Path(f"/proc/{pool.template.proc.pid}/cmdline").read_bytes().split(b"\0")
         assert Path(cmd[0].decode()).name == "unshare" and b"--net" in cmd and b"--user" in cmd, cmd
         keys = ["k", "k", "k"]
         steps = pool.run(
@@ -428,8 +428,9 @@ def test_every_process_of_an_isolated_child_goes_when_its_stage_is_killed(tmp_pa
         from moerl.tasks.sandbox import SandboxPool, Limits
         pool = SandboxPool(Limits(timeout_s=600))
         threading.Thread(target=lambda: pool.run([("tests.support.hostile_verifiers:sleeps", ["", ""])]), daemon=True).start()
-        while not pool.children: time.sleep(0.05)
-        print(pool.children[0].proc.pid, flush=True)
+        while not pool.template: time.sleep(0.05)
+        time.sleep(1)  # the call's processes forked
+        print(pool.template.proc.pid, flush=True)
         time.sleep(600)
     """)
     )
@@ -444,9 +445,10 @@ def test_every_process_of_an_isolated_child_goes_when_its_stage_is_killed(tmp_pa
     try:
         unshare = int(stage.stdout.readline())
         deadline = time.monotonic() + 30
-        while len(procs := {unshare} | _descendants(unshare)) < 3 and time.monotonic() < deadline:
+        while len(procs := {unshare} | _descendants(unshare)) < 6 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(procs) == 3, procs  # unshare, pid 1 of the namespace, the process serving calls
+        # unshare, pid 1 of the namespace, the template; the call's: its waiter, its pid 1, itself
+        assert len(procs) == 6, procs
         os.kill(stage.pid, signal.SIGKILL)
         stage.wait()
         deadline = time.monotonic() + 10
