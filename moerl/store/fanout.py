@@ -150,8 +150,23 @@ class Swarm:
         while not self._stop.wait(ALIVE_TTL_S / 3):
             try:
                 self._alive()
+                self.rejoin()
             except Exception as err:  # noqa: BLE001 - Valkey away for a moment: peers skip us meanwhile
                 log.warning("fan-out: could not refresh %s: %s", self.name, err)
+
+    def rejoin(self) -> None:
+        """After Valkey lost the run's keys (a flush, a restart without its append-only file):
+        put the run's chunk token back (this worker's, unless a worker started since set one,
+        which this one then takes up) and this peer's address, so old and new workers agree
+        again within ALIVE_TTL_S / 3 without a restart."""
+        token = run_token(self.bus, self.token)
+        if token != self.token:
+            log.warning(
+                "fan-out: %s takes up the run's chunk token set after a Valkey loss", self.name
+            )
+            self.token = token
+            self.app.set_token(token)
+        self.bus.r.hset(self.bus.key("fanout:peers"), self.name, self.url)
 
     def _flusher(self) -> None:
         """Announcements and counters reach Valkey within FLUSH_S even while every fetch thread

@@ -36,11 +36,11 @@ def has_bit(bits: bytes, i: int) -> bool:
     return i // 8 < len(bits) and bool(bits[i // 8] & (0x80 >> (i % 8)))
 
 
-def run_token(bus: RunBus) -> str:
+def run_token(bus: RunBus, mine: str | None = None) -> str:
     """The run's chunk token: made by the first worker (SET NX), read by every other, so all the
     run's workers share it and no other run's do. It lives in the run's keys only: never in a
-    URL, a log line or MLflow."""
-    bus.r.set(bus.key(TOKEN_KEY), secrets.token_urlsafe(32), nx=True)
+    URL, a log line or MLflow. `mine`: the token this worker holds, set again if Valkey lost it."""
+    bus.r.set(bus.key(TOKEN_KEY), mine or secrets.token_urlsafe(32), nx=True)
     token = bus.r.get(bus.key(TOKEN_KEY))
     if not token:
         from moerl.errors import CheckpointError

@@ -57,6 +57,10 @@ class ChunkApp:
         self.serving = 0  # chunks being sent now (one event loop: no lock needed)
         self.refused_busy = self.refused_auth = self.stalled = 0
 
+    def set_token(self, token: str) -> None:
+        """Admit `token` from now on (the run's, set again after a Valkey loss)."""
+        self._expected = f"Bearer {token}".encode()
+
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] != "http":
             return
