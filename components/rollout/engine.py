@@ -412,12 +412,29 @@ class RolloutEngine:
         gc.freeze()
         self.load_s = time.perf_counter() - t0
         self.kv_tokens = kv_capacity(self.core)
+        # the longest prompt it takes: vLLM refuses one that leaves no room for a token (and
+        # max_total_tokens none for a response): `prompt_refused`
+        mc = getattr(getattr(self.core, "vllm_config", None), "model_config", None)
+        limit = int(getattr(mc, "max_model_len", 0) or _max_len(_hf_config(model_dir), cfg))
+        self.max_prompt_tokens = min(limit, cfg.max_total_tokens or limit) - 1
         log.info(
             "vLLM engine loaded %s in %.1f s (KV cache: %s tokens)",
             model_dir,
             self.load_s,
             self.kv_tokens if self.kv_tokens is not None else "unknown",
         )
+
+    def prompt_refused(self, prompt_len: int) -> str | None:
+        """Why a prompt of `prompt_len` tokens cannot be generated here (None: it can): empty,
+        or longer than `max_prompt_tokens`. Checked before `submit`, which would fail on it."""
+        if prompt_len < 1:
+            return "an empty prompt"
+        if prompt_len > self.max_prompt_tokens:
+            return (
+                f"a prompt of {prompt_len} tokens > {self.max_prompt_tokens} (the engine's context "
+                "less one token to generate; rollout.max_model_len, rollout.max_total_tokens)"
+            )
+        return None
 
     @property
     def version(self) -> int | None:

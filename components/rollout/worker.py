@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import logging
 import os
 import queue
@@ -34,7 +35,7 @@ from moerl.bus.run import Registered
 from moerl.bus.weights import WIRE_PREFIX, same_weights
 from moerl.components.rollout.wire_receive import WireReceiver
 from moerl.config import RunConfig, config_from_json
-from moerl.errors import CheckpointError, ConfigError, WeightSyncError
+from moerl.errors import CheckpointError, ConfigError, StoreUnavailable, WeightSyncError
 from moerl.launch.podenv import enter_pod
 from moerl.records import Prompt, Sample
 from moerl.store.runs import engine_copy, run_cache, run_store
@@ -136,6 +137,7 @@ class _InFlight:
     by_rid: dict[str, int] = field(default_factory=dict)  # request id -> k
     finished: set[int] = field(default_factory=set)
     overlapped: bool = False  # leased while another unit was generating (counted with its end)
+    refused: list[BusWrite] = field(default_factory=list)  # its groups the engine cannot take
 
     def remaining(self) -> list[int]:
         return [k for k in self.todo if k not in self.finished]
@@ -956,11 +958,18 @@ class RolloutWorker:
         )
 
     def _renew(self) -> None:
+        """The serving pin's lease, renewed every quarter of its TTL; a store that is away (a
+        brownout) is tried again at the next step: the lease outlives three missed renewals."""
         now = time.monotonic()
         if self.version is not None and now - self._last_renew > self.cfg.checkpoint.pin_ttl_s / 4:
-            run_store(self.cfg.checkpoint, self.run_id).renew(
-                self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s
-            )
+            try:
+                run_store(self.cfg.checkpoint, self.run_id).renew(
+                    self.holder, ttl_s=self.cfg.checkpoint.pin_ttl_s
+                )
+            except StoreUnavailable as e:
+                log.warning("%s: serving pin not renewed (%s); trying again", self.name, e)
+                self._last_renew = now - self.cfg.checkpoint.pin_ttl_s / 4 + 10.0
+                return
             self._last_renew = now
 
     # -- single-turn units, several in flight ---------------------------------------------
@@ -975,10 +984,21 @@ class RolloutWorker:
             # here while the original attempt still runs must not give the engine a duplicate id
             rid = f"{unit_id}-{k}-{lease.entry_id}-{lease.deliveries}"
             # text, or chat template
-            u.ids[rid] = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])
-            u.by_rid[rid] = k
-            self._live.submit(rid, u.ids[rid], G, seed=self._seed(unit_id, k))
+            ids = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])
+            if (why := self._live.prompt_refused(len(ids))) is not None:
+                u.refused.append(self._refuse(unit_id, e, why))
+                u.finished.add(k)
+                continue
+            u.ids[rid], u.by_rid[rid] = ids, k
+            self._live.submit(rid, ids, G, seed=self._seed(unit_id, k))
         return u
+
+    def _refuse(self, unit_id: str, entry: dict, why: str) -> BusWrite:
+        """A prompt the engine cannot take: its group dead-lettered before it reaches the engine
+        (counted `prompts_too_long` with its unit's acknowledgement); the worker goes on."""
+        gid = group_id(unit_id, entry["k"], entry["prompt"]["id"])
+        log.error("%s: group %s not generated: %s", self.name, gid, why)
+        return self.bus.refuse_write(gid, f"{why} (refused by its producer)", json.dumps(entry))
 
     def _seed(self, unit_id: str, k: int) -> int | None:
         """Group k's seed with `rollout.seed_groups`, else None (the engine's generator)."""
@@ -1096,8 +1116,10 @@ class RolloutWorker:
         u = self._start_unit(lease)
         u.overlapped = bool(s.units)
         s.add(u)
-        if not u.todo:  # every group was published by an earlier attempt
-            self._complete_unit(s, u, [])
+        if not u.remaining():  # every group published by an earlier attempt, or refused
+            self._complete_unit(s, u, u.refused)
+        else:
+            self._hand_over(u.refused)
 
     def _step(self, s: _Stream) -> None:
         """One engine step: the groups it finished go to the outbox in one hand-over, each unit
@@ -1135,7 +1157,12 @@ class RolloutWorker:
         """Drop a unit none of whose groups remains from the loop's books and acknowledge it
         behind `last_groups` (those of its groups the step finished, still to hand over)."""
         s.drop(u)
-        self._ack_behind(u.lease, last_groups, units_overlapped=int(u.overlapped))
+        self._ack_behind(
+            u.lease,
+            last_groups,
+            units_overlapped=int(u.overlapped),
+            prompts_too_long=len(u.refused),
+        )
 
     def _abandon_unit(self, s: _Stream, u: _InFlight) -> None:
         """Drop a unit with groups still generating from the loop's books (its lease lost, or a
@@ -1159,13 +1186,22 @@ class RolloutWorker:
         done_already = self.bus.published(list(gids.values()))
         return unit_id, {e["k"]: e for e in entries if gids[e["k"]] not in done_already}
 
-    def _ack_behind(self, lease: Lease, last_groups: list[BusWrite], units_overlapped: int) -> None:
+    def _ack_behind(
+        self,
+        lease: Lease,
+        last_groups: list[BusWrite],
+        units_overlapped: int,
+        prompts_too_long: int = 0,
+    ) -> None:
         """Acknowledge a unit on the outbox, behind its `last_groups` in one hand-over (so one
         round trip sends them and the acknowledgement), then release its lease, also when a
         failed write before skips the acknowledgement; the loop goes on at once.
         `units_overlapped` goes to the counters with the acknowledgement."""
+        ack = self.bus.ack_write(
+            lease, units_overlapped=units_overlapped, prompts_too_long=prompts_too_long
+        )
         self._outbox.put(
-            [*last_groups, self.bus.ack_write(lease, units_overlapped=units_overlapped)],
+            [*last_groups, ack],
             always=lambda: self._release(lease),
         )
 

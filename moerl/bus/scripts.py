@@ -37,7 +37,7 @@ if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', DEAD_MAXLEN, '*', 'stream', 'generated', 'entry', ARGV[1], 'payload', ARGV[2], 'deliveries', 0,
-           'by', 'producer', 'reason', ARGV[4] .. ' bytes > ' .. ARGV[5] .. ' (refused by its producer)')
+           'by', 'producer', 'reason', ARGV[4])
 for _, k in ipairs({'entries_dead', 'groups_dead', 'prompts_dead'}) do redis.call('HINCRBY', KEYS[3], k, 1) end
 redis.call('HINCRBY', KEYS[3], 'samples_dead', tonumber(ARGV[3]))
 return 1

@@ -7,12 +7,14 @@ model, see test_seeded_groups_are_reproducible); aborted groups never come back;
 refused with EngineRequestError (a ValueError).
 """
 
+import json
 from pathlib import Path
 
 import pytest
 
 from moerl.config import parse_config
 from moerl.models.tiny import build_tiny_model
+from tests.support.valkey_server import server  # noqa: F401 (a fixture)
 
 # Token ids inside the tiny tokenizer's vocabulary; prompt + max_new_tokens stays under the
 # tiny model's 64 positions.
@@ -320,3 +322,66 @@ def test_a_worker_seeds_its_groups_only_when_asked():
     finally:
         off._outbox.close()
         on._outbox.close()
+
+
+@pytest.mark.slow
+def test_an_over_long_prompt_fails_its_group_counted_and_the_worker_serves_the_next(
+    engine,
+    server,  # noqa: F811
+    request,
+    monkeypatch,
+):
+    """A prompt the engine's context cannot take (vLLM refuses it in `submit`, which crashed the
+    worker) fails its group before it reaches the engine: dead-lettered by its producer, counted
+    `prompts_too_long` with its unit's acknowledgement; the unit's other group and the next unit
+    are generated on the same engine, by the same worker."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from moerl.components.rollout.worker import RolloutWorker, _Stream
+    from tests.support.valkey_server import stage_bus
+
+    long_text = " ".join(["alpha beta gamma"] * 100)
+    tok = AutoTokenizer.from_pretrained(engine.model_dir)
+    long_ids = tok(long_text)["input_ids"]
+    assert len(long_ids) > engine.max_prompt_tokens
+    assert engine.prompt_refused(len(long_ids)) and engine.prompt_refused(4) is None
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="maximum context length is 64"):
+        engine.submit("too-long", long_ids, N)  # what the worker met before the check
+
+    def prompt(i: str, text: str) -> dict:
+        return {"id": i, "task": "echo", "prompt": text, "answer": "a"}
+
+    bus = stage_bus(server, request, monkeypatch)
+    bus.issue_unit([prompt("long", long_text), prompt("ok1", "alpha beta")])
+    bus.issue_unit([prompt("ok2", "gamma alpha")])
+    w = RolloutWorker(parse_config({}), bus.run_id, "rollout-0", bus)
+    w.engine, w.tokenizer, w._early_tried, w.version = engine, tok, True, 0
+    s = _Stream()
+    try:
+        deadline = time.monotonic() + 120
+        while bus.counters().get("units_done", 0) < 2:
+            assert time.monotonic() < deadline, bus.counters()
+            w._outbox.check()
+            if w._has_room(s, time.monotonic()):
+                w._lease_next(s, time.monotonic())
+            if s.units:
+                w._step(s)
+            w._outbox.flush()
+    finally:
+        w._outbox.close()
+    c = bus.counters()
+    assert c["prompts_too_long"] == 1 and c["groups_dead"] == 1 and c["prompts_dead"] == 1
+    G = w.cfg.rollout.samples_per_prompt
+    assert c["samples_dead"] == 0 and c["generated"] == 2 * G  # nothing generated for it
+    assert engine.unfinished() == 0
+    generated = bus.r.xrange(bus.key("generated"))
+    assert sorted(json.loads(f["group"])["group_id"].rsplit(":", 1)[-1] for _, f in generated) == [
+        "ok1",
+        "ok2",
+    ]
+    [(_, dead)] = bus.r.xrange(bus.key("dead"))
+    assert dead["by"] == "producer" and "tokens > 63" in dead["reason"]
