@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING, Any
 from moerl.config import GroupConfig, RunConfig
 from moerl.errors import ConfigError
 from moerl.launch.podsecrets import (
+    LAUNCHER_TOKEN,
+    LAUNCHER_TOKEN_ENV,
     RUN_SECRET,
     VALKEY_ADMIN_STAGES,
     SecretRef,
+    launcher_token_dir,
     pod_secret_files,
     pod_secret_mounts,
 )
@@ -71,7 +74,6 @@ def check_cluster_safe(cfg: RunConfig) -> None:
         *_storage_problems(cfg),
         *_group_problems(cfg),
         *_service_problems(cfg),
-        *_sandbox_problems(cfg),
     ]
     if cfg.cluster.launch.mode == "kubernetes":
         from moerl.launch.task import check_launchable
@@ -214,27 +216,6 @@ def _service_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _sandbox_problems(cfg: RunConfig) -> list[str]:
-    """A task sandbox that launched rollout pods cannot run."""
-    problems: list[str] = []
-    if (
-        cfg.cluster.launch.mode == "kubernetes"
-        and (cfg.task.environment or cfg.task.environments)
-        and cfg.task.sandbox.isolation == "namespaces"
-    ):
-        # launched rollout pods run environments in their sandboxed pool, and run under seccomp
-        # RuntimeDefault (moerl/launch/objects.py; manifests/base/launched-pods-policy.yaml admits
-        # nothing else), which refuses the namespaces without CAP_SYS_ADMIN: every worker would
-        # fail at its first episode, after the run started
-        problems.append(
-            "task.sandbox.isolation: namespaces, but launched rollout pods (cluster.launch.mode "
-            "kubernetes) run under seccomp RuntimeDefault, which refuses unprivileged user namespaces; "
-            "set task.sandbox.isolation: none (recorded on the run), or give the launched pods a Localhost "
-            "seccomp profile that allows unshare/clone/mount in namespaces (docs/tasks.md, section 4)"
-        )
-    return problems
-
-
 def launched_stages(cfg: RunConfig) -> frozenset[str]:
     """The GPU stages whose launch `check_cluster_safe` checks: all of them, but the sync
     pipeline's `rollout` in an async one (which runs `rollout_worker` instead: a rollout group
@@ -297,6 +278,12 @@ def place(
         # start_run and close_run (async): where they create and delete the run's own Secret
         kubernetes.use_field_path_as_env(task, "MOERL_POD_NAMESPACE", "metadata.namespace")
         kubernetes.use_field_path_as_env(task, "MOERL_SERVICE_ACCOUNT", "spec.serviceAccountName")
+        # the launcher account's token, in these tasks only: the run's own account (every task
+        # pod's token, which KFP's launcher needs) may do nothing of moerl's (docs/eks.md)
+        kubernetes.use_secret_as_volume(
+            task, secret_name=LAUNCHER_TOKEN, mount_path=launcher_token_dir()
+        )
+        task.set_env_variable(LAUNCHER_TOKEN_ENV, launcher_token_dir())
     _mount_secrets(task, cfg, stage, async_mode, run_secret)
     if cfg.checkpoint.fanout and stage == "rollout_worker" and not launcher:
         # peers reach this worker's chunk server at the pod's address (NetworkPolicy: rollout pods only)

@@ -19,7 +19,7 @@ from moerl.bus.run import GROUPS, UNITS
 from moerl.config import RunConfig
 from moerl.errors import ConfigError
 from moerl.launch import objects
-from moerl.launch.podsecrets import VALKEY_SCALER_KEYS, run_secret_name
+from moerl.launch.podsecrets import VALKEY_SCALER_KEYS, scaler_secret_name
 
 DEPLOYMENT_API = ("apps", "v1", "deployments")
 KEDA_GROUP, KEDA_VERSION = "keda.sh", "v1alpha1"
@@ -173,9 +173,9 @@ def selector(run_id: str, name: str) -> dict[str, str]:
 
 def trigger_authentication(run_id: str, name: str, labels: dict[str, str]) -> dict[str, Any]:
     """KEDA's credentials for the trigger: the run's scaler user (read-only on the units stream,
-    `moerl.bus.client.create_scaler_user`), read from the run's own Secret
-    (`moerl-run-<run_id>`) by KEDA's operator; never inlined."""
-    secret = run_secret_name(run_id)
+    `moerl.bus.client.create_scaler_user`), read from the run's scaler Secret
+    (`moerl-run-<run_id>-scaler`, which no pod mounts) by KEDA's operator; never inlined."""
+    secret = scaler_secret_name(run_id)
     user_key, password_key = VALKEY_SCALER_KEYS
     return {
         "apiVersion": f"{KEDA_GROUP}/{KEDA_VERSION}",

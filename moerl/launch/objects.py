@@ -176,11 +176,12 @@ def api_token_volume(expiration_s: int = 3600) -> dict[str, Any]:
 # default seccomp profile, a read-only root filesystem (a stage writes only to the scratch
 # emptyDir, HOME and TMPDIR under it, and /dev/shm), and no Kubernetes API token: a stage never
 # calls the API, only its launcher does.
+# The user, group and seccomp profile are the pod's alone: a container that overrides them is
+# refused by the admission policy (manifests/base/launched-pods-policy.yaml).
 def _security() -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
     }
 
@@ -190,10 +191,23 @@ def _security() -> dict[str, Any]:
 POD_FS_GROUP = 1000
 
 
-def _pod_security() -> dict[str, Any]:
+# The Localhost seccomp profile of a rollout pod whose environments run in the sandbox's
+# namespaces: RuntimeDefault's refusals but unshare, clone and mount (manifests/seccomp/, which
+# the rollout nodes' user data installs under /var/lib/kubelet/seccomp; docs/eks.md).
+SANDBOX_SECCOMP = "moerl/sandbox.json"
+
+
+def sandboxed(cfg: RunConfig) -> bool:
+    """Whether a rollout pod of `cfg` runs environments in the sandbox's namespaces."""
+    t = cfg.task
+    return bool(t.environment or t.environments) and t.sandbox.isolation == "namespaces"
+
+
+def _pod_security(localhost: str | None = None) -> dict[str, Any]:
+    profile = {"type": "Localhost", "localhostProfile": localhost} if localhost else None
     return {
         "runAsNonRoot": True,
-        "seccompProfile": {"type": "RuntimeDefault"},
+        "seccompProfile": profile or {"type": "RuntimeDefault"},
         "fsGroup": POD_FS_GROUP,
     }
 
@@ -345,7 +359,7 @@ def _rollout_pod_spec(
         "tolerations": _tolerations(group),
         "terminationGracePeriodSeconds": grace_seconds(cfg),
         "enableServiceLinks": False,  # no env variable per Service of the namespace
-        "securityContext": _pod_security(),
+        "securityContext": _pod_security(SANDBOX_SECCOMP if sandboxed(cfg) else None),
         "automountServiceAccountToken": False,
         "volumes": volumes,
         "containers": [

@@ -19,7 +19,7 @@ from moerl.secrets import FILE_SUFFIX, SECRETS_ROOT, file_var, write_secret_file
 
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 VALKEY_SECRET_KEYS = ("VALKEY_USERNAME", "VALKEY_PASSWORD")  # in the run's own Secret
-# also there, for KEDA's operator alone (an elastic fleet's trigger): never mounted in a pod
+# in the run's scaler Secret (`scaler_secret_name`), for KEDA's operator alone: never mounted
 VALKEY_SCALER_KEYS = ("VALKEY_SCALER_USERNAME", "VALKEY_SCALER_PASSWORD")
 VALKEY_ADMIN_KEY = "VALKEY_ADMIN_PASSWORD"  # in cluster.valkey_secret: start_run and close_run only
 # The stages that make and delete the run's Valkey user and Secret (the admin password, and the
@@ -28,6 +28,12 @@ VALKEY_ADMIN_STAGES = frozenset({"start_run", "close_run"})
 # A run's own Secret (its Valkey user), named when the run starts: `run_secret_name(run_id)`.
 RUN_SECRET = "moerl-run-{run_id}"
 SANDBOX_SECRETS_ENV = "MOERL_SANDBOX_SECRETS"
+# The launcher account's token (manifests/base/serviceaccounts.yaml): a Secret mounted only in the
+# tasks that call the Kubernetes API (pipelines/eks.py `place`), found by the client through
+# $MOERL_KUBE_TOKEN_DIR (`moerl.launch.watch.connect`). Every other task pod holds only the KFP run
+# account's token, which may do nothing of moerl's (manifests/base/rbac.yaml).
+LAUNCHER_TOKEN = "moerl-launcher-token"
+LAUNCHER_TOKEN_ENV = "MOERL_KUBE_TOKEN_DIR"
 # Stripped from a sandboxed task's environment whatever the config says, besides every variable a
 # mapping can set and its `_FILE`: what a test process may hold that no pod is given (its own S3,
 # MLflow, Valkey and cache-tier credentials). AWS_* comes back only as `service_account_env`.
@@ -45,6 +51,12 @@ def run_secret_name(run_id: str) -> str:
     """The Kubernetes Secret of run `run_id`'s Valkey user (a valid Secret and volume name for
     MLflow's 32-hex run ids: 42 characters)."""
     return RUN_SECRET.format(run_id=run_id)
+
+
+def scaler_secret_name(run_id: str) -> str:
+    """The Secret of run `run_id`'s scaler user (VALKEY_SCALER_*): read by KEDA's operator alone,
+    never mounted in a pod, so a task that mounts the run's own Secret whole (KFP) never sees it."""
+    return f"{run_secret_name(run_id)}-scaler"
 
 
 def cache_tier_secret(key: str) -> str:
@@ -137,13 +149,45 @@ def launched_secret_volumes(
         source: dict = {
             "secretName": name,
             "defaultMode": LAUNCHED_SECRET_MODE,
-            "items": [{"key": k, "path": k} for k in keys],
+            "items": [{"key": k, "path": k, "mode": LAUNCHED_SECRET_MODE} for k in keys],
         }
         if optional:
             source["optional"] = True
         volumes.append({"name": f"moerl-secret-{i}", "secret": source})
         mounts.append({"name": f"moerl-secret-{i}", "mountPath": mount, "readOnly": True})
     return volumes, mounts
+
+
+def launcher_token_dir() -> str:
+    """Where a launching task finds the launcher's token, CA and namespace (its Secret volume)."""
+    return f"{SECRETS_ROOT}/{LAUNCHER_TOKEN}"
+
+
+def admitted_secret_keys() -> dict[str, list[str]]:
+    """Stage label -> every `<secret>/<key>` a launched pod of that stage may mount, with every
+    feature that adds keys on (Valkey, the cache tier, MLflow's Secret under its default name);
+    the run's own Secret as `moerl-run`. What the admission policy moerl-launched-pods admits
+    (manifests/base/launched-pods-policy.yaml holds it as a literal; a test compares the two)."""
+    from moerl.config import parse_config
+
+    cfg = parse_config(
+        {
+            "pipeline": {"mode": "async"},
+            "valkey": {"url": "redis://valkey:6379/0", "username": "moerl"},
+            "checkpoint": {
+                "uri": "s3://b/p",
+                "cache_tier": {"uri": "s3://c/p", "endpoint_url": "http://cache:8333"},
+            },
+        }
+    )
+    from moerl.launch.remote import STAGES
+
+    out = {}
+    for stage in sorted(STAGES):
+        refs = pod_secret_env(cfg, stage, stage in LAUNCHED_ASYNC_STAGES).values()
+        names = {f"{r.path().rsplit('/', 2)[1]}/{r.key}" for r in refs}
+        out[stage.replace("_", "-")] = sorted(names)
+    return out
 
 
 def secret_bearing(name: str, cfg: RunConfig) -> bool:

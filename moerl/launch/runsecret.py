@@ -20,7 +20,7 @@ from moerl.bus.client import (
 )
 from moerl.config import RunConfig
 from moerl.errors import ConfigError, MoerlError
-from moerl.launch.podsecrets import VALKEY_SCALER_KEYS, run_secret_name
+from moerl.launch.podsecrets import VALKEY_SCALER_KEYS, run_secret_name, scaler_secret_name
 from moerl.secrets import read_secret
 
 if TYPE_CHECKING:  # the kubernetes client only where a Secret is made or deleted
@@ -41,22 +41,29 @@ def _admin(cfg: RunConfig):
     return connect(cfg.valkey.url, cfg.valkey.reconnect_s, username="default", password=password)
 
 
-def run_secret_body(
-    run_id: str, user: str, password: str, scaler: tuple[str, str] | None = None
-) -> dict[str, Any]:
+def run_secret_body(run_id: str, user: str, password: str) -> dict[str, Any]:
     """The run's Secret: the keys `moerl.launch.podsecrets` mounts (VALKEY_USERNAME,
-    VALKEY_PASSWORD), and `scaler`'s (VALKEY_SCALER_*: the user KEDA's trigger reads the units
-    stream as, `create_scaler_user`), labelled with the run so an operator can find one a
-    failed close left."""
-    data = {"VALKEY_USERNAME": user, "VALKEY_PASSWORD": password}
-    if scaler is not None:
-        data |= dict(zip(VALKEY_SCALER_KEYS, scaler))
+    VALKEY_PASSWORD), labelled with the run so an operator can find one a failed close left."""
+    return _secret(
+        run_secret_name(run_id), run_id, {"VALKEY_USERNAME": user, "VALKEY_PASSWORD": password}
+    )
+
+
+def scaler_secret_body(run_id: str, user: str, password: str) -> dict[str, Any]:
+    """The run's scaler Secret (VALKEY_SCALER_*: the user KEDA's trigger reads the units stream
+    as, `create_scaler_user`): its own Secret, because a KFP task mounts the run's whole."""
+    return _secret(
+        scaler_secret_name(run_id), run_id, dict(zip(VALKEY_SCALER_KEYS, (user, password)))
+    )
+
+
+def _secret(name: str, run_id: str, data: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
         "metadata": {
-            "name": run_secret_name(run_id),
+            "name": name,
             "labels": {
                 "app.kubernetes.io/part-of": "moerl",
                 "app.kubernetes.io/managed-by": "moerl",
@@ -65,6 +72,11 @@ def run_secret_body(
         },
         "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
     }
+
+
+def _keda(cfg: RunConfig) -> bool:
+    """Whether the run has a scaler user and Secret (an elastic fleet that KEDA scales)."""
+    return cfg.rollout.elastic and cfg.cluster.launch.fleet_scaler == "keda"
 
 
 def namespaces(cfg: RunConfig) -> list[str]:
@@ -99,27 +111,26 @@ def open_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -
     from moerl.launch.watch import short_error
 
     admin = _admin(cfg)
-    user, password = create_run_user(admin, run_id)
-    # an elastic fleet's scaler: read-only on the units stream (KEDA's lag trigger)
-    keda = cfg.rollout.elastic and cfg.cluster.launch.fleet_scaler == "keda"
-    scaler = create_scaler_user(admin, run_id) if keda else None
+    bodies = [run_secret_body(run_id, *create_run_user(admin, run_id))]
+    if _keda(cfg):  # an elastic fleet's scaler: read-only on the units stream (KEDA's trigger)
+        bodies.append(scaler_secret_body(run_id, *create_scaler_user(admin, run_id)))
     api = api or _api()
-    body = run_secret_body(run_id, user, password, scaler)
-    name = body["metadata"]["name"]
     for ns in namespaces(cfg):
-        try:
-            api.core.create_namespaced_secret(ns, body)
-        except ApiException as err:
-            if err.status != 409:
-                raise MoerlError(
-                    f"creating the run's Secret {ns}/{name}: {short_error(err)}; the pipeline's "
-                    "service account needs create on secrets (Role moerl-launcher, "
-                    "manifests/base/rbac.yaml)"
-                ) from err
-            # a retried start_run: the new password
-            api.core.replace_namespaced_secret(name, ns, body)
-    log.info("run %s: Valkey user %s, Secret %s", run_id, user, name)
-    return name
+        for body in bodies:
+            name = body["metadata"]["name"]
+            try:
+                api.core.create_namespaced_secret(ns, body)
+            except ApiException as err:
+                if err.status != 409:
+                    raise MoerlError(
+                        f"creating the run's Secret {ns}/{name}: {short_error(err)}; the launcher "
+                        "account needs create on secrets (Role moerl-launcher, "
+                        "manifests/base/rbac.yaml)"
+                    ) from err
+                # a retried start_run: the new password
+                api.core.replace_namespaced_secret(name, ns, body)
+    log.info("run %s: Valkey user %s, Secrets %s", run_id, run_user(run_id), len(bodies))
+    return run_secret_name(run_id)
 
 
 def close_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) -> list[str]:
@@ -136,18 +147,19 @@ def close_run_identity(cfg: RunConfig, run_id: str, api: KubeApi | None = None) 
             done.append(f"Valkey user {run_user(run_id)}")
     except MoerlError as err:
         problems.append(f"deleting Valkey user {run_user(run_id)}: {err}")
-    name = run_secret_name(run_id)
+    names = [run_secret_name(run_id)] + ([scaler_secret_name(run_id)] if _keda(cfg) else [])
     try:
         api = api or _api()
         for ns in namespaces(cfg):
-            try:
-                api.core.delete_namespaced_secret(name, ns)
-                done.append(f"Secret {ns}/{name}")
-            except ApiException as err:
-                if err.status != 404:
-                    problems.append(f"deleting Secret {ns}/{name}: {short_error(err)}")
+            for name in names:
+                try:
+                    api.core.delete_namespaced_secret(name, ns)
+                    done.append(f"Secret {ns}/{name}")
+                except ApiException as err:
+                    if err.status != 404:
+                        problems.append(f"deleting Secret {ns}/{name}: {short_error(err)}")
     except MoerlError as err:
-        problems.append(f"deleting Secret {name}: {err}")
+        problems.append(f"deleting Secret {names[0]}: {err}")
     if problems:
         raise MoerlError(
             f"closing run {run_id}'s Valkey identity: "

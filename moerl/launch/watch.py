@@ -105,11 +105,19 @@ class KubeApi:
 
 
 def connect() -> KubeApi:
-    """In-cluster config (the task's service account), else kubeconfig."""
+    """The launcher's token (`moerl.launch.podsecrets.LAUNCHER_TOKEN_ENV`), else in-cluster
+    config (the pod's own account), else kubeconfig."""
     from kubernetes import client, config
 
+    from moerl.launch.podsecrets import LAUNCHER_TOKEN_ENV
+
     try:
-        config.load_incluster_config()
+        if token_dir := os.environ.get(LAUNCHER_TOKEN_ENV):
+            config.incluster_config.InClusterConfigLoader(
+                token_filename=f"{token_dir}/token", cert_filename=f"{token_dir}/ca.crt"
+            ).load_and_set()
+        else:
+            config.load_incluster_config()
     except config.ConfigException:
         try:
             config.load_kube_config()

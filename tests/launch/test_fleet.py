@@ -25,8 +25,13 @@ import yaml
 from moerl.config import config_from_json, parse_config
 from moerl.errors import ConfigError
 from moerl.launch import fleet, objects
-from moerl.launch.podsecrets import VALKEY_SCALER_KEYS, VALKEY_SECRET_KEYS, run_secret_name
-from moerl.launch.runsecret import run_secret_body
+from moerl.launch.podsecrets import (
+    VALKEY_SCALER_KEYS,
+    VALKEY_SECRET_KEYS,
+    run_secret_name,
+    scaler_secret_name,
+)
+from moerl.launch.runsecret import run_secret_body, scaler_secret_body
 from moerl.launch.task import launch_env
 from tests.unit.test_launch import K8S_VERSION, NS, RFC1035, RUN, _crd_schema, _env
 
@@ -327,27 +332,33 @@ def test_the_valkey_url_sets_the_address_database_and_tls():
 # ---- credentials and RBAC -------------------------------------------------------------------------
 
 
-def test_the_trigger_reads_the_runs_own_secret_by_reference_never_inlined():
+def test_the_trigger_reads_the_runs_scaler_secret_by_reference_never_inlined():
+    """KEDA's keys live in their own Secret, which no pod mounts: a KFP task mounts the run's
+    Secret whole (kfp-kubernetes has no `items`), so there they would reach every async task."""
     objs = _objs()
     ta = objs["TriggerAuthentication"]["spec"]
     assert ta == {
         "secretTargetRef": [
             {
                 "parameter": "username",
-                "name": run_secret_name(RUN),
+                "name": scaler_secret_name(RUN),
                 "key": "VALKEY_SCALER_USERNAME",
             },
             {
                 "parameter": "password",
-                "name": run_secret_name(RUN),
+                "name": scaler_secret_name(RUN),
                 "key": "VALKEY_SCALER_PASSWORD",
             },
         ]
     }
-    # the keys the run's Secret holds (moerl/launch/runsecret.py)
-    body = run_secret_body(RUN, "moerl-run-x", "s3cr3t-value", ("moerl-run-x-scaler", "s3cr3t-2"))
+    assert scaler_secret_name(RUN) != run_secret_name(RUN)
+    # the keys each Secret holds (moerl/launch/runsecret.py): the run's has no scaler key
+    body = run_secret_body(RUN, "moerl-run-x", "s3cr3t-value")
+    scaler = scaler_secret_body(RUN, "moerl-run-x-scaler", "s3cr3t-2")
     assert {r["key"] for r in ta["secretTargetRef"]} == set(VALKEY_SCALER_KEYS)
-    assert set(body["data"]) == set(VALKEY_SECRET_KEYS) | set(VALKEY_SCALER_KEYS)
+    assert set(body["data"]) == set(VALKEY_SECRET_KEYS)
+    assert set(scaler["data"]) == set(VALKEY_SCALER_KEYS)
+    assert scaler["metadata"]["name"] == scaler_secret_name(RUN)
     text = json.dumps(list(objs.values()))
     assert "s3cr3t" not in text and '"password":' not in text.replace(" ", "")
     m = objs["ScaledObject"]["spec"]["triggers"][0]["metadata"]
@@ -406,7 +417,7 @@ def test_the_launchers_role_may_create_the_fleet_and_grant_its_per_run_role():
     launched workloads) on every kind the fleet is; and every verb the per-run Role grants,
     which Kubernetes requires of whoever creates a Role (no escalation)."""
     docs = list(yaml.safe_load_all((ROOT / "manifests" / "base" / "rbac.yaml").read_text()))
-    (role,) = [d for d in docs if d["kind"] == "Role"]
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "moerl-launcher"]
     held = {
         (g, r): set(rule["verbs"])
         for rule in role["rules"]
@@ -534,44 +545,21 @@ def test_the_runs_scaler_user_reads_what_kedas_lag_trigger_reads_and_nothing_els
 
 # ---- admission: what the pipeline's account may create is the fleet, and only it -----------------
 
-PIPELINE = "system:serviceaccount:moerl:moerl-pipeline"
+PIPELINE = "system:serviceaccount:moerl:moerl-launcher"  # the account that creates the fleet
 
 
 def _policies() -> dict[str, dict]:
-    path = ROOT / "manifests" / "base" / "launched-pods-policy.yaml"
-    return {
-        d["metadata"]["name"]: d
-        for d in yaml.safe_load_all(path.read_text())
-        if d and d["kind"] == "ValidatingAdmissionPolicy"
-    }
+    from tests.launch.admission import policies
+
+    return policies()
 
 
 def _refused(policy: dict, obj: dict, resource: str, user: str = PIPELINE) -> list[str] | None:
     """The messages of `policy`'s failed validations for creating `obj` (a `resource`) as
     `user`, evaluated with cel-python as the API server evaluates them; None: not matched."""
-    import celpy
-    from celpy import celtypes
+    from tests.launch.admission import refused
 
-    env, spec = celpy.Environment(), policy["spec"]
-
-    def ev(expr: str, act: dict):
-        return env.program(env.compile(expr)).evaluate(act)
-
-    act = {
-        "object": celpy.json_to_cel(obj),
-        "request": celpy.json_to_cel(
-            {"userInfo": {"username": user}, "resource": {"resource": resource}, "namespace": NS}
-        ),
-    }
-    if not all(ev(m["expression"], act) for m in spec.get("matchConditions", [])):
-        return None
-    act["variables"] = celtypes.MapType(
-        {
-            celtypes.StringType(v["name"]): ev(v["expression"], act)
-            for v in spec.get("variables", [])
-        }
-    )
-    return [v["message"] for v in spec["validations"] if not ev(v["expression"], act)]
+    return refused(policy, obj, resource, user, namespace=NS)
 
 
 def test_admission_lets_the_pipeline_create_the_fleet_and_refuses_anything_broader():

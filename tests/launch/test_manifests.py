@@ -398,29 +398,38 @@ def test_pods_run_as_non_root_without_privilege_escalation_except_the_efa_plugin
         assert efa["containers"][0]["securityContext"]["privileged"] is True
 
 
-def test_rbac_lets_the_pipeline_launch_only_its_workloads(built):
+def test_rbac_gives_the_run_account_nothing_of_moerls_and_the_launcher_only_its_workloads(built):
+    """Two Roles: the KFP run's account (whose token every task pod holds, KFP's launcher and
+    Argo's executor need it) may get pods, get the `kfp-launcher` ConfigMap by name and report
+    Argo's task results, nothing else; the launcher's account, which no pod runs as, holds what
+    moerl.launch does and reaches the tasks only as its token Secret."""
     for name, objs in built.items():
         assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")], name
-        (role,) = [o for o in objs if o["kind"] == "Role"]
-        rules = {
-            (g, r): sorted(rule["verbs"])
-            for rule in role["rules"]
-            for g in rule["apiGroups"]
-            for r in rule["resources"]
+        roles = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Role"}
+        bindings = {o["metadata"]["name"]: o for o in objs if o["kind"] == "RoleBinding"}
+        assert set(roles) == set(bindings) == {"moerl-kfp-task", "moerl-launcher"}, name
+
+        def rules(role, roles=roles):
+            return {
+                (g, r): (sorted(rule["verbs"]), rule.get("resourceNames"))
+                for rule in roles[role]["rules"]
+                for g in rule["apiGroups"]
+                for r in rule["resources"]
+            }
+
+        assert rules("moerl-kfp-task") == {
+            ("", "pods"): (["get"], None),
+            ("", "configmaps"): (["get"], ["kfp-launcher"]),
+            ("argoproj.io", "workflowtaskresults"): (["create", "patch"], None),
         }
         crud = sorted(["create", "get", "list", "watch", "delete"])
-        # secrets: an async run's own Valkey Secret, made and deleted; never read (no get, list, watch)
-        assert rules == {
+        # secrets: a run's own, made and deleted, never read (no get, list, watch); no pods/log
+        assert {k: v for k, (v, _) in rules("moerl-launcher").items()} == {
             ("trainer.kubeflow.org", "trainjobs"): crud,
             ("jobset.x-k8s.io", "jobsets"): crud,
             ("", "pods"): crud,
-            ("", "pods/log"): ["get"],
             ("", "secrets"): ["create", "delete", "update"],
-            # a rollout group's NetworkPolicy, owned by its JobSet (the GC deletes it)
             ("networking.k8s.io", "networkpolicies"): ["create"],
-            # an elastic run's fleet (moerl/launch/fleet.py, tests/launch/test_fleet.py): the
-            # Deployment as the other workloads; what it owns, create only; the per-run Role's
-            # grants (get/patch on its fleet's scale and ScaledObject), held to be granted
             ("apps", "deployments"): crud,
             ("apps", "deployments/scale"): ["get", "patch"],
             ("keda.sh", "scaledobjects"): ["create", "get", "patch"],
@@ -428,16 +437,25 @@ def test_rbac_lets_the_pipeline_launch_only_its_workloads(built):
             ("rbac.authorization.k8s.io", "roles"): ["create"],
             ("rbac.authorization.k8s.io", "rolebindings"): ["create"],
         }
-        (binding,) = [o for o in objs if o["kind"] == "RoleBinding"]
-        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        for role in roles:
+            assert bindings[role]["roleRef"]["name"] == role
         accounts = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ServiceAccount"}
-        (subject,) = binding["subjects"]
-        assert subject["kind"] == "ServiceAccount" and subject["name"] in accounts
+        ((kfp,),) = [bindings["moerl-kfp-task"]["subjects"]]
+        ((launcher,),) = [bindings["moerl-launcher"]["subjects"]]
+        assert (kfp["name"], launcher["name"]) == ("moerl-pipeline", "moerl-launcher")
+        # the launcher's token is only its Secret's: no pod mounts it by running as it
+        assert accounts["moerl-launcher"]["automountServiceAccountToken"] is False
+        (token,) = [o for o in objs if o["kind"] == "Secret"]
+        assert token["type"] == "kubernetes.io/service-account-token" and "data" not in token
+        assert token["metadata"]["annotations"] == {
+            "kubernetes.io/service-account.name": "moerl-launcher"
+        }
         for sa in ("moerl-pipeline", "moerl-worker", "moerl-rollout", "moerl-mlflow"):  # IRSA
             arn = accounts[sa]["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
             assert arn.startswith("arn:aws:iam::") and arn.endswith(
                 f"-{sa.removeprefix('moerl-')}"
             ), arn
+        assert "annotations" not in accounts["moerl-launcher"]["metadata"]  # no cloud identity
 
 
 def test_priority_classes_put_the_trainer_above_rollout(built):
@@ -559,7 +577,11 @@ def test_the_checkpoint_cache_tier_is_seaweedfs_with_a_reader_and_a_writer_reach
 
 def test_no_credential_value_in_the_manifests(built):
     for objs in built.values():
-        assert "Secret" not in {o["kind"] for o in objs}  # created by hand (docs/eks.md)
+        # created by hand (docs/eks.md), but the launcher's token, which the API server fills in
+        secrets = [o for o in objs if o["kind"] == "Secret"]
+        assert [(o["metadata"]["name"], o["type"], "data" in o) for o in secrets] == [
+            ("moerl-launcher-token", "kubernetes.io/service-account-token", False)
+        ]
         for key, spec in _pod_specs(objs):
             for c in spec["containers"]:
                 for e in c.get("env", []):
@@ -730,9 +752,6 @@ def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones
     """The ValidatingAdmissionPolicy's CEL, evaluated (cel-python) on the pods moerl.launch builds,
     on a privileged variant, and on pods the pipeline's account or someone else creates. The
     namespace enforces PSA `privileged` (IPC_LOCK is in no other level) and warns at `restricted`."""
-    import celpy
-    from celpy import celtypes
-
     from moerl.config import parse_config
     from moerl.launch import objects
 
@@ -764,22 +783,11 @@ def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones
     assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"] == {
         "kubernetes.io/metadata.name": "moerl"
     }
-    spec, env = pol["spec"], celpy.Environment()
-
-    def ev(expr, act):
-        return env.program(env.compile(expr)).evaluate(act)
 
     def refused(pod, user="system:serviceaccount:kubeflow:argo"):
-        act = {
-            "object": celpy.json_to_cel(pod),
-            "request": celpy.json_to_cel({"userInfo": {"username": user}}),
-        }
-        if not all(ev(m["expression"], act) for m in spec["matchConditions"]):
-            return None  # not this policy's business
-        act["variables"] = celtypes.MapType(
-            {celtypes.StringType(v["name"]): ev(v["expression"], act) for v in spec["variables"]}
-        )
-        return [v["message"] for v in spec["validations"] if not ev(v["expression"], act)]
+        from tests.launch.admission import refused as review
+
+        return review(pol, pod, "pods", user)
 
     cfg = parse_config({"cluster": {"launch": {"mode": "kubernetes"}}})
     pod = objects.rollout_pod(cfg, "run1", "rollout-0", ["python"], [])
@@ -801,8 +809,12 @@ def test_the_launched_pods_policy_admits_moerls_pods_and_refuses_privileged_ones
     evil["spec"] |= {"hostNetwork": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
     assert len(refused(evil)) == 4
     bare = {"metadata": {"labels": {}}, "spec": {"containers": [{"name": "x", "image": "x"}]}}
-    # the account that may create pods
-    assert len(refused(bare, "system:serviceaccount:moerl:moerl-pipeline")) == 4
+    # the accounts of moerl's (the launcher may create pods): no security context, no account
+    for user in (
+        "system:serviceaccount:moerl:moerl-launcher",
+        "system:serviceaccount:moerl:moerl-pipeline",
+    ):
+        assert len(refused(bare, user)) == 5
     assert refused(bare) is None  # KFP's own task pods (created by Argo) are not matched
 
 

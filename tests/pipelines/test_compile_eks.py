@@ -366,25 +366,33 @@ def test_a_workload_shape_moerl_cannot_run_yet_is_refused_at_compile(tmp_path):
     assert not (tmp_path / "p.yaml").exists()
 
 
-def test_environments_in_launched_rollout_pods_need_a_sandbox_their_seccomp_profile_allows(
+def test_environments_in_launched_rollout_pods_compile_and_run_under_the_sandbox_profile(
     tmp_path,
 ):
-    """Launched pods run under seccomp RuntimeDefault, which refuses the user namespaces the
-    default sandbox isolation makes: refused at compile, naming the field, not at the first
-    episode of every worker; with isolation none (recorded on the run) it compiles."""
+    """Launched rollout pods whose environments run in the sandbox's namespaces get the Localhost
+    seccomp profile moerl/sandbox.json (RuntimeDefault refuses unshare): no longer refused at
+    compile; with isolation none, and for the trainer, RuntimeDefault."""
+    from moerl.launch import objects
+
     env = {"environment": "moerl.tasks.tools:Lookup"}
     data = _cfg(cluster={"launch": {"mode": "kubernetes"}}, task=env)
-    with pytest.raises(
-        ConfigError, match=r"task.sandbox.isolation: namespaces, but launched rollout pods"
-    ):
-        compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks")
-    ok = _cfg(
+    assert compile_pipeline(parse_config(data), tmp_path / "p.yaml", target="eks").exists()
+    pod = objects.rollout_pod(parse_config(data), "run1", "rollout-0", ["python"], [])
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {
+        "type": "Localhost",
+        "localhostProfile": objects.SANDBOX_SECCOMP,
+    }
+    none = _cfg(
         cluster={"launch": {"mode": "kubernetes"}}, task={**env, "sandbox": {"isolation": "none"}}
     )
-    assert compile_pipeline(parse_config(ok), tmp_path / "p.yaml", target="eks").exists()
-    assert compile_pipeline(
-        parse_config(_cfg(task=env)), tmp_path / "q.yaml", target="eks"
-    ).exists()  # in_task
+    pod = objects.rollout_pod(parse_config(none), "run1", "rollout-0", ["python"], [])
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    tj = objects.trainjob(parse_config(data), "run1", "tj", ["python"], [])
+    (rjob,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+        "replicatedJobs"
+    ]
+    ps = rjob["template"]["spec"]["template"]["spec"]
+    assert ps["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
 @pytest.mark.parametrize(
@@ -610,8 +618,12 @@ def _mounted(kc: kpb.KubernetesExecutorConfig, container: dict) -> dict:
     whose name is start_run's output `valkey_secret` (or a loop's copy of it), reads as RUN_SECRET."""
     from moerl.launch.podsecrets import SecretRef
 
+    from moerl.launch.podsecrets import LAUNCHER_TOKEN
+
     volumes = {}
     for v in kc.secret_as_volume:
+        if v.secret_name == LAUNCHER_TOKEN:  # the launcher's API token, no credential file
+            continue
         p = v.secret_name_parameter
         if p.HasField("task_output_parameter"):
             assert (

@@ -185,7 +185,6 @@ def test_trainjob_validates_against_the_trainer_v2_3_crd(trainjob_schema):
     assert node["name"] == "node" and node["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
     }
     # fsGroup: the stage's user reads its Secret files (0400 root-owned, 0440 for the group)
@@ -285,7 +284,6 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     assert c["workingDir"] == "/scratch" and c["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
     }
     assert spec["securityContext"] == {
@@ -313,8 +311,8 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
         "secretName": f"moerl-run-{RUN}",
         "defaultMode": 0o400,
         "items": [
-            {"key": "VALKEY_USERNAME", "path": "VALKEY_USERNAME"},
-            {"key": "VALKEY_PASSWORD", "path": "VALKEY_PASSWORD"},
+            {"key": "VALKEY_USERNAME", "path": "VALKEY_USERNAME", "mode": 0o400},
+            {"key": "VALKEY_PASSWORD", "path": "VALKEY_PASSWORD", "mode": 0o400},
         ],
     }
     mlflow = next(
