@@ -34,7 +34,9 @@ PARENT_ENV = "MOERL_PARENT_PID"
 # A comma-separated list of CPU ids the wrapped process is pinned to before it imports anything
 # (so every thread it, torch or vLLM starts inherits the set).
 CPUS_ENV = "MOERL_CPUS"
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # from <linux/prctl.h>
+# The stage a process runs, which names it for ps and top (`set_title`): set by the launcher.
+TITLE_ENV = "MOERL_TITLE"
 
 
 def free_port() -> int:
@@ -72,6 +74,23 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
+
+
+def set_title(name: str) -> str:
+    """Name this process `moerl: <name>` for ps and top: with setproctitle where installed
+    (vLLM depends on it), which rewrites the command line and the kernel's name of the process;
+    else prctl(PR_SET_NAME), the name top shows (its first 15 bytes). Returns the route."""
+    title = f"moerl: {name}"
+    try:
+        import setproctitle
+    except ImportError:
+        if not sys.platform.startswith("linux"):
+            return "none"
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0)
+        return "prctl"
+    setproctitle.setproctitle(title)
+    return "setproctitle"
 
 
 def spawn(module: str, args: list[str], env: dict[str, str], **popen) -> subprocess.Popen:
@@ -150,6 +169,8 @@ def _main(argv: list[str]) -> None:
     parent = os.environ.pop(PARENT_ENV, None)
     die_with_parent(int(parent) if parent else None)
     os.environ[PARENT_ENV] = str(os.getpid())  # for children run through this wrapper in turn
+    if title := os.environ.pop(TITLE_ENV, None):
+        set_title(title)
     cpus = os.environ.get(CPUS_ENV)
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})

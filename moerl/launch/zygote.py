@@ -66,6 +66,9 @@ TRAINER_PRELOAD = (
 STAGE_PRELOAD = tuple(dict.fromkeys(ROLLOUT_PRELOAD + TRAINER_PRELOAD))
 READY_TIMEOUT_S = 300.0
 POLL_S = 0.05
+# A SIGTERM to the zygote drains its stages (`_drain`): each gets SIGTERM, then this long (s)
+# before SIGKILL. The launcher sets it from rollout.grace_seconds.
+GRACE_ENV, GRACE_S = "MOERL_ZYGOTE_GRACE_S", 30.0
 
 
 class ZygoteError(MoerlError):
@@ -82,6 +85,7 @@ class _Request:
 
 # -- the zygote process ----------------------------------------------------------------------
 _PROTO = [1]  # the fd the zygote reports on (its stdout at start; see `_serve`)
+_TERM: list[int] = []  # the SIGTERM the zygote received (`_serve` drains its stages then)
 _ENV_SET: dict[str, str] = {}  # what the preloaded modules set in the environment
 
 
@@ -131,19 +135,14 @@ def _serve(modules: Sequence[str]) -> _Request:
     gc.freeze()
     _flush()
     _send({"ready": time.perf_counter() - t0, "loaded": loaded, "missing": missing})
+    signal.signal(signal.SIGTERM, lambda signum, frame: _TERM.append(signum))
     children: set[int] = set()
     buf = b""
     while True:
         r, _, _ = select.select([0], [], [], POLL_S)
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            children.discard(pid)
-            _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        _reap(children)
+        if _TERM:
+            _drain(children, float(os.environ.get(GRACE_ENV, GRACE_S)))
         if not r:
             continue
         chunk = os.read(0, 1 << 16)
@@ -172,10 +171,47 @@ def _serve(modules: Sequence[str]) -> _Request:
             _send({"pid": pid})
 
 
+def _reap(children: set[int], block: bool = False) -> None:
+    """Report every child that exited (its code; negative: the signal that killed it)."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        _send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _drain(children: set[int], grace_s: float) -> None:
+    """A SIGTERM to the zygote, as a pod's kubelet sends it: every stage gets SIGTERM (to its
+    process group) and `grace_s` to drain; what is left then is SIGKILLed. Each exit is
+    reported, then the zygote exits 143 (killed by SIGTERM, as its shell would say)."""
+    print(f"zygote: SIGTERM; draining {len(children)} stages ({grace_s:.0f} s)", flush=True)
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while children and time.monotonic() < deadline:
+        _reap(children)
+        time.sleep(POLL_S)
+    for pid in children:
+        print(f"zygote: stage {pid} still ran after {grace_s:.0f} s: SIGKILL", flush=True)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    _reap(children, block=True)
+    _flush()
+    os._exit(128 + int(signal.SIGTERM))
+
+
 def _become(req: _Request, zygote_pid: int) -> None:
-    """In the forked child: a process of its own, as `procs.spawn` would start it."""
+    """In the forked child: a process of its own, as `procs.spawn` would start it, named for
+    its stage (`procs.TITLE_ENV`, else its log's name)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the stage's own, not the zygote's drain
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    procs.set_title(req.env.get(procs.TITLE_ENV) or Path(req.log).stem)
     procs.die_with_parent(zygote_pid)
     fd = os.open(req.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
@@ -187,6 +223,7 @@ def _become(req: _Request, zygote_pid: int) -> None:
     os.environ.clear()
     os.environ.update(req.env)
     os.environ.update(_ENV_SET)
+    os.environ.pop(procs.TITLE_ENV, None)  # not inherited by what the stage starts
     os.environ[procs.PARENT_ENV] = str(os.getpid())
     import logging
 
@@ -215,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     modules = list(sys.argv[1:] if argv is None else argv)
     parent = os.environ.pop(procs.PARENT_ENV, None)
     procs.die_with_parent(int(parent) if parent else None)
+    procs.set_title("zygote")
     me = os.getpid()
     req = _serve(modules)
     _become(req, me)

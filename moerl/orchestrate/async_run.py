@@ -36,7 +36,7 @@ from moerl.launch.layout import rollout_pod_layout
 from moerl.launch.objects import trainer_nodes
 from moerl.launch.podenv import SANDBOX_ROOT_ENV, SCRATCH_ENV
 from moerl.launch.podsecrets import SANDBOX_SECRETS_ENV
-from moerl.launch.zygote import STAGE_PRELOAD, Forked, Zygote, ZygoteError
+from moerl.launch.zygote import GRACE_ENV, STAGE_PRELOAD, Forked, Zygote, ZygoteError
 from moerl.orchestrate.initial import publish_initial
 from moerl.registry.policy import register_final
 from moerl.store.runs import run_store
@@ -174,6 +174,7 @@ class LocalAsyncRun:
             **os.environ,
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
             "TOKENIZERS_PARALLELISM": "false",
+            procs.TITLE_ENV: name,  # `moerl: rollout-0` in ps and top
         }
         if self.password:
             env[PASSWORD_ENV] = self.password
@@ -627,6 +628,8 @@ def start_zygote(cfg: RunConfig, name: str, preload: tuple[str, ...]) -> Zygote:
         **os.environ,
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",
+        # a SIGTERM to the zygote drains its stages: a rollout worker's grace, and some
+        GRACE_ENV: str(cfg.rollout.grace_seconds + 10.0),
     }
     logs = Path(cfg.pipeline.work_dir).absolute() / ".zygotes"
     return Zygote(name, preload, env, logs / f"{name}-{os.getpid()}.log")
