@@ -333,6 +333,11 @@ def enter(scratch: str, ctl, lim: dict) -> str:
         if why:
             raise OSError(why)
         os.environ["SANDBOX_PROC"] = _mounts(libc, scratch)  # what /proc is, for the curious
+        if os.environ["SANDBOX_PROC"] != "proc":
+            raise OSError(
+                "the runtime masks /proc, so no proc of the sandbox's own can be mounted and its "
+                "calls' user namespaces cannot be mapped (give the pod procMount: Unmasked)"
+            )
     except OSError as err:
         ctl.send(
             json.dumps(
@@ -344,12 +349,11 @@ def enter(scratch: str, ctl, lim: dict) -> str:
     pid = os.fork()
     if pid == 0:
         _drop_caps(libc, keep=(1 << _CAP_SETUID) | (1 << _CAP_SETGID) | (1 << _CAP_SETFCAP))
-        nsys = "seccomp" + (" + max_user_namespaces 0" if os.environ["SANDBOX_PROC"] == "proc" else "")
         return (
             f"per call: user, pid, mount and ipc namespaces; at most {lim['pids']} processes "
             f"(RLIMIT_NPROC, uid {'nobody' if _two_uids() else 'the stage'}s); {lim['memory_mb']} MiB "
             f"resident over its processes (watched); a {lim['scratch_mb']} MiB tmpfs scratch; "
-            f"nested namespaces refused ({nsys})"
+            f"nested namespaces refused (seccomp, max_user_namespaces 0)"
         )
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):  # the pool reads end of file when the template goes, not when pid 1 does

@@ -43,6 +43,7 @@ STAGE = textwrap.dedent("""
     import json, os, sys
     from moerl.errors import MoerlError
     from moerl.tasks import isolation
+    from moerl.tasks.sandbox import SandboxError
     iso, spec = sys.argv[1], json.loads(sys.argv[2])
     attacks = [a.format(stage=os.getpid(), **spec) for a in spec["attacks"] + spec["works"]]
     out = {"dumpable_before": isolation.dumpable()}
@@ -57,7 +58,7 @@ STAGE = textwrap.dedent("""
                        sandbox={"sample_timeout_s": 20.0, "workers": 1, "isolation": iso})
     try:
         scored = score([sample(i, t) for i, t in enumerate(attacks + ["456"])], cfg)
-    except MoerlError as err:
+    except (MoerlError, SandboxError) as err:
         print(json.dumps({"refused": f"{type(err).__name__}: {err}"}))
         sys.exit(0)
     out["verifier"] = [[s.reward, s.reward_error] for s in scored]
@@ -197,7 +198,9 @@ def test_without_isolation_every_attack_but_the_non_dumpable_stage_succeeds(targ
     assert out["dumpable_before"] is True and out["dumpable_after"] is False
     stolen = [r == 1.0 and not err for r, err in out["verifier"]]
     # a root stage's unisolated children hold CAP_SYS_PTRACE: non-dumpable is no protection there
-    assert stolen[:3] == [os.geteuid() == 0] * 3, out["verifier"]
+    assert stolen[:2] == [os.geteuid() == 0] * 2, out["verifier"]
+    # a call's parent is the pool's template, whose environment is the allow-list's
+    assert "is not in the" in out["verifier"][2][1], out["verifier"]
     # the victim, the three sockets, both directories; the import; the benign sample
     assert stolen[3:] == [True] * (len(ATTACKS) - 3 + len(WORKS) + 1), out["verifier"]
     # model-written code in an environment
@@ -274,16 +277,39 @@ def test_a_kernel_that_refuses_user_namespaces_stops_the_stage_naming_the_field(
     assert out["verifier"] == [[1.0, None]] and "is none" in out["stderr"]
 
 
-def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack_still_fails(
-    targets, pod
-):
+# A user namespace mapping uid/gid 0 and 65534 (a root stage's sandbox maps its calls' real
+# uid to 65534, for their pids limit), then the command: what `unshare --map-users` does with
+# newuidmap, which this machine lacks.
+_TWO_UIDS_CODE = """
+import ctypes, os, sys, time
+go_r, go_w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(go_w)
+    if ctypes.CDLL(None).unshare(0x10000000 | 0x20000) != 0:
+        os._exit(99)
+    os.read(go_r, 1)
+    os.execvp(sys.argv[1], sys.argv[1:])
+os.close(go_r)
+while os.readlink(f"/proc/{pid}/ns/user") == os.readlink("/proc/self/ns/user"):
+    time.sleep(0.001)
+for m in ("uid_map", "gid_map"):
+    with open(f"/proc/{pid}/{m}", "w") as f:
+        f.write("0 0 1\\n65534 65534 1\\n")
+os.write(go_w, b"g")
+os._exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+_TWO_UIDS = [sys.executable, "-c", _TWO_UIDS_CODE]
+
+
+def test_where_the_runtime_masks_proc_the_sandbox_refuses_to_start_naming_why(targets, pod):
     """A container runtime's default masks parts of /proc (Docker, containerd): the kernel then
-    refuses a new proc mount in a user namespace. Made real here: the stage runs where /proc/sys
-    is overmounted, as there; the sandbox hides /proc instead, and the attacks fail as before."""
+    refuses a new proc mount in a user namespace, and without one the sandbox cannot map its
+    calls' user namespaces. Made real here: the stage runs where /proc/sys is overmounted, as
+    there; the pool refuses, naming why, and no attack runs."""
     wrap = [
+        *_TWO_UIDS,
         "unshare",
-        "--user",
-        "--map-root-user",
         "--mount",
         "--pid",
         "--fork",
@@ -295,18 +321,10 @@ def test_where_the_runtime_masks_proc_the_stages_proc_is_hidden_and_every_attack
     ]
     before = targets["listener"].accepted
     spec = _spec(targets, pod, environments=False)
-    out = _stage("namespaces", {**spec, "works": [*WORKS, "proc hidden"]}, pod, wrap)
-    n = len(ATTACKS)
-    errs = [err for _, err in out["verifier"][:n]]
-    assert all(e.startswith("FileNotFoundError") for e in errs[:4]), errs  # no /proc of anyone
-    assert all("Network is unreachable" in e for e in errs[4:6]) and errs[6].startswith(
-        "FileNotFoundError"
-    ), errs
-    assert all("Read-only file system" in e for e in errs[7:9]), errs
-    # /proc hidden; the run goes on
-    assert out["verifier"][n:] == [[1.0, None]] * (len(WORKS) + 2), out["verifier"]
-    assert targets["listener"].accepted == before and pod["unix"].accepted == 0
-    assert not list(pod["cache"].iterdir())
+    out = _stage("namespaces", spec, pod, wrap)
+    assert "the runtime masks /proc" in out["refused"] and "procMount: Unmasked" in out["refused"]
+    assert out["refused"].startswith("SandboxError: reward.sandbox.isolation"), out
+    assert targets["listener"].accepted == before and not list(pod["cache"].iterdir())
 
 
 def test_isolated_children_keep_the_limits_and_keyed_calls_and_drop_their_capabilities(tmp_path):
