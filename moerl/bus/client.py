@@ -97,12 +97,15 @@ class Retrying:
         # called with the refusals of a spell once the server accepts writes again (RunBus: a
         # counter of the run's)
         self.on_oom_end: Callable[[int], None] | None = None
+        # called when a command meets a missing stream or consumer group (NOGROUP: Valkey lost
+        # the run's keys), to make them again before the command is sent once more
+        self.on_nogroup: Callable[[], None] | None = None
         self._spell = 0
 
     def call(self, fn):
         import valkey
 
-        deadline, delay = time.monotonic() + self.reconnect_s, 0.05
+        deadline, delay, remade = time.monotonic() + self.reconnect_s, 0.05, False
         while True:
             try:
                 out = fn()
@@ -136,6 +139,11 @@ class Retrying:
                     )
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+            except valkey.exceptions.ResponseError as err:
+                if remade or self.on_nogroup is None or "NOGROUP" not in str(err):
+                    raise
+                self.on_nogroup()  # once per command: a second NOGROUP is raised
+                remade = True
             except (
                 valkey.exceptions.AuthenticationError
             ) as err:  # a ConnectionError, but retrying cannot help

@@ -178,6 +178,8 @@ class RunBus:
         self._incr, self._requeue = reg(_INCR), reg(_REQUEUE)
         if getattr(client, "on_oom_end", False) is None:  # counted once the server has room
             client.on_oom_end = lambda n: self.incr(valkey_oom_refusals=n)
+        if getattr(client, "on_nogroup", False) is None:
+            client.on_nogroup = self._streams_lost
         self._touch = Script(client, _TOUCH)  # idempotent by itself
         self._set_servable = Script(client, _SET_SERVABLE)  # idempotent by itself
 
@@ -195,6 +197,17 @@ class RunBus:
             except valkey.exceptions.ResponseError as err:
                 if "BUSYGROUP" not in str(err):
                     raise
+
+    def _streams_lost(self) -> None:
+        """A command met a missing stream or group: Valkey lost the run's keys (a flush, a
+        restart without its append-only file). Made again, empty, so every stage goes on; the
+        trainer stops at its next epoch check and its restart rebuilds the rest from the store."""
+        log.error(
+            "Valkey lost run %s's streams (NOGROUP: flushed, or restarted without its append-only "
+            "file); their entries are gone, the streams made again empty",
+            self.run_id,
+        )
+        self.ensure_groups()
 
     # -- counters, registry, done, liveness -------------------------------------------
     def counters(self) -> dict[str, int]:

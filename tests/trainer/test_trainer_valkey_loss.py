@@ -42,7 +42,12 @@ def test_after_a_flushall_the_trainer_claims_an_epoch_above_the_stores_and_publi
         epoch, _, latest = _take_over(cfg, run_id, bus)
     assert (epoch, store.latest_epoch(), latest) == (5, 5, 0)
 
+    bus.ensure_groups()
+    bus.issue_unit([{"id": "p0", "prompt": "x"}])
+    stage = RunBus(connect(valkey.url, 5), run_id)  # a rollout worker's, say
     bus.r.flushall()
+    # the stages go on (before: NOGROUP raised in every stage, the local supervisor included)
+    assert stage.lease_unit("rollout-0", block_ms=10) is None and stage.backlog() == 0
     with pytest.raises(FencedError, match=r"Valkey lost this run's state \(its trainer epoch 5"):
         bus.check_epoch(5)  # the running trainer's next check: one line, what was lost
 
