@@ -171,6 +171,10 @@ def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
         "reward/memory_samples": float(
             sum((s.reward_error or "").startswith("memory:") for s in scored)
         ),
+        # a call whose process sent another call's reply or a second line (killed, failed)
+        "reward/forged_samples": float(
+            sum((s.reward_error or "").startswith("forged:") for s in scored)
+        ),
         # an environment that failed its episode (env/* in the rollout's metrics says how)
         "reward/env_failed_samples": float(
             sum((s.reward_error or "").startswith("environment:") for s in scored)
@@ -184,6 +188,7 @@ def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
         - metrics["reward/timeout_samples"]
         - metrics["reward/memory_samples"]
         - metrics["reward/env_failed_samples"]
+        - metrics["reward/forged_samples"]
         - model_failed
     )
     if model or model_failed:

@@ -37,7 +37,9 @@ SHM_MB = 64
 POD_TOKEN_DIRS = ("/var/run/secrets", "/run/secrets")
 _CALL_NS = 0x10000000 | 0x20000 | 0x08000000 | 0x20000000  # NEWUSER NEWNS NEWIPC NEWPID
 _MS_NOSYMFOLLOW = 256
-NOBODY = 65534  # the host uid a root stage's calls run as (their real uid: what RLIMIT_NPROC counts)
+NOBODY = (
+    65534  # the host uid a root stage's calls run as (their real uid: what RLIMIT_NPROC counts)
+)
 
 _PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 3, 4
 _PR_SET_PDEATHSIG = 1
@@ -132,7 +134,9 @@ def _probe() -> str:
     try:
         got = subprocess.run(
             [shutil.which("unshare") or "unshare", "--map-root-user", *UNSHARE_ARGS, "--", "true"],
-            capture_output=True, text=True, timeout=60
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     except (OSError, subprocess.SubprocessError) as err:
         return f"unshare did not run: {err}"

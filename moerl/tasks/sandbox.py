@@ -325,14 +325,18 @@ class _Run:
                 mine, theirs = socket.socketpair()
                 p = _Proc(next(pool._handles), mine, key)
                 imports = [target] + ([args[0]] if target in WARM_FIRST_ARG and args else [])
-                t.send({"fork": p.handle, "keep": key is not None, "imports": imports}, theirs.fileno())
+                t.send(
+                    {"fork": p.handle, "keep": key is not None, "imports": imports}, theirs.fileno()
+                )
                 theirs.close()
                 if key is not None:
                     pool.procs[key] = p
             p.call, p.seq = i, next(pool._seq)
             p.deadline = time.monotonic() + pool.limits.timeout_s
             p.sock.settimeout(pool.limits.timeout_s)
-            p.sock.sendall(json.dumps({"id": p.seq, "target": target, "args": args}).encode() + b"\n")
+            p.sock.sendall(
+                json.dumps({"id": p.seq, "target": target, "args": args}).encode() + b"\n"
+            )
             p.sock.setblocking(False)
         except OSError as err:
             assert p is not None
@@ -355,7 +359,9 @@ class _Run:
             try:
                 p.read()
             except ValueError as err:
-                self._finish(p, Outcome("crashed", error=f"crashed: its reply was {err}"), kill=True)
+                self._finish(
+                    p, Outcome("crashed", error=f"crashed: its reply was {err}"), kill=True
+                )
                 continue
             self._settle(p)
         now = time.monotonic()
@@ -386,7 +392,9 @@ class _Run:
                 for p in list(self.busy.values()):
                     self._finish(p, Outcome("crashed", error=why))
                 self.pool._lost_template()
-                self.todo and self.sel.register(self.pool._ensure().ctl.fileno(), selectors.EVENT_READ)
+                self.todo and self.sel.register(
+                    self.pool._ensure().ctl.fileno(), selectors.EVENT_READ
+                )
                 return
             end = json.loads(msg)
             for p in self.busy.values():
@@ -404,7 +412,7 @@ class _Run:
                 p,
                 Outcome(
                     "crashed",
-                    error=f"forged reply: the call's process sent {len(p.lines)} lines or "
+                    error=f"forged: the call's process sent {len(p.lines)} lines or "
                     f"another call's id ({p.lines[0][:120]!r}); killed",
                 ),
                 kill=True,

@@ -62,7 +62,13 @@ def _serve(sock: socket.socket, keep: bool, lim: dict) -> None:
             reply({"id": req["id"], "ok": value})
         except MemoryError:
             mb = lim["memory_mb"]
-            reply({"id": req["id"], "err": f"MemoryError: over the sandbox's {mb} MiB", "memory": True})
+            reply(
+                {
+                    "id": req["id"],
+                    "err": f"MemoryError: over the sandbox's {mb} MiB",
+                    "memory": True,
+                }
+            )
             os._exit(3)
         except BaseException as err:  # noqa: BLE001 - reported for this call
             reply({"id": req["id"], "err": f"{type(err).__name__}: {err}"})

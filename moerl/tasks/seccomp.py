@@ -19,7 +19,9 @@ _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _LD_W_ABS, _JEQ_K, _JSET_K, _JGE_K, _RET_K = 0x20, 0x15, 0x45, 0x35, 0x06
 # clone flags that make a namespace: NEWTIME NEWNS NEWCGROUP NEWUTS NEWIPC NEWUSER NEWPID NEWNET
-NS_FLAGS = 0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+NS_FLAGS = (
+    0x80 | 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
+)
 
 # denied with EPERM (clone3: ENOSYS; clone: only with NS_FLAGS)
 _DENY = (
@@ -34,36 +36,117 @@ _ARCH = {  # machine -> (AUDIT_ARCH, {syscall: number})
     "x86_64": (
         0xC000003E,
         dict(
-            clone=56, clone3=435, unshare=272, setns=308, mount=165, umount2=166, pivot_root=155,
-            chroot=161, move_mount=429, open_tree=428, fsopen=430, fsconfig=431, fsmount=432,
-            fspick=433, mount_setattr=442, keyctl=250, add_key=248, request_key=249, bpf=321,
-            ptrace=101, perf_event_open=298, userfaultfd=323, io_uring_setup=425,
-            io_uring_enter=426, io_uring_register=427, init_module=175, finit_module=313,
-            delete_module=176, kexec_load=246, kexec_file_load=320, process_vm_readv=310,
-            process_vm_writev=311, setuid=105, setreuid=113, setresuid=117, setfsuid=122,
-            setgid=106, setregid=114, setresgid=119, setfsgid=123, setgroups=116, acct=163,
-            swapon=167, swapoff=168, reboot=169, open_by_handle_at=304, name_to_handle_at=303,
+            clone=56,
+            clone3=435,
+            unshare=272,
+            setns=308,
+            mount=165,
+            umount2=166,
+            pivot_root=155,
+            chroot=161,
+            move_mount=429,
+            open_tree=428,
+            fsopen=430,
+            fsconfig=431,
+            fsmount=432,
+            fspick=433,
+            mount_setattr=442,
+            keyctl=250,
+            add_key=248,
+            request_key=249,
+            bpf=321,
+            ptrace=101,
+            perf_event_open=298,
+            userfaultfd=323,
+            io_uring_setup=425,
+            io_uring_enter=426,
+            io_uring_register=427,
+            init_module=175,
+            finit_module=313,
+            delete_module=176,
+            kexec_load=246,
+            kexec_file_load=320,
+            process_vm_readv=310,
+            process_vm_writev=311,
+            setuid=105,
+            setreuid=113,
+            setresuid=117,
+            setfsuid=122,
+            setgid=106,
+            setregid=114,
+            setresgid=119,
+            setfsgid=123,
+            setgroups=116,
+            acct=163,
+            swapon=167,
+            swapoff=168,
+            reboot=169,
+            open_by_handle_at=304,
+            name_to_handle_at=303,
         ),
     ),
     "aarch64": (
         0xC00000B7,
         dict(
-            clone=220, clone3=435, unshare=97, setns=268, mount=40, umount2=39, pivot_root=41,
-            chroot=51, move_mount=429, open_tree=428, fsopen=430, fsconfig=431, fsmount=432,
-            fspick=433, mount_setattr=442, keyctl=219, add_key=217, request_key=218, bpf=280,
-            ptrace=117, perf_event_open=241, userfaultfd=282, io_uring_setup=425,
-            io_uring_enter=426, io_uring_register=427, init_module=105, finit_module=273,
-            delete_module=106, kexec_load=104, kexec_file_load=294, process_vm_readv=270,
-            process_vm_writev=271, setuid=146, setreuid=145, setresuid=147, setfsuid=151,
-            setgid=144, setregid=143, setresgid=149, setfsgid=152, setgroups=159, acct=89,
-            swapon=224, swapoff=225, reboot=142, open_by_handle_at=265, name_to_handle_at=264,
+            clone=220,
+            clone3=435,
+            unshare=97,
+            setns=268,
+            mount=40,
+            umount2=39,
+            pivot_root=41,
+            chroot=51,
+            move_mount=429,
+            open_tree=428,
+            fsopen=430,
+            fsconfig=431,
+            fsmount=432,
+            fspick=433,
+            mount_setattr=442,
+            keyctl=219,
+            add_key=217,
+            request_key=218,
+            bpf=280,
+            ptrace=117,
+            perf_event_open=241,
+            userfaultfd=282,
+            io_uring_setup=425,
+            io_uring_enter=426,
+            io_uring_register=427,
+            init_module=105,
+            finit_module=273,
+            delete_module=106,
+            kexec_load=104,
+            kexec_file_load=294,
+            process_vm_readv=270,
+            process_vm_writev=271,
+            setuid=146,
+            setreuid=145,
+            setresuid=147,
+            setfsuid=151,
+            setgid=144,
+            setregid=143,
+            setresgid=149,
+            setfsgid=152,
+            setgroups=159,
+            acct=89,
+            swapon=224,
+            swapoff=225,
+            reboot=142,
+            open_by_handle_at=265,
+            name_to_handle_at=264,
         ),
     ),
 }
 
 
 class _Insn(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+    _fields_ = [
+        ("code", ctypes.c_ushort),
+        ("jt", ctypes.c_ubyte),
+        ("jf", ctypes.c_ubyte),
+        ("k", ctypes.c_uint),
+    ]
 
 
 class _Prog(ctypes.Structure):
@@ -71,7 +154,7 @@ class _Prog(ctypes.Structure):
 
 
 def available() -> str:
-    """"" if this machine's filter is known, else why not."""
+    """ "" if this machine's filter is known, else why not."""
     m = platform.machine()
     return "" if m in _ARCH else f"no seccomp table for {m} (x86_64 and aarch64 only)"
 

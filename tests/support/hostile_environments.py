@@ -91,3 +91,23 @@ class RunsModelCode(Counter):
         scope: dict = {}
         exec(text, scope)  # noqa: S102 - the point: model-written code, in the sandbox
         return str(scope.get("result")), 1.0, True
+
+
+class PatchesGrader:
+    """Model-written code an environment runs, in its first episode, patches the grader class
+    (`Grader`) so that any answer is right; a later episode grades with what it finds."""
+
+    def reset(self, row: dict) -> None:
+        self.id = row["id"]
+
+    def step(self, text: str):
+        if text == "patch":
+            Grader.right = staticmethod(lambda answer: True)
+            return None, 0.0, True
+        return None, 1.0 if Grader.right(text) else 0.0, True
+
+
+class Grader:
+    @staticmethod
+    def right(answer: str) -> bool:
+        return answer == "42"

@@ -1,0 +1,101 @@
+"""The sandbox's limits against a call's own processes, and one sample's code against the
+others' scores (moerl/tasks/sandbox.py, sandbox_child.py, isolation.py, seccomp.py): real
+processes and namespaces. Each attack runs in a batch beside honest samples; the attack's own
+sample fails (counted), the honest scores are unchanged. Each attack succeeded on the pool that
+served every call from one long-lived child."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from moerl.tasks.environments import RESET, STEP
+from moerl.tasks.sandbox import Limits, SandboxPool
+
+A = "tests.support.sandbox_attacks"
+HONEST = f"{A}:honest"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(Limits(timeout_s=20.0, memory_mb=500, workers=2)) as p:
+        yield p
+
+
+def _batch(pool, attack: str, args=("1", "")) -> tuple:
+    calls = [
+        (HONEST, ["0", ""]),
+        (f"{A}:{attack}", list(args)),
+        (HONEST, ["2", ""]),
+        (HONEST, ["3", ""]),
+    ]
+    got = pool.run(calls)
+    assert [o.value for i, o in enumerate(got) if i != 1] == [0.0, 2.0, 3.0], got
+    return got[1]
+
+
+def test_a_thread_that_writes_replies_later_fails_only_its_own_sample(pool):
+    before = pool.forged_replies
+    o = _batch(pool, "forges")
+    assert o.kind == "crashed" and o.error.startswith("forged:"), o
+    assert pool.forged_replies == before + 1
+    again = pool.run([(HONEST, [str(i), ""]) for i in range(6)])  # nothing of it is left
+    assert [x.value for x in again] == [float(i) for i in range(6)]
+
+
+def test_the_reward_stage_counts_a_forged_reply():
+    from moerl.components.reward.stage import reward_metrics, score
+    from moerl.config import RewardConfig
+    from tests.tasks.test_sandbox import _sample
+
+    cfg = RewardConfig(verifier=f"{A}:forges", max_failed_fraction=1.0, sandbox={"workers": 2})
+    scored = score([_sample(i, str(i), "x") for i in range(4)], cfg)
+    m = reward_metrics(scored)
+    assert m["reward/forged_samples"] == 4 and m["reward/error_samples"] == 0, m
+
+
+def test_an_environment_that_patches_its_grader_changes_no_other_episode():
+    keys = ["a", "b", "c"]
+    row = {"id": "r", "task": "t", "prompt": "q", "answer": "42", "meta": None}
+    with SandboxPool(Limits(timeout_s=10.0, workers=1)) as pool:
+        pool.run(
+            [(RESET, ["tests.support.hostile_environments:PatchesGrader", k, row]) for k in keys],
+            keys=keys,
+        )
+        got = pool.run([(STEP, ["a", "patch"]), (STEP, ["b", "7"]), (STEP, ["c", "42"])], keys=keys)
+    assert [o.value[1] for o in got] == [0.0, 0.0, 1.0], got
+
+
+def test_four_children_of_300_mib_are_killed_together_over_memory_mb_500(pool):
+    t0 = time.monotonic()
+    o = _batch(pool, "forks_memory")
+    assert o.kind == "memory" and "500 MiB" in o.error, o
+    assert time.monotonic() - t0 < 8  # killed, not left to its 8 s sleep
+
+
+def test_a_background_process_and_a_file_do_not_survive_into_the_next_call(pool):
+    left = pool.run([(f"{A}:leaves_a_process", ["", ""])])[0]
+    assert left.ok, left
+    found = pool.run([(f"{A}:finds_a_process", ["", ""])])[0]
+    assert found.value == [False, []], found
+
+
+def test_120_mib_of_scratch_files_do_not_fit(pool):
+    o = _batch(pool, "fills_scratch")
+    assert o.kind == "error" and "No space left on device" in o.error, o
+
+
+def test_a_nested_user_namespace_is_refused(pool):
+    o = _batch(pool, "nested_namespace")
+    assert o.kind == "error" and "Operation not permitted" in o.error, o
+    assert "max_user_namespaces 0" in o.error, o
+
+
+def test_a_fork_bomb_stops_at_the_pids_limit():
+    # memory_mb high enough that the bomb meets its pids limit first (64 forks of a Python
+    # process hold about 10 MiB each of copied pages)
+    with SandboxPool(Limits(timeout_s=20.0, memory_mb=4096, workers=2)) as pool:
+        o = _batch(pool, "fork_bomb")
+    assert o.kind == "error" and "fork refused after" in o.error, o
+    assert int(o.error.rsplit("after ", 1)[1].split()[0]) < 64, o
