@@ -93,10 +93,13 @@ class Watchdog:
 
     def _budget(self, taken: int, drops: dict[str, int]) -> None:
         """Dead and stale groups since the gather began, against the groups it took: more than
-        `pipeline.max_dropped_fraction` of them (once there are at least a batch's worth) fails."""
+        `pipeline.max_dropped_fraction` of them fails, once they outnumber what admission keeps
+        in flight ((max_staleness + 2) x B), so a burst of stale groups after a rollback or a
+        restart never trips it, and a producer that keeps refusing does."""
         budget = self.cfg.pipeline.max_dropped_fraction
         dropped = sum(drops.values())
-        if budget >= 1.0 or dropped < self.cfg.task.prompts_per_iteration:
+        floor = (self.cfg.buffer.max_staleness + 2) * self.cfg.task.prompts_per_iteration
+        if budget >= 1.0 or dropped < floor:
             return
         if dropped / (dropped + taken) > budget:
             raise DataError(

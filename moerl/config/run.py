@@ -62,7 +62,8 @@ class PipelineConfig(_Section):
     publication is in flight; keep it above a healthy run's longest quiet spell (docs/async.md)."""
     max_dropped_fraction: float = Field(0.8, gt=0.0, le=1.0)
     """Async: the trainer fails, naming the counts, when over this fraction of the groups met in
-    one gather (at least task.prompts_per_iteration) were dead-lettered or stale; 1: no budget."""
+    one gather were dead-lettered or stale, once they outnumber what admission keeps in flight
+    ((buffer.max_staleness + 2) x task.prompts_per_iteration); 1: no budget."""
     task_retries: int = Field(2, ge=0, le=20)
     """Sync pipeline on the cluster: retries of a task whose stage is a pure function of its inputs
     (rollout, reward, buffer, policy update, redistribution); publication and bookkeeping are
