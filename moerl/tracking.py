@@ -5,6 +5,7 @@ Design, details and limitations: docs/guide.md#moerltrackingpy.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -322,6 +323,26 @@ def set_tags(uri: str, run_id: str, tags: dict[str, str]) -> None:
     from mlflow.entities import RunTag
 
     _client(uri).log_batch(run_id, tags=[RunTag(k, redact(v)) for k, v in tags.items()])
+
+
+def set_tags_or_print(uri: str, run_id: str, tags: dict[str, str], what: str) -> bool:
+    """`set_tags` from a pod whose MLflow credential may be read-only (the rollout stages':
+    `cluster.mlflow_reader_secret`): refused, the tags go to the log instead, in one line saying
+    why; False then."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        set_tags(uri, run_id, tags)
+        return True
+    except MlflowException as e:
+        if e.error_code != "PERMISSION_DENIED":
+            raise
+    print(
+        f"[moerl] {what}: not set on MLflow run {run_id} (this pod's MLflow credential is "
+        f"read-only): {json.dumps({k: redact(v) for k, v in tags.items()})}",
+        flush=True,
+    )
+    return False
 
 
 def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -330,7 +330,8 @@ def check_engine_transport(
     if run_id:
         from moerl import tracking
 
-        tracking.set_tags(tracking.resolve_uri(cfg.tracking), run_id, record)
+        uri = tracking.resolve_uri(cfg.tracking)
+        tracking.set_tags_or_print(uri, run_id, record, "the engine's transport record")
     problems = transport_problems(cfg, record)
     if problems:
         raise RequirementError("rollout engine transport: " + "; ".join(problems))

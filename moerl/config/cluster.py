@@ -236,8 +236,12 @@ class ClusterConfig(_Section):
     groups: GroupsConfig = GroupsConfig()
     """The worker groups tasks are placed in."""
     mlflow_secret: str | None = "moerl-mlflow"
-    """The Kubernetes Secret with MLflow's credentials (MLFLOW_TRACKING_USERNAME,
-    MLFLOW_TRACKING_PASSWORD), mounted as files; null: none."""
+    """The Kubernetes Secret with MLflow's writer credentials (MLFLOW_TRACKING_USERNAME,
+    MLFLOW_TRACKING_PASSWORD), mounted as files in every stage's pod but the rollout stages';
+    null: none."""
+    mlflow_reader_secret: str | None = "moerl-mlflow-reader"
+    """The Secret with MLflow's read-only credentials (same keys), the rollout stages' instead,
+    so their pods cannot rewrite a run's tags (manifests/base/mlflow.yaml); null: the writer's."""
     valkey_secret: str | None = "moerl-valkey"
     """The Kubernetes Secret with Valkey's passwords (VALKEY_ADMIN_PASSWORD for the run's own user,
     VALKEY_PASSWORD for the shared user moerl), mounted as files; null: none."""

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 from moerl.secrets import FILE_SUFFIX, SECRETS_ROOT, file_var, write_secret_file
 
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+# The stages that get MLflow's read-only credential (`cluster.mlflow_reader_secret`).
+MLFLOW_READER_STAGES = frozenset({"rollout", "rollout_worker"})
 VALKEY_SECRET_KEYS = ("VALKEY_USERNAME", "VALKEY_PASSWORD")  # in the run's own Secret
 # in the run's scaler Secret (`scaler_secret_name`), for KEDA's operator alone: never mounted
 VALKEY_SCALER_KEYS = ("VALKEY_SCALER_USERNAME", "VALKEY_SCALER_PASSWORD")
@@ -90,10 +92,11 @@ def pod_secret_env(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, Se
     from moerl.store.tiers import cache_tier_secret_env
 
     env: dict[str, SecretRef] = {}
-    if cfg.cluster.mlflow_secret:
-        env |= {
-            k: SecretRef(cfg.cluster.mlflow_secret, k, optional=True) for k in MLFLOW_SECRET_KEYS
-        }
+    mlflow = cfg.cluster.mlflow_secret
+    if stage in MLFLOW_READER_STAGES and cfg.cluster.mlflow_reader_secret:
+        mlflow = cfg.cluster.mlflow_reader_secret
+    if mlflow:
+        env |= {k: SecretRef(mlflow, k, optional=True) for k in MLFLOW_SECRET_KEYS}
     if async_mode and cfg.valkey.url:
         if stage in VALKEY_ADMIN_STAGES:
             if cfg.cluster.valkey_secret:

@@ -79,7 +79,9 @@ def test_pod_secret_env_gives_the_first_task_the_reader_publishers_the_writer_an
     run_user = {k: SecretRef(RUN_SECRET, k) for k in ("VALKEY_USERNAME", "VALKEY_PASSWORD")}
     assert pod_secret_env(cfg, "start_run", True) == mlflow | admin | cache("READER")
     assert pod_secret_env(cfg, "close_run", True) == mlflow | admin
-    assert pod_secret_env(cfg, "rollout_worker", True) == mlflow | run_user | cache("READER")
+    # the rollout stages' MLflow credential reads only (cluster.mlflow_reader_secret)
+    reader = {k: v._replace(secret="moerl-mlflow-reader") for k, v in mlflow.items()}
+    assert pod_secret_env(cfg, "rollout_worker", True) == reader | run_user | cache("READER")
     assert pod_secret_env(cfg, "async_trainer", True) == mlflow | run_user | cache("WRITER")
     assert run_secret_name("0a1b" * 8) == "moerl-run-" + "0a1b" * 8
     # no cache tier: nobody gets its keys; a renamed credentials_env names the variables

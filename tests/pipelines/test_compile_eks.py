@@ -132,7 +132,9 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
         secrets = {}
         for ref in _mounted(kc, c).values():
             secrets.setdefault(ref.secret, set()).add(ref.key)
-        assert secrets["moerl-mlflow"] == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+        # MLflow: the rollout stages' pods read only (manifests/base/mlflow.yaml's reader)
+        mlflow = "moerl-mlflow-reader" if stage in ("rollout", "rollout_worker") else "moerl-mlflow"
+        assert secrets[mlflow] == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
         # async: the stages log in as the run's own Valkey user (its Secret, named by start_run);
         # only start_run and close_run hold the admin password that makes and deletes it
         admin = stage in ("start_run", "close_run")

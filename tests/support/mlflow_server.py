@@ -26,11 +26,28 @@ def _free_port() -> int:
 
 
 @contextmanager
-def mlflow_server(root: Path, attempts: int = 3) -> Iterator[str]:
+def mlflow_server(
+    root: Path, attempts: int = 3, admin: tuple[str, str] | None = None
+) -> Iterator[str]:
     """Start `mlflow server` with its store at root/mlflow.db; yield http://127.0.0.1:PORT;
-    stop its whole process group afterwards (it dies with this thread in any case)."""
+    stop its whole process group afterwards (it dies with this thread in any case). `admin`:
+    behind MLflow's basic-auth app (`--app-name basic-auth`, users in root/auth.db, every user
+    READ where not granted more), with this admin user and password."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
+    extra: list[str] = []
+    if admin is not None:
+        ini = root / "basic_auth.ini"
+        ini.write_text(
+            f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'auth.db'}\n"
+        )
+        env |= {
+            "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+            "MLFLOW_AUTH_ADMIN_USERNAME": admin[0],
+            "MLFLOW_AUTH_ADMIN_PASSWORD": admin[1],
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": os.urandom(16).hex(),
+        }
+        extra = ["--app-name", "basic-auth"]
     for _ in range(attempts):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
@@ -49,6 +66,7 @@ def mlflow_server(root: Path, attempts: int = 3) -> Iterator[str]:
                     f"sqlite:///{root / 'mlflow.db'}",
                     "--default-artifact-root",
                     str(root / "artifacts"),
+                    *extra,
                 ],
                 env,
                 stdout=log,

@@ -318,11 +318,11 @@ def test_rollout_pod_validates_strictly_against_kubernetes(tmp_path):
     mlflow = next(
         v["secret"]
         for v in vols.values()
-        if v.get("secret", {}).get("secretName") == "moerl-mlflow"
+        if v.get("secret", {}).get("secretName") == "moerl-mlflow-reader"  # reads only
     )
     assert mlflow["optional"] is True and mlflow["defaultMode"] == 0o400
     assert mounts["/var/run/secrets/moerl/moerl-run"]["readOnly"] is True
-    assert mounts["/var/run/secrets/moerl/moerl-mlflow"]["readOnly"] is True
+    assert mounts["/var/run/secrets/moerl/moerl-mlflow-reader"]["readOnly"] is True
     # the admin's Secret: start_run and close_run only
     assert "moerl-valkey" not in json.dumps(spec)
     # the rollout group's own scratch (p5en's NVMe), not cluster.scratch_size's 200Gi
