@@ -40,6 +40,14 @@ CONFIG_DIR, CONFIG_FILE = "/etc/moerl/run", "config.json"
 _MAX_NAME = 63
 # what the Deployment and ReplicaSet controllers append: -<pod-template-hash, <= 10>-<5>
 _POD_SUFFIX = len("-0123456789-abcde")
+# What of the trainer's account gives its pods their cloud identity (IRSA): copied onto the run's
+# own trainer account (`trainer_account`), so the trainer keeps its S3 access.
+IRSA_ANNOTATIONS = (
+    "eks.amazonaws.com/role-arn",
+    "eks.amazonaws.com/sts-regional-endpoints",
+    "eks.amazonaws.com/token-expiration",
+    "eks.amazonaws.com/audience",
+)
 
 
 def fleet_name(run_id: str, suffix: str | None = None) -> str:
@@ -146,7 +154,7 @@ def deployment(
         }
     )
     c["volumeMounts"].append({"name": "moerl-config", "mountPath": CONFIG_DIR, "readOnly": True})
-    meta = {**objects.labels(run_id, STAGE, name), objects.LABEL_GROUP: "rollout"}
+    meta = fleet_labels(run_id, name)
     return {
         "apiVersion": "/".join(DEPLOYMENT_API[:2]),
         "kind": "Deployment",
@@ -293,10 +301,33 @@ def scaler_role(name: str, labels: dict[str, str], keda: bool) -> dict[str, Any]
     }
 
 
+def fleet_labels(run_id: str, name: str) -> dict[str, str]:
+    """The labels of the fleet's Deployment, its pods and everything that goes with it."""
+    return {**objects.labels(run_id, STAGE, name), objects.LABEL_GROUP: "rollout"}
+
+
+def trainer_account(
+    name: str, labels: dict[str, str], annotations: dict[str, str], owner: dict | None = None
+) -> dict[str, Any]:
+    """The run's own account for its trainer's pods, named as the fleet: the per-run Role's only
+    subject, so no other run's trainer (they share `cluster.launch.service_account`) can patch
+    this fleet. No automounted token (the trainer projects one, `objects.api_token_volume`);
+    `annotations`: the IRSA ones of the trainer's shared account (`IRSA_ANNOTATIONS`)."""
+    meta: dict[str, Any] = {"name": name, "labels": dict(labels), **objects._owner(owner)}
+    if annotations:
+        meta["annotations"] = {k: v for k, v in annotations.items() if k in IRSA_ANNOTATIONS}
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": meta,
+        "automountServiceAccountToken": False,
+    }
+
+
 def scaler_binding(
     name: str, labels: dict[str, str], namespace: str, service_account: str
 ) -> dict[str, Any]:
-    """Binds the per-run Role to the trainer's ServiceAccount (its controller runs there)."""
+    """Binds the per-run Role to the run's trainer account (its controller runs there)."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
@@ -317,26 +348,20 @@ def fleet_objects(
     lag_count: int | None = None,
     owner: dict[str, Any] | None = None,
     service_account: str | None = None,
-    trainer_service_account: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run `run_id`'s elastic fleet in `namespace`: [Deployment, Role, RoleBinding] and, with
     `keda`, [TriggerAuthentication, ScaledObject], all named `name` (default `fleet_name`).
     Create the Deployment first; the others then get `deployment_owner` to it, so they go with
     it. `env`: the pods' environment (the launcher's `moerl.launch.task.launch_env`); `lag_count`: the
     measured one (default `default_lag_count`); `owner`: the Deployment's ownerReference (the
-    launching task's pod); `service_account`: the pods' (default the rollout account);
-    `trainer_service_account`: the Role's subject (default cluster.launch.service_account,
-    else `default`)."""
+    launching task's pod); `service_account`: the pods' (default the rollout account). The Role's
+    subject is the run's trainer account, named as the fleet (`trainer_account`), which the
+    launcher creates before the trainer."""
     check_fleet(cfg)
     name = name or fleet_name(run_id)
     dep = deployment(cfg, run_id, name, env or [], owner, service_account)
     labels = dict(dep["metadata"]["labels"])
-    trainer = trainer_service_account or cfg.cluster.launch.service_account or "default"
-    out = [
-        dep,
-        scaler_role(name, labels, keda),
-        scaler_binding(name, labels, namespace, trainer),
-    ]
+    out = [dep, scaler_role(name, labels, keda), scaler_binding(name, labels, namespace, name)]
     if keda:
         count = default_lag_count(cfg) if lag_count is None else max(1, int(lag_count))
         out += [
@@ -377,6 +402,7 @@ def scale_patch(replicas: int) -> dict[str, Any]:
 
 
 __all__ = [
+    "IRSA_ANNOTATIONS",
     "check_fleet",
     "default_lag_count",
     "deployment_owner",
@@ -384,5 +410,6 @@ __all__ = [
     "fleet_objects",
     "lag_count_patch",
     "scale_patch",
+    "trainer_account",
     "units_stream",
 ]

@@ -301,9 +301,41 @@ def fleet_workload(
         keda=cfg.cluster.launch.fleet_scaler == "keda",  # else the trainer scales it itself
         owner=own_pod_owner(namespace),
         service_account=launch_service_account(cfg, namespace, "rollout_worker"),
-        trainer_service_account=launch_service_account(cfg, namespace, "async_trainer"),
     )
     return workload(api, namespace, dep, owned)
+
+
+def open_trainer_account(
+    cfg: RunConfig, run_id: str, namespace: str, name: str, api: KubeApi
+) -> str:
+    """Create the run's own trainer account `name` (`fleet.trainer_account`), before the
+    trainer, with the IRSA annotations of `cluster.launch.service_account`'s account (read by
+    name: the launcher's Role may get only that one), owned by this task's pod (the garbage
+    collector deletes it with the task; once the fleet is gone it is bound to nothing)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from moerl.launch.fleet import fleet_labels, trainer_account
+
+    shared = cfg.cluster.launch.service_account
+    annotations: dict[str, str] = {}
+    try:
+        if shared:
+            resp = api.core.read_namespaced_service_account(
+                shared, namespace, _preload_content=False
+            )
+            annotations = json.loads(resp.data).get("metadata", {}).get("annotations") or {}
+        body = trainer_account(
+            name, fleet_labels(run_id, name), annotations, own_pod_owner(namespace)
+        )
+        api.core.create_namespaced_service_account(namespace, body, _preload_content=False)
+    except ApiException as e:
+        raise LaunchError(
+            f"the run's trainer account {namespace}/{name} (copying {shared!r}'s cloud identity): "
+            f"{short_error(e)}; the launcher's Role needs get on that account and create on "
+            "serviceaccounts (manifests/base/rbac.yaml)"
+        ) from None
+    log.info("created ServiceAccount %s/%s for the trainer of run %s", namespace, name, run_id)
+    return name
 
 
 def run_remote(
@@ -340,10 +372,14 @@ def run_remote(
         # 3-4. launch, watch, delete
         elastic = stage == "async_trainer" and cfg.rollout.elastic
         fleet_name = None
+        kube = api or connect()
+        account = None
         if elastic:  # named once: the Deployment and the trainer's controller agree on it
             from moerl.launch.fleet import fleet_name as new_fleet_name
 
             fleet_name = new_fleet_name(run_id)
+            # the trainer runs as the run's own account, the only one its fleet's Role binds
+            account = open_trainer_account(cfg, run_id, namespace, fleet_name, kube)
         body = build(
             cfg,
             stage,
@@ -352,7 +388,7 @@ def run_remote(
             remote_command(cfg, f"{ex.uri}/{SPEC}"),
             worker,
             own_pod_owner(namespace),
-            launch_service_account(cfg, namespace, stage),
+            account or launch_service_account(cfg, namespace, stage),
             engines=engines,
             fleet=fleet_name,
         )
@@ -361,7 +397,6 @@ def run_remote(
         # a rollout group's pods reach each other on every TCP port (its NetworkPolicy, owned
         # by the JobSet: it goes with it)
         owned = [objects.rollout_group_policy(body)] if body["kind"] == "JobSet" else None
-        kube = api or connect()
         # an elastic run's fleet lives as long as its trainer: created beside it, not watched
         # to an end (it has none), deleted with it
         fleet = [fleet_workload(cfg, run_id, namespace, kube, fleet_name)] if elastic else None

@@ -391,10 +391,9 @@ def test_the_per_run_role_lets_the_trainer_scale_only_this_fleet():
         "kind": "Role",
         "name": role["metadata"]["name"],
     }
-    # the trainer's account (cluster.launch.service_account), where its controller runs
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "moerl-worker", "namespace": NS}
-    ]
+    # the run's own trainer account, named as the fleet: not the account every run's trainer
+    # shares (cluster.launch.service_account), so no other run's controller may patch this fleet
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": NS}]
 
 
 def test_without_keda_the_fleet_is_the_deployment_and_the_scale_role_only():
@@ -814,7 +813,7 @@ def test_the_trainers_launch_builds_the_fleet_with_the_runs_accounts_and_checks_
     spec = w.body["spec"]["template"]["spec"]
     assert spec["serviceAccountName"] == "moerl-rollout"  # the rollout pods' own account
     (binding,) = [o for o in w.owned if o["kind"] == "RoleBinding"]
-    assert binding["subjects"][0]["name"] == "moerl-worker"  # the trainer's
+    assert binding["subjects"][0]["name"] == w.body["metadata"]["name"]  # the run's trainer
     assert w.body["metadata"]["ownerReferences"][0]["name"] == "trainer-task"
     # the trainer's stage refuses a fleet that cannot be built, before anything is uploaded
     check_launchable(_cfg(), "async_trainer")

@@ -559,3 +559,86 @@ def test_the_sandbox_profile_lets_the_sandboxs_namespaces_through_and_refuses_th
         assert json.loads(base64.b64decode(m.group(1))) == want, (
             f"{where}: the installed profile differs from {PROFILE}; re-encode it"
         )
+
+
+# ---- an elastic run's own trainer account ---------------------------------------------------------
+
+
+def test_an_elastic_runs_trainer_runs_as_its_own_account_which_alone_its_fleets_role_binds(
+    monkeypatch,
+):
+    """The launcher creates the run's trainer account before the trainer (named as the fleet,
+    no token, the shared account's IRSA annotation and nothing else, owned by the task's pod);
+    the trainer runs as it; the fleet's RoleBinding binds it alone. Admission admits exactly that
+    and denies a binding to the account every run's trainer shares (the old subject), the account
+    on a rollout pod, and an account that is not a trainer's."""
+    from moerl.launch.task import build, open_trainer_account
+    from moerl.launch.watch import LaunchError
+    from tests.unit.test_launch import _api
+
+    monkeypatch.setenv("KFP_POD_NAME", "trainer-task")
+    monkeypatch.setenv("KFP_POD_UID", "uid-7")
+    monkeypatch.setenv("MOERL_POD_NAMESPACE", NS)
+    cfg = _cfg(rollout={"workers": 2, "min_workers": 1, "max_workers": 4})
+    name = fleet.fleet_name(RUN)
+    path = f"/api/v1/namespaces/{NS}/serviceaccounts"
+    arn = "arn:aws:iam::111122223333:role/moerl-worker"
+    shared = {
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": "moerl-worker",
+            "annotations": {"eks.amazonaws.com/role-arn": arn, "team": "x"},
+        },
+    }
+    api, replay = _api(
+        [
+            ("GET", f"{path}/moerl-worker", 200, shared),
+            ("POST", path, 201, {"kind": "ServiceAccount", "metadata": {"name": name}}),
+        ]
+    )
+    assert open_trainer_account(cfg, RUN, NS, name, api) == name
+    account = replay.calls[1][3]
+    assert account["metadata"]["name"] == name
+    assert account["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": arn}
+    assert account["automountServiceAccountToken"] is False
+    assert account["metadata"]["ownerReferences"][0]["name"] == "trainer-task"
+    assert kubernetes_validate.validate(account, K8S_VERSION, strict=True)
+    forbidden = {"kind": "Status", "status": "Failure", "message": "forbidden", "code": 403}
+    api, _ = _api([("GET", f"{path}/moerl-worker", 403, forbidden)])
+    with pytest.raises(LaunchError, match=r"needs get on that account.*rbac.yaml"):
+        open_trainer_account(cfg, RUN, NS, name, api)
+
+    pols = policies()
+    objs_pol, pods_pol, fleets_pol = (
+        pols["moerl-launcher-objects"],
+        pols["moerl-launched-pods"],
+        pols["moerl-launched-fleets"],
+    )
+    assert refused(objs_pol, account, "serviceaccounts") == []
+    for change in (
+        {"automountServiceAccountToken": True},
+        {"metadata": {**account["metadata"], "name": "moerl-valkey"}},
+        {"metadata": {**account["metadata"], "annotations": {"team": "x"}}},
+    ):
+        assert len(refused(objs_pol, account | change, "serviceaccounts")) == 1, change
+    # the trainer's pods run as it, and pass the pods' policy
+    tj = build(cfg, "async_trainer", RUN, "tj", ["python"], None, None, name, fleet=name)
+    (rjob,) = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+        "replicatedJobs"
+    ]
+    tpl = rjob["template"]["spec"]["template"]
+    trainer = _pod(tpl["metadata"], tpl["spec"])
+    assert trainer["spec"]["serviceAccountName"] == name
+    assert refused(pods_pol, trainer, "pods") == []
+    rollout = copy.deepcopy(_launched_pods(cfg)["rollout_worker"])
+    rollout["spec"]["serviceAccountName"] = name
+    assert len(refused(pods_pol, rollout, "pods")) == 1
+    # the fleet's RoleBinding: its own account only, not the one every run's trainer shares
+    binding = {o["kind"]: o for o in fleet.fleet_objects(cfg, RUN, NS, env=[], name=name)}[
+        "RoleBinding"
+    ]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": NS}]
+    assert refused(fleets_pol, binding, "rolebindings") == []
+    shared_binding = copy.deepcopy(binding)
+    shared_binding["subjects"][0]["name"] = "moerl-worker"
+    assert len(refused(fleets_pol, shared_binding, "rolebindings")) == 1

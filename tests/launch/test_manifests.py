@@ -423,7 +423,15 @@ def test_rbac_gives_the_run_account_nothing_of_moerls_and_the_launcher_only_its_
             ("argoproj.io", "workflowtaskresults"): (["create", "patch"], None),
         }
         crud = sorted(["create", "get", "list", "watch", "delete"])
-        # secrets: a run's own, made and deleted, never read (no get, list, watch); no pods/log
+        # secrets: a run's own, made and deleted, never read (no get, list, watch); no pods/log;
+        # serviceaccounts: a run's trainer account (create), the shared one's IRSA (get, by name)
+        launcher = roles["moerl-launcher"]["rules"]
+        sa_rules = [r for r in launcher if r["resources"] == ["serviceaccounts"]]
+        assert sorted((r["verbs"], r.get("resourceNames")) for r in sa_rules) == [
+            (["create"], None),
+            (["get"], ["moerl-worker"]),
+        ]
+        roles["moerl-launcher"]["rules"] = [r for r in launcher if r not in sa_rules]
         assert {k: v for k, (v, _) in rules("moerl-launcher").items()} == {
             ("trainer.kubeflow.org", "trainjobs"): crud,
             ("jobset.x-k8s.io", "jobsets"): crud,
