@@ -10,13 +10,11 @@ import ctypes
 import json
 import os
 import re
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import threading
-import time
+from typing import NoReturn
 
 from moerl.errors import ConfigError
 from moerl.tasks import seccomp
@@ -286,45 +284,6 @@ def _drop_caps(libc, keep: int = 0) -> None:
     _check(libc.capset(header, data), "capset")
 
 
-def write_maps(pid: int) -> str:
-    """From the stage: the uid/gid maps of the sandbox `pid` just made (its root is the stage's
-    user). A root stage also maps uid/gid 1 to NOBODY, the real uid calls run as: RLIMIT_NPROC
-    does not bind host uid 0. Returns "" or why the pids limit cannot hold here."""
-    deadline = time.monotonic() + 30
-    mine = os.readlink("/proc/self/ns/user")
-    while os.readlink(f"/proc/{pid}/ns/user") == mine:  # unshare(1) has not unshared yet
-        if time.monotonic() > deadline:
-            return "the sandbox's user namespace did not appear within 30 s"
-        time.sleep(0.001)
-    uid, gid = os.geteuid(), os.getegid()
-
-    def put(name: str, text: str) -> None:
-        with open(f"/proc/{pid}/{name}", "w") as f:
-            f.write(text)
-
-    if uid == 0:
-        try:
-            put("uid_map", f"0 0 1\n1 {NOBODY} 1\n")
-            put("gid_map", f"0 {gid} 1\n1 {NOBODY} 1\n")
-            return ""
-        except OSError:
-            with open("/proc/self/uid_map") as f:
-                if any(line.split()[:2] == ["0", "0"] for line in f):
-                    return (
-                        f"the stage runs as host uid 0 and cannot map uid {NOBODY} for its calls "
-                        "(the pids limit, RLIMIT_NPROC, does not bind uid 0)"
-                    )
-    put("setgroups", "deny")
-    put("uid_map", f"0 {uid} 1\n")
-    put("gid_map", f"0 {gid} 1\n")
-    return ""
-
-
-def _two_uids() -> bool:
-    with open("/proc/self/uid_map") as f:
-        return len(f.read().split("\n")) > 2
-
-
 def enter(scratch: str, ctl, lim: dict) -> str:
     """Run first in a child started under `command("namespaces")` (pid 1 of its namespace):
     the mounts, then a fork. Returns in the forked process, the template (every capability
@@ -355,7 +314,7 @@ def enter(scratch: str, ctl, lim: dict) -> str:
         _drop_caps(libc, keep=(1 << _CAP_SETUID) | (1 << _CAP_SETGID) | (1 << _CAP_SETFCAP))
         return (
             f"per call: user, pid, mount and ipc namespaces; at most {lim['pids']} processes "
-            f"(RLIMIT_NPROC, uid {'nobody' if _two_uids() else 'the stage'}s); {lim['memory_mb']} MiB "
+            f"(RLIMIT_NPROC, uid {'nobody' if two_uids() else 'the stage'}s); {lim['memory_mb']} MiB "
             f"resident over its processes (watched); a {lim['scratch_mb']} MiB tmpfs scratch; "
             f"nested namespaces refused (seccomp, max_user_namespaces 0)"
         )
@@ -365,7 +324,7 @@ def enter(scratch: str, ctl, lim: dict) -> str:
     _wait_for(pid)
 
 
-def _wait_for(pid: int):
+def _wait_for(pid: int) -> NoReturn:
     """pid 1: reap every orphan of the namespace; exit with `pid`'s status (a signal N as 128 + N)."""
     while True:
         try:
@@ -378,54 +337,6 @@ def _wait_for(pid: int):
             )
 
 
-def call_namespaces(sync_w: int, back_r: int, lim: dict) -> None:
-    """In the process the template forked for a call: new user, pid, mount and ipc namespaces
-    (the template writes the maps), then pid 1 of the new pid namespace, which mounts the call's
-    /proc, scratch and /dev/shm, refuses nested user namespaces and forks the process that runs
-    the call. Returns in that process: no capability, real uid 1 where mapped, seccomp on."""
-    libc = _libc()
-    _check(libc.unshare(_CALL_NS), "unshare")
-    os.write(sync_w, b"u")
-    if os.read(back_r, 1) != b"m":
-        os._exit(71)
-    os.close(sync_w), os.close(back_r)
-    p1 = os.fork()
-    if p1:
-        _wait_for(p1)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the template killed the call
-    flags = _MS_NOSUID | _MS_NODEV
-    if os.environ.get("SANDBOX_PROC") == "proc":
-        _mount(libc, "proc", "/proc", "proc", flags | _MS_NOEXEC)
-        for kind in ("user", "mnt", "net", "pid", "ipc", "uts", "cgroup", "time"):
-            try:
-                with open(f"/proc/sys/user/max_{kind}_namespaces", "w") as f:
-                    f.write("0")
-            except FileNotFoundError:  # an older kernel without that kind
-                pass
-    scratch = os.getcwd()
-    _mount(libc, "tmpfs", scratch, "tmpfs", flags, f"size={lim['scratch_mb']}m,mode=0700")
-    if os.path.isdir("/dev/shm"):
-        _mount(libc, "tmpfs", "/dev/shm", "tmpfs", flags, f"size={SHM_MB}m,mode=1777")
-    os.chdir(scratch)  # the new tmpfs
-    w = os.fork()
-    if w:
-        _drop_caps(libc)
-        seccomp.install()
-        _wait_for(w)
-    if _two_uids():
-        os.setresuid(1, 0, 0)  # the real uid RLIMIT_NPROC counts, in this namespace only
-    _drop_caps(libc)
-    seccomp.install()
-
-
-def map_call(pid: int, sync_r: int, back_w: int) -> None:
-    """In the template: once the call `pid` has its user namespace, write its maps (uid 0, and 1
-    where the sandbox has it, as in the sandbox) and let it go on."""
-    ready, _, _ = select.select([sync_r], [], [], 30)
-    if not ready or os.read(sync_r, 1) != b"u":
-        return  # it died or hangs: the pool's deadline kills it
-    ids = "0 0 1\n1 1 1\n" if _two_uids() else "0 0 1\n"
-    for name in ("uid_map", "gid_map"):
-        with open(f"/proc/{pid}/{name}", "w") as f:
-            f.write(ids)
-    os.write(back_w, b"m")
+def two_uids() -> bool:
+    with open("/proc/self/uid_map") as f:
+        return len(f.read().split("\n")) > 2

@@ -11,6 +11,7 @@ Limitations: see sandbox.py and isolation.py (what a call can still read and rea
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -23,6 +24,7 @@ import time
 from typing import Any
 
 from moerl.tasks import isolation as iso
+from moerl.tasks import isolation_calls as calls
 from moerl.tasks.sandbox import resolve
 
 _NOFILE = 256
@@ -91,6 +93,9 @@ class Template:
     """The loop: fork calls, watch their memory, kill on request, report ends."""
 
     def __init__(self, ctl: socket.socket, lim: dict):
+        import asyncio  # noqa: F401 - what moerl's call functions import when called: once, here
+        import inspect  # noqa: F401
+
         self.ctl, self.lim = ctl, lim
         self.isolated = lim["isolation"] != "none"
         self.calls: dict[int, dict[str, Any]] = {}  # pid -> {h, memory, scratch}
@@ -128,6 +133,7 @@ class Template:
                     resolve(name)
                 except Exception:  # noqa: BLE001 - the call itself raises it, for its sample
                     pass
+        gc.freeze()  # what the template holds: never scanned (so never copied) by a call's GC
         pid, scratch = self.fork(fds[0], bool(msg.get("keep")))
         os.close(fds[0])
         self.calls[pid] = {"h": msg["fork"], "memory": False, "scratch": scratch}
@@ -143,7 +149,7 @@ class Template:
                 _close_fds({fd, *(sync or ()), *(back or ())})
                 if self.isolated:
                     assert sync is not None and back is not None
-                    iso.call_namespaces(sync[1], back[0], self.lim)
+                    calls.call_namespaces(sync[1], back[0], self.lim, fd)
                 else:
                     os.setsid()
                     os.chdir(scratch)
@@ -153,11 +159,13 @@ class Template:
             finally:
                 os._exit(70)
         if sync is not None and back is not None:
-            os.close(sync[1]), os.close(back[0])
+            os.close(sync[1])
+            os.close(back[0])
             try:
-                iso.map_call(pid, sync[0], back[1])
+                calls.map_call(pid, sync[0], back[1])
             finally:
-                os.close(sync[0]), os.close(back[1])
+                os.close(sync[0])
+                os.close(back[1])
         return pid, scratch
 
     def _kill(self, pid: int) -> None:
