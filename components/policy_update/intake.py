@@ -14,9 +14,11 @@ plausible reward) is trained on; only the stage ACL keeps other writers out.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from moerl.bus import RunBus
@@ -47,16 +49,20 @@ def scored_samples(group: dict) -> None:
     group["samples"] = samples
 
 
-def model_vocab(cfg) -> int:  # noqa: ANN001 - a RunConfig (no import cycle through the config)
-    """Token ids a sample may hold: the model's `vocab_size` (config.json; a multimodal one's
-    `text_config`), or the embedded tiny model's tokenizer's."""
-    if not cfg.model.path:
+def model_vocab(cfg, folder: Path | None = None) -> int:  # noqa: ANN001 - a RunConfig
+    """Token ids a sample may hold: the `vocab_size` (a multimodal config's `text_config`) of the
+    config.json in `folder` (the version the trainer continues from: the embeddings it trains),
+    else of `model.path`, else the embedded tiny model's tokenizer's."""
+    if folder is not None and (folder / "config.json").is_file():
+        hf = json.loads((folder / "config.json").read_text())
+    elif cfg.model.path:
+        from moerl.models.source import hf_config
+
+        hf = hf_config(cfg.model.path, cfg.checkpoint)
+    else:
         from moerl.models.tiny import tiny_vocab
 
         return len(tiny_vocab())
-    from moerl.models.source import hf_config
-
-    hf = hf_config(cfg.model.path, cfg.checkpoint)
     return int((hf.get("text_config") or hf)["vocab_size"])
 
 
@@ -70,11 +76,12 @@ class EntryCheck:
         self.issued = 0  # the run's unit_seq, read again when a group names a later unit
 
     @classmethod
-    def for_run(cls, cfg, bus: RunBus) -> EntryCheck:  # noqa: ANN001 - a RunConfig
+    def for_run(cls, cfg, bus: RunBus, folder: Path | None = None) -> EntryCheck:  # noqa: ANN001
+        """The run's check (`cfg` a RunConfig); `folder`: the version it continues from."""
         return cls(
             bus,
             cfg.rollout.samples_per_prompt,
-            model_vocab(cfg),
+            model_vocab(cfg, folder),
             cfg.units.max_prompts,
             # its first delivery, then one per restart that read it back: 2 x units.max_attempts
             2 * cfg.units.max_attempts,

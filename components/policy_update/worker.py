@@ -307,7 +307,7 @@ class _Loop:
         self.stream = cfg.resolved.stream
         self.state_dir, self.load_metrics = start.state_dir, start.metrics
         self.resumed_behind = start.behind  # the mesh continues from older weights than `latest`'s
-        self.inbox = Inbox(bus, EntryCheck.for_run(cfg, bus))
+        self.inbox = Inbox(bus, EntryCheck.for_run(cfg, bus, start.state_dir))
         # rollout.weight_sync collective: each version by session, beside its publication
         self.wire = (
             WireSender(cfg, bus, mesh, epoch, self.state)

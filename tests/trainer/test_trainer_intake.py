@@ -114,3 +114,17 @@ def test_an_entry_the_trainers_restarts_keep_reading_back_is_dead_lettered_at_it
     [(_, dead)] = bus.r.xrange(bus.key(DEAD))
     assert dead["reason"].startswith(f"delivered {check.max_deliveries + 1} times")
     assert bus.pending_count(SCORED, CONSUMER) == 0
+
+
+def test_the_vocabulary_is_the_continued_versions_own(tmp_path):
+    """The trainer checks token ids against the embeddings it trains: the config.json of the
+    version it continues from (a multimodal one's text_config), else model.path's, else the
+    tiny model's tokenizer."""
+    import json as _json
+
+    from moerl.components.policy_update.intake import model_vocab
+
+    cfg = _cfg()
+    assert model_vocab(cfg) == VOCAB  # the tiny model, no folder
+    (tmp_path / "config.json").write_text(_json.dumps({"text_config": {"vocab_size": 151936}}))
+    assert model_vocab(cfg, tmp_path) == 151936
