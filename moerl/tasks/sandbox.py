@@ -41,7 +41,7 @@ class Limits:
     memory_mb: int = 2048
     workers: int = 1
     isolation: str = "namespaces"  # or "none" (moerl/tasks/isolation.py)
-    pids: int = 64
+    pids: int = 128
     scratch_mb: int = 64
 
 
@@ -78,6 +78,8 @@ def child_env(scratch: str) -> dict[str, str]:
             "TMPDIR": scratch,
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
+            "RAYON_NUM_THREADS": "1",  # tokenizers: threads count against the pids limit
+            "TOKENIZERS_PARALLELISM": "false",
             "MKL_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
         }

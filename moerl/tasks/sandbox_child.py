@@ -137,6 +137,7 @@ class Template:
         pid, scratch = self.fork(fds[0], bool(msg.get("keep")))
         os.close(fds[0])
         self.calls[pid] = {"h": msg["fork"], "memory": False, "scratch": scratch}
+        self.send({"forked": msg["fork"]})
 
     def fork(self, fd: int, keep: bool) -> tuple[int, str]:
         scratch = "" if self.isolated else tempfile.mkdtemp(dir=os.getcwd())

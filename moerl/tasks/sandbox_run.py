@@ -33,6 +33,7 @@ class Proc:
         self.call: int | None = None  # the index of the call it runs
         self.seq = 0  # that call's id
         self.deadline = 0.0
+        self.forked = False  # the template said it forked the process
 
     def read(self) -> None:
         try:
@@ -143,8 +144,10 @@ class Run:
                 continue
             self._settle(p)
         now = time.monotonic()
+        wedged = False
         for p in list(self.busy.values()):
             if now >= p.deadline:
+                wedged = wedged or not p.forked
                 self._finish(
                     p,
                     Outcome(
@@ -154,6 +157,19 @@ class Run:
                     ),
                     kill=True,
                 )
+        if wedged:  # the template never forked a call (an import in it that does not return)
+            self._template_lost("the sandbox's template did not start the call within its time")
+
+    def _template_lost(self, why: str) -> None:
+        """Every call on the template fails; the next call starts another."""
+        t = self.pool.template
+        if t is not None:
+            self.sel.unregister(t.ctl.fileno())
+        for p in list(self.busy.values()):
+            self._finish(p, Outcome("crashed", error=f"crashed: {why}"))
+        self.pool._lost_template()
+        if self.todo:
+            self.sel.register(self.pool._ensure().ctl.fileno(), selectors.EVENT_READ)
 
     def _control(self, t: _Template) -> None:
         """The template's reports: a call's end (or the template's own)."""
@@ -164,17 +180,14 @@ class Run:
                 return
             except OSError:
                 msg = b""
-            if not msg:  # the template died: every call on it fails, the next run starts another
-                why = f"crashed: the sandbox's template process died ({t.died()})"
-                self.sel.unregister(t.ctl.fileno())
-                for p in list(self.busy.values()):
-                    self._finish(p, Outcome("crashed", error=why))
-                self.pool._lost_template()
-                self.todo and self.sel.register(
-                    self.pool._ensure().ctl.fileno(), selectors.EVENT_READ
-                )
-                return
+            if not msg:
+                return self._template_lost(f"the sandbox's template process died ({t.died()})")
             end = json.loads(msg)
+            if "forked" in end:
+                for p in [*self.busy.values(), *self.pool.procs.values()]:
+                    if p.handle == end["forked"]:
+                        p.forked = True
+                continue
             for p in self.busy.values():
                 if p.handle == end.get("exit"):
                     p.exit = end

@@ -180,3 +180,7 @@ def capabilities(response: str, answer: str) -> dict:
         "ppid": os.getppid(),
         "proc": os.environ.get("SANDBOX_PROC"),
     }
+
+
+def hangs_on_import() -> None:  # what a module that never finishes importing calls
+    time.sleep(10_000)

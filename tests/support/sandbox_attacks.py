@@ -117,3 +117,9 @@ def fork_bomb(response: str, answer: str) -> int:
     except OSError:
         raise BlockingIOError(f"fork refused after {made} processes") from None
     return made
+
+
+def reads(response: str, answer: str) -> str:
+    """A file's text (the pod's service-account token, say)."""
+    with open(response) as f:
+        return f.read()

@@ -93,9 +93,57 @@ def test_a_nested_user_namespace_is_refused(pool):
 
 
 def test_a_fork_bomb_stops_at_the_pids_limit():
-    # memory_mb high enough that the bomb meets its pids limit first (64 forks of a Python
+    # memory_mb high enough that the bomb meets its pids limit first (128 forks of a Python
     # process hold about 10 MiB each of copied pages)
     with SandboxPool(Limits(timeout_s=20.0, memory_mb=4096, workers=2)) as pool:
         o = _batch(pool, "fork_bomb")
     assert o.kind == "error" and "fork refused after" in o.error, o
-    assert int(o.error.rsplit("after ", 1)[1].split()[0]) < 64, o
+    assert int(o.error.rsplit("after ", 1)[1].split()[0]) < 128, o
+
+
+def test_a_verifier_whose_import_hangs_times_out_and_the_template_is_replaced():
+    with SandboxPool(Limits(timeout_s=2.0, workers=2)) as pool:
+        got = pool.run([("tests.support.hangs_at_import:verify", ["", ""]), (HONEST, ["1", ""])])
+        # the call behind it in the wedged template fails too (a broken verifier's cost)
+        assert got[0].kind == "timeout" and got[1].kind in ("timeout", "crashed"), got
+        assert pool.run([(HONEST, ["5", ""])])[0].value == 5.0 and pool.started == 2
+
+
+_POOL = """
+import json, sys
+from moerl.tasks.sandbox import Limits, SandboxPool
+with SandboxPool(Limits(timeout_s=20.0, isolation=sys.argv[1])) as pool:
+    [o] = pool.run([("tests.support.sandbox_attacks:reads", [sys.argv[2], ""])])
+print(json.dumps([o.kind, o.value, o.error]))
+"""
+_POD_TOKEN = (
+    "mount -t tmpfs pod /run && mkdir -p /run/secrets/kubernetes.io/serviceaccount && "
+    'echo api-token > /run/secrets/kubernetes.io/serviceaccount/token && exec "$@"'
+)
+
+
+@pytest.mark.parametrize("isolation", ["none", "namespaces"])
+def test_the_pods_service_account_token_is_hidden_from_an_isolated_call(isolation):
+    """The stage runs where the pod's token is mounted (/var/run/secrets/kubernetes.io/...,
+    made real in a mount namespace of its own); `none` reads it (the control)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.tasks.test_sandbox_isolation import _TWO_UIDS, ROOT
+
+    token = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    got = subprocess.run(
+        [*_TWO_UIDS, "sh", "-c", _POD_TOKEN, "sh", sys.executable, "-c", _POOL, isolation, token],
+        cwd=ROOT,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "LANG": "C.UTF-8"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    kind, value, error = json.loads(got.stdout.strip().splitlines()[-1])
+    if isolation == "none":
+        assert (kind, value) == ("ok", "api-token\n"), error
+    else:
+        assert kind == "error" and error.startswith("FileNotFoundError"), (kind, value, error)
