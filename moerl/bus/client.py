@@ -93,14 +93,14 @@ class Retrying:
         self.outages = 0
         # commands the server refused for want of memory (`maxmemory`, another run filling it),
         # retried like an outage; `oom_since`: when the current spell began (None: none now)
-        self.oom_refusals, self.oom_since = 0, None
+        self.oom_refusals, self._spell = 0, 0
+        self.oom_since: float | None = None
         # called with the refusals of a spell once the server accepts writes again (RunBus: a
         # counter of the run's)
         self.on_oom_end: Callable[[int], None] | None = None
         # called when a command meets a missing stream or consumer group (NOGROUP: Valkey lost
         # the run's keys), to make them again before the command is sent once more
         self.on_nogroup: Callable[[], None] | None = None
-        self._spell = 0
 
     def call(self, fn):
         import valkey
@@ -110,33 +110,10 @@ class Retrying:
             try:
                 out = fn()
                 if self.oom_since is not None:
-                    log.warning(
-                        "Valkey accepts writes again after %.1f s out of memory (%d refusals)",
-                        time.monotonic() - self.oom_since,
-                        self._spell,
-                    )
-                    spell, self.oom_since, self._spell = self._spell, None, 0
-                    if self.on_oom_end is not None:
-                        self.on_oom_end(spell)
+                    self._oom_over()
                 return out
             except valkey.exceptions.OutOfMemoryError as err:
-                # refused before it ran (the server checks memory before a write, and a script
-                # at its first write): nothing changed, and a resend is safe
-                if time.monotonic() >= deadline:
-                    raise BusError(
-                        f"Valkey out of memory for {self.reconnect_s:.0f} s (valkey.reconnect_s): {err}; "
-                        "the server's maxmemory is full (this run's or another's keys): raise it, or "
-                        "end runs that hold it"
-                    ) from err
-                self.oom_refusals, self._spell = self.oom_refusals + 1, self._spell + 1
-                if self.oom_since is None:
-                    self.oom_since = time.monotonic()
-                    log.warning(
-                        "Valkey is out of memory (%s); retrying with backoff for up to %.0f s "
-                        "(valkey.reconnect_s)",
-                        err,
-                        self.reconnect_s,
-                    )
+                self._oom_refused(err, deadline)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
             except valkey.exceptions.ResponseError as err:
@@ -167,6 +144,38 @@ class Retrying:
                 )
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _oom_refused(self, err: Exception, deadline: float) -> None:
+        """A command refused for want of memory: refused before it ran (the server checks memory
+        before a write, a script at its first write), so nothing changed and a resend is safe.
+        Counted, the spell's start logged; past `deadline` a `BusError`."""
+        if time.monotonic() >= deadline:
+            raise BusError(
+                f"Valkey out of memory for {self.reconnect_s:.0f} s (valkey.reconnect_s): {err}; "
+                "the server's maxmemory is full (this run's or another's keys): raise it, or end "
+                "runs that hold it"
+            ) from err
+        self.oom_refusals, self._spell = self.oom_refusals + 1, self._spell + 1
+        if self.oom_since is None:
+            self.oom_since = time.monotonic()
+            log.warning(
+                "Valkey is out of memory (%s); retrying with backoff for up to %.0f s "
+                "(valkey.reconnect_s)",
+                err,
+                self.reconnect_s,
+            )
+
+    def _oom_over(self) -> None:
+        """The server accepts writes again: the spell logged, and handed to `on_oom_end`."""
+        assert self.oom_since is not None  # called at a spell's end only
+        log.warning(
+            "Valkey accepts writes again after %.1f s out of memory (%d refusals)",
+            time.monotonic() - self.oom_since,
+            self._spell,
+        )
+        spell, self.oom_since, self._spell = self._spell, None, 0
+        if self.on_oom_end is not None:
+            self.on_oom_end(spell)
 
     def __getattr__(self, name: str):
         attr = getattr(self.raw, name)
