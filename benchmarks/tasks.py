@@ -173,30 +173,43 @@ def bench_calls(n: int) -> dict[str, Any]:
             )
         )
     rows.append(_row("verifier valkey", _valkey_latencies((CALL_VERIFIER, v_args), n), base))
-    through = []
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    )
-    for workers in (1, 2):
-        with SandboxPool(Limits(timeout_s=30.0, workers=workers)) as pool:
-            pool.run([(CALL_VERIFIER, v_args)] * workers)
-            batch = [(CALL_VERIFIER, v_args)] * (n * 4)
-            t0 = time.perf_counter()
-            pool.run(batch)
-            s = time.perf_counter() - t0
-        through.append(
-            {
-                "workers": workers,
-                "calls_per_s": len(batch) / s,
-                "calls_per_s_per_core": len(batch) / s / min(workers, cores),
-            }
-        )
+    cores = _cores()
+    through = [
+        pool_throughput(workers, n * 4, isolation)
+        for isolation in ("namespaces", "none")
+        for workers in (1, 2)
+    ]
     in_proc_rate = 1.0 / base
     return {
         "latency": rows,
         "throughput": through,
         "in_process_calls_per_s": in_proc_rate,
         "cores": cores,
+    }
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pool_throughput(workers: int, calls: int, isolation: str = "namespaces") -> dict[str, Any]:
+    """Verifier calls per second through a pool of `workers` (each call a fresh process forked
+    from the pool's template, in namespaces of its own with `namespaces`)."""
+    from moerl.tasks.sandbox import Limits, SandboxPool
+    from moerl.tasks.verifiers import CALL_VERIFIER
+
+    v = (CALL_VERIFIER, ["moerl.tasks.verifiers:positional", "482", "482", None])
+    with SandboxPool(Limits(timeout_s=30.0, workers=workers, isolation=isolation)) as pool:
+        pool.run([v] * workers)  # the template's start and imports
+        t0 = time.perf_counter()
+        got = pool.run([v] * calls)
+        s = time.perf_counter() - t0
+    assert all(o.value == 1.0 for o in got), [o for o in got if not o.ok][:3]
+    return {
+        "isolation": isolation,
+        "workers": workers,
+        "calls_per_s": calls / s,
+        "calls_per_s_per_core": calls / s / min(workers, _cores()),
     }
 
 
@@ -276,7 +289,7 @@ def run_bench_tasks(
         )
     for t in calls["throughput"]:
         print(
-            f"pool, {t['workers']} child(ren): {t['calls_per_s']:.0f} calls/s, {t['calls_per_s_per_core']:.0f} per core "
+            f"pool ({t.get('isolation', 'namespaces')}), {t['workers']} worker(s): {t['calls_per_s']:.0f} calls/s, {t['calls_per_s_per_core']:.0f} per core "
             f"(in-process: {calls['in_process_calls_per_s']:.0f} calls/s)"
         )
     if engine:
@@ -295,3 +308,10 @@ def run_bench_tasks(
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 3 and sys.argv[1] == "throughput":  # whichever moerl is importable
+        import moerl
+
+        print(moerl.__file__)
+        for iso in ("namespaces", "none"):
+            for w in (1, 2, 4):
+                print(json.dumps(pool_throughput(w, int(sys.argv[2]), iso)), flush=True)
