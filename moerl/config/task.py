@@ -12,23 +12,24 @@ from moerl.userfiles import short_repr
 
 class SandboxConfig(_Section):
     """The sandboxed execution pool verifiers (`reward.sandbox`) and environments
-    (`task.sandbox`) run in (`moerl/tasks/sandbox.py`): child processes with no credentials,
-    each call cut off after `sample_timeout_s` and its address space capped at `memory_mb`. A
+    (`task.sandbox`) run in (`moerl/tasks/sandbox.py`): a fresh process per call (per episode)
+    with no credentials, cut off after `sample_timeout_s` or past `memory_mb`. A
     sample whose verifier or environment is cut off is failed and counted
     (`reward/timeout_samples`, `reward/memory_samples`, `env/timeout_episodes`), never scored 0."""
 
     workers: int = Field(1, ge=1, le=256)
-    """Children per scoring process; samples run in parallel."""
+    """Calls run at once per scoring process."""
     sample_timeout_s: float = Field(5.0, gt=0.0, le=3600.0, allow_inf_nan=False)
     """The most one verifier or environment call may take; a call past it is cut off and its sample
     failed."""
     memory_mb: int = Field(2048, ge=128, le=1 << 20)
-    """Address-space cap of each sandbox child in MiB; a call past it fails its sample."""
+    """MiB one call's processes may hold resident together (and each its address space); a call
+    past it is killed and its sample failed."""
     isolation: Literal["namespaces", "none"] = "namespaces"
-    """namespaces: each child in its own user, network, pid and mount namespaces (no network, a
-    read-only filesystem but its scratch folder), refused at start where the kernel or the pod's
-    seccomp profile forbids them (docs/tasks.md). none: only the environment allow-list and the
-    limits, warned about and tagged on the run."""
+    """namespaces: each call in its own user, network, pid, mount and ipc namespaces (no network,
+    a read-only filesystem but its tmpfs scratch, at most 128 processes), refused at start where
+    the kernel, the pod's seccomp profile or a masked /proc forbids them (docs/tasks.md). none:
+    only the environment allow-list and the limits, warned about and tagged on the run."""
 
 
 class TaskConfig(_Section):
