@@ -97,11 +97,15 @@ def _take_over(cfg: RunConfig, run_id: str, bus: RunBus) -> tuple[int, Tiers, in
             f"trainer: run {run_id} was abandoned ({abandoned}); start a new run or resume it with a "
             "new pipeline run"
         )
+    from moerl.components.publish_checkpoint.outage import retrying
+
+    def waited(what: str, call):  # a store away for minutes (a brownout): checkpoint.outage_s
+        return retrying(f"trainer recovery: {what}", call, cfg.checkpoint.outage_s)
+
     # the run's one trainer from here on: any older trainer still running is fenced off
     # above the store's newest too: a Valkey that lost its counter (a flush) restarts it at 1
-    epoch = bus.claim_trainer(
-        f"{socket.gethostname()}/{os.getpid()}", floor=store_epoch(cfg, run_id)
-    )
+    floor = waited("reading the store's trainer epoch", lambda: store_epoch(cfg, run_id))
+    epoch = bus.claim_trainer(f"{socket.gethostname()}/{os.getpid()}", floor=floor)
     # every tier write and `latest` move fenced by the epoch
     tiers = run_tiers(cfg.checkpoint, run_id, epoch)
     # a version servable but not durable is promoted, if it is the one the servable pointer names
@@ -109,13 +113,9 @@ def _take_over(cfg: RunConfig, run_id: str, bus: RunBus) -> tuple[int, Tiers, in
     # and trained again, and set_servable below points the engines back at `latest`)
     # (a complete cache-tier copy that no pointer names is another writer's, and is dropped)
     ptr = bus.servable()
-    from moerl.components.publish_checkpoint.outage import retrying
-
-    # a store away for minutes (a brownout) is waited on, bounded by checkpoint.outage_s
-    latest = retrying(
-        f"trainer recovery: reading run {run_id}'s versions in {tiers.durable.uri}",
+    latest = waited(
+        f"reading run {run_id}'s versions in {tiers.durable.uri}",
         lambda: tiers.recover(servable=None if ptr is None else (ptr.version, ptr.manifest_sha256)),
-        cfg.checkpoint.outage_s,
     )
     if latest is None:
         raise CheckpointError(

@@ -134,3 +134,40 @@ def test_the_wait_is_bounded_and_only_an_unavailable_store_is_waited_on():
     with pytest.raises(CheckpointError, match="refused"):
         retrying("v7", refused, 60, sleep=sleep, clock=lambda: now[0])
     assert calls == [1]  # raised at once
+
+
+def test_a_restarted_trainers_recovery_waits_for_the_store_naming_what_it_waits_on(
+    weed, tmp_path, capfd
+):
+    from moerl.bus import EmbeddedValkey, RunBus, connect
+    from moerl.components.policy_update.worker import _take_over
+    from moerl.store.tiers import run_tiers
+
+    cfg = RunConfig.model_validate(
+        {
+            "checkpoint": {
+                "uri": "s3://outage/ckpt",
+                "endpoint_url": weed.server.endpoint_url,
+                "region": "us-east-1",
+                "cache_dir": str(tmp_path / "node"),
+                "max_attempts": 2,
+                "outage_s": 120,
+            }
+        }
+    )
+    run_tiers(cfg.checkpoint, "r2").publish(0, _state(tmp_path / "s0", 1), {})
+    valkey = EmbeddedValkey(tmp_path / "valkey").start()
+    try:
+        bus = RunBus(connect(valkey.url, 5), "r2")
+        weed.stop()  # the trainer restarts into a brownout
+        back = threading.Timer(4.0, weed.start)
+        back.start()
+        try:
+            epoch, _, latest = _take_over(cfg, "r2", bus)
+        finally:
+            back.join()
+    finally:
+        valkey.stop()
+    assert latest == 0 and epoch >= 1
+    out = capfd.readouterr().out
+    assert "trainer recovery: reading the store's trainer epoch: waiting on the checkpoint" in out
