@@ -235,6 +235,7 @@ class _EpisodeUnit:
     finished: set[int] = field(default_factory=set)  # prompts whose group is published
     in_env: set[str] = field(default_factory=set)  # episodes whose environment step runs now
     pending: list[tuple[Future, list]] = field(default_factory=list)  # environment steps
+    too_long: int = 0  # its prompts the engine cannot take (`RolloutWorker._refuse`)
 
 
 @dataclass(frozen=True)
@@ -1205,10 +1206,10 @@ class RolloutWorker:
             always=lambda: self._release(lease),
         )
 
-    def _ack_now(self, lease: Lease) -> None:
+    def _ack_now(self, lease: Lease, **counts: int) -> None:
         """Acknowledge a unit once its groups' publications are made (the outbox flushed)."""
         self._outbox.flush()
-        self.bus.ack_unit(lease)
+        self.bus.ack_unit(lease, **counts)
 
     def _end_unfinished(self, lease: Lease, remaining: list[int], rids: list[str] | None) -> bool:
         """End a unit whose prompts `remaining` did not finish, once its groups' publications
@@ -1268,7 +1269,7 @@ class RolloutWorker:
         remaining = [k for k in todo if k not in run.finished]
         if remaining:  # a drain or a lost lease ended the unit early
             return self._end_unfinished(lease, remaining, rids=None)
-        self._ack_now(lease)
+        self._ack_now(lease, prompts_too_long=run.too_long)
         return True
 
     def _episode_unit(
@@ -1278,8 +1279,12 @@ class RolloutWorker:
         G = self.cfg.rollout.samples_per_prompt
         has = bool(getattr(self.tokenizer, "chat_template", None))
         groups: dict[int, list[Episode]] = {}
+        refused: list[BusWrite] = []
         for k, e in todo.items():
             ids = encode_prompt(self.tokenizer, self.cfg.rollout, e["prompt"])
+            if (why := self._live.prompt_refused(len(ids))) is not None:
+                refused.append(self._refuse(unit_id, e, why))  # its group fails, counted
+                continue
             templated = uses_template(has, self.cfg.rollout, e["prompt"])
             groups[k] = [
                 driver.episode(
@@ -1287,6 +1292,7 @@ class RolloutWorker:
                 )
                 for j in range(G)
             ]
+        self._hand_over(refused)
         return _EpisodeUnit(
             unit_id,
             todo,
@@ -1296,6 +1302,8 @@ class RolloutWorker:
             where={ep.key: k for k, g in groups.items() for ep in g},
             t0=time.perf_counter(),
             envs=ThreadPoolExecutor(max_workers=1, thread_name_prefix="moerl-env"),
+            finished=set(todo) - set(groups),
+            too_long=len(refused),
         )
 
     def _drive_episodes(self, lease: Lease, run: _EpisodeUnit) -> None:

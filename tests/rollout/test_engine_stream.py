@@ -385,3 +385,45 @@ def test_an_over_long_prompt_fails_its_group_counted_and_the_worker_serves_the_n
     ]
     [(_, dead)] = bus.r.xrange(bus.key("dead"))
     assert dead["by"] == "producer" and "tokens > 63" in dead["reason"]
+
+
+@pytest.mark.slow
+def test_an_over_long_prompt_of_a_multi_turn_unit_fails_its_group_and_the_others_run(
+    engine,
+    server,  # noqa: F811
+    request,
+    monkeypatch,
+):
+    """The same in a multi-turn unit (`task.environment`): the over-long prompt's group is
+    dead-lettered before any episode of it starts; the unit's other group runs its episodes to
+    their end and the unit is acknowledged, counted."""
+    from transformers import AutoTokenizer
+
+    from moerl.components.rollout.worker import RolloutWorker
+    from moerl.config import load_config
+    from moerl.tasks.tools import generate
+    from tests.support.valkey_server import stage_bus
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny-moe-lookup.yaml")
+    [row] = [r.model_dump() for r in generate(1, seed=5)]
+    long_row = {**row, "id": "long", "prompt": " ".join(["alpha beta gamma"] * 100)}
+    bus = stage_bus(server, request, monkeypatch)
+    bus.issue_unit([long_row, row])
+    w = RolloutWorker(cfg, bus.run_id, "rollout-0", bus)
+    tok = AutoTokenizer.from_pretrained(engine.model_dir)
+    w.engine, w.tokenizer, w._early_tried, w.version = engine, tok, True, 0
+    base, engine.cfg = engine.cfg, cfg.rollout
+    try:
+        lease = bus.lease_unit("rollout-0")
+        assert lease is not None
+        w._hold(lease)
+        assert w._run_episodes(lease)
+    finally:
+        engine.cfg = base
+        w.engine, w.version = None, None  # the module's engine stays open; nothing was pinned
+        w.close()  # the worker's environment pool
+    c = bus.counters()
+    assert c["prompts_too_long"] == 1 and c["groups_dead"] == 1 and c["units_done"] == 1
+    [(_, group)] = bus.r.xrange(bus.key("generated"))
+    assert json.loads(group["group"])["group_id"].endswith(f":{row['id']}")
+    assert engine.unfinished() == 0
