@@ -362,7 +362,10 @@ class CheckpointStore(PinLeases, ABC):
         key = f"versions/{job.stage}/{MANIFEST}"
         if claim is not None:
             self._check_claim(version, claim)
-            if not self._write_if(key, manifest.to_json(), None):
+            # the same text: this publish's own write, whose reply was lost (its objects folder
+            # and time make a manifest its writer's), retried by the client into a 412
+            text = manifest.to_json()
+            if not self._write_if(key, text, None) and self._read_text(key) != text:
                 raise CheckpointError(
                     f"version {version} in {self.uri}: another writer's manifest appeared "
                     "while this publish ran; this one stops"

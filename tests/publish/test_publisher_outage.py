@@ -171,3 +171,31 @@ def test_a_restarted_trainers_recovery_waits_for_the_store_naming_what_it_waits_
     assert latest == 0 and epoch >= 1
     out = capfd.readouterr().out
     assert "trainer recovery: reading the store's trainer epoch: waiting on the checkpoint" in out
+
+
+def test_a_manifest_put_whose_reply_was_lost_is_not_taken_for_another_writers(
+    s3_server, tmp_path, monkeypatch
+):
+    """A server that goes away as it answers: the manifest's create-only PUT landed, its reply
+    was lost, the client's retry met the object (412). The publish finds its own text there and
+    completes, instead of stopping as if another writer had raced it."""
+    from moerl.config import CheckpointConfig
+
+    try:
+        s3_server.client().create_bucket(Bucket="lost")
+    except s3_server.client().exceptions.BucketAlreadyOwnedByYou:
+        pass
+    cfg = CheckpointConfig(
+        uri="s3://lost/x", endpoint_url=s3_server.endpoint_url, region="us-east-1"
+    )
+    store = run_store(cfg, tmp_path.name)
+    real = store._write_if
+
+    def reply_lost(key: str, text: str, tag: str | None) -> bool:
+        if key.endswith(f"/{MANIFEST}"):
+            assert real(key, text, tag)  # it landed; the client never heard
+        return real(key, text, tag)
+
+    monkeypatch.setattr(store, "_write_if", reply_lost)
+    m = store.publish(1, _state(tmp_path / "s1", 1), exclusive=True, epoch=1)
+    assert store.latest() == 1 and store.manifest(1).sha256() == m.sha256()
