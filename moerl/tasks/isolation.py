@@ -145,9 +145,22 @@ def _probe() -> str:
     )
 
 
+# What holds a call under each isolation (a pool that cannot have all of it refuses to start)
+LIMITS = {
+    "namespaces": "per call: user, pid, mount, ipc namespaces; RLIMIT_NPROC; resident memory "
+    "summed over its processes; tmpfs scratch; seccomp and max_user_namespaces 0",
+    "none": "per call: a process; resident memory summed over its processes",
+}
+
+
 def tags(reward: str, task: str) -> dict[str, str]:
     """The provenance tags a run carries for its sandboxes."""
-    return {"moerl.sandbox.isolation.reward": reward, "moerl.sandbox.isolation.task": task}
+    return {
+        "moerl.sandbox.isolation.reward": reward,
+        "moerl.sandbox.isolation.task": task,
+        "moerl.sandbox.limits.reward": LIMITS.get(reward, ""),
+        "moerl.sandbox.limits.task": LIMITS.get(task, ""),
+    }
 
 
 # ---------------------------------------------------------------------------- the child side

@@ -383,6 +383,8 @@ def test_a_bad_isolation_is_refused_naming_the_field():
     assert isolation.tags("none", "namespaces") == {
         "moerl.sandbox.isolation.reward": "none",
         "moerl.sandbox.isolation.task": "namespaces",
+        "moerl.sandbox.limits.reward": isolation.LIMITS["none"],
+        "moerl.sandbox.limits.task": isolation.LIMITS["namespaces"],
     }
 
 
@@ -404,6 +406,7 @@ def test_a_run_carries_its_sandboxes_isolation_as_tags_and_params(tmp_path):
     run = MlflowClient(uri).get_run(tracking.start_run(cfg, uri, {}))
     assert run.data.tags["moerl.sandbox.isolation.task"] == "none"
     assert run.data.tags["moerl.sandbox.isolation.reward"] == "namespaces"
+    assert "seccomp" in run.data.tags["moerl.sandbox.limits.reward"]
     assert run.data.params["task.sandbox.isolation"] == "none"
 
 
