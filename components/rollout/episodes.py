@@ -269,6 +269,8 @@ class EpisodeDriver:
             "env/max_turns_fraction": sum(e.finish_reason == "max_turns" for e in multi) / n,
             "env/error_episodes": float(self.errors),
             "env/timeout_episodes": float(self.timeouts),
+            # a call whose process sent another call's reply or a second line (killed, failed)
+            "env/forged_episodes": float(sum("forged:" in (e.error or "") for e in multi)),
             "env/calls": float(self.calls),
             "env/replayed_episodes": float(self.replays),
             "env/time_s": self.env_s,

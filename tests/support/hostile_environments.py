@@ -111,3 +111,13 @@ class Grader:
     @staticmethod
     def right(answer: str) -> bool:
         return answer == "42"
+
+
+class ForgesReplies(Counter):
+    """Model-written code in its step leaves a thread writing replies on every descriptor."""
+
+    def step(self, text: str):
+        from tests.support.sandbox_attacks import forges
+
+        forges("1", "")
+        return super().step(text)

@@ -147,3 +147,26 @@ def test_the_pods_service_account_token_is_hidden_from_an_isolated_call(isolatio
         assert (kind, value) == ("ok", "api-token\n"), error
     else:
         assert kind == "error" and error.startswith("FileNotFoundError"), (kind, value, error)
+
+
+def test_an_episode_that_forges_replies_fails_alone_and_is_counted():
+    from moerl.components.rollout.engine import Completion
+    from moerl.components.rollout.episodes import EpisodeDriver
+    from moerl.config import load_config
+    from moerl.models.tiny import build_tokenizer
+    from tests.tasks.test_environments import CONFIG, _row
+
+    env = "tests.support.hostile_environments"
+    cfg = load_config(CONFIG, [f"task.environment={env}:Counter"])
+    cfg.task.environments["bad"] = f"{env}:ForgesReplies"
+    with SandboxPool(Limits(timeout_s=10.0, workers=2)) as pool:
+        d = EpisodeDriver(cfg, build_tokenizer(), pool)
+        rows = [_row(0) | {"task": "bad"}, _row(1) | {"task": "copy"}]
+        eps = [d.episode(f"e{i}", r, [7, 8], 0, False) for i, r in enumerate(rows)]
+        d.begin(eps)
+        d.advance([(e, Completion([5], [-1.0], "x", "stop")) for e in eps])
+        d.finish(eps)
+        assert pool.forged_replies == 1
+    assert eps[0].error and "forged:" in eps[0].error, eps[0].error
+    assert eps[1].error is None and eps[1].observed[-1].startswith("1@"), eps[1]
+    assert d.metrics(eps, 1.0)["env/forged_episodes"] == 1
