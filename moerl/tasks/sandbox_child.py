@@ -100,17 +100,24 @@ class Template:
         self.isolated = lim["isolation"] != "none"
         self.calls: dict[int, dict[str, Any]] = {}  # pid -> {h, memory, scratch}
         self.imported: set[str] = set()
+        self.mapping: dict[int, tuple[int, int]] = {}  # sync fd -> (call pid, its go-on fd)
+        self.watch_s, self.watched = WATCH_S, 0.0
 
     def send(self, msg: dict) -> None:
-        self.ctl.send(json.dumps(msg).encode())
+        try:
+            self.ctl.send(json.dumps(msg).encode())
+        except OSError:  # the pool is gone: so are its calls
+            self.stop()
 
     def run(self) -> None:
         self.send({"ready": os.getpid(), "enforced": self.lim.get("enforced", "")})
-        poll = select.poll()
-        poll.register(self.ctl.fileno(), select.POLLIN)
+        self.poll = select.poll()
+        self.poll.register(self.ctl.fileno(), select.POLLIN)
         while True:
-            for _, ev in poll.poll(WATCH_S * 1000 if self.calls else 1000):
-                if ev & select.POLLIN:
+            for fd, ev in self.poll.poll(self.watch_s * 1000 if self.calls else 1000):
+                if fd in self.mapping:  # a call has its user namespace: its maps, then go on
+                    self.map(fd)
+                elif ev & select.POLLIN:
                     msg, fds, _, _ = socket.recv_fds(self.ctl, 65536, 1)
                     if not msg:
                         return self.stop()
@@ -118,7 +125,19 @@ class Template:
                 elif ev & (select.POLLHUP | select.POLLERR):
                     return self.stop()
             self.reap()
-            self.watch()
+            if time.monotonic() - self.watched >= self.watch_s:
+                self.watch()
+
+    def map(self, fd: int) -> None:
+        pid, back = self.mapping.pop(fd)
+        self.poll.unregister(fd)
+        try:
+            calls.map_call(pid, fd, back)
+        except OSError:
+            pass  # it died meanwhile: reaped and reported as any end
+        finally:
+            os.close(fd)
+            os.close(back)
 
     def handle(self, msg: dict, fds: list[int]) -> None:
         if "kill" in msg:
@@ -162,11 +181,8 @@ class Template:
         if sync is not None and back is not None:
             os.close(sync[1])
             os.close(back[0])
-            try:
-                calls.map_call(pid, sync[0], back[1])
-            finally:
-                os.close(sync[0])
-                os.close(back[1])
+            self.mapping[sync[0]] = (pid, back[1])  # mapped once it has unshared (`map`)
+            self.poll.register(sync[0], select.POLLIN)
         return pid, scratch
 
     def _kill(self, pid: int) -> None:
@@ -200,6 +216,7 @@ class Template:
         """Kill each call whose processes together hold more than memory_mb resident."""
         if not self.calls:
             return
+        t0 = self.watched = time.monotonic()
         parents = _parents()
         page = os.sysconf("SC_PAGE_SIZE")
         for pid, c in list(self.calls.items()):
@@ -209,6 +226,8 @@ class Template:
             if total > self.lim["memory_mb"] << 20:
                 c["memory"] = True
                 self._kill(pid)
+        # at most a quarter of a core on looking, however many processes there are
+        self.watch_s = max(WATCH_S, 4 * (time.monotonic() - t0))
 
     def stop(self) -> None:
         for pid in list(self.calls):
