@@ -98,6 +98,10 @@ class Template:
 
         self.ctl, self.lim = ctl, lim
         self.isolated = lim["isolation"] != "none"
+        if not self.isolated:  # a call's orphans come to the template, which ends them
+            import ctypes
+
+            ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
         self.calls: dict[int, dict[str, Any]] = {}  # pid -> {h, memory, scratch}
         self.imported: set[str] = set()
         self.mapping: dict[int, tuple[int, int]] = {}  # sync fd -> (call pid, its go-on fd)
@@ -186,14 +190,18 @@ class Template:
         return pid, scratch
 
     def _kill(self, pid: int) -> None:
-        for p in [pid] if self.isolated else _tree(pid, _parents()):
+        """The call's processes: its pid 1 takes them along; without namespaces, its process
+        group (it made one) and what descends from it."""
+        if not self.isolated:
             try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
+        for p in [pid] if self.isolated else _tree(pid, _parents()):
+            _sigkill(p)
 
     def reap(self) -> None:
-        while self.calls:
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -203,8 +211,13 @@ class Template:
             c = self.calls.pop(pid, None)
             if c is None:
                 continue
-            if not self.isolated:  # what the call left behind
+            if not self.isolated:  # what the call left behind: its group, the orphans
                 self._kill(pid)
+                kids = _parents()
+                for orphan in kids.get(os.getpid(), []):
+                    if orphan not in self.calls:
+                        for p in _tree(orphan, kids):
+                            _sigkill(p)
                 shutil.rmtree(c["scratch"], ignore_errors=True)
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
             code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
@@ -236,6 +249,13 @@ class Template:
             if c["scratch"]:
                 shutil.rmtree(c["scratch"], ignore_errors=True)
         os._exit(0)
+
+
+def _sigkill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _parents() -> dict[int, list[int]]:

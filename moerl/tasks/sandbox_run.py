@@ -212,7 +212,8 @@ class Run:
             return self._finish(p, _outcome(p.lines[0]))
         if not p.eof and p.exit is None:
             return
-        if p.lines and p.eof:
+        # without namespaces a call's leftovers may hold its socket: its own end is enough
+        if p.lines and (p.eof or (p.exit is not None and self.pool.limits.isolation == "none")):
             return self._finish(p, _outcome(p.lines[0]))
         if p.exit is not None and p.eof:
             return self._finish(p, _ended(p.exit, self.pool.limits))

@@ -170,3 +170,21 @@ def test_an_episode_that_forges_replies_fails_alone_and_is_counted():
     assert eps[0].error and "forged:" in eps[0].error, eps[0].error
     assert eps[1].error is None and eps[1].observed[-1].startswith("1@"), eps[1]
     assert d.metrics(eps, 1.0)["env/forged_episodes"] == 1
+
+
+def test_without_namespaces_a_calls_background_process_is_killed_at_its_end():
+    with SandboxPool(Limits(timeout_s=10.0, isolation="none")) as pool:
+        left = pool.run([(f"{A}:leaves_a_process", ["", ""])])[0]
+        assert left.ok, left
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _alive(left.value):
+            time.sleep(0.05)
+        assert not _alive(left.value)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
