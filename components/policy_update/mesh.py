@@ -37,7 +37,7 @@ from moerl.components.policy_update.ep_train import (
     train_steps,
 )
 from moerl.config import RunConfig, config_from_json
-from moerl.errors import CheckpointError, MoerlError, TrainingError
+from moerl.errors import CheckpointError, MoerlError, StoreUnavailable, TrainingError
 from moerl.launch.objects import ENV_POD_IP
 from moerl.records import TrainSample
 from moerl.store.base import CheckpointStore
@@ -244,7 +244,7 @@ class NodeParts:
                 self.kv.delete_key(key)
                 waiting.discard(node)
                 if "error" in answer:
-                    raise CheckpointError(
+                    raise (StoreUnavailable if answer.get("unavailable") else CheckpointError)(
                         f"version {version}: node {node} could not put its files into "
                         f"{store.uri}: {answer['error']}"
                     )
@@ -334,10 +334,14 @@ class Uploader(threading.Thread):
                 self.stop_event.wait(1.0)
                 continue
             try:
-                answer = {"entries": self._serve(req)}
+                answer: dict[str, str | bool] = {"entries": self._serve(req)}
             except Exception as err:  # noqa: BLE001 - handed to rank 0's publisher, which raises
                 log.error("node %d: version %s parts failed: %s", self.node, req["version"], err)
-                answer = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+                # a store away (a brownout) is marked: rank 0's publisher waits and asks again
+                answer = {
+                    "error": f"{type(err).__name__}: {str(err)[:500]}",
+                    "unavailable": isinstance(err, StoreUnavailable),
+                }
             try:
                 self.kv.set(f"parts/done/{seq}/{self.node}", json.dumps(answer))
             except Exception as err:  # noqa: BLE001 - rank 0 then fails this node by its timeout

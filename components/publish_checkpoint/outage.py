@@ -3,9 +3,9 @@ backoff while the store is unavailable (`StoreUnavailable`), within `checkpoint.
 wait said in one line naming what waits and on what; and the tidying a publish needs before it
 is tried again (what its failed attempt left under its own claim).
 
-Any other failure (a fenced writer, a version that exists, a non-finite tensor) is raised at once.
-Limitations: a publication whose files other nodes put (`NodeParts`) retries only the store
-errors this process meets itself; a node's uploader reports its own as a plain failure.
+Any other failure (a fenced writer, a version that exists, a non-finite tensor) is raised at once;
+a mesh node's uploader marks its own store errors so (`NodeParts`), and the publication retries.
+Limitations: the budget counts from the first failure of one copy, not across a run's outages.
 """
 
 from __future__ import annotations

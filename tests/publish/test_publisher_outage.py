@@ -199,3 +199,67 @@ def test_a_manifest_put_whose_reply_was_lost_is_not_taken_for_another_writers(
     monkeypatch.setattr(store, "_write_if", reply_lost)
     m = store.publish(1, _state(tmp_path / "s1", 1), exclusive=True, epoch=1)
     assert store.latest() == 1 and store.manifest(1).sha256() == m.sha256()
+
+
+def test_a_mesh_publication_waits_when_another_nodes_upload_meets_the_outage(
+    weed, tmp_path, monkeypatch, capfd
+):
+    """A trainer on several nodes (the seed's 16): node 1's uploader puts its own files into the
+    version rank 0's publisher runs (`NodeParts`). The store goes away as node 1 starts; its
+    failure comes back marked as the store's, so rank 0's publisher waits and asks again, and
+    the version holds both nodes' files."""
+    from tests.store.test_parts import RUN, Mesh, node0, node1
+
+    cfg = RunConfig.model_validate(
+        {
+            "checkpoint": {
+                "uri": "s3://outage/mesh",
+                "endpoint_url": weed.server.endpoint_url,
+                "region": "us-east-1",
+                "cache_dir": str(tmp_path / "node"),
+                "max_attempts": 2,
+                "outage_s": 120,
+            }
+        }
+    )
+    stopped = threading.Event()
+    put_parts = S3Store.put_parts
+
+    def stop_at_node1(self, *args, **kwargs):  # the fault, timed: node 1's upload begins
+        if not stopped.is_set():
+            weed.stop()
+            stopped.set()
+        return put_parts(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Store, "put_parts", stop_at_node1)
+    mesh = Mesh(tmp_path)
+    try:
+        mesh.start_uploader(cfg)
+        durable: list[int] = []
+        publisher = Publisher(
+            cfg,
+            RUN,
+            on_servable=lambda p: None,
+            on_durable=lambda j: durable.append(j.version),
+            epoch=1,
+            parts=mesh.parts(timeout_s=60),
+        )
+        try:
+            node1(mesh.base, 1, seed=1)
+            publisher.submit(1, node0(tmp_path / "node0", seed=1), {})
+            assert stopped.wait(60)
+            time.sleep(3)
+            assert publisher.error is None
+            weed.start()
+            weed.wait_writable("outage")
+            publisher.drain(timeout_s=120)
+        finally:
+            publisher.close()
+    finally:
+        mesh.close()
+    assert durable == [1]
+    assert "node 1 could not put its files" in capfd.readouterr().out
+    store = run_store(cfg.checkpoint, RUN)
+    assert store.latest() == 1
+    assert "model-r1-p0.safetensors" in {f.path for f in store.manifest(1).files}
+    store.fetch(1, tmp_path / "fetched")  # every file verified
