@@ -62,3 +62,17 @@ def test_stages_are_named_and_a_sigterm_to_the_zygote_drains_them(tmp_path):
         assert "draining 3 stages" in log and "still ran after 3 s: SIGKILL" in log
     finally:
         z.close()
+
+
+def test_without_setproctitle_the_name_top_shows_is_set_by_prctl():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['setproctitle'] = None\n"
+        "from pathlib import Path\n"
+        "from moerl.launch.procs import set_title\n"
+        "print(set_title('rollout-3'), Path('/proc/self/comm').read_text().strip())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().split(None, 1) == ["prctl", "moerl: rollout-"], out.stderr
