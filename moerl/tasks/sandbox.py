@@ -1,11 +1,11 @@
-"""The sandboxed execution pool: verifiers (and, later, environments) run in child processes
-with a wall-clock limit per call, a memory limit, no credentials and a scratch directory of
-their own, so that a verifier that hangs, spins, allocates without bound or crashes costs one
-sample, never the stage or the run.
+"""The sandboxed execution pool: each verifier call runs in a fresh process (each episode of an
+environment in one of its own), forked from the pool's template process, with a wall-clock
+limit, a memory limit summed over its processes, no credentials and a tmpfs scratch, so that
+code that hangs, spins, allocates, forks, crashes or forges replies costs its own sample, never
+another's, the stage or the run.
 
 Design, details and limitations: docs/tasks.md#moerltaskssandboxpy.
 """
-
 from __future__ import annotations
 
 import itertools

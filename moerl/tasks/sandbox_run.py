@@ -104,10 +104,11 @@ class Run:
                 mine, theirs = socket.socketpair()
                 p = Proc(next(pool._handles), mine, key)
                 imports = [target] + ([args[0]] if target in WARM_FIRST_ARG and args else [])
-                t.send(
-                    {"fork": p.handle, "keep": key is not None, "imports": imports}, theirs.fileno()
-                )
-                theirs.close()
+                try:
+                    msg = {"fork": p.handle, "keep": key is not None, "imports": imports}
+                    t.send(msg, theirs.fileno())
+                finally:
+                    theirs.close()  # the template holds its own copy now
                 if key is not None:
                     pool.procs[key] = p
             p.call, p.seq = i, next(pool._seq)
