@@ -1,8 +1,10 @@
 """What can be checked before a run's stages start, whatever runs them (`moerl run`, sync or
-async, a resumed run, and the pipeline's first task, `start_run`): `preflight`, so a bad
-dataset, model path, reward model, registered version or store, or a pod scratch too small for
-the model (`check_scratch`), fails before any work, with one line naming the key. Below the
-stages (docs/architecture.md, "Layers"): a stage calls it, and it reads no stage.
+async, a resumed run, and the pipeline's first tasks): `preflight`, so a bad dataset, model
+path, reward model, registered version or store, or a pod scratch too small for the model
+(`check_scratch`), fails before any work, with one line naming the key. `check_user_code`:
+the part that calls the user's verifiers and environments, which a pipeline runs in a task of
+its own that holds no credential (`start_run` holds the Valkey admin's and the launcher's).
+Below the stages (docs/architecture.md, "Layers"): a stage calls it, and it reads no stage.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ from moerl.tasks.verifiers import CALL_VERIFIER, as_score, verifier_key, verifie
 log = logging.getLogger(__name__)
 
 
-def preflight(cfg: RunConfig, here: bool = True) -> None:
+def preflight(cfg: RunConfig, here: bool = True, user_code: bool = True) -> None:
     """Everything that can be checked before work starts; raises a MoerlError naming the field.
     `here`: the stages run on this machine, so `require:` is probed here too (the pipeline's
-    first task runs on a CPU pod and leaves that to each stage's own start)."""
+    first task runs on a CPU pod and leaves that to each stage's own start). `user_code` False:
+    the user's verifiers and environments are not called (`check_user_code` does that)."""
     if not here and cfg.rollout.elastic and cfg.cluster.launch.mode != "kubernetes":
         lo, hi = cfg.rollout.fleet_bounds
         raise ConfigError(
@@ -69,10 +72,8 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
         ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
         # the index's sample (first row, each task's first, the first chat row), not every row
         check_prompts(cfg, ds.sample)
-        if cfg.pipeline.kind == "grpo":
-            check_environments(cfg, ds.sample)
-        if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model":
-            check_verifiers(cfg, ds.sample)
+        if user_code:
+            _check_user_code(cfg, ds.sample)
     # the reward model must exist and verify
     if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "rules":
         assert cfg.reward.model is not None  # RewardConfig requires it unless kind is rules
@@ -119,6 +120,21 @@ def preflight(cfg: RunConfig, here: bool = True) -> None:
             )
     _check_cache_tier(cfg)  # first: the durable check creates a local store's folder
     open_store(cfg.checkpoint).check_access()
+
+
+def check_user_code(cfg: RunConfig) -> None:
+    """`preflight`'s calls of the user's code alone, on the dataset's sample: each environment
+    and each verifier once, in the sandbox (`check_environments`, `check_verifiers`)."""
+    if cfg.pipeline.kind == "grpo":
+        ds = load_dataset(cfg.task.dataset, cfg.task.max_bad_fraction, cfg.checkpoint)
+        _check_user_code(cfg, ds.sample)
+
+
+def _check_user_code(cfg: RunConfig, rows) -> None:
+    if cfg.pipeline.kind == "grpo":
+        check_environments(cfg, rows)
+    if cfg.pipeline.kind == "grpo" and cfg.reward.kind != "model":
+        check_verifiers(cfg, rows)
 
 
 def _route_bytes(cfg: RunConfig) -> tuple[int, str]:

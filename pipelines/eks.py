@@ -30,6 +30,7 @@ GROUPS = ("trainer", "rollout", "cpu", "buffer", "reward")
 # Which worker group runs each stage (the seed's four groups; `reward` is chosen in group_of).
 STAGE_GROUP: dict[str, str] = {
     "start_run": "cpu",
+    "check_user_code": "cpu",
     "log_iteration": "cpu",
     "finish_run": "cpu",
     "close_run": "cpu",
@@ -56,6 +57,11 @@ GPU_STAGES = ENGINE_STAGES  # the ones `cluster.launch.mode: kubernetes` launche
 REWARD_MODEL_STAGES = frozenset({"reward", "reward_scorer"})
 # The reward-model pipeline's stages that run the model (on the trainer group).
 MODEL_STAGES = frozenset({"train_reward_model", "evaluate_reward_model"})
+# Stages whose process calls the user's verifiers or environments (moerl.tasks.sandbox), unless
+# launched (`runs_user_code`): never given the Valkey admin's password or the launcher's token.
+USER_CODE_STAGES = frozenset(
+    {"check_user_code", "reward", "reward_scorer", "rollout", "rollout_worker"}
+)
 # Sync stages whose task is a pure function of its inputs (same seed, same artifacts): a retry
 # after a lost pod (Spot) redoes the same work. policy_update publishes the version it trains,
 # and a retry after that publication returns the published version (`update.already_published`).
@@ -237,6 +243,13 @@ def group_of(cfg: RunConfig, stage: str) -> tuple[str, GroupConfig]:
     return name, getattr(cfg.cluster.groups, name)
 
 
+def runs_user_code(cfg: RunConfig, stage: str) -> bool:
+    """Whether `stage`'s task itself runs the user's code: a launched GPU stage's task only
+    launches (the code runs in the launched pod, moerl/launch/objects.py)."""
+    launched = stage in GPU_STAGES and cfg.cluster.launch.mode == "kubernetes"
+    return stage in USER_CODE_STAGES and not launched
+
+
 def place(
     task: dsl.PipelineTask,
     cfg: RunConfig,
@@ -273,7 +286,12 @@ def place(
             task.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(group.gpus)
     launcher = stage in GPU_STAGES and name == "cpu"
     run_user = async_mode and stage in VALKEY_ADMIN_STAGES and cfg.valkey.url is not None
-    if launcher or (stage == "close_run" and cfg.cluster.launch.mode == "kubernetes") or run_user:
+    token = launcher or (stage == "close_run" and cfg.cluster.launch.mode == "kubernetes")
+    if runs_user_code(cfg, stage) and (token or run_user or stage in VALKEY_ADMIN_STAGES):
+        raise ValueError(
+            f"place({stage}): a task that runs the user's code gets no admin credential"
+        )
+    if token or run_user:
         # a launcher: its workload's namespace, owner and account; close_run: where to sweep;
         # start_run and close_run (async): where they create and delete the run's own Secret
         kubernetes.use_field_path_as_env(task, "MOERL_POD_NAMESPACE", "metadata.namespace")

@@ -23,12 +23,19 @@ from moerl.components.reward.component import reward
 from moerl.components.rollout.component import rollout
 from moerl.config import RunConfig, config_to_json
 from moerl.errors import ConfigError
-from moerl.pipelines.tracking import close_run, finish_run, log_iteration, start_run
+from moerl.pipelines.tracking import (
+    check_user_code,
+    close_run,
+    finish_run,
+    log_iteration,
+    start_run,
+)
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (
         start_run,
+        check_user_code,
         init_policy,
         resume_policy,
         rollout,
@@ -56,6 +63,7 @@ class Ops:
     """The stage functions as KFP components on one base image."""
 
     start_run: Any
+    check_user_code: Any
     init_policy: Any
     resume_policy: Any
     rollout: Any
@@ -131,6 +139,13 @@ def start_task(
         ),
         "start-run",
     )
+
+
+def user_code_task(ops: Any, settle: Callable[[Any, str], Any], config_json: Any):
+    """The task that calls the run's verifiers and environments once each (its pod holds no
+    credential: pipelines/eks.py), on start_run's merged config; every stage waits for it, so
+    one that fails stops the run before any work."""
+    return settle(ops.check_user_code(config_json=config_json), "check-user-code")
 
 
 def with_exit_handler(
@@ -251,6 +266,7 @@ def build_pipeline(
             start.outputs["run_id"],
             start.outputs["config_json"],
         )
+        checked = user_code_task(ops, _task, config_json)
         if resume or start_iteration > 0:  # version 0 already exists when a run resumes from it
             init = _task(
                 ops.resume_policy(config_json=config_json, run_id=rid, version=start_iteration),
@@ -258,6 +274,7 @@ def build_pipeline(
             )
         else:
             init = _task(ops.init_policy(config_json=config_json, run_id=rid), "init-policy-v0")
+        init.after(checked)  # every other stage follows init (its published version)
         policy = init.outputs["Output"]
         logs: list[dsl.PipelineTask] = []
         for i in range(start_iteration, n_iter):

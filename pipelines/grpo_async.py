@@ -21,14 +21,16 @@ from moerl.pipelines.grpo import (  # caching off, display name, EKS pods
     run_form,
     start_task,
     task_settings,
+    user_code_task,
     with_exit_handler,
 )
-from moerl.pipelines.tracking import close_run, finish_run, start_run
+from moerl.pipelines.tracking import check_user_code, close_run, finish_run, start_run
 
 STAGE_FUNCS: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (
         start_run,
+        check_user_code,
         init_policy,
         rollout_worker,
         reward_scorer,
@@ -48,6 +50,7 @@ class AsyncOps:
     """The async pipeline's stage functions as KFP components on one base image."""
 
     start_run: Any
+    check_user_code: Any
     init_policy: Any
     rollout_worker: Any
     reward_scorer: Any
@@ -86,11 +89,14 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str =
         )
         # the run's own Valkey identity (EKS): each task mounts the Secret start_run made, by name
         secret = start.outputs["valkey_secret"]
+        # the user's code, called once each in a task that holds no credential: every stage
+        # waits for it, so a verifier or environment that fails stops the run before any work
+        checked = user_code_task(ops, _task, config_json)
         init = _task(
             ops.init_policy(config_json=config_json, run_id=rid, stages_beside=True),
             "init-policy-v0",
             run_secret=secret,
-        )
+        ).after(checked)
         # one slot per worker / scorer of the merged config (the run form's rollout_workers and
         # reward_scorers): no parallelism limit, so every slot runs at once. They start beside
         # init_policy, not after it: a worker's pod scheduling, image pull and engine start
@@ -100,19 +106,19 @@ def build_async_pipeline(cfg: RunConfig, git_sha: str = "unknown", target: str =
                 ops.rollout_worker(config_json=config_json, run_id=rid, worker_index=i),
                 "rollout-worker",
                 run_secret=secret,
-            )
+            ).after(checked)
             _retry(ro, cfg.pipeline.worker_retries, cfg)
         with dsl.ParallelFor(start.outputs["scorer_slots"], name="reward-scorers") as j:
             sc = _task(
                 ops.reward_scorer(config_json=config_json, run_id=rid, scorer_index=j),
                 "reward-scorer",
                 run_secret=secret,
-            )
+            ).after(checked)
             _retry(sc, cfg.pipeline.worker_retries, cfg)
         tr = _task(
             ops.async_trainer(config_json=config_json, run_id=rid), "trainer", run_secret=secret
         )
-        _retry(tr.after(init), TRAINER_RETRIES, cfg)
+        _retry(tr.after(init), TRAINER_RETRIES, cfg)  # init waits for the check
         _task(
             ops.finish_run(config_json=config_json, run_id=rid, policy_json=tr.output),
             "finish-run",

@@ -1,6 +1,7 @@
-"""The work of a pipeline's first task, `start_run` (pipelines/tracking.py), as plain functions:
-KFP ships a lightweight component's source alone, so what it calls lives here, in the image's
-installed package, imported inside the component once the pod's scratch is entered."""
+"""The work of a pipeline's first tasks, `start_run` and `check_user_code` (pipelines/tracking.py),
+as plain functions: KFP ships a lightweight component's source alone, so what it calls lives
+here, in the image's installed package, imported inside the component once the pod's scratch
+is entered."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from moerl.errors import MoerlError
 from moerl.launch.layout import rollout_pod_layout, rollout_pods
 from moerl.launch.runsecret import open_run_identity, uses_run_identity
 from moerl.pipelines.params import changed, merge, params_for
-from moerl.preflight import preflight
+from moerl.preflight import check_user_code, preflight
 
 
 def open_run(
@@ -66,7 +67,9 @@ def merged_config(
             list(overrides or []),
             target,
         )
-        preflight(cfg, here=False)  # this pod is not where the GPU stages run: no requirement probe
+        # this pod is not where the GPU stages run: no requirement probe; and it may hold the
+        # Valkey admin's password and the launcher's token: the user's code is check_user_code's
+        preflight(cfg, here=False, user_code=False)
     except MoerlError as err:
         message = tracking.redact(str(err))
         print(f"moerl: error: {message}", file=sys.stderr, flush=True)
@@ -102,3 +105,18 @@ def worker_slots(cfg: RunConfig) -> list[int]:
     if cfg.rollout.elastic:
         slots = []
     return slots
+
+
+def user_code_check(config_json: str) -> None:
+    """`check_user_code`'s work: the merged config's verifiers and environments, each called
+    once in the sandbox (moerl.preflight.check_user_code); one that fails exits the task
+    (SystemExit) with one line naming the key. Its pod holds no Secret and no launcher token
+    (pipelines/eks.py), so it records nothing on the MLflow run: close_run marks the run FAILED,
+    naming this task."""
+    cfg = config_from_json(config_json)
+    try:
+        check_user_code(cfg)
+    except MoerlError as err:
+        print(f"moerl: error: {tracking.redact(str(err))}", file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None
+    print("[moerl] check_user_code: every verifier and environment answered", flush=True)

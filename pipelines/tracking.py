@@ -1,5 +1,5 @@
 """The run's own KFP tasks, beside its stages: the MLflow run (start, with the run form merged and
-preflight; one log per iteration; finish; close on any exit)."""
+preflight; one log per iteration; finish; close on any exit) and the check of the user's code."""
 
 # mypy: implicit-optional
 # start_run's run-form fields default to None as `str = None`: KFP reads these annotations, strips
@@ -67,6 +67,21 @@ def start_run(
         "Outputs", ["run_id", "config_json", "worker_slots", "scorer_slots", "valkey_secret"]
     )
     return Outputs(*open_run(config_json, run_id, git_sha, kfp_run_id, target, given, overrides))
+
+
+def check_user_code(config_json: str):
+    """The run's second task, before any stage: calls the merged config's verifiers and
+    environments once each in the sandbox, as `moerl run`'s preflight does; one that fails
+    stops the run here with one line naming the key. `start_run` leaves this to a task of its
+    own because it holds the Valkey admin's password and the launcher's token: this task's pod
+    mounts no Secret and no token (pipelines/eks.py)."""
+    from moerl.launch.podenv import enter_pod
+
+    # the pod's scratch: cwd, HOME, TMPDIR (moerl/launch/podenv.py)
+    enter_pod("check_user_code", config_json)
+    from moerl.pipelines.start import user_code_check
+
+    user_code_check(config_json)
 
 
 def log_iteration(

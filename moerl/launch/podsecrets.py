@@ -27,6 +27,10 @@ VALKEY_ADMIN_KEY = "VALKEY_ADMIN_PASSWORD"  # in cluster.valkey_secret: start_ru
 # The stages that make and delete the run's Valkey user and Secret (the admin password, and the
 # Kubernetes API: their pods know their namespace, pipelines/eks.py).
 VALKEY_ADMIN_STAGES = frozenset({"start_run", "close_run"})
+# The stages whose pods call the user's verifiers and environments and hold no credential at all
+# (no Secret, no launcher token: pipelines/eks.py `place`): start_run's preflight leaves them the
+# user's code (moerl.preflight.check_user_code), since start_run holds the admin's password.
+NO_CREDENTIAL_STAGES = frozenset({"check_user_code"})
 # A run's own Secret (its Valkey user), named when the run starts: `run_secret_name(run_id)`.
 RUN_SECRET = "moerl-run-{run_id}"
 SANDBOX_SECRETS_ENV = "MOERL_SANDBOX_SECRETS"
@@ -92,6 +96,8 @@ def pod_secret_env(cfg: RunConfig, stage: str, async_mode: bool) -> dict[str, Se
     from moerl.store.tiers import cache_tier_secret_env
 
     env: dict[str, SecretRef] = {}
+    if stage in NO_CREDENTIAL_STAGES:
+        return env
     mlflow = cfg.cluster.mlflow_secret
     if stage in MLFLOW_READER_STAGES and cfg.cluster.mlflow_reader_secret:
         mlflow = cfg.cluster.mlflow_reader_secret

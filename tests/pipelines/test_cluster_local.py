@@ -285,9 +285,9 @@ def test_the_eks_pipeline_completes_and_learns_with_tasks_sharing_only_servers(c
 def test_every_task_ran_in_its_own_empty_sandbox(cluster_run):
     root = cluster_run["root"] / "ok"
     tasks = sorted((root / "sandboxes").iterdir())
-    # close, start, init, finish + 6 per iteration (policy_update publishes the version it
-    # trains): one fresh directory each
-    assert len(tasks) == 4 + 6 * ITERATIONS
+    # close, start, the user-code check, init, finish + 6 per iteration (policy_update publishes
+    # the version it trains): one fresh directory each
+    assert len(tasks) == 5 + 6 * ITERATIONS
     # nothing was written where the pipeline was launched, and no task kept a local store or a
     # SQLite tracking file: checkpoints and tracking went to the servers
     assert list((root / "launch").iterdir()) == []
@@ -315,8 +315,8 @@ def test_a_failed_run_is_retried_then_marked_failed_by_the_exit_handler(cluster_
     # published state untouched: version 0 only, `latest` on it
     store = _store(cluster_run, bad.info.run_id)
     assert store.versions() == [0] and store.latest() == 0
-    # close, start, init, and the rollout twice (one retry)
-    assert len(list((cluster_run["root"] / "bad" / "sandboxes").iterdir())) == 3 + 2
+    # close, start, the user-code check, init, and the rollout twice (one retry)
+    assert len(list((cluster_run["root"] / "bad" / "sandboxes").iterdir())) == 4 + 2
 
 
 @pytest.mark.slow

@@ -59,9 +59,14 @@ def test_compiled_spec_unrolls_iterations_and_uses_the_configured_image(tmp_path
     tasks = spec.components[
         next(t for t in root.values() if t.task_info.name == "moerl-run").component_ref.name
     ].dag.tasks
-    # start, init, finish + 6 tasks (5 stages + log) per iteration: the policy update publishes
-    # the version it trains, so no task passes the trainer's state to another
-    assert len(tasks) == 3 + 6 * 3
+    # start, the user-code check, init, finish + 6 tasks (5 stages + log) per iteration: the
+    # policy update publishes the version it trains, so no task passes the trainer's state on
+    assert len(tasks) == 4 + 6 * 3
+    by_name = {t.task_info.name: key for key, t in tasks.items()}
+    # the user's code is called in a task of its own, after start_run; init (and so every
+    # stage) waits for it
+    assert list(tasks[by_name["check-user-code"]].dependent_tasks) == [by_name["start-run"]]
+    assert by_name["check-user-code"] in tasks[by_name["init-policy-v0"]].dependent_tasks
     for stage in (
         "rollout",
         "reward",

@@ -57,6 +57,7 @@ def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
     ].dag.tasks
     assert {t.task_info.name for t in root.values()} == {
         "start-run",
+        "check-user-code",
         "init-policy-v0",
         "rollout-workers",
         "reward-scorers",
@@ -65,6 +66,11 @@ def test_async_pipeline_compiles_to_the_concurrent_graph(tmp_path):
     }
     by_name = {t.task_info.name: key for key, t in root.items()}
     init = by_name["init-policy-v0"]
+    # the user's code is called once each in a task of its own, after start_run; no stage
+    # starts before it passes (the loops' bodies wait for it: tests/pipelines/test_user_code_task.py)
+    check = by_name["check-user-code"]
+    assert list(root[check].dependent_tasks) == [by_name["start-run"]]
+    assert check in root[init].dependent_tasks
     # the three long-lived stages do not wait for each other; the workers and scorers start
     # beside version 0's publication (their engines start on dummy weights), the trainer after it
     for stage in ("rollout-workers", "reward-scorers", "trainer"):

@@ -132,6 +132,9 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
         secrets = {}
         for ref in _mounted(kc, c).values():
             secrets.setdefault(ref.secret, set()).add(ref.key)
+        if stage == "check_user_code":  # the user's code: no credential at all
+            assert not secrets and not kc.secret_as_volume and not kc.field_path_as_env, stage
+            continue
         # MLflow: the rollout stages' pods read only (manifests/base/mlflow.yaml's reader)
         mlflow = "moerl-mlflow-reader" if stage in ("rollout", "rollout_worker") else "moerl-mlflow"
         assert secrets[mlflow] == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
@@ -156,7 +159,7 @@ def test_every_task_gets_its_groups_image_placement_resources_scratch_secrets_an
             assert task.retry_policy.max_retry_count == (
                 TRAINER_RETRIES if stage == "async_trainer" else 0
             ), stage
-    expected = {"start_run", "close_run", "init_policy", "finish_run"} | (
+    expected = {"start_run", "check_user_code", "close_run", "init_policy", "finish_run"} | (
         {"rollout_worker", "reward_scorer", "async_trainer"}
         if mode == "async"
         else {
@@ -618,9 +621,7 @@ def _mounted(kc: kpb.KubernetesExecutorConfig, container: dict) -> dict:
     """What a compiled task's pod gets from Secrets: credential variable -> SecretRef, read back
     from its Secret volumes and the `<VAR>_FILE` paths in its environment. The run's own Secret,
     whose name is start_run's output `valkey_secret` (or a loop's copy of it), reads as RUN_SECRET."""
-    from moerl.launch.podsecrets import SecretRef
-
-    from moerl.launch.podsecrets import LAUNCHER_TOKEN
+    from moerl.launch.podsecrets import LAUNCHER_TOKEN, SecretRef
 
     volumes = {}
     for v in kc.secret_as_volume:
