@@ -19,7 +19,12 @@ from pathlib import Path
 from moerl import tracking
 from moerl.bus import EmbeddedValkey
 from moerl.config import load_config
-from moerl.orchestrate.async_run import LocalAsyncRun, publish_initial, start_valkey
+from moerl.orchestrate.async_run import (
+    LocalAsyncRun,
+    publish_initial,
+    stage_zygotes,
+    start_valkey,
+)
 from moerl.store.runs import run_store
 from tests.support.async_runs import RunClock, assert_balanced
 from tests.support.s3server import S3Process
@@ -54,7 +59,10 @@ def fault_config(tmp: Path, *overrides: str):
 class Harness:
     """One async run as local processes, with a hook to inject a fault."""
 
-    def __init__(self, tmp: Path, *overrides: str, sandboxes: Path | None = None):
+    def __init__(
+        self, tmp: Path, *overrides: str, sandboxes: Path | None = None, zygote: bool = False
+    ):
+        """`zygote`: the stages forked from a zygote, as `moerl run` starts them (closed by `go`)."""
         self.cfg = fault_config(tmp, *overrides)
         self.uri = tracking.resolve_uri(self.cfg.tracking)
         self.run_id = tracking.start_run(self.cfg, self.uri, {"moerl.mode": "async-test"})
@@ -67,7 +75,8 @@ class Harness:
         else:
             self.cfg, self.valkey = start_valkey(self.cfg, work, self.run_id)
         publish_initial(self.cfg, self.run_id, work)
-        self.run = LocalAsyncRun(self.cfg, self.run_id, work, self.valkey)
+        self.zygotes = stage_zygotes(self.cfg) if zygote else {}
+        self.run = LocalAsyncRun(self.cfg, self.run_id, work, self.valkey, zygotes=self.zygotes)
         self.sandboxes = sandboxes
 
     def go(self, on_tick=None, floor_s: float = FLOOR_S) -> dict[str, int]:
@@ -90,6 +99,8 @@ class Harness:
         finally:
             self.run.stop()
             self.valkey.stop()
+            for z in self.zygotes.values():
+                z.close()
 
     def holds_unit(self, name: str) -> bool:
         info = self.run.bus.r.xpending(self.run.bus.key("units"), "rollout")
