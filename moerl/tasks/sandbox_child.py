@@ -212,7 +212,10 @@ class Template:
             if c is None:
                 continue
             if not self.isolated:  # what the call left behind: its group, the orphans
-                self._kill(pid)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
                 kids = _parents()
                 for orphan in kids.get(os.getpid(), []):
                     if orphan not in self.calls:
