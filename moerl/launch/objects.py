@@ -177,13 +177,18 @@ def api_token_volume(expiration_s: int = 3600) -> dict[str, Any]:
 # emptyDir, HOME and TMPDIR under it, and /dev/shm), and no Kubernetes API token: a stage never
 # calls the API, only its launcher does.
 # The user, group and seccomp profile are the pod's alone: a container that overrides them is
-# refused by the admission policy (manifests/base/launched-pods-policy.yaml).
-def _security() -> dict[str, Any]:
-    return {
+# refused by the admission policy (manifests/base/launched-pods-policy.yaml). `unmasked`: a
+# sandboxed rollout pod's /proc, where the sandbox mounts a proc of its own (moerl.tasks.isolation);
+# the API server admits it only in a pod with its own user namespace (hostUsers false).
+def _security(unmasked: bool = False) -> dict[str, Any]:
+    sc: dict[str, Any] = {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
     }
+    if unmasked:
+        sc["procMount"] = "Unmasked"
+    return sc
 
 
 # fsGroup: the group the kubelet gives the pod's volumes; a Secret volume's root-owned 0400
@@ -351,7 +356,7 @@ def _rollout_pod_spec(
     run_id: str,
     engines: int | None = None,
 ) -> dict[str, Any]:
-    la, group = cfg.cluster.launch, cfg.cluster.groups.rollout
+    la, group, sandbox = cfg.cluster.launch, cfg.cluster.groups.rollout, sandboxed(cfg)
     volumes, mounts = _volumes(cfg, group, stage, run_id)
     spec: dict[str, Any] = {
         "restartPolicy": restart,
@@ -359,7 +364,7 @@ def _rollout_pod_spec(
         "tolerations": _tolerations(group),
         "terminationGracePeriodSeconds": grace_seconds(cfg),
         "enableServiceLinks": False,  # no env variable per Service of the namespace
-        "securityContext": _pod_security(SANDBOX_SECCOMP if sandboxed(cfg) else None),
+        "securityContext": _pod_security(SANDBOX_SECCOMP if sandbox else None),
         "automountServiceAccountToken": False,
         "volumes": volumes,
         "containers": [
@@ -371,12 +376,14 @@ def _rollout_pod_spec(
                 "env": [*env, *scratch_env(cfg)],
                 "resources": resources(cfg, rollout_gpus(cfg, engines)),
                 "volumeMounts": mounts,
-                "securityContext": _security(),
+                "securityContext": _security(unmasked=sandbox),
                 # the stage's one-line error (moerl.launch.remote), else the log tail
                 "terminationMessagePolicy": "FallbackToLogsOnError",
             }
         ],
     }
+    if sandbox:  # its own user namespace: root in it is no one on the node
+        spec["hostUsers"] = False
     if sa := service_account or la.rollout_service_account or la.service_account:
         spec["serviceAccountName"] = sa
     if la.rollout_priority_class:

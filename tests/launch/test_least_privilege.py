@@ -295,7 +295,24 @@ def test_the_sandbox_profile_is_admitted_for_rollout_pods_only():
         "type": "Localhost",
         "localhostProfile": "moerl/sandbox.json",
     }
+    # and an unmasked /proc for the sandbox's own, in a user namespace of its own
+    spec = pods["rollout_worker"]["spec"]
+    assert spec["hostUsers"] is False
+    assert spec["containers"][0]["securityContext"]["procMount"] == "Unmasked"
     assert all(refused(pol, p, "pods") == [] for p in pods.values())
+    unmasked = (
+        "only a sandboxed rollout pod (moerl/sandbox.json) in its own user namespace unmasks /proc"
+    )
+    for strip in ("hostUsers", "seccompProfile"):
+        pod = copy.deepcopy(pods["rollout_worker"])
+        if strip == "hostUsers":
+            del pod["spec"]["hostUsers"]
+        else:
+            pod["spec"]["securityContext"]["seccompProfile"] = {"type": "RuntimeDefault"}
+        assert refused(pol, pod, "pods") == [unmasked], strip
+    for name, p in _launched_pods(_cfg()).items():  # not sandboxed: masked, the node's users
+        assert "hostUsers" not in p["spec"], name
+        assert all("procMount" not in c["securityContext"] for c in p["spec"]["containers"])
     trainer = copy.deepcopy(pods["policy_update"])
     trainer["spec"]["securityContext"]["seccompProfile"] = pods["rollout_worker"]["spec"][
         "securityContext"
@@ -303,6 +320,9 @@ def test_the_sandbox_profile_is_admitted_for_rollout_pods_only():
     assert refused(pol, trainer, "pods") == [
         "moerl's pods use seccomp RuntimeDefault, or a rollout pod moerl/sandbox.json"
     ]
+    trainer["spec"]["hostUsers"] = False
+    trainer["spec"]["containers"][0]["securityContext"]["procMount"] = "Unmasked"
+    assert unmasked in refused(pol, trainer, "pods")
 
 
 def _fleet() -> dict[str, dict]:
