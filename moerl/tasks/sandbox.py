@@ -6,6 +6,7 @@ another's, the stage or the run.
 
 Design, details and limitations: docs/tasks.md#moerltaskssandboxpy.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -98,6 +99,7 @@ class _Template:
             "pids": limits.pids,
             "scratch_mb": limits.scratch_mb,
             "isolation": limits.isolation,
+            "spares": limits.workers,  # set up ahead, so a call waits only for its own work
         }
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(

@@ -106,6 +106,8 @@ class Template:
         self.imported: set[str] = set()
         self.mapping: dict[int, tuple[int, int]] = {}  # sync fd -> (call pid, its go-on fd)
         self.watch_s, self.watched = WATCH_S, 0.0
+        # processes forked ahead, set up and waiting for a call: (pid, handoff socket, scratch)
+        self.spares: list[tuple[int, socket.socket, str]] = []
 
     def send(self, msg: dict) -> None:
         try:
@@ -131,6 +133,8 @@ class Template:
             self.reap()
             if time.monotonic() - self.watched >= self.watch_s:
                 self.watch()
+            while len(self.spares) < self.lim.get("spares", 0):
+                self.spares.append(self.spawn())
 
     def map(self, fd: int) -> None:
         pid, back = self.mapping.pop(fd)
@@ -149,20 +153,38 @@ class Template:
                 if c["h"] == msg["kill"]:
                     self._kill(pid)
             return
-        for name in msg.get("imports", []):  # warm the template: each call forks with it
-            if name not in self.imported:
-                self.imported.add(name)
-                try:
-                    resolve(name)
-                except Exception:  # noqa: BLE001 - the call itself raises it, for its sample
-                    pass
-        gc.freeze()  # what the template holds: never scanned (so never copied) by a call's GC
-        pid, scratch = self.fork(fds[0], bool(msg.get("keep")))
+        new = [n for n in msg.get("imports", []) if n not in self.imported]
+        for name in new:  # warm the template: each call forks with it
+            self.imported.add(name)
+            try:
+                resolve(name)
+            except Exception:  # noqa: BLE001 - the call itself raises it, for its sample
+                pass
+        if new:  # forked before these imports: they would import them per call
+            for pid, hand, _ in self.spares:
+                self._kill(pid)
+                hand.close()
+            self.spares = []
+        pid, hand, scratch = self.spares.pop(0) if self.spares else self.spawn()
+        try:
+            socket.send_fds(hand, [json.dumps({"keep": bool(msg.get("keep"))}).encode()], fds)
+        except OSError:
+            pass  # it died while waiting: reaped and reported as any end
+        hand.close()
         os.close(fds[0])
         self.calls[pid] = {"h": msg["fork"], "memory": False, "scratch": scratch}
         self.send({"forked": msg["fork"]})
 
-    def fork(self, fd: int, keep: bool) -> tuple[int, str]:
+    def spawn(self) -> tuple[int, socket.socket, str]:
+        """A process set up for a call (namespaces, mounts, limits), waiting on a handoff socket
+        for the call's own socket."""
+        gc.freeze()  # what the template holds: never scanned (so never copied) by a call's GC
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid, scratch = self.fork(theirs.fileno())
+        theirs.close()
+        return pid, mine, scratch
+
+    def fork(self, hand: int) -> tuple[int, str]:
         scratch = "" if self.isolated else tempfile.mkdtemp(dir=os.getcwd())
         sync = os.pipe() if self.isolated else None
         back = os.pipe() if self.isolated else None
@@ -170,16 +192,26 @@ class Template:
         if pid == 0:
             try:
                 self.ctl.close()
-                _close_fds({fd, *(sync or ()), *(back or ())})
+                null = os.open(os.devnull, os.O_RDWR)
+                for std in (0, 1):  # the control socket's copies; a received fd lands above
+                    os.dup2(null, std)
+                _close_fds({hand, *(sync or ()), *(back or ())})
                 if self.isolated:
                     assert sync is not None and back is not None
-                    calls.call_namespaces(sync[1], back[0], self.lim, fd)
+                    calls.call_namespaces(sync[1], back[0], self.lim, hand)
                 else:
                     os.setsid()
                     os.chdir(scratch)
                     os.environ["HOME"] = os.environ["TMPDIR"] = scratch
+                msg, fds, _, _ = socket.recv_fds(socket.socket(fileno=hand), 4096, 1)
+                if not msg or not fds:  # retired unused
+                    os._exit(0)
                 _limit(self.lim)
-                _serve(socket.socket(fileno=fd), keep, self.lim)
+                _serve(socket.socket(fileno=fds[0]), json.loads(msg)["keep"], self.lim)
+            except BaseException:  # noqa: BLE001 - said on stderr; the pool reads exit code 70
+                import traceback
+
+                traceback.print_exc()
             finally:
                 os._exit(70)
         if sync is not None and back is not None:
@@ -210,6 +242,7 @@ class Template:
                 return
             c = self.calls.pop(pid, None)
             if c is None:
+                self._spare_gone(pid)
                 continue
             if not self.isolated:  # what the call left behind: its group, the orphans
                 try:
@@ -217,8 +250,9 @@ class Template:
                 except (ProcessLookupError, PermissionError):
                     pass
                 kids = _parents()
+                ours = {*self.calls, *(sp[0] for sp in self.spares)}
                 for orphan in kids.get(os.getpid(), []):
-                    if orphan not in self.calls:
+                    if orphan not in ours:
                         for p in _tree(orphan, kids):
                             _sigkill(p)
                 shutil.rmtree(c["scratch"], ignore_errors=True)
@@ -227,6 +261,13 @@ class Template:
             if self.isolated and 128 < code < 128 + signal.NSIG:  # pid 1 passes on a signal
                 sig, code = code - 128, 0
             self.send({"exit": c["h"], "signal": sig, "code": code, "memory": c["memory"]})
+
+    def _spare_gone(self, pid: int) -> None:
+        for spare in [sp for sp in self.spares if sp[0] == pid]:
+            self.spares.remove(spare)
+            spare[1].close()
+            if spare[2]:
+                shutil.rmtree(spare[2], ignore_errors=True)
 
     def watch(self) -> None:
         """Kill each call whose processes together hold more than memory_mb resident."""
@@ -246,7 +287,7 @@ class Template:
         self.watch_s = max(WATCH_S, 4 * (time.monotonic() - t0))
 
     def stop(self) -> None:
-        for pid in list(self.calls):
+        for pid in [*self.calls, *(sp[0] for sp in self.spares)]:
             self._kill(pid)
         for c in self.calls.values():
             if c["scratch"]:
