@@ -1,7 +1,8 @@
 """The child side of the sandboxed pool (moerl/tasks/sandbox.py): `python -m
 moerl.tasks.sandbox_child LIMITS_JSON` is the pool's template. With isolation `namespaces` it
 first enters the sandbox's namespaces (`isolation.enter`). It imports what calls name and, per
-call (or per episode), forks a process that runs only that call: in namespaces of its own
+call (or per episode), hands a process it forked ahead the call's socket; that process runs
+only that call: in namespaces of its own
 (`isolation_calls.call_namespaces`), limited (`_limit`), on the socket the pool passed with the
 request. The template never sees a call's arguments or reply; it watches the memory of each
 call's processes together, kills a call when the pool asks, and reports each call's end.
