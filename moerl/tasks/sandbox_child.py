@@ -1,15 +1,13 @@
 """The child side of the sandboxed pool (moerl/tasks/sandbox.py): `python -m
 moerl.tasks.sandbox_child LIMITS_JSON` is the pool's template. With isolation `namespaces` it
-first enters the sandbox's namespaces (`isolation.enter`). It imports what calls name and, per
-call (or per episode), hands a process it forked ahead the call's socket; that process runs
-only that call: in namespaces of its own
-(`isolation_calls.call_namespaces`), limited (`_limit`), on the socket the pool passed with the
-request. The template never sees a call's arguments or reply; it watches the memory of each
-call's processes together, kills a call when the pool asks, and reports each call's end.
+first enters the sandbox's namespaces (`isolation.enter`). It imports what calls name, forks
+processes ahead (each in namespaces of its own: `isolation_calls.call_namespaces`), and hands
+one the socket of each call (or episode), which it serves limited (`_limit`). The template
+never sees a call's arguments or reply; it watches the memory of each call's processes
+together, kills a call when the pool asks, and reports each call's end.
 
 Limitations: see sandbox.py and isolation.py (what a call can still read and reach).
 """
-
 from __future__ import annotations
 
 import gc
