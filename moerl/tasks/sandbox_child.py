@@ -8,6 +8,7 @@ together, kills a call when the pool asks, and reports each call's end.
 
 Limitations: see sandbox.py and isolation.py (what a call can still read and reach).
 """
+
 from __future__ import annotations
 
 import gc
