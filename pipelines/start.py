@@ -119,4 +119,4 @@ def user_code_check(config_json: str) -> None:
     except MoerlError as err:
         print(f"moerl: error: {tracking.redact(str(err))}", file=sys.stderr, flush=True)
         raise SystemExit(err.exit_code) from None
-    print("[moerl] check_user_code: every verifier and environment answered", flush=True)
+    print("[moerl] check_user_code: the run's verifiers and environments passed", flush=True)

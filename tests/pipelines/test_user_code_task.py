@@ -168,4 +168,4 @@ def test_start_run_calls_no_user_code_and_the_check_task_refuses_a_bad_verifier(
     assert "No module named 'no_such_pkg'" in line
     good = _local_cfg(tmp_path, "tests.support.user_verifiers:by_meta")
     user_code_check(config_to_json(merged_config(good, given, [], "local", uri, "", {})))
-    assert "every verifier and environment answered" in capsys.readouterr().out
+    assert "verifiers and environments passed" in capsys.readouterr().out
