@@ -184,12 +184,7 @@ class SandboxPool:
         return self.template.enforced if self.template else ""
 
     def close(self) -> None:
-        for p in self.procs.values():
-            p.sock.close()
-        self.procs = {}
-        if self.template is not None:
-            self.template.kill()
-            self.template = None
+        self._lost_template()
 
     def _ensure(self) -> _Template:
         if self.template is not None and self.template.proc.poll() is None:
@@ -211,6 +206,7 @@ class SandboxPool:
         return t
 
     def _lost_template(self) -> None:
+        """End every call's and episode's process, and the template."""
         for p in self.procs.values():
             p.sock.close()
         self.procs = {}
