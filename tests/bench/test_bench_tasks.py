@@ -17,6 +17,10 @@ def test_the_call_paths_are_measured_side_by_side():
     # a process boundary costs more than a call; each row is measured, not assumed
     assert rows["verifier pool"]["p50_vs_in_process"] > 1 and rows["verifier valkey"]["p50_ms"] > 0
     assert all(r["p99_ms"] >= r["p50_ms"] > 0 and r["calls"] == 30 for r in rows.values())
-    assert [t["workers"] for t in rep["throughput"]] == [1, 2] and all(
-        t["calls_per_s"] > 0 for t in rep["throughput"]
-    )
+    # each isolation's pool at 1 and 2 workers
+    assert [(t["isolation"], t["workers"]) for t in rep["throughput"]] == [
+        ("namespaces", 1),
+        ("namespaces", 2),
+        ("none", 1),
+        ("none", 2),
+    ] and all(t["calls_per_s"] > 0 for t in rep["throughput"])
